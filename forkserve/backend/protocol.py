@@ -1,0 +1,116 @@
+"""The Backend protocol: the only door between the control plane (L2-L3) and execution (L1).
+
+Ownership rules
+---------------
+* Page ids are integers owned by the control plane's ``PagePool``s. A backend never
+  allocates or frees a page; it holds storage for ``config.num_pages`` pages of each kind
+  it uses and reads/writes the rows it is told to.
+* A ``SeqWork`` names, through ``KVSlots``, every page that covers positions
+  ``[0, start_pos + len(tokens))`` of the sequence. The backend writes K/V (or, in the
+  mock, token ids) of ``tokens`` at positions ``start_pos...`` into those pages and reads
+  the rest. The control plane guarantees the pages it writes are not shared (it copies a
+  shared partial page first through ``copy_pages``).
+* Tensors never cross this boundary: only ints, tuples and the frozen results below.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+from forkserve.config import ForkServeConfig
+
+PageId = int
+
+
+class PageKind(str, enum.Enum):
+    UNIFIED = "unified"    # merged K/V of one adapter (or of the base model)
+    BASE = "base"          # disaggregated: xW with RoPE applied (K) and xW (V)
+    RESIDUAL = "residual"  # disaggregated: per-adapter xA_k, xA_v (rank r, no RoPE)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class KVSlots:
+    """Where one sequence's KV lives: page ids, in position order.
+
+    ``pages`` are UNIFIED pages, or BASE pages in the disaggregated layout.
+    ``residual_pages`` are the adapter's RESIDUAL pages (disaggregated layout with an
+    adapter); ``None`` otherwise.
+    """
+
+    pages: tuple[PageId, ...]
+    residual_pages: tuple[PageId, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    start_pos: int
+    slots: KVSlots
+    adapter_id: int | None = None
+    sampling: SamplingParams | None = None  # None: write KV only (no logits needed)
+    speculative: bool = False
+    # True for a decode step (the token was sampled by the model), False for prefill of
+    # tokens that came from a request; backends cost and batch the two differently.
+    decode: bool = False
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a step cost. ``ms`` is modeled (MockBackend) or measured (real backends)."""
+
+    ms: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_calls: int = 0
+    prefill_ms: float = 0.0  # the share of ``ms`` spent on prefill
+
+    def __add__(self, other: "StepCost") -> "StepCost":
+        return StepCost(self.ms + other.ms, self.prefill_tokens + other.prefill_tokens,
+                        self.decode_tokens + other.decode_tokens,
+                        self.prefill_calls + other.prefill_calls,
+                        self.prefill_ms + other.prefill_ms)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One sampled token per ``SeqWork`` (None where ``sampling`` was None)."""
+
+    next_tokens: tuple[int | None, ...]
+    cost: StepCost = field(default_factory=StepCost)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    config: ForkServeConfig
+
+    def page_kinds(self) -> tuple[PageKind, ...]:
+        """The page kinds this backend stores (one ``PagePool`` each on the control side)."""
+
+    def step(self, work: Sequence[SeqWork]) -> StepResult:
+        """Run one batched forward: prefill chunks and decode steps mixed."""
+
+    def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[PageId, PageId]]) -> None:
+        """Copy page ``src`` into page ``dst`` for each pair (copy-on-write of a partial page)."""
+
+    def transfer_cost(self, tokens: int) -> StepCost:
+        """Cost of moving ``tokens`` worth of KV over the prefill->decode connector."""

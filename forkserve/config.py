@@ -1,0 +1,90 @@
+"""ForkServeConfig: every tunable of the system in one frozen object.
+
+Shared by all layers (it imports nothing from the package), so L1 backends and the L2
+control plane read the same page size and budgets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class AdmitMode(str, enum.Enum):
+    """Which admission rule decides a residual's fate (seed 000: one rule at a time)."""
+
+    SCORE = "score"    # thresholds tau_pre / tau on the scorers' output
+    WINNER = "winner"  # keep only the winner (index 0)
+    TOP_M = "top_m"    # keep the m best-scored residuals
+    ALPHA = "alpha"    # keep while the cumulative score mass is below alpha
+
+
+class KVLayout(str, enum.Enum):
+    """How K/V pages are stored (seed 001)."""
+
+    UNIFIED = "unified"              # per-adapter merged K/V (vLLM / SGLang prefix caching)
+    DISAGGREGATED = "disaggregated"  # shared base K(RoPE)/V + per-adapter rank-r residual
+    FULL_REUSE = "full_reuse"        # merged K/V shared across adapters (lossy baseline)
+
+
+@dataclass(frozen=True)
+class ForkServeConfig:
+    page_size: int = 16
+    num_pages: int = 4096
+    num_residual_pages: int = 4096
+    kv_layout: KVLayout = KVLayout.UNIFIED
+    # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
+    hbm_tokens: int = 65536
+    spec_chunk: int = 512
+    # Tokens one tick may process (prefill chunks + decode steps).
+    max_batch_tokens: int = 8192
+    max_context: int = 32768
+    # Prior estimate of prefill cost (ms per token) to decide whether a known suffix fits
+    # the tool pause; refined from measured step costs.
+    prefill_ms_per_token: float = 0.012
+    branch_cap: int = 6
+    grammar_top_m: int = 3
+    q_min: float = 0.35
+    tau_pre: float = 0.15
+    tau: float = 0.45
+    admit_mode: AdmitMode = AdmitMode.SCORE
+    admit_alpha: float = 0.9
+    # Cascade off = every residual is prefilled on its aliased trunk (the `alias` system).
+    cascade: bool = False
+    # Early abort: decode a probe of this many tokens before extending to the budget.
+    early_abort_probe_tokens: int = 4
+    # Speculative branch budget (tokens generated to fill a pause) when the cascade keeps it.
+    speculate_budget_tokens: int = 16
+    # 1 ms of time-between-tokens weighs as much as this many ms of time-to-first-token.
+    tbt_weight: float = 4.0
+    # Seconds a speculative node lives without being touched; None disables TTL.
+    node_ttl_s: float | None = 60.0
+    vocab_size: int = 32000
+    # Disaggregated prefill/decode: kept residual tails move over a connector.
+    disaggregated_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
+                     "spec_chunk", "branch_cap", "vocab_size", "max_batch_tokens", "max_context"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ForkServeConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("tau_pre", "tau", "q_min", "admit_alpha"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+        object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
+        object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
+
+    def replace(self, **changes) -> "ForkServeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def plus_config(**overrides) -> ForkServeConfig:
+    """The full cascade (`--system forkserve_plus`): hash, loop skip, early abort, slack fill."""
+    return ForkServeConfig(cascade=True, **overrides)
+
+
+def app_config(**overrides) -> ForkServeConfig:
+    """Cascade on, tuned for interactive apps: TBT weighs more, shorter speculation budget."""
+    base = dict(cascade=True, tbt_weight=8.0, speculate_budget_tokens=8)
+    base.update(overrides)
+    return ForkServeConfig(**base)

@@ -1,0 +1,29 @@
+"""Counters the engine keeps; the benchmark tables are read from these."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineMetrics:
+    prefill_tokens: int = 0
+    prefill_calls: int = 0
+    decode_tokens: int = 0
+    transfer_tokens: int = 0
+    ms: float = 0.0            # modeled (MockBackend) or measured step time
+    prefill_ms: float = 0.0    # prefill + transfer share of ``ms``
+    ticks: int = 0
+    pruned: int = 0            # residuals dropped before any prefill
+    probe_aborts: int = 0      # early-abort probes that did not clear tau
+    dropped_chunks: int = 0    # speculative work dropped: parent generation moved
+    ttl_expired: int = 0
+    slack_filled_tokens: int = 0
+    hash_hit_tokens: int = 0
+    peak_pages: int = 0        # physical pages in use, all pools
+    actions: Counter = field(default_factory=Counter)
+
+    def snapshot(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "actions"}
+        d["actions"] = dict(self.actions)
+        return d

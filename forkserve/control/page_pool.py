@@ -1,0 +1,74 @@
+"""PagePool: a fixed set of KV pages of one kind, refcounted.
+
+Ownership: a page id returned by ``alloc`` carries one reference, owned by the caller.
+Every holder (a node's PageTable, the prefix index) owns exactly one reference per page
+it lists, takes it with ``incref`` and gives it back with ``decref``; the page returns to
+the free list when its last reference goes. The pool never frees a referenced page.
+"""
+from __future__ import annotations
+
+from forkserve.backend.protocol import PageId, PageKind
+from forkserve.errors import OutOfPagesError
+
+
+class PagePool:
+    def __init__(self, kind: PageKind, num_pages: int, page_size: int) -> None:
+        self.kind = kind
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._refs = [0] * num_pages
+        # Pop from the end: low ids are handed out first, which keeps tests readable.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def refcount(self, page: PageId) -> int:
+        return self._refs[page]
+
+    def alloc(self, n: int) -> list[PageId]:
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"{self.kind.value} pool: need {n} pages, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def incref(self, pages) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise AssertionError(f"incref of free page {p} in {self.kind.value} pool")
+            self._refs[p] += 1
+
+    def decref(self, pages) -> int:
+        """Drop one reference per page; returns how many pages became free."""
+        freed = 0
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise AssertionError(f"decref of free page {p} in {self.kind.value} pool")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+                freed += 1
+        return freed
+
+    def check_integrity(self, expected_refs: dict[PageId, int]) -> None:
+        """Every page is free or referenced, and refcounts equal the holders' count exactly."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError(f"{self.kind.value} pool: duplicate page in free list")
+        for page in range(self.num_pages):
+            refs = self._refs[page]
+            if refs < 0:
+                raise AssertionError(f"page {page}: negative refcount {refs}")
+            want = expected_refs.get(page, 0)
+            if refs != want:
+                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs}, holders {want}")
+            if (refs == 0) != (page in free):
+                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs} but free={page in free}")

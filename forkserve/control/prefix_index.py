@@ -1,0 +1,151 @@
+"""PrefixIndex: the global index of committed full pages (the base side of the DualRadixTree).
+
+A radix tree with one edge per page. An edge is keyed by a typed ``PageKey`` (the page's
+token ids) under a typed ``Namespace`` root (the base model, or one adapter version for
+the unified layout): never a string glued from tokens, so two different prefixes cannot
+collide. A path from a namespace root spells a committed token prefix, page by page.
+
+Ownership: the index holds one pool reference per published page, taken in ``insert``
+and given back in ``evict``. Only committed tokens are inserted (the engine's commit,
+root prefill and close paths); speculative pages never are. ``match`` hands back page
+ids without taking references: the caller increfs what it keeps.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from forkserve.backend.protocol import PageId
+from forkserve.control.page_pool import PagePool
+
+
+@dataclass(frozen=True)
+class BaseNamespace:
+    """Pages computed by the base model (or shared across adapters)."""
+
+
+@dataclass(frozen=True)
+class AdapterNamespace:
+    """Pages whose contents depend on one adapter version."""
+
+    adapter_id: str
+    adapter_version: int = 0
+
+
+Namespace = BaseNamespace | AdapterNamespace
+BASE = BaseNamespace()
+
+
+@dataclass(frozen=True)
+class PageKey:
+    tokens: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _IndexNode:
+    key: PageKey | None
+    page: PageId | None
+    parent: "_IndexNode | None"
+    children: dict[PageKey, "_IndexNode"] = field(default_factory=dict)
+    last_access: int = 0
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    namespace: Namespace
+    prefix: tuple[int, ...]  # every token up to and including this page
+    page: PageId
+
+
+class PrefixIndex:
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._roots: dict[Namespace, _IndexNode] = {}
+        self._clock = itertools.count(1)
+        self.num_pages = 0
+
+    def _page_keys(self, tokens: Sequence[int]) -> Iterator[PageKey]:
+        p = self.page_size
+        for start in range(0, len(tokens) - p + 1, p):
+            yield PageKey(tuple(tokens[start:start + p]))
+
+    def match(self, namespace: Namespace, tokens: Sequence[int]) -> list[PageId]:
+        """Pages of the longest published page-aligned prefix of ``tokens``."""
+        node = self._roots.get(namespace)
+        pages: list[PageId] = []
+        if node is None:
+            return pages
+        now = next(self._clock)
+        for key in self._page_keys(tokens):
+            node = node.children.get(key)
+            if node is None:
+                break
+            node.last_access = now
+            pages.append(node.page)
+        return pages
+
+    def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId]) -> int:
+        """Publish the full pages of a committed prefix; returns how many were new.
+
+        Where a page for the same prefix is already published, the index keeps its own
+        and the caller's stays private (both hold identical KV).
+        """
+        node = self._roots.setdefault(namespace, _IndexNode(None, None, None))
+        now = next(self._clock)
+        added = 0
+        for key, page in zip(self._page_keys(tokens), pages):
+            child = node.children.get(key)
+            if child is None:
+                self.pool.incref([page])
+                child = _IndexNode(key, page, node)
+                node.children[key] = child
+                added += 1
+            child.last_access = now
+            node = child
+        self.num_pages += added
+        return added
+
+    def evict(self, max_pages: int | None = None) -> int:
+        """Free least-recently-used leaf pages that nobody but the index holds."""
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and (max_pages is None or freed < max_pages):
+            _, _, leaf = heapq.heappop(heap)
+            if self.pool.refcount(leaf.page) != 1:
+                continue  # a live table still reads it; evicting would not free memory
+            parent = leaf.parent
+            del parent.children[leaf.key]
+            freed += self.pool.decref([leaf.page])
+            self.num_pages -= 1
+            if parent.page is not None and not parent.children:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self._roots = {ns: r for ns, r in self._roots.items() if r.children}
+        return freed
+
+    def _leaves(self) -> Iterator[_IndexNode]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.page is not None and not node.children:
+                yield node
+            stack.extend(node.children.values())
+
+    def entries(self) -> Iterator[IndexEntry]:
+        for namespace, root in self._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, prefix = stack.pop()
+                for key, child in node.children.items():
+                    path = prefix + key.tokens
+                    yield IndexEntry(namespace, path, child.page)
+                    stack.append((child, path))
+
+    def held_refs(self) -> dict[PageId, int]:
+        refs: dict[PageId, int] = {}
+        for entry in self.entries():
+            refs[entry.page] = refs.get(entry.page, 0) + 1
+        return refs

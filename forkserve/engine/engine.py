@@ -1,0 +1,597 @@
+"""Engine: the verbs of seed 000 over sessions, context trees and one Backend.
+
+    open -> fork -> speculate -> drain_slack -> commit -> generate ... -> close
+                                      join / abort
+
+Every verb validates its arguments before touching state, so a bad request raises a
+typed ``ForkServeError`` and changes nothing. Work runs in ticks (``tick``): committed
+work first, speculative chunks in what remains (``TickScheduler``). ``commit`` and
+``generate`` are on the critical path and run ticks until their own work is done; ``fork``
+and ``speculate`` only record intent; ``drain_slack`` runs the speculative backlog.
+
+Page ownership: each live node's ``PageTable`` and the ``PrefixIndex`` own references;
+the engine moves them only through those two objects (see their docstrings).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from forkserve.backend.protocol import (GREEDY, Backend, KVSlots, PageKind, SamplingParams,
+                                        SeqWork, StepCost)
+from forkserve.config import ForkServeConfig
+from forkserve.control.cascade import Action, Cascade, Decision, Residual
+from forkserve.control.admission import Candidate
+from forkserve.control.context_tree import ContextTree, Node, NodeState
+from forkserve.control.metrics import EngineMetrics
+from forkserve.control.page_pool import PagePool
+from forkserve.control.page_table import PageTable
+from forkserve.control.prefix_index import BASE, AdapterNamespace, Namespace, PrefixIndex
+from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
+from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer, Scorer
+from forkserve.errors import (BranchCapError, InvalidRequestError, InvalidStateError,
+                              OutOfPagesError, UnknownNodeError, UnknownSessionError)
+from forkserve.engine.results import (AbortResult, CommitResult, DrainReport, GenerateResult,
+                                      SessionHandle)
+from forkserve.engine.session import Session
+
+
+class Engine:
+    def __init__(self, backend: Backend, *, scorer: Scorer | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.config: ForkServeConfig = backend.config
+        kind = backend.page_kinds()[0]
+        self.pool = PagePool(kind, self.config.num_pages, self.config.page_size)
+        self.index = PrefixIndex(self.pool)
+        tokenizer = getattr(backend, "tokenizer", None)
+        decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
+        self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(decode)])
+        self.cascade = Cascade(self.config, self.scorer)
+        self.scheduler = TickScheduler(self.config)
+        self.clock = clock
+        self.metrics = EngineMetrics()
+        self.sessions: dict[int, Session] = {}
+        self._ids = itertools.count(1)
+        self._sids = itertools.count(1)
+        self.slack_tokens = 0
+        self._ms_per_token = self.config.prefill_ms_per_token
+
+    # ------------------------------------------------------------------ verbs
+    def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
+        """Start a session whose committed root is ``tokens``; its prefill is queued."""
+        tokens = self._check_tokens(tokens)
+        sid = next(self._sids)
+        root = Node(next(self._ids), sid, None, "root", tokens, 0,
+                    PageTable(self.pool), NodeState.COMMITTED, adapter=adapter)
+        session = Session(sid, ContextTree(root), adapter)
+        self.sessions[sid] = session
+        self._attach_published(session, root, keep_last=True)
+        self._account()
+        return SessionHandle(sid, root.id)
+
+    def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
+             adapter: str | None = None) -> int:
+        """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
+        session = self._session(session_id)
+        parent = self._node(session, parent_id)
+        tokens = self._check_tokens(tokens)
+        if parent.state is NodeState.ABORTED:
+            raise InvalidStateError(f"cannot fork aborted node {parent_id}")
+        if parent.state is NodeState.COMMITTED and parent is not session.tree.tip:
+            raise InvalidStateError(f"node {parent_id} is behind the committed tip "
+                                    f"{session.tree.tip.id}; fork from the tip")
+        if len(parent.live_children()) >= self.config.branch_cap:
+            raise BranchCapError(f"node {parent_id} already has {self.config.branch_cap} live "
+                                 f"children (branch_cap)")
+        self._check_context(parent.end + len(tokens))
+        if parent.table is None or parent.kv_len < parent.end:
+            # The trunk must exist before it can be aliased: run the parent's pending work.
+            self._run_until(lambda: parent.kv_len >= parent.end or not parent.live)
+        child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
+                     parent.table.fork(), NodeState.SPECULATIVE,
+                     adapter=adapter if adapter is not None else parent.adapter,
+                     last_touch=self.clock())
+        session.tree.add(child)
+        self._account()
+        return child.id
+
+    def speculate(self, session_id: int, node_id: int, *, priority: float = 1.0,
+                  t_idle_ms: float | None = None) -> Decision:
+        """Run the cascade on one residual and queue what it keeps.
+
+        ``priority`` is the harness's prior that this residual is the one committed;
+        1.0 marks a known suffix (p = 1), admitted first and pinned for the tool pause
+        ``t_idle_ms`` when its prefill fits in it.
+        """
+        session = self._session(session_id)
+        node = self._node(session, node_id)
+        if not 0.0 <= priority <= 1.0:
+            raise InvalidRequestError(f"priority must be in [0, 1], got {priority}")
+        if t_idle_ms is not None and t_idle_ms < 0:
+            raise InvalidRequestError(f"t_idle_ms must be >= 0, got {t_idle_ms}")
+        if node.state is not NodeState.SPECULATIVE:
+            raise InvalidStateError(f"node {node_id} is {node.state.value}; only a forked "
+                                    f"branch can be speculated")
+        if node.speculated:
+            raise InvalidStateError(f"node {node_id} was already speculated")
+        tree = session.tree
+        path = tree.path_tokens(node)
+        known = priority >= 1.0
+        hit_pages = self.index.match(self._namespace(node), path) if self.config.cascade else []
+        hit_tokens = max(0, min(len(hit_pages) * self.pool.page_size, node.end) - node.start)
+        admitted = [Candidate(s.child_index, s.priority, s.decision.score or 0.0)
+                    for s in node.parent.children
+                    if s is not node and s.speculated and s.decision is not None
+                    and not s.decision.action.prunes]
+        residual = Residual(node.child_index, priority, known, path[:node.start][-1024:],
+                            node.tokens, hit_tokens)
+        decision, _ = self.cascade.decide(residual, admitted)
+        now = self.clock()
+        node.priority, node.decision, node.speculated, node.last_touch = priority, decision, True, now
+        node.spec_generation = node.parent.generation
+        self.metrics.actions[decision.action.value] += 1
+        if decision.action.prunes:
+            self.metrics.pruned += 1
+            self.slack_tokens += len(node.tokens)
+        if decision.hit_tokens:
+            self._attach_pages(node, hit_pages)
+            self.metrics.hash_hit_tokens += decision.hit_tokens
+        if decision.action is Action.EARLY_ABORT:
+            node.probe_left = self.config.early_abort_probe_tokens
+        if known and t_idle_ms is not None:
+            if decision.miss_tokens * self._ms_per_token <= t_idle_ms:
+                node.pinned_until = now + t_idle_ms / 1000.0
+            else:
+                node.slack_only = True  # too long for the pause: fill it from freed budget only
+        self._account()
+        return decision
+
+    def drain_slack(self) -> DrainReport:
+        """Run ticks until no speculative (or committed) work is left."""
+        before = self.metrics.snapshot()
+        ticks = self._run_until(lambda: False)
+        after = self.metrics
+        return DrainReport(ticks, after.prefill_tokens - before["prefill_tokens"],
+                           after.decode_tokens - before["decode_tokens"],
+                           after.slack_filled_tokens - before["slack_filled_tokens"])
+
+    def commit(self, session_id: int, node_id: int, tokens: Sequence[int]) -> CommitResult:
+        """Commit ``tokens`` after the tip ``node_id``: bind the speculative branch with the
+        longest common prefix, abort the other branches, prefill only the unmatched tail."""
+        session = self._session(session_id)
+        tip = self._committable_tip(session, node_id)
+        tokens = self._check_tokens(tokens)
+        self._check_context(tip.end + len(tokens))
+        tree = session.tree
+        best, matched = None, 0
+        for cand in self._branches_at(tip):
+            written = tree.path_tokens(cand)[tip.end:cand.kv_len]
+            lcp = _common_prefix(written, tokens)
+            if lcp > matched:
+                best, matched = cand, lcp
+        if best is not None:
+            table = best.table.fork()
+            table.truncate(tip.end + matched)
+        else:
+            table, tip.table = tip.table, None  # the new tip takes over the spine's pages
+        new_tip = Node(next(self._ids), session_id, tip, "commit", list(tokens), tip.end,
+                       table, NodeState.COMMITTED, adapter=tip.adapter)
+        if best is not None and matched == len(tokens) == best.kv_len - tip.end \
+                and best.end == best.kv_len:
+            new_tip.next_token = best.next_token
+        aborted = [n.id for c in tip.live_children() for n in tree.abort(c)]
+        tree.add(new_tip)
+        tree.committed.extend(tokens)
+        tree.advance_tip(new_tip)
+        tip.generation += 1
+        self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
+        before = self.metrics.prefill_tokens
+        self._run_until(lambda: new_tip.kv_len >= new_tip.end)
+        self._account()
+        return CommitResult(session_id, new_tip.id, best.id if best else None, matched,
+                            self.metrics.prefill_tokens - before, tuple(aborted))
+
+    def join(self, session_id: int, node_ids: Sequence[int], *,
+             separator: Sequence[int] = ()) -> CommitResult:
+        """Commit several branches' tokens one after another (a fan-in, e.g. LangGraph Send)."""
+        session = self._session(session_id)
+        if not node_ids:
+            raise InvalidRequestError("join needs at least one branch")
+        tip = session.tree.tip
+        parts = []
+        for nid in node_ids:
+            node = self._node(session, nid)
+            if node.state is not NodeState.SPECULATIVE:
+                raise InvalidStateError(f"node {nid} is {node.state.value}; join takes live branches")
+            if not self._descends_at(node, tip):
+                raise InvalidStateError(f"node {nid} does not branch from the tip {tip.id}")
+            parts.append(session.tree.path_tokens(node)[tip.end:])
+        joined = list(parts[0])
+        for part in parts[1:]:
+            joined += list(separator) + list(part)
+        return self.commit(session_id, tip.id, joined)
+
+    def generate(self, session_id: int, max_tokens: int, *, sampling: SamplingParams = GREEDY,
+                 stop: Iterable[int] = ()) -> GenerateResult:
+        """Decode up to ``max_tokens`` on the committed spine (stops early at a stop token)."""
+        session = self._session(session_id)
+        if max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        tip = session.tree.tip
+        self._check_context(tip.end + max_tokens)
+        session.begin_generate(max_tokens, sampling, frozenset(stop))
+        if tip.next_token is not None and tip.next_token_sampling != sampling:
+            tip.next_token = None
+            if tip.kv_len == tip.end:  # recompute the last position under the new sampling
+                tip.table.truncate(tip.end - 1)
+        if max_tokens:
+            tip.generation += 1
+        self._emit(session)
+        self._run_until(lambda: session.decode_left == 0)
+        self._account()
+        return GenerateResult(tuple(session.generated), session.finish_reason)
+
+    def abort(self, session_id: int, node_id: int | None = None) -> AbortResult:
+        """Abort one speculative branch (and its subtree), or, with no node, the whole session."""
+        session = self._session(session_id)
+        free_before = self.pool.num_free
+        if node_id is None:
+            released = [n.id for n in session.tree.nodes.values()
+                        if n.state is NodeState.SPECULATIVE]
+            session.tree.release_all()
+            del self.sessions[session_id]
+        else:
+            node = self._node(session, node_id)
+            if node.state is not NodeState.SPECULATIVE:
+                raise InvalidStateError(f"node {node_id} is {node.state.value}; only a "
+                                        f"speculative branch can be aborted")
+            released = [n.id for n in session.tree.abort(node)]
+        self._account()
+        return AbortResult(tuple(released), self.pool.num_free - free_before)
+
+    def close(self, session_id: int) -> None:
+        """End a session: its committed full pages stay published, everything else is freed."""
+        session = self._session(session_id)
+        self._publish(session.tree.tip)
+        session.tree.release_all()
+        del self.sessions[session_id]
+        self._account()
+
+    # ------------------------------------------------------------------ ticks
+    def tick(self) -> bool:
+        """One scheduler tick; returns False when there was nothing to do."""
+        self._expire_ttl()
+        committed, speculative, spines = self._demands()
+        if not committed and not speculative:
+            return False
+        spec_memory = max(0, min(self.config.hbm_tokens - self.pool.num_used * self.pool.page_size,
+                                 self.pool.num_free * self.pool.page_size))
+        grants = self.scheduler.plan(committed, speculative,
+                                     self.scheduler.decode_slots(spines), spec_memory)
+        if not grants:
+            return False
+        self._execute(grants)
+        self.metrics.ticks += 1
+        return True
+
+    def _run_until(self, done: Callable[[], bool]) -> int:
+        ticks = 0
+        while not done() and self.tick():
+            ticks += 1
+        return ticks
+
+    def _demands(self) -> tuple[list[Demand], list[Demand], list[int]]:
+        committed, speculative, spines = [], [], []
+        for session in self.sessions.values():
+            tip = session.tree.tip
+            self._emit(session)
+            pending = tip.end - tip.kv_len
+            if pending > 0:
+                decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
+                committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
+                if decode:
+                    spines.append(tip.end)
+            for node in session.tree.nodes.values():
+                demand = self._spec_demand(node)
+                if demand is not None:
+                    speculative.append(demand)
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values()
+                             for n in s.tree.nodes.values()}
+        return committed, speculative, spines
+
+    def _spec_demand(self, node: Node) -> Demand | None:
+        if node.state is not NodeState.SPECULATIVE or not node.speculated:
+            return None
+        action = node.decision.action
+        if action.prunes or action is Action.HASH_SKIP and node.kv_len >= node.end:
+            return None
+        if node.parent.generation != node.spec_generation:
+            node.speculated = False  # the trunk moved under it: drop the queued work
+            self.metrics.dropped_chunks += 1
+            return None
+        pending = node.end - node.kv_len
+        if pending == 0 and node.next_token is not None and (node.probe_left or node.extend_left):
+            self._emit_speculative(node)
+            pending = node.end - node.kv_len
+        if pending <= 0:
+            return None
+        if node.slack_only:
+            p = self.pool.page_size
+            pending = min(pending, (self.slack_tokens // p) * p)
+            if pending <= 0:
+                return None
+        decode = pending == 1 and node.generated_count > 0
+        return Demand(node.id, pending, decode, WorkClass.SPECULATIVE, node.priority)
+
+    def _execute(self, grants: list[Grant]) -> None:
+        work, targets = [], []
+        for g in grants:
+            session, node = self._nodes_by_id[g.node_id]
+            start = node.kv_len
+            path = session.tree.path_tokens(node)
+            self._ensure_pages(node, g.tokens, g.work_class)
+            completes = start + g.tokens == node.end
+            sampling = None
+            if completes:
+                sampling = session.sampling if node is session.tree.tip else GREEDY
+            work.append(SeqWork(node.id, tuple(path[start:start + g.tokens]), start,
+                                KVSlots(tuple(node.table.pages)), node.adapter, sampling,
+                                speculative=g.work_class is WorkClass.SPECULATIVE,
+                                decode=g.decode))
+            targets.append((session, node, g, sampling))
+        result = self.backend.step(work)
+        self._account_cost(result.cost, grants)
+        for (session, node, g, sampling), token in zip(targets, result.next_tokens):
+            node.last_touch = self.clock()
+            if node is session.tree.tip:
+                session.generated_unwritten = False
+            if g.work_class is WorkClass.SPECULATIVE and node.slack_only:
+                self.slack_tokens -= g.tokens
+                self.metrics.slack_filled_tokens += g.tokens
+            if token is not None:
+                node.next_token, node.next_token_sampling = token, sampling
+            if node.state is NodeState.COMMITTED:
+                self._publish(node)
+                self._emit(session)
+            else:
+                self._emit_speculative(node)
+        self._account()
+
+    def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
+        need = node.table.pages_needed(n)
+        if need > self.pool.num_free:
+            self.index.evict(need - self.pool.num_free)
+        if need > self.pool.num_free and work_class is WorkClass.COMMITTED:
+            self._preempt_speculative(need - self.pool.num_free, keep=node)
+        if need > self.pool.num_free:
+            raise OutOfPagesError(f"node {node.id} needs {need} pages; {self.pool.num_free} free "
+                                  f"after evicting the index and preempting speculation")
+        node.table.prepare_write(n, lambda pairs: self.backend.copy_pages(self.pool.kind, pairs))
+
+    def _preempt_speculative(self, pages: int, keep: Node) -> None:
+        victims = sorted((n for s in self.sessions.values() for n in s.tree.nodes.values()
+                          if n.state is NodeState.SPECULATIVE and n is not keep
+                          and not self._pinned(n)), key=lambda n: n.priority)
+        free_target = self.pool.num_free + pages
+        for victim in victims:
+            if self.pool.num_free >= free_target:
+                break
+            if victim.live:
+                self.sessions[victim.session_id].tree.abort(victim)
+                self.index.evict(free_target - self.pool.num_free)
+
+    # ---------------------------------------------------------- generation
+    def _emit(self, session: Session) -> None:
+        """Hand the cached next token to a generating session (no compute needed)."""
+        tip = session.tree.tip
+        if session.decode_left <= 0 or tip.kv_len != tip.end or tip.next_token is None:
+            return
+        token = tip.next_token
+        tip.next_token = None
+        tip.tokens.append(token)
+        session.tree.committed.append(token)
+        session.record(token)
+        session.generated_unwritten = True
+
+    def _emit_speculative(self, node: Node) -> None:
+        """Advance an early-abort probe (or its extension) by one sampled token."""
+        if node.kv_len != node.end or node.next_token is None:
+            return
+        if node.probe_left == 0 and node.extend_left == 0:
+            return
+        node.tokens.append(node.next_token)
+        node.next_token = None
+        node.generated_count += 1
+        if node.probe_left:
+            node.probe_left -= 1
+            if node.probe_left == 0:
+                self._judge_probe(node)
+        else:
+            node.extend_left -= 1
+
+    def _judge_probe(self, node: Node) -> None:
+        tree = self.sessions[node.session_id].tree
+        path = tree.path_tokens(node)
+        score = self.scorer.score(path[:node.start][-1024:], node.tokens)
+        if score.value >= self.config.tau:
+            node.extend_left = max(0, self.config.speculate_budget_tokens - node.generated_count)
+            return
+        self.metrics.probe_aborts += 1
+        self.slack_tokens += node.kv_len - node.start
+        tree.abort(node)
+
+    # ------------------------------------------------------------ helpers
+    def _attach_published(self, session: Session, node: Node, keep_last: bool) -> None:
+        """Alias published pages for the node's committed path (the prefix-cache hit)."""
+        path = session.tree.path_tokens(node)
+        limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
+        pages = self.index.match(self._namespace(node), path[:max(limit, 0)])
+        before = node.kv_len
+        self._attach_pages(node, pages)
+        self.metrics.hash_hit_tokens += node.kv_len - before
+
+    def _attach_pages(self, node: Node, pages: Sequence[int]) -> None:
+        p = self.pool.page_size
+        first = node.kv_len // p
+        for i in range(first, len(pages)):
+            node.table.replace_page(i, pages[i])
+        node.table.length = max(node.table.length, min(len(pages) * p, node.end))
+
+    def _publish(self, node: Node) -> None:
+        if node.table is None:
+            return
+        tree = self.sessions[node.session_id].tree
+        full = node.kv_len // self.pool.page_size
+        if full:
+            path = tree.path_tokens(node)[:full * self.pool.page_size]
+            self.index.insert(self._namespace(node), path, node.table.pages[:full])
+
+    def _namespace(self, node: Node) -> Namespace:
+        return BASE if node.adapter is None else AdapterNamespace(node.adapter)
+
+    def _pinned(self, node: Node) -> bool:
+        return node.pinned_until is not None and node.pinned_until > self.clock()
+
+    def _expire_ttl(self) -> None:
+        ttl = self.config.node_ttl_s
+        if ttl is None:
+            return
+        now = self.clock()
+        for session in self.sessions.values():
+            for node in list(session.tree.nodes.values()):
+                if (node.state is NodeState.SPECULATIVE and not self._pinned(node)
+                        and now - node.last_touch > ttl):
+                    session.tree.abort(node)
+                    self.metrics.ttl_expired += 1
+
+    def _account_cost(self, cost: StepCost, grants: Sequence[Grant]) -> None:
+        m = self.metrics
+        m.prefill_tokens += cost.prefill_tokens
+        m.prefill_calls += cost.prefill_calls
+        m.decode_tokens += cost.decode_tokens
+        m.ms += cost.ms
+        prefill_share = cost.prefill_ms
+        m.prefill_ms += prefill_share
+        if cost.prefill_tokens:
+            self._ms_per_token = 0.8 * self._ms_per_token + 0.2 * prefill_share / cost.prefill_tokens
+        if self.config.disaggregated_prefill:
+            moved = sum(g.tokens for g in grants if not g.decode and
+                        (g.work_class is WorkClass.SPECULATIVE or not self.config.cascade))
+            if moved:
+                t = self.backend.transfer_cost(moved)
+                m.transfer_tokens += moved
+                m.ms += t.ms
+                m.prefill_ms += t.ms
+
+    def _account(self) -> None:
+        p = self.pool.page_size
+        self.metrics.peak_pages = max(self.metrics.peak_pages, self.pool.num_used)
+        for session in self.sessions.values():
+            held = set()
+            for node in session.tree.nodes.values():
+                if node.table is None:
+                    continue
+                reclaimable = (node.state is NodeState.SPECULATIVE and self.config.cascade
+                               and not self._pinned(node))
+                if not reclaimable:
+                    held.update(node.table.pages)
+            session.peak_tokens = max(session.peak_tokens, len(held) * p)
+
+    def _branches_at(self, tip: Node) -> list[Node]:
+        out = []
+        for child in tip.live_children():
+            if child.state is NodeState.SPECULATIVE and child.start == tip.end:
+                out.extend(n for n in child.subtree() if n.live and n.table is not None)
+        return out
+
+    @staticmethod
+    def _descends_at(node: Node, tip: Node) -> bool:
+        while node.parent is not None and node.parent is not tip:
+            node = node.parent
+        return node.parent is tip and node.start == tip.end
+
+    def _committable_tip(self, session: Session, node_id: int) -> Node:
+        node = self._node(session, node_id)
+        if node.state is NodeState.ABORTED:
+            raise InvalidStateError(f"node {node_id} was aborted; it cannot be committed")
+        if node.state is NodeState.SPECULATIVE:
+            raise InvalidStateError(f"node {node_id} is speculative: commit extends the committed "
+                                    f"tip {session.tree.tip.id} with the tokens that happened")
+        if node is not session.tree.tip:
+            raise InvalidStateError(f"node {node_id} was already committed past; the tip is "
+                                    f"{session.tree.tip.id}")
+        return node
+
+    def _session(self, session_id: int) -> Session:
+        try:
+            return self.sessions[session_id]
+        except (KeyError, TypeError):
+            raise UnknownSessionError(f"unknown session {session_id!r}") from None
+
+    @staticmethod
+    def _node(session: Session, node_id: int) -> Node:
+        try:
+            return session.tree.nodes[node_id]
+        except (KeyError, TypeError):
+            raise UnknownNodeError(f"session {session.id} has no node {node_id!r}") from None
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        tokens = list(tokens)
+        if not tokens:
+            raise InvalidRequestError("token list is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+        return tokens
+
+    def _check_context(self, length: int) -> None:
+        if length > self.config.max_context:
+            raise InvalidRequestError(f"sequence of {length} tokens exceeds max_context "
+                                      f"{self.config.max_context}")
+
+    # ----------------------------------------------------------- inspection
+    def tip(self, session_id: int) -> int:
+        return self._session(session_id).tree.tip.id
+
+    def node(self, session_id: int, node_id: int) -> Node:
+        return self._node(self._session(session_id), node_id)
+
+    def committed_tokens(self, session_id: int) -> list[int]:
+        return list(self._session(session_id).tree.committed)
+
+    def evict_all(self) -> int:
+        return self.index.evict()
+
+    def check_integrity(self) -> None:
+        """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
+        expected = dict(self.index.held_refs())
+        p = self.pool.page_size
+        for session in self.sessions.values():
+            for node in session.tree.nodes.values():
+                if node.table is None:
+                    continue
+                if node.state is NodeState.ABORTED:
+                    raise AssertionError(f"aborted node {node.id} still holds pages")
+                t = node.table
+                if len(t.pages) != -(-t.length // p) or t.length > node.end:
+                    raise AssertionError(f"node {node.id}: {len(t.pages)} pages for {t.length} "
+                                         f"tokens (end {node.end})")
+                for page in t.pages:
+                    expected[page] = expected.get(page, 0) + 1
+            tip = session.tree.tip
+            if tip.state is not NodeState.COMMITTED or tip.table is None:
+                raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
+        self.pool.check_integrity(expected)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,40 @@
+"""Frozen results of the Engine's verbs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    id: int
+    tip: int  # the committed tip at open time
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    session_id: int
+    tip: int                 # the new committed tip
+    bound_node: int | None   # the speculative branch whose pages were bound, if any
+    matched_tokens: int      # longest common prefix with that branch
+    prefilled_tokens: int    # the unmatched tail actually prefilled
+    aborted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    tokens: tuple[int, ...]
+    finish_reason: str  # "length" | "stop"
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    ticks: int
+    prefill_tokens: int
+    decode_tokens: int
+    slack_filled_tokens: int
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    released_nodes: tuple[int, ...]
+    freed_pages: int

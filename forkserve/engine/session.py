@@ -1,0 +1,36 @@
+"""Session: one agent conversation — its context tree and its generation state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forkserve.backend.protocol import GREEDY, SamplingParams
+from forkserve.control.context_tree import ContextTree
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    tree: ContextTree
+    adapter: str | None = None
+    # Generation in progress on the committed tip.
+    decode_left: int = 0
+    sampling: SamplingParams = GREEDY
+    stop: frozenset = frozenset()
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    # The tip's last token was sampled and its KV is not written yet.
+    generated_unwritten: bool = False
+    # Largest KV (tokens) this session held that could not be reclaimed.
+    peak_tokens: int = 0
+
+    def begin_generate(self, max_tokens: int, sampling: SamplingParams, stop: frozenset) -> None:
+        self.decode_left, self.sampling, self.stop = max_tokens, sampling, stop
+        self.generated = []
+        self.finish_reason = "length"
+
+    def record(self, token: int) -> None:
+        self.generated.append(token)
+        self.decode_left -= 1
+        if token in self.stop:
+            self.decode_left = 0
+            self.finish_reason = "stop"

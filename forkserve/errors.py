@@ -1,0 +1,43 @@
+"""Typed errors. Every public verb validates before it mutates, so raising one of these
+leaves the engine exactly as it was. ``http_status`` lets the server map them to 4xx."""
+from __future__ import annotations
+
+
+class ForkServeError(Exception):
+    http_status = 400
+
+
+class InvalidRequestError(ForkServeError, ValueError):
+    """Malformed arguments: empty token list, negative budget, token out of vocabulary."""
+
+
+class UnknownSessionError(ForkServeError, KeyError):
+    http_status = 404
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+class UnknownNodeError(ForkServeError, KeyError):
+    http_status = 404
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown node"
+
+
+class InvalidStateError(ForkServeError):
+    """The verb is not allowed in the node's state (commit of an aborted node, double commit)."""
+
+    http_status = 409
+
+
+class BranchCapError(ForkServeError):
+    """A fork would exceed ``ForkServeConfig.branch_cap`` live children of one parent."""
+
+    http_status = 409
+
+
+class OutOfPagesError(ForkServeError):
+    """Committed work needs more pages than exist, even after evicting every reclaimable page."""
+
+    http_status = 507
