@@ -1,0 +1,118 @@
+"""L0 kernels: attention over paged KV (unified and disaggregated), multi-LoRA, RoPE.
+
+Every public op takes ``use_triton``: None (default) picks the Triton kernel for CUDA
+tensors and the eager reference otherwise; True forces Triton (on a CPU-only machine that
+needs ``TRITON_INTERPRET=1`` set before triton is imported); False forces the reference.
+Triton modules are imported on first use so the eager path works without Triton.
+
+Layouts, shapes and the math are specified in reference.py and docs/KERNELS.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from forkserve.kernels import reference
+from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
+
+__all__ = [
+    "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
+    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill",
+    "shared_prefix_decode", "lora_shrink", "lora_expand",
+]
+
+
+def _triton(use_triton: bool | None, t: torch.Tensor) -> bool:
+    return t.is_cuda if use_triton is None else use_triton
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None,
+                 *, use_triton: bool | None = None, **tuning) -> torch.Tensor:
+    """Decode over the unified paged cache: q ``[batch, H, D]`` -> ``[batch, H, D]``.
+    ``tuning``: Triton-only keywords (``max_seq_len``, ``num_splits``, ``block_n``, ...)."""
+    if _triton(use_triton, q):
+        from forkserve.kernels.decode_attention import paged_decode_triton
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, **tuning)
+    return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  scale: float | None = None, *, use_triton: bool | None = None,
+                  **tuning) -> torch.Tensor:
+    """Varlen causal prefill over the unified paged cache: q ``[total_new, H, D]``."""
+    if _triton(use_triton, q):
+        from forkserve.kernels.prefill_attention import paged_prefill_triton
+        return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                    scale, **tuning)
+    return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                       scale)
+
+
+def residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                    k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                    res_block_tables: torch.Tensor, seq_lens: torch.Tensor, b_k_all: torch.Tensor,
+                    b_v_all: torch.Tensor, adapter_idx: torch.Tensor, inv_freq: torch.Tensor,
+                    scale: float | None = None, *, use_triton: bool | None = None,
+                    **tuning) -> torch.Tensor:
+    """ResidualAttention decode over the disaggregated cache."""
+    args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+            b_k_all, b_v_all, adapter_idx, inv_freq, scale)
+    if _triton(use_triton, q):
+        from forkserve.kernels.decode_attention import residual_decode_triton
+        return residual_decode_triton(*args, **tuning)
+    return reference.residual_decode_ref(*args)
+
+
+def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                     k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                     res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor, b_v_all: torch.Tensor,
+                     adapter_idx: torch.Tensor, inv_freq: torch.Tensor, scale: float | None = None,
+                     *, use_triton: bool | None = None, **tuning) -> torch.Tensor:
+    """ResidualAttention varlen causal prefill over the disaggregated cache."""
+    args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+            cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
+    if _triton(use_triton, q):
+        from forkserve.kernels.prefill_attention import residual_prefill_triton
+        return residual_prefill_triton(*args, **tuning)
+    return reference.residual_prefill_ref(*args)
+
+
+def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, prefix_pages: int,
+                         scale: float | None = None, *, use_triton: bool | None = None,
+                         **tuning) -> torch.Tensor:
+    """Decode for agents that share their first ``prefix_pages`` pages (unified layout).
+    Equals ``paged_decode``; the reference is plain decode."""
+    if _triton(use_triton, q):
+        from forkserve.kernels.shared_prefix import shared_prefix_decode_triton
+        return shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, seq_lens,
+                                           prefix_pages, scale, **tuning)
+    return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_adapter: torch.Tensor,
+                out: torch.Tensor | None = None, out_slots: torch.Tensor | None = None, *,
+                use_triton: bool | None = None) -> torch.Tensor:
+    """``y[t] = x[t] @ A[idx[t]]`` (zeros for idx = -1). With ``out_slots`` the rows go into
+    the paged pool ``out`` at flat rows ``out_slots[t]`` (-1 = skip)."""
+    if _triton(use_triton, x):
+        from forkserve.kernels.lora import lora_shrink_triton
+        return lora_shrink_triton(x, a_all, token_adapter, out=out, out_slots=out_slots)
+    y = reference.lora_shrink_ref(x, a_all, token_adapter)
+    if out_slots is None:
+        return y if out is None else out.copy_(y)
+    rows = out.view(-1, out.shape[-1])
+    keep = out_slots >= 0
+    rows[out_slots[keep].long()] = y[keep].to(out.dtype)
+    return out
+
+
+def lora_expand(y: torch.Tensor, b_all: torch.Tensor, token_adapter: torch.Tensor,
+                out: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """``out[t] += y[t] @ B[idx[t]]`` in place (no-op for idx = -1); returns ``out``."""
+    if _triton(use_triton, y):
+        from forkserve.kernels.lora import lora_expand_triton
+        return lora_expand_triton(y, b_all, token_adapter, out)
+    return reference.lora_expand_ref(y, b_all, token_adapter, out)

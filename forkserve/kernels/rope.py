@@ -1,0 +1,45 @@
+"""Rotary position embedding (Llama rotate-half / neox style), eager; the Triton
+device functions that follow the same contract are in rope_triton.py.
+
+Contract shared by every kernel in this package:
+
+* ``inv_freq`` is a float32 tensor of shape ``[head_dim // 2]``; it is passed in (never
+  rebuilt here) so scaled RoPE variants (Llama-3.1, YaRN, linear) work unchanged.
+* The angle of position ``p`` and frequency ``i`` is ``p * inv_freq[i]`` evaluated in
+  float64 and cos/sin rounded to float32. A float32 angle would carry an error of
+  ``ulp(p * inv_freq) / 2`` (~1e-3 rad at p = 32K), and the Triton kernels build the angle
+  of a key block as ``start + j`` by angle addition, which is only equal to the eager
+  value when both are exact; float64 makes them exact to float32 rounding.
+* ``rope(x)[..., :D/2] = x_lo * cos - x_hi * sin`` and
+  ``rope(x)[..., D/2:] = x_hi * cos + x_lo * sin`` (rotate-half, cos/sin repeated twice).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def default_inv_freq(head_dim: int, base: float = 10000.0,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Plain Llama inverse frequencies, float32 ``[head_dim // 2]``."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (base ** exponents)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape ``positions.shape + [head_dim // 2]`` (float32)."""
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[..., T, H, D]`` or ``[..., T, D]`` with ``positions`` ``[..., T]``).
+
+    Computed in float32 and returned in float32; the caller casts.
+    """
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    if x.dim() == positions.dim() + 2:  # a heads axis sits between T and D
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xf = x.to(torch.float32)
+    half = xf.shape[-1] // 2
+    lo, hi = xf[..., :half], xf[..., half:]
+    return torch.cat((lo * cos - hi * sin, hi * cos + lo * sin), dim=-1)

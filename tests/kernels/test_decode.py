@@ -1,0 +1,100 @@
+"""Paged decode and ResidualAttention decode against the eager references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forkserve.kernels import paged_decode, reference, residual_decode
+from forkserve.kernels.rope import apply_rope, default_inv_freq
+from helpers import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
+
+# (seq_lens, n_heads, n_kv_heads): ragged, mid-page ends, a length of exactly one page,
+# GQA groups of 1, 2, 4 and a non power of two (3).
+CASES = [
+    ([37, 100, 16, 1], 4, 2),
+    ([129, 50], 8, 2),
+    ([70, 33, 17], 6, 2),
+    ([90], 2, 2),
+]
+
+
+def _q(gen: torch.Generator, batch: int, n_heads: int, head_dim: int) -> torch.Tensor:
+    return torch.randn(batch, n_heads, head_dim, generator=gen).to(DEVICE, DTYPE)
+
+
+@pytest.mark.parametrize("seq_lens,n_heads,n_kv", CASES)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_paged_decode(seq_lens: list[int], n_heads: int, n_kv: int, num_splits: int | None) -> None:
+    gen = torch.Generator().manual_seed(sum(seq_lens) + n_heads)
+    c = make_cache(gen, seq_lens, n_kv, 32, rank=8)
+    q = _q(gen, len(seq_lens), n_heads, 32)
+    out = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True,
+                       num_splits=num_splits, block_n=16)
+    ref = reference.paged_decode_ref(q, c.k, c.v, c.block_tables, c.seq_lens)
+    assert rel_err(out, ref) < REL_TOL
+
+
+def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, head_dim: int = 32,
+                     rank: int = 8, r_max: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    c = make_cache(gen, seq_lens, n_kv, head_dim, rank=r_max)
+    b_k, b_v = make_adapters(gen, 3, r_max, n_kv, head_dim)
+    # Adapter 1 has rank 8 < r_max: its padding rows of B are zero, as the contract says.
+    b_k[1, rank:] = 0
+    b_v[1, rank:] = 0
+    adapters = torch.tensor([(0, 2, -1, 1)[i % 4] for i in range(len(seq_lens))],
+                            dtype=torch.int32, device=DEVICE)
+    inv_freq = default_inv_freq(head_dim, device=DEVICE)
+    return gen, c, b_k, b_v, adapters, inv_freq
+
+
+@pytest.mark.parametrize("seq_lens,n_heads,n_kv", CASES)
+def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int) -> None:
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens, n_heads, n_kv)
+    q = _q(gen, len(seq_lens), n_heads, 32)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, inv_freq)
+    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16)
+    ref = reference.residual_decode_ref(*args)
+    assert rel_err(out, ref) < REL_TOL
+    # The residual must matter, or this test could not catch a kernel that drops it.
+    base_only = reference.paged_decode_ref(q, c.k, c.v, c.block_tables, c.seq_lens)
+    with_adapter = adapters >= 0
+    assert rel_err(base_only[with_adapter], ref[with_adapter]) > 20 * REL_TOL
+    # No adapter: exactly the unified kernel's math over the base pages.
+    assert rel_err(out[~with_adapter], base_only[~with_adapter]) < REL_TOL
+
+
+def test_residual_decode_past_4k_matches_merged_unified_cache() -> None:
+    """One adapter, keys past position 4K: ResidualAttention over (base, residual) equals
+    unified decode over the merged cache K_base + RoPE(K_res B_k), V_base + V_res B_v."""
+    seq_lens = [4100 + 9, 4096 + 64]
+    n_heads, n_kv, head_dim = 4, 2, 32
+    gen, c, b_k, b_v, _, inv_freq = _residual_inputs(11, seq_lens, n_heads, n_kv, head_dim)
+    adapters = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    q = _q(gen, len(seq_lens), n_heads, head_dim)
+    out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                          c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True, block_n=64)
+    k_merged, v_merged = c.k.clone(), c.v.clone()
+    page = c.k.shape[1]
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=DEVICE)
+        pages = c.block_tables[b, pos // page].long()
+        rpages = c.res_block_tables[b, pos // page].long()
+        k_res, v_res = c.k_res[rpages, pos % page], c.v_res[rpages, pos % page]
+        a = int(adapters[b])
+        dk = apply_rope((k_res.float() @ b_k[a].float()).unflatten(-1, (n_kv, -1)), pos, inv_freq)
+        dv = (v_res.float() @ b_v[a].float()).unflatten(-1, (n_kv, -1))
+        k_merged[pages, pos % page] = (c.k[pages, pos % page].float() + dk).to(DTYPE)
+        v_merged[pages, pos % page] = (c.v[pages, pos % page].float() + dv).to(DTYPE)
+    unified = paged_decode(q, k_merged, v_merged, c.block_tables, c.seq_lens, use_triton=True)
+    assert rel_err(out, unified) < REL_TOL
+
+
+def test_eager_dispatch_equals_reference() -> None:
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [40, 20], 4, 2)
+    q = _q(gen, 2, 4, 32).cpu()
+    cpu = [t.cpu() for t in (c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                             c.seq_lens, b_k, b_v, adapters, inv_freq)]
+    out = residual_decode(q, *cpu, use_triton=False)
+    assert torch.equal(out, reference.residual_decode_ref(q, *cpu))
