@@ -1,0 +1,244 @@
+"""TorchBackend: the real execution engine behind the control plane's Backend protocol.
+
+    backend = TorchBackend(config, model_path="...", adapters={"planner": "/path/to/lora"})
+    engine = Engine(backend)
+
+Holds the model, the resident LoRA adapters and the paged KV pools of config.kv_layout;
+the control plane owns page ids and tells each step where to read and write.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from forkserve.backend.protocol import PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
+from forkserve.backend.torch.batch import BatchLimits, validate
+from forkserve.backend.torch.errors import (AdapterCapacityError, InvalidWorkError, UnknownAdapterError)
+from forkserve.backend.torch.gguf_loader import load_gguf
+from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
+from forkserve.backend.torch.loader import load_hf_folder
+from forkserve.backend.torch.lora import LoraAdapter, LoraStack, check_fits, load_peft_adapter
+from forkserve.backend.torch.model import CausalLM
+from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.runner import ModelRunner
+from forkserve.backend.torch.sampler import Sampler
+from forkserve.backend.torch.tokenizer import Tokenizer
+from forkserve.backend.torch.weights import ModelWeights
+from forkserve.config import ForkServeConfig, KVLayout
+
+DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A step's result plus the logits behind it (for tests and scoring; not part of the protocol)."""
+
+    result: StepResult
+    logits: tuple[torch.Tensor | None, ...]  # per item: [1 or len(tokens), vocab] float32, or None
+
+
+@dataclass(frozen=True)
+class ResidentAdapter:
+    adapter_id: int
+    name: str
+    rank: int
+    targets: frozenset[str]
+    slot: int
+
+
+def load_model(model_path: str | Path, device: torch.device,
+               dtype: torch.dtype) -> tuple[ModelConfig, ModelWeights]:
+    """An HF folder (config.json + safetensors) or a .gguf file."""
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        return load_gguf(path, device, dtype)
+    return load_hf_folder(path, device, dtype)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TorchBackend:
+    def __init__(self, config: ForkServeConfig, model_path: str | Path,
+                 adapters: Mapping[str, str | Path] | None = None, *,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 max_adapters: int | None = None, max_lora_rank: int | None = None,
+                 lora_targets: Sequence[str] | None = None, attention: AttentionBackend | None = None,
+                 use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0, seed: int = 0) -> None:
+        dev = torch.device(device) if device is not None else default_device()
+        dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        model_cfg, weights = load_model(model_path, dev, dt)
+        loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
+        self._setup(config, model_cfg, weights, loaded, dev, dt, max_adapters, max_lora_rank, lora_targets,
+                    attention, use_cuda_graphs, connector_gb_per_s, seed)
+        self.model_path: Path | None = Path(model_path)
+
+    @classmethod
+    def from_weights(cls, config: ForkServeConfig, model_config: ModelConfig, weights: ModelWeights,
+                     adapters: Mapping[str, LoraAdapter] | None = None, *, device: str | torch.device,
+                     dtype: torch.dtype, max_adapters: int | None = None, max_lora_rank: int | None = None,
+                     lora_targets: Sequence[str] | None = None, attention: AttentionBackend | None = None,
+                     use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0,
+                     seed: int = 0) -> "TorchBackend":
+        """A backend over weights already in memory (benchmarks with random weights); no tokenizer."""
+        self = cls.__new__(cls)
+        self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device), dtype,
+                    max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs,
+                    connector_gb_per_s, seed)
+        self.model_path = None
+        return self
+
+    def _setup(self, config: ForkServeConfig, model_cfg: ModelConfig, weights: ModelWeights,
+               adapters: Mapping[str, LoraAdapter], device: torch.device, dtype: torch.dtype,
+               max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
+               attention: AttentionBackend | None, use_cuda_graphs: bool, connector_gb_per_s: float,
+               seed: int) -> None:
+        # The model decides the vocabulary; the control plane reads it from backend.config.
+        self.config = config if config.vocab_size == model_cfg.vocab_size else config.replace(
+            vocab_size=model_cfg.vocab_size)
+        self.model_config, self.device, self.dtype = model_cfg, device, dtype
+        self.layout: KVLayout = config.kv_layout
+        ranks = [a.rank for a in adapters.values()]
+        self.max_lora_rank = max_lora_rank or max([16, *ranks])
+        targets = set(lora_targets or DEFAULT_LORA_TARGETS)
+        if lora_targets is None:
+            for a in adapters.values():
+                targets |= a.targets
+        self.max_adapters = max_adapters or max(8, len(adapters))
+        self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
+        self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
+                           self.max_lora_rank, device, dtype)
+        disaggregated = self.layout is KVLayout.DISAGGREGATED
+        self.limits = BatchLimits(
+            vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
+            num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
+            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
+        self.model = CausalLM(model_cfg, weights, self.lora, attention or EagerAttention(), disaggregated, device)
+        self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
+        self.sampler = Sampler(device, seed)
+        self.connector_gb_per_s = connector_gb_per_s
+        self._resident: dict[int, ResidentAdapter] = {}
+        self._names: dict[str, int] = {}
+        self._next_id = 0
+        self._tokenizer: Tokenizer | None = None
+        for name, adapter in adapters.items():
+            self._install(name, adapter)
+
+    # ---- Backend protocol -------------------------------------------------------------------
+
+    def page_kinds(self) -> tuple[PageKind, ...]:
+        return page_kinds(self.layout)
+
+    def step(self, work: Sequence[SeqWork]) -> StepResult:
+        return self.forward(work).result
+
+    def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[int, int]]) -> None:
+        if kind not in self.page_kinds():
+            raise InvalidWorkError(f"page kind {kind.value!r} is not stored by the {self.layout.value} layout")
+        limit = self.pool.pages_of(kind)
+        bad = [pair for pair in pairs if not all(0 <= p < limit for p in pair)]
+        if bad:
+            raise InvalidWorkError(f"copy_pages: page ids {bad[:5]} outside [0, {limit})")
+        self.pool.copy(kind, pairs)
+
+    def transfer_cost(self, tokens: int) -> StepCost:
+        """Modeled: KV bytes of `tokens` tokens over a connector of connector_gb_per_s."""
+        per_token = sum(kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype).values())
+        return StepCost(ms=tokens * per_token / (self.connector_gb_per_s * 1e9) * 1e3)
+
+    # ---- Beyond the protocol ----------------------------------------------------------------
+
+    def forward(self, work: Sequence[SeqWork], all_logits: bool = False) -> StepOutput:
+        """step() plus logits: for each item, the last token's (if it samples) or every token's."""
+        if not work:
+            return StepOutput(StepResult(()), ())
+        slots = {aid: r.slot for aid, r in self._resident.items()}
+        validate(work, self.limits, slots)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(work, slots, all_logits)
+        sampling = [s for s in work if s.sampling is not None]
+        if all_logits:
+            ends = torch.tensor([len(s.tokens) for s in work]).cumsum(0).tolist()
+            per_item = [logits[e - len(s.tokens):e] for s, e in zip(work, ends)]
+            last = torch.stack([rows[-1] for rows, s in zip(per_item, work) if s.sampling is not None]) \
+                if sampling else logits[:0]
+        else:
+            rows = iter(range(len(sampling)))
+            per_item = [logits[next(rows)].unsqueeze(0) if s.sampling is not None else None for s in work]
+            last = logits
+        tokens = iter(self.sampler.sample(last, [s.sampling for s in sampling],
+                                          [s.start_pos + len(s.tokens) for s in sampling]) if sampling else [])
+        next_tokens = tuple(next(tokens) if s.sampling is not None else None for s in work)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        decode = [s for s in work if len(s.tokens) == 1 and s.start_pos > 0]
+        prefill = [s for s in work if not (len(s.tokens) == 1 and s.start_pos > 0)]
+        cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
+                        decode_tokens=len(decode), prefill_calls=len(prefill))
+        return StepOutput(StepResult(next_tokens, cost), tuple(per_item))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            if self.model_path is None:
+                raise RuntimeError("this backend was built from in-memory weights and has no tokenizer")
+            self._tokenizer = Tokenizer.load(self.model_path)
+        return self._tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_context
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    @property
+    def adapters(self) -> Mapping[str, int]:
+        """Resident adapters: name -> adapter id (the id SeqWork.adapter_id carries)."""
+        return dict(self._names)
+
+    def adapter_id(self, name: str) -> int:
+        if name not in self._names:
+            raise UnknownAdapterError(f"adapter {name!r} is not resident (resident: {sorted(self._names)})")
+        return self._names[name]
+
+    def add_adapter(self, name: str, path: str | Path | LoraAdapter) -> int:
+        """Load a PEFT folder (or an adapter already loaded) into a free slot; returns its new id.
+
+        Ids are never reused, so a residual cache keyed by an old id cannot match a new adapter."""
+        adapter = path if isinstance(path, LoraAdapter) else load_peft_adapter(path, name)
+        return self._install(name, adapter)
+
+    def remove_adapter(self, name_or_id: str | int) -> None:
+        aid = self.adapter_id(name_or_id) if isinstance(name_or_id, str) else name_or_id
+        if aid not in self._resident:
+            raise UnknownAdapterError(f"adapter id {aid} is not resident")
+        resident = self._resident.pop(aid)
+        del self._names[resident.name]
+        self.lora.clear(resident.slot)
+
+    def kv_bytes_per_token(self) -> dict[PageKind, int]:
+        return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype)
+
+    def _install(self, name: str, adapter: LoraAdapter) -> int:
+        if name in self._names:
+            raise AdapterCapacityError(f"adapter {name!r} is already resident (id {self._names[name]})")
+        check_fits(adapter, self.model_config, self.max_lora_rank, self.lora.targets)
+        used = {r.slot for r in self._resident.values()}
+        free = [s for s in range(self.max_adapters) if s not in used]
+        if not free:
+            raise AdapterCapacityError(f"all {self.max_adapters} adapter slots are taken; remove one first")
+        self.lora.write(free[0], adapter)
+        aid = self._next_id
+        self._next_id += 1
+        self._resident[aid] = ResidentAdapter(aid, name, adapter.rank, adapter.targets, free[0])
+        self._names[name] = aid
+        return aid

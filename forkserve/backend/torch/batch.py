@@ -1,0 +1,131 @@
+"""Work items in, one flattened batch out: validation first, then index tensors.
+
+`validate` runs before anything is written, so a rejected step leaves the pools untouched.
+`build` turns SeqWork items into token-major tensors (T tokens over B sequences) and the
+AttentionMetadata every attention backend reads. Padding (for CUDA graphs) points at the
+pool's scratch page, never at a real one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from forkserve.backend.protocol import SeqWork
+from forkserve.backend.torch.attention import AttentionMetadata
+from forkserve.backend.torch.errors import (ContextLengthError, InvalidWorkError, TokenOutOfVocabError,
+                                            UnknownAdapterError)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    vocab_size: int
+    max_context: int
+    page_size: int
+    num_pages: int
+    num_residual_pages: int
+    disaggregated: bool
+    needs_residual: bool   # resident adapters carry k or v LoRA: disaggregated items need residual pages
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    token_slot: torch.Tensor      # [T] adapter slot per token, -1 none
+    logits_indices: torch.Tensor  # rows of T whose logits are computed
+    meta: AttentionMetadata
+    use_lora: bool
+
+
+def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what: str, page_size: int) -> None:
+    if len(pages) * page_size < need:
+        raise InvalidWorkError(f"seq {seq.seq_id}: {len(pages)} {what} pages of {page_size} tokens "
+                               f"cannot hold positions [0, {need})")
+    bad = [p for p in pages[: -(-need // page_size)] if not 0 <= p < limit]
+    if bad:
+        raise InvalidWorkError(f"seq {seq.seq_id}: {what} page ids {bad} outside [0, {limit})")
+
+
+def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
+    for seq in work:
+        if not seq.tokens:
+            raise InvalidWorkError(f"seq {seq.seq_id}: no tokens")
+        if seq.start_pos < 0:
+            raise InvalidWorkError(f"seq {seq.seq_id}: negative start_pos {seq.start_pos}")
+        bad = [t for t in seq.tokens if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise TokenOutOfVocabError(f"seq {seq.seq_id}: token ids {bad[:5]} outside the vocabulary "
+                                       f"[0, {limits.vocab_size})")
+        end = seq.start_pos + len(seq.tokens)
+        if end > limits.max_context:
+            raise ContextLengthError(f"seq {seq.seq_id}: {end} tokens exceed the model's context of "
+                                     f"{limits.max_context}")
+        if seq.adapter_id is not None and seq.adapter_id not in adapter_slots:
+            raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
+        _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
+        if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
+            if seq.slots.residual_pages is None:
+                raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
+                                       f"for adapter {seq.adapter_id}")
+            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
+                         limits.page_size)
+
+
+def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
+          all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int) -> Batch:
+    """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
+    token of each item that samples."""
+    p = limits.page_size
+    ids, pos, tok_slot, slots, res_slots, logit_rows = [], [], [], [], [], []
+    tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
+    for seq in work:
+        slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
+        n, end = len(seq.tokens), seq.start_pos + len(seq.tokens)
+        pages = seq.slots.pages
+        res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
+        first = len(ids)
+        for j, token in enumerate(seq.tokens):
+            at = seq.start_pos + j
+            ids.append(token)
+            pos.append(at)
+            tok_slot.append(slot)
+            slots.append(pages[at // p] * p + at % p)
+            res_slots.append(res[at // p] * p + at % p if res is not None else scratch_res_page * p)
+        if all_logits:
+            logit_rows.extend(range(first, first + n))
+        elif seq.sampling is not None:
+            logit_rows.append(first + n - 1)
+        used = -(-end // p)
+        tables.append(list(pages[:used]))
+        res_tables.append(list(res[:used]) if res is not None else [scratch_res_page] * used)
+        seq_lens.append(end)
+        qlens.append(n)
+        seq_slot.append(slot)
+    width = max(len(t) for t in tables)
+    tables = [t + [scratch_page] * (width - len(t)) for t in tables]
+    res_tables = [t + [scratch_res_page] * (width - len(t)) for t in res_tables]
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots, torch.int64),
+        res_slot_mapping=tensor(res_slots, torch.int64) if limits.disaggregated else None,
+        block_tables=tensor(tables, torch.int32),
+        res_block_tables=tensor(res_tables, torch.int32) if limits.disaggregated else None,
+        seq_lens=tensor(seq_lens, torch.int32),
+        query_starts=tensor(starts, torch.int32),
+        seq_slot=tensor(seq_slot, torch.int64),
+        query_lens_host=tuple(qlens),
+        seq_lens_host=tuple(seq_lens),
+        seq_slot_host=tuple(seq_slot),
+        decode_only=all(n == 1 for n in qlens),
+    )
+    return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
+                 token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),
+                 meta=meta, use_lora=any(s >= 0 for s in seq_slot))

@@ -1,0 +1,51 @@
+"""Typed errors of the torch backend.
+
+Every check that can reject a request runs before any tensor is written, so each of
+these errors leaves the backend (KV pools, adapter slots, counters) unchanged.
+They subclass ValueError / KeyError so callers that only know the builtin types still
+catch them.
+"""
+from __future__ import annotations
+
+
+class TorchBackendError(Exception):
+    """Base class of every error raised by forkserve.backend.torch."""
+
+
+class UnsupportedModelError(TorchBackendError, ValueError):
+    """The checkpoint's architecture or a config option is not implemented."""
+
+
+class CheckpointError(TorchBackendError, ValueError):
+    """A checkpoint folder or file is missing tensors or has tensors of the wrong shape."""
+
+
+class UnknownAdapterError(TorchBackendError, KeyError):
+    """An adapter id or name that is not resident."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterFormatError(TorchBackendError, ValueError):
+    """A PEFT adapter folder that cannot be read (missing files, unsupported options)."""
+
+
+class AdapterShapeError(TorchBackendError, ValueError):
+    """An adapter whose shapes, rank or target modules do not fit the model or the stacks."""
+
+
+class AdapterCapacityError(TorchBackendError, ValueError):
+    """Every adapter slot is taken, or the name is already resident."""
+
+
+class TokenOutOfVocabError(TorchBackendError, ValueError):
+    """A token id outside [0, vocab_size)."""
+
+
+class ContextLengthError(TorchBackendError, ValueError):
+    """A sequence would grow past the model's context window."""
+
+
+class InvalidWorkError(TorchBackendError, ValueError):
+    """A work item whose pages do not cover its positions, or that names bad page ids."""

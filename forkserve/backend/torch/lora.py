@@ -1,0 +1,181 @@
+"""LoRA adapters: PEFT folders in, per-layer stacked device tensors out.
+
+Many adapters stay resident in fixed slots of preallocated stacks, so adding or removing
+one never reallocates (captured CUDA graphs keep pointing at the same memory). Each
+token picks its adapter through a 0/1 mask over the stacked rank columns:
+
+    shrink:  h = (x @ A_all) * mask      A_all [in, slots * r_max]   (one matmul, all slots)
+    expand:  y += h @ B_all              B_all [slots * r_max, out]  (zero rows for other slots)
+
+so a batch mixing adapters is two dense matmuls per projection, with no gather and no
+per-adapter loop. B is stored pre-multiplied by alpha / r (the kernel contract).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors.torch import load_file
+
+from forkserve.backend.torch.errors import AdapterFormatError, AdapterShapeError
+from forkserve.backend.torch.model_config import ModelConfig
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Projections that share an input are shrunk by one matmul.
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
+                                      "gate_up": ("gate", "up"), "down": ("down",)}
+MAX_RANK = 64
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_([AB])\.weight$")
+
+
+def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-able projection."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"q": (h, cfg.q_size), "k": (h, cfg.kv_size), "v": (h, cfg.kv_size), "o": (cfg.q_size, h),
+            "gate": (h, i), "up": (h, i), "down": (i, h)}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    rank: int
+    scaling: float
+    # (layer, target) -> (A [rank, in], B [out, rank] already multiplied by scaling), float32
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def targets(self) -> frozenset[str]:
+        return frozenset(t for _, t in self.weights)
+
+
+def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
+    folder = Path(path)
+    cfg_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise AdapterFormatError(f"{folder} is not a PEFT LoRA folder "
+                                 "(needs adapter_config.json and adapter_model.safetensors)")
+    acfg = json.loads(cfg_file.read_text())
+    if acfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterFormatError(f"{folder}: peft_type {acfg.get('peft_type')!r} is not LORA")
+    for flag, bad in (("use_dora", True), ("rank_pattern", None), ("alpha_pattern", None),
+                      ("modules_to_save", None)):
+        value = acfg.get(flag)
+        if value and (bad is None or value == bad):
+            raise AdapterFormatError(f"{folder}: {flag}={value!r} is not supported")
+    if acfg.get("bias", "none") != "none":
+        raise AdapterFormatError(f"{folder}: bias={acfg['bias']!r} is not supported (only 'none')")
+    rank, alpha = int(acfg["r"]), float(acfg.get("lora_alpha", acfg["r"]))
+    scaling = alpha / math.sqrt(rank) if acfg.get("use_rslora") else alpha / rank
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights_file).items():
+        m = _KEY.search(key)
+        if m is None:
+            raise AdapterFormatError(f"{folder}: unsupported tensor {key!r}")
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.float()
+    weights = {}
+    for (layer, target), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterFormatError(f"{folder}: layer {layer} {target}_proj lacks lora_A or lora_B")
+        weights[(layer, target)] = (ab["A"], ab["B"] * scaling)
+    return LoraAdapter(name=name or folder.name, rank=rank, scaling=scaling, weights=weights)
+
+
+def check_fits(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int, targets: tuple[str, ...]) -> None:
+    """Raise AdapterShapeError unless every tensor of the adapter fits the model and stacks."""
+    shapes = target_shapes(cfg)
+    if adapter.rank > max_rank:
+        raise AdapterShapeError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {max_rank}")
+    for (layer, target), (a, b) in adapter.weights.items():
+        if target not in targets:
+            raise AdapterShapeError(f"adapter {adapter.name!r} targets {target}_proj, which is not among "
+                                    f"the backend's lora_targets {targets}")
+        if not 0 <= layer < cfg.num_layers:
+            raise AdapterShapeError(f"adapter {adapter.name!r} has layer {layer}; the model has "
+                                    f"{cfg.num_layers} layers")
+        fan_in, fan_out = shapes[target]
+        if tuple(a.shape) != (adapter.rank, fan_in) or tuple(b.shape) != (fan_out, adapter.rank):
+            raise AdapterShapeError(
+                f"adapter {adapter.name!r} layer {layer} {target}_proj: A {tuple(a.shape)}, B {tuple(b.shape)} "
+                f"do not fit the model (expected A ({adapter.rank}, {fan_in}), B ({fan_out}, {adapter.rank}))")
+
+
+class LoraStack:
+    """Resident adapters of one model, stacked per layer into fixed device tensors."""
+
+    def __init__(self, cfg: ModelConfig, targets: tuple[str, ...], max_slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if not 1 <= max_rank <= MAX_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_RANK}], got {max_rank}")
+        unknown = set(targets) - set(TARGETS)
+        if unknown:
+            raise ValueError(f"unknown lora_targets {sorted(unknown)}; choose from {TARGETS}")
+        self.cfg, self.max_slots, self.max_rank = cfg, max_slots, max_rank
+        self.targets = tuple(t for t in TARGETS if t in targets)
+        self.groups = {g: tuple(t for t in ts if t in self.targets) for g, ts in GROUPS.items()}
+        self.groups = {g: ts for g, ts in self.groups.items() if ts}
+        width = max_slots * max_rank
+        shapes = target_shapes(cfg)
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(cfg.num_layers):
+            self.a.append({g: torch.zeros(shapes[ts[0]][0], len(ts) * width, device=device, dtype=dtype)
+                           for g, ts in self.groups.items()})
+            self.b.append({t: torch.zeros(width, shapes[t][1], device=device, dtype=dtype)
+                           for t in self.targets})
+        self.col_slot = torch.arange(width, device=device) // max_rank
+
+    @property
+    def width(self) -> int:
+        return self.max_slots * self.max_rank
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy an adapter (already checked with check_fits) into a slot; missing targets stay zero."""
+        self.clear(slot)
+        r, w = adapter.rank, self.width
+        for (layer, target), (a, b) in adapter.weights.items():
+            group = next(g for g, ts in self.groups.items() if target in ts)
+            col = self.groups[group].index(target) * w + slot * self.max_rank
+            self.a[layer][group][:, col:col + r].copy_(a.t())
+            row = slot * self.max_rank
+            self.b[layer][target][row:row + r].copy_(b.t())
+
+    def clear(self, slot: int) -> None:
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for layer in range(self.cfg.num_layers):
+            for group, ts in self.groups.items():
+                for j in range(len(ts)):
+                    self.a[layer][group][:, j * self.width + cols.start: j * self.width + cols.stop].zero_()
+            for t in self.targets:
+                self.b[layer][t][cols].zero_()
+
+    def token_mask(self, token_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, slots * r_max] 0/1: the rank columns of each token's adapter (none for slot -1)."""
+        return (self.col_slot[None, :] == token_slot[:, None]).to(dtype)
+
+    def shrink(self, layer: int, group: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x A for every target of the group, masked to each token's adapter: [T, G * width]."""
+        h = x @ self.a[layer][group]
+        g = len(self.groups[group])
+        return h * (mask if g == 1 else mask.repeat(1, g))
+
+    def part(self, group: str, target: str, h: torch.Tensor) -> torch.Tensor:
+        j = self.groups[group].index(target)
+        return h[:, j * self.width:(j + 1) * self.width]
+
+    def expand_(self, layer: int, target: str, h_part: torch.Tensor, out: torch.Tensor) -> None:
+        """out += h_part @ B (in place; out may be a column slice of a fused projection)."""
+        out.addmm_(h_part, self.b[layer][target])
+
+    def collapse(self, h_part: torch.Tensor) -> torch.Tensor:
+        """Masked [T, slots * r_max] -> [T, r_max]: each token's own x A (the residual cache row)."""
+        return h_part.view(h_part.shape[0], self.max_slots, self.max_rank).sum(dim=1)
+
+    def b_stack(self, layer: int, target: str) -> torch.Tensor | None:
+        """B of every slot as [slots, r_max, out] (the residual-attention kernel's operand)."""
+        b = self.b[layer].get(target)
+        return None if b is None else b.view(self.max_slots, self.max_rank, -1)

@@ -1,0 +1,86 @@
+"""The decoder forward (Llama / Mistral / Qwen2) over a flattened batch and paged KV.
+
+One function serves every layout: in the disaggregated layout the k/v LoRA deltas are not
+added to K/V; their rank-r inputs (x A_k, x A_v) go to the residual pool instead and the
+attention backend reconstructs K/V on read. q/o/MLP LoRA apply normally in every layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from forkserve.backend.torch.attention import AttentionBackend, AttentionMetadata
+from forkserve.backend.torch.kv_pool import KVPool
+from forkserve.backend.torch.lora import LoraStack
+from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.rope import Rope, apply_rope
+from forkserve.backend.torch.weights import ModelWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 statistics, cast back before the weight: HF's LlamaRMSNorm order.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class CausalLM:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: LoraStack | None,
+                 attention: AttentionBackend, disaggregated: bool, device: torch.device) -> None:
+        self.cfg, self.weights, self.lora, self.attention = cfg, weights, lora, attention
+        self.disaggregated = disaggregated
+        self.rope = Rope(cfg.rope, cfg.head_dim, device)
+        q, kv = cfg.q_size, cfg.kv_size
+        self._qkv_slices = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        i = cfg.intermediate_size
+        self._gate_up_slices = {"gate": slice(0, i), "up": slice(i, 2 * i)}
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slot: torch.Tensor,
+                meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor,
+                use_lora: bool) -> torch.Tensor:
+        """input_ids/positions/token_slot [T] -> float32 logits [len(logits_indices), vocab]."""
+        cfg, w = self.cfg, self.weights
+        lora = self.lora if use_lora else None
+        x = F.embedding(input_ids, w.embed)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        mask = lora.token_mask(token_slot, x.dtype) if lora is not None else None
+        n_tokens = input_ids.shape[0]
+        for n, layer in enumerate(w.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            res: dict[str, torch.Tensor] = {}
+            if lora is not None and "qkv" in lora.groups:
+                shrunk = lora.shrink(n, "qkv", h, mask)
+                for t in lora.groups["qkv"]:
+                    part = lora.part("qkv", t, shrunk)
+                    if self.disaggregated and t in ("k", "v"):
+                        res[t] = lora.collapse(part)
+                    else:
+                        lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
+            q = qkv[:, self._qkv_slices["q"]].view(n_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self._qkv_slices["k"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            b_k = lora.b_stack(n, "k") if lora is not None and self.disaggregated else None
+            b_v = lora.b_stack(n, "v") if lora is not None and self.disaggregated else None
+            attn = self.attention.forward(q, k, v.contiguous(), res.get("k"), res.get("v"), pool.layer(n),
+                                          b_k, b_v, meta, self.rope)
+            o = F.linear(attn, layer.o)
+            if lora is not None and "o" in lora.groups:
+                lora.expand_(n, "o", lora.shrink(n, "o", attn, mask), o)
+            x = x + o
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(h, layer.gate_up)
+            if lora is not None and "gate_up" in lora.groups:
+                shrunk = lora.shrink(n, "gate_up", h, mask)
+                for t in lora.groups["gate_up"]:
+                    lora.expand_(n, t, lora.part("gate_up", t, shrunk), gate_up[:, self._gate_up_slices[t]])
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down)
+            if lora is not None and "down" in lora.groups:
+                lora.expand_(n, "down", lora.shrink(n, "down", act, mask), down)
+            x = x + down
+        x = rms_norm(x[logits_indices], w.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, w.lm_head).float()

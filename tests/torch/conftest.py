@@ -1,0 +1,129 @@
+"""Tiny random models saved to disk, so every test goes through the real loaders.
+
+FORKSERVE_TEST_DEVICE=cuda runs the suite on the GPU in bf16 (tolerances widen accordingly).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+
+from forkserve.backend.protocol import GREEDY, KVSlots, SamplingParams, SeqWork
+from forkserve.config import ForkServeConfig, KVLayout
+
+DEVICE = torch.device(os.environ.get("FORKSERVE_TEST_DEVICE", "cpu"))
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+# ||ours - ref|| / ||ref||: float32 lands near 1e-6; bf16 near 1e-2 (METHOD.md's bands).
+REL_TOL = 1e-4 if DTYPE == torch.float32 else 3e-2
+PAGE = 4          # small pages so short prompts span several
+PAGES_PER_SEQ = 16
+VOCAB = 128
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+def tiny_hf_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    return (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
+
+
+def save_tiny_model(path: Path, arch: str, seed: int, shard: bool = False, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides), attn_implementation="eager")
+    with torch.no_grad():  # HF zero-initializes biases; random ones make the bias path observable
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, max_shard_size="60KB" if shard else "5GB")
+    return path
+
+
+def save_peft_adapter(base: Path, path: Path, rank: int, targets: Sequence[str], seed: int,
+                      alpha: float = 16.0, rslora: bool = False) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(seed)
+    # init_lora_weights=False: B is random too, so the adapter changes the logits.
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[f"{t}_proj" for t in targets],
+                     init_lora_weights=False, use_rslora=rslora)
+    get_peft_model(model, cfg).save_pretrained(path)
+    return path
+
+
+def hf_logits(model_dir: Path, tokens: Sequence[int], adapter_dir: Path | None = None) -> torch.Tensor:
+    """Reference: transformers (+ peft) in float64 on CPU, logits for every position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                 dtype=torch.float64)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter_dir, torch_dtype=torch.float64)
+        model = model.to(torch.float64)
+    with torch.no_grad():
+        return model(torch.tensor([list(tokens)])).logits[0].float()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_tiny_model(root / "llama", "llama", seed=0),
+        "llama_sharded_tied": save_tiny_model(root / "llama_st", "llama", seed=1, shard=True,
+                                              tie_word_embeddings=True),
+        "llama3_rope": save_tiny_model(root / "llama3", "llama", seed=2, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}),
+        "qwen2": save_tiny_model(root / "qwen2", "qwen2", seed=3),
+    }
+
+
+@pytest.fixture(scope="session")
+def adapters(models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    base = models["llama"]
+    return {
+        "qkvo": save_peft_adapter(base, root / "qkvo", 4, ("q", "k", "v", "o"), seed=10),
+        "qv": save_peft_adapter(base, root / "qv", 8, ("q", "v"), seed=11, alpha=8.0),
+        "all": save_peft_adapter(base, root / "all", 2, ("q", "k", "v", "o", "gate", "up", "down"),
+                                 seed=12, rslora=True),
+    }
+
+
+def make_config(layout: KVLayout = KVLayout.UNIFIED, num_pages: int = 128) -> ForkServeConfig:
+    return ForkServeConfig(page_size=PAGE, num_pages=num_pages, num_residual_pages=num_pages,
+                           kv_layout=layout, vocab_size=VOCAB)
+
+
+def pages_for(seq: int, base_offset: int = 0) -> tuple[int, ...]:
+    start = base_offset + seq * PAGES_PER_SEQ
+    return tuple(range(start, start + PAGES_PER_SEQ))
+
+
+def work(seq: int, tokens: Sequence[int], start: int, adapter: int | None = None,
+         sampling: SamplingParams | None = GREEDY, residual: bool = False,
+         pages: tuple[int, ...] | None = None) -> SeqWork:
+    pages = pages if pages is not None else pages_for(seq)
+    return SeqWork(seq_id=seq, tokens=tuple(tokens), start_pos=start,
+                   slots=KVSlots(pages, pages_for(seq) if residual else None),
+                   adapter_id=adapter, sampling=sampling)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()

@@ -1,0 +1,87 @@
+"""Unified-layout logits against Hugging Face transformers on tiny random checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPE, REL_TOL, hf_logits, make_config, prompt, rel_err, work
+from forkserve.backend.torch import ModelConfig, TorchBackend
+
+
+def backend_for(path, **kw) -> TorchBackend:
+    return TorchBackend(make_config(), path, device=DEVICE, dtype=DTYPE, **kw)
+
+
+def prefill_logits(backend: TorchBackend, seq: int, tokens: list[int], chunk: int,
+                   adapter: int | None = None) -> torch.Tensor:
+    """Run `tokens` in chunks of `chunk`; logits of every position."""
+    out = []
+    for start in range(0, len(tokens), chunk):
+        step = backend.forward([work(seq, tokens[start:start + chunk], start, adapter)], all_logits=True)
+        out.append(step.logits[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_sharded_tied", "llama3_rope", "qwen2"])
+def test_prefill_matches_hf(models, name):
+    tokens = prompt(0, 23)
+    backend = backend_for(models[name])
+    ours = prefill_logits(backend, 0, tokens, chunk=len(tokens))
+    assert rel_err(ours, hf_logits(models[name], tokens)) < REL_TOL
+
+
+def test_config_reading(models):
+    cfg = ModelConfig.from_folder(models["qwen2"])
+    assert cfg.attention_bias and cfg.num_kv_heads == 2 and cfg.num_heads == 4
+    assert ModelConfig.from_folder(models["llama_sharded_tied"]).tie_word_embeddings
+    assert len(list(models["llama_sharded_tied"].glob("*.safetensors"))) > 1
+    assert ModelConfig.from_folder(models["llama3_rope"]).rope.rope_type == "llama3"
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8])
+def test_chunked_prefill_and_decode_match_hf(models, chunk):
+    """Chunks of any size (1 = token-by-token decode) give the full-prompt logits."""
+    tokens = prompt(1, 21)
+    backend = backend_for(models["qwen2"])
+    assert rel_err(prefill_logits(backend, 3, tokens, chunk), hf_logits(models["qwen2"], tokens)) < REL_TOL
+
+
+def test_mixed_batch_prefill_and_decode(models):
+    """One step holding a prefill chunk of one sequence and decodes of two others."""
+    path = models["llama"]
+    backend = backend_for(path)
+    a, b, c = prompt(2, 9), prompt(3, 12), prompt(4, 17)
+    backend.step([work(0, a[:-1], 0), work(1, b[:-1], 0)])
+    out = backend.forward([work(0, a[-1:], len(a) - 1), work(2, c[:10], 0),
+                           work(1, b[-1:], len(b) - 1)], all_logits=True)
+    assert rel_err(out.logits[0][-1], hf_logits(path, a)[-1]) < REL_TOL
+    assert rel_err(out.logits[1], hf_logits(path, c[:10])) < REL_TOL
+    assert rel_err(out.logits[2][-1], hf_logits(path, b)[-1]) < REL_TOL
+
+
+def test_greedy_generation_matches_hf_generate(models):
+    from transformers import AutoModelForCausalLM
+
+    path = models["llama"]
+    tokens = prompt(5, 10)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64)
+    ref = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(tokens):].tolist()
+    backend = backend_for(path)
+    out = [backend.step([work(0, tokens, 0)]).next_tokens[0]]
+    for i in range(7):
+        out.append(backend.step([work(0, out[-1:], len(tokens) + i)]).next_tokens[0])
+    # bf16 may flip a near-tie; float32 must agree exactly.
+    if DTYPE == torch.float32:
+        assert out == ref
+    else:
+        assert out[:2] == ref[:2]
+
+
+def test_step_reports_costs(models):
+    backend = backend_for(models["llama"])
+    r = backend.step([work(0, prompt(6, 7), 0), work(1, prompt(7, 5), 0, sampling=None)])
+    assert r.next_tokens[1] is None and isinstance(r.next_tokens[0], int)
+    assert r.cost.prefill_tokens == 12 and r.cost.prefill_calls == 2 and r.cost.ms > 0
+    r = backend.step([work(0, [5], 7)])
+    assert r.cost.decode_tokens == 1 and r.cost.prefill_tokens == 0
