@@ -32,13 +32,12 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[..., T, H, D]`` or ``[..., T, D]`` with ``positions`` ``[..., T]``).
+    """Rotate ``x [..., T, H, D]`` at ``positions`` (broadcastable to ``[..., T]``).
 
     Computed in float32 and returned in float32; the caller casts.
     """
     cos, sin = rope_cos_sin(positions, inv_freq)
-    if x.dim() == positions.dim() + 2:  # a heads axis sits between T and D
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads axis
     xf = x.to(torch.float32)
     half = xf.shape[-1] // 2
     lo, hi = xf[..., :half], xf[..., half:]

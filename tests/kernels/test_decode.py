@@ -6,7 +6,7 @@ import torch
 
 from forkserve.kernels import paged_decode, reference, residual_decode
 from forkserve.kernels.rope import apply_rope, default_inv_freq
-from helpers import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
+from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
 # (seq_lens, n_heads, n_kv_heads): ragged, mid-page ends, a length of exactly one page,
 # GQA groups of 1, 2, 4 and a non power of two (3).

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from forkserve.kernels.rope import apply_rope, default_inv_freq
 from forkserve.kernels.rope_triton import rope_offset_table, rope_rotate
-from helpers import DEVICE
+from kernel_testlib import DEVICE
 
 
 @triton.jit
@@ -33,14 +33,19 @@ def test_triton_rotation_matches_eager(start: int) -> None:
     out = torch.full_like(x, float("nan"))
     _rotate_kernel[(1,)](x, out, inv_freq, start, HALF=head_dim // 2, BLOCK_N=block_n)
     pos = torch.arange(start, start + block_n, device=DEVICE)
-    ref = apply_rope(x, pos, inv_freq)
+    ref = apply_rope(x[:, None], pos, inv_freq)[:, 0]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_rope_scores_depend_on_distance_only() -> None:
     gen = torch.Generator().manual_seed(1)
     inv_freq = default_inv_freq(64)
-    q, k = torch.randn(2, 64, generator=gen).unbind(0)
-    near = apply_rope(q[None], torch.tensor([12]), inv_freq) @ apply_rope(k[None], torch.tensor([5]), inv_freq).T
-    far = apply_rope(q[None], torch.tensor([9007]), inv_freq) @ apply_rope(k[None], torch.tensor([9000]), inv_freq).T
+    q, k = torch.randn(2, 1, 1, 64, generator=gen).unbind(0)  # [T=1, H=1, D]
+
+    def score(q_pos: int, k_pos: int) -> torch.Tensor:
+        rq = apply_rope(q, torch.tensor([q_pos]), inv_freq)
+        rk = apply_rope(k, torch.tensor([k_pos]), inv_freq)
+        return (rq * rk).sum()
+
+    near, far = score(12, 5), score(9007, 9000)
     torch.testing.assert_close(near, far, atol=1e-4, rtol=1e-4)
