@@ -1,0 +1,471 @@
+"""Kernel benchmark: ResidualAttention vs unified paged attention, SDPA and the eager path.
+
+Run on a GPU (bf16, Llama-3-8B attention: 32 heads, 8 KV heads, head_dim 128, rank 16):
+
+    python benchmarks/kernel_bench.py --out benchmarks/results
+
+Measures, for one attention layer:
+
+* copy bandwidth (device-to-device copy of 2 GiB, bytes read + written): the ceiling;
+* decode, contexts 1K-32K x batch 1-64, equal tokens per sequence, pages shuffled:
+  unified paged decode (ours), ResidualAttention decode (ours), torch SDPA on K/V that
+  was gathered beforehand (the gather is not timed), and the eager reconstruct path
+  (gather base + residual, K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v, SDPA);
+  achieved bytes/s of our kernels (bytes that must be read: K/V pages, residual rows);
+* prefill (whole-context causal prefill, batch 1): the same four;
+* shared-prefix decode at 32 agents vs 32 independent decodes of the same pages.
+
+Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a table.
+``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.kernels import reference  # noqa: E402
+from forkserve.kernels.decode_attention import paged_decode_triton, residual_decode_triton  # noqa: E402
+from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
+from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
+from forkserve.kernels.shared_prefix import shared_prefix_decode_triton  # noqa: E402
+
+
+class Setup:
+    """Shapes and one shared set of pools, sized for the largest case."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.dtype = torch.float32 if smoke else torch.bfloat16
+        if smoke:
+            self.n_heads, self.n_kv, self.head_dim, self.rank = 4, 2, 32, 16
+            self.contexts, self.batches = [64, 128], [1, 2]
+            self.prefill_contexts, self.agents, self.suffix = [64], 4, 16
+            self.max_tokens = 1024
+        else:
+            self.n_heads, self.n_kv, self.head_dim, self.rank = 32, 8, 128, 16
+            self.contexts = [1024, 2048, 4096, 8192, 16384, 32768]
+            self.batches = [1, 8, 32, 64]
+            self.prefill_contexts = [1024, 2048, 4096, 8192, 16384, 32768]
+            self.agents, self.suffix = 32, 128
+            self.max_tokens = 64 * 32768 + 32 * 256
+        self.page = 16
+        self.n_adapters = 4
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        n_pages = self.max_tokens // self.page + 1
+        kv_shape = (n_pages, self.page, self.n_kv, self.head_dim)
+        # Random data, never zeros: zeros can run faster than real data.
+        self.k = torch.randn(kv_shape, generator=gen, device=self.device, dtype=self.dtype)
+        self.v = torch.randn(kv_shape, generator=gen, device=self.device, dtype=self.dtype)
+        res_shape = (n_pages, self.page, self.rank)
+        self.k_res = torch.randn(res_shape, generator=gen, device=self.device, dtype=self.dtype)
+        self.v_res = torch.randn(res_shape, generator=gen, device=self.device, dtype=self.dtype)
+        b_shape = (self.n_adapters, self.rank, self.n_kv * self.head_dim)
+        self.b_k = (torch.randn(b_shape, generator=gen, device=self.device) * 0.1).to(self.dtype)
+        self.b_v = (torch.randn(b_shape, generator=gen, device=self.device) * 0.1).to(self.dtype)
+        self.inv_freq = default_inv_freq(self.head_dim, base=500000.0, device=self.device)
+        self.perm = torch.randperm(n_pages - 1, generator=gen, device=self.device).to(torch.int32)
+        self.gen = gen
+
+    def tables(self, batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shuffled block tables (base and residual) and seq_lens for ``batch`` x ``ctx``."""
+        per = -(-ctx // self.page)
+        assert batch * per <= self.perm.numel(), "pool too small for this case"
+        bt = self.perm[: batch * per].view(batch, per).contiguous()
+        rbt = torch.roll(self.perm, 7)[: batch * per].view(batch, per).contiguous()
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=self.device)
+        return bt, rbt, lens
+
+    def adapters(self, batch: int) -> torch.Tensor:
+        return (torch.arange(batch, device=self.device) % self.n_adapters).to(torch.int32)
+
+    def q(self, rows: int) -> torch.Tensor:
+        return torch.randn(rows, self.n_heads, self.head_dim, generator=self.gen,
+                           device=self.device, dtype=self.dtype)
+
+
+def bench(fn: Callable[[], object], smoke: bool) -> float:
+    """Median milliseconds of ``fn`` on the GPU.
+
+    ``fn`` is captured in a CUDA graph (after a warm-up call that compiles it), so Python
+    and launch overhead stay out of the numbers; L2 is flushed (a 256 MiB write) before
+    each timed replay, so a small cache is not measured from L2. Timed with CUDA events.
+    """
+    if smoke:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def timed(n: int) -> list[float]:
+        pairs = []
+        for _ in range(n):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            pairs.append((start, end))
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in pairs]
+
+    first = sorted(timed(3))[1]
+    n = int(min(100, max(5, 200.0 / max(first, 1e-3))))  # ~200 ms of replays, 5..100 of them
+    times = sorted(timed(n))
+    del graph
+    return times[len(times) // 2]
+
+
+def measure(res: dict, what: str, fn: Callable[[], object], smoke: bool) -> float:
+    """``bench(fn)``, or NaN with the error recorded, so one failing case keeps the rest."""
+    try:
+        return bench(fn, smoke)
+    except Exception as exc:
+        res.setdefault("errors", []).append(f"{what}: {exc!r}"[:600])
+        print(f"ERROR {what}: {exc!r}"[:300], flush=True)
+        return math.nan
+
+
+def check(res: dict, what: str, fn: Callable[[], float]) -> float:
+    """An accuracy figure, or NaN with the error recorded."""
+    try:
+        return fn()
+    except Exception as exc:
+        res.setdefault("errors", []).append(f"{what}: {exc!r}"[:600])
+        return math.nan
+
+
+def copy_bandwidth(s: Setup) -> float:
+    """Bytes/s of a device-to-device copy of 2 GiB (read + write counted)."""
+    n = (2 << 30) // 2 if not s.smoke else 1 << 20
+    x = torch.randn(n, device=s.device, dtype=torch.float32).to(s.dtype)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), s.smoke)
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3)
+
+
+def gathered_kv(s: Setup, bt: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous ``[batch, Hkv, ctx, D]`` copies of the paged K/V (for SDPA)."""
+    k = reference.gather_pages(s.k, bt, ctx).transpose(1, 2).contiguous()
+    v = reference.gather_pages(s.v, bt, ctx).transpose(1, 2).contiguous()
+    return k, v
+
+
+def eager_reconstruct(s: Setup, bt: torch.Tensor, rbt: torch.Tensor, ctx: int,
+                      adapters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager disaggregated path: gather, up-project, RoPE, add. ``[batch, Hkv, ctx, D]``."""
+    kb = reference.gather_pages(s.k, bt, ctx)
+    vb = reference.gather_pages(s.v, bt, ctx)
+    kr = reference.gather_pages(s.k_res, rbt, ctx)
+    vr = reference.gather_pages(s.v_res, rbt, ctx)
+    dk = torch.bmm(kr, s.b_k[adapters.long()]).unflatten(-1, (s.n_kv, s.head_dim))
+    dv = torch.bmm(vr, s.b_v[adapters.long()]).unflatten(-1, (s.n_kv, s.head_dim))
+    pos = torch.arange(ctx, device=s.device)
+    k = kb + apply_rope(dk, pos, s.inv_freq).to(s.dtype)
+    v = vb + dv
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def sdpa_decode(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """GQA decode through SDPA: the group's query heads become query rows of their KV head."""
+    batch = q.shape[0]
+    qg = q.view(batch, s.n_kv, s.n_heads // s.n_kv, s.head_dim)
+    return F.scaled_dot_product_attention(qg, k, v).reshape(batch, s.n_heads, s.head_dim)
+
+
+def sdpa_prefill(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    group = s.n_heads // s.n_kv
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def tune_decode(s: Setup, res: dict) -> dict[str, dict]:
+    """Pick block_n / num_warps / num_stages per decode kernel on two shapes."""
+    if s.smoke:
+        return {"unified": {"block_n": 16}, "residual": {"block_n": 16}}
+    shapes = [(8, 8192), (64, 8192)]
+    variants = [dict(block_n=n, num_warps=w, num_stages=st)
+                for n in (32, 64) for w in (4, 8) for st in (2, 3)]
+    best: dict[str, dict] = {}
+    for name in ("unified", "residual"):
+        scores = []
+        for var in variants:
+            total = 0.0
+            try:
+                for batch, ctx in shapes:
+                    bt, rbt, lens = s.tables(batch, ctx)
+                    q = s.q(batch)
+                    if name == "unified":
+                        fn = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx, **var)  # noqa: E731
+                    else:
+                        ad = s.adapters(batch)
+                        fn = lambda: residual_decode_triton(  # noqa: E731
+                            q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad,
+                            s.inv_freq, max_seq_len=ctx, **var)
+                    total += bench(fn, s.smoke)
+            except Exception as exc:  # a variant that does not compile (registers, smem)
+                res.setdefault("tune_errors", []).append(f"{name} {var}: {exc!r}"[:300])
+                continue
+            scores.append((total, var))
+        scores.sort(key=lambda t: t[0])
+        best[name] = scores[0][1] if scores else variants[0]
+        res.setdefault("tuning", {})["decode_" + name] = [{"ms_sum": t, **v} for t, v in scores]
+    return best
+
+
+def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
+    bytes_per_token = 2 * s.n_kv * s.head_dim * s.k.element_size()
+    res_bytes_per_token = 2 * s.rank * s.k_res.element_size()
+    for ctx in s.contexts:
+        for batch in s.batches:
+            bt, rbt, lens = s.tables(batch, ctx)
+            q, ad = s.q(batch), s.adapters(batch)
+            row: dict = {"ctx": ctx, "batch": batch}
+            uni = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx, **cfg["unified"])  # noqa: E731
+            resid = lambda: residual_decode_triton(  # noqa: E731
+                q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
+                max_seq_len=ctx, **cfg["residual"])
+            tag = f"decode ctx={ctx} batch={batch}"
+            row["unified_ms"] = measure(res, tag + " unified", uni, s.smoke)
+            row["residual_ms"] = measure(res, tag + " residual", resid, s.smoke)
+            kv_bytes = batch * ctx * bytes_per_token
+            row["unified_GBps"] = kv_bytes / row["unified_ms"] / 1e6
+            row["residual_GBps"] = (kv_bytes + batch * ctx * res_bytes_per_token) / row["residual_ms"] / 1e6
+            row["residual_over_unified"] = row["residual_ms"] / row["unified_ms"]
+            if batch * ctx <= 512 * 1024 or s.smoke:  # eager copies of the cache: cap memory/time
+                k, v = gathered_kv(s, bt, ctx)
+                row["sdpa_gathered_ms"] = measure(res, tag + " sdpa", lambda: sdpa_decode(s, q, k, v), s.smoke)
+                del k, v
+                row["eager_reconstruct_ms"] = measure(
+                    res, tag + " eager", lambda: sdpa_decode(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)),
+                    s.smoke)
+            if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[1]:
+                row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
+                    resid(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(s, bt, rbt, ctx, ad)))))
+                row["unified_rel_err_vs_sdpa_fp32"] = check(res, tag + " check", lambda: rel_err(
+                    uni(), sdpa_decode(s, q.float(), *(t.float() for t in gathered_kv(s, bt, ctx)))))
+            res["decode"].append(row)
+            print(f"decode ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms "
+                  f"res={row['residual_ms']:.4f}ms ratio={row['residual_over_unified']:.3f} "
+                  f"uniBW={row['unified_GBps']:.0f}GB/s resBW={row['residual_GBps']:.0f}GB/s", flush=True)
+
+
+def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
+    """Pick block_m / block_n / num_warps / num_stages per prefill kernel at 4K context."""
+    if s.smoke:
+        return {"unified": dict(block_m=16, block_n=32), "residual": dict(block_m=16, block_n=32)}
+    variants = [dict(block_m=32, block_n=64, num_warps=8, num_stages=2),
+                dict(block_m=32, block_n=64, num_warps=8, num_stages=3),
+                dict(block_m=16, block_n=64, num_warps=4, num_stages=2),
+                dict(block_m=32, block_n=32, num_warps=4, num_stages=2),
+                dict(block_m=16, block_n=128, num_warps=8, num_stages=2)]
+    ctx = 4096
+    bt, rbt, lens = s.tables(1, ctx)
+    q, ad = s.q(ctx), s.adapters(1)
+    cu = torch.tensor([0, ctx], dtype=torch.int32, device=s.device)
+    best: dict[str, dict] = {}
+    for name in ("unified", "residual"):
+        scores = []
+        for var in variants:
+            if name == "unified":
+                fn = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **var)  # noqa: E731
+            else:
+                fn = lambda: residual_prefill_triton(  # noqa: E731
+                    q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
+                    max_q_len=ctx, **var)
+            ms = measure(res, f"tune prefill {name} {var}", fn, s.smoke)
+            if not math.isnan(ms):
+                scores.append((ms, var))
+        scores.sort(key=lambda t: t[0])
+        best[name] = scores[0][1] if scores else variants[0]
+        res.setdefault("tuning", {})["prefill_" + name] = [{"ms": t, **v} for t, v in scores]
+    return best
+
+
+def run_prefill(s: Setup, res: dict) -> None:
+    cfg = tune_prefill(s, res)
+    res["prefill_config"] = cfg
+    print(f"prefill config {cfg}", flush=True)
+    for ctx in s.prefill_contexts:
+        bt, rbt, lens = s.tables(1, ctx)
+        q, ad = s.q(ctx), s.adapters(1)
+        cu = torch.tensor([0, ctx], dtype=torch.int32, device=s.device)
+        uni = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **cfg["unified"])  # noqa: E731
+        resid = lambda: residual_prefill_triton(  # noqa: E731
+            q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
+            max_q_len=ctx, **cfg["residual"])
+        tag = f"prefill ctx={ctx}"
+        row: dict = {"ctx": ctx, "batch": 1, "unified_ms": measure(res, tag + " unified", uni, s.smoke),
+                     "residual_ms": measure(res, tag + " residual", resid, s.smoke)}
+        flops = 4 * s.n_heads * s.head_dim * ctx * (ctx + 1) / 2  # causal QK^T + PV
+        row["unified_TFLOPs"] = flops / row["unified_ms"] / 1e9
+        row["residual_TFLOPs"] = flops / row["residual_ms"] / 1e9
+        row["residual_over_unified"] = row["residual_ms"] / row["unified_ms"]
+        k, v = gathered_kv(s, bt, ctx)
+        row["sdpa_gathered_ms"] = measure(res, tag + " sdpa", lambda: sdpa_prefill(s, q, k, v), s.smoke)
+        del k, v
+        row["eager_reconstruct_ms"] = measure(
+            res, tag + " eager", lambda: sdpa_prefill(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)), s.smoke)
+        if ctx == s.prefill_contexts[0]:
+            row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
+                resid(), sdpa_prefill(s, q.float(), *(t.float() for t in eager_reconstruct(
+                    s, bt, rbt, ctx, ad)))[0].transpose(0, 1)))
+        res["prefill"].append(row)
+        print(f"prefill ctx={ctx:6d} uni={row['unified_ms']:.3f}ms res={row['residual_ms']:.3f}ms "
+              f"ratio={row['residual_over_unified']:.3f} sdpa={row['sdpa_gathered_ms']:.3f}ms "
+              f"eager={row['eager_reconstruct_ms']:.3f}ms uniTF={row['unified_TFLOPs']:.0f}", flush=True)
+
+
+def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
+    agents = s.agents
+    for ctx in s.contexts:
+        prefix_pages = ctx // s.page
+        per = prefix_pages + -(-s.suffix // s.page)
+        bt, _, _ = s.tables(agents, per * s.page)
+        bt = bt.clone()
+        bt[:, :prefix_pages] = bt[0, :prefix_pages]  # every agent forks the same prefix
+        lens = torch.full((agents,), ctx + s.suffix, dtype=torch.int32, device=s.device)
+        q = s.q(agents)
+        total = ctx + s.suffix
+        shared = lambda: shared_prefix_decode_triton(  # noqa: E731
+            q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=total, **cfg["unified"])
+        indep = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=total, **cfg["unified"])  # noqa: E731
+        tag = f"shared ctx={ctx}"
+        row = {"prefix_ctx": ctx, "suffix": s.suffix, "agents": agents,
+               "shared_ms": measure(res, tag + " shared", shared, s.smoke),
+               "independent_ms": measure(res, tag + " independent", indep, s.smoke)}
+        row["shared_over_independent"] = row["shared_ms"] / row["independent_ms"]
+        row["rel_err_vs_independent"] = check(res, tag + " check", lambda: rel_err(shared(), indep()))
+        res["shared_prefix"].append(row)
+        print(f"shared ctx={ctx:6d} agents={agents} shared={row['shared_ms']:.4f}ms "
+              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f}", flush=True)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    dec = res["decode"]
+    for batch, style in zip(sorted({r["batch"] for r in dec}), ("o", "s", "^", "D")):
+        rows = [r for r in dec if r["batch"] == batch]
+        ctx = [r["ctx"] for r in rows]
+        ax[0, 0].plot(ctx, [r["residual_over_unified"] for r in rows], marker=style, label=f"batch {batch}")
+        ax[0, 1].plot(ctx, [r["unified_GBps"] / res["copy_GBps"] for r in rows], marker=style,
+                      label=f"unified b{batch}")
+        ax[0, 1].plot(ctx, [r["residual_GBps"] / res["copy_GBps"] for r in rows], marker=style,
+                      linestyle="--", label=f"residual b{batch}")
+    ax[0, 0].axhline(1.10, color="red", linestyle=":", label="target 1.10")
+    ax[0, 0].set(xscale="log", xlabel="context", ylabel="time ratio",
+                 title="ResidualAttention decode / unified decode")
+    ax[0, 1].axhline(0.70, color="red", linestyle=":", label="target 0.70")
+    ax[0, 1].set(xscale="log", xlabel="context", ylabel="fraction of copy bandwidth",
+                 title=f"decode bandwidth (copy = {res['copy_GBps']:.0f} GB/s)")
+    ax[0, 0].legend(fontsize=7)
+    ax[0, 1].legend(fontsize=6, ncol=2)
+    pre = res["prefill"]
+    ctx = [r["ctx"] for r in pre]
+    for key, label in (("unified_ms", "unified (ours)"), ("residual_ms", "ResidualAttention (ours)"),
+                       ("sdpa_gathered_ms", "SDPA on gathered K/V"),
+                       ("eager_reconstruct_ms", "eager reconstruct + SDPA")):
+        ax[1, 0].plot(ctx, [r.get(key, math.nan) for r in pre], marker="o", label=label)
+    ax[1, 0].set(xscale="log", yscale="log", xlabel="context", ylabel="ms", title="prefill (batch 1, causal)")
+    ax[1, 0].legend(fontsize=7)
+    sp = res["shared_prefix"]
+    ax[1, 1].plot([r["prefix_ctx"] for r in sp], [r["shared_over_independent"] for r in sp], marker="o")
+    ax[1, 1].axhline(0.5, color="red", linestyle=":", label="target 0.5")
+    ax[1, 1].set(xscale="log", xlabel="shared prefix length", ylabel="time ratio",
+                 title=f"shared-prefix decode / independent ({sp[0]['agents'] if sp else 0} agents)")
+    ax[1, 1].legend(fontsize=7)
+    fig.suptitle(f"{res['device']}  {res['dtype']}  H={res['shape']['n_heads']} "
+                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} r={res['shape']['rank']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "shared"])
+    args = parser.parse_args()
+    s = Setup(args.smoke)
+    import triton
+    res: dict = {
+        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
+                  "page_size": s.page},
+        "decode": [], "prefill": [], "shared_prefix": [],
+    }
+    res["copy_GBps"] = copy_bandwidth(s) / 1e9
+    print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
+    cfg = tune_decode(s, res)
+    res["decode_config"] = cfg
+    print(f"decode config {cfg}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    steps = (("decode", lambda: run_decode(s, cfg, res)), ("shared", lambda: run_shared_prefix(s, cfg, res)),
+             ("prefill", lambda: run_prefill(s, res)))
+    for name, step in steps:
+        if name in args.skip:
+            continue
+        try:
+            step()
+        except Exception as exc:  # keep what was measured; report the failure
+            res.setdefault("errors", []).append(f"{name}: {exc!r}"[:1000])
+            print(f"{name} FAILED: {exc!r}", flush=True)
+        (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1))
+    plot(res, args.out / "kernel_bench.png")
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    print(f"\n== {res['device']} copy {res['copy_GBps']:.0f} GB/s; decode cfg {res['decode_config']}")
+    print("decode: ctx batch | unified ms  resid ms  ratio | uni %bw res %bw | sdpa ms eager ms")
+    for r in res["decode"]:
+        print(f"{r['ctx']:6d} {r['batch']:4d} | {r['unified_ms']:9.4f} {r['residual_ms']:9.4f} "
+              f"{r['residual_over_unified']:5.2f} | {100 * r['unified_GBps'] / res['copy_GBps']:6.1f} "
+              f"{100 * r['residual_GBps'] / res['copy_GBps']:6.1f} | {r.get('sdpa_gathered_ms', math.nan):8.4f} "
+              f"{r.get('eager_reconstruct_ms', math.nan):8.4f}")
+    print("prefill: ctx | unified ms resid ms ratio | sdpa ms eager ms | uni TF/s")
+    for r in res["prefill"]:
+        print(f"{r['ctx']:6d} | {r['unified_ms']:8.3f} {r['residual_ms']:8.3f} {r['residual_over_unified']:5.2f} | "
+              f"{r['sdpa_gathered_ms']:8.3f} {r['eager_reconstruct_ms']:8.3f} | {r['unified_TFLOPs']:6.1f}")
+    print("shared prefix: prefix agents | shared ms indep ms ratio")
+    for r in res["shared_prefix"]:
+        print(f"{r['prefix_ctx']:6d} {r['agents']:3d} | {r['shared_ms']:8.4f} {r['independent_ms']:8.4f} "
+              f"{r['shared_over_independent']:5.2f}")
+    for e in res.get("errors", []):
+        print("ERROR", e)
+
+
+if __name__ == "__main__":
+    main()
