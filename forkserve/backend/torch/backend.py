@@ -8,6 +8,7 @@ the control plane owns page ids and tells each step where to read and write.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,20 @@ def load_model(model_path: str | Path, device: torch.device,
     return load_hf_folder(path, device, dtype)
 
 
+def make_attention(choice: str | AttentionBackend, device: torch.device) -> AttentionBackend:
+    """"eager" (pure PyTorch), "triton" (forkserve.kernels), "auto" (triton on CUDA when importable)."""
+    if not isinstance(choice, str):
+        return choice
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "eager"
+    if choice == "eager":
+        return EagerAttention()
+    if choice == "triton":
+        from forkserve.backend.torch.kernel_attention import KernelAttention
+        return KernelAttention()
+    raise ValueError(f"attention must be 'auto', 'eager', 'triton' or an AttentionBackend, got {choice!r}")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -69,7 +84,7 @@ class TorchBackend:
                  adapters: Mapping[str, str | Path] | None = None, *,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  max_adapters: int | None = None, max_lora_rank: int | None = None,
-                 lora_targets: Sequence[str] | None = None, attention: AttentionBackend | None = None,
+                 lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
                  use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0, seed: int = 0) -> None:
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -83,7 +98,7 @@ class TorchBackend:
     def from_weights(cls, config: ForkServeConfig, model_config: ModelConfig, weights: ModelWeights,
                      adapters: Mapping[str, LoraAdapter] | None = None, *, device: str | torch.device,
                      dtype: torch.dtype, max_adapters: int | None = None, max_lora_rank: int | None = None,
-                     lora_targets: Sequence[str] | None = None, attention: AttentionBackend | None = None,
+                     lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
                      use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0,
                      seed: int = 0) -> "TorchBackend":
         """A backend over weights already in memory (benchmarks with random weights); no tokenizer."""
@@ -97,7 +112,7 @@ class TorchBackend:
     def _setup(self, config: ForkServeConfig, model_cfg: ModelConfig, weights: ModelWeights,
                adapters: Mapping[str, LoraAdapter], device: torch.device, dtype: torch.dtype,
                max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
-               attention: AttentionBackend | None, use_cuda_graphs: bool, connector_gb_per_s: float,
+               attention: str | AttentionBackend, use_cuda_graphs: bool, connector_gb_per_s: float,
                seed: int) -> None:
         # The model decides the vocabulary; the control plane reads it from backend.config.
         self.config = config if config.vocab_size == model_cfg.vocab_size else config.replace(
@@ -119,7 +134,8 @@ class TorchBackend:
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
             disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
-        self.model = CausalLM(model_cfg, weights, self.lora, attention or EagerAttention(), disaggregated, device)
+        self.attention = make_attention(attention, device)
+        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s

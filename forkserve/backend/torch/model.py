@@ -18,10 +18,9 @@ from forkserve.backend.torch.weights import ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 statistics, cast back before the weight: HF's LlamaRMSNorm order.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # One fused kernel (float32 statistics inside). HF casts to the dtype before the weight
+    # multiply; the difference is one bf16 rounding, and none in float32.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class CausalLM:
@@ -58,13 +57,13 @@ class CausalLM:
                         res[t] = lora.collapse(part)
                     else:
                         lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
-            q = qkv[:, self._qkv_slices["q"]].view(n_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self._qkv_slices["k"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            # q and k are adjacent in qkv: one RoPE over both heads sets (fewer kernels per layer).
+            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(n_tokens, -1, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, self._qkv_slices["v"]].reshape(n_tokens, cfg.num_kv_heads, cfg.head_dim)
             b_k = lora.b_stack(n, "k") if lora is not None and self.disaggregated else None
             b_v = lora.b_stack(n, "v") if lora is not None and self.disaggregated else None
-            attn = self.attention.forward(q, k, v.contiguous(), res.get("k"), res.get("v"), pool.layer(n),
+            attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"), pool.layer(n),
                                           b_k, b_v, meta, self.rope)
             o = F.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:

@@ -1,0 +1,67 @@
+"""Attention through forkserve.kernels (Triton on CUDA): the fast path behind the eager one.
+
+Same pools, same metadata, same AttentionBackend protocol as attention.EagerAttention; the
+kernels read pages in place instead of gathering them, and ResidualAttention reconstructs
+disaggregated K/V in on-chip memory. Off CUDA the kernels package runs its own eager
+references, which is how this wiring is tested on CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forkserve import kernels
+from forkserve.backend.torch.attention import AttentionMetadata, write_kv
+from forkserve.backend.torch.errors import UnsupportedModelError
+from forkserve.backend.torch.kv_pool import LayerKV
+from forkserve.backend.torch.rope import Rope
+
+
+class KernelAttention:
+    def __init__(self, use_triton: bool | None = None) -> None:
+        self.use_triton = use_triton
+        self._zeros: dict[tuple, torch.Tensor] = {}
+
+    def _or_zeros(self, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """A zero B stack for a projection no adapter targets (the kernel always reads both)."""
+        if b is not None:
+            return b
+        key = (tuple(like.shape), like.dtype, like.device)
+        if key not in self._zeros:
+            self._zeros[key] = torch.zeros_like(like)
+        return self._zeros[key]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
+                b_k: torch.Tensor | None, b_v: torch.Tensor | None,
+                meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
+        write_kv(kv, k, v, k_res, v_res, meta)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        page_size = kv.k.shape[1]
+        residual = kv.k_res is not None and meta.res_block_tables is not None and (
+            b_k is not None or b_v is not None)
+        if residual and rope.scale != 1.0:
+            raise UnsupportedModelError("ResidualAttention kernels do not apply yarn's cos/sin factor")
+        if meta.decode_only:
+            # A host-free bound (the padded table width) keeps decode capturable in a CUDA graph.
+            tuning = {"max_seq_len": meta.block_tables.shape[1] * page_size} if q.is_cuda else {}
+            if residual:
+                ref = b_k if b_k is not None else b_v
+                out = kernels.residual_decode(
+                    q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables,
+                    meta.seq_lens, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
+                    meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton, **tuning)
+            else:
+                out = kernels.paged_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, scale,
+                                           use_triton=self.use_triton, **tuning)
+        elif residual:
+            ref = b_k if b_k is not None else b_v
+            out = kernels.residual_prefill(
+                q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables, meta.seq_lens,
+                meta.query_starts, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
+                meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton)
+        else:
+            out = kernels.paged_prefill(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, meta.query_starts,
+                                        scale, use_triton=self.use_triton)
+        return out.reshape(q.shape[0], -1)
