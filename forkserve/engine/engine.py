@@ -181,7 +181,7 @@ class Engine:
                        table, NodeState.COMMITTED, adapter=tip.adapter)
         if best is not None and matched == len(tokens) == best.kv_len - tip.end \
                 and best.end == best.kv_len:
-            new_tip.next_token = best.next_token
+            new_tip.next_token, new_tip.next_token_sampling = best.next_token, best.next_token_sampling
         aborted = [n.id for c in tip.live_children() for n in tree.abort(c)]
         tree.add(new_tip)
         tree.committed.extend(tokens)
@@ -190,6 +190,7 @@ class Engine:
         self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
         before = self.metrics.prefill_tokens
         self._run_until(lambda: new_tip.kv_len >= new_tip.end)
+        self._publish(new_tip)
         self._account()
         return CommitResult(session_id, new_tip.id, best.id if best else None, matched,
                             self.metrics.prefill_tokens - before, tuple(aborted))
@@ -225,8 +226,6 @@ class Engine:
         session.begin_generate(max_tokens, sampling, frozenset(stop))
         if tip.next_token is not None and tip.next_token_sampling != sampling:
             tip.next_token = None
-            if tip.kv_len == tip.end:  # recompute the last position under the new sampling
-                tip.table.truncate(tip.end - 1)
         if max_tokens:
             tip.generation += 1
         self._emit(session)
@@ -288,6 +287,10 @@ class Engine:
         for session in self.sessions.values():
             tip = session.tree.tip
             self._emit(session)
+            if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
+                # No cached logits for the last position (a partial LCP bind, or another
+                # sampling rule): recompute that one position.
+                tip.table.truncate(tip.end - 1)
             pending = tip.end - tip.kv_len
             if pending > 0:
                 decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten

@@ -1,0 +1,10 @@
+"""Seed 000's fan-out table: apc / alias / disagg / cascade side by side (MockBackend).
+
+    python benchmarks/prefill_prune_bench.py [--sessions 10 --trunk 256 ...]
+
+Same as ``forkserve bench fanout``; writes benchmarks/results/fanout.json.
+"""
+from forkserve.bench.fanout import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmark workloads of ../shared/workloads.md, runnable from the CLI and benchmarks/."""

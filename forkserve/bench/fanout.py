@@ -1,0 +1,167 @@
+"""The ``fanout`` workload (seed 000's cost-model table) on the MockBackend.
+
+Ten sessions share one trunk text (256 tokens); each fans out four 32-token thoughts:
+index 0 the winner (a legal tool call), one repeated loop, one illegal tool call, one
+ordinary thought. Four systems run the same workload side by side:
+
+* ``apc``     prefix caching, first expand: every child is its own request carrying
+              trunk + residual, all arriving together (so none hits the cache).
+* ``alias``   ForkServe without the cascade: fork aliases the trunk, every residual
+              is prefilled.
+* ``disagg``  ``apc`` on prefill/decode disaggregation: every prefilled page moves.
+* ``cascade`` ``plus_config()``: hash probe, loop skip, early abort, the connector
+              moving only kept residual miss tails.
+
+Sessions run one after another, each committing its winner before the next fans out,
+so the winner published by session 1 is a hash hit for sessions 2-10. Peak KV is the sum
+over sessions of each session's peak *non-reclaimable* KV (the memory one must
+provision to run them concurrently); with the cascade's two-class scheduler, unpinned
+speculative pages are preemptible cache and do not count. See docs/COST_MODEL.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from forkserve.backend.byte_tokenizer import ByteTokenizer
+from forkserve.backend.mock import MockBackend
+from forkserve.config import ForkServeConfig, plus_config
+from forkserve.engine import Engine
+
+SYSTEMS = ("apc", "alias", "disagg", "cascade")
+SEED_ROWS = {  # seed 000's table, for the side-by-side print
+    "apc": (11520, 139.0, 0, 11520, 0),
+    "alias": (3840, 47.1, 0, 3840, 0),
+    "disagg": (11520, 162.1, 11520, 11520, 0),
+    "cascade": (3232, 40.3, 672, 2880, 10),
+}
+
+
+@dataclass(frozen=True)
+class FanoutParams:
+    sessions: int = 10
+    trunk: int = 256
+    residual: int = 32
+    fanout: int = 4
+    page_size: int = 16
+
+
+@dataclass(frozen=True)
+class FanoutRow:
+    system: str
+    prefill_tokens: int
+    fanout_ms: float
+    transfer_tokens: int
+    peak_kv_tokens: int
+    pruned: int
+    prefill_calls: int
+    decode_tokens: int
+    resident_peak_tokens: int
+    probe_aborts: int
+    actions: dict
+
+
+def _fit(text: str, n: int, tok: ByteTokenizer) -> list[int]:
+    ids = tok.encode(text)
+    if len(ids) < n:
+        ids += tok.encode(" ") * (n - len(ids))
+    return ids[:n]
+
+
+def build_workload(params: FanoutParams) -> tuple[list[int], list[list[int]]]:
+    """The trunk and the thoughts (winner, loop, illegal, ordinary, ...)."""
+    tok = ByteTokenizer()
+    prose = ("System: you are a coding agent with tools search(q) and run(cmd). "
+             "User: find why the nightly build fails and propose a fix. ")
+    trunk = _fit(prose * (params.trunk // len(prose) + 1), params.trunk, tok)
+    thoughts = [
+        _fit('Action: search({"q": "nightly build log"})', params.residual, tok),
+        trunk[-params.residual:],                                  # a repeated loop
+        _fit('Action: run({"cmd": "make test", "cwd": ', params.residual, tok),  # no close
+        _fit("Thought: the failure may come from the cache.", params.residual, tok),
+    ]
+    while len(thoughts) < params.fanout:
+        thoughts.append(_fit(f"Thought: alternative plan {len(thoughts)}.", params.residual, tok))
+    return trunk, thoughts[:params.fanout]
+
+
+def _config(system: str, params: FanoutParams) -> ForkServeConfig:
+    # One tick takes every request of the wave, so no prefill is split into two calls.
+    base = dict(page_size=params.page_size, num_pages=8192, hbm_tokens=8192 * params.page_size,
+                max_batch_tokens=65536)
+    if system == "cascade":
+        return plus_config(disaggregated_prefill=True, **base)
+    return ForkServeConfig(disaggregated_prefill=system == "disagg", **base)
+
+
+def run_system(system: str, params: FanoutParams) -> FanoutRow:
+    engine = Engine(MockBackend(_config(system, params)))
+    trunk, thoughts = build_workload(params)
+    peaks = 0
+    if system in ("apc", "disagg"):
+        handles = [engine.open(trunk + t) for _ in range(params.sessions) for t in thoughts]
+        engine.drain_slack()
+        peaks = sum(engine.sessions[h.id].peak_tokens for h in handles)
+    else:
+        handles = [engine.open(trunk) for _ in range(params.sessions)]
+        for h in handles:
+            kids = [engine.fork(h.id, h.tip, f"thought{i}", t) for i, t in enumerate(thoughts)]
+            for i, kid in enumerate(kids):
+                engine.speculate(h.id, kid, priority=0.9 if i == 0 else 0.5)
+            engine.drain_slack()
+            engine.commit(h.id, h.tip, thoughts[0])
+        peaks = sum(engine.sessions[h.id].peak_tokens for h in handles)
+    engine.check_integrity()
+    m = engine.metrics
+    return FanoutRow(system, m.prefill_tokens, round(m.prefill_ms, 3), m.transfer_tokens, peaks,
+                     m.pruned, m.prefill_calls, m.decode_tokens, m.peak_pages * params.page_size,
+                     m.probe_aborts, dict(m.actions))
+
+
+def format_table(rows: list[FanoutRow]) -> str:
+    head = (f"{'system':<8} {'prefill tok':>11} {'fan-out ms':>10} {'transfer tok':>12} "
+            f"{'peak KV':>8} {'pruned':>6} | seed: prefill / ms / transfer / peak / pruned")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        seed = SEED_ROWS.get(r.system)
+        seed_s = " / ".join(str(x) for x in seed) if seed else "-"
+        lines.append(f"{r.system:<8} {r.prefill_tokens:>11} {r.fanout_ms:>10.1f} "
+                     f"{r.transfer_tokens:>12} {r.peak_kv_tokens:>8} {r.pruned:>6} | {seed_s}")
+    apc = next((r for r in rows if r.system == "apc"), None)
+    if apc:
+        for r in rows:
+            if r.system != "apc":
+                lines.append(f"{r.system} vs apc: prefill {r.prefill_tokens / apc.prefill_tokens - 1:+.1%}, "
+                             f"fan-out {r.fanout_ms / apc.fanout_ms - 1:+.1%}, "
+                             f"peak KV {r.peak_kv_tokens / apc.peak_kv_tokens - 1:+.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[FanoutRow]:
+    ap = argparse.ArgumentParser(prog="forkserve bench fanout", description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=10)
+    ap.add_argument("--trunk", type=int, default=256)
+    ap.add_argument("--residual", type=int, default=32)
+    ap.add_argument("--fanout", type=int, default=4)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--system", choices=SYSTEMS + ("forkserve_plus", "all"), default="all")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fanout.json"))
+    args = ap.parse_args(argv)
+    params = FanoutParams(args.sessions, args.trunk, args.residual, args.fanout, args.page_size)
+    systems = SYSTEMS if args.system == "all" else (
+        ("cascade",) if args.system == "forkserve_plus" else (args.system,))
+    rows = [run_system(s, params) for s in systems]
+    print(f"fanout workload: {asdict(params)}; backend: MockBackend cost model (modeled ms)")
+    print(format_table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"workload": "fanout", "params": asdict(params),
+                                    "backend": "mock-cost-model",
+                                    "rows": [asdict(r) for r in rows]}, indent=2))
+    print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The ``forkserve`` command: ``demo``, ``bench fanout``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="forkserve", description="Branch-aware LLM serving for agents")
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="an agent step (fork, speculate, commit, generate) on CPU",
+                   add_help=False)
+    bench = sub.add_parser("bench", help="benchmark workloads of workloads.md")
+    bench.add_argument("workload", choices=["fanout"])
+    if not argv:
+        ap.print_help()
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from forkserve.interfaces.demo import main as demo_main
+        return demo_main(rest)
+    if command == "bench":
+        if not rest or rest[0] not in ("fanout",):
+            ap.parse_args(argv)  # prints the usage error
+        from forkserve.bench.fanout import main as fanout_main
+        fanout_main(rest[1:])
+        return 0
+    ap.parse_args(argv)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

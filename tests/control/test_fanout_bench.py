@@ -1,0 +1,43 @@
+"""The fan-out table: the arithmetic of workloads.md, and the cascade's figures."""
+import json
+
+import pytest
+
+from forkserve.bench.fanout import FanoutParams, main, run_system
+
+
+@pytest.fixture(scope="module")
+def rows():
+    params = FanoutParams()
+    return {s: run_system(s, params) for s in ("apc", "alias", "disagg", "cascade")}
+
+
+def test_apc_alias_disagg_rows_equal_the_arithmetic(rows):
+    s, t, r, k = 10, 256, 32, 4
+    assert rows["apc"].prefill_tokens == s * k * (t + r) == 11520
+    assert rows["apc"].prefill_calls == s * k
+    assert rows["apc"].fanout_ms == pytest.approx(0.021 * 40 + 0.012 * 11520)
+    assert rows["alias"].prefill_tokens == s * (t + k * r) == 3840
+    assert rows["alias"].peak_kv_tokens == 3840
+    assert rows["alias"].fanout_ms == pytest.approx(47.1, abs=0.05)
+    assert rows["disagg"].transfer_tokens == rows["disagg"].prefill_tokens == 11520
+    assert rows["disagg"].fanout_ms == pytest.approx(162.1, abs=0.05)
+    assert rows["apc"].peak_kv_tokens == rows["disagg"].peak_kv_tokens == 11520
+
+
+def test_cascade_row(rows):
+    c = rows["cascade"]
+    assert c.peak_kv_tokens == 10 * (256 + 32) == 2880
+    assert c.pruned == 10
+    assert c.prefill_tokens == 3232 and c.transfer_tokens == 672
+    assert c.actions == {"prefill": 11, "hash_skip": 9, "draft_skip": 10, "early_abort": 10}
+    assert c.probe_aborts == 10  # the illegal thought never clears tau
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "fanout.json"
+    main(["--sessions", "3", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["system"] for r in data["rows"]] == ["apc", "alias", "disagg", "cascade"]
+    assert data["rows"][0]["prefill_tokens"] == 3 * 4 * 288
+    assert "cascade" in capsys.readouterr().out

@@ -1,0 +1,228 @@
+"""Each mechanism of seed 000 in isolation, on the MockBackend."""
+import pytest
+
+from forkserve import AdmitMode, Engine, ForkServeConfig, plus_config
+from forkserve.backend.byte_tokenizer import ByteTokenizer
+from forkserve.backend.mock import MockBackend
+from forkserve.control.cascade import Action
+from forkserve.control.context_tree import NodeState
+from forkserve.control.scheduler import Demand, TickScheduler, WorkClass
+from forkserve.control.scorers import LegalityScorer, LoopScorer
+
+tok = ByteTokenizer()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def engine(cfg=None, clock=None):
+    cfg = cfg or ForkServeConfig(page_size=4, num_pages=256, vocab_size=300)
+    return Engine(MockBackend(cfg), clock=clock or Clock())
+
+
+def baseline_generate(cfg, tokens, n):
+    e = Engine(MockBackend(cfg))
+    return e.generate(e.open(tokens).id, n).tokens
+
+
+def test_fork_aliases_trunk_and_copies_only_the_shared_partial_page():
+    eng = engine()
+    h = eng.open(list(range(10, 20)))          # 10 tokens: 2 full pages + a partial one
+    eng.drain_slack()
+    used = eng.pool.num_used
+    a = eng.fork(h.id, h.tip, "a", [5])
+    assert eng.pool.num_used == used           # fork is a page-table copy
+    trunk = eng.node(h.id, h.tip).table.pages
+    assert eng.node(h.id, a).table.pages == trunk
+    eng.speculate(h.id, a)
+    eng.drain_slack()
+    child = eng.node(h.id, a).table.pages
+    assert child[:2] == trunk[:2]              # full trunk pages stay shared
+    assert child[2] != trunk[2]                # the partial page was copied before the write
+    assert eng.pool.num_used == used + 1
+    eng.check_integrity()
+
+
+def test_abort_releases_to_the_spine_and_cascades_through_childless_speculation():
+    eng = engine()
+    h = eng.open(list(range(10, 26)))
+    a = eng.fork(h.id, h.tip, "a", [5, 6, 7, 8])
+    eng.speculate(h.id, a)
+    eng.drain_slack()
+    b = eng.fork(h.id, a, "b", [9, 9])
+    eng.speculate(h.id, b)
+    eng.drain_slack()
+    spine_pages = eng.pool.num_used
+    res = eng.abort(h.id, b)
+    assert set(res.released_nodes) == {a, b}   # a had no live child left
+    assert eng.node(h.id, a).state is NodeState.ABORTED
+    assert eng.pool.num_used == spine_pages - 2
+    eng.check_integrity()
+
+
+def test_speculative_pages_are_never_published():
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300)
+    eng = engine(cfg)
+    h = eng.open(list(range(10, 18)))
+    a = eng.fork(h.id, h.tip, "a", list(range(30, 42)))
+    eng.speculate(h.id, a)
+    eng.drain_slack()
+    assert eng.index.num_pages == 2            # only the committed root's full pages
+    assert {e.prefix for e in eng.index.entries()} == {tuple(range(10, 14)), tuple(range(10, 18))}
+    eng.commit(h.id, h.tip, list(range(30, 38)))
+    assert eng.index.num_pages == 4
+
+
+def test_lcp_commit_splits_a_mid_page_and_prefills_only_the_tail():
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300)
+    eng = engine(cfg)
+    trunk = list(range(10, 18))
+    h = eng.open(trunk)
+    a = eng.fork(h.id, h.tip, "a", [1, 2, 3, 4, 5, 6])
+    b = eng.fork(h.id, h.tip, "b", [1, 2, 9])
+    for n in (a, b):
+        eng.speculate(h.id, n)
+    eng.drain_slack()
+    cr = eng.commit(h.id, h.tip, [1, 2, 3, 7, 7])  # diverges inside a's second page
+    assert (cr.bound_node, cr.matched_tokens, cr.prefilled_tokens) == (a, 3, 2)
+    assert set(cr.aborted) == {a, b}
+    out = eng.generate(h.id, 8)
+    assert out.tokens == baseline_generate(cfg, trunk + [1, 2, 3, 7, 7], 8)
+    eng.check_integrity()
+
+
+def test_a_fully_prefilled_known_suffix_commits_with_zero_compute():
+    eng = engine()
+    h = eng.open(list(range(10, 30)))
+    wrap = [5, 6, 7, 8, 9]
+    k = eng.fork(h.id, h.tip, "wrap", wrap)
+    eng.speculate(h.id, k, t_idle_ms=1000)
+    eng.drain_slack()
+    before = eng.metrics.prefill_tokens + eng.metrics.decode_tokens
+    cr = eng.commit(h.id, h.tip, wrap)
+    eng.generate(h.id, 1)  # the first token comes from the cached step
+    assert cr.prefilled_tokens == 0
+    assert eng.metrics.prefill_tokens + eng.metrics.decode_tokens == before
+
+
+def test_known_suffix_is_pinned_through_the_tool_pause_then_expires():
+    clock = Clock()
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300, node_ttl_s=1.0)
+    eng = engine(cfg, clock)
+    h = eng.open(list(range(10, 30)))
+    k = eng.fork(h.id, h.tip, "wrap", [5, 6, 7])
+    g = eng.fork(h.id, h.tip, "guess", [8, 9])
+    eng.speculate(h.id, k, t_idle_ms=3000)              # fits: pinned for 3 s
+    eng.speculate(h.id, g, priority=0.4, t_idle_ms=3000)
+    eng.drain_slack()
+    assert eng.node(h.id, k).pinned_until == pytest.approx(103.0)
+    clock.now += 2.0
+    eng.tick()
+    assert eng.node(h.id, g).state is NodeState.ABORTED  # TTL
+    assert eng.node(h.id, k).state is NodeState.SPECULATIVE  # pinned
+    clock.now += 2.0
+    eng.tick()
+    assert eng.node(h.id, k).state is NodeState.ABORTED
+    assert eng.metrics.ttl_expired == 2
+    eng.check_integrity()
+
+
+def test_slack_from_a_dropped_residual_fills_a_page_aligned_prefix_of_the_known_suffix():
+    cfg = plus_config(page_size=4, num_pages=256, vocab_size=300, prefill_ms_per_token=1.0)
+    eng = engine(cfg)
+    trunk = tok.encode("Thought: look at the logs first. ") * 2
+    h = eng.open(trunk)
+    known = eng.fork(h.id, h.tip, "wrap", list(range(40, 60)))   # 20 tokens ~ 20 ms > pause
+    loop = eng.fork(h.id, h.tip, "loop", trunk[-10:])             # a repeat: draft skip, frees 10
+    assert eng.speculate(h.id, known, t_idle_ms=5).action is Action.PREFILL
+    assert eng.node(h.id, known).slack_only
+    eng.drain_slack()
+    assert eng.node(h.id, known).kv_len == len(trunk)            # no slack yet: nothing written
+    assert eng.speculate(h.id, loop, priority=0.3).action is Action.DRAFT_SKIP
+    eng.drain_slack()
+    assert eng.node(h.id, known).kv_len == len(trunk) + 8        # 10 freed -> 8, page-aligned
+    assert eng.metrics.slack_filled_tokens == 8
+
+
+def test_parent_generation_change_drops_queued_speculation():
+    eng = engine()
+    h = eng.open(list(range(10, 30)))
+    a = eng.fork(h.id, h.tip, "a", list(range(40, 60)))
+    eng.speculate(h.id, a, priority=0.5)
+    eng.generate(h.id, 2)  # the trunk moves before a is run
+    eng.drain_slack()
+    assert eng.node(h.id, a).kv_len == 20  # only the aliased trunk: no residual written
+    assert eng.metrics.dropped_chunks == 1
+
+
+def test_scheduler_committed_first_and_zero_speculation_under_saturation():
+    cfg = ForkServeConfig(max_batch_tokens=100, spec_chunk=32, hbm_tokens=1000)
+    s = TickScheduler(cfg)
+    committed = [Demand(1, 1, True, WorkClass.COMMITTED), Demand(2, 60, False, WorkClass.COMMITTED)]
+    spec = [Demand(3, 50, False, WorkClass.SPECULATIVE, 0.5), Demand(4, 30, False, WorkClass.SPECULATIVE, 1.0)]
+    grants = s.plan(committed, spec, decode_slots=4, spec_memory_tokens=1000)
+    assert [(g.node_id, g.tokens) for g in grants] == [(1, 1), (2, 60), (4, 30)]  # 3's chunk does not fit
+    saturated = [Demand(2, 500, False, WorkClass.COMMITTED)]
+    assert all(g.work_class is WorkClass.COMMITTED for g in s.plan(saturated, spec, 4, 1000))
+    assert s.plan([], spec, 4, spec_memory_tokens=0) == []               # no memory left
+    assert s.decode_slots([250, 250]) == 4                                # C = floor(H / M_spine)
+
+
+def test_speculation_stops_at_chunk_boundaries():
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300, spec_chunk=8, max_batch_tokens=8)
+    eng = engine(cfg)
+    h = eng.open(list(range(10, 14)))
+    a = eng.fork(h.id, h.tip, "a", list(range(40, 60)))
+    eng.speculate(h.id, a, priority=0.5)
+    assert eng.tick() and eng.node(h.id, a).kv_len == 4 + 8
+    assert eng.tick() and eng.node(h.id, a).kv_len == 4 + 16
+
+
+@pytest.mark.parametrize("mode,kept", [(AdmitMode.WINNER, 1), (AdmitMode.TOP_M, 3), (AdmitMode.ALPHA, 2),
+                                       (AdmitMode.SCORE, 5)])
+def test_admit_modes(mode, kept):
+    cfg = plus_config(page_size=4, num_pages=512, vocab_size=300, admit_mode=mode, admit_alpha=0.7)
+    eng = engine(cfg)
+    h = eng.open(tok.encode("User: plan the trip. "))
+    kids = [eng.fork(h.id, h.tip, f"t{i}", tok.encode(f"Thought: option {i} is good")) for i in range(5)]
+    actions = [eng.speculate(h.id, k, priority=0.4).action for k in kids]
+    assert actions[0] is Action.PREFILL  # the winner is always kept
+    assert sum(a is Action.PREFILL for a in actions) == kept
+    assert all(a in (Action.PREFILL, Action.REJECTED) for a in actions)
+
+
+def test_loop_scorer_and_legality_scorer():
+    hist = tok.encode("Thought: I should check the weather in Paris today.")
+    loop = LoopScorer().score(hist, tok.encode("check the weather in Paris today."))
+    fresh = LoopScorer().score(hist, tok.encode("Let me book a train to Lyon."))
+    assert loop.is_loop and loop.value < 0.15
+    assert not fresh.is_loop and fresh.value > 0.45
+    legal = LegalityScorer(tok.decode)
+    assert legal.score([], tok.encode('Action: search({"q": "x"})')).value == 1.0
+    assert legal.score([], tok.encode('Action: search({"q": x})')).value == pytest.approx(0.22)
+    assert legal.score([], tok.encode('Action: search({"q": "x"')).value == pytest.approx(0.22)
+    assert legal.score([], tok.encode('<tool_call>{"name": "f"}</tool_call>')).value == 1.0
+    assert legal.score([], tok.encode("just prose")).value == 1.0
+
+
+def test_hash_skip_across_sessions_and_partial_hit_on_open():
+    cfg = plus_config(page_size=4, num_pages=256, vocab_size=300)
+    eng = engine(cfg)
+    trunk = tok.encode("System: agent. User: go.  ")  # 26 tokens
+    winner = tok.encode('Action: go({"x": 1})')
+    h1, h2 = eng.open(trunk), eng.open(trunk)
+    k1 = eng.fork(h1.id, h1.tip, "w", winner)
+    eng.speculate(h1.id, k1)
+    eng.drain_slack()
+    eng.commit(h1.id, h1.tip, winner)
+    k2 = eng.fork(h2.id, h2.tip, "w", winner)
+    d = eng.speculate(h2.id, k2)
+    assert d.action is Action.HASH_PARTIAL and d.miss_tokens == (len(trunk) + len(winner)) % 4
+    h3 = eng.open(trunk + winner + [7])
+    assert eng.node(h3.id, h3.tip).kv_len == (len(trunk) + len(winner)) // 4 * 4
+    eng.check_integrity()

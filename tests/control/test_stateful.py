@@ -1,0 +1,228 @@
+"""Random sequences of every verb, with the invariants checked after each step.
+
+* refcounts never negative and equal to the holders (``check_integrity``);
+* the prefix index holds only committed tokens (every published page's path is a prefix
+  of a committed sequence, and the backend's page really holds those tokens);
+* committed tokens equal the model's record, and every greedy ``generate`` equals a fresh
+  engine that only ever saw the committed tokens;
+* after all sessions end, pages are free or held only by the index, and evicting the
+  index frees them all.
+"""
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from forkserve import Engine, ForkServeConfig, plus_config
+from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import PageKind
+from forkserve.control.context_tree import NodeState
+from forkserve.errors import BranchCapError
+
+# A tiny alphabet makes loops, hash hits and shared prefixes frequent.
+TOKENS = st.lists(st.integers(3, 8), min_size=1, max_size=12)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class VerbMachine(RuleBasedStateMachine):
+    config = ForkServeConfig(page_size=4, num_pages=512, branch_cap=3, node_ttl_s=5.0,
+                             vocab_size=300, hbm_tokens=2048, spec_chunk=8, max_batch_tokens=64)
+
+    def __init__(self):
+        super().__init__()
+        self.clock = FakeClock()
+        self.backend = MockBackend(self.config)
+        self.engine = Engine(self.backend, clock=self.clock)
+        self.committed: dict[int, list[int]] = {}
+        self.ever_committed: list[tuple[int, ...]] = []
+
+    # ------------------------------------------------------------ helpers
+    def _nodes(self, data, sid, state=None):
+        nodes = [n for n in self.engine.sessions[sid].tree.nodes.values()
+                 if n.live and (state is None or n.state is state)]
+        return nodes
+
+    def _pick_session(self, data):
+        return data.draw(st.sampled_from(sorted(self.engine.sessions)))
+
+    def _record(self, sid, tokens):
+        self.committed[sid] += list(tokens)
+        self.ever_committed.append(tuple(self.committed[sid]))
+
+    # -------------------------------------------------------------- rules
+    @rule(tokens=TOKENS)
+    def open(self, tokens):
+        h = self.engine.open(tokens)
+        self.committed[h.id] = list(tokens)
+        self.ever_committed.append(tuple(tokens))
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), tokens=TOKENS)
+    def fork(self, data, tokens):
+        sid = self._pick_session(data)
+        tree = self.engine.sessions[sid].tree
+        parents = [tree.tip] + self._nodes(data, sid, NodeState.SPECULATIVE)
+        parent = data.draw(st.sampled_from(parents))
+        if data.draw(st.booleans()) and parent.children:
+            # Siblings that share a prefix exercise LCP binding and partial pages.
+            sib = data.draw(st.sampled_from(parent.children))
+            tokens = sib.tokens[:data.draw(st.integers(0, len(sib.tokens)))] + tokens
+        try:
+            self.engine.fork(sid, parent.id, "b", tokens)
+        except BranchCapError:
+            assert len(parent.live_children()) == self.config.branch_cap
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), priority=st.sampled_from([0.1, 0.5, 1.0]),
+          idle=st.sampled_from([None, 0.0, 5000.0]))
+    def speculate(self, data, priority, idle):
+        sid = self._pick_session(data)
+        cands = [n for n in self._nodes(data, sid, NodeState.SPECULATIVE) if not n.speculated]
+        if cands:
+            node = data.draw(st.sampled_from(cands))
+            self.engine.speculate(sid, node.id, priority=priority, t_idle_ms=idle)
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), residuals=st.lists(TOKENS, min_size=2, max_size=3))
+    def fan_out_and_commit(self, data, residuals):
+        """The agent step as a unit: fork k, speculate, drain, commit one that happened."""
+        sid = self._pick_session(data)
+        tip = self.engine.sessions[sid].tree.tip
+        if len(tip.live_children()) + len(residuals) > self.config.branch_cap:
+            return
+        kids = [self.engine.fork(sid, tip.id, f"r{i}", r) for i, r in enumerate(residuals)]
+        for k in kids:
+            self.engine.speculate(sid, k, priority=data.draw(st.sampled_from([0.2, 0.9, 1.0])))
+        self.engine.drain_slack()
+        chosen = data.draw(st.sampled_from(residuals))
+        tokens = chosen[:data.draw(st.integers(1, len(chosen)))] + data.draw(
+            st.lists(st.integers(3, 8), max_size=5))
+        self.engine.commit(sid, tip.id, tokens)
+        self._record(sid, tokens)
+
+    @rule()
+    def drain(self):
+        self.engine.drain_slack()
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), tail=st.lists(st.integers(3, 8), max_size=6))
+    def commit(self, data, tail):
+        sid = self._pick_session(data)
+        tree = self.engine.sessions[sid].tree
+        tip = tree.tip
+        branches = [n for n in self._nodes(data, sid, NodeState.SPECULATIVE)]
+        tokens = list(tail)
+        if branches and data.draw(st.booleans()):
+            b = data.draw(st.sampled_from(branches))
+            rel = tree.path_tokens(b)[tip.end:]
+            tokens = rel[:data.draw(st.integers(0, len(rel)))] + tokens
+        if not tokens:
+            tokens = [5]
+        self.engine.commit(sid, tip.id, tokens)
+        self._record(sid, tokens)
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data())
+    def join(self, data):
+        sid = self._pick_session(data)
+        tip = self.engine.sessions[sid].tree.tip
+        kids = [c for c in tip.live_children() if c.start == tip.end]
+        if not kids:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(kids), min_size=1, max_size=2, unique=True))
+        tree = self.engine.sessions[sid].tree
+        joined = []
+        for i, k in enumerate(chosen):
+            joined += ([7] if i else []) + tree.path_tokens(k)[tip.end:]
+        self.engine.join(sid, [k.id for k in chosen], separator=[7])
+        self._record(sid, joined)
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), n=st.integers(0, 6))
+    def generate(self, data, n):
+        sid = self._pick_session(data)
+        before = list(self.committed[sid])
+        out = self.engine.generate(sid, n)
+        baseline = Engine(MockBackend(self.config))
+        hb = baseline.open(before)
+        assert out.tokens == baseline.generate(hb.id, n).tokens
+        self._record(sid, out.tokens)
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data())
+    def abort_branch(self, data):
+        sid = self._pick_session(data)
+        nodes = self._nodes(data, sid, NodeState.SPECULATIVE)
+        if nodes:
+            self.engine.abort(sid, data.draw(st.sampled_from(nodes)).id)
+
+    @precondition(lambda self: self.engine.sessions)
+    @rule(data=st.data(), close=st.booleans())
+    def end_session(self, data, close):
+        sid = self._pick_session(data)
+        (self.engine.close if close else self.engine.abort)(sid)
+        del self.committed[sid]
+
+    @rule(dt=st.sampled_from([1.0, 6.0]))
+    def advance_clock(self, dt):
+        self.clock.now += dt
+        self.engine.tick()
+
+    # --------------------------------------------------------- invariants
+    @invariant()
+    def integrity(self):
+        self.engine.check_integrity()
+
+    @invariant()
+    def committed_matches_record(self):
+        for sid, tokens in self.committed.items():
+            assert self.engine.committed_tokens(sid) == tokens
+
+    @invariant()
+    def every_table_reads_its_own_path(self):
+        """What a node's pages hold is exactly its path: no alias was written through."""
+        kv = self.backend._kv[PageKind.UNIFIED]
+        for session in self.engine.sessions.values():
+            for node in session.tree.nodes.values():
+                if node.table is None:
+                    continue
+                stored = kv[node.table.pages].reshape(-1)[:node.kv_len].tolist()
+                assert stored == session.tree.path_tokens(node)[:node.kv_len], f"node {node.id}"
+
+    @invariant()
+    def index_holds_only_committed_pages(self):
+        kv = self.backend._kv[PageKind.UNIFIED]
+        p = self.config.page_size
+        for entry in self.engine.index.entries():
+            assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
+                f"published prefix {entry.prefix} was never committed"
+            assert tuple(kv[entry.page].tolist()) == entry.prefix[-p:]
+
+    def teardown(self):
+        for sid in list(self.engine.sessions):
+            self.engine.close(sid)
+        self.engine.check_integrity()
+        assert self.engine.pool.num_used == self.engine.index.num_pages
+        self.engine.evict_all()
+        assert self.engine.pool.num_used == 0
+
+
+class CascadeVerbMachine(VerbMachine):
+    config = plus_config(page_size=4, num_pages=512, branch_cap=3, node_ttl_s=5.0,
+                         vocab_size=300, hbm_tokens=2048, spec_chunk=8, max_batch_tokens=64,
+                         early_abort_probe_tokens=2, speculate_budget_tokens=4)
+
+
+_settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+TestVerbs = VerbMachine.TestCase
+TestVerbs.settings = _settings
+TestCascadeVerbs = CascadeVerbMachine.TestCase
+TestCascadeVerbs.settings = _settings
