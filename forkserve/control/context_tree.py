@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from forkserve.control.cascade import Decision
-from forkserve.control.page_table import PageTable
+from forkserve.control.node_kv import NodeKV
 
 
 class NodeState(str, enum.Enum):
@@ -39,7 +39,7 @@ class Node:
     label: str
     tokens: list[int]
     start: int
-    table: PageTable | None
+    table: NodeKV | None
     state: NodeState
     adapter: str | None = None
     children: list["Node"] = field(default_factory=list)
@@ -144,8 +144,3 @@ class ContextTree:
                 node.table = None
             if node.state is NodeState.SPECULATIVE:
                 node.state = NodeState.ABORTED
-
-    def tables(self) -> Iterator[PageTable]:
-        for node in self.nodes.values():
-            if node.table is not None:
-                yield node.table

@@ -96,7 +96,7 @@ class PrefixIndex:
         node = self._roots.setdefault(namespace, _IndexNode(None, None, None))
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(tokens), pages):
+        for key, page in zip(self._page_keys(tokens), pages, strict=False):
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])

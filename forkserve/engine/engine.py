@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from forkserve.backend.protocol import (GREEDY, Backend, KVSlots, PageKind, SamplingParams,
+from forkserve.backend.protocol import (GREEDY, Backend, PageKind, SamplingParams,
                                         SeqWork, StepCost)
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.admission import Candidate
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.metrics import EngineMetrics
+from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
 from forkserve.control.prefix_index import BASE, AdapterNamespace, Namespace, PrefixIndex
@@ -43,9 +43,16 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.config: ForkServeConfig = backend.config
-        kind = backend.page_kinds()[0]
-        self.pool = PagePool(kind, self.config.num_pages, self.config.page_size)
+        kinds = backend.page_kinds()
+        self.pool = PagePool(kinds[0], self.config.num_pages, self.config.page_size)
         self.index = PrefixIndex(self.pool)
+        # Disaggregated layout: residual pages live in their own pool and index, with an
+        # LRU of their own (the residual side of the DualRadixTree).
+        self.residual_pool = self.residual_index = None
+        if PageKind.RESIDUAL in kinds:
+            self.residual_pool = PagePool(PageKind.RESIDUAL, self.config.num_residual_pages,
+                                          self.config.page_size)
+            self.residual_index = PrefixIndex(self.residual_pool)
         tokenizer = getattr(backend, "tokenizer", None)
         decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
         self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(decode)])
@@ -65,7 +72,7 @@ class Engine:
         tokens = self._check_tokens(tokens)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
-                    PageTable(self.pool), NodeState.COMMITTED, adapter=adapter)
+                    self._new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
         self._attach_published(session, root, keep_last=True)
@@ -90,9 +97,12 @@ class Engine:
         if parent.table is None or parent.kv_len < parent.end:
             # The trunk must exist before it can be aliased: run the parent's pending work.
             self._run_until(lambda: parent.kv_len >= parent.end or not parent.live)
+        adapter = adapter if adapter is not None else parent.adapter
+        if adapter != parent.adapter:
+            raise InvalidRequestError(f"fork to adapter {adapter!r} from {parent.adapter!r}: "
+                                      f"cross-adapter forks are not supported yet")
         child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
-                     parent.table.fork(), NodeState.SPECULATIVE,
-                     adapter=adapter if adapter is not None else parent.adapter,
+                     parent.table.fork(), NodeState.SPECULATIVE, adapter=adapter,
                      last_touch=self.clock())
         session.tree.add(child)
         self._account()
@@ -120,8 +130,8 @@ class Engine:
         tree = session.tree
         path = tree.path_tokens(node)
         known = priority >= 1.0
-        hit_pages = self.index.match(self._namespace(node), path) if self.config.cascade else []
-        hit_tokens = max(0, min(len(hit_pages) * self.pool.page_size, node.end) - node.start)
+        hit = self._match(node, path) if self.config.cascade else ([], None)
+        hit_tokens = max(0, min(_hit_pages(hit) * self.pool.page_size, node.end) - node.start)
         admitted = [Candidate(s.child_index, s.priority, s.decision.score or 0.0)
                     for s in node.parent.children
                     if s is not node and s.speculated and s.decision is not None
@@ -137,7 +147,7 @@ class Engine:
             self.metrics.pruned += 1
             self.slack_tokens += len(node.tokens)
         if decision.hit_tokens:
-            self._attach_pages(node, hit_pages)
+            node.table.attach(*hit, node.end)
             self.metrics.hash_hit_tokens += decision.hit_tokens
         if decision.action is Action.EARLY_ABORT:
             node.probe_left = self.config.early_abort_probe_tokens
@@ -341,13 +351,13 @@ class Engine:
             if completes:
                 sampling = session.sampling if node is session.tree.tip else GREEDY
             work.append(SeqWork(node.id, tuple(path[start:start + g.tokens]), start,
-                                KVSlots(tuple(node.table.pages)), node.adapter, sampling,
+                                node.table.slots(), node.adapter, sampling,
                                 speculative=g.work_class is WorkClass.SPECULATIVE,
                                 decode=g.decode))
             targets.append((session, node, g, sampling))
         result = self.backend.step(work)
         self._account_cost(result.cost, grants)
-        for (session, node, g, sampling), token in zip(targets, result.next_tokens):
+        for (session, node, g, sampling), token in zip(targets, result.next_tokens, strict=False):
             node.last_touch = self.clock()
             if node is session.tree.tip:
                 session.generated_unwritten = False
@@ -364,27 +374,29 @@ class Engine:
         self._account()
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
-        need = node.table.pages_needed(n)
-        if need > self.pool.num_free:
-            self.index.evict(need - self.pool.num_free)
-        if need > self.pool.num_free and work_class is WorkClass.COMMITTED:
-            self._preempt_speculative(need - self.pool.num_free, keep=node)
-        if need > self.pool.num_free:
-            raise OutOfPagesError(f"node {node.id} needs {need} pages; {self.pool.num_free} free "
-                                  f"after evicting the index and preempting speculation")
-        node.table.prepare_write(n, lambda pairs: self.backend.copy_pages(self.pool.kind, pairs))
+        for pool, need in node.table.pages_needed(n).items():
+            index = self.index if pool is self.pool else self.residual_index
+            if need > pool.num_free:
+                index.evict(need - pool.num_free)
+            if need > pool.num_free and work_class is WorkClass.COMMITTED:
+                self._preempt_speculative(pool, index, need, keep=node)
+            if need > pool.num_free:
+                raise OutOfPagesError(f"node {node.id} needs {need} {pool.kind.value} pages; "
+                                      f"{pool.num_free} free after evicting the index and "
+                                      f"preempting speculation")
+        node.table.prepare_write(n, self.backend.copy_pages)
 
-    def _preempt_speculative(self, pages: int, keep: Node) -> None:
+    def _preempt_speculative(self, pool: PagePool, index: PrefixIndex, need: int, keep: Node) -> None:
+        """Committed work waits for nothing: abort unpinned speculation, lowest prior first."""
         victims = sorted((n for s in self.sessions.values() for n in s.tree.nodes.values()
                           if n.state is NodeState.SPECULATIVE and n is not keep
                           and not self._pinned(n)), key=lambda n: n.priority)
-        free_target = self.pool.num_free + pages
         for victim in victims:
-            if self.pool.num_free >= free_target:
+            if pool.num_free >= need:
                 break
             if victim.live:
                 self.sessions[victim.session_id].tree.abort(victim)
-                self.index.evict(free_target - self.pool.num_free)
+                index.evict(need - pool.num_free)
 
     # ---------------------------------------------------------- generation
     def _emit(self, session: Session) -> None:
@@ -431,17 +443,16 @@ class Engine:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
         path = session.tree.path_tokens(node)
         limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
-        pages = self.index.match(self._namespace(node), path[:max(limit, 0)])
         before = node.kv_len
-        self._attach_pages(node, pages)
+        node.table.attach(*self._match(node, path[:max(limit, 0)]), node.end)
         self.metrics.hash_hit_tokens += node.kv_len - before
 
-    def _attach_pages(self, node: Node, pages: Sequence[int]) -> None:
-        p = self.pool.page_size
-        first = node.kv_len // p
-        for i in range(first, len(pages)):
-            node.table.replace_page(i, pages[i])
-        node.table.length = max(node.table.length, min(len(pages) * p, node.end))
+    def _match(self, node: Node, path: Sequence[int]) -> tuple[list[int], list[int] | None]:
+        """Published pages for ``path``: base pages, and the adapter's residual pages."""
+        base = self.index.match(self._base_namespace(node), path)
+        if node.table.residual is None:
+            return base, None
+        return base, self.residual_index.match(AdapterNamespace(str(node.adapter)), path)
 
     def _publish(self, node: Node) -> None:
         if node.table is None:
@@ -450,10 +461,22 @@ class Engine:
         full = node.kv_len // self.pool.page_size
         if full:
             path = tree.path_tokens(node)[:full * self.pool.page_size]
-            self.index.insert(self._namespace(node), path, node.table.pages[:full])
+            self.index.insert(self._base_namespace(node), path, node.table.base.pages[:full])
+            if node.table.residual is not None:
+                self.residual_index.insert(AdapterNamespace(str(node.adapter)), path,
+                                           node.table.residual.pages[:full])
 
-    def _namespace(self, node: Node) -> Namespace:
-        return BASE if node.adapter is None else AdapterNamespace(node.adapter)
+    def _base_namespace(self, node: Node) -> Namespace:
+        """Whose K/V the base pages hold: the adapter's (unified) or everyone's."""
+        if node.adapter is None or self.config.kv_layout is not KVLayout.UNIFIED:
+            return BASE
+        return AdapterNamespace(str(node.adapter))
+
+    def _new_kv(self, adapter) -> NodeKV:
+        residual = None
+        if self.residual_pool is not None and adapter is not None:
+            residual = PageTable(self.residual_pool)
+        return NodeKV(PageTable(self.pool), residual)
 
     def _pinned(self, node: Node) -> bool:
         return node.pinned_until is not None and node.pinned_until > self.clock()
@@ -567,11 +590,16 @@ class Engine:
         return list(self._session(session_id).tree.committed)
 
     def evict_all(self) -> int:
-        return self.index.evict()
+        freed = self.index.evict()
+        if self.residual_index is not None:
+            freed += self.residual_index.evict()
+        return freed
 
     def check_integrity(self) -> None:
         """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
-        expected = dict(self.index.held_refs())
+        expected = {self.pool: dict(self.index.held_refs())}
+        if self.residual_pool is not None:
+            expected[self.residual_pool] = dict(self.residual_index.held_refs())
         p = self.pool.page_size
         for session in self.sessions.values():
             for node in session.tree.nodes.values():
@@ -579,21 +607,29 @@ class Engine:
                     continue
                 if node.state is NodeState.ABORTED:
                     raise AssertionError(f"aborted node {node.id} still holds pages")
-                t = node.table
-                if len(t.pages) != -(-t.length // p) or t.length > node.end:
-                    raise AssertionError(f"node {node.id}: {len(t.pages)} pages for {t.length} "
-                                         f"tokens (end {node.end})")
-                for page in t.pages:
-                    expected[page] = expected.get(page, 0) + 1
+                for t in node.table.tables():
+                    if len(t.pages) != -(-t.length // p) or t.length > node.end \
+                            or t.length != node.kv_len:
+                        raise AssertionError(f"node {node.id}: {len(t.pages)} {t.pool.kind.value} "
+                                             f"pages for {t.length} tokens (end {node.end})")
+                    refs = expected.setdefault(t.pool, {})
+                    for page in t.pages:
+                        refs[page] = refs.get(page, 0) + 1
             tip = session.tree.tip
             if tip.state is not NodeState.COMMITTED or tip.table is None:
                 raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
-        self.pool.check_integrity(expected)
+        for pool, refs in expected.items():
+            pool.check_integrity(refs)
+
+
+def _hit_pages(hit: tuple[list[int], list[int] | None]) -> int:
+    base, residual = hit
+    return len(base) if residual is None else min(len(base), len(residual))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

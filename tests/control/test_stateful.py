@@ -8,7 +8,6 @@
 * after all sessions end, pages are free or held only by the index, and evicting the
   index frees them all.
 """
-import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
