@@ -53,9 +53,7 @@ class Engine:
             self.residual_pool = PagePool(PageKind.RESIDUAL, self.config.num_residual_pages,
                                           self.config.page_size)
             self.residual_index = PrefixIndex(self.residual_pool)
-        tokenizer = getattr(backend, "tokenizer", None)
-        decode = tokenizer.decode if tokenizer is not None else (lambda ids: "")
-        self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(decode)])
+        self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(_text_of(backend))])
         self.cascade = Cascade(self.config, self.scorer)
         self.scheduler = TickScheduler(self.config)
         self.clock = clock
@@ -620,6 +618,18 @@ class Engine:
                 raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
         for pool, refs in expected.items():
             pool.check_integrity(refs)
+
+
+def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
+    """The backend's detokenizer, loaded on first use; a model shipped without tokenizer
+    files reads as no text (legality scoring then sees nothing to reject)."""
+    def decode(ids: Sequence[int]) -> str:
+        try:
+            tokenizer = backend.tokenizer
+        except (AttributeError, RuntimeError, ValueError):
+            return ""
+        return tokenizer.decode(ids)
+    return decode
 
 
 def _hit_pages(hit: tuple[list[int], list[int] | None]) -> int:
