@@ -85,10 +85,12 @@ class DecodeGraph:
             dst = getattr(self, name)
             if dst is None:
                 continue
-            dst.fill_(self._padding[name])
+            # Pad on the host, then one copy per buffer (no device-side fill kernels).
+            host = torch.full(dst.shape, self._padding[name], dtype=dst.dtype)
             if dst.dim() == 2:
-                dst[:n, :width].copy_(src, non_blocking=True)
+                host[:n, :width] = src
             else:
-                dst[:n].copy_(src, non_blocking=True)
+                host[:n] = src
+            dst.copy_(host, non_blocking=True)
         self.graph.replay()
         return self.logits[:n]

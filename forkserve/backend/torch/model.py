@@ -60,7 +60,7 @@ class CausalLM:
             # q and k are adjacent in qkv: one RoPE over both heads sets (fewer kernels per layer).
             qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(n_tokens, -1, cfg.head_dim), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, self._qkv_slices["v"]].reshape(n_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
             b_k = lora.b_stack(n, "k") if lora is not None and self.disaggregated else None
             b_v = lora.b_stack(n, "v") if lora is not None and self.disaggregated else None
             attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"), pool.layer(n),

@@ -128,14 +128,19 @@ class Rope:
         self.scale = scale
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [..., head_dim] for integer positions [...], computed in float32 like HF."""
+        """cos and *signed* sin [..., head_dim] for integer positions [...], in float32 like HF.
+
+        The sign of rotate-half's first half is folded into sin (-sin | +sin), so apply_rope
+        needs only a roll instead of a slice, negation and concatenation (fewer kernels)."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos = torch.cat((freqs, freqs), dim=-1).cos() * self.scale
+        sin = freqs.sin() * self.scale
+        return cos.to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, head_dim]; cos/sin [..., head_dim] broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, head_dim]; cos/signed_sin from Rope.cos_sin, broadcast over heads.
+
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x, half) * (-1 | +1)."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos.unsqueeze(-2), rolled, signed_sin.unsqueeze(-2))

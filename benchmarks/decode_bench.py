@@ -1,0 +1,310 @@
+"""TorchBackend decode and prefill speed on a Llama-3-8B-shaped model (random bf16 weights).
+
+    python benchmarks/decode_bench.py --out benchmarks/results        # on the H200
+    python benchmarks/decode_bench.py --tiny --out /tmp/bench          # plumbing check on CPU
+
+Measures, through the Backend protocol (TorchBackend.step: batch building, CUDA-graph
+replay, greedy sampling, host sync, i.e. what the Engine pays):
+
+* ceilings: device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate;
+* decode ms/step, prompt 512, unified layout: batch 1 and 64, without and with LoRA
+  (rank 16 on q,k,v,o; batch 64 spread over 32 adapters), against the roofline
+  (weight bytes + KV bytes read per step) / copy bandwidth; batch 1 eager (no graph) too;
+  the disaggregated layout at batch 64 with LoRA (ResidualAttention);
+* prefill tokens/s of one 8K prompt (without / with LoRA) against the bf16 compute roofline;
+* Hugging Face `generate` (sdpa, bf16) at batch 1 and 64 on the same shape, per new token.
+
+Writes decode_bench.json and decode_bench.png to --out and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
+from forkserve.backend.torch import TorchBackend  # noqa: E402
+from forkserve.backend.torch.lora import LoraAdapter, target_shapes  # noqa: E402
+from forkserve.backend.torch.model_config import ModelConfig, llama3_8b_config  # noqa: E402
+from forkserve.backend.torch.rope import RopeConfig  # noqa: E402
+from forkserve.backend.torch.weights import random_weights  # noqa: E402
+from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
+
+VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}  # anchors.md
+PAGE = 16
+TARGETS = ("q", "k", "v", "o")
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(),
+                       max_context=16384, attention_bias=False, tie_word_embeddings=False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median of 10)."""
+    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+def matmul_rate(device: torch.device, n: int) -> float:
+    """FLOP/s of an n x n x n bf16 matmul on random data (median of 10)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(13):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def random_adapter(cfg: ModelConfig, name: str, rank: int, device: torch.device, seed: int) -> LoraAdapter:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for t in TARGETS:
+            fan_in, fan_out = target_shapes(cfg)[t]
+            a = torch.randn(rank, fan_in, generator=gen, device=device) / fan_in ** 0.5
+            b = torch.randn(fan_out, rank, generator=gen, device=device) / rank ** 0.5 * 0.1
+            weights[(layer, t)] = (a, b)
+    return LoraAdapter(name=name, rank=rank, scaling=1.0, weights=weights)
+
+
+class Bench:
+    def __init__(self, backend: TorchBackend, pages_per_seq: int) -> None:
+        self.backend, self.pages_per_seq = backend, pages_per_seq
+        self.disaggregated = backend.layout is KVLayout.DISAGGREGATED
+
+    def item(self, seq: int, tokens: list[int], start: int, adapter: int | None) -> SeqWork:
+        pages = tuple(range(seq * self.pages_per_seq, (seq + 1) * self.pages_per_seq))
+        res = pages if self.disaggregated and adapter is not None else None
+        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY)
+
+    def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int, warmup: int = 3) -> dict:
+        gen = torch.Generator().manual_seed(batch)
+        vocab = self.backend.model_config.vocab_size
+        prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
+        ads = [adapters[i % len(adapters)] for i in range(batch)]
+        nxt = []
+        for lo in range(0, batch, 8):  # prefill 8 sequences per step
+            chunk = range(lo, min(batch, lo + 8))
+            nxt += self.backend.step([self.item(i, prompts[i], 0, ads[i]) for i in chunk]).next_tokens
+        pos = prompt
+        times = []
+        for s in range(warmup + steps):
+            t0 = time.perf_counter()
+            nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i]) for i in range(batch)]).next_tokens
+            if s >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+            pos += 1
+        return {"batch": batch, "prompt": prompt, "steps": steps, "ms_per_step": statistics.median(times),
+                "ms_min": min(times), "ms_max": max(times)}
+
+    def prefill(self, tokens: int, adapter: int | None, reps: int = 3) -> dict:
+        vocab = self.backend.model_config.vocab_size
+        prompt = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            self.backend.step([self.item(0, prompt, 0, adapter)])
+            times.append(time.perf_counter() - t0)
+        best = statistics.median(times[1:])
+        return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best}
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token only)."""
+    linear = cfg.num_parameters() - 2 * cfg.vocab_size * cfg.hidden_size  # per-token matmul weights
+    attn = 2 * 2 * cfg.num_layers * cfg.q_size * tokens * (tokens + 1) / 2  # QK^T and PV, causal half
+    return 2 * linear * tokens + attn + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def hf_generate(cfg: ModelConfig, device: torch.device, batch: int, prompt: int, new: int) -> dict:
+    """HF transformers generate (sdpa, bf16, random weights): ms per new token, prefill excluded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         max_position_embeddings=cfg.max_context, rope_theta=cfg.rope.theta)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=device)
+
+    def run(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t0
+
+    run(2)
+    short, long = run(1), run(1 + new)
+    del model
+    return {"batch": batch, "prompt": prompt, "new_tokens": new, "ms_per_token": (long - short) / new * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: check the plumbing")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    cfg = tiny_config() if args.tiny else llama3_8b_config()
+    dtype = torch.bfloat16
+    prompt, big_batch, n_adapters, rank = 512, 64, 32, 16
+    prefill_tokens = 1024 if args.tiny else 8192
+    res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "model": "tiny" if args.tiny else "llama3-8b-shape", "dtype": "bf16",
+                 "errors": {}}
+    res["copy_bandwidth_Bps"] = copy_bandwidth(device, 64 << 20 if args.tiny else 2 << 30)
+    res["matmul_flops"] = matmul_rate(device, 1024 if args.tiny else 8192)
+    weights = random_weights(cfg, device, dtype)
+    res["weight_bytes"] = weights.nbytes()
+    adapters = {f"a{i}": random_adapter(cfg, f"a{i}", rank, device, seed=i) for i in range(n_adapters)}
+    pages_per_seq = -(-max(prompt + 64, prefill_tokens) // PAGE)
+    kv_token_bytes = 2 * cfg.num_layers * cfg.kv_size * 2
+
+    def make(layout: KVLayout, attention: str = "auto") -> TorchBackend:
+        fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
+                             num_residual_pages=big_batch * pages_per_seq if layout is KVLayout.DISAGGREGATED else 1,
+                             kv_layout=layout, vocab_size=cfg.vocab_size)
+        return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
+                                         max_adapters=n_adapters, max_lora_rank=rank, lora_targets=TARGETS,
+                                         attention=attention)
+
+    def attempt(name: str, fn) -> None:
+        try:
+            res[name] = fn()
+            print(name, res[name], flush=True)
+        except Exception:  # one failed measurement must not lose the others
+            res["errors"][name] = traceback.format_exc()
+            print(name, "FAILED\n", res["errors"][name], flush=True)
+
+    backend = make(KVLayout.UNIFIED)
+    res["attention"] = type(backend.attention).__name__
+    bench = Bench(backend, pages_per_seq)
+    ids = [backend.adapter_id(f"a{i}") for i in range(n_adapters)]
+
+    def roofline(batch: int, lora: bool) -> float:
+        lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
+        kv = batch * (prompt + 16) * kv_token_bytes
+        nbytes = res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv + (lora_bytes if lora else 0)
+        return nbytes / res["copy_bandwidth_Bps"] * 1e3
+
+    for batch in (1, big_batch):
+        for lora in (False, True):
+            key = f"decode_b{batch}" + ("_lora" if lora else "")
+            attempt(key, lambda: {**bench.decode(batch, prompt, ids if lora else [None], args.steps),
+                                  "roofline_ms": roofline(batch, lora)})
+    backend.runner.use_cuda_graphs = False
+    attempt("decode_b1_eager_no_graph", lambda: bench.decode(1, prompt, [None], 10))
+    backend.runner.use_cuda_graphs = device.type == "cuda"
+    flops = prefill_flops(cfg, prefill_tokens)
+    for lora in (False, True):
+        key = "prefill" + ("_lora" if lora else "")
+        attempt(key, lambda: {**bench.prefill(prefill_tokens, ids[0] if lora else None),
+                              "roofline_tokens_per_s": prefill_tokens / (flops / res["matmul_flops"])})
+    res["graphs_captured"] = [list(k) for k in backend.runner.captured_graphs]
+    del backend, bench
+    gc.collect()
+    dis = make(KVLayout.DISAGGREGATED)
+    attempt("decode_b64_lora_disaggregated",
+            lambda: {**Bench(dis, pages_per_seq).decode(big_batch, prompt, [dis.adapter_id(f"a{i}")
+                                                                            for i in range(n_adapters)], args.steps),
+                     "roofline_ms": roofline(big_batch, True)})
+    del dis, weights, adapters
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.no_hf:
+        for batch in (1, big_batch):
+            attempt(f"hf_generate_b{batch}", lambda: hf_generate(cfg, device, batch, prompt, 16))
+    res["vllm_0.26_anchors"] = VLLM
+    (out / "decode_bench.json").write_text(json.dumps(res, indent=1))
+    plot(res, out / "decode_bench.png")
+    print_table(res)
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [("b1", "decode_b1", "hf_generate_b1"), ("b1 LoRA", "decode_b1_lora", None),
+            ("b64", "decode_b64", "hf_generate_b64"), ("b64 LoRA", "decode_b64_lora", None)]
+    vllm = [VLLM["b1"], VLLM["b1_lora"], VLLM["b64"], VLLM["b64_lora"]]
+    ours = [res.get(k, {}).get("ms_per_step", 0) for _, k, _ in rows]
+    roof = [res.get(k, {}).get("roofline_ms", 0) for _, k, _ in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - 0.27 for i in x], ours, 0.27, label="ForkServe TorchBackend")
+    ax.bar(list(x), vllm, 0.27, label="vLLM 0.26 (anchors.md)")
+    ax.bar([i + 0.27 for i in x], roof, 0.27, label="roofline (bytes / copy BW)")
+    ax.set_xticks(list(x), [r[0] for r in rows])
+    ax.set_ylabel("decode ms / step (prompt 512)")
+    ax.set_title(f"Llama-3-8B shape, bf16, {res['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(res: dict) -> None:
+    print(f"\ncopy BW {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, matmul {res['matmul_flops'] / 1e12:.0f} TFLOP/s, "
+          f"weights {res['weight_bytes'] / 1e9:.2f} GB, attention {res.get('attention')}")
+    print(f"{'case':34s} {'ms/step':>8s} {'roofline':>8s} {'ratio':>6s}")
+    for key in ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora", "decode_b64_lora_disaggregated",
+                "decode_b1_eager_no_graph"):
+        r = res.get(key)
+        if r:
+            roof = r.get("roofline_ms")
+            ratio = f"{r['ms_per_step'] / roof:6.2f}" if roof else ""
+            print(f"{key:34s} {r['ms_per_step']:8.2f} {roof or 0:8.2f} {ratio}")
+    for key in ("prefill", "prefill_lora"):
+        r = res.get(key)
+        if r:
+            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f})")
+    for key in ("hf_generate_b1", "hf_generate_b64"):
+        r = res.get(key)
+        if r:
+            print(f"{key:34s} {r['ms_per_token']:8.2f} ms/token")
+    for key in res["errors"]:
+        print(f"FAILED: {key}")
+
+
+if __name__ == "__main__":
+    main()
