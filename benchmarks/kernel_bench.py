@@ -159,9 +159,9 @@ def check(res: dict, what: str, fn: Callable[[], float]) -> float:
 
 
 def copy_bandwidth(s: Setup) -> float:
-    """Bytes/s of a device-to-device copy of 2 GiB (read + write counted)."""
-    n = (2 << 30) // 2 if not s.smoke else 1 << 20
-    x = torch.randn(n, device=s.device, dtype=torch.float32).to(s.dtype)
+    """Bytes/s of a device-to-device copy of 4 GiB of float32 (read + write counted)."""
+    n = (4 << 30) // 4 if not s.smoke else 1 << 20
+    x = torch.randn(n, device=s.device, dtype=torch.float32)
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x), s.smoke)
     return 2 * x.numel() * x.element_size() / (ms * 1e-3)
@@ -426,7 +426,10 @@ def main() -> None:
                   "page_size": s.page},
         "decode": [], "prefill": [], "shared_prefix": [],
     }
-    res["copy_GBps"] = copy_bandwidth(s) / 1e9
+    # Measured first and last: the first can run before the clocks have ramped up; the
+    # ceiling is the better of the two.
+    res["copy_GBps_first"] = copy_bandwidth(s) / 1e9
+    res["copy_GBps"] = res["copy_GBps_first"]
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     cfg = tune_decode(s, res)
     res["decode_config"] = cfg
@@ -443,6 +446,9 @@ def main() -> None:
             res.setdefault("errors", []).append(f"{name}: {exc!r}"[:1000])
             print(f"{name} FAILED: {exc!r}", flush=True)
         (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1))
+    res["copy_GBps_last"] = copy_bandwidth(s) / 1e9
+    res["copy_GBps"] = max(res["copy_GBps_first"], res["copy_GBps_last"])
+    (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1))
     plot(res, args.out / "kernel_bench.png")
     print_table(res)
 

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.rope_triton import rope_offset_table, rope_rotate
+from forkserve.kernels.rope import cached_rope_table
+from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
 
 LOG2E = 1.4426950408889634
 # A key range of at most this many positions is not split further (the merge costs more).
@@ -30,7 +31,7 @@ NO_LIMIT = 2 ** 30
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, KR, VR, BK, BV, InvFreq,
+    Q, K, V, KR, VR, BK, BV, RopeTable,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
     PartOut, PartLse,
     batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
@@ -82,8 +83,7 @@ def _decode_partial_kernel(
         bk_hi = tl.load(b_row + HALF + d_lo[None, :], mask=r_ok[:, None], other=0.0)
         bv = tl.load(BV + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
                      mask=r_ok[:, None], other=0.0)
-        inv_freq = tl.load(InvFreq + d_lo)
-        cos_j, sin_j = rope_offset_table(inv_freq, BLOCK_N)
+        cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
 
     for start_n in range(start, stop, BLOCK_N):
@@ -104,7 +104,8 @@ def _decode_partial_kernel(
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             up_lo = tl.dot(kr, bk_lo)
             up_hi = tl.dot(kr, bk_hi)
-            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, start_n, cos_j, sin_j, inv_freq)
+            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
+            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
             k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
             k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
         s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
@@ -185,7 +186,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
     float32 and part_lse ``[batch, H, S]`` float32, written at split slots
     ``split_offset .. split_offset + num_splits``. ``residual`` is
-    ``(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)`` or None.
+    ``(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_table)`` or None
+    (``rope_table`` from ``rope.cached_rope_table``, covering every key position).
     With ``seqs_per_program > 1`` consecutive sequences share one program and must have
     the same pages over the key range (they read the pages of the group's first one).
     """
@@ -196,7 +198,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     block_h = max(16, triton.next_power_of_2(group * seqs_per_program))
     if residual is not None:
         assert seqs_per_program == 1, "residual rows need their own adapter"
-        k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, inv_freq = residual
+        k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
         assert k_res.shape[-1] == rank, "residual pools and B matrices disagree on rank"
@@ -204,11 +206,11 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         res_strides = (k_res.stride(0), k_res.stride(1), b_k_all.stride(0), b_k_all.stride(1))
         rbt_stride = res_bt.stride(0)
     else:
-        k_res = v_res = res_bt = b_k_all = b_v_all = adapter_idx = inv_freq = None
+        k_res = v_res = res_bt = b_k_all = b_v_all = adapter_idx = rope_tab = None
         rank, rank_pad, res_strides, rbt_stride = 0, 16, (0, 0, 0, 0), 0
     grid = (-(-batch // seqs_per_program), n_kv, num_splits)
     _decode_partial_kernel[grid](
-        q, k, v, k_res, v_res, b_k_all, b_v_all, inv_freq,
+        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -245,6 +247,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: tor
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
     splits, split_len = plan_splits(batch * k.shape[2], max_seq_len, q.device, block_n, num_splits)
+    if residual is not None:  # swap inv_freq for its cos/sin table
+        residual = (*residual[:-1], cached_rope_table(residual[-1], max_seq_len))
     part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, scale=scale,
@@ -275,7 +279,6 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            block_n: int = 64, num_warps: int = 4,
                            num_stages: int = 2) -> torch.Tensor:
     """ResidualAttention decode over the disaggregated cache (see module docstring)."""
-    residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx,
-                inv_freq.to(torch.float32).contiguous())
+    residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _decode(q, k_base, v_base, block_tables, seq_lens, scale, max_seq_len, num_splits,
                    residual, block_n, num_warps, num_stages)

@@ -17,14 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.rope_triton import rope_offset_table, rope_rotate
+from forkserve.kernels.rope import cached_rope_table
+from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, KR, VR, BK, BV, InvFreq, Out,
+    Q, K, V, KR, VR, BK, BV, RopeTable, Out,
     BlockTables, ResBlockTables, SeqLens, CuSeqlensQ, AdapterIdx,
     qk_scale, rank,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -74,8 +75,7 @@ def _prefill_kernel(
         bk_hi = tl.load(b_row + HALF + d_lo[None, :], mask=r_ok[:, None], other=0.0)
         bv = tl.load(BV + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
                      mask=r_ok[:, None], other=0.0)
-        inv_freq = tl.load(InvFreq + d_lo)
-        cos_j, sin_j = rope_offset_table(inv_freq, BLOCK_N)
+        cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
         acc_r = tl.zeros([ROWS, RANK], tl.float32)
 
     # Causal: the last query of this tile sits at ctx + min(q_len, (m_blk+1)*BLOCK_M) - 1.
@@ -98,7 +98,8 @@ def _prefill_kernel(
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             up_lo = tl.dot(kr, bk_lo)
             up_hi = tl.dot(kr, bk_hi)
-            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, start_n, cos_j, sin_j, inv_freq)
+            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
+            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
             k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
             k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
         s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
@@ -125,8 +126,8 @@ def _prefill_kernel(
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None,
-             max_q_len: int | None, residual: tuple | None, block_m: int | None, block_n: int,
-             num_warps: int, num_stages: int) -> torch.Tensor:
+             max_q_len: int | None, max_seq_len: int | None, residual: tuple | None,
+             block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
     total, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     group = n_heads // n_kv
@@ -141,6 +142,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
     batch = seq_lens.numel()
     if residual is not None:
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, inv_freq = residual
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())  # one host sync
+        rope_tab = cached_rope_table(inv_freq, max_seq_len)
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
         assert k_res.shape[-1] == rank, "residual pools and B matrices disagree on rank"
@@ -148,11 +152,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
         res_strides = (k_res.stride(0), k_res.stride(1), b_k_all.stride(0), b_k_all.stride(1))
         rbt_stride = res_bt.stride(0)
     else:
-        k_res = v_res = res_bt = b_k_all = b_v_all = adapter_idx = inv_freq = None
+        k_res = v_res = res_bt = b_k_all = b_v_all = adapter_idx = rope_tab = None
         rank, rank_pad, res_strides, rbt_stride = 0, 16, (0, 0, 0, 0), 0
     grid = (max(1, -(-max_q_len // block_m)), batch, n_kv)
     _prefill_kernel[grid](
-        q, k, v, k_res, v_res, b_k_all, b_v_all, inv_freq, out,
+        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, out,
         block_tables, res_bt, seq_lens, cu_seqlens_q, adapter_idx,
         scale * LOG2E, rank,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -168,11 +172,12 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
 def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, scale: float | None = None,
-                         max_q_len: int | None = None, block_m: int | None = None,
-                         block_n: int = 64, num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+                         max_q_len: int | None = None, max_seq_len: int | None = None,
+                         block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
+                         num_stages: int = 2) -> torch.Tensor:
     """Varlen causal prefill over the unified paged cache. q ``[total_new, H, D]``."""
     return _prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                    None, block_m, block_n, num_warps, num_stages)
+                    max_seq_len, None, block_m, block_n, num_warps, num_stages)
 
 
 def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -181,11 +186,11 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor,
                             b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                             inv_freq: torch.Tensor, scale: float | None = None,
-                            max_q_len: int | None = None, block_m: int | None = None,
-                            block_n: int = 64, num_warps: int = 8,
+                            max_q_len: int | None = None, max_seq_len: int | None = None,
+                            block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
                             num_stages: int = 2) -> torch.Tensor:
-    """ResidualAttention varlen causal prefill over the disaggregated cache."""
-    residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx,
-                inv_freq.to(torch.float32).contiguous())
+    """ResidualAttention varlen causal prefill over the disaggregated cache.
+    ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
+    residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _prefill(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                    residual, block_m, block_n, num_warps, num_stages)
+                    max_seq_len, residual, block_m, block_n, num_warps, num_stages)

@@ -42,3 +42,39 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     half = xf.shape[-1] // 2
     lo, hi = xf[..., :half], xf[..., half:]
     return torch.cat((lo * cos - hi * sin, hi * cos + lo * sin), dim=-1)
+
+
+def rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
+    """cos/sin of positions ``0 .. n_positions-1``: float32 ``[n_positions, 2, D/2]``."""
+    cos, sin = rope_cos_sin(torch.arange(n_positions, device=inv_freq.device), inv_freq)
+    return torch.stack((cos, sin), dim=1).contiguous()
+
+
+# (device, data_ptr, version) of an inv_freq tensor -> (that tensor, its table). Holding the
+# tensor keeps its memory from being reused by another one with the same key; a handful of
+# models at most, so entries are never evicted.
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+MIN_TABLE_POSITIONS = 8192
+
+
+def cached_rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
+    """The table of ``inv_freq`` covering at least ``n_positions`` (grown by doubling).
+
+    Building runs CUDA work, so it must happen outside CUDA graph capture: a graph runner
+    calls this (or one eager step at its longest length) before capturing.
+    """
+    key = (str(inv_freq.device), inv_freq.data_ptr(), inv_freq._version, inv_freq.numel())
+    entry = _TABLES.get(key)
+    table = entry[1] if entry is not None else None
+    if table is None or table.shape[0] < n_positions:
+        if inv_freq.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"RoPE table for {n_positions} positions is not built; call "
+                "forkserve.kernels.rope.cached_rope_table(inv_freq, max_positions) before "
+                "CUDA graph capture")
+        size = MIN_TABLE_POSITIONS
+        while size < n_positions:
+            size *= 2
+        table = rope_table(inv_freq, size)
+        _TABLES[key] = (inv_freq, table)
+    return table

@@ -6,35 +6,46 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.rope import apply_rope, default_inv_freq
-from forkserve.kernels.rope_triton import rope_offset_table, rope_rotate
+from forkserve.kernels.rope import apply_rope, cached_rope_table, default_inv_freq
+from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
 from kernel_testlib import DEVICE
 
 
 @triton.jit
-def _rotate_kernel(X, Out, InvFreq, start, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rotate_kernel(X, Out, Table, start, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HALF)
-    inv_freq = tl.load(InvFreq + d)
     lo = tl.load(X + n[:, None] * 2 * HALF + d[None, :])
     hi = tl.load(X + n[:, None] * 2 * HALF + HALF + d[None, :])
-    cos_j, sin_j = rope_offset_table(inv_freq, BLOCK_N)
-    r_lo, r_hi = rope_rotate(lo, hi, start, cos_j, sin_j, inv_freq)
+    cos_j, sin_j = rope_rows(Table, BLOCK_N, HALF)
+    cos_b, sin_b = rope_row(Table, start, HALF)
+    r_lo, r_hi = rope_rotate(lo, hi, cos_b, sin_b, cos_j, sin_j)
     tl.store(Out + n[:, None] * 2 * HALF + d[None, :], r_lo)
     tl.store(Out + n[:, None] * 2 * HALF + HALF + d[None, :], r_hi)
 
 
 @pytest.mark.parametrize("start", [0, 4096 + 37, 131072 + 5])
 def test_triton_rotation_matches_eager(start: int) -> None:
+    """Angle addition over table rows equals direct rotation, far past 4K positions."""
     gen = torch.Generator().manual_seed(start)
     head_dim, block_n = 32, 16
     inv_freq = default_inv_freq(head_dim, base=500000.0).to(DEVICE)
+    table = cached_rope_table(inv_freq, start + block_n)
     x = torch.randn(block_n, head_dim, generator=gen).to(DEVICE)
     out = torch.full_like(x, float("nan"))
-    _rotate_kernel[(1,)](x, out, inv_freq, start, HALF=head_dim // 2, BLOCK_N=block_n)
+    _rotate_kernel[(1,)](x, out, table, start, HALF=head_dim // 2, BLOCK_N=block_n)
     pos = torch.arange(start, start + block_n, device=DEVICE)
     ref = apply_rope(x[:, None], pos, inv_freq)[:, 0]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_table_is_memoised_and_grows() -> None:
+    inv_freq = default_inv_freq(16).to(DEVICE)
+    small = cached_rope_table(inv_freq, 10)
+    assert cached_rope_table(inv_freq, 100) is small
+    big = cached_rope_table(inv_freq, small.shape[0] + 1)
+    assert big.shape[0] >= 2 * small.shape[0]
+    torch.testing.assert_close(big[: small.shape[0]], small)
 
 
 def test_rope_scores_depend_on_distance_only() -> None:
