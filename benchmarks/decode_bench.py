@@ -138,6 +138,36 @@ class Bench:
         return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best}
 
 
+def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt: int) -> dict:
+    """Where a decode step's time goes: graph replay alone (GPU time) vs the whole step (host
+    included), and the top kernels of one eager step by CUDA time."""
+    backend = bench.backend
+    step = bench.decode(batch, prompt, adapters, steps=5)
+    graph = next(g for k, g in backend.runner._graphs.items() if k[0] >= batch and k[2] == (adapters[0] is not None))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        graph.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    backend.runner.use_cuda_graphs = False
+    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)]) for i in range(batch)]
+    backend.step(items)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backend.step(items)
+        torch.cuda.synchronize()
+    backend.runner.use_cuda_graphs = True
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    top = [{"name": e.key[:80], "count": e.count, "ms": e.device_time_total / 1e3} for e in events[:20]]
+    return {"batch": batch, "step_ms": step["ms_per_step"], "graph_replay_ms": statistics.median(times),
+            "eager_kernels": sum(e.count for e in events), "eager_kernel_ms": sum(e.device_time_total for e in events) / 1e3,
+            "top_kernels": top}
+
+
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token only)."""
     linear = cfg.num_parameters() - 2 * cfg.vocab_size * cfg.hidden_size  # per-token matmul weights
@@ -178,6 +208,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: check the plumbing")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="only: where decode time goes (GPU)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +255,11 @@ def main() -> None:
         nbytes = res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv + (lora_bytes if lora else 0)
         return nbytes / res["copy_bandwidth_Bps"] * 1e3
 
+    if args.profile:
+        attempt("profile_b1", lambda: profile_decode(bench, 1, [None], prompt))
+        attempt("profile_b64_lora", lambda: profile_decode(bench, big_batch, ids, prompt))
+        (out / "decode_profile.json").write_text(json.dumps(res, indent=1))
+        return
     for batch in (1, big_batch):
         for lora in (False, True):
             key = f"decode_b{batch}" + ("_lora" if lora else "")

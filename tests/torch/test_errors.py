@@ -43,7 +43,7 @@ def bad_items(b: TorchBackend) -> list[tuple[type, SeqWork]]:
         (UnknownAdapterError, work(2, [3, 4], 0, 12345, residual=True)),
         (TokenOutOfVocabError, work(2, [3, VOCAB], 0)),
         (TokenOutOfVocabError, work(2, [-1], 0)),
-        (ContextLengthError, work(2, prompt(82, 60), 10)),
+        (ContextLengthError, work(2, prompt(82, 120), 10)),
         (InvalidWorkError, SeqWork(2, tuple(range(3, 4 + PAGE)), 0, KVSlots((0,)))),     # pages too few
         (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((10_000,)))),                  # page id out of range
         (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid)),       # no residual pages

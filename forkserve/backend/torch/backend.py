@@ -61,12 +61,14 @@ def load_model(model_path: str | Path, device: torch.device,
     return load_hf_folder(path, device, dtype)
 
 
-def make_attention(choice: str | AttentionBackend, device: torch.device) -> AttentionBackend:
-    """"eager" (pure PyTorch), "triton" (forkserve.kernels), "auto" (triton on CUDA when importable)."""
+def make_attention(choice: str | AttentionBackend, device: torch.device, page_size: int) -> AttentionBackend:
+    """"eager" (pure PyTorch), "triton" (forkserve.kernels), "auto": triton on CUDA when importable
+    and the pages are at least the kernels' 16-token key block, else eager."""
     if not isinstance(choice, str):
         return choice
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "eager"
+        usable = device.type == "cuda" and page_size >= 16 and importlib.util.find_spec("triton")
+        choice = "triton" if usable else "eager"
     if choice == "eager":
         return EagerAttention()
     if choice == "triton":
@@ -134,7 +136,7 @@ class TorchBackend:
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
             disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
-        self.attention = make_attention(attention, device)
+        self.attention = make_attention(attention, device, config.page_size)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
