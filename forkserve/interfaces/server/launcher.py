@@ -1,0 +1,58 @@
+"""Run the server on a loopback port in a background thread (tests, benchmarks, examples).
+
+The caller keeps the ``ServedModel``, so it can check the engine's own accounting after
+the clients are done (``running.on_engine(lambda eng: eng.pool.num_used)``).
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+from forkserve.engine import Engine
+from forkserve.interfaces.server.app import create_app
+from forkserve.interfaces.server.served_model import ServedModel
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str                 # http://127.0.0.1:PORT
+    model: ServedModel
+    _run_sync: Callable
+
+    def on_engine(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread (the engine is not thread-safe)."""
+        return self._run_sync(lambda: fn(self.model.engine))
+
+
+@contextlib.contextmanager
+def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0,
+                    startup_timeout_s: float = 30.0) -> Iterator[RunningServer]:
+    import uvicorn
+
+    app = create_app(model, session_ttl_s=session_ttl_s)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="forkserve-http",
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    worker = app.state.forkserve.worker
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", model, worker.run_sync)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

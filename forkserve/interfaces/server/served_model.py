@@ -1,0 +1,79 @@
+"""ServedModel: what the server serves — one engine, its tokenizer and its adapters by name.
+
+Adapters follow vLLM's ``--lora-modules`` convention: each LoRA is exposed as a model of
+its own, and the ``model`` field of a request picks the base model or one adapter.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence
+
+from forkserve.config import ForkServeConfig
+from forkserve.engine import Engine
+from forkserve.interfaces.server.errors import APIError
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    engine: Engine
+    tokenizer: TextTokenizer
+    adapters: Mapping[str, int]        # adapter name -> backend adapter id
+    max_context: int                   # prompt + completion, tokens
+    eos_token_ids: tuple[int, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def adapter_for(self, model: str) -> int | None:
+        """The adapter id a request's ``model`` names (None: the base model)."""
+        if model == self.name:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        raise APIError(404, f"The model `{model}` does not exist; served: "
+                            f"{[self.name, *sorted(self.adapters)]}", "NotFoundError", "model")
+
+    def check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if prompt_tokens + max_tokens > self.max_context:
+            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
+                                f"the request has {prompt_tokens} prompt tokens and asks for "
+                                f"{max_tokens} completion tokens", param="max_tokens")
+
+    def check_vocab(self, tokens: Sequence[int]) -> None:
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
+
+
+def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
+                      loras: Mapping[str, str | Path] | None = None, name: str | None = None,
+                      device: str | None = None, dtype: str | None = None,
+                      attention: str = "auto") -> ServedModel:
+    """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine."""
+    import torch
+
+    from forkserve.backend.torch import TorchBackend
+
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    backend = TorchBackend(config, model_path, dict(loras or {}), device=device, dtype=torch_dtype,
+                           attention=attention, use_cuda_graphs=False)
+    tokenizer = backend.tokenizer
+    engine = Engine(backend)
+    eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
+    path = Path(model_path)
+    return ServedModel(name=name or (path.stem if path.suffix == ".gguf" else path.name), engine=engine, tokenizer=tokenizer, adapters=backend.adapters,
+                       max_context=min(engine.config.max_context, backend.max_context),
+                       eos_token_ids=eos)

@@ -1,0 +1,21 @@
+"""ServerState: what every route needs, hung on ``app.state.forkserve``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from forkserve.interfaces.server.engine_worker import EngineWorker
+from forkserve.interfaces.server.metrics import ServerMetrics
+from forkserve.interfaces.server.served_model import ServedModel
+
+
+@dataclass(frozen=True)
+class ServerState:
+    model: ServedModel
+    worker: EngineWorker
+    metrics: ServerMetrics
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.forkserve
