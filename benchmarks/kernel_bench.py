@@ -212,11 +212,12 @@ def tune_decode(s: Setup, res: dict) -> dict[str, dict]:
     if s.smoke:
         return {"unified": {"block_n": 16}, "residual": {"block_n": 16}}
     shapes = [(8, 8192), (64, 8192)]
-    variants = [dict(block_n=n, num_warps=w, num_stages=st)
-                for n in (32, 64) for w in (4, 8) for st in (2, 3)]
+    base = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=3),
+            dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3)]
     best: dict[str, dict] = {}
     for name in ("unified", "residual"):
         scores = []
+        variants = base if name == "unified" else [dict(v, split_score=sp) for v in base for sp in (True, False)]
         for var in variants:
             total = 0.0
             try:
@@ -281,12 +282,11 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
 def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
     """Pick block_m / block_n / num_warps / num_stages per prefill kernel at 4K context."""
     if s.smoke:
-        return {"unified": dict(block_m=16, block_n=32), "residual": dict(block_m=16, block_n=32)}
-    variants = [dict(block_m=32, block_n=64, num_warps=8, num_stages=2),
-                dict(block_m=32, block_n=64, num_warps=8, num_stages=3),
-                dict(block_m=16, block_n=64, num_warps=4, num_stages=2),
-                dict(block_m=32, block_n=32, num_warps=4, num_stages=2),
-                dict(block_m=16, block_n=128, num_warps=8, num_stages=2)]
+        return {"unified": dict(block_m=16, block_n=32),
+                "residual": dict(block_m=16, block_n=32, split_score=False)}
+    base = [dict(block_m=16, block_n=64, num_warps=4, num_stages=2),
+            dict(block_m=32, block_n=64, num_warps=8, num_stages=2),
+            dict(block_m=32, block_n=32, num_warps=4, num_stages=2)]
     ctx = 4096
     bt, rbt, lens = s.tables(1, ctx)
     q, ad = s.q(ctx), s.adapters(1)
@@ -294,13 +294,14 @@ def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
     best: dict[str, dict] = {}
     for name in ("unified", "residual"):
         scores = []
+        variants = base if name == "unified" else [dict(v, split_score=sp) for v in base for sp in (True, False)]
         for var in variants:
             if name == "unified":
                 fn = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **var)  # noqa: E731
             else:
                 fn = lambda: residual_prefill_triton(  # noqa: E731
                     q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
-                    max_q_len=ctx, **var)
+                    max_q_len=ctx, max_seq_len=ctx, **var)
             ms = measure(res, f"tune prefill {name} {var}", fn, s.smoke)
             if not math.isnan(ms):
                 scores.append((ms, var))
@@ -321,7 +322,7 @@ def run_prefill(s: Setup, res: dict) -> None:
         uni = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **cfg["unified"])  # noqa: E731
         resid = lambda: residual_prefill_triton(  # noqa: E731
             q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
-            max_q_len=ctx, **cfg["residual"])
+            max_q_len=ctx, max_seq_len=ctx, **cfg["residual"])
         tag = f"prefill ctx={ctx}"
         row: dict = {"ctx": ctx, "batch": 1, "unified_ms": measure(res, tag + " unified", uni, s.smoke),
                      "residual_ms": measure(res, tag + " residual", resid, s.smoke)}

@@ -44,7 +44,7 @@ def _decode_partial_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK: tl.constexpr, HAS_RES: tl.constexpr,
+    RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -96,19 +96,32 @@ def _decode_partial_kernel(
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         if HAS_RES:
             rn_ok = n_ok & has_ad
-            rpage = tl.load(ResBlockTables + lead * stride_rbt + offs_n // PAGE_SIZE,
-                            mask=rn_ok, other=0)
+            rpage = tl.load(ResBlockTables + lead * stride_rbt + offs_n // PAGE_SIZE, mask=rn_ok, other=0)
             r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
             res_mask = rn_ok[:, None] & r_ok[None, :]
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
+            # Deferred RoPE: up-project the rank-r residual keys, then rotate them at their
+            # absolute positions start_n + j.
             up_lo = tl.dot(kr, bk_lo)
             up_hi = tl.dot(kr, bk_hi)
             cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
             rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
-            k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
-            k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+            if SPLIT_SCORE:
+                # q.(K_base + K_lora) = q.K_base + q.K_lora: the base tile feeds its dot
+                # straight from memory, so the compiler's cp.async pipelining keeps it in
+                # flight; adding K_lora into it first routes it through registers and
+                # exposes the paged-load latency on every tile.
+                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+                s += tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
+                s += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
+            else:
+                # K = K_base + K_lora rebuilt in registers, one score product (fewer flops).
+                k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
+                k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
+                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+        else:
+            s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -180,7 +193,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     scale: float, kv_start: int, kv_limit: int, num_splits: int, split_len: int,
                     split_offset: int, seqs_per_program: int = 1,
                     residual: tuple | None = None, block_n: int = 64, num_warps: int = 4,
-                    num_stages: int = 2) -> None:
+                    num_stages: int = 2, split_score: bool = True) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -190,6 +203,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     (``rope_table`` from ``rope.cached_rope_table``, covering every key position).
     With ``seqs_per_program > 1`` consecutive sequences share one program and must have
     the same pages over the key range (they read the pages of the group's first one).
+    ``split_score`` (residual only) scores ``q.K_base + q.K_lora`` with two products
+    instead of rebuilding ``K`` in registers first: same math, see the kernel.
     """
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
@@ -219,6 +234,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
+        SPLIT_SCORE=split_score,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -241,7 +257,7 @@ def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, scale: float | None, max_seq_len: int | None,
             num_splits: int | None, residual: tuple | None, block_n: int, num_warps: int,
-            num_stages: int) -> torch.Tensor:
+            num_stages: int, split_score: bool = True) -> torch.Tensor:
     batch, n_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if max_seq_len is None:
@@ -254,7 +270,7 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: tor
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, scale=scale,
                     kv_start=0, kv_limit=NO_LIMIT, num_splits=splits, split_len=split_len,
                     split_offset=0, residual=residual, block_n=block_n, num_warps=num_warps,
-                    num_stages=num_stages)
+                    num_stages=num_stages, split_score=split_score)
     out = torch.empty_like(q)
     merge_partials(part_out, part_lse, out, splits)
     return out
@@ -276,9 +292,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                            inv_freq: torch.Tensor, scale: float | None = None,
                            max_seq_len: int | None = None, num_splits: int | None = None,
-                           block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                           split_score: bool = True) -> torch.Tensor:
     """ResidualAttention decode over the disaggregated cache (see module docstring)."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _decode(q, k_base, v_base, block_tables, seq_lens, scale, max_seq_len, num_splits,
-                   residual, block_n, num_warps, num_stages)
+                   residual, block_n, num_warps, num_stages, split_score)

@@ -35,7 +35,7 @@ def _prefill_kernel(
     stride_bt, stride_rbt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    RANK: tl.constexpr, HAS_RES: tl.constexpr,
+    RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
@@ -96,13 +96,27 @@ def _prefill_kernel(
             res_mask = rn_ok[:, None] & r_ok[None, :]
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
+            # Deferred RoPE: up-project the rank-r residual keys, then rotate them at their
+            # absolute positions start_n + j.
             up_lo = tl.dot(kr, bk_lo)
             up_hi = tl.dot(kr, bk_hi)
             cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
             rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
-            k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
-            k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+            if SPLIT_SCORE:
+                # q.(K_base + K_lora) = q.K_base + q.K_lora: the base tile feeds its dot
+                # straight from memory, so the compiler's cp.async pipelining keeps it in
+                # flight; adding K_lora into it first routes it through registers and
+                # exposes the paged-load latency on every tile.
+                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+                s += tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
+                s += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
+            else:
+                # K = K_base + K_lora rebuilt in registers, one score product (fewer flops).
+                k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
+                k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
+                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+        else:
+            s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         # Rows with no visible key yet (padding rows) keep m = -inf; guard the exp2.
@@ -127,7 +141,8 @@ def _prefill_kernel(
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None,
              max_q_len: int | None, max_seq_len: int | None, residual: tuple | None,
-             block_m: int | None, block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
+             block_m: int | None, block_n: int, num_warps: int, num_stages: int,
+             split_score: bool = True) -> torch.Tensor:
     total, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     group = n_heads // n_kv
@@ -164,6 +179,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
         block_tables.stride(0), rbt_stride,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
+        SPLIT_SCORE=split_score,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -188,9 +204,9 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             inv_freq: torch.Tensor, scale: float | None = None,
                             max_q_len: int | None = None, max_seq_len: int | None = None,
                             block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, split_score: bool = True) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache.
     ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _prefill(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                    max_seq_len, residual, block_m, block_n, num_warps, num_stages)
+                    max_seq_len, residual, block_m, block_n, num_warps, num_stages, split_score)

@@ -49,12 +49,13 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 
 
 @pytest.mark.parametrize("seq_lens,n_heads,n_kv", CASES)
-def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int) -> None:
+@pytest.mark.parametrize("split_score", [True, False])
+def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, split_score: bool) -> None:
     gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens, n_heads, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
-    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16)
+    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16, split_score=split_score)
     ref = reference.residual_decode_ref(*args)
     assert rel_err(out, ref) < REL_TOL
     # The residual must matter, or this test could not catch a kernel that drops it.

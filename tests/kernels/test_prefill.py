@@ -37,7 +37,9 @@ def test_paged_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_k
 
 
 @pytest.mark.parametrize("seq_lens,q_lens,n_heads,n_kv", CASES)
-def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_kv: int) -> None:
+@pytest.mark.parametrize("split_score", [True, False])
+def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_kv: int,
+                          split_score: bool) -> None:
     gen = torch.Generator().manual_seed(sum(q_lens))
     head_dim, r_max = 32, 12
     c = make_cache(gen, seq_lens, n_kv, head_dim, rank=r_max)
@@ -48,7 +50,7 @@ def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, 
     q, cu = _varlen_q(gen, q_lens, n_heads, head_dim)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
             b_k, b_v, adapters, inv_freq)
-    out = residual_prefill(*args, use_triton=True, block_m=16, block_n=32)
+    out = residual_prefill(*args, use_triton=True, block_m=16, block_n=32, split_score=split_score)
     ref = reference.residual_prefill_ref(*args)
     assert rel_err(out, ref) < REL_TOL
 
