@@ -268,6 +268,12 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
                 row["eager_reconstruct_ms"] = measure(
                     res, tag + " eager", lambda: sdpa_decode(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)),
                     s.smoke)
+            if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[-2]:
+                # Diagnostic: every adapter -1 skips the residual loads but keeps the math.
+                none = torch.full_like(ad, -1)
+                row["residual_no_adapter_ms"] = measure(res, tag + " no-adapter", lambda: residual_decode_triton(
+                    q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, none, s.inv_freq,
+                    max_seq_len=ctx, **cfg["residual"]), s.smoke)
             if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[1]:
                 row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
                     resid(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(s, bt, rbt, ctx, ad)))))
