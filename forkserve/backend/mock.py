@@ -1,25 +1,36 @@
 """MockBackend: the Backend protocol with no GPU and no model.
 
-Its "KV cache" stores token ids in pages, and the token it samples is a hash of the
-context it *reads back through the page table*. So every aliasing, copy-on-write or
-index mistake of the control plane changes the sampled tokens, and the invariant
-"committed output equals a run that prefilled only committed tokens" is a real check.
-Reading a slot nobody wrote raises: the control plane handed out a page it never filled.
+Its "KV cache" stores, per slot, a value derived from the token id and from whose
+activations produced it (the adapter, where the layout makes K/V adapter-specific), and
+the token it samples is a hash of the context it *reads back through the page tables*.
+So every aliasing, copy-on-write, index or cross-adapter mistake of the control plane
+changes the sampled tokens or trips a check, and "committed output equals a run that
+prefilled only committed tokens" is a real test. Reading a slot nobody wrote raises.
 Costs come from ``CostModel`` (modeled ms, not a GPU trace).
+
+Layouts: unified pages hold (token, adapter); full_reuse pages hold the token alone
+(shared across adapters by design); disaggregated base pages hold the token and residual
+pages hold (token, adapter).
 """
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import numpy as np
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
-from forkserve.backend.protocol import (PageId, PageKind, SeqWork, StepCost, StepResult)
-from forkserve.config import ForkServeConfig
+from forkserve.backend.protocol import PageId, PageKind, SeqWork, StepCost, StepResult
+from forkserve.config import ForkServeConfig, KVLayout
 
 _UNWRITTEN = -1
 _HASH_MOD = (1 << 61) - 1
+_ADAPTER_SPACE = 1 << 20
+
+
+def _adapter_code(adapter: int | str | None) -> int:
+    return 0 if adapter is None else 1 + zlib.crc32(str(adapter).encode()) % (_ADAPTER_SPACE - 1)
 
 
 class MockBackend:
@@ -28,10 +39,16 @@ class MockBackend:
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
         p = self.config.page_size
-        self._kv = {PageKind.UNIFIED: np.full((self.config.num_pages, p), _UNWRITTEN, dtype=np.int64)}
+        self._kv = {kind: np.full((self._num_pages(kind), p), _UNWRITTEN, dtype=np.int64)
+                    for kind in self.page_kinds()}
 
     def page_kinds(self) -> tuple[PageKind, ...]:
+        if self.config.kv_layout is KVLayout.DISAGGREGATED:
+            return (PageKind.BASE, PageKind.RESIDUAL)
         return (PageKind.UNIFIED,)
+
+    def _num_pages(self, kind: PageKind) -> int:
+        return self.config.num_residual_pages if kind is PageKind.RESIDUAL else self.config.num_pages
 
     def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         kv = self._kv[kind]
@@ -41,18 +58,28 @@ class MockBackend:
     def transfer_cost(self, tokens: int) -> StepCost:
         return StepCost(ms=self.cost_model.transfer_ms(tokens))
 
+    def kv_values(self, kind: PageKind, pages: Sequence[PageId], length: int) -> np.ndarray:
+        """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
+        return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
+
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter) -> np.ndarray:
+        code = 0
+        if kind is PageKind.RESIDUAL or (kind is PageKind.UNIFIED
+                                         and self.config.kv_layout is KVLayout.UNIFIED):
+            code = _adapter_code(adapter)
+        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + code
+
     def step(self, work: Sequence[SeqWork]) -> StepResult:
-        kv = self._kv[PageKind.UNIFIED]
-        p = self.config.page_size
         next_tokens: list[int | None] = []
         calls = prefill_tokens = decode_tokens = context_read = 0
+        base_kind = self.page_kinds()[0]
         for item in work:
-            pages = np.asarray(item.slots.pages, dtype=np.int64)
-            positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
-            if len(positions) and positions[-1] // p >= len(pages):
-                raise ValueError(f"seq {item.seq_id}: pages cover {len(pages) * p} tokens, "
-                                 f"write reaches position {positions[-1]}")
-            kv[pages[positions // p], positions % p] = item.tokens
+            sides = [(base_kind, item.slots.pages, item.write_base)]
+            if item.slots.residual_pages is not None:
+                sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))
+            for kind, pages, write in sides:
+                if write:
+                    self._write(kind, item, pages)
             if item.decode:
                 decode_tokens += len(item.tokens)
             else:
@@ -62,19 +89,38 @@ class MockBackend:
                 next_tokens.append(None)
                 continue
             length = item.start_pos + len(item.tokens)
-            context = kv[pages].reshape(-1)[:length]
-            if (context == _UNWRITTEN).any():
-                raise AssertionError(f"seq {item.seq_id}: reads KV slot "
-                                     f"{int(np.argmax(context == _UNWRITTEN))} that was never written")
+            context = [self._read(kind, item, pages, length) for kind, pages, _ in sides]
             context_read += length
-            next_tokens.append(self._next_token(context))
+            next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id))
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _next_token(self, context: np.ndarray) -> int:
-        """A deterministic function of the whole context (a polynomial hash)."""
-        h = 1469598103934665603
+    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId]) -> None:
+        p = self.config.page_size
+        pages = np.asarray(pages, dtype=np.int64)
+        positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
+        if len(positions) and positions[-1] // p >= len(pages):
+            raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
+                             f"tokens, write reaches position {positions[-1]}")
+        values = self.expected_values(kind, item.tokens, item.adapter_id)
+        self._kv[kind][pages[positions // p], positions % p] = values
+
+    def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
+        values = self.kv_values(kind, pages, length)
+        if (values == _UNWRITTEN).any():
+            raise AssertionError(f"seq {item.seq_id}: reads {kind.value} slot "
+                                 f"{int(np.argmax(values == _UNWRITTEN))} that was never written")
+        if kind is PageKind.RESIDUAL:
+            foreign = values % _ADAPTER_SPACE != _adapter_code(item.adapter_id)
+            if foreign.any():
+                raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
+                                     f"holds another adapter's residual")
+        return values
+
+    def _next_token(self, context: np.ndarray, adapter) -> int:
+        """A deterministic function of the whole context read back (a polynomial hash)."""
+        h = 1469598103934665603 + _adapter_code(adapter)
         for t in context.tolist():
             h = (h * 1099511628211 + t + 1) % _HASH_MOD
         # Stay inside the printable byte range so generated text can be scored and shown.

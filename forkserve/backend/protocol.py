@@ -72,6 +72,11 @@ class SeqWork:
     # True for a decode step (the token was sampled by the model), False for prefill of
     # tokens that came from a request; backends cost and batch the two differently.
     decode: bool = False
+    # Disaggregated layout: which side of the KV this item writes. A side that is already
+    # present (aliased base pages of a cross-adapter fork, a partial prefix hit) is read,
+    # never rewritten: those pages may be shared.
+    write_base: bool = True
+    write_residual: bool = True
 
 
 @dataclass(frozen=True)

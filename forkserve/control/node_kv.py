@@ -2,11 +2,14 @@
 
 Unified and full_reuse layouts use one table of UNIFIED pages. The disaggregated layout
 (ForkKV) pairs a BASE table (shared across adapters) with a RESIDUAL table (this adapter's
-rank-r pages); both cover the same positions, so they fork, grow, truncate and release
-together. A node without an adapter has no residual table.
+rank-r pages). The two may reach different lengths: a cross-adapter fork aliases the
+trunk's base pages but has no residual for it yet; a partial prefix hit may find one side
+published and not the other. KV is valid up to ``length`` (the shorter side); positions
+where only one side exists are filled by writing the other side alone (``regime``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from forkserve.backend.protocol import KVSlots, PageId, PageKind
@@ -16,6 +19,15 @@ from forkserve.control.page_table import PageTable
 CopyPagesOfKind = Callable[[PageKind, Sequence[tuple[PageId, PageId]]], None]
 
 
+@dataclass(frozen=True)
+class Regime:
+    """What the next write from ``length`` may cover and which sides it writes."""
+
+    max_tokens: int | None  # None: unbounded (both sides end at ``length``)
+    write_base: bool
+    write_residual: bool
+
+
 class NodeKV:
     def __init__(self, base: PageTable, residual: PageTable | None = None) -> None:
         self.base = base
@@ -23,7 +35,9 @@ class NodeKV:
 
     @property
     def length(self) -> int:
-        return self.base.length
+        if self.residual is None:
+            return self.base.length
+        return min(self.base.length, self.residual.length)
 
     @property
     def pages(self) -> list[PageId]:
@@ -41,12 +55,27 @@ class NodeKV:
     def fork(self) -> "NodeKV":
         return NodeKV(self.base.fork(), self.residual.fork() if self.residual is not None else None)
 
+    def fork_base(self, residual_pool: PagePool | None) -> "NodeKV":
+        """Alias the base pages only, with an empty residual (a fork to another adapter)."""
+        return NodeKV(self.base.fork(), PageTable(residual_pool) if residual_pool is not None else None)
+
+    def regime(self) -> Regime:
+        if self.residual is None or self.base.length == self.residual.length:
+            return Regime(None, True, True)
+        if self.base.length > self.residual.length:
+            return Regime(self.base.length - self.residual.length, False, True)
+        return Regime(self.residual.length - self.base.length, True, False)
+
     def pages_needed(self, n_new: int) -> dict[PagePool, int]:
-        return {t.pool: t.pages_needed(n_new) for t in self.tables()}
+        end = self.length + n_new
+        return {t.pool: t.pages_needed(end - t.length) for t in self.tables() if end > t.length}
 
     def prepare_write(self, n_new: int, copy_pages: CopyPagesOfKind) -> None:
+        """Make the pages for [length, length + n_new) writable on every side that lacks them."""
+        end = self.length + n_new
         for t in self.tables():
-            t.prepare_write(n_new, lambda pairs, kind=t.pool.kind: copy_pages(kind, pairs))
+            if end > t.length:
+                t.prepare_write(end - t.length, lambda pairs, kind=t.pool.kind: copy_pages(kind, pairs))
 
     def truncate(self, n_tokens: int) -> None:
         for t in self.tables():
@@ -54,15 +83,14 @@ class NodeKV:
 
     def attach(self, base_pages: Sequence[PageId], residual_pages: Sequence[PageId] | None,
                limit_tokens: int) -> None:
-        """Alias published pages (identical KV) for positions past what is written."""
-        n = len(base_pages) if residual_pages is None else min(len(base_pages), len(residual_pages))
-        first = self.base.length // self.base.pool.page_size
+        """Alias published pages (identical KV) past what each side already holds."""
         for table, pages in ((self.base, base_pages), (self.residual, residual_pages)):
-            if table is None:
+            if table is None or pages is None:
                 continue
-            for i in range(first, n):
+            p = table.pool.page_size
+            for i in range(table.length // p, len(pages)):
                 table.replace_page(i, pages[i])
-            table.length = max(table.length, min(n * table.pool.page_size, limit_tokens))
+            table.length = max(table.length, min(len(pages) * p, limit_tokens))
 
     def release(self) -> None:
         for t in self.tables():

@@ -25,10 +25,11 @@ from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.admission import Candidate
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.metrics import EngineMetrics
-from forkserve.control.node_kv import NodeKV
+from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
-from forkserve.control.prefix_index import BASE, AdapterNamespace, Namespace, PrefixIndex
+from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
+from forkserve.control.prefix_index import PrefixIndex
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer, Scorer
 from forkserve.errors import (BranchCapError, InvalidRequestError, InvalidStateError,
@@ -45,14 +46,14 @@ class Engine:
         self.config: ForkServeConfig = backend.config
         kinds = backend.page_kinds()
         self.pool = PagePool(kinds[0], self.config.num_pages, self.config.page_size)
-        self.index = PrefixIndex(self.pool)
-        # Disaggregated layout: residual pages live in their own pool and index, with an
-        # LRU of their own (the residual side of the DualRadixTree).
-        self.residual_pool = self.residual_index = None
+        # Disaggregated layout: residual pages live in their own pool, indexed by the
+        # residual side of the DualRadixTree with an LRU of its own.
+        self.residual_pool = None
         if PageKind.RESIDUAL in kinds:
             self.residual_pool = PagePool(PageKind.RESIDUAL, self.config.num_residual_pages,
                                           self.config.page_size)
-            self.residual_index = PrefixIndex(self.residual_pool)
+        self.cache = DualRadixTree(self.pool, self.residual_pool)
+        self.index, self.residual_index = self.cache.base, self.cache.residual
         self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(_text_of(backend))])
         self.cascade = Cascade(self.config, self.scorer)
         self.scheduler = TickScheduler(self.config)
@@ -96,11 +97,8 @@ class Engine:
             # The trunk must exist before it can be aliased: run the parent's pending work.
             self._run_until(lambda: parent.kv_len >= parent.end or not parent.live)
         adapter = adapter if adapter is not None else parent.adapter
-        if adapter != parent.adapter:
-            raise InvalidRequestError(f"fork to adapter {adapter!r} from {parent.adapter!r}: "
-                                      f"cross-adapter forks are not supported yet")
         child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
-                     parent.table.fork(), NodeState.SPECULATIVE, adapter=adapter,
+                     self._fork_kv(parent, adapter), NodeState.SPECULATIVE, adapter=adapter,
                      last_touch=self.clock())
         session.tree.add(child)
         self._account()
@@ -128,8 +126,8 @@ class Engine:
         tree = session.tree
         path = tree.path_tokens(node)
         known = priority >= 1.0
-        hit = self._match(node, path) if self.config.cascade else ([], None)
-        hit_tokens = max(0, min(_hit_pages(hit) * self.pool.page_size, node.end) - node.start)
+        hit = self._match(node, path) if self.config.cascade else DualMatch([], None)
+        hit_tokens = max(0, min(hit.covered_pages * self.pool.page_size, node.end) - node.start)
         admitted = [Candidate(s.child_index, s.priority, s.decision.score or 0.0)
                     for s in node.parent.children
                     if s is not node and s.speculated and s.decision is not None
@@ -145,7 +143,7 @@ class Engine:
             self.metrics.pruned += 1
             self.slack_tokens += len(node.tokens)
         if decision.hit_tokens:
-            node.table.attach(*hit, node.end)
+            node.table.attach(hit.base_pages, hit.residual_pages, node.end)
             self.metrics.hash_hit_tokens += decision.hit_tokens
         if decision.action is Action.EARLY_ABORT:
             node.probe_left = self.config.early_abort_probe_tokens
@@ -185,8 +183,10 @@ class Engine:
             table.truncate(tip.end + matched)
         else:
             table, tip.table = tip.table, None  # the new tip takes over the spine's pages
+        # The session continues under the adapter whose KV it bound (planner -> critic).
+        adapter = best.adapter if best is not None else tip.adapter
         new_tip = Node(next(self._ids), session_id, tip, "commit", list(tokens), tip.end,
-                       table, NodeState.COMMITTED, adapter=tip.adapter)
+                       table, NodeState.COMMITTED, adapter=adapter)
         if best is not None and matched == len(tokens) == best.kv_len - tip.end \
                 and best.end == best.kv_len:
             new_tip.next_token, new_tip.next_token_sampling = best.next_token, best.next_token_sampling
@@ -299,7 +299,7 @@ class Engine:
                 # No cached logits for the last position (a partial LCP bind, or another
                 # sampling rule): recompute that one position.
                 tip.table.truncate(tip.end - 1)
-            pending = tip.end - tip.kv_len
+            pending = _regime_capped(tip, tip.end - tip.kv_len)
             if pending > 0:
                 decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
                 committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
@@ -327,6 +327,7 @@ class Engine:
         if pending == 0 and node.next_token is not None and (node.probe_left or node.extend_left):
             self._emit_speculative(node)
             pending = node.end - node.kv_len
+        pending = _regime_capped(node, pending)
         if pending <= 0:
             return None
         if node.slack_only:
@@ -343,7 +344,9 @@ class Engine:
             session, node = self._nodes_by_id[g.node_id]
             start = node.kv_len
             path = session.tree.path_tokens(node)
+            regime = node.table.regime()
             self._ensure_pages(node, g.tokens, g.work_class)
+            _assert_exclusive(node.table, start, g.tokens, regime)
             completes = start + g.tokens == node.end
             sampling = None
             if completes:
@@ -351,7 +354,8 @@ class Engine:
             work.append(SeqWork(node.id, tuple(path[start:start + g.tokens]), start,
                                 node.table.slots(), node.adapter, sampling,
                                 speculative=g.work_class is WorkClass.SPECULATIVE,
-                                decode=g.decode))
+                                decode=g.decode, write_base=regime.write_base,
+                                write_residual=regime.write_residual))
             targets.append((session, node, g, sampling))
         result = self.backend.step(work)
         self._account_cost(result.cost, grants)
@@ -442,39 +446,61 @@ class Engine:
         path = session.tree.path_tokens(node)
         limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
         before = node.kv_len
-        node.table.attach(*self._match(node, path[:max(limit, 0)]), node.end)
+        hit = self._match(node, path[:max(limit, 0)])
+        node.table.attach(hit.base_pages, hit.residual_pages, node.end)
         self.metrics.hash_hit_tokens += node.kv_len - before
 
-    def _match(self, node: Node, path: Sequence[int]) -> tuple[list[int], list[int] | None]:
-        """Published pages for ``path``: base pages, and the adapter's residual pages."""
-        base = self.index.match(self._base_namespace(node), path)
-        if node.table.residual is None:
-            return base, None
-        return base, self.residual_index.match(AdapterNamespace(str(node.adapter)), path)
+    def _match(self, node: Node, path: Sequence[int]) -> DualMatch:
+        """Published pages for ``path``: how far the base side and the residual side reach."""
+        base_key, residual_key = self._keys(node, path)
+        return self.cache.match(base_key, residual_key if node.table.residual is not None else None)
 
     def _publish(self, node: Node) -> None:
+        """Publish the committed full pages of each side (sides may reach different lengths)."""
         if node.table is None:
             return
-        tree = self.sessions[node.session_id].tree
-        full = node.kv_len // self.pool.page_size
-        if full:
-            path = tree.path_tokens(node)[:full * self.pool.page_size]
-            self.index.insert(self._base_namespace(node), path, node.table.base.pages[:full])
-            if node.table.residual is not None:
-                self.residual_index.insert(AdapterNamespace(str(node.adapter)), path,
-                                           node.table.residual.pages[:full])
+        p = self.pool.page_size
+        path = self.sessions[node.session_id].tree.path_tokens(node)
+        base_full = node.table.base.length // p
+        base_key, residual_key = self._keys(node, path[:base_full * p])
+        residual_pages: Sequence[int] = ()
+        if node.table.residual is not None:
+            res_full = node.table.residual.length // p
+            residual_key = ResidualKey(residual_key.adapter_id, residual_key.adapter_version,
+                                       tuple(path[:res_full * p]))
+            residual_pages = node.table.residual.pages[:res_full]
+        self.cache.insert(base_key, node.table.base.pages[:base_full], residual_key, residual_pages)
 
-    def _base_namespace(self, node: Node) -> Namespace:
-        """Whose K/V the base pages hold: the adapter's (unified) or everyone's."""
-        if node.adapter is None or self.config.kv_layout is not KVLayout.UNIFIED:
-            return BASE
-        return AdapterNamespace(str(node.adapter))
+    def _keys(self, node: Node, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+        tokens = tuple(path)
+        if node.adapter is None:
+            return BaseKey(tokens), None
+        version = self._adapter_version(node.adapter)
+        residual = ResidualKey(node.adapter, version, tokens)
+        if self.config.kv_layout is KVLayout.UNIFIED:
+            # Merged K/V depends on the adapter: the base side lives under its namespace.
+            return BaseKey(tokens, residual.namespace), residual
+        return BaseKey(tokens), residual
+
+    def _adapter_version(self, adapter) -> int:
+        version_of = getattr(self.backend, "adapter_version", None)
+        return int(version_of(adapter)) if version_of is not None else 0
 
     def _new_kv(self, adapter) -> NodeKV:
         residual = None
         if self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
         return NodeKV(PageTable(self.pool), residual)
+
+    def _fork_kv(self, parent: Node, adapter) -> NodeKV:
+        """Same adapter: alias everything. Another adapter: alias what its K/V can share —
+        the base side when disaggregated, all of it under full_reuse, nothing when unified."""
+        layout = self.config.kv_layout
+        if adapter == parent.adapter or layout is KVLayout.FULL_REUSE:
+            return parent.table.fork()
+        if layout is KVLayout.DISAGGREGATED:
+            return parent.table.fork_base(self.residual_pool if adapter is not None else None)
+        return self._new_kv(adapter)
 
     def _pinned(self, node: Node) -> bool:
         return node.pinned_until is not None and node.pinned_until > self.clock()
@@ -588,10 +614,7 @@ class Engine:
         return list(self._session(session_id).tree.committed)
 
     def evict_all(self) -> int:
-        freed = self.index.evict()
-        if self.residual_index is not None:
-            freed += self.residual_index.evict()
-        return freed
+        return self.cache.evict_all()
 
     def check_integrity(self) -> None:
         """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
@@ -606,8 +629,7 @@ class Engine:
                 if node.state is NodeState.ABORTED:
                     raise AssertionError(f"aborted node {node.id} still holds pages")
                 for t in node.table.tables():
-                    if len(t.pages) != -(-t.length // p) or t.length > node.end \
-                            or t.length != node.kv_len:
+                    if len(t.pages) != -(-t.length // p) or t.length > node.end:
                         raise AssertionError(f"node {node.id}: {len(t.pages)} {t.pool.kind.value} "
                                              f"pages for {t.length} tokens (end {node.end})")
                     refs = expected.setdefault(t.pool, {})
@@ -632,9 +654,22 @@ def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
     return decode
 
 
-def _hit_pages(hit: tuple[list[int], list[int] | None]) -> int:
-    base, residual = hit
-    return len(base) if residual is None else min(len(base), len(residual))
+def _assert_exclusive(kv: NodeKV, start: int, n: int, regime: Regime) -> None:
+    """The pages a step writes are ours alone: writing a shared page would corrupt a sibling."""
+    sides = ((kv.base, regime.write_base), (kv.residual, regime.write_residual))
+    for table, writes in sides:
+        if table is None or not writes:
+            continue
+        p = table.pool.page_size
+        for page in table.pages[start // p:(start + n - 1) // p + 1]:
+            if table.pool.refcount(page) != 1:
+                raise AssertionError(f"write into shared {table.pool.kind.value} page {page}")
+
+
+def _regime_capped(node: Node, pending: int) -> int:
+    """A write stays inside one regime (both sides, or only the side that is missing)."""
+    cap = node.table.regime().max_tokens
+    return pending if cap is None else min(pending, cap)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from forkserve import Engine, ForkServeConfig, plus_config
+from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
-from forkserve.backend.protocol import PageKind
 from forkserve.control.context_tree import NodeState
 from forkserve.errors import BranchCapError
 
@@ -56,9 +55,11 @@ class VerbMachine(RuleBasedStateMachine):
         self.ever_committed.append(tuple(self.committed[sid]))
 
     # -------------------------------------------------------------- rules
-    @rule(tokens=TOKENS)
-    def open(self, tokens):
-        h = self.engine.open(tokens)
+    adapters = (None,)
+
+    @rule(tokens=TOKENS, data=st.data())
+    def open(self, tokens, data):
+        h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters)))
         self.committed[h.id] = list(tokens)
         self.ever_committed.append(tuple(tokens))
 
@@ -74,7 +75,8 @@ class VerbMachine(RuleBasedStateMachine):
             sib = data.draw(st.sampled_from(parent.children))
             tokens = sib.tokens[:data.draw(st.integers(0, len(sib.tokens)))] + tokens
         try:
-            self.engine.fork(sid, parent.id, "b", tokens)
+            self.engine.fork(sid, parent.id, "b", tokens,
+                             adapter=data.draw(st.sampled_from(self.adapters)))
         except BranchCapError:
             assert len(parent.live_children()) == self.config.branch_cap
 
@@ -148,9 +150,10 @@ class VerbMachine(RuleBasedStateMachine):
     def generate(self, data, n):
         sid = self._pick_session(data)
         before = list(self.committed[sid])
+        adapter = self.engine.node(sid, self.engine.tip(sid)).adapter
         out = self.engine.generate(sid, n)
         baseline = Engine(MockBackend(self.config))
-        hb = baseline.open(before)
+        hb = baseline.open(before, adapter=adapter)
         assert out.tokens == baseline.generate(hb.id, n).tokens
         self._record(sid, out.tokens)
 
@@ -168,6 +171,18 @@ class VerbMachine(RuleBasedStateMachine):
         sid = self._pick_session(data)
         (self.engine.close if close else self.engine.abort)(sid)
         del self.committed[sid]
+
+    @rule(base=st.booleans(), pages=st.integers(1, 8))
+    def evict(self, base, pages):
+        """Decoupled eviction: one tree's LRU never frees the other's pages."""
+        index, other = self.engine.index, self.engine.residual_index
+        if not base:
+            index, other = other, index
+        if index is None:
+            return
+        other_pages = other.num_pages if other is not None else 0
+        index.evict(pages)
+        assert (other.num_pages if other is not None else 0) == other_pages
 
     @rule(dt=st.sampled_from([1.0, 6.0]))
     def advance_clock(self, dt):
@@ -187,22 +202,30 @@ class VerbMachine(RuleBasedStateMachine):
     @invariant()
     def every_table_reads_its_own_path(self):
         """What a node's pages hold is exactly its path: no alias was written through."""
-        kv = self.backend._kv[PageKind.UNIFIED]
         for session in self.engine.sessions.values():
             for node in session.tree.nodes.values():
                 if node.table is None:
                     continue
-                stored = kv[node.table.pages].reshape(-1)[:node.kv_len].tolist()
-                assert stored == session.tree.path_tokens(node)[:node.kv_len], f"node {node.id}"
+                path = session.tree.path_tokens(node)
+                for table in node.table.tables():
+                    kind = table.pool.kind
+                    stored = self.backend.kv_values(kind, table.pages, table.length)
+                    want = self.backend.expected_values(kind, path[:table.length], node.adapter)
+                    assert (stored == want).all(), f"node {node.id} {kind.value}"
 
     @invariant()
     def index_holds_only_committed_pages(self):
-        kv = self.backend._kv[PageKind.UNIFIED]
         p = self.config.page_size
-        for entry in self.engine.index.entries():
-            assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
-                f"published prefix {entry.prefix} was never committed"
-            assert tuple(kv[entry.page].tolist()) == entry.prefix[-p:]
+        for index in (self.engine.index, self.engine.residual_index):
+            if index is None:
+                continue
+            kind = index.pool.kind
+            for entry in index.entries():
+                assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
+                    f"published prefix {entry.prefix} was never committed"
+                adapter = getattr(entry.namespace, "adapter_id", None)
+                stored = self.backend.kv_values(kind, [entry.page], p)
+                assert (stored == self.backend.expected_values(kind, entry.prefix[-p:], adapter)).all()
 
     def teardown(self):
         for sid in list(self.engine.sessions):
@@ -219,9 +242,31 @@ class CascadeVerbMachine(VerbMachine):
                          early_abort_probe_tokens=2, speculate_budget_tokens=4)
 
 
+class MultiAdapterUnifiedMachine(CascadeVerbMachine):
+    adapters = (None, "planner", "critic")
+
+
+class DisaggregatedMachine(VerbMachine):
+    config = plus_config(page_size=4, num_pages=512, num_residual_pages=512, branch_cap=3,
+                         node_ttl_s=5.0, vocab_size=300, hbm_tokens=2048, spec_chunk=8,
+                         max_batch_tokens=64, early_abort_probe_tokens=2,
+                         speculate_budget_tokens=4, kv_layout=KVLayout.DISAGGREGATED)
+    adapters = (None, "planner", "critic")
+
+
+class FullReuseMachine(DisaggregatedMachine):
+    config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.FULL_REUSE)
+
+
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestVerbs = VerbMachine.TestCase
 TestVerbs.settings = _settings
 TestCascadeVerbs = CascadeVerbMachine.TestCase
 TestCascadeVerbs.settings = _settings
+TestMultiAdapterUnified = MultiAdapterUnifiedMachine.TestCase
+TestMultiAdapterUnified.settings = _settings
+TestDisaggregated = DisaggregatedMachine.TestCase
+TestDisaggregated.settings = _settings
+TestFullReuse = FullReuseMachine.TestCase
+TestFullReuse.settings = _settings

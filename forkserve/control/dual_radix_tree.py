@@ -1,0 +1,74 @@
+"""DualRadixTree: the base tree and the residual tree of ForkKV, with decoupled LRU.
+
+* The base tree indexes BASE (or UNIFIED) pages by ``BaseKey(tokens)`` — under the
+  adapter's namespace in the unified layout, where merged K/V depends on the adapter.
+* The residual tree indexes RESIDUAL pages by ``ResidualKey(adapter_id, adapter_version,
+  tokens)``: a key of adapter A never matches adapter B, nor A after it was reloaded.
+
+Both are ``PrefixIndex``es over their own pool, so each has its own LRU and evicting one
+never touches the other. ``match`` reports how far each side reaches; the engine
+recomputes only the missing side (a partial hit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from forkserve.backend.protocol import PageId
+from forkserve.control.page_pool import PagePool
+from forkserve.control.prefix_index import BASE, AdapterNamespace, Namespace, PrefixIndex
+
+
+@dataclass(frozen=True)
+class BaseKey:
+    tokens: tuple[int, ...]
+    namespace: Namespace = BASE
+
+
+@dataclass(frozen=True)
+class ResidualKey:
+    adapter_id: int | str
+    adapter_version: int
+    tokens: tuple[int, ...]
+
+    @property
+    def namespace(self) -> AdapterNamespace:
+        return AdapterNamespace(str(self.adapter_id), self.adapter_version)
+
+
+@dataclass(frozen=True)
+class DualMatch:
+    base_pages: list[PageId]
+    residual_pages: list[PageId] | None  # None: no residual side asked for
+
+    @property
+    def covered_pages(self) -> int:
+        """Pages where both sides are published (KV fully valid)."""
+        if self.residual_pages is None:
+            return len(self.base_pages)
+        return min(len(self.base_pages), len(self.residual_pages))
+
+
+class DualRadixTree:
+    def __init__(self, base_pool: PagePool, residual_pool: PagePool | None) -> None:
+        self.base = PrefixIndex(base_pool)
+        self.residual = PrefixIndex(residual_pool) if residual_pool is not None else None
+
+    def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
+        base_pages = self.base.match(base.namespace, base.tokens)
+        if residual is None or self.residual is None:
+            return DualMatch(base_pages, None)
+        return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens))
+
+    def insert(self, base: BaseKey, base_pages: Sequence[PageId],
+               residual: ResidualKey | None = None,
+               residual_pages: Sequence[PageId] = ()) -> None:
+        self.base.insert(base.namespace, base.tokens, base_pages)
+        if residual is not None and self.residual is not None and residual_pages:
+            self.residual.insert(residual.namespace, residual.tokens, residual_pages)
+
+    def evict_all(self) -> int:
+        freed = self.base.evict()
+        if self.residual is not None:
+            freed += self.residual.evict()
+        return freed
