@@ -193,7 +193,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     scale: float, kv_start: int, kv_limit: int, num_splits: int, split_len: int,
                     split_offset: int, seqs_per_program: int = 1,
                     residual: tuple | None = None, block_n: int = 64, num_warps: int = 4,
-                    num_stages: int = 2, split_score: bool = True) -> None:
+                    num_stages: int = 2, split_score: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -257,7 +257,7 @@ def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, scale: float | None, max_seq_len: int | None,
             num_splits: int | None, residual: tuple | None, block_n: int, num_warps: int,
-            num_stages: int, split_score: bool = True) -> torch.Tensor:
+            num_stages: int, split_score: bool = False) -> torch.Tensor:
     batch, n_heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if max_seq_len is None:
@@ -292,9 +292,10 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                            inv_freq: torch.Tensor, scale: float | None = None,
                            max_seq_len: int | None = None, num_splits: int | None = None,
-                           block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                           split_score: bool = True) -> torch.Tensor:
-    """ResidualAttention decode over the disaggregated cache (see module docstring)."""
+                           block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+                           split_score: bool = False) -> torch.Tensor:
+    """ResidualAttention decode over the disaggregated cache (see module docstring).
+    Defaults are the H200 tuning of benchmarks/results/kernel_bench.json."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _decode(q, k_base, v_base, block_tables, seq_lens, scale, max_seq_len, num_splits,
                    residual, block_n, num_warps, num_stages, split_score)

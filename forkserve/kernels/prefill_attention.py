@@ -142,7 +142,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
              seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None,
              max_q_len: int | None, max_seq_len: int | None, residual: tuple | None,
              block_m: int | None, block_n: int, num_warps: int, num_stages: int,
-             split_score: bool = True) -> torch.Tensor:
+             split_score: bool = False) -> torch.Tensor:
     total, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     group = n_heads // n_kv
@@ -151,8 +151,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
-    if block_m is None:  # ~128 query rows per program, at least 16 for tl.dot
-        block_m = max(16 // group_pad, 128 // group_pad, 1)
+    if block_m is None:  # query rows per program (tokens x padded group), H200-tuned
+        block_m = max(1, (64 if residual is None else 128) // group_pad)
     out = torch.empty_like(q)
     batch = seq_lens.numel()
     if residual is not None:
@@ -189,7 +189,7 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, scale: float | None = None,
                          max_q_len: int | None = None, max_seq_len: int | None = None,
-                         block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
+                         block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
                          num_stages: int = 2) -> torch.Tensor:
     """Varlen causal prefill over the unified paged cache. q ``[total_new, H, D]``."""
     return _prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
@@ -203,8 +203,8 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                             inv_freq: torch.Tensor, scale: float | None = None,
                             max_q_len: int | None = None, max_seq_len: int | None = None,
-                            block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
-                            num_stages: int = 2, split_score: bool = True) -> torch.Tensor:
+                            block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                            num_stages: int = 2, split_score: bool = False) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache.
     ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
