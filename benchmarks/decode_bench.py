@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: check the plumbing")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-fusions", action="store_true", help="skip torch.compile of the glue kernels")
     ap.add_argument("--profile", action="store_true", help="only: where decode time goes (GPU)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -228,13 +229,13 @@ def main() -> None:
     pages_per_seq = -(-max(prompt + 64, prefill_tokens) // PAGE)
     kv_token_bytes = 2 * cfg.num_layers * cfg.kv_size * 2
 
-    def make(layout: KVLayout, attention: str = "auto") -> TorchBackend:
+    def make(layout: KVLayout, fusions: bool) -> TorchBackend:
         fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
                              num_residual_pages=big_batch * pages_per_seq if layout is KVLayout.DISAGGREGATED else 1,
                              kv_layout=layout, vocab_size=cfg.vocab_size)
         return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
                                          max_adapters=n_adapters, max_lora_rank=rank, lora_targets=TARGETS,
-                                         attention=attention)
+                                         compile_fusions=fusions)
 
     def attempt(name: str, fn) -> None:
         try:
@@ -244,10 +245,21 @@ def main() -> None:
             res["errors"][name] = traceback.format_exc()
             print(name, "FAILED\n", res["errors"][name], flush=True)
 
-    backend = make(KVLayout.UNIFIED)
+    fusions = device.type == "cuda" and not args.no_fusions
+    backend = make(KVLayout.UNIFIED, fusions)
     res["attention"] = type(backend.attention).__name__
     bench = Bench(backend, pages_per_seq)
     ids = [backend.adapter_id(f"a{i}") for i in range(n_adapters)]
+    t0 = time.perf_counter()
+    attempt("first_decode_step", lambda: bench.decode(1, 16, [None], steps=1, warmup=0))
+    if "first_decode_step" in res["errors"] and fusions:  # no Inductor here: measure without fusions
+        res["fusions_error"] = res["errors"].pop("first_decode_step")
+        fusions = False
+        backend = make(KVLayout.UNIFIED, fusions)
+        bench = Bench(backend, pages_per_seq)
+        ids = [backend.adapter_id(f"a{i}") for i in range(n_adapters)]
+    res["fusions"] = fusions
+    res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
 
     def roofline(batch: int, lora: bool) -> float:
         lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
@@ -276,7 +288,7 @@ def main() -> None:
     res["graphs_captured"] = [list(k) for k in backend.runner.captured_graphs]
     del backend, bench
     gc.collect()
-    dis = make(KVLayout.DISAGGREGATED)
+    dis = make(KVLayout.DISAGGREGATED, fusions)
     attempt("decode_b64_lora_disaggregated",
             lambda: {**Bench(dis, pages_per_seq).decode(big_batch, prompt, [dis.adapter_id(f"a{i}")
                                                                             for i in range(n_adapters)], args.steps),

@@ -32,8 +32,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def tiny_hf_config(arch: str, **overrides):
     from transformers import LlamaConfig, Qwen2Config
 
+    # head_dim 32 (not hidden / heads = 16): the Triton kernels need at least 32.
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                   initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     common.update(overrides)
     return (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
@@ -91,6 +92,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}),
         "qwen2": save_tiny_model(root / "qwen2", "qwen2", seed=3),
+        # transformers' GGUF reader derives head_dim from hidden / heads: keep it so here.
+        "llama_plain_head": save_tiny_model(root / "llama_plain", "llama", seed=4, head_dim=16),
     }
 
 
@@ -118,11 +121,12 @@ def pages_for(seq: int, base_offset: int = 0) -> tuple[int, ...]:
 
 def work(seq: int, tokens: Sequence[int], start: int, adapter: int | None = None,
          sampling: SamplingParams | None = GREEDY, residual: bool = False,
-         pages: tuple[int, ...] | None = None) -> SeqWork:
+         pages: tuple[int, ...] | None = None, **flags) -> SeqWork:
+    """flags: decode, write_base, write_residual (SeqWork's own fields)."""
     pages = pages if pages is not None else pages_for(seq)
     return SeqWork(seq_id=seq, tokens=tuple(tokens), start_pos=start,
                    slots=KVSlots(pages, pages_for(seq) if residual else None),
-                   adapter_id=adapter, sampling=sampling)
+                   adapter_id=adapter, sampling=sampling, **flags)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -75,7 +75,7 @@ def test_tiny_q4_1_gguf_matches_transformers(models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(models["llama"], path)
+    write_tiny_gguf(models["llama_plain_head"], path)
     tokens = prompt(100, 15)
     ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float64)
     with torch.no_grad():

@@ -53,9 +53,13 @@ def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, re
         a, b = backend.adapter_id("qkvo"), backend.adapter_id("qv")
         dis = layout is KVLayout.DISAGGREGATED
         backend.step([work(0, ctx, 0, a, sampling=None, residual=dis, pages=shared)])
-        if layout is not KVLayout.FULL_REUSE:
-            # B's own forward over the context: its residual (disaggregated) or its full KV (unified).
-            backend.step([work(1, ctx, 0, b, sampling=None, residual=dis, pages=private)])
+        if layout is KVLayout.UNIFIED:
+            backend.step([work(1, ctx, 0, b, sampling=None, pages=private)])
+        elif dis:
+            # B's own forward over the context writes only its residual; A's base pages are read.
+            base_before = backend.pool.k[:, list(shared)].clone()
+            backend.step([work(1, ctx, 0, b, sampling=None, residual=True, pages=shared, write_base=False)])
+            assert torch.equal(backend.pool.k[:, list(shared)], base_before)
         pages = (private if layout is KVLayout.UNIFIED else shared) + (tail_page,)
         logits[layout] = backend.forward([work(1, question, n_ctx, b, residual=dis, pages=pages)],
                                          all_logits=True).logits[0]
@@ -66,6 +70,22 @@ def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, re
     print(f"\ncross-adapter logits rel. error vs unified: disaggregated {forkkv:.4f}, full_reuse {full_reuse:.4f}")
     assert forkkv > 10 * REL_TOL          # sharing another adapter's base is not exact...
     assert forkkv < full_reuse            # ...but closer than sharing its merged K/V
+
+
+def test_write_flags_leave_present_sides_untouched(models, adapters):
+    """write_residual=False recomputes only the base (partial hit): the residual pages keep
+    their contents and the logits equal the full write's."""
+    backend = TorchBackend(make_config(KVLayout.DISAGGREGATED), models["llama"], adapters=adapters,
+                           device=DEVICE, dtype=DTYPE)
+    a = backend.adapter_id("qkvo")
+    tokens = prompt(65, 2 * PAGE)
+    full = backend.forward([work(0, tokens, 0, a, residual=True)]).logits[0]
+    res_pages = list(work(0, [], 0, residual=True).slots.residual_pages[:2])
+    residual_before = backend.pool.k_res[:, res_pages].clone()
+    backend.pool.k[:, list(work(0, [], 0).slots.pages[:2])] = 0.0   # the base was evicted
+    again = backend.forward([work(0, tokens, 0, a, residual=True, write_residual=False)]).logits[0]
+    assert torch.equal(backend.pool.k_res[:, res_pages], residual_before)
+    assert rel_err(again, full) < REL_TOL
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))

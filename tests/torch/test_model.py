@@ -83,5 +83,5 @@ def test_step_reports_costs(models):
     r = backend.step([work(0, prompt(6, 7), 0), work(1, prompt(7, 5), 0, sampling=None)])
     assert r.next_tokens[1] is None and isinstance(r.next_tokens[0], int)
     assert r.cost.prefill_tokens == 12 and r.cost.prefill_calls == 2 and r.cost.ms > 0
-    r = backend.step([work(0, [5], 7)])
+    r = backend.step([work(0, [5], 7, decode=True)])
     assert r.cost.decode_tokens == 1 and r.cost.prefill_tokens == 0

@@ -20,6 +20,7 @@ from forkserve.backend.protocol import PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (AdapterCapacityError, InvalidWorkError, UnknownAdapterError)
+from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
@@ -87,13 +88,14 @@ class TorchBackend:
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  max_adapters: int | None = None, max_lora_rank: int | None = None,
                  lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
-                 use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0, seed: int = 0) -> None:
+                 use_cuda_graphs: bool = True, compile_fusions: bool | None = None,
+                 connector_gb_per_s: float = 25.0, seed: int = 0) -> None:
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         model_cfg, weights = load_model(model_path, dev, dt)
         loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
         self._setup(config, model_cfg, weights, loaded, dev, dt, max_adapters, max_lora_rank, lora_targets,
-                    attention, use_cuda_graphs, connector_gb_per_s, seed)
+                    attention, use_cuda_graphs, compile_fusions, connector_gb_per_s, seed)
         self.model_path: Path | None = Path(model_path)
 
     @classmethod
@@ -101,12 +103,12 @@ class TorchBackend:
                      adapters: Mapping[str, LoraAdapter] | None = None, *, device: str | torch.device,
                      dtype: torch.dtype, max_adapters: int | None = None, max_lora_rank: int | None = None,
                      lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
-                     use_cuda_graphs: bool = True, connector_gb_per_s: float = 25.0,
-                     seed: int = 0) -> "TorchBackend":
+                     use_cuda_graphs: bool = True, compile_fusions: bool | None = None,
+                     connector_gb_per_s: float = 25.0, seed: int = 0) -> "TorchBackend":
         """A backend over weights already in memory (benchmarks with random weights); no tokenizer."""
         self = cls.__new__(cls)
         self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device), dtype,
-                    max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs,
+                    max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs, compile_fusions,
                     connector_gb_per_s, seed)
         self.model_path = None
         return self
@@ -114,8 +116,8 @@ class TorchBackend:
     def _setup(self, config: ForkServeConfig, model_cfg: ModelConfig, weights: ModelWeights,
                adapters: Mapping[str, LoraAdapter], device: torch.device, dtype: torch.dtype,
                max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
-               attention: str | AttentionBackend, use_cuda_graphs: bool, connector_gb_per_s: float,
-               seed: int) -> None:
+               attention: str | AttentionBackend, use_cuda_graphs: bool, compile_fusions: bool | None,
+               connector_gb_per_s: float, seed: int) -> None:
         # The model decides the vocabulary; the control plane reads it from backend.config.
         self.config = config if config.vocab_size == model_cfg.vocab_size else config.replace(
             vocab_size=model_cfg.vocab_size)
@@ -137,7 +139,9 @@ class TorchBackend:
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
             disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
         self.attention = make_attention(attention, device, config.page_size)
-        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device)
+        # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
+        fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
+        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s
@@ -196,8 +200,8 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
-        decode = [s for s in work if len(s.tokens) == 1 and s.start_pos > 0]
-        prefill = [s for s in work if not (len(s.tokens) == 1 and s.start_pos > 0)]
+        decode = [s for s in work if s.decode]
+        prefill = [s for s in work if not s.decode]
         cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
                         decode_tokens=len(decode), prefill_calls=len(prefill))
         return StepOutput(StepResult(next_tokens, cost), tuple(per_item))

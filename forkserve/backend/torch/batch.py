@@ -2,7 +2,8 @@
 
 `validate` runs before anything is written, so a rejected step leaves the pools untouched.
 `build` turns SeqWork items into token-major tensors (T tokens over B sequences) and the
-AttentionMetadata every attention backend reads. Padding (for CUDA graphs) points at the
+AttentionMetadata every attention backend reads. `write_base` covers the item's `pages` in
+every layout (unified pages too); `write_residual` its residual pages. Padding (for CUDA graphs) points at the
 pool's scratch page, never at a real one.
 """
 from __future__ import annotations
@@ -91,8 +92,11 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
             ids.append(token)
             pos.append(at)
             tok_slot.append(slot)
-            slots.append(pages[at // p] * p + at % p)
-            res_slots.append(res[at // p] * p + at % p if res is not None else scratch_res_page * p)
+            # A side that is already present (write_base / write_residual False: aliased pages
+            # of a fork, a partial prefix hit) is read, never rewritten: its write goes to scratch.
+            slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
+            res_slots.append(res[at // p] * p + at % p if res is not None and seq.write_residual
+                             else scratch_res_page * p)
         if all_logits:
             logit_rows.extend(range(first, first + n))
         elif seq.sampling is not None:

@@ -2,11 +2,14 @@
 
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
-launch. Inputs live in static buffers; a smaller batch is padded up to its bucket with rows
-that read and write only the pool's scratch page.
+launch. Inputs live in one packed int64 device buffer filled by one pinned, asynchronous
+host-to-device copy per step; a smaller batch is padded up to its bucket with rows that
+read and write only the pool's scratch page. Every tensor the graph reads is owned by the
+DecodeGraph: a temporary freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from forkserve.backend.torch.attention import AttentionMetadata
@@ -15,6 +18,8 @@ from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_ROW_FIELDS = ("input_ids", "positions", "token_slot", "slot_mapping", "res_slot_mapping", "seq_lens", "seq_slot")
+_TABLE_FIELDS = ("block_tables", "res_block_tables")
 
 
 def batch_bucket(n: int) -> int | None:
@@ -22,46 +27,53 @@ def batch_bucket(n: int) -> int | None:
 
 
 def pages_bucket(n: int) -> int:
-    """Next power of two (at least 4): gathering more pages than needed costs bandwidth, so the
-    buckets stay within 2x of the real width while bounding how many graphs are captured."""
-    return max(4, 1 << (n - 1).bit_length())
+    """Multiples of 8 pages up to 64, powers of two beyond: a graph gathers (eager) or plans
+    splits (Triton) for its bucket's width, so buckets stay close to the real width while
+    bounding how many graphs get captured."""
+    if n <= 4:
+        return 4
+    if n <= 64:
+        return -(-n // 8) * 8
+    return 1 << (n - 1).bit_length()
 
 
 class DecodeGraph:
     def __init__(self, model: CausalLM, pool: KVPool, batch: int, pages: int, use_lora: bool,
                  disaggregated: bool, device: torch.device, mempool: tuple) -> None:
-        self.batch, self.pages, self.pool = batch, pages, pool
-        scratch_slot = pool.scratch_page * pool.page_size
-        scratch_res_slot = pool.scratch_residual_page * pool.page_size
-
-        def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full(shape, value, dtype=dtype, device=device)
-
-        self.input_ids = full((batch,), 0, torch.int64)
-        self.positions = full((batch,), 0, torch.int64)
-        self.token_slot = full((batch,), -1, torch.int64)
-        self.slot_mapping = full((batch,), scratch_slot, torch.int64)
-        self.res_slot_mapping = full((batch,), scratch_res_slot, torch.int64) if disaggregated else None
-        self.block_tables = full((batch, pages), pool.scratch_page, torch.int32)
-        self.res_block_tables = (full((batch, pages), pool.scratch_residual_page, torch.int32)
-                                 if disaggregated else None)
-        self.seq_lens = full((batch,), 1, torch.int32)
-        self.seq_slot = full((batch,), -1, torch.int64)
-        self._padding = {  # what a padded row holds: a 1-token sequence on the scratch page
-            "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": scratch_slot,
-            "res_slot_mapping": scratch_res_slot, "block_tables": pool.scratch_page,
-            "res_block_tables": pool.scratch_residual_page, "seq_lens": 1, "seq_slot": -1}
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping, res_slot_mapping=self.res_slot_mapping,
-            block_tables=self.block_tables, res_block_tables=self.res_block_tables,
-            seq_lens=self.seq_lens, query_starts=torch.arange(batch + 1, dtype=torch.int32, device=device),
-            seq_slot=self.seq_slot, query_lens_host=(), seq_lens_host=(), seq_slot_host=(), decode_only=True)
-        rows = torch.arange(batch, device=device)
+        self.batch, self.pages = batch, pages
+        self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
+            "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
+            "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
+            "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page}
+        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for name in _ROW_FIELDS + _TABLE_FIELDS:
+            shape = (batch, pages) if name in _TABLE_FIELDS else (batch,)
+            self.layout[name] = (offset, shape)
+            offset += int(np.prod(shape))
+        self.packed = torch.empty(offset, dtype=torch.int64, device=device)
+        self.host = torch.empty(offset, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.copied = torch.cuda.Event()
+        self._fill({})
+        view = {name: self.packed[o:o + int(np.prod(s))].view(s) for name, (o, s) in self.layout.items()}
+        self.rows = torch.arange(batch, device=device)
+        self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
         def forward() -> torch.Tensor:
-            return model.forward(self.input_ids, self.positions, self.token_slot, meta, pool, rows, use_lora)
+            # The int32 casts run inside the graph, so they see every step's new inputs.
+            meta = AttentionMetadata(
+                slot_mapping=view["slot_mapping"],
+                res_slot_mapping=view["res_slot_mapping"] if disaggregated else None,
+                block_tables=view["block_tables"].to(torch.int32),
+                res_block_tables=view["res_block_tables"].to(torch.int32) if disaggregated else None,
+                seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
+                seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
+                decode_only=True)
+            return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta, pool,
+                                 self.rows, use_lora)
 
-        # Warm up on a side stream (allocator and library handles settle), then capture.
+        # Warm up on a side stream (allocator, library handles and kernel compiles settle), then capture.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -72,25 +84,25 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.logits = forward()
 
+    def _fill(self, sources: dict[str, torch.Tensor]) -> None:
+        """Pad, write the real rows into the pinned buffer, and start one async copy."""
+        self.copied.synchronize()  # the previous step's copy has read the pinned buffer
+        for name, (offset, shape) in self.layout.items():
+            block = self.host_np[offset:offset + int(np.prod(shape))].reshape(shape)
+            block[...] = self.padding[name]
+            src = sources.get(name)
+            if src is not None:
+                values = src.numpy()
+                block[tuple(slice(0, d) for d in values.shape)] = values
+        self.packed.copy_(self.host, non_blocking=True)
+        self.copied.record()
+
     def run(self, batch: Batch) -> torch.Tensor:
         """Replay for a decode batch built on the host; returns logits [real rows, vocab]."""
-        n = batch.input_ids.shape[0]
         meta = batch.meta
-        width = meta.block_tables.shape[1]
-        sources = {"input_ids": batch.input_ids, "positions": batch.positions, "token_slot": batch.token_slot,
-                   "slot_mapping": meta.slot_mapping, "res_slot_mapping": meta.res_slot_mapping,
-                   "block_tables": meta.block_tables, "res_block_tables": meta.res_block_tables,
-                   "seq_lens": meta.seq_lens, "seq_slot": meta.seq_slot}
-        for name, src in sources.items():
-            dst = getattr(self, name)
-            if dst is None:
-                continue
-            # Pad on the host, then one copy per buffer (no device-side fill kernels).
-            host = torch.full(dst.shape, self._padding[name], dtype=dst.dtype)
-            if dst.dim() == 2:
-                host[:n, :width] = src
-            else:
-                host[:n] = src
-            dst.copy_(host, non_blocking=True)
+        self._fill({"input_ids": batch.input_ids, "positions": batch.positions, "token_slot": batch.token_slot,
+                    "slot_mapping": meta.slot_mapping, "res_slot_mapping": meta.res_slot_mapping,
+                    "seq_lens": meta.seq_lens, "seq_slot": meta.seq_slot, "block_tables": meta.block_tables,
+                    "res_block_tables": meta.res_block_tables})
         self.graph.replay()
-        return self.logits[:n]
+        return self.logits[:batch.input_ids.shape[0]]

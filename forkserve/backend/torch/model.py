@@ -10,23 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from forkserve.backend.torch.attention import AttentionBackend, AttentionMetadata
+from forkserve.backend.torch.fused import Fusions
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.lora import LoraStack
 from forkserve.backend.torch.model_config import ModelConfig
-from forkserve.backend.torch.rope import Rope, apply_rope
+from forkserve.backend.torch.rope import Rope
 from forkserve.backend.torch.weights import ModelWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused kernel (float32 statistics inside). HF casts to the dtype before the weight
-    # multiply; the difference is one bf16 rounding, and none in float32.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class CausalLM:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: LoraStack | None,
-                 attention: AttentionBackend, disaggregated: bool, device: torch.device) -> None:
+                 attention: AttentionBackend, disaggregated: bool, device: torch.device,
+                 fusions: Fusions) -> None:
         self.cfg, self.weights, self.lora, self.attention = cfg, weights, lora, attention
+        self.fx = fusions
         self.disaggregated = disaggregated
         self.rope = Rope(cfg.rope, cfg.head_dim, device)
         q, kv = cfg.q_size, cfg.kv_size
@@ -39,14 +36,14 @@ class CausalLM:
                 meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor,
                 use_lora: bool) -> torch.Tensor:
         """input_ids/positions/token_slot [T] -> float32 logits [len(logits_indices), vocab]."""
-        cfg, w = self.cfg, self.weights
+        cfg, w, fx, eps = self.cfg, self.weights, self.fx, self.cfg.rms_norm_eps
         lora = self.lora if use_lora else None
         x = F.embedding(input_ids, w.embed)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         mask = lora.token_mask(token_slot, x.dtype) if lora is not None else None
         n_tokens = input_ids.shape[0]
+        h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         for n, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             res: dict[str, torch.Tensor] = {}
             if lora is not None and "qkv" in lora.groups:
@@ -57,8 +54,8 @@ class CausalLM:
                         res[t] = lora.collapse(part)
                     else:
                         lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
-            # q and k are adjacent in qkv: one RoPE over both heads sets (fewer kernels per layer).
-            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(n_tokens, -1, cfg.head_dim), cos, sin)
+            # q and k are adjacent in qkv: one RoPE over both heads sets.
+            qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
             b_k = lora.b_stack(n, "k") if lora is not None and self.disaggregated else None
@@ -68,18 +65,19 @@ class CausalLM:
             o = F.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:
                 lora.expand_(n, "o", lora.shrink(n, "o", attn, mask), o)
-            x = x + o
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x, h = fx.add_rms_norm(x, o, layer.post_norm, eps)
             gate_up = F.linear(h, layer.gate_up)
             if lora is not None and "gate_up" in lora.groups:
                 shrunk = lora.shrink(n, "gate_up", h, mask)
                 for t in lora.groups["gate_up"]:
                     lora.expand_(n, t, lora.part("gate_up", t, shrunk), gate_up[:, self._gate_up_slices[t]])
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = fx.silu_mul(gate_up)
             down = F.linear(act, layer.down)
             if lora is not None and "down" in lora.groups:
                 lora.expand_(n, "down", lora.shrink(n, "down", act, mask), down)
-            x = x + down
-        x = rms_norm(x[logits_indices], w.final_norm, cfg.rms_norm_eps)
+            if n + 1 < len(w.layers):
+                x, h = fx.add_rms_norm(x, down, w.layers[n + 1].input_norm, eps)
+            else:
+                x = x + down
+        x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
         return F.linear(x, w.lm_head).float()

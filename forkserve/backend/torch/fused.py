@@ -1,0 +1,57 @@
+"""Elementwise fusions of the decoder's glue: residual add + RMSNorm, q/k RoPE, SiLU * up.
+
+At batch 1 an 8B decode step is ~4 ms of weight reads plus ~700 small kernels; each
+RMSNorm alone costs ~6 us there. torch.compile (Inductor) turns each group below into one
+kernel on CUDA; elsewhere (CPU tests) the same functions run eagerly, so both paths compute
+the same function.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from forkserve.backend.torch.rope import apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual stream and the next sublayer's input."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+            head_dim: int) -> torch.Tensor:
+    """RoPE over the q and k heads of a fused qkv row: [T, q_heads + kv_heads, head_dim]."""
+    qk = qkv[:, :(q_heads + kv_heads) * head_dim].view(qkv.shape[0], q_heads + kv_heads, head_dim)
+    return apply_rope(qk, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Fusions:
+    """The glue functions, compiled (one kernel each) or plain."""
+
+    def __init__(self, compile: bool) -> None:
+        wrap: Callable = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile else (lambda f: f)
+        self.compiled = compile
+        self.rms_norm = wrap(rms_norm)
+        self.add_rms_norm = wrap(add_rms_norm)
+        self.rope_qk = wrap(rope_qk)
+        self.silu_mul = wrap(silu_mul)
+
+
+@functools.cache
+def get_fusions(compile: bool) -> Fusions:
+    """One set per process: every backend shares the compiled kernels (and their compile time)."""
+    return Fusions(compile)
