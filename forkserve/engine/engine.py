@@ -274,8 +274,12 @@ class Engine:
         committed, speculative, spines = self._demands()
         if not committed and not speculative:
             return False
-        spec_memory = max(0, min(self.config.hbm_tokens - self.pool.num_used * self.pool.page_size,
-                                 self.pool.num_free * self.pool.page_size))
+        # Speculation may use what is left of H and of every pool (base and residual apart).
+        p = self.pool.page_size
+        room = [self.config.hbm_tokens - self.pool.num_used * p, self.pool.num_free * p]
+        if self.residual_pool is not None:
+            room.append(self.residual_pool.num_free * p)
+        spec_memory = max(0, min(room))
         grants = self.scheduler.plan(committed, speculative,
                                      self.scheduler.decode_slots(spines), spec_memory)
         if not grants:
