@@ -54,7 +54,7 @@ def rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
 # tensor keeps its memory from being reused by another one with the same key; a handful of
 # models at most, so entries are never evicted.
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-MIN_TABLE_POSITIONS = 8192
+MIN_TABLE_POSITIONS = 32768  # 16 MiB for head_dim 128: covers common contexts up front
 
 
 def cached_rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
