@@ -11,7 +11,9 @@
     DELETE /v1/sessions/{sid}                close
     POST   /v1/drain                         drain_slack
 
-Text is encoded by the server's tokenizer exactly as given (no special tokens added
+Generated text is the decode of every generated token, a matched ``stop`` string
+included: a session keeps all of them in its context, and the text says so. Text is
+encoded by the server's tokenizer exactly as given (no special tokens added
 after the prompt): adapters announce structure, they never rewrite prompts. Every verb
 validates before it mutates, so a 4xx leaves the engine as it was. A verb on a session
 renews its lease (see EngineWorker); a session that is generating accepts no other verb.
@@ -169,7 +171,7 @@ async def generate(sid: int, body: GenerateRequest,
     tip = await _on_session(st, sid, check)
     eos = () if body.ignore_eos else st.model.eos_token_ids
     spec = GenerationSpec(body.max_tokens, SamplingParams(body.temperature, body.top_p, body.seed),
-                          frozenset(eos), tuple(body.stop))
+                          frozenset(eos), tuple(body.stop), keep_stop_text=True)
     gen = await st.worker.generate(sid, spec)
     if body.stream:
         async def events() -> AsyncIterator[str]:

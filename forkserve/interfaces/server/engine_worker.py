@@ -45,6 +45,9 @@ class GenerationSpec:
     # A session opened for this one request (OpenAI endpoints): closed when the generation
     # ends, so its committed full pages stay published for the next request's prefix.
     close_when_done: bool = False
+    # The text keeps the stop string (and the rest of its last token): the branch API
+    # shows exactly what the session's context now holds.
+    keep_stop_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ class EngineWorker:
 
     def _register(self, session_id: int, gen: Generation) -> None:
         gen.session_id = session_id
-        self._jobs[session_id] = _Job(gen, TextStream(self._decode, gen.spec.stop_strings))
+        stream = TextStream(self._decode, gen.spec.stop_strings, gen.spec.keep_stop_text)
+        self._jobs[session_id] = _Job(gen, stream)
 
     def _end_job(self, sid: int, job: _Job, *, failed: bool) -> None:
         """Drop a finished, failed or cancelled job and settle its session."""

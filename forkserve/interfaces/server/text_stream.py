@@ -1,5 +1,8 @@
 """TextStream: generated token ids -> text deltas, with OpenAI ``stop`` strings.
 
+A stop string ends the generation; the text is cut before it (OpenAI semantics) unless
+``keep_stop_text``.
+
 Decodes the whole generation each time (simple, and exact for tokenizers whose decode
 merges across tokens); holds back an incomplete UTF-8 character and any tail that could
 still become a stop string, so a streamed delta never has to be taken back.
@@ -12,9 +15,13 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (),
+                 keep_stop_text: bool = False) -> None:
         self._decode = decode
         self._stop = tuple(stop)
+        # Keep the text through the end of the last token: a branch session keeps every
+        # generated token in its context, so its text must show them all.
+        self._keep_stop_text = keep_stop_text
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
         self._emitted = 0
@@ -35,7 +42,7 @@ class TextStream:
             hits = [i for i in (text.find(s, search_from) for s in self._stop) if i >= 0]
             if hits:
                 self.stopped = True
-                return self._take(text, min(hits))
+                return self._take(text, None if self._keep_stop_text else min(hits))
         end = len(text) - self._hold
         if text.endswith(_REPLACEMENT):
             end = min(end, len(text.rstrip(_REPLACEMENT)))

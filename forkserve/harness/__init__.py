@@ -1,0 +1,14 @@
+"""Harness adapters: agent frameworks lowered onto the branch verbs over HTTP.
+
+Adapters announce structure (which text is a known wrapper, which branches are guesses,
+where the fan-out and the fan-in are); they never rewrite the framework's prompts.
+"""
+from forkserve.harness.langgraph_send import SendFanout, build_send_graph
+from forkserve.harness.react import ReActAgent, ReActFormat, ReActResult
+from forkserve.harness.swe import SweAgent, SweFormat, SweResult
+from forkserve.harness.tool_pause import Guess, ToolPause, ToolPauseResult
+from forkserve.harness.tot import TreeOfThoughts, TotResult
+
+__all__ = ["ToolPause", "ToolPauseResult", "Guess", "ReActAgent", "ReActFormat", "ReActResult",
+           "SweAgent", "SweFormat", "SweResult", "TreeOfThoughts", "TotResult", "SendFanout",
+           "build_send_graph"]
