@@ -95,7 +95,9 @@ class Engine:
         self._check_context(parent.end + len(tokens))
         if parent.table is None or parent.kv_len < parent.end:
             # The trunk must exist before it can be aliased: run the parent's pending work.
+            session.flush = True
             self._run_until(lambda: parent.kv_len >= parent.end or not parent.live)
+            session.flush = False
         adapter = adapter if adapter is not None else parent.adapter
         child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
                      self._fork_kv(parent, adapter), NodeState.SPECULATIVE, adapter=adapter,
@@ -195,6 +197,7 @@ class Engine:
         tree.committed.extend(tokens)
         tree.advance_tip(new_tip)
         tip.generation += 1
+        session.generated_unwritten = False  # the tail write below carries that token too
         self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
         before = self.metrics.prefill_tokens
         self._run_until(lambda: new_tip.kv_len >= new_tip.end)
@@ -226,6 +229,15 @@ class Engine:
     def generate(self, session_id: int, max_tokens: int, *, sampling: SamplingParams = GREEDY,
                  stop: Iterable[int] = ()) -> GenerateResult:
         """Decode up to ``max_tokens`` on the committed spine (stops early at a stop token)."""
+        session = self.start_generate(session_id, max_tokens, sampling=sampling, stop=stop)
+        self._run_until(lambda: session.decode_left == 0)
+        self._account()
+        return self.generation(session_id)
+
+    def start_generate(self, session_id: int, max_tokens: int, *,
+                       sampling: SamplingParams = GREEDY, stop: Iterable[int] = ()) -> Session:
+        """Queue a generation without running it: ticks decode every queued session in one
+        batch (drivers and servers with many sessions use this; ``generate`` waits)."""
         session = self._session(session_id)
         if max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -237,8 +249,13 @@ class Engine:
         if max_tokens:
             tip.generation += 1
         self._emit(session)
-        self._run_until(lambda: session.decode_left == 0)
-        self._account()
+        return session
+
+    def generation(self, session_id: int) -> GenerateResult | None:
+        """The session's generation so far; ``None`` while tokens are still owed."""
+        session = self._session(session_id)
+        if session.decode_left:
+            return None
         return GenerateResult(tuple(session.generated), session.finish_reason)
 
     def abort(self, session_id: int, node_id: int | None = None) -> AbortResult:
@@ -304,7 +321,8 @@ class Engine:
                 # sampling rule): recompute that one position.
                 tip.table.truncate(tip.end - 1)
             pending = _regime_capped(tip, tip.end - tip.kv_len)
-            if pending > 0:
+            idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
+            if pending > 0 and not idle:  # an idle session's last token waits for its next verb
                 decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
                 committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
                 if decode:

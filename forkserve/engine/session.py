@@ -20,6 +20,8 @@ class Session:
     finish_reason: str = "length"
     # The tip's last token was sampled and its KV is not written yet.
     generated_unwritten: bool = False
+    # A verb needs that last token written now (a fork aliases the whole trunk).
+    flush: bool = False
     # Largest KV (tokens) this session held that could not be reclaimed.
     peak_tokens: int = 0
 

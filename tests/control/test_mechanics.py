@@ -226,3 +226,19 @@ def test_hash_skip_across_sessions_and_partial_hit_on_open():
     h3 = eng.open(trunk + winner + [7])
     assert eng.node(h3.id, h3.tip).kv_len == (len(trunk) + len(winner)) // 4 * 4
     eng.check_integrity()
+
+
+def test_queued_generations_of_many_sessions_decode_in_one_batch():
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300)
+    eng = engine(cfg)
+    prompts = [list(range(10 + i, 20 + i)) for i in range(3)]
+    handles = [eng.open(p) for p in prompts]
+    for h in handles:
+        eng.start_generate(h.id, 5)
+        assert eng.generation(h.id) is None
+    ticks = 0
+    while eng.tick():
+        ticks += 1
+    assert ticks == 5  # 1 prefill tick + 4 decode ticks, all three sessions in each
+    for h, p in zip(handles, prompts):
+        assert eng.generation(h.id).tokens == baseline_generate(cfg, p, 5)

@@ -126,7 +126,9 @@ class VerbMachine(RuleBasedStateMachine):
             tokens = rel[:data.draw(st.integers(0, len(rel)))] + tokens
         if not tokens:
             tokens = [5]
-        self.engine.commit(sid, tip.id, tokens)
+        result = self.engine.commit(sid, tip.id, tokens)
+        new_tip = self.engine.node(sid, result.tip)
+        assert new_tip.kv_len == new_tip.end  # commit returns with the tail prefilled
         self._record(sid, tokens)
 
     @precondition(lambda self: self.engine.sessions)
