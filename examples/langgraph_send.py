@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parser, server  # noqa: E402
+import openai
+from _common import parser, server
 
-import openai  # noqa: E402
-
-from forkserve.harness import SendFanout, build_send_graph  # noqa: E402
-from forkserve.interfaces.client import BranchClient  # noqa: E402
+from forkserve.harness import SendFanout, build_send_graph
+from forkserve.interfaces.client import BranchClient
 
 CONTEXT = ("Patch under review:\n"
            "-    return a - b\n"

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parser, server  # noqa: E402
+from _common import parser, server
 
-from forkserve.harness import Guess, ReActAgent  # noqa: E402
-from forkserve.interfaces.client import BranchClient  # noqa: E402
+from forkserve.harness import Guess, ReActAgent
+from forkserve.interfaces.client import BranchClient
 
 PROMPT = """Answer the question. Use this format:
 Thought: what to do next

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parser, server  # noqa: E402
+from _common import parser, server
 
-from forkserve.harness import SweAgent  # noqa: E402
-from forkserve.interfaces.client import BranchClient  # noqa: E402
+from forkserve.harness import SweAgent
+from forkserve.interfaces.client import BranchClient
 
 ALLOWED = {"ls", "cat", "head", "wc", "grep", "python"}
 SYSTEM = ("You are a software engineer. Run one tool per turn: <execute_bash>command</execute_bash> "
@@ -41,7 +41,7 @@ def tools_for(root: Path) -> dict:
         if not argv or argv[0] not in ALLOWED:
             return f"error: only {sorted(ALLOWED)} are allowed in this sandbox"
         try:
-            p = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=10)
+            p = subprocess.run(argv, check=False, cwd=root, capture_output=True, text=True, timeout=10)
         except subprocess.TimeoutExpired:
             return "error: timed out after 10 s"
         return (p.stdout + p.stderr).strip()[:2000] + f"\n[exit code {p.returncode}]"

@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parser, server  # noqa: E402
+import openai
+from _common import parser, server
 
-import openai  # noqa: E402
-
-from forkserve.harness import TreeOfThoughts  # noqa: E402
-from forkserve.harness.tot import sampling_proposer  # noqa: E402
-from forkserve.interfaces.client import BranchClient  # noqa: E402
+from forkserve.harness import TreeOfThoughts
+from forkserve.harness.tot import sampling_proposer
+from forkserve.interfaces.client import BranchClient
 
 PROMPT = "Plan a three-step way to speed up a slow web page.\nStep 1:"
 

@@ -7,8 +7,20 @@ from forkserve.harness.langgraph_send import SendFanout, build_send_graph
 from forkserve.harness.react import ReActAgent, ReActFormat, ReActResult
 from forkserve.harness.swe import SweAgent, SweFormat, SweResult
 from forkserve.harness.tool_pause import Guess, ToolPause, ToolPauseResult
-from forkserve.harness.tot import TreeOfThoughts, TotResult
+from forkserve.harness.tot import TotResult, TreeOfThoughts
 
-__all__ = ["ToolPause", "ToolPauseResult", "Guess", "ReActAgent", "ReActFormat", "ReActResult",
-           "SweAgent", "SweFormat", "SweResult", "TreeOfThoughts", "TotResult", "SendFanout",
-           "build_send_graph"]
+__all__ = [
+           "Guess",
+           "ReActAgent",
+           "ReActFormat",
+           "ReActResult",
+           "SendFanout",
+           "SweAgent",
+           "SweFormat",
+           "SweResult",
+           "ToolPause",
+           "ToolPauseResult",
+           "TotResult",
+           "TreeOfThoughts",
+           "build_send_graph",
+]

@@ -13,7 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from forkserve.harness.tool_pause import Guess, ToolPause, ToolPauseResult, wrapper_remainder
+from forkserve.harness.tool_pause import (
+    Guess,
+    ToolPause,
+    ToolPauseResult,
+    wrapper_remainder,
+)
 from forkserve.interfaces.client import BranchClient
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
 from conftest import MAX_CONTEXT, MODEL_NAME
 
 

@@ -6,8 +6,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import MODEL_NAME, quiescent_pages
+
 from forkserve.interfaces.client import BranchAPIError, BranchClient
 
 
@@ -89,7 +89,7 @@ def test_streamed_generation_matches_and_early_exit_aborts_the_session(server, c
     with pytest.raises(BranchAPIError) as e:
         client.info(s.session_id)
     assert e.value.status == 404
-    sessions, used, published = quiescent_pages(server)
+    _, used, published = quiescent_pages(server)
     assert used == published
 
 
@@ -102,7 +102,7 @@ def test_openai_stream_disconnect_frees_the_pages(server):
             assert r.status_code == 200
             next(r.iter_lines())
     wait_until(lambda: quiescent_pages(server)[0] == 0)
-    sessions, used, published = quiescent_pages(server)
+    _, used, published = quiescent_pages(server)
     assert used == published
     assert server.on_engine(lambda e: e.metrics.decode_tokens) - before < 300
 

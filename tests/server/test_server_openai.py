@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from conftest import MODEL_NAME, quiescent_pages
 
 

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
@@ -21,7 +21,7 @@ from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model
-from forkserve.interfaces.server.state import ServerState, server_state
+from forkserve.interfaces.server.state import ServerState, StateDep
 
 log = logging.getLogger("forkserve.server")
 
@@ -51,7 +51,7 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
     app.include_router(branch_api.router)
 
     @app.get("/metrics")
-    async def prometheus(st: ServerState = Depends(server_state)) -> Response:
+    async def prometheus(st: StateDep) -> Response:
         return Response(await st.metrics.render(st.worker),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 

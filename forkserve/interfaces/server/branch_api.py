@@ -22,18 +22,30 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Callable, TypeVar
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError
-from forkserve.interfaces.server.schemas import (AbortRequest, AbortResponse, CommitRequest,
-                                                 CommitResponse, DecisionResponse, DrainResponse,
-                                                 ForkRequest, ForkResponse, GenerateChunk,
-                                                 GenerateRequest, GenerateResponse, JoinRequest,
-                                                 OpenSessionRequest, SessionInfo, SpeculateRequest)
-from forkserve.interfaces.server.state import ServerState, server_state
+from forkserve.interfaces.server.schemas import (
+    AbortRequest,
+    AbortResponse,
+    CommitRequest,
+    CommitResponse,
+    DecisionResponse,
+    DrainResponse,
+    ForkRequest,
+    ForkResponse,
+    GenerateChunk,
+    GenerateRequest,
+    GenerateResponse,
+    JoinRequest,
+    OpenSessionRequest,
+    SessionInfo,
+    SpeculateRequest,
+)
+from forkserve.interfaces.server.state import ServerState, StateDep
 
 router = APIRouter(prefix="/v1")
 T = TypeVar("T")
@@ -65,7 +77,7 @@ def _info(st: ServerState, sid: int) -> SessionInfo:
 
 
 @router.post("/sessions")
-async def open_session(body: OpenSessionRequest, st: ServerState = Depends(server_state)) -> SessionInfo:
+async def open_session(body: OpenSessionRequest, st: StateDep) -> SessionInfo:
     adapter = st.model.adapter_for(body.model)
     tok = st.model.tokenizer
 
@@ -92,12 +104,12 @@ def _close(st: ServerState, sid: int) -> None:
 
 
 @router.get("/sessions/{sid}")
-async def session_info(sid: int, st: ServerState = Depends(server_state)) -> SessionInfo:
+async def session_info(sid: int, st: StateDep) -> SessionInfo:
     return await _on_session(st, sid, lambda: _info(st, sid))
 
 
 @router.post("/sessions/{sid}/fork")
-async def fork(sid: int, body: ForkRequest, st: ServerState = Depends(server_state)) -> ForkResponse:
+async def fork(sid: int, body: ForkRequest, st: StateDep) -> ForkResponse:
     def run() -> ForkResponse:
         ids = _tokens(st, body.text, body.tokens)
         node = st.worker.engine.fork(sid, body.parent, body.label, ids)
@@ -106,7 +118,7 @@ async def fork(sid: int, body: ForkRequest, st: ServerState = Depends(server_sta
 
 
 @router.post("/sessions/{sid}/speculate")
-async def speculate(sid: int, body: SpeculateRequest, st: ServerState = Depends(server_state)) -> DecisionResponse:
+async def speculate(sid: int, body: SpeculateRequest, st: StateDep) -> DecisionResponse:
     def run() -> DecisionResponse:
         d = st.worker.engine.speculate(sid, body.node, priority=body.priority, t_idle_ms=body.t_idle_ms)
         return DecisionResponse(action=d.action.value, score=d.score, hit_tokens=d.hit_tokens,
@@ -121,7 +133,7 @@ def _commit_response(r) -> CommitResponse:
 
 
 @router.post("/sessions/{sid}/commit")
-async def commit(sid: int, body: CommitRequest, st: ServerState = Depends(server_state)) -> CommitResponse:
+async def commit(sid: int, body: CommitRequest, st: StateDep) -> CommitResponse:
     def run() -> CommitResponse:
         ids = _tokens(st, body.text, body.tokens)
         return _commit_response(st.worker.engine.commit(sid, body.tip, ids))
@@ -129,7 +141,7 @@ async def commit(sid: int, body: CommitRequest, st: ServerState = Depends(server
 
 
 @router.post("/sessions/{sid}/join")
-async def join(sid: int, body: JoinRequest, st: ServerState = Depends(server_state)) -> CommitResponse:
+async def join(sid: int, body: JoinRequest, st: StateDep) -> CommitResponse:
     if body.separator_text is not None and body.separator_tokens is not None:
         raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
 
@@ -142,7 +154,7 @@ async def join(sid: int, body: JoinRequest, st: ServerState = Depends(server_sta
 
 
 @router.post("/sessions/{sid}/abort")
-async def abort(sid: int, body: AbortRequest, st: ServerState = Depends(server_state)) -> AbortResponse:
+async def abort(sid: int, body: AbortRequest, st: StateDep) -> AbortResponse:
     def run() -> AbortResponse:
         r = st.worker.engine.abort(sid, body.node)
         return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
@@ -150,7 +162,7 @@ async def abort(sid: int, body: AbortRequest, st: ServerState = Depends(server_s
 
 
 @router.delete("/sessions/{sid}")
-async def close(sid: int, st: ServerState = Depends(server_state)) -> SessionInfo:
+async def close(sid: int, st: StateDep) -> SessionInfo:
     def run() -> SessionInfo:
         info = _info(st, sid)
         _close(st, sid)
@@ -160,7 +172,7 @@ async def close(sid: int, st: ServerState = Depends(server_state)) -> SessionInf
 
 @router.post("/sessions/{sid}/generate", response_model=None)
 async def generate(sid: int, body: GenerateRequest,
-                   st: ServerState = Depends(server_state)) -> GenerateResponse | StreamingResponse:
+                   st: StateDep) -> GenerateResponse | StreamingResponse:
     if any(not s for s in body.stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
 
@@ -191,7 +203,7 @@ async def generate(sid: int, body: GenerateRequest,
 
 
 @router.post("/drain")
-async def drain(st: ServerState = Depends(server_state)) -> DrainResponse:
+async def drain(st: StateDep) -> DrainResponse:
     r = await st.worker.call(st.worker.engine.drain_slack)
     return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_tokens,
                          slack_filled_tokens=r.slack_filled_tokens)

@@ -254,14 +254,14 @@ class EngineWorker:
                 continue
             try:
                 fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - every error goes back to its caller
+            except BaseException as exc:
                 fut.set_exception(exc)
 
     def _idle_tick(self) -> bool:
         """Speculative work (or a queued prefill) while no request waits."""
         try:
             return self.engine.tick()
-        except Exception:  # noqa: BLE001 - a failing speculative step must not kill the thread
+        except Exception:
             log.exception("idle tick failed")
             return False
 
@@ -274,7 +274,7 @@ class EngineWorker:
             try:
                 out = self.engine.generate(sid, min(1, job.left), sampling=gen.spec.sampling,
                                            stop=gen.spec.stop_ids) if job.left else None
-            except Exception as exc:  # noqa: BLE001 - delivered to the request that asked
+            except Exception as exc:
                 self._end_job(sid, job, failed=True)
                 gen._deliver(exc)
                 continue

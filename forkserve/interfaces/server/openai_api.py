@@ -14,25 +14,35 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
 from forkserve.interfaces.server.errors import APIError
-from forkserve.interfaces.server.schemas import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                                                 ChatCompletionChunk, ChatCompletionRequest,
-                                                 ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                                 CompletionRequest, CompletionResponse, ModelCard,
-                                                 ModelList, Usage)
-from forkserve.interfaces.server.state import ServerState, server_state
+from forkserve.interfaces.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from forkserve.interfaces.server.state import ServerState, StateDep
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def list_models(st: ServerState = Depends(server_state)) -> ModelList:
+async def list_models(st: StateDep) -> ModelList:
     m = st.model
     cards = [ModelCard(id=m.name, created=m.created, root=m.name)]
     cards += [ModelCard(id=name, created=m.created, root=name, parent=m.name) for name in sorted(m.adapters)]
@@ -41,7 +51,7 @@ async def list_models(st: ServerState = Depends(server_state)) -> ModelList:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest,
-                      st: ServerState = Depends(server_state)) -> CompletionResponse | StreamingResponse:
+                      st: StateDep) -> CompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
     prompts = body.prompts()
@@ -87,7 +97,7 @@ async def completions(body: CompletionRequest,
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest,
-                           st: ServerState = Depends(server_state)) -> ChatCompletionResponse | StreamingResponse:
+                           st: StateDep) -> ChatCompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
     messages = body.template_messages()
@@ -175,7 +185,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
         try:
             async for c in g:
                 out.put_nowait((i, c))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer below
+        except Exception as exc:
             out.put_nowait(exc)
         out.put_nowait(None)
 
@@ -201,7 +211,7 @@ def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingR
             async for event in events:
                 yield f"data: {event.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
-        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
+        except Exception as exc:
             status = getattr(exc, "http_status", getattr(exc, "status", 500))
             payload = {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
             yield f"data: {json.dumps(payload)}\n\n"

@@ -74,6 +74,6 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     engine = Engine(backend)
     eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
     path = Path(model_path)
-    return ServedModel(name=name or (path.stem if path.suffix == ".gguf" else path.name), engine=engine, tokenizer=tokenizer, adapters=backend.adapters,
-                       max_context=min(engine.config.max_context, backend.max_context),
-                       eos_token_ids=eos)
+    return ServedModel(name=name or (path.stem if path.suffix == ".gguf" else path.name), engine=engine,
+                       tokenizer=tokenizer, adapters=backend.adapters,
+                       max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos)

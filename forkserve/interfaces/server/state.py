@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.metrics import ServerMetrics
@@ -19,3 +20,7 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.forkserve
+
+
+# A route parameter ``st: StateDep`` receives the server's state.
+StateDep = Annotated[ServerState, Depends(server_state)]
