@@ -105,7 +105,7 @@ def adapters(models, tmp_path_factory) -> dict[str, Path]:
         "qkvo": save_peft_adapter(base, root / "qkvo", 4, ("q", "k", "v", "o"), seed=10),
         "qv": save_peft_adapter(base, root / "qv", 8, ("q", "v"), seed=11, alpha=8.0),
         "all": save_peft_adapter(base, root / "all", 2, ("q", "k", "v", "o", "gate", "up", "down"),
-                                 seed=12, rslora=True),
+                                 seed=12, alpha=4.0, rslora=True),
     }
 
 

@@ -10,15 +10,18 @@ from forkserve.config import KVLayout
 
 
 def decode_run(backend: TorchBackend, names: list[str | None], residual: bool, steps: int = 4) -> torch.Tensor:
-    """Mixed-adapter prefill (ragged path) then greedy decode (decode path); all sampled logits."""
+    """Mixed-adapter prefill (ragged path) then decode steps (decode path); all sampled logits.
+    Decode tokens are fixed (teacher-forced): a greedy near-tie flipping between two bf16
+    implementations would otherwise compound into unrelated sequences."""
     ids = [None if n is None else backend.adapter_id(n) for n in names]
     prompts = [prompt(110 + i, 5 + 3 * i) for i in range(len(names))]
+    forced = [prompt(130 + i, steps) for i in range(len(names))]
     step = backend.forward([work(i, p, 0, ids[i], residual=residual) for i, p in enumerate(prompts)])
     logits = [torch.cat(step.logits)]
     lens = [len(p) for p in prompts]
-    for _ in range(steps):
-        nxt = step.result.next_tokens
-        step = backend.forward([work(i, [nxt[i]], lens[i], ids[i], residual=residual) for i in range(len(names))])
+    for s in range(steps):
+        step = backend.forward([work(i, [forced[i][s]], lens[i], ids[i], residual=residual, decode=True)
+                                for i in range(len(names))])
         logits.append(torch.cat(step.logits))
         lens = [n + 1 for n in lens]
     return torch.stack(logits)

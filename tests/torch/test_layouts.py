@@ -12,16 +12,14 @@ from forkserve.config import KVLayout
 
 def run(backend: TorchBackend, tokens: list[int], adapter: int | None, residual: bool,
         decode: int = 3) -> torch.Tensor:
-    """Prefill in two chunks, then greedy-decode `decode` tokens; logits of every step's last token."""
+    """Prefill in two chunks, then `decode` teacher-forced decode steps; each step's last logits."""
     cut = len(tokens) // 2
     out = [backend.forward([work(0, tokens[:cut], 0, adapter, residual=residual)]).logits[0]]
     step = backend.forward([work(0, tokens[cut:], cut, adapter, residual=residual)])
     out.append(step.logits[0])
-    pos = len(tokens)
-    for _ in range(decode):
-        step = backend.forward([work(0, [step.result.next_tokens[0]], pos, adapter, residual=residual)])
+    for i, token in enumerate(prompt(51, decode)):
+        step = backend.forward([work(0, [token], len(tokens) + i, adapter, residual=residual, decode=True)])
         out.append(step.logits[0])
-        pos += 1
     return torch.cat(out)
 
 
