@@ -16,7 +16,8 @@ Measures, for one attention layer:
 * shared-prefix decode at 32 agents vs 32 independent decodes of the same pages.
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a table.
-``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing.
+``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing;
+``--regs`` needs no GPU: it reports registers and spills of the kernels for sm_90a.
 """
 from __future__ import annotations
 
@@ -418,12 +419,89 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def register_report(out: Path) -> None:
+    """Registers and spills of the decode and prefill kernels for sm_90a, with no GPU.
+
+    Compiles each variant with the same specialisation the JIT applies on the device
+    (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
+    ``-v``. Writes ``kernel_regs.json`` and prints a table.
+    """
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from forkserve.kernels.decode_attention import _decode_partial_kernel
+    from forkserve.kernels.prefill_attention import _prefill_kernel
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
+    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx"}
+    bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
+
+    def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
+        names = kernel.arg_names
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs:
+                sig[n] = "*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs else "*i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif n == "qk_scale":
+                sig[n] = "fp32"
+            else:
+                sig[n] = "i32"
+                if n.startswith("stride") and n != "stride_lh":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "k.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                                 capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spill = re.search(r"(\d+) bytes spill stores", log)
+        return {"registers": int(regs.group(1)) if regs else None,
+                "spill_store_bytes": int(spill.group(1)) if spill else None}
+
+    rows = []
+    dec = dict(GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, RANK=16)
+    for has_res, split in ((False, False), (True, False), (True, True)):
+        for block_n in (32, 64):
+            consts = dict(dec, BLOCK_N=block_n, HAS_RES=has_res, SPLIT_SCORE=split)
+            rows.append({"kernel": "decode", "residual": has_res, "split_score": split, "block_n": block_n,
+                         "num_warps": 4, **compile_one(_decode_partial_kernel, consts, 4, 2)})
+    pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
+    for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
+        consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
+        rows.append({"kernel": "prefill", "residual": has_res, "split_score": False, "block_n": 64,
+                     "block_m": block_m, "num_warps": warps, **compile_one(_prefill_kernel, consts, warps, 2)})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_regs.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"{r['kernel']:8s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
+              f"block_n={r['block_n']:3d} warps={r['num_warps']}: {r['registers']} registers, "
+              f"{r['spill_store_bytes']} B spilled")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "shared"])
+    parser.add_argument("--regs", action="store_true",
+                        help="no GPU: registers/spills of the kernels for sm_90a (ptxas -v)")
     args = parser.parse_args()
+    if args.regs:
+        register_report(args.out)
+        return
     s = Setup(args.smoke)
     import triton
     res: dict = {
