@@ -19,7 +19,9 @@ class EngineMetrics:
     dropped_chunks: int = 0    # speculative work dropped: parent generation moved
     ttl_expired: int = 0
     slack_filled_tokens: int = 0
-    hash_hit_tokens: int = 0
+    hash_hit_tokens: int = 0     # positions whose whole KV (every side) came from the index
+    base_hit_tokens: int = 0     # base (or unified) side alone
+    residual_hit_tokens: int = 0
     peak_pages: int = 0        # physical pages in use, all pools
     actions: Counter = field(default_factory=Counter)
 

@@ -145,8 +145,7 @@ class Engine:
             self.metrics.pruned += 1
             self.slack_tokens += len(node.tokens)
         if decision.hit_tokens:
-            node.table.attach(hit.base_pages, hit.residual_pages, node.end)
-            self.metrics.hash_hit_tokens += decision.hit_tokens
+            self._attach(node, hit)
         if decision.action is Action.EARLY_ABORT:
             node.probe_left = self.config.early_abort_probe_tokens
         if known and t_idle_ms is not None:
@@ -166,9 +165,14 @@ class Engine:
                            after.decode_tokens - before["decode_tokens"],
                            after.slack_filled_tokens - before["slack_filled_tokens"])
 
-    def commit(self, session_id: int, node_id: int, tokens: Sequence[int]) -> CommitResult:
+    def commit(self, session_id: int, node_id: int, tokens: Sequence[int], *,
+               wait: bool = True) -> CommitResult:
         """Commit ``tokens`` after the tip ``node_id``: bind the speculative branch with the
-        longest common prefix, abort the other branches, prefill only the unmatched tail."""
+        longest common prefix, abort the other branches, prefill only the unmatched tail.
+
+        ``wait=False`` queues the tail as committed work and returns at once (a driver of many
+        sessions batches their tails into one tick); ``prefilled_tokens`` is then what was queued.
+        """
         session = self._session(session_id)
         tip = self._committable_tip(session, node_id)
         tokens = self._check_tokens(tokens)
@@ -200,6 +204,10 @@ class Engine:
         session.generated_unwritten = False  # the tail write below carries that token too
         self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
         before = self.metrics.prefill_tokens
+        if not wait:
+            self._account()
+            return CommitResult(session_id, new_tip.id, best.id if best else None, matched,
+                                new_tip.end - new_tip.kv_len, tuple(aborted))
         self._run_until(lambda: new_tip.kv_len >= new_tip.end)
         self._publish(new_tip)
         self._account()
@@ -467,10 +475,17 @@ class Engine:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
         path = session.tree.path_tokens(node)
         limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
-        before = node.kv_len
-        hit = self._match(node, path[:max(limit, 0)])
-        node.table.attach(hit.base_pages, hit.residual_pages, node.end)
-        self.metrics.hash_hit_tokens += node.kv_len - before
+        self._attach(node, self._match(node, path[:max(limit, 0)]))
+
+    def _attach(self, node: Node, hit: DualMatch) -> None:
+        """Alias the published pages of a match; a side that hits alone is a partial hit."""
+        kv = node.table
+        before = (kv.length, kv.base.length, kv.residual.length if kv.residual is not None else 0)
+        kv.attach(hit.base_pages, hit.residual_pages, node.end)
+        self.metrics.hash_hit_tokens += kv.length - before[0]
+        self.metrics.base_hit_tokens += kv.base.length - before[1]
+        if kv.residual is not None:
+            self.metrics.residual_hit_tokens += kv.residual.length - before[2]
 
     def _match(self, node: Node, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""

@@ -1,0 +1,383 @@
+"""The ``react-multilora`` and ``mapreduce-multilora`` workloads (seed 001) on TorchBackend.
+
+W agents, each its own LoRA adapter (rank 16 on q, k, v, o), share one static context of C
+tokens; each adds a 16-token instruction. ``react``: T turns of generate G greedily (EOS
+ignored) -> tool pause -> append a 100-token observation. ``mapreduce``: W mappers read the
+context and generate G; then a reducer (agent 0) reads the context plus every mapper's
+output and generates G. Systems, one engine each, run side by side:
+
+* ``unified``        per-adapter merged K/V: prefix caching cannot share across adapters.
+* ``disaggregated``  ForkKV: one shared base cache, a rank-r residual per agent.
+* ``full_reuse``     merged K/V shared across adapters (the lossy upper bound).
+* ``no_lora``        every agent is the base model (the ideal sharing).
+
+Agent 0 prefills the shared context first; the others then find it published. The KV
+budget is fixed in bytes for every system. A workflow is admitted when the pools can hold
+its whole footprint (context + instruction + every turn), so memory contention shows as
+waiting, the way a serving engine queues requests it cannot fit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from forkserve.backend.protocol import PageKind
+from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.engine import Engine
+
+SYSTEMS = ("unified", "disaggregated", "full_reuse", "no_lora")
+TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class MultiLoraParams:
+    workload: str = "react"
+    workflows: int = 8
+    context: int = 8192
+    instruction: int = 16
+    turns: int = 3
+    gen: int = 64
+    observation: int = 100
+    pause_s: float = 0.1
+    rank: int = 16
+    kv_budget_gib: float = 24.0
+    residual_share: float = 0.1   # of the budget, for the disaggregated residual pool
+    lockstep: bool = True
+    page_size: int = 16
+
+
+@dataclass
+class RunResult:
+    system: str
+    workflows: int
+    tasks_per_s: float
+    makespan_s: float
+    turn_latency_p50_s: float
+    turn_latency_p99_s: float
+    peak_kv_bytes: int
+    per_agent_kv_bytes: float
+    prefix_hit_rate: float        # prompt tokens whose base (or unified) KV came from the index
+    mean_decode_batch: float
+    prefill_tokens: int
+    decode_tokens: int
+    waited_s: float
+    notes: list = field(default_factory=list)
+
+
+def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: int):
+    """A LoRA adapter of random A and B (std 0.01, B nonzero), as workloads.md specifies."""
+    from forkserve.backend.torch.lora import LoraAdapter, target_shapes
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for layer in range(model_cfg.num_layers):
+        for t in TARGETS:
+            fan_in, fan_out = target_shapes(model_cfg)[t]
+            a = torch.randn(rank, fan_in, generator=gen, device=device) * 0.01
+            b = torch.randn(fan_out, rank, generator=gen, device=device) * 0.01
+            weights[(layer, t)] = (a, b)
+    return LoraAdapter(name=name, rank=rank, scaling=2.0, weights=weights)
+
+
+def _budget_pages(backend_cls_pages: dict, params: MultiLoraParams, layout: KVLayout) -> tuple[int, int]:
+    budget = params.kv_budget_gib * 2 ** 30
+    base_bytes, res_bytes = backend_cls_pages["base"], backend_cls_pages["residual"]
+    if layout is KVLayout.DISAGGREGATED:
+        res_pages = int(budget * params.residual_share // res_bytes)
+        return int(budget * (1 - params.residual_share) // base_bytes), max(res_pages, 1)
+    return int(budget // base_bytes), 1
+
+
+def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict:
+    elem = torch.finfo(dtype).bits // 8
+    kv = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * elem * page_size
+    res = 2 * model_cfg.num_layers * rank * elem * page_size
+    return {"base": kv, "residual": res}
+
+
+class Workflow:
+    """One agent's closed loop over the engine: its turns, pauses and latencies."""
+
+    def __init__(self, index: int, adapter, prompt: list[int], params: MultiLoraParams) -> None:
+        self.index, self.adapter, self.prompt, self.params = index, adapter, prompt, params
+        self.session: int | None = None
+        self.turn = 0
+        self.turn_started = 0.0
+        self.resume_at: float | None = None
+        self.latencies: list[float] = []
+        self.outputs: list[list[int]] = []
+        self.done = False
+
+    def footprint_tokens(self) -> int:
+        p = self.params
+        return len(self.prompt) + p.turns * (p.gen + p.observation)
+
+
+def _observation(turn: int, index: int, length: int, vocab: int) -> list[int]:
+    return [(97 + 31 * turn + 7 * index + i) % (vocab - 3) + 3 for i in range(length)]
+
+
+def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device, dtype,
+               progress: tqdm | None = None) -> RunResult:
+    from forkserve.backend.torch import TorchBackend
+
+    layout = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
+              "full_reuse": KVLayout.FULL_REUSE, "no_lora": KVLayout.UNIFIED}[system]
+    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
+    num_pages, num_res = _budget_pages(sizes, params, layout)
+    cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=num_res,
+                          kv_layout=layout, hbm_tokens=num_pages * params.page_size,
+                          max_batch_tokens=16384, max_context=model_cfg.max_context, node_ttl_s=None,
+                          vocab_size=model_cfg.vocab_size)
+    adapters = {} if system == "no_lora" else {
+        f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i)
+        for i in range(params.workflows)}
+    backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device, dtype=dtype,
+                                        max_adapters=max(1, len(adapters)), max_lora_rank=params.rank,
+                                        lora_targets=TARGETS if adapters else None)
+    engine = Engine(backend)
+    vocab = model_cfg.vocab_size
+    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
+    flows = []
+    for i in range(params.workflows):
+        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
+        adapter = None if system == "no_lora" else backend.adapter_id(f"agent{i}")
+        flows.append(Workflow(i, adapter, context + instruction, params))
+    driver = _Driver(engine, flows, params, sizes, progress)
+    start = time.perf_counter()
+    if params.workload == "react":
+        driver.react()
+    else:
+        driver.mapreduce(context)
+    makespan = time.perf_counter() - start
+    m = engine.metrics
+    lat = sorted(x for f in flows for x in f.latencies)
+    hit_rate = m.base_hit_tokens / max(1, driver.prompt_tokens)
+    return RunResult(system, params.workflows, params.workflows / makespan, makespan,
+                     _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
+                     driver.peak_bytes / params.workflows, hit_rate,
+                     m.decode_tokens / max(1, driver.decode_ticks), m.prefill_tokens,
+                     m.decode_tokens, driver.waited_s)
+
+
+def _pct(values: list[float], q: int) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+class _Driver:
+    def __init__(self, engine: Engine, flows: list[Workflow], params: MultiLoraParams, sizes: dict,
+                 progress: tqdm | None) -> None:
+        self.engine, self.flows, self.params, self.progress = engine, flows, params, progress
+        self.base_bytes = sizes["base"]
+        self.res_bytes = sizes["residual"]
+        self.peak_bytes = 0
+        self.decode_ticks = 0
+        self.waited_s = 0.0
+        self.prompt_tokens = 0
+
+    def _tick(self) -> bool:
+        before = self.engine.metrics.decode_tokens
+        did = self.engine.tick()
+        if self.engine.metrics.decode_tokens > before:
+            self.decode_ticks += 1
+        used = self.engine.pool.num_used * self.base_bytes
+        if self.engine.residual_pool is not None:
+            used += self.engine.residual_pool.num_used * self.res_bytes
+        self.peak_bytes = max(self.peak_bytes, used)
+        return did
+
+    def _fits(self, flow: Workflow) -> bool:
+        """Admit a workflow only if every pool can hold its whole footprint now."""
+        p = self.params.page_size
+        need = -(-flow.footprint_tokens() // p)
+        self.engine.index.evict(max(0, need - self.engine.pool.num_free))
+        ok = self.engine.pool.num_free >= need
+        if self.engine.residual_pool is not None and flow.adapter is not None:
+            self.engine.residual_index.evict(max(0, need - self.engine.residual_pool.num_free))
+            ok = ok and self.engine.residual_pool.num_free >= need
+        return ok
+
+    def _open(self, flow: Workflow) -> None:
+        flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
+        self.prompt_tokens += len(flow.prompt)
+        flow.turn_started = time.perf_counter()
+        self.engine.start_generate(flow.session, self.params.gen)
+
+    def _open_first(self) -> list[Workflow]:
+        """Agent 0 prefills the shared context; the rest find it published."""
+        first = self.flows[0]
+        self._open(first)
+        while self.engine.node(first.session, self.engine.tip(first.session)).kv_len < len(first.prompt) - 1:
+            self._tick()
+        return self.flows[1:]
+
+    def react(self) -> None:
+        waiting = self._open_first()
+        active = [self.flows[0]]
+        while active or waiting:
+            now = time.perf_counter()
+            while waiting and self._fits(waiting[0]):
+                flow = waiting.pop(0)
+                self._open(flow)
+                active.append(flow)
+            for flow in list(active):
+                if flow.resume_at is None and self.engine.generation(flow.session) is not None:
+                    flow.latencies.append(time.perf_counter() - flow.turn_started)
+                    flow.outputs.append(list(self.engine.generation(flow.session).tokens))
+                    flow.turn += 1
+                    if self.progress is not None:
+                        self.progress.update(1)
+                    if flow.turn == self.params.turns:
+                        self.engine.close(flow.session)
+                        active.remove(flow)
+                        continue
+                    flow.resume_at = now + self.params.pause_s
+            if self.params.lockstep and all(f.resume_at is not None for f in active) and active:
+                resume = max(f.resume_at for f in active)
+                for f in active:
+                    f.resume_at = resume
+            for flow in active:
+                if flow.resume_at is not None and now >= flow.resume_at:
+                    obs = _observation(flow.turn, flow.index, self.params.observation,
+                                       self.engine.config.vocab_size)
+                    self.engine.commit(flow.session, self.engine.tip(flow.session), obs, wait=False)
+                    self.prompt_tokens += len(obs)
+                    self.engine.start_generate(flow.session, self.params.gen)
+                    flow.turn_started, flow.resume_at = time.perf_counter(), None
+            if not self._tick():
+                pending = [f.resume_at for f in active if f.resume_at is not None]
+                if pending:
+                    sleep = min(pending) - time.perf_counter()
+                    if sleep > 0:
+                        time.sleep(sleep)
+                elif waiting and not active:
+                    raise RuntimeError("a workflow needs more KV than the whole budget")
+                else:
+                    t0 = time.perf_counter()
+                    time.sleep(0.001)
+                    self.waited_s += time.perf_counter() - t0
+
+    def mapreduce(self, context: list[int]) -> None:
+        waiting = self._open_first()
+        active = [self.flows[0]]
+        while active or waiting:
+            while waiting and self._fits(waiting[0]):
+                flow = waiting.pop(0)
+                self._open(flow)
+                active.append(flow)
+            for flow in list(active):
+                if self.engine.generation(flow.session) is not None:
+                    flow.latencies.append(time.perf_counter() - flow.turn_started)
+                    flow.outputs.append(list(self.engine.generation(flow.session).tokens))
+                    self.engine.close(flow.session)
+                    active.remove(flow)
+                    if self.progress is not None:
+                        self.progress.update(1)
+            if not self._tick() and waiting and not active:
+                raise RuntimeError("a workflow needs more KV than the whole budget")
+        reducer = self.flows[0]
+        merged = list(reducer.prompt) + [t for f in self.flows for t in f.outputs[-1]]
+        start = time.perf_counter()
+        session = self.engine.open(merged, adapter=reducer.adapter).id
+        self.prompt_tokens += len(merged)
+        self.engine.start_generate(session, self.params.gen)
+        while self.engine.generation(session) is None:
+            self._tick()
+        reducer.latencies.append(time.perf_counter() - start)
+        self.engine.close(session)
+
+
+def main(argv: list[str] | None = None) -> list[RunResult]:
+    from forkserve.backend.torch.model_config import llama3_8b_config
+    from forkserve.backend.torch.weights import random_weights
+
+    ap = argparse.ArgumentParser(prog="forkserve bench react|mapreduce", description=__doc__.split("\n")[0])
+    ap.add_argument("workload", choices=["react", "mapreduce"])
+    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--kv-budget-gib", type=float, default=None,
+                    help="KV bytes for every system (default 24 GiB; 0.02 GiB with --tiny)")
+    ap.add_argument("--closed-loop", action="store_true", help="default: lockstep turns (as the vLLM anchor)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model for CPU runs")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
+    budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
+    weights = random_weights(model_cfg, device, dtype)
+    results = []
+    total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
+    with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
+        for w in args.workflows:
+            for system in args.systems:
+                params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
+                                         kv_budget_gib=budget, lockstep=not args.closed_loop)
+                results.append(run_system(system, params, model_cfg, weights, device, dtype, bar))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    print(format_table(results, args.workload))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
+    (args.out / f"{stem}.json").write_text(json.dumps({
+        "workload": f"{args.workload}-multilora", "driver": "closed-loop" if args.closed_loop else "lockstep",
+        "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+        "results": [asdict(r) for r in results]}, indent=2))
+    plot(results, args.out / f"{stem}.png", args.workload)
+    return results
+
+
+def _tiny_config():
+    from forkserve.backend.torch.model_config import ModelConfig
+    from forkserve.backend.torch.rope import RopeConfig
+
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                       rope=RopeConfig(), max_context=16384, attention_bias=False,
+                       tie_word_embeddings=False)
+
+
+def format_table(results: list[RunResult], workload: str) -> str:
+    lines = [f"{'system':<14} {'W':>3} {'tasks/s':>8} {'p50 s':>7} {'p99 s':>7} {'peak KV GiB':>11} "
+             f"{'per-agent MiB':>13} {'hit rate':>8} {'decode batch':>12}", "-" * 92]
+    for r in results:
+        lines.append(f"{r.system:<14} {r.workflows:>3} {r.tasks_per_s:>8.3f} {r.turn_latency_p50_s:>7.2f} "
+                     f"{r.turn_latency_p99_s:>7.2f} {r.peak_kv_bytes / 2**30:>11.2f} "
+                     f"{r.per_agent_kv_bytes / 2**20:>13.1f} {r.prefix_hit_rate:>8.2f} {r.mean_decode_batch:>12.1f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], path: Path, workload: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for system in SYSTEMS:
+        rows = [r for r in results if r.system == system]
+        if rows:
+            ax1.plot([r.workflows for r in rows], [r.tasks_per_s for r in rows], "o-", label=system)
+            ax2.plot([r.workflows for r in rows], [r.per_agent_kv_bytes / 2**20 for r in rows], "o-", label=system)
+    ax1.set(xlabel="workflows W", ylabel="tasks/s", title=f"{workload}-multilora throughput")
+    ax2.set(xlabel="workflows W", ylabel="MiB per agent", title="per-agent KV", yscale="log")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
