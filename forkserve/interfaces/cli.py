@@ -1,4 +1,4 @@
-"""The ``forkserve`` command: ``serve``, ``demo``, ``bench fanout``."""
+"""The ``forkserve`` command: ``serve``, ``demo``, ``bench fanout|react|mapreduce``."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server with branch endpoints",
                    add_help=False)
-    sub.add_parser("demo", help="an agent step (fork, speculate, commit, generate) on CPU",
+    sub.add_parser("demo", help="LoRA agents over a shared context on a real model, on CPU",
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmark workloads of workloads.md")
-    bench.add_argument("workload", choices=["fanout"])
+    bench.add_argument("workload", choices=["fanout", "react", "mapreduce"])
     if not argv:
         ap.print_help()
         return 2
@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         from forkserve.interfaces.demo import main as demo_main
         return demo_main(rest)
     if command == "bench":
-        if not rest or rest[0] not in ("fanout",):
+        if not rest or rest[0] not in ("fanout", "react", "mapreduce"):
             ap.parse_args(argv)  # prints the usage error
-        from forkserve.bench.fanout import main as fanout_main
-        fanout_main(rest[1:])
+        if rest[0] == "fanout":
+            from forkserve.bench.fanout import main as fanout_main
+            fanout_main(rest[1:])
+        else:
+            from forkserve.bench.multilora import main as multilora_main
+            multilora_main(rest)
         return 0
     ap.parse_args(argv)
     return 2
