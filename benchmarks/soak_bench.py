@@ -40,6 +40,9 @@ class SoakConfig:
     max_tokens: int = 12
     seed: int = 0
     disconnect_prob: float = 0.15
+    # After the deadline a client waits this long for its last request, then abandons it
+    # (closing the connection: one more disconnect the server must clean up after).
+    grace_s: float = 5.0
 
 
 @dataclass
@@ -50,6 +53,7 @@ class _Tally:
     latencies_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     disconnects: int = 0
+    abandoned: int = 0
 
     def record(self, kind: str, status: int, ok: bool, started: float) -> None:
         self.statuses[status] += 1
@@ -68,6 +72,7 @@ class SoakReport:
     five_xx: int
     unexpected: list[str]
     disconnects: int
+    abandoned_at_deadline: int
     completion_tokens: int
     completion_tokens_per_s: float
     latency_p50_ms: float
@@ -89,7 +94,8 @@ class SoakReport:
         rows = [("clients", self.clients), ("duration s", f"{self.duration_s:.1f}"), ("requests", self.requests),
                 ("by kind", dict(sorted(self.by_kind.items()))), ("by status", dict(sorted(self.by_status.items()))),
                 ("5xx", self.five_xx), ("unexpected", self.unexpected or "none"),
-                ("client disconnects", self.disconnects), ("completion tokens", self.completion_tokens),
+                ("client disconnects", self.disconnects), ("abandoned at deadline", self.abandoned_at_deadline),
+                ("completion tokens", self.completion_tokens),
                 ("completion tokens/s", f"{self.completion_tokens_per_s:.1f}"),
                 ("latency p50 / p95 ms", f"{self.latency_p50_ms:.0f} / {self.latency_p95_ms:.0f}"),
                 ("peak pages", self.peak_pages), ("sessions left", self.sessions_left),
@@ -109,7 +115,10 @@ class _Client:
         actions = [(self.chat, 4), (self.chat_stream, 3), (self.branch_step, 3), (self.bad_request, 1)]
         while time.monotonic() < deadline:
             action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
-            await action()
+            try:
+                await action()
+            except httpx.TransportError as e:  # the server dropped a connection: a failure
+                self.t.unexpected.append(f"{action.__name__}: {type(e).__name__}: {e}")
 
     def _messages(self) -> list[dict[str, str]]:
         return [{"role": "system", "content": "You are a shell agent."},
@@ -211,7 +220,13 @@ async def _drive(url: str, models: list[str], cfg: SoakConfig) -> tuple[_Tally, 
         start = time.monotonic()
         deadline = start + cfg.duration_s
         clients = [_Client(http, models, cfg, random.Random(cfg.seed * 1000 + i), tally) for i in range(cfg.clients)]
-        await asyncio.gather(*(c.run(deadline) for c in clients))
+
+        async def run(client: _Client) -> None:
+            try:
+                await asyncio.wait_for(client.run(deadline), timeout=cfg.duration_s + cfg.grace_s)
+            except asyncio.TimeoutError:
+                tally.abandoned += 1
+        await asyncio.gather(*(run(c) for c in clients))
         return tally, time.monotonic() - start
 
 
@@ -237,7 +252,8 @@ def run_soak(server: RunningServer, cfg: SoakConfig, settle_timeout_s: float = 6
     return SoakReport(
         clients=cfg.clients, duration_s=elapsed, requests=sum(tally.kinds.values()), by_kind=dict(tally.kinds),
         by_status=dict(tally.statuses), five_xx=sum(n for s, n in tally.statuses.items() if s >= 500),
-        unexpected=tally.unexpected, disconnects=tally.disconnects, completion_tokens=tally.completion_tokens,
+        unexpected=tally.unexpected, disconnects=tally.disconnects, abandoned_at_deadline=tally.abandoned,
+        completion_tokens=tally.completion_tokens,
         completion_tokens_per_s=tally.completion_tokens / elapsed, latency_p50_ms=statistics.median(lat) * 1e3,
         latency_p95_ms=lat[int(0.95 * (len(lat) - 1))] * 1e3, sessions_left=sessions, pages_used_after=used,
         pages_published_after=published, pages_used_after_evict=after_evict, integrity_ok=ok, peak_pages=peak)

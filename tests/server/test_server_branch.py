@@ -107,6 +107,17 @@ def test_openai_stream_disconnect_frees_the_pages(server):
     assert server.on_engine(lambda e: e.metrics.decode_tokens) - before < 300
 
 
+def test_non_streamed_request_of_a_vanished_client_is_aborted(server):
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0}
+    before = server.on_engine(lambda e: e.metrics.decode_tokens)
+    with httpx.Client(base_url=server.url, timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body)
+    wait_until(lambda: quiescent_pages(server)[0] == 0)
+    _, used, published = quiescent_pages(server)
+    assert used == published
+    assert server.on_engine(lambda e: e.metrics.decode_tokens) - before < 300
+
+
 def test_a_generating_session_refuses_other_verbs(client):
     s = client.open(MODEL_NAME, tokens=[30, 31, 32])
     stream = client.stream(s.session_id, 200, ignore_eos=True)

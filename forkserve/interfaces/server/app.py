@@ -27,6 +27,9 @@ log = logging.getLogger("forkserve.server")
 
 # The engine configuration behind each ``--system`` (names as in ``forkserve bench``).
 SYSTEMS = {"alias": ForkServeConfig, "plus": plus_config, "app": app_config}
+# Idle keep-alive connections live this long: longer than uvicorn's 5 s default, so an agent
+# that pauses for a tool does not race the server closing its pooled connection.
+KEEP_ALIVE_S = 75
 
 
 def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
@@ -108,5 +111,5 @@ def main(argv: list[str] | None = None) -> int:
     model = load_served_model(model_path, config=config, loras=dict(args.lora), name=args.served_model_name,
                               device=args.device, dtype=args.dtype, attention=args.attention)
     uvicorn.run(create_app(model, session_ttl_s=args.session_ttl), host=args.host, port=args.port,
-                log_level=args.log_level)
+                log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -16,16 +16,18 @@ included: a session keeps all of them in its context, and the text says so. Text
 encoded by the server's tokenizer exactly as given (no special tokens added
 after the prompt): adapters announce structure, they never rewrite prompts. Every verb
 validates before it mutates, so a 4xx leaves the engine as it was. A verb on a session
-renews its lease (see EngineWorker); a session that is generating accepts no other verb.
+renews its lease (see EngineWorker); a session that is generating accepts no other verb;
+a client that disconnects while its session generates (streamed or not) aborts the session.
 """
 from __future__ import annotations
 
 from typing import AsyncIterator, Callable, TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.schemas import (
@@ -171,7 +173,7 @@ async def close(sid: int, st: StateDep) -> SessionInfo:
 
 
 @router.post("/sessions/{sid}/generate", response_model=None)
-async def generate(sid: int, body: GenerateRequest,
+async def generate(sid: int, body: GenerateRequest, request: Request,
                    st: StateDep) -> GenerateResponse | StreamingResponse:
     if any(not s for s in body.stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -192,10 +194,10 @@ async def generate(sid: int, body: GenerateRequest,
                     yield GenerateChunk(text=c.text, tokens=list(c.tokens),
                                         finish_reason=c.finish_reason).model_dump_json() + "\n"
             finally:
-                gen.cancel()  # a disconnect mid-stream aborts the session and frees its pages
+                gen.cancel()  # a disconnect aborts the session and frees its pages
         return StreamingResponse(events(), media_type="application/x-ndjson")
     try:
-        out = await gen.collect()
+        out = await unless_disconnected(request, gen.collect())
     finally:
         gen.cancel()
     return GenerateResponse(text=out.text, tokens=list(out.tokens), finish_reason=out.finish_reason or "length",

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forkserve.errors import ForkServeError
+from forkserve.interfaces.server.disconnect import ClientDisconnected
 
 log = logging.getLogger("forkserve.server")
 
@@ -47,6 +48,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
+        return error_response(exc.http_status, str(exc), "ClientDisconnected")
 
     @app.exception_handler(ForkServeError)
     async def _engine(_: Request, exc: ForkServeError) -> JSONResponse:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 from forkserve.engine import Engine
-from forkserve.interfaces.server.app import create_app
+from forkserve.interfaces.server.app import KEEP_ALIVE_S, create_app
 from forkserve.interfaces.server.served_model import ServedModel
 
 T = TypeVar("T")
@@ -40,7 +40,8 @@ def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                          timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="forkserve-http",
                               daemon=True)
     thread.start()

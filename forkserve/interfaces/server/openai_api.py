@@ -14,11 +14,12 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
 from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.schemas import (
@@ -50,7 +51,7 @@ async def list_models(st: StateDep) -> ModelList:
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest,
+async def completions(body: CompletionRequest, request: Request,
                       st: StateDep) -> CompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
@@ -87,7 +88,7 @@ async def completions(body: CompletionRequest,
                 yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
         return _sse(events(), gens)
 
-    results = await _collect(gens)
+    results = await _collect(request, gens)
     return CompletionResponse(
         id=rid, created=created, model=body.model,
         choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
@@ -96,7 +97,7 @@ async def completions(body: CompletionRequest,
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest,
+async def chat_completions(body: ChatCompletionRequest, request: Request,
                            st: StateDep) -> ChatCompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
@@ -128,7 +129,7 @@ async def chat_completions(body: ChatCompletionRequest,
                 yield chunk([], _usage(len(ids), completion_tokens))
         return _sse(events(), gens)
 
-    results = await _collect(gens)
+    results = await _collect(request, gens)
     return ChatCompletionResponse(
         id=rid, created=created, model=body.model,
         choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
@@ -165,12 +166,12 @@ async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None,
     return gens
 
 
-async def _collect(gens: list[Generation]) -> list[Chunk]:
+async def _collect(request: Request, gens: list[Generation]) -> list[Chunk]:
     try:
-        return list(await asyncio.gather(*(g.collect() for g in gens)))
+        return list(await unless_disconnected(request, asyncio.gather(*(g.collect() for g in gens))))
     finally:
         for g in gens:
-            g.cancel()  # no-op for finished ones; aborts the rest if this request was cancelled
+            g.cancel()  # no-op for finished ones; aborts the rest if the client went away
 
 
 async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
