@@ -101,10 +101,12 @@ class Bench:
         self.backend, self.pages_per_seq = backend, pages_per_seq
         self.disaggregated = backend.layout is KVLayout.DISAGGREGATED
 
-    def item(self, seq: int, tokens: list[int], start: int, adapter: int | None) -> SeqWork:
-        pages = tuple(range(seq * self.pages_per_seq, (seq + 1) * self.pages_per_seq))
+    def item(self, seq: int, tokens: list[int], start: int, adapter: int | None, decode: bool = False) -> SeqWork:
+        # The pages that cover positions [0, start + len(tokens)), as a control plane passes them.
+        first = seq * self.pages_per_seq
+        pages = tuple(range(first, first + -(-(start + len(tokens)) // PAGE)))
         res = pages if self.disaggregated and adapter is not None else None
-        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY)
+        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY, decode=decode)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int, warmup: int = 3) -> dict:
         gen = torch.Generator().manual_seed(batch)
@@ -119,7 +121,8 @@ class Bench:
         times = []
         for s in range(warmup + steps):
             t0 = time.perf_counter()
-            nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i]) for i in range(batch)]).next_tokens
+            nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i], decode=True)
+                                     for i in range(batch)]).next_tokens
             if s >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
             pos += 1
@@ -153,7 +156,7 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
         end.synchronize()
         times.append(start.elapsed_time(end))
     backend.runner.use_cuda_graphs = False
-    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)]) for i in range(batch)]
+    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True) for i in range(batch)]
     backend.step(items)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -183,7 +183,8 @@ class TorchBackend:
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
         t0 = time.perf_counter()
-        logits = self.runner.forward(work, slots, all_logits)
+        run = self.runner.forward(work, slots, all_logits)
+        logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
         if all_logits:
             ends = torch.tensor([len(s.tokens) for s in work]).cumsum(0).tolist()
@@ -195,9 +196,10 @@ class TorchBackend:
             per_item = [logits[next(rows)].unsqueeze(0) if s.sampling is not None else None for s in work]
             last = logits
         tokens = iter(self.sampler.sample(last, [s.sampling for s in sampling],
-                                          [s.start_pos + len(s.tokens) for s in sampling]) if sampling else [])
+                                          [s.start_pos + len(s.tokens) for s in sampling], run.greedy)
+                      if sampling else [])
         next_tokens = tuple(next(tokens) if s.sampling is not None else None for s in work)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not sampling:  # sampling already waited for the device
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1e3
         decode = [s for s in work if s.decode]

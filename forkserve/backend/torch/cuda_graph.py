@@ -2,18 +2,22 @@
 
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
-launch. Inputs live in one packed int64 device buffer filled by one pinned, asynchronous
-host-to-device copy per step; a smaller batch is padded up to its bucket with rows that
-read and write only the pool's scratch page. Every tensor the graph reads is owned by the
-DecodeGraph: a temporary freed after capture would be reused and read as garbage.
+launch. Inputs live in one packed int64 device buffer, filled from the work items straight
+into a pinned host buffer and sent by one asynchronous copy per step; a smaller batch is
+padded up to its bucket with rows that read and write only the pool's scratch page. The
+greedy argmax is captured too. Every tensor the graph reads is owned by the DecodeGraph:
+a temporary freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
+
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch.attention import AttentionMetadata
-from forkserve.backend.torch.batch import Batch
+from forkserve.backend.torch.batch import BatchLimits, fill_decode
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 
@@ -39,26 +43,28 @@ def pages_bucket(n: int) -> int:
 
 class DecodeGraph:
     def __init__(self, model: CausalLM, pool: KVPool, batch: int, pages: int, use_lora: bool,
-                 disaggregated: bool, device: torch.device, mempool: tuple) -> None:
-        self.batch, self.pages = batch, pages
+                 limits: BatchLimits, device: torch.device, mempool: tuple) -> None:
+        self.batch, self.pages, self.pool, self.limits = batch, pages, pool, limits
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
             "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
             "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
             "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page}
-        self.layout: dict[str, tuple[int, tuple[int, ...]]] = {}
-        offset = 0
+        offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
+        total = 0
         for name in _ROW_FIELDS + _TABLE_FIELDS:
             shape = (batch, pages) if name in _TABLE_FIELDS else (batch,)
-            self.layout[name] = (offset, shape)
-            offset += int(np.prod(shape))
-        self.packed = torch.empty(offset, dtype=torch.int64, device=device)
-        self.host = torch.empty(offset, dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
+            offsets[name] = (total, shape)
+            total += int(np.prod(shape))
+        self.packed = torch.empty(total, dtype=torch.int64, device=device)
+        self.host = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        host_np = self.host.numpy()
+        self.host_views = {n: host_np[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in offsets.items()}
         self.copied = torch.cuda.Event()
-        self._fill({})
-        view = {name: self.packed[o:o + int(np.prod(s))].view(s) for name, (o, s) in self.layout.items()}
+        self._send([])
+        view = {n: self.packed[o:o + int(np.prod(s))].view(s) for n, (o, s) in offsets.items()}
         self.rows = torch.arange(batch, device=device)
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        disaggregated = limits.disaggregated
 
         def forward() -> torch.Tensor:
             # The int32 casts run inside the graph, so they see every step's new inputs.
@@ -83,26 +89,20 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=mempool):
             self.logits = forward()
+            self.greedy = self.logits.argmax(dim=-1)
 
-    def _fill(self, sources: dict[str, torch.Tensor]) -> None:
-        """Pad, write the real rows into the pinned buffer, and start one async copy."""
-        self.copied.synchronize()  # the previous step's copy has read the pinned buffer
-        for name, (offset, shape) in self.layout.items():
-            block = self.host_np[offset:offset + int(np.prod(shape))].reshape(shape)
+    def _send(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int] | None = None) -> None:
+        self.copied.synchronize()  # the previous step's copy has finished reading the pinned buffer
+        for name, block in self.host_views.items():
             block[...] = self.padding[name]
-            src = sources.get(name)
-            if src is not None:
-                values = src.numpy()
-                block[tuple(slice(0, d) for d in values.shape)] = values
+        fill_decode(work, self.limits, adapter_slots or {}, self.host_views, self.pool.scratch_page,
+                    self.pool.scratch_residual_page)
         self.packed.copy_(self.host, non_blocking=True)
         self.copied.record()
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Replay for a decode batch built on the host; returns logits [real rows, vocab]."""
-        meta = batch.meta
-        self._fill({"input_ids": batch.input_ids, "positions": batch.positions, "token_slot": batch.token_slot,
-                    "slot_mapping": meta.slot_mapping, "res_slot_mapping": meta.res_slot_mapping,
-                    "seq_lens": meta.seq_lens, "seq_slot": meta.seq_slot, "block_tables": meta.block_tables,
-                    "res_block_tables": meta.res_block_tables})
+    def run(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for validated decode items: (logits [n, vocab], greedy tokens [n])."""
+        self._send(work, adapter_slots)
         self.graph.replay()
-        return self.logits[:batch.input_ids.shape[0]]
+        n = len(work)
+        return self.logits[:n], self.greedy[:n]

@@ -1,6 +1,7 @@
 """ModelRunner: one forward for a validated list of work items, eager or through a CUDA graph."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -10,6 +11,12 @@ from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.cuda_graph import DecodeGraph, batch_bucket, pages_bucket
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    logits: torch.Tensor          # float32 [rows, vocab]
+    greedy: torch.Tensor | None   # argmax of each row, when the graph computed it already
 
 
 class ModelRunner:
@@ -24,24 +31,29 @@ class ModelRunner:
     def captured_graphs(self) -> tuple[tuple[int, int, bool], ...]:
         return tuple(self._graphs)
 
-    def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int],
-                all_logits: bool) -> torch.Tensor:
-        """Logits (float32) for every token (all_logits) or for the last token of each sampling item."""
-        decode = all(len(s.tokens) == 1 for s in work)
-        graphable = self.use_cuda_graphs and decode and not all_logits and batch_bucket(len(work)) is not None
-        batch = build(work, self.limits, adapter_slots, all_logits,
-                      torch.device("cpu") if graphable else self.device,
+    def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool) -> RunOutput:
+        """Logits for every token (all_logits) or for the last token of each sampling item."""
+        bucket = batch_bucket(len(work))
+        if self.use_cuda_graphs and not all_logits and bucket is not None and all(len(s.tokens) == 1 for s in work):
+            return self._replay(work, adapter_slots, bucket)
+        batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page)
-        if not graphable:
-            return self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
-                                      self.pool, batch.logits_indices, batch.use_lora)
-        key = (batch_bucket(len(work)), pages_bucket(batch.meta.block_tables.shape[1]), batch.use_lora)
+        logits = self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
+                                    self.pool, batch.logits_indices, batch.use_lora)
+        return RunOutput(logits, None)
+
+    def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int) -> RunOutput:
+        width = max(s.start_pos // self.limits.page_size + 1 for s in work)
+        use_lora = any(s.adapter_id is not None for s in work)
+        key = (bucket, pages_bucket(width), use_lora)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], self.limits.disaggregated,
-                                self.device, self._mempool)
+            graph = DecodeGraph(self.model, self.pool, key[0], key[1], use_lora, self.limits, self.device,
+                                self._mempool)
             self._graphs[key] = graph
-        logits = graph.run(batch)
-        if batch.logits_indices.shape[0] == logits.shape[0]:
-            return logits  # every item samples: the rows are already in order
-        return logits[batch.logits_indices.to(self.device)]
+        logits, greedy = graph.run(work, adapter_slots)
+        rows = [i for i, s in enumerate(work) if s.sampling is not None]
+        if len(rows) == len(work):
+            return RunOutput(logits, greedy)  # every item samples: the rows are already in order
+        index = torch.tensor(rows, device=self.device)
+        return RunOutput(logits[index], greedy[index])

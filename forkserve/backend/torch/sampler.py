@@ -30,9 +30,12 @@ class Sampler:
         self.device = device
         self._unseeded = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> list[int]:
-        """logits [N, vocab] float32; positions: the position each sampled token will take."""
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+               greedy: torch.Tensor | None = None) -> list[int]:
+        """logits [N, vocab] float32; positions: the position each sampled token will take;
+        greedy: logits.argmax(-1) when already computed (inside a CUDA graph)."""
+        if all(p.temperature == 0.0 for p in params):
+            return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
         out = logits.argmax(dim=-1)
         for row, (p, pos) in enumerate(zip(params, positions)):
             if p.temperature == 0.0:
