@@ -7,7 +7,7 @@ Each client loops until the deadline over a random mix of: chat completions (n =
 some streamed), streamed chats it abandons mid-stream (a disconnect), branch steps (open,
 fork 2-3 branches, speculate, commit one, generate, close; some abandon their generate
 stream), and bad requests that must come back 4xx. Afterwards it waits for every session
-to end and checks, through the engine: no session left, every page in use is held by
+to end (sessions abandoned mid-step end when their lease runs out) and checks, through the engine: no session left, every page in use is held by
 the prefix index (``pool.num_used == index.num_pages``), zero pages after ``evict_all``,
 and ``check_integrity`` (refcounts equal holders). It prints the figures; the exit status
 is 1 on any 5xx, unexpected status or leaked page. ``tests/server`` runs a short version.
@@ -43,6 +43,9 @@ class SoakConfig:
     # After the deadline a client waits this long for its last request, then abandons it
     # (closing the connection: one more disconnect the server must clean up after).
     grace_s: float = 5.0
+    # Branch sessions abandoned mid-step (no close) are the server's to reclaim: their lease
+    # is this short, and the audit waits for it to run out.
+    session_ttl_s: float = 30.0
 
 
 @dataclass
@@ -230,12 +233,13 @@ async def _drive(url: str, models: list[str], cfg: SoakConfig) -> tuple[_Tally, 
         return tally, time.monotonic() - start
 
 
-def run_soak(server: RunningServer, cfg: SoakConfig, settle_timeout_s: float = 60.0) -> SoakReport:
+def run_soak(server: RunningServer, cfg: SoakConfig) -> SoakReport:
+    """Drive ``server`` (started with ``session_ttl_s=cfg.session_ttl_s``), then audit it."""
     models = [server.model.name, *sorted(server.model.adapters)]
     tally, elapsed = asyncio.run(_drive(server.url, models, cfg))
-    deadline = time.monotonic() + settle_timeout_s
+    deadline = time.monotonic() + cfg.session_ttl_s + 30.0
     while server.on_engine(lambda e: len(e.sessions)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # aborts of the last disconnects are still on their way to the engine
+        time.sleep(0.05)  # last aborts on their way to the engine; abandoned leases running out
 
     def audit(engine) -> tuple[int, int, int, int, bool, int]:
         sessions, used, published = len(engine.sessions), engine.pool.num_used, engine.index.num_pages
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_served_model(args.model, config=config, loras=loras, device=args.device)
     cfg = SoakConfig(args.clients, args.duration, args.max_tokens, args.seed)
     print(f"soak: {cfg.clients} clients for {cfg.duration_s:.0f} s (loopback)", flush=True)
-    with serve_in_thread(model) as server:
+    with serve_in_thread(model, session_ttl_s=cfg.session_ttl_s) as server:
         report = run_soak(server, cfg)
     print(report.table())
     if args.json:

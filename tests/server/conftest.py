@@ -66,13 +66,14 @@ def tiny_model_dir(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return save_model(tmp_path_factory.mktemp("served"))
 
 
-def start(tiny_model_dir, **config) -> "contextlib.AbstractContextManager[RunningServer]":
+def start(tiny_model_dir, session_ttl_s: float = 600.0,
+          **config) -> "contextlib.AbstractContextManager[RunningServer]":
     path, adapters = tiny_model_dir
     cfg = app_config(page_size=4, num_pages=config.pop("num_pages", 2048), num_residual_pages=2048,
                      **config)
     model = load_served_model(path, config=cfg, loras=adapters, device="cpu", dtype="float32",
                               attention="eager")
-    return serve_in_thread(model)
+    return serve_in_thread(model, session_ttl_s=session_ttl_s)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,9 @@ def _soak_module():
 def test_short_soak_has_no_5xx_and_no_leaked_pages(tiny_model_dir):
     soak = _soak_module()
     # A small pool (page 4 tokens): eviction of published pages happens during the run too.
-    with start(tiny_model_dir, num_pages=1024) as server:
-        report = soak.run_soak(server, soak.SoakConfig(clients=24, duration_s=8.0, max_tokens=8, seed=1))
+    cfg = soak.SoakConfig(clients=24, duration_s=8.0, max_tokens=8, seed=1, session_ttl_s=5.0)
+    with start(tiny_model_dir, num_pages=1024, session_ttl_s=cfg.session_ttl_s) as server:
+        report = soak.run_soak(server, cfg)
     print("\n" + report.table())
     assert report.requests > 100 and report.disconnects > 0
     assert report.five_xx == 0 and not report.unexpected

@@ -34,3 +34,10 @@ async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     finally:
         if not task.done():
             task.cancel()
+            task.add_done_callback(_consume)
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Mark the cancelled task's outcome as seen (asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()

@@ -230,13 +230,16 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._run_commands(block=False)
-            if self._jobs:
-                self._generation_round()
-            elif not self._idle_tick():
-                self._run_commands(block=True)
-            self._expire_leases()
-            self._sample_rates()
+            try:
+                self._run_commands(block=False)
+                if self._jobs:
+                    self._generation_round()
+                elif not self._idle_tick():
+                    self._run_commands(block=True)
+                self._expire_leases()
+                self._sample_rates()
+            except Exception:  # noqa: BLE001 - the server outlives one bad iteration; it is logged
+                log.exception("engine worker iteration failed")
         self._run_commands(block=False)
 
     def _run_commands(self, block: bool) -> None:
