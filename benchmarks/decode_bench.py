@@ -19,7 +19,6 @@ Writes decode_bench.json and decode_bench.png to --out and prints a table last.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -167,7 +166,8 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
     events.sort(key=lambda e: -e.device_time_total)
     top = [{"name": e.key[:80], "count": e.count, "ms": e.device_time_total / 1e3} for e in events[:20]]
     return {"batch": batch, "step_ms": step["ms_per_step"], "graph_replay_ms": statistics.median(times),
-            "eager_kernels": sum(e.count for e in events), "eager_kernel_ms": sum(e.device_time_total for e in events) / 1e3,
+            "eager_kernels": sum(e.count for e in events),
+            "eager_kernel_ms": sum(e.device_time_total for e in events) / 1e3,
             "top_kernels": top}
 
 
@@ -201,7 +201,6 @@ def hf_generate(cfg: ModelConfig, device: torch.device, batch: int, prompt: int,
 
     run(2)
     short, long = run(1), run(1 + new)
-    del model
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "ms_per_token": (long - short) / new * 1e3}
 
 
@@ -240,29 +239,13 @@ def main() -> None:
                                          max_adapters=n_adapters, max_lora_rank=rank, lora_targets=TARGETS,
                                          compile_fusions=fusions)
 
-    def attempt(name: str, fn) -> None:
+    def attempt(name: str, fn, *args) -> None:
         try:
-            res[name] = fn()
+            res[name] = fn(*args)
             print(name, res[name], flush=True)
         except Exception:  # one failed measurement must not lose the others
             res["errors"][name] = traceback.format_exc()
             print(name, "FAILED\n", res["errors"][name], flush=True)
-
-    fusions = device.type == "cuda" and not args.no_fusions
-    backend = make(KVLayout.UNIFIED, fusions)
-    res["attention"] = type(backend.attention).__name__
-    bench = Bench(backend, pages_per_seq)
-    ids = [backend.adapter_id(f"a{i}") for i in range(n_adapters)]
-    t0 = time.perf_counter()
-    attempt("first_decode_step", lambda: bench.decode(1, 16, [None], steps=1, warmup=0))
-    if "first_decode_step" in res["errors"] and fusions:  # no Inductor here: measure without fusions
-        res["fusions_error"] = res["errors"].pop("first_decode_step")
-        fusions = False
-        backend = make(KVLayout.UNIFIED, fusions)
-        bench = Bench(backend, pages_per_seq)
-        ids = [backend.adapter_id(f"a{i}") for i in range(n_adapters)]
-    res["fusions"] = fusions
-    res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
 
     def roofline(batch: int, lora: bool) -> float:
         lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
@@ -270,39 +253,48 @@ def main() -> None:
         nbytes = res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv + (lora_bytes if lora else 0)
         return nbytes / res["copy_bandwidth_Bps"] * 1e3
 
+    def decode_case(bench: Bench, batch: int, lora: bool) -> dict:
+        ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)] if lora else [None]
+        return {**bench.decode(batch, prompt, ids, args.steps), "roofline_ms": roofline(batch, lora)}
+
+    def prefill_case(bench: Bench, lora: bool) -> dict:
+        flops = prefill_flops(cfg, prefill_tokens)
+        adapter = bench.backend.adapter_id("a0") if lora else None
+        return {**bench.prefill(prefill_tokens, adapter),
+                "roofline_tokens_per_s": prefill_tokens / (flops / res["matmul_flops"])}
+
+    fusions = device.type == "cuda" and not args.no_fusions
+    bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
+    res["attention"] = type(bench.backend.attention).__name__
+    t0 = time.perf_counter()
+    attempt("first_decode_step", bench.decode, 1, 16, [None], 1, 0)
+    if "first_decode_step" in res["errors"] and fusions:  # no Inductor here: measure without fusions
+        res["fusions_error"] = res["errors"].pop("first_decode_step")
+        fusions = False
+        bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
+    res["fusions"] = fusions
+    res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
+    adapter_ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)]
     if args.profile:
-        attempt("profile_b1", lambda: profile_decode(bench, 1, [None], prompt))
-        attempt("profile_b64_lora", lambda: profile_decode(bench, big_batch, ids, prompt))
+        attempt("profile_b1", profile_decode, bench, 1, [None], prompt)
+        attempt("profile_b64_lora", profile_decode, bench, big_batch, adapter_ids, prompt)
         (out / "decode_profile.json").write_text(json.dumps(res, indent=1))
         return
     for batch in (1, big_batch):
         for lora in (False, True):
-            key = f"decode_b{batch}" + ("_lora" if lora else "")
-            attempt(key, lambda: {**bench.decode(batch, prompt, ids if lora else [None], args.steps),
-                                  "roofline_ms": roofline(batch, lora)})
-    backend.runner.use_cuda_graphs = False
-    attempt("decode_b1_eager_no_graph", lambda: bench.decode(1, prompt, [None], 10))
-    backend.runner.use_cuda_graphs = device.type == "cuda"
-    flops = prefill_flops(cfg, prefill_tokens)
+            attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
+    runner = bench.backend.runner
+    runner.use_cuda_graphs = False
+    attempt("decode_b1_eager_no_graph", bench.decode, 1, prompt, [None], 10)
+    runner.use_cuda_graphs = device.type == "cuda"
     for lora in (False, True):
-        key = "prefill" + ("_lora" if lora else "")
-        attempt(key, lambda: {**bench.prefill(prefill_tokens, ids[0] if lora else None),
-                              "roofline_tokens_per_s": prefill_tokens / (flops / res["matmul_flops"])})
-    res["graphs_captured"] = [list(k) for k in backend.runner.captured_graphs]
-    del backend, bench
-    gc.collect()
-    dis = make(KVLayout.DISAGGREGATED, fusions)
-    attempt("decode_b64_lora_disaggregated",
-            lambda: {**Bench(dis, pages_per_seq).decode(big_batch, prompt, [dis.adapter_id(f"a{i}")
-                                                                            for i in range(n_adapters)], args.steps),
-                     "roofline_ms": roofline(big_batch, True)})
-    del dis, weights, adapters
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        attempt("prefill" + ("_lora" if lora else ""), prefill_case, bench, lora)
+    res["graphs_captured"] = [list(k) for k in runner.captured_graphs]
+    disaggregated = Bench(make(KVLayout.DISAGGREGATED, fusions), pages_per_seq)
+    attempt("decode_b64_lora_disaggregated", decode_case, disaggregated, big_batch, True)
     if not args.no_hf:
         for batch in (1, big_batch):
-            attempt(f"hf_generate_b{batch}", lambda: hf_generate(cfg, device, batch, prompt, 16))
+            attempt(f"hf_generate_b{batch}", hf_generate, cfg, device, batch, prompt, 16)
     res["vllm_0.26_anchors"] = VLLM
     (out / "decode_bench.json").write_text(json.dumps(res, indent=1))
     plot(res, out / "decode_bench.png")
@@ -316,11 +308,10 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [("b1", "decode_b1", "hf_generate_b1"), ("b1 LoRA", "decode_b1_lora", None),
-            ("b64", "decode_b64", "hf_generate_b64"), ("b64 LoRA", "decode_b64_lora", None)]
+    rows = [("b1", "decode_b1"), ("b1 LoRA", "decode_b1_lora"), ("b64", "decode_b64"), ("b64 LoRA", "decode_b64_lora")]
     vllm = [VLLM["b1"], VLLM["b1_lora"], VLLM["b64"], VLLM["b64_lora"]]
-    ours = [res.get(k, {}).get("ms_per_step", 0) for _, k, _ in rows]
-    roof = [res.get(k, {}).get("roofline_ms", 0) for _, k, _ in rows]
+    ours = [res.get(k, {}).get("ms_per_step", 0) for _, k in rows]
+    roof = [res.get(k, {}).get("roofline_ms", 0) for _, k in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([i - 0.27 for i in x], ours, 0.27, label="ForkServe TorchBackend")

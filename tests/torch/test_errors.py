@@ -31,8 +31,8 @@ def snapshot(b: TorchBackend) -> tuple:
 
 def unchanged(b: TorchBackend, before: tuple) -> bool:
     after = snapshot(b)
-    tensors_equal = all(torch.equal(x, y) for x, y in zip(before[:4], after[:4]))
-    lora_equal = all(torch.equal(x, y) for x, y in zip(before[6], after[6]))
+    tensors_equal = all(torch.equal(x, y) for x, y in zip(before[:4], after[:4], strict=True))
+    lora_equal = all(torch.equal(x, y) for x, y in zip(before[6], after[6], strict=True))
     return tensors_equal and lora_equal and before[4:6] == after[4:6]
 
 

@@ -100,6 +100,7 @@ def test_smollm2_greedy_answer():
     nxt = backend.step([SeqWork(0, tuple(ids), 0, KVSlots(pages), sampling=GREEDY)]).next_tokens[0]
     while len(out) < 12 and nxt not in tok.eos_token_ids:
         out.append(nxt)
-        nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages), sampling=GREEDY)]).next_tokens[0]
+        nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages), sampling=GREEDY,
+                                    decode=True)]).next_tokens[0]
     assert "Paris" in tok.decode(out), tok.decode(out)
     assert time.perf_counter() - t0 < 60

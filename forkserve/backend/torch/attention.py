@@ -105,7 +105,7 @@ class EagerAttention:
         heads = q.shape[1]
         outs = []
         start = 0
-        for i, (qlen, slen) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        for i, (qlen, slen) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             n_pages = -(-slen // page_size)
             pages = meta.block_tables[i, :n_pages].long()
             keys = kv.k[pages].reshape(-1, kv_heads, dim)[:slen]

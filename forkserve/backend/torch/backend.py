@@ -9,6 +9,7 @@ the control plane owns page ids and tells each step where to read and write.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,10 +188,10 @@ class TorchBackend:
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
         if all_logits:
-            ends = torch.tensor([len(s.tokens) for s in work]).cumsum(0).tolist()
-            per_item = [logits[e - len(s.tokens):e] for s, e in zip(work, ends)]
-            last = torch.stack([rows[-1] for rows, s in zip(per_item, work) if s.sampling is not None]) \
-                if sampling else logits[:0]
+            ends = itertools.accumulate(len(s.tokens) for s in work)
+            per_item = [logits[e - len(s.tokens):e] for s, e in zip(work, ends, strict=True)]
+            sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
+            last = torch.stack(sampled) if sampled else logits[:0]
         else:
             rows = iter(range(len(sampling)))
             per_item = [logits[next(rows)].unsqueeze(0) if s.sampling is not None else None for s in work]

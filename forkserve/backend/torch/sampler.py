@@ -37,7 +37,7 @@ class Sampler:
         if all(p.temperature == 0.0 for p in params):
             return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
         out = logits.argmax(dim=-1)
-        for row, (p, pos) in enumerate(zip(params, positions)):
+        for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
             if p.temperature == 0.0:
                 continue
             probs = top_p_filter(torch.softmax(logits[row] / p.temperature, dim=-1), p.top_p)
