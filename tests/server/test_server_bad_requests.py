@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import MAX_CONTEXT, MODEL_NAME
+from server_testlib import MAX_CONTEXT, MODEL_NAME
 
 
 def engine_state(server):

@@ -6,7 +6,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL_NAME, quiescent_pages
+from server_testlib import MODEL_NAME, quiescent_pages
 
 from forkserve.interfaces.client import BranchAPIError, BranchClient
 

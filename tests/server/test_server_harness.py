@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_NAME, quiescent_pages
+from server_testlib import MODEL_NAME, quiescent_pages
 
 from forkserve.harness import Guess, ReActAgent, ToolPause
 from forkserve.interfaces.client import BranchClient

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from conftest import start
+from server_testlib import start
 from forkserve.config import KVLayout
 from forkserve.interfaces.client import BranchClient
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import MODEL_NAME, quiescent_pages
+from server_testlib import MODEL_NAME, quiescent_pages
 
 
 @pytest.fixture(scope="module")

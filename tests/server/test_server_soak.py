@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from conftest import start
+from server_testlib import start
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak_bench.py"
 
