@@ -30,14 +30,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny_hf_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     # head_dim 32 (not hidden / heads = 16): the Triton kernels need at least 32.
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                   initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     common.update(overrides)
-    return (LlamaConfig if arch == "llama" else Qwen2Config)(**common)
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch](**common)
 
 
 def save_tiny_model(path: Path, arch: str, seed: int, shard: bool = False, **overrides) -> Path:
@@ -92,6 +92,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}),
         "qwen2": save_tiny_model(root / "qwen2", "qwen2", seed=3),
+        "qwen2_yarn_tied": save_tiny_model(root / "qwen2_yarn", "qwen2", seed=5, tie_word_embeddings=True,
+                                           rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}),
+        "mistral": save_tiny_model(root / "mistral", "mistral", seed=6, sliding_window=4096),
         # transformers' GGUF reader derives head_dim from hidden / heads: keep it so here.
         "llama_plain_head": save_tiny_model(root / "llama_plain", "llama", seed=4, head_dim=16),
     }

@@ -114,3 +114,12 @@ def test_bad_checkpoints(models, tmp_path):
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         TorchBackend(make_config(), gpt2, device=DEVICE, dtype=DTYPE)
+
+
+def test_yarn_with_residual_kernels_is_refused_up_front(models):
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
+                     attention="triton")
+    # The eager path applies the factor: the same model runs there.
+    TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
+                 attention="eager")

@@ -22,7 +22,8 @@ def prefill_logits(backend: TorchBackend, seq: int, tokens: list[int], chunk: in
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_sharded_tied", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama_sharded_tied", "llama3_rope", "qwen2", "qwen2_yarn_tied",
+                                  "mistral"])
 def test_prefill_matches_hf(models, name):
     tokens = prompt(0, 23)
     backend = backend_for(models[name])
@@ -36,6 +37,9 @@ def test_config_reading(models):
     assert ModelConfig.from_folder(models["llama_sharded_tied"]).tie_word_embeddings
     assert len(list(models["llama_sharded_tied"].glob("*.safetensors"))) > 1
     assert ModelConfig.from_folder(models["llama3_rope"]).rope.rope_type == "llama3"
+    yarn = ModelConfig.from_folder(models["qwen2_yarn_tied"])
+    assert yarn.rope.rope_type == "yarn" and yarn.tie_word_embeddings
+    assert ModelConfig.from_folder(models["mistral"]).architecture == "mistral"
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 8])

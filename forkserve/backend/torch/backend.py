@@ -20,7 +20,8 @@ import torch
 from forkserve.backend.protocol import PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
-from forkserve.backend.torch.errors import (AdapterCapacityError, InvalidWorkError, UnknownAdapterError)
+from forkserve.backend.torch.errors import (AdapterCapacityError, InvalidWorkError, UnknownAdapterError,
+                                            UnsupportedModelError)
 from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
@@ -63,17 +64,25 @@ def load_model(model_path: str | Path, device: torch.device,
     return load_hf_folder(path, device, dtype)
 
 
-def make_attention(choice: str | AttentionBackend, device: torch.device, page_size: int) -> AttentionBackend:
+def make_attention(choice: str | AttentionBackend, device: torch.device, page_size: int,
+                   scaled_residual_rope: bool) -> AttentionBackend:
     """"eager" (pure PyTorch), "triton" (forkserve.kernels), "auto": triton on CUDA when importable
-    and the pages are at least the kernels' 16-token key block, else eager."""
+    and the pages are at least the kernels' 16-token key block, else eager.
+
+    scaled_residual_rope: the disaggregated layout with yarn's cos/sin factor, which the
+    ResidualAttention kernels do not apply (checked here, before any KV is written)."""
     if not isinstance(choice, str):
         return choice
     if choice == "auto":
-        usable = device.type == "cuda" and page_size >= 16 and importlib.util.find_spec("triton")
+        usable = (device.type == "cuda" and page_size >= 16 and not scaled_residual_rope
+                  and importlib.util.find_spec("triton"))
         choice = "triton" if usable else "eager"
     if choice == "eager":
         return EagerAttention()
     if choice == "triton":
+        if scaled_residual_rope:
+            raise UnsupportedModelError("the ResidualAttention kernels do not apply yarn's cos/sin factor; "
+                                        "use attention='eager' for this model in the disaggregated layout")
         from forkserve.backend.torch.kernel_attention import KernelAttention
         return KernelAttention()
     raise ValueError(f"attention must be 'auto', 'eager', 'triton' or an AttentionBackend, got {choice!r}")
@@ -130,16 +139,18 @@ class TorchBackend:
         if lora_targets is None:
             for a in adapters.values():
                 targets |= a.targets
+        disaggregated = self.layout is KVLayout.DISAGGREGATED
+        rope_scale = model_cfg.rope.inv_freq_and_scale(model_cfg.head_dim)[1]
+        self.attention = make_attention(attention, device, config.page_size,
+                                        disaggregated and rope_scale != 1.0)
         self.max_adapters = max_adapters or max(8, len(adapters))
         self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
                            self.max_lora_rank, device, dtype)
-        disaggregated = self.layout is KVLayout.DISAGGREGATED
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
             disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
-        self.attention = make_attention(attention, device, config.page_size)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device, fusions)

@@ -13,7 +13,6 @@ import torch
 
 from forkserve import kernels
 from forkserve.backend.torch.attention import AttentionMetadata, write_kv
-from forkserve.backend.torch.errors import UnsupportedModelError
 from forkserve.backend.torch.kv_pool import LayerKV
 from forkserve.backend.torch.rope import Rope
 
@@ -39,10 +38,9 @@ class KernelAttention:
         write_kv(kv, k, v, k_res, v_res, meta)
         scale = 1.0 / math.sqrt(q.shape[-1])
         page_size = kv.k.shape[1]
+        # make_attention refuses yarn-scaled RoPE with this backend in the disaggregated layout.
         residual = kv.k_res is not None and meta.res_block_tables is not None and (
             b_k is not None or b_v is not None)
-        if residual and rope.scale != 1.0:
-            raise UnsupportedModelError("ResidualAttention kernels do not apply yarn's cos/sin factor")
         if meta.decode_only:
             # A host-free bound (the padded table width) keeps decode capturable in a CUDA graph.
             tuning = {"max_seq_len": meta.block_tables.shape[1] * page_size} if q.is_cuda else {}
