@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"])
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph replay)")
     ap.add_argument("--session-ttl", type=float, default=600.0,
                     help="seconds an idle branch-API session lives before it is closed")
     ap.add_argument("--host", default="127.0.0.1")
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                                   num_residual_pages=args.num_pages, kv_layout=args.layout)
     log.info("loading %s", model_path)
     model = load_served_model(model_path, config=config, loras=dict(args.lora), name=args.served_model_name,
-                              device=args.device, dtype=args.dtype, attention=args.attention)
+                              device=args.device, dtype=args.dtype, attention=args.attention,
+                              use_cuda_graphs=not args.no_cuda_graphs)
     uvicorn.run(create_app(model, session_ttl_s=args.session_ttl), host=args.host, port=args.port,
                 log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S)
     return 0

@@ -61,7 +61,7 @@ class ServedModel:
 def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                       loras: Mapping[str, str | Path] | None = None, name: str | None = None,
                       device: str | None = None, dtype: str | None = None,
-                      attention: str = "auto") -> ServedModel:
+                      attention: str = "auto", use_cuda_graphs: bool = True) -> ServedModel:
     """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine."""
     import torch
 
@@ -69,7 +69,7 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
 
     torch_dtype = getattr(torch, dtype) if dtype else None
     backend = TorchBackend(config, model_path, dict(loras or {}), device=device, dtype=torch_dtype,
-                           attention=attention, use_cuda_graphs=False)
+                           attention=attention, use_cuda_graphs=use_cuda_graphs)
     tokenizer = backend.tokenizer
     engine = Engine(backend)
     eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
