@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, work
+from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, work
 from forkserve.backend.torch import TorchBackend
 from forkserve.config import KVLayout
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DEVICE, DTYPE, PAGE, VOCAB, make_config, prompt, work
+from torch_testlib import DEVICE, DTYPE, PAGE, VOCAB, make_config, prompt, work
 from forkserve.backend.protocol import KVSlots, PageKind, SeqWork
 from forkserve.backend.torch import (AdapterFormatError, AdapterShapeError, CheckpointError, ContextLengthError,
                                      InvalidWorkError, TokenOutOfVocabError, TorchBackend, UnknownAdapterError,

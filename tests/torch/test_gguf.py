@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPE, REL_TOL, VOCAB, make_config, prompt, rel_err, work
+from torch_testlib import DEVICE, DTYPE, REL_TOL, VOCAB, make_config, prompt, rel_err, work
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork
 from forkserve.backend.torch import TorchBackend, find_smollm2_gguf
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import DEVICE, DTYPE, make_config, prompt, work
+from torch_testlib import DEVICE, DTYPE, make_config, prompt, work
 from forkserve.backend.protocol import SamplingParams
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.sampler import Sampler, top_p_filter
