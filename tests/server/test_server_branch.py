@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -53,6 +54,18 @@ def test_branch_generate_equals_the_openai_completion(server, client):
     theirs = oai.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
     if theirs.choices[0].finish_reason == "length":  # greedy: same tokens unless EOS came first
         assert ours.text == theirs.choices[0].text
+
+
+def test_concurrent_generations_share_decode_steps(server, client):
+    sessions = [client.open(MODEL_NAME, tokens=[40 + i, 41, 42]) for i in range(4)]
+    ticks_before = server.on_engine(lambda e: e.metrics.ticks)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda s: client.generate(s.session_id, 48, ignore_eos=True), sessions))
+    ticks = server.on_engine(lambda e: e.metrics.ticks) - ticks_before
+    assert all(len(o.tokens) == 48 for o in outs)
+    assert ticks < 0.75 * 4 * 48  # one tick decodes every generating session: batched, not in turns
+    for s in sessions:
+        client.close(s.session_id)
 
 
 def test_join_commits_branches_one_after_another(client):
@@ -132,5 +145,6 @@ def test_metrics_expose_pools_actions_and_throughput(client):
     text = client.metrics()
     for name in ("forkserve_pages_used{pool=\"unified\"}", "forkserve_prefix_index_pages{tree=\"base\"}",
                  "forkserve_speculative_residuals_total{action=", "forkserve_decode_tokens_per_second",
-                 "forkserve_queue_depth", "forkserve_http_requests_total{route=\"/v1/sessions\""):
+                 "forkserve_queue_depth", "forkserve_http_requests_total{route=\"/v1/sessions\"",
+                 "forkserve_prefix_hit_ratio{tree=\"base\"}", "forkserve_prefix_hit_tokens_total{tree=\"all\"}"):
         assert name in text, name

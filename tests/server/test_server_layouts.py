@@ -24,7 +24,9 @@ def test_disaggregated_layout_serves_adapters_without_leaks(tiny_model_dir):
             client.generate(s.session_id, 4)
             client.close(s.session_id)
             text = client.metrics()
-        assert 'forkserve_pages_used{pool="residual"}' in text and 'forkserve_prefix_index_pages{tree="residual"}' in text
+        for name in ('forkserve_pages_used{pool="residual"}', 'forkserve_prefix_index_pages{tree="residual"}',
+                     'forkserve_prefix_hit_ratio{tree="residual"}'):
+            assert name in text, name
 
         def audit(e):
             e.check_integrity()

@@ -2,14 +2,15 @@
 
 The engine is single-threaded and its verbs block (a commit prefills, a generate decodes),
 so every verb runs on this thread, in arrival order, and HTTP handlers await the result.
-Generation is interleaved: each round decodes one token for every active generation (the
-engine's ``tick`` batches whatever else is pending in the same step), then runs the
-commands that arrived meanwhile, so a new request never waits for a long completion to
-end. When nothing is queued the thread runs idle ticks: that is where speculative
-branches are prefilled during a tool pause.
+Generation is batched: each generation is queued with ``Engine.start_generate``, and each
+round is one ``Engine.tick`` that decodes a token for every generating session in one
+step (prefills and speculation share what is left), then the commands that arrived
+meanwhile run, so a new request never waits for a long completion to end. When nothing
+is queued the thread runs idle ticks: that is where speculative branches are prefilled
+during a tool pause.
 
-Ownership: a session opened for one OpenAI request belongs to its handler, which closes
-it (or aborts it when the client goes away). A session opened through the branch API is
+Ownership: a session opened for one OpenAI request lives as long as its generation: it is
+closed when the generation ends, aborted when its client goes away. A session opened through the branch API is
 leased: any verb on it renews the lease, and a session idle past ``session_ttl_s`` is
 closed here, so a client that vanishes cannot leak pages.
 """
@@ -27,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.engine import Engine
+from forkserve.engine.session import Session
 from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.text_stream import TextStream
 
@@ -112,9 +114,9 @@ class Generation:
 
 
 class _Job:
-    def __init__(self, gen: Generation, stream: TextStream) -> None:
-        self.gen, self.stream = gen, stream
-        self.left = gen.spec.max_tokens
+    def __init__(self, gen: Generation, stream: TextStream, session: Session) -> None:
+        self.gen, self.stream, self.session = gen, stream, session
+        self.sent = 0  # tokens of session.generated already delivered
 
 
 class EngineWorker:
@@ -180,7 +182,12 @@ class EngineWorker:
         gen = Generation(spec, self)
 
         def register() -> Generation:
-            self._register(self.engine.open(tokens, adapter=adapter).id, gen)
+            sid = self.engine.open(tokens, adapter=adapter).id
+            try:
+                self._register(sid, gen)
+            except Exception:
+                self.engine.abort(sid)
+                raise
             return gen
         return await self.call(register, undo=Generation.cancel)
 
@@ -207,9 +214,12 @@ class EngineWorker:
                            decode_rate, prefill_rate)
 
     def _register(self, session_id: int, gen: Generation) -> None:
+        spec = gen.spec
+        session = self.engine.start_generate(session_id, spec.max_tokens, sampling=spec.sampling,
+                                             stop=spec.stop_ids)
         gen.session_id = session_id
-        stream = TextStream(self._decode, gen.spec.stop_strings, gen.spec.keep_stop_text)
-        self._jobs[session_id] = _Job(gen, stream)
+        stream = TextStream(self._decode, spec.stop_strings, spec.keep_stop_text)
+        self._jobs[session_id] = _Job(gen, stream, session)
 
     def _end_job(self, sid: int, job: _Job, *, failed: bool) -> None:
         """Drop a finished, failed or cancelled job and settle its session."""
@@ -269,31 +279,48 @@ class EngineWorker:
             return False
 
     def _generation_round(self) -> None:
+        """One engine tick decodes a token for every generating session in one batch (plus
+        queued prefills and speculation in what is left); then each job gets its new tokens."""
         for sid, job in list(self._jobs.items()):
-            gen = job.gen
-            if gen.cancelled:
+            if job.gen.cancelled:
                 self._end_job(sid, job, failed=False)
-                continue
-            try:
-                out = self.engine.generate(sid, min(1, job.left), sampling=gen.spec.sampling,
-                                           stop=gen.spec.stop_ids) if job.left else None
-            except Exception as exc:
-                self._end_job(sid, job, failed=True)
-                gen._deliver(exc)
-                continue
-            tokens = out.tokens if out is not None else ()
-            job.left -= len(tokens)
-            text = job.stream.push(tokens)
-            reason = None
-            if job.stream.stopped or (out is not None and out.finish_reason == "stop"):
-                reason = "stop"
-            elif job.left <= 0:
-                reason = "length"
-            if reason is not None:
-                text += job.stream.finish()
-                self._end_job(sid, job, failed=False)
-            if text or tokens or reason:
-                gen._deliver(Chunk(text, tuple(tokens), reason))
+        if not self._jobs:
+            return
+        owed = any(job.session.decode_left for job in self._jobs.values())
+        try:
+            progressed = self.engine.tick() if owed else True
+        except Exception as exc:  # noqa: BLE001 - every request in the batch hears of it
+            log.exception("decode tick failed")
+            self._fail_all(exc)
+            return
+        for sid, job in list(self._jobs.items()):
+            self._deliver_new_tokens(sid, job)
+        if not progressed and self._jobs:
+            # Tokens are owed but the scheduler planned nothing: a bug, not a client error.
+            self._fail_all(RuntimeError("the engine made no progress on pending generations"))
+
+    def _deliver_new_tokens(self, sid: int, job: _Job) -> None:
+        session = job.session
+        tokens = tuple(session.generated[job.sent:])
+        job.sent += len(tokens)
+        text = job.stream.push(tokens)
+        reason = None
+        if job.stream.stopped:
+            reason = "stop"
+            # End the engine's generation here: a new one of zero tokens replaces it.
+            self.engine.start_generate(sid, 0, sampling=job.gen.spec.sampling)
+        elif session.decode_left == 0:
+            reason = session.finish_reason
+        if reason is not None:
+            text += job.stream.finish()
+            self._end_job(sid, job, failed=False)
+        if text or tokens or reason:
+            job.gen._deliver(Chunk(text, tokens, reason))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for sid, job in list(self._jobs.items()):
+            self._end_job(sid, job, failed=True)
+            job.gen._deliver(exc)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()

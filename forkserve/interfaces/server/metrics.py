@@ -48,7 +48,6 @@ def take_snapshot(engine: Engine, worker: EngineWorker) -> EngineSnapshot:
 _COUNTER_HELP = {
     "prefill_tokens": "tokens prefilled (committed and speculative)",
     "decode_tokens": "tokens decoded",
-    "hash_hit_tokens": "tokens served from published prefix pages instead of prefill",
     "pruned": "speculative residuals dropped before any prefill",
     "probe_aborts": "early-abort probes that did not clear tau",
     "dropped_chunks": "speculative chunks dropped because their trunk moved",
@@ -77,10 +76,20 @@ class EngineCollector:
         for tree, n in s.index_pages.items():
             index.add_metric([tree], n)
         yield from (used, free, index)
-        hits, prefilled = s.counters["hash_hit_tokens"], s.counters["prefill_tokens"]
-        yield GaugeMetricFamily("forkserve_prefix_hit_ratio",
-                                "hit tokens / (hit + prefilled tokens), since start",
-                                value=hits / (hits + prefilled) if hits + prefilled else 0.0)
+        prefilled = s.counters["prefill_tokens"]
+        ratio = GaugeMetricFamily("forkserve_prefix_hit_ratio",
+                                  "tokens a prefix tree served / (served + prefilled), since start; "
+                                  "tree=all: every side of the KV came from the index", labels=["tree"])
+        hit_tokens = CounterMetricFamily("forkserve_prefix_hit_tokens", "tokens served from a prefix tree",
+                                         labels=["tree"])
+        for tree, key in (("all", "hash_hit_tokens"), ("base", "base_hit_tokens"),
+                          ("residual", "residual_hit_tokens")):
+            if tree == "residual" and "residual" not in s.index_pages:
+                continue
+            hits = s.counters[key]
+            ratio.add_metric([tree], hits / (hits + prefilled) if hits + prefilled else 0.0)
+            hit_tokens.add_metric([tree], hits)
+        yield from (ratio, hit_tokens)
         for name, help_text in _COUNTER_HELP.items():
             yield CounterMetricFamily(f"forkserve_{name}", help_text, value=s.counters[name])
         actions = CounterMetricFamily("forkserve_speculative_residuals",
