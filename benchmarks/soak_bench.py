@@ -7,7 +7,8 @@ Each client loops until the deadline over a random mix of: chat completions (n =
 some streamed), streamed chats it abandons mid-stream (a disconnect), branch steps (open,
 fork 2-3 branches, speculate, commit one, generate, close; some abandon their generate
 stream), and bad requests that must come back 4xx. Afterwards it waits for every session
-to end (sessions abandoned mid-step end when their lease runs out) and checks, through the engine: no session left, every page in use is held by
+to end (sessions abandoned mid-step end when their lease runs out) and checks, through
+the engine: no session left, every page in use is held by
 the prefix index (``pool.num_used == index.num_pages``), zero pages after ``evict_all``,
 and ``check_integrity`` (refcounts equal holders). It prints the figures; the exit status
 is 1 on any 5xx, unexpected status or leaked page. ``tests/server`` runs a short version.

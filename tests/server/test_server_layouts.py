@@ -3,8 +3,8 @@ adapters by name, a branch step, both pools accounted for, and /metrics shows bo
 from __future__ import annotations
 
 import openai
-
 from server_testlib import start
+
 from forkserve.config import KVLayout
 from forkserve.interfaces.client import BranchClient
 
