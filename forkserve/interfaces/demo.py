@@ -44,7 +44,7 @@ class LayoutReport:
     residual_pages: int
     prefill_tokens: int
     decode_tokens: int
-    hash_hit_tokens: int
+    shared_tokens: int  # prompt tokens whose base/unified KV came from another agent's pages
     seconds: float
     texts: dict
     tokens: dict
@@ -123,7 +123,7 @@ def run_layout(layout: KVLayout, model_cfg, weights, adapters, tokenizer, max_ne
     for sid in sessions.values():
         engine.close(sid)
     return LayoutReport(layout.value, kv_bytes, base_pages, res_pages, m.prefill_tokens,
-                        m.decode_tokens, m.hash_hit_tokens, time.perf_counter() - start,
+                        m.decode_tokens, m.base_hit_tokens, time.perf_counter() - start,
                         texts, tokens, actions)
 
 
@@ -137,12 +137,12 @@ def agreement(a: list[int], b: list[int]) -> float:
 def format_reports(reports: list[LayoutReport]) -> str:
     ref = reports[0]
     lines = [f"{'layout':<14} {'KV bytes':>10} {'base/unified pages':>18} {'residual pages':>14} "
-             f"{'prefill tok':>11} {'hit tok':>8} {'tokens = unified':>16} {'seconds':>8}",
-             "-" * 108]
+             f"{'prefill tok':>11} {'shared tok':>10} {'tokens = unified':>16} {'seconds':>8}",
+             "-" * 110]
     for r in reports:
         agree = sum(agreement(r.tokens[k], ref.tokens[k]) for k in ref.tokens) / len(ref.tokens)
         lines.append(f"{r.layout:<14} {r.kv_bytes:>10,} {r.base_pages:>18} {r.residual_pages:>14} "
-                     f"{r.prefill_tokens:>11} {r.hash_hit_tokens:>8} {agree:>15.0%} {r.seconds:>8.1f}")
+                     f"{r.prefill_tokens:>11} {r.shared_tokens:>10} {agree:>15.0%} {r.seconds:>8.1f}")
     return "\n".join(lines)
 
 
