@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     ap.add_argument("--closed-loop", action="store_true", help="default: lockstep turns (as the vLLM anchor)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model for CPU runs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                    help="one untimed short run per system first (default on CUDA)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -319,23 +321,37 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
     budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
     weights = random_weights(model_cfg, device, dtype)
-    results = []
-    total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
-    with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
-        for w in args.workflows:
-            for system in args.systems:
-                params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
-                                         kv_budget_gib=budget, lockstep=not args.closed_loop)
-                results.append(run_system(system, params, model_cfg, weights, device, dtype, bar))
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    print(format_table(results, args.workload))
+    results, errors = [], []
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
-    (args.out / f"{stem}.json").write_text(json.dumps({
-        "workload": f"{args.workload}-multilora", "driver": "closed-loop" if args.closed_loop else "lockstep",
-        "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
-        "results": [asdict(r) for r in results]}, indent=2))
+
+    def save() -> None:  # after every run, so a later failure or timeout loses nothing
+        (args.out / f"{stem}.json").write_text(json.dumps({
+            "workload": f"{args.workload}-multilora",
+            "driver": "closed-loop" if args.closed_loop else "lockstep",
+            "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+            "context": args.context, "turns": args.turns, "gen": args.gen, "kv_budget_gib": budget,
+            "results": [asdict(r) for r in results], "errors": errors}, indent=2))
+
+    total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
+    with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
+        for system in args.systems:
+            if args.warmup:  # compile kernels and capture graphs outside the timed runs
+                warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget)
+                run_system(system, warm, model_cfg, weights, device, dtype)
+            for w in args.workflows:
+                params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
+                                         kv_budget_gib=budget, lockstep=not args.closed_loop)
+                try:
+                    results.append(run_system(system, params, model_cfg, weights, device, dtype, bar))
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                    errors.append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+    print(format_table(results, args.workload))
+    for e in errors:
+        print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
     plot(results, args.out / f"{stem}.png", args.workload)
     return results
 
