@@ -121,14 +121,17 @@ def test_openai_stream_disconnect_frees_the_pages(server):
 
 
 def test_non_streamed_request_of_a_vanished_client_is_aborted(server):
-    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0}
+    # 16 choices x 300 tokens take over a second here; the client gives up after 0.2 s.
+    body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0, "n": 16}
     before = server.on_engine(lambda e: e.metrics.decode_tokens)
-    with httpx.Client(base_url=server.url, timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
+    with httpx.Client(base_url=server.url, timeout=0.2) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body)
     wait_until(lambda: quiescent_pages(server)[0] == 0)
     _, used, published = quiescent_pages(server)
     assert used == published
-    assert server.on_engine(lambda e: e.metrics.decode_tokens) - before < 300
+    assert server.on_engine(lambda e: e.metrics.decode_tokens) - before < 16 * 300
+    with httpx.Client(base_url=server.url) as http:
+        assert 'forkserve_http_requests_total{route="/v1/completions",status="499"}' in http.get("/metrics").text
 
 
 def test_a_generating_session_refuses_other_verbs(client):
