@@ -434,11 +434,12 @@ def register_report(out: Path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from forkserve.kernels.decode_attention import _decode_partial_kernel
+    from forkserve.kernels.decode_attention import _decode_partial_kernel, _residual_score_kernel
     from forkserve.kernels.prefill_attention import _prefill_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
+    fp16_ptrs = {"Bias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
@@ -448,14 +449,15 @@ def register_report(out: Path) -> None:
         for i, n in enumerate(names):
             if n in consts:
                 sig[n] = "constexpr"
-            elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs:
-                sig[n] = "*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs else "*i32"
+            elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs or n in fp16_ptrs:
+                sig[n] = ("*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs
+                          else "*fp16" if n in fp16_ptrs else "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif n == "qk_scale":
                 sig[n] = "fp32"
             else:
                 sig[n] = "i32"
-                if n.startswith("stride") and n != "stride_lh":
+                if n.startswith("stride") and n not in ("stride_lh", "stride_sh", "stride_sb"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                         constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -473,11 +475,19 @@ def register_report(out: Path) -> None:
 
     rows = []
     dec = dict(GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, RANK=16)
-    for has_res, split in ((False, False), (True, False), (True, True)):
+    # (residual, split_score, two-pass score bias): unified, fused rebuild, fused split
+    # score, and pass 2 of the two-pass kernel; then pass 1 (the score kernel) alone.
+    for has_res, split, bias in ((False, False, False), (True, False, False), (True, True, False),
+                                 (True, False, True)):
         for block_n in (32, 64):
-            consts = dict(dec, BLOCK_N=block_n, HAS_RES=has_res, SPLIT_SCORE=split)
-            rows.append({"kernel": "decode", "residual": has_res, "split_score": split, "block_n": block_n,
-                         "num_warps": 4, **compile_one(_decode_partial_kernel, consts, 4, 2)})
+            consts = dict(dec, BLOCK_N=block_n, HAS_RES=has_res, SPLIT_SCORE=split, RES_BIAS=bias)
+            rows.append({"kernel": "decode_pass2" if bias else "decode", "residual": has_res,
+                         "split_score": split, "block_n": block_n, "num_warps": 4,
+                         **compile_one(_decode_partial_kernel, consts, 4, 2)})
+    for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
+        rows.append({"kernel": "score_pass1", "residual": True, "split_score": False, "block_n": block_n,
+                     "num_warps": warps, **compile_one(_residual_score_kernel, consts, warps, 2)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
@@ -486,7 +496,7 @@ def register_report(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_regs.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"{r['kernel']:8s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
+        print(f"{r['kernel']:12s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
               f"block_n={r['block_n']:3d} warps={r['num_warps']}: {r['registers']} registers, "
               f"{r['spill_store_bytes']} B spilled")
 

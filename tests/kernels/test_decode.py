@@ -48,14 +48,28 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
     return gen, c, b_k, b_v, adapters, inv_freq
 
 
+# (variant, extra tuning): two-pass (scores kernel + unified loop with a score bias),
+# chunked (both passes in one launch; a 32-key chunk gives several chunks per split, and
+# chunks that end mid-tile), the fused rebuild with both score forms.
+VARIANTS = [
+    ("two_pass", {}),
+    ("two_pass", {"score_tuning": {"block_n": 16, "chunk": 48}}),
+    ("chunked", {"chunk": 32}),
+    ("fused", {"split_score": True}),
+    ("fused", {"split_score": False}),
+]
+
+
 @pytest.mark.parametrize("seq_lens,n_heads,n_kv", CASES)
-@pytest.mark.parametrize("split_score", [True, False])
-def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, split_score: bool) -> None:
+@pytest.mark.parametrize("variant,tuning", VARIANTS)
+def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: str,
+                         tuning: dict) -> None:
     gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens, n_heads, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
-    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16, split_score=split_score)
+    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16, variant=variant,
+                          **tuning)
     ref = reference.residual_decode_ref(*args)
     assert rel_err(out, ref) < REL_TOL
     # The residual must matter, or this test could not catch a kernel that drops it.
@@ -66,7 +80,8 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, split_sco
     assert rel_err(out[~with_adapter], base_only[~with_adapter]) < REL_TOL
 
 
-def test_residual_decode_past_4k_matches_merged_unified_cache() -> None:
+@pytest.mark.parametrize("variant", ["two_pass", "chunked"])
+def test_residual_decode_past_4k_matches_merged_unified_cache(variant: str) -> None:
     """One adapter, keys past position 4K: ResidualAttention over (base, residual) equals
     unified decode over the merged cache K_base + RoPE(K_res B_k), V_base + V_res B_v."""
     seq_lens = [4100 + 9, 4096 + 64]
@@ -75,7 +90,8 @@ def test_residual_decode_past_4k_matches_merged_unified_cache() -> None:
     adapters = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     q = _q(gen, len(seq_lens), n_heads, head_dim)
     out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
-                          c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True, block_n=64)
+                          c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
+                          variant=variant)
     k_merged, v_merged = c.k.clone(), c.v.clone()
     page = c.k.shape[1]
     for b, n in enumerate(seq_lens):
