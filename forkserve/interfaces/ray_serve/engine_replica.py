@@ -1,0 +1,248 @@
+"""EngineReplica: the ``Engine`` deployment. One replica is one engine (one GPU, or one
+process on CPU) behind the server's EngineWorker thread.
+
+A replica knows trees, not sessions: the Frontend names each tree by a cluster-wide id,
+and the replica maps it to its local engine session. Node ids stay the engine's own.
+Every verb runs on the EngineWorker thread (the engine is single-threaded), validates
+before it mutates, and answers ``Ok(value)`` or a ``Failure`` with the HTTP status the
+client should see (protocol.py says why values, not exceptions). Verbs that move the
+committed spine also answer the tree's ``TreeView`` (its committed tokens), which the
+Frontend keeps so the tree survives this replica.
+
+``record_routing_stats`` is the hook Serve polls: it publishes the compact
+``ReplicaSummary`` the TreeAffinityRouter scores new trees with.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
+
+from forkserve.errors import ForkServeError
+from forkserve.interfaces.server.app import SYSTEMS
+from forkserve.interfaces.server.engine_worker import EngineWorker, GenerationSpec
+from forkserve.interfaces.server.errors import APIError, backend_error_status
+from forkserve.interfaces.server.schemas import (
+    AbortResponse,
+    CommitResponse,
+    DecisionResponse,
+    ForkResponse,
+    GenerateResponse,
+    SessionInfo,
+)
+from forkserve.interfaces.server.served_model import load_served_model
+from forkserve.interfaces.ray_serve.protocol import (
+    NOT_RESIDENT,
+    Failure,
+    ModelInfo,
+    Ok,
+    Reply,
+    RouteHint,
+    TreeView,
+)
+from forkserve.interfaces.ray_serve.stats import ReplicaSummary, index_hashes, pages_per_adapter
+
+log = logging.getLogger("forkserve.ray_serve")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How every replica loads its engine (the options of ``forkserve serve``)."""
+
+    model_path: str
+    loras: tuple[tuple[str, str], ...] = ()
+    served_model_name: str | None = None
+    layout: str = "unified"
+    system: str = "app"
+    num_pages: int = 1024
+    page_size: int = 16
+    device: str | None = None
+    dtype: str | None = None
+    attention: str = "auto"
+    cuda_graphs: bool = True
+    session_ttl_s: float = 600.0
+    # CPU replicas share the host's cores: each replica's torch gets this many threads
+    # (None: torch's default, every core, which oversubscribes with two replicas).
+    torch_threads: int | None = None
+
+
+class _NotResident(Exception):
+    pass
+
+
+class EngineReplica:
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from ray import serve
+
+        if spec.torch_threads is not None:
+            import torch
+            torch.set_num_threads(spec.torch_threads)
+        config = SYSTEMS[spec.system](page_size=spec.page_size, num_pages=spec.num_pages,
+                                      num_residual_pages=spec.num_pages, kv_layout=spec.layout)
+        self._model = load_served_model(spec.model_path, config=config, loras=dict(spec.loras),
+                                        name=spec.served_model_name, device=spec.device, dtype=spec.dtype,
+                                        attention=spec.attention, use_cuda_graphs=spec.cuda_graphs)
+        self._spec = spec
+        self._worker = EngineWorker(self._model.engine, self._model.tokenizer.decode,
+                                    session_ttl_s=spec.session_ttl_s)
+        self._worker.start()
+        self._trees: dict[int, int] = {}  # tree id -> engine session id (engine thread only)
+        # The engine's adapter key (whatever the backend uses) -> the name clients send.
+        self._adapter_names = {key: name for name, key in self._model.adapters.items()}
+        # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
+        self.replica = serve.get_replica_context().replica_id.to_full_id_str()
+        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.pool.num_free)
+
+    def __del__(self) -> None:
+        self._worker.stop()
+
+    # ------------------------------------------------------------------ helpers
+    async def _reply(self, fn: Callable[[], Awaitable[T]]) -> Reply[T]:
+        try:
+            return Ok(await fn())
+        except _NotResident as e:
+            return Failure(410, str(e), NOT_RESIDENT)
+        except APIError as e:
+            return Failure(e.status, e.message, e.type, e.param)
+        except ForkServeError as e:
+            return Failure(e.http_status, str(e), type(e).__name__)
+        except Exception as e:
+            status = backend_error_status(e)
+            if status is None:
+                raise
+            return Failure(status, str(e), type(e).__name__)
+
+    async def _on_tree(self, tree_id: int, verb: Callable[[int], T]) -> T:
+        """Run ``verb(session_id)`` on the engine thread on an idle, resident tree."""
+        def run() -> T:
+            sid = self._sid(tree_id)
+            self._worker.ensure_idle(sid)
+            self._worker.lease(sid)
+            return verb(sid)
+        return await self._worker.call(run)
+
+    def _sid(self, tree_id: int) -> int:
+        sid = self._trees.get(tree_id)
+        if sid is None or sid not in self._model.engine.sessions:
+            self._trees.pop(tree_id, None)
+            raise _NotResident(f"tree {tree_id} is not resident on replica {self.replica}")
+        return sid
+
+    def _view(self, tree_id: int, sid: int) -> TreeView:
+        eng = self._model.engine
+        return TreeView(tree_id, eng.tip(sid), tuple(eng.committed_tokens(sid)), self.replica)
+
+    def _info(self, tree_id: int, sid: int) -> SessionInfo:
+        eng = self._model.engine
+        adapter = eng.sessions[sid].adapter
+        name = self._model.name if adapter is None else self._adapter_names[adapter]
+        return SessionInfo(session_id=tree_id, tip=eng.tip(sid), model=name,
+                           committed_tokens=len(eng.committed_tokens(sid)))
+
+    def _commit_response(self, tree_id: int, r) -> CommitResponse:
+        return CommitResponse(session_id=tree_id, tip=r.tip, bound_node=r.bound_node,
+                              matched_tokens=r.matched_tokens, prefilled_tokens=r.prefilled_tokens,
+                              aborted=list(r.aborted))
+
+    # ------------------------------------------------------------------ verbs
+    async def describe(self) -> ModelInfo:
+        m = self._model
+        return ModelInfo(name=m.name, model_path=self._spec.model_path, adapters=tuple(sorted(m.adapters)),
+                         max_context=m.max_context, eos_token_ids=m.eos_token_ids,
+                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.pool.page_size)
+
+    async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
+        """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
+        def run() -> tuple[SessionInfo, TreeView]:
+            adapter = self._model.adapter_for(hint.adapter or self._model.name)
+            self._model.check_vocab(tokens)
+            self._model.check_length(len(tokens), 0)
+            old = self._trees.pop(hint.tree_id, None)
+            if old is not None and old in self._model.engine.sessions:
+                # A re-open of a tree this replica still holds (its Frontend saw the reply
+                # lost): the ledger's tokens are the truth, the old session goes.
+                self._worker.release(old)
+                self._model.engine.close(old)
+            sid = self._model.engine.open(tokens, adapter=adapter).id
+            self._trees[hint.tree_id] = sid
+            self._worker.lease(sid)
+            return self._info(hint.tree_id, sid), self._view(hint.tree_id, sid)
+        return await self._reply(lambda: self._worker.call(run))
+
+    async def info(self, hint: RouteHint) -> Reply[tuple[SessionInfo, TreeView]]:
+        return await self._reply(lambda: self._on_tree(
+            hint.tree_id, lambda sid: (self._info(hint.tree_id, sid), self._view(hint.tree_id, sid))))
+
+    async def fork(self, hint: RouteHint, parent: int, label: str, tokens: list[int]) -> Reply[ForkResponse]:
+        def verb(sid: int) -> ForkResponse:
+            self._model.check_vocab(tokens)
+            return ForkResponse(node=self._model.engine.fork(sid, parent, label, tokens), tokens=len(tokens))
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def speculate(self, hint: RouteHint, node: int, priority: float,
+                        t_idle_ms: float | None) -> Reply[DecisionResponse]:
+        def verb(sid: int) -> DecisionResponse:
+            d = self._model.engine.speculate(sid, node, priority=priority, t_idle_ms=t_idle_ms)
+            return DecisionResponse(action=d.action.value, score=d.score, hit_tokens=d.hit_tokens,
+                                    miss_tokens=d.miss_tokens, reason=d.reason)
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def commit(self, hint: RouteHint, tip: int, tokens: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
+        def verb(sid: int) -> tuple[CommitResponse, TreeView]:
+            self._model.check_vocab(tokens)
+            r = self._model.engine.commit(sid, tip, tokens)
+            return self._commit_response(hint.tree_id, r), self._view(hint.tree_id, sid)
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def join(self, hint: RouteHint, nodes: list[int],
+                   separator: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
+        def verb(sid: int) -> tuple[CommitResponse, TreeView]:
+            self._model.check_vocab(separator)
+            r = self._model.engine.join(sid, nodes, separator=separator)
+            return self._commit_response(hint.tree_id, r), self._view(hint.tree_id, sid)
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def abort(self, hint: RouteHint, node: int) -> Reply[AbortResponse]:
+        def verb(sid: int) -> AbortResponse:
+            r = self._model.engine.abort(sid, node)
+            return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def generate(self, hint: RouteHint, spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
+        """Decode on the committed tip; the generated tokens join the committed spine."""
+        async def run() -> tuple[GenerateResponse, TreeView]:
+            def check(sid: int) -> tuple[int, int]:
+                tip = self._model.engine.node(sid, self._model.engine.tip(sid))
+                self._model.check_length(tip.end, spec.max_tokens)
+                return sid, tip.id
+            sid, tip = await self._on_tree(hint.tree_id, check)
+            gen = await self._worker.generate(sid, spec)
+            try:
+                out = await gen.collect()
+            finally:
+                gen.cancel()  # a cancelled call (client gone) aborts the decode
+            view = await self._worker.call(lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
+            return GenerateResponse(text=out.text, tokens=list(out.tokens),
+                                    finish_reason=out.finish_reason or "length", tip=tip), view
+        return await self._reply(run)
+
+    async def close(self, hint: RouteHint) -> Reply[SessionInfo]:
+        def verb(sid: int) -> SessionInfo:
+            info = self._info(hint.tree_id, sid)
+            self._worker.release(sid)
+            self._model.engine.close(sid)
+            del self._trees[hint.tree_id]
+            return info
+        return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    # ------------------------------------------------------------------ Serve hooks
+    async def record_routing_stats(self) -> dict[str, Any]:
+        def summarize() -> ReplicaSummary:
+            eng = self._model.engine
+            indexes = [eng.index] + ([eng.residual_index] if eng.residual_index is not None else [])
+            w = self._worker.stats()
+            return ReplicaSummary(index_hashes(eng.index, self._adapter_names),
+                                  pages_per_adapter(indexes, self._adapter_names),
+                                  eng.pool.num_free, w.active_generations, w.queue_depth)
+        return (await self._worker.call(summarize)).to_dict()

@@ -1,0 +1,100 @@
+"""TreeAffinityRouter: Serve's request router for Engine replicas.
+
+* A verb on a known tree goes to the tree's owner and nowhere else: the tree's KV and
+  its speculative branches live only there. When the owner is at ``max_ongoing_requests``
+  Serve backs off and retries the owner; a verb never spills to a replica that does not
+  hold the tree (it would only answer NOT_RESIDENT).
+* ``open`` (a new tree, or a tree re-opened after its owner died) is scored on every live
+  replica: pages of the prompt's prefix the replica has published, plus affinity for the
+  replica holding the adapter's residual pages, minus its queue. Replicas of equal score
+  form one rank, where Serve takes the shortest queue; lower ranks are spill-over when the
+  best replicas are full.
+* The owner map is the router's own: ``record_routing_stats`` lags by up to one polling
+  period, and a tree's next verb usually arrives well within it. It is updated when a
+  call is routed (``open`` sets the owner, ``close`` drops it) and loses a replica's
+  trees when the replica dies or leaves the replica set.
+
+Stats are read from ``RunningReplica.routing_stats``, which Serve refreshes from each
+replica's ``record_routing_stats()`` every ``request_routing_stats_period_s``.
+"""
+from __future__ import annotations
+
+import math
+import random
+from itertools import groupby
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from forkserve.interfaces.ray_serve.protocol import RouteHint
+from forkserve.interfaces.ray_serve.stats import ReplicaSummary, matched_pages
+
+
+def _hint(request: Optional[PendingRequest]) -> RouteHint | None:
+    if request is None or not request.args or not isinstance(request.args[0], RouteHint):
+        return None
+    return request.args[0]
+
+
+class TreeAffinityRouter(RequestRouter):
+    def initialize_state(self, prefix_page_weight: float = 1.0, residual_weight: float = 1.0,
+                         queue_weight: float = 2.0) -> None:
+        # Weights are per matched prefix page, per doubling of the adapter's resident
+        # residual pages (log: a few warm pages already say the adapter lives here), and per
+        # queued request (a queued request delays this tree's prefill by about one request).
+        self._prefix_w = prefix_page_weight
+        self._residual_w = residual_weight
+        self._queue_w = queue_weight
+        self._owners: dict[int, ReplicaID] = {}
+
+    def score(self, replica: RunningReplica, hint: RouteHint) -> float:
+        s = ReplicaSummary.from_dict(replica.routing_stats or {})
+        prefix = max(matched_pages(hint.base_hashes, s.prefix_pages),
+                     matched_pages(hint.adapter_hashes, s.prefix_pages))
+        residual = s.residual_pages.get(hint.adapter, 0) if hint.adapter is not None else 0
+        queue = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return self._prefix_w * prefix + self._residual_w * math.log2(1 + residual) - self._queue_w * queue
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        hint = _hint(pending_request)
+        if hint is None:  # not a tree verb (describe): any replica, shortest queue
+            return [candidate_replicas]
+        if pending_request.metadata.call_method != "open":
+            owner = self._owners.get(hint.tree_id)
+            for r in candidate_replicas:
+                if r.replica_id == owner:
+                    return [[r]]
+            # The owner is gone: whichever replica gets the verb answers NOT_RESIDENT and
+            # the Frontend re-opens the tree, which is scored below.
+            return [candidate_replicas]
+        scored = sorted(((self.score(r, hint), r) for r in candidate_replicas), key=lambda x: -x[0])
+        ranks = [[r for _, r in group] for _, group in groupby(scored, key=lambda x: x[0])]
+        for rank in ranks:
+            # Serve takes the shortest queue of a rank and the first on a tie: shuffled, so
+            # equally good replicas share new trees instead of the first taking them all.
+            random.shuffle(rank)
+        return ranks
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        hint = _hint(pending_request)
+        if hint is None:
+            return
+        method = pending_request.metadata.call_method
+        if method == "open":
+            self._owners[hint.tree_id] = replica_id
+        elif method == "close":
+            self._owners.pop(hint.tree_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(lambda owner: owner == replica_id)
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        self._forget(lambda owner: owner not in live)
+
+    def _forget(self, gone) -> None:
+        for tree in [t for t, owner in self._owners.items() if gone(owner)]:
+            del self._owners[tree]

@@ -1,0 +1,102 @@
+"""The compact summary an Engine replica publishes through ``record_routing_stats()``.
+
+Serve polls each replica every ``request_routing_stats_period_s`` and hands the dict to
+every router (``RunningReplica.routing_stats``). It says what a new tree would find there:
+
+* ``prefix_pages``: one 64-bit hash per published page of the prefix index, chained over
+  the page's whole prefix (``page_hashes``), so a prompt's matched prefix on a replica is
+  the run of its own chained hashes found in the set: no tokens cross the wire.
+* ``residual_pages``: pages per adapter name (``adapter_names`` maps the engine's adapter
+  key, whatever the backend uses, to the name clients send), resident in the residual cache (the
+  disaggregated layout) or under the adapter's namespace of the unified cache.
+* free pages, running generations and queued commands: load beyond Serve's queue length.
+
+Hashes are blake2b, not ``hash()``: the Frontend and every replica must agree across
+processes whatever their PYTHONHASHSEED.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from forkserve.control.prefix_index import AdapterNamespace, Namespace, PrefixIndex
+
+BASE_SCOPE = ""  # the namespace key of base-model pages; an adapter's is its name
+
+
+def _digest(parent: bytes, page: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=8)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in page))
+    return h.digest()
+
+
+def _root(scope: str) -> bytes:
+    return hashlib.blake2b(scope.encode(), digest_size=8).digest()
+
+
+def page_hashes(scope: str, tokens: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """Chained hashes of the full pages of ``tokens`` under ``scope`` (BASE_SCOPE or an
+    adapter name): hash i covers tokens[: (i + 1) * page_size]."""
+    out, h = [], _root(scope)
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = _digest(h, tokens[start:start + page_size])
+        out.append(int.from_bytes(h, "little"))
+    return tuple(out)
+
+
+def matched_pages(prompt: Sequence[int], published: frozenset[int]) -> int:
+    """How many leading pages of a prompt (its chained hashes) a replica has published."""
+    n = 0
+    for h in prompt:
+        if h not in published:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class ReplicaSummary:
+    prefix_pages: frozenset[int]
+    residual_pages: Mapping[str, int]
+    free_pages: int
+    running: int
+    waiting: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefix_pages": sorted(self.prefix_pages), "residual_pages": dict(self.residual_pages),
+                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaSummary":
+        """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
+        return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
+                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))
+
+
+def _scope(namespace: Namespace, adapter_names: Mapping[object, str]) -> str:
+    if isinstance(namespace, AdapterNamespace):
+        return adapter_names.get(namespace.adapter_id, str(namespace.adapter_id))
+    return BASE_SCOPE
+
+
+def index_hashes(index: PrefixIndex, adapter_names: Mapping[object, str]) -> frozenset[int]:
+    """The chained hash of every published page. ``entries()`` walks parents before
+    children, so each page's hash extends its parent's, memoised by prefix."""
+    p = index.page_size
+    chain: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    for entry in index.entries():
+        scope = _scope(entry.namespace, adapter_names)
+        parent = chain.get((scope, entry.prefix[:-p])) or _root(scope)
+        chain[(scope, entry.prefix)] = _digest(parent, entry.prefix[-p:])
+    return frozenset(int.from_bytes(h, "little") for h in chain.values())
+
+
+def pages_per_adapter(indexes: Sequence[PrefixIndex], adapter_names: Mapping[object, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for index in indexes:
+        for entry in index.entries():
+            if isinstance(entry.namespace, AdapterNamespace):
+                name = _scope(entry.namespace, adapter_names)
+                counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -1,0 +1,55 @@
+"""Fixtures of tests/ray: one loopback Ray cluster and one Serve application for the whole
+module (Ray's start-up is the slow part). The tiny model comes from tests/server's helpers,
+so both suites serve the same checkpoint through the same loaders."""
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+from server_testlib import save_model  # noqa: E402
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from forkserve.interfaces.ray_serve.deployments import build_application  # noqa: E402
+from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec  # noqa: E402
+
+STATS_PERIOD_S = 0.5
+
+
+@dataclass(frozen=True)
+class Cluster:
+    url: str
+    page_size: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Cluster:
+    path, adapters = save_model(tmp_path_factory.mktemp("ray_model"))
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=2,
+             log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    spec = ReplicaSpec(model_path=str(path), loras=tuple(sorted((k, str(v)) for k, v in adapters.items())),
+                       layout="disaggregated", num_pages=512, page_size=4, device="cpu", dtype="float32",
+                       attention="eager", cuda_graphs=False, torch_threads=1)
+    # Half a CPU per engine: the replica Serve starts after a kill fits beside the survivor.
+    app = build_application(spec, replicas=2, stats_period_s=STATS_PERIOD_S, num_cpus=0.5,
+                            health_check_period_s=1.0)
+    serve.run(app, name="forkserve", route_prefix="/")
+    try:
+        yield Cluster(f"http://127.0.0.1:{port}", spec.page_size)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
