@@ -419,6 +419,74 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ResidualAttention decode variants timed by --variants (name -> residual_decode_triton keywords).
+VARIANTS: dict[str, dict] = {
+    "two_pass_bn64": dict(variant="two_pass", block_n=64),
+    "two_pass_bn32": dict(variant="two_pass", block_n=32),
+    "two_pass_bn64_s16": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=16)),
+    "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
+    "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
+    "fused_bn32": dict(variant="fused", block_n=32),
+}
+
+
+def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
+    """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
+
+    Per case also times the two-pass score kernel alone (``scores_ms``) and, at the
+    smallest context with batch 8, the error of each variant against the fp32 eager path.
+    """
+    from forkserve.kernels.decode_attention import residual_scores
+    from forkserve.kernels.rope import cached_rope_table
+    uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
+    res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
+    for ctx in s.contexts:
+        for batch in s.batches:
+            bt, rbt, lens = s.tables(batch, ctx)
+            q, ad = s.q(batch), s.adapters(batch)
+            tag = f"variants ctx={ctx} batch={batch}"
+            row: dict = {"ctx": ctx, "batch": batch}
+            row["unified_ms"] = measure(res, tag + " unified", lambda: paged_decode_triton(
+                q, s.k, s.v, bt, lens, max_seq_len=ctx, **uni_cfg), s.smoke)
+            table = cached_rope_table(s.inv_freq, ctx)
+            row["scores_ms"] = measure(res, tag + " scores", lambda: residual_scores(
+                q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx), s.smoke)
+            for name in names:
+                fn = (lambda kw=VARIANTS[name]: residual_decode_triton(  # noqa: E731
+                    q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
+                    max_seq_len=ctx, **kw))
+                row[name + "_ms"] = measure(res, f"{tag} {name}", fn, s.smoke)
+                row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
+                if ctx == s.contexts[0] and batch == 8 or s.smoke:
+                    row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
+                        fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
+                            s, bt, rbt, ctx, ad)))))
+            res["decode_variants"].append(row)
+            print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms "
+                  f"scores={row['scores_ms']:.4f}ms " + " ".join(
+                      f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x)" for n in names), flush=True)
+
+
+def plot_variants(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["decode_variants"]
+    names = [n for n in res["decode_variants_config"] if n != "unified"]
+    fig, axes = plt.subplots(1, len({r["batch"] for r in rows}), figsize=(5 * 3, 4.5), squeeze=False)
+    for ax, batch in zip(axes[0], sorted({r["batch"] for r in rows}), strict=False):
+        sub = [r for r in rows if r["batch"] == batch]
+        for name in names:
+            ax.plot([r["ctx"] for r in sub], [r[name + "_ratio"] for r in sub], marker="o", label=name)
+        ax.axhline(1.10, color="red", linestyle=":", label="target 1.10")
+        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
+               title=f"batch {batch}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def register_report(out: Path) -> None:
     """Registers and spills of the decode and prefill kernels for sm_90a, with no GPU.
 
@@ -434,7 +502,8 @@ def register_report(out: Path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from forkserve.kernels.decode_attention import _decode_partial_kernel, _residual_score_kernel
+    from forkserve.kernels.decode_attention import (_decode_partial_kernel, _residual_decode_chunked_kernel,
+                                                     _residual_score_kernel)
     from forkserve.kernels.prefill_attention import _prefill_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -481,10 +550,17 @@ def register_report(out: Path) -> None:
                                  (True, False, True)):
         for block_n in (32, 64):
             consts = dict(dec, BLOCK_N=block_n, HAS_RES=has_res, SPLIT_SCORE=split, RES_BIAS=bias)
+            if bias:  # decode_partials pads acc_r to 32 columns in pass 2 (16: 255 registers)
+                consts["RANK"] = 32
             rows.append({"kernel": "decode_pass2" if bias else "decode", "residual": has_res,
                          "split_score": split, "block_n": block_n, "num_warps": 4,
                          **compile_one(_decode_partial_kernel, consts, 4, 2)})
-    for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+    for block_n in (16, 32):
+        consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=32,
+                      RANK_K=16, CHUNK=256)
+        rows.append({"kernel": "chunked", "residual": True, "split_score": False, "block_n": block_n,
+                     "num_warps": 4, **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
+    for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
         rows.append({"kernel": "score_pass1", "residual": True, "split_score": False, "block_n": block_n,
                      "num_warps": warps, **compile_one(_residual_score_kernel, consts, warps, 2)})
@@ -508,11 +584,25 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "shared"])
     parser.add_argument("--regs", action="store_true",
                         help="no GPU: registers/spills of the kernels for sm_90a (ptxas -v)")
+    parser.add_argument("--variants", nargs="*", choices=sorted(VARIANTS),
+                        help="only decode: unified vs these ResidualAttention variants (no tuning, "
+                             "no SDPA/eager), plus shared-prefix unless skipped; writes "
+                             "kernel_bench_<tag>.json/.png")
+    parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
+    parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
+    parser.add_argument("--tag", default="decode_variants", help="file name tag for --variants")
     args = parser.parse_args()
     if args.regs:
         register_report(args.out)
         return
     s = Setup(args.smoke)
+    if args.contexts:
+        s.contexts = args.contexts
+    if args.batches:
+        s.batches = args.batches
+    if args.variants is not None:
+        main_variants(s, args)
+        return
     import triton
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
@@ -546,6 +636,40 @@ def main() -> None:
     (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1))
     plot(res, args.out / "kernel_bench.png")
     print_table(res)
+
+
+def main_variants(s: Setup, args: argparse.Namespace) -> None:
+    import triton
+    names = args.variants or list(VARIANTS)
+    res: dict = {
+        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
+                  "page_size": s.page},
+        "decode_variants": [], "shared_prefix": [],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernel_bench_{args.tag}.json"
+    res["copy_GBps"] = copy_bandwidth(s) / 1e9
+    print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
+    try:
+        run_decode_variants(s, res, names)
+    except Exception as exc:
+        res.setdefault("errors", []).append(f"decode variants: {exc!r}"[:1000])
+        print(f"decode variants FAILED: {exc!r}", flush=True)
+    path.write_text(json.dumps(res, indent=1))
+    if "shared" not in args.skip:
+        try:
+            run_shared_prefix(s, {"unified": dict(block_n=64, num_warps=4, num_stages=2)}, res)
+        except Exception as exc:
+            res.setdefault("errors", []).append(f"shared: {exc!r}"[:1000])
+        path.write_text(json.dumps(res, indent=1))
+    try:
+        plot_variants(res, path.with_suffix(".png"))
+    except Exception as exc:
+        print(f"plot failed: {exc!r}", flush=True)
+    for e in res.get("errors", []):
+        print("ERROR", e)
 
 
 def print_table(res: dict) -> None:
