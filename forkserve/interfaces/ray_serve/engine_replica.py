@@ -88,8 +88,9 @@ class EngineReplica:
                                     session_ttl_s=spec.session_ttl_s)
         self._worker.start()
         self._trees: dict[int, int] = {}  # tree id -> engine session id (engine thread only)
-        # The engine's adapter key (whatever the backend uses) -> the name clients send.
-        self._adapter_names = {key: name for name, key in self._model.adapters.items()}
+        # The engine's adapter key (whatever the backend uses), as AdapterNamespace spells it
+        # (a string) -> the name clients send.
+        self._adapter_names = {str(key): name for name, key in self._model.adapters.items()}
         # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
         log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.pool.num_free)
@@ -136,7 +137,7 @@ class EngineReplica:
     def _info(self, tree_id: int, sid: int) -> SessionInfo:
         eng = self._model.engine
         adapter = eng.sessions[sid].adapter
-        name = self._model.name if adapter is None else self._adapter_names[adapter]
+        name = self._model.name if adapter is None else self._adapter_names[str(adapter)]
         return SessionInfo(session_id=tree_id, tip=eng.tip(sid), model=name,
                            committed_tokens=len(eng.committed_tokens(sid)))
 

@@ -7,7 +7,7 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
   the page's whole prefix (``page_hashes``), so a prompt's matched prefix on a replica is
   the run of its own chained hashes found in the set: no tokens cross the wire.
 * ``residual_pages``: pages per adapter name (``adapter_names`` maps the engine's adapter
-  key, whatever the backend uses, to the name clients send), resident in the residual cache (the
+  key as a string, which is how ``AdapterNamespace`` holds it, to the name clients send), resident in the residual cache (the
   disaggregated layout) or under the adapter's namespace of the unified cache.
 * free pages, running generations and queued commands: load beyond Serve's queue length.
 
@@ -74,13 +74,14 @@ class ReplicaSummary:
                    int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))
 
 
-def _scope(namespace: Namespace, adapter_names: Mapping[object, str]) -> str:
+def _scope(namespace: Namespace, adapter_names: Mapping[str, str]) -> str:
     if isinstance(namespace, AdapterNamespace):
-        return adapter_names.get(namespace.adapter_id, str(namespace.adapter_id))
+        key = str(namespace.adapter_id)
+        return adapter_names.get(key, key)
     return BASE_SCOPE
 
 
-def index_hashes(index: PrefixIndex, adapter_names: Mapping[object, str]) -> frozenset[int]:
+def index_hashes(index: PrefixIndex, adapter_names: Mapping[str, str]) -> frozenset[int]:
     """The chained hash of every published page. ``entries()`` walks parents before
     children, so each page's hash extends its parent's, memoised by prefix."""
     p = index.page_size
@@ -92,7 +93,7 @@ def index_hashes(index: PrefixIndex, adapter_names: Mapping[object, str]) -> fro
     return frozenset(int.from_bytes(h, "little") for h in chain.values())
 
 
-def pages_per_adapter(indexes: Sequence[PrefixIndex], adapter_names: Mapping[object, str]) -> dict[str, int]:
+def pages_per_adapter(indexes: Sequence[PrefixIndex], adapter_names: Mapping[str, str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for index in indexes:
         for entry in index.entries():

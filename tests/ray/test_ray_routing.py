@@ -1,0 +1,143 @@
+"""Two Engine replicas of the tiny model behind the Frontend, on loopback (conftest.py).
+
+The tests share one cluster and run in file order: the last one kills a replica."""
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+import ray
+from conftest import STATS_PERIOD_S, Cluster
+
+from forkserve.interfaces.ray_serve.frontend import REPLICA_HEADER
+
+MODEL = "tiny-llama"
+# Long enough for Serve to poll every replica's record_routing_stats and push the result
+# to the Frontend's router (the controller jitters the period by up to 10%).
+STATS_WAIT_S = 3 * STATS_PERIOD_S + 0.5
+_rng = random.Random(7)
+
+
+def fresh_tokens(n: int) -> list[int]:
+    """Tokens no other test used: 4 + n random ids make every prompt's pages unique."""
+    return [_rng.randrange(3, 300) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> httpx.Client:
+    with httpx.Client(base_url=cluster.url, timeout=60) as c:
+        yield c
+
+
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def open_tree(client: httpx.Client, tokens: list[int], model: str = MODEL) -> tuple[int, str]:
+    r = client.post("/v1/sessions", json={"model": model, "tokens": tokens})
+    return ok(r)["session_id"], r.headers[REPLICA_HEADER]
+
+
+def publish(client: httpx.Client, tokens: list[int], model: str = MODEL) -> str:
+    """A tree that prefills ``tokens`` and closes: its full pages stay published."""
+    sid, replica = open_tree(client, tokens, model)
+    ok(client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 1}))
+    ok(client.delete(f"/v1/sessions/{sid}"))
+    return replica
+
+
+@pytest.fixture(scope="module")
+def prefix_on(client: httpx.Client) -> dict[str, list[int]]:
+    """A published 6-page prefix on each replica. New trees with no match are spread at
+    random across equal replicas, so a few leaders reach both."""
+    found: dict[str, list[int]] = {}
+    for _ in range(16):
+        tokens = fresh_tokens(24)
+        found.setdefault(publish(client, tokens), tokens)
+        if len(found) == 2:
+            break
+    assert len(found) == 2, "new trees never reached the second replica"
+    time.sleep(STATS_WAIT_S)
+    return found
+
+
+def test_every_verb_of_a_tree_lands_on_its_owner(client: httpx.Client) -> None:
+    for _ in range(4):
+        sid, owner = open_tree(client, fresh_tokens(10))
+        seen = {owner}
+        tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
+        r = client.post(f"/v1/sessions/{sid}/fork", json={"parent": tip, "tokens": fresh_tokens(3)})
+        seen.add(r.headers[REPLICA_HEADER])
+        node = ok(r)["node"]
+        r = client.post(f"/v1/sessions/{sid}/speculate", json={"node": node})
+        seen.add(r.headers[REPLICA_HEADER])
+        ok(r)
+        r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": fresh_tokens(5)})
+        seen.add(r.headers[REPLICA_HEADER])
+        ok(r)
+        r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 3, "ignore_eos": True})
+        seen.add(r.headers[REPLICA_HEADER])
+        assert len(ok(r)["tokens"]) == 3
+        r = client.delete(f"/v1/sessions/{sid}")
+        seen.add(r.headers[REPLICA_HEADER])
+        ok(r)
+        assert seen == {owner}
+
+
+def test_a_new_tree_goes_where_its_prefix_is_published(client: httpx.Client,
+                                                       prefix_on: dict[str, list[int]]) -> None:
+    for replica, prefix in prefix_on.items():
+        for _ in range(3):  # a random router would miss one of six placements with p = 63/64
+            sid, where = open_tree(client, prefix + fresh_tokens(6))
+            assert where == replica
+            ok(client.delete(f"/v1/sessions/{sid}"))
+
+
+def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Client,
+                                                             prefix_on: dict[str, list[int]]) -> None:
+    # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
+    home = {}
+    for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items()):
+        home[adapter] = publish(client, prefix + fresh_tokens(8), model=adapter)
+        assert home[adapter] == replica
+    time.sleep(STATS_WAIT_S)
+    # Second agents share no base page with anything: only the residual pages pull them.
+    for adapter in ("planner", "critic", "planner", "critic"):
+        sid, where = open_tree(client, fresh_tokens(12), model=adapter)
+        assert where == home[adapter], adapter
+        ok(client.delete(f"/v1/sessions/{sid}"))
+
+
+def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:
+    prompt = fresh_tokens(14)
+    sid, victim = open_tree(client, prompt)
+    g1 = ok(client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True}))["tokens"]
+    tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
+    extra = fresh_tokens(5)
+    ok(client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": extra}))
+    info = ok(client.get(f"/v1/sessions/{sid}"))
+    committed = prompt + g1 + extra
+    assert info["committed_tokens"] == len(committed)
+
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    # The client goes on from the committed tip it knew: the tree is re-opened elsewhere from
+    # its committed tokens and the old tip id still names it.
+    more = fresh_tokens(3)
+    r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": info["tip"], "tokens": more})
+    assert r.status_code == 200, r.text
+    assert r.headers[REPLICA_HEADER] != victim
+    r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "ignore_eos": True})
+    after = ok(r)["tokens"]
+    assert ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"] == len(committed + more + after)
+
+    # Greedy decoding from the re-opened tree equals decoding from a fresh tree on the
+    # same tokens: the committed context came back whole.
+    control, _ = open_tree(client, committed + more)
+    assert ok(client.post(f"/v1/sessions/{control}/generate",
+                          json={"max_tokens": 5, "ignore_eos": True}))["tokens"] == after
+    for s in (sid, control):
+        ok(client.delete(f"/v1/sessions/{s}"))
