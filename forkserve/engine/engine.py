@@ -259,6 +259,13 @@ class Engine:
         self._emit(session)
         return session
 
+    def cancel_generate(self, session_id: int) -> GenerateResult:
+        """Stop a queued generation now (a stop string seen by the caller, a client gone);
+        the tokens already generated stay committed."""
+        session = self._session(session_id)
+        session.decode_left = 0
+        return GenerateResult(tuple(session.generated), session.finish_reason)
+
     def generation(self, session_id: int) -> GenerateResult | None:
         """The session's generation so far; ``None`` while tokens are still owed."""
         session = self._session(session_id)

@@ -242,3 +242,15 @@ def test_queued_generations_of_many_sessions_decode_in_one_batch():
     assert ticks == 5  # 1 prefill tick + 4 decode ticks, all three sessions in each
     for h, p in zip(handles, prompts):
         assert eng.generation(h.id).tokens == baseline_generate(cfg, p, 5)
+
+
+def test_cancel_generate_keeps_what_was_generated():
+    eng = engine()
+    h = eng.open(list(range(10, 20)))
+    eng.start_generate(h.id, 50)
+    eng.tick()
+    eng.tick()
+    done = eng.cancel_generate(h.id)
+    assert len(done.tokens) == 2 and eng.generation(h.id) == done
+    assert not eng.tick() or eng.generation(h.id) == done  # nothing more is decoded
+    assert eng.committed_tokens(h.id)[-2:] == list(done.tokens)

@@ -307,8 +307,7 @@ class EngineWorker:
         reason = None
         if job.stream.stopped:
             reason = "stop"
-            # End the engine's generation here: a new one of zero tokens replaces it.
-            self.engine.start_generate(sid, 0, sampling=job.gen.spec.sampling)
+            self.engine.cancel_generate(sid)
         elif session.decode_left == 0:
             reason = session.finish_reason
         if reason is not None:
