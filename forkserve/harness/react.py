@@ -17,6 +17,7 @@ from forkserve.harness.tool_pause import (
     Guess,
     ToolPause,
     ToolPauseResult,
+    first_turn,
     wrapper_remainder,
 )
 from forkserve.interfaces.client import BranchClient
@@ -57,11 +58,8 @@ class ReActAgent:
         sid, tip = s.session_id, s.tip
         steps: list[ToolPauseResult] = []
         try:
-            if resume is not None:
-                pending, tip = resume, self.client.commit(sid, tip, text=resume).tip
-            else:
-                out = self.client.generate(sid, self.max_tokens, stop=self.fmt.stop)
-                pending, tip = out.text, out.tip
+            pending, tip = first_turn(self.client, sid, tip, resume=resume,
+                                      max_tokens=self.max_tokens, stop=self.fmt.stop)
             transcript = pending
             while len(steps) < max_steps:
                 action = _last_action(self.fmt.action, pending)

@@ -69,3 +69,13 @@ class ToolPause:
         text = prefix + observation + suffix
         commit = self.client.commit(session_id, tip, text=text)
         return ToolPauseResult(observation, text, commit, decisions, tool_ms)
+
+
+def first_turn(client: BranchClient, sid: int, tip: int, *, resume: str | None,
+               max_tokens: int, stop) -> tuple[str, int]:
+    """The agent's first turn: a replayed one (``resume``) is committed as is, otherwise the
+    model generates it. Returns the turn's text and the new tip."""
+    if resume is not None:
+        return resume, client.commit(sid, tip, text=resume).tip
+    out = client.generate(sid, max_tokens, stop=stop)
+    return out.text, out.tip
