@@ -334,12 +334,14 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             "results": [asdict(r) for r in results], "errors": errors}, indent=2))
 
     total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
-    with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
+    if args.warmup:  # compile kernels and capture graphs outside the timed runs
         for system in args.systems:
-            if args.warmup:  # compile kernels and capture graphs outside the timed runs
-                warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget)
-                run_system(system, warm, model_cfg, weights, device, dtype)
-            for w in args.workflows:
+            warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget)
+            run_system(system, warm, model_cfg, weights, device, dtype)
+    with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
+        # W outer: a run cut short still compares every system at the smaller W.
+        for w in args.workflows:
+            for system in args.systems:
                 params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
                                          kv_budget_gib=budget, lockstep=not args.closed_loop)
                 try:
