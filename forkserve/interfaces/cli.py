@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
+        if any(a == "--replicas" or a.startswith("--replicas=") for a in rest):
+            # Several engine replicas behind Ray Serve (forkserve/interfaces/ray_serve/).
+            from forkserve.interfaces.ray_serve.launcher import main as ray_serve_main
+            return ray_serve_main(rest)
         from forkserve.interfaces.server.app import main as serve_main
         return serve_main(rest)
     if command == "demo":

@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
-from server_testlib import save_model  # noqa: E402
+from server_testlib import save_model
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from forkserve.interfaces.ray_serve.deployments import build_application  # noqa: E402
-from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec  # noqa: E402
+from ray_testlib import STATS_PERIOD_S, Cluster
 
-STATS_PERIOD_S = 0.5
-
-
-@dataclass(frozen=True)
-class Cluster:
-    url: str
-    page_size: int
+from forkserve.interfaces.ray_serve.deployments import build_application
+from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
 
 
 def _free_port() -> int:
@@ -49,7 +42,7 @@ def cluster(tmp_path_factory) -> Cluster:
                             health_check_period_s=1.0)
     serve.run(app, name="forkserve", route_prefix="/")
     try:
-        yield Cluster(f"http://127.0.0.1:{port}", spec.page_size)
+        yield Cluster(f"http://127.0.0.1:{port}")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import ray
-from conftest import STATS_PERIOD_S, Cluster
+from ray_testlib import STATS_PERIOD_S, Cluster
 
 from forkserve.interfaces.ray_serve.frontend import REPLICA_HEADER
 

@@ -9,7 +9,8 @@ replicas, resources and the router's settings.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ray import serve
 from ray.serve import Application
@@ -63,6 +64,10 @@ def build_app(args: Mapping[str, Any]) -> Application:
     if unknown:
         raise ValueError(f"unknown args for the forkserve application: {sorted(unknown)}")
     fields = {k: v for k, v in args.items() if k in _SPEC_FIELDS}
+    if "model_path" not in fields:  # as `forkserve serve`: the demo model, on the CPU
+        from forkserve.backend.torch import find_smollm2_gguf
+        fields["model_path"] = str(find_smollm2_gguf())
+        fields.setdefault("device", "cpu")
     fields["loras"] = tuple(sorted(dict(fields.get("loras") or {}).items()))
     spec = ReplicaSpec(**fields)
     return build_application(spec, replicas=int(args.get("replicas", 2)),

@@ -15,10 +15,25 @@ Frontend keeps so the tree survives this replica.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from forkserve.errors import ForkServeError
+from forkserve.interfaces.ray_serve.protocol import (
+    NOT_RESIDENT,
+    Failure,
+    ModelInfo,
+    Ok,
+    Reply,
+    RouteHint,
+    TreeView,
+)
+from forkserve.interfaces.ray_serve.stats import (
+    ReplicaSummary,
+    index_hashes,
+    pages_per_adapter,
+)
 from forkserve.interfaces.server.app import SYSTEMS
 from forkserve.interfaces.server.engine_worker import EngineWorker, GenerationSpec
 from forkserve.interfaces.server.errors import APIError, backend_error_status
@@ -31,16 +46,6 @@ from forkserve.interfaces.server.schemas import (
     SessionInfo,
 )
 from forkserve.interfaces.server.served_model import load_served_model
-from forkserve.interfaces.ray_serve.protocol import (
-    NOT_RESIDENT,
-    Failure,
-    ModelInfo,
-    Ok,
-    Reply,
-    RouteHint,
-    TreeView,
-)
-from forkserve.interfaces.ray_serve.stats import ReplicaSummary, index_hashes, pages_per_adapter
 
 log = logging.getLogger("forkserve.ray_serve")
 T = TypeVar("T")

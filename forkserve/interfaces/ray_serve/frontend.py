@@ -26,7 +26,8 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Response
 from ray import serve
@@ -35,7 +36,14 @@ from ray.serve.handle import DeploymentHandle
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.ray_serve.ledger import TreeLedger, TreeRecord
-from forkserve.interfaces.ray_serve.protocol import NOT_RESIDENT, Failure, ModelInfo, Ok, RouteHint, TreeView
+from forkserve.interfaces.ray_serve.protocol import (
+    NOT_RESIDENT,
+    Failure,
+    ModelInfo,
+    Ok,
+    RouteHint,
+    TreeView,
+)
 from forkserve.interfaces.ray_serve.stats import BASE_SCOPE, page_hashes
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Iterable
 
 from forkserve.interfaces.ray_serve.protocol import RouteHint, TreeView
 from forkserve.interfaces.server.errors import APIError

@@ -22,15 +22,19 @@ from __future__ import annotations
 import math
 import random
 from itertools import groupby
-from typing import List, Optional
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from forkserve.interfaces.ray_serve.protocol import RouteHint
 from forkserve.interfaces.ray_serve.stats import ReplicaSummary, matched_pages
 
 
-def _hint(request: Optional[PendingRequest]) -> RouteHint | None:
+def _hint(request: PendingRequest | None) -> RouteHint | None:
     if request is None or not request.args or not isinstance(request.args[0], RouteHint):
         return None
     return request.args[0]
@@ -55,8 +59,8 @@ class TreeAffinityRouter(RequestRouter):
         queue = self.replica_queue_len_cache.get(replica.replica_id) or 0
         return self._prefix_w * prefix + self._residual_w * math.log2(1 + residual) - self._queue_w * queue
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
         if hint is None:  # not a tree verb (describe): any replica, shortest queue
             return [candidate_replicas]
@@ -90,7 +94,7 @@ class TreeAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._forget(lambda owner: owner == replica_id)
 
-    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         self._forget(lambda owner: owner not in live)

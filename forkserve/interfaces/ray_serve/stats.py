@@ -17,8 +17,9 @@ processes whatever their PYTHONHASHSEED.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from forkserve.control.prefix_index import AdapterNamespace, Namespace, PrefixIndex
 
@@ -68,7 +69,7 @@ class ReplicaSummary:
                 "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaSummary":
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaSummary:
         """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
         return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
                    int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))

@@ -1,0 +1,85 @@
+"""``forkserve serve --replicas N``: the Ray Serve deployment of ForkServe.
+
+    forkserve serve --replicas 2 [--model PATH] [--lora NAME=PATH ...] [--layout ...]
+                    [--ray-address auto] [--gpus-per-replica 1] [--cpus-per-replica 1]
+                    [--max-ongoing-requests 256] [--stats-period 2.0]
+
+Every option of the one-process ``forkserve serve`` means the same here (they are parsed
+by its own parser); the options above are the Ray ones. With no ``--ray-address`` a local
+Ray instance starts, without its dashboard, bound to the loopback address when ``--host``
+is a loopback address. The same application deploys from a Serve config file:
+``serve run forkserve/interfaces/ray_serve/serve_config.yaml``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from forkserve.interfaces.ray_serve.deployments import (
+    DEFAULT_MAX_ONGOING,
+    DEFAULT_STATS_PERIOD_S,
+    build_application,
+)
+from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
+from forkserve.interfaces.server.app import build_parser as server_parser
+
+log = logging.getLogger("forkserve.ray_serve")
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--replicas takes a positive count, got {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="forkserve serve --replicas N", add_help=False,
+                                 description="ForkServe on Ray Serve: N engine replicas, tree-sticky routing")
+    ap.add_argument("--replicas", type=_positive, required=True, help="engine replicas (one per GPU)")
+    ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    ap.add_argument("--gpus-per-replica", type=float,
+                    help="GPUs per engine replica (default: 1 when the driver sees CUDA, else 0)")
+    ap.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ap.add_argument("--torch-threads", type=int, help="torch threads per CPU replica")
+    ap.add_argument("--max-ongoing-requests", type=int, default=DEFAULT_MAX_ONGOING,
+                    help="concurrent calls per engine replica (Serve's default of 5 starves the batch)")
+    ap.add_argument("--stats-period", type=float, default=DEFAULT_STATS_PERIOD_S,
+                    help="seconds between replicas' routing-stats reports")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+    from ray import serve
+
+    ours, rest = build_parser().parse_known_args(argv)
+    args = server_parser().parse_args(rest)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = args.model
+    if model_path is None:
+        from forkserve.backend.torch import find_smollm2_gguf
+        model_path = str(find_smollm2_gguf())
+        args.device = args.device or "cpu"
+    gpus = ours.gpus_per_replica
+    if gpus is None:
+        import torch
+        gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
+    spec = ReplicaSpec(model_path=str(model_path), loras=tuple(args.lora), served_model_name=args.served_model_name,
+                       layout=args.layout, system=args.system, num_pages=args.num_pages, page_size=args.page_size,
+                       device=args.device, dtype=args.dtype, attention=args.attention,
+                       cuda_graphs=not args.no_cuda_graphs, session_ttl_s=args.session_ttl,
+                       torch_threads=ours.torch_threads)
+    if ours.ray_address:
+        ray.init(address=ours.ray_address)
+    else:
+        loopback = {"_node_ip_address": "127.0.0.1"} if args.host in _LOOPBACK else {}
+        ray.init(address="local", include_dashboard=False, **loopback)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
+                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus)
+    log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
+             args.host, args.port)
+    serve.run(app, name="forkserve", route_prefix="/", blocking=True)
+    return 0

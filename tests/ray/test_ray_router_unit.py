@@ -1,0 +1,143 @@
+"""The router's decisions and the replica summary, without a cluster: fake replicas that
+carry only what TreeAffinityRouter reads (an id and routing_stats)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    RequestMetadata,
+)
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from forkserve.backend.protocol import PageKind
+from forkserve.control.page_pool import PagePool
+from forkserve.control.prefix_index import BASE, AdapterNamespace, PrefixIndex
+from forkserve.interfaces.ray_serve.protocol import RouteHint
+from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
+from forkserve.interfaces.ray_serve.stats import (
+    BASE_SCOPE,
+    ReplicaSummary,
+    index_hashes,
+    matched_pages,
+    page_hashes,
+    pages_per_adapter,
+)
+
+DEPLOYMENT = DeploymentID(name="Engine", app_name="forkserve")
+P = 4
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def replica_id(self) -> ReplicaID:
+        return ReplicaID(self.name, DEPLOYMENT)
+
+
+def summary(prefix: list[int] = (), residual: dict[str, int] | None = None) -> dict[str, Any]:
+    hashes = frozenset(page_hashes(BASE_SCOPE, list(prefix), P))
+    return ReplicaSummary(hashes, residual or {}, 100, 0, 0).to_dict()
+
+
+def request(method: str, hint: RouteHint) -> PendingRequest:
+    meta = RequestMetadata(request_id="r", internal_request_id=f"i-{method}-{hint.tree_id}", call_method=method)
+    return PendingRequest(args=[hint], kwargs={}, metadata=meta)
+
+
+def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str, hint: RouteHint) -> list[list[str]]:
+    async def go() -> list[list[str]]:
+        pr = request(method, hint)
+        ranks = await router.choose_replicas(replicas, pr)
+        if method in ("open", "close"):
+            router.on_request_routed(pr, ranks[0][0].replica_id, None)
+        return [[r.name for r in rank] for rank in ranks]
+    return asyncio.run(go())
+
+
+def new_router() -> TreeAffinityRouter:
+    router = TreeAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    return router
+
+
+def open_hint(tree: int, tokens: list[int], adapter: str | None = None) -> RouteHint:
+    return RouteHint(tree, adapter, page_hashes(BASE_SCOPE, tokens, P))
+
+
+def test_page_hashes_are_chained_and_only_cover_full_pages() -> None:
+    a = page_hashes(BASE_SCOPE, list(range(10)), P)
+    assert len(a) == 2
+    assert page_hashes(BASE_SCOPE, list(range(8)) + [99, 98], P) == a  # the partial page is not hashed
+    assert page_hashes(BASE_SCOPE, [7] + list(range(1, 10)), P)[1] != a[1]  # page 2's hash depends on page 1
+    assert page_hashes("planner", list(range(10)), P) != a  # scopes never collide
+    assert matched_pages(page_hashes(BASE_SCOPE, list(range(16)), P), frozenset(a)) == 2
+
+
+def test_index_hashes_match_the_prompt_hashes_of_published_pages() -> None:
+    pool = PagePool(PageKind.UNIFIED, 64, P)
+    index = PrefixIndex(pool)
+    tokens = list(range(3, 15))
+    index.insert(BASE, tokens, pool.alloc(3))
+    index.insert(AdapterNamespace("0"), tokens[:8], pool.alloc(2))
+    published = index_hashes(index, {"0": "planner"})
+    assert matched_pages(page_hashes(BASE_SCOPE, tokens + [1, 2], P), published) == 3
+    assert matched_pages(page_hashes("planner", tokens, P), published) == 2
+    assert pages_per_adapter([index], {"0": "planner"}) == {"planner": 2}
+
+
+def test_a_known_tree_goes_to_its_owner_only() -> None:
+    router = new_router()
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary(list(range(12))))
+    owner = route(router, [a, b], "open", open_hint(1, [50, 51, 52, 53]))[0][0]
+    for method in ("fork", "commit", "generate", "info"):
+        assert route(router, [a, b], method, RouteHint(1, None)) == [[owner]]
+    route(router, [a, b], "close", RouteHint(1, None))
+    # Closed: no owner any more, so a late verb may go anywhere (and find no tree there).
+    assert route(router, [a, b], "info", RouteHint(1, None)) == [["a", "b"]]
+
+
+def test_a_new_tree_ranks_the_replica_with_its_prefix_first() -> None:
+    router = new_router()
+    prefix = list(range(20, 36))
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary(prefix))
+    ranks = route(router, [a, b], "open", open_hint(2, prefix + [1, 2, 3, 4]))
+    assert ranks == [["b"], ["a"]]  # a stays as spill-over
+
+
+def test_residual_pages_pull_an_adapters_new_agent() -> None:
+    router = new_router()
+    a, b = FakeReplica("a", summary(residual={"critic": 40})), FakeReplica("b", summary(residual={"planner": 6}))
+    assert route(router, [a, b], "open", open_hint(3, [9] * 8, "planner"))[0] == ["b"]
+    assert route(router, [a, b], "open", open_hint(4, [9] * 8, "critic"))[0] == ["a"]
+
+
+def test_a_dead_replica_loses_its_trees() -> None:
+    router = new_router()
+    a, b = FakeReplica("a", summary(list(range(8)))), FakeReplica("b", summary())
+    assert route(router, [a, b], "open", open_hint(6, list(range(8))))[0] == ["a"]
+    router.on_replica_actor_died(a.replica_id)
+    # The verb goes anywhere live (the replica answers NOT_RESIDENT; the Frontend re-opens).
+    assert route(router, [b], "generate", RouteHint(6, None)) == [["b"]]
+    assert router._owners == {}
+
+
+def test_the_serve_config_file_is_a_valid_deploy_config() -> None:
+    from pathlib import Path
+
+    from ray.serve.schema import ServeDeploySchema
+
+    import forkserve.interfaces.ray_serve as pkg
+    config = yaml.safe_load((Path(pkg.__file__).parent / "serve_config.yaml").read_text())
+    app = ServeDeploySchema.model_validate(config).applications[0]
+    assert app.deployments[0].request_router_config["request_router_class"].endswith(":TreeAffinityRouter")
