@@ -424,6 +424,9 @@ VARIANTS: dict[str, dict] = {
     "two_pass_bn64": dict(variant="two_pass", block_n=64),
     "two_pass_bn32": dict(variant="two_pass", block_n=32),
     "two_pass_bn64_s16": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=16)),
+    # Pass 1 with keys as M (wgmma, register A operand); not timed yet.
+    "two_pass_bn64_keysm64": dict(variant="two_pass", block_n=64,
+                                  score_tuning=dict(block_n=64, keys_m=True)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -560,10 +563,13 @@ def register_report(out: Path) -> None:
                       RANK_K=16, CHUNK=256)
         rows.append({"kernel": "chunked", "residual": True, "split_score": False, "block_n": block_n,
                      "num_warps": 4, **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
-    for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):
-        consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
-        rows.append({"kernel": "score_pass1", "residual": True, "split_score": False, "block_n": block_n,
-                     "num_warps": warps, **compile_one(_residual_score_kernel, consts, warps, 2)})
+    for keys_m, block_n, warps in ((False, 16, 4), (False, 32, 4), (False, 64, 4), (False, 64, 8),
+                                   (True, 32, 4), (True, 64, 4), (True, 128, 8)):
+        consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
+                      KEYS_M=keys_m)
+        rows.append({"kernel": "score_pass1" + ("_keys_m" if keys_m else ""), "residual": True,
+                     "split_score": False, "block_n": block_n, "num_warps": warps,
+                     **compile_one(_residual_score_kernel, consts, warps, 2)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
@@ -572,7 +578,7 @@ def register_report(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_regs.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
-        print(f"{r['kernel']:12s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
+        print(f"{r['kernel']:19s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
               f"block_n={r['block_n']:3d} warps={r['num_warps']}: {r['registers']} registers, "
               f"{r['spill_store_bytes']} B spilled")
 

@@ -286,6 +286,7 @@ def _residual_score_kernel(
     stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+    KEYS_M: tl.constexpr = False,
 ):
     """Pass 1 of two-pass ResidualAttention decode: ``Bias[b, h, n] = q[b, h] . RoPE_n(K_res[n] B_k)``
     for every key ``n`` of a chunk of sequence ``b``, all heads (unscaled scores).
@@ -329,13 +330,24 @@ def _residual_score_kernel(
             rot_lo = up_lo * cos - up_hi * sin
             rot_hi = up_hi * cos + up_lo * sin
             heads = kvh * GROUP + rows
-            q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
-            q_lo = tl.load(q_ptr + d_lo[None, :], mask=g_ok[:, None], other=0.0)
-            q_hi = tl.load(q_ptr + HALF + d_lo[None, :], mask=g_ok[:, None], other=0.0)
-            sc = tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
-            sc += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
-            o_ptr = Bias + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :]
-            tl.store(o_ptr, sc.to(Bias.dtype.element_ty), mask=g_ok[:, None] & n_ok[None, :])
+            if KEYS_M:
+                # Keys as M: the rotated tile is the A operand straight from the up-product's
+                # accumulator (no transpose through shared memory); q^T is [HALF, BLOCK_H].
+                qt_ptr = Q + b * stride_qb + heads[None, :] * stride_qh
+                qt_lo = tl.load(qt_ptr + d_lo[:, None], mask=g_ok[None, :], other=0.0)
+                qt_hi = tl.load(qt_ptr + HALF + d_lo[:, None], mask=g_ok[None, :], other=0.0)
+                sct = tl.dot(rot_lo.to(qt_lo.dtype), qt_lo)
+                sct += tl.dot(rot_hi.to(qt_lo.dtype), qt_hi)
+                o_ptr = Bias + b * stride_sb + heads[None, :] * stride_sh + offs_n[:, None]
+                tl.store(o_ptr, sct.to(Bias.dtype.element_ty), mask=n_ok[:, None] & g_ok[None, :])
+            else:
+                q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+                q_lo = tl.load(q_ptr + d_lo[None, :], mask=g_ok[:, None], other=0.0)
+                q_hi = tl.load(q_ptr + HALF + d_lo[None, :], mask=g_ok[:, None], other=0.0)
+                sc = tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
+                sc += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
+                o_ptr = Bias + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :]
+                tl.store(o_ptr, sc.to(Bias.dtype.element_ty), mask=g_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -448,7 +460,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
                     rope_table: torch.Tensor, n_kv: int, max_seq_len: int, *,
                     dtype: torch.dtype | None = None, block_n: int = 32, num_warps: int = 4,
-                    num_stages: int = 2, chunk: int | None = None) -> torch.Tensor:
+                    num_stages: int = 2, chunk: int | None = None,
+                    keys_m: bool = False) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
@@ -457,6 +470,9 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     of a few units: ~1e-3 absolute, below the bf16 rounding of K itself; half the bytes).
     ``chunk``: keys per program (default: enough programs for ~2 waves). ``block_n=32``:
     128 registers, no spills on sm_90 (64: 240; see ``kernel_bench.py --regs``).
+    ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
+    compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
+    transpose, no replicated warps) at 217 registers; never timed, not the default.
     """
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
@@ -478,7 +494,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         bias.stride(0), bias.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
-        num_warps=num_warps, num_stages=num_stages,
+        KEYS_M=keys_m, num_warps=num_warps, num_stages=num_stages,
     )
     return bias
 

@@ -54,6 +54,7 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 VARIANTS = [
     ("two_pass", {}),
     ("two_pass", {"score_tuning": {"block_n": 16, "chunk": 48}}),
+    ("two_pass", {"score_tuning": {"block_n": 16, "keys_m": True}}),
     ("chunked", {"chunk": 32}),
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
