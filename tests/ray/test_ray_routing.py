@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -109,6 +110,39 @@ def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Clien
         sid, where = open_tree(client, fresh_tokens(12), model=adapter)
         assert where == home[adapter], adapter
         ok(client.delete(f"/v1/sessions/{sid}"))
+
+
+def test_concurrent_agents_each_stay_on_one_replica(client: httpx.Client) -> None:
+    def agent(_: int) -> set[str]:
+        sid, owner = open_tree(client, fresh_tokens(12))
+        seen = {owner}
+        for _ in range(2):
+            r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True})
+            ok(r)
+            seen.add(r.headers[REPLICA_HEADER])
+            tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
+            r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": fresh_tokens(4)})
+            ok(r)
+            seen.add(r.headers[REPLICA_HEADER])
+        ok(client.delete(f"/v1/sessions/{sid}"))
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        per_agent = list(pool.map(agent, range(8)))
+    assert all(len(seen) == 1 for seen in per_agent)
+    assert len(set().union(*per_agent)) == 2  # equal new trees are spread, not piled on one
+
+
+def test_refusals_cross_the_frontend_as_clean_errors(client: httpx.Client) -> None:
+    r = client.post("/v1/sessions", json={"model": "nobody", "tokens": [5, 6]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert client.get("/v1/sessions/12345").status_code == 404
+    sid, _ = open_tree(client, fresh_tokens(6))
+    r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": 999, "tokens": [5]})
+    assert r.status_code == 404 and "Traceback" not in r.text
+    r = client.post(f"/v1/sessions/{sid}/fork", json={"parent": 1, "tokens": [10**6]})
+    assert r.status_code == 400, r.text
+    ok(client.delete(f"/v1/sessions/{sid}"))
 
 
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:
