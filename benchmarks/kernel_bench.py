@@ -211,14 +211,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def tune_decode(s: Setup, res: dict) -> dict[str, dict]:
     """Pick block_n / num_warps / num_stages per decode kernel on two shapes."""
     if s.smoke:
-        return {"unified": {"block_n": 16}, "residual": {"block_n": 16}}
+        return {"unified": {"block_n": 16}, "residual": {"block_n": 16, "variant": "two_pass"}}
     shapes = [(8, 8192), (64, 8192)]
     base = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=3),
             dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3)]
     best: dict[str, dict] = {}
     for name in ("unified", "residual"):
         scores = []
-        variants = base if name == "unified" else [dict(v, split_score=sp) for v in base for sp in (True, False)]
+        variants = base if name == "unified" else (
+            [dict(v, variant="two_pass") for v in base]
+            + [dict(block_n=32, num_warps=4, num_stages=2, variant="fused", split_score=False)])
         for var in variants:
             total = 0.0
             try:

@@ -6,6 +6,13 @@ keys' absolute positions) and the value path keeps a rank-r accumulator ``acc_r`
 ``V_res`` that is rescaled by the same online-softmax factor as ``acc``; ``B_v`` is applied
 once per split after the key loop (matrix associativity, seed 001 section 7).
 
+ResidualAttention decode has three variants (``residual_decode_triton(variant=...)``, same
+math): ``"fused"`` is the per-tile rebuild above; ``"two_pass"`` (default) first writes the
+residual score ``q.RoPE(K_res B_k)`` of every key and head (``residual_scores``), then runs
+the unified loop with that score added (``RES_BIAS``) plus ``acc_r``, so neither pass holds
+the rebuild's registers; ``"chunked"`` alternates the two passes per chunk in one launch.
+H200 numbers and register counts: docs/KERNELS.md.
+
 Work split (flash-decoding): grid ``(seq_groups, n_kv_heads, num_splits)``. A program
 owns one KV head, a contiguous range of keys and a tile of query rows that all read
 those keys: the GQA group of one sequence (``SEQS = 1``) or the GQA groups of several
