@@ -183,6 +183,8 @@ class _Driver:
         self.decode_ticks = 0
         self.waited_s = 0.0
         self.prompt_tokens = 0
+        self.reserved: dict = {}
+        self.context_pages = params.context // params.page_size
 
     def _tick(self) -> bool:
         before = self.engine.metrics.decode_tokens
@@ -195,16 +197,31 @@ class _Driver:
         self.peak_bytes = max(self.peak_bytes, used)
         return did
 
-    def _fits(self, flow: Workflow) -> bool:
-        """Admit a workflow only if every pool can hold its whole footprint now."""
+    def _needs(self, flow: Workflow) -> dict:
+        """Pages per pool this workflow will hold at its peak. Where the layout shares the
+        base side across agents, the shared context is counted once (by the first agent)."""
         p = self.params.page_size
-        need = -(-flow.footprint_tokens() // p)
-        self.engine.index.evict(max(0, need - self.engine.pool.num_free))
-        ok = self.engine.pool.num_free >= need
+        total = -(-flow.footprint_tokens() // p)
+        shared = self.engine.config.kv_layout is not KVLayout.UNIFIED or flow.adapter is None
+        base = total - (self.context_pages if shared and flow.index > 0 else 0)
+        needs = {self.engine.pool: base}
         if self.engine.residual_pool is not None and flow.adapter is not None:
-            self.engine.residual_index.evict(max(0, need - self.engine.residual_pool.num_free))
-            ok = ok and self.engine.residual_pool.num_free >= need
-        return ok
+            needs[self.engine.residual_pool] = total
+        return needs
+
+    def _fits(self, flow: Workflow) -> bool:
+        """Admit a workflow only if what every admitted workflow may still claim fits."""
+        needs = self._needs(flow)
+        if all(self.reserved.get(pool, 0) + n <= pool.num_pages for pool, n in needs.items()):
+            for pool, n in needs.items():
+                self.reserved[pool] = self.reserved.get(pool, 0) + n
+            return True
+        return False
+
+    def _close(self, flow: Workflow) -> None:
+        self.engine.close(flow.session)
+        for pool, n in self._needs(flow).items():
+            self.reserved[pool] -= n
 
     def _open(self, flow: Workflow) -> None:
         flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
@@ -215,6 +232,8 @@ class _Driver:
     def _open_first(self) -> list[Workflow]:
         """Agent 0 prefills the shared context; the rest find it published."""
         first = self.flows[0]
+        if not self._fits(first):
+            raise RuntimeError("one workflow needs more KV than the whole budget")
         self._open(first)
         while self.engine.node(first.session, self.engine.tip(first.session)).kv_len < len(first.prompt) - 1:
             self._tick()
@@ -237,7 +256,7 @@ class _Driver:
                     if self.progress is not None:
                         self.progress.update(1)
                     if flow.turn == self.params.turns:
-                        self.engine.close(flow.session)
+                        self._close(flow)
                         active.remove(flow)
                         continue
                     flow.resume_at = now + self.params.pause_s
@@ -278,7 +297,7 @@ class _Driver:
                 if self.engine.generation(flow.session) is not None:
                     flow.latencies.append(time.perf_counter() - flow.turn_started)
                     flow.outputs.append(list(self.engine.generation(flow.session).tokens))
-                    self.engine.close(flow.session)
+                    self._close(flow)
                     active.remove(flow)
                     if self.progress is not None:
                         self.progress.update(1)
