@@ -62,6 +62,9 @@ class Node:
     next_token_sampling: object = None
     spec_generation: int = 0  # the parent's generation when speculation was queued
     generated_count: int = 0  # tokens a speculative probe/extension has decoded
+    # Full pages (base, residual) already in the index, and where that insert ended.
+    published: tuple[int, int] = (0, 0)
+    publish_cursor: object = None
 
     @property
     def end(self) -> int:

@@ -16,7 +16,8 @@ from typing import Sequence
 
 from forkserve.backend.protocol import PageId
 from forkserve.control.page_pool import PagePool
-from forkserve.control.prefix_index import BASE, AdapterNamespace, Namespace, PrefixIndex
+from forkserve.control.prefix_index import (BASE, AdapterNamespace, InsertCursor, Namespace,
+                                            PrefixIndex)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class ResidualKey:
     @property
     def namespace(self) -> AdapterNamespace:
         return AdapterNamespace(str(self.adapter_id), self.adapter_version)
+
+
+@dataclass(frozen=True)
+class DualCursor:
+    base: InsertCursor
+    residual: InsertCursor | None
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,17 @@ class DualRadixTree:
         return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens))
 
     def insert(self, base: BaseKey, base_pages: Sequence[PageId],
-               residual: ResidualKey | None = None,
-               residual_pages: Sequence[PageId] = ()) -> None:
-        self.base.insert(base.namespace, base.tokens, base_pages)
+               residual: ResidualKey | None = None, residual_pages: Sequence[PageId] = (),
+               resume: "DualCursor | None" = None) -> "DualCursor":
+        """Publish both sides; the returned cursor makes the next insert of a longer prefix
+        of the same path walk only its new pages."""
+        base_cursor = self.base.insert(base.namespace, base.tokens, base_pages,
+                                       resume.base if resume is not None else None)
+        res_cursor = None
         if residual is not None and self.residual is not None and residual_pages:
-            self.residual.insert(residual.namespace, residual.tokens, residual_pages)
+            res_cursor = self.residual.insert(residual.namespace, residual.tokens, residual_pages,
+                                              resume.residual if resume is not None else None)
+        return DualCursor(base_cursor, res_cursor)
 
     def evict_all(self) -> int:
         freed = self.base.evict()

@@ -50,6 +50,19 @@ class _IndexNode:
     parent: "_IndexNode | None"
     children: dict[PageKey, "_IndexNode"] = field(default_factory=dict)
     last_access: int = 0
+    evicted: bool = False
+
+
+@dataclass(frozen=True)
+class InsertCursor:
+    """Where a publisher's last insert ended, so the next one hashes only the new pages.
+
+    Valid while its node is in the tree; a cursor whose node was evicted is ignored.
+    """
+
+    namespace: "Namespace"
+    node: _IndexNode
+    pages: int
 
 
 @dataclass(frozen=True)
@@ -67,9 +80,9 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self.num_pages = 0
 
-    def _page_keys(self, tokens: Sequence[int]) -> Iterator[PageKey]:
+    def _page_keys(self, tokens: Sequence[int], first_page: int = 0) -> Iterator[PageKey]:
         p = self.page_size
-        for start in range(0, len(tokens) - p + 1, p):
+        for start in range(first_page * p, len(tokens) - p + 1, p):
             yield PageKey(tuple(tokens[start:start + p]))
 
     def match(self, namespace: Namespace, tokens: Sequence[int]) -> list[PageId]:
@@ -87,16 +100,22 @@ class PrefixIndex:
             pages.append(node.page)
         return pages
 
-    def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId]) -> int:
-        """Publish the full pages of a committed prefix; returns how many were new.
+    def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
+               resume: InsertCursor | None = None) -> InsertCursor:
+        """Publish the full pages of a committed prefix; returns a cursor for the next call.
 
         Where a page for the same prefix is already published, the index keeps its own
-        and the caller's stays private (both hold identical KV).
+        and the caller's stays private (both hold identical KV). With a valid ``resume``
+        from an earlier insert of a prefix of ``tokens``, only the pages after it are walked.
         """
         node = self._roots.setdefault(namespace, _IndexNode(None, None, None))
+        first = 0
+        if (resume is not None and resume.namespace == namespace and not resume.node.evicted
+                and resume.pages <= len(pages)):
+            node, first = resume.node, resume.pages
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(tokens), pages, strict=False):
+        for key, page in zip(self._page_keys(tokens, first), pages[first:], strict=False):
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])
@@ -105,8 +124,9 @@ class PrefixIndex:
                 added += 1
             child.last_access = now
             node = child
+            first += 1
         self.num_pages += added
-        return added
+        return InsertCursor(namespace, node, first)
 
     def evict(self, max_pages: int | None = None) -> int:
         """Free least-recently-used leaf pages that nobody but the index holds."""
@@ -119,6 +139,7 @@ class PrefixIndex:
                 continue  # a live table still reads it; evicting would not free memory
             parent = leaf.parent
             del parent.children[leaf.key]
+            leaf.evicted = True
             freed += self.pool.decref([leaf.page])
             self.num_pages -= 1
             if parent.page is not None and not parent.children:

@@ -410,7 +410,7 @@ class Engine:
                 self._emit(session)
             else:
                 self._emit_speculative(node)
-        self._account()
+        self._account({session for session, *_ in targets if session.id in self.sessions})
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
         for pool, need in node.table.pages_needed(n).items():
@@ -504,16 +504,20 @@ class Engine:
         if node.table is None:
             return
         p = self.pool.page_size
-        path = self.sessions[node.session_id].tree.path_tokens(node)
         base_full = node.table.base.length // p
+        res_full = node.table.residual.length // p if node.table.residual is not None else 0
+        if (base_full, res_full) == node.published:
+            return  # no new full page since the last publish (most decode steps)
+        path = self.sessions[node.session_id].tree.path_tokens(node)
         base_key, residual_key = self._keys(node, path[:base_full * p])
         residual_pages: Sequence[int] = ()
         if node.table.residual is not None:
-            res_full = node.table.residual.length // p
             residual_key = ResidualKey(residual_key.adapter_id, residual_key.adapter_version,
                                        tuple(path[:res_full * p]))
             residual_pages = node.table.residual.pages[:res_full]
-        self.cache.insert(base_key, node.table.base.pages[:base_full], residual_key, residual_pages)
+        node.publish_cursor = self.cache.insert(base_key, node.table.base.pages[:base_full],
+                                                residual_key, residual_pages, node.publish_cursor)
+        node.published = (base_full, res_full)
 
     def _keys(self, node: Node, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
         tokens = tuple(path)
@@ -580,10 +584,12 @@ class Engine:
                 m.ms += t.ms
                 m.prefill_ms += t.ms
 
-    def _account(self) -> None:
+    def _account(self, sessions: Iterable[Session] | None = None) -> None:
+        """Peaks: physical pages, and per session the KV it could not give back. ``sessions``
+        limits the per-session pass to those a step touched (the rest did not change)."""
         p = self.pool.page_size
         self.metrics.peak_pages = max(self.metrics.peak_pages, self.pool.num_used)
-        for session in self.sessions.values():
+        for session in self.sessions.values() if sessions is None else sessions:
             held = set()
             for node in session.tree.nodes.values():
                 if node.table is None:
