@@ -79,7 +79,9 @@ class MockBackend:
                 sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))
             for kind, pages, write in sides:
                 if write:
-                    self._write(kind, item, pages)
+                    self._write(kind, item, pages, item.adapter_id)
+            for target in item.extra_residuals:
+                self._write(PageKind.RESIDUAL, item, target.residual_pages, target.adapter_id)
             if item.decode:
                 decode_tokens += len(item.tokens)
             else:
@@ -96,14 +98,14 @@ class MockBackend:
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId]) -> None:
+    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter) -> None:
         p = self.config.page_size
         pages = np.asarray(pages, dtype=np.int64)
         positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
         if len(positions) and positions[-1] // p >= len(pages):
             raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        values = self.expected_values(kind, item.tokens, item.adapter_id)
+        values = self.expected_values(kind, item.tokens, adapter)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:

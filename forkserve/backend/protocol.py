@@ -59,6 +59,15 @@ class KVSlots:
 
 
 @dataclass(frozen=True)
+class ResidualTarget:
+    """Another adapter whose residual (x A_k, x A_v) an item writes from the item's own
+    activations: one base-model pass fills every agent's residual (``base_activations``)."""
+
+    adapter_id: int | str
+    residual_pages: tuple[PageId, ...]
+
+
+@dataclass(frozen=True)
 class SeqWork:
     """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
 
@@ -77,6 +86,9 @@ class SeqWork:
     # never rewritten: those pages may be shared.
     write_base: bool = True
     write_residual: bool = True
+    # Disaggregated layout, prefill only: residuals of other adapters to write from this
+    # item's activations at the same positions.
+    extra_residuals: tuple[ResidualTarget, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 from forkserve.backend.mock import MockBackend
 from forkserve.engine.engine import Engine
 from forkserve.engine.results import (AbortResult, CommitResult, DrainReport, GenerateResult,
-                                      SessionHandle)
+                                      SessionHandle, SharedPrefill)
 
 __all__ = ["Engine", "MockBackend", "SessionHandle", "CommitResult", "GenerateResult",
-           "DrainReport", "AbortResult"]
+           "DrainReport", "AbortResult", "SharedPrefill"]

@@ -18,8 +18,8 @@ import itertools
 import time
 from typing import Callable, Iterable, Sequence
 
-from forkserve.backend.protocol import (GREEDY, Backend, PageKind, SamplingParams,
-                                        SeqWork, StepCost)
+from forkserve.backend.protocol import (GREEDY, Backend, KVSlots, PageKind, ResidualTarget,
+                                        SamplingParams, SeqWork, StepCost)
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.admission import Candidate
@@ -28,14 +28,14 @@ from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
-from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
+from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.prefix_index import PrefixIndex
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer, Scorer
 from forkserve.errors import (BranchCapError, InvalidRequestError, InvalidStateError,
                               OutOfPagesError, UnknownNodeError, UnknownSessionError)
 from forkserve.engine.results import (AbortResult, CommitResult, DrainReport, GenerateResult,
-                                      SessionHandle)
+                                      SessionHandle, SharedPrefill)
 from forkserve.engine.session import Session
 
 
@@ -155,6 +155,56 @@ class Engine:
                 node.slack_only = True  # too long for the pause: fill it from freed budget only
         self._account()
         return decision
+
+    def prefill_shared(self, tokens: Sequence[int], adapters: Sequence) -> SharedPrefill:
+        """``residual_source = base_activations``: one base-model pass over a context that many
+        agents share writes the base pages and, from the same activations, every listed
+        adapter's rank-r residual; all are published, so each agent that then opens the context
+        finds both sides and prefills only what follows it. Lossier than each agent's own
+        forward pass (its residual sees the base model's activations, not its own) — the
+        quality benchmark measures by how much. Disaggregated layout only."""
+        tokens = self._check_tokens(tokens)
+        self._check_context(len(tokens))
+        adapters = list(dict.fromkeys(adapters))
+        if self.residual_pool is None:
+            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated layout")
+        if not adapters or any(a is None for a in adapters):
+            raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
+        p = self.pool.page_size
+        full = len(tokens) // p * p  # only full pages can be published
+        if full == 0:
+            raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
+        keys = {a: ResidualKey(a, self._adapter_version(a), tuple(tokens[:full])) for a in adapters}
+        base_hit = self.index.match(BASE, tokens[:full])
+        res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
+        start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p
+        base = PageTable(self.pool)
+        residual = {a: PageTable(self.residual_pool) for a in adapters}
+        try:
+            for table, pages in [(base, base_hit)] + [(residual[a], res_hits[a]) for a in adapters]:
+                for i in range(start // p):
+                    table.replace_page(i, pages[i])
+                table.length = start
+            before = self.metrics.prefill_tokens
+            while base.length < full:
+                n = min(full - base.length, self.config.max_batch_tokens)
+                pos = base.length
+                for table in [base, *residual.values()]:
+                    self._make_room(table.pool, table.pages_needed(n), keep=None, committed=True)
+                    table.prepare_write(n, lambda pairs, kind=table.pool.kind: self.backend.copy_pages(kind, pairs))
+                targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
+                result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
+                                                    KVSlots(tuple(base.pages)), None, None,
+                                                    extra_residuals=targets)])
+                self._account_cost(result.cost, [])
+            self.cache.insert(BaseKey(tuple(tokens[:full])), base.pages[:full // p])
+            for a in adapters:
+                self.residual_index.insert(keys[a].namespace, keys[a].tokens, residual[a].pages[:full // p])
+        finally:
+            for table in [base, *residual.values()]:
+                table.release()  # the index keeps what was published
+        self._account()
+        return SharedPrefill(full, tuple(adapters), self.metrics.prefill_tokens - before)
 
     def drain_slack(self) -> DrainReport:
         """Run ticks until no speculative (or committed) work is left."""
@@ -414,16 +464,20 @@ class Engine:
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
         for pool, need in node.table.pages_needed(n).items():
-            index = self.index if pool is self.pool else self.residual_index
-            if need > pool.num_free:
-                index.evict(need - pool.num_free)
-            if need > pool.num_free and work_class is WorkClass.COMMITTED:
-                self._preempt_speculative(pool, index, need, keep=node)
-            if need > pool.num_free:
-                raise OutOfPagesError(f"node {node.id} needs {need} {pool.kind.value} pages; "
-                                      f"{pool.num_free} free after evicting the index and "
-                                      f"preempting speculation")
+            self._make_room(pool, need, keep=node, committed=work_class is WorkClass.COMMITTED)
         node.table.prepare_write(n, self.backend.copy_pages)
+
+    def _make_room(self, pool: PagePool, need: int, keep: Node | None, committed: bool) -> None:
+        """Free pages for a write: evict the pool's index, then (for committed work) preempt
+        speculation; raise if that is still not enough."""
+        index = self.index if pool is self.pool else self.residual_index
+        if need > pool.num_free:
+            index.evict(need - pool.num_free)
+        if need > pool.num_free and committed:
+            self._preempt_speculative(pool, index, need, keep=keep)
+        if need > pool.num_free:
+            raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
+                                  f"evicting the index and preempting speculation")
 
     def _preempt_speculative(self, pool: PagePool, index: PrefixIndex, need: int, keep: Node) -> None:
         """Committed work waits for nothing: abort unpinned speculation, lowest prior first."""

@@ -35,6 +35,13 @@ class DrainReport:
 
 
 @dataclass(frozen=True)
+class SharedPrefill:
+    tokens: int              # published tokens (full pages) of the shared context
+    adapters: tuple          # whose residuals were written from the base activations
+    prefilled_tokens: int    # what the pass computed (0 when everything was published)
+
+
+@dataclass(frozen=True)
 class AbortResult:
     released_nodes: tuple[int, ...]
     freed_pages: int

@@ -37,6 +37,10 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     seq_slot_host: tuple[int, ...]
     decode_only: bool                       # every sequence has exactly one new token
+    # base_activations: rows of T whose activations also fill other adapters' residuals.
+    extra_rows: torch.Tensor | None = None              # [E] int64 token rows (repeated per target)
+    extra_token_slot: torch.Tensor | None = None        # [E] int64 the target adapter's slot
+    extra_res_slot_mapping: torch.Tensor | None = None  # [E] int64 into the residual pool
 
 
 class AttentionBackend(Protocol):

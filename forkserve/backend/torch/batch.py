@@ -73,6 +73,13 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
                                        f"for adapter {seq.adapter_id}")
             _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
                          limits.page_size)
+        for target in seq.extra_residuals:
+            if not limits.disaggregated:
+                raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
+            if target.adapter_id not in adapter_slots:
+                raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not resident")
+            _check_pages(seq, target.residual_pages, limits.num_residual_pages, end, "residual",
+                         limits.page_size)
 
 
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
@@ -81,6 +88,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     token of each item that samples."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows = [], [], [], [], [], []
+    extra_rows, extra_slot, extra_res = [], [], []
     tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
     for seq in work:
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
@@ -98,6 +106,12 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
             slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
             res_slots.append(res[at // p] * p + at % p if res is not None and seq.write_residual
                              else scratch_res_page * p)
+        for target in seq.extra_residuals:
+            for j in range(n):
+                at = seq.start_pos + j
+                extra_rows.append(first + j)
+                extra_slot.append(adapter_slots[target.adapter_id])
+                extra_res.append(target.residual_pages[at // p] * p + at % p)
         if all_logits:
             logit_rows.extend(range(first, first + n))
         elif seq.sampling is not None:
@@ -130,10 +144,13 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         seq_lens_host=tuple(seq_lens),
         seq_slot_host=tuple(seq_slot),
         decode_only=all(n == 1 for n in qlens),
+        extra_rows=tensor(extra_rows, torch.int64) if extra_rows else None,
+        extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
+        extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),
-                 meta=meta, use_lora=any(s >= 0 for s in seq_slot))
+                 meta=meta, use_lora=any(s >= 0 for s in seq_slot) or bool(extra_rows))
 
 
 def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],

@@ -54,6 +54,8 @@ class CausalLM:
                         res[t] = lora.collapse(part)
                     else:
                         lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
+            if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
+                self._write_extra_residuals(n, h, meta, pool, lora)
             # q and k are adjacent in qkv: one RoPE over both heads sets.
             qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
@@ -81,3 +83,15 @@ class CausalLM:
                 x = x + down
         x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
         return F.linear(x, w.lm_head).float()
+
+    @staticmethod
+    def _write_extra_residuals(layer: int, h: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                               lora: LoraStack) -> None:
+        """base_activations: other adapters' x A_k, x A_v from this pass's activations ``h``."""
+        rows = h.index_select(0, meta.extra_rows)
+        shrunk = lora.shrink(layer, "qkv", rows, lora.token_mask(meta.extra_token_slot, h.dtype))
+        kv = pool.layer(layer)
+        for target, dst in (("k", kv.k_res), ("v", kv.v_res)):
+            if target in lora.groups["qkv"]:
+                part = lora.collapse(lora.part("qkv", target, shrunk))
+                dst.view(-1, dst.shape[-1]).index_copy_(0, meta.extra_res_slot_mapping, part)

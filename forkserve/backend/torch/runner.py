@@ -34,7 +34,8 @@ class ModelRunner:
     def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool) -> RunOutput:
         """Logits for every token (all_logits) or for the last token of each sampling item."""
         bucket = batch_bucket(len(work))
-        if self.use_cuda_graphs and not all_logits and bucket is not None and all(len(s.tokens) == 1 for s in work):
+        if (self.use_cuda_graphs and not all_logits and bucket is not None
+                and all(len(s.tokens) == 1 and not s.extra_residuals for s in work)):
             return self._replay(work, adapter_slots, bucket)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page)
