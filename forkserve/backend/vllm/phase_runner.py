@@ -1,0 +1,100 @@
+"""PhaseRunner: submit one PhasePlan to a vLLM engine and step it to completion.
+
+It talks to the in-process V1 ``LLMEngine`` that ``LLM`` wraps (``llm.llm_engine``):
+``add_request`` with our own request ids, then ``step()`` until nothing is unfinished —
+what ``LLM.generate`` does internally, minus the id counter we could not see. Own ids let
+the pinner recognise our requests when vLLM frees them. vLLM's classes come in through
+``VllmApi``, so this module imports nothing from vLLM (tests pass a fake engine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
+
+from forkserve.backend.vllm.adapters import LoraRef
+from forkserve.backend.vllm.plan import PhasePlan, RequestPlan
+
+Handle = TypeVar("Handle")
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """The two vLLM constructors the runner needs (``vllm.SamplingParams``,
+    ``vllm.lora.request.LoRARequest``), injected so tests can pass doubles."""
+
+    sampling_params: Callable[..., Any]
+    lora_request: Callable[..., Any]
+
+
+class EngineLike(Protocol):
+    def add_request(self, request_id: str, prompt: Any, params: Any, *,
+                    lora_request: Any = None) -> Any: ...
+
+    def step(self) -> Sequence[Any]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class Pinner(Protocol[Handle]):
+    """Holds vLLM blocks of finished requests (docs/VLLM_BACKEND.md: pinning)."""
+
+    def expect(self, request_id: str, block_indices: Sequence[int]) -> None: ...
+
+    def take(self, request_id: str) -> Mapping[int, Handle]: ...
+
+    def retain(self, handle: Handle) -> None: ...
+
+    def release(self, handle: Handle) -> None: ...
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    request_id: str
+    token: int | None          # None for a write-only request
+    cached_tokens: int         # prompt tokens vLLM found in its prefix cache
+    pins: Mapping[int, Any]    # block index -> pinner handle
+
+
+class PhaseRunner(Generic[Handle]):
+    def __init__(self, engine: EngineLike, api: VllmApi, pinner: Pinner[Handle] | None) -> None:
+        self.engine, self.api, self.pinner = engine, api, pinner
+        self._loras: dict[LoraRef, Any] = {}
+
+    def run(self, phase: PhasePlan) -> dict[str, RequestResult]:
+        if self.engine.has_unfinished_requests():
+            # A leftover request would be stepped with ours and its output lost.
+            raise RuntimeError("vLLM engine has unfinished requests that ForkServe did not submit")
+        plans = {r.request_id: r for r in phase.requests}
+        for r in phase.requests:
+            if r.pin_blocks and self.pinner is not None:
+                self.pinner.expect(r.request_id, [j for j, _ in r.pin_blocks])
+            self.engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt)},
+                                    self._params(r), lora_request=self._lora(r.lora))
+        results: dict[str, RequestResult] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if not out.finished or out.request_id not in plans:
+                    continue
+                plan = plans[out.request_id]
+                token = out.outputs[0].token_ids[-1] if plan.returns_token else None
+                pins = self.pinner.take(plan.request_id) if self.pinner is not None else {}
+                results[out.request_id] = RequestResult(out.request_id, token,
+                                                        int(out.num_cached_tokens or 0), pins)
+        missing = sorted(set(plans) - set(results))
+        if missing:
+            raise RuntimeError(f"vLLM finished without output for requests {missing}")
+        return results
+
+    def _params(self, r: RequestPlan) -> Any:
+        s = r.sampling
+        return self.api.sampling_params(n=1, max_tokens=s.max_tokens, temperature=s.temperature,
+                                        top_p=s.top_p, seed=s.seed, ignore_eos=True,
+                                        detokenize=False)
+
+    def _lora(self, ref: LoraRef | None) -> Any:
+        if ref is None:
+            return None
+        if ref not in self._loras:
+            self._loras[ref] = self.api.lora_request(lora_name=ref.name, lora_int_id=ref.int_id,
+                                                     lora_path=ref.path)
+        return self._loras[ref]
