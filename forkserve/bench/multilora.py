@@ -7,7 +7,10 @@ context and generate G; then a reducer (agent 0) reads the context plus every ma
 output and generates G. Systems, one engine each, run side by side:
 
 * ``unified``        per-adapter merged K/V: prefix caching cannot share across adapters.
-* ``disaggregated``  ForkKV: one shared base cache, a rank-r residual per agent.
+* ``disaggregated``  ForkKV: one shared base cache, a rank-r residual per agent, each agent
+                     computing its residual with its own forward pass (``own_forward``).
+* ``disaggregated_base``  the same layout with ``residual_source = base_activations``: one
+                     base-model pass over the context writes every agent's residual.
 * ``full_reuse``     merged K/V shared across adapters (the lossy upper bound).
 * ``no_lora``        every agent is the base model (the ideal sharing).
 
@@ -32,7 +35,7 @@ from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
-SYSTEMS = ("unified", "disaggregated", "full_reuse", "no_lora")
+SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "full_reuse", "no_lora")
 TARGETS = ("q", "k", "v", "o")
 
 
@@ -129,7 +132,8 @@ def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device,
     from forkserve.backend.torch import TorchBackend
 
     layout = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
-              "full_reuse": KVLayout.FULL_REUSE, "no_lora": KVLayout.UNIFIED}[system]
+              "disaggregated_base": KVLayout.DISAGGREGATED, "full_reuse": KVLayout.FULL_REUSE,
+              "no_lora": KVLayout.UNIFIED}[system]
     sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
     num_pages, num_res = _budget_pages(sizes, params, layout)
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=num_res,
@@ -150,7 +154,8 @@ def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device,
         instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
         adapter = None if system == "no_lora" else backend.adapter_id(f"agent{i}")
         flows.append(Workflow(i, adapter, context + instruction, params))
-    driver = _Driver(engine, flows, params, sizes, progress)
+    shared = context if system == "disaggregated_base" else None
+    driver = _Driver(engine, flows, params, sizes, progress, shared)
     start = time.perf_counter()
     if params.workload == "react":
         driver.react()
@@ -175,8 +180,9 @@ def _pct(values: list[float], q: int) -> float:
 
 class _Driver:
     def __init__(self, engine: Engine, flows: list[Workflow], params: MultiLoraParams, sizes: dict,
-                 progress: tqdm | None) -> None:
+                 progress: tqdm | None, shared_context: list[int] | None = None) -> None:
         self.engine, self.flows, self.params, self.progress = engine, flows, params, progress
+        self.shared_context = shared_context
         self.base_bytes = sizes["base"]
         self.res_bytes = sizes["residual"]
         self.peak_bytes = 0
@@ -229,19 +235,23 @@ class _Driver:
         flow.turn_started = time.perf_counter()
         self.engine.start_generate(flow.session, self.params.gen)
 
-    def _open_first(self) -> list[Workflow]:
-        """Agent 0 prefills the shared context; the rest find it published."""
+    def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
+        """Agent 0 prefills the shared context and the rest find it published; with
+        base_activations one base pass publishes it for every agent first.
+        Returns (active, waiting)."""
+        if self.shared_context is not None:
+            self.engine.prefill_shared(self.shared_context, [f.adapter for f in self.flows])
+            return [], list(self.flows)
         first = self.flows[0]
         if not self._fits(first):
             raise RuntimeError("one workflow needs more KV than the whole budget")
         self._open(first)
         while self.engine.node(first.session, self.engine.tip(first.session)).kv_len < len(first.prompt) - 1:
             self._tick()
-        return self.flows[1:]
+        return [first], self.flows[1:]
 
     def react(self) -> None:
-        waiting = self._open_first()
-        active = [self.flows[0]]
+        active, waiting = self._open_first()
         while active or waiting:
             now = time.perf_counter()
             while waiting and self._fits(waiting[0]):
@@ -286,8 +296,7 @@ class _Driver:
                     self.waited_s += time.perf_counter() - t0
 
     def mapreduce(self, context: list[int]) -> None:
-        waiting = self._open_first()
-        active = [self.flows[0]]
+        active, waiting = self._open_first()
         while active or waiting:
             while waiting and self._fits(waiting[0]):
                 flow = waiting.pop(0)

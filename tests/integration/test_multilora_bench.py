@@ -23,7 +23,7 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     params = MultiLoraParams(workload, workflows=4, context=128, turns=2, gen=4, observation=8,
                              pause_s=0.0, kv_budget_gib=0.01)
     runs = {s: run_system(s, params, cfg, weights, torch.device("cpu"), torch.float32)
-            for s in ("unified", "disaggregated", "full_reuse", "no_lora")}
+            for s in ("unified", "disaggregated", "disaggregated_base", "full_reuse", "no_lora")}
     turns = params.turns if workload == "react" else 1
     for r in runs.values():
         # The first token of every turn is sampled by its prefill step, the rest by decode steps.
@@ -35,6 +35,8 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     assert runs["disaggregated"].prefill_tokens > runs["full_reuse"].prefill_tokens
     # ...but the shared context's K/V is stored once.
     assert runs["disaggregated"].peak_kv_bytes < runs["unified"].peak_kv_bytes
+    # base_activations: one base pass over the context instead of one pass per agent.
+    assert runs["disaggregated_base"].prefill_tokens < runs["disaggregated"].prefill_tokens / 2
 
 
 def test_cli_writes_json_and_png(tmp_path):
