@@ -1,0 +1,45 @@
+"""PhaseRunner against the fake engine: what reaches vLLM's add_request, and what comes back."""
+from __future__ import annotations
+
+import pytest
+
+from forkserve.backend.vllm import PhasePlan, PhaseRunner, RequestPlan, RequestSampling
+from forkserve.backend.vllm.adapters import LoraRef
+from vllm_fakes import FAKE_API, FakeLLMEngine, FakePinner, next_token
+
+GREEDY = RequestSampling(0.0, 1.0, None)
+
+
+def _req(rid, prompt, lora=None, returns=True, pins=()):
+    return RequestPlan(rid, int(rid[-1]), tuple(prompt), lora, GREEDY, returns, False, False,
+                       1, pins)
+
+
+def test_one_phase_is_one_batch_with_our_ids_and_params():
+    engine = FakeLLMEngine(block_size=4)
+    lora = LoraRef("planner", 1, "/a/planner")
+    runner = PhaseRunner(engine, FAKE_API, None)
+    out = runner.run(PhasePlan((_req("r1", range(6), lora), _req("r2", range(5), lora, False))))
+    assert engine.steps == [["r1", "r2"]]
+    first = engine.requests[0]
+    assert first.params.kwargs == dict(n=1, max_tokens=1, temperature=0.0, top_p=1.0, seed=None,
+                                       ignore_eos=True, detokenize=False)
+    assert first.lora is engine.requests[1].lora  # one LoRARequest object per adapter
+    assert out["r1"].token == next_token(list(range(6)), "planner") and out["r2"].token is None
+    assert out["r2"].cached_tokens == 4  # r2's first block was computed by r1 in the same batch
+
+
+def test_pins_are_taken_at_finish_and_hold_the_block():
+    engine = FakeLLMEngine(block_size=4)
+    runner = PhaseRunner(engine, FAKE_API, FakePinner(engine))
+    out = runner.run(PhasePlan((_req("r1", range(9), pins=((0, 11), (1, 12))),)))
+    assert sorted(out["r1"].pins) == [0, 1]
+    assert all(b.ref == 1 for b in out["r1"].pins.values())  # the request's own ref is gone
+
+
+def test_a_foreign_unfinished_request_is_refused():
+    engine = FakeLLMEngine()
+    engine.add_request("other", {"prompt_token_ids": [1]}, FAKE_API.sampling_params(
+        n=1, max_tokens=1, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="did not submit"):
+        PhaseRunner(engine, FAKE_API, None).run(PhasePlan((_req("r1", [1, 2]),)))
