@@ -50,8 +50,9 @@ def summary(prefix: list[int] = (), residual: dict[str, int] | None = None) -> d
     return ReplicaSummary(hashes, residual or {}, 100, 0, 0).to_dict()
 
 
-def request(method: str, hint: RouteHint) -> PendingRequest:
-    meta = RequestMetadata(request_id="r", internal_request_id=f"i-{method}-{hint.tree_id}", call_method=method)
+def request(method: str, hint: RouteHint, internal_id: str | None = None) -> PendingRequest:
+    meta = RequestMetadata(request_id="r", internal_request_id=internal_id or f"i-{method}-{hint.tree_id}",
+                           call_method=method)
     return PendingRequest(args=[hint], kwargs={}, metadata=meta)
 
 
@@ -142,3 +143,17 @@ def test_the_serve_config_file_is_a_valid_deploy_config() -> None:
     config = yaml.safe_load((Path(pkg.__file__).parent / "serve_config.yaml").read_text())
     app = ServeDeploySchema.model_validate(config).applications[0]
     assert app.deployments[0].request_router_config["request_router_class"].endswith(":TreeAffinityRouter")
+
+
+def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
+    """Calls a replica makes while serving one request share its internal_request_id."""
+    router = new_router()
+
+    async def go() -> None:
+        first, second = (request("generate", RouteHint(t, None), internal_id="shared") for t in (7, 8))
+        for pr in (first, second):
+            router._pending_requests_to_fulfill.append(pr)
+            router._add_pending_request_to_indices(pr)
+        assert router._get_pending_request_matching_internal_request_id(second.metadata) is second
+        assert router._get_pending_request_matching_internal_request_id(first.metadata) is first
+    asyncio.run(go())

@@ -3,6 +3,7 @@
 The tests share one cluster and run in file order: the last one kills a replica."""
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +144,36 @@ def test_refusals_cross_the_frontend_as_clean_errors(client: httpx.Client) -> No
     r = client.post(f"/v1/sessions/{sid}/fork", json={"parent": 1, "tokens": [10**6]})
     assert r.status_code == 400, r.text
     ok(client.delete(f"/v1/sessions/{sid}"))
+
+
+def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
+    prompt = fresh_tokens(10)
+    sid, owner = open_tree(client, prompt)
+    with client.stream("POST", f"/v1/sessions/{sid}/generate",
+                       json={"max_tokens": 5, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == owner
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    streamed = [t for line in lines for t in line["tokens"]]
+    assert len(streamed) == 5 and lines[-1]["finish_reason"] == "length"
+    # The ledger saw the stream's end: the tree's committed length includes the tokens.
+    assert ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"] == len(prompt) + 5
+    control, _ = open_tree(client, prompt)
+    assert ok(client.post(f"/v1/sessions/{control}/generate",
+                          json={"max_tokens": 5, "ignore_eos": True}))["tokens"] == streamed
+    for s in (sid, control):
+        ok(client.delete(f"/v1/sessions/{s}"))
+
+    body = {"model": "critic", "prompt": "The quick brown fox", "max_tokens": 4, "n": 2, "temperature": 0}
+    whole = ok(client.post("/v1/completions", json=body))
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = {0: "", 1: ""}
+    for e in events[:-1]:
+        for choice in json.loads(e)["choices"]:
+            text[choice["index"]] += choice["text"]
+    assert [text[0], text[1]] == [c["text"] for c in whole["choices"]]
 
 
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:

@@ -15,7 +15,7 @@ Frontend keeps so the tree survives this replica.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,7 +35,12 @@ from forkserve.interfaces.ray_serve.stats import (
     pages_per_adapter,
 )
 from forkserve.interfaces.server.app import SYSTEMS
-from forkserve.interfaces.server.engine_worker import EngineWorker, GenerationSpec
+from forkserve.interfaces.server.engine_worker import (
+    Chunk,
+    EngineWorker,
+    Generation,
+    GenerationSpec,
+)
 from forkserve.interfaces.server.errors import APIError, backend_error_status
 from forkserve.interfaces.server.schemas import (
     AbortResponse,
@@ -215,15 +220,19 @@ class EngineReplica:
             return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
+    async def _start_generation(self, hint: RouteHint, spec: GenerationSpec) -> tuple[Generation, int]:
+        """A generation queued on the tree's committed tip (and that tip's id)."""
+        def check(sid: int) -> tuple[int, int]:
+            tip = self._model.engine.node(sid, self._model.engine.tip(sid))
+            self._model.check_length(tip.end, spec.max_tokens)
+            return sid, tip.id
+        sid, tip = await self._on_tree(hint.tree_id, check)
+        return await self._worker.generate(sid, spec), tip
+
     async def generate(self, hint: RouteHint, spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
         """Decode on the committed tip; the generated tokens join the committed spine."""
         async def run() -> tuple[GenerateResponse, TreeView]:
-            def check(sid: int) -> tuple[int, int]:
-                tip = self._model.engine.node(sid, self._model.engine.tip(sid))
-                self._model.check_length(tip.end, spec.max_tokens)
-                return sid, tip.id
-            sid, tip = await self._on_tree(hint.tree_id, check)
-            gen = await self._worker.generate(sid, spec)
+            gen, tip = await self._start_generation(hint, spec)
             try:
                 out = await gen.collect()
             finally:
@@ -232,6 +241,23 @@ class EngineReplica:
             return GenerateResponse(text=out.text, tokens=list(out.tokens),
                                     finish_reason=out.finish_reason or "length", tip=tip), view
         return await self._reply(run)
+
+    async def generate_stream(self, hint: RouteHint,
+                              spec: GenerationSpec) -> AsyncIterator[Chunk | TreeView | Failure]:
+        """``generate`` as a stream (called with ``handle.options(stream=True)``): a ``Failure``
+        alone, or the chunks as they are decoded and then the tree's ``TreeView``. A cancelled
+        stream (its client went away) aborts the decode and the session, as in the server."""
+        started = await self._reply(lambda: self._start_generation(hint, spec))
+        if isinstance(started, Failure):
+            yield started
+            return
+        gen, _ = started.value
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            gen.cancel()
+        yield await self._worker.call(lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
 
     async def close(self, hint: RouteHint) -> Reply[SessionInfo]:
         def verb(sid: int) -> SessionInfo:

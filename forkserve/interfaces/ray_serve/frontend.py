@@ -1,21 +1,16 @@
 """Frontend: the CPU ingress deployment. The OpenAI-compatible routes and the branch routes
-of the one-process server (same request/response schemas, same error bodies), calling the
-Engine replicas through a ``DeploymentHandle``.
+of the one-process server (same request/response schemas, same error bodies, same
+streaming formats), calling the Engine replicas through a TreeClient (tree_client.py:
+routing hints and fail-over).
 
-Every engine call names its tree: the tree id is Serve's ``session_id`` and the first
-argument's ``RouteHint`` (what the TreeAffinityRouter routes on), the adapter is Serve's
-``multiplexed_model_id``. The branch API's session id *is* the tree id. An OpenAI request
-opens one tree per choice, generates and closes it, so its prompt pages stay published on
-the replica that served it and the next request with that prefix is routed there.
+The branch API's session id *is* the tree id. An OpenAI request opens one tree per choice,
+generates and closes it, so its prompt pages stay published on the replica that served it
+and the next request with that prefix is routed there. Each response of a tree verb names
+the serving replica in ``x-forkserve-replica``.
 
-Fail-over: when a call finds its replica dead (``RayActorError``) or finds the tree gone
-(a restarted replica answers NOT_RESIDENT), the tree is re-opened from the ledger's
-committed tokens on the replica the router scores best and the call is retried once; node
-ids the client held for the old committed tip are aliased to the new root. What cannot be
-recovered (a second failure in a row, no live replica) is a 503: retryable.
-Each response of a tree verb names the serving replica in ``x-forkserve-replica``.
-
-Streaming (``stream=true``) is not offered through this frontend: it answers 400.
+A client that leaves mid-generation cancels the replica's stream, which aborts the
+replica's session, as in the one-process server; the tree itself survives in the ledger
+and is re-opened from its committed tokens at its next verb.
 
 No ``from __future__ import annotations`` here: ``serve.ingress`` rebuilds the routes of
 a class and FastAPI then cannot resolve string annotations, so bodies became query params.
@@ -23,28 +18,21 @@ a class and FastAPI then cannot resolve string annotations, so bodies became que
 
 import asyncio
 import contextlib
-import logging
+import json
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from forkserve.backend.protocol import SamplingParams
-from forkserve.interfaces.ray_serve.ledger import TreeLedger, TreeRecord
-from forkserve.interfaces.ray_serve.protocol import (
-    NOT_RESIDENT,
-    Failure,
-    ModelInfo,
-    Ok,
-    RouteHint,
-    TreeView,
-)
-from forkserve.interfaces.ray_serve.stats import BASE_SCOPE, page_hashes
+from forkserve.interfaces.ray_serve.ledger import TreeLedger
+from forkserve.interfaces.ray_serve.protocol import ModelInfo
+from forkserve.interfaces.ray_serve.tree_client import GenerationStream, TreeClient
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
 from forkserve.interfaces.server.schemas import (
@@ -52,8 +40,11 @@ from forkserve.interfaces.server.schemas import (
     AbortResponse,
     AssistantMessage,
     ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatDelta,
     CommitRequest,
     CommitResponse,
     CompletionChoice,
@@ -62,6 +53,7 @@ from forkserve.interfaces.server.schemas import (
     DecisionResponse,
     ForkRequest,
     ForkResponse,
+    GenerateChunk,
     GenerateRequest,
     GenerateResponse,
     JoinRequest,
@@ -73,40 +65,36 @@ from forkserve.interfaces.server.schemas import (
     Usage,
 )
 
-log = logging.getLogger("forkserve.ray_serve")
-
 REPLICA_HEADER = "x-forkserve-replica"
-# Attempts at one engine call: the first, then one after each re-open (or, for an open,
-# after the router dropped the dead replica).
-_ATTEMPTS = 3
-_REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 app = FastAPI(title="ForkServe (Ray Serve)")
 install_error_handlers(app)
 
 
-def _raise(f: Failure) -> None:
-    raise APIError(f.status, f.message, f.type, f.param)
+def _error_payload(exc: Exception) -> dict:
+    """What a stream sends when it breaks after its first byte (a replica lost mid-stream
+    reads as 503: retry)."""
+    status = getattr(exc, "status", 503)
+    return {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
 
 
-def _unavailable(tree_id: int | None, cause: BaseException | None) -> APIError:
-    what = f"tree {tree_id}" if tree_id is not None else "the request"
-    return APIError(503, f"no engine replica could serve {what} ({type(cause).__name__}); retry",
-                    "ServiceUnavailableError")
+def _usage(prompt: int, completion: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 @serve.ingress(app)
 class Frontend:
     def __init__(self, engine: DeploymentHandle) -> None:
         self._engine = engine
-        self._ledger = TreeLedger()
+        self._trees = TreeClient(engine, TreeLedger())
         self._info: ModelInfo | None = None
         self._tokenizer = None
         self._init_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ plumbing
     async def _model(self) -> ModelInfo:
-        """The served model, asked of a replica on first use (a constructor may not await)."""
+        """The served model, asked of a replica on first use (a constructor may not await).
+        The tokenizer is loaded from the replica's model path: same node or shared storage."""
         async with self._init_lock:
             if self._info is None:
                 from forkserve.backend.torch.tokenizer import Tokenizer
@@ -124,62 +112,15 @@ class Frontend:
         raise APIError(404, f"The model `{model}` does not exist; served: {[info.name, *info.adapters]}",
                        "NotFoundError", "model")
 
-    def _handle(self, method: str, hint: RouteHint) -> Any:
-        return getattr(self._engine, method).options(
-            multiplexed_model_id=hint.adapter or "", session_id=str(hint.tree_id))
-
-    async def _open_on_engine(self, tree_id: int, adapter: str | None,
-                              tokens: list[int]) -> tuple[SessionInfo, TreeView]:
-        info = await self._model()
-        hint = RouteHint(tree_id, adapter, page_hashes(BASE_SCOPE, tokens, info.page_size),
-                         page_hashes(adapter, tokens, info.page_size) if adapter is not None else ())
-        cause: BaseException | None = None
-        for _ in range(_ATTEMPTS):
-            try:
-                reply = await self._handle("open", hint).remote(hint, tokens)
-            except _REPLICA_GONE as e:  # the router drops the dead replica; the next try goes elsewhere
-                cause = e
-                continue
-            if isinstance(reply, Failure):
-                _raise(reply)
-            return reply.value
-        raise _unavailable(tree_id, cause)
-
-    async def _reopen(self, seen: TreeRecord) -> None:
-        async with self._ledger.lock(seen.tree_id):
-            rec = self._ledger.get(seen.tree_id)
-            if rec.epoch != seen.epoch:
-                return  # another call already re-opened it
-            _, view = await self._open_on_engine(rec.tree_id, rec.adapter, list(rec.committed))
-            log.warning("tree %d re-opened on %s from %d committed tokens (was on %s)",
-                        rec.tree_id, view.replica, len(view.committed), rec.replica)
-            self._ledger.reopened(rec, view)
-
-    async def _on_tree(self, tree_id: int, method: str,
-                       args: Callable[[TreeRecord], tuple]) -> tuple[Any, TreeRecord]:
-        """Call ``method(hint, *args(record))`` on the tree's replica, re-opening the tree
-        elsewhere if that replica is gone. Returns the value and the record it ran under."""
-        cause: BaseException | None = None
-        for _ in range(_ATTEMPTS):
-            rec = self._ledger.get(tree_id)
-            try:
-                reply = await self._handle(method, rec.hint()).remote(rec.hint(), *args(rec))
-            except _REPLICA_GONE as e:
-                cause = e
-            else:
-                if isinstance(reply, Ok):
-                    return reply.value, rec
-                if reply.type != NOT_RESIDENT:
-                    _raise(reply)
-            await self._reopen(rec)
-        raise _unavailable(tree_id, cause)
-
-    def _tag(self, response: Response, replica: str) -> None:
-        response.headers[REPLICA_HEADER] = replica
-
     async def _tokens(self, text: str | None, tokens: list[int] | None) -> list[int]:
         await self._model()
         return tokens if tokens is not None else self._tokenizer.encode(text or "", add_special_tokens=False)
+
+    async def _open(self, info: ModelInfo, adapter: str | None, ids: list[int]) -> tuple[SessionInfo, int, str]:
+        tree = self._trees.ledger.new_id()
+        session, view = await self._trees.open(info, tree, adapter, ids)
+        self._trees.ledger.record(adapter, view)
+        return session, tree, view.replica
 
     # ------------------------------------------------------------------ branch API
     @app.post("/v1/sessions")
@@ -193,38 +134,39 @@ class Frontend:
             ids = self._tokenizer.encode(body.text, add_special_tokens=True)
         else:
             ids = list(body.tokens or [])
-        session, view = await self._open_on_engine(self._ledger.new_id(), adapter, ids)
-        self._ledger.record(adapter, view)
-        self._tag(response, view.replica)
+        session, _, replica = await self._open(info, adapter, ids)
+        response.headers[REPLICA_HEADER] = replica
         return session
 
     @app.get("/v1/sessions/{sid}")
     async def session_info(self, sid: int, response: Response) -> SessionInfo:
-        (session, view), _ = await self._on_tree(sid, "info", lambda rec: ())
-        self._ledger.update(view)
-        self._tag(response, view.replica)
+        (session, view), _ = await self._trees.call(await self._model(), sid, "info", lambda rec: ())
+        self._trees.ledger.update(view)
+        response.headers[REPLICA_HEADER] = view.replica
         return session
 
     @app.post("/v1/sessions/{sid}/fork")
     async def fork(self, sid: int, body: ForkRequest, response: Response) -> ForkResponse:
         ids = await self._tokens(body.text, body.tokens)
-        out, rec = await self._on_tree(sid, "fork", lambda rec: (rec.node(body.parent), body.label, ids))
-        self._tag(response, rec.replica)
+        out, rec = await self._trees.call(await self._model(), sid, "fork",
+                                          lambda rec: (rec.node(body.parent), body.label, ids))
+        response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/speculate")
     async def speculate(self, sid: int, body: SpeculateRequest, response: Response) -> DecisionResponse:
-        out, rec = await self._on_tree(sid, "speculate",
-                                       lambda rec: (rec.node(body.node), body.priority, body.t_idle_ms))
-        self._tag(response, rec.replica)
+        out, rec = await self._trees.call(await self._model(), sid, "speculate",
+                                          lambda rec: (rec.node(body.node), body.priority, body.t_idle_ms))
+        response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/commit")
     async def commit(self, sid: int, body: CommitRequest, response: Response) -> CommitResponse:
         ids = await self._tokens(body.text, body.tokens)
-        (out, view), _ = await self._on_tree(sid, "commit", lambda rec: (rec.node(body.tip), ids))
-        self._ledger.update(view)
-        self._tag(response, view.replica)
+        (out, view), _ = await self._trees.call(await self._model(), sid, "commit",
+                                                lambda rec: (rec.node(body.tip), ids))
+        self._trees.ledger.update(view)
+        response.headers[REPLICA_HEADER] = view.replica
         return out
 
     @app.post("/v1/sessions/{sid}/join")
@@ -233,37 +175,48 @@ class Frontend:
             raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
         sep = body.separator_tokens if body.separator_tokens is not None else (
             await self._tokens(body.separator_text, None) if body.separator_text else [])
-        (out, view), _ = await self._on_tree(sid, "join", lambda rec: (rec.nodes(body.nodes), sep))
-        self._ledger.update(view)
-        self._tag(response, view.replica)
+        (out, view), _ = await self._trees.call(await self._model(), sid, "join",
+                                                lambda rec: (rec.nodes(body.nodes), sep))
+        self._trees.ledger.update(view)
+        response.headers[REPLICA_HEADER] = view.replica
         return out
 
     @app.post("/v1/sessions/{sid}/abort")
     async def abort(self, sid: int, body: AbortRequest, response: Response) -> AbortResponse:
-        out, rec = await self._on_tree(sid, "abort", lambda rec: (rec.node(body.node),))
-        self._tag(response, rec.replica)
+        out, rec = await self._trees.call(await self._model(), sid, "abort", lambda rec: (rec.node(body.node),))
+        response.headers[REPLICA_HEADER] = rec.replica
         return out
 
-    @app.post("/v1/sessions/{sid}/generate")
-    async def generate(self, sid: int, body: GenerateRequest, response: Response) -> GenerateResponse:
-        if body.stream:
-            raise APIError(400, "stream=true is not supported by the Ray Serve frontend", param="stream")
+    @app.post("/v1/sessions/{sid}/generate", response_model=None)
+    async def generate(self, sid: int, body: GenerateRequest,
+                       response: Response) -> GenerateResponse | StreamingResponse:
         if any(not s for s in body.stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         info = await self._model()
         eos = () if body.ignore_eos else info.eos_token_ids
         spec = GenerationSpec(body.max_tokens, SamplingParams(body.temperature, body.top_p, body.seed),
                               frozenset(eos), tuple(body.stop), keep_stop_text=True)
-        (out, view), _ = await self._on_tree(sid, "generate", lambda rec: (spec,))
-        self._ledger.update(view)
-        self._tag(response, view.replica)
+        if body.stream:
+            stream = await self._trees.stream(info, sid, spec)
+
+            async def lines() -> AsyncIterator[str]:
+                try:
+                    async for c in stream:
+                        yield GenerateChunk(text=c.text, tokens=list(c.tokens),
+                                            finish_reason=c.finish_reason).model_dump_json() + "\n"
+                except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
+                    yield json.dumps(_error_payload(exc)) + "\n"
+            return StreamingResponse(lines(), media_type="application/x-ndjson",
+                                     headers={REPLICA_HEADER: stream.replica})
+        (out, view), _ = await self._trees.call(info, sid, "generate", lambda rec: (spec,))
+        self._trees.ledger.update(view)
+        response.headers[REPLICA_HEADER] = view.replica
         return out
 
     @app.delete("/v1/sessions/{sid}")
     async def close(self, sid: int, response: Response) -> SessionInfo:
-        out, rec = await self._on_tree(sid, "close", lambda rec: ())
-        self._ledger.drop(sid)
-        self._tag(response, rec.replica)
+        out, replica = await self._trees.close(await self._model(), sid)
+        response.headers[REPLICA_HEADER] = replica
         return out
 
     # ------------------------------------------------------------------ OpenAI API
@@ -275,67 +228,174 @@ class Frontend:
         cards += [ModelCard(id=a, created=created, root=a, parent=info.name) for a in info.adapters]
         return ModelList(data=cards)
 
-    async def _complete(self, ids: list[int], adapter: str | None, spec: GenerationSpec) -> tuple[GenerateResponse, str]:
-        """One choice: a tree opened on the prompt, generated, closed (its pages stay published)."""
-        tree = self._ledger.new_id()
-        _, view = await self._open_on_engine(tree, adapter, ids)
-        self._ledger.record(adapter, view)
-        try:
-            (out, view), _ = await self._on_tree(tree, "generate", lambda rec: (spec,))
-        finally:
-            # Closed whether or not the generation succeeded: a choice's tree never outlives it.
-            with contextlib.suppress(APIError):
-                await self._on_tree(tree, "close", lambda rec: ())
-            self._ledger.drop(tree)
-        return out, view.replica
-
-    async def _choices(self, prompts: list[list[int]], adapter: str | None, body: CompletionRequest |
-                       ChatCompletionRequest, budget: int | None) -> list[tuple[GenerateResponse, str]]:
-        if body.stream:
-            raise APIError(400, "stream=true is not supported by the Ray Serve frontend", param="stream")
-        info = await self._model()
+    def _specs(self, info: ModelInfo, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
+               budget: int | None) -> list[tuple[list[int], GenerationSpec]]:
+        """One (prompt, spec) per choice, in OpenAI's order; with a seed, sample j of a prompt
+        uses seed + j (distinct, reproducible), as in the one-process server."""
         try:
             stops = body.stop_strings()
         except ValueError as e:
             raise APIError(400, str(e), param="stop") from None
-        specs = []
+        out = []
         for ids in prompts:
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j
                 max_tokens = budget if budget is not None else info.max_context - len(ids)
-                specs.append((ids, GenerationSpec(max_tokens, SamplingParams(body.temperature, body.top_p, seed),
-                                                  frozenset(info.eos_token_ids), stops)))
-        return list(await asyncio.gather(*(self._complete(ids, adapter, s) for ids, s in specs)))
+                out.append((ids, GenerationSpec(max_tokens, SamplingParams(body.temperature, body.top_p, seed),
+                                                frozenset(info.eos_token_ids), stops)))
+        return out
 
-    @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, response: Response) -> CompletionResponse:
+    async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int],
+                        spec: GenerationSpec) -> tuple[GenerateResponse, str]:
+        """One choice: a tree opened on the prompt, generated, closed (its pages stay published)."""
+        _, tree, _ = await self._open(info, adapter, ids)
+        try:
+            (out, view), _ = await self._trees.call(info, tree, "generate", lambda rec: (spec,))
+        finally:
+            # Closed whether or not the generation succeeded: a choice's tree never outlives it.
+            with contextlib.suppress(APIError):
+                await self._trees.close(info, tree)
+        return out, view.replica
+
+    async def _start_streams(self, info: ModelInfo, adapter: str | None,
+                             specs: list[tuple[list[int], GenerationSpec]]) -> list[tuple[int, GenerationStream]]:
+        """Every choice's tree opened and its generation started before the response is:
+        a refusal is still an HTTP error, not an event."""
+        started: list[tuple[int, GenerationStream]] = []
+        try:
+            for ids, spec in specs:
+                _, tree, _ = await self._open(info, adapter, ids)
+                try:
+                    started.append((tree, await self._trees.stream(info, tree, spec)))
+                except BaseException:
+                    await self._close_quietly(info, tree)
+                    raise
+        except BaseException:
+            for tree, stream in started:
+                stream.cancel()
+                await self._close_quietly(info, tree)
+            raise
+        return started
+
+    async def _close_quietly(self, info: ModelInfo, tree: int) -> None:
+        with contextlib.suppress(APIError):
+            await self._trees.close(info, tree)
+
+    async def _merged(self, info: ModelInfo,
+                      started: list[tuple[int, GenerationStream]]) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, chunk) as chunks come from every choice; each tree is closed when
+        its stream ends, and every one when the client leaves."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, tree: int, stream: GenerationStream) -> None:
+            try:
+                async for c in stream:
+                    queue.put_nowait((i, c))
+            except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+                queue.put_nowait(exc)
+            finally:
+                await self._close_quietly(info, tree)
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, tree, s)) for i, (tree, s) in enumerate(started)]
+        try:
+            done = 0
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _sse(self, events: AsyncIterator[BaseModel], replica: str) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield f"data: {event.model_dump_json()}\n\n"
+                yield "data: [DONE]\n\n"
+            except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
+                yield f"data: {json.dumps(_error_payload(exc))}\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, body: CompletionRequest,
+                          response: Response) -> CompletionResponse | StreamingResponse:
         info = await self._model()
         adapter = self._adapter(info, body.model)
         prompts = [p if isinstance(p, list) else self._tokenizer.encode(p, add_special_tokens=True)
                    for p in body.prompts()]
-        results = await self._choices(prompts, adapter, body, body.max_tokens)
-        self._tag(response, results[0][1])
-        completion = sum(len(r.tokens) for r, _ in results)
-        prompt = sum(len(p) for p in prompts)
+        specs = self._specs(info, prompts, body, body.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)
+
+        def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(id=rid, created=created, model=body.model, usage=usage,
+                                      choices=[CompletionChoice(index=index, text=text, finish_reason=reason)]
+                                      if index >= 0 else [])
+
+        if body.stream:
+            started = await self._start_streams(info, adapter, specs)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[BaseModel]:
+                completion_tokens = 0
+                async for index, c in self._merged(info, started):
+                    completion_tokens += len(c.tokens)
+                    if c.text or c.finish_reason:
+                        yield chunk(index, c.text, c.finish_reason)
+                if include_usage:
+                    yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
+            return self._sse(events(), started[0][1].replica)
+
+        results = await asyncio.gather(*(self._complete(info, adapter, ids, s) for ids, s in specs))
+        response.headers[REPLICA_HEADER] = results[0][1]
         return CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
+            id=rid, created=created, model=body.model,
             choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
                      for i, (r, _) in enumerate(results)],
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion))
+            usage=_usage(prompt_tokens, sum(len(r.tokens) for r, _ in results)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest, response: Response) -> ChatCompletionResponse:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, body: ChatCompletionRequest,
+                               response: Response) -> ChatCompletionResponse | StreamingResponse:
         info = await self._model()
         adapter = self._adapter(info, body.model)
         ids = self._tokenizer.apply_chat_template(body.template_messages())
-        results = await self._choices([ids], adapter, body, body.token_budget())
-        self._tag(response, results[0][1])
-        completion = sum(len(r.tokens) for r, _ in results)
+        specs = self._specs(info, [ids], body, body.token_budget())
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage)
+
+        if body.stream:
+            started = await self._start_streams(info, adapter, specs)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[BaseModel]:
+                yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                             for i in range(len(started))])
+                completion_tokens = 0
+                async for index, c in self._merged(info, started):
+                    completion_tokens += len(c.tokens)
+                    if c.text or c.finish_reason:
+                        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=c.text or None),
+                                                     finish_reason=c.finish_reason)])
+                if include_usage:
+                    yield chunk([], _usage(len(ids), completion_tokens))
+            return self._sse(events(), started[0][1].replica)
+
+        results = await asyncio.gather(*(self._complete(info, adapter, p, s) for p, s in specs))
+        response.headers[REPLICA_HEADER] = results[0][1]
         return ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=body.model,
+            id=rid, created=created, model=body.model,
             choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
                      for i, (r, _) in enumerate(results)],
-            usage=Usage(prompt_tokens=len(ids), completion_tokens=completion, total_tokens=len(ids) + completion))
+            usage=_usage(len(ids), sum(len(r.tokens) for r, _ in results)))
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:

@@ -23,6 +23,7 @@ import math
 import random
 from itertools import groupby
 
+from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -79,6 +80,22 @@ class TreeAffinityRouter(RequestRouter):
             # equally good replicas share new trees instead of the first taking them all.
             random.shuffle(rank)
         return ranks
+
+    def _get_pending_request_matching_internal_request_id(
+            self, request_metadata: RequestMetadata | None = None) -> PendingRequest | None:
+        """The pending request this routing task chose a replica for, matched by identity.
+
+        Serve 2.60 matches by ``internal_request_id``, but every call a replica makes while
+        serving one request inherits that request's id: two concurrent engine calls of one
+        HTTP request (the n choices of a completion, their closes) collide. The second is
+        then never indexed and stalls, or takes the replica chosen for the first, so a verb
+        could land on a replica that does not hold its tree."""
+        if request_metadata is None:
+            return None
+        for pr in self._pending_requests_to_fulfill:
+            if pr.metadata is request_metadata and not pr.future.done():
+                return pr
+        return None
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         hint = _hint(pending_request)
