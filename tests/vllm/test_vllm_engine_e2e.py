@@ -130,6 +130,8 @@ def test_abort_and_reuse_release_pins():
     held = sum(b.ref for b in fake.cache.values())
     assert held == len(backend.pins)  # no reference leaked in vLLM's pool
     eng.check_integrity()
+    backend.close()  # a benchmark reusing the vLLM engine: nothing stays held
+    assert len(backend.pins) == 0 and sum(b.ref for b in fake.cache.values()) == 0
 
 
 def _script(eng, rng, adapters):

@@ -43,10 +43,6 @@ class AdapterTable:
             return self._by_id[adapter]
         raise InvalidRequestError(f"unknown adapter {adapter!r}; loaded: {sorted(self._by_name)}")
 
-    def max_loras(self) -> int:
-        """How many adapters one batch may mix (vLLM's ``max_loras``)."""
-        return max(1, len(self._by_name))
-
     def _ref_by_name(self, name: str) -> LoraRef:
         try:
             return self._by_name[name]

@@ -127,6 +127,14 @@ class VllmBackend:
                 self.pinner.retain(handle)
                 self._hold_pin(dst, handle)
 
+    def close(self) -> None:
+        """Release every pin, so the vLLM engine can serve another backend (a benchmark that
+        reuses one ``LLM`` across runs) without blocks held by page ids nobody owns."""
+        for handle in self.pins.drain():
+            if self.pinner is not None:
+                self.pinner.release(handle)
+                self.stats.pins_released += 1
+
     def transfer_cost(self, tokens: int) -> StepCost:
         # One vLLM instance: no prefill->decode connector, nothing moves.
         return StepCost()

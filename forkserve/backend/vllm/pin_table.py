@@ -41,3 +41,9 @@ class PinTable(Generic[Handle]):
     def drop(self, page: PageId) -> Handle | None:
         """The page's contents changed: forget its pin and return it (to release), if any."""
         return self._held.pop(page, None)
+
+    def drain(self) -> list[Handle]:
+        """Forget every pin and return the handles (to release): the backend is closing."""
+        handles = list(self._held.values())
+        self._held.clear()
+        return handles

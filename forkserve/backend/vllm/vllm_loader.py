@@ -41,10 +41,12 @@ def import_vllm() -> tuple[Any, Any, Any]:
     return LLM, SamplingParams, LoRARequest
 
 
-def load_engine(model: str, config: ForkServeConfig, adapters: AdapterTable, *,
-                gpu_memory_utilization: float, cow_blocks: bool, max_lora_rank: int,
-                llm_kwargs: dict[str, Any]) -> LoadedEngine:
-    llm_cls, sampling_params, lora_request = import_vllm()
+def build_llm(model: str, config: ForkServeConfig, *, max_loras: int, gpu_memory_utilization: float,
+              max_lora_rank: int, llm_kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``LLM`` with the control plane's page size as block size and prefix caching on;
+    ``max_loras`` 0 builds it without LoRA support. ``llm_kwargs`` pass through (e.g.
+    ``load_format="dummy"``, ``skip_tokenizer_init=True``, ``num_gpu_blocks_override``)."""
+    llm_cls, _, _ = import_vllm()
     import torch
 
     if not torch.cuda.is_available():
@@ -52,15 +54,29 @@ def load_engine(model: str, config: ForkServeConfig, adapters: AdapterTable, *,
     kwargs: dict[str, Any] = dict(
         model=model, block_size=config.page_size, enable_prefix_caching=True,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=config.max_context)
-    if len(adapters):
-        kwargs.update(enable_lora=True, max_loras=adapters.max_loras(), max_lora_rank=max_lora_rank)
+    if max_loras:
+        kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
     kwargs.update(llm_kwargs)
     llm = llm_cls(**kwargs)
+    _check_capacity(llm.llm_engine, config)
+    return llm
+
+
+def api() -> VllmApi:
+    _, sampling_params, lora_request = import_vllm()
+    return VllmApi(sampling_params, lora_request)
+
+
+def load_engine(model: str, config: ForkServeConfig, adapters: AdapterTable, *,
+                gpu_memory_utilization: float, cow_blocks: bool, max_lora_rank: int,
+                llm_kwargs: dict[str, Any]) -> LoadedEngine:
+    llm = build_llm(model, config, max_loras=len(adapters),
+                    gpu_memory_utilization=gpu_memory_utilization, max_lora_rank=max_lora_rank,
+                    llm_kwargs=llm_kwargs)
     engine = llm.llm_engine
     pinner = KvManagerPinner.attach(engine) if cow_blocks else None
-    _check_capacity(engine, config)
-    tokenizer = None if kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
-    return LoadedEngine(llm, engine, VllmApi(sampling_params, lora_request), pinner, tokenizer)
+    tokenizer = None if llm_kwargs.get("skip_tokenizer_init") else llm.get_tokenizer()
+    return LoadedEngine(llm, engine, api(), pinner, tokenizer)
 
 
 def _check_capacity(engine: Any, config: ForkServeConfig) -> None:
