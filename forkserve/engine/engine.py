@@ -18,22 +18,22 @@ import itertools
 import time
 from typing import Callable, Iterable, Sequence
 
-from forkserve.backend.protocol import (GREEDY, Backend, KVSlots, PageKind, ResidualTarget,
+from forkserve.backend.protocol import (GREEDY, Backend, KVSlots, ResidualTarget,
                                         SamplingParams, SeqWork, StepCost)
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.admission import Candidate
 from forkserve.control.context_tree import ContextTree, Node, NodeState
+from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
-from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch, DualRadixTree, ResidualKey
-from forkserve.control.prefix_index import PrefixIndex
+from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer, Scorer
 from forkserve.errors import (BranchCapError, InvalidRequestError, InvalidStateError,
-                              OutOfPagesError, UnknownNodeError, UnknownSessionError)
+                              UnknownNodeError, UnknownSessionError)
 from forkserve.engine.results import (AbortResult, CommitResult, DrainReport, GenerateResult,
                                       SessionHandle, SharedPrefill)
 from forkserve.engine.session import Session
@@ -44,16 +44,12 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.config: ForkServeConfig = backend.config
-        kinds = backend.page_kinds()
-        self.pool = PagePool(kinds[0], self.config.num_pages, self.config.page_size)
-        # Disaggregated layout: residual pages live in their own pool, indexed by the
-        # residual side of the DualRadixTree with an LRU of its own.
-        self.residual_pool = None
-        if PageKind.RESIDUAL in kinds:
-            self.residual_pool = PagePool(PageKind.RESIDUAL, self.config.num_residual_pages,
-                                          self.config.page_size)
-        self.cache = DualRadixTree(self.pool, self.residual_pool)
-        self.index, self.residual_index = self.cache.base, self.cache.residual
+        version_of = getattr(backend, "adapter_version", None)
+        self.kv = KVCache(self.config, backend.page_kinds(),
+                          (lambda a: int(version_of(a))) if version_of is not None else None)
+        # Shorthands: the pools and the two sides of the DualRadixTree.
+        self.pool, self.residual_pool = self.kv.pool, self.kv.residual_pool
+        self.cache, self.index, self.residual_index = self.kv.tree, self.kv.index, self.kv.residual_index
         self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(_text_of(backend))])
         self.cascade = Cascade(self.config, self.scorer)
         self.scheduler = TickScheduler(self.config)
@@ -71,7 +67,7 @@ class Engine:
         tokens = self._check_tokens(tokens)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
-                    self._new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
+                    self.kv.new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
         self._attach_published(session, root, keep_last=True)
@@ -100,7 +96,8 @@ class Engine:
             session.flush = False
         adapter = adapter if adapter is not None else parent.adapter
         child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
-                     self._fork_kv(parent, adapter), NodeState.SPECULATIVE, adapter=adapter,
+                     self.kv.fork_kv(parent.table, parent.adapter, adapter), NodeState.SPECULATIVE,
+                     adapter=adapter,
                      last_touch=self.clock())
         session.tree.add(child)
         self._account()
@@ -174,7 +171,7 @@ class Engine:
         full = len(tokens) // p * p  # only full pages can be published
         if full == 0:
             raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
-        keys = {a: ResidualKey(a, self._adapter_version(a), tuple(tokens[:full])) for a in adapters}
+        keys = {a: self.kv.keys(a, tokens[:full])[1] for a in adapters}
         base_hit = self.index.match(BASE, tokens[:full])
         res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
         start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p
@@ -190,7 +187,7 @@ class Engine:
                 n = min(full - base.length, self.config.max_batch_tokens)
                 pos = base.length
                 for table in [base, *residual.values()]:
-                    self._make_room(table.pool, table.pages_needed(n), keep=None, committed=True)
+                    self.kv.make_room(table.pool, table.pages_needed(n), self._preempt_speculative)
                     table.prepare_write(n, lambda pairs, kind=table.pool.kind: self.backend.copy_pages(kind, pairs))
                 targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
                 result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
@@ -463,27 +460,18 @@ class Engine:
         self._account({session for session, *_ in targets if session.id in self.sessions})
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
+        preempt = self._preempt_speculative if work_class is WorkClass.COMMITTED else None
         for pool, need in node.table.pages_needed(n).items():
-            self._make_room(pool, need, keep=node, committed=work_class is WorkClass.COMMITTED)
+            self.kv.make_room(pool, need, preempt)
         node.table.prepare_write(n, self.backend.copy_pages)
 
-    def _make_room(self, pool: PagePool, need: int, keep: Node | None, committed: bool) -> None:
-        """Free pages for a write: evict the pool's index, then (for committed work) preempt
-        speculation; raise if that is still not enough."""
-        index = self.index if pool is self.pool else self.residual_index
-        if need > pool.num_free:
-            index.evict(need - pool.num_free)
-        if need > pool.num_free and committed:
-            self._preempt_speculative(pool, index, need, keep=keep)
-        if need > pool.num_free:
-            raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
-                                  f"evicting the index and preempting speculation")
-
-    def _preempt_speculative(self, pool: PagePool, index: PrefixIndex, need: int, keep: Node) -> None:
-        """Committed work waits for nothing: abort unpinned speculation, lowest prior first."""
+    def _preempt_speculative(self, pool: PagePool, need: int) -> None:
+        """Committed work waits for nothing: abort unpinned speculation, lowest prior first.
+        (A node being written is never speculative-and-unpinned when committed work runs.)"""
         victims = sorted((n for s in self.sessions.values() for n in s.tree.nodes.values()
-                          if n.state is NodeState.SPECULATIVE and n is not keep
-                          and not self._pinned(n)), key=lambda n: n.priority)
+                          if n.state is NodeState.SPECULATIVE and not self._pinned(n)),
+                         key=lambda n: n.priority)
+        index = self.kv.index_of(pool)
         for victim in victims:
             if pool.num_free >= need:
                 break
@@ -549,60 +537,19 @@ class Engine:
             self.metrics.residual_hit_tokens += kv.residual.length - before[2]
 
     def _match(self, node: Node, path: Sequence[int]) -> DualMatch:
-        """Published pages for ``path``: how far the base side and the residual side reach."""
-        base_key, residual_key = self._keys(node, path)
-        return self.cache.match(base_key, residual_key if node.table.residual is not None else None)
+        return self.kv.match(node.table, node.adapter, path)
 
     def _publish(self, node: Node) -> None:
-        """Publish the committed full pages of each side (sides may reach different lengths)."""
+        """Publish a committed node's new full pages (a no-op on most decode steps)."""
         if node.table is None:
             return
         p = self.pool.page_size
-        base_full = node.table.base.length // p
-        res_full = node.table.residual.length // p if node.table.residual is not None else 0
-        if (base_full, res_full) == node.published:
-            return  # no new full page since the last publish (most decode steps)
+        if (node.table.base.length // p, node.table.residual.length // p
+                if node.table.residual is not None else 0) == node.published:
+            return
         path = self.sessions[node.session_id].tree.path_tokens(node)
-        base_key, residual_key = self._keys(node, path[:base_full * p])
-        residual_pages: Sequence[int] = ()
-        if node.table.residual is not None:
-            residual_key = ResidualKey(residual_key.adapter_id, residual_key.adapter_version,
-                                       tuple(path[:res_full * p]))
-            residual_pages = node.table.residual.pages[:res_full]
-        node.publish_cursor = self.cache.insert(base_key, node.table.base.pages[:base_full],
-                                                residual_key, residual_pages, node.publish_cursor)
-        node.published = (base_full, res_full)
-
-    def _keys(self, node: Node, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
-        tokens = tuple(path)
-        if node.adapter is None:
-            return BaseKey(tokens), None
-        version = self._adapter_version(node.adapter)
-        residual = ResidualKey(node.adapter, version, tokens)
-        if self.config.kv_layout is KVLayout.UNIFIED:
-            # Merged K/V depends on the adapter: the base side lives under its namespace.
-            return BaseKey(tokens, residual.namespace), residual
-        return BaseKey(tokens), residual
-
-    def _adapter_version(self, adapter) -> int:
-        version_of = getattr(self.backend, "adapter_version", None)
-        return int(version_of(adapter)) if version_of is not None else 0
-
-    def _new_kv(self, adapter) -> NodeKV:
-        residual = None
-        if self.residual_pool is not None and adapter is not None:
-            residual = PageTable(self.residual_pool)
-        return NodeKV(PageTable(self.pool), residual)
-
-    def _fork_kv(self, parent: Node, adapter) -> NodeKV:
-        """Same adapter: alias everything. Another adapter: alias what its K/V can share —
-        the base side when disaggregated, all of it under full_reuse, nothing when unified."""
-        layout = self.config.kv_layout
-        if adapter == parent.adapter or layout is KVLayout.FULL_REUSE:
-            return parent.table.fork()
-        if layout is KVLayout.DISAGGREGATED:
-            return parent.table.fork_base(self.residual_pool if adapter is not None else None)
-        return self._new_kv(adapter)
+        node.published, node.publish_cursor = self.kv.publish(node.table, node.adapter, path,
+                                                              node.published, node.publish_cursor)
 
     def _pinned(self, node: Node) -> bool:
         return node.pinned_until is not None and node.pinned_until > self.clock()
@@ -718,13 +665,11 @@ class Engine:
         return list(self._session(session_id).tree.committed)
 
     def evict_all(self) -> int:
-        return self.cache.evict_all()
+        return self.kv.evict_all()
 
     def check_integrity(self) -> None:
         """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
-        expected = {self.pool: dict(self.index.held_refs())}
-        if self.residual_pool is not None:
-            expected[self.residual_pool] = dict(self.residual_index.held_refs())
+        tables = []
         p = self.pool.page_size
         for session in self.sessions.values():
             for node in session.tree.nodes.values():
@@ -736,14 +681,11 @@ class Engine:
                     if len(t.pages) != -(-t.length // p) or t.length > node.end:
                         raise AssertionError(f"node {node.id}: {len(t.pages)} {t.pool.kind.value} "
                                              f"pages for {t.length} tokens (end {node.end})")
-                    refs = expected.setdefault(t.pool, {})
-                    for page in t.pages:
-                        refs[page] = refs.get(page, 0) + 1
+                    tables.append(t)
             tip = session.tree.tip
             if tip.state is not NodeState.COMMITTED or tip.table is None:
                 raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
-        for pool, refs in expected.items():
-            pool.check_integrity(refs)
+        self.kv.check_integrity(tables)
 
 
 def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
