@@ -1,0 +1,260 @@
+"""vLLM 0.26 under the ForkServe control plane, side by side with ForkServe's own engine.
+
+    python benchmarks/vllm_side_by_side.py                       # on the H200 (docs/VLLM_BACKEND.md)
+    python benchmarks/vllm_side_by_side.py --tiny --workflows 1  # CPU: ours run, vLLM reported missing
+
+1. react-multilora (forkserve/bench/multilora.py, same driver and KV budget) at W = 1, 8, 32:
+   ForkServe's TorchBackend systems through ``run_system``, and ``vllm`` / ``vllm_no_lora``:
+   the same Engine and driver on ``VllmBackend`` (one LoRA per agent / base model). vLLM's
+   KV pool is fixed at the budget's pages plus a small headroom for the partial tail blocks
+   it recomputes, so no system gets more KV than the budget.
+2. decode ms/step at prompt 512, batch 1 and 64 (64 over 32 adapters with LoRA): through
+   ``VllmBackend.step`` (one vLLM request per sequence per step) beside vLLM's own decode
+   loop (``LLM.generate`` of the same prompts), i.e. what the translation costs.
+
+One vLLM engine (Llama-3-8B shape, dummy bf16 weights, token ids only) serves every vLLM run;
+pins are released and the prefix cache reset between runs. Writes vllm_side_by_side.json
+to --out after every run, so a timeout loses nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
+from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, Workflow, _budget_pages,  # noqa: E402
+                                       _Driver, _pct, _tiny_config, format_table, page_bytes,
+                                       random_adapter, run_system)
+from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
+from forkserve.engine import Engine  # noqa: E402
+
+VLLM_SYSTEMS = ("vllm", "vllm_no_lora")
+DECODE_PROMPT = 512
+
+
+@dataclass
+class VllmHarness:
+    """The one vLLM engine every vLLM run shares (its start takes 50-95 s on the H200)."""
+
+    llm: Any
+    api: Any
+    pinner: Any
+    model_cfg: Any
+    assets: Path
+    kv_pages: int
+
+    def adapter_dir(self, i: int, rank: int) -> str:
+        from forkserve.backend.vllm.bench_assets import write_peft_adapter
+
+        path = self.assets / f"agent{i}"
+        if not path.exists():
+            adapter = random_adapter(self.model_cfg, f"agent{i}", rank, torch.device("cpu"), seed=i)
+            write_peft_adapter(adapter, path)
+        return str(path)
+
+
+def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page: int,
+               utilization: float, cow_blocks: bool) -> VllmHarness:
+    from forkserve.backend.vllm.bench_assets import write_model_dir
+    from forkserve.backend.vllm.block_pinner import KvManagerPinner
+    from forkserve.backend.vllm.vllm_loader import api, build_llm
+
+    assets = Path(tempfile.mkdtemp(prefix="forkserve_vllm_"))
+    model = write_model_dir(model_cfg, assets / "model")
+    # Headroom: each request may hold a partial tail block and a recomputed last block.
+    blocks = budget_pages + 4 * max(64, max_workflows * 4)
+    cfg = ForkServeConfig(page_size=page, num_pages=budget_pages, max_context=model_cfg.max_context,
+                          vocab_size=model_cfg.vocab_size)
+    llm = build_llm(str(model), cfg, max_loras=max_workflows, gpu_memory_utilization=utilization,
+                    max_lora_rank=rank, llm_kwargs=dict(
+                        load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                        num_gpu_blocks_override=blocks, max_num_seqs=max(256, 2 * max_workflows)))
+    pinner = KvManagerPinner.attach(llm.llm_engine) if cow_blocks else None
+    return VllmHarness(llm, api(), pinner, model_cfg, assets, budget_pages)
+
+
+def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness, two_class: bool,
+                    progress: tqdm | None) -> RunResult:
+    """``run_system``'s body with VllmBackend in place of the TorchBackend it builds."""
+    from forkserve.backend.vllm import VllmBackend
+
+    model_cfg = harness.model_cfg
+    sizes = page_bytes(model_cfg, params.rank, params.page_size, torch.bfloat16)
+    num_pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
+    cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=1,
+                          kv_layout=KVLayout.UNIFIED, hbm_tokens=num_pages * params.page_size,
+                          max_batch_tokens=16384, max_context=model_cfg.max_context, node_ttl_s=None,
+                          vocab_size=model_cfg.vocab_size)
+    lora = {} if system == "vllm_no_lora" else {
+        f"agent{i}": harness.adapter_dir(i, params.rank) for i in range(params.workflows)}
+    harness.llm.reset_prefix_cache()
+    backend = VllmBackend.on_engine(cfg, harness.llm.llm_engine, harness.api, pinner=harness.pinner,
+                                    lora_modules=lora, two_class=two_class,
+                                    cow_blocks=harness.pinner is not None)
+    engine = Engine(backend)
+    vocab = model_cfg.vocab_size
+    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
+    flows = []
+    for i in range(params.workflows):
+        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
+        adapter = None if system == "vllm_no_lora" else backend.adapter_id(f"agent{i}")
+        flows.append(Workflow(i, adapter, context + instruction, params))
+    driver = _Driver(engine, flows, params, sizes, progress)
+    start = time.perf_counter()
+    try:
+        if params.workload == "react":
+            driver.react()
+        else:
+            driver.mapreduce(context)
+    finally:
+        backend.close()
+    makespan = time.perf_counter() - start
+    m = engine.metrics
+    lat = sorted(x for f in flows for x in f.latencies)
+    return RunResult(system, params.workflows, params.workflows / makespan, makespan, _pct(lat, 50),
+                     _pct(lat, 99), driver.peak_bytes, driver.peak_bytes / params.workflows,
+                     m.base_hit_tokens / max(1, driver.prompt_tokens),
+                     m.decode_tokens / max(1, driver.decode_ticks), m.prefill_tokens, m.decode_tokens,
+                     driver.waited_s, notes=[{"vllm": backend.stats.as_dict(), "two_class": two_class,
+                                              "cow_blocks": harness.pinner is not None}])
+
+
+def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int, rank: int,
+                        page: int) -> dict:
+    """ms per decode step: VllmBackend.step (one request per sequence per step) and vLLM's
+    own loop (one ``LLM.generate`` of ``steps`` tokens) on the same prompts."""
+    from forkserve.backend.vllm import VllmBackend
+
+    vocab = harness.model_cfg.vocab_size
+    adapters = {f"agent{i}": harness.adapter_dir(i, rank) for i in range(32)} if lora else {}
+    names = [f"agent{i % 32}" if lora else None for i in range(batch)]
+    prompts = [[(b * 977 + j * 31) % (vocab - 3) + 3 for j in range(DECODE_PROMPT)] for b in range(batch)]
+    pages_per_seq = -(-(DECODE_PROMPT + steps + 1) // page)
+    cfg = ForkServeConfig(page_size=page, num_pages=batch * pages_per_seq, max_context=harness.model_cfg.max_context,
+                          vocab_size=vocab)
+    harness.llm.reset_prefix_cache()
+    backend = VllmBackend.on_engine(cfg, harness.llm.llm_engine, harness.api, pinner=harness.pinner,
+                                    lora_modules=adapters, cow_blocks=harness.pinner is not None)
+    slots = [KVSlots(tuple(range(b * pages_per_seq, (b + 1) * pages_per_seq))) for b in range(batch)]
+    first = backend.step([SeqWork(b, tuple(prompts[b]), 0, slots[b], names[b], GREEDY) for b in range(batch)])
+    tokens = [list(p) + [t] for p, t in zip(prompts, first.next_tokens)]
+    times = []
+    for _ in range(steps):
+        work = [SeqWork(b, (tokens[b][-1],), len(tokens[b]) - 1, slots[b], names[b], GREEDY, decode=True)
+                for b in range(batch)]
+        t0 = time.perf_counter()
+        out = backend.step(work)
+        times.append((time.perf_counter() - t0) * 1000)
+        for b, t in enumerate(out.next_tokens):
+            tokens[b].append(t)
+    backend.close()
+    refs = [backend.adapters.resolve(n) for n in names]
+    lreqs = [None if r is None else harness.api.lora_request(lora_name=r.name, lora_int_id=r.int_id,
+                                                             lora_path=r.path) for r in refs]
+    batch_prompts = [{"prompt_token_ids": p} for p in prompts]
+
+    def params(n: int) -> Any:
+        return harness.api.sampling_params(n=1, max_tokens=n, temperature=0.0, ignore_eos=True,
+                                           detokenize=False)
+
+    # Prompts cached first (as VllmBackend's were by its untimed first step), then timed.
+    harness.llm.generate(batch_prompts, params(1), lora_request=lreqs, use_tqdm=False)
+    t0 = time.perf_counter()
+    harness.llm.generate(batch_prompts, params(steps), lora_request=lreqs, use_tqdm=False)
+    native_ms = (time.perf_counter() - t0) * 1000 / steps
+    return {"batch": batch, "lora": lora, "steps": steps,
+            "vllm_backend_ms_per_step": statistics.median(times[2:] or times),
+            "native_vllm_ms_per_step": native_ms,
+            "vllm_stats": backend.stats.as_dict()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from forkserve.backend.torch.model_config import llama3_8b_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--systems", nargs="+", default=[*SYSTEMS, *VLLM_SYSTEMS], choices=[*SYSTEMS, *VLLM_SYSTEMS])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--kv-budget-gib", type=float, default=None, help="default 24 (0.02 with --tiny)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    ap.add_argument("--two-class", action="store_true", help="VllmBackend: committed, then speculative phase")
+    ap.add_argument("--no-cow-blocks", action="store_true", help="VllmBackend: plain LRU prefix cache, no pins")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU plumbing check)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
+    budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
+    page, rank = 16, 16
+    report: dict = {"workload": "react-multilora", "model": "tiny" if args.tiny else "llama3-8b-shape",
+                    "device": str(device), "context": args.context, "turns": args.turns, "gen": args.gen,
+                    "kv_budget_gib": budget, "results": [], "decode": [], "errors": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (args.out / "vllm_side_by_side.json").write_text(json.dumps(report, indent=2))
+
+    weights = None
+    harness: VllmHarness | None = None
+    vllm_missing: str | None = None
+    for w in args.workflows:
+        for system in args.systems:
+            params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
+                                     kv_budget_gib=budget)
+            try:
+                if system in VLLM_SYSTEMS:
+                    if vllm_missing is not None:
+                        continue
+                    if harness is None:
+                        sizes = page_bytes(model_cfg, rank, page, torch.bfloat16)
+                        pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
+                        harness = start_vllm(model_cfg, pages, max(args.workflows), rank, page,
+                                             args.gpu_memory_utilization, not args.no_cow_blocks)
+                    result = run_vllm_system(system, params, harness, args.two_class, None)
+                else:
+                    if weights is None:
+                        from forkserve.backend.torch.weights import random_weights
+                        weights = random_weights(model_cfg, device, dtype)
+                    result = run_system(system, params, model_cfg, weights, device, dtype)
+                report["results"].append(asdict(result))
+                print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
+            except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
+                vllm_missing = str(exc)
+                print(f"vLLM is missing: {exc}", flush=True)
+                report["errors"].append({"system": system, "workflows": w, "error": vllm_missing})
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                report["errors"].append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
+            save()
+    if harness is not None and not args.skip_decode:
+        for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
+            report["decode"].append(decode_side_by_side(harness, batch, lora, args.decode_steps, rank, page))
+            save()
+    print(format_table([RunResult(**r) for r in report["results"]], "react"))
+    for d in report["decode"]:
+        print(f"decode b={d['batch']:<3} lora={d['lora']!s:<5} VllmBackend {d['vllm_backend_ms_per_step']:.2f} "
+              f"ms/step; vLLM's own loop {d['native_vllm_ms_per_step']:.2f} ms/step")
+    for e in report["errors"]:
+        print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
+    if vllm_missing is not None:
+        print(f"vLLM is missing: {vllm_missing}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

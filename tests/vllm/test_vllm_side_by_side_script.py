@@ -1,0 +1,25 @@
+"""benchmarks/vllm_side_by_side.py runs without vLLM up to where it says vLLM is missing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_script_reports_missing_vllm(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("vllm_side_by_side", ROOT / "benchmarks/vllm_side_by_side.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look themselves up
+    spec.loader.exec_module(script)
+    report = script.main(["--tiny", "--workflows", "1", "8", "--systems", "vllm", "vllm_no_lora",
+                          "--out", str(tmp_path)])
+    assert report["results"] == []
+    assert len(report["errors"]) == 1 and 'pip install -e ".[vllm]"' in report["errors"][0]["error"]
+    assert "vLLM is missing" in capsys.readouterr().out
+    assert json.loads((tmp_path / "vllm_side_by_side.json").read_text())["errors"] == report["errors"]
