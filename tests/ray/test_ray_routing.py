@@ -187,10 +187,18 @@ def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> Non
     committed = prompt + g1 + extra
     assert info["committed_tokens"] == len(committed)
 
-    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    # Kill the replica mid-generation: the stream, already under way, ends with a retryable error.
+    with client.stream("POST", f"/v1/sessions/{sid}/generate",
+                       json={"max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["tokens"]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        last = json.loads([line for line in lines if line][-1])
+    assert last["error"]["code"] == 503, last
 
     # The client goes on from the committed tip it knew: the tree is re-opened elsewhere from
-    # its committed tokens and the old tip id still names it.
+    # its committed tokens (the cut generation was never committed) and the old tip id still
+    # names it.
     more = fresh_tokens(3)
     r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": info["tip"], "tokens": more})
     assert r.status_code == 200, r.text

@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
 from forkserve.interfaces.ray_serve.protocol import ModelInfo
-from forkserve.interfaces.ray_serve.tree_client import GenerationStream, TreeClient
+from forkserve.interfaces.ray_serve.tree_client import REPLICA_GONE, GenerationStream, TreeClient
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
 from forkserve.interfaces.server.schemas import (
@@ -72,9 +72,9 @@ install_error_handlers(app)
 
 
 def _error_payload(exc: Exception) -> dict:
-    """What a stream sends when it breaks after its first byte (a replica lost mid-stream
-    reads as 503: retry)."""
-    status = getattr(exc, "status", 503)
+    """What a stream sends when it breaks after its first byte: a replica lost mid-stream
+    reads as 503 (retry: the tree is re-opened from its committed tokens at its next verb)."""
+    status = exc.status if isinstance(exc, APIError) else 503 if isinstance(exc, REPLICA_GONE) else 500
     return {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
 
 
