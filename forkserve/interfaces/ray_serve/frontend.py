@@ -32,7 +32,11 @@ from ray.serve.handle import DeploymentHandle
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
 from forkserve.interfaces.ray_serve.protocol import ModelInfo
-from forkserve.interfaces.ray_serve.tree_client import REPLICA_GONE, GenerationStream, TreeClient
+from forkserve.interfaces.ray_serve.tree_client import (
+    REPLICA_GONE,
+    GenerationStream,
+    TreeClient,
+)
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
 from forkserve.interfaces.server.schemas import (
