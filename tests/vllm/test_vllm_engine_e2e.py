@@ -11,13 +11,13 @@ import random
 import sys
 
 import pytest
+from vllm_fakes import FAKE_API, FakeLLMEngine, FakePinner, greedy_reference
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.mock import MockBackend
 from forkserve.config import KVLayout
 from forkserve.engine.vllm_backend import VllmBackend
-from vllm_fakes import FAKE_API, FakeLLMEngine, FakePinner, greedy_reference
 
 _tok = ByteTokenizer()
 system_and_user_tokens = _tok.encode("System: you are a shell agent.\nUser: list /tmp\n"
@@ -49,7 +49,7 @@ def _quickstart(backend):
 
 @pytest.mark.parametrize("two_class", [False, True])
 def test_seed_quickstart_on_vllm_backend_matches_a_committed_only_run(two_class):
-    backend, fake = _vllm(two_class=two_class)
+    backend, _ = _vllm(two_class=two_class)
     eng, h, cr, happy, fail = _quickstart(backend)
     assert cr.bound_node == happy and cr.matched_tokens == len(wrap)
     assert cr.prefilled_tokens == len(observation) and fail in cr.aborted

@@ -50,7 +50,7 @@ class VllmBackend:
     @classmethod
     def on_engine(cls, config: ForkServeConfig, engine: EngineLike, api: VllmApi, *,
                   pinner: Pinner | None = None, lora_modules: Mapping[str, str] | None = None,
-                  two_class: bool = False, cow_blocks: bool = True) -> "VllmBackend":
+                  two_class: bool = False, cow_blocks: bool = True) -> VllmBackend:
         """A backend over an engine that is already built (a test double, or an ``LLM``'s
         ``llm_engine`` the caller configured itself)."""
         _check_config(config)

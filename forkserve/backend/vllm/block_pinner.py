@@ -36,7 +36,7 @@ class KvManagerPinner:
         kv_cache_manager.free = free_and_capture
 
     @classmethod
-    def attach(cls, llm_engine: Any) -> "KvManagerPinner":
+    def attach(cls, llm_engine: Any) -> KvManagerPinner:
         """Find the scheduler's KV manager behind an in-process ``LLMEngine``."""
         path = ("engine_core", "engine_core", "scheduler", "kv_cache_manager")
         obj = llm_engine
