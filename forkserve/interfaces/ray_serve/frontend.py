@@ -99,6 +99,8 @@ class Frontend:
     async def _model(self) -> ModelInfo:
         """The served model, asked of a replica on first use (a constructor may not await).
         The tokenizer is loaded from the replica's model path: same node or shared storage."""
+        if self._info is not None:
+            return self._info
         async with self._init_lock:
             if self._info is None:
                 from forkserve.backend.torch.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="forkserve serve --replicas N", add_help=False,
+    ap = argparse.ArgumentParser(prog="forkserve serve", add_help=False,
                                  description="ForkServe on Ray Serve: N engine replicas, tree-sticky routing")
     ap.add_argument("--replicas", type=_positive, required=True, help="engine replicas (one per GPU)")
     ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    ours, rest = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    ours, rest = parser.parse_known_args(argv)
+    if {"-h", "--help"} & set(rest):
+        parser.print_help()  # the Ray options, then every option of the one-process server
+        print()
     args = server_parser().parse_args(rest)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model

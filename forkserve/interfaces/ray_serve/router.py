@@ -51,9 +51,20 @@ class TreeAffinityRouter(RequestRouter):
         self._residual_w = residual_weight
         self._queue_w = queue_weight
         self._owners: dict[int, ReplicaID] = {}
+        # Parsed summaries, kept until Serve hands a replica a new stats dict: parsing is
+        # O(published pages), a routing decision should not be.
+        self._summaries: dict[ReplicaID, tuple[dict, ReplicaSummary]] = {}
+
+    def _summary(self, replica: RunningReplica) -> ReplicaSummary:
+        raw = replica.routing_stats or {}
+        cached = self._summaries.get(replica.replica_id)
+        if cached is None or cached[0] is not raw:
+            cached = (raw, ReplicaSummary.from_dict(raw))
+            self._summaries[replica.replica_id] = cached
+        return cached[1]
 
     def score(self, replica: RunningReplica, hint: RouteHint) -> float:
-        s = ReplicaSummary.from_dict(replica.routing_stats or {})
+        s = self._summary(replica)
         prefix = max(matched_pages(hint.base_hashes, s.prefix_pages),
                      matched_pages(hint.adapter_hashes, s.prefix_pages))
         residual = s.residual_pages.get(hint.adapter, 0) if hint.adapter is not None else 0
@@ -119,3 +130,5 @@ class TreeAffinityRouter(RequestRouter):
     def _forget(self, gone) -> None:
         for tree in [t for t, owner in self._owners.items() if gone(owner)]:
             del self._owners[tree]
+        for replica in [r for r in self._summaries if gone(r)]:
+            del self._summaries[replica]
