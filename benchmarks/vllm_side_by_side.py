@@ -72,8 +72,10 @@ def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page
 
     assets = Path(tempfile.mkdtemp(prefix="forkserve_vllm_"))
     model = write_model_dir(model_cfg, assets / "model")
-    # Headroom: each request may hold a partial tail block and a recomputed last block.
-    blocks = budget_pages + 4 * max(64, max_workflows * 4)
+    # Headroom beyond the budget's pages (which pins may fill): a running request holds at
+    # most a partial tail block and a recomputed last block, and a step runs a few requests
+    # per workflow (the spine and its speculative children).
+    blocks = budget_pages + 8 * max(32, max_workflows)
     cfg = ForkServeConfig(page_size=page, num_pages=budget_pages, max_context=model_cfg.max_context,
                           vocab_size=model_cfg.vocab_size)
     llm = build_llm(str(model), cfg, max_loras=max_workflows, gpu_memory_utilization=utilization,
@@ -160,8 +162,8 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
             tokens[b].append(t)
     backend.close()
     refs = [backend.adapters.resolve(n) for n in names]
-    lreqs = [None if r is None else harness.api.lora_request(lora_name=r.name, lora_int_id=r.int_id,
-                                                             lora_path=r.path) for r in refs]
+    lreqs = [harness.api.lora_request(lora_name=r.name, lora_int_id=r.int_id, lora_path=r.path)
+             for r in refs] if lora else None
     batch_prompts = [{"prompt_token_ids": p} for p in prompts]
 
     def params(n: int) -> Any:
