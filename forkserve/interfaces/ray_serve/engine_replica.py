@@ -78,7 +78,7 @@ class ReplicaSpec:
 
 
 class _NotResident(Exception):
-    pass
+    """Raised on the engine thread, answered as ``Failure(410, ..., NOT_RESIDENT)``."""
 
 
 class EngineReplica:
