@@ -64,6 +64,8 @@ class TickScheduler:
             n = min(d.tokens, budget)  # committed prefill may be chunked anywhere
             grants.append(Grant(d.node_id, n, False, WorkClass.COMMITTED))
             budget -= n
+        # Speculation gets the memory committed work leaves, not the memory it is about to take.
+        spec_memory_tokens -= sum(g.tokens for g in grants)
         # Known suffixes first, then by the harness prior; stable for equal priorities.
         for d in sorted(speculative, key=lambda d: -d.priority):
             chunk = 1 if d.decode else min(d.tokens, self.config.spec_chunk)

@@ -1,8 +1,14 @@
 """L3: the Engine and its verbs. ``MockBackend`` is re-exported for the seed's quickstart."""
 from forkserve.backend.mock import MockBackend
 from forkserve.engine.engine import Engine
-from forkserve.engine.results import (AbortResult, CommitResult, DrainReport, GenerateResult,
-                                      SessionHandle, SharedPrefill)
+from forkserve.engine.results import (
+                                      AbortResult,
+                                      CommitResult,
+                                      DrainReport,
+                                      GenerateResult,
+                                      SessionHandle,
+                                      SharedPrefill,
+)
 
 __all__ = ["Engine", "MockBackend", "SessionHandle", "CommitResult", "GenerateResult",
            "DrainReport", "AbortResult", "SharedPrefill"]

@@ -254,3 +254,26 @@ def test_cancel_generate_keeps_what_was_generated():
     assert len(done.tokens) == 2 and eng.generation(h.id) == done
     assert not eng.tick() or eng.generation(h.id) == done  # nothing more is decoded
     assert eng.committed_tokens(h.id)[-2:] == list(done.tokens)
+
+
+def test_speculation_gets_only_the_memory_committed_work_leaves_and_yields_it_back():
+    cfg = ForkServeConfig(page_size=4, num_pages=12, vocab_size=300, hbm_tokens=4 * 12,
+                          max_batch_tokens=64, spec_chunk=64, node_ttl_s=None)
+    eng = engine(cfg)
+    h = eng.open(list(range(10, 18)))                            # 2 pages
+    eng.drain_slack()
+    spec = eng.fork(h.id, h.tip, "guess", list(range(20, 36)))   # 4 pages once written
+    eng.speculate(h.id, spec, priority=0.3)
+    other = eng.open(list(range(40, 68)))                         # 7 pages of committed prefill
+    assert eng.tick()
+    assert eng.node(other.id, other.tip).kv_len == 28
+    assert eng.node(h.id, spec).kv_len == 8                       # 3 pages left: no chunk fits
+    eng.close(other.id)
+    eng.evict_all()
+    eng.drain_slack()
+    assert eng.node(h.id, spec).kv_len == 24                      # room again: it ran
+    late = eng.open(list(range(100, 128)))                        # needs 7 of 6 free pages
+    eng.drain_slack()
+    assert eng.node(h.id, spec).state is NodeState.ABORTED         # preempted for committed work
+    assert eng.node(late.id, late.tip).kv_len == 28
+    eng.check_integrity()

@@ -1,0 +1,294 @@
+"""Stepper: the engine's tick loop — demands in, one batched backend step out.
+
+Each tick collects what every session needs (committed: the tip's prefill, commit tail or
+decode step; speculative: admitted residuals, early-abort probes), lets the
+``TickScheduler`` grant committed work first and speculation what is left, makes the pages
+writable (evicting the index, preempting speculation for committed work), runs one
+``Backend.step``, and applies the sampled tokens: generation, probe verdicts, publishing of
+committed pages, TTL, and the metrics the benchmarks read.
+
+It shares the Engine's sessions and KV cache; the Engine's verbs validate and record
+intent, the Stepper does the work.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from forkserve.backend.protocol import GREEDY, Backend, SeqWork, StepCost
+from forkserve.config import ForkServeConfig
+from forkserve.control.cascade import Action
+from forkserve.control.context_tree import Node, NodeState
+from forkserve.control.kv_cache import KVCache
+from forkserve.control.metrics import EngineMetrics
+from forkserve.control.node_kv import NodeKV, Regime
+from forkserve.control.page_pool import PagePool
+from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
+from forkserve.control.scorers import Scorer
+from forkserve.engine.session import Session
+
+
+class Stepper:
+    def __init__(self, sessions: dict[int, Session], config: ForkServeConfig, kv: KVCache,
+                 backend: Backend, scheduler: TickScheduler, metrics: EngineMetrics,
+                 scorer: Scorer, clock: Callable[[], float]) -> None:
+        self.sessions, self.config, self.kv, self.backend = sessions, config, kv, backend
+        self.pool, self.residual_pool = kv.pool, kv.residual_pool
+        self.scheduler, self.metrics, self.scorer, self.clock = scheduler, metrics, scorer, clock
+        # Tokens freed by dropped residuals: the budget slack fill may spend.
+        self.slack_tokens = 0
+        # Running estimate of prefill cost, to judge whether a known suffix fits a tool pause.
+        self.ms_per_token = config.prefill_ms_per_token
+        self._nodes_by_id: dict[int, tuple[Session, Node]] = {}
+
+    def tick(self) -> bool:
+        """One scheduler tick; returns False when there was nothing to do."""
+        self._expire_ttl()
+        committed, speculative, spines = self._demands()
+        if not committed and not speculative:
+            return False
+        # Speculation may use what is left of H and of every pool (base and residual apart).
+        p = self.pool.page_size
+        room = [self.config.hbm_tokens - self.pool.num_used * p, self.pool.num_free * p]
+        if self.residual_pool is not None:
+            room.append(self.residual_pool.num_free * p)
+        spec_memory = max(0, min(room))
+        grants = self.scheduler.plan(committed, speculative,
+                                     self.scheduler.decode_slots(spines), spec_memory)
+        if not grants:
+            return False
+        self._execute(grants)
+        self.metrics.ticks += 1
+        return True
+
+    def run_until(self, done: Callable[[], bool]) -> int:
+        ticks = 0
+        while not done() and self.tick():
+            ticks += 1
+        return ticks
+
+    def _demands(self) -> tuple[list[Demand], list[Demand], list[int]]:
+        committed, speculative, spines = [], [], []
+        for session in self.sessions.values():
+            tip = session.tree.tip
+            self.emit(session)
+            if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
+                # No cached logits for the last position (a partial LCP bind, or another
+                # sampling rule): recompute that one position.
+                tip.table.truncate(tip.end - 1)
+            pending = _regime_capped(tip, tip.end - tip.kv_len)
+            idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
+            if pending > 0 and not idle:  # an idle session's last token waits for its next verb
+                decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
+                committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
+                if decode:
+                    spines.append(tip.end)
+            for node in session.tree.nodes.values():
+                demand = self._spec_demand(node)
+                if demand is not None:
+                    speculative.append(demand)
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values()
+                             for n in s.tree.nodes.values()}
+        return committed, speculative, spines
+
+    def _spec_demand(self, node: Node) -> Demand | None:
+        if node.state is not NodeState.SPECULATIVE or not node.speculated:
+            return None
+        action = node.decision.action
+        if action.prunes or action is Action.HASH_SKIP and node.kv_len >= node.end:
+            return None
+        if node.parent.generation != node.spec_generation:
+            node.speculated = False  # the trunk moved under it: drop the queued work
+            self.metrics.dropped_chunks += 1
+            return None
+        pending = node.end - node.kv_len
+        if pending == 0 and node.next_token is not None and (node.probe_left or node.extend_left):
+            self._emit_speculative(node)
+            pending = node.end - node.kv_len
+        pending = _regime_capped(node, pending)
+        if pending <= 0:
+            return None
+        if node.slack_only:
+            p = self.pool.page_size
+            pending = min(pending, (self.slack_tokens // p) * p)
+            if pending <= 0:
+                return None
+        decode = pending == 1 and node.generated_count > 0
+        return Demand(node.id, pending, decode, WorkClass.SPECULATIVE, node.priority)
+
+    def _execute(self, grants: list[Grant]) -> None:
+        work, targets = [], []
+        for g in grants:
+            session, node = self._nodes_by_id[g.node_id]
+            if node.table is None:
+                continue  # preempted by committed work granted earlier in this tick
+            start = node.kv_len
+            path = session.tree.path_tokens(node)
+            regime = node.table.regime()
+            self._ensure_pages(node, g.tokens, g.work_class)
+            _assert_exclusive(node.table, start, g.tokens, regime)
+            completes = start + g.tokens == node.end
+            sampling = None
+            if completes:
+                sampling = session.sampling if node is session.tree.tip else GREEDY
+            work.append(SeqWork(node.id, tuple(path[start:start + g.tokens]), start,
+                                node.table.slots(), node.adapter, sampling,
+                                speculative=g.work_class is WorkClass.SPECULATIVE,
+                                decode=g.decode, write_base=regime.write_base,
+                                write_residual=regime.write_residual))
+            targets.append((session, node, g, sampling))
+        result = self.backend.step(work)
+        self.account_cost(result.cost, grants)
+        for (session, node, g, sampling), token in zip(targets, result.next_tokens, strict=False):
+            node.last_touch = self.clock()
+            if node is session.tree.tip:
+                session.generated_unwritten = False
+            if g.work_class is WorkClass.SPECULATIVE and node.slack_only:
+                self.slack_tokens -= g.tokens
+                self.metrics.slack_filled_tokens += g.tokens
+            if token is not None:
+                node.next_token, node.next_token_sampling = token, sampling
+            if node.state is NodeState.COMMITTED:
+                self.publish(node)
+                self.emit(session)
+            else:
+                self._emit_speculative(node)
+        self.account({session for session, *_ in targets if session.id in self.sessions})
+
+    def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
+        preempt = self.preempt_speculative if work_class is WorkClass.COMMITTED else None
+        for pool, need in node.table.pages_needed(n).items():
+            self.kv.make_room(pool, need, preempt)
+        node.table.prepare_write(n, self.backend.copy_pages)
+
+    def preempt_speculative(self, pool: PagePool, need: int) -> None:
+        """Committed work waits for nothing: abort unpinned speculation, lowest prior first.
+        (A node being written is never speculative-and-unpinned when committed work runs.)"""
+        victims = sorted((n for s in self.sessions.values() for n in s.tree.nodes.values()
+                          if n.state is NodeState.SPECULATIVE and not self.pinned(n)),
+                         key=lambda n: n.priority)
+        index = self.kv.index_of(pool)
+        for victim in victims:
+            if pool.num_free >= need:
+                break
+            if victim.live:
+                self.sessions[victim.session_id].tree.abort(victim)
+                index.evict(need - pool.num_free)
+
+    def emit(self, session: Session) -> None:
+        """Hand the cached next token to a generating session (no compute needed)."""
+        tip = session.tree.tip
+        if session.decode_left <= 0 or tip.kv_len != tip.end or tip.next_token is None:
+            return
+        token = tip.next_token
+        tip.next_token = None
+        tip.tokens.append(token)
+        session.tree.committed.append(token)
+        session.record(token)
+        session.generated_unwritten = True
+
+    def _emit_speculative(self, node: Node) -> None:
+        """Advance an early-abort probe (or its extension) by one sampled token."""
+        if node.kv_len != node.end or node.next_token is None:
+            return
+        if node.probe_left == 0 and node.extend_left == 0:
+            return
+        node.tokens.append(node.next_token)
+        node.next_token = None
+        node.generated_count += 1
+        if node.probe_left:
+            node.probe_left -= 1
+            if node.probe_left == 0:
+                self._judge_probe(node)
+        else:
+            node.extend_left -= 1
+
+    def _judge_probe(self, node: Node) -> None:
+        tree = self.sessions[node.session_id].tree
+        path = tree.path_tokens(node)
+        score = self.scorer.score(path[:node.start][-1024:], node.tokens)
+        if score.value >= self.config.tau:
+            node.extend_left = max(0, self.config.speculate_budget_tokens - node.generated_count)
+            return
+        self.metrics.probe_aborts += 1
+        self.slack_tokens += node.kv_len - node.start
+        tree.abort(node)
+
+    def publish(self, node: Node) -> None:
+        """Publish a committed node's new full pages (a no-op on most decode steps)."""
+        if node.table is None:
+            return
+        p = self.pool.page_size
+        if (node.table.base.length // p, node.table.residual.length // p
+                if node.table.residual is not None else 0) == node.published:
+            return
+        path = self.sessions[node.session_id].tree.path_tokens(node)
+        node.published, node.publish_cursor = self.kv.publish(node.table, node.adapter, path,
+                                                              node.published, node.publish_cursor)
+
+    def pinned(self, node: Node) -> bool:
+        return node.pinned_until is not None and node.pinned_until > self.clock()
+
+    def _expire_ttl(self) -> None:
+        ttl = self.config.node_ttl_s
+        if ttl is None:
+            return
+        now = self.clock()
+        for session in self.sessions.values():
+            for node in list(session.tree.nodes.values()):
+                if (node.state is NodeState.SPECULATIVE and not self.pinned(node)
+                        and now - node.last_touch > ttl):
+                    session.tree.abort(node)
+                    self.metrics.ttl_expired += 1
+
+    def account_cost(self, cost: StepCost, grants: Sequence[Grant]) -> None:
+        m = self.metrics
+        m.prefill_tokens += cost.prefill_tokens
+        m.prefill_calls += cost.prefill_calls
+        m.decode_tokens += cost.decode_tokens
+        m.ms += cost.ms
+        prefill_share = cost.prefill_ms
+        m.prefill_ms += prefill_share
+        if cost.prefill_tokens:
+            self.ms_per_token = 0.8 * self.ms_per_token + 0.2 * prefill_share / cost.prefill_tokens
+        if self.config.disaggregated_prefill:
+            moved = sum(g.tokens for g in grants if not g.decode and
+                        (g.work_class is WorkClass.SPECULATIVE or not self.config.cascade))
+            if moved:
+                t = self.backend.transfer_cost(moved)
+                m.transfer_tokens += moved
+                m.ms += t.ms
+                m.prefill_ms += t.ms
+
+    def account(self, sessions: Iterable[Session] | None = None) -> None:
+        """Peaks: physical pages, and per session the KV it could not give back. ``sessions``
+        limits the per-session pass to those a step touched (the rest did not change)."""
+        p = self.pool.page_size
+        self.metrics.peak_pages = max(self.metrics.peak_pages, self.pool.num_used)
+        for session in self.sessions.values() if sessions is None else sessions:
+            held = set()
+            for node in session.tree.nodes.values():
+                if node.table is None:
+                    continue
+                reclaimable = (node.state is NodeState.SPECULATIVE and self.config.cascade
+                               and not self.pinned(node))
+                if not reclaimable:
+                    held.update(node.table.pages)
+            session.peak_tokens = max(session.peak_tokens, len(held) * p)
+
+
+def _assert_exclusive(kv: NodeKV, start: int, n: int, regime: Regime) -> None:
+    """The pages a step writes are ours alone: writing a shared page would corrupt a sibling."""
+    sides = ((kv.base, regime.write_base), (kv.residual, regime.write_residual))
+    for table, writes in sides:
+        if table is None or not writes:
+            continue
+        p = table.pool.page_size
+        for page in table.pages[start // p:(start + n - 1) // p + 1]:
+            if table.pool.refcount(page) != 1:
+                raise AssertionError(f"write into shared {table.pool.kind.value} page {page}")
+
+
+def _regime_capped(node: Node, pending: int) -> int:
+    """A write stays inside one regime (both sides, or only the side that is missing)."""
+    cap = node.table.regime().max_tokens
+    return pending if cap is None else min(pending, cap)
