@@ -13,6 +13,7 @@ import pytest
 import ray
 from ray_testlib import STATS_PERIOD_S, Cluster
 
+from forkserve.interfaces.client import BranchClient
 from forkserve.interfaces.ray_serve.frontend import REPLICA_HEADER
 
 MODEL = "tiny-llama"
@@ -174,6 +175,25 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
         for choice in json.loads(e)["choices"]:
             text[choice["index"]] += choice["text"]
     assert [text[0], text[1]] == [c["text"] for c in whole["choices"]]
+
+
+def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) -> None:
+    """The Python client of the one-process server, unchanged, against the Frontend: the
+    agent step of tests/server (speculate a known wrapper, drain, commit binds it)."""
+    with BranchClient(cluster.url) as client:
+        s = client.open(MODEL, messages=[{"role": "user", "content": "List the files."}])
+        wrapper, guess = [40, 41, 42, 43, 44], [40, 41, 90, 91]
+        happy = client.fork(s.session_id, s.tip, tokens=wrapper, label="wrapper")
+        err = client.fork(s.session_id, s.tip, tokens=guess, label="error")
+        client.speculate(s.session_id, happy, priority=1.0, t_idle_ms=500)
+        client.speculate(s.session_id, err, priority=0.2)
+        client.drain()
+        c = client.commit(s.session_id, s.tip, tokens=wrapper + [50, 51, 52])
+        assert c.bound_node == happy and c.matched_tokens == len(wrapper) and err in c.aborted
+        out = client.generate(s.session_id, 5, ignore_eos=True)
+        assert len(out.tokens) == 5 and out.tip == c.tip
+        assert client.info(s.session_id).committed_tokens == s.committed_tokens + len(wrapper) + 3 + 5
+        client.close(s.session_id)
 
 
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:

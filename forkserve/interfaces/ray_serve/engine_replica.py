@@ -46,6 +46,7 @@ from forkserve.interfaces.server.schemas import (
     AbortResponse,
     CommitResponse,
     DecisionResponse,
+    DrainResponse,
     ForkResponse,
     GenerateResponse,
     SessionInfo,
@@ -267,6 +268,15 @@ class EngineReplica:
             del self._trees[hint.tree_id]
             return info
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
+
+    async def drain(self, hint: RouteHint) -> Reply[DrainResponse]:
+        """Run this replica's speculative slack work to the end. The hint names one of the
+        replica's trees only so the router brings the call here."""
+        def run() -> DrainResponse:
+            r = self._model.engine.drain_slack()
+            return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_tokens,
+                                 slack_filled_tokens=r.slack_filled_tokens)
+        return await self._reply(lambda: self._worker.call(run))
 
     # ------------------------------------------------------------------ Serve hooks
     async def record_routing_stats(self) -> dict[str, Any]:

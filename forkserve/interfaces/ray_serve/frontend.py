@@ -55,6 +55,7 @@ from forkserve.interfaces.server.schemas import (
     CompletionRequest,
     CompletionResponse,
     DecisionResponse,
+    DrainResponse,
     ForkRequest,
     ForkResponse,
     GenerateChunk,
@@ -224,6 +225,15 @@ class Frontend:
         out, replica = await self._trees.close(await self._model(), sid)
         response.headers[REPLICA_HEADER] = replica
         return out
+
+    @app.post("/v1/drain")
+    async def drain(self) -> DrainResponse:
+        """drain_slack on every replica holding a tree of this Frontend, summed."""
+        reports = await self._trees.drain()
+        return DrainResponse(ticks=sum(r.ticks for r in reports),
+                             prefill_tokens=sum(r.prefill_tokens for r in reports),
+                             decode_tokens=sum(r.decode_tokens for r in reports),
+                             slack_filled_tokens=sum(r.slack_filled_tokens for r in reports))
 
     # ------------------------------------------------------------------ OpenAI API
     @app.get("/v1/models")

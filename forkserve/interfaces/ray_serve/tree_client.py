@@ -15,6 +15,7 @@ retries) is a 503: retryable.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -34,7 +35,7 @@ from forkserve.interfaces.ray_serve.protocol import (
 from forkserve.interfaces.ray_serve.stats import BASE_SCOPE, page_hashes
 from forkserve.interfaces.server.engine_worker import Chunk, GenerationSpec
 from forkserve.interfaces.server.errors import APIError
-from forkserve.interfaces.server.schemas import SessionInfo
+from forkserve.interfaces.server.schemas import DrainResponse, SessionInfo
 
 log = logging.getLogger("forkserve.ray_serve")
 
@@ -150,6 +151,24 @@ class TreeClient:
                     raise_failure(first)
             await self._reopen(info, rec)
         raise unavailable(tree_id, cause)
+
+    async def drain(self) -> list[DrainResponse]:
+        """Drain every replica that holds one of this Frontend's trees (slack work lives only
+        where trees do), each reached through one of its trees. A replica that is gone has
+        nothing left to drain."""
+        by_replica = {rec.replica: rec for rec in self.ledger.trees.values()}
+        replies = await asyncio.gather(*(self._handle("drain", rec.hint()).remote(rec.hint())
+                                         for rec in by_replica.values()), return_exceptions=True)
+        out = []
+        for reply in replies:
+            if isinstance(reply, REPLICA_GONE):
+                continue
+            if isinstance(reply, BaseException):
+                raise reply
+            if isinstance(reply, Failure):
+                raise_failure(reply)
+            out.append(reply.value)
+        return out
 
     async def close(self, info: ModelInfo, tree_id: int) -> tuple[SessionInfo, str]:
         """Close a tree. A tree whose replica is gone is only forgotten: re-opening it just to
