@@ -41,6 +41,10 @@ class TrainParams:
     distractors: int = 4
     max_len: int = 2048
     seed: int = 0
+    # "peft": B = 0, the adapter starts as the identity (real training). "random": A and B
+    # random (PEFT's init_lora_weights=False), so that a smoke run of 2 steps still has
+    # adapters that change the model and the layouts have something to disagree about.
+    init: str = "peft"
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
 
     torch.manual_seed(params.seed + index)
     cfg = LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0, bias="none",
+                     init_lora_weights=params.init == "peft",
                      target_modules=[TARGET_MODULES[t] for t in params.targets], task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr, weight_decay=0.0)
@@ -172,16 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distractors", type=int, default=TrainParams.distractors)
     ap.add_argument("--max-len", type=int, default=TrainParams.max_len)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", choices=("peft", "random"), default=TrainParams.init,
+                    help="LoRA init: peft (B = 0) or random (A and B random; smoke runs)")
     ap.add_argument("--smoke", action="store_true",
-                    help="CPU, 2 steps of batch 1 per task, no distractors (checks the pipeline, learns nothing)")
+                    help="CPU, 2 steps of batch 1 per task from a random LoRA init, no distractors "
+                         "(checks the pipeline; the adapters learn nothing)")
     args = ap.parse_args(argv)
     params = TrainParams(rank=args.rank, alpha=2 * args.rank, targets=tuple(args.targets.split(",")),
                          steps=args.max_steps, batch=args.batch, lr=args.lr, distractors=args.distractors,
-                         max_len=args.max_len, seed=args.seed)
+                         max_len=args.max_len, seed=args.seed, init=args.init)
     device = torch.device(args.device)
     if args.smoke:
         params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2, batch=1,
-                             distractors=0, max_len=1024, seed=params.seed)
+                             distractors=0, max_len=1024, seed=params.seed, init="random")
         device = torch.device("cpu")
     unknown = set(params.targets) - set(TARGET_MODULES)
     if unknown:
