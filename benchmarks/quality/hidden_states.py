@@ -95,13 +95,18 @@ class HiddenRecorder:
                                "matches model.py")
         if sum(len(s.tokens) for s in self._work) != rows:
             raise RuntimeError("the batch has rows that belong to no work item; the recorder cannot place them")
-        stacked = None
+        rows_kept, keys = [], []
         row = 0
         for item in self._work:
             start = self._watch.get(item.adapter_id) if item.adapter_id is not None else None
-            for j in range(len(item.tokens)):
-                if start is not None and item.start_pos + j >= start:
-                    if stacked is None:  # [rows, layers, hidden], built only when something is kept
-                        stacked = torch.stack(self._layers, dim=1).float().cpu()
-                    self._kept[(item.adapter_id, item.start_pos + j)] = stacked[row + j]
+            if start is not None:
+                for j in range(max(0, start - item.start_pos), len(item.tokens)):
+                    rows_kept.append(row + j)
+                    keys.append((item.adapter_id, item.start_pos + j))
             row += len(item.tokens)
+        if not rows_kept:
+            return
+        index = torch.tensor(rows_kept, device=self._layers[0].device)
+        # Only the kept rows leave the device: [kept, layers, hidden], one tensor per row.
+        kept = torch.stack([layer.index_select(0, index) for layer in self._layers], dim=1).float().cpu()
+        self._kept.update(zip(keys, kept.unbind(0)))

