@@ -25,6 +25,15 @@ class UnknownNodeError(ForkServeError, KeyError):
         return str(self.args[0]) if self.args else "unknown node"
 
 
+class UnknownAdapterError(ForkServeError, KeyError):
+    """An adapter id the backend does not hold."""
+
+    http_status = 404
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown adapter"
+
+
 class InvalidStateError(ForkServeError):
     """The verb is not allowed in the node's state (commit of an aborted node, double commit)."""
 

@@ -131,3 +131,6 @@ class Backend(Protocol):
 
     def transfer_cost(self, tokens: int) -> StepCost:
         """Cost of moving ``tokens`` worth of KV over the prefill->decode connector."""
+
+    # Optional: ``knows_adapter(adapter_id) -> bool``. Where present, the Engine rejects an
+    # unknown adapter at the verb (a clear error, no state change) instead of at the step.

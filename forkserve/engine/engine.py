@@ -55,6 +55,7 @@ from forkserve.errors import (
     BranchCapError,
     InvalidRequestError,
     InvalidStateError,
+    UnknownAdapterError,
     UnknownNodeError,
     UnknownSessionError,
 )
@@ -86,6 +87,7 @@ class Engine:
     def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued."""
         tokens = self._check_tokens(tokens)
+        self._check_adapter(adapter)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
@@ -110,6 +112,7 @@ class Engine:
             raise BranchCapError(f"node {parent_id} already has {self.config.branch_cap} live "
                                  f"children (branch_cap)")
         self._check_context(parent.end + len(tokens))
+        self._check_adapter(adapter)
         if parent.table is None or parent.kv_len < parent.end:
             # The trunk must exist before it can be aliased: run the parent's pending work.
             session.flush = True
@@ -188,6 +191,8 @@ class Engine:
             raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated layout")
         if not adapters or any(a is None for a in adapters):
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
+        for a in adapters:
+            self._check_adapter(a)
         p = self.pool.page_size
         full = len(tokens) // p * p  # only full pages can be published
         if full == 0:
@@ -438,6 +443,11 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
+
+    def _check_adapter(self, adapter) -> None:
+        knows = getattr(self.backend, "knows_adapter", None)
+        if adapter is not None and knows is not None and not knows(adapter):
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded in the backend")
 
     def _check_context(self, length: int) -> None:
         if length > self.config.max_context:

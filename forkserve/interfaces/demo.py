@@ -130,7 +130,7 @@ def run_layout(layout: KVLayout, model_cfg, weights, adapters, tokenizer, max_ne
 def agreement(a: list[int], b: list[int]) -> float:
     if not a and not b:
         return 1.0
-    same = sum(x == y for x, y in zip(a, b))
+    same = sum(x == y for x, y in zip(a, b, strict=False))
     return same / max(len(a), len(b))
 
 

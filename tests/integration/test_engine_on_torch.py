@@ -66,3 +66,17 @@ def test_committed_output_equals_a_committed_only_baseline(model_dir, layout, ad
     eng.close(h.id)
     eng.evict_all()
     assert eng.pool.num_used == 0
+
+
+def test_unknown_adapter_is_rejected_at_the_verb_without_side_effects(model_dir):
+    from forkserve.errors import UnknownAdapterError
+
+    backend = _backend(model_dir, KVLayout.UNIFIED, False)
+    eng = Engine(backend)
+    with pytest.raises(UnknownAdapterError, match="not loaded"):
+        eng.open([5, 6, 7], adapter=999)
+    assert not eng.sessions and eng.pool.num_used == 0
+    h = eng.open([5, 6, 7], adapter=backend.adapter_id("planner"))
+    with pytest.raises(UnknownAdapterError):
+        eng.fork(h.id, h.tip, "x", [8], adapter=999)
+    assert len(eng.sessions[h.id].tree.nodes) == 1

@@ -20,13 +20,22 @@ import torch
 from forkserve.backend.protocol import PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
-from forkserve.backend.torch.errors import (AdapterCapacityError, InvalidWorkError, UnknownAdapterError,
-                                            UnsupportedModelError)
+from forkserve.backend.torch.errors import (
+    AdapterCapacityError,
+    InvalidWorkError,
+    UnknownAdapterError,
+    UnsupportedModelError,
+)
 from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
-from forkserve.backend.torch.lora import LoraAdapter, LoraStack, check_fits, load_peft_adapter
+from forkserve.backend.torch.lora import (
+    LoraAdapter,
+    LoraStack,
+    check_fits,
+    load_peft_adapter,
+)
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.runner import ModelRunner
@@ -240,6 +249,10 @@ class TorchBackend:
     def adapters(self) -> Mapping[str, int]:
         """Resident adapters: name -> adapter id (the id SeqWork.adapter_id carries)."""
         return dict(self._names)
+
+    def knows_adapter(self, adapter_id: int) -> bool:
+        """Whether ``adapter_id`` is resident (the Engine checks before queueing work)."""
+        return adapter_id in self._resident
 
     def adapter_id(self, name: str) -> int:
         if name not in self._names:

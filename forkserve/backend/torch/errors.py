@@ -7,8 +7,10 @@ catch them.
 """
 from __future__ import annotations
 
+from forkserve import errors
 
-class TorchBackendError(Exception):
+
+class TorchBackendError(errors.ForkServeError):
     """Base class of every error raised by forkserve.backend.torch."""
 
 
@@ -20,7 +22,7 @@ class CheckpointError(TorchBackendError, ValueError):
     """A checkpoint folder or file is missing tensors or has tensors of the wrong shape."""
 
 
-class UnknownAdapterError(TorchBackendError, KeyError):
+class UnknownAdapterError(TorchBackendError, errors.UnknownAdapterError):
     """An adapter id or name that is not resident."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
