@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
