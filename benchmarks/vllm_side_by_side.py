@@ -33,9 +33,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
-from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, Workflow, _budget_pages,  # noqa: E402
-                                       _Driver, _pct, _tiny_config, format_table, page_bytes,
-                                       random_adapter, run_system)
+from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, _budget_pages,  # noqa: E402
+                                       _tiny_config, format_table, page_bytes, random_adapter,
+                                       run_system, run_workload)
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
@@ -104,32 +104,14 @@ def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness, 
     backend = VllmBackend.on_engine(cfg, harness.llm.llm_engine, harness.api, pinner=harness.pinner,
                                     lora_modules=lora, two_class=two_class,
                                     cow_blocks=harness.pinner is not None)
-    engine = Engine(backend)
-    vocab = model_cfg.vocab_size
-    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
-    flows = []
-    for i in range(params.workflows):
-        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
-        adapter = None if system == "vllm_no_lora" else backend.adapter_id(f"agent{i}")
-        flows.append(Workflow(i, adapter, context + instruction, params))
-    driver = _Driver(engine, flows, params, sizes, progress)
-    start = time.perf_counter()
+    adapter_of = None if system == "vllm_no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
+    notes = [{"two_class": two_class, "cow_blocks": harness.pinner is not None}]
     try:
-        if params.workload == "react":
-            driver.react()
-        else:
-            driver.mapreduce(context)
+        result = run_workload(system, params, Engine(backend), sizes, adapter_of, progress, notes=notes)
     finally:
         backend.close()
-    makespan = time.perf_counter() - start
-    m = engine.metrics
-    lat = sorted(x for f in flows for x in f.latencies)
-    return RunResult(system, params.workflows, params.workflows / makespan, makespan, _pct(lat, 50),
-                     _pct(lat, 99), driver.peak_bytes, driver.peak_bytes / params.workflows,
-                     m.base_hit_tokens / max(1, driver.prompt_tokens),
-                     m.decode_tokens / max(1, driver.decode_ticks), m.prefill_tokens, m.decode_tokens,
-                     driver.waited_s, notes=[{"vllm": backend.stats.as_dict(), "two_class": two_class,
-                                              "cow_blocks": harness.pinner is not None}])
+    result.notes[0]["vllm"] = backend.stats.as_dict()
+    return result
 
 
 def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int, rank: int,

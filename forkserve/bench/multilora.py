@@ -144,16 +144,25 @@ def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device,
     backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device, dtype=dtype,
                                         max_adapters=max(1, len(adapters)), max_lora_rank=params.rank,
                                         lora_targets=TARGETS if adapters else None)
-    engine = Engine(backend)
-    vocab = model_cfg.vocab_size
+    shared = system == "disaggregated_base"
+    adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
+    return run_workload(system, params, Engine(backend), sizes, adapter_of, progress, shared)
+
+
+def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict,
+                 adapter_of, progress: tqdm | None = None, shared_by_base_pass: bool = False,
+                 notes: list | None = None) -> RunResult:
+    """Drive the workload over any engine (our backends, or vLLM's in
+    benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
+    i's adapter id (``None``: every agent is the base model)."""
+    vocab = engine.config.vocab_size
     context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
     flows = []
     for i in range(params.workflows):
         instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
-        adapter = None if system == "no_lora" else backend.adapter_id(f"agent{i}")
+        adapter = None if adapter_of is None else adapter_of(i)
         flows.append(Workflow(i, adapter, context + instruction, params))
-    shared = context if system == "disaggregated_base" else None
-    driver = _Driver(engine, flows, params, sizes, progress, shared)
+    driver = _Driver(engine, flows, params, sizes, progress, context if shared_by_base_pass else None)
     start = time.perf_counter()
     if params.workload == "react":
         driver.react()
@@ -167,7 +176,7 @@ def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device,
                      _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
                      driver.peak_bytes / params.workflows, hit_rate,
                      m.decode_tokens / max(1, driver.decode_ticks), m.prefill_tokens,
-                     m.decode_tokens, driver.waited_s)
+                     m.decode_tokens, driver.waited_s, notes=list(notes or []))
 
 
 def _pct(values: list[float], q: int) -> float:
