@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import mean
@@ -81,7 +82,7 @@ def plot(summaries: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax2.set_ylim(0, 1)
     ax2.set_title("answer quality per layout")
     ax2.legend()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 170), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

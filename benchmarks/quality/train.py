@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.smoke:
         params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2, batch=1,
-                             distractors=0, max_len=1024, seed=params.seed, init="random")
+                             distractors=0, max_len=512, seed=params.seed, init="random")
         device = torch.device("cpu")
     unknown = set(params.targets) - set(TARGET_MODULES)
     if unknown:
