@@ -39,6 +39,7 @@ from forkserve.interfaces.ray_serve.tree_client import (
 )
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
+from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.schemas import (
     AbortRequest,
     AbortResponse,
@@ -301,32 +302,11 @@ class Frontend:
                       started: list[tuple[int, GenerationStream]]) -> AsyncIterator[tuple[int, object]]:
         """(choice index, chunk) as chunks come from every choice; each tree is closed when
         its stream ends, and every one when the client leaves."""
-        queue: asyncio.Queue = asyncio.Queue()
+        async def close(i: int) -> None:
+            await self._close_quietly(info, started[i][0])
 
-        async def pump(i: int, tree: int, stream: GenerationStream) -> None:
-            try:
-                async for c in stream:
-                    queue.put_nowait((i, c))
-            except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-                queue.put_nowait(exc)
-            finally:
-                await self._close_quietly(info, tree)
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(pump(i, tree, s)) for i, (tree, s) in enumerate(started)]
-        try:
-            done = 0
-            while done < len(tasks):
-                item = await queue.get()
-                if item is None:
-                    done += 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
+        async for tagged in merge_tagged([stream for _, stream in started], on_end=close):
+            yield tagged
 
     def _sse(self, events: AsyncIterator[BaseModel], replica: str) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:

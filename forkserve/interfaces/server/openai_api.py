@@ -22,6 +22,7 @@ from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
 from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -180,30 +181,8 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
         async for c in gens[0]:
             yield 0, c
         return
-    out: asyncio.Queue[tuple[int, Chunk] | BaseException | None] = asyncio.Queue()
-
-    async def pump(i: int, g: Generation) -> None:
-        try:
-            async for c in g:
-                out.put_nowait((i, c))
-        except Exception as exc:
-            out.put_nowait(exc)
-        out.put_nowait(None)
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        done = 0
-        while done < len(gens):
-            item = await out.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
+    async for tagged in merge_tagged(gens):
+        yield tagged
 
 
 def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingResponse:
