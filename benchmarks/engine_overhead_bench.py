@@ -37,7 +37,9 @@ class TimedMock(MockBackend):
 
 
 def measure(sessions: int, context: int, steps: int) -> dict:
-    cfg = ForkServeConfig(page_size=16, num_pages=sessions * (context // 16 + 16) + 64,
+    pages = sessions * (context // 16 + 16) + 64
+    # H covers every page, so the decode slots C = H / M_spine admit all sessions each tick.
+    cfg = ForkServeConfig(page_size=16, num_pages=pages, hbm_tokens=pages * 16,
                           vocab_size=300, max_batch_tokens=1 << 20, node_ttl_s=None)
     backend = TimedMock(cfg)
     engine = Engine(backend)
@@ -53,6 +55,7 @@ def measure(sessions: int, context: int, steps: int) -> dict:
         ticks += 1
     total = time.perf_counter() - t0
     engine.check_integrity()
+    assert engine.metrics.decode_tokens >= sessions * (steps - 1), "not every session decoded each tick"
     return {"sessions": sessions, "context": context, "ticks": ticks,
             "engine_ms_per_tick": (total - backend.backend_s) / ticks * 1e3}
 

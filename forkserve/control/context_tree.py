@@ -109,6 +109,14 @@ class ContextTree:
             return self.committed[:node.end]
         return self.path_tokens(node.parent)[:node.start] + node.tokens
 
+    def path_slice(self, node: Node, start: int, end: int) -> list[int]:
+        """``path_tokens(node)[start:end]`` without copying the whole path (the step hot path)."""
+        if node.state is NodeState.COMMITTED:
+            return self.committed[start:end]
+        if start >= node.start:
+            return node.tokens[start - node.start:end - node.start]
+        return self.path_tokens(node)[start:end]
+
     def abort(self, node: Node) -> list[Node]:
         """Release ``node``'s subtree and any speculative ancestor left childless."""
         released = []

@@ -87,16 +87,18 @@ class KVCache:
         base_key, residual_key = self.keys(adapter, path)
         return self.tree.match(base_key, residual_key if kv.residual is not None else None)
 
-    def publish(self, kv: NodeKV, adapter, path: Sequence[int], published: tuple[int, int],
-                cursor) -> tuple[tuple[int, int], object]:
+    def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
+                published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:
         """Publish the full pages of each side of a committed table (the sides may reach
         different lengths). ``published``/``cursor`` come from the previous call for the same
-        table; returns their new values. Only committed tables may be passed."""
+        table; returns their new values. ``path_of`` is only called when a page is new (most
+        decode steps add none). Only committed tables may be passed."""
         p = self.pool.page_size
         base_full = kv.base.length // p
         res_full = kv.residual.length // p if kv.residual is not None else 0
         if (base_full, res_full) == published:
-            return published, cursor  # no new full page since the last publish
+            return published, cursor
+        path = path_of()
         base_key, residual_key = self.keys(adapter, path[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:

@@ -122,7 +122,6 @@ class Stepper:
             if node.table is None:
                 continue  # preempted by committed work granted earlier in this tick
             start = node.kv_len
-            path = session.tree.path_tokens(node)
             regime = node.table.regime()
             self._ensure_pages(node, g.tokens, g.work_class)
             _assert_exclusive(node.table, start, g.tokens, regime)
@@ -130,7 +129,8 @@ class Stepper:
             sampling = None
             if completes:
                 sampling = session.sampling if node is session.tree.tip else GREEDY
-            work.append(SeqWork(node.id, tuple(path[start:start + g.tokens]), start,
+            tokens = tuple(session.tree.path_slice(node, start, start + g.tokens))
+            work.append(SeqWork(node.id, tokens, start,
                                 node.table.slots(), node.adapter, sampling,
                                 speculative=g.work_class is WorkClass.SPECULATIVE,
                                 decode=g.decode, write_base=regime.write_base,
@@ -217,13 +217,10 @@ class Stepper:
         """Publish a committed node's new full pages (a no-op on most decode steps)."""
         if node.table is None:
             return
-        p = self.pool.page_size
-        if (node.table.base.length // p, node.table.residual.length // p
-                if node.table.residual is not None else 0) == node.published:
-            return
-        path = self.sessions[node.session_id].tree.path_tokens(node)
-        node.published, node.publish_cursor = self.kv.publish(node.table, node.adapter, path,
-                                                              node.published, node.publish_cursor)
+        tree = self.sessions[node.session_id].tree
+        node.published, node.publish_cursor = self.kv.publish(
+            node.table, node.adapter, lambda: tree.path_tokens(node), node.published,
+            node.publish_cursor)
 
     def pinned(self, node: Node) -> bool:
         return node.pinned_until is not None and node.pinned_until > self.clock()
@@ -265,15 +262,13 @@ class Stepper:
         p = self.pool.page_size
         self.metrics.peak_pages = max(self.metrics.peak_pages, self.pool.num_used)
         for session in self.sessions.values() if sessions is None else sessions:
-            held = set()
-            for node in session.tree.nodes.values():
-                if node.table is None:
-                    continue
-                reclaimable = (node.state is NodeState.SPECULATIVE and self.config.cascade
-                               and not self.pinned(node))
-                if not reclaimable:
-                    held.update(node.table.pages)
-            session.peak_tokens = max(session.peak_tokens, len(held) * p)
+            tables = [n.table for n in session.tree.nodes.values() if n.table is not None
+                      and not (n.state is NodeState.SPECULATIVE and self.config.cascade
+                               and not self.pinned(n))]
+            # Only the tip holds the spine's pages; a set is needed only when branches alias it.
+            held = len(tables[0].pages) if len(tables) == 1 else len(
+                {page for t in tables for page in t.pages})
+            session.peak_tokens = max(session.peak_tokens, held * p)
 
 
 def _assert_exclusive(kv: NodeKV, start: int, n: int, regime: Regime) -> None:
