@@ -10,13 +10,12 @@ where only one side exists are filled by writing the other side alone (``regime`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-from forkserve.backend.protocol import KVSlots, PageId, PageKind
+from forkserve.backend.protocol import KVSlots, PageId
 from forkserve.control.page_pool import PagePool
-from forkserve.control.page_table import PageTable
+from forkserve.control.page_table import CopyPages, PageTable
 
-CopyPagesOfKind = Callable[[PageKind, Sequence[tuple[PageId, PageId]]], None]
 
 
 @dataclass(frozen=True)
@@ -70,12 +69,12 @@ class NodeKV:
         end = self.length + n_new
         return {t.pool: t.pages_needed(end - t.length) for t in self.tables() if end > t.length}
 
-    def prepare_write(self, n_new: int, copy_pages: CopyPagesOfKind) -> None:
+    def prepare_write(self, n_new: int, copy_pages: CopyPages) -> None:
         """Make the pages for [length, length + n_new) writable on every side that lacks them."""
         end = self.length + n_new
         for t in self.tables():
             if end > t.length:
-                t.prepare_write(end - t.length, lambda pairs, kind=t.pool.kind: copy_pages(kind, pairs))
+                t.prepare_write(end - t.length, copy_pages)
 
     def truncate(self, n_tokens: int) -> None:
         for t in self.tables():
@@ -85,12 +84,8 @@ class NodeKV:
                limit_tokens: int) -> None:
         """Alias published pages (identical KV) past what each side already holds."""
         for table, pages in ((self.base, base_pages), (self.residual, residual_pages)):
-            if table is None or pages is None:
-                continue
-            p = table.pool.page_size
-            for i in range(table.length // p, len(pages)):
-                table.replace_page(i, pages[i])
-            table.length = max(table.length, min(len(pages) * p, limit_tokens))
+            if table is not None and pages is not None:
+                table.attach(pages, limit_tokens)
 
     def release(self) -> None:
         for t in self.tables():

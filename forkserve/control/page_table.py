@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from forkserve.backend.protocol import PageId
+from forkserve.backend.protocol import PageId, PageKind
 from forkserve.control.page_pool import PagePool
 
-CopyPages = Callable[[Sequence[tuple[PageId, PageId]]], None]
+# The backend's ``copy_pages``: the table names its own pool's kind.
+CopyPages = Callable[[PageKind, Sequence[tuple[PageId, PageId]]], None]
 
 
 class PageTable:
@@ -40,7 +41,7 @@ class PageTable:
         p = self.pool.page_size
         if self.length % p and self.pool.refcount(self.pages[-1]) > 1:
             (fresh,) = self.pool.alloc(1)
-            copy_pages([(self.pages[-1], fresh)])
+            copy_pages(self.pool.kind, [(self.pages[-1], fresh)])
             self.pool.decref([self.pages[-1]])
             self.pages[-1] = fresh
         extra = self.pages_for(self.length + n_new) - len(self.pages)
@@ -54,6 +55,13 @@ class PageTable:
         self.pool.decref(self.pages[keep:])
         del self.pages[keep:]
         self.length = min(self.length, n_tokens)
+
+    def attach(self, pages: Sequence[PageId], limit_tokens: int) -> None:
+        """Alias published pages (identical KV) past what this table already holds."""
+        p = self.pool.page_size
+        for i in range(self.length // p, len(pages)):
+            self.replace_page(i, pages[i])
+        self.length = max(self.length, min(len(pages) * p, limit_tokens))
 
     def replace_page(self, index: int, page: PageId) -> None:
         """Swap in a page already holding identical KV (a prefix-index hit); takes a reference."""

@@ -205,16 +205,14 @@ class Engine:
         residual = {a: PageTable(self.residual_pool) for a in adapters}
         try:
             for table, pages in [(base, base_hit)] + [(residual[a], res_hits[a]) for a in adapters]:
-                for i in range(start // p):
-                    table.replace_page(i, pages[i])
-                table.length = start
+                table.attach(pages[:start // p], start)
             before = self.metrics.prefill_tokens
             while base.length < full:
                 n = min(full - base.length, self.config.max_batch_tokens)
                 pos = base.length
                 for table in [base, *residual.values()]:
                     self.kv.make_room(table.pool, table.pages_needed(n), self.stepper.preempt_speculative)
-                    table.prepare_write(n, lambda pairs, kind=table.pool.kind: self.backend.copy_pages(kind, pairs))
+                    table.prepare_write(n, self.backend.copy_pages)
                 targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
                 result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
                                                     KVSlots(tuple(base.pages)), None, None,
