@@ -344,6 +344,9 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--kv-budget-gib", type=float, default=None,
                     help="KV bytes for every system (default 24 GiB; 0.02 GiB with --tiny)")
+    ap.add_argument("--residual-share", type=float, default=None,
+                    help="share of the budget for the residual pool (default 0.1; 0.5 with --tiny, "
+                         "whose rank-16 residual is a quarter of its 64-dim K/V)")
     ap.add_argument("--closed-loop", action="store_true", help="default: lockstep turns (as the vLLM anchor)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model for CPU runs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -355,6 +358,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
     budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
+    share = args.residual_share if args.residual_share is not None else (0.5 if args.tiny else 0.1)
     weights = random_weights(model_cfg, device, dtype)
     results, errors = [], []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -371,14 +375,16 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
     if args.warmup:  # compile kernels and capture graphs outside the timed runs
         for system in args.systems:
-            warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget)
+            warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget,
+                                   residual_share=share)
             run_system(system, warm, model_cfg, weights, device, dtype)
     with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
         # W outer: a run cut short still compares every system at the smaller W.
         for w in args.workflows:
             for system in args.systems:
                 params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
-                                         kv_budget_gib=budget, lockstep=not args.closed_loop)
+                                         kv_budget_gib=budget, residual_share=share,
+                                         lockstep=not args.closed_loop)
                 try:
                     results.append(run_system(system, params, model_cfg, weights, device, dtype, bar))
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
