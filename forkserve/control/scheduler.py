@@ -1,7 +1,8 @@
 """Two-class tick scheduler (seed 000, section 3).
 
 Each tick fills committed work first — decode steps (up to C = floor(H / M_spine) of
-them), then commit tails and root prefills — and gives speculative chunks only what is
+them, M_spine the memory a live session actually holds: pages shared across sessions count
+once, so agents over one shared context are not capped as if each held a copy), then commit tails and root prefills — and gives speculative chunks only what is
 left of the token budget and of memory. A speculative chunk is C_spec tokens (or the
 residual's rest), granted whole or not at all, so speculation stops at chunk
 boundaries; under saturation the speculative share is zero.
@@ -41,11 +42,12 @@ class TickScheduler:
     def __init__(self, config: ForkServeConfig) -> None:
         self.config = config
 
-    def decode_slots(self, spine_tokens: Sequence[int]) -> int:
-        """C = floor(H / M_spine), with M_spine the mean spine of the decoding sessions."""
-        if not spine_tokens:
+    def decode_slots(self, sessions: int, held_tokens: int) -> int:
+        """C = floor(H / M_spine), with M_spine = held_tokens / sessions: the pool's used
+        tokens over the live sessions (shared pages are counted once by the pool)."""
+        if sessions == 0:
             return 0
-        m_spine = max(1, sum(spine_tokens) // len(spine_tokens))
+        m_spine = max(1, held_tokens // sessions)
         return max(1, self.config.hbm_tokens // m_spine)
 
     def plan(self, committed: Sequence[Demand], speculative: Sequence[Demand],

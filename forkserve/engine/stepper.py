@@ -43,7 +43,7 @@ class Stepper:
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do."""
         self._expire_ttl()
-        committed, speculative, spines = self._demands()
+        committed, speculative = self._demands()
         if not committed and not speculative:
             return False
         # Speculation may use what is left of H and of every pool (base and residual apart).
@@ -52,8 +52,8 @@ class Stepper:
         if self.residual_pool is not None:
             room.append(self.residual_pool.num_free * p)
         spec_memory = max(0, min(room))
-        grants = self.scheduler.plan(committed, speculative,
-                                     self.scheduler.decode_slots(spines), spec_memory)
+        slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
+        grants = self.scheduler.plan(committed, speculative, slots, spec_memory)
         if not grants:
             return False
         self._execute(grants)
@@ -66,8 +66,8 @@ class Stepper:
             ticks += 1
         return ticks
 
-    def _demands(self) -> tuple[list[Demand], list[Demand], list[int]]:
-        committed, speculative, spines = [], [], []
+    def _demands(self) -> tuple[list[Demand], list[Demand]]:
+        committed, speculative = [], []
         for session in self.sessions.values():
             tip = session.tree.tip
             self.emit(session)
@@ -80,15 +80,13 @@ class Stepper:
             if pending > 0 and not idle:  # an idle session's last token waits for its next verb
                 decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
                 committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
-                if decode:
-                    spines.append(tip.end)
             for node in session.tree.nodes.values():
                 demand = self._spec_demand(node)
                 if demand is not None:
                     speculative.append(demand)
         self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values()
                              for n in s.tree.nodes.values()}
-        return committed, speculative, spines
+        return committed, speculative
 
     def _spec_demand(self, node: Node) -> Demand | None:
         if node.state is not NodeState.SPECULATIVE or not node.speculated:

@@ -170,7 +170,8 @@ def test_scheduler_committed_first_and_zero_speculation_under_saturation():
     saturated = [Demand(2, 500, False, WorkClass.COMMITTED)]
     assert all(g.work_class is WorkClass.COMMITTED for g in s.plan(saturated, spec, 4, 1000))
     assert s.plan([], spec, 4, spec_memory_tokens=0) == []               # no memory left
-    assert s.decode_slots([250, 250]) == 4                                # C = floor(H / M_spine)
+    assert s.decode_slots(2, 500) == 4                                    # C = floor(H / M_spine)
+    assert s.decode_slots(32, 1000) == 32    # 32 sessions over one shared 1000-token context
 
 
 def test_speculation_stops_at_chunk_boundaries():
