@@ -10,7 +10,8 @@ Costs come from ``CostModel`` (modeled ms, not a GPU trace).
 
 Layouts: unified pages hold (token, adapter); full_reuse pages hold the token alone
 (shared across adapters by design); disaggregated base pages hold the token and residual
-pages hold (token, adapter).
+pages hold (token, adapter). Adaptive: an adapter's item without residual pages is merged
+and its base pages hold (token, adapter); with residual pages it is disaggregated's.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class MockBackend:
                     for kind in self.page_kinds()}
 
     def page_kinds(self) -> tuple[PageKind, ...]:
-        if self.config.kv_layout is KVLayout.DISAGGREGATED:
+        if self.config.kv_layout.has_residual_pool:
             return (PageKind.BASE, PageKind.RESIDUAL)
         return (PageKind.UNIFIED,)
 
@@ -62,10 +63,12 @@ class MockBackend:
         """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
         return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter) -> np.ndarray:
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter,
+                        merged: bool = False) -> np.ndarray:
+        """``merged``: an adaptive-layout item without residual pages (merged K/V in BASE pages)."""
         code = 0
-        if kind is PageKind.RESIDUAL or (kind is PageKind.UNIFIED
-                                         and self.config.kv_layout is KVLayout.UNIFIED):
+        if kind is PageKind.RESIDUAL or merged or (kind is PageKind.UNIFIED
+                                                   and self.config.kv_layout is KVLayout.UNIFIED):
             code = _adapter_code(adapter)
         return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + code
 
@@ -77,9 +80,11 @@ class MockBackend:
             sides = [(base_kind, item.slots.pages, item.write_base)]
             if item.slots.residual_pages is not None:
                 sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))
+            merged = (self.config.kv_layout is KVLayout.ADAPTIVE and item.adapter_id is not None
+                      and item.slots.residual_pages is None)
             for kind, pages, write in sides:
                 if write:
-                    self._write(kind, item, pages, item.adapter_id)
+                    self._write(kind, item, pages, item.adapter_id, merged)
             for target in item.extra_residuals:
                 self._write(PageKind.RESIDUAL, item, target.residual_pages, target.adapter_id)
             if item.decode:
@@ -91,21 +96,25 @@ class MockBackend:
                 next_tokens.append(None)
                 continue
             length = item.start_pos + len(item.tokens)
-            context = [self._read(kind, item, pages, length) for kind, pages, _ in sides]
+            context = self._read(base_kind, item, item.slots.pages, length)
+            if item.slots.residual_pages is not None:
+                context = self._reconstruct(item, context,
+                                            self._read(PageKind.RESIDUAL, item, item.slots.residual_pages, length))
             context_read += length
-            next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id))
+            next_tokens.append(self._next_token(context, item.adapter_id))
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter) -> None:
+    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter,
+               merged: bool = False) -> None:
         p = self.config.page_size
         pages = np.asarray(pages, dtype=np.int64)
         positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
         if len(positions) and positions[-1] // p >= len(pages):
             raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        values = self.expected_values(kind, item.tokens, adapter)
+        values = self.expected_values(kind, item.tokens, adapter, merged)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
@@ -119,6 +128,18 @@ class MockBackend:
                 raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
                                      f"holds another adapter's residual")
         return values
+
+    @staticmethod
+    def _reconstruct(item: SeqWork, base: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """Base + residual read as merged K/V, so a split item samples what a merged one would."""
+        if (base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE).any():
+            raise AssertionError(f"seq {item.seq_id}: base slot "
+                                 f"{int(np.argmax(base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE))} "
+                                 f"and its residual hold different tokens")
+        if (base % _ADAPTER_SPACE != 0).any():
+            raise AssertionError(f"seq {item.seq_id}: base slot {int(np.argmax(base % _ADAPTER_SPACE != 0))} "
+                                 f"holds merged K/V, read as a base under a residual")
+        return base + residual % _ADAPTER_SPACE
 
     def _next_token(self, context: np.ndarray, adapter) -> int:
         """A deterministic function of the whole context read back (a polynomial hash)."""

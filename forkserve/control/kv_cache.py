@@ -12,7 +12,10 @@ Layout rules (seed 001):
   namespace and a fork to another adapter shares nothing;
 * disaggregated — base pages are everyone's, residual pages the adapter's: a fork to
   another adapter aliases the base side and starts an empty residual side;
-* full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases.
+* full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases;
+* adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
+  the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
+  node without a residual table is merged.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Callable, Sequence
 from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
+from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
@@ -32,7 +36,7 @@ AdapterVersion = Callable[[object], int]
 
 class KVCache:
     def __init__(self, config: ForkServeConfig, kinds: Sequence[PageKind],
-                 adapter_version: AdapterVersion | None = None) -> None:
+                 adapter_version: AdapterVersion | None = None, policy: LayoutPolicy | None = None) -> None:
         self.config = config
         self.layout = config.kv_layout
         self.pool = PagePool(kinds[0], config.num_pages, config.page_size)
@@ -41,6 +45,7 @@ class KVCache:
             self.residual_pool = PagePool(PageKind.RESIDUAL, config.num_residual_pages, config.page_size)
         self.tree = DualRadixTree(self.pool, self.residual_pool)
         self._adapter_version = adapter_version or (lambda adapter: 0)
+        self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
     @property
     def index(self) -> PrefixIndex:
@@ -57,34 +62,55 @@ class KVCache:
         return self.index if pool is self.pool else self.residual_index
 
     # ------------------------------------------------------------ tables
-    def new_kv(self, adapter) -> NodeKV:
+    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int) -> KVForm:
+        """The form of a new session's pages. ``pending_pages``: pages the live sessions'
+        queued prompts will still take from the base pool."""
+        p = self.pool.page_size
+        residual_hit = 0
+        if adapter is not None and self.residual_pool is not None:
+            _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT)
+            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens)) * p
+        projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
+        return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
+                                                self.pool.num_pages))
+
+    def new_kv(self, adapter, form: KVForm) -> NodeKV:
         residual = None
-        if self.residual_pool is not None and adapter is not None:
+        if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
         return NodeKV(PageTable(self.pool), residual)
 
     def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
-        """Same adapter: alias everything. Another adapter: what the layout lets it share."""
+        """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
+        layout, the parent's form) lets it share — a split parent its base pages, a merged
+        parent nothing (the child starts merged too: no residual exists to split into)."""
         if adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE:
             return parent.fork()
-        if self.layout is KVLayout.DISAGGREGATED:
+        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
             return parent.fork_base(self.residual_pool if adapter is not None else None)
-        return self.new_kv(adapter)
+        return self.new_kv(adapter, KVForm.MERGED)
+
+    def form_of(self, kv: NodeKV, adapter) -> KVForm:
+        """A node's form: split if it has a residual table, or is the base model's in a
+        layout with a residual pool (its K/V is the base every split node shares)."""
+        if kv.residual is not None or (adapter is None and self.layout.has_residual_pool):
+            return KVForm.SPLIT
+        return KVForm.MERGED
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+    def keys(self, adapter, path: Sequence[int], form: KVForm) -> tuple[BaseKey, ResidualKey | None]:
         tokens = tuple(path)
         if adapter is None:
             return BaseKey(tokens), None
         residual = ResidualKey(adapter, self._adapter_version(adapter), tokens)
-        if self.layout is KVLayout.UNIFIED:
+        if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
             return BaseKey(tokens, residual.namespace), residual
         return BaseKey(tokens), residual
 
     def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
-        base_key, residual_key = self.keys(adapter, path)
+        base_key, residual_key = self.keys(adapter, path, self.form_of(kv, adapter))
         return self.tree.match(base_key, residual_key if kv.residual is not None else None)
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
@@ -99,7 +125,7 @@ class KVCache:
         if (base_full, res_full) == published:
             return published, cursor
         path = path_of()
-        base_key, residual_key = self.keys(adapter, path[:base_full * p])
+        base_key, residual_key = self.keys(adapter, path[:base_full * p], self.form_of(kv, adapter))
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
             residual_key = ResidualKey(residual_key.adapter_id, residual_key.adapter_version,

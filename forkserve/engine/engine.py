@@ -32,6 +32,7 @@ from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.kv_cache import KVCache
+from forkserve.control.layout_policy import KVForm
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.page_table import PageTable
 from forkserve.control.scheduler import TickScheduler
@@ -89,8 +90,9 @@ class Engine:
         tokens = self._check_tokens(tokens)
         self._check_adapter(adapter)
         sid = next(self._sids)
+        form = self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
-                    self.kv.new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
+                    self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
         self._attach_published(session, root, keep_last=True)
@@ -183,12 +185,14 @@ class Engine:
         adapter's rank-r residual; all are published, so each agent that then opens the context
         finds both sides and prefills only what follows it. Lossier than each agent's own
         forward pass (its residual sees the base model's activations, not its own) — the
-        quality benchmark measures by how much. Disaggregated layout only."""
+        quality benchmark measures by how much. Disaggregated and adaptive layouts (in the
+        adaptive one, an agent that opens on a published residual takes the split form)."""
         tokens = self._check_tokens(tokens)
         self._check_context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
         if self.residual_pool is None:
-            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated layout")
+            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated or "
+                                      "adaptive layout")
         if not adapters or any(a is None for a in adapters):
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
         for a in adapters:
@@ -197,7 +201,7 @@ class Engine:
         full = len(tokens) // p * p  # only full pages can be published
         if full == 0:
             raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
-        keys = {a: self.kv.keys(a, tokens[:full])[1] for a in adapters}
+        keys = {a: self.kv.keys(a, tokens[:full], KVForm.SPLIT)[1] for a in adapters}
         base_hit = self.index.match(BASE, tokens[:full])
         res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
         start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p

@@ -254,6 +254,12 @@ class Stepper:
                 m.ms += t.ms
                 m.prefill_ms += t.ms
 
+    def pending_prompt_pages(self) -> int:
+        """Base pages the live sessions' unwritten committed tokens will take (an upper bound:
+        a write may still find some of them published)."""
+        p = self.pool.page_size
+        return sum(-(-(s.tree.tip.end - s.tree.tip.kv_len) // p) for s in self.sessions.values())
+
     def account(self, sessions: Iterable[Session] | None = None) -> None:
         """Peaks: physical pages, and per session the KV it could not give back. ``sessions``
         limits the per-session pass to those a step touched (the rest did not change)."""

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import PageKind
 from forkserve.control.context_tree import NodeState
 from forkserve.errors import BranchCapError
 
@@ -212,7 +213,8 @@ class VerbMachine(RuleBasedStateMachine):
                 for table in node.table.tables():
                     kind = table.pool.kind
                     stored = self.backend.kv_values(kind, table.pages, table.length)
-                    want = self.backend.expected_values(kind, path[:table.length], node.adapter)
+                    merged = self.merged_form(kind, node.adapter) and node.table.residual is None
+                    want = self.backend.expected_values(kind, path[:table.length], node.adapter, merged)
                     assert (stored == want).all(), f"node {node.id} {kind.value}"
 
     @invariant()
@@ -227,7 +229,14 @@ class VerbMachine(RuleBasedStateMachine):
                     f"published prefix {entry.prefix} was never committed"
                 adapter = getattr(entry.namespace, "adapter_id", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
-                assert (stored == self.backend.expected_values(kind, entry.prefix[-p:], adapter)).all()
+                want = self.backend.expected_values(kind, entry.prefix[-p:], adapter,
+                                                    self.merged_form(kind, adapter))
+                assert (stored == want).all()
+
+    def merged_form(self, kind, adapter) -> bool:
+        """Adaptive layout: an adapter's BASE pages without a residual hold merged K/V."""
+        return (self.config.kv_layout is KVLayout.ADAPTIVE and kind is PageKind.BASE
+                and adapter is not None)
 
     def teardown(self):
         for sid in list(self.engine.sessions):
@@ -260,6 +269,11 @@ class FullReuseMachine(DisaggregatedMachine):
     config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.FULL_REUSE)
 
 
+class AdaptiveMachine(DisaggregatedMachine):
+    # A low high-water mark: sessions open merged, then split once a few pages are in use.
+    config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=0.01)
+
+
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 TestVerbs = VerbMachine.TestCase
@@ -272,3 +286,5 @@ TestDisaggregated = DisaggregatedMachine.TestCase
 TestDisaggregated.settings = _settings
 TestFullReuse = FullReuseMachine.TestCase
 TestFullReuse.settings = _settings
+TestAdaptive = AdaptiveMachine.TestCase
+TestAdaptive.settings = _settings
