@@ -148,7 +148,7 @@ class TorchBackend:
         if lora_targets is None:
             for a in adapters.values():
                 targets |= a.targets
-        disaggregated = self.layout is KVLayout.DISAGGREGATED
+        disaggregated = self.layout.has_residual_pool
         rope_scale = model_cfg.rope.inv_freq_and_scale(model_cfg.head_dim)[1]
         self.attention = make_attention(attention, device, config.page_size,
                                         disaggregated and rope_scale != 1.0)
@@ -159,10 +159,11 @@ class TorchBackend:
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
+            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)),
+            merged_allowed=self.layout is KVLayout.ADAPTIVE)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
-        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device, fusions)
+        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s
