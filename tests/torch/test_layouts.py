@@ -37,7 +37,8 @@ def test_disaggregated_equals_unified_for_the_writing_adapter(models, adapters, 
     assert rel_err(results[KVLayout.FULL_REUSE], results[KVLayout.UNIFIED]) < REL_TOL
 
 
-def test_adaptive_items_merged_split_and_mixed_equal_unified(models, adapters):
+@pytest.mark.parametrize("attention", ["eager", "triton"])
+def test_adaptive_items_merged_split_and_mixed_equal_unified(models, adapters, attention):
     """Adaptive layout: a merged item (no residual pages) and a split item of two adapters,
     prefilled and decoded in the same batches, each give unified's logits for its adapter."""
     targets = ("q", "k", "v", "o", "gate", "up", "down")
@@ -45,7 +46,7 @@ def test_adaptive_items_merged_split_and_mixed_equal_unified(models, adapters):
 
     def logits(layout: KVLayout, seqs: dict[int, tuple[str, bool]]) -> dict[int, torch.Tensor]:
         backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
-                               dtype=DTYPE, lora_targets=targets)
+                               dtype=DTYPE, lora_targets=targets, attention=attention)
         ids = {s: backend.adapter_id(name) for s, (name, _) in seqs.items()}
         out = {s: [] for s in seqs}
         step = backend.forward([work(s, tokens[s], 0, ids[s], residual=split) for s, (_, split) in seqs.items()])

@@ -72,11 +72,12 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
             raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
         _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
         if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
-            if seq.slots.residual_pages is None and not limits.merged_allowed:
+            if seq.slots.residual_pages is not None:
+                _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
+                             limits.page_size)
+            elif not limits.merged_allowed:
                 raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
                                        f"for adapter {seq.adapter_id}")
-            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
-                         limits.page_size)
         for target in seq.extra_residuals:
             if not limits.disaggregated:
                 raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
