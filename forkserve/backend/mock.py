@@ -89,6 +89,10 @@ class MockBackend:
         """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
         return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
 
+    def host_values(self, slot: int) -> np.ndarray:
+        """What host slot ``slot`` holds (tests read this)."""
+        return self._host[slot]
+
     def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter) -> np.ndarray:
         code = 0
         if kind is PageKind.RESIDUAL or (kind is PageKind.UNIFIED
