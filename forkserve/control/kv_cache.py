@@ -131,6 +131,11 @@ class KVCache:
                                   cursor)
         return (base_full, res_full), cursor
 
+    def pin_published(self, adapter, path: Sequence[int], now: float) -> None:
+        """Pin the base pages the index holds for ``path`` through the pause that follows."""
+        base_key, _ = self.keys(adapter, path)
+        self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens), now)
+
     # ------------------------------------------------------------ memory
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:
         """Free pages for a write: evict the pool's own index (never the other one; the

@@ -6,8 +6,9 @@ the TTL a ``PauseTTL`` predicts; the next ``open`` that reuses the whole pinned 
 ``resume``s the pin (the pause it measured trains the policy). Residual pages are never
 pinned: they are cheap to park on the host tier and to bring back (``HostTier``).
 
-Ownership: a pin is a ``PageTable`` forked from the session's base table and cut to its
-published full pages: one pool reference per page, like any holder. It is released on
+Ownership: a pin is a ``PageTable`` over the index's own pages for the session's published
+path (not the session's table: where the index already held a page for a prefix, the
+session's copy is private and about to be freed): one pool reference per page. It is released on
 resume, on expiry (the stepper's TTL pass), by ``release_for`` under committed pressure
 (soonest deadline first, after speculation was preempted), or by ``release_all``.
 """
@@ -35,12 +36,12 @@ class BaseRetention:
         self.policy, self.metrics = policy, metrics
         self._pins: list[BasePin] = []
 
-    def pin(self, table: PageTable, full_pages: int, now: float) -> None:
-        """Pin the first ``full_pages`` pages of ``table`` (the caller keeps its own table)."""
-        if full_pages <= 0:
+    def pin(self, pool: PagePool, pages: Sequence[PageId], now: float) -> None:
+        """Pin ``pages`` (published, of ``pool``) for the TTL the policy predicts now."""
+        if not pages:
             return
-        held = table.fork()
-        held.truncate(full_pages * table.pool.page_size)
+        held = PageTable(pool)
+        held.attach(pages, len(pages) * pool.page_size)
         self._pins.append(BasePin(held, now, now + self.policy.ttl_s()))
 
     def resume(self, pages: Sequence[PageId], now: float) -> None:

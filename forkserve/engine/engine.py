@@ -383,7 +383,7 @@ class Engine:
         tip = session.tree.tip
         self.stepper.publish(tip)
         if self.config.pause_pin:
-            self.kv.retention.pin(tip.table.base, tip.published[0], self.clock())
+            self.kv.pin_published(tip.adapter, session.tree.committed, self.clock())
         session.tree.release_all()
         del self.sessions[session_id]
         self.stepper.account()
