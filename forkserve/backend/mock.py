@@ -12,6 +12,10 @@ Layouts: unified pages hold (token, adapter); full_reuse pages hold the token al
 (shared across adapters by design); disaggregated base pages hold the token and residual
 pages hold (token, adapter). Adaptive: an adapter's item without residual pages is merged
 and its base pages hold (token, adapter); with residual pages it is disaggregated's.
+
+Host tier (``HostOffload``, disaggregated layout): ``config.host_residual_pages`` host slots
+for residual pages. Offloading blanks the device page (the control plane frees it), so a
+page used after it was parked, or brought back into the wrong page, reads as never written.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import numpy as np
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
-from forkserve.backend.protocol import PageId, PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.protocol import (HostCopy, PageId, PageKind, SeqWork, StepCost,
+                                       StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
 
 _UNWRITTEN = -1
@@ -42,6 +47,7 @@ class MockBackend:
         p = self.config.page_size
         self._kv = {kind: np.full((self._num_pages(kind), p), _UNWRITTEN, dtype=np.int64)
                     for kind in self.page_kinds()}
+        self._host = np.full((self.config.host_residual_pages, p), _UNWRITTEN, dtype=np.int64)
 
     def page_kinds(self) -> tuple[PageKind, ...]:
         if self.config.kv_layout.has_residual_pool:
@@ -56,12 +62,37 @@ class MockBackend:
         for src, dst in pairs:
             kv[dst] = kv[src]
 
+    def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        pages, slots = self._host_copies(kind, copies)
+        self._host[slots] = self._kv[kind][pages]
+        self._kv[kind][pages] = _UNWRITTEN
+
+    def restore_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        pages, slots = self._host_copies(kind, copies)
+        self._kv[kind][pages] = self._host[slots]
+
+    def _host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> tuple[np.ndarray, np.ndarray]:
+        if kind is not PageKind.RESIDUAL or kind not in self._kv:
+            raise ValueError(f"the host tier stores residual pages of the disaggregated layout, "
+                             f"not {kind.value!r} pages")
+        pages = np.asarray([c.page for c in copies], dtype=np.int64)
+        slots = np.asarray([c.slot for c in copies], dtype=np.int64)
+        if ((pages < 0) | (pages >= self._num_pages(kind))).any() or \
+                ((slots < 0) | (slots >= len(self._host))).any():
+            raise ValueError(f"host copies {list(copies)[:5]} outside {self._num_pages(kind)} pages / "
+                             f"{len(self._host)} host slots")
+        return pages, slots
+
     def transfer_cost(self, tokens: int) -> StepCost:
         return StepCost(ms=self.cost_model.transfer_ms(tokens))
 
     def kv_values(self, kind: PageKind, pages: Sequence[PageId], length: int) -> np.ndarray:
         """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
         return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
+
+    def host_values(self, slot: int) -> np.ndarray:
+        """What host slot ``slot`` holds (tests read this)."""
+        return self._host[slot]
 
     def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter,
                         merged: bool = False) -> np.ndarray:

@@ -3,8 +3,15 @@ that decide which pages a node may share with whom.
 
 Ownership: the pools own page ids; every ``NodeKV`` made here owns one reference per page it
 lists (released by its node); the DualRadixTree owns one reference per published page
-(released by eviction). Nothing here touches a tensor: writes happen in the backend, which
-``copy_pages`` reaches through the callback the engine passes in.
+(released by eviction); ``retention`` owns one per base page pinned through a tool pause.
+The residual tree owns the host slots of its offloaded pages (``HostTier``). Nothing here
+touches a tensor: writes happen in the backend, which ``copy_pages`` reaches through the
+callback the engine passes in, and host copies through the backend's ``HostOffload``.
+
+Per-pool retention (D1): under pressure a pool evicts its own index only. The residual index
+parks evicted pages on the host tier (when the backend has one) and a later match brings
+them back; base pages of a paused agent are pinned and give way only to committed work,
+after speculation (``make_room``).
 
 Layout rules (seed 001):
 
@@ -21,14 +28,18 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from forkserve.backend.protocol import PageKind
+from forkserve.backend.protocol import HostOffload, PageKind
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
+from forkserve.control.host_tier import HostTier
+from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
+from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
 from forkserve.control.prefix_index import PrefixIndex
+from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
 AdapterVersion = Callable[[object], int]
@@ -36,14 +47,26 @@ AdapterVersion = Callable[[object], int]
 
 class KVCache:
     def __init__(self, config: ForkServeConfig, kinds: Sequence[PageKind],
-                 adapter_version: AdapterVersion | None = None, policy: LayoutPolicy | None = None) -> None:
+                 adapter_version: AdapterVersion | None = None, *,
+                 metrics: EngineMetrics | None = None, host: HostOffload | None = None,
+                 pause_ttl: PauseTTL | None = None,
+                 policy: LayoutPolicy | None = None) -> None:
+        """``host``: the backend, where it implements ``HostOffload``; with
+        ``config.host_residual_pages`` > 0 evicted residual pages go there instead of away."""
         self.config = config
         self.layout = config.kv_layout
+        metrics = metrics if metrics is not None else EngineMetrics()
         self.pool = PagePool(kinds[0], config.num_pages, config.page_size)
         self.residual_pool: PagePool | None = None
+        self.host_tier: HostTier | None = None
         if PageKind.RESIDUAL in kinds:
             self.residual_pool = PagePool(PageKind.RESIDUAL, config.num_residual_pages, config.page_size)
-        self.tree = DualRadixTree(self.pool, self.residual_pool)
+            if host is not None and config.host_residual_pages:
+                self.host_tier = HostTier(PageKind.RESIDUAL, config.host_residual_pages,
+                                          config.page_size, host, metrics)
+        self.tree = DualRadixTree(self.pool, self.residual_pool, self.host_tier)
+        self.retention = BaseRetention(
+            pause_ttl or QuantilePauseTTL(config.pause_ttl_quantile, config.pause_ttl_prior_s), metrics)
         self._adapter_version = adapter_version or (lambda adapter: 0)
         self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
@@ -135,26 +158,39 @@ class KVCache:
                                   cursor)
         return (base_full, res_full), cursor
 
+    def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:
+        """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
+        base_key, _ = self.keys(adapter, path, self.form_of(kv, adapter))
+        self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens), now)
+
     # ------------------------------------------------------------ memory
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:
-        """Free pages for a write: evict the pool's own index (never the other one), then let
-        ``preempt`` (committed work only) release speculation; raise if still short."""
+        """Free pages for a write: evict the pool's own index (never the other one; the
+        residual index parks pages on the host tier), then, for committed work only
+        (``preempt`` given), release speculation and after it pause pins; raise if still short."""
         index = self.index_of(pool)
         if need > pool.num_free:
             index.evict(need - pool.num_free)
         if need > pool.num_free and preempt is not None:
             preempt(pool, need)
+        if need > pool.num_free and preempt is not None:
+            self.retention.release_for(pool, need, index.evict)
         if need > pool.num_free:
             raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
                                   f"evicting the index and preempting speculation")
 
     def evict_all(self) -> int:
+        """Drop every cached page: pause pins, the index, the host tier."""
+        self.retention.release_all()
         return self.tree.evict_all()
 
     def check_integrity(self, tables: Sequence[PageTable]) -> None:
-        """Refcounts equal the holders (these tables plus the index) exactly, in every pool."""
+        """Refcounts equal the holders (these tables, the pause pins and the index) exactly,
+        in every pool; every host slot is held by exactly one offloaded index entry."""
+        for pool in self.pools():
+            self.index_of(pool).check_integrity()
         expected = {pool: dict(self.index_of(pool).held_refs()) for pool in self.pools()}
-        for table in tables:
+        for table in [*tables, *self.retention.tables()]:
             refs = expected.setdefault(table.pool, {})
             for page in table.pages:
                 refs[page] = refs.get(page, 0) + 1

@@ -265,6 +265,35 @@ class DisaggregatedMachine(VerbMachine):
     adapters = (None, "planner", "critic")
 
 
+class OffloadMachine(DisaggregatedMachine):
+    """D1: residual evictions park pages on a small host tier (its LRU drops the rest), closed
+    sessions pin their base pages, and re-opening a committed sequence restores what was parked.
+    ``check_integrity`` covers the host slots: each one free or held by exactly one entry."""
+
+    config = DisaggregatedMachine.config.replace(host_residual_pages=6, pause_pin=True,
+                                                 pause_ttl_prior_s=3.0)
+
+    @rule(data=st.data(), pages=st.integers(1, 8))
+    def evict_offload_restore(self, data, pages):
+        index = self.engine.residual_index
+        base_pages, parked = self.engine.index.num_pages, index.num_offloaded
+        index.evict(pages)
+        assert self.engine.index.num_pages == base_pages
+        assert index.num_offloaded >= min(parked, self.config.host_residual_pages)
+        if self.ever_committed:
+            tokens = list(data.draw(st.sampled_from(self.ever_committed)))
+            h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters[1:])))
+            self.committed[h.id] = tokens
+
+    @invariant()
+    def host_holds_what_its_entries_name(self):
+        p = self.config.page_size
+        for entry in self.engine.residual_index.offloaded_entries():
+            want = self.backend.expected_values(PageKind.RESIDUAL, entry.prefix[-p:],
+                                                entry.namespace.adapter_id)
+            assert (self.backend.host_values(entry.slot) == want).all()
+
+
 class FullReuseMachine(DisaggregatedMachine):
     config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.FULL_REUSE)
 
@@ -284,6 +313,8 @@ TestMultiAdapterUnified = MultiAdapterUnifiedMachine.TestCase
 TestMultiAdapterUnified.settings = _settings
 TestDisaggregated = DisaggregatedMachine.TestCase
 TestDisaggregated.settings = _settings
+TestOffload = OffloadMachine.TestCase
+TestOffload.settings = _settings
 TestFullReuse = FullReuseMachine.TestCase
 TestFullReuse.settings = _settings
 TestAdaptive = AdaptiveMachine.TestCase
