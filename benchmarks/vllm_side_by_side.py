@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
 from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, _budget_pages,  # noqa: E402
                                        _tiny_config, format_table, page_bytes, random_adapter,
-                                       run_system, run_workload)
+                                       build_backend, run_system, run_workload)
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
                     if weights is None:
                         from forkserve.backend.torch.weights import random_weights
                         weights = random_weights(model_cfg, device, dtype)
-                    result = run_system(system, params, model_cfg, weights, device, dtype)
+                    backend, sizes = build_backend(system, params, w, model_cfg, weights, device, dtype)
+                    result = run_system(system, params, backend, sizes)
+                    del backend
                 report["results"].append(asdict(result))
                 print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
             except ImportError as exc:  # vLLM is not installed: say so once, keep our systems

@@ -11,11 +11,15 @@ output and generates G. Systems, one engine each, run side by side:
                      computing its residual with its own forward pass (``own_forward``).
 * ``disaggregated_base``  the same layout with ``residual_source = base_activations``: one
                      base-model pass over the context writes every agent's residual.
+* ``adaptive``       per session, merged K/V (unified's speed) while the base pool has room,
+                     ForkKV's split form once it would pass its high-water mark (seed 003, D3).
 * ``full_reuse``     merged K/V shared across adapters (the lossy upper bound).
 * ``no_lora``        every agent is the base model (the ideal sharing).
 
 Agent 0 prefills the shared context first; the others then find it published. The KV
-budget is fixed in bytes for every system. A workflow is admitted when the pools can hold
+budget is fixed in bytes for every system. One backend serves every W of a system, with
+its kernels compiled and its decode graphs captured before the timed runs (as a server
+would at start-up). A workflow is admitted when the pools can hold
 its whole footprint (context + instruction + every turn), so memory contention shows as
 waiting, the way a serving engine queues requests it cannot fit.
 """
@@ -31,9 +35,13 @@ import torch
 from tqdm import tqdm
 
 from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.control.layout_policy import KVForm
 from forkserve.engine import Engine
 
-SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "full_reuse", "no_lora")
+SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")
+LAYOUTS = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
+           "disaggregated_base": KVLayout.DISAGGREGATED, "adaptive": KVLayout.ADAPTIVE,
+           "full_reuse": KVLayout.FULL_REUSE, "no_lora": KVLayout.UNIFIED}
 TARGETS = ("q", "k", "v", "o")
 
 
@@ -66,6 +74,11 @@ class RunResult:
     per_agent_kv_bytes: float
     prefix_hit_rate: float        # prompt tokens whose base (or unified) KV came from the index
     mean_decode_batch: float
+    # The shared context's KV per agent (its pages counted once however many agents hold
+    # them), at the most agents holding it at once: seed 001's M_R measured.
+    context_kv_per_agent_bytes: float
+    prefill_tick_s: float         # wall time of ticks that prefilled (maybe decoding too)
+    decode_tick_s: float          # wall time of decode-only ticks
     prefill_tokens: int
     decode_tokens: int
     waited_s: float
@@ -90,7 +103,7 @@ def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: 
 def _budget_pages(backend_cls_pages: dict, params: MultiLoraParams, layout: KVLayout) -> tuple[int, int]:
     budget = params.kv_budget_gib * 2 ** 30
     base_bytes, res_bytes = backend_cls_pages["base"], backend_cls_pages["residual"]
-    if layout is KVLayout.DISAGGREGATED:
+    if layout.has_residual_pool:
         res_pages = int(budget * params.residual_share // res_bytes)
         return int(budget * (1 - params.residual_share) // base_bytes), max(res_pages, 1)
     return int(budget // base_bytes), 1
@@ -115,6 +128,8 @@ class Workflow:
         self.latencies: list[float] = []
         self.outputs: list[list[int]] = []
         self.done = False
+        self.needs: dict | None = None   # pages per pool reserved at admission
+        self.split = False
 
     def footprint_tokens(self) -> int:
         p = self.params
@@ -125,13 +140,12 @@ def _observation(turn: int, index: int, length: int, vocab: int) -> list[int]:
     return [(97 + 31 * turn + 7 * index + i) % (vocab - 3) + 3 for i in range(length)]
 
 
-def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device, dtype,
-               progress: tqdm | None = None) -> RunResult:
+def build_backend(system: str, params: MultiLoraParams, max_workflows: int, model_cfg, weights, device,
+                  dtype):
+    """One backend per system, with an adapter for each of up to ``max_workflows`` agents."""
     from forkserve.backend.torch import TorchBackend
 
-    layout = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
-              "disaggregated_base": KVLayout.DISAGGREGATED, "full_reuse": KVLayout.FULL_REUSE,
-              "no_lora": KVLayout.UNIFIED}[system]
+    layout = LAYOUTS[system]
     sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
     num_pages, num_res = _budget_pages(sizes, params, layout)
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=num_res,
@@ -140,13 +154,19 @@ def run_system(system: str, params: MultiLoraParams, model_cfg, weights, device,
                           vocab_size=model_cfg.vocab_size)
     adapters = {} if system == "no_lora" else {
         f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i)
-        for i in range(params.workflows)}
+        for i in range(max_workflows)}
     backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device, dtype=dtype,
                                         max_adapters=max(1, len(adapters)), max_lora_rank=params.rank,
                                         lora_targets=TARGETS if adapters else None)
-    shared = system == "disaggregated_base"
+    return backend, sizes
+
+
+def run_system(system: str, params: MultiLoraParams, backend, sizes: dict,
+               progress: tqdm | None = None) -> RunResult:
+    """One timed run on a fresh Engine over ``backend`` (its pools start empty)."""
     adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
-    return run_workload(system, params, Engine(backend), sizes, adapter_of, progress, shared)
+    return run_workload(system, params, Engine(backend), sizes, adapter_of, progress,
+                        shared_by_base_pass=system == "disaggregated_base")
 
 
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict,
@@ -175,7 +195,8 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     return RunResult(system, params.workflows, params.workflows / makespan, makespan,
                      _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
                      driver.peak_bytes / params.workflows, hit_rate,
-                     m.decode_tokens / max(1, driver.decode_ticks), m.prefill_tokens,
+                     m.decode_tokens / max(1, driver.decode_ticks), driver.context_kv_per_agent,
+                     driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
                      m.decode_tokens, driver.waited_s, notes=list(notes or []))
 
 
@@ -198,11 +219,22 @@ class _Driver:
         self.prompt_tokens = 0
         self.reserved: dict = {}
         self.context_pages = params.context // params.page_size
+        self.context_kv_per_agent = 0.0
+        self._context_holders = 0
+        self.prefill_tick_s = 0.0
+        self.decode_tick_s = 0.0
 
     def _tick(self) -> bool:
-        before = self.engine.metrics.decode_tokens
+        m = self.engine.metrics
+        before, prefill_before = m.decode_tokens, m.prefill_tokens
+        t0 = time.perf_counter()
         did = self.engine.tick()
-        if self.engine.metrics.decode_tokens > before:
+        elapsed = time.perf_counter() - t0
+        if m.prefill_tokens > prefill_before:
+            self.prefill_tick_s += elapsed
+        elif m.decode_tokens > before:
+            self.decode_tick_s += elapsed
+        if m.decode_tokens > before:
             self.decode_ticks += 1
         used = self.engine.pool.num_used * self.base_bytes
         if self.engine.residual_pool is not None:
@@ -211,16 +243,41 @@ class _Driver:
         return did
 
     def _needs(self, flow: Workflow) -> dict:
-        """Pages per pool this workflow will hold at its peak. Where the layout shares the
-        base side across agents, the shared context is counted once (by the first agent)."""
+        """Pages per pool this workflow will hold at its peak. Where its form shares the base
+        side across agents, the shared context is counted once (by the first agent)."""
+        if flow.needs is not None:
+            return flow.needs
         p = self.params.page_size
         total = -(-flow.footprint_tokens() // p)
-        shared = self.engine.config.kv_layout is not KVLayout.UNIFIED or flow.adapter is None
-        base = total - (self.context_pages if shared and flow.index > 0 else 0)
+        layout = self.engine.config.kv_layout
+        split = flow.adapter is not None and self.engine.residual_pool is not None and (
+            layout is KVLayout.DISAGGREGATED or self.engine.kv.choose_form(
+                flow.adapter, flow.prompt, self.engine.stepper.pending_prompt_pages()) is KVForm.SPLIT)
+        shared = layout is KVLayout.FULL_REUSE or split or flow.adapter is None
+        base = total - (self.context_pages if shared and self._shares_context(split) else 0)
         needs = {self.engine.pool: base}
-        if self.engine.residual_pool is not None and flow.adapter is not None:
+        if split:
             needs[self.engine.residual_pool] = total
         return needs
+
+    def _measure_context_kv(self, flows: list[Workflow]) -> None:
+        """Bytes of the pages holding the shared context, each page counted once, over the
+        agents holding it — kept at the most agents seen at once."""
+        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows]
+        tables = [kv for kv in tables if kv.length >= self.params.context]
+        if len(tables) <= self._context_holders:
+            return
+        n = self.context_pages
+        base = {page for kv in tables for page in kv.base.pages[:n]}
+        residual = {page for kv in tables if kv.residual is not None for page in kv.residual.pages[:n]}
+        self._context_holders = len(tables)
+        self.context_kv_per_agent = (len(base) * self.base_bytes + len(residual) * self.res_bytes) / len(tables)
+
+    def _shares_context(self, split: bool) -> bool:
+        """Whether an earlier admitted workflow of the same form already counted the context."""
+        if self.shared_context is not None:
+            return True
+        return any(f.needs is not None and f.split == split for f in self.flows)
 
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""
@@ -228,6 +285,7 @@ class _Driver:
         if all(self.reserved.get(pool, 0) + n <= pool.num_pages for pool, n in needs.items()):
             for pool, n in needs.items():
                 self.reserved[pool] = self.reserved.get(pool, 0) + n
+            flow.needs, flow.split = needs, self.engine.residual_pool in needs
             return True
         return False
 
@@ -270,6 +328,8 @@ class _Driver:
                     flow.latencies.append(time.perf_counter() - flow.turn_started)
                     flow.outputs.append(list(self.engine.generation(flow.session).tokens))
                     flow.turn += 1
+                    if flow.turn == 1:
+                        self._measure_context_kv(active)
                     if self.progress is not None:
                         self.progress.update(1)
                     if flow.turn == self.params.turns:
@@ -311,6 +371,7 @@ class _Driver:
                 active.append(flow)
             for flow in list(active):
                 if self.engine.generation(flow.session) is not None:
+                    self._measure_context_kv(active)
                     flow.latencies.append(time.perf_counter() - flow.turn_started)
                     flow.outputs.append(list(self.engine.generation(flow.session).tokens))
                     self._close(flow)
@@ -351,7 +412,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model for CPU runs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
-                    help="one untimed short run per system first (default on CUDA)")
+                    help="per system, one untimed 2-agent run at the full context and the decode "
+                         "graphs captured before the timed runs (default on CUDA)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -373,25 +435,29 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             "results": [asdict(r) for r in results], "errors": errors}, indent=2))
 
     total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
-    if args.warmup:  # compile kernels and capture graphs outside the timed runs
-        for system in args.systems:
-            warm = MultiLoraParams(args.workload, 1, 256, turns=1, gen=4, kv_budget_gib=budget,
-                                   residual_share=share)
-            run_system(system, warm, model_cfg, weights, device, dtype)
     with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
-        # W outer: a run cut short still compares every system at the smaller W.
-        for w in args.workflows:
-            for system in args.systems:
-                params = MultiLoraParams(args.workload, w, args.context, turns=args.turns, gen=args.gen,
-                                         kv_budget_gib=budget, residual_share=share,
-                                         lockstep=not args.closed_loop)
+        for system in args.systems:
+            def params(w: int, **over) -> MultiLoraParams:
+                fields = dict(workload=args.workload, workflows=w, context=args.context, turns=args.turns,
+                              gen=args.gen, kv_budget_gib=budget, residual_share=share,
+                              lockstep=not args.closed_loop) | over
+                return MultiLoraParams(**fields)
+
+            top = max(args.workflows)
+            backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg, weights, device, dtype)
+            if args.warmup:  # compile kernels and capture graphs outside the timed runs
+                run_system(system, params(2, turns=min(2, args.turns), gen=4), backend, sizes)
+                backend.capture_decode_graphs(top, args.context + params(top).instruction
+                                              + args.turns * (args.gen + params(top).observation))
+            for w in args.workflows:
                 try:
-                    results.append(run_system(system, params, model_cfg, weights, device, dtype, bar))
+                    results.append(run_system(system, params(w), backend, sizes, bar))
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                     errors.append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
                 save()
+            del backend
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print(format_table(results, args.workload))
     for e in errors:
         print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
@@ -410,12 +476,15 @@ def _tiny_config():
 
 
 def format_table(results: list[RunResult], workload: str) -> str:
-    lines = [f"{'system':<14} {'W':>3} {'tasks/s':>8} {'p50 s':>7} {'p99 s':>7} {'peak KV GiB':>11} "
-             f"{'per-agent MiB':>13} {'hit rate':>8} {'decode batch':>12}", "-" * 92]
+    lines = [f"{'system':<18} {'W':>3} {'tasks/s':>8} {'p50 s':>6} {'p99 s':>6} {'peak GiB':>8} "
+             f"{'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} {'batch':>5} {'prefill s':>9} {'decode s':>8}",
+             "-" * 112]
     for r in results:
-        lines.append(f"{r.system:<14} {r.workflows:>3} {r.tasks_per_s:>8.3f} {r.turn_latency_p50_s:>7.2f} "
-                     f"{r.turn_latency_p99_s:>7.2f} {r.peak_kv_bytes / 2**30:>11.2f} "
-                     f"{r.per_agent_kv_bytes / 2**20:>13.1f} {r.prefix_hit_rate:>8.2f} {r.mean_decode_batch:>12.1f}")
+        lines.append(f"{r.system:<18} {r.workflows:>3} {r.tasks_per_s:>8.3f} {r.turn_latency_p50_s:>6.2f} "
+                     f"{r.turn_latency_p99_s:>6.2f} {r.peak_kv_bytes / 2**30:>8.2f} "
+                     f"{r.per_agent_kv_bytes / 2**20:>9.1f} {r.context_kv_per_agent_bytes / 2**20:>13.1f} "
+                     f"{r.prefix_hit_rate:>5.2f} {r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} "
+                     f"{r.decode_tick_s:>8.2f}")
     return "\n".join(lines)
 
 

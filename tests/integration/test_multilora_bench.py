@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from forkserve.bench.multilora import MultiLoraParams, main, run_system
+from forkserve.bench.multilora import MultiLoraParams, build_backend, main, run_system
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     cfg, weights = tiny
     params = MultiLoraParams(workload, workflows=4, context=128, turns=2, gen=4, observation=8,
                              pause_s=0.0, kv_budget_gib=0.01)
-    runs = {s: run_system(s, params, cfg, weights, torch.device("cpu"), torch.float32)
-            for s in ("unified", "disaggregated", "disaggregated_base", "full_reuse", "no_lora")}
+    runs = {s: run_system(s, params, *build_backend(s, params, params.workflows, cfg, weights,
+                                                      torch.device("cpu"), torch.float32))
+            for s in ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")}
     turns = params.turns if workload == "react" else 1
     for r in runs.values():
         # The first token of every turn is sampled by its prefill step, the rest by decode steps.
@@ -35,6 +36,9 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     assert runs["disaggregated"].prefill_tokens > runs["full_reuse"].prefill_tokens
     # ...but the shared context's K/V is stored once.
     assert runs["disaggregated"].peak_kv_bytes < runs["unified"].peak_kv_bytes
+    # The shared context measured per agent: stored once plus rank-r residuals (seed 001's M_R).
+    # The tiny model: 1/N + r/n = 1/4 + 16/64 at N = 4.
+    assert runs["disaggregated"].context_kv_per_agent_bytes <= runs["unified"].context_kv_per_agent_bytes / 2
     # base_activations: one base pass over the context instead of one pass per agent.
     assert runs["disaggregated_base"].prefill_tokens < runs["disaggregated"].prefill_tokens / 2
 

@@ -294,6 +294,13 @@ class TorchBackend:
         del self._names[resident.name]
         self.lora.clear(resident.slot)
 
+    def capture_decode_graphs(self, max_batch: int, context_tokens: int) -> int:
+        """Capture ahead the CUDA graphs decode batches of up to ``max_batch`` sequences of up
+        to ``context_tokens`` tokens will use, in each form the layout serves (merged, split);
+        returns how many were new (0 off CUDA or with graphs off)."""
+        splits = {KVLayout.DISAGGREGATED: (True,), KVLayout.ADAPTIVE: (False, True)}.get(self.layout, (False,))
+        return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
+
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
         return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype)
 

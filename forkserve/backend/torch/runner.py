@@ -8,7 +8,7 @@ import torch
 
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch.batch import BatchLimits, build
-from forkserve.backend.torch.cuda_graph import DecodeGraph, batch_bucket, pages_bucket
+from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, DecodeGraph, batch_bucket, pages_bucket
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 
@@ -46,17 +46,36 @@ class ModelRunner:
                                     self.pool, batch.logits_indices, batch.use_lora)
         return RunOutput(logits, None)
 
+    def capture_decode_graphs(self, max_batch: int, context_tokens: int, use_lora: bool,
+                              splits: Sequence[bool]) -> int:
+        """Capture every decode graph a run of up to ``max_batch`` sequences of up to
+        ``context_tokens`` tokens will replay (as vLLM does at start-up), so no step of a
+        measured run pays for a capture. Returns how many were new."""
+        if not self.use_cuda_graphs:
+            return 0
+        top = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
+        pages = pages_bucket(-(-context_tokens // self.limits.page_size))
+        new = 0
+        for bucket in (b for b in BATCH_BUCKETS if b <= top):
+            for split in splits:
+                new += self._ensure_graph((bucket, pages, use_lora, split))
+        return new
+
+    def _ensure_graph(self, key: tuple[int, int, bool, bool]) -> bool:
+        """Capture the graph for ``key`` unless it exists; whether it was new."""
+        if key in self._graphs:
+            return False
+        self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3], self.limits,
+                                        self.device, self._mempool)
+        return True
+
     def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int,
                 split: bool) -> RunOutput:
         width = max(s.start_pos // self.limits.page_size + 1 for s in work)
         use_lora = any(s.adapter_id is not None for s in work)
         key = (bucket, pages_bucket(width), use_lora, split)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = DecodeGraph(self.model, self.pool, key[0], key[1], use_lora, split, self.limits,
-                                self.device, self._mempool)
-            self._graphs[key] = graph
-        logits, greedy = graph.run(work, adapter_slots)
+        self._ensure_graph(key)
+        logits, greedy = self._graphs[key].run(work, adapter_slots)
         rows = [i for i, s in enumerate(work) if s.sampling is not None]
         if len(rows) == len(work):
             return RunOutput(logits, greedy)  # every item samples: the rows are already in order
