@@ -37,6 +37,7 @@ from tqdm import tqdm
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.layout_policy import KVForm
 from forkserve.engine import Engine
+from forkserve.errors import OutOfPagesError
 
 SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")
 LAYOUTS = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
@@ -218,6 +219,7 @@ class _Driver:
         self.waited_s = 0.0
         self.prompt_tokens = 0
         self.reserved: dict = {}
+        self.admitted: list[Workflow] = []
         self.context_pages = params.context // params.page_size
         self.context_kv_per_agent = 0.0
         self._context_holders = 0
@@ -274,10 +276,11 @@ class _Driver:
         self.context_kv_per_agent = (len(base) * self.base_bytes + len(residual) * self.res_bytes) / len(tables)
 
     def _shares_context(self, split: bool) -> bool:
-        """Whether an earlier admitted workflow of the same form already counted the context."""
+        """Whether a running workflow of the same form counted the context (it holds those
+        pages, so the index cannot evict them)."""
         if self.shared_context is not None:
             return True
-        return any(f.needs is not None and f.split == split for f in self.flows)
+        return any(f.split == split for f in self.admitted)
 
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""
@@ -286,6 +289,7 @@ class _Driver:
             for pool, n in needs.items():
                 self.reserved[pool] = self.reserved.get(pool, 0) + n
             flow.needs, flow.split = needs, self.engine.residual_pool in needs
+            self.admitted.append(flow)
             return True
         return False
 
@@ -293,6 +297,7 @@ class _Driver:
         self.engine.close(flow.session)
         for pool, n in self._needs(flow).items():
             self.reserved[pool] -= n
+        self.admitted.remove(flow)
 
     def _open(self, flow: Workflow) -> None:
         flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
@@ -315,14 +320,19 @@ class _Driver:
             self._tick()
         return [first], self.flows[1:]
 
+    def _admit(self, active: list[Workflow], waiting: list[Workflow]) -> None:
+        while waiting and self._fits(waiting[0]):
+            flow = waiting.pop(0)
+            self._open(flow)
+            active.append(flow)
+        if waiting and not active:  # nothing holds a reservation, and still it does not fit
+            raise RuntimeError("a workflow needs more KV than the whole budget")
+
     def react(self) -> None:
         active, waiting = self._open_first()
         while active or waiting:
             now = time.perf_counter()
-            while waiting and self._fits(waiting[0]):
-                flow = waiting.pop(0)
-                self._open(flow)
-                active.append(flow)
+            self._admit(active, waiting)
             for flow in list(active):
                 if flow.resume_at is None and self.engine.generation(flow.session) is not None:
                     flow.latencies.append(time.perf_counter() - flow.turn_started)
@@ -355,8 +365,6 @@ class _Driver:
                     sleep = min(pending) - time.perf_counter()
                     if sleep > 0:
                         time.sleep(sleep)
-                elif waiting and not active:
-                    raise RuntimeError("a workflow needs more KV than the whole budget")
                 else:
                     t0 = time.perf_counter()
                     time.sleep(0.001)
@@ -365,10 +373,7 @@ class _Driver:
     def mapreduce(self, context: list[int]) -> None:
         active, waiting = self._open_first()
         while active or waiting:
-            while waiting and self._fits(waiting[0]):
-                flow = waiting.pop(0)
-                self._open(flow)
-                active.append(flow)
+            self._admit(active, waiting)
             for flow in list(active):
                 if self.engine.generation(flow.session) is not None:
                     self._measure_context_kv(active)
@@ -378,8 +383,7 @@ class _Driver:
                     active.remove(flow)
                     if self.progress is not None:
                         self.progress.update(1)
-            if not self._tick() and waiting and not active:
-                raise RuntimeError("a workflow needs more KV than the whole budget")
+            self._tick()
         reducer = self.flows[0]
         merged = list(reducer.prompt) + [t for f in self.flows for t in f.outputs[-1]]
         start = time.perf_counter()
@@ -452,7 +456,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             for w in args.workflows:
                 try:
                     results.append(run_system(system, params(w), backend, sizes, bar))
-                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
                     errors.append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
                 save()
             del backend
