@@ -11,11 +11,16 @@ Costs come from ``CostModel`` (modeled ms, not a GPU trace).
 Layouts: unified pages hold (token, adapter); full_reuse pages hold the token alone
 (shared across adapters by design); disaggregated base pages hold the token and residual
 pages hold (token, adapter).
+
+Activated LoRA (``invocations``): positions before an item's ``adapter_start`` are stored
+as the base model's (adapter code 0, in residual pages too: a zero residual), and a token
+sampled there hashes as the base model's, so KV left over from another activation point
+changes the output.
 """
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -34,8 +39,10 @@ def _adapter_code(adapter: int | str | None) -> int:
 
 
 class MockBackend:
-    def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
+                 invocations: Mapping[int | str, Sequence[int]] | None = None) -> None:
         self.config = config or ForkServeConfig()
+        self._invocations = {a: tuple(tokens) for a, tokens in (invocations or {}).items()}
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
         p = self.config.page_size
@@ -55,6 +62,10 @@ class MockBackend:
         for src, dst in pairs:
             kv[dst] = kv[src]
 
+    def adapter_invocation(self, adapter: int | str) -> tuple[int, ...] | None:
+        """An activated LoRA's invocation tokens (None for a plain adapter)."""
+        return self._invocations.get(adapter)
+
     def transfer_cost(self, tokens: int) -> StepCost:
         return StepCost(ms=self.cost_model.transfer_ms(tokens))
 
@@ -62,12 +73,15 @@ class MockBackend:
         """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
         return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter) -> np.ndarray:
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, adapter_start: int = 0,
+                        start_pos: int = 0) -> np.ndarray:
+        """What ``tokens`` at positions ``start_pos..`` store; base-model values before ``adapter_start``."""
         code = 0
         if kind is PageKind.RESIDUAL or (kind is PageKind.UNIFIED
                                          and self.config.kv_layout is KVLayout.UNIFIED):
             code = _adapter_code(adapter)
-        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + code
+        positions = np.arange(start_pos, start_pos + len(tokens))
+        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
         next_tokens: list[int | None] = []
@@ -93,7 +107,8 @@ class MockBackend:
             length = item.start_pos + len(item.tokens)
             context = [self._read(kind, item, pages, length) for kind, pages, _ in sides]
             context_read += length
-            next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id))
+            adapted = length - 1 >= item.adapter_start
+            next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id if adapted else None))
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
@@ -105,7 +120,9 @@ class MockBackend:
         if len(positions) and positions[-1] // p >= len(pages):
             raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        values = self.expected_values(kind, item.tokens, adapter)
+        # Extra residuals (base_activations) are plain adapters: they start at 0.
+        start = item.adapter_start if adapter == item.adapter_id else 0
+        values = self.expected_values(kind, item.tokens, adapter, start, item.start_pos)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
@@ -114,7 +131,8 @@ class MockBackend:
             raise AssertionError(f"seq {item.seq_id}: reads {kind.value} slot "
                                  f"{int(np.argmax(values == _UNWRITTEN))} that was never written")
         if kind is PageKind.RESIDUAL:
-            foreign = values % _ADAPTER_SPACE != _adapter_code(item.adapter_id)
+            codes = np.where(np.arange(length) >= item.adapter_start, _adapter_code(item.adapter_id), 0)
+            foreign = values % _ADAPTER_SPACE != codes
             if foreign.any():
                 raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
                                      f"holds another adapter's residual")

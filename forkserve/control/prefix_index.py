@@ -1,9 +1,12 @@
 """PrefixIndex: the global index of committed full pages (the base side of the DualRadixTree).
 
-A radix tree with one edge per page. An edge is keyed by a typed ``PageKey`` (the page's
-token ids) under a typed ``Namespace`` root (the base model, or one adapter version for
-the unified layout): never a string glued from tokens, so two different prefixes cannot
-collide. A path from a namespace root spells a committed token prefix, page by page.
+A radix tree with one edge per page. An edge is keyed by a typed ``PageKey``: the page's
+token ids and the ``Namespace`` of what computed its KV (the base model, or one adapter
+version from one activation point): never a string glued from tokens, so two different
+prefixes cannot collide. A path from the root spells a committed token prefix, page by
+page. A path may start under BASE and continue under an adapter: an activated LoRA's
+pages before its invocation are the base model's (``base_pages``), shared with base-model
+sessions and other aLoRAs over the same prefix.
 
 Ownership: the index holds one pool reference per published page, taken in ``insert``
 and given back in ``evict``. Only committed tokens are inserted (the engine's commit,
@@ -28,10 +31,12 @@ class BaseNamespace:
 
 @dataclass(frozen=True)
 class AdapterNamespace:
-    """Pages whose contents depend on one adapter version."""
+    """Pages whose contents depend on one adapter version, applied from ``adapter_start``
+    (0: a plain LoRA; an aLoRA's activation point; None: an aLoRA not invoked on the path)."""
 
     adapter_id: str
     adapter_version: int = 0
+    adapter_start: int | None = 0
 
 
 Namespace = BaseNamespace | AdapterNamespace
@@ -41,6 +46,7 @@ BASE = BaseNamespace()
 @dataclass(frozen=True)
 class PageKey:
     tokens: tuple[int, ...]
+    namespace: "Namespace" = BASE
 
 
 @dataclass(eq=False)
@@ -57,10 +63,12 @@ class _IndexNode:
 class InsertCursor:
     """Where a publisher's last insert ended, so the next one hashes only the new pages.
 
-    Valid while its node is in the tree; a cursor whose node was evicted is ignored.
+    Valid while its node is in the tree and the keys are namespaced the same way; otherwise
+    it is ignored.
     """
 
     namespace: "Namespace"
+    base_pages: int
     node: _IndexNode
     pages: int
 
@@ -76,23 +84,23 @@ class PrefixIndex:
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
         self.page_size = pool.page_size
-        self._roots: dict[Namespace, _IndexNode] = {}
+        self._root = _IndexNode(None, None, None)
         self._clock = itertools.count(1)
         self.num_pages = 0
 
-    def _page_keys(self, tokens: Sequence[int], first_page: int = 0) -> Iterator[PageKey]:
+    def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
+                   first_page: int = 0) -> Iterator[PageKey]:
         p = self.page_size
         for start in range(first_page * p, len(tokens) - p + 1, p):
-            yield PageKey(tuple(tokens[start:start + p]))
+            yield PageKey(tuple(tokens[start:start + p]), BASE if start < base_pages * p else namespace)
 
-    def match(self, namespace: Namespace, tokens: Sequence[int]) -> list[PageId]:
-        """Pages of the longest published page-aligned prefix of ``tokens``."""
-        node = self._roots.get(namespace)
+    def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0) -> list[PageId]:
+        """Pages of the longest published page-aligned prefix of ``tokens``; the first
+        ``base_pages`` pages are keyed under BASE, the rest under ``namespace``."""
+        node = self._root
         pages: list[PageId] = []
-        if node is None:
-            return pages
         now = next(self._clock)
-        for key in self._page_keys(tokens):
+        for key in self._page_keys(namespace, tokens, base_pages):
             node = node.children.get(key)
             if node is None:
                 break
@@ -101,21 +109,25 @@ class PrefixIndex:
         return pages
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
-               resume: InsertCursor | None = None) -> InsertCursor:
+               resume: InsertCursor | None = None, base_pages: int = 0) -> InsertCursor:
         """Publish the full pages of a committed prefix; returns a cursor for the next call.
 
         Where a page for the same prefix is already published, the index keeps its own
         and the caller's stays private (both hold identical KV). With a valid ``resume``
         from an earlier insert of a prefix of ``tokens``, only the pages after it are walked.
+        ``base_pages`` as in ``match``.
         """
-        node = self._roots.setdefault(namespace, _IndexNode(None, None, None))
+        node = self._root
         first = 0
+        # The walked pages must have been keyed as they would be now (BASE up to the same page).
         if (resume is not None and resume.namespace == namespace and not resume.node.evicted
+                and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
                 and resume.pages <= len(pages)):
             node, first = resume.node, resume.pages
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(tokens, first), pages[first:], strict=False):
+        for key, page in zip(self._page_keys(namespace, tokens, base_pages, first), pages[first:],
+                             strict=False):
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])
@@ -126,7 +138,7 @@ class PrefixIndex:
             node = child
             first += 1
         self.num_pages += added
-        return InsertCursor(namespace, node, first)
+        return InsertCursor(namespace, base_pages, node, first)
 
     def evict(self, max_pages: int | None = None) -> int:
         """Free least-recently-used leaf pages that nobody but the index holds."""
@@ -144,11 +156,10 @@ class PrefixIndex:
             self.num_pages -= 1
             if parent.page is not None and not parent.children:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        self._roots = {ns: r for ns, r in self._roots.items() if r.children}
         return freed
 
     def _leaves(self) -> Iterator[_IndexNode]:
-        stack = list(self._roots.values())
+        stack = [self._root]
         while stack:
             node = stack.pop()
             if node.page is not None and not node.children:
@@ -156,14 +167,13 @@ class PrefixIndex:
             stack.extend(node.children.values())
 
     def entries(self) -> Iterator[IndexEntry]:
-        for namespace, root in self._roots.items():
-            stack = [(root, ())]
-            while stack:
-                node, prefix = stack.pop()
-                for key, child in node.children.items():
-                    path = prefix + key.tokens
-                    yield IndexEntry(namespace, path, child.page)
-                    stack.append((child, path))
+        stack = [(self._root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for key, child in node.children.items():
+                path = prefix + key.tokens
+                yield IndexEntry(key.namespace, path, child.page)
+                stack.append((child, path))
 
     def held_refs(self) -> dict[PageId, int]:
         refs: dict[PageId, int] = {}
