@@ -105,7 +105,9 @@ class MockBackend:
                 next_tokens.append(None)
                 continue
             length = item.start_pos + len(item.tokens)
-            context = [self._read(kind, item, pages, length) for kind, pages, _ in sides]
+            # A zero residual (before the activation point) adds nothing to K/V.
+            context = [self._read(kind, item, pages, length)[item.adapter_start if kind is PageKind.RESIDUAL else 0:]
+                       for kind, pages, _ in sides]
             context_read += length
             adapted = length - 1 >= item.adapter_start
             next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id if adapted else None))

@@ -1,0 +1,94 @@
+"""Activated LoRA in the control plane (MockBackend, every layout): pages before the
+invocation are base pages shared with the base model and other aLoRAs; the activation
+point follows the last occurrence, and K/V written under an older point is recomputed."""
+import pytest
+
+from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.mock import MockBackend
+from forkserve.control.activation import Invocation
+from forkserve.errors import InvalidRequestError
+
+P = 4
+INVOCATIONS = {"a": (250, 251), "b": (252,)}
+LAYOUTS = [KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.FULL_REUSE]
+
+
+def _engine(layout) -> Engine:
+    cfg = ForkServeConfig(page_size=P, num_pages=256, num_residual_pages=256, vocab_size=300,
+                          kv_layout=layout, node_ttl_s=None)
+    return Engine(MockBackend(cfg, invocations=INVOCATIONS))
+
+
+def _assert_kv_is_the_path(eng: Engine, sid: int) -> None:
+    """Every stored slot is the base model's before the activation point, the adapter's after."""
+    session = eng.sessions[sid]
+    node = session.tree.tip
+    path = session.tree.path_tokens(node)
+    start = eng.kv.adapter_start(node.table, node.adapter)
+    for table in node.table.tables():
+        want = eng.backend.expected_values(table.pool.kind, path[:table.length], node.adapter,
+                                           len(path) if start is None else start)
+        assert (eng.backend.kv_values(table.pool.kind, table.pages, table.length) == want).all()
+
+
+def _fresh_run(layout, path, adapter, n):
+    eng = _engine(layout)
+    h = eng.open(path, adapter=adapter)
+    return eng.generate(h.id, n).tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alora_prompt_hits_base_pages_and_matches_a_run_without_sharing(layout):
+    eng = _engine(layout)
+    context = list(range(10, 34))  # 6 full pages
+    h = eng.open(context)
+    eng.generate(h.id, 3)
+    eng.close(h.id)
+    outs = {}
+    for adapter, ask in (("a", [40, 250, 251, 41]), ("b", [42, 43, 252, 44, 45])):
+        before = eng.metrics.base_hit_tokens
+        s = eng.open(context + ask, adapter=adapter)
+        assert eng.metrics.base_hit_tokens - before == len(context)
+        outs[adapter] = eng.generate(s.id, 5).tokens
+        _assert_kv_is_the_path(eng, s.id)
+        eng.check_integrity()
+        assert outs[adapter] == _fresh_run(layout, context + ask, adapter, 5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_invocation_is_the_base_model(layout):
+    eng = _engine(layout)
+    path = list(range(10, 27))
+    base = eng.generate(eng.open(path).id, 4).tokens
+    s = eng.open(path, adapter="a")
+    assert eng.generate(s.id, 4).tokens == base
+    _assert_kv_is_the_path(eng, s.id)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_later_invocation_moves_the_activation_point(layout):
+    """A commit that repeats the invocation (and one that completes it across the commit
+    boundary) makes K/V after the old point stale: the result equals a fresh run."""
+    eng = _engine(layout)
+    path = list(range(10, 20)) + [250, 251] + list(range(20, 29))
+    s = eng.open(path, adapter="a")
+    eng.generate(s.id, 2)
+    starts = []
+    for tokens in ([30, 31, 250, 251, 32], [33, 250], [251, 34, 35]):
+        eng.commit(s.id, eng.tip(s.id), tokens)
+        out = eng.generate(s.id, 3).tokens
+        committed = eng.committed_tokens(s.id)
+        starts.append(eng.sessions[s.id].tree.tip.table.adapter_start)
+        assert starts[-1] == Invocation(INVOCATIONS["a"]).last_start(committed, 0)
+        _assert_kv_is_the_path(eng, s.id)
+        eng.check_integrity()
+        assert out == _fresh_run(layout, committed[:-3], "a", 3)
+    # Moved by the first commit, kept by the second, moved across the boundary by the third.
+    assert 10 < starts[0] == starts[1] < starts[2]
+
+
+def test_prefill_shared_refuses_an_alora():
+    eng = _engine(KVLayout.DISAGGREGATED)
+    with pytest.raises(InvalidRequestError, match="activated LoRA"):
+        eng.prefill_shared(list(range(10, 30)), ["a"])
+    assert eng.pool.num_used == 0
