@@ -44,7 +44,7 @@ class ActivationScan:
     scanned: int = 0
     start: int | None = None  # None: the invocation has not occurred (all base model)
 
-    def extend(self, invocation: Invocation, path: PathSlice, end: int) -> "ActivationScan":
+    def extend(self, invocation: Invocation, path: PathSlice, end: int) -> ActivationScan:
         """The scan of ``path[:end]``, searching only what is new (paths only grow)."""
         if end == self.scanned:
             return self

@@ -34,7 +34,7 @@ from forkserve.control.prefix_index import PrefixIndex
 from forkserve.errors import OutOfPagesError
 
 AdapterVersion = Callable[[object], int]
-AdapterInvocation = Callable[[object], "Sequence[int] | None"]
+AdapterInvocation = Callable[[object], Sequence[int] | None]
 
 
 class KVCache:

@@ -8,9 +8,18 @@ import shutil
 
 import pytest
 import torch
+from torch_testlib import (
+    DEVICE,
+    DTYPE,
+    REL_TOL,
+    hf_logits,
+    make_config,
+    prompt,
+    rel_err,
+    save_peft_adapter,
+    work,
+)
 
-from torch_testlib import (DEVICE, DTYPE, REL_TOL, hf_logits, make_config, prompt, rel_err,
-                           save_peft_adapter, work)
 from forkserve import Engine
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.errors import AdapterFormatError, AdapterShapeError
