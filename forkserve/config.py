@@ -25,6 +25,14 @@ class KVLayout(str, enum.Enum):
     UNIFIED = "unified"              # per-adapter merged K/V (vLLM / SGLang prefix caching)
     DISAGGREGATED = "disaggregated"  # shared base K(RoPE)/V + per-adapter rank-r residual
     FULL_REUSE = "full_reuse"        # merged K/V shared across adapters (lossy baseline)
+    # Per session, merged K/V (unified) while memory is plentiful, base + residual under
+    # contention or where the residual is already published (seed 003, D3).
+    ADAPTIVE = "adaptive"
+
+    @property
+    def has_residual_pool(self) -> bool:
+        """Whether the layout keeps a BASE and a RESIDUAL pool (else one UNIFIED pool)."""
+        return self in (KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,9 @@ class ForkServeConfig:
     num_pages: int = 4096
     num_residual_pages: int = 4096
     kv_layout: KVLayout = KVLayout.UNIFIED
+    # Adaptive layout: a new session keeps merged K/V while the base pool, with every live
+    # session's pending prompt and this one counted, stays under this fraction of its pages.
+    adaptive_high_water: float = 0.5
     # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
     hbm_tokens: int = 65536
     spec_chunk: int = 512
@@ -62,13 +73,28 @@ class ForkServeConfig:
     vocab_size: int = 32000
     # Disaggregated prefill/decode: kept residual tails move over a connector.
     disaggregated_prefill: bool = False
+    # Host (CPU) tier for evicted RESIDUAL pages, in pages; 0 = evicted residual pages are
+    # dropped (the backend must implement ``HostOffload`` for a non-zero value to matter).
+    host_residual_pages: int = 0
+    # Pin a closed session's published base pages through the tool pause that usually
+    # follows (an agent's next turn re-opens the same context); the pin's TTL is a quantile
+    # of observed pause lengths (``control/pause_ttl.py``), ``pause_ttl_prior_s`` before any.
+    pause_pin: bool = False
+    pause_ttl_quantile: float = 0.9
+    pause_ttl_prior_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
                      "spec_chunk", "branch_cap", "vocab_size", "max_batch_tokens", "max_context"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ForkServeConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("tau_pre", "tau", "q_min", "admit_alpha"):
+        if self.host_residual_pages < 0:
+            raise ValueError(f"ForkServeConfig.host_residual_pages must be >= 0, got {self.host_residual_pages}")
+        if self.pause_ttl_prior_s < 0:
+            raise ValueError(f"ForkServeConfig.pause_ttl_prior_s must be >= 0, got {self.pause_ttl_prior_s}")
+        if not 0.0 < self.pause_ttl_quantile <= 1.0:
+            raise ValueError(f"ForkServeConfig.pause_ttl_quantile must be in (0, 1], got {self.pause_ttl_quantile}")
+        for name in ("tau_pre", "tau", "q_min", "admit_alpha", "adaptive_high_water"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))

@@ -10,12 +10,17 @@ Costs come from ``CostModel`` (modeled ms, not a GPU trace).
 
 Layouts: unified pages hold (token, adapter); full_reuse pages hold the token alone
 (shared across adapters by design); disaggregated base pages hold the token and residual
-pages hold (token, adapter).
+pages hold (token, adapter). Adaptive: an adapter's item without residual pages is merged
+and its base pages hold (token, adapter); with residual pages it is disaggregated's.
 
 Activated LoRA (``invocations``): positions before an item's ``adapter_start`` are stored
-as the base model's (adapter code 0, in residual pages too: a zero residual), and a token
-sampled there hashes as the base model's, so KV left over from another activation point
-changes the output.
+as the base model's (adapter code 0, in residual pages too: a zero residual; in merged
+pages too), and a token sampled there hashes as the base model's, so KV left over from
+another activation point changes the output.
+
+Host tier (``HostOffload``, disaggregated layout): ``config.host_residual_pages`` host slots
+for residual pages. Offloading blanks the device page (the control plane frees it), so a
+page used after it was parked, or brought back into the wrong page, reads as never written.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import numpy as np
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
-from forkserve.backend.protocol import PageId, PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.protocol import (HostCopy, PageId, PageKind, SeqWork, StepCost,
+                                       StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
 
 _UNWRITTEN = -1
@@ -48,9 +54,10 @@ class MockBackend:
         p = self.config.page_size
         self._kv = {kind: np.full((self._num_pages(kind), p), _UNWRITTEN, dtype=np.int64)
                     for kind in self.page_kinds()}
+        self._host = np.full((self.config.host_residual_pages, p), _UNWRITTEN, dtype=np.int64)
 
     def page_kinds(self) -> tuple[PageKind, ...]:
-        if self.config.kv_layout is KVLayout.DISAGGREGATED:
+        if self.config.kv_layout.has_residual_pool:
             return (PageKind.BASE, PageKind.RESIDUAL)
         return (PageKind.UNIFIED,)
 
@@ -66,6 +73,27 @@ class MockBackend:
         """An activated LoRA's invocation tokens (None for a plain adapter)."""
         return self._invocations.get(adapter)
 
+    def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        pages, slots = self._host_copies(kind, copies)
+        self._host[slots] = self._kv[kind][pages]
+        self._kv[kind][pages] = _UNWRITTEN
+
+    def restore_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        pages, slots = self._host_copies(kind, copies)
+        self._kv[kind][pages] = self._host[slots]
+
+    def _host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> tuple[np.ndarray, np.ndarray]:
+        if kind is not PageKind.RESIDUAL or kind not in self._kv:
+            raise ValueError(f"the host tier stores residual pages of the disaggregated layout, "
+                             f"not {kind.value!r} pages")
+        pages = np.asarray([c.page for c in copies], dtype=np.int64)
+        slots = np.asarray([c.slot for c in copies], dtype=np.int64)
+        if ((pages < 0) | (pages >= self._num_pages(kind))).any() or \
+                ((slots < 0) | (slots >= len(self._host))).any():
+            raise ValueError(f"host copies {list(copies)[:5]} outside {self._num_pages(kind)} pages / "
+                             f"{len(self._host)} host slots")
+        return pages, slots
+
     def transfer_cost(self, tokens: int) -> StepCost:
         return StepCost(ms=self.cost_model.transfer_ms(tokens))
 
@@ -73,12 +101,18 @@ class MockBackend:
         """What the first ``length`` slots behind ``pages`` hold (tests read this)."""
         return self._kv[kind][np.asarray(pages, dtype=np.int64)].reshape(-1)[:length]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, adapter_start: int = 0,
-                        start_pos: int = 0) -> np.ndarray:
-        """What ``tokens`` at positions ``start_pos..`` store; base-model values before ``adapter_start``."""
+    def host_values(self, slot: int) -> np.ndarray:
+        """What host slot ``slot`` holds (tests read this)."""
+        return self._host[slot]
+
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, merged: bool = False,
+                        adapter_start: int = 0, start_pos: int = 0) -> np.ndarray:
+        """What ``tokens`` at positions ``start_pos..`` store; base-model values before
+        ``adapter_start``. ``merged``: an adaptive-layout item without residual pages (merged
+        K/V in BASE pages)."""
         code = 0
-        if kind is PageKind.RESIDUAL or (kind is PageKind.UNIFIED
-                                         and self.config.kv_layout is KVLayout.UNIFIED):
+        if kind is PageKind.RESIDUAL or merged or (kind is PageKind.UNIFIED
+                                                   and self.config.kv_layout is KVLayout.UNIFIED):
             code = _adapter_code(adapter)
         positions = np.arange(start_pos, start_pos + len(tokens))
         return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
@@ -91,9 +125,11 @@ class MockBackend:
             sides = [(base_kind, item.slots.pages, item.write_base)]
             if item.slots.residual_pages is not None:
                 sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))
+            merged = (self.config.kv_layout is KVLayout.ADAPTIVE and item.adapter_id is not None
+                      and item.slots.residual_pages is None)
             for kind, pages, write in sides:
                 if write:
-                    self._write(kind, item, pages, item.adapter_id)
+                    self._write(kind, item, pages, item.adapter_id, merged)
             for target in item.extra_residuals:
                 self._write(PageKind.RESIDUAL, item, target.residual_pages, target.adapter_id)
             if item.decode:
@@ -105,17 +141,21 @@ class MockBackend:
                 next_tokens.append(None)
                 continue
             length = item.start_pos + len(item.tokens)
-            # A zero residual (before the activation point) adds nothing to K/V.
-            context = [self._read(kind, item, pages, length)[item.adapter_start if kind is PageKind.RESIDUAL else 0:]
-                       for kind, pages, _ in sides]
+            # Split K/V is read back as merged: a zero residual (before the activation point)
+            # adds nothing, so a split aLoRA reads what a merged one or the base model would.
+            context = self._read(base_kind, item, item.slots.pages, length)
+            if item.slots.residual_pages is not None:
+                context = self._reconstruct(item, context,
+                                            self._read(PageKind.RESIDUAL, item, item.slots.residual_pages, length))
             context_read += length
             adapted = length - 1 >= item.adapter_start
-            next_tokens.append(self._next_token(np.concatenate(context), item.adapter_id if adapted else None))
+            next_tokens.append(self._next_token(context, item.adapter_id if adapted else None))
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter) -> None:
+    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter,
+               merged: bool = False) -> None:
         p = self.config.page_size
         pages = np.asarray(pages, dtype=np.int64)
         positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
@@ -124,7 +164,7 @@ class MockBackend:
                              f"tokens, write reaches position {positions[-1]}")
         # Extra residuals (base_activations) are plain adapters: they start at 0.
         start = item.adapter_start if adapter == item.adapter_id else 0
-        values = self.expected_values(kind, item.tokens, adapter, start, item.start_pos)
+        values = self.expected_values(kind, item.tokens, adapter, merged, start, item.start_pos)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
@@ -139,6 +179,18 @@ class MockBackend:
                 raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
                                      f"holds another adapter's residual")
         return values
+
+    @staticmethod
+    def _reconstruct(item: SeqWork, base: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """Base + residual read as merged K/V, so a split item samples what a merged one would."""
+        if (base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE).any():
+            raise AssertionError(f"seq {item.seq_id}: base slot "
+                                 f"{int(np.argmax(base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE))} "
+                                 f"and its residual hold different tokens")
+        if (base % _ADAPTER_SPACE != 0).any():
+            raise AssertionError(f"seq {item.seq_id}: base slot {int(np.argmax(base % _ADAPTER_SPACE != 0))} "
+                                 f"holds merged K/V, read as a base under a residual")
+        return base + residual % _ADAPTER_SPACE
 
     def _next_token(self, context: np.ndarray, adapter) -> int:
         """A deterministic function of the whole context read back (a polynomial hash)."""

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 from forkserve.config import ForkServeConfig
 
 PageId = int
+HostSlotId = int  # a slot of the host (CPU) tier; owned by the control plane's ``HostTier``
 
 
 class PageKind(str, enum.Enum):
     UNIFIED = "unified"    # merged K/V of one adapter (or of the base model)
     BASE = "base"          # disaggregated: xW with RoPE applied (K) and xW (V)
     RESIDUAL = "residual"  # disaggregated: per-adapter xA_k, xA_v (rank r, no RoPE)
+
+
+class HostCopy(NamedTuple):
+    """One page's trip between the device and the host tier: device ``page`` <-> host ``slot``."""
+
+    page: PageId
+    slot: HostSlotId
 
 
 @dataclass(frozen=True)
@@ -142,3 +150,24 @@ class Backend(Protocol):
     # unknown adapter at the verb (a clear error, no state change) instead of at the step.
     # Optional: ``adapter_invocation(adapter_id) -> tuple[int, ...] | None``: an activated
     # LoRA's invocation tokens (None for a plain adapter). Without it every adapter is plain.
+
+
+@runtime_checkable
+class HostOffload(Protocol):
+    """Optional capability: a host (CPU) store of ``config.host_residual_pages`` slots for
+    RESIDUAL pages, so the control plane can park an evicted page there and bring it back
+    instead of recomputing it.
+
+    Slot ids, like page ids, belong to the control plane (``control/host_tier.HostTier``):
+    the backend stores what it is told and never allocates or frees a slot. After
+    ``offload_pages`` the device page is free (the control plane reuses it at once); after
+    ``restore_pages`` the slot is free. Both copy synchronously with respect to later steps
+    and later calls. Other kinds, or ids out of range, raise before anything is copied.
+    A backend without these methods keeps the old rule: eviction drops the page.
+    """
+
+    def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        """Copy each device ``page`` into host ``slot``."""
+
+    def restore_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        """Copy each host ``slot`` into device ``page``."""

@@ -10,7 +10,8 @@ namespace, and ``base_pages``: its leading pages wholly before that point, keyed
 on both sides (base-model K/V; on the residual side, an all-zero residual).
 
 Both are ``PrefixIndex``es over their own pool, so each has its own LRU and evicting one
-never touches the other. ``match`` reports how far each side reaches; the engine
+never touches the other. Only the residual tree may have a ``HostTier``: its pages are
+rank-r, cheap to park on the host and to bring back. ``match`` reports how far each side reaches; the engine
 recomputes only the missing side (a partial hit).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from forkserve.backend.protocol import PageId
+from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
 from forkserve.control.prefix_index import (BASE, AdapterNamespace, InsertCursor, Namespace,
                                             PrefixIndex)
@@ -64,9 +66,10 @@ class DualMatch:
 
 
 class DualRadixTree:
-    def __init__(self, base_pool: PagePool, residual_pool: PagePool | None) -> None:
+    def __init__(self, base_pool: PagePool, residual_pool: PagePool | None,
+                 residual_host: HostTier | None = None) -> None:
         self.base = PrefixIndex(base_pool)
-        self.residual = PrefixIndex(residual_pool) if residual_pool is not None else None
+        self.residual = PrefixIndex(residual_pool, residual_host) if residual_pool is not None else None
 
     def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
         base_pages = self.base.match(base.namespace, base.tokens, base.base_pages)
@@ -90,7 +93,9 @@ class DualRadixTree:
         return DualCursor(base_cursor, res_cursor)
 
     def evict_all(self) -> int:
+        """Drop everything, host copies included; returns the device pages freed."""
         freed = self.base.evict()
         if self.residual is not None:
-            freed += self.residual.evict()
+            self.residual.drop_host()
+            freed += self.residual.evict(offload=False)
         return freed

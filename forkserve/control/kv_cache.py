@@ -3,8 +3,15 @@ that decide which pages a node may share with whom.
 
 Ownership: the pools own page ids; every ``NodeKV`` made here owns one reference per page it
 lists (released by its node); the DualRadixTree owns one reference per published page
-(released by eviction). Nothing here touches a tensor: writes happen in the backend, which
-``copy_pages`` reaches through the callback the engine passes in.
+(released by eviction); ``retention`` owns one per base page pinned through a tool pause.
+The residual tree owns the host slots of its offloaded pages (``HostTier``). Nothing here
+touches a tensor: writes happen in the backend, which ``copy_pages`` reaches through the
+callback the engine passes in, and host copies through the backend's ``HostOffload``.
+
+Per-pool retention (D1): under pressure a pool evicts its own index only. The residual index
+parks evicted pages on the host tier (when the backend has one) and a later match brings
+them back; base pages of a paused agent are pinned and give way only to committed work,
+after speculation (``make_room``).
 
 Layout rules (seed 001):
 
@@ -12,25 +19,35 @@ Layout rules (seed 001):
   namespace and a fork to another adapter shares nothing;
 * disaggregated — base pages are everyone's, residual pages the adapter's: a fork to
   another adapter aliases the base side and starts an empty residual side;
-* full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases.
+* full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases;
+* adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
+  the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
+  node without a residual table is merged.
 
 Activated LoRA (``control/activation.py``): K/V before an aLoRA's activation point is the
-base model's, so in every layout those pages are keyed as BASE pages (``base_pages``) and a
-fork from base-model K/V to an aLoRA aliases it; pages from the activation point on are
-keyed under the adapter's namespace, which carries the activation point.
+base model's, so in every layout and form those pages are keyed as BASE pages
+(``base_pages``) and a fork from base-model K/V to an aLoRA aliases it; pages from the
+activation point on are keyed as the node's form says (merged: under the adapter's
+namespace, which carries the activation point; split: base side global, residual side
+under that namespace). ``keys`` is the one place that decides.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from forkserve.backend.protocol import PageKind
+from forkserve.backend.protocol import HostOffload, PageKind
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
+from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
+from forkserve.control.host_tier import HostTier
+from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
+from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
 from forkserve.control.prefix_index import PrefixIndex
+from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
 AdapterVersion = Callable[[object], int]
@@ -40,18 +57,32 @@ AdapterInvocation = Callable[[object], Sequence[int] | None]
 class KVCache:
     def __init__(self, config: ForkServeConfig, kinds: Sequence[PageKind],
                  adapter_version: AdapterVersion | None = None,
-                 adapter_invocation: AdapterInvocation | None = None) -> None:
+                 adapter_invocation: AdapterInvocation | None = None, *,
+                 metrics: EngineMetrics | None = None, host: HostOffload | None = None,
+                 pause_ttl: PauseTTL | None = None,
+                 policy: LayoutPolicy | None = None) -> None:
+        """``adapter_invocation``: an adapter's aLoRA invocation tokens (None: a plain
+        adapter). ``host``: the backend, where it implements ``HostOffload``; with
+        ``config.host_residual_pages`` > 0 evicted residual pages go there instead of away."""
         self.config = config
         self.layout = config.kv_layout
+        metrics = metrics if metrics is not None else EngineMetrics()
         self.pool = PagePool(kinds[0], config.num_pages, config.page_size)
         self.residual_pool: PagePool | None = None
+        self.host_tier: HostTier | None = None
         if PageKind.RESIDUAL in kinds:
             self.residual_pool = PagePool(PageKind.RESIDUAL, config.num_residual_pages, config.page_size)
-        self.tree = DualRadixTree(self.pool, self.residual_pool)
+            if host is not None and config.host_residual_pages:
+                self.host_tier = HostTier(PageKind.RESIDUAL, config.host_residual_pages,
+                                          config.page_size, host, metrics)
+        self.tree = DualRadixTree(self.pool, self.residual_pool, self.host_tier)
+        self.retention = BaseRetention(
+            pause_ttl or QuantilePauseTTL(config.pause_ttl_quantile, config.pause_ttl_prior_s), metrics)
         self._adapter_version = adapter_version or (lambda adapter: 0)
         self._adapter_invocation = adapter_invocation or (lambda adapter: None)
         # Per adapter id, looked up once: ids are never reused for another adapter.
         self._invocations: dict[object, Invocation | None] = {}
+        self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
     @property
     def index(self) -> PrefixIndex:
@@ -83,6 +114,14 @@ class KVCache:
             return None
         return kv.adapter_start if self.invocation(adapter) is not None else 0
 
+    def path_start(self, adapter, tokens: Sequence[int]) -> int | None:
+        """``adapter``'s activation point on a whole path (before any table is written):
+        0 for a plain adapter, the last invocation's start for an aLoRA."""
+        invocation = self.invocation(adapter)
+        if invocation is None:
+            return None if adapter is None else 0
+        return invocation.last_start(tokens, 0)
+
     @staticmethod
     def activate(kv: NodeKV, start: int | None) -> bool:
         """Move an aLoRA table to the activation point ``start``: K/V written under another
@@ -97,49 +136,92 @@ class KVCache:
         return True
 
     # ------------------------------------------------------------ tables
-    def new_kv(self, adapter) -> NodeKV:
+    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int) -> KVForm:
+        """The form of a new session's pages. ``pending_pages``: pages the live sessions'
+        queued prompts will still take from the base pool."""
+        p = self.pool.page_size
+        residual_hit = 0
+        if adapter is not None and self.residual_pool is not None:
+            _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
+                                        self.path_start(adapter, tokens))
+            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens,
+                                                         residual_key.base_pages)) * p
+        projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
+        return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
+                                                self.pool.num_pages))
+
+    def new_kv(self, adapter, form: KVForm) -> NodeKV:
         residual = None
-        if self.residual_pool is not None and adapter is not None:
+        if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
         return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter))
 
     def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
-        """Same adapter: alias everything. Another adapter: what the layout lets it share; an
-        aLoRA also shares base-model K/V (its table truncates at its activation point)."""
+        """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
+        layout, the parent's form) lets it share — a split parent its base pages, a merged
+        parent nothing (the child starts merged too: no residual exists to split into). An
+        aLoRA also shares a merged parent's base-model K/V (its table truncates at its
+        activation point, ``activate``)."""
         alora = self.invocation(adapter) is not None
         # An aLoRA child keeps the parent's point (``activate`` then cuts where they differ);
         # any other child of another adapter gets the layout's sharing as its own.
         start = parent.adapter_start if alora or adapter == parent_adapter else self._fresh_start(adapter)
-        if (adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE
-                or (alora and parent.adapter_start is None and self.layout is KVLayout.UNIFIED)):
+        if adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE:
             return parent.fork(start)
-        if self.layout is KVLayout.DISAGGREGATED:
+        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
             return parent.fork_base(self.residual_pool if adapter is not None else None, start)
-        return self.new_kv(adapter)
+        if alora and parent.adapter_start is None:
+            # Merged K/V computed as the base model everywhere is the base model's K/V:
+            # the aLoRA child aliases all of it and stays merged.
+            return parent.fork(start)
+        return self.new_kv(adapter, KVForm.MERGED)
+
+    def form_of(self, kv: NodeKV, adapter) -> KVForm:
+        """A node's form: split if it has a residual table, or is the base model's in a
+        layout with a residual pool (its K/V is the base every split node shares)."""
+        if kv.residual is not None or (adapter is None and self.layout.has_residual_pool):
+            return KVForm.SPLIT
+        return KVForm.MERGED
+
+    def _fresh_start(self, adapter) -> int | None:
+        """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
+        return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     def _fresh_start(self, adapter) -> int | None:
         """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int],
+    def keys(self, adapter, path: Sequence[int], form: KVForm,
              adapter_start: int | None = 0) -> tuple[BaseKey, ResidualKey | None]:
-        """Keys of ``path``'s pages for K/V of ``adapter`` applied from ``adapter_start``."""
+        """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
+        ``adapter_start`` (see ``AdapterNamespace``). Both decide a page's namespace:
+
+        * pages wholly before the activation point hold base-model K/V (and a zero
+          residual), so they are keyed BASE (``base_pages``) in every layout and form;
+        * from it on, a MERGED page's K/V depends on the adapter, so the base side is keyed
+          under the adapter's namespace (which carries ``adapter_start``); a SPLIT node's
+          base side is the base model's and is keyed globally, its residual side per adapter.
+        """
         tokens = tuple(path)
         if adapter is None:
             return BaseKey(tokens), None
         p = self.pool.page_size
-        # Pages wholly before the activation point hold base-model K/V (a zero residual).
         base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
         residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages)
-        if self.layout is KVLayout.UNIFIED:
+        if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
             return BaseKey(tokens, residual.namespace, base_pages), residual
         return BaseKey(tokens), residual
 
+    def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+        """The keys a table's pages are matched and published under: its form and its
+        activation point, both read off the table."""
+        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter))
+
     def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
-        base_key, residual_key = self.keys(adapter, path, self.adapter_start(kv, adapter))
+        base_key, residual_key = self._keys_of(kv, adapter, path)
         return self.tree.match(base_key, residual_key if kv.residual is not None else None)
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
@@ -154,36 +236,49 @@ class KVCache:
         if (base_full, res_full) == published:
             return published, cursor
         path = path_of()
-        start = self.adapter_start(kv, adapter)
-        base_key, residual_key = self.keys(adapter, path[:base_full * p], start)
+        base_key, residual_key = self._keys_of(kv, adapter, path[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
-            residual_key = self.keys(adapter, path[:res_full * p], start)[1]
+            residual_key = self._keys_of(kv, adapter, path[:res_full * p])[1]
             residual_pages = kv.residual.pages[:res_full]
         cursor = self.tree.insert(base_key, kv.base.pages[:base_full], residual_key, residual_pages,
                                   cursor)
         return (base_full, res_full), cursor
 
+    def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:
+        """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
+        base_key, _ = self._keys_of(kv, adapter, path)
+        self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,
+                                                       base_key.base_pages), now)
+
     # ------------------------------------------------------------ memory
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:
-        """Free pages for a write: evict the pool's own index (never the other one), then let
-        ``preempt`` (committed work only) release speculation; raise if still short."""
+        """Free pages for a write: evict the pool's own index (never the other one; the
+        residual index parks pages on the host tier), then, for committed work only
+        (``preempt`` given), release speculation and after it pause pins; raise if still short."""
         index = self.index_of(pool)
         if need > pool.num_free:
             index.evict(need - pool.num_free)
         if need > pool.num_free and preempt is not None:
             preempt(pool, need)
+        if need > pool.num_free and preempt is not None:
+            self.retention.release_for(pool, need, index.evict)
         if need > pool.num_free:
             raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
                                   f"evicting the index and preempting speculation")
 
     def evict_all(self) -> int:
+        """Drop every cached page: pause pins, the index, the host tier."""
+        self.retention.release_all()
         return self.tree.evict_all()
 
     def check_integrity(self, tables: Sequence[PageTable]) -> None:
-        """Refcounts equal the holders (these tables plus the index) exactly, in every pool."""
+        """Refcounts equal the holders (these tables, the pause pins and the index) exactly,
+        in every pool; every host slot is held by exactly one offloaded index entry."""
+        for pool in self.pools():
+            self.index_of(pool).check_integrity()
         expected = {pool: dict(self.index_of(pool).held_refs()) for pool in self.pools()}
-        for table in tables:
+        for table in [*tables, *self.retention.tables()]:
             refs = expected.setdefault(table.pool, {})
             for page in table.pages:
                 refs[page] = refs.get(page, 0) + 1

@@ -23,6 +23,18 @@ class EngineMetrics:
     base_hit_tokens: int = 0     # base (or unified) side alone
     residual_hit_tokens: int = 0
     peak_pages: int = 0        # physical pages in use, all pools
+    # Host tier (residual pages): parked instead of dropped, brought back instead of
+    # recomputed, dropped for good by the host's own LRU.
+    offloaded_pages: int = 0
+    restored_pages: int = 0
+    restored_tokens: int = 0
+    host_dropped_pages: int = 0
+    residual_prefill_tokens: int = 0  # residual-side tokens computed by prefill (not restored)
+    # Base pages pinned through a tool pause: reused by the next turn, expired, or released
+    # under committed pressure.
+    pins_resumed: int = 0
+    pins_expired: int = 0
+    pins_broken: int = 0
     actions: Counter = field(default_factory=Counter)
 
     def snapshot(self) -> dict:

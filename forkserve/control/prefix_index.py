@@ -12,6 +12,14 @@ Ownership: the index holds one pool reference per published page, taken in ``ins
 and given back in ``evict``. Only committed tokens are inserted (the engine's commit,
 root prefill and close paths); speculative pages never are. ``match`` hands back page
 ids without taking references: the caller increfs what it keeps.
+
+Host tier (optional, the residual index): ``evict`` parks a page in a ``HostTier`` slot
+instead of dropping it; the entry stays in the tree, *offloaded*, holding the slot instead
+of a page. Device-resident entries stay prefix-closed (an offloaded entry has only
+offloaded descendants), so a match walks device pages first and then restores the
+offloaded tail it reaches into fresh pages. When the host is full, its own LRU drops
+offloaded leaves for good. The index owns every slot it holds and gives it back on restore,
+on drop, or when a newly published page for the same prefix makes the host copy redundant.
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from forkserve.backend.protocol import PageId
+from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
+from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
 
 
@@ -57,6 +66,7 @@ class _IndexNode:
     children: dict[PageKey, "_IndexNode"] = field(default_factory=dict)
     last_access: int = 0
     evicted: bool = False
+    host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
 
 
 @dataclass(frozen=True)
@@ -80,13 +90,31 @@ class IndexEntry:
     page: PageId
 
 
+@dataclass(frozen=True)
+class OffloadedEntry:
+    namespace: Namespace
+    prefix: tuple[int, ...]
+    slot: HostSlotId
+
+
+@dataclass
+class _Eviction:
+    """One eviction pass: the copies to issue and the pages to free once they are issued.
+    Keyed by slot: a slot freed and reused within the pass keeps only its last copy."""
+
+    copies: dict[HostSlotId, PageId] = field(default_factory=dict)
+    released: list[PageId] = field(default_factory=list)
+
+
 class PrefixIndex:
-    def __init__(self, pool: PagePool) -> None:
+    def __init__(self, pool: PagePool, host: HostTier | None = None) -> None:
         self.pool = pool
+        self.host = host
         self.page_size = pool.page_size
         self._root = _IndexNode(None, None, None)
         self._clock = itertools.count(1)
-        self.num_pages = 0
+        self.num_pages = 0       # entries on a device page
+        self.num_offloaded = 0   # entries in a host slot
 
     def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
                    first_page: int = 0) -> Iterator[PageKey]:
@@ -96,17 +124,37 @@ class PrefixIndex:
 
     def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0) -> list[PageId]:
         """Pages of the longest published page-aligned prefix of ``tokens``; the first
-        ``base_pages`` pages are keyed under BASE, the rest under ``namespace``."""
+        ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
+        entries the match reaches are restored first (see the module docstring)."""
         node = self._root
-        pages: list[PageId] = []
         now = next(self._clock)
+        path: list[_IndexNode] = []
         for key in self._page_keys(namespace, tokens, base_pages):
             node = node.children.get(key)
             if node is None:
                 break
             node.last_access = now
-            pages.append(node.page)
-        return pages
+            path.append(node)
+        self._restore(path)
+        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+
+    def _restore(self, path: list[_IndexNode]) -> None:
+        """Bring the offloaded tail of a matched path back to device pages, making room by
+        evicting (offloading) entries off the path; what still does not fit is recomputed."""
+        offloaded = [n for n in path if n.page is None]
+        if not offloaded:
+            return
+        short = len(offloaded) - self.pool.num_free
+        if short > 0:
+            self.evict(short, keep=frozenset(path))
+        take = offloaded[:min(len(offloaded), self.pool.num_free)]
+        pages = self.pool.alloc(len(take))  # the index's reference
+        self.host.restore([HostCopy(page, n.host) for page, n in zip(pages, take, strict=True)])
+        for page, n in zip(pages, take, strict=True):
+            self.host.give_back(n.host)
+            n.page, n.host = page, None
+        self.num_pages += len(take)
+        self.num_offloaded -= len(take)
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
                resume: InsertCursor | None = None, base_pages: int = 0) -> InsertCursor:
@@ -122,6 +170,8 @@ class PrefixIndex:
         # The walked pages must have been keyed as they would be now (BASE up to the same page).
         if (resume is not None and resume.namespace == namespace and not resume.node.evicted
                 and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
+                # ...and the cursor's node still on the device (an offloaded one was evicted).
+                and (resume.node.key is None or resume.node.page is not None)
                 and resume.pages <= len(pages)):
             node, first = resume.node, resume.pages
         now = next(self._clock)
@@ -134,49 +184,143 @@ class PrefixIndex:
                 child = _IndexNode(key, page, node)
                 node.children[key] = child
                 added += 1
+            elif child.page is None:
+                # Offloaded: the caller's page holds the same KV, so the host copy is redundant.
+                self.pool.incref([page])
+                self.host.give_back(child.host)
+                child.page, child.host = page, None
+                added += 1
+                self.num_offloaded -= 1
             child.last_access = now
             node = child
             first += 1
         self.num_pages += added
         return InsertCursor(namespace, base_pages, node, first)
 
-    def evict(self, max_pages: int | None = None) -> int:
-        """Free least-recently-used leaf pages that nobody but the index holds."""
-        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves()]
+    def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
+              offload: bool = True) -> int:
+        """Free least-recently-used device pages that nobody but the index holds; returns how
+        many. With a host tier (and ``offload``) a page is parked there and its entry stays;
+        otherwise the entry is dropped. ``keep``: entries a match is restoring, never touched."""
+        host = self.host if offload else None
+        heap = [(n.last_access, id(n), n) for n in self._device_leaves() if n not in keep]
         heapq.heapify(heap)
-        freed = 0
-        while heap and (max_pages is None or freed < max_pages):
-            _, _, leaf = heapq.heappop(heap)
-            if self.pool.refcount(leaf.page) != 1:
+        run = _Eviction()
+        while heap and (max_pages is None or len(run.released) < max_pages):
+            _, _, node = heapq.heappop(heap)
+            if self.pool.refcount(node.page) != 1:
                 continue  # a live table still reads it; evicting would not free memory
-            parent = leaf.parent
-            del parent.children[leaf.key]
-            leaf.evicted = True
-            freed += self.pool.decref([leaf.page])
+            slot = self._host_slot(keep, run) if host is not None else None
+            if slot is None and node.children:
+                continue  # its offloaded children need it in the tree, and the host is full
+            run.released.append(node.page)
             self.num_pages -= 1
-            if parent.page is not None and not parent.children:
+            if slot is None:
+                self._unlink(node)
+            else:
+                run.copies[slot] = node.page
+                node.page, node.host = None, slot
+                self.num_offloaded += 1
+            parent = node.parent
+            if (parent.page is not None and parent not in keep
+                    and all(c.page is None for c in parent.children.values())):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
+        if host is not None:
+            host.offload([HostCopy(page, slot) for slot, page in run.copies.items()])
+        return self.pool.decref(run.released)  # only now: the copies above read these pages
 
-    def _leaves(self) -> Iterator[_IndexNode]:
-        stack = [self._root]
+    def drop_host(self, max_pages: int | None = None, keep: frozenset = frozenset()) -> int:
+        """Drop least-recently-used offloaded leaves for good; returns how many."""
+        return self._drop_offloaded(max_pages, keep, _Eviction())
+
+    def _host_slot(self, keep: frozenset, run: _Eviction) -> HostSlotId | None:
+        if self.host.num_free == 0:
+            self._drop_offloaded(1, keep, run)
+        return self.host.take() if self.host.num_free else None
+
+    def _drop_offloaded(self, max_pages: int | None, keep: frozenset, run: _Eviction) -> int:
+        heap = [(n.last_access, id(n), n) for n in self._walk_nodes()
+                if n.page is None and not n.children and n not in keep]
+        heapq.heapify(heap)
+        dropped = 0
+        while heap and (max_pages is None or dropped < max_pages):
+            _, _, node = heapq.heappop(heap)
+            self._unlink(node)
+            self.host.give_back(node.host)
+            run.copies.pop(node.host, None)  # parked earlier in this pass: nothing to copy
+            node.host = None
+            self.num_offloaded -= 1
+            dropped += 1
+            parent = node.parent
+            if parent.key is not None and parent.page is None and not parent.children and parent not in keep:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if dropped:
+            self.host.dropped(dropped)
+        return dropped
+
+    @staticmethod
+    def _unlink(node: _IndexNode) -> None:
+        del node.parent.children[node.key]
+        node.evicted = True
+
+    def _device_leaves(self) -> Iterator[_IndexNode]:
+        """Device-resident entries none of whose children is on the device."""
+        for node in self._walk_nodes():
+            if node.page is not None and all(c.page is None for c in node.children.values()):
+                yield node
+
+    def _walk_nodes(self) -> Iterator[_IndexNode]:
+        # One root for every namespace (a path may cross from BASE into an adapter's), so
+        # there are no per-namespace roots to prune once empty.
+        stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
-            if node.page is not None and not node.children:
-                yield node
+            yield node
             stack.extend(node.children.values())
 
-    def entries(self) -> Iterator[IndexEntry]:
+    def _walk(self) -> Iterator[tuple[Namespace, tuple[int, ...], _IndexNode]]:
+        """Every entry with the namespace its own page is keyed under (one path may cross
+        from BASE into an adapter's namespace) and its whole token prefix."""
         stack = [(self._root, ())]
         while stack:
             node, prefix = stack.pop()
             for key, child in node.children.items():
                 path = prefix + key.tokens
-                yield IndexEntry(key.namespace, path, child.page)
+                yield key.namespace, path, child
                 stack.append((child, path))
+
+    def entries(self) -> Iterator[IndexEntry]:
+        """Entries on a device page."""
+        for namespace, prefix, node in self._walk():
+            if node.page is not None:
+                yield IndexEntry(namespace, prefix, node.page)
+
+    def offloaded_entries(self) -> Iterator[OffloadedEntry]:
+        for namespace, prefix, node in self._walk():
+            if node.page is None:
+                yield OffloadedEntry(namespace, prefix, node.host)
 
     def held_refs(self) -> dict[PageId, int]:
         refs: dict[PageId, int] = {}
         for entry in self.entries():
             refs[entry.page] = refs.get(entry.page, 0) + 1
         return refs
+
+    def check_integrity(self) -> None:
+        """Each entry is on a device page or in a host slot, never both; device entries are
+        prefix-closed; the counters match; every host slot is held by exactly one entry."""
+        device = offloaded = 0
+        for node in self._walk_nodes():
+            if (node.page is None) == (node.host is None):
+                raise AssertionError(f"index entry with page {node.page} and host slot {node.host}")
+            if node.page is None:
+                offloaded += 1
+                if any(c.page is not None for c in node.children.values()):
+                    raise AssertionError(f"offloaded entry (slot {node.host}) has a device child")
+            else:
+                device += 1
+        if (device, offloaded) != (self.num_pages, self.num_offloaded):
+            raise AssertionError(f"index counts {self.num_pages} device / {self.num_offloaded} host "
+                                 f"entries, holds {device} / {offloaded}")
+        if self.host is not None:
+            self.host.check_integrity([e.slot for e in self.offloaded_entries()])

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
+    HostOffload,
     KVSlots,
     ResidualTarget,
     SamplingParams,
@@ -32,8 +33,10 @@ from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.kv_cache import KVCache
+from forkserve.control.layout_policy import KVForm
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.page_table import PageTable
+from forkserve.control.pause_ttl import PauseTTL
 from forkserve.control.scheduler import TickScheduler
 from forkserve.control.scorers import (
     CompositeScorer,
@@ -63,13 +66,20 @@ from forkserve.errors import (
 
 class Engine:
     def __init__(self, backend: Backend, *, scorer: Scorer | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pause_ttl: PauseTTL | None = None) -> None:
+        """``pause_ttl``: how long a closed session's base pages stay pinned (with
+        ``config.pause_pin``); default: a quantile of observed pauses (``QuantilePauseTTL``)."""
         self.backend = backend
         self.config: ForkServeConfig = backend.config
+        self.metrics = EngineMetrics()
         version_of = getattr(backend, "adapter_version", None)
         self.kv = KVCache(self.config, backend.page_kinds(),
                           (lambda a: int(version_of(a))) if version_of is not None else None,
-                          getattr(backend, "adapter_invocation", None))
+                          getattr(backend, "adapter_invocation", None),
+                          metrics=self.metrics,
+                          host=backend if isinstance(backend, HostOffload) else None,
+                          pause_ttl=pause_ttl)
         # Shorthands: the pools and the two sides of the DualRadixTree.
         self.pool, self.residual_pool = self.kv.pool, self.kv.residual_pool
         self.cache, self.index, self.residual_index = self.kv.tree, self.kv.index, self.kv.residual_index
@@ -77,7 +87,6 @@ class Engine:
         self.cascade = Cascade(self.config, self.scorer)
         self.scheduler = TickScheduler(self.config)
         self.clock = clock
-        self.metrics = EngineMetrics()
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
         self._sids = itertools.count(1)
@@ -90,11 +99,13 @@ class Engine:
         tokens = self._check_tokens(tokens)
         self._check_adapter(adapter)
         sid = next(self._sids)
+        form = self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
-                    self.kv.new_kv(adapter), NodeState.COMMITTED, adapter=adapter)
+                    self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
         self._attach_published(session, root, keep_last=True)
+        self.kv.retention.resume(root.table.base.pages, self.clock())
         self.stepper.account()
         return SessionHandle(sid, root.id)
 
@@ -184,12 +195,14 @@ class Engine:
         adapter's rank-r residual; all are published, so each agent that then opens the context
         finds both sides and prefills only what follows it. Lossier than each agent's own
         forward pass (its residual sees the base model's activations, not its own) — the
-        quality benchmark measures by how much. Disaggregated layout only."""
+        quality benchmark measures by how much. Disaggregated and adaptive layouts (in the
+        adaptive one, an agent that opens on a published residual takes the split form)."""
         tokens = self._check_tokens(tokens)
         self._check_context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
         if self.residual_pool is None:
-            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated layout")
+            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated or "
+                                      "adaptive layout")
         if not adapters or any(a is None for a in adapters):
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
         for a in adapters:
@@ -201,7 +214,7 @@ class Engine:
         full = len(tokens) // p * p  # only full pages can be published
         if full == 0:
             raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
-        keys = {a: self.kv.keys(a, tokens[:full])[1] for a in adapters}
+        keys = {a: self.kv.keys(a, tokens[:full], KVForm.SPLIT)[1] for a in adapters}
         base_hit = self.index.match(BASE, tokens[:full])
         res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
         start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p
@@ -253,6 +266,9 @@ class Engine:
         tokens = self._check_tokens(tokens)
         self._check_context(tip.end + len(tokens))
         tree = session.tree
+        if session.paused_since is not None:  # the tool pause since the last generation ends
+            self.kv.retention.policy.observe(self.clock() - session.paused_since)
+            session.paused_since = None
         best, matched = None, 0
         for cand in self._branches_at(tip):
             written = tree.path_tokens(cand)[tip.end:cand.kv_len]
@@ -340,7 +356,9 @@ class Engine:
         """Stop a queued generation now (a stop string seen by the caller, a client gone);
         the tokens already generated stay committed."""
         session = self._session(session_id)
-        session.decode_left = 0
+        if session.decode_left:
+            session.decode_left = 0
+            session.paused_since = self.clock()
         return GenerateResult(tuple(session.generated), session.finish_reason)
 
     def generation(self, session_id: int) -> GenerateResult | None:
@@ -369,9 +387,13 @@ class Engine:
         return AbortResult(tuple(released), self.pool.num_free - free_before)
 
     def close(self, session_id: int) -> None:
-        """End a session: its committed full pages stay published, everything else is freed."""
+        """End a session: its committed full pages stay published, everything else is freed.
+        With ``config.pause_pin`` its base pages are pinned through the expected tool pause."""
         session = self._session(session_id)
-        self.stepper.publish(session.tree.tip)
+        tip = session.tree.tip
+        self.stepper.publish(tip)
+        if self.config.pause_pin:
+            self.kv.pin_published(tip.table, tip.adapter, session.tree.committed, self.clock())
         session.tree.release_all()
         del self.sessions[session_id]
         self.stepper.account()

@@ -24,6 +24,8 @@ class Session:
     flush: bool = False
     # Largest KV (tokens) this session held that could not be reclaimed.
     peak_tokens: int = 0
+    # When its last generation ended (a tool pause starts); the next commit measures it.
+    paused_since: float | None = None
 
     def begin_generate(self, max_tokens: int, sampling: SamplingParams, stop: frozenset) -> None:
         self.decode_left, self.sampling, self.stop = max_tokens, sampling, stop

@@ -129,6 +129,8 @@ class Stepper:
             if completes:
                 sampling = session.sampling if node is session.tree.tip else GREEDY
             tokens = tuple(session.tree.path_slice(node, start, start + g.tokens))
+            if node.table.residual is not None and regime.write_residual and not g.decode:
+                self.metrics.residual_prefill_tokens += g.tokens
             work.append(SeqWork(node.id, tokens, start,
                                 node.table.slots(), node.adapter, sampling,
                                 speculative=g.work_class is WorkClass.SPECULATIVE,
@@ -199,6 +201,8 @@ class Stepper:
         session.tree.committed.append(token)
         session.record(token)
         session.generated_unwritten = True
+        if session.decode_left == 0:
+            session.paused_since = self.clock()
 
     def _emit_speculative(self, node: Node) -> None:
         """Advance an early-abort probe (or its extension) by one sampled token."""
@@ -240,10 +244,11 @@ class Stepper:
         return node.pinned_until is not None and node.pinned_until > self.clock()
 
     def _expire_ttl(self) -> None:
+        now = self.clock()
+        self.kv.retention.expire(now)
         ttl = self.config.node_ttl_s
         if ttl is None:
             return
-        now = self.clock()
         for session in self.sessions.values():
             for node in list(session.tree.nodes.values()):
                 if (node.state is NodeState.SPECULATIVE and not self.pinned(node)
@@ -269,6 +274,12 @@ class Stepper:
                 m.transfer_tokens += moved
                 m.ms += t.ms
                 m.prefill_ms += t.ms
+
+    def pending_prompt_pages(self) -> int:
+        """Base pages the live sessions' unwritten committed tokens will take (an upper bound:
+        a write may still find some of them published)."""
+        p = self.pool.page_size
+        return sum(-(-(s.tree.tip.end - s.tree.tip.kv_len) // p) for s in self.sessions.values())
 
     def account(self, sessions: Iterable[Session] | None = None) -> None:
         """Peaks: physical pages, and per session the KV it could not give back. ``sessions``

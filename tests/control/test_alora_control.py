@@ -10,12 +10,15 @@ from forkserve.errors import InvalidRequestError
 
 P = 4
 INVOCATIONS = {"a": (250, 251), "b": (252,)}
-LAYOUTS = [KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.FULL_REUSE]
+# Config overrides per layout; the adaptive layout both merged (plenty of room) and split
+# (a high-water mark of 0 splits every adapter's session).
+LAYOUTS = [pytest.param({"kv_layout": layout}, id=layout.value) for layout in KVLayout] + [
+    pytest.param({"kv_layout": KVLayout.ADAPTIVE, "adaptive_high_water": 0.0}, id="adaptive-split")]
 
 
-def _engine(layout) -> Engine:
+def _engine(layout: dict) -> Engine:
     cfg = ForkServeConfig(page_size=P, num_pages=256, num_residual_pages=256, vocab_size=300,
-                          kv_layout=layout, node_ttl_s=None)
+                          node_ttl_s=None, **layout)
     return Engine(MockBackend(cfg, invocations=INVOCATIONS))
 
 
@@ -25,9 +28,12 @@ def _assert_kv_is_the_path(eng: Engine, sid: int) -> None:
     node = session.tree.tip
     path = session.tree.path_tokens(node)
     start = eng.kv.adapter_start(node.table, node.adapter)
+    # Adaptive layout: a node without a residual table holds merged K/V in its base pages.
+    merged = eng.config.kv_layout is KVLayout.ADAPTIVE and node.table.residual is None
     for table in node.table.tables():
         want = eng.backend.expected_values(table.pool.kind, path[:table.length], node.adapter,
-                                           len(path) if start is None else start)
+                                           merged and table is node.table.base,
+                                           adapter_start=len(path) if start is None else start)
         assert (eng.backend.kv_values(table.pool.kind, table.pages, table.length) == want).all()
 
 
@@ -90,7 +96,30 @@ def test_a_later_invocation_moves_the_activation_point(layout):
 
 
 def test_prefill_shared_refuses_an_alora():
-    eng = _engine(KVLayout.DISAGGREGATED)
+    eng = _engine({"kv_layout": KVLayout.DISAGGREGATED})
     with pytest.raises(InvalidRequestError, match="activated LoRA"):
         eng.prefill_shared(list(range(10, 30)), ["a"])
     assert eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({"kv_layout": KVLayout.DISAGGREGATED}, id="disaggregated"),
+    pytest.param({"kv_layout": KVLayout.ADAPTIVE, "adaptive_high_water": 0.0}, id="adaptive-split")])
+def test_alora_residual_pages_round_trip_through_the_host_tier(layout):
+    """The residual index's offload/restore works over a path that crosses from BASE-keyed
+    (zero residual) pages into the aLoRA's namespace: a re-open restores them, same output."""
+    eng = _engine({**layout, "host_residual_pages": 64})
+    path = list(range(10, 34)) + [250, 251] + list(range(40, 58))
+    s = eng.open(path, adapter="a")
+    first = eng.generate(s.id, 5).tokens
+    eng.close(s.id)
+    namespaces = {type(e.namespace).__name__ for e in eng.residual_index.entries()}
+    assert namespaces == {"BaseNamespace", "AdapterNamespace"}
+    parked = eng.residual_index.num_pages
+    eng.residual_index.evict()
+    assert eng.residual_index.num_offloaded == parked and eng.residual_index.num_pages == 0
+    s = eng.open(path, adapter="a")
+    assert eng.metrics.restored_pages >= len(path) // P - 1  # at least all but the page kept to sample from
+    assert eng.generate(s.id, 5).tokens == first
+    _assert_kv_is_the_path(eng, s.id)
+    eng.check_integrity()

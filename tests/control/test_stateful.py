@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import PageKind
 from forkserve.control.context_tree import NodeState
 from forkserve.errors import BranchCapError
 
@@ -212,7 +213,8 @@ class VerbMachine(RuleBasedStateMachine):
                 for table in node.table.tables():
                     kind = table.pool.kind
                     stored = self.backend.kv_values(kind, table.pages, table.length)
-                    want = self.backend.expected_values(kind, path[:table.length], node.adapter)
+                    merged = self.merged_form(kind, node.adapter) and node.table.residual is None
+                    want = self.backend.expected_values(kind, path[:table.length], node.adapter, merged)
                     assert (stored == want).all(), f"node {node.id} {kind.value}"
 
     @invariant()
@@ -227,7 +229,14 @@ class VerbMachine(RuleBasedStateMachine):
                     f"published prefix {entry.prefix} was never committed"
                 adapter = getattr(entry.namespace, "adapter_id", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
-                assert (stored == self.backend.expected_values(kind, entry.prefix[-p:], adapter)).all()
+                want = self.backend.expected_values(kind, entry.prefix[-p:], adapter,
+                                                    self.merged_form(kind, adapter))
+                assert (stored == want).all()
+
+    def merged_form(self, kind, adapter) -> bool:
+        """Adaptive layout: an adapter's BASE pages without a residual hold merged K/V."""
+        return (self.config.kv_layout is KVLayout.ADAPTIVE and kind is PageKind.BASE
+                and adapter is not None)
 
     def teardown(self):
         for sid in list(self.engine.sessions):
@@ -256,8 +265,42 @@ class DisaggregatedMachine(VerbMachine):
     adapters = (None, "planner", "critic")
 
 
+class OffloadMachine(DisaggregatedMachine):
+    """D1: residual evictions park pages on a small host tier (its LRU drops the rest), closed
+    sessions pin their base pages, and re-opening a committed sequence restores what was parked.
+    ``check_integrity`` covers the host slots: each one free or held by exactly one entry."""
+
+    config = DisaggregatedMachine.config.replace(host_residual_pages=6, pause_pin=True,
+                                                 pause_ttl_prior_s=3.0)
+
+    @rule(data=st.data(), pages=st.integers(1, 8))
+    def evict_offload_restore(self, data, pages):
+        index = self.engine.residual_index
+        base_pages, parked = self.engine.index.num_pages, index.num_offloaded
+        index.evict(pages)
+        assert self.engine.index.num_pages == base_pages
+        assert index.num_offloaded >= min(parked, self.config.host_residual_pages)
+        if self.ever_committed:
+            tokens = list(data.draw(st.sampled_from(self.ever_committed)))
+            h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters[1:])))
+            self.committed[h.id] = tokens
+
+    @invariant()
+    def host_holds_what_its_entries_name(self):
+        p = self.config.page_size
+        for entry in self.engine.residual_index.offloaded_entries():
+            want = self.backend.expected_values(PageKind.RESIDUAL, entry.prefix[-p:],
+                                                entry.namespace.adapter_id)
+            assert (self.backend.host_values(entry.slot) == want).all()
+
+
 class FullReuseMachine(DisaggregatedMachine):
     config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.FULL_REUSE)
+
+
+class AdaptiveMachine(DisaggregatedMachine):
+    # A low high-water mark: sessions open merged, then split once a few pages are in use.
+    config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=0.01)
 
 
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
@@ -270,5 +313,9 @@ TestMultiAdapterUnified = MultiAdapterUnifiedMachine.TestCase
 TestMultiAdapterUnified.settings = _settings
 TestDisaggregated = DisaggregatedMachine.TestCase
 TestDisaggregated.settings = _settings
+TestOffload = OffloadMachine.TestCase
+TestOffload.settings = _settings
 TestFullReuse = FullReuseMachine.TestCase
 TestFullReuse.settings = _settings
+TestAdaptive = AdaptiveMachine.TestCase
+TestAdaptive.settings = _settings

@@ -41,21 +41,22 @@ def _with_invocation(body: list[int], at: int) -> list[int]:
     return body[:at] + list(INVOKE) + body[at:]
 
 
-@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE])
 def test_logits_match_peft_alora(models, alora, layout):
-    """Invocation twice (the last one counts) and absent, chunked through the mixed batch."""
+    """Invocation twice (the last one counts) and absent, chunked through the mixed batch
+    (adaptive: the first item split, the second merged, in one batch)."""
     path = models["llama"]
     backend = TorchBackend(make_config(layout), path, adapters={"a": alora}, device=DEVICE, dtype=DTYPE)
     aid = backend.adapter_id("a")
     assert backend.adapter_invocation(aid) == INVOKE
     prompts = [_with_invocation(_with_invocation(prompt(50, 14), 3), 12), prompt(51, 15)]
-    residual = layout is KVLayout.DISAGGREGATED
     logits = [[] for _ in prompts]
     for lo, hi in ((0, 9), (9, None)):
         items = []
         for i, p in enumerate(prompts):
             start = Invocation(INVOKE).last_start(p, 0)
             chunk = p[lo:hi]
+            residual = layout is KVLayout.DISAGGREGATED or (layout is KVLayout.ADAPTIVE and i == 0)
             items.append(work(i, chunk, lo, aid, residual=residual,
                               adapter_start=start if start is not None else lo + len(chunk)))
         out = backend.forward(items, all_logits=True)
@@ -72,7 +73,7 @@ def test_logits_match_peft_alora(models, alora, layout):
     assert rel_err(torch.cat(logits[1]), hf_logits(path, prompts[1])) < REL_TOL
 
 
-@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE])
 def test_engine_alora_shares_the_base_prefix(models, alora, layout):
     path = models["llama"]
 

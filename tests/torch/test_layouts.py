@@ -1,4 +1,5 @@
-"""The three KV layouts: equivalences, the cross-adapter difference, and bytes per agent (seed 001)."""
+"""The KV layouts: equivalences, the cross-adapter difference, and bytes per agent (seed 001);
+the adaptive layout's merged and split items, alone and in one batch (seed 003, D3)."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,37 @@ def test_disaggregated_equals_unified_for_the_writing_adapter(models, adapters, 
         results[layout] = run(backend, tokens, aid, residual=layout is KVLayout.DISAGGREGATED)
     assert rel_err(results[KVLayout.DISAGGREGATED], results[KVLayout.UNIFIED]) < REL_TOL
     assert rel_err(results[KVLayout.FULL_REUSE], results[KVLayout.UNIFIED]) < REL_TOL
+
+
+@pytest.mark.parametrize("attention", ["eager", "triton"])
+def test_adaptive_items_merged_split_and_mixed_equal_unified(models, adapters, attention):
+    """Adaptive layout: a merged item (no residual pages) and a split item of two adapters,
+    prefilled and decoded in the same batches, each give unified's logits for its adapter."""
+    targets = ("q", "k", "v", "o", "gate", "up", "down")
+    tokens = {0: prompt(60, 11), 1: prompt(61, 14)}
+
+    def logits(layout: KVLayout, seqs: dict[int, tuple[str, bool]]) -> dict[int, torch.Tensor]:
+        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
+                               dtype=DTYPE, lora_targets=targets, attention=attention)
+        ids = {s: backend.adapter_id(name) for s, (name, _) in seqs.items()}
+        out = {s: [] for s in seqs}
+        step = backend.forward([work(s, tokens[s], 0, ids[s], residual=split) for s, (_, split) in seqs.items()])
+        for s, rows in zip(seqs, step.logits, strict=True):
+            out[s].append(rows)
+        for i, token in enumerate(prompt(62, 3)):
+            step = backend.forward([work(s, [token], len(tokens[s]) + i, ids[s], residual=split, decode=True)
+                                    for s, (_, split) in seqs.items()])
+            for s, rows in zip(seqs, step.logits, strict=True):
+                out[s].append(rows)
+        return {s: torch.cat(rows) for s, rows in out.items()}
+
+    mixed = {0: ("qkvo", False), 1: ("all", True)}
+    adaptive = logits(KVLayout.ADAPTIVE, mixed)
+    for s, (name, _) in mixed.items():
+        unified = logits(KVLayout.UNIFIED, {s: (name, False)})[s]
+        assert rel_err(adaptive[s], unified) < REL_TOL
+        alone = logits(KVLayout.ADAPTIVE, {s: mixed[s]})[s]  # a batch of one form: unified's path
+        assert rel_err(alone, unified) < REL_TOL
 
 
 def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, record_property):

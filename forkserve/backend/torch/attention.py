@@ -27,7 +27,7 @@ class AttentionMetadata:
     """Where a flattened batch of T tokens over B sequences reads and writes KV."""
 
     slot_mapping: torch.Tensor              # [T] int64: page * P + offset of each new token
-    res_slot_mapping: torch.Tensor | None   # [T] int64 into the residual pool (disaggregated)
+    res_slot_mapping: torch.Tensor | None   # [T] int64 into the residual pool (split items present)
     block_tables: torch.Tensor              # [B, max_pages] int32, padded with the scratch page
     res_block_tables: torch.Tensor | None   # [B, max_res_pages] int32
     seq_lens: torch.Tensor                  # [B] int32: tokens in cache after this step
@@ -41,6 +41,9 @@ class AttentionMetadata:
     extra_rows: torch.Tensor | None = None              # [E] int64 token rows (repeated per target)
     extra_token_slot: torch.Tensor | None = None        # [E] int64 the target adapter's slot
     extra_res_slot_mapping: torch.Tensor | None = None  # [E] int64 into the residual pool
+    # Adaptive layout, a batch of split and merged items: [T, 1] bool, the merged items'
+    # tokens (their k/v LoRA delta is added to K/V; the split items' goes to the residual).
+    kv_merge_mask: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from forkserve.backend.protocol import PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (
@@ -28,6 +28,7 @@ from forkserve.backend.torch.errors import (
 )
 from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
+from forkserve.backend.torch.host_pool import HostResidualPool
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
 from forkserve.backend.torch.lora import (
@@ -149,7 +150,7 @@ class TorchBackend:
         if lora_targets is None:
             for a in adapters.values():
                 targets |= a.targets
-        disaggregated = self.layout is KVLayout.DISAGGREGATED
+        disaggregated = self.layout.has_residual_pool
         rope_scale = model_cfg.rope.inv_freq_and_scale(model_cfg.head_dim)[1]
         self.attention = make_attention(attention, device, config.page_size,
                                         disaggregated and rope_scale != 1.0)
@@ -157,13 +158,15 @@ class TorchBackend:
         self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
                            self.max_lora_rank, device, dtype)
+        self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)))
+            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)),
+            merged_allowed=self.layout is KVLayout.ADAPTIVE)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
-        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, disaggregated, device, fusions)
+        self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s
@@ -190,6 +193,23 @@ class TorchBackend:
         if bad:
             raise InvalidWorkError(f"copy_pages: page ids {bad[:5]} outside [0, {limit})")
         self.pool.copy(kind, pairs)
+
+    def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        self._check_host_copies(kind, copies)
+        self.host.offload(copies)
+
+    def restore_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        self._check_host_copies(kind, copies)
+        self.host.restore(copies)
+
+    def _check_host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
+        if kind is not PageKind.RESIDUAL or self.host is None:
+            raise InvalidWorkError(f"the host tier stores residual pages of the disaggregated layout, "
+                                   f"not {kind.value!r} pages of the {self.layout.value} layout")
+        pages, slots = self.pool.pages_of(kind), self.host.num_slots
+        bad = [c for c in copies if not (0 <= c.page < pages and 0 <= c.slot < slots)]
+        if bad:
+            raise InvalidWorkError(f"host copies {bad[:5]} outside {pages} pages / {slots} host slots")
 
     def transfer_cost(self, tokens: int) -> StepCost:
         """Modeled: KV bytes of `tokens` tokens over a connector of connector_gb_per_s."""

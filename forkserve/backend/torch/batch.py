@@ -2,7 +2,10 @@
 
 `validate` runs before anything is written, so a rejected step leaves the pools untouched.
 `build` turns SeqWork items into token-major tensors (T tokens over B sequences) and the
-AttentionMetadata every attention backend reads. `write_base` covers the item's `pages` in
+AttentionMetadata every attention backend reads. With a residual pool, an adapter's item
+with residual pages is split (base + residual, K/V rebuilt on read) and one without is
+merged (adaptive layout: its k/v LoRA delta goes into the base pages); a batch holding only
+merged items is built exactly as in the unified layout. `write_base` covers the item's `pages` in
 every layout (unified pages too); `write_residual` its residual pages. Padding (for CUDA graphs) points at the
 pool's scratch page, never at a real one.
 """
@@ -29,6 +32,7 @@ class BatchLimits:
     num_residual_pages: int
     disaggregated: bool
     needs_residual: bool   # resident adapters carry k or v LoRA: disaggregated items need residual pages
+    merged_allowed: bool = False  # adaptive layout: an adapter's item without residual pages is merged
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,12 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
             raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
         _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
         if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
-            if seq.slots.residual_pages is None:
+            if seq.slots.residual_pages is not None:
+                _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
+                             limits.page_size)
+            elif not limits.merged_allowed:
                 raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
                                        f"for adapter {seq.adapter_id}")
-            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
-                         limits.page_size)
         for target in seq.extra_residuals:
             if not limits.disaggregated:
                 raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
@@ -89,7 +94,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
     token of each item that samples."""
     p = limits.page_size
-    ids, pos, tok_slot, slots, res_slots, logit_rows = [], [], [], [], [], []
+    ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
     tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
     for seq in work:
@@ -97,13 +102,16 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         n, end = len(seq.tokens), seq.start_pos + len(seq.tokens)
         pages = seq.slots.pages
         res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
+        merged = limits.disaggregated and slot >= 0 and res is None
         first = len(ids)
         for j, token in enumerate(seq.tokens):
             at = seq.start_pos + j
             ids.append(token)
             pos.append(at)
-            # Activated LoRA: tokens before the invocation run as the base model.
+            # Activated LoRA: tokens before the invocation run as the base model (no LoRA delta:
+            # a merged item's base pages get base K/V there, a split item's residual zeros).
             tok_slot.append(slot if at >= seq.adapter_start else -1)
+            merged_tokens.append(merged)
             # A side that is already present (write_base / write_residual False: aliased pages
             # of a fork, a partial prefix hit) is read, never rewritten: its write goes to scratch.
             slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
@@ -124,7 +132,8 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         res_tables.append(list(res[:used]) if res is not None else [scratch_res_page] * used)
         seq_lens.append(end)
         qlens.append(n)
-        seq_slot.append(slot)
+        seq_slot.append(slot if res is not None else -1)  # whose B rebuilds K/V on read
+    split = any(s >= 0 for s in seq_slot)
     width = max(len(t) for t in tables)
     tables = [t + [scratch_page] * (width - len(t)) for t in tables]
     res_tables = [t + [scratch_res_page] * (width - len(t)) for t in res_tables]
@@ -137,9 +146,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
 
     meta = AttentionMetadata(
         slot_mapping=tensor(slots, torch.int64),
-        res_slot_mapping=tensor(res_slots, torch.int64) if limits.disaggregated else None,
+        res_slot_mapping=tensor(res_slots, torch.int64) if split else None,
         block_tables=tensor(tables, torch.int32),
-        res_block_tables=tensor(res_tables, torch.int32) if limits.disaggregated else None,
+        res_block_tables=tensor(res_tables, torch.int32) if split else None,
         seq_lens=tensor(seq_lens, torch.int32),
         query_starts=tensor(starts, torch.int32),
         seq_slot=tensor(seq_slot, torch.int64),
@@ -150,10 +159,13 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         extra_rows=tensor(extra_rows, torch.int64) if extra_rows else None,
         extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
         extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
+        kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None] if split and any(merged_tokens) else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),
-                 meta=meta, use_lora=any(s >= 0 for s in seq_slot) or bool(extra_rows))
+                 # A split item needs the LoRA pass even where every token is before its aLoRA
+                 # activation: its (zero) residual is written through it.
+                 meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra_rows))
 
 
 def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
@@ -171,8 +183,8 @@ def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Map
         res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
         out["input_ids"][i] = seq.tokens[0]
         out["positions"][i] = at
-        out["token_slot"][i] = slot if at >= seq.adapter_start else -1
-        out["seq_slot"][i] = slot
+        out["token_slot"][i] = slot if at >= seq.adapter_start else -1  # aLoRA: base before activation
+        out["seq_slot"][i] = slot if res is not None else -1
         out["seq_lens"][i] = at + 1
         out["slot_mapping"][i] = pages[used - 1] * p + at % p if seq.write_base else scratch_page * p
         out["res_slot_mapping"][i] = (res[used - 1] * p + at % p if res is not None and seq.write_residual

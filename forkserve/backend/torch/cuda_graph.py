@@ -43,7 +43,7 @@ def pages_bucket(n: int) -> int:
 
 class DecodeGraph:
     def __init__(self, model: CausalLM, pool: KVPool, batch: int, pages: int, use_lora: bool,
-                 limits: BatchLimits, device: torch.device, mempool: tuple) -> None:
+                 split: bool, limits: BatchLimits, device: torch.device, mempool: tuple) -> None:
         self.batch, self.pages, self.pool, self.limits = batch, pages, pool, limits
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
             "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
@@ -64,15 +64,14 @@ class DecodeGraph:
         view = {n: self.packed[o:o + int(np.prod(s))].view(s) for n, (o, s) in offsets.items()}
         self.rows = torch.arange(batch, device=device)
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        disaggregated = limits.disaggregated
 
         def forward() -> torch.Tensor:
             # The int32 casts run inside the graph, so they see every step's new inputs.
             meta = AttentionMetadata(
                 slot_mapping=view["slot_mapping"],
-                res_slot_mapping=view["res_slot_mapping"] if disaggregated else None,
+                res_slot_mapping=view["res_slot_mapping"] if split else None,
                 block_tables=view["block_tables"].to(torch.int32),
-                res_block_tables=view["res_block_tables"].to(torch.int32) if disaggregated else None,
+                res_block_tables=view["res_block_tables"].to(torch.int32) if split else None,
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
                 decode_only=True)

@@ -21,7 +21,7 @@ from forkserve.config import KVLayout
 
 
 def page_kinds(layout: KVLayout) -> tuple[PageKind, ...]:
-    return (PageKind.BASE, PageKind.RESIDUAL) if layout is KVLayout.DISAGGREGATED else (PageKind.UNIFIED,)
+    return (PageKind.BASE, PageKind.RESIDUAL) if layout.has_residual_pool else (PageKind.UNIFIED,)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, layout: KVLayout, lora_rank: int,
@@ -29,7 +29,7 @@ def kv_bytes_per_token(cfg: ModelConfig, layout: KVLayout, lora_rank: int,
     """Bytes one token occupies in each page kind, over all layers, K and V."""
     item = torch.empty((), dtype=dtype).element_size()
     full = 2 * cfg.num_layers * cfg.kv_size * item
-    if layout is KVLayout.DISAGGREGATED:
+    if layout.has_residual_pool:
         return {PageKind.BASE: full, PageKind.RESIDUAL: 2 * cfg.num_layers * lora_rank * item}
     return {PageKind.UNIFIED: full}
 
@@ -71,7 +71,7 @@ class KVPool:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.k_res: torch.Tensor | None = None
         self.v_res: torch.Tensor | None = None
-        if layout is KVLayout.DISAGGREGATED:
+        if layout.has_residual_pool:
             res_shape = (cfg.num_layers, num_residual_pages + 1, page_size, lora_rank)
             self.k_res = torch.zeros(res_shape, device=device, dtype=dtype)
             self.v_res = torch.zeros(res_shape, device=device, dtype=dtype)

@@ -1,8 +1,10 @@
 """The decoder forward (Llama / Mistral / Qwen2) over a flattened batch and paged KV.
 
-One function serves every layout: in the disaggregated layout the k/v LoRA deltas are not
-added to K/V; their rank-r inputs (x A_k, x A_v) go to the residual pool instead and the
-attention backend reconstructs K/V on read. q/o/MLP LoRA apply normally in every layout.
+One function serves every layout: for split items (the disaggregated layout, and split
+sessions of the adaptive one) the k/v LoRA deltas are not added to K/V; their rank-r inputs
+(x A_k, x A_v) go to the residual pool instead and the attention backend reconstructs K/V
+on read. A batch is split when its metadata carries residual tables; merged items inside
+it (``kv_merge_mask``) still get their delta. q/o/MLP LoRA apply normally everywhere.
 """
 from __future__ import annotations
 
@@ -20,11 +22,9 @@ from forkserve.backend.torch.weights import ModelWeights
 
 class CausalLM:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora: LoraStack | None,
-                 attention: AttentionBackend, disaggregated: bool, device: torch.device,
-                 fusions: Fusions) -> None:
+                 attention: AttentionBackend, device: torch.device, fusions: Fusions) -> None:
         self.cfg, self.weights, self.lora, self.attention = cfg, weights, lora, attention
         self.fx = fusions
-        self.disaggregated = disaggregated
         self.rope = Rope(cfg.rope, cfg.head_dim, device)
         q, kv = cfg.q_size, cfg.kv_size
         self._qkv_slices = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
@@ -42,6 +42,7 @@ class CausalLM:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         mask = lora.token_mask(token_slot, x.dtype) if lora is not None else None
         n_tokens = input_ids.shape[0]
+        split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         for n, layer in enumerate(w.layers):
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
@@ -50,8 +51,10 @@ class CausalLM:
                 shrunk = lora.shrink(n, "qkv", h, mask)
                 for t in lora.groups["qkv"]:
                     part = lora.part("qkv", t, shrunk)
-                    if self.disaggregated and t in ("k", "v"):
+                    if split and t in ("k", "v"):
                         res[t] = lora.collapse(part)
+                        if meta.kv_merge_mask is not None:
+                            lora.expand_(n, t, part * meta.kv_merge_mask, qkv[:, self._qkv_slices[t]])
                     else:
                         lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
             if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
@@ -60,8 +63,8 @@ class CausalLM:
             qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
-            b_k = lora.b_stack(n, "k") if lora is not None and self.disaggregated else None
-            b_v = lora.b_stack(n, "v") if lora is not None and self.disaggregated else None
+            b_k = lora.b_stack(n, "k") if lora is not None and split else None
+            b_v = lora.b_stack(n, "v") if lora is not None and split else None
             attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"), pool.layer(n),
                                           b_k, b_v, meta, self.rope)
             o = F.linear(attn, layer.o)

@@ -24,33 +24,37 @@ class ModelRunner:
                  use_cuda_graphs: bool) -> None:
         self.model, self.pool, self.limits, self.device = model, pool, limits, device
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        self._graphs: dict[tuple[int, int, bool], DecodeGraph] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
     @property
-    def captured_graphs(self) -> tuple[tuple[int, int, bool], ...]:
+    def captured_graphs(self) -> tuple[tuple[int, int, bool, bool], ...]:
         return tuple(self._graphs)
 
     def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool) -> RunOutput:
         """Logits for every token (all_logits) or for the last token of each sampling item."""
         bucket = batch_bucket(len(work))
-        if (self.use_cuda_graphs and not all_logits and bucket is not None
+        # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
+        forms = {s.slots.residual_pages is not None for s in work
+                 if self.limits.disaggregated and s.adapter_id is not None}
+        if (self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1
                 and all(len(s.tokens) == 1 and not s.extra_residuals for s in work)):
-            return self._replay(work, adapter_slots, bucket)
+            return self._replay(work, adapter_slots, bucket, split=forms == {True})
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page)
         logits = self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
                                     self.pool, batch.logits_indices, batch.use_lora)
         return RunOutput(logits, None)
 
-    def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int) -> RunOutput:
+    def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int,
+                split: bool) -> RunOutput:
         width = max(s.start_pos // self.limits.page_size + 1 for s in work)
         use_lora = any(s.adapter_id is not None for s in work)
-        key = (bucket, pages_bucket(width), use_lora)
+        key = (bucket, pages_bucket(width), use_lora, split)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = DecodeGraph(self.model, self.pool, key[0], key[1], use_lora, self.limits, self.device,
-                                self._mempool)
+            graph = DecodeGraph(self.model, self.pool, key[0], key[1], use_lora, split, self.limits,
+                                self.device, self._mempool)
             self._graphs[key] = graph
         logits, greedy = graph.run(work, adapter_slots)
         rows = [i for i, s in enumerate(work) if s.sampling is not None]

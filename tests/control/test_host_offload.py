@@ -1,0 +1,119 @@
+"""D1, the residual host tier: evicted residual pages are parked on the host and brought
+back instead of recomputed; the host's own LRU drops what does not fit; outputs never change."""
+import pytest
+
+from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import HostCopy, PageKind
+from forkserve.control.host_tier import HostTier
+from forkserve.control.metrics import EngineMetrics
+from forkserve.control.page_pool import PagePool
+from forkserve.control.prefix_index import AdapterNamespace, PrefixIndex
+
+CFG = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=12, host_residual_pages=32,
+                      vocab_size=300, kv_layout=KVLayout.DISAGGREGATED, node_ttl_s=None)
+CONTEXT = list(range(10, 42))  # 8 pages
+OTHER = list(range(50, 98))    # 12 pages: pushes the first context's residual out of 12
+
+
+class RecordingBackend(MockBackend):
+    def __init__(self, config):
+        super().__init__(config)
+        self.items = []
+
+    def step(self, work):
+        self.items.extend(work)
+        return super().step(work)
+
+    def residual_written(self):
+        return sum(len(w.tokens) for w in self.items
+                   if w.write_residual and w.slots.residual_pages is not None)
+
+
+def _turn(eng, tokens, n=3):
+    h = eng.open(tokens, adapter="planner")
+    out = eng.generate(h.id, n).tokens
+    eng.close(h.id)
+    return out
+
+
+def _pressured(config):
+    """The first context published, then pushed off the residual pool by another one."""
+    backend = RecordingBackend(config)
+    eng = Engine(backend)
+    _turn(eng, CONTEXT)
+    _turn(eng, OTHER, 1)
+    eng.check_integrity()
+    backend.items.clear()
+    return eng, backend
+
+
+def _baseline(config, tokens, n=3):
+    eng = Engine(MockBackend(config))
+    h = eng.open(tokens, adapter="planner")
+    return eng.generate(h.id, n).tokens
+
+
+def test_offloaded_residual_is_restored_not_recomputed_and_outputs_do_not_change():
+    eng, backend = _pressured(CFG)
+    assert eng.metrics.offloaded_pages == 8 and eng.residual_index.num_offloaded == 8
+    assert eng.index.num_pages >= 8  # base pool has room: its index never evicted
+    out = _turn(eng, CONTEXT + [7])
+    assert out == _baseline(CFG, CONTEXT + [7])
+    assert eng.metrics.restored_pages == 8 and eng.metrics.restored_tokens == 32
+    assert backend.residual_written() == 1 + 2  # the new token and two decode steps, no context
+    eng.check_integrity()
+
+
+def test_full_host_tier_drops_its_lru_for_good_and_the_rest_is_recomputed():
+    cfg = CFG.replace(host_residual_pages=4)
+    eng, backend = _pressured(cfg)
+    # Pages parked and dropped within one eviction pass are never copied.
+    assert eng.metrics.offloaded_pages == 4 and eng.metrics.host_dropped_pages == 4
+    # The deepest pages went first, so the host keeps the context's first half (a prefix).
+    kept = sorted(len(e.prefix) for e in eng.residual_index.offloaded_entries())
+    assert kept == [4, 8, 12, 16]
+    out = _turn(eng, CONTEXT + [7])
+    assert out == _baseline(cfg, CONTEXT + [7])
+    assert eng.metrics.restored_tokens == 16
+    assert backend.residual_written() == 16 + 1 + 2
+    eng.check_integrity()
+
+
+def test_without_a_host_tier_eviction_drops_as_before():
+    eng, backend = _pressured(CFG.replace(host_residual_pages=0))
+    assert eng.kv.host_tier is None and eng.metrics.offloaded_pages == 0
+    assert eng.residual_index.num_offloaded == 0
+    _turn(eng, CONTEXT + [7])
+    assert backend.residual_written() == len(CONTEXT) + 1 + 2
+    assert eng.metrics.restored_pages == 0
+
+
+def test_republishing_an_offloaded_prefix_adopts_the_new_page_and_frees_the_slot():
+    pool = PagePool(PageKind.RESIDUAL, 4, 4)
+    backend = MockBackend(CFG)
+    host = HostTier(PageKind.RESIDUAL, 2, 4, backend, EngineMetrics())
+    index = PrefixIndex(pool, host)
+    ns, tokens = AdapterNamespace("a"), (1, 2, 3, 4)
+    (page,) = pool.alloc(1)
+    backend._kv[PageKind.RESIDUAL][page] = backend.expected_values(PageKind.RESIDUAL, tokens, "a")
+    index.insert(ns, tokens, [page])
+    pool.decref([page])
+    assert index.evict(1) == 1 and index.num_offloaded == 1 and host.num_free == 1
+    (fresh,) = pool.alloc(1)
+    index.insert(ns, tokens, [fresh])
+    assert (index.num_pages, index.num_offloaded, host.num_free) == (1, 0, 2)
+    assert index.match(ns, tokens) == [fresh]
+    index.check_integrity()
+
+
+def test_host_copies_reject_bad_input_and_change_nothing():
+    backend = MockBackend(CFG)
+    before = backend.host_values(0).copy()
+    with pytest.raises(ValueError, match="residual pages"):
+        backend.offload_pages(PageKind.BASE, [HostCopy(0, 0)])
+    with pytest.raises(ValueError, match="outside"):
+        backend.offload_pages(PageKind.RESIDUAL, [HostCopy(0, 0), HostCopy(0, CFG.host_residual_pages)])
+    assert (backend.host_values(0) == before).all()
+    with pytest.raises(ValueError, match="host_residual_pages"):
+        ForkServeConfig(host_residual_pages=-1)
