@@ -13,6 +13,11 @@ Layouts: unified pages hold (token, adapter); full_reuse pages hold the token al
 pages hold (token, adapter). Adaptive: an adapter's item without residual pages is merged
 and its base pages hold (token, adapter); with residual pages it is disaggregated's.
 
+Activated LoRA (``invocations``): positions before an item's ``adapter_start`` are stored
+as the base model's (adapter code 0, in residual pages too: a zero residual; in merged
+pages too), and a token sampled there hashes as the base model's, so KV left over from
+another activation point changes the output.
+
 Host tier (``HostOffload``, disaggregated layout): ``config.host_residual_pages`` host slots
 for residual pages. Offloading blanks the device page (the control plane frees it), so a
 page used after it was parked, or brought back into the wrong page, reads as never written.
@@ -20,7 +25,7 @@ page used after it was parked, or brought back into the wrong page, reads as nev
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -40,8 +45,10 @@ def _adapter_code(adapter: int | str | None) -> int:
 
 
 class MockBackend:
-    def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
+                 invocations: Mapping[int | str, Sequence[int]] | None = None) -> None:
         self.config = config or ForkServeConfig()
+        self._invocations = {a: tuple(tokens) for a, tokens in (invocations or {}).items()}
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
         p = self.config.page_size
@@ -61,6 +68,10 @@ class MockBackend:
         kv = self._kv[kind]
         for src, dst in pairs:
             kv[dst] = kv[src]
+
+    def adapter_invocation(self, adapter: int | str) -> tuple[int, ...] | None:
+        """An activated LoRA's invocation tokens (None for a plain adapter)."""
+        return self._invocations.get(adapter)
 
     def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         pages, slots = self._host_copies(kind, copies)
@@ -94,14 +105,17 @@ class MockBackend:
         """What host slot ``slot`` holds (tests read this)."""
         return self._host[slot]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter,
-                        merged: bool = False) -> np.ndarray:
-        """``merged``: an adaptive-layout item without residual pages (merged K/V in BASE pages)."""
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, merged: bool = False,
+                        adapter_start: int = 0, start_pos: int = 0) -> np.ndarray:
+        """What ``tokens`` at positions ``start_pos..`` store; base-model values before
+        ``adapter_start``. ``merged``: an adaptive-layout item without residual pages (merged
+        K/V in BASE pages)."""
         code = 0
         if kind is PageKind.RESIDUAL or merged or (kind is PageKind.UNIFIED
                                                    and self.config.kv_layout is KVLayout.UNIFIED):
             code = _adapter_code(adapter)
-        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + code
+        positions = np.arange(start_pos, start_pos + len(tokens))
+        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
         next_tokens: list[int | None] = []
@@ -127,12 +141,15 @@ class MockBackend:
                 next_tokens.append(None)
                 continue
             length = item.start_pos + len(item.tokens)
+            # Split K/V is read back as merged: a zero residual (before the activation point)
+            # adds nothing, so a split aLoRA reads what a merged one or the base model would.
             context = self._read(base_kind, item, item.slots.pages, length)
             if item.slots.residual_pages is not None:
                 context = self._reconstruct(item, context,
                                             self._read(PageKind.RESIDUAL, item, item.slots.residual_pages, length))
             context_read += length
-            next_tokens.append(self._next_token(context, item.adapter_id))
+            adapted = length - 1 >= item.adapter_start
+            next_tokens.append(self._next_token(context, item.adapter_id if adapted else None))
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
@@ -145,7 +162,9 @@ class MockBackend:
         if len(positions) and positions[-1] // p >= len(pages):
             raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        values = self.expected_values(kind, item.tokens, adapter, merged)
+        # Extra residuals (base_activations) are plain adapters: they start at 0.
+        start = item.adapter_start if adapter == item.adapter_id else 0
+        values = self.expected_values(kind, item.tokens, adapter, merged, start, item.start_pos)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
@@ -154,7 +173,8 @@ class MockBackend:
             raise AssertionError(f"seq {item.seq_id}: reads {kind.value} slot "
                                  f"{int(np.argmax(values == _UNWRITTEN))} that was never written")
         if kind is PageKind.RESIDUAL:
-            foreign = values % _ADAPTER_SPACE != _adapter_code(item.adapter_id)
+            codes = np.where(np.arange(length) >= item.adapter_start, _adapter_code(item.adapter_id), 0)
+            foreign = values % _ADAPTER_SPACE != codes
             if foreign.any():
                 raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
                                      f"holds another adapter's residual")

@@ -97,6 +97,12 @@ class SeqWork:
     # Disaggregated layout, prefill only: residuals of other adapters to write from this
     # item's activations at the same positions.
     extra_residuals: tuple[ResidualTarget, ...] = ()
+    # Activated LoRA: absolute position from which ``adapter_id`` applies. Tokens before it
+    # run as the base model (no LoRA delta on any target; in the disaggregated layout their
+    # residual rows are zero). 0 for a plain adapter; a value >= ``start_pos + len(tokens)``
+    # runs the whole item as the base model (the invocation has not occurred yet). The
+    # control plane computes it from the whole path (``control/activation.py``).
+    adapter_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,8 @@ class Backend(Protocol):
 
     # Optional: ``knows_adapter(adapter_id) -> bool``. Where present, the Engine rejects an
     # unknown adapter at the verb (a clear error, no state change) instead of at the step.
+    # Optional: ``adapter_invocation(adapter_id) -> tuple[int, ...] | None``: an activated
+    # LoRA's invocation tokens (None for a plain adapter). Without it every adapter is plain.
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from forkserve.control.activation import ActivationScan
 from forkserve.control.cascade import Decision
 from forkserve.control.node_kv import NodeKV
 
@@ -65,6 +66,8 @@ class Node:
     # Full pages (base, residual) already in the index, and where that insert ended.
     published: tuple[int, int] = (0, 0)
     publish_cursor: object = None
+    # aLoRA: the activation point on this node's path, as far as it was scanned.
+    activation: ActivationScan = field(default_factory=ActivationScan)
 
     @property
     def end(self) -> int:

@@ -5,6 +5,10 @@
 * The residual tree indexes RESIDUAL pages by ``ResidualKey(adapter_id, adapter_version,
   tokens)``: a key of adapter A never matches adapter B, nor A after it was reloaded.
 
+An activated LoRA's keys carry its activation point (``adapter_start``) in the adapter
+namespace, and ``base_pages``: its leading pages wholly before that point, keyed under BASE
+on both sides (base-model K/V; on the residual side, an all-zero residual).
+
 Both are ``PrefixIndex``es over their own pool, so each has its own LRU and evicting one
 never touches the other. Only the residual tree may have a ``HostTier``: its pages are
 rank-r, cheap to park on the host and to bring back. ``match`` reports how far each side reaches; the engine
@@ -26,6 +30,7 @@ from forkserve.control.prefix_index import (BASE, AdapterNamespace, InsertCursor
 class BaseKey:
     tokens: tuple[int, ...]
     namespace: Namespace = BASE
+    base_pages: int = 0  # leading pages keyed under BASE whatever ``namespace`` is
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,12 @@ class ResidualKey:
     adapter_id: int | str
     adapter_version: int
     tokens: tuple[int, ...]
+    adapter_start: int | None = 0  # see AdapterNamespace
+    base_pages: int = 0
 
     @property
     def namespace(self) -> AdapterNamespace:
-        return AdapterNamespace(str(self.adapter_id), self.adapter_version)
+        return AdapterNamespace(str(self.adapter_id), self.adapter_version, self.adapter_start)
 
 
 @dataclass(frozen=True)
@@ -65,10 +72,11 @@ class DualRadixTree:
         self.residual = PrefixIndex(residual_pool, residual_host) if residual_pool is not None else None
 
     def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
-        base_pages = self.base.match(base.namespace, base.tokens)
+        base_pages = self.base.match(base.namespace, base.tokens, base.base_pages)
         if residual is None or self.residual is None:
             return DualMatch(base_pages, None)
-        return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens))
+        return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens,
+                                                         residual.base_pages))
 
     def insert(self, base: BaseKey, base_pages: Sequence[PageId],
                residual: ResidualKey | None = None, residual_pages: Sequence[PageId] = (),
@@ -76,11 +84,12 @@ class DualRadixTree:
         """Publish both sides; the returned cursor makes the next insert of a longer prefix
         of the same path walk only its new pages."""
         base_cursor = self.base.insert(base.namespace, base.tokens, base_pages,
-                                       resume.base if resume is not None else None)
+                                       resume.base if resume is not None else None, base.base_pages)
         res_cursor = None
         if residual is not None and self.residual is not None and residual_pages:
             res_cursor = self.residual.insert(residual.namespace, residual.tokens, residual_pages,
-                                              resume.residual if resume is not None else None)
+                                              resume.residual if resume is not None else None,
+                                              residual.base_pages)
         return DualCursor(base_cursor, res_cursor)
 
     def evict_all(self) -> int:

@@ -23,6 +23,13 @@ Layout rules (seed 001):
 * adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
   the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
   node without a residual table is merged.
+
+Activated LoRA (``control/activation.py``): K/V before an aLoRA's activation point is the
+base model's, so in every layout and form those pages are keyed as BASE pages
+(``base_pages``) and a fork from base-model K/V to an aLoRA aliases it; pages from the
+activation point on are keyed as the node's form says (merged: under the adapter's
+namespace, which carries the activation point; split: base side global, residual side
+under that namespace). ``keys`` is the one place that decides.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from typing import Callable, Sequence
 
 from forkserve.backend.protocol import HostOffload, PageKind
 from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.host_tier import HostTier
@@ -43,15 +51,18 @@ from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
 AdapterVersion = Callable[[object], int]
+AdapterInvocation = Callable[[object], Sequence[int] | None]
 
 
 class KVCache:
     def __init__(self, config: ForkServeConfig, kinds: Sequence[PageKind],
-                 adapter_version: AdapterVersion | None = None, *,
+                 adapter_version: AdapterVersion | None = None,
+                 adapter_invocation: AdapterInvocation | None = None, *,
                  metrics: EngineMetrics | None = None, host: HostOffload | None = None,
                  pause_ttl: PauseTTL | None = None,
                  policy: LayoutPolicy | None = None) -> None:
-        """``host``: the backend, where it implements ``HostOffload``; with
+        """``adapter_invocation``: an adapter's aLoRA invocation tokens (None: a plain
+        adapter). ``host``: the backend, where it implements ``HostOffload``; with
         ``config.host_residual_pages`` > 0 evicted residual pages go there instead of away."""
         self.config = config
         self.layout = config.kv_layout
@@ -68,6 +79,9 @@ class KVCache:
         self.retention = BaseRetention(
             pause_ttl or QuantilePauseTTL(config.pause_ttl_quantile, config.pause_ttl_prior_s), metrics)
         self._adapter_version = adapter_version or (lambda adapter: 0)
+        self._adapter_invocation = adapter_invocation or (lambda adapter: None)
+        # Per adapter id, looked up once: ids are never reused for another adapter.
+        self._invocations: dict[object, Invocation | None] = {}
         self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
     @property
@@ -84,6 +98,43 @@ class KVCache:
     def index_of(self, pool: PagePool) -> PrefixIndex:
         return self.index if pool is self.pool else self.residual_index
 
+    # ------------------------------------------------------- activated LoRA
+    def invocation(self, adapter) -> Invocation | None:
+        """The adapter's aLoRA invocation; None for the base model and plain adapters."""
+        if adapter is None:
+            return None
+        if adapter not in self._invocations:
+            tokens = self._adapter_invocation(adapter)
+            self._invocations[adapter] = Invocation(tuple(tokens)) if tokens is not None else None
+        return self._invocations[adapter]
+
+    def adapter_start(self, kv: NodeKV, adapter) -> int | None:
+        """Where ``adapter`` applies on this table's K/V (None: nowhere, base-model K/V)."""
+        if adapter is None:
+            return None
+        return kv.adapter_start if self.invocation(adapter) is not None else 0
+
+    def path_start(self, adapter, tokens: Sequence[int]) -> int | None:
+        """``adapter``'s activation point on a whole path (before any table is written):
+        0 for a plain adapter, the last invocation's start for an aLoRA."""
+        invocation = self.invocation(adapter)
+        if invocation is None:
+            return None if adapter is None else 0
+        return invocation.last_start(tokens, 0)
+
+    @staticmethod
+    def activate(kv: NodeKV, start: int | None) -> bool:
+        """Move an aLoRA table to the activation point ``start``: K/V written under another
+        point is stale from the earlier of the two on. Returns whether anything was cut."""
+        if kv.adapter_start == start:
+            return False
+        cut = earliest(kv.adapter_start, start)
+        kv.adapter_start = start
+        if cut >= kv.length:
+            return False
+        kv.truncate(cut)
+        return True
+
     # ------------------------------------------------------------ tables
     def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
@@ -91,8 +142,10 @@ class KVCache:
         p = self.pool.page_size
         residual_hit = 0
         if adapter is not None and self.residual_pool is not None:
-            _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT)
-            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens)) * p
+            _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
+                                        self.path_start(adapter, tokens))
+            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens,
+                                                         residual_key.base_pages)) * p
         projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
@@ -101,16 +154,26 @@ class KVCache:
         residual = None
         if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
-        return NodeKV(PageTable(self.pool), residual)
+        return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter))
 
     def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
         """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
         layout, the parent's form) lets it share — a split parent its base pages, a merged
-        parent nothing (the child starts merged too: no residual exists to split into)."""
+        parent nothing (the child starts merged too: no residual exists to split into). An
+        aLoRA also shares a merged parent's base-model K/V (its table truncates at its
+        activation point, ``activate``)."""
+        alora = self.invocation(adapter) is not None
+        # An aLoRA child keeps the parent's point (``activate`` then cuts where they differ);
+        # any other child of another adapter gets the layout's sharing as its own.
+        start = parent.adapter_start if alora or adapter == parent_adapter else self._fresh_start(adapter)
         if adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE:
-            return parent.fork()
+            return parent.fork(start)
         if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
-            return parent.fork_base(self.residual_pool if adapter is not None else None)
+            return parent.fork_base(self.residual_pool if adapter is not None else None, start)
+        if alora and parent.adapter_start is None:
+            # Merged K/V computed as the base model everywhere is the base model's K/V:
+            # the aLoRA child aliases all of it and stays merged.
+            return parent.fork(start)
         return self.new_kv(adapter, KVForm.MERGED)
 
     def form_of(self, kv: NodeKV, adapter) -> KVForm:
@@ -120,20 +183,45 @@ class KVCache:
             return KVForm.SPLIT
         return KVForm.MERGED
 
+    def _fresh_start(self, adapter) -> int | None:
+        """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
+        return 0 if adapter is not None and self.invocation(adapter) is None else None
+
+    def _fresh_start(self, adapter) -> int | None:
+        """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
+        return 0 if adapter is not None and self.invocation(adapter) is None else None
+
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int], form: KVForm) -> tuple[BaseKey, ResidualKey | None]:
+    def keys(self, adapter, path: Sequence[int], form: KVForm,
+             adapter_start: int | None = 0) -> tuple[BaseKey, ResidualKey | None]:
+        """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
+        ``adapter_start`` (see ``AdapterNamespace``). Both decide a page's namespace:
+
+        * pages wholly before the activation point hold base-model K/V (and a zero
+          residual), so they are keyed BASE (``base_pages``) in every layout and form;
+        * from it on, a MERGED page's K/V depends on the adapter, so the base side is keyed
+          under the adapter's namespace (which carries ``adapter_start``); a SPLIT node's
+          base side is the base model's and is keyed globally, its residual side per adapter.
+        """
         tokens = tuple(path)
         if adapter is None:
             return BaseKey(tokens), None
-        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens)
+        p = self.pool.page_size
+        base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
+        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages)
         if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
-            return BaseKey(tokens, residual.namespace), residual
+            return BaseKey(tokens, residual.namespace, base_pages), residual
         return BaseKey(tokens), residual
+
+    def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+        """The keys a table's pages are matched and published under: its form and its
+        activation point, both read off the table."""
+        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter))
 
     def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
-        base_key, residual_key = self.keys(adapter, path, self.form_of(kv, adapter))
+        base_key, residual_key = self._keys_of(kv, adapter, path)
         return self.tree.match(base_key, residual_key if kv.residual is not None else None)
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
@@ -148,11 +236,10 @@ class KVCache:
         if (base_full, res_full) == published:
             return published, cursor
         path = path_of()
-        base_key, residual_key = self.keys(adapter, path[:base_full * p], self.form_of(kv, adapter))
+        base_key, residual_key = self._keys_of(kv, adapter, path[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
-            residual_key = ResidualKey(residual_key.adapter_id, residual_key.adapter_version,
-                                       tuple(path[:res_full * p]))
+            residual_key = self._keys_of(kv, adapter, path[:res_full * p])[1]
             residual_pages = kv.residual.pages[:res_full]
         cursor = self.tree.insert(base_key, kv.base.pages[:base_full], residual_key, residual_pages,
                                   cursor)
@@ -160,8 +247,9 @@ class KVCache:
 
     def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:
         """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
-        base_key, _ = self.keys(adapter, path, self.form_of(kv, adapter))
-        self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens), now)
+        base_key, _ = self._keys_of(kv, adapter, path)
+        self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,
+                                                       base_key.base_pages), now)
 
     # ------------------------------------------------------------ memory
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:

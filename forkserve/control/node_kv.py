@@ -28,9 +28,13 @@ class Regime:
 
 
 class NodeKV:
-    def __init__(self, base: PageTable, residual: PageTable | None = None) -> None:
+    def __init__(self, base: PageTable, residual: PageTable | None = None,
+                 adapter_start: int | None = None) -> None:
         self.base = base
         self.residual = residual
+        # The activation point the KV was written under (``AdapterNamespace.adapter_start``):
+        # None the base model everywhere, 0 a plain adapter, else an aLoRA's invocation start.
+        self.adapter_start = adapter_start
 
     @property
     def length(self) -> int:
@@ -51,12 +55,14 @@ class NodeKV:
         res = tuple(self.residual.pages) if self.residual is not None else None
         return KVSlots(tuple(self.base.pages), res)
 
-    def fork(self) -> "NodeKV":
-        return NodeKV(self.base.fork(), self.residual.fork() if self.residual is not None else None)
+    def fork(self, adapter_start: int | None) -> "NodeKV":
+        return NodeKV(self.base.fork(), self.residual.fork() if self.residual is not None else None,
+                      adapter_start)
 
-    def fork_base(self, residual_pool: PagePool | None) -> "NodeKV":
+    def fork_base(self, residual_pool: PagePool | None, adapter_start: int | None) -> "NodeKV":
         """Alias the base pages only, with an empty residual (a fork to another adapter)."""
-        return NodeKV(self.base.fork(), PageTable(residual_pool) if residual_pool is not None else None)
+        return NodeKV(self.base.fork(), PageTable(residual_pool) if residual_pool is not None else None,
+                      adapter_start)
 
     def regime(self) -> Regime:
         if self.residual is None or self.base.length == self.residual.length:

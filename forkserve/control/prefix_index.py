@@ -1,9 +1,12 @@
 """PrefixIndex: the global index of committed full pages (the base side of the DualRadixTree).
 
-A radix tree with one edge per page. An edge is keyed by a typed ``PageKey`` (the page's
-token ids) under a typed ``Namespace`` root (the base model, or one adapter version for
-the unified layout): never a string glued from tokens, so two different prefixes cannot
-collide. A path from a namespace root spells a committed token prefix, page by page.
+A radix tree with one edge per page. An edge is keyed by a typed ``PageKey``: the page's
+token ids and the ``Namespace`` of what computed its KV (the base model, or one adapter
+version from one activation point): never a string glued from tokens, so two different
+prefixes cannot collide. A path from the root spells a committed token prefix, page by
+page. A path may start under BASE and continue under an adapter: an activated LoRA's
+pages before its invocation are the base model's (``base_pages``), shared with base-model
+sessions and other aLoRAs over the same prefix.
 
 Ownership: the index holds one pool reference per published page, taken in ``insert``
 and given back in ``evict``. Only committed tokens are inserted (the engine's commit,
@@ -37,10 +40,12 @@ class BaseNamespace:
 
 @dataclass(frozen=True)
 class AdapterNamespace:
-    """Pages whose contents depend on one adapter version."""
+    """Pages whose contents depend on one adapter version, applied from ``adapter_start``
+    (0: a plain LoRA; an aLoRA's activation point; None: an aLoRA not invoked on the path)."""
 
     adapter_id: str
     adapter_version: int = 0
+    adapter_start: int | None = 0
 
 
 Namespace = BaseNamespace | AdapterNamespace
@@ -50,6 +55,7 @@ BASE = BaseNamespace()
 @dataclass(frozen=True)
 class PageKey:
     tokens: tuple[int, ...]
+    namespace: "Namespace" = BASE
 
 
 @dataclass(eq=False)
@@ -67,10 +73,12 @@ class _IndexNode:
 class InsertCursor:
     """Where a publisher's last insert ended, so the next one hashes only the new pages.
 
-    Valid while its node is in the tree; a cursor whose node was evicted is ignored.
+    Valid while its node is in the tree and the keys are namespaced the same way; otherwise
+    it is ignored.
     """
 
     namespace: "Namespace"
+    base_pages: int
     node: _IndexNode
     pages: int
 
@@ -103,24 +111,25 @@ class PrefixIndex:
         self.pool = pool
         self.host = host
         self.page_size = pool.page_size
-        self._roots: dict[Namespace, _IndexNode] = {}
+        self._root = _IndexNode(None, None, None)
         self._clock = itertools.count(1)
         self.num_pages = 0       # entries on a device page
         self.num_offloaded = 0   # entries in a host slot
 
-    def _page_keys(self, tokens: Sequence[int], first_page: int = 0) -> Iterator[PageKey]:
+    def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
+                   first_page: int = 0) -> Iterator[PageKey]:
         p = self.page_size
         for start in range(first_page * p, len(tokens) - p + 1, p):
-            yield PageKey(tuple(tokens[start:start + p]))
+            yield PageKey(tuple(tokens[start:start + p]), BASE if start < base_pages * p else namespace)
 
-    def match(self, namespace: Namespace, tokens: Sequence[int]) -> list[PageId]:
-        """Pages of the longest published page-aligned prefix of ``tokens``."""
-        node = self._roots.get(namespace)
-        if node is None:
-            return []
+    def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0) -> list[PageId]:
+        """Pages of the longest published page-aligned prefix of ``tokens``; the first
+        ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
+        entries the match reaches are restored first (see the module docstring)."""
+        node = self._root
         now = next(self._clock)
         path: list[_IndexNode] = []
-        for key in self._page_keys(tokens):
+        for key in self._page_keys(namespace, tokens, base_pages):
             node = node.children.get(key)
             if node is None:
                 break
@@ -148,22 +157,27 @@ class PrefixIndex:
         self.num_offloaded -= len(take)
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
-               resume: InsertCursor | None = None) -> InsertCursor:
+               resume: InsertCursor | None = None, base_pages: int = 0) -> InsertCursor:
         """Publish the full pages of a committed prefix; returns a cursor for the next call.
 
         Where a page for the same prefix is already published, the index keeps its own
         and the caller's stays private (both hold identical KV). With a valid ``resume``
         from an earlier insert of a prefix of ``tokens``, only the pages after it are walked.
+        ``base_pages`` as in ``match``.
         """
-        node = self._roots.setdefault(namespace, _IndexNode(None, None, None))
+        node = self._root
         first = 0
+        # The walked pages must have been keyed as they would be now (BASE up to the same page).
         if (resume is not None and resume.namespace == namespace and not resume.node.evicted
+                and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
+                # ...and the cursor's node still on the device (an offloaded one was evicted).
                 and (resume.node.key is None or resume.node.page is not None)
                 and resume.pages <= len(pages)):
             node, first = resume.node, resume.pages
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(tokens, first), pages[first:], strict=False):
+        for key, page in zip(self._page_keys(namespace, tokens, base_pages, first), pages[first:],
+                             strict=False):
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])
@@ -181,7 +195,7 @@ class PrefixIndex:
             node = child
             first += 1
         self.num_pages += added
-        return InsertCursor(namespace, node, first)
+        return InsertCursor(namespace, base_pages, node, first)
 
     def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
               offload: bool = True) -> int:
@@ -213,9 +227,7 @@ class PrefixIndex:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if host is not None:
             host.offload([HostCopy(page, slot) for slot, page in run.copies.items()])
-        freed = self.pool.decref(run.released)  # only now: the copies above read these pages
-        self._prune_roots()
-        return freed
+        return self.pool.decref(run.released)  # only now: the copies above read these pages
 
     def drop_host(self, max_pages: int | None = None, keep: frozenset = frozenset()) -> int:
         """Drop least-recently-used offloaded leaves for good; returns how many."""
@@ -244,16 +256,12 @@ class PrefixIndex:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if dropped:
             self.host.dropped(dropped)
-            self._prune_roots()
         return dropped
 
     @staticmethod
     def _unlink(node: _IndexNode) -> None:
         del node.parent.children[node.key]
         node.evicted = True
-
-    def _prune_roots(self) -> None:
-        self._roots = {ns: r for ns, r in self._roots.items() if r.children}
 
     def _device_leaves(self) -> Iterator[_IndexNode]:
         """Device-resident entries none of whose children is on the device."""
@@ -262,21 +270,24 @@ class PrefixIndex:
                 yield node
 
     def _walk_nodes(self) -> Iterator[_IndexNode]:
-        stack = [c for r in self._roots.values() for c in r.children.values()]
+        # One root for every namespace (a path may cross from BASE into an adapter's), so
+        # there are no per-namespace roots to prune once empty.
+        stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def _walk(self) -> Iterator[tuple[Namespace, tuple[int, ...], _IndexNode]]:
-        for namespace, root in self._roots.items():
-            stack = [(root, ())]
-            while stack:
-                node, prefix = stack.pop()
-                for key, child in node.children.items():
-                    path = prefix + key.tokens
-                    yield namespace, path, child
-                    stack.append((child, path))
+        """Every entry with the namespace its own page is keyed under (one path may cross
+        from BASE into an adapter's namespace) and its whole token prefix."""
+        stack = [(self._root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for key, child in node.children.items():
+                path = prefix + key.tokens
+                yield key.namespace, path, child
+                stack.append((child, path))
 
     def entries(self) -> Iterator[IndexEntry]:
         """Entries on a device page."""

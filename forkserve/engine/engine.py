@@ -76,6 +76,7 @@ class Engine:
         version_of = getattr(backend, "adapter_version", None)
         self.kv = KVCache(self.config, backend.page_kinds(),
                           (lambda a: int(version_of(a))) if version_of is not None else None,
+                          getattr(backend, "adapter_invocation", None),
                           metrics=self.metrics,
                           host=backend if isinstance(backend, HostOffload) else None,
                           pause_ttl=pause_ttl)
@@ -160,7 +161,7 @@ class Engine:
         tree = session.tree
         path = tree.path_tokens(node)
         known = priority >= 1.0
-        hit = self._match(node, path) if self.config.cascade else DualMatch([], None)
+        hit = self._match(session, node, path) if self.config.cascade else DualMatch([], None)
         hit_tokens = max(0, min(hit.covered_pages * self.pool.page_size, node.end) - node.start)
         admitted = [Candidate(s.child_index, s.priority, s.decision.score or 0.0)
                     for s in node.parent.children
@@ -206,6 +207,9 @@ class Engine:
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
         for a in adapters:
             self._check_adapter(a)
+            if self.kv.invocation(a) is not None:
+                raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read the shared "
+                                          f"context's base pages as they are; prefill_shared is for plain adapters")
         p = self.pool.page_size
         full = len(tokens) // p * p  # only full pages can be published
         if full == 0:
@@ -272,7 +276,7 @@ class Engine:
             if lcp > matched:
                 best, matched = cand, lcp
         if best is not None:
-            table = best.table.fork()
+            table = best.table.fork(best.table.adapter_start)
             table.truncate(tip.end + matched)
         else:
             table, tip.table = tip.table, None  # the new tip takes over the spine's pages
@@ -280,6 +284,8 @@ class Engine:
         adapter = best.adapter if best is not None else tip.adapter
         new_tip = Node(next(self._ids), session_id, tip, "commit", list(tokens), tip.end,
                        table, NodeState.COMMITTED, adapter=adapter)
+        if adapter == tip.adapter:
+            new_tip.activation = tip.activation  # the same path, grown: scan only the new tokens
         if best is not None and matched == len(tokens) == best.kv_len - tip.end \
                 and best.end == best.kv_len:
             new_tip.next_token, new_tip.next_token_sampling = best.next_token, best.next_token_sampling
@@ -401,7 +407,7 @@ class Engine:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
         path = session.tree.path_tokens(node)
         limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
-        self._attach(node, self._match(node, path[:max(limit, 0)]))
+        self._attach(node, self._match(session, node, path[:max(limit, 0)]))
 
     def _attach(self, node: Node, hit: DualMatch) -> None:
         """Alias the published pages of a match; a side that hits alone is a partial hit."""
@@ -413,7 +419,9 @@ class Engine:
         if kv.residual is not None:
             self.metrics.residual_hit_tokens += kv.residual.length - before[2]
 
-    def _match(self, node: Node, path: Sequence[int]) -> DualMatch:
+    def _match(self, session: Session, node: Node, path: Sequence[int]) -> DualMatch:
+        # An aLoRA's keys depend on its activation point on the node's whole path.
+        self.stepper.activate(session.tree, node)
         return self.kv.match(node.table, node.adapter, path)
 
     def _branches_at(self, tip: Node) -> list[Node]:

@@ -16,8 +16,9 @@ from typing import Callable, Iterable, Sequence
 
 from forkserve.backend.protocol import GREEDY, Backend, SeqWork, StepCost
 from forkserve.config import ForkServeConfig
+from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
-from forkserve.control.context_tree import Node, NodeState
+from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
@@ -71,6 +72,7 @@ class Stepper:
         for session in self.sessions.values():
             tip = session.tree.tip
             self.emit(session)
+            self.activate(session.tree, tip)
             if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
                 # No cached logits for the last position (a partial LCP bind, or another
                 # sampling rule): recompute that one position.
@@ -98,11 +100,10 @@ class Stepper:
             node.speculated = False  # the trunk moved under it: drop the queued work
             self.metrics.dropped_chunks += 1
             return None
-        pending = node.end - node.kv_len
-        if pending == 0 and node.next_token is not None and (node.probe_left or node.extend_left):
+        if node.kv_len == node.end and node.next_token is not None and (node.probe_left or node.extend_left):
             self._emit_speculative(node)
-            pending = node.end - node.kv_len
-        pending = _regime_capped(node, pending)
+        self.activate(self.sessions[node.session_id].tree, node)
+        pending = _regime_capped(node, node.end - node.kv_len)
         if pending <= 0:
             return None
         if node.slack_only:
@@ -134,7 +135,9 @@ class Stepper:
                                 node.table.slots(), node.adapter, sampling,
                                 speculative=g.work_class is WorkClass.SPECULATIVE,
                                 decode=g.decode, write_base=regime.write_base,
-                                write_residual=regime.write_residual))
+                                write_residual=regime.write_residual,
+                                adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
+                                                            start + g.tokens)))
             targets.append((session, node, g, sampling))
         result = self.backend.step(work)
         self.account_cost(result.cost, grants)
@@ -159,6 +162,19 @@ class Stepper:
         for pool, need in node.table.pages_needed(n).items():
             self.kv.make_room(pool, need, preempt)
         node.table.prepare_write(n, self.backend.copy_pages)
+
+    def activate(self, tree: ContextTree, node: Node) -> None:
+        """aLoRA: find the activation point on the node's grown path; K/V written under
+        another point is cut there (and recomputed by the next demand)."""
+        invocation = self.kv.invocation(node.adapter)
+        if invocation is None or node.table is None:
+            return
+        node.activation = node.activation.extend(invocation, lambda s, e: tree.path_slice(node, s, e),
+                                                 node.end)
+        if self.kv.activate(node.table, node.activation.start):
+            # Logits and published pages of the cut K/V no longer describe this path.
+            node.next_token = None
+            node.published, node.publish_cursor = (0, 0), None
 
     def preempt_speculative(self, pool: PagePool, need: int) -> None:
         """Committed work waits for nothing: abort unpinned speculation, lowest prior first.

@@ -56,7 +56,9 @@ def save_tiny_model(path: Path, arch: str, seed: int, shard: bool = False, **ove
 
 
 def save_peft_adapter(base: Path, path: Path, rank: int, targets: Sequence[str], seed: int,
-                      alpha: float = 16.0, rslora: bool = False) -> Path:
+                      alpha: float = 16.0, rslora: bool = False,
+                      invocation: Sequence[int] | None = None) -> Path:
+    """``invocation``: an activated LoRA (PEFT ``alora_invocation_tokens``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -64,7 +66,10 @@ def save_peft_adapter(base: Path, path: Path, rank: int, targets: Sequence[str],
     torch.manual_seed(seed)
     # init_lora_weights=False: B is random too, so the adapter changes the logits.
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[f"{t}_proj" for t in targets],
-                     init_lora_weights=False, use_rslora=rslora)
+                     init_lora_weights=False, use_rslora=rslora,
+                     # peft finds the invocation only in its CausalLM wrapper's forward.
+                     task_type="CAUSAL_LM" if invocation is not None else None,
+                     alora_invocation_tokens=list(invocation) if invocation is not None else None)
     get_peft_model(model, cfg).save_pretrained(path)
     return path
 

@@ -63,6 +63,7 @@ class ResidentAdapter:
     rank: int
     targets: frozenset[str]
     slot: int
+    invocation_tokens: tuple[int, ...] | None
 
 
 def load_model(model_path: str | Path, device: torch.device,
@@ -274,6 +275,11 @@ class TorchBackend:
         """Whether ``adapter_id`` is resident (the Engine checks before queueing work)."""
         return adapter_id in self._resident
 
+    def adapter_invocation(self, adapter_id: int) -> tuple[int, ...] | None:
+        """An activated LoRA's invocation tokens (None for a plain adapter): the control plane
+        serves every token before their last occurrence as the base model."""
+        return self._resident[adapter_id].invocation_tokens
+
     def adapter_id(self, name: str) -> int:
         if name not in self._names:
             raise UnknownAdapterError(f"adapter {name!r} is not resident (resident: {sorted(self._names)})")
@@ -315,6 +321,7 @@ class TorchBackend:
         self.lora.write(free[0], adapter)
         aid = self._next_id
         self._next_id += 1
-        self._resident[aid] = ResidentAdapter(aid, name, adapter.rank, adapter.targets, free[0])
+        self._resident[aid] = ResidentAdapter(aid, name, adapter.rank, adapter.targets, free[0],
+                                             adapter.invocation_tokens)
         self._names[name] = aid
         return aid

@@ -60,6 +60,8 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
             raise InvalidWorkError(f"seq {seq.seq_id}: no tokens")
         if seq.start_pos < 0:
             raise InvalidWorkError(f"seq {seq.seq_id}: negative start_pos {seq.start_pos}")
+        if seq.adapter_start < 0:
+            raise InvalidWorkError(f"seq {seq.seq_id}: negative adapter_start {seq.adapter_start}")
         bad = [t for t in seq.tokens if not 0 <= t < limits.vocab_size]
         if bad:
             raise TokenOutOfVocabError(f"seq {seq.seq_id}: token ids {bad[:5]} outside the vocabulary "
@@ -106,7 +108,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
             at = seq.start_pos + j
             ids.append(token)
             pos.append(at)
-            tok_slot.append(slot)
+            # Activated LoRA: tokens before the invocation run as the base model (no LoRA delta:
+            # a merged item's base pages get base K/V there, a split item's residual zeros).
+            tok_slot.append(slot if at >= seq.adapter_start else -1)
             merged_tokens.append(merged)
             # A side that is already present (write_base / write_residual False: aliased pages
             # of a fork, a partial prefix hit) is read, never rewritten: its write goes to scratch.
@@ -159,7 +163,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),
-                 meta=meta, use_lora=any(s >= 0 for s in tok_slot) or bool(extra_rows))
+                 # A split item needs the LoRA pass even where every token is before its aLoRA
+                 # activation: its (zero) residual is written through it.
+                 meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra_rows))
 
 
 def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
@@ -177,7 +183,7 @@ def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Map
         res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
         out["input_ids"][i] = seq.tokens[0]
         out["positions"][i] = at
-        out["token_slot"][i] = slot
+        out["token_slot"][i] = slot if at >= seq.adapter_start else -1  # aLoRA: base before activation
         out["seq_slot"][i] = slot if res is not None else -1
         out["seq_lens"][i] = at + 1
         out["slot_mapping"][i] = pages[used - 1] * p + at % p if seq.write_base else scratch_page * p

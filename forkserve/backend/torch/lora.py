@@ -47,6 +47,9 @@ class LoraAdapter:
     scaling: float
     # (layer, target) -> (A [rank, in], B [out, rank] already multiplied by scaling), float32
     weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # Activated LoRA (PEFT ``alora_invocation_tokens``): the adapter applies from the last
+    # occurrence of these tokens on; None for a plain LoRA (applies everywhere).
+    invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def targets(self) -> frozenset[str]:
@@ -82,12 +85,28 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
         if set(ab) != {"A", "B"}:
             raise AdapterFormatError(f"{folder}: layer {layer} {target}_proj lacks lora_A or lora_B")
         weights[(layer, target)] = (ab["A"], ab["B"] * scaling)
-    return LoraAdapter(name=name or folder.name, rank=rank, scaling=scaling, weights=weights)
+    return LoraAdapter(name=name or folder.name, rank=rank, scaling=scaling, weights=weights,
+                       invocation_tokens=_invocation_tokens(folder, acfg.get("alora_invocation_tokens")))
+
+
+def _invocation_tokens(folder: Path, value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    # bool is an int subclass: `true` in a config is a typo, not token 1.
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        raise AdapterFormatError(f"{folder}: alora_invocation_tokens must be a non-empty list of "
+                                 f"token ids (ints >= 0), got {value!r}")
+    return tuple(value)
 
 
 def check_fits(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int, targets: tuple[str, ...]) -> None:
     """Raise AdapterShapeError unless every tensor of the adapter fits the model and stacks."""
     shapes = target_shapes(cfg)
+    bad = [t for t in adapter.invocation_tokens or () if t >= cfg.vocab_size]
+    if bad:
+        raise AdapterShapeError(f"adapter {adapter.name!r}: alora_invocation_tokens {bad[:5]} outside the "
+                                f"model's vocabulary [0, {cfg.vocab_size})")
     if adapter.rank > max_rank:
         raise AdapterShapeError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {max_rank}")
     for (layer, target), (a, b) in adapter.weights.items():
