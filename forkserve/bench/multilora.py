@@ -418,6 +418,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
                     help="per system, one untimed 2-agent run at the full context and the decode "
                          "graphs captured before the timed runs (default on CUDA)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs per system and W; the one with the median tasks/s is reported")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -438,7 +440,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
             "context": args.context, "turns": args.turns, "gen": args.gen, "kv_budget_gib": budget,
             "results": [asdict(r) for r in results], "errors": errors}, indent=2))
 
-    total = sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows) * len(args.systems)
+    total = (sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows)
+             * len(args.systems) * args.repeat)
     with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
         for system in args.systems:
             def params(w: int, **over) -> MultiLoraParams:
@@ -455,7 +458,13 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                                               + args.turns * (args.gen + params(top).observation))
             for w in args.workflows:
                 try:
-                    results.append(run_system(system, params(w), backend, sizes, bar))
+                    runs = sorted((run_system(system, params(w), backend, sizes, bar) for _ in range(args.repeat)),
+                                  key=lambda r: r.tasks_per_s)
+                    median = runs[len(runs) // 2]
+                    if args.repeat > 1:
+                        median.notes.append(f"median of {args.repeat} runs: "
+                                            f"{', '.join(f'{r.tasks_per_s:.3f}' for r in runs)} tasks/s")
+                    results.append(median)
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
                     errors.append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
                 save()

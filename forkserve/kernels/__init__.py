@@ -69,14 +69,25 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
                      res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor, b_v_all: torch.Tensor,
                      adapter_idx: torch.Tensor, inv_freq: torch.Tensor, scale: float | None = None,
-                     *, use_triton: bool | None = None, **tuning) -> torch.Tensor:
-    """ResidualAttention varlen causal prefill over the disaggregated cache."""
+                     *, use_triton: bool | None = None, variant: str = "merged", **tuning) -> torch.Tensor:
+    """ResidualAttention varlen causal prefill over the disaggregated cache. ``variant``
+    (Triton only): "merged" rebuilds each used page once and runs the unified prefill kernel
+    (residual_merge.py; the faster), "fused" rebuilds key tiles inside the kernel."""
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
-    if _triton(use_triton, q):
+    if not _triton(use_triton, q):
+        return reference.residual_prefill_ref(*args)
+    if variant == "fused":
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **tuning)
-    return reference.residual_prefill_ref(*args)
+    if variant != "merged":
+        raise ValueError(f"residual_prefill variant must be 'merged' or 'fused', got {variant!r}")
+    from forkserve.kernels.prefill_attention import paged_prefill_triton
+    from forkserve.kernels.residual_merge import merged_pages
+
+    k, v, tables = merged_pages(k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+                                b_k_all, b_v_all, adapter_idx, inv_freq)
+    return paged_prefill_triton(q, k, v, tables, seq_lens, cu_seqlens_q, scale, **tuning)
 
 
 def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

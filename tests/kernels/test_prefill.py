@@ -37,9 +37,9 @@ def test_paged_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_k
 
 
 @pytest.mark.parametrize("seq_lens,q_lens,n_heads,n_kv", CASES)
-@pytest.mark.parametrize("split_score", [True, False])
+@pytest.mark.parametrize("variant", ["fused_split_score", "fused", "merged"])
 def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_kv: int,
-                          split_score: bool) -> None:
+                          variant: str) -> None:
     gen = torch.Generator().manual_seed(sum(q_lens))
     head_dim, r_max = 32, 12
     c = make_cache(gen, seq_lens, n_kv, head_dim, rank=r_max)
@@ -50,12 +50,15 @@ def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, 
     q, cu = _varlen_q(gen, q_lens, n_heads, head_dim)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
             b_k, b_v, adapters, inv_freq)
-    out = residual_prefill(*args, use_triton=True, block_m=16, block_n=32, split_score=split_score)
+    tuning = {} if variant == "merged" else {"split_score": variant == "fused_split_score"}
+    out = residual_prefill(*args, use_triton=True, variant=variant.removesuffix("_split_score"),
+                           block_m=16, block_n=32, **tuning)
     ref = reference.residual_prefill_ref(*args)
     assert rel_err(out, ref) < REL_TOL
 
 
-def test_residual_prefill_chunk_past_4k() -> None:
+@pytest.mark.parametrize("variant", ["fused", "merged"])
+def test_residual_prefill_chunk_past_4k(variant: str) -> None:
     """A 24-token chunk after a 4.1K cached prefix: RoPE of the rebuilt keys at positions
     up to ~4.1K, ragged against a short second sequence with another adapter."""
     gen = torch.Generator().manual_seed(4)
@@ -68,6 +71,6 @@ def test_residual_prefill_chunk_past_4k() -> None:
     q, cu = _varlen_q(gen, q_lens, n_heads, head_dim)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
             b_k, b_v, adapters, inv_freq)
-    out = residual_prefill(*args, use_triton=True, block_m=32, block_n=128)
+    out = residual_prefill(*args, use_triton=True, variant=variant, block_m=32, block_n=128)
     ref = reference.residual_prefill_ref(*args)
     assert rel_err(out, ref) < REL_TOL
