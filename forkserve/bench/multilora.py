@@ -276,11 +276,13 @@ class _Driver:
         self.context_kv_per_agent = (len(base) * self.base_bytes + len(residual) * self.res_bytes) / len(tables)
 
     def _shares_context(self, split: bool) -> bool:
-        """Whether a running workflow of the same form counted the context (it holds those
-        pages, so the index cannot evict them)."""
+        """Whether a running workflow of the same form holds the context written (so the index
+        cannot evict it, and a new agent finds it instead of writing its own copy)."""
         if self.shared_context is not None:
             return True
-        return any(f.split == split for f in self.admitted)
+        return any(f.split == split and f.session is not None
+                   and self.engine.node(f.session, self.engine.tip(f.session)).kv_len >= self.params.context
+                   for f in self.admitted)
 
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""

@@ -3,8 +3,8 @@ base and residual pages into temporary merged pages, then unified's paged prefil
 
 The fused prefill kernel (prefill_attention.py) rebuilds every key tile once per query
 block, which costs 2.3x unified at 8K tokens. Here every page is rebuilt once per layer
-(K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v, the reference's own formulas, in
-float32) — a few element-wise passes over the chunk's K/V, small next to the attention —
+(K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v, the reference's own formulas,
+added in float32) — a few element-wise passes over the chunk's K/V, small next to the attention —
 and the attention runs at unified's speed. Decode keeps the fused kernel: a decode step
 reads each page once, and merging first would triple its memory traffic.
 """
@@ -31,14 +31,19 @@ def merged_pages(k_base: torch.Tensor, v_base: torch.Tensor, k_res: torch.Tensor
     adapter = adapter_idx.to(torch.int64)[:, None].expand(-1, width)[used]
     positions = (columns[None, :].expand(used.shape[0], -1)[used][:, None] * page_size
                  + torch.arange(page_size, device=base.device)[None, :])
-    has = (adapter >= 0)[:, None, None, None]
-    slot = adapter.clamp(min=0)
-    k = k_base[base].to(torch.float32)
-    v = v_base[base].to(torch.float32)
-    k = torch.where(has, k + lora_delta_k(k_res[residual], b_k_all[slot], positions, inv_freq, n_kv), k)
-    v = torch.where(has, v + lora_delta_v(v_res[residual], b_v_all[slot], n_kv), v)
+    k = k_base[base]
+    v = v_base[base]
+    # One low-rank matmul per adapter present (a batch holds few), not a B copy per page.
+    for a in adapter.unique().tolist():
+        if a < 0:
+            continue
+        rows = (adapter == a).nonzero().squeeze(1)
+        dk = lora_delta_k(k_res[residual[rows]], b_k_all[a], positions[rows], inv_freq, n_kv)
+        dv = lora_delta_v(v_res[residual[rows]], b_v_all[a], n_kv)
+        k[rows] = (k[rows].to(torch.float32) + dk).to(k.dtype)
+        v[rows] = (v[rows].to(torch.float32) + dv).to(v.dtype)
     # Page j of sequence b sits at (pages of the sequences before b) + j; unused columns
     # point at page 0 and are never read (each sequence reads only up to its length).
     starts = torch.cumsum(used.sum(dim=1), dim=0) - used.sum(dim=1)
     tables = torch.where(used, starts[:, None] + columns[None, :], torch.zeros_like(columns)[None, :])
-    return k.to(k_base.dtype), v.to(v_base.dtype), tables.to(block_tables.dtype)
+    return k, v, tables.to(block_tables.dtype)
