@@ -43,7 +43,7 @@ class ForkServeConfig:
     kv_layout: KVLayout = KVLayout.UNIFIED
     # Adaptive layout: a new session keeps merged K/V while the base pool, with every live
     # session's pending prompt and this one counted, stays under this fraction of its pages.
-    adaptive_high_water: float = 0.5
+    adaptive_high_water: float = 0.9
     # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
     hbm_tokens: int = 65536
     spec_chunk: int = 512

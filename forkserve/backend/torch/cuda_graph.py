@@ -100,8 +100,10 @@ class DecodeGraph:
         self.copied.record()
 
     def run(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay for validated decode items: (logits [n, vocab], greedy tokens [n])."""
+        """Replay for validated decode items: (logits [n, vocab], greedy tokens [n]), copied
+        out of the graph's output buffers, which the next replay overwrites (a caller of
+        TorchBackend.forward may keep a step's logits)."""
         self._send(work, adapter_slots)
         self.graph.replay()
         n = len(work)
-        return self.logits[:n], self.greedy[:n]
+        return self.logits[:n].clone(), self.greedy[:n].clone()
