@@ -253,8 +253,7 @@ class _Driver:
         total = -(-flow.footprint_tokens() // p)
         layout = self.engine.config.kv_layout
         split = flow.adapter is not None and self.engine.residual_pool is not None and (
-            layout is KVLayout.DISAGGREGATED or self.engine.kv.choose_form(
-                flow.adapter, flow.prompt, self.engine.stepper.pending_prompt_pages()) is KVForm.SPLIT)
+            self.engine.layout_form(flow.prompt, adapter=flow.adapter) is KVForm.SPLIT)
         shared = layout is KVLayout.FULL_REUSE or split or flow.adapter is None
         base = total - (self.context_pages if shared and self._shares_context(split) else 0)
         needs = {self.engine.pool: base}

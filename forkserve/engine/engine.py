@@ -97,9 +97,8 @@ class Engine:
     def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued."""
         tokens = self._check_tokens(tokens)
-        self._check_adapter(adapter)
+        form = self.layout_form(tokens, adapter=adapter)
         sid = next(self._sids)
-        form = self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
@@ -108,6 +107,15 @@ class Engine:
         self.kv.retention.resume(root.table.base.pages, self.clock())
         self.stepper.account()
         return SessionHandle(sid, root.id)
+
+    def layout_form(self, tokens: Sequence[int], *, adapter: str | None = None) -> KVForm:
+        """The form (merged or split K/V) ``open(tokens, adapter=adapter)`` would give the
+        session's pages now: fixed by the layout, except in the adaptive one, where it
+        depends on memory pressure and on what is published (an admission controller sizes
+        a request by it before opening)."""
+        tokens = self._check_tokens(tokens)
+        self._check_adapter(adapter)
+        return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
              adapter: str | None = None) -> int:

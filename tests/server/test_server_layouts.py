@@ -1,16 +1,19 @@
-"""The disaggregated layout (base pages shared, per-adapter residual pages) behind the server:
-adapters by name, a branch step, both pools accounted for, and /metrics shows both."""
+"""The disaggregated and adaptive layouts (base pages shared, per-adapter residual pages; the
+adaptive one keeps light load merged) behind the server: adapters by name, a branch step,
+both pools accounted for, and /metrics shows both."""
 from __future__ import annotations
 
 import openai
+import pytest
 from server_testlib import start
 
 from forkserve.config import KVLayout
 from forkserve.interfaces.client import BranchClient
 
 
-def test_disaggregated_layout_serves_adapters_without_leaks(tiny_model_dir):
-    with start(tiny_model_dir, kv_layout=KVLayout.DISAGGREGATED) as server:
+@pytest.mark.parametrize("layout", [KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE])
+def test_residual_pool_layouts_serve_adapters_without_leaks(tiny_model_dir, layout):
+    with start(tiny_model_dir, kv_layout=layout) as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         outs = {m: oai.chat.completions.create(model=m, max_tokens=6, temperature=0,
                                                messages=[{"role": "user", "content": "Plan the fix."}])

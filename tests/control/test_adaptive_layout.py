@@ -1,0 +1,77 @@
+"""The adaptive layout (seed 003, D3) on the MockBackend: merged under light load, split
+under pressure or where the adapter's residual is published; each form shares what its
+rules allow; ``layout_form`` answers what ``open`` then does."""
+import pytest
+
+from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.mock import MockBackend
+from forkserve.control.layout_policy import KVForm, LayoutSignals, PressurePolicy
+from forkserve.errors import InvalidRequestError
+
+CONTEXT = [7 + i % 50 for i in range(64)]  # 16 pages of 4 tokens
+
+
+def engine(high_water: float) -> Engine:
+    cfg = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=128, vocab_size=300,
+                          kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=high_water, node_ttl_s=None)
+    return Engine(MockBackend(cfg))
+
+
+def form_of(eng: Engine, sid: int) -> KVForm:
+    node = eng.node(sid, eng.tip(sid))
+    return eng.kv.form_of(node.table, node.adapter)
+
+
+def test_pressure_policy_rules():
+    policy = PressurePolicy(high_water=0.5)
+    assert policy.choose(LayoutSignals(True, 0, 10, 100)) is KVForm.MERGED
+    assert policy.choose(LayoutSignals(True, 0, 51, 100)) is KVForm.SPLIT          # past the mark
+    assert policy.choose(LayoutSignals(True, 4, 10, 100)) is KVForm.SPLIT          # residual published
+    assert policy.choose(LayoutSignals(False, 0, 99, 100)) is KVForm.MERGED        # the base model
+
+
+def test_light_load_stays_merged_and_shares_nothing_across_adapters():
+    eng = engine(high_water=0.9)
+    assert eng.layout_form(CONTEXT, adapter="planner") is KVForm.MERGED
+    a = eng.open(CONTEXT, adapter="planner").id
+    eng.generate(a, 2)
+    b = eng.open(CONTEXT, adapter="critic").id
+    assert form_of(eng, a) is form_of(eng, b) is KVForm.MERGED
+    assert eng.node(b, eng.tip(b)).kv_len == 0          # merged K/V of another adapter: no hit
+    out = eng.generate(b, 2)
+    eng.check_integrity()
+    baseline = Engine(MockBackend(ForkServeConfig(page_size=4, vocab_size=300)))
+    assert out.tokens == baseline.generate(baseline.open(CONTEXT, adapter="critic").id, 2).tokens
+
+
+def test_pressure_splits_and_split_sessions_share_the_base():
+    eng = engine(high_water=0.2)  # 25 pages: the first 16-page context fits merged, the next does not
+    a = eng.open(CONTEXT, adapter="planner").id
+    eng.generate(a, 2)
+    assert form_of(eng, a) is KVForm.MERGED
+    assert eng.layout_form(CONTEXT, adapter="critic") is KVForm.SPLIT
+    b = eng.open(CONTEXT, adapter="critic").id
+    eng.generate(b, 2)
+    c = eng.open(CONTEXT, adapter="writer").id
+    assert form_of(eng, b) is form_of(eng, c) is KVForm.SPLIT
+    base_b = eng.node(b, eng.tip(b)).table.base.pages[:15]
+    assert eng.node(c, eng.tip(c)).table.base.pages[:15] == base_b   # the base is shared across adapters
+    assert eng.node(c, eng.tip(c)).table.residual.length == 0         # its residual is its own
+    eng.generate(c, 2)
+    eng.check_integrity()
+
+
+def test_a_published_residual_splits_even_under_light_load():
+    eng = engine(high_water=0.9)
+    eng.prefill_shared(CONTEXT, ["planner", "critic"])
+    assert eng.layout_form(CONTEXT + [9], adapter="critic") is KVForm.SPLIT
+    sid = eng.open(CONTEXT + [9], adapter="critic").id
+    assert eng.node(sid, eng.tip(sid)).kv_len == len(CONTEXT)        # both sides found: no prefill
+    assert eng.layout_form(CONTEXT, adapter="writer") is KVForm.MERGED  # nothing published for it
+
+
+def test_layout_form_rejects_bad_input_without_state_change():
+    eng = engine(high_water=0.9)
+    with pytest.raises(InvalidRequestError):
+        eng.layout_form([], adapter="planner")
+    assert not eng.sessions and eng.pool.num_used == 0
