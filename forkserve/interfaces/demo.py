@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None,
                     help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-new", type=int, default=24, help="tokens each agent generates")
-    ap.add_argument("--layouts", default="unified,disaggregated,full_reuse")
+    ap.add_argument("--layouts", default="unified,disaggregated,adaptive,full_reuse")
     args = ap.parse_args(argv)
     layouts = [KVLayout(x) for x in args.layouts.split(",")]
     model_path = args.model or find_smollm2_gguf()
