@@ -8,6 +8,8 @@
 * after all sessions end, pages are free or held only by the index, and evicting the
   index frees them all.
 """
+import sys
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -37,7 +39,7 @@ class VerbMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.backend = MockBackend(self.config)
+        self.backend = self.make_backend()
         self.engine = Engine(self.backend, clock=self.clock)
         self.committed: dict[int, list[int]] = {}
         self.ever_committed: list[tuple[int, ...]] = []
@@ -57,6 +59,10 @@ class VerbMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------- rules
     adapters = (None,)
+    invocations: dict = {}  # activated LoRA adapters: name -> invocation tokens
+
+    def make_backend(self) -> MockBackend:
+        return MockBackend(self.config, invocations=self.invocations)
 
     @rule(tokens=TOKENS, data=st.data())
     def open(self, tokens, data):
@@ -155,7 +161,7 @@ class VerbMachine(RuleBasedStateMachine):
         before = list(self.committed[sid])
         adapter = self.engine.node(sid, self.engine.tip(sid)).adapter
         out = self.engine.generate(sid, n)
-        baseline = Engine(MockBackend(self.config))
+        baseline = Engine(self.make_backend())
         hb = baseline.open(before, adapter=adapter)
         assert out.tokens == baseline.generate(hb.id, n).tokens
         self._record(sid, out.tokens)
@@ -214,7 +220,8 @@ class VerbMachine(RuleBasedStateMachine):
                     kind = table.pool.kind
                     stored = self.backend.kv_values(kind, table.pages, table.length)
                     merged = self.merged_form(kind, node.adapter) and node.table.residual is None
-                    want = self.backend.expected_values(kind, path[:table.length], node.adapter, merged)
+                    want = self.backend.expected_values(kind, path[:table.length], node.adapter, merged,
+                                                        _start(node.table.adapter_start))
                     assert (stored == want).all(), f"node {node.id} {kind.value}"
 
     @invariant()
@@ -230,7 +237,9 @@ class VerbMachine(RuleBasedStateMachine):
                 adapter = getattr(entry.namespace, "adapter_id", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
                 want = self.backend.expected_values(kind, entry.prefix[-p:], adapter,
-                                                    self.merged_form(kind, adapter))
+                                                    self.merged_form(kind, adapter),
+                                                    _start(getattr(entry.namespace, "adapter_start", 0)),
+                                                    len(entry.prefix) - p)
                 assert (stored == want).all()
 
     def merged_form(self, kind, adapter) -> bool:
@@ -245,6 +254,11 @@ class VerbMachine(RuleBasedStateMachine):
         assert self.engine.pool.num_used == self.engine.index.num_pages
         self.engine.evict_all()
         assert self.engine.pool.num_used == 0
+
+
+def _start(adapter_start: int | None) -> int:
+    """Where adapter values begin: an aLoRA not invoked on the path (None) never applies."""
+    return sys.maxsize if adapter_start is None else adapter_start
 
 
 class CascadeVerbMachine(VerbMachine):
@@ -298,6 +312,18 @@ class FullReuseMachine(DisaggregatedMachine):
     config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.FULL_REUSE)
 
 
+class ALoraMachine(DisaggregatedMachine):
+    """Activated LoRA in every verb: the invocation (5, 6) is frequent in this alphabet, so
+    activation points appear, move with commits, and split pages between BASE and adapter keys."""
+
+    invocations = {"alora": (5, 6)}
+    adapters = (None, "planner", "alora")
+
+
+class ALoraUnifiedMachine(ALoraMachine):
+    config = MultiAdapterUnifiedMachine.config
+
+
 class AdaptiveMachine(DisaggregatedMachine):
     # A low high-water mark: sessions open merged, then split once a few pages are in use.
     config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=0.01)
@@ -319,3 +345,7 @@ TestFullReuse = FullReuseMachine.TestCase
 TestFullReuse.settings = _settings
 TestAdaptive = AdaptiveMachine.TestCase
 TestAdaptive.settings = _settings
+TestALora = ALoraMachine.TestCase
+TestALora.settings = _settings
+TestALoraUnified = ALoraUnifiedMachine.TestCase
+TestALoraUnified.settings = _settings
