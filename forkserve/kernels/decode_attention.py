@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from forkserve.kernels.rope import cached_rope_table
-from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
+from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
+from forkserve.kernels.rope_triton import rope_rows
 
 LOG2E = 1.4426950408889634
 # A key range of at most this many positions is not split further (the merge costs more).
@@ -107,8 +108,8 @@ def _decode_partial_kernel(
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         if HAS_RES:
             rn_ok = n_ok & has_ad
-            rpage = tl.load(ResBlockTables + lead * stride_rbt + offs_n // PAGE_SIZE, mask=rn_ok, other=0)
-            r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
+            r_off = residual_offsets(ResBlockTables, lead * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs,
+                                     PAGE_SIZE)
             res_mask = rn_ok[:, None] & r_ok[None, :]
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
         if HAS_RES and RES_BIAS:
@@ -118,12 +119,7 @@ def _decode_partial_kernel(
                          other=0.0).to(tl.float32)
         elif HAS_RES:
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
-            # Deferred RoPE: up-project the rank-r residual keys, then rotate them at their
-            # absolute positions start_n + j.
-            up_lo = tl.dot(kr, bk_lo)
-            up_hi = tl.dot(kr, bk_hi)
-            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
-            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
+            rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j, sin_j, HALF)
             if SPLIT_SCORE:
                 # q.(K_base + K_lora) = q.K_base + q.K_lora: the base tile feeds its dot
                 # straight from memory, so the compiler's cp.async pipelining keeps it in
@@ -231,18 +227,14 @@ def _residual_decode_chunked_kernel(
         for sn in range(c0, a_stop, BLOCK_N):
             offs_n = sn + tl.arange(0, BLOCK_N)
             n_ok = offs_n < c1
-            rpage = tl.load(ResBlockTables + b * stride_rbt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-            r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
+            r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs, PAGE_SIZE)
             kr = tl.load(KR + r_off[:, None] + rk[None, :], mask=n_ok[:, None] & rk_ok[None, :], other=0.0)
             bk_lo = tl.load(b_row + d_lo[None, :], mask=rk_ok[:, None], other=0.0)
             bk_hi = tl.load(b_row + HALF + d_lo[None, :], mask=rk_ok[:, None], other=0.0)
-            up_lo = tl.dot(kr, bk_lo)
-            up_hi = tl.dot(kr, bk_hi)
             # cos/sin rows at positions 0..BLOCK_N (the same rows for every tile: L1) and
             # at sn, combined by angle addition (rope_triton.py).
             cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
-            cos_b, sin_b = rope_row(RopeTable, sn, HALF)
-            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
+            rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, sn, cos_j, sin_j, HALF)
             sc = tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
             sc += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
             tl.store(s_ptr + offs_n[None, :], sc.to(Bias.dtype.element_ty),
@@ -259,8 +251,7 @@ def _residual_decode_chunked_kernel(
             k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None], other=0.0)
             v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
             rn_ok = n_ok & has_ad
-            rpage = tl.load(ResBlockTables + b * stride_rbt + offs_n // PAGE_SIZE, mask=rn_ok, other=0)
-            r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
+            r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs, PAGE_SIZE)
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=rn_ok[:, None] & r_ok[None, :], other=0.0)
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
             s += tl.load(s_ptr + offs_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
@@ -322,8 +313,7 @@ def _residual_score_kernel(
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        rpage = tl.load(ResBlockTables + b * stride_rbt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
+        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs, PAGE_SIZE)
         kr = tl.load(KR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         t_row = RopeTable + offs_n[:, None] * (2 * HALF) + d_lo[None, :]
         cos = tl.load(t_row, mask=n_ok[:, None], other=0.0)

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from forkserve.kernels.rope import cached_rope_table
-from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
+from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
+from forkserve.kernels.rope_triton import rope_rows
 
 LOG2E = 1.4426950408889634
 
@@ -91,17 +92,12 @@ def _prefill_kernel(
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         if HAS_RES:
             rn_ok = n_ok & has_ad
-            rpage = tl.load(ResBlockTables + b * stride_rbt + offs_n // PAGE_SIZE, mask=rn_ok, other=0)
-            r_off = rpage.to(tl.int64) * stride_rp + (offs_n % PAGE_SIZE) * stride_rs
+            r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs,
+                                     PAGE_SIZE)
             res_mask = rn_ok[:, None] & r_ok[None, :]
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
-            # Deferred RoPE: up-project the rank-r residual keys, then rotate them at their
-            # absolute positions start_n + j.
-            up_lo = tl.dot(kr, bk_lo)
-            up_hi = tl.dot(kr, bk_hi)
-            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
-            rot_lo, rot_hi = rope_rotate(up_lo, up_hi, cos_b, sin_b, cos_j, sin_j)
+            rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j, sin_j, HALF)
             if SPLIT_SCORE:
                 # q.(K_base + K_lora) = q.K_base + q.K_lora: the base tile feeds its dot
                 # straight from memory, so the compiler's cp.async pipelining keeps it in
