@@ -187,10 +187,6 @@ class KVCache:
         """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
-    def _fresh_start(self, adapter) -> int | None:
-        """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
-        return 0 if adapter is not None and self.invocation(adapter) is None else None
-
     # ------------------------------------------------------------- index
     def keys(self, adapter, path: Sequence[int], form: KVForm,
              adapter_start: int | None = 0) -> tuple[BaseKey, ResidualKey | None]:

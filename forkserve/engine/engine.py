@@ -97,7 +97,8 @@ class Engine:
     def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued."""
         tokens = self._check_tokens(tokens)
-        form = self.layout_form(tokens, adapter=adapter)
+        self._check_adapter(adapter)
+        form = self._form(tokens, adapter)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
@@ -115,6 +116,9 @@ class Engine:
         a request by it before opening)."""
         tokens = self._check_tokens(tokens)
         self._check_adapter(adapter)
+        return self._form(tokens, adapter)
+
+    def _form(self, tokens: Sequence[int], adapter) -> KVForm:
         return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,

@@ -16,13 +16,20 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
-    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill",
+    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "residual_prefill_variant",
     "shared_prefix_decode", "lora_shrink", "lora_expand",
 ]
 
 
 # residual_prefill "auto": merge the pages when the context is at most this many times the new tokens.
 MERGE_CONTEXT_RATIO = 4
+
+
+def residual_prefill_variant(context_tokens: int, new_tokens: int) -> str:
+    """What ``variant="auto"`` picks for a call over ``context_tokens`` cached tokens (all
+    sequences) and ``new_tokens`` queries. Callers holding these counts on the host pass the
+    result, so no call has to read them back from the device."""
+    return "merged" if context_tokens <= MERGE_CONTEXT_RATIO * new_tokens else "fused"
 
 
 def _triton(use_triton: bool | None, t: torch.Tensor) -> bool:
@@ -86,7 +93,7 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
     if not _triton(use_triton, q):
         return reference.residual_prefill_ref(*args)
     if variant == "auto":
-        variant = "merged" if int(seq_lens.sum()) <= MERGE_CONTEXT_RATIO * q.shape[0] else "fused"
+        variant = residual_prefill_variant(int(seq_lens.sum()), q.shape[0])
     if variant == "fused":
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **tuning)

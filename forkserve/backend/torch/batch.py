@@ -54,6 +54,12 @@ def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what
         raise InvalidWorkError(f"seq {seq.seq_id}: {what} page ids {bad} outside [0, {limit})")
 
 
+def split_residual_pages(seq: SeqWork, limits: BatchLimits) -> Sequence[int] | None:
+    """The residual pages of a split item (K/V rebuilt from base + residual on read); None
+    for a merged item, an item without adapter, or a layout without a residual pool."""
+    return seq.slots.residual_pages if limits.disaggregated and seq.adapter_id is not None else None
+
+
 def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
     for seq in work:
         if not seq.tokens:
@@ -101,7 +107,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
         n, end = len(seq.tokens), seq.start_pos + len(seq.tokens)
         pages = seq.slots.pages
-        res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
+        res = split_residual_pages(seq, limits)
         merged = limits.disaggregated and slot >= 0 and res is None
         first = len(ids)
         for j, token in enumerate(seq.tokens):
@@ -180,7 +186,7 @@ def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Map
         at = seq.start_pos
         used = at // p + 1
         pages = seq.slots.pages
-        res = seq.slots.residual_pages if limits.disaggregated and slot >= 0 else None
+        res = split_residual_pages(seq, limits)
         out["input_ids"][i] = seq.tokens[0]
         out["positions"][i] = at
         out["token_slot"][i] = slot if at >= seq.adapter_start else -1  # aLoRA: base before activation

@@ -58,7 +58,8 @@ class KernelAttention:
             out = kernels.residual_prefill(
                 q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables, meta.seq_lens,
                 meta.query_starts, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
-                meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton)
+                meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton,
+                variant=kernels.residual_prefill_variant(sum(meta.seq_lens_host), q.shape[0]))
         else:
             out = kernels.paged_prefill(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, meta.query_starts,
                                         scale, use_triton=self.use_triton)

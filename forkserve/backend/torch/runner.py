@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import torch
 
 from forkserve.backend.protocol import SeqWork
-from forkserve.backend.torch.batch import BatchLimits, build
+from forkserve.backend.torch.batch import BatchLimits, build, split_residual_pages
 from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, DecodeGraph, batch_bucket, pages_bucket
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
@@ -35,8 +35,7 @@ class ModelRunner:
         """Logits for every token (all_logits) or for the last token of each sampling item."""
         bucket = batch_bucket(len(work))
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
-        forms = {s.slots.residual_pages is not None for s in work
-                 if self.limits.disaggregated and s.adapter_id is not None}
+        forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
         if (self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1
                 and all(len(s.tokens) == 1 and not s.extra_residuals for s in work)):
             return self._replay(work, adapter_slots, bucket, split=forms == {True})
