@@ -37,17 +37,68 @@ class HostCopy(NamedTuple):
     slot: HostSlotId
 
 
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """A request's grammar state (structured outputs, required tool calls): an opaque handle
+    the control plane carries in ``SamplingParams`` and the backend's sampler consults.
+
+    It lives from the request's start to the end (or abort) of its generation and is owned
+    by the requester. Positions make it exact when a position is sampled again (a resampled
+    last position): a handle asked about a position it has already passed rolls back to it.
+    The bitmask is the backend's buffer, never a value crossing the protocol: int32 words
+    ``[rows, ceil(vocab / 32)]`` on the host, bit ``j`` of word ``i`` allowing token
+    ``32 * i + j`` (xgrammar's and llguidance's layout)."""
+
+    def fill_bitmask(self, bitmask: object, row: int, position: int) -> None:
+        """Write the tokens allowed at ``position`` into row ``row`` of ``bitmask``."""
+
+    def accept(self, token: int, position: int) -> None:
+        """``token`` was sampled for ``position``: advance the grammar past it."""
+
+
+@runtime_checkable
+class SampleLog(Protocol):
+    """A request's record of what was sampled (penalties read it, logprobs land in it);
+    same lifetime and ownership as a ``TokenConstraint``. Plain numbers only."""
+
+    def history(self, position: int) -> Sequence[int]:
+        """The tokens this request's generation sampled before ``position``."""
+
+    def record(self, position: int, token: int, logprob: float,
+               top: tuple[tuple[int, float], ...]) -> None:
+        """``token`` (log-probability ``logprob``) was sampled for ``position``; ``top``:
+        the most likely tokens there with theirs, most likely first (empty if not asked)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    # OpenAI semantics over the tokens this generation sampled so far (``log.history``).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # None: no log-probabilities; k >= 0: the sampled token's and the k most likely, to ``log``.
+    logprobs: int | None = None
+    constraint: TokenConstraint | None = None
+    log: SampleLog | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (self.presence_penalty or self.frequency_penalty or self.logprobs is not None) and self.log is None:
+            raise ValueError("penalties and logprobs need a SampleLog (the tokens sampled so far)")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature / top-p / seed: the logits are sampled as the model gave them."""
+        return not (self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.logprobs is not None or self.constraint is not None)
 
 
 GREEDY = SamplingParams()

@@ -1,10 +1,16 @@
-"""Token sampling: greedy, or temperature + top-p with a per-request seed.
+"""Token sampling: greedy, or temperature + top-p with a per-request seed; logit_bias,
+presence / frequency penalties, grammar masks and log-probabilities per request.
 
 A seeded request draws from a generator seeded by (seed, position), so its tokens do not
 depend on which other requests share the batch, nor on how its prompt was chunked.
+
+Everything beyond temperature / top-p works on the logits the step already produced (after
+a CUDA graph's replay, outside it), row by row for the requests that ask, so a batch of
+plain requests keeps the graph's argmax and pays nothing.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -12,6 +18,7 @@ import torch
 from forkserve.backend.protocol import SamplingParams
 
 _MIX = 1_000_003  # odd multiplier spreading (seed, position) over the 63-bit seed space
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -25,6 +32,12 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 words [rows, ceil(vocab/32)] (bit j of word i: token 32i+j) -> bool [rows, vocab]."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
+    return bits.flatten(1)[:, :vocab].bool()
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -34,16 +47,65 @@ class Sampler:
                greedy: torch.Tensor | None = None) -> list[int]:
         """logits [N, vocab] float32; positions: the position each sampled token will take;
         greedy: logits.argmax(-1) when already computed (inside a CUDA graph)."""
+        raw = logits
+        if not all(p.plain for p in params):
+            logits = self._adjust(logits, params, positions)
+            greedy = None  # the graph's argmax saw the unadjusted logits
         if all(p.temperature == 0.0 for p in params):
-            return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-        out = logits.argmax(dim=-1)
+            out = greedy if greedy is not None else logits.argmax(dim=-1)
+        else:
+            out = logits.argmax(dim=-1)
+            for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
+                if p.temperature == 0.0:
+                    continue
+                probs = top_p_filter(torch.softmax(logits[row] / p.temperature, dim=-1), p.top_p)
+                if p.seed is None:
+                    gen = self._unseeded
+                else:
+                    gen = torch.Generator(device=logits.device).manual_seed((p.seed * _MIX + pos) % (1 << 63))
+                out[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        tokens = out.tolist()
+        for row, (p, pos, token) in enumerate(zip(params, positions, tokens, strict=True)):
+            if p.constraint is not None:
+                p.constraint.accept(token, pos)
+            if p.log is not None:
+                self._record(raw[row], p, pos, token)
+        return tokens
+
+    def _adjust(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                positions: Sequence[int]) -> torch.Tensor:
+        """Bias, penalties, then the grammar mask, on a copy (graph outputs stay untouched)."""
+        logits = logits.clone()
+        vocab = logits.shape[-1]
         for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
-            if p.temperature == 0.0:
-                continue
-            probs = top_p_filter(torch.softmax(logits[row] / p.temperature, dim=-1), p.top_p)
-            if p.seed is None:
-                gen = self._unseeded
-            else:
-                gen = torch.Generator(device=logits.device).manual_seed((p.seed * _MIX + pos) % (1 << 63))
-            out[row] = torch.multinomial(probs, 1, generator=gen)[0]
-        return out.tolist()
+            if p.logit_bias:
+                ids, bias = zip(*p.logit_bias)
+                logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+            if (p.presence_penalty or p.frequency_penalty) and p.log is not None:
+                counts = Counter(p.log.history(pos))
+                if counts:
+                    ids = torch.tensor(list(counts), device=logits.device)
+                    n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+                    logits[row, ids] -= p.frequency_penalty * n + p.presence_penalty
+        rows = [row for row, p in enumerate(params) if p.constraint is not None]
+        if rows:
+            # Masks are computed on the host by the grammar engine, one row per request,
+            # then applied where the logits live.
+            bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+            for i, row in enumerate(rows):
+                params[row].constraint.fill_bitmask(bitmask, i, positions[row])
+            allowed = allowed_from_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    @staticmethod
+    def _record(raw: torch.Tensor, p: SamplingParams, pos: int, token: int) -> None:
+        """Log-probabilities of the model's own distribution at this position (before bias,
+        penalties, masks and temperature, as vLLM reports them by default)."""
+        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs:
+            values, ids = logprobs.topk(p.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        p.log.record(pos, token, float(logprobs[token]), top)

@@ -42,10 +42,26 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat (the model's own template); raises if the model has none."""
-        if not getattr(self._tok, "chat_template", None):
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (grammar engines build their token tables from it)."""
+        return self._tok
+
+    @property
+    def chat_template(self) -> str:
+        return getattr(self._tok, "chat_template", None) or ""
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat (the model's own template, given ``tools`` if any); raises if the
+        model has none."""
+        if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
         out = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
+                                            tokenize=True, tools=list(tools) if tools else None)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The chat as text (what a template does with tools and tool calls is probed on it)."""
+        return self._tok.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False,
+                                             tools=list(tools) if tools else None)

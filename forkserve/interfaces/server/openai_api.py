@@ -5,6 +5,11 @@ EngineWorker, closed when it ends (its committed full pages stay published, so t
 request with the same system prompt hits the prefix index). ``stream=true`` answers with
 server-sent events; a client that disconnects mid-stream cancels its generations, which
 aborts their sessions and frees their pages.
+
+Tools and structured outputs (``tools/``, ``grammar/``): the prompt is rendered with the
+model's template and tool format, the grammar (a required call, a JSON schema) is compiled
+off the event loop and travels with each choice's ``SamplingParams`` as an opaque
+constraint the sampler applies token by token; replies are parsed into ``tool_calls``.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -22,6 +28,8 @@ from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
 from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.grammar import GrammarConstraint
+from forkserve.interfaces.server.logprobs import chat_logprobs, completion_logprobs
 from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.schemas import (
     AssistantMessage,
@@ -31,14 +39,23 @@ from forkserve.interfaces.server.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    FunctionCallOut,
     ModelCard,
     ModelList,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
+from forkserve.interfaces.server.served_model import ServedModel
 from forkserve.interfaces.server.state import ServerState, StateDep
+from forkserve.interfaces.server.token_log import SampledToken, TokenLog
+from forkserve.interfaces.server.tools.formats import ParsedReply
+from forkserve.interfaces.server.tools.plan import plan_chat
+from forkserve.interfaces.server.tools.stream import ToolCallStream
 
 router = APIRouter()
 
@@ -49,6 +66,12 @@ async def list_models(st: StateDep) -> ModelList:
     cards = [ModelCard(id=m.name, created=m.created, root=m.name)]
     cards += [ModelCard(id=name, created=m.created, root=name, parent=m.name) for name in sorted(m.adapters)]
     return ModelList(data=cards)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    gen: Generation
+    log: TokenLog | None  # the sampled tokens' records (penalties, logprobs)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -65,15 +88,21 @@ async def completions(body: CompletionRequest, request: Request,
     for ids in encoded:
         st.model.check_vocab(ids)
         st.model.check_length(len(ids), budget)
+    echoes = [""] * len(prompts)
+    if body.echo:
+        echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    gens = await _start(st, per_choice, adapter, budget, body, stops)
+    choices = await _start(st, per_choice, adapter, budget, body, stops, body.logprobs, None)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(ids) for ids in encoded)
+    k = body.logprobs or 0
 
-    def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> CompletionResponse:
+    def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None,
+              records: list[SampledToken] | None = None, offset: int = 0) -> CompletionResponse:
+        lp = completion_logprobs(records, st.model.token_text, k, offset) if records is not None else None
         return CompletionResponse(id=rid, created=created, model=body.model, usage=usage,
-                                  choices=[CompletionChoice(index=index, text=text, finish_reason=reason)]
+                                  choices=[CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=lp)]
                                   if index >= 0 else [])
 
     if body.stream:
@@ -81,61 +110,102 @@ async def completions(body: CompletionRequest, request: Request,
 
         async def events() -> AsyncIterator[BaseModel]:
             completion_tokens = 0
-            async for index, c in _merged(gens):
+            cursors = _Cursors(choices, st.model)
+            if body.echo:
+                for index in range(len(choices)):
+                    yield chunk(index, echoes[index // body.n], None)
+            async for index, c in _merged([ch.gen for ch in choices]):
                 completion_tokens += len(c.tokens)
-                if c.text or c.finish_reason:
-                    yield chunk(index, c.text, c.finish_reason)
+                records = cursors.take(index, c)
+                if c.text or c.finish_reason or records:
+                    yield chunk(index, c.text, c.finish_reason, records=records)
             if include_usage:
                 yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
-        return _sse(events(), gens)
+        return _sse(events(), choices)
 
-    results = await _collect(request, gens)
-    return CompletionResponse(
-        id=rid, created=created, model=body.model,
-        choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
-                 for i, r in enumerate(results)],
-        usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results)))
+    results = await _collect(request, choices)
+    cursors = _Cursors(choices, st.model)
+    out = []
+    for i, r in enumerate(results):
+        echo = echoes[i // body.n]
+        records = cursors.take(i, r)
+        lp = completion_logprobs(records, st.model.token_text, k, len(echo)) if records is not None else None
+        out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=lp))
+    return CompletionResponse(id=rid, created=created, model=body.model, choices=out,
+                              usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results)))
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            st: StateDep) -> ChatCompletionResponse | StreamingResponse:
-    adapter = st.model.adapter_for(body.model)
+    model = st.model
+    adapter = model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
-    messages = body.template_messages()
-    ids = await st.worker.call(lambda: st.model.tokenizer.apply_chat_template(messages))
+    caps = await st.worker.call(lambda: model.template_caps)
+    plan = plan_chat(body, model.tool_format, caps)
+    ids = await st.worker.call(lambda: model.tokenizer.apply_chat_template(plan.prompt.messages,
+                                                                           tools=plan.prompt.tools))
     budget = body.token_budget()
-    budget = budget if budget is not None else st.model.max_context - len(ids)
-    st.model.check_vocab(ids)
-    st.model.check_length(len(ids), budget)
-    gens = await _start(st, [ids] * body.n, adapter, budget, body, stops)
+    budget = budget if budget is not None else model.max_context - len(ids)
+    model.check_vocab(ids)
+    model.check_length(len(ids), budget)
+    # Compiling a schema can take a while: off the event loop, and off the engine thread.
+    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammars) if plan.grammar else None
+    top = body.top_logprobs or 0
+    choices = await _start(st, [ids] * body.n, adapter, budget, body, stops,
+                           top if body.logprobs else None, grammar)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage)
+
+    def logprobs(records: list[SampledToken] | None) -> ChatLogprobs | None:
+        return chat_logprobs(records, model.token_text, top) if records is not None else None
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[BaseModel]:
             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                         for i in range(len(gens))])
+                         for i in range(len(choices))])
             completion_tokens = 0
-            async for index, c in _merged(gens):
+            cursors = _Cursors(choices, model)
+            calls = [ToolCallStream(plan.fmt) if plan.fmt else None for _ in choices]
+            async for index, c in _merged([ch.gen for ch in choices]):
                 completion_tokens += len(c.tokens)
-                if c.text or c.finish_reason:
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=c.text or None),
-                                                 finish_reason=c.finish_reason)])
+                records = cursors.take(index, c)
+                parser = calls[index]
+                text = parser.push(c.text) if parser else c.text
+                reply = None
+                if parser and c.finish_reason:
+                    rest, reply = parser.finish()
+                    text += rest
+                if text or records:
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text or None),
+                                                 logprobs=logprobs(records))])
+                if reply is not None and reply.calls:
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[
+                        ToolCallDelta(index=j, id=call.id, function=FunctionCallOut(name=call.name,
+                                                                                   arguments=call.arguments))
+                        for j, call in enumerate(reply.calls)]))])
+                if c.finish_reason:
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
+                                                 finish_reason=_finish(c.finish_reason, reply))])
             if include_usage:
                 yield chunk([], _usage(len(ids), completion_tokens))
-        return _sse(events(), gens)
+        return _sse(events(), choices)
 
-    results = await _collect(request, gens)
-    return ChatCompletionResponse(
-        id=rid, created=created, model=body.model,
-        choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
-                 for i, r in enumerate(results)],
-        usage=_usage(len(ids), sum(len(r.tokens) for r in results)))
+    results = await _collect(request, choices)
+    cursors = _Cursors(choices, model)
+    out = []
+    for i, r in enumerate(results):
+        reply = plan.fmt.parse(r.text) if plan.fmt else ParsedReply(r.text, ())
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for c in reply.calls] or None
+        out.append(ChatChoice(index=i, message=AssistantMessage(content=reply.content, tool_calls=calls),
+                              finish_reason=_finish(r.finish_reason, reply), logprobs=logprobs(cursors.take(i, r))))
+    return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=out,
+                                  usage=_usage(len(ids), sum(len(r.tokens) for r in results)))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -150,24 +220,64 @@ def _usage(prompt: int, completion: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _finish(reason: str | None, reply: ParsedReply | None) -> str | None:
+    """A reply that ended on its own and holds calls ends in ``tool_calls``."""
+    return "tool_calls" if reason == "stop" and reply is not None and reply.calls else reason
+
+
+class _Cursors:
+    """Per choice, how many of its generated tokens already had their logprobs reported."""
+
+    def __init__(self, choices: list[_Choice], model: ServedModel) -> None:
+        self._choices, self._sent = choices, [0] * len(choices)
+        self._eos = frozenset(model.eos_token_ids)
+
+    def take(self, index: int, c: Chunk) -> list[SampledToken] | None:
+        log = self._choices[index].log
+        if log is None or self._choices[index].gen.spec.sampling.logprobs is None:
+            return None
+        begin = self._sent[index]
+        self._sent[index] += len(c.tokens)
+        # The stop token ends the text; OpenAI reports no logprob for it.
+        return [r for r in log.entries(begin, begin + len(c.tokens)) if r.token not in self._eos]
+
+
+def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -> tuple[tuple[int, float], ...]:
+    bias = body.logit_bias or {}
+    vocab = model.engine.config.vocab_size
+    bad = [t for t in bias if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"logit_bias token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="logit_bias")
+    return tuple(sorted(bias.items()))
+
+
 async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None, max_tokens: int,
-                 body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...]) -> list[Generation]:
-    """One session per choice; with a seed, choice j samples with seed + j (distinct, reproducible)."""
-    gens: list[Generation] = []
+                 body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
+                 logprobs: int | None, grammar: object | None) -> list[_Choice]:
+    """One session per choice; with a seed, choice j samples with seed + j (distinct, reproducible).
+    Each choice gets its own grammar state and token log: they live as long as its generation."""
+    bias = _bias(body, st.model)
+    needs_log = logprobs is not None or bool(body.presence_penalty or body.frequency_penalty)
+    choices: list[_Choice] = []
     try:
         for j, ids in enumerate(prompts):
             seed = None if body.seed is None else body.seed + (j % body.n)
-            spec = GenerationSpec(max_tokens, SamplingParams(body.temperature, body.top_p, seed),
-                                  frozenset(st.model.eos_token_ids), stops, close_when_done=True)
-            gens.append(await st.worker.open_and_generate(ids, adapter, spec))
+            log = TokenLog(len(ids)) if needs_log else None
+            sampling = SamplingParams(body.temperature, body.top_p, seed, body.presence_penalty,
+                                      body.frequency_penalty, bias, logprobs,
+                                      GrammarConstraint(grammar, len(ids)) if grammar is not None else None, log)
+            spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
+                                  close_when_done=True)
+            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec), log))
     except BaseException:
-        for g in gens:
-            g.cancel()
+        for c in choices:
+            c.gen.cancel()
         raise
-    return gens
+    return choices
 
 
-async def _collect(request: Request, gens: list[Generation]) -> list[Chunk]:
+async def _collect(request: Request, choices: list[_Choice]) -> list[Chunk]:
+    gens = [c.gen for c in choices]
     try:
         return list(await unless_disconnected(request, asyncio.gather(*(g.collect() for g in gens))))
     finally:
@@ -185,7 +295,7 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
         yield tagged
 
 
-def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingResponse:
+def _sse(events: AsyncIterator[BaseModel], choices: list[_Choice]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -197,6 +307,6 @@ def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingR
             yield f"data: {json.dumps(payload)}\n\n"
         finally:
             # A disconnect cancels this generator: abort what is still decoding.
-            for g in gens:
-                g.cancel()
+            for c in choices:
+                c.gen.cancel()
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,8 +1,9 @@
 """Request and response bodies of the HTTP API (pydantic, frozen).
 
 The OpenAI half mirrors the fields of the public OpenAI API that the server implements;
-a field the server cannot honour (logprobs, tools, penalties) is declared so that asking
-for it gets a 400 instead of being silently ignored. The branch half is ForkServe's own:
+any other field is refused with a 400 that names it (``extra="forbid"``), and the few
+that are ignored by design (``user``, ``metadata``, ``store``, ``service_tier``) are declared
+as such, so nothing a client asks for is silently dropped. The branch half is ForkServe's own:
 one body per verb of ``forkserve.engine.Engine``.
 """
 from __future__ import annotations
@@ -16,7 +17,14 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
-class _Sampling(_Frozen):
+class _Strict(_Frozen):
+    """An OpenAI request body: a field the server does not implement is a 400 naming it,
+    never silently dropped (docs/SERVER.md lists supported, refused and ignored fields)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Sampling(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
@@ -24,17 +32,19 @@ class _Sampling(_Frozen):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: "StreamOptions | None" = None
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    # Ignored by design: they describe the caller or the provider's bookkeeping, not the output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> "_Sampling":
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence/frequency penalties and logit_bias are not supported")
+    def _check_bias(self) -> "_Sampling":
+        if any(not -100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         return self
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -44,7 +54,7 @@ class _Sampling(_Frozen):
         return tuple(stops)
 
 
-class StreamOptions(_Frozen):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -54,13 +64,14 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is empty")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (log-probabilities of the prompt) is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -73,15 +84,36 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ContentPart(_Frozen):
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Frozen):
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -90,25 +122,98 @@ class ChatMessage(_Frozen):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (content flattened to text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # every call is enforced by the grammar; strict or not
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # enforced by the grammar either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format json_schema needs (only) a json_schema object")
+        return self
+
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema every reply must match (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_ or {"type": "object"}
+        return None
+
 
 class ChatCompletionRequest(_Sampling):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
-    tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice required or named needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if len(set(self.tool_names())) != len(self.tool_names()):
+            raise ValueError("tools have duplicate names")
         return self
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or []]
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
 
 class Usage(_Frozen):
@@ -117,11 +222,18 @@ class Usage(_Frozen):
     total_tokens: int
 
 
+class CompletionLogprobs(_Frozen):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(_Frozen):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Frozen):
@@ -133,16 +245,46 @@ class CompletionResponse(_Frozen):
     usage: Usage | None = None
 
 
+class TopLogprob(_Frozen):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(_Frozen):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Frozen):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class FunctionCallOut(_Frozen):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Frozen):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Frozen):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Frozen):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Frozen):
@@ -154,16 +296,24 @@ class ChatCompletionResponse(_Frozen):
     usage: Usage
 
 
+class ToolCallDelta(_Frozen):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatDelta(_Frozen):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Frozen):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Frozen):

@@ -7,21 +7,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from forkserve.config import ForkServeConfig
 from forkserve.engine import Engine
 from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.grammar import GrammarCompiler
+from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
+from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
 
 
 class TextTokenizer(Protocol):
+    hf: Any              # the transformers tokenizer (the grammar engine's token table)
+    chat_template: str
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]: ...
+
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,24 @@ class ServedModel:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
                                 f"the request has {prompt_tokens} prompt tokens and asks for "
                                 f"{max_tokens} completion tokens", param="max_tokens")
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer.hf, self.engine.config.vocab_size, self.eos_token_ids)
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls, by its chat template's markup."""
+        return choose_format(self.tokenizer.chat_template)
+
+    @cached_property
+    def template_caps(self) -> TemplateCaps:
+        """What the chat template renders of tools (probed once; uses the tokenizer, so the
+        first call runs on the engine thread like every tokenizer call)."""
+        return TemplateCaps.probe(self.tokenizer.render_chat)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def check_vocab(self, tokens: Sequence[int]) -> None:
         vocab = self.engine.config.vocab_size
