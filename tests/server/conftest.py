@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from server_testlib import save_model, start
+from server_testlib import DEMO_NAME, save_model, start
 
 from forkserve.interfaces.server.launcher import RunningServer
 
@@ -17,4 +17,23 @@ def tiny_model_dir(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir) -> RunningServer:
     with start(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> RunningServer:
+    """The demo model (SmolLM2-135M-Instruct, CPU) served once for every test that needs a real
+    model's tokenizer and template (the agent-framework acceptance tests)."""
+    from forkserve.backend.torch import find_smollm2_gguf
+    from forkserve.config import app_config
+    from forkserve.interfaces.server.launcher import serve_in_thread
+    from forkserve.interfaces.server.served_model import load_served_model
+
+    try:
+        gguf = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(f"the demo model package is not installed: {exc}")
+    model = load_served_model(gguf, config=app_config(num_pages=1024), device="cpu",
+                              dtype="float32", attention="eager", name=DEMO_NAME)
+    with serve_in_thread(model) as running:
         yield running

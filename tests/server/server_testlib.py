@@ -19,6 +19,7 @@ CORPUS = ["Thought: I should look at the files first.", "Action: search[forkserv
           "The quick brown fox jumps over the lazy dog.", "def main():\n    return 0\n"]
 MAX_CONTEXT = 384
 MODEL_NAME = "tiny-llama"
+DEMO_NAME = "smollm2"
 
 
 def save_tokenizer(path: Path) -> int:

@@ -10,15 +10,10 @@ from typing import Any
 
 import xgrammar as xgr
 
-# A resampled position (the engine recomputes a tip's last position after a cut) is at most
-# a few tokens back; xgrammar keeps this much history to roll back to it.
-_MAX_ROLLBACK = 8
-
-
 class GrammarConstraint:
     def __init__(self, compiled: xgr.CompiledGrammar, start: int) -> None:
         """``start``: the position of the first generated token (the prompt's length)."""
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK)
+        self._matcher = xgr.GrammarMatcher(compiled)
         self._start = start
         self._accepted = 0  # tokens accepted, i.e. the next position is start + accepted
 
