@@ -13,7 +13,6 @@ from typing import Any
 
 import xgrammar as xgr
 
-from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.grammar.compiler import schema_ebnf
 from forkserve.interfaces.server.schemas import ChatCompletionRequest, NamedToolChoice
@@ -55,9 +54,8 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat, caps: TemplateCaps) 
     else:
         forced = offered if choice == "required" else []
     if forced:
-        if answer is not None:
-            raise APIError(400, "a required or named tool_choice and a JSON response_format contradict "
-                                "each other: the reply must be a tool call", param="response_format")
+        # A turn that must call a tool has no text answer for response_format to shape (as in
+        # the OpenAI API: the format applies to the text reply of a later turn).
         ebnf = "root ::= calls\n" + calls_rule(fmt, forced, body.parallel_tool_calls)
         return ChatPlan(prompt, fmt, GrammarSource(ebnf=ebnf))
     if answer is None:
