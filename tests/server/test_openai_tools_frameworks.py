@@ -62,7 +62,7 @@ def test_langgraph_react_agent_two_step_calculator(chat):
         done = sum(isinstance(m, ToolMessage) for m in state["messages"])
         if done < len(plan):
             return chat.bind_tools(tools, tool_choice=plan[done], parallel_tool_calls=False)
-        return chat.bind_tools(tools, tool_choice="none")
+        return chat.bind(max_tokens=8).bind_tools(tools, tool_choice="none")
 
     agent = create_react_agent(model, tools)
     out = agent.invoke({"messages": [("user", "Compute (3 + 4) * 5 with the tools: add first, then multiply.")]},
@@ -106,7 +106,9 @@ def test_agents_sdk_function_tool_and_output_type(demo_server):
     assert used and isinstance(result.final_output, Person)
 
 
-def test_litellm_tools(demo_server):
+def test_litellm_tools(demo_server, monkeypatch):
+    # Offline: litellm would otherwise try to download its model price list on import.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     litellm = pytest.importorskip("litellm")
     r = litellm.completion(model=f"openai/{DEMO_NAME}", api_base=demo_server.url + "/v1", api_key="unused",
                            messages=[{"role": "user", "content": "What is 2 plus 3?"}], max_tokens=48,
