@@ -249,6 +249,9 @@ class Frontend:
                budget: int | None) -> list[tuple[list[int], GenerationSpec]]:
         """One (prompt, spec) per choice, in OpenAI's order; with a seed, sample j of a prompt
         uses seed + j (distinct, reproducible), as in the one-process server."""
+        if body.extended_fields():  # tools, schemas, logprobs, penalties: one-process server only
+            raise APIError(400, f"not supported with --replicas: {', '.join(body.extended_fields())}",
+                           param=body.extended_fields()[0])
         try:
             stops = body.stop_strings()
         except ValueError as e:

@@ -47,6 +47,11 @@ class _Sampling(_Strict):
             raise ValueError("logit_bias values must be in [-100, 100]")
         return self
 
+    def extended_fields(self) -> list[str]:
+        """The fields set here that need more than temperature / top-p sampling (a front end
+        that cannot honour them refuses them by name)."""
+        return [f for f in ("presence_penalty", "frequency_penalty", "logit_bias") if getattr(self, f)]
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
@@ -73,6 +78,10 @@ class CompletionRequest(_Sampling):
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs (log-probabilities of the prompt) is not supported")
         return self
+
+    def extended_fields(self) -> list[str]:
+        return super().extended_fields() + [f for f in ("echo",) if self.echo] + \
+            (["logprobs"] if self.logprobs is not None else [])
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a (possibly batched) request: text or token ids each."""
@@ -205,6 +214,14 @@ class ChatCompletionRequest(_Sampling):
         if len(set(self.tool_names())) != len(self.tool_names()):
             raise ValueError("tools have duplicate names")
         return self
+
+    def extended_fields(self) -> list[str]:
+        fields = super().extended_fields() + [f for f in ("logprobs", "tools") if getattr(self, f)]
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.append("response_format")
+        if any(m.tool_calls or m.role == "tool" for m in self.messages):
+            fields.append("messages (tool calls)")
+        return fields
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
