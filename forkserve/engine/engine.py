@@ -398,13 +398,14 @@ class Engine:
         self.stepper.account()
         return AbortResult(tuple(released), self.pool.num_free - free_before)
 
-    def close(self, session_id: int) -> None:
+    def close(self, session_id: int, *, pin: bool | None = None) -> None:
         """End a session: its committed full pages stay published, everything else is freed.
-        With ``config.pause_pin`` its base pages are pinned through the expected tool pause."""
+        With ``pin`` (default: ``config.pause_pin``) its base pages are pinned through the
+        expected tool pause (a server that sees a reply end in tool calls asks for it)."""
         session = self._session(session_id)
         tip = session.tree.tip
         self.stepper.publish(tip)
-        if self.config.pause_pin:
+        if self.config.pause_pin if pin is None else pin:
             self.kv.pin_published(tip.table, tip.adapter, session.tree.committed, self.clock())
         session.tree.release_all()
         del self.sessions[session_id]

@@ -60,13 +60,14 @@ def test_named_tool_choice_calls_that_tool_once(named):
     assert named.choices[0].message.content is None
 
 
-def test_tool_choice_none_and_auto(client):
+def test_tool_choice_none_shows_the_tools_but_answers_in_text(client):
+    plain = client.chat.completions.create(model=DEMO_NAME, messages=ASK, max_tokens=2, temperature=0)
     none = client.chat.completions.create(model=DEMO_NAME, messages=ASK, tools=[ADD], tool_choice="none",
                                           max_tokens=2, temperature=0)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
-    auto = client.chat.completions.create(model=DEMO_NAME, messages=ASK, tools=[ADD], max_tokens=2, temperature=0)
-    # The prompt shows the tools (SmolLM2's function-calling system turn) only when they are offered.
-    assert auto.usage.prompt_tokens > none.usage.prompt_tokens + 50
+    # The tools are in the prompt (SmolLM2's function-calling system turn), so every turn of a
+    # conversation shares one prefix whatever its tool_choice.
+    assert none.usage.prompt_tokens > plain.usage.prompt_tokens + 50
 
 
 def test_tool_round_trip_renders_the_call_and_the_result(client, named):

@@ -50,6 +50,9 @@ class GenerationSpec:
     # The text keeps the stop string (and the rest of its last token): the branch API
     # shows exactly what the session's context now holds.
     keep_stop_text: bool = False
+    # With close_when_done: pin the session's KV through a tool pause when its text says one
+    # begins (a reply that ends in tool calls), so the follow-up request resumes from it.
+    pin_if: Callable[[str], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,8 @@ class EngineWorker:
             self._leases.pop(sid, None)
             self.engine.abort(sid)
         elif job.gen.spec.close_when_done:
-            self.engine.close(sid)
+            pin_if = job.gen.spec.pin_if
+            self.engine.close(sid, pin=pin_if(self._decode(job.stream.token_ids)) if pin_if else None)
         elif sid in self._leases:
             self.lease(sid)
 

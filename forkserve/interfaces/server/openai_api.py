@@ -93,7 +93,7 @@ async def completions(body: CompletionRequest, request: Request,
         echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    choices = await _start(st, per_choice, adapter, budget, body, stops, body.logprobs, None)
+    choices = await _start(st, per_choice, adapter, budget, body, stops, body.logprobs, None, None)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(ids) for ids in encoded)
     k = body.logprobs or 0
@@ -152,8 +152,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
     grammar = await asyncio.to_thread(plan.grammar.compile, model.grammars) if plan.grammar else None
     top = body.top_logprobs or 0
+    fmt = plan.fmt
+    # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
+    pin_if = (lambda text: bool(fmt.parse(text).calls)) if fmt is not None and model.pin_tool_pauses else None
     choices = await _start(st, [ids] * body.n, adapter, budget, body, stops,
-                           top if body.logprobs else None, grammar)
+                           top if body.logprobs else None, grammar, pin_if)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -253,7 +256,8 @@ def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -
 
 async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
-                 logprobs: int | None, grammar: object | None) -> list[_Choice]:
+                 logprobs: int | None, grammar: object | None,
+                 pin_if: Callable[[str], bool] | None) -> list[_Choice]:
     """One session per choice; with a seed, choice j samples with seed + j (distinct, reproducible).
     Each choice gets its own grammar state and token log: they live as long as its generation."""
     bias = _bias(body, st.model)
@@ -267,7 +271,7 @@ async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None,
                                       body.frequency_penalty, bias, logprobs,
                                       GrammarConstraint(grammar, len(ids)) if grammar is not None else None, log)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
-                                  close_when_done=True)
+                                  close_when_done=True, pin_if=pin_if)
             choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec), log))
     except BaseException:
         for c in choices:

@@ -43,6 +43,8 @@ class ServedModel:
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
     created: int = field(default_factory=lambda: int(time.time()))
+    # A chat reply that ends in tool calls pins its KV through the tool pause (docs/SERVER.md).
+    pin_tool_pauses: bool = True
 
     def adapter_for(self, model: str) -> int | None:
         """The adapter id a request's ``model`` names (None: the base model)."""

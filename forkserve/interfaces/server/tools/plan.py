@@ -1,7 +1,7 @@
 """ChatPlan: what a chat request asks of tools and structure, decided before anything runs.
 
-* which tools the prompt shows (none for ``tool_choice: none``),
-* whether the reply is parsed for calls (the model's format),
+* the tools the prompt shows (all of them, whatever ``tool_choice`` says),
+* whether the reply is parsed for calls (not for ``tool_choice: none``),
 * the grammar every token must keep to: a call to one of the tools (``required``), to the
   named tool, the ``response_format`` schema, or either a call or the schema (``auto`` with
   a schema: an agent that may still call tools before its structured answer).
@@ -46,7 +46,9 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat, caps: TemplateCaps) 
     choice = body.tool_choice or ("auto" if tools else "none")
     offered = tools if choice != "none" else []
     answer = body.response_format.answer_schema() if body.response_format else None
-    prompt = build_prompt(body.template_messages(), offered or None, fmt, caps)
+    # ``none`` still shows the tools (as vLLM does): the prompt stays the prefix of the
+    # conversation's other turns, so their KV is shared; the reply is just not parsed.
+    prompt = build_prompt(body.template_messages(), tools or None, fmt, caps)
     if not offered:
         return ChatPlan(prompt, None, GrammarSource(schema=answer) if answer is not None else None)
     if isinstance(choice, NamedToolChoice):
