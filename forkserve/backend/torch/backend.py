@@ -281,6 +281,14 @@ class TorchBackend:
         serves every token before their last occurrence as the base model."""
         return self._resident[adapter_id].invocation_tokens
 
+    def resolve_adapter(self, ref: str | int) -> int:
+        """The id of a resident adapter given by name or by id (what the Engine carries)."""
+        if isinstance(ref, str):
+            return self.adapter_id(ref)
+        if isinstance(ref, int) and not isinstance(ref, bool) and ref in self._resident:
+            return ref
+        raise UnknownAdapterError(f"adapter {ref!r} is not resident (resident: {sorted(self._names)})")
+
     def adapter_id(self, name: str) -> int:
         if name not in self._names:
             raise UnknownAdapterError(f"adapter {name!r} is not resident (resident: {sorted(self._names)})")
