@@ -30,6 +30,11 @@ def test_an_over_long_request_is_refused_and_the_good_session_stays_exact(model_
     out = eng.generate(good.id, 6).tokens
     fresh = Engine(make())
     assert out == fresh.generate(fresh.open(committed).id, 6).tokens
+    # A session on the published prefix reads only KV that was written for it.
+    hit = eng.open(committed[:16] + [7])
+    assert eng.metrics.hash_hit_tokens >= 12
+    assert eng.generate(hit.id, 4).tokens == fresh.generate(fresh.open(committed[:16] + [7]).id, 4).tokens
+    eng.check_integrity()
     # Adapters by name, where users have names; an unknown one is refused at the verb.
     h = eng.open([5, 6, 7], adapter="planner")
     assert eng.node(h.id, eng.tip(h.id)).adapter == backend.adapter_id("planner")
