@@ -152,13 +152,14 @@ def test_base_pressure_in_a_tick_never_evicts_the_residual_tree():
 
 
 def test_residual_pressure_in_a_tick_never_evicts_the_base_tree():
-    """Another adapter over the same context shares its base pages and needs 9 residual pages
-    with 8 free: the tick evicts residual pages only."""
-    backend = RecordingBackend(SMALL)
+    """Another adapter's session on another context: base pages to spare, 11 residual pages
+    needed with 8 free. The tick evicts residual pages only; the first context's base pages
+    (held by the index alone, so evictable) stay published."""
+    backend = RecordingBackend(SMALL.replace(num_pages=32))
     context = list(range(10, 42))
     eng = _published_context(backend, "a", context)
     base, residual = set(eng.index.entries()), set(eng.residual_index.entries())
-    h = eng.open(context + [7], adapter="b")
+    h = eng.open(list(range(50, 90)), adapter="b")
     eng.generate(h.id, 1)
     assert not residual <= set(eng.residual_index.entries())  # the residual tree gave way
     assert base <= set(eng.index.entries())
