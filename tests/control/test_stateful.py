@@ -122,6 +122,10 @@ class VerbMachine(RuleBasedStateMachine):
         tip = self.engine.sessions[sid].tree.tip
         if len(tip.live_children()) + len(residuals) > self.config.branch_cap:
             return
+        if data.draw(st.booleans()):
+            # Residuals that repeat recent history: loops the cascade skips, but never the winner.
+            history = self.committed[sid]
+            residuals = [history[-data.draw(st.integers(4, 16)):] for _ in residuals]
         kids = [self.engine.fork(sid, tip.id, f"r{i}", r) for i, r in enumerate(residuals)]
         for k in kids:
             self.engine.speculate(sid, k, priority=data.draw(st.sampled_from([0.2, 0.9, 1.0])))
