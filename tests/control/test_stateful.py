@@ -10,7 +10,7 @@
 * decoupled eviction (seed 001): pressure on one pool, through ``KVCache.make_room`` as a
   tick applies it, never evicts the other tree (its pages and its host copies unchanged);
 * residual and merged pages are keyed by the adapter's version: an adapter reloaded between
-  sessions never reads the old version's pages;
+  sessions (``AdapterReloads``) never reads the old version's pages;
 * every tick plan serves committed work before speculation (``scheduler_oracle``);
 * the cascade always keeps the winner (child 0) and known suffixes (p = 1).
 """
@@ -223,16 +223,6 @@ class VerbMachine(RuleBasedStateMachine):
             pass  # less to give than asked: still pressure, the same rule holds
         assert _contents(other) == before, f"{pool.kind.value} pressure changed the other tree"
 
-    @precondition(lambda self: len(self.adapters) > 1)
-    @rule(data=st.data())
-    def reload_adapter(self, data):
-        """New weights under an adapter's id while no live node uses it (its sessions drained)."""
-        in_use = {n.adapter for s in self.engine.sessions.values() for n in s.tree.nodes.values() if n.live}
-        idle = [a for a in self.adapters if a is not None and a not in in_use]
-        if idle:
-            adapter = data.draw(st.sampled_from(idle))
-            self.versions[adapter] = self.backend.reload_adapter(adapter)
-
     @rule(dt=st.sampled_from([1.0, 6.0]))
     def advance_clock(self, dt):
         self.clock.now += dt
@@ -329,17 +319,31 @@ def _start(adapter_start: int | None) -> int:
     return sys.maxsize if adapter_start is None else adapter_start
 
 
+class AdapterReloads:
+    """Mixed into the machines with adapters: new weights under an adapter's id while no live
+    node uses it (its sessions drained). Every baseline backend is built by ``make_backend``,
+    so it sees the new version; a machine that builds baselines otherwise leaves this out."""
+
+    @rule(data=st.data())
+    def reload_adapter(self, data):
+        in_use = {n.adapter for s in self.engine.sessions.values() for n in s.tree.nodes.values() if n.live}
+        idle = [a for a in self.adapters if a is not None and a not in in_use]
+        if idle:
+            adapter = data.draw(st.sampled_from(idle))
+            self.versions[adapter] = self.backend.reload_adapter(adapter)
+
+
 class CascadeVerbMachine(VerbMachine):
     config = plus_config(page_size=4, num_pages=512, branch_cap=3, node_ttl_s=5.0,
                          vocab_size=300, hbm_tokens=2048, spec_chunk=8, max_batch_tokens=64,
                          early_abort_probe_tokens=2, speculate_budget_tokens=4)
 
 
-class MultiAdapterUnifiedMachine(CascadeVerbMachine):
+class MultiAdapterUnifiedMachine(AdapterReloads, CascadeVerbMachine):
     adapters = (None, "planner", "critic")
 
 
-class DisaggregatedMachine(VerbMachine):
+class DisaggregatedMachine(AdapterReloads, VerbMachine):
     config = plus_config(page_size=4, num_pages=512, num_residual_pages=512, branch_cap=3,
                          node_ttl_s=5.0, vocab_size=300, hbm_tokens=2048, spec_chunk=8,
                          max_batch_tokens=64, early_abort_probe_tokens=2,
