@@ -216,17 +216,17 @@ def test_winner_and_known_suffix_are_kept_even_when_they_loop():
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), max_batch=st.integers(1, 96), chunk=st.integers(1, 32),
-       slots=st.integers(1, 6), memory=st.integers(0, 200))
+       slots=st.integers(1, 6), memory=st.integers(0, 100))
 def test_scheduler_plans_committed_work_first(data, max_batch, chunk, slots, memory):
     """Random demands under budget and memory contention: every plan satisfies
     scheduler_oracle (committed fully served before any speculation, memory left to it)."""
     cfg = ForkServeConfig(max_batch_tokens=max_batch, spec_chunk=chunk)
-    sizes = st.tuples(st.booleans(), st.integers(1, 80))
+    sizes = st.tuples(st.booleans(), st.integers(1, 40))
     committed = [Demand(i, 1 if dec else n, dec, WorkClass.COMMITTED)
                  for i, (dec, n) in enumerate(data.draw(st.lists(sizes, max_size=6)))]
     speculative = [Demand(100 + i, 1 if dec else n, dec, WorkClass.SPECULATIVE, p)
                    for i, (dec, n, p) in enumerate(data.draw(st.lists(
-                       st.tuples(st.booleans(), st.integers(1, 80), st.sampled_from([0.2, 0.5, 1.0])),
+                       st.tuples(st.booleans(), st.integers(1, 40), st.sampled_from([0.2, 0.5, 1.0])),
                        max_size=6)))]
     grants = TickScheduler(cfg).plan(committed, speculative, slots, memory)
     check_plan(cfg, committed, speculative, slots, memory, grants)
