@@ -52,6 +52,7 @@ class VerbMachine(RuleBasedStateMachine):
         self.engine = Engine(self.backend, clock=self.clock)
         self.committed: dict[int, list[int]] = {}
         self.ever_committed: list[tuple[int, ...]] = []
+        # Every plan a tick makes (its inputs and grants), for ``committed_work_first``.
         self.plans: list[tuple] = []
         plan = self.engine.scheduler.plan
 
