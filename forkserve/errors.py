@@ -50,3 +50,9 @@ class OutOfPagesError(ForkServeError):
     """Committed work needs more pages than exist, even after evicting every reclaimable page."""
 
     http_status = 507
+
+
+class ModelLoadError(ForkServeError):
+    """A model or adapter on disk that cannot be loaded: a missing file, a truncated
+    safetensors or GGUF file, a config.json that is not JSON or lacks a field. The message
+    names the file, so the user knows what to fix."""
