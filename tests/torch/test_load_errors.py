@@ -55,7 +55,7 @@ def test_missing_paths_say_so(models, tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load(tmp_path)
     folder = copy(models["llama_sharded_tied"], tmp_path / "sharded")
-    shard = sorted(folder.glob("model-*.safetensors"))[-1]
+    shard = max(folder.glob("model-*.safetensors"))
     shard.unlink()
     with pytest.raises(ModelLoadError, match=f"do not exist: {shard}"):
         load(folder)

@@ -5,6 +5,7 @@ on the way, so peak host memory is about one layer beyond the weights themselves
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +37,7 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
         raise CheckpointError(f"no *.safetensors files in {folder}")
     where = {}
     for f in files:
-        for name in reading(f, CheckpointError, lambda: _tensor_names(f)):
+        for name in reading(f, CheckpointError, functools.partial(_tensor_names, f)):
             where[name] = f
     return where
 
