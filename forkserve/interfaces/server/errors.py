@@ -73,6 +73,21 @@ def backend_error_status(exc: Exception) -> int | None:
     return None
 
 
+def stream_error(exc: Exception) -> dict[str, Any]:
+    """The in-band error of a stream whose headers (200) are already sent: the same body
+    a plain response would have had."""
+    if isinstance(exc, APIError):
+        status, message, kind = exc.status, exc.message, exc.type
+    elif isinstance(exc, (ForkServeError, ClientDisconnected)):
+        status, message, kind = exc.http_status, str(exc), type(exc).__name__
+    else:
+        status = backend_error_status(exc) or 500
+        if status == 500:
+            log.error("stream failed", exc_info=exc)
+        message, kind = str(exc), type(exc).__name__
+    return {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": status}}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
