@@ -21,11 +21,7 @@ from forkserve.interfaces.server import branch_api, openai_api, preflight
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
-from forkserve.interfaces.server.served_model import (
-    ServedModel,
-    load_served_model,
-    served_name,
-)
+from forkserve.interfaces.server.served_model import ServedModel, load_served_model, served_name
 from forkserve.interfaces.server.state import ServerState, StateDep
 from forkserve.interfaces.usage import ArgumentParser, UsageError
 
