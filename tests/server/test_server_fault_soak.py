@@ -15,6 +15,8 @@ import httpx
 import pytest
 from server_testlib import MAX_CONTEXT, MODEL_NAME, quiescent_pages, start, wait_until
 
+from forkserve.interfaces.client import BranchAPIError, BranchClient
+
 # A token no good request prefills (the pad token: text never encodes to it). The backend
 # fails every prefill that contains it, as a request-specific backend fault would.
 POISON = 0
@@ -158,6 +160,9 @@ def test_a_branch_generation_the_backend_fails_ends_alone_and_keeps_the_session(
                      json={**body, "stream": True}) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert r.status_code == 200 and lines[-1]["error"]["code"] == 500, lines
+    with BranchClient(faulty_server.url) as client, pytest.raises(BranchAPIError) as e:
+        list(client.stream(poisoned["session_id"], 4, ignore_eos=True))
+    assert e.value.status == 500 and e.value.type == "BackendError"
     # The failed session is still there (a branch session outlives a failed verb) and closes.
     for s in (poisoned, healthy):
         assert http.delete(f"/v1/sessions/{s['session_id']}").status_code == 200
