@@ -107,7 +107,7 @@ def test_ctrl_c_stops_the_server_without_a_traceback(model_path):
     lines: list[str] = []
     started = threading.Event()
 
-    def read() -> None:  # the server says when it listens; wait on that line, not on a sleep
+    def read() -> None:  # the server logs when it is up: wait on that line, not on a sleep
         for line in proc.stderr:
             lines.append(line)
             if "Application startup complete" in line:
