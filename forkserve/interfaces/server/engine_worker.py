@@ -297,6 +297,8 @@ class EngineWorker:
             return
         for sid, job in list(self._jobs.items()):
             if job.session.error is not None:
+                log.warning("session %d failed: %s: %s", sid, type(job.session.error).__name__,
+                            job.session.error)
                 self._fail_job(sid, job, job.session.error)
             else:
                 self._deliver_new_tokens(sid, job)
