@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, Sequence
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any, Sequence
 
 from forkserve.interfaces.server.errors import APIError
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class GrammarError(APIError):
@@ -28,10 +29,12 @@ class GrammarError(APIError):
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._tokenizer, self._vocab, self._stops = hf_tokenizer, vocab_size, list(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler: "xgr.GrammarCompiler | None" = None
         self._lock = threading.Lock()  # handlers compile on the event loop's thread pool
 
-    def _get(self) -> xgr.GrammarCompiler:
+    def _get(self) -> "xgr.GrammarCompiler":
+        import xgrammar as xgr  # heavy (it loads torch): only when a grammar is asked for
+
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
@@ -39,16 +42,13 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
-    def json_schema(self, schema: dict[str, Any], param: str) -> xgr.CompiledGrammar:
+    def json_schema(self, schema: dict[str, Any], param: str) -> "xgr.CompiledGrammar":
         try:
             return self._get().compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{param}: the JSON schema cannot be enforced: {e}", param) from None
 
-    def json_object(self) -> xgr.CompiledGrammar:
-        return self.json_schema({"type": "object"}, "response_format")
-
-    def ebnf(self, grammar: str, param: str) -> xgr.CompiledGrammar:
+    def ebnf(self, grammar: str, param: str) -> "xgr.CompiledGrammar":
         try:
             return self._get().compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
@@ -58,6 +58,8 @@ class GrammarCompiler:
 def schema_ebnf(schema: dict[str, Any], rule: str, param: str) -> str:
     """The EBNF of a JSON schema (compact JSON) with its root renamed ``rule`` and its other
     rules prefixed, so several schemas compose into one grammar."""
+    import xgrammar as xgr
+
     try:
         text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
     except (RuntimeError, ValueError, TypeError) as e:

@@ -6,13 +6,16 @@ finished, stopped or aborted request simply lets it go: it holds no engine resou
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 class GrammarConstraint:
-    def __init__(self, compiled: xgr.CompiledGrammar, start: int) -> None:
+    def __init__(self, compiled: "xgr.CompiledGrammar", start: int) -> None:
         """``start``: the position of the first generated token (the prompt's length)."""
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(compiled)
         self._start = start
         self._accepted = 0  # tokens accepted, i.e. the next position is start + accepted

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.grammar.compiler import schema_ebnf
@@ -19,6 +17,9 @@ from forkserve.interfaces.server.schemas import ChatCompletionRequest, NamedTool
 from forkserve.interfaces.server.tools.chat_prompt import ChatPrompt, TemplateCaps, build_prompt
 from forkserve.interfaces.server.tools.formats import ToolFormat
 from forkserve.interfaces.server.tools.grammar import calls_rule
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class GrammarSource:
     schema: dict[str, Any] | None = None
     ebnf: str | None = None
 
-    def compile(self, compiler: GrammarCompiler) -> xgr.CompiledGrammar:
+    def compile(self, compiler: GrammarCompiler) -> "xgr.CompiledGrammar":
         if self.schema is not None:
             return compiler.json_schema(self.schema, "response_format")
         return compiler.ebnf(self.ebnf, "tools")
