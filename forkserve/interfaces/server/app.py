@@ -17,11 +17,14 @@ from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
 from forkserve.interfaces.server import branch_api, openai_api
+from forkserve.interfaces.server.access import AccessConfig, access_from_args, add_access_args, bind_refusal
+from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model
 from forkserve.interfaces.server.state import ServerState, StateDep
+from forkserve.interfaces.server.tenancy import Tenancy
 
 log = logging.getLogger("forkserve.server")
 
@@ -32,7 +35,8 @@ SYSTEMS = {"alias": ForkServeConfig, "plus": plus_config, "app": app_config}
 KEEP_ALIVE_S = 75
 
 
-def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
+def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
+               access: AccessConfig = AccessConfig()) -> FastAPI:
     worker = EngineWorker(model.engine, model.tokenizer.decode, session_ttl_s=session_ttl_s)
     metrics = ServerMetrics()
 
@@ -48,7 +52,8 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
             worker.stop()
 
     app = FastAPI(title="ForkServe", lifespan=lifespan)
-    app.state.forkserve = ServerState(model, worker, metrics)
+    app.state.forkserve = ServerState(model, worker, metrics,
+                                      Tenancy(model.engine, access.limits, access.public_prefixes))
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(branch_api.router)
@@ -62,7 +67,8 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(ApiKeyAuth, keys=access.keys)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     return app
 
 
@@ -93,13 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--log-level", default="info")
+    add_access_args(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        access = access_from_args(args)
+    except (OSError, ValueError) as e:
+        ap.exit(2, f"forkserve serve: {e}\n")
+    refusal = bind_refusal(args.host, access, args.insecure)
+    if refusal is not None:
+        ap.exit(2, refusal + "\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
@@ -112,6 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     model = load_served_model(model_path, config=config, loras=dict(args.lora), name=args.served_model_name,
                               device=args.device, dtype=args.dtype, attention=args.attention,
                               use_cuda_graphs=not args.no_cuda_graphs)
-    uvicorn.run(create_app(model, session_ttl_s=args.session_ttl), host=args.host, port=args.port,
+    uvicorn.run(create_app(model, session_ttl_s=args.session_ttl, access=access), host=args.host, port=args.port,
                 log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S)
     return 0
