@@ -1,11 +1,10 @@
 """Tenancy: which tenant owns which engine session, under which public id, within which limits.
 
 The Engine knows nothing of tenants: its session ids are small sequential integers. The
-server never shows them. A branch session is exposed under a random 128-bit URL-safe id
-bound to the tenant that opened it; a request of any other tenant for that id gets the same
-404 as for an id that never existed (no existence oracle). OpenAI choices are sessions too
-(never exposed), owned for as long as their generation runs, so they count against the
-tenant's limits.
+server never shows them: a branch session is exposed under a public id bound to the tenant
+that opened it (``session_ids.py``: random, 404 for anyone else). OpenAI choices are
+sessions too (never exposed), owned for as long as their generation runs, so they count
+against the tenant's limits.
 
 Every session is opened with its request's ``CacheSalt`` (``cache_salt.py``), so its pages
 are matched and published only within its tenant's boundary.
@@ -18,7 +17,6 @@ the engine it describes: no locks.
 """
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Sequence, TypeVar
@@ -28,8 +26,8 @@ from forkserve.engine import Engine
 from forkserve.interfaces.server.cache_salt import cache_salt
 from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.limits import Demand, TenantLimits, TenantMeter
+from forkserve.interfaces.server.session_ids import PublicSessionIds
 
-PUBLIC_ID_BYTES = 16  # 128 bits
 T = TypeVar("T")
 
 
@@ -54,9 +52,8 @@ class Tenancy:
         self.limits = limits
         self.public_prefixes = frozenset(public_prefixes)
         self._clock = clock
-        self._owner: dict[int, str] = {}          # engine id -> tenant, every session opened here
-        self._by_public: dict[str, int] = {}      # public id -> engine id (branch sessions)
-        self._public_of: dict[int, str] = {}      # engine id -> public id
+        self._owner: dict[int, str] = {}  # engine id -> tenant, every session opened here
+        self._public = PublicSessionIds()   # branch sessions only
         self._meters: dict[str, TenantMeter] = {}
 
     # ------------------------------------------------------------ any thread (pure)
@@ -75,11 +72,7 @@ class Tenancy:
         sid = self.admit(tenant, Demand(1, need, need, -(-need // p)),
                          lambda: self.engine.open(tokens, adapter=adapter, salt=salt).id)
         self._owner[sid] = tenant
-        public_id = None
-        if expose:
-            public_id = secrets.token_urlsafe(PUBLIC_ID_BYTES)
-            self._by_public[public_id] = sid
-            self._public_of[sid] = public_id
+        public_id = self._public.bind(sid, tenant) if expose else None
         root = self.engine.node(sid, self.engine.tip(sid))
         return Opened(sid, public_id, root.kv_len)
 
@@ -106,24 +99,24 @@ class Tenancy:
 
     def resolve(self, tenant: str, public_id: str) -> int:
         """The engine id behind a tenant's public id; 404 alike for unknown and not-yours."""
-        sid = self._by_public.get(public_id)
-        if sid is None or self._owner.get(sid) != tenant or sid not in self.engine.sessions:
+        sid = self._public.resolve(tenant, public_id)
+        if sid not in self.engine.sessions:  # its lease expired: the worker closed it
+            self.forget(sid)
             raise APIError(404, f"session {public_id!r} not found", "NotFoundError", "session_id")
         return sid
 
     def public_id(self, engine_id: int) -> str:
-        return self._public_of[engine_id]
+        return self._public.public_id(engine_id)
 
     def sessions_of(self, tenant: str) -> list[Owned]:
         """The tenant's open branch sessions, oldest first."""
-        return [Owned(self._public_of[sid], sid) for sid in sorted(self._live(tenant)) if sid in self._public_of]
+        self._live(tenant)
+        return [Owned(public, sid) for public, sid in self._public.of_tenant(tenant)]
 
     def forget(self, engine_id: int) -> None:
         """Drop a session the server is closing (or has closed)."""
         self._owner.pop(engine_id, None)
-        public_id = self._public_of.pop(engine_id, None)
-        if public_id is not None:
-            del self._by_public[public_id]
+        self._public.forget(engine_id)
 
     # ------------------------------------------------------------ internals
     def _live(self, tenant: str) -> list[int]:
