@@ -207,3 +207,25 @@ def test_a_hit_on_another_tenants_prompt_is_indistinguishable_from_a_miss(server
     probe_t = statistics.median(t for t, _, _ in probes)
     miss_t = statistics.median(t for t, _, _ in misses)
     assert probe_t > 0.2 * miss_t and miss_t > 0.2 * probe_t
+
+
+# ------------------------------------------------------------------------------ bind defaults
+def test_non_loopback_bind_without_keys_is_refused_in_one_line(capsys):
+    from forkserve.interfaces.server.app import main
+
+    for argv in (["--host", "0.0.0.0"], ["--host", "10.1.2.3", "--port", "9"], ["--host", "example.com"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "--api-key" in err and "--insecure" in err
+
+
+def test_bind_rule():
+    from forkserve.interfaces.server.access import bind_refusal
+
+    keyed = AccessConfig(ApiKeys({KEY_A: "alice"}))
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert bind_refusal(host, AccessConfig(), insecure=False) is None
+    assert bind_refusal("0.0.0.0", AccessConfig(), insecure=False) is not None
+    assert bind_refusal("0.0.0.0", AccessConfig(), insecure=True) is None
+    assert bind_refusal("0.0.0.0", keyed, insecure=False) is None
