@@ -13,18 +13,20 @@ Keys are compared with ``hmac.compare_digest`` against every configured key (no 
 exit), so the time a refusal takes says nothing about how much of a key was right.
 ``ApiKeyAuth`` is a plain ASGI middleware (not ``BaseHTTPMiddleware``, which would buffer
 streamed replies); it answers 401 itself, with the OpenAI error body, before any route
-runs, and hands the tenant on in ``request.state.tenant``.
+runs, and hands the tenant on in ``request.state.tenant``. The Ray Serve Frontend, whose
+app Serve copies before any middleware could be added, calls ``authenticate`` per route.
 """
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Mapping
 
 from fastapi import Depends, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from forkserve.interfaces.server.errors import APIError, error_response
 
 ANONYMOUS = "anonymous"
 # Routes a load balancer or orchestrator probes without credentials.
@@ -85,12 +87,21 @@ class ApiKeys:
         return found
 
 
-def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    return None
+def authenticate(keys: ApiKeys | None, authorization: str | None) -> str:
+    """The tenant of a request's ``Authorization`` header; raises the 401 ``APIError``."""
+    if keys is None:
+        return ANONYMOUS
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _unauthorized("missing API key (send 'Authorization: Bearer KEY')")
+    tenant = keys.tenant_of(token.strip())
+    if tenant is None:
+        raise _unauthorized("invalid API key")
+    return tenant
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, "AuthenticationError", headers={"WWW-Authenticate": "Bearer"})
 
 
 class ApiKeyAuth:
@@ -100,28 +111,18 @@ class ApiKeyAuth:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        tenant = ANONYMOUS if self.keys is None else None
-        if self.keys is not None:
-            token = bearer_token(scope.get("headers", []))
-            tenant = self.keys.tenant_of(token) if token else None
-        if tenant is None and scope.get("path") not in OPEN_PATHS:
-            await _unauthorized(send, "missing API key (send 'Authorization: Bearer KEY')"
-                                if bearer_token(scope.get("headers", [])) is None else "invalid API key")
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"authorization"),
+                      None)
+        try:
+            tenant = authenticate(self.keys, header)
+        except APIError as e:
+            await error_response(e.status, e.message, e.type, headers=e.headers)(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
-
-
-async def _unauthorized(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "AuthenticationError", "param": None,
-                                 "code": 401}}).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def tenant_of(request: Request) -> str:
