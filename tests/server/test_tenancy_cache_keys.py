@@ -76,3 +76,21 @@ def test_within_one_boundary_pages_are_shared_and_across_none_are():
     assert hit(alice) == 28   # every full page before the last token, both sides
     assert hit(bob) == 0      # the same tokens, another tenant: a miss
     assert hit(CacheSalt("alice", "u")) == 0
+
+
+def test_routing_hashes_of_salted_pages_match_only_prompts_of_the_same_salt():
+    """The Ray Serve router scores a new tree by the chained page hashes replicas publish: a
+    salted page's hash is chained from its salt, so another boundary's prompt never matches
+    it (which replica a request lands on reveals nothing of other tenants' prompts)."""
+    from forkserve.interfaces.ray_serve.stats import BASE_SCOPE, index_hashes, matched_pages, page_hashes
+
+    eng = Engine(MockBackend(CONFIGS[1]))
+    alice = CacheSalt("alice")
+    sid = eng.open(PROMPTS[1], salt=alice).id
+    eng.generate(sid, 1)
+    eng.close(sid)
+    published = index_hashes(eng.index, {})
+    full = len(PROMPTS[1]) // 4
+    assert matched_pages(page_hashes(BASE_SCOPE, PROMPTS[1], 4, alice), published) == full
+    for other in (UNSALTED, CacheSalt("bob"), CacheSalt("alice", "u"), CacheSalt.public("alice")):
+        assert matched_pages(page_hashes(BASE_SCOPE, PROMPTS[1], 4, other), published) == 0
