@@ -34,8 +34,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Opened:
     engine_id: int
-    public_id: str | None   # None: an OpenAI choice, never exposed
-    cached_tokens: int      # prompt tokens served from the prefix cache at open
+    cached_tokens: int  # prompt tokens served from the prefix cache at open
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,9 @@ class Tenancy:
         sid = self.admit(tenant, Demand(1, need, need, -(-need // p)),
                          lambda: self.engine.open(tokens, adapter=adapter, salt=salt).id)
         self._owner[sid] = tenant
-        public_id = self._public.bind(sid, tenant) if expose else None
-        root = self.engine.node(sid, self.engine.tip(sid))
-        return Opened(sid, public_id, root.kv_len)
+        if expose:
+            self._public.bind(sid, tenant)
+        return Opened(sid, self.engine.node(sid, self.engine.tip(sid)).kv_len)
 
     def admit(self, tenant: str, demand: Demand, action: Callable[[], T]) -> T:
         """Run ``action`` if ``demand`` fits the tenant's limits (else the 400/429, nothing
