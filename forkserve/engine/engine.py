@@ -38,8 +38,8 @@ from forkserve.control.layout_policy import KVForm
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.page_table import PageTable
-from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.control.pause_ttl import PauseTTL
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.control.scheduler import TickScheduler
 from forkserve.control.scorers import (
     CompositeScorer,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from forkserve.config import app_config
-from forkserve.interfaces.server.access import AccessConfig
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 from forkserve.interfaces.server.served_model import load_served_model
 
@@ -62,7 +62,7 @@ def save_model(root: Path) -> tuple[Path, dict[str, Path]]:
     return path, adapters
 
 
-def start(tiny_model_dir, session_ttl_s: float = 600.0, access: AccessConfig = AccessConfig(),
+def start(tiny_model_dir, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
           **config) -> "contextlib.AbstractContextManager[RunningServer]":
     path, adapters = tiny_model_dir
     cfg = app_config(page_size=4, num_pages=config.pop("num_pages", 2048), num_residual_pages=2048,

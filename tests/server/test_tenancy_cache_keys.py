@@ -82,7 +82,12 @@ def test_routing_hashes_of_salted_pages_match_only_prompts_of_the_same_salt():
     """The Ray Serve router scores a new tree by the chained page hashes replicas publish: a
     salted page's hash is chained from its salt, so another boundary's prompt never matches
     it (which replica a request lands on reveals nothing of other tenants' prompts)."""
-    from forkserve.interfaces.ray_serve.stats import BASE_SCOPE, index_hashes, matched_pages, page_hashes
+    from forkserve.interfaces.ray_serve.stats import (
+        BASE_SCOPE,
+        index_hashes,
+        matched_pages,
+        page_hashes,
+    )
 
     eng = Engine(MockBackend(CONFIGS[1]))
     alice = CacheSalt("alice")

@@ -18,8 +18,8 @@ from ray.serve.config import RequestRouterConfig
 
 from forkserve.interfaces.ray_serve.engine_replica import EngineReplica, ReplicaSpec
 from forkserve.interfaces.ray_serve.frontend import Frontend
-from forkserve.interfaces.server.access import AccessConfig
 from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 
 # Concurrent calls one Engine replica accepts. Serve's default of 5 would queue agents in
 # the router while the engine could decode them together: a tick decodes one token for
@@ -34,7 +34,7 @@ DEFAULT_STATS_PERIOD_S = 2.0
 def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
                       stats_period_s: float = DEFAULT_STATS_PERIOD_S, num_cpus: float = 1.0,
                       num_gpus: float = 0.0, router_kwargs: Mapping[str, float] | None = None,
-                      health_check_period_s: float = 10.0, access: AccessConfig = AccessConfig()) -> Application:
+                      health_check_period_s: float = 10.0, access: AccessConfig = DEFAULT_ACCESS) -> Application:
     """``access``: the Frontend's API keys, public prefixes (SECURITY.md)."""
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=replicas,

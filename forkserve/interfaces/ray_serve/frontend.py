@@ -36,6 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.control.prefix_index import CacheSalt
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
 from forkserve.interfaces.ray_serve.protocol import ModelInfo
 from forkserve.interfaces.ray_serve.tree_client import (
@@ -43,8 +44,7 @@ from forkserve.interfaces.ray_serve.tree_client import (
     GenerationStream,
     TreeClient,
 )
-from forkserve.control.prefix_index import CacheSalt
-from forkserve.interfaces.server.access import AccessConfig
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.auth import authenticate
 from forkserve.interfaces.server.cache_salt import cache_salt
 from forkserve.interfaces.server.engine_worker import GenerationSpec
@@ -102,7 +102,7 @@ def _usage(prompt: int, completion: int) -> Usage:
 
 @serve.ingress(app)
 class Frontend:
-    def __init__(self, engine: DeploymentHandle, access: AccessConfig = AccessConfig()) -> None:
+    def __init__(self, engine: DeploymentHandle, access: AccessConfig = DEFAULT_ACCESS) -> None:
         self._engine = engine
         self._access = access
         self._ids = PublicSessionIds()  # public session id -> tree id, per tenant (event loop only)

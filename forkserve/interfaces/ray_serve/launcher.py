@@ -23,7 +23,7 @@ from forkserve.interfaces.ray_serve.deployments import (
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
 from forkserve.interfaces.server.access import access_from_args, bind_refusal
 from forkserve.interfaces.server.app import build_parser as server_parser
-from forkserve.interfaces.server.limits import TenantLimits
+from forkserve.interfaces.server.limits import UNLIMITED
 
 log = logging.getLogger("forkserve.ray_serve")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     refusal = bind_refusal(args.host, access, args.insecure)
     if refusal is not None:
         sp.exit(2, refusal + "\n")
-    if access.limits != TenantLimits():
+    if access.limits != UNLIMITED:
         # The Frontend does not see the replicas' pages: refuse rather than ignore a limit.
         sp.exit(2, "forkserve serve: per-key limits are not enforced with --replicas yet\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

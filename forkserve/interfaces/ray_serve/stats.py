@@ -24,7 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forkserve.control.prefix_index import UNSALTED, AdapterNamespace, CacheSalt, Namespace, PrefixIndex
+from forkserve.control.prefix_index import (
+    UNSALTED,
+    AdapterNamespace,
+    CacheSalt,
+    Namespace,
+    PrefixIndex,
+)
 
 BASE_SCOPE = ""  # the namespace key of base-model pages; an adapter's is its name
 

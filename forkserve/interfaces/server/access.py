@@ -15,7 +15,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from forkserve.interfaces.server.auth import ApiKeys
-from forkserve.interfaces.server.limits import TenantLimits
+from forkserve.interfaces.server.limits import UNLIMITED, TenantLimits
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,12 @@ class AccessConfig:
     """``keys`` None: authentication off, every caller the one ``anonymous`` tenant."""
 
     keys: ApiKeys | None = None
-    limits: TenantLimits = TenantLimits()
+    limits: TenantLimits = UNLIMITED
     public_prefixes: frozenset[str] = field(default_factory=frozenset)
+
+
+# The defaults: no keys (so loopback only), no limits, no public prefixes.
+DEFAULT_ACCESS = AccessConfig()
 
 
 def add_access_args(ap: argparse.ArgumentParser) -> None:

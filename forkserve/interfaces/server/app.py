@@ -17,7 +17,13 @@ from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
 from forkserve.interfaces.server import branch_api, openai_api
-from forkserve.interfaces.server.access import AccessConfig, access_from_args, add_access_args, bind_refusal
+from forkserve.interfaces.server.access import (
+    DEFAULT_ACCESS,
+    AccessConfig,
+    access_from_args,
+    add_access_args,
+    bind_refusal,
+)
 from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
@@ -36,7 +42,7 @@ KEEP_ALIVE_S = 75
 
 
 def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
-               access: AccessConfig = AccessConfig()) -> FastAPI:
+               access: AccessConfig = DEFAULT_ACCESS) -> FastAPI:
     worker = EngineWorker(model.engine, model.tokenizer.decode, session_ttl_s=session_ttl_s)
     metrics = ServerMetrics()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 from forkserve.engine import Engine
-from forkserve.interfaces.server.access import AccessConfig
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.app import KEEP_ALIVE_S, create_app
 from forkserve.interfaces.server.served_model import ServedModel
 
@@ -32,7 +32,7 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0, access: AccessConfig = AccessConfig(),
+def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
                     startup_timeout_s: float = 30.0) -> Iterator[RunningServer]:
     import uvicorn
 

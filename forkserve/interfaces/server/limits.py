@@ -44,6 +44,9 @@ class TenantLimits:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+UNLIMITED = TenantLimits()
+
+
 @dataclass(frozen=True)
 class Demand:
     """What admitting one request would add for its tenant."""

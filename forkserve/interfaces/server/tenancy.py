@@ -25,7 +25,12 @@ from forkserve.control.prefix_index import CacheSalt
 from forkserve.engine import Engine
 from forkserve.interfaces.server.cache_salt import cache_salt
 from forkserve.interfaces.server.errors import APIError
-from forkserve.interfaces.server.limits import Demand, TenantLimits, TenantMeter
+from forkserve.interfaces.server.limits import (
+    UNLIMITED,
+    Demand,
+    TenantLimits,
+    TenantMeter,
+)
 from forkserve.interfaces.server.session_ids import PublicSessionIds
 
 T = TypeVar("T")
@@ -44,7 +49,7 @@ class Owned:
 
 
 class Tenancy:
-    def __init__(self, engine: Engine, limits: TenantLimits = TenantLimits(),
+    def __init__(self, engine: Engine, limits: TenantLimits = UNLIMITED,
                  public_prefixes: AbstractSet[str] = frozenset(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
