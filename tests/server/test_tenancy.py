@@ -18,12 +18,13 @@ from forkserve.interfaces.server.access import AccessConfig
 from forkserve.interfaces.server.auth import ApiKeys
 
 KEY_A, KEY_B = "sk-alice-" + "a" * 24, "sk-bob-" + "b" * 24
+KEY_C = "sk-carol-" + "c" * 24  # only the harness example uses it: A's and B's caches stay as the tests expect
 PAGE = 4  # server_testlib's page size
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    access = AccessConfig(ApiKeys({KEY_A: "alice", KEY_B: "bob"}), public_prefixes=frozenset({"sys"}))
+    access = AccessConfig(ApiKeys({KEY_A: "alice", KEY_B: "bob", KEY_C: "carol"}), public_prefixes=frozenset({"sys"}))
     with start(tiny_model_dir, access=access) as running:
         yield running
 
@@ -114,6 +115,15 @@ def test_another_tenant_cannot_touch_a_session_and_learns_nothing(server, a, b):
         assert answers[0] == answers[1] and answers[0][0] == 404, name  # no existence oracle
     assert (a.info(s.session_id), engine_state(server)) == before
     a.close(s.session_id)
+
+
+def test_the_harness_examples_run_unchanged_with_a_key(server):
+    from test_server_harness import example
+
+    out = example("langgraph_send").main(["--url", server.url, "--model", MODEL_NAME, "--note-tokens", "4",
+                                          "--api-key", KEY_C])
+    assert len(out["results"]) == 3
+    assert server.on_engine(lambda e: len(e.sessions)) == 0
 
 
 # ------------------------------------------------------------------------------ cache isolation
