@@ -175,12 +175,11 @@ class Frontend:
 
     @app.get("/v1/sessions")
     async def list_sessions(self, request: Request) -> SessionList:
+        tenant = self._tenant(request)
         info = await self._model()
-        ledger = self._trees.ledger
-        return SessionList(data=[
-            SessionInfo(session_id=sid, tip=ledger.get(tree).tip, model=ledger.get(tree).adapter or info.name,
-                        committed_tokens=len(ledger.get(tree).committed))
-            for sid, tree in self._ids.of_tenant(self._tenant(request))])
+        records = [(sid, self._trees.ledger.get(tree)) for sid, tree in self._ids.of_tenant(tenant)]
+        return SessionList(data=[SessionInfo(session_id=sid, tip=rec.tip, model=rec.adapter or info.name,
+                                             committed_tokens=len(rec.committed)) for sid, rec in records])
 
     @app.get("/v1/sessions/{sid}")
     async def session_info(self, sid: str, request: Request, response: Response) -> SessionInfo:
