@@ -38,7 +38,7 @@ class ReActResult:
     answer: str | None
     transcript: str                     # everything after the prompt, as the session holds it
     steps: list[ToolPauseResult] = field(default_factory=list)
-    session_id: int = 0
+    session_id: str = ""
 
 
 class ReActAgent:

@@ -39,7 +39,7 @@ class SweResult:
     final_message: str | None
     transcript: str
     steps: list[ToolPauseResult] = field(default_factory=list)
-    session_id: int = 0
+    session_id: str = ""
 
 
 class SweAgent:

@@ -50,7 +50,7 @@ class ToolPause:
         self.client = client
         self.expected_tool_ms = expected_tool_ms
 
-    def run(self, session_id: int, tip: int, tool: Callable[[], str], *, prefix: str, suffix: str,
+    def run(self, session_id: str, tip: int, tool: Callable[[], str], *, prefix: str, suffix: str,
             guesses: tuple[Guess, ...] = ()) -> ToolPauseResult:
         """Announce ``prefix`` (p = 1) and ``guesses``, run ``tool``, commit
         ``prefix + observation + suffix``."""

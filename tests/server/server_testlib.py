@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from forkserve.config import app_config
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 from forkserve.interfaces.server.served_model import load_served_model
 
@@ -64,14 +65,14 @@ def save_model(root: Path) -> tuple[Path, dict[str, Path]]:
     return path, adapters
 
 
-def start(tiny_model_dir, session_ttl_s: float = 600.0,
+def start(tiny_model_dir, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
           **config) -> "contextlib.AbstractContextManager[RunningServer]":
     path, adapters = tiny_model_dir
     cfg = app_config(page_size=4, num_pages=config.pop("num_pages", 2048), num_residual_pages=2048,
                      **config)
     model = load_served_model(path, config=cfg, loras=adapters, device="cpu", dtype="float32",
                               attention="eager")
-    return serve_in_thread(model, session_ttl_s=session_ttl_s)
+    return serve_in_thread(model, session_ttl_s=session_ttl_s, access=access)
 
 
 def quiescent_pages(running: RunningServer) -> tuple[int, int, int]:

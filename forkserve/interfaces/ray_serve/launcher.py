@@ -22,7 +22,9 @@ from forkserve.interfaces.ray_serve.deployments import (
 )
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
 from forkserve.interfaces.server import preflight
+from forkserve.interfaces.server.access import access_from_args, bind_refusal
 from forkserve.interfaces.server.app import build_parser as server_parser
+from forkserve.interfaces.server.limits import UNLIMITED
 from forkserve.interfaces.server.served_model import served_name
 from forkserve.interfaces.usage import ArgumentParser
 
@@ -59,7 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(rest):
         parser.print_help()  # the Ray options, then every option of the one-process server
         print()
-    args = server_parser().parse_args(rest)
+    sp = server_parser()
+    args = sp.parse_args(rest)
+    try:
+        access = access_from_args(args)
+    except (OSError, ValueError) as e:
+        sp.exit(2, f"forkserve serve: {e}\n")
+    refusal = bind_refusal(args.host, access, args.insecure)
+    if refusal is not None:
+        sp.exit(2, refusal + "\n")
+    if access.limits != UNLIMITED:
+        # The Frontend does not see the replicas' pages: refuse rather than ignore a limit.
+        sp.exit(2, "forkserve serve: per-key limits are not enforced with --replicas yet\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
@@ -88,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address="local", include_dashboard=False, **loopback)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
-                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus)
+                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus,
+                            access=access)
     log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
              args.host, args.port)
     serve.run(app, name="forkserve", route_prefix="/", blocking=True)

@@ -18,11 +18,20 @@ from fastapi.responses import Response
 from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.server import branch_api, openai_api, preflight
+from forkserve.interfaces.server.access import (
+    DEFAULT_ACCESS,
+    AccessConfig,
+    access_from_args,
+    add_access_args,
+    bind_refusal,
+)
+from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model, served_name
 from forkserve.interfaces.server.state import ServerState, StateDep
+from forkserve.interfaces.server.tenancy import Tenancy
 from forkserve.interfaces.usage import ArgumentParser, UsageError
 
 log = logging.getLogger("forkserve.server")
@@ -34,7 +43,8 @@ SYSTEMS = {"alias": ForkServeConfig, "plus": plus_config, "app": app_config}
 KEEP_ALIVE_S = 75
 
 
-def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
+def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
+               access: AccessConfig = DEFAULT_ACCESS) -> FastAPI:
     worker = EngineWorker(model.engine, model.tokenizer.decode, session_ttl_s=session_ttl_s)
     metrics = ServerMetrics()
 
@@ -50,7 +60,8 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
             worker.stop()
 
     app = FastAPI(title="ForkServe", lifespan=lifespan)
-    app.state.forkserve = ServerState(model, worker, metrics)
+    app.state.forkserve = ServerState(model, worker, metrics,
+                                      Tenancy(model.engine, access.limits, access.public_prefixes))
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(branch_api.router)
@@ -64,7 +75,8 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(ApiKeyAuth, keys=access.keys)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     return app
 
 
@@ -112,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_access_args(ap)
     return ap
 
 
@@ -120,7 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     ``UsageError``, which the ``forkserve`` command prints as one line (exit status 2)."""
     import uvicorn
 
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        access = access_from_args(args)
+    except (OSError, ValueError) as e:
+        ap.exit(2, f"forkserve serve: {e}\n")
+    refusal = bind_refusal(args.host, access, args.insecure)
+    if refusal is not None:
+        ap.exit(2, refusal + "\n")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
@@ -148,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
-        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl),
+        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl, access=access),
                                                log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S))
         server.run(sockets=[sock])
     finally:

@@ -179,13 +179,15 @@ class EngineWorker:
             return gen
         return await self.call(register, undo=Generation.cancel)
 
-    async def open_and_generate(self, tokens: list[int], adapter: int | None,
-                                spec: GenerationSpec) -> Generation:
-        """Open a session on ``tokens`` and decode on it (one OpenAI choice)."""
+    async def open_and_generate(self, tokens: list[int], adapter: int | None, spec: GenerationSpec, *,
+                                opener: Callable[[], int] | None = None) -> Generation:
+        """Open a session on ``tokens`` and decode on it (one OpenAI choice). ``opener``
+        opens it instead, on this thread, and returns its id (the server's tenancy: limits,
+        cache salt, ownership)."""
         gen = Generation(spec, self)
 
         def register() -> Generation:
-            sid = self.engine.open(tokens, adapter=adapter).id
+            sid = opener() if opener is not None else self.engine.open(tokens, adapter=adapter).id
             try:
                 self._register(sid, gen)
             except Exception:

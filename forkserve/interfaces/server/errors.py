@@ -29,14 +29,16 @@ class APIError(Exception):
     """A request the server refuses before it reaches the engine."""
 
     def __init__(self, status: int, message: str, type: str = "BadRequestError",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
+        self.headers = headers  # e.g. Retry-After on a 429, WWW-Authenticate on a 401
 
 
-def error_response(status: int, message: str, type: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
@@ -91,7 +93,7 @@ def stream_error(exc: Exception) -> dict[str, Any]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:

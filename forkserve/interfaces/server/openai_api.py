@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
 from forkserve.interfaces.server.errors import APIError, stream_error
@@ -46,6 +47,7 @@ from forkserve.interfaces.server.schemas import (
     FunctionCallOut,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ToolCallDelta,
     ToolCallOut,
     Usage,
@@ -75,8 +77,8 @@ class _Choice:
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request,
-                      st: StateDep) -> CompletionResponse | StreamingResponse:
+async def completions(body: CompletionRequest, request: Request, st: StateDep,
+                      tenant: TenantDep) -> CompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
     prompts = body.prompts()
@@ -93,9 +95,10 @@ async def completions(body: CompletionRequest, request: Request,
         echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    choices = await _start(st, per_choice, adapter, budget, body, stops, body.logprobs, None, None)
+    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops, body.logprobs, None, None)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(ids) for ids in encoded)
+    cached_tokens = sum(cached[::body.n])  # each prompt once, as prompt_tokens counts it
     k = body.logprobs or 0
 
     def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None,
@@ -120,7 +123,7 @@ async def completions(body: CompletionRequest, request: Request,
                 if c.text or c.finish_reason or records:
                     yield chunk(index, c.text, c.finish_reason, records=records)
             if include_usage:
-                yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
+                yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens, cached_tokens))
         return _sse(events(), choices)
 
     results = await _collect(request, choices)
@@ -132,12 +135,12 @@ async def completions(body: CompletionRequest, request: Request,
         lp = completion_logprobs(records, st.model.token_text, k, len(echo)) if records is not None else None
         out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=lp))
     return CompletionResponse(id=rid, created=created, model=body.model, choices=out,
-                              usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results)))
+                              usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           st: StateDep) -> ChatCompletionResponse | StreamingResponse:
+async def chat_completions(body: ChatCompletionRequest, request: Request, st: StateDep,
+                           tenant: TenantDep) -> ChatCompletionResponse | StreamingResponse:
     model = st.model
     adapter = model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
@@ -155,8 +158,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
     pin_if = (lambda text: bool(fmt.parse(text).calls)) if fmt is not None and model.pin_tool_pauses else None
-    choices = await _start(st, [ids] * body.n, adapter, budget, body, stops,
-                           top if body.logprobs else None, grammar, pin_if)
+    choices, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops,
+                                   top if body.logprobs else None, grammar, pin_if)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -195,7 +198,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                     yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
                                                  finish_reason=_finish(c.finish_reason, reply))])
             if include_usage:
-                yield chunk([], _usage(len(ids), completion_tokens))
+                yield chunk([], _usage(len(ids), completion_tokens, cached[0]))
         return _sse(events(), choices)
 
     results = await _collect(request, choices)
@@ -208,7 +211,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         out.append(ChatChoice(index=i, message=AssistantMessage(content=reply.content, tool_calls=calls),
                               finish_reason=_finish(r.finish_reason, reply), logprobs=logprobs(cursors.take(i, r))))
     return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=out,
-                                  usage=_usage(len(ids), sum(len(r.tokens) for r in results)))
+                                  usage=_usage(len(ids), sum(len(r.tokens) for r in results), cached[0]))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -219,8 +222,9 @@ def _stops(stop_strings: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         raise APIError(400, str(e), param="stop") from None
 
 
-def _usage(prompt: int, completion: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finish(reason: str | None, reply: ParsedReply | None) -> str | None:
@@ -254,15 +258,26 @@ def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -
     return tuple(sorted(bias.items()))
 
 
-async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None, max_tokens: int,
+async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: int | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
-                 pin_if: Callable[[str], bool] | None) -> list[_Choice]:
-    """One session per choice; with a seed, choice j samples with seed + j (distinct, reproducible).
-    Each choice gets its own grammar state and token log: they live as long as its generation."""
+                 pin_if: Callable[[str], bool] | None) -> tuple[list[_Choice], list[int]]:
+    """One session per choice, opened by the tenancy (limits, the request's cache boundary);
+    with a seed, choice j samples with seed + j (distinct, reproducible). Each choice gets its
+    own grammar state and token log: they live as long as its generation. Returns the choices
+    and each choice's prompt tokens served from the prefix cache."""
     bias = _bias(body, st.model)
     needs_log = logprobs is not None or bool(body.presence_penalty or body.frequency_penalty)
+    salt = st.tenancy.salt(tenant, body.cache_salt)
     choices: list[_Choice] = []
+    cached: list[int] = []
+
+    def opener(ids: list[int]) -> Callable[[], int]:
+        def open_choice() -> int:
+            opened = st.tenancy.open(tenant, ids, adapter, salt, max_tokens, expose=False)
+            cached.append(opened.cached_tokens)
+            return opened.engine_id
+        return open_choice
     try:
         for j, ids in enumerate(prompts):
             seed = None if body.seed is None else body.seed + (j % body.n)
@@ -272,12 +287,12 @@ async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None,
                                       GrammarConstraint(grammar, len(ids)) if grammar is not None else None, log)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
-            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec), log))
+            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec, opener=opener(ids)), log))
     except BaseException:
         for c in choices:
             c.gen.cancel()
         raise
-    return choices
+    return choices, cached
 
 
 async def _collect(request: Request, choices: list[_Choice]) -> list[Chunk]:

@@ -35,6 +35,7 @@ class _Sampling(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
+    cache_salt: str | None = None  # prefix-cache boundary inside the tenant (cache_salt.py)
     # Ignored by design: they describe the caller or the provider's bookkeeping, not the output.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -233,10 +234,15 @@ class ChatCompletionRequest(_Sampling):
         return [m.template_dict() for m in self.messages]
 
 
+class PromptTokensDetails(_Frozen):
+    cached_tokens: int  # prompt tokens served from the prefix cache (the caller's boundary only)
+
+
 class Usage(_Frozen):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Frozen):
@@ -388,6 +394,7 @@ class OpenSessionRequest(_Frozen):
     messages: list[ChatMessage] | None = None
     # With messages: end the prompt with the assistant header (what generate continues).
     add_generation_prompt: bool = True
+    cache_salt: str | None = None  # prefix-cache boundary inside the tenant (cache_salt.py)
 
     @model_validator(mode="after")
     def _one_of(self) -> "OpenSessionRequest":
@@ -397,10 +404,15 @@ class OpenSessionRequest(_Frozen):
 
 
 class SessionInfo(_Frozen):
-    session_id: int
+    session_id: str  # opaque, unguessable, the opening tenant's only (tenancy.py)
     tip: int
     model: str
     committed_tokens: int
+
+
+class SessionList(_Frozen):
+    object: Literal["list"] = "list"
+    data: list[SessionInfo]
 
 
 class ForkRequest(_Tokens):
@@ -438,7 +450,7 @@ class JoinRequest(_Frozen):
 
 
 class CommitResponse(_Frozen):
-    session_id: int
+    session_id: str
     tip: int
     bound_node: int | None
     matched_tokens: int
