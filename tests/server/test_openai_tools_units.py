@@ -143,3 +143,14 @@ def test_a_resampled_position_rolls_the_grammar_back(grammars, tokenizer):
     constraint.fill_bitmask(bitmask, 0, 2)  # back to position 2
     again.fill_bitmask(expected, 0, 2)
     assert torch.equal(bitmask, expected)
+
+
+def test_a_rule_across_fields_is_refused_in_its_own_words(server):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs needs logprobs" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"

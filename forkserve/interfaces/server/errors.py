@@ -54,6 +54,9 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     parts, param = [], None
     for e in errors:
         field = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        if not field and e.get("type") == "value_error":  # a rule across fields: its own words
+            parts.append(str(e.get("msg")).removeprefix("Value error, "))
+            continue
         if not field:  # the body itself: missing, or not an object
             missing = e.get("type") == "missing"
             parts.append("the request body is missing; send a JSON object" if missing
