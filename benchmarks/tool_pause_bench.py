@@ -8,6 +8,9 @@ default) a reply that ends in tool calls keeps its conversation's base pages thr
 pause; without it, LRU eviction takes them. Demo model (SmolLM2-135M) on CPU by default.
 
     python benchmarks/tool_pause_bench.py --agents 8 --pressure 16 --num-pages 320
+
+LangGraph's ReAct loop sends exactly these requests (the openai client underneath); the
+loop is driven directly here so that the pause and the pressure are placed deterministically.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ def agent_messages(k: int) -> list[dict]:
 
 def run(model: ServedModel, args: argparse.Namespace) -> dict:
     model.engine.evict_all()
+    start = dataclasses.asdict(model.engine.metrics)  # the engine is shared by both runs
     with serve_in_thread(model) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         pool = concurrent.futures.ThreadPoolExecutor(max(args.agents, args.concurrency))
@@ -77,7 +81,9 @@ def run(model: ServedModel, args: argparse.Namespace) -> dict:
             "hit_rate": round(sum(r["hit_tokens"] for r in rows) / prompt, 4),
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in rows),
             "ttft_ms_mean": round(statistics.fmean(r["ttft_ms"] for r in rows), 1),
-            "pins_resumed": metrics["pins_resumed"], "pins_broken": metrics["pins_broken"], "follow_ups": rows}
+            "pins_resumed": metrics["pins_resumed"] - start["pins_resumed"],
+            "pins_expired": metrics["pins_expired"] - start["pins_expired"],
+            "pins_broken": metrics["pins_broken"] - start["pins_broken"], "follow_ups": rows}
 
 
 def plot(results: list[dict], path: Path) -> None:
