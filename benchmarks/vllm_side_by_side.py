@@ -33,9 +33,19 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
-from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, _budget_pages,  # noqa: E402
-                                       _tiny_config, format_table, page_bytes, random_adapter,
-                                       build_backend, run_system, run_workload)
+from forkserve.bench.multilora import (  # noqa: E402
+    SYSTEMS,
+    MultiLoraParams,
+    RunResult,
+    budget_pages,
+    build_backend,
+    format_table,
+    page_bytes,
+    random_adapter,
+    run_system,
+    run_workload,
+    tiny_config,
+)
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
@@ -93,7 +103,7 @@ def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness, 
 
     model_cfg = harness.model_cfg
     sizes = page_bytes(model_cfg, params.rank, params.page_size, torch.bfloat16)
-    num_pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
+    num_pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=1,
                           kv_layout=KVLayout.UNIFIED, hbm_tokens=num_pages * params.page_size,
                           max_batch_tokens=16384, max_context=model_cfg.max_context, node_ttl_s=None,
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
+    model_cfg = tiny_config() if args.tiny else llama3_8b_config()
     budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
     page, rank = 16, 16
     report: dict = {"workload": "react-multilora", "model": "tiny" if args.tiny else "llama3-8b-shape",
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     if harness is None:
                         sizes = page_bytes(model_cfg, rank, page, torch.bfloat16)
-                        pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
+                        pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
                         harness = start_vllm(model_cfg, pages, max(args.workflows), rank, page,
                                              args.gpu_memory_utilization, not args.no_cow_blocks)
                     result = run_vllm_system(system, params, harness, args.two_class, None)

@@ -11,9 +11,9 @@ from forkserve.bench.multilora import MultiLoraParams, build_backend, main, run_
 @pytest.fixture(scope="module")
 def tiny():
     from forkserve.backend.torch.weights import random_weights
-    from forkserve.bench.multilora import _tiny_config
+    from forkserve.bench.multilora import tiny_config
 
-    cfg = _tiny_config()
+    cfg = tiny_config()
     return cfg, random_weights(cfg, torch.device("cpu"), torch.float32)
 
 
