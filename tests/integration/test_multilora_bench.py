@@ -43,9 +43,21 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     assert runs["disaggregated_base"].prefill_tokens < runs["disaggregated"].prefill_tokens / 2
 
 
-def test_cli_writes_json_and_png(tmp_path):
-    main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
-          "--context", "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path), "--no-warmup"])
+def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
+    assert main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
+                 "--context", "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
     assert {r["system"] for r in data["results"]} == {"unified", "disaggregated"} and not data["errors"]
     assert (tmp_path / "react_multilora_tiny.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'react_multilora_tiny.png'}" in out and "FAILED" not in out
+
+
+def test_a_failed_run_exits_1_and_is_reported(tmp_path, capsys):
+    # 6 pages of KV cannot hold one workflow's 12.
+    assert main(["react", "--tiny", "--workflows", "1", "--systems", "unified", "--context", "64",
+                 "--turns", "1", "--gen", "2", "--kv-budget-gib", "0.0001",
+                 "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
+    assert data["errors"] == [{"system": "unified", "workflows": 1, "error": data["errors"][0]["error"]}]
+    assert "FAILED unified W=1: RuntimeError" in capsys.readouterr().out
