@@ -1,7 +1,7 @@
 """vLLM 0.26 under the ForkServe control plane, side by side with ForkServe's own engine.
 
     python benchmarks/vllm_side_by_side.py                       # on the H200 (docs/VLLM_BACKEND.md)
-    python benchmarks/vllm_side_by_side.py --tiny --workflows 1  # CPU: ours run, vLLM reported missing
+    python benchmarks/vllm_side_by_side.py --tiny     # CPU: ours run, vLLM runs skipped (missing)
 
 1. react-multilora (forkserve/bench/multilora.py, same driver and KV budget) at W = 1, 8, 32:
    ForkServe's TorchBackend systems through ``run_system``, and ``vllm`` / ``vllm_no_lora``:
@@ -14,12 +14,11 @@
 
 One vLLM engine (Llama-3-8B shape, dummy bf16 weights, token ids only) serves every vLLM run;
 pins are released and the prefix cache reset between runs. Writes vllm_side_by_side.json
-to --out after every run, so a timeout loses nothing.
+to --out (default ./forkserve-bench-results) after every run, so a timeout loses nothing.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from forkserve.bench.multilora import (  # noqa: E402
     run_workload,
     tiny_config,
 )
+from forkserve.bench.multilora.scale import FULL, TINY, tiny_threads  # noqa: E402
+from forkserve.bench.output import add_out_argument, write_json  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
@@ -173,70 +174,86 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
             "vllm_stats": backend.stats.as_dict()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Returns the exit status: 1 when a run failed (vLLM missing on a CPU is not a failure)."""
     from forkserve.backend.torch.model_config import llama3_8b_config
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--systems", nargs="+", default=[*SYSTEMS, *VLLM_SYSTEMS], choices=[*SYSTEMS, *VLLM_SYSTEMS])
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--kv-budget-gib", type=float, default=None, help="default 24 (0.02 with --tiny)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
-    ap.add_argument("--two-class", action="store_true", help="VllmBackend: committed, then speculative phase")
-    ap.add_argument("--no-cow-blocks", action="store_true", help="VllmBackend: plain LRU prefix cache, no pins")
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU plumbing check)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    scale = TINY if "--tiny" in argv else FULL
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
+                    help="the W values")
+    ap.add_argument("--systems", nargs="+", default=[*SYSTEMS, *VLLM_SYSTEMS],
+                    choices=[*SYSTEMS, *VLLM_SYSTEMS], metavar="SYSTEM",
+                    help=f"of {', '.join([*SYSTEMS, *VLLM_SYSTEMS])}")
+    ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
+    ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T")
+    ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G per turn")
+    ap.add_argument("--kv-budget-gib", type=float, default=scale.kv_budget_gib,
+                    help="KV bytes for every system")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                    help="vLLM's share of GPU memory")
+    ap.add_argument("--two-class", action="store_true",
+                    help="VllmBackend: committed, then speculative phase")
+    ap.add_argument("--no-cow-blocks", action="store_true",
+                    help="VllmBackend: plain LRU prefix cache, no pins")
+    ap.add_argument("--decode-steps", type=int, default=32, help="steps of the decode comparison")
+    ap.add_argument("--skip-decode", action="store_true", help="skip the decode comparison")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer model with small defaults (CPU plumbing check; add it to "
+                         "--help to see those defaults)")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_cfg = tiny_config() if args.tiny else llama3_8b_config()
-    budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
+    budget = args.kv_budget_gib
     page, rank = 16, 16
     report: dict = {"workload": "react-multilora", "model": "tiny" if args.tiny else "llama3-8b-shape",
                     "device": str(device), "context": args.context, "turns": args.turns, "gen": args.gen,
-                    "kv_budget_gib": budget, "results": [], "decode": [], "errors": []}
-    args.out.mkdir(parents=True, exist_ok=True)
+                    "kv_budget_gib": budget, "results": [], "decode": [], "errors": [], "skipped": []}
+    out = args.out / "vllm_side_by_side.json"
 
     def save() -> None:
-        (args.out / "vllm_side_by_side.json").write_text(json.dumps(report, indent=2))
+        write_json(out, report, quiet=True)
 
     weights = None
     harness: VllmHarness | None = None
     vllm_missing: str | None = None
-    for w in args.workflows:
-        for system in args.systems:
-            params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
-                                     kv_budget_gib=budget)
-            try:
-                if system in VLLM_SYSTEMS:
-                    if vllm_missing is not None:
-                        continue
-                    if harness is None:
-                        sizes = page_bytes(model_cfg, rank, page, torch.bfloat16)
-                        pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
-                        harness = start_vllm(model_cfg, pages, max(args.workflows), rank, page,
-                                             args.gpu_memory_utilization, not args.no_cow_blocks)
-                    result = run_vllm_system(system, params, harness, args.two_class, None)
-                else:
-                    if weights is None:
-                        from forkserve.backend.torch.weights import random_weights
-                        weights = random_weights(model_cfg, device, dtype)
-                    backend, sizes = build_backend(system, params, w, model_cfg, weights, device, dtype)
-                    result = run_system(system, params, backend, sizes)
-                    del backend
-                report["results"].append(asdict(result))
-                print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
-            except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
-                vllm_missing = str(exc)
-                print(f"vLLM is missing: {exc}", flush=True)
-                report["errors"].append({"system": system, "workflows": w, "error": vllm_missing})
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                report["errors"].append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
-            save()
+    with tiny_threads(device, args.tiny):  # a no-op on a GPU
+        for w in args.workflows:
+            for system in args.systems:
+                params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
+                                         kv_budget_gib=budget)
+                try:
+                    if system in VLLM_SYSTEMS:
+                        if vllm_missing is not None:
+                            report["skipped"].append({"system": system, "workflows": w, "why": vllm_missing})
+                            continue
+                        if harness is None:
+                            sizes = page_bytes(model_cfg, rank, page, torch.bfloat16)
+                            pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
+                            harness = start_vllm(model_cfg, pages, max(args.workflows), rank, page,
+                                                 args.gpu_memory_utilization, not args.no_cow_blocks)
+                        result = run_vllm_system(system, params, harness, args.two_class, None)
+                    else:
+                        if weights is None:
+                            from forkserve.backend.torch.weights import random_weights
+                            weights = random_weights(model_cfg, device, dtype)
+                        backend, sizes = build_backend(system, params, w, model_cfg, weights, device, dtype)
+                        result = run_system(system, params, backend, sizes)
+                        del backend
+                    report["results"].append(asdict(result))
+                    print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
+                except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
+                    vllm_missing = f"vLLM is missing: {exc}"
+                    print(vllm_missing, flush=True)
+                    report["skipped"].append({"system": system, "workflows": w, "why": vllm_missing})
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                    report["errors"].append({"system": system, "workflows": w,
+                                             "error": f"{type(exc).__name__}: {exc}"})
+                save()
     if harness is not None and not args.skip_decode:
         for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
             report["decode"].append(decode_side_by_side(harness, batch, lora, args.decode_steps, rank, page))
@@ -247,10 +264,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"ms/step; vLLM's own loop {d['native_vllm_ms_per_step']:.2f} ms/step")
     for e in report["errors"]:
         print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
-    if vllm_missing is not None:
-        print(f"vLLM is missing: {vllm_missing}")
-    return report
+    if report["skipped"]:
+        print(f"skipped {len(report['skipped'])} vLLM runs: {vllm_missing}")
+    save()
+    print(f"wrote {out}")
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,14 +3,14 @@ and a PNG; exits 1 when a run failed."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from forkserve.bench.multilora.report import FailedRun, format_table, plot
+from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.workload import (
     SYSTEMS,
     MultiLoraParams,
@@ -21,26 +21,6 @@ from forkserve.bench.multilora.workload import (
 )
 from forkserve.bench.output import add_out_argument, write_json
 from forkserve.errors import OutOfPagesError
-
-
-@dataclass(frozen=True)
-class Scale:
-    """The defaults of one scale: the workload as docs/WORKLOADS.md fixes it on the 8B shape,
-    or a 2-layer model small enough for 2 CPU cores in under 3 minutes (W = 8 still waits
-    for KV under unified, as W = 32 does at full scale)."""
-
-    workflows: tuple[int, ...]
-    context: int
-    turns: int
-    gen: int
-    kv_budget_gib: float
-    residual_share: float   # a quarter of the tiny model's 64-dim K/V is its rank-16 residual
-
-
-FULL = Scale(workflows=(1, 8, 32), context=8192, turns=3, gen=64, kv_budget_gib=24.0,
-             residual_share=0.1)
-TINY = Scale(workflows=(1, 4, 8), context=1024, turns=3, gen=32, kv_budget_gib=0.02,
-             residual_share=0.5)
 
 
 def parser(scale: Scale) -> argparse.ArgumentParser:
@@ -85,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
     device = torch.device(args.device)
-    with _cpu_threads(1 if device.type == "cpu" and args.tiny else None):
+    with tiny_threads(device, args.tiny):
         results, failed = _run_all(args, device)
     print(format_table(results, args.workload))
     for f in failed:
@@ -94,19 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / f'{stem}.json'}")
     plot(results, failed, args.out / f"{stem}.png", args.workload, args.tiny)
     return 1 if failed else 0
-
-
-@contextlib.contextmanager
-def _cpu_threads(n: int | None):
-    """The tiny model's matmuls are too small to split: a thread pool only adds wake-ups
-    (10x slower on a busy 2-core machine), so tiny CPU runs use one thread."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run_all(args: argparse.Namespace, device: torch.device) -> tuple[list[RunResult], list[FailedRun]]:
