@@ -1,6 +1,6 @@
 """Control-plane time per tick, against the GPU step it has to hide behind.
 
-    python benchmarks/engine_overhead_bench.py [--sessions 1 8 32 64] [--context 1024 8192] [--out DIR]
+    python benchmarks/engine_overhead_bench.py [--sessions 1 8 32 64] [--context 1024 8192]
 
 W sessions decode together over a shared-length context on a MockBackend whose own work
 is timed apart, so the figure is the Engine's bookkeeping alone (scheduling, page tables,
@@ -57,7 +57,8 @@ def measure(sessions: int, context: int, steps: int) -> dict:
         ticks += 1
     total = time.perf_counter() - t0
     engine.check_integrity()
-    assert engine.metrics.decode_tokens >= sessions * (steps - 1), "not every session decoded each tick"
+    assert engine.metrics.decode_tokens >= sessions * (steps - 1), \
+        "not every session decoded each tick"
     return {"sessions": sessions, "context": context, "ticks": ticks,
             "engine_ms_per_tick": (total - backend.backend_s) / ticks * 1e3}
 

@@ -143,7 +143,7 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
                                     lora_modules=adapters, cow_blocks=harness.pinner is not None)
     slots = [KVSlots(tuple(range(b * pages_per_seq, (b + 1) * pages_per_seq))) for b in range(batch)]
     first = backend.step([SeqWork(b, tuple(prompts[b]), 0, slots[b], names[b], GREEDY) for b in range(batch)])
-    tokens = [list(p) + [t] for p, t in zip(prompts, first.next_tokens)]
+    tokens = [list(p) + [t] for p, t in zip(prompts, first.next_tokens, strict=True)]
     times = []
     for _ in range(steps):
         work = [SeqWork(b, (tokens[b][-1],), len(tokens[b]) - 1, slots[b], names[b], GREEDY, decode=True)

@@ -97,7 +97,7 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
     if not a and not b:
         return 1.0
-    return sum(x == y for x, y in zip(a, b)) / max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))  # unequal lengths
 
 
 def layer_cosines(mine: Mapping[int, torch.Tensor], ref: Mapping[int, torch.Tensor],

@@ -133,7 +133,8 @@ def format_table(rows: list[FanoutRow]) -> str:
     if apc:
         for r in rows:
             if r.system != "apc":
-                lines.append(f"{r.system} vs apc: prefill {r.prefill_tokens / apc.prefill_tokens - 1:+.1%}, "
+                lines.append(f"{r.system} vs apc: "
+                             f"prefill {r.prefill_tokens / apc.prefill_tokens - 1:+.1%}, "
                              f"fan-out {r.fanout_ms / apc.fanout_ms - 1:+.1%}, "
                              f"peak KV {r.peak_kv_tokens / apc.peak_kv_tokens - 1:+.1%}")
     return "\n".join(lines)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
-from forkserve.harness.tool_loop import Guesser, ToolCall, ToolLoop
+from forkserve.harness.tool_loop import Guesser, ToolCall, ToolLoop, Tools
 from forkserve.harness.tool_pause import ToolPauseResult
 from forkserve.interfaces.client import BranchClient
 
@@ -48,7 +47,7 @@ class ReActResult:
 
 
 class ReActAgent:
-    def __init__(self, client: BranchClient, model: str, tools: Mapping[str, Callable[[str], str]], *,
+    def __init__(self, client: BranchClient, model: str, tools: Tools, *,
                  fmt: ReActFormat = ReActFormat(), max_tokens: int = 128,
                  expected_tool_ms: float | None = None, guesses: Guesser | None = None) -> None:
         """``guesses(tool, arg)``: optional guessed observations, e.g. a likely error."""
@@ -59,5 +58,7 @@ class ReActAgent:
     def run(self, prompt: str, *, resume: str | None = None, max_steps: int = 5) -> ReActResult:
         """``resume``: model output already produced for this prompt (a replayed trajectory
         that ends with an action); it is committed as is and its action runs first."""
-        run = self.loop.run(self.client.open(self.model, text=prompt), resume=resume, max_steps=max_steps)
-        return ReActResult(self.fmt.answer(run.last_turn), run.transcript, run.steps, run.session_id)
+        session = self.client.open(self.model, text=prompt)
+        run = self.loop.run(session, resume=resume, max_steps=max_steps)
+        return ReActResult(self.fmt.answer(run.last_turn), run.transcript, run.steps,
+                           run.session_id)

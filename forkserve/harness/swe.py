@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from forkserve.harness.tool_loop import ToolCall, ToolLoop
+from forkserve.harness.tool_loop import ToolCall, ToolLoop, Tools
 from forkserve.harness.tool_pause import Guess, ToolPauseResult
 from forkserve.interfaces.client import BranchClient
 
@@ -48,24 +48,28 @@ class SweResult:
     session_id: int = 0
 
 
+# A shell command's two usual outcomes.
+DEFAULT_GUESSES = (Guess("exit code 0", 0.4), Guess("Traceback (most recent call last):", 0.2))
+
+
 class SweAgent:
-    def __init__(self, client: BranchClient, model: str, tools: Mapping[str, Callable[[str], str]], *,
-                 fmt: SweFormat = SweFormat(), max_tokens: int = 128, expected_tool_ms: float = 1000.0,
-                 guesses: Sequence[Guess] = (Guess("exit code 0", 0.4),
-                                             Guess("Traceback (most recent call last):", 0.2))) -> None:
+    def __init__(self, client: BranchClient, model: str, tools: Tools, *,
+                 fmt: SweFormat = SweFormat(), max_tokens: int = 128,
+                 expected_tool_ms: float = 1000.0,
+                 guesses: Sequence[Guess] = DEFAULT_GUESSES) -> None:
         """``guesses``: outcomes guessed for every tool call."""
         self.client, self.model, self.fmt = client, model, fmt
         fixed = tuple(guesses)
-        self.loop = ToolLoop(client, fmt, tools, max_tokens=max_tokens, expected_tool_ms=expected_tool_ms,
-                             guesses=lambda tool, arg: fixed)
+        self.loop = ToolLoop(client, fmt, tools, max_tokens=max_tokens,
+                             expected_tool_ms=expected_tool_ms, guesses=lambda tool, arg: fixed)
 
     def run(self, messages: Sequence[Mapping[str, str]], *, resume: str | None = None,
             max_steps: int = 8) -> SweResult:
         """``resume``: the agent's turn already produced (a replayed trajectory ending with a
         tool call); it is committed as is and its tool runs first."""
-        run = self.loop.run(self.client.open(self.model, messages=messages), resume=resume,
-                            max_steps=max_steps)
+        session = self.client.open(self.model, messages=messages)
+        run = self.loop.run(session, resume=resume, max_steps=max_steps)
         call = self.fmt.last_call(run.last_turn)
         finished = call is not None and call.tool == self.fmt.finish_tool
-        return SweResult(finished, call.arg.strip() if finished else None, run.transcript, run.steps,
-                         run.session_id)
+        message = call.arg.strip() if finished else None
+        return SweResult(finished, message, run.transcript, run.steps, run.session_id)

@@ -49,11 +49,13 @@ class ToolLoopRun:
 
 # guesses(tool, arg): guessed observations of one call, e.g. a likely error
 Guesser = Callable[[str, str], Sequence[Guess]]
+# tool name -> the tool: its argument text in, its observation text out
+Tools = Mapping[str, Callable[[str], str]]
 
 
 class ToolLoop:
-    def __init__(self, client: BranchClient, fmt: ToolFormat, tools: Mapping[str, Callable[[str], str]],
-                 *, max_tokens: int, expected_tool_ms: float | None, guesses: Guesser | None) -> None:
+    def __init__(self, client: BranchClient, fmt: ToolFormat, tools: Tools, *, max_tokens: int,
+                 expected_tool_ms: float | None, guesses: Guesser | None) -> None:
         self.client, self.fmt, self.tools = client, fmt, dict(tools)
         self.max_tokens, self.guesses = max_tokens, guesses
         self.pause = ToolPause(client, expected_tool_ms=expected_tool_ms)
@@ -84,8 +86,10 @@ class ToolLoop:
             def run_tool() -> str:
                 return fn(call.arg)
         else:  # the model sees the mistake as the observation and may correct itself
+            known = ", ".join(sorted(self.tools))
+
             def run_tool() -> str:
-                return self.fmt.unknown_tool.format(tool=call.tool, tools=", ".join(sorted(self.tools)))
+                return self.fmt.unknown_tool.format(tool=call.tool, tools=known)
         # The model may have written the start of the wrapper itself before it stopped.
         prefix = wrapper_remainder(turn, self.fmt.observation_prefix)
         guesses = tuple(self.guesses(call.tool, call.arg)) if self.guesses else ()

@@ -241,7 +241,7 @@ def test_queued_generations_of_many_sessions_decode_in_one_batch():
     while eng.tick():
         ticks += 1
     assert ticks == 5  # 1 prefill tick + 4 decode ticks, all three sessions in each
-    for h, p in zip(handles, prompts):
+    for h, p in zip(handles, prompts, strict=True):
         assert eng.generation(h.id).tokens == baseline_generate(cfg, p, 5)
 
 

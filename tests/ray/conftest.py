@@ -15,10 +15,11 @@ from server_testlib import save_model
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from ray_testlib import STATS_PERIOD_S, Cluster
+# Imported after the skips: they need ray.
+from ray_testlib import STATS_PERIOD_S, Cluster  # noqa: E402
 
-from forkserve.interfaces.ray_serve.deployments import build_application
-from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
+from forkserve.interfaces.ray_serve.deployments import build_application  # noqa: E402
+from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec  # noqa: E402
 
 
 def _free_port() -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -37,7 +36,8 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
                     help="the W values (concurrent agent workflows)")
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                    metavar="SYSTEM", help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}")
+                    metavar="SYSTEM",
+                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}")
     ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
     ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T per workflow")
     ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G generated per turn")
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run_all(args: argparse.Namespace, device: torch.device) -> tuple[list[RunResult], list[FailedRun]]:
+def _run_all(args: argparse.Namespace,
+             device: torch.device) -> tuple[list[RunResult], list[FailedRun]]:
     from forkserve.backend.torch.model_config import llama3_8b_config
     from forkserve.backend.torch.weights import random_weights
 

@@ -109,9 +109,11 @@ class Driver:
             return
         n = self.context_pages
         base = {page for kv in tables for page in kv.base.pages[:n]}
-        residual = {page for kv in tables if kv.residual is not None for page in kv.residual.pages[:n]}
+        residual = {page for kv in tables if kv.residual is not None
+                    for page in kv.residual.pages[:n]}
         self._context_holders = len(tables)
-        self.context_kv_per_agent = (len(base) * self.base_bytes + len(residual) * self.res_bytes) / len(tables)
+        stored = len(base) * self.base_bytes + len(residual) * self.res_bytes
+        self.context_kv_per_agent = stored / len(tables)
 
     def _shares_context(self, split: bool) -> bool:
         """Whether a running workflow of the same form holds the context written (so the index
@@ -119,8 +121,11 @@ class Driver:
         if self.shared_context is not None:
             return True
         return any(f.split == split and f.session is not None
-                   and self.engine.node(f.session, self.engine.tip(f.session)).kv_len >= self.params.context
-                   for f in self.admitted)
+                   and self._written(f) >= self.params.context for f in self.admitted)
+
+    def _written(self, flow: Workflow) -> int:
+        """Tokens of ``flow``'s committed path whose KV is written."""
+        return self.engine.node(flow.session, self.engine.tip(flow.session)).kv_len
 
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""
@@ -156,7 +161,7 @@ class Driver:
         if not self._fits(first):
             raise RuntimeError("one workflow needs more KV than the whole budget")
         self._open(first)
-        while self.engine.node(first.session, self.engine.tip(first.session)).kv_len < len(first.prompt) - 1:
+        while self._written(first) < len(first.prompt) - 1:
             self._tick()
         return [first], self.flows[1:]
 

@@ -29,7 +29,8 @@ def format_table(results: list[RunResult], workload: str) -> str:
                      f"{r.turn_latency_p50_s:>6.2f} {r.turn_latency_p99_s:>6.2f} "
                      f"{r.peak_kv_bytes / 2**30:>8.2f} {r.per_agent_kv_bytes / 2**20:>9.1f} "
                      f"{r.context_kv_per_agent_bytes / 2**20:>13.1f} {r.prefix_hit_rate:>5.2f} "
-                     f"{r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} {r.decode_tick_s:>8.2f}")
+                     f"{r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} "
+                     f"{r.decode_tick_s:>8.2f}")
     return "\n".join(lines)
 
 

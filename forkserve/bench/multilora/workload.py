@@ -99,7 +99,8 @@ def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict
     return {"base": kv, "residual": res}
 
 
-def budget_pages(sizes: dict[str, int], params: MultiLoraParams, layout: KVLayout) -> tuple[int, int]:
+def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
+                 layout: KVLayout) -> tuple[int, int]:
     """(base pages, residual pages) the byte budget buys in ``layout``."""
     budget = params.kv_budget_gib * 2 ** 30
     if layout.has_residual_pool:
@@ -124,8 +125,9 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
     adapters = {} if system == "no_lora" else {
         f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i)
         for i in range(max_workflows)}
-    backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device, dtype=dtype,
-                                        max_adapters=max(1, len(adapters)), max_lora_rank=params.rank,
+    backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device,
+                                        dtype=dtype, max_adapters=max(1, len(adapters)),
+                                        max_lora_rank=params.rank,
                                         lora_targets=TARGETS if adapters else None)
     return backend, sizes
 
