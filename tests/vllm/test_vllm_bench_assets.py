@@ -8,7 +8,7 @@ import torch
 
 from forkserve.backend.torch.lora import load_peft_adapter
 from forkserve.backend.vllm.bench_assets import write_model_dir, write_peft_adapter
-from forkserve.bench.multilora import tiny_config, random_adapter
+from forkserve.bench.multilora import random_adapter, tiny_config
 
 
 def test_model_dir_carries_the_shape(tmp_path):
