@@ -150,11 +150,22 @@ class Driver:
         flow.turn_started = time.perf_counter()
         self.engine.start_generate(flow.session, self.params.gen)
 
+    def _check_shared_pass_fits(self) -> None:
+        """The one base pass writes every agent's context residual at once, before any
+        admission: say so plainly rather than fail inside the engine."""
+        pool = self.engine.residual_pool
+        need = len(self.flows) * (-(-len(self.shared_context) // self.params.page_size))
+        if pool is not None and need > pool.num_pages:
+            raise RuntimeError(f"the base pass writes {len(self.flows)} agents' context residuals "
+                               f"at once: {need} residual pages, the pool has {pool.num_pages} "
+                               f"(raise --residual-share or --kv-budget-gib)")
+
     def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
         """Agent 0 prefills the shared context and the rest find it published; with
         base_activations one base pass publishes it for every agent first.
         Returns (active, waiting)."""
         if self.shared_context is not None:
+            self._check_shared_pass_fits()
             self.engine.prefill_shared(self.shared_context, [f.adapter for f in self.flows])
             return [], list(self.flows)
         first = self.flows[0]

@@ -36,20 +36,24 @@ def format_table(results: list[RunResult], workload: str) -> str:
 
 def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload: str,
          tiny: bool) -> None:
-    """Throughput and per-agent KV against W, one line per system. A failed run is drawn
-    as a red x on the W axis and named under the plot, never left out silently."""
+    """Throughput and per-agent KV against W, one line per system (its color fixed, so
+    plots compare). A failed run is an x in its system's color on the W axis and is named
+    above the plot, never left out silently."""
     fig, (tput, kv) = new_figure(2, width=11, height=4.6)
-    for system in SYSTEMS:
+    for i, system in enumerate(SYSTEMS):
         rows = [r for r in results if r.system == system]
         if rows:
             ws = [r.workflows for r in rows]
-            tput.plot(ws, [r.tasks_per_s for r in rows], "o-", label=system)
-            kv.plot(ws, [r.per_agent_kv_bytes / 2**20 for r in rows], "o-", label=system)
+            tput.plot(ws, [r.tasks_per_s for r in rows], "o-", color=f"C{i}", label=system)
+            kv.plot(ws, [r.per_agent_kv_bytes / 2**20 for r in rows], "o-", color=f"C{i}",
+                    label=system)
+        lost = [f.workflows for f in failed if f.system == system]
+        if lost:
+            tput.plot(lost, [0] * len(lost), "x", color=f"C{i}", markersize=12, mew=2,
+                      label=f"{system} FAILED")
     if failed:
-        tput.plot([f.workflows for f in failed], [0] * len(failed), "rx", markersize=10,
-                  label="FAILED run")
-        fig.text(0.01, 0.99, "FAILED: " + "; ".join(f"{f.system} W={f.workflows}" for f in failed),
-                 color="red", va="top", fontsize=8)
+        fig.suptitle("FAILED: " + "; ".join(f"{f.system} W={f.workflows}" for f in failed),
+                     color="red", fontsize=10)
     tput.set(xlabel="workflows W", ylabel="tasks/s",
              title=titled(f"{workload}-multilora throughput", tiny))
     kv.set(xlabel="workflows W", ylabel="MiB per agent", title=titled("per-agent KV", tiny),
