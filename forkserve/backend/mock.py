@@ -25,7 +25,7 @@ page used after it was parked, or brought back into the wrong page, reads as nev
 from __future__ import annotations
 
 import zlib
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from forkserve.backend.cost_model import CostModel
 from forkserve.backend.protocol import (HostCopy, PageId, PageKind, SeqWork, StepCost,
                                        StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.errors import UnknownAdapterError
 
 _UNWRITTEN = -1
 _HASH_MOD = (1 << 61) - 1
@@ -46,9 +47,16 @@ def _adapter_code(adapter: int | str | None) -> int:
 
 class MockBackend:
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
-                 invocations: Mapping[int | str, Sequence[int]] | None = None) -> None:
+                 invocations: Mapping[int | str, Sequence[int]] | None = None,
+                 adapters: Iterable[int | str] | None = None) -> None:
+        """``adapters``: the resident adapters (``remove_adapter`` / ``add_adapter`` change
+        them); None accepts any adapter id. ``fault``: tests set it to a function of one
+        item that returns an exception to raise in the middle of a step (items before it in
+        the batch are already written, as a real backend failing mid-batch would leave them)."""
         self.config = config or ForkServeConfig()
         self._invocations = {a: tuple(tokens) for a, tokens in (invocations or {}).items()}
+        self._adapters = set(adapters) if adapters is not None else None
+        self.fault: Callable[[SeqWork], Exception | None] | None = None
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
         p = self.config.page_size
@@ -68,6 +76,23 @@ class MockBackend:
         kv = self._kv[kind]
         for src, dst in pairs:
             kv[dst] = kv[src]
+
+    def knows_adapter(self, adapter: int | str) -> bool:
+        return self._adapters is None or adapter in self._adapters
+
+    def add_adapter(self, adapter: int | str) -> None:
+        if self._adapters is not None:
+            self._adapters.add(adapter)
+
+    def remove_adapter(self, adapter: int | str) -> None:
+        if self._adapters is None or adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not resident")
+        self._adapters.remove(adapter)
+
+    def first_unwritten(self, kind: PageKind, pages: Sequence[PageId], length: int) -> int | None:
+        """The first of positions [0, length) behind ``pages`` no step wrote (None: all were)."""
+        unwritten = np.flatnonzero(self.kv_values(kind, pages, length) == _UNWRITTEN)
+        return int(unwritten[0]) if len(unwritten) else None
 
     def adapter_invocation(self, adapter: int | str) -> tuple[int, ...] | None:
         """An activated LoRA's invocation tokens (None for a plain adapter)."""
@@ -122,6 +147,12 @@ class MockBackend:
         calls = prefill_tokens = decode_tokens = context_read = 0
         base_kind = self.page_kinds()[0]
         for item in work:
+            if item.adapter_id is not None and not self.knows_adapter(item.adapter_id):
+                raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not resident",
+                                          seq_ids=(item.seq_id,))
+            injected = self.fault(item) if self.fault is not None else None
+            if injected is not None:
+                raise injected
             sides = [(base_kind, item.slots.pages, item.write_base)]
             if item.slots.residual_pages is not None:
                 sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))

@@ -90,7 +90,9 @@ def test_lcp_commit_splits_a_mid_page_and_prefills_only_the_tail():
     eng.drain_slack()
     cr = eng.commit(h.id, h.tip, [1, 2, 3, 7, 7])  # diverges inside a's second page
     assert (cr.bound_node, cr.matched_tokens, cr.prefilled_tokens) == (a, 3, 2)
-    assert set(cr.aborted) == {a, b}
+    # The bound branch is released (its pages live on in the tip) but is not "aborted".
+    assert set(cr.aborted) == {b}
+    assert eng.node(h.id, a).state is NodeState.ABORTED
     out = eng.generate(h.id, 8)
     assert out.tokens == baseline_generate(cfg, trunk + [1, 2, 3, 7, 7], 8)
     eng.check_integrity()

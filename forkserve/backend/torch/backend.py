@@ -139,9 +139,10 @@ class TorchBackend:
                max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
                attention: str | AttentionBackend, use_cuda_graphs: bool, compile_fusions: bool | None,
                connector_gb_per_s: float, seed: int) -> None:
-        # The model decides the vocabulary; the control plane reads it from backend.config.
-        self.config = config if config.vocab_size == model_cfg.vocab_size else config.replace(
-            vocab_size=model_cfg.vocab_size)
+        # The model decides the vocabulary and the context window; the control plane reads
+        # both from backend.config, so the verbs admit against the loaded model.
+        self.config = config.replace(vocab_size=model_cfg.vocab_size,
+                                     max_context=min(config.max_context, model_cfg.max_context))
         self.model_config, self.device, self.dtype = model_cfg, device, dtype
         self.layout: KVLayout = config.kv_layout
         ranks = [a.rank for a in adapters.values()]

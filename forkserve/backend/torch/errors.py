@@ -45,7 +45,7 @@ class TokenOutOfVocabError(TorchBackendError, ValueError):
     """A token id outside [0, vocab_size)."""
 
 
-class ContextLengthError(TorchBackendError, ValueError):
+class ContextLengthError(TorchBackendError, errors.ContextLengthError):
     """A sequence would grow past the model's context window."""
 
 
