@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -65,19 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
     device = torch.device(args.device)
+    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
     with tiny_threads(device, args.tiny):
-        results, failed = _run_all(args, device)
+        results, failed = _run_all(args, device, args.out / f"{stem}.json")
     print(format_table(results, args.workload))
     for f in failed:
         print(f.line())
-    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
     print(f"wrote {args.out / f'{stem}.json'}")
     plot(results, failed, args.out / f"{stem}.png", args.workload, args.tiny)
     return 1 if failed else 0
 
 
-def _run_all(args: argparse.Namespace,
-             device: torch.device) -> tuple[list[RunResult], list[FailedRun]]:
+def _run_all(args: argparse.Namespace, device: torch.device,
+             json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
+    """Every system at every W; the JSON is rewritten after each run."""
     from forkserve.backend.torch.model_config import llama3_8b_config
     from forkserve.backend.torch.weights import random_weights
 
@@ -86,7 +88,6 @@ def _run_all(args: argparse.Namespace,
     weights = random_weights(model_cfg, device, dtype)
     results: list[RunResult] = []
     failed: list[FailedRun] = []
-    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
 
     def params(w: int, **over) -> MultiLoraParams:
         return MultiLoraParams(**(dict(workload=args.workload, workflows=w, context=args.context,
@@ -96,7 +97,7 @@ def _run_all(args: argparse.Namespace,
                                        lockstep=not args.closed_loop) | over))
 
     def save() -> None:  # after every run, so a later failure or timeout loses nothing
-        write_json(args.out / f"{stem}.json", {
+        write_json(json_path, {
             "workload": f"{args.workload}-multilora",
             "driver": "closed-loop" if args.closed_loop else "lockstep",
             "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
