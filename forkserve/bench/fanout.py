@@ -157,8 +157,11 @@ def plot(rows: list[FanoutRow], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="forkserve bench fanout", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="forkserve bench fanout",
+        description="seed 000's fan-out table (docs/WORKLOADS.md): prefix caching, alias, "
+                    "disaggregation and the cascade side by side on the MockBackend cost model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sessions", type=int, default=10, help="sessions, one after another")
     ap.add_argument("--trunk", type=int, default=256, help="trunk tokens shared by a fan-out")
     ap.add_argument("--residual", type=int, default=32, help="tokens of each thought")
