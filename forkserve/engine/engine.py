@@ -660,6 +660,8 @@ def _token_ids(tokens, what: str, allow_empty: bool = False) -> list[int]:
                                   f"got {type(tokens).__name__}") from None
     if not items and not allow_empty:
         raise InvalidRequestError(f"{what}: token list is empty")
+    if all(type(t) is int for t in items):  # the common case, checked at C speed
+        return items
     out = []
     for t in items:
         if isinstance(t, bool) or type(t).__name__ == "bool_":
