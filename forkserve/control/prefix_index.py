@@ -35,7 +35,8 @@ from forkserve.control.page_pool import PagePool
 
 @dataclass(frozen=True)
 class BaseNamespace:
-    """Pages computed by the base model (or shared across adapters)."""
+    """Pages computed by the base model: exact for it, and for every adapter before its
+    activation point."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,18 @@ class AdapterNamespace:
     adapter_start: int | None = 0
 
 
-Namespace = BaseNamespace | AdapterNamespace
+@dataclass(frozen=True)
+class ForwardNamespace:
+    """Base-side K/V (xW) computed from an adapter's hidden states: the base model's weights
+    over activations the adapter shaped, so it is exact only for that adapter (``writer``);
+    ``writer`` None: some adapter's, shared across adapters by choice (``ShareBase``)."""
+
+    writer: AdapterNamespace | None = None
+
+
+Namespace = BaseNamespace | AdapterNamespace | ForwardNamespace
 BASE = BaseNamespace()
+CROSS_ADAPTER = ForwardNamespace()
 
 
 @dataclass(frozen=True)
