@@ -25,6 +25,7 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
+from forkserve.control.sharing import PrefixSharing
 from forkserve.engine.session import Session
 
 
@@ -139,6 +140,7 @@ class Stepper:
                                 adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
                                                             start + g.tokens)))
             targets.append((session, node, g, sampling))
+        work = PrefixSharing(self.pool.page_size).annotate(work)  # cascade attention groups
         result = self.backend.step(work)
         self.account_cost(result.cost, grants)
         for (session, node, g, sampling), token in zip(targets, result.next_tokens, strict=False):

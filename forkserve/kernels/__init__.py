@@ -17,7 +17,7 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "residual_prefill_variant",
-    "shared_prefix_decode", "lora_shrink", "lora_expand",
+    "shared_prefix_decode", "cascade_decode", "cascade_tile_agents", "lora_shrink", "lora_expand",
 ]
 
 
@@ -117,6 +117,26 @@ def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         from forkserve.kernels.shared_prefix import shared_prefix_decode_triton
         return shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                            prefix_pages, scale, **tuning)
+    return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def cascade_tile_agents(group: int) -> int:
+    """Sequences per cascade prefix tile for ``group`` query heads per KV head: their GQA
+    groups stack into one 128-row query tile (a tensor-core sized product per key tile)."""
+    return max(1, 128 // (1 << (group - 1).bit_length()))
+
+
+def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, tile_seqs: torch.Tensor,
+                   tile_lens: torch.Tensor, kv_starts: torch.Tensor, scale: float | None = None, *,
+                   use_triton: bool | None = None, **tuning) -> torch.Tensor:
+    """Decode with cascade tiles (unified layout): the sequences ``tile_seqs [n_tiles, agents]``
+    lists (-1 pads) read their first ``tile_lens`` keys once per tile; ``kv_starts [batch]``
+    is where each sequence's own suffix starts. Equals ``paged_decode``, its reference."""
+    if _triton(use_triton, q):
+        from forkserve.kernels.shared_prefix import cascade_decode_triton
+        return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens,
+                                     kv_starts, scale, **tuning)
     return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

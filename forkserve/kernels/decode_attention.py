@@ -41,7 +41,7 @@ NO_LIMIT = 2 ** 30
 def _decode_partial_kernel(
     Q, K, V, KR, VR, BK, BV, RopeTable, Bias,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
-    PartOut, PartLse,
+    PartOut, PartLse, TileSeqs, TileLens, KvStarts,
     batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -54,7 +54,8 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
-    RES_BIAS: tl.constexpr,
+    RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
+    DYN_SPLIT: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -62,15 +63,33 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
 
     rows = tl.arange(0, BLOCK_H)
-    row_seq = pid_g * SEQS + rows // GROUP
     row_head = kvh * GROUP + rows % GROUP
-    row_ok = (rows < SEQS * GROUP) & (row_seq < batch)
-    lead = pid_g * SEQS  # every row of the tile reads this sequence's pages
-
-    seq_len = tl.load(SeqLens + lead)
-    kv_end = tl.minimum(seq_len, kv_limit)
-    start = kv_start + split * split_len
-    stop = tl.minimum(start + split_len, kv_end)
+    if TILED:
+        # Cascade prefix: the rows are the GQA groups of the sequences tile pid_g lists (-1:
+        # none); all of them read the same pages up to the tile's prefix length.
+        row_seq = tl.load(TileSeqs + pid_g * SEQS + rows // GROUP, mask=rows < SEQS * GROUP, other=-1)
+        row_ok = row_seq >= 0
+        row_seq = tl.maximum(row_seq, 0)
+        first = tl.load(TileSeqs + pid_g * SEQS)
+        lead = tl.maximum(first, 0)
+        kv_end = tl.where(first >= 0, tl.minimum(tl.load(SeqLens + lead), tl.load(TileLens + pid_g)), 0)
+    else:
+        row_seq = pid_g * SEQS + rows // GROUP
+        row_ok = (rows < SEQS * GROUP) & (row_seq < batch)
+        lead = pid_g * SEQS  # every row of the tile reads this sequence's pages
+        kv_end = tl.minimum(tl.load(SeqLens + lead), kv_limit)
+    if SEQ_START:
+        key_start = tl.load(KvStarts + lead)  # cascade suffix: after the group's shared prefix
+    else:
+        key_start = kv_start
+    if DYN_SPLIT:
+        # Split this sequence's own key range (graph-safe: no host bound on its length).
+        span = tl.maximum(kv_end - key_start, 0)
+        key_split = tl.cdiv(tl.cdiv(span, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    else:
+        key_split = split_len
+    start = key_start + split * key_split
+    stop = tl.minimum(start + key_split, kv_end)
 
     d_lo = tl.arange(0, HALF)
     d = tl.arange(0, HEAD_DIM)
@@ -360,8 +379,10 @@ def _merge_kernel(PartOut, PartLse, Out, Lse, num_splits,
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+    # A slot with no keys may never have been written (cascade: rows of no tile): skip its read.
+    live = s_ok & (lse > float("-inf"))
     part = tl.load(PartOut + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                   mask=s_ok[:, None], other=0.0)
+                   mask=live[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / total
     tl.store(Out + b * stride_fb + h * stride_fh + d, out.to(Out.dtype.element_ty))
@@ -397,7 +418,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     split_offset: int, seqs_per_program: int = 1,
                     residual: tuple | None = None, block_n: int = 64, num_warps: int = 4,
                     num_stages: int = 2, split_score: bool = False,
-                    res_bias: torch.Tensor | None = None) -> None:
+                    res_bias: torch.Tensor | None = None,
+                    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    kv_starts: torch.Tensor | None = None) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -412,8 +435,16 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     ``res_bias`` (residual only): ``[batch, H, >= max key]`` residual scores written by
     ``residual_scores``; the kernel adds them to ``q.K_base`` instead of rebuilding keys
     (two-pass ResidualAttention), so ``B_k`` and the RoPE table are not read.
+    ``tiles`` (cascade prefix): ``(tile_seqs [n_tiles, seqs] int32, tile_lens [n_tiles] int32)``;
+    program ``g`` serves the sequences ``tile_seqs[g]`` lists (-1: none) over keys
+    ``[kv_start, tile_lens[g])`` of the first one's pages; rows of no tile are not written.
+    ``kv_starts`` (cascade suffix): ``[batch]`` int32, each sequence's first key instead of
+    ``kv_start``. With either, ``split_len`` is ignored: each program splits its own
+    sequence's range in ``num_splits`` (graph-safe, no host bound needed).
     """
     batch, n_heads, head_dim = q.shape
+    if tiles is not None:
+        seqs_per_program = tiles[0].shape[1]
     n_kv = k.shape[2]
     group = n_heads // n_kv
     assert k.stride() == v.stride() and k.stride(-1) == 1 and q.stride(-1) == 1
@@ -437,10 +468,12 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         bias_strides = (res_bias.stride(0), res_bias.stride(1))
     else:
         bias_strides = (0, 0)
-    grid = (-(-batch // seqs_per_program), n_kv, num_splits)
-    _decode_partial_kernel[grid](
+    programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
+    tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
+    _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, res_bias,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
+        tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         *res_strides, block_tables.stride(0), rbt_stride,
@@ -448,7 +481,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         part_lse.stride(0), part_lse.stride(1), *bias_strides,
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
-        SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None,
+        SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
+        SEQ_START=kv_starts is not None, DYN_SPLIT=tiles is not None or kv_starts is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 

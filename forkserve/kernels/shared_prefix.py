@@ -1,63 +1,78 @@
-"""Shared-prefix decode: a batch of agents whose block tables start with the same pages.
+"""Shared-prefix (cascade) decode: sequences whose block tables start with the same pages.
 
-Plain decode reads the shared pages once per agent. Here the prefix is attended once per
-group of agents: a program's query tile stacks the GQA groups of up to ``agents_per_program``
-agents, so each prefix key tile is loaded once and multiplied against all of them (a small
-matrix product instead of many vector ones). Each agent's own suffix is attended by the
-ordinary decode partial kernel, and both partial softmax states are merged by log-sum-exp,
-so the output equals plain decode up to float rounding.
+Plain decode reads the shared pages once per sequence. Here a prefix is attended once per
+tile of sequences: a program's query tile stacks the GQA groups of up to
+``cascade_tile_agents(group)`` sequences, so each prefix key tile is loaded once and multiplied
+against all of them (a 128-row matrix product instead of many 16-row ones). Each
+sequence's own suffix is attended by the ordinary decode partial kernel from its own start,
+and both partial softmax states are merged by log-sum-exp, so the output equals plain
+decode up to float rounding.
 
-Contract: every sequence of the batch lists the same first ``prefix_pages`` page ids and
-has ``seq_len >= prefix_pages * P``. Unified layout only: in the disaggregated layout each
-agent rebuilds a different K from the shared base, which this kernel does not do.
+The general form (``cascade_decode_triton``) takes the tiles as tensors: ``tile_seqs``
+lists each tile's sequences (-1 pads), ``tile_lens`` its prefix length in keys (any length,
+page-aligned or not), ``kv_starts`` each sequence's first suffix key (its tile's prefix
+length, 0 for a sequence in no tile). Every program splits its own key range, so one
+launch shape serves any grouping of a batch: it can be captured in a CUDA graph.
+Unified K/V only: in the disaggregated layout each sequence rebuilds a different K.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import triton
 
+from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import NO_LIMIT, decode_partials, merge_partials, plan_splits
+
+
+def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                          scale: float | None = None, max_seq_len: int | None = None,
+                          num_splits: int | None = None, block_n: int = 64,
+                          num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Decode ``q [batch, H, D]`` over a unified cache with the prefixes of ``tile_seqs
+    [n_tiles, agents]`` read once per tile. ``max_seq_len``: a host bound on every length
+    (plans the split counts; a CUDA graph passes its table width). Returns ``[batch, H, D]``."""
+    batch, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
+    pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, block_n, num_splits)
+    suf_splits, _ = plan_splits(batch * n_kv, max_seq_len, q.device, block_n, num_splits)
+    splits = pre_splits + suf_splits
+    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
+    part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial
+    common = dict(scale=scale, split_len=0, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, kv_start=0,
+                    kv_limit=NO_LIMIT, num_splits=pre_splits, split_offset=0,
+                    tiles=(tile_seqs, tile_lens), **common)
+    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, kv_start=0,
+                    kv_limit=NO_LIMIT, num_splits=suf_splits, split_offset=pre_splits,
+                    kv_starts=kv_starts, **common)
+    out = torch.empty_like(q)
+    merge_partials(part_out, part_lse, out, splits)
+    return out
 
 
 def shared_prefix_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                 prefix_pages: int, scale: float | None = None,
                                 max_seq_len: int | None = None,
-                                agents_per_program: int | None = None,
-                                num_splits: int | None = None, block_n: int = 64,
-                                num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Decode ``q [batch, H, D]`` over a unified cache whose first ``prefix_pages`` pages
-    are shared by the whole batch. Returns ``[batch, H, D]``."""
-    batch, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[2]
-    group = n_heads // n_kv
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
-    prefix_len = prefix_pages * k_cache.shape[1]
-    if agents_per_program is None:  # a 128-row query tile: one tensor-core sized product
-        agents_per_program = max(1, 128 // triton.next_power_of_2(group))
-    agents_per_program = min(agents_per_program, batch)
-    n_groups = -(-batch // agents_per_program)
-    pre_splits, pre_len = plan_splits(n_groups * n_kv, prefix_len, q.device, block_n, num_splits)
-    suf_splits, suf_len = plan_splits(batch * n_kv, max_seq_len - prefix_len, q.device, block_n,
-                                      num_splits)
-    splits = pre_splits + suf_splits
-    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
-    common = dict(scale=scale, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    if prefix_len > 0:
-        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                        kv_start=0, kv_limit=prefix_len, num_splits=pre_splits, split_len=pre_len,
-                        split_offset=0, seqs_per_program=agents_per_program, **common)
-    else:
-        part_lse[:, :, :pre_splits].fill_(float("-inf"))
-        part_out[:, :, :pre_splits].zero_()
-    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                    kv_start=prefix_len, kv_limit=NO_LIMIT, num_splits=suf_splits,
-                    split_len=suf_len, split_offset=pre_splits, **common)
-    out = torch.empty_like(q)
-    merge_partials(part_out, part_lse, out, splits)
-    return out
+                                agents_per_program: int | None = None, **tuning) -> torch.Tensor:
+    """The whole batch shares its first ``prefix_pages`` pages: consecutive tiles of
+    ``agents_per_program`` sequences (default ``cascade_tile_agents``). ``tuning`` as in
+    ``cascade_decode_triton``."""
+    batch, n_heads, _ = q.shape
+    agents = agents_per_program or cascade_tile_agents(n_heads // k_cache.shape[2])
+    agents = min(agents, batch)
+    n_tiles = -(-batch // agents)
+    seqs = torch.arange(n_tiles * agents, dtype=torch.int32, device=q.device)
+    tile_seqs = torch.where(seqs < batch, seqs, -1).view(n_tiles, agents)
+    prefix = prefix_pages * k_cache.shape[1]
+    tile_lens = torch.full((n_tiles,), prefix, dtype=torch.int32, device=q.device)
+    kv_starts = torch.full((batch,), prefix, dtype=torch.int32, device=q.device)
+    return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens,
+                                 kv_starts, scale, max_seq_len, **tuning)

@@ -1,11 +1,28 @@
-"""Shared-prefix decode equals plain decode."""
+"""Shared-prefix (cascade) decode equals plain decode."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from forkserve.kernels import paged_decode, reference, shared_prefix_decode
+from forkserve.kernels import cascade_decode, paged_decode, reference, shared_prefix_decode
 from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_cache, rel_err
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+                      seq_lens: list[int]) -> torch.Tensor:
+    """The oracle, written out: each sequence's keys gathered from its pages, softmax(q K^T / sqrt(D)) V."""
+    page, n_kv, dim = k.shape[1], k.shape[2], k.shape[3]
+    group = q.shape[1] // n_kv
+    out = []
+    for b, n in enumerate(seq_lens):
+        pages = tables[b, :-(-n // page)].long()
+        keys = k[pages].reshape(-1, n_kv, dim)[:n].double().repeat_interleave(group, dim=1)
+        vals = v[pages].reshape(-1, n_kv, dim)[:n].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) / math.sqrt(dim)
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vals))
+    return torch.stack(out)
 
 
 @pytest.mark.parametrize("agents_per_program", [2, None])
@@ -25,3 +42,25 @@ def test_shared_prefix_equals_decode(agents_per_program: int | None, n_heads: in
     assert rel_err(out, ref) < REL_TOL
     plain = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True)
     assert rel_err(out, plain) < REL_TOL
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_cascade_tiles_equal_plain_attention(num_splits: int | None) -> None:
+    """One batch, several groups: a group split over two tiles (prefix ending mid-page), a
+    page-aligned group, a group of one and items in no group, an unused padded tile."""
+    gen = torch.Generator().manual_seed(7)
+    page, n_heads, n_kv, dim = 16, 4, 2, 32
+    seq_lens = [70, 75, 41, 90, 66, 33, 80]
+    c = make_cache(gen, seq_lens, n_kv, dim, rank=8)
+    tables = c.block_tables.clone()
+    # Group A (rows 0, 1, 3, 4) shares 4 full pages but attends only 53 keys of them as
+    # prefix; group B (rows 2, 6) shares 2 pages, attended whole; row 5 reads alone.
+    tables[[1, 3, 4], :4] = tables[0, :4]
+    tables[6, :2] = tables[2, :2]
+    tile_seqs = torch.tensor([[0, 3], [1, 4], [2, 6], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    tile_lens = torch.tensor([53, 53, 32, 0], dtype=torch.int32, device=DEVICE)
+    kv_starts = torch.tensor([53, 53, 32, 53, 53, 0, 32], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
+    out = cascade_decode(q, c.k, c.v, tables, c.seq_lens, tile_seqs, tile_lens, kv_starts, use_triton=True,
+                         num_splits=num_splits, block_n=16)
+    assert rel_err(out, softmax_attention(q, c.k, c.v, tables, seq_lens)) < REL_TOL

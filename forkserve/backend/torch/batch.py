@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from forkserve.backend.protocol import SeqWork
+from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve.backend.torch.errors import (ContextLengthError, InvalidWorkError, TokenOutOfVocabError,
                                             UnknownAdapterError)
@@ -93,12 +94,14 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
                 raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not resident")
             _check_pages(seq, target.residual_pages, limits.num_residual_pages, end, "residual",
                          limits.page_size)
+    cascade_tiles.check_groups(work, limits.page_size)
 
 
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
-          all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int) -> Batch:
+          all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
+          cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
     """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
-    token of each item that samples."""
+    token of each item that samples. `cascade`: tiles of a decode batch of unified K/V."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
@@ -166,6 +169,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
         extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
         kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None] if split and any(merged_tokens) else None,
+        cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),

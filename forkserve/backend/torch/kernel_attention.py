@@ -50,6 +50,11 @@ class KernelAttention:
                     q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables,
                     meta.seq_lens, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
                     meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton, **tuning)
+            elif meta.cascade is not None:
+                c = meta.cascade
+                out = kernels.cascade_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, c.tile_seqs,
+                                             c.tile_lens, c.kv_starts, scale, use_triton=self.use_triton,
+                                             **tuning)
             else:
                 out = kernels.paged_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, scale,
                                            use_triton=self.use_triton, **tuning)
