@@ -33,14 +33,18 @@ class PrefixSharing:
     """
 
     page_size: int
-    # Fewer shared pages than this save less than the second launch and the merge cost.
-    min_pages: int = 16
+    # A shorter shared prefix saves less than the second launch and the merge cost
+    # (ForkServeConfig.shared_prefix_min_tokens); None: no groups.
+    min_tokens: int | None = 256
     min_items: int = 2
 
     def groups(self, work: Sequence[SeqWork]) -> tuple[PrefixGroup, ...]:
+        if self.min_tokens is None:
+            return ()
+        min_pages = -(-self.min_tokens // self.page_size)
         by_first: dict[int, list[int]] = {}
         for i, item in enumerate(work):
-            if self._readable(item) >= self.min_pages:
+            if self._readable(item) >= min_pages:
                 by_first.setdefault(item.slots.pages[0], []).append(i)
         groups = []
         for items in by_first.values():
@@ -50,7 +54,7 @@ class PrefixSharing:
             common = sorted(((self._common(lead, work[i]), i) for i in items[1:]), reverse=True)
             best_k, best_saved = 0, 0
             for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
-                if k + 1 >= self.min_items and pages >= self.min_pages and k * pages > best_saved:
+                if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
                     best_k, best_saved = k, k * pages
             if best_k:
                 members = (items[0], *(i for _, i in common[:best_k]))

@@ -140,7 +140,7 @@ class Stepper:
                                 adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
                                                             start + g.tokens)))
             targets.append((session, node, g, sampling))
-        work = PrefixSharing(self.pool.page_size).annotate(work)  # cascade attention groups
+        work = PrefixSharing(self.pool.page_size, self.config.shared_prefix_min_tokens).annotate(work)
         result = self.backend.step(work)
         self.account_cost(result.cost, grants)
         for (session, node, g, sampling), token in zip(targets, result.next_tokens, strict=False):
