@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 15's H200 runs, in the calls one lease allows (10 minutes each). Every step writes
+# under $OUT as it finishes, so a timeout loses only the step it interrupts.
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 1   # tests, kernels, react no_lora
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # decode_bench, react unified (+ base)
+set -u
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu_$1.txt"
+case "$1" in
+1)
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -x tests/kernels/test_shared_prefix.py \
+    tests/torch/test_cascade.py tests/torch/test_attention_backends.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_cascade.log"
+  timeout 180 python3 benchmarks/kernel_bench.py --variants two_pass_bn64 two_pass_bn64_keysm64 \
+    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag issue15 --out "$OUT" 2>&1 | tail -20
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --tag issue15_no_lora --out "$OUT" 2>&1 | tail -6
+  ;;
+2)
+  timeout 330 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified \
+    --cascade on off --tag issue15_unified --out "$OUT" 2>&1 | tail -6
+  ;;
+esac
+ls -la "$OUT"
