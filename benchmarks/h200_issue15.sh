@@ -2,7 +2,8 @@
 # Issue 15's H200 runs, in the calls one lease allows (10 minutes each). Every step writes
 # under $OUT as it finishes, so a timeout loses only the step it interrupts.
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 1   # tests, kernels, react no_lora
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # decode_bench, react unified (+ base)
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # cascade sweep, react no_lora, decode_bench
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, disaggregated_base
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -17,9 +18,16 @@ case "$1" in
     --cascade on off --tag issue15_no_lora --out "$OUT" 2>&1 | tail -6
   ;;
 2)
+  timeout 180 python3 benchmarks/kernel_bench.py --cascade-sweep --contexts 8192 32768 --out "$OUT" 2>&1 | tail -4
+  timeout 120 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --tag issue15_no_lora_v2 --out "$OUT" 2>&1 | tail -4
   timeout 330 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
-  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified \
-    --cascade on off --tag issue15_unified --out "$OUT" 2>&1 | tail -6
+  ;;
+3)
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified \
+    --cascade on off --tag issue15_unified --out "$OUT" 2>&1 | tail -5
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    --tag issue15_disaggregated_base --out "$OUT" 2>&1 | tail -4
   ;;
 esac
 ls -la "$OUT"

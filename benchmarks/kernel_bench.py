@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import reference  # noqa: E402
 from forkserve.kernels.decode_attention import paged_decode_triton, residual_decode_triton  # noqa: E402
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
@@ -435,6 +436,34 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
+    """Shared-prefix decode (32 agents) over the prefix launch's tuning (splits, key block,
+    warps, stages); the suffix launch keeps the unified defaults. JSON after each context."""
+    import itertools
+    res["cascade_sweep"] = []
+    grid = itertools.product((None, 16, 8), (32, 64), (4, 8), (2, 3))
+    combos = [dict(num_splits=a, block_n=b, num_warps=w, num_stages=st) for a, b, w, st in grid]
+    for ctx in s.contexts:
+        prefix_pages = ctx // s.page
+        per = prefix_pages + -(-s.suffix // s.page)
+        bt = s.tables(s.agents, per * s.page)[0].clone()
+        bt[:, :prefix_pages] = bt[0, :prefix_pages]
+        lens = torch.full((s.agents,), ctx + s.suffix, dtype=torch.int32, device=s.device)
+        q = s.q(s.agents)
+        indep = measure(res, f"sweep ctx={ctx} independent", lambda: paged_decode_triton(
+            q, s.k, s.v, bt, lens, max_seq_len=ctx + s.suffix), s.smoke)
+        for tuning in combos:
+            ms = measure(res, f"sweep ctx={ctx} {tuning}", lambda t=tuning: shared_prefix_decode_triton(
+                q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix, prefix_tuning=t), s.smoke)
+            res["cascade_sweep"].append({"prefix_ctx": ctx, "agents": s.agents, "suffix": s.suffix,
+                                         "prefix_tuning": tuning, "shared_ms": ms, "independent_ms": indep,
+                                         "ratio": ms / indep})
+        best = min((r for r in res["cascade_sweep"] if r["prefix_ctx"] == ctx), key=lambda r: r["shared_ms"])
+        print(f"sweep ctx={ctx} independent={indep:.4f}ms best={best['shared_ms']:.4f}ms "
+              f"({best['ratio']:.3f}) {best['prefix_tuning']}", flush=True)
+        path.write_text(json.dumps(res, indent=1))
+
+
 def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
@@ -599,6 +628,9 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
     parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
     parser.add_argument("--tag", default="decode_variants", help="file name tag for --variants")
+    parser.add_argument("--cascade-sweep", action="store_true",
+                        help="only: shared-prefix decode over its prefix launch's tuning; writes "
+                             "kernel_bench_cascade_sweep.json")
     args = parser.parse_args()
     if args.regs:
         register_report(args.out)
@@ -611,10 +643,16 @@ def main() -> None:
     if args.variants is not None:
         main_variants(s, args)
         return
+    if args.cascade_sweep:
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = {"device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+               "commit": source_commit(), "dtype": str(s.dtype)}
+        run_cascade_sweep(s, res, args.out / "kernel_bench_cascade_sweep.json")
+        return
     import triton
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode": [], "prefill": [], "shared_prefix": [],
@@ -651,7 +689,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
     names = args.variants or list(VARIANTS)
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode_variants": [], "shared_prefix": [],

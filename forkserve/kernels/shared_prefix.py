@@ -24,34 +24,43 @@ import torch
 from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import NO_LIMIT, decode_partials, merge_partials, plan_splits
 
+# The prefix launch multiplies 128-row query tiles: 8 warps hold the 128 x D accumulator
+# (4 would hold 128 fp32 values per thread for it alone).
+PREFIX_TUNING = {"num_splits": None, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
 
 def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
                           scale: float | None = None, max_seq_len: int | None = None,
                           num_splits: int | None = None, block_n: int = 64,
-                          num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                          num_warps: int = 4, num_stages: int = 2,
+                          prefix_tuning: dict | None = None) -> torch.Tensor:
     """Decode ``q [batch, H, D]`` over a unified cache with the prefixes of ``tile_seqs
     [n_tiles, agents]`` read once per tile. ``max_seq_len``: a host bound on every length
-    (plans the split counts; a CUDA graph passes its table width). Returns ``[batch, H, D]``."""
+    (plans the split counts; a CUDA graph passes its table width). The tuning keywords serve
+    the suffix launch; ``prefix_tuning`` overrides ``PREFIX_TUNING`` (``num_splits``,
+    ``block_n``, ``num_warps``, ``num_stages``) for the prefix launch. Returns ``[batch, H, D]``."""
     batch, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
-    pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, block_n, num_splits)
+    pre = PREFIX_TUNING | (prefix_tuning or {})
+    pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, pre["block_n"],
+                                pre["num_splits"] or num_splits)
     suf_splits, _ = plan_splits(batch * n_kv, max_seq_len, q.device, block_n, num_splits)
     splits = pre_splits + suf_splits
     part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
     part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial
-    common = dict(scale=scale, split_len=0, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, kv_start=0,
-                    kv_limit=NO_LIMIT, num_splits=pre_splits, split_offset=0,
-                    tiles=(tile_seqs, tile_lens), **common)
-    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, kv_start=0,
-                    kv_limit=NO_LIMIT, num_splits=suf_splits, split_offset=pre_splits,
-                    kv_starts=kv_starts, **common)
+    common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT)
+    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, num_splits=pre_splits,
+                    split_offset=0, tiles=(tile_seqs, tile_lens), block_n=pre["block_n"],
+                    num_warps=pre["num_warps"], num_stages=pre["num_stages"], **common)
+    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, num_splits=suf_splits,
+                    split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n, num_warps=num_warps,
+                    num_stages=num_stages, **common)
     out = torch.empty_like(q)
     merge_partials(part_out, part_lse, out, splits)
     return out
