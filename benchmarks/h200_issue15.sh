@@ -3,7 +3,7 @@
 # under $OUT as it finishes, so a timeout loses only the step it interrupts.
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 1   # tests, kernels, react no_lora
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # cascade sweep, react no_lora, decode_bench
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, disaggregated_base
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, base, no_lora x3
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -28,6 +28,8 @@ case "$1" in
     --cascade on off --tag issue15_unified --out "$OUT" 2>&1 | tail -5
   timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
     --tag issue15_disaggregated_base --out "$OUT" 2>&1 | tail -4
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --repeat 3 --tag issue15_no_lora_v3 --out "$OUT" 2>&1 | tail -4
   ;;
 esac
 ls -la "$OUT"
