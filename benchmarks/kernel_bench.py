@@ -424,10 +424,10 @@ def plot(res: dict, path: Path) -> None:
 
 # ResidualAttention decode variants timed by --variants (name -> residual_decode_triton keywords).
 VARIANTS: dict[str, dict] = {
-    "two_pass_bn64": dict(variant="two_pass", block_n=64),
-    "two_pass_bn32": dict(variant="two_pass", block_n=32),
+    "two_pass_bn64": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=32)),
+    "two_pass_bn32": dict(variant="two_pass", block_n=32, score_tuning=dict(block_n=32)),
     "two_pass_bn64_s16": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=16)),
-    # Pass 1 with keys as M (wgmma, register A operand); not timed yet.
+    # Pass 1 with keys as M (wgmma, register A operand): the default since issue 15's run.
     "two_pass_bn64_keysm64": dict(variant="two_pass", block_n=64,
                                   score_tuning=dict(block_n=64, keys_m=True)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),

@@ -503,7 +503,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     128 registers, no spills on sm_90 (64: 240; see ``kernel_bench.py --regs``).
     ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
     compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
-    transpose, no replicated warps) at 217 registers; never timed, not the default.
+    transpose, no replicated warps) at 217 registers; two-pass decode's default
+    (``SCORE_TUNING``), faster on the H200 at batch >= 8 (docs/KERNELS.md).
     """
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
@@ -581,6 +582,10 @@ def residual_chunked_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
+# Two-pass score kernel: keys as M at 64-key tiles (wgmma with the rotated tile as a register
+# operand). On the H200 (kernel_bench_issue15.json) 1.67-2.26x unified against 1.89-2.40x for
+# the 32-key default at batch >= 8, 4K-32K; 2-3% slower at batch 1 below 32K.
+SCORE_TUNING = {"block_n": 64, "keys_m": True}
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
@@ -602,7 +607,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: tor
         if variant == "two_pass":
             k_res, _, res_bt, b_k_all, _, adapter_idx, rope_tab = residual
             res_bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, rope_tab,
-                                       k.shape[2], max_seq_len, **(score_tuning or {}))
+                                       k.shape[2], max_seq_len, **(SCORE_TUNING if score_tuning is None
+                                                                   else score_tuning))
     if residual is not None and variant == "chunked":
         residual_chunked_partials(q, k, v, block_tables, seq_lens, residual, part_out, part_lse,
                                   scale=scale, max_seq_len=max_seq_len, num_splits=splits,
