@@ -101,7 +101,13 @@ def _decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
-    if HAS_RES:
+    if HAS_RES and TILED:
+        # Split-form cascade: rows of several adapters share the tile's base keys. A row's
+        # residual score comes from the score pass; the full score is written back for the
+        # value pass (``residual_values``), which adds the row's own V residual.
+        s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
+        s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
+    elif HAS_RES:
         adapter = tl.load(AdapterIdx + lead)
         has_ad = adapter >= 0
         a_safe = tl.maximum(adapter, 0)
@@ -125,7 +131,7 @@ def _decode_partial_kernel(
         k_lo = tl.load(K + kv_off[:, None] + d_lo[None, :], mask=n_ok[:, None], other=0.0)
         k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None], other=0.0)
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        if HAS_RES:
+        if HAS_RES and not TILED:
             rn_ok = n_ok & has_ad
             r_off = residual_offsets(ResBlockTables, lead * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs,
                                      PAGE_SIZE)
@@ -155,17 +161,19 @@ def _decode_partial_kernel(
         else:
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        if HAS_RES and TILED:
+            tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        if HAS_RES:
+        if HAS_RES and not TILED:
             # Same rescale as acc: acc_r is the softmax-weighted sum of V_res rows.
             acc_r = acc_r * alpha[:, None] + tl.dot(p.to(vr.dtype), vr)
         m_i = m_new
 
-    if HAS_RES:
+    if HAS_RES and not TILED:
         bv = tl.load(BV + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
                      mask=r_ok[:, None], other=0.0)
         acc += tl.dot(acc_r, bv.to(tl.float32))
@@ -367,6 +375,51 @@ def _residual_score_kernel(
 
 
 @triton.jit
+def _residual_value_kernel(
+    Scores, VR, BV, ResBlockTables, AdapterIdx, KvStarts, PartOut, PartLse,
+    rank, stride_sb, stride_sh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+):
+    """Split-form cascade, after the tiled prefix launch: adds a row's V residual to each of
+    its prefix partials, ``(sum_n exp2(s_n - lse) V_res[n]) B_v``, from the scores ``s`` and
+    the partial's log2-sum-exp ``lse`` that launch wrote (so already normalised like the
+    partial). Grid ``(batch, n_kv, prefix splits)``, the splits laid out as the prefix
+    launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    adapter = tl.load(AdapterIdx + b)
+    span = tl.where(adapter >= 0, tl.load(KvStarts + b), 0)
+    key_split = tl.cdiv(tl.cdiv(span, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = split * key_split
+    stop = tl.minimum(start + key_split, span)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    row_ok = (rows < GROUP) & (start < stop)
+    lse = tl.load(PartLse + b * stride_lb + heads * stride_lh + split, mask=row_ok, other=0.0)
+    r = tl.arange(0, RANK)
+    r_ok = r < rank
+    d = tl.arange(0, HEAD_DIM)
+    acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        ok = row_ok[:, None] & n_ok[None, :]
+        s = tl.load(Scores + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :], mask=ok, other=0.0)
+        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs, PAGE_SIZE)
+        vr = tl.load(VR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc_r += tl.dot(p.to(vr.dtype), vr)
+    bv = tl.load(BV + tl.maximum(adapter, 0) * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
+                 mask=r_ok[:, None], other=0.0)
+    o_ptr = PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    part = tl.load(o_ptr, mask=row_ok[:, None], other=0.0)
+    tl.store(o_ptr, part + tl.dot(acc_r, bv.to(tl.float32)), mask=row_ok[:, None])
+
+
+@triton.jit
 def _merge_kernel(PartOut, PartLse, Out, Lse, num_splits,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   stride_fb, stride_fh,
@@ -450,7 +503,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     assert k.stride() == v.stride() and k.stride(-1) == 1 and q.stride(-1) == 1
     block_h = max(16, triton.next_power_of_2(group * seqs_per_program))
     if residual is not None:
-        assert seqs_per_program == 1, "residual rows need their own adapter"
+        # Rows of several sequences share a program only as a cascade tile (score pass required).
+        assert seqs_per_program == 1 or (tiles is not None and res_bias is not None)
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
@@ -529,6 +583,25 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         KEYS_M=keys_m, num_warps=num_warps, num_stages=num_stages,
     )
     return bias
+
+
+def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Tensor,
+                    res_block_tables: torch.Tensor, adapter_idx: torch.Tensor, kv_starts: torch.Tensor,
+                    part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
+                    block_n: int) -> None:
+    """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
+    launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``."""
+    batch, n_heads, _, head_dim = part_out.shape
+    group = n_heads // n_kv
+    rank = b_v_all.shape[1]
+    _residual_value_kernel[(batch, n_kv, num_splits)](
+        scores, v_res, b_v_all, res_block_tables, adapter_idx, kv_starts, part_out, part_lse,
+        rank, scores.stride(0), scores.stride(1), v_res.stride(0), v_res.stride(1),
+        b_v_all.stride(0), b_v_all.stride(1), res_block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=v_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
+    )
 
 
 def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
