@@ -4,6 +4,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 1   # tests, kernels, react no_lora
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # cascade sweep, react no_lora, decode_bench
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, base, no_lora x3
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 4   # split-form cascade: tests, react
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -30,6 +31,14 @@ case "$1" in
     --tag issue15_disaggregated_base --out "$OUT" 2>&1 | tail -4
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
     --cascade on off --repeat 3 --tag issue15_no_lora_v3 --out "$OUT" 2>&1 | tail -4
+  ;;
+4)
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings tests/kernels/test_shared_prefix.py \
+    tests/kernels/test_decode.py tests/torch/test_cascade.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_split_cascade.log"
+  timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    --cascade on off --tag issue15_disaggregated_base_split --out "$OUT" 2>&1 | tail -4
+  timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated \
+    --cascade on off --tag issue15_disaggregated_split --out "$OUT" 2>&1 | tail -4
   ;;
 esac
 ls -la "$OUT"

@@ -68,23 +68,24 @@ def run(backend: TorchBackend, names: dict[int, str | None], residual: bool, ste
 @pytest.mark.parametrize("layout,named", [
     (KVLayout.UNIFIED, False),          # no LoRA
     (KVLayout.FULL_REUSE, True),        # adapters reading one adapter's merged pages
-    (KVLayout.DISAGGREGATED, True),     # split items: the groups are ignored (no tile)
+    (KVLayout.DISAGGREGATED, True),     # split form: shared base pages, own residuals
 ])
 def test_grouped_decode_equals_ungrouped(models, adapters, layout, named, graphs, monkeypatch):
     names = {a: ("qkvo", "qv")[a % 2] if named else None for a in GROUPS}
     names[5] = None
     calls = []
-    real = kernels.cascade_decode
-    monkeypatch.setattr(kernels, "cascade_decode", lambda *a, **k: calls.append(a[5].shape) or real(*a, **k))
+    split = layout is KVLayout.DISAGGREGATED
+    name = "cascade_residual_decode" if split else "cascade_decode"
+    real = getattr(kernels, name)
+    tiles = 12 if split else 5  # the tile table's position among the arguments
+    monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(a[tiles].shape) or real(*a, **k))
     out = {}
     for attention in ("eager", triton_attention()):
         backend = TorchBackend(make_config(layout), models["llama"], adapters={k: adapters[k] for k in ("qkvo", "qv")},
                                device=DEVICE, dtype=DTYPE, attention=attention, use_cuda_graphs=graphs)
         out[attention == "eager"] = run(backend, names, residual=layout is KVLayout.DISAGGREGATED)
     assert rel_err(out[False], out[True]) < REL_TOL
-    if layout is KVLayout.DISAGGREGATED:
-        assert not calls
-    elif not graphs:  # three tiles: group A, group B (agents 0-2 fit one tile of 64 rows / group 2)
+    if not graphs:  # two tiles: group A (agents 0-2 fit one tile: 64 agents / GQA group 2), group B
         assert calls and all(shape[0] == 2 for shape in calls)
 
 

@@ -1,10 +1,11 @@
 """Cascade attention in TorchBackend: the control plane's prefix groups as kernel tiles.
 
 The control plane marks items of a step that list the same leading pages
-(``SeqWork.shared_prefix``, decided in ``control/sharing.py``). For a decode batch of
-unified K/V (unified, full_reuse, no-LoRA, adaptive merged) each group becomes tiles of up
-to ``agents`` rows; the kernel reads a tile's prefix once for all its rows and each row's
-suffix alone (``kernels.cascade_decode``). A group of one reads alone: no tile.
+(``SeqWork.shared_prefix``, decided in ``control/sharing.py``). For a decode batch each
+group becomes tiles of up to ``agents`` rows; the kernel reads a tile's prefix once for all
+its rows and each row's suffix alone: ``kernels.cascade_decode`` over unified K/V (unified,
+full_reuse, no-LoRA, adaptive merged), ``kernels.cascade_residual_decode`` in the split form
+(shared base pages, each row's own residual). A group of one reads alone: no tile.
 
 Graph-safe: a decode graph is captured per tiles bucket (powers of two); its tile table is
 filled like every other input, unused tiles list no row, and the kernels split each range

@@ -45,9 +45,7 @@ class ModelRunner:
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
         decode = all(len(s.tokens) == 1 and not s.extra_residuals for s in work)
-        # Cascade tiles read unified K/V: not for a batch with split (rebuilt) items.
-        plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
-                if self.cascade and decode and True not in forms else None)
+        plan = cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents) if self.cascade and decode else None
         if self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1 and decode:
             return self._replay(work, adapter_slots, bucket, split=forms == {True}, cascade=plan)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
@@ -69,7 +67,7 @@ class ModelRunner:
         for bucket in (b for b in BATCH_BUCKETS if b <= top):
             for split in splits:
                 # One shared context (one tile) is the common cascade; more tiles are captured on use.
-                for tiles in (0, 1) if self.cascade and not split and bucket > 1 else (0,):
+                for tiles in (0, 1) if self.cascade and bucket > 1 else (0,):
                     new += self._ensure_graph((bucket, pages, use_lora, split, tiles))
         return new
 
