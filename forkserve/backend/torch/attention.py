@@ -45,7 +45,7 @@ class AttentionMetadata:
     # Adaptive layout, a batch of split and merged items: [T, 1] bool, the merged items'
     # tokens (their k/v LoRA delta is added to K/V; the split items' goes to the residual).
     kv_merge_mask: torch.Tensor | None = None
-    # Cascade attention (decode over unified K/V): prefixes read once per tile. Eager
+    # Cascade attention (decode): shared prefixes read once per tile. Eager
     # attention ignores it (the same result, each prefix read per sequence).
     cascade: CascadeTiles | None = None
 

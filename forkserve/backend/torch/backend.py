@@ -252,7 +252,7 @@ class TorchBackend:
 
     @property
     def cascade_attention(self) -> bool:
-        """Whether decode batches of unified K/V read a shared page prefix once per group
+        """Whether decode batches read a shared page prefix once per group
         (``SeqWork.shared_prefix``); off, every item reads its whole table (benchmarks compare)."""
         return self.runner.cascade
 

@@ -101,7 +101,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
           all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
           cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
     """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
-    token of each item that samples. `cascade`: tiles of a decode batch of unified K/V."""
+    token of each item that samples. `cascade`: tiles of a decode batch."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []

@@ -29,7 +29,7 @@ class ModelRunner:
                  use_cuda_graphs: bool, cascade: bool = True) -> None:
         self.model, self.pool, self.limits, self.device = model, pool, limits, device
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        # Cascade attention for decode batches of unified K/V whose items share a page prefix.
+        # Cascade attention for decode batches whose items share a page prefix (both forms).
         self.cascade = cascade
         self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads // model.cfg.num_kv_heads)
         self._graphs: dict[GraphKey, DecodeGraph] = {}
