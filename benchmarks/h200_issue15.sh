@@ -5,6 +5,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # cascade sweep, react no_lora, decode_bench
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, base, no_lora x3
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 4   # split-form cascade: tests, react
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 5   # split form in kernel_bench, decode_bench
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -39,6 +40,11 @@ case "$1" in
     --cascade on off --tag issue15_disaggregated_base_split --out "$OUT" 2>&1 | tail -4
   timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated \
     --cascade on off --tag issue15_disaggregated_split --out "$OUT" 2>&1 | tail -4
+  ;;
+5)
+  timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 --contexts 8192 32768 \
+    --batches 8 32 --tag issue15_split --out "$OUT" 2>&1 | tail -8
+  timeout 300 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
   ;;
 esac
 ls -la "$OUT"

@@ -42,7 +42,8 @@ from forkserve.kernels import reference  # noqa: E402
 from forkserve.kernels.decode_attention import paged_decode_triton, residual_decode_triton  # noqa: E402
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
 from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
-from forkserve.kernels.shared_prefix import shared_prefix_decode_triton  # noqa: E402
+from forkserve.kernels.shared_prefix import (cascade_residual_decode_triton,  # noqa: E402
+                                             shared_prefix_decode_triton)
 
 
 class Setup:
@@ -375,9 +376,26 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
                "independent_ms": measure(res, tag + " independent", indep, s.smoke)}
         row["shared_over_independent"] = row["shared_ms"] / row["independent_ms"]
         row["rel_err_vs_independent"] = check(res, tag + " check", lambda: rel_err(shared(), indep()))
+        # The split form: the same shared base pages, each agent its own residual pages and adapter.
+        _, rbt, _ = s.tables(agents, per * s.page)
+        ad = s.adapters(agents)
+        one_tile = (torch.arange(agents, dtype=torch.int32, device=s.device).view(1, agents),
+                    torch.full((1,), ctx, dtype=torch.int32, device=s.device),
+                    torch.full((agents,), ctx, dtype=torch.int32, device=s.device))
+        res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq)
+        split = lambda: cascade_residual_decode_triton(*res_args, *one_tile, max_seq_len=total)  # noqa: E731
+        split_indep = lambda: residual_decode_triton(*res_args, max_seq_len=total)  # noqa: E731
+        row["split_shared_ms"] = measure(res, tag + " split shared", split, s.smoke)
+        row["split_independent_ms"] = measure(res, tag + " split independent", split_indep, s.smoke)
+        row["split_shared_over_independent"] = row["split_shared_ms"] / row["split_independent_ms"]
+        row["split_rel_err_vs_independent"] = check(res, tag + " split check",
+                                                    lambda: rel_err(split(), split_indep()))
         res["shared_prefix"].append(row)
         print(f"shared ctx={ctx:6d} agents={agents} shared={row['shared_ms']:.4f}ms "
-              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f}", flush=True)
+              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f} split: "
+              f"shared={row['split_shared_ms']:.4f}ms indep={row['split_independent_ms']:.4f}ms "
+              f"ratio={row['split_shared_over_independent']:.3f} err={row['split_rel_err_vs_independent']:.1e}",
+              flush=True)
 
 
 def plot(res: dict, path: Path) -> None:
