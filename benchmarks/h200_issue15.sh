@@ -6,6 +6,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, base, no_lora x3
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 4   # split-form cascade: tests, react
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 5   # split form in kernel_bench, decode_bench
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 6   # react full_reuse, adaptive
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -45,6 +46,12 @@ case "$1" in
   timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 --contexts 8192 32768 \
     --batches 8 32 --tag issue15_split --out "$OUT" 2>&1 | tail -8
   timeout 300 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
+  ;;
+6)
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems full_reuse \
+    --cascade on off --tag issue15_full_reuse --out "$OUT" 2>&1 | tail -4
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
+    --cascade on off --tag issue15_adaptive --out "$OUT" 2>&1 | tail -4
   ;;
 esac
 ls -la "$OUT"
