@@ -45,7 +45,10 @@ class ModelRunner:
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
         decode = all(len(s.tokens) == 1 and not s.extra_residuals for s in work)
-        plan = cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents) if self.cascade and decode else None
+        # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
+        # decoded slower with it (63.8 vs 51.3 ms/step; docs/ENGINE.md), unexplained yet.
+        plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
+                if self.cascade and decode and len(forms) <= 1 else None)
         if self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1 and decode:
             return self._replay(work, adapter_slots, bucket, split=forms == {True}, cascade=plan)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
