@@ -46,7 +46,8 @@ class ModelRunner:
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
         decode = all(len(s.tokens) == 1 and not s.extra_residuals for s in work)
         # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
-        # decoded slower with it (63.8 vs 51.3 ms/step; docs/ENGINE.md), unexplained yet.
+        # decoded slower with it there (63.8 vs 51.3 ms/step), faster without (29.2 vs 35.9;
+        # docs/ENGINE.md); the cause is not found yet.
         plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
                 if self.cascade and decode and len(forms) <= 1 else None)
         if self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1 and decode:
