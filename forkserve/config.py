@@ -35,6 +35,18 @@ class KVLayout(str, enum.Enum):
         return self in (KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE)
 
 
+class ShareBase(str, enum.Enum):
+    """Who may read base-side K/V an adapter's forward pass wrote (disaggregated, adaptive
+    and full_reuse layouts). The base model always reads only its own, exact pages."""
+
+    # Every adapter reads every adapter's base pages (ForkKV's sharing; the approximation
+    # docs/QUALITY.md measures).
+    CROSS_ADAPTER = "cross_adapter"
+    # Each adapter reads only the base pages its own forward wrote: exact, shares nothing
+    # across adapters but the base model's own pages before an aLoRA's activation point.
+    EXACT = "exact"
+
+
 @dataclass(frozen=True)
 class ForkServeConfig:
     page_size: int = 16
@@ -44,6 +56,7 @@ class ForkServeConfig:
     # Adaptive layout: a new session keeps merged K/V while the base pool, with every live
     # session's pending prompt and this one counted, stays under this fraction of its pages.
     adaptive_high_water: float = 0.9
+    share_base: ShareBase = ShareBase.CROSS_ADAPTER
     # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
     hbm_tokens: int = 65536
     spec_chunk: int = 512
@@ -106,6 +119,7 @@ class ForkServeConfig:
                 raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
+        object.__setattr__(self, "share_base", ShareBase(self.share_base))
 
     def replace(self, **changes) -> "ForkServeConfig":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 class ForkServeError(Exception):
+    """``seq_ids``: the work items (``SeqWork.seq_id``) a backend error is attributable to;
+    the Stepper fails those items alone and runs the rest of the step (empty: unknown)."""
+
     http_status = 400
+
+    def __init__(self, *args: object, seq_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(*args)
+        self.seq_ids = tuple(seq_ids)
 
 
 class InvalidRequestError(ForkServeError, ValueError):
@@ -50,3 +57,28 @@ class OutOfPagesError(ForkServeError):
     """Committed work needs more pages than exist, even after evicting every reclaimable page."""
 
     http_status = 507
+
+
+class ContextLengthError(InvalidRequestError):
+    """A sequence would grow past the loaded model's context window (``config.max_context``)."""
+
+
+class CapacityError(InvalidRequestError):
+    """A request that can never fit the KV pools, even with every other page free."""
+
+
+class AdapterInUseError(InvalidStateError):
+    """An adapter cannot be removed while live sessions decode or prefill with it."""
+
+
+class BackendError(ForkServeError):
+    """The backend failed on one request's work (an unexpected error, attributed to it by
+    running the step's items apart); other requests of the step were not affected."""
+
+    http_status = 500
+
+
+class ModelLoadError(ForkServeError):
+    """A model or adapter on disk that cannot be loaded: a missing file, a truncated
+    safetensors or GGUF file, a config.json that is not JSON or lacks a field. The message
+    names the file, so the user knows what to fix."""

@@ -144,12 +144,31 @@ class ContextTree:
         node.state = NodeState.ABORTED
         return [node]
 
-    def advance_tip(self, new_tip: Node) -> None:
-        old = self.tip
-        if old.table is not None and old is not new_tip:
+    def stage_tip(self, new_tip: Node) -> None:
+        """Make ``new_tip`` (a COMMITTED child of the tip) the tip while its tokens are still
+        being written; the old tip keeps its table until ``settle_tip`` settles the move,
+        or ``unstage_tip`` takes it back (a commit whose tail failed)."""
+        self.add(new_tip)
+        self.committed.extend(new_tip.tokens)
+        self.tip = new_tip
+
+    def unstage_tip(self, old: Node) -> None:
+        """Undo ``stage_tip``: ``old`` is the tip again, the staged node is gone."""
+        staged = self.tip
+        if staged.table is not None:
+            staged.table.release()
+            staged.table = None
+        del self.nodes[staged.id]
+        old.children.remove(staged)
+        del self.committed[old.end:]
+        self.tip = old
+
+    def settle_tip(self, old: Node) -> None:
+        """The staged tip's tokens are written: ``old`` drops its table (the tip aliases or
+        took over its pages), so the spine's partial last page stays exclusively owned."""
+        if old.table is not None and old is not self.tip:
             old.table.release()
             old.table = None
-        self.tip = new_tip
 
     def release_all(self) -> None:
         for node in self.nodes.values():

@@ -17,9 +17,15 @@ Layout rules (seed 001):
 
 * unified — merged K/V depends on the adapter: pages are keyed under the adapter's
   namespace and a fork to another adapter shares nothing;
-* disaggregated — base pages are everyone's, residual pages the adapter's: a fork to
-  another adapter aliases the base side and starts an empty residual side;
+* disaggregated — base pages are shared across adapters, residual pages the adapter's: a
+  fork to another adapter aliases the base side and starts an empty residual side;
 * full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases;
+
+Exactness is a policy (``may_read``): base-side pages carry their provenance in the key
+(BASE: written by the base model; ``ForwardNamespace``: from an adapter's hidden states).
+The base model reads only its own pages, in every layout; an adapter reads the base model's
+and, with ``ShareBase.CROSS_ADAPTER`` (the default), every adapter's; with ``EXACT`` only
+its own.
 * adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
   the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
   node without a residual table is merged.
@@ -36,7 +42,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from forkserve.backend.protocol import HostOffload, PageKind
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
@@ -46,7 +52,7 @@ from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
-from forkserve.control.prefix_index import PrefixIndex
+from forkserve.control.prefix_index import BASE, CROSS_ADAPTER, ForwardNamespace, PrefixIndex
 from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
@@ -166,15 +172,28 @@ class KVCache:
         # An aLoRA child keeps the parent's point (``activate`` then cuts where they differ);
         # any other child of another adapter gets the layout's sharing as its own.
         start = parent.adapter_start if alora or adapter == parent_adapter else self._fresh_start(adapter)
-        if adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE:
+        if adapter == parent_adapter:
             return parent.fork(start)
-        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
-            return parent.fork_base(self.residual_pool if adapter is not None else None, start)
-        if alora and parent.adapter_start is None:
+        if alora and parent.adapter_start is None and parent.residual is None:
             # Merged K/V computed as the base model everywhere is the base model's K/V:
             # the aLoRA child aliases all of it and stays merged.
             return parent.fork(start)
+        if not self.may_read(parent_adapter, adapter):
+            return self.new_kv(adapter, self.form_of(parent, parent_adapter))
+        if self.layout is KVLayout.FULL_REUSE:
+            return parent.fork(start)
+        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
+            return parent.fork_base(self.residual_pool if adapter is not None else None, start)
         return self.new_kv(adapter, KVForm.MERGED)
+
+    def may_read(self, writer, reader) -> bool:
+        """Whether ``reader`` may read the shared K/V (base side, or full_reuse's merged
+        pages) that ``writer``'s forward pass wrote: the base model reads only its own;
+        an adapter reads the base model's and, under ``ShareBase.CROSS_ADAPTER``, any
+        adapter's. (Both may always read pages wholly before an aLoRA's activation point.)"""
+        if writer == reader or writer is None and reader is not None:
+            return True
+        return reader is not None and self.config.share_base is ShareBase.CROSS_ADAPTER
 
     def form_of(self, kv: NodeKV, adapter) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
@@ -208,7 +227,12 @@ class KVCache:
         if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
             return BaseKey(tokens, residual.namespace, base_pages), residual
-        return BaseKey(tokens), residual
+        # A split base side (or full_reuse's shared merged K/V) from the activation point on
+        # was computed from this adapter's hidden states: keyed by that provenance, so the
+        # base model never reads it and other adapters only where ``share_base`` allows.
+        writer = CROSS_ADAPTER if self.config.share_base is ShareBase.CROSS_ADAPTER \
+            else ForwardNamespace(residual.namespace)
+        return BaseKey(tokens, writer, base_pages), residual
 
     def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
         """The keys a table's pages are matched and published under: its form and its
@@ -218,7 +242,13 @@ class KVCache:
     def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
         base_key, residual_key = self._keys_of(kv, adapter, path)
-        return self.tree.match(base_key, residual_key if kv.residual is not None else None)
+        hit = self.tree.match(base_key, residual_key if kv.residual is not None else None)
+        if base_key.namespace == CROSS_ADAPTER:
+            # The base model's own pages serve every adapter that reads across adapters.
+            exact = self.index.match(BASE, base_key.tokens)
+            if len(exact) > len(hit.base_pages):
+                hit = DualMatch(exact, hit.residual_pages)
+        return hit
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:

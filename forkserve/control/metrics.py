@@ -35,6 +35,8 @@ class EngineMetrics:
     pins_resumed: int = 0
     pins_expired: int = 0
     pins_broken: int = 0
+    # Items taken out of a tick because they could not run (their session got the error).
+    failed_items: int = 0
     actions: Counter = field(default_factory=Counter)
 
     def snapshot(self) -> dict:

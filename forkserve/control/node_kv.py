@@ -86,6 +86,16 @@ class NodeKV:
         for t in self.tables():
             t.truncate(n_tokens)
 
+    def lengths(self) -> tuple[int, ...]:
+        """Each side's length: the point ``rollback`` returns to if a write fails."""
+        return tuple(t.length for t in self.tables())
+
+    def rollback(self, lengths: tuple[int, ...]) -> None:
+        """Undo a ``prepare_write`` whose step did not run: each side back to its length
+        (pages past it go back to the pool; a copy-on-write page stays, holding the same KV)."""
+        for t, n in zip(self.tables(), lengths, strict=True):
+            t.truncate(n)
+
     def attach(self, base_pages: Sequence[PageId], residual_pages: Sequence[PageId] | None,
                limit_tokens: int) -> None:
         """Alias published pages (identical KV) past what each side already holds."""

@@ -23,6 +23,7 @@ on drop, or when a newly published page for the same prefix makes the host copy 
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ from forkserve.control.page_pool import PagePool
 
 @dataclass(frozen=True)
 class BaseNamespace:
-    """Pages computed by the base model (or shared across adapters)."""
+    """Pages computed by the base model: exact for it, and for every adapter before its
+    activation point."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,18 @@ class AdapterNamespace:
     adapter_start: int | None = 0
 
 
-Namespace = BaseNamespace | AdapterNamespace
+@dataclass(frozen=True)
+class ForwardNamespace:
+    """Base-side K/V (xW) computed from an adapter's hidden states: the base model's weights
+    over activations the adapter shaped, so it is exact only for that adapter (``writer``);
+    ``writer`` None: some adapter's, shared across adapters by choice (``ShareBase``)."""
+
+    writer: AdapterNamespace | None = None
+
+
+Namespace = BaseNamespace | AdapterNamespace | ForwardNamespace
 BASE = BaseNamespace()
+CROSS_ADAPTER = ForwardNamespace()
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class _Eviction:
 
     copies: dict[HostSlotId, PageId] = field(default_factory=dict)
     released: list[PageId] = field(default_factory=list)
+    pending: collections.Counter = field(default_factory=collections.Counter)  # released, per page
 
 
 class PrefixIndex:
@@ -113,8 +126,16 @@ class PrefixIndex:
         self.page_size = pool.page_size
         self._root = _IndexNode(None, None, None)
         self._clock = itertools.count(1)
-        self.num_pages = 0       # entries on a device page
+        self._entries = 0        # entries on a device page
         self.num_offloaded = 0   # entries in a host slot
+        # References the index holds per page: a page may be published under two keys (a
+        # base-model page an adapter's path also reaches under its provenance key).
+        self._refs: collections.Counter[PageId] = collections.Counter()
+
+    @property
+    def num_pages(self) -> int:
+        """Device pages the index holds (a page under two keys counts once)."""
+        return len(self._refs)
 
     def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
                    first_page: int = 0) -> Iterator[PageKey]:
@@ -153,7 +174,8 @@ class PrefixIndex:
         for page, n in zip(pages, take, strict=True):
             self.host.give_back(n.host)
             n.page, n.host = page, None
-        self.num_pages += len(take)
+            self._refs[page] += 1
+        self._entries += len(take)
         self.num_offloaded -= len(take)
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
@@ -181,12 +203,14 @@ class PrefixIndex:
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])
+                self._refs[page] += 1
                 child = _IndexNode(key, page, node)
                 node.children[key] = child
                 added += 1
             elif child.page is None:
                 # Offloaded: the caller's page holds the same KV, so the host copy is redundant.
                 self.pool.incref([page])
+                self._refs[page] += 1
                 self.host.give_back(child.host)
                 child.page, child.host = page, None
                 added += 1
@@ -194,7 +218,7 @@ class PrefixIndex:
             child.last_access = now
             node = child
             first += 1
-        self.num_pages += added
+        self._entries += added
         return InsertCursor(namespace, base_pages, node, first)
 
     def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
@@ -208,13 +232,18 @@ class PrefixIndex:
         run = _Eviction()
         while heap and (max_pages is None or len(run.released) < max_pages):
             _, _, node = heapq.heappop(heap)
-            if self.pool.refcount(node.page) != 1:
+            # Released pages are decref'd only after the pass: count what it already let go.
+            if self.pool.refcount(node.page) - run.pending[node.page] != self._refs[node.page]:
                 continue  # a live table still reads it; evicting would not free memory
             slot = self._host_slot(keep, run) if host is not None else None
             if slot is None and node.children:
                 continue  # its offloaded children need it in the tree, and the host is full
             run.released.append(node.page)
-            self.num_pages -= 1
+            run.pending[node.page] += 1
+            self._refs[node.page] -= 1
+            if not self._refs[node.page]:
+                del self._refs[node.page]
+            self._entries -= 1
             if slot is None:
                 self._unlink(node)
             else:
@@ -319,8 +348,10 @@ class PrefixIndex:
                     raise AssertionError(f"offloaded entry (slot {node.host}) has a device child")
             else:
                 device += 1
-        if (device, offloaded) != (self.num_pages, self.num_offloaded):
-            raise AssertionError(f"index counts {self.num_pages} device / {self.num_offloaded} host "
+        if dict(self._refs) != self.held_refs():
+            raise AssertionError("the index's per-page reference counts disagree with its entries")
+        if (device, offloaded) != (self._entries, self.num_offloaded):
+            raise AssertionError(f"index counts {self._entries} device / {self.num_offloaded} host "
                                  f"entries, holds {device} / {offloaded}")
         if self.host is not None:
             self.host.check_integrity([e.slot for e in self.offloaded_entries()])

@@ -15,6 +15,7 @@ the engine moves them only through those two objects (see their docstrings).
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -34,6 +35,7 @@ from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.layout_policy import KVForm
+from forkserve.control.node_kv import NodeKV
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL
@@ -55,7 +57,11 @@ from forkserve.engine.results import (
 from forkserve.engine.session import Session
 from forkserve.engine.stepper import Stepper
 from forkserve.errors import (
+    AdapterInUseError,
     BranchCapError,
+    CapacityError,
+    ContextLengthError,
+    OutOfPagesError,
     InvalidRequestError,
     InvalidStateError,
     UnknownAdapterError,
@@ -97,8 +103,10 @@ class Engine:
     def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued."""
         tokens = self._check_tokens(tokens)
-        self._check_adapter(adapter)
+        adapter = self._check_adapter(adapter)
+        self._check_context(len(tokens))
         form = self._form(tokens, adapter)
+        self._check_fits(len(tokens), form is KVForm.SPLIT and adapter is not None)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
@@ -115,8 +123,7 @@ class Engine:
         depends on memory pressure and on what is published (an admission controller sizes
         a request by it before opening)."""
         tokens = self._check_tokens(tokens)
-        self._check_adapter(adapter)
-        return self._form(tokens, adapter)
+        return self._form(tokens, self._check_adapter(adapter))
 
     def _form(self, tokens: Sequence[int], adapter) -> KVForm:
         return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
@@ -136,13 +143,22 @@ class Engine:
             raise BranchCapError(f"node {parent_id} already has {self.config.branch_cap} live "
                                  f"children (branch_cap)")
         self._check_context(parent.end + len(tokens))
-        self._check_adapter(adapter)
+        adapter = self._check_adapter(adapter)
+        adapter = adapter if adapter is not None else parent.adapter
+        self._check_fits(parent.end + len(tokens), parent.table is not None
+                         and parent.table.residual is not None)
         if parent.table is None or parent.kv_len < parent.end:
             # The trunk must exist before it can be aliased: run the parent's pending work.
-            session.flush = True
-            self.stepper.run_until(lambda: parent.kv_len >= parent.end or not parent.live)
-            session.flush = False
-        adapter = adapter if adapter is not None else parent.adapter
+            session.error, session.flush = None, True
+            try:
+                self.stepper.run_until(lambda: parent.kv_len >= parent.end or not parent.live
+                                       or session.error is not None)
+            finally:
+                session.flush = False
+            if session.error is not None:
+                raise session.error
+            if not parent.live:
+                raise InvalidStateError(f"node {parent_id} was dropped while its trunk was written")
         child = Node(next(self._ids), session_id, parent, label, tokens, parent.end,
                      self.kv.fork_kv(parent.table, parent.adapter, adapter), NodeState.SPECULATIVE,
                      adapter=adapter,
@@ -277,16 +293,15 @@ class Engine:
         tip = self._committable_tip(session, node_id)
         tokens = self._check_tokens(tokens)
         self._check_context(tip.end + len(tokens))
+        self._check_fits(tip.end + len(tokens), tip.table.residual is not None)
         tree = session.tree
-        if session.paused_since is not None:  # the tool pause since the last generation ends
-            self.kv.retention.policy.observe(self.clock() - session.paused_since)
-            session.paused_since = None
         best, matched = None, 0
         for cand in self._branches_at(tip):
             written = tree.path_tokens(cand)[tip.end:cand.kv_len]
             lcp = _common_prefix(written, tokens)
             if lcp > matched:
                 best, matched = cand, lcp
+        lengths = tip.table.lengths()
         if best is not None:
             table = best.table.fork(best.table.adapter_start)
             table.truncate(tip.end + matched)
@@ -301,23 +316,51 @@ class Engine:
         if best is not None and matched == len(tokens) == best.kv_len - tip.end \
                 and best.end == best.kv_len:
             new_tip.next_token, new_tip.next_token_sampling = best.next_token, best.next_token_sampling
-        aborted = [n.id for c in tip.live_children() for n in tree.abort(c)]
-        tree.add(new_tip)
-        tree.committed.extend(tokens)
-        tree.advance_tip(new_tip)
-        tip.generation += 1
-        session.generated_unwritten = False  # the tail write below carries that token too
+        # Staged: the old tip keeps its table and the branches live until the tail is
+        # written, so a failed tail puts everything back (``_unstage``).
+        unwritten, session.generated_unwritten = session.generated_unwritten, False
+        session.error, session.hold_speculation = None, True
+        tree.stage_tip(new_tip)
         self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
         before = self.metrics.prefill_tokens
+        if wait:
+            try:
+                self.stepper.run_until(lambda: new_tip.kv_len >= new_tip.end or session.error is not None)
+            finally:
+                session.hold_speculation = False
+            if new_tip.kv_len < new_tip.end:
+                error = session.error or OutOfPagesError(
+                    f"session {session_id}: the commit's tail could not be scheduled")
+                self._unstage(session, tip, table if best is None else None, lengths, unwritten)
+                raise error
+        session.hold_speculation = False
+        if session.paused_since is not None:  # the tool pause since the last generation ends
+            self.kv.retention.policy.observe(self.clock() - session.paused_since)
+            session.paused_since = None
+        aborted = [n.id for c in tip.live_children() if c is not new_tip for n in tree.abort(c)]
+        tree.settle_tip(tip)
+        tip.generation += 1
+        bound = best.id if best is not None else None
         if not wait:
             self.stepper.account()
-            return CommitResult(session_id, new_tip.id, best.id if best else None, matched,
-                                new_tip.end - new_tip.kv_len, tuple(aborted))
-        self.stepper.run_until(lambda: new_tip.kv_len >= new_tip.end)
+            return CommitResult(session_id, new_tip.id, bound, matched,
+                                new_tip.end - new_tip.kv_len, _without(aborted, bound))
         self.stepper.publish(new_tip)
         self.stepper.account()
-        return CommitResult(session_id, new_tip.id, best.id if best else None, matched,
-                            self.metrics.prefill_tokens - before, tuple(aborted))
+        return CommitResult(session_id, new_tip.id, bound, matched,
+                            self.metrics.prefill_tokens - before, _without(aborted, bound))
+
+    def _unstage(self, session: Session, tip: Node, taken: NodeKV | None,
+                 lengths: tuple[int, ...], unwritten: bool) -> None:
+        """A commit whose tail failed: the tip, its table and its branches as before."""
+        if taken is not None:  # the spine's pages go back to the old tip, at their old lengths
+            session.tree.tip.table = None
+            taken.rollback(lengths)
+            tip.table = taken
+        session.tree.unstage_tip(tip)
+        session.generated_unwritten = unwritten
+        session.error = None  # the verb raises it; the session is as it was
+        self.stepper.account()
 
     def join(self, session_id: int, node_ids: Sequence[int], *,
              separator: Sequence[int] = ()) -> CommitResult:
@@ -345,6 +388,11 @@ class Engine:
         session = self.start_generate(session_id, max_tokens, sampling=sampling, stop=stop)
         self.stepper.run_until(lambda: session.decode_left == 0)
         self.stepper.account()
+        if session.error is not None:
+            raise session.error
+        if session.decode_left:
+            session.fail(OutOfPagesError(f"session {session_id}: its decode could not be scheduled"))
+            raise session.error
         return self.generation(session_id)
 
     def start_generate(self, session_id: int, max_tokens: int, *,
@@ -352,11 +400,16 @@ class Engine:
         """Queue a generation without running it: ticks decode every queued session in one
         batch (drivers and servers with many sessions use this; ``generate`` waits)."""
         session = self._session(session_id)
-        if max_tokens < 0:
-            raise InvalidRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = _count("max_tokens", max_tokens)
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        stop = frozenset(_token_ids(stop, "stop", allow_empty=True))
         tip = session.tree.tip
         self._check_context(tip.end + max_tokens)
-        session.begin_generate(max_tokens, sampling, frozenset(stop))
+        # The last sampled token's KV is written only if another verb follows.
+        self._check_fits(tip.end + max_tokens - 1, tip.table.residual is not None)
+        session.error = None
+        session.begin_generate(max_tokens, sampling, stop)
         if tip.next_token is not None and tip.next_token_sampling != sampling:
             tip.next_token = None
         if max_tokens:
@@ -374,7 +427,8 @@ class Engine:
         return GenerateResult(tuple(session.generated), session.finish_reason)
 
     def generation(self, session_id: int) -> GenerateResult | None:
-        """The session's generation so far; ``None`` while tokens are still owed."""
+        """The session's generation so far; ``None`` while tokens are still owed. After a
+        failure (``finish_reason`` "error"), ``Session.error`` says why."""
         session = self._session(session_id)
         if session.decode_left:
             return None
@@ -397,6 +451,22 @@ class Engine:
             released = [n.id for n in session.tree.abort(node)]
         self.stepper.account()
         return AbortResult(tuple(released), self.pool.num_free - free_before)
+
+    def remove_adapter(self, adapter) -> None:
+        """Unload an adapter from the backend; refused while a live node uses it (drain or
+        close those sessions first), so no queued work is left pointing at it."""
+        adapter = self._check_adapter(adapter)
+        if adapter is None:
+            raise InvalidRequestError("remove_adapter needs an adapter, got None")
+        users = sorted({s.id for s in self.sessions.values() for n in s.tree.nodes.values()
+                        if n.live and n.adapter == adapter})
+        if users:
+            raise AdapterInUseError(f"adapter {adapter!r} is used by live sessions {users[:8]}; "
+                                    f"close them first")
+        remove = getattr(self.backend, "remove_adapter", None)
+        if remove is None:
+            raise InvalidRequestError("this backend cannot unload adapters")
+        remove(adapter)
 
     def close(self, session_id: int) -> None:
         """End a session: its committed full pages stay published, everything else is freed.
@@ -475,24 +545,42 @@ class Engine:
             raise UnknownNodeError(f"session {session.id} has no node {node_id!r}") from None
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        tokens = list(tokens)
-        if not tokens:
-            raise InvalidRequestError("token list is empty")
+        tokens = _token_ids(tokens, "tokens")
         vocab = self.config.vocab_size
-        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
 
-    def _check_adapter(self, adapter) -> None:
+    def _check_adapter(self, adapter):
+        """The backend's id for ``adapter`` (a name where the backend has names); None stays
+        None. Unknown adapters are refused here, before any state changes."""
+        if adapter is None:
+            return None
+        if isinstance(adapter, bool):
+            raise InvalidRequestError(f"adapter must be a name or an id, got {adapter!r}")
+        resolve = getattr(self.backend, "resolve_adapter", None)
+        if resolve is not None:
+            return resolve(adapter)
         knows = getattr(self.backend, "knows_adapter", None)
-        if adapter is not None and knows is not None and not knows(adapter):
+        if knows is not None and not knows(adapter):
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded in the backend")
+        return adapter
 
     def _check_context(self, length: int) -> None:
         if length > self.config.max_context:
-            raise InvalidRequestError(f"sequence of {length} tokens exceeds max_context "
-                                      f"{self.config.max_context}")
+            raise ContextLengthError(f"sequence of {length} tokens exceeds the context window of "
+                                     f"{self.config.max_context} tokens")
+
+    def _check_fits(self, length: int, split: bool) -> None:
+        """A sequence longer than a whole pool can never be written, whatever is evicted:
+        refuse it now (one that only has to wait for pages is admitted)."""
+        pools = [self.pool] + ([self.residual_pool] if split and self.residual_pool is not None else [])
+        for pool in pools:
+            need = -(-length // pool.page_size)
+            if need > pool.num_pages:
+                raise CapacityError(f"a sequence of {length} tokens needs {need} {pool.kind.value} pages; "
+                                    f"the pool has {pool.num_pages} ({pool.num_pages * pool.page_size} tokens)")
 
     # ----------------------------------------------------------- inspection
     def tip(self, session_id: int) -> int:
@@ -526,6 +614,25 @@ class Engine:
             if tip.state is not NodeState.COMMITTED or tip.table is None:
                 raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
         self.kv.check_integrity(tables)
+        self._check_written(tables)
+
+    def _check_written(self, tables) -> None:
+        """Every position a table claims, and every published page, was written by a step
+        (where the backend can tell: ``first_unwritten``): a table never runs ahead of its KV."""
+        first_unwritten = getattr(self.backend, "first_unwritten", None)
+        if first_unwritten is None:
+            return
+        for t in tables:
+            pos = first_unwritten(t.pool.kind, t.pages, t.length)
+            if pos is not None:
+                raise AssertionError(f"a {t.pool.kind.value} table claims {t.length} tokens but "
+                                     f"position {pos} was never written")
+        for pool in self.kv.pools():
+            for entry in self.kv.index_of(pool).entries():
+                pos = first_unwritten(pool.kind, [entry.page], pool.page_size)
+                if pos is not None:
+                    raise AssertionError(f"published {pool.kind.value} page {entry.page} has "
+                                         f"unwritten slot {pos}")
 
 
 def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
@@ -540,6 +647,47 @@ def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
     return decode
 
 
+
+
+def _token_ids(tokens, what: str, allow_empty: bool = False) -> list[int]:
+    """Token ids as plain ints: any integral type (numpy ints too); bools, floats, None refused."""
+    if tokens is None or isinstance(tokens, (str, bytes)):
+        raise InvalidRequestError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
+    try:
+        items = list(tokens)
+    except TypeError:
+        raise InvalidRequestError(f"{what} must be a sequence of token ids, "
+                                  f"got {type(tokens).__name__}") from None
+    if not items and not allow_empty:
+        raise InvalidRequestError(f"{what}: token list is empty")
+    if all(type(t) is int for t in items):  # the common case, checked at C speed
+        return items
+    out = []
+    for t in items:
+        if isinstance(t, bool) or type(t).__name__ == "bool_":
+            raise InvalidRequestError(f"{what}: {t!r} is not a token id")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise InvalidRequestError(f"{what}: {t!r} is not a token id") from None
+    return out
+
+
+def _count(what: str, n) -> int:
+    """A non-negative integer argument (any integral type; bools, floats, None refused)."""
+    if isinstance(n, bool):
+        raise InvalidRequestError(f"{what} must be an integer >= 0, got {n!r}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise InvalidRequestError(f"{what} must be an integer >= 0, got {n!r}") from None
+    if n < 0:
+        raise InvalidRequestError(f"{what} must be >= 0, got {n}")
+    return n
+
+
+def _without(ids: list[int], drop: int | None) -> tuple[int, ...]:
+    return tuple(i for i in ids if i != drop)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

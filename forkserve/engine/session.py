@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from forkserve.backend.protocol import GREEDY, SamplingParams
 from forkserve.control.context_tree import ContextTree
+from forkserve.errors import ForkServeError
 
 
 @dataclass(eq=False)
@@ -22,15 +23,28 @@ class Session:
     generated_unwritten: bool = False
     # A verb needs that last token written now (a fork aliases the whole trunk).
     flush: bool = False
+    # A commit's tail is being written: the old tip's branches wait (they are aborted if it
+    # lands, and must be intact if it fails).
+    hold_speculation: bool = False
     # Largest KV (tokens) this session held that could not be reclaimed.
     peak_tokens: int = 0
     # When its last generation ended (a tool pause starts); the next commit measures it.
     paused_since: float | None = None
+    # Why its last work failed inside a tick (set by the Stepper; other sessions never see
+    # it). While set, ticks skip the session; the next verb on it clears it and retries.
+    error: ForkServeError | None = None
 
     def begin_generate(self, max_tokens: int, sampling: SamplingParams, stop: frozenset) -> None:
         self.decode_left, self.sampling, self.stop = max_tokens, sampling, stop
         self.generated = []
         self.finish_reason = "length"
+
+    def fail(self, error: ForkServeError) -> None:
+        """Its work failed: stop the generation (tokens already generated stay committed)."""
+        self.error = error
+        if self.decode_left:
+            self.decode_left = 0
+            self.finish_reason = "error"
 
     def record(self, token: int) -> None:
         self.generated.append(token)

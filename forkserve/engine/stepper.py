@@ -12,9 +12,9 @@ intent, the Stepper does the work.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
-from forkserve.backend.protocol import GREEDY, Backend, SeqWork, StepCost
+from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
@@ -27,6 +27,7 @@ from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
 from forkserve.control.sharing import PrefixSharing
 from forkserve.engine.session import Session
+from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
 
 
 class Stepper:
@@ -56,9 +57,8 @@ class Stepper:
         spec_memory = max(0, min(room))
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots, spec_memory)
-        if not grants:
+        if not grants or not self._execute(grants):
             return False
-        self._execute(grants)
         self.metrics.ticks += 1
         return True
 
@@ -71,6 +71,8 @@ class Stepper:
     def _demands(self) -> tuple[list[Demand], list[Demand]]:
         committed, speculative = [], []
         for session in self.sessions.values():
+            if session.error is not None:
+                continue  # a failed session waits for its next verb
             tip = session.tree.tip
             self.emit(session)
             self.activate(session.tree, tip)
@@ -83,7 +85,7 @@ class Stepper:
             if pending > 0 and not idle:  # an idle session's last token waits for its next verb
                 decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
                 committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
-            for node in session.tree.nodes.values():
+            for node in () if session.hold_speculation else session.tree.nodes.values():
                 demand = self._spec_demand(node)
                 if demand is not None:
                     speculative.append(demand)
@@ -115,49 +117,127 @@ class Stepper:
         decode = pending == 1 and node.generated_count > 0
         return Demand(node.id, pending, decode, WorkClass.SPECULATIVE, node.priority)
 
-    def _execute(self, grants: list[Grant]) -> None:
-        work, targets = [], []
+    def _execute(self, grants: list[Grant]) -> bool:
+        """Prepare pages, run one step, apply its tokens. An item that cannot run fails alone
+        (its table rolled back, its session told), the others run as if it never existed;
+        committed work short of pages waits. Returns whether any state moved."""
+        items, waiting = [], []
         for g in grants:
             session, node = self._nodes_by_id[g.node_id]
             if node.table is None:
                 continue  # preempted by committed work granted earlier in this tick
             start = node.kv_len
             regime = node.table.regime()
-            self._ensure_pages(node, g.tokens, g.work_class)
+            lengths = node.table.lengths()
+            try:
+                self._ensure_pages(node, g.tokens, g.work_class)
+            except OutOfPagesError as exc:
+                node.table.rollback(lengths)
+                if g.work_class is WorkClass.COMMITTED:
+                    waiting.append((session, exc))
+                continue  # speculation retries when memory frees
             _assert_exclusive(node.table, start, g.tokens, regime)
-            completes = start + g.tokens == node.end
-            sampling = None
-            if completes:
-                sampling = session.sampling if node is session.tree.tip else GREEDY
-            tokens = tuple(session.tree.path_slice(node, start, start + g.tokens))
-            if node.table.residual is not None and regime.write_residual and not g.decode:
-                self.metrics.residual_prefill_tokens += g.tokens
-            work.append(SeqWork(node.id, tokens, start,
-                                node.table.slots(), node.adapter, sampling,
-                                speculative=g.work_class is WorkClass.SPECULATIVE,
-                                decode=g.decode, write_base=regime.write_base,
-                                write_residual=regime.write_residual,
-                                adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
-                                                            start + g.tokens)))
-            targets.append((session, node, g, sampling))
-        work = PrefixSharing(self.pool.page_size, self.config.shared_prefix_min_tokens).annotate(work)
-        result = self.backend.step(work)
-        self.account_cost(result.cost, grants)
-        for (session, node, g, sampling), token in zip(targets, result.next_tokens, strict=False):
-            node.last_touch = self.clock()
-            if node is session.tree.tip:
-                session.generated_unwritten = False
-            if g.work_class is WorkClass.SPECULATIVE and node.slack_only:
-                self.slack_tokens -= g.tokens
-                self.metrics.slack_filled_tokens += g.tokens
-            if token is not None:
-                node.next_token, node.next_token_sampling = token, sampling
-            if node.state is NodeState.COMMITTED:
-                self.publish(node)
-                self.emit(session)
-            else:
-                self._emit_speculative(node)
-        self.account({session for session, *_ in targets if session.id in self.sessions})
+            items.append(self._item(session, node, g, start, regime, lengths))
+        # Preemption by a later grant of this tick may have released an earlier one's table.
+        items = [i for i in items if i.node.table is not None]
+        done, failed = self._run(items)
+        for item, exc in failed:
+            self._fail(item, exc)
+        for item, token in done:
+            self._apply(item, token)
+        self.account({i.session for i in items if i.session.id in self.sessions})
+        if not items and waiting:
+            # Nothing can run and committed work waits for pages other sessions hold: fail
+            # the youngest waiter (its verb raises; a server ends that request alone).
+            session, exc = max(waiting, key=lambda w: w[0].id)
+            session.fail(exc)
+            self.metrics.failed_items += 1
+            return True
+        return bool(items)
+
+    def _item(self, session: Session, node: Node, g: Grant, start: int, regime: Regime,
+              lengths: tuple[int, ...]) -> "_Item":
+        sampling = None
+        if start + g.tokens == node.end:
+            sampling = session.sampling if node is session.tree.tip else GREEDY
+        if node.table.residual is not None and regime.write_residual and not g.decode:
+            self.metrics.residual_prefill_tokens += g.tokens
+        tokens = tuple(session.tree.path_slice(node, start, start + g.tokens))
+        work = SeqWork(node.id, tokens, start, node.table.slots(), node.adapter, sampling,
+                       speculative=g.work_class is WorkClass.SPECULATIVE, decode=g.decode,
+                       write_base=regime.write_base, write_residual=regime.write_residual,
+                       adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
+                                                   start + g.tokens))
+        return _Item(session, node, g, sampling, work, lengths)
+
+    def _run(self, items: list["_Item"]) -> tuple[list[tuple["_Item", int | None]],
+                                                   list[tuple["_Item", Exception]]]:
+        """Step ``items``; when the step raises, find whom it was for: the items the error
+        names (``seq_ids``), else by halving the batch until each failing item runs alone.
+        An AssertionError is an engine bug, not a request's fault: it propagates."""
+        done: list[tuple[_Item, int | None]] = []
+        failed: list[tuple[_Item, Exception]] = []
+        pending = [items]
+        while pending:
+            group = pending.pop()
+            if not group:
+                continue
+            work = PrefixSharing(self.pool.page_size, self.config.shared_prefix_min_tokens).annotate(
+                [i.work for i in group])  # cascade attention groups
+            try:
+                result = self.backend.step(work)
+            except AssertionError:
+                for item in group:
+                    if item.node.table is not None:
+                        item.node.table.rollback(item.lengths)
+                raise
+            except Exception as exc:  # noqa: BLE001 - attributed to items below, never swallowed
+                named = set(getattr(exc, "seq_ids", ()))
+                culprits = [i for i in group if i.work.seq_id in named]
+                if culprits:
+                    failed += [(i, exc) for i in culprits]
+                    pending.append([i for i in group if i.work.seq_id not in named])
+                elif len(group) == 1:
+                    failed.append((group[0], exc))
+                else:
+                    half = len(group) // 2
+                    pending += [group[half:], group[:half]]
+                continue
+            self.account_cost(result.cost, [i.grant for i in group])
+            done += zip(group, result.next_tokens, strict=True)
+        return done, failed
+
+    def _fail(self, item: "_Item", exc: Exception) -> None:
+        """Undo an item's page preparation and tell its owner: the committed tip's session
+        gets the error; a speculative branch is dropped (speculation is best effort)."""
+        session, node = item.session, item.node
+        if node.table is not None:
+            node.table.rollback(item.lengths)
+        error = exc if isinstance(exc, ForkServeError) else BackendError(
+            f"the backend failed on this request: {type(exc).__name__}: {exc}")
+        if error is not exc:
+            error.__cause__ = exc
+        self.metrics.failed_items += 1
+        if node is session.tree.tip:
+            session.fail(error)
+        elif node.live:
+            session.tree.abort(node)
+
+    def _apply(self, item: "_Item", token: int | None) -> None:
+        session, node, g = item.session, item.node, item.grant
+        node.last_touch = self.clock()
+        if node is session.tree.tip:
+            session.generated_unwritten = False
+        if g.work_class is WorkClass.SPECULATIVE and node.slack_only:
+            self.slack_tokens -= g.tokens
+            self.metrics.slack_filled_tokens += g.tokens
+        if token is not None:
+            node.next_token, node.next_token_sampling = token, item.sampling
+        if node.state is NodeState.COMMITTED:
+            self.publish(node)
+            self.emit(session)
+        else:
+            self._emit_speculative(node)
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
         preempt = self.preempt_speculative if work_class is WorkClass.COMMITTED else None
@@ -296,6 +376,17 @@ class Stepper:
             held = len(tables[0].pages) if len(tables) == 1 else len(
                 {page for t in tables for page in t.pages})
             session.peak_tokens = max(session.peak_tokens, held * p)
+
+
+class _Item(NamedTuple):
+    """One granted item of a tick: its owner, the work sent, and where to roll back to."""
+
+    session: Session
+    node: Node
+    grant: Grant
+    sampling: SamplingParams | None
+    work: SeqWork
+    lengths: tuple[int, ...]  # the node's table sides before ``prepare_write``
 
 
 def _assert_exclusive(kv: NodeKV, start: int, n: int, regime: Regime) -> None:

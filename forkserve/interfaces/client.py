@@ -167,7 +167,11 @@ class BranchClient:
                 self._raise(r)
             for line in r.iter_lines():
                 if line:
-                    yield _build(GenerationChunk, json.loads(line))
+                    chunk = json.loads(line)
+                    if "error" in chunk:  # failed after the 200 was sent: the error is in-band
+                        err = chunk["error"]
+                        raise BranchAPIError(err.get("code", 500), err.get("message", ""), err.get("type", ""))
+                    yield _build(GenerationChunk, chunk)
 
     def close(self, session_id: int) -> Session:
         return _build(Session, self._request("DELETE", f"/v1/sessions/{session_id}"))

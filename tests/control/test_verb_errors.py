@@ -5,8 +5,9 @@ import pytest
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.mock import MockBackend
-from forkserve.errors import (BranchCapError, ForkServeError, InvalidRequestError,
-                              InvalidStateError, UnknownNodeError, UnknownSessionError)
+from forkserve.errors import (BranchCapError, CapacityError, ContextLengthError, ForkServeError,
+                              InvalidRequestError, InvalidStateError, UnknownNodeError,
+                              UnknownSessionError)
 
 
 def _state(engine):
@@ -21,7 +22,8 @@ def _state(engine):
 
 @pytest.fixture
 def setup():
-    eng = Engine(MockBackend(ForkServeConfig(branch_cap=2, vocab_size=300, max_context=512)))
+    # 18 pages of 16 tokens: a 300-token sequence can never fit, whatever is evicted.
+    eng = Engine(MockBackend(ForkServeConfig(branch_cap=2, vocab_size=300, max_context=512, num_pages=18)))
     h = eng.open(list(range(10, 40)))
     a = eng.fork(h.id, h.tip, "a", [5, 6, 7])
     eng.speculate(h.id, a)
@@ -40,7 +42,19 @@ CASES = {
     "negative idle": (lambda e, h, a: e.speculate(h.id, e.fork(h.id, h.tip, "y", [1]), t_idle_ms=-5),
                       InvalidRequestError, "t_idle_ms"),
     "bad priority": (lambda e, h, a: e.speculate(h.id, a, priority=1.5), InvalidRequestError, "priority"),
-    "too long": (lambda e, h, a: e.generate(h.id, 10_000), InvalidRequestError, "max_context"),
+    "too long": (lambda e, h, a: e.generate(h.id, 10_000), ContextLengthError, "context window of 512"),
+    "open too long": (lambda e, h, a: e.open([1] * 513), ContextLengthError, "context window"),
+    "commit too long": (lambda e, h, a: e.commit(h.id, h.tip, [1] * 500), ContextLengthError, "context"),
+    "never fits the pool": (lambda e, h, a: e.open([1] * 300), CapacityError, "needs 19 unified pages"),
+    "fractional budget": (lambda e, h, a: e.generate(h.id, 2.5), InvalidRequestError, "integer"),
+    "no budget": (lambda e, h, a: e.generate(h.id, None), InvalidRequestError, "integer"),
+    "bool budget": (lambda e, h, a: e.generate(h.id, True), InvalidRequestError, "integer"),
+    "open None": (lambda e, h, a: e.open(None), InvalidRequestError, "sequence of token ids"),
+    "bool token": (lambda e, h, a: e.open([1, True]), InvalidRequestError, "not a token id"),
+    "float token": (lambda e, h, a: e.open([1, 2.0]), InvalidRequestError, "not a token id"),
+    "string tokens": (lambda e, h, a: e.open("abc"), InvalidRequestError, "sequence of token ids"),
+    "bool adapter": (lambda e, h, a: e.open([1], adapter=True), InvalidRequestError, "adapter"),
+    "bad stop": (lambda e, h, a: e.generate(h.id, 2, stop=[1.5]), InvalidRequestError, "not a token id"),
     "commit speculative": (lambda e, h, a: e.commit(h.id, a, [1]), InvalidStateError, "speculative"),
     "speculate twice": (lambda e, h, a: e.speculate(h.id, a), InvalidStateError, "already speculated"),
     "abort committed": (lambda e, h, a: e.abort(h.id, h.tip), InvalidStateError, "committed"),
@@ -105,3 +119,13 @@ def test_config_rejects_nonsense():
         ForkServeConfig(tau=1.5)
     with pytest.raises(ValueError):
         ForkServeConfig(admit_mode="bogus")
+
+
+def test_numpy_token_ids_are_token_ids():
+    import numpy as np
+
+    eng = Engine(MockBackend(ForkServeConfig(vocab_size=300)))
+    h = eng.open(np.arange(10, 20, dtype=np.int64))
+    ref = Engine(MockBackend(ForkServeConfig(vocab_size=300)))
+    r = ref.open(list(range(10, 20)))
+    assert eng.generate(h.id, np.int32(3)).tokens == ref.generate(r.id, 3).tokens

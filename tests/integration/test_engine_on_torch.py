@@ -73,7 +73,7 @@ def test_unknown_adapter_is_rejected_at_the_verb_without_side_effects(model_dir)
 
     backend = _backend(model_dir, KVLayout.UNIFIED, False)
     eng = Engine(backend)
-    with pytest.raises(UnknownAdapterError, match="not loaded"):
+    with pytest.raises(UnknownAdapterError, match="not resident"):
         eng.open([5, 6, 7], adapter=999)
     assert not eng.sessions and eng.pool.num_used == 0
     h = eng.open([5, 6, 7], adapter=backend.adapter_id("planner"))

@@ -1,29 +1,13 @@
 """Shared-prefix (cascade) decode equals plain decode."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from forkserve.kernels import (cascade_decode, cascade_residual_decode, default_inv_freq, paged_decode, reference,
+from forkserve.kernels import (cascade_decode, cascade_residual_decode, default_inv_freq, paged_decode,
                                shared_prefix_decode)
+import plain_oracle as plain
 from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
-
-
-def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
-                      seq_lens: list[int]) -> torch.Tensor:
-    """The oracle, written out: each sequence's keys gathered from its pages, softmax(q K^T / sqrt(D)) V."""
-    page, n_kv, dim = k.shape[1], k.shape[2], k.shape[3]
-    group = q.shape[1] // n_kv
-    out = []
-    for b, n in enumerate(seq_lens):
-        pages = tables[b, :-(-n // page)].long()
-        keys = k[pages].reshape(-1, n_kv, dim)[:n].double().repeat_interleave(group, dim=1)
-        vals = v[pages].reshape(-1, n_kv, dim)[:n].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].double(), keys) / math.sqrt(dim)
-        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vals))
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("agents_per_program", [2, None])
@@ -39,10 +23,9 @@ def test_shared_prefix_equals_decode(agents_per_program: int | None, n_heads: in
     out = shared_prefix_decode(q, c.k, c.v, c.block_tables, c.seq_lens, prefix_pages,
                                use_triton=True, agents_per_program=agents_per_program,
                                num_splits=2, block_n=16)
-    ref = reference.paged_decode_ref(q, c.k, c.v, c.block_tables, c.seq_lens)
-    assert rel_err(out, ref) < REL_TOL
-    plain = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True)
-    assert rel_err(out, plain) < REL_TOL
+    assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens)) < REL_TOL
+    unshared = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True)
+    assert rel_err(out, unshared) < REL_TOL
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
@@ -64,13 +47,13 @@ def test_cascade_tiles_equal_plain_attention(num_splits: int | None) -> None:
     q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
     out = cascade_decode(q, c.k, c.v, tables, c.seq_lens, tile_seqs, tile_lens, kv_starts, use_triton=True,
                          num_splits=num_splits, block_n=16)
-    assert rel_err(out, softmax_attention(q, c.k, c.v, tables, seq_lens)) < REL_TOL
+    assert rel_err(out, plain.decode(q, c.k, c.v, tables, c.seq_lens)) < REL_TOL
 
 
 def test_split_form_tiles_share_base_pages_across_adapters() -> None:
     """ResidualAttention with cascade tiles: one group's rows share base pages but each has
     its own residual pages and adapter (two adapters, and -1); a prefix ending mid-page; a
-    row in no tile. Equals the ungrouped eager ResidualAttention."""
+    row in no tile. Equals the plain formula K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v."""
     gen = torch.Generator().manual_seed(11)
     n_heads, n_kv, dim, rank = 4, 2, 32, 8
     seq_lens = [70, 75, 66, 90, 41]
@@ -87,8 +70,9 @@ def test_split_form_tiles_share_base_pages_across_adapters() -> None:
             default_inv_freq(dim, device=DEVICE))
     out = cascade_residual_decode(*args, tile_seqs, tile_lens, kv_starts, use_triton=True, num_splits=2,
                                   block_n=16, prefix_tuning={"block_n": 16})
-    ref = reference.residual_decode_ref(*args)
+    ref = plain.decode(q, c.k, c.v, tables, c.seq_lens,
+                       residual=(c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, args[-1]))
     assert rel_err(out, ref) < REL_TOL
     # The residual matters on this input (a kernel that dropped it, or mixed up whose it is, fails).
-    base_only = reference.paged_decode_ref(q, c.k, c.v, tables, c.seq_lens)
+    base_only = plain.decode(q, c.k, c.v, tables, c.seq_lens)
     assert rel_err(base_only[adapters >= 0], ref[adapters >= 0]) > 20 * REL_TOL

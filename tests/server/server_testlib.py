@@ -4,7 +4,9 @@ real loader. (A uniquely named module: every test folder has its own conftest.)"
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -74,3 +76,12 @@ def start(tiny_model_dir, session_ttl_s: float = 600.0,
 def quiescent_pages(running: RunningServer) -> tuple[int, int, int]:
     """(sessions, pages used, pages published): no leak means used == published."""
     return running.on_engine(lambda e: (len(e.sessions), e.pool.num_used, e.index.num_pages))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for a condition the server reaches on its own (a disconnect's abort runs on the
+    engine thread after the client has left); the timeout is generous, the poll is short."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.02)

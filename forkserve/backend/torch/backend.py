@@ -19,7 +19,7 @@ import torch
 
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
-from forkserve.backend.torch.batch import BatchLimits, validate
+from forkserve.backend.torch.batch import BatchLimits, split_residual_pages, validate
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -43,6 +43,7 @@ from forkserve.backend.torch.runner import ModelRunner
 from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
+from forkserve.backend.torch.write_tracker import WriteTracker
 from forkserve.config import ForkServeConfig, KVLayout
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
@@ -139,9 +140,10 @@ class TorchBackend:
                max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
                attention: str | AttentionBackend, use_cuda_graphs: bool, compile_fusions: bool | None,
                connector_gb_per_s: float, seed: int) -> None:
-        # The model decides the vocabulary; the control plane reads it from backend.config.
-        self.config = config if config.vocab_size == model_cfg.vocab_size else config.replace(
-            vocab_size=model_cfg.vocab_size)
+        # The model decides the vocabulary and the context window; the control plane reads
+        # both from backend.config, so the verbs admit against the loaded model.
+        self.config = config.replace(vocab_size=model_cfg.vocab_size,
+                                     max_context=min(config.max_context, model_cfg.max_context))
         self.model_config, self.device, self.dtype = model_cfg, device, dtype
         self.layout: KVLayout = config.kv_layout
         ranks = [a.rank for a in adapters.values()]
@@ -174,6 +176,7 @@ class TorchBackend:
         self._names: dict[str, int] = {}
         self._next_id = 0
         self._tokenizer: Tokenizer | None = None
+        self._writes: WriteTracker | None = None
         for name, adapter in adapters.items():
             self._install(name, adapter)
 
@@ -193,14 +196,20 @@ class TorchBackend:
         if bad:
             raise InvalidWorkError(f"copy_pages: page ids {bad[:5]} outside [0, {limit})")
         self.pool.copy(kind, pairs)
+        if self._writes is not None:
+            self._writes.copied(kind, pairs)
 
     def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         self._check_host_copies(kind, copies)
         self.host.offload(copies)
+        if self._writes is not None:
+            self._writes.offloaded(copies)
 
     def restore_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         self._check_host_copies(kind, copies)
         self.host.restore(copies)
+        if self._writes is not None:
+            self._writes.restored(copies)
 
     def _check_host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         if kind is not PageKind.RESIDUAL or self.host is None:
@@ -218,6 +227,18 @@ class TorchBackend:
 
     # ---- Beyond the protocol ----------------------------------------------------------------
 
+    def track_writes(self) -> None:
+        """Debug mode: follow which KV slots steps wrote, so ``first_unwritten`` can answer
+        (``Engine.check_integrity`` then proves no table claims an unwritten position)."""
+        kinds = {kind: self.pool.pages_of(kind) for kind in self.page_kinds()}
+        self._writes = WriteTracker(kinds, self.config.page_size,
+                                    self.host.num_slots if self.host is not None else 0)
+
+    def first_unwritten(self, kind: PageKind, pages: Sequence[int], length: int) -> int | None:
+        """The first of positions [0, length) behind ``pages`` no step wrote; None when all
+        were, or when writes are not tracked (``track_writes``)."""
+        return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
+
     def forward(self, work: Sequence[SeqWork], all_logits: bool = False) -> StepOutput:
         """step() plus logits: for each item, the last token's (if it samples) or every token's."""
         if not work:
@@ -226,6 +247,9 @@ class TorchBackend:
         validate(work, self.limits, slots)
         t0 = time.perf_counter()
         run = self.runner.forward(work, slots, all_logits)
+        if self._writes is not None:
+            self._writes.wrote(work, self.page_kinds()[0],
+                               [split_residual_pages(s, self.limits) is not None for s in work])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
         if all_logits:
@@ -289,6 +313,14 @@ class TorchBackend:
         """An activated LoRA's invocation tokens (None for a plain adapter): the control plane
         serves every token before their last occurrence as the base model."""
         return self._resident[adapter_id].invocation_tokens
+
+    def resolve_adapter(self, ref: str | int) -> int:
+        """The id of a resident adapter given by name or by id (what the Engine carries)."""
+        if isinstance(ref, str):
+            return self.adapter_id(ref)
+        if isinstance(ref, int) and not isinstance(ref, bool) and ref in self._resident:
+            return ref
+        raise UnknownAdapterError(f"adapter {ref!r} is not resident (resident: {sorted(self._names)})")
 
     def adapter_id(self, name: str) -> int:
         if name not in self._names:

@@ -20,6 +20,7 @@ import torch
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
+from forkserve import errors
 from forkserve.backend.torch.errors import (ContextLengthError, InvalidWorkError, TokenOutOfVocabError,
                                             UnknownAdapterError)
 
@@ -62,39 +63,49 @@ def split_residual_pages(seq: SeqWork, limits: BatchLimits) -> Sequence[int] | N
 
 
 def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
+    """Check every item before anything is written; an error names its item (``seq_ids``),
+    so the caller can fail that item alone and run the others."""
     for seq in work:
-        if not seq.tokens:
-            raise InvalidWorkError(f"seq {seq.seq_id}: no tokens")
-        if seq.start_pos < 0:
-            raise InvalidWorkError(f"seq {seq.seq_id}: negative start_pos {seq.start_pos}")
-        if seq.adapter_start < 0:
-            raise InvalidWorkError(f"seq {seq.seq_id}: negative adapter_start {seq.adapter_start}")
-        bad = [t for t in seq.tokens if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise TokenOutOfVocabError(f"seq {seq.seq_id}: token ids {bad[:5]} outside the vocabulary "
-                                       f"[0, {limits.vocab_size})")
-        end = seq.start_pos + len(seq.tokens)
-        if end > limits.max_context:
-            raise ContextLengthError(f"seq {seq.seq_id}: {end} tokens exceed the model's context of "
-                                     f"{limits.max_context}")
-        if seq.adapter_id is not None and seq.adapter_id not in adapter_slots:
-            raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
-        _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
-        if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
-            if seq.slots.residual_pages is not None:
-                _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
-                             limits.page_size)
-            elif not limits.merged_allowed:
-                raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
-                                       f"for adapter {seq.adapter_id}")
-        for target in seq.extra_residuals:
-            if not limits.disaggregated:
-                raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
-            if target.adapter_id not in adapter_slots:
-                raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not resident")
-            _check_pages(seq, target.residual_pages, limits.num_residual_pages, end, "residual",
-                         limits.page_size)
+        try:
+            _validate_item(seq, limits, adapter_slots)
+        except errors.ForkServeError as exc:
+            exc.seq_ids = (seq.seq_id,)
+            raise
     cascade_tiles.check_groups(work, limits.page_size)
+
+
+def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
+    if not seq.tokens:
+        raise InvalidWorkError(f"seq {seq.seq_id}: no tokens")
+    if seq.start_pos < 0:
+        raise InvalidWorkError(f"seq {seq.seq_id}: negative start_pos {seq.start_pos}")
+    if seq.adapter_start < 0:
+        raise InvalidWorkError(f"seq {seq.seq_id}: negative adapter_start {seq.adapter_start}")
+    bad = [t for t in seq.tokens if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise TokenOutOfVocabError(f"seq {seq.seq_id}: token ids {bad[:5]} outside the vocabulary "
+                                   f"[0, {limits.vocab_size})")
+    end = seq.start_pos + len(seq.tokens)
+    if end > limits.max_context:
+        raise ContextLengthError(f"seq {seq.seq_id}: {end} tokens exceed the model's context of "
+                                 f"{limits.max_context}")
+    if seq.adapter_id is not None and seq.adapter_id not in adapter_slots:
+        raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
+    _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
+    if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
+        if seq.slots.residual_pages is not None:
+            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
+                         limits.page_size)
+        elif not limits.merged_allowed:
+            raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
+                                   f"for adapter {seq.adapter_id}")
+    for target in seq.extra_residuals:
+        if not limits.disaggregated:
+            raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
+        if target.adapter_id not in adapter_slots:
+            raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not resident")
+        _check_pages(seq, target.residual_pages, limits.num_residual_pages, end, "residual",
+                     limits.page_size)
 
 
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],

@@ -48,19 +48,24 @@ def tiles_bucket(n: int) -> int:
 
 
 def check_groups(work: Sequence[SeqWork], page_size: int) -> None:
-    """A group's members list the same first ``pages`` page ids, all before their new tokens."""
+    """A group's members list the same first ``pages`` page ids, all before their new tokens.
+    The error names the item (``seq_ids``), as ``batch.validate``'s do."""
     leads: dict[int, SeqWork] = {}
     for seq in work:
         mark = seq.shared_prefix
         if mark is None:
             continue
-        if mark.pages < 0 or mark.pages * page_size > seq.start_pos:
-            raise InvalidWorkError(f"seq {seq.seq_id}: shared prefix of {mark.pages} pages is not wholly "
-                                   f"before position {seq.start_pos}")
+        error = None
         lead = leads.setdefault(mark.group, seq)
-        if lead.shared_prefix.pages != mark.pages or lead.slots.pages[:mark.pages] != seq.slots.pages[:mark.pages]:
-            raise InvalidWorkError(f"seq {seq.seq_id}: shared prefix group {mark.group} disagrees with "
-                                   f"seq {lead.seq_id} on its pages")
+        if mark.pages < 0 or mark.pages * page_size > seq.start_pos:
+            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix of {mark.pages} pages is not wholly "
+                                     f"before position {seq.start_pos}")
+        elif lead.shared_prefix.pages != mark.pages or lead.slots.pages[:mark.pages] != seq.slots.pages[:mark.pages]:
+            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix group {mark.group} disagrees with "
+                                     f"seq {lead.seq_id} on its pages")
+        if error is not None:
+            error.seq_ids = (seq.seq_id,)
+            raise error
 
 
 def plan(work: Sequence[SeqWork], page_size: int, agents: int) -> CascadePlan | None:

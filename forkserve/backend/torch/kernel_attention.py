@@ -3,7 +3,7 @@
 Same pools, same metadata, same AttentionBackend protocol as attention.EagerAttention; the
 kernels read pages in place instead of gathering them, and ResidualAttention reconstructs
 disaggregated K/V in on-chip memory. Off CUDA the kernels package runs its own eager
-references, which is how this wiring is tested on CPU.
+references unless ``use_triton=True`` (the CPU tests run the kernels under the interpreter).
 """
 from __future__ import annotations
 

@@ -21,7 +21,10 @@ from forkserve.interfaces.ray_serve.deployments import (
     build_application,
 )
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
+from forkserve.interfaces.server import preflight
 from forkserve.interfaces.server.app import build_parser as server_parser
+from forkserve.interfaces.server.served_model import served_name
+from forkserve.interfaces.usage import ArgumentParser
 
 log = logging.getLogger("forkserve.ray_serve")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -35,7 +38,7 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="forkserve serve", add_help=False,
+    ap = ArgumentParser(prog="forkserve serve", add_help=False,
                                  description="ForkServe on Ray Serve: N engine replicas, tree-sticky routing")
     ap.add_argument("--replicas", type=_positive, required=True, help="engine replicas (one per GPU)")
     ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
@@ -51,9 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-    from ray import serve
-
     parser = build_parser()
     ours, rest = parser.parse_known_args(argv)
     if {"-h", "--help"} & set(rest):
@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         from forkserve.backend.torch import find_smollm2_gguf
         model_path = str(find_smollm2_gguf())
         args.device = args.device or "cpu"
+    # The replicas load the model: a bad path or adapter is one line here, before Ray starts.
+    preflight.check_model_path(model_path)
+    preflight.check_adapters(args.lora, served_name(model_path, args.served_model_name))
+    import ray
+    from ray import serve
+
     gpus = ours.gpus_per_replica
     if gpus is None:
         import torch

@@ -21,6 +21,7 @@ a client that disconnects while its session generates (streamed or not) aborts t
 """
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Request
@@ -29,7 +30,7 @@ from fastapi.responses import StreamingResponse
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import GenerationSpec
-from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.errors import APIError, stream_error
 from forkserve.interfaces.server.schemas import (
     AbortRequest,
     AbortResponse,
@@ -193,6 +194,8 @@ async def generate(sid: int, body: GenerateRequest, request: Request,
                 async for c in gen:
                     yield GenerateChunk(text=c.text, tokens=list(c.tokens),
                                         finish_reason=c.finish_reason).model_dump_json() + "\n"
+            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in-band
+                yield json.dumps(stream_error(exc)) + "\n"
             finally:
                 gen.cancel()  # a disconnect aborts the session and frees its pages
         return StreamingResponse(events(), media_type="application/x-ndjson")

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
-from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.errors import APIError, stream_error
 from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.schemas import (
     AssistantMessage,
@@ -191,10 +191,8 @@ def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingR
             async for event in events:
                 yield f"data: {event.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
-        except Exception as exc:
-            status = getattr(exc, "http_status", getattr(exc, "status", 500))
-            payload = {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
-            yield f"data: {json.dumps(payload)}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in-band
+            yield f"data: {json.dumps(stream_error(exc))}\n\n"
         finally:
             # A disconnect cancels this generator: abort what is still decoding.
             for g in gens:
