@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.bench.provenance import source_commit
 from forkserve.control.layout_policy import KVForm
 from forkserve.engine import Engine
 from forkserve.errors import OutOfPagesError
@@ -84,6 +85,9 @@ class RunResult:
     decode_tokens: int
     waited_s: float
     notes: list = field(default_factory=list)
+    decode_ms_per_step: float = 0.0  # mean wall time of a decode-only tick
+    cascade: bool = True             # the backend's shared-prefix (cascade) attention
+    commit: str = ""
 
 
 def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: int):
@@ -198,7 +202,8 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      driver.peak_bytes / params.workflows, hit_rate,
                      m.decode_tokens / max(1, driver.decode_ticks), driver.context_kv_per_agent,
                      driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
-                     m.decode_tokens, driver.waited_s, notes=list(notes or []))
+                     m.decode_tokens, driver.waited_s, notes=list(notes or []),
+                     decode_ms_per_step=driver.decode_tick_s * 1e3 / max(1, driver.decode_only_ticks))
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -225,6 +230,7 @@ class _Driver:
         self._context_holders = 0
         self.prefill_tick_s = 0.0
         self.decode_tick_s = 0.0
+        self.decode_only_ticks = 0
 
     def _tick(self) -> bool:
         m = self.engine.metrics
@@ -236,6 +242,7 @@ class _Driver:
             self.prefill_tick_s += elapsed
         elif m.decode_tokens > before:
             self.decode_tick_s += elapsed
+            self.decode_only_ticks += 1
         if m.decode_tokens > before:
             self.decode_ticks += 1
         used = self.engine.pool.num_used * self.base_bytes
@@ -421,6 +428,9 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                          "graphs captured before the timed runs (default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")
+    ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
+                    help="shared-prefix (cascade) attention of the backend; both: each W runs twice")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -431,18 +441,19 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
     weights = random_weights(model_cfg, device, dtype)
     results, errors = [], []
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
+    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}{'_' + args.tag if args.tag else ''}"
+    commit = source_commit()
 
     def save() -> None:  # after every run, so a later failure or timeout loses nothing
         (args.out / f"{stem}.json").write_text(json.dumps({
             "workload": f"{args.workload}-multilora",
             "driver": "closed-loop" if args.closed_loop else "lockstep",
-            "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+            "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device), "commit": commit,
             "context": args.context, "turns": args.turns, "gen": args.gen, "kv_budget_gib": budget,
             "results": [asdict(r) for r in results], "errors": errors}, indent=2))
 
     total = (sum(w * (args.turns if args.workload == "react" else 1) for w in args.workflows)
-             * len(args.systems) * args.repeat)
+             * len(args.systems) * args.repeat * len(args.cascade))
     with tqdm(total=total, desc=f"{args.workload}-multilora", leave=False) as bar:
         for system in args.systems:
             def params(w: int, **over) -> MultiLoraParams:
@@ -457,7 +468,8 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                 run_system(system, params(2, turns=min(2, args.turns), gen=4), backend, sizes)
                 backend.capture_decode_graphs(top, args.context + params(top).instruction
                                               + args.turns * (args.gen + params(top).observation))
-            for w in args.workflows:
+            for w, cascade in ((w, c) for w in args.workflows for c in args.cascade):
+                backend.cascade_attention = cascade == "on"
                 try:
                     runs = sorted((run_system(system, params(w), backend, sizes, bar) for _ in range(args.repeat)),
                                   key=lambda r: r.tasks_per_s)
@@ -465,9 +477,11 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                     if args.repeat > 1:
                         median.notes.append(f"median of {args.repeat} runs: "
                                             f"{', '.join(f'{r.tasks_per_s:.3f}' for r in runs)} tasks/s")
+                    median.cascade, median.commit = cascade == "on", commit
                     results.append(median)
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
-                    errors.append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
+                    errors.append({"system": system, "workflows": w, "cascade": cascade,
+                                   "error": f"{type(exc).__name__}: {exc}"})
                 save()
             del backend
             if device.type == "cuda":
@@ -490,15 +504,15 @@ def _tiny_config():
 
 
 def format_table(results: list[RunResult], workload: str) -> str:
-    lines = [f"{'system':<18} {'W':>3} {'tasks/s':>8} {'p50 s':>6} {'p99 s':>6} {'peak GiB':>8} "
-             f"{'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} {'batch':>5} {'prefill s':>9} {'decode s':>8}",
-             "-" * 112]
+    lines = [f"{'system':<18} {'cascade':>7} {'W':>3} {'tasks/s':>8} {'p50 s':>6} {'p99 s':>6} {'peak GiB':>8} "
+             f"{'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} {'batch':>5} {'prefill s':>9} {'decode s':>8} "
+             f"{'ms/step':>7}", "-" * 128]
     for r in results:
-        lines.append(f"{r.system:<18} {r.workflows:>3} {r.tasks_per_s:>8.3f} {r.turn_latency_p50_s:>6.2f} "
+        lines.append(f"{r.system:<18} {'on' if r.cascade else 'off':>7} {r.workflows:>3} {r.tasks_per_s:>8.3f} {r.turn_latency_p50_s:>6.2f} "
                      f"{r.turn_latency_p99_s:>6.2f} {r.peak_kv_bytes / 2**30:>8.2f} "
                      f"{r.per_agent_kv_bytes / 2**20:>9.1f} {r.context_kv_per_agent_bytes / 2**20:>13.1f} "
                      f"{r.prefix_hit_rate:>5.2f} {r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} "
-                     f"{r.decode_tick_s:>8.2f}")
+                     f"{r.decode_tick_s:>8.2f} {r.decode_ms_per_step:>7.2f}")
     return "\n".join(lines)
 
 
@@ -509,10 +523,14 @@ def plot(results: list[RunResult], path: Path, workload: str) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for system in SYSTEMS:
-        rows = [r for r in results if r.system == system]
-        if rows:
-            ax1.plot([r.workflows for r in rows], [r.tasks_per_s for r in rows], "o-", label=system)
-            ax2.plot([r.workflows for r in rows], [r.per_agent_kv_bytes / 2**20 for r in rows], "o-", label=system)
+        for cascade in (True, False):
+            rows = [r for r in results if r.system == system and r.cascade == cascade]
+            if rows:
+                label = system + ("" if cascade else " (cascade off)")
+                style = "o-" if cascade else "x--"
+                ax1.plot([r.workflows for r in rows], [r.tasks_per_s for r in rows], style, label=label)
+                ax2.plot([r.workflows for r in rows], [r.per_agent_kv_bytes / 2**20 for r in rows], style,
+                         label=label)
     ax1.set(xlabel="workflows W", ylabel="tasks/s", title=f"{workload}-multilora throughput")
     ax2.set(xlabel="workflows W", ylabel="MiB per agent", title="per-agent KV", yscale="log")
     ax1.legend()

@@ -25,6 +25,7 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
+from forkserve.control.sharing import PrefixSharing
 from forkserve.engine.session import Session
 from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
 
@@ -181,8 +182,10 @@ class Stepper:
             group = pending.pop()
             if not group:
                 continue
+            work = PrefixSharing(self.pool.page_size, self.config.shared_prefix_min_tokens).annotate(
+                [i.work for i in group])  # cascade attention groups
             try:
-                result = self.backend.step([i.work for i in group])
+                result = self.backend.step(work)
             except AssertionError:
                 for item in group:
                     if item.node.table is not None:
