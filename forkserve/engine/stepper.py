@@ -42,6 +42,8 @@ class Stepper:
         # Running estimate of prefill cost, to judge whether a known suffix fits a tool pause.
         self.ms_per_token = config.prefill_ms_per_token
         self._nodes_by_id: dict[int, tuple[Session, Node]] = {}
+        # Which items of a step read one shared prefix (decided here, carried by SeqWork).
+        self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do."""
@@ -182,8 +184,7 @@ class Stepper:
             group = pending.pop()
             if not group:
                 continue
-            work = PrefixSharing(self.pool.page_size, self.config.shared_prefix_min_tokens).annotate(
-                [i.work for i in group])  # cascade attention groups
+            work = self.sharing.annotate([i.work for i in group])  # cascade attention groups
             try:
                 result = self.backend.step(work)
             except AssertionError:
