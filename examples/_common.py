@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from typing import Iterator
 
 
@@ -10,6 +11,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--url", help="a running `forkserve serve` (default: start the demo model here, on CPU)")
     ap.add_argument("--model", help="the model id to request (default: the server's base model)")
+    ap.add_argument("--api-key", default=os.environ.get("FORKSERVE_API_KEY"),
+                    help="the server's --api-key, if it has one (default: $FORKSERVE_API_KEY)")
     return ap
 
 
@@ -18,7 +21,8 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """(base url, model id)."""
     if args.url:
         import httpx
-        model = args.model or httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+        model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
         yield args.url, model
         return
     from forkserve.backend.torch import find_smollm2_gguf

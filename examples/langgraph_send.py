@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--note-tokens", type=int, default=24)
     args = ap.parse_args(argv)
-    with server(args) as (url, model), BranchClient(url) as client:
-        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key or "unused")
 
         def review(context: str, aspect: str) -> str:
             r = oai.chat.completions.create(

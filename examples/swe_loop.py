@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__.split("\n")[0]).parse_args(argv)
     root = make_sandbox()
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-    with server(args) as (url, model), BranchClient(url) as client:
+    with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
         agent = SweAgent(client, model, tools_for(root), max_tokens=48, expected_tool_ms=100)
         result = agent.run(messages, resume=REPLAY, max_steps=4)
     for i, step in enumerate(result.steps):

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--depth", type=int, default=2)
     args = ap.parse_args(argv)
-    with server(args) as (url, model), BranchClient(url) as client:
-        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key or "unused")
         tot = TreeOfThoughts(client, model, sampling_proposer(oai, model, max_tokens=24, stop=("\n\n",)), novelty,
                              k=args.k, depth=args.depth, answer_tokens=32, answer_stop=("\n\n",))
         result = tot.run(PROMPT)

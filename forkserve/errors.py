@@ -76,3 +76,9 @@ class BackendError(ForkServeError):
     running the step's items apart); other requests of the step were not affected."""
 
     http_status = 500
+
+
+class ModelLoadError(ForkServeError):
+    """A model or adapter on disk that cannot be loaded: a missing file, a truncated
+    safetensors or GGUF file, a config.json that is not JSON or lacks a field. The message
+    names the file, so the user knows what to fix."""

@@ -18,6 +18,11 @@ as the base model's (adapter code 0, in residual pages too: a zero residual; in 
 pages too), and a token sampled there hashes as the base model's, so KV left over from
 another activation point changes the output.
 
+Adapter versions (``adapter_versions``, ``reload_adapter``): a reloaded adapter is new
+weights under the same id, so its K/V and its samples differ from the old version's; the
+control plane keys residual (and merged) pages by ``adapter_version``, and a page of the old
+version read by the new one trips the same checks as another adapter's.
+
 Host tier (``HostOffload``, disaggregated layout): ``config.host_residual_pages`` host slots
 for residual pages. Offloading blanks the device page (the control plane frees it), so a
 page used after it was parked, or brought back into the wrong page, reads as never written.
@@ -41,21 +46,29 @@ _HASH_MOD = (1 << 61) - 1
 _ADAPTER_SPACE = 1 << 20
 
 
-def _adapter_code(adapter: int | str | None) -> int:
-    return 0 if adapter is None else 1 + zlib.crc32(str(adapter).encode()) % (_ADAPTER_SPACE - 1)
+def _adapter_code(adapter: int | str | None, version: int = 0) -> int:
+    if adapter is None:
+        return 0
+    # Version 0 keeps the plain name, so values written before versions existed are unchanged.
+    name = str(adapter) if version == 0 else f"{adapter}\x00v{version}"
+    return 1 + zlib.crc32(name.encode()) % (_ADAPTER_SPACE - 1)
 
 
 class MockBackend:
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
                  invocations: Mapping[int | str, Sequence[int]] | None = None,
-                 adapters: Iterable[int | str] | None = None) -> None:
+                 adapters: Iterable[int | str] | None = None,
+                 adapter_versions: Mapping[int | str, int] | None = None) -> None:
         """``adapters``: the resident adapters (``remove_adapter`` / ``add_adapter`` change
-        them); None accepts any adapter id. ``fault``: tests set it to a function of one
-        item that returns an exception to raise in the middle of a step (items before it in
-        the batch are already written, as a real backend failing mid-batch would leave them)."""
+        them); None accepts any adapter id. ``adapter_versions``: each adapter's current
+        version (default 0; ``reload_adapter`` bumps it). ``fault``: tests set it to a
+        function of one item that returns an exception to raise in the middle of a step
+        (items before it in the batch are already written, as a real backend failing
+        mid-batch would leave them)."""
         self.config = config or ForkServeConfig()
         self._invocations = {a: tuple(tokens) for a, tokens in (invocations or {}).items()}
         self._adapters = set(adapters) if adapters is not None else None
+        self._versions = dict(adapter_versions or {})
         self.fault: Callable[[SeqWork], Exception | None] | None = None
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
@@ -98,6 +111,20 @@ class MockBackend:
         """An activated LoRA's invocation tokens (None for a plain adapter)."""
         return self._invocations.get(adapter)
 
+    def adapter_version(self, adapter: int | str) -> int:
+        """Which load of ``adapter`` is current: 0 until ``reload_adapter`` moves it."""
+        return self._versions.get(adapter, 0)
+
+    def reload_adapter(self, adapter: int | str) -> int:
+        """New weights under the same id (a hot-swapped adapter); returns the new version.
+        Only meaningful while no session holds the old version's K/V."""
+        self._versions[adapter] = self.adapter_version(adapter) + 1
+        return self._versions[adapter]
+
+    def _code(self, adapter, version: int | None = None) -> int:
+        """An adapter's value code at ``version`` (None: the current one)."""
+        return _adapter_code(adapter, self.adapter_version(adapter) if version is None else version)
+
     def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         pages, slots = self._host_copies(kind, copies)
         self._host[slots] = self._kv[kind][pages]
@@ -131,14 +158,14 @@ class MockBackend:
         return self._host[slot]
 
     def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, merged: bool = False,
-                        adapter_start: int = 0, start_pos: int = 0) -> np.ndarray:
+                        adapter_start: int = 0, start_pos: int = 0, version: int | None = None) -> np.ndarray:
         """What ``tokens`` at positions ``start_pos..`` store; base-model values before
         ``adapter_start``. ``merged``: an adaptive-layout item without residual pages (merged
-        K/V in BASE pages)."""
+        K/V in BASE pages). ``version``: the adapter's (None: its current one)."""
         code = 0
         if kind is PageKind.RESIDUAL or merged or (kind is PageKind.UNIFIED
                                                    and self.config.kv_layout is KVLayout.UNIFIED):
-            code = _adapter_code(adapter)
+            code = self._code(adapter, version)
         positions = np.arange(start_pos, start_pos + len(tokens))
         return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
 
@@ -204,7 +231,7 @@ class MockBackend:
             raise AssertionError(f"seq {item.seq_id}: reads {kind.value} slot "
                                  f"{int(np.argmax(values == _UNWRITTEN))} that was never written")
         if kind is PageKind.RESIDUAL:
-            codes = np.where(np.arange(length) >= item.adapter_start, _adapter_code(item.adapter_id), 0)
+            codes = np.where(np.arange(length) >= item.adapter_start, self._code(item.adapter_id), 0)
             foreign = values % _ADAPTER_SPACE != codes
             if foreign.any():
                 raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
@@ -225,7 +252,7 @@ class MockBackend:
 
     def _next_token(self, context: np.ndarray, adapter) -> int:
         """A deterministic function of the whole context read back (a polynomial hash)."""
-        h = 1469598103934665603 + _adapter_code(adapter)
+        h = 1469598103934665603 + self._code(adapter)
         for t in context.tolist():
             h = (h * 1099511628211 + t + 1) % _HASH_MOD
         # Stay inside the printable byte range so generated text can be scored and shown.

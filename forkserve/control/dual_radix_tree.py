@@ -9,6 +9,10 @@ An activated LoRA's keys carry its activation point (``adapter_start``) in the a
 namespace, and ``base_pages``: its leading pages wholly before that point, keyed under BASE
 on both sides (base-model K/V; on the residual side, an all-zero residual).
 
+Every key carries the ``CacheSalt`` of the trust boundary it was computed in (both trees,
+and so the residual host tier too): pages are matched only under the salt they were
+published under.
+
 Both are ``PrefixIndex``es over their own pool, so each has its own LRU and evicting one
 never touches the other. Only the residual tree may have a ``HostTier``: its pages are
 rank-r, cheap to park on the host and to bring back. ``match`` reports how far each side reaches; the engine
@@ -22,8 +26,8 @@ from typing import Sequence
 from forkserve.backend.protocol import PageId
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
-from forkserve.control.prefix_index import (BASE, AdapterNamespace, InsertCursor, Namespace,
-                                            PrefixIndex)
+from forkserve.control.prefix_index import (BASE, UNSALTED, AdapterNamespace, CacheSalt, InsertCursor,
+                                            Namespace, PrefixIndex)
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class BaseKey:
     tokens: tuple[int, ...]
     namespace: Namespace = BASE
     base_pages: int = 0  # leading pages keyed under BASE whatever ``namespace`` is
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class ResidualKey:
     tokens: tuple[int, ...]
     adapter_start: int | None = 0  # see AdapterNamespace
     base_pages: int = 0
+    salt: CacheSalt = UNSALTED
 
     @property
     def namespace(self) -> AdapterNamespace:
@@ -72,11 +78,11 @@ class DualRadixTree:
         self.residual = PrefixIndex(residual_pool, residual_host) if residual_pool is not None else None
 
     def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
-        base_pages = self.base.match(base.namespace, base.tokens, base.base_pages)
+        base_pages = self.base.match(base.namespace, base.tokens, base.base_pages, base.salt)
         if residual is None or self.residual is None:
             return DualMatch(base_pages, None)
         return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens,
-                                                         residual.base_pages))
+                                                         residual.base_pages, residual.salt))
 
     def insert(self, base: BaseKey, base_pages: Sequence[PageId],
                residual: ResidualKey | None = None, residual_pages: Sequence[PageId] = (),
@@ -84,12 +90,13 @@ class DualRadixTree:
         """Publish both sides; the returned cursor makes the next insert of a longer prefix
         of the same path walk only its new pages."""
         base_cursor = self.base.insert(base.namespace, base.tokens, base_pages,
-                                       resume.base if resume is not None else None, base.base_pages)
+                                       resume.base if resume is not None else None, base.base_pages,
+                                       base.salt)
         res_cursor = None
         if residual is not None and self.residual is not None and residual_pages:
             res_cursor = self.residual.insert(residual.namespace, residual.tokens, residual_pages,
                                               resume.residual if resume is not None else None,
-                                              residual.base_pages)
+                                              residual.base_pages, residual.salt)
         return DualCursor(base_cursor, res_cursor)
 
     def evict_all(self) -> int:

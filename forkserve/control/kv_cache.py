@@ -17,9 +17,15 @@ Layout rules (seed 001):
 
 * unified — merged K/V depends on the adapter: pages are keyed under the adapter's
   namespace and a fork to another adapter shares nothing;
-* disaggregated — base pages are everyone's, residual pages the adapter's: a fork to
-  another adapter aliases the base side and starts an empty residual side;
+* disaggregated — base pages are shared across adapters, residual pages the adapter's: a
+  fork to another adapter aliases the base side and starts an empty residual side;
 * full_reuse — merged K/V shared across adapters (the lossy baseline): everything aliases;
+
+Exactness is a policy (``may_read``): base-side pages carry their provenance in the key
+(BASE: written by the base model; ``ForwardNamespace``: from an adapter's hidden states).
+The base model reads only its own pages, in every layout; an adapter reads the base model's
+and, with ``ShareBase.CROSS_ADAPTER`` (the default), every adapter's; with ``EXACT`` only
+its own.
 * adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
   the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
   node without a residual table is merged.
@@ -30,13 +36,18 @@ base model's, so in every layout and form those pages are keyed as BASE pages
 activation point on are keyed as the node's form says (merged: under the adapter's
 namespace, which carries the activation point; split: base side global, residual side
 under that namespace). ``keys`` is the one place that decides.
+
+Trust boundaries: a session's tables carry the ``CacheSalt`` it was opened with (its
+tenant and request salt; every fork keeps it), and ``keys`` puts it into both keys, so a
+page is matched only by sessions of the same boundary — on the base tree, the residual tree
+and the residual host tier alike.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 from forkserve.backend.protocol import HostOffload, PageKind
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
@@ -46,7 +57,7 @@ from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
-from forkserve.control.prefix_index import PrefixIndex
+from forkserve.control.prefix_index import BASE, CROSS_ADAPTER, UNSALTED, CacheSalt, ForwardNamespace, PrefixIndex
 from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
@@ -136,25 +147,26 @@ class KVCache:
         return True
 
     # ------------------------------------------------------------ tables
-    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int) -> KVForm:
+    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int,
+                    salt: CacheSalt = UNSALTED) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
         queued prompts will still take from the base pool."""
         p = self.pool.page_size
         residual_hit = 0
         if adapter is not None and self.residual_pool is not None:
             _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
-                                        self.path_start(adapter, tokens))
+                                        self.path_start(adapter, tokens), salt)
             residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens,
-                                                         residual_key.base_pages)) * p
+                                                         residual_key.base_pages, salt)) * p
         projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
 
-    def new_kv(self, adapter, form: KVForm) -> NodeKV:
+    def new_kv(self, adapter, form: KVForm, salt: CacheSalt = UNSALTED) -> NodeKV:
         residual = None
         if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
-        return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter))
+        return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter), salt)
 
     def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
         """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
@@ -166,15 +178,28 @@ class KVCache:
         # An aLoRA child keeps the parent's point (``activate`` then cuts where they differ);
         # any other child of another adapter gets the layout's sharing as its own.
         start = parent.adapter_start if alora or adapter == parent_adapter else self._fresh_start(adapter)
-        if adapter == parent_adapter or self.layout is KVLayout.FULL_REUSE:
+        if adapter == parent_adapter:
             return parent.fork(start)
-        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
-            return parent.fork_base(self.residual_pool if adapter is not None else None, start)
-        if alora and parent.adapter_start is None:
+        if alora and parent.adapter_start is None and parent.residual is None:
             # Merged K/V computed as the base model everywhere is the base model's K/V:
             # the aLoRA child aliases all of it and stays merged.
             return parent.fork(start)
-        return self.new_kv(adapter, KVForm.MERGED)
+        if not self.may_read(parent_adapter, adapter):
+            return self.new_kv(adapter, self.form_of(parent, parent_adapter), parent.salt)
+        if self.layout is KVLayout.FULL_REUSE:
+            return parent.fork(start)
+        if self.form_of(parent, parent_adapter) is KVForm.SPLIT:
+            return parent.fork_base(self.residual_pool if adapter is not None else None, start)
+        return self.new_kv(adapter, KVForm.MERGED, parent.salt)
+
+    def may_read(self, writer, reader) -> bool:
+        """Whether ``reader`` may read the shared K/V (base side, or full_reuse's merged
+        pages) that ``writer``'s forward pass wrote: the base model reads only its own;
+        an adapter reads the base model's and, under ``ShareBase.CROSS_ADAPTER``, any
+        adapter's. (Both may always read pages wholly before an aLoRA's activation point.)"""
+        if writer == reader or writer is None and reader is not None:
+            return True
+        return reader is not None and self.config.share_base is ShareBase.CROSS_ADAPTER
 
     def form_of(self, kv: NodeKV, adapter) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
@@ -188,37 +213,51 @@ class KVCache:
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int], form: KVForm,
-             adapter_start: int | None = 0) -> tuple[BaseKey, ResidualKey | None]:
+    def keys(self, adapter, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
+             salt: CacheSalt = UNSALTED) -> tuple[BaseKey, ResidualKey | None]:
         """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
-        ``adapter_start`` (see ``AdapterNamespace``). Both decide a page's namespace:
+        ``adapter_start`` (see ``AdapterNamespace``), within the trust boundary ``salt`` (both
+        keys carry it, whatever the namespace: a BASE page is shared only inside it too).
+        Form and activation point decide a page's namespace:
 
         * pages wholly before the activation point hold base-model K/V (and a zero
           residual), so they are keyed BASE (``base_pages``) in every layout and form;
         * from it on, a MERGED page's K/V depends on the adapter, so the base side is keyed
           under the adapter's namespace (which carries ``adapter_start``); a SPLIT node's
-          base side is the base model's and is keyed globally, its residual side per adapter.
+          base side is keyed by its provenance (``may_read``), its residual side per adapter.
         """
         tokens = tuple(path)
         if adapter is None:
-            return BaseKey(tokens), None
+            return BaseKey(tokens, salt=salt), None
         p = self.pool.page_size
         base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
-        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages)
+        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages,
+                               salt)
         if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
-            return BaseKey(tokens, residual.namespace, base_pages), residual
-        return BaseKey(tokens), residual
+            return BaseKey(tokens, residual.namespace, base_pages, salt), residual
+        # A split base side (or full_reuse's shared merged K/V) from the activation point on
+        # was computed from this adapter's hidden states: keyed by that provenance, so the
+        # base model never reads it and other adapters only where ``share_base`` allows.
+        writer = CROSS_ADAPTER if self.config.share_base is ShareBase.CROSS_ADAPTER \
+            else ForwardNamespace(residual.namespace)
+        return BaseKey(tokens, writer, base_pages, salt), residual
 
     def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
-        """The keys a table's pages are matched and published under: its form and its
-        activation point, both read off the table."""
-        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter))
+        """The keys a table's pages are matched and published under: its form, its
+        activation point and its salt, all read off the table."""
+        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter), kv.salt)
 
     def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
         base_key, residual_key = self._keys_of(kv, adapter, path)
-        return self.tree.match(base_key, residual_key if kv.residual is not None else None)
+        hit = self.tree.match(base_key, residual_key if kv.residual is not None else None)
+        if base_key.namespace == CROSS_ADAPTER:
+            # The base model's own pages serve every adapter that reads across adapters.
+            exact = self.index.match(BASE, base_key.tokens, 0, base_key.salt)
+            if len(exact) > len(hit.base_pages):
+                hit = DualMatch(exact, hit.residual_pages)
+        return hit
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:
@@ -245,7 +284,7 @@ class KVCache:
         """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
         base_key, _ = self._keys_of(kv, adapter, path)
         self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,
-                                                       base_key.base_pages), now)
+                                                       base_key.base_pages, base_key.salt), now)
 
     # ------------------------------------------------------------ memory
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 from forkserve.backend.protocol import KVSlots, PageId
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import CopyPages, PageTable
-
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,15 @@ class Regime:
 
 class NodeKV:
     def __init__(self, base: PageTable, residual: PageTable | None = None,
-                 adapter_start: int | None = None) -> None:
+                 adapter_start: int | None = None, salt: CacheSalt = UNSALTED) -> None:
         self.base = base
         self.residual = residual
         # The activation point the KV was written under (``AdapterNamespace.adapter_start``):
         # None the base model everywhere, 0 a plain adapter, else an aLoRA's invocation start.
         self.adapter_start = adapter_start
+        # The trust boundary of the session these tables belong to, fixed at open and kept
+        # by every fork: what they match and publish in the prefix index (``KVCache.keys``).
+        self.salt = salt
 
     @property
     def length(self) -> int:
@@ -57,12 +60,12 @@ class NodeKV:
 
     def fork(self, adapter_start: int | None) -> "NodeKV":
         return NodeKV(self.base.fork(), self.residual.fork() if self.residual is not None else None,
-                      adapter_start)
+                      adapter_start, self.salt)
 
     def fork_base(self, residual_pool: PagePool | None, adapter_start: int | None) -> "NodeKV":
         """Alias the base pages only, with an empty residual (a fork to another adapter)."""
         return NodeKV(self.base.fork(), PageTable(residual_pool) if residual_pool is not None else None,
-                      adapter_start)
+                      adapter_start, self.salt)
 
     def regime(self) -> Regime:
         if self.residual is None or self.base.length == self.residual.length:

@@ -8,6 +8,10 @@ page. A path may start under BASE and continue under an adapter: an activated Lo
 pages before its invocation are the base model's (``base_pages``), shared with base-model
 sessions and other aLoRAs over the same prefix.
 
+Trust boundary: every key also carries a ``CacheSalt``, so a match only ever reaches pages
+published under an equal salt (a server's tenant and its request's ``cache_salt``). The
+salt is in every edge, not just the first: no walk can cross from one boundary into another.
+
 Ownership: the index holds one pool reference per published page, taken in ``insert``
 and given back in ``evict``. Only committed tokens are inserted (the engine's commit,
 root prefill and close paths); speculative pages never are. ``match`` hands back page
@@ -23,6 +27,7 @@ on drop, or when a newly published page for the same prefix makes the host copy 
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -64,9 +69,29 @@ CROSS_ADAPTER = ForwardNamespace()
 
 
 @dataclass(frozen=True)
+class CacheSalt:
+    """The trust boundary a published page is shared within: pages published under one salt
+    are never matched under another. ``UNSALTED`` (both None) is the default scope of callers
+    that pass none (the engine used as a library, ``prefill_shared``). A tenant's salt has
+    its ``tenant`` (and optionally a per-request ``name``); ``public(name)`` is a named prefix
+    that several tenants explicitly opted into sharing."""
+
+    tenant: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def public(cls, name: str) -> "CacheSalt":
+        return cls(None, name)
+
+
+UNSALTED = CacheSalt()
+
+
+@dataclass(frozen=True)
 class PageKey:
     tokens: tuple[int, ...]
     namespace: "Namespace" = BASE
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass(eq=False)
@@ -92,6 +117,7 @@ class InsertCursor:
     base_pages: int
     node: _IndexNode
     pages: int
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass(frozen=True)
@@ -99,6 +125,7 @@ class IndexEntry:
     namespace: Namespace
     prefix: tuple[int, ...]  # every token up to and including this page
     page: PageId
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass(frozen=True)
@@ -106,6 +133,7 @@ class OffloadedEntry:
     namespace: Namespace
     prefix: tuple[int, ...]
     slot: HostSlotId
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass
@@ -115,6 +143,7 @@ class _Eviction:
 
     copies: dict[HostSlotId, PageId] = field(default_factory=dict)
     released: list[PageId] = field(default_factory=list)
+    pending: collections.Counter = field(default_factory=collections.Counter)  # released, per page
 
 
 class PrefixIndex:
@@ -124,23 +153,33 @@ class PrefixIndex:
         self.page_size = pool.page_size
         self._root = _IndexNode(None, None, None)
         self._clock = itertools.count(1)
-        self.num_pages = 0       # entries on a device page
+        self._entries = 0        # entries on a device page
         self.num_offloaded = 0   # entries in a host slot
+        # References the index holds per page: a page may be published under two keys (a
+        # base-model page an adapter's path also reaches under its provenance key).
+        self._refs: collections.Counter[PageId] = collections.Counter()
+
+    @property
+    def num_pages(self) -> int:
+        """Device pages the index holds (a page under two keys counts once)."""
+        return len(self._refs)
 
     def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
-                   first_page: int = 0) -> Iterator[PageKey]:
+                   salt: CacheSalt, first_page: int = 0) -> Iterator[PageKey]:
         p = self.page_size
         for start in range(first_page * p, len(tokens) - p + 1, p):
-            yield PageKey(tuple(tokens[start:start + p]), BASE if start < base_pages * p else namespace)
+            yield PageKey(tuple(tokens[start:start + p]), BASE if start < base_pages * p else namespace,
+                          salt)
 
-    def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0) -> list[PageId]:
-        """Pages of the longest published page-aligned prefix of ``tokens``; the first
-        ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
+    def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+              salt: CacheSalt = UNSALTED) -> list[PageId]:
+        """Pages of the longest published page-aligned prefix of ``tokens`` under ``salt``; the
+        first ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
         entries the match reaches are restored first (see the module docstring)."""
         node = self._root
         now = next(self._clock)
         path: list[_IndexNode] = []
-        for key in self._page_keys(namespace, tokens, base_pages):
+        for key in self._page_keys(namespace, tokens, base_pages, salt):
             node = node.children.get(key)
             if node is None:
                 break
@@ -164,22 +203,25 @@ class PrefixIndex:
         for page, n in zip(pages, take, strict=True):
             self.host.give_back(n.host)
             n.page, n.host = page, None
-        self.num_pages += len(take)
+            self._refs[page] += 1
+        self._entries += len(take)
         self.num_offloaded -= len(take)
 
     def insert(self, namespace: Namespace, tokens: Sequence[int], pages: Sequence[PageId],
-               resume: InsertCursor | None = None, base_pages: int = 0) -> InsertCursor:
+               resume: InsertCursor | None = None, base_pages: int = 0,
+               salt: CacheSalt = UNSALTED) -> InsertCursor:
         """Publish the full pages of a committed prefix; returns a cursor for the next call.
 
         Where a page for the same prefix is already published, the index keeps its own
         and the caller's stays private (both hold identical KV). With a valid ``resume``
         from an earlier insert of a prefix of ``tokens``, only the pages after it are walked.
-        ``base_pages`` as in ``match``.
+        ``base_pages`` and ``salt`` as in ``match``.
         """
         node = self._root
         first = 0
         # The walked pages must have been keyed as they would be now (BASE up to the same page).
-        if (resume is not None and resume.namespace == namespace and not resume.node.evicted
+        if (resume is not None and resume.namespace == namespace and resume.salt == salt
+                and not resume.node.evicted
                 and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
                 # ...and the cursor's node still on the device (an offloaded one was evicted).
                 and (resume.node.key is None or resume.node.page is not None)
@@ -187,17 +229,19 @@ class PrefixIndex:
             node, first = resume.node, resume.pages
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(namespace, tokens, base_pages, first), pages[first:],
+        for key, page in zip(self._page_keys(namespace, tokens, base_pages, salt, first), pages[first:],
                              strict=False):
             child = node.children.get(key)
             if child is None:
                 self.pool.incref([page])
+                self._refs[page] += 1
                 child = _IndexNode(key, page, node)
                 node.children[key] = child
                 added += 1
             elif child.page is None:
                 # Offloaded: the caller's page holds the same KV, so the host copy is redundant.
                 self.pool.incref([page])
+                self._refs[page] += 1
                 self.host.give_back(child.host)
                 child.page, child.host = page, None
                 added += 1
@@ -205,8 +249,8 @@ class PrefixIndex:
             child.last_access = now
             node = child
             first += 1
-        self.num_pages += added
-        return InsertCursor(namespace, base_pages, node, first)
+        self._entries += added
+        return InsertCursor(namespace, base_pages, node, first, salt)
 
     def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
               offload: bool = True) -> int:
@@ -219,13 +263,18 @@ class PrefixIndex:
         run = _Eviction()
         while heap and (max_pages is None or len(run.released) < max_pages):
             _, _, node = heapq.heappop(heap)
-            if self.pool.refcount(node.page) != 1:
+            # Released pages are decref'd only after the pass: count what it already let go.
+            if self.pool.refcount(node.page) - run.pending[node.page] != self._refs[node.page]:
                 continue  # a live table still reads it; evicting would not free memory
             slot = self._host_slot(keep, run) if host is not None else None
             if slot is None and node.children:
                 continue  # its offloaded children need it in the tree, and the host is full
             run.released.append(node.page)
-            self.num_pages -= 1
+            run.pending[node.page] += 1
+            self._refs[node.page] -= 1
+            if not self._refs[node.page]:
+                del self._refs[node.page]
+            self._entries -= 1
             if slot is None:
                 self._unlink(node)
             else:
@@ -289,27 +338,27 @@ class PrefixIndex:
             yield node
             stack.extend(node.children.values())
 
-    def _walk(self) -> Iterator[tuple[Namespace, tuple[int, ...], _IndexNode]]:
-        """Every entry with the namespace its own page is keyed under (one path may cross
-        from BASE into an adapter's namespace) and its whole token prefix."""
+    def _walk(self) -> Iterator[tuple[PageKey, tuple[int, ...], _IndexNode]]:
+        """Every entry with the key of its own page (one path may cross from BASE into an
+        adapter's namespace) and its whole token prefix."""
         stack = [(self._root, ())]
         while stack:
             node, prefix = stack.pop()
             for key, child in node.children.items():
                 path = prefix + key.tokens
-                yield key.namespace, path, child
+                yield key, path, child
                 stack.append((child, path))
 
     def entries(self) -> Iterator[IndexEntry]:
         """Entries on a device page."""
-        for namespace, prefix, node in self._walk():
+        for key, prefix, node in self._walk():
             if node.page is not None:
-                yield IndexEntry(namespace, prefix, node.page)
+                yield IndexEntry(key.namespace, prefix, node.page, key.salt)
 
     def offloaded_entries(self) -> Iterator[OffloadedEntry]:
-        for namespace, prefix, node in self._walk():
+        for key, prefix, node in self._walk():
             if node.page is None:
-                yield OffloadedEntry(namespace, prefix, node.host)
+                yield OffloadedEntry(key.namespace, prefix, node.host, key.salt)
 
     def held_refs(self) -> dict[PageId, int]:
         refs: dict[PageId, int] = {}
@@ -330,8 +379,10 @@ class PrefixIndex:
                     raise AssertionError(f"offloaded entry (slot {node.host}) has a device child")
             else:
                 device += 1
-        if (device, offloaded) != (self.num_pages, self.num_offloaded):
-            raise AssertionError(f"index counts {self.num_pages} device / {self.num_offloaded} host "
+        if dict(self._refs) != self.held_refs():
+            raise AssertionError("the index's per-page reference counts disagree with its entries")
+        if (device, offloaded) != (self._entries, self.num_offloaded):
+            raise AssertionError(f"index counts {self._entries} device / {self.num_offloaded} host "
                                  f"entries, holds {device} / {offloaded}")
         if self.host is not None:
             self.host.check_integrity([e.slot for e in self.offloaded_entries()])

@@ -39,6 +39,7 @@ from forkserve.control.node_kv import NodeKV
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.control.scheduler import TickScheduler
 from forkserve.control.scorers import (
     CompositeScorer,
@@ -100,16 +101,18 @@ class Engine:
                                self.metrics, self.scorer, clock)
 
     # ------------------------------------------------------------------ verbs
-    def open(self, tokens: Sequence[int], *, adapter: str | None = None) -> SessionHandle:
-        """Start a session whose committed root is ``tokens``; its prefill is queued."""
+    def open(self, tokens: Sequence[int], *, adapter: str | None = None,
+             salt: CacheSalt = UNSALTED) -> SessionHandle:
+        """Start a session whose committed root is ``tokens``; its prefill is queued. ``salt``:
+        the trust boundary its pages are matched and published in (every fork keeps it)."""
         tokens = self._check_tokens(tokens)
         adapter = self._check_adapter(adapter)
         self._check_context(len(tokens))
-        form = self._form(tokens, adapter)
+        form = self._form(tokens, adapter, salt)
         self._check_fits(len(tokens), form is KVForm.SPLIT and adapter is not None)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
-                    self.kv.new_kv(adapter, form), NodeState.COMMITTED, adapter=adapter)
+                    self.kv.new_kv(adapter, form, salt), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
         self._attach_published(session, root, keep_last=True)
@@ -125,8 +128,8 @@ class Engine:
         tokens = self._check_tokens(tokens)
         return self._form(tokens, self._check_adapter(adapter))
 
-    def _form(self, tokens: Sequence[int], adapter) -> KVForm:
-        return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages())
+    def _form(self, tokens: Sequence[int], adapter, salt: CacheSalt = UNSALTED) -> KVForm:
+        return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages(), salt)
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
              adapter: str | None = None) -> int:

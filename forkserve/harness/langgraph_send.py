@@ -31,15 +31,15 @@ class SendFanout:
     def open(self, context: str) -> Session:
         return self.client.open(self.model, text=context)
 
-    def branch(self, session_id: int, tip: int, text: str, *, label: str, priority: float) -> int:
+    def branch(self, session_id: str, tip: int, text: str, *, label: str, priority: float) -> int:
         node = self.client.fork(session_id, tip, text=text, label=label)
         self.client.speculate(session_id, node, priority=priority)
         return node
 
-    def join(self, session_id: int, nodes: Sequence[int], separator: str) -> Commit:
+    def join(self, session_id: str, nodes: Sequence[int], separator: str) -> Commit:
         return self.client.join(session_id, nodes, separator_text=separator or None)
 
-    def finish(self, session_id: int, max_tokens: int, stop: Sequence[str]) -> Generation:
+    def finish(self, session_id: str, max_tokens: int, stop: Sequence[str]) -> Generation:
         try:
             return self.client.generate(session_id, max_tokens, stop=stop)
         finally:
@@ -49,7 +49,7 @@ class SendFanout:
 class FanoutState(TypedDict, total=False):
     context: str
     subtasks: list[str]
-    session_id: int
+    session_id: str
     tip: int
     results: Annotated[list[tuple[int, int, str]], operator.add]  # (Send index, branch node, text)
     join: dict[str, Any]
@@ -61,7 +61,7 @@ class WorkItem(TypedDict):
     subtask: str
     index: int
     count: int
-    session_id: int
+    session_id: str
     tip: int
 
 

@@ -43,7 +43,7 @@ class ReActResult:
     answer: str | None
     transcript: str                     # everything after the prompt, as the session holds it
     steps: tuple[ToolPauseResult, ...] = ()
-    session_id: int = 0
+    session_id: str = ""
 
 
 class ReActAgent:

@@ -45,7 +45,7 @@ class SweResult:
     final_message: str | None
     transcript: str
     steps: tuple[ToolPauseResult, ...] = ()
-    session_id: int = 0
+    session_id: str = ""
 
 
 # A shell command's two usual outcomes.

@@ -41,7 +41,7 @@ class ToolFormat(Protocol):
 
 @dataclass(frozen=True)
 class ToolLoopRun:
-    session_id: int
+    session_id: str
     transcript: str                     # everything after the prompt, as the session holds it
     last_turn: str                      # the model's last turn (the format reads the outcome here)
     steps: tuple[ToolPauseResult, ...]
@@ -80,7 +80,7 @@ class ToolLoop:
             self.client.close(sid)
         return ToolLoopRun(sid, transcript, turn, tuple(steps))
 
-    def _act(self, sid: int, tip: int, turn: str, call: ToolCall) -> ToolPauseResult:
+    def _act(self, sid: str, tip: int, turn: str, call: ToolCall) -> ToolPauseResult:
         fn = self.tools.get(call.tool)
         if fn is not None:
             def run_tool() -> str:

@@ -50,7 +50,7 @@ class ToolPause:
         self.client = client
         self.expected_tool_ms = expected_tool_ms
 
-    def run(self, session_id: int, tip: int, tool: Callable[[], str], *, prefix: str, suffix: str,
+    def run(self, session_id: str, tip: int, tool: Callable[[], str], *, prefix: str, suffix: str,
             guesses: tuple[Guess, ...] = ()) -> ToolPauseResult:
         """Announce ``prefix`` (p = 1) and ``guesses``, run ``tool``, commit
         ``prefix + observation + suffix``."""
@@ -71,7 +71,7 @@ class ToolPause:
         return ToolPauseResult(observation, text, commit, decisions, tool_ms)
 
 
-def first_turn(client: BranchClient, sid: int, tip: int, *, resume: str | None,
+def first_turn(client: BranchClient, sid: str, tip: int, *, resume: str | None,
                max_tokens: int, stop) -> tuple[str, int]:
     """The agent's first turn: a replayed one (``resume``) is committed as is, otherwise the
     model generates it. Returns the turn's text and the new tip."""

@@ -1,13 +1,35 @@
-"""The ``forkserve`` command: ``serve``, ``demo``, ``bench fanout|react|mapreduce``."""
+"""The ``forkserve`` command: ``serve``, ``demo``, ``bench fanout|react|mapreduce``.
+
+A user error (a bad flag or path, a checkpoint the loaders refuse) is one line on stderr
+and exit status 2, never a traceback; Ctrl-C ends the command quietly with status 130
+(the shell's 128 + SIGINT).
+"""
 from __future__ import annotations
 
-import argparse
 import sys
+
+from forkserve.interfaces.usage import ArgumentParser, UsageError
+
+COMMANDS = ("serve", "demo", "bench")
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(
+    prog = "forkserve" + (f" {argv[0]}" if argv and argv[0] in COMMANDS else "")
+    try:
+        return _run(argv)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(argv: list[str]) -> int:
+    ap = ArgumentParser(
         prog="forkserve", description="Branch-aware LLM serving for agents",
         epilog="'forkserve COMMAND --help' shows each command's flags. The benchmark workloads "
                "are specified in docs/WORKLOADS.md.")
@@ -29,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                             "--tiny: a 2-layer model on the CPU)")
     if not argv:
         ap.print_help()
-        return 2
+        return EXIT_USAGE
     command, rest = argv[0], argv[1:]
     if command == "serve":
         if any(a == "--replicas" or a.startswith("--replicas=") for a in rest):
@@ -43,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     if command == "bench":
         if not rest or rest[0] not in ("fanout", "react", "mapreduce"):
-            ap.parse_args(argv)  # prints the usage error
+            ap.parse_args(argv)  # raises the usage error
         if rest[0] == "fanout":
             from forkserve.bench.fanout import main as fanout_main
             return fanout_main(rest[1:])
         from forkserve.bench.multilora import main as multilora_main
         return multilora_main(rest)
-    ap.parse_args(argv)
-    return 2
+    ap.parse_args(argv)  # an unknown command: raises the usage error
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

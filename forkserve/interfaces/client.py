@@ -9,7 +9,9 @@
     out = client.generate(s.session_id, 64)
 
 Every method maps to one route and raises ``BranchAPIError`` (status, message) on a 4xx/5xx.
-For the OpenAI routes use the official ``openai`` client against ``{url}/v1``.
+For the OpenAI routes use the official ``openai`` client against ``{url}/v1``. ``api_key``
+is sent as ``Authorization: Bearer`` (the server's ``--api-key``); session ids are opaque
+strings, valid only for the key's tenant.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class BranchAPIError(Exception):
 
 @dataclass(frozen=True)
 class Session:
-    session_id: int
+    session_id: str
     tip: int
     model: str
     committed_tokens: int
@@ -47,7 +49,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Commit:
-    session_id: int
+    session_id: str
     tip: int
     bound_node: int | None
     matched_tokens: int
@@ -97,9 +99,11 @@ def _segment(text: str | None, tokens: Sequence[int] | None) -> dict[str, Any]:
 
 
 class BranchClient:
-    def __init__(self, base_url: str, *, timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 120.0,
+                 http: httpx.Client | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
+        self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def __enter__(self) -> "BranchClient":
         return self
@@ -110,8 +114,10 @@ class BranchClient:
     # ------------------------------------------------------------------ verbs
     def open(self, model: str, *, text: str | None = None, tokens: Sequence[int] | None = None,
              messages: Sequence[Mapping[str, str]] | None = None,
-             add_generation_prompt: bool = True) -> Session:
+             add_generation_prompt: bool = True, cache_salt: str | None = None) -> Session:
         body: dict[str, Any] = {"model": model, "add_generation_prompt": add_generation_prompt}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         if messages is not None:
             body["messages"] = [dict(m) for m in messages]
         if text is not None:
@@ -120,25 +126,29 @@ class BranchClient:
             body["tokens"] = list(tokens)
         return _build(Session, self._post("/v1/sessions", body))
 
-    def info(self, session_id: int) -> Session:
+    def info(self, session_id: str) -> Session:
         return _build(Session, self._request("GET", f"/v1/sessions/{session_id}"))
 
-    def fork(self, session_id: int, parent: int, *, text: str | None = None,
+    def sessions(self) -> list[Session]:
+        """This key's open sessions."""
+        return [_build(Session, s) for s in self._request("GET", "/v1/sessions")["data"]]
+
+    def fork(self, session_id: str, parent: int, *, text: str | None = None,
              tokens: Sequence[int] | None = None, label: str = "branch") -> int:
         body = {"parent": parent, "label": label, **_segment(text, tokens)}
         return self._post(f"/v1/sessions/{session_id}/fork", body)["node"]
 
-    def speculate(self, session_id: int, node: int, *, priority: float = 1.0,
+    def speculate(self, session_id: str, node: int, *, priority: float = 1.0,
                   t_idle_ms: float | None = None) -> Decision:
         body = {"node": node, "priority": priority, "t_idle_ms": t_idle_ms}
         return _build(Decision, self._post(f"/v1/sessions/{session_id}/speculate", body))
 
-    def commit(self, session_id: int, tip: int, *, text: str | None = None,
+    def commit(self, session_id: str, tip: int, *, text: str | None = None,
                tokens: Sequence[int] | None = None) -> Commit:
         body = {"tip": tip, **_segment(text, tokens)}
         return _build(Commit, self._post(f"/v1/sessions/{session_id}/commit", body))
 
-    def join(self, session_id: int, nodes: Sequence[int], *, separator_text: str | None = None,
+    def join(self, session_id: str, nodes: Sequence[int], *, separator_text: str | None = None,
              separator_tokens: Sequence[int] | None = None) -> Commit:
         body: dict[str, Any] = {"nodes": list(nodes)}
         if separator_text is not None:
@@ -147,15 +157,15 @@ class BranchClient:
             body["separator_tokens"] = list(separator_tokens)
         return _build(Commit, self._post(f"/v1/sessions/{session_id}/join", body))
 
-    def abort(self, session_id: int, node: int) -> Abort:
+    def abort(self, session_id: str, node: int) -> Abort:
         return _build(Abort, self._post(f"/v1/sessions/{session_id}/abort", {"node": node}))
 
-    def generate(self, session_id: int, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+    def generate(self, session_id: str, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False) -> Generation:
         body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos, stream=False)
         return _build(Generation, self._post(f"/v1/sessions/{session_id}/generate", body))
 
-    def stream(self, session_id: int, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+    def stream(self, session_id: str, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int | None = None, stop: Sequence[str] = (),
                ignore_eos: bool = False) -> Iterator[GenerationChunk]:
         """Chunks as they are decoded. Leaving the loop early closes the connection, which
@@ -167,9 +177,13 @@ class BranchClient:
                 self._raise(r)
             for line in r.iter_lines():
                 if line:
-                    yield _build(GenerationChunk, json.loads(line))
+                    chunk = json.loads(line)
+                    if "error" in chunk:  # failed after the 200 was sent: the error is in-band
+                        err = chunk["error"]
+                        raise BranchAPIError(err.get("code", 500), err.get("message", ""), err.get("type", ""))
+                    yield _build(GenerationChunk, chunk)
 
-    def close(self, session_id: int) -> Session:
+    def close(self, session_id: str) -> Session:
         return _build(Session, self._request("DELETE", f"/v1/sessions/{session_id}"))
 
     def drain(self) -> Drain:

@@ -4,7 +4,7 @@ base and residual pages into temporary merged pages, then unified's paged prefil
 The fused prefill kernel (prefill_attention.py) rebuilds every key tile once per query
 block, which costs 2.3x unified at 8K tokens. Here every page is rebuilt once per layer
 (K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v, the reference's own formulas,
-added in float32) — a few element-wise passes over the chunk's K/V, small next to the attention —
+added in float32; so the tests check this path against plain formulas, not the reference) — a few element-wise passes over the chunk's K/V, small next to the attention —
 and the attention runs at unified's speed. Decode keeps the fused kernel: a decode step
 reads each page once, and merging first would triple its memory traffic.
 """

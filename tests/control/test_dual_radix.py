@@ -127,3 +127,62 @@ def test_unified_layout_cross_adapter_fork_shares_nothing():
     eng.speculate(h.id, critic)
     eng.drain_slack()
     assert eng.pool.num_used == used + 9  # the whole trunk again, under the critic's K/V
+
+
+SMALL = CFG.replace(num_pages=16, num_residual_pages=16)
+
+
+def test_base_pressure_in_a_tick_never_evicts_the_residual_tree():
+    """A base-model session needs more base pages than are free: the tick evicts base pages
+    only, and the adapter's published residual still serves the next session in full."""
+    backend = RecordingBackend(SMALL)
+    context = list(range(10, 42))  # 8 pages each side
+    eng = _published_context(backend, "a", context)
+    base, residual = set(eng.index.entries()), set(eng.residual_index.entries())
+    h = eng.open(list(range(50, 90)))  # 10 base pages, 8 free
+    eng.generate(h.id, 1)
+    assert not base <= set(eng.index.entries())         # the base tree gave way
+    assert set(eng.residual_index.entries()) == residual
+    eng.close(h.id)
+    backend.items.clear()
+    h = eng.open(context + [7], adapter="a")
+    eng.generate(h.id, 1)
+    assert backend.written()[1] == 1                    # only the new token's residual
+    eng.check_integrity()
+
+
+def test_residual_pressure_in_a_tick_never_evicts_the_base_tree():
+    """Another adapter's session on another context: base pages to spare, 11 residual pages
+    needed with 8 free. The tick evicts residual pages only; the first context's base pages
+    (held by the index alone, so evictable) stay published."""
+    backend = RecordingBackend(SMALL.replace(num_pages=32))
+    context = list(range(10, 42))
+    eng = _published_context(backend, "a", context)
+    base, residual = set(eng.index.entries()), set(eng.residual_index.entries())
+    h = eng.open(list(range(50, 90)), adapter="b")
+    eng.generate(h.id, 1)
+    assert not residual <= set(eng.residual_index.entries())  # the residual tree gave way
+    assert base <= set(eng.index.entries())
+    eng.check_integrity()
+
+
+def test_a_reloaded_adapter_never_reads_the_old_versions_pages():
+    """ResidualKey carries the adapter's version: after a reload the residual (disaggregated)
+    or merged (unified) pages of the old weights are misses, the base pages still hit, and
+    the output is a fresh engine's under the new weights."""
+    context = list(range(10, 42))
+    for layout, written in ((KVLayout.DISAGGREGATED, (1 + 2, len(context) + 1 + 2)),
+                            (KVLayout.UNIFIED, (len(context) + 1 + 2, 0))):
+        cfg = CFG.replace(kv_layout=layout)
+        backend = RecordingBackend(cfg)
+        eng = _published_context(backend, "a", context)
+        assert backend.reload_adapter("a") == 1
+        backend.items.clear()
+        h = eng.open(context + [7], adapter="a")
+        out = eng.generate(h.id, 3)
+        assert backend.written() == written, layout
+        fresh = Engine(MockBackend(cfg, adapter_versions={"a": 1}))
+        assert fresh.generate(fresh.open(context + [7], adapter="a").id, 3).tokens == out.tokens
+        old = Engine(MockBackend(cfg))
+        assert old.generate(old.open(context + [7], adapter="a").id, 3).tokens != out.tokens
+        eng.check_integrity()

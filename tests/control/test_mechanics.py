@@ -1,5 +1,7 @@
 """Each mechanism of seed 000 in isolation, on the MockBackend."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkserve import AdmitMode, Engine, ForkServeConfig, plus_config
 from forkserve.backend.byte_tokenizer import ByteTokenizer
@@ -8,6 +10,7 @@ from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
 from forkserve.control.scheduler import Demand, TickScheduler, WorkClass
 from forkserve.control.scorers import LegalityScorer, LoopScorer
+from scheduler_oracle import check_plan
 
 tok = ByteTokenizer()
 
@@ -197,6 +200,36 @@ def test_admit_modes(mode, kept):
     assert actions[0] is Action.PREFILL  # the winner is always kept
     assert sum(a is Action.PREFILL for a in actions) == kept
     assert all(a in (Action.PREFILL, Action.REJECTED) for a in actions)
+
+
+def test_winner_and_known_suffix_are_kept_even_when_they_loop():
+    """The same looping residual three times: child 0 (the winner) and a known suffix
+    (p = 1) are prefilled; any other child is loop-skipped. (test_admit_modes cannot tell:
+    every rule admits child 0 there anyway.)"""
+    eng = engine(plus_config(page_size=4, num_pages=256, vocab_size=300))
+    h = eng.open(tok.encode("User: plan the trip to Paris. Thought: plan the trip to Paris."))
+    loop = tok.encode(" plan the trip to Paris.")
+    kids = [eng.fork(h.id, h.tip, f"t{i}", loop) for i in range(3)]
+    actions = [eng.speculate(h.id, k, priority=p).action for k, p in zip(kids, (0.3, 0.3, 1.0), strict=True)]
+    assert actions == [Action.PREFILL, Action.DRAFT_SKIP, Action.PREFILL]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), max_batch=st.integers(1, 96), chunk=st.integers(1, 32),
+       slots=st.integers(1, 6), memory=st.integers(0, 100))
+def test_scheduler_plans_committed_work_first(data, max_batch, chunk, slots, memory):
+    """Random demands under budget and memory contention: every plan satisfies
+    scheduler_oracle (committed fully served before any speculation, memory left to it)."""
+    cfg = ForkServeConfig(max_batch_tokens=max_batch, spec_chunk=chunk)
+    sizes = st.tuples(st.booleans(), st.integers(1, 40))
+    committed = [Demand(i, 1 if dec else n, dec, WorkClass.COMMITTED)
+                 for i, (dec, n) in enumerate(data.draw(st.lists(sizes, max_size=6)))]
+    speculative = [Demand(100 + i, 1 if dec else n, dec, WorkClass.SPECULATIVE, p)
+                   for i, (dec, n, p) in enumerate(data.draw(st.lists(
+                       st.tuples(st.booleans(), st.integers(1, 40), st.sampled_from([0.2, 0.5, 1.0])),
+                       max_size=6)))]
+    grants = TickScheduler(cfg).plan(committed, speculative, slots, memory)
+    check_plan(cfg, committed, speculative, slots, memory, grants)
 
 
 def test_loop_scorer_and_legality_scorer():

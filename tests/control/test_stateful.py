@@ -6,7 +6,13 @@
 * committed tokens equal the model's record, and every greedy ``generate`` equals a fresh
   engine that only ever saw the committed tokens;
 * after all sessions end, pages are free or held only by the index, and evicting the
-  index frees them all.
+  index frees them all;
+* decoupled eviction (seed 001): pressure on one pool, through ``KVCache.make_room`` as a
+  tick applies it, never evicts the other tree (its pages and its host copies unchanged);
+* residual and merged pages are keyed by the adapter's version: an adapter reloaded between
+  sessions (``AdapterReloads``) never reads the old version's pages;
+* every tick plan serves committed work before speculation (``scheduler_oracle``);
+* the cascade always keeps the winner (child 0) and known suffixes (p = 1).
 """
 import sys
 
@@ -17,8 +23,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
+from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
-from forkserve.errors import BranchCapError
+from forkserve.errors import BranchCapError, OutOfPagesError
+from scheduler_oracle import check_plan
 
 # A tiny alphabet makes loops, hash hits and shared prefixes frequent.
 TOKENS = st.lists(st.integers(3, 8), min_size=1, max_size=12)
@@ -39,10 +47,20 @@ class VerbMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
+        self.versions: dict[str, int] = {}  # adapters reloaded so far: name -> current version
         self.backend = self.make_backend()
         self.engine = Engine(self.backend, clock=self.clock)
         self.committed: dict[int, list[int]] = {}
         self.ever_committed: list[tuple[int, ...]] = []
+        # Every plan a tick makes (its inputs and grants), for ``committed_work_first``.
+        self.plans: list[tuple] = []
+        plan = self.engine.scheduler.plan
+
+        def logged_plan(*args):
+            grants = plan(*args)
+            self.plans.append((*args, grants))
+            return grants
+        self.engine.scheduler.plan = logged_plan
 
     # ------------------------------------------------------------ helpers
     def _nodes(self, data, sid, state=None):
@@ -62,7 +80,7 @@ class VerbMachine(RuleBasedStateMachine):
     invocations: dict = {}  # activated LoRA adapters: name -> invocation tokens
 
     def make_backend(self) -> MockBackend:
-        return MockBackend(self.config, invocations=self.invocations)
+        return MockBackend(self.config, invocations=self.invocations, adapter_versions=self.versions)
 
     @rule(tokens=TOKENS, data=st.data())
     def open(self, tokens, data):
@@ -105,6 +123,10 @@ class VerbMachine(RuleBasedStateMachine):
         tip = self.engine.sessions[sid].tree.tip
         if len(tip.live_children()) + len(residuals) > self.config.branch_cap:
             return
+        if data.draw(st.booleans()):
+            # Residuals that repeat recent history: loops the cascade skips, but never the winner.
+            history = self.committed[sid]
+            residuals = [history[-data.draw(st.integers(4, 16)):] for _ in residuals]
         kids = [self.engine.fork(sid, tip.id, f"r{i}", r) for i, r in enumerate(residuals)]
         for k in kids:
             self.engine.speculate(sid, k, priority=data.draw(st.sampled_from([0.2, 0.9, 1.0])))
@@ -181,17 +203,26 @@ class VerbMachine(RuleBasedStateMachine):
         (self.engine.close if close else self.engine.abort)(sid)
         del self.committed[sid]
 
-    @rule(base=st.booleans(), pages=st.integers(1, 8))
-    def evict(self, base, pages):
-        """Decoupled eviction: one tree's LRU never frees the other's pages."""
-        index, other = self.engine.index, self.engine.residual_index
-        if not base:
-            index, other = other, index
-        if index is None:
+    @rule(residual=st.booleans(), pages=st.integers(1, 8), committed=st.booleans())
+    def pressure(self, residual, pages, committed):
+        """Decoupled eviction: a write short of ``pages`` pages in one pool, through
+        ``KVCache.make_room`` (for committed work also preempting speculation and pause pins),
+        never touches the other tree. Both directions: base pressure and residual pressure."""
+        self._pressure(residual, pages, committed)
+
+    def _pressure(self, residual: bool, pages: int, committed: bool) -> None:
+        kv = self.engine.kv
+        pool = kv.residual_pool if residual else kv.pool
+        if pool is None:
             return
-        other_pages = other.num_pages if other is not None else 0
-        index.evict(pages)
-        assert (other.num_pages if other is not None else 0) == other_pages
+        other = kv.index if pool is kv.residual_pool else kv.residual_index
+        before = _contents(other)
+        preempt = self.engine.stepper.preempt_speculative if committed else None
+        try:
+            kv.make_room(pool, pool.num_free + pages, preempt)
+        except OutOfPagesError:
+            pass  # less to give than asked: still pressure, the same rule holds
+        assert _contents(other) == before, f"{pool.kind.value} pressure changed the other tree"
 
     @rule(dt=st.sampled_from([1.0, 6.0]))
     def advance_clock(self, dt):
@@ -202,6 +233,26 @@ class VerbMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self):
         self.engine.check_integrity()
+
+    @invariant()
+    def committed_work_first(self):
+        for plan in self.plans:
+            check_plan(self.config, *plan)
+        self.plans.clear()
+
+    @invariant()
+    def winner_and_known_suffixes_kept(self):
+        """Child 0 and p = 1 residuals never meet a loop skip, an admission rule or an early
+        abort: the cascade keeps them (with the cascade off, everything is a plain prefill)."""
+        kept = {Action.HASH_SKIP, Action.HASH_PARTIAL, Action.PREFILL}
+        for session in self.engine.sessions.values():
+            for node in session.tree.nodes.values():
+                if node.decision is None:
+                    continue
+                if not self.config.cascade:
+                    assert node.decision.action is Action.PREFILL
+                elif node.child_index == 0 or node.priority >= 1.0:
+                    assert node.decision.action in kept, f"node {node.id}: {node.decision}"
 
     @invariant()
     def committed_matches_record(self):
@@ -239,7 +290,8 @@ class VerbMachine(RuleBasedStateMachine):
                 want = self.backend.expected_values(kind, entry.prefix[-p:], adapter,
                                                     self.merged_form(kind, adapter),
                                                     _start(getattr(entry.namespace, "adapter_start", 0)),
-                                                    len(entry.prefix) - p)
+                                                    len(entry.prefix) - p,
+                                                    getattr(entry.namespace, "adapter_version", 0))
                 assert (stored == want).all()
 
     def merged_form(self, kind, adapter) -> bool:
@@ -256,9 +308,30 @@ class VerbMachine(RuleBasedStateMachine):
         assert self.engine.pool.num_used == 0
 
 
+def _contents(index) -> set | None:
+    """Everything an index holds: device entries and host copies (None: no such tree)."""
+    if index is None:
+        return None
+    return set(index.entries()) | set(index.offloaded_entries())
+
+
 def _start(adapter_start: int | None) -> int:
     """Where adapter values begin: an aLoRA not invoked on the path (None) never applies."""
     return sys.maxsize if adapter_start is None else adapter_start
+
+
+class AdapterReloads:
+    """Mixed into the machines with adapters: new weights under an adapter's id while no live
+    node uses it (its sessions drained). Every baseline backend is built by ``make_backend``,
+    so it sees the new version; a machine that builds baselines otherwise leaves this out."""
+
+    @rule(data=st.data())
+    def reload_adapter(self, data):
+        in_use = {n.adapter for s in self.engine.sessions.values() for n in s.tree.nodes.values() if n.live}
+        idle = [a for a in self.adapters if a is not None and a not in in_use]
+        if idle:
+            adapter = data.draw(st.sampled_from(idle))
+            self.versions[adapter] = self.backend.reload_adapter(adapter)
 
 
 class CascadeVerbMachine(VerbMachine):
@@ -267,11 +340,11 @@ class CascadeVerbMachine(VerbMachine):
                          early_abort_probe_tokens=2, speculate_budget_tokens=4)
 
 
-class MultiAdapterUnifiedMachine(CascadeVerbMachine):
+class MultiAdapterUnifiedMachine(AdapterReloads, CascadeVerbMachine):
     adapters = (None, "planner", "critic")
 
 
-class DisaggregatedMachine(VerbMachine):
+class DisaggregatedMachine(AdapterReloads, VerbMachine):
     config = plus_config(page_size=4, num_pages=512, num_residual_pages=512, branch_cap=3,
                          node_ttl_s=5.0, vocab_size=300, hbm_tokens=2048, spec_chunk=8,
                          max_batch_tokens=64, early_abort_probe_tokens=2,
@@ -287,12 +360,11 @@ class OffloadMachine(DisaggregatedMachine):
     config = DisaggregatedMachine.config.replace(host_residual_pages=6, pause_pin=True,
                                                  pause_ttl_prior_s=3.0)
 
-    @rule(data=st.data(), pages=st.integers(1, 8))
-    def evict_offload_restore(self, data, pages):
+    @rule(data=st.data(), pages=st.integers(1, 8), committed=st.booleans())
+    def evict_offload_restore(self, data, pages, committed):
         index = self.engine.residual_index
-        base_pages, parked = self.engine.index.num_pages, index.num_offloaded
-        index.evict(pages)
-        assert self.engine.index.num_pages == base_pages
+        parked = index.num_offloaded
+        self._pressure(True, pages, committed)
         assert index.num_offloaded >= min(parked, self.config.host_residual_pages)
         if self.ever_committed:
             tokens = list(data.draw(st.sampled_from(self.ever_committed)))
@@ -304,7 +376,8 @@ class OffloadMachine(DisaggregatedMachine):
         p = self.config.page_size
         for entry in self.engine.residual_index.offloaded_entries():
             want = self.backend.expected_values(PageKind.RESIDUAL, entry.prefix[-p:],
-                                                entry.namespace.adapter_id)
+                                                entry.namespace.adapter_id,
+                                                version=entry.namespace.adapter_version)
             assert (self.backend.host_values(entry.slot) == want).all()
 
 

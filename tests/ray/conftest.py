@@ -1,5 +1,5 @@
 """Fixtures of tests/ray: one loopback Ray cluster and one Serve application for the whole
-module (Ray's start-up is the slow part). The tiny model comes from tests/server's helpers,
+session (Ray's start-up is the slow part), its Frontend keyed for two tenants. The tiny model comes from tests/server's helpers,
 so both suites serve the same checkpoint through the same loaders."""
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 # Imported after the skips: they need ray.
-from ray_testlib import STATS_PERIOD_S, Cluster  # noqa: E402
+from ray_testlib import KEY, OTHER_KEY, STATS_PERIOD_S, Cluster  # noqa: E402
 
 from forkserve.interfaces.ray_serve.deployments import build_application  # noqa: E402
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec  # noqa: E402
+from forkserve.interfaces.server.access import AccessConfig  # noqa: E402
+from forkserve.interfaces.server.auth import ApiKeys  # noqa: E402
 
 
 def _free_port() -> int:
@@ -28,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
     path, adapters = save_model(tmp_path_factory.mktemp("ray_model"))
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=2,
@@ -40,7 +42,8 @@ def cluster(tmp_path_factory) -> Cluster:
                        attention="eager", cuda_graphs=False, torch_threads=1)
     # Half a CPU per engine: the replica Serve starts after a kill fits beside the survivor.
     app = build_application(spec, replicas=2, stats_period_s=STATS_PERIOD_S, num_cpus=0.5,
-                            health_check_period_s=1.0)
+                            health_check_period_s=1.0,
+                            access=AccessConfig(ApiKeys({KEY: "tests", OTHER_KEY: "other"})))
     serve.run(app, name="forkserve", route_prefix="/")
     try:
         yield Cluster(f"http://127.0.0.1:{port}")

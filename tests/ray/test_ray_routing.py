@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import ray
-from ray_testlib import STATS_PERIOD_S, Cluster
+from ray_testlib import AUTH, KEY, STATS_PERIOD_S, Cluster
 
 from forkserve.interfaces.client import BranchClient
 from forkserve.interfaces.ray_serve.frontend import REPLICA_HEADER
@@ -30,7 +30,7 @@ def fresh_tokens(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def client(cluster: Cluster) -> httpx.Client:
-    with httpx.Client(base_url=cluster.url, timeout=60) as c:
+    with httpx.Client(base_url=cluster.url, timeout=60, headers=AUTH) as c:
         yield c
 
 
@@ -180,7 +180,7 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
 def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) -> None:
     """The Python client of the one-process server, unchanged, against the Frontend: the
     agent step of tests/server (speculate a known wrapper, drain, commit binds it)."""
-    with BranchClient(cluster.url) as client:
+    with BranchClient(cluster.url, api_key=KEY) as client:
         s = client.open(MODEL, messages=[{"role": "user", "content": "List the files."}])
         wrapper, guess = [40, 41, 42, 43, 44], [40, 41, 90, 91]
         happy = client.fork(s.session_id, s.tip, tokens=wrapper, label="wrapper")

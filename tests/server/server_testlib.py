@@ -4,11 +4,14 @@ real loader. (A uniquely named module: every test folder has its own conftest.)"
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from forkserve.config import app_config
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 from forkserve.interfaces.server.served_model import load_served_model
 
@@ -61,16 +64,25 @@ def save_model(root: Path) -> tuple[Path, dict[str, Path]]:
     return path, adapters
 
 
-def start(tiny_model_dir, session_ttl_s: float = 600.0,
+def start(tiny_model_dir, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
           **config) -> "contextlib.AbstractContextManager[RunningServer]":
     path, adapters = tiny_model_dir
     cfg = app_config(page_size=4, num_pages=config.pop("num_pages", 2048), num_residual_pages=2048,
                      **config)
     model = load_served_model(path, config=cfg, loras=adapters, device="cpu", dtype="float32",
                               attention="eager")
-    return serve_in_thread(model, session_ttl_s=session_ttl_s)
+    return serve_in_thread(model, session_ttl_s=session_ttl_s, access=access)
 
 
 def quiescent_pages(running: RunningServer) -> tuple[int, int, int]:
     """(sessions, pages used, pages published): no leak means used == published."""
     return running.on_engine(lambda e: (len(e.sessions), e.pool.num_used, e.index.num_pages))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for a condition the server reaches on its own (a disconnect's abort runs on the
+    engine thread after the client has left); the timeout is generous, the poll is short."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the server"
+        time.sleep(0.02)

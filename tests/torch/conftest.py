@@ -1,7 +1,17 @@
-"""Session fixtures: tiny checkpoints and PEFT adapters, built once per test run."""
+"""Session fixtures: tiny checkpoints and PEFT adapters, built once per test run.
+
+Without CUDA the Triton kernels run under the interpreter (test_attention_backends.py wires
+them into the model): TRITON_INTERPRET must be set before triton is first imported.
+"""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

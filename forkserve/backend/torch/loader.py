@@ -5,13 +5,14 @@ on the way, so peak host memory is about one layer beyond the weights themselves
 """
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import safe_open
 
+from forkserve.backend.torch.checkpoint_files import read_json_object, reading
 from forkserve.backend.torch.errors import CheckpointError
 from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.weights import LayerWeights, ModelWeights
@@ -23,17 +24,27 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
     """Tensor name -> file, from model.safetensors.index.json or by opening every shard."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / fname for name, fname in weight_map.items()}
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no \"weight_map\" object")
+        where = {name: folder / str(fname) for name, fname in weight_map.items()}
+        missing = sorted({str(f) for f in where.values() if not f.is_file()})
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {', '.join(missing[:3])}")
+        return where
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {folder}")
-    where: dict[str, Path] = {}
+    where = {}
     for f in files:
-        with safe_open(f, framework="pt") as handle:
-            for name in handle.keys():
-                where[name] = f
+        for name in reading(f, CheckpointError, functools.partial(_tensor_names, f)):
+            where[name] = f
     return where
+
+
+def _tensor_names(f: Path) -> list[str]:
+    with safe_open(f, framework="pt") as handle:
+        return list(handle.keys())
 
 
 def load_hf_folder(path: str | Path, device: torch.device,
@@ -48,8 +59,8 @@ def load_hf_folder(path: str | Path, device: torch.device,
             raise CheckpointError(f"tensor {name!r} missing from checkpoint {folder}")
         f = where[name]
         if f not in handles:
-            handles[f] = safe_open(f, framework="pt")
-        return handles[f].get_tensor(name)
+            handles[f] = reading(f, CheckpointError, lambda: safe_open(f, framework="pt"))
+        return reading(f, CheckpointError, lambda: handles[f].get_tensor(name))
 
     return cfg, assemble_weights(cfg, get, device, dtype)
 

@@ -12,7 +12,6 @@ per-adapter loop. B is stored pre-multiplied by alpha / r (the kernel contract).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file
 
+from forkserve.backend.torch.checkpoint_files import read_json_object, reading
 from forkserve.backend.torch.errors import AdapterFormatError, AdapterShapeError
 from forkserve.backend.torch.model_config import ModelConfig
 
@@ -59,10 +59,12 @@ class LoraAdapter:
 def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
     folder = Path(path)
     cfg_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not folder.exists():
+        raise AdapterFormatError(f"adapter path {folder} does not exist")
     if not cfg_file.is_file() or not weights_file.is_file():
         raise AdapterFormatError(f"{folder} is not a PEFT LoRA folder "
                                  "(needs adapter_config.json and adapter_model.safetensors)")
-    acfg = json.loads(cfg_file.read_text())
+    acfg = read_json_object(cfg_file, AdapterFormatError)
     if acfg.get("peft_type", "LORA") != "LORA":
         raise AdapterFormatError(f"{folder}: peft_type {acfg.get('peft_type')!r} is not LORA")
     for flag, bad in (("use_dora", True), ("rank_pattern", None), ("alpha_pattern", None),
@@ -72,10 +74,15 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
             raise AdapterFormatError(f"{folder}: {flag}={value!r} is not supported")
     if acfg.get("bias", "none") != "none":
         raise AdapterFormatError(f"{folder}: bias={acfg['bias']!r} is not supported (only 'none')")
-    rank, alpha = int(acfg["r"]), float(acfg.get("lora_alpha", acfg["r"]))
+    try:
+        rank, alpha = int(acfg["r"]), float(acfg.get("lora_alpha", acfg["r"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterFormatError(f"{cfg_file}: \"r\" and \"lora_alpha\" must be numbers ({e!r})") from e
+    if rank <= 0:
+        raise AdapterFormatError(f"{cfg_file}: r={rank} must be positive")
     scaling = alpha / math.sqrt(rank) if acfg.get("use_rslora") else alpha / rank
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_file).items():
+    for key, tensor in reading(weights_file, AdapterFormatError, lambda: load_file(weights_file)).items():
         m = _KEY.search(key)
         if m is None:
             raise AdapterFormatError(f"{folder}: unsupported tensor {key!r}")

@@ -5,12 +5,12 @@ differ only in q/k/v bias (Qwen2), tied embeddings, RoPE scaling and sliding win
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from forkserve.backend.torch.errors import UnsupportedModelError
+from forkserve.backend.torch.checkpoint_files import read_json_object
+from forkserve.backend.torch.errors import CheckpointError, UnsupportedModelError
 from forkserve.backend.torch.rope import RopeConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -104,10 +104,22 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
-        cfg_path = Path(path) / "config.json"
+        folder = Path(path)
+        if not folder.exists():
+            raise CheckpointError(f"model path {folder} does not exist")
+        cfg_path = folder / "config.json"
         if not cfg_path.is_file():
-            raise UnsupportedModelError(f"no config.json in {path}")
-        return cls.from_hf_dict(json.loads(cfg_path.read_text()))
+            raise CheckpointError(f"no config.json in {folder} (an HF model folder needs one)")
+        d = read_json_object(cfg_path, CheckpointError)
+        try:
+            return cls.from_hf_dict(d)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{cfg_path}: {e}") from e
+        except KeyError as e:
+            raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
+        except (TypeError, ValueError, ArithmeticError) as e:
+            # int("abc"), int(None), a zero head count: a field of the wrong type or value.
+            raise CheckpointError(f"{cfg_path} has an invalid value ({type(e).__name__}: {e})") from e
 
 
 def llama3_8b_config() -> ModelConfig:

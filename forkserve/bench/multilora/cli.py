@@ -20,6 +20,7 @@ from forkserve.bench.multilora.workload import (
     tiny_config,
 )
 from forkserve.bench.output import add_out_argument, write_json
+from forkserve.bench.provenance import source_commit
 from forkserve.errors import OutOfPagesError
 
 
@@ -57,6 +58,10 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                          "before the timed runs (on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")
+    ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
+                    help="shared-prefix (cascade) attention of the backend; both: each W runs "
+                         "twice")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
     add_out_argument(ap)
     return ap
 
@@ -66,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
     device = torch.device(args.device)
-    stem = f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
+    stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
+            f"{'_' + args.tag if args.tag else ''}")
     with tiny_threads(device, args.tiny):
         results, failed = _run_all(args, device, args.out / f"{stem}.json")
     print(format_table(results, args.workload))
@@ -88,6 +94,7 @@ def _run_all(args: argparse.Namespace, device: torch.device,
     weights = random_weights(model_cfg, device, dtype)
     results: list[RunResult] = []
     failed: list[FailedRun] = []
+    commit = source_commit()
 
     def params(w: int, **over) -> MultiLoraParams:
         return MultiLoraParams(**(dict(workload=args.workload, workflows=w, context=args.context,
@@ -101,13 +108,15 @@ def _run_all(args: argparse.Namespace, device: torch.device,
             "workload": f"{args.workload}-multilora",
             "driver": "closed-loop" if args.closed_loop else "lockstep",
             "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+            "commit": commit,
             "context": args.context, "turns": args.turns, "gen": args.gen,
             "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
             "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
             quiet=True)
 
     top = max(args.workflows)
-    total = sum(params(w).turns_run * w for w in args.workflows) * len(args.systems) * args.repeat
+    total = (sum(params(w).turns_run * w for w in args.workflows) * len(args.systems)
+             * args.repeat * len(args.cascade))
     with tqdm(total=total, desc=f"{args.workload} agent turns", unit="turn") as bar:
         for system in args.systems:
             bar.set_postfix_str(f"{system}: building the backend")
@@ -119,15 +128,17 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                 full = params(top)
                 backend.capture_decode_graphs(top, args.context + full.instruction
                                               + args.turns * (args.gen + full.observation))
-            for w in args.workflows:
-                bar.set_postfix_str(f"{system} W={w}")
+            for w, cascade in ((w, c == "on") for w in args.workflows for c in args.cascade):
+                backend.cascade_attention = cascade
+                off = "" if cascade else " (cascade off)"
+                bar.set_postfix_str(f"{system} W={w}{off}")
                 try:
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
-                    results.append(_median(runs))
-                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s")
+                    results.append(replace(_median(runs), cascade=cascade, commit=commit))
+                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}")
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
-                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}"))
+                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade))
                     bar.write(failed[-1].line())
                 save()
             del backend

@@ -64,6 +64,7 @@ class Driver:
         self._context_holders = 0
         self.prefill_tick_s = 0.0
         self.decode_tick_s = 0.0
+        self.decode_only_ticks = 0
 
     def _tick(self) -> bool:
         m = self.engine.metrics
@@ -75,6 +76,7 @@ class Driver:
             self.prefill_tick_s += elapsed
         elif m.decode_tokens > before:
             self.decode_tick_s += elapsed
+            self.decode_only_ticks += 1
         if m.decode_tokens > before:
             self.decode_ticks += 1
         used = self.engine.pool.num_used * self.base_bytes

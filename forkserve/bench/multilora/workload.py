@@ -63,6 +63,9 @@ class RunResult:
     decode_tokens: int
     waited_s: float
     notes: tuple = ()
+    decode_ms_per_step: float = 0.0  # mean wall time of a decode-only tick
+    cascade: bool = True             # the backend's shared-prefix (cascade) attention
+    commit: str = ""                 # the source measured (bench/provenance.py)
 
 
 def tiny_config():
@@ -170,7 +173,9 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      driver.peak_bytes / params.workflows, hit_rate,
                      m.decode_tokens / max(1, driver.decode_ticks), driver.context_kv_per_agent,
                      driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
-                     m.decode_tokens, driver.waited_s, notes=tuple(notes))
+                     m.decode_tokens, driver.waited_s, notes=tuple(notes),
+                     decode_ms_per_step=driver.decode_tick_s * 1e3
+                     / max(1, driver.decode_only_ticks))
 
 
 def _pct(values: list[float], q: int) -> float:

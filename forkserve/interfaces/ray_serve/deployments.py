@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from forkserve.interfaces.ray_serve.engine_replica import EngineReplica, ReplicaSpec
 from forkserve.interfaces.ray_serve.frontend import Frontend
 from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 
 # Concurrent calls one Engine replica accepts. Serve's default of 5 would queue agents in
 # the router while the engine could decode them together: a tick decodes one token for
@@ -33,7 +34,8 @@ DEFAULT_STATS_PERIOD_S = 2.0
 def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
                       stats_period_s: float = DEFAULT_STATS_PERIOD_S, num_cpus: float = 1.0,
                       num_gpus: float = 0.0, router_kwargs: Mapping[str, float] | None = None,
-                      health_check_period_s: float = 10.0) -> Application:
+                      health_check_period_s: float = 10.0, access: AccessConfig = DEFAULT_ACCESS) -> Application:
+    """``access``: the Frontend's API keys, public prefixes (SECURITY.md)."""
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
@@ -49,7 +51,7 @@ def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests:
     # never competes with the engines for the cluster's cores.
     frontend = serve.deployment(Frontend, name="Frontend").options(
         num_replicas=1, max_ongoing_requests=4 * max_ongoing_requests, ray_actor_options={"num_cpus": 0})
-    return frontend.bind(engine.bind(spec))
+    return frontend.bind(engine.bind(spec), access)
 
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(ReplicaSpec)}

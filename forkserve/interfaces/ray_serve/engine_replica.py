@@ -149,11 +149,12 @@ class EngineReplica:
         eng = self._model.engine
         adapter = eng.sessions[sid].adapter
         name = self._model.name if adapter is None else self._adapter_names[str(adapter)]
-        return SessionInfo(session_id=tree_id, tip=eng.tip(sid), model=name,
+        # The tree id; the Frontend shows the caller its public id instead.
+        return SessionInfo(session_id=str(tree_id), tip=eng.tip(sid), model=name,
                            committed_tokens=len(eng.committed_tokens(sid)))
 
     def _commit_response(self, tree_id: int, r) -> CommitResponse:
-        return CommitResponse(session_id=tree_id, tip=r.tip, bound_node=r.bound_node,
+        return CommitResponse(session_id=str(tree_id), tip=r.tip, bound_node=r.bound_node,
                               matched_tokens=r.matched_tokens, prefilled_tokens=r.prefilled_tokens,
                               aborted=list(r.aborted))
 
@@ -176,7 +177,7 @@ class EngineReplica:
                 # lost): the ledger's tokens are the truth, the old session goes.
                 self._worker.release(old)
                 self._model.engine.close(old)
-            sid = self._model.engine.open(tokens, adapter=adapter).id
+            sid = self._model.engine.open(tokens, adapter=adapter, salt=hint.salt).id
             self._trees[hint.tree_id] = sid
             self._worker.lease(sid)
             return self._info(hint.tree_id, sid), self._view(hint.tree_id, sid)

@@ -12,6 +12,12 @@ A client that leaves mid-generation cancels the replica's stream, which aborts t
 replica's session, as in the one-process server; the tree itself survives in the ledger
 and is re-opened from its committed tokens at its next verb.
 
+Access is the one-process server's (SECURITY.md): every route but ``/health`` authenticates
+its caller (``auth.authenticate``: Serve copies the FastAPI app at decoration time, so no
+middleware can be added per deployment); a session's public id is random and its tenant's
+only (``PublicSessionIds`` over tree ids); each tree is opened in its request's trust
+boundary (tenant + ``cache_salt``), which the routing hashes carry too.
+
 No ``from __future__ import annotations`` here: ``serve.ingress`` rebuilds the routes of
 a class and FastAPI then cannot resolve string annotations, so bodies became query params.
 """
@@ -23,13 +29,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.control.prefix_index import CacheSalt
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
 from forkserve.interfaces.ray_serve.protocol import ModelInfo
 from forkserve.interfaces.ray_serve.tree_client import (
@@ -37,6 +44,9 @@ from forkserve.interfaces.ray_serve.tree_client import (
     GenerationStream,
     TreeClient,
 )
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
+from forkserve.interfaces.server.auth import authenticate
+from forkserve.interfaces.server.cache_salt import cache_salt
 from forkserve.interfaces.server.engine_worker import GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
 from forkserve.interfaces.server.merge import merge_tagged
@@ -67,9 +77,11 @@ from forkserve.interfaces.server.schemas import (
     ModelList,
     OpenSessionRequest,
     SessionInfo,
+    SessionList,
     SpeculateRequest,
     Usage,
 )
+from forkserve.interfaces.server.session_ids import PublicSessionIds
 
 REPLICA_HEADER = "x-forkserve-replica"
 
@@ -90,8 +102,10 @@ def _usage(prompt: int, completion: int) -> Usage:
 
 @serve.ingress(app)
 class Frontend:
-    def __init__(self, engine: DeploymentHandle) -> None:
+    def __init__(self, engine: DeploymentHandle, access: AccessConfig = DEFAULT_ACCESS) -> None:
         self._engine = engine
+        self._access = access
+        self._ids = PublicSessionIds()  # public session id -> tree id, per tenant (event loop only)
         self._trees = TreeClient(engine, TreeLedger())
         self._info: ModelInfo | None = None
         self._tokenizer = None
@@ -124,15 +138,28 @@ class Frontend:
         await self._model()
         return tokens if tokens is not None else self._tokenizer.encode(text or "", add_special_tokens=False)
 
-    async def _open(self, info: ModelInfo, adapter: str | None, ids: list[int]) -> tuple[SessionInfo, int, str]:
+    async def _open(self, info: ModelInfo, adapter: str | None, ids: list[int],
+                    salt: CacheSalt) -> tuple[SessionInfo, int, str]:
         tree = self._trees.ledger.new_id()
-        session, view = await self._trees.open(info, tree, adapter, ids)
-        self._trees.ledger.record(adapter, view)
+        session, view = await self._trees.open(info, tree, adapter, ids, salt)
+        self._trees.ledger.record(adapter, view, salt)
         return session, tree, view.replica
+
+    def _tenant(self, request: Request) -> str:
+        return authenticate(self._access.keys, request.headers.get("authorization"))
+
+    def _salt(self, tenant: str, raw: str | None) -> CacheSalt:
+        return cache_salt(tenant, raw, self._access.public_prefixes)
+
+    def _tree(self, request: Request, sid: str) -> int:
+        """The tree behind the caller's public session id (401 / 404 before anything runs)."""
+        return self._ids.resolve(self._tenant(request), sid)
 
     # ------------------------------------------------------------------ branch API
     @app.post("/v1/sessions")
-    async def open_session(self, body: OpenSessionRequest, response: Response) -> SessionInfo:
+    async def open_session(self, body: OpenSessionRequest, request: Request, response: Response) -> SessionInfo:
+        tenant = self._tenant(request)
+        salt = self._salt(tenant, body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
         if body.messages is not None:
@@ -142,62 +169,76 @@ class Frontend:
             ids = self._tokenizer.encode(body.text, add_special_tokens=True)
         else:
             ids = list(body.tokens or [])
-        session, _, replica = await self._open(info, adapter, ids)
+        session, tree, replica = await self._open(info, adapter, ids, salt)
         response.headers[REPLICA_HEADER] = replica
-        return session
+        return session.model_copy(update={"session_id": self._ids.bind(tree, tenant)})
+
+    @app.get("/v1/sessions")
+    async def list_sessions(self, request: Request) -> SessionList:
+        tenant = self._tenant(request)
+        info = await self._model()
+        records = [(sid, self._trees.ledger.get(tree)) for sid, tree in self._ids.of_tenant(tenant)]
+        return SessionList(data=[SessionInfo(session_id=sid, tip=rec.tip, model=rec.adapter or info.name,
+                                             committed_tokens=len(rec.committed)) for sid, rec in records])
 
     @app.get("/v1/sessions/{sid}")
-    async def session_info(self, sid: int, response: Response) -> SessionInfo:
-        (session, view), _ = await self._trees.call(await self._model(), sid, "info", lambda rec: ())
+    async def session_info(self, sid: str, request: Request, response: Response) -> SessionInfo:
+        tree = self._tree(request, sid)
+        (session, view), _ = await self._trees.call(await self._model(), tree, "info", lambda rec: ())
         self._trees.ledger.update(view)
         response.headers[REPLICA_HEADER] = view.replica
-        return session
+        return session.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/fork")
-    async def fork(self, sid: int, body: ForkRequest, response: Response) -> ForkResponse:
+    async def fork(self, sid: str, body: ForkRequest, request: Request, response: Response) -> ForkResponse:
+        tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
-        out, rec = await self._trees.call(await self._model(), sid, "fork",
+        out, rec = await self._trees.call(await self._model(), tree, "fork",
                                           lambda rec: (rec.node(body.parent), body.label, ids))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/speculate")
-    async def speculate(self, sid: int, body: SpeculateRequest, response: Response) -> DecisionResponse:
-        out, rec = await self._trees.call(await self._model(), sid, "speculate",
+    async def speculate(self, sid: str, body: SpeculateRequest, request: Request, response: Response) -> DecisionResponse:
+        out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "speculate",
                                           lambda rec: (rec.node(body.node), body.priority, body.t_idle_ms))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/commit")
-    async def commit(self, sid: int, body: CommitRequest, response: Response) -> CommitResponse:
+    async def commit(self, sid: str, body: CommitRequest, request: Request, response: Response) -> CommitResponse:
+        tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
-        (out, view), _ = await self._trees.call(await self._model(), sid, "commit",
+        (out, view), _ = await self._trees.call(await self._model(), tree, "commit",
                                                 lambda rec: (rec.node(body.tip), ids))
         self._trees.ledger.update(view)
         response.headers[REPLICA_HEADER] = view.replica
-        return out
+        return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/join")
-    async def join(self, sid: int, body: JoinRequest, response: Response) -> CommitResponse:
+    async def join(self, sid: str, body: JoinRequest, request: Request, response: Response) -> CommitResponse:
+        tree = self._tree(request, sid)
         if body.separator_text is not None and body.separator_tokens is not None:
             raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
         sep = body.separator_tokens if body.separator_tokens is not None else (
             await self._tokens(body.separator_text, None) if body.separator_text else [])
-        (out, view), _ = await self._trees.call(await self._model(), sid, "join",
+        (out, view), _ = await self._trees.call(await self._model(), tree, "join",
                                                 lambda rec: (rec.nodes(body.nodes), sep))
         self._trees.ledger.update(view)
         response.headers[REPLICA_HEADER] = view.replica
-        return out
+        return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/abort")
-    async def abort(self, sid: int, body: AbortRequest, response: Response) -> AbortResponse:
-        out, rec = await self._trees.call(await self._model(), sid, "abort", lambda rec: (rec.node(body.node),))
+    async def abort(self, sid: str, body: AbortRequest, request: Request, response: Response) -> AbortResponse:
+        out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "abort",
+                                          lambda rec: (rec.node(body.node),))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/generate", response_model=None)
-    async def generate(self, sid: int, body: GenerateRequest,
+    async def generate(self, sid: str, body: GenerateRequest, request: Request,
                        response: Response) -> GenerateResponse | StreamingResponse:
+        tree = self._tree(request, sid)
         if any(not s for s in body.stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         info = await self._model()
@@ -205,7 +246,7 @@ class Frontend:
         spec = GenerationSpec(body.max_tokens, SamplingParams(body.temperature, body.top_p, body.seed),
                               frozenset(eos), tuple(body.stop), keep_stop_text=True)
         if body.stream:
-            stream = await self._trees.stream(info, sid, spec)
+            stream = await self._trees.stream(info, tree, spec)
 
             async def lines() -> AsyncIterator[str]:
                 try:
@@ -216,20 +257,23 @@ class Frontend:
                     yield json.dumps(_error_payload(exc)) + "\n"
             return StreamingResponse(lines(), media_type="application/x-ndjson",
                                      headers={REPLICA_HEADER: stream.replica})
-        (out, view), _ = await self._trees.call(info, sid, "generate", lambda rec: (spec,))
+        (out, view), _ = await self._trees.call(info, tree, "generate", lambda rec: (spec,))
         self._trees.ledger.update(view)
         response.headers[REPLICA_HEADER] = view.replica
         return out
 
     @app.delete("/v1/sessions/{sid}")
-    async def close(self, sid: int, response: Response) -> SessionInfo:
-        out, replica = await self._trees.close(await self._model(), sid)
+    async def close(self, sid: str, request: Request, response: Response) -> SessionInfo:
+        tree = self._tree(request, sid)
+        out, replica = await self._trees.close(await self._model(), tree)
+        self._ids.forget(tree)
         response.headers[REPLICA_HEADER] = replica
-        return out
+        return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/drain")
-    async def drain(self) -> DrainResponse:
+    async def drain(self, request: Request) -> DrainResponse:
         """drain_slack on every replica holding a tree of this Frontend, summed."""
+        self._tenant(request)
         reports = await self._trees.drain()
         return DrainResponse(ticks=sum(r.ticks for r in reports),
                              prefill_tokens=sum(r.prefill_tokens for r in reports),
@@ -238,7 +282,8 @@ class Frontend:
 
     # ------------------------------------------------------------------ OpenAI API
     @app.get("/v1/models")
-    async def list_models(self) -> ModelList:
+    async def list_models(self, request: Request) -> ModelList:
+        self._tenant(request)
         info = await self._model()
         created = int(time.time())
         cards = [ModelCard(id=info.name, created=created, root=info.name)]
@@ -262,10 +307,10 @@ class Frontend:
                                                 frozenset(info.eos_token_ids), stops)))
         return out
 
-    async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int],
-                        spec: GenerationSpec) -> tuple[GenerateResponse, str]:
+    async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int], spec: GenerationSpec,
+                        salt: CacheSalt) -> tuple[GenerateResponse, str]:
         """One choice: a tree opened on the prompt, generated, closed (its pages stay published)."""
-        _, tree, _ = await self._open(info, adapter, ids)
+        _, tree, _ = await self._open(info, adapter, ids, salt)
         try:
             (out, view), _ = await self._trees.call(info, tree, "generate", lambda rec: (spec,))
         finally:
@@ -274,14 +319,14 @@ class Frontend:
                 await self._trees.close(info, tree)
         return out, view.replica
 
-    async def _start_streams(self, info: ModelInfo, adapter: str | None,
-                             specs: list[tuple[list[int], GenerationSpec]]) -> list[tuple[int, GenerationStream]]:
+    async def _start_streams(self, info: ModelInfo, adapter: str | None, specs: list[tuple[list[int], GenerationSpec]],
+                             salt: CacheSalt) -> list[tuple[int, GenerationStream]]:
         """Every choice's tree opened and its generation started before the response is:
         a refusal is still an HTTP error, not an event."""
         started: list[tuple[int, GenerationStream]] = []
         try:
             for ids, spec in specs:
-                _, tree, _ = await self._open(info, adapter, ids)
+                _, tree, _ = await self._open(info, adapter, ids, salt)
                 try:
                     started.append((tree, await self._trees.stream(info, tree, spec)))
                 except BaseException:
@@ -319,8 +364,9 @@ class Frontend:
         return StreamingResponse(body(), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, body: CompletionRequest,
+    async def completions(self, body: CompletionRequest, request: Request,
                           response: Response) -> CompletionResponse | StreamingResponse:
+        salt = self._salt(self._tenant(request), body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
         prompts = [p if isinstance(p, list) else self._tokenizer.encode(p, add_special_tokens=True)
@@ -335,7 +381,7 @@ class Frontend:
                                       if index >= 0 else [])
 
         if body.stream:
-            started = await self._start_streams(info, adapter, specs)
+            started = await self._start_streams(info, adapter, specs, salt)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events() -> AsyncIterator[BaseModel]:
@@ -348,7 +394,7 @@ class Frontend:
                     yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
             return self._sse(events(), started[0][1].replica)
 
-        results = await asyncio.gather(*(self._complete(info, adapter, ids, s) for ids, s in specs))
+        results = await asyncio.gather(*(self._complete(info, adapter, ids, s, salt) for ids, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
         return CompletionResponse(
             id=rid, created=created, model=body.model,
@@ -357,8 +403,9 @@ class Frontend:
             usage=_usage(prompt_tokens, sum(len(r.tokens) for r, _ in results)))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, body: ChatCompletionRequest,
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                response: Response) -> ChatCompletionResponse | StreamingResponse:
+        salt = self._salt(self._tenant(request), body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
         ids = self._tokenizer.apply_chat_template(body.template_messages())
@@ -369,7 +416,7 @@ class Frontend:
             return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage)
 
         if body.stream:
-            started = await self._start_streams(info, adapter, specs)
+            started = await self._start_streams(info, adapter, specs, salt)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events() -> AsyncIterator[BaseModel]:
@@ -385,7 +432,7 @@ class Frontend:
                     yield chunk([], _usage(len(ids), completion_tokens))
             return self._sse(events(), started[0][1].replica)
 
-        results = await asyncio.gather(*(self._complete(info, adapter, p, s) for p, s in specs))
+        results = await asyncio.gather(*(self._complete(info, adapter, p, s, salt) for p, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
         return ChatCompletionResponse(
             id=rid, created=created, model=body.model,

@@ -21,7 +21,12 @@ from forkserve.interfaces.ray_serve.deployments import (
     build_application,
 )
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
+from forkserve.interfaces.server import preflight
+from forkserve.interfaces.server.access import checked_access
 from forkserve.interfaces.server.app import build_parser as server_parser
+from forkserve.interfaces.server.limits import UNLIMITED
+from forkserve.interfaces.server.served_model import served_name
+from forkserve.interfaces.usage import ArgumentParser, UsageError
 
 log = logging.getLogger("forkserve.ray_serve")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -35,7 +40,7 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="forkserve serve", add_help=False,
+    ap = ArgumentParser(prog="forkserve serve", add_help=False,
                                  description="ForkServe on Ray Serve: N engine replicas, tree-sticky routing")
     ap.add_argument("--replicas", type=_positive, required=True, help="engine replicas (one per GPU)")
     ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
@@ -51,21 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
-    from ray import serve
-
     parser = build_parser()
     ours, rest = parser.parse_known_args(argv)
     if {"-h", "--help"} & set(rest):
         parser.print_help()  # the Ray options, then every option of the one-process server
         print()
-    args = server_parser().parse_args(rest)
+    sp = server_parser()
+    args = sp.parse_args(rest)
+    access = checked_access(args)
+    if access.limits != UNLIMITED:
+        # The Frontend does not see the replicas' pages: refuse rather than ignore a limit.
+        raise UsageError("per-key limits are not enforced with --replicas yet")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
         from forkserve.backend.torch import find_smollm2_gguf
         model_path = str(find_smollm2_gguf())
         args.device = args.device or "cpu"
+    # The replicas load the model: a bad path or adapter is one line here, before Ray starts.
+    preflight.check_model_path(model_path)
+    preflight.check_adapters(args.lora, served_name(model_path, args.served_model_name))
+    import ray
+    from ray import serve
+
     gpus = ours.gpus_per_replica
     if gpus is None:
         import torch
@@ -82,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address="local", include_dashboard=False, **loopback)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
-                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus)
+                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus,
+                            access=access)
     log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
              args.host, args.port)
     serve.run(app, name="forkserve", route_prefix="/", blocking=True)

@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.interfaces.ray_serve.protocol import RouteHint, TreeView
 from forkserve.interfaces.server.errors import APIError
 
@@ -29,9 +30,10 @@ class TreeRecord:
     replica: str
     epoch: int = 0                        # bumped by every re-open
     aliases: tuple[tuple[int, int], ...] = ()  # (retired committed tip, the node that replaced it)
+    salt: CacheSalt = UNSALTED           # a re-open keeps the tree's trust boundary
 
     def hint(self) -> RouteHint:
-        return RouteHint(self.tree_id, self.adapter)
+        return RouteHint(self.tree_id, self.adapter, salt=self.salt)
 
     def node(self, node_id: int) -> int:
         return dict(self.aliases).get(node_id, node_id)
@@ -56,8 +58,8 @@ class TreeLedger:
             raise APIError(404, f"unknown session {tree_id}", "NotFoundError")
         return rec
 
-    def record(self, adapter: str | None, view: TreeView) -> TreeRecord:
-        rec = TreeRecord(view.tree_id, adapter, view.committed, view.tip, view.replica)
+    def record(self, adapter: str | None, view: TreeView, salt: CacheSalt = UNSALTED) -> TreeRecord:
+        rec = TreeRecord(view.tree_id, adapter, view.committed, view.tip, view.replica, salt=salt)
         self.trees[view.tree_id] = rec
         return rec
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
+
 T = TypeVar("T")
 
 
@@ -28,6 +30,9 @@ class RouteHint:
     # that unified layout publishes under the adapter's namespace.
     base_hashes: tuple[int, ...] = ()
     adapter_hashes: tuple[int, ...] = ()
+    # The tree's prefix-cache trust boundary (its tenant and cache_salt): the replica opens
+    # it under this salt, and the hashes above are chained from it (stats.page_hashes).
+    salt: CacheSalt = UNSALTED
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,25 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
 * free pages, running generations and queued commands: load beyond Serve's queue length.
 
 Hashes are blake2b, not ``hash()``: the Frontend and every replica must agree across
-processes whatever their PYTHONHASHSEED.
+processes whatever their PYTHONHASHSEED. A page published under a ``CacheSalt`` other than
+``UNSALTED`` is chained from a root that includes the salt, so a prompt of another trust
+boundary never matches it: routing cannot tell one tenant where another's prompts are.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forkserve.control.prefix_index import AdapterNamespace, Namespace, PrefixIndex
+from forkserve.control.prefix_index import (
+    UNSALTED,
+    AdapterNamespace,
+    CacheSalt,
+    Namespace,
+    PrefixIndex,
+)
 
 BASE_SCOPE = ""  # the namespace key of base-model pages; an adapter's is its name
 
@@ -32,14 +41,16 @@ def _digest(parent: bytes, page: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def _root(scope: str) -> bytes:
-    return hashlib.blake2b(scope.encode(), digest_size=8).digest()
+def _root(scope: str, salt: CacheSalt) -> bytes:
+    seed = scope if salt == UNSALTED else json.dumps([scope, salt.tenant, salt.name])
+    return hashlib.blake2b(seed.encode(), digest_size=8).digest()
 
 
-def page_hashes(scope: str, tokens: Sequence[int], page_size: int) -> tuple[int, ...]:
+def page_hashes(scope: str, tokens: Sequence[int], page_size: int,
+                salt: CacheSalt = UNSALTED) -> tuple[int, ...]:
     """Chained hashes of the full pages of ``tokens`` under ``scope`` (BASE_SCOPE or an
-    adapter name): hash i covers tokens[: (i + 1) * page_size]."""
-    out, h = [], _root(scope)
+    adapter name) and ``salt``: hash i covers tokens[: (i + 1) * page_size]."""
+    out, h = [], _root(scope, salt)
     for start in range(0, len(tokens) - page_size + 1, page_size):
         h = _digest(h, tokens[start:start + page_size])
         out.append(int.from_bytes(h, "little"))
@@ -86,11 +97,11 @@ def index_hashes(index: PrefixIndex, adapter_names: Mapping[str, str]) -> frozen
     """The chained hash of every published page. ``entries()`` walks parents before
     children, so each page's hash extends its parent's, memoised by prefix."""
     p = index.page_size
-    chain: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    chain: dict[tuple[str, CacheSalt, tuple[int, ...]], bytes] = {}
     for entry in index.entries():
         scope = _scope(entry.namespace, adapter_names)
-        parent = chain.get((scope, entry.prefix[:-p])) or _root(scope)
-        chain[(scope, entry.prefix)] = _digest(parent, entry.prefix[-p:])
+        parent = chain.get((scope, entry.salt, entry.prefix[:-p])) or _root(scope, entry.salt)
+        chain[(scope, entry.salt, entry.prefix)] = _digest(parent, entry.prefix[-p:])
     return frozenset(int.from_bytes(h, "little") for h in chain.values())
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.interfaces.ray_serve.ledger import TreeLedger, TreeRecord
 from forkserve.interfaces.ray_serve.protocol import (
     NOT_RESIDENT,
@@ -88,11 +89,13 @@ class TreeClient:
         return getattr(self._engine, method).options(
             multiplexed_model_id=hint.adapter or "", session_id=str(hint.tree_id), stream=stream)
 
-    async def open(self, info: ModelInfo, tree_id: int, adapter: str | None,
-                   tokens: list[int]) -> tuple[SessionInfo, TreeView]:
-        """Open ``tokens`` as tree ``tree_id`` wherever the router scores best."""
-        hint = RouteHint(tree_id, adapter, page_hashes(BASE_SCOPE, tokens, info.page_size),
-                         page_hashes(adapter, tokens, info.page_size) if adapter is not None else ())
+    async def open(self, info: ModelInfo, tree_id: int, adapter: str | None, tokens: list[int],
+                   salt: CacheSalt = UNSALTED) -> tuple[SessionInfo, TreeView]:
+        """Open ``tokens`` as tree ``tree_id`` in the trust boundary ``salt`` wherever the
+        router scores best."""
+        hint = RouteHint(tree_id, adapter, page_hashes(BASE_SCOPE, tokens, info.page_size, salt),
+                         page_hashes(adapter, tokens, info.page_size, salt) if adapter is not None else (),
+                         salt)
         cause: BaseException | None = None
         for _ in range(_ATTEMPTS):
             try:
@@ -110,7 +113,7 @@ class TreeClient:
             rec = self.ledger.get(seen.tree_id)
             if rec.epoch != seen.epoch:
                 return  # another call already re-opened it
-            _, view = await self.open(info, rec.tree_id, rec.adapter, list(rec.committed))
+            _, view = await self.open(info, rec.tree_id, rec.adapter, list(rec.committed), rec.salt)
             log.warning("tree %d re-opened on %s from %d committed tokens (was on %s)",
                         rec.tree_id, view.replica, len(view.committed), rec.replica)
             self.ledger.reopened(rec, view)
@@ -183,5 +186,5 @@ class TreeClient:
         self.ledger.drop(tree_id)
         if isinstance(reply, Ok):
             return reply.value, rec.replica
-        return SessionInfo(session_id=tree_id, tip=rec.tip, model=rec.adapter or info.name,
+        return SessionInfo(session_id=str(tree_id), tip=rec.tip, model=rec.adapter or info.name,
                            committed_tokens=len(rec.committed)), rec.replica

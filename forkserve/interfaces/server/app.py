@@ -16,12 +16,22 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
-from forkserve.interfaces.server import branch_api, openai_api
+from forkserve.errors import ForkServeError
+from forkserve.interfaces.server import branch_api, openai_api, preflight
+from forkserve.interfaces.server.access import (
+    DEFAULT_ACCESS,
+    AccessConfig,
+    add_access_args,
+    checked_access,
+)
+from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
-from forkserve.interfaces.server.served_model import ServedModel, load_served_model
+from forkserve.interfaces.server.served_model import ServedModel, load_served_model, served_name
 from forkserve.interfaces.server.state import ServerState, StateDep
+from forkserve.interfaces.server.tenancy import Tenancy
+from forkserve.interfaces.usage import ArgumentParser, UsageError
 
 log = logging.getLogger("forkserve.server")
 
@@ -32,7 +42,8 @@ SYSTEMS = {"alias": ForkServeConfig, "plus": plus_config, "app": app_config}
 KEEP_ALIVE_S = 75
 
 
-def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
+def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
+               access: AccessConfig = DEFAULT_ACCESS) -> FastAPI:
     worker = EngineWorker(model.engine, model.tokenizer.decode, session_ttl_s=session_ttl_s)
     metrics = ServerMetrics()
 
@@ -48,7 +59,8 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
             worker.stop()
 
     app = FastAPI(title="ForkServe", lifespan=lifespan)
-    app.state.forkserve = ServerState(model, worker, metrics)
+    app.state.forkserve = ServerState(model, worker, metrics,
+                                      Tenancy(model.engine, access.limits, access.public_prefixes))
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(branch_api.router)
@@ -62,19 +74,37 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(ApiKeyAuth, keys=access.keys)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: refusals are counted too
     return app
 
 
 def _lora(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"takes NAME=PATH, got {spec!r}")
     return name, path
 
 
+def _int_in(low: int, high: int | None, what: str):
+    """An argparse type: an int in [low, high] (argparse's own message names only the function)."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}, got {value!r}") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"{what}, got {n}")
+        return n
+    return parse
+
+
+_positive = _int_in(1, None, "takes a positive integer")
+_port = _int_in(0, 65535, "takes a TCP port in [0, 65535]")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="forkserve serve", description="OpenAI-compatible server with branch endpoints")
+    ap = ArgumentParser(prog="forkserve serve", description="OpenAI-compatible server with branch endpoints")
     ap.add_argument("--model", help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
     ap.add_argument("--served-model-name", help="the model id clients send (default: the folder/file name)")
     ap.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
@@ -82,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.UNIFIED.value)
     ap.add_argument("--system", choices=sorted(SYSTEMS), default="app",
                     help="engine policy: alias (no cascade), plus (full cascade), app (cascade tuned for apps)")
-    ap.add_argument("--num-pages", type=int, default=1024, help="KV pages per pool")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--num-pages", type=_positive, default=1024, help="KV pages per pool")
+    ap.add_argument("--page-size", type=_positive, default=16)
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"])
@@ -91,27 +121,50 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--session-ttl", type=float, default=600.0,
                     help="seconds an idle branch-API session lives before it is closed")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
+    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_access_args(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Flags and paths are checked before the model loads (``preflight``); a bad one raises
+    ``UsageError``, which the ``forkserve`` command prints as one line (exit status 2)."""
     import uvicorn
 
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    access = checked_access(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
         from forkserve.backend.torch import find_smollm2_gguf
-        model_path = find_smollm2_gguf()
+        try:
+            model_path = find_smollm2_gguf()
+        except FileNotFoundError as e:
+            raise UsageError(f"no --model given and {e}") from None
         args.device = args.device or "cpu"
-    config = SYSTEMS[args.system](page_size=args.page_size, num_pages=args.num_pages,
-                                  num_residual_pages=args.num_pages, kv_layout=args.layout)
-    log.info("loading %s", model_path)
-    model = load_served_model(model_path, config=config, loras=dict(args.lora), name=args.served_model_name,
-                              device=args.device, dtype=args.dtype, attention=args.attention,
-                              use_cuda_graphs=not args.no_cuda_graphs)
-    uvicorn.run(create_app(model, session_ttl_s=args.session_ttl), host=args.host, port=args.port,
-                log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S)
+    preflight.check_model_path(model_path)
+    preflight.check_adapters(args.lora, served_name(model_path, args.served_model_name))
+    try:
+        config = SYSTEMS[args.system](page_size=args.page_size, num_pages=args.num_pages,
+                                      num_residual_pages=args.num_pages, kv_layout=args.layout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    sock = preflight.bind_port(args.host, args.port)
+    try:
+        preflight.check_device(args.device)
+        log.info("loading %s", model_path)
+        try:
+            model = load_served_model(model_path, config=config, loras=dict(args.lora),
+                                      name=args.served_model_name, device=args.device, dtype=args.dtype,
+                                      attention=args.attention, use_cuda_graphs=not args.no_cuda_graphs)
+        except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
+            raise UsageError(str(e)) from None
+        log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
+        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl, access=access),
+                                               log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

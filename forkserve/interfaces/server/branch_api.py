@@ -1,6 +1,7 @@
 """Branch routes: the engine's verbs over HTTP, one route per verb.
 
-    POST   /v1/sessions                      open      {model, text|tokens|messages}
+    POST   /v1/sessions                      open      {model, text|tokens|messages, cache_salt}
+    GET    /v1/sessions                      the caller's open sessions
     GET    /v1/sessions/{sid}                the committed tip and length
     POST   /v1/sessions/{sid}/fork           fork      {parent, label, text|tokens}
     POST   /v1/sessions/{sid}/speculate      speculate {node, priority, t_idle_ms}
@@ -18,18 +19,24 @@ after the prompt): adapters announce structure, they never rewrite prompts. Ever
 validates before it mutates, so a 4xx leaves the engine as it was. A verb on a session
 renews its lease (see EngineWorker); a session that is generating accepts no other verb;
 a client that disconnects while its session generates (streamed or not) aborts the session.
+
+``sid`` is the session's public id (tenancy.py): random, and only its tenant's; any other
+caller gets 404 for it, as for an id that never existed. Verbs that add tokens are admitted
+against the tenant's limits first (limits.py).
 """
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator, Callable, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import GenerationSpec
-from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.errors import APIError, stream_error
 from forkserve.interfaces.server.schemas import (
     AbortRequest,
     AbortResponse,
@@ -45,6 +52,7 @@ from forkserve.interfaces.server.schemas import (
     JoinRequest,
     OpenSessionRequest,
     SessionInfo,
+    SessionList,
     SpeculateRequest,
 )
 from forkserve.interfaces.server.state import ServerState, StateDep
@@ -60,27 +68,32 @@ def _tokens(st: ServerState, text: str | None, tokens: list[int] | None) -> list
     return ids
 
 
-async def _on_session(st: ServerState, sid: int, verb: Callable[[], T]) -> T:
-    """Run a verb of session ``sid`` on the engine thread: it must exist and be idle."""
+async def _on_session(st: ServerState, tenant: str, sid: str, verb: Callable[[int], T],
+                      grows_by: int = 0) -> T:
+    """Run a verb of the tenant's session ``sid`` on the engine thread with its engine id: it
+    must be the tenant's and idle; a verb that adds ``grows_by`` tokens is admitted first."""
     def run() -> T:
-        st.worker.engine.tip(sid)  # 404 for an unknown session, before anything else
-        st.worker.ensure_idle(sid)
-        st.worker.lease(sid)
-        return verb()
+        eid = st.tenancy.resolve(tenant, sid)  # 404 for unknown and for another tenant's alike
+        st.worker.ensure_idle(eid)
+        st.worker.lease(eid)
+        if grows_by:
+            return st.tenancy.grow(tenant, grows_by, lambda: verb(eid))
+        return verb(eid)
     return await st.worker.call(run)
 
 
-def _info(st: ServerState, sid: int) -> SessionInfo:
+def _info(st: ServerState, eid: int) -> SessionInfo:
     eng = st.worker.engine
-    adapter = eng.sessions[sid].adapter
+    adapter = eng.sessions[eid].adapter
     name = st.model.name if adapter is None else next(n for n, a in st.model.adapters.items() if a == adapter)
-    return SessionInfo(session_id=sid, tip=eng.tip(sid), model=name,
-                       committed_tokens=len(eng.committed_tokens(sid)))
+    return SessionInfo(session_id=st.tenancy.public_id(eid), tip=eng.tip(eid), model=name,
+                       committed_tokens=len(eng.committed_tokens(eid)))
 
 
 @router.post("/sessions")
-async def open_session(body: OpenSessionRequest, st: StateDep) -> SessionInfo:
+async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep) -> SessionInfo:
     adapter = st.model.adapter_for(body.model)
+    salt = st.tenancy.salt(tenant, body.cache_salt)
     tok = st.model.tokenizer
 
     def run() -> SessionInfo:
@@ -93,106 +106,119 @@ async def open_session(body: OpenSessionRequest, st: StateDep) -> SessionInfo:
             ids = list(body.tokens or [])
         st.model.check_vocab(ids)
         st.model.check_length(len(ids), 0)
-        sid = st.worker.engine.open(ids, adapter=adapter).id
-        st.worker.lease(sid)
-        return _info(st, sid)
-    return await st.worker.call(run, undo=lambda info: _close(st, info.session_id))
+        eid = st.tenancy.open(tenant, ids, adapter, salt, 0, expose=True).engine_id
+        st.worker.lease(eid)
+        return _info(st, eid)
+    return await st.worker.call(run, undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id)))
 
 
-def _close(st: ServerState, sid: int) -> None:
-    st.worker.release(sid)
-    if sid in st.worker.engine.sessions:
-        st.worker.engine.close(sid)
+def _close(st: ServerState, eid: int) -> None:
+    st.worker.release(eid)
+    st.tenancy.forget(eid)
+    if eid in st.worker.engine.sessions:
+        st.worker.engine.close(eid)
+
+
+@router.get("/sessions")
+async def list_sessions(st: StateDep, tenant: TenantDep) -> SessionList:
+    return await st.worker.call(lambda: SessionList(data=[_info(st, s.engine_id)
+                                                          for s in st.tenancy.sessions_of(tenant)]))
 
 
 @router.get("/sessions/{sid}")
-async def session_info(sid: int, st: StateDep) -> SessionInfo:
-    return await _on_session(st, sid, lambda: _info(st, sid))
+async def session_info(sid: str, st: StateDep, tenant: TenantDep) -> SessionInfo:
+    return await _on_session(st, tenant, sid, lambda eid: _info(st, eid))
 
 
 @router.post("/sessions/{sid}/fork")
-async def fork(sid: int, body: ForkRequest, st: StateDep) -> ForkResponse:
-    def run() -> ForkResponse:
+async def fork(sid: str, body: ForkRequest, st: StateDep, tenant: TenantDep) -> ForkResponse:
+    def run(eid: int) -> ForkResponse:
         ids = _tokens(st, body.text, body.tokens)
-        node = st.worker.engine.fork(sid, body.parent, body.label, ids)
+        node = st.tenancy.grow(tenant, len(ids), lambda: st.worker.engine.fork(eid, body.parent, body.label, ids))
         return ForkResponse(node=node, tokens=len(ids))
-    return await _on_session(st, sid, run)
+    return await _on_session(st, tenant, sid, run)
 
 
 @router.post("/sessions/{sid}/speculate")
-async def speculate(sid: int, body: SpeculateRequest, st: StateDep) -> DecisionResponse:
-    def run() -> DecisionResponse:
-        d = st.worker.engine.speculate(sid, body.node, priority=body.priority, t_idle_ms=body.t_idle_ms)
+async def speculate(sid: str, body: SpeculateRequest, st: StateDep, tenant: TenantDep) -> DecisionResponse:
+    def run(eid: int) -> DecisionResponse:
+        d = st.worker.engine.speculate(eid, body.node, priority=body.priority, t_idle_ms=body.t_idle_ms)
         return DecisionResponse(action=d.action.value, score=d.score, hit_tokens=d.hit_tokens,
                                 miss_tokens=d.miss_tokens, reason=d.reason)
-    return await _on_session(st, sid, run)
+    return await _on_session(st, tenant, sid, run)
 
 
-def _commit_response(r) -> CommitResponse:
-    return CommitResponse(session_id=r.session_id, tip=r.tip, bound_node=r.bound_node,
+def _commit_response(sid: str, r) -> CommitResponse:
+    return CommitResponse(session_id=sid, tip=r.tip, bound_node=r.bound_node,
                           matched_tokens=r.matched_tokens, prefilled_tokens=r.prefilled_tokens,
                           aborted=list(r.aborted))
 
 
 @router.post("/sessions/{sid}/commit")
-async def commit(sid: int, body: CommitRequest, st: StateDep) -> CommitResponse:
-    def run() -> CommitResponse:
+async def commit(sid: str, body: CommitRequest, st: StateDep, tenant: TenantDep) -> CommitResponse:
+    def run(eid: int) -> CommitResponse:
         ids = _tokens(st, body.text, body.tokens)
-        return _commit_response(st.worker.engine.commit(sid, body.tip, ids))
-    return await _on_session(st, sid, run)
+        return _commit_response(sid, st.tenancy.grow(tenant, len(ids),
+                                                     lambda: st.worker.engine.commit(eid, body.tip, ids)))
+    return await _on_session(st, tenant, sid, run)
 
 
 @router.post("/sessions/{sid}/join")
-async def join(sid: int, body: JoinRequest, st: StateDep) -> CommitResponse:
+async def join(sid: str, body: JoinRequest, st: StateDep, tenant: TenantDep) -> CommitResponse:
     if body.separator_text is not None and body.separator_tokens is not None:
         raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
 
-    def run() -> CommitResponse:
+    def run(eid: int) -> CommitResponse:
         sep = body.separator_tokens if body.separator_tokens is not None else (
             _tokens(st, body.separator_text, None) if body.separator_text else [])
         st.model.check_vocab(sep)
-        return _commit_response(st.worker.engine.join(sid, body.nodes, separator=sep))
-    return await _on_session(st, sid, run)
+        # The branches' tokens were admitted when they were forked; only separators are new.
+        grows = len(sep) * (len(body.nodes) - 1)
+        return _commit_response(sid, st.tenancy.grow(
+            tenant, grows, lambda: st.worker.engine.join(eid, body.nodes, separator=sep)))
+    return await _on_session(st, tenant, sid, run)
 
 
 @router.post("/sessions/{sid}/abort")
-async def abort(sid: int, body: AbortRequest, st: StateDep) -> AbortResponse:
-    def run() -> AbortResponse:
-        r = st.worker.engine.abort(sid, body.node)
+async def abort(sid: str, body: AbortRequest, st: StateDep, tenant: TenantDep) -> AbortResponse:
+    def run(eid: int) -> AbortResponse:
+        r = st.worker.engine.abort(eid, body.node)
         return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
-    return await _on_session(st, sid, run)
+    return await _on_session(st, tenant, sid, run)
 
 
 @router.delete("/sessions/{sid}")
-async def close(sid: int, st: StateDep) -> SessionInfo:
-    def run() -> SessionInfo:
-        info = _info(st, sid)
-        _close(st, sid)
+async def close(sid: str, st: StateDep, tenant: TenantDep) -> SessionInfo:
+    def run(eid: int) -> SessionInfo:
+        info = _info(st, eid)
+        _close(st, eid)
         return info
-    return await _on_session(st, sid, run)
+    return await _on_session(st, tenant, sid, run)
 
 
 @router.post("/sessions/{sid}/generate", response_model=None)
-async def generate(sid: int, body: GenerateRequest, request: Request,
-                   st: StateDep) -> GenerateResponse | StreamingResponse:
+async def generate(sid: str, body: GenerateRequest, request: Request, st: StateDep,
+                   tenant: TenantDep) -> GenerateResponse | StreamingResponse:
     if any(not s for s in body.stop):
         raise APIError(400, "stop strings must be non-empty", param="stop")
 
-    def check() -> int:
-        tip = st.worker.engine.node(sid, st.worker.engine.tip(sid))
+    def check(eid: int) -> tuple[int, int]:
+        tip = st.worker.engine.node(eid, st.worker.engine.tip(eid))
         st.model.check_length(tip.end, body.max_tokens)
-        return tip.id
-    tip = await _on_session(st, sid, check)
+        return eid, tip.id
+    eid, tip = await _on_session(st, tenant, sid, check, grows_by=body.max_tokens)
     eos = () if body.ignore_eos else st.model.eos_token_ids
     spec = GenerationSpec(body.max_tokens, SamplingParams(body.temperature, body.top_p, body.seed),
                           frozenset(eos), tuple(body.stop), keep_stop_text=True)
-    gen = await st.worker.generate(sid, spec)
+    gen = await st.worker.generate(eid, spec)
     if body.stream:
         async def events() -> AsyncIterator[str]:
             try:
                 async for c in gen:
                     yield GenerateChunk(text=c.text, tokens=list(c.tokens),
                                         finish_reason=c.finish_reason).model_dump_json() + "\n"
+            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in-band
+                yield json.dumps(stream_error(exc)) + "\n"
             finally:
                 gen.cancel()  # a disconnect aborts the session and frees its pages
         return StreamingResponse(events(), media_type="application/x-ndjson")

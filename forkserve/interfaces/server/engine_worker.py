@@ -176,13 +176,15 @@ class EngineWorker:
             return gen
         return await self.call(register, undo=Generation.cancel)
 
-    async def open_and_generate(self, tokens: list[int], adapter: int | None,
-                                spec: GenerationSpec) -> Generation:
-        """Open a session on ``tokens`` and decode on it (one OpenAI choice)."""
+    async def open_and_generate(self, tokens: list[int], adapter: int | None, spec: GenerationSpec, *,
+                                opener: Callable[[], int] | None = None) -> Generation:
+        """Open a session on ``tokens`` and decode on it (one OpenAI choice). ``opener``
+        opens it instead, on this thread, and returns its id (the server's tenancy: limits,
+        cache salt, ownership)."""
         gen = Generation(spec, self)
 
         def register() -> Generation:
-            sid = self.engine.open(tokens, adapter=adapter).id
+            sid = opener() if opener is not None else self.engine.open(tokens, adapter=adapter).id
             try:
                 self._register(sid, gen)
             except Exception:
@@ -290,11 +292,18 @@ class EngineWorker:
         try:
             progressed = self.engine.tick() if owed else True
         except Exception as exc:  # noqa: BLE001 - every request in the batch hears of it
+            # A request's own failure never leaves tick (it is Session.error, below): this
+            # is an engine bug, and no job can trust its session any more.
             log.exception("decode tick failed")
             self._fail_all(exc)
             return
         for sid, job in list(self._jobs.items()):
-            self._deliver_new_tokens(sid, job)
+            if job.session.error is not None:
+                log.warning("session %d failed: %s: %s", sid, type(job.session.error).__name__,
+                            job.session.error)
+                self._fail_job(sid, job, job.session.error)
+            else:
+                self._deliver_new_tokens(sid, job)
         if not progressed and self._jobs:
             # Tokens are owed but the scheduler planned nothing: a bug, not a client error.
             self._fail_all(RuntimeError("the engine made no progress on pending generations"))
@@ -316,10 +325,15 @@ class EngineWorker:
         if text or tokens or reason:
             job.gen._deliver(Chunk(text, tokens, reason))
 
+    def _fail_job(self, sid: int, job: _Job, exc: Exception) -> None:
+        """End one job with an error; its consumer raises it (the HTTP status comes from
+        the error's ``http_status``: a JSON error, or an in-band error event in a stream)."""
+        self._end_job(sid, job, failed=True)
+        job.gen._deliver(exc)
+
     def _fail_all(self, exc: Exception) -> None:
         for sid, job in list(self._jobs.items()):
-            self._end_job(sid, job, failed=True)
-            job.gen._deliver(exc)
+            self._fail_job(sid, job, exc)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()

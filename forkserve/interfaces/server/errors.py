@@ -7,6 +7,7 @@ errors, malformed JSON included, are 400 as in the OpenAI API; anything unexpect
 from __future__ import annotations
 
 import logging
+from typing import Any, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,18 +20,48 @@ from forkserve.interfaces.server.disconnect import ClientDisconnected
 log = logging.getLogger("forkserve.server")
 
 
+# FastAPI's answer to a body that fails before JSON decoding (invalid UTF-8): JSON errors
+# come as a RequestValidationError, this one as a bare HTTPException with this detail.
+_FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+
+
 class APIError(Exception):
     """A request the server refuses before it reaches the engine."""
 
     def __init__(self, status: int, message: str, type: str = "BadRequestError",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
+        self.headers = headers  # e.g. Retry-After on a 429, WWW-Authenticate on a 401
 
 
-def error_response(status: int, message: str, type: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """A request validation failure as (message, param), in the client's terms: fields are
+    named as in its JSON (``messages.0.content``, not ``body.messages.0.content``), and a
+    body that is not JSON says so, where FastAPI would name a character offset as a field."""
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            loc = tuple(e.get("loc", ()))
+            at = f" at character {loc[-1]}" if len(loc) > 1 else ""
+            detail = (e.get("ctx") or {}).get("error")
+            return f"the request body is not valid JSON ({detail or 'decode error'}{at})", None
+    parts, param = [], None
+    for e in errors:
+        field = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        if not field:  # the body itself: missing, or not an object
+            missing = e.get("type") == "missing"
+            parts.append("the request body is missing; send a JSON object" if missing
+                         else "the request body must be a JSON object")
+            continue
+        param = param or field
+        parts.append(f"{field}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
 
 
 def backend_error_status(exc: Exception) -> int | None:
@@ -44,10 +75,25 @@ def backend_error_status(exc: Exception) -> int | None:
     return None
 
 
+def stream_error(exc: Exception) -> dict[str, Any]:
+    """The in-band error of a stream whose headers (200) are already sent: the same body
+    a plain response would have had."""
+    if isinstance(exc, APIError):
+        status, message, kind = exc.status, exc.message, exc.type
+    elif isinstance(exc, (ForkServeError, ClientDisconnected)):
+        status, message, kind = exc.http_status, str(exc), type(exc).__name__
+    else:
+        status = backend_error_status(exc) or 500
+        if status == 500:
+            log.error("stream failed", exc_info=exc)
+        message, kind = str(exc), type(exc).__name__
+    return {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": status}}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
@@ -59,14 +105,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors)
-        return error_response(400, message or "invalid request", "BadRequestError", where)
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_PARSE_ERROR:
+            return error_response(400, "the request body is not valid JSON (not UTF-8 text)", "BadRequestError")
         return error_response(exc.status_code, str(exc.detail), "HTTPError")
 
     @app.exception_handler(Exception)

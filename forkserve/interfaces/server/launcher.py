@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
 from forkserve.engine import Engine
+from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.app import KEEP_ALIVE_S, create_app
 from forkserve.interfaces.server.served_model import ServedModel
 
@@ -31,11 +32,11 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0,
+def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
                     startup_timeout_s: float = 30.0) -> Iterator[RunningServer]:
     import uvicorn
 
-    app = create_app(model, session_ttl_s=session_ttl_s)
+    app = create_app(model, session_ttl_s=session_ttl_s, access=access)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

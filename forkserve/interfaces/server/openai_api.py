@@ -19,9 +19,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
-from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.errors import APIError, stream_error
 from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.schemas import (
     AssistantMessage,
@@ -36,6 +37,7 @@ from forkserve.interfaces.server.schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
 )
 from forkserve.interfaces.server.state import ServerState, StateDep
@@ -52,8 +54,8 @@ async def list_models(st: StateDep) -> ModelList:
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request,
-                      st: StateDep) -> CompletionResponse | StreamingResponse:
+async def completions(body: CompletionRequest, request: Request, st: StateDep,
+                      tenant: TenantDep) -> CompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
     prompts = body.prompts()
@@ -67,9 +69,10 @@ async def completions(body: CompletionRequest, request: Request,
         st.model.check_length(len(ids), budget)
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    gens = await _start(st, per_choice, adapter, budget, body, stops)
+    gens, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(ids) for ids in encoded)
+    cached_tokens = sum(cached[::body.n])  # each prompt once, as prompt_tokens counts it
 
     def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=rid, created=created, model=body.model, usage=usage,
@@ -86,7 +89,7 @@ async def completions(body: CompletionRequest, request: Request,
                 if c.text or c.finish_reason:
                     yield chunk(index, c.text, c.finish_reason)
             if include_usage:
-                yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
+                yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens, cached_tokens))
         return _sse(events(), gens)
 
     results = await _collect(request, gens)
@@ -94,12 +97,12 @@ async def completions(body: CompletionRequest, request: Request,
         id=rid, created=created, model=body.model,
         choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
                  for i, r in enumerate(results)],
-        usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results)))
+        usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           st: StateDep) -> ChatCompletionResponse | StreamingResponse:
+async def chat_completions(body: ChatCompletionRequest, request: Request, st: StateDep,
+                           tenant: TenantDep) -> ChatCompletionResponse | StreamingResponse:
     adapter = st.model.adapter_for(body.model)
     stops = _stops(body.stop_strings)
     messages = body.template_messages()
@@ -108,7 +111,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     budget = budget if budget is not None else st.model.max_context - len(ids)
     st.model.check_vocab(ids)
     st.model.check_length(len(ids), budget)
-    gens = await _start(st, [ids] * body.n, adapter, budget, body, stops)
+    gens, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -127,7 +130,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                     yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=c.text or None),
                                                  finish_reason=c.finish_reason)])
             if include_usage:
-                yield chunk([], _usage(len(ids), completion_tokens))
+                yield chunk([], _usage(len(ids), completion_tokens, cached[0]))
         return _sse(events(), gens)
 
     results = await _collect(request, gens)
@@ -135,7 +138,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         id=rid, created=created, model=body.model,
         choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
                  for i, r in enumerate(results)],
-        usage=_usage(len(ids), sum(len(r.tokens) for r in results)))
+        usage=_usage(len(ids), sum(len(r.tokens) for r in results), cached[0]))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -146,25 +149,38 @@ def _stops(stop_strings: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         raise APIError(400, str(e), param="stop") from None
 
 
-def _usage(prompt: int, completion: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-async def _start(st: ServerState, prompts: list[list[int]], adapter: int | None, max_tokens: int,
-                 body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...]) -> list[Generation]:
-    """One session per choice; with a seed, choice j samples with seed + j (distinct, reproducible)."""
+async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: int | None, max_tokens: int,
+                 body: CompletionRequest | ChatCompletionRequest,
+                 stops: tuple[str, ...]) -> tuple[list[Generation], list[int]]:
+    """One session per choice, opened by the tenancy (limits, the request's cache boundary);
+    with a seed, choice j samples with seed + j (distinct, reproducible). Returns the
+    generations and each choice's prompt tokens served from the prefix cache."""
+    salt = st.tenancy.salt(tenant, body.cache_salt)
     gens: list[Generation] = []
+    cached: list[int] = []
+
+    def opener(ids: list[int]) -> Callable[[], int]:
+        def open_choice() -> int:
+            opened = st.tenancy.open(tenant, ids, adapter, salt, max_tokens, expose=False)
+            cached.append(opened.cached_tokens)
+            return opened.engine_id
+        return open_choice
     try:
         for j, ids in enumerate(prompts):
             seed = None if body.seed is None else body.seed + (j % body.n)
             spec = GenerationSpec(max_tokens, SamplingParams(body.temperature, body.top_p, seed),
                                   frozenset(st.model.eos_token_ids), stops, close_when_done=True)
-            gens.append(await st.worker.open_and_generate(ids, adapter, spec))
+            gens.append(await st.worker.open_and_generate(ids, adapter, spec, opener=opener(ids)))
     except BaseException:
         for g in gens:
             g.cancel()
         raise
-    return gens
+    return gens, cached
 
 
 async def _collect(request: Request, gens: list[Generation]) -> list[Chunk]:
@@ -191,10 +207,8 @@ def _sse(events: AsyncIterator[BaseModel], gens: list[Generation]) -> StreamingR
             async for event in events:
                 yield f"data: {event.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
-        except Exception as exc:
-            status = getattr(exc, "http_status", getattr(exc, "status", 500))
-            payload = {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
-            yield f"data: {json.dumps(payload)}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in-band
+            yield f"data: {json.dumps(stream_error(exc))}\n\n"
         finally:
             # A disconnect cancels this generator: abort what is still decoding.
             for g in gens:

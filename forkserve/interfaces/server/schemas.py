@@ -28,6 +28,7 @@ class _Sampling(_Frozen):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None  # prefix-cache boundary inside the tenant (cache_salt.py)
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> "_Sampling":
@@ -111,10 +112,15 @@ class ChatCompletionRequest(_Sampling):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
+class PromptTokensDetails(_Frozen):
+    cached_tokens: int  # prompt tokens served from the prefix cache (the caller's boundary only)
+
+
 class Usage(_Frozen):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Frozen):
@@ -221,6 +227,7 @@ class OpenSessionRequest(_Frozen):
     messages: list[ChatMessage] | None = None
     # With messages: end the prompt with the assistant header (what generate continues).
     add_generation_prompt: bool = True
+    cache_salt: str | None = None  # prefix-cache boundary inside the tenant (cache_salt.py)
 
     @model_validator(mode="after")
     def _one_of(self) -> "OpenSessionRequest":
@@ -230,10 +237,15 @@ class OpenSessionRequest(_Frozen):
 
 
 class SessionInfo(_Frozen):
-    session_id: int
+    session_id: str  # opaque, unguessable, the opening tenant's only (tenancy.py)
     tip: int
     model: str
     committed_tokens: int
+
+
+class SessionList(_Frozen):
+    object: Literal["list"] = "list"
+    data: list[SessionInfo]
 
 
 class ForkRequest(_Tokens):
@@ -271,7 +283,7 @@ class JoinRequest(_Frozen):
 
 
 class CommitResponse(_Frozen):
-    session_id: int
+    session_id: str
     tip: int
     bound_node: int | None
     matched_tokens: int

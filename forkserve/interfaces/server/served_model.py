@@ -58,6 +58,12 @@ class ServedModel:
             raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
 
 
+def served_name(model_path: str | Path, name: str | None = None) -> str:
+    """The id clients send as ``model``: ``name``, else the folder or .gguf file's name."""
+    path = Path(model_path)
+    return name or (path.stem if path.suffix == ".gguf" else path.name)
+
+
 def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                       loras: Mapping[str, str | Path] | None = None, name: str | None = None,
                       device: str | None = None, dtype: str | None = None,
@@ -73,7 +79,6 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     tokenizer = backend.tokenizer
     engine = Engine(backend)
     eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
-    path = Path(model_path)
-    return ServedModel(name=name or (path.stem if path.suffix == ".gguf" else path.name), engine=engine,
+    return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
                        max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos)

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.metrics import ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel
+from forkserve.interfaces.server.tenancy import Tenancy
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class ServerState:
     model: ServedModel
     worker: EngineWorker
     metrics: ServerMetrics
+    tenancy: Tenancy  # engine thread only, like the engine
 
 
 def server_state(request: Request) -> ServerState:
