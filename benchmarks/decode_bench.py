@@ -12,13 +12,18 @@ replay, greedy sampling, host sync, i.e. what the Engine pays):
   (weight bytes + KV bytes read per step) / copy bandwidth; batch 1 eager (no graph) too;
   the disaggregated layout at batch 64 with LoRA (ResidualAttention);
 * prefill tokens/s of one 8K prompt (without / with LoRA) against the bf16 compute roofline;
+* decode ms/step of 32 agents over one 8K context (the same pages, 16 own tokens each; the
+  react workload's step), shared-prefix (cascade) attention on and off;
 * Hugging Face `generate` (sdpa, bf16) at batch 1 and 64 on the same shape, per new token.
 
-Writes decode_bench.json and decode_bench.png to --out and prints a table last.
+Each backend is freed before the next is built (two 64 GiB pools do not fit one H200).
+Writes decode_bench.json (after every case) and decode_bench.png to --out and prints a
+table last.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
 from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.lora import LoraAdapter, target_shapes  # noqa: E402
@@ -36,6 +42,7 @@ from forkserve.backend.torch.model_config import ModelConfig, llama3_8b_config  
 from forkserve.backend.torch.rope import RopeConfig  # noqa: E402
 from forkserve.backend.torch.weights import random_weights  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
+from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}  # anchors.md
 PAGE = 16
@@ -127,6 +134,38 @@ class Bench:
             pos += 1
         return {"batch": batch, "prompt": prompt, "steps": steps, "ms_per_step": statistics.median(times),
                 "ms_min": min(times), "ms_max": max(times)}
+
+    def shared_decode(self, agents: int, context: int, steps: int, cascade: bool, warmup: int = 3) -> dict:
+        """``agents`` over one page-aligned ``context`` (sequence 0's pages, written once),
+        16 own tokens each on their own pages, then decode steps marked by the control
+        plane's PrefixSharing, as the Engine marks them."""
+        self.backend.cascade_attention = cascade
+        gen = torch.Generator().manual_seed(context)
+        vocab = self.backend.model_config.vocab_size
+        shared = tuple(range(context // PAGE))
+        self.backend.step([SeqWork(0, tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()), 0,
+                                   KVSlots(shared))])
+
+        def item(i: int, tokens: list[int], start: int, decode: bool = False) -> SeqWork:
+            first = (i + 1) * self.pages_per_seq  # region 0 holds the context
+            own = tuple(range(first, first + -(-(start + len(tokens)) // PAGE) - len(shared)))
+            return SeqWork(i, tuple(tokens), start, KVSlots(shared + own), None, GREEDY, decode=decode)
+
+        nxt = []
+        for lo in range(0, agents, 8):
+            nxt += self.backend.step([item(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), context)
+                                      for i in range(lo, min(agents, lo + 8))]).next_tokens
+        sharing = PrefixSharing(PAGE)
+        pos, times = context + 16, []
+        for s in range(warmup + steps):
+            work = sharing.annotate([item(i, [nxt[i]], pos, decode=True) for i in range(agents)])
+            t0 = time.perf_counter()
+            nxt = self.backend.step(work).next_tokens
+            if s >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+            pos += 1
+        return {"agents": agents, "context": context, "cascade": cascade, "steps": steps,
+                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
 
     def prefill(self, tokens: int, adapter: int | None, reps: int = 3) -> dict:
         vocab = self.backend.model_config.vocab_size
@@ -222,7 +261,7 @@ def main() -> None:
     prefill_tokens = 1024 if args.tiny else 8192
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "model": "tiny" if args.tiny else "llama3-8b-shape", "dtype": "bf16",
-                 "errors": {}}
+                 "commit": source_commit(), "errors": {}}
     res["copy_bandwidth_Bps"] = copy_bandwidth(device, 64 << 20 if args.tiny else 2 << 30)
     res["matmul_flops"] = matmul_rate(device, 1024 if args.tiny else 8192)
     weights = random_weights(cfg, device, dtype)
@@ -246,6 +285,7 @@ def main() -> None:
         except Exception:  # one failed measurement must not lose the others
             res["errors"][name] = traceback.format_exc()
             print(name, "FAILED\n", res["errors"][name], flush=True)
+        (out / "decode_bench.json").write_text(json.dumps(res, indent=1))
 
     def roofline(batch: int, lora: bool) -> float:
         lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
@@ -289,9 +329,20 @@ def main() -> None:
     runner.use_cuda_graphs = device.type == "cuda"
     for lora in (False, True):
         attempt("prefill" + ("_lora" if lora else ""), prefill_case, bench, lora)
+    for cascade in (True, False):
+        attempt("decode_b32_shared_context" + ("" if cascade else "_no_cascade"), bench.shared_decode,
+                32, prefill_tokens, args.steps, cascade)
     res["graphs_captured"] = [list(k) for k in runner.captured_graphs]
+    del bench, runner
+    gc.collect()  # the unified pools and graphs go before the disaggregated ones are allocated
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     disaggregated = Bench(make(KVLayout.DISAGGREGATED, fusions), pages_per_seq)
     attempt("decode_b64_lora_disaggregated", decode_case, disaggregated, big_batch, True)
+    del disaggregated
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not args.no_hf:
         for batch in (1, big_batch):
             attempt(f"hf_generate_b{batch}", hf_generate, cfg, device, batch, prompt, 16)
@@ -336,6 +387,10 @@ def print_table(res: dict) -> None:
             roof = r.get("roofline_ms")
             ratio = f"{r['ms_per_step'] / roof:6.2f}" if roof else ""
             print(f"{key:34s} {r['ms_per_step']:8.2f} {roof or 0:8.2f} {ratio}")
+    for key in ("decode_b32_shared_context", "decode_b32_shared_context_no_cascade"):
+        r = res.get(key)
+        if r:
+            print(f"{key:34s} {r['ms_per_step']:8.2f}")
     for key in ("prefill", "prefill_lora"):
         r = res.get(key)
         if r:

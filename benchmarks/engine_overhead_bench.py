@@ -16,8 +16,10 @@ from pathlib import Path
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.mock import MockBackend
+from forkserve.bench.output import add_out_argument, write_json
 
-RESULTS = Path(__file__).parent / "results"
+# The committed H200 decode step this overhead is compared with (read only).
+GPU_STEP = Path(__file__).parent / "results" / "decode_bench.json"
 
 
 class TimedMock(MockBackend):
@@ -55,19 +57,23 @@ def measure(sessions: int, context: int, steps: int) -> dict:
         ticks += 1
     total = time.perf_counter() - t0
     engine.check_integrity()
-    assert engine.metrics.decode_tokens >= sessions * (steps - 1), "not every session decoded each tick"
+    assert engine.metrics.decode_tokens >= sessions * (steps - 1), \
+        "not every session decoded each tick"
     return {"sessions": sessions, "context": context, "ticks": ticks,
             "engine_ms_per_tick": (total - backend.backend_s) / ticks * 1e3}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192])
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine_overhead.json")
-    args = ap.parse_args()
-    gpu = json.loads((RESULTS / "decode_bench.json").read_text())
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64],
+                    help="sessions decoding together")
+    ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192],
+                    help="context tokens per session")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per session")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    gpu = json.loads(GPU_STEP.read_text())
     gpu_ms = gpu["decode_b64_lora"]["ms_per_step"]
     rows = [measure(w, c, args.steps) for c in args.context for w in args.sessions]
     print(f"{'sessions':>8} {'context':>8} {'engine ms/tick':>15} {'share of H200 step':>19}")
@@ -76,9 +82,9 @@ def main() -> None:
         print(f"{r['sessions']:>8} {r['context']:>8} {r['engine_ms_per_tick']:>15.3f} "
               f"{r['share_of_gpu_step']:>18.1%}")
     print(f"(H200 decode step, batch 64 with LoRA: {gpu_ms:.2f} ms)")
-    args.out.write_text(json.dumps({"gpu_step_ms": gpu_ms, "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out / "engine_overhead.json", {"gpu_step_ms": gpu_ms, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -29,6 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from forkserve import KVLayout  # noqa: E402
+from forkserve.bench.output import add_out_argument  # noqa: E402
 
 
 def _machines():
@@ -101,7 +102,7 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--faults", type=int, default=5000, help="faults injected on the MockBackend")
     ap.add_argument("--torch-faults", type=int, default=300, help="faults on the TorchBackend")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="output folder")
+    add_out_argument(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "fault_bench.json"

@@ -37,11 +37,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import reference  # noqa: E402
 from forkserve.kernels.decode_attention import paged_decode_triton, residual_decode_triton  # noqa: E402
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
 from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
-from forkserve.kernels.shared_prefix import shared_prefix_decode_triton  # noqa: E402
+from forkserve.kernels.shared_prefix import (cascade_residual_decode_triton,  # noqa: E402
+                                             shared_prefix_decode_triton)
 
 
 class Setup:
@@ -374,9 +376,26 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
                "independent_ms": measure(res, tag + " independent", indep, s.smoke)}
         row["shared_over_independent"] = row["shared_ms"] / row["independent_ms"]
         row["rel_err_vs_independent"] = check(res, tag + " check", lambda: rel_err(shared(), indep()))
+        # The split form: the same shared base pages, each agent its own residual pages and adapter.
+        _, rbt, _ = s.tables(agents, per * s.page)
+        ad = s.adapters(agents)
+        one_tile = (torch.arange(agents, dtype=torch.int32, device=s.device).view(1, agents),
+                    torch.full((1,), ctx, dtype=torch.int32, device=s.device),
+                    torch.full((agents,), ctx, dtype=torch.int32, device=s.device))
+        res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq)
+        split = lambda: cascade_residual_decode_triton(*res_args, *one_tile, max_seq_len=total)  # noqa: E731
+        split_indep = lambda: residual_decode_triton(*res_args, max_seq_len=total)  # noqa: E731
+        row["split_shared_ms"] = measure(res, tag + " split shared", split, s.smoke)
+        row["split_independent_ms"] = measure(res, tag + " split independent", split_indep, s.smoke)
+        row["split_shared_over_independent"] = row["split_shared_ms"] / row["split_independent_ms"]
+        row["split_rel_err_vs_independent"] = check(res, tag + " split check",
+                                                    lambda: rel_err(split(), split_indep()))
         res["shared_prefix"].append(row)
         print(f"shared ctx={ctx:6d} agents={agents} shared={row['shared_ms']:.4f}ms "
-              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f}", flush=True)
+              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f} split: "
+              f"shared={row['split_shared_ms']:.4f}ms indep={row['split_independent_ms']:.4f}ms "
+              f"ratio={row['split_shared_over_independent']:.3f} err={row['split_rel_err_vs_independent']:.1e}",
+              flush=True)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -423,16 +442,44 @@ def plot(res: dict, path: Path) -> None:
 
 # ResidualAttention decode variants timed by --variants (name -> residual_decode_triton keywords).
 VARIANTS: dict[str, dict] = {
-    "two_pass_bn64": dict(variant="two_pass", block_n=64),
-    "two_pass_bn32": dict(variant="two_pass", block_n=32),
+    "two_pass_bn64": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=32)),
+    "two_pass_bn32": dict(variant="two_pass", block_n=32, score_tuning=dict(block_n=32)),
     "two_pass_bn64_s16": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=16)),
-    # Pass 1 with keys as M (wgmma, register A operand); not timed yet.
+    # Pass 1 with keys as M (wgmma, register A operand): the default since issue 15's run.
     "two_pass_bn64_keysm64": dict(variant="two_pass", block_n=64,
                                   score_tuning=dict(block_n=64, keys_m=True)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
 }
+
+
+def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
+    """Shared-prefix decode (32 agents) over the prefix launch's tuning (splits, key block,
+    warps, stages); the suffix launch keeps the unified defaults. JSON after each context."""
+    import itertools
+    res["cascade_sweep"] = []
+    grid = itertools.product((None, 16, 8), (32, 64), (4, 8), (2, 3))
+    combos = [dict(num_splits=a, block_n=b, num_warps=w, num_stages=st) for a, b, w, st in grid]
+    for ctx in s.contexts:
+        prefix_pages = ctx // s.page
+        per = prefix_pages + -(-s.suffix // s.page)
+        bt = s.tables(s.agents, per * s.page)[0].clone()
+        bt[:, :prefix_pages] = bt[0, :prefix_pages]
+        lens = torch.full((s.agents,), ctx + s.suffix, dtype=torch.int32, device=s.device)
+        q = s.q(s.agents)
+        indep = measure(res, f"sweep ctx={ctx} independent", lambda: paged_decode_triton(
+            q, s.k, s.v, bt, lens, max_seq_len=ctx + s.suffix), s.smoke)
+        for tuning in combos:
+            ms = measure(res, f"sweep ctx={ctx} {tuning}", lambda t=tuning: shared_prefix_decode_triton(
+                q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix, prefix_tuning=t), s.smoke)
+            res["cascade_sweep"].append({"prefix_ctx": ctx, "agents": s.agents, "suffix": s.suffix,
+                                         "prefix_tuning": tuning, "shared_ms": ms, "independent_ms": indep,
+                                         "ratio": ms / indep})
+        best = min((r for r in res["cascade_sweep"] if r["prefix_ctx"] == ctx), key=lambda r: r["shared_ms"])
+        print(f"sweep ctx={ctx} independent={indep:.4f}ms best={best['shared_ms']:.4f}ms "
+              f"({best['ratio']:.3f}) {best['prefix_tuning']}", flush=True)
+        path.write_text(json.dumps(res, indent=1))
 
 
 def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
@@ -599,6 +646,9 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
     parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
     parser.add_argument("--tag", default="decode_variants", help="file name tag for --variants")
+    parser.add_argument("--cascade-sweep", action="store_true",
+                        help="only: shared-prefix decode over its prefix launch's tuning; writes "
+                             "kernel_bench_cascade_sweep.json")
     args = parser.parse_args()
     if args.regs:
         register_report(args.out)
@@ -611,10 +661,16 @@ def main() -> None:
     if args.variants is not None:
         main_variants(s, args)
         return
+    if args.cascade_sweep:
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = {"device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+               "commit": source_commit(), "dtype": str(s.dtype)}
+        run_cascade_sweep(s, res, args.out / "kernel_bench_cascade_sweep.json")
+        return
     import triton
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode": [], "prefill": [], "shared_prefix": [],
@@ -651,7 +707,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
     names = args.variants or list(VARIANTS)
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode_variants": [], "shared_prefix": [],

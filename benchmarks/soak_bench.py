@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from forkserve.bench.output import write_json
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 
 SEGMENTS = ["Thought: check the logs.", "Action: search[pages]", "Observation: 3 results.",
@@ -95,28 +96,33 @@ class SoakReport:
                 and self.pages_used_after_evict == 0 and self.integrity_ok)
 
     def table(self) -> str:
-        rows = [("clients", self.clients), ("duration s", f"{self.duration_s:.1f}"), ("requests", self.requests),
-                ("by kind", dict(sorted(self.by_kind.items()))), ("by status", dict(sorted(self.by_status.items()))),
+        rows = [("clients", self.clients), ("duration s", f"{self.duration_s:.1f}"),
+                ("requests", self.requests), ("by kind", dict(sorted(self.by_kind.items()))),
+                ("by status", dict(sorted(self.by_status.items()))),
                 ("5xx", self.five_xx), ("unexpected", self.unexpected or "none"),
-                ("client disconnects", self.disconnects), ("abandoned at deadline", self.abandoned_at_deadline),
+                ("client disconnects", self.disconnects),
+                ("abandoned at deadline", self.abandoned_at_deadline),
                 ("completion tokens", self.completion_tokens),
                 ("completion tokens/s", f"{self.completion_tokens_per_s:.1f}"),
                 ("latency p50 / p95 ms", f"{self.latency_p50_ms:.0f} / {self.latency_p95_ms:.0f}"),
                 ("peak pages", self.peak_pages), ("sessions left", self.sessions_left),
-                ("pages used / published after", f"{self.pages_used_after} / {self.pages_published_after}"),
+                ("pages used / published after",
+                 f"{self.pages_used_after} / {self.pages_published_after}"),
                 ("pages used after evict_all", self.pages_used_after_evict),
-                ("integrity", "ok" if self.integrity_ok else "FAILED"), ("result", "PASS" if self.passed else "FAIL")]
+                ("integrity", "ok" if self.integrity_ok else "FAILED"),
+                ("result", "PASS" if self.passed else "FAIL")]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 class _Client:
-    def __init__(self, http: httpx.AsyncClient, models: list[str], cfg: SoakConfig, rng: random.Random,
-                 tally: _Tally) -> None:
+    def __init__(self, http: httpx.AsyncClient, models: list[str], cfg: SoakConfig,
+                 rng: random.Random, tally: _Tally) -> None:
         self.http, self.models, self.cfg, self.rng, self.t = http, models, cfg, rng, tally
 
     async def run(self, deadline: float) -> None:
-        actions = [(self.chat, 4), (self.chat_stream, 3), (self.branch_step, 3), (self.bad_request, 1)]
+        actions = [(self.chat, 4), (self.chat_stream, 3), (self.branch_step, 3),
+                   (self.bad_request, 1)]
         while time.monotonic() < deadline:
             action = self.rng.choices([a for a, _ in actions], [w for _, w in actions])[0]
             try:
@@ -129,11 +135,13 @@ class _Client:
                 {"role": "user", "content": " ".join(self.rng.sample(SEGMENTS, 2))}]
 
     def _chat_body(self, stream: bool) -> dict:
-        return {"model": self.rng.choice(self.models), "messages": self._messages(), "stream": stream,
-                "max_tokens": self.rng.randint(1, self.cfg.max_tokens), "n": self.rng.choice([1, 1, 2]),
-                "temperature": self.rng.choice([0.0, 0.7]), "seed": self.rng.randrange(1000)}
+        return {"model": self.rng.choice(self.models), "messages": self._messages(),
+                "stream": stream, "max_tokens": self.rng.randint(1, self.cfg.max_tokens),
+                "n": self.rng.choice([1, 1, 2]), "temperature": self.rng.choice([0.0, 0.7]),
+                "seed": self.rng.randrange(1000)}
 
-    async def _post(self, kind: str, path: str, body: dict, expect: tuple[int, ...] = (200,)) -> httpx.Response:
+    async def _post(self, kind: str, path: str, body: dict,
+                    expect: tuple[int, ...] = (200,)) -> httpx.Response:
         started = time.monotonic()
         r = await self.http.post(path, json=body)
         self.t.kinds[kind] += 1
@@ -180,11 +188,13 @@ class _Client:
             if f.status_code == 200:
                 nodes.append(f.json()["node"])
                 await self._post("speculate", f"/v1/sessions/{sid}/speculate",
-                                 {"node": nodes[-1], "priority": 1.0 if i == 0 else 0.3, "t_idle_ms": 50})
+                                 {"node": nodes[-1], "priority": 1.0 if i == 0 else 0.3,
+                                  "t_idle_ms": 50})
         if self.rng.random() < 0.3:
             await self._post("drain", "/v1/drain", {})
         if self.rng.random() < 0.2 and len(nodes) >= 2:
-            await self._post("join", f"/v1/sessions/{sid}/join", {"nodes": nodes[:2], "separator_text": "\n"})
+            await self._post("join", f"/v1/sessions/{sid}/join",
+                             {"nodes": nodes[:2], "separator_text": "\n"})
         else:
             await self._post("commit", f"/v1/sessions/{sid}/commit",
                              {"tip": tip, "text": texts[0] + " observed"})
@@ -210,7 +220,8 @@ class _Client:
         model = self.models[0]
         body, path = self.rng.choice([
             ({"model": "no-such-model", "messages": self._messages()}, "/v1/chat/completions"),
-            ({"model": model, "messages": self._messages(), "max_tokens": -1}, "/v1/chat/completions"),
+            ({"model": model, "messages": self._messages(), "max_tokens": -1},
+             "/v1/chat/completions"),
             ({"model": model, "prompt": [0, 10 ** 9]}, "/v1/completions"),
             ({"parent": 1, "tokens": [1]}, "/v1/sessions/987654321/fork"),
         ])
@@ -223,7 +234,8 @@ async def _drive(url: str, models: list[str], cfg: SoakConfig) -> tuple[_Tally, 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
         start = time.monotonic()
         deadline = start + cfg.duration_s
-        clients = [_Client(http, models, cfg, random.Random(cfg.seed * 1000 + i), tally) for i in range(cfg.clients)]
+        clients = [_Client(http, models, cfg, random.Random(cfg.seed * 1000 + i), tally)
+                   for i in range(cfg.clients)]
 
         async def run(client: _Client) -> None:
             try:
@@ -243,7 +255,8 @@ def run_soak(server: RunningServer, cfg: SoakConfig) -> SoakReport:
         time.sleep(0.05)  # last aborts on their way to the engine; abandoned leases running out
 
     def audit(engine) -> tuple[int, int, int, int, bool, int]:
-        sessions, used, published = len(engine.sessions), engine.pool.num_used, engine.index.num_pages
+        sessions = len(engine.sessions)
+        used, published = engine.pool.num_used, engine.index.num_pages
         try:
             engine.check_integrity()
             ok = True
@@ -255,28 +268,33 @@ def run_soak(server: RunningServer, cfg: SoakConfig) -> SoakReport:
     sessions, used, published, after_evict, ok, peak = server.on_engine(audit)
     lat = sorted(tally.latencies_s) or [0.0]
     return SoakReport(
-        clients=cfg.clients, duration_s=elapsed, requests=sum(tally.kinds.values()), by_kind=dict(tally.kinds),
-        by_status=dict(tally.statuses), five_xx=sum(n for s, n in tally.statuses.items() if s >= 500),
-        unexpected=tally.unexpected, disconnects=tally.disconnects, abandoned_at_deadline=tally.abandoned,
-        completion_tokens=tally.completion_tokens,
-        completion_tokens_per_s=tally.completion_tokens / elapsed, latency_p50_ms=statistics.median(lat) * 1e3,
-        latency_p95_ms=lat[int(0.95 * (len(lat) - 1))] * 1e3, sessions_left=sessions, pages_used_after=used,
-        pages_published_after=published, pages_used_after_evict=after_evict, integrity_ok=ok, peak_pages=peak)
+        clients=cfg.clients, duration_s=elapsed, requests=sum(tally.kinds.values()),
+        by_kind=dict(tally.kinds), by_status=dict(tally.statuses),
+        five_xx=sum(n for s, n in tally.statuses.items() if s >= 500),
+        unexpected=tally.unexpected, disconnects=tally.disconnects,
+        abandoned_at_deadline=tally.abandoned, completion_tokens=tally.completion_tokens,
+        completion_tokens_per_s=tally.completion_tokens / elapsed,
+        latency_p50_ms=statistics.median(lat) * 1e3,
+        latency_p95_ms=lat[int(0.95 * (len(lat) - 1))] * 1e3, sessions_left=sessions,
+        pages_used_after=used, pages_published_after=published,
+        pages_used_after_evict=after_evict, integrity_ok=ok, peak_pages=peak)
 
 
 def main(argv: list[str] | None = None) -> int:
     from forkserve.config import app_config
     from forkserve.interfaces.server.served_model import load_served_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=60.0)
-    ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--clients", type=int, default=64, help="concurrent clients")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds the clients run")
+    ap.add_argument("--max-tokens", type=int, default=12, help="largest max_tokens a client asks")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the clients' random choices")
     ap.add_argument("--model", help="HF folder or .gguf (default: the SmolLM2-135M demo model)")
-    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--num-pages", type=int, default=2048)
+    ap.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                    help="a PEFT adapter to serve (repeatable)")
+    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--num-pages", type=int, default=2048, help="KV pages per pool")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     if args.model is None:
@@ -292,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_soak(server, cfg)
     print(report.table())
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
+        write_json(args.json, asdict(report))
     return 0 if report.passed else 1
 
 

@@ -1,9 +1,9 @@
 """vLLM 0.26 under the ForkServe control plane, side by side with ForkServe's own engine.
 
-    python benchmarks/vllm_side_by_side.py                       # on the H200 (docs/VLLM_BACKEND.md)
-    python benchmarks/vllm_side_by_side.py --tiny --workflows 1  # CPU: ours run, vLLM reported missing
+    python benchmarks/vllm_side_by_side.py            # on the H200 (docs/VLLM_BACKEND.md)
+    python benchmarks/vllm_side_by_side.py --tiny     # CPU: ours run, vLLM runs skipped (missing)
 
-1. react-multilora (forkserve/bench/multilora.py, same driver and KV budget) at W = 1, 8, 32:
+1. react-multilora (forkserve/bench/multilora/, same driver and KV budget) at W = 1, 8, 32:
    ForkServe's TorchBackend systems through ``run_system``, and ``vllm`` / ``vllm_no_lora``:
    the same Engine and driver on ``VllmBackend`` (one LoRA per agent / base model). vLLM's
    KV pool is fixed at the budget's pages plus a small headroom for the partial tail blocks
@@ -14,12 +14,11 @@
 
 One vLLM engine (Llama-3-8B shape, dummy bf16 weights, token ids only) serves every vLLM run;
 pins are released and the prefix cache reset between runs. Writes vllm_side_by_side.json
-to --out after every run, so a timeout loses nothing.
+to --out (default ./forkserve-bench-results) after every run, so a timeout loses nothing.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,17 +28,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
-from forkserve.bench.multilora import (SYSTEMS, MultiLoraParams, RunResult, _budget_pages,  # noqa: E402
-                                       _tiny_config, format_table, page_bytes, random_adapter,
-                                       build_backend, run_system, run_workload)
+from forkserve.bench.multilora import (  # noqa: E402
+    SYSTEMS,
+    MultiLoraParams,
+    RunResult,
+    budget_pages,
+    build_backend,
+    format_table,
+    page_bytes,
+    random_adapter,
+    run_system,
+    run_workload,
+    tiny_config,
+)
+from forkserve.bench.multilora.scale import FULL, TINY, tiny_threads  # noqa: E402
+from forkserve.bench.output import add_out_argument, write_json  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
 VLLM_SYSTEMS = ("vllm", "vllm_no_lora")
+PAGE, RANK = 16, 16  # tokens per KV page, LoRA rank (the workload's)
 DECODE_PROMPT = 512
 
 
@@ -86,18 +97,18 @@ def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page
     return VllmHarness(llm, api(), pinner, model_cfg, assets, budget_pages)
 
 
-def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness, two_class: bool,
-                    progress: tqdm | None) -> RunResult:
+def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness,
+                    two_class: bool) -> RunResult:
     """``run_system``'s body with VllmBackend in place of the TorchBackend it builds."""
     from forkserve.backend.vllm import VllmBackend
 
     model_cfg = harness.model_cfg
     sizes = page_bytes(model_cfg, params.rank, params.page_size, torch.bfloat16)
-    num_pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
+    num_pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages, num_residual_pages=1,
                           kv_layout=KVLayout.UNIFIED, hbm_tokens=num_pages * params.page_size,
-                          max_batch_tokens=16384, max_context=model_cfg.max_context, node_ttl_s=None,
-                          vocab_size=model_cfg.vocab_size)
+                          max_batch_tokens=16384, max_context=model_cfg.max_context,
+                          node_ttl_s=None, vocab_size=model_cfg.vocab_size)
     lora = {} if system == "vllm_no_lora" else {
         f"agent{i}": harness.adapter_dir(i, params.rank) for i in range(params.workflows)}
     harness.llm.reset_prefix_cache()
@@ -107,7 +118,7 @@ def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness, 
     adapter_of = None if system == "vllm_no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
     notes = [{"two_class": two_class, "cow_blocks": harness.pinner is not None}]
     try:
-        result = run_workload(system, params, Engine(backend), sizes, adapter_of, progress, notes=notes)
+        result = run_workload(system, params, Engine(backend), sizes, adapter_of, notes=notes)
     finally:
         backend.close()
     result.notes[0]["vllm"] = backend.stats.as_dict()
@@ -123,20 +134,23 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
     vocab = harness.model_cfg.vocab_size
     adapters = {f"agent{i}": harness.adapter_dir(i, rank) for i in range(32)} if lora else {}
     names = [f"agent{i % 32}" if lora else None for i in range(batch)]
-    prompts = [[(b * 977 + j * 31) % (vocab - 3) + 3 for j in range(DECODE_PROMPT)] for b in range(batch)]
+    prompts = [[(b * 977 + j * 31) % (vocab - 3) + 3 for j in range(DECODE_PROMPT)]
+               for b in range(batch)]
     pages_per_seq = -(-(DECODE_PROMPT + steps + 1) // page)
-    cfg = ForkServeConfig(page_size=page, num_pages=batch * pages_per_seq, max_context=harness.model_cfg.max_context,
-                          vocab_size=vocab)
+    cfg = ForkServeConfig(page_size=page, num_pages=batch * pages_per_seq,
+                          max_context=harness.model_cfg.max_context, vocab_size=vocab)
     harness.llm.reset_prefix_cache()
     backend = VllmBackend.on_engine(cfg, harness.llm.llm_engine, harness.api, pinner=harness.pinner,
                                     lora_modules=adapters, cow_blocks=harness.pinner is not None)
-    slots = [KVSlots(tuple(range(b * pages_per_seq, (b + 1) * pages_per_seq))) for b in range(batch)]
-    first = backend.step([SeqWork(b, tuple(prompts[b]), 0, slots[b], names[b], GREEDY) for b in range(batch)])
-    tokens = [list(p) + [t] for p, t in zip(prompts, first.next_tokens)]
+    slots = [KVSlots(tuple(range(b * pages_per_seq, (b + 1) * pages_per_seq)))
+             for b in range(batch)]
+    first = backend.step([SeqWork(b, tuple(prompts[b]), 0, slots[b], names[b], GREEDY)
+                          for b in range(batch)])
+    tokens = [list(p) + [t] for p, t in zip(prompts, first.next_tokens, strict=True)]
     times = []
     for _ in range(steps):
-        work = [SeqWork(b, (tokens[b][-1],), len(tokens[b]) - 1, slots[b], names[b], GREEDY, decode=True)
-                for b in range(batch)]
+        work = [SeqWork(b, (tokens[b][-1],), len(tokens[b]) - 1, slots[b], names[b], GREEDY,
+                        decode=True) for b in range(batch)]
         t0 = time.perf_counter()
         out = backend.step(work)
         times.append((time.perf_counter() - t0) * 1000)
@@ -163,84 +177,128 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
             "vllm_stats": backend.stats.as_dict()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Returns the exit status: 1 when a run failed (vLLM missing on a CPU is not a failure)."""
     from forkserve.backend.torch.model_config import llama3_8b_config
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--systems", nargs="+", default=[*SYSTEMS, *VLLM_SYSTEMS], choices=[*SYSTEMS, *VLLM_SYSTEMS])
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--kv-budget-gib", type=float, default=None, help="default 24 (0.02 with --tiny)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
-    ap.add_argument("--two-class", action="store_true", help="VllmBackend: committed, then speculative phase")
-    ap.add_argument("--no-cow-blocks", action="store_true", help="VllmBackend: plain LRU prefix cache, no pins")
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU plumbing check)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    scale = TINY if "--tiny" in argv else FULL
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
+                    help="the W values")
+    ap.add_argument("--systems", nargs="+", default=[*SYSTEMS, *VLLM_SYSTEMS],
+                    choices=[*SYSTEMS, *VLLM_SYSTEMS], metavar="SYSTEM",
+                    help=f"of {', '.join([*SYSTEMS, *VLLM_SYSTEMS])}")
+    ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
+    ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T")
+    ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G per turn")
+    ap.add_argument("--kv-budget-gib", type=float, default=scale.kv_budget_gib,
+                    help="KV bytes for every system")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                    help="vLLM's share of GPU memory")
+    ap.add_argument("--two-class", action="store_true",
+                    help="VllmBackend: committed, then speculative phase")
+    ap.add_argument("--no-cow-blocks", action="store_true",
+                    help="VllmBackend: plain LRU prefix cache, no pins")
+    ap.add_argument("--decode-steps", type=int, default=32, help="steps of the decode comparison")
+    ap.add_argument("--skip-decode", action="store_true", help="skip the decode comparison")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer model with small defaults (CPU plumbing check; add it to "
+                         "--help to see those defaults)")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_cfg = _tiny_config() if args.tiny else llama3_8b_config()
-    budget = args.kv_budget_gib if args.kv_budget_gib is not None else (0.02 if args.tiny else 24.0)
-    page, rank = 16, 16
-    report: dict = {"workload": "react-multilora", "model": "tiny" if args.tiny else "llama3-8b-shape",
-                    "device": str(device), "context": args.context, "turns": args.turns, "gen": args.gen,
-                    "kv_budget_gib": budget, "results": [], "decode": [], "errors": []}
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    def save() -> None:
-        (args.out / "vllm_side_by_side.json").write_text(json.dumps(report, indent=2))
-
-    weights = None
-    harness: VllmHarness | None = None
-    vllm_missing: str | None = None
-    for w in args.workflows:
-        for system in args.systems:
-            params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
-                                     kv_budget_gib=budget)
-            try:
-                if system in VLLM_SYSTEMS:
-                    if vllm_missing is not None:
-                        continue
-                    if harness is None:
-                        sizes = page_bytes(model_cfg, rank, page, torch.bfloat16)
-                        pages, _ = _budget_pages(sizes, params, KVLayout.UNIFIED)
-                        harness = start_vllm(model_cfg, pages, max(args.workflows), rank, page,
-                                             args.gpu_memory_utilization, not args.no_cow_blocks)
-                    result = run_vllm_system(system, params, harness, args.two_class, None)
-                else:
-                    if weights is None:
-                        from forkserve.backend.torch.weights import random_weights
-                        weights = random_weights(model_cfg, device, dtype)
-                    backend, sizes = build_backend(system, params, w, model_cfg, weights, device, dtype)
-                    result = run_system(system, params, backend, sizes)
-                    del backend
-                report["results"].append(asdict(result))
-                print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
-            except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
-                vllm_missing = str(exc)
-                print(f"vLLM is missing: {exc}", flush=True)
-                report["errors"].append({"system": system, "workflows": w, "error": vllm_missing})
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                report["errors"].append({"system": system, "workflows": w, "error": f"{type(exc).__name__}: {exc}"})
-            save()
-    if harness is not None and not args.skip_decode:
+    model_cfg = tiny_config() if args.tiny else llama3_8b_config()
+    report: dict = {"workload": "react-multilora",
+                    "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+                    "context": args.context, "turns": args.turns, "gen": args.gen,
+                    "kv_budget_gib": args.kv_budget_gib, "results": [], "decode": [], "errors": [],
+                    "skipped": []}
+    out = args.out / "vllm_side_by_side.json"
+    runs = _Runs(args, model_cfg, device, dtype, report, out)
+    with tiny_threads(device, args.tiny):  # a no-op on a GPU
+        for w in args.workflows:
+            for system in args.systems:
+                runs.run(system, w)
+    if runs.harness is not None and not args.skip_decode:
         for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
-            report["decode"].append(decode_side_by_side(harness, batch, lora, args.decode_steps, rank, page))
-            save()
+            report["decode"].append(
+                decode_side_by_side(runs.harness, batch, lora, args.decode_steps, RANK, PAGE))
+            runs.save()
     print(format_table([RunResult(**r) for r in report["results"]], "react"))
     for d in report["decode"]:
-        print(f"decode b={d['batch']:<3} lora={d['lora']!s:<5} VllmBackend {d['vllm_backend_ms_per_step']:.2f} "
-              f"ms/step; vLLM's own loop {d['native_vllm_ms_per_step']:.2f} ms/step")
+        print(f"decode b={d['batch']:<3} lora={d['lora']!s:<5} "
+              f"VllmBackend {d['vllm_backend_ms_per_step']:.2f} ms/step; "
+              f"vLLM's own loop {d['native_vllm_ms_per_step']:.2f} ms/step")
     for e in report["errors"]:
         print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
-    if vllm_missing is not None:
-        print(f"vLLM is missing: {vllm_missing}")
-    return report
+    if report["skipped"]:
+        print(f"skipped {len(report['skipped'])} vLLM runs: {runs.vllm_missing}")
+    runs.save()
+    print(f"wrote {out}")
+    return 1 if report["errors"] else 0
+
+
+class _Runs:
+    """One run per (system, W) into the report, saved after each so a timeout loses nothing;
+    the vLLM engine and our weights are built once, on first use."""
+
+    def __init__(self, args: argparse.Namespace, model_cfg, device: torch.device,
+                 dtype: torch.dtype, report: dict, out: Path) -> None:
+        self.args, self.model_cfg, self.device, self.dtype = args, model_cfg, device, dtype
+        self.report, self.out = report, out
+        self.weights = None
+        self.harness: VllmHarness | None = None
+        self.vllm_missing: str | None = None
+
+    def save(self) -> None:
+        write_json(self.out, self.report, quiet=True)
+
+    def run(self, system: str, w: int) -> None:
+        args = self.args
+        params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
+                                 kv_budget_gib=args.kv_budget_gib)
+        try:
+            if system in VLLM_SYSTEMS:
+                if self.vllm_missing is not None:
+                    self._skip(system, w)
+                    return
+                result = run_vllm_system(system, params, self._vllm(params), args.two_class)
+            else:
+                result = self._ours(system, params)
+            self.report["results"].append(asdict(result))
+            print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
+        except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
+            self.vllm_missing = f"vLLM is missing: {exc}"
+            print(self.vllm_missing, flush=True)
+            self._skip(system, w)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            self.report["errors"].append({"system": system, "workflows": w,
+                                          "error": f"{type(exc).__name__}: {exc}"})
+        self.save()
+
+    def _skip(self, system: str, w: int) -> None:
+        self.report["skipped"].append({"system": system, "workflows": w, "why": self.vllm_missing})
+
+    def _vllm(self, params: MultiLoraParams) -> VllmHarness:
+        if self.harness is None:
+            sizes = page_bytes(self.model_cfg, RANK, PAGE, torch.bfloat16)
+            pages, _ = budget_pages(sizes, params, KVLayout.UNIFIED)
+            self.harness = start_vllm(self.model_cfg, pages, max(self.args.workflows), RANK, PAGE,
+                                      self.args.gpu_memory_utilization,
+                                      not self.args.no_cow_blocks)
+        return self.harness
+
+    def _ours(self, system: str, params: MultiLoraParams) -> RunResult:
+        if self.weights is None:
+            from forkserve.backend.torch.weights import random_weights
+            self.weights = random_weights(self.model_cfg, self.device, self.dtype)
+        backend, sizes = build_backend(system, params, params.workflows, self.model_cfg,
+                                       self.weights, self.device, self.dtype)
+        return run_system(system, params, backend, sizes)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

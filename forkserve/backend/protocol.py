@@ -127,6 +127,17 @@ class ResidualTarget:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Cascade attention: the item's first ``pages`` page ids are the same physical pages as
+    those of every other item of ``group`` in this step (groups numbered from 0 per step),
+    and every position they cover is one the item reads. A backend may read them once for
+    the whole group; ignoring it is always correct (``control/sharing.py`` decides it)."""
+
+    group: int
+    pages: int
+
+
+@dataclass(frozen=True)
 class SeqWork:
     """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
 
@@ -154,6 +165,9 @@ class SeqWork:
     # runs the whole item as the base model (the invocation has not occurred yet). The
     # control plane computes it from the whole path (``control/activation.py``).
     adapter_start: int = 0
+    # Cascade attention: set by the control plane when other items of the step share this
+    # item's leading pages (None: read alone).
+    shared_prefix: SharedPrefix | None = None
 
 
 @dataclass(frozen=True)

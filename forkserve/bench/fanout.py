@@ -21,12 +21,12 @@ speculative pages are preemptible cache and do not count. See docs/COST_MODEL.md
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.mock import MockBackend
+from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json
 from forkserve.config import ForkServeConfig, plus_config
 from forkserve.engine import Engine
 
@@ -133,21 +133,46 @@ def format_table(rows: list[FanoutRow]) -> str:
     if apc:
         for r in rows:
             if r.system != "apc":
-                lines.append(f"{r.system} vs apc: prefill {r.prefill_tokens / apc.prefill_tokens - 1:+.1%}, "
+                lines.append(f"{r.system} vs apc: "
+                             f"prefill {r.prefill_tokens / apc.prefill_tokens - 1:+.1%}, "
                              f"fan-out {r.fanout_ms / apc.fanout_ms - 1:+.1%}, "
                              f"peak KV {r.peak_kv_tokens / apc.peak_kv_tokens - 1:+.1%}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[FanoutRow]:
-    ap = argparse.ArgumentParser(prog="forkserve bench fanout", description=__doc__.split("\n")[0])
-    ap.add_argument("--sessions", type=int, default=10)
-    ap.add_argument("--trunk", type=int, default=256)
-    ap.add_argument("--residual", type=int, default=32)
-    ap.add_argument("--fanout", type=int, default=4)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--system", choices=SYSTEMS + ("forkserve_plus", "all"), default="all")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fanout.json"))
+def plot(rows: list[FanoutRow], path: Path) -> None:
+    """Each figure of the table as bars, systems side by side (all four relative to apc)."""
+    fig, axes = new_figure(3, width=12, height=3.8)
+    figures = (("prefill tokens", lambda r: r.prefill_tokens),
+               ("fan-out ms (modeled)", lambda r: r.fanout_ms),
+               ("peak KV tokens", lambda r: r.peak_kv_tokens))
+    names = [r.system for r in rows]
+    for ax, (label, value) in zip(axes, figures, strict=True):
+        bars = ax.bar(names, [value(r) for r in rows], color=[f"C{i}" for i in range(len(rows))])
+        ax.bar_label(bars, fmt="%g", fontsize=8)
+        ax.set(title=label)
+        ax.margins(y=0.15)  # room for the bar labels
+    fig.suptitle("fanout: prefix caching vs ForkServe (MockBackend cost model)")
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="forkserve bench fanout",
+        description="seed 000's fan-out table (docs/WORKLOADS.md): prefix caching, alias, "
+                    "disaggregation and the cascade side by side on the MockBackend cost model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=10, help="sessions, one after another")
+    ap.add_argument("--trunk", type=int, default=256, help="trunk tokens shared by a fan-out")
+    ap.add_argument("--residual", type=int, default=32, help="tokens of each thought")
+    ap.add_argument("--fanout", type=int, default=4, help="thoughts per session")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--system", choices=SYSTEMS + ("forkserve_plus", "all"), default="all",
+                    help="one system (forkserve_plus = cascade) or all side by side")
+    ap.add_argument("--tiny", action="store_true",
+                    help="accepted for symmetry with react/mapreduce: fanout always runs on the "
+                         "MockBackend in seconds")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     params = FanoutParams(args.sessions, args.trunk, args.residual, args.fanout, args.page_size)
     systems = SYSTEMS if args.system == "all" else (
@@ -155,13 +180,12 @@ def main(argv: list[str] | None = None) -> list[FanoutRow]:
     rows = [run_system(s, params) for s in systems]
     print(f"fanout workload: {asdict(params)}; backend: MockBackend cost model (modeled ms)")
     print(format_table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workload": "fanout", "params": asdict(params),
-                                    "backend": "mock-cost-model",
-                                    "rows": [asdict(r) for r in rows]}, indent=2))
-    print(f"wrote {args.out}")
-    return rows
+    write_json(args.out / "fanout.json", {"workload": "fanout", "params": asdict(params),
+                                          "backend": "mock-cost-model",
+                                          "rows": [asdict(r) for r in rows]})
+    plot(rows, args.out / "fanout.png")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

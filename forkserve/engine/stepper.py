@@ -25,6 +25,7 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
+from forkserve.control.sharing import PrefixSharing
 from forkserve.engine.session import Session
 from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
 
@@ -41,6 +42,8 @@ class Stepper:
         # Running estimate of prefill cost, to judge whether a known suffix fits a tool pause.
         self.ms_per_token = config.prefill_ms_per_token
         self._nodes_by_id: dict[int, tuple[Session, Node]] = {}
+        # Which items of a step read one shared prefix (decided here, carried by SeqWork).
+        self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do."""
@@ -181,8 +184,9 @@ class Stepper:
             group = pending.pop()
             if not group:
                 continue
+            work = self.sharing.annotate([i.work for i in group])  # cascade attention groups
             try:
-                result = self.backend.step([i.work for i in group])
+                result = self.backend.step(work)
             except AssertionError:
                 for item in group:
                     if item.node.table is not None:

@@ -6,6 +6,7 @@ where the fan-out and the fan-in are); they never rewrite the framework's prompt
 from forkserve.harness.langgraph_send import SendFanout, build_send_graph
 from forkserve.harness.react import ReActAgent, ReActFormat, ReActResult
 from forkserve.harness.swe import SweAgent, SweFormat, SweResult
+from forkserve.harness.tool_loop import ToolCall, ToolFormat, ToolLoop, ToolLoopRun
 from forkserve.harness.tool_pause import Guess, ToolPause, ToolPauseResult
 from forkserve.harness.tot import TotResult, TreeOfThoughts
 
@@ -18,6 +19,10 @@ __all__ = [
            "SweAgent",
            "SweFormat",
            "SweResult",
+           "ToolCall",
+           "ToolFormat",
+           "ToolLoop",
+           "ToolLoopRun",
            "ToolPause",
            "ToolPauseResult",
            "TotResult",

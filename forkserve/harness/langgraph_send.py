@@ -67,7 +67,8 @@ class WorkItem(TypedDict):
 
 def build_send_graph(fanout: SendFanout, worker: Worker, *, separator: str = "\n",
                      summary_tokens: int = 32, summary_stop: Sequence[str] = ()) -> Any:
-    """A compiled LangGraph ``StateGraph``: invoke it with ``{"context": ..., "subtasks": [...]}``."""
+    """A compiled LangGraph ``StateGraph``; invoke it with
+    ``{"context": ..., "subtasks": [...]}``."""
     from langgraph.graph import END, START, StateGraph
     from langgraph.types import Send
 
@@ -92,7 +93,8 @@ def build_send_graph(fanout: SendFanout, worker: Worker, *, separator: str = "\n
         commit = fanout.join(state["session_id"], [node for _, node, _ in ordered], separator)
         out = fanout.finish(state["session_id"], summary_tokens, summary_stop)
         return {"join": {"tip": commit.tip, "bound_node": commit.bound_node,
-                         "matched_tokens": commit.matched_tokens, "prefilled_tokens": commit.prefilled_tokens},
+                         "matched_tokens": commit.matched_tokens,
+                         "prefilled_tokens": commit.prefilled_tokens},
                 "summary": out.text}
 
     graph = StateGraph(FanoutState)

@@ -61,8 +61,8 @@ class ToolPause:
                                                          t_idle_ms=self.expected_tool_ms)
         for i, guess in enumerate(guesses):
             node = self.client.fork(session_id, tip, text=guess.text, label=f"guess{i}")
-            decisions[f"guess{i}"] = self.client.speculate(session_id, node, priority=guess.priority,
-                                                           t_idle_ms=self.expected_tool_ms)
+            decisions[f"guess{i}"] = self.client.speculate(
+                session_id, node, priority=guess.priority, t_idle_ms=self.expected_tool_ms)
         started = time.perf_counter()
         observation = tool()
         tool_ms = (time.perf_counter() - started) * 1e3
@@ -71,7 +71,7 @@ class ToolPause:
         return ToolPauseResult(observation, text, commit, decisions, tool_ms)
 
 
-def first_turn(client: BranchClient, sid: int, tip: int, *, resume: str | None,
+def first_turn(client: BranchClient, sid: str, tip: int, *, resume: str | None,
                max_tokens: int, stop) -> tuple[str, int]:
     """The agent's first turn: a replayed one (``resume``) is committed as is, otherwise the
     model generates it. Returns the turn's text and the new tip."""

@@ -34,7 +34,8 @@ class TotResult:
 
 class TreeOfThoughts:
     def __init__(self, client: BranchClient, model: str, propose: Proposer, evaluate: Evaluator, *,
-                 k: int = 3, depth: int = 2, answer_tokens: int = 64, answer_stop: Sequence[str] = ()) -> None:
+                 k: int = 3, depth: int = 2, answer_tokens: int = 64,
+                 answer_stop: Sequence[str] = ()) -> None:
         self.client, self.model = client, model
         self.propose, self.evaluate = propose, evaluate
         self.k, self.depth = k, depth
@@ -49,7 +50,8 @@ class TreeOfThoughts:
                 thoughts = [t for t in self.propose(state, self.k) if t][:self.k]
                 if not thoughts:
                     break
-                nodes = [self.client.fork(sid, tip, text=t, label=f"thought{i}") for i, t in enumerate(thoughts)]
+                nodes = [self.client.fork(sid, tip, text=t, label=f"thought{i}")
+                         for i, t in enumerate(thoughts)]
                 for node in nodes:  # a uniform prior: the evaluator has not spoken yet
                     self.client.speculate(sid, node, priority=1.0 / len(nodes))
                 scores = [self.evaluate(state, t) for t in thoughts]

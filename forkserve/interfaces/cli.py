@@ -29,14 +29,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    ap = ArgumentParser(prog="forkserve", description="Branch-aware LLM serving for agents")
+    ap = ArgumentParser(
+        prog="forkserve", description="Branch-aware LLM serving for agents",
+        epilog="'forkserve COMMAND --help' shows each command's flags. The benchmark workloads "
+               "are specified in docs/WORKLOADS.md.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server with branch endpoints",
                    add_help=False)
     sub.add_parser("demo", help="LoRA agents over a shared context on a real model, on CPU",
                    add_help=False)
-    bench = sub.add_parser("bench", help="benchmark workloads of workloads.md")
-    bench.add_argument("workload", choices=["fanout", "react", "mapreduce"])
+    bench = sub.add_parser(
+        "bench", help="benchmark workloads of docs/WORKLOADS.md (--tiny: minutes on a CPU)",
+        description="Run one workload of docs/WORKLOADS.md, every system side by side; writes "
+                    "JSON and PNG to --out (default ./forkserve-bench-results) and exits 1 if a "
+                    "run failed. 'forkserve bench WORKLOAD --help' lists its flags.",
+        epilog="examples: forkserve bench fanout | forkserve bench react --tiny | "
+               "forkserve bench mapreduce --tiny")
+    bench.add_argument("workload", choices=["fanout", "react", "mapreduce"],
+                       help="fanout: seed 000's cost-model table (MockBackend, seconds); react, "
+                            "mapreduce: seed 001's multi-LoRA workloads (8B shape on a GPU, or "
+                            "--tiny: a 2-layer model on the CPU)")
     if not argv:
         ap.print_help()
         return EXIT_USAGE
@@ -56,11 +68,9 @@ def _run(argv: list[str]) -> int:
             ap.parse_args(argv)  # raises the usage error
         if rest[0] == "fanout":
             from forkserve.bench.fanout import main as fanout_main
-            fanout_main(rest[1:])
-        else:
-            from forkserve.bench.multilora import main as multilora_main
-            multilora_main(rest)
-        return 0
+            return fanout_main(rest[1:])
+        from forkserve.bench.multilora import main as multilora_main
+        return multilora_main(rest)
     ap.parse_args(argv)  # an unknown command: raises the usage error
     return EXIT_USAGE
 

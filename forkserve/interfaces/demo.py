@@ -154,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="forkserve demo", description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None,
                     help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-new", type=int, default=24, help="tokens each agent generates")
-    ap.add_argument("--layouts", default="unified,disaggregated,adaptive,full_reuse")
+    ap.add_argument("--max-new", type=int, default=24,
+                    help="tokens each agent generates (default: 24)")
+    ap.add_argument("--layouts", default="unified,disaggregated,adaptive,full_reuse",
+                    help="comma-separated KV layouts to run side by side (default: all four)")
     args = ap.parse_args(argv)
     layouts = [KVLayout(x) for x in args.layouts.split(",")]
     model_path = args.model or find_smollm2_gguf()

@@ -17,7 +17,8 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "residual_prefill_variant",
-    "shared_prefix_decode", "lora_shrink", "lora_expand",
+    "shared_prefix_decode", "cascade_decode", "cascade_residual_decode", "cascade_tile_agents",
+    "lora_shrink", "lora_expand",
 ]
 
 
@@ -118,6 +119,44 @@ def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return shared_prefix_decode_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                            prefix_pages, scale, **tuning)
     return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def cascade_tile_agents(group: int) -> int:
+    """Sequences per cascade prefix tile for ``group`` query heads per KV head: their GQA
+    groups stack into one 128-row query tile (a tensor-core sized product per key tile)."""
+    return max(1, 128 // (1 << (group - 1).bit_length()))
+
+
+def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, tile_seqs: torch.Tensor,
+                   tile_lens: torch.Tensor, kv_starts: torch.Tensor, scale: float | None = None, *,
+                   use_triton: bool | None = None, **tuning) -> torch.Tensor:
+    """Decode with cascade tiles (unified layout): the sequences ``tile_seqs [n_tiles, agents]``
+    lists (-1 pads) read their first ``tile_lens`` keys once per tile; ``kv_starts [batch]``
+    is where each sequence's own suffix starts. Equals ``paged_decode``, its reference."""
+    if _triton(use_triton, q):
+        from forkserve.kernels.shared_prefix import cascade_decode_triton
+        return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens,
+                                     kv_starts, scale, **tuning)
+    return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def cascade_residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                            k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                            res_block_tables: torch.Tensor, seq_lens: torch.Tensor, b_k_all: torch.Tensor,
+                            b_v_all: torch.Tensor, adapter_idx: torch.Tensor, inv_freq: torch.Tensor,
+                            tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                            scale: float | None = None, *, use_triton: bool | None = None,
+                            **tuning) -> torch.Tensor:
+    """ResidualAttention decode with cascade tiles (the split form): a tile's sequences read
+    its shared base prefix once, each with its own adapter's residual. Equals
+    ``residual_decode``, its reference."""
+    args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+            b_k_all, b_v_all, adapter_idx, inv_freq)
+    if _triton(use_triton, q):
+        from forkserve.kernels.shared_prefix import cascade_residual_decode_triton
+        return cascade_residual_decode_triton(*args, tile_seqs, tile_lens, kv_starts, scale, **tuning)
+    return reference.residual_decode_ref(*args, scale)
 
 
 def lora_shrink(x: torch.Tensor, a_all: torch.Tensor, token_adapter: torch.Tensor,

@@ -41,7 +41,7 @@ NO_LIMIT = 2 ** 30
 def _decode_partial_kernel(
     Q, K, V, KR, VR, BK, BV, RopeTable, Bias,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
-    PartOut, PartLse,
+    PartOut, PartLse, TileSeqs, TileLens, KvStarts,
     batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -54,7 +54,8 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
-    RES_BIAS: tl.constexpr,
+    RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
+    DYN_SPLIT: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -62,15 +63,33 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
 
     rows = tl.arange(0, BLOCK_H)
-    row_seq = pid_g * SEQS + rows // GROUP
     row_head = kvh * GROUP + rows % GROUP
-    row_ok = (rows < SEQS * GROUP) & (row_seq < batch)
-    lead = pid_g * SEQS  # every row of the tile reads this sequence's pages
-
-    seq_len = tl.load(SeqLens + lead)
-    kv_end = tl.minimum(seq_len, kv_limit)
-    start = kv_start + split * split_len
-    stop = tl.minimum(start + split_len, kv_end)
+    if TILED:
+        # Cascade prefix: the rows are the GQA groups of the sequences tile pid_g lists (-1:
+        # none); all of them read the same pages up to the tile's prefix length.
+        row_seq = tl.load(TileSeqs + pid_g * SEQS + rows // GROUP, mask=rows < SEQS * GROUP, other=-1)
+        row_ok = row_seq >= 0
+        row_seq = tl.maximum(row_seq, 0)
+        first = tl.load(TileSeqs + pid_g * SEQS)
+        lead = tl.maximum(first, 0)
+        kv_end = tl.where(first >= 0, tl.minimum(tl.load(SeqLens + lead), tl.load(TileLens + pid_g)), 0)
+    else:
+        row_seq = pid_g * SEQS + rows // GROUP
+        row_ok = (rows < SEQS * GROUP) & (row_seq < batch)
+        lead = pid_g * SEQS  # every row of the tile reads this sequence's pages
+        kv_end = tl.minimum(tl.load(SeqLens + lead), kv_limit)
+    if SEQ_START:
+        key_start = tl.load(KvStarts + lead)  # cascade suffix: after the group's shared prefix
+    else:
+        key_start = kv_start
+    if DYN_SPLIT:
+        # Split this sequence's own key range (graph-safe: no host bound on its length).
+        span = tl.maximum(kv_end - key_start, 0)
+        key_split = tl.cdiv(tl.cdiv(span, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    else:
+        key_split = split_len
+    start = key_start + split * key_split
+    stop = tl.minimum(start + key_split, kv_end)
 
     d_lo = tl.arange(0, HALF)
     d = tl.arange(0, HEAD_DIM)
@@ -82,7 +101,13 @@ def _decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
-    if HAS_RES:
+    if HAS_RES and TILED:
+        # Split-form cascade: rows of several adapters share the tile's base keys. A row's
+        # residual score comes from the score pass; the full score is written back for the
+        # value pass (``residual_values``), which adds the row's own V residual.
+        s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
+        s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
+    elif HAS_RES:
         adapter = tl.load(AdapterIdx + lead)
         has_ad = adapter >= 0
         a_safe = tl.maximum(adapter, 0)
@@ -106,7 +131,7 @@ def _decode_partial_kernel(
         k_lo = tl.load(K + kv_off[:, None] + d_lo[None, :], mask=n_ok[:, None], other=0.0)
         k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None], other=0.0)
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        if HAS_RES:
+        if HAS_RES and not TILED:
             rn_ok = n_ok & has_ad
             r_off = residual_offsets(ResBlockTables, lead * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs,
                                      PAGE_SIZE)
@@ -136,17 +161,19 @@ def _decode_partial_kernel(
         else:
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
         s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        if HAS_RES and TILED:
+            tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        if HAS_RES:
+        if HAS_RES and not TILED:
             # Same rescale as acc: acc_r is the softmax-weighted sum of V_res rows.
             acc_r = acc_r * alpha[:, None] + tl.dot(p.to(vr.dtype), vr)
         m_i = m_new
 
-    if HAS_RES:
+    if HAS_RES and not TILED:
         bv = tl.load(BV + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
                      mask=r_ok[:, None], other=0.0)
         acc += tl.dot(acc_r, bv.to(tl.float32))
@@ -348,6 +375,51 @@ def _residual_score_kernel(
 
 
 @triton.jit
+def _residual_value_kernel(
+    Scores, VR, BV, ResBlockTables, AdapterIdx, KvStarts, PartOut, PartLse,
+    rank, stride_sb, stride_sh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+):
+    """Split-form cascade, after the tiled prefix launch: adds a row's V residual to each of
+    its prefix partials, ``(sum_n exp2(s_n - lse) V_res[n]) B_v``, from the scores ``s`` and
+    the partial's log2-sum-exp ``lse`` that launch wrote (so already normalised like the
+    partial). Grid ``(batch, n_kv, prefix splits)``, the splits laid out as the prefix
+    launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    adapter = tl.load(AdapterIdx + b)
+    span = tl.where(adapter >= 0, tl.load(KvStarts + b), 0)
+    key_split = tl.cdiv(tl.cdiv(span, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    start = split * key_split
+    stop = tl.minimum(start + key_split, span)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    row_ok = (rows < GROUP) & (start < stop)
+    lse = tl.load(PartLse + b * stride_lb + heads * stride_lh + split, mask=row_ok, other=0.0)
+    r = tl.arange(0, RANK)
+    r_ok = r < rank
+    d = tl.arange(0, HEAD_DIM)
+    acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        ok = row_ok[:, None] & n_ok[None, :]
+        s = tl.load(Scores + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :], mask=ok, other=0.0)
+        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs, PAGE_SIZE)
+        vr = tl.load(VR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc_r += tl.dot(p.to(vr.dtype), vr)
+    bv = tl.load(BV + tl.maximum(adapter, 0) * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM + d[None, :],
+                 mask=r_ok[:, None], other=0.0)
+    o_ptr = PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    part = tl.load(o_ptr, mask=row_ok[:, None], other=0.0)
+    tl.store(o_ptr, part + tl.dot(acc_r, bv.to(tl.float32)), mask=row_ok[:, None])
+
+
+@triton.jit
 def _merge_kernel(PartOut, PartLse, Out, Lse, num_splits,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   stride_fb, stride_fh,
@@ -360,8 +432,10 @@ def _merge_kernel(PartOut, PartLse, Out, Lse, num_splits,
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+    # A slot with no keys may never have been written (cascade: rows of no tile): skip its read.
+    live = s_ok & (lse > float("-inf"))
     part = tl.load(PartOut + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                   mask=s_ok[:, None], other=0.0)
+                   mask=live[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / total
     tl.store(Out + b * stride_fb + h * stride_fh + d, out.to(Out.dtype.element_ty))
@@ -397,7 +471,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
                     split_offset: int, seqs_per_program: int = 1,
                     residual: tuple | None = None, block_n: int = 64, num_warps: int = 4,
                     num_stages: int = 2, split_score: bool = False,
-                    res_bias: torch.Tensor | None = None) -> None:
+                    res_bias: torch.Tensor | None = None,
+                    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    kv_starts: torch.Tensor | None = None) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -412,14 +488,23 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     ``res_bias`` (residual only): ``[batch, H, >= max key]`` residual scores written by
     ``residual_scores``; the kernel adds them to ``q.K_base`` instead of rebuilding keys
     (two-pass ResidualAttention), so ``B_k`` and the RoPE table are not read.
+    ``tiles`` (cascade prefix): ``(tile_seqs [n_tiles, seqs] int32, tile_lens [n_tiles] int32)``;
+    program ``g`` serves the sequences ``tile_seqs[g]`` lists (-1: none) over keys
+    ``[kv_start, tile_lens[g])`` of the first one's pages; rows of no tile are not written.
+    ``kv_starts`` (cascade suffix): ``[batch]`` int32, each sequence's first key instead of
+    ``kv_start``. With either, ``split_len`` is ignored: each program splits its own
+    sequence's range in ``num_splits`` (graph-safe, no host bound needed).
     """
     batch, n_heads, head_dim = q.shape
+    if tiles is not None:
+        seqs_per_program = tiles[0].shape[1]
     n_kv = k.shape[2]
     group = n_heads // n_kv
     assert k.stride() == v.stride() and k.stride(-1) == 1 and q.stride(-1) == 1
     block_h = max(16, triton.next_power_of_2(group * seqs_per_program))
     if residual is not None:
-        assert seqs_per_program == 1, "residual rows need their own adapter"
+        # Rows of several sequences share a program only as a cascade tile (score pass required).
+        assert seqs_per_program == 1 or (tiles is not None and res_bias is not None)
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
@@ -437,10 +522,12 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         bias_strides = (res_bias.stride(0), res_bias.stride(1))
     else:
         bias_strides = (0, 0)
-    grid = (-(-batch // seqs_per_program), n_kv, num_splits)
-    _decode_partial_kernel[grid](
+    programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
+    tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
+    _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, res_bias,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
+        tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         *res_strides, block_tables.stride(0), rbt_stride,
@@ -448,7 +535,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
         part_lse.stride(0), part_lse.stride(1), *bias_strides,
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
-        SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None,
+        SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
+        SEQ_START=kv_starts is not None, DYN_SPLIT=tiles is not None or kv_starts is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -469,7 +557,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     128 registers, no spills on sm_90 (64: 240; see ``kernel_bench.py --regs``).
     ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
     compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
-    transpose, no replicated warps) at 217 registers; never timed, not the default.
+    transpose, no replicated warps) at 217 registers; two-pass decode's default
+    (``SCORE_TUNING``), faster on the H200 at batch >= 8 (docs/KERNELS.md).
     """
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
@@ -494,6 +583,25 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         KEYS_M=keys_m, num_warps=num_warps, num_stages=num_stages,
     )
     return bias
+
+
+def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Tensor,
+                    res_block_tables: torch.Tensor, adapter_idx: torch.Tensor, kv_starts: torch.Tensor,
+                    part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
+                    block_n: int) -> None:
+    """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
+    launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``."""
+    batch, n_heads, _, head_dim = part_out.shape
+    group = n_heads // n_kv
+    rank = b_v_all.shape[1]
+    _residual_value_kernel[(batch, n_kv, num_splits)](
+        scores, v_res, b_v_all, res_block_tables, adapter_idx, kv_starts, part_out, part_lse,
+        rank, scores.stride(0), scores.stride(1), v_res.stride(0), v_res.stride(1),
+        b_v_all.stride(0), b_v_all.stride(1), res_block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE_SIZE=v_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
+    )
 
 
 def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
@@ -547,6 +655,10 @@ def residual_chunked_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
+# Two-pass score kernel: keys as M at 64-key tiles (wgmma with the rotated tile as a register
+# operand). On the H200 (kernel_bench_issue15.json) 1.67-2.26x unified against 1.89-2.40x for
+# the 32-key default at batch >= 8, 4K-32K; 2-3% slower at batch 1 below 32K.
+SCORE_TUNING = {"block_n": 64, "keys_m": True}
 
 
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
@@ -568,7 +680,8 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: tor
         if variant == "two_pass":
             k_res, _, res_bt, b_k_all, _, adapter_idx, rope_tab = residual
             res_bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, rope_tab,
-                                       k.shape[2], max_seq_len, **(score_tuning or {}))
+                                       k.shape[2], max_seq_len, **(SCORE_TUNING if score_tuning is None
+                                                                   else score_tuning))
     if residual is not None and variant == "chunked":
         residual_chunked_partials(q, k, v, block_tables, seq_lens, residual, part_out, part_lse,
                                   scale=scale, max_seq_len=max_seq_len, num_splits=splits,

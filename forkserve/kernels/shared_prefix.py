@@ -1,63 +1,126 @@
-"""Shared-prefix decode: a batch of agents whose block tables start with the same pages.
+"""Shared-prefix (cascade) decode: sequences whose block tables start with the same pages.
 
-Plain decode reads the shared pages once per agent. Here the prefix is attended once per
-group of agents: a program's query tile stacks the GQA groups of up to ``agents_per_program``
-agents, so each prefix key tile is loaded once and multiplied against all of them (a small
-matrix product instead of many vector ones). Each agent's own suffix is attended by the
-ordinary decode partial kernel, and both partial softmax states are merged by log-sum-exp,
-so the output equals plain decode up to float rounding.
+Plain decode reads the shared pages once per sequence. Here a prefix is attended once per
+tile of sequences: a program's query tile stacks the GQA groups of up to
+``cascade_tile_agents(group)`` sequences, so each prefix key tile is loaded once and multiplied
+against all of them (a 128-row matrix product instead of many 16-row ones). Each
+sequence's own suffix is attended by the ordinary decode partial kernel from its own start,
+and both partial softmax states are merged by log-sum-exp, so the output equals plain
+decode up to float rounding.
 
-Contract: every sequence of the batch lists the same first ``prefix_pages`` page ids and
-has ``seq_len >= prefix_pages * P``. Unified layout only: in the disaggregated layout each
-agent rebuilds a different K from the shared base, which this kernel does not do.
+The general form (``cascade_decode_triton``) takes the tiles as tensors: ``tile_seqs``
+lists each tile's sequences (-1 pads), ``tile_lens`` its prefix length in keys (any length,
+page-aligned or not), ``kv_starts`` each sequence's first suffix key (its tile's prefix
+length, 0 for a sequence in no tile). Every program splits its own key range, so one
+launch shape serves any grouping of a batch: it can be captured in a CUDA graph.
+``cascade_residual_decode_triton`` is the split form (disaggregated cache): the tile shares
+the base pages, each row adds its own adapter's residual (two-pass decode's score pass, a
+value pass for ``V_res B_v``).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import triton
 
-from forkserve.kernels.decode_attention import NO_LIMIT, decode_partials, merge_partials, plan_splits
+from forkserve.kernels import cascade_tile_agents
+from forkserve.kernels.decode_attention import (NO_LIMIT, SCORE_TUNING, decode_partials, merge_partials, plan_splits,
+                                                residual_scores, residual_values)
+from forkserve.kernels.rope import cached_rope_table
+
+# The prefix launch multiplies 128-row query tiles: 8 warps hold the 128 x D accumulator
+# (4 would hold 128 fp32 values per thread for it alone); 32-key blocks measured best on the
+# H200 (kernel_bench --cascade-sweep: 0.056 ms vs 0.066 at 64 keys, 8K prefix, 32 agents).
+PREFIX_TUNING = {"num_splits": None, "block_n": 32, "num_warps": 8, "num_stages": 2}
+
+
+def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                          scale: float | None = None, max_seq_len: int | None = None,
+                          **tuning) -> torch.Tensor:
+    """Decode ``q [batch, H, D]`` over a unified cache with the prefixes of ``tile_seqs
+    [n_tiles, agents]`` read once per tile. ``max_seq_len``: a host bound on every length
+    (plans the split counts; a CUDA graph passes its table width). ``tuning``: ``num_splits``,
+    ``block_n``, ``num_warps``, ``num_stages`` of the suffix launch; ``prefix_tuning``
+    overrides ``PREFIX_TUNING`` for the prefix launch. Returns ``[batch, H, D]``."""
+    return _cascade(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts, scale,
+                    max_seq_len, None, **tuning)
+
+
+def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                                   k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                                   res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                   b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                                   inv_freq: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor,
+                                   kv_starts: torch.Tensor, scale: float | None = None,
+                                   max_seq_len: int | None = None, **tuning) -> torch.Tensor:
+    """The split form (disaggregated cache, ResidualAttention): a tile's rows share the base
+    pages of the prefix but each has its own adapter's residual. Two-pass decode's score pass
+    writes every row's residual score (float32 here: the prefix launch writes the full score
+    back into it); the tiled prefix launch adds it to the shared ``Q K_base^T`` and reads
+    ``V_base`` once per tile; the value pass then adds each row's ``(p V_res) B_v`` to its
+    prefix partials; suffixes run as plain two-pass decode from ``kv_starts``."""
+    residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
+    return _cascade(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts, scale,
+                    max_seq_len, residual, **tuning)
+
+
+def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+             seq_lens: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+             scale: float | None, max_seq_len: int | None, residual: tuple | None,
+             num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+             prefix_tuning: dict | None = None) -> torch.Tensor:
+    batch, n_heads, head_dim = q.shape
+    n_kv = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
+    bias = None
+    if residual is not None:  # inv_freq -> its cos/sin table; every row's residual scores
+        residual = (*residual[:-1], cached_rope_table(residual[-1], max_seq_len))
+        k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, table = residual
+        bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv, max_seq_len,
+                               dtype=torch.float32, **SCORE_TUNING)
+    pre = PREFIX_TUNING | (prefix_tuning or {})
+    pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, pre["block_n"],
+                                pre["num_splits"] or num_splits)
+    suf_splits, _ = plan_splits(batch * n_kv, max_seq_len, q.device, block_n, num_splits)
+    splits = pre_splits + suf_splits
+    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
+    part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial
+    common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT, residual=residual, res_bias=bias)
+    decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=pre_splits,
+                    split_offset=0, tiles=(tile_seqs, tile_lens), block_n=pre["block_n"],
+                    num_warps=pre["num_warps"], num_stages=pre["num_stages"], **common)
+    if residual is not None:
+        residual_values(bias, v_res, b_v_all, res_bt, adapter_idx, kv_starts, part_out, part_lse, n_kv,
+                        pre_splits, pre["block_n"])
+    decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=suf_splits,
+                    split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n, num_warps=num_warps,
+                    num_stages=num_stages, **common)
+    out = torch.empty_like(q)
+    merge_partials(part_out, part_lse, out, splits)
+    return out
 
 
 def shared_prefix_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                 prefix_pages: int, scale: float | None = None,
                                 max_seq_len: int | None = None,
-                                agents_per_program: int | None = None,
-                                num_splits: int | None = None, block_n: int = 64,
-                                num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Decode ``q [batch, H, D]`` over a unified cache whose first ``prefix_pages`` pages
-    are shared by the whole batch. Returns ``[batch, H, D]``."""
-    batch, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[2]
-    group = n_heads // n_kv
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
-    prefix_len = prefix_pages * k_cache.shape[1]
-    if agents_per_program is None:  # a 128-row query tile: one tensor-core sized product
-        agents_per_program = max(1, 128 // triton.next_power_of_2(group))
-    agents_per_program = min(agents_per_program, batch)
-    n_groups = -(-batch // agents_per_program)
-    pre_splits, pre_len = plan_splits(n_groups * n_kv, prefix_len, q.device, block_n, num_splits)
-    suf_splits, suf_len = plan_splits(batch * n_kv, max_seq_len - prefix_len, q.device, block_n,
-                                      num_splits)
-    splits = pre_splits + suf_splits
-    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
-    common = dict(scale=scale, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    if prefix_len > 0:
-        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                        kv_start=0, kv_limit=prefix_len, num_splits=pre_splits, split_len=pre_len,
-                        split_offset=0, seqs_per_program=agents_per_program, **common)
-    else:
-        part_lse[:, :, :pre_splits].fill_(float("-inf"))
-        part_out[:, :, :pre_splits].zero_()
-    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                    kv_start=prefix_len, kv_limit=NO_LIMIT, num_splits=suf_splits,
-                    split_len=suf_len, split_offset=pre_splits, **common)
-    out = torch.empty_like(q)
-    merge_partials(part_out, part_lse, out, splits)
-    return out
+                                agents_per_program: int | None = None, **tuning) -> torch.Tensor:
+    """The whole batch shares its first ``prefix_pages`` pages: consecutive tiles of
+    ``agents_per_program`` sequences (default ``cascade_tile_agents``). ``tuning`` as in
+    ``cascade_decode_triton``."""
+    batch, n_heads, _ = q.shape
+    agents = agents_per_program or cascade_tile_agents(n_heads // k_cache.shape[2])
+    agents = min(agents, batch)
+    n_tiles = -(-batch // agents)
+    seqs = torch.arange(n_tiles * agents, dtype=torch.int32, device=q.device)
+    tile_seqs = torch.where(seqs < batch, seqs, -1).view(n_tiles, agents)
+    prefix = prefix_pages * k_cache.shape[1]
+    tile_lens = torch.full((n_tiles,), prefix, dtype=torch.int32, device=q.device)
+    kv_starts = torch.full((batch,), prefix, dtype=torch.int32, device=q.device)
+    return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens,
+                                 kv_starts, scale, max_seq_len, **tuning)

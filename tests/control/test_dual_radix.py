@@ -31,7 +31,7 @@ class RecordingBackend(MockBackend):
 def test_residual_keys_never_cross_adapters_or_versions():
     tree = DualRadixTree(PagePool(PageKind.BASE, 16, 4), PagePool(PageKind.RESIDUAL, 16, 4))
     tokens = (1, 2, 3, 4, 5, 6, 7, 8)
-    for pool, page in ((tree.base.pool, 0), (tree.residual.pool, 0)):
+    for pool in (tree.base.pool, tree.residual.pool):
         pool.alloc(2)
     tree.insert(BaseKey(tokens), [0, 1], ResidualKey("a", 0, tokens), [0, 1])
     assert tree.match(BaseKey(tokens), ResidualKey("a", 0, tokens)).residual_pages == [0, 1]

@@ -34,10 +34,12 @@ def test_cascade_row(rows):
     assert c.probe_aborts == 10  # the illegal thought never clears tau
 
 
-def test_cli_writes_json(tmp_path, capsys):
-    out = tmp_path / "fanout.json"
-    main(["--sessions", "3", "--out", str(out)])
-    data = json.loads(out.read_text())
+def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
+    assert main(["--sessions", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "fanout.json").read_text())
     assert [r["system"] for r in data["rows"]] == ["apc", "alias", "disagg", "cascade"]
     assert data["rows"][0]["prefill_tokens"] == 3 * 4 * 288
-    assert "cascade" in capsys.readouterr().out
+    assert (tmp_path / "fanout.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "cascade" in out
+    assert f"wrote {tmp_path / 'fanout.json'}" in out and f"wrote {tmp_path / 'fanout.png'}" in out

@@ -210,7 +210,7 @@ def test_winner_and_known_suffix_are_kept_even_when_they_loop():
     h = eng.open(tok.encode("User: plan the trip to Paris. Thought: plan the trip to Paris."))
     loop = tok.encode(" plan the trip to Paris.")
     kids = [eng.fork(h.id, h.tip, f"t{i}", loop) for i in range(3)]
-    actions = [eng.speculate(h.id, k, priority=p).action for k, p in zip(kids, (0.3, 0.3, 1.0))]
+    actions = [eng.speculate(h.id, k, priority=p).action for k, p in zip(kids, (0.3, 0.3, 1.0), strict=True)]
     assert actions == [Action.PREFILL, Action.DRAFT_SKIP, Action.PREFILL]
 
 
@@ -276,7 +276,7 @@ def test_queued_generations_of_many_sessions_decode_in_one_batch():
     while eng.tick():
         ticks += 1
     assert ticks == 5  # 1 prefill tick + 4 decode ticks, all three sessions in each
-    for h, p in zip(handles, prompts):
+    for h, p in zip(handles, prompts, strict=True):
         assert eng.generation(h.id).tokens == baseline_generate(cfg, p, 5)
 
 

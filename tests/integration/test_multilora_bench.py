@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from forkserve.bench.multilora import MultiLoraParams, build_backend, main, run_system
+from forkserve.bench.multilora import SYSTEMS, MultiLoraParams, build_backend, main, run_system
 
 
 @pytest.fixture(scope="module")
 def tiny():
     from forkserve.backend.torch.weights import random_weights
-    from forkserve.bench.multilora import _tiny_config
+    from forkserve.bench.multilora import tiny_config
 
-    cfg = _tiny_config()
+    cfg = tiny_config()
     return cfg, random_weights(cfg, torch.device("cpu"), torch.float32)
 
 
@@ -24,8 +24,8 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
                              pause_s=0.0, kv_budget_gib=0.01)
     runs = {s: run_system(s, params, *build_backend(s, params, params.workflows, cfg, weights,
                                                       torch.device("cpu"), torch.float32))
-            for s in ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")}
-    turns = params.turns if workload == "react" else 1
+            for s in SYSTEMS}
+    turns = params.turns_run
     for r in runs.values():
         # The first token of every turn is sampled by its prefill step, the rest by decode steps.
         assert r.tasks_per_s > 0 and r.decode_tokens >= 4 * turns * (params.gen - 1)
@@ -38,14 +38,29 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     assert runs["disaggregated"].peak_kv_bytes < runs["unified"].peak_kv_bytes
     # The shared context measured per agent: stored once plus rank-r residuals (seed 001's M_R).
     # The tiny model: 1/N + r/n = 1/4 + 16/64 at N = 4.
-    assert runs["disaggregated"].context_kv_per_agent_bytes <= runs["unified"].context_kv_per_agent_bytes / 2
+    assert (runs["disaggregated"].context_kv_per_agent_bytes
+            <= runs["unified"].context_kv_per_agent_bytes / 2)
     # base_activations: one base pass over the context instead of one pass per agent.
     assert runs["disaggregated_base"].prefill_tokens < runs["disaggregated"].prefill_tokens / 2
 
 
-def test_cli_writes_json_and_png(tmp_path):
-    main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
-          "--context", "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path), "--no-warmup"])
+def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
+    assert main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
+                 "--context", "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
-    assert {r["system"] for r in data["results"]} == {"unified", "disaggregated"} and not data["errors"]
+    assert {r["system"] for r in data["results"]} == {"unified", "disaggregated"}
+    assert not data["errors"]
     assert (tmp_path / "react_multilora_tiny.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'react_multilora_tiny.png'}" in out and "FAILED" not in out
+
+
+def test_a_failed_run_exits_1_and_is_reported(tmp_path, capsys):
+    # 6 pages of KV cannot hold one workflow's 12.
+    assert main(["react", "--tiny", "--workflows", "1", "--systems", "unified", "--context", "64",
+                 "--turns", "1", "--gen", "2", "--kv-budget-gib", "0.0001",
+                 "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
+    [error] = data["errors"]
+    assert (error["system"], error["workflows"]) == ("unified", 1)
+    assert "FAILED unified W=1: RuntimeError" in capsys.readouterr().out

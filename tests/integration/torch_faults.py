@@ -103,7 +103,8 @@ def run(model_dir, layout: KVLayout, faults: int, seed: int = 0, vocab: int = 96
         for sid in sids:
             eng.start_generate(sid, n)
         backend.victims = set(eng.sessions[victim].tree.nodes)
-        eng.stepper.run_until(lambda: all(eng.sessions[s].decode_left == 0 for s in sids))
+        # Called within this iteration, so the late binding of sids cannot bite.
+        eng.stepper.run_until(lambda: all(eng.sessions[s].decode_left == 0 for s in sids))  # noqa: B023
         backend.victims = set()
         for sid in sids:
             session = eng.sessions[sid]

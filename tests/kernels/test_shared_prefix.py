@@ -1,11 +1,13 @@
-"""Shared-prefix decode equals plain decode."""
+"""Shared-prefix (cascade) decode equals plain decode."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from forkserve.kernels import paged_decode, reference, shared_prefix_decode
-from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_cache, rel_err
+from forkserve.kernels import (cascade_decode, cascade_residual_decode, default_inv_freq, paged_decode,
+                               shared_prefix_decode)
+import plain_oracle as plain
+from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
 
 @pytest.mark.parametrize("agents_per_program", [2, None])
@@ -21,7 +23,56 @@ def test_shared_prefix_equals_decode(agents_per_program: int | None, n_heads: in
     out = shared_prefix_decode(q, c.k, c.v, c.block_tables, c.seq_lens, prefix_pages,
                                use_triton=True, agents_per_program=agents_per_program,
                                num_splits=2, block_n=16)
-    ref = reference.paged_decode_ref(q, c.k, c.v, c.block_tables, c.seq_lens)
+    assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens)) < REL_TOL
+    unshared = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True)
+    assert rel_err(out, unshared) < REL_TOL
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_cascade_tiles_equal_plain_attention(num_splits: int | None) -> None:
+    """One batch, several groups: a group split over two tiles (prefix ending mid-page), a
+    page-aligned group, a group of one and items in no group, an unused padded tile."""
+    gen = torch.Generator().manual_seed(7)
+    n_heads, n_kv, dim = 4, 2, 32
+    seq_lens = [70, 75, 41, 90, 66, 33, 80]
+    c = make_cache(gen, seq_lens, n_kv, dim, rank=8)
+    tables = c.block_tables.clone()
+    # Group A (rows 0, 1, 3, 4) shares 4 full pages but attends only 53 keys of them as
+    # prefix; group B (rows 2, 6) shares 2 pages, attended whole; row 5 reads alone.
+    tables[[1, 3, 4], :4] = tables[0, :4]
+    tables[6, :2] = tables[2, :2]
+    tile_seqs = torch.tensor([[0, 3], [1, 4], [2, 6], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    tile_lens = torch.tensor([53, 53, 32, 0], dtype=torch.int32, device=DEVICE)
+    kv_starts = torch.tensor([53, 53, 32, 53, 53, 0, 32], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
+    out = cascade_decode(q, c.k, c.v, tables, c.seq_lens, tile_seqs, tile_lens, kv_starts, use_triton=True,
+                         num_splits=num_splits, block_n=16)
+    assert rel_err(out, plain.decode(q, c.k, c.v, tables, c.seq_lens)) < REL_TOL
+
+
+def test_split_form_tiles_share_base_pages_across_adapters() -> None:
+    """ResidualAttention with cascade tiles: one group's rows share base pages but each has
+    its own residual pages and adapter (two adapters, and -1); a prefix ending mid-page; a
+    row in no tile. Equals the plain formula K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v."""
+    gen = torch.Generator().manual_seed(11)
+    n_heads, n_kv, dim, rank = 4, 2, 32, 8
+    seq_lens = [70, 75, 66, 90, 41]
+    c = make_cache(gen, seq_lens, n_kv, dim, rank)
+    tables = c.block_tables.clone()
+    tables[1:4, :4] = tables[0, :4]  # rows 0-3 share 4 full base pages; residual pages stay their own
+    b_k, b_v = make_adapters(gen, 2, rank, n_kv, dim)
+    adapters = torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32, device=DEVICE)
+    tile_seqs = torch.tensor([[0, 1], [2, 3], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    tile_lens = torch.tensor([53, 53, 0], dtype=torch.int32, device=DEVICE)
+    kv_starts = torch.tensor([53, 53, 53, 53, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
+    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v, adapters,
+            default_inv_freq(dim, device=DEVICE))
+    out = cascade_residual_decode(*args, tile_seqs, tile_lens, kv_starts, use_triton=True, num_splits=2,
+                                  block_n=16, prefix_tuning={"block_n": 16})
+    ref = plain.decode(q, c.k, c.v, tables, c.seq_lens,
+                       residual=(c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, args[-1]))
     assert rel_err(out, ref) < REL_TOL
-    plain = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True)
-    assert rel_err(out, plain) < REL_TOL
+    # The residual matters on this input (a kernel that dropped it, or mixed up whose it is, fails).
+    base_only = plain.decode(q, c.k, c.v, tables, c.seq_lens)
+    assert rel_err(base_only[adapters >= 0], ref[adapters >= 0]) > 20 * REL_TOL

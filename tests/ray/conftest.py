@@ -15,12 +15,13 @@ from server_testlib import save_model
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from ray_testlib import KEY, OTHER_KEY, STATS_PERIOD_S, Cluster
+# Imported after the skips: they need ray.
+from ray_testlib import KEY, OTHER_KEY, STATS_PERIOD_S, Cluster  # noqa: E402
 
-from forkserve.interfaces.ray_serve.deployments import build_application
-from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
-from forkserve.interfaces.server.access import AccessConfig
-from forkserve.interfaces.server.auth import ApiKeys
+from forkserve.interfaces.ray_serve.deployments import build_application  # noqa: E402
+from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec  # noqa: E402
+from forkserve.interfaces.server.access import AccessConfig  # noqa: E402
+from forkserve.interfaces.server.auth import ApiKeys  # noqa: E402
 
 
 def _free_port() -> int:

@@ -103,7 +103,7 @@ def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Clien
                                                              prefix_on: dict[str, list[int]]) -> None:
     # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
     home = {}
-    for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items()):
+    for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items(), strict=False):
         home[adapter] = publish(client, prefix + fresh_tokens(8), model=adapter)
         assert home[adapter] == replica
     time.sleep(STATS_WAIT_S)

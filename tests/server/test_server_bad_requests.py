@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from server_testlib import MAX_CONTEXT, MODEL_NAME
 

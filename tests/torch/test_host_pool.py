@@ -32,7 +32,7 @@ def test_offload_then_restore_reproduces_the_logits(models, adapters):
         t[:, list(residual)] = 0
     assert not torch.equal(ask(residual + (10,)), reference)  # the residual matters
     moved = (20, 21, 22, 23)
-    backend.restore_pages(PageKind.RESIDUAL, [HostCopy(m, c.slot) for m, c in zip(moved, copies)])
+    backend.restore_pages(PageKind.RESIDUAL, [HostCopy(m, c.slot) for m, c in zip(moved, copies, strict=True)])
     assert torch.equal(ask(moved + (24,)), reference)
 
 

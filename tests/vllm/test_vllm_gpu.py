@@ -22,7 +22,7 @@ from forkserve import Engine, ForkServeConfig  # noqa: E402
 from forkserve.backend.vllm.bench_assets import write_model_dir  # noqa: E402
 from forkserve.backend.vllm.block_pinner import KvManagerPinner  # noqa: E402
 from forkserve.backend.vllm.vllm_loader import api, build_llm  # noqa: E402
-from forkserve.bench.multilora import _tiny_config  # noqa: E402
+from forkserve.bench.multilora import tiny_config  # noqa: E402
 from forkserve.engine.vllm_backend import VllmBackend  # noqa: E402
 
 CFG = ForkServeConfig(num_pages=512, hbm_tokens=512 * 16, max_context=4096, vocab_size=512)
@@ -33,7 +33,7 @@ def llm(tmp_path_factory):
     model = os.environ.get("FORKSERVE_VLLM_MODEL")
     kwargs = dict(enforce_eager=True, num_gpu_blocks_override=2048)
     if model is None:
-        model = str(write_model_dir(_tiny_config(), tmp_path_factory.mktemp("tiny")))
+        model = str(write_model_dir(tiny_config(), tmp_path_factory.mktemp("tiny")))
         kwargs.update(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
     return build_llm(model, CFG, max_loras=0, gpu_memory_utilization=0.3, max_lora_rank=16,
                      llm_kwargs=kwargs)

@@ -2,6 +2,7 @@
 calls (the raw JSON of each call sits beside this file). Run from the repository root."""
 import json
 from pathlib import Path
+
 from forkserve.bench.multilora import RunResult, format_table, plot
 
 runs = Path("benchmarks/results/multilora_runs")
@@ -17,10 +18,13 @@ def rows(name):
     return {(r["system"], r["workflows"]): r for r in d["results"]}
 react_pick = {
     1: {"unified": "call3_w1_react_multilora.json", "adaptive": "call3_w1_react_multilora.json",
-        "disaggregated": "call2_react_multilora.json", "disaggregated_base": "call2_react_multilora.json",
+        "disaggregated": "call2_react_multilora.json",
+        "disaggregated_base": "call2_react_multilora.json",
         "full_reuse": "call1_react_multilora.json", "no_lora": "call1_react_multilora.json"},
-    8: {"unified": "call3_react_multilora.json", "disaggregated": "call5_react3_react_multilora.json",
-        "disaggregated_base": "call3_react_multilora.json", "adaptive": "call5_react3_react_multilora.json",
+    8: {"unified": "call3_react_multilora.json",
+        "disaggregated": "call5_react3_react_multilora.json",
+        "disaggregated_base": "call3_react_multilora.json",
+        "adaptive": "call5_react3_react_multilora.json",
         "full_reuse": "call3_react_multilora.json", "no_lora": "call3_react_multilora.json"},
 }
 react_pick[32] = dict(react_pick[8])
@@ -46,5 +50,7 @@ def save(stem, results, src):
 save("react_multilora", out, "call3_react_multilora.json")
 mr = []
 for r in json.loads((runs / "call4_mapreduce_multilora.json").read_text())["results"]:
-    r = dict(r); r["notes"].append(f"H200 call4: commit {calls['call4']}"); mr.append(r)
+    r = dict(r)
+    r["notes"].append(f"H200 call4: commit {calls['call4']}")
+    mr.append(r)
 save("mapreduce_multilora", mr, "call4_mapreduce_multilora.json")

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from forkserve.backend.torch.cascade import CascadeTiles
 from forkserve.backend.torch.kv_pool import LayerKV
 from forkserve.backend.torch.rope import Rope, apply_rope
 
@@ -44,6 +45,9 @@ class AttentionMetadata:
     # Adaptive layout, a batch of split and merged items: [T, 1] bool, the merged items'
     # tokens (their k/v LoRA delta is added to K/V; the split items' goes to the residual).
     kv_merge_mask: torch.Tensor | None = None
+    # Cascade attention (decode): shared prefixes read once per tile. Eager
+    # attention ignores it (the same result, each prefix read per sequence).
+    cascade: CascadeTiles | None = None
 
 
 class AttentionBackend(Protocol):

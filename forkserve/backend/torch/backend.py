@@ -275,6 +275,16 @@ class TorchBackend:
         return StepOutput(StepResult(next_tokens, cost), tuple(per_item))
 
     @property
+    def cascade_attention(self) -> bool:
+        """Whether decode batches read a shared page prefix once per group
+        (``SeqWork.shared_prefix``); off, every item reads its whole table (benchmarks compare)."""
+        return self.runner.cascade
+
+    @cascade_attention.setter
+    def cascade_attention(self, on: bool) -> None:
+        self.runner.cascade = on
+
+    @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             if self.model_path is None:

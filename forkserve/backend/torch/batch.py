@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from forkserve.backend.protocol import SeqWork
+from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve import errors
 from forkserve.backend.torch.errors import (ContextLengthError, InvalidWorkError, TokenOutOfVocabError,
@@ -70,6 +71,7 @@ def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
         except errors.ForkServeError as exc:
             exc.seq_ids = (seq.seq_id,)
             raise
+    cascade_tiles.check_groups(work, limits.page_size)
 
 
 def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
@@ -107,9 +109,10 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
 
 
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
-          all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int) -> Batch:
+          all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
+          cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
     """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
-    token of each item that samples."""
+    token of each item that samples. `cascade`: tiles of a decode batch."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
@@ -177,6 +180,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
         extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
         kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None] if split and any(merged_tokens) else None,
+        cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one captured forward per (batch bucket, pages bucket, LoRA on/off).
+"""CUDA graphs for decode steps: one captured forward per (batch bucket, pages bucket, LoRA
+on/off, split or merged form, cascade tiles bucket).
 
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
@@ -16,8 +17,10 @@ import numpy as np
 import torch
 
 from forkserve.backend.protocol import SeqWork
+from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve.backend.torch.batch import BatchLimits, fill_decode
+from forkserve.backend.torch.cascade import CascadePlan, CascadeTiles
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 
@@ -43,16 +46,20 @@ def pages_bucket(n: int) -> int:
 
 class DecodeGraph:
     def __init__(self, model: CausalLM, pool: KVPool, batch: int, pages: int, use_lora: bool,
-                 split: bool, limits: BatchLimits, device: torch.device, mempool: tuple) -> None:
+                 split: bool, limits: BatchLimits, device: torch.device, mempool: tuple,
+                 tiles: int = 0, agents: int = 1) -> None:
         self.batch, self.pages, self.pool, self.limits = batch, pages, pool, limits
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
             "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
             "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
-            "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page}
+            "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page,
+            "kv_starts": 0, "tile_seqs": -1, "tile_lens": 0}  # cascade: suffix from key 0, tiles of no row
+        shapes = {name: (batch,) for name in _ROW_FIELDS} | {name: (batch, pages) for name in _TABLE_FIELDS}
+        if tiles:
+            shapes |= {"kv_starts": (batch,), "tile_seqs": (tiles, agents), "tile_lens": (tiles,)}
         offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
         total = 0
-        for name in _ROW_FIELDS + _TABLE_FIELDS:
-            shape = (batch, pages) if name in _TABLE_FIELDS else (batch,)
+        for name, shape in shapes.items():
             offsets[name] = (total, shape)
             total += int(np.prod(shape))
         self.packed = torch.empty(total, dtype=torch.int64, device=device)
@@ -67,6 +74,8 @@ class DecodeGraph:
 
         def forward() -> torch.Tensor:
             # The int32 casts run inside the graph, so they see every step's new inputs.
+            cascade = CascadeTiles(view["tile_seqs"].to(torch.int32), view["tile_lens"].to(torch.int32),
+                                   view["kv_starts"].to(torch.int32)) if tiles else None
             meta = AttentionMetadata(
                 slot_mapping=view["slot_mapping"],
                 res_slot_mapping=view["res_slot_mapping"] if split else None,
@@ -74,7 +83,7 @@ class DecodeGraph:
                 res_block_tables=view["res_block_tables"].to(torch.int32) if split else None,
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
-                decode_only=True)
+                decode_only=True, cascade=cascade)
             return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta, pool,
                                  self.rows, use_lora)
 
@@ -90,20 +99,23 @@ class DecodeGraph:
             self.logits = forward()
             self.greedy = self.logits.argmax(dim=-1)
 
-    def _send(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int] | None = None) -> None:
+    def _send(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int] | None = None,
+              cascade: CascadePlan | None = None) -> None:
         self.copied.synchronize()  # the previous step's copy has finished reading the pinned buffer
         for name, block in self.host_views.items():
             block[...] = self.padding[name]
         fill_decode(work, self.limits, adapter_slots or {}, self.host_views, self.pool.scratch_page,
                     self.pool.scratch_residual_page)
+        cascade_tiles.fill(cascade, self.host_views)
         self.packed.copy_(self.host, non_blocking=True)
         self.copied.record()
 
-    def run(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int],
+            cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for validated decode items: (logits [n, vocab], greedy tokens [n]), copied
         out of the graph's output buffers, which the next replay overwrites (a caller of
-        TorchBackend.forward may keep a step's logits)."""
-        self._send(work, adapter_slots)
+        TorchBackend.forward may keep a step's logits). ``cascade``: at most the graph's tiles."""
+        self._send(work, adapter_slots, cascade)
         self.graph.replay()
         n = len(work)
         return self.logits[:n].clone(), self.greedy[:n].clone()

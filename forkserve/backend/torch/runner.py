@@ -6,7 +6,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from forkserve import kernels
 from forkserve.backend.protocol import SeqWork
+from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build, split_residual_pages
 from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, DecodeGraph, batch_bucket, pages_bucket
 from forkserve.backend.torch.kv_pool import KVPool
@@ -19,16 +21,22 @@ class RunOutput:
     greedy: torch.Tensor | None   # argmax of each row, when the graph computed it already
 
 
+GraphKey = tuple[int, int, bool, bool, int]  # batch bucket, pages bucket, LoRA, split form, tiles bucket
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, limits: BatchLimits, device: torch.device,
-                 use_cuda_graphs: bool) -> None:
+                 use_cuda_graphs: bool, cascade: bool = True) -> None:
         self.model, self.pool, self.limits, self.device = model, pool, limits, device
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        self._graphs: dict[tuple[int, int, bool, bool], DecodeGraph] = {}
+        # Cascade attention for decode batches whose items share a page prefix (both forms).
+        self.cascade = cascade
+        self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads // model.cfg.num_kv_heads)
+        self._graphs: dict[GraphKey, DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
     @property
-    def captured_graphs(self) -> tuple[tuple[int, int, bool, bool], ...]:
+    def captured_graphs(self) -> tuple[GraphKey, ...]:
         return tuple(self._graphs)
 
     def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool) -> RunOutput:
@@ -36,11 +44,16 @@ class ModelRunner:
         bucket = batch_bucket(len(work))
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
-        if (self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1
-                and all(len(s.tokens) == 1 and not s.extra_residuals for s in work)):
-            return self._replay(work, adapter_slots, bucket, split=forms == {True})
+        decode = all(len(s.tokens) == 1 and not s.extra_residuals for s in work)
+        # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
+        # decoded slower with it there (63.8 vs 51.3 ms/step), faster without (29.2 vs 35.9;
+        # docs/ENGINE.md); the cause is not found yet.
+        plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
+                if self.cascade and decode and len(forms) <= 1 else None)
+        if self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1 and decode:
+            return self._replay(work, adapter_slots, bucket, split=forms == {True}, cascade=plan)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
-                      self.pool.scratch_page, self.pool.scratch_residual_page)
+                      self.pool.scratch_page, self.pool.scratch_residual_page, plan)
         logits = self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
                                     self.pool, batch.logits_indices, batch.use_lora)
         return RunOutput(logits, None)
@@ -57,24 +70,27 @@ class ModelRunner:
         new = 0
         for bucket in (b for b in BATCH_BUCKETS if b <= top):
             for split in splits:
-                new += self._ensure_graph((bucket, pages, use_lora, split))
+                # One shared context (one tile) is the common cascade; more tiles are captured on use.
+                for tiles in (0, 1) if self.cascade and bucket > 1 else (0,):
+                    new += self._ensure_graph((bucket, pages, use_lora, split, tiles))
         return new
 
-    def _ensure_graph(self, key: tuple[int, int, bool, bool]) -> bool:
+    def _ensure_graph(self, key: GraphKey) -> bool:
         """Capture the graph for ``key`` unless it exists; whether it was new."""
         if key in self._graphs:
             return False
         self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3], self.limits,
-                                        self.device, self._mempool)
+                                        self.device, self._mempool, key[4], self.cascade_agents)
         return True
 
     def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int,
-                split: bool) -> RunOutput:
+                split: bool, cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
         width = max(s.start_pos // self.limits.page_size + 1 for s in work)
         use_lora = any(s.adapter_id is not None for s in work)
-        key = (bucket, pages_bucket(width), use_lora, split)
+        tiles = cascade_tiles.tiles_bucket(len(cascade.tile_rows) if cascade is not None else 0)
+        key = (bucket, pages_bucket(width), use_lora, split, tiles)
         self._ensure_graph(key)
-        logits, greedy = self._graphs[key].run(work, adapter_slots)
+        logits, greedy = self._graphs[key].run(work, adapter_slots, cascade)
         rows = [i for i, s in enumerate(work) if s.sampling is not None]
         if len(rows) == len(work):
             return RunOutput(logits, greedy)  # every item samples: the rows are already in order

@@ -22,11 +22,11 @@ from forkserve.interfaces.ray_serve.deployments import (
 )
 from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
 from forkserve.interfaces.server import preflight
-from forkserve.interfaces.server.access import access_from_args, bind_refusal
+from forkserve.interfaces.server.access import checked_access
 from forkserve.interfaces.server.app import build_parser as server_parser
 from forkserve.interfaces.server.limits import UNLIMITED
 from forkserve.interfaces.server.served_model import served_name
-from forkserve.interfaces.usage import ArgumentParser
+from forkserve.interfaces.usage import ArgumentParser, UsageError
 
 log = logging.getLogger("forkserve.ray_serve")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -63,16 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
     sp = server_parser()
     args = sp.parse_args(rest)
-    try:
-        access = access_from_args(args)
-    except (OSError, ValueError) as e:
-        sp.exit(2, f"forkserve serve: {e}\n")
-    refusal = bind_refusal(args.host, access, args.insecure)
-    if refusal is not None:
-        sp.exit(2, refusal + "\n")
+    access = checked_access(args)
     if access.limits != UNLIMITED:
         # The Frontend does not see the replicas' pages: refuse rather than ignore a limit.
-        sp.exit(2, "forkserve serve: per-key limits are not enforced with --replicas yet\n")
+        raise UsageError("per-key limits are not enforced with --replicas yet")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:

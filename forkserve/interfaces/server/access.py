@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from forkserve.interfaces.server.auth import ApiKeys
 from forkserve.interfaces.server.limits import UNLIMITED, TenantLimits
+from forkserve.interfaces.usage import UsageError
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,20 @@ def is_loopback(host: str) -> bool:
 def bind_refusal(host: str, access: AccessConfig, insecure: bool) -> str | None:
     """Why binding ``host`` is refused, or None."""
     if access.keys is None and not insecure and not is_loopback(host):
-        return (f"forkserve serve: refusing to bind {host} without --api-key/--api-keys-file "
+        return (f"refusing to bind {host} without --api-key/--api-keys-file "
                 f"(anyone who reaches it could read and drive every session); give keys, or "
                 f"--insecure if that is intended")
     return None
+
+
+def checked_access(args: argparse.Namespace) -> AccessConfig:
+    """The access settings of ``forkserve serve``'s flags, for either launcher; an unreadable
+    keys file or a refused bind is a ``UsageError`` (one line, exit status 2)."""
+    try:
+        access = access_from_args(args)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    refusal = bind_refusal(args.host, access, args.insecure)
+    if refusal is not None:
+        raise UsageError(refusal)
+    return access

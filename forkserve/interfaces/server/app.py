@@ -21,9 +21,8 @@ from forkserve.interfaces.server import branch_api, openai_api, preflight
 from forkserve.interfaces.server.access import (
     DEFAULT_ACCESS,
     AccessConfig,
-    access_from_args,
     add_access_args,
-    bind_refusal,
+    checked_access,
 )
 from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
@@ -135,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:
-        access = access_from_args(args)
-    except (OSError, ValueError) as e:
-        ap.exit(2, f"forkserve serve: {e}\n")
-    refusal = bind_refusal(args.host, access, args.insecure)
-    if refusal is not None:
-        ap.exit(2, refusal + "\n")
+    access = checked_access(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:

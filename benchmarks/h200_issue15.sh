@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 15's H200 runs, in the calls one lease allows (10 minutes each). Every step writes
+# under $OUT as it finishes, so a timeout loses only the step it interrupts.
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 1   # tests, kernels, react no_lora
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 2   # cascade sweep, react no_lora, decode_bench
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 3   # react unified, base, no_lora x3
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 4   # split-form cascade: tests, react
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 5   # split form in kernel_bench, decode_bench
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 6   # react full_reuse, adaptive
+set -u
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu_$1.txt"
+case "$1" in
+1)
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -x tests/kernels/test_shared_prefix.py \
+    tests/torch/test_cascade.py tests/torch/test_attention_backends.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_cascade.log"
+  timeout 180 python3 benchmarks/kernel_bench.py --variants two_pass_bn64 two_pass_bn64_keysm64 \
+    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag issue15 --out "$OUT" 2>&1 | tail -20
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --tag issue15_no_lora --out "$OUT" 2>&1 | tail -6
+  ;;
+2)
+  timeout 180 python3 benchmarks/kernel_bench.py --cascade-sweep --contexts 8192 32768 --out "$OUT" 2>&1 | tail -4
+  timeout 120 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --tag issue15_no_lora_v2 --out "$OUT" 2>&1 | tail -4
+  timeout 330 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
+  ;;
+3)
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified \
+    --cascade on off --tag issue15_unified --out "$OUT" 2>&1 | tail -5
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    --tag issue15_disaggregated_base --out "$OUT" 2>&1 | tail -4
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --cascade on off --repeat 3 --tag issue15_no_lora_v3 --out "$OUT" 2>&1 | tail -4
+  ;;
+4)
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings tests/kernels/test_shared_prefix.py \
+    tests/kernels/test_decode.py tests/torch/test_cascade.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_split_cascade.log"
+  timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    --cascade on off --tag issue15_disaggregated_base_split --out "$OUT" 2>&1 | tail -4
+  timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated \
+    --cascade on off --tag issue15_disaggregated_split --out "$OUT" 2>&1 | tail -4
+  ;;
+5)
+  timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 --contexts 8192 32768 \
+    --batches 8 32 --tag issue15_split --out "$OUT" 2>&1 | tail -8
+  timeout 300 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -16
+  ;;
+6)
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems full_reuse \
+    --cascade on off --tag issue15_full_reuse --out "$OUT" 2>&1 | tail -4
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
+    --cascade on off --tag issue15_adaptive --out "$OUT" 2>&1 | tail -4
+  ;;
+esac
+ls -la "$OUT"

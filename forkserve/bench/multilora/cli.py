@@ -1,0 +1,160 @@
+"""``forkserve bench react|mapreduce``: every system side by side at each W, a table, a JSON
+and a PNG; exits 1 when a run failed."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from forkserve.bench.multilora.report import FailedRun, format_table, plot
+from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
+from forkserve.bench.multilora.workload import (
+    SYSTEMS,
+    MultiLoraParams,
+    RunResult,
+    build_backend,
+    run_system,
+    tiny_config,
+)
+from forkserve.bench.output import add_out_argument, write_json
+from forkserve.bench.provenance import source_commit
+from forkserve.errors import OutOfPagesError
+
+
+def parser(scale: Scale) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="forkserve bench react|mapreduce",
+        description="seed 001's multi-LoRA workloads (docs/WORKLOADS.md), every KV layout side "
+                    "by side. The defaults shown are those of this scale: add --tiny to --help "
+                    "to see the tiny ones.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    ap.add_argument("workload", choices=["react", "mapreduce"], help="which workload")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer model on the CPU with small defaults (minutes on 2 cores); "
+                         "the plot title says 'tiny / CPU'")
+    ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
+                    help="the W values (concurrent agent workflows)")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                    metavar="SYSTEM",
+                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
+    ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T per workflow")
+    ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G generated per turn")
+    ap.add_argument("--kv-budget-gib", type=float, default=scale.kv_budget_gib,
+                    help="KV bytes for every system")
+    ap.add_argument("--residual-share", type=float, default=scale.residual_share,
+                    help="share of the budget for the residual pool of the disaggregated layouts")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="each workflow moves on when its turn ends (off: lockstep turns, as the "
+                         "vLLM anchor was measured)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="torch device")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                    default=torch.cuda.is_available(),
+                    help="per system, one untimed 2-agent run and the decode graphs captured "
+                         "before the timed runs (on by default on CUDA)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="timed runs per system and W; the one with the median tasks/s is reported")
+    ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
+                    help="shared-prefix (cascade) attention of the backend; both: each W runs "
+                         "twice")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    add_out_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns the exit status: 0, or 1 when any run failed."""
+    argv = list(argv or [])
+    args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
+    device = torch.device(args.device)
+    stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
+            f"{'_' + args.tag if args.tag else ''}")
+    with tiny_threads(device, args.tiny):
+        results, failed = _run_all(args, device, args.out / f"{stem}.json")
+    print(format_table(results, args.workload))
+    for f in failed:
+        print(f.line())
+    print(f"wrote {args.out / f'{stem}.json'}")
+    plot(results, failed, args.out / f"{stem}.png", args.workload, args.tiny)
+    return 1 if failed else 0
+
+
+def _run_all(args: argparse.Namespace, device: torch.device,
+             json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
+    """Every system at every W; the JSON is rewritten after each run."""
+    from forkserve.backend.torch.model_config import llama3_8b_config
+    from forkserve.backend.torch.weights import random_weights
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_cfg = tiny_config() if args.tiny else llama3_8b_config()
+    weights = random_weights(model_cfg, device, dtype)
+    results: list[RunResult] = []
+    failed: list[FailedRun] = []
+    commit = source_commit()
+
+    def params(w: int, **over) -> MultiLoraParams:
+        return MultiLoraParams(**(dict(workload=args.workload, workflows=w, context=args.context,
+                                       turns=args.turns, gen=args.gen,
+                                       kv_budget_gib=args.kv_budget_gib,
+                                       residual_share=args.residual_share,
+                                       lockstep=not args.closed_loop) | over))
+
+    def save() -> None:  # after every run, so a later failure or timeout loses nothing
+        write_json(json_path, {
+            "workload": f"{args.workload}-multilora",
+            "driver": "closed-loop" if args.closed_loop else "lockstep",
+            "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+            "commit": commit,
+            "context": args.context, "turns": args.turns, "gen": args.gen,
+            "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
+            "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
+            quiet=True)
+
+    top = max(args.workflows)
+    total = (sum(params(w).turns_run * w for w in args.workflows) * len(args.systems)
+             * args.repeat * len(args.cascade))
+    with tqdm(total=total, desc=f"{args.workload} agent turns", unit="turn") as bar:
+        for system in args.systems:
+            bar.set_postfix_str(f"{system}: building the backend")
+            backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg, weights,
+                                           device, dtype)
+            if args.warmup:  # compile kernels and capture graphs outside the timed runs
+                bar.set_postfix_str(f"{system}: warm-up")
+                run_system(system, params(2, turns=min(2, args.turns), gen=4), backend, sizes)
+                full = params(top)
+                backend.capture_decode_graphs(top, args.context + full.instruction
+                                              + args.turns * (args.gen + full.observation))
+            for w, cascade in ((w, c == "on") for w in args.workflows for c in args.cascade):
+                backend.cascade_attention = cascade
+                off = "" if cascade else " (cascade off)"
+                bar.set_postfix_str(f"{system} W={w}{off}")
+                try:
+                    runs = sorted((run_system(system, params(w), backend, sizes, bar.update)
+                                   for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
+                    results.append(replace(_median(runs), cascade=cascade, commit=commit))
+                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}")
+                except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
+                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade))
+                    bar.write(failed[-1].line())
+                save()
+            del backend
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return results, failed
+
+
+def _median(runs: list[RunResult]) -> RunResult:
+    """The run of median tasks/s (``runs`` sorted by it), noting the others when repeated."""
+    median = runs[len(runs) // 2]
+    if len(runs) == 1:
+        return median
+    spread = ", ".join(f"{r.tasks_per_s:.3f}" for r in runs)
+    return replace(median, notes=median.notes + (f"median of {len(runs)} runs: {spread} tasks/s",))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,254 @@
+"""The closed-loop driver: W agent workflows over one engine, admitted as their KV fits.
+
+A workflow is admitted when the pools can hold its whole footprint (context + instruction +
+every turn), so memory contention shows as waiting, the way a serving engine queues
+requests it cannot fit. Agent 0 prefills the shared context first; the others then find it
+published (with ``base_activations`` one base pass publishes it for every agent).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from forkserve.config import KVLayout
+from forkserve.control.layout_policy import KVForm
+from forkserve.engine import Engine
+
+if TYPE_CHECKING:
+    from forkserve.bench.multilora.workload import MultiLoraParams
+
+
+class Workflow:
+    """One agent's closed loop over the engine: its turns, pauses and latencies."""
+
+    def __init__(self, index: int, adapter, prompt: list[int], params: MultiLoraParams) -> None:
+        self.index, self.adapter, self.prompt, self.params = index, adapter, prompt, params
+        self.session: int | None = None
+        self.turn = 0
+        self.turn_started = 0.0
+        self.resume_at: float | None = None
+        self.latencies: list[float] = []
+        self.outputs: list[list[int]] = []
+        self.needs: dict | None = None   # pages per pool reserved at admission
+        self.split = False
+
+    def footprint_tokens(self) -> int:
+        p = self.params
+        return len(self.prompt) + p.turns * (p.gen + p.observation)
+
+
+def observation(turn: int, index: int, length: int, vocab: int) -> list[int]:
+    """Agent ``index``'s tool output after ``turn`` (fixed ids, so every system sees the same)."""
+    return [(97 + 31 * turn + 7 * index + i) % (vocab - 3) + 3 for i in range(length)]
+
+
+class Driver:
+    """Runs every workflow over one engine: admission by reserved pages, the turn loop, and
+    the figures a RunResult reads back (peak KV, tick times, the shared context per agent)."""
+
+    def __init__(self, engine: Engine, flows: list[Workflow], params: MultiLoraParams,
+                 sizes: dict[str, int], on_turn: Callable[[], object] | None,
+                 shared_context: list[int] | None = None) -> None:
+        self.engine, self.flows, self.params, self.on_turn = engine, flows, params, on_turn
+        self.shared_context = shared_context
+        self.base_bytes = sizes["base"]
+        self.res_bytes = sizes["residual"]
+        self.peak_bytes = 0
+        self.decode_ticks = 0
+        self.waited_s = 0.0
+        self.prompt_tokens = 0
+        self.reserved: dict = {}
+        self.admitted: list[Workflow] = []
+        self.context_pages = params.context // params.page_size
+        self.context_kv_per_agent = 0.0
+        self._context_holders = 0
+        self.prefill_tick_s = 0.0
+        self.decode_tick_s = 0.0
+        self.decode_only_ticks = 0
+
+    def _tick(self) -> bool:
+        m = self.engine.metrics
+        before, prefill_before = m.decode_tokens, m.prefill_tokens
+        t0 = time.perf_counter()
+        did = self.engine.tick()
+        elapsed = time.perf_counter() - t0
+        if m.prefill_tokens > prefill_before:
+            self.prefill_tick_s += elapsed
+        elif m.decode_tokens > before:
+            self.decode_tick_s += elapsed
+            self.decode_only_ticks += 1
+        if m.decode_tokens > before:
+            self.decode_ticks += 1
+        used = self.engine.pool.num_used * self.base_bytes
+        if self.engine.residual_pool is not None:
+            used += self.engine.residual_pool.num_used * self.res_bytes
+        self.peak_bytes = max(self.peak_bytes, used)
+        return did
+
+    def _needs(self, flow: Workflow) -> dict:
+        """Pages per pool this workflow will hold at its peak. Where its form shares the base
+        side across agents, the shared context is counted once (by the first agent)."""
+        if flow.needs is not None:
+            return flow.needs
+        p = self.params.page_size
+        total = -(-flow.footprint_tokens() // p)
+        layout = self.engine.config.kv_layout
+        split = flow.adapter is not None and self.engine.residual_pool is not None and (
+            self.engine.layout_form(flow.prompt, adapter=flow.adapter) is KVForm.SPLIT)
+        shared = layout is KVLayout.FULL_REUSE or split or flow.adapter is None
+        base = total - (self.context_pages if shared and self._shares_context(split) else 0)
+        needs = {self.engine.pool: base}
+        if split:
+            needs[self.engine.residual_pool] = total
+        return needs
+
+    def _measure_context_kv(self, flows: list[Workflow]) -> None:
+        """Bytes of the pages holding the shared context, each page counted once, over the
+        agents holding it — kept at the most agents seen at once."""
+        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows]
+        tables = [kv for kv in tables if kv.length >= self.params.context]
+        if len(tables) <= self._context_holders:
+            return
+        n = self.context_pages
+        base = {page for kv in tables for page in kv.base.pages[:n]}
+        residual = {page for kv in tables if kv.residual is not None
+                    for page in kv.residual.pages[:n]}
+        self._context_holders = len(tables)
+        stored = len(base) * self.base_bytes + len(residual) * self.res_bytes
+        self.context_kv_per_agent = stored / len(tables)
+
+    def _shares_context(self, split: bool) -> bool:
+        """Whether a running workflow of the same form holds the context written (so the index
+        cannot evict it, and a new agent finds it instead of writing its own copy)."""
+        if self.shared_context is not None:
+            return True
+        return any(f.split == split and f.session is not None
+                   and self._written(f) >= self.params.context for f in self.admitted)
+
+    def _written(self, flow: Workflow) -> int:
+        """Tokens of ``flow``'s committed path whose KV is written."""
+        return self.engine.node(flow.session, self.engine.tip(flow.session)).kv_len
+
+    def _fits(self, flow: Workflow) -> bool:
+        """Admit a workflow only if what every admitted workflow may still claim fits."""
+        needs = self._needs(flow)
+        if all(self.reserved.get(pool, 0) + n <= pool.num_pages for pool, n in needs.items()):
+            for pool, n in needs.items():
+                self.reserved[pool] = self.reserved.get(pool, 0) + n
+            flow.needs, flow.split = needs, self.engine.residual_pool in needs
+            self.admitted.append(flow)
+            return True
+        return False
+
+    def _close(self, flow: Workflow) -> None:
+        self.engine.close(flow.session)
+        for pool, n in self._needs(flow).items():
+            self.reserved[pool] -= n
+        self.admitted.remove(flow)
+
+    def _open(self, flow: Workflow) -> None:
+        flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
+        self.prompt_tokens += len(flow.prompt)
+        flow.turn_started = time.perf_counter()
+        self.engine.start_generate(flow.session, self.params.gen)
+
+    def _check_shared_pass_fits(self) -> None:
+        """The one base pass writes every agent's context residual at once, before any
+        admission: say so plainly rather than fail inside the engine."""
+        pool = self.engine.residual_pool
+        need = len(self.flows) * (-(-len(self.shared_context) // self.params.page_size))
+        if pool is not None and need > pool.num_pages:
+            raise RuntimeError(f"the base pass writes {len(self.flows)} agents' context residuals "
+                               f"at once: {need} residual pages, the pool has {pool.num_pages} "
+                               f"(raise --residual-share or --kv-budget-gib)")
+
+    def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
+        """Agent 0 prefills the shared context and the rest find it published; with
+        base_activations one base pass publishes it for every agent first.
+        Returns (active, waiting)."""
+        if self.shared_context is not None:
+            self._check_shared_pass_fits()
+            self.engine.prefill_shared(self.shared_context, [f.adapter for f in self.flows])
+            return [], list(self.flows)
+        first = self.flows[0]
+        if not self._fits(first):
+            raise RuntimeError("one workflow needs more KV than the whole budget")
+        self._open(first)
+        while self._written(first) < len(first.prompt) - 1:
+            self._tick()
+        return [first], self.flows[1:]
+
+    def _admit(self, active: list[Workflow], waiting: list[Workflow]) -> None:
+        while waiting and self._fits(waiting[0]):
+            flow = waiting.pop(0)
+            self._open(flow)
+            active.append(flow)
+        if waiting and not active:  # nothing holds a reservation, and still it does not fit
+            raise RuntimeError("a workflow needs more KV than the whole budget")
+
+    def react(self) -> None:
+        active, waiting = self._open_first()
+        while active or waiting:
+            now = time.perf_counter()
+            self._admit(active, waiting)
+            for flow in list(active):
+                if flow.resume_at is None and self.engine.generation(flow.session) is not None:
+                    flow.latencies.append(time.perf_counter() - flow.turn_started)
+                    flow.outputs.append(list(self.engine.generation(flow.session).tokens))
+                    flow.turn += 1
+                    if flow.turn == 1:
+                        self._measure_context_kv(active)
+                    if self.on_turn is not None:
+                        self.on_turn()
+                    if flow.turn == self.params.turns:
+                        self._close(flow)
+                        active.remove(flow)
+                        continue
+                    flow.resume_at = now + self.params.pause_s
+            if self.params.lockstep and all(f.resume_at is not None for f in active) and active:
+                resume = max(f.resume_at for f in active)
+                for f in active:
+                    f.resume_at = resume
+            for flow in active:
+                if flow.resume_at is not None and now >= flow.resume_at:
+                    obs = observation(flow.turn, flow.index, self.params.observation,
+                                       self.engine.config.vocab_size)
+                    self.engine.commit(flow.session, self.engine.tip(flow.session), obs, wait=False)
+                    self.prompt_tokens += len(obs)
+                    self.engine.start_generate(flow.session, self.params.gen)
+                    flow.turn_started, flow.resume_at = time.perf_counter(), None
+            if not self._tick():
+                pending = [f.resume_at for f in active if f.resume_at is not None]
+                if pending:
+                    sleep = min(pending) - time.perf_counter()
+                    if sleep > 0:
+                        time.sleep(sleep)
+                else:
+                    t0 = time.perf_counter()
+                    time.sleep(0.001)
+                    self.waited_s += time.perf_counter() - t0
+
+    def mapreduce(self) -> None:
+        active, waiting = self._open_first()
+        while active or waiting:
+            self._admit(active, waiting)
+            for flow in list(active):
+                if self.engine.generation(flow.session) is not None:
+                    self._measure_context_kv(active)
+                    flow.latencies.append(time.perf_counter() - flow.turn_started)
+                    flow.outputs.append(list(self.engine.generation(flow.session).tokens))
+                    self._close(flow)
+                    active.remove(flow)
+                    if self.on_turn is not None:
+                        self.on_turn()
+            self._tick()
+        reducer = self.flows[0]
+        merged = list(reducer.prompt) + [t for f in self.flows for t in f.outputs[-1]]
+        start = time.perf_counter()
+        session = self.engine.open(merged, adapter=reducer.adapter).id
+        self.prompt_tokens += len(merged)
+        self.engine.start_generate(session, self.params.gen)
+        while self.engine.generation(session) is None:
+            self._tick()
+        reducer.latencies.append(time.perf_counter() - start)
+        self.engine.close(session)

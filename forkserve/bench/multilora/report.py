@@ -1,0 +1,68 @@
+"""What a multi-LoRA run prints and draws: the side-by-side table, the failed rows, the
+throughput and per-agent KV plot."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkserve.bench.multilora.workload import SYSTEMS, RunResult
+from forkserve.bench.output import legend_below, new_figure, save_figure, titled
+
+
+@dataclass(frozen=True)
+class FailedRun:
+    system: str
+    workflows: int
+    error: str          # "ExceptionType: message"
+    cascade: bool = True
+
+    def line(self) -> str:
+        off = "" if self.cascade else " (cascade off)"
+        return f"FAILED {self.system} W={self.workflows}{off}: {self.error}"
+
+
+def format_table(results: list[RunResult], workload: str) -> str:
+    head = (f"{'system':<18} {'cascade':>7} {'W':>3} {'tasks/s':>8} {'p50 s':>6} {'p99 s':>6} "
+            f"{'peak GiB':>8} {'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} {'batch':>5} "
+            f"{'prefill s':>9} {'decode s':>8} {'ms/step':>7}")
+    lines = [f"{workload}-multilora", head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.system:<18} {'on' if r.cascade else 'off':>7} {r.workflows:>3} "
+                     f"{r.tasks_per_s:>8.3f} "
+                     f"{r.turn_latency_p50_s:>6.2f} {r.turn_latency_p99_s:>6.2f} "
+                     f"{r.peak_kv_bytes / 2**30:>8.2f} {r.per_agent_kv_bytes / 2**20:>9.1f} "
+                     f"{r.context_kv_per_agent_bytes / 2**20:>13.1f} {r.prefix_hit_rate:>5.2f} "
+                     f"{r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} "
+                     f"{r.decode_tick_s:>8.2f} {r.decode_ms_per_step:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload: str,
+         tiny: bool) -> None:
+    """Throughput and per-agent KV against W, one line per system (its color fixed, so
+    plots compare). A failed run is an x in its system's color on the W axis and is named
+    above the plot, never left out silently."""
+    fig, (tput, kv) = new_figure(2, width=11, height=4.6)
+    for i, system in enumerate(SYSTEMS):
+        for cascade in (True, False):  # cascade off (if run) dashed, in the system's color
+            rows = [r for r in results if r.system == system and r.cascade == cascade]
+            if rows:
+                label = system + ("" if cascade else " (cascade off)")
+                style = "o-" if cascade else "x--"
+                ws = [r.workflows for r in rows]
+                tput.plot(ws, [r.tasks_per_s for r in rows], style, color=f"C{i}", label=label)
+                kv.plot(ws, [r.per_agent_kv_bytes / 2**20 for r in rows], style, color=f"C{i}",
+                        label=label)
+        lost = [f.workflows for f in failed if f.system == system]
+        if lost:
+            tput.plot(lost, [0] * len(lost), "x", color=f"C{i}", markersize=12, mew=2,
+                      label=f"{system} FAILED")
+    if failed:
+        fig.suptitle("FAILED: " + "; ".join(f"{f.system} W={f.workflows}" for f in failed),
+                     color="red", fontsize=10)
+    tput.set(xlabel="workflows W", ylabel="tasks/s",
+             title=titled(f"{workload}-multilora throughput", tiny))
+    kv.set(xlabel="workflows W", ylabel="MiB per agent", title=titled("per-agent KV", tiny),
+           yscale="log")
+    legend_below(fig, tput)
+    save_figure(fig, path)

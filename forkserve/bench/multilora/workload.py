@@ -1,0 +1,184 @@
+"""The workload's parameters, systems and result, and one timed run of a system.
+
+Every system gets the same KV budget in bytes; one backend serves every W of a system."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from forkserve.bench.multilora.driver import Driver, Workflow
+from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.engine import Engine
+
+SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")
+LAYOUTS = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
+           "disaggregated_base": KVLayout.DISAGGREGATED, "adaptive": KVLayout.ADAPTIVE,
+           "full_reuse": KVLayout.FULL_REUSE, "no_lora": KVLayout.UNIFIED}
+TARGETS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class MultiLoraParams:
+    workload: str = "react"
+    workflows: int = 8
+    context: int = 8192
+    instruction: int = 16
+    turns: int = 3
+    gen: int = 64
+    observation: int = 100
+    pause_s: float = 0.1
+    rank: int = 16
+    kv_budget_gib: float = 24.0
+    residual_share: float = 0.1   # of the budget, for the disaggregated residual pool
+    lockstep: bool = True
+    page_size: int = 16
+
+    @property
+    def turns_run(self) -> int:
+        """Turns each workflow reports (a mapper has one)."""
+        return self.turns if self.workload == "react" else 1
+
+
+@dataclass(frozen=True)
+class RunResult:
+    system: str
+    workflows: int
+    tasks_per_s: float
+    makespan_s: float
+    turn_latency_p50_s: float
+    turn_latency_p99_s: float
+    peak_kv_bytes: int
+    per_agent_kv_bytes: float
+    prefix_hit_rate: float        # prompt tokens whose base (or unified) KV came from the index
+    mean_decode_batch: float
+    # The shared context's KV per agent (its pages counted once however many agents hold
+    # them), at the most agents holding it at once: seed 001's M_R measured.
+    context_kv_per_agent_bytes: float
+    prefill_tick_s: float         # wall time of ticks that prefilled (maybe decoding too)
+    decode_tick_s: float          # wall time of decode-only ticks
+    prefill_tokens: int
+    decode_tokens: int
+    waited_s: float
+    notes: tuple = ()
+    decode_ms_per_step: float = 0.0  # mean wall time of a decode-only tick
+    cascade: bool = True             # the backend's shared-prefix (cascade) attention
+    commit: str = ""                 # the source measured (bench/provenance.py)
+
+
+def tiny_config():
+    """A 2-layer Llama of hidden size 128: the CPU stand-in for the 8B shape."""
+    from forkserve.backend.torch.model_config import ModelConfig
+    from forkserve.backend.torch.rope import RopeConfig
+
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                       rope=RopeConfig(), max_context=16384, attention_bias=False,
+                       tie_word_embeddings=False)
+
+
+def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: int):
+    """A LoRA adapter of random A and B (std 0.01, B nonzero), as docs/WORKLOADS.md specifies."""
+    from forkserve.backend.torch.lora import LoraAdapter, target_shapes
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for layer in range(model_cfg.num_layers):
+        for t in TARGETS:
+            fan_in, fan_out = target_shapes(model_cfg)[t]
+            a = torch.randn(rank, fan_in, generator=gen, device=device) * 0.01
+            b = torch.randn(fan_out, rank, generator=gen, device=device) * 0.01
+            weights[(layer, t)] = (a, b)
+    return LoraAdapter(name=name, rank=rank, scaling=2.0, weights=weights)
+
+
+def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of one base (K/V) page and of one residual (rank-r) page."""
+    elem = torch.finfo(dtype).bits // 8
+    kv = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * elem * page_size
+    res = 2 * model_cfg.num_layers * rank * elem * page_size
+    return {"base": kv, "residual": res}
+
+
+def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
+                 layout: KVLayout) -> tuple[int, int]:
+    """(base pages, residual pages) the byte budget buys in ``layout``."""
+    budget = params.kv_budget_gib * 2 ** 30
+    if layout.has_residual_pool:
+        res_pages = int(budget * params.residual_share // sizes["residual"])
+        return int(budget * (1 - params.residual_share) // sizes["base"]), max(res_pages, 1)
+    return int(budget // sizes["base"]), 1
+
+
+def build_backend(system: str, params: MultiLoraParams, max_workflows: int, model_cfg, weights,
+                  device, dtype):
+    """One backend per system, with an adapter for each of up to ``max_workflows`` agents."""
+    from forkserve.backend.torch import TorchBackend
+
+    layout = LAYOUTS[system]
+    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
+    num_pages, num_res = budget_pages(sizes, params, layout)
+    cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages,
+                          num_residual_pages=num_res, kv_layout=layout,
+                          hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
+                          max_context=model_cfg.max_context, node_ttl_s=None,
+                          vocab_size=model_cfg.vocab_size)
+    adapters = {} if system == "no_lora" else {
+        f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i)
+        for i in range(max_workflows)}
+    backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device,
+                                        dtype=dtype, max_adapters=max(1, len(adapters)),
+                                        max_lora_rank=params.rank,
+                                        lora_targets=TARGETS if adapters else None)
+    return backend, sizes
+
+
+def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, int],
+               on_turn: Callable[[], object] | None = None) -> RunResult:
+    """One timed run on a fresh Engine over ``backend`` (its pools start empty)."""
+    adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
+    return run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
+                        shared_by_base_pass=system == "disaggregated_base")
+
+
+def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
+                 adapter_of, on_turn: Callable[[], object] | None = None,
+                 shared_by_base_pass: bool = False,
+                 notes: tuple = ()) -> RunResult:
+    """Drive the workload over any engine (our backends, or vLLM's in
+    benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
+    i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
+    agent turn ends (a progress bar)."""
+    vocab = engine.config.vocab_size
+    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
+    flows = []
+    for i in range(params.workflows):
+        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
+        adapter = None if adapter_of is None else adapter_of(i)
+        flows.append(Workflow(i, adapter, context + instruction, params))
+    driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None)
+    start = time.perf_counter()
+    if params.workload == "react":
+        driver.react()
+    else:
+        driver.mapreduce()
+    makespan = time.perf_counter() - start
+    m = engine.metrics
+    lat = sorted(x for f in flows for x in f.latencies)
+    hit_rate = m.base_hit_tokens / max(1, driver.prompt_tokens)
+    return RunResult(system, params.workflows, params.workflows / makespan, makespan,
+                     _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
+                     driver.peak_bytes / params.workflows, hit_rate,
+                     m.decode_tokens / max(1, driver.decode_ticks), driver.context_kv_per_agent,
+                     driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
+                     m.decode_tokens, driver.waited_s, notes=tuple(notes),
+                     decode_ms_per_step=driver.decode_tick_s * 1e3
+                     / max(1, driver.decode_only_ticks))
+
+
+def _pct(values: list[float], q: int) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]

@@ -1,0 +1,55 @@
+"""Where a bench writes, and how it says so: every bench writes its JSON (and PNG) into
+one folder, outside the committed ``benchmarks/results`` unless ``--out`` names it, and
+prints each path it wrote."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("forkserve-bench-results")
+
+
+def add_out_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="folder for the JSON and PNG; benchmarks/results holds the committed "
+                         "runs, name it only to replace them")
+
+
+def write_json(path: Path, data: Any, *, quiet: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def new_figure(ncols: int, *, width: float, height: float = 4.0):
+    """A figure of ``ncols`` axes laid out so a legend placed outside them fits
+    (``legend_below``): a legend inside an axes covers a line."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), layout="constrained", squeeze=False)
+    return fig, list(axes[0])
+
+
+def legend_below(fig, ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6))
+
+
+def titled(title: str, tiny: bool) -> str:
+    """Tiny runs say so, so a CPU plot is never read as the committed GPU one."""
+    return f"{title} (tiny / CPU)" if tiny else title

@@ -1,0 +1,81 @@
+"""Cascade attention's plan: which items of one backend step read the same leading pages.
+
+Items whose page tables start with the same physical pages (32 agents over one published
+context, the residuals of a fork over their trunk, a map-reduce fan-out) can read those
+pages once per group: the backend attends the shared prefix for all the group's queries in
+one pass, each item's own suffix alone, and merges the two by log-sum-exp. The control
+plane owns the page ids, so the grouping is decided here, once per step, and crosses the
+protocol as ``SeqWork.shared_prefix`` (ints only). A backend that ignores it stays correct.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from forkserve.backend.protocol import SeqWork, SharedPrefix
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    items: tuple[int, ...]  # indices into the step's work list, ascending
+    pages: int              # leading pages every member lists and reads
+
+
+@dataclass(frozen=True)
+class PrefixSharing:
+    """Strategy: group items by their first page, then keep the members and the prefix
+    length that save the most page reads (``(members - 1) * pages``).
+
+    Only pages wholly before an item's first new token count (``start_pos // page_size``):
+    those are read, never written, by the step. A page-aligned shared prefix therefore ends
+    where a context that ends mid-page was copied on write; the rest is each item's suffix.
+    """
+
+    page_size: int
+    # A shorter shared prefix saves less than the second launch and the merge cost
+    # (ForkServeConfig.shared_prefix_min_tokens); None: no groups.
+    min_tokens: int | None = 256
+    min_items: int = 2
+
+    def groups(self, work: Sequence[SeqWork]) -> tuple[PrefixGroup, ...]:
+        if self.min_tokens is None:
+            return ()
+        min_pages = -(-self.min_tokens // self.page_size)
+        by_first: dict[int, list[int]] = {}
+        for i, item in enumerate(work):
+            if self._readable(item) >= min_pages:
+                by_first.setdefault(item.slots.pages[0], []).append(i)
+        groups = []
+        for items in by_first.values():
+            if len(items) < self.min_items:
+                continue
+            lead = work[items[0]]
+            common = sorted(((self._common(lead, work[i]), i) for i in items[1:]), reverse=True)
+            best_k, best_saved = 0, 0
+            for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
+                if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
+                    best_k, best_saved = k, k * pages
+            if best_k:
+                members = (items[0], *(i for _, i in common[:best_k]))
+                groups.append(PrefixGroup(tuple(sorted(members)), common[best_k - 1][0]))
+        return tuple(sorted(groups, key=lambda g: g.items[0]))
+
+    def annotate(self, work: Sequence[SeqWork]) -> list[SeqWork]:
+        """``work`` with ``shared_prefix`` set on every grouped item (others unchanged)."""
+        out = list(work)
+        for number, group in enumerate(self.groups(work)):
+            mark = SharedPrefix(number, group.pages)
+            for i in group.items:
+                out[i] = dataclasses.replace(out[i], shared_prefix=mark)
+        return out
+
+    def _readable(self, item: SeqWork) -> int:
+        return min(len(item.slots.pages), item.start_pos // self.page_size)
+
+    def _common(self, a: SeqWork, b: SeqWork) -> int:
+        n = min(self._readable(a), self._readable(b))
+        pa, pb = a.slots.pages, b.slots.pages
+        if pa[:n] == pb[:n]:  # the usual case, compared in C
+            return n
+        return next(k for k in range(n) if pa[k] != pb[k])
