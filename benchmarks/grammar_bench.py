@@ -12,6 +12,7 @@ per schema, at request start, and cached).
     python benchmarks/grammar_bench.py                  # CPU; JSON + PNG under benchmarks/results/
     python benchmarks/grammar_bench.py --device cuda    # the H200 figure (masks still on CPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,19 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"const": "calculator"},
-        "arguments": {"type": "object",
-                      "properties": {"a": {"type": "number"}, "b": {"type": "number"},
-                                     "op": {"enum": ["add", "sub", "mul", "div"]}},
-                      "required": ["a", "b", "op"], "additionalProperties": False},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "number"},
+                "b": {"type": "number"},
+                "op": {"enum": ["add", "sub", "mul", "div"]},
+            },
+            "required": ["a", "b", "op"],
+            "additionalProperties": False,
+        },
     },
-    "required": ["name", "arguments"], "additionalProperties": False,
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
 }
 ANSWER = '{"name": "calculator", "arguments": {"a": 12.5, "b": 30, "op": "mul"}}'
 FREE_ANSWER = '{"city": "Paris", "days": [1, 2, 3], "note": "bring an umbrella, it rains a lot"}'
@@ -46,7 +54,9 @@ def load_tokenizer(path: str | None):
     if path:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     gguf = find_smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
 
 
 class XGrammar:
@@ -54,8 +64,11 @@ class XGrammar:
 
     def __init__(self, tok, vocab: int) -> None:
         import xgrammar as xgr
+
         self.xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[tok.eos_token_id])
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=vocab, stop_token_ids=[tok.eos_token_id]
+        )
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.vocab = vocab
 
@@ -89,6 +102,7 @@ class LLGuidance:
         import llguidance
         import llguidance.hf
         import llguidance.torch
+
         self.ll, self.llt = llguidance, llguidance.torch
         self.tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=vocab)
         self.executor = llguidance.LLExecutor()
@@ -96,7 +110,8 @@ class LLGuidance:
 
     def compile(self, schema: dict | None):
         grammar = self.ll.LLMatcher.grammar_from_json_schema(
-            schema if schema is not None else {"type": "object"})
+            schema if schema is not None else {"type": "object"}
+        )
         return grammar
 
     def matchers(self, compiled, batch: int):
@@ -106,7 +121,9 @@ class LLGuidance:
         return self.llt.allocate_token_bitmask(batch, self.vocab)
 
     def fill(self, matchers, bitmask) -> None:
-        self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.llt.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
 
     def apply(self, logits, bitmask) -> None:
         self.llt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
@@ -116,7 +133,9 @@ class LLGuidance:
             assert m.consume_token(token), m.get_error()
 
 
-def run_case(engine, tok, schema: dict | None, answer: str, batch: int, device: str, repeats: int) -> dict:
+def run_case(
+    engine, tok, schema: dict | None, answer: str, batch: int, device: str, repeats: int
+) -> dict:
     t0 = time.perf_counter()
     compiled = engine.compile(schema)
     compile_ms = (time.perf_counter() - t0) * 1e3
@@ -136,15 +155,21 @@ def run_case(engine, tok, schema: dict | None, answer: str, batch: int, device: 
                 torch.cuda.synchronize()
             engine.accept(matchers, token)
             steps.append((time.perf_counter() - t) * 1e3)
-    return {"engine": engine.name, "grammar": "json_schema" if schema else "json_object", "batch": batch,
-            "tokens_per_answer": len(ids), "compile_ms": round(compile_ms, 2),
-            "step_ms_median": round(statistics.median(steps), 4),
-            "step_ms_p90": round(sorted(steps)[int(0.9 * len(steps))], 4),
-            "per_sequence_us": round(statistics.median(steps) / batch * 1e3, 2)}
+    return {
+        "engine": engine.name,
+        "grammar": "json_schema" if schema else "json_object",
+        "batch": batch,
+        "tokens_per_answer": len(ids),
+        "compile_ms": round(compile_ms, 2),
+        "step_ms_median": round(statistics.median(steps), 4),
+        "step_ms_p90": round(sorted(steps)[int(0.9 * len(steps))], 4),
+        "per_sequence_us": round(statistics.median(steps) / batch * 1e3, 2),
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -153,11 +178,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(engines)
     for k, eng in enumerate(engines):
-        vals = [next(r["step_ms_median"] for r in rows if r["engine"] == eng and (r["grammar"], r["batch"]) == lab)
-                for lab in labels]
+        vals = [
+            next(
+                r["step_ms_median"]
+                for r in rows
+                if r["engine"] == eng and (r["grammar"], r["batch"]) == lab
+            )
+            for lab in labels
+        ]
         ax.bar([i + k * width for i in range(len(labels))], vals, width, label=eng)
-    ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(labels))],
-                  [f"{g}\nbatch {b}" for g, b in labels])
+    ax.set_xticks(
+        [i + width * (len(engines) - 1) / 2 for i in range(len(labels))],
+        [f"{g}\nbatch {b}" for g, b in labels],
+    )
     ax.set_ylabel("ms per decode step (mask + apply + advance)")
     ax.set_yscale("log")
     ax.set_title("Grammar mask cost per decode step (SmolLM2 vocab, CPU masks)")
@@ -186,8 +219,13 @@ def main() -> None:
                 rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": args.device, "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or
-            platform.machine(), "vocab": vocab, "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "vocab": vocab,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

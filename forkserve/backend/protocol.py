@@ -89,7 +89,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if (self.presence_penalty or self.frequency_penalty or self.logprobs is not None) and self.log is None:
+        needs_log = self.presence_penalty or self.frequency_penalty or self.logprobs is not None
+        if needs_log and self.log is None:
             raise ValueError("penalties and logprobs need a SampleLog (the tokens sampled so far)")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")

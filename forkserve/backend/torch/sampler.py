@@ -79,7 +79,7 @@ class Sampler:
         vocab = logits.shape[-1]
         for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
             if p.logit_bias:
-                ids, bias = zip(*p.logit_bias)
+                ids, bias = zip(*p.logit_bias, strict=True)
                 logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
             if (p.presence_penalty or p.frequency_penalty) and p.log is not None:
                 counts = Counter(p.log.history(pos))
@@ -107,5 +107,5 @@ class Sampler:
         top: tuple[tuple[int, float], ...] = ()
         if p.logprobs:
             values, ids = logprobs.topk(p.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         p.log.record(pos, token, float(logprobs[token]), top)

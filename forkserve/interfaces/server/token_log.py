@@ -4,6 +4,7 @@ Penalties read its history; logprobs are read from it as the tokens are delivere
 on the engine thread before the token is delivered, read on the event loop after, so a
 reader never sees a token before its record. Created with the request, dropped with it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ class TokenLog:
         self._entries: list[SampledToken] = []
 
     def history(self, position: int) -> Sequence[int]:
-        return [e.token for e in self._entries[:position - self._start]]
+        return [e.token for e in self._entries[: position - self._start]]
 
-    def record(self, position: int, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
+    def record(
+        self, position: int, token: int, logprob: float, top: tuple[tuple[int, float], ...]
+    ) -> None:
         # A position sampled again (the engine recomputed it) replaces what followed it.
-        del self._entries[position - self._start:]
+        del self._entries[position - self._start :]
         self._entries.append(SampledToken(token, logprob, top))
 
     def entries(self, begin: int, end: int) -> list[SampledToken]:

@@ -6,6 +6,7 @@ by their source, so an agent that sends the same tool list every turn compiles i
 JSON is compact (no free whitespace): a small model given room for whitespace can spend its
 whole budget on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,17 @@ class GrammarCompiler:
 
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab,
-                                                          stop_token_ids=self._stops)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab, stop_token_ids=self._stops
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
             return self._compiler
 
     def json_schema(self, schema: dict[str, Any], param: str) -> "xgr.CompiledGrammar":
         try:
-            return self._get().compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            return self._get().compile_json_schema(
+                json.dumps(schema), any_whitespace=False, strict_mode=True
+            )
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{param}: the JSON schema cannot be enforced: {e}", param) from None
 
@@ -61,17 +65,23 @@ def schema_ebnf(schema: dict[str, Any], rule: str, param: str) -> str:
     import xgrammar as xgr
 
     try:
-        text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+        text = str(
+            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        )
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"{param}: the JSON schema cannot be enforced: {e}", param) from None
     names = set(re.findall(r"^(\w+) ::=", text, flags=re.M))
     # Scan as tokens: string literals and character classes pass unchanged, whole rule names
     # are renamed (a property called "root" stays a literal).
-    pattern = re.compile(r'("(?:[^"\\]|\\.)*")|(\[(?:[^\]\\]|\\.)*\])|\b('
-                         + "|".join(sorted(names, key=len, reverse=True)) + r')\b')
+    pattern = re.compile(
+        r'("(?:[^"\\]|\\.)*")|(\[(?:[^\]\\]|\\.)*\])|\b('
+        + "|".join(sorted(names, key=len, reverse=True))
+        + r")\b"
+    )
 
     def rename(m: re.Match) -> str:
         if m.group(3) is None:
             return m.group(0)
         return rule if m.group(3) == "root" else f"{rule}_{m.group(3)}"
+
     return pattern.sub(rename, text)

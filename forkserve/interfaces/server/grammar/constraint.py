@@ -4,12 +4,14 @@ Created when the request starts (one per choice), advanced by the sampler on the
 thread for each token sampled at the session's tip, dropped with the generation (a
 finished, stopped or aborted request simply lets it go: it holds no engine resource).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
 
 class GrammarConstraint:
     def __init__(self, compiled: "xgr.CompiledGrammar", start: int) -> None:
@@ -41,5 +43,7 @@ class GrammarConstraint:
             return  # the stop token was accepted: the engine ends the generation on it
         if not self._matcher.accept_token(token):
             # The mask allowed only grammatical tokens, so this is an engine bug, not a request's.
-            raise RuntimeError(f"token {token} at position {position} violates the request's grammar")
+            raise RuntimeError(
+                f"token {token} at position {position} violates the request's grammar"
+            )
         self._accepted += 1

@@ -2,13 +2,15 @@
 
 One small strategy per family, chosen from the model's chat template (``choose_format``):
 
-* ``HermesFormat`` (Hermes, Qwen2.5): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
+* ``HermesFormat`` (Hermes, Qwen2.5):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   per call; the template renders the tools itself.
 * ``Llama3JsonFormat`` (Llama 3.1-3.3): the reply is ``{"name": ..., "parameters": {...}}``,
   several separated by ``; ``.
 * ``SmolLM2Format`` (SmolLM2, and any template that cannot render tools): the function-calling
   prompt of SmolLM2-Instruct's model card, answered with ``<tool_call>[{...}, ...]</tool_call>``.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,12 +74,17 @@ class ToolFormat(ABC):
     def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
         """The tools, for a template that cannot render them (SmolLM2-Instruct's wording)."""
         listing = json.dumps([t["function"] for t in tools])
-        example = self.render_calls([("func_name1", {"argument1": "value1", "argument2": "value2"})])
-        return ("You are an expert in composing functions. You are given a question and a set of possible "
-                "functions. Based on the question, you will need to make one or more function/tool calls to "
-                "achieve the purpose. If none of the functions can be used, answer in plain text.\n\n"
-                f"You have access to the following tools:\n<tools>{listing}</tools>\n\n"
-                f"To call tools, answer in this format and nothing else:\n{example}")
+        example = self.render_calls(
+            [("func_name1", {"argument1": "value1", "argument2": "value2"})]
+        )
+        return (
+            "You are an expert in composing functions. You are given a question and a set of "
+            "possible functions. Based on the question, you will need to make one or more "
+            "function/tool calls to achieve the purpose. If none of the functions can be used, "
+            "answer in plain text.\n\n"
+            f"You have access to the following tools:\n<tools>{listing}</tools>\n\n"
+            f"To call tools, answer in this format and nothing else:\n{example}"
+        )
 
     def find_start(self, text: str) -> int:
         """Where the calls begin in ``text`` (-1: no call so far)."""

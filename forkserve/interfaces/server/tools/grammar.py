@@ -3,6 +3,7 @@
 The calls are the format's frame around one call, or several when ``parallel_tool_calls``;
 each call is a JSON object naming one allowed tool with arguments valid for its schema.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,31 @@ def call_schema(fmt: ToolFormat, tools: Sequence[dict[str, Any]]) -> dict[str, A
     options = []
     for tool in tools:
         fn = tool["function"]
-        options.append({"type": "object",
-                        "properties": {"name": {"const": fn["name"]},
-                                       fmt.arguments_key: fn.get("parameters") or _EMPTY},
-                        "required": ["name", fmt.arguments_key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": fn["name"]},
+                    fmt.arguments_key: fn.get("parameters") or _EMPTY,
+                },
+                "required": ["name", fmt.arguments_key],
+                "additionalProperties": False,
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def calls_rule(fmt: ToolFormat, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
     """EBNF rules defining ``calls`` (and its ``call`` sub-rules)."""
     more = f" ({json.dumps(fmt.separator)} call)*" if parallel else ""
-    parts = [json.dumps(fmt.prefix) if fmt.prefix else "", "call" + more,
-             json.dumps(fmt.suffix) if fmt.suffix else ""]
-    return "calls ::= " + " ".join(p for p in parts if p) + "\n" + schema_ebnf(call_schema(fmt, tools), "call", "tools")
+    parts = [
+        json.dumps(fmt.prefix) if fmt.prefix else "",
+        "call" + more,
+        json.dumps(fmt.suffix) if fmt.suffix else "",
+    ]
+    return (
+        "calls ::= "
+        + " ".join(p for p in parts if p)
+        + "\n"
+        + schema_ebnf(call_schema(fmt, tools), "call", "tools")
+    )

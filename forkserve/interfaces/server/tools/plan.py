@@ -6,6 +6,7 @@
   named tool, the ``response_format`` schema, or either a call or the schema (``auto`` with
   a schema: an agent that may still call tools before its structured answer).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat, caps: TemplateCaps) 
         return ChatPlan(prompt, fmt, GrammarSource(ebnf=ebnf))
     if answer is None:
         return ChatPlan(prompt, fmt, None)  # auto: the model may call a tool or answer freely
-    ebnf = ("root ::= calls | answer\n" + calls_rule(fmt, offered, body.parallel_tool_calls)
-            + schema_ebnf(answer, "answer", "response_format"))
+    ebnf = (
+        "root ::= calls | answer\n"
+        + calls_rule(fmt, offered, body.parallel_tool_calls)
+        + schema_ebnf(answer, "answer", "response_format")
+    )
     return ChatPlan(prompt, fmt, GrammarSource(ebnf=ebnf))

@@ -5,6 +5,7 @@ on, the text is held (a half-written call is no use to a client) and parsed when
 generation ends, so each call goes out whole in one ``tool_calls`` delta. A tail that could
 still be the start of a marker is held back, so no streamed content is ever taken back.
 """
+
 from __future__ import annotations
 
 from forkserve.interfaces.server.tools.formats import ParsedReply, ToolFormat
@@ -14,7 +15,7 @@ class ToolCallStream:
     def __init__(self, fmt: ToolFormat) -> None:
         self._fmt = fmt
         self._text = ""
-        self._sent = 0      # characters already streamed as content
+        self._sent = 0  # characters already streamed as content
         self._calling = False
 
     def push(self, delta: str) -> str:
@@ -40,6 +41,6 @@ class ToolCallStream:
     def _take(self, end: int) -> str:
         if end <= self._sent:
             return ""
-        out = self._text[self._sent:end]
+        out = self._text[self._sent : end]
         self._sent = end
         return out
