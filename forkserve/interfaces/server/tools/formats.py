@@ -113,16 +113,19 @@ class ToolFormat(ABC):
         """The calls of ``text`` (which starts where the calls start); [] if malformed."""
 
 
+# One call between <tool_call> tags (the last one may be cut off by max_tokens).
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
     prefix = "<tool_call>\n"
     separator = "\n</tool_call>\n<tool_call>\n"
     suffix = "\n</tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def _parse_calls(self, text: str) -> list[ToolCall]:
-        calls = [_call(_loads(body), self.arguments_key) for body in self._block.findall(text)]
+        calls = [_call(_loads(body), self.arguments_key) for body in _TOOL_CALL_BLOCK.findall(text)]
         return [] if not calls or None in calls else calls
 
 
@@ -132,11 +135,10 @@ class SmolLM2Format(ToolFormat):
     prefix = "<tool_call>["
     separator = ", "
     suffix = "]</tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
     def _parse_calls(self, text: str) -> list[ToolCall]:
         calls: list[ToolCall | None] = []
-        for body in self._block.findall(text):
+        for body in _TOOL_CALL_BLOCK.findall(text):
             items = _loads(body)
             items = items if isinstance(items, list) else [items]
             calls += [_call(item, self.arguments_key) for item in items]
