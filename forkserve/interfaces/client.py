@@ -98,12 +98,18 @@ def _segment(text: str | None, tokens: Sequence[int] | None) -> dict[str, Any]:
     return {"text": text} if text is not None else {"tokens": list(tokens)}
 
 
+REPLICA_HEADER = "x-forkserve-replica"
+
+
 class BranchClient:
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 120.0,
                  http: httpx.Client | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else None
         self._http = http or httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
+        # Behind `forkserve serve --replicas N`: the engine replica that served the last
+        # response (its `x-forkserve-replica` header); None from a single server.
+        self.last_replica: str | None = None
 
     def __enter__(self) -> "BranchClient":
         return self
@@ -172,6 +178,7 @@ class BranchClient:
         aborts the session on the server (its pages are freed)."""
         body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos, stream=True)
         with self._http.stream("POST", f"/v1/sessions/{session_id}/generate", json=body) as r:
+            self.last_replica = r.headers.get(REPLICA_HEADER)
             if r.status_code >= 400:
                 r.read()
                 self._raise(r)
@@ -206,6 +213,7 @@ class BranchClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         r = self._http.request(method, path, **kwargs)
+        self.last_replica = r.headers.get(REPLICA_HEADER)
         self._check(r)
         return r.json()
 

@@ -150,3 +150,19 @@ def test_metrics_expose_pools_actions_and_throughput(client):
                  "forkserve_queue_depth", "forkserve_http_requests_total{route=\"/v1/sessions\"",
                  "forkserve_prefix_hit_ratio{tree=\"base\"}", "forkserve_prefix_hit_tokens_total{tree=\"all\"}"):
         assert name in text, name
+
+
+def test_the_client_shows_which_replica_served_it():
+    import httpx
+
+    from forkserve.interfaces.client import REPLICA_HEADER, BranchClient
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"ticks": 0, "prefill_tokens": 0, "decode_tokens": 0, "slack_filled_tokens": 0}
+        return httpx.Response(200, json=body, headers={REPLICA_HEADER: "replica-1"})
+
+    http = httpx.Client(base_url="http://frontend", transport=httpx.MockTransport(handler))
+    client = BranchClient("http://frontend", http=http)
+    assert client.last_replica is None
+    client.drain()
+    assert client.last_replica == "replica-1"

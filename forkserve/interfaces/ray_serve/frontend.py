@@ -37,6 +37,7 @@ from ray.serve.handle import DeploymentHandle
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.control.prefix_index import CacheSalt
+from forkserve.interfaces.client import REPLICA_HEADER
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
 from forkserve.interfaces.ray_serve.protocol import ModelInfo
 from forkserve.interfaces.ray_serve.tree_client import (
@@ -83,7 +84,6 @@ from forkserve.interfaces.server.schemas import (
 )
 from forkserve.interfaces.server.session_ids import PublicSessionIds
 
-REPLICA_HEADER = "x-forkserve-replica"
 
 app = FastAPI(title="ForkServe (Ray Serve)")
 install_error_handlers(app)
