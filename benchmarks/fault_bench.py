@@ -29,6 +29,7 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from forkserve import KVLayout  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.bench.output import add_out_argument  # noqa: E402
 
 
@@ -106,7 +107,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "fault_bench.json"
-    results: dict = {"mock": {}, "torch": {}}
+    results: dict = {"commit": source_commit(), "mock": {}, "torch": {}}
 
     def save() -> None:
         out.write_text(json.dumps(results, indent=2) + "\n")
