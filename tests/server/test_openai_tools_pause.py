@@ -53,9 +53,12 @@ def _turn_after_pressure(server, client, system: str, tool_choice: str) -> tuple
 
 def test_tool_calls_pin_the_conversation_through_the_pause(demo_server):
     client = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0)
+    # Other tests' tool pauses hold pins that expire on their own clock: drop them all first,
+    # so the counts below are this test's alone.
+    demo_server.on_engine(lambda e: e.evict_all())
     before = demo_server.on_engine(lambda e: len(e.kv.retention.tables()))
-    # A reply in text first: nothing of this conversation is pinned (pages of other tests' tool
-    # prompts may be, and share the function-calling preamble's first pages).
+    assert before == 0
+    # A reply in text first: nothing of this conversation is pinned.
     pins, unpinned = _turn_after_pressure(
         demo_server, client, "You are a calendar agent. " * 8, "none"
     )
