@@ -322,11 +322,12 @@ class Engine:
         # Staged: the old tip keeps its table and the branches live until the tail is
         # written, so a failed tail puts everything back (``_unstage``).
         unwritten, session.generated_unwritten = session.generated_unwritten, False
-        session.error, session.hold_speculation = None, True
+        session.error = None
         tree.stage_tip(new_tip)
         self._attach_published(session, new_tip, keep_last=new_tip.next_token is None)
         before = self.metrics.prefill_tokens
         if wait:
+            session.hold_speculation = True
             try:
                 self.stepper.run_until(lambda: new_tip.kv_len >= new_tip.end or session.error is not None)
             finally:
@@ -336,22 +337,23 @@ class Engine:
                     f"session {session_id}: the commit's tail could not be scheduled")
                 self._unstage(session, tip, table if best is None else None, lengths, unwritten)
                 raise error
-        session.hold_speculation = False
         if session.paused_since is not None:  # the tool pause since the last generation ends
             self.kv.retention.policy.observe(self.clock() - session.paused_since)
             session.paused_since = None
-        aborted = [n.id for c in tip.live_children() if c is not new_tip for n in tree.abort(c)]
+        # The bound branch is released too (the tip forked its table) but was not discarded.
+        aborted = tuple(n.id for c in tip.live_children() if c is not new_tip
+                        for n in tree.abort(c) if n is not best)
         tree.settle_tip(tip)
         tip.generation += 1
         bound = best.id if best is not None else None
         if not wait:
             self.stepper.account()
             return CommitResult(session_id, new_tip.id, bound, matched,
-                                new_tip.end - new_tip.kv_len, _without(aborted, bound))
+                                new_tip.end - new_tip.kv_len, aborted)
         self.stepper.publish(new_tip)
         self.stepper.account()
         return CommitResult(session_id, new_tip.id, bound, matched,
-                            self.metrics.prefill_tokens - before, _without(aborted, bound))
+                            self.metrics.prefill_tokens - before, aborted)
 
     def _unstage(self, session: Session, tip: Node, taken: NodeKV | None,
                  lengths: tuple[int, ...], unwritten: bool) -> None:
@@ -688,10 +690,6 @@ def _count(what: str, n) -> int:
     if n < 0:
         raise InvalidRequestError(f"{what} must be >= 0, got {n}")
     return n
-
-
-def _without(ids: list[int], drop: int | None) -> tuple[int, ...]:
-    return tuple(i for i in ids if i != drop)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -162,8 +162,6 @@ class Stepper:
         sampling = None
         if start + g.tokens == node.end:
             sampling = session.sampling if node is session.tree.tip else GREEDY
-        if node.table.residual is not None and regime.write_residual and not g.decode:
-            self.metrics.residual_prefill_tokens += g.tokens
         tokens = tuple(session.tree.path_slice(node, start, start + g.tokens))
         work = SeqWork(node.id, tokens, start, node.table.slots(), node.adapter, sampling,
                        speculative=g.work_class is WorkClass.SPECULATIVE, decode=g.decode,
@@ -229,6 +227,8 @@ class Stepper:
         node.last_touch = self.clock()
         if node is session.tree.tip:
             session.generated_unwritten = False
+        if item.work.slots.residual_pages is not None and item.work.write_residual and not g.decode:
+            self.metrics.residual_prefill_tokens += g.tokens  # only work that ran counts
         if g.work_class is WorkClass.SPECULATIVE and node.slack_only:
             self.slack_tokens -= g.tokens
             self.metrics.slack_filled_tokens += g.tokens
