@@ -143,7 +143,6 @@ class _Eviction:
 
     copies: dict[HostSlotId, PageId] = field(default_factory=dict)
     released: list[PageId] = field(default_factory=list)
-    pending: collections.Counter = field(default_factory=collections.Counter)  # released, per page
 
 
 class PrefixIndex:
@@ -263,17 +262,13 @@ class PrefixIndex:
         run = _Eviction()
         while heap and (max_pages is None or len(run.released) < max_pages):
             _, _, node = heapq.heappop(heap)
-            # Released pages are decref'd only after the pass: count what it already let go.
-            if self.pool.refcount(node.page) - run.pending[node.page] != self._refs[node.page]:
+            # The index's own references are let go only after the pass, with the decref.
+            if self.pool.refcount(node.page) != self._refs[node.page]:
                 continue  # a live table still reads it; evicting would not free memory
             slot = self._host_slot(keep, run) if host is not None else None
             if slot is None and node.children:
                 continue  # its offloaded children need it in the tree, and the host is full
             run.released.append(node.page)
-            run.pending[node.page] += 1
-            self._refs[node.page] -= 1
-            if not self._refs[node.page]:
-                del self._refs[node.page]
             self._entries -= 1
             if slot is None:
                 self._unlink(node)
@@ -287,6 +282,10 @@ class PrefixIndex:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if host is not None:
             host.offload([HostCopy(page, slot) for slot, page in run.copies.items()])
+        self._refs.subtract(run.released)
+        for page in run.released:
+            if not self._refs[page]:
+                del self._refs[page]
         return self.pool.decref(run.released)  # only now: the copies above read these pages
 
     def drop_host(self, max_pages: int | None = None, keep: frozenset = frozenset()) -> int:
