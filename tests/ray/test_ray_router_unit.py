@@ -18,8 +18,10 @@ from ray.serve._private.common import (
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from forkserve.backend.protocol import PageKind
-from forkserve.control.page_pool import PagePool
-from forkserve.control.prefix_index import BASE, AdapterNamespace, PrefixIndex
+from forkserve.config import ForkServeConfig
+from forkserve.control.kv_cache import KVCache
+from forkserve.control.prefix_index import BASE, AdapterNamespace
+from forkserve.engine.cache_stats import published_pages
 from forkserve.interfaces.ray_serve.protocol import RouteHint
 from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
 from forkserve.interfaces.ray_serve.stats import (
@@ -86,15 +88,15 @@ def test_page_hashes_are_chained_and_only_cover_full_pages() -> None:
 
 
 def test_index_hashes_match_the_prompt_hashes_of_published_pages() -> None:
-    pool = PagePool(PageKind.UNIFIED, 64, P)
-    index = PrefixIndex(pool)
+    kv = KVCache(ForkServeConfig(page_size=P, num_pages=64), [PageKind.UNIFIED])
     tokens = list(range(3, 15))
-    index.insert(BASE, tokens, pool.alloc(3))
-    index.insert(AdapterNamespace("0"), tokens[:8], pool.alloc(2))
-    published = index_hashes(index, {"0": "planner"})
+    kv.index.insert(BASE, tokens, kv.pool.alloc(3))
+    kv.index.insert(AdapterNamespace("0"), tokens[:8], kv.pool.alloc(2))
+    pages = published_pages(kv)
+    published = index_hashes(pages, P, {"0": "planner"})
     assert matched_pages(page_hashes(BASE_SCOPE, tokens + [1, 2], P), published) == 3
     assert matched_pages(page_hashes("planner", tokens, P), published) == 2
-    assert pages_per_adapter([index], {"0": "planner"}) == {"planner": 2}
+    assert pages_per_adapter(pages, {"0": "planner"}) == {"planner": 2}
 
 
 def test_a_known_tree_goes_to_its_owner_only() -> None:

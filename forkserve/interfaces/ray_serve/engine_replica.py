@@ -104,7 +104,7 @@ class EngineReplica:
         self._adapter_names = {str(key): name for name, key in self._model.adapters.items()}
         # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
-        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.pool.num_free)
+        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.cache_stats().base.free)
 
     def __del__(self) -> None:
         self._worker.stop()
@@ -163,7 +163,7 @@ class EngineReplica:
         m = self._model
         return ModelInfo(name=m.name, model_path=self._spec.model_path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
-                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.pool.page_size)
+                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
@@ -283,9 +283,9 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         def summarize() -> ReplicaSummary:
             eng = self._model.engine
-            indexes = [eng.index] + ([eng.residual_index] if eng.residual_index is not None else [])
+            pages = eng.published_pages()
             w = self._worker.stats()
-            return ReplicaSummary(index_hashes(eng.index, self._adapter_names),
-                                  pages_per_adapter(indexes, self._adapter_names),
-                                  eng.pool.num_free, w.active_generations, w.queue_depth)
+            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._adapter_names),
+                                  pages_per_adapter(pages, self._adapter_names),
+                                  eng.cache_stats().base.free, w.active_generations, w.queue_depth)
         return (await self._worker.call(summarize)).to_dict()

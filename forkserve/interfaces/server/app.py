@@ -52,7 +52,7 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
         worker.start()
         log.info("serving %s (adapters: %s), context %d tokens, %d pages of %d tokens",
                  model.name, sorted(model.adapters) or "none", model.max_context,
-                 model.engine.pool.num_free, model.engine.pool.page_size)
+                 model.engine.cache_stats().base.free, model.engine.config.page_size)
         try:
             yield
         finally:
