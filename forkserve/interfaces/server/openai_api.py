@@ -269,6 +269,7 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
     bias = _bias(body, st.model)
     needs_log = logprobs is not None or bool(body.presence_penalty or body.frequency_penalty)
     salt = st.tenancy.salt(tenant, body.cache_salt)
+    temperature, top_p = st.model.sampling_defaults.resolve(body)
     choices: list[_Choice] = []
     cached: list[int] = []
 
@@ -282,7 +283,7 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
         for j, ids in enumerate(prompts):
             seed = None if body.seed is None else body.seed + (j % body.n)
             log = TokenLog(len(ids)) if needs_log else None
-            sampling = SamplingParams(body.temperature, body.top_p, seed, body.presence_penalty,
+            sampling = SamplingParams(temperature, top_p, seed, body.presence_penalty,
                                       body.frequency_penalty, bias, logprobs,
                                       GrammarConstraint(grammar, len(ids)) if grammar is not None else None, log)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
