@@ -55,6 +55,9 @@ class StepOutput:
 
     result: StepResult
     logits: tuple[torch.Tensor | None, ...]  # per item: [1 or len(tokens), vocab] float32, or None
+    # per item: the residual stream after each decoder layer, [len(tokens), layers, hidden]
+    # (forward(hidden_states=True) only; () otherwise)
+    hidden: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,21 +242,27 @@ class TorchBackend:
         were, or when writes are not tracked (``track_writes``)."""
         return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
 
-    def forward(self, work: Sequence[SeqWork], all_logits: bool = False) -> StepOutput:
-        """step() plus logits: for each item, the last token's (if it samples) or every token's."""
+    def forward(self, work: Sequence[SeqWork], all_logits: bool = False,
+                hidden_states: bool = False) -> StepOutput:
+        """step() plus logits: for each item, the last token's (if it samples) or every token's;
+        hidden_states: plus each item's residual stream after every layer, before the final
+        norm (what the quality benchmark compares across layouts). That step runs without
+        CUDA graphs."""
         if not work:
             return StepOutput(StepResult(()), ())
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
         t0 = time.perf_counter()
-        run = self.runner.forward(work, slots, all_logits)
+        run = self.runner.forward(work, slots, all_logits, hidden_states)
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0],
                                [split_residual_pages(s, self.limits) is not None for s in work])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
+        ends = list(itertools.accumulate(len(s.tokens) for s in work))
+        hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, ends, strict=True))
+                  if run.hidden is not None else ())
         if all_logits:
-            ends = itertools.accumulate(len(s.tokens) for s in work)
             per_item = [logits[e - len(s.tokens):e] for s, e in zip(work, ends, strict=True)]
             sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
             last = torch.stack(sampled) if sampled else logits[:0]
@@ -272,7 +281,7 @@ class TorchBackend:
         prefill = [s for s in work if not s.decode]
         cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
                         decode_tokens=len(decode), prefill_calls=len(prefill))
-        return StepOutput(StepResult(next_tokens, cost), tuple(per_item))
+        return StepOutput(StepResult(next_tokens, cost), tuple(per_item), hidden)
 
     @property
     def cascade_attention(self) -> bool:
