@@ -102,7 +102,7 @@ class FakeLLMEngine:
     # ------------------------------------------------ the LLMEngine surface
     def add_request(self, request_id: str, prompt: Mapping[str, list[int]], params: Any, *,
                     lora_request: Any = None) -> None:
-        assert params.n == 1 and params.max_tokens == 1 and params.ignore_eos
+        assert params.n == 1 and params.max_tokens >= 1 and params.ignore_eos
         internal = f"{request_id}-{len(self.requests) + len(self.queue):08x}"
         self.queue.append(_Request(internal, request_id, list(prompt["prompt_token_ids"]),
                                    params, lora_request))
@@ -143,7 +143,9 @@ class FakeLLMEngine:
             r.blocks.append(block)
         self.computed_tokens += len(r.tokens) - hit * p
         self.requests.append(r)
-        return FakeOutput(r.external_id, [_Completion([next_token(r.tokens, lora)])], hit * p)
+        # Every token in one step: nothing here depends on how vLLM interleaves decode steps.
+        tokens = greedy_reference(r.tokens, r.params.max_tokens, lora)
+        return FakeOutput(r.external_id, [_Completion(tokens)], hit * p)
 
     def _allocate(self, key: tuple) -> FakeBlock:
         if key in self.cache:  # vLLM does not deduplicate; one entry per key is enough here
