@@ -127,7 +127,8 @@ def format_rows(rows: list[MeasuredRow]) -> str:
             f"{'wall ms':>9} {'peak KV':>8} {'model':>7} {'vLLM blk':>8} {'pruned':>6}  stages")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.system:<13} {r.size:<6} {'distinct' if r.distinct_trunks else 'shared':<8} "
+        trunks = "distinct" if r.distinct_trunks else "shared"
+        lines.append(f"{r.system:<13} {r.size:<6} {trunks:<8} "
                      f"{r.computed_tokens:>9} {r.model_prefill_tokens:>7} {r.wall_ms:>9.1f} "
                      f"{r.peak_kv_tokens:>8} {r.model_peak_kv_tokens:>7} "
                      f"{'-' if r.vllm_peak_blocks is None else r.vllm_peak_blocks:>8} "

@@ -54,12 +54,9 @@ def test_vllm_backend_row_takes_the_mock_decisions_and_counts_what_vllm_computed
     mock = engine_row("mock", "small", params, MockBackend(cfg))
     assert row.actions == mock.actions and row.pruned == mock.pruned
     # vLLM recomputes at most a partial page per request beyond what the Engine asked.
-    assert mock.computed_tokens <= row.computed_tokens < row.submitted_tokens + 16 * fake_requests(fake)
+    slack = 16 * len(fake.requests)
+    assert mock.computed_tokens <= row.computed_tokens < row.submitted_tokens + slack
     assert not any(b.ref for b in fake.cache.values())  # reset released every pin
-
-
-def fake_requests(fake: FakeLLMEngine) -> int:
-    return len(fake.requests)
 
 
 def test_plain_vllm_row_computes_each_trunk_once():
