@@ -19,10 +19,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -210,6 +214,17 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = load_tokenizer(args.tokenizer)
     vocab = len(tok)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "vocab": vocab,
+        "commit": source_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     rows = []
     for engine in (XGrammar(tok, vocab), LLGuidance(tok, vocab)):
         for schema, answer in ((SCHEMA, ANSWER), (None, FREE_ANSWER)):
@@ -217,16 +232,8 @@ def main() -> None:
                 row = run_case(engine, tok, schema, answer, batch, args.device, args.repeats)
                 print(json.dumps(row))
                 rows.append(row)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "device": args.device,
-        "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "vocab": vocab,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+                # Written after every case: a run cut short keeps what it measured.
+                out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

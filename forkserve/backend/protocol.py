@@ -69,6 +69,11 @@ class SampleLog(Protocol):
         """``token`` (log-probability ``logprob``) was sampled for ``position``; ``top``:
         the most likely tokens there with theirs, most likely first (empty if not asked)."""
 
+    def record_prompt(self, position: int, token: int, logprob: float,
+                      top: tuple[tuple[int, float], ...]) -> None:
+        """The prompt's ``token`` at ``position`` had log-probability ``logprob`` given the
+        tokens before it; ``top`` as in ``record``. Called again for a recomputed position."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -81,6 +86,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely, to ``log``.
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability and the k most likely there, to
+    # ``log`` (``record_prompt``). The prompt is then prefilled whole (its logits are needed):
+    # the opener bypasses the prefix cache (``Engine.open(reuse_prefix=False)``).
+    prompt_logprobs: int | None = None
     constraint: TokenConstraint | None = None
     log: SampleLog | None = None
 
@@ -89,11 +98,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        needs_log = self.presence_penalty or self.frequency_penalty or self.logprobs is not None
+        needs_log = (self.presence_penalty or self.frequency_penalty or self.logprobs is not None
+                     or self.prompt_logprobs is not None)
         if needs_log and self.log is None:
             raise ValueError("penalties and logprobs need a SampleLog (the tokens sampled so far)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def plain(self) -> bool:
@@ -139,6 +150,18 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A prefill chunk of a prompt whose log-probabilities were asked for: the backend
+    computes the logits of every token of the chunk and reports, through ``log``, each next
+    prompt token's log-probability and the ``top`` most likely there. ``following``: the
+    prompt token after the chunk (None when the chunk ends the prompt: its last row samples)."""
+
+    top: int
+    following: int | None
+    log: SampleLog
+
+
+@dataclass(frozen=True)
 class SeqWork:
     """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
 
@@ -169,6 +192,8 @@ class SeqWork:
     # Cascade attention: set by the control plane when other items of the step share this
     # item's leading pages (None: read alone).
     shared_prefix: SharedPrefix | None = None
+    # Prompt log-probabilities (a prefill chunk of a prompt that asked for them; None: none).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,11 @@ class Engine:
 
     # ------------------------------------------------------------------ verbs
     def open(self, tokens: Sequence[int], *, adapter: str | None = None,
-             salt: CacheSalt = UNSALTED) -> SessionHandle:
+             salt: CacheSalt = UNSALTED, reuse_prefix: bool = True) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued. ``salt``:
-        the trust boundary its pages are matched and published in (every fork keeps it)."""
+        the trust boundary its pages are matched and published in (every fork keeps it).
+        ``reuse_prefix=False``: prefill every token though published pages cover a prefix
+        (its logits are wanted: prompt log-probabilities); what it writes is still published."""
         tokens = self._check_tokens(tokens)
         adapter = self._check_adapter(adapter)
         self._check_context(len(tokens))
@@ -117,7 +119,8 @@ class Engine:
                     self.kv.new_kv(adapter, form, salt), NodeState.COMMITTED, adapter=adapter)
         session = Session(sid, ContextTree(root), adapter)
         self.sessions[sid] = session
-        self._attach_published(session, root, keep_last=True)
+        if reuse_prefix:
+            self._attach_published(session, root, keep_last=True)
         self.kv.retention.resume(root.table.base.pages, self.clock())
         self.stepper.account()
         return SessionHandle(sid, root.id)

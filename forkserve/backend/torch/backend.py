@@ -40,7 +40,7 @@ from forkserve.backend.torch.lora import (
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.runner import ModelRunner
-from forkserve.backend.torch.sampler import Sampler
+from forkserve.backend.torch.sampler import Sampler, record_prompt
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
@@ -259,19 +259,24 @@ class TorchBackend:
                                [split_residual_pages(s, self.limits) is not None for s in work])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
-        ends = list(itertools.accumulate(len(s.tokens) for s in work))
-        hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, ends, strict=True))
+        token_ends = itertools.accumulate(len(s.tokens) for s in work)
+        hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, token_ends, strict=True))
                   if run.hidden is not None else ())
-        if all_logits:
-            per_item = [logits[e - len(s.tokens):e] for s, e in zip(work, ends, strict=True)]
+        counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
+                  for s in work]
+        ends = itertools.accumulate(counts)
+        per_item = [logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True)]
+        if sum(counts) == len(sampling):
+            last = logits  # one row per sampling item, in order (a graph's argmax matches it)
+        else:
             sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
             last = torch.stack(sampled) if sampled else logits[:0]
-        else:
-            rows = iter(range(len(sampling)))
-            per_item = [logits[next(rows)].unsqueeze(0) if s.sampling is not None else None for s in work]
-            last = logits
+        for rows, s in zip(per_item, work, strict=True):
+            if s.prompt_logprobs is not None:
+                record_prompt(rows, s.tokens, s.start_pos, s.prompt_logprobs)
         tokens = iter(self.sampler.sample(last, [s.sampling for s in sampling],
-                                          [s.start_pos + len(s.tokens) for s in sampling], run.greedy)
+                                          [s.start_pos + len(s.tokens) for s in sampling],
+                                          run.greedy if last is logits else None)
                       if sampling else [])
         next_tokens = tuple(next(tokens) if s.sampling is not None else None for s in work)
         if self.device.type == "cuda" and not sampling:  # sampling already waited for the device

@@ -42,13 +42,15 @@ class ModelRunner:
 
     def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool,
                 hidden_states: bool = False) -> RunOutput:
-        """Logits for every token (all_logits) or for the last token of each sampling item;
-        hidden_states: also every token's residual stream after each layer (runs eagerly: a
-        replayed graph keeps no per-layer tensors)."""
+        """Logits for every token (all_logits) or, per item, for every token (prompt
+        log-probabilities) or the last (it samples) or none; hidden_states: also every token's
+        residual stream after each layer (runs eagerly: a replayed graph keeps no per-layer
+        tensors)."""
         bucket = batch_bucket(len(work))
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
-        decode = all(len(s.tokens) == 1 and not s.extra_residuals for s in work)
+        decode = all(len(s.tokens) == 1 and not s.extra_residuals and s.prompt_logprobs is None
+                     for s in work)
         # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
         # decoded slower with it there (63.8 vs 51.3 ms/step), faster without (29.2 vs 35.9;
         # docs/ENGINE.md); the cause is not found yet.

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from forkserve.backend.protocol import SamplingParams
+from forkserve.backend.protocol import PromptLogprobs, SamplingParams
 
 _MIX = 1_000_003  # odd multiplier spreading (seed, position) over the 63-bit seed space
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -36,6 +36,24 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 words [rows, ceil(vocab/32)] (bit j of word i: token 32i+j) -> bool [rows, vocab]."""
     bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
     return bits.flatten(1)[:, :vocab].bool()
+
+
+def record_prompt(logits: torch.Tensor, tokens: Sequence[int], start: int, request: PromptLogprobs) -> None:
+    """Prompt log-probabilities of one prefill chunk (``logits``: a row per token, position
+    ``start`` first): row i predicts the prompt token at ``start + i + 1``, the chunk's next
+    token or, for its last row, ``request.following`` (none when the chunk ends the prompt)."""
+    targets = list(tokens[1:]) + ([request.following] if request.following is not None else [])
+    if not targets:
+        return
+    logprobs = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+    index = torch.tensor(targets, device=logprobs.device)[:, None]
+    picked = logprobs.gather(-1, index)[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if request.top:
+        values, ids = logprobs.topk(request.top, dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    for j, (token, lp, top) in enumerate(zip(targets, picked, tops, strict=True)):
+        request.log.record_prompt(start + j + 1, token, lp, top)
 
 
 class Sampler:
