@@ -9,7 +9,8 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
 * ``residual_pages``: pages per adapter name (``adapter_names`` maps the engine's adapter
   key as a string, which is how ``AdapterNamespace`` holds it, to the name clients send), resident in the residual cache (the
   disaggregated layout) or under the adapter's namespace of the unified cache.
-* free pages, running generations and queued commands: load beyond Serve's queue length.
+* live pages (held by sessions: the cache alone is an asset, not load), free pages, the page size, recent tokens per second (prefill + decode), running
+  generations and queued commands: load beyond Serve's queue length (placement.py).
 
 Hashes are blake2b, not ``hash()``: the Frontend and every replica must agree across
 processes whatever their PYTHONHASHSEED. A page published under a ``CacheSalt`` other than
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forkserve.control.page_pool import PagePool
 from forkserve.control.prefix_index import (
     UNSALTED,
     AdapterNamespace,
@@ -74,16 +76,21 @@ class ReplicaSummary:
     free_pages: int
     running: int
     waiting: int
+    live_pages: int = 0            # pages some session holds (cache-only pages excluded)
+    page_size: int = 16
+    token_rate: float = 0.0        # prefill + decode tokens per second, the engine worker's window
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefix_pages": sorted(self.prefix_pages), "residual_pages": dict(self.residual_pages),
-                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting}
+                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting,
+                "live_pages": self.live_pages, "page_size": self.page_size, "token_rate": self.token_rate}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaSummary:
         """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
         return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
-                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))
+                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)),
+                   int(d.get("live_pages", 0)), int(d.get("page_size", 16)), float(d.get("token_rate", 0.0)))
 
 
 def _scope(namespace: Namespace, adapter_names: Mapping[str, str]) -> str:
@@ -113,3 +120,10 @@ def pages_per_adapter(indexes: Sequence[PrefixIndex], adapter_names: Mapping[str
                 name = _scope(entry.namespace, adapter_names)
                 counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def live_pages(pool: PagePool, index: PrefixIndex) -> int:
+    """Pages in use by a session: used pages but those only the prefix index holds (the
+    cache, which eviction frees under pressure)."""
+    cached_only = sum(1 for page, refs in index.held_refs().items() if pool.refcount(page) == refs)
+    return pool.num_used - cached_only
