@@ -21,6 +21,8 @@ class PoolStats:
     kind: PageKind
     pages: int       # capacity
     used: int        # held by a table, the prefix tree or a pause pin
+    live: int        # held by something other than the prefix tree alone (the cache is an
+                     # asset eviction frees under pressure, not load)
     free: int
     published: int   # pages its prefix tree holds (a page under two keys counts once)
 
@@ -50,7 +52,9 @@ class PublishedPage:
 
 
 def _pool_stats(pool: PagePool, index: PrefixIndex) -> PoolStats:
-    return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_free, index.num_pages)
+    cached_only = sum(1 for page, refs in index.held_refs().items() if pool.refcount(page) == refs)
+    return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_used - cached_only,
+                     pool.num_free, index.num_pages)
 
 
 def cache_stats(kv: KVCache) -> CacheStats:

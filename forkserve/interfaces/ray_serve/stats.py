@@ -10,7 +10,9 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
   key as a string, as ``PublishedPage.adapter`` holds it, to the name clients send),
   resident in the residual cache (the disaggregated layout) or under the adapter's
   namespace of the unified cache.
-* free pages, running generations and queued commands: load beyond Serve's queue length.
+* live pages (held by sessions: the cache alone is an asset, not load), free pages, the page
+  size, recent tokens per second (prefill + decode), running generations and queued
+  commands: load beyond Serve's queue length (placement.py).
 
 Hashes are blake2b, not ``hash()``: the Frontend and every replica must agree across
 processes whatever their PYTHONHASHSEED. A page published under a ``CacheSalt`` other than
@@ -69,16 +71,21 @@ class ReplicaSummary:
     free_pages: int
     running: int
     waiting: int
+    live_pages: int = 0            # pages some session holds (cache-only pages excluded)
+    page_size: int = 16
+    token_rate: float = 0.0        # prefill + decode tokens per second, the engine worker's window
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefix_pages": sorted(self.prefix_pages), "residual_pages": dict(self.residual_pages),
-                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting}
+                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting,
+                "live_pages": self.live_pages, "page_size": self.page_size, "token_rate": self.token_rate}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaSummary:
         """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
         return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
-                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))
+                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)),
+                   int(d.get("live_pages", 0)), int(d.get("page_size", 16)), float(d.get("token_rate", 0.0)))
 
 
 def _scope(page: PublishedPage, adapter_names: Mapping[str, str]) -> str:
@@ -111,3 +118,4 @@ def pages_per_adapter(pages: Sequence[PublishedPage],
             name = _scope(page, adapter_names)
             counts[name] = counts.get(name, 0) + 1
     return counts
+
