@@ -28,6 +28,7 @@ from forkserve.backend.torch.errors import (
 )
 from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
+from forkserve.backend.torch.gpu_timeline import GpuTimeline
 from forkserve.backend.torch.host_pool import HostResidualPool
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
@@ -180,6 +181,8 @@ class TorchBackend:
         self._next_id = 0
         self._tokenizer: Tokenizer | None = None
         self._writes: WriteTracker | None = None
+        # Measurement hook, off by default (``record_gpu_timeline``).
+        self.gpu_timeline: GpuTimeline | None = None
         for name, adapter in adapters.items():
             self._install(name, adapter)
 
@@ -237,6 +240,12 @@ class TorchBackend:
         self._writes = WriteTracker(kinds, self.config.page_size,
                                     self.host.num_slots if self.host is not None else 0)
 
+    def record_gpu_timeline(self) -> GpuTimeline:
+        """Measurement mode: mark each step's start and end on the device (``gpu_timeline.py``),
+        so a benchmark can read how long the device idled between decode steps."""
+        self.gpu_timeline = GpuTimeline(self.device)
+        return self.gpu_timeline
+
     def first_unwritten(self, kind: PageKind, pages: Sequence[int], length: int) -> int | None:
         """The first of positions [0, length) behind ``pages`` no step wrote; None when all
         were, or when writes are not tracked (``track_writes``)."""
@@ -253,7 +262,11 @@ class TorchBackend:
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
         t0 = time.perf_counter()
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.start()
         run = self.runner.forward(work, slots, all_logits, hidden_states)
+        if self.gpu_timeline is not None:  # before sampling's read-back: that wait is the host's
+            self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0],
                                [split_residual_pages(s, self.limits) is not None for s in work])

@@ -31,6 +31,8 @@ class Workflow:
         self.outputs: list[list[int]] = []
         self.needs: dict[str, int] | None = None   # pages per side reserved at admission
         self.split = False
+        # Stateless turns (``params.reopen``): the committed history the next turn re-sends.
+        self.history: list[int] | None = None
 
     def footprint_tokens(self) -> int:
         p = self.params
@@ -112,7 +114,8 @@ class Driver:
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
         agents holding it — kept at the most agents seen at once."""
-        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows]
+        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows
+                  if f.session is not None]
         tables = [kv for kv in tables if kv.length >= self.params.context]
         if len(tables) <= self._context_holders:
             return
@@ -153,9 +156,10 @@ class Driver:
             self.reserved[side] -= n
         self.admitted.remove(flow)
 
-    def _open(self, flow: Workflow) -> None:
-        flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
-        self.prompt_tokens += len(flow.prompt)
+    def _open(self, flow: Workflow, tokens: list[int] | None = None) -> None:
+        tokens = flow.prompt if tokens is None else tokens
+        flow.session = self.engine.open(tokens, adapter=flow.adapter).id
+        self.prompt_tokens += len(tokens)
         flow.turn_started = time.perf_counter()
         self.engine.start_generate(flow.session, self.params.gen)
 
@@ -211,6 +215,10 @@ class Driver:
                         self._close(flow)
                         active.remove(flow)
                         continue
+                    if self.params.reopen:  # the pause frees the session and its reservation
+                        flow.history = self.engine.committed_tokens(flow.session)
+                        self._close(flow)
+                        flow.session = None
                     flow.resume_at = now + self.params.pause_s
             if self.params.lockstep and all(f.resume_at is not None for f in active) and active:
                 resume = max(f.resume_at for f in active)
@@ -220,9 +228,15 @@ class Driver:
                 if flow.resume_at is not None and now >= flow.resume_at:
                     obs = observation(flow.turn, flow.index, self.params.observation,
                                        self.engine.config.vocab_size)
-                    self.engine.commit(flow.session, self.engine.tip(flow.session), obs, wait=False)
-                    self.prompt_tokens += len(obs)
-                    self.engine.start_generate(flow.session, self.params.gen)
+                    if flow.session is None:  # a stateless turn: re-send the history when it fits
+                        if not self._fits(flow):
+                            continue
+                        self._open(flow, flow.history + obs)
+                    else:
+                        self.engine.commit(flow.session, self.engine.tip(flow.session), obs,
+                                           wait=False)
+                        self.prompt_tokens += len(obs)
+                        self.engine.start_generate(flow.session, self.params.gen)
                     flow.turn_started, flow.resume_at = time.perf_counter(), None
             if not self._tick():
                 pending = [f.resume_at for f in active if f.resume_at is not None]
