@@ -22,8 +22,8 @@ def _turn(eng: Engine, tokens: list[int]) -> None:
 def test_a_fresh_engine_reports_empty_pools_of_the_configured_sizes():
     stats = Engine(MockBackend(CFG)).cache_stats()
     assert stats.page_size == P
-    assert stats.base == PoolStats(PageKind.BASE, 128, 0, 128, 0)
-    assert stats.residual == PoolStats(PageKind.RESIDUAL, 12, 0, 12, 0)
+    assert stats.base == PoolStats(PageKind.BASE, 128, 0, 0, 128, 0)
+    assert stats.residual == PoolStats(PageKind.RESIDUAL, 12, 0, 0, 12, 0)
     assert (stats.pins, stats.pinned_pages, stats.offloaded_pages) == (0, 0, 0)
     assert stats.host_slots_free == 32
     unified = Engine(MockBackend(CFG.replace(kv_layout=KVLayout.UNIFIED))).cache_stats()
@@ -39,6 +39,9 @@ def test_stats_follow_publishing_pins_and_the_host_tier():
     assert first.residual.published == len(CONTEXT) // P
     assert first.pins == 1 and first.pinned_pages >= len(CONTEXT) // P
     assert first.base.used + first.base.free == 128
+    # The session is closed: its residual pages are cache only (not load); its base pages are pinned.
+    assert first.residual.live == 0 < first.residual.used
+    assert first.base.live >= first.pinned_pages
     _turn(eng, OTHER)
     second = eng.cache_stats()
     assert second.offloaded_pages == len(CONTEXT) // P
