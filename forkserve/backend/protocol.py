@@ -45,15 +45,29 @@ class TokenConstraint(Protocol):
     It lives from the request's start to the end (or abort) of its generation and is owned
     by the requester. Positions make it exact when a position is sampled again (a resampled
     last position): a handle asked about a position it has already passed rolls back to it.
+    Its ``filler`` writes the allowed tokens of every constraint of its kind in a step."""
+
+    @property
+    def filler(self) -> "BitmaskFiller":
+        """The strategy that fills this constraint's bitmask row (shared by its kind)."""
+
+    def accept(self, token: int, position: int) -> None:
+        """``token`` was sampled for ``position``: advance the grammar past it."""
+
+
+@runtime_checkable
+class BitmaskFiller(Protocol):
+    """Fills a step's grammar masks in one call, so a grammar engine can fill the rows of a
+    batch in parallel (xgrammar's batch fill runs on its own threads, off the GIL). Supplied
+    with the constraints by whoever made them; it holds no request's state.
+
     The bitmask is the backend's buffer, never a value crossing the protocol: int32 words
     ``[rows, ceil(vocab / 32)]`` on the host, bit ``j`` of word ``i`` allowing token
     ``32 * i + j`` (xgrammar's and llguidance's layout)."""
 
-    def fill_bitmask(self, bitmask: object, row: int, position: int) -> None:
-        """Write the tokens allowed at ``position`` into row ``row`` of ``bitmask``."""
-
-    def accept(self, token: int, position: int) -> None:
-        """``token`` was sampled for ``position``: advance the grammar past it."""
+    def fill(self, bitmask: object, rows: Sequence[tuple[TokenConstraint, int, int]]) -> None:
+        """For each ``(constraint, row, position)``: write the tokens ``constraint`` allows at
+        ``position`` into row ``row`` of ``bitmask``."""
 
 
 @runtime_checkable

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from forkserve.config import ForkServeConfig
+from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 from forkserve.interfaces.server.errors import APIError
 from forkserve.interfaces.server.generation_defaults import (
@@ -23,6 +24,7 @@ from forkserve.interfaces.server.generation_defaults import (
 from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
 from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
+from forkserve.interfaces.server.tools.legality import CallLegality
 
 
 class TextTokenizer(Protocol):
@@ -48,6 +50,7 @@ class ServedModel:
     adapters: Mapping[str, int]        # adapter name -> backend adapter id
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
+    grammars: GrammarCompiler          # structured outputs, required calls, the legality check
     created: int = field(default_factory=lambda: int(time.time()))
     # A chat reply that ends in tool calls pins its KV through the tool pause (docs/SERVER.md).
     pin_tool_pauses: bool = True
@@ -70,10 +73,6 @@ class ServedModel:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
                                 f"the request has {prompt_tokens} prompt tokens and asks for "
                                 f"{max_tokens} completion tokens", param="max_tokens")
-
-    @cached_property
-    def grammars(self) -> GrammarCompiler:
-        return GrammarCompiler(self.tokenizer.hf, self.engine.config.vocab_size, self.eos_token_ids)
 
     @cached_property
     def tool_format(self) -> ToolFormat:
@@ -117,9 +116,16 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     backend = TorchBackend(config, model_path, dict(loras or {}), device=device, dtype=torch_dtype,
                            attention=attention, use_cuda_graphs=use_cuda_graphs)
     tokenizer = backend.tokenizer
-    engine = Engine(backend)
     eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
+    grammars = GrammarCompiler(tokenizer.hf, backend.config.vocab_size, eos)
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    # The branch cascade rejects a residual that cannot parse as a call in the model's format.
+    calls = CallLegality(choose_format(tokenizer.chat_template), grammars, decode)
+    engine = Engine(backend, scorer=CompositeScorer([LoopScorer(), LegalityScorer(decode, calls=calls)]))
     return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
                        max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos,
-                       sampling_defaults=load_sampling_defaults(model_path, generation_config))
+                       sampling_defaults=load_sampling_defaults(model_path, generation_config),
+                       grammars=grammars)
