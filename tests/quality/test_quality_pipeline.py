@@ -48,11 +48,16 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     from benchmarks.quality.report import write_outputs
 
     out = tmp_path / "adapters"
-    assert train.main(["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
-                       "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4",
-                       "--init", "random"]) == 0
+    args = ["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
+            "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4", "--init", "random"]
+    assert train.main(args) == 0
     log = json.loads((out / "train_log.json").read_text())
     assert [t["task"] for t in log["tasks"]] == ["simple_python", "multiple", "parallel", "live_simple"]
+    saved = out / "parallel" / "adapter_model.safetensors"
+    stamp = saved.stat().st_mtime_ns
+    assert train.main(args) == 0 and saved.stat().st_mtime_ns == stamp  # resumed: nothing to train
+    with pytest.raises(SystemExit, match="other parameters"):
+        train.main(args[:-1] + ["peft"])
 
     params = EvalParams(rounds=2, distractors=1, max_new=6, heldout=4, block=1)
     folder, cache = tmp_path / "quality_test", tmp_path / "cache"
