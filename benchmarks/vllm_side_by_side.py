@@ -24,6 +24,7 @@ call ends on time. ``main(argv, harness)`` reuses a vLLM engine the caller start
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -265,6 +266,9 @@ def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> i
                     help="run the decode comparison before react-multilora")
     ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
                     help="start no run after this time (the rest is recorded as skipped)")
+    ap.add_argument("--rows-from", type=Path, default=None, metavar="JSON",
+                    help="an earlier run's vllm_side_by_side.json (same workload flags, e.g. "
+                         "our systems in an earlier GPU call): its rows join this report")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer model with small defaults (CPU plumbing check; add it to "
                          "--help to see those defaults)")
@@ -278,6 +282,15 @@ def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> i
                     "context": args.context, "turns": args.turns, "gen": args.gen,
                     "kv_budget_gib": args.kv_budget_gib, "results": [], "decode": [], "errors": [],
                     "skipped": []}
+    if args.rows_from is not None and args.rows_from.exists():
+        earlier = json.loads(args.rows_from.read_text())
+        differ = [k for k in ("model", "context", "turns", "gen", "kv_budget_gib")
+                  if earlier[k] != report[k]]
+        if differ:
+            ap.error(f"--rows-from {args.rows_from} ran another workload ({differ} differ)")
+        report["results"] += earlier["results"]
+        report["errors"] += earlier["errors"]
+        report["merged_from"] = str(args.rows_from)
     out = args.out / "vllm_side_by_side.json"
     runs = _Runs(args, model_cfg, device, dtype, report, out, harness)
     decode = args.decode_first and not args.skip_decode
