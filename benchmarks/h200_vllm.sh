@@ -9,9 +9,12 @@
 #   call 1  carry .vllm/vllm026.part01                       react-multilora rows on TorchBackend
 #   call 2  carry .vllm/vllm026.part02 .vllm/vllm026.sha256  unpack; GPU tests, fan-out and
 #                                                            side by side on vLLM
-#   command: bash benchmarks/h200_vllm.sh N      (DRY_RUN=1: print the commands, run none)
+#   command: bash benchmarks/h200_vllm.sh N [LAST]   (DRY_RUN=1: print the commands, run none)
+# LAST is the last part's number (2 for the usual three parts; if vllm-carry.sh wrote more,
+# call N = 0..LAST carries part N, the middle calls only copy, and call LAST runs call 2's work).
 set -u
-n=${1:?usage: h200_vllm.sh 0|1|2}
+n=${1:?usage: h200_vllm.sh N [LAST]}
+last=${2:-2}
 start=$(date +%s)
 stop=$((start + ${BUDGET_S:-480}))
 OUT=${OUT:-/tmp/h200_vllm}
@@ -26,8 +29,14 @@ react=(--turns 2)                                 # the same workload flags in c
 mkdir -p "$OUT" "$PARTS" "$KEEP"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total \
   --format=csv | tee "$OUT/gpu_$n.txt"
-run cp ".vllm/vllm026.part0$n" "$PARTS/" || { echo "part $n missing: carry .vllm/vllm026.part0$n"; exit 1; }
-case "$n" in
+part=$(printf 'vllm026.part%02d' "$n")
+run cp ".vllm/$part" "$PARTS/" || { echo "part $n missing: carry .vllm/$part"; exit 1; }
+parts=$(for i in $(seq 0 "$last"); do printf "$PARTS/vllm026.part%02d " "$i"; done)
+stage=$n
+[ "$n" = "$last" ] && stage=last
+[ "$n" != "$last" ] && [ "$n" -ge 2 ] && stage=copy
+case "$stage" in
+copy) ;;
 0)
   run timeout "$(left)" python3 benchmarks/h200_vllm.py cuda-fanout --out "$KEEP" \
     --stop-at "$stop" 2>&1 | tee "$OUT/cuda_fanout.log"
@@ -38,13 +47,15 @@ case "$n" in
     --skip-decode --out "$KEEP/react" --stop-at "$stop" "${react[@]}" 2>&1 | tee "$OUT/cuda_react.log"
   run cp "$KEEP/react/vllm_side_by_side.json" "$OUT/vllm_side_by_side_cuda.json"
   ;;
-2)
-  have=$(cat "$PARTS"/vllm026.part0[0-2] | sha256sum | cut -d' ' -f1)
+last)
+  # shellcheck disable=SC2086  # $parts: one path per part, no spaces
+  have=$(cat $parts | sha256sum | cut -d' ' -f1)
   [ -n "${DRY_RUN:-}" ] || [ "$have" = "$(cat .vllm/vllm026.sha256)" ] || {
     echo "vLLM parts do not match vllm026.sha256 (got $have): calls 0 and 1 must run on this machine"
     ls -la "$PARTS"; exit 1; }
   run mkdir -p "$SITE"
-  if [ -z "${DRY_RUN:-}" ]; then cat "$PARTS"/vllm026.part0[0-2] | xz -d | tar -x -C "$SITE" || exit 1; fi
+  # shellcheck disable=SC2086
+  if [ -z "${DRY_RUN:-}" ]; then cat $parts | xz -d | tar -x -C "$SITE" || exit 1; fi
   echo "unpacked vLLM in $(( $(date +%s) - start )) s"
   export PYTHONPATH=$SITE:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   run timeout "$(left)" python3 benchmarks/h200_vllm.py vllm --out "$OUT" --stop-at "$stop" \
