@@ -186,7 +186,8 @@ def vllm_fanout(harness: Any, out: Path, clock: Clock, cuda_rows: Path | None) -
 
         def backend_row(size=size, params=params, cfg=cfg) -> MeasuredRow:
             reset()
-            backend = VllmBackend.on_engine(cfg, engine, harness.api, pinner=harness.pinner)
+            backend = VllmBackend.on_engine(cfg, engine, harness.api, pinner=harness.pinner,
+                                            cow_blocks=harness.pinner is not None)
 
             def close_and_reset() -> None:
                 backend.close()

@@ -115,7 +115,12 @@ def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page
                     max_lora_rank=rank, llm_kwargs=dict(
                         load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                         num_gpu_blocks_override=blocks, max_num_seqs=max(256, 2 * max_workflows)))
-    pinner = KvManagerPinner.attach(llm.llm_engine) if cow_blocks else None
+    pinner = None
+    if cow_blocks:
+        try:
+            pinner = KvManagerPinner.attach(llm.llm_engine)
+        except RuntimeError as exc:  # the engine took a minute to start: run without pins
+            print(f"WARNING: {exc}; every VllmBackend run is cow_blocks=False", flush=True)
     return VllmHarness(llm, api(), pinner, KvGauge.attach(llm.llm_engine), model_cfg, assets,
                        budget_pages, max_workflows)
 
