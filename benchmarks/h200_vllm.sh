@@ -59,7 +59,7 @@ last)
   echo "unpacked vLLM in $(( $(date +%s) - start )) s"
   export PYTHONPATH=$SITE:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   run timeout "$(left)" python3 benchmarks/h200_vllm.py vllm --out "$OUT" --stop-at "$stop" \
-    --cuda-rows "$KEEP/fanout_cuda.json" --side-by-side --systems vllm vllm_native \
+    --cuda-rows "$KEEP/fanout_cuda.json" --side-by-side --systems vllm_native vllm \
     --rows-from "$KEEP/react/vllm_side_by_side.json" "${react[@]}" 2>&1 | tee "$OUT/vllm.log"
   ;;
 esac

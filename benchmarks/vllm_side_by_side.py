@@ -84,8 +84,10 @@ class VllmHarness:
         for i in range(self.agents):
             path = self.assets / f"agent{i}"
             if not path.exists():
-                adapter = random_adapter(self.model_cfg, f"agent{i}", RANK, torch.device("cpu"),
-                                         seed=i)
+                # Drawn where TorchBackend's bench draws its own (build_backend): the same
+                # seed on the same device gives both engines the same deltas, and fast.
+                device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                adapter = random_adapter(self.model_cfg, f"agent{i}", RANK, device, seed=i)
                 write_peft_adapter(adapter, path)
             modules[f"agent{i}"] = str(path)
         return modules
