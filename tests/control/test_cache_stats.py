@@ -39,7 +39,8 @@ def test_stats_follow_publishing_pins_and_the_host_tier():
     assert first.residual.published == len(CONTEXT) // P
     assert first.pins == 1 and first.pinned_pages >= len(CONTEXT) // P
     assert first.base.used + first.base.free == 128
-    # The session is closed: its residual pages are cache only (not load); its base pages are pinned.
+    # The session is closed: its residual pages are cache only (not load); its base pages
+    # are pinned.
     assert first.residual.live == 0 < first.residual.used
     assert first.base.live >= first.pinned_pages
     _turn(eng, OTHER)

@@ -13,7 +13,6 @@ import pytest
 from vllm_fakes import FAKE_API, FakeLLMEngine, FakePinner
 
 from forkserve.backend.mock import MockBackend
-from forkserve.bench.fanout import FanoutParams
 from forkserve.bench.fanout_real import (
     SIZES,
     engine_row,
@@ -81,20 +80,3 @@ def test_report_prints_ratios_and_plots(tmp_path):
     assert (tmp_path / "fanout.png").stat().st_size > 0
     assert len(variants()) == 4
 
-
-def test_cuda_row_plumbing_on_a_tiny_torch_model():
-    torch = pytest.importorskip("torch")
-    from forkserve.backend.torch import TorchBackend
-    from forkserve.backend.torch.weights import random_weights
-    from forkserve.bench.multilora import tiny_config
-
-    params = FanoutParams(sessions=2, trunk=64, residual=16, fanout=4, distinct_trunks=True)
-    model = tiny_config()
-    cfg = real_config(params, model.vocab_size, 1024)
-    cfg = replace(cfg, num_pages=256, hbm_tokens=256 * 16, num_residual_pages=16)
-    weights = random_weights(model, torch.device("cpu"), torch.float32)
-    backend = TorchBackend.from_weights(cfg, model, weights, {}, device=torch.device("cpu"),
-                                        dtype=torch.float32)
-    row = engine_row("cuda", "small", params, backend)
-    assert row.computed_tokens == row.model_prefill_tokens
-    assert row.wall_ms > 0 and row.actions["draft_skip"] == 2

@@ -192,3 +192,46 @@ class FakePinner:
                 taken[j] = r.blocks[j]
         if indices:
             self._taken[external_id(r.request_id)] = taken
+
+
+class FakeLLM:
+    """The slice of ``vllm.LLM`` the benchmarks call, over a FakeLLMEngine."""
+
+    def __init__(self, engine: FakeLLMEngine) -> None:
+        self.llm_engine = engine
+        self._ids = 0
+
+    def reset_prefix_cache(self) -> bool:
+        if any(b.ref for b in self.llm_engine.cache.values()):
+            return False  # as vLLM: refused while a block is referenced
+        self.llm_engine.cache.clear()
+        return True
+
+    def generate(self, prompts: Sequence[Mapping[str, list[int]]], params: Any, *,
+                 lora_request: Any = None, use_tqdm: bool = False) -> list[FakeOutput]:
+        ids = []
+        for i, prompt in enumerate(prompts):
+            lora = lora_request[i] if isinstance(lora_request, list) else lora_request
+            self._ids += 1
+            ids.append(f"generate-{self._ids}")
+            self.llm_engine.add_request(ids[-1], prompt, params, lora_request=lora)
+        done = {out.request_id: out for out in self.llm_engine.step()}
+        return [done[i] for i in ids]
+
+
+class FakeGauge:
+    """KvGauge on the fake: blocks referenced when a request finishes (before its own
+    references go), the most of them since ``reset``."""
+
+    def __init__(self, engine: FakeLLMEngine) -> None:
+        self._engine = engine
+        self.peak_blocks = 0
+        engine.free_hooks.append(lambda _request: self.read())
+
+    def read(self) -> int:
+        used = sum(1 for b in self._engine.cache.values() if b.ref)
+        self.peak_blocks = max(self.peak_blocks, used)
+        return used
+
+    def reset(self) -> None:
+        self.peak_blocks = sum(1 for b in self._engine.cache.values() if b.ref)

@@ -167,6 +167,14 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
 
 
+def agent_prompts(params: MultiLoraParams, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """The shared context and each agent's first prompt (context + its instruction)."""
+    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
+    return context, [context + [(i * 131 + j * 17) % (vocab - 3) + 3
+                                for j in range(params.instruction)]
+                     for i in range(params.workflows)]
+
+
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
                  adapter_of, on_turn: Callable[[], object] | None = None,
                  shared_by_base_pass: bool = False,
@@ -175,13 +183,9 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
     i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
     agent turn ends (a progress bar)."""
-    vocab = engine.config.vocab_size
-    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
-    flows = []
-    for i in range(params.workflows):
-        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
-        adapter = None if adapter_of is None else adapter_of(i)
-        flows.append(Workflow(i, adapter, context + instruction, params))
+    context, prompts = agent_prompts(params, engine.config.vocab_size)
+    flows = [Workflow(i, None if adapter_of is None else adapter_of(i), prompt, params)
+             for i, prompt in enumerate(prompts)]
     driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None)
     start = time.perf_counter()
     if params.workload == "react":
