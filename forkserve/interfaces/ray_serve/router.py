@@ -11,7 +11,7 @@
   form one rank per distinct score, best first; Serve takes the first rank with room, so
   lower ranks are spill-over when the best replicas are full.
 * A call whose hint names a replica (``RouteHint.replica``: the Frontend's metrics scrape)
-  goes to that replica only.
+  goes to that replica only, or, when it is not in the set, to any (which refuses it).
 * The owner map is the router's own: ``record_routing_stats`` lags by up to one polling
   period, and a tree's next verb usually arrives well within it. It is updated when a
   call is routed (``open`` sets the owner, ``close`` drops it) and loses a replica's
@@ -94,7 +94,10 @@ class TreeAffinityRouter(RequestRouter):
         if hint is None:  # not a tree verb (describe): any replica, shortest queue
             return [candidate_replicas]
         if hint.replica is not None:
-            return [[r for r in candidate_replicas if r.replica_id.to_full_id_str() == hint.replica]]
+            # A replica Ray still names may have left the set: the call then goes anywhere
+            # and the replica refuses it (never an empty rank: Serve would hold it pending).
+            target = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == hint.replica]
+            return [target or candidate_replicas]
         if pending_request.metadata.call_method != "open":
             owner = self._owners.get(hint.tree_id)
             for r in candidate_replicas:
