@@ -11,8 +11,9 @@ choices, for new trees: ``TwoChoicesRouter``, which keeps a tree's verbs on its 
 Serve's own router cannot run branch trees at all) and ``prefix`` (ours with the
 adapter-residual term off). Workload (docs/WORKLOADS.md's
 react-multilora, lockstep): W agents over ``--contexts`` distinct shared contexts of C
-tokens and ``--adapters`` adapters (agent i: context i mod K, adapter (i div K) mod A, so
-every context is shared by several adapters); each opens its tree on context +
+tokens and ``--adapters`` adapters (agent i: context i mod K, adapter i mod A; with K = 4
+and A = 8 each context is worked on by two adapters, and each (context, adapter) residual
+is shared by W / 8 agents: where they meet it is computed once); each opens its tree on context +
 instruction, then T turns of generate G (EOS ignored), a tool pause, commit a 100-token
 observation. Every (router, W) gets contexts of its own, so no run finds another's pages.
 The replicas build the model in memory (random weights, random rank-16 adapters) with the
@@ -186,6 +187,7 @@ class Cluster:
 
     def __init__(self, p: Params, port: int, device: str) -> None:
         import ray
+        import torch
         from ray import serve
 
         # The replicas unpickle the loader: by value, whether this file runs as a script or
@@ -198,6 +200,9 @@ class Cluster:
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
+            # Counted by torch, not left to Ray's detection: a replica asking for a GPU Ray
+            # did not find would wait for it forever.
+            num_gpus=torch.cuda.device_count() if device == "cuda" else 0,
         )
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.p, self.url, self.device = p, f"http://127.0.0.1:{port}", device
@@ -348,11 +353,7 @@ def make_agents(p: Params, w: int, run: int, url: str, vocab: int) -> list[Agent
     agents = []
     for i in range(w):
         prompt = contexts[i % p.contexts] + _tokens(10_000 * run + 7 * i + 5, p.instruction, vocab)
-        agents.append(
-            Agent(
-                i, f"agent{(i // p.contexts) % p.adapters}", prompt, BranchClient(url, timeout=600)
-            )
-        )
+        agents.append(Agent(i, f"agent{i % p.adapters}", prompt, BranchClient(url, timeout=600)))
     return agents
 
 

@@ -210,3 +210,32 @@ def test_recent_routes_count_until_their_ttl() -> None:
     assert recent.new_pages() == 0 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
     now[0] = 4.5
     assert recent.new_pages() == 0 and recent.hashes() == frozenset()
+
+
+def test_a_burst_of_opens_sees_each_other_before_any_is_routed() -> None:
+    """Lockstep agents open at once: every open is scored before Serve reports any routed."""
+    router = new_router()
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
+    contexts = [list(range(100, 164)), list(range(300, 364))]
+
+    async def burst() -> list[str]:
+        hints = [open_hint(200 + i, contexts[i % 2] + [400 + i] * P) for i in range(8)]
+        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name for h in hints]
+    placed = asyncio.run(burst())
+    assert len({placed[i] for i in (0, 2, 4, 6)}) == 1 and len({placed[i] for i in (1, 3, 5, 7)}) == 1
+    assert placed[0] != placed[1]  # the second context goes where the first's load is not
+
+
+def test_an_open_serve_sent_elsewhere_is_counted_where_it_went() -> None:
+    router = new_router()
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
+    hint = open_hint(300, list(range(100, 164)))
+
+    async def go() -> None:
+        pr = request("open", hint)
+        first = (await router.choose_replicas([a, b], pr))[0][0]
+        other = b if first is a else a
+        router.on_request_routed(pr, other.replica_id, None)  # the best was full
+        assert router._recent_of(other.replica_id).has(300)
+        assert not router._recent_of(first.replica_id).has(300)
+    asyncio.run(go())

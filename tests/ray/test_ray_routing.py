@@ -102,7 +102,9 @@ def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Clien
     # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
     home = {}
     for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items(), strict=False):
-        home[adapter] = publish(client, prefix + fresh_tokens(8), model=adapter)
+        # 16 pages of residual: the log term must clear a page or two of load that the
+        # previous test's trees may still show in a summary up to one period old.
+        home[adapter] = publish(client, prefix + fresh_tokens(40), model=adapter)
         assert home[adapter] == replica
     # Second agents share no base page with anything: only the residual pages pull them.
     for adapter in ("planner", "critic", "planner", "critic"):

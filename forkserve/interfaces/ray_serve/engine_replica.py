@@ -298,9 +298,11 @@ class EngineReplica:
                                  slack_filled_tokens=r.slack_filled_tokens)
         return await self._reply(lambda: self._worker.call(run))
 
-    async def metrics(self, hint: RouteHint) -> str:
-        """The engine's figures in Prometheus text format. The hint names this replica (the
-        router brings a scrape to the replica it is for)."""
+    async def metrics(self, hint: RouteHint) -> str | None:
+        """The engine's figures in Prometheus text format; None when the hint names another
+        replica (it left the replica set, and the router sent its scrape here)."""
+        if hint.replica != self.replica:
+            return None
         self._collector.snapshot = await self._worker.call(lambda: take_snapshot(self._model.engine, self._worker))
         return generate_latest(self._registry).decode()
 

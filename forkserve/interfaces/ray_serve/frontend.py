@@ -472,10 +472,9 @@ class Frontend:
         async def scrape(name: str) -> str | None:
             hint = RouteHint(0, None, replica=name)
             try:
-                reply = await asyncio.wait_for(self._engine.metrics.remote(hint), _SCRAPE_TIMEOUT_S)
+                return await asyncio.wait_for(self._engine.metrics.remote(hint), _SCRAPE_TIMEOUT_S)
             except (asyncio.TimeoutError, *REPLICA_GONE):
                 return None
-            return reply
 
         texts = await asyncio.gather(*(scrape(n) for n in names))
         counts = cluster_metrics.FrontendCounts(len(self._trees.ledger.trees), self._trees.ledger.moves)

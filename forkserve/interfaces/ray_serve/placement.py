@@ -58,6 +58,12 @@ class RecentRoutes:
         self._routes.append(_Route(self._clock(), hint.tree_id, hashes, new_pages, hint.adapter,
                                    pages))
 
+    def has(self, tree_id: int) -> bool:
+        return any(r.tree_id == tree_id for r in self._live())
+
+    def remove(self, tree_id: int) -> None:
+        self._routes = deque(r for r in self._live() if r.tree_id != tree_id)
+
     def closed(self, tree_id: int) -> None:
         """The tree's pages stay published but no longer load the replica."""
         self._routes = deque(replace(r, new_pages=0) if r.tree_id == tree_id else r

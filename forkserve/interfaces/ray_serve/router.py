@@ -7,11 +7,11 @@
 * ``open`` (a new tree, or a tree re-opened after its owner died) is scored on every live
   replica by ``AffinityPlacement`` (placement.py): pages of the prompt's prefix the replica
   holds, affinity for the replica holding the adapter's residual pages, minus its queue and
-  its load (KV pages in use, recent token rate, what this router just sent it). Replicas
-  form one rank per distinct score, best first; Serve takes the first rank with room, so
-  lower ranks are spill-over when the best replicas are full.
+  its load (KV pages in use, recent token rate, what this router just sent it). Each
+  replica is a rank of its own, best first; Serve takes the first with room, so lower
+  ranks are spill-over when the best replica is full.
 * A call whose hint names a replica (``RouteHint.replica``: the Frontend's metrics scrape)
-  goes to that replica only.
+  goes to that replica only, or, when it is not in the set, to any (which refuses it).
 * The owner map is the router's own: ``record_routing_stats`` lags by up to one polling
   period, and a tree's next verb usually arrives well within it. It is updated when a
   call is routed (``open`` sets the owner, ``close`` drops it) and loses a replica's
@@ -23,7 +23,6 @@ replica's ``record_routing_stats()`` every ``request_routing_stats_period_s``.
 from __future__ import annotations
 
 import random
-from itertools import groupby
 
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import (
@@ -94,7 +93,10 @@ class TreeAffinityRouter(RequestRouter):
         if hint is None:  # not a tree verb (describe): any replica, shortest queue
             return [candidate_replicas]
         if hint.replica is not None:
-            return [[r for r in candidate_replicas if r.replica_id.to_full_id_str() == hint.replica]]
+            # A replica Ray still names may have left the set: the call then goes anywhere
+            # and the replica refuses it (never an empty rank: Serve would hold it pending).
+            target = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == hint.replica]
+            return [target or candidate_replicas]
         if pending_request.metadata.call_method != "open":
             owner = self._owners.get(hint.tree_id)
             for r in candidate_replicas:
@@ -103,13 +105,21 @@ class TreeAffinityRouter(RequestRouter):
             # The owner is gone: whichever replica gets the verb answers NOT_RESIDENT and
             # the Frontend re-opens the tree, which is scored below.
             return [candidate_replicas]
-        scored = sorted(((self.score(r, hint), r) for r in candidate_replicas), key=lambda x: -x[0])
-        ranks = [[r for _, r in group] for _, group in groupby(scored, key=lambda x: x[0])]
-        for rank in ranks:
-            # Serve takes the shortest queue of a rank and the first on a tie: shuffled, so
-            # equally good replicas share new trees instead of the first taking them all.
-            random.shuffle(rank)
-        return ranks
+        # One replica per rank, best first; equal scores in random order, so equally good
+        # replicas share new trees instead of the first taking them all.
+        scored = sorted(((self.score(r, hint), random.random(), r) for r in candidate_replicas),
+                        key=lambda x: (-x[0], x[1]))
+        # Counted toward the best replica now, not when Serve reports the call routed: the
+        # opens of a burst are scored one after another, each seeing those before it.
+        self._place(hint, scored[0][2].replica_id)
+        return [[r] for _, _, r in scored]
+
+    def _place(self, hint: RouteHint, replica_id: ReplicaID) -> None:
+        """Record an open on ``replica_id`` (moving it there if recorded elsewhere)."""
+        for recent in self._recent.values():
+            recent.remove(hint.tree_id)
+        matched = self.placement.matched(self._state_of(replica_id), hint)
+        self._recent_of(replica_id).add(hint, max(len(hint.base_hashes), len(hint.adapter_hashes)) - matched)
 
     def _get_pending_request_matching_internal_request_id(
             self, request_metadata: RequestMetadata | None = None) -> PendingRequest | None:
@@ -134,8 +144,8 @@ class TreeAffinityRouter(RequestRouter):
         method = pending_request.metadata.call_method
         if method == "open":
             self._owners[hint.tree_id] = replica_id
-            matched = self.placement.matched(self._state_of(replica_id), hint)
-            self._recent_of(replica_id).add(hint, max(len(hint.base_hashes), len(hint.adapter_hashes)) - matched)
+            if not self._recent_of(replica_id).has(hint.tree_id):  # Serve took a lower rank
+                self._place(hint, replica_id)
         elif method == "close":
             owner = self._owners.pop(hint.tree_id, None)
             if owner is not None:
