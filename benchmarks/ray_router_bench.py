@@ -119,6 +119,7 @@ def synthetic_model(
         adapters=backend.adapters,
         max_context=engine.config.max_context,
         eos_token_ids=(),
+        grammars=None,
     )
 
 

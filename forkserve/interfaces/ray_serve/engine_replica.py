@@ -125,7 +125,9 @@ class EngineReplica:
         log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.cache_stats().base.free)
 
     def __del__(self) -> None:
-        self._worker.stop()
+        worker = getattr(self, "_worker", None)  # absent when __init__ failed (Serve still calls this)
+        if worker is not None:
+            worker.stop()
 
     # ------------------------------------------------------------------ helpers
     async def _reply(self, fn: Callable[[], Awaitable[T]]) -> Reply[T]:

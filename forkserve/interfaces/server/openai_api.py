@@ -165,7 +165,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     model.check_vocab(ids)
     model.check_length(len(ids), budget)
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
-    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammars) if plan.grammar else None
+    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler()) if plan.grammar else None
     top = body.top_logprobs or 0
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.

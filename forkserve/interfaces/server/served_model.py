@@ -50,12 +50,20 @@ class ServedModel:
     adapters: Mapping[str, int]        # adapter name -> backend adapter id
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
-    grammars: GrammarCompiler          # structured outputs, required calls, the legality check
+    # Structured outputs, required calls, the legality check; None for a model built in code
+    # with no text tokenizer (token ids only), which refuses them.
+    grammars: GrammarCompiler | None
     created: int = field(default_factory=lambda: int(time.time()))
     # A chat reply that ends in tool calls pins its KV through the tool pause (docs/SERVER.md).
     pin_tool_pauses: bool = True
     # What a request that omits temperature / top_p samples with (generation_defaults.py).
     sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise APIError(400, f"model {self.name!r} has no text tokenizer: structured outputs "
+                                "and required tool calls are not available", param="response_format")
+        return self.grammars
 
     def adapter_for(self, model: str) -> int | None:
         """The adapter id a request's ``model`` names (None: the base model)."""
