@@ -9,7 +9,7 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   score precomputed by the score pass (``"two_pass"``); both keep a rank-r accumulator
   ``acc_r`` over ``V_res`` with the same online-softmax rescale as ``acc`` and apply ``B_v``
   once per split (matrix associativity, seed 001 section 7). The variants and their
-  drivers are in residual_decode.py;
+  drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
   suffixes, split on the device (shared_prefix.py).
 

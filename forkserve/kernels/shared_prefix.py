@@ -25,7 +25,7 @@ import torch
 
 from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
-from forkserve.kernels.residual_decode import SCORE_TUNING, residual_scores, residual_values
+from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores, residual_values
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.split_kv import (NO_LIMIT, empty_partials, key_bound, merge_partials,
                                         plan_splits)

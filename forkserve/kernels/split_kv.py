@@ -5,7 +5,7 @@ A decode row's keys are cut into splits; each program writes one split's partial
 normalised by its own softmax sum, and its log2-sum-exp) and ``merge_partials`` combines
 a row's partials by log-sum-exp. This module owns the split plan, the partial buffers'
 shape, the device function that writes a partial, and the merge; the kernels that fill the
-partials live in decode_attention.py (the split-K loop), residual_decode.py (the
+partials live in decode_attention.py (the split-K loop), residual_decode_triton.py (the
 ResidualAttention passes) and shared_prefix.py (cascade tiles). Partial buffers are
 temporaries of one call (the caching allocator, or a CUDA graph's pool, reuses them).
 """
