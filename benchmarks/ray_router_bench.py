@@ -161,6 +161,7 @@ class RouterRun:
     trees_per_replica: dict[str, int]
     prefill_per_replica: dict[str, int]
     errors: int
+    failed_tasks: int  # agents a 507 (no KV for the tree on its replica) ended; not in tasks_per_s
     commit: str = ""
 
 
@@ -307,12 +308,16 @@ class Agent:
     committed: int = 0
     replicas: list[str] = field(default_factory=list)
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (verb, status, replica then)
+    failed: str | None = None  # the verb a 507 refused: the task is lost
 
     def _seen(self) -> None:
         self.replicas.append(self.client.last_replica or "")
 
     def call(self, verb: str, fn):
-        """One verb, retried once on a 5xx (a fail-over's in-flight loss); every 5xx noted."""
+        """One verb, retried once on a 5xx (a fail-over's in-flight loss); every 5xx noted.
+        A 507 (the replica's KV cannot hold the tree: the placement put too many distinct
+        contexts there) ends this agent's task, as a client would give up: the run counts it
+        as failed, closes the tree so its pages go back, and the agent sits out its turns."""
         for attempt in range(2):
             try:
                 out = fn()
@@ -320,29 +325,42 @@ class Agent:
                 return out
             except BranchAPIError as e:
                 self.errors.append((verb, e.status, self.replicas[-1] if self.replicas else ""))
+                if e.status == 507:
+                    self.failed = verb
+                    if self.sid:
+                        self.client.close(self.sid)
+                    return None
                 if e.status < 500 or attempt:
                     raise
         raise AssertionError("unreachable")
 
     def open(self) -> None:
         s = self.call("open", lambda: self.client.open(self.adapter, tokens=self.prompt))
-        self.sid, self.tip, self.committed = s.session_id, s.tip, s.committed_tokens
+        if s is not None:
+            self.sid, self.tip, self.committed = s.session_id, s.tip, s.committed_tokens
 
     def generate(self, p: Params) -> None:
+        if self.failed:
+            return
         g = self.call("generate", lambda: self.client.generate(self.sid, p.gen, ignore_eos=True))
-        self.committed += len(g.tokens)
+        if g is not None:
+            self.committed += len(g.tokens)
 
     def observe(self, tokens: list[int]) -> None:
+        if self.failed:
+            return
         c = self.call(
             "commit", lambda: self.client.commit(self.sid, self.client_tip(), tokens=tokens)
         )
-        self.tip, self.committed = c.tip, self.committed + len(tokens)
+        if c is not None:
+            self.tip, self.committed = c.tip, self.committed + len(tokens)
 
     def client_tip(self) -> int:
         return self.client.info(self.sid).tip
 
     def close(self) -> None:
-        self.call("close", lambda: self.client.close(self.sid))
+        if not self.failed:
+            self.call("close", lambda: self.client.close(self.sid))
 
 
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -384,7 +402,7 @@ def lockstep(agents: list[Agent], p: Params, vocab: int, during_turn=None) -> fl
 
 def moves(agents: list[Agent]) -> tuple[int, int]:
     """(verbs answered away from the tree's first replica, trees that moved at least once)."""
-    away = [sum(r != a.replicas[0] for r in a.replicas) for a in agents]
+    away = [sum(r != a.replicas[0] for r in a.replicas) for a in agents if a.replicas]
     return sum(away), sum(1 for n in away if n)
 
 
@@ -418,7 +436,7 @@ def run_one(cluster: Cluster, router: str, w: int, run: int, vocab: int) -> Rout
     return RouterRun(
         router,
         w,
-        w / makespan,
+        sum(1 for a in agents if not a.failed) / makespan,
         makespan,
         int(total),
         hits["base"] / max(1.0, hits["base"] + total),
@@ -428,9 +446,10 @@ def run_one(cluster: Cluster, router: str, w: int, run: int, vocab: int) -> Rout
         away,
         moved,
         int(fe),
-        dict(Counter(a.replicas[0].rsplit("#", 1)[-1] for a in agents)),
+        dict(Counter(a.replicas[0].rsplit("#", 1)[-1] for a in agents if a.replicas)),
         {short[r]: int(v) for r, v in prefill.items()},
         sum(len(a.errors) for a in agents),
+        sum(1 for a in agents if a.failed),
         source_commit(),
     )
 
@@ -496,6 +515,7 @@ COLUMNS = (
     "tree_moves",
     "trees_per_replica",
     "errors",
+    "failed_tasks",
 )
 
 

@@ -49,6 +49,7 @@ def test_router_bench_at_toy_size(tmp_path: Path) -> None:
     runs = {r["router"]: r for r in doc["runs"]}
     assert set(runs) == {"ours", "pow2"}
     ours = runs["ours"]
+    assert ours["failed_tasks"] == 0
     assert ours["errors"] == 0 and ours["tree_moves"] == 0 and ours["frontend_tree_moves"] == 0
     assert sum(ours["trees_per_replica"].values()) == 4
     # Two agents share each context: the second finds the first's pages where ours put it.
