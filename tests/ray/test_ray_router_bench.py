@@ -1,5 +1,6 @@
-"""benchmarks/ray_router_bench.py at toy size (its own Ray, in a subprocess): two routers
-side by side and the fail-over run (on ours, still deployed), read back from its JSON."""
+"""benchmarks/ray_router_bench.py at toy size (its own Ray, in a subprocess): one router (a
+deployment is the slow part; the baseline's placement has its unit test) and the fail-over
+run on it, read back from the JSON it writes."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ def test_router_bench_at_toy_size(tmp_path: Path) -> None:
         str(ROOT / "benchmarks" / "ray_router_bench.py"),
         "--tiny",
         "--routers",
-        "pow2",
         "ours",
         "--workflows",
         "4",
@@ -47,7 +47,7 @@ def test_router_bench_at_toy_size(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((tmp_path / "ray_router_bench_tiny.json").read_text())
     runs = {r["router"]: r for r in doc["runs"]}
-    assert set(runs) == {"ours", "pow2"}
+    assert set(runs) == {"ours"}
     ours = runs["ours"]
     assert ours["failed_tasks"] == 0
     assert ours["errors"] == 0 and ours["tree_moves"] == 0 and ours["frontend_tree_moves"] == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from forkserve.control.prefix_index import BASE, AdapterNamespace
 from forkserve.engine.cache_stats import published_pages
 from forkserve.interfaces.ray_serve.placement import RecentRoutes
 from forkserve.interfaces.ray_serve.protocol import RouteHint
-from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
+from forkserve.interfaces.ray_serve.router import TreeAffinityRouter, TwoChoicesRouter
 from forkserve.interfaces.ray_serve.stats import (
     BASE_SCOPE,
     ReplicaSummary,
@@ -239,3 +239,14 @@ def test_an_open_serve_sent_elsewhere_is_counted_where_it_went() -> None:
         assert router._recent_of(other.replica_id).has(300)
         assert not router._recent_of(first.replica_id).has(300)
     asyncio.run(go())
+
+
+def test_the_two_choices_baseline_ignores_prefixes_but_keeps_owners() -> None:
+    router = TwoChoicesRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    replicas = [FakeReplica("a", summary(list(range(64)))), FakeReplica("b", summary()), FakeReplica("c", summary())]
+    hint = open_hint(500, list(range(64)))
+    picks = {tuple(sorted(route(router, replicas, "open", replace(hint, tree_id=500 + i))[0])) for i in range(40)}
+    assert all(len(p) == 2 for p in picks) and len(picks) == 3  # any two, the prefix's holder or not
+    placed = route(router, replicas, "open", replace(hint, tree_id=600))[0][0]
+    assert route(router, replicas, "generate", RouteHint(600, None)) == [[placed]]
