@@ -1,13 +1,16 @@
-"""Grammar mask cost per decode step: xgrammar vs llguidance, batch 1 and 64.
+"""Grammar mask cost per decode step: xgrammar (row by row, batched) vs llguidance vs
+ForkServe's sampler, batch 1 and 64.
 
 One decode step of a constrained batch costs: compute each sequence's allowed-token bitmask
 (the grammar engine, on the CPU), apply it to the logits [B, vocab], and advance each
 sequence's grammar state by its sampled token. This script replays a valid JSON answer
-token by token through both engines (a json_schema of an agent's tool call and free
-``json_object``) on the demo model's tokenizer (SmolLM2, 49 152 tokens) and reports the
-median milliseconds per step (mask + apply + advance) for batch 1 and 64 — the figure that
-picks the engine ForkServe's sampler uses. Compile time is reported apart (it is paid once
-per schema, at request start, and cached).
+token by token through each (a json_schema of an agent's tool call and free ``json_object``)
+on the demo model's tokenizer (SmolLM2, 49 152 tokens) and reports the median milliseconds
+per step for batch 1 and 64: ``xgrammar`` fills row after row, ``xgrammar-batch`` in one
+``BatchGrammarMatcher`` call, ``llguidance`` with its parallel fill (each with its own apply);
+``forkserve`` is what the server pays, its ``GrammarConstraint``s through the torch backend's
+``Sampler`` (batched fill, the mask unpacked and applied where the logits live, greedy,
+advance). Compile time is reported apart (paid once per schema, at request start, cached).
 
     python benchmarks/grammar_bench.py                  # CPU; JSON + PNG under benchmarks/results/
     python benchmarks/grammar_bench.py --device cuda    # the H200 figure (masks still on CPU)
@@ -19,10 +22,14 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -60,6 +67,8 @@ def load_tokenizer(path: str | None):
 
 
 class XGrammar:
+    """xgrammar, one matcher fill after another (what the sampler did before it batched)."""
+
     name = "xgrammar"
 
     def __init__(self, tok, vocab: int) -> None:
@@ -77,22 +86,34 @@ class XGrammar:
             return self.compiler.compile_builtin_json_grammar()
         return self.compiler.compile_json_schema(json.dumps(schema), strict_mode=True)
 
-    def matchers(self, compiled, batch: int):
-        return [self.xgr.GrammarMatcher(compiled) for _ in range(batch)]
-
-    def bitmask(self, batch: int) -> torch.Tensor:
-        return self.xgr.allocate_token_bitmask(batch, self.vocab)
+    def start(self, compiled, batch: int):
+        matchers = [self.xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        return matchers, self.xgr.allocate_token_bitmask(batch, self.vocab)
 
     def fill(self, matchers, bitmask) -> None:
         for row, m in enumerate(matchers):
             m.fill_next_token_bitmask(bitmask, row)
 
-    def apply(self, logits, bitmask) -> None:
+    def step(self, state, logits: torch.Tensor, token: int) -> None:
+        matchers, bitmask = state
+        self.fill(matchers, bitmask)
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
-
-    def accept(self, matchers, token: int) -> None:
+        sync(logits.device)
         for m in matchers:
             assert m.accept_token(token)
+
+
+class XGrammarBatch(XGrammar):
+    """xgrammar's batch fill: every row in one call, on its own threads."""
+
+    name = "xgrammar-batch"
+
+    def __init__(self, tok, vocab: int) -> None:
+        super().__init__(tok, vocab)
+        self.batch = self.xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def fill(self, matchers, bitmask) -> None:
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
 
 class LLGuidance:
@@ -109,28 +130,63 @@ class LLGuidance:
         self.vocab = vocab
 
     def compile(self, schema: dict | None):
-        grammar = self.ll.LLMatcher.grammar_from_json_schema(
+        return self.ll.LLMatcher.grammar_from_json_schema(
             schema if schema is not None else {"type": "object"}
         )
-        return grammar
 
-    def matchers(self, compiled, batch: int):
-        return [self.ll.LLMatcher(self.tokenizer, compiled) for _ in range(batch)]
+    def start(self, compiled, batch: int):
+        matchers = [self.ll.LLMatcher(self.tokenizer, compiled) for _ in range(batch)]
+        return matchers, self.llt.allocate_token_bitmask(batch, self.vocab)
 
-    def bitmask(self, batch: int) -> torch.Tensor:
-        return self.llt.allocate_token_bitmask(batch, self.vocab)
-
-    def fill(self, matchers, bitmask) -> None:
+    def step(self, state, logits: torch.Tensor, token: int) -> None:
+        matchers, bitmask = state
         self.llt.fill_next_token_bitmask_par(
             self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
         )
-
-    def apply(self, logits, bitmask) -> None:
         self.llt.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
-
-    def accept(self, matchers, token: int) -> None:
+        sync(logits.device)
         for m in matchers:
             assert m.consume_token(token), m.get_error()
+
+
+class ForkServe:
+    """What the server pays: its GrammarConstraints through the torch backend's Sampler (one
+    batched fill, the mask unpacked and applied where the logits live, greedy, advance)."""
+
+    name = "forkserve"
+
+    def __init__(self, tok, vocab: int) -> None:
+        from forkserve.backend.torch.sampler import Sampler
+        from forkserve.interfaces.server.grammar import GrammarCompiler
+
+        self.grammars = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+        self.sampler = None
+        self.make_sampler = Sampler
+        self.vocab = vocab
+
+    def compile(self, schema: dict | None):
+        return self.grammars.json_schema(schema or {"type": "object"}, "response_format")
+
+    def start(self, compiled, batch: int):
+        from forkserve.backend.protocol import SamplingParams
+        from forkserve.interfaces.server.grammar import GrammarConstraint
+
+        params = [SamplingParams(constraint=GrammarConstraint(compiled, 0)) for _ in range(batch)]
+        return params, [0]
+
+    def step(self, state, logits: torch.Tensor, token: int) -> None:
+        params, position = state
+        if self.sampler is None:
+            self.sampler = self.make_sampler(logits.device)
+        # The answer's token is made the most likely one: greedy samples (and advances) it.
+        tokens = self.sampler.sample(logits, params, [position[0]] * len(params))
+        assert tokens == [token] * len(params), tokens
+        position[0] += 1
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_case(
@@ -142,18 +198,14 @@ def run_case(
     ids = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
     steps: list[float] = []
     for _ in range(repeats):
-        matchers = engine.matchers(compiled, batch)
-        bitmask = engine.bitmask(batch)
-        logits = torch.randn(batch, engine.vocab, device=device)
+        state = engine.start(compiled, batch)
+        noise = torch.randn(batch, engine.vocab, device=device)
         for token in ids:
-            if device == "cuda":
-                torch.cuda.synchronize()
+            logits = noise.clone()
+            logits[:, token] = 1e4
+            sync(logits.device)
             t = time.perf_counter()
-            engine.fill(matchers, bitmask)
-            engine.apply(logits, bitmask)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            engine.accept(matchers, token)
+            engine.step(state, logits, token)
             steps.append((time.perf_counter() - t) * 1e3)
     return {
         "engine": engine.name,
@@ -205,28 +257,35 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the logits live (cpu | cuda)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--repeats", type=int, default=3)
+    # One torch thread by default: on a shared 2-core box a two-thread op waits ~20 ms for a
+    # descheduled OpenMP thread, which would be measured as mask cost.
+    ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/grammar_bench_cpu.json")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.torch_threads)
     tok = load_tokenizer(args.tokenizer)
     vocab = len(tok)
-    rows = []
-    for engine in (XGrammar(tok, vocab), LLGuidance(tok, vocab)):
-        for schema, answer in ((SCHEMA, ANSWER), (None, FREE_ANSWER)):
-            for batch in (int(b) for b in args.batches.split(",")):
-                row = run_case(engine, tok, schema, answer, batch, args.device, args.repeats)
-                print(json.dumps(row))
-                rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "vocab": vocab,
+        "commit": source_commit(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    rows = []
+    for engine in (XGrammar(tok, vocab), XGrammarBatch(tok, vocab), LLGuidance(tok, vocab),
+                   ForkServe(tok, vocab)):
+        for schema, answer in ((SCHEMA, ANSWER), (None, FREE_ANSWER)):
+            for batch in (int(b) for b in args.batches.split(",")):
+                row = run_case(engine, tok, schema, answer, batch, args.device, args.repeats)
+                print(json.dumps(row))
+                rows.append(row)
+                # Written after every case: a run cut short keeps what it measured.
+                out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -74,7 +74,7 @@ def run(model: ServedModel, args: argparse.Namespace) -> dict:
                 range(args.agents),
             )
         )
-        pins = server.on_engine(lambda e: len(e.kv.retention.tables()))
+        pins = server.on_engine(lambda e: e.cache_stats().pins)
 
         def pressure(j: int) -> None:  # unrelated chats while the tools run
             text = f"Unrelated request {j}: " + "lorem ipsum dolor sit amet " * 40

@@ -45,15 +45,29 @@ class TokenConstraint(Protocol):
     It lives from the request's start to the end (or abort) of its generation and is owned
     by the requester. Positions make it exact when a position is sampled again (a resampled
     last position): a handle asked about a position it has already passed rolls back to it.
+    Its ``filler`` writes the allowed tokens of every constraint of its kind in a step."""
+
+    @property
+    def filler(self) -> "BitmaskFiller":
+        """The strategy that fills this constraint's bitmask row (shared by its kind)."""
+
+    def accept(self, token: int, position: int) -> None:
+        """``token`` was sampled for ``position``: advance the grammar past it."""
+
+
+@runtime_checkable
+class BitmaskFiller(Protocol):
+    """Fills a step's grammar masks in one call, so a grammar engine can fill the rows of a
+    batch in parallel (xgrammar's batch fill runs on its own threads, off the GIL). Supplied
+    with the constraints by whoever made them; it holds no request's state.
+
     The bitmask is the backend's buffer, never a value crossing the protocol: int32 words
     ``[rows, ceil(vocab / 32)]`` on the host, bit ``j`` of word ``i`` allowing token
     ``32 * i + j`` (xgrammar's and llguidance's layout)."""
 
-    def fill_bitmask(self, bitmask: object, row: int, position: int) -> None:
-        """Write the tokens allowed at ``position`` into row ``row`` of ``bitmask``."""
-
-    def accept(self, token: int, position: int) -> None:
-        """``token`` was sampled for ``position``: advance the grammar past it."""
+    def fill(self, bitmask: object, rows: Sequence[tuple[TokenConstraint, int, int]]) -> None:
+        """For each ``(constraint, row, position)``: write the tokens ``constraint`` allows at
+        ``position`` into row ``row`` of ``bitmask``."""
 
 
 @runtime_checkable
@@ -69,6 +83,11 @@ class SampleLog(Protocol):
         """``token`` (log-probability ``logprob``) was sampled for ``position``; ``top``:
         the most likely tokens there with theirs, most likely first (empty if not asked)."""
 
+    def record_prompt(self, position: int, token: int, logprob: float,
+                      top: tuple[tuple[int, float], ...]) -> None:
+        """The prompt's ``token`` at ``position`` had log-probability ``logprob`` given the
+        tokens before it; ``top`` as in ``record``. Called again for a recomputed position."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -81,6 +100,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely, to ``log``.
     logprobs: int | None = None
+    # None: none; k >= 0: each prompt token's log-probability and the k most likely there, to
+    # ``log`` (``record_prompt``). The prompt is then prefilled whole (its logits are needed):
+    # the opener bypasses the prefix cache (``Engine.open(reuse_prefix=False)``).
+    prompt_logprobs: int | None = None
     constraint: TokenConstraint | None = None
     log: SampleLog | None = None
 
@@ -89,11 +112,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        needs_log = self.presence_penalty or self.frequency_penalty or self.logprobs is not None
+        needs_log = (self.presence_penalty or self.frequency_penalty or self.logprobs is not None
+                     or self.prompt_logprobs is not None)
         if needs_log and self.log is None:
             raise ValueError("penalties and logprobs need a SampleLog (the tokens sampled so far)")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def plain(self) -> bool:
@@ -139,6 +164,18 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A prefill chunk of a prompt whose log-probabilities were asked for: the backend
+    computes the logits of every token of the chunk and reports, through ``log``, each next
+    prompt token's log-probability and the ``top`` most likely there. ``following``: the
+    prompt token after the chunk (None when the chunk ends the prompt: its last row samples)."""
+
+    top: int
+    following: int | None
+    log: SampleLog
+
+
+@dataclass(frozen=True)
 class SeqWork:
     """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
 
@@ -169,6 +206,8 @@ class SeqWork:
     # Cascade attention: set by the control plane when other items of the step share this
     # item's leading pages (None: read alone).
     shared_prefix: SharedPrefix | None = None
+    # Prompt log-probabilities (a prefill chunk of a prompt that asked for them; None: none).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ returns a ``Score`` in [0, 1]. They are strategies; the cascade combines them. S
 
 * ``LoopScorer``  — repeated n-grams against the branch's recent history. A residual
   that mostly repeats what was already said is a loop (the only thing DRAFT_SKIP skips).
-* ``LegalityScorer`` — a tool call whose arguments do not parse is illegal text.
+* ``LegalityScorer`` — a tool call whose arguments do not parse is illegal text; given a
+  ``CallChecker`` (the server supplies one over its grammar engine), a residual that cannot
+  parse as a tool call of the model's format is rejected exactly.
 """
 from __future__ import annotations
 
@@ -56,6 +58,14 @@ class LoopScorer:
                      reason=f"{repeated}/{len(grams)} {n}-grams repeat recent history")
 
 
+class CallChecker(Protocol):
+    """The exact check of a residual's tool calls (the interfaces layer supplies it with its
+    grammar engine: control never imports one)."""
+
+    def __call__(self, tokens: Sequence[int]) -> str | None:
+        """Why ``tokens`` hold a tool call the grammar rejects; None for a legal call, or none."""
+
+
 # Tool calls in the ReAct / Hermes styles: ``Action: name({json})`` or
 # ``<tool_call>{json}</tool_call>``.
 _ACTION = re.compile(r"Action:\s*([A-Za-z_][\w.]*)\s*\(")
@@ -66,16 +76,20 @@ class LegalityScorer:
     """Illegal text (a tool call that does not parse) scores ``illegal_score``.
 
     Text with no tool call is neutral (1.0). ``decode`` turns token ids into text; it
-    comes from the backend's tokenizer.
+    comes from the backend's tokenizer. ``calls``: the exact grammar check, asked first
+    (the ReAct ``Action:`` style, which no grammar covers, keeps the parse check).
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], illegal_score: float = 0.22) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], illegal_score: float = 0.22,
+                 calls: CallChecker | None = None) -> None:
         self.decode = decode
         self.illegal_score = illegal_score
+        self.calls = calls
 
     def score(self, history: Sequence[int], residual: Sequence[int]) -> Score:
-        text = self.decode(residual)
-        problem = self._problem(text)
+        problem = self.calls(residual) if self.calls is not None else None
+        if problem is None:
+            problem = self._problem(self.decode(residual))
         if problem is None:
             return Score(1.0)
         return Score(self.illegal_score, reason=problem)

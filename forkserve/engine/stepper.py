@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost
+from forkserve.backend.protocol import PromptLogprobs
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
@@ -167,7 +168,8 @@ class Stepper:
                        speculative=g.work_class is WorkClass.SPECULATIVE, decode=g.decode,
                        write_base=regime.write_base, write_residual=regime.write_residual,
                        adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
-                                                   start + g.tokens))
+                                                   start + g.tokens),
+                       prompt_logprobs=_prompt_logprobs(session, node, start + g.tokens, g.decode))
         return _Item(session, node, g, sampling, work, lengths)
 
     def _run(self, items: list["_Item"]) -> tuple[list[tuple["_Item", int | None]],
@@ -241,9 +243,10 @@ class Stepper:
             self._emit_speculative(node)
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
-        preempt = self.preempt_speculative if work_class is WorkClass.COMMITTED else None
         for pool, need in node.table.pages_needed(n).items():
-            self.kv.make_room(pool, need, preempt)
+            if need > pool.num_free:  # most decode steps need no page, or one the pool has
+                self.kv.make_room(pool, need, self.preempt_speculative
+                                  if work_class is WorkClass.COMMITTED else None)
         node.table.prepare_write(n, self.backend.copy_pages)
 
     def activate(self, tree: ContextTree, node: Node) -> None:
@@ -400,6 +403,16 @@ def _assert_exclusive(kv: NodeKV, start: int, n: int, regime: Regime) -> None:
         for page in table.pages[start // p:(start + n - 1) // p + 1]:
             if table.pool.refcount(page) != 1:
                 raise AssertionError(f"write into shared {table.pool.kind.value} page {page}")
+
+
+def _prompt_logprobs(session: Session, node: Node, end: int, decode: bool) -> PromptLogprobs | None:
+    """The request's prompt log-probabilities for a prefill chunk of its prompt (the root, not
+    yet committed past) that ends at ``end``; None when it did not ask or this is not one."""
+    k = session.sampling.prompt_logprobs
+    if k is None or decode or node is not session.tree.root or node is not session.tree.tip:
+        return None
+    following = session.tree.path_slice(node, end, end + 1)[0] if end < node.end else None
+    return PromptLogprobs(k, following, session.sampling.log)
 
 
 def _regime_capped(node: Node, pending: int) -> int:

@@ -185,8 +185,8 @@ def test_a_resampled_position_rolls_the_grammar_back(grammars, tokenizer):
         torch.zeros(1, (len(tokenizer.hf) + 31) // 32, dtype=torch.int32),
         torch.zeros(1, (len(tokenizer.hf) + 31) // 32, dtype=torch.int32),
     )
-    constraint.fill_bitmask(bitmask, 0, 2)  # back to position 2
-    again.fill_bitmask(expected, 0, 2)
+    constraint.filler.fill(bitmask, [(constraint, 0, 2)])  # back to position 2
+    again.filler.fill(expected, [(again, 0, 2)])
     assert torch.equal(bitmask, expected)
 
 

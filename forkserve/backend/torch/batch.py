@@ -111,8 +111,9 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
           all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
           cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
-    """Flatten `work` (already validated). Logits rows: every token if all_logits, else the last
-    token of each item that samples. `cascade`: tiles of a decode batch."""
+    """Flatten `work` (already validated). Logits rows: every token if all_logits, else every
+    token of an item that asks for prompt log-probabilities and the last token of any other
+    item that samples. `cascade`: tiles of a decode batch."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
@@ -143,7 +144,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
                 extra_rows.append(first + j)
                 extra_slot.append(adapter_slots[target.adapter_id])
                 extra_res.append(target.residual_pages[at // p] * p + at % p)
-        if all_logits:
+        if all_logits or seq.prompt_logprobs is not None:
             logit_rows.extend(range(first, first + n))
         elif seq.sampling is not None:
             logit_rows.append(first + n - 1)

@@ -121,6 +121,17 @@ class _Job:
         self.gen, self.stream, self.session = gen, stream, session
         self.sent = 0  # tokens of session.generated already delivered
 
+    @property
+    def owed(self) -> bool:
+        """Tokens to decode, or a prompt whose log-probabilities are asked for still to
+        prefill (``max_tokens=0`` with echo + logprobs: scoring a prompt decodes nothing)."""
+        session = self.session
+        if session.decode_left:
+            return True
+        tip = session.tree.tip
+        return (self.gen.spec.sampling.prompt_logprobs is not None and not session.generated
+                and tip.kv_len < tip.end)
+
 
 class EngineWorker:
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str], *,
@@ -292,7 +303,7 @@ class EngineWorker:
                 self._end_job(sid, job, failed=False)
         if not self._jobs:
             return
-        owed = any(job.session.decode_left for job in self._jobs.values())
+        owed = any(job.owed for job in self._jobs.values())
         try:
             progressed = self.engine.tick() if owed else True
         except Exception as exc:  # noqa: BLE001 - every request in the batch hears of it
@@ -321,7 +332,7 @@ class EngineWorker:
         if job.stream.stopped:
             reason = "stop"
             self.engine.cancel_generate(sid)
-        elif session.decode_left == 0:
+        elif not job.owed:
             reason = session.finish_reason
         if reason is not None:
             text += job.stream.finish()

@@ -41,7 +41,9 @@ def chat_logprobs(records: Sequence[SampledToken], text: TokenText, top: int) ->
 def completion_logprobs(
     records: Sequence[SampledToken], text: TokenText, top: int, offset: int
 ) -> CompletionLogprobs:
-    """``offset``: characters of the choice's text before its first token (an echoed prompt)."""
+    """``offset``: characters of the choice's text before its first reported token. An echoed
+    prompt's records come first when asked (its first token: logprob and top None, as OpenAI
+    and vLLM report it)."""
     tokens = [text(r.token) for r in records]
     offsets, at = [], offset
     for s in tokens:
@@ -50,6 +52,19 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[r.logprob for r in records],
-        top_logprobs=[{text(i): v for i, v in r.top[:top]} for r in records] if top else None,
+        top_logprobs=[
+            _top_by_text(r.top[:top], text) if r.logprob is not None else None for r in records
+        ]
+        if top
+        else None,
         text_offset=offsets,
     )
+
+
+def _top_by_text(top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """The completions shape keys the top tokens by text: where two share one (byte pieces of
+    one character), the more likely one's value stays."""
+    out: dict[str, float] = {}
+    for token, value in top:
+        out.setdefault(text(token), value)
+    return out

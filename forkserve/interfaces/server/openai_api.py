@@ -95,11 +95,17 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
         echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops, body.logprobs, None, None)
+    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops, body.logprobs, None, None,
+                                   prompt_logprobs=body.prompt_logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     prompt_tokens = sum(len(ids) for ids in encoded)
     cached_tokens = sum(cached[::body.n])  # each prompt once, as prompt_tokens counts it
     k = body.logprobs or 0
+
+    def prompt_records(index: int) -> list[SampledToken] | None:
+        """The echoed prompt's logprobs (read once its prefill delivered a first chunk)."""
+        log = choices[index].log
+        return log.prompt_entries(per_choice[index]) if body.prompt_logprobs is not None and log else None
 
     def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None,
               records: list[SampledToken] | None = None, offset: int = 0) -> CompletionResponse:
@@ -114,10 +120,12 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
         async def events() -> AsyncIterator[BaseModel]:
             completion_tokens = 0
             cursors = _Cursors(choices, st.model)
-            if body.echo:
-                for index in range(len(choices)):
-                    yield chunk(index, echoes[index // body.n], None)
+            echoed: set[int] = set()
             async for index, c in _merged([ch.gen for ch in choices]):
+                if body.echo and index not in echoed:
+                    # A choice's first chunk comes after its prompt's prefill: its logprobs are in.
+                    echoed.add(index)
+                    yield chunk(index, echoes[index // body.n], None, records=prompt_records(index))
                 completion_tokens += len(c.tokens)
                 records = cursors.take(index, c)
                 if c.text or c.finish_reason or records:
@@ -131,8 +139,12 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
     out = []
     for i, r in enumerate(results):
         echo = echoes[i // body.n]
-        records = cursors.take(i, r)
-        lp = completion_logprobs(records, st.model.token_text, k, len(echo)) if records is not None else None
+        records, prompt = cursors.take(i, r), prompt_records(i)
+        if prompt is not None and records is not None:
+            records, echo_offset = prompt + records, 0  # offsets run over the echoed tokens
+        else:
+            echo_offset = len(echo)
+        lp = completion_logprobs(records, st.model.token_text, k, echo_offset) if records is not None else None
         out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=lp))
     return CompletionResponse(id=rid, created=created, model=body.model, choices=out,
                               usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
@@ -153,7 +165,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     model.check_vocab(ids)
     model.check_length(len(ids), budget)
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
-    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammars) if plan.grammar else None
+    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler()) if plan.grammar else None
     top = body.top_logprobs or 0
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
@@ -261,20 +273,26 @@ def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -
 async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: int | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
-                 pin_if: Callable[[str], bool] | None) -> tuple[list[_Choice], list[int]]:
+                 pin_if: Callable[[str], bool] | None,
+                 prompt_logprobs: int | None = None) -> tuple[list[_Choice], list[int]]:
     """One session per choice, opened by the tenancy (limits, the request's cache boundary);
     with a seed, choice j samples with seed + j (distinct, reproducible). Each choice gets its
     own grammar state and token log: they live as long as its generation. Returns the choices
-    and each choice's prompt tokens served from the prefix cache."""
+    and each choice's prompt tokens served from the prefix cache. ``prompt_logprobs``: the
+    whole prompt is prefilled (no prefix-cache hit: a cached page has no logits), as vLLM does
+    for ``prompt_logprobs``; what it writes is still published for later requests."""
     bias = _bias(body, st.model)
-    needs_log = logprobs is not None or bool(body.presence_penalty or body.frequency_penalty)
+    needs_log = (logprobs is not None or prompt_logprobs is not None
+                 or bool(body.presence_penalty or body.frequency_penalty))
     salt = st.tenancy.salt(tenant, body.cache_salt)
+    temperature, top_p = st.model.sampling_defaults.resolve(body)
     choices: list[_Choice] = []
     cached: list[int] = []
 
     def opener(ids: list[int]) -> Callable[[], int]:
         def open_choice() -> int:
-            opened = st.tenancy.open(tenant, ids, adapter, salt, max_tokens, expose=False)
+            opened = st.tenancy.open(tenant, ids, adapter, salt, max_tokens, expose=False,
+                                     reuse_prefix=prompt_logprobs is None)
             cached.append(opened.cached_tokens)
             return opened.engine_id
         return open_choice
@@ -282,9 +300,10 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
         for j, ids in enumerate(prompts):
             seed = None if body.seed is None else body.seed + (j % body.n)
             log = TokenLog(len(ids)) if needs_log else None
-            sampling = SamplingParams(body.temperature, body.top_p, seed, body.presence_penalty,
-                                      body.frequency_penalty, bias, logprobs,
-                                      GrammarConstraint(grammar, len(ids)) if grammar is not None else None, log)
+            sampling = SamplingParams(
+                temperature, top_p, seed, body.presence_penalty, body.frequency_penalty, bias,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, log=log,
+                constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
             choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec, opener=opener(ids)), log))

@@ -76,9 +76,12 @@ class CompletionRequest(_Sampling):
     def _check(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is empty")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (log-probabilities of the prompt) is not supported")
         return self
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's log-probabilities too (top ``logprobs`` each)."""
+        return self.logprobs if self.echo else None
 
     def extended_fields(self) -> list[str]:
         return super().extended_fields() + [f for f in ("echo",) if self.echo] + \
@@ -247,8 +250,8 @@ class Usage(_Frozen):
 
 class CompletionLogprobs(_Frozen):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -12,11 +12,19 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from forkserve.config import ForkServeConfig
+from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.generation_defaults import (
+    OPENAI_DEFAULTS,
+    GenerationConfigMode,
+    SamplingDefaults,
+    load_sampling_defaults,
+)
 from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
 from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
+from forkserve.interfaces.server.tools.legality import CallLegality
 
 
 class TextTokenizer(Protocol):
@@ -42,9 +50,20 @@ class ServedModel:
     adapters: Mapping[str, int]        # adapter name -> backend adapter id
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
+    # Structured outputs, required calls, the legality check; None for a model built in code
+    # with no text tokenizer (token ids only), which refuses them.
+    grammars: GrammarCompiler | None
     created: int = field(default_factory=lambda: int(time.time()))
     # A chat reply that ends in tool calls pins its KV through the tool pause (docs/SERVER.md).
     pin_tool_pauses: bool = True
+    # What a request that omits temperature / top_p samples with (generation_defaults.py).
+    sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise APIError(400, f"model {self.name!r} has no text tokenizer: structured outputs "
+                                "and required tool calls are not available", param="response_format")
+        return self.grammars
 
     def adapter_for(self, model: str) -> int | None:
         """The adapter id a request's ``model`` names (None: the base model)."""
@@ -62,10 +81,6 @@ class ServedModel:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
                                 f"the request has {prompt_tokens} prompt tokens and asks for "
                                 f"{max_tokens} completion tokens", param="max_tokens")
-
-    @cached_property
-    def grammars(self) -> GrammarCompiler:
-        return GrammarCompiler(self.tokenizer.hf, self.engine.config.vocab_size, self.eos_token_ids)
 
     @cached_property
     def tool_format(self) -> ToolFormat:
@@ -97,8 +112,10 @@ def served_name(model_path: str | Path, name: str | None = None) -> str:
 def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                       loras: Mapping[str, str | Path] | None = None, name: str | None = None,
                       device: str | None = None, dtype: str | None = None,
-                      attention: str = "auto", use_cuda_graphs: bool = True) -> ServedModel:
-    """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine."""
+                      attention: str = "auto", use_cuda_graphs: bool = True,
+                      generation_config: GenerationConfigMode = "auto") -> ServedModel:
+    """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine;
+    ``generation_config``: whose sampling defaults requests get (generation_defaults.py)."""
     import torch
 
     from forkserve.backend.torch import TorchBackend
@@ -107,8 +124,16 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     backend = TorchBackend(config, model_path, dict(loras or {}), device=device, dtype=torch_dtype,
                            attention=attention, use_cuda_graphs=use_cuda_graphs)
     tokenizer = backend.tokenizer
-    engine = Engine(backend)
     eos = tuple(dict.fromkeys((*backend.eos_token_ids, *tokenizer.eos_token_ids)))
+    grammars = GrammarCompiler(tokenizer.hf, backend.config.vocab_size, eos)
+
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    # The branch cascade rejects a residual that cannot parse as a call in the model's format.
+    calls = CallLegality(choose_format(tokenizer.chat_template), grammars, decode)
+    engine = Engine(backend, scorer=CompositeScorer([LoopScorer(), LegalityScorer(decode, calls=calls)]))
     return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
-                       max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos)
+                       max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos,
+                       sampling_defaults=load_sampling_defaults(model_path, generation_config),
+                       grammars=grammars)

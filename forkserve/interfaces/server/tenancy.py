@@ -67,14 +67,16 @@ class Tenancy:
 
     # ------------------------------------------------------------ engine thread only
     def open(self, tenant: str, tokens: Sequence[int], adapter: int | None, salt: CacheSalt,
-             max_tokens: int, *, expose: bool) -> Opened:
+             max_tokens: int, *, expose: bool, reuse_prefix: bool = True) -> Opened:
         """Check the tenant's limits, open the session in ``salt``'s boundary, own it.
-        ``expose``: a branch session, reachable by a new public id."""
+        ``expose``: a branch session, reachable by a new public id; ``reuse_prefix``: as
+        ``Engine.open``'s."""
         self._prune()
-        p = self.engine.pool.page_size
+        p = self.engine.config.page_size
         need = len(tokens) + max_tokens
         sid = self.admit(tenant, Demand(1, need, need, -(-need // p)),
-                         lambda: self.engine.open(tokens, adapter=adapter, salt=salt).id)
+                         lambda: self.engine.open(tokens, adapter=adapter, salt=salt,
+                                                   reuse_prefix=reuse_prefix).id)
         self._owner[sid] = tenant
         if expose:
             self._public.bind(sid, tenant)
@@ -97,7 +99,7 @@ class Tenancy:
     def grow(self, tenant: str, new_tokens: int, action: Callable[[], T]) -> T:
         """Admit a verb that adds ``new_tokens`` (a segment, or a completion budget) to one
         of the tenant's sessions: its pages may grow by their pages plus a partial one."""
-        p = self.engine.pool.page_size
+        p = self.engine.config.page_size
         pages = -(-new_tokens // p) + 1 if new_tokens else 0
         return self.admit(tenant, Demand(0, new_tokens, new_tokens, pages), action)
 

@@ -59,14 +59,18 @@ class GrammarCompiler:
             raise GrammarError(f"{param}: the grammar cannot be compiled: {e}", param) from None
 
 
-def schema_ebnf(schema: dict[str, Any], rule: str, param: str) -> str:
-    """The EBNF of a JSON schema (compact JSON) with its root renamed ``rule`` and its other
-    rules prefixed, so several schemas compose into one grammar."""
+def schema_ebnf(
+    schema: dict[str, Any], rule: str, param: str, any_whitespace: bool = False
+) -> str:
+    """The EBNF of a JSON schema (compact JSON unless ``any_whitespace``) with its root renamed
+    ``rule`` and its other rules prefixed, so several schemas compose into one grammar."""
     import xgrammar as xgr
 
     try:
         text = str(
-            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            xgr.Grammar.from_json_schema(
+                json.dumps(schema), any_whitespace=any_whitespace, strict_mode=True
+            )
         )
     except (RuntimeError, ValueError, TypeError) as e:
         raise GrammarError(f"{param}: the JSON schema cannot be enforced: {e}", param) from None

@@ -1,16 +1,36 @@
-"""GrammarConstraint: one request's grammar state, the ``TokenConstraint`` the sampler consults.
+"""GrammarConstraint: one request's grammar state, the ``TokenConstraint`` the sampler consults;
+GrammarBatchFill: the ``BitmaskFiller`` that fills a step's grammar rows in one xgrammar call.
 
-Created when the request starts (one per choice), advanced by the sampler on the engine
-thread for each token sampled at the session's tip, dropped with the generation (a
-finished, stopped or aborted request simply lets it go: it holds no engine resource).
+A constraint is created when the request starts (one per choice), advanced by the sampler on
+the engine thread for each token sampled at the session's tip, dropped with the generation (a
+finished, stopped or aborted request simply lets it go: it holds no engine resource). The
+batch fill is one per process (xgrammar's thread pool), made with the first constraint.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+
+class GrammarBatchFill:
+    def __init__(self) -> None:
+        import xgrammar as xgr
+
+        # "auto": xgrammar sizes its pool to the machine; a batch of one fills inline.
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def fill(self, bitmask: Any, rows: Sequence[tuple["GrammarConstraint", int, int]]) -> None:
+        matchers = [constraint.matcher_at(position) for constraint, _, position in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, [row for _, row, _ in rows])
+
+
+@functools.cache
+def _batch_fill() -> GrammarBatchFill:
+    return GrammarBatchFill()
 
 
 class GrammarConstraint:
@@ -21,27 +41,26 @@ class GrammarConstraint:
         self._matcher = xgr.GrammarMatcher(compiled)
         self._start = start
         self._accepted = 0  # tokens accepted, i.e. the next position is start + accepted
+        self.filler = _batch_fill()
 
     @property
     def completed(self) -> bool:
         """The grammar reached its end (only a stop token may follow)."""
         return self._matcher.is_terminated() or self._matcher.is_completed()
 
-    def _seek(self, position: int) -> None:
+    def matcher_at(self, position: int) -> "xgr.GrammarMatcher":
+        """The matcher, rolled back to ``position`` if it has passed it (a resampled position)."""
         back = self._start + self._accepted - position
         if back > 0:
             self._matcher.rollback(back)
             self._accepted -= back
-
-    def fill_bitmask(self, bitmask: Any, row: int, position: int) -> None:
-        self._seek(position)
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return self._matcher
 
     def accept(self, token: int, position: int) -> None:
-        self._seek(position)
-        if self._matcher.is_terminated():
+        matcher = self.matcher_at(position)
+        if matcher.is_terminated():
             return  # the stop token was accepted: the engine ends the generation on it
-        if not self._matcher.accept_token(token):
+        if not matcher.accept_token(token):
             # The mask allowed only grammatical tokens, so this is an engine bug, not a request's.
             raise RuntimeError(
                 f"token {token} at position {position} violates the request's grammar"

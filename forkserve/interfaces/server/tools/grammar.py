@@ -34,8 +34,29 @@ def call_schema(fmt: ToolFormat, tools: Sequence[dict[str, Any]]) -> dict[str, A
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def any_call_schema(fmt: ToolFormat) -> dict[str, Any]:
+    """One call to some tool: a name and an object of arguments (the legality check's call,
+    when the tools offered are not known)."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            fmt.arguments_key: {"type": "object", "additionalProperties": True},
+        },
+        "required": ["name", fmt.arguments_key],
+        "additionalProperties": False,
+    }
+
+
 def calls_rule(fmt: ToolFormat, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
     """EBNF rules defining ``calls`` (and its ``call`` sub-rules)."""
+    return frame_rule(fmt, call_schema(fmt, tools), parallel)
+
+
+def frame_rule(
+    fmt: ToolFormat, call: dict[str, Any], parallel: bool, any_whitespace: bool = False
+) -> str:
+    """EBNF rules defining ``calls``: the format's frame around calls matching ``call``."""
     more = f" ({json.dumps(fmt.separator)} call)*" if parallel else ""
     parts = [
         json.dumps(fmt.prefix) if fmt.prefix else "",
@@ -46,5 +67,5 @@ def calls_rule(fmt: ToolFormat, tools: Sequence[dict[str, Any]], parallel: bool)
         "calls ::= "
         + " ".join(p for p in parts if p)
         + "\n"
-        + schema_ebnf(call_schema(fmt, tools), "call", "tools")
+        + schema_ebnf(call, "call", "tools", any_whitespace)
     )
