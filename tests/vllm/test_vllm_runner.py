@@ -5,7 +5,7 @@ import pytest
 
 from forkserve.backend.vllm import PhasePlan, PhaseRunner, RequestPlan, RequestSampling
 from forkserve.backend.vllm.adapters import LoraRef
-from vllm_fakes import FAKE_API, FakeLLMEngine, FakePinner, next_token
+from vllm_fakes import FAKE_API, FakeBlock, FakeLLMEngine, FakePinner, next_token
 
 GREEDY = RequestSampling(0.0, 1.0, None)
 
@@ -43,3 +43,35 @@ def test_a_foreign_unfinished_request_is_refused():
         n=1, max_tokens=1, ignore_eos=True))
     with pytest.raises(RuntimeError, match="did not submit"):
         PhaseRunner(engine, FAKE_API, None).run(PhasePlan((_req("r1", [1, 2]),)))
+
+
+class _StuckEngine(FakeLLMEngine):
+    """vLLM with a request it cannot schedule: it waits, finishing nothing, until aborted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted: list[str] = []
+        self.blocks = [FakeBlock(("held", i), ref=1) for i in range(3)]
+
+    def step(self):
+        return []
+
+    def abort_request(self, request_ids):
+        self.aborted += request_ids
+        for r in self.queue:  # vLLM frees an aborted request's blocks (through the pinner)
+            r.blocks = self.blocks
+            for hook in self.free_hooks:
+                hook(r)
+            for block in r.blocks:
+                block.ref -= 1
+        self.queue = []
+
+
+def test_a_phase_vllm_cannot_schedule_is_aborted_not_waited_on_forever():
+    engine = _StuckEngine()
+    runner = PhaseRunner(engine, FAKE_API, FakePinner(engine))
+    with pytest.raises(RuntimeError, match="finished nothing"):
+        runner.run(PhasePlan((_req("fs-0-1", range(3, 40), pins=((0, 5),)),)))
+    assert engine.aborted == ["fs-0-1"] and not engine.has_unfinished_requests()
+    # The pinner caught block 0 as the abort freed it; the runner let it go again.
+    assert [b.ref for b in engine.blocks] == [0, 0, 0]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from forkserve.backend.vllm.adapters import LoraRef
-from forkserve.backend.vllm.phase_runner import EngineLike, VllmApi
+from forkserve.backend.vllm.phase_runner import EngineLike, VllmApi, step_until_done
 
 _IDS = itertools.count()
 
@@ -49,11 +49,7 @@ def run_batch(engine: EngineLike, api: VllmApi, prompts: Sequence[Sequence[int]]
         ids.append(f"native-{next(_IDS)}")
         engine.add_request(ids[-1], {"prompt_token_ids": list(prompt)}, params,
                            lora_request=None if ref is None else requests[ref])
-    done: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = {out.request_id: out for out in step_until_done(engine, ids)}
     seconds = time.perf_counter() - t0
     missing = [i for i in ids if i not in done]
     if missing:

@@ -34,6 +34,8 @@ class EngineLike(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
 
 class Pinner(Protocol[Handle]):
     """Holds vLLM blocks of finished requests (docs/VLLM_BACKEND.md: pinning)."""
@@ -55,6 +57,29 @@ class RequestResult:
     pins: Mapping[int, Any]    # block index -> pinner handle
 
 
+# Steps in a row that finish nothing before a phase counts as stuck. A long prefill finishes
+# nothing for a few steps (chunks); a request vLLM cannot allocate waits forever, silently.
+STALL_STEPS = 1000
+
+
+def step_until_done(engine: EngineLike, request_ids: list[str]) -> list[Any]:
+    """``step()`` until nothing is unfinished (what ``LLM.generate`` does); the finished
+    outputs. A phase whose blocks vLLM's pool cannot hold (every other block pinned) would
+    wait forever: after ``STALL_STEPS`` steps that finish nothing, its requests are aborted
+    and this raises, so the engine stays usable and the caller sees why."""
+    finished: list[Any] = []
+    idle = 0
+    while engine.has_unfinished_requests():
+        outs = [out for out in engine.step() if out.finished]
+        finished += outs
+        idle = 0 if outs else idle + 1
+        if idle >= STALL_STEPS:
+            engine.abort_request(request_ids)
+            raise RuntimeError(f"vLLM finished nothing in {STALL_STEPS} steps: its KV pool "
+                               f"cannot hold these requests (blocks pinned or too few)")
+    return finished
+
+
 class PhaseRunner(Generic[Handle]):
     def __init__(self, engine: EngineLike, api: VllmApi, pinner: Pinner[Handle] | None) -> None:
         self.engine, self.api, self.pinner = engine, api, pinner
@@ -70,11 +95,17 @@ class PhaseRunner(Generic[Handle]):
                 self.pinner.expect(r.request_id, [j for j, _ in r.pin_blocks])
             self.engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt)},
                                     self._params(r), lora_request=self._lora(r.lora))
+        try:
+            outputs = step_until_done(self.engine, list(plans))
+        except RuntimeError:
+            # Aborting freed the requests through the pinner: let go what it caught.
+            for request_id in plans:
+                for handle in (self.pinner.take(request_id) if self.pinner else {}).values():
+                    self.pinner.release(handle)
+            raise
         results: dict[str, RequestResult] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if not out.finished or out.request_id not in plans:
-                    continue
+        for out in outputs:
+            if out.request_id in plans:
                 plan = plans[out.request_id]
                 token = out.outputs[0].token_ids[-1] if plan.returns_token else None
                 pins = self.pinner.take(plan.request_id) if self.pinner is not None else {}
