@@ -474,9 +474,11 @@ def failover(cluster: Cluster, w: int, run: int, vocab: int) -> dict[str, Any]:
     before = scrape(cluster.url)
     makespan = lockstep(agents, p, vocab, during_turn=kill)
     after = scrape(cluster.url)
-    reported = {a.index: a.client.info(a.sid).committed_tokens for a in agents}
+    # A tree the survivor cannot hold (507) is a lost task, not lost tokens: it is reported apart.
+    reported = {a.index: a.client.info(a.sid).committed_tokens for a in agents if not a.failed}
     lost = {
-        a.index: a.committed - reported[a.index] for a in agents if reported[a.index] != a.committed
+        a.index: a.committed - reported[a.index] for a in agents
+        if a.index in reported and reported[a.index] != a.committed
     }
     victim = killed.get("replica")
     on_victim = [e for a in agents for e in a.errors if e[1] >= 500 and e[2] == victim]
@@ -498,6 +500,7 @@ def failover(cluster: Cluster, w: int, run: int, vocab: int) -> dict[str, Any]:
         "lost_committed_tokens": sum(lost.values()),
         "5xx_on_killed_replica": len(on_victim),
         "5xx_elsewhere": len(elsewhere),
+        "failed_tasks": sum(1 for a in agents if a.failed),
         "errors": [list(e) for a in agents for e in a.errors],
         "commit": source_commit(),
         "ok": not lost and not elsewhere and killed.get("trees", 0) == moved,
