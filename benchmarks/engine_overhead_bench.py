@@ -1,11 +1,22 @@
-"""Control-plane time per tick, against the GPU step it has to hide behind.
+"""Control-plane time per tick, against the GPU step it has to hide behind (issue 21).
 
-    python benchmarks/engine_overhead_bench.py [--sessions 1 8 32 64] [--context 1024 8192]
+    python benchmarks/engine_overhead_bench.py --label after --out benchmarks/results
+    PYTHONPATH=<a checkout of an older commit> python benchmarks/engine_overhead_bench.py \
+        --label before --out benchmarks/results
 
-W sessions decode together over a shared-length context on a MockBackend whose own work
-is timed apart, so the figure is the Engine's bookkeeping alone (scheduling, page tables,
-publishing, accounting). Printed beside the measured H200 decode step of
-benchmarks/results/decode_bench.json (batch 64 with LoRA) as a share of it.
+W sessions decode together over a shared 8K context on a MockBackend whose own work is
+timed apart, so the figure is the Engine's bookkeeping alone (scheduling, page tables,
+publishing, accounting). Each run adds its rows under ``--label`` to
+``engine_overhead.json`` (rows of other labels are kept: one JSON and one PNG show the
+source trees side by side) and reports, for a GPU step of ``--gpu-step-ms``:
+
+* ``serial_unhidden``: engine ms / GPU ms — the tick runs in series with the step, so all
+  of it is added to every step;
+* ``overlap_bound``: max(0, engine - GPU) / GPU — what an engine that plans tick N+1 while
+  the GPU runs tick N would still add (a bound: overlap itself is not built yet).
+
+Engine times are CPU-only and move with the machine's load: compare labels measured back
+to back on the same machine, by their ratio.
 """
 from __future__ import annotations
 
@@ -16,10 +27,9 @@ from pathlib import Path
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.mock import MockBackend
-from forkserve.bench.output import add_out_argument, write_json
+from forkserve.bench.output import (add_out_argument, legend_below, new_figure, save_figure,
+                                    write_json)
 
-# The committed H200 decode step this overhead is compared with (read only).
-GPU_STEP = Path(__file__).parent / "results" / "decode_bench.json"
 
 
 class TimedMock(MockBackend):
@@ -66,24 +76,47 @@ def measure(sessions: int, context: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64],
+    ap.add_argument("--sessions", type=int, nargs="+", default=[32, 128, 512, 1024, 2048],
                     help="sessions decoding together")
-    ap.add_argument("--context", type=int, nargs="+", default=[1024, 8192],
-                    help="context tokens per session")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps per session")
+    ap.add_argument("--context", type=int, default=8192, help="context tokens per session")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per session")
+    ap.add_argument("--gpu-step-ms", type=float, default=9.0,
+                    help="the GPU decode step the engine has to hide behind (H200, batch 64 "
+                         "with LoRA: 9.02 ms, benchmarks/results/decode_bench.json)")
+    ap.add_argument("--label", default="now", help="this source tree's name in the JSON and plot")
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    gpu = json.loads(GPU_STEP.read_text())
-    gpu_ms = gpu["decode_b64_lora"]["ms_per_step"]
-    rows = [measure(w, c, args.steps) for c in args.context for w in args.sessions]
-    print(f"{'sessions':>8} {'context':>8} {'engine ms/tick':>15} {'share of H200 step':>19}")
-    for r in rows:
-        r["share_of_gpu_step"] = r["engine_ms_per_tick"] / gpu_ms
-        print(f"{r['sessions']:>8} {r['context']:>8} {r['engine_ms_per_tick']:>15.3f} "
-              f"{r['share_of_gpu_step']:>18.1%}")
-    print(f"(H200 decode step, batch 64 with LoRA: {gpu_ms:.2f} ms)")
-    write_json(args.out / "engine_overhead.json", {"gpu_step_ms": gpu_ms, "rows": rows})
+    path = args.out / "engine_overhead.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    rows = [r for r in old["rows"] if r["label"] != args.label]
+    print(f"{'label':>8} {'sessions':>8} {'engine ms/tick':>15} {'serial unhidden':>16} "
+          f"{'overlap bound':>14}")
+    for w in args.sessions:
+        r = measure(w, args.context, args.steps) | {"label": args.label}
+        r["serial_unhidden"] = r["engine_ms_per_tick"] / args.gpu_step_ms
+        r["overlap_bound"] = max(0.0, r["engine_ms_per_tick"] - args.gpu_step_ms) / args.gpu_step_ms
+        rows.append(r)
+        print(f"{args.label:>8} {w:>8} {r['engine_ms_per_tick']:>15.3f} "
+              f"{r['serial_unhidden']:>15.1%} {r['overlap_bound']:>13.1%}")
+        # After every size, so a cut run keeps what it measured.
+        write_json(path, {"gpu_step_ms": args.gpu_step_ms, "context": args.context,
+                          "steps": args.steps, "rows": rows}, quiet=True)
+    print(f"wrote {path}")
+    plot(rows, args.gpu_step_ms, args.out / "engine_overhead.png")
     return 0
+
+
+def plot(rows: list[dict], gpu_ms: float, path: Path) -> None:
+    fig, (ax,) = new_figure(1, width=6.5)
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["sessions"])
+        ax.plot([r["sessions"] for r in mine], [r["engine_ms_per_tick"] for r in mine],
+                marker="o", label=f"engine ms/tick ({label})")
+    ax.axhline(gpu_ms, color="gray", linestyle="--", label=f"GPU step {gpu_ms:g} ms")
+    ax.set(xscale="log", yscale="log", xlabel="sessions decoding", ylabel="ms per tick",
+           title="Control plane per tick (MockBackend, CPU)")
+    legend_below(fig, ax)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 18's H200 figure: grammar mask cost per decode step (xgrammar row by row and batched,
-# llguidance, ForkServe's sampler; batch 1 and 64) with the logits on the GPU. The GPU image has
-# neither grammar engine nor pydantic, nor fastapi (the server package the sampler row imports):
-# their cp312 wheels and the demo model's tokenizer travel in the git-ignored .carry/grammar
-# (~14 MiB), made once on the dev box by
+# Issue 18's H200 figure: grammar mask cost per decode step (xgrammar vs llguidance, batch 1
+# and 64) with the logits on the GPU. The GPU image has neither grammar engine nor pydantic:
+# their cp312 wheels (with fastapi: the grammar compiler lives in the server package, whose
+# errors answer HTTP) and the demo model's tokenizer travel in the git-ignored .carry/grammar
+# (14 MiB), made once on the dev box by
 #   bash benchmarks/h200_grammar.sh prepare
 # then, on the GPU (carry .carry/grammar):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_grammar.sh
@@ -17,7 +17,8 @@ if [ "${1:-}" = prepare ]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform any -d $CARRY/wheels \
     xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.13.4 pydantic-core==2.46.4 \
     annotated-types==0.7.0 typing-inspection==0.4.2 llguidance==1.9.1 \
-    fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 || exit 1
+    fastapi==0.165.0 starlette==1.10.0 anyio==4.16.0 annotated-doc==0.0.7 idna==3.20 \
+    opentelemetry-api==1.45.2 || exit 1
   python3 -c "
 import sys; sys.path[:0] = ['benchmarks', '.']
 from grammar_bench import load_tokenizer

@@ -39,7 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import reference  # noqa: E402
-from forkserve.kernels.decode_attention import paged_decode_triton, residual_decode_triton  # noqa: E402
+from forkserve.kernels.decode_attention import paged_decode_triton  # noqa: E402
+from forkserve.kernels.residual_decode_triton import residual_decode_triton  # noqa: E402
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
 from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
 from forkserve.kernels.shared_prefix import (cascade_residual_decode_triton,  # noqa: E402
@@ -488,7 +489,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
     Per case also times the two-pass score kernel alone (``scores_ms``) and, at the
     smallest context with batch 8, the error of each variant against the fp32 eager path.
     """
-    from forkserve.kernels.decode_attention import residual_scores
+    from forkserve.kernels.residual_decode_triton import residual_scores
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
     res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
@@ -554,8 +555,8 @@ def register_report(out: Path) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from forkserve.kernels.decode_attention import (_decode_partial_kernel, _residual_decode_chunked_kernel,
-                                                     _residual_score_kernel)
+    from forkserve.kernels.decode_attention import _decode_partial_kernel
+    from forkserve.kernels.residual_decode_triton import _residual_decode_chunked_kernel, _residual_score_kernel
     from forkserve.kernels.prefill_attention import _prefill_kernel
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

@@ -256,7 +256,8 @@ def run_soak(server: RunningServer, cfg: SoakConfig) -> SoakReport:
 
     def audit(engine) -> tuple[int, int, int, int, bool, int]:
         sessions = len(engine.sessions)
-        used, published = engine.pool.num_used, engine.index.num_pages
+        cache = engine.cache_stats()
+        used, published = cache.base.used, cache.base.published
         try:
             engine.check_integrity()
             ok = True
@@ -264,7 +265,8 @@ def run_soak(server: RunningServer, cfg: SoakConfig) -> SoakReport:
             ok = False
         if sessions == 0:
             engine.evict_all()
-        return sessions, used, published, engine.pool.num_used, ok, engine.metrics.peak_pages
+        after = engine.cache_stats().base.used
+        return sessions, used, published, after, ok, engine.metrics.peak_pages
     sessions, used, published, after_evict, ok, peak = server.on_engine(audit)
     lat = sorted(tally.latencies_s) or [0.0]
     return SoakReport(

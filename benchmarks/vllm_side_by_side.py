@@ -4,21 +4,27 @@
     python benchmarks/vllm_side_by_side.py --tiny     # CPU: ours run, vLLM runs skipped (missing)
 
 1. react-multilora (forkserve/bench/multilora/, same driver and KV budget) at W = 1, 8, 32:
-   ForkServe's TorchBackend systems through ``run_system``, and ``vllm`` / ``vllm_no_lora``:
-   the same Engine and driver on ``VllmBackend`` (one LoRA per agent / base model). vLLM's
-   KV pool is fixed at the budget's pages plus a small headroom for the partial tail blocks
-   it recomputes, so no system gets more KV than the budget.
+   ForkServe's TorchBackend systems through ``run_system``; ``vllm`` / ``vllm_no_lora``:
+   the same Engine and driver on ``VllmBackend`` (one LoRA per agent / base model); and
+   ``vllm_native``: plain vLLM, no control plane, each turn one lockstep batch of every
+   agent's whole history with its LoRA (forkserve/backend/vllm/native.py). vLLM's KV pool is
+   fixed at the budget's pages plus a small headroom for the partial tail blocks it
+   recomputes, so no system gets more KV than the budget (plus that headroom).
 2. decode ms/step at prompt 512, batch 1 and 64 (64 over 32 adapters with LoRA): through
    ``VllmBackend.step`` (one vLLM request per sequence per step) beside vLLM's own decode
    loop (``LLM.generate`` of the same prompts), i.e. what the translation costs.
 
 One vLLM engine (Llama-3-8B shape, dummy bf16 weights, token ids only) serves every vLLM run;
 pins are released and the prefix cache reset between runs. Writes vllm_side_by_side.json
-to --out (default ./forkserve-bench-results) after every run, so a timeout loses nothing.
+to --out (default ./forkserve-bench-results) after every run, so a timeout loses nothing;
+``--stop-at`` (a Unix time) records the runs not started by then as skipped, so one GPU
+call ends on time. ``main(argv, harness)`` reuses a vLLM engine the caller started
+(benchmarks/h200_vllm.py shares one across its tests, fan-out and this).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -44,12 +50,14 @@ from forkserve.bench.multilora import (  # noqa: E402
     run_workload,
     tiny_config,
 )
+from forkserve.bench.multilora.driver import observation  # noqa: E402
 from forkserve.bench.multilora.scale import FULL, TINY, tiny_threads  # noqa: E402
+from forkserve.bench.multilora.workload import agent_prompts  # noqa: E402
 from forkserve.bench.output import add_out_argument, write_json  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 
-VLLM_SYSTEMS = ("vllm", "vllm_no_lora")
+VLLM_SYSTEMS = ("vllm", "vllm_no_lora", "vllm_native")
 PAGE, RANK = 16, 16  # tokens per KV page, LoRA rank (the workload's)
 DECODE_PROMPT = 512
 
@@ -61,24 +69,40 @@ class VllmHarness:
     llm: Any
     api: Any
     pinner: Any
+    gauge: Any  # KvGauge: vLLM's most referenced blocks
     model_cfg: Any
     assets: Path
     kv_pages: int
+    agents: int  # adapters agent0..agent{agents-1}, rank RANK
 
-    def adapter_dir(self, i: int, rank: int) -> str:
+    def lora_modules(self) -> dict[str, str]:
+        """Every agent's adapter, whatever W a run uses: vLLM caches a LoRA by its int id,
+        so ids (1..n in name order, AdapterTable) must mean the same adapter in every run."""
         from forkserve.backend.vllm.bench_assets import write_peft_adapter
 
-        path = self.assets / f"agent{i}"
-        if not path.exists():
-            adapter = random_adapter(self.model_cfg, f"agent{i}", rank, torch.device("cpu"), seed=i)
-            write_peft_adapter(adapter, path)
-        return str(path)
+        modules = {}
+        for i in range(self.agents):
+            path = self.assets / f"agent{i}"
+            if not path.exists():
+                # Drawn where TorchBackend's bench draws its own (build_backend): the same
+                # seed on the same device gives both engines the same deltas, and fast.
+                device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                adapter = random_adapter(self.model_cfg, f"agent{i}", RANK, device, seed=i)
+                write_peft_adapter(adapter, path)
+            modules[f"agent{i}"] = str(path)
+        return modules
+
+    def lora_ref(self, i: int) -> Any:
+        from forkserve.backend.vllm.adapters import AdapterTable
+
+        return AdapterTable(self.lora_modules()).resolve(f"agent{i}")
 
 
 def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page: int,
                utilization: float, cow_blocks: bool) -> VllmHarness:
     from forkserve.backend.vllm.bench_assets import write_model_dir
     from forkserve.backend.vllm.block_pinner import KvManagerPinner
+    from forkserve.backend.vllm.kv_gauge import KvGauge
     from forkserve.backend.vllm.vllm_loader import api, build_llm
 
     assets = Path(tempfile.mkdtemp(prefix="forkserve_vllm_"))
@@ -93,8 +117,14 @@ def start_vllm(model_cfg, budget_pages: int, max_workflows: int, rank: int, page
                     max_lora_rank=rank, llm_kwargs=dict(
                         load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                         num_gpu_blocks_override=blocks, max_num_seqs=max(256, 2 * max_workflows)))
-    pinner = KvManagerPinner.attach(llm.llm_engine) if cow_blocks else None
-    return VllmHarness(llm, api(), pinner, model_cfg, assets, budget_pages)
+    pinner = None
+    if cow_blocks:
+        try:
+            pinner = KvManagerPinner.attach(llm.llm_engine)
+        except RuntimeError as exc:  # the engine took a minute to start: run without pins
+            print(f"WARNING: {exc}; every VllmBackend run is cow_blocks=False", flush=True)
+    return VllmHarness(llm, api(), pinner, KvGauge.attach(llm.llm_engine), model_cfg, assets,
+                       budget_pages, max_workflows)
 
 
 def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness,
@@ -109,8 +139,7 @@ def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness,
                           kv_layout=KVLayout.UNIFIED, hbm_tokens=num_pages * params.page_size,
                           max_batch_tokens=16384, max_context=model_cfg.max_context,
                           node_ttl_s=None, vocab_size=model_cfg.vocab_size)
-    lora = {} if system == "vllm_no_lora" else {
-        f"agent{i}": harness.adapter_dir(i, params.rank) for i in range(params.workflows)}
+    lora = {} if system == "vllm_no_lora" else harness.lora_modules()
     harness.llm.reset_prefix_cache()
     backend = VllmBackend.on_engine(cfg, harness.llm.llm_engine, harness.api, pinner=harness.pinner,
                                     lora_modules=lora, two_class=two_class,
@@ -125,15 +154,51 @@ def run_vllm_system(system: str, params: MultiLoraParams, harness: VllmHarness,
     return result
 
 
-def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int, rank: int,
+def run_native_react(params: MultiLoraParams, harness: VllmHarness) -> RunResult:
+    """Plain vLLM on react-multilora: each turn, every agent's whole history in one lockstep
+    batch (``gen`` tokens, greedy, its LoRA), then the pause and the observation, as the
+    Engine's driver does; vLLM's prefix cache supplies what it still holds."""
+    from forkserve.backend.vllm.native import run_batch
+
+    vocab = harness.model_cfg.vocab_size
+    sizes = page_bytes(harness.model_cfg, params.rank, params.page_size, torch.bfloat16)
+    _, histories = agent_prompts(params, vocab)
+    loras = [harness.lora_ref(i) for i in range(params.workflows)]
+    harness.llm.reset_prefix_cache()
+    harness.gauge.reset()
+    engine = harness.llm.llm_engine
+    prompt = cached = 0
+    turns: list[float] = []
+    start = time.perf_counter()
+    for turn in range(params.turns):
+        if turn:
+            time.sleep(params.pause_s)
+        batch = run_batch(engine, harness.api, histories, params.gen, loras)
+        turns.append(batch.seconds)
+        prompt, cached = prompt + batch.prompt_tokens, cached + batch.cached_tokens
+        for i, out in enumerate(batch.tokens):
+            histories[i] += list(out) + observation(turn + 1, i, params.observation, vocab)
+    makespan = time.perf_counter() - start
+    peak = harness.gauge.peak_blocks * sizes["base"]
+    lat = sorted(turns)
+    decode = params.workflows * params.turns * params.gen
+    return RunResult("vllm_native", params.workflows, params.workflows / makespan, makespan,
+                     statistics.median(lat), lat[-1], peak, peak / params.workflows,
+                     cached / max(1, prompt), float(params.workflows), 0.0, sum(turns), 0.0,
+                     prompt - cached, decode, 0.0, notes=({"vllm": {
+                         "prompt_tokens": prompt, "cached_tokens": cached,
+                         "peak_blocks": harness.gauge.peak_blocks}},))
+
+
+def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int,
                         page: int) -> dict:
     """ms per decode step: VllmBackend.step (one request per sequence per step) and vLLM's
     own loop (one ``LLM.generate`` of ``steps`` tokens) on the same prompts."""
     from forkserve.backend.vllm import VllmBackend
 
     vocab = harness.model_cfg.vocab_size
-    adapters = {f"agent{i}": harness.adapter_dir(i, rank) for i in range(32)} if lora else {}
-    names = [f"agent{i % 32}" if lora else None for i in range(batch)]
+    adapters = harness.lora_modules() if lora else {}
+    names = [f"agent{i % harness.agents}" if lora else None for i in range(batch)]
     prompts = [[(b * 977 + j * 31) % (vocab - 3) + 3 for j in range(DECODE_PROMPT)]
                for b in range(batch)]
     pages_per_seq = -(-(DECODE_PROMPT + steps + 1) // page)
@@ -177,8 +242,9 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
             "vllm_stats": backend.stats.as_dict()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Returns the exit status: 1 when a run failed (vLLM missing on a CPU is not a failure)."""
+def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> int:
+    """Returns the exit status: 1 when a run failed (vLLM missing on a CPU is not a failure).
+    ``harness``: a vLLM engine already started (``start_vllm``), used instead of a new one."""
     from forkserve.backend.torch.model_config import llama3_8b_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -203,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="VllmBackend: plain LRU prefix cache, no pins")
     ap.add_argument("--decode-steps", type=int, default=32, help="steps of the decode comparison")
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode comparison")
+    ap.add_argument("--decode-first", action="store_true",
+                    help="run the decode comparison before react-multilora")
+    ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
+                    help="start no run after this time (the rest is recorded as skipped)")
+    ap.add_argument("--rows-from", type=Path, default=None, metavar="JSON",
+                    help="an earlier run's vllm_side_by_side.json (same workload flags, e.g. "
+                         "our systems in an earlier GPU call): its rows join this report")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer model with small defaults (CPU plumbing check; add it to "
                          "--help to see those defaults)")
@@ -216,17 +289,26 @@ def main(argv: list[str] | None = None) -> int:
                     "context": args.context, "turns": args.turns, "gen": args.gen,
                     "kv_budget_gib": args.kv_budget_gib, "results": [], "decode": [], "errors": [],
                     "skipped": []}
+    if args.rows_from is not None and args.rows_from.exists():
+        earlier = json.loads(args.rows_from.read_text())
+        differ = [k for k in ("model", "context", "turns", "gen", "kv_budget_gib")
+                  if earlier[k] != report[k]]
+        if differ:
+            ap.error(f"--rows-from {args.rows_from} ran another workload ({differ} differ)")
+        report["results"] += earlier["results"]
+        report["errors"] += earlier["errors"]
+        report["merged_from"] = str(args.rows_from)
     out = args.out / "vllm_side_by_side.json"
-    runs = _Runs(args, model_cfg, device, dtype, report, out)
+    runs = _Runs(args, model_cfg, device, dtype, report, out, harness)
+    decode = args.decode_first and not args.skip_decode
+    if decode:
+        runs.decode()
     with tiny_threads(device, args.tiny):  # a no-op on a GPU
         for w in args.workflows:
             for system in args.systems:
                 runs.run(system, w)
-    if runs.harness is not None and not args.skip_decode:
-        for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
-            report["decode"].append(
-                decode_side_by_side(runs.harness, batch, lora, args.decode_steps, RANK, PAGE))
-            runs.save()
+    if not decode and not args.skip_decode:
+        runs.decode()
     print(format_table([RunResult(**r) for r in report["results"]], "react"))
     for d in report["decode"]:
         print(f"decode b={d['batch']:<3} lora={d['lora']!s:<5} "
@@ -235,10 +317,38 @@ def main(argv: list[str] | None = None) -> int:
     for e in report["errors"]:
         print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
     if report["skipped"]:
-        print(f"skipped {len(report['skipped'])} vLLM runs: {runs.vllm_missing}")
+        print(f"skipped {len(report['skipped'])} runs: "
+              f"{sorted({s['why'] for s in report['skipped']})}")
     runs.save()
     print(f"wrote {out}")
+    if report["results"] or report["decode"]:
+        plot(report, args.out / "vllm_side_by_side.png")
     return 1 if report["errors"] else 0
+
+
+def plot(report: dict, path: Path) -> None:
+    """tasks/s against W per system, and decode ms/step: VllmBackend beside vLLM's loop."""
+    from forkserve.bench.output import new_figure, save_figure
+
+    fig, (tput, dec) = new_figure(2, width=12, height=4.4)
+    systems = list(dict.fromkeys(r["system"] for r in report["results"]))
+    for i, system in enumerate(systems):
+        rows = [r for r in report["results"] if r["system"] == system]
+        tput.plot([r["workflows"] for r in rows], [r["tasks_per_s"] for r in rows], "o-",
+                  color=f"C{i}", label=system)
+    tput.set(xscale="log", yscale="log", xlabel="W (agents)", ylabel="tasks/s",
+             title=f"react-multilora, {report['kv_budget_gib']} GiB KV, T={report['turns']}")
+    tput.legend(fontsize=8)
+    labels = [f"b={d['batch']}{' LoRA' if d['lora'] else ''}" for d in report["decode"]]
+    xs = range(len(labels))
+    dec.bar([x - 0.2 for x in xs], [d["vllm_backend_ms_per_step"] for d in report["decode"]],
+            0.4, label="Engine on VllmBackend")
+    dec.bar([x + 0.2 for x in xs], [d["native_vllm_ms_per_step"] for d in report["decode"]],
+            0.4, label="vLLM's own loop")
+    dec.set_xticks(list(xs), labels)
+    dec.set(ylabel="ms / decode step", title=f"decode, prompt {DECODE_PROMPT}")
+    dec.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 class _Runs:
@@ -246,26 +356,51 @@ class _Runs:
     the vLLM engine and our weights are built once, on first use."""
 
     def __init__(self, args: argparse.Namespace, model_cfg, device: torch.device,
-                 dtype: torch.dtype, report: dict, out: Path) -> None:
+                 dtype: torch.dtype, report: dict, out: Path,
+                 harness: VllmHarness | None) -> None:
         self.args, self.model_cfg, self.device, self.dtype = args, model_cfg, device, dtype
         self.report, self.out = report, out
         self.weights = None
-        self.harness: VllmHarness | None = None
+        self.harness = harness
         self.vllm_missing: str | None = None
 
     def save(self) -> None:
         write_json(self.out, self.report, quiet=True)
 
+    def out_of_time(self) -> bool:
+        return self.args.stop_at is not None and time.time() >= self.args.stop_at
+
+    def decode(self) -> None:
+        """The decode comparison on the vLLM engine, if one was started."""
+        for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
+            if self.harness is None or self.out_of_time():
+                return
+            try:
+                self.report["decode"].append(decode_side_by_side(
+                    self.harness, batch, lora, self.args.decode_steps, PAGE))
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                self.report["errors"].append({"system": f"decode b={batch} lora={lora}",
+                                              "workflows": batch,
+                                              "error": f"{type(exc).__name__}: {exc}"})
+            self.save()
+
     def run(self, system: str, w: int) -> None:
         args = self.args
         params = MultiLoraParams("react", w, args.context, turns=args.turns, gen=args.gen,
                                  kv_budget_gib=args.kv_budget_gib)
+        if self.out_of_time():
+            self.report["skipped"].append({"system": system, "workflows": w,
+                                           "why": "out of time (--stop-at)"})
+            self.save()
+            return
         try:
             if system in VLLM_SYSTEMS:
                 if self.vllm_missing is not None:
                     self._skip(system, w)
                     return
-                result = run_vllm_system(system, params, self._vllm(params), args.two_class)
+                harness = self._vllm(params)
+                result = (run_native_react(params, harness) if system == "vllm_native" else
+                          run_vllm_system(system, params, harness, args.two_class))
             else:
                 result = self._ours(system, params)
             self.report["results"].append(asdict(result))

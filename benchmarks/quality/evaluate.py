@@ -17,29 +17,39 @@ the layout shares them, and decode together. Layouts:
   not available when the engine has no prefill_shared
 * no_lora: no adapter at all (what the adapters add)
 
-Per layout: accuracy (ast_check), token F1 of the call text, greedy-token agreement with
-unified, and for the agents that read a context cached by another (the readers) the cosine
-similarity of the residual stream after each layer to unified's, over the agent's own
-tokens (question and answer) up to the first token where its answer leaves unified's.
+Per agent: accuracy (ast_check), token F1 of the call text, its tokens (report.py pairs
+them with unified's), and, with hidden states on, for the agents that read a context cached
+by another (the readers) the cosine similarity of the residual stream after each layer to
+unified's, over the agent's own tokens (question and answer) up to the first token where
+its answer leaves unified's.
+
+The work is cut into units (units.py): one layout over one block of rounds, saved as it
+ends. A rerun skips saved units, ``--layouts`` and ``--first/--end`` pick a subset, and
+``--deadline-s`` stops starting units that would not finish in time (a device call's limit).
+Hidden states cost speed (every step eager); ``--no-hidden --dtype bfloat16 --attention
+triton --cuda-graphs`` is the fast accuracy-only pass.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.quality import units
 from benchmarks.quality.ast_check import check, token_f1
 from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval_rounds
-from benchmarks.quality.hidden_states import HiddenRecorder
+from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
+from benchmarks.quality.units import AgentResult, Unit
 from forkserve.bench.output import DEFAULT_OUT
 
 LAYOUTS = ("unified", "disaggregated", "full_reuse", "base_activations", "no_lora")
 REFERENCE = "unified"
+DEFAULT_CACHE = Path("/tmp/forkserve-quality-cache")
 
 
 @dataclass(frozen=True)
@@ -54,37 +64,30 @@ class EvalParams:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "eager"
+    cuda_graphs: bool = False
+    hidden: bool = True   # record hidden states (every step eager) for the cosine columns
+    block: int = 10       # rounds per saved unit
 
 
 @dataclass(frozen=True)
-class AgentResult:
-    round: int
-    task: str
-    item_id: str
-    writer: bool
-    prompt_tokens: int
-    shared_tokens: int   # common prefix of the round's prompts (the catalog)
-    reused_tokens: int   # base (or unified) KV found in the cache at open: written by another
-    tokens: tuple[int, ...]
-    text: str
-    valid: bool
-    error: str
-    f1: float
-    agreement: float     # greedy tokens equal to unified's, position by position
-    layer_cos: tuple[float, ...]  # per layer, mean over compared tokens; () when not compared
-    compared_tokens: int
+class Inputs:
+    """What every unit of one evaluation shares: loaded once per process."""
+
+    rounds: tuple[Round, ...]
+    prompts: tuple[tuple[list[int], ...], ...]
+    model_config: Any
+    weights: Any
+    adapters: Mapping[str, Any]
+    tokenizer: Any
 
 
 @dataclass(frozen=True)
-class LayoutResult:
-    layout: str
-    available: bool
-    note: str
-    agents: tuple[AgentResult, ...] = ()
-    prefill_tokens: int = 0
-    seconds: float = 0.0
-    # The reference keeps its hidden states: (round, task) -> {position: [layers, hidden]}.
-    hidden: Mapping[tuple[int, str], Mapping[int, torch.Tensor]] = field(default_factory=dict, repr=False)
+class Reference:
+    """Unified's answers and hidden states over the rounds of one unit: what the cosines
+    compare with."""
+
+    tokens: Mapping[units.AgentKey, tuple[int, ...]]
+    hidden: Mapping[units.AgentKey, torch.Tensor]
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -95,60 +98,63 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def agreement(a: Sequence[int], b: Sequence[int]) -> float:
-    if not a and not b:
-        return 1.0
-    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))  # unequal lengths
+def fingerprint(folder: Path) -> str:
+    """Of the adapter weights: units of retrained adapters must not merge with these."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*/adapter_model.safetensors")):
+        h.update(f.parent.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
-def layer_cosines(mine: Mapping[int, torch.Tensor], ref: Mapping[int, torch.Tensor],
-                  positions: Sequence[int]) -> tuple[tuple[float, ...], int]:
-    """Mean over positions of cos(mine, ref), per layer; positions missing on either side skip."""
-    both = [p for p in positions if p in mine and p in ref]
-    if not both:
-        return (), 0
-    a = torch.stack([mine[p] for p in both])
-    b = torch.stack([ref[p] for p in both])
-    return tuple(F.cosine_similarity(a, b, dim=-1).mean(dim=0).tolist()), len(both)
+def setting(params: EvalParams, model: Path, adapter_dir: Path) -> dict[str, Any]:
+    d = asdict(params)
+    del d["block"]  # how the rounds are cut does not change a result
+    d["categories"] = list(d["categories"])
+    return dict(d, model=model.name, adapters=fingerprint(adapter_dir))
 
 
 def _config(layout: str, params: EvalParams, pages: int) -> Any:
     from forkserve.config import ForkServeConfig, KVLayout
 
-    kv = {"unified": KVLayout.UNIFIED, "no_lora": KVLayout.UNIFIED, "full_reuse": KVLayout.FULL_REUSE,
-          "disaggregated": KVLayout.DISAGGREGATED, "base_activations": KVLayout.DISAGGREGATED}[layout]
-    return ForkServeConfig(page_size=params.page_size, num_pages=pages, num_residual_pages=pages, kv_layout=kv,
-                           max_batch_tokens=4096, node_ttl_s=None)
+    kv = {"unified": KVLayout.UNIFIED, "no_lora": KVLayout.UNIFIED,
+          "full_reuse": KVLayout.FULL_REUSE, "disaggregated": KVLayout.DISAGGREGATED,
+          "base_activations": KVLayout.DISAGGREGATED}[layout]
+    return ForkServeConfig(page_size=params.page_size, num_pages=pages, num_residual_pages=pages,
+                           kv_layout=kv, max_batch_tokens=4096, node_ttl_s=None)
 
 
-def run_layout(layout: str, rounds: Sequence[Round], prompts: Sequence[Sequence[list[int]]], model_cfg: Any,
-               weights: Any, adapters: Mapping[str, Any], tokenizer: Any, params: EvalParams,
-               reference: LayoutResult | None) -> LayoutResult:
-    from forkserve.backend.torch import TorchBackend
+def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalParams,
+             config: Mapping[str, Any], reference: Reference | None
+             ) -> tuple[Unit, dict[units.AgentKey, torch.Tensor]]:
+    """Rounds first .. end-1 in one layout; (the unit, each agent's hidden states from the
+    shared prefix on). ``reference``: unified's hidden states for the cosines, if recorded."""
     from forkserve.engine import Engine
 
     if layout == "base_activations" and not hasattr(Engine, "prefill_shared"):
-        return LayoutResult(layout, False, "this engine has no Engine.prefill_shared (residual_source = "
-                                           "base_activations); not run")
+        return Unit(layout, first, end, False, "this engine has no Engine.prefill_shared "
+                    "(residual_source = base_activations); not run", config), {}
+    rounds, prompts = inputs.rounds[first:end], inputs.prompts[first:end]
     k = len(rounds[0].examples)
     longest = max(len(p) for ps in prompts for p in ps)
     pages = 2 * k * (-(-(longest + params.max_new) // params.page_size)) + 64
-    backend = TorchBackend.from_weights(_config(layout, params, pages), model_cfg, weights, adapters,
-                                        device=params.device, dtype=getattr(torch, params.dtype),
-                                        attention=params.attention, use_cuda_graphs=False,
-                                        compile_fusions=False)
+    backend = RecordingBackend.from_weights(
+        _config(layout, params, pages), inputs.model_config, inputs.weights, inputs.adapters,
+        device=params.device, dtype=getattr(torch, params.dtype), attention=params.attention,
+        use_cuda_graphs=params.cuda_graphs, compile_fusions=False)
     engine = Engine(backend)
-    recorder = HiddenRecorder(backend)
     lora = layout != "no_lora"
-    stop = tokenizer.eos_token_ids
+    record = params.hidden and lora and (layout == REFERENCE or reference is not None)
+    stop = inputs.tokenizer.eos_token_ids
     agents: list[AgentResult] = []
-    hidden: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    hidden: dict[units.AgentKey, torch.Tensor] = {}
     start = time.perf_counter()
     for rnd, round_prompts in zip(rounds, prompts, strict=True):
         names = [e.task for e in rnd.examples]
         ids = [backend.adapter_id(n) if lora else None for n in names]
         shared = common_prefix(round_prompts)
-        recorder.watch({aid: shared for aid in ids if aid is not None})
+        if record:
+            backend.watch({aid: shared for aid in ids if aid is not None})
         if layout == "base_activations":
             engine.prefill_shared(round_prompts[0][:shared], ids)
         writer = rnd.index % k
@@ -164,72 +170,121 @@ def run_layout(layout: str, rounds: Sequence[Round], prompts: Sequence[Sequence[
         while any(engine.generation(s) is None for s in sessions.values()):
             if not engine.tick():
                 raise RuntimeError(f"{layout}: generation stalled in round {rnd.index}")
-        kept = recorder.take()
+        kept = backend.take() if record else {}
         for i, example in enumerate(rnd.examples):
             out = list(engine.generation(sessions[i]).tokens)
-            text = tokenizer.decode([t for t in out if t not in stop])
+            text = inputs.tokenizer.decode([t for t in out if t not in stop])
             verdict = check(text, example.item.ground_truth, example.item.functions)
-            mine = {p: h for (aid, p), h in kept.items() if aid == ids[i]} if lora else {}
+            key = (rnd.index, example.task)
+            mine = stack(kept, ids[i], shared) if record else None
             cos: tuple[float, ...] = ()
             compared = 0
-            agree = 1.0
-            if reference is not None:
-                ref = next(a for a in reference.agents if a.round == rnd.index and a.task == example.task)
-                agree = agreement(out, ref.tokens)
-                same = common_prefix([out, list(ref.tokens)])
-                if lora:
-                    prompt_len = len(round_prompts[i])
-                    cos, compared = layer_cosines(mine, reference.hidden[(rnd.index, example.task)],
-                                                  range(shared, prompt_len + same))
-            else:
-                hidden[(rnd.index, example.task)] = mine
+            if mine is not None and layout == REFERENCE:
+                hidden[key] = mine
+            elif mine is not None and reference is not None and reused[i] > 0:
+                same = common_prefix([out, list(reference.tokens[key])])
+                # The question, then the answer while it still equals unified's.
+                cos, compared = layer_cosines(mine, reference.hidden[key],
+                                              len(round_prompts[i]) - shared + same)
             agents.append(AgentResult(rnd.index, example.task, example.item.id, i == writer,
                                       len(round_prompts[i]), shared, reused[i], tuple(out), text,
-                                      verdict.valid, verdict.error, token_f1(text, example.target), agree,
+                                      verdict.valid, verdict.error, token_f1(text, example.target),
                                       cos, compared))
         for s in sessions.values():
             engine.close(s)
         engine.evict_all()  # the next round has another catalog: nothing left to hit
-    return LayoutResult(layout, True, "", tuple(agents), engine.metrics.prefill_tokens,
-                        time.perf_counter() - start, hidden)
+    unit = Unit(layout, first, end, True, "" if record or not params.hidden or not lora
+                else "no reference hidden states for these rounds: no cosines", config,
+                tuple(agents), engine.metrics.prefill_tokens, time.perf_counter() - start)
+    return unit, hidden
 
 
-def evaluate(model: Path, adapter_dir: Path, params: EvalParams, layouts: Sequence[str] = LAYOUTS,
-             progress: bool = True) -> list[LayoutResult]:
-    from tqdm import tqdm
-
+def load_inputs(model: Path, adapter_dir: Path, params: EvalParams) -> Inputs:
     from forkserve.backend.torch import load_model
     from forkserve.backend.torch.lora import load_peft_adapter
     from forkserve.backend.torch.tokenizer import Tokenizer
 
-    if layouts[0] != REFERENCE:
-        raise ValueError(f"the first layout must be {REFERENCE!r}: the others are compared with it")
     tasks = build_tasks(params.categories, params.heldout, params.seed)
     rounds = eval_rounds(tasks, params.rounds, params.distractors, params.seed)
     tokenizer = Tokenizer.load(model)
-    prompts = [[tokenizer.apply_chat_template(e.messages(False)) for e in r.examples] for r in rounds]
-    model_cfg, weights = load_model(model, torch.device(params.device), getattr(torch, params.dtype))
+    prompts = tuple(tuple(tokenizer.apply_chat_template(e.messages(False)) for e in r.examples)
+                    for r in rounds)
+    model_cfg, weights = load_model(model, torch.device(params.device),
+                                    getattr(torch, params.dtype))
     adapters = {t.name: load_peft_adapter(adapter_dir / t.name, t.name) for t in tasks}
-    results: list[LayoutResult] = []
-    for layout in tqdm(layouts, desc="layouts", disable=not progress):
-        reference = results[0] if results else None
-        results.append(run_layout(layout, rounds, prompts, model_cfg, weights, adapters, tokenizer, params,
-                                  reference))
-    return results
+    return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer)
+
+
+def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cache: Path,
+             layouts: Sequence[str] = LAYOUTS, first: int = 0, end: int | None = None,
+             deadline_s: float | None = None, log: Any = print) -> list[Unit]:
+    """Run the units of ``layouts`` x blocks of rounds [first, end) not saved in ``out`` yet,
+    each saved as it ends; returns the units run now. Stops before a unit that would end
+    past ``deadline_s`` (seconds from now, judged by the longest unit so far)."""
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        raise ValueError(f"unknown layouts {sorted(unknown)}; known: {LAYOUTS}")
+    t0 = time.perf_counter()
+    config = setting(params, model, adapter_dir)
+    todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
+            if a >= first and (end is None or b <= end)
+            for layout in LAYOUTS if layout in layouts
+            and units.find(out, layout, a, b, config) is None]
+    if not todo:
+        return []
+    inputs = load_inputs(model, adapter_dir, params)
+    done: list[Unit] = []
+    for layout, a, b in todo:
+        elapsed = time.perf_counter() - t0
+        longest = max((u.seconds for u in done), default=0.0)
+        if deadline_s is not None and elapsed + 1.25 * longest > deadline_s:
+            log(f"deadline: {len(todo) - len(done)} units left for the next run")
+            break
+        unit, hidden = run_unit(layout, a, b, inputs, params, config,
+                                reference_for(layout, a, b, params, out, cache, config))
+        if hidden:
+            cache.mkdir(parents=True, exist_ok=True)
+            torch.save(hidden, units.hidden_path(cache, layout, a, b))
+        units.save(unit, out)
+        done.append(unit)
+        log(f"{unit.name}: {len(unit.agents)} agents in {unit.seconds:.1f} s "
+            f"({time.perf_counter() - t0:.0f} s since start) {unit.note}")
+    return done
+
+
+def reference_for(layout: str, first: int, end: int, params: EvalParams, out: Path, cache: Path,
+                  config: Mapping[str, Any]) -> Reference | None:
+    """Unified's saved answers and cached hidden states for these rounds, when both exist."""
+    if layout == REFERENCE or not params.hidden:
+        return None
+    unit = units.find(out, REFERENCE, first, end, config)
+    path = units.hidden_path(cache, REFERENCE, first, end)
+    if unit is None or not path.exists():
+        return None
+    return Reference({a.key: a.tokens for a in unit.agents}, torch.load(path))
 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.quality.report import write_outputs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help=".gguf or HF folder (default: SmolLM2 GGUF)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help=".gguf or HF folder (default: SmolLM2 GGUF)")
     ap.add_argument("--adapters", type=Path, default=Path("benchmarks/results/quality_adapters"),
                     help="folder with one PEFT folder per task (train.py --out)")
-    ap.add_argument("--tag", default="h200", help="outputs: RESULTS/quality_<tag>.{json,md,png}")
+    ap.add_argument("--tag", default="h200",
+                    help="units in RESULTS/quality_<tag>/, the report in RESULTS/quality_<tag>.*")
     ap.add_argument("--results", type=Path, default=DEFAULT_OUT,
                     help="output folder; benchmarks/results holds the committed runs")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                    help="unified's hidden states, per unit (large; not results)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--rounds", type=int, default=EvalParams.rounds)
+    ap.add_argument("--first", type=int, default=0, help="run only the blocks from this round on")
+    ap.add_argument("--end", type=int, default=None, help="... and before this round")
+    ap.add_argument("--block", type=int, default=EvalParams.block, help="rounds per saved unit")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no unit that would end later than this many seconds from now")
     ap.add_argument("--distractors", type=int, default=EvalParams.distractors)
     ap.add_argument("--max-new", type=int, default=EvalParams.max_new)
     ap.add_argument("--heldout", type=int, default=EvalParams.heldout)
@@ -238,17 +293,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=EvalParams.dtype, choices=("float32", "bfloat16"))
     ap.add_argument("--attention", default=EvalParams.attention, choices=("eager", "triton"))
+    ap.add_argument("--cuda-graphs", action="store_true", help="decode through CUDA graphs")
+    ap.add_argument("--no-hidden", action="store_true",
+                    help="accuracy only: no hidden-state cosines (steps may use CUDA graphs)")
     ap.add_argument("--label", default="", help="what the adapters are (printed with the table)")
     args = ap.parse_args(argv)
     if args.model is None:
         from forkserve.backend.torch import find_smollm2_gguf
         args.model = find_smollm2_gguf()
     params = EvalParams(args.rounds, args.distractors, args.max_new, 16, args.heldout, args.seed,
-                        tuple(args.categories.split(",")), args.device, args.dtype, args.attention)
-    results = evaluate(args.model, args.adapters, params, tuple(args.layouts.split(",")))
-    table = write_outputs(results, params, args.model.name, args.adapters, args.label,
-                          args.results / f"quality_{args.tag}")
-    print(table)
+                        tuple(args.categories.split(",")), args.device, args.dtype, args.attention,
+                        args.cuda_graphs, not args.no_hidden, args.block)
+    folder = args.results / f"quality_{args.tag}"
+    evaluate(args.model, args.adapters, params, folder, args.cache / args.tag,
+             tuple(args.layouts.split(",")), args.first, args.end, args.deadline_s)
+    print(write_outputs(folder, args.label))
     return 0
 
 

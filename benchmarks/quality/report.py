@@ -1,6 +1,17 @@
-"""Per-layout summary of an evaluation, written as JSON, a markdown table and a PNG."""
+"""The quality table from the saved units of one evaluation: JSON, markdown and PNG.
+
+    python -m benchmarks.quality.report RESULTS/quality_<tag> [--label "..."]
+
+Every layout is compared with unified on the same agents (paired): its *readers*, the agents
+whose context K/V another agent (or the base pass) wrote, each against unified's answer to
+the same question in the same round. Differences of token F1 and AST validity, greedy
+agreement (the share of positions where the same token was generated) and identical answers
+come with bootstrap 95% intervals over rounds (stats.py) and their sample sizes. Only the
+rounds that both the layout and unified finished count.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import textwrap
 from dataclasses import asdict, dataclass
@@ -8,7 +19,26 @@ from pathlib import Path
 from statistics import mean
 from typing import Sequence
 
-from benchmarks.quality.evaluate import EvalParams, LayoutResult
+from benchmarks.quality import units
+from benchmarks.quality.stats import Estimate, bootstrap
+from benchmarks.quality.units import AgentResult, Unit
+
+REFERENCE = "unified"
+LAYOUT_ORDER = ("unified", "disaggregated", "full_reuse", "base_activations", "no_lora")
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A layout's readers against unified on the same (round, task)."""
+
+    f1: float                   # the readers' mean F1 in this layout ...
+    f1_unified: float           # ... and unified's on the same questions
+    delta_f1: Estimate
+    valid: int                  # AST-valid answers among the readers
+    valid_unified: int
+    delta_valid: Estimate
+    agreement: Estimate
+    identical: Estimate
 
 
 @dataclass(frozen=True)
@@ -16,92 +46,157 @@ class LayoutSummary:
     layout: str
     available: bool
     note: str
-    items: int
-    accuracy: float          # AST-valid answers / items
+    rounds: int
+    answers: int
+    accuracy: float          # AST-valid answers / answers, all agents
     token_f1: float
-    agreement: float         # greedy tokens equal to unified's
-    identical: float         # answers token-for-token equal to unified's
-    readers: int             # agents whose context KV another agent (or the base pass) wrote
-    reader_accuracy: float | None
-    layer_cos: tuple[float, ...]  # readers' mean cosine to unified per layer; () if none
+    readers: int
+    paired: Paired | None    # None for unified, and for a layout without readers
+    layer_cos: tuple[float, ...]  # readers' mean cosine to unified per layer; () if not recorded
     prefill_tokens: int
     seconds: float
 
 
-def summarize(result: LayoutResult, reference: LayoutResult) -> LayoutSummary:
-    if not result.available:
-        return LayoutSummary(result.layout, False, result.note, 0, 0.0, 0.0, 0.0, 0.0, 0, None, (), 0, 0.0)
-    agents = result.agents
-    ref = {(a.round, a.task): a.tokens for a in reference.agents}
+def agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    if not a and not b:
+        return 1.0
+    return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))
+
+
+def pair(readers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult]) -> Paired:
+    rounds = [a.round for a in readers]
+    refs = [ref[a.key] for a in readers]
+    return Paired(
+        mean(a.f1 for a in readers), mean(r.f1 for r in refs),
+        bootstrap([a.f1 - r.f1 for a, r in zip(readers, refs, strict=True)], rounds),
+        sum(a.valid for a in readers), sum(r.valid for r in refs),
+        bootstrap([float(a.valid) - float(r.valid) for a, r in zip(readers, refs, strict=True)],
+                  rounds),
+        bootstrap([agreement(a.tokens, r.tokens) for a, r in zip(readers, refs, strict=True)],
+                  rounds),
+        bootstrap([float(a.tokens == r.tokens) for a, r in zip(readers, refs, strict=True)],
+                  rounds))
+
+
+def summarize(layout: str, us: Sequence[Unit],
+              ref: dict[units.AgentKey, AgentResult]) -> LayoutSummary:
+    if not all(u.available for u in us):
+        note = next(u.note for u in us if not u.available)
+        return LayoutSummary(layout, False, note, 0, 0, 0.0, 0.0, 0, None, (), 0, 0.0)
+    agents = [a for a in units.agents_of(us) if a.key in ref]
+    if not agents:
+        return LayoutSummary(layout, False, "no rounds in common with unified", 0, 0, 0.0, 0.0, 0,
+                             None, (), 0, 0.0)
     readers = [a for a in agents if a.reused_tokens > 0]
-    compared = [a.layer_cos for a in readers if a.layer_cos]
-    layer_cos = tuple(mean(c[i] for c in compared) for i in range(len(compared[0]))) if compared else ()
-    return LayoutSummary(
-        result.layout, True, result.note, len(agents), mean(a.valid for a in agents), mean(a.f1 for a in agents),
-        mean(a.agreement for a in agents), mean(a.tokens == ref[(a.round, a.task)] for a in agents),
-        len(readers), mean(a.valid for a in readers) if readers else None, layer_cos,
-        result.prefill_tokens, result.seconds)
+    cos = [a.layer_cos for a in readers if a.layer_cos]
+    layer_cos = tuple(mean(c[i] for c in cos) for i in range(len(cos[0]))) if cos else ()
+    paired = pair(readers, ref) if readers and layout != REFERENCE else None
+    return LayoutSummary(layout, True, "; ".join(sorted({u.note for u in us if u.note})),
+                         len({a.round for a in agents}), len(agents), mean(a.valid for a in agents),
+                         mean(a.f1 for a in agents), len(readers), paired, layer_cos,
+                         sum(u.prefill_tokens for u in us), sum(u.seconds for u in us))
 
 
-def markdown(summaries: Sequence[LayoutSummary], header: str) -> str:
+def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
+    if REFERENCE not in by:
+        raise ValueError(f"no {REFERENCE} units: every layout is compared with it")
+    ref = {a.key: a for a in units.agents_of(by[REFERENCE])}
+    order = [lay for lay in LAYOUT_ORDER if lay in by] + sorted(set(by) - set(LAYOUT_ORDER))
+    return [summarize(layout, by[layout], ref) for layout in order]
+
+
+def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
     lines = [header, "",
-             "| layout | accuracy (AST) | token F1 | readers | reader accuracy | greedy agreement "
-             "| identical answers | hidden cos mean | hidden cos min layer | last layer | prefill tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for s in summaries:
+             "Readers only, paired with unified on the same questions; [95% CI], bootstrap "
+             "over rounds. ΔF1 in F1 points (x100), ΔAST-valid in percentage points.", "",
+             "| layout | rounds | answers | AST-valid (all) | F1 (all) | readers | reader F1 "
+             "(unified) | ΔF1 | reader AST-valid (unified) | ΔAST-valid | greedy agreement "
+             "| identical answers | hidden cos mean / last layer | prefill tokens | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in rows:
         if not s.available:
-            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 10)
+            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 13)
             continue
-        cos = (f"{mean(s.layer_cos):.4f} | {min(s.layer_cos):.4f} | {s.layer_cos[-1]:.4f}" if s.layer_cos
-               else "— | — | —")
-        reader_acc = f"{s.reader_accuracy:.1%}" if s.reader_accuracy is not None else "—"
-        lines.append(f"| {s.layout} | {s.accuracy:.1%} | {s.token_f1:.3f} | {s.readers}/{s.items} | {reader_acc} "
-                     f"| {s.agreement:.1%} | {s.identical:.1%} | {cos} | {s.prefill_tokens} |")
+        cos = f"{mean(s.layer_cos):.4f} / {s.layer_cos[-1]:.4f}" if s.layer_cos else "—"
+        p = s.paired
+        if p is None:
+            paired = "— | — | — | — | — | —"
+        else:
+            n = s.readers
+            paired = (f"{p.f1:.3f} ({p.f1_unified:.3f}) | {p.delta_f1.fmt(100)} | "
+                      f"{p.valid}/{n} ({p.valid_unified}/{n}) | {p.delta_valid.fmt(100)} | "
+                      f"{p.agreement.fmt_share()} | {p.identical.fmt_share()}")
+        lines.append(f"| {s.layout} | {s.rounds} | {s.answers} | {s.accuracy:.1%} "
+                     f"| {s.token_f1:.3f} | {s.readers} | {paired} | {cos} "
+                     f"| {s.prefill_tokens} | {s.seconds:.0f} |")
     return "\n".join(lines)
 
 
-def plot(summaries: Sequence[LayoutSummary], title: str, path: Path) -> None:
+def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [s for s in summaries if s.available]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for s in shown:
+    for s in rows:
         if s.layer_cos:
             ax1.plot(range(len(s.layer_cos)), s.layer_cos, marker=".", label=s.layout)
     ax1.set_xlabel("layer")
     ax1.set_ylabel("cosine to unified (readers' own tokens)")
     ax1.set_title("hidden state after each layer")
     ax1.grid(alpha=0.3)
-    ax1.legend()
-    x = range(len(shown))
-    ax2.bar([i - 0.2 for i in x], [s.accuracy for s in shown], 0.4, label="accuracy (AST)")
-    ax2.bar([i + 0.2 for i in x], [s.token_f1 for s in shown], 0.4, label="token F1")
-    ax2.set_xticks(list(x), [s.layout for s in shown], rotation=15)
-    ax2.set_ylim(0, 1)
-    ax2.set_title("answer quality per layout")
-    ax2.legend()
+    if ax1.lines:
+        ax1.legend()
+    shown = [s for s in rows if s.paired is not None]
+    for i, s in enumerate(shown):
+        for offset, est, label in ((-0.15, s.paired.delta_f1, "ΔF1"),
+                                   (0.15, s.paired.delta_valid, "ΔAST-valid")):
+            ax2.errorbar(i + offset, est.mean * 100, yerr=[[(est.mean - est.low) * 100],
+                                                           [(est.high - est.mean) * 100]],
+                         fmt="o" if label == "ΔF1" else "s", capsize=4,
+                         color="C0" if label == "ΔF1" else "C1", label=label if i == 0 else None)
+    ax2.axhline(0, color="grey", lw=0.8)
+    ax2.set_xticks(range(len(shown)), [f"{s.layout}\nn={s.readers}" for s in shown])
+    ax2.set_ylabel("readers vs unified (points), 95% CI")
+    ax2.set_title("paired loss of the readers")
+    if shown:
+        ax2.legend()
     fig.suptitle(textwrap.fill(title, 170), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_outputs(results: Sequence[LayoutResult], params: EvalParams, model: str, adapters: Path,
-                  label: str, prefix: Path) -> str:
-    """quality_<tag>.json (+ .md, .png); returns the markdown table."""
-    summaries = [summarize(r, results[0]) for r in results]
-    k = len(params.categories)
-    header = (f"model {model}; adapters {adapters} {label}; K = {k} tasks ({', '.join(params.categories)}); "
-              f"{params.rounds} rounds x {k} agents; {params.distractors} distractor items in each catalog; "
-              f"greedy, max {params.max_new} new tokens; {params.device} {params.dtype} {params.attention}")
-    table = markdown(summaries, header)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+def write_outputs(folder: Path, label: str = "") -> str:
+    """quality_<tag>.{json,md,png} beside the units' folder quality_<tag>/; returns the table."""
+    by = units.load(folder)
+    rows = summaries(by)
+    setting = by[REFERENCE][0].setting
+    cats = setting["categories"]
+    header = (f"model {setting['model']}; adapters {setting['adapters']} {label}; K = {len(cats)} "
+              f"tasks ({', '.join(cats)}); {setting['distractors']} distractor items in each "
+              f"catalog; greedy, max {setting['max_new']} new tokens; {setting['device']} "
+              f"{setting['dtype']} {setting['attention']}"
+              f"{' cuda-graphs' if setting['cuda_graphs'] else ''}")
+    table = markdown(rows, header)
+    prefix = folder.parent / folder.name
     prefix.with_suffix(".md").write_text(table + "\n")
-    agents = [dict(asdict(a), layout=r.layout) for r in results for a in r.agents]
     prefix.with_suffix(".json").write_text(json.dumps(
-        {"model": model, "adapters": str(adapters), "label": label, "params": asdict(params),
-         "summaries": [asdict(s) for s in summaries], "agents": agents}, indent=1))
-    plot(summaries, header, prefix.with_suffix(".png"))
+        {"setting": setting, "label": label,
+         "units": sorted(u.name for us in by.values() for u in us),
+         "summaries": [asdict(s) for s in rows]}, indent=1))
+    plot(rows, header, prefix.with_suffix(".png"))
     return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path, help="the units' folder, RESULTS/quality_<tag>")
+    ap.add_argument("--label", default="", help="what the adapters are (printed with the table)")
+    args = ap.parse_args(argv)
+    print(write_outputs(args.folder, args.label))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

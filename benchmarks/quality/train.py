@@ -168,6 +168,18 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
                    sum(losses[-10:]) / len(losses[-10:]), str(path))
 
 
+def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Tasks an earlier run with the same parameters saved in this folder: name -> its log."""
+    if not log_path.exists():
+        return {}
+    old = json.loads(log_path.read_text())
+    if old["params"] != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]:
+        raise SystemExit(f"{log_path.parent} holds adapters trained with other parameters "
+                         f"({old['model']}, {old['params']}); use another --out")
+    return {t["task"]: t for t in old["tasks"]
+            if (log_path.parent / t["task"] / "adapter_model.safetensors").exists()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None, help=".gguf or HF folder (default: SmolLM2 GGUF)")
@@ -204,20 +216,29 @@ def main(argv: list[str] | None = None) -> int:
         from forkserve.backend.torch import find_smollm2_gguf
         args.model = find_smollm2_gguf()
     tasks = build_tasks(args.categories.split(","), args.heldout, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "train_log.json"
+    head = {"model": args.model.name, "device": str(device), "smoke": args.smoke,
+            "params": asdict(params), "heldout": args.heldout}
+    logs = done_tasks(log_path, head)
+    if all(t.name in logs for t in tasks):
+        print(f"all {len(tasks)} adapters already in {args.out}")
+        return 0
     t0 = time.perf_counter()
     base, tokenizer = load_base(args.model, device)
-    load_s = time.perf_counter() - t0
-    print(f"model {args.model.name} loaded in {load_s:.1f} s on {device}; params {asdict(params)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = []
+    head["load_s"] = time.perf_counter() - t0
+    print(f"model {args.model.name} loaded in {head['load_s']:.1f} s on {device}; params {asdict(params)}")
     for i, task in enumerate(tasks):
+        if task.name in logs:  # trained by an earlier run that stopped (a device call's limit)
+            print(f"{task.name:<14} already in {args.out}, skipped")
+            continue
         log = train_task(base, tokenizer, tasks, i, params, args.out, device)
         print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  loss {log.first_loss:.3f} -> "
               f"{log.last_loss:.3f}  {log.seconds:.1f} s")
-        logs.append(log)
-    (args.out / "train_log.json").write_text(json.dumps(
-        {"model": args.model.name, "device": str(device), "smoke": args.smoke, "load_s": load_s,
-         "params": asdict(params), "heldout": args.heldout, "tasks": [asdict(x) for x in logs]}, indent=1))
+        logs[task.name] = asdict(log)
+        # After every task, so that a run stopped midway resumes with the next one.
+        log_path.write_text(json.dumps(dict(head, tasks=[logs[t.name] for t in tasks if t.name in logs]),
+                                       indent=1))
     return 0
 
 

@@ -46,6 +46,9 @@ class FanoutParams:
     residual: int = 32
     fanout: int = 4
     page_size: int = 16
+    # The seed's sessions share one trunk text; distinct trunks (a session marker up front)
+    # is how plain vLLM was measured in shared/notes/anchors.md: no prefix hit across sessions.
+    distinct_trunks: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,17 @@ def _fit(text: str, n: int, tok: ByteTokenizer) -> list[int]:
     return ids[:n]
 
 
-def build_workload(params: FanoutParams) -> tuple[list[int], list[list[int]]]:
-    """The trunk and the thoughts (winner, loop, illegal, ordinary, ...)."""
+def build_workload(params: FanoutParams) -> tuple[list[list[int]], list[list[int]]]:
+    """Each session's trunk and the thoughts (winner, loop, illegal, ordinary, ...); a
+    session's thoughts are the same text, the loop repeats the session's own trunk end."""
     tok = ByteTokenizer()
     prose = ("System: you are a coding agent with tools search(q) and run(cmd). "
              "User: find why the nightly build fails and propose a fix. ")
     trunk = _fit(prose * (params.trunk // len(prose) + 1), params.trunk, tok)
+    # A marker at the front changes every block's hash and leaves the trunk's end (the loop
+    # thought repeats it) the same.
+    trunks = [_fit(f"Session {k}. ", 12, tok) + trunk[12:] if params.distinct_trunks else trunk
+              for k in range(params.sessions)]
     thoughts = [
         _fit('Action: search({"q": "nightly build log"})', params.residual, tok),
         trunk[-params.residual:],                                  # a repeated loop
@@ -84,36 +92,45 @@ def build_workload(params: FanoutParams) -> tuple[list[int], list[list[int]]]:
     ]
     while len(thoughts) < params.fanout:
         thoughts.append(_fit(f"Thought: alternative plan {len(thoughts)}.", params.residual, tok))
-    return trunk, thoughts[:params.fanout]
+    return trunks, thoughts[:params.fanout]
 
 
-def _config(system: str, params: FanoutParams) -> ForkServeConfig:
+def engine_config(system: str, params: FanoutParams, **overrides) -> ForkServeConfig:
+    """``alias`` / ``cascade`` (and the cost model's ``apc`` / ``disagg``); ``overrides``
+    fit a real engine (``disaggregated_prefill=False`` on one GPU, the model's vocab)."""
     # One tick takes every request of the wave, so no prefill is split into two calls.
     base = dict(page_size=params.page_size, num_pages=8192, hbm_tokens=8192 * params.page_size,
-                max_batch_tokens=65536)
+                max_batch_tokens=65536, branch_cap=max(6, params.fanout),
+                disaggregated_prefill=system in ("disagg", "cascade"))
+    base.update(overrides)
     if system == "cascade":
-        return plus_config(disaggregated_prefill=True, **base)
-    return ForkServeConfig(disaggregated_prefill=system == "disagg", **base)
+        return plus_config(**base)
+    return ForkServeConfig(**base)
 
 
-def run_system(system: str, params: FanoutParams) -> FanoutRow:
-    engine = Engine(MockBackend(_config(system, params)))
-    trunk, thoughts = build_workload(params)
-    peaks = 0
+def drive(engine: Engine, system: str, params: FanoutParams) -> int:
+    """The workload on ``engine``: sessions one after another (``apc``/``disagg``: every
+    child its own request, all at once). Returns the summed per-session peak KV tokens."""
+    trunks, thoughts = build_workload(params)
     if system in ("apc", "disagg"):
-        handles = [engine.open(trunk + t) for _ in range(params.sessions) for t in thoughts]
+        handles = [engine.open(trunk + t) for trunk in trunks for t in thoughts]
         engine.drain_slack()
-        peaks = sum(engine.sessions[h.id].peak_tokens for h in handles)
     else:
-        handles = [engine.open(trunk) for _ in range(params.sessions)]
+        handles = [engine.open(trunk) for trunk in trunks]
         for h in handles:
             kids = [engine.fork(h.id, h.tip, f"thought{i}", t) for i, t in enumerate(thoughts)]
             for i, kid in enumerate(kids):
                 engine.speculate(h.id, kid, priority=0.9 if i == 0 else 0.5)
             engine.drain_slack()
             engine.commit(h.id, h.tip, thoughts[0])
-        peaks = sum(engine.sessions[h.id].peak_tokens for h in handles)
     engine.check_integrity()
+    return sum(engine.sessions[h.id].peak_tokens for h in handles)
+
+
+def run_system(system: str, params: FanoutParams, **overrides) -> FanoutRow:
+    """One system on the MockBackend (its cost model's ms)."""
+    engine = Engine(MockBackend(engine_config(system, params, **overrides)))
+    peaks = drive(engine, system, params)
     m = engine.metrics
     return FanoutRow(system, m.prefill_tokens, round(m.prefill_ms, 3), m.transfer_tokens, peaks,
                      m.pruned, m.prefill_calls, m.decode_tokens, m.peak_pages * params.page_size,

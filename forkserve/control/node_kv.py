@@ -27,6 +27,9 @@ class Regime:
     write_residual: bool
 
 
+_BOTH_SIDES = Regime(None, True, True)  # the steady state: one shared value, not one per call
+
+
 class NodeKV:
     def __init__(self, base: PageTable, residual: PageTable | None = None,
                  adapter_start: int | None = None, salt: CacheSalt = UNSALTED) -> None:
@@ -55,8 +58,8 @@ class NodeKV:
             yield self.residual
 
     def slots(self) -> KVSlots:
-        res = tuple(self.residual.pages) if self.residual is not None else None
-        return KVSlots(tuple(self.base.pages), res)
+        res = self.residual.frozen() if self.residual is not None else None
+        return KVSlots(self.base.frozen(), res)
 
     def fork(self, adapter_start: int | None) -> "NodeKV":
         return NodeKV(self.base.fork(), self.residual.fork() if self.residual is not None else None,
@@ -69,7 +72,7 @@ class NodeKV:
 
     def regime(self) -> Regime:
         if self.residual is None or self.base.length == self.residual.length:
-            return Regime(None, True, True)
+            return _BOTH_SIDES
         if self.base.length > self.residual.length:
             return Regime(self.base.length - self.residual.length, False, True)
         return Regime(self.residual.length - self.base.length, True, False)

@@ -4,6 +4,10 @@ A table owns one pool reference per listed page. ``fork`` is the seed's two-word
 the list and the length, plus one incref per page. Writes go through ``prepare_write``,
 which copies a shared partial last page first (copy-on-write) and allocates only the
 pages the new tokens need, so a fork never pays for its trunk.
+
+``pages`` is read by everyone and changed only by this class's methods: each change drops
+the cached tuple ``frozen()`` hands to ``KVSlots``, so a decode step that adds no page reuses
+the same tuple instead of copying the whole table again (O(1) per session per tick).
 """
 from __future__ import annotations
 
@@ -22,6 +26,13 @@ class PageTable:
         self.pages: list[PageId] = pages if pages is not None else []
         # Tokens whose KV is (or is being) written through this table.
         self.length = length
+        self._frozen: tuple[PageId, ...] | None = None
+
+    def frozen(self) -> tuple[PageId, ...]:
+        """``pages`` as a tuple, rebuilt only after the list changed."""
+        if self._frozen is None:
+            self._frozen = tuple(self.pages)
+        return self._frozen
 
     def fork(self) -> "PageTable":
         self.pool.incref(self.pages)
@@ -44,16 +55,20 @@ class PageTable:
             copy_pages(self.pool.kind, [(self.pages[-1], fresh)])
             self.pool.decref([self.pages[-1]])
             self.pages[-1] = fresh
+            self._frozen = None
         extra = self.pages_for(self.length + n_new) - len(self.pages)
         if extra > 0:
             self.pages.extend(self.pool.alloc(extra))
+            self._frozen = None
         self.length += n_new
 
     def truncate(self, n_tokens: int) -> None:
         """Keep positions [0, n_tokens); pages past them go back to the pool."""
         keep = self.pages_for(n_tokens)
-        self.pool.decref(self.pages[keep:])
-        del self.pages[keep:]
+        if keep < len(self.pages):
+            self.pool.decref(self.pages[keep:])
+            del self.pages[keep:]
+            self._frozen = None
         self.length = min(self.length, n_tokens)
 
     def attach(self, pages: Sequence[PageId], limit_tokens: int) -> None:
@@ -66,6 +81,7 @@ class PageTable:
     def replace_page(self, index: int, page: PageId) -> None:
         """Swap in a page already holding identical KV (a prefix-index hit); takes a reference."""
         self.pool.incref([page])
+        self._frozen = None
         if index < len(self.pages):
             self.pool.decref([self.pages[index]])
             self.pages[index] = page
@@ -76,4 +92,5 @@ class PageTable:
     def release(self) -> None:
         self.pool.decref(self.pages)
         self.pages = []
+        self._frozen = None
         self.length = 0

@@ -47,6 +47,7 @@ from forkserve.control.scorers import (
     LoopScorer,
     Scorer,
 )
+from forkserve.engine.cache_stats import CacheStats, PublishedPage, cache_stats, published_pages
 from forkserve.engine.results import (
     AbortResult,
     CommitResult,
@@ -87,7 +88,8 @@ class Engine:
                           metrics=self.metrics,
                           host=backend if isinstance(backend, HostOffload) else None,
                           pause_ttl=pause_ttl)
-        # Shorthands: the pools and the two sides of the DualRadixTree.
+        # Shorthands for the engine and its tests: the pools and the two sides of the
+        # DualRadixTree (the interfaces read `cache_stats()` instead).
         self.pool, self.residual_pool = self.kv.pool, self.kv.residual_pool
         self.cache, self.index, self.residual_index = self.kv.tree, self.kv.index, self.kv.residual_index
         self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(_text_of(backend))])
@@ -600,6 +602,14 @@ class Engine:
 
     def committed_tokens(self, session_id: int) -> list[int]:
         return list(self._session(session_id).tree.committed)
+
+    def cache_stats(self) -> CacheStats:
+        """Pools, prefix trees, pins and host tier, copied out (the interfaces' view)."""
+        return cache_stats(self.kv)
+
+    def published_pages(self) -> tuple[PublishedPage, ...]:
+        """Every page the prefix trees publish, copied out (replica routing summaries)."""
+        return published_pages(self.kv)
 
     def evict_all(self) -> int:
         return self.kv.evict_all()

@@ -243,9 +243,10 @@ class Stepper:
             self._emit_speculative(node)
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
-        preempt = self.preempt_speculative if work_class is WorkClass.COMMITTED else None
         for pool, need in node.table.pages_needed(n).items():
-            self.kv.make_room(pool, need, preempt)
+            if need > pool.num_free:  # most decode steps need no page, or one the pool has
+                self.kv.make_room(pool, need, self.preempt_speculative
+                                  if work_class is WorkClass.COMMITTED else None)
         node.table.prepare_write(n, self.backend.copy_pages)
 
     def activate(self, tree: ContextTree, node: Node) -> None:

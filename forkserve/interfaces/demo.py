@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from forkserve.backend.protocol import PageKind
 from forkserve.config import KVLayout, plus_config
 from forkserve.engine import Engine
 
@@ -115,10 +114,10 @@ def run_layout(layout: KVLayout, model_cfg, weights, adapters, tokenizer, max_ne
     tokens["planner, after the tool"] = list(out.tokens)
     progress.update(1)
     engine.check_integrity()
-    base_pages = engine.pool.num_used
-    res_pages = engine.residual_pool.num_used if engine.residual_pool is not None else 0
-    kv_bytes = (base_pages * backend.pool.bytes_per_page(engine.pool.kind)
-                + (res_pages * backend.pool.bytes_per_page(PageKind.RESIDUAL) if res_pages else 0))
+    cache = engine.cache_stats()
+    base_pages = cache.base.used
+    res_pages = cache.residual.used if cache.residual is not None else 0
+    kv_bytes = sum(p.used * backend.pool.bytes_per_page(p.kind) for p in cache.pools())
     m = engine.metrics
     for sid in sessions.values():
         engine.close(sid)

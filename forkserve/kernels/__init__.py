@@ -71,7 +71,7 @@ def residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             b_k_all, b_v_all, adapter_idx, inv_freq, scale)
     if _triton(use_triton, q):
-        from forkserve.kernels.decode_attention import residual_decode_triton
+        from forkserve.kernels.residual_decode_triton import residual_decode_triton
         return residual_decode_triton(*args, **tuning)
     return reference.residual_decode_ref(*args)
 

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from forkserve.kernels.rope import cached_rope_table
-from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
+from forkserve.kernels.residual_triton import (fused_residual_score, residual_offsets,
+                                               rotated_residual_keys)
 from forkserve.kernels.rope_triton import rope_rows
 
 LOG2E = 1.4426950408889634
@@ -92,25 +93,14 @@ def _prefill_kernel(
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         if HAS_RES:
             rn_ok = n_ok & has_ad
-            r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, rn_ok, stride_rp, stride_rs,
-                                     PAGE_SIZE)
+            r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, rn_ok, stride_rp,
+                                     stride_rs, PAGE_SIZE)
             res_mask = rn_ok[:, None] & r_ok[None, :]
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
-            rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j, sin_j, HALF)
-            if SPLIT_SCORE:
-                # q.(K_base + K_lora) = q.K_base + q.K_lora: the base tile feeds its dot
-                # straight from memory, so the compiler's cp.async pipelining keeps it in
-                # flight; adding K_lora into it first routes it through registers and
-                # exposes the paged-load latency on every tile.
-                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-                s += tl.dot(q_lo, tl.trans(rot_lo.to(q_lo.dtype)))
-                s += tl.dot(q_hi, tl.trans(rot_hi.to(q_lo.dtype)))
-            else:
-                # K = K_base + K_lora rebuilt in registers, one score product (fewer flops).
-                k_lo = (k_lo.to(tl.float32) + rot_lo).to(q_lo.dtype)
-                k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
-                s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+            rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j,
+                                                   sin_j, HALF)
+            s = fused_residual_score(q_lo, q_hi, k_lo, k_hi, rot_lo, rot_hi, SPLIT_SCORE)
         else:
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])

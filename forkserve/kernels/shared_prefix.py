@@ -24,9 +24,11 @@ import math
 import torch
 
 from forkserve.kernels import cascade_tile_agents
-from forkserve.kernels.decode_attention import (NO_LIMIT, SCORE_TUNING, decode_partials, merge_partials, plan_splits,
-                                                residual_scores, residual_values)
+from forkserve.kernels.decode_attention import decode_partials
+from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores, residual_values
 from forkserve.kernels.rope import cached_rope_table
+from forkserve.kernels.split_kv import (NO_LIMIT, empty_partials, key_bound, merge_partials,
+                                        plan_splits)
 
 # The prefix launch multiplies 128-row query tiles: 8 warps hold the 128 x D accumulator
 # (4 would hold 128 fp32 values per thread for it alone); 32-key blocks measured best on the
@@ -44,17 +46,19 @@ def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     (plans the split counts; a CUDA graph passes its table width). ``tuning``: ``num_splits``,
     ``block_n``, ``num_warps``, ``num_stages`` of the suffix launch; ``prefix_tuning``
     overrides ``PREFIX_TUNING`` for the prefix launch. Returns ``[batch, H, D]``."""
-    return _cascade(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts, scale,
-                    max_seq_len, None, **tuning)
+    return _cascade(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts,
+                    scale, max_seq_len, None, **tuning)
 
 
 def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-                                   k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
-                                   res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                   b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
-                                   inv_freq: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor,
-                                   kv_starts: torch.Tensor, scale: float | None = None,
-                                   max_seq_len: int | None = None, **tuning) -> torch.Tensor:
+                                   k_res: torch.Tensor, v_res: torch.Tensor,
+                                   block_tables: torch.Tensor, res_block_tables: torch.Tensor,
+                                   seq_lens: torch.Tensor, b_k_all: torch.Tensor,
+                                   b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                                   inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
+                                   tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                                   scale: float | None = None, max_seq_len: int | None = None,
+                                   **tuning) -> torch.Tensor:
     """The split form (disaggregated cache, ResidualAttention): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual. Two-pass decode's score pass
     writes every row's residual score (float32 here: the prefix launch writes the full score
@@ -62,47 +66,45 @@ def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base
     ``V_base`` once per tile; the value pass then adds each row's ``(p V_res) B_v`` to its
     prefix partials; suffixes run as plain two-pass decode from ``kv_starts``."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
-    return _cascade(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts, scale,
-                    max_seq_len, residual, **tuning)
+    return _cascade(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts,
+                    scale, max_seq_len, residual, **tuning)
 
 
 def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
-             seq_lens: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
-             scale: float | None, max_seq_len: int | None, residual: tuple | None,
-             num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+             seq_lens: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor,
+             kv_starts: torch.Tensor, scale: float | None, max_seq_len: int | None,
+             residual: tuple | None, num_splits: int | None = None, block_n: int = 64,
+             num_warps: int = 4, num_stages: int = 2,
              prefix_tuning: dict | None = None) -> torch.Tensor:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())  # one host sync; callers that know it pass it
+    max_seq_len = key_bound(seq_lens, max_seq_len)
     bias = None
     if residual is not None:  # inv_freq -> its cos/sin table; every row's residual scores
         residual = (*residual[:-1], cached_rope_table(residual[-1], max_seq_len))
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, table = residual
-        bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv, max_seq_len,
-                               dtype=torch.float32, **SCORE_TUNING)
+        bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv,
+                               max_seq_len, dtype=torch.float32, **SCORE_TUNING)
     pre = PREFIX_TUNING | (prefix_tuning or {})
     pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, pre["block_n"],
                                 pre["num_splits"] or num_splits)
     suf_splits, _ = plan_splits(batch * n_kv, max_seq_len, q.device, block_n, num_splits)
     splits = pre_splits + suf_splits
-    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
+    part_out, part_lse = empty_partials(q, splits)
     part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial
-    common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT, residual=residual, res_bias=bias)
+    common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT, residual=residual,
+                  res_bias=bias)
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=pre_splits,
                     split_offset=0, tiles=(tile_seqs, tile_lens), block_n=pre["block_n"],
                     num_warps=pre["num_warps"], num_stages=pre["num_stages"], **common)
     if residual is not None:
-        residual_values(bias, v_res, b_v_all, res_bt, adapter_idx, kv_starts, part_out, part_lse, n_kv,
-                        pre_splits, pre["block_n"])
+        residual_values(bias, v_res, b_v_all, res_bt, adapter_idx, kv_starts, part_out, part_lse,
+                        n_kv, pre_splits, pre["block_n"])
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=suf_splits,
-                    split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n, num_warps=num_warps,
-                    num_stages=num_stages, **common)
-    out = torch.empty_like(q)
-    merge_partials(part_out, part_lse, out, splits)
-    return out
+                    split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n,
+                    num_warps=num_warps, num_stages=num_stages, **common)
+    return merge_partials(part_out, part_lse, torch.empty_like(q), splits)
 
 
 def shared_prefix_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

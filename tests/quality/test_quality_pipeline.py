@@ -43,45 +43,71 @@ def tiny(tmp_path_factory):
 
 
 def test_train_evaluate_report_end_to_end(tiny, tmp_path):
-    from benchmarks.quality import train
+    from benchmarks.quality import train, units
     from benchmarks.quality.evaluate import LAYOUTS, EvalParams, evaluate
     from benchmarks.quality.report import write_outputs
 
     out = tmp_path / "adapters"
-    assert train.main(["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
-                       "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4", "--init", "random"]) == 0
+    args = ["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
+            "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4", "--init", "random"]
+    assert train.main(args) == 0
     log = json.loads((out / "train_log.json").read_text())
     assert [t["task"] for t in log["tasks"]] == ["simple_python", "multiple", "parallel", "live_simple"]
+    saved = out / "parallel" / "adapter_model.safetensors"
+    stamp = saved.stat().st_mtime_ns
+    assert train.main(args) == 0 and saved.stat().st_mtime_ns == stamp  # resumed: nothing to train
+    with pytest.raises(SystemExit, match="other parameters"):
+        train.main(args[:-1] + ["peft"])
 
-    params = EvalParams(rounds=2, distractors=1, max_new=6, heldout=4)
-    results = evaluate(tiny, out, params, LAYOUTS, progress=False)
-    by = {r.layout: r for r in results}
+    params = EvalParams(rounds=2, distractors=1, max_new=6, heldout=4, block=1)
+    folder, cache = tmp_path / "quality_test", tmp_path / "cache"
+    # Two runs that add up: layouts split between them, the second also stopped by its deadline.
+    first = evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse"), log=lambda m: None)
+    assert [u.name for u in first] == ["unified.r000-001", "full_reuse.r000-001",
+                                       "unified.r001-002", "full_reuse.r001-002"]
+    assert evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse")) == []  # resume
+    said: list[str] = []
+    assert evaluate(tiny, out, params, folder, cache, LAYOUTS, deadline_s=0.0, log=said.append) == []
+    assert said == ["deadline: 6 units left for the next run"]
+    rest = evaluate(tiny, out, params, folder, cache, LAYOUTS, log=lambda m: None)
+    assert len(rest) == 2 * (len(LAYOUTS) - 2)
+    by = units.load(folder)
     k = len(params.categories)
-    for r in results:
-        if r.available:
-            assert len(r.agents) == params.rounds * k
-    unified = by["unified"]
-    assert all(a.reused_tokens == 0 for a in unified.agents)  # no sharing across adapters
+    assert all(len(units.agents_of(us)) == params.rounds * k for us in by.values()
+               if all(u.available for u in us))
+    unified = {a.key: a for a in units.agents_of(by["unified"])}
+    assert all(a.reused_tokens == 0 for a in unified.values())  # no sharing across adapters
     for layout in ("disaggregated", "full_reuse"):
-        readers = [a for a in by[layout].agents if a.reused_tokens > 0]
+        agents = units.agents_of(by[layout])
+        readers = [a for a in agents if a.reused_tokens > 0]
         assert len(readers) == params.rounds * (k - 1)  # everyone but the writer reads its catalog
         assert all(len(a.layer_cos) == 3 and a.compared_tokens > 0 for a in readers)
         assert all(-1.0 <= c <= 1.0 + 1e-6 for a in readers for c in a.layer_cos)
-        writers = [a for a in by[layout].agents if a.writer]
-        assert all(a.tokens == next(u.tokens for u in unified.agents if (u.round, u.task) == (a.round, a.task))
-                   for a in writers)  # the writer computes exactly what unified computes
+        # the writer computes exactly what unified computes
+        assert all(a.tokens == unified[a.key].tokens for a in agents if a.writer)
     # Random adapters change the model: another adapter's merged K/V is not this one's.
-    assert min(c for a in by["full_reuse"].agents for c in a.layer_cos) < 0.9999
+    assert min(c for a in units.agents_of(by["full_reuse"]) for c in a.layer_cos) < 0.9999
     # Disaggregated recomputes each reader's residual; full reuse skips the catalog entirely.
-    assert by["disaggregated"].prefill_tokens > by["full_reuse"].prefill_tokens
-    if by["base_activations"].available:
-        assert all(a.reused_tokens > 0 for a in by["base_activations"].agents)
+    prefill = {lay: sum(u.prefill_tokens for u in us) for lay, us in by.items()}
+    assert prefill["disaggregated"] > prefill["full_reuse"]
+    if all(u.available for u in by["base_activations"]):
+        assert all(a.reused_tokens > 0 for a in units.agents_of(by["base_activations"]))
     else:
-        assert "prefill_shared" in by["base_activations"].note
+        assert "prefill_shared" in by["base_activations"][0].note
 
-    table = write_outputs(results, params, "tiny", out, "smoke", tmp_path / "quality_test")
+    table = write_outputs(folder, "smoke")
     saved = json.loads((tmp_path / "quality_test.json").read_text())
-    assert [s["layout"] for s in saved["summaries"]] == list(LAYOUTS)
-    assert saved["summaries"][0]["agreement"] == 1.0
+    rows = {s["layout"]: s for s in saved["summaries"]}
+    assert list(rows) == list(LAYOUTS)
+    assert rows["unified"]["paired"] is None and rows["unified"]["readers"] == 0
+    full = rows["full_reuse"]["paired"]
+    assert full["delta_f1"]["n"] == params.rounds * (k - 1) and full["delta_f1"]["clusters"] == 2
+    assert full["delta_f1"]["low"] <= full["delta_f1"]["mean"] <= full["delta_f1"]["high"]
     assert (tmp_path / "quality_test.png").stat().st_size > 0
-    assert "| disaggregated |" in table and (tmp_path / "quality_test.md").read_text().strip() == table
+    assert "| disaggregated | 2 | 8 |" in table
+    assert (tmp_path / "quality_test.md").read_text().strip() == table
+
+    # Another setting never lands among these units.
+    with pytest.raises(ValueError, match="another setting"):
+        evaluate(tiny, out, EvalParams(rounds=2, distractors=1, max_new=7, heldout=4, block=1),
+                 folder, cache, ("unified",))

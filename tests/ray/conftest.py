@@ -41,7 +41,11 @@ def cluster(tmp_path_factory) -> Cluster:
                        layout="disaggregated", num_pages=512, page_size=4, device="cpu", dtype="float32",
                        attention="eager", cuda_graphs=False, torch_threads=1)
     # Half a CPU per engine: the replica Serve starts after a kill fits beside the survivor.
+    # No token-rate term: at page size 4, the few dozen tokens one test just ran would weigh
+    # as much as the handful of pages the next one checks affinity for (the term has its
+    # unit test in test_ray_router_unit.py; live pages and fresh routes still count).
     app = build_application(spec, replicas=2, stats_period_s=STATS_PERIOD_S, num_cpus=0.5,
+                            router_kwargs={"rate_horizon_s": 0.0},
                             health_check_period_s=1.0,
                             access=AccessConfig(ApiKeys({KEY: "tests", OTHER_KEY: "other"})))
     serve.run(app, name="forkserve", route_prefix="/")

@@ -3,6 +3,7 @@ carry only what TreeAffinityRouter reads (an id and routing_stats)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,11 @@ from ray.serve._private.common import (
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from forkserve.backend.protocol import PageKind
-from forkserve.control.page_pool import PagePool
-from forkserve.control.prefix_index import BASE, AdapterNamespace, PrefixIndex
+from forkserve.config import ForkServeConfig
+from forkserve.control.kv_cache import KVCache
+from forkserve.control.prefix_index import BASE, AdapterNamespace
+from forkserve.engine.cache_stats import published_pages
+from forkserve.interfaces.ray_serve.placement import RecentRoutes
 from forkserve.interfaces.ray_serve.protocol import RouteHint
 from forkserve.interfaces.ray_serve.router import TreeAffinityRouter
 from forkserve.interfaces.ray_serve.stats import (
@@ -45,9 +49,11 @@ class FakeReplica:
         return ReplicaID(self.name, DEPLOYMENT)
 
 
-def summary(prefix: list[int] = (), residual: dict[str, int] | None = None) -> dict[str, Any]:
+def summary(prefix: list[int] = (), residual: dict[str, int] | None = None, used: int = 0,
+            rate: float = 0.0) -> dict[str, Any]:
     hashes = frozenset(page_hashes(BASE_SCOPE, list(prefix), P))
-    return ReplicaSummary(hashes, residual or {}, 100, 0, 0).to_dict()
+    return ReplicaSummary(hashes, residual or {}, 100 - used, 0, 0, live_pages=used, page_size=P,
+                          token_rate=rate).to_dict()
 
 
 def request(method: str, hint: RouteHint, internal_id: str | None = None) -> PendingRequest:
@@ -66,9 +72,9 @@ def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str, 
     return asyncio.run(go())
 
 
-def new_router() -> TreeAffinityRouter:
+def new_router(**weights: float) -> TreeAffinityRouter:
     router = TreeAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
-    router.initialize_state()
+    router.initialize_state(**weights)
     return router
 
 
@@ -86,15 +92,15 @@ def test_page_hashes_are_chained_and_only_cover_full_pages() -> None:
 
 
 def test_index_hashes_match_the_prompt_hashes_of_published_pages() -> None:
-    pool = PagePool(PageKind.UNIFIED, 64, P)
-    index = PrefixIndex(pool)
+    kv = KVCache(ForkServeConfig(page_size=P, num_pages=64), [PageKind.UNIFIED])
     tokens = list(range(3, 15))
-    index.insert(BASE, tokens, pool.alloc(3))
-    index.insert(AdapterNamespace("0"), tokens[:8], pool.alloc(2))
-    published = index_hashes(index, {"0": "planner"})
+    kv.index.insert(BASE, tokens, kv.pool.alloc(3))
+    kv.index.insert(AdapterNamespace("0"), tokens[:8], kv.pool.alloc(2))
+    pages = published_pages(kv)
+    published = index_hashes(pages, P, {"0": "planner"})
     assert matched_pages(page_hashes(BASE_SCOPE, tokens + [1, 2], P), published) == 3
     assert matched_pages(page_hashes("planner", tokens, P), published) == 2
-    assert pages_per_adapter([index], {"0": "planner"}) == {"planner": 2}
+    assert pages_per_adapter(pages, {"0": "planner"}) == {"planner": 2}
 
 
 def test_a_known_tree_goes_to_its_owner_only() -> None:
@@ -156,4 +162,80 @@ def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
             router._add_pending_request_to_indices(pr)
         assert router._get_pending_request_matching_internal_request_id(second.metadata) is second
         assert router._get_pending_request_matching_internal_request_id(first.metadata) is first
+    asyncio.run(go())
+
+
+SYSTEM = [5, 6, 7, 8, 9, 10, 11, 12]  # a chat template's default system prompt: 2 pages
+
+
+def place_sequentially(router: TreeAffinityRouter, prompts: list[list[int]]) -> Counter:
+    """Each prompt opened after the last was routed, before any summary shows it."""
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
+    return Counter(route(router, [a, b], "open", open_hint(100 + i, p))[0][0] for i, p in enumerate(prompts))
+
+
+def test_sequential_clients_sharing_only_a_system_prompt_spread_over_replicas() -> None:
+    prompts = [SYSTEM + [40 + i] * 24 for i in range(8)]
+    # Prefix affinity alone follows the first client's system prompt pages everywhere...
+    assert sorted(place_sequentially(new_router(load_weight=0.0), prompts).values()) == [8]
+    # ...the load term weighs the 6 new pages each client brings against 2 matched ones.
+    placed = place_sequentially(new_router(), prompts)
+    assert min(placed["a"], placed["b"]) >= 3, placed
+
+
+def test_agents_of_a_long_shared_context_stay_together_under_load() -> None:
+    context = list(range(100, 164))  # 16 pages: each next agent would recompute them elsewhere
+    placed = place_sequentially(new_router(), [context + [200 + i] * P for i in range(6)])
+    assert sorted(placed.values()) == [6]
+
+
+def test_kv_pressure_and_token_rate_outweigh_a_short_prefix_match() -> None:
+    router = new_router()
+    hint = open_hint(9, SYSTEM + [77] * 8)
+    full = FakeReplica("a", summary(SYSTEM, used=90))
+    busy = FakeReplica("a", summary(SYSTEM, rate=400.0))  # 100 pages of tokens a second
+    idle = FakeReplica("b", summary())
+    assert route(router, [full, idle], "open", hint)[0] == ["b"]
+    assert route(router, [busy, idle], "open", open_hint(10, SYSTEM + [78] * 8))[0] == ["b"]
+    # Idle and equal but for the prefix: the prefix wins.
+    assert route(router, [FakeReplica("a", summary(SYSTEM)), idle], "open", open_hint(11, SYSTEM))[0] == ["a"]
+
+
+def test_recent_routes_count_until_their_ttl() -> None:
+    now = [0.0]
+    recent = RecentRoutes(4.0, clock=lambda: now[0])
+    recent.add(open_hint(1, list(range(8)), "planner"), new_pages=2)
+    assert recent.new_pages() == 2 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    recent.closed(1)  # published cache now: still matched, no longer load
+    assert recent.new_pages() == 0 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    now[0] = 4.5
+    assert recent.new_pages() == 0 and recent.hashes() == frozenset()
+
+
+def test_a_burst_of_opens_sees_each_other_before_any_is_routed() -> None:
+    """Lockstep agents open at once: every open is scored before Serve reports any routed."""
+    router = new_router()
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
+    contexts = [list(range(100, 164)), list(range(300, 364))]
+
+    async def burst() -> list[str]:
+        hints = [open_hint(200 + i, contexts[i % 2] + [400 + i] * P) for i in range(8)]
+        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name for h in hints]
+    placed = asyncio.run(burst())
+    assert len({placed[i] for i in (0, 2, 4, 6)}) == 1 and len({placed[i] for i in (1, 3, 5, 7)}) == 1
+    assert placed[0] != placed[1]  # the second context goes where the first's load is not
+
+
+def test_an_open_serve_sent_elsewhere_is_counted_where_it_went() -> None:
+    router = new_router()
+    a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
+    hint = open_hint(300, list(range(100, 164)))
+
+    async def go() -> None:
+        pr = request("open", hint)
+        first = (await router.choose_replicas([a, b], pr))[0][0]
+        other = b if first is a else a
+        router.on_request_routed(pr, other.replica_id, None)  # the best was full
+        assert router._recent_of(other.replica_id).has(300)
+        assert not router._recent_of(first.replica_id).has(300)
     asyncio.run(go())

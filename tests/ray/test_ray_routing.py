@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 import ray
-from ray_testlib import AUTH, KEY, STATS_PERIOD_S, Cluster
+from prometheus_client.parser import text_string_to_metric_families
+from ray_testlib import AUTH, KEY, Cluster
 
-from forkserve.interfaces.client import BranchClient
+from forkserve.interfaces.client import BranchAPIError, BranchClient
 from forkserve.interfaces.ray_serve.frontend import REPLICA_HEADER
 
 MODEL = "tiny-llama"
-# Long enough for Serve to poll every replica's record_routing_stats and push the result
-# to the Frontend's router (the controller jitters the period by up to 10%).
-STATS_WAIT_S = 3 * STATS_PERIOD_S + 0.5
 _rng = random.Random(7)
 
 
@@ -54,8 +52,9 @@ def publish(client: httpx.Client, tokens: list[int], model: str = MODEL) -> str:
 
 @pytest.fixture(scope="module")
 def prefix_on(client: httpx.Client) -> dict[str, list[int]]:
-    """A published 6-page prefix on each replica. New trees with no match are spread at
-    random across equal replicas, so a few leaders reach both."""
+    """A published 6-page prefix on each replica. New trees with no match are spread by
+    load, so a few leaders reach both. No wait for the replicas' stats: the router counts
+    what it just routed (placement.RecentRoutes) until their summaries show it."""
     found: dict[str, list[int]] = {}
     for _ in range(16):
         tokens = fresh_tokens(24)
@@ -63,7 +62,6 @@ def prefix_on(client: httpx.Client) -> dict[str, list[int]]:
         if len(found) == 2:
             break
     assert len(found) == 2, "new trees never reached the second replica"
-    time.sleep(STATS_WAIT_S)
     return found
 
 
@@ -104,9 +102,10 @@ def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Clien
     # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
     home = {}
     for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items(), strict=False):
-        home[adapter] = publish(client, prefix + fresh_tokens(8), model=adapter)
+        # 16 pages of residual: the log term must clear a page or two of load that the
+        # previous test's trees may still show in a summary up to one period old.
+        home[adapter] = publish(client, prefix + fresh_tokens(40), model=adapter)
         assert home[adapter] == replica
-    time.sleep(STATS_WAIT_S)
     # Second agents share no base page with anything: only the residual pages pull them.
     for adapter in ("planner", "critic", "planner", "critic"):
         sid, where = open_tree(client, fresh_tokens(12), model=adapter)
@@ -196,6 +195,36 @@ def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) 
         client.close(s.session_id)
 
 
+def metrics(client: httpx.Client) -> dict[str, dict[tuple, float]]:
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_metrics_gather_every_replica_under_its_label(client: httpx.Client) -> None:
+    m = metrics(client)
+    up = {dict(k)["replica"]: v for k, v in m["forkserve_replica_up"].items()}
+    assert len(up) == 2 and set(up.values()) == {1.0}
+    prefilled = {dict(k)["replica"]: v for k, v in m["forkserve_prefill_tokens_total"].items()}
+    assert set(prefilled) == set(up) and all(v > 0 for v in prefilled.values())  # both served trees
+    hits = {dict(k)["tree"] for k in m["forkserve_cluster_prefix_hit_ratio"]}
+    assert hits == {"all", "base", "residual"}
+    assert m["forkserve_cluster_prefix_hit_ratio"][(("tree", "base"),)] > 0  # the prefix tests hit
+    assert m["forkserve_tree_moves_total"][()] == 0
+    assert client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_the_http_proxy_listens_on_loopback_only(cluster: Cluster) -> None:
+    port = int(cluster.url.rsplit(":", 1)[1])
+    listening = {c.laddr.ip for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}
+
+
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:
     prompt = fresh_tokens(14)
     sid, victim = open_tree(client, prompt)
@@ -207,14 +236,15 @@ def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> Non
     committed = prompt + g1 + extra
     assert info["committed_tokens"] == len(committed)
 
-    # Kill the replica mid-generation: the stream, already under way, ends with a retryable error.
-    with client.stream("POST", f"/v1/sessions/{sid}/generate",
-                       json={"max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
-        lines = r.iter_lines()
-        assert json.loads(next(lines))["tokens"]
+    # Kill the replica mid-generation: the stream, already under way, ends with a retryable
+    # error, which BranchClient raises as such (the replica it came from in last_replica).
+    with BranchClient(str(client.base_url), api_key=KEY) as branch:
+        chunks = branch.stream(sid, 300, ignore_eos=True)
+        assert next(chunks).tokens and branch.last_replica == victim
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        last = json.loads([line for line in lines if line][-1])
-    assert last["error"]["code"] == 503, last
+        with pytest.raises(BranchAPIError) as cut:
+            list(chunks)
+    assert cut.value.status == 503, cut.value
 
     # The client goes on from the committed tip it knew: the tree is re-opened elsewhere from
     # its committed tokens (the cut generation was never committed) and the old tip id still
@@ -234,3 +264,8 @@ def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> Non
                           json={"max_tokens": 5, "ignore_eos": True}))["tokens"] == after
     for s in (sid, control):
         ok(client.delete(f"/v1/sessions/{s}"))
+
+
+def test_metrics_count_the_fail_over_move(client: httpx.Client) -> None:
+    m = metrics(client)
+    assert m["forkserve_tree_moves_total"][()] >= 1  # the killed replica's tree, re-opened

@@ -94,7 +94,7 @@ def test_routing_hashes_of_salted_pages_match_only_prompts_of_the_same_salt():
     sid = eng.open(PROMPTS[1], salt=alice).id
     eng.generate(sid, 1)
     eng.close(sid)
-    published = index_hashes(eng.index, {})
+    published = index_hashes(eng.published_pages(), eng.config.page_size, {})
     full = len(PROMPTS[1]) // 4
     assert matched_pages(page_hashes(BASE_SCOPE, PROMPTS[1], 4, alice), published) == full
     for other in (UNSALTED, CacheSalt("bob"), CacheSalt("alice", "u"), CacheSalt.public("alice")):

@@ -76,7 +76,7 @@ def test_children_hit_the_trunk_in_vllms_prefix_cache():
     backend.stats.cached_tokens = 0
     eng.drain_slack()
     full = (len(trunk) // 16) * 16
-    child_requests = [r for r in fake.requests if r.request_id.endswith(tuple(f"-{k}" for k in kids))]
+    child_requests = [r for r in fake.requests if r.external_id.endswith(tuple(f"-{k}" for k in kids))]
     assert len(child_requests) == 3
     # Each child prompt is trunk + residual; vLLM computes only the partial trunk page + residual.
     assert backend.stats.cached_tokens == 3 * full

@@ -19,6 +19,7 @@ import numpy as np
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
 from forkserve.backend.vllm import VllmApi
+from forkserve.backend.vllm.block_pinner import external_id
 from forkserve.config import ForkServeConfig
 
 _HASHER = MockBackend(ForkServeConfig(num_pages=1, num_residual_pages=1))
@@ -65,7 +66,8 @@ class FakeBlock:
 
 @dataclass
 class _Request:
-    request_id: str
+    request_id: str  # vLLM's internal id (ours + "-" + 8 hex digits, as 0.26 assigns)
+    external_id: str
     tokens: list[int]
     params: FakeSamplingParams
     lora: FakeLoRARequest | None
@@ -100,16 +102,17 @@ class FakeLLMEngine:
     # ------------------------------------------------ the LLMEngine surface
     def add_request(self, request_id: str, prompt: Mapping[str, list[int]], params: Any, *,
                     lora_request: Any = None) -> None:
-        assert params.n == 1 and params.max_tokens == 1 and params.ignore_eos
-        self.queue.append(_Request(request_id, list(prompt["prompt_token_ids"]), params,
-                                   lora_request))
+        assert params.n == 1 and params.max_tokens >= 1 and params.ignore_eos
+        internal = f"{request_id}-{len(self.requests) + len(self.queue):08x}"
+        self.queue.append(_Request(internal, request_id, list(prompt["prompt_token_ids"]),
+                                   params, lora_request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.queue)
 
     def step(self) -> list[FakeOutput]:
         batch, self.queue = self.queue, []
-        self.steps.append([r.request_id for r in batch])
+        self.steps.append([r.external_id for r in batch])
         outputs = [self._run(r) for r in batch]
         for r in batch:
             for hook in self.free_hooks:
@@ -140,7 +143,9 @@ class FakeLLMEngine:
             r.blocks.append(block)
         self.computed_tokens += len(r.tokens) - hit * p
         self.requests.append(r)
-        return FakeOutput(r.request_id, [_Completion([next_token(r.tokens, lora)])], hit * p)
+        # Every token in one step: nothing here depends on how vLLM interleaves decode steps.
+        tokens = greedy_reference(r.tokens, r.params.max_tokens, lora)
+        return FakeOutput(r.external_id, [_Completion(tokens)], hit * p)
 
     def _allocate(self, key: tuple) -> FakeBlock:
         if key in self.cache:  # vLLM does not deduplicate; one entry per key is enough here
@@ -179,11 +184,54 @@ class FakePinner:
         handle.ref -= 1
 
     def _capture(self, r: _Request) -> None:
-        indices = self._expected.pop(r.request_id, ())
+        indices = self._expected.pop(external_id(r.request_id), ())
         taken = {}
         for j in indices:
             if j < len(r.blocks):
                 r.blocks[j].ref += 1
                 taken[j] = r.blocks[j]
         if indices:
-            self._taken[r.request_id] = taken
+            self._taken[external_id(r.request_id)] = taken
+
+
+class FakeLLM:
+    """The slice of ``vllm.LLM`` the benchmarks call, over a FakeLLMEngine."""
+
+    def __init__(self, engine: FakeLLMEngine) -> None:
+        self.llm_engine = engine
+        self._ids = 0
+
+    def reset_prefix_cache(self) -> bool:
+        if any(b.ref for b in self.llm_engine.cache.values()):
+            return False  # as vLLM: refused while a block is referenced
+        self.llm_engine.cache.clear()
+        return True
+
+    def generate(self, prompts: Sequence[Mapping[str, list[int]]], params: Any, *,
+                 lora_request: Any = None, use_tqdm: bool = False) -> list[FakeOutput]:
+        ids = []
+        for i, prompt in enumerate(prompts):
+            lora = lora_request[i] if isinstance(lora_request, list) else lora_request
+            self._ids += 1
+            ids.append(f"generate-{self._ids}")
+            self.llm_engine.add_request(ids[-1], prompt, params, lora_request=lora)
+        done = {out.request_id: out for out in self.llm_engine.step()}
+        return [done[i] for i in ids]
+
+
+class FakeGauge:
+    """KvGauge on the fake: blocks referenced when a request finishes (before its own
+    references go), the most of them since ``reset``."""
+
+    def __init__(self, engine: FakeLLMEngine) -> None:
+        self._engine = engine
+        self.peak_blocks = 0
+        engine.free_hooks.append(lambda _request: self.read())
+
+    def read(self) -> int:
+        used = sum(1 for b in self._engine.cache.values() if b.ref)
+        self.peak_blocks = max(self.peak_blocks, used)
+        return used
+
+    def reset(self) -> None:
+        self.peak_blocks = sum(1 for b in self._engine.cache.values() if b.ref)

@@ -28,6 +28,7 @@ from forkserve.backend.torch.errors import (
 )
 from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
+from forkserve.backend.torch.gpu_timeline import GpuTimeline
 from forkserve.backend.torch.host_pool import HostResidualPool
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
@@ -55,6 +56,9 @@ class StepOutput:
 
     result: StepResult
     logits: tuple[torch.Tensor | None, ...]  # per item: [1 or len(tokens), vocab] float32, or None
+    # per item: the residual stream after each decoder layer, [len(tokens), layers, hidden]
+    # (forward(hidden_states=True) only; () otherwise)
+    hidden: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,8 @@ class TorchBackend:
         self._next_id = 0
         self._tokenizer: Tokenizer | None = None
         self._writes: WriteTracker | None = None
+        # Measurement hook, off by default (``record_gpu_timeline``).
+        self.gpu_timeline: GpuTimeline | None = None
         for name, adapter in adapters.items():
             self._install(name, adapter)
 
@@ -234,24 +240,41 @@ class TorchBackend:
         self._writes = WriteTracker(kinds, self.config.page_size,
                                     self.host.num_slots if self.host is not None else 0)
 
+    def record_gpu_timeline(self) -> GpuTimeline:
+        """Measurement mode: mark each step's start and end on the device (``gpu_timeline.py``),
+        so a benchmark can read how long the device idled between decode steps."""
+        self.gpu_timeline = GpuTimeline(self.device)
+        return self.gpu_timeline
+
     def first_unwritten(self, kind: PageKind, pages: Sequence[int], length: int) -> int | None:
         """The first of positions [0, length) behind ``pages`` no step wrote; None when all
         were, or when writes are not tracked (``track_writes``)."""
         return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
 
-    def forward(self, work: Sequence[SeqWork], all_logits: bool = False) -> StepOutput:
-        """step() plus logits: for each item, the last token's (if it samples) or every token's."""
+    def forward(self, work: Sequence[SeqWork], all_logits: bool = False,
+                hidden_states: bool = False) -> StepOutput:
+        """step() plus logits: for each item, the last token's (if it samples) or every token's;
+        hidden_states: plus each item's residual stream after every layer, before the final
+        norm (what the quality benchmark compares across layouts). That step runs without
+        CUDA graphs."""
         if not work:
             return StepOutput(StepResult(()), ())
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
         t0 = time.perf_counter()
-        run = self.runner.forward(work, slots, all_logits)
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.start()
+        run = self.runner.forward(work, slots, all_logits, hidden_states)
+        if self.gpu_timeline is not None:  # before sampling's read-back: that wait is the host's
+            self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0],
                                [split_residual_pages(s, self.limits) is not None for s in work])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
+        token_ends = itertools.accumulate(len(s.tokens) for s in work)
+        hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, token_ends, strict=True))
+                  if run.hidden is not None else ())
         counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
                   for s in work]
         ends = itertools.accumulate(counts)
@@ -276,7 +299,7 @@ class TorchBackend:
         prefill = [s for s in work if not s.decode]
         cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
                         decode_tokens=len(decode), prefill_calls=len(prefill))
-        return StepOutput(StepResult(next_tokens, cost), tuple(per_item))
+        return StepOutput(StepResult(next_tokens, cost), tuple(per_item), hidden)
 
     @property
     def cascade_attention(self) -> bool:

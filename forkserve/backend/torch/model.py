@@ -31,11 +31,28 @@ class CausalLM:
         i = cfg.intermediate_size
         self._gate_up_slices = {"gate": slice(0, i), "up": slice(i, 2 * i)}
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slot: torch.Tensor,
                 meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor,
                 use_lora: bool) -> torch.Tensor:
         """input_ids/positions/token_slot [T] -> float32 logits [len(logits_indices), vocab]."""
+        return self._run(input_ids, positions, token_slot, meta, pool, logits_indices, use_lora,
+                         None)
+
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       token_slot: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
+                       logits_indices: torch.Tensor,
+                       use_lora: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() plus the residual stream after every decoder layer: [T, layers, hidden]
+        (before the final norm), for every token, not only the logits rows."""
+        layers: list[torch.Tensor] = []
+        logits = self._run(input_ids, positions, token_slot, meta, pool, logits_indices, use_lora,
+                           layers)
+        return logits, torch.stack(layers, dim=1)
+
+    @torch.inference_mode()
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slot: torch.Tensor,
+             meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor, use_lora: bool,
+             layers_out: list[torch.Tensor] | None) -> torch.Tensor:
         cfg, w, fx, eps = self.cfg, self.weights, self.fx, self.cfg.rms_norm_eps
         lora = self.lora if use_lora else None
         x = F.embedding(input_ids, w.embed)
@@ -54,7 +71,8 @@ class CausalLM:
                     if split and t in ("k", "v"):
                         res[t] = lora.collapse(part)
                         if meta.kv_merge_mask is not None:
-                            lora.expand_(n, t, part * meta.kv_merge_mask, qkv[:, self._qkv_slices[t]])
+                            lora.expand_(n, t, part * meta.kv_merge_mask,
+                                         qkv[:, self._qkv_slices[t]])
                     else:
                         lora.expand_(n, t, part, qkv[:, self._qkv_slices[t]])
             if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
@@ -75,7 +93,8 @@ class CausalLM:
             if lora is not None and "gate_up" in lora.groups:
                 shrunk = lora.shrink(n, "gate_up", h, mask)
                 for t in lora.groups["gate_up"]:
-                    lora.expand_(n, t, lora.part("gate_up", t, shrunk), gate_up[:, self._gate_up_slices[t]])
+                    lora.expand_(n, t, lora.part("gate_up", t, shrunk),
+                                 gate_up[:, self._gate_up_slices[t]])
             act = fx.silu_mul(gate_up)
             down = F.linear(act, layer.down)
             if lora is not None and "down" in lora.groups:
@@ -84,6 +103,8 @@ class CausalLM:
                 x, h = fx.add_rms_norm(x, down, w.layers[n + 1].input_norm, eps)
             else:
                 x = x + down
+            if layers_out is not None:
+                layers_out.append(x)
         x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
         return F.linear(x, w.lm_head).float()
 

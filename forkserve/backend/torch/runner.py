@@ -19,6 +19,7 @@ from forkserve.backend.torch.model import CausalLM
 class RunOutput:
     logits: torch.Tensor          # float32 [rows, vocab]
     greedy: torch.Tensor | None   # argmax of each row, when the graph computed it already
+    hidden: torch.Tensor | None = None  # [tokens, layers, hidden] when asked for
 
 
 GraphKey = tuple[int, int, bool, bool, int]  # batch bucket, pages bucket, LoRA, split form, tiles bucket
@@ -39,9 +40,12 @@ class ModelRunner:
     def captured_graphs(self) -> tuple[GraphKey, ...]:
         return tuple(self._graphs)
 
-    def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool) -> RunOutput:
+    def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool,
+                hidden_states: bool = False) -> RunOutput:
         """Logits for every token (all_logits) or, per item, for every token (prompt
-        log-probabilities) or the last (it samples) or none."""
+        log-probabilities) or the last (it samples) or none; hidden_states: also every token's
+        residual stream after each layer (runs eagerly: a replayed graph keeps no per-layer
+        tensors)."""
         bucket = batch_bucket(len(work))
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
         forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
@@ -52,13 +56,16 @@ class ModelRunner:
         # docs/ENGINE.md); the cause is not found yet.
         plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
                 if self.cascade and decode and len(forms) <= 1 else None)
-        if self.use_cuda_graphs and not all_logits and bucket is not None and len(forms) <= 1 and decode:
+        if self.use_cuda_graphs and not all_logits and not hidden_states and bucket is not None and len(forms) <= 1 and decode:
             return self._replay(work, adapter_slots, bucket, split=forms == {True}, cascade=plan)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page, plan)
-        logits = self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
-                                    self.pool, batch.logits_indices, batch.use_lora)
-        return RunOutput(logits, None)
+        args = (batch.input_ids, batch.positions, batch.token_slot, batch.meta, self.pool,
+                batch.logits_indices, batch.use_lora)
+        if hidden_states:
+            logits, hidden = self.model.forward_hidden(*args)
+            return RunOutput(logits, None, hidden)
+        return RunOutput(self.model.forward(*args), None)
 
     def capture_decode_graphs(self, max_batch: int, context_tokens: int, use_lora: bool,
                               splits: Sequence[bool]) -> int:

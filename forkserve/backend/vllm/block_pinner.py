@@ -8,17 +8,29 @@ reference is never evicted; vLLM's prefix cache still finds it by hash, so a lat
 whose prompt covers the same tokens (same LoRA) reuses it. ``release`` returns the reference
 (``block_pool.free_blocks``): the block becomes an ordinary evictable cache entry.
 
-Written against the V1 KV manager surface (``kv_cache_manager.free(request)``,
-``get_blocks(request_id).blocks`` per KV-cache group, ``block_pool.touch`` /
-``free_blocks`` over flat block sequences). ``attach`` checks that surface and fails with
-the attribute it missed; the GPU session verifies it on vLLM 0.26.0
-(tests/vllm/test_vllm_gpu.py). Without it, pass ``cow_blocks=False`` (plain LRU prefix cache).
+Checked against vLLM 0.26.0's source: ``Scheduler._free_request_blocks`` calls
+``kv_cache_manager.free(request)`` for a normal finish (it defers through
+``pop_blocks_for_free`` only with a KV connector, which VllmBackend never configures);
+``get_blocks(request_id).blocks`` is one block list per KV-cache group; ``block_pool.touch``
+and ``free_blocks`` take block sequences; ``KVCacheBlock.block_hash`` / ``ref_cnt``. The
+scheduler's ``Request`` carries vLLM's internal id, ``f"{our_id}-{8 hex}"``
+(``InputProcessor.assign_request_id``), so the pinner maps it back. ``attach`` checks that
+surface and fails with the attribute it missed. Without it, pass ``cow_blocks=False`` (plain
+LRU prefix cache).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 Blocks = tuple  # one vLLM KVCacheBlock per KV-cache group, for one block index
+
+
+def external_id(internal_id: str) -> str:
+    """The id we passed to ``add_request``: vLLM 0.26 appends ``-`` and 8 hex digits."""
+    head, sep, tail = internal_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return internal_id
 
 
 class KvManagerPinner:
@@ -71,8 +83,9 @@ class KvManagerPinner:
         self._pool.free_blocks(list(handle))
 
     def _capture(self, request: Any) -> None:
-        # Newer vLLM suffixes internal request ids; the caller's id is kept beside it.
-        rid = getattr(request, "external_req_id", None) or request.request_id
+        rid = request.request_id
+        if rid not in self._expected:
+            rid = external_id(rid)
         indices = self._expected.pop(rid, None)
         if not indices:
             return

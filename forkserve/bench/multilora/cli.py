@@ -61,6 +61,16 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
                     help="shared-prefix (cascade) attention of the backend; both: each W runs "
                          "twice")
+    ap.add_argument("--gpu-timeline", action="store_true",
+                    help="record the device's idle time between decode steps (GpuTimeline; "
+                         "the gpu_idle_share column)")
+    ap.add_argument("--host-residual-gib", type=float, default=0.0,
+                    help="host tier for evicted residual pages (disaggregated layouts; 0: none)")
+    ap.add_argument("--pause-pin", action="store_true",
+                    help="pin a closed session's base pages through its tool pause (D1)")
+    ap.add_argument("--reopen", action="store_true",
+                    help="stateless turns: each turn closes its session, the next re-sends the "
+                         "whole history (what the host tier and pause pins serve)")
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
     add_out_argument(ap)
     return ap
@@ -101,7 +111,9 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                                        turns=args.turns, gen=args.gen,
                                        kv_budget_gib=args.kv_budget_gib,
                                        residual_share=args.residual_share,
-                                       lockstep=not args.closed_loop) | over))
+                                       lockstep=not args.closed_loop,
+                                       host_residual_gib=args.host_residual_gib,
+                                       pause_pin=args.pause_pin, reopen=args.reopen) | over))
 
     def save() -> None:  # after every run, so a later failure or timeout loses nothing
         write_json(json_path, {
@@ -111,6 +123,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
             "commit": commit,
             "context": args.context, "turns": args.turns, "gen": args.gen,
             "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
+            "host_residual_gib": args.host_residual_gib, "pause_pin": args.pause_pin,
+            "reopen": args.reopen,
             "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
             quiet=True)
 
@@ -128,6 +142,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                 full = params(top)
                 backend.capture_decode_graphs(top, args.context + full.instruction
                                               + args.turns * (args.gen + full.observation))
+            if args.gpu_timeline:
+                backend.record_gpu_timeline()
             for w, cascade in ((w, c == "on") for w in args.workflows for c in args.cascade):
                 backend.cascade_attention = cascade
                 off = "" if cascade else " (cascade off)"
@@ -136,7 +152,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
                     results.append(replace(_median(runs), cascade=cascade, commit=commit))
-                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}")
+                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}"
+                              f"{_extras(results[-1])}")
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
                     failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade))
                     bar.write(failed[-1].line())
@@ -145,6 +162,15 @@ def _run_all(args: argparse.Namespace, device: torch.device,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return results, failed
+
+
+def _extras(r: RunResult) -> str:
+    """The optional figures of a run: device idle, and D1's under pressure."""
+    out = f", GPU idle {r.gpu_idle_share:.1%}" if r.gpu_idle_share is not None else ""
+    if r.restored_tokens or r.pins_kept or r.pins_lost:
+        out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
+                f", pins kept/lost {r.pins_kept}/{r.pins_lost}")
+    return out
 
 
 def _median(runs: list[RunResult]) -> RunResult:

@@ -29,8 +29,10 @@ class Workflow:
         self.resume_at: float | None = None
         self.latencies: list[float] = []
         self.outputs: list[list[int]] = []
-        self.needs: dict | None = None   # pages per pool reserved at admission
+        self.needs: dict[str, int] | None = None   # pages per side reserved at admission
         self.split = False
+        # Stateless turns (``params.reopen``): the committed history the next turn re-sends.
+        self.history: list[int] | None = None
 
     def footprint_tokens(self) -> int:
         p = self.params
@@ -57,7 +59,13 @@ class Driver:
         self.decode_ticks = 0
         self.waited_s = 0.0
         self.prompt_tokens = 0
-        self.reserved: dict = {}
+        cache = engine.cache_stats()
+        # Pages per side of the KV ("base": the unified or base pool; "residual"): admission
+        # reserves against these.
+        self.capacity = {"base": cache.base.pages}
+        if cache.residual is not None:
+            self.capacity["residual"] = cache.residual.pages
+        self.reserved: dict[str, int] = {}
         self.admitted: list[Workflow] = []
         self.context_pages = params.context // params.page_size
         self.context_kv_per_agent = 0.0
@@ -79,13 +87,14 @@ class Driver:
             self.decode_only_ticks += 1
         if m.decode_tokens > before:
             self.decode_ticks += 1
-        used = self.engine.pool.num_used * self.base_bytes
-        if self.engine.residual_pool is not None:
-            used += self.engine.residual_pool.num_used * self.res_bytes
+        cache = self.engine.cache_stats()
+        used = cache.base.used * self.base_bytes
+        if cache.residual is not None:
+            used += cache.residual.used * self.res_bytes
         self.peak_bytes = max(self.peak_bytes, used)
         return did
 
-    def _needs(self, flow: Workflow) -> dict:
+    def _needs(self, flow: Workflow) -> dict[str, int]:
         """Pages per pool this workflow will hold at its peak. Where its form shares the base
         side across agents, the shared context is counted once (by the first agent)."""
         if flow.needs is not None:
@@ -93,19 +102,20 @@ class Driver:
         p = self.params.page_size
         total = -(-flow.footprint_tokens() // p)
         layout = self.engine.config.kv_layout
-        split = flow.adapter is not None and self.engine.residual_pool is not None and (
+        split = flow.adapter is not None and "residual" in self.capacity and (
             self.engine.layout_form(flow.prompt, adapter=flow.adapter) is KVForm.SPLIT)
         shared = layout is KVLayout.FULL_REUSE or split or flow.adapter is None
         base = total - (self.context_pages if shared and self._shares_context(split) else 0)
-        needs = {self.engine.pool: base}
+        needs = {"base": base}
         if split:
-            needs[self.engine.residual_pool] = total
+            needs["residual"] = total
         return needs
 
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
         agents holding it — kept at the most agents seen at once."""
-        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows]
+        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows
+                  if f.session is not None]
         tables = [kv for kv in tables if kv.length >= self.params.context]
         if len(tables) <= self._context_holders:
             return
@@ -132,34 +142,35 @@ class Driver:
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""
         needs = self._needs(flow)
-        if all(self.reserved.get(pool, 0) + n <= pool.num_pages for pool, n in needs.items()):
-            for pool, n in needs.items():
-                self.reserved[pool] = self.reserved.get(pool, 0) + n
-            flow.needs, flow.split = needs, self.engine.residual_pool in needs
+        if all(self.reserved.get(side, 0) + n <= self.capacity[side] for side, n in needs.items()):
+            for side, n in needs.items():
+                self.reserved[side] = self.reserved.get(side, 0) + n
+            flow.needs, flow.split = needs, "residual" in needs
             self.admitted.append(flow)
             return True
         return False
 
     def _close(self, flow: Workflow) -> None:
         self.engine.close(flow.session)
-        for pool, n in self._needs(flow).items():
-            self.reserved[pool] -= n
+        for side, n in self._needs(flow).items():
+            self.reserved[side] -= n
         self.admitted.remove(flow)
 
-    def _open(self, flow: Workflow) -> None:
-        flow.session = self.engine.open(flow.prompt, adapter=flow.adapter).id
-        self.prompt_tokens += len(flow.prompt)
+    def _open(self, flow: Workflow, tokens: list[int] | None = None) -> None:
+        tokens = flow.prompt if tokens is None else tokens
+        flow.session = self.engine.open(tokens, adapter=flow.adapter).id
+        self.prompt_tokens += len(tokens)
         flow.turn_started = time.perf_counter()
         self.engine.start_generate(flow.session, self.params.gen)
 
     def _check_shared_pass_fits(self) -> None:
         """The one base pass writes every agent's context residual at once, before any
         admission: say so plainly rather than fail inside the engine."""
-        pool = self.engine.residual_pool
+        pages = self.capacity.get("residual")
         need = len(self.flows) * (-(-len(self.shared_context) // self.params.page_size))
-        if pool is not None and need > pool.num_pages:
+        if pages is not None and need > pages:
             raise RuntimeError(f"the base pass writes {len(self.flows)} agents' context residuals "
-                               f"at once: {need} residual pages, the pool has {pool.num_pages} "
+                               f"at once: {need} residual pages, the pool has {pages} "
                                f"(raise --residual-share or --kv-budget-gib)")
 
     def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
@@ -204,6 +215,10 @@ class Driver:
                         self._close(flow)
                         active.remove(flow)
                         continue
+                    if self.params.reopen:  # the pause frees the session and its reservation
+                        flow.history = self.engine.committed_tokens(flow.session)
+                        self._close(flow)
+                        flow.session = None
                     flow.resume_at = now + self.params.pause_s
             if self.params.lockstep and all(f.resume_at is not None for f in active) and active:
                 resume = max(f.resume_at for f in active)
@@ -213,9 +228,15 @@ class Driver:
                 if flow.resume_at is not None and now >= flow.resume_at:
                     obs = observation(flow.turn, flow.index, self.params.observation,
                                        self.engine.config.vocab_size)
-                    self.engine.commit(flow.session, self.engine.tip(flow.session), obs, wait=False)
-                    self.prompt_tokens += len(obs)
-                    self.engine.start_generate(flow.session, self.params.gen)
+                    if flow.session is None:  # a stateless turn: re-send the history when it fits
+                        if not self._fits(flow):
+                            continue
+                        self._open(flow, flow.history + obs)
+                    else:
+                        self.engine.commit(flow.session, self.engine.tip(flow.session), obs,
+                                           wait=False)
+                        self.prompt_tokens += len(obs)
+                        self.engine.start_generate(flow.session, self.params.gen)
                     flow.turn_started, flow.resume_at = time.perf_counter(), None
             if not self._tick():
                 pending = [f.resume_at for f in active if f.resume_at is not None]

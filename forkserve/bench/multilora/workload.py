@@ -4,7 +4,7 @@ Every system gets the same KV budget in bytes; one backend serves every W of a s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -35,6 +35,12 @@ class MultiLoraParams:
     residual_share: float = 0.1   # of the budget, for the disaggregated residual pool
     lockstep: bool = True
     page_size: int = 16
+    # Memory pressure (D1): a host tier for evicted residual pages, pause pins of the base
+    # pages, and stateless turns (each turn closes its session and the next re-opens the
+    # whole history, as an OpenAI client does), which is what pins and the host tier serve.
+    host_residual_gib: float = 0.0
+    pause_pin: bool = False
+    reopen: bool = False
 
     @property
     def turns_run(self) -> int:
@@ -66,6 +72,15 @@ class RunResult:
     decode_ms_per_step: float = 0.0  # mean wall time of a decode-only tick
     cascade: bool = True             # the backend's shared-prefix (cascade) attention
     commit: str = ""                 # the source measured (bench/provenance.py)
+    # Device idle between consecutive decode steps over their device time (GpuTimeline);
+    # None where the backend records no timeline.
+    gpu_idle_share: float | None = None
+    # D1 under pressure: residual tokens brought back from the host tier vs computed by
+    # prefill, and pause pins reused by the next turn vs given up (broken or expired).
+    restored_tokens: int = 0
+    residual_prefill_tokens: int = 0
+    pins_kept: int = 0
+    pins_lost: int = 0
 
 
 def tiny_config():
@@ -120,8 +135,11 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
     layout = LAYOUTS[system]
     sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
     num_pages, num_res = budget_pages(sizes, params, layout)
+    host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
+        if layout.has_residual_pool else 0
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages,
                           num_residual_pages=num_res, kv_layout=layout,
+                          host_residual_pages=host_pages, pause_pin=params.pause_pin,
                           hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
                           max_context=model_cfg.max_context, node_ttl_s=None,
                           vocab_size=model_cfg.vocab_size)
@@ -139,8 +157,22 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                on_turn: Callable[[], object] | None = None) -> RunResult:
     """One timed run on a fresh Engine over ``backend`` (its pools start empty)."""
     adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
-    return run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
-                        shared_by_base_pass=system == "disaggregated_base")
+    timeline = backend.gpu_timeline
+    if timeline is not None:
+        timeline.reset()
+    result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
+                          shared_by_base_pass=system == "disaggregated_base")
+    if timeline is None:
+        return result
+    return replace(result, gpu_idle_share=timeline.summary().idle_share)
+
+
+def agent_prompts(params: MultiLoraParams, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """The shared context and each agent's first prompt (context + its instruction)."""
+    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
+    return context, [context + [(i * 131 + j * 17) % (vocab - 3) + 3
+                                for j in range(params.instruction)]
+                     for i in range(params.workflows)]
 
 
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
@@ -151,13 +183,9 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
     i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
     agent turn ends (a progress bar)."""
-    vocab = engine.config.vocab_size
-    context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
-    flows = []
-    for i in range(params.workflows):
-        instruction = [(i * 131 + j * 17) % (vocab - 3) + 3 for j in range(params.instruction)]
-        adapter = None if adapter_of is None else adapter_of(i)
-        flows.append(Workflow(i, adapter, context + instruction, params))
+    context, prompts = agent_prompts(params, engine.config.vocab_size)
+    flows = [Workflow(i, None if adapter_of is None else adapter_of(i), prompt, params)
+             for i, prompt in enumerate(prompts)]
     driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None)
     start = time.perf_counter()
     if params.workload == "react":
@@ -175,7 +203,10 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
                      m.decode_tokens, driver.waited_s, notes=tuple(notes),
                      decode_ms_per_step=driver.decode_tick_s * 1e3
-                     / max(1, driver.decode_only_ticks))
+                     / max(1, driver.decode_only_ticks),
+                     restored_tokens=m.restored_tokens,
+                     residual_prefill_tokens=m.residual_prefill_tokens,
+                     pins_kept=m.pins_resumed, pins_lost=m.pins_broken + m.pins_expired)
 
 
 def _pct(values: list[float], q: int) -> float:

@@ -34,15 +34,18 @@ DEFAULT_STATS_PERIOD_S = 2.0
 def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
                       stats_period_s: float = DEFAULT_STATS_PERIOD_S, num_cpus: float = 1.0,
                       num_gpus: float = 0.0, router_kwargs: Mapping[str, float] | None = None,
-                      health_check_period_s: float = 10.0, access: AccessConfig = DEFAULT_ACCESS) -> Application:
-    """``access``: the Frontend's API keys, public prefixes (SECURITY.md)."""
+                      health_check_period_s: float = 10.0, access: AccessConfig = DEFAULT_ACCESS,
+                      router_class: type | str | None = None) -> Application:
+    """``access``: the Frontend's API keys, public prefixes (SECURITY.md). ``router_class``:
+    another request router, as a class or ``"module:Class"`` (benchmarks compare Serve's
+    own); ``router_kwargs`` are then its own."""
     engine = serve.deployment(EngineReplica, name="Engine").options(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         health_check_period_s=health_check_period_s,
         request_router_config=RequestRouterConfig(
-            request_router_class=TreeAffinityRouter,
+            request_router_class=router_class or TreeAffinityRouter,
             request_router_kwargs=dict(router_kwargs or {}),
             request_routing_stats_period_s=stats_period_s,
         ),

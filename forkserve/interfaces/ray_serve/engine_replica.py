@@ -10,7 +10,9 @@ committed spine also answer the tree's ``TreeView`` (its committed tokens), whic
 Frontend keeps so the tree survives this replica.
 
 ``record_routing_stats`` is the hook Serve polls: it publishes the compact
-``ReplicaSummary`` the TreeAffinityRouter scores new trees with.
+``ReplicaSummary`` the TreeAffinityRouter scores new trees with. ``metrics`` renders the
+engine's Prometheus families (the one-process server's collector), which the Frontend's
+``/metrics`` gathers from every replica under a ``replica`` label.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prometheus_client import CollectorRegistry, generate_latest
+
+from forkserve.config import ForkServeConfig
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.ray_serve.protocol import (
     NOT_RESIDENT,
@@ -42,6 +47,7 @@ from forkserve.interfaces.server.engine_worker import (
     GenerationSpec,
 )
 from forkserve.interfaces.server.errors import APIError, backend_error_status
+from forkserve.interfaces.server.metrics import EngineCollector, take_snapshot
 from forkserve.interfaces.server.schemas import (
     AbortResponse,
     CommitResponse,
@@ -51,7 +57,7 @@ from forkserve.interfaces.server.schemas import (
     GenerateResponse,
     SessionInfo,
 )
-from forkserve.interfaces.server.served_model import load_served_model
+from forkserve.interfaces.server.served_model import ServedModel, load_served_model
 
 log = logging.getLogger("forkserve.ray_serve")
 T = TypeVar("T")
@@ -76,6 +82,19 @@ class ReplicaSpec:
     # CPU replicas share the host's cores: each replica's torch gets this many threads
     # (None: torch's default, every core, which oversubscribes with two replicas).
     torch_threads: int | None = None
+    # Builds the served model in place of ``load_served_model(model_path, ...)`` (benchmarks
+    # with in-memory random weights). Such a model has no tokenizer files: the Frontend then
+    # serves token ids only. Must pickle (a module-level function).
+    loader: Callable[[ReplicaSpec, ForkServeConfig], ServedModel] | None = None
+
+    def load(self) -> ServedModel:
+        config = SYSTEMS[self.system](page_size=self.page_size, num_pages=self.num_pages,
+                                      num_residual_pages=self.num_pages, kv_layout=self.layout)
+        if self.loader is not None:
+            return self.loader(self, config)
+        return load_served_model(self.model_path, config=config, loras=dict(self.loras),
+                                 name=self.served_model_name, device=self.device, dtype=self.dtype,
+                                 attention=self.attention, use_cuda_graphs=self.cuda_graphs)
 
 
 class _NotResident(Exception):
@@ -89,11 +108,7 @@ class EngineReplica:
         if spec.torch_threads is not None:
             import torch
             torch.set_num_threads(spec.torch_threads)
-        config = SYSTEMS[spec.system](page_size=spec.page_size, num_pages=spec.num_pages,
-                                      num_residual_pages=spec.num_pages, kv_layout=spec.layout)
-        self._model = load_served_model(spec.model_path, config=config, loras=dict(spec.loras),
-                                        name=spec.served_model_name, device=spec.device, dtype=spec.dtype,
-                                        attention=spec.attention, use_cuda_graphs=spec.cuda_graphs)
+        self._model = spec.load()
         self._spec = spec
         self._worker = EngineWorker(self._model.engine, self._model.tokenizer.decode,
                                     session_ttl_s=spec.session_ttl_s)
@@ -102,12 +117,17 @@ class EngineReplica:
         # The engine's adapter key (whatever the backend uses), as AdapterNamespace spells it
         # (a string) -> the name clients send.
         self._adapter_names = {str(key): name for name, key in self._model.adapters.items()}
+        self._collector = EngineCollector()
+        self._registry = CollectorRegistry()
+        self._registry.register(self._collector)
         # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
-        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.pool.num_free)
+        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.cache_stats().base.free)
 
     def __del__(self) -> None:
-        self._worker.stop()
+        worker = getattr(self, "_worker", None)  # absent when __init__ failed (Serve still calls this)
+        if worker is not None:
+            worker.stop()
 
     # ------------------------------------------------------------------ helpers
     async def _reply(self, fn: Callable[[], Awaitable[T]]) -> Reply[T]:
@@ -161,9 +181,10 @@ class EngineReplica:
     # ------------------------------------------------------------------ verbs
     async def describe(self) -> ModelInfo:
         m = self._model
-        return ModelInfo(name=m.name, model_path=self._spec.model_path, adapters=tuple(sorted(m.adapters)),
+        path = self._spec.model_path if self._spec.loader is None else None
+        return ModelInfo(name=m.name, model_path=path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
-                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.pool.page_size)
+                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
@@ -279,13 +300,24 @@ class EngineReplica:
                                  slack_filled_tokens=r.slack_filled_tokens)
         return await self._reply(lambda: self._worker.call(run))
 
+    async def metrics(self, hint: RouteHint) -> str | None:
+        """The engine's figures in Prometheus text format; None when the hint names another
+        replica (it left the replica set, and the router sent its scrape here)."""
+        if hint.replica != self.replica:
+            return None
+        self._collector.snapshot = await self._worker.call(lambda: take_snapshot(self._model.engine, self._worker))
+        return generate_latest(self._registry).decode()
+
     # ------------------------------------------------------------------ Serve hooks
     async def record_routing_stats(self) -> dict[str, Any]:
         def summarize() -> ReplicaSummary:
             eng = self._model.engine
-            indexes = [eng.index] + ([eng.residual_index] if eng.residual_index is not None else [])
+            pages = eng.published_pages()
             w = self._worker.stats()
-            return ReplicaSummary(index_hashes(eng.index, self._adapter_names),
-                                  pages_per_adapter(indexes, self._adapter_names),
-                                  eng.pool.num_free, w.active_generations, w.queue_depth)
+            cache = eng.cache_stats()
+            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._adapter_names),
+                                  pages_per_adapter(pages, self._adapter_names),
+                                  cache.base.free, w.active_generations, w.queue_depth,
+                                  live_pages=cache.base.live, page_size=cache.page_size,
+                                  token_rate=w.decode_tokens_per_s + w.prefill_tokens_per_s)
         return (await self._worker.call(summarize)).to_dict()

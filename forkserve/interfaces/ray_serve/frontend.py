@@ -12,6 +12,10 @@ A client that leaves mid-generation cancels the replica's stream, which aborts t
 replica's session, as in the one-process server; the tree itself survives in the ledger
 and is re-opened from its committed tokens at its next verb.
 
+``/metrics`` gathers every Engine replica's figures under a ``replica`` label
+(cluster_metrics.py). A model a replica builds in code (``ReplicaSpec.loader``: random
+weights) has no tokenizer files: such a Frontend takes token ids and refuses text (400).
+
 Access is the one-process server's (SECURITY.md): every route but ``/health`` authenticates
 its caller (``auth.authenticate``: Serve copies the FastAPI app at decoration time, so no
 middleware can be added per deployment); a session's public id is random and its tenant's
@@ -30,6 +34,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from ray import serve
@@ -38,8 +43,9 @@ from ray.serve.handle import DeploymentHandle
 from forkserve.backend.protocol import SamplingParams
 from forkserve.control.prefix_index import CacheSalt
 from forkserve.interfaces.client import REPLICA_HEADER
+from forkserve.interfaces.ray_serve import cluster_metrics
 from forkserve.interfaces.ray_serve.ledger import TreeLedger
-from forkserve.interfaces.ray_serve.protocol import ModelInfo
+from forkserve.interfaces.ray_serve.protocol import ModelInfo, RouteHint
 from forkserve.interfaces.ray_serve.tree_client import (
     REPLICA_GONE,
     GenerationStream,
@@ -96,6 +102,10 @@ def _error_payload(exc: Exception) -> dict:
     return {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
 
 
+# How long /metrics waits for a replica before it reports it down.
+_SCRAPE_TIMEOUT_S = 5.0
+
+
 def _usage(prompt: int, completion: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -122,9 +132,17 @@ class Frontend:
                 from forkserve.backend.torch.tokenizer import Tokenizer
 
                 info = await self._engine.describe.remote()
-                self._tokenizer = Tokenizer.load(info.model_path)
+                if info.model_path is not None:
+                    self._tokenizer = Tokenizer.load(info.model_path)
                 self._info = info
         return self._info
+
+    async def _text(self):
+        """The tokenizer, for a request that sends text (400 when the model has none)."""
+        await self._model()
+        if self._tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", param="tokens")
+        return self._tokenizer
 
     def _adapter(self, info: ModelInfo, model: str) -> str | None:
         if model == info.name:
@@ -135,8 +153,9 @@ class Frontend:
                        "NotFoundError", "model")
 
     async def _tokens(self, text: str | None, tokens: list[int] | None) -> list[int]:
-        await self._model()
-        return tokens if tokens is not None else self._tokenizer.encode(text or "", add_special_tokens=False)
+        if tokens is not None:
+            return tokens
+        return (await self._text()).encode(text or "", add_special_tokens=False)
 
     async def _open(self, info: ModelInfo, adapter: str | None, ids: list[int],
                     salt: CacheSalt) -> tuple[SessionInfo, int, str]:
@@ -163,10 +182,10 @@ class Frontend:
         info = await self._model()
         adapter = self._adapter(info, body.model)
         if body.messages is not None:
-            ids = self._tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+            ids = (await self._text()).apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
                                                       add_generation_prompt=body.add_generation_prompt)
         elif body.text is not None:
-            ids = self._tokenizer.encode(body.text, add_special_tokens=True)
+            ids = (await self._text()).encode(body.text, add_special_tokens=True)
         else:
             ids = list(body.tokens or [])
         session, tree, replica = await self._open(info, adapter, ids, salt)
@@ -372,7 +391,7 @@ class Frontend:
         salt = self._salt(self._tenant(request), body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
-        prompts = [p if isinstance(p, list) else self._tokenizer.encode(p, add_special_tokens=True)
+        prompts = [p if isinstance(p, list) else (await self._text()).encode(p, add_special_tokens=True)
                    for p in body.prompts()]
         specs = self._specs(info, prompts, body, body.max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -411,7 +430,7 @@ class Frontend:
         salt = self._salt(self._tenant(request), body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
-        ids = self._tokenizer.apply_chat_template(body.template_messages())
+        ids = (await self._text()).apply_chat_template(body.template_messages())
         specs = self._specs(info, [ids], body, body.token_budget())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -442,6 +461,25 @@ class Frontend:
             choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
                      for i, (r, _) in enumerate(results)],
             usage=_usage(len(ids), sum(len(r.tokens) for r, _ in results)))
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Every Engine replica's figures, labelled by replica, and the cluster's hit ratios."""
+        self._tenant(request)
+        ctx = serve.get_replica_context()
+        names = cluster_metrics.replica_names(ctx.app_name, self._engine.deployment_name)
+
+        async def scrape(name: str) -> str | None:
+            hint = RouteHint(0, None, replica=name)
+            try:
+                return await asyncio.wait_for(self._engine.metrics.remote(hint), _SCRAPE_TIMEOUT_S)
+            except (asyncio.TimeoutError, *REPLICA_GONE):
+                return None
+
+        texts = await asyncio.gather(*(scrape(n) for n in names))
+        counts = cluster_metrics.FrontendCounts(len(self._trees.ledger.trees), self._trees.ledger.moves)
+        body = cluster_metrics.render(dict(zip(names, texts, strict=True)), counts)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:

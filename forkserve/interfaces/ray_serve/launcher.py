@@ -6,9 +6,12 @@
 
 Every option of the one-process ``forkserve serve`` means the same here (they are parsed
 by its own parser); the options above are the Ray ones. With no ``--ray-address`` a local
-Ray instance starts, without its dashboard, bound to the loopback address when ``--host``
-is a loopback address. The same application deploys from a Serve config file:
-``serve run forkserve/interfaces/ray_serve/serve_config.yaml``.
+Ray instance starts without its dashboard; when ``--host`` is a loopback address, Ray's node
+address, its dashboard host and Serve's HTTP proxy are the loopback address too. Ray 2.60
+still opens gRPC ports of the GCS, raylet and workers on every interface (it has no option
+to bind them): docs/SCALE_OUT.md lists them and how to firewall them. Ctrl-C shuts Serve and
+Ray down and exits 130, without a traceback. The same application deploys from a Serve
+config file: ``serve run forkserve/interfaces/ray_serve/serve_config.yaml``.
 """
 from __future__ import annotations
 
@@ -55,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def local_ray_options(host: str) -> dict[str, object]:
+    """``ray.init`` options of a local Ray behind ``--host``: no dashboard; on a loopback
+    host, the node address and dashboard host are loopback as well."""
+    options: dict[str, object] = {"address": "local", "include_dashboard": False}
+    if host in _LOOPBACK:
+        options.update(_node_ip_address="127.0.0.1", dashboard_host="127.0.0.1")
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ours, rest = parser.parse_known_args(argv)
@@ -88,16 +100,24 @@ def main(argv: list[str] | None = None) -> int:
                        device=args.device, dtype=args.dtype, attention=args.attention,
                        cuda_graphs=not args.no_cuda_graphs, session_ttl_s=args.session_ttl,
                        torch_threads=ours.torch_threads)
-    if ours.ray_address:
-        ray.init(address=ours.ray_address)
-    else:
-        loopback = {"_node_ip_address": "127.0.0.1"} if args.host in _LOOPBACK else {}
-        ray.init(address="local", include_dashboard=False, **loopback)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
-                            stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus,
-                            access=access)
-    log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
-             args.host, args.port)
-    serve.run(app, name="forkserve", route_prefix="/", blocking=True)
+    ray.init(**({"address": ours.ray_address} if ours.ray_address else local_ray_options(args.host)))
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
+                                stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus,
+                                access=access)
+        log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
+                 args.host, args.port)
+        serve.run(app, name="forkserve", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        # Serve re-raises Ctrl-C out of its wait loop so the caller shuts down: that is
+        # the whole of a clean exit here, not an error.
+        log.info("interrupted: shutting down the replicas")
+        if ours.ray_address:  # a joined cluster keeps running, without this application
+            serve.delete("forkserve")
+        else:
+            serve.shutdown()
+        return 130
+    finally:
+        ray.shutdown()
     return 0

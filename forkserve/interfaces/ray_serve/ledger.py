@@ -45,6 +45,7 @@ class TreeRecord:
 @dataclass
 class TreeLedger:
     trees: dict[int, TreeRecord] = field(default_factory=dict)
+    moves: int = 0                        # re-opens that landed on another replica (/metrics)
     _locks: dict[int, asyncio.Lock] = field(default_factory=dict)
 
     @staticmethod
@@ -74,6 +75,7 @@ class TreeLedger:
         rec = replace(old, committed=view.committed, tip=view.tip, replica=view.replica,
                       epoch=old.epoch + 1, aliases=aliases)
         self.trees[old.tree_id] = rec
+        self.moves += view.replica != old.replica
         return rec
 
     def lock(self, tree_id: int) -> asyncio.Lock:

@@ -33,6 +33,9 @@ class RouteHint:
     # The tree's prefix-cache trust boundary (its tenant and cache_salt): the replica opens
     # it under this salt, and the hashes above are chained from it (stats.page_hashes).
     salt: CacheSalt = UNSALTED
+    # A call for one given replica, whatever tree (the Frontend's metrics scrape): its
+    # Serve actor name, ``ReplicaID.to_full_id_str()``.
+    replica: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class ModelInfo:
     """What the Frontend must know of the served model without loading its weights."""
 
     name: str
-    model_path: str
+    model_path: str | None               # the Frontend's tokenizer (None: token ids only)
     adapters: tuple[str, ...]
     max_context: int
     eos_token_ids: tuple[int, ...]

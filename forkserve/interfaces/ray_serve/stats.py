@@ -7,9 +7,12 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
   the page's whole prefix (``page_hashes``), so a prompt's matched prefix on a replica is
   the run of its own chained hashes found in the set: no tokens cross the wire.
 * ``residual_pages``: pages per adapter name (``adapter_names`` maps the engine's adapter
-  key as a string, which is how ``AdapterNamespace`` holds it, to the name clients send), resident in the residual cache (the
-  disaggregated layout) or under the adapter's namespace of the unified cache.
-* free pages, running generations and queued commands: load beyond Serve's queue length.
+  key as a string, as ``PublishedPage.adapter`` holds it, to the name clients send),
+  resident in the residual cache (the disaggregated layout) or under the adapter's
+  namespace of the unified cache.
+* live pages (held by sessions: the cache alone is an asset, not load), free pages, the page
+  size, recent tokens per second (prefill + decode), running generations and queued
+  commands: load beyond Serve's queue length (placement.py).
 
 Hashes are blake2b, not ``hash()``: the Frontend and every replica must agree across
 processes whatever their PYTHONHASHSEED. A page published under a ``CacheSalt`` other than
@@ -24,13 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forkserve.control.prefix_index import (
-    UNSALTED,
-    AdapterNamespace,
-    CacheSalt,
-    Namespace,
-    PrefixIndex,
-)
+from forkserve.engine import UNSALTED, CacheSalt, PublishedPage
 
 BASE_SCOPE = ""  # the namespace key of base-model pages; an adapter's is its name
 
@@ -74,42 +71,51 @@ class ReplicaSummary:
     free_pages: int
     running: int
     waiting: int
+    live_pages: int = 0            # pages some session holds (cache-only pages excluded)
+    page_size: int = 16
+    token_rate: float = 0.0        # prefill + decode tokens per second, the engine worker's window
 
     def to_dict(self) -> dict[str, Any]:
         return {"prefix_pages": sorted(self.prefix_pages), "residual_pages": dict(self.residual_pages),
-                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting}
+                "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting,
+                "live_pages": self.live_pages, "page_size": self.page_size, "token_rate": self.token_rate}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaSummary:
         """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
         return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
-                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)))
+                   int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)),
+                   int(d.get("live_pages", 0)), int(d.get("page_size", 16)), float(d.get("token_rate", 0.0)))
 
 
-def _scope(namespace: Namespace, adapter_names: Mapping[str, str]) -> str:
-    if isinstance(namespace, AdapterNamespace):
-        key = str(namespace.adapter_id)
-        return adapter_names.get(key, key)
-    return BASE_SCOPE
+def _scope(page: PublishedPage, adapter_names: Mapping[str, str]) -> str:
+    if page.adapter is None:
+        return BASE_SCOPE
+    return adapter_names.get(page.adapter, page.adapter)
 
 
-def index_hashes(index: PrefixIndex, adapter_names: Mapping[str, str]) -> frozenset[int]:
-    """The chained hash of every published page. ``entries()`` walks parents before
-    children, so each page's hash extends its parent's, memoised by prefix."""
-    p = index.page_size
+def index_hashes(pages: Sequence[PublishedPage], page_size: int,
+                 adapter_names: Mapping[str, str]) -> frozenset[int]:
+    """The chained hash of every published page of the base tree (``Engine.published_pages``
+    lists parents before children, so each page's hash extends its parent's, memoised by
+    prefix)."""
+    p = page_size
     chain: dict[tuple[str, CacheSalt, tuple[int, ...]], bytes] = {}
-    for entry in index.entries():
-        scope = _scope(entry.namespace, adapter_names)
+    for entry in pages:
+        if entry.residual:
+            continue
+        scope = _scope(entry, adapter_names)
         parent = chain.get((scope, entry.salt, entry.prefix[:-p])) or _root(scope, entry.salt)
         chain[(scope, entry.salt, entry.prefix)] = _digest(parent, entry.prefix[-p:])
     return frozenset(int.from_bytes(h, "little") for h in chain.values())
 
 
-def pages_per_adapter(indexes: Sequence[PrefixIndex], adapter_names: Mapping[str, str]) -> dict[str, int]:
+def pages_per_adapter(pages: Sequence[PublishedPage],
+                      adapter_names: Mapping[str, str]) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for index in indexes:
-        for entry in index.entries():
-            if isinstance(entry.namespace, AdapterNamespace):
-                name = _scope(entry.namespace, adapter_names)
-                counts[name] = counts.get(name, 0) + 1
+    for page in pages:
+        if page.adapter is not None:
+            name = _scope(page, adapter_names)
+            counts[name] = counts.get(name, 0) + 1
     return counts
+

@@ -27,6 +27,7 @@ from forkserve.interfaces.server.access import (
 from forkserve.interfaces.server.auth import ApiKeyAuth
 from forkserve.interfaces.server.engine_worker import EngineWorker
 from forkserve.interfaces.server.errors import install_error_handlers
+from forkserve.interfaces.server.generation_defaults import GENERATION_CONFIG_MODES
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model, served_name
 from forkserve.interfaces.server.state import ServerState, StateDep
@@ -52,7 +53,10 @@ def create_app(model: ServedModel, *, session_ttl_s: float = 600.0,
         worker.start()
         log.info("serving %s (adapters: %s), context %d tokens, %d pages of %d tokens",
                  model.name, sorted(model.adapters) or "none", model.max_context,
-                 model.engine.pool.num_free, model.engine.pool.page_size)
+                 model.engine.cache_stats().base.free, model.engine.config.page_size)
+        d = model.sampling_defaults
+        log.info("requests without temperature/top_p sample with %s, %s (%s)",
+                 d.temperature, d.top_p, d.source)
         try:
             yield
         finally:
@@ -117,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"])
+    ap.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
+                    help="auto: a request that omits temperature/top_p gets the model's own "
+                         "(generation_config.json or GGUF metadata); none: OpenAI's 1.0")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph replay)")
     ap.add_argument("--session-ttl", type=float, default=600.0,
                     help="seconds an idle branch-API session lives before it is closed")
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = load_served_model(model_path, config=config, loras=dict(args.lora),
                                       name=args.served_model_name, device=args.device, dtype=args.dtype,
-                                      attention=args.attention, use_cuda_graphs=not args.no_cuda_graphs)
+                                      attention=args.attention, use_cuda_graphs=not args.no_cuda_graphs,
+                                      generation_config=args.generation_config)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])

@@ -1,7 +1,7 @@
 """Run the server on a loopback port in a background thread (tests, benchmarks, examples).
 
 The caller keeps the ``ServedModel``, so it can check the engine's own accounting after
-the clients are done (``running.on_engine(lambda eng: eng.pool.num_used)``).
+the clients are done (``running.on_engine(lambda eng: eng.cache_stats().base.used)``).
 """
 from __future__ import annotations
 

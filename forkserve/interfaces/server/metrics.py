@@ -31,17 +31,16 @@ class EngineSnapshot:
 
 def take_snapshot(engine: Engine, worker: EngineWorker) -> EngineSnapshot:
     """Engine thread only."""
-    pools = {engine.pool.kind.value: engine.pool}
-    trees = {"base": engine.index}
-    if engine.residual_pool is not None:
-        pools[engine.residual_pool.kind.value] = engine.residual_pool
-        trees["residual"] = engine.residual_index
+    cache = engine.cache_stats()
+    pools = {p.kind.value: p for p in cache.pools()}
+    trees = {"base": cache.base.published}
+    if cache.residual is not None:
+        trees["residual"] = cache.residual.published
     snap = engine.metrics.snapshot()
     actions = snap.pop("actions")
     peak = snap.pop("peak_pages")
-    return EngineSnapshot({k: p.num_used for k, p in pools.items()},
-                          {k: p.num_free for k, p in pools.items()},
-                          {k: t.num_pages for k, t in trees.items()},
+    return EngineSnapshot({k: p.used for k, p in pools.items()},
+                          {k: p.free for k, p in pools.items()}, trees,
                           len(engine.sessions), snap, actions, peak, worker.stats())
 
 

@@ -165,7 +165,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     model.check_vocab(ids)
     model.check_length(len(ids), budget)
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
-    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammars) if plan.grammar else None
+    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler()) if plan.grammar else None
     top = body.top_logprobs or 0
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
@@ -285,6 +285,7 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
     needs_log = (logprobs is not None or prompt_logprobs is not None
                  or bool(body.presence_penalty or body.frequency_penalty))
     salt = st.tenancy.salt(tenant, body.cache_salt)
+    temperature, top_p = st.model.sampling_defaults.resolve(body)
     choices: list[_Choice] = []
     cached: list[int] = []
 
@@ -300,7 +301,7 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
             seed = None if body.seed is None else body.seed + (j % body.n)
             log = TokenLog(len(ids)) if needs_log else None
             sampling = SamplingParams(
-                body.temperature, body.top_p, seed, body.presence_penalty, body.frequency_penalty, bias,
+                temperature, top_p, seed, body.presence_penalty, body.frequency_penalty, bias,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, log=log,
                 constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,

@@ -15,6 +15,12 @@ from forkserve.config import ForkServeConfig
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 from forkserve.interfaces.server.errors import APIError
+from forkserve.interfaces.server.generation_defaults import (
+    OPENAI_DEFAULTS,
+    GenerationConfigMode,
+    SamplingDefaults,
+    load_sampling_defaults,
+)
 from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
 from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
@@ -44,10 +50,20 @@ class ServedModel:
     adapters: Mapping[str, int]        # adapter name -> backend adapter id
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
-    grammars: GrammarCompiler          # structured outputs, required calls, the legality check
+    # Structured outputs, required calls, the legality check; None for a model built in code
+    # with no text tokenizer (token ids only), which refuses them.
+    grammars: GrammarCompiler | None
     created: int = field(default_factory=lambda: int(time.time()))
     # A chat reply that ends in tool calls pins its KV through the tool pause (docs/SERVER.md).
     pin_tool_pauses: bool = True
+    # What a request that omits temperature / top_p samples with (generation_defaults.py).
+    sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise APIError(400, f"model {self.name!r} has no text tokenizer: structured outputs "
+                                "and required tool calls are not available", param="response_format")
+        return self.grammars
 
     def adapter_for(self, model: str) -> int | None:
         """The adapter id a request's ``model`` names (None: the base model)."""
@@ -96,8 +112,10 @@ def served_name(model_path: str | Path, name: str | None = None) -> str:
 def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                       loras: Mapping[str, str | Path] | None = None, name: str | None = None,
                       device: str | None = None, dtype: str | None = None,
-                      attention: str = "auto", use_cuda_graphs: bool = True) -> ServedModel:
-    """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine."""
+                      attention: str = "auto", use_cuda_graphs: bool = True,
+                      generation_config: GenerationConfigMode = "auto") -> ServedModel:
+    """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine;
+    ``generation_config``: whose sampling defaults requests get (generation_defaults.py)."""
     import torch
 
     from forkserve.backend.torch import TorchBackend
@@ -117,4 +135,5 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
                        max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos,
+                       sampling_defaults=load_sampling_defaults(model_path, generation_config),
                        grammars=grammars)

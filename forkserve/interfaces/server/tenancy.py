@@ -72,7 +72,7 @@ class Tenancy:
         ``expose``: a branch session, reachable by a new public id; ``reuse_prefix``: as
         ``Engine.open``'s."""
         self._prune()
-        p = self.engine.pool.page_size
+        p = self.engine.config.page_size
         need = len(tokens) + max_tokens
         sid = self.admit(tenant, Demand(1, need, need, -(-need // p)),
                          lambda: self.engine.open(tokens, adapter=adapter, salt=salt,
@@ -99,7 +99,7 @@ class Tenancy:
     def grow(self, tenant: str, new_tokens: int, action: Callable[[], T]) -> T:
         """Admit a verb that adds ``new_tokens`` (a segment, or a completion budget) to one
         of the tenant's sessions: its pages may grow by their pages plus a partial one."""
-        p = self.engine.pool.page_size
+        p = self.engine.config.page_size
         pages = -(-new_tokens // p) + 1 if new_tokens else 0
         return self.admit(tenant, Demand(0, new_tokens, new_tokens, pages), action)
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 17 on the H200: three device calls made back to back (the machine goes back after
+# 30 s idle; files under /root survive while it is held). Each call carries one part of
+# vLLM 0.26 (.vllm/, built by ../shared/tools/vllm-carry.sh, git-ignored) and leaves it in
+# /root/parts; the last unpacks vLLM and runs everything that needs it in ONE process
+# (one engine start, 50-95 s). Every unit writes under $OUT as it finishes; python is
+# stopped at 590 s and told to start nothing new after BUDGET_S (default 480 s).
+#   call 0  carry .vllm/vllm026.part00                       fan-out rows on TorchBackend
+#   call 1  carry .vllm/vllm026.part01                       react-multilora rows on TorchBackend
+#   call 2  carry .vllm/vllm026.part02 .vllm/vllm026.sha256  unpack; GPU tests, fan-out and
+#                                                            side by side on vLLM
+#   command: bash benchmarks/h200_vllm.sh N [LAST]   (DRY_RUN=1: print the commands, run none)
+# LAST is the last part's number (2 for the usual three parts; if vllm-carry.sh wrote more,
+# call N = 0..LAST carries part N, the middle calls only copy, and call LAST runs call 2's work).
+set -u
+n=${1:?usage: h200_vllm.sh N [LAST]}
+last=${2:-2}
+start=$(date +%s)
+stop=$((start + ${BUDGET_S:-480}))
+OUT=${OUT:-/tmp/h200_vllm}
+PARTS=${PARTS:-/root/parts}   # the vLLM parts, gathered over the three calls
+KEEP=${KEEP:-/root/h200_vllm} # rows of calls 0 and 1, merged in call 2
+SITE=${SITE:-/root/vllmsite}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+run() { if [ -n "${DRY_RUN:-}" ]; then echo "+ $*"; else "$@"; fi; }
+left() { echo $((start + 590 - $(date +%s))); }  # seconds before the call's 600 s limit
+react=(--turns 2)                                 # the same workload flags in calls 1 and 2
+
+mkdir -p "$OUT" "$PARTS" "$KEEP"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total \
+  --format=csv | tee "$OUT/gpu_$n.txt"
+part=$(printf 'vllm026.part%02d' "$n")
+run cp ".vllm/$part" "$PARTS/" || { echo "part $n missing: carry .vllm/$part"; exit 1; }
+parts=$(for i in $(seq 0 "$last"); do printf "$PARTS/vllm026.part%02d " "$i"; done)
+stage=$n
+[ "$n" = "$last" ] && stage=last
+[ "$n" != "$last" ] && [ "$n" -ge 2 ] && stage=copy
+case "$stage" in
+copy) ;;
+0)
+  run timeout "$(left)" python3 benchmarks/h200_vllm.py cuda-fanout --out "$KEEP" \
+    --stop-at "$stop" 2>&1 | tee "$OUT/cuda_fanout.log"
+  run cp "$KEEP/fanout_cuda.json" "$KEEP/fanout_cuda.png" "$OUT/"
+  ;;
+1)
+  run timeout "$(left)" python3 benchmarks/vllm_side_by_side.py --systems disaggregated unified \
+    --skip-decode --out "$KEEP/react" --stop-at "$stop" "${react[@]}" 2>&1 | tee "$OUT/cuda_react.log"
+  run cp "$KEEP/react/vllm_side_by_side.json" "$OUT/vllm_side_by_side_cuda.json"
+  ;;
+last)
+  # shellcheck disable=SC2086  # $parts: one path per part, no spaces
+  have=$(cat $parts | sha256sum | cut -d' ' -f1)
+  [ -n "${DRY_RUN:-}" ] || [ "$have" = "$(cat .vllm/vllm026.sha256)" ] || {
+    echo "vLLM parts do not match vllm026.sha256 (got $have): calls 0 and 1 must run on this machine"
+    ls -la "$PARTS"; exit 1; }
+  run mkdir -p "$SITE"
+  # shellcheck disable=SC2086
+  if [ -z "${DRY_RUN:-}" ]; then cat $parts | xz -d | tar -x -C "$SITE" || exit 1; fi
+  echo "unpacked vLLM in $(( $(date +%s) - start )) s"
+  export PYTHONPATH=$SITE:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+  run timeout "$(left)" python3 benchmarks/h200_vllm.py vllm --out "$OUT" --stop-at "$stop" \
+    --cuda-rows "$KEEP/fanout_cuda.json" --side-by-side --systems vllm_native vllm \
+    --rows-from "$KEEP/react/vllm_side_by_side.json" "${react[@]}" 2>&1 | tee "$OUT/vllm.log"
+  ;;
+esac
+ls -la "$OUT"

@@ -1,0 +1,69 @@
+"""``Engine.cache_stats`` / ``published_pages``: the interfaces' read-only view of the cache
+agrees with the pools, trees, pins and host tier it summarises."""
+from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import PageKind
+from forkserve.engine import PoolStats
+
+P = 4
+CFG = ForkServeConfig(page_size=P, num_pages=128, num_residual_pages=12, host_residual_pages=32,
+                      vocab_size=300, kv_layout=KVLayout.DISAGGREGATED, node_ttl_s=None,
+                      pause_pin=True, pause_ttl_prior_s=10.0)
+CONTEXT = list(range(10, 42))  # 8 pages
+OTHER = list(range(50, 98))    # 12 pages: pushes the first context's residual to the host
+
+
+def _turn(eng: Engine, tokens: list[int]) -> None:
+    h = eng.open(tokens, adapter="planner")
+    eng.generate(h.id, 1)
+    eng.close(h.id)
+
+
+def test_a_fresh_engine_reports_empty_pools_of_the_configured_sizes():
+    stats = Engine(MockBackend(CFG)).cache_stats()
+    assert stats.page_size == P
+    assert stats.base == PoolStats(PageKind.BASE, 128, 0, 0, 128, 0)
+    assert stats.residual == PoolStats(PageKind.RESIDUAL, 12, 0, 0, 12, 0)
+    assert (stats.pins, stats.pinned_pages, stats.offloaded_pages) == (0, 0, 0)
+    assert stats.host_slots_free == 32
+    unified = Engine(MockBackend(CFG.replace(kv_layout=KVLayout.UNIFIED))).cache_stats()
+    assert unified.residual is None and unified.pools() == (unified.base,)
+    assert unified.base.kind is PageKind.UNIFIED
+
+
+def test_stats_follow_publishing_pins_and_the_host_tier():
+    eng = Engine(MockBackend(CFG))
+    _turn(eng, CONTEXT)
+    first = eng.cache_stats()
+    assert first.base.published >= len(CONTEXT) // P
+    assert first.residual.published == len(CONTEXT) // P
+    assert first.pins == 1 and first.pinned_pages >= len(CONTEXT) // P
+    assert first.base.used + first.base.free == 128
+    # The session is closed: its residual pages are cache only (not load); its base pages
+    # are pinned.
+    assert first.residual.live == 0 < first.residual.used
+    assert first.base.live >= first.pinned_pages
+    _turn(eng, OTHER)
+    second = eng.cache_stats()
+    assert second.offloaded_pages == len(CONTEXT) // P
+    assert second.host_slots_free == 32 - second.offloaded_pages
+    assert first.offloaded_pages == 0  # a summary is a copy: it never changes under the engine
+    assert [p.used for p in second.pools()] == [pool.num_used for pool in eng.kv.pools()]
+
+
+def test_published_pages_list_every_device_page_parent_first_with_its_adapter():
+    eng = Engine(MockBackend(CFG))
+    _turn(eng, CONTEXT)
+    pages = eng.published_pages()
+    stats = eng.cache_stats()
+    base = [p for p in pages if not p.residual]
+    residual = [p for p in pages if p.residual]
+    assert len({p.prefix for p in base}) == stats.base.published
+    assert all(p.adapter is None for p in base)
+    assert len(residual) == stats.residual.published
+    assert {p.adapter for p in residual} == {"planner"}
+    for tree in (base, residual):
+        for i, page in enumerate(tree):
+            assert len(page.prefix) % P == 0
+            if len(page.prefix) > P:
+                assert any(q.prefix == page.prefix[:-P] for q in tree[:i])
