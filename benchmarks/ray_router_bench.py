@@ -519,10 +519,20 @@ COLUMNS = (
     "trees_per_replica",
     "errors",
     "failed_tasks",
+    "prefill_per_task",
 )
 
 
+def prefill_per_task(run: dict) -> float:
+    """Tokens prefilled per completed task: a router whose placement loses tasks (507)
+    prefills fewer tokens in all, for less work done."""
+    return run["prefill_tokens"] / max(1, run["workflows"] - run.get("failed_tasks", 0))
+
+
 def table(runs: list[dict]) -> str:
+    # A run older than failed_tasks aborted on its first 507: it completed every task.
+    runs = [{"failed_tasks": 0, **r} for r in runs]
+    runs = [{**r, "prefill_per_task": prefill_per_task(r)} for r in runs]
     rows = [COLUMNS] + [tuple(_fmt(r[c]) for c in COLUMNS) for r in runs]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(str(v).rjust(wd) for v, wd in zip(row, widths, strict=True)) for row in rows]
@@ -531,8 +541,10 @@ def table(runs: list[dict]) -> str:
         if "ours" in by and "pow2" in by:
             o, d = by["ours"], by["pow2"]
             prefilled = o["prefill_tokens"] / max(1, d["prefill_tokens"])
+            per_task = o["prefill_per_task"] / d["prefill_per_task"]
             speed = o["tasks_per_s"] / d["tasks_per_s"]
-            lines.append(f"W={w}: ours / pow2: prefilled {prefilled:.2f}x, tasks/s {speed:.2f}x")
+            lines.append(f"W={w}: ours / pow2: prefilled {prefilled:.2f}x in all, {per_task:.2f}x "
+                         f"per completed task; tasks/s {speed:.2f}x")
     return "\n".join(lines)
 
 
