@@ -99,6 +99,10 @@ class ForkServeConfig:
     # least this many tokens of the same pages read them once per group (control/sharing.py);
     # None: every item reads its whole table.
     shared_prefix_min_tokens: int | None = 256
+    # Sessions in plain steady decode skip the per-item path: kept in a set across ticks,
+    # stepped as one DecodeBatch (engine/steady.py). Off: every item takes the general path
+    # (the same results; tests compare the two).
+    steady_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",

@@ -139,7 +139,7 @@ class Engine:
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
              adapter: str | None = None) -> int:
         """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         parent = self._node(session, parent_id)
         tokens = self._check_tokens(tokens)
         if parent.state is NodeState.ABORTED:
@@ -183,7 +183,7 @@ class Engine:
         1.0 marks a known suffix (p = 1), admitted first and pinned for the tool pause
         ``t_idle_ms`` when its prefill fits in it.
         """
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         node = self._node(session, node_id)
         if not 0.0 <= priority <= 1.0:
             raise InvalidRequestError(f"priority must be in [0, 1], got {priority}")
@@ -297,7 +297,7 @@ class Engine:
         ``wait=False`` queues the tail as committed work and returns at once (a driver of many
         sessions batches their tails into one tick); ``prefilled_tokens`` is then what was queued.
         """
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         tip = self._committable_tip(session, node_id)
         tokens = self._check_tokens(tokens)
         self._check_context(tip.end + len(tokens))
@@ -375,7 +375,7 @@ class Engine:
     def join(self, session_id: int, node_ids: Sequence[int], *,
              separator: Sequence[int] = ()) -> CommitResult:
         """Commit several branches' tokens one after another (a fan-in, e.g. LangGraph Send)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         if not node_ids:
             raise InvalidRequestError("join needs at least one branch")
         tip = session.tree.tip
@@ -409,7 +409,7 @@ class Engine:
                        sampling: SamplingParams = GREEDY, stop: Iterable[int] = ()) -> Session:
         """Queue a generation without running it: ticks decode every queued session in one
         batch (drivers and servers with many sessions use this; ``generate`` waits)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         max_tokens = _count("max_tokens", max_tokens)
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -425,12 +425,14 @@ class Engine:
         if max_tokens:
             tip.generation += 1
         self.stepper.emit(session)
+        if self.config.steady_decode:
+            self.stepper.steady.admit(session)  # the cached token was just emitted
         return session
 
     def cancel_generate(self, session_id: int) -> GenerateResult:
         """Stop a queued generation now (a stop string seen by the caller, a client gone);
         the tokens already generated stay committed."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         if session.decode_left:
             session.decode_left = 0
             session.paused_since = self.clock()
@@ -446,7 +448,7 @@ class Engine:
 
     def abort(self, session_id: int, node_id: int | None = None) -> AbortResult:
         """Abort one speculative branch (and its subtree), or, with no node, the whole session."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         free_before = self.pool.num_free
         if node_id is None:
             released = [n.id for n in session.tree.nodes.values()
@@ -482,7 +484,7 @@ class Engine:
         """End a session: its committed full pages stay published, everything else is freed.
         With ``pin`` (default: ``config.pause_pin``) its base pages are pinned through the
         expected tool pause (a server that sees a reply end in tool calls asks for it)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         tip = session.tree.tip
         self.stepper.publish(tip)
         if self.config.pause_pin if pin is None else pin:
@@ -541,6 +543,13 @@ class Engine:
             raise InvalidStateError(f"node {node_id} was already committed past; the tip is "
                                     f"{session.tree.tip.id}")
         return node
+
+    def _mutable(self, session_id: int) -> Session:
+        """The session a verb is about to change: it leaves the steady-decode set first (the
+        general path sees every change a verb makes)."""
+        session = self._session(session_id)
+        self.stepper.steady.drop(session_id)
+        return session
 
     def _session(self, session_id: int) -> Session:
         try:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost
+import dataclasses
+
+from forkserve.backend.decode_batch import run_step
+from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost, StepResult
 from forkserve.backend.protocol import PromptLogprobs
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
@@ -26,8 +29,9 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
-from forkserve.control.sharing import PrefixSharing
+from forkserve.control.sharing import PrefixSharing, marked
 from forkserve.engine.session import Session
+from forkserve.engine.steady import SteadyDecode, SteadyRow
 from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
 
 
@@ -45,22 +49,38 @@ class Stepper:
         self._nodes_by_id: dict[int, tuple[Session, Node]] = {}
         # Which items of a step read one shared prefix (decided here, carried by SeqWork).
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
+        # Sessions in plain steady decode: their step skips the per-item path (steady.py).
+        self.steady = SteadyDecode(kv, self.pool.page_size)
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do."""
         self._expire_ttl()
-        committed, speculative = self._demands()
-        if not committed and not speculative:
-            return False
-        # Speculation may use what is left of H and of every pool (base and residual apart).
         p = self.pool.page_size
+        if not self.config.steady_decode or len(self.sessions) > min(
+                self.config.max_batch_tokens,
+                self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)):
+            # Not every session could be granted a decode: the scheduler chooses, item by item.
+            self.steady.clear()
+        committed, speculative = [], []
+        for session in self.sessions.values():
+            if session.id not in self.steady:
+                self._demands(session, committed, speculative)
+        # Speculation may use what is left of H and of every pool (base and residual apart).
         room = [self.config.hbm_tokens - self.pool.num_used * p, self.pool.num_free * p]
         if self.residual_pool is not None:
             room.append(self.residual_pool.num_free * p)
         spec_memory = max(0, min(room))
+        rows, left = self.steady.prepare(self.backend.copy_pages)
+        for session in left:  # back on the general path from this tick on
+            self._demands(session, committed, speculative)
+        if not committed and not speculative and not rows:
+            return False
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in self.steady
+                             for n in s.tree.nodes.values()}
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
-        grants = self.scheduler.plan(committed, speculative, slots, spec_memory)
-        if not grants or not self._execute(grants):
+        grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
+                                     len(rows))
+        if not (grants or rows) or not self._execute(grants, rows):
             return False
         self.metrics.ticks += 1
         return True
@@ -71,30 +91,26 @@ class Stepper:
             ticks += 1
         return ticks
 
-    def _demands(self) -> tuple[list[Demand], list[Demand]]:
-        committed, speculative = [], []
-        for session in self.sessions.values():
-            if session.error is not None:
-                continue  # a failed session waits for its next verb
-            tip = session.tree.tip
-            self.emit(session)
-            self.activate(session.tree, tip)
-            if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
-                # No cached logits for the last position (a partial LCP bind, or another
-                # sampling rule): recompute that one position.
-                tip.table.truncate(tip.end - 1)
-            pending = _regime_capped(tip, tip.end - tip.kv_len)
-            idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
-            if pending > 0 and not idle:  # an idle session's last token waits for its next verb
-                decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
-                committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
-            for node in () if session.hold_speculation else session.tree.nodes.values():
-                demand = self._spec_demand(node)
-                if demand is not None:
-                    speculative.append(demand)
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values()
-                             for n in s.tree.nodes.values()}
-        return committed, speculative
+    def _demands(self, session: Session, committed: list[Demand], speculative: list[Demand]) -> None:
+        """What one session on the general path needs this tick, appended to the two lists."""
+        if session.error is not None:
+            return  # a failed session waits for its next verb
+        tip = session.tree.tip
+        self.emit(session)
+        self.activate(session.tree, tip)
+        if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
+            # No cached logits for the last position (a partial LCP bind, or another
+            # sampling rule): recompute that one position.
+            tip.table.truncate(tip.end - 1)
+        pending = _regime_capped(tip, tip.end - tip.kv_len)
+        idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
+        if pending > 0 and not idle:  # an idle session's last token waits for its next verb
+            decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
+            committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
+        for node in () if session.hold_speculation else session.tree.nodes.values():
+            demand = self._spec_demand(node)
+            if demand is not None:
+                speculative.append(demand)
 
     def _spec_demand(self, node: Node) -> Demand | None:
         if node.state is not NodeState.SPECULATIVE or not node.speculated:
@@ -120,10 +136,11 @@ class Stepper:
         decode = pending == 1 and node.generated_count > 0
         return Demand(node.id, pending, decode, WorkClass.SPECULATIVE, node.priority)
 
-    def _execute(self, grants: list[Grant]) -> bool:
+    def _execute(self, grants: list[Grant], rows: list[SteadyRow]) -> bool:
         """Prepare pages, run one step, apply its tokens. An item that cannot run fails alone
         (its table rolled back, its session told), the others run as if it never existed;
-        committed work short of pages waits. Returns whether any state moved."""
+        committed work short of pages waits. ``rows``: the steady set's members, their pages
+        already prepared. Returns whether any state moved."""
         items, waiting = [], []
         for g in grants:
             session, node = self._nodes_by_id[g.node_id]
@@ -143,20 +160,29 @@ class Stepper:
             items.append(self._item(session, node, g, start, regime, lengths))
         # Preemption by a later grant of this tick may have released an earlier one's table.
         items = [i for i in items if i.node.table is not None]
-        done, failed = self._run(items)
+        done, failed, steady_tokens = self._run(items, rows)
         for item, exc in failed:
             self._fail(item, exc)
         for item, token in done:
             self._apply(item, token)
-        self.account({i.session for i in items if i.session.id in self.sessions})
-        if not items and waiting:
+        touched = {i.session for i in items if i.session.id in self.sessions}
+        if steady_tokens is not None:
+            self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
+            # A member's held pages change only when it gained a page this tick.
+            touched.update(r.session for r in rows if r.base.length % self.pool.page_size == 1)
+        if self.config.steady_decode:
+            for item, _ in done:
+                if item.node is item.session.tree.tip and item.session.id in self.sessions:
+                    self.steady.admit(item.session)
+        self.account(touched)
+        if not items and not rows and waiting:
             # Nothing can run and committed work waits for pages other sessions hold: fail
             # the youngest waiter (its verb raises; a server ends that request alone).
             session, exc = max(waiting, key=lambda w: w[0].id)
             session.fail(exc)
             self.metrics.failed_items += 1
             return True
-        return bool(items)
+        return bool(items or rows)
 
     def _item(self, session: Session, node: Node, g: Grant, start: int, regime: Regime,
               lengths: tuple[int, ...]) -> "_Item":
@@ -172,27 +198,33 @@ class Stepper:
                        prompt_logprobs=_prompt_logprobs(session, node, start + g.tokens, g.decode))
         return _Item(session, node, g, sampling, work, lengths)
 
-    def _run(self, items: list["_Item"]) -> tuple[list[tuple["_Item", int | None]],
-                                                   list[tuple["_Item", Exception]]]:
-        """Step ``items``; when the step raises, find whom it was for: the items the error
+    def _run(self, items: list["_Item"], rows: list[SteadyRow]
+             ) -> tuple[list[tuple["_Item", int | None]], list[tuple["_Item", Exception]],
+                        list[int] | None]:
+        """Step ``items`` and the steady ``rows`` together; when the step raises, find whom it
+        was for: the rows become items (and leave the steady set), then the items the error
         names (``seq_ids``), else by halving the batch until each failing item runs alone.
-        An AssertionError is an engine bug, not a request's fault: it propagates."""
+        An AssertionError is an engine bug, not a request's fault: it propagates. Returns
+        the items done and failed, and the rows' sampled tokens (None: the rows did not run
+        as rows)."""
         done: list[tuple[_Item, int | None]] = []
         failed: list[tuple[_Item, Exception]] = []
+        steady_tokens = None
         pending = [items]
         while pending:
             group = pending.pop()
-            if not group:
+            if not group and not rows:
                 continue
-            work = self.sharing.annotate([i.work for i in group])  # cascade attention groups
             try:
-                result = self.backend.step(work)
+                result = self._step(group, rows)
             except AssertionError:
-                for item in group:
+                for item in group + self._as_items(rows):
                     if item.node.table is not None:
                         item.node.table.rollback(item.lengths)
                 raise
             except Exception as exc:  # noqa: BLE001 - attributed to items below, never swallowed
+                if rows:
+                    group, rows = group + self._as_items(rows), []
                 named = set(getattr(exc, "seq_ids", ()))
                 culprits = [i for i in group if i.work.seq_id in named]
                 if culprits:
@@ -205,8 +237,37 @@ class Stepper:
                     pending += [group[half:], group[:half]]
                 continue
             self.account_cost(result.cost, [i.grant for i in group])
-            done += zip(group, result.next_tokens, strict=True)
-        return done, failed
+            if len(result.next_tokens) != len(group) + len(rows):
+                raise AssertionError(f"the backend returned {len(result.next_tokens)} tokens "
+                                     f"for {len(group) + len(rows)} items")
+            done += zip(group, result.next_tokens[:len(group)], strict=True)
+            if rows:  # the first attempt ran them: nothing else is pending
+                steady_tokens, rows = list(result.next_tokens[len(group):]), []
+        return done, failed, steady_tokens
+
+    def _step(self, group: list["_Item"], rows: list[SteadyRow]) -> StepResult:
+        """One backend step: the items' work, annotated with cascade groups, then the rows'."""
+        if not rows:
+            return self.backend.step(self.sharing.annotate([i.work for i in group]))
+        batch = self.steady.batch(rows, self.sharing.marks)
+        work = [i.work for i in group]
+        if work:  # one numbering of the groups over the items and the rows
+            marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]
+                                       + list(zip(batch.pages, batch.positions, strict=True)))
+            work = marked(work, marks[:len(work)])
+            batch = dataclasses.replace(batch, shared_prefix=tuple(marks[len(work):]))
+        return run_step(self.backend, work, batch)
+
+    def _as_items(self, rows: list[SteadyRow]) -> list["_Item"]:
+        """Steady rows as general items (their pages already prepared), out of the set."""
+        items = []
+        for row in rows:
+            self.steady.drop(row.session.id)
+            start = row.node.kv_len - 1
+            grant = Grant(row.node.id, 1, True, WorkClass.COMMITTED)
+            lengths = tuple(n - 1 for n in row.kv.lengths())
+            items.append(self._item(row.session, row.node, grant, start, row.kv.regime(), lengths))
+        return items
 
     def _fail(self, item: "_Item", exc: Exception) -> None:
         """Undo an item's page preparation and tell its owner: the committed tip's session
@@ -283,10 +344,7 @@ class Stepper:
             return
         token = tip.next_token
         tip.next_token = None
-        tip.tokens.append(token)
-        session.tree.committed.append(token)
-        session.record(token)
-        session.generated_unwritten = True
+        session.take(token)
         if session.decode_left == 0:
             session.paused_since = self.clock()
 
@@ -323,7 +381,7 @@ class Stepper:
             return
         tree = self.sessions[node.session_id].tree
         node.published, node.publish_cursor = self.kv.publish(
-            node.table, node.adapter, lambda: tree.path_tokens(node), node.published,
+            node.table, node.adapter, lambda: tree.path_view(node), node.published,
             node.publish_cursor)
 
     def pinned(self, node: Node) -> bool:
@@ -336,6 +394,8 @@ class Stepper:
         if ttl is None:
             return
         for session in self.sessions.values():
+            if session.id in self.steady:
+                continue  # a steady session has no speculative node
             for node in list(session.tree.nodes.values()):
                 if (node.state is NodeState.SPECULATIVE and not self.pinned(node)
                         and now - node.last_touch > ttl):
