@@ -12,15 +12,13 @@ valid for the one step they are passed to; page ids stay the control plane's, as
 (``write_base`` and ``write_residual``), with no extra residuals and no prompt log-probs.
 
 A backend that reads columns implements ``step_batched(work, batch)``; any other backend is
-handed ``[*work, *batch.items()]`` through ``step`` (``run_step``): the two are the same step.
+handed ``[*work, *batch.items()]`` through ``step`` (``step_handle.launch_step``): the two are
+the same step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
-from forkserve.backend.protocol import (Backend, PageId, SamplingParams, SeqWork, SharedPrefix,
-                                       StepResult, KVSlots)
+from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -48,14 +46,3 @@ class DecodeBatch:
                 in zip(self.seq_ids, self.tokens, self.positions, self.pages,
                        self.residual_pages, self.adapter_ids, self.adapter_starts,
                        self.sampling, self.shared_prefix, strict=True)]
-
-
-def run_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepResult:
-    """One backend step over ``work`` then ``batch``'s rows: one sampled token each, in that
-    order. Uses the backend's ``step_batched`` where it has one."""
-    if batch is None or not len(batch):
-        return backend.step(work)
-    step_batched = getattr(backend, "step_batched", None)
-    if step_batched is not None:
-        return step_batched(work, batch)
-    return backend.step([*work, *batch.items()])

@@ -37,6 +37,7 @@ import numpy as np
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
 from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.step_handle import Deferred
 from forkserve.backend.protocol import (HostCopy, KVSlots, PageId, PageKind, SeqWork, StepCost,
                                        StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
@@ -172,6 +173,11 @@ class MockBackend:
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
         return self.step_batched(work, None)
+
+    def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> Deferred:
+        """The step, run when its result is asked for (``step_handle``): a page the control
+        plane changed before that would show in the sampled tokens."""
+        return Deferred(lambda: self.step_batched(work, batch))
 
     def step_batched(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepResult:
         """``work``'s items, then ``batch``'s rows, each through the same checks (an injected

@@ -109,6 +109,7 @@ class Engine:
         the trust boundary its pages are matched and published in (every fork keeps it).
         ``reuse_prefix=False``: prefill every token though published pages cover a prefix
         (its logits are wanted: prompt log-probabilities); what it writes is still published."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         adapter = self._check_adapter(adapter)
         self._check_context(len(tokens))
@@ -130,6 +131,7 @@ class Engine:
         session's pages now: fixed by the layout, except in the adaptive one, where it
         depends on memory pressure and on what is published (an admission controller sizes
         a request by it before opening)."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         return self._form(tokens, self._check_adapter(adapter))
 
@@ -233,6 +235,7 @@ class Engine:
         forward pass (its residual sees the base model's activations, not its own) — the
         quality benchmark measures by how much. Disaggregated and adaptive layouts (in the
         adaptive one, an agent that opens on a published residual takes the split form)."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         self._check_context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
@@ -282,6 +285,7 @@ class Engine:
 
     def drain_slack(self) -> DrainReport:
         """Run ticks until no speculative (or committed) work is left."""
+        self.stepper.sync()
         before = self.metrics.snapshot()
         ticks = self.stepper.run_until(lambda: False)
         after = self.metrics
@@ -467,6 +471,7 @@ class Engine:
     def remove_adapter(self, adapter) -> None:
         """Unload an adapter from the backend; refused while a live node uses it (drain or
         close those sessions first), so no queued work is left pointing at it."""
+        self.stepper.sync()
         adapter = self._check_adapter(adapter)
         if adapter is None:
             raise InvalidRequestError("remove_adapter needs an adapter, got None")
@@ -495,8 +500,14 @@ class Engine:
 
     # ------------------------------------------------------------------ ticks
     def tick(self) -> bool:
-        """One scheduler tick; returns False when there was nothing to do."""
+        """One scheduler tick; returns False when there was nothing to do. With
+        ``config.overlap`` the tick may return with its step in flight: every verb settles it
+        first; a driver that reads ``sessions`` or ``metrics`` directly calls ``sync``."""
         return self.stepper.tick()
+
+    def sync(self) -> None:
+        """Read back and apply the step in flight (``config.overlap``); a no-op otherwise."""
+        self.stepper.sync()
 
     def _attach_published(self, session: Session, node: Node, keep_last: bool) -> None:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
@@ -552,6 +563,7 @@ class Engine:
         return session
 
     def _session(self, session_id: int) -> Session:
+        self.stepper.sync()  # every verb and reading sees the last step applied
         try:
             return self.sessions[session_id]
         except (KeyError, TypeError):
@@ -614,17 +626,21 @@ class Engine:
 
     def cache_stats(self) -> CacheStats:
         """Pools, prefix trees, pins and host tier, copied out (the interfaces' view)."""
+        self.stepper.sync()
         return cache_stats(self.kv)
 
     def published_pages(self) -> tuple[PublishedPage, ...]:
         """Every page the prefix trees publish, copied out (replica routing summaries)."""
+        self.stepper.sync()
         return published_pages(self.kv)
 
     def evict_all(self) -> int:
+        self.stepper.sync()
         return self.kv.evict_all()
 
     def check_integrity(self) -> None:
         """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
+        self.stepper.sync()
         tables = []
         p = self.pool.page_size
         for session in self.sessions.values():

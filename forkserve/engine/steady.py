@@ -131,12 +131,21 @@ class SteadyDecode:
         # Every member runs, in admission order: the cached columns stay aligned.
         return list(self._rows.values()), [r.session for r in left]
 
+    def unprepare(self, rows: Sequence[SteadyRow]) -> None:
+        """Undo ``prepare`` for ``rows`` (a step that will not run them): each table back one
+        position, a page taken at a boundary given back."""
+        for row in rows:
+            row.kv.truncate(row.base.length - 1)
+        self._pages = self._marks = None
+
     def batch(self, rows: Sequence[SteadyRow],
-              marks: Callable[[list[tuple[tuple[int, ...], int]]], list[SharedPrefix | None]]
-              ) -> DecodeBatch:
+              marks: Callable[[list[tuple[tuple[int, ...], int]]], list[SharedPrefix | None]],
+              tokens: Sequence[int] | None = None) -> DecodeBatch:
         """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them);
         ``marks``: the cascade groups of these rows alone (``PrefixSharing.marks``), asked
-        again only when the members or their pages changed."""
+        again only when the members or their pages changed. ``tokens``: what the rows write,
+        when the path does not hold them yet (overlap: the step before sampled them and its
+        tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
             self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
                             tuple(r.adapter_start for r in rows), tuple(r.sampling for r in rows),
@@ -153,20 +162,23 @@ class SteadyDecode:
         # Without an adapter the row runs as the base model: adapter_start past its token.
         adapter_starts = tuple(pos + 1 if s is None else s
                                for pos, s in zip(positions, starts, strict=True))
-        return DecodeBatch(seq_ids, tuple(n.tokens[-1] for n in nodes), positions, pages, residual,
-                           adapters, adapter_starts, sampling, self._marks)
+        written = tuple(n.tokens[-1] for n in nodes) if tokens is None else tuple(tokens)
+        return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
+                           sampling, self._marks)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
               publish: Callable[[Node], None]) -> None:
         """As ``Stepper._apply`` then ``emit`` for each row: a write that filled a page is
         published, the sampled token joins the session (``Session.take``); a generation that
-        ended leaves the set."""
+        ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
+        already reach one further, for the next step.)"""
         p = self.page_size
         for row, token in zip(rows, tokens, strict=True):
             session = row.session
-            row.node.last_touch = now
-            if row.base.length % p == 0:
-                publish(row.node)
+            node = row.node
+            node.last_touch = now
+            if node.end % p == 0:
+                publish(node)
             session.take(token)
             if session.decode_left == 0:
                 session.paused_since = now

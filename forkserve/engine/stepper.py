@@ -16,7 +16,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import dataclasses
 
-from forkserve.backend.decode_batch import run_step
+from forkserve.backend.step_handle import StepHandle, launch_step
 from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost, StepResult
 from forkserve.backend.protocol import PromptLogprobs
 from forkserve.config import ForkServeConfig
@@ -51,20 +51,31 @@ class Stepper:
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
         # Sessions in plain steady decode: their step skips the per-item path (steady.py).
         self.steady = SteadyDecode(kv, self.pool.page_size)
+        # Overlap: the steady step launched by the last tick, not yet read back.
+        self._inflight: _InFlight | None = None
 
     def tick(self) -> bool:
-        """One scheduler tick; returns False when there was nothing to do."""
+        """One scheduler tick; returns False when there was nothing to do. With
+        ``config.overlap`` a tick of steady rows alone returns with its step in flight; the
+        next tick prepares its successor before reading it back, and ``sync`` settles it."""
         self._expire_ttl()
         p = self.pool.page_size
         if not self.config.steady_decode or len(self.sessions) > min(
                 self.config.max_batch_tokens,
                 self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)):
             # Not every session could be granted a decode: the scheduler chooses, item by item.
+            self.sync()
             self.steady.clear()
         committed, speculative = [], []
         for session in self.sessions.values():
             if session.id not in self.steady:
                 self._demands(session, committed, speculative)
+        if self._inflight is not None:
+            if not committed and not speculative:
+                return self._overlapped()
+            # Other work joins this step: read the last one back first. (Its rows were the
+            # steady set's alone, so the demands above do not depend on its tokens.)
+            self.sync()
         # Speculation may use what is left of H and of every pool (base and residual apart).
         room = [self.config.hbm_tokens - self.pool.num_used * p, self.pool.num_free * p]
         if self.residual_pool is not None:
@@ -80,6 +91,11 @@ class Stepper:
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
                                      len(rows))
+        if self.config.overlap and rows and not grants:
+            self._launch(rows, None)
+            self.account({r.session for r in rows if r.base.length % p == 1})
+            self.metrics.ticks += 1
+            return True
         if not (grants or rows) or not self._execute(grants, rows):
             return False
         self.metrics.ticks += 1
@@ -87,9 +103,84 @@ class Stepper:
 
     def run_until(self, done: Callable[[], bool]) -> int:
         ticks = 0
+        # With overlap ``done`` reads state one step behind (the step in flight still owes its
+        # tokens), so it turns true a tick later, never early.
         while not done() and self.tick():
             ticks += 1
+        self.sync()
         return ticks
+
+    # ------------------------------------------------------------------ overlap
+    def _launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None) -> None:
+        batch = self.steady.batch(rows, self.sharing.marks, tokens)
+        self._inflight = _InFlight(launch_step(self.backend, [], batch), rows)
+
+    def _overlapped(self) -> bool:
+        """A tick over a step in flight: prepare the next step's pages and columns while it
+        runs, read it back, launch the next one with the tokens it sampled, then apply them.
+        A row whose generation ends with the step in flight is not prepared again; one whose
+        token is a stop is taken back out before the launch."""
+        handle, rows = self._inflight
+        for row in rows:
+            if row.session.decode_left <= 1:  # its last token is in flight
+                self.steady.drop(row.session.id)
+        following, left = self.steady.prepare(self.backend.copy_pages)
+        # ``left`` (a boundary the pools cannot serve without evicting) runs next tick.
+        self.steady.batch(following, self.sharing.marks, [0] * len(following))  # warm columns
+        self._inflight = None
+        try:
+            result = handle.result()
+        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
+            self.steady.unprepare(following)
+            self._settle_failed(rows, exc)
+            self.metrics.ticks += 1
+            return True
+        tokens = result.next_tokens
+        if len(tokens) != len(rows):
+            raise AssertionError(f"the backend returned {len(tokens)} tokens for {len(rows)} rows")
+        self.account_cost(result.cost, [])
+        sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
+        stopped = [r for r in following if sampled[r.session.id] in r.session.stop]
+        if stopped:
+            self.steady.unprepare(stopped)
+            for row in stopped:
+                self.steady.drop(row.session.id)
+            following = [r for r in following if r.session.id in self.steady]
+        if following:
+            self._launch(following, [sampled[r.session.id] for r in following])
+        self.steady.apply(rows, tokens, self.clock(), self.publish)
+        # A member's held pages change only when it gained a page for the next step.
+        self.account({r.session for r in following if r.base.length % self.pool.page_size == 1})
+        self.metrics.ticks += 1
+        return True
+
+    def sync(self) -> None:
+        """Read back and apply the step in flight, if any: the state every verb sees."""
+        if self._inflight is None:
+            return
+        handle, rows = self._inflight
+        self._inflight = None
+        try:
+            result = handle.result()
+        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
+            self._settle_failed(rows, exc)
+            return
+        if len(result.next_tokens) != len(rows):
+            raise AssertionError(f"the backend returned {len(result.next_tokens)} tokens "
+                                 f"for {len(rows)} rows")
+        self.account_cost(result.cost, [])
+        self.steady.apply(rows, result.next_tokens, self.clock(), self.publish)
+
+    def _settle_failed(self, rows: list[SteadyRow], exc: Exception) -> None:
+        """A launched step of steady rows raised: they become items and are stepped again
+        the synchronous way, which finds the failing ones (an engine bug propagates)."""
+        items = self._as_items(rows)
+        if isinstance(exc, AssertionError):
+            for item in items:
+                item.node.table.rollback(item.lengths)
+            raise exc
+        done, failed, _ = self._run(items, [])
+        self._settle(items, done, failed, [], None)
 
     def _demands(self, session: Session, committed: list[Demand], speculative: list[Demand]) -> None:
         """What one session on the general path needs this tick, appended to the two lists."""
@@ -161,6 +252,21 @@ class Stepper:
         # Preemption by a later grant of this tick may have released an earlier one's table.
         items = [i for i in items if i.node.table is not None]
         done, failed, steady_tokens = self._run(items, rows)
+        self._settle(items, done, failed, rows, steady_tokens)
+        if not items and not rows and waiting:
+            # Nothing can run and committed work waits for pages other sessions hold: fail
+            # the youngest waiter (its verb raises; a server ends that request alone).
+            session, exc = max(waiting, key=lambda w: w[0].id)
+            session.fail(exc)
+            self.metrics.failed_items += 1
+            return True
+        return bool(items or rows)
+
+    def _settle(self, items: list["_Item"], done: list[tuple["_Item", int | None]],
+                failed: list[tuple["_Item", Exception]], rows: list[SteadyRow],
+                steady_tokens: list[int] | None) -> None:
+        """Apply a step's outcome: failures rolled back and told, tokens applied, sessions
+        left in steady decode admitted to the set, peaks accounted."""
         for item, exc in failed:
             self._fail(item, exc)
         for item, token in done:
@@ -175,14 +281,6 @@ class Stepper:
                 if item.node is item.session.tree.tip and item.session.id in self.sessions:
                     self.steady.admit(item.session)
         self.account(touched)
-        if not items and not rows and waiting:
-            # Nothing can run and committed work waits for pages other sessions hold: fail
-            # the youngest waiter (its verb raises; a server ends that request alone).
-            session, exc = max(waiting, key=lambda w: w[0].id)
-            session.fail(exc)
-            self.metrics.failed_items += 1
-            return True
-        return bool(items or rows)
 
     def _item(self, session: Session, node: Node, g: Grant, start: int, regime: Regime,
               lengths: tuple[int, ...]) -> "_Item":
@@ -248,7 +346,8 @@ class Stepper:
     def _step(self, group: list["_Item"], rows: list[SteadyRow]) -> StepResult:
         """One backend step: the items' work, annotated with cascade groups, then the rows'."""
         if not rows:
-            return self.backend.step(self.sharing.annotate([i.work for i in group]))
+            return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
+                               None).result()
         batch = self.steady.batch(rows, self.sharing.marks)
         work = [i.work for i in group]
         if work:  # one numbering of the groups over the items and the rows
@@ -256,7 +355,7 @@ class Stepper:
                                        + list(zip(batch.pages, batch.positions, strict=True)))
             work = marked(work, marks[:len(work)])
             batch = dataclasses.replace(batch, shared_prefix=tuple(marks[len(work):]))
-        return run_step(self.backend, work, batch)
+        return launch_step(self.backend, work, batch).result()
 
     def _as_items(self, rows: list[SteadyRow]) -> list["_Item"]:
         """Steady rows as general items (their pages already prepared), out of the set."""
@@ -440,6 +539,13 @@ class Stepper:
             held = len(tables[0].pages) if len(tables) == 1 else len(
                 {page for t in tables for page in t.pages})
             session.peak_tokens = max(session.peak_tokens, held * p)
+
+
+class _InFlight(NamedTuple):
+    """A launched step of steady rows (overlap): read back by the next tick or ``sync``."""
+
+    handle: StepHandle
+    rows: list[SteadyRow]
 
 
 class _Item(NamedTuple):

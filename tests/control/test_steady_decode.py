@@ -1,11 +1,13 @@
 """The steady-decode set (engine/steady.py): sessions in plain decode skip the per-item path
-and are stepped as one DecodeBatch. It must change nothing but the cost: the same tokens,
-metrics and pages as the general path, in every layout, through page boundaries, stop
-tokens, verbs that arrive mid-generation, a pool too short for a boundary, and a failing row."""
+and are stepped as one DecodeBatch, with overlap or without. It must change nothing but the
+cost: the same tokens, metrics and pages as the general path, in every layout, through page
+boundaries, stop tokens, verbs that arrive mid-generation, a pool too short for a boundary,
+and a failing row."""
 import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
-from forkserve.backend.decode_batch import DecodeBatch, run_step
+from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.step_handle import run_step
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import GREEDY, SamplingParams
 from forkserve.errors import BackendError
@@ -23,7 +25,8 @@ class CountingMock(MockBackend):
         return super().step_batched(work, batch)
 
 
-def _engine(steady: bool, layout=KVLayout.UNIFIED, num_pages=256, **kw) -> tuple[Engine, CountingMock]:
+def _engine(steady: bool, layout=KVLayout.UNIFIED, num_pages=256,
+            **kw) -> tuple[Engine, CountingMock]:
     cfg = ForkServeConfig(page_size=4, num_pages=num_pages, num_residual_pages=num_pages,
                           vocab_size=300, kv_layout=layout, shared_prefix_min_tokens=8,
                           steady_decode=steady, node_ttl_s=None, **kw)
@@ -48,17 +51,18 @@ def _workload(eng: Engine) -> list:
         eng.check_integrity()
     eng.commit(handles[1].id, eng.tip(handles[1].id), [9, 9, 9])
     for h in handles:
-        eng.start_generate(h.id, 6, sampling=SamplingParams(temperature=0.7, seed=3) if h is handles[3]
-                           else GREEDY)
+        warm = SamplingParams(temperature=0.7, seed=3)
+        eng.start_generate(h.id, 6, sampling=warm if h is handles[3] else GREEDY)
     while eng.tick():
         eng.check_integrity()
     return [(eng.committed_tokens(h.id), eng.generation(h.id)) for h in handles]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_steady_set_gives_what_the_general_path_gives(layout):
+def test_the_steady_set_gives_what_the_general_path_gives(layout, overlap):
     general, _ = _engine(False, layout)
-    steady, backend = _engine(True, layout)
+    steady, backend = _engine(True, layout, overlap=overlap)
     assert _workload(steady) == _workload(general)
     assert backend.rows > 40, "most decode steps ran as DecodeBatch rows"
     for name in ("decode_tokens", "prefill_tokens", "ticks", "peak_pages", "failed_items"):
@@ -68,12 +72,13 @@ def test_the_steady_set_gives_what_the_general_path_gives(layout):
     assert steady.published_pages() == general.published_pages()
 
 
-def test_a_boundary_the_pool_cannot_serve_goes_back_to_the_general_path():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_boundary_the_pool_cannot_serve_goes_back_to_the_general_path(overlap):
     """Every page is taken but the index's: the boundary needs make_room (evict), which only
     the general path does; the result is the same as with the set off."""
     outs = []
     for flag in (False, True):
-        eng, _ = _engine(flag, num_pages=24)
+        eng, _ = _engine(flag, num_pages=24, overlap=overlap and flag)
         first = eng.open(list(range(10, 42)))          # 8 pages, published then closed
         eng.generate(first.id, 1)
         eng.close(first.id)
@@ -87,15 +92,16 @@ def test_a_boundary_the_pool_cannot_serve_goes_back_to_the_general_path():
     assert outs[0] == outs[1]
 
 
-def test_a_failing_row_fails_its_session_alone_and_leaves_the_set():
-    eng, backend = _engine(True)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_row_fails_its_session_alone_and_leaves_the_set(overlap):
+    eng, backend = _engine(True, overlap=overlap)
     hs = [eng.open([3, 4, 5, 6 + i]) for i in range(4)]
     for h in hs:
         eng.start_generate(h.id, 10)
     eng.tick()
     eng.tick()
     assert len(eng.stepper.steady) == 4
-    bad = eng.tip(hs[2].id)
+    bad = hs[2].tip
     backend.fault = lambda item: RuntimeError("device lost") if item.seq_id == bad else None
     while eng.tick():
         eng.check_integrity()
@@ -142,4 +148,5 @@ def test_a_backend_without_step_batched_gets_the_rows_as_items():
         def step(self, work):
             return items.step(work)
 
-    assert run_step(ItemsOnly(), [], batch).next_tokens == columns.step_batched([], batch).next_tokens
+    expected = columns.step_batched([], batch).next_tokens
+    assert run_step(ItemsOnly(), [], batch).next_tokens == expected
