@@ -185,7 +185,8 @@ def plot(rows: list[dict], gpu_ms: float, path: Path) -> None:
             ax.plot([r["sessions"] for r in over], [r["overlap_unhidden"] * gpu_ms for r in over],
                     marker="s", linestyle=":", label=f"GPU idle, overlap ({label})")
     ax.axhline(gpu_ms, color="gray", linestyle="--", label=f"GPU step ({gpu_ms:g} ms)")
-    ax.set(xscale="log", yscale="log", xlabel="sessions decoding", ylabel="ms per tick (GPU idle: ms per step)",
+    ax.set(xscale="log", yscale="log", xlabel="sessions decoding",
+           ylabel="ms per tick (GPU idle: ms per step)",
            title="Control plane per tick (MockBackend, CPU)")
     legend_below(fig, ax)
     save_figure(fig, path)
