@@ -99,6 +99,15 @@ class ForkServeConfig:
     # least this many tokens of the same pages read them once per group (control/sharing.py);
     # None: every item reads its whole table.
     shared_prefix_min_tokens: int | None = 256
+    # Sessions in plain steady decode skip the per-item path: kept in a set across ticks,
+    # stepped as one DecodeBatch (engine/steady.py). Off: every item takes the general path
+    # (the same results; tests compare the two).
+    steady_decode: bool = True
+    # Overlap (needs steady_decode): a tick whose step holds steady rows alone returns with
+    # the step in flight; the next tick prepares its successor while it runs and launches it
+    # with the tokens read back (Stepper._overlapped). Any verb settles it first
+    # (``Engine.sync``). A stop token is seen one step late (that step's work is taken back).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",

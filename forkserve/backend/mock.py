@@ -36,7 +36,9 @@ import numpy as np
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
-from forkserve.backend.protocol import (HostCopy, PageId, PageKind, SeqWork, StepCost,
+from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.step_handle import Deferred
+from forkserve.backend.protocol import (HostCopy, KVSlots, PageId, PageKind, SeqWork, StepCost,
                                        StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.errors import UnknownAdapterError
@@ -170,9 +172,20 @@ class MockBackend:
         return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
+        return self.step_batched(work, None)
+
+    def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> Deferred:
+        """The step, run when its result is asked for (``step_handle``): a page the control
+        plane changed before that would show in the sampled tokens."""
+        return Deferred(lambda: self.step_batched(work, batch))
+
+    def step_batched(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepResult:
+        """``work``'s items, then ``batch``'s rows, each through the same checks (an injected
+        ``fault`` sees every row as its ``SeqWork``)."""
+        if batch is not None and self.fault is not None:
+            work, batch = [*work, *batch.items()], None
         next_tokens: list[int | None] = []
         calls = prefill_tokens = decode_tokens = context_read = 0
-        base_kind = self.page_kinds()[0]
         for item in work:
             if item.adapter_id is not None and not self.knows_adapter(item.adapter_id):
                 raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not resident",
@@ -180,73 +193,94 @@ class MockBackend:
             injected = self.fault(item) if self.fault is not None else None
             if injected is not None:
                 raise injected
-            sides = [(base_kind, item.slots.pages, item.write_base)]
-            if item.slots.residual_pages is not None:
-                sides.append((PageKind.RESIDUAL, item.slots.residual_pages, item.write_residual))
-            merged = (self.config.kv_layout is KVLayout.ADAPTIVE and item.adapter_id is not None
-                      and item.slots.residual_pages is None)
-            for kind, pages, write in sides:
-                if write:
-                    self._write(kind, item, pages, item.adapter_id, merged)
+            # Extra residuals (base_activations) are plain adapters: they start at 0.
             for target in item.extra_residuals:
-                self._write(PageKind.RESIDUAL, item, target.residual_pages, target.adapter_id)
+                start = item.adapter_start if target.adapter_id == item.adapter_id else 0
+                self._write(PageKind.RESIDUAL, item.seq_id, item.tokens, item.start_pos, start,
+                            target.residual_pages, target.adapter_id)
             if item.decode:
                 decode_tokens += len(item.tokens)
             else:
                 calls += 1
                 prefill_tokens += len(item.tokens)
-            if item.sampling is None:
-                next_tokens.append(None)
-                continue
-            length = item.start_pos + len(item.tokens)
-            # Split K/V is read back as merged: a zero residual (before the activation point)
-            # adds nothing, so a split aLoRA reads what a merged one or the base model would.
-            context = self._read(base_kind, item, item.slots.pages, length)
-            if item.slots.residual_pages is not None:
-                context = self._reconstruct(item, context,
-                                            self._read(PageKind.RESIDUAL, item, item.slots.residual_pages, length))
-            context_read += length
-            adapted = length - 1 >= item.adapter_start
-            next_tokens.append(self._next_token(context, item.adapter_id if adapted else None))
+            next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots,
+                                         item.adapter_id, item.adapter_start, item.sampling,
+                                         item.write_base, item.write_residual))
+            if item.sampling is not None:
+                context_read += item.start_pos + len(item.tokens)
+        rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions, batch.pages,
+                                            batch.residual_pages, batch.adapter_ids,
+                                            batch.adapter_starts, batch.sampling, strict=True)
+        for seq, token, pos, pages, residual, adapter, start, sampling in rows:
+            if adapter is not None and not self.knows_adapter(adapter):
+                raise UnknownAdapterError(f"seq {seq}: adapter {adapter!r} is not resident",
+                                          seq_ids=(seq,))
+            next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), adapter,
+                                         start, sampling, True, True))
+            decode_tokens += 1
+            context_read += pos + 1
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _write(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], adapter,
-               merged: bool = False) -> None:
+    def _run(self, seq: int, tokens: Sequence[int], start_pos: int, slots: KVSlots, adapter,
+             adapter_start: int, sampling, write_base: bool, write_residual: bool) -> int | None:
+        """Write one item's K/V and sample its next token (None when it does not sample)."""
+        base_kind = self.page_kinds()[0]
+        sides = [(base_kind, slots.pages, write_base)]
+        if slots.residual_pages is not None:
+            sides.append((PageKind.RESIDUAL, slots.residual_pages, write_residual))
+        merged = (self.config.kv_layout is KVLayout.ADAPTIVE and adapter is not None
+                  and slots.residual_pages is None)
+        for kind, pages, write in sides:
+            if write:
+                self._write(kind, seq, tokens, start_pos, adapter_start, pages, adapter, merged)
+        if sampling is None:
+            return None
+        length = start_pos + len(tokens)
+        # Split K/V is read back as merged: a zero residual (before the activation point)
+        # adds nothing, so a split aLoRA reads what a merged one or the base model would.
+        context = self._read(base_kind, seq, adapter, adapter_start, slots.pages, length)
+        if slots.residual_pages is not None:
+            context = self._reconstruct(seq, context, self._read(
+                PageKind.RESIDUAL, seq, adapter, adapter_start, slots.residual_pages, length))
+        adapted = length - 1 >= adapter_start
+        return self._next_token(context, adapter if adapted else None)
+
+    def _write(self, kind: PageKind, seq: int, tokens: Sequence[int], start_pos: int,
+               adapter_start: int, pages: Sequence[PageId], adapter, merged: bool = False) -> None:
         p = self.config.page_size
         pages = np.asarray(pages, dtype=np.int64)
-        positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))
+        positions = np.arange(start_pos, start_pos + len(tokens))
         if len(positions) and positions[-1] // p >= len(pages):
-            raise ValueError(f"seq {item.seq_id}: {kind.value} pages cover {len(pages) * p} "
+            raise ValueError(f"seq {seq}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        # Extra residuals (base_activations) are plain adapters: they start at 0.
-        start = item.adapter_start if adapter == item.adapter_id else 0
-        values = self.expected_values(kind, item.tokens, adapter, merged, start, item.start_pos)
+        values = self.expected_values(kind, tokens, adapter, merged, adapter_start, start_pos)
         self._kv[kind][pages[positions // p], positions % p] = values
 
-    def _read(self, kind: PageKind, item: SeqWork, pages: Sequence[PageId], length: int) -> np.ndarray:
+    def _read(self, kind: PageKind, seq: int, adapter, adapter_start: int, pages: Sequence[PageId],
+              length: int) -> np.ndarray:
         values = self.kv_values(kind, pages, length)
         if (values == _UNWRITTEN).any():
-            raise AssertionError(f"seq {item.seq_id}: reads {kind.value} slot "
+            raise AssertionError(f"seq {seq}: reads {kind.value} slot "
                                  f"{int(np.argmax(values == _UNWRITTEN))} that was never written")
         if kind is PageKind.RESIDUAL:
-            codes = np.where(np.arange(length) >= item.adapter_start, self._code(item.adapter_id), 0)
+            codes = np.where(np.arange(length) >= adapter_start, self._code(adapter), 0)
             foreign = values % _ADAPTER_SPACE != codes
             if foreign.any():
-                raise AssertionError(f"seq {item.seq_id}: residual slot {int(np.argmax(foreign))} "
+                raise AssertionError(f"seq {seq}: residual slot {int(np.argmax(foreign))} "
                                      f"holds another adapter's residual")
         return values
 
     @staticmethod
-    def _reconstruct(item: SeqWork, base: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    def _reconstruct(seq: int, base: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Base + residual read as merged K/V, so a split item samples what a merged one would."""
         if (base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE).any():
-            raise AssertionError(f"seq {item.seq_id}: base slot "
+            raise AssertionError(f"seq {seq}: base slot "
                                  f"{int(np.argmax(base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE))} "
                                  f"and its residual hold different tokens")
         if (base % _ADAPTER_SPACE != 0).any():
-            raise AssertionError(f"seq {item.seq_id}: base slot {int(np.argmax(base % _ADAPTER_SPACE != 0))} "
+            raise AssertionError(f"seq {seq}: base slot {int(np.argmax(base % _ADAPTER_SPACE != 0))} "
                                  f"holds merged K/V, read as a base under a residual")
         return base + residual % _ADAPTER_SPACE
 

@@ -251,6 +251,10 @@ class Backend(Protocol):
     def transfer_cost(self, tokens: int) -> StepCost:
         """Cost of moving ``tokens`` worth of KV over the prefill->decode connector."""
 
+    # Optional: ``step_batched(work, batch: DecodeBatch) -> StepResult`` reads the steady-decode
+    # rows as columns (``decode_batch.py``); ``launch(work, batch) -> StepHandle`` starts a step
+    # and returns at once (``step_handle.py``). Without them the rows arrive as ``SeqWork``
+    # items of a synchronous ``step``.
     # Optional: ``knows_adapter(adapter_id) -> bool``. Where present, the Engine rejects an
     # unknown adapter at the verb (a clear error, no state change) instead of at the step.
     # Optional: ``adapter_invocation(adapter_id) -> tuple[int, ...] | None``: an activated

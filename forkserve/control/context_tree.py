@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from forkserve.control.activation import ActivationScan
 from forkserve.control.cascade import Decision
@@ -111,6 +111,13 @@ class ContextTree:
         if node.state is NodeState.COMMITTED:
             return self.committed[:node.end]
         return self.path_tokens(node.parent)[:node.start] + node.tokens
+
+    def path_view(self, node: Node) -> Sequence[int]:
+        """``path_tokens(node)``, without a copy where the path is the whole committed list:
+        read it at once, before the tree changes (publishing a page on the decode path)."""
+        if node.state is NodeState.COMMITTED and node.end == len(self.committed):
+            return self.committed
+        return self.path_tokens(node)
 
     def path_slice(self, node: Node, start: int, end: int) -> list[int]:
         """``path_tokens(node)[start:end]`` without copying the whole path (the step hot path)."""

@@ -271,10 +271,14 @@ class KVCache:
         if (base_full, res_full) == published:
             return published, cursor
         path = path_of()
-        base_key, residual_key = self._keys_of(kv, adapter, path[:base_full * p])
+        # One copy of the path (a context of 8K is a large share of a decode tick); the keys
+        # take the tuple as it is, and slice it only where the two sides end apart.
+        full = max(base_full, res_full) * p
+        tokens = tuple(path) if len(path) == full else tuple(path[:full])
+        base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
-            residual_key = self._keys_of(kv, adapter, path[:res_full * p])[1]
+            residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
             residual_pages = kv.residual.pages[:res_full]
         cursor = self.tree.insert(base_key, kv.base.pages[:base_full], residual_key, residual_pages,
                                   cursor)

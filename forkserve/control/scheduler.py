@@ -51,8 +51,11 @@ class TickScheduler:
         return max(1, self.config.hbm_tokens // m_spine)
 
     def plan(self, committed: Sequence[Demand], speculative: Sequence[Demand],
-             decode_slots: int, spec_memory_tokens: int) -> list[Grant]:
-        budget = self.config.max_batch_tokens
+             decode_slots: int, spec_memory_tokens: int, granted: int = 0) -> list[Grant]:
+        """``granted``: one-token decode steps already granted outside the demands (the
+        engine's steady-decode set); they took their share of budget and memory first."""
+        budget = self.config.max_batch_tokens - granted
+        spec_memory_tokens -= granted
         grants: list[Grant] = []
         decodes = [d for d in committed if d.decode][:decode_slots]
         for d in decodes:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-from forkserve.backend.protocol import SeqWork, SharedPrefix
+from forkserve.backend.protocol import PageId, SeqWork, SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,24 @@ class PrefixSharing:
     min_items: int = 2
 
     def groups(self, work: Sequence[SeqWork]) -> tuple[PrefixGroup, ...]:
+        return self.groups_of([(item.slots.pages, item.start_pos) for item in work])
+
+    def groups_of(self, rows: Sequence[tuple[Sequence[PageId], int]]) -> tuple[PrefixGroup, ...]:
+        """``groups`` over (pages, start position) rows: a step's ``SeqWork`` items and the
+        rows of its ``DecodeBatch``, numbered together."""
         if self.min_tokens is None:
             return ()
         min_pages = -(-self.min_tokens // self.page_size)
         by_first: dict[int, list[int]] = {}
-        for i, item in enumerate(work):
-            if self._readable(item) >= min_pages:
-                by_first.setdefault(item.slots.pages[0], []).append(i)
+        for i, (pages, start) in enumerate(rows):
+            if self._readable(pages, start) >= min_pages:
+                by_first.setdefault(pages[0], []).append(i)
         groups = []
         for items in by_first.values():
             if len(items) < self.min_items:
                 continue
-            lead = work[items[0]]
-            common = sorted(((self._common(lead, work[i]), i) for i in items[1:]), reverse=True)
+            lead = rows[items[0]]
+            common = sorted(((self._common(lead, rows[i]), i) for i in items[1:]), reverse=True)
             best_k, best_saved = 0, 0
             for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
                 if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
@@ -63,19 +68,29 @@ class PrefixSharing:
 
     def annotate(self, work: Sequence[SeqWork]) -> list[SeqWork]:
         """``work`` with ``shared_prefix`` set on every grouped item (others unchanged)."""
-        out = list(work)
-        for number, group in enumerate(self.groups(work)):
+        return marked(work, self.marks([(item.slots.pages, item.start_pos) for item in work]))
+
+    def marks(self, rows: Sequence[tuple[Sequence[PageId], int]]) -> list[SharedPrefix | None]:
+        """Each row's ``SharedPrefix`` (None: it reads alone)."""
+        out: list[SharedPrefix | None] = [None] * len(rows)
+        for number, group in enumerate(self.groups_of(rows)):
             mark = SharedPrefix(number, group.pages)
             for i in group.items:
-                out[i] = dataclasses.replace(out[i], shared_prefix=mark)
+                out[i] = mark
         return out
 
-    def _readable(self, item: SeqWork) -> int:
-        return min(len(item.slots.pages), item.start_pos // self.page_size)
+    def _readable(self, pages: Sequence[PageId], start: int) -> int:
+        return min(len(pages), start // self.page_size)
 
-    def _common(self, a: SeqWork, b: SeqWork) -> int:
-        n = min(self._readable(a), self._readable(b))
-        pa, pb = a.slots.pages, b.slots.pages
+    def _common(self, a: tuple[Sequence[PageId], int], b: tuple[Sequence[PageId], int]) -> int:
+        n = min(self._readable(*a), self._readable(*b))
+        pa, pb = a[0], b[0]
         if pa[:n] == pb[:n]:  # the usual case, compared in C
             return n
         return next(k for k in range(n) if pa[k] != pb[k])
+
+
+def marked(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None]) -> list[SeqWork]:
+    """``work`` with each item's mark set (items without one unchanged)."""
+    return [item if mark is None else dataclasses.replace(item, shared_prefix=mark)
+            for item, mark in zip(work, marks, strict=True)]

@@ -109,6 +109,7 @@ class Engine:
         the trust boundary its pages are matched and published in (every fork keeps it).
         ``reuse_prefix=False``: prefill every token though published pages cover a prefix
         (its logits are wanted: prompt log-probabilities); what it writes is still published."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         adapter = self._check_adapter(adapter)
         self._check_context(len(tokens))
@@ -130,6 +131,7 @@ class Engine:
         session's pages now: fixed by the layout, except in the adaptive one, where it
         depends on memory pressure and on what is published (an admission controller sizes
         a request by it before opening)."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         return self._form(tokens, self._check_adapter(adapter))
 
@@ -139,7 +141,7 @@ class Engine:
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
              adapter: str | None = None) -> int:
         """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         parent = self._node(session, parent_id)
         tokens = self._check_tokens(tokens)
         if parent.state is NodeState.ABORTED:
@@ -183,7 +185,7 @@ class Engine:
         1.0 marks a known suffix (p = 1), admitted first and pinned for the tool pause
         ``t_idle_ms`` when its prefill fits in it.
         """
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         node = self._node(session, node_id)
         if not 0.0 <= priority <= 1.0:
             raise InvalidRequestError(f"priority must be in [0, 1], got {priority}")
@@ -233,6 +235,7 @@ class Engine:
         forward pass (its residual sees the base model's activations, not its own) — the
         quality benchmark measures by how much. Disaggregated and adaptive layouts (in the
         adaptive one, an agent that opens on a published residual takes the split form)."""
+        self.stepper.sync()
         tokens = self._check_tokens(tokens)
         self._check_context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
@@ -282,6 +285,7 @@ class Engine:
 
     def drain_slack(self) -> DrainReport:
         """Run ticks until no speculative (or committed) work is left."""
+        self.stepper.sync()
         before = self.metrics.snapshot()
         ticks = self.stepper.run_until(lambda: False)
         after = self.metrics
@@ -297,7 +301,7 @@ class Engine:
         ``wait=False`` queues the tail as committed work and returns at once (a driver of many
         sessions batches their tails into one tick); ``prefilled_tokens`` is then what was queued.
         """
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         tip = self._committable_tip(session, node_id)
         tokens = self._check_tokens(tokens)
         self._check_context(tip.end + len(tokens))
@@ -375,7 +379,7 @@ class Engine:
     def join(self, session_id: int, node_ids: Sequence[int], *,
              separator: Sequence[int] = ()) -> CommitResult:
         """Commit several branches' tokens one after another (a fan-in, e.g. LangGraph Send)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         if not node_ids:
             raise InvalidRequestError("join needs at least one branch")
         tip = session.tree.tip
@@ -409,7 +413,7 @@ class Engine:
                        sampling: SamplingParams = GREEDY, stop: Iterable[int] = ()) -> Session:
         """Queue a generation without running it: ticks decode every queued session in one
         batch (drivers and servers with many sessions use this; ``generate`` waits)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         max_tokens = _count("max_tokens", max_tokens)
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -425,12 +429,14 @@ class Engine:
         if max_tokens:
             tip.generation += 1
         self.stepper.emit(session)
+        if self.config.steady_decode:
+            self.stepper.steady.admit(session)  # the cached token was just emitted
         return session
 
     def cancel_generate(self, session_id: int) -> GenerateResult:
         """Stop a queued generation now (a stop string seen by the caller, a client gone);
         the tokens already generated stay committed."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         if session.decode_left:
             session.decode_left = 0
             session.paused_since = self.clock()
@@ -446,7 +452,7 @@ class Engine:
 
     def abort(self, session_id: int, node_id: int | None = None) -> AbortResult:
         """Abort one speculative branch (and its subtree), or, with no node, the whole session."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         free_before = self.pool.num_free
         if node_id is None:
             released = [n.id for n in session.tree.nodes.values()
@@ -465,6 +471,7 @@ class Engine:
     def remove_adapter(self, adapter) -> None:
         """Unload an adapter from the backend; refused while a live node uses it (drain or
         close those sessions first), so no queued work is left pointing at it."""
+        self.stepper.sync()
         adapter = self._check_adapter(adapter)
         if adapter is None:
             raise InvalidRequestError("remove_adapter needs an adapter, got None")
@@ -482,7 +489,7 @@ class Engine:
         """End a session: its committed full pages stay published, everything else is freed.
         With ``pin`` (default: ``config.pause_pin``) its base pages are pinned through the
         expected tool pause (a server that sees a reply end in tool calls asks for it)."""
-        session = self._session(session_id)
+        session = self._mutable(session_id)
         tip = session.tree.tip
         self.stepper.publish(tip)
         if self.config.pause_pin if pin is None else pin:
@@ -493,8 +500,14 @@ class Engine:
 
     # ------------------------------------------------------------------ ticks
     def tick(self) -> bool:
-        """One scheduler tick; returns False when there was nothing to do."""
+        """One scheduler tick; returns False when there was nothing to do. With
+        ``config.overlap`` the tick may return with its step in flight: every verb settles it
+        first; a driver that reads ``sessions`` or ``metrics`` directly calls ``sync``."""
         return self.stepper.tick()
+
+    def sync(self) -> None:
+        """Read back and apply the step in flight (``config.overlap``); a no-op otherwise."""
+        self.stepper.sync()
 
     def _attach_published(self, session: Session, node: Node, keep_last: bool) -> None:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
@@ -542,7 +555,15 @@ class Engine:
                                     f"{session.tree.tip.id}")
         return node
 
+    def _mutable(self, session_id: int) -> Session:
+        """The session a verb is about to change: it leaves the steady-decode set first (the
+        general path sees every change a verb makes)."""
+        session = self._session(session_id)
+        self.stepper.steady.drop(session_id)
+        return session
+
     def _session(self, session_id: int) -> Session:
+        self.stepper.sync()  # every verb and reading sees the last step applied
         try:
             return self.sessions[session_id]
         except (KeyError, TypeError):
@@ -605,17 +626,21 @@ class Engine:
 
     def cache_stats(self) -> CacheStats:
         """Pools, prefix trees, pins and host tier, copied out (the interfaces' view)."""
+        self.stepper.sync()
         return cache_stats(self.kv)
 
     def published_pages(self) -> tuple[PublishedPage, ...]:
         """Every page the prefix trees publish, copied out (replica routing summaries)."""
+        self.stepper.sync()
         return published_pages(self.kv)
 
     def evict_all(self) -> int:
+        self.stepper.sync()
         return self.kv.evict_all()
 
     def check_integrity(self) -> None:
         """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
+        self.stepper.sync()
         tables = []
         p = self.pool.page_size
         for session in self.sessions.values():

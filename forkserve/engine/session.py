@@ -46,6 +46,15 @@ class Session:
             self.decode_left = 0
             self.finish_reason = "error"
 
+    def take(self, token: int) -> None:
+        """``token``, sampled after the tip, joins the committed path and this generation;
+        its KV is written by the next step (the general path's ``emit`` and the steady set)."""
+        tip = self.tree.tip
+        tip.tokens.append(token)
+        self.tree.committed.append(token)
+        self.record(token)
+        self.generated_unwritten = True
+
     def record(self, token: int) -> None:
         self.generated.append(token)
         self.decode_left -= 1

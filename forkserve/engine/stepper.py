@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost
+import dataclasses
+
+from forkserve.backend.step_handle import StepHandle, launch_step
+from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost, StepResult
 from forkserve.backend.protocol import PromptLogprobs
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
@@ -26,8 +29,9 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
-from forkserve.control.sharing import PrefixSharing
+from forkserve.control.sharing import PrefixSharing, marked
 from forkserve.engine.session import Session
+from forkserve.engine.steady import SteadyDecode, SteadyRow
 from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
 
 
@@ -45,56 +49,159 @@ class Stepper:
         self._nodes_by_id: dict[int, tuple[Session, Node]] = {}
         # Which items of a step read one shared prefix (decided here, carried by SeqWork).
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
+        # Sessions in plain steady decode: their step skips the per-item path (steady.py).
+        self.steady = SteadyDecode(kv, self.pool.page_size)
+        # Overlap: the steady step launched by the last tick, not yet read back.
+        self._inflight: _InFlight | None = None
 
     def tick(self) -> bool:
-        """One scheduler tick; returns False when there was nothing to do."""
+        """One scheduler tick; returns False when there was nothing to do. With
+        ``config.overlap`` a tick of steady rows alone returns with its step in flight; the
+        next tick prepares its successor before reading it back, and ``sync`` settles it."""
         self._expire_ttl()
-        committed, speculative = self._demands()
-        if not committed and not speculative:
-            return False
-        # Speculation may use what is left of H and of every pool (base and residual apart).
         p = self.pool.page_size
+        if not self.config.steady_decode or len(self.sessions) > min(
+                self.config.max_batch_tokens,
+                self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)):
+            # Not every session could be granted a decode: the scheduler chooses, item by item.
+            self.sync()
+            self.steady.clear()
+        committed, speculative = [], []
+        for session in self.sessions.values():
+            if session.id not in self.steady:
+                self._demands(session, committed, speculative)
+        if self._inflight is not None:
+            if not committed and not speculative:
+                return self._overlapped()
+            # Other work joins this step: read the last one back first. (Its rows were the
+            # steady set's alone, so the demands above do not depend on its tokens.)
+            self.sync()
+        # Speculation may use what is left of H and of every pool (base and residual apart).
         room = [self.config.hbm_tokens - self.pool.num_used * p, self.pool.num_free * p]
         if self.residual_pool is not None:
             room.append(self.residual_pool.num_free * p)
         spec_memory = max(0, min(room))
+        rows, left = self.steady.prepare(self.backend.copy_pages)
+        for session in left:  # back on the general path from this tick on
+            self._demands(session, committed, speculative)
+        if not committed and not speculative and not rows:
+            return False
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in self.steady
+                             for n in s.tree.nodes.values()}
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
-        grants = self.scheduler.plan(committed, speculative, slots, spec_memory)
-        if not grants or not self._execute(grants):
+        grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
+                                     len(rows))
+        if self.config.overlap and rows and not grants:
+            self._launch(rows, None)
+            self.account({r.session for r in rows if r.base.length % p == 1})
+            self.metrics.ticks += 1
+            return True
+        if not (grants or rows) or not self._execute(grants, rows):
             return False
         self.metrics.ticks += 1
         return True
 
     def run_until(self, done: Callable[[], bool]) -> int:
         ticks = 0
+        # With overlap ``done`` reads state one step behind (the step in flight still owes its
+        # tokens), so it turns true a tick later, never early.
         while not done() and self.tick():
             ticks += 1
+        self.sync()
         return ticks
 
-    def _demands(self) -> tuple[list[Demand], list[Demand]]:
-        committed, speculative = [], []
-        for session in self.sessions.values():
-            if session.error is not None:
-                continue  # a failed session waits for its next verb
-            tip = session.tree.tip
-            self.emit(session)
-            self.activate(session.tree, tip)
-            if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
-                # No cached logits for the last position (a partial LCP bind, or another
-                # sampling rule): recompute that one position.
-                tip.table.truncate(tip.end - 1)
-            pending = _regime_capped(tip, tip.end - tip.kv_len)
-            idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
-            if pending > 0 and not idle:  # an idle session's last token waits for its next verb
-                decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
-                committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
-            for node in () if session.hold_speculation else session.tree.nodes.values():
-                demand = self._spec_demand(node)
-                if demand is not None:
-                    speculative.append(demand)
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values()
-                             for n in s.tree.nodes.values()}
-        return committed, speculative
+    # ------------------------------------------------------------------ overlap
+    def _launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None) -> None:
+        batch = self.steady.batch(rows, self.sharing.marks, tokens)
+        self._inflight = _InFlight(launch_step(self.backend, [], batch), rows)
+
+    def _overlapped(self) -> bool:
+        """A tick over a step in flight: prepare the next step's pages and columns while it
+        runs, read it back, launch the next one with the tokens it sampled, then apply them.
+        A row whose generation ends with the step in flight is not prepared again; one whose
+        token is a stop is taken back out before the launch."""
+        handle, rows = self._inflight
+        for row in rows:
+            if row.session.decode_left <= 1:  # its last token is in flight
+                self.steady.drop(row.session.id)
+        following, left = self.steady.prepare(self.backend.copy_pages)
+        # ``left`` (a boundary the pools cannot serve without evicting) runs next tick.
+        self.steady.batch(following, self.sharing.marks, [0] * len(following))  # warm columns
+        self._inflight = None
+        try:
+            result = handle.result()
+        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
+            self.steady.unprepare(following)
+            self._settle_failed(rows, exc)
+            self.metrics.ticks += 1
+            return True
+        tokens = result.next_tokens
+        if len(tokens) != len(rows):
+            raise AssertionError(f"the backend returned {len(tokens)} tokens for {len(rows)} rows")
+        self.account_cost(result.cost, [])
+        sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
+        stopped = [r for r in following if sampled[r.session.id] in r.session.stop]
+        if stopped:
+            self.steady.unprepare(stopped)
+            for row in stopped:
+                self.steady.drop(row.session.id)
+            following = [r for r in following if r.session.id in self.steady]
+        if following:
+            self._launch(following, [sampled[r.session.id] for r in following])
+        self.steady.apply(rows, tokens, self.clock(), self.publish)
+        # A member's held pages change only when it gained a page for the next step.
+        self.account({r.session for r in following if r.base.length % self.pool.page_size == 1})
+        self.metrics.ticks += 1
+        return True
+
+    def sync(self) -> None:
+        """Read back and apply the step in flight, if any: the state every verb sees."""
+        if self._inflight is None:
+            return
+        handle, rows = self._inflight
+        self._inflight = None
+        try:
+            result = handle.result()
+        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
+            self._settle_failed(rows, exc)
+            return
+        if len(result.next_tokens) != len(rows):
+            raise AssertionError(f"the backend returned {len(result.next_tokens)} tokens "
+                                 f"for {len(rows)} rows")
+        self.account_cost(result.cost, [])
+        self.steady.apply(rows, result.next_tokens, self.clock(), self.publish)
+
+    def _settle_failed(self, rows: list[SteadyRow], exc: Exception) -> None:
+        """A launched step of steady rows raised: they become items and are stepped again
+        the synchronous way, which finds the failing ones (an engine bug propagates)."""
+        items = self._as_items(rows)
+        if isinstance(exc, AssertionError):
+            for item in items:
+                item.node.table.rollback(item.lengths)
+            raise exc
+        done, failed, _ = self._run(items, [])
+        self._settle(items, done, failed, [], None)
+
+    def _demands(self, session: Session, committed: list[Demand], speculative: list[Demand]) -> None:
+        """What one session on the general path needs this tick, appended to the two lists."""
+        if session.error is not None:
+            return  # a failed session waits for its next verb
+        tip = session.tree.tip
+        self.emit(session)
+        self.activate(session.tree, tip)
+        if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
+            # No cached logits for the last position (a partial LCP bind, or another
+            # sampling rule): recompute that one position.
+            tip.table.truncate(tip.end - 1)
+        pending = _regime_capped(tip, tip.end - tip.kv_len)
+        idle = session.decode_left == 0 and session.generated_unwritten and not session.flush
+        if pending > 0 and not idle:  # an idle session's last token waits for its next verb
+            decode = session.decode_left > 0 and pending == 1 and session.generated_unwritten
+            committed.append(Demand(tip.id, pending, decode, WorkClass.COMMITTED))
+        for node in () if session.hold_speculation else session.tree.nodes.values():
+            demand = self._spec_demand(node)
+            if demand is not None:
+                speculative.append(demand)
 
     def _spec_demand(self, node: Node) -> Demand | None:
         if node.state is not NodeState.SPECULATIVE or not node.speculated:
@@ -120,10 +227,11 @@ class Stepper:
         decode = pending == 1 and node.generated_count > 0
         return Demand(node.id, pending, decode, WorkClass.SPECULATIVE, node.priority)
 
-    def _execute(self, grants: list[Grant]) -> bool:
+    def _execute(self, grants: list[Grant], rows: list[SteadyRow]) -> bool:
         """Prepare pages, run one step, apply its tokens. An item that cannot run fails alone
         (its table rolled back, its session told), the others run as if it never existed;
-        committed work short of pages waits. Returns whether any state moved."""
+        committed work short of pages waits. ``rows``: the steady set's members, their pages
+        already prepared. Returns whether any state moved."""
         items, waiting = [], []
         for g in grants:
             session, node = self._nodes_by_id[g.node_id]
@@ -143,20 +251,36 @@ class Stepper:
             items.append(self._item(session, node, g, start, regime, lengths))
         # Preemption by a later grant of this tick may have released an earlier one's table.
         items = [i for i in items if i.node.table is not None]
-        done, failed = self._run(items)
-        for item, exc in failed:
-            self._fail(item, exc)
-        for item, token in done:
-            self._apply(item, token)
-        self.account({i.session for i in items if i.session.id in self.sessions})
-        if not items and waiting:
+        done, failed, steady_tokens = self._run(items, rows)
+        self._settle(items, done, failed, rows, steady_tokens)
+        if not items and not rows and waiting:
             # Nothing can run and committed work waits for pages other sessions hold: fail
             # the youngest waiter (its verb raises; a server ends that request alone).
             session, exc = max(waiting, key=lambda w: w[0].id)
             session.fail(exc)
             self.metrics.failed_items += 1
             return True
-        return bool(items)
+        return bool(items or rows)
+
+    def _settle(self, items: list["_Item"], done: list[tuple["_Item", int | None]],
+                failed: list[tuple["_Item", Exception]], rows: list[SteadyRow],
+                steady_tokens: list[int] | None) -> None:
+        """Apply a step's outcome: failures rolled back and told, tokens applied, sessions
+        left in steady decode admitted to the set, peaks accounted."""
+        for item, exc in failed:
+            self._fail(item, exc)
+        for item, token in done:
+            self._apply(item, token)
+        touched = {i.session for i in items if i.session.id in self.sessions}
+        if steady_tokens is not None:
+            self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
+            # A member's held pages change only when it gained a page this tick.
+            touched.update(r.session for r in rows if r.base.length % self.pool.page_size == 1)
+        if self.config.steady_decode:
+            for item, _ in done:
+                if item.node is item.session.tree.tip and item.session.id in self.sessions:
+                    self.steady.admit(item.session)
+        self.account(touched)
 
     def _item(self, session: Session, node: Node, g: Grant, start: int, regime: Regime,
               lengths: tuple[int, ...]) -> "_Item":
@@ -172,27 +296,33 @@ class Stepper:
                        prompt_logprobs=_prompt_logprobs(session, node, start + g.tokens, g.decode))
         return _Item(session, node, g, sampling, work, lengths)
 
-    def _run(self, items: list["_Item"]) -> tuple[list[tuple["_Item", int | None]],
-                                                   list[tuple["_Item", Exception]]]:
-        """Step ``items``; when the step raises, find whom it was for: the items the error
+    def _run(self, items: list["_Item"], rows: list[SteadyRow]
+             ) -> tuple[list[tuple["_Item", int | None]], list[tuple["_Item", Exception]],
+                        list[int] | None]:
+        """Step ``items`` and the steady ``rows`` together; when the step raises, find whom it
+        was for: the rows become items (and leave the steady set), then the items the error
         names (``seq_ids``), else by halving the batch until each failing item runs alone.
-        An AssertionError is an engine bug, not a request's fault: it propagates."""
+        An AssertionError is an engine bug, not a request's fault: it propagates. Returns
+        the items done and failed, and the rows' sampled tokens (None: the rows did not run
+        as rows)."""
         done: list[tuple[_Item, int | None]] = []
         failed: list[tuple[_Item, Exception]] = []
+        steady_tokens = None
         pending = [items]
         while pending:
             group = pending.pop()
-            if not group:
+            if not group and not rows:
                 continue
-            work = self.sharing.annotate([i.work for i in group])  # cascade attention groups
             try:
-                result = self.backend.step(work)
+                result = self._step(group, rows)
             except AssertionError:
-                for item in group:
+                for item in group + self._as_items(rows):
                     if item.node.table is not None:
                         item.node.table.rollback(item.lengths)
                 raise
             except Exception as exc:  # noqa: BLE001 - attributed to items below, never swallowed
+                if rows:
+                    group, rows = group + self._as_items(rows), []
                 named = set(getattr(exc, "seq_ids", ()))
                 culprits = [i for i in group if i.work.seq_id in named]
                 if culprits:
@@ -205,8 +335,38 @@ class Stepper:
                     pending += [group[half:], group[:half]]
                 continue
             self.account_cost(result.cost, [i.grant for i in group])
-            done += zip(group, result.next_tokens, strict=True)
-        return done, failed
+            if len(result.next_tokens) != len(group) + len(rows):
+                raise AssertionError(f"the backend returned {len(result.next_tokens)} tokens "
+                                     f"for {len(group) + len(rows)} items")
+            done += zip(group, result.next_tokens[:len(group)], strict=True)
+            if rows:  # the first attempt ran them: nothing else is pending
+                steady_tokens, rows = list(result.next_tokens[len(group):]), []
+        return done, failed, steady_tokens
+
+    def _step(self, group: list["_Item"], rows: list[SteadyRow]) -> StepResult:
+        """One backend step: the items' work, annotated with cascade groups, then the rows'."""
+        if not rows:
+            return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
+                               None).result()
+        batch = self.steady.batch(rows, self.sharing.marks)
+        work = [i.work for i in group]
+        if work:  # one numbering of the groups over the items and the rows
+            marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]
+                                       + list(zip(batch.pages, batch.positions, strict=True)))
+            work = marked(work, marks[:len(work)])
+            batch = dataclasses.replace(batch, shared_prefix=tuple(marks[len(work):]))
+        return launch_step(self.backend, work, batch).result()
+
+    def _as_items(self, rows: list[SteadyRow]) -> list["_Item"]:
+        """Steady rows as general items (their pages already prepared), out of the set."""
+        items = []
+        for row in rows:
+            self.steady.drop(row.session.id)
+            start = row.node.kv_len - 1
+            grant = Grant(row.node.id, 1, True, WorkClass.COMMITTED)
+            lengths = tuple(n - 1 for n in row.kv.lengths())
+            items.append(self._item(row.session, row.node, grant, start, row.kv.regime(), lengths))
+        return items
 
     def _fail(self, item: "_Item", exc: Exception) -> None:
         """Undo an item's page preparation and tell its owner: the committed tip's session
@@ -283,10 +443,7 @@ class Stepper:
             return
         token = tip.next_token
         tip.next_token = None
-        tip.tokens.append(token)
-        session.tree.committed.append(token)
-        session.record(token)
-        session.generated_unwritten = True
+        session.take(token)
         if session.decode_left == 0:
             session.paused_since = self.clock()
 
@@ -323,7 +480,7 @@ class Stepper:
             return
         tree = self.sessions[node.session_id].tree
         node.published, node.publish_cursor = self.kv.publish(
-            node.table, node.adapter, lambda: tree.path_tokens(node), node.published,
+            node.table, node.adapter, lambda: tree.path_view(node), node.published,
             node.publish_cursor)
 
     def pinned(self, node: Node) -> bool:
@@ -336,6 +493,8 @@ class Stepper:
         if ttl is None:
             return
         for session in self.sessions.values():
+            if session.id in self.steady:
+                continue  # a steady session has no speculative node
             for node in list(session.tree.nodes.values()):
                 if (node.state is NodeState.SPECULATIVE and not self.pinned(node)
                         and now - node.last_touch > ttl):
@@ -380,6 +539,13 @@ class Stepper:
             held = len(tables[0].pages) if len(tables) == 1 else len(
                 {page for t in tables for page in t.pages})
             session.peak_tokens = max(session.peak_tokens, held * p)
+
+
+class _InFlight(NamedTuple):
+    """A launched step of steady rows (overlap): read back by the next tick or ``sync``."""
+
+    handle: StepHandle
+    rows: list[SteadyRow]
 
 
 class _Item(NamedTuple):

@@ -13,13 +13,16 @@ from forkserve.control.scheduler import Demand, Grant, WorkClass
 
 
 def check_plan(config: ForkServeConfig, committed: Sequence[Demand], speculative: Sequence[Demand],
-               decode_slots: int, spec_memory_tokens: int, grants: Sequence[Grant]) -> None:
+               decode_slots: int, spec_memory_tokens: int, granted: int,
+               grants: Sequence[Grant]) -> None:
+    """``granted``: one-token decodes of the steady set, planned outside the demands (they
+    count against budget and memory like committed work)."""
     mine = [g for g in grants if g.work_class is WorkClass.COMMITTED]
     spec = [g for g in grants if g.work_class is WorkClass.SPECULATIVE]
     # The stepper makes pages writable in grant order: committed grants must come first, or
     # a speculative write could take the pages committed work needs in the same tick.
     assert list(grants) == mine + spec, f"speculative grant before committed work: {grants}"
-    used = sum(g.tokens for g in mine)
+    used = granted + sum(g.tokens for g in mine)
     assert used + sum(g.tokens for g in spec) <= config.max_batch_tokens
     # Speculation gets the memory committed work leaves, not what it is about to take.
     assert sum(g.tokens for g in spec) <= max(0, spec_memory_tokens - used)

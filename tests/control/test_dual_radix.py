@@ -17,9 +17,9 @@ class RecordingBackend(MockBackend):
         super().__init__(config)
         self.items = []
 
-    def step(self, work):
-        self.items.extend(work)
-        return super().step(work)
+    def step_batched(self, work, batch):  # ``step`` comes here too
+        self.items.extend([*work, *(batch.items() if batch is not None else ())])
+        return super().step_batched(work, batch)
 
     def written(self):
         base = sum(len(w.tokens) for w in self.items if w.write_base)

@@ -3,6 +3,8 @@ ever served. The scenarios of the bug report as regression tests, then the fault
 state machine (``fault_machine.py``) in every layout, cascade on and off."""
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
@@ -134,7 +136,19 @@ class FullReuse(CascadeMultiAdapter):
     config = CascadeMultiAdapter.config.replace(kv_layout=KVLayout.FULL_REUSE)
 
 
-MACHINES = (Unified, CascadeMultiAdapter, Disaggregated, Adaptive, FullReuse)
+class Overlap(Disaggregated):
+    """Overlap on: a fault surfaces when the step in flight is read back."""
+
+    config = Disaggregated.config.replace(overlap=True)
+
+    @rule(dt=st.sampled_from([1.0, 6.0]))
+    def advance_clock(self, dt):
+        self.clock.now += dt
+        self.engine.tick()
+        self.engine.sync()  # the invariants read raw state
+
+
+MACHINES = (Unified, CascadeMultiAdapter, Disaggregated, Adaptive, FullReuse, Overlap)
 # CI budget: the fault bench (benchmarks/fault_bench.py) runs thousands of faults.
 _settings = settings(max_examples=12, stateful_step_count=25, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -143,5 +157,7 @@ TestCascadeMultiAdapter = CascadeMultiAdapter.TestCase
 TestDisaggregated = Disaggregated.TestCase
 TestAdaptive = Adaptive.TestCase
 TestFullReuse = FullReuse.TestCase
-for _case in (TestUnified, TestCascadeMultiAdapter, TestDisaggregated, TestAdaptive, TestFullReuse):
+TestOverlap = Overlap.TestCase
+for _case in (TestUnified, TestCascadeMultiAdapter, TestDisaggregated, TestAdaptive, TestFullReuse,
+              TestOverlap):
     _case.settings = _settings

@@ -21,9 +21,9 @@ class RecordingBackend(MockBackend):
         super().__init__(config)
         self.items = []
 
-    def step(self, work):
-        self.items.extend(work)
-        return super().step(work)
+    def step_batched(self, work, batch):  # ``step`` comes here too
+        self.items.extend([*work, *(batch.items() if batch is not None else ())])
+        return super().step_batched(work, batch)
 
     def residual_written(self):
         return sum(len(w.tokens) for w in self.items

@@ -229,7 +229,7 @@ def test_scheduler_plans_committed_work_first(data, max_batch, chunk, slots, mem
                        st.tuples(st.booleans(), st.integers(1, 40), st.sampled_from([0.2, 0.5, 1.0])),
                        max_size=6)))]
     grants = TickScheduler(cfg).plan(committed, speculative, slots, memory)
-    check_plan(cfg, committed, speculative, slots, memory, grants)
+    check_plan(cfg, committed, speculative, slots, memory, 0, grants)
 
 
 def test_loop_scorer_and_legality_scorer():

@@ -404,6 +404,19 @@ class AdaptiveMachine(DisaggregatedMachine):
 
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
+class OverlapMachine(DisaggregatedMachine):
+    """Overlap on (``config.overlap``): the blocking verbs pipeline their ticks; a bare tick
+    is settled (``Engine.sync``) before the invariants read the engine's raw state."""
+
+    config = DisaggregatedMachine.config.replace(overlap=True)
+
+    @rule(dt=st.sampled_from([1.0, 6.0]))
+    def advance_clock(self, dt):
+        self.clock.now += dt
+        self.engine.tick()
+        self.engine.sync()
+
+
 TestVerbs = VerbMachine.TestCase
 TestVerbs.settings = _settings
 TestCascadeVerbs = CascadeVerbMachine.TestCase
@@ -422,3 +435,5 @@ TestALora = ALoraMachine.TestCase
 TestALora.settings = _settings
 TestALoraUnified = ALoraUnifiedMachine.TestCase
 TestALoraUnified.settings = _settings
+TestOverlap = OverlapMachine.TestCase
+TestOverlap.settings = _settings

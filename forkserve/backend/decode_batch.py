@@ -1,0 +1,48 @@
+"""DecodeBatch: the protocol's column form for sessions in steady decode (issue 21).
+
+One row per session that writes exactly one token (the one it sampled last tick) at
+``positions[i]`` and samples the next. The control plane builds it once per tick from its
+steady-decode set (``engine/steady.py``) instead of one ``SeqWork`` + ``KVSlots`` per session;
+the page-table columns are the tables' cached tuples (``PageTable.frozen()``), so a row that
+added no page this tick costs no copy of its table.
+
+Ownership and lifetime: values only (ints, tuples, the requests' ``SamplingParams``), frozen,
+valid for the one step they are passed to; page ids stay the control plane's, as in
+``SeqWork``. Every row is a committed decode step that writes both sides of its KV
+(``write_base`` and ``write_residual``), with no extra residuals and no prompt log-probs.
+
+A backend that reads columns implements ``step_batched(work, batch)``; any other backend is
+handed ``[*work, *batch.items()]`` through ``step`` (``step_handle.launch_step``): the two are
+the same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    seq_ids: tuple[int, ...]
+    tokens: tuple[int, ...]        # the token each row writes (one per row)
+    positions: tuple[int, ...]     # its absolute position (the row's ``start_pos``)
+    pages: tuple[tuple[PageId, ...], ...]            # UNIFIED or BASE pages, position order
+    # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
+    residual_pages: tuple[tuple[PageId, ...] | None, ...]
+    adapter_ids: tuple[int | str | None, ...]
+    adapter_starts: tuple[int, ...]  # ``SeqWork.adapter_start`` of each row
+    sampling: tuple[SamplingParams, ...]
+    # Cascade attention groups, numbered with the ``SeqWork`` items of the same step.
+    shared_prefix: tuple[SharedPrefix | None, ...]
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def items(self) -> list[SeqWork]:
+        """The same rows as ``SeqWork`` items (for backends that take only those)."""
+        return [SeqWork(seq, (token,), pos, KVSlots(pages, residual), adapter, sampling,
+                        decode=True, adapter_start=start, shared_prefix=shared)
+                for seq, token, pos, pages, residual, adapter, start, sampling, shared
+                in zip(self.seq_ids, self.tokens, self.positions, self.pages,
+                       self.residual_pages, self.adapter_ids, self.adapter_starts,
+                       self.sampling, self.shared_prefix, strict=True)]

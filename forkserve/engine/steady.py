@@ -1,0 +1,185 @@
+"""SteadyDecode: the sessions in plain steady decode, kept from tick to tick (issue 21).
+
+A session is *steady* when all a tick has to do for it is one decode step of its committed
+tip: it is generating, its last sampled token waits to be written, it has no speculative
+node, no verb in flight, no aLoRA, both sides of its KV at one length. For those sessions
+the general path (a ``Demand``, a ``Grant``, ``pages_needed``/``prepare_write``, a ``SeqWork``
+with its ``KVSlots``, ``_apply``, ``emit``) always does the same thing; the set does it with
+a few attribute writes per session and hands the backend one ``DecodeBatch`` of columns.
+
+Membership is decided once (``admit``, after a general-path step left the session in that
+state) and lost at anything unusual, after which the general path takes the session again:
+a verb on it (``Engine`` calls ``drop``), the end of its generation or a stop token, a page
+boundary the pool cannot serve without evicting, a last page someone else references, a
+failed step (its rows become ordinary items, rolled back one by one). ``clear`` drops all
+(a tick whose decode slots or token budget would not grant every session).
+
+Ownership: the set holds references to sessions, their tip nodes and the tips' tables; it
+owns no page and no token. Pages are still allocated into, and owned by, the tip's
+``PageTable``s exactly as ``prepare_write`` would, so ``Engine.check_integrity`` sees the
+same state either path would leave. The column tuples it caches are rebuilt when a member
+joins or leaves (static columns) or a member's table gains a page (the page column).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.protocol import SamplingParams, SharedPrefix
+from forkserve.control.context_tree import Node, NodeState
+from forkserve.control.kv_cache import KVCache
+from forkserve.control.page_table import CopyPages, PageTable
+from forkserve.engine.session import Session
+
+
+class SteadyRow:
+    """One steady session: what its rows in every tick's batch are built from."""
+
+    __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
+                 "sampling")
+
+    def __init__(self, session: Session, kv_cache: KVCache) -> None:
+        node = session.tree.tip
+        self.session, self.node, self.kv = session, node, node.table
+        self.base: PageTable = node.table.base
+        self.residual: PageTable | None = node.table.residual
+        self.adapter = node.adapter
+        # Fixed while steady (no aLoRA): 0 for an adapter, None (run as base) without one.
+        self.adapter_start = kv_cache.adapter_start(node.table, node.adapter)
+        self.sampling: SamplingParams = session.sampling
+
+
+class SteadyDecode:
+    def __init__(self, kv: KVCache, page_size: int) -> None:
+        self.kv, self.page_size = kv, page_size
+        self._rows: dict[int, SteadyRow] = {}  # by session id, in admission order
+        # Columns of the last batch, reused while the same rows run again.
+        self._static: tuple | None = None
+        self._pages: tuple | None = None
+        self._marks: tuple[SharedPrefix | None, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, session_id: int) -> bool:
+        return session_id in self._rows
+
+    def admit(self, session: Session) -> None:
+        """Take ``session`` in if a general-path step left it in steady decode."""
+        if session.id in self._rows:
+            return
+        tip = session.tree.tip
+        kv = tip.table
+        if (session.error is not None or session.decode_left <= 0 or session.flush
+                or session.hold_speculation or not session.generated_unwritten
+                or tip.next_token is not None or kv is None or kv.base.length != tip.end - 1
+                or kv.regime().max_tokens is not None or self.kv.invocation(tip.adapter) is not None
+                or tip.next_token_sampling != session.sampling):
+            return
+        if any(n.state is NodeState.SPECULATIVE for n in session.tree.nodes.values()):
+            return
+        self._rows[session.id] = SteadyRow(session, self.kv)
+        self._changed()
+
+    def drop(self, session_id: int) -> None:
+        """The session leaves the set (a verb is about to change it, or it left the path)."""
+        if self._rows.pop(session_id, None) is not None:
+            self._changed()
+
+    def clear(self) -> None:
+        if self._rows:
+            self._rows.clear()
+            self._changed()
+
+    def _changed(self) -> None:
+        self._static = self._pages = self._marks = None
+
+    def prepare(self, copy_pages: CopyPages) -> tuple[list[SteadyRow], list[Session]]:
+        """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
+        the rows that run this tick and the sessions that left the set (the general path
+        takes them this tick): a last page another holder references (it needs a copy on
+        write), or a page boundary when the pools cannot serve every member at one without
+        evicting."""
+        p = self.page_size
+        rows, boundary, left = [], [], []
+        for row in self._rows.values():
+            if row.base.length % p == 0:
+                boundary.append(row)
+            elif row.base.pool.refcount(row.base.pages[-1]) != 1 or (row.residual is not None and (
+                    row.residual.pool.refcount(row.residual.pages[-1]) != 1)):
+                left.append(row)
+            else:
+                rows.append(row)
+        if boundary:
+            base = boundary[0].base.pool
+            residual = sum(r.residual is not None for r in boundary)
+            short = len(boundary) > base.num_free or (
+                residual > 0 and residual > self.kv.residual_pool.num_free)
+            if short:
+                left += boundary
+                boundary = []
+            for row in boundary:
+                row.kv.prepare_write(1, copy_pages)
+            self._pages = None
+        for row in rows:
+            # The last page is this table's alone and has room: prepare_write(1) adds no page.
+            row.base.length += 1
+            if row.residual is not None:
+                row.residual.length += 1
+        for row in left:
+            self.drop(row.session.id)
+        # Every member runs, in admission order: the cached columns stay aligned.
+        return list(self._rows.values()), [r.session for r in left]
+
+    def unprepare(self, rows: Sequence[SteadyRow]) -> None:
+        """Undo ``prepare`` for ``rows`` (a step that will not run them): each table back one
+        position, a page taken at a boundary given back."""
+        for row in rows:
+            row.kv.truncate(row.base.length - 1)
+        self._pages = self._marks = None
+
+    def batch(self, rows: Sequence[SteadyRow],
+              marks: Callable[[list[tuple[tuple[int, ...], int]]], list[SharedPrefix | None]],
+              tokens: Sequence[int] | None = None) -> DecodeBatch:
+        """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them);
+        ``marks``: the cascade groups of these rows alone (``PrefixSharing.marks``), asked
+        again only when the members or their pages changed. ``tokens``: what the rows write,
+        when the path does not hold them yet (overlap: the step before sampled them and its
+        tokens are not applied yet); None: each tip's last token."""
+        if self._static is None:
+            self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
+                            tuple(r.adapter_start for r in rows), tuple(r.sampling for r in rows),
+                            tuple(r.node for r in rows))
+        seq_ids, adapters, starts, sampling, nodes = self._static
+        if self._pages is None:
+            self._pages = (tuple(r.base.frozen() for r in rows),
+                           tuple(None if r.residual is None else r.residual.frozen() for r in rows))
+            self._marks = None
+        pages, residual = self._pages
+        positions = tuple(r.base.length - 1 for r in rows)
+        if self._marks is None:
+            self._marks = tuple(marks(list(zip(pages, positions, strict=True))))
+        # Without an adapter the row runs as the base model: adapter_start past its token.
+        adapter_starts = tuple(pos + 1 if s is None else s
+                               for pos, s in zip(positions, starts, strict=True))
+        written = tuple(n.tokens[-1] for n in nodes) if tokens is None else tuple(tokens)
+        return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
+                           sampling, self._marks)
+
+    def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
+              publish: Callable[[Node], None]) -> None:
+        """As ``Stepper._apply`` then ``emit`` for each row: a write that filled a page is
+        published, the sampled token joins the session (``Session.take``); a generation that
+        ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
+        already reach one further, for the next step.)"""
+        p = self.page_size
+        for row, token in zip(rows, tokens, strict=True):
+            session = row.session
+            node = row.node
+            node.last_touch = now
+            if node.end % p == 0:
+                publish(node)
+            session.take(token)
+            if session.decode_left == 0:
+                session.paused_since = now
+                self.drop(session.id)
