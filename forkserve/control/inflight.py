@@ -111,7 +111,8 @@ class InflightDedup:
     def admit(self, demands: Sequence[Demand], describe: Describe) -> list[Demand]:
         writers = sorted((describe(d, self.chain) for d in demands if not d.decode),
                          key=lambda w: w.rank)
-        self._chains = {w.node_id: self._chains[w.node_id] for w in writers}  # the rest are gone
+        live = {w.node_id for w in writers}
+        self._chains = {n: c for n, c in self._chains.items() if n in live}  # the rest are gone
         claimed: set[ClaimKey] = set()
         allowed: dict[int, int] = {}  # node -> tokens it may write before a claimed page
         for w in writers:
