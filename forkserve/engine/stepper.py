@@ -1,7 +1,8 @@
 """Stepper: the engine's tick loop — demands in, one batched backend step out.
 
 Each tick collects what every session needs (committed: the tip's prefill, commit tail or
-decode step; speculative: admitted residuals, early-abort probes), lets the
+decode step; speculative: admitted residuals, early-abort probes; a prefill an older
+in-flight prefill is writing waits for it, ``control/inflight.py``), lets the
 ``TickScheduler`` grant committed work first and speculation what is left, makes the pages
 writable (evicting the index, preempting speculation for committed work), runs one
 ``Backend.step``, and applies the sampled tokens: generation, probe verdicts, publishing of
