@@ -47,6 +47,16 @@ class ShareBase(str, enum.Enum):
     EXACT = "exact"
 
 
+class PrefixDedup(str, enum.Enum):
+    """Whether a committed prefill computes full pages another in-flight prefill is already
+    writing under a key it may read (``control/inflight.py``)."""
+
+    # It waits for them to be published and matches them then (vLLM / SGLang behaviour).
+    IN_FLIGHT = "in_flight"
+    # Every prefill computes its own copy until a page is published (the seed's arithmetic).
+    OFF = "off"
+
+
 @dataclass(frozen=True)
 class ForkServeConfig:
     page_size: int = 16
@@ -108,6 +118,8 @@ class ForkServeConfig:
     # with the tokens read back (Stepper._overlapped). Any verb settles it first
     # (``Engine.sync``). A stop token is seen one step late (that step's work is taken back).
     overlap: bool = False
+    # In-flight prefix deduplication: sessions opened together on one prefix compute it once.
+    prefix_dedup: PrefixDedup = PrefixDedup.IN_FLIGHT
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
@@ -129,6 +141,7 @@ class ForkServeConfig:
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
         object.__setattr__(self, "share_base", ShareBase(self.share_base))
+        object.__setattr__(self, "prefix_dedup", PrefixDedup(self.prefix_dedup))
 
     def replace(self, **changes) -> "ForkServeConfig":
         return dataclasses.replace(self, **changes)

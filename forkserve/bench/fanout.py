@@ -27,7 +27,7 @@ from pathlib import Path
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.mock import MockBackend
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json
-from forkserve.config import ForkServeConfig, plus_config
+from forkserve.config import ForkServeConfig, PrefixDedup, plus_config
 from forkserve.engine import Engine
 
 SYSTEMS = ("apc", "alias", "disagg", "cascade")
@@ -49,6 +49,9 @@ class FanoutParams:
     # The seed's sessions share one trunk text; distinct trunks (a session marker up front)
     # is how plain vLLM was measured in shared/notes/anchors.md: no prefix hit across sessions.
     distinct_trunks: bool = False
+    # In flight (the default): sessions opened together compute a shared prefix once. The
+    # seed's arithmetic assumes every open computes its own copy: ``PrefixDedup.OFF``.
+    prefix_dedup: PrefixDedup = PrefixDedup.IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ def engine_config(system: str, params: FanoutParams, **overrides) -> ForkServeCo
     # One tick takes every request of the wave, so no prefill is split into two calls.
     base = dict(page_size=params.page_size, num_pages=8192, hbm_tokens=8192 * params.page_size,
                 max_batch_tokens=65536, branch_cap=max(6, params.fanout),
-                disaggregated_prefill=system in ("disagg", "cascade"))
+                disaggregated_prefill=system in ("disagg", "cascade"),
+                prefix_dedup=params.prefix_dedup)
     base.update(overrides)
     if system == "cascade":
         return plus_config(**base)
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--residual", type=int, default=32, help="tokens of each thought")
     ap.add_argument("--fanout", type=int, default=4, help="thoughts per session")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--prefix-dedup", choices=[m.value for m in PrefixDedup], default="in_flight",
+                    help="in_flight: sessions opened together compute a shared prefix once; "
+                         "off: each computes its own copy (the seed's arithmetic)")
     ap.add_argument("--system", choices=SYSTEMS + ("forkserve_plus", "all"), default="all",
                     help="one system (forkserve_plus = cascade) or all side by side")
     ap.add_argument("--tiny", action="store_true",
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                          "MockBackend in seconds")
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    params = FanoutParams(args.sessions, args.trunk, args.residual, args.fanout, args.page_size)
+    params = FanoutParams(args.sessions, args.trunk, args.residual, args.fanout, args.page_size,
+                          prefix_dedup=PrefixDedup(args.prefix_dedup))
     systems = SYSTEMS if args.system == "all" else (
         ("cascade",) if args.system == "forkserve_plus" else (args.system,))
     rows = [run_system(s, params) for s in systems]

@@ -52,6 +52,7 @@ from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.host_tier import HostTier
+from forkserve.control.inflight import ClaimKey
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
@@ -258,6 +259,35 @@ class KVCache:
             if len(exact) > len(hit.base_pages):
                 hit = DualMatch(exact, hit.residual_pages)
         return hit
+
+    def page_claims(self, kv: NodeKV, adapter, path: Sequence[int], chain: Sequence[int]
+                    ) -> tuple[int, tuple[frozenset[ClaimKey], ...], tuple[frozenset[ClaimKey], ...]]:
+        """In-flight deduplication's view of a committed table (``control/inflight.py``): for
+        each full page of ``path`` from the table's first unwritten one, the keys of the sides
+        it still has to write there, and the keys whose publication would give it those sides
+        under ``match``'s rule (a CROSS_ADAPTER base side also takes the base model's pages).
+        ``chain``: ``page_chain(path)``. Returns the first page and the two per-page lists."""
+        p = self.pool.page_size
+        full = len(chain)
+        base_key, residual_key = self._keys_of(kv, adapter, path[:full * p])
+        sides = [(kv.base, self.pool.kind, base_key.namespace, base_key.base_pages)]
+        if kv.residual is not None and residual_key is not None:
+            sides.append((kv.residual, PageKind.RESIDUAL, residual_key.namespace, residual_key.base_pages))
+        first = kv.length // p
+        writes, reads = [], []
+        for i in range(first, full):
+            wrote, read = set(), set()
+            for table, tree, namespace, base_pages in sides:
+                if table.length >= (i + 1) * p:
+                    continue  # this side of the page is held already
+                key = ClaimKey(tree, BASE if i < base_pages else namespace, kv.salt, chain[i])
+                wrote.add(key)
+                read.add(key)
+                if key.namespace == CROSS_ADAPTER:
+                    read.add(ClaimKey(tree, BASE, kv.salt, chain[i]))
+            writes.append(frozenset(wrote))
+            reads.append(frozenset(read))
+        return first, tuple(writes), tuple(reads)
 
     def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:

@@ -37,6 +37,9 @@ class EngineMetrics:
     pins_broken: int = 0
     # Items taken out of a tick because they could not run (their session got the error).
     failed_items: int = 0
+    # Committed prefills held back a tick: an older in-flight prefill was writing their next
+    # page (control/inflight.py); what it published counts in the hit tokens above.
+    dedup_held: int = 0
     actions: Counter = field(default_factory=Counter)
 
     def snapshot(self) -> dict:

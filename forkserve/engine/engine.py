@@ -118,7 +118,7 @@ class Engine:
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter, form, salt), NodeState.COMMITTED, adapter=adapter)
-        session = Session(sid, ContextTree(root), adapter)
+        session = Session(sid, ContextTree(root), adapter, reuse_prefix=reuse_prefix)
         self.sessions[sid] = session
         if reuse_prefix:
             self._attach_published(session, root, keep_last=True)
@@ -216,7 +216,7 @@ class Engine:
             self.metrics.pruned += 1
             self.stepper.slack_tokens += len(node.tokens)
         if decision.hit_tokens:
-            self._attach(node, hit)
+            self.stepper.attach(node, hit)
         if decision.action is Action.EARLY_ABORT:
             node.probe_left = self.config.early_abort_probe_tokens
         if known and t_idle_ms is not None:
@@ -513,17 +513,7 @@ class Engine:
         """Alias published pages for the node's committed path (the prefix-cache hit)."""
         path = session.tree.path_tokens(node)
         limit = len(path) - 1 if keep_last else len(path)  # keep one token to sample from
-        self._attach(node, self._match(session, node, path[:max(limit, 0)]))
-
-    def _attach(self, node: Node, hit: DualMatch) -> None:
-        """Alias the published pages of a match; a side that hits alone is a partial hit."""
-        kv = node.table
-        before = (kv.length, kv.base.length, kv.residual.length if kv.residual is not None else 0)
-        kv.attach(hit.base_pages, hit.residual_pages, node.end)
-        self.metrics.hash_hit_tokens += kv.length - before[0]
-        self.metrics.base_hit_tokens += kv.base.length - before[1]
-        if kv.residual is not None:
-            self.metrics.residual_hit_tokens += kv.residual.length - before[2]
+        self.stepper.attach(node, self._match(session, node, path[:max(limit, 0)]))
 
     def _match(self, session: Session, node: Node, path: Sequence[int]) -> DualMatch:
         # An aLoRA's keys depend on its activation point on the node's whole path.

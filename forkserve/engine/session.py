@@ -13,6 +13,9 @@ class Session:
     id: int
     tree: ContextTree
     adapter: str | None = None
+    # False: its prompt is computed whole though published pages cover a prefix (its
+    # logits are wanted): it never waits for another session's in-flight prefill either.
+    reuse_prefix: bool = True
     # Generation in progress on the committed tip.
     decode_left: int = 0
     sampling: SamplingParams = GREEDY

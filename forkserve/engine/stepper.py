@@ -1,7 +1,8 @@
 """Stepper: the engine's tick loop — demands in, one batched backend step out.
 
 Each tick collects what every session needs (committed: the tip's prefill, commit tail or
-decode step; speculative: admitted residuals, early-abort probes), lets the
+decode step; speculative: admitted residuals, early-abort probes; a prefill an older
+in-flight prefill is writing waits for it, ``control/inflight.py``), lets the
 ``TickScheduler`` grant committed work first and speculation what is left, makes the pages
 writable (evicting the index, preempting speculation for committed work), runs one
 ``Backend.step``, and applies the sampled tokens: generation, probe verdicts, publishing of
@@ -23,6 +24,8 @@ from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import ContextTree, Node, NodeState
+from forkserve.control.dual_radix_tree import DualMatch
+from forkserve.control.inflight import ChainOf, Writer, dedup_for
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
@@ -53,6 +56,8 @@ class Stepper:
         self.steady = SteadyDecode(kv, self.pool.page_size)
         # Overlap: the steady step launched by the last tick, not yet read back.
         self._inflight: _InFlight | None = None
+        # Whether a prefill waits for a prefix another one in flight is writing.
+        self.dedup = dedup_for(config, metrics)
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do. With
@@ -88,6 +93,7 @@ class Stepper:
             return False
         self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in self.steady
                              for n in s.tree.nodes.values()}
+        committed = self.dedup.admit(committed, self._writer)
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
                                      len(rows))
@@ -189,6 +195,8 @@ class Stepper:
         tip = session.tree.tip
         self.emit(session)
         self.activate(session.tree, tip)
+        if tip.id in self.dedup.waiting:
+            self._rematch(session, tip)  # its leader may have published what it waited for
         if session.decode_left > 0 and tip.kv_len == tip.end and tip.next_token is None:
             # No cached logits for the last position (a partial LCP bind, or another
             # sampling rule): recompute that one position.
@@ -202,6 +210,33 @@ class Stepper:
             demand = self._spec_demand(node)
             if demand is not None:
                 speculative.append(demand)
+
+    def _writer(self, demand: Demand, chain_of: ChainOf) -> Writer:
+        """A committed prefill as in-flight deduplication sees it. It never waits when it
+        wants every position computed (prompt log-probabilities, ``open(reuse_prefix=False)``)
+        or is a commit's tail (atomic: ``Engine._unstage`` restores it as it was)."""
+        session, node = self._nodes_by_id[demand.node_id]
+        path = session.tree.path_tokens(node)
+        first, writes, reads = self.kv.page_claims(node.table, node.adapter, path,
+                                                   chain_of(node.id, path))
+        follows = (session.reuse_prefix and session.sampling.prompt_logprobs is None
+                   and not session.hold_speculation)
+        return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)
+
+    def _rematch(self, session: Session, tip: Node) -> None:
+        """Alias what is published now for a held tip's path (keeping its last token to sample from)."""
+        path = session.tree.path_tokens(tip)
+        self.attach(tip, self.kv.match(tip.table, tip.adapter, path[:tip.end - 1]))
+
+    def attach(self, node: Node, hit: DualMatch) -> None:
+        """Alias the published pages of a match; a side that hits alone is a partial hit."""
+        kv = node.table
+        before = (kv.length, kv.base.length, kv.residual.length if kv.residual is not None else 0)
+        kv.attach(hit.base_pages, hit.residual_pages, node.end)
+        self.metrics.hash_hit_tokens += kv.length - before[0]
+        self.metrics.base_hit_tokens += kv.base.length - before[1]
+        if kv.residual is not None:
+            self.metrics.residual_hit_tokens += kv.residual.length - before[2]
 
     def _spec_demand(self, node: Node) -> Demand | None:
         if node.state is not NodeState.SPECULATIVE or not node.speculated:

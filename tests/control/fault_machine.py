@@ -9,7 +9,9 @@ inject, at random points:
   sometimes not (the Stepper must find it by halving the batch);
 * an adapter removed behind the engine's back while its sessions decode, and one removed
   through ``Engine.remove_adapter`` (refused while in use);
-* a client abort in the middle of a batched generation.
+* a client abort in the middle of a batched generation;
+* the leader of a burst of sessions on one prefix failing mid-prefill while the others
+  wait for its pages (in-flight deduplication hands them back to the normal path).
 
 After every step the base machine's invariants hold (``check_integrity`` with the
 written-positions check, every table and every published page holds exactly the KV of its
@@ -177,6 +179,42 @@ class FaultMachine(VerbMachine):
             pass
         finally:
             self.backend.add_adapter(adapter)
+
+    @rule(data=st.data(), prefix=st.lists(st.integers(3, 8), min_size=8, max_size=40),
+          k=st.integers(2, 4), n=st.integers(1, 3), ticks=st.integers(0, 2))
+    def burst_whose_leader_fails(self, data, prefix, k, n, ticks):
+        """Sessions opened in one burst on one prefix; the oldest (the leader the others wait
+        for under in-flight deduplication) fails after ``ticks`` ticks of its prefill. The
+        others are handed back to the normal path: one leads, all generate what a fresh
+        engine generates, none hears of the leader's error."""
+        adapter = data.draw(st.sampled_from(self.adapters))
+        prompts = [prefix + [3 + i] for i in range(k)]
+        sids = [self.engine.open(t, adapter=adapter).id for t in prompts]
+        for sid, tokens in zip(sids, prompts, strict=True):
+            self.committed[sid] = list(tokens)
+            self.ever_committed.append(tuple(tokens))
+        leader, rest = sids[0], sids[1:]
+        for sid in sids:
+            self.engine.start_generate(sid, n)
+        for _ in range(ticks):
+            self.engine.tick()
+        self.backend.fault = lambda item: Injected("leader") \
+            if item.seq_id in self.engine.sessions[leader].tree.nodes else None
+        try:
+            self.engine.stepper.run_until(lambda: all(
+                self.engine.sessions[s].decode_left == 0 for s in sids))
+        finally:
+            self.backend.fault = None
+        session = self.engine.sessions[leader]
+        self._record(leader, session.generated)
+        if session.error is not None:
+            self._count()
+            session.error = None  # the test is the client that heard of it
+        for sid, tokens in zip(rest, prompts[1:], strict=True):
+            assert self.engine.sessions[sid].error is None
+            generated = tuple(self.engine.sessions[sid].generated)
+            self._record(sid, generated)
+            assert generated == self._baseline(tokens, adapter, n)
 
     @precondition(lambda self: len(self.engine.sessions) >= 2)
     @rule(data=st.data(), n=st.integers(2, 6), ticks=st.integers(0, 3))

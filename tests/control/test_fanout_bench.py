@@ -4,12 +4,27 @@ import json
 import pytest
 
 from forkserve.bench.fanout import FanoutParams, main, run_system
+from forkserve.config import PrefixDedup
 
 
 @pytest.fixture(scope="module")
 def rows():
-    params = FanoutParams()
+    """The seed's arithmetic: every open computes its own trunk (no in-flight dedup)."""
+    params = FanoutParams(prefix_dedup=PrefixDedup.OFF)
     return {s: run_system(s, params) for s in ("apc", "alias", "disagg", "cascade")}
+
+
+def test_in_flight_dedup_computes_the_shared_trunk_once():
+    """Ten sessions opened in one wave on one trunk: the first computes its 256 tokens, the
+    nine others wait for its pages and recompute only the last page (its logits are needed).
+    apc's 40 requests (4 distinct thoughts x 10 equal trunks) compute what plain vLLM does:
+    one trunk + thought, three more thoughts, and the last page of the 36 repeats."""
+    params = FanoutParams()
+    assert params.prefix_dedup is PrefixDedup.IN_FLIGHT
+    apc, cascade = run_system("apc", params), run_system("cascade", params)
+    assert apc.prefill_tokens == 288 + 3 * 32 + 36 * 16 == 960
+    assert cascade.prefill_tokens == 256 + 9 * 16 + 32 + 320 + 320 == 1072
+    assert cascade.transfer_tokens == 672 and cascade.peak_kv_tokens == 2880
 
 
 def test_apc_alias_disagg_rows_equal_the_arithmetic(rows):
@@ -35,7 +50,7 @@ def test_cascade_row(rows):
 
 
 def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
-    assert main(["--sessions", "3", "--out", str(tmp_path)]) == 0
+    assert main(["--sessions", "3", "--prefix-dedup", "off", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "fanout.json").read_text())
     assert [r["system"] for r in data["rows"]] == ["apc", "alias", "disagg", "cascade"]
     assert data["rows"][0]["prefill_tokens"] == 3 * 4 * 288

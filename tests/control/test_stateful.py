@@ -12,7 +12,9 @@
 * residual and merged pages are keyed by the adapter's version: an adapter reloaded between
   sessions (``AdapterReloads``) never reads the old version's pages;
 * every tick plan serves committed work before speculation (``scheduler_oracle``);
-* the cascade always keeps the winner (child 0) and known suffixes (p = 1).
+* the cascade always keeps the winner (child 0) and known suffixes (p = 1);
+* sessions opened in a burst on one prefix (``burst_open``) wait for each other's in-flight
+  pages: every invariant above holds mid-prefill, whatever verb comes next.
 """
 import sys
 
@@ -87,6 +89,21 @@ class VerbMachine(RuleBasedStateMachine):
         h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters)))
         self.committed[h.id] = list(tokens)
         self.ever_committed.append(tuple(tokens))
+
+    @rule(data=st.data(), prefix=st.lists(st.integers(3, 8), min_size=4, max_size=40),
+          suffixes=st.lists(st.lists(st.integers(3, 8), max_size=5), min_size=2, max_size=4),
+          ticks=st.integers(0, 3))
+    def burst_open(self, data, prefix, suffixes, ticks):
+        """Sessions opened in one burst on one prefix (in-flight deduplication: the oldest
+        writes it, the others wait for its pages); some ticks run before the next rule, which
+        may abort, close or fail the leader mid-prefill."""
+        for suffix in suffixes:
+            tokens = prefix + suffix
+            h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters)))
+            self.committed[h.id] = list(tokens)
+            self.ever_committed.append(tuple(tokens))
+        for _ in range(ticks):
+            self.engine.tick()
 
     @precondition(lambda self: self.engine.sessions)
     @rule(data=st.data(), tokens=TOKENS)

@@ -10,14 +10,14 @@ from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 VOCAB = 96
 
 
-def _backend(model_dir, layout, cascade):
+def _backend(model_dir, layout, cascade, **overrides):
     from forkserve.backend.torch import TorchBackend
 
     path, adapters = model_dir
     make = plus_config if cascade else ForkServeConfig
-    cfg = make(page_size=4, num_pages=512, num_residual_pages=512, kv_layout=layout,
-               max_batch_tokens=256, spec_chunk=16, early_abort_probe_tokens=2,
-               speculate_budget_tokens=3, node_ttl_s=None)
+    cfg = make(**{**dict(page_size=4, num_pages=512, num_residual_pages=512, kv_layout=layout,
+                         max_batch_tokens=256, spec_chunk=16, early_abort_probe_tokens=2,
+                         speculate_budget_tokens=3, node_ttl_s=None), **overrides})
     return TorchBackend(cfg, path, adapters, device="cpu", dtype=torch.float32,
                         attention="eager", use_cuda_graphs=False)
 
@@ -66,6 +66,38 @@ def test_committed_output_equals_a_committed_only_baseline(model_dir, layout, ad
     eng.close(h.id)
     eng.evict_all()
     assert eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("layout,adapter", [
+    (KVLayout.UNIFIED, None),
+    (KVLayout.DISAGGREGATED, "critic"),
+])
+def test_a_burst_on_one_trunk_equals_a_committed_only_baseline(model_dir, layout, adapter):
+    """Five sessions opened at once on one 37-token trunk, prefilled in 16-token chunks: the
+    oldest writes the trunk and publishes it chunk by chunk, the others wait and match it
+    (in-flight deduplication); each generates what a fresh engine given only its prompt does."""
+    from forkserve.config import PrefixDedup
+
+    backend = _backend(model_dir, layout, False, max_batch_tokens=16)
+    aid = None if adapter is None else backend.adapter_id(adapter)
+    eng = Engine(backend)
+    rng = random.Random(7)
+    trunk = [rng.randrange(3, VOCAB) for _ in range(37)]
+    prompts = [trunk + [rng.randrange(3, VOCAB) for _ in range(3)] for _ in range(5)]
+    sids = [eng.open(p, adapter=aid).id for p in prompts]
+    for sid in sids:
+        eng.start_generate(sid, 4)
+    while any(eng.sessions[s].decode_left for s in sids):
+        assert eng.tick()
+        eng.check_integrity()
+    assert eng.metrics.dedup_held > 0
+    # The leader's 40 tokens, then each follower its last 4 (its trunk's 9 full pages matched).
+    assert eng.metrics.prefill_tokens == 40 + 4 * 4
+    baseline = Engine(_backend(model_dir, layout, False, prefix_dedup=PrefixDedup.OFF))
+    for sid, prompt in zip(sids, prompts, strict=True):
+        hb = baseline.open(prompt, adapter=aid)
+        assert tuple(eng.sessions[sid].generated) == baseline.generate(hb.id, 4).tokens
+        baseline.close(hb.id)
 
 
 def test_unknown_adapter_is_rejected_at_the_verb_without_side_effects(model_dir):
