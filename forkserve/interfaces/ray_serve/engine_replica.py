@@ -184,7 +184,8 @@ class EngineReplica:
         path = self._spec.model_path if self._spec.loader is None else None
         return ModelInfo(name=m.name, model_path=path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
-                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size)
+                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size,
+                         sampling_defaults=m.sampling_defaults, share_base=m.engine.config.share_base)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
