@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
@@ -253,7 +254,7 @@ def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -
     return tuple(sorted(bias.items()))
 
 
-async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: int | None, max_tokens: int,
+async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: AdapterId | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
                  pin_if: Callable[[str], bool] | None,
