@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forkserve.adapter_key import AdapterKey, adapter_key
 from forkserve.backend.protocol import PageKind
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_pool import PagePool
@@ -46,7 +47,7 @@ class PublishedPage:
     """One device page of a prefix tree, keyed as the engine keys it."""
 
     residual: bool                  # in the residual tree (else the base tree)
-    adapter: str | None             # the adapter whose namespace holds it (None: base model's)
+    adapter: AdapterKey | None      # the adapter whose namespace holds it (None: base model's)
     prefix: tuple[int, ...]         # every token from the root through this page
     salt: CacheSalt
 
@@ -76,6 +77,6 @@ def published_pages(kv: KVCache) -> tuple[PublishedPage, ...]:
     if kv.residual_index is not None:
         indexes.append((True, kv.residual_index))
     return tuple(
-        PublishedPage(residual, str(e.namespace.adapter_id)
+        PublishedPage(residual, adapter_key(e.namespace.adapter_id)
                       if isinstance(e.namespace, AdapterNamespace) else None, e.prefix, e.salt)
         for residual, index in indexes for e in index.entries())

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from forkserve.adapter_key import AdapterId
+
 
 @dataclass(frozen=True)
 class SessionHandle:
@@ -37,7 +39,8 @@ class DrainReport:
 @dataclass(frozen=True)
 class SharedPrefill:
     tokens: int              # published tokens (full pages) of the shared context
-    adapters: tuple          # whose residuals were written from the base activations
+    adapters: tuple[AdapterId, ...]  # whose residuals were written from the base activations
+                                     # (as the caller named them)
     prefilled_tokens: int    # what the pass computed (0 when everything was published)
 
 

@@ -1,6 +1,7 @@
 """``Engine.cache_stats`` / ``published_pages``: the interfaces' read-only view of the cache
 agrees with the pools, trees, pins and host tier it summarises."""
 from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.adapter_key import adapter_key
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
 from forkserve.engine import PoolStats
@@ -13,8 +14,8 @@ CONTEXT = list(range(10, 42))  # 8 pages
 OTHER = list(range(50, 98))    # 12 pages: pushes the first context's residual to the host
 
 
-def _turn(eng: Engine, tokens: list[int]) -> None:
-    h = eng.open(tokens, adapter="planner")
+def _turn(eng: Engine, tokens: list[int], adapter: int | str = "planner") -> None:
+    h = eng.open(tokens, adapter=adapter)
     eng.generate(h.id, 1)
     eng.close(h.id)
 
@@ -67,3 +68,11 @@ def test_published_pages_list_every_device_page_parent_first_with_its_adapter():
             assert len(page.prefix) % P == 0
             if len(page.prefix) > P:
                 assert any(q.prefix == page.prefix[:-P] for q in tree[:i])
+
+
+def test_a_published_page_names_its_adapter_by_the_key_adapter_key_makes():
+    """The backend's id may be an int (TorchBackend's are): L4 maps pages back to adapter
+    names through ``adapter_key`` (ServedModel.adapter_names), so the two spellings must agree."""
+    eng = Engine(MockBackend(CFG, adapters=[7]))
+    _turn(eng, CONTEXT, adapter=7)
+    assert {p.adapter for p in eng.published_pages() if p.residual} == {adapter_key(7)}

@@ -18,6 +18,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest, ReplicaID
 
+from forkserve.adapter_key import adapter_key
 from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig
 from forkserve.control.kv_cache import KVCache
@@ -95,12 +96,13 @@ def test_index_hashes_match_the_prompt_hashes_of_published_pages() -> None:
     kv = KVCache(ForkServeConfig(page_size=P, num_pages=64), [PageKind.UNIFIED])
     tokens = list(range(3, 15))
     kv.index.insert(BASE, tokens, kv.pool.alloc(3))
-    kv.index.insert(AdapterNamespace("0"), tokens[:8], kv.pool.alloc(2))
+    kv.index.insert(AdapterNamespace(adapter_key(0)), tokens[:8], kv.pool.alloc(2))
     pages = published_pages(kv)
-    published = index_hashes(pages, P, {"0": "planner"})
+    names = {adapter_key(0): "planner"}
+    published = index_hashes(pages, P, names)
     assert matched_pages(page_hashes(BASE_SCOPE, tokens + [1, 2], P), published) == 3
     assert matched_pages(page_hashes("planner", tokens, P), published) == 2
-    assert pages_per_adapter(pages, {"0": "planner"}) == {"planner": 2}
+    assert pages_per_adapter(pages, names) == {"planner": 2}
 
 
 def test_a_known_tree_goes_to_its_owner_only() -> None:

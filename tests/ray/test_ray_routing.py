@@ -175,6 +175,27 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
             text[choice["index"]] += choice["text"]
     assert [text[0], text[1]] == [c["text"] for c in whole["choices"]]
 
+    # Chat streams as the one-process server's do (server/openai_wire.py): every choice's
+    # role first, then its content, then an empty delta with its finish_reason; usage last.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "n": 2, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=chat) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
+    ends = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(c["index"] for c in ends) == [0, 1] and all(c["delta"]["content"] is None for c in ends)
+    assert chunks[-1]["choices"] == [] and 0 < chunks[-1]["usage"]["completion_tokens"] <= 6
+
+
+def test_models_list_the_adapters_and_the_served_defaults(client: httpx.Client) -> None:
+    cards = {c["id"]: c for c in ok(client.get("/v1/models"))["data"]}
+    assert cards[MODEL]["parent"] is None and cards["critic"]["parent"] == MODEL
+    assert all(c["sampling_defaults"] == {"temperature": 1.0, "top_p": 1.0, "source": "openai"}
+               and c["share_base"] == "cross_adapter" for c in cards.values())
+
 
 def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) -> None:
     """The Python client of the one-process server, unchanged, against the Frontend: the

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from server_testlib import MODEL_NAME
 
-from forkserve.config import app_config
+from forkserve.config import ShareBase, app_config
 from forkserve.interfaces.server.generation_defaults import (
     OPENAI_DEFAULTS,
     SamplingDefaults,
@@ -68,15 +68,22 @@ def test_a_request_keeps_what_it_sets_and_takes_the_defaults_for_the_rest():
 
 
 def test_served_model_samples_greedily_when_its_config_says_temperature_0(tiny_model_dir, tmp_path):
+    import httpx
     import openai
 
     path, _ = tiny_model_dir
     greedy_dir = shutil.copytree(path, tmp_path / MODEL_NAME)
     (greedy_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
-    model = load_served_model(greedy_dir, config=app_config(page_size=4, num_pages=256),
-                              device="cpu", dtype="float32", attention="eager")
+    config = app_config(page_size=4, num_pages=256, share_base=ShareBase.EXACT)
+    model = load_served_model(greedy_dir, config=config, device="cpu", dtype="float32",
+                              attention="eager")
     assert model.sampling_defaults.temperature == 0.0
     with serve_in_thread(model) as running:
+        # /v1/models says what a request that omits them samples with, and the sharing policy.
+        cards = httpx.get(running.url + "/v1/models").json()["data"]
+        assert cards and all(c["sampling_defaults"] == {
+            "temperature": 0.0, "top_p": 1.0, "source": str(greedy_dir / "generation_config.json")}
+            and c["share_base"] == "exact" for c in cards)
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
         kw = dict(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=12)
         texts = {client.completions.create(**kw, seed=s).choices[0].text for s in range(3)}

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from forkserve.adapter_key import adapter_key
 from forkserve.config import ForkServeConfig
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.ray_serve.protocol import (
@@ -114,9 +115,6 @@ class EngineReplica:
                                     session_ttl_s=spec.session_ttl_s)
         self._worker.start()
         self._trees: dict[int, int] = {}  # tree id -> engine session id (engine thread only)
-        # The engine's adapter key (whatever the backend uses), as AdapterNamespace spells it
-        # (a string) -> the name clients send.
-        self._adapter_names = {str(key): name for name, key in self._model.adapters.items()}
         self._collector = EngineCollector()
         self._registry = CollectorRegistry()
         self._registry.register(self._collector)
@@ -168,7 +166,7 @@ class EngineReplica:
     def _info(self, tree_id: int, sid: int) -> SessionInfo:
         eng = self._model.engine
         adapter = eng.sessions[sid].adapter
-        name = self._model.name if adapter is None else self._adapter_names[str(adapter)]
+        name = self._model.name if adapter is None else self._model.adapter_names[adapter_key(adapter)]
         # The tree id; the Frontend shows the caller its public id instead.
         return SessionInfo(session_id=str(tree_id), tip=eng.tip(sid), model=name,
                            committed_tokens=len(eng.committed_tokens(sid)))
@@ -184,7 +182,8 @@ class EngineReplica:
         path = self._spec.model_path if self._spec.loader is None else None
         return ModelInfo(name=m.name, model_path=path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
-                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size)
+                         vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size,
+                         sampling_defaults=m.sampling_defaults, share_base=m.engine.config.share_base)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
@@ -315,8 +314,8 @@ class EngineReplica:
             pages = eng.published_pages()
             w = self._worker.stats()
             cache = eng.cache_stats()
-            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._adapter_names),
-                                  pages_per_adapter(pages, self._adapter_names),
+            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._model.adapter_names),
+                                  pages_per_adapter(pages, self._model.adapter_names),
                                   cache.base.free, w.active_generations, w.queue_depth,
                                   live_pages=cache.base.live, page_size=cache.page_size,
                                   token_rate=w.decode_tokens_per_s + w.prefill_tokens_per_s)

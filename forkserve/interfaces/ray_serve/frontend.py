@@ -30,8 +30,8 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -44,7 +44,7 @@ from forkserve.backend.protocol import SamplingParams
 from forkserve.control.prefix_index import CacheSalt
 from forkserve.interfaces.client import REPLICA_HEADER
 from forkserve.interfaces.ray_serve import cluster_metrics
-from forkserve.interfaces.ray_serve.ledger import TreeLedger
+from forkserve.interfaces.ray_serve.ledger import TreeLedger, TreeRecord
 from forkserve.interfaces.ray_serve.protocol import ModelInfo, RouteHint
 from forkserve.interfaces.ray_serve.tree_client import (
     REPLICA_GONE,
@@ -54,40 +54,10 @@ from forkserve.interfaces.ray_serve.tree_client import (
 from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.auth import authenticate
 from forkserve.interfaces.server.cache_salt import cache_salt
-from forkserve.interfaces.server.engine_worker import GenerationSpec
+from forkserve.interfaces.server.engine_worker import Chunk, GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
+from forkserve.interfaces.server import openai_wire, schemas
 from forkserve.interfaces.server.merge import merge_tagged
-from forkserve.interfaces.server.schemas import (
-    AbortRequest,
-    AbortResponse,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CommitRequest,
-    CommitResponse,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DecisionResponse,
-    DrainResponse,
-    ForkRequest,
-    ForkResponse,
-    GenerateChunk,
-    GenerateRequest,
-    GenerateResponse,
-    JoinRequest,
-    ModelCard,
-    ModelList,
-    OpenSessionRequest,
-    SessionInfo,
-    SessionList,
-    SpeculateRequest,
-    Usage,
-)
 from forkserve.interfaces.server.session_ids import PublicSessionIds
 
 
@@ -104,10 +74,6 @@ def _error_payload(exc: Exception) -> dict:
 
 # How long /metrics waits for a replica before it reports it down.
 _SCRAPE_TIMEOUT_S = 5.0
-
-
-def _usage(prompt: int, completion: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 @serve.ingress(app)
@@ -158,11 +124,27 @@ class Frontend:
         return (await self._text()).encode(text or "", add_special_tokens=False)
 
     async def _open(self, info: ModelInfo, adapter: str | None, ids: list[int],
-                    salt: CacheSalt) -> tuple[SessionInfo, int, str]:
+                    salt: CacheSalt) -> tuple[schemas.SessionInfo, int, str]:
         tree = self._trees.ledger.new_id()
         session, view = await self._trees.open(info, tree, adapter, ids, salt)
         self._trees.ledger.record(adapter, view, salt)
         return session, tree, view.replica
+
+    async def _settled(self, tree: int, verb: str, args: Callable[[TreeRecord], tuple],
+                       response: Response) -> Any:
+        """A verb whose reply carries the tree's committed state after it: the ledger keeps
+        that state (what a fail-over re-opens from) and the header names the replica."""
+        (out, view), _ = await self._trees.call(await self._model(), tree, verb, args)
+        self._trees.ledger.update(view)
+        response.headers[REPLICA_HEADER] = view.replica
+        return out
+
+    async def _caller(self, request: Request, body: schemas.CompletionRequest | schemas.ChatCompletionRequest
+                      ) -> tuple[CacheSalt, ModelInfo, str | None]:
+        """An OpenAI request's trust boundary (401 first), the model and the adapter it names."""
+        salt = self._salt(self._tenant(request), body.cache_salt)
+        info = await self._model()
+        return salt, info, self._adapter(info, body.model)
 
     def _tenant(self, request: Request) -> str:
         return authenticate(self._access.keys, request.headers.get("authorization"))
@@ -176,7 +158,7 @@ class Frontend:
 
     # ------------------------------------------------------------------ branch API
     @app.post("/v1/sessions")
-    async def open_session(self, body: OpenSessionRequest, request: Request, response: Response) -> SessionInfo:
+    async def open_session(self, body: schemas.OpenSessionRequest, request: Request, response: Response) -> schemas.SessionInfo:
         tenant = self._tenant(request)
         salt = self._salt(tenant, body.cache_salt)
         info = await self._model()
@@ -193,23 +175,20 @@ class Frontend:
         return session.model_copy(update={"session_id": self._ids.bind(tree, tenant)})
 
     @app.get("/v1/sessions")
-    async def list_sessions(self, request: Request) -> SessionList:
+    async def list_sessions(self, request: Request) -> schemas.SessionList:
         tenant = self._tenant(request)
         info = await self._model()
         records = [(sid, self._trees.ledger.get(tree)) for sid, tree in self._ids.of_tenant(tenant)]
-        return SessionList(data=[SessionInfo(session_id=sid, tip=rec.tip, model=rec.adapter or info.name,
+        return schemas.SessionList(data=[schemas.SessionInfo(session_id=sid, tip=rec.tip, model=rec.adapter or info.name,
                                              committed_tokens=len(rec.committed)) for sid, rec in records])
 
     @app.get("/v1/sessions/{sid}")
-    async def session_info(self, sid: str, request: Request, response: Response) -> SessionInfo:
-        tree = self._tree(request, sid)
-        (session, view), _ = await self._trees.call(await self._model(), tree, "info", lambda rec: ())
-        self._trees.ledger.update(view)
-        response.headers[REPLICA_HEADER] = view.replica
+    async def session_info(self, sid: str, request: Request, response: Response) -> schemas.SessionInfo:
+        session = await self._settled(self._tree(request, sid), "info", lambda rec: (), response)
         return session.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/fork")
-    async def fork(self, sid: str, body: ForkRequest, request: Request, response: Response) -> ForkResponse:
+    async def fork(self, sid: str, body: schemas.ForkRequest, request: Request, response: Response) -> schemas.ForkResponse:
         tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
         out, rec = await self._trees.call(await self._model(), tree, "fork",
@@ -218,45 +197,39 @@ class Frontend:
         return out
 
     @app.post("/v1/sessions/{sid}/speculate")
-    async def speculate(self, sid: str, body: SpeculateRequest, request: Request, response: Response) -> DecisionResponse:
+    async def speculate(self, sid: str, body: schemas.SpeculateRequest, request: Request, response: Response) -> schemas.DecisionResponse:
         out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "speculate",
                                           lambda rec: (rec.node(body.node), body.priority, body.t_idle_ms))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/commit")
-    async def commit(self, sid: str, body: CommitRequest, request: Request, response: Response) -> CommitResponse:
+    async def commit(self, sid: str, body: schemas.CommitRequest, request: Request, response: Response) -> schemas.CommitResponse:
         tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
-        (out, view), _ = await self._trees.call(await self._model(), tree, "commit",
-                                                lambda rec: (rec.node(body.tip), ids))
-        self._trees.ledger.update(view)
-        response.headers[REPLICA_HEADER] = view.replica
+        out = await self._settled(tree, "commit", lambda rec: (rec.node(body.tip), ids), response)
         return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/join")
-    async def join(self, sid: str, body: JoinRequest, request: Request, response: Response) -> CommitResponse:
+    async def join(self, sid: str, body: schemas.JoinRequest, request: Request, response: Response) -> schemas.CommitResponse:
         tree = self._tree(request, sid)
         if body.separator_text is not None and body.separator_tokens is not None:
             raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
         sep = body.separator_tokens if body.separator_tokens is not None else (
             await self._tokens(body.separator_text, None) if body.separator_text else [])
-        (out, view), _ = await self._trees.call(await self._model(), tree, "join",
-                                                lambda rec: (rec.nodes(body.nodes), sep))
-        self._trees.ledger.update(view)
-        response.headers[REPLICA_HEADER] = view.replica
+        out = await self._settled(tree, "join", lambda rec: (rec.nodes(body.nodes), sep), response)
         return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/abort")
-    async def abort(self, sid: str, body: AbortRequest, request: Request, response: Response) -> AbortResponse:
+    async def abort(self, sid: str, body: schemas.AbortRequest, request: Request, response: Response) -> schemas.AbortResponse:
         out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "abort",
                                           lambda rec: (rec.node(body.node),))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/generate", response_model=None)
-    async def generate(self, sid: str, body: GenerateRequest, request: Request,
-                       response: Response) -> GenerateResponse | StreamingResponse:
+    async def generate(self, sid: str, body: schemas.GenerateRequest, request: Request,
+                       response: Response) -> schemas.GenerateResponse | StreamingResponse:
         tree = self._tree(request, sid)
         if any(not s for s in body.stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -270,19 +243,16 @@ class Frontend:
             async def lines() -> AsyncIterator[str]:
                 try:
                     async for c in stream:
-                        yield GenerateChunk(text=c.text, tokens=list(c.tokens),
-                                            finish_reason=c.finish_reason).model_dump_json() + "\n"
+                        yield schemas.GenerateChunk(text=c.text, tokens=list(c.tokens),
+                                                    finish_reason=c.finish_reason).model_dump_json() + "\n"
                 except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
                     yield json.dumps(_error_payload(exc)) + "\n"
             return StreamingResponse(lines(), media_type="application/x-ndjson",
                                      headers={REPLICA_HEADER: stream.replica})
-        (out, view), _ = await self._trees.call(info, tree, "generate", lambda rec: (spec,))
-        self._trees.ledger.update(view)
-        response.headers[REPLICA_HEADER] = view.replica
-        return out
+        return await self._settled(tree, "generate", lambda rec: (spec,), response)
 
     @app.delete("/v1/sessions/{sid}")
-    async def close(self, sid: str, request: Request, response: Response) -> SessionInfo:
+    async def close(self, sid: str, request: Request, response: Response) -> schemas.SessionInfo:
         tree = self._tree(request, sid)
         out, replica = await self._trees.close(await self._model(), tree)
         self._ids.forget(tree)
@@ -290,26 +260,23 @@ class Frontend:
         return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/drain")
-    async def drain(self, request: Request) -> DrainResponse:
+    async def drain(self, request: Request) -> schemas.DrainResponse:
         """drain_slack on every replica holding a tree of this Frontend, summed."""
         self._tenant(request)
         reports = await self._trees.drain()
-        return DrainResponse(ticks=sum(r.ticks for r in reports),
+        return schemas.DrainResponse(ticks=sum(r.ticks for r in reports),
                              prefill_tokens=sum(r.prefill_tokens for r in reports),
                              decode_tokens=sum(r.decode_tokens for r in reports),
                              slack_filled_tokens=sum(r.slack_filled_tokens for r in reports))
 
     # ------------------------------------------------------------------ OpenAI API
     @app.get("/v1/models")
-    async def list_models(self, request: Request) -> ModelList:
+    async def list_models(self, request: Request) -> schemas.ModelList:
         self._tenant(request)
         info = await self._model()
-        created = int(time.time())
-        cards = [ModelCard(id=info.name, created=created, root=info.name)]
-        cards += [ModelCard(id=a, created=created, root=a, parent=info.name) for a in info.adapters]
-        return ModelList(data=cards)
+        return openai_wire.model_list(info.name, info.adapters, int(time.time()), info.sampling_defaults, info.share_base)
 
-    def _specs(self, info: ModelInfo, prompts: list[list[int]], body: CompletionRequest | ChatCompletionRequest,
+    def _specs(self, info: ModelInfo, prompts: list[list[int]], body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
                budget: int | None) -> list[tuple[list[int], GenerationSpec]]:
         """One (prompt, spec) per choice, in OpenAI's order; with a seed, sample j of a prompt
         uses seed + j (distinct, reproducible), as in the one-process server."""
@@ -320,17 +287,18 @@ class Frontend:
             stops = body.stop_strings()
         except ValueError as e:
             raise APIError(400, str(e), param="stop") from None
+        temperature, top_p = info.sampling_defaults.resolve(body)
         out = []
         for ids in prompts:
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j
                 max_tokens = budget if budget is not None else info.max_context - len(ids)
-                out.append((ids, GenerationSpec(max_tokens, SamplingParams(body.temperature, body.top_p, seed),
+                out.append((ids, GenerationSpec(max_tokens, SamplingParams(temperature, top_p, seed),
                                                 frozenset(info.eos_token_ids), stops)))
         return out
 
     async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int], spec: GenerationSpec,
-                        salt: CacheSalt) -> tuple[GenerateResponse, str]:
+                        salt: CacheSalt) -> tuple[schemas.GenerateResponse, str]:
         """One choice: a tree opened on the prompt, generated, closed (its pages stay published)."""
         _, tree, _ = await self._open(info, adapter, ids, salt)
         try:
@@ -375,92 +343,69 @@ class Frontend:
         async for tagged in merge_tagged([stream for _, stream in started], on_end=close):
             yield tagged
 
-    def _sse(self, events: AsyncIterator[BaseModel], replica: str) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for event in events:
-                    yield f"data: {event.model_dump_json()}\n\n"
-                yield "data: [DONE]\n\n"
-            except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
-                yield f"data: {json.dumps(_error_payload(exc))}\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+    @staticmethod
+    def _sse(events: AsyncIterator[BaseModel], started: list[tuple[int, GenerationStream]]) -> StreamingResponse:
+        """The events as SSE; the header names the first choice's replica."""
+        return openai_wire.sse(events, _error_payload, headers={REPLICA_HEADER: started[0][1].replica})
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, body: CompletionRequest, request: Request,
-                          response: Response) -> CompletionResponse | StreamingResponse:
-        salt = self._salt(self._tenant(request), body.cache_salt)
-        info = await self._model()
-        adapter = self._adapter(info, body.model)
+    async def completions(self, body: schemas.CompletionRequest, request: Request,
+                          response: Response) -> schemas.CompletionResponse | StreamingResponse:
+        salt, info, adapter = await self._caller(request, body)
         prompts = [p if isinstance(p, list) else (await self._text()).encode(p, add_special_tokens=True)
                    for p in body.prompts()]
         specs = self._specs(info, prompts, body, body.max_tokens)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        wire = openai_wire.CompletionWire.start(body.model)
         prompt_tokens = sum(len(p) for p in prompts)
-
-        def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None) -> CompletionResponse:
-            return CompletionResponse(id=rid, created=created, model=body.model, usage=usage,
-                                      choices=[CompletionChoice(index=index, text=text, finish_reason=reason)]
-                                      if index >= 0 else [])
 
         if body.stream:
             started = await self._start_streams(info, adapter, specs, salt)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[BaseModel]:
-                completion_tokens = 0
-                async for index, c in self._merged(info, started):
-                    completion_tokens += len(c.tokens)
-                    if c.text or c.finish_reason:
-                        yield chunk(index, c.text, c.finish_reason)
-                if include_usage:
-                    yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens))
-            return self._sse(events(), started[0][1].replica)
+            def render(index: int, c: Chunk) -> Iterator[schemas.CompletionResponse]:
+                if c.text or c.finish_reason:
+                    yield wire.chunk(index, c.text, c.finish_reason)
+
+            def usage_chunk(completion_tokens: int) -> schemas.CompletionResponse:
+                return wire.usage_chunk(openai_wire.usage(prompt_tokens, completion_tokens))
+            events = openai_wire.stream_events(self._merged(info, started), render,
+                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None)
+            return self._sse(events, started)
 
         results = await asyncio.gather(*(self._complete(info, adapter, ids, s, salt) for ids, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
-        return CompletionResponse(
-            id=rid, created=created, model=body.model,
-            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
-                     for i, (r, _) in enumerate(results)],
-            usage=_usage(prompt_tokens, sum(len(r.tokens) for r, _ in results)))
+        return wire.body([schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+                          for i, (r, _) in enumerate(results)],
+                         openai_wire.usage(prompt_tokens, sum(len(r.tokens) for r, _ in results)))
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request,
-                               response: Response) -> ChatCompletionResponse | StreamingResponse:
-        salt = self._salt(self._tenant(request), body.cache_salt)
-        info = await self._model()
-        adapter = self._adapter(info, body.model)
+    async def chat_completions(self, body: schemas.ChatCompletionRequest, request: Request,
+                               response: Response) -> schemas.ChatCompletionResponse | StreamingResponse:
+        salt, info, adapter = await self._caller(request, body)
         ids = (await self._text()).apply_chat_template(body.template_messages())
         specs = self._specs(info, [ids], body, body.token_budget())
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage)
+        wire = openai_wire.ChatWire.start(body.model)
 
         if body.stream:
             started = await self._start_streams(info, adapter, specs, salt)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[BaseModel]:
-                yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                             for i in range(len(started))])
-                completion_tokens = 0
-                async for index, c in self._merged(info, started):
-                    completion_tokens += len(c.tokens)
-                    if c.text or c.finish_reason:
-                        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=c.text or None),
-                                                     finish_reason=c.finish_reason)])
-                if include_usage:
-                    yield chunk([], _usage(len(ids), completion_tokens))
-            return self._sse(events(), started[0][1].replica)
+            def render(index: int, c: Chunk) -> Iterator[schemas.ChatCompletionChunk]:
+                if c.text:
+                    yield wire.delta(index, schemas.ChatDelta(content=c.text))
+                if c.finish_reason:
+                    yield wire.finish(index, c.finish_reason)
+
+            def usage_chunk(completion_tokens: int) -> schemas.ChatCompletionChunk:
+                return wire.usage_chunk(openai_wire.usage(len(ids), completion_tokens))
+            events = openai_wire.stream_events(self._merged(info, started), render,
+                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None,
+                                               opening=wire.roles(len(started)))
+            return self._sse(events, started)
 
         results = await asyncio.gather(*(self._complete(info, adapter, p, s, salt) for p, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
-        return ChatCompletionResponse(
-            id=rid, created=created, model=body.model,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
-                     for i, (r, _) in enumerate(results)],
-            usage=_usage(len(ids), sum(len(r.tokens) for r, _ in results)))
+        return wire.body([schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+                          for i, (r, _) in enumerate(results)],
+                         openai_wire.usage(len(ids), sum(len(r.tokens) for r, _ in results)))
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from forkserve.config import ShareBase
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
+from forkserve.interfaces.server.generation_defaults import SamplingDefaults
 
 T = TypeVar("T")
 
@@ -73,6 +75,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     page_size: int
+    # What a request that omits temperature / top_p samples with (the replicas' model's
+    # generation config), and the replicas' cache-sharing policy: both shown in /v1/models.
+    sampling_defaults: SamplingDefaults
+    share_base: ShareBase
 
 
 # Failure.type of a verb on a tree the replica does not hold (it restarted, or closed the

@@ -6,8 +6,8 @@ every router (``RunningReplica.routing_stats``). It says what a new tree would f
 * ``prefix_pages``: one 64-bit hash per published page of the prefix index, chained over
   the page's whole prefix (``page_hashes``), so a prompt's matched prefix on a replica is
   the run of its own chained hashes found in the set: no tokens cross the wire.
-* ``residual_pages``: pages per adapter name (``adapter_names`` maps the engine's adapter
-  key as a string, as ``PublishedPage.adapter`` holds it, to the name clients send),
+* ``residual_pages``: pages per adapter name (``adapter_names`` maps each ``AdapterKey``,
+  as ``PublishedPage.adapter`` holds it, to the name clients send),
   resident in the residual cache (the disaggregated layout) or under the adapter's
   namespace of the unified cache.
 * live pages (held by sessions: the cache alone is an asset, not load), free pages, the page
@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forkserve.adapter_key import AdapterKey
 from forkserve.engine import UNSALTED, CacheSalt, PublishedPage
 
 BASE_SCOPE = ""  # the namespace key of base-model pages; an adapter's is its name
@@ -88,14 +89,14 @@ class ReplicaSummary:
                    int(d.get("live_pages", 0)), int(d.get("page_size", 16)), float(d.get("token_rate", 0.0)))
 
 
-def _scope(page: PublishedPage, adapter_names: Mapping[str, str]) -> str:
+def _scope(page: PublishedPage, adapter_names: Mapping[AdapterKey, str]) -> str:
     if page.adapter is None:
         return BASE_SCOPE
     return adapter_names.get(page.adapter, page.adapter)
 
 
 def index_hashes(pages: Sequence[PublishedPage], page_size: int,
-                 adapter_names: Mapping[str, str]) -> frozenset[int]:
+                 adapter_names: Mapping[AdapterKey, str]) -> frozenset[int]:
     """The chained hash of every published page of the base tree (``Engine.published_pages``
     lists parents before children, so each page's hash extends its parent's, memoised by
     prefix)."""
@@ -111,7 +112,7 @@ def index_hashes(pages: Sequence[PublishedPage], page_size: int,
 
 
 def pages_per_adapter(pages: Sequence[PublishedPage],
-                      adapter_names: Mapping[str, str]) -> dict[str, int]:
+                      adapter_names: Mapping[AdapterKey, str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for page in pages:
         if page.adapter is not None:

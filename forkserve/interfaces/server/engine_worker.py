@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import SamplingParams
 from forkserve.engine import Engine
 from forkserve.engine.session import Session
@@ -190,7 +191,7 @@ class EngineWorker:
             return gen
         return await self.call(register, undo=Generation.cancel)
 
-    async def open_and_generate(self, tokens: list[int], adapter: int | None, spec: GenerationSpec, *,
+    async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None, spec: GenerationSpec, *,
                                 opener: Callable[[], int] | None = None) -> Generation:
         """Open a session on ``tokens`` and decode on it (one OpenAI choice). ``opener``
         opens it instead, on this thread, and returns its id (the server's tenancy: limits,

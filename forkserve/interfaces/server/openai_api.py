@@ -14,16 +14,14 @@ constraint the sampler applies token by token; replies are parsed into ``tool_ca
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import SamplingParams
 from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
@@ -32,10 +30,18 @@ from forkserve.interfaces.server.errors import APIError, stream_error
 from forkserve.interfaces.server.grammar import GrammarConstraint
 from forkserve.interfaces.server.logprobs import chat_logprobs, completion_logprobs
 from forkserve.interfaces.server.merge import merge_tagged
+from forkserve.interfaces.server.openai_wire import (
+    ChatWire,
+    CompletionWire,
+    include_usage,
+    model_list,
+    sse,
+    stream_events,
+    usage,
+)
 from forkserve.interfaces.server.schemas import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -45,12 +51,9 @@ from forkserve.interfaces.server.schemas import (
     CompletionRequest,
     CompletionResponse,
     FunctionCallOut,
-    ModelCard,
     ModelList,
-    PromptTokensDetails,
     ToolCallDelta,
     ToolCallOut,
-    Usage,
 )
 from forkserve.interfaces.server.served_model import ServedModel
 from forkserve.interfaces.server.state import ServerState, StateDep
@@ -65,9 +68,7 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(st: StateDep) -> ModelList:
     m = st.model
-    cards = [ModelCard(id=m.name, created=m.created, root=m.name)]
-    cards += [ModelCard(id=name, created=m.created, root=name, parent=m.name) for name in sorted(m.adapters)]
-    return ModelList(data=cards)
+    return model_list(m.name, m.adapters, m.created, m.sampling_defaults, m.engine.config.share_base)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
     per_choice = [ids for ids in encoded for _ in range(body.n)]
     choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops, body.logprobs, None, None,
                                    prompt_logprobs=body.prompt_logprobs)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    wire = CompletionWire.start(body.model)
     prompt_tokens = sum(len(ids) for ids in encoded)
     cached_tokens = sum(cached[::body.n])  # each prompt once, as prompt_tokens counts it
     k = body.logprobs or 0
@@ -107,32 +108,29 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
         log = choices[index].log
         return log.prompt_entries(per_choice[index]) if body.prompt_logprobs is not None and log else None
 
-    def chunk(index: int, text: str, reason: str | None, usage: Usage | None = None,
-              records: list[SampledToken] | None = None, offset: int = 0) -> CompletionResponse:
-        lp = completion_logprobs(records, st.model.token_text, k, offset) if records is not None else None
-        return CompletionResponse(id=rid, created=created, model=body.model, usage=usage,
-                                  choices=[CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=lp)]
-                                  if index >= 0 else [])
+    def chunk(index: int, text: str, reason: str | None,
+              records: list[SampledToken] | None = None) -> CompletionResponse:
+        lp = completion_logprobs(records, st.model.token_text, k, 0) if records is not None else None
+        return wire.chunk(index, text, reason, lp)
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        cursors = _Cursors(choices, st.model)
+        echoed: set[int] = set()
 
-        async def events() -> AsyncIterator[BaseModel]:
-            completion_tokens = 0
-            cursors = _Cursors(choices, st.model)
-            echoed: set[int] = set()
-            async for index, c in _merged([ch.gen for ch in choices]):
-                if body.echo and index not in echoed:
-                    # A choice's first chunk comes after its prompt's prefill: its logprobs are in.
-                    echoed.add(index)
-                    yield chunk(index, echoes[index // body.n], None, records=prompt_records(index))
-                completion_tokens += len(c.tokens)
-                records = cursors.take(index, c)
-                if c.text or c.finish_reason or records:
-                    yield chunk(index, c.text, c.finish_reason, records=records)
-            if include_usage:
-                yield chunk(-1, "", None, _usage(prompt_tokens, completion_tokens, cached_tokens))
-        return _sse(events(), choices)
+        def render(index: int, c: Chunk) -> Iterator[CompletionResponse]:
+            if body.echo and index not in echoed:
+                # A choice's first chunk comes after its prompt's prefill: its logprobs are in.
+                echoed.add(index)
+                yield chunk(index, echoes[index // body.n], None, prompt_records(index))
+            records = cursors.take(index, c)
+            if c.text or c.finish_reason or records:
+                yield chunk(index, c.text, c.finish_reason, records)
+
+        def usage_chunk(completion_tokens: int) -> CompletionResponse:
+            return wire.usage_chunk(usage(prompt_tokens, completion_tokens, cached_tokens))
+        events = stream_events(_merged([ch.gen for ch in choices]), render,
+                               usage_chunk if include_usage(body.stream_options) else None)
+        return _sse(events, choices)
 
     results = await _collect(request, choices)
     cursors = _Cursors(choices, st.model)
@@ -146,8 +144,7 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
             echo_offset = len(echo)
         lp = completion_logprobs(records, st.model.token_text, k, echo_offset) if records is not None else None
         out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=lp))
-    return CompletionResponse(id=rid, created=created, model=body.model, choices=out,
-                              usage=_usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
+    return wire.body(out, usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -172,46 +169,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     pin_if = (lambda text: bool(fmt.parse(text).calls)) if fmt is not None and model.pin_tool_pauses else None
     choices, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops,
                                    top if body.logprobs else None, grammar, pin_if)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, created=created, model=body.model, choices=choices, usage=usage)
+    wire = ChatWire.start(body.model)
 
     def logprobs(records: list[SampledToken] | None) -> ChatLogprobs | None:
         return chat_logprobs(records, model.token_text, top) if records is not None else None
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        cursors = _Cursors(choices, model)
+        calls = [ToolCallStream(plan.fmt) if plan.fmt else None for _ in choices]
 
-        async def events() -> AsyncIterator[BaseModel]:
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                         for i in range(len(choices))])
-            completion_tokens = 0
-            cursors = _Cursors(choices, model)
-            calls = [ToolCallStream(plan.fmt) if plan.fmt else None for _ in choices]
-            async for index, c in _merged([ch.gen for ch in choices]):
-                completion_tokens += len(c.tokens)
-                records = cursors.take(index, c)
-                parser = calls[index]
-                text = parser.push(c.text) if parser else c.text
-                reply = None
-                if parser and c.finish_reason:
-                    rest, reply = parser.finish()
-                    text += rest
-                if text or records:
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text or None),
-                                                 logprobs=logprobs(records))])
-                if reply is not None and reply.calls:
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[
-                        ToolCallDelta(index=j, id=call.id, function=FunctionCallOut(name=call.name,
-                                                                                   arguments=call.arguments))
-                        for j, call in enumerate(reply.calls)]))])
-                if c.finish_reason:
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
-                                                 finish_reason=_finish(c.finish_reason, reply))])
-            if include_usage:
-                yield chunk([], _usage(len(ids), completion_tokens, cached[0]))
-        return _sse(events(), choices)
+        def render(index: int, c: Chunk) -> Iterator[ChatCompletionChunk]:
+            records = cursors.take(index, c)
+            parser = calls[index]
+            text = parser.push(c.text) if parser else c.text
+            reply = None
+            if parser and c.finish_reason:
+                rest, reply = parser.finish()
+                text += rest
+            if text or records:
+                yield wire.delta(index, ChatDelta(content=text or None), logprobs(records))
+            if reply is not None and reply.calls:
+                yield wire.delta(index, ChatDelta(tool_calls=[
+                    ToolCallDelta(index=j, id=call.id, function=FunctionCallOut(name=call.name,
+                                                                               arguments=call.arguments))
+                    for j, call in enumerate(reply.calls)]))
+            if c.finish_reason:
+                yield wire.finish(index, _finish(c.finish_reason, reply))
+
+        def usage_chunk(completion_tokens: int) -> ChatCompletionChunk:
+            return wire.usage_chunk(usage(len(ids), completion_tokens, cached[0]))
+        events = stream_events(_merged([ch.gen for ch in choices]), render,
+                               usage_chunk if include_usage(body.stream_options) else None,
+                               opening=wire.roles(len(choices)))
+        return _sse(events, choices)
 
     results = await _collect(request, choices)
     cursors = _Cursors(choices, model)
@@ -222,8 +212,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
                  for c in reply.calls] or None
         out.append(ChatChoice(index=i, message=AssistantMessage(content=reply.content, tool_calls=calls),
                               finish_reason=_finish(r.finish_reason, reply), logprobs=logprobs(cursors.take(i, r))))
-    return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=out,
-                                  usage=_usage(len(ids), sum(len(r.tokens) for r in results), cached[0]))
+    return wire.body(out, usage(len(ids), sum(len(r.tokens) for r in results), cached[0]))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -232,11 +221,6 @@ def _stops(stop_strings: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         return stop_strings()
     except ValueError as e:
         raise APIError(400, str(e), param="stop") from None
-
-
-def _usage(prompt: int, completion: int, cached: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finish(reason: str | None, reply: ParsedReply | None) -> str | None:
@@ -270,7 +254,7 @@ def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -
     return tuple(sorted(bias.items()))
 
 
-async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: int | None, max_tokens: int,
+async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: AdapterId | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
                  pin_if: Callable[[str], bool] | None,
@@ -334,15 +318,8 @@ async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Chunk]]:
 
 
 def _sse(events: AsyncIterator[BaseModel], choices: list[_Choice]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {event.model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # noqa: BLE001 - the headers are sent: the error goes in-band
-            yield f"data: {json.dumps(stream_error(exc))}\n\n"
-        finally:
-            # A disconnect cancels this generator: abort what is still decoding.
-            for c in choices:
-                c.gen.cancel()
-    return StreamingResponse(body(), media_type="text/event-stream")
+    def cancel() -> None:
+        # However the stream ends (a client gone included): abort what is still decoding.
+        for c in choices:
+            c.gen.cancel()
+    return sse(events, stream_error, on_close=cancel)

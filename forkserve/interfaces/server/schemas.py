@@ -351,6 +351,15 @@ class ChatCompletionChunk(_Frozen):
     usage: Usage | None = None
 
 
+class SamplingDefaultsCard(_Frozen):
+    """What a request that omits ``temperature`` / ``top_p`` samples with, and where that
+    came from (``openai``, or the model's file: generation_defaults.py)."""
+
+    temperature: float
+    top_p: float
+    source: str
+
+
 class ModelCard(_Frozen):
     id: str
     object: Literal["model"] = "model"
@@ -358,6 +367,10 @@ class ModelCard(_Frozen):
     owned_by: str = "forkserve"
     root: str
     parent: str | None = None
+    # ForkServe's own (docs/SERVER.md): the sampling defaults, and who may read base-side
+    # K/V an adapter wrote (config.ShareBase: "cross_adapter" or "exact").
+    sampling_defaults: SamplingDefaultsCard
+    share_base: str
 
 
 class ModelList(_Frozen):

@@ -11,6 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
+from forkserve.adapter_key import AdapterId, AdapterKey, adapter_key
 from forkserve.config import ForkServeConfig
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
@@ -47,7 +48,7 @@ class ServedModel:
     name: str
     engine: Engine
     tokenizer: TextTokenizer
-    adapters: Mapping[str, int]        # adapter name -> backend adapter id
+    adapters: Mapping[str, AdapterId]  # adapter name -> the backend's id for it
     max_context: int                   # prompt + completion, tokens
     eos_token_ids: tuple[int, ...]
     # Structured outputs, required calls, the legality check; None for a model built in code
@@ -65,7 +66,7 @@ class ServedModel:
                                 "and required tool calls are not available", param="response_format")
         return self.grammars
 
-    def adapter_for(self, model: str) -> int | None:
+    def adapter_for(self, model: str) -> AdapterId | None:
         """The adapter id a request's ``model`` names (None: the base model)."""
         if model == self.name:
             return None
@@ -81,6 +82,12 @@ class ServedModel:
             raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
                                 f"the request has {prompt_tokens} prompt tokens and asks for "
                                 f"{max_tokens} completion tokens", param="max_tokens")
+
+    @cached_property
+    def adapter_names(self) -> Mapping[AdapterKey, str]:
+        """The name clients send for each adapter, by the key its cache pages are filed under
+        (``PublishedPage.adapter``)."""
+        return {adapter_key(aid): name for name, aid in self.adapters.items()}
 
     @cached_property
     def tool_format(self) -> ToolFormat:

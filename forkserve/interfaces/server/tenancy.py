@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Sequence, TypeVar
 
+from forkserve.adapter_key import AdapterId
 from forkserve.control.prefix_index import CacheSalt
 from forkserve.engine import Engine
 from forkserve.interfaces.server.cache_salt import cache_salt
@@ -66,7 +67,7 @@ class Tenancy:
         return cache_salt(tenant, raw, self.public_prefixes)
 
     # ------------------------------------------------------------ engine thread only
-    def open(self, tenant: str, tokens: Sequence[int], adapter: int | None, salt: CacheSalt,
+    def open(self, tenant: str, tokens: Sequence[int], adapter: AdapterId | None, salt: CacheSalt,
              max_tokens: int, *, expose: bool, reuse_prefix: bool = True) -> Opened:
         """Check the tenant's limits, open the session in ``salt``'s boundary, own it.
         ``expose``: a branch session, reachable by a new public id; ``reuse_prefix``: as
