@@ -271,16 +271,16 @@ class KVCache:
         res_full = kv.residual.length // p if kv.residual is not None else 0
         if (base_full, res_full) == published:
             return published, cursor
-        # No copy of the path: with a valid cursor the index reads only the new pages' tokens
-        # (O(page), not O(context), per filled page).
+        # No copy of the path or the tables: with a valid cursor the index reads only the new
+        # pages and their tokens (O(page), not O(context), per filled page).
         tokens = PathPrefix(path_of(), max(base_full, res_full) * p)
         base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
             residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
-            residual_pages = kv.residual.pages[:res_full]
-        cursor = self.tree.insert(base_key, kv.base.pages[:base_full], residual_key, residual_pages,
-                                  cursor)
+            residual_pages = PathPrefix(kv.residual.pages, res_full)
+        cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
+                                  residual_pages, cursor)
         return (base_full, res_full), cursor
 
     def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:

@@ -1,11 +1,11 @@
-"""PathPrefix: ``path[:n]`` of a live token list, read in place (issue 21).
+"""PathPrefix: ``path[:n]`` of a live token list (or page list), read in place (issue 21).
 
 Publishing the page a decode step just filled needs that page's tokens only: the index
 resumes from the publisher's cursor and slices the pages after it (``PrefixIndex.insert``).
 A tuple copy of the path cost O(context) per session per filled page (8K tokens x every
 session, every 16 ticks) and left one large container per session for the garbage collector
-to traverse. The view costs O(1); only slices that are not prefixes are copied, at their own
-length.
+to traverse; so did slicing the table's page list. The view costs O(1); only slices that
+are not prefixes are copied, at their own length.
 
 Lifetime: the view reads the list it was given, so it is valid only while that list keeps
 its first ``n`` tokens; build it, use it, drop it (``KVCache.publish`` hands it to the index

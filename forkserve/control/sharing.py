@@ -38,15 +38,20 @@ class PrefixSharing:
     min_tokens: int | None = 256
     min_items: int = 2
 
+    @property
+    def min_pages(self) -> int | None:
+        """Readable pages a row needs to join any group (None: no groups)."""
+        return None if self.min_tokens is None else -(-self.min_tokens // self.page_size)
+
     def groups(self, work: Sequence[SeqWork]) -> tuple[PrefixGroup, ...]:
         return self.groups_of([(item.slots.pages, item.start_pos) for item in work])
 
     def groups_of(self, rows: Sequence[tuple[Sequence[PageId], int]]) -> tuple[PrefixGroup, ...]:
         """``groups`` over (pages, start position) rows: a step's ``SeqWork`` items and the
         rows of its ``DecodeBatch``, numbered together."""
-        if self.min_tokens is None:
+        min_pages = self.min_pages
+        if min_pages is None:
             return ()
-        min_pages = -(-self.min_tokens // self.page_size)
         by_first: dict[int, list[int]] = {}
         for i, (pages, start) in enumerate(rows):
             if self._readable(pages, start) >= min_pages:

@@ -29,6 +29,7 @@ from forkserve.backend.protocol import SamplingParams, SharedPrefix
 from forkserve.control.context_tree import Node, NodeState
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_table import CopyPages, PageTable
+from forkserve.control.sharing import PrefixSharing
 from forkserve.engine.session import Session
 
 
@@ -50,8 +51,8 @@ class SteadyRow:
 
 
 class SteadyDecode:
-    def __init__(self, kv: KVCache, page_size: int) -> None:
-        self.kv, self.page_size = kv, page_size
+    def __init__(self, kv: KVCache, sharing: PrefixSharing) -> None:
+        self.kv, self.sharing, self.page_size = kv, sharing, sharing.page_size
         self._rows: dict[int, SteadyRow] = {}  # by session id, in admission order
         # Columns of the last batch, reused while the same rows run again.
         self._static: tuple | None = None
@@ -121,6 +122,12 @@ class SteadyDecode:
             for row in boundary:
                 row.kv.prepare_write(1, copy_pages)
             self._pages = None
+            # The cascade groups stand: a boundary appends a fresh page behind the shared
+            # ones (a member's write page is its own), so no common prefix moves; only a
+            # member whose readable pages just reached a group's minimum may change them
+            # (``PrefixSharing.groups_of``: it may now lead its first page's group).
+            if any(row.base.length // p == self.sharing.min_pages for row in boundary):
+                self._marks = None
         for row in rows:
             # The last page is this table's alone and has room: prepare_write(1) adds no page.
             row.base.length += 1
@@ -138,12 +145,10 @@ class SteadyDecode:
             row.kv.truncate(row.base.length - 1)
         self._pages = self._marks = None
 
-    def batch(self, rows: Sequence[SteadyRow],
-              marks: Callable[[list[tuple[tuple[int, ...], int]]], list[SharedPrefix | None]],
-              tokens: Sequence[int] | None = None) -> DecodeBatch:
-        """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them);
-        ``marks``: the cascade groups of these rows alone (``PrefixSharing.marks``), asked
-        again only when the members or their pages changed. ``tokens``: what the rows write,
+    def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None) -> DecodeBatch:
+        """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them); the
+        cascade groups of these rows alone (``PrefixSharing.marks``) are asked again only
+        when the members change or a boundary may move them. ``tokens``: what the rows write,
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
@@ -154,11 +159,10 @@ class SteadyDecode:
         if self._pages is None:
             self._pages = (tuple(r.base.frozen() for r in rows),
                            tuple(None if r.residual is None else r.residual.frozen() for r in rows))
-            self._marks = None
         pages, residual = self._pages
         positions = tuple(r.base.length - 1 for r in rows)
         if self._marks is None:
-            self._marks = tuple(marks(list(zip(pages, positions, strict=True))))
+            self._marks = tuple(self.sharing.marks(list(zip(pages, positions, strict=True))))
         # Without an adapter the row runs as the base model: adapter_start past its token.
         adapter_starts = tuple(pos + 1 if s is None else s
                                for pos, s in zip(positions, starts, strict=True))

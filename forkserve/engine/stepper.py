@@ -50,7 +50,7 @@ class Stepper:
         # Which items of a step read one shared prefix (decided here, carried by SeqWork).
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
         # Sessions in plain steady decode: their step skips the per-item path (steady.py).
-        self.steady = SteadyDecode(kv, self.pool.page_size)
+        self.steady = SteadyDecode(kv, self.sharing)
         # Overlap: the steady step launched by the last tick, not yet read back.
         self._inflight: _InFlight | None = None
 
@@ -112,7 +112,7 @@ class Stepper:
 
     # ------------------------------------------------------------------ overlap
     def _launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None) -> None:
-        batch = self.steady.batch(rows, self.sharing.marks, tokens)
+        batch = self.steady.batch(rows, tokens)
         self._inflight = _InFlight(launch_step(self.backend, [], batch), rows)
 
     def _overlapped(self) -> bool:
@@ -126,7 +126,7 @@ class Stepper:
                 self.steady.drop(row.session.id)
         following, left = self.steady.prepare(self.backend.copy_pages)
         # ``left`` (a boundary the pools cannot serve without evicting) runs next tick.
-        self.steady.batch(following, self.sharing.marks, [0] * len(following))  # warm columns
+        self.steady.batch(following, [0] * len(following))  # warm columns
         self._inflight = None
         try:
             result = handle.result()
@@ -348,7 +348,7 @@ class Stepper:
         if not rows:
             return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
                                None).result()
-        batch = self.steady.batch(rows, self.sharing.marks)
+        batch = self.steady.batch(rows)
         work = [i.work for i in group]
         if work:  # one numbering of the groups over the items and the rows
             marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]
