@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from forkserve.backend.protocol import PageId, SeqWork, SharedPrefix
 
 
@@ -89,10 +91,14 @@ class PrefixSharing:
 
     def _common(self, a: tuple[Sequence[PageId], int], b: tuple[Sequence[PageId], int]) -> int:
         n = min(self._readable(*a), self._readable(*b))
-        pa, pb = a[0], b[0]
-        if pa[:n] == pb[:n]:  # the usual case, compared in C
-            return n
-        return next(k for k in range(n) if pa[k] != pb[k])
+        pa, pb = a[0][:n], b[0][:n]
+        if isinstance(pa, tuple) and isinstance(pb, tuple):
+            if pa == pb:  # the usual case, compared in C
+                return n
+            return next(k for k in range(n) if pa[k] != pb[k])
+        # A steady-decode row lists its pages as a numpy view (engine/page_row.py).
+        differ = np.flatnonzero(np.asarray(pa) != np.asarray(pb))
+        return int(differ[0]) if len(differ) else n
 
 
 def marked(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None]) -> list[SeqWork]:

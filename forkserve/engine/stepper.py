@@ -67,8 +67,9 @@ class Stepper:
             self.sync()
             self.steady.clear()
         committed, speculative = [], []
+        steady = self.steady.ids
         for session in self.sessions.values():
-            if session.id not in self.steady:
+            if session.id not in steady:
                 self._demands(session, committed, speculative)
         if self._inflight is not None:
             if not committed and not speculative:
@@ -86,7 +87,7 @@ class Stepper:
             self._demands(session, committed, speculative)
         if not committed and not speculative and not rows:
             return False
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in self.steady
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in steady
                              for n in s.tree.nodes.values()}
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
