@@ -21,13 +21,18 @@ from forkserve.control.page_table import PageTable
 
 
 class PageRow:
-    __slots__ = ("_buf", "_n", "view")
+    __slots__ = ("_buf", "_read_only", "_n", "view")
 
     def __init__(self, table: PageTable) -> None:
-        self._buf = np.empty(0, dtype=np.int64)
         self._n = -1
-        self.view = self._buf
+        self._grow(np.empty(0, dtype=np.int64))
         self.follow(table)
+
+    def _grow(self, buf: np.ndarray) -> None:
+        self._buf = buf
+        # Views sliced from a read-only view are read-only: flagged once per buffer, not per view.
+        self._read_only = buf.view()
+        self._read_only.flags.writeable = False
 
     def follow(self, table: PageTable) -> None:
         """Catch up with ``table``: its last page appended, pages cut, or (anything else,
@@ -42,9 +47,7 @@ class PageRow:
             # Twice the room the table needs, so appends stay in place for as long again.
             buf = np.empty(max(16, 2 * n), dtype=np.int64)
             buf[:n] = pages
-            self._buf = buf
+            self._grow(buf)
         # n < self._n: pages cut off the end; the ids before the cut are unchanged.
         self._n = n
-        view = self._buf[:n]
-        view.flags.writeable = False
-        self.view = view
+        self.view = self._read_only[:n]

@@ -70,6 +70,8 @@ class SteadyDecode:
         self._static: tuple | None = None
         self._pages: tuple | None = None
         self._marks: tuple[SharedPrefix | None, ...] | None = None
+        # The members that gained a page in the last ``prepare`` (their held pages changed).
+        self.grown: list[SteadyRow] = []
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -120,6 +122,7 @@ class SteadyDecode:
         evicting."""
         p = self.page_size
         boundary, left = [], []
+        self.grown = []
         # One pass: a member inside a page advances here (its last page is its own and has
         # room: prepare_write(1) adds no page); the others are sorted out below.
         for row in self._rows.values():
@@ -149,6 +152,7 @@ class SteadyDecode:
                 if row.residual is not None:
                     row.residual.grow(next(fresh_residual))
                 row.follow()
+            self.grown = boundary
             self._pages = None
             # The cascade groups stand: a boundary appends a fresh page behind the shared
             # ones (a member's write page is its own), so no common prefix moves; only a

@@ -94,7 +94,7 @@ class Stepper:
                                      len(rows))
         if self.config.overlap and rows and not grants:
             self._launch(rows, None)
-            self.account({r.session for r in rows if r.base.length % p == 1})
+            self.account({r.session for r in self.steady.grown})
             self.metrics.ticks += 1
             return True
         if not (grants or rows) or not self._execute(grants, rows):
@@ -151,7 +151,7 @@ class Stepper:
             self._launch(following, [sampled[r.session.id] for r in following])
         self.steady.apply(rows, tokens, self.clock(), self.publish)
         # A member's held pages change only when it gained a page for the next step.
-        self.account({r.session for r in following if r.base.length % self.pool.page_size == 1})
+        self.account({r.session for r in self.steady.grown if r.session.id in self.steady})
         self.metrics.ticks += 1
         return True
 
@@ -276,7 +276,7 @@ class Stepper:
         if steady_tokens is not None:
             self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
             # A member's held pages change only when it gained a page this tick.
-            touched.update(r.session for r in rows if r.base.length % self.pool.page_size == 1)
+            touched.update(r.session for r in self.steady.grown)
         if self.config.steady_decode:
             for item, _ in done:
                 if item.node is item.session.tree.tip and item.session.id in self.sessions:
