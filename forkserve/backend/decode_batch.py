@@ -3,8 +3,9 @@
 One row per session that writes exactly one token (the one it sampled last tick) at
 ``positions[i]`` and samples the next. The control plane builds it once per tick from its
 steady-decode set (``engine/steady.py``) instead of one ``SeqWork`` + ``KVSlots`` per session;
-the page-table columns are the tables' cached tuples (``PageTable.frozen()``), so a row that
-added no page this tick costs no copy of its table.
+a row's pages are a read-only numpy int64 view of the set's copy of its table
+(``engine/page_row.py``), so a row costs no copy of its table, even on the tick it gains a
+page. ``items()`` turns them into tuples: ``SeqWork`` stays ints and tuples.
 
 Ownership and lifetime: values only (ints, tuples, the requests' ``SamplingParams``), frozen,
 valid for the one step they are passed to; page ids stay the control plane's, as in
@@ -18,6 +19,10 @@ the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
 from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
 
 
@@ -26,9 +31,9 @@ class DecodeBatch:
     seq_ids: tuple[int, ...]
     tokens: tuple[int, ...]        # the token each row writes (one per row)
     positions: tuple[int, ...]     # its absolute position (the row's ``start_pos``)
-    pages: tuple[tuple[PageId, ...], ...]            # UNIFIED or BASE pages, position order
+    pages: tuple[Sequence[PageId], ...]            # UNIFIED or BASE pages, position order
     # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
-    residual_pages: tuple[tuple[PageId, ...] | None, ...]
+    residual_pages: tuple[Sequence[PageId] | None, ...]
     adapter_ids: tuple[int | str | None, ...]
     adapter_starts: tuple[int, ...]  # ``SeqWork.adapter_start`` of each row
     sampling: tuple[SamplingParams, ...]
@@ -40,9 +45,16 @@ class DecodeBatch:
 
     def items(self) -> list[SeqWork]:
         """The same rows as ``SeqWork`` items (for backends that take only those)."""
-        return [SeqWork(seq, (token,), pos, KVSlots(pages, residual), adapter, sampling,
+        return [SeqWork(seq, (token,), pos, KVSlots(_ids(pages), _ids(residual)), adapter, sampling,
                         decode=True, adapter_start=start, shared_prefix=shared)
                 for seq, token, pos, pages, residual, adapter, start, sampling, shared
                 in zip(self.seq_ids, self.tokens, self.positions, self.pages,
                        self.residual_pages, self.adapter_ids, self.adapter_starts,
                        self.sampling, self.shared_prefix, strict=True)]
+
+
+def _ids(pages: Sequence[PageId] | None) -> tuple[PageId, ...] | None:
+    """A row's page ids as the tuple ``KVSlots`` carries."""
+    if pages is None or isinstance(pages, tuple):
+        return pages
+    return tuple(np.asarray(pages).tolist())

@@ -32,7 +32,7 @@ from forkserve.control.prefix_index import (BASE, UNSALTED, AdapterNamespace, Ca
 
 @dataclass(frozen=True)
 class BaseKey:
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # a tuple; publish's keys: a PathPrefix view, used at once
     namespace: Namespace = BASE
     base_pages: int = 0  # leading pages keyed under BASE whatever ``namespace`` is
     salt: CacheSalt = UNSALTED
@@ -42,7 +42,7 @@ class BaseKey:
 class ResidualKey:
     adapter_id: int | str
     adapter_version: int
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # a tuple; publish's keys: a PathPrefix view, used at once
     adapter_start: int | None = 0  # see AdapterNamespace
     base_pages: int = 0
     salt: CacheSalt = UNSALTED

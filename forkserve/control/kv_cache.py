@@ -57,6 +57,7 @@ from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
+from forkserve.control.path_prefix import PathPrefix
 from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
 from forkserve.control.prefix_index import BASE, CROSS_ADAPTER, UNSALTED, CacheSalt, ForwardNamespace, PrefixIndex
 from forkserve.control.retention import BaseRetention
@@ -227,7 +228,7 @@ class KVCache:
           under the adapter's namespace (which carries ``adapter_start``); a SPLIT node's
           base side is keyed by its provenance (``may_read``), its residual side per adapter.
         """
-        tokens = tuple(path)
+        tokens = path if isinstance(path, PathPrefix) else tuple(path)  # publish's view, as is
         if adapter is None:
             return BaseKey(tokens, salt=salt), None
         p = self.pool.page_size
@@ -300,18 +301,16 @@ class KVCache:
         res_full = kv.residual.length // p if kv.residual is not None else 0
         if (base_full, res_full) == published:
             return published, cursor
-        path = path_of()
-        # One copy of the path (a context of 8K is a large share of a decode tick); the keys
-        # take the tuple as it is, and slice it only where the two sides end apart.
-        full = max(base_full, res_full) * p
-        tokens = tuple(path) if len(path) == full else tuple(path[:full])
+        # No copy of the path or the tables: with a valid cursor the index reads only the new
+        # pages and their tokens (O(page), not O(context), per filled page).
+        tokens = PathPrefix(path_of(), max(base_full, res_full) * p)
         base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
             residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
-            residual_pages = kv.residual.pages[:res_full]
-        cursor = self.tree.insert(base_key, kv.base.pages[:base_full], residual_key, residual_pages,
-                                  cursor)
+            residual_pages = PathPrefix(kv.residual.pages, res_full)
+        cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
+                                  residual_pages, cursor)
         return (base_full, res_full), cursor
 
     def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:

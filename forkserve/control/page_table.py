@@ -62,6 +62,15 @@ class PageTable:
             self._frozen = None
         self.length += n_new
 
+    def grow(self, page: PageId) -> None:
+        """``prepare_write(1)`` at a page boundary, with the page already allocated for this
+        table (its reference becomes the table's): the steady-decode set allocates the
+        pages of all its members' boundaries in one ``alloc``."""
+        assert self.length == len(self.pages) * self.pool.page_size, "grow only at a boundary"
+        self.pages.append(page)
+        self._frozen = None
+        self.length += 1
+
     def truncate(self, n_tokens: int) -> None:
         """Keep positions [0, n_tokens); pages past them go back to the pool."""
         keep = self.pages_for(n_tokens)

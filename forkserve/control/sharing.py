@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from forkserve.backend.protocol import PageId, SeqWork, SharedPrefix
 
 
@@ -38,15 +40,20 @@ class PrefixSharing:
     min_tokens: int | None = 256
     min_items: int = 2
 
+    @property
+    def min_pages(self) -> int | None:
+        """Readable pages a row needs to join any group (None: no groups)."""
+        return None if self.min_tokens is None else -(-self.min_tokens // self.page_size)
+
     def groups(self, work: Sequence[SeqWork]) -> tuple[PrefixGroup, ...]:
         return self.groups_of([(item.slots.pages, item.start_pos) for item in work])
 
     def groups_of(self, rows: Sequence[tuple[Sequence[PageId], int]]) -> tuple[PrefixGroup, ...]:
         """``groups`` over (pages, start position) rows: a step's ``SeqWork`` items and the
         rows of its ``DecodeBatch``, numbered together."""
-        if self.min_tokens is None:
+        min_pages = self.min_pages
+        if min_pages is None:
             return ()
-        min_pages = -(-self.min_tokens // self.page_size)
         by_first: dict[int, list[int]] = {}
         for i, (pages, start) in enumerate(rows):
             if self._readable(pages, start) >= min_pages:
@@ -84,10 +91,14 @@ class PrefixSharing:
 
     def _common(self, a: tuple[Sequence[PageId], int], b: tuple[Sequence[PageId], int]) -> int:
         n = min(self._readable(*a), self._readable(*b))
-        pa, pb = a[0], b[0]
-        if pa[:n] == pb[:n]:  # the usual case, compared in C
-            return n
-        return next(k for k in range(n) if pa[k] != pb[k])
+        pa, pb = a[0][:n], b[0][:n]
+        if isinstance(pa, tuple) and isinstance(pb, tuple):
+            if pa == pb:  # the usual case, compared in C
+                return n
+            return next(k for k in range(n) if pa[k] != pb[k])
+        # A steady-decode row lists its pages as a numpy view (engine/page_row.py).
+        differ = np.flatnonzero(np.asarray(pa) != np.asarray(pb))
+        return int(differ[0]) if len(differ) else n
 
 
 def marked(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None]) -> list[SeqWork]:

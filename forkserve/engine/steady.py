@@ -18,17 +18,21 @@ Ownership: the set holds references to sessions, their tip nodes and the tips' t
 owns no page and no token. Pages are still allocated into, and owned by, the tip's
 ``PageTable``s exactly as ``prepare_write`` would, so ``Engine.check_integrity`` sees the
 same state either path would leave. The column tuples it caches are rebuilt when a member
-joins or leaves (static columns) or a member's table gains a page (the page column).
+joins or leaves (static columns) or a member's table gains a page (the page column: each
+member's ``PageRow`` view, appended in place); the cascade groups when a member joins or
+leaves (a boundary cannot move them, ``prepare``).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, KeysView, Sequence
 
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SamplingParams, SharedPrefix
 from forkserve.control.context_tree import Node, NodeState
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_table import CopyPages, PageTable
+from forkserve.control.sharing import PrefixSharing
+from forkserve.engine.page_row import PageRow
 from forkserve.engine.session import Session
 
 
@@ -36,7 +40,7 @@ class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
     __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
-                 "sampling")
+                 "sampling", "base_row", "residual_row")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -47,22 +51,38 @@ class SteadyRow:
         # Fixed while steady (no aLoRA): 0 for an adapter, None (run as base) without one.
         self.adapter_start = kv_cache.adapter_start(node.table, node.adapter)
         self.sampling: SamplingParams = session.sampling
+        # The tables' page ids as the batch lists them, appended in place at a boundary.
+        self.base_row = PageRow(self.base)
+        self.residual_row = None if self.residual is None else PageRow(self.residual)
+
+    def follow(self) -> None:
+        """The page rows catch up with the tables (a page added at a boundary, or given back)."""
+        self.base_row.follow(self.base)
+        if self.residual_row is not None:
+            self.residual_row.follow(self.residual)
 
 
 class SteadyDecode:
-    def __init__(self, kv: KVCache, page_size: int) -> None:
-        self.kv, self.page_size = kv, page_size
+    def __init__(self, kv: KVCache, sharing: PrefixSharing) -> None:
+        self.kv, self.sharing, self.page_size = kv, sharing, sharing.page_size
         self._rows: dict[int, SteadyRow] = {}  # by session id, in admission order
         # Columns of the last batch, reused while the same rows run again.
         self._static: tuple | None = None
         self._pages: tuple | None = None
         self._marks: tuple[SharedPrefix | None, ...] | None = None
+        # The members that gained a page in the last ``prepare`` (their held pages changed).
+        self.grown: list[SteadyRow] = []
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def __contains__(self, session_id: int) -> bool:
         return session_id in self._rows
+
+    @property
+    def ids(self) -> KeysView[int]:
+        """The members' session ids, live (a tick's loops test membership without a call)."""
+        return self._rows.keys()
 
     def admit(self, session: Session) -> None:
         """Take ``session`` in if a general-path step left it in steady decode."""
@@ -101,31 +121,45 @@ class SteadyDecode:
         write), or a page boundary when the pools cannot serve every member at one without
         evicting."""
         p = self.page_size
-        rows, boundary, left = [], [], []
+        boundary, left = [], []
+        self.grown = []
+        # One pass: a member inside a page advances here (its last page is its own and has
+        # room: prepare_write(1) adds no page); the others are sorted out below.
         for row in self._rows.values():
-            if row.base.length % p == 0:
+            base, residual = row.base, row.residual
+            n = base.length
+            if n % p == 0:
                 boundary.append(row)
-            elif row.base.pool.refcount(row.base.pages[-1]) != 1 or (row.residual is not None and (
-                    row.residual.pool.refcount(row.residual.pages[-1]) != 1)):
+            elif base.pool.refcount(base.pages[-1]) != 1 or (
+                    residual is not None and residual.pool.refcount(residual.pages[-1]) != 1):
                 left.append(row)
             else:
-                rows.append(row)
+                base.length = n + 1
+                if residual is not None:
+                    residual.length = n + 1
         if boundary:
-            base = boundary[0].base.pool
+            base_pool, residual_pool = self.kv.pool, self.kv.residual_pool
             residual = sum(r.residual is not None for r in boundary)
-            short = len(boundary) > base.num_free or (
-                residual > 0 and residual > self.kv.residual_pool.num_free)
-            if short:
+            if len(boundary) > base_pool.num_free or (
+                    residual > 0 and residual > residual_pool.num_free):
                 left += boundary
-                boundary = []
+                boundary, residual = [], 0
+            # prepare_write(1) of every boundary member, the pages allocated at once.
+            fresh = iter(base_pool.alloc(len(boundary)))
+            fresh_residual = iter(residual_pool.alloc(residual) if residual else ())
             for row in boundary:
-                row.kv.prepare_write(1, copy_pages)
+                row.base.grow(next(fresh))
+                if row.residual is not None:
+                    row.residual.grow(next(fresh_residual))
+                row.follow()
+            self.grown = boundary
             self._pages = None
-        for row in rows:
-            # The last page is this table's alone and has room: prepare_write(1) adds no page.
-            row.base.length += 1
-            if row.residual is not None:
-                row.residual.length += 1
+            # The cascade groups stand: a boundary appends a fresh page behind the shared
+            # ones (a member's write page is its own), so no common prefix moves; only a
+            # member whose readable pages just reached a group's minimum may change them
+            # (``PrefixSharing.groups_of``: it may now lead its first page's group).
+            if any(row.base.length // p == self.sharing.min_pages for row in boundary):
+                self._marks = None
         for row in left:
             self.drop(row.session.id)
         # Every member runs, in admission order: the cached columns stay aligned.
@@ -136,14 +170,13 @@ class SteadyDecode:
         position, a page taken at a boundary given back."""
         for row in rows:
             row.kv.truncate(row.base.length - 1)
+            row.follow()
         self._pages = self._marks = None
 
-    def batch(self, rows: Sequence[SteadyRow],
-              marks: Callable[[list[tuple[tuple[int, ...], int]]], list[SharedPrefix | None]],
-              tokens: Sequence[int] | None = None) -> DecodeBatch:
-        """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them);
-        ``marks``: the cascade groups of these rows alone (``PrefixSharing.marks``), asked
-        again only when the members or their pages changed. ``tokens``: what the rows write,
+    def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None) -> DecodeBatch:
+        """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them); the
+        cascade groups of these rows alone (``PrefixSharing.marks``) are asked again only
+        when the members change or a boundary may move them. ``tokens``: what the rows write,
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
@@ -152,13 +185,13 @@ class SteadyDecode:
                             tuple(r.node for r in rows))
         seq_ids, adapters, starts, sampling, nodes = self._static
         if self._pages is None:
-            self._pages = (tuple(r.base.frozen() for r in rows),
-                           tuple(None if r.residual is None else r.residual.frozen() for r in rows))
-            self._marks = None
+            self._pages = (tuple(r.base_row.view for r in rows),
+                           tuple(None if r.residual_row is None else r.residual_row.view
+                                 for r in rows))
         pages, residual = self._pages
         positions = tuple(r.base.length - 1 for r in rows)
         if self._marks is None:
-            self._marks = tuple(marks(list(zip(pages, positions, strict=True))))
+            self._marks = tuple(self.sharing.marks(list(zip(pages, positions, strict=True))))
         # Without an adapter the row runs as the base model: adapter_start past its token.
         adapter_starts = tuple(pos + 1 if s is None else s
                                for pos, s in zip(positions, starts, strict=True))

@@ -53,7 +53,7 @@ class Stepper:
         # Which items of a step read one shared prefix (decided here, carried by SeqWork).
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
         # Sessions in plain steady decode: their step skips the per-item path (steady.py).
-        self.steady = SteadyDecode(kv, self.pool.page_size)
+        self.steady = SteadyDecode(kv, self.sharing)
         # Overlap: the steady step launched by the last tick, not yet read back.
         self._inflight: _InFlight | None = None
         # Whether a prefill waits for a prefix another one in flight is writing.
@@ -72,8 +72,9 @@ class Stepper:
             self.sync()
             self.steady.clear()
         committed, speculative = [], []
+        steady = self.steady.ids
         for session in self.sessions.values():
-            if session.id not in self.steady:
+            if session.id not in steady:
                 self._demands(session, committed, speculative)
         if self._inflight is not None:
             if not committed and not speculative:
@@ -91,7 +92,7 @@ class Stepper:
             self._demands(session, committed, speculative)
         if not committed and not speculative and not rows:
             return False
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in self.steady
+        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in steady
                              for n in s.tree.nodes.values()}
         committed = self.dedup.admit(committed, self._writer)
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
@@ -99,7 +100,7 @@ class Stepper:
                                      len(rows))
         if self.config.overlap and rows and not grants:
             self._launch(rows, None)
-            self.account({r.session for r in rows if r.base.length % p == 1})
+            self.account({r.session for r in self.steady.grown})
             self.metrics.ticks += 1
             return True
         if not (grants or rows) or not self._execute(grants, rows):
@@ -118,7 +119,7 @@ class Stepper:
 
     # ------------------------------------------------------------------ overlap
     def _launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None) -> None:
-        batch = self.steady.batch(rows, self.sharing.marks, tokens)
+        batch = self.steady.batch(rows, tokens)
         self._inflight = _InFlight(launch_step(self.backend, [], batch), rows)
 
     def _overlapped(self) -> bool:
@@ -132,7 +133,7 @@ class Stepper:
                 self.steady.drop(row.session.id)
         following, left = self.steady.prepare(self.backend.copy_pages)
         # ``left`` (a boundary the pools cannot serve without evicting) runs next tick.
-        self.steady.batch(following, self.sharing.marks, [0] * len(following))  # warm columns
+        self.steady.batch(following, [0] * len(following))  # warm columns
         self._inflight = None
         try:
             result = handle.result()
@@ -156,7 +157,7 @@ class Stepper:
             self._launch(following, [sampled[r.session.id] for r in following])
         self.steady.apply(rows, tokens, self.clock(), self.publish)
         # A member's held pages change only when it gained a page for the next step.
-        self.account({r.session for r in following if r.base.length % self.pool.page_size == 1})
+        self.account({r.session for r in self.steady.grown if r.session.id in self.steady})
         self.metrics.ticks += 1
         return True
 
@@ -310,7 +311,7 @@ class Stepper:
         if steady_tokens is not None:
             self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
             # A member's held pages change only when it gained a page this tick.
-            touched.update(r.session for r in rows if r.base.length % self.pool.page_size == 1)
+            touched.update(r.session for r in self.steady.grown)
         if self.config.steady_decode:
             for item, _ in done:
                 if item.node is item.session.tree.tip and item.session.id in self.sessions:
@@ -383,7 +384,7 @@ class Stepper:
         if not rows:
             return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
                                None).result()
-        batch = self.steady.batch(rows, self.sharing.marks)
+        batch = self.steady.batch(rows)
         work = [i.work for i in group]
         if work:  # one numbering of the groups over the items and the rows
             marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]

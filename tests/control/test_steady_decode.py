@@ -10,6 +10,7 @@ from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.step_handle import run_step
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import GREEDY, SamplingParams
+from forkserve.control.sharing import PrefixSharing
 from forkserve.errors import BackendError
 
 LAYOUTS = [KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE, KVLayout.FULL_REUSE]
@@ -150,3 +151,31 @@ def test_a_backend_without_step_batched_gets_the_rows_as_items():
 
     expected = columns.step_batched([], batch).next_tokens
     assert run_step(ItemsOnly(), [], batch).next_tokens == expected
+
+
+class GroupCheckingMock(MockBackend):
+    """Asserts that every step's cascade groups are what ``PrefixSharing`` computes afresh
+    over the step's rows: the set keeps its groups across page boundaries (steady.py)."""
+
+    checked = 0
+
+    def step_batched(self, work, batch):
+        if batch is not None:
+            sharing = PrefixSharing(self.config.page_size, self.config.shared_prefix_min_tokens)
+            rows = [(w.slots.pages, w.start_pos) for w in work]
+            rows += list(zip(batch.pages, batch.positions, strict=True))
+            got = [w.shared_prefix for w in work] + list(batch.shared_prefix)
+            assert got == sharing.marks(rows)
+            self.checked += 1
+        return super().step_batched(work, batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_groups_kept_across_boundaries_are_the_groups_recomputed(layout, overlap):
+    cfg = ForkServeConfig(page_size=4, num_pages=256, num_residual_pages=256, vocab_size=300,
+                          kv_layout=layout, shared_prefix_min_tokens=8, node_ttl_s=None,
+                          overlap=overlap)
+    backend = GroupCheckingMock(cfg)
+    _workload(Engine(backend))
+    assert backend.checked > 10
