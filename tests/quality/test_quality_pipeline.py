@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from quality_testlib import needs_bfcl, tiny_model
+from quality_testlib import needs_bfcl
 
 pytestmark = needs_bfcl
 
@@ -31,15 +31,6 @@ def test_tasks_are_disjoint_and_splits_never_share_documentation():
         assert e.system.count('"name": ') >= len(e.item.functions)
         assert all(f'"name": "{n}"' not in e.system for n in
                    {f["name"] for t in tasks for i in t.heldout for f in i.functions} - train_docs)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from benchmarks.quality.data import DEFAULT_CATEGORIES, load_category, system_message, target_text
-
-    items = [i for c in DEFAULT_CATEGORIES for i in load_category(c)[:60]]
-    texts = [system_message(i.functions) + i.question + target_text(i) for i in items]
-    return tiny_model(tmp_path_factory.mktemp("tiny_quality"), texts)
 
 
 def test_train_evaluate_report_end_to_end(tiny, tmp_path):
