@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
 from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.lora import LoraAdapter, target_shapes  # noqa: E402
 from forkserve.backend.torch.model_config import ModelConfig, llama3_8b_config  # noqa: E402
 from forkserve.backend.torch.rope import RopeConfig  # noqa: E402
 from forkserve.backend.torch.weights import random_weights  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 

@@ -33,9 +33,13 @@ from pathlib import Path
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.mock import MockBackend
-from forkserve.bench.output import (add_out_argument, legend_below, new_figure, save_figure,
-                                    write_json)
-
+from forkserve.bench.output import (
+    add_out_argument,
+    legend_below,
+    new_figure,
+    save_figure,
+    write_json,
+)
 
 
 class TimedMock(MockBackend):

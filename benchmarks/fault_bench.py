@@ -29,8 +29,8 @@ from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from forkserve import KVLayout  # noqa: E402
-from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.bench.output import add_out_argument  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
 
 
 def _machines():

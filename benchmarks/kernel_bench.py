@@ -40,11 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import reference  # noqa: E402
 from forkserve.kernels.decode_attention import paged_decode_triton  # noqa: E402
-from forkserve.kernels.residual_decode_triton import residual_decode_triton  # noqa: E402
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton  # noqa: E402
+from forkserve.kernels.residual_decode_triton import residual_decode_triton  # noqa: E402
 from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
-from forkserve.kernels.shared_prefix import (cascade_residual_decode_triton,  # noqa: E402
-                                             shared_prefix_decode_triton)
+from forkserve.kernels.shared_prefix import (  # noqa: E402
+    cascade_residual_decode_triton,
+    shared_prefix_decode_triton,
+)
 
 
 class Setup:
@@ -556,8 +558,11 @@ def register_report(out: Path) -> None:
     from triton.compiler import ASTSource
 
     from forkserve.kernels.decode_attention import _decode_partial_kernel
-    from forkserve.kernels.residual_decode_triton import _residual_decode_chunked_kernel, _residual_score_kernel
     from forkserve.kernels.prefill_attention import _prefill_kernel
+    from forkserve.kernels.residual_decode_triton import (
+        _residual_decode_chunked_kernel,
+        _residual_score_kernel,
+    )
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}

@@ -37,9 +37,16 @@ import numpy as np
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
 from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.protocol import (
+    HostCopy,
+    KVSlots,
+    PageId,
+    PageKind,
+    SeqWork,
+    StepCost,
+    StepResult,
+)
 from forkserve.backend.step_handle import Deferred
-from forkserve.backend.protocol import (HostCopy, KVSlots, PageId, PageKind, SeqWork, StepCost,
-                                       StepResult)
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.errors import UnknownAdapterError
 

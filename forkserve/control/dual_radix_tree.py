@@ -26,8 +26,15 @@ from typing import Sequence
 from forkserve.backend.protocol import PageId
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
-from forkserve.control.prefix_index import (BASE, UNSALTED, AdapterNamespace, CacheSalt, InsertCursor,
-                                            Namespace, PrefixIndex)
+from forkserve.control.prefix_index import (
+    BASE,
+    UNSALTED,
+    AdapterNamespace,
+    CacheSalt,
+    InsertCursor,
+    Namespace,
+    PrefixIndex,
+)
 
 
 @dataclass(frozen=True)

@@ -50,16 +50,23 @@ from forkserve.backend.protocol import HostOffload, PageKind
 from forkserve.config import ForkServeConfig, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
-from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.host_tier import HostTier
 from forkserve.control.inflight import ClaimKey
+from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
 from forkserve.control.path_prefix import PathPrefix
 from forkserve.control.pause_ttl import PauseTTL, QuantilePauseTTL
-from forkserve.control.prefix_index import BASE, CROSS_ADAPTER, UNSALTED, CacheSalt, ForwardNamespace, PrefixIndex
+from forkserve.control.prefix_index import (
+    BASE,
+    CROSS_ADAPTER,
+    UNSALTED,
+    CacheSalt,
+    ForwardNamespace,
+    PrefixIndex,
+)
 from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 

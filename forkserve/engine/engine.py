@@ -35,8 +35,8 @@ from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.layout_policy import KVForm
-from forkserve.control.node_kv import NodeKV
 from forkserve.control.metrics import EngineMetrics
+from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
@@ -63,9 +63,9 @@ from forkserve.errors import (
     BranchCapError,
     CapacityError,
     ContextLengthError,
-    OutOfPagesError,
     InvalidRequestError,
     InvalidStateError,
+    OutOfPagesError,
     UnknownAdapterError,
     UnknownNodeError,
     UnknownSessionError,

@@ -13,13 +13,19 @@ intent, the Stepper does the work.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-import dataclasses
-
+from forkserve.backend.protocol import (
+    GREEDY,
+    Backend,
+    PromptLogprobs,
+    SamplingParams,
+    SeqWork,
+    StepCost,
+    StepResult,
+)
 from forkserve.backend.step_handle import StepHandle, launch_step
-from forkserve.backend.protocol import GREEDY, Backend, SamplingParams, SeqWork, StepCost, StepResult
-from forkserve.backend.protocol import PromptLogprobs
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action

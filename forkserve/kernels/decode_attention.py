@@ -26,8 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.residual_triton import (fused_residual_score, residual_offsets,
-                                               rotated_residual_keys)
+from forkserve.kernels.residual_triton import (
+    fused_residual_score,
+    residual_offsets,
+    rotated_residual_keys,
+)
 from forkserve.kernels.rope_triton import rope_rows
 from forkserve.kernels.split_kv import LOG2E, NO_LIMIT, key_bound, split_decode, store_partial
 

@@ -17,9 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from forkserve.kernels.residual_triton import (
+    fused_residual_score,
+    residual_offsets,
+    rotated_residual_keys,
+)
 from forkserve.kernels.rope import cached_rope_table
-from forkserve.kernels.residual_triton import (fused_residual_score, residual_offsets,
-                                               rotated_residual_keys)
 from forkserve.kernels.rope_triton import rope_rows
 
 LOG2E = 1.4426950408889634

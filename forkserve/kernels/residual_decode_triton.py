@@ -26,8 +26,14 @@ from forkserve.kernels.decode_attention import decode_partials
 from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.rope_triton import rope_rows
-from forkserve.kernels.split_kv import (LOG2E, NO_LIMIT, key_bound, split_decode, store_partial,
-                                        waves_of)
+from forkserve.kernels.split_kv import (
+    LOG2E,
+    NO_LIMIT,
+    key_bound,
+    split_decode,
+    store_partial,
+    waves_of,
+)
 
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
 # Two-pass score kernel: keys as M at 64-key tiles (wgmma with the rotated tile as a register

@@ -27,8 +27,13 @@ from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
 from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores, residual_values
 from forkserve.kernels.rope import cached_rope_table
-from forkserve.kernels.split_kv import (NO_LIMIT, empty_partials, key_bound, merge_partials,
-                                        plan_splits)
+from forkserve.kernels.split_kv import (
+    NO_LIMIT,
+    empty_partials,
+    key_bound,
+    merge_partials,
+    plan_splits,
+)
 
 # The prefix launch multiplies 128-row query tiles: 8 warps hold the 128 x D accumulator
 # (4 would hold 128 fp32 values per thread for it alone); 32-key blocks measured best on the

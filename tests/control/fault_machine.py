@@ -23,12 +23,18 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
+from test_stateful import TOKENS, VerbMachine
 
 from forkserve import Engine
 from forkserve.backend.mock import MockBackend
-from forkserve.errors import (AdapterInUseError, BackendError, CapacityError, ContextLengthError,
-                              ForkServeError, UnknownAdapterError)
-from test_stateful import TOKENS, VerbMachine
+from forkserve.errors import (
+    AdapterInUseError,
+    BackendError,
+    CapacityError,
+    ContextLengthError,
+    ForkServeError,
+    UnknownAdapterError,
+)
 
 
 class Injected(RuntimeError):

@@ -2,15 +2,20 @@
 ever served. The scenarios of the bug report as regression tests, then the fault-injection
 state machine (``fault_machine.py``) in every layout, cascade on and off."""
 import pytest
+from fault_machine import FaultMachine, Injected
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
-from forkserve.errors import (AdapterInUseError, BackendError, CapacityError, ContextLengthError,
-                              OutOfPagesError)
-from fault_machine import FaultMachine, Injected
+from forkserve.errors import (
+    AdapterInUseError,
+    BackendError,
+    CapacityError,
+    ContextLengthError,
+    OutOfPagesError,
+)
 
 
 def _mock(**kw):

@@ -5,11 +5,11 @@ import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
+from forkserve.backend.protocol import PageKind
 from forkserve.config import PrefixDedup, ShareBase
 from forkserve.control.inflight import ClaimKey, InflightDedup, Writer
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.prefix_index import BASE, UNSALTED
-from forkserve.backend.protocol import PageKind
 from forkserve.control.scheduler import Demand, WorkClass
 from forkserve.errors import OutOfPagesError
 

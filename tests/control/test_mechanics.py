@@ -2,6 +2,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_oracle import check_plan
 
 from forkserve import AdmitMode, Engine, ForkServeConfig, plus_config
 from forkserve.backend.byte_tokenizer import ByteTokenizer
@@ -10,7 +11,6 @@ from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
 from forkserve.control.scheduler import Demand, TickScheduler, WorkClass
 from forkserve.control.scorers import LegalityScorer, LoopScorer
-from scheduler_oracle import check_plan
 
 tok = ByteTokenizer()
 

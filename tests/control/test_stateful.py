@@ -21,6 +21,7 @@ import sys
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from scheduler_oracle import check_plan
 
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
@@ -28,7 +29,6 @@ from forkserve.backend.protocol import PageKind
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
 from forkserve.errors import BranchCapError, OutOfPagesError
-from scheduler_oracle import check_plan
 
 # A tiny alphabet makes loops, hash hits and shared prefixes frequent.
 TOKENS = st.lists(st.integers(3, 8), min_size=1, max_size=12)

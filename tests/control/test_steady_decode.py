@@ -7,9 +7,9 @@ import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.decode_batch import DecodeBatch
-from forkserve.backend.step_handle import run_step
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import GREEDY, SamplingParams
+from forkserve.backend.step_handle import run_step
 from forkserve.control.sharing import PrefixSharing
 from forkserve.errors import BackendError
 

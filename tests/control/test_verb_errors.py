@@ -5,9 +5,16 @@ import pytest
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.mock import MockBackend
-from forkserve.errors import (BranchCapError, CapacityError, ContextLengthError, ForkServeError,
-                              InvalidRequestError, InvalidStateError, UnknownNodeError,
-                              UnknownSessionError)
+from forkserve.errors import (
+    BranchCapError,
+    CapacityError,
+    ContextLengthError,
+    ForkServeError,
+    InvalidRequestError,
+    InvalidStateError,
+    UnknownNodeError,
+    UnknownSessionError,
+)
 
 
 def _state(engine):

@@ -2,11 +2,10 @@
 fault-injection budget (``benchmarks/fault_bench.py`` runs hundreds)."""
 import pytest
 import torch
+import torch_faults
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.errors import ContextLengthError, UnknownAdapterError
-
-import torch_faults
 
 
 def test_an_over_long_request_is_refused_and_the_good_session_stays_exact(model_dir):

@@ -1,13 +1,13 @@
 """Paged decode and ResidualAttention decode against the plain formulas (plain_oracle.py)."""
 from __future__ import annotations
 
+import plain_oracle as plain
 import pytest
 import torch
+from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
-import plain_oracle as plain
 from forkserve.kernels import paged_decode, residual_decode
 from forkserve.kernels.rope import default_inv_freq
-from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
 # (seq_lens, n_heads, n_kv_heads): ragged, mid-page ends, a length of exactly one page,
 # GQA groups of 1, 2, 4 and a non power of two (3).

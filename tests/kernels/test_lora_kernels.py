@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
+from kernel_testlib import DEVICE, DTYPE, REL_TOL, rel_err
 
 from forkserve.kernels import lora_expand, lora_shrink, reference
-from kernel_testlib import DEVICE, DTYPE, REL_TOL, rel_err
 
 # Runs of adapters, a no-adapter run, an adapter that reappears later, a 20-token run.
 TOKEN_ADAPTERS = [0] * 3 + [2] * 20 + [-1] * 2 + [1] + [0] * 5 + [2]

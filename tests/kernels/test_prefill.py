@@ -3,13 +3,13 @@
 so the reference cannot be its oracle."""
 from __future__ import annotations
 
+import plain_oracle as plain
 import pytest
 import torch
+from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
-import plain_oracle as plain
 from forkserve.kernels import paged_prefill, residual_prefill
 from forkserve.kernels.rope import default_inv_freq
-from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
 # (seq_lens, q_lens, n_heads, n_kv): cold prefills (q_len == seq_len), prefills after a
 # cached prefix that end mid-page, a single-token chunk, an empty chunk, GQA 1/2/3/4.

@@ -3,14 +3,21 @@ against the plain formulas, through the public dispatch, so neither the referenc
 their routing are checked against themselves."""
 from __future__ import annotations
 
+import plain_oracle as plain
 import pytest
 import torch
-
-import plain_oracle as plain
-from forkserve.kernels import (apply_rope, lora_expand, lora_shrink, paged_decode, paged_prefill,
-                               residual_decode, residual_prefill)
-from forkserve.kernels.rope import default_inv_freq
 from kernel_testlib import make_adapters, make_cache, rel_err
+
+from forkserve.kernels import (
+    apply_rope,
+    lora_expand,
+    lora_shrink,
+    paged_decode,
+    paged_prefill,
+    residual_decode,
+    residual_prefill,
+)
+from forkserve.kernels.rope import default_inv_freq
 
 TOL = 1e-5  # float32 math against float64
 

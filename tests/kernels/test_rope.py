@@ -2,15 +2,15 @@
 past 4K positions; the cos/sin table; relative positions."""
 from __future__ import annotations
 
+import plain_oracle as plain
 import pytest
 import torch
 import triton
 import triton.language as tl
+from kernel_testlib import DEVICE
 
-import plain_oracle as plain
 from forkserve.kernels.rope import apply_rope, cached_rope_table, default_inv_freq
 from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
-from kernel_testlib import DEVICE
 
 
 @triton.jit

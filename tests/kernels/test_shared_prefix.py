@@ -1,13 +1,18 @@
 """Shared-prefix (cascade) decode equals plain decode."""
 from __future__ import annotations
 
+import plain_oracle as plain
 import pytest
 import torch
-
-from forkserve.kernels import (cascade_decode, cascade_residual_decode, default_inv_freq, paged_decode,
-                               shared_prefix_decode)
-import plain_oracle as plain
 from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
+
+from forkserve.kernels import (
+    cascade_decode,
+    cascade_residual_decode,
+    default_inv_freq,
+    paged_decode,
+    shared_prefix_decode,
+)
 
 
 @pytest.mark.parametrize("agents_per_program", [2, None])

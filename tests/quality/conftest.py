@@ -13,13 +13,14 @@ if ROOT not in sys.path:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
+    from quality_testlib import tiny_model
+
     from benchmarks.quality.data import (
         DEFAULT_CATEGORIES,
         load_category,
         system_message,
         target_text,
     )
-    from quality_testlib import tiny_model
 
     items = [i for c in DEFAULT_CATEGORIES for i in load_category(c)[:60]]
     texts = [system_message(i.functions) + i.question + target_text(i) for i in items]

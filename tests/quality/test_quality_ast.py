@@ -1,8 +1,8 @@
 """The BFCL-style AST checker and token F1, on hand-made cases and on the real gold items."""
 import pytest
+from quality_testlib import needs_bfcl
 
 from benchmarks.quality.ast_check import check, gold_value, parse_calls, token_f1
-from quality_testlib import needs_bfcl
 
 FUNCS = [{"name": "spotify.play", "parameters": {"type": "dict", "required": ["artist", "duration"], "properties": {
     "artist": {"type": "string"}, "duration": {"type": "integer"}, "shuffle": {"type": "boolean"},

@@ -3,7 +3,6 @@ import json
 
 import pytest
 import torch
-
 from quality_testlib import needs_bfcl
 
 pytestmark = needs_bfcl

@@ -3,7 +3,6 @@ random model (not SmolLM2) in every layout."""
 import json
 
 import pytest
-
 from quality_testlib import needs_bfcl
 
 pytestmark = needs_bfcl

@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-
 from torch_testlib import save_peft_adapter, save_tiny_model
 
 

@@ -13,15 +13,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work  # noqa: E402
 
 from forkserve import Engine, kernels  # noqa: E402
+from forkserve.backend.protocol import SharedPrefix  # noqa: E402
 from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.errors import InvalidWorkError  # noqa: E402
 from forkserve.backend.torch.kernel_attention import KernelAttention  # noqa: E402
-from forkserve.backend.protocol import SharedPrefix  # noqa: E402
 from forkserve.config import KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
-from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work  # noqa: E402
 
 # Context A ends mid-page (its last page is each agent's own copy); context B is page-aligned.
 CTX_A, CTX_B = 64 // PAGE * PAGE + 2, 32

@@ -7,12 +7,20 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from torch_testlib import DEVICE, DTYPE, PAGE, VOCAB, make_config, prompt, work
+
 from forkserve.backend.protocol import KVSlots, PageKind, SeqWork
-from forkserve.backend.torch import (AdapterFormatError, AdapterShapeError, CheckpointError, ContextLengthError,
-                                     InvalidWorkError, TokenOutOfVocabError, TorchBackend, UnknownAdapterError,
-                                     UnsupportedModelError)
+from forkserve.backend.torch import (
+    AdapterFormatError,
+    AdapterShapeError,
+    CheckpointError,
+    ContextLengthError,
+    InvalidWorkError,
+    TokenOutOfVocabError,
+    TorchBackend,
+    UnknownAdapterError,
+    UnsupportedModelError,
+)
 from forkserve.config import KVLayout
 
 

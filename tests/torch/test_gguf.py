@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from torch_testlib import DEVICE, DTYPE, REL_TOL, VOCAB, make_config, prompt, rel_err, work
+
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork
 from forkserve.backend.torch import TorchBackend, find_smollm2_gguf
 

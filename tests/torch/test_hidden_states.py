@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, work
+
 from forkserve.backend.torch import TorchBackend
 
 

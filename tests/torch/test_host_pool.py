@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torch_testlib import DEVICE, DTYPE, PAGE, make_config, prompt
+
 from forkserve.backend.protocol import GREEDY, HostCopy, KVSlots, PageKind, SeqWork
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.errors import InvalidWorkError

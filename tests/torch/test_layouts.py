@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work
+
 from forkserve.backend.protocol import GREEDY, KVSlots, PageKind, SeqWork
-from forkserve.backend.torch import ModelConfig, TorchBackend, kv_bytes_per_token, shared_context_kv_bytes
+from forkserve.backend.torch import (
+    ModelConfig,
+    TorchBackend,
+    kv_bytes_per_token,
+    shared_context_kv_bytes,
+)
 from forkserve.config import KVLayout
 
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import torch
-
 from torch_testlib import DEVICE, DTYPE, make_config, prompt, work
+
 from forkserve.backend.protocol import SamplingParams
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.sampler import Sampler, top_p_filter

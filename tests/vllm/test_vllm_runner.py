@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from vllm_fakes import FAKE_API, FakeBlock, FakeLLMEngine, FakePinner, next_token
 
 from forkserve.backend.vllm import PhasePlan, PhaseRunner, RequestPlan, RequestSampling
 from forkserve.backend.vllm.adapters import LoraRef
-from vllm_fakes import FAKE_API, FakeBlock, FakeLLMEngine, FakePinner, next_token
 
 GREEDY = RequestSampling(0.0, 1.0, None)
 

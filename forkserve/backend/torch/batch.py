@@ -17,12 +17,16 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from forkserve import errors
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
-from forkserve import errors
-from forkserve.backend.torch.errors import (ContextLengthError, InvalidWorkError, TokenOutOfVocabError,
-                                            UnknownAdapterError)
+from forkserve.backend.torch.errors import (
+    ContextLengthError,
+    InvalidWorkError,
+    TokenOutOfVocabError,
+    UnknownAdapterError,
+)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,12 @@ from forkserve import kernels
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build, split_residual_pages
-from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, DecodeGraph, batch_bucket, pages_bucket
+from forkserve.backend.torch.cuda_graph import (
+    BATCH_BUCKETS,
+    DecodeGraph,
+    batch_bucket,
+    pages_bucket,
+)
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 

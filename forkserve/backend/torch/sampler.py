@@ -16,7 +16,12 @@ from typing import Sequence
 
 import torch
 
-from forkserve.backend.protocol import BitmaskFiller, PromptLogprobs, SamplingParams, TokenConstraint
+from forkserve.backend.protocol import (
+    BitmaskFiller,
+    PromptLogprobs,
+    SamplingParams,
+    TokenConstraint,
+)
 
 _MIX = 1_000_003  # odd multiplier spreading (seed, position) over the 63-bit seed space
 # Byte value -> what its 8 bits (lowest first) add to 8 tokens' logits: 0 allowed, -inf not.

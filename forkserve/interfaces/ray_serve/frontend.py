@@ -34,8 +34,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -51,15 +51,14 @@ from forkserve.interfaces.ray_serve.tree_client import (
     GenerationStream,
     TreeClient,
 )
+from forkserve.interfaces.server import openai_wire, schemas
 from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.auth import authenticate
 from forkserve.interfaces.server.cache_salt import cache_salt
 from forkserve.interfaces.server.engine_worker import Chunk, GenerationSpec
 from forkserve.interfaces.server.errors import APIError, install_error_handlers
-from forkserve.interfaces.server import openai_wire, schemas
 from forkserve.interfaces.server.merge import merge_tagged
 from forkserve.interfaces.server.session_ids import PublicSessionIds
-
 
 app = FastAPI(title="ForkServe (Ray Serve)")
 install_error_handlers(app)

@@ -36,7 +36,6 @@ from forkserve.interfaces.ray_serve.placement import AffinityPlacement, RecentRo
 from forkserve.interfaces.ray_serve.protocol import RouteHint
 from forkserve.interfaces.ray_serve.stats import ReplicaSummary
 
-
 _EMPTY = ReplicaSummary.from_dict({})
 
 
