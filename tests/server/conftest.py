@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from server_testlib import DEMO_NAME, save_model, start
 
+from forkserve.backend.torch.tokenizer import Tokenizer
+from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.launcher import RunningServer
 
 
@@ -37,3 +39,14 @@ def demo_server() -> RunningServer:
                               dtype="float32", attention="eager", name=DEMO_NAME)
     with serve_in_thread(model) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir) -> Tokenizer:
+    """The tiny model's tokenizer (the grammar, tool-format and legality unit tests)."""
+    return Tokenizer.load(tiny_model_dir[0])
+
+
+@pytest.fixture(scope="session")
+def grammars(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer.hf, len(tokenizer.hf), tokenizer.eos_token_ids)

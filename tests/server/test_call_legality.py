@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.control.scorers import LegalityScorer
-from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.tools.formats import HermesFormat, Llama3JsonFormat, SmolLM2Format
 from forkserve.interfaces.server.tools.legality import CallLegality
 
 FORMATS = [HermesFormat(), Llama3JsonFormat(), SmolLM2Format()]
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> Tokenizer:
-    return Tokenizer.load(tiny_model_dir[0])
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.hf, len(tokenizer.hf), tokenizer.eos_token_ids)
 
 
 def _check(fmt, grammars, tokenizer):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from forkserve.backend.protocol import SamplingParams
 from forkserve.backend.torch.sampler import Sampler, mask_bias
-from forkserve.backend.torch.tokenizer import Tokenizer
-from forkserve.interfaces.server.grammar import GrammarCompiler, GrammarConstraint
+from forkserve.interfaces.server.grammar import GrammarConstraint
 
 SCHEMA = {
     "type": "object",
@@ -19,15 +17,6 @@ SCHEMA = {
     "required": ["name", "n"],
 }
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> Tokenizer:
-    return Tokenizer.load(tiny_model_dir[0])
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.hf, len(tokenizer.hf), tokenizer.eos_token_ids)
 
 
 def test_mask_bias_reads_every_bit():

@@ -11,7 +11,7 @@ import torch
 from forkserve.backend.protocol import SamplingParams
 from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
-from forkserve.interfaces.server.grammar import GrammarCompiler, GrammarConstraint
+from forkserve.interfaces.server.grammar import GrammarConstraint
 from forkserve.interfaces.server.token_log import TokenLog
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps, build_prompt
 from forkserve.interfaces.server.tools.formats import (
@@ -47,15 +47,6 @@ HERMES_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> Tokenizer:
-    return Tokenizer.load(tiny_model_dir[0])
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.hf, len(tokenizer.hf), tokenizer.eos_token_ids)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

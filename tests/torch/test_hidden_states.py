@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, work
+from torch_testlib import DEVICE, DTYPE, REL_TOL, hf_model, make_config, prompt, rel_err, work
 
 from forkserve.backend.torch import TorchBackend
 
 
 def hf_hidden(model_dir, tokens, adapter_dir=None) -> torch.Tensor:
     """[tokens, layers, hidden]: transformers' stream after each decoder layer, float64 on CPU."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
-                                                 dtype=torch.float64)
-    if adapter_dir is not None:
-        from peft import PeftModel
-        model = PeftModel.from_pretrained(model, adapter_dir, torch_dtype=torch.float64)
-        model = model.to(torch.float64)
     with torch.no_grad():
+        model = hf_model(model_dir, adapter_dir)
         out = model(torch.tensor([list(tokens)]), output_hidden_states=True)
     # hidden_states[0] is the embedding; transformers hands the last layer's stream over
     # after the final norm.

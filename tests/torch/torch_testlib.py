@@ -74,8 +74,8 @@ def save_peft_adapter(base: Path, path: Path, rank: int, targets: Sequence[str],
     return path
 
 
-def hf_logits(model_dir: Path, tokens: Sequence[int], adapter_dir: Path | None = None) -> torch.Tensor:
-    """Reference: transformers (+ peft) in float64 on CPU, logits for every position."""
+def hf_model(model_dir: Path, adapter_dir: Path | None = None) -> torch.nn.Module:
+    """Reference: transformers (+ peft) in float64 on CPU, eager attention."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
@@ -84,8 +84,13 @@ def hf_logits(model_dir: Path, tokens: Sequence[int], adapter_dir: Path | None =
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter_dir, torch_dtype=torch.float64)
         model = model.to(torch.float64)
+    return model
+
+
+def hf_logits(model_dir: Path, tokens: Sequence[int], adapter_dir: Path | None = None) -> torch.Tensor:
+    """The reference's logits for every position."""
     with torch.no_grad():
-        return model(torch.tensor([list(tokens)])).logits[0].float()
+        return hf_model(model_dir, adapter_dir)(torch.tensor([list(tokens)])).logits[0].float()
 
 
 def make_config(layout: KVLayout = KVLayout.UNIFIED, num_pages: int = 256) -> ForkServeConfig:
