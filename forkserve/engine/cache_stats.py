@@ -53,8 +53,7 @@ class PublishedPage:
 
 
 def _pool_stats(pool: PagePool, index: PrefixIndex) -> PoolStats:
-    cached_only = sum(1 for page, refs in index.held_refs().items() if pool.refcount(page) == refs)
-    return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_used - cached_only,
+    return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_used - index.num_cache_only,
                      pool.num_free, index.num_pages)
 
 
