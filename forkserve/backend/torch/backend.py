@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
+from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.step_handle import Done, StepHandle
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, split_residual_pages, validate
 from forkserve.backend.torch.errors import (
@@ -40,25 +41,15 @@ from forkserve.backend.torch.lora import (
 )
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.pending_step import PendingStep, StepClock, StepOutput
 from forkserve.backend.torch.runner import ModelRunner
-from forkserve.backend.torch.sampler import Sampler, record_prompt
+from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
 from forkserve.config import ForkServeConfig, KVLayout
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """A step's result plus the logits behind it (for tests and scoring; not part of the protocol)."""
-
-    result: StepResult
-    logits: tuple[torch.Tensor | None, ...]  # per item: [1 or len(tokens), vocab] float32, or None
-    # per item: the residual stream after each decoder layer, [len(tokens), layers, hidden]
-    # (forward(hidden_states=True) only; () otherwise)
-    hidden: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +242,17 @@ class TorchBackend:
         were, or when writes are not tracked (``track_writes``)."""
         return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
 
+    def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None = None) -> StepHandle:
+        """Start a step over ``work`` then ``batch``'s rows and return at once: the forward,
+        the sampling and the tokens' copy to the host are queued on the device stream
+        (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
+        refuses (``validate``) returns a handle that raises the refusal."""
+        items = [*work, *batch.items()] if batch is not None and len(batch) else list(work)
+        try:
+            return self._start(items, all_logits=False, hidden_states=False)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever asks for the result
+            return Done(error=exc)
+
     def forward(self, work: Sequence[SeqWork], all_logits: bool = False,
                 hidden_states: bool = False) -> StepOutput:
         """step() plus logits: for each item, the last token's (if it samples) or every token's;
@@ -259,13 +261,17 @@ class TorchBackend:
         CUDA graphs."""
         if not work:
             return StepOutput(StepResult(()), ())
+        return self._start(work, all_logits, hidden_states).output()
+
+    def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
+        """Validate and queue one step; nothing here waits for the device."""
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)
         if self.gpu_timeline is not None:
             self.gpu_timeline.start()
         run = self.runner.forward(work, slots, all_logits, hidden_states)
-        if self.gpu_timeline is not None:  # before sampling's read-back: that wait is the host's
+        if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0],
@@ -278,28 +284,20 @@ class TorchBackend:
         counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
                   for s in work]
         ends = itertools.accumulate(counts)
-        per_item = [logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True)]
+        per_item = tuple(logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True))
         if sum(counts) == len(sampling):
             last = logits  # one row per sampling item, in order (a graph's argmax matches it)
         else:
             sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
             last = torch.stack(sampled) if sampled else logits[:0]
-        for rows, s in zip(per_item, work, strict=True):
-            if s.prompt_logprobs is not None:
-                record_prompt(rows, s.tokens, s.start_pos, s.prompt_logprobs)
-        tokens = iter(self.sampler.sample(last, [s.sampling for s in sampling],
-                                          [s.start_pos + len(s.tokens) for s in sampling],
-                                          run.greedy if last is logits else None)
-                      if sampling else [])
-        next_tokens = tuple(next(tokens) if s.sampling is not None else None for s in work)
-        if self.device.type == "cuda" and not sampling:  # sampling already waited for the device
-            torch.cuda.synchronize(self.device)
-        ms = (time.perf_counter() - t0) * 1e3
-        decode = [s for s in work if s.decode]
-        prefill = [s for s in work if not s.decode]
-        cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
-                        decode_tokens=len(decode), prefill_calls=len(prefill))
-        return StepOutput(StepResult(next_tokens, cost), tuple(per_item), hidden)
+        tokens = None
+        if sampling:
+            drawn = self.sampler.draw(last, [s.sampling for s in sampling],
+                                      [s.start_pos + len(s.tokens) for s in sampling],
+                                      run.greedy if last is logits else None)
+            tokens = drawn.to("cpu", non_blocking=True) if drawn.is_cuda else drawn
+        clock.stop()
+        return PendingStep(work, per_item, hidden, sampling, last, tokens, self.sampler, clock)
 
     @property
     def cascade_attention(self) -> bool:
