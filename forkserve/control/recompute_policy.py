@@ -9,7 +9,6 @@ numbers in, layer indices out: the control plane never sees a tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,3 @@ def most_drifting(drift: LayerDrift, count: int) -> tuple[int, ...]:
     scores = drift.per_layer()
     ranked = sorted(range(drift.layers), key=lambda n: (-scores[n], n))
     return tuple(sorted(ranked[:count]))
-
-
-def sweep(drift: LayerDrift, counts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """The layer sets of a recompute sweep, one per count (the F1-vs-shared-fraction curve)."""
-    return tuple(most_drifting(drift, c) for c in counts)
