@@ -10,14 +10,18 @@
 #          hidden-state API on CUDA
 #   train  train the 4 adapters (~7 min; tasks already saved are skipped), carry .carry/quality_adapters
 #          copy them to $OUT/quality_adapters (~30 MB)                     when a session brought them back
-#   eval   the 5 layouts x 40 rounds, fp32, Triton attention, CUDA graphs, no hidden states; saves
-#          every unit (layout x 10 rounds) and stops before 480 s; run it again until it says done
-#   diag   per-layer drift (8 catalogs) and the hidden-state cosines (fp32 eager, 8 rounds)
+#   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
+#          layers from; returns quality_h200_drift.{json,png} (~1 min)
+#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15) x 40
+#          rounds, fp32, Triton attention, CUDA graphs, no hidden states; saves every unit (mode x
+#          10 rounds) and stops before 480 s; run it again until it says done (needs drift first,
+#          or the recompute units are saved as not available)
+#   diag   the hidden-state cosines (fp32 eager, 8 rounds)
 # Every call that evaluates seeds /root/quality from the units committed under
 # benchmarks/results/ (a later session resumes there) and copies its units and tables to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: $0 part1|setup|train|eval|diag}
+call=${1:?usage: $0 part1|setup|train|drift|eval|diag}
 PARTS=/root/parts
 MODEL=$PARTS/m.gguf
 ADAPTERS=/root/adapters/qkvo
@@ -42,7 +46,9 @@ seed_results() {
     mkdir -p "$RESULTS/quality_$1"
     cp -n benchmarks/results/quality_$1/*.json "$RESULTS/quality_$1/" 2>/dev/null || true
   fi
+  cp -n benchmarks/results/quality_h200_drift.json "$RESULTS/" 2>/dev/null || true
 }
+DRIFT=$RESULTS/quality_h200_drift.json
 publish() { cp -r "$RESULTS"/. "$OUT"/; ls -R "$OUT" | head -50 || true; }
 
 case "$call" in
@@ -65,19 +71,24 @@ case "$call" in
     mkdir -p "$OUT/quality_adapters" && cp -r "$ADAPTERS" "$OUT/quality_adapters/"
     cp "$ADAPTERS/train_log.json" "$OUT/quality_h200_train.json"
     du -sh "$OUT/quality_adapters" ;;
+  drift)
+    need_model; need_adapters
+    python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
+        --rounds 8 --out "$RESULTS" --tag h200
+    publish ;;
   eval)
     need_model; need_adapters; seed_results h200
+    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
         --results "$RESULTS" --tag h200 --rounds 40 --no-hidden --attention triton --cuda-graphs \
-        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)"
+        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"}
     publish ;;
   diag)
     need_model; need_adapters; seed_results h200_hidden
-    python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --rounds 8 --out "$RESULTS" --tag h200
+    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
         --results "$RESULTS" --tag h200_hidden --rounds 40 --block 4 --end 8 --deadline-s 420 \
-        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)"
+        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"}
     publish ;;
-  *) echo "usage: $0 part1|setup|train|eval|diag" >&2; exit 2 ;;
+  *) echo "usage: $0 part1|setup|train|drift|eval|diag" >&2; exit 2 ;;
 esac

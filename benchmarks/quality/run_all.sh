@@ -38,10 +38,13 @@ train() {
       --max-steps "$STEPS" --device "$DEVICE"
   cp "$WORK/$1/train_log.json" "$RESULTS/quality_${TAG}$3_train.json"
 }
+# The drift profile first: the recompute modes take their layers from it.
 evaluate() {
+  python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
+      --rounds 8 --eval-rounds "$ROUNDS" --out "$RESULTS" --tag "${TAG}$3"
   python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
       --rounds "$ROUNDS" --max-new "$MAX_NEW" --results "$RESULTS" --tag "${TAG}$3" \
-      --label "(LoRA rank 16 on $2, $STEPS steps)"
+      --drift "$RESULTS/quality_${TAG}$3_drift.json" --label "(LoRA rank 16 on $2, $STEPS steps)"
 }
 
 # Training and evaluation are separate stages too, so that each fits one 10-minute device call.

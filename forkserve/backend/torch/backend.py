@@ -42,6 +42,7 @@ from forkserve.backend.torch.lora import (
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.pending_step import PendingStep, StepClock, StepOutput
+from forkserve.backend.torch.recompute import group_forms
 from forkserve.backend.torch.runner import ModelRunner
 from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
@@ -154,13 +155,13 @@ class TorchBackend:
         self.max_adapters = max_adapters or max(8, len(adapters))
         self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
-                           self.max_lora_rank, device, dtype)
+                           self.max_lora_rank, device, dtype, config.recompute_layers)
         self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
             disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)),
-            merged_allowed=self.layout is KVLayout.ADAPTIVE)
+            merged_allowed=self.layout is KVLayout.ADAPTIVE, recompute=bool(config.recompute_layers))
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -219,7 +220,7 @@ class TorchBackend:
 
     def transfer_cost(self, tokens: int) -> StepCost:
         """Modeled: KV bytes of `tokens` tokens over a connector of connector_gb_per_s."""
-        per_token = sum(kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype).values())
+        per_token = sum(self.kv_bytes_per_token().values())
         return StepCost(ms=tokens * per_token / (self.connector_gb_per_s * 1e9) * 1e3)
 
     # ---- Beyond the protocol ----------------------------------------------------------------
@@ -249,6 +250,8 @@ class TorchBackend:
         refuses (``validate``) returns a handle that raises the refusal."""
         items = [*work, *batch.items()] if batch is not None and len(batch) else list(work)
         try:
+            if len(self._form_groups(items)) > 1:  # its parts run one after the other, here
+                return Done(self.forward(items).result)
             return self._start(items, all_logits=False, hidden_states=False)
         except Exception as exc:  # noqa: BLE001 - handed to whoever asks for the result
             return Done(error=exc)
@@ -261,7 +264,18 @@ class TorchBackend:
         CUDA graphs."""
         if not work:
             return StepOutput(StepResult(()), ())
+        groups = self._form_groups(work)
+        if len(groups) > 1:
+            return _merged(work, groups, [self.forward([work[i] for i in g], all_logits, hidden_states)
+                                          for g in groups])
         return self._start(work, all_logits, hidden_states).output()
+
+    def _form_groups(self, work: Sequence[SeqWork]) -> list[list[int]]:
+        """With recompute layers a step of adapter items and other items runs as its parts
+        (``recompute.group_forms``); one group otherwise."""
+        if not self.limits.recompute:
+            return [list(range(len(work)))]
+        return group_forms([split_residual_pages(s, self.limits) is not None for s in work])
 
     def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
         """Validate and queue one step; nothing here waits for the device."""
@@ -375,7 +389,8 @@ class TorchBackend:
         return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
-        return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype)
+        return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,
+                                  len(self.config.recompute_layers))
 
     def _install(self, name: str, adapter: LoraAdapter) -> int:
         if name in self._names:
@@ -392,3 +407,13 @@ class TorchBackend:
                                              adapter.invocation_tokens)
         self._names[name] = aid
         return aid
+
+
+def _merged(work: Sequence[SeqWork], groups: Sequence[Sequence[int]], outs: Sequence[StepOutput]) -> StepOutput:
+    """The outputs of ``work`` run as ``groups`` (``recompute.group_forms``), back in item order."""
+    at = {i: (out, j) for g, out in zip(groups, outs, strict=True) for j, i in enumerate(g)}
+    order = [at[i] for i in range(len(work))]
+    cost = sum((out.result.cost for out in outs), StepCost())
+    hidden = tuple(out.hidden[j] for out, j in order) if all(out.hidden for out in outs) else ()
+    return StepOutput(StepResult(tuple(out.result.next_tokens[j] for out, j in order), cost),
+                      tuple(out.logits[j] for out, j in order), hidden)

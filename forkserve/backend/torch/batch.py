@@ -39,6 +39,7 @@ class BatchLimits:
     disaggregated: bool
     needs_residual: bool   # resident adapters carry k or v LoRA: disaggregated items need residual pages
     merged_allowed: bool = False  # adaptive layout: an adapter's item without residual pages is merged
+    recompute: bool = False  # selective recompute layers: split items keep own K/V in some layers
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
         elif not limits.merged_allowed:
             raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
                                    f"for adapter {seq.adapter_id}")
+    if seq.extra_residuals and limits.recompute:
+        raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot fill the "
+                               f"recompute layers' own K/V, which only the adapter's own forward computes")
     for target in seq.extra_residuals:
         if not limits.disaggregated:
             raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
