@@ -549,6 +549,7 @@ def register_report(out: Path) -> None:
     (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
     ``-v``. Writes ``kernel_regs.json`` and prints a table.
     """
+    import inspect
     import re
     import subprocess
     import tempfile
@@ -567,11 +568,15 @@ def register_report(out: Path) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
     fp16_ptrs = {"Bias"}
-    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx"}
+    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
+                "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
         names = kernel.arg_names
+        # Constexprs left out take their defaults, as at a launch.
+        consts = {p.name: p.default for p in kernel.params
+                  if p.is_constexpr and p.default is not inspect.Parameter.empty} | consts
         sig, attrs = {}, {}
         for i, n in enumerate(names):
             if n in consts:
