@@ -451,6 +451,23 @@ VARIANTS: dict[str, dict] = {
     # Pass 1 with keys as M (wgmma, register A operand): the default since issue 15's run.
     "two_pass_bn64_keysm64": dict(variant="two_pass", block_n=64,
                                   score_tuning=dict(block_n=64, keys_m=True)),
+    # Pass 1 with keys as M at 128-key tiles over 8 warps (221 registers): more keys per
+    # program, half the programs re-reading B_k and q per tile.
+    "two_pass_bn64_keysm128_w8": dict(variant="two_pass", block_n=64,
+                                      score_tuning=dict(block_n=128, keys_m=True, num_warps=8)),
+    # Pass 1 in the q-folded form (residual_score_qfold.py): cos/sin rows from the table
+    # ("t") or by angle addition on the folded matrices ("a"); key tile, warps.
+    "two_pass_qfold_t32": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", angle_add=False, block_n=32)),
+    "two_pass_qfold_t64": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", angle_add=False, block_n=64)),
+    "two_pass_qfold_t128_w8": dict(variant="two_pass", block_n=64,
+                                   score_tuning=dict(form="qfold", angle_add=False, block_n=128,
+                                                     num_warps=8)),
+    "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", block_n=64)),
+    "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,
+                                   score_tuning=dict(form="qfold", block_n=128, num_warps=8)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -485,16 +502,18 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
-def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
+def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
-    Per case also times the two-pass score kernel alone (``scores_ms``) and, at the
-    smallest context with batch 8, the error of each variant against the fp32 eager path.
+    Per case also times each two-pass variant's score pass alone (``<name>_scores_ms``:
+    pass 2 is about the difference) and, at the smallest context with batch 8, the error of
+    each variant against the fp32 eager path. Writes ``path`` after every case.
     """
-    from forkserve.kernels.residual_decode_triton import residual_scores
+    from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
     res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
+    res["score_tuning_default"] = {k: str(v) for k, v in SCORE_TUNING.items()}
     for ctx in s.contexts:
         for batch in s.batches:
             bt, rbt, lens = s.tables(batch, ctx)
@@ -504,42 +523,78 @@ def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
             row["unified_ms"] = measure(res, tag + " unified", lambda: paged_decode_triton(
                 q, s.k, s.v, bt, lens, max_seq_len=ctx, **uni_cfg), s.smoke)
             table = cached_rope_table(s.inv_freq, ctx)
-            row["scores_ms"] = measure(res, tag + " scores", lambda: residual_scores(
-                q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx), s.smoke)
             for name in names:
-                fn = (lambda kw=VARIANTS[name]: residual_decode_triton(  # noqa: E731
+                kw = VARIANTS[name]
+                fn = (lambda kw=kw: residual_decode_triton(  # noqa: E731
                     q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
                     max_seq_len=ctx, **kw))
                 row[name + "_ms"] = measure(res, f"{tag} {name}", fn, s.smoke)
                 row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
+                if kw["variant"] == "two_pass":
+                    tuning = kw.get("score_tuning") or SCORE_TUNING
+                    row[name + "_scores_ms"] = measure(
+                        res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
+                            q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
                     row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
                         fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
                             s, bt, rbt, ctx, ad)))))
             res["decode_variants"].append(row)
-            print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms "
-                  f"scores={row['scores_ms']:.4f}ms " + " ".join(
-                      f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x)" for n in names), flush=True)
+            path.write_text(json.dumps(res, indent=1))
+            print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms " + " ".join(
+                f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x"
+                + (f", p1 {row[n + '_scores_ms']:.4f})" if n + "_scores_ms" in row else ")")
+                for n in names), flush=True)
 
 
 def plot_variants(res: dict, path: Path) -> None:
+    """Per batch: each variant's time over unified (top) and its score pass alone over
+    unified (bottom, two-pass variants)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["decode_variants"]
     names = [n for n in res["decode_variants_config"] if n != "unified"]
-    fig, axes = plt.subplots(1, len({r["batch"] for r in rows}), figsize=(5 * 3, 4.5), squeeze=False)
-    for ax, batch in zip(axes[0], sorted({r["batch"] for r in rows}), strict=False):
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(4.5 * len(batches), 8), squeeze=False)
+    for col, batch in enumerate(batches):
         sub = [r for r in rows if r["batch"] == batch]
+        ctx = [r["ctx"] for r in sub]
+        top, bottom = axes[0, col], axes[1, col]
         for name in names:
-            ax.plot([r["ctx"] for r in sub], [r[name + "_ratio"] for r in sub], marker="o", label=name)
-        ax.axhline(1.10, color="red", linestyle=":", label="target 1.10")
-        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
-               title=f"batch {batch}")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}")
+            top.plot(ctx, [r[name + "_ratio"] for r in sub], marker="o", label=name)
+            if name + "_scores_ms" in sub[0]:
+                bottom.plot(ctx, [r[name + "_scores_ms"] / r["unified_ms"] for r in sub], marker="o",
+                            label=name)
+        goal = 1.3 if batch == 1 else 1.15  # issue 15's goals
+        top.axhline(goal, color="red", linestyle=":", label=f"goal {goal}")
+        top.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
+                title=f"batch {batch}")
+        bottom.set(xscale="log", xlabel="context", ylabel="score pass alone / unified",
+                   title=f"pass 1, batch {batch}")
+        top.legend(fontsize=6)
+    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}, "
+                 f"commit {res['commit'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_variants_table(res: dict) -> None:
+    """Residual / unified per variant and case; pass 1 alone / unified in brackets."""
+    rows = res["decode_variants"]
+    names = [n for n in res["decode_variants_config"] if n != "unified"]
+    print(f"\n== {res['device']} {res['dtype']} commit {res['commit']}: residual / unified "
+          "(pass 1 alone / unified)")
+    print(f"{'variant':28s}" + "".join(
+        f"{str(r['ctx'] // 1024) + 'K' if r['ctx'] >= 1024 else r['ctx']:>6} x{r['batch']:<3d}   "
+        for r in rows))
+    print(f"{'unified ms':28s}" + "".join(f"{r['unified_ms']:12.4f}  " for r in rows))
+    for name in names:
+        cells = []
+        for r in rows:
+            p1 = r.get(name + "_scores_ms")
+            cells.append(f"{r[name + '_ratio']:5.2f}" + (f" ({p1 / r['unified_ms']:4.2f})" if p1 else " " * 7))
+        print(f"{name:28s}" + "  ".join(cells))
 
 
 def register_report(out: Path) -> None:
@@ -549,6 +604,7 @@ def register_report(out: Path) -> None:
     (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
     ``-v``. Writes ``kernel_regs.json`` and prints a table.
     """
+    import inspect
     import re
     import subprocess
     import tempfile
@@ -567,11 +623,15 @@ def register_report(out: Path) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
     fp16_ptrs = {"Bias"}
-    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx"}
+    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
+                "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
         names = kernel.arg_names
+        # Constexprs left out take their defaults, as at a launch.
+        consts = {p.name: p.default for p in kernel.params
+                  if p.is_constexpr and p.default is not inspect.Parameter.empty} | consts
         sig, attrs = {}, {}
         for i, n in enumerate(names):
             if n in consts:
@@ -625,6 +685,15 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "score_pass1" + ("_keys_m" if keys_m else ""), "residual": True,
                      "split_score": False, "block_n": block_n, "num_warps": warps,
                      **compile_one(_residual_score_kernel, consts, warps, 2)})
+    # Pass 1 in the q-folded form: cos/sin from the table or by angle addition.
+    from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
+    for angle_add in (False, True):
+        for block_n, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
+            consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
+                          ANGLE_ADD=angle_add)
+            rows.append({"kernel": "score_qfold" + ("_angle" if angle_add else "_table"),
+                         "residual": True, "split_score": False, "block_n": block_n,
+                         "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps, 2)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
@@ -723,7 +792,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
     res["copy_GBps"] = copy_bandwidth(s) / 1e9
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     try:
-        run_decode_variants(s, res, names)
+        run_decode_variants(s, res, names, path)
     except Exception as exc:
         res.setdefault("errors", []).append(f"decode variants: {exc!r}"[:1000])
         print(f"decode variants FAILED: {exc!r}", flush=True)
@@ -738,6 +807,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
         plot_variants(res, path.with_suffix(".png"))
     except Exception as exc:
         print(f"plot failed: {exc!r}", flush=True)
+    print_variants_table(res)
     for e in res.get("errors", []):
         print("ERROR", e)
 
