@@ -14,6 +14,7 @@ import torch
 from forkserve.kernels import reference
 from forkserve.kernels.flash_op import FlashSupport, flash_support
 from forkserve.kernels.prefill_policy import (
+    PACKED_ROUTES,
     RESIDUAL_ROUTES,
     UNIFIED_ROUTES,
     CostPrefillPolicy,
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 
+# How each packed route attends (flash_prefill's ``attention``).
+_PACKED_ATTENTION = {PrefillRoute.FLASH: "varlen", PrefillRoute.SDPA: "sdpa"}
 # What ``variant="auto"`` asks; the engine's KernelAttention holds its own policy object.
 DEFAULT_PREFILL_POLICY: PrefillAttentionPolicy = CostPrefillPolicy()
 
@@ -86,8 +89,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   variant: PrefillRoute | str = "auto", counts: PrefillCounts | None = None,
                   **tuning) -> torch.Tensor:
     """Varlen causal prefill over the unified paged cache: q ``[total_new, H, D]``.
-    ``variant`` (Triton only): "paged" (the Triton kernel), "flash" (packed K/V and
-    FlashAttention-2, flash_prefill.py) or "auto" (``DEFAULT_PREFILL_POLICY``). ``counts``:
+    ``variant`` (Triton only): "paged" (the Triton kernel), "flash" / "sdpa" (packed K/V, then
+    FlashAttention-2 varlen / SDPA per sequence: flash_prefill.py) or "auto"
+    (``DEFAULT_PREFILL_POLICY``). ``counts``:
     the batch's lengths on the host, when the caller has them (else read back once where a
     route needs them). ``tuning``: keywords of the chosen route's Triton kernel (pin the
     variant when passing them)."""
@@ -95,10 +99,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale)
     route = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache)
-    if route is PrefillRoute.FLASH:
+    if route in PACKED_ROUTES:
         from forkserve.kernels.flash_prefill import flash_prefill
         return flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                             _host_counts(counts, seq_lens, cu_seqlens_q), scale, **tuning)
+                             _host_counts(counts, seq_lens, cu_seqlens_q), scale,
+                             attention=_PACKED_ATTENTION[route], **tuning)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                 **_host_bounds(counts), **tuning)
@@ -129,7 +134,8 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
     """ResidualAttention varlen causal prefill over the disaggregated cache. ``variant``
     (Triton only; prefill_policy.py): "fused" rebuilds key tiles inside the paged kernel,
     "merged" rebuilds every used page once (residual_merge.py) and runs the unified kernel,
-    "flash" rebuilds into packed K/V for FlashAttention-2 (flash_prefill.py), "auto" asks
+    "flash" / "sdpa" rebuild into packed K/V for FlashAttention-2 varlen / SDPA per sequence
+    (flash_prefill.py), "auto" asks
     ``DEFAULT_PREFILL_POLICY``. ``counts`` and ``tuning`` as for ``paged_prefill``."""
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
@@ -142,10 +148,10 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
     from forkserve.kernels.kv_pack import ResidualPools
     residual = ResidualPools(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     counts = _host_counts(counts, seq_lens, cu_seqlens_q)
-    if route is PrefillRoute.FLASH:
+    if route in PACKED_ROUTES:
         from forkserve.kernels.flash_prefill import flash_prefill
         return flash_prefill(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, counts, scale,
-                             residual, **tuning)
+                             residual, attention=_PACKED_ATTENTION[route], **tuning)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     from forkserve.kernels.residual_merge import merged_pages
     k, v, tables = merged_pages(k_base, v_base, residual, block_tables, seq_lens, cu_seqlens_q, counts)

@@ -13,9 +13,12 @@ tokens both forms pay it once per layer and attend at flash speed:
    natively, causal aligned bottom-right per sequence (query j of a chunk of q over s keys
    sees keys ``0 .. s - q + j``), which is chunked prefill over a cached prefix.
 
-Where that op is missing or refuses the inputs (CPU, float32, a head dim it lacks), the same
-packed buffers are attended per sequence with public SDPA and ``causal_lower_right``;
-``flash_op.flash_support`` decides which.
+``attention="sdpa"`` (the ``SDPA`` route) attends the packed buffers per sequence with public
+SDPA instead: ``is_causal`` for a cold prefill, so torch picks its preferred backend (cuDNN on
+Hopper with torch >= 2.11, which the H200 baseline of 1.06 ms at 8K likely was), and
+``causal_lower_right`` for a chunk. The varlen route falls back to the same per-sequence
+attention where the flash op is missing or refuses the inputs (CPU, float32, a head dim it
+lacks); ``flash_op.flash_support`` decides that.
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Pre
         qi = q[q_at:q_at + q_len].transpose(0, 1)[None]
         ki = k[k_at:k_at + s_len].transpose(0, 1)[None]
         vi = v[k_at:k_at + s_len].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal_lower_right(q_len, s_len),
+        # A cold prefill as plain is_causal, so SDPA may pick any backend (cuDNN, flash).
+        mask = None if q_len == s_len else causal_lower_right(q_len, s_len)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[q_at:q_at + q_len] = o[0].transpose(0, 1)
         q_at, k_at = q_at + q_len, k_at + s_len
@@ -51,12 +56,16 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Pre
 def flash_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   counts: PrefillCounts, scale: float | None = None,
-                  residual: ResidualPools | None = None, **pack_tuning) -> torch.Tensor:
+                  residual: ResidualPools | None = None, attention: str = "varlen",
+                  **pack_tuning) -> torch.Tensor:
     """Varlen causal prefill (``q [total_new, H, D]``) over the paged cache, unified or with
     ``residual``, through packed K/V. ``counts``: host copies of the batch's lengths (they
     size the buffers and the grid; nothing is read back). The packed K/V (``counts.packed_keys``
     rows each) are allocated here and dropped on return: per layer call, reused by the
-    caching allocator. ``pack_tuning``: ``pack_kv``'s ``block_t`` / ``num_warps``."""
+    caching allocator. ``attention``: "varlen" (FlashAttention-2, where it takes the inputs)
+    or "sdpa" (per sequence). ``pack_tuning``: ``pack_kv``'s ``block_t`` / ``num_warps``."""
+    if attention not in ("varlen", "sdpa"):
+        raise ValueError(f"attention must be 'varlen' or 'sdpa', got {attention!r}")
     if q.shape[0] != counts.new_tokens or seq_lens.numel() != len(counts.seq_lens):
         raise ValueError(f"counts describe {counts.new_tokens} new tokens of "
                          f"{len(counts.seq_lens)} sequences; got q of {q.shape[0]} rows and "
@@ -70,6 +79,6 @@ def flash_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     cu_k[1:] = torch.cumsum(key_lens, 0)
     k, v = pack_kv(k_pool, v_pool, block_tables, key_lens, cu_k[:-1], counts.packed_keys,
                    counts.max_packed_len, residual, **pack_tuning)
-    if flash_support(q, k_pool).varlen:
+    if attention == "varlen" and flash_support(q, k_pool).varlen:
         return flash_varlen(q, k, v, cu_q, cu_k, counts.max_query_len, counts.max_packed_len, scale)
     return _per_sequence(q, k, v, counts, scale)

@@ -6,7 +6,9 @@ Routes (``PrefillRoute``):
 * ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
-  packed buffer, then FlashAttention-2 through torch (flash_prefill.py).
+  packed buffer, then FlashAttention-2's varlen op through torch (flash_prefill.py);
+* ``SDPA``: the same packed buffer attended per sequence by torch's public SDPA, which picks
+  its own backend (cuDNN on Hopper with torch >= 2.11's bundled cuDNN, else flash).
 
 The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
 and whether the flash op takes these inputs (``flash_prefill.flash_support``), so deciding
@@ -25,10 +27,12 @@ class PrefillRoute(str, Enum):
     FUSED = "fused"
     MERGED = "merged"
     FLASH = "flash"
+    SDPA = "sdpa"
 
 
-UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED, PrefillRoute.FLASH})
-RESIDUAL_ROUTES = frozenset({PrefillRoute.FUSED, PrefillRoute.MERGED, PrefillRoute.FLASH})
+PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
+UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED}) | PACKED_ROUTES
+RESIDUAL_ROUTES = frozenset({PrefillRoute.FUSED, PrefillRoute.MERGED}) | PACKED_ROUTES
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class PrefillCounts:
         return max((s for q, s in self._pairs() if q), default=0)
 
     @property
+    def all_cold(self) -> bool:
+        """Every sequence with new tokens prefills from position 0 (square causal attention)."""
+        return all(q == s for q, s in self._pairs() if q)
+
+    @property
     def causal_pairs(self) -> int:
         """(query, key) pairs the causal mask keeps: query j of a chunk of q over s keys sees
         s - q + j + 1 of them."""
@@ -88,13 +97,16 @@ class PrefillAttentionPolicy(Protocol):
 
 @dataclass(frozen=True)
 class CostPrefillPolicy:
-    """Flash when the attention work pays for the gather: the flash route reads and writes
-    every packed key once more before the attention reads it again, an O(keys) cost, against
-    FlashAttention-2's speed over our Triton kernel on the O(pairs) attention. So FLASH when
-    ``causal_pairs / packed_keys`` reaches the threshold and the packed buffer stays under
-    ``max_packed_keys`` rows (transient, per layer); else the Triton kernels, with the
-    residual form's merge-or-fuse rule measured on the H200 (react-multilora, docs/KERNELS.md):
-    merge when the context is at most ``merge_context_ratio`` times the new tokens.
+    """Packed K/V when the attention work pays for the gather: the packed routes read and
+    write every packed key once more before the attention reads it again, an O(keys) cost,
+    against the library kernels' speed over our Triton kernel on the O(pairs) attention. So a
+    packed route when ``causal_pairs / packed_keys`` reaches the threshold and the buffer
+    stays under ``max_packed_keys`` rows (transient, per layer): ``SDPA`` when every sequence
+    is a cold prefill and ``sdpa_for_cold`` (torch's SDPA then runs square causal attention
+    with its preferred backend, cuDNN on the H200), ``FLASH`` (varlen, bottom-right causal)
+    otherwise. Else the Triton kernels, with the residual form's merge-or-fuse rule measured
+    on the H200 (react-multilora, docs/KERNELS.md): merge when the context is at most
+    ``merge_context_ratio`` times the new tokens.
 
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
@@ -106,13 +118,15 @@ class CostPrefillPolicy:
     residual_flash_min_pairs_per_key: float = 32.0
     max_packed_keys: int = 1 << 19
     merge_context_ratio: float = 4.0
+    sdpa_for_cold: bool = True
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         if flash and 0 < counts.packed_keys <= self.max_packed_keys:
             threshold = (self.residual_flash_min_pairs_per_key if residual
                          else self.flash_min_pairs_per_key)
             if counts.causal_pairs >= threshold * counts.packed_keys:
-                return PrefillRoute.FLASH
+                cold = self.sdpa_for_cold and counts.all_cold
+                return PrefillRoute.SDPA if cold else PrefillRoute.FLASH
         if not residual:
             return PrefillRoute.PAGED
         if counts.context_tokens <= self.merge_context_ratio * counts.new_tokens:
@@ -123,7 +137,7 @@ class CostPrefillPolicy:
 @dataclass(frozen=True)
 class FixedPrefillPolicy:
     """One route for every batch of its form (benchmarks, tests). FLASH runs even where the
-    flash op refuses the inputs: the flash route then attends per sequence through SDPA."""
+    flash op refuses the inputs: it then attends per sequence through SDPA."""
 
     unified: PrefillRoute = PrefillRoute.PAGED
     residual: PrefillRoute = PrefillRoute.FUSED

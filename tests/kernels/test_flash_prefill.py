@@ -60,12 +60,13 @@ def _oracle(c, q, cu, residual: ResidualPools | None) -> torch.Tensor:
                          None if residual is None else tuple(residual))
 
 
+@pytest.mark.parametrize("variant", ["flash", "sdpa"])
 @pytest.mark.parametrize("seq_lens,q_lens,n_heads,n_kv", CASES)
-def test_flash_paged_prefill(seq_lens, q_lens, n_heads, n_kv) -> None:
+def test_packed_paged_prefill(seq_lens, q_lens, n_heads, n_kv, variant) -> None:
     c, q, cu, _, counts = _batch(torch.Generator().manual_seed(sum(seq_lens)), seq_lens, q_lens,
                                  n_heads, n_kv)
     out = paged_prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu, use_triton=True,
-                        variant="flash", counts=counts, block_t=16)
+                        variant=variant, counts=counts, block_t=16)
     assert rel_err(out, _oracle(c, q, cu, None)) < REL_TOL
 
 
@@ -140,12 +141,14 @@ def test_cost_policy_routes() -> None:
     chunks = PrefillCounts((512,) * 8, (8704,) * 8)            # 8 chunks of 512 over 8K cached
     short = PrefillCounts((48,), (8192,))                      # few queries over a long context
     decodes = PrefillCounts((1,) * 64, (8192,) * 64)           # decode-like rows dominate
-    assert policy.route(whole_8k, False, True) is PrefillRoute.FLASH
+    assert policy.route(whole_8k, False, True) is PrefillRoute.SDPA  # cold: SDPA picks a backend
     assert policy.route(chunks, False, True) is PrefillRoute.FLASH
+    assert CostPrefillPolicy(sdpa_for_cold=False).route(whole_8k, True, True) is PrefillRoute.FLASH
     assert policy.route(short, False, True) is PrefillRoute.PAGED
     assert policy.route(short, True, True) is PrefillRoute.FLASH   # residual's lower threshold
     assert policy.route(decodes, True, True) is PrefillRoute.FUSED
-    assert policy.route(PrefillCounts((140000,), (140000,)), False, True) is PrefillRoute.PAGED  # cap
+    too_big = PrefillCounts((140000,), (140000,))
+    assert policy.route(too_big, False, True) is PrefillRoute.PAGED  # the buffer cap
     # Without the flash op: the Triton kernels, merged when the context is <= 4x the new tokens.
     assert policy.route(whole_8k, False, False) is PrefillRoute.PAGED
     assert policy.route(whole_8k, True, False) is PrefillRoute.MERGED
@@ -176,11 +179,16 @@ def test_flash_matches_triton_on_gpu() -> None:
     res = res._replace(adapter_idx=torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32, device=DEVICE))
     assert flash_support(q, c.k).varlen, flash_support(q, c.k).reason
     unified = (q, c.k, c.v, c.block_tables, c.seq_lens, cu)
-    flash = paged_prefill(*unified, variant="flash", counts=counts)
     triton = paged_prefill(*unified, variant="paged", counts=counts)
-    assert rel_err(flash, triton) < REL_TOL
+    for variant in ("flash", "sdpa"):
+        assert rel_err(paged_prefill(*unified, variant=variant, counts=counts), triton) < REL_TOL
     args = _residual_args(c, q, cu, res)
     r_flash = residual_prefill(*args, variant="flash", counts=counts)
-    for variant in ("fused", "merged"):
+    for variant in ("fused", "merged", "sdpa"):
         assert rel_err(r_flash, residual_prefill(*args, variant=variant, counts=counts)) < REL_TOL
     assert rel_err(r_flash, _oracle(c, q, cu, res)) < REL_TOL
+    # A batch of cold prefills only: the SDPA route's is_causal path (cuDNN where torch picks it).
+    cold = PrefillCounts((1000,), (1000,))
+    one = (q[:1000], c.k, c.v, c.block_tables[:1], c.seq_lens[:1], cu[:2])
+    assert rel_err(paged_prefill(*one, variant="sdpa", counts=cold),
+                   paged_prefill(*one, variant="flash", counts=cold)) < REL_TOL
