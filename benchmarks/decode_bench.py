@@ -170,13 +170,17 @@ class Bench:
     def prefill(self, tokens: int, adapter: int | None, reps: int = 3) -> dict:
         vocab = self.backend.model_config.vocab_size
         prompt = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+        # Which prefill route the engine's dispatch took (KernelAttention counts its layer calls).
+        routes = getattr(self.backend.attention, "prefill_routes", None)
+        before = dict(routes or {})
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             self.backend.step([self.item(0, prompt, 0, adapter)])
             times.append(time.perf_counter() - t0)
         best = statistics.median(times[1:])
-        return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best}
+        taken = {k: n - before.get(k, 0) for k, n in (routes or {}).items() if n > before.get(k, 0)}
+        return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best, "prefill_routes": taken}
 
 
 def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt: int) -> dict:
@@ -394,7 +398,8 @@ def print_table(res: dict) -> None:
     for key in ("prefill", "prefill_lora"):
         r = res.get(key)
         if r:
-            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f})")
+            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f}) "
+                  f"routes {r.get('prefill_routes')}")
     for key in ("hf_generate_b1", "hf_generate_b64"):
         r = res.get(key)
         if r:
