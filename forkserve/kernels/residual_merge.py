@@ -19,8 +19,8 @@ from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.prefill_policy import PrefillCounts
 
 
-def merged_pages(k_base: torch.Tensor, v_base: torch.Tensor, residual: ResidualPools, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def merged_pages(k_base: torch.Tensor, v_base: torch.Tensor, residual: ResidualPools,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  counts: PrefillCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merged K/V pages ``[n, P, Hkv, D]`` (pool dtype) holding the pages of every sequence
     with new tokens, and block tables ``[B, width]`` into them (unused columns, and all of a
@@ -28,7 +28,8 @@ def merged_pages(k_base: torch.Tensor, v_base: torch.Tensor, residual: ResidualP
     ``counts`` sizes the pages on the host; the layout is computed on the device, so the
     call can be captured in a CUDA graph. The pages belong to the caller (one layer)."""
     page_size = k_base.shape[1]
-    n_pages = sum(-(-s // page_size) for q, s in zip(counts.query_lens, counts.seq_lens, strict=True) if q)
+    lens = zip(counts.query_lens, counts.seq_lens, strict=True)
+    n_pages = sum(-(-s // page_size) for q, s in lens if q)
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     key_lens = torch.where(q_lens > 0, seq_lens.to(torch.int32), 0).to(torch.int32)
     pages = (key_lens + page_size - 1) // page_size
