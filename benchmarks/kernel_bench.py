@@ -867,7 +867,8 @@ def main() -> None:
     print(f"decode config {cfg}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     steps = (("decode", lambda: run_decode(s, cfg, res)), ("shared", lambda: run_shared_prefix(s, cfg, res)),
-             ("prefill", lambda: run_prefill(s, res, lambda: None)))
+             ("prefill", lambda: run_prefill(
+                 s, res, lambda: (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1)))))
     for name, step in steps:
         if name in args.skip:
             continue
