@@ -29,8 +29,8 @@ react() {
 
 if [[ $STAGES == all || $STAGES == sweep ]]; then
   # no_lora first: the shared context is prefilled once, so its decode steps dominate and
-  # its GPU idle at W = 256 is the issue's overlap goal (<= 5%).
-  react no_lora 120 --systems no_lora --workflows 64 128 256 --kv-budget-gib 100
+  # its GPU idle at W = 256 with overlap is the issue's goal (<= 5%); overlap off beside it.
+  react no_lora 200 --systems no_lora --workflows 64 128 256 --kv-budget-gib 100 --overlap off on
 fi
 if [[ $STAGES == all || $STAGES == pressure ]]; then
   # 24 GiB with 5% for residuals: 128 agents' 8K-context residuals do not all fit, so paused
@@ -45,7 +45,7 @@ fi
 if [[ $STAGES == all || $STAGES == sweep ]]; then
   # Each agent's own adapter: the residuals of the 8K context are computed per agent
   # (disaggregated) or the whole K/V is (unified) — prefill-bound, so the biggest W go last.
-  react disaggregated 200 --systems disaggregated --workflows 64 128 256 --kv-budget-gib 100
-  react unified 200 --systems unified --workflows 64 128 256 --kv-budget-gib 100
+  react disaggregated 200 --systems disaggregated --workflows 64 128 256 --kv-budget-gib 100 --overlap on
+  react unified 200 --systems unified --workflows 64 128 256 --kv-budget-gib 100 --overlap on
 fi
 ls -la "$OUT"
