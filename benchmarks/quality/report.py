@@ -58,7 +58,7 @@ class LayoutSummary:
     token_f1: float
     readers: int
     paired: Paired | None    # readers vs the reference; None for a reference, or no readers
-    layer_cos: tuple[float, ...]  # readers' mean cosine to unified per layer; () if not recorded
+    layer_cos: tuple[float, ...]  # readers' mean cosine to the reference per layer; () if none
     prefill_tokens: int
     seconds: float
     context_kv_bytes: int = 0   # the shared contexts' K/V, every agent on them, summed over rounds
@@ -73,18 +73,18 @@ def agreement(a: Sequence[int], b: Sequence[int]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))
 
 
-def pair(readers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult]) -> Paired:
-    rounds = [a.round for a in readers]
-    refs = [ref[a.key] for a in readers]
+def pair(answers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult]) -> Paired:
+    rounds = [a.round for a in answers]
+    refs = [ref[a.key] for a in answers]
     return Paired(
-        mean(a.f1 for a in readers), mean(r.f1 for r in refs),
-        bootstrap([a.f1 - r.f1 for a, r in zip(readers, refs, strict=True)], rounds),
-        sum(a.valid for a in readers), sum(r.valid for r in refs),
-        bootstrap([float(a.valid) - float(r.valid) for a, r in zip(readers, refs, strict=True)],
+        mean(a.f1 for a in answers), mean(r.f1 for r in refs),
+        bootstrap([a.f1 - r.f1 for a, r in zip(answers, refs, strict=True)], rounds),
+        sum(a.valid for a in answers), sum(r.valid for r in refs),
+        bootstrap([float(a.valid) - float(r.valid) for a, r in zip(answers, refs, strict=True)],
                   rounds),
-        bootstrap([agreement(a.tokens, r.tokens) for a, r in zip(readers, refs, strict=True)],
+        bootstrap([agreement(a.tokens, r.tokens) for a, r in zip(answers, refs, strict=True)],
                   rounds),
-        bootstrap([float(a.tokens == r.tokens) for a, r in zip(readers, refs, strict=True)],
+        bootstrap([float(a.tokens == r.tokens) for a, r in zip(answers, refs, strict=True)],
                   rounds))
 
 
