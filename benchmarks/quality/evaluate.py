@@ -7,16 +7,19 @@ adapter) share one system message, the function catalog of all K items plus dist
 and each asks its own question. One agent, the writer (round r: agent r mod K), opens
 first and generates; then the other K - 1 open, finding the writer's published pages where
 the layout shares them, and decode together. The layouts and sharing modes (unified,
-disaggregated, full_reuse, base_activations, neutral, recompute<N>, no_lora) are the
-strategies of ``modes.py``; a mode with a prelude (a base-model pass) runs it over the shared
-context before the writer opens. ``recompute<N>`` needs ``--drift`` (``drift.py``'s output):
-its N layers are the most drifting ones there.
+disaggregated, full_reuse, base_activations, neutral, recompute<N>, no_lora; alora_unified
+and alora with ``--alora-adapters``) are the strategies of ``modes.py``; a mode with a prelude
+(a base-model pass) runs it over the shared context before the writer opens. ``recompute<N>``
+needs ``--drift`` (``drift.py``'s output): its N layers are the most drifting ones there. The
+aLoRA modes run the adapters of ``train.py --alora``, whose invocation (the assistant-turn
+opener) every prompt must hold after the shared catalog: checked before anything runs.
 
 Per agent: accuracy (ast_check), token F1 of the call text, its tokens (report.py pairs
-them with unified's), and, with hidden states on, for the agents that read a context cached
-by another (the readers) the cosine similarity of the residual stream after each layer to
-unified's, over the agent's own tokens (question and answer) up to the first token where
-its answer leaves unified's.
+them with its mode's reference: unified, or alora_unified for the aLoRA rows), and, with
+hidden states on, for the agents that read a context cached by another (the readers) the
+cosine similarity of the residual stream after each layer to the reference's, over the
+agent's own tokens (question and answer) up to the first token where its answer leaves the
+reference's.
 
 The work is cut into units (units.py): one layout over one block of rounds, saved as it
 ends. A rerun skips saved units, ``--layouts`` and ``--first/--end`` pick a subset, and
@@ -39,9 +42,10 @@ from benchmarks.quality import modes, units
 from benchmarks.quality.ast_check import check, token_f1
 from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval_rounds
 from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
-from benchmarks.quality.modes import REFERENCE, Mode, Prelude
+from benchmarks.quality.modes import Adapters, Mode, Prelude
 from benchmarks.quality.units import AgentResult, Unit
 from forkserve.bench.output import DEFAULT_OUT
+from forkserve.control.activation import Invocation
 from forkserve.control.recompute_policy import LayerDrift
 
 LAYOUTS = modes.DEFAULT
@@ -73,14 +77,20 @@ class Inputs:
     prompts: tuple[tuple[list[int], ...], ...]
     model_config: Any
     weights: Any
-    adapters: Mapping[str, Any]
+    adapters: Mapping[str, Any]  # task -> its plain LoRA adapter
     tokenizer: Any
+    alora: Mapping[str, Any]     # task -> its activated LoRA adapter; empty without them
+
+    def adapters_of(self, mode: Mode) -> Mapping[str, Any]:
+        """The adapters ``mode``'s backend loads (the base-model mode loads the plain ones and
+        runs none of them)."""
+        return self.alora if mode.adapters is Adapters.ALORA else self.adapters
 
 
 @dataclass(frozen=True)
 class Reference:
-    """Unified's answers and hidden states over the rounds of one unit: what the cosines
-    compare with."""
+    """The reference mode's answers and hidden states over the rounds of one unit: what the
+    cosines compare with."""
 
     tokens: Mapping[units.AgentKey, tuple[int, ...]]
     hidden: Mapping[units.AgentKey, torch.Tensor]
@@ -110,12 +120,45 @@ def setting(params: EvalParams, model: Path, adapter_dir: Path) -> dict[str, Any
     return dict(d, model=model.name, adapters=fingerprint(adapter_dir))
 
 
+def mode_setting(base: Mapping[str, Any], mode: Mode, alora: str | None) -> dict[str, Any]:
+    """A unit's setting: ``base`` (``setting``), plus the aLoRA adapters' fingerprint
+    ``alora`` for a mode that runs them (units.OPTIONAL: the plain modes' units never carry
+    it, so that adding aLoRA rows keeps every saved plain unit)."""
+    if mode.adapters is not Adapters.ALORA:
+        return dict(base)
+    if alora is None:
+        raise ValueError(f"{mode.name} runs activated-LoRA adapters: give --alora-adapters "
+                         "(train.py --alora)")
+    return dict(base, alora_adapters=alora)
+
+
+def check_activation(rounds: Sequence[Round], prompts: Sequence[Sequence[Sequence[int]]],
+                     alora: Mapping[str, Any]) -> None:
+    """Every aLoRA agent's prompt holds its adapter's invocation after the round's shared
+    catalog; otherwise the adapter would apply nowhere (or inside the catalog) and the rows
+    would measure something else."""
+    for rnd, round_prompts in zip(rounds, prompts, strict=True):
+        shared = common_prefix(round_prompts)
+        for example, p in zip(rnd.examples, round_prompts, strict=True):
+            task = example.task
+            tokens = alora[task].invocation_tokens
+            if tokens is None:
+                raise ValueError(f"the aLoRA adapter of {task} has no alora_invocation_tokens: "
+                                 "train it with train.py --alora")
+            start = Invocation(tokens).last_start(p, 0)
+            if start is None or start < shared:
+                raise ValueError(f"round {rnd.index}, {task}: the prompt has no invocation "
+                                 f"{tokens} after its {shared}-token shared context (found at "
+                                 f"{start}); the adapters and this tokenizer's chat template "
+                                 "disagree")
+
+
 def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalParams,
              config: Mapping[str, Any], reference: Reference | None, drift: LayerDrift | None = None
              ) -> tuple[Unit, dict[units.AgentKey, torch.Tensor]]:
     """Rounds first .. end-1 in one layout or mode; (the unit, each agent's hidden states from
-    the shared prefix on). ``reference``: unified's hidden states for the cosines, if
-    recorded; ``drift``: the profile recompute modes choose their layers from."""
+    the shared prefix on). ``reference``: the reference mode's hidden states for the
+    cosines, if recorded; ``drift``: the profile recompute modes choose their layers from."""
     from forkserve.engine import Engine
 
     mode = modes.mode(layout)
@@ -130,12 +173,12 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
     backend = RecordingBackend.from_weights(
         mode.config(layers, page_size=params.page_size, num_pages=pages, num_residual_pages=pages,
                     max_batch_tokens=4096),
-        inputs.model_config, inputs.weights, inputs.adapters, device=params.device,
+        inputs.model_config, inputs.weights, inputs.adapters_of(mode), device=params.device,
         dtype=getattr(torch, params.dtype), attention=params.attention,
         use_cuda_graphs=params.cuda_graphs, compile_fusions=False)
     engine = Engine(backend)
-    lora = mode.lora
-    record = params.hidden and lora and (layout == REFERENCE or reference is not None)
+    lora = mode.adapters is not Adapters.NONE
+    record = params.hidden and lora and (mode.is_reference or reference is not None)
     context_bytes = 0
     stop = inputs.tokenizer.eos_token_ids
     agents: list[AgentResult] = []
@@ -153,7 +196,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
         sessions, reused = {}, {}
         for i in [writer] + [j for j in range(k) if j != writer]:
             before = engine.metrics.base_hit_tokens
-            sessions[i] = engine.open(round_prompts[i], adapter=ids[i]).id
+            sessions[i] = engine.open(round_prompts[i], adapter=ids[i],
+                                      reuse_prefix=mode.reuse_prefix).id
             reused[i] = engine.metrics.base_hit_tokens - before
             if i == writer:  # the writer's pages are published before anyone else opens
                 engine.generate(sessions[i], params.max_new, stop=stop)
@@ -171,11 +215,11 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
             mine = stack(kept, ids[i], shared) if record else None
             cos: tuple[float, ...] = ()
             compared = 0
-            if mine is not None and layout == REFERENCE:
+            if mine is not None and mode.is_reference:
                 hidden[key] = mine
             elif mine is not None and reference is not None and reused[i] > 0:
                 same = common_prefix([out, list(reference.tokens[key])])
-                # The question, then the answer while it still equals unified's.
+                # The question, then the answer while it still equals the reference's.
                 cos, compared = layer_cosines(mine, reference.hidden[key],
                                               len(round_prompts[i]) - shared + same)
             agents.append(AgentResult(rnd.index, example.task, example.item.id, i == writer,
@@ -202,7 +246,8 @@ def prelude(engine: Any, mode: Mode, context: Sequence[int], ids: Sequence[int |
         engine.close(session)
 
 
-def load_inputs(model: Path, adapter_dir: Path, params: EvalParams) -> Inputs:
+def load_inputs(model: Path, adapter_dir: Path, params: EvalParams,
+                alora_dir: Path | None = None) -> Inputs:
     from forkserve.backend.torch import load_model
     from forkserve.backend.torch.lora import load_peft_adapter
     from forkserve.backend.torch.tokenizer import Tokenizer
@@ -215,29 +260,35 @@ def load_inputs(model: Path, adapter_dir: Path, params: EvalParams) -> Inputs:
     model_cfg, weights = load_model(model, torch.device(params.device),
                                     getattr(torch, params.dtype))
     adapters = {t.name: load_peft_adapter(adapter_dir / t.name, t.name) for t in tasks}
-    return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer)
+    alora = {} if alora_dir is None else \
+        {t.name: load_peft_adapter(alora_dir / t.name, t.name) for t in tasks}
+    if alora:
+        check_activation(rounds, prompts, alora)
+    return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer, alora)
 
 
 def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cache: Path,
              layouts: Sequence[str] = LAYOUTS, first: int = 0, end: int | None = None,
              deadline_s: float | None = None, log: Any = print,
-             drift: Path | None = None) -> list[Unit]:
+             drift: Path | None = None, alora_dir: Path | None = None) -> list[Unit]:
     """Run the units of ``layouts`` x blocks of rounds [first, end) not saved in ``out`` yet,
     each saved as it ends; returns the units run now. Stops before a unit that would end
     past ``deadline_s`` (seconds from now, judged by the longest unit so far). ``drift``:
-    ``drift.py``'s JSON, which the recompute modes choose their layers from."""
-    for layout in layouts:
-        modes.mode(layout)  # an unknown name is refused before anything runs
+    ``drift.py``'s JSON, which the recompute modes choose their layers from; ``alora_dir``:
+    the activated-LoRA adapters (``train.py --alora``) the aLoRA modes run."""
+    base = setting(params, model, adapter_dir)
+    alora = fingerprint(alora_dir) if alora_dir is not None else None
+    # An unknown name, or an aLoRA mode without its adapters, is refused before anything runs.
+    configs = {layout: mode_setting(base, modes.mode(layout), alora) for layout in layouts}
     t0 = time.perf_counter()
-    config = setting(params, model, adapter_dir)
     profile = modes.load_drift(drift) if drift is not None else None
     todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
             if a >= first and (end is None or b <= end)
             for layout in sorted(dict.fromkeys(layouts), key=modes.order_key)
-            if units.find(out, layout, a, b, config) is None]
+            if units.find(out, layout, a, b, configs[layout]) is None]
     if not todo:
         return []
-    inputs = load_inputs(model, adapter_dir, params)
+    inputs = load_inputs(model, adapter_dir, params, alora_dir)
     done: list[Unit] = []
     for layout, a, b in todo:
         elapsed = time.perf_counter() - t0
@@ -245,8 +296,9 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
         if deadline_s is not None and elapsed + 1.25 * longest > deadline_s:
             log(f"deadline: {len(todo) - len(done)} units left for the next run")
             break
-        unit, hidden = run_unit(layout, a, b, inputs, params, config,
-                                reference_for(layout, a, b, params, out, cache, config), profile)
+        unit, hidden = run_unit(layout, a, b, inputs, params, configs[layout],
+                                reference_for(layout, a, b, params, out, cache, configs[layout]),
+                                profile)
         if hidden:
             cache.mkdir(parents=True, exist_ok=True)
             torch.save(hidden, units.hidden_path(cache, layout, a, b))
@@ -259,11 +311,13 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
 
 def reference_for(layout: str, first: int, end: int, params: EvalParams, out: Path, cache: Path,
                   config: Mapping[str, Any]) -> Reference | None:
-    """Unified's saved answers and cached hidden states for these rounds, when both exist."""
-    if layout == REFERENCE or not params.hidden:
+    """The saved answers and cached hidden states of ``layout``'s reference mode for these
+    rounds, when both exist (``config``: the setting, which the reference shares)."""
+    mode = modes.mode(layout)
+    if mode.is_reference or not params.hidden:
         return None
-    unit = units.find(out, REFERENCE, first, end, config)
-    path = units.hidden_path(cache, REFERENCE, first, end)
+    unit = units.find(out, mode.reference, first, end, config)
+    path = units.hidden_path(cache, mode.reference, first, end)
     if unit is None or not path.exists():
         return None
     return Reference({a.key: a.tokens for a in unit.agents}, torch.load(path))
@@ -283,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="output folder; benchmarks/results holds the committed runs")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                     help="unified's hidden states, per unit (large; not results)")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS),
-                    help="layouts and modes (modes.py), recompute<N> for any N")
+    ap.add_argument("--alora-adapters", type=Path, default=None,
+                    help="the activated-LoRA adapters (train.py --alora): adds the aLoRA modes")
+    ap.add_argument("--layouts", default=None,
+                    help="layouts and modes (modes.py), recompute<N> for any N (default: "
+                         "modes.DEFAULT, and modes.ALORA with --alora-adapters)")
     ap.add_argument("--drift", type=Path, default=None,
                     help="drift.py's JSON: the recompute modes take its most drifting layers")
     ap.add_argument("--rounds", type=int, default=EvalParams.rounds)
@@ -313,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
                         tuple(args.categories.split(",")), args.device, args.dtype, args.attention,
                         args.cuda_graphs, not args.no_hidden, args.block)
     folder = args.results / f"quality_{args.tag}"
-    evaluate(args.model, args.adapters, params, folder, args.cache / args.tag,
-             tuple(args.layouts.split(",")), args.first, args.end, args.deadline_s,
-             drift=args.drift)
+    layouts = tuple(args.layouts.split(",")) if args.layouts else \
+        LAYOUTS + (modes.ALORA if args.alora_adapters else ())
+    evaluate(args.model, args.adapters, params, folder, args.cache / args.tag, layouts,
+             args.first, args.end, args.deadline_s, drift=args.drift,
+             alora_dir=args.alora_adapters)
     print(write_outputs(folder, args.label))
     return 0
 

@@ -6,7 +6,9 @@
 # QUALITY_MODEL picks the model (default smollm2: SmolLM2-135M-Instruct, 2 parts; qwen:
 # Qwen2.5-Coder-0.5B-Instruct, 8 parts of 60 MiB, from `run_all.sh pack-qwen`). Its GGUF's
 # sha256 is tracked in benchmarks/quality/models.sha256; results take the tag h200 (smollm2)
-# or h200_qwen, adapters live under /root/adapters/MODEL.
+# or h200_qwen, adapters live under /root/adapters/MODEL (qkvo: plain LoRA; alora: activated
+# LoRA). QUALITY_LAYOUTS=a,b,... limits eval and diag to those modes (default: modes.DEFAULT,
+# and the aLoRA modes when the aLoRA adapters are on the machine).
 #
 # Calls, made back to back (the machine is given back after 30 s idle; /root and /tmp stay
 # only while it is held). docs/QUALITY.md has each call's carry list and timeout.
@@ -17,18 +19,21 @@
 #          wheels, test the hidden-state API on CUDA
 #   train  train the 4 adapters (~7 min; tasks already saved are skipped), carry .carry/quality_adapters
 #          copy them to $OUT/quality_adapters (~30 MB)                     when a session brought them back
+#   train-alora  the same 4 adapters as activated LoRA (train.py --alora)  carry as train (its alora folder)
+#          to /root/adapters/MODEL/alora and $OUT/quality_adapters/MODEL/alora
 #   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
 #          layers from; returns quality_TAG_drift.{json,png} (~1 min)
-#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15) x 40
-#          rounds, fp32, Triton attention, CUDA graphs, no hidden states; saves every unit (mode x
-#          10 rounds) and stops before 480 s; run it again until it says done (needs drift first,
-#          or the recompute units are saved as not available)
+#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15; with the
+#          aLoRA adapters also alora_unified and alora) x 40 rounds, fp32, Triton attention, CUDA
+#          graphs, no hidden states; saves every unit (mode x 10 rounds) and stops before 480 s;
+#          run it again until it says done (needs drift first, or the recompute units are saved
+#          as not available)
 #   diag   the hidden-state cosines (fp32 eager, 8 rounds)
 # Every call that evaluates seeds /root/quality from the units committed under
 # benchmarks/results/ (a later session resumes there) and copies its units and tables to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: $0 part X|part1|setup|train|drift|eval|diag}
+call=${1:?usage: $0 part X|part1|setup|train|train-alora|drift|eval|diag}
 NAME=${QUALITY_MODEL:-smollm2}
 case "$NAME" in
   smollm2) TAG=h200 ;;
@@ -38,6 +43,7 @@ esac
 PARTS=/root/parts/$NAME
 MODEL=$PARTS/m.gguf
 ADAPTERS=/root/adapters/$NAME/qkvo
+ALORA_ADAPTERS=/root/adapters/$NAME/alora
 RESULTS=/root/quality
 OUT=${OUT:?the device tool sets OUT}
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
@@ -53,6 +59,32 @@ need_adapters() {
   echo "no adapters in $ADAPTERS: run train first" >&2
   exit 3
 }
+# $1: adapters folder, $2: its train log's name under $OUT, then train.py's extra flags.
+# Adapters a session brought back (carried under .carry/quality_adapters/MODEL/) are put in
+# place first, so nothing is retrained. The training stops in time for the copy to $OUT
+# (tasks saved so far are skipped by the next call).
+train_into() {
+  local dir=$1 log=$2; shift 2
+  local carried=.carry/quality_adapters/$NAME/$(basename "$dir")
+  if [[ -d $carried && ! -d $dir ]]; then
+    mkdir -p "$(dirname "$dir")" && cp -r "$carried" "$dir"
+  fi
+  python3 -c 'import peft; print("peft", peft.__version__)'
+  rc=0
+  time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
+      --targets q,k,v,o "$@" || rc=$?
+  if [[ -f $dir/train_log.json ]]; then  # at least one task saved
+    mkdir -p "$OUT/quality_adapters/$NAME" && cp -r "$dir" "$OUT/quality_adapters/$NAME/"
+    cp "$dir/train_log.json" "$OUT/$log" && du -sh "$OUT/quality_adapters"
+  fi
+  if [[ $rc == 124 ]]; then
+    echo "stopped at 540 s: run this call again (saved tasks are skipped)"; return 0
+  fi
+  return "$rc"
+}
+# The aLoRA modes join eval and diag once their adapters are on this machine.
+alora=(); [[ -f $ALORA_ADAPTERS/train_log.json ]] && alora=(--alora-adapters "$ALORA_ADAPTERS")
+layouts=(); [[ -n ${QUALITY_LAYOUTS:-} ]] && layouts=(--layouts "$QUALITY_LAYOUTS")
 # $1: tag. Units committed by an earlier session join this machine's before the run.
 seed_results() {
   if [[ -d benchmarks/results/quality_$1 ]]; then
@@ -84,14 +116,10 @@ case "$call" in
     FORKSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/torch/test_hidden_states.py ;;
   train)
     need_model
-    if [[ -d .carry/quality_adapters/$NAME/qkvo && ! -d $ADAPTERS ]]; then
-      mkdir -p "$(dirname "$ADAPTERS")" && cp -r ".carry/quality_adapters/$NAME/qkvo" "$ADAPTERS"
-    fi
-    time python3 -m benchmarks.quality.train --model "$MODEL" --out "$ADAPTERS" --device cuda \
-        --targets q,k,v,o
-    mkdir -p "$OUT/quality_adapters/$NAME" && cp -r "$ADAPTERS" "$OUT/quality_adapters/$NAME/"
-    cp "$ADAPTERS/train_log.json" "$OUT/quality_${TAG}_train.json"
-    du -sh "$OUT/quality_adapters" ;;
+    train_into "$ADAPTERS" "quality_${TAG}_train.json" ;;
+  train-alora)
+    need_model
+    train_into "$ALORA_ADAPTERS" "quality_${TAG}_alora_train.json" --alora ;;
   drift)
     need_model; need_adapters
     python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
@@ -102,14 +130,16 @@ case "$call" in
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
         --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden --attention triton --cuda-graphs \
-        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"}
+        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"} \
+        ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
     publish ;;
   diag)
     need_model; need_adapters; seed_results "${TAG}_hidden"
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
         --results "$RESULTS" --tag "${TAG}_hidden" --rounds 40 --block 4 --end 8 --deadline-s 420 \
-        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"}
+        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"} \
+        ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
     publish ;;
-  *) echo "usage: $0 part X|part1|setup|train|drift|eval|diag" >&2; exit 2 ;;
+  *) echo "usage: $0 part X|part1|setup|train|train-alora|drift|eval|diag" >&2; exit 2 ;;
 esac

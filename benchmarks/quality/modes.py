@@ -1,9 +1,11 @@
 """The rows of the quality table: each KV layout and sharing mode as one strategy object.
 
 A ``Mode`` says how the engine is configured (``ForkServeConfig``: layout, ``share_base``,
-recompute layers), what runs before the agents open (a base-model pass over the shared
-context), and what holding the shared context costs in KV bytes. ``evaluate.py`` knows
-nothing mode-specific beyond this table; ``report.py`` prints the rows in ``ORDER``.
+recompute layers), which adapters its agents run (plain LoRA, activated LoRA, none), what
+runs before the agents open (a base-model pass over the shared context), whether an agent may
+reuse published pages at all, which mode its readers are paired with, and what holding the
+shared context costs in KV bytes. ``evaluate.py`` knows nothing mode-specific beyond this
+table; ``report.py`` prints the rows in ``ORDER``.
 
 Modes (docs/QUALITY.md says what each one keeps exact):
 
@@ -16,6 +18,11 @@ Modes (docs/QUALITY.md says what each one keeps exact):
 * ``recompute<N>``: disaggregated, and the N layers of largest measured drift are kept exact
   per reader (``config.recompute_layers``; mode b). Needs a drift profile (``drift.py``)
 * ``no_lora``: no adapter at all
+* ``alora_unified``: the activated-LoRA adapters (``train.py --alora``), every agent prefilling
+  its whole prompt (no published page reused): the reference of the aLoRA rows
+* ``alora``: the activated-LoRA adapters sharing the writer's catalog pages, which hold the
+  base model's K/V (the adapter starts at the assistant-turn opener, after the catalog); its
+  readers are paired with ``alora_unified`` (exact by construction: measured, not assumed)
 """
 from __future__ import annotations
 
@@ -42,11 +49,19 @@ class Prelude(str, enum.Enum):
     NEUTRAL = "neutral"                    # a base-model request over the context
 
 
+class Adapters(str, enum.Enum):
+    """Which adapters the agents run."""
+
+    LORA = "lora"    # the plain LoRA folder (``--adapters``)
+    ALORA = "alora"  # the activated-LoRA folder (``--alora-adapters``, ``train.py --alora``)
+    NONE = "none"    # the base model
+
+
 class ContextHolding(str, enum.Enum):
     """Who holds the shared context's K/V once every agent has opened."""
 
     PER_AGENT = "per_agent"  # a full merged copy per agent (unified)
-    ONE_COPY = "one_copy"    # one merged copy for all (full_reuse, no_lora)
+    ONE_COPY = "one_copy"    # one merged copy for all (full_reuse, no_lora; alora: base K/V)
     SPLIT = "split"          # one base copy + a residual page side per agent
 
 
@@ -57,8 +72,15 @@ class Mode:
     holding: ContextHolding
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
     prelude: Prelude = Prelude.NONE
-    lora: bool = True
+    adapters: Adapters = Adapters.LORA
     recompute: int = 0  # layers recomputed per reader (chosen from the drift profile)
+    reuse_prefix: bool = True  # False: every agent prefills its whole prompt (Engine.open)
+    reference: str = REFERENCE  # the mode whose answers this mode's readers are paired with
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether other modes' readers are paired with this one's answers (itself has none)."""
+        return self.reference == self.name
 
     def config(self, recompute_layers: Sequence[int], **sizes: int) -> ForkServeConfig:
         return ForkServeConfig(kv_layout=self.kv_layout, share_base=self.share_base,
@@ -83,13 +105,22 @@ _FIXED = (
          prelude=Prelude.BASE_ACTIVATIONS),
     Mode("neutral", KVLayout.DISAGGREGATED, ContextHolding.SPLIT, ShareBase.NEUTRAL,
          Prelude.NEUTRAL),
-    Mode("no_lora", KVLayout.UNIFIED, ContextHolding.ONE_COPY, lora=False),
+    Mode("no_lora", KVLayout.UNIFIED, ContextHolding.ONE_COPY, adapters=Adapters.NONE),
+    # Activated LoRA: before its invocation an aLoRA is the base model, so the engine keys those
+    # pages BASE in every layout (``KVCache.keys``) and every agent may read them. Unified keeps
+    # the layout's exactness everywhere past the invocation too.
+    Mode("alora_unified", KVLayout.UNIFIED, ContextHolding.PER_AGENT, adapters=Adapters.ALORA,
+         reuse_prefix=False, reference="alora_unified"),
+    Mode("alora", KVLayout.UNIFIED, ContextHolding.ONE_COPY, adapters=Adapters.ALORA,
+         reference="alora_unified"),
 )
 FIXED = {m.name: m for m in _FIXED}
-# The default run: every fixed mode and a recompute sweep (SmolLM2 has 30 layers).
+# The default run: every fixed mode of plain LoRA and a recompute sweep (SmolLM2 has 30 layers).
 DEFAULT = ("unified", "disaggregated", "full_reuse", "base_activations", "neutral", "recompute5",
            "recompute10", "recompute15", "no_lora")
-ORDER = DEFAULT
+# Run when activated-LoRA adapters are given; the reference first (the cosines need its states).
+ALORA = ("alora_unified", "alora")
+ORDER = DEFAULT + ALORA
 
 
 def mode(name: str) -> Mode:

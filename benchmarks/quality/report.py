@@ -2,14 +2,19 @@
 
     python -m benchmarks.quality.report RESULTS/quality_<tag> [--label "..."]
 
-Every layout is compared with unified on the same agents (paired): its *readers*, the agents
-whose context K/V another agent (or the base pass) wrote, each against unified's answer to
-the same question in the same round. Differences of token F1 and AST validity, greedy
-agreement (the share of positions where the same token was generated) and identical answers
-come with bootstrap 95% intervals over rounds (stats.py) and their sample sizes. Only the
-rounds that both the layout and unified finished count. Beside them, what the mode costs: the
-KV bytes the shared contexts occupy with every agent on them (and that against unified), the
-layers a recompute mode keeps exact per reader, and the prefill tokens.
+Every layout is compared with its reference mode on the same agents (paired): its *readers*,
+the agents whose context K/V another agent (or the base pass) wrote, each against the
+reference's answer to the same question in the same round. The reference is unified (plain
+LoRA, nothing shared across adapters) for every mode but the activated-LoRA ones, whose
+readers are paired with ``alora_unified`` (the same aLoRA adapters, nothing reused): that
+pair measures what sharing costs them. What aLoRA itself costs against plain LoRA is a second
+table: every answer of an aLoRA mode against unified's. Differences of token F1 and AST
+validity, greedy agreement (the share of positions where the same token was generated) and
+identical answers come with bootstrap 95% intervals over rounds (stats.py) and their sample
+sizes. Only the rounds that both the layout and its reference finished count. Beside them,
+what the mode costs: the KV bytes the shared contexts occupy with every agent on them (and
+that against unified), the layers a recompute mode keeps exact per reader, and the prefill
+tokens.
 """
 from __future__ import annotations
 
@@ -29,13 +34,14 @@ from benchmarks.quality.units import AgentResult, Unit
 
 @dataclass(frozen=True)
 class Paired:
-    """A layout's readers against unified on the same (round, task)."""
+    """A layout's answers (its readers, or all of them) against a reference's on the same
+    (round, task)."""
 
-    f1: float                   # the readers' mean F1 in this layout ...
-    f1_unified: float           # ... and unified's on the same questions
+    f1: float                   # the answers' mean F1 in this layout ...
+    f1_reference: float         # ... and the reference's on the same questions
     delta_f1: Estimate
-    valid: int                  # AST-valid answers among the readers
-    valid_unified: int
+    valid: int                  # AST-valid answers among them
+    valid_reference: int
     delta_valid: Estimate
     agreement: Estimate
     identical: Estimate
@@ -51,12 +57,14 @@ class LayoutSummary:
     accuracy: float          # AST-valid answers / answers, all agents
     token_f1: float
     readers: int
-    paired: Paired | None    # None for unified, and for a layout without readers
-    layer_cos: tuple[float, ...]  # readers' mean cosine to unified per layer; () if not recorded
+    paired: Paired | None    # readers vs the reference; None for a reference, or no readers
+    layer_cos: tuple[float, ...]  # readers' mean cosine to the reference per layer; () if none
     prefill_tokens: int
     seconds: float
     context_kv_bytes: int = 0   # the shared contexts' K/V, every agent on them, summed over rounds
     recompute_layers: tuple[int, ...] = ()  # layers a reader keeps exact (selective recompute)
+    reference: str = REFERENCE  # the mode ``paired`` compares with
+    vs_lora: Paired | None = None  # every answer vs unified's, for a mode paired with another
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
@@ -65,23 +73,25 @@ def agreement(a: Sequence[int], b: Sequence[int]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=False)) / max(len(a), len(b))
 
 
-def pair(readers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult]) -> Paired:
-    rounds = [a.round for a in readers]
-    refs = [ref[a.key] for a in readers]
+def pair(answers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult]) -> Paired:
+    rounds = [a.round for a in answers]
+    refs = [ref[a.key] for a in answers]
     return Paired(
-        mean(a.f1 for a in readers), mean(r.f1 for r in refs),
-        bootstrap([a.f1 - r.f1 for a, r in zip(readers, refs, strict=True)], rounds),
-        sum(a.valid for a in readers), sum(r.valid for r in refs),
-        bootstrap([float(a.valid) - float(r.valid) for a, r in zip(readers, refs, strict=True)],
+        mean(a.f1 for a in answers), mean(r.f1 for r in refs),
+        bootstrap([a.f1 - r.f1 for a, r in zip(answers, refs, strict=True)], rounds),
+        sum(a.valid for a in answers), sum(r.valid for r in refs),
+        bootstrap([float(a.valid) - float(r.valid) for a, r in zip(answers, refs, strict=True)],
                   rounds),
-        bootstrap([agreement(a.tokens, r.tokens) for a, r in zip(readers, refs, strict=True)],
+        bootstrap([agreement(a.tokens, r.tokens) for a, r in zip(answers, refs, strict=True)],
                   rounds),
-        bootstrap([float(a.tokens == r.tokens) for a, r in zip(readers, refs, strict=True)],
+        bootstrap([float(a.tokens == r.tokens) for a, r in zip(answers, refs, strict=True)],
                   rounds))
 
 
 def summarize(layout: str, us: Sequence[Unit],
-              ref: dict[units.AgentKey, AgentResult]) -> LayoutSummary:
+              refs: dict[str, dict[units.AgentKey, AgentResult]]) -> LayoutSummary:
+    """``refs``: each reference mode's answers by (round, task)."""
+    mode = modes.mode(layout)
     if not all(u.available for u in us):
         note = next(u.note for u in us if not u.available)
         return LayoutSummary(layout, False, note, 0, 0, 0.0, 0.0, 0, None, (), 0, 0.0)
@@ -89,59 +99,72 @@ def summarize(layout: str, us: Sequence[Unit],
     if any(u.recompute_layers != layers for u in us):
         raise ValueError(f"{layout}: units recomputed different layers "
                          f"{sorted({u.recompute_layers for u in us})}; rerun them with one profile")
+    ref = refs.get(mode.reference, {})
     agents = [a for a in units.agents_of(us) if a.key in ref]
     if not agents:
-        return LayoutSummary(layout, False, "no rounds in common with unified", 0, 0, 0.0, 0.0, 0,
-                             None, (), 0, 0.0)
+        return LayoutSummary(layout, False, f"no rounds in common with {mode.reference}", 0, 0,
+                             0.0, 0.0, 0, None, (), 0, 0.0)
     readers = [a for a in agents if a.reused_tokens > 0]
     cos = [a.layer_cos for a in readers if a.layer_cos]
     layer_cos = tuple(mean(c[i] for c in cos) for i in range(len(cos[0]))) if cos else ()
-    paired = pair(readers, ref) if readers and layout != REFERENCE else None
+    paired = pair(readers, ref) if readers and not mode.is_reference else None
+    lora = [a for a in agents if a.key in refs[REFERENCE]]
+    vs_lora = pair(lora, refs[REFERENCE]) if lora and mode.reference != REFERENCE else None
     return LayoutSummary(layout, True, "; ".join(sorted({u.note for u in us if u.note})),
                          len({a.round for a in agents}), len(agents), mean(a.valid for a in agents),
                          mean(a.f1 for a in agents), len(readers), paired, layer_cos,
                          sum(u.prefill_tokens for u in us), sum(u.seconds for u in us),
-                         sum(u.context_kv_bytes for u in us), layers)
+                         sum(u.context_kv_bytes for u in us), layers, mode.reference, vs_lora)
 
 
 def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
     if REFERENCE not in by:
         raise ValueError(f"no {REFERENCE} units: every layout is compared with it")
-    ref = {a.key: a for a in units.agents_of(by[REFERENCE])}
-    return [summarize(layout, by[layout], ref) for layout in sorted(by, key=modes.order_key)]
+    refs = {name: {a.key: a for a in units.agents_of(us)} for name, us in by.items()
+            if modes.mode(name).is_reference}
+    return [summarize(layout, by[layout], refs) for layout in sorted(by, key=modes.order_key)]
 
 
 def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
     lines = [header, "",
-             "Readers only, paired with unified on the same questions; [95% CI], bootstrap "
-             "over rounds. ΔF1 in F1 points (x100), ΔAST-valid in percentage points.", "",
-             "| layout | rounds | answers | AST-valid (all) | F1 (all) | readers | reader F1 "
-             "(unified) | ΔF1 | reader AST-valid (unified) | ΔAST-valid | greedy agreement "
-             "| identical answers | hidden cos mean / last layer | context KV MiB (x unified) "
-             "| recomputed layers | prefill tokens | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Readers only, paired with their reference (unified, or alora_unified for the "
+             "activated-LoRA rows) on the same questions; [95% CI], bootstrap over rounds. ΔF1 "
+             "in F1 points (x100), ΔAST-valid in percentage points.", "",
+             "| layout | rounds | answers | AST-valid (all) | F1 (all) | readers | paired with "
+             "| reader F1 (reference) | ΔF1 | reader AST-valid (reference) | ΔAST-valid "
+             "| greedy agreement | identical answers | hidden cos mean / last layer "
+             "| context KV MiB (x unified) | recomputed layers | prefill tokens | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
     for s in rows:
         if not s.available:
-            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 15)
+            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 16)
             continue
         cos = f"{mean(s.layer_cos):.4f} / {s.layer_cos[-1]:.4f}" if s.layer_cos else "—"
-        p = s.paired
-        if p is None:
-            paired = "— | — | — | — | — | —"
-        else:
-            n = s.readers
-            paired = (f"{p.f1:.3f} ({p.f1_unified:.3f}) | {p.delta_f1.fmt(100)} | "
-                      f"{p.valid}/{n} ({p.valid_unified}/{n}) | {p.delta_valid.fmt(100)} | "
-                      f"{p.agreement.fmt_share()} | {p.identical.fmt_share()}")
+        paired = "— | — | — | — | — | —" if s.paired is None else _paired_cells(s.paired)
         kv = f"{s.context_kv_bytes / 2**20:.1f}" if s.context_kv_bytes else "—"
         if s.context_kv_bytes and unified:
             kv += f" ({s.context_kv_bytes / unified:.2f})"
         layers = ",".join(map(str, s.recompute_layers)) or "—"
         lines.append(f"| {s.layout} | {s.rounds} | {s.answers} | {s.accuracy:.1%} "
-                     f"| {s.token_f1:.3f} | {s.readers} | {paired} | {cos} | {kv} | {layers} "
-                     f"| {s.prefill_tokens} | {s.seconds:.0f} |")
+                     f"| {s.token_f1:.3f} | {s.readers} | {s.reference} | {paired} | {cos} | {kv} "
+                     f"| {layers} | {s.prefill_tokens} | {s.seconds:.0f} |")
+    variants = [s for s in rows if s.vs_lora is not None]
+    if variants:
+        lines += ["", "Against plain LoRA: every answer of the mode, paired with unified's to the "
+                  "same questions (what the adapters' training variant costs, sharing aside).", "",
+                  "| layout | answers | F1 (unified) | ΔF1 | AST-valid (unified) | ΔAST-valid "
+                  "| greedy agreement | identical answers |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {s.layout} | {s.vs_lora.delta_f1.n} | {_paired_cells(s.vs_lora)} |"
+                  for s in variants]
     return "\n".join(lines)
+
+
+def _paired_cells(p: Paired) -> str:
+    n = p.delta_f1.n
+    return (f"{p.f1:.3f} ({p.f1_reference:.3f}) | {p.delta_f1.fmt(100)} | "
+            f"{p.valid}/{n} ({p.valid_reference}/{n}) | {p.delta_valid.fmt(100)} | "
+            f"{p.agreement.fmt_share()} | {p.identical.fmt_share()}")
 
 
 def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
@@ -169,7 +192,7 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
                          color="C0" if label == "ΔF1" else "C1", label=label if i == 0 else None)
     ax2.axhline(0, color="grey", lw=0.8)
     ax2.set_xticks(range(len(shown)), [f"{s.layout}\nn={s.readers}" for s in shown])
-    ax2.set_ylabel("readers vs unified (points), 95% CI")
+    ax2.set_ylabel("readers vs their reference (points), 95% CI")
     ax2.set_title("paired loss of the readers")
     if shown:
         ax2.legend()
@@ -182,7 +205,7 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
                      textcoords="offset points")
     ax3.axhline(0, color="grey", lw=0.8)
     ax3.set_xlabel("shared context's KV bytes, x unified")
-    ax3.set_ylabel("readers' ΔF1 vs unified (points), 95% CI")
+    ax3.set_ylabel("readers' ΔF1 vs their reference (points), 95% CI")
     ax3.set_title("quality against memory")
     fig.suptitle(textwrap.fill(title, 170), fontsize=8)
     fig.tight_layout()
@@ -194,9 +217,13 @@ def write_outputs(folder: Path, label: str = "") -> str:
     """quality_<tag>.{json,md,png} beside the units' folder quality_<tag>/; returns the table."""
     by = units.load(folder)
     rows = summaries(by)
-    setting = by[REFERENCE][0].setting
+    setting = dict(by[REFERENCE][0].setting)
+    setting.update({k: u.setting[k] for us in by.values() for u in us for k in units.OPTIONAL
+                    if k in u.setting})
     cats = setting["categories"]
-    header = (f"model {setting['model']}; adapters {setting['adapters']} {label}; K = {len(cats)} "
+    alora = f" (aLoRA: {setting['alora_adapters']})" if "alora_adapters" in setting else ""
+    header = (f"model {setting['model']}; adapters {setting['adapters']}{alora} {label}; "
+              f"K = {len(cats)} "
               f"tasks ({', '.join(cats)}); {setting['distractors']} distractor items in each "
               f"catalog; greedy, max {setting['max_new']} new tokens; {setting['device']} "
               f"{setting['dtype']} {setting['attention']}"

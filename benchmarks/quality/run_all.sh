@@ -3,11 +3,14 @@
 #
 #   benchmarks/quality/run_all.sh main      train K adapters (q,k,v,o), evaluate every layout
 #                                           (= train, then eval)
+#   benchmarks/quality/run_all.sh train-alora  the same K adapters as activated LoRA (train.py
+#                                           --alora); eval then adds the aLoRA modes
 #   benchmarks/quality/run_all.sh ablation  the same with LoRA on q,k,v,o + gate,up,down
 #                                           (= ablation-train, then ablation-eval)
 #   benchmarks/quality/run_all.sh all       main, then ablation
 #   benchmarks/quality/run_all.sh smoke     CPU: 2 training steps per task from a random LoRA
-#                                           init, 1 round; checks the pipeline, measures nothing
+#                                           init (plain and aLoRA), 1 round; checks the pipeline,
+#                                           measures nothing
 #   benchmarks/quality/run_all.sh pack      here, before the device calls: the GGUF in two
 #                                           parts under .carry/smollm2/, the wheels the GPU
 #                                           machine lacks (gguf, bfcl-eval) under .whl/
@@ -34,24 +37,30 @@ ROUNDS=${ROUNDS:-40}
 MAX_NEW=${MAX_NEW:-128}
 mkdir -p "$RESULTS" "$WORK"
 
-# $1 adapters name, $2 targets, $3 tag suffix
+# $1 adapters name, $2 targets, $3 tag suffix, then train.py's extra flags
 train() {
-  python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/$1" --targets "$2" \
-      --max-steps "$STEPS" --device "$DEVICE"
-  cp "$WORK/$1/train_log.json" "$RESULTS/quality_${TAG}$3_train.json"
+  local name=$1 targets=$2 suffix=$3; shift 3
+  python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/$name" --targets "$targets" \
+      --max-steps "$STEPS" --device "$DEVICE" "$@"
+  cp "$WORK/$name/train_log.json" "$RESULTS/quality_${TAG}${suffix}_train.json"
 }
-# The drift profile first: the recompute modes take their layers from it.
+# The drift profile first: the recompute modes take their layers from it. The aLoRA modes join
+# when train-alora's adapters exist.
 evaluate() {
+  local alora=()
+  [[ $1 == qkvo && -f $WORK/alora/train_log.json ]] && alora=(--alora-adapters "$WORK/alora")
   python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
       --rounds 8 --eval-rounds "$ROUNDS" --out "$RESULTS" --tag "${TAG}$3"
   python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
       --rounds "$ROUNDS" --max-new "$MAX_NEW" --results "$RESULTS" --tag "${TAG}$3" \
-      --drift "$RESULTS/quality_${TAG}$3_drift.json" --label "(LoRA rank 16 on $2, $STEPS steps)"
+      --drift "$RESULTS/quality_${TAG}$3_drift.json" --label "(LoRA rank 16 on $2, $STEPS steps)" \
+      ${alora[@]+"${alora[@]}"}
 }
 
 # Training and evaluation are separate stages too, so that each fits one 10-minute device call.
 case "$stage" in
   train) train qkvo q,k,v,o "" ;;
+  train-alora) train alora q,k,v,o _alora --alora ;;
   eval) evaluate qkvo q,k,v,o "" ;;
   main) train qkvo q,k,v,o ""; evaluate qkvo q,k,v,o "" ;;
   ablation-train) train mlp q,k,v,o,gate,up,down _mlp ;;
@@ -61,8 +70,11 @@ case "$stage" in
        train mlp q,k,v,o,gate,up,down _mlp; evaluate mlp q,k,v,o,gate,up,down _mlp ;;
   smoke)
     python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/smoke" --smoke
+    python3 -m benchmarks.quality.train --model "$MODEL" --out "$WORK/smoke_alora" --smoke --alora
     cp "$WORK/smoke/train_log.json" "$RESULTS/quality_smoke_train.json"
+    cp "$WORK/smoke_alora/train_log.json" "$RESULTS/quality_smoke_alora_train.json"
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/smoke" --device cpu \
+        --alora-adapters "$WORK/smoke_alora" \
         --rounds 1 --distractors 0 --max-new 24 --results "$RESULTS" --tag smoke \
         --label "(SMOKE: random LoRA init + 2 CPU steps per task; untrained)" ;;
   pack)
@@ -84,5 +96,5 @@ case "$stage" in
     split -b 60M "$tmp/qwen.gguf" .carry/qwen/part-
     rm -rf "$tmp"
     ls -l .carry/qwen ;;
-  *) echo "usage: $0 main|train|eval|ablation|ablation-train|ablation-eval|all|smoke|pack|pack-qwen" >&2; exit 2 ;;
+  *) echo "usage: $0 main|train|train-alora|eval|ablation|ablation-train|ablation-eval|all|smoke|pack|pack-qwen" >&2; exit 2 ;;
 esac

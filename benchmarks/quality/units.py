@@ -5,7 +5,8 @@ A unit is one layout over one block of rounds, written as one JSON file as soon 
 setting skips the units on disk (resume) and ``load`` merges every unit of a folder, so
 runs of different layouts or rounds (on different machines, in different device calls)
 add up to one table. Units of another setting (model, adapters, dtype, ...) are refused,
-never mixed.
+never mixed. A setting key of ``OPTIONAL`` belongs to the units of some modes only (a second
+adapter set): units that carry it must agree on it, the others merge with them.
 
 The reference's hidden states are too large for the results folder (about 7 MB per agent
 on SmolLM2 in float32); they go to a cache folder beside it, one torch file per unit.
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 AgentKey = tuple[int, str]  # (round, task)
+# Setting keys only some units carry: the activated-LoRA adapters' fingerprint (modes.py).
+OPTIONAL = ("alora_adapters",)
 
 
 @dataclass(frozen=True)
@@ -111,16 +114,24 @@ def load(folder: Path) -> dict[str, list[Unit]]:
         raise FileNotFoundError(f"no evaluation units in {folder}")
     by: dict[str, list[Unit]] = {}
     for u in units:
-        if dict(u.setting) != dict(units[0].setting):
+        if _core(u.setting) != _core(units[0].setting):
             raise ValueError(f"{folder}: units of two settings: "
-                             f"{diff(units[0].setting, u.setting)}")
+                             f"{diff(_core(units[0].setting), _core(u.setting))}")
         by.setdefault(u.layout, []).append(u)
+    for key in OPTIONAL:
+        values = {json.dumps(u.setting[key]) for u in units if key in u.setting}
+        if len(values) > 1:
+            raise ValueError(f"{folder}: units of two settings: {key} {sorted(values)}")
     for us in by.values():
         us.sort(key=lambda u: u.first)
         for a, b in zip(us, us[1:], strict=False):
             if b.first < a.end:
                 raise ValueError(f"{folder}: {a.name} and {b.name} overlap")
     return by
+
+
+def _core(setting: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in setting.items() if k not in OPTIONAL}
 
 
 def agents_of(units: Sequence[Unit]) -> list[AgentResult]:
