@@ -63,7 +63,8 @@ class PrefixSharing:
             if len(items) < self.min_items:
                 continue
             lead = rows[items[0]]
-            common = sorted(((self._common(lead, rows[i]), i) for i in items[1:]), reverse=True)
+            common = sorted(zip(self._commons(lead, [rows[i] for i in items[1:]]), items[1:],
+                                strict=True), reverse=True)
             best_k, best_saved = 0, 0
             for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
                 if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
@@ -89,14 +90,36 @@ class PrefixSharing:
     def _readable(self, pages: Sequence[PageId], start: int) -> int:
         return min(len(pages), start // self.page_size)
 
-    def _common(self, a: tuple[Sequence[PageId], int], b: tuple[Sequence[PageId], int]) -> int:
-        n = min(self._readable(*a), self._readable(*b))
-        pa, pb = a[0][:n], b[0][:n]
+    def _commons(self, lead: tuple[Sequence[PageId], int],
+                 rows: Sequence[tuple[Sequence[PageId], int]]) -> list[int]:
+        """How many readable leading pages each of ``rows`` shares with ``lead``."""
+        first = lead[0]
+        ns = [min(self._readable(*lead), self._readable(*row)) for row in rows]
+        # Steady-decode rows list their pages as numpy views (engine/page_row.py): a group of
+        # them is compared in one pass over their common length, not row by row (a member
+        # joining regroups the whole set: O(members x pages), in C).
+        arrays = [] if isinstance(first, tuple) else [
+            k for k, (pages, _) in enumerate(rows) if not isinstance(pages, tuple)]
+        out = [self._common(first, pages, n) if isinstance(pages, tuple) or isinstance(first, tuple)
+               else n for (pages, _), n in zip(rows, ns, strict=True)]
+        if arrays:
+            m = min(ns[k] for k in arrays)
+            differ = np.stack([rows[k][0][:m] for k in arrays]) != first[:m]
+            upto = np.where(differ.any(axis=1), differ.argmax(axis=1), m).tolist()
+            for k, n in zip(arrays, upto, strict=True):
+                # Equal up to ``m``: only a row that reads further is compared past it.
+                out[k] = n if n < m or ns[k] == m else m + self._common(first[m:], rows[k][0][m:],
+                                                                     ns[k] - m)
+        return out
+
+    @staticmethod
+    def _common(pa: Sequence[PageId], pb: Sequence[PageId], n: int) -> int:
+        """Leading entries of ``pa`` and ``pb`` that are equal, of their first ``n``."""
+        pa, pb = pa[:n], pb[:n]
         if isinstance(pa, tuple) and isinstance(pb, tuple):
             if pa == pb:  # the usual case, compared in C
                 return n
             return next(k for k in range(n) if pa[k] != pb[k])
-        # A steady-decode row lists its pages as a numpy view (engine/page_row.py).
         differ = np.flatnonzero(np.asarray(pa) != np.asarray(pb))
         return int(differ[0]) if len(differ) else n
 
