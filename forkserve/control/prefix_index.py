@@ -31,7 +31,7 @@ import collections
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
 from forkserve.control.host_tier import HostTier
@@ -87,14 +87,16 @@ class CacheSalt:
 UNSALTED = CacheSalt()
 
 
-@dataclass(frozen=True)
-class PageKey:
+class PageKey(NamedTuple):
+    """One edge: a page's tokens under a namespace and a salt. A NamedTuple: built, hashed and
+    compared in C on every publish and match (only ``PageKey``s key an edge dict)."""
+
     tokens: tuple[int, ...]
     namespace: "Namespace" = BASE
     salt: CacheSalt = UNSALTED
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _IndexNode:
     key: PageKey | None
     page: PageId | None
@@ -105,12 +107,11 @@ class _IndexNode:
     host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
 
 
-@dataclass(frozen=True)
-class InsertCursor:
+class InsertCursor(NamedTuple):
     """Where a publisher's last insert ended, so the next one hashes only the new pages.
 
     Valid while its node is in the tree and the keys are namespaced the same way; otherwise
-    it is ignored.
+    it is ignored. (A NamedTuple: one is built per publish.)
     """
 
     namespace: "Namespace"
@@ -228,7 +229,9 @@ class PrefixIndex:
         node = self._root
         first = 0
         # The walked pages must have been keyed as they would be now (BASE up to the same page).
-        if (resume is not None and resume.namespace == namespace and resume.salt == salt
+        # (Identity first: a steady publisher passes the same namespace and salt objects.)
+        if (resume is not None and (resume.namespace is namespace or resume.namespace == namespace)
+                and (resume.salt is salt or resume.salt == salt)
                 and not resume.node.evicted
                 and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
                 # ...and the cursor's node still on the device (an offloaded one was evicted).
