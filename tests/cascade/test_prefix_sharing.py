@@ -71,8 +71,8 @@ def test_a_member_that_diverges_early_is_left_out_when_that_reads_less() -> None
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 40),
                           st.integers(0, 3), st.booleans()), min_size=1, max_size=12))
 def test_numpy_rows_group_as_their_tuples(specs) -> None:
-    # Steady-decode rows list their pages as numpy views (engine/page_row.py) and are compared
-    # a group at a time; items list tuples. Rows of a few trunks diverging anywhere, of
+    # Steady-decode rows list their pages as numpy views (engine/page_row.py), compared by
+    # their bytes; items list tuples. Rows of a few trunks diverging anywhere, of
     # mixed lengths and read positions, must group the same in either form or mixed.
     trunks = [list(range(t * 1000, t * 1000 + 48)) for t in range(3)]
     rows = []
