@@ -40,7 +40,7 @@ class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
     __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
-                 "sampling", "base_row", "residual_row")
+                 "sampling", "base_row", "residual_row", "own_last")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -54,6 +54,11 @@ class SteadyRow:
         # The tables' page ids as the batch lists them, appended in place at a boundary.
         self.base_row = PageRow(self.base)
         self.residual_row = None if self.residual is None else PageRow(self.residual)
+        # Whether the last page of each side is known to be this table's alone (checked by
+        # the first ``prepare`` inside it, or fresh from a boundary). Only a verb can share a
+        # partial page (a fork), and a verb drops the session from the set first: the index,
+        # pause pins and other sessions' matches reference full pages only.
+        self.own_last = False
 
     def follow(self) -> None:
         """The page rows catch up with the tables (a page added at a boundary, or given back)."""
@@ -130,10 +135,11 @@ class SteadyDecode:
             n = base.length
             if n % p == 0:
                 boundary.append(row)
-            elif base.pool.refcount(base.pages[-1]) != 1 or (
-                    residual is not None and residual.pool.refcount(residual.pages[-1]) != 1):
+            elif not row.own_last and (base.pool.refcount(base.pages[-1]) != 1 or (
+                    residual is not None and residual.pool.refcount(residual.pages[-1]) != 1)):
                 left.append(row)
             else:
+                row.own_last = True
                 base.length = n + 1
                 if residual is not None:
                     residual.length = n + 1
@@ -151,6 +157,7 @@ class SteadyDecode:
                 row.base.grow(next(fresh))
                 if row.residual is not None:
                     row.residual.grow(next(fresh_residual))
+                row.own_last = True
                 row.follow()
             self.grown = boundary
             self._pages = None

@@ -79,10 +79,9 @@ class Stepper:
             self.sync()
             self.steady.clear()
         committed, speculative = [], []
-        steady = self.steady.ids
-        for session in self.sessions.values():
-            if session.id not in steady:
-                self._demands(session, committed, speculative)
+        general = self._general()
+        for session in general:
+            self._demands(session, committed, speculative)
         if self.overlap.pending:
             if not committed and not speculative:
                 return self.overlap.advance()
@@ -99,8 +98,7 @@ class Stepper:
             self._demands(session, committed, speculative)
         if not committed and not speculative and not rows:
             return False
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in steady
-                             for n in s.tree.nodes.values()}
+        self._nodes_by_id = {n.id: (s, n) for s in (*general, *left) for n in s.tree.nodes.values()}
         committed = self.dedup.admit(committed, self._writer)
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
@@ -114,6 +112,15 @@ class Stepper:
             return False
         self.metrics.ticks += 1
         return True
+
+    def _general(self) -> list[Session]:
+        """The sessions outside the steady set, in session order. The set difference reads
+        only the sessions dict's int keys, not every member (all of them, when every session
+        decodes); sorted ids are that order: ids grow with each ``open``, which adds them."""
+        steady = self.steady.ids
+        if not steady:
+            return list(self.sessions.values())
+        return [self.sessions[i] for i in sorted(self.sessions.keys() - steady)]
 
     def run_until(self, done: Callable[[], bool]) -> int:
         ticks = 0
