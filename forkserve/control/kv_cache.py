@@ -314,7 +314,8 @@ class KVCache:
         base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
-            residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
+            if res_full != base_full:
+                residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
             residual_pages = PathPrefix(kv.residual.pages, res_full)
         cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
                                   residual_pages, cursor)

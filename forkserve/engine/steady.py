@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Callable, KeysView, Sequence
 
+import numpy as np
+
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SamplingParams, SharedPrefix
 from forkserve.control.context_tree import Node, NodeState
@@ -77,6 +79,11 @@ class SteadyDecode:
         self._marks: tuple[SharedPrefix | None, ...] | None = None
         # The members that gained a page in the last ``prepare`` (their held pages changed).
         self.grown: list[SteadyRow] = []
+        # The members' positions after the last ``prepare`` (every member advances one per
+        # ``prepare``, so the next is this + 1, in C) and the tokens the last ``apply`` took
+        # with the static columns they were aligned with: the next step writes them.
+        self._positions: np.ndarray | None = None
+        self._sampled: tuple[tuple | None, Sequence[int]] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -117,7 +124,7 @@ class SteadyDecode:
             self._changed()
 
     def _changed(self) -> None:
-        self._static = self._pages = self._marks = None
+        self._static = self._pages = self._marks = self._positions = self._sampled = None
 
     def prepare(self, copy_pages: CopyPages) -> tuple[list[SteadyRow], list[Session]]:
         """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
@@ -169,6 +176,8 @@ class SteadyDecode:
                 self._marks = None
         for row in left:
             self.drop(row.session.id)
+        if self._positions is not None:  # a new array: the last step's batch keeps its own
+            self._positions = self._positions + 1
         # Every member runs, in admission order: the cached columns stay aligned.
         return list(self._rows.values()), [r.session for r in left]
 
@@ -178,7 +187,7 @@ class SteadyDecode:
         for row in rows:
             row.kv.truncate(row.base.length - 1)
             row.follow()
-        self._pages = self._marks = None
+        self._pages = self._marks = self._positions = None
 
     def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None) -> DecodeBatch:
         """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them); the
@@ -187,22 +196,32 @@ class SteadyDecode:
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
+            starts = [r.adapter_start for r in rows]
+            # Without an adapter the row runs as the base model: adapter_start past its token.
+            as_base = np.array([s is None for s in starts], dtype=bool)
             self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
-                            tuple(r.adapter_start for r in rows), tuple(r.sampling for r in rows),
-                            tuple(r.node for r in rows))
-        seq_ids, adapters, starts, sampling, nodes = self._static
+                            (as_base, np.array([s or 0 for s in starts], dtype=np.int64),
+                             bool(as_base.any())),
+                            tuple(r.sampling for r in rows), tuple(r.node for r in rows))
+        seq_ids, adapters, (as_base, starts, any_base), sampling, nodes = self._static
         if self._pages is None:
             self._pages = (tuple(r.base_row.view for r in rows),
                            tuple(None if r.residual_row is None else r.residual_row.view
                                  for r in rows))
         pages, residual = self._pages
-        positions = tuple(r.base.length - 1 for r in rows)
+        if self._positions is None:
+            self._positions = np.fromiter((r.base.length - 1 for r in rows), np.int64, len(rows))
+        positions = self._positions
         if self._marks is None:
-            self._marks = tuple(self.sharing.marks(list(zip(pages, positions, strict=True))))
-        # Without an adapter the row runs as the base model: adapter_start past its token.
-        adapter_starts = tuple(pos + 1 if s is None else s
-                               for pos, s in zip(positions, starts, strict=True))
-        written = tuple(n.tokens[-1] for n in nodes) if tokens is None else tuple(tokens)
+            self._marks = tuple(self.sharing.marks(list(zip(pages, positions.tolist(),
+                                                            strict=True))))
+        adapter_starts = np.where(as_base, positions + 1, starts) if any_base else starts
+        if tokens is not None:
+            written = tuple(tokens)
+        elif self._sampled is not None and self._sampled[0] is self._static:
+            written = self._sampled[1]  # what the last apply took, row for row
+        else:
+            written = tuple(n.tokens[-1] for n in nodes)
         return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
                            sampling, self._marks)
 
@@ -213,6 +232,7 @@ class SteadyDecode:
         ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
         already reach one further, for the next step.)"""
         p = self.page_size
+        static = self._static
         for row, token in zip(rows, tokens, strict=True):
             session = row.session
             node = row.node
@@ -223,3 +243,7 @@ class SteadyDecode:
             if session.decode_left == 0:
                 session.paused_since = now
                 self.drop(session.id)
+        # Unless a member left or joined since the rows' batch was built (a new ``_static``),
+        # these tokens, row for row, are what the members' next step writes.
+        self._sampled = (static, tuple(tokens)) if static is not None and static is self._static \
+            and len(rows) == len(self._rows) else None
