@@ -86,6 +86,8 @@ class KVCache:
         ``config.host_residual_pages`` > 0 evicted residual pages go there instead of away."""
         self.config = config
         self.layout = config.kv_layout
+        # Read on every publish (``form_of``): the enum's property is a Python call.
+        self._residual_layout = self.layout.has_residual_pool
         metrics = metrics if metrics is not None else EngineMetrics()
         self.pool = PagePool(kinds[0], config.num_pages, config.page_size)
         self.residual_pool: PagePool | None = None
@@ -213,7 +215,7 @@ class KVCache:
     def form_of(self, kv: NodeKV, adapter) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
         layout with a residual pool (its K/V is the base every split node shares)."""
-        if kv.residual is not None or (adapter is None and self.layout.has_residual_pool):
+        if kv.residual is not None or (adapter is None and self._residual_layout):
             return KVForm.SPLIT
         return KVForm.MERGED
 
@@ -237,7 +239,7 @@ class KVCache:
         """
         tokens = path if isinstance(path, PathPrefix) else tuple(path)  # publish's view, as is
         if adapter is None:
-            return BaseKey(tokens, salt=salt), None
+            return BaseKey(tokens, BASE, 0, salt), None
         p = self.pool.page_size
         base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
         residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages,

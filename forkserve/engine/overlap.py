@@ -22,7 +22,6 @@ from forkserve.backend.step_handle import StepHandle, launch_step
 from forkserve.control.context_tree import Node
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.scheduler import Grant
-from forkserve.engine.session import Session
 from forkserve.engine.steady import SteadyDecode, SteadyRow
 
 
@@ -36,7 +35,7 @@ class OverlapHost(Protocol):
 
     def account_cost(self, cost: StepCost, grants: Sequence[Grant]) -> None: ...
 
-    def account(self, sessions: Iterable[Session] | None = None) -> None: ...
+    def account_rows(self, rows: Iterable[SteadyRow]) -> None: ...
 
     def publish(self, node: Node) -> None: ...
 
@@ -99,7 +98,7 @@ class StepOverlap:
             self.launch(following, [sampled[r.session.id] for r in following])
         steady.apply(rows, tokens, host.clock(), host.publish)
         # A member's held pages change only when it gained a page for the next step.
-        host.account({r.session for r in steady.grown if r.session.id in steady})
+        host.account_rows([r for r in steady.grown if r.session.id in steady])
         host.metrics.ticks += 1
         return True
 
