@@ -20,7 +20,9 @@ owns no page and no token. Pages are still allocated into, and owned by, the tip
 same state either path would leave. The column tuples it caches are rebuilt when a member
 joins or leaves (static columns) or a member's table gains a page (the page column: each
 member's ``PageRow`` view, appended in place); the cascade groups when a member joins or
-leaves (a boundary cannot move them, ``prepare``).
+leaves (a boundary cannot move them, ``prepare``). The positions column is the last one plus
+one, in C (every member moves one position per ``prepare``), and the written tokens are what
+the last ``apply`` took: rebuilt row by row only after a join, a leave or an ``unprepare``.
 """
 from __future__ import annotations
 
