@@ -47,6 +47,7 @@ class _InFlight(NamedTuple):
 
     handle: StepHandle
     rows: list[SteadyRow]
+    version: int  # the steady set's at launch (``SteadyDecode.version``)
 
 
 class StepOverlap:
@@ -62,14 +63,15 @@ class StepOverlap:
     def launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None = None) -> None:
         """Launch the step of ``rows`` (prepared) and keep it in flight. ``tokens``: what they
         write when the path does not hold them yet (the step before sampled them)."""
-        batch = self.host.steady.batch(rows, tokens)
-        self._inflight = _InFlight(launch_step(self.host.backend, [], batch), rows)
+        steady = self.host.steady
+        batch = steady.batch(rows, tokens)
+        self._inflight = _InFlight(launch_step(self.host.backend, [], batch), rows, steady.version)
 
     def advance(self) -> bool:
         """A tick over the step in flight: prepare the next step's pages and columns while it
         runs, read it back, launch the next one with the tokens it sampled, then apply them."""
         host, steady = self.host, self.host.steady
-        handle, rows = self._inflight
+        handle, rows, launched = self._inflight
         for row in rows:
             if row.session.decode_left <= 1:  # its last token is in flight
                 steady.drop(row.session.id)
@@ -87,15 +89,26 @@ class StepOverlap:
             return True
         tokens = self._tokens(result, rows)
         host.account_cost(result.cost, [])
-        sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
-        stopped = [r for r in following if sampled[r.session.id] in r.session.stop]
+        if steady.version == launched:
+            # No member left or joined since the launch: ``following`` is ``rows``, row for row.
+            written = tokens
+            stopped = [following[i] for i in steady.stop_rows()
+                       if tokens[i] in following[i].session.stop]
+        else:
+            sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
+            written = [sampled[r.session.id] for r in following]
+            stopped = [r for r, token in zip(following, written, strict=True)
+                       if token in r.session.stop]
         if stopped:
             steady.unprepare(stopped)
+            gone = {row.session.id for row in stopped}
             for row in stopped:
                 steady.drop(row.session.id)
-            following = [r for r in following if r.session.id in steady]
+            kept = [(r, t) for r, t in zip(following, written, strict=True)
+                    if r.session.id not in gone]
+            following, written = [r for r, _ in kept], [t for _, t in kept]
         if following:
-            self.launch(following, [sampled[r.session.id] for r in following])
+            self.launch(following, written)
         steady.apply(rows, tokens, host.clock(), host.publish)
         # A member's held pages change only when it gained a page for the next step.
         host.account_rows([r for r in steady.grown if r.session.id in steady])
@@ -106,7 +119,7 @@ class StepOverlap:
         """Read back and apply the step in flight, if any: the state every verb sees."""
         if self._inflight is None:
             return
-        handle, rows = self._inflight
+        handle, rows, _ = self._inflight
         self._inflight = None
         try:
             result = handle.result()

@@ -86,6 +86,9 @@ class SteadyDecode:
         # with the static columns they were aligned with: the next step writes them.
         self._positions: np.ndarray | None = None
         self._sampled: tuple[tuple | None, Sequence[int]] | None = None
+        # Bumped whenever a member joins or leaves: equal versions, the same rows in order.
+        self.version = 0
+        self._stop_rows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -127,6 +130,15 @@ class SteadyDecode:
 
     def _changed(self) -> None:
         self._static = self._pages = self._marks = self._positions = self._sampled = None
+        self._stop_rows = None
+        self.version += 1
+
+    def stop_rows(self) -> list[int]:
+        """Indices (in member order) of the members with stop tokens: only their sampled
+        token can end a generation early (a member's stop set is fixed while it stays)."""
+        if self._stop_rows is None:
+            self._stop_rows = [i for i, row in enumerate(self._rows.values()) if row.session.stop]
+        return self._stop_rows
 
     def prepare(self, copy_pages: CopyPages) -> tuple[list[SteadyRow], list[Session]]:
         """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
