@@ -238,23 +238,23 @@ def _pair(row: dict, key: str) -> str:
 
 
 def plot(rows: list[dict], gpu_ms: float, path: Path, machine: str) -> None:
-    fig, (ax,) = new_figure(1, width=8)
+    fig, (ax,) = new_figure(1, width=10, height=5)
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["sessions"])
         commit = mine[0].get("commit", "?")[:7]
         ax.plot([r["sessions"] for r in mine], [r["engine_ms_per_tick"] for r in mine],
-                marker="o", label=f"engine, median ({label} {commit})")
+                marker="o", label=f"{label} {commit}: median")
         ax.plot([r["sessions"] for r in mine], [r["engine_cpu_ms_per_tick_best"] for r in mine],
-                marker="^", linestyle="--", label=f"engine CPU time, best ({label})")
+                marker="^", linestyle="--", label=f"{label}: CPU, best")
         over = [r for r in mine if r.get("overlap_unhidden") is not None]
         if over:  # the GPU time not hidden, in ms per step
             ax.plot([r["sessions"] for r in over], [r["overlap_unhidden"] * gpu_ms for r in over],
-                    marker="s", linestyle=":", label=f"GPU idle, overlap ({label})")
+                    marker="s", linestyle=":", label=f"{label}: GPU idle, overlap")
     ax.axhline(gpu_ms, color="gray", linestyle="--", label=f"GPU step ({gpu_ms:g} ms)")
     ax.set(xscale="log", yscale="log", xlabel="sessions decoding",
            ylabel="ms per tick (GPU idle: ms per step)",
            title=f"Control plane per tick (MockBackend, {machine})")
-    legend_below(fig, ax)
+    legend_below(fig, ax, max_cols=3)
     save_figure(fig, path)
 
 
