@@ -1,8 +1,10 @@
 """Control-plane time per tick, against the GPU step it has to hide behind (issue 21).
 
-    python benchmarks/engine_overhead_bench.py --label after --out benchmarks/results
-    PYTHONPATH=<a checkout of an older commit> python benchmarks/engine_overhead_bench.py \
-        --label before --out benchmarks/results
+    python benchmarks/engine_overhead_bench.py --label after --machine cpu \
+        --out benchmarks/results
+    PYTHONPATH=<an export of an older commit> FORKSERVE_COMMIT=<its hash> \
+        python benchmarks/engine_overhead_bench.py --label before --machine cpu \
+        --out benchmarks/results
 
 W sessions decode together over a shared 8K context on a MockBackend whose own work is
 timed apart, so the figure is the Engine's bookkeeping alone (scheduling, page tables,
@@ -19,15 +21,21 @@ result before then waits):
   step N+1 while step N runs: what is still not hidden.
 
 Engine times are CPU-only and move with the machine's load: compare labels measured back
-to back on the same machine, by their ratio. ``engine_cpu_ms_per_tick`` is this process's
-CPU time (``time.process_time``, the mock's own subtracted): it leaves out time the process
-waited for a core, not the slowdown of sharing one (on the 2-core box of issue 21 it tracked
-the wall-clock figure within 1%).
+to back on the same machine, by their ratio. Each size runs ``--repeats`` times; a row keeps
+the median and the best of each figure, the source commit (``bench/provenance.py``) and the
+machine, whose name is in the file's (``engine_overhead_<machine>.json|png``).
+``engine_cpu_ms_per_tick`` is this process's CPU time (``time.process_time``, the mock's own
+subtracted): it leaves out time the process waited for a core, not the slowdown of sharing
+one (on the 2-core box of issue 21 it tracked the wall-clock figure within 1% when the box
+was quiet; under a load average of 8 the wall clock read ~2x the CPU time).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -40,6 +48,7 @@ from forkserve.bench.output import (
     save_figure,
     write_json,
 )
+from forkserve.bench.provenance import source_commit
 
 
 class TimedMock(MockBackend):
@@ -144,6 +153,17 @@ def measure(sessions: int, context: int, steps: int, gpu_ms: float, overlap: boo
             "unhidden": (modeled - busy) / busy}
 
 
+def repeated(sessions: int, args: argparse.Namespace, overlap: bool) -> dict:
+    """``measure`` ``args.repeats`` times: the median and the best of each figure."""
+    runs = [measure(sessions, args.context, args.steps, args.gpu_step_ms, overlap=overlap)
+            for _ in range(args.repeats)]
+    out = {"ticks": runs[0]["ticks"]}
+    for key in ("engine_ms_per_tick", "engine_cpu_ms_per_tick", "unhidden"):
+        values = [r[key] for r in runs]
+        out[key], out[key + "_best"] = statistics.median(values), min(values)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,60 +174,87 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-step-ms", type=float, default=9.0,
                     help="the GPU decode step the engine has to hide behind (H200, batch 64 "
                          "with LoRA: 9.02 ms, benchmarks/results/decode_bench.json)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per size and mode (median, best)")
     ap.add_argument("--label", default="now", help="this source tree's name in the JSON and plot")
+    ap.add_argument("--machine", default="cpu",
+                    help="the machine's name, in the file names and every row")
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    path = args.out / "engine_overhead.json"
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    path = args.out / f"engine_overhead_{args.machine}.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     rows = [r for r in old["rows"] if r["label"] != args.label]
     has_overlap = "overlap" in ForkServeConfig.__dataclass_fields__
-    print(f"{'label':>8} {'sessions':>8} {'engine ms/tick':>15} {'CPU ms/tick':>12} "
-          f"{'serial unhidden':>16} "
-          f"{'overlap ms/tick':>16} {'overlap unhidden':>17}")
+    commit = source_commit()
+    cpu = _cpu()
+    print(f"{args.label} = {commit} on {args.machine} ({cpu}); median (best) of {args.repeats}")
+    print(f"{'label':>8} {'sessions':>8} {'engine ms/tick':>16} {'CPU ms/tick':>14} "
+          f"{'serial unhidden':>16} {'overlap ms/tick':>16} {'overlap unhidden':>17}")
     for w in args.sessions:
-        serial = measure(w, args.context, args.steps, args.gpu_step_ms)
-        r = {"label": args.label, "sessions": w, "context": args.context, "ticks": serial["ticks"],
+        serial = repeated(w, args, overlap=False)
+        r = {"label": args.label, "commit": commit, "machine": args.machine, "sessions": w,
+             "context": args.context, "ticks": serial["ticks"], "repeats": args.repeats,
              "engine_ms_per_tick": serial["engine_ms_per_tick"],
+             "engine_ms_per_tick_best": serial["engine_ms_per_tick_best"],
              "engine_cpu_ms_per_tick": serial["engine_cpu_ms_per_tick"],
+             "engine_cpu_ms_per_tick_best": serial["engine_cpu_ms_per_tick_best"],
              "serial_unhidden": serial["unhidden"],
-             "overlap_engine_ms_per_tick": None, "overlap_unhidden": None}
+             "overlap_engine_ms_per_tick": None, "overlap_engine_ms_per_tick_best": None,
+             "overlap_unhidden": None}
         if has_overlap:
-            over = measure(w, args.context, args.steps, args.gpu_step_ms, overlap=True)
+            over = repeated(w, args, overlap=True)
             r["overlap_engine_ms_per_tick"] = over["engine_ms_per_tick"]
+            r["overlap_engine_ms_per_tick_best"] = over["engine_ms_per_tick_best"]
             r["overlap_unhidden"] = over["unhidden"]
         rows.append(r)
-        print(f"{args.label:>8} {w:>8} {r['engine_ms_per_tick']:>15.3f} "
-              f"{r['engine_cpu_ms_per_tick']:>12.3f} "
-              f"{r['serial_unhidden']:>15.1%} "
-              + (f"{r['overlap_engine_ms_per_tick']:>16.3f} {r['overlap_unhidden']:>16.1%}"
+        print(f"{args.label:>8} {w:>8} {_pair(r, 'engine_ms_per_tick'):>16} "
+              f"{_pair(r, 'engine_cpu_ms_per_tick'):>14} {r['serial_unhidden']:>15.1%} "
+              + (f"{_pair(r, 'overlap_engine_ms_per_tick'):>16} {r['overlap_unhidden']:>16.1%}"
                  if has_overlap else f"{'-':>16} {'-':>17}"))
         # After every size, so a cut run keeps what it measured.
         write_json(path, {"gpu_step_ms": args.gpu_step_ms, "context": args.context,
-                          "steps": args.steps, "rows": rows}, quiet=True)
+                          "steps": args.steps, "machine": args.machine, "cpu": cpu, "rows": rows},
+                   quiet=True)
     print(f"wrote {path}")
-    plot(rows, args.gpu_step_ms, args.out / "engine_overhead.png")
+    plot(rows, args.gpu_step_ms, args.out / f"engine_overhead_{args.machine}.png", args.machine)
     return 0
 
 
-def plot(rows: list[dict], gpu_ms: float, path: Path) -> None:
-    fig, (ax,) = new_figure(1, width=8)
+def _cpu() -> str:
+    """The processor's model and this machine's core count (Linux names the model)."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _pair(row: dict, key: str) -> str:
+    """``median (best)`` of a figure, as the table prints it."""
+    return f"{row[key]:.3f} ({row[key + '_best']:.3f})"
+
+
+def plot(rows: list[dict], gpu_ms: float, path: Path, machine: str) -> None:
+    fig, (ax,) = new_figure(1, width=10, height=5)
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["sessions"])
+        commit = mine[0].get("commit", "?")[:7]
         ax.plot([r["sessions"] for r in mine], [r["engine_ms_per_tick"] for r in mine],
-                marker="o", label=f"engine ({label})")
-        cpu = [r for r in mine if r.get("engine_cpu_ms_per_tick") is not None]
-        if cpu:
-            ax.plot([r["sessions"] for r in cpu], [r["engine_cpu_ms_per_tick"] for r in cpu],
-                    marker="^", linestyle="--", label=f"engine CPU time ({label})")
+                marker="o", label=f"{label} {commit}: median")
+        ax.plot([r["sessions"] for r in mine], [r["engine_cpu_ms_per_tick_best"] for r in mine],
+                marker="^", linestyle="--", label=f"{label}: CPU, best")
         over = [r for r in mine if r.get("overlap_unhidden") is not None]
         if over:  # the GPU time not hidden, in ms per step
             ax.plot([r["sessions"] for r in over], [r["overlap_unhidden"] * gpu_ms for r in over],
-                    marker="s", linestyle=":", label=f"GPU idle, overlap ({label})")
+                    marker="s", linestyle=":", label=f"{label}: GPU idle, overlap")
     ax.axhline(gpu_ms, color="gray", linestyle="--", label=f"GPU step ({gpu_ms:g} ms)")
     ax.set(xscale="log", yscale="log", xlabel="sessions decoding",
            ylabel="ms per tick (GPU idle: ms per step)",
-           title="Control plane per tick (MockBackend, CPU)")
-    legend_below(fig, ax)
+           title=f"Control plane per tick (MockBackend, {machine})")
+    legend_below(fig, ax, max_cols=3)
     save_figure(fig, path)
 
 

@@ -29,16 +29,26 @@ from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork,
 @dataclass(frozen=True)
 class DecodeBatch:
     seq_ids: tuple[int, ...]
-    tokens: tuple[int, ...]        # the token each row writes (one per row)
-    positions: tuple[int, ...]     # its absolute position (the row's ``start_pos``)
+    tokens: Sequence[int]          # the token each row writes (one per row)
+    # Its absolute position (the row's ``start_pos``): a read-only int64 array (any sequence
+    # given is made one), advanced in C from one step to the next.
+    positions: np.ndarray
     pages: tuple[Sequence[PageId], ...]            # UNIFIED or BASE pages, position order
     # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
     residual_pages: tuple[Sequence[PageId] | None, ...]
     adapter_ids: tuple[int | str | None, ...]
-    adapter_starts: tuple[int, ...]  # ``SeqWork.adapter_start`` of each row
+    adapter_starts: np.ndarray     # ``SeqWork.adapter_start`` of each row (int64, as positions)
     sampling: tuple[SamplingParams, ...]
     # Cascade attention groups, numbered with the ``SeqWork`` items of the same step.
     shared_prefix: tuple[SharedPrefix | None, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("positions", "adapter_starts"):
+            column = np.asarray(getattr(self, name), dtype=np.int64)
+            if column.flags.writeable:  # the batch is the step's: nobody rewrites it
+                column = column.view()
+                column.flags.writeable = False
+            object.__setattr__(self, name, column)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -48,8 +58,8 @@ class DecodeBatch:
         return [SeqWork(seq, (token,), pos, KVSlots(_ids(pages), _ids(residual)), adapter, sampling,
                         decode=True, adapter_start=start, shared_prefix=shared)
                 for seq, token, pos, pages, residual, adapter, start, sampling, shared
-                in zip(self.seq_ids, self.tokens, self.positions, self.pages,
-                       self.residual_pages, self.adapter_ids, self.adapter_starts,
+                in zip(self.seq_ids, self.tokens, self.positions.tolist(), self.pages,
+                       self.residual_pages, self.adapter_ids, self.adapter_starts.tolist(),
                        self.sampling, self.shared_prefix, strict=True)]
 
 

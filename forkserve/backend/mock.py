@@ -215,9 +215,9 @@ class MockBackend:
                                          item.write_base, item.write_residual))
             if item.sampling is not None:
                 context_read += item.start_pos + len(item.tokens)
-        rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions, batch.pages,
-                                            batch.residual_pages, batch.adapter_ids,
-                                            batch.adapter_starts, batch.sampling, strict=True)
+        rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions.tolist(),
+                                            batch.pages, batch.residual_pages, batch.adapter_ids,
+                                            batch.adapter_starts.tolist(), batch.sampling, strict=True)
         for seq, token, pos, pages, residual, adapter, start, sampling in rows:
             if adapter is not None and not self.knows_adapter(adapter):
                 raise UnknownAdapterError(f"seq {seq}: adapter {adapter!r} is not resident",

@@ -44,10 +44,11 @@ def new_figure(ncols: int, *, width: float, height: float = 4.0):
     return fig, list(axes[0])
 
 
-def legend_below(fig, ax) -> None:
+def legend_below(fig, ax, max_cols: int = 6) -> None:
+    """``max_cols``: entries per row (fewer, for long labels that would run off the figure)."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6))
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), max_cols))
 
 
 def titled(title: str, tiny: bool) -> str:

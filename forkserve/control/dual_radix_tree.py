@@ -21,7 +21,7 @@ recomputes only the missing side (a partial hit).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from forkserve.backend.protocol import PageId
 from forkserve.control.host_tier import HostTier
@@ -37,16 +37,18 @@ from forkserve.control.prefix_index import (
 )
 
 
-@dataclass(frozen=True)
-class BaseKey:
+class BaseKey(NamedTuple):
+    """A base-side key (a NamedTuple: built on every publish and match)."""
+
     tokens: Sequence[int]  # a tuple; publish's keys: a PathPrefix view, used at once
     namespace: Namespace = BASE
     base_pages: int = 0  # leading pages keyed under BASE whatever ``namespace`` is
     salt: CacheSalt = UNSALTED
 
 
-@dataclass(frozen=True)
-class ResidualKey:
+class ResidualKey(NamedTuple):
+    """A residual-side key (a NamedTuple: built on every publish and match)."""
+
     adapter_id: int | str
     adapter_version: int
     tokens: Sequence[int]  # a tuple; publish's keys: a PathPrefix view, used at once
@@ -59,8 +61,9 @@ class ResidualKey:
         return AdapterNamespace(str(self.adapter_id), self.adapter_version, self.adapter_start)
 
 
-@dataclass(frozen=True)
-class DualCursor:
+class DualCursor(NamedTuple):
+    """Both sides' insert cursors (one built per publish)."""
+
     base: InsertCursor
     residual: InsertCursor | None
 

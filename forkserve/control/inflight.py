@@ -25,6 +25,7 @@ always comes from ``KVCache.match``, never from a claim.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -60,10 +61,12 @@ class Writer:
     reads: tuple[frozenset[ClaimKey], ...] | None
 
 
-def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ()) -> list[int]:
+def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ()) -> array:
     """One hash per full page of ``tokens``, each over the page and the hash before it;
-    ``known``: the hashes of a prefix of the same tokens, extended rather than recomputed."""
-    chain = list(known)
+    ``known``: the hashes of a prefix of the same tokens, extended rather than recomputed.
+    An ``array('q')`` (``hash`` is a C ssize_t): a chain of 8K tokens kept per prefill is one
+    block, not 513 int objects the first decode tick would have to free one by one."""
+    chain = array("q", known)
     prev = chain[-1] if chain else 0
     for i in range(len(chain), len(tokens) // page_size):
         prev = hash((prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
@@ -72,7 +75,7 @@ def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ())
 
 
 # ``(node_id, path) -> page_chain(path)``, cached per node by the policy.
-ChainOf = Callable[[int, Sequence[int]], list[int]]
+ChainOf = Callable[[int, Sequence[int]], Sequence[int]]
 Describe = Callable[[Demand, ChainOf], Writer]
 
 
@@ -99,9 +102,9 @@ class InflightDedup:
     def __init__(self, page_size: int, metrics: EngineMetrics) -> None:
         self.page_size, self.metrics = page_size, metrics
         self.waiting: frozenset[int] = frozenset()
-        self._chains: dict[int, list[int]] = {}
+        self._chains: dict[int, array] = {}
 
-    def chain(self, node_id: int, path: Sequence[int]) -> list[int]:
+    def chain(self, node_id: int, path: Sequence[int]) -> array:
         # A node's path only grows (committed tokens are never rewritten), so a cached chain
         # stays a valid prefix of the new one.
         chain = page_chain(path, self.page_size, self._chains.get(node_id, ()))

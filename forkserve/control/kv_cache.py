@@ -87,6 +87,8 @@ class KVCache:
         ``config.host_residual_pages`` > 0 evicted residual pages go there instead of away."""
         self.config = config
         self.layout = config.kv_layout
+        # Read on every publish (``form_of``): the enum's property is a Python call.
+        self._residual_layout = self.layout.has_residual_pool
         metrics = metrics if metrics is not None else EngineMetrics()
         self.pool = PagePool(kinds[0], config.num_pages, config.page_size)
         self.residual_pool: PagePool | None = None
@@ -221,7 +223,7 @@ class KVCache:
     def form_of(self, kv: NodeKV, adapter) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
         layout with a residual pool (its K/V is the base every split node shares)."""
-        if kv.residual is not None or (adapter is None and self.layout.has_residual_pool):
+        if kv.residual is not None or (adapter is None and self._residual_layout):
             return KVForm.SPLIT
         return KVForm.MERGED
 
@@ -245,7 +247,7 @@ class KVCache:
         """
         tokens = path if isinstance(path, PathPrefix) else tuple(path)  # publish's view, as is
         if adapter is None:
-            return BaseKey(tokens, salt=salt), None
+            return BaseKey(tokens, BASE, 0, salt), None
         p = self.pool.page_size
         base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
         residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages,
@@ -323,7 +325,8 @@ class KVCache:
         base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
-            residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
+            if res_full != base_full:
+                residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
             residual_pages = PathPrefix(kv.residual.pages, res_full)
         cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
                                   residual_pages, cursor)

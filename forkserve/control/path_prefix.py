@@ -38,7 +38,8 @@ class PathPrefix(Sequence[int]):
         if isinstance(i, slice):
             start, stop, step = i.indices(self._n)
             if start == 0 and step == 1:
-                return PathPrefix(self._path, max(stop, 0))  # a prefix of a prefix: still a view
+                # A prefix of a prefix: still a view (itself when it is the whole of it).
+                return self if stop == self._n else PathPrefix(self._path, max(stop, 0))
             return tuple(self._path[start:stop:step])
         if not -self._n <= i < self._n:
             raise IndexError(i)

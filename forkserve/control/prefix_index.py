@@ -30,8 +30,9 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
 from forkserve.control.host_tier import HostTier
@@ -87,14 +88,33 @@ class CacheSalt:
 UNSALTED = CacheSalt()
 
 
-@dataclass(frozen=True)
-class PageKey:
+@dataclass(frozen=True, eq=False)
+class KeyScope:
+    """A namespace within a salt, interned per index (``PrefixIndex._scope``): two equal
+    pairs are one object, so a ``PageKey`` hashes and compares by the scope's identity, in C,
+    instead of calling the namespace's and the salt's Python ``__hash__``/``__eq__`` per page.
+    Lifetime: held by the keys that use it; the index's interning table holds it weakly."""
+
+    namespace: Namespace
+    salt: CacheSalt
+
+
+class PageKey(NamedTuple):
+    """One edge: a page's tokens in a scope (only ``PageKey``s key an edge dict)."""
+
     tokens: tuple[int, ...]
-    namespace: "Namespace" = BASE
-    salt: CacheSalt = UNSALTED
+    scope: KeyScope
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.scope.namespace
+
+    @property
+    def salt(self) -> CacheSalt:
+        return self.scope.salt
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _IndexNode:
     key: PageKey | None
     page: PageId | None
@@ -105,19 +125,19 @@ class _IndexNode:
     host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
 
 
-@dataclass(frozen=True)
-class InsertCursor:
+class InsertCursor(NamedTuple):
     """Where a publisher's last insert ended, so the next one hashes only the new pages.
 
     Valid while its node is in the tree and the keys are namespaced the same way; otherwise
-    it is ignored.
+    it is ignored. (A NamedTuple: one is built per publish.)
     """
 
     namespace: "Namespace"
     base_pages: int
     node: _IndexNode
     pages: int
-    salt: CacheSalt = UNSALTED
+    salt: CacheSalt
+    scope: KeyScope  # of ``namespace`` in ``salt``: a resumed insert looks up no scope
 
 
 @dataclass(frozen=True)
@@ -157,6 +177,8 @@ class PrefixIndex:
         # References the index holds per page: a page may be published under two keys (a
         # base-model page an adapter's path also reaches under its provenance key).
         self._refs: collections.Counter[PageId] = collections.Counter()
+        self._scopes: weakref.WeakValueDictionary[tuple[Namespace, CacheSalt], KeyScope] = \
+            weakref.WeakValueDictionary()
 
     @property
     def num_pages(self) -> int:
@@ -172,12 +194,27 @@ class PrefixIndex:
         """Device pages nothing but the index holds: cache, not load."""
         return sum(1 for page in self._refs if self._cache_only(page))
 
+    def _scope(self, namespace: Namespace, salt: CacheSalt) -> KeyScope:
+        scope = self._scopes.get((namespace, salt))
+        if scope is None:
+            scope = self._scopes[namespace, salt] = KeyScope(namespace, salt)
+        return scope
+
     def _page_keys(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
-                   salt: CacheSalt, first_page: int = 0) -> Iterator[PageKey]:
+                   salt: CacheSalt, first_page: int = 0, scope: KeyScope | None = None
+                   ) -> Iterator[PageKey]:
+        """The keys of ``tokens``' full pages from ``first_page`` (``scope``: ``namespace``'s,
+        when the caller has it)."""
         p = self.page_size
-        for start in range(first_page * p, len(tokens) - p + 1, p):
-            yield PageKey(tuple(tokens[start:start + p]), BASE if start < base_pages * p else namespace,
-                          salt)
+        end = len(tokens) // p
+        if first_page < min(base_pages, end):
+            base = self._scope(BASE, salt)
+            for i in range(first_page, min(base_pages, end)):
+                yield PageKey(tuple(tokens[i * p:(i + 1) * p]), base)
+            first_page = base_pages
+        scope = scope or self._scope(namespace, salt)
+        for i in range(first_page, end):
+            yield PageKey(tuple(tokens[i * p:(i + 1) * p]), scope)
 
     def match(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
               salt: CacheSalt = UNSALTED) -> list[PageId]:
@@ -227,22 +264,27 @@ class PrefixIndex:
         """
         node = self._root
         first = 0
+        scope = None
         # The walked pages must have been keyed as they would be now (BASE up to the same page).
-        if (resume is not None and resume.namespace == namespace and resume.salt == salt
+        # (Identity first: a steady publisher passes the same namespace and salt objects.)
+        if (resume is not None and (resume.namespace is namespace or resume.namespace == namespace)
+                and (resume.salt is salt or resume.salt == salt)
                 and not resume.node.evicted
                 and min(resume.pages, resume.base_pages) == min(resume.pages, base_pages)
                 # ...and the cursor's node still on the device (an offloaded one was evicted).
                 and (resume.node.key is None or resume.node.page is not None)
                 and resume.pages <= len(pages)):
-            node, first = resume.node, resume.pages
+            node, first, scope = resume.node, resume.pages, resume.scope
+        scope = scope or self._scope(namespace, salt)
         now = next(self._clock)
         added = 0
-        for key, page in zip(self._page_keys(namespace, tokens, base_pages, salt, first), pages[first:],
-                             strict=False):
+        refs = self._refs
+        for key, page in zip(self._page_keys(namespace, tokens, base_pages, salt, first, scope),
+                             pages[first:], strict=False):
             child = node.children.get(key)
             if child is None:
-                self.pool.incref([page])
-                self._refs[page] += 1
+                self.pool.incref((page,))
+                refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
                 child = _IndexNode(key, page, node)
                 node.children[key] = child
                 added += 1
@@ -258,7 +300,7 @@ class PrefixIndex:
             node = child
             first += 1
         self._entries += added
-        return InsertCursor(namespace, base_pages, node, first, salt)
+        return InsertCursor(namespace, base_pages, node, first, salt, scope)
 
     def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
               offload: bool = True) -> int:

@@ -54,16 +54,18 @@ class PrefixSharing:
         min_pages = self.min_pages
         if min_pages is None:
             return ()
+        p = self.page_size
+        readable = [min(len(pages), start // p) for pages, start in rows]
         by_first: dict[int, list[int]] = {}
-        for i, (pages, start) in enumerate(rows):
-            if self._readable(pages, start) >= min_pages:
+        for i, (pages, _) in enumerate(rows):
+            if readable[i] >= min_pages:
                 by_first.setdefault(pages[0], []).append(i)
         groups = []
         for items in by_first.values():
             if len(items) < self.min_items:
                 continue
-            lead = rows[items[0]]
-            common = sorted(((self._common(lead, rows[i]), i) for i in items[1:]), reverse=True)
+            common = sorted(zip(self._commons(rows, readable, items[0], items[1:]), items[1:],
+                                strict=True), reverse=True)
             best_k, best_saved = 0, 0
             for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
                 if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
@@ -86,19 +88,28 @@ class PrefixSharing:
                 out[i] = mark
         return out
 
-    def _readable(self, pages: Sequence[PageId], start: int) -> int:
-        return min(len(pages), start // self.page_size)
+    def _commons(self, rows: Sequence[tuple[Sequence[PageId], int]], readable: Sequence[int],
+                 lead: int, others: Sequence[int]) -> list[int]:
+        """How many readable leading pages each of ``others`` shares with ``lead`` (indices
+        into ``rows``; ``readable``: each row's pages wholly before its first new token)."""
+        first = rows[lead][0]
+        return [_common(first, rows[i][0], min(readable[lead], readable[i])) for i in others]
 
-    def _common(self, a: tuple[Sequence[PageId], int], b: tuple[Sequence[PageId], int]) -> int:
-        n = min(self._readable(*a), self._readable(*b))
-        pa, pb = a[0][:n], b[0][:n]
-        if isinstance(pa, tuple) and isinstance(pb, tuple):
-            if pa == pb:  # the usual case, compared in C
-                return n
-            return next(k for k in range(n) if pa[k] != pb[k])
-        # A steady-decode row lists its pages as a numpy view (engine/page_row.py).
-        differ = np.flatnonzero(np.asarray(pa) != np.asarray(pb))
-        return int(differ[0]) if len(differ) else n
+
+def _common(pa: Sequence[PageId], pb: Sequence[PageId], n: int) -> int:
+    """Leading entries of ``pa`` and ``pb`` that are equal, of their first ``n``. The usual
+    case (equal) is compared in C: tuples (items) as tuples, numpy rows (steady decode,
+    engine/page_row.py) as their bytes (a member joining regroups the whole set)."""
+    pa, pb = pa[:n], pb[:n]
+    if isinstance(pa, tuple) and isinstance(pb, tuple):
+        if pa == pb:
+            return n
+        return next(k for k in range(n) if pa[k] != pb[k])
+    a, b = np.asarray(pa), np.asarray(pb)
+    if a.dtype == b.dtype and a.tobytes() == b.tobytes():
+        return n
+    differ = np.flatnonzero(a != b)
+    return int(differ[0]) if len(differ) else n
 
 
 def marked(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None]) -> list[SeqWork]:

@@ -52,15 +52,12 @@ class Session:
     def take(self, token: int) -> None:
         """``token``, sampled after the tip, joins the committed path and this generation;
         its KV is written by the next step (the general path's ``emit`` and the steady set)."""
-        tip = self.tree.tip
-        tip.tokens.append(token)
-        self.tree.committed.append(token)
-        self.record(token)
-        self.generated_unwritten = True
-
-    def record(self, token: int) -> None:
+        tree = self.tree
+        tree.tip.tokens.append(token)
+        tree.committed.append(token)
         self.generated.append(token)
         self.decode_left -= 1
         if token in self.stop:
             self.decode_left = 0
             self.finish_reason = "stop"
+        self.generated_unwritten = True

@@ -20,11 +20,15 @@ owns no page and no token. Pages are still allocated into, and owned by, the tip
 same state either path would leave. The column tuples it caches are rebuilt when a member
 joins or leaves (static columns) or a member's table gains a page (the page column: each
 member's ``PageRow`` view, appended in place); the cascade groups when a member joins or
-leaves (a boundary cannot move them, ``prepare``).
+leaves (a boundary cannot move them, ``prepare``). The positions column is the last one plus
+one, in C (every member moves one position per ``prepare``), and the written tokens are what
+the last ``apply`` took: rebuilt row by row only after a join, a leave or an ``unprepare``.
 """
 from __future__ import annotations
 
 from typing import Callable, KeysView, Sequence
+
+import numpy as np
 
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SamplingParams, SharedPrefix
@@ -40,7 +44,7 @@ class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
     __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
-                 "sampling", "base_row", "residual_row")
+                 "sampling", "base_row", "residual_row", "own_last")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -54,6 +58,11 @@ class SteadyRow:
         # The tables' page ids as the batch lists them, appended in place at a boundary.
         self.base_row = PageRow(self.base)
         self.residual_row = None if self.residual is None else PageRow(self.residual)
+        # Whether the last page of each side is known to be this table's alone (checked by
+        # the first ``prepare`` inside it, or fresh from a boundary). Only a verb can share a
+        # partial page (a fork), and a verb drops the session from the set first: the index,
+        # pause pins and other sessions' matches reference full pages only.
+        self.own_last = False
 
     def follow(self) -> None:
         """The page rows catch up with the tables (a page added at a boundary, or given back)."""
@@ -72,6 +81,14 @@ class SteadyDecode:
         self._marks: tuple[SharedPrefix | None, ...] | None = None
         # The members that gained a page in the last ``prepare`` (their held pages changed).
         self.grown: list[SteadyRow] = []
+        # The members' positions after the last ``prepare`` (every member advances one per
+        # ``prepare``, so the next is this + 1, in C) and the tokens the last ``apply`` took
+        # with the static columns they were aligned with: the next step writes them.
+        self._positions: np.ndarray | None = None
+        self._sampled: tuple[tuple | None, Sequence[int]] | None = None
+        # Bumped whenever a member joins or leaves: equal versions, the same rows in order.
+        self.version = 0
+        self._stop_rows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -112,7 +129,16 @@ class SteadyDecode:
             self._changed()
 
     def _changed(self) -> None:
-        self._static = self._pages = self._marks = None
+        self._static = self._pages = self._marks = self._positions = self._sampled = None
+        self._stop_rows = None
+        self.version += 1
+
+    def stop_rows(self) -> list[int]:
+        """Indices (in member order) of the members with stop tokens: only their sampled
+        token can end a generation early (a member's stop set is fixed while it stays)."""
+        if self._stop_rows is None:
+            self._stop_rows = [i for i, row in enumerate(self._rows.values()) if row.session.stop]
+        return self._stop_rows
 
     def prepare(self, copy_pages: CopyPages) -> tuple[list[SteadyRow], list[Session]]:
         """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
@@ -130,10 +156,11 @@ class SteadyDecode:
             n = base.length
             if n % p == 0:
                 boundary.append(row)
-            elif base.pool.refcount(base.pages[-1]) != 1 or (
-                    residual is not None and residual.pool.refcount(residual.pages[-1]) != 1):
+            elif not row.own_last and (base.pool.refcount(base.pages[-1]) != 1 or (
+                    residual is not None and residual.pool.refcount(residual.pages[-1]) != 1)):
                 left.append(row)
             else:
+                row.own_last = True
                 base.length = n + 1
                 if residual is not None:
                     residual.length = n + 1
@@ -151,6 +178,7 @@ class SteadyDecode:
                 row.base.grow(next(fresh))
                 if row.residual is not None:
                     row.residual.grow(next(fresh_residual))
+                row.own_last = True
                 row.follow()
             self.grown = boundary
             self._pages = None
@@ -162,6 +190,8 @@ class SteadyDecode:
                 self._marks = None
         for row in left:
             self.drop(row.session.id)
+        if self._positions is not None:  # a new array: the last step's batch keeps its own
+            self._positions = self._positions + 1
         # Every member runs, in admission order: the cached columns stay aligned.
         return list(self._rows.values()), [r.session for r in left]
 
@@ -171,7 +201,7 @@ class SteadyDecode:
         for row in rows:
             row.kv.truncate(row.base.length - 1)
             row.follow()
-        self._pages = self._marks = None
+        self._pages = self._marks = self._positions = None
 
     def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None) -> DecodeBatch:
         """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them); the
@@ -180,22 +210,32 @@ class SteadyDecode:
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
+            starts = [r.adapter_start for r in rows]
+            # Without an adapter the row runs as the base model: adapter_start past its token.
+            as_base = np.array([s is None for s in starts], dtype=bool)
             self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
-                            tuple(r.adapter_start for r in rows), tuple(r.sampling for r in rows),
-                            tuple(r.node for r in rows))
-        seq_ids, adapters, starts, sampling, nodes = self._static
+                            (as_base, np.array([s or 0 for s in starts], dtype=np.int64),
+                             bool(as_base.any())),
+                            tuple(r.sampling for r in rows), tuple(r.node for r in rows))
+        seq_ids, adapters, (as_base, starts, any_base), sampling, nodes = self._static
         if self._pages is None:
             self._pages = (tuple(r.base_row.view for r in rows),
                            tuple(None if r.residual_row is None else r.residual_row.view
                                  for r in rows))
         pages, residual = self._pages
-        positions = tuple(r.base.length - 1 for r in rows)
+        if self._positions is None:
+            self._positions = np.fromiter((r.base.length - 1 for r in rows), np.int64, len(rows))
+        positions = self._positions
         if self._marks is None:
-            self._marks = tuple(self.sharing.marks(list(zip(pages, positions, strict=True))))
-        # Without an adapter the row runs as the base model: adapter_start past its token.
-        adapter_starts = tuple(pos + 1 if s is None else s
-                               for pos, s in zip(positions, starts, strict=True))
-        written = tuple(n.tokens[-1] for n in nodes) if tokens is None else tuple(tokens)
+            self._marks = tuple(self.sharing.marks(list(zip(pages, positions.tolist(),
+                                                            strict=True))))
+        adapter_starts = np.where(as_base, positions + 1, starts) if any_base else starts
+        if tokens is not None:
+            written = tuple(tokens)
+        elif self._sampled is not None and self._sampled[0] is self._static:
+            written = self._sampled[1]  # what the last apply took, row for row
+        else:
+            written = tuple(n.tokens[-1] for n in nodes)
         return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
                            sampling, self._marks)
 
@@ -206,6 +246,7 @@ class SteadyDecode:
         ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
         already reach one further, for the next step.)"""
         p = self.page_size
+        static = self._static
         for row, token in zip(rows, tokens, strict=True):
             session = row.session
             node = row.node
@@ -216,3 +257,7 @@ class SteadyDecode:
             if session.decode_left == 0:
                 session.paused_since = now
                 self.drop(session.id)
+        # Unless a member left or joined since the rows' batch was built (a new ``_static``),
+        # these tokens, row for row, are what the members' next step writes.
+        self._sampled = (static, tuple(tokens)) if static is not None and static is self._static \
+            and len(rows) == len(self._rows) else None

@@ -25,7 +25,7 @@ from forkserve.backend.protocol import (
     StepCost,
     StepResult,
 )
-from forkserve.backend.step_handle import StepHandle, launch_step
+from forkserve.backend.step_handle import launch_step
 from forkserve.config import ForkServeConfig
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
@@ -39,6 +39,7 @@ from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
 from forkserve.control.sharing import PrefixSharing, marked
+from forkserve.engine.overlap import StepOverlap
 from forkserve.engine.session import Session
 from forkserve.engine.steady import SteadyDecode, SteadyRow
 from forkserve.errors import BackendError, ForkServeError, OutOfPagesError
@@ -60,8 +61,8 @@ class Stepper:
         self.sharing = PrefixSharing(self.pool.page_size, config.shared_prefix_min_tokens)
         # Sessions in plain steady decode: their step skips the per-item path (steady.py).
         self.steady = SteadyDecode(kv, self.sharing)
-        # Overlap: the steady step launched by the last tick, not yet read back.
-        self._inflight: _InFlight | None = None
+        # Overlap: the steady step launched by the last tick, not yet read back (overlap.py).
+        self.overlap = StepOverlap(self)
         # Whether a prefill waits for a prefix another one in flight is writing.
         self.dedup = dedup_for(config, metrics)
 
@@ -78,13 +79,12 @@ class Stepper:
             self.sync()
             self.steady.clear()
         committed, speculative = [], []
-        steady = self.steady.ids
-        for session in self.sessions.values():
-            if session.id not in steady:
-                self._demands(session, committed, speculative)
-        if self._inflight is not None:
+        general = self._general()
+        for session in general:
+            self._demands(session, committed, speculative)
+        if self.overlap.pending:
             if not committed and not speculative:
-                return self._overlapped()
+                return self.overlap.advance()
             # Other work joins this step: read the last one back first. (Its rows were the
             # steady set's alone, so the demands above do not depend on its tokens.)
             self.sync()
@@ -98,21 +98,29 @@ class Stepper:
             self._demands(session, committed, speculative)
         if not committed and not speculative and not rows:
             return False
-        self._nodes_by_id = {n.id: (s, n) for s in self.sessions.values() if s.id not in steady
-                             for n in s.tree.nodes.values()}
+        self._nodes_by_id = {n.id: (s, n) for s in (*general, *left) for n in s.tree.nodes.values()}
         committed = self.dedup.admit(committed, self._writer)
         slots = self.scheduler.decode_slots(len(self.sessions), self.pool.num_used * p)
         grants = self.scheduler.plan(committed, speculative, slots - len(rows), spec_memory,
                                      len(rows))
         if self.config.overlap and rows and not grants:
-            self._launch(rows, None)
-            self.account({r.session for r in self.steady.grown})
+            self.overlap.launch(rows)
+            self.account_rows(self.steady.grown)
             self.metrics.ticks += 1
             return True
         if not (grants or rows) or not self._execute(grants, rows):
             return False
         self.metrics.ticks += 1
         return True
+
+    def _general(self) -> list[Session]:
+        """The sessions outside the steady set, in session order. The set difference reads
+        only the sessions dict's int keys, not every member (all of them, when every session
+        decodes); sorted ids are that order: ids grow with each ``open``, which adds them."""
+        steady = self.steady.ids
+        if not steady:
+            return list(self.sessions.values())
+        return [self.sessions[i] for i in sorted(self.sessions.keys() - steady)]
 
     def run_until(self, done: Callable[[], bool]) -> int:
         ticks = 0
@@ -123,68 +131,11 @@ class Stepper:
         self.sync()
         return ticks
 
-    # ------------------------------------------------------------------ overlap
-    def _launch(self, rows: list[SteadyRow], tokens: Sequence[int] | None) -> None:
-        batch = self.steady.batch(rows, tokens)
-        self._inflight = _InFlight(launch_step(self.backend, [], batch), rows)
-
-    def _overlapped(self) -> bool:
-        """A tick over a step in flight: prepare the next step's pages and columns while it
-        runs, read it back, launch the next one with the tokens it sampled, then apply them.
-        A row whose generation ends with the step in flight is not prepared again; one whose
-        token is a stop is taken back out before the launch."""
-        handle, rows = self._inflight
-        for row in rows:
-            if row.session.decode_left <= 1:  # its last token is in flight
-                self.steady.drop(row.session.id)
-        following, left = self.steady.prepare(self.backend.copy_pages)
-        # ``left`` (a boundary the pools cannot serve without evicting) runs next tick.
-        self.steady.batch(following, [0] * len(following))  # warm columns
-        self._inflight = None
-        try:
-            result = handle.result()
-        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
-            self.steady.unprepare(following)
-            self._settle_failed(rows, exc)
-            self.metrics.ticks += 1
-            return True
-        tokens = result.next_tokens
-        if len(tokens) != len(rows):
-            raise AssertionError(f"the backend returned {len(tokens)} tokens for {len(rows)} rows")
-        self.account_cost(result.cost, [])
-        sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
-        stopped = [r for r in following if sampled[r.session.id] in r.session.stop]
-        if stopped:
-            self.steady.unprepare(stopped)
-            for row in stopped:
-                self.steady.drop(row.session.id)
-            following = [r for r in following if r.session.id in self.steady]
-        if following:
-            self._launch(following, [sampled[r.session.id] for r in following])
-        self.steady.apply(rows, tokens, self.clock(), self.publish)
-        # A member's held pages change only when it gained a page for the next step.
-        self.account({r.session for r in self.steady.grown if r.session.id in self.steady})
-        self.metrics.ticks += 1
-        return True
-
     def sync(self) -> None:
         """Read back and apply the step in flight, if any: the state every verb sees."""
-        if self._inflight is None:
-            return
-        handle, rows = self._inflight
-        self._inflight = None
-        try:
-            result = handle.result()
-        except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
-            self._settle_failed(rows, exc)
-            return
-        if len(result.next_tokens) != len(rows):
-            raise AssertionError(f"the backend returned {len(result.next_tokens)} tokens "
-                                 f"for {len(rows)} rows")
-        self.account_cost(result.cost, [])
-        self.steady.apply(rows, result.next_tokens, self.clock(), self.publish)
+        self.overlap.sync()
 
-    def _settle_failed(self, rows: list[SteadyRow], exc: Exception) -> None:
+    def settle_failed(self, rows: list[SteadyRow], exc: Exception) -> None:
         """A launched step of steady rows raised: they become items and are stepped again
         the synchronous way, which finds the failing ones (an engine bug propagates)."""
         items = self._as_items(rows)
@@ -317,7 +268,7 @@ class Stepper:
         if steady_tokens is not None:
             self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
             # A member's held pages change only when it gained a page this tick.
-            touched.update(r.session for r in self.steady.grown)
+            self.account_rows(self.steady.grown)
         if self.config.steady_decode:
             for item, _ in done:
                 if item.node is item.session.tree.tip and item.session.id in self.sessions:
@@ -568,6 +519,16 @@ class Stepper:
         p = self.pool.page_size
         return sum(-(-(s.tree.tip.end - s.tree.tip.kv_len) // p) for s in self.sessions.values())
 
+    def account_rows(self, rows: Iterable[SteadyRow]) -> None:
+        """``account`` for steady-decode members (those that gained a page): a member has no
+        speculative node and only its tip holds tables on the committed spine, so what it
+        holds is its tip's pages (``test_steady_decode`` compares the peaks with the set off)."""
+        p = self.pool.page_size
+        self.metrics.peak_pages = max(self.metrics.peak_pages, self.pool.num_used)
+        for row in rows:
+            session = row.session
+            session.peak_tokens = max(session.peak_tokens, len(row.base.pages) * p)
+
     def account(self, sessions: Iterable[Session] | None = None) -> None:
         """Peaks: physical pages, and per session the KV it could not give back. ``sessions``
         limits the per-session pass to those a step touched (the rest did not change)."""
@@ -581,13 +542,6 @@ class Stepper:
             held = len(tables[0].pages) if len(tables) == 1 else len(
                 {page for t in tables for page in t.pages})
             session.peak_tokens = max(session.peak_tokens, held * p)
-
-
-class _InFlight(NamedTuple):
-    """A launched step of steady rows (overlap): read back by the next tick or ``sync``."""
-
-    handle: StepHandle
-    rows: list[SteadyRow]
 
 
 class _Item(NamedTuple):

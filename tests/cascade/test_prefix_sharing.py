@@ -1,6 +1,10 @@
 """control/sharing.py: which items of a step read a common page prefix once (pure control plane)."""
 from __future__ import annotations
 
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
 from forkserve.backend.protocol import KVSlots, SeqWork, SharedPrefix
 from forkserve.control.sharing import PrefixGroup, PrefixSharing
 
@@ -62,3 +66,23 @@ def test_a_member_that_diverges_early_is_left_out_when_that_reads_less() -> None
     work = [item(i, trunk + [1000 + i], 64 * P) for i in range(4)]
     work.append(item(4, trunk[:17] + list(range(2000, 2047)), 64 * P))
     assert PrefixSharing(P).groups(work) == (PrefixGroup((0, 1, 2, 3), 64),)
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(0, 40),
+                          st.integers(0, 3), st.booleans()), min_size=1, max_size=12))
+def test_numpy_rows_group_as_their_tuples(specs) -> None:
+    # Steady-decode rows list their pages as numpy views (engine/page_row.py), compared by
+    # their bytes; items list tuples. Rows of a few trunks diverging anywhere, of
+    # mixed lengths and read positions, must group the same in either form or mixed.
+    trunks = [list(range(t * 1000, t * 1000 + 48)) for t in range(3)]
+    rows = []
+    for i, (trunk, keep, extra, short, _) in enumerate(specs):
+        pages = trunks[trunk][:keep] + list(range(10_000 + 100 * i, 10_000 + 100 * i + extra))
+        rows.append((pages, max(0, len(pages) - short) * P))
+    sharing = PrefixSharing(P, min_tokens=2 * P)
+    as_tuples = [(tuple(pages), start) for pages, start in rows]
+    as_arrays = [(np.asarray(pages, dtype=np.int64), start) for pages, start in rows]
+    mixed = [row if spec[4] else array for row, array, spec in zip(as_tuples, as_arrays, specs, strict=True)]
+    expected = sharing.groups_of(as_tuples)
+    assert sharing.groups_of(as_arrays) == expected
+    assert sharing.groups_of(mixed) == expected

@@ -73,6 +73,34 @@ def test_the_steady_set_gives_what_the_general_path_gives(layout, overlap):
     assert steady.published_pages() == general.published_pages()
 
 
+def _stop_run(steady: bool, overlap: bool, stop: tuple[int, ...]) -> tuple[list, object]:
+    """Four agents decode 12 tokens each; the third stops on ``stop``. Nothing reads the
+    engine between ticks (a read settles the step in flight): with overlap, each tick after
+    the first reads back the step the one before launched."""
+    eng, _ = _engine(steady, overlap=overlap)
+    context = [5 + i % 40 for i in range(22)]
+    handles = [eng.open(context + [7, 60 + i]) for i in range(4)]
+    for h in handles:
+        eng.start_generate(h.id, 12, stop=stop if h is handles[2] else ())
+    while eng.tick():
+        pass
+    eng.check_integrity()
+    return [eng.generation(h.id) for h in handles], eng.published_pages()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_sampled_while_the_members_stay_ends_that_generation_alone(overlap):
+    # With overlap, the step read back is the rows launched, row for row, when no member
+    # left or joined since (StepOverlap.advance): the stop is found among them, taken back
+    # out of the step already prepared, and the others go on.
+    free, _ = _stop_run(False, False, ())
+    tokens = free[2].tokens
+    stop = next(t for i, t in enumerate(tokens) if i >= 3 and t not in tokens[:i])
+    expected = _stop_run(False, False, (stop,))
+    assert expected[0][2].finish_reason == "stop" and len(expected[0][2].tokens) < 12
+    assert _stop_run(True, overlap, (stop,)) == expected
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_boundary_the_pool_cannot_serve_goes_back_to_the_general_path(overlap):
     """Every page is taken but the index's: the boundary needs make_room (evict), which only
