@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
+from forkserve.config import KVForm
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class DecodeBatch:
     pages: tuple[Sequence[PageId], ...]            # UNIFIED or BASE pages, position order
     # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
     residual_pages: tuple[Sequence[PageId] | None, ...]
+    forms: tuple[KVForm, ...]        # ``SeqWork.form`` of each row
     adapter_ids: tuple[int | str | None, ...]
     adapter_starts: tuple[int, ...]  # ``SeqWork.adapter_start`` of each row
     sampling: tuple[SamplingParams, ...]
@@ -46,10 +48,10 @@ class DecodeBatch:
     def items(self) -> list[SeqWork]:
         """The same rows as ``SeqWork`` items (for backends that take only those)."""
         return [SeqWork(seq, (token,), pos, KVSlots(_ids(pages), _ids(residual)), adapter, sampling,
-                        decode=True, adapter_start=start, shared_prefix=shared)
-                for seq, token, pos, pages, residual, adapter, start, sampling, shared
+                        decode=True, form=form, adapter_start=start, shared_prefix=shared)
+                for seq, token, pos, pages, residual, form, adapter, start, sampling, shared
                 in zip(self.seq_ids, self.tokens, self.positions, self.pages,
-                       self.residual_pages, self.adapter_ids, self.adapter_starts,
+                       self.residual_pages, self.forms, self.adapter_ids, self.adapter_starts,
                        self.sampling, self.shared_prefix, strict=True)]
 
 

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, KVForm
 
 PageId = int
 HostSlotId = int  # a slot of the host (CPU) tier; owned by the control plane's ``HostTier``
@@ -134,9 +134,9 @@ GREEDY = SamplingParams()
 class KVSlots:
     """Where one sequence's KV lives: page ids, in position order.
 
-    ``pages`` are UNIFIED pages, or BASE pages in the disaggregated layout.
-    ``residual_pages`` are the adapter's RESIDUAL pages (disaggregated layout with an
-    adapter); ``None`` otherwise.
+    ``pages`` are UNIFIED pages, or BASE pages in a layout with a residual pool.
+    ``residual_pages`` are the adapter's RESIDUAL pages of an item in the split form;
+    ``None`` otherwise (merged K/V, or the base model).
     """
 
     pages: tuple[PageId, ...]
@@ -194,6 +194,13 @@ class SeqWork:
     # never rewritten: those pages may be shared.
     write_base: bool = True
     write_residual: bool = True
+    # How this session's K/V is stored, decided once by the control plane (``KVForm``):
+    # MERGED, the adapter's K/V delta is in ``slots.pages``; SPLIT, ``slots.pages`` hold the
+    # base model's K/V and ``slots.residual_pages`` the adapter's residual, rebuilt on read.
+    # A backend takes it as given (the form is never re-derived from the pages or the
+    # layout) and refuses an item whose pages contradict it. The base model's K/V (no
+    # adapter) is the same in both forms.
+    form: KVForm = KVForm.MERGED
     # Disaggregated layout, prefill only: residuals of other adapters to write from this
     # item's activations at the same positions.
     extra_residuals: tuple[ResidualTarget, ...] = ()
@@ -208,6 +215,19 @@ class SeqWork:
     shared_prefix: SharedPrefix | None = None
     # Prompt log-probabilities (a prefill chunk of a prompt that asked for them; None: none).
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def form_conflict(seq_id: int, form: KVForm, adapter_id: object, has_residual: bool) -> str | None:
+    """Why an item's pages (``has_residual``: it names residual pages) contradict its
+    ``form`` (None when they agree). Every backend refuses such an item (or steady-decode
+    row) with this reason before it writes anything; past that check, residual pages are
+    named exactly by an adapter's items in the split form."""
+    if form is KVForm.SPLIT and adapter_id is not None and not has_residual:
+        return f"seq {seq_id}: the split form of adapter {adapter_id!r} needs residual pages"
+    if has_residual and (form is KVForm.MERGED or adapter_id is None):
+        return (f"seq {seq_id}: residual pages belong to an adapter's item in the split form, "
+                f"not to {form.value} K/V of adapter {adapter_id!r}")
+    return None
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,12 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from forkserve.backend.protocol import HostOffload, PageKind
-from forkserve.config import ForkServeConfig, KVLayout, ShareBase
+from forkserve.config import ForkServeConfig, KVForm, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.host_tier import HostTier
 from forkserve.control.inflight import ClaimKey
-from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
+from forkserve.control.layout_policy import LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool

@@ -28,13 +28,12 @@ from forkserve.backend.protocol import (
     SamplingParams,
     SeqWork,
 )
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, KVForm
 from forkserve.control.admission import Candidate
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
 from forkserve.control.kv_cache import KVCache
-from forkserve.control.layout_policy import KVForm
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_table import PageTable
@@ -272,7 +271,7 @@ class Engine:
                 targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
                 result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
                                                     KVSlots(tuple(base.pages)), None, None,
-                                                    extra_residuals=targets)])
+                                                    form=KVForm.SPLIT, extra_residuals=targets)])
                 self.stepper.account_cost(result.cost, [])
             self.cache.insert(BaseKey(tuple(tokens[:full])), base.pages[:full // p])
             for a in adapters:

@@ -39,7 +39,7 @@ from forkserve.engine.session import Session
 class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
-    __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
+    __slots__ = ("session", "node", "kv", "base", "residual", "form", "adapter", "adapter_start",
                  "sampling", "base_row", "residual_row")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
@@ -47,6 +47,7 @@ class SteadyRow:
         self.session, self.node, self.kv = session, node, node.table
         self.base: PageTable = node.table.base
         self.residual: PageTable | None = node.table.residual
+        self.form = kv_cache.form_of(node.table, node.adapter)
         self.adapter = node.adapter
         # Fixed while steady (no aLoRA): 0 for an adapter, None (run as base) without one.
         self.adapter_start = kv_cache.adapter_start(node.table, node.adapter)
@@ -180,10 +181,10 @@ class SteadyDecode:
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
-            self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
-                            tuple(r.adapter_start for r in rows), tuple(r.sampling for r in rows),
-                            tuple(r.node for r in rows))
-        seq_ids, adapters, starts, sampling, nodes = self._static
+            self._static = (tuple(r.node.id for r in rows), tuple(r.form for r in rows),
+                            tuple(r.adapter for r in rows), tuple(r.adapter_start for r in rows),
+                            tuple(r.sampling for r in rows), tuple(r.node for r in rows))
+        seq_ids, forms, adapters, starts, sampling, nodes = self._static
         if self._pages is None:
             self._pages = (tuple(r.base_row.view for r in rows),
                            tuple(None if r.residual_row is None else r.residual_row.view
@@ -196,8 +197,8 @@ class SteadyDecode:
         adapter_starts = tuple(pos + 1 if s is None else s
                                for pos, s in zip(positions, starts, strict=True))
         written = tuple(n.tokens[-1] for n in nodes) if tokens is None else tuple(tokens)
-        return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
-                           sampling, self._marks)
+        return DecodeBatch(seq_ids, written, positions, pages, residual, forms, adapters,
+                           adapter_starts, sampling, self._marks)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
               publish: Callable[[Node], None]) -> None:

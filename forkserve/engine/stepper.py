@@ -333,6 +333,7 @@ class Stepper:
         work = SeqWork(node.id, tokens, start, node.table.slots(), node.adapter, sampling,
                        speculative=g.work_class is WorkClass.SPECULATIVE, decode=g.decode,
                        write_base=regime.write_base, write_residual=regime.write_residual,
+                       form=self.kv.form_of(node.table, node.adapter),
                        adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
                                                    start + g.tokens),
                        prompt_logprobs=_prompt_logprobs(session, node, start + g.tokens, g.decode))

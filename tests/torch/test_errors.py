@@ -21,7 +21,7 @@ from forkserve.backend.torch import (
     UnknownAdapterError,
     UnsupportedModelError,
 )
-from forkserve.config import KVLayout
+from forkserve.config import KVForm, KVLayout
 
 
 @pytest.fixture
@@ -54,7 +54,9 @@ def bad_items(b: TorchBackend) -> list[tuple[type, SeqWork]]:
         (ContextLengthError, work(2, prompt(82, 120), 10)),
         (InvalidWorkError, SeqWork(2, tuple(range(3, 4 + PAGE)), 0, KVSlots((0,)))),     # pages too few
         (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((10_000,)))),                  # page id out of range
-        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid)),       # no residual pages
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid,
+                                   form=KVForm.SPLIT)),                               # no residual pages
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,), (6,)), adapter_id=aid)),  # merged, residual
         (InvalidWorkError, work(2, [], 0)),
     ], ok
 

@@ -19,7 +19,7 @@ import torch
 
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
-from forkserve.backend.torch.batch import BatchLimits, split_residual_pages, validate
+from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -45,7 +45,7 @@ from forkserve.backend.torch.sampler import Sampler, record_prompt
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVForm, KVLayout
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
@@ -168,8 +168,7 @@ class TorchBackend:
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)),
-            merged_allowed=self.layout is KVLayout.ADAPTIVE)
+            disaggregated=disaggregated)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -268,8 +267,7 @@ class TorchBackend:
         if self.gpu_timeline is not None:  # before sampling's read-back: that wait is the host's
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
-            self._writes.wrote(work, self.page_kinds()[0],
-                               [split_residual_pages(s, self.limits) is not None for s in work])
+            self._writes.wrote(work, self.page_kinds()[0])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
         token_ends = itertools.accumulate(len(s.tokens) for s in work)
@@ -373,7 +371,7 @@ class TorchBackend:
         """Capture ahead the CUDA graphs decode batches of up to ``max_batch`` sequences of up
         to ``context_tokens`` tokens will use, in each form the layout serves (merged, split);
         returns how many were new (0 off CUDA or with graphs off)."""
-        splits = {KVLayout.DISAGGREGATED: (True,), KVLayout.ADAPTIVE: (False, True)}.get(self.layout, (False,))
+        splits = [form is KVForm.SPLIT for form in self.layout.forms]
         return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:

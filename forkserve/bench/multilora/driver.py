@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
-from forkserve.config import KVLayout
-from forkserve.control.layout_policy import KVForm
+from forkserve.config import KVForm, KVLayout
 from forkserve.engine import Engine
 
 if TYPE_CHECKING:
