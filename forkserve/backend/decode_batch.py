@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
 from forkserve.config import KVForm
 
@@ -36,7 +37,7 @@ class DecodeBatch:
     # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
     residual_pages: tuple[Sequence[PageId] | None, ...]
     forms: tuple[KVForm, ...]        # ``SeqWork.form`` of each row
-    adapter_ids: tuple[int | str | None, ...]
+    adapter_ids: tuple[AdapterId | None, ...]
     adapter_starts: tuple[int, ...]  # ``SeqWork.adapter_start`` of each row
     sampling: tuple[SamplingParams, ...]
     # Cascade attention groups, numbered with the ``SeqWork`` items of the same step.

@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.cost_model import CostModel
 from forkserve.backend.decode_batch import DecodeBatch
@@ -57,7 +58,7 @@ _HASH_MOD = (1 << 61) - 1
 _ADAPTER_SPACE = 1 << 20
 
 
-def _adapter_code(adapter: int | str | None, version: int = 0) -> int:
+def _adapter_code(adapter: AdapterId | None, version: int = 0) -> int:
     if adapter is None:
         return 0
     # Version 0 keeps the plain name, so values written before versions existed are unchanged.
@@ -67,9 +68,9 @@ def _adapter_code(adapter: int | str | None, version: int = 0) -> int:
 
 class MockBackend:
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
-                 invocations: Mapping[int | str, Sequence[int]] | None = None,
-                 adapters: Iterable[int | str] | None = None,
-                 adapter_versions: Mapping[int | str, int] | None = None) -> None:
+                 invocations: Mapping[AdapterId, Sequence[int]] | None = None,
+                 adapters: Iterable[AdapterId] | None = None,
+                 adapter_versions: Mapping[AdapterId, int] | None = None) -> None:
         """``adapters``: the resident adapters (``remove_adapter`` / ``add_adapter`` change
         them); None accepts any adapter id. ``adapter_versions``: each adapter's current
         version (default 0; ``reload_adapter`` bumps it). ``fault``: tests set it to a
@@ -105,14 +106,14 @@ class MockBackend:
         for src, dst in pairs:
             kv[dst] = kv[src]
 
-    def knows_adapter(self, adapter: int | str) -> bool:
+    def knows_adapter(self, adapter: AdapterId) -> bool:
         return self._adapters is None or adapter in self._adapters
 
-    def add_adapter(self, adapter: int | str) -> None:
+    def add_adapter(self, adapter: AdapterId) -> None:
         if self._adapters is not None:
             self._adapters.add(adapter)
 
-    def remove_adapter(self, adapter: int | str) -> None:
+    def remove_adapter(self, adapter: AdapterId) -> None:
         if self._adapters is None or adapter not in self._adapters:
             raise UnknownAdapterError(f"adapter {adapter!r} is not resident")
         self._adapters.remove(adapter)
@@ -122,15 +123,15 @@ class MockBackend:
         unwritten = np.flatnonzero(self.kv_values(kind, pages, length) == _UNWRITTEN)
         return int(unwritten[0]) if len(unwritten) else None
 
-    def adapter_invocation(self, adapter: int | str) -> tuple[int, ...] | None:
+    def adapter_invocation(self, adapter: AdapterId) -> tuple[int, ...] | None:
         """An activated LoRA's invocation tokens (None for a plain adapter)."""
         return self._invocations.get(adapter)
 
-    def adapter_version(self, adapter: int | str) -> int:
+    def adapter_version(self, adapter: AdapterId) -> int:
         """Which load of ``adapter`` is current: 0 until ``reload_adapter`` moves it."""
         return self._versions.get(adapter, 0)
 
-    def reload_adapter(self, adapter: int | str) -> int:
+    def reload_adapter(self, adapter: AdapterId) -> int:
         """New weights under the same id (a hot-swapped adapter); returns the new version.
         Only meaningful while no session holds the old version's K/V."""
         self._versions[adapter] = self.adapter_version(adapter) + 1

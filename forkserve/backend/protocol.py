@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
+from forkserve.adapter_key import AdapterId
 from forkserve.config import ForkServeConfig, KVForm
 
 PageId = int
@@ -148,7 +149,7 @@ class ResidualTarget:
     """Another adapter whose residual (x A_k, x A_v) an item writes from the item's own
     activations: one base-model pass fills every agent's residual (``base_activations``)."""
 
-    adapter_id: int | str
+    adapter_id: AdapterId
     residual_pages: tuple[PageId, ...]
 
 
@@ -183,7 +184,7 @@ class SeqWork:
     tokens: tuple[int, ...]
     start_pos: int
     slots: KVSlots
-    adapter_id: int | None = None
+    adapter_id: AdapterId | None = None
     sampling: SamplingParams | None = None  # None: write KV only (no logits needed)
     speculative: bool = False
     # True for a decode step (the token was sampled by the model), False for prefill of
@@ -217,7 +218,8 @@ class SeqWork:
     prompt_logprobs: PromptLogprobs | None = None
 
 
-def form_conflict(seq_id: int, form: KVForm, adapter_id: object, has_residual: bool) -> str | None:
+def form_conflict(seq_id: int, form: KVForm, adapter_id: AdapterId | None,
+                  has_residual: bool) -> str | None:
     """Why an item's pages (``has_residual``: it names residual pages) contradict its
     ``form`` (None when they agree). Every backend refuses such an item (or steady-decode
     row) with this reason before it writes anything; past that check, residual pages are

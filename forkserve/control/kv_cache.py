@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import HostOffload, PageKind
 from forkserve.config import ForkServeConfig, KVForm, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
@@ -119,7 +120,7 @@ class KVCache:
         return self.index if pool is self.pool else self.residual_index
 
     # ------------------------------------------------------- activated LoRA
-    def invocation(self, adapter) -> Invocation | None:
+    def invocation(self, adapter: AdapterId | None) -> Invocation | None:
         """The adapter's aLoRA invocation; None for the base model and plain adapters."""
         if adapter is None:
             return None
@@ -128,13 +129,13 @@ class KVCache:
             self._invocations[adapter] = Invocation(tuple(tokens)) if tokens is not None else None
         return self._invocations[adapter]
 
-    def adapter_start(self, kv: NodeKV, adapter) -> int | None:
+    def adapter_start(self, kv: NodeKV, adapter: AdapterId | None) -> int | None:
         """Where ``adapter`` applies on this table's K/V (None: nowhere, base-model K/V)."""
         if adapter is None:
             return None
         return kv.adapter_start if self.invocation(adapter) is not None else 0
 
-    def path_start(self, adapter, tokens: Sequence[int]) -> int | None:
+    def path_start(self, adapter: AdapterId | None, tokens: Sequence[int]) -> int | None:
         """``adapter``'s activation point on a whole path (before any table is written):
         0 for a plain adapter, the last invocation's start for an aLoRA."""
         invocation = self.invocation(adapter)
@@ -156,7 +157,7 @@ class KVCache:
         return True
 
     # ------------------------------------------------------------ tables
-    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int,
+    def choose_form(self, adapter: AdapterId | None, tokens: Sequence[int], pending_pages: int,
                     salt: CacheSalt = UNSALTED) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
         queued prompts will still take from the base pool."""
@@ -171,13 +172,15 @@ class KVCache:
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
 
-    def new_kv(self, adapter, form: KVForm, salt: CacheSalt = UNSALTED) -> NodeKV:
+    def new_kv(self, adapter: AdapterId | None, form: KVForm,
+               salt: CacheSalt = UNSALTED) -> NodeKV:
         residual = None
         if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
         return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter), salt)
 
-    def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
+    def fork_kv(self, parent: NodeKV, parent_adapter: AdapterId | None,
+                adapter: AdapterId | None) -> NodeKV:
         """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
         layout, the parent's form) lets it share — a split parent its base pages, a merged
         parent nothing (the child starts merged too: no residual exists to split into). An
@@ -210,19 +213,19 @@ class KVCache:
             return True
         return reader is not None and self.config.share_base is ShareBase.CROSS_ADAPTER
 
-    def form_of(self, kv: NodeKV, adapter) -> KVForm:
+    def form_of(self, kv: NodeKV, adapter: AdapterId | None) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
         layout with a residual pool (its K/V is the base every split node shares)."""
         if kv.residual is not None or (adapter is None and self.layout.has_residual_pool):
             return KVForm.SPLIT
         return KVForm.MERGED
 
-    def _fresh_start(self, adapter) -> int | None:
+    def _fresh_start(self, adapter: AdapterId | None) -> int | None:
         """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
+    def keys(self, adapter: AdapterId | None, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
              salt: CacheSalt = UNSALTED) -> tuple[BaseKey, ResidualKey | None]:
         """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
         ``adapter_start`` (see ``AdapterNamespace``), within the trust boundary ``salt`` (both
@@ -252,12 +255,13 @@ class KVCache:
             else ForwardNamespace(residual.namespace)
         return BaseKey(tokens, writer, base_pages, salt), residual
 
-    def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+    def _keys_of(self, kv: NodeKV, adapter: AdapterId | None,
+                 path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
         """The keys a table's pages are matched and published under: its form, its
         activation point and its salt, all read off the table."""
         return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter), kv.salt)
 
-    def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
+    def match(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
         base_key, residual_key = self._keys_of(kv, adapter, path)
         hit = self.tree.match(base_key, residual_key if kv.residual is not None else None)
@@ -268,7 +272,7 @@ class KVCache:
                 hit = DualMatch(exact, hit.residual_pages)
         return hit
 
-    def page_claims(self, kv: NodeKV, adapter, path: Sequence[int], chain: Sequence[int]
+    def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], chain: Sequence[int]
                     ) -> tuple[int, tuple[frozenset[ClaimKey], ...], tuple[frozenset[ClaimKey], ...]]:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
         each full page of ``path`` from the table's first unwritten one, the keys of the sides
@@ -297,7 +301,7 @@ class KVCache:
             reads.append(frozenset(read))
         return first, tuple(writes), tuple(reads)
 
-    def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
+    def publish(self, kv: NodeKV, adapter: AdapterId | None, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:
         """Publish the full pages of each side of a committed table (the sides may reach
         different lengths). ``published``/``cursor`` come from the previous call for the same
@@ -320,7 +324,7 @@ class KVCache:
                                   residual_pages, cursor)
         return (base_full, res_full), cursor
 
-    def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:
+    def pin_published(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], now: float) -> None:
         """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
         base_key, _ = self._keys_of(kv, adapter, path)
         self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forkserve.adapter_key import AdapterKey, adapter_key
+from forkserve.adapter_key import AdapterKey
 from forkserve.backend.protocol import PageKind
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_pool import PagePool
@@ -76,6 +76,7 @@ def published_pages(kv: KVCache) -> tuple[PublishedPage, ...]:
     if kv.residual_index is not None:
         indexes.append((True, kv.residual_index))
     return tuple(
-        PublishedPage(residual, adapter_key(e.namespace.adapter_id)
-                      if isinstance(e.namespace, AdapterNamespace) else None, e.prefix, e.salt)
+        PublishedPage(residual,
+                      e.namespace.adapter if isinstance(e.namespace, AdapterNamespace) else None,
+                      e.prefix, e.salt)
         for residual, index in indexes for e in index.entries())

@@ -19,6 +19,7 @@ import operator
 import time
 from typing import Callable, Iterable, Sequence
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
@@ -102,7 +103,7 @@ class Engine:
                                self.metrics, self.scorer, clock)
 
     # ------------------------------------------------------------------ verbs
-    def open(self, tokens: Sequence[int], *, adapter: str | None = None,
+    def open(self, tokens: Sequence[int], *, adapter: AdapterId | None = None,
              salt: CacheSalt = UNSALTED, reuse_prefix: bool = True) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued. ``salt``:
         the trust boundary its pages are matched and published in (every fork keeps it).
@@ -125,7 +126,7 @@ class Engine:
         self.stepper.account()
         return SessionHandle(sid, root.id)
 
-    def layout_form(self, tokens: Sequence[int], *, adapter: str | None = None) -> KVForm:
+    def layout_form(self, tokens: Sequence[int], *, adapter: AdapterId | None = None) -> KVForm:
         """The form (merged or split K/V) ``open(tokens, adapter=adapter)`` would give the
         session's pages now: fixed by the layout, except in the adaptive one, where it
         depends on memory pressure and on what is published (an admission controller sizes
@@ -134,11 +135,12 @@ class Engine:
         tokens = self._check_tokens(tokens)
         return self._form(tokens, self._check_adapter(adapter))
 
-    def _form(self, tokens: Sequence[int], adapter, salt: CacheSalt = UNSALTED) -> KVForm:
+    def _form(self, tokens: Sequence[int], adapter: AdapterId | None,
+              salt: CacheSalt = UNSALTED) -> KVForm:
         return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages(), salt)
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
-             adapter: str | None = None) -> int:
+             adapter: AdapterId | None = None) -> int:
         """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
         session = self._mutable(session_id)
         parent = self._node(session, parent_id)
@@ -226,7 +228,7 @@ class Engine:
         self.stepper.account()
         return decision
 
-    def prefill_shared(self, tokens: Sequence[int], adapters: Sequence) -> SharedPrefill:
+    def prefill_shared(self, tokens: Sequence[int], adapters: Sequence[AdapterId]) -> SharedPrefill:
         """``residual_source = base_activations``: one base-model pass over a context that many
         agents share writes the base pages and, from the same activations, every listed
         adapter's rank-r residual; all are published, so each agent that then opens the context
@@ -467,7 +469,7 @@ class Engine:
         self.stepper.account()
         return AbortResult(tuple(released), self.pool.num_free - free_before)
 
-    def remove_adapter(self, adapter) -> None:
+    def remove_adapter(self, adapter: AdapterId) -> None:
         """Unload an adapter from the backend; refused while a live node uses it (drain or
         close those sessions first), so no queued work is left pointing at it."""
         self.stepper.sync()
@@ -573,7 +575,7 @@ class Engine:
             raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
 
-    def _check_adapter(self, adapter):
+    def _check_adapter(self, adapter: AdapterId | None) -> AdapterId | None:
         """The backend's id for ``adapter`` (a name where the backend has names); None stays
         None. Unknown adapters are refused here, before any state changes."""
         if adapter is None:

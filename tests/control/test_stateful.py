@@ -303,7 +303,7 @@ class VerbMachine(RuleBasedStateMachine):
             for entry in index.entries():
                 assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
                     f"published prefix {entry.prefix} was never committed"
-                adapter = getattr(entry.namespace, "adapter_id", None)
+                adapter = getattr(entry.namespace, "adapter", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
                 # A base-side page under an adapter's namespace holds merged K/V.
                 want = self.backend.expected_values(kind, entry.prefix[-p:], adapter, KVForm.MERGED,
@@ -389,7 +389,7 @@ class OffloadMachine(DisaggregatedMachine):
         p = self.config.page_size
         for entry in self.engine.residual_index.offloaded_entries():
             want = self.backend.expected_values(PageKind.RESIDUAL, entry.prefix[-p:],
-                                                entry.namespace.adapter_id,
+                                                entry.namespace.adapter,
                                                 version=entry.namespace.adapter_version)
             assert (self.backend.host_values(entry.slot) == want).all()
 

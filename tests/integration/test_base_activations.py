@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.adapter_key import adapter_key
 from forkserve.backend.mock import MockBackend
 from forkserve.errors import InvalidRequestError
 
@@ -37,7 +38,7 @@ def test_residuals_are_the_base_activations_times_each_adapters_A(model_dir):
     for name, aid in ids.items():
         weights = load_file(str(model_dir[1][name] / "adapter_model.safetensors"))
         pages = [e.page for e in sorted(engine.residual_index.entries(), key=lambda e: len(e.prefix))
-                 if e.namespace.adapter_id == str(aid)]
+                 if e.namespace.adapter == adapter_key(aid)]
         for layer in range(2):
             x = hf.model.layers[layer].input_layernorm(hidden[layer][0])
             a_k = next(v for k, v in weights.items() if f"layers.{layer}.self_attn.k_proj.lora_A" in k)

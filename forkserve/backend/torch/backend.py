@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
@@ -330,16 +331,16 @@ class TorchBackend:
         """Resident adapters: name -> adapter id (the id SeqWork.adapter_id carries)."""
         return dict(self._names)
 
-    def knows_adapter(self, adapter_id: int) -> bool:
+    def knows_adapter(self, adapter_id: AdapterId) -> bool:
         """Whether ``adapter_id`` is resident (the Engine checks before queueing work)."""
         return adapter_id in self._resident
 
-    def adapter_invocation(self, adapter_id: int) -> tuple[int, ...] | None:
+    def adapter_invocation(self, adapter_id: AdapterId) -> tuple[int, ...] | None:
         """An activated LoRA's invocation tokens (None for a plain adapter): the control plane
         serves every token before their last occurrence as the base model."""
         return self._resident[adapter_id].invocation_tokens
 
-    def resolve_adapter(self, ref: str | int) -> int:
+    def resolve_adapter(self, ref: AdapterId) -> int:
         """The id of a resident adapter given by name or by id (what the Engine carries)."""
         if isinstance(ref, str):
             return self.adapter_id(ref)
@@ -359,7 +360,7 @@ class TorchBackend:
         adapter = path if isinstance(path, LoraAdapter) else load_peft_adapter(path, name)
         return self._install(name, adapter)
 
-    def remove_adapter(self, name_or_id: str | int) -> None:
+    def remove_adapter(self, name_or_id: AdapterId) -> None:
         aid = self.adapter_id(name_or_id) if isinstance(name_or_id, str) else name_or_id
         if aid not in self._resident:
             raise UnknownAdapterError(f"adapter id {aid} is not resident")
