@@ -37,6 +37,7 @@ import numpy as np
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.byte_tokenizer import ByteTokenizer
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.cost_model import CostModel
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import (
@@ -67,6 +68,11 @@ def _adapter_code(adapter: AdapterId | None, version: int = 0) -> int:
 
 
 class MockBackend:
+    # Every optional part but names: the ids it is given are its ids.
+    capabilities = Capabilities(knows_adapter=True, remove_adapter=True, adapter_versions=True,
+                                activated_lora=True, host_offload=True, written_positions=True,
+                                columns=True, launch=True)
+
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
                  invocations: Mapping[AdapterId, Sequence[int]] | None = None,
                  adapters: Iterable[AdapterId] | None = None,

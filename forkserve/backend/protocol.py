@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 from forkserve.adapter_key import AdapterId
+from forkserve.backend.capabilities import Capabilities
 from forkserve.config import ForkServeConfig, KVForm
 
 PageId = int
@@ -260,6 +261,9 @@ class StepResult:
 @runtime_checkable
 class Backend(Protocol):
     config: ForkServeConfig
+    # Which optional methods (adapter names and versions, aLoRA, host tier, written
+    # positions, columns, launch) it has; read instead of probing (``capabilities.py``).
+    capabilities: Capabilities
 
     def page_kinds(self) -> tuple[PageKind, ...]:
         """The page kinds this backend stores (one ``PagePool`` each on the control side)."""
@@ -273,28 +277,19 @@ class Backend(Protocol):
     def transfer_cost(self, tokens: int) -> StepCost:
         """Cost of moving ``tokens`` worth of KV over the prefill->decode connector."""
 
-    # Optional: ``step_batched(work, batch: DecodeBatch) -> StepResult`` reads the steady-decode
-    # rows as columns (``decode_batch.py``); ``launch(work, batch) -> StepHandle`` starts a step
-    # and returns at once (``step_handle.py``). Without them the rows arrive as ``SeqWork``
-    # items of a synchronous ``step``.
-    # Optional: ``knows_adapter(adapter_id) -> bool``. Where present, the Engine rejects an
-    # unknown adapter at the verb (a clear error, no state change) instead of at the step.
-    # Optional: ``adapter_invocation(adapter_id) -> tuple[int, ...] | None``: an activated
-    # LoRA's invocation tokens (None for a plain adapter). Without it every adapter is plain.
-
 
 @runtime_checkable
 class HostOffload(Protocol):
-    """Optional capability: a host (CPU) store of ``config.host_residual_pages`` slots for
-    RESIDUAL pages, so the control plane can park an evicted page there and bring it back
-    instead of recomputing it.
+    """Optional capability (``Capabilities.host_offload``): a host (CPU) store of
+    ``config.host_residual_pages`` slots for RESIDUAL pages, so the control plane can park an
+    evicted page there and bring it back instead of recomputing it.
 
     Slot ids, like page ids, belong to the control plane (``control/host_tier.HostTier``):
     the backend stores what it is told and never allocates or frees a slot. After
     ``offload_pages`` the device page is free (the control plane reuses it at once); after
     ``restore_pages`` the slot is free. Both copy synchronously with respect to later steps
     and later calls. Other kinds, or ids out of range, raise before anything is copied.
-    A backend without these methods keeps the old rule: eviction drops the page.
+    A backend without this capability keeps the old rule: eviction drops the page.
     """
 
     def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:

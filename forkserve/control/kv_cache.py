@@ -71,8 +71,8 @@ from forkserve.control.prefix_index import (
 from forkserve.control.retention import BaseRetention
 from forkserve.errors import OutOfPagesError
 
-AdapterVersion = Callable[[object], int]
-AdapterInvocation = Callable[[object], Sequence[int] | None]
+AdapterVersion = Callable[[AdapterId], int]
+AdapterInvocation = Callable[[AdapterId], Sequence[int] | None]
 
 
 class KVCache:
@@ -102,7 +102,7 @@ class KVCache:
         self._adapter_version = adapter_version or (lambda adapter: 0)
         self._adapter_invocation = adapter_invocation or (lambda adapter: None)
         # Per adapter id, looked up once: ids are never reused for another adapter.
-        self._invocations: dict[object, Invocation | None] = {}
+        self._invocations: dict[AdapterId, Invocation | None] = {}
         self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
     @property

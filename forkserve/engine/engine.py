@@ -23,7 +23,6 @@ from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
-    HostOffload,
     KVSlots,
     ResidualTarget,
     SamplingParams,
@@ -81,12 +80,16 @@ class Engine:
         self.backend = backend
         self.config: ForkServeConfig = backend.config
         self.metrics = EngineMetrics()
-        version_of = getattr(backend, "adapter_version", None)
+        self.capabilities = caps = backend.capabilities
+        missing = caps.missing(backend)
+        if missing:
+            raise TypeError(f"{type(backend).__name__} declares capabilities it lacks the methods "
+                            f"of: {', '.join(missing)}")
         self.kv = KVCache(self.config, backend.page_kinds(),
-                          (lambda a: int(version_of(a))) if version_of is not None else None,
-                          getattr(backend, "adapter_invocation", None),
+                          backend.adapter_version if caps.adapter_versions else None,
+                          backend.adapter_invocation if caps.activated_lora else None,
                           metrics=self.metrics,
-                          host=backend if isinstance(backend, HostOffload) else None,
+                          host=backend if caps.host_offload else None,
                           pause_ttl=pause_ttl)
         # Shorthands for the engine and its tests: the pools and the two sides of the
         # DualRadixTree (the interfaces read `cache_stats()` instead).
@@ -481,10 +484,9 @@ class Engine:
         if users:
             raise AdapterInUseError(f"adapter {adapter!r} is used by live sessions {users[:8]}; "
                                     f"close them first")
-        remove = getattr(self.backend, "remove_adapter", None)
-        if remove is None:
+        if not self.capabilities.remove_adapter:
             raise InvalidRequestError("this backend cannot unload adapters")
-        remove(adapter)
+        self.backend.remove_adapter(adapter)
 
     def close(self, session_id: int, *, pin: bool | None = None) -> None:
         """End a session: its committed full pages stay published, everything else is freed.
@@ -582,11 +584,9 @@ class Engine:
             return None
         if isinstance(adapter, bool):
             raise InvalidRequestError(f"adapter must be a name or an id, got {adapter!r}")
-        resolve = getattr(self.backend, "resolve_adapter", None)
-        if resolve is not None:
-            return resolve(adapter)
-        knows = getattr(self.backend, "knows_adapter", None)
-        if knows is not None and not knows(adapter):
+        if self.capabilities.resolve_adapter:
+            return self.backend.resolve_adapter(adapter)
+        if self.capabilities.knows_adapter and not self.backend.knows_adapter(adapter):
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded in the backend")
         return adapter
 
@@ -654,9 +654,9 @@ class Engine:
     def _check_written(self, tables) -> None:
         """Every position a table claims, and every published page, was written by a step
         (where the backend can tell: ``first_unwritten``): a table never runs ahead of its KV."""
-        first_unwritten = getattr(self.backend, "first_unwritten", None)
-        if first_unwritten is None:
+        if not self.capabilities.written_positions:
             return
+        first_unwritten = self.backend.first_unwritten
         for t in tables:
             pos = first_unwritten(t.pool.kind, t.pages, t.length)
             if pos is not None:

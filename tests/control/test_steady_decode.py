@@ -6,6 +6,7 @@ and a failing row."""
 import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import GREEDY, SamplingParams
@@ -147,6 +148,7 @@ def test_a_backend_without_step_batched_gets_the_rows_as_items():
 
     class ItemsOnly:  # the protocol's step, nothing more
         config = cfg
+        capabilities = Capabilities()
 
         def step(self, work):
             return items.step(work)

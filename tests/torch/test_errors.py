@@ -133,3 +133,9 @@ def test_yarn_with_residual_kernels_is_refused_up_front(models):
     # The eager path applies the factor: the same model runs there.
     TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
                  attention="eager")
+
+
+def test_declared_capabilities_are_implemented(backend):
+    caps = backend.capabilities
+    assert caps.missing(backend) == ()
+    assert caps.resolve_adapter and caps.host_offload  # disaggregated: a host tier for residuals

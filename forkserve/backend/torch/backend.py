@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import torch
 
 from forkserve.adapter_key import AdapterId
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
@@ -166,6 +167,10 @@ class TorchBackend:
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
                            self.max_lora_rank, device, dtype)
         self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
+        # Adapter ids are never reused, so no versions; written positions once ``track_writes``.
+        self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True, remove_adapter=True,
+                                         activated_lora=True, host_offload=self.host is not None,
+                                         written_positions=True)
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
