@@ -69,6 +69,7 @@ from forkserve.control.prefix_index import (
     PrefixIndex,
 )
 from forkserve.control.retention import BaseRetention
+from forkserve.control.shared_kv import SharedKV
 from forkserve.errors import OutOfPagesError
 
 AdapterVersion = Callable[[AdapterId], int]
@@ -323,6 +324,36 @@ class KVCache:
         cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
                                   residual_pages, cursor)
         return (base_full, res_full), cursor
+
+    # ------------------------------------------- shared context (base_activations)
+    def shared_kv(self, tokens: Sequence[int], adapters: Sequence[AdapterId]) -> SharedKV:
+        """Tables for one base-model pass over ``tokens`` that writes the base model's K/V and
+        each of ``adapters``' residual (plain adapters, full pages): each holds the leading
+        pages published on every side, so only the rest is computed."""
+        base_key, keys = self._shared_keys(tokens, adapters)
+        hits = [self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages, base_key.salt)]
+        hits += [self.residual_index.match(k.namespace, k.tokens, k.base_pages, k.salt) for k in keys]
+        common = min(len(h) for h in hits)
+        shared = SharedKV(PageTable(self.pool), {a: PageTable(self.residual_pool) for a in adapters})
+        for table, pages in zip(shared.tables(), hits, strict=True):
+            table.attach(pages[:common], common * self.pool.page_size)
+        return shared
+
+    def publish_shared(self, shared: SharedKV, tokens: Sequence[int]) -> None:
+        """Publish a written shared context: the base pages as the base model's, each residual
+        under the key a split session of its adapter matches."""
+        full = len(tokens) // self.pool.page_size
+        base_key, keys = self._shared_keys(tokens, list(shared.residuals))
+        self.tree.insert(base_key, shared.base.pages[:full])
+        for key, table in zip(keys, shared.residuals.values(), strict=True):
+            self.residual_index.insert(key.namespace, key.tokens, table.pages[:full], None,
+                                       key.base_pages, key.salt)
+
+    def _shared_keys(self, tokens: Sequence[int], adapters: Sequence[AdapterId]
+                     ) -> tuple[BaseKey, list[ResidualKey]]:
+        tokens = tuple(tokens)
+        base_key = self.keys(None, tokens, KVForm.SPLIT)[0]
+        return base_key, [self.keys(a, tokens, KVForm.SPLIT, self._fresh_start(a))[1] for a in adapters]
 
     def pin_published(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], now: float) -> None:
         """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""

@@ -23,20 +23,16 @@ from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
-    KVSlots,
-    ResidualTarget,
     SamplingParams,
-    SeqWork,
 )
 from forkserve.config import ForkServeConfig, KVForm
 from forkserve.control.admission import Candidate
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
-from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
+from forkserve.control.dual_radix_tree import DualMatch
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
-from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.control.scheduler import TickScheduler
@@ -253,39 +249,19 @@ class Engine:
             if self.kv.invocation(a) is not None:
                 raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read the shared "
                                           f"context's base pages as they are; prefill_shared is for plain adapters")
-        p = self.pool.page_size
-        full = len(tokens) // p * p  # only full pages can be published
-        if full == 0:
+        p = self.config.page_size
+        context = tokens[:len(tokens) // p * p]  # only full pages can be published
+        if not context:
             raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
-        keys = {a: self.kv.keys(a, tokens[:full], KVForm.SPLIT)[1] for a in adapters}
-        base_hit = self.index.match(BASE, tokens[:full])
-        res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
-        start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p
-        base = PageTable(self.pool)
-        residual = {a: PageTable(self.residual_pool) for a in adapters}
+        before = self.metrics.prefill_tokens
+        shared = self.kv.shared_kv(context, adapters)
         try:
-            for table, pages in [(base, base_hit)] + [(residual[a], res_hits[a]) for a in adapters]:
-                table.attach(pages[:start // p], start)
-            before = self.metrics.prefill_tokens
-            while base.length < full:
-                n = min(full - base.length, self.config.max_batch_tokens)
-                pos = base.length
-                for table in [base, *residual.values()]:
-                    self.kv.make_room(table.pool, table.pages_needed(n), self.stepper.preempt_speculative)
-                    table.prepare_write(n, self.backend.copy_pages)
-                targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
-                result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
-                                                    KVSlots(tuple(base.pages)), None, None,
-                                                    form=KVForm.SPLIT, extra_residuals=targets)])
-                self.stepper.account_cost(result.cost, [])
-            self.cache.insert(BaseKey(tuple(tokens[:full])), base.pages[:full // p])
-            for a in adapters:
-                self.residual_index.insert(keys[a].namespace, keys[a].tokens, residual[a].pages[:full // p])
+            self.stepper.write_shared(shared, context)
+            self.kv.publish_shared(shared, context)
         finally:
-            for table in [base, *residual.values()]:
-                table.release()  # the index keeps what was published
+            shared.release()  # the index keeps what was published
         self.stepper.account()
-        return SharedPrefill(full, tuple(adapters), self.metrics.prefill_tokens - before)
+        return SharedPrefill(len(context), tuple(adapters), self.metrics.prefill_tokens - before)
 
     def drain_slack(self) -> DrainReport:
         """Run ticks until no speculative (or committed) work is left."""
