@@ -1,4 +1,5 @@
-"""A read-only summary of the KV cache for the interfaces (metrics, routing, benches).
+"""A read-only summary of the KV cache for the interfaces (metrics, routing, benches, tenant
+quotas): the pools, the published pages, and the pages one session holds.
 
 L4 reads the cache through these frozen values, never through the control plane's pools and
 prefix trees: each call copies the figures out, so a summary taken on the engine thread may
@@ -9,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forkserve.adapter_key import AdapterKey
-from forkserve.backend.protocol import PageKind
+from forkserve.backend.protocol import PageId, PageKind
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_pool import PagePool
 from forkserve.control.prefix_index import AdapterNamespace, CacheSalt, PrefixIndex
+from forkserve.engine.session import Session
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,25 @@ class PublishedPage:
     adapter: AdapterKey | None      # the adapter whose namespace holds it (None: base model's)
     prefix: tuple[int, ...]         # every token from the root through this page
     salt: CacheSalt
+
+
+@dataclass(frozen=True)
+class SessionPages:
+    """The pages one session holds: its committed tip's table (what the session reads next)
+    and every base page any of its live nodes holds (an aliased page once)."""
+
+    length: int                                # tokens the tip's table holds
+    base: tuple[PageId, ...]                   # the tip's base (or unified) pages, in order
+    residual: tuple[PageId, ...] | None        # the tip's residual pages (None: no residual)
+    base_held: frozenset[PageId]               # base pages of every live node, the tip's too
+
+
+def session_pages(session: Session) -> SessionPages:
+    tip = session.tree.tip.table
+    held = frozenset(page for node in session.tree.nodes.values()
+                     if node.live and node.table is not None for page in node.table.base.pages)
+    return SessionPages(tip.length, tuple(tip.base.pages),
+                        tuple(tip.residual.pages) if tip.residual is not None else None, held)
 
 
 def _pool_stats(pool: PagePool, index: PrefixIndex) -> PoolStats:

@@ -42,7 +42,14 @@ from forkserve.control.scorers import (
     LoopScorer,
     Scorer,
 )
-from forkserve.engine.cache_stats import CacheStats, PublishedPage, cache_stats, published_pages
+from forkserve.engine.cache_stats import (
+    CacheStats,
+    PublishedPage,
+    SessionPages,
+    cache_stats,
+    published_pages,
+    session_pages,
+)
 from forkserve.engine.results import (
     AbortResult,
     CommitResult,
@@ -600,6 +607,10 @@ class Engine:
         """Every page the prefix trees publish, copied out (replica routing summaries)."""
         self.stepper.sync()
         return published_pages(self.kv)
+
+    def session_pages(self, session_id: int) -> SessionPages:
+        """The pages a session holds, copied out (tenant quotas, benches' KV accounting)."""
+        return session_pages(self._session(session_id))
 
     def evict_all(self) -> int:
         self.stepper.sync()
