@@ -11,7 +11,8 @@ replay, greedy sampling, host sync, i.e. what the Engine pays):
   (rank 16 on q,k,v,o; batch 64 spread over 32 adapters), against the roofline
   (weight bytes + KV bytes read per step) / copy bandwidth; batch 1 eager (no graph) too;
   the disaggregated layout at batch 64 with LoRA (ResidualAttention);
-* prefill tokens/s of one 8K prompt (without / with LoRA) against the bf16 compute roofline;
+* prefill tokens/s of one 8K prompt (without / with LoRA) against the bf16 compute roofline,
+  and the prefill routes the engine's attention dispatch took (``--prefill-only``: just these);
 * decode ms/step of 32 agents over one 8K context (the same pages, 16 own tokens each; the
   react workload's step), shared-prefix (cascade) attention on and off;
 * Hugging Face `generate` (sdpa, bf16) at batch 1 and 64 on the same shape, per new token.
@@ -171,13 +172,17 @@ class Bench:
     def prefill(self, tokens: int, adapter: int | None, reps: int = 3) -> dict:
         vocab = self.backend.model_config.vocab_size
         prompt = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+        # Which prefill route the engine's dispatch took (KernelAttention counts its layer calls).
+        routes = getattr(self.backend.attention, "prefill_routes", None)
+        before = dict(routes or {})
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             self.backend.step([self.item(0, prompt, 0, adapter)])
             times.append(time.perf_counter() - t0)
         best = statistics.median(times[1:])
-        return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best}
+        taken = {k: n - before.get(k, 0) for k, n in (routes or {}).items() if n > before.get(k, 0)}
+        return {"tokens": tokens, "s": best, "tokens_per_s": tokens / best, "prefill_routes": taken}
 
 
 def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt: int) -> dict:
@@ -252,9 +257,12 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-fusions", action="store_true", help="skip torch.compile of the glue kernels")
     ap.add_argument("--profile", action="store_true", help="only: where decode time goes (GPU)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only: the 8K prefill without / with LoRA (unified layout); writes decode_bench_prefill.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    json_name = "decode_bench_prefill.json" if args.prefill_only else "decode_bench.json"
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
@@ -286,7 +294,7 @@ def main() -> None:
         except Exception:  # one failed measurement must not lose the others
             res["errors"][name] = traceback.format_exc()
             print(name, "FAILED\n", res["errors"][name], flush=True)
-        (out / "decode_bench.json").write_text(json.dumps(res, indent=1))
+        (out / json_name).write_text(json.dumps(res, indent=1))
 
     def roofline(batch: int, lora: bool) -> float:
         lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
@@ -316,6 +324,11 @@ def main() -> None:
     res["fusions"] = fusions
     res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
     adapter_ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)]
+    if args.prefill_only:
+        for lora in (False, True):
+            attempt("prefill" + ("_lora" if lora else ""), prefill_case, bench, lora)
+        print_table(res)
+        return
     if args.profile:
         attempt("profile_b1", profile_decode, bench, 1, [None], prompt)
         attempt("profile_b64_lora", profile_decode, bench, big_batch, adapter_ids, prompt)
@@ -395,7 +408,8 @@ def print_table(res: dict) -> None:
     for key in ("prefill", "prefill_lora"):
         r = res.get(key)
         if r:
-            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f})")
+            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f}) "
+                  f"routes {r.get('prefill_routes')}")
     for key in ("hf_generate_b1", "hf_generate_b64"):
         r = res.get(key)
         if r:

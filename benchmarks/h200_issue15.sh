@@ -7,6 +7,9 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 4   # split-form cascade: tests, react
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 5   # split form in kernel_bench, decode_bench
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 6   # react full_reuse, adaptive
+# Round 2 (packed prefill routes, q-folded score pass, TorchBackend.launch):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 7   # CUDA tests, prefill routes, decode v4
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 8   # react W=32: unified, disaggregated, no_lora
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -52,6 +55,25 @@ case "$1" in
     --cascade on off --tag issue15_full_reuse --out "$OUT" 2>&1 | tail -4
   timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
     --cascade on off --tag issue15_adaptive --out "$OUT" 2>&1 | tail -4
+  ;;
+7)
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_flash_prefill.py \
+    tests/kernels/test_prefill.py tests/kernels/test_decode.py tests/torch/test_attention_backends.py \
+    tests/torch/test_launch.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round2.log"
+  timeout 150 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -24
+  timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_bn64_keysm128_w8 \
+    two_pass_qfold_t32 two_pass_qfold_t64 two_pass_qfold_t128_w8 two_pass_qfold_a64 two_pass_qfold_a128_w8 \
+    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_v4 --out "$OUT" 2>&1 | tail -20
+  timeout 100 python3 benchmarks/decode_bench.py --prefill-only --no-hf --out "$OUT" 2>&1 | tail -8
+  ;;
+8)
+  # The prefill routes move disaggregated vs unified (goal >= 1.3x); overlap on vs off in no_lora.
+  timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified disaggregated \
+    --tag issue15_round2 --out "$OUT" 2>&1 | tail -5
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    --overlap off on --gpu-timeline --tag issue15_round2_no_lora --out "$OUT" 2>&1 | tail -5
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    --tag issue15_round2_base --out "$OUT" 2>&1 | tail -4
   ;;
 esac
 ls -la "$OUT"

@@ -12,10 +12,15 @@ Measures, for one attention layer:
   was gathered beforehand (the gather is not timed), and the eager reconstruct path
   (gather base + residual, K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v, SDPA);
   achieved bytes/s of our kernels (bytes that must be read: K/V pages, residual rows);
-* prefill (whole-context causal prefill, batch 1): the same four;
+* prefill (whole-context causal at batch 1 over 1K-32K, and 8 chunks of 512 tokens over 8K
+  cached keys), timed eagerly as the engine runs it: our Triton paged kernel (tuned, plus
+  Hopper tiles), the packed routes (K/V gathered, then FlashAttention-2 varlen or SDPA per
+  sequence), ResidualAttention fused / merged / packed with the rebuild, and baselines on
+  K/V gathered beforehand (FlashAttention-2 varlen, SDPA default / flash / cuDNN);
 * shared-prefix decode at 32 agents vs 32 independent decodes of the same pages.
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a table.
+``--prefill`` runs only the prefill part (``kernel_bench_prefill.json`` / ``.png``).
 ``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing;
 ``--regs`` needs no GPU: it reports registers and spills of the kernels for sm_90a.
 """
@@ -65,7 +70,7 @@ class Setup:
             self.n_heads, self.n_kv, self.head_dim, self.rank = 32, 8, 128, 16
             self.contexts = [1024, 2048, 4096, 8192, 16384, 32768]
             self.batches = [1, 8, 32, 64]
-            self.prefill_contexts = [1024, 2048, 4096, 8192, 16384, 32768]
+            self.prefill_contexts = [1024, 4096, 8192, 32768]
             self.agents, self.suffix = 32, 128
             self.max_tokens = 64 * 32768 + 32 * 256
         self.page = 16
@@ -293,8 +298,53 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
                   f"uniBW={row['unified_GBps']:.0f}GB/s resBW={row['residual_GBps']:.0f}GB/s", flush=True)
 
 
+# Hopper tiles for our Triton paged prefill (block_m counts tokens: x4 query rows at GQA 4),
+# timed as extra columns and offered to the tuner: does our own kernel get close to flash?
+PREFILL_TILES: dict[str, dict] = {
+    "m32_n64_w8_s3": dict(block_m=32, block_n=64, num_warps=8, num_stages=3),
+    "m32_n128_w8_s3": dict(block_m=32, block_n=128, num_warps=8, num_stages=3),
+    "m32_n64_w8_s4": dict(block_m=32, block_n=64, num_warps=8, num_stages=4),
+    "m16_n128_w4_s3": dict(block_m=16, block_n=128, num_warps=4, num_stages=3),
+}
+
+
+def bench_eager(fn: Callable[[], object], smoke: bool) -> float:
+    """Median ms of ``fn`` run eagerly, as the engine runs prefill (no CUDA graph: launch and
+    host overhead of a route count), L2 flushed before each call, CUDA events."""
+    if smoke:
+        return bench(fn, smoke)
+    fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def timed(n: int) -> list[float]:
+        pairs = []
+        for _ in range(n):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            pairs.append((start, end))
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in pairs]
+
+    first = sorted(timed(3))[1]
+    times = sorted(timed(int(min(50, max(5, 200.0 / max(first, 1e-3))))))
+    return times[len(times) // 2]
+
+
+def measure_eager(res: dict, what: str, fn: Callable[[], object], smoke: bool) -> float:
+    """``bench_eager(fn)``, or NaN with the error recorded."""
+    try:
+        return bench_eager(fn, smoke)
+    except Exception as exc:
+        res.setdefault("errors", []).append(f"{what}: {exc!r}"[:600])
+        print(f"ERROR {what}: {exc!r}"[:300], flush=True)
+        return math.nan
+
+
 def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
-    """Pick block_m / block_n / num_warps / num_stages per prefill kernel at 4K context."""
+    """Pick block_m / block_n / num_warps / num_stages per Triton prefill kernel at 4K."""
     if s.smoke:
         return {"unified": dict(block_m=16, block_n=32),
                 "residual": dict(block_m=16, block_n=32, split_score=False)}
@@ -308,7 +358,8 @@ def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
     best: dict[str, dict] = {}
     for name in ("unified", "residual"):
         scores = []
-        variants = base if name == "unified" else [dict(v, split_score=sp) for v in base for sp in (True, False)]
+        variants = ([*base, *PREFILL_TILES.values()] if name == "unified"
+                    else [dict(v, split_score=sp) for v in base for sp in (True, False)])
         for var in variants:
             if name == "unified":
                 fn = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **var)  # noqa: E731
@@ -316,7 +367,7 @@ def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
                 fn = lambda: residual_prefill_triton(  # noqa: E731
                     q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
                     max_q_len=ctx, max_seq_len=ctx, **var)
-            ms = measure(res, f"tune prefill {name} {var}", fn, s.smoke)
+            ms = measure_eager(res, f"tune prefill {name} {var}", fn, s.smoke)
             if not math.isnan(ms):
                 scores.append((ms, var))
         scores.sort(key=lambda t: t[0])
@@ -325,38 +376,160 @@ def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
     return best
 
 
-def run_prefill(s: Setup, res: dict) -> None:
+def prefill_cases(s: Setup) -> list[tuple[int, int, int]]:
+    """(batch, new tokens, keys) per sequence: whole-context causal prefills at batch 1, then
+    chunks over a cached prefix (8 sequences x 512 new tokens over 8K, as react's agents)."""
+    if s.smoke:
+        return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(2, 16, 48)]
+    return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(8, 512, 8192 + 512)]
+
+
+def sdpa_backend(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:
+    """Torch SDPA on contiguous ``[1, Hkv, L, D]`` K/V, GQA native, one backend or (None) torch's
+    own pick; a cold prefill (square causal)."""
+    from torch.nn.attention import sdpa_kernel
+    qh = q.transpose(0, 1)[None]
+    if backend is None:
+        return F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+
+
+def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
+    """Prefill routes side by side, per case (JSON saved after each): our Triton paged kernel
+    (tuned, and the Hopper tiles), the packed routes (K/V gathered then FlashAttention-2 varlen,
+    or SDPA per sequence), ResidualAttention fused / merged / packed with the rebuild, and
+    the baselines on K/V gathered beforehand (gather not timed): the varlen op, torch SDPA
+    with its own backend pick and forced to flash / cuDNN, and the old expanded-K/V SDPA."""
+    from torch.nn.attention import SDPBackend
+
+    from forkserve.kernels import (
+        CostPrefillPolicy,
+        PrefillCounts,
+        flash_support,
+        paged_prefill,
+        residual_prefill,
+    )
+    from forkserve.kernels.flash_op import flash_varlen
+    from forkserve.kernels.kv_pack import ResidualPools, pack_kv
     cfg = tune_prefill(s, res)
     res["prefill_config"] = cfg
-    print(f"prefill config {cfg}", flush=True)
-    for ctx in s.prefill_contexts:
-        bt, rbt, lens = s.tables(1, ctx)
-        q, ad = s.q(ctx), s.adapters(1)
-        cu = torch.tensor([0, ctx], dtype=torch.int32, device=s.device)
-        uni = lambda: paged_prefill_triton(q, s.k, s.v, bt, lens, cu, max_q_len=ctx, **cfg["unified"])  # noqa: E731
-        resid = lambda: residual_prefill_triton(  # noqa: E731
-            q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq,
-            max_q_len=ctx, max_seq_len=ctx, **cfg["residual"])
-        tag = f"prefill ctx={ctx}"
-        row: dict = {"ctx": ctx, "batch": 1, "unified_ms": measure(res, tag + " unified", uni, s.smoke),
-                     "residual_ms": measure(res, tag + " residual", resid, s.smoke)}
-        flops = 4 * s.n_heads * s.head_dim * ctx * (ctx + 1) / 2  # causal QK^T + PV
-        row["unified_TFLOPs"] = flops / row["unified_ms"] / 1e9
-        row["residual_TFLOPs"] = flops / row["residual_ms"] / 1e9
-        row["residual_over_unified"] = row["residual_ms"] / row["unified_ms"]
-        k, v = gathered_kv(s, bt, ctx)
-        row["sdpa_gathered_ms"] = measure(res, tag + " sdpa", lambda: sdpa_prefill(s, q, k, v), s.smoke)
+    res["prefill_tiles"] = PREFILL_TILES
+    support = flash_support(s.q(1), s.k)
+    res["flash_support"] = {"varlen": support.varlen, "reason": support.reason}
+    print(f"prefill config {cfg}; flash: {support}", flush=True)
+    policy = CostPrefillPolicy()
+    save()
+    for batch, new, keys in prefill_cases(s):
+        bt, rbt, lens = s.tables(batch, keys)
+        q, ad = s.q(batch * new), s.adapters(batch)
+        cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=s.device)
+        cu_k = torch.arange(0, batch * keys + 1, keys, dtype=torch.int32, device=s.device)
+        counts = PrefillCounts((new,) * batch, (keys,) * batch)
+        residual = ResidualPools(s.k_res, s.v_res, rbt, s.b_k, s.b_v, ad, s.inv_freq)
+        res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
+        tag = f"prefill batch={batch} new={new} keys={keys}"
+        row: dict = {"batch": batch, "new": new, "ctx": keys, "cold": new == keys,
+                     "policy_unified": policy.route(counts, False, support.varlen).value,
+                     "policy_residual": policy.route(counts, True, support.varlen).value}
+        uni = (q, s.k, s.v, bt, lens, cu)
+        kw = dict(use_triton=True, counts=counts)  # use_triton: the kernels under --smoke too
+        runs = {
+            "unified_paged": lambda: paged_prefill(*uni, variant="paged", **kw, **cfg["unified"]),
+            "unified_flash": lambda: paged_prefill(*uni, variant="flash", **kw),
+            "unified_sdpa": lambda: paged_prefill(*uni, variant="sdpa", **kw),
+            "residual_fused": lambda: residual_prefill(*res_args, variant="fused", **kw, **cfg["residual"]),
+            "residual_merged": lambda: residual_prefill(*res_args, variant="merged", **kw, **cfg["unified"]),
+            "residual_flash": lambda: residual_prefill(*res_args, variant="flash", **kw),
+            "residual_sdpa": lambda: residual_prefill(*res_args, variant="sdpa", **kw),
+            "pack": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys),
+            "pack_rebuild": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys, residual),
+        }
+        runs.update({f"paged_{n}": (lambda t=t: paged_prefill(*uni, variant="paged", **kw, **t))
+                     for n, t in PREFILL_TILES.items()})
+        for name, fn in runs.items():
+            row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
+        k, v = pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys)
+        scale = 1.0 / math.sqrt(s.head_dim)
+        row["varlen_gathered_ms"] = measure_eager(res, tag + " varlen gathered", lambda: flash_varlen(
+            q, k, v, cu, cu_k, new, keys, scale), s.smoke) if support.varlen else math.nan
+        if new == keys and batch == 1:  # SDPA baselines: square causal only
+            kh, vh = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
+            for name, backend in (("sdpa_default", None), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                  ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                row[name + "_ms"] = measure_eager(res, f"{tag} {name}", lambda b=backend: sdpa_backend(
+                    s, q, kh, vh, b), s.smoke)
+            row["sdpa_expanded_ms"] = measure_eager(res, tag + " sdpa expanded", lambda: sdpa_prefill(
+                s, q, kh, vh), s.smoke)
+            del kh, vh
         del k, v
-        row["eager_reconstruct_ms"] = measure(
-            res, tag + " eager", lambda: sdpa_prefill(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)), s.smoke)
-        if ctx == s.prefill_contexts[0]:
-            row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
-                resid(), sdpa_prefill(s, q.float(), *(t.float() for t in eager_reconstruct(
-                    s, bt, rbt, ctx, ad)))[0].transpose(0, 1)))
+        flops = 4 * s.n_heads * s.head_dim * counts.causal_pairs  # causal QK^T + PV
+        baseline = row.get("sdpa_default_ms", row["varlen_gathered_ms"])
+        row["baseline"] = "sdpa_default" if "sdpa_default_ms" in row else "varlen_gathered"
+        for name in ("unified_paged", "unified_flash", "unified_sdpa", *(f"paged_{n}" for n in PREFILL_TILES)):
+            row[name + "_over_baseline"] = row[name + "_ms"] / baseline
+            row[name + "_TFLOPs"] = flops / row[name + "_ms"] / 1e9
+        best_unified = min(row["unified_flash_ms"], row["unified_sdpa_ms"], row["unified_paged_ms"])
+        for name in ("residual_fused", "residual_merged", "residual_flash", "residual_sdpa"):
+            row[name + "_over_unified_paged"] = row[name + "_ms"] / row["unified_paged_ms"]
+            row[name + "_over_best_unified"] = row[name + "_ms"] / best_unified
+        if batch == 1 and keys == s.prefill_contexts[0] or batch > 1:
+            ref = lambda: residual_prefill(*(t.float() if t.is_floating_point() else t for t in res_args),  # noqa: E731
+                                           use_triton=False)
+            for name in ("residual_flash", "residual_sdpa", "residual_fused"):
+                row[name + "_rel_err_vs_eager_fp32"] = check(res, f"{tag} {name} check",
+                                                             lambda n=name: rel_err(runs[n](), ref()))
+            row["unified_flash_rel_err_vs_paged"] = check(res, tag + " unified check", lambda: rel_err(
+                runs["unified_flash"](), runs["unified_paged"]()))
         res["prefill"].append(row)
-        print(f"prefill ctx={ctx:6d} uni={row['unified_ms']:.3f}ms res={row['residual_ms']:.3f}ms "
-              f"ratio={row['residual_over_unified']:.3f} sdpa={row['sdpa_gathered_ms']:.3f}ms "
-              f"eager={row['eager_reconstruct_ms']:.3f}ms uniTF={row['unified_TFLOPs']:.0f}", flush=True)
+        save()
+        print(f"prefill b={batch} new={new:6d} keys={keys:6d} | paged={row['unified_paged_ms']:.3f} "
+              f"flash={row['unified_flash_ms']:.3f} sdpa-route={row['unified_sdpa_ms']:.3f} "
+              f"baseline({row['baseline']})={baseline:.3f} | res fused={row['residual_fused_ms']:.3f} "
+              f"merged={row['residual_merged_ms']:.3f} flash={row['residual_flash_ms']:.3f} "
+              f"sdpa={row['residual_sdpa_ms']:.3f} | pack={row['pack_ms']:.3f} "
+              f"rebuild={row['pack_rebuild_ms']:.3f}", flush=True)
+
+
+PREFILL_ROUTES = ("unified_paged", "unified_flash", "unified_sdpa", "residual_fused", "residual_merged",
+                  "residual_flash", "residual_sdpa")
+
+
+def plot_prefill_ms(res: dict, ax) -> None:
+    """Batch-1 prefill ms per route and baseline."""
+    pre = [r for r in res["prefill"] if r["batch"] == 1]
+    ctx = [r["ctx"] for r in pre]
+    for key in (*PREFILL_ROUTES, "sdpa_default", "varlen_gathered"):
+        ax.plot(ctx, [r.get(key + "_ms", math.nan) for r in pre], marker="o", label=key)
+    ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms (eager)", title="prefill, batch 1, causal")
+    ax.legend(fontsize=6)
+
+
+def plot_prefill_ratios(res: dict, ax_ratio) -> None:
+    """Each route over the case's baseline, every case."""
+    labels = [f"{r['batch']}x{r['new']}/{r['ctx']}" for r in res["prefill"]]
+    x = range(len(labels))
+    for i, key in enumerate(PREFILL_ROUTES):
+        base = [r.get(key + "_ms", math.nan) / r.get(r["baseline"] + "_ms", math.nan) for r in res["prefill"]]
+        ax_ratio.bar([j + (i - 3) * 0.11 for j in x], base, 0.11, label=key)
+    ax_ratio.axhline(1.0, color="red", linestyle=":", label="baseline")
+    ax_ratio.set_xticks(list(x), labels, fontsize=7)
+    ax_ratio.set(ylabel="time / baseline (SDPA default; chunks: varlen on gathered K/V)",
+                 title="prefill routes over the baseline")
+    ax_ratio.legend(fontsize=6)
+
+
+def print_prefill(res: dict) -> None:
+    print(f"prefill (eager, ms; flash: {res.get('flash_support')}; cfg {res.get('prefill_config')})")
+    print("batch new keys | paged flash sdpa-rt | base (which) | res fused merged flash sdpa | "
+          "flash/base res-flash/uni-flash | policy")
+    for r in res["prefill"]:
+        base = r.get(r["baseline"] + "_ms", math.nan)
+        print(f"{r['batch']:3d} {r['new']:6d} {r['ctx']:6d} | {r['unified_paged_ms']:7.3f} "
+              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} | {base:7.3f} ({r['baseline']}) | "
+              f"{r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} {r['residual_flash_ms']:7.3f} "
+              f"{r['residual_sdpa_ms']:7.3f} | {r['unified_flash_ms'] / base:5.2f} "
+              f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | {r['policy_unified']}/{r['policy_residual']}")
 
 
 def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
@@ -423,14 +596,7 @@ def plot(res: dict, path: Path) -> None:
                  title=f"decode bandwidth (copy = {res['copy_GBps']:.0f} GB/s)")
     ax[0, 0].legend(fontsize=7)
     ax[0, 1].legend(fontsize=6, ncol=2)
-    pre = res["prefill"]
-    ctx = [r["ctx"] for r in pre]
-    for key, label in (("unified_ms", "unified (ours)"), ("residual_ms", "ResidualAttention (ours)"),
-                       ("sdpa_gathered_ms", "SDPA on gathered K/V"),
-                       ("eager_reconstruct_ms", "eager reconstruct + SDPA")):
-        ax[1, 0].plot(ctx, [r.get(key, math.nan) for r in pre], marker="o", label=label)
-    ax[1, 0].set(xscale="log", yscale="log", xlabel="context", ylabel="ms", title="prefill (batch 1, causal)")
-    ax[1, 0].legend(fontsize=7)
+    plot_prefill_ms(res, ax[1, 0])
     sp = res["shared_prefix"]
     ax[1, 1].plot([r["prefix_ctx"] for r in sp], [r["shared_over_independent"] for r in sp], marker="o")
     ax[1, 1].axhline(0.5, color="red", linestyle=":", label="target 0.5")
@@ -451,6 +617,23 @@ VARIANTS: dict[str, dict] = {
     # Pass 1 with keys as M (wgmma, register A operand): the default since issue 15's run.
     "two_pass_bn64_keysm64": dict(variant="two_pass", block_n=64,
                                   score_tuning=dict(block_n=64, keys_m=True)),
+    # Pass 1 with keys as M at 128-key tiles over 8 warps (221 registers): more keys per
+    # program, half the programs re-reading B_k and q per tile.
+    "two_pass_bn64_keysm128_w8": dict(variant="two_pass", block_n=64,
+                                      score_tuning=dict(block_n=128, keys_m=True, num_warps=8)),
+    # Pass 1 in the q-folded form (residual_score_qfold.py): cos/sin rows from the table
+    # ("t") or by angle addition on the folded matrices ("a"); key tile, warps.
+    "two_pass_qfold_t32": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", angle_add=False, block_n=32)),
+    "two_pass_qfold_t64": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", angle_add=False, block_n=64)),
+    "two_pass_qfold_t128_w8": dict(variant="two_pass", block_n=64,
+                                   score_tuning=dict(form="qfold", angle_add=False, block_n=128,
+                                                     num_warps=8)),
+    "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,
+                               score_tuning=dict(form="qfold", block_n=64)),
+    "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,
+                                   score_tuning=dict(form="qfold", block_n=128, num_warps=8)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -485,16 +668,18 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
-def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
+def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
-    Per case also times the two-pass score kernel alone (``scores_ms``) and, at the
-    smallest context with batch 8, the error of each variant against the fp32 eager path.
+    Per case also times each two-pass variant's score pass alone (``<name>_scores_ms``:
+    pass 2 is about the difference) and, at the smallest context with batch 8, the error of
+    each variant against the fp32 eager path. Writes ``path`` after every case.
     """
-    from forkserve.kernels.residual_decode_triton import residual_scores
+    from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
     res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
+    res["score_tuning_default"] = {k: str(v) for k, v in SCORE_TUNING.items()}
     for ctx in s.contexts:
         for batch in s.batches:
             bt, rbt, lens = s.tables(batch, ctx)
@@ -504,42 +689,78 @@ def run_decode_variants(s: Setup, res: dict, names: list[str]) -> None:
             row["unified_ms"] = measure(res, tag + " unified", lambda: paged_decode_triton(
                 q, s.k, s.v, bt, lens, max_seq_len=ctx, **uni_cfg), s.smoke)
             table = cached_rope_table(s.inv_freq, ctx)
-            row["scores_ms"] = measure(res, tag + " scores", lambda: residual_scores(
-                q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx), s.smoke)
             for name in names:
-                fn = (lambda kw=VARIANTS[name]: residual_decode_triton(  # noqa: E731
+                kw = VARIANTS[name]
+                fn = (lambda kw=kw: residual_decode_triton(  # noqa: E731
                     q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
                     max_seq_len=ctx, **kw))
                 row[name + "_ms"] = measure(res, f"{tag} {name}", fn, s.smoke)
                 row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
+                if kw["variant"] == "two_pass":
+                    tuning = kw.get("score_tuning") or SCORE_TUNING
+                    row[name + "_scores_ms"] = measure(
+                        res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
+                            q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
                     row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
                         fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
                             s, bt, rbt, ctx, ad)))))
             res["decode_variants"].append(row)
-            print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms "
-                  f"scores={row['scores_ms']:.4f}ms " + " ".join(
-                      f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x)" for n in names), flush=True)
+            path.write_text(json.dumps(res, indent=1))
+            print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms " + " ".join(
+                f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x"
+                + (f", p1 {row[n + '_scores_ms']:.4f})" if n + "_scores_ms" in row else ")")
+                for n in names), flush=True)
 
 
 def plot_variants(res: dict, path: Path) -> None:
+    """Per batch: each variant's time over unified (top) and its score pass alone over
+    unified (bottom, two-pass variants)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["decode_variants"]
     names = [n for n in res["decode_variants_config"] if n != "unified"]
-    fig, axes = plt.subplots(1, len({r["batch"] for r in rows}), figsize=(5 * 3, 4.5), squeeze=False)
-    for ax, batch in zip(axes[0], sorted({r["batch"] for r in rows}), strict=False):
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(4.5 * len(batches), 8), squeeze=False)
+    for col, batch in enumerate(batches):
         sub = [r for r in rows if r["batch"] == batch]
+        ctx = [r["ctx"] for r in sub]
+        top, bottom = axes[0, col], axes[1, col]
         for name in names:
-            ax.plot([r["ctx"] for r in sub], [r[name + "_ratio"] for r in sub], marker="o", label=name)
-        ax.axhline(1.10, color="red", linestyle=":", label="target 1.10")
-        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
-               title=f"batch {batch}")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}")
+            top.plot(ctx, [r[name + "_ratio"] for r in sub], marker="o", label=name)
+            if name + "_scores_ms" in sub[0]:
+                bottom.plot(ctx, [r[name + "_scores_ms"] / r["unified_ms"] for r in sub], marker="o",
+                            label=name)
+        goal = 1.3 if batch == 1 else 1.15  # issue 15's goals
+        top.axhline(goal, color="red", linestyle=":", label=f"goal {goal}")
+        top.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
+                title=f"batch {batch}")
+        bottom.set(xscale="log", xlabel="context", ylabel="score pass alone / unified",
+                   title=f"pass 1, batch {batch}")
+        top.legend(fontsize=6)
+    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}, "
+                 f"commit {res['commit'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_variants_table(res: dict) -> None:
+    """Residual / unified per variant and case; pass 1 alone / unified in brackets."""
+    rows = res["decode_variants"]
+    names = [n for n in res["decode_variants_config"] if n != "unified"]
+    print(f"\n== {res['device']} {res['dtype']} commit {res['commit']}: residual / unified "
+          "(pass 1 alone / unified)")
+    print(f"{'variant':28s}" + "".join(
+        f"{str(r['ctx'] // 1024) + 'K' if r['ctx'] >= 1024 else r['ctx']:>6} x{r['batch']:<3d}   "
+        for r in rows))
+    print(f"{'unified ms':28s}" + "".join(f"{r['unified_ms']:12.4f}  " for r in rows))
+    for name in names:
+        cells = []
+        for r in rows:
+            p1 = r.get(name + "_scores_ms")
+            cells.append(f"{r[name + '_ratio']:5.2f}" + (f" ({p1 / r['unified_ms']:4.2f})" if p1 else " " * 7))
+        print(f"{name:28s}" + "  ".join(cells))
 
 
 def register_report(out: Path) -> None:
@@ -549,6 +770,7 @@ def register_report(out: Path) -> None:
     (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
     ``-v``. Writes ``kernel_regs.json`` and prints a table.
     """
+    import inspect
     import re
     import subprocess
     import tempfile
@@ -567,11 +789,15 @@ def register_report(out: Path) -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
     fp16_ptrs = {"Bias"}
-    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx"}
+    int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
+                "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
         names = kernel.arg_names
+        # Constexprs left out take their defaults, as at a launch.
+        consts = {p.name: p.default for p in kernel.params
+                  if p.is_constexpr and p.default is not inspect.Parameter.empty} | consts
         sig, attrs = {}, {}
         for i, n in enumerate(names):
             if n in consts:
@@ -625,6 +851,15 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "score_pass1" + ("_keys_m" if keys_m else ""), "residual": True,
                      "split_score": False, "block_n": block_n, "num_warps": warps,
                      **compile_one(_residual_score_kernel, consts, warps, 2)})
+    # Pass 1 in the q-folded form: cos/sin from the table or by angle addition.
+    from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
+    for angle_add in (False, True):
+        for block_n, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
+            consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
+                          ANGLE_ADD=angle_add)
+            rows.append({"kernel": "score_qfold" + ("_angle" if angle_add else "_table"),
+                         "residual": True, "split_score": False, "block_n": block_n,
+                         "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps, 2)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
@@ -652,6 +887,11 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
     parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
     parser.add_argument("--tag", default="decode_variants", help="file name tag for --variants")
+    parser.add_argument("--prefill", action="store_true",
+                        help="only: the prefill routes side by side (no decode tuning); writes "
+                             "kernel_bench_prefill.json/.png")
+    parser.add_argument("--prefill-contexts", nargs="*", type=int,
+                        help="batch-1 prefill contexts (default 1K 4K 8K 32K)")
     parser.add_argument("--cascade-sweep", action="store_true",
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
@@ -664,8 +904,13 @@ def main() -> None:
         s.contexts = args.contexts
     if args.batches:
         s.batches = args.batches
+    if args.prefill_contexts:
+        s.prefill_contexts = args.prefill_contexts
     if args.variants is not None:
         main_variants(s, args)
+        return
+    if args.prefill:
+        main_prefill(s, args)
         return
     if args.cascade_sweep:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -691,7 +936,8 @@ def main() -> None:
     print(f"decode config {cfg}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     steps = (("decode", lambda: run_decode(s, cfg, res)), ("shared", lambda: run_shared_prefix(s, cfg, res)),
-             ("prefill", lambda: run_prefill(s, res)))
+             ("prefill", lambda: run_prefill(
+                 s, res, lambda: (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1)))))
     for name, step in steps:
         if name in args.skip:
             continue
@@ -706,6 +952,38 @@ def main() -> None:
     (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1))
     plot(res, args.out / "kernel_bench.png")
     print_table(res)
+
+
+def main_prefill(s: Setup, args: argparse.Namespace) -> None:
+    import matplotlib
+    import triton
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res: dict = {
+        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
+        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
+                  "page_size": s.page},
+        "timing": "eager (as the engine runs prefill), L2 flushed, median of CUDA events",
+        "prefill": [],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "kernel_bench_prefill.json"
+    try:
+        run_prefill(s, res, lambda: path.write_text(json.dumps(res, indent=1)))
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"prefill: {exc!r}"[:1000])
+        print(f"prefill FAILED: {exc!r}", flush=True)
+    path.write_text(json.dumps(res, indent=1))
+    fig, ax = plt.subplots(1, 2, figsize=(14, 5))
+    plot_prefill_ms(res, ax[0])
+    plot_prefill_ratios(res, ax[1])
+    fig.suptitle(f"{res['device']} {res['dtype']} H={s.n_heads} Hkv={s.n_kv} D={s.head_dim} r={s.rank}")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    print_prefill(res)
+    for e in res.get("errors", []):
+        print("ERROR", e)
 
 
 def main_variants(s: Setup, args: argparse.Namespace) -> None:
@@ -723,7 +1001,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
     res["copy_GBps"] = copy_bandwidth(s) / 1e9
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     try:
-        run_decode_variants(s, res, names)
+        run_decode_variants(s, res, names, path)
     except Exception as exc:
         res.setdefault("errors", []).append(f"decode variants: {exc!r}"[:1000])
         print(f"decode variants FAILED: {exc!r}", flush=True)
@@ -738,6 +1016,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
         plot_variants(res, path.with_suffix(".png"))
     except Exception as exc:
         print(f"plot failed: {exc!r}", flush=True)
+    print_variants_table(res)
     for e in res.get("errors", []):
         print("ERROR", e)
 
@@ -750,10 +1029,7 @@ def print_table(res: dict) -> None:
               f"{r['residual_over_unified']:5.2f} | {100 * r['unified_GBps'] / res['copy_GBps']:6.1f} "
               f"{100 * r['residual_GBps'] / res['copy_GBps']:6.1f} | {r.get('sdpa_gathered_ms', math.nan):8.4f} "
               f"{r.get('eager_reconstruct_ms', math.nan):8.4f}")
-    print("prefill: ctx | unified ms resid ms ratio | sdpa ms eager ms | uni TF/s")
-    for r in res["prefill"]:
-        print(f"{r['ctx']:6d} | {r['unified_ms']:8.3f} {r['residual_ms']:8.3f} {r['residual_over_unified']:5.2f} | "
-              f"{r['sdpa_gathered_ms']:8.3f} {r['eager_reconstruct_ms']:8.3f} | {r['unified_TFLOPs']:6.1f}")
+    print_prefill(res)
     print("shared prefix: prefix agents | shared ms indep ms ratio")
     for r in res["shared_prefix"]:
         print(f"{r['prefix_ctx']:6d} {r['agents']:3d} | {r['shared_ms']:8.4f} {r['independent_ms']:8.4f} "

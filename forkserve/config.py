@@ -67,6 +67,15 @@ class ShareBase(str, enum.Enum):
     # Each adapter reads only the base pages its own forward wrote: exact, shares nothing
     # across adapters but the base model's own pages before an aLoRA's activation point.
     EXACT = "exact"
+    # Neutral writer: an adapter reads the base model's pages (a base-model pass over the
+    # shared context) and its own forward's, never another adapter's. Every reader gets the
+    # same base K/V, whoever came first; exact for the base model (docs/QUALITY.md, mode a).
+    NEUTRAL = "neutral"
+
+    @property
+    def reads_base_model(self) -> bool:
+        """Whether an adapter's match also takes pages the base model published."""
+        return self is not ShareBase.EXACT
 
 
 class PrefixDedup(str, enum.Enum):
@@ -89,6 +98,10 @@ class ForkServeConfig:
     # session's pending prompt and this one counted, stays under this fraction of its pages.
     adaptive_high_water: float = 0.9
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
+    # Selective recompute (disaggregated layout; docs/QUALITY.md, mode b): in these decoder
+    # layers an adapter's split item keeps its own merged K/V in its residual pages instead
+    # of reading the shared base pages (and its residual). () shares every layer.
+    recompute_layers: tuple[int, ...] = ()
     # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
     hbm_tokens: int = 65536
     spec_chunk: int = 512
@@ -163,6 +176,18 @@ class ForkServeConfig:
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
         object.__setattr__(self, "share_base", ShareBase(self.share_base))
+        layers = tuple(self.recompute_layers)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers) \
+                or list(layers) != sorted(set(layers)):
+            raise ValueError(f"ForkServeConfig.recompute_layers must be increasing layer indices >= 0, "
+                             f"got {self.recompute_layers!r}")
+        if layers and not self.kv_layout.has_residual_pool:
+            raise ValueError("ForkServeConfig.recompute_layers needs a layout with a residual pool "
+                             f"(disaggregated, adaptive), not {self.kv_layout.value}")
+        if layers and self.host_residual_pages:
+            raise ValueError("ForkServeConfig.recompute_layers: the host tier does not carry the recompute "
+                             "layers' K/V; set host_residual_pages = 0")
+        object.__setattr__(self, "recompute_layers", layers)
         object.__setattr__(self, "prefix_dedup", PrefixDedup(self.prefix_dedup))
 
     def replace(self, **changes) -> "ForkServeConfig":

@@ -6,16 +6,11 @@ Round r: the held-out item r of each of the K tasks; the K agents (agent i = tas
 adapter) share one system message, the function catalog of all K items plus distractors,
 and each asks its own question. One agent, the writer (round r: agent r mod K), opens
 first and generates; then the other K - 1 open, finding the writer's published pages where
-the layout shares them, and decode together. Layouts:
-
-* unified: merged K/V per adapter, no sharing across adapters (the lossless reference)
-* disaggregated (ForkKV, residual_source = own_forward): the writer's base K/V is shared,
-  each reader adds its own rank-r residual from its own forward pass over the context
-* full_reuse: the writer's merged K/V is shared as is (the lossy baseline)
-* base_activations (residual_source = base_activations): one base-model pass writes the base
-  and every adapter's residual (Engine.prefill_shared), then all K agents open; recorded as
-  not available when the engine has no prefill_shared
-* no_lora: no adapter at all (what the adapters add)
+the layout shares them, and decode together. The layouts and sharing modes (unified,
+disaggregated, full_reuse, base_activations, neutral, recompute<N>, no_lora) are the
+strategies of ``modes.py``; a mode with a prelude (a base-model pass) runs it over the shared
+context before the writer opens. ``recompute<N>`` needs ``--drift`` (``drift.py``'s output):
+its N layers are the most drifting ones there.
 
 Per agent: accuracy (ast_check), token F1 of the call text, its tokens (report.py pairs
 them with unified's), and, with hidden states on, for the agents that read a context cached
@@ -40,15 +35,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from benchmarks.quality import units
+from benchmarks.quality import modes, units
 from benchmarks.quality.ast_check import check, token_f1
 from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval_rounds
 from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
+from benchmarks.quality.modes import REFERENCE, Mode, Prelude
 from benchmarks.quality.units import AgentResult, Unit
 from forkserve.bench.output import DEFAULT_OUT
+from forkserve.control.recompute_policy import LayerDrift
 
-LAYOUTS = ("unified", "disaggregated", "full_reuse", "base_activations", "no_lora")
-REFERENCE = "unified"
+LAYOUTS = modes.DEFAULT
 DEFAULT_CACHE = Path("/tmp/forkserve-quality-cache")
 
 
@@ -114,37 +110,33 @@ def setting(params: EvalParams, model: Path, adapter_dir: Path) -> dict[str, Any
     return dict(d, model=model.name, adapters=fingerprint(adapter_dir))
 
 
-def _config(layout: str, params: EvalParams, pages: int) -> Any:
-    from forkserve.config import ForkServeConfig, KVLayout
-
-    kv = {"unified": KVLayout.UNIFIED, "no_lora": KVLayout.UNIFIED,
-          "full_reuse": KVLayout.FULL_REUSE, "disaggregated": KVLayout.DISAGGREGATED,
-          "base_activations": KVLayout.DISAGGREGATED}[layout]
-    return ForkServeConfig(page_size=params.page_size, num_pages=pages, num_residual_pages=pages,
-                           kv_layout=kv, max_batch_tokens=4096, node_ttl_s=None)
-
-
 def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalParams,
-             config: Mapping[str, Any], reference: Reference | None
+             config: Mapping[str, Any], reference: Reference | None, drift: LayerDrift | None = None
              ) -> tuple[Unit, dict[units.AgentKey, torch.Tensor]]:
-    """Rounds first .. end-1 in one layout; (the unit, each agent's hidden states from the
-    shared prefix on). ``reference``: unified's hidden states for the cosines, if recorded."""
+    """Rounds first .. end-1 in one layout or mode; (the unit, each agent's hidden states from
+    the shared prefix on). ``reference``: unified's hidden states for the cosines, if
+    recorded; ``drift``: the profile recompute modes choose their layers from."""
     from forkserve.engine import Engine
 
-    if layout == "base_activations" and not hasattr(Engine, "prefill_shared"):
-        return Unit(layout, first, end, False, "this engine has no Engine.prefill_shared "
-                    "(residual_source = base_activations); not run", config), {}
+    mode = modes.mode(layout)
+    layers = modes.recompute_layers(mode, drift)
+    if layers is None:
+        return Unit(layout, first, end, False, "needs a drift profile (--drift, drift.py's "
+                    "output) to choose its layers; not run", config), {}
     rounds, prompts = inputs.rounds[first:end], inputs.prompts[first:end]
     k = len(rounds[0].examples)
     longest = max(len(p) for ps in prompts for p in ps)
     pages = 2 * k * (-(-(longest + params.max_new) // params.page_size)) + 64
     backend = RecordingBackend.from_weights(
-        _config(layout, params, pages), inputs.model_config, inputs.weights, inputs.adapters,
-        device=params.device, dtype=getattr(torch, params.dtype), attention=params.attention,
+        mode.config(layers, page_size=params.page_size, num_pages=pages, num_residual_pages=pages,
+                    max_batch_tokens=4096),
+        inputs.model_config, inputs.weights, inputs.adapters, device=params.device,
+        dtype=getattr(torch, params.dtype), attention=params.attention,
         use_cuda_graphs=params.cuda_graphs, compile_fusions=False)
     engine = Engine(backend)
-    lora = layout != "no_lora"
+    lora = mode.lora
     record = params.hidden and lora and (layout == REFERENCE or reference is not None)
+    context_bytes = 0
     stop = inputs.tokenizer.eos_token_ids
     agents: list[AgentResult] = []
     hidden: dict[units.AgentKey, torch.Tensor] = {}
@@ -155,8 +147,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
         shared = common_prefix(round_prompts)
         if record:
             backend.watch({aid: shared for aid in ids if aid is not None})
-        if layout == "base_activations":
-            engine.prefill_shared(round_prompts[0][:shared], ids)
+        prelude(engine, mode, round_prompts[0][:shared], ids)
+        context_bytes += mode.context_kv_bytes(backend.kv_bytes_per_token(), shared, k)
         writer = rnd.index % k
         sessions, reused = {}, {}
         for i in [writer] + [j for j in range(k) if j != writer]:
@@ -195,8 +187,19 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
         engine.evict_all()  # the next round has another catalog: nothing left to hit
     unit = Unit(layout, first, end, True, "" if record or not params.hidden or not lora
                 else "no reference hidden states for these rounds: no cosines", config,
-                tuple(agents), engine.metrics.prefill_tokens, time.perf_counter() - start)
+                tuple(agents), engine.metrics.prefill_tokens, time.perf_counter() - start,
+                context_bytes, layers)
     return unit, hidden
+
+
+def prelude(engine: Any, mode: Mode, context: Sequence[int], ids: Sequence[int | None]) -> None:
+    """What writes the shared context before the round's writer opens, if anything."""
+    if mode.prelude is Prelude.BASE_ACTIVATIONS:
+        engine.prefill_shared(context, ids)
+    elif mode.prelude is Prelude.NEUTRAL:
+        session = engine.open(context, adapter=None).id  # the base model: BASE pages
+        engine.generate(session, 1)
+        engine.close(session)
 
 
 def load_inputs(model: Path, adapter_dir: Path, params: EvalParams) -> Inputs:
@@ -217,19 +220,21 @@ def load_inputs(model: Path, adapter_dir: Path, params: EvalParams) -> Inputs:
 
 def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cache: Path,
              layouts: Sequence[str] = LAYOUTS, first: int = 0, end: int | None = None,
-             deadline_s: float | None = None, log: Any = print) -> list[Unit]:
+             deadline_s: float | None = None, log: Any = print,
+             drift: Path | None = None) -> list[Unit]:
     """Run the units of ``layouts`` x blocks of rounds [first, end) not saved in ``out`` yet,
     each saved as it ends; returns the units run now. Stops before a unit that would end
-    past ``deadline_s`` (seconds from now, judged by the longest unit so far)."""
-    unknown = set(layouts) - set(LAYOUTS)
-    if unknown:
-        raise ValueError(f"unknown layouts {sorted(unknown)}; known: {LAYOUTS}")
+    past ``deadline_s`` (seconds from now, judged by the longest unit so far). ``drift``:
+    ``drift.py``'s JSON, which the recompute modes choose their layers from."""
+    for layout in layouts:
+        modes.mode(layout)  # an unknown name is refused before anything runs
     t0 = time.perf_counter()
     config = setting(params, model, adapter_dir)
+    profile = modes.load_drift(drift) if drift is not None else None
     todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
             if a >= first and (end is None or b <= end)
-            for layout in LAYOUTS if layout in layouts
-            and units.find(out, layout, a, b, config) is None]
+            for layout in sorted(dict.fromkeys(layouts), key=modes.order_key)
+            if units.find(out, layout, a, b, config) is None]
     if not todo:
         return []
     inputs = load_inputs(model, adapter_dir, params)
@@ -241,7 +246,7 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
             log(f"deadline: {len(todo) - len(done)} units left for the next run")
             break
         unit, hidden = run_unit(layout, a, b, inputs, params, config,
-                                reference_for(layout, a, b, params, out, cache, config))
+                                reference_for(layout, a, b, params, out, cache, config), profile)
         if hidden:
             cache.mkdir(parents=True, exist_ok=True)
             torch.save(hidden, units.hidden_path(cache, layout, a, b))
@@ -278,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="output folder; benchmarks/results holds the committed runs")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                     help="unified's hidden states, per unit (large; not results)")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="layouts and modes (modes.py), recompute<N> for any N")
+    ap.add_argument("--drift", type=Path, default=None,
+                    help="drift.py's JSON: the recompute modes take its most drifting layers")
     ap.add_argument("--rounds", type=int, default=EvalParams.rounds)
     ap.add_argument("--first", type=int, default=0, help="run only the blocks from this round on")
     ap.add_argument("--end", type=int, default=None, help="... and before this round")
@@ -306,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.cuda_graphs, not args.no_hidden, args.block)
     folder = args.results / f"quality_{args.tag}"
     evaluate(args.model, args.adapters, params, folder, args.cache / args.tag,
-             tuple(args.layouts.split(",")), args.first, args.end, args.deadline_s)
+             tuple(args.layouts.split(",")), args.first, args.end, args.deadline_s,
+             drift=args.drift)
     print(write_outputs(folder, args.label))
     return 0
 

@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
 # The quality acceptance run on the lent H200, cut into device calls of at most 9.5 minutes.
 #
-#   bash benchmarks/quality/h200_quality.sh CALL
+#   [QUALITY_MODEL=smollm2|qwen] bash benchmarks/quality/h200_quality.sh CALL
+#
+# QUALITY_MODEL picks the model (default smollm2: SmolLM2-135M-Instruct, 2 parts; qwen:
+# Qwen2.5-Coder-0.5B-Instruct, 8 parts of 60 MiB, from `run_all.sh pack-qwen`). Its GGUF's
+# sha256 is tracked in benchmarks/quality/models.sha256; results take the tag h200 (smollm2)
+# or h200_qwen, adapters live under /root/adapters/MODEL.
 #
 # Calls, made back to back (the machine is given back after 30 s idle; /root and /tmp stay
 # only while it is held). docs/QUALITY.md has each call's carry list and timeout.
-#   part1  copy the first half of SmolLM2's GGUF to /root/parts            carry .carry/smollm2/part-aa
-#   setup  join the GGUF, install the gguf and bfcl-eval wheels, test the  carry .carry/smollm2/part-ab, .whl
-#          hidden-state API on CUDA
+#   part X copy one part of the GGUF to /root/parts/MODEL (X: aa, ab, ...)  carry .carry/MODEL/part-X
+#   part1  (= part aa)
+#   setup  join the parts (the ones already copied and any this call        carry the last part, .whl
+#          carries), check the sha256, install the gguf and bfcl-eval
+#          wheels, test the hidden-state API on CUDA
 #   train  train the 4 adapters (~7 min; tasks already saved are skipped), carry .carry/quality_adapters
 #          copy them to $OUT/quality_adapters (~30 MB)                     when a session brought them back
-#   eval   the 5 layouts x 40 rounds, fp32, Triton attention, CUDA graphs, no hidden states; saves
-#          every unit (layout x 10 rounds) and stops before 480 s; run it again until it says done
-#   diag   per-layer drift (8 catalogs) and the hidden-state cosines (fp32 eager, 8 rounds)
+#   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
+#          layers from; returns quality_TAG_drift.{json,png} (~1 min)
+#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15) x 40
+#          rounds, fp32, Triton attention, CUDA graphs, no hidden states; saves every unit (mode x
+#          10 rounds) and stops before 480 s; run it again until it says done (needs drift first,
+#          or the recompute units are saved as not available)
+#   diag   the hidden-state cosines (fp32 eager, 8 rounds)
 # Every call that evaluates seeds /root/quality from the units committed under
 # benchmarks/results/ (a later session resumes there) and copies its units and tables to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-call=${1:?usage: $0 part1|setup|train|eval|diag}
-PARTS=/root/parts
+call=${1:?usage: $0 part X|part1|setup|train|drift|eval|diag}
+NAME=${QUALITY_MODEL:-smollm2}
+case "$NAME" in
+  smollm2) TAG=h200 ;;
+  qwen) TAG=h200_qwen ;;
+  *) echo "QUALITY_MODEL must be smollm2 or qwen, got $NAME" >&2; exit 2 ;;
+esac
+PARTS=/root/parts/$NAME
 MODEL=$PARTS/m.gguf
-ADAPTERS=/root/adapters/qkvo
+ADAPTERS=/root/adapters/$NAME/qkvo
 RESULTS=/root/quality
 OUT=${OUT:?the device tool sets OUT}
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
@@ -42,14 +59,24 @@ seed_results() {
     mkdir -p "$RESULTS/quality_$1"
     cp -n benchmarks/results/quality_$1/*.json "$RESULTS/quality_$1/" 2>/dev/null || true
   fi
+  cp -n "benchmarks/results/quality_${TAG}_drift.json" "$RESULTS/" 2>/dev/null || true
 }
+DRIFT=$RESULTS/quality_${TAG}_drift.json
 publish() { cp -r "$RESULTS"/. "$OUT"/; ls -R "$OUT" | head -50 || true; }
 
 case "$call" in
-  part1)
-    cp .carry/smollm2/part-aa "$PARTS"/ && ls -l "$PARTS" ;;
+  part|part1)
+    part=${2:-aa}; [[ $call == part1 ]] && part=aa
+    cp ".carry/$NAME/part-$part" "$PARTS"/ && ls -l "$PARTS" ;;
   setup)
-    cat "$PARTS"/part-aa .carry/smollm2/part-ab > "$MODEL"
+    cp .carry/"$NAME"/part-* "$PARTS"/ 2>/dev/null || true
+    cat "$PARTS"/part-* > "$MODEL"
+    want=$(awk -v m="$NAME" '$2 == m {print $1}' benchmarks/quality/models.sha256)
+    have=$(sha256sum "$MODEL" | cut -d' ' -f1)
+    if [[ $have != "$want" ]]; then
+      echo "the $NAME GGUF does not match models.sha256 (parts so far: $(ls "$PARTS")): run every part call first" >&2
+      rm -f "$MODEL"; exit 3
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     need_model
     ls -l "$MODEL"
@@ -57,27 +84,32 @@ case "$call" in
     FORKSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/torch/test_hidden_states.py ;;
   train)
     need_model
-    if [[ -d .carry/quality_adapters/qkvo && ! -d $ADAPTERS ]]; then
-      cp -r .carry/quality_adapters/qkvo "$ADAPTERS"
+    if [[ -d .carry/quality_adapters/$NAME/qkvo && ! -d $ADAPTERS ]]; then
+      mkdir -p "$(dirname "$ADAPTERS")" && cp -r ".carry/quality_adapters/$NAME/qkvo" "$ADAPTERS"
     fi
     time python3 -m benchmarks.quality.train --model "$MODEL" --out "$ADAPTERS" --device cuda \
         --targets q,k,v,o
-    mkdir -p "$OUT/quality_adapters" && cp -r "$ADAPTERS" "$OUT/quality_adapters/"
-    cp "$ADAPTERS/train_log.json" "$OUT/quality_h200_train.json"
+    mkdir -p "$OUT/quality_adapters/$NAME" && cp -r "$ADAPTERS" "$OUT/quality_adapters/$NAME/"
+    cp "$ADAPTERS/train_log.json" "$OUT/quality_${TAG}_train.json"
     du -sh "$OUT/quality_adapters" ;;
+  drift)
+    need_model; need_adapters
+    python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
+        --rounds 8 --out "$RESULTS" --tag "$TAG"
+    publish ;;
   eval)
-    need_model; need_adapters; seed_results h200
+    need_model; need_adapters; seed_results "$TAG"
+    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --results "$RESULTS" --tag h200 --rounds 40 --no-hidden --attention triton --cuda-graphs \
-        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)"
+        --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden --attention triton --cuda-graphs \
+        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"}
     publish ;;
   diag)
-    need_model; need_adapters; seed_results h200_hidden
-    python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --rounds 8 --out "$RESULTS" --tag h200
+    need_model; need_adapters; seed_results "${TAG}_hidden"
+    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --results "$RESULTS" --tag h200_hidden --rounds 40 --block 4 --end 8 --deadline-s 420 \
-        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)"
+        --results "$RESULTS" --tag "${TAG}_hidden" --rounds 40 --block 4 --end 8 --deadline-s 420 \
+        --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"}
     publish ;;
-  *) echo "usage: $0 part1|setup|train|eval|diag" >&2; exit 2 ;;
+  *) echo "usage: $0 part X|part1|setup|train|drift|eval|diag" >&2; exit 2 ;;
 esac

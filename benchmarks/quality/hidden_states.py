@@ -12,7 +12,9 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SeqWork, StepResult
+from forkserve.backend.step_handle import Done, StepHandle, run_step
 from forkserve.backend.torch import TorchBackend
 
 # (adapter id, position) -> [layers, hidden]
@@ -29,6 +31,16 @@ class RecordingBackend(TorchBackend):
     def take(self) -> Kept:
         kept, self._kept = self._kept, {}
         return kept
+
+    def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None = None) -> StepHandle:
+        """While something is watched a step runs here, through ``step`` (the engine launches
+        every step; the queued fast path would keep no hidden states)."""
+        if not self._watch:
+            return super().launch(work, batch)
+        try:
+            return Done(run_step(self, work, batch))
+        except Exception as exc:  # noqa: BLE001 - raised by the handle, as a launched step's
+            return Done(error=exc)
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
         if not self._watch:

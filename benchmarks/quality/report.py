@@ -7,7 +7,9 @@ whose context K/V another agent (or the base pass) wrote, each against unified's
 the same question in the same round. Differences of token F1 and AST validity, greedy
 agreement (the share of positions where the same token was generated) and identical answers
 come with bootstrap 95% intervals over rounds (stats.py) and their sample sizes. Only the
-rounds that both the layout and unified finished count.
+rounds that both the layout and unified finished count. Beside them, what the mode costs: the
+KV bytes the shared contexts occupy with every agent on them (and that against unified), the
+layers a recompute mode keeps exact per reader, and the prefill tokens.
 """
 from __future__ import annotations
 
@@ -19,12 +21,10 @@ from pathlib import Path
 from statistics import mean
 from typing import Sequence
 
-from benchmarks.quality import units
+from benchmarks.quality import modes, units
+from benchmarks.quality.modes import REFERENCE
 from benchmarks.quality.stats import Estimate, bootstrap
 from benchmarks.quality.units import AgentResult, Unit
-
-REFERENCE = "unified"
-LAYOUT_ORDER = ("unified", "disaggregated", "full_reuse", "base_activations", "no_lora")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class LayoutSummary:
     layer_cos: tuple[float, ...]  # readers' mean cosine to unified per layer; () if not recorded
     prefill_tokens: int
     seconds: float
+    context_kv_bytes: int = 0   # the shared contexts' K/V, every agent on them, summed over rounds
+    recompute_layers: tuple[int, ...] = ()  # layers a reader keeps exact (selective recompute)
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
@@ -83,6 +85,10 @@ def summarize(layout: str, us: Sequence[Unit],
     if not all(u.available for u in us):
         note = next(u.note for u in us if not u.available)
         return LayoutSummary(layout, False, note, 0, 0, 0.0, 0.0, 0, None, (), 0, 0.0)
+    layers = us[0].recompute_layers
+    if any(u.recompute_layers != layers for u in us):
+        raise ValueError(f"{layout}: units recomputed different layers "
+                         f"{sorted({u.recompute_layers for u in us})}; rerun them with one profile")
     agents = [a for a in units.agents_of(us) if a.key in ref]
     if not agents:
         return LayoutSummary(layout, False, "no rounds in common with unified", 0, 0, 0.0, 0.0, 0,
@@ -94,15 +100,15 @@ def summarize(layout: str, us: Sequence[Unit],
     return LayoutSummary(layout, True, "; ".join(sorted({u.note for u in us if u.note})),
                          len({a.round for a in agents}), len(agents), mean(a.valid for a in agents),
                          mean(a.f1 for a in agents), len(readers), paired, layer_cos,
-                         sum(u.prefill_tokens for u in us), sum(u.seconds for u in us))
+                         sum(u.prefill_tokens for u in us), sum(u.seconds for u in us),
+                         sum(u.context_kv_bytes for u in us), layers)
 
 
 def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
     if REFERENCE not in by:
         raise ValueError(f"no {REFERENCE} units: every layout is compared with it")
     ref = {a.key: a for a in units.agents_of(by[REFERENCE])}
-    order = [lay for lay in LAYOUT_ORDER if lay in by] + sorted(set(by) - set(LAYOUT_ORDER))
-    return [summarize(layout, by[layout], ref) for layout in order]
+    return [summarize(layout, by[layout], ref) for layout in sorted(by, key=modes.order_key)]
 
 
 def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
@@ -111,11 +117,13 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
              "over rounds. ΔF1 in F1 points (x100), ΔAST-valid in percentage points.", "",
              "| layout | rounds | answers | AST-valid (all) | F1 (all) | readers | reader F1 "
              "(unified) | ΔF1 | reader AST-valid (unified) | ΔAST-valid | greedy agreement "
-             "| identical answers | hidden cos mean / last layer | prefill tokens | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| identical answers | hidden cos mean / last layer | context KV MiB (x unified) "
+             "| recomputed layers | prefill tokens | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
     for s in rows:
         if not s.available:
-            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 13)
+            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 15)
             continue
         cos = f"{mean(s.layer_cos):.4f} / {s.layer_cos[-1]:.4f}" if s.layer_cos else "—"
         p = s.paired
@@ -126,8 +134,12 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
             paired = (f"{p.f1:.3f} ({p.f1_unified:.3f}) | {p.delta_f1.fmt(100)} | "
                       f"{p.valid}/{n} ({p.valid_unified}/{n}) | {p.delta_valid.fmt(100)} | "
                       f"{p.agreement.fmt_share()} | {p.identical.fmt_share()}")
+        kv = f"{s.context_kv_bytes / 2**20:.1f}" if s.context_kv_bytes else "—"
+        if s.context_kv_bytes and unified:
+            kv += f" ({s.context_kv_bytes / unified:.2f})"
+        layers = ",".join(map(str, s.recompute_layers)) or "—"
         lines.append(f"| {s.layout} | {s.rounds} | {s.answers} | {s.accuracy:.1%} "
-                     f"| {s.token_f1:.3f} | {s.readers} | {paired} | {cos} "
+                     f"| {s.token_f1:.3f} | {s.readers} | {paired} | {cos} | {kv} | {layers} "
                      f"| {s.prefill_tokens} | {s.seconds:.0f} |")
     return "\n".join(lines)
 
@@ -137,7 +149,7 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.2))
     for s in rows:
         if s.layer_cos:
             ax1.plot(range(len(s.layer_cos)), s.layer_cos, marker=".", label=s.layout)
@@ -161,6 +173,17 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax2.set_title("paired loss of the readers")
     if shown:
         ax2.legend()
+    unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
+    for s in shown if unified else ():  # the trade-off: what a mode keeps against what it loses
+        est, x = s.paired.delta_f1, s.context_kv_bytes / unified
+        ax3.errorbar(x, est.mean * 100, yerr=[[(est.mean - est.low) * 100],
+                                              [(est.high - est.mean) * 100]], fmt="o", capsize=4)
+        ax3.annotate(s.layout, (x, est.mean * 100), fontsize=7, xytext=(4, 4),
+                     textcoords="offset points")
+    ax3.axhline(0, color="grey", lw=0.8)
+    ax3.set_xlabel("shared context's KV bytes, x unified")
+    ax3.set_ylabel("readers' ΔF1 vs unified (points), 95% CI")
+    ax3.set_title("quality against memory")
     fig.suptitle(textwrap.fill(title, 170), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

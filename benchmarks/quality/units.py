@@ -53,6 +53,8 @@ class Unit:
     agents: tuple[AgentResult, ...] = ()
     prefill_tokens: int = 0
     seconds: float = 0.0
+    context_kv_bytes: int = 0  # summed over rounds: the shared context's K/V, every agent on it
+    recompute_layers: tuple[int, ...] = ()  # selective recompute: the layers kept exact
 
     @property
     def name(self) -> str:
@@ -82,7 +84,7 @@ def read(path: Path) -> Unit:
     agents = tuple(AgentResult(**dict(a, tokens=tuple(a["tokens"]),
                                       layer_cos=tuple(a["layer_cos"])))
                    for a in d.pop("agents"))
-    return Unit(**d, agents=agents)
+    return Unit(**dict(d, recompute_layers=tuple(d.get("recompute_layers", ()))), agents=agents)
 
 
 def find(folder: Path, layout: str, first: int, end: int,

@@ -25,7 +25,8 @@ Exactness is a policy (``may_read``): base-side pages carry their provenance in 
 (BASE: written by the base model; ``ForwardNamespace``: from an adapter's hidden states).
 The base model reads only its own pages, in every layout; an adapter reads the base model's
 and, with ``ShareBase.CROSS_ADAPTER`` (the default), every adapter's; with ``EXACT`` only
-its own.
+its own; with ``NEUTRAL`` the base model's and its own (a neutral writer: never another
+adapter's).
 * adaptive — per session, merged (the unified rules) or split (the disaggregated rules), as
   the ``LayoutPolicy`` chooses at open. A node's form shows in its NodeKV: an adapter's
   node without a residual table is merged.
@@ -209,10 +210,17 @@ class KVCache:
         """Whether ``reader`` may read the shared K/V (base side, or full_reuse's merged
         pages) that ``writer``'s forward pass wrote: the base model reads only its own;
         an adapter reads the base model's and, under ``ShareBase.CROSS_ADAPTER``, any
-        adapter's. (Both may always read pages wholly before an aLoRA's activation point.)"""
+        adapter's (under ``NEUTRAL`` none but its own). (Both may always read pages wholly
+        before an aLoRA's activation point.)"""
         if writer == reader or writer is None and reader is not None:
             return True
         return reader is not None and self.config.share_base is ShareBase.CROSS_ADAPTER
+
+    def _takes_base_model_pages(self, namespace) -> bool:
+        """Whether a match under ``namespace`` also takes the base model's own pages: the base
+        side of a split node (or full_reuse's shared K/V) of an adapter, keyed by the forward
+        that wrote it, where the policy lets adapters read base-model K/V (``may_read``)."""
+        return isinstance(namespace, ForwardNamespace) and self.config.share_base.reads_base_model
 
     def form_of(self, kv: NodeKV, adapter: AdapterId | None) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
@@ -266,8 +274,9 @@ class KVCache:
         """Published pages for ``path``: how far the base side and the residual side reach."""
         base_key, residual_key = self._keys_of(kv, adapter, path)
         hit = self.tree.match(base_key, residual_key if kv.residual is not None else None)
-        if base_key.namespace == CROSS_ADAPTER:
-            # The base model's own pages serve every adapter that reads across adapters.
+        if self._takes_base_model_pages(base_key.namespace):
+            # The base model's own pages serve every adapter that reads across adapters, and
+            # every adapter under a neutral writer.
             exact = self.index.match(BASE, base_key.tokens, 0, base_key.salt)
             if len(exact) > len(hit.base_pages):
                 hit = DualMatch(exact, hit.residual_pages)
@@ -278,7 +287,7 @@ class KVCache:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
         each full page of ``path`` from the table's first unwritten one, the keys of the sides
         it still has to write there, and the keys whose publication would give it those sides
-        under ``match``'s rule (a CROSS_ADAPTER base side also takes the base model's pages).
+        under ``match``'s rule (an adapter's base side may also take the base model's pages).
         ``chain``: ``page_chain(path)``. Returns the first page and the two per-page lists."""
         p = self.pool.page_size
         full = len(chain)
@@ -296,7 +305,7 @@ class KVCache:
                 key = ClaimKey(tree, BASE if i < base_pages else namespace, kv.salt, chain[i])
                 wrote.add(key)
                 read.add(key)
-                if key.namespace == CROSS_ADAPTER:
+                if self._takes_base_model_pages(key.namespace):
                     read.add(ClaimKey(tree, BASE, kv.salt, chain[i]))
             writes.append(frozenset(wrote))
             reads.append(frozenset(read))

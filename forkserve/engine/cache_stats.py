@@ -8,6 +8,7 @@ be handed to any other thread and outlives the state it describes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from forkserve.adapter_key import AdapterKey
 from forkserve.backend.protocol import PageId, PageKind
@@ -44,6 +45,13 @@ class CacheStats:
         return (self.base,) if self.residual is None else (self.base, self.residual)
 
 
+class PagesInUse(NamedTuple):
+    """Pages held in each pool at one instant (``Engine.pages_in_use``)."""
+
+    base: int        # the unified pool, or the base pool when disaggregated
+    residual: int    # the residual pool (0 without one)
+
+
 @dataclass(frozen=True)
 class PublishedPage:
     """One device page of a prefix tree, keyed as the engine keys it."""
@@ -76,6 +84,11 @@ def session_pages(session: Session) -> SessionPages:
 def _pool_stats(pool: PagePool, index: PrefixIndex) -> PoolStats:
     return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_used - index.num_cache_only,
                      pool.num_free, index.num_pages)
+
+
+def pages_in_use(kv: KVCache) -> PagesInUse:
+    residual = kv.residual_pool.num_used if kv.residual_pool is not None else 0
+    return PagesInUse(kv.pool.num_used, residual)
 
 
 def cache_stats(kv: KVCache) -> CacheStats:

@@ -44,9 +44,11 @@ from forkserve.control.scorers import (
 )
 from forkserve.engine.cache_stats import (
     CacheStats,
+    PagesInUse,
     PublishedPage,
     SessionPages,
     cache_stats,
+    pages_in_use,
     published_pages,
     session_pages,
 )
@@ -431,8 +433,14 @@ class Engine:
 
     def generation(self, session_id: int) -> GenerateResult | None:
         """The session's generation so far; ``None`` while tokens are still owed. After a
-        failure (``finish_reason`` "error"), ``Session.error`` says why."""
-        session = self._session(session_id)
+        failure (``finish_reason`` "error"), ``Session.error`` says why. It does not settle a
+        step in flight (``config.overlap``): a session in that step still owes its token, so
+        the answer is ``None`` until a later tick applies it — a driver polling every session
+        each tick keeps the overlap."""
+        try:
+            session = self.sessions[session_id]
+        except (KeyError, TypeError):
+            raise UnknownSessionError(f"unknown session {session_id!r}") from None
         if session.decode_left:
             return None
         return GenerateResult(tuple(session.generated), session.finish_reason)
@@ -602,6 +610,11 @@ class Engine:
         """Pools, prefix trees, pins and host tier, copied out (the interfaces' view)."""
         self.stepper.sync()
         return cache_stats(self.kv)
+
+    def pages_in_use(self) -> PagesInUse:
+        """Pages held in each pool now, a step in flight's included. Unlike ``cache_stats`` it
+        does not settle that step (``config.overlap``): a per-tick poll that must not stall it."""
+        return pages_in_use(self.kv)
 
     def published_pages(self) -> tuple[PublishedPage, ...]:
         """Every page the prefix trees publish, copied out (replica routing summaries)."""

@@ -12,29 +12,64 @@ from __future__ import annotations
 import torch
 
 from forkserve.kernels import reference
+from forkserve.kernels.flash_op import FlashSupport, flash_support
+from forkserve.kernels.prefill_policy import (
+    PACKED_ROUTES,
+    RESIDUAL_ROUTES,
+    UNIFIED_ROUTES,
+    CostPrefillPolicy,
+    FixedPrefillPolicy,
+    PrefillAttentionPolicy,
+    PrefillCounts,
+    PrefillRoute,
+)
 from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
-    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "residual_prefill_variant",
+    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support", "FlashSupport",
+    "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy", "PrefillAttentionPolicy",
     "shared_prefix_decode", "cascade_decode", "cascade_residual_decode", "cascade_tile_agents",
     "lora_shrink", "lora_expand",
 ]
 
 
-# residual_prefill "auto": merge the pages when the context is at most this many times the new tokens.
-MERGE_CONTEXT_RATIO = 4
-
-
-def residual_prefill_variant(context_tokens: int, new_tokens: int) -> str:
-    """What ``variant="auto"`` picks for a call over ``context_tokens`` cached tokens (all
-    sequences) and ``new_tokens`` queries. Callers holding these counts on the host pass the
-    result, so no call has to read them back from the device."""
-    return "merged" if context_tokens <= MERGE_CONTEXT_RATIO * new_tokens else "fused"
+# How each packed route attends (flash_prefill's ``attention``).
+_PACKED_ATTENTION = {PrefillRoute.FLASH: "varlen", PrefillRoute.SDPA: "sdpa"}
+# What ``variant="auto"`` asks; the engine's KernelAttention holds its own policy object.
+DEFAULT_PREFILL_POLICY: PrefillAttentionPolicy = CostPrefillPolicy()
 
 
 def _triton(use_triton: bool | None, t: torch.Tensor) -> bool:
     return t.is_cuda if use_triton is None else use_triton
+
+
+def _host_counts(counts: PrefillCounts | None, seq_lens: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor) -> PrefillCounts:
+    """``counts``, or the lengths read back from the device (one sync) when the caller has none."""
+    if counts is not None:
+        return counts
+    cu = cu_seqlens_q.tolist()
+    return PrefillCounts(tuple(b - a for a, b in zip(cu, cu[1:], strict=False)), tuple(seq_lens.tolist()))
+
+
+def _host_bounds(counts: PrefillCounts | None) -> dict[str, int]:
+    """The paged kernels' launch bounds from host counts (each spares them a read-back)."""
+    return {} if counts is None else {"max_q_len": counts.max_query_len,
+                                      "max_seq_len": max(counts.seq_lens, default=0)}
+
+
+def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute], counts: PrefillCounts | None,
+           seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, q: torch.Tensor,
+           k_cache: torch.Tensor) -> PrefillRoute:
+    if variant == "auto":
+        counts = _host_counts(counts, seq_lens, cu_seqlens_q)
+        return DEFAULT_PREFILL_POLICY.route(counts, allowed is RESIDUAL_ROUTES,
+                                            flash_support(q, k_cache).varlen)
+    names = sorted(r.value for r in allowed)
+    if variant not in names:
+        raise ValueError(f"prefill variant must be 'auto' or one of {names}, got {variant!r}")
+    return PrefillRoute(variant)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,14 +86,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   scale: float | None = None, *, use_triton: bool | None = None,
+                  variant: PrefillRoute | str = "auto", counts: PrefillCounts | None = None,
                   **tuning) -> torch.Tensor:
-    """Varlen causal prefill over the unified paged cache: q ``[total_new, H, D]``."""
-    if _triton(use_triton, q):
-        from forkserve.kernels.prefill_attention import paged_prefill_triton
-        return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                    scale, **tuning)
-    return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                       scale)
+    """Varlen causal prefill over the unified paged cache: q ``[total_new, H, D]``.
+    ``variant`` (Triton only): "paged" (the Triton kernel), "flash" / "sdpa" (packed K/V, then
+    FlashAttention-2 varlen / SDPA per sequence: flash_prefill.py) or "auto"
+    (``DEFAULT_PREFILL_POLICY``). ``counts``:
+    the batch's lengths on the host, when the caller has them (else read back once where a
+    route needs them). ``tuning``: keywords of the chosen route's Triton kernel (pin the
+    variant when passing them)."""
+    if not _triton(use_triton, q):
+        return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
+                                           cu_seqlens_q, scale)
+    route = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache)
+    if route in PACKED_ROUTES:
+        from forkserve.kernels.flash_prefill import flash_prefill
+        return flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                             _host_counts(counts, seq_lens, cu_seqlens_q), scale,
+                             attention=_PACKED_ATTENTION[route], **tuning)
+    from forkserve.kernels.prefill_attention import paged_prefill_triton
+    return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                                **_host_bounds(counts), **tuning)
 
 
 def residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -81,31 +129,34 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
                      res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor, b_v_all: torch.Tensor,
                      adapter_idx: torch.Tensor, inv_freq: torch.Tensor, scale: float | None = None,
-                     *, use_triton: bool | None = None, variant: str = "auto", **tuning) -> torch.Tensor:
+                     *, use_triton: bool | None = None, variant: PrefillRoute | str = "auto",
+                     counts: PrefillCounts | None = None, **tuning) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache. ``variant``
-    (Triton only): "merged" rebuilds every used page once and runs the unified prefill
-    kernel (residual_merge.py), "fused" rebuilds key tiles inside the kernel, "auto" merges
-    when the cached context is at most MERGE_CONTEXT_RATIO times the new tokens. Merging
-    costs O(context) per call, the fused rebuild O(context x new tokens / block): on the H200
-    merging won at 8 agents x 2K-token chunks (react prefill 3.3-3.5 s vs 4.1 s) and lost at
-    32 agents x 512-token chunks of 8K contexts (30-35 s vs 20 s)."""
+    (Triton only; prefill_policy.py): "fused" rebuilds key tiles inside the paged kernel,
+    "merged" rebuilds every used page once (residual_merge.py) and runs the unified kernel,
+    "flash" / "sdpa" rebuild into packed K/V for FlashAttention-2 varlen / SDPA per sequence
+    (flash_prefill.py), "auto" asks
+    ``DEFAULT_PREFILL_POLICY``. ``counts`` and ``tuning`` as for ``paged_prefill``."""
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
     if not _triton(use_triton, q):
         return reference.residual_prefill_ref(*args)
-    if variant == "auto":
-        variant = residual_prefill_variant(int(seq_lens.sum()), q.shape[0])
-    if variant == "fused":
+    route = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base)
+    if route is PrefillRoute.FUSED:
         from forkserve.kernels.prefill_attention import residual_prefill_triton
-        return residual_prefill_triton(*args, **tuning)
-    if variant != "merged":
-        raise ValueError(f"residual_prefill variant must be 'auto', 'merged' or 'fused', got {variant!r}")
+        return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)
+    from forkserve.kernels.kv_pack import ResidualPools
+    residual = ResidualPools(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
+    counts = _host_counts(counts, seq_lens, cu_seqlens_q)
+    if route in PACKED_ROUTES:
+        from forkserve.kernels.flash_prefill import flash_prefill
+        return flash_prefill(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, counts, scale,
+                             residual, attention=_PACKED_ATTENTION[route], **tuning)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     from forkserve.kernels.residual_merge import merged_pages
-
-    k, v, tables = merged_pages(k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
-                                b_k_all, b_v_all, adapter_idx, inv_freq)
-    return paged_prefill_triton(q, k, v, tables, seq_lens, cu_seqlens_q, scale, **tuning)
+    k, v, tables = merged_pages(k_base, v_base, residual, block_tables, seq_lens, cu_seqlens_q, counts)
+    return paged_prefill_triton(q, k, v, tables, seq_lens, cu_seqlens_q, scale, **_host_bounds(counts),
+                                **tuning)
 
 
 def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from forkserve.kernels.decode_attention import decode_partials
+from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.rope_triton import rope_rows
@@ -36,6 +37,8 @@ from forkserve.kernels.split_kv import (
 )
 
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
+# Pass 1's forms (``residual_scores(form=...)``).
+SCORE_FORMS = ("rotate", "qfold")
 # Two-pass score kernel: keys as M at 64-key tiles (wgmma with the rotated tile as a register
 # operand). On the H200 (kernel_bench_issue15.json) 1.67-2.26x unified against 1.89-2.40x for
 # the 32-key default at batch >= 8, 4K-32K; 2-3% slower at batch 1 below 32K.
@@ -295,7 +298,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     rope_table: torch.Tensor, n_kv: int, max_seq_len: int, *,
                     dtype: torch.dtype | None = None, block_n: int = 32, num_warps: int = 4,
                     num_stages: int = 2, chunk: int | None = None,
-                    keys_m: bool = False) -> torch.Tensor:
+                    keys_m: bool = False, form: str = "rotate",
+                    angle_add: bool | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
@@ -308,13 +312,27 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
     transpose, no replicated warps) at 217 registers; two-pass decode's default
     (``SCORE_TUNING``), faster on the H200 at batch >= 8 (docs/KERNELS.md).
+    ``form``: ``"rotate"`` (this module's kernel: rebuild, rotate and score each key) or
+    ``"qfold"`` (residual_score_qfold.py: the queries folded into ``B_k``, cos/sin rows by
+    ``angle_add``, default True, or from the table; ``keys_m`` does not apply).
     """
+    if form not in SCORE_FORMS:
+        raise ValueError(f"residual score form must be one of {SCORE_FORMS}, got {form!r}")
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
     if dtype is None:
         dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
     span = max(max_seq_len, 1)
     bias = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device)
+    if form == "qfold":
+        if keys_m:
+            raise ValueError("keys_m is a rotate-form option; the qfold form has no rebuilt keys")
+        qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
+                     bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                     chunk=chunk, angle_add=angle_add is not False)
+        return bias
+    if angle_add is not None:
+        raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")
     if chunk is None:
         chunk = -(-span // waves_of(batch, q.device))
     chunk = max(block_n, -(-chunk // block_n) * block_n)

@@ -9,13 +9,13 @@ import torch
 VOCAB = 96
 
 
-def save_tiny_llama(root: Path) -> tuple[Path, dict[str, Path]]:
+def save_tiny_llama(root: Path, layers: int = 2) -> tuple[Path, dict[str, Path]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, initializer_range=0.2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(root / "model")

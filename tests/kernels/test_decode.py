@@ -48,13 +48,20 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
     return gen, c, b_k, b_v, adapters, inv_freq
 
 
-# (variant, extra tuning): two-pass (scores kernel + unified loop with a score bias),
-# chunked (both passes in one launch; a 32-key chunk gives several chunks per split, and
-# chunks that end mid-tile), the fused rebuild with both score forms.
+# (variant, extra tuning): two-pass (scores kernel + unified loop with a score bias; the
+# score pass in its rotate form, keys as N or M, and in the q-folded form with cos/sin by
+# angle addition or from the table), chunked (both passes in one launch; a 32-key chunk gives
+# several chunks per split, and chunks that end mid-tile), the fused rebuild with both score
+# forms. A 48-key chunk starts score programs mid-tile and mid-page.
+QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
+QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
     ("two_pass", {}),
     ("two_pass", {"score_tuning": {"block_n": 16, "chunk": 48}}),
     ("two_pass", {"score_tuning": {"block_n": 16, "keys_m": True}}),
+    ("two_pass", {"score_tuning": QFOLD_ANGLE}),
+    ("two_pass", {"score_tuning": dict(QFOLD_ANGLE, chunk=48)}),
+    ("two_pass", {"score_tuning": QFOLD_TABLE}),
     ("chunked", {"chunk": 32}),
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
@@ -82,8 +89,12 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: 
     assert rel_err(out[~with_adapter], base_only[~with_adapter]) < REL_TOL
 
 
-@pytest.mark.parametrize("variant", ["two_pass", "chunked"])
-def test_residual_decode_past_4k(variant: str) -> None:
+@pytest.mark.parametrize("variant,tuning", [
+    ("two_pass", {}), ("chunked", {}),
+    ("two_pass", {"score_tuning": {"form": "qfold"}}),
+    ("two_pass", {"score_tuning": {"form": "qfold", "angle_add": False}}),
+])
+def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
     """One adapter, keys past position 4K: RoPE of the rebuilt keys far from the table's
     first rows (angle addition in the kernels, a direct rotation in the oracle)."""
     seq_lens = [4100 + 9, 4096 + 64]
@@ -93,7 +104,42 @@ def test_residual_decode_past_4k(variant: str) -> None:
     q = _q(gen, len(seq_lens), n_heads, head_dim)
     out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                           c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
-                          variant=variant)
+                          variant=variant, **tuning)
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
     assert rel_err(out, ref) < REL_TOL
+
+
+@pytest.mark.parametrize("score_tuning", [{}, QFOLD_ANGLE, QFOLD_TABLE])
+def test_residual_decode_fp16(score_tuning: dict) -> None:
+    """Half-precision operands (the score pass rounds folded matrices, cos/sin and its
+    float16 scores): still the plain formula at half precision, every adapter kind."""
+    seq_lens, n_heads, n_kv, head_dim, rank = [37, 100, 70, 16], 8, 2, 32, 8
+    gen = torch.Generator().manual_seed(5)
+    c = make_cache(gen, seq_lens, n_kv, head_dim, rank=rank, dtype=torch.float16)
+    b_k, b_v = make_adapters(gen, 3, rank, n_kv, head_dim, dtype=torch.float16)
+    adapters = torch.tensor([0, 2, -1, 1], dtype=torch.int32, device=DEVICE)
+    inv_freq = default_inv_freq(head_dim, device=DEVICE)
+    q = _q(gen, len(seq_lens), n_heads, head_dim).to(torch.float16)
+    out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                          c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
+                          num_splits=2, block_n=16, score_tuning=score_tuning or None)
+    ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
+                       (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
+    assert rel_err(out, ref) < 5e-3  # measured 6e-4 to 8e-4 under the interpreter
+    assert rel_err(plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens), ref) > 0.2
+
+
+@pytest.mark.parametrize("score_tuning,wrong", [
+    ({"form": "rotated"}, "form"),
+    ({"form": "qfold", "keys_m": True}, "keys_m"),
+    ({"angle_add": False}, "angle_add"),
+])
+def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
+    """An unknown score form, or an option of the other form, is a clear error."""
+    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match=wrong):
+        residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                        c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
+                        score_tuning=score_tuning)

@@ -35,7 +35,7 @@ def test_tasks_are_disjoint_and_splits_never_share_documentation():
 def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     from benchmarks.quality import train, units
     from benchmarks.quality.evaluate import LAYOUTS, EvalParams, evaluate
-    from benchmarks.quality.report import write_outputs
+    from benchmarks.quality.report import summaries, write_outputs
 
     out = tmp_path / "adapters"
     args = ["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
@@ -58,7 +58,7 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     assert evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse")) == []  # resume
     said: list[str] = []
     assert evaluate(tiny, out, params, folder, cache, LAYOUTS, deadline_s=0.0, log=said.append) == []
-    assert said == ["deadline: 6 units left for the next run"]
+    assert said == [f"deadline: {2 * (len(LAYOUTS) - 2)} units left for the next run"]
     rest = evaluate(tiny, out, params, folder, cache, LAYOUTS, log=lambda m: None)
     assert len(rest) == 2 * (len(LAYOUTS) - 2)
     by = units.load(folder)
@@ -80,10 +80,12 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     # Disaggregated recomputes each reader's residual; full reuse skips the catalog entirely.
     prefill = {lay: sum(u.prefill_tokens for u in us) for lay, us in by.items()}
     assert prefill["disaggregated"] > prefill["full_reuse"]
-    if all(u.available for u in by["base_activations"]):
-        assert all(a.reused_tokens > 0 for a in units.agents_of(by["base_activations"]))
-    else:
-        assert "prefill_shared" in by["base_activations"][0].note
+    assert all(a.reused_tokens > 0 for a in units.agents_of(by["base_activations"]))
+    # Neutral writer: every agent reads the base pass's pages, and the pass is prefill too.
+    assert all(a.reused_tokens > 0 for a in units.agents_of(by["neutral"]))
+    assert prefill["neutral"] > prefill["disaggregated"]
+    # Recompute modes without a drift profile are reported, not guessed.
+    assert not by["recompute5"][0].available and "--drift" in by["recompute5"][0].note
 
     table = write_outputs(folder, "smoke")
     saved = json.loads((tmp_path / "quality_test.json").read_text())
@@ -96,6 +98,25 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     assert (tmp_path / "quality_test.png").stat().st_size > 0
     assert "| disaggregated | 2 | 8 |" in table
     assert (tmp_path / "quality_test.md").read_text().strip() == table
+
+    # Recompute: the profile's most drifting layer; every layer recomputed answers as unified.
+    from benchmarks.quality import drift, modes
+    from forkserve.control.recompute_policy import most_drifting
+
+    drift.run(tiny, out, params, tmp_path, "test", rounds=1)
+    profile_path = tmp_path / "quality_test_drift.json"
+    evaluate(tiny, out, params, folder, cache, ("recompute1", "recompute3"), log=lambda m: None,
+             drift=profile_path)
+    by = units.load(folder)
+    assert by["recompute1"][0].recompute_layers == most_drifting(modes.load_drift(profile_path), 1)
+    assert all(a.tokens == unified[a.key].tokens for a in units.agents_of(by["recompute3"]))
+    kv = {lay: sum(u.context_kv_bytes for u in us) for lay, us in by.items()}
+    assert kv["full_reuse"] < kv["disaggregated"] == kv["neutral"] < kv["recompute1"] \
+        < kv["recompute3"]
+    assert kv["disaggregated"] < kv["unified"] == k * kv["full_reuse"]
+    rows = {s.layout: s for s in summaries(by)}
+    assert rows["recompute3"].paired.identical.mean == 1.0
+    assert "recompute1" in write_outputs(folder, "smoke")
 
     # Another setting never lands among these units.
     with pytest.raises(ValueError, match="another setting"):

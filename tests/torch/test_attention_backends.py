@@ -9,6 +9,7 @@ from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, 
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.kernel_attention import KernelAttention
 from forkserve.config import KVLayout
+from forkserve.kernels import FixedPrefillPolicy, PrefillRoute
 
 
 def decode_run(backend: TorchBackend, names: list[str | None], residual: bool, steps: int = 4) -> torch.Tensor:
@@ -29,18 +30,25 @@ def decode_run(backend: TorchBackend, names: list[str | None], residual: bool, s
     return torch.stack(logits)
 
 
+@pytest.mark.parametrize("prefill", ["policy", "flash"])
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
-def test_kernel_attention_matches_eager(models, adapters, layout):
-    """Mixed adapters, prefill (merged residual variant at these lengths) and decode (two-pass).
-    ``use_triton=True`` forces the kernels on CPU too; 16-token pages, the kernels' key block."""
+def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
+    """Mixed adapters, prefill and decode (two-pass). Prefill: the default policy's route (the
+    merged residual variant at these lengths; on a GPU the flash route where the batch is
+    long enough), or the flash route forced (on CPU: the pack kernel under the interpreter,
+    SDPA per sequence). ``use_triton=True`` forces the kernels on CPU too; 16-token pages."""
     names = ["qkvo", None, "qv", "qkvo"]
     config = make_config(layout).replace(page_size=16)
+    policy = FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH) if prefill == "flash" else None
+    attention = KernelAttention(use_triton=True, prefill_policy=policy)
     eager, kernels = (
         decode_run(TorchBackend(config, models["llama"], adapters={k: adapters[k] for k in ("qkvo", "qv")},
-                                device=DEVICE, dtype=DTYPE, attention=attention, use_cuda_graphs=False),
+                                device=DEVICE, dtype=DTYPE, attention=choice, use_cuda_graphs=False),
                    names, residual=layout is KVLayout.DISAGGREGATED)
-        for attention in ("eager", KernelAttention(use_triton=True)))
+        for choice in ("eager", attention))
     assert rel_err(kernels, eager) < REL_TOL
+    if prefill == "flash":  # one prefill step: every layer took the flash route
+        assert set(attention.prefill_routes) == {"flash"}
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -19,7 +18,9 @@ import torch
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.capabilities import Capabilities
+from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.step_handle import Done, StepHandle
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (
@@ -42,25 +43,16 @@ from forkserve.backend.torch.lora import (
 )
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.pending_step import PendingStep, StepClock, StepOutput
+from forkserve.backend.torch.recompute import group_forms
 from forkserve.backend.torch.runner import ModelRunner
-from forkserve.backend.torch.sampler import Sampler, record_prompt
+from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
 from forkserve.config import ForkServeConfig, KVForm, KVLayout
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """A step's result plus the logits behind it (for tests and scoring; not part of the protocol)."""
-
-    result: StepResult
-    logits: tuple[torch.Tensor | None, ...]  # per item: [1 or len(tokens), vocab] float32, or None
-    # per item: the residual stream after each decoder layer, [len(tokens), layers, hidden]
-    # (forward(hidden_states=True) only; () otherwise)
-    hidden: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,16 +157,16 @@ class TorchBackend:
         self.max_adapters = max_adapters or max(8, len(adapters))
         self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
-                           self.max_lora_rank, device, dtype)
+                           self.max_lora_rank, device, dtype, config.recompute_layers)
         self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
         # Adapter ids are never reused, so no versions; written positions once ``track_writes``.
         self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True, remove_adapter=True,
                                          activated_lora=True, host_offload=self.host is not None,
-                                         written_positions=True)
+                                         written_positions=True, launch=True)
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated)
+            disaggregated=disaggregated, recompute=bool(config.recompute_layers))
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -233,7 +225,7 @@ class TorchBackend:
 
     def transfer_cost(self, tokens: int) -> StepCost:
         """Modeled: KV bytes of `tokens` tokens over a connector of connector_gb_per_s."""
-        per_token = sum(kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype).values())
+        per_token = sum(self.kv_bytes_per_token().values())
         return StepCost(ms=tokens * per_token / (self.connector_gb_per_s * 1e9) * 1e3)
 
     # ---- Beyond the protocol ----------------------------------------------------------------
@@ -256,6 +248,19 @@ class TorchBackend:
         were, or when writes are not tracked (``track_writes``)."""
         return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
 
+    def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None = None) -> StepHandle:
+        """Start a step over ``work`` then ``batch``'s rows and return at once: the forward,
+        the sampling and the tokens' copy to the host are queued on the device stream
+        (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
+        refuses (``validate``) returns a handle that raises the refusal."""
+        items = [*work, *batch.items()] if batch is not None and len(batch) else list(work)
+        try:
+            if len(self._form_groups(items)) > 1:  # its parts run one after the other, here
+                return Done(self.forward(items).result)
+            return self._start(items, all_logits=False, hidden_states=False)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever asks for the result
+            return Done(error=exc)
+
     def forward(self, work: Sequence[SeqWork], all_logits: bool = False,
                 hidden_states: bool = False) -> StepOutput:
         """step() plus logits: for each item, the last token's (if it samples) or every token's;
@@ -264,13 +269,28 @@ class TorchBackend:
         CUDA graphs."""
         if not work:
             return StepOutput(StepResult(()), ())
+        groups = self._form_groups(work)
+        if len(groups) > 1:
+            return _merged(work, groups, [self.forward([work[i] for i in g], all_logits, hidden_states)
+                                          for g in groups])
+        return self._start(work, all_logits, hidden_states).output()
+
+    def _form_groups(self, work: Sequence[SeqWork]) -> list[list[int]]:
+        """With recompute layers a step of adapter items and other items runs as its parts
+        (``recompute.group_forms``); one group otherwise."""
+        if not self.limits.recompute:
+            return [list(range(len(work)))]
+        return group_forms([s.form is KVForm.SPLIT and s.adapter_id is not None for s in work])
+
+    def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
+        """Validate and queue one step; nothing here waits for the device."""
         slots = {aid: r.slot for aid, r in self._resident.items()}
         validate(work, self.limits, slots)
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)
         if self.gpu_timeline is not None:
             self.gpu_timeline.start()
         run = self.runner.forward(work, slots, all_logits, hidden_states)
-        if self.gpu_timeline is not None:  # before sampling's read-back: that wait is the host's
+        if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0])
@@ -282,28 +302,20 @@ class TorchBackend:
         counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
                   for s in work]
         ends = itertools.accumulate(counts)
-        per_item = [logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True)]
+        per_item = tuple(logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True))
         if sum(counts) == len(sampling):
             last = logits  # one row per sampling item, in order (a graph's argmax matches it)
         else:
             sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
             last = torch.stack(sampled) if sampled else logits[:0]
-        for rows, s in zip(per_item, work, strict=True):
-            if s.prompt_logprobs is not None:
-                record_prompt(rows, s.tokens, s.start_pos, s.prompt_logprobs)
-        tokens = iter(self.sampler.sample(last, [s.sampling for s in sampling],
-                                          [s.start_pos + len(s.tokens) for s in sampling],
-                                          run.greedy if last is logits else None)
-                      if sampling else [])
-        next_tokens = tuple(next(tokens) if s.sampling is not None else None for s in work)
-        if self.device.type == "cuda" and not sampling:  # sampling already waited for the device
-            torch.cuda.synchronize(self.device)
-        ms = (time.perf_counter() - t0) * 1e3
-        decode = [s for s in work if s.decode]
-        prefill = [s for s in work if not s.decode]
-        cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
-                        decode_tokens=len(decode), prefill_calls=len(prefill))
-        return StepOutput(StepResult(next_tokens, cost), tuple(per_item), hidden)
+        tokens = None
+        if sampling:
+            drawn = self.sampler.draw(last, [s.sampling for s in sampling],
+                                      [s.start_pos + len(s.tokens) for s in sampling],
+                                      run.greedy if last is logits else None)
+            tokens = drawn.to("cpu", non_blocking=True) if drawn.is_cuda else drawn
+        clock.stop()
+        return PendingStep(work, per_item, hidden, sampling, last, tokens, self.sampler, clock)
 
     @property
     def cascade_attention(self) -> bool:
@@ -381,7 +393,8 @@ class TorchBackend:
         return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
-        return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype)
+        return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,
+                                  len(self.config.recompute_layers))
 
     def _install(self, name: str, adapter: LoraAdapter) -> int:
         if name in self._names:
@@ -398,3 +411,13 @@ class TorchBackend:
                                              adapter.invocation_tokens)
         self._names[name] = aid
         return aid
+
+
+def _merged(work: Sequence[SeqWork], groups: Sequence[Sequence[int]], outs: Sequence[StepOutput]) -> StepOutput:
+    """The outputs of ``work`` run as ``groups`` (``recompute.group_forms``), back in item order."""
+    at = {i: (out, j) for g, out in zip(groups, outs, strict=True) for j, i in enumerate(g)}
+    order = [at[i] for i in range(len(work))]
+    cost = sum((out.result.cost for out in outs), StepCost())
+    hidden = tuple(out.hidden[j] for out, j in order) if all(out.hidden for out in outs) else ()
+    return StepOutput(StepResult(tuple(out.result.next_tokens[j] for out, j in order), cost),
+                      tuple(out.logits[j] for out, j in order), hidden)

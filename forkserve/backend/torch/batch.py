@@ -38,6 +38,7 @@ class BatchLimits:
     num_pages: int
     num_residual_pages: int
     disaggregated: bool  # the pool keeps BASE + RESIDUAL pages (split items may run)
+    recompute: bool = False  # selective recompute layers: split items keep own K/V in some layers
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,9 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
                                    f"this layout keeps merged K/V only")
         _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
                      limits.page_size)
+    if seq.extra_residuals and limits.recompute:
+        raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot fill the "
+                               f"recompute layers' own K/V, which only the adapter's own forward computes")
     for target in seq.extra_residuals:
         if not limits.disaggregated:
             raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")

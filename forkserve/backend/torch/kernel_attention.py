@@ -1,13 +1,17 @@
 """Attention through forkserve.kernels (Triton on CUDA): the fast path behind the eager one.
 
 Same pools, same metadata, same AttentionBackend protocol as attention.EagerAttention; the
-kernels read pages in place instead of gathering them, and ResidualAttention reconstructs
-disaggregated K/V in on-chip memory. Off CUDA the kernels package runs its own eager
-references unless ``use_triton=True`` (the CPU tests run the kernels under the interpreter).
+decode kernels read pages in place instead of gathering them, and ResidualAttention
+reconstructs disaggregated K/V in on-chip memory. A prefill batch takes the route its
+``PrefillAttentionPolicy`` picks from the step's host counts (kernels/prefill_policy.py): the
+Triton paged kernels, or K/V packed per layer call (rebuilt in the residual form) and
+FlashAttention-2. Off CUDA the kernels package runs its own eager references unless
+``use_triton=True`` (the CPU tests run the kernels under the interpreter).
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -18,8 +22,14 @@ from forkserve.backend.torch.rope import Rope
 
 
 class KernelAttention:
-    def __init__(self, use_triton: bool | None = None) -> None:
+    """``prefill_routes`` counts the prefill layer calls per route taken (what the benchmarks
+    report as the path that ran); the policy itself holds no state."""
+
+    def __init__(self, use_triton: bool | None = None,
+                 prefill_policy: kernels.PrefillAttentionPolicy | None = None) -> None:
         self.use_triton = use_triton
+        self.prefill_policy = prefill_policy or kernels.CostPrefillPolicy()
+        self.prefill_routes: Counter[str] = Counter()
         self._zeros: dict[tuple, torch.Tensor] = {}
 
     def _or_zeros(self, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -63,14 +73,23 @@ class KernelAttention:
             else:
                 out = kernels.paged_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, scale,
                                            use_triton=self.use_triton, **tuning)
-        elif residual:
+        else:
+            out = self._prefill(q, kv, b_k, b_v, meta, rope, scale, residual)
+        return out.reshape(q.shape[0], -1)
+
+    def _prefill(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None, b_v: torch.Tensor | None,
+                 meta: AttentionMetadata, rope: Rope, scale: float, residual: bool) -> torch.Tensor:
+        counts = kernels.PrefillCounts(meta.query_lens_host, meta.seq_lens_host)
+        triton = q.is_cuda if self.use_triton is None else self.use_triton
+        route = self.prefill_policy.route(counts, residual, triton and kernels.flash_support(q, kv.k).varlen)
+        # Off the Triton path the kernels package runs its eager reference whatever the route.
+        self.prefill_routes[route.value if triton else "reference"] += 1
+        if residual:
             ref = b_k if b_k is not None else b_v
-            out = kernels.residual_prefill(
+            return kernels.residual_prefill(
                 q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables, meta.seq_lens,
                 meta.query_starts, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
                 meta.seq_slot.to(torch.int32), rope.inv_freq, scale, use_triton=self.use_triton,
-                variant=kernels.residual_prefill_variant(sum(meta.seq_lens_host), q.shape[0]))
-        else:
-            out = kernels.paged_prefill(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, meta.query_starts,
-                                        scale, use_triton=self.use_triton)
-        return out.reshape(q.shape[0], -1)
+                variant=route, counts=counts)
+        return kernels.paged_prefill(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, meta.query_starts, scale,
+                                     use_triton=self.use_triton, variant=route, counts=counts)

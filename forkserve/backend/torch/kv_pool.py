@@ -4,6 +4,9 @@ Shared layout contract (forkserve/kernels plugs in behind it):
   unified / full_reuse:  k, v        [layers, pages + 1, P, n_kv_heads, head_dim], K with RoPE
   disaggregated:         k, v        base pages, same shape: RoPE(x W_k (+b)) and x W_v
                          k_res, v_res [layers, residual_pages + 1, P, r_max]: x A_k, x A_v, no RoPE
+                         k_own, v_own [recompute layers, residual_pages + 1, P, n_kv_heads, head_dim]:
+                           selective recompute (``config.recompute_layers``): in those layers a
+                           split item's own merged K/V (K with RoPE), beside its residual page
 Page ids are the control plane's; the one extra page at index `pages` is a scratch page
 that padded rows of a CUDA-graph batch write into, so real pages are never touched by padding.
 full_reuse stores exactly what unified stores; only the control plane's sharing differs.
@@ -25,12 +28,14 @@ def page_kinds(layout: KVLayout) -> tuple[PageKind, ...]:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, layout: KVLayout, lora_rank: int,
-                       dtype: torch.dtype) -> dict[PageKind, int]:
-    """Bytes one token occupies in each page kind, over all layers, K and V."""
+                       dtype: torch.dtype, recompute_layers: int = 0) -> dict[PageKind, int]:
+    """Bytes one token occupies in each page kind, over all layers, K and V (a residual page
+    also holds full K/V in each of the ``recompute_layers``)."""
     item = torch.empty((), dtype=dtype).element_size()
     full = 2 * cfg.num_layers * cfg.kv_size * item
     if layout.has_residual_pool:
-        return {PageKind.BASE: full, PageKind.RESIDUAL: 2 * cfg.num_layers * lora_rank * item}
+        own = 2 * recompute_layers * cfg.kv_size * item
+        return {PageKind.BASE: full, PageKind.RESIDUAL: 2 * cfg.num_layers * lora_rank * item + own}
     return {PageKind.UNIFIED: full}
 
 
@@ -62,7 +67,8 @@ class LayerKV:
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, layout: KVLayout, page_size: int, num_pages: int,
-                 num_residual_pages: int, lora_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+                 num_residual_pages: int, lora_rank: int, device: torch.device, dtype: torch.dtype,
+                 recompute_layers: Sequence[int] = ()) -> None:
         self.layout, self.page_size = layout, page_size
         self.num_pages, self.num_residual_pages = num_pages, num_residual_pages
         self.lora_rank = lora_rank
@@ -75,6 +81,20 @@ class KVPool:
             res_shape = (cfg.num_layers, num_residual_pages + 1, page_size, lora_rank)
             self.k_res = torch.zeros(res_shape, device=device, dtype=dtype)
             self.v_res = torch.zeros(res_shape, device=device, dtype=dtype)
+        # Selective recompute: layer -> its row of k_own / v_own (empty: every layer shared).
+        self.own_layers = {n: i for i, n in enumerate(recompute_layers)}
+        self.k_own: torch.Tensor | None = None
+        self.v_own: torch.Tensor | None = None
+        if self.own_layers:
+            if not layout.has_residual_pool:
+                raise ValueError("recompute layers live in residual pages: the layout has none")
+            bad = [n for n in recompute_layers if not 0 <= n < cfg.num_layers]
+            if bad:
+                raise ValueError(f"recompute layers {bad} outside the model's {cfg.num_layers} layers")
+            own_shape = (len(recompute_layers), num_residual_pages + 1, page_size, cfg.num_kv_heads,
+                         cfg.head_dim)
+            self.k_own = torch.zeros(own_shape, device=device, dtype=dtype)
+            self.v_own = torch.zeros(own_shape, device=device, dtype=dtype)
 
     @property
     def scratch_page(self) -> int:
@@ -92,6 +112,12 @@ class KVPool:
                        None if self.k_res is None else self.k_res[n],
                        None if self.v_res is None else self.v_res[n])
 
+    def own_layer(self, n: int) -> LayerKV | None:
+        """Layer ``n``'s own-K/V store, indexed by residual page id, if ``n`` is recomputed:
+        split items attend over it as unified items attend over their pages."""
+        i = self.own_layers.get(n)
+        return None if i is None else LayerKV(self.k_own[i], self.v_own[i])
+
     def tensors_of(self, kind: PageKind) -> tuple[torch.Tensor, torch.Tensor]:
         if kind not in page_kinds(self.layout):
             raise ValueError(f"page kind {kind.value!r} is not stored by the {self.layout.value} layout")
@@ -99,18 +125,22 @@ class KVPool:
             return self.k_res, self.v_res
         return self.k, self.v
 
+    def _stored(self, kind: PageKind) -> tuple[torch.Tensor, ...]:
+        """Every tensor indexed by ``kind``'s page ids (dim 1): what a page holds."""
+        own = (self.k_own, self.v_own) if kind is PageKind.RESIDUAL and self.k_own is not None else ()
+        return (*self.tensors_of(kind), *own)
+
     def bytes_per_page(self, kind: PageKind) -> int:
         """Measured from the allocation (scratch page excluded)."""
-        k, v = self.tensors_of(kind)
-        return (k.nbytes + v.nbytes) // k.shape[1]
+        return sum(t.nbytes // t.shape[1] for t in self._stored(kind))
 
     def copy(self, kind: PageKind, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
-        k, v = self.tensors_of(kind)
-        device = k.device
+        stored = self._stored(kind)
+        device = stored[0].device
         src = torch.tensor([s for s, _ in pairs], device=device)
         dst = torch.tensor([d for _, d in pairs], device=device)
         # Gather first, then scatter: a chain (a->b, b->c) copies the old b, as sequential copies would not.
-        for t in (k, v):
+        for t in stored:
             t[:, dst] = t[:, src]

@@ -4,7 +4,8 @@ One function serves every layout: for split items (the disaggregated layout, and
 sessions of the adaptive one) the k/v LoRA deltas are not added to K/V; their rank-r inputs
 (x A_k, x A_v) go to the residual pool instead and the attention backend reconstructs K/V
 on read. A batch is split when its metadata carries residual tables; merged items inside
-it (``kv_merge_mask``) still get their delta. q/o/MLP LoRA apply normally everywhere.
+it (``kv_merge_mask``) still get their delta. q/o/MLP LoRA apply normally everywhere. In a
+selective-recompute layer (``recompute.py``) split items run as merged ones over their own store.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from forkserve.backend.torch.fused import Fusions
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.lora import LoraStack
 from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.recompute import own_view
 from forkserve.backend.torch.rope import Rope
 from forkserve.backend.torch.weights import ModelWeights
 
@@ -62,13 +64,16 @@ class CausalLM:
         split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         for n, layer in enumerate(w.layers):
+            # Selective recompute: in this layer the (all split) items keep merged K/V of their own.
+            own = pool.own_layer(n) if split else None
+            layer_split = split and own is None
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             res: dict[str, torch.Tensor] = {}
             if lora is not None and "qkv" in lora.groups:
                 shrunk = lora.shrink(n, "qkv", h, mask)
                 for t in lora.groups["qkv"]:
                     part = lora.part("qkv", t, shrunk)
-                    if split and t in ("k", "v"):
+                    if layer_split and t in ("k", "v"):
                         res[t] = lora.collapse(part)
                         if meta.kv_merge_mask is not None:
                             lora.expand_(n, t, part * meta.kv_merge_mask,
@@ -81,10 +86,14 @@ class CausalLM:
             qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
-            b_k = lora.b_stack(n, "k") if lora is not None and split else None
-            b_v = lora.b_stack(n, "v") if lora is not None and split else None
-            attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"), pool.layer(n),
-                                          b_k, b_v, meta, self.rope)
+            b_k = lora.b_stack(n, "k") if lora is not None and layer_split else None
+            b_v = lora.b_stack(n, "v") if lora is not None and layer_split else None
+            if own is None:
+                attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"), pool.layer(n),
+                                              b_k, b_v, meta, self.rope)
+            else:
+                attn = self.attention.forward(q, k, v, None, None, own, None, None, own_view(meta),
+                                              self.rope)
             o = F.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:
                 lora.expand_(n, "o", lora.shrink(n, "o", attn, mask), o)

@@ -81,30 +81,41 @@ class Sampler:
                greedy: torch.Tensor | None = None) -> list[int]:
         """logits [N, vocab] float32; positions: the position each sampled token will take;
         greedy: logits.argmax(-1) when already computed (inside a CUDA graph)."""
-        raw = logits
+        tokens = self.draw(logits, params, positions, greedy).tolist()
+        self.accept(logits, params, positions, tokens)
+        return tokens
+
+    def draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+             greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled tokens as a device tensor [N], queued behind ``logits`` without waiting
+        for the device: the host reads them back when it needs them (``TorchBackend.launch``).
+        Grammar masks and penalties read host state the previous step's ``accept`` wrote."""
         if not all(p.plain for p in params):
             logits = self._adjust(logits, params, positions)
             greedy = None  # the graph's argmax saw the unadjusted logits
         if all(p.temperature == 0.0 for p in params):
-            out = greedy if greedy is not None else logits.argmax(dim=-1)
-        else:
-            out = logits.argmax(dim=-1)
-            for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
-                if p.temperature == 0.0:
-                    continue
-                probs = top_p_filter(torch.softmax(logits[row] / p.temperature, dim=-1), p.top_p)
-                if p.seed is None:
-                    gen = self._unseeded
-                else:
-                    gen = torch.Generator(device=logits.device).manual_seed((p.seed * _MIX + pos) % (1 << 63))
-                out[row] = torch.multinomial(probs, 1, generator=gen)[0]
-        tokens = out.tolist()
+            return greedy if greedy is not None else logits.argmax(dim=-1)
+        out = logits.argmax(dim=-1)
+        for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
+            if p.temperature == 0.0:
+                continue
+            probs = top_p_filter(torch.softmax(logits[row] / p.temperature, dim=-1), p.top_p)
+            if p.seed is None:
+                gen = self._unseeded
+            else:
+                gen = torch.Generator(device=logits.device).manual_seed((p.seed * _MIX + pos) % (1 << 63))
+            out[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        return out
+
+    def accept(self, raw: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+               tokens: Sequence[int]) -> None:
+        """The host's half of sampling, once ``draw``'s tokens are read back: grammars advance
+        past them and log-probabilities (of ``raw``, the model's own logits) are recorded."""
         for row, (p, pos, token) in enumerate(zip(params, positions, tokens, strict=True)):
             if p.constraint is not None:
                 p.constraint.accept(token, pos)
             if p.log is not None:
                 self._record(raw[row], p, pos, token)
-        return tokens
 
     def _adjust(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 positions: Sequence[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from forkserve.bench.multilora.report import FailedRun, format_table, plot
+from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.workload import (
     SYSTEMS,
@@ -61,6 +61,9 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
                     help="shared-prefix (cascade) attention of the backend; both: each W runs "
                          "twice")
+    ap.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["off"],
+                    help="the engine's overlap (config.overlap: the next decode step is planned "
+                         "while the device runs this one); both: each W runs twice")
     ap.add_argument("--gpu-timeline", action="store_true",
                     help="record the device's idle time between decode steps (GpuTimeline; "
                          "the gpu_idle_share column)")
@@ -130,7 +133,7 @@ def _run_all(args: argparse.Namespace, device: torch.device,
 
     top = max(args.workflows)
     total = (sum(params(w).turns_run * w for w in args.workflows) * len(args.systems)
-             * args.repeat * len(args.cascade))
+             * args.repeat * len(args.cascade) * len(args.overlap))
     with tqdm(total=total, desc=f"{args.workload} agent turns", unit="turn") as bar:
         for system in args.systems:
             bar.set_postfix_str(f"{system}: building the backend")
@@ -144,18 +147,23 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                                               + args.turns * (args.gen + full.observation))
             if args.gpu_timeline:
                 backend.record_gpu_timeline()
-            for w, cascade in ((w, c == "on") for w in args.workflows for c in args.cascade):
+            for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows
+                                        for c in args.cascade for o in args.overlap):
                 backend.cascade_attention = cascade
-                off = "" if cascade else " (cascade off)"
+                # The Engine of each run reads its config from the backend.
+                backend.config = backend.config.replace(overlap=overlap)
+                off = variant(cascade, overlap)
                 bar.set_postfix_str(f"{system} W={w}{off}")
                 try:
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
-                    results.append(replace(_median(runs), cascade=cascade, commit=commit))
+                    results.append(replace(_median(runs), cascade=cascade, overlap=overlap,
+                                           commit=commit))
                     bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}"
                               f"{_extras(results[-1])}")
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
-                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade))
+                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade,
+                                            overlap))
                     bar.write(failed[-1].line())
                 save()
             del backend

@@ -86,11 +86,10 @@ class Driver:
             self.decode_only_ticks += 1
         if m.decode_tokens > before:
             self.decode_ticks += 1
-        cache = self.engine.cache_stats()
-        used = cache.base.used * self.base_bytes
-        if cache.residual is not None:
-            used += cache.residual.used * self.res_bytes
-        self.peak_bytes = max(self.peak_bytes, used)
+        # Not cache_stats(): it settles a step in flight, which would undo the overlap measured.
+        used = self.engine.pages_in_use()
+        self.peak_bytes = max(self.peak_bytes,
+                              used.base * self.base_bytes + used.residual * self.res_bytes)
         return did
 
     def _needs(self, flow: Workflow) -> dict[str, int]:

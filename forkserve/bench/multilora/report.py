@@ -15,19 +15,27 @@ class FailedRun:
     workflows: int
     error: str          # "ExceptionType: message"
     cascade: bool = True
+    overlap: bool = False
 
     def line(self) -> str:
-        off = "" if self.cascade else " (cascade off)"
-        return f"FAILED {self.system} W={self.workflows}{off}: {self.error}"
+        how = variant(self.cascade, self.overlap)
+        return f"FAILED {self.system} W={self.workflows}{how}: {self.error}"
+
+
+def variant(cascade: bool, overlap: bool) -> str:
+    """How a run's engine differed from the default (cascade on, overlap off), for labels."""
+    return ("" if cascade else " (cascade off)") + (" (overlap)" if overlap else "")
 
 
 def format_table(results: list[RunResult], workload: str) -> str:
-    head = (f"{'system':<18} {'cascade':>7} {'W':>3} {'tasks/s':>8} {'p50 s':>6} {'p99 s':>6} "
+    head = (f"{'system':<18} {'cascade':>7} {'overlap':>7} {'W':>3} {'tasks/s':>8} {'p50 s':>6} "
+            f"{'p99 s':>6} "
             f"{'peak GiB':>8} {'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} {'batch':>5} "
             f"{'prefill s':>9} {'decode s':>8} {'ms/step':>7}")
     lines = [f"{workload}-multilora", head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.system:<18} {'on' if r.cascade else 'off':>7} {r.workflows:>3} "
+        lines.append(f"{r.system:<18} {'on' if r.cascade else 'off':>7} "
+                     f"{'on' if r.overlap else 'off':>7} {r.workflows:>3} "
                      f"{r.tasks_per_s:>8.3f} "
                      f"{r.turn_latency_p50_s:>6.2f} {r.turn_latency_p99_s:>6.2f} "
                      f"{r.peak_kv_bytes / 2**30:>8.2f} {r.per_agent_kv_bytes / 2**20:>9.1f} "
@@ -44,11 +52,13 @@ def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload
     above the plot, never left out silently."""
     fig, (tput, kv) = new_figure(2, width=11, height=4.6)
     for i, system in enumerate(SYSTEMS):
-        for cascade in (True, False):  # cascade off (if run) dashed, in the system's color
-            rows = [r for r in results if r.system == system and r.cascade == cascade]
+        # Variants (cascade off, overlap on: if run) in the system's color, each its own style.
+        for k, how in enumerate(((True, False), (False, False), (True, True), (False, True))):
+            cascade, overlap = how
+            rows = [r for r in results if r.system == system and (r.cascade, r.overlap) == how]
             if rows:
-                label = system + ("" if cascade else " (cascade off)")
-                style = "o-" if cascade else "x--"
+                label = system + variant(cascade, overlap)
+                style = ("o-", "x--", "s:", "d-.")[k]
                 ws = [r.workflows for r in rows]
                 tput.plot(ws, [r.tasks_per_s for r in rows], style, color=f"C{i}", label=label)
                 kv.plot(ws, [r.per_agent_kv_bytes / 2**20 for r in rows], style, color=f"C{i}",

@@ -71,6 +71,7 @@ class RunResult:
     notes: tuple = ()
     decode_ms_per_step: float = 0.0  # mean wall time of a decode-only tick
     cascade: bool = True             # the backend's shared-prefix (cascade) attention
+    overlap: bool = False            # the engine planned each decode step behind the last one
     commit: str = ""                 # the source measured (bench/provenance.py)
     # Device idle between consecutive decode steps over their device time (GpuTimeline);
     # None where the backend records no timeline.

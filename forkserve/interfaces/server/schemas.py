@@ -368,7 +368,7 @@ class ModelCard(_Frozen):
     root: str
     parent: str | None = None
     # ForkServe's own (docs/SERVER.md): the sampling defaults, and who may read base-side
-    # K/V an adapter wrote (config.ShareBase: "cross_adapter" or "exact").
+    # K/V an adapter wrote (config.ShareBase: "cross_adapter", "exact" or "neutral").
     sampling_defaults: SamplingDefaultsCard
     share_base: str
 

@@ -1,0 +1,154 @@
+"""Which prefill attention runs a varlen batch: the one place that decides it.
+
+Routes (``PrefillRoute``):
+
+* ``PAGED``: the Triton kernel over the unified paged cache (prefill_attention.py);
+* ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
+* ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
+* ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
+  packed buffer, then FlashAttention-2's varlen op through torch (flash_prefill.py);
+* ``SDPA``: the same packed buffer attended per sequence by torch's public SDPA, which picks
+  its own backend (cuDNN on Hopper with torch >= 2.11's bundled cuDNN, else flash).
+
+The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
+and whether the flash op takes these inputs (``flash_prefill.flash_support``), so deciding
+never reads the device. A policy is a small strategy object: the engine's ``KernelAttention``
+holds one, the benchmark and the tests pin a route with ``FixedPrefillPolicy``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+
+class PrefillRoute(str, Enum):
+    PAGED = "paged"
+    FUSED = "fused"
+    MERGED = "merged"
+    FLASH = "flash"
+    SDPA = "sdpa"
+
+
+PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
+UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED}) | PACKED_ROUTES
+RESIDUAL_ROUTES = frozenset({PrefillRoute.FUSED, PrefillRoute.MERGED}) | PACKED_ROUTES
+
+
+@dataclass(frozen=True)
+class PrefillCounts:
+    """Host copies of a varlen batch's lengths: new tokens and all keys (cached + new) per
+    sequence, in batch order."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens) != len(self.seq_lens):
+            raise ValueError(f"{len(self.query_lens)} query lengths for "
+                             f"{len(self.seq_lens)} sequences")
+        if any(q < 0 or q > s for q, s in self._pairs()):
+            raise ValueError(f"query lengths {self.query_lens} must lie in 0 .. the sequence's "
+                             f"length {self.seq_lens}")
+
+    def _pairs(self) -> zip:
+        return zip(self.query_lens, self.seq_lens, strict=True)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def context_tokens(self) -> int:
+        """Keys of every sequence, including those with no new token."""
+        return sum(self.seq_lens)
+
+    @property
+    def packed_keys(self) -> int:
+        """Rows of the flash route's packed K/V: the keys of sequences with new tokens."""
+        return sum(s for q, s in self._pairs() if q)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
+    def max_packed_len(self) -> int:
+        return max((s for q, s in self._pairs() if q), default=0)
+
+    @property
+    def all_cold(self) -> bool:
+        """Every sequence with new tokens prefills from position 0 (square causal attention)."""
+        return all(q == s for q, s in self._pairs() if q)
+
+    @property
+    def causal_pairs(self) -> int:
+        """(query, key) pairs the causal mask keeps: query j of a chunk of q over s keys sees
+        s - q + j + 1 of them."""
+        return sum(q * (s - q) + q * (q + 1) // 2 for q, s in self._pairs())
+
+
+class PrefillAttentionPolicy(Protocol):
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+        """The route for a batch; ``residual``: the disaggregated form (K/V rebuilt from base
+        and residual); ``flash``: the flash op takes this batch's inputs (device, dtype, head
+        dim, GQA group)."""
+
+
+@dataclass(frozen=True)
+class CostPrefillPolicy:
+    """Packed K/V when the attention work pays for the gather: the packed routes read and
+    write every packed key once more before the attention reads it again, an O(keys) cost,
+    against the library kernels' speed over our Triton kernel on the O(pairs) attention. So a
+    packed route when ``causal_pairs / packed_keys`` reaches the threshold and the buffer
+    stays under ``max_packed_keys`` rows (transient, per layer): ``SDPA`` when every sequence
+    is a cold prefill and ``sdpa_for_cold`` (torch's SDPA then runs square causal attention
+    with its preferred backend, cuDNN on the H200), ``FLASH`` (varlen, bottom-right causal)
+    otherwise. Else the Triton kernels, with the residual form's merge-or-fuse rule measured
+    on the H200 (react-multilora, docs/KERNELS.md): merge when the context is at most
+    ``merge_context_ratio`` times the new tokens.
+
+    The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
+    against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
+    because its alternative, the fused kernel, is itself 2.3x slower than unified. The
+    kernel benchmark's chunked cases are where they get measured.
+    """
+
+    flash_min_pairs_per_key: float = 128.0
+    residual_flash_min_pairs_per_key: float = 32.0
+    max_packed_keys: int = 1 << 19
+    merge_context_ratio: float = 4.0
+    sdpa_for_cold: bool = True
+
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+        if flash and 0 < counts.packed_keys <= self.max_packed_keys:
+            threshold = (self.residual_flash_min_pairs_per_key if residual
+                         else self.flash_min_pairs_per_key)
+            if counts.causal_pairs >= threshold * counts.packed_keys:
+                cold = self.sdpa_for_cold and counts.all_cold
+                return PrefillRoute.SDPA if cold else PrefillRoute.FLASH
+        if not residual:
+            return PrefillRoute.PAGED
+        if counts.context_tokens <= self.merge_context_ratio * counts.new_tokens:
+            return PrefillRoute.MERGED
+        return PrefillRoute.FUSED
+
+
+@dataclass(frozen=True)
+class FixedPrefillPolicy:
+    """One route for every batch of its form (benchmarks, tests). FLASH runs even where the
+    flash op refuses the inputs: it then attends per sequence through SDPA."""
+
+    unified: PrefillRoute = PrefillRoute.PAGED
+    residual: PrefillRoute = PrefillRoute.FUSED
+
+    def __post_init__(self) -> None:
+        if self.unified not in UNIFIED_ROUTES:
+            raise ValueError(f"unified prefill route must be one of {sorted(UNIFIED_ROUTES)}, "
+                             f"got {self.unified}")
+        if self.residual not in RESIDUAL_ROUTES:
+            raise ValueError(f"residual prefill route must be one of {sorted(RESIDUAL_ROUTES)}, "
+                             f"got {self.residual}")
+
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+        return self.residual if residual else self.unified

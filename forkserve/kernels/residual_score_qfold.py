@@ -1,0 +1,145 @@
+"""The q-folded residual score pass of two-pass ResidualAttention decode (``form="qfold"``).
+
+Same output as ``residual_scores``'s rotate form: ``Bias[b, h, n] = q[b, h] . RoPE_n(K_res[n] B_k)``
+for every key ``n`` of a sequence with an adapter. The rotate form up-projects each key
+(``K_res[n] B_k``, ``r x D`` multiply-adds per key and KV head), rotates it elementwise and
+multiplies it with a query tile padded from the GQA group (4) to 16 rows. Here the query is
+folded into ``B_k`` once per program instead, because RoPE is a rotation of each frequency
+pair ``(i, i + D/2)``:
+
+    q . RoPE_n(u) = sum_i cos_n[i] (q_lo u_lo + q_hi u_hi)[i] + sin_n[i] (q_hi u_lo - q_lo u_hi)[i]
+
+and ``u = K_res[n] B_k`` is linear in ``K_res[n]``, so with, for every query row ``g`` of the
+group and rank column ``k``,
+
+    Fc[i, (g, k)] = q_lo[g, i] B_lo[k, i] + q_hi[g, i] B_hi[k, i]
+    Fs[i, (g, k)] = q_hi[g, i] B_lo[k, i] - q_lo[g, i] B_hi[k, i]
+
+a key tile's scores are ``W = cos_n @ Fc + sin_n @ Fs`` (``[keys, G * r]``, two dense
+tensor-core products with K = D/2, nothing padded but G to a power of two) followed by the
+contraction ``score[n, g] = sum_k K_res[n, k] W[n, (g, k)]``. No per-key rotation, no
+rotate-half, no transpose of a rebuilt key. It does ``D x G x r`` multiply-adds per key and KV
+head, about twice the rotate form's padded products, as two well-shaped products instead of
+four small ones and the elementwise rotation between them.
+
+Where a tile's cos/sin come from (``ANGLE_ADD``):
+
+* False: the rows at the keys' absolute positions, read from the float32 table (rope.py):
+  ``2 x D/2 x 4`` bytes per key and KV head program (from L2; the table is shared by all
+  sequences);
+* True: angle addition moved onto the folded matrices. ``cos_{n0+j} Fc + sin_{n0+j} Fs =
+  cos_j (cos_n0 Fc + sin_n0 Fs) + sin_j (cos_n0 Fs - sin_n0 Fc)``: the program holds the
+  rows ``j < BLOCK_N`` for the whole loop and rotates ``Fc, Fs`` by the tile start's one row
+  (``D/2 x G r`` pairs per tile, no per-key table read).
+
+Grid ``(batch, n_kv, chunks)``; ``Fc, Fs`` live for the whole program. Output buffers are the
+caller's (``residual_scores``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from forkserve.kernels.residual_triton import residual_offsets
+from forkserve.kernels.rope_triton import rope_row, rope_rows
+from forkserve.kernels.split_kv import waves_of
+
+
+@triton.jit
+def _qfold_score_kernel(
+    Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias,
+    rank, chunk_len,
+    stride_qb, stride_qh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
+    stride_sb, stride_sh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+    ANGLE_ADD: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    COLS: tl.constexpr = BLOCK_G * RANK
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    chunk = tl.program_id(2)
+    adapter = tl.load(AdapterIdx + b)
+    a_safe = tl.maximum(adapter, 0)
+    start = chunk * chunk_len
+    stop = tl.minimum(start + chunk_len, tl.load(SeqLens + b))
+    stop = tl.where(adapter >= 0, stop, start)  # no adapter: pass 2 never reads the bias
+
+    # The group's queries folded into B_k: column (g, k) = query row g, rank column k.
+    i = tl.arange(0, HALF)[:, None]
+    col = tl.arange(0, COLS)[None, :]
+    g = col // RANK
+    k = col % RANK
+    q_ptr = Q + b * stride_qb + (kvh * GROUP + g) * stride_qh + i
+    q_lo = tl.load(q_ptr, mask=g < GROUP, other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + HALF, mask=g < GROUP, other=0.0).to(tl.float32)
+    b_ptr = BK + a_safe * stride_ba + k * stride_br + kvh * HEAD_DIM + i
+    b_lo = tl.load(b_ptr, mask=k < rank, other=0.0).to(tl.float32)
+    b_hi = tl.load(b_ptr + HALF, mask=k < rank, other=0.0).to(tl.float32)
+    fold_c = q_lo * b_lo + q_hi * b_hi
+    fold_s = q_hi * b_lo - q_lo * b_hi
+    dt = Q.dtype.element_ty
+    if ANGLE_ADD:
+        cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
+        cos_j = cos_j.to(dt)
+        sin_j = sin_j.to(dt)
+    else:
+        fc = fold_c.to(dt)
+        fs = fold_s.to(dt)
+
+    r = tl.arange(0, RANK)
+    d_lo = tl.arange(0, HALF)
+    rows = tl.arange(0, BLOCK_G)
+    s_ptr = Bias + b * stride_sb + (kvh * GROUP + rows)[None, :] * stride_sh
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp,
+                                 stride_rs, PAGE_SIZE)
+        kr = tl.load(KR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :],
+                     other=0.0)
+        if ANGLE_ADD:
+            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
+            wc = fold_c * cos_b[:, None] + fold_s * sin_b[:, None]
+            ws = fold_s * cos_b[:, None] - fold_c * sin_b[:, None]
+            w = tl.dot(cos_j, wc.to(dt))
+            w = tl.dot(sin_j, ws.to(dt), w)
+        else:
+            t_row = RopeTable + offs_n[:, None] * (2 * HALF) + d_lo[None, :]
+            cos = tl.load(t_row, mask=n_ok[:, None], other=0.0).to(dt)
+            sin = tl.load(t_row + HALF, mask=n_ok[:, None], other=0.0).to(dt)
+            w = tl.dot(cos, fc)
+            w = tl.dot(sin, fs, w)
+        # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
+        sc = tl.sum(tl.reshape(w, [BLOCK_N, BLOCK_G, RANK]) * kr.to(tl.float32)[:, None, :], 2)
+        tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),
+                 mask=n_ok[:, None] & (rows < GROUP)[None, :])
+
+
+def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
+                 rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, *, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 2, chunk: int | None = None,
+                 angle_add: bool = True) -> None:
+    """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
+    docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
+    (default: about two waves of ``batch x n_kv`` programs)."""
+    batch, n_heads, head_dim = q.shape
+    span = bias.shape[2]
+    if chunk is None:
+        chunk = -(-span // waves_of(batch * n_kv, q.device))
+    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    group = n_heads // n_kv
+    rank = b_k_all.shape[1]
+    _qfold_score_kernel[(batch, n_kv, -(-span // chunk))](
+        q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, bias,
+        rank, chunk,
+        q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
+        b_k_all.stride(0), b_k_all.stride(1), res_block_tables.stride(0),
+        bias.stride(0), bias.stride(1),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
+        ANGLE_ADD=angle_add, num_warps=num_warps, num_stages=num_stages,
+    )
