@@ -42,7 +42,7 @@ from forkserve.backend.torch.model_config import ModelConfig, llama3_8b_config  
 from forkserve.backend.torch.rope import RopeConfig  # noqa: E402
 from forkserve.backend.torch.weights import random_weights  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
-from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
+from forkserve.config import ForkServeConfig, KVForm, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}  # anchors.md
@@ -113,7 +113,8 @@ class Bench:
         first = seq * self.pages_per_seq
         pages = tuple(range(first, first + -(-(start + len(tokens)) // PAGE)))
         res = pages if self.disaggregated and adapter is not None else None
-        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY, decode=decode)
+        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY, decode=decode,
+                       form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int, warmup: int = 3) -> dict:
         gen = torch.Generator().manual_seed(batch)

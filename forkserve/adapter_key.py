@@ -1,13 +1,13 @@
 """An adapter's identity below the interfaces: its ``AdapterId`` and its ``AdapterKey``.
 
 A client names an adapter (the ``model`` of a request; ``ServedModel.adapters`` maps names
-to ids). The Engine resolves a name to the backend's ``AdapterId`` (TorchBackend and
-VllmBackend number resident adapters with ints; MockBackend keeps what it was given), and
-sessions, nodes and ``SeqWork`` carry that id. The prefix index spells the id as a string in
-its ``AdapterNamespace``; that spelling is an ``AdapterKey``: what ``PublishedPage.adapter``
-holds and what the Ray routing stats map back to names. ``adapter_key`` is the interfaces'
-one way to make one; control/dual_radix_tree.py still writes ``str(id)`` itself (the control
-plane's adapter types move with issue 14's protocol change).
+to ids). The Engine's verbs take a name or an id and resolve it to the backend's
+``AdapterId`` (TorchBackend and VllmBackend number resident adapters with ints; MockBackend
+keeps what it was given); from there down one type: sessions, nodes, ``SeqWork``,
+``ResidualTarget``, ``DecodeBatch`` and ``ResidualKey`` carry that id. The prefix index
+spells it as a string in its ``AdapterNamespace``; that spelling is an ``AdapterKey``
+(``adapter_key``, the one way to make one): what ``PublishedPage.adapter`` holds and what the
+Ray routing stats map back to names.
 """
 from __future__ import annotations
 

@@ -19,6 +19,15 @@ class AdmitMode(str, enum.Enum):
     ALPHA = "alpha"    # keep while the cumulative score mass is below alpha
 
 
+class KVForm(str, enum.Enum):
+    """How one session's K/V is stored. The control plane decides it per session at open
+    (``control/layout_policy.py``; the pages are written in it, so it holds for life) and
+    hands it to the backend with every item (``SeqWork.form``)."""
+
+    MERGED = "merged"  # one table of merged K/V (keyed under the adapter where it differs)
+    SPLIT = "split"    # a shared base table + this adapter's residual table
+
+
 class KVLayout(str, enum.Enum):
     """How K/V pages are stored (seed 001)."""
 
@@ -30,9 +39,22 @@ class KVLayout(str, enum.Enum):
     ADAPTIVE = "adaptive"
 
     @property
+    def forms(self) -> tuple[KVForm, ...]:
+        """The forms this layout's sessions take (more than one: chosen per session)."""
+        return _LAYOUT_FORMS[self]
+
+    @property
     def has_residual_pool(self) -> bool:
         """Whether the layout keeps a BASE and a RESIDUAL pool (else one UNIFIED pool)."""
-        return self in (KVLayout.DISAGGREGATED, KVLayout.ADAPTIVE)
+        return KVForm.SPLIT in self.forms
+
+
+_LAYOUT_FORMS = {
+    KVLayout.UNIFIED: (KVForm.MERGED,),
+    KVLayout.DISAGGREGATED: (KVForm.SPLIT,),
+    KVLayout.FULL_REUSE: (KVForm.MERGED,),
+    KVLayout.ADAPTIVE: (KVForm.MERGED, KVForm.SPLIT),
+}
 
 
 class ShareBase(str, enum.Enum):

@@ -23,7 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
+from forkserve.config import KVForm
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class DecodeBatch:
     pages: tuple[Sequence[PageId], ...]            # UNIFIED or BASE pages, position order
     # RESIDUAL pages per row (None for a row without them: merged K/V or no adapter).
     residual_pages: tuple[Sequence[PageId] | None, ...]
-    adapter_ids: tuple[int | str | None, ...]
+    forms: tuple[KVForm, ...]        # ``SeqWork.form`` of each row
+    adapter_ids: tuple[AdapterId | None, ...]
     adapter_starts: np.ndarray     # ``SeqWork.adapter_start`` of each row (int64, as positions)
     sampling: tuple[SamplingParams, ...]
     # Cascade attention groups, numbered with the ``SeqWork`` items of the same step.
@@ -56,10 +59,11 @@ class DecodeBatch:
     def items(self) -> list[SeqWork]:
         """The same rows as ``SeqWork`` items (for backends that take only those)."""
         return [SeqWork(seq, (token,), pos, KVSlots(_ids(pages), _ids(residual)), adapter, sampling,
-                        decode=True, adapter_start=start, shared_prefix=shared)
-                for seq, token, pos, pages, residual, adapter, start, sampling, shared
+                        decode=True, form=form, adapter_start=start, shared_prefix=shared)
+                for seq, token, pos, pages, residual, form, adapter, start, sampling, shared
                 in zip(self.seq_ids, self.tokens, self.positions.tolist(), self.pages,
-                       self.residual_pages, self.adapter_ids, self.adapter_starts.tolist(),
+                       self.residual_pages, self.forms, self.adapter_ids,
+                       self.adapter_starts.tolist(),
                        self.sampling, self.shared_prefix, strict=True)]
 
 

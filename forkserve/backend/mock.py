@@ -8,10 +8,11 @@ changes the sampled tokens or trips a check, and "committed output equals a run 
 prefilled only committed tokens" is a real test. Reading a slot nobody wrote raises.
 Costs come from ``CostModel`` (modeled ms, not a GPU trace).
 
-Layouts: unified pages hold (token, adapter); full_reuse pages hold the token alone
-(shared across adapters by design); disaggregated base pages hold the token and residual
-pages hold (token, adapter). Adaptive: an adapter's item without residual pages is merged
-and its base pages hold (token, adapter); with residual pages it is disaggregated's.
+Forms (``SeqWork.form``, the control plane's decision, never re-derived here): merged K/V
+pages (UNIFIED, or BASE in the adaptive layout) hold (token, adapter); a split item's BASE
+pages hold the token and its RESIDUAL pages (token, adapter). The layout decides only the
+page kinds and one exception: full_reuse's merged pages hold the token alone (shared across
+adapters by design).
 
 Activated LoRA (``invocations``): positions before an item's ``adapter_start`` are stored
 as the base model's (adapter code 0, in residual pages too: a zero residual; in merged
@@ -34,7 +35,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.byte_tokenizer import ByteTokenizer
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.cost_model import CostModel
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import (
@@ -45,9 +48,10 @@ from forkserve.backend.protocol import (
     SeqWork,
     StepCost,
     StepResult,
+    form_conflict,
 )
 from forkserve.backend.step_handle import Deferred
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVForm, KVLayout
 from forkserve.errors import UnknownAdapterError
 
 _UNWRITTEN = -1
@@ -55,7 +59,7 @@ _HASH_MOD = (1 << 61) - 1
 _ADAPTER_SPACE = 1 << 20
 
 
-def _adapter_code(adapter: int | str | None, version: int = 0) -> int:
+def _adapter_code(adapter: AdapterId | None, version: int = 0) -> int:
     if adapter is None:
         return 0
     # Version 0 keeps the plain name, so values written before versions existed are unchanged.
@@ -64,10 +68,15 @@ def _adapter_code(adapter: int | str | None, version: int = 0) -> int:
 
 
 class MockBackend:
+    # Every optional part but names: the ids it is given are its ids.
+    capabilities = Capabilities(knows_adapter=True, remove_adapter=True, adapter_versions=True,
+                                activated_lora=True, host_offload=True, written_positions=True,
+                                columns=True, launch=True)
+
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
-                 invocations: Mapping[int | str, Sequence[int]] | None = None,
-                 adapters: Iterable[int | str] | None = None,
-                 adapter_versions: Mapping[int | str, int] | None = None) -> None:
+                 invocations: Mapping[AdapterId, Sequence[int]] | None = None,
+                 adapters: Iterable[AdapterId] | None = None,
+                 adapter_versions: Mapping[AdapterId, int] | None = None) -> None:
         """``adapters``: the resident adapters (``remove_adapter`` / ``add_adapter`` change
         them); None accepts any adapter id. ``adapter_versions``: each adapter's current
         version (default 0; ``reload_adapter`` bumps it). ``fault``: tests set it to a
@@ -81,6 +90,10 @@ class MockBackend:
         self.fault: Callable[[SeqWork], Exception | None] | None = None
         self.cost_model = cost_model or CostModel()
         self.tokenizer = ByteTokenizer()
+        # full_reuse shares merged K/V across adapters by design: stored as the base model's,
+        # so another adapter reads what it would have written (the loss is the quality
+        # benchmark's to measure, not the mock's).
+        self._merged_is_shared = self.config.kv_layout is KVLayout.FULL_REUSE
         p = self.config.page_size
         self._kv = {kind: np.full((self._num_pages(kind), p), _UNWRITTEN, dtype=np.int64)
                     for kind in self.page_kinds()}
@@ -99,14 +112,14 @@ class MockBackend:
         for src, dst in pairs:
             kv[dst] = kv[src]
 
-    def knows_adapter(self, adapter: int | str) -> bool:
+    def knows_adapter(self, adapter: AdapterId) -> bool:
         return self._adapters is None or adapter in self._adapters
 
-    def add_adapter(self, adapter: int | str) -> None:
+    def add_adapter(self, adapter: AdapterId) -> None:
         if self._adapters is not None:
             self._adapters.add(adapter)
 
-    def remove_adapter(self, adapter: int | str) -> None:
+    def remove_adapter(self, adapter: AdapterId) -> None:
         if self._adapters is None or adapter not in self._adapters:
             raise UnknownAdapterError(f"adapter {adapter!r} is not resident")
         self._adapters.remove(adapter)
@@ -116,15 +129,15 @@ class MockBackend:
         unwritten = np.flatnonzero(self.kv_values(kind, pages, length) == _UNWRITTEN)
         return int(unwritten[0]) if len(unwritten) else None
 
-    def adapter_invocation(self, adapter: int | str) -> tuple[int, ...] | None:
+    def adapter_invocation(self, adapter: AdapterId) -> tuple[int, ...] | None:
         """An activated LoRA's invocation tokens (None for a plain adapter)."""
         return self._invocations.get(adapter)
 
-    def adapter_version(self, adapter: int | str) -> int:
+    def adapter_version(self, adapter: AdapterId) -> int:
         """Which load of ``adapter`` is current: 0 until ``reload_adapter`` moves it."""
         return self._versions.get(adapter, 0)
 
-    def reload_adapter(self, adapter: int | str) -> int:
+    def reload_adapter(self, adapter: AdapterId) -> int:
         """New weights under the same id (a hot-swapped adapter); returns the new version.
         Only meaningful while no session holds the old version's K/V."""
         self._versions[adapter] = self.adapter_version(adapter) + 1
@@ -166,14 +179,13 @@ class MockBackend:
         """What host slot ``slot`` holds (tests read this)."""
         return self._host[slot]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, merged: bool = False,
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, form: KVForm = KVForm.MERGED,
                         adapter_start: int = 0, start_pos: int = 0, version: int | None = None) -> np.ndarray:
-        """What ``tokens`` at positions ``start_pos..`` store; base-model values before
-        ``adapter_start``. ``merged``: an adaptive-layout item without residual pages (merged
-        K/V in BASE pages). ``version``: the adapter's (None: its current one)."""
+        """What ``tokens`` at positions ``start_pos..`` store in ``kind`` pages of K/V in
+        ``form``; base-model values before ``adapter_start``. ``version``: the adapter's
+        (None: its current one)."""
         code = 0
-        if kind is PageKind.RESIDUAL or merged or (kind is PageKind.UNIFIED
-                                                   and self.config.kv_layout is KVLayout.UNIFIED):
+        if kind is PageKind.RESIDUAL or (form is KVForm.MERGED and not self._merged_is_shared):
             code = self._code(adapter, version)
         positions = np.arange(start_pos, start_pos + len(tokens))
         return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
@@ -197,6 +209,7 @@ class MockBackend:
             if item.adapter_id is not None and not self.knows_adapter(item.adapter_id):
                 raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not resident",
                                           seq_ids=(item.seq_id,))
+            self._check_form(item.seq_id, item.form, item.adapter_id, item.slots.residual_pages)
             injected = self.fault(item) if self.fault is not None else None
             if injected is not None:
                 raise injected
@@ -204,25 +217,27 @@ class MockBackend:
             for target in item.extra_residuals:
                 start = item.adapter_start if target.adapter_id == item.adapter_id else 0
                 self._write(PageKind.RESIDUAL, item.seq_id, item.tokens, item.start_pos, start,
-                            target.residual_pages, target.adapter_id)
+                            target.residual_pages, target.adapter_id, KVForm.SPLIT)
             if item.decode:
                 decode_tokens += len(item.tokens)
             else:
                 calls += 1
                 prefill_tokens += len(item.tokens)
-            next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots,
+            next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots, item.form,
                                          item.adapter_id, item.adapter_start, item.sampling,
                                          item.write_base, item.write_residual))
             if item.sampling is not None:
                 context_read += item.start_pos + len(item.tokens)
         rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions.tolist(),
-                                            batch.pages, batch.residual_pages, batch.adapter_ids,
-                                            batch.adapter_starts.tolist(), batch.sampling, strict=True)
-        for seq, token, pos, pages, residual, adapter, start, sampling in rows:
+                                            batch.pages, batch.residual_pages, batch.forms,
+                                            batch.adapter_ids, batch.adapter_starts.tolist(),
+                                            batch.sampling, strict=True)
+        for seq, token, pos, pages, residual, form, adapter, start, sampling in rows:
             if adapter is not None and not self.knows_adapter(adapter):
                 raise UnknownAdapterError(f"seq {seq}: adapter {adapter!r} is not resident",
                                           seq_ids=(seq,))
-            next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), adapter,
+            self._check_form(seq, form, adapter, residual)
+            next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), form, adapter,
                                          start, sampling, True, True))
             decode_tokens += 1
             context_read += pos + 1
@@ -230,18 +245,24 @@ class MockBackend:
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _run(self, seq: int, tokens: Sequence[int], start_pos: int, slots: KVSlots, adapter,
+    def _check_form(self, seq: int, form: KVForm, adapter, residual: Sequence[PageId] | None) -> None:
+        """An item whose pages contradict its form is a control-plane bug: it trips a check."""
+        conflict = form_conflict(seq, form, adapter, residual is not None)
+        if conflict is None and residual is not None and PageKind.RESIDUAL not in self._kv:
+            conflict = f"seq {seq}: the split form needs a residual pool; this layout has none"
+        if conflict is not None:
+            raise AssertionError(conflict)
+
+    def _run(self, seq: int, tokens: Sequence[int], start_pos: int, slots: KVSlots, form: KVForm, adapter,
              adapter_start: int, sampling, write_base: bool, write_residual: bool) -> int | None:
         """Write one item's K/V and sample its next token (None when it does not sample)."""
         base_kind = self.page_kinds()[0]
         sides = [(base_kind, slots.pages, write_base)]
         if slots.residual_pages is not None:
             sides.append((PageKind.RESIDUAL, slots.residual_pages, write_residual))
-        merged = (self.config.kv_layout is KVLayout.ADAPTIVE and adapter is not None
-                  and slots.residual_pages is None)
         for kind, pages, write in sides:
             if write:
-                self._write(kind, seq, tokens, start_pos, adapter_start, pages, adapter, merged)
+                self._write(kind, seq, tokens, start_pos, adapter_start, pages, adapter, form)
         if sampling is None:
             return None
         length = start_pos + len(tokens)
@@ -255,14 +276,14 @@ class MockBackend:
         return self._next_token(context, adapter if adapted else None)
 
     def _write(self, kind: PageKind, seq: int, tokens: Sequence[int], start_pos: int,
-               adapter_start: int, pages: Sequence[PageId], adapter, merged: bool = False) -> None:
+               adapter_start: int, pages: Sequence[PageId], adapter, form: KVForm) -> None:
         p = self.config.page_size
         pages = np.asarray(pages, dtype=np.int64)
         positions = np.arange(start_pos, start_pos + len(tokens))
         if len(positions) and positions[-1] // p >= len(pages):
             raise ValueError(f"seq {seq}: {kind.value} pages cover {len(pages) * p} "
                              f"tokens, write reaches position {positions[-1]}")
-        values = self.expected_values(kind, tokens, adapter, merged, adapter_start, start_pos)
+        values = self.expected_values(kind, tokens, adapter, form, adapter_start, start_pos)
         self._kv[kind][pages[positions // p], positions % p] = values
 
     def _read(self, kind: PageKind, seq: int, adapter, adapter_start: int, pages: Sequence[PageId],

@@ -18,7 +18,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
-from forkserve.config import ForkServeConfig
+from forkserve.adapter_key import AdapterId
+from forkserve.backend.capabilities import Capabilities
+from forkserve.config import ForkServeConfig, KVForm
 
 PageId = int
 HostSlotId = int  # a slot of the host (CPU) tier; owned by the control plane's ``HostTier``
@@ -134,9 +136,9 @@ GREEDY = SamplingParams()
 class KVSlots:
     """Where one sequence's KV lives: page ids, in position order.
 
-    ``pages`` are UNIFIED pages, or BASE pages in the disaggregated layout.
-    ``residual_pages`` are the adapter's RESIDUAL pages (disaggregated layout with an
-    adapter); ``None`` otherwise.
+    ``pages`` are UNIFIED pages, or BASE pages in a layout with a residual pool.
+    ``residual_pages`` are the adapter's RESIDUAL pages of an item in the split form;
+    ``None`` otherwise (merged K/V, or the base model).
     """
 
     pages: tuple[PageId, ...]
@@ -148,7 +150,7 @@ class ResidualTarget:
     """Another adapter whose residual (x A_k, x A_v) an item writes from the item's own
     activations: one base-model pass fills every agent's residual (``base_activations``)."""
 
-    adapter_id: int | str
+    adapter_id: AdapterId
     residual_pages: tuple[PageId, ...]
 
 
@@ -183,7 +185,7 @@ class SeqWork:
     tokens: tuple[int, ...]
     start_pos: int
     slots: KVSlots
-    adapter_id: int | None = None
+    adapter_id: AdapterId | None = None
     sampling: SamplingParams | None = None  # None: write KV only (no logits needed)
     speculative: bool = False
     # True for a decode step (the token was sampled by the model), False for prefill of
@@ -194,6 +196,13 @@ class SeqWork:
     # never rewritten: those pages may be shared.
     write_base: bool = True
     write_residual: bool = True
+    # How this session's K/V is stored, decided once by the control plane (``KVForm``):
+    # MERGED, the adapter's K/V delta is in ``slots.pages``; SPLIT, ``slots.pages`` hold the
+    # base model's K/V and ``slots.residual_pages`` the adapter's residual, rebuilt on read.
+    # A backend takes it as given (the form is never re-derived from the pages or the
+    # layout) and refuses an item whose pages contradict it. The base model's K/V (no
+    # adapter) is the same in both forms.
+    form: KVForm = KVForm.MERGED
     # Disaggregated layout, prefill only: residuals of other adapters to write from this
     # item's activations at the same positions.
     extra_residuals: tuple[ResidualTarget, ...] = ()
@@ -208,6 +217,20 @@ class SeqWork:
     shared_prefix: SharedPrefix | None = None
     # Prompt log-probabilities (a prefill chunk of a prompt that asked for them; None: none).
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def form_conflict(seq_id: int, form: KVForm, adapter_id: AdapterId | None,
+                  has_residual: bool) -> str | None:
+    """Why an item's pages (``has_residual``: it names residual pages) contradict its
+    ``form`` (None when they agree). Every backend refuses such an item (or steady-decode
+    row) with this reason before it writes anything; past that check, residual pages are
+    named exactly by an adapter's items in the split form."""
+    if form is KVForm.SPLIT and adapter_id is not None and not has_residual:
+        return f"seq {seq_id}: the split form of adapter {adapter_id!r} needs residual pages"
+    if has_residual and (form is KVForm.MERGED or adapter_id is None):
+        return (f"seq {seq_id}: residual pages belong to an adapter's item in the split form, "
+                f"not to {form.value} K/V of adapter {adapter_id!r}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -238,6 +261,9 @@ class StepResult:
 @runtime_checkable
 class Backend(Protocol):
     config: ForkServeConfig
+    # Which optional methods (adapter names and versions, aLoRA, host tier, written
+    # positions, columns, launch) it has; read instead of probing (``capabilities.py``).
+    capabilities: Capabilities
 
     def page_kinds(self) -> tuple[PageKind, ...]:
         """The page kinds this backend stores (one ``PagePool`` each on the control side)."""
@@ -251,28 +277,19 @@ class Backend(Protocol):
     def transfer_cost(self, tokens: int) -> StepCost:
         """Cost of moving ``tokens`` worth of KV over the prefill->decode connector."""
 
-    # Optional: ``step_batched(work, batch: DecodeBatch) -> StepResult`` reads the steady-decode
-    # rows as columns (``decode_batch.py``); ``launch(work, batch) -> StepHandle`` starts a step
-    # and returns at once (``step_handle.py``). Without them the rows arrive as ``SeqWork``
-    # items of a synchronous ``step``.
-    # Optional: ``knows_adapter(adapter_id) -> bool``. Where present, the Engine rejects an
-    # unknown adapter at the verb (a clear error, no state change) instead of at the step.
-    # Optional: ``adapter_invocation(adapter_id) -> tuple[int, ...] | None``: an activated
-    # LoRA's invocation tokens (None for a plain adapter). Without it every adapter is plain.
-
 
 @runtime_checkable
 class HostOffload(Protocol):
-    """Optional capability: a host (CPU) store of ``config.host_residual_pages`` slots for
-    RESIDUAL pages, so the control plane can park an evicted page there and bring it back
-    instead of recomputing it.
+    """Optional capability (``Capabilities.host_offload``): a host (CPU) store of
+    ``config.host_residual_pages`` slots for RESIDUAL pages, so the control plane can park an
+    evicted page there and bring it back instead of recomputing it.
 
     Slot ids, like page ids, belong to the control plane (``control/host_tier.HostTier``):
     the backend stores what it is told and never allocates or frees a slot. After
     ``offload_pages`` the device page is free (the control plane reuses it at once); after
     ``restore_pages`` the slot is free. Both copy synchronously with respect to later steps
     and later calls. Other kinds, or ids out of range, raise before anything is copied.
-    A backend without these methods keeps the old rule: eviction drops the page.
+    A backend without this capability keeps the old rule: eviction drops the page.
     """
 
     def offload_pages(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:

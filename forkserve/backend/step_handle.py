@@ -1,11 +1,12 @@
 """Launching a step and reading it back: ``launch_step(backend, work, batch) -> StepHandle``.
 
-A backend with ``launch(work, batch)`` starts the step and returns at once (TorchBackend:
-the forward is queued on the device stream; MockBackend: the step runs when its result is
-asked for); ``StepHandle.result()`` blocks until the sampled tokens are on the host and
-raises whatever the step raised. Any other backend runs the step inside ``launch_step``
-(``step_batched`` where it has one, else ``step`` over ``[*work, *batch.items()]``) and the
-handle only holds the result: the control plane speaks one form to both.
+A backend with ``launch(work, batch)`` (``Capabilities.launch``) starts the step and returns
+at once (TorchBackend: the forward is queued on the device stream; MockBackend: the step runs
+when its result is asked for); ``StepHandle.result()`` blocks until the sampled tokens are on
+the host and raises whatever the step raised. Any other backend runs the step inside
+``launch_step`` (``step_batched`` where ``Capabilities.columns`` says it has one, else
+``step`` over ``[*work, *batch.items()]``) and the handle only holds the result: the control
+plane speaks one form to both.
 
 Ownership: the handle belongs to the control plane from launch to ``result()``, which is
 asked exactly once. Until then the step's pages are the step's: the control plane may
@@ -41,9 +42,8 @@ class Done:
 
 def launch_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepHandle:
     """Start one backend step over ``work`` then ``batch``'s rows."""
-    launch = getattr(backend, "launch", None)
-    if launch is not None:
-        return launch(work, batch)
+    if backend.capabilities.launch:
+        return backend.launch(work, batch)
     try:
         return Done(run_step(backend, work, batch))
     except Exception as exc:  # noqa: BLE001 - handed to whoever asks for the result
@@ -54,9 +54,8 @@ def run_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | Non
     """One synchronous step: one sampled token per item, then per row."""
     if batch is None or not len(batch):
         return backend.step(work)
-    step_batched = getattr(backend, "step_batched", None)
-    if step_batched is not None:
-        return step_batched(work, batch)
+    if backend.capabilities.columns:
+        return backend.step_batched(work, batch)
     return backend.step([*work, *batch.items()])
 
 

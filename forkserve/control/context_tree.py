@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from forkserve.adapter_key import AdapterId
 from forkserve.control.activation import ActivationScan
 from forkserve.control.cascade import Decision
 from forkserve.control.node_kv import NodeKV
@@ -42,7 +43,7 @@ class Node:
     start: int
     table: NodeKV | None
     state: NodeState
-    adapter: str | None = None
+    adapter: AdapterId | None = None
     children: list["Node"] = field(default_factory=list)
     child_index: int = 0
     # Bumped whenever this node's tokens change; queued speculative work on a child

@@ -3,7 +3,8 @@
 * The base tree indexes BASE (or UNIFIED) pages by ``BaseKey(tokens)`` — under the
   adapter's namespace in the unified layout, where merged K/V depends on the adapter.
 * The residual tree indexes RESIDUAL pages by ``ResidualKey(adapter_id, adapter_version,
-  tokens)``: a key of adapter A never matches adapter B, nor A after it was reloaded.
+  tokens)``: a key of adapter A never matches adapter B, nor A after it was reloaded. Its
+  namespace spells the backend's ``AdapterId`` as the index's ``AdapterKey``.
 
 An activated LoRA's keys carry its activation point (``adapter_start``) in the adapter
 namespace, and ``base_pages``: its leading pages wholly before that point, keyed under BASE
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from forkserve.adapter_key import AdapterId, adapter_key
 from forkserve.backend.protocol import PageId
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
@@ -49,7 +51,7 @@ class BaseKey(NamedTuple):
 class ResidualKey(NamedTuple):
     """A residual-side key (a NamedTuple: built on every publish and match)."""
 
-    adapter_id: int | str
+    adapter_id: AdapterId
     adapter_version: int
     tokens: Sequence[int]  # a tuple; publish's keys: a PathPrefix view, used at once
     adapter_start: int | None = 0  # see AdapterNamespace
@@ -58,7 +60,7 @@ class ResidualKey(NamedTuple):
 
     @property
     def namespace(self) -> AdapterNamespace:
-        return AdapterNamespace(str(self.adapter_id), self.adapter_version, self.adapter_start)
+        return AdapterNamespace(adapter_key(self.adapter_id), self.adapter_version, self.adapter_start)
 
 
 class DualCursor(NamedTuple):

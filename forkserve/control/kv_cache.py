@@ -47,13 +47,14 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import HostOffload, PageKind
-from forkserve.config import ForkServeConfig, KVLayout, ShareBase
+from forkserve.config import ForkServeConfig, KVForm, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.host_tier import HostTier
 from forkserve.control.inflight import ClaimKey
-from forkserve.control.layout_policy import KVForm, LayoutPolicy, LayoutSignals, policy_for
+from forkserve.control.layout_policy import LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
@@ -69,10 +70,11 @@ from forkserve.control.prefix_index import (
     PrefixIndex,
 )
 from forkserve.control.retention import BaseRetention
+from forkserve.control.shared_kv import SharedKV
 from forkserve.errors import OutOfPagesError
 
-AdapterVersion = Callable[[object], int]
-AdapterInvocation = Callable[[object], Sequence[int] | None]
+AdapterVersion = Callable[[AdapterId], int]
+AdapterInvocation = Callable[[AdapterId], Sequence[int] | None]
 
 
 class KVCache:
@@ -104,7 +106,7 @@ class KVCache:
         self._adapter_version = adapter_version or (lambda adapter: 0)
         self._adapter_invocation = adapter_invocation or (lambda adapter: None)
         # Per adapter id, looked up once: ids are never reused for another adapter.
-        self._invocations: dict[object, Invocation | None] = {}
+        self._invocations: dict[AdapterId, Invocation | None] = {}
         self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
 
     @property
@@ -122,7 +124,7 @@ class KVCache:
         return self.index if pool is self.pool else self.residual_index
 
     # ------------------------------------------------------- activated LoRA
-    def invocation(self, adapter) -> Invocation | None:
+    def invocation(self, adapter: AdapterId | None) -> Invocation | None:
         """The adapter's aLoRA invocation; None for the base model and plain adapters."""
         if adapter is None:
             return None
@@ -131,13 +133,13 @@ class KVCache:
             self._invocations[adapter] = Invocation(tuple(tokens)) if tokens is not None else None
         return self._invocations[adapter]
 
-    def adapter_start(self, kv: NodeKV, adapter) -> int | None:
+    def adapter_start(self, kv: NodeKV, adapter: AdapterId | None) -> int | None:
         """Where ``adapter`` applies on this table's K/V (None: nowhere, base-model K/V)."""
         if adapter is None:
             return None
         return kv.adapter_start if self.invocation(adapter) is not None else 0
 
-    def path_start(self, adapter, tokens: Sequence[int]) -> int | None:
+    def path_start(self, adapter: AdapterId | None, tokens: Sequence[int]) -> int | None:
         """``adapter``'s activation point on a whole path (before any table is written):
         0 for a plain adapter, the last invocation's start for an aLoRA."""
         invocation = self.invocation(adapter)
@@ -159,7 +161,7 @@ class KVCache:
         return True
 
     # ------------------------------------------------------------ tables
-    def choose_form(self, adapter, tokens: Sequence[int], pending_pages: int,
+    def choose_form(self, adapter: AdapterId | None, tokens: Sequence[int], pending_pages: int,
                     salt: CacheSalt = UNSALTED) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
         queued prompts will still take from the base pool."""
@@ -174,13 +176,15 @@ class KVCache:
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
 
-    def new_kv(self, adapter, form: KVForm, salt: CacheSalt = UNSALTED) -> NodeKV:
+    def new_kv(self, adapter: AdapterId | None, form: KVForm,
+               salt: CacheSalt = UNSALTED) -> NodeKV:
         residual = None
         if form is KVForm.SPLIT and self.residual_pool is not None and adapter is not None:
             residual = PageTable(self.residual_pool)
         return NodeKV(PageTable(self.pool), residual, self._fresh_start(adapter), salt)
 
-    def fork_kv(self, parent: NodeKV, parent_adapter, adapter) -> NodeKV:
+    def fork_kv(self, parent: NodeKV, parent_adapter: AdapterId | None,
+                adapter: AdapterId | None) -> NodeKV:
         """Same adapter: alias everything. Another adapter: what the layout (for the adaptive
         layout, the parent's form) lets it share — a split parent its base pages, a merged
         parent nothing (the child starts merged too: no residual exists to split into). An
@@ -220,19 +224,19 @@ class KVCache:
         that wrote it, where the policy lets adapters read base-model K/V (``may_read``)."""
         return isinstance(namespace, ForwardNamespace) and self.config.share_base.reads_base_model
 
-    def form_of(self, kv: NodeKV, adapter) -> KVForm:
+    def form_of(self, kv: NodeKV, adapter: AdapterId | None) -> KVForm:
         """A node's form: split if it has a residual table, or is the base model's in a
         layout with a residual pool (its K/V is the base every split node shares)."""
         if kv.residual is not None or (adapter is None and self._residual_layout):
             return KVForm.SPLIT
         return KVForm.MERGED
 
-    def _fresh_start(self, adapter) -> int | None:
+    def _fresh_start(self, adapter: AdapterId | None) -> int | None:
         """An empty table's point: a plain adapter applies from 0, an aLoRA from nowhere yet."""
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
+    def keys(self, adapter: AdapterId | None, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
              salt: CacheSalt = UNSALTED) -> tuple[BaseKey, ResidualKey | None]:
         """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
         ``adapter_start`` (see ``AdapterNamespace``), within the trust boundary ``salt`` (both
@@ -262,12 +266,13 @@ class KVCache:
             else ForwardNamespace(residual.namespace)
         return BaseKey(tokens, writer, base_pages, salt), residual
 
-    def _keys_of(self, kv: NodeKV, adapter, path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
+    def _keys_of(self, kv: NodeKV, adapter: AdapterId | None,
+                 path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
         """The keys a table's pages are matched and published under: its form, its
         activation point and its salt, all read off the table."""
         return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter), kv.salt)
 
-    def match(self, kv: NodeKV, adapter, path: Sequence[int]) -> DualMatch:
+    def match(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
         base_key, residual_key = self._keys_of(kv, adapter, path)
         hit = self.tree.match(base_key, residual_key if kv.residual is not None else None)
@@ -279,7 +284,7 @@ class KVCache:
                 hit = DualMatch(exact, hit.residual_pages)
         return hit
 
-    def page_claims(self, kv: NodeKV, adapter, path: Sequence[int], chain: Sequence[int]
+    def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], chain: Sequence[int]
                     ) -> tuple[int, tuple[frozenset[ClaimKey], ...], tuple[frozenset[ClaimKey], ...]]:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
         each full page of ``path`` from the table's first unwritten one, the keys of the sides
@@ -308,7 +313,7 @@ class KVCache:
             reads.append(frozenset(read))
         return first, tuple(writes), tuple(reads)
 
-    def publish(self, kv: NodeKV, adapter, path_of: Callable[[], Sequence[int]],
+    def publish(self, kv: NodeKV, adapter: AdapterId | None, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:
         """Publish the full pages of each side of a committed table (the sides may reach
         different lengths). ``published``/``cursor`` come from the previous call for the same
@@ -332,7 +337,37 @@ class KVCache:
                                   residual_pages, cursor)
         return (base_full, res_full), cursor
 
-    def pin_published(self, kv: NodeKV, adapter, path: Sequence[int], now: float) -> None:
+    # ------------------------------------------- shared context (base_activations)
+    def shared_kv(self, tokens: Sequence[int], adapters: Sequence[AdapterId]) -> SharedKV:
+        """Tables for one base-model pass over ``tokens`` that writes the base model's K/V and
+        each of ``adapters``' residual (plain adapters, full pages): each holds the leading
+        pages published on every side, so only the rest is computed."""
+        base_key, keys = self._shared_keys(tokens, adapters)
+        hits = [self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages, base_key.salt)]
+        hits += [self.residual_index.match(k.namespace, k.tokens, k.base_pages, k.salt) for k in keys]
+        common = min(len(h) for h in hits)
+        shared = SharedKV(PageTable(self.pool), {a: PageTable(self.residual_pool) for a in adapters})
+        for table, pages in zip(shared.tables(), hits, strict=True):
+            table.attach(pages[:common], common * self.pool.page_size)
+        return shared
+
+    def publish_shared(self, shared: SharedKV, tokens: Sequence[int]) -> None:
+        """Publish a written shared context: the base pages as the base model's, each residual
+        under the key a split session of its adapter matches."""
+        full = len(tokens) // self.pool.page_size
+        base_key, keys = self._shared_keys(tokens, list(shared.residuals))
+        self.tree.insert(base_key, shared.base.pages[:full])
+        for key, table in zip(keys, shared.residuals.values(), strict=True):
+            self.residual_index.insert(key.namespace, key.tokens, table.pages[:full], None,
+                                       key.base_pages, key.salt)
+
+    def _shared_keys(self, tokens: Sequence[int], adapters: Sequence[AdapterId]
+                     ) -> tuple[BaseKey, list[ResidualKey]]:
+        tokens = tuple(tokens)
+        base_key = self.keys(None, tokens, KVForm.SPLIT)[0]
+        return base_key, [self.keys(a, tokens, KVForm.SPLIT, self._fresh_start(a))[1] for a in adapters]
+
+    def pin_published(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], now: float) -> None:
         """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
         base_key, _ = self._keys_of(kv, adapter, path)
         self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,

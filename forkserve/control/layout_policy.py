@@ -12,16 +12,10 @@ adapter inherit it; see ``KVCache.fork_kv`` for forks to another adapter.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from forkserve.config import KVLayout
-
-
-class KVForm(str, enum.Enum):
-    MERGED = "merged"  # one table of merged K/V (keyed under the adapter where it differs)
-    SPLIT = "split"    # a shared base table + this adapter's residual table
+from forkserve.config import KVForm, KVLayout
 
 
 @dataclass(frozen=True)
@@ -69,6 +63,7 @@ class PressurePolicy:
 
 
 def policy_for(layout: KVLayout, high_water: float) -> LayoutPolicy:
-    if layout is KVLayout.ADAPTIVE:
+    """A layout of one form takes it everywhere; one that serves both chooses by pressure."""
+    if len(layout.forms) > 1:
         return PressurePolicy(high_water)
-    return FixedForm(KVForm.SPLIT if layout is KVLayout.DISAGGREGATED else KVForm.MERGED)
+    return FixedForm(layout.forms[0])

@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Sequence
 
+from forkserve.adapter_key import AdapterKey
 from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
@@ -50,7 +51,7 @@ class AdapterNamespace:
     """Pages whose contents depend on one adapter version, applied from ``adapter_start``
     (0: a plain LoRA; an aLoRA's activation point; None: an aLoRA not invoked on the path)."""
 
-    adapter_id: str
+    adapter: AdapterKey
     adapter_version: int = 0
     adapter_start: int | None = 0
 

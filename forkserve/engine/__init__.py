@@ -1,7 +1,7 @@
 """L3: the Engine and its verbs. ``MockBackend`` is re-exported for the seed's quickstart."""
 from forkserve.backend.mock import MockBackend
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
-from forkserve.engine.cache_stats import CacheStats, PoolStats, PublishedPage
+from forkserve.engine.cache_stats import CacheStats, PoolStats, PublishedPage, SessionPages
 from forkserve.engine.engine import Engine
 from forkserve.engine.results import (
                                       AbortResult,
@@ -14,4 +14,4 @@ from forkserve.engine.results import (
 
 __all__ = ["Engine", "MockBackend", "SessionHandle", "CommitResult", "GenerateResult",
            "DrainReport", "AbortResult", "SharedPrefill", "CacheStats", "PoolStats",
-           "PublishedPage", "CacheSalt", "UNSALTED"]
+           "PublishedPage", "SessionPages", "CacheSalt", "UNSALTED"]

@@ -1,4 +1,5 @@
-"""A read-only summary of the KV cache for the interfaces (metrics, routing, benches).
+"""A read-only summary of the KV cache for the interfaces (metrics, routing, benches, tenant
+quotas): the pools, the published pages, and the pages one session holds.
 
 L4 reads the cache through these frozen values, never through the control plane's pools and
 prefix trees: each call copies the figures out, so a summary taken on the engine thread may
@@ -9,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from forkserve.adapter_key import AdapterKey, adapter_key
-from forkserve.backend.protocol import PageKind
+from forkserve.adapter_key import AdapterKey
+from forkserve.backend.protocol import PageId, PageKind
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_pool import PagePool
 from forkserve.control.prefix_index import AdapterNamespace, CacheSalt, PrefixIndex
+from forkserve.engine.session import Session
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,25 @@ class PublishedPage:
     salt: CacheSalt
 
 
+@dataclass(frozen=True)
+class SessionPages:
+    """The pages one session holds: its committed tip's table (what the session reads next)
+    and every base page any of its live nodes holds (an aliased page once)."""
+
+    length: int                                # tokens the tip's table holds
+    base: tuple[PageId, ...]                   # the tip's base (or unified) pages, in order
+    residual: tuple[PageId, ...] | None        # the tip's residual pages (None: no residual)
+    base_held: frozenset[PageId]               # base pages of every live node, the tip's too
+
+
+def session_pages(session: Session) -> SessionPages:
+    tip = session.tree.tip.table
+    held = frozenset(page for node in session.tree.nodes.values()
+                     if node.live and node.table is not None for page in node.table.base.pages)
+    return SessionPages(tip.length, tuple(tip.base.pages),
+                        tuple(tip.residual.pages) if tip.residual is not None else None, held)
+
+
 def _pool_stats(pool: PagePool, index: PrefixIndex) -> PoolStats:
     return PoolStats(pool.kind, pool.num_pages, pool.num_used, pool.num_used - index.num_cache_only,
                      pool.num_free, index.num_pages)
@@ -89,6 +110,7 @@ def published_pages(kv: KVCache) -> tuple[PublishedPage, ...]:
     if kv.residual_index is not None:
         indexes.append((True, kv.residual_index))
     return tuple(
-        PublishedPage(residual, adapter_key(e.namespace.adapter_id)
-                      if isinstance(e.namespace, AdapterNamespace) else None, e.prefix, e.salt)
+        PublishedPage(residual,
+                      e.namespace.adapter if isinstance(e.namespace, AdapterNamespace) else None,
+                      e.prefix, e.salt)
         for residual, index in indexes for e in index.entries())

@@ -19,25 +19,20 @@ import operator
 import time
 from typing import Callable, Iterable, Sequence
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
-    HostOffload,
-    KVSlots,
-    ResidualTarget,
     SamplingParams,
-    SeqWork,
 )
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, KVForm
 from forkserve.control.admission import Candidate
 from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
-from forkserve.control.dual_radix_tree import BASE, BaseKey, DualMatch
+from forkserve.control.dual_radix_tree import DualMatch
 from forkserve.control.kv_cache import KVCache
-from forkserve.control.layout_policy import KVForm
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
-from forkserve.control.page_table import PageTable
 from forkserve.control.pause_ttl import PauseTTL
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.control.scheduler import TickScheduler
@@ -51,9 +46,11 @@ from forkserve.engine.cache_stats import (
     CacheStats,
     PagesInUse,
     PublishedPage,
+    SessionPages,
     cache_stats,
     pages_in_use,
     published_pages,
+    session_pages,
 )
 from forkserve.engine.results import (
     AbortResult,
@@ -88,12 +85,16 @@ class Engine:
         self.backend = backend
         self.config: ForkServeConfig = backend.config
         self.metrics = EngineMetrics()
-        version_of = getattr(backend, "adapter_version", None)
+        self.capabilities = caps = backend.capabilities
+        missing = caps.missing(backend)
+        if missing:
+            raise TypeError(f"{type(backend).__name__} declares capabilities it lacks the methods "
+                            f"of: {', '.join(missing)}")
         self.kv = KVCache(self.config, backend.page_kinds(),
-                          (lambda a: int(version_of(a))) if version_of is not None else None,
-                          getattr(backend, "adapter_invocation", None),
+                          backend.adapter_version if caps.adapter_versions else None,
+                          backend.adapter_invocation if caps.activated_lora else None,
                           metrics=self.metrics,
-                          host=backend if isinstance(backend, HostOffload) else None,
+                          host=backend if caps.host_offload else None,
                           pause_ttl=pause_ttl)
         # Shorthands for the engine and its tests: the pools and the two sides of the
         # DualRadixTree (the interfaces read `cache_stats()` instead).
@@ -110,7 +111,7 @@ class Engine:
                                self.metrics, self.scorer, clock)
 
     # ------------------------------------------------------------------ verbs
-    def open(self, tokens: Sequence[int], *, adapter: str | None = None,
+    def open(self, tokens: Sequence[int], *, adapter: AdapterId | None = None,
              salt: CacheSalt = UNSALTED, reuse_prefix: bool = True) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued. ``salt``:
         the trust boundary its pages are matched and published in (every fork keeps it).
@@ -133,7 +134,7 @@ class Engine:
         self.stepper.account()
         return SessionHandle(sid, root.id)
 
-    def layout_form(self, tokens: Sequence[int], *, adapter: str | None = None) -> KVForm:
+    def layout_form(self, tokens: Sequence[int], *, adapter: AdapterId | None = None) -> KVForm:
         """The form (merged or split K/V) ``open(tokens, adapter=adapter)`` would give the
         session's pages now: fixed by the layout, except in the adaptive one, where it
         depends on memory pressure and on what is published (an admission controller sizes
@@ -142,11 +143,12 @@ class Engine:
         tokens = self._check_tokens(tokens)
         return self._form(tokens, self._check_adapter(adapter))
 
-    def _form(self, tokens: Sequence[int], adapter, salt: CacheSalt = UNSALTED) -> KVForm:
+    def _form(self, tokens: Sequence[int], adapter: AdapterId | None,
+              salt: CacheSalt = UNSALTED) -> KVForm:
         return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages(), salt)
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
-             adapter: str | None = None) -> int:
+             adapter: AdapterId | None = None) -> int:
         """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
         session = self._mutable(session_id)
         parent = self._node(session, parent_id)
@@ -234,7 +236,7 @@ class Engine:
         self.stepper.account()
         return decision
 
-    def prefill_shared(self, tokens: Sequence[int], adapters: Sequence) -> SharedPrefill:
+    def prefill_shared(self, tokens: Sequence[int], adapters: Sequence[AdapterId]) -> SharedPrefill:
         """``residual_source = base_activations``: one base-model pass over a context that many
         agents share writes the base pages and, from the same activations, every listed
         adapter's rank-r residual; all are published, so each agent that then opens the context
@@ -256,39 +258,19 @@ class Engine:
             if self.kv.invocation(a) is not None:
                 raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read the shared "
                                           f"context's base pages as they are; prefill_shared is for plain adapters")
-        p = self.pool.page_size
-        full = len(tokens) // p * p  # only full pages can be published
-        if full == 0:
+        p = self.config.page_size
+        context = tokens[:len(tokens) // p * p]  # only full pages can be published
+        if not context:
             raise InvalidRequestError(f"a shared context needs at least one full page ({p} tokens)")
-        keys = {a: self.kv.keys(a, tokens[:full], KVForm.SPLIT)[1] for a in adapters}
-        base_hit = self.index.match(BASE, tokens[:full])
-        res_hits = {a: self.residual_index.match(k.namespace, k.tokens) for a, k in keys.items()}
-        start = min([len(base_hit)] + [len(h) for h in res_hits.values()]) * p
-        base = PageTable(self.pool)
-        residual = {a: PageTable(self.residual_pool) for a in adapters}
+        before = self.metrics.prefill_tokens
+        shared = self.kv.shared_kv(context, adapters)
         try:
-            for table, pages in [(base, base_hit)] + [(residual[a], res_hits[a]) for a in adapters]:
-                table.attach(pages[:start // p], start)
-            before = self.metrics.prefill_tokens
-            while base.length < full:
-                n = min(full - base.length, self.config.max_batch_tokens)
-                pos = base.length
-                for table in [base, *residual.values()]:
-                    self.kv.make_room(table.pool, table.pages_needed(n), self.stepper.preempt_speculative)
-                    table.prepare_write(n, self.backend.copy_pages)
-                targets = tuple(ResidualTarget(a, tuple(residual[a].pages)) for a in adapters)
-                result = self.backend.step([SeqWork(0, tuple(tokens[pos:pos + n]), pos,
-                                                    KVSlots(tuple(base.pages)), None, None,
-                                                    extra_residuals=targets)])
-                self.stepper.account_cost(result.cost, [])
-            self.cache.insert(BaseKey(tuple(tokens[:full])), base.pages[:full // p])
-            for a in adapters:
-                self.residual_index.insert(keys[a].namespace, keys[a].tokens, residual[a].pages[:full // p])
+            self.stepper.write_shared(shared, context)
+            self.kv.publish_shared(shared, context)
         finally:
-            for table in [base, *residual.values()]:
-                table.release()  # the index keeps what was published
+            shared.release()  # the index keeps what was published
         self.stepper.account()
-        return SharedPrefill(full, tuple(adapters), self.metrics.prefill_tokens - before)
+        return SharedPrefill(len(context), tuple(adapters), self.metrics.prefill_tokens - before)
 
     def drain_slack(self) -> DrainReport:
         """Run ticks until no speculative (or committed) work is left."""
@@ -481,7 +463,7 @@ class Engine:
         self.stepper.account()
         return AbortResult(tuple(released), self.pool.num_free - free_before)
 
-    def remove_adapter(self, adapter) -> None:
+    def remove_adapter(self, adapter: AdapterId) -> None:
         """Unload an adapter from the backend; refused while a live node uses it (drain or
         close those sessions first), so no queued work is left pointing at it."""
         self.stepper.sync()
@@ -493,10 +475,9 @@ class Engine:
         if users:
             raise AdapterInUseError(f"adapter {adapter!r} is used by live sessions {users[:8]}; "
                                     f"close them first")
-        remove = getattr(self.backend, "remove_adapter", None)
-        if remove is None:
+        if not self.capabilities.remove_adapter:
             raise InvalidRequestError("this backend cannot unload adapters")
-        remove(adapter)
+        self.backend.remove_adapter(adapter)
 
     def close(self, session_id: int, *, pin: bool | None = None) -> None:
         """End a session: its committed full pages stay published, everything else is freed.
@@ -587,18 +568,16 @@ class Engine:
             raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         return tokens
 
-    def _check_adapter(self, adapter):
+    def _check_adapter(self, adapter: AdapterId | None) -> AdapterId | None:
         """The backend's id for ``adapter`` (a name where the backend has names); None stays
         None. Unknown adapters are refused here, before any state changes."""
         if adapter is None:
             return None
         if isinstance(adapter, bool):
             raise InvalidRequestError(f"adapter must be a name or an id, got {adapter!r}")
-        resolve = getattr(self.backend, "resolve_adapter", None)
-        if resolve is not None:
-            return resolve(adapter)
-        knows = getattr(self.backend, "knows_adapter", None)
-        if knows is not None and not knows(adapter):
+        if self.capabilities.resolve_adapter:
+            return self.backend.resolve_adapter(adapter)
+        if self.capabilities.knows_adapter and not self.backend.knows_adapter(adapter):
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded in the backend")
         return adapter
 
@@ -642,6 +621,10 @@ class Engine:
         self.stepper.sync()
         return published_pages(self.kv)
 
+    def session_pages(self, session_id: int) -> SessionPages:
+        """The pages a session holds, copied out (tenant quotas, benches' KV accounting)."""
+        return session_pages(self._session(session_id))
+
     def evict_all(self) -> int:
         self.stepper.sync()
         return self.kv.evict_all()
@@ -671,9 +654,9 @@ class Engine:
     def _check_written(self, tables) -> None:
         """Every position a table claims, and every published page, was written by a step
         (where the backend can tell: ``first_unwritten``): a table never runs ahead of its KV."""
-        first_unwritten = getattr(self.backend, "first_unwritten", None)
-        if first_unwritten is None:
+        if not self.capabilities.written_positions:
             return
+        first_unwritten = self.backend.first_unwritten
         for t in tables:
             pos = first_unwritten(t.pool.kind, t.pages, t.length)
             if pos is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import GREEDY, SamplingParams
 from forkserve.control.context_tree import ContextTree
 from forkserve.errors import ForkServeError
@@ -12,7 +13,7 @@ from forkserve.errors import ForkServeError
 class Session:
     id: int
     tree: ContextTree
-    adapter: str | None = None
+    adapter: AdapterId | None = None  # the backend's id (the Engine resolved any name)
     # False: its prompt is computed whole though published pages cover a prefix (its
     # logits are wanted): it never waits for another session's in-flight prefill either.
     reuse_prefix: bool = True

@@ -43,7 +43,7 @@ from forkserve.engine.session import Session
 class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
-    __slots__ = ("session", "node", "kv", "base", "residual", "adapter", "adapter_start",
+    __slots__ = ("session", "node", "kv", "base", "residual", "form", "adapter", "adapter_start",
                  "sampling", "base_row", "residual_row", "own_last")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
@@ -51,6 +51,7 @@ class SteadyRow:
         self.session, self.node, self.kv = session, node, node.table
         self.base: PageTable = node.table.base
         self.residual: PageTable | None = node.table.residual
+        self.form = kv_cache.form_of(node.table, node.adapter)
         self.adapter = node.adapter
         # Fixed while steady (no aLoRA): 0 for an adapter, None (run as base) without one.
         self.adapter_start = kv_cache.adapter_start(node.table, node.adapter)
@@ -213,11 +214,12 @@ class SteadyDecode:
             starts = [r.adapter_start for r in rows]
             # Without an adapter the row runs as the base model: adapter_start past its token.
             as_base = np.array([s is None for s in starts], dtype=bool)
-            self._static = (tuple(r.node.id for r in rows), tuple(r.adapter for r in rows),
+            self._static = (tuple(r.node.id for r in rows), tuple(r.form for r in rows),
+                            tuple(r.adapter for r in rows),
                             (as_base, np.array([s or 0 for s in starts], dtype=np.int64),
                              bool(as_base.any())),
                             tuple(r.sampling for r in rows), tuple(r.node for r in rows))
-        seq_ids, adapters, (as_base, starts, any_base), sampling, nodes = self._static
+        seq_ids, forms, adapters, (as_base, starts, any_base), sampling, nodes = self._static
         if self._pages is None:
             self._pages = (tuple(r.base_row.view for r in rows),
                            tuple(None if r.residual_row is None else r.residual_row.view
@@ -236,8 +238,8 @@ class SteadyDecode:
             written = self._sampled[1]  # what the last apply took, row for row
         else:
             written = tuple(n.tokens[-1] for n in nodes)
-        return DecodeBatch(seq_ids, written, positions, pages, residual, adapters, adapter_starts,
-                           sampling, self._marks)
+        return DecodeBatch(seq_ids, written, positions, pages, residual, forms, adapters,
+                           adapter_starts, sampling, self._marks)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
               publish: Callable[[Node], None]) -> None:

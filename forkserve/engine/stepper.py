@@ -19,6 +19,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
+    KVSlots,
     PromptLogprobs,
     SamplingParams,
     SeqWork,
@@ -26,7 +27,7 @@ from forkserve.backend.protocol import (
     StepResult,
 )
 from forkserve.backend.step_handle import launch_step
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, KVForm
 from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import ContextTree, Node, NodeState
@@ -38,6 +39,7 @@ from forkserve.control.node_kv import NodeKV, Regime
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
+from forkserve.control.shared_kv import SharedKV
 from forkserve.control.sharing import PrefixSharing, marked
 from forkserve.engine.overlap import StepOverlap
 from forkserve.engine.session import Session
@@ -284,6 +286,7 @@ class Stepper:
         work = SeqWork(node.id, tokens, start, node.table.slots(), node.adapter, sampling,
                        speculative=g.work_class is WorkClass.SPECULATIVE, decode=g.decode,
                        write_base=regime.write_base, write_residual=regime.write_residual,
+                       form=self.kv.form_of(node.table, node.adapter),
                        adapter_start=adapter_start(self.kv.adapter_start(node.table, node.adapter),
                                                    start + g.tokens),
                        prompt_logprobs=_prompt_logprobs(session, node, start + g.tokens, g.decode))
@@ -414,6 +417,22 @@ class Stepper:
             # Logits and published pages of the cut K/V no longer describe this path.
             node.next_token = None
             node.published, node.publish_cursor = (0, 0), None
+
+    def write_shared(self, shared: SharedKV, tokens: Sequence[int]) -> None:
+        """Write a shared context (``KVCache.shared_kv``) up to ``len(tokens)``: the base model
+        runs over it in chunks of the token budget, each step also writing every adapter's
+        residual from the same activations. Committed work: it may preempt speculation. A
+        failed step raises with the tables past their KV (the caller releases them unpublished)."""
+        while shared.length < len(tokens):
+            n = min(len(tokens) - shared.length, self.config.max_batch_tokens)
+            start = shared.length
+            for table in shared.tables():
+                self.kv.make_room(table.pool, table.pages_needed(n), self.preempt_speculative)
+                table.prepare_write(n, self.backend.copy_pages)
+            # Node ids start at 1: seq 0 is no session's.
+            work = SeqWork(0, tuple(tokens[start:start + n]), start, KVSlots(shared.base.frozen()),
+                           None, None, form=KVForm.SPLIT, extra_residuals=shared.targets())
+            self.account_cost(launch_step(self.backend, [work], None).result().cost, [])
 
     def preempt_speculative(self, pool: PagePool, need: int) -> None:
         """Committed work waits for nothing: abort unpinned speculation, lowest prior first.

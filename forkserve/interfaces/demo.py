@@ -117,7 +117,8 @@ def run_layout(layout: KVLayout, model_cfg, weights, adapters, tokenizer, max_ne
     cache = engine.cache_stats()
     base_pages = cache.base.used
     res_pages = cache.residual.used if cache.residual is not None else 0
-    kv_bytes = sum(p.used * backend.pool.bytes_per_page(p.kind) for p in cache.pools())
+    per_token = backend.kv_bytes_per_token()
+    kv_bytes = sum(p.used * per_token[p.kind] * cache.page_size for p in cache.pools())
     m = engine.metrics
     for sid in sessions.values():
         engine.close(sid)

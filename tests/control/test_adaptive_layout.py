@@ -5,7 +5,8 @@ import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
-from forkserve.control.layout_policy import KVForm, LayoutSignals, PressurePolicy
+from forkserve.config import KVForm
+from forkserve.control.layout_policy import LayoutSignals, PressurePolicy
 from forkserve.errors import InvalidRequestError
 
 CONTEXT = [7 + i % 50 for i in range(64)]  # 16 pages of 4 tokens

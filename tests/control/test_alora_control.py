@@ -28,11 +28,9 @@ def _assert_kv_is_the_path(eng: Engine, sid: int) -> None:
     node = session.tree.tip
     path = session.tree.path_tokens(node)
     start = eng.kv.adapter_start(node.table, node.adapter)
-    # Adaptive layout: a node without a residual table holds merged K/V in its base pages.
-    merged = eng.config.kv_layout is KVLayout.ADAPTIVE and node.table.residual is None
     for table in node.table.tables():
         want = eng.backend.expected_values(table.pool.kind, path[:table.length], node.adapter,
-                                           merged and table is node.table.base,
+                                           eng.kv.form_of(node.table, node.adapter),
                                            adapter_start=len(path) if start is None else start)
         assert (eng.backend.kv_values(table.pool.kind, table.pages, table.length) == want).all()
 

@@ -76,3 +76,20 @@ def test_a_published_page_names_its_adapter_by_the_key_adapter_key_makes():
     eng = Engine(MockBackend(CFG, adapters=[7]))
     _turn(eng, CONTEXT, adapter=7)
     assert {p.adapter for p in eng.published_pages() if p.residual} == {adapter_key(7)}
+
+
+def test_session_pages_copy_out_the_tip_and_every_live_branch():
+    eng = Engine(MockBackend(CFG))
+    h = eng.open(CONTEXT, adapter="planner")
+    eng.generate(h.id, 1)
+    branch = eng.fork(h.id, eng.tip(h.id), "b", list(range(100, 109)))
+    tip = eng.node(h.id, eng.tip(h.id)).table
+    eng.speculate(h.id, branch, priority=1.0)
+    eng.drain_slack()
+    pages = eng.session_pages(h.id)
+    assert (pages.length, pages.base, pages.residual) == (tip.length, tuple(tip.base.pages),
+                                                          tuple(tip.residual.pages))
+    own = set(eng.node(h.id, branch).table.base.pages) - set(tip.base.pages)
+    assert own and set(tip.base.pages) | own == pages.base_held  # aliased trunk pages once
+    eng.abort(h.id, branch)
+    assert eng.session_pages(h.id).base_held == frozenset(tip.base.pages)

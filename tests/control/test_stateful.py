@@ -26,6 +26,7 @@ from scheduler_oracle import check_plan
 from forkserve import Engine, ForkServeConfig, KVLayout, plus_config
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
+from forkserve.config import KVForm
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
 from forkserve.errors import BranchCapError, OutOfPagesError
@@ -287,8 +288,8 @@ class VerbMachine(RuleBasedStateMachine):
                 for table in node.table.tables():
                     kind = table.pool.kind
                     stored = self.backend.kv_values(kind, table.pages, table.length)
-                    merged = self.merged_form(kind, node.adapter) and node.table.residual is None
-                    want = self.backend.expected_values(kind, path[:table.length], node.adapter, merged,
+                    want = self.backend.expected_values(kind, path[:table.length], node.adapter,
+                                                        self.engine.kv.form_of(node.table, node.adapter),
                                                         _start(node.table.adapter_start))
                     assert (stored == want).all(), f"node {node.id} {kind.value}"
 
@@ -302,19 +303,14 @@ class VerbMachine(RuleBasedStateMachine):
             for entry in index.entries():
                 assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
                     f"published prefix {entry.prefix} was never committed"
-                adapter = getattr(entry.namespace, "adapter_id", None)
+                adapter = getattr(entry.namespace, "adapter", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
-                want = self.backend.expected_values(kind, entry.prefix[-p:], adapter,
-                                                    self.merged_form(kind, adapter),
+                # A base-side page under an adapter's namespace holds merged K/V.
+                want = self.backend.expected_values(kind, entry.prefix[-p:], adapter, KVForm.MERGED,
                                                     _start(getattr(entry.namespace, "adapter_start", 0)),
                                                     len(entry.prefix) - p,
                                                     getattr(entry.namespace, "adapter_version", 0))
                 assert (stored == want).all()
-
-    def merged_form(self, kind, adapter) -> bool:
-        """Adaptive layout: an adapter's BASE pages without a residual hold merged K/V."""
-        return (self.config.kv_layout is KVLayout.ADAPTIVE and kind is PageKind.BASE
-                and adapter is not None)
 
     def teardown(self):
         for sid in list(self.engine.sessions):
@@ -393,7 +389,7 @@ class OffloadMachine(DisaggregatedMachine):
         p = self.config.page_size
         for entry in self.engine.residual_index.offloaded_entries():
             want = self.backend.expected_values(PageKind.RESIDUAL, entry.prefix[-p:],
-                                                entry.namespace.adapter_id,
+                                                entry.namespace.adapter,
                                                 version=entry.namespace.adapter_version)
             assert (self.backend.host_values(entry.slot) == want).all()
 

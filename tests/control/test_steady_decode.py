@@ -6,10 +6,12 @@ and a failing row."""
 import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import GREEDY, SamplingParams
 from forkserve.backend.step_handle import run_step
+from forkserve.config import KVForm
 from forkserve.control.sharing import PrefixSharing
 from forkserve.errors import BackendError
 
@@ -166,13 +168,15 @@ def test_a_backend_without_step_batched_gets_the_rows_as_items():
     cfg = ForkServeConfig(page_size=4, num_pages=16, vocab_size=300)
     columns, items = MockBackend(cfg), MockBackend(cfg)
     for backend in (columns, items):
-        backend.step_batched([], DecodeBatch((1,), (9,), (0,), ((0,),), (None,), (None,), (1,),
-                                             (GREEDY,), (None,)))
-    batch = DecodeBatch((1, 2), (5, 6), (1, 0), ((0,), (1,)), (None, None), (None, None), (2, 1),
-                        (GREEDY, GREEDY), (None, None))
+        backend.step_batched([], DecodeBatch((1,), (9,), (0,), ((0,),), (None,), (KVForm.MERGED,),
+                                             (None,), (1,), (GREEDY,), (None,)))
+    batch = DecodeBatch((1, 2), (5, 6), (1, 0), ((0,), (1,)), (None, None),
+                        (KVForm.MERGED, KVForm.MERGED), (None, None), (2, 1), (GREEDY, GREEDY),
+                        (None, None))
 
     class ItemsOnly:  # the protocol's step, nothing more
         config = cfg
+        capabilities = Capabilities()
 
         def step(self, work):
             return items.step(work)

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from forkserve import Engine, ForkServeConfig, KVLayout
+from forkserve.adapter_key import adapter_key
 from forkserve.backend.mock import MockBackend
 from forkserve.errors import InvalidRequestError
 
@@ -37,7 +38,7 @@ def test_residuals_are_the_base_activations_times_each_adapters_A(model_dir):
     for name, aid in ids.items():
         weights = load_file(str(model_dir[1][name] / "adapter_model.safetensors"))
         pages = [e.page for e in sorted(engine.residual_index.entries(), key=lambda e: len(e.prefix))
-                 if e.namespace.adapter_id == str(aid)]
+                 if e.namespace.adapter == adapter_key(aid)]
         for layer in range(2):
             x = hf.model.layers[layer].input_layernorm(hidden[layer][0])
             a_k = next(v for k, v in weights.items() if f"layers.{layer}.self_attn.k_proj.lora_A" in k)
@@ -77,3 +78,18 @@ def test_mock_engine_equals_a_baseline_and_bad_requests_change_nothing():
     unified = Engine(MockBackend(cfg.replace(kv_layout=KVLayout.UNIFIED)))
     with pytest.raises(InvalidRequestError, match="disaggregated"):
         unified.prefill_shared(CONTEXT, ["a"])
+
+
+def test_a_failed_shared_prefill_publishes_nothing_and_keeps_no_page():
+    cfg = ForkServeConfig(page_size=4, num_pages=64, num_residual_pages=64, vocab_size=300,
+                          kv_layout=KVLayout.DISAGGREGATED, max_batch_tokens=8)
+    backend = MockBackend(cfg)
+    engine = Engine(backend)
+    backend.fault = lambda item: RuntimeError("device lost") if item.start_pos >= 8 else None
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.prefill_shared(CONTEXT, ["a", "b"])  # the first chunk is written, the second fails
+    stats = engine.cache_stats()
+    assert stats.base.used == stats.residual.used == 0
+    backend.fault = None
+    assert engine.prefill_shared(CONTEXT, ["a", "b"]).prefilled_tokens == len(CONTEXT)
+    engine.check_integrity()

@@ -6,6 +6,7 @@ Shared by ``test_fault_isolation_torch.py`` (a small budget) and ``benchmarks/fa
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ class FaultyBackend:
     def __init__(self, inner, rng: random.Random) -> None:
         self.inner, self.rng = inner, rng
         self.victims: set[int] = set()  # seq ids (node ids) whose items fail
+        # Faults are injected in ``step``: no step may reach the inner backend's ``launch``.
+        self.capabilities = dataclasses.replace(inner.capabilities, launch=False, columns=False)
 
     def step(self, work):
         bad = [w.seq_id for w in work if w.seq_id in self.victims]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forkserve import Engine, ForkServeConfig, KVLayout, ShareBase
+from forkserve.config import KVForm
 from forkserve.control.recompute_policy import LayerDrift, most_drifting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -102,7 +103,9 @@ def test_all_layers_recomputed_give_unified_logits_to_the_reader(tiny3):
         backend = eng.backend
         pages = tuple(range(10))
         res = tuple(range(10)) if layout is KVLayout.DISAGGREGATED else None
-        writer = SeqWork(0, tuple(CONTEXT), 0, KVSlots(pages, res), backend.adapter_id("planner"))
+        form = KVForm.MERGED if res is None else KVForm.SPLIT
+        writer = SeqWork(0, tuple(CONTEXT), 0, KVSlots(pages, res), backend.adapter_id("planner"),
+                         form=form)
         backend.step([writer])
         reader_res = tuple(range(10, 20)) if res is not None else None
         reader_pages = pages if res is not None else tuple(range(10, 20))
@@ -111,10 +114,10 @@ def test_all_layers_recomputed_give_unified_logits_to_the_reader(tiny3):
                                   backend.adapter_id("critic"))])
         else:                                             # its residual (and own layers) only
             backend.step([SeqWork(1, tuple(CONTEXT), 0, KVSlots(reader_pages, reader_res),
-                                  backend.adapter_id("critic"), write_base=False)])
+                                  backend.adapter_id("critic"), write_base=False, form=form)])
         q = tuple(QUESTION["critic"])
         out = backend.forward([SeqWork(1, q, len(CONTEXT), KVSlots(reader_pages, reader_res),
-                                       backend.adapter_id("critic"))], all_logits=True)
+                                       backend.adapter_id("critic"), form=form)], all_logits=True)
         logits[layout] = out.logits[0]
     torch.testing.assert_close(logits[KVLayout.DISAGGREGATED], logits[KVLayout.UNIFIED],
                                atol=1e-5, rtol=1e-5)
@@ -128,7 +131,7 @@ def test_a_step_of_split_and_base_model_items_equals_them_run_apart(tiny3):
         b = eng.backend
         base = SeqWork(0, tuple(CONTEXT), 0, KVSlots(tuple(range(8))), None, GREEDY)
         split = SeqWork(1, tuple(CONTEXT), 0, KVSlots(tuple(range(8, 16)), tuple(range(8))),
-                        b.adapter_id("critic"), GREEDY)
+                        b.adapter_id("critic"), GREEDY, form=KVForm.SPLIT)
         outs = [b.forward([base, split], all_logits=True)] if together else \
             [b.forward([base], all_logits=True), b.forward([split], all_logits=True)]
         return [x for o in outs for x in o.logits], [t for o in outs for t in o.result.next_tokens]

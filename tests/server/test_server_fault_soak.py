@@ -6,6 +6,7 @@ leaks. A request the backend fails on gets its own error while the rest of its b
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,9 @@ def faulty_server(tiny_model_dir):
                     raise RuntimeError("injected backend fault")
                 return step(work)
             engine.backend.step = failing_step
+            # Every step through the poisoned ``step``: none may take the backend's ``launch``.
+            engine.backend.capabilities = dataclasses.replace(engine.backend.capabilities,
+                                                              launch=False)
         server.on_engine(poison)
         yield server
 

@@ -21,7 +21,7 @@ from forkserve.backend.torch import (
     UnknownAdapterError,
     UnsupportedModelError,
 )
-from forkserve.config import KVLayout
+from forkserve.config import KVForm, KVLayout
 
 
 @pytest.fixture
@@ -54,7 +54,9 @@ def bad_items(b: TorchBackend) -> list[tuple[type, SeqWork]]:
         (ContextLengthError, work(2, prompt(82, 120), 10)),
         (InvalidWorkError, SeqWork(2, tuple(range(3, 4 + PAGE)), 0, KVSlots((0,)))),     # pages too few
         (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((10_000,)))),                  # page id out of range
-        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid)),       # no residual pages
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid,
+                                   form=KVForm.SPLIT)),                               # no residual pages
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,), (6,)), adapter_id=aid)),  # merged, residual
         (InvalidWorkError, work(2, [], 0)),
     ], ok
 
@@ -131,3 +133,9 @@ def test_yarn_with_residual_kernels_is_refused_up_front(models):
     # The eager path applies the factor: the same model runs there.
     TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
                  attention="eager")
+
+
+def test_declared_capabilities_are_implemented(backend):
+    caps = backend.capabilities
+    assert caps.missing(backend) == ()
+    assert caps.resolve_adapter and caps.host_offload  # disaggregated: a host tier for residuals

@@ -9,7 +9,7 @@ from torch_testlib import DEVICE, DTYPE, PAGE, make_config, prompt
 from forkserve.backend.protocol import GREEDY, HostCopy, KVSlots, PageKind, SeqWork
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.errors import InvalidWorkError
-from forkserve.config import KVLayout
+from forkserve.config import KVForm, KVLayout
 
 
 def test_offload_then_restore_reproduces_the_logits(models, adapters):
@@ -18,11 +18,11 @@ def test_offload_then_restore_reproduces_the_logits(models, adapters):
     a = backend.adapter_id("qkvo")
     ctx, question = prompt(70, 4 * PAGE), prompt(71, 3)
     base, residual = (0, 1, 2, 3), (0, 1, 2, 3)
-    backend.step([SeqWork(0, tuple(ctx), 0, KVSlots(base, residual), a)])
+    backend.step([SeqWork(0, tuple(ctx), 0, KVSlots(base, residual), a, form=KVForm.SPLIT)])
 
     def ask(res_pages: tuple[int, ...]) -> torch.Tensor:
         slots = KVSlots(base + (10,), res_pages)
-        work = SeqWork(1, tuple(question), len(ctx), slots, a, GREEDY)
+        work = SeqWork(1, tuple(question), len(ctx), slots, a, GREEDY, form=KVForm.SPLIT)
         return backend.forward([work], all_logits=True).logits[0]
 
     reference = ask(residual + (10,))

@@ -15,6 +15,7 @@ from forkserve.backend.protocol import GREEDY, SamplingParams
 from forkserve.backend.step_handle import StepHandle
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.errors import UnknownAdapterError
+from forkserve.config import KVForm
 from forkserve.engine import Engine
 
 
@@ -77,7 +78,8 @@ def test_a_decode_batch_launches_as_its_items(models):
     items = _decode_items(tokens, [GREEDY] * 3)
     batch = DecodeBatch(tuple(s.seq_id for s in items), tuple(s.tokens[0] for s in items),
                         tuple(s.start_pos for s in items), tuple(s.slots.pages for s in items),
-                        (None,) * 3, (None,) * 3, (0,) * 3, (GREEDY,) * 3, (None,) * 3)
+                        (None,) * 3, (KVForm.MERGED,) * 3, (None,) * 3, (0,) * 3, (GREEDY,) * 3,
+                        (None,) * 3)
     got = ours.launch(items[:1], DecodeBatch(*(column[1:] for column in batch.__dict__.values())))
     assert got.result().next_tokens == ref.step(items).next_tokens
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work
+from torch_testlib import (
+    DEVICE,
+    DTYPE,
+    PAGE,
+    REL_TOL,
+    make_config,
+    pages_for,
+    prompt,
+    rel_err,
+    work,
+)
 
 from forkserve.backend.protocol import GREEDY, KVSlots, PageKind, SeqWork
 from forkserve.backend.torch import (
@@ -13,7 +23,7 @@ from forkserve.backend.torch import (
     kv_bytes_per_token,
     shared_context_kv_bytes,
 )
-from forkserve.config import KVLayout
+from forkserve.config import KVForm, KVLayout
 
 
 def run(backend: TorchBackend, tokens: list[int], adapter: int | None, residual: bool,
@@ -115,7 +125,7 @@ def test_write_flags_leave_present_sides_untouched(models, adapters):
     a = backend.adapter_id("qkvo")
     tokens = prompt(65, 2 * PAGE)
     full = backend.forward([work(0, tokens, 0, a, residual=True)]).logits[0]
-    res_pages = list(work(0, [], 0, residual=True).slots.residual_pages[:2])
+    res_pages = list(pages_for(0)[:2])
     residual_before = backend.pool.k_res[:, res_pages].clone()
     backend.pool.k[:, list(work(0, [], 0).slots.pages[:2])] = 0.0   # the base was evicted
     again = backend.forward([work(0, tokens, 0, a, residual=True, write_residual=False)]).logits[0]
@@ -167,13 +177,14 @@ def test_copy_pages_then_continue(models, adapters, layout):
     dst = 99
     backend.copy_pages(PageKind.BASE if dis else PageKind.UNIFIED, [(src, dst)])
     if dis:
-        res_src = work(0, [], 0, residual=True).slots.residual_pages[2]
+        res_src = pages_for(0)[2]
         backend.copy_pages(PageKind.RESIDUAL, [(res_src, dst)])
     pages = work(0, [], 0).slots.pages
     forked = pages[:2] + (dst,) + pages[3:]
     nxt = [7]
     orig = backend.forward([work(0, nxt, len(tokens), a, residual=dis)]).logits[0]
-    res = (work(0, [], 0, residual=True).slots.residual_pages[:2] + (dst,)
-           + work(0, [], 0, residual=True).slots.residual_pages[3:]) if dis else None
-    fork = backend.forward([SeqWork(5, tuple(nxt), len(tokens), KVSlots(forked, res), a, GREEDY)]).logits[0]
+    res = pages_for(0)[:2] + (dst,) + pages_for(0)[3:] if dis else None
+    form = KVForm.SPLIT if dis else KVForm.MERGED
+    fork = backend.forward([SeqWork(5, tuple(nxt), len(tokens), KVSlots(forked, res), a, GREEDY,
+                                    form=form)]).logits[0]
     assert rel_err(fork, orig) < 1e-6

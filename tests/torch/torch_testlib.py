@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from forkserve.backend.protocol import GREEDY, KVSlots, SamplingParams, SeqWork
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVForm, KVLayout
 
 DEVICE = torch.device(os.environ.get("FORKSERVE_TEST_DEVICE", "cpu"))
 DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
@@ -106,11 +106,13 @@ def pages_for(seq: int, base_offset: int = 0) -> tuple[int, ...]:
 def work(seq: int, tokens: Sequence[int], start: int, adapter: int | None = None,
          sampling: SamplingParams | None = GREEDY, residual: bool = False,
          pages: tuple[int, ...] | None = None, **flags) -> SeqWork:
-    """flags: decode, write_base, write_residual (SeqWork's own fields)."""
+    """flags: decode, write_base, write_residual (SeqWork's own fields); ``residual``: the
+    split form, with residual pages where there is an adapter (the base model has none)."""
     pages = pages if pages is not None else pages_for(seq)
     return SeqWork(seq_id=seq, tokens=tuple(tokens), start_pos=start,
-                   slots=KVSlots(pages, pages_for(seq) if residual else None),
-                   adapter_id=adapter, sampling=sampling, **flags)
+                   slots=KVSlots(pages, pages_for(seq) if residual and adapter is not None else None),
+                   adapter_id=adapter, sampling=sampling,
+                   form=KVForm.SPLIT if residual else KVForm.MERGED, **flags)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -16,11 +16,13 @@ from typing import Mapping, Sequence
 
 import torch
 
+from forkserve.adapter_key import AdapterId
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.step_handle import Done, StepHandle
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
-from forkserve.backend.torch.batch import BatchLimits, split_residual_pages, validate
+from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -48,7 +50,7 @@ from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
-from forkserve.config import ForkServeConfig, KVLayout
+from forkserve.config import ForkServeConfig, KVForm, KVLayout
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
@@ -157,11 +159,14 @@ class TorchBackend:
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
                            self.max_lora_rank, device, dtype, config.recompute_layers)
         self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
+        # Adapter ids are never reused, so no versions; written positions once ``track_writes``.
+        self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True, remove_adapter=True,
+                                         activated_lora=True, host_offload=self.host is not None,
+                                         written_positions=True, launch=True)
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, needs_residual=bool({"k", "v"} & set(self.lora.targets)),
-            merged_allowed=self.layout is KVLayout.ADAPTIVE, recompute=bool(config.recompute_layers))
+            disaggregated=disaggregated, recompute=bool(config.recompute_layers))
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -275,7 +280,7 @@ class TorchBackend:
         (``recompute.group_forms``); one group otherwise."""
         if not self.limits.recompute:
             return [list(range(len(work)))]
-        return group_forms([split_residual_pages(s, self.limits) is not None for s in work])
+        return group_forms([s.form is KVForm.SPLIT and s.adapter_id is not None for s in work])
 
     def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
         """Validate and queue one step; nothing here waits for the device."""
@@ -288,8 +293,7 @@ class TorchBackend:
         if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
-            self._writes.wrote(work, self.page_kinds()[0],
-                               [split_residual_pages(s, self.limits) is not None for s in work])
+            self._writes.wrote(work, self.page_kinds()[0])
         logits = run.logits
         sampling = [s for s in work if s.sampling is not None]
         token_ends = itertools.accumulate(len(s.tokens) for s in work)
@@ -344,16 +348,16 @@ class TorchBackend:
         """Resident adapters: name -> adapter id (the id SeqWork.adapter_id carries)."""
         return dict(self._names)
 
-    def knows_adapter(self, adapter_id: int) -> bool:
+    def knows_adapter(self, adapter_id: AdapterId) -> bool:
         """Whether ``adapter_id`` is resident (the Engine checks before queueing work)."""
         return adapter_id in self._resident
 
-    def adapter_invocation(self, adapter_id: int) -> tuple[int, ...] | None:
+    def adapter_invocation(self, adapter_id: AdapterId) -> tuple[int, ...] | None:
         """An activated LoRA's invocation tokens (None for a plain adapter): the control plane
         serves every token before their last occurrence as the base model."""
         return self._resident[adapter_id].invocation_tokens
 
-    def resolve_adapter(self, ref: str | int) -> int:
+    def resolve_adapter(self, ref: AdapterId) -> int:
         """The id of a resident adapter given by name or by id (what the Engine carries)."""
         if isinstance(ref, str):
             return self.adapter_id(ref)
@@ -373,7 +377,7 @@ class TorchBackend:
         adapter = path if isinstance(path, LoraAdapter) else load_peft_adapter(path, name)
         return self._install(name, adapter)
 
-    def remove_adapter(self, name_or_id: str | int) -> None:
+    def remove_adapter(self, name_or_id: AdapterId) -> None:
         aid = self.adapter_id(name_or_id) if isinstance(name_or_id, str) else name_or_id
         if aid not in self._resident:
             raise UnknownAdapterError(f"adapter id {aid} is not resident")
@@ -385,7 +389,7 @@ class TorchBackend:
         """Capture ahead the CUDA graphs decode batches of up to ``max_batch`` sequences of up
         to ``context_tokens`` tokens will use, in each form the layout serves (merged, split);
         returns how many were new (0 off CUDA or with graphs off)."""
-        splits = {KVLayout.DISAGGREGATED: (True,), KVLayout.ADAPTIVE: (False, True)}.get(self.layout, (False,))
+        splits = [form is KVForm.SPLIT for form in self.layout.forms]
         return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:

@@ -3,8 +3,8 @@
 `validate` runs before anything is written, so a rejected step leaves the pools untouched.
 `build` turns SeqWork items into token-major tensors (T tokens over B sequences) and the
 AttentionMetadata every attention backend reads. With a residual pool, an adapter's item
-with residual pages is split (base + residual, K/V rebuilt on read) and one without is
-merged (adaptive layout: its k/v LoRA delta goes into the base pages); a batch holding only
+in the split form (``SeqWork.form``) reads base + residual pages (K/V rebuilt on read) and
+one in the merged form gets its k/v LoRA delta in the base pages; a batch holding only
 merged items is built exactly as in the unified layout. `write_base` covers the item's `pages` in
 every layout (unified pages too); `write_residual` its residual pages. Padding (for CUDA graphs) points at the
 pool's scratch page, never at a real one.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from forkserve import errors
-from forkserve.backend.protocol import SeqWork
+from forkserve.backend.protocol import SeqWork, form_conflict
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve.backend.torch.errors import (
@@ -27,6 +27,7 @@ from forkserve.backend.torch.errors import (
     TokenOutOfVocabError,
     UnknownAdapterError,
 )
+from forkserve.config import KVForm
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,7 @@ class BatchLimits:
     page_size: int
     num_pages: int
     num_residual_pages: int
-    disaggregated: bool
-    needs_residual: bool   # resident adapters carry k or v LoRA: disaggregated items need residual pages
-    merged_allowed: bool = False  # adaptive layout: an adapter's item without residual pages is merged
+    disaggregated: bool  # the pool keeps BASE + RESIDUAL pages (split items may run)
     recompute: bool = False  # selective recompute layers: split items keep own K/V in some layers
 
 
@@ -59,12 +58,6 @@ def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what
     bad = [p for p in pages[: -(-need // page_size)] if not 0 <= p < limit]
     if bad:
         raise InvalidWorkError(f"seq {seq.seq_id}: {what} page ids {bad} outside [0, {limit})")
-
-
-def split_residual_pages(seq: SeqWork, limits: BatchLimits) -> Sequence[int] | None:
-    """The residual pages of a split item (K/V rebuilt from base + residual on read); None
-    for a merged item, an item without adapter, or a layout without a residual pool."""
-    return seq.slots.residual_pages if limits.disaggregated and seq.adapter_id is not None else None
 
 
 def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
@@ -97,13 +90,16 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
     if seq.adapter_id is not None and seq.adapter_id not in adapter_slots:
         raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
     _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
-    if limits.disaggregated and seq.adapter_id is not None and limits.needs_residual:
-        if seq.slots.residual_pages is not None:
-            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
-                         limits.page_size)
-        elif not limits.merged_allowed:
-            raise InvalidWorkError(f"seq {seq.seq_id}: the disaggregated layout needs residual pages "
-                                   f"for adapter {seq.adapter_id}")
+    conflict = form_conflict(seq.seq_id, seq.form, seq.adapter_id,
+                             seq.slots.residual_pages is not None)
+    if conflict is not None:
+        raise InvalidWorkError(conflict)
+    if seq.slots.residual_pages is not None:
+        if not limits.disaggregated:
+            raise InvalidWorkError(f"seq {seq.seq_id}: the split form needs a residual pool; "
+                                   f"this layout keeps merged K/V only")
+        _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
+                     limits.page_size)
     if seq.extra_residuals and limits.recompute:
         raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot fill the "
                                f"recompute layers' own K/V, which only the adapter's own forward computes")
@@ -130,8 +126,8 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
         n, end = len(seq.tokens), seq.start_pos + len(seq.tokens)
         pages = seq.slots.pages
-        res = split_residual_pages(seq, limits)
-        merged = limits.disaggregated and slot >= 0 and res is None
+        res = seq.slots.residual_pages
+        merged = limits.disaggregated and slot >= 0 and seq.form is KVForm.MERGED
         first = len(ids)
         for j, token in enumerate(seq.tokens):
             at = seq.start_pos + j
@@ -210,7 +206,7 @@ def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Map
         at = seq.start_pos
         used = at // p + 1
         pages = seq.slots.pages
-        res = split_residual_pages(seq, limits)
+        res = seq.slots.residual_pages
         out["input_ids"][i] = seq.tokens[0]
         out["positions"][i] = at
         out["token_slot"][i] = slot if at >= seq.adapter_start else -1  # aLoRA: base before activation

@@ -9,7 +9,7 @@ import torch
 from forkserve import kernels
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
-from forkserve.backend.torch.batch import BatchLimits, build, split_residual_pages
+from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
     BATCH_BUCKETS,
     DecodeGraph,
@@ -18,6 +18,7 @@ from forkserve.backend.torch.cuda_graph import (
 )
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
+from forkserve.config import KVForm
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ModelRunner:
         tensors)."""
         bucket = batch_bucket(len(work))
         # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
-        forms = {split_residual_pages(s, self.limits) is not None for s in work if s.adapter_id is not None}
+        forms = {s.form for s in work if s.adapter_id is not None}
         decode = all(len(s.tokens) == 1 and not s.extra_residuals and s.prompt_logprobs is None
                      for s in work)
         # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
@@ -62,7 +63,7 @@ class ModelRunner:
         plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
                 if self.cascade and decode and len(forms) <= 1 else None)
         if self.use_cuda_graphs and not all_logits and not hidden_states and bucket is not None and len(forms) <= 1 and decode:
-            return self._replay(work, adapter_slots, bucket, split=forms == {True}, cascade=plan)
+            return self._replay(work, adapter_slots, bucket, split=forms == {KVForm.SPLIT}, cascade=plan)
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page, plan)
         args = (batch.input_ids, batch.positions, batch.token_slot, batch.meta, self.pool,

@@ -20,11 +20,11 @@ class WriteTracker:
         self._written = {kind: np.zeros((n, page_size), dtype=bool) for kind, n in pages.items()}
         self._host = np.zeros((host_slots, page_size), dtype=bool)
 
-    def wrote(self, work: Sequence[SeqWork], base_kind: PageKind, split: Sequence[bool]) -> None:
-        """Mark what a successful step wrote; ``split[i]``: item i kept a residual side."""
-        for item, has_residual in zip(work, split, strict=True):
+    def wrote(self, work: Sequence[SeqWork], base_kind: PageKind) -> None:
+        """Mark what a successful step (validated: residual pages only on split items) wrote."""
+        for item in work:
             sides = [(base_kind, item.slots.pages)] if item.write_base else []
-            if has_residual and item.write_residual:
+            if item.slots.residual_pages is not None and item.write_residual:
                 sides.append((PageKind.RESIDUAL, item.slots.residual_pages))
             sides += [(PageKind.RESIDUAL, t.residual_pages) for t in item.extra_residuals]
             positions = np.arange(item.start_pos, item.start_pos + len(item.tokens))

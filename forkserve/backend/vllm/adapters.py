@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from forkserve.adapter_key import AdapterId
 from forkserve.errors import InvalidRequestError
 
 
@@ -33,7 +34,7 @@ class AdapterTable:
     def adapter_id(self, name: str) -> int:
         return self._ref_by_name(name).int_id
 
-    def resolve(self, adapter: object) -> LoraRef | None:
+    def resolve(self, adapter: AdapterId | None) -> LoraRef | None:
         """``None`` is the base model; a name or an id from ``adapter_id`` is a LoRA."""
         if adapter is None:
             return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
+from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.protocol import PageId, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.vllm.adapters import AdapterTable
 from forkserve.backend.vllm.phase_runner import EngineLike, PhaseRunner, Pinner, VllmApi
@@ -32,6 +33,10 @@ from forkserve.config import ForkServeConfig, KVLayout
 
 
 class VllmBackend:
+    # None of the optional parts: adapters are resolved (name or id) at the step, vLLM's
+    # prefix cache does its own eviction, and each step runs to its end.
+    capabilities = Capabilities()
+
     def __init__(self, config: ForkServeConfig | None = None, *, model: str,
                  gpu_memory_utilization: float = 0.45, two_class: bool = False,
                  cow_blocks: bool = True, lora_modules: Mapping[str, str] | None = None,

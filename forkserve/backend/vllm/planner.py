@@ -7,6 +7,7 @@ from forkserve.backend.protocol import PageKind, SamplingParams, SeqWork
 from forkserve.backend.vllm.adapters import AdapterTable
 from forkserve.backend.vllm.plan import PhasePlan, RequestPlan, RequestSampling, StepPlan
 from forkserve.backend.vllm.token_shadow import TokenShadow
+from forkserve.config import KVForm
 
 _GREEDY_WRITE = RequestSampling(temperature=0.0, top_p=1.0, seed=None)
 _SEED_MOD = 1 << 63
@@ -25,9 +26,9 @@ def plan_step(work: Sequence[SeqWork], shadow: TokenShadow, adapters: AdapterTab
     if len({item.seq_id for item in work}) != len(work):
         raise ValueError("a step holds at most one item per sequence (request ids are per seq)")
     for item in work:
-        if item.slots.residual_pages is not None:
+        if item.form is not KVForm.MERGED or item.slots.residual_pages is not None:
             raise ValueError(f"seq {item.seq_id}: vLLM stores merged K/V ({PageKind.UNIFIED.value} "
-                             f"pages); residual pages belong to the disaggregated layout")
+                             f"pages); the split form and residual pages need a residual pool")
         if not item.tokens:
             raise ValueError(f"seq {item.seq_id}: empty write")
         lora = adapters.resolve(item.adapter_id)

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import PageId
 
 _UNWRITTEN = -1
@@ -23,9 +24,10 @@ class TokenShadow:
         self._tokens = np.full((num_pages, page_size), _UNWRITTEN, dtype=np.int64)
         # The adapter whose request wrote each slot; vLLM's prefix cache keys merged K/V by
         # LoRA, so a prompt read across an adapter boundary would hit nothing it expects.
-        self._adapter: list[list[object]] = [[None] * page_size for _ in range(num_pages)]
+        self._adapter: list[list[AdapterId | None]] = [[None] * page_size for _ in range(num_pages)]
 
-    def read(self, pages: Sequence[PageId], length: int, adapter: object, seq_id: int) -> list[int]:
+    def read(self, pages: Sequence[PageId], length: int, adapter: AdapterId | None,
+             seq_id: int) -> list[int]:
         """The first ``length`` tokens behind ``pages``; every slot must be written by ``adapter``."""
         if length == 0:
             return []
@@ -44,7 +46,7 @@ class TokenShadow:
                 raise AssertionError(f"seq {seq_id}: page {page} holds another adapter's KV")
         return values.tolist()
 
-    def write(self, pages: Sequence[PageId], start: int, tokens: Sequence[int], adapter: object,
+    def write(self, pages: Sequence[PageId], start: int, tokens: Sequence[int], adapter: AdapterId | None,
               seq_id: int) -> tuple[PageId, ...]:
         """Write ``tokens`` at ``start..``; returns the pages this write touched, in order."""
         if not tokens:

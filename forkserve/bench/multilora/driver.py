@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
-from forkserve.config import KVLayout
-from forkserve.control.layout_policy import KVForm
+from forkserve.config import KVForm, KVLayout
 from forkserve.engine import Engine
 
 if TYPE_CHECKING:
@@ -113,15 +112,13 @@ class Driver:
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
         agents holding it — kept at the most agents seen at once."""
-        tables = [self.engine.node(f.session, self.engine.tip(f.session)).table for f in flows
-                  if f.session is not None]
-        tables = [kv for kv in tables if kv.length >= self.params.context]
+        tables = [self.engine.session_pages(f.session) for f in flows if f.session is not None]
+        tables = [t for t in tables if t.length >= self.params.context]
         if len(tables) <= self._context_holders:
             return
         n = self.context_pages
-        base = {page for kv in tables for page in kv.base.pages[:n]}
-        residual = {page for kv in tables if kv.residual is not None
-                    for page in kv.residual.pages[:n]}
+        base = {page for t in tables for page in t.base[:n]}
+        residual = {page for t in tables if t.residual is not None for page in t.residual[:n]}
         self._context_holders = len(tables)
         stored = len(base) * self.base_bytes + len(residual) * self.res_bytes
         self.context_kv_per_agent = stored / len(tables)

@@ -139,9 +139,5 @@ class Tenancy:
 
     def _pages_held(self, sessions: list[int]) -> int:
         """Distinct base-pool pages the sessions' live tables hold (an aliased page once)."""
-        pages: set[int] = set()
-        for sid in sessions:
-            for node in self.engine.sessions[sid].tree.nodes.values():
-                if node.table is not None and node.live:
-                    pages.update(node.table.base.pages)
-        return len(pages)
+        held = (self.engine.session_pages(sid).base_held for sid in sessions)
+        return len(frozenset().union(*held))
