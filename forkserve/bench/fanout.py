@@ -128,7 +128,7 @@ def drive(engine: Engine, system: str, params: FanoutParams) -> int:
             engine.drain_slack()
             engine.commit(h.id, h.tip, thoughts[0])
     engine.check_integrity()
-    return sum(engine.sessions[h.id].peak_tokens for h in handles)
+    return sum(engine.session_summary(h.id).peak_tokens for h in handles)
 
 
 def run_system(system: str, params: FanoutParams, **overrides) -> FanoutRow:

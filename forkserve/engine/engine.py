@@ -58,6 +58,7 @@ from forkserve.engine.results import (
     DrainReport,
     GenerateResult,
     SessionHandle,
+    SessionSummary,
     SharedPrefill,
 )
 from forkserve.engine.session import Session
@@ -620,6 +621,18 @@ class Engine:
         """Every page the prefix trees publish, copied out (replica routing summaries)."""
         self.stepper.sync()
         return published_pages(self.kv)
+
+    def has_session(self, session_id: int) -> bool:
+        """Whether ``session_id`` is open (closed, aborted and expired sessions are not)."""
+        return session_id in self.sessions
+
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    def session_summary(self, session_id: int) -> SessionSummary:
+        """The session's adapter and KV peak, copied out (the interfaces read no Session)."""
+        session = self._session(session_id)
+        return SessionSummary(session.adapter, session.peak_tokens)
 
     def session_pages(self, session_id: int) -> SessionPages:
         """The pages a session holds, copied out (tenant quotas, benches' KV accounting)."""

@@ -13,6 +13,14 @@ class SessionHandle:
 
 
 @dataclass(frozen=True)
+class SessionSummary:
+    """What the interfaces read of one open session, copied out (``Engine.session_summary``)."""
+
+    adapter: AdapterId | None
+    peak_tokens: int  # the most KV tokens it held that it could not give back (seed 000's peak)
+
+
+@dataclass(frozen=True)
 class CommitResult:
     session_id: int
     tip: int                 # the new committed tip

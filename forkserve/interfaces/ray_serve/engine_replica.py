@@ -154,7 +154,7 @@ class EngineReplica:
 
     def _sid(self, tree_id: int) -> int:
         sid = self._trees.get(tree_id)
-        if sid is None or sid not in self._model.engine.sessions:
+        if sid is None or not self._model.engine.has_session(sid):
             self._trees.pop(tree_id, None)
             raise _NotResident(f"tree {tree_id} is not resident on replica {self.replica}")
         return sid
@@ -165,7 +165,7 @@ class EngineReplica:
 
     def _info(self, tree_id: int, sid: int) -> SessionInfo:
         eng = self._model.engine
-        adapter = eng.sessions[sid].adapter
+        adapter = eng.session_summary(sid).adapter
         name = self._model.name if adapter is None else self._model.adapter_names[adapter_key(adapter)]
         # The tree id; the Frontend shows the caller its public id instead.
         return SessionInfo(session_id=str(tree_id), tip=eng.tip(sid), model=name,
@@ -192,7 +192,7 @@ class EngineReplica:
             self._model.check_vocab(tokens)
             self._model.check_length(len(tokens), 0)
             old = self._trees.pop(hint.tree_id, None)
-            if old is not None and old in self._model.engine.sessions:
+            if old is not None and self._model.engine.has_session(old):
                 # A re-open of a tree this replica still holds (its Frontend saw the reply
                 # lost): the ledger's tokens are the truth, the old session goes.
                 self._worker.release(old)

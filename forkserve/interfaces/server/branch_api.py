@@ -84,7 +84,7 @@ async def _on_session(st: ServerState, tenant: str, sid: str, verb: Callable[[in
 
 def _info(st: ServerState, eid: int) -> SessionInfo:
     eng = st.worker.engine
-    adapter = eng.sessions[eid].adapter
+    adapter = eng.session_summary(eid).adapter
     name = st.model.name if adapter is None else next(n for n, a in st.model.adapters.items() if a == adapter)
     return SessionInfo(session_id=st.tenancy.public_id(eid), tip=eng.tip(eid), model=name,
                        committed_tokens=len(eng.committed_tokens(eid)))
@@ -115,7 +115,7 @@ async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep
 def _close(st: ServerState, eid: int) -> None:
     st.worker.release(eid)
     st.tenancy.forget(eid)
-    if eid in st.worker.engine.sessions:
+    if st.worker.engine.has_session(eid):
         st.worker.engine.close(eid)
 
 

@@ -242,7 +242,7 @@ class EngineWorker:
         """Drop a finished, failed or cancelled job and settle its session."""
         del self._jobs[sid]
         job.gen.finished = True
-        if sid not in self.engine.sessions:
+        if not self.engine.has_session(sid):
             return
         if job.gen.cancelled or (failed and job.gen.spec.close_when_done):
             self._leases.pop(sid, None)
@@ -356,7 +356,7 @@ class EngineWorker:
         expired = [s for s, deadline in self._leases.items() if deadline < now and s not in self._jobs]
         for sid in expired:
             del self._leases[sid]
-            if sid in self.engine.sessions:
+            if self.engine.has_session(sid):
                 log.info("session %d idle for %.0f s: closed", sid, self.session_ttl_s)
                 self.engine.close(sid)
 

@@ -41,7 +41,7 @@ def take_snapshot(engine: Engine, worker: EngineWorker) -> EngineSnapshot:
     peak = snap.pop("peak_pages")
     return EngineSnapshot({k: p.used for k, p in pools.items()},
                           {k: p.free for k, p in pools.items()}, trees,
-                          len(engine.sessions), snap, actions, peak, worker.stats())
+                          engine.num_sessions(), snap, actions, peak, worker.stats())
 
 
 _COUNTER_HELP = {

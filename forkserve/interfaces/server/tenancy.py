@@ -107,7 +107,7 @@ class Tenancy:
     def resolve(self, tenant: str, public_id: str) -> int:
         """The engine id behind a tenant's public id; 404 alike for unknown and not-yours."""
         sid = self._public.resolve(tenant, public_id)
-        if sid not in self.engine.sessions:  # its lease expired: the worker closed it
+        if not self.engine.has_session(sid):  # its lease expired: the worker closed it
             self.forget(sid)
             raise APIError(404, f"session {public_id!r} not found", "NotFoundError", "session_id")
         return sid
@@ -129,12 +129,12 @@ class Tenancy:
     def _live(self, tenant: str) -> list[int]:
         owned = [sid for sid, t in self._owner.items() if t == tenant]
         for sid in owned:
-            if sid not in self.engine.sessions:
+            if not self.engine.has_session(sid):
                 self.forget(sid)
-        return [sid for sid in owned if sid in self.engine.sessions]
+        return [sid for sid in owned if self.engine.has_session(sid)]
 
     def _prune(self) -> None:
-        for sid in [s for s in self._owner if s not in self.engine.sessions]:
+        for sid in [s for s in self._owner if not self.engine.has_session(s)]:
             self.forget(sid)
 
     def _pages_held(self, sessions: list[int]) -> int:
