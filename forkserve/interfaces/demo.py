@@ -83,8 +83,7 @@ def run_layout(layout: KVLayout, model_cfg, weights, adapters, tokenizer, max_ne
                          max_batch_tokens=2048, node_ttl_s=None)
     backend = TorchBackend.from_weights(config, model_cfg, weights, adapters, device="cpu",
                                         dtype=torch.float32, attention="eager",
-                                        use_cuda_graphs=False)
-    backend._tokenizer = tokenizer  # from_weights has no folder to read one from
+                                        use_cuda_graphs=False, tokenizer=tokenizer)
     engine = Engine(backend)
     start = time.perf_counter()
     texts, tokens, actions, sessions = {}, {}, {}, {}

@@ -124,13 +124,17 @@ class TorchBackend:
                      dtype: torch.dtype, max_adapters: int | None = None, max_lora_rank: int | None = None,
                      lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
                      use_cuda_graphs: bool = True, compile_fusions: bool | None = None,
-                     connector_gb_per_s: float = 25.0, seed: int = 0) -> "TorchBackend":
-        """A backend over weights already in memory (benchmarks with random weights); no tokenizer."""
+                     connector_gb_per_s: float = 25.0, seed: int = 0,
+                     tokenizer: Tokenizer | None = None) -> "TorchBackend":
+        """A backend over weights already in memory (benchmarks with random weights, models
+        read by another loader); ``tokenizer``: the model's, when the caller has one (there is
+        no folder to read one from)."""
         self = cls.__new__(cls)
         self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device), dtype,
                     max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs, compile_fusions,
                     connector_gb_per_s, seed)
         self.model_path = None
+        self._tokenizer = tokenizer
         return self
 
     def _setup(self, config: ForkServeConfig, model_cfg: ModelConfig, weights: ModelWeights,
