@@ -211,8 +211,8 @@ def build_workload(engine: Engine, writer: TrunkWriter, encode: Callable[[str], 
     kinds[0] = ["sampled" if k == "duplicate" else k for k in kinds[0]]  # nothing to replay yet
     trunks = [writer.trunk(TASKS[s % len(TASKS)] if shape.distinct_trunks else TASKS[0],
                            shape.trunk) for s in range(shape.sessions)]
-    thoughts = sample_thoughts(engine, [(t, k.count("sampled")) for t, k in zip(trunks, kinds)],
-                               params, stop)
+    asks = [(t, k.count("sampled")) for t, k in zip(trunks, kinds, strict=True)]
+    thoughts = sample_thoughts(engine, asks, params, stop)
     steps: list[SessionStep] = []
     for trunk, names, sampled in zip(trunks, kinds, map(iter, thoughts), strict=True):
         residuals = [next(sampled) if k == "sampled" else written[k] if k in written
