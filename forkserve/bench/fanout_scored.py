@@ -142,28 +142,42 @@ def pages_for(shape: FanoutParams, trunk: int) -> int:
     return tokens // shape.page_size + 64
 
 
-def drive_scored(engine: Engine, workload: ScoredWorkload) -> tuple[int, list[int]]:
+@dataclass(frozen=True)
+class Drive:
+    """One system's pass over the workload: what the cascade did with each candidate."""
+    peak_kv_tokens: int                  # summed per-session peak
+    winners: tuple[int, ...]             # per session
+    actions: tuple[tuple[str, ...], ...]  # per session, per candidate: the cascade's action
+    kept: tuple[tuple[int, ...], ...]     # per session: the candidates alive after the drain
+
+
+def drive_scored(engine: Engine, workload: ScoredWorkload) -> Drive:
     """Sessions opened in one wave, then one after another: fork every candidate, speculate
     (the cascade decides each), drain, choose the winner among the live candidates, commit it
-    and the tool's answer. Returns the summed per-session peak KV tokens and the winners."""
+    and the tool's answer."""
     handles = [engine.open(step.trunk) for step in workload.sessions]
-    rule, winners = WinnerRule(), []
+    rule, winners, actions, kept_all = WinnerRule(), [], [], []
     for h, step in zip(handles, workload.sessions, strict=True):
         kids = [engine.fork(h.id, h.tip, f"{c.kind}{i}", c.tokens)
                 for i, c in enumerate(step.candidates)]
         for i, kid in enumerate(kids):
             engine.speculate(h.id, kid, priority=0.9 if i == 0 else 0.5)
         engine.drain_slack()
-        kept = [i for i, kid in enumerate(kids) if engine.node(h.id, kid).live]
+        nodes = [engine.node(h.id, kid) for kid in kids]
+        kept = tuple(i for i, node in enumerate(nodes) if node.live)
         winner = rule.choose([c.judged for c in step.candidates], kept)
         tip = engine.commit(h.id, h.tip, step.candidates[winner].tokens).tip
         engine.commit(h.id, tip, step.observation)
         winners.append(winner)
+        actions.append(tuple(node.decision.action.value for node in nodes))
+        kept_all.append(kept)
     engine.check_integrity()
-    return sum(engine.sessions[h.id].peak_tokens for h in handles), winners
+    return Drive(sum(engine.sessions[h.id].peak_tokens for h in handles), tuple(winners),
+                 tuple(actions), tuple(kept_all))
 
 
-def engine_row(system: str, size: str, model: Model, workload: ScoredWorkload) -> ScoredRow:
+def engine_row(system: str, size: str, model: Model,
+               workload: ScoredWorkload) -> tuple[ScoredRow, Drive]:
     """``cascade`` or ``alias`` on a fresh TorchBackend; on CUDA after an untimed pass."""
     shape = workload.params.shape
     trunk = max(len(s.trunk) for s in workload.sessions)
@@ -172,16 +186,17 @@ def engine_row(system: str, size: str, model: Model, workload: ScoredWorkload) -
         drive_scored(model.engine(cfg), workload)
     engine = model.engine(cfg)
     t0 = time.perf_counter()
-    peak, winners = drive_scored(engine, workload)
+    drive = drive_scored(engine, workload)
     wall_ms = (time.perf_counter() - t0) * 1e3
-    m = engine.metrics
+    m, winners = engine.metrics, drive.winners
     chosen = [s.candidates[w] for s, w in zip(workload.sessions, winners, strict=True)]
     same = sum(w == s.reference_winner for s, w in zip(workload.sessions, winners, strict=True))
-    return ScoredRow(system, size, shape.distinct_trunks, m.prefill_tokens, m.decode_tokens,
-                     round(wall_ms, 3), peak, None, m.pruned, dict(m.actions), m.probe_aborts,
-                     tuple(winners), tuple(c.kind for c in chosen),
-                     round(sum(c.judged.mean_logprob for c in chosen) / len(chosen), 4),
-                     round(sum(c.judged.score for c in chosen) / len(chosen), 4), same)
+    row = ScoredRow(system, size, shape.distinct_trunks, m.prefill_tokens, m.decode_tokens,
+                    round(wall_ms, 3), drive.peak_kv_tokens, None, m.pruned, dict(m.actions),
+                    m.probe_aborts, winners, tuple(c.kind for c in chosen),
+                    round(sum(c.judged.mean_logprob for c in chosen) / len(chosen), 4),
+                    round(sum(c.judged.score for c in chosen) / len(chosen), 4), same)
+    return row, drive
 
 
 @dataclass(frozen=True)
@@ -239,10 +254,14 @@ class ScoredReport:
         self.path = out / "fanout_scored.json"
         self.data: dict[str, Any] = {"workload": "fanout-scored", "commit": source_commit(),
                                      "device": device, "model": model, "tiny": tiny,
-                                     "rows": [], "workloads": {}, "skipped": [], "errors": []}
+                                     "rows": [], "workloads": {}, "drives": {}, "skipped": [],
+                                     "errors": []}
 
-    def add(self, row: ScoredRow) -> None:
+    def add(self, row: ScoredRow, drive: Drive | None = None) -> None:
         self.data["rows"].append(asdict(row))
+        if drive is not None:  # what happened to each candidate, beside the workload's text
+            self.data["drives"][f"{row.system} {row.size} {_trunks(row.distinct_trunks)}"] = {
+                "actions": drive.actions, "kept": drive.kept}
         self.save()
         print(format_rows([row]).splitlines()[-1], flush=True)
 
@@ -259,6 +278,10 @@ class ScoredReport:
                              "winner_kinds": tuple(r["winner_kinds"])}) for r in self.data["rows"]]
 
 
+def _trunks(distinct: bool) -> str:
+    return "distinct" if distinct else "shared"
+
+
 def format_rows(rows: Sequence[ScoredRow]) -> str:
     head = (f"{'system':<8} {'size':<6} {'trunks':<8} {'computed':>9} {'decode':>6} "
             f"{'wall ms':>9} {'peak KV':>8} {'pruned':>6} {'aborts':>6} {'win lp':>7} "
@@ -267,8 +290,7 @@ def format_rows(rows: Sequence[ScoredRow]) -> str:
     for r in rows:
         same = "-" if r.same_winner is None else f"{r.same_winner}/{len(r.winners)}"
         lp = "-" if r.winner_logprob is None else f"{r.winner_logprob:.3f}"
-        trunks = "distinct" if r.distinct_trunks else "shared"
-        lines.append(f"{r.system:<8} {r.size:<6} {trunks:<8} "
+        lines.append(f"{r.system:<8} {r.size:<6} {_trunks(r.distinct_trunks):<8} "
                      f"{r.computed_tokens:>9} {r.decode_tokens:>6} {r.wall_ms:>9.1f} "
                      f"{r.peak_kv_tokens:>8} {r.pruned:>6} {r.probe_aborts:>6} {lp:>7} "
                      f"{same:>5}  {r.actions}")
@@ -281,7 +303,7 @@ def run(report: ScoredReport, model: Model, variants: Sequence[tuple[str, Scored
     ``native``: starts plain vLLM on first use, or says why its row is skipped."""
     started: list[NativeVllm] = []
     for size, params in variants:
-        tag = f"{size} {'distinct' if params.shape.distinct_trunks else 'shared'}"
+        tag = f"{size} {_trunks(params.shape.distinct_trunks)}"
         if stop_at is not None and time.time() >= stop_at:
             report.note("skipped", f"{tag}: out of time (--stop-at)")
             continue
@@ -293,7 +315,7 @@ def run(report: ScoredReport, model: Model, variants: Sequence[tuple[str, Scored
                 continue
             try:
                 if system != "vllm":
-                    report.add(engine_row(system, size, model, workload))
+                    report.add(*engine_row(system, size, model, workload))
                 elif isinstance(native, str):
                     report.note("skipped", f"vllm {tag}: {native}")
                 else:

@@ -1,0 +1,101 @@
+"""The scored fan-out on SmolLM2 (CPU): the cascade's decisions come from real scores on real
+text, and pruning early does not change the winner an exhaustive harness would choose.
+
+One tiny workload (2 sessions sharing a trunk, 5 candidates each: the model's sampled
+thoughts, a replay of session 1's winner, a loop, a malformed and a truncated call) runs on
+the Engine with and without the cascade.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from forkserve.bench.scored_judge import Judged, WinnerRule
+
+
+def _judged(logprob: float, eligible: bool) -> Judged:
+    return Judged(logprob, 1.0 if eligible else 0.22, False, "", eligible)
+
+
+def test_winner_rule_takes_the_likeliest_eligible_kept_candidate():
+    judged = [_judged(-2.0, True), _judged(-0.5, False), _judged(-1.0, True),
+              _judged(-0.1, True)]
+    rule = WinnerRule()
+    assert rule.choose(judged, range(4)) == 3
+    assert rule.choose(judged, [0, 1, 2]) == 2       # 3 pruned: the next likeliest
+    assert rule.choose(judged, [1]) == 1             # none eligible: the lowest kept
+    assert rule.choose([_judged(-1.0, True)] * 3, [2, 1]) == 1  # a tie: the lower index
+    with pytest.raises(ValueError):
+        rule.choose(judged, [])
+
+
+def test_written_calls_follow_the_models_format():
+    pytest.importorskip("fastapi")
+    from forkserve.bench.scored_workload import CallTexts
+    from forkserve.interfaces.server.tools.formats import SmolLM2Format
+
+    fmt = SmolLM2Format()
+    calls = CallTexts.of(fmt)
+    assert fmt.parse(calls.last).calls[0].name == "search_logs"
+    assert fmt.parse(calls.malformed).calls == ()     # its JSON does not parse
+    assert calls.truncated.startswith(fmt.prefix) and not calls.truncated.endswith(fmt.suffix)
+
+
+@pytest.fixture(scope="module")
+def scored():
+    pytest.importorskip("gguf")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("xgrammar")
+    from forkserve.backend.torch import find_smollm2_gguf
+    from forkserve.bench import fanout_scored as fs
+    from forkserve.bench.scored_workload import ScoredParams
+
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(f"the SmolLM2 package is not installed: {exc}")
+    model = fs.Model(path, "cpu")
+    workload = model.workload(ScoredParams(replace(fs.TINY, residual=16)))
+    rows = {s: fs.engine_row(s, "tiny", model, workload) for s in ("cascade", "alias")}
+    return workload, rows
+
+
+def _index(workload, session: int, kind: str) -> int:
+    return [c.kind for c in workload.sessions[session].candidates].index(kind)
+
+
+def test_the_scorers_judge_real_text(scored):
+    workload, _ = scored
+    assert workload.checker.startswith("CallLegality")
+    first = workload.sessions[0]
+    loop = first.candidates[_index(workload, 0, "loop")].judged
+    assert loop.is_loop and not loop.eligible
+    malformed = first.candidates[_index(workload, 0, "malformed")].judged
+    assert "not a smollm2 tool call" in malformed.reason and not malformed.eligible
+    sampled = first.candidates[0]
+    assert sampled.kind == "sampled" and all(t < 49152 for t in sampled.tokens)
+
+
+def test_cascade_skips_the_replay_and_the_loop_and_drops_the_malformed_call(scored):
+    workload, rows = scored
+    _, drive = rows["cascade"]
+    for s in range(len(workload.sessions)):
+        actions, kept = drive.actions[s], drive.kept[s]
+        assert actions[_index(workload, s, "loop")] == "draft_skip"
+        malformed = _index(workload, s, "malformed")
+        assert actions[malformed] == "early_abort" and malformed not in kept  # the probe agreed
+    # Session 2 replays session 1's winner, which session 1 committed and published.
+    assert drive.actions[1][_index(workload, 1, "duplicate")] == "hash_skip"
+
+
+def test_the_exhaustive_run_prefills_everything_and_the_winners_agree(scored):
+    workload, rows = scored
+    cascade, _ = rows["cascade"]
+    alias, drive = rows["alias"]
+    assert set(a for session in drive.actions for a in session) == {"prefill"}
+    reference = tuple(s.reference_winner for s in workload.sessions)
+    assert alias.winners == reference and alias.same_winner == len(reference)
+    assert cascade.winners == reference and cascade.same_winner == len(reference)
+    assert cascade.computed_tokens < alias.computed_tokens
+    assert cascade.peak_kv_tokens < alias.peak_kv_tokens
