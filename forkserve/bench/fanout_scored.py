@@ -148,6 +148,7 @@ class Drive:
     peak_kv_tokens: int                  # summed per-session peak
     winners: tuple[int, ...]             # per session
     actions: tuple[tuple[str, ...], ...]  # per session, per candidate: the cascade's action
+    misses: tuple[tuple[int, ...], ...]   # ... and the tokens it left to prefill
     kept: tuple[tuple[int, ...], ...]     # per session: the candidates alive after the drain
 
 
@@ -156,7 +157,7 @@ def drive_scored(engine: Engine, workload: ScoredWorkload) -> Drive:
     (the cascade decides each), drain, choose the winner among the live candidates, commit it
     and the tool's answer."""
     handles = [engine.open(step.trunk) for step in workload.sessions]
-    rule, winners, actions, kept_all = WinnerRule(), [], [], []
+    rule, winners, actions, misses, kept_all = WinnerRule(), [], [], [], []
     for h, step in zip(handles, workload.sessions, strict=True):
         kids = [engine.fork(h.id, h.tip, f"{c.kind}{i}", c.tokens)
                 for i, c in enumerate(step.candidates)]
@@ -170,10 +171,11 @@ def drive_scored(engine: Engine, workload: ScoredWorkload) -> Drive:
         engine.commit(h.id, tip, step.observation)
         winners.append(winner)
         actions.append(tuple(node.decision.action.value for node in nodes))
+        misses.append(tuple(node.decision.miss_tokens for node in nodes))
         kept_all.append(kept)
     engine.check_integrity()
     return Drive(sum(engine.sessions[h.id].peak_tokens for h in handles), tuple(winners),
-                 tuple(actions), tuple(kept_all))
+                 tuple(actions), tuple(misses), tuple(kept_all))
 
 
 def engine_row(system: str, size: str, model: Model,
@@ -261,7 +263,7 @@ class ScoredReport:
         self.data["rows"].append(asdict(row))
         if drive is not None:  # what happened to each candidate, beside the workload's text
             self.data["drives"][f"{row.system} {row.size} {_trunks(row.distinct_trunks)}"] = {
-                "actions": drive.actions, "kept": drive.kept}
+                "actions": drive.actions, "misses": drive.misses, "kept": drive.kept}
         self.save()
         print(format_rows([row]).splitlines()[-1], flush=True)
 

@@ -3,13 +3,15 @@
 Each session is one step of a tool-using agent, chat-templated by the model's tokenizer: a
 system prompt with the tool schemas (SmolLM2's function-calling prompt), the user's task, an
 earlier call with a long tool observation (build-log lines, as many as the trunk size asks),
-a second call and its short answer. Its candidate continuations (the residuals), in order:
+a second call, its short answer and the user's next instruction (without it SmolLM2 mostly
+repeats its last call). Its candidate continuations (the residuals), in order:
 
 * ``sampled``    the model's own next turn at temperature > 0, one seed each (index 0 is the
                  harness's prior winner, as in the seed);
 * ``duplicate``  the previous session's reference winner (a harness replaying the step it
                  committed last time): a hash hit when the sessions share a trunk and that
-                 winner was committed;
+                 winner was committed (HASH_SKIP only when it ends on a page boundary: the
+                 index keys full pages, so a replay ending mid-page recomputes that tail);
 * ``loop``       the trunk's last call again, verbatim (the agent repeating itself);
 * ``malformed``  a call whose JSON does not parse (an unquoted argument);
 * ``truncated``  a call cut before its end: whether it is kept depends on what the model
@@ -137,6 +139,9 @@ def _log_lines(n: int) -> str:
     return "\n".join(lines + ["ERROR: ld: cannot find -lssl (nightly toolchain)"])
 
 
+FOLLOW_UP = "Check how the build links OpenSSL, then fix it."
+
+
 class TrunkWriter:
     """Chat-templated trunks of about ``target`` tokens (the log grows until it reaches them),
     with the function-calling system prompt for ``TOOLS`` in the model's call format."""
@@ -161,6 +166,7 @@ class TrunkWriter:
             {"role": "tool", "content": _log_lines(lines)},
             {"role": "assistant", "content": self.calls.last},
             {"role": "tool", "content": "1 match: ERROR: ld: cannot find -lssl"},
+            {"role": "user", "content": FOLLOW_UP},
         ])
 
 
