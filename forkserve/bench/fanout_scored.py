@@ -112,11 +112,14 @@ class Model:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def engine(self, cfg: ForkServeConfig) -> Engine:
+    def backend(self, cfg: ForkServeConfig) -> Any:
         from forkserve.backend.torch import TorchBackend
 
-        backend = TorchBackend.from_weights(cfg, self.config, self.weights, {},
-                                            device=self.device, dtype=self.dtype)
+        return TorchBackend.from_weights(cfg, self.config, self.weights, {},
+                                         device=self.device, dtype=self.dtype)
+
+    def engine(self, backend: Any) -> Engine:
+        """A fresh control plane over ``backend`` (its pages are the new engine's to write)."""
         return Engine(backend, scorer=self.scorer)
 
     def row_config(self, system: str, shape: FanoutParams, pages: int) -> ForkServeConfig:
@@ -131,7 +134,8 @@ class Model:
         writer, shape = TrunkWriter(self.tokenizer.apply_chat_template, self.format), params.shape
         longest = max(len(writer.trunk(t, shape.trunk)) for t in TASKS)
         tokens = 2 * shape.sessions * shape.fanout * (longest + shape.residual + 64)
-        engine = self.engine(self.row_config("alias", shape, tokens // shape.page_size + 64))
+        engine = self.engine(self.backend(
+            self.row_config("alias", shape, tokens // shape.page_size + 64)))
         return build_workload(engine, writer, self.tokenizer.encode, self.scorer, params,
                               self.stop, self.checker)
 
@@ -180,13 +184,14 @@ def drive_scored(engine: Engine, workload: ScoredWorkload) -> Drive:
 
 def engine_row(system: str, size: str, model: Model,
                workload: ScoredWorkload) -> tuple[ScoredRow, Drive]:
-    """``cascade`` or ``alias`` on a fresh TorchBackend; on CUDA after an untimed pass."""
+    """``cascade`` or ``alias`` on a TorchBackend of its own; on CUDA after an untimed pass
+    (CUDA graphs and Triton compile outside the timing) by another Engine on that backend."""
     shape = workload.params.shape
     trunk = max(len(s.trunk) for s in workload.sessions)
-    cfg = model.row_config(system, shape, pages_for(shape, trunk))
-    if model.device.type == "cuda":  # CUDA graphs and Triton compile outside the timing
-        drive_scored(model.engine(cfg), workload)
-    engine = model.engine(cfg)
+    backend = model.backend(model.row_config(system, shape, pages_for(shape, trunk)))
+    if model.device.type == "cuda":
+        drive_scored(model.engine(backend), workload)
+    engine = model.engine(backend)
     t0 = time.perf_counter()
     drive = drive_scored(engine, workload)
     wall_ms = (time.perf_counter() - t0) * 1e3
@@ -213,10 +218,13 @@ class NativeVllm:
     def start(cls, path: Path, page_size: int, max_context: int,
               utilization: float) -> "NativeVllm":
         """Raises ImportError / RuntimeError (no vLLM, no CUDA, a GGUF it cannot load)."""
+        import torch
+
         from forkserve.backend.vllm.kv_gauge import KvGauge
         from forkserve.backend.vllm.vllm_loader import api, build_llm
 
         cfg = ForkServeConfig(page_size=page_size, num_pages=1, max_context=max_context)
+        torch.cuda.empty_cache()  # vLLM sizes its pool from the memory free when it starts
         llm = build_llm(str(path), cfg, max_loras=0, gpu_memory_utilization=utilization,
                         max_lora_rank=16, llm_kwargs=dict(skip_tokenizer_init=True))
 
@@ -372,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = report.rows()
     print(format_rows(rows))
     if rows:
-        plot(rows, args.out / "fanout_scored.png",
-             f"fan-out scored on SmolLM2 text ({model.device}{', tiny' if args.tiny else ''})")
+        cascade = [r for r in rows if r.system == "cascade"]
+        same = (f"; cascade winner = exhaustive in {sum(r.same_winner for r in cascade)}/"
+                f"{sum(len(r.winners) for r in cascade)} sessions" if cascade else "")
+        plot(rows, args.out / "fanout_scored.png", f"fan-out scored on SmolLM2 text "
+             f"({model.device}{', tiny' if args.tiny else ''}){same}")
     report.save()
     print(f"wrote {report.path}")
     return 1 if report.data["errors"] else 0
