@@ -23,6 +23,7 @@ the exhaustive winner. Saved after every row.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import time
 from dataclasses import asdict, dataclass, replace
@@ -227,6 +228,7 @@ class NativeVllm:
         from forkserve.backend.vllm.vllm_loader import api, build_llm
 
         cfg = ForkServeConfig(page_size=page_size, num_pages=1, max_context=max_context)
+        gc.collect()  # the workload's and earlier rows' backends (engine <-> stepper cycles)
         torch.cuda.empty_cache()  # vLLM sizes its pool from the memory free when it starts
         llm = build_llm(str(path), cfg, max_loras=0, gpu_memory_utilization=utilization,
                         max_lora_rank=16, llm_kwargs=dict(skip_tokenizer_init=True))
