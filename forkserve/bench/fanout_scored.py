@@ -91,11 +91,12 @@ class Model:
         self.config, self.weights = load_model(path, self.device, self.dtype)
         self.tokenizer = Tokenizer.load(path)
         self.format = choose_format(self.tokenizer.chat_template)
-        self.scorer, self.checker = self._scorer()
+        self.legality, self.checker = self._legality()
+        self.scorer = CompositeScorer([LoopScorer(), self.legality])
 
-    def _scorer(self) -> tuple[CompositeScorer, str]:
-        """The server's scorers (served_model.py): the exact grammar check when xgrammar is
-        importable, else LegalityScorer's own JSON parse of the call."""
+    def _legality(self) -> tuple[LegalityScorer, str]:
+        """The server's legality scorer (served_model.py): the exact grammar check when
+        xgrammar is importable, else LegalityScorer's own JSON parse of the call."""
         calls = None
         if importlib.util.find_spec("xgrammar") is not None:
             from forkserve.interfaces.server.grammar import GrammarCompiler
@@ -105,7 +106,7 @@ class Model:
             calls = CallLegality(self.format, grammars, self.decode)
         checker = (f"CallLegality ({self.format.name} grammar, xgrammar)" if calls is not None
                    else "LegalityScorer JSON parse (no xgrammar here)")
-        return CompositeScorer([LoopScorer(), LegalityScorer(self.decode, calls=calls)]), checker
+        return LegalityScorer(self.decode, calls=calls), checker
 
     @property
     def stop(self) -> tuple[int, ...]:
@@ -138,7 +139,8 @@ class Model:
         tokens = 2 * shape.sessions * shape.fanout * (longest + shape.residual + 64)
         engine = self.engine(self.backend(
             self.row_config("alias", shape, tokens // shape.page_size + 64)))
-        return build_workload(engine, writer, self.tokenizer.encode, self.scorer, params,
+        return build_workload(engine, writer, self.tokenizer.encode,
+                              (self.scorer, self.legality), params,
                               self.stop, self.checker)
 
 

@@ -2,9 +2,12 @@
 
 ``judge`` is what an exhaustive harness knows once every candidate is written out: the
 model's mean log-probability of each candidate after the trunk (a prompt-logprob pass of
-the Engine over the real model) and the cascade's scorers on the *whole* candidate (legal
-tool calls, not a loop). ``WinnerRule`` is the one place the winner is chosen: among the
-candidates a system kept, the eligible one the model finds most likely. The exhaustive run
+the Engine over the real model), the cascade's scorers on the *whole* candidate, and from
+them the two verdicts a harness acts on: legal (the exact tool-call check) and a loop. The
+cascade's thresholds (tau) are not the harness's: a legal call that shares its format's
+boilerplate with the trunk scores low on 4-gram repetition and is still a fine next step.
+``WinnerRule`` is the one place the winner is chosen: among the candidates a system kept,
+the eligible one the model finds most likely. The exhaustive run
 keeps every candidate; the cascade keeps what it did not prune, so whether its winner is
 the exhaustive one is the quality side of the fan-out table.
 """
@@ -23,10 +26,11 @@ HISTORY = 1024  # the history the Engine's cascade shows its scorers (Engine.spe
 @dataclass(frozen=True)
 class Judged:
     mean_logprob: float  # the model's, per token of the candidate, after the trunk
-    score: float         # the scorers' verdict on the whole candidate
+    score: float         # the cascade's scorers on the whole candidate
     is_loop: bool
     reason: str
-    eligible: bool       # score >= tau and not a loop: a winner the harness would accept
+    legal: bool          # the legality scorer alone passes it
+    eligible: bool       # legal and not a loop: a winner the harness would accept
 
 
 class PromptLog:
@@ -48,10 +52,9 @@ class PromptLog:
 
 
 def judge(engine: Engine, trunk: Sequence[int], candidates: Sequence[Sequence[int]],
-          scorer: Scorer, tau: float | None = None) -> list[Judged]:
+          scorer: Scorer, legality: Scorer) -> list[Judged]:
     """Every candidate judged, their prompt-logprob passes batched in the engine's ticks.
-    ``tau``: the eligibility threshold (default: the engine's config)."""
-    tau = engine.config.tau if tau is None else tau
+    ``scorer``: the cascade's; ``legality``: its legality part (1.0: legal)."""
     logs, handles = [], []
     for cand in candidates:
         if not cand:
@@ -71,9 +74,10 @@ def judge(engine: Engine, trunk: Sequence[int], candidates: Sequence[Sequence[in
         if missing:
             raise RuntimeError(f"the engine reported no log-probability at {missing[:5]}")
         verdict = scorer.score(history, cand)
+        legal = legality.score(history, cand).value >= 1.0
         out.append(Judged(round(sum(log.prompt[p] for p in positions) / len(cand), 4),
-                          verdict.value, verdict.is_loop, verdict.reason,
-                          verdict.value >= tau and not verdict.is_loop))
+                          verdict.value, verdict.is_loop, verdict.reason, legal,
+                          legal and not verdict.is_loop))
     return out
 
 

@@ -207,10 +207,11 @@ def observation(encode: Callable[[str], list[int]], page_size: int) -> tuple[int
 
 
 def build_workload(engine: Engine, writer: TrunkWriter, encode: Callable[[str], list[int]],
-                   scorer: Scorer, params: ScoredParams, stop: Sequence[int],
+                   scorers: tuple[Scorer, Scorer], params: ScoredParams, stop: Sequence[int],
                    checker: str) -> ScoredWorkload:
     """The sessions, their candidates judged and each session's reference winner.
-    ``engine``: any Engine over the model (the work it does here is not measured)."""
+    ``engine``: any Engine over the model (the work it does here is not measured);
+    ``scorers``: the cascade's and its legality part (``judge``)."""
     shape, rule, calls = params.shape, WinnerRule(), writer.calls
     written = {"loop": tuple(encode(calls.last)) + tuple(stop[:1]),
                "malformed": tuple(encode(calls.malformed)),
@@ -229,7 +230,7 @@ def build_workload(engine: Engine, writer: TrunkWriter, encode: Callable[[str], 
         residuals = [next(sampled) if k == "sampled" else written[k] if k in written
                      else steps[-1].candidates[steps[-1].reference_winner].tokens
                      for k in names]
-        judged = judge(engine, trunk, residuals, scorer)
+        judged = judge(engine, trunk, residuals, *scorers)
         candidates = tuple(Candidate(k, tuple(r), j)
                            for k, r, j in zip(names, residuals, judged, strict=True))
         winner = rule.choose([c.judged for c in candidates], range(len(candidates)))
