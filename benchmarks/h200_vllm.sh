@@ -12,8 +12,16 @@
 #   command: bash benchmarks/h200_vllm.sh N [LAST]   (DRY_RUN=1: print the commands, run none)
 # LAST is the last part's number (2 for the usual three parts; if vllm-carry.sh wrote more,
 # call N = 0..LAST carries part N, the middle calls only copy, and call LAST runs call 2's work).
+# COPY_ONLY=1: calls 0..LAST only gather the parts and unpack vLLM (a hold for the scored run).
+#
+# The scored fan-out (issue 17, item 3; SmolLM2 in two 50 MiB parts, after the calls above
+# in the same hold for its plain-vLLM row, or alone on a fresh machine without that row):
+#   call smollm2  carry .carry/smollm2/part-aa                      part aa to /root/parts
+#   call scored   carry .carry/smollm2/part-ab,                     join + sha256, wheels to
+#                       .whl/gguf-0.19.0-py3-none-any.whl,          /tmp/site, then
+#                       .carry/grammar/wheels                       h200_vllm.py scored-fanout
 set -u
-n=${1:?usage: h200_vllm.sh N [LAST]}
+n=${1:?usage: h200_vllm.sh N [LAST] | smollm2 | scored}
 last=${2:-2}
 start=$(date +%s)
 stop=$((start + ${BUDGET_S:-480}))
@@ -29,12 +37,39 @@ react=(--turns 2)                                 # the same workload flags in c
 mkdir -p "$OUT" "$PARTS" "$KEEP"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total \
   --format=csv | tee "$OUT/gpu_$n.txt"
+SMOL=${SMOL:-/root/parts/smollm2}  # SmolLM2's parts, where h200_quality.sh keeps them
+case "$n" in
+smollm2)
+  mkdir -p "$SMOL" && run cp .carry/smollm2/part-aa "$SMOL/" && ls -l "$SMOL"
+  exit $? ;;
+scored)
+  mkdir -p "$SMOL"
+  run cp .carry/smollm2/part-ab "$SMOL/" || { echo "carry .carry/smollm2/part-ab"; exit 1; }
+  if [ -z "${DRY_RUN:-}" ]; then
+    cat "$SMOL"/part-* > "$SMOL/m.gguf"
+    want=$(awk '$2 == "smollm2" {print $1}' benchmarks/quality/models.sha256)
+    [ "$(sha256sum "$SMOL/m.gguf" | cut -d' ' -f1)" = "$want" ] || {
+      echo "SmolLM2 GGUF does not match models.sha256 (parts: $(ls "$SMOL")): run call smollm2 first"
+      rm -f "$SMOL/m.gguf"; exit 1; }
+  fi
+  # gguf (our loader, transformers' tokenizer) and the grammar engine with the server package
+  # it lives in (the exact tool-call check); after vLLM's own packages on the path.
+  run python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl/gguf-*.whl .carry/grammar/wheels/*.whl
+  export PYTHONPATH=$PWD:$SITE:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+  [ -d "$SITE/vllm" ] || echo "no vLLM in $SITE (calls 0..LAST not run in this hold): its row is skipped"
+  run timeout "$(left)" python3 benchmarks/h200_vllm.py scored-fanout --out "$OUT" \
+    --model "$SMOL/m.gguf" --stop-at "$stop" 2>&1 | tee "$OUT/scored.log"
+  ls -la "$OUT"
+  exit 0 ;;
+esac
 part=$(printf 'vllm026.part%02d' "$n")
 run cp ".vllm/$part" "$PARTS/" || { echo "part $n missing: carry .vllm/$part"; exit 1; }
 parts=$(for i in $(seq 0 "$last"); do printf "$PARTS/vllm026.part%02d " "$i"; done)
 stage=$n
 [ "$n" = "$last" ] && stage=last
 [ "$n" != "$last" ] && [ "$n" -ge 2 ] && stage=copy
+[ -n "${COPY_ONLY:-}" ] && [ "$stage" != last ] && stage=copy
 case "$stage" in
 copy) ;;
 0)
@@ -57,6 +92,7 @@ last)
   # shellcheck disable=SC2086
   if [ -z "${DRY_RUN:-}" ]; then cat $parts | xz -d | tar -x -C "$SITE" || exit 1; fi
   echo "unpacked vLLM in $(( $(date +%s) - start )) s"
+  [ -n "${COPY_ONLY:-}" ] && exit 0
   export PYTHONPATH=$SITE:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   run timeout "$(left)" python3 benchmarks/h200_vllm.py vllm --out "$OUT" --stop-at "$stop" \
     --cuda-rows "$KEEP/fanout_cuda.json" --side-by-side --systems vllm_native vllm \

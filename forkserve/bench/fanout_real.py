@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from forkserve.backend.byte_tokenizer import ByteTokenizer
 from forkserve.backend.vllm.native import run_batch
@@ -87,17 +87,25 @@ def engine_row(system: str, size: str, params: FanoutParams, backend: Any, *,
                        m.pruned, dict(m.actions), model.prefill_tokens, model.peak_kv_tokens)
 
 
-def native_row(size: str, params: FanoutParams, engine: EngineLike, api: VllmApi, *,
-               gauge: Any = None, reset: Callable[[], object] = lambda: None) -> MeasuredRow:
-    """Plain vLLM: each session's children (trunk + thought) submitted together, sessions one
-    after another, one token each (the fan-out's prefill, as anchors.md measured)."""
-    trunks, thoughts = build_workload(params)
-    sessions = [[trunk + t for t in thoughts] for trunk in trunks]
+@dataclass(frozen=True)
+class NativeRun:
+    """Plain vLLM over a fan-out: what it was asked, computed, took and held."""
+    submitted_tokens: int
+    computed_tokens: int
+    wall_ms: float
+    peak_kv_tokens: int           # summed per-session most referenced blocks (0: no gauge)
+    vllm_peak_blocks: int | None  # the most at any one time
+
+
+def run_native(sessions: Sequence[Sequence[Sequence[int]]], page_size: int, engine: EngineLike,
+               api: VllmApi, *, gauge: Any = None,
+               reset: Callable[[], object] = lambda: None) -> NativeRun:
+    """Each session's prompts (trunk + one child each) submitted together, sessions one after
+    another, one token each, after an untimed pass (how anchors.md measured the fan-out)."""
     for prompts in sessions:  # warm-up
         run_batch(engine, api, prompts, 1)
     reset()
-    submitted = computed = peak = 0
-    vllm_peak = 0
+    submitted = computed = peak = vllm_peak = 0
     t0 = time.perf_counter()
     for prompts in sessions:
         if gauge is not None:
@@ -106,14 +114,24 @@ def native_row(size: str, params: FanoutParams, engine: EngineLike, api: VllmApi
         submitted += batch.prompt_tokens
         computed += batch.computed_tokens
         if gauge is not None:
-            peak += gauge.peak_blocks * params.page_size
+            peak += gauge.peak_blocks * page_size
             vllm_peak = max(vllm_peak, gauge.peak_blocks)
     wall_ms = (time.perf_counter() - t0) * 1e3
     reset()
+    return NativeRun(submitted, computed, round(wall_ms, 3), peak,
+                     vllm_peak if gauge is not None else None)
+
+
+def native_row(size: str, params: FanoutParams, engine: EngineLike, api: VllmApi, *,
+               gauge: Any = None, reset: Callable[[], object] = lambda: None) -> MeasuredRow:
+    """Plain vLLM on the workload's token ids (``run_native``)."""
+    trunks, thoughts = build_workload(params)
+    run = run_native([[trunk + t for t in thoughts] for trunk in trunks], params.page_size,
+                     engine, api, gauge=gauge, reset=reset)
     model = run_system("apc", params)
-    return MeasuredRow("vllm", size, params.distinct_trunks, submitted, computed,
-                       round(wall_ms, 3), peak, vllm_peak if gauge is not None else None, 0, {},
-                       model.prefill_tokens, model.peak_kv_tokens)
+    return MeasuredRow("vllm", size, params.distinct_trunks, run.submitted_tokens,
+                       run.computed_tokens, run.wall_ms, run.peak_kv_tokens,
+                       run.vllm_peak_blocks, 0, {}, model.prefill_tokens, model.peak_kv_tokens)
 
 
 def variants(sizes: dict[str, FanoutParams] = SIZES) -> list[tuple[str, FanoutParams]]:
@@ -144,8 +162,12 @@ def format_rows(rows: list[MeasuredRow]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[MeasuredRow], path) -> None:
-    """Computed tokens, wall ms and peak KV per (size, trunks), engines side by side."""
+PLOT_TITLE = "fanout on the H200: cascade on TorchBackend / VllmBackend vs plain vLLM"
+
+
+def plot(rows: Sequence[Any], path, title: str = PLOT_TITLE) -> None:
+    """Computed tokens, wall ms and peak KV per (size, trunks), engines side by side (rows:
+    anything with ``MeasuredRow``'s system, size, distinct_trunks and those three fields)."""
     from forkserve.bench.output import new_figure, save_figure
 
     groups = sorted({(r.size, r.distinct_trunks) for r in rows})
@@ -168,5 +190,5 @@ def plot(rows: list[MeasuredRow], path) -> None:
                       [f"{s}\n{'distinct' if d else 'shared'}" for s, d in groups])
         ax.set(title=label, yscale="log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("fanout on the H200: cascade on TorchBackend / VllmBackend vs plain vLLM")
+    fig.suptitle(title)
     save_figure(fig, path)

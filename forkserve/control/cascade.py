@@ -1,6 +1,7 @@
 """The cascade: one action per residual, at the cheapest stage that can still reject it.
 
-Stages, in increasing GPU cost (seed 000):
+Stages, in the order the cascade decides them (seed 000): the free exits first, then the
+residuals that cost GPU work; a published prefix cuts any of those to its miss tail:
 
 =============  ==============================================  ===================
 Action         When                                            GPU work
@@ -8,9 +9,11 @@ Action         When                                            GPU work
 HASH_SKIP      published full pages cover the residual          0
 DRAFT_SKIP     a loop: loop score < tau_pre                     0
 REJECTED       the admit_mode rule declined it                  0
+EARLY_ABORT    score < tau (not a loop)                         prefill (the miss tail
+                                                                 if a prefix is published)
+                                                                 + a probe; budget if it
+                                                                 clears tau
 HASH_PARTIAL   a proper prefix is published                     the miss tail
-EARLY_ABORT    score < tau (not a loop)                         prefill + a probe;
-                                                                 budget if it clears tau
 PREFILL        otherwise                                        the residual
 =============  ==============================================  ===================
 
@@ -84,8 +87,11 @@ class Cascade:
             if not self.rule.admit(cand, admitted):
                 return Decision(Action.REJECTED, score.value, hit, 0,
                                 f"admit_mode={self.config.admit_mode.value}"), cand
+        # A published prefix makes a residual cheaper, not better: a low score still earns
+        # the probe (over the miss tail), or every call sharing a committed call's opening
+        # tokens would skip the legality stage.
+        if not kept_always and score.value < self.config.tau:
+            return Decision(Action.EARLY_ABORT, score.value, hit, n - hit, score.reason), cand
         if hit > 0:
             return Decision(Action.HASH_PARTIAL, score.value, hit, n - hit, "miss tail"), cand
-        if not kept_always and score.value < self.config.tau:
-            return Decision(Action.EARLY_ABORT, score.value, 0, n, score.reason), cand
         return Decision(Action.PREFILL, score.value, 0, n, score.reason), cand
