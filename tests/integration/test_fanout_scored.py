@@ -66,6 +66,7 @@ def _index(workload, session: int, kind: str) -> int:
     return [c.kind for c in workload.sessions[session].candidates].index(kind)
 
 
+@pytest.mark.slow  # SmolLM2 on the CPU: minutes on 2 cores
 def test_the_scorers_judge_real_text(scored):
     workload, _ = scored
     assert workload.checker.startswith("CallLegality")
@@ -82,6 +83,7 @@ def test_the_scorers_judge_real_text(scored):
     assert sampled.kind == "sampled" and all(t < 49152 for t in sampled.tokens)
 
 
+@pytest.mark.slow  # SmolLM2 on the CPU: minutes on 2 cores
 def test_cascade_hits_the_replay_skips_the_loop_and_drops_the_malformed_call(scored):
     workload, rows = scored
     row, drive = rows["cascade"]
@@ -109,6 +111,7 @@ def test_cascade_hits_the_replay_skips_the_loop_and_drops_the_malformed_call(sco
         assert miss == tail
 
 
+@pytest.mark.slow  # SmolLM2 on the CPU: minutes on 2 cores
 def test_the_exhaustive_run_prefills_everything_and_the_cascade_loses_a_winner_only_to_a_score(
         scored):
     """The exhaustive run's winners are the reference. The cascade's equal them except where
