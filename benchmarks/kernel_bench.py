@@ -150,10 +150,12 @@ def bench(fn: Callable[[], object], smoke: bool) -> float:
     return times[len(times) // 2]
 
 
-def measure(res: dict, what: str, fn: Callable[[], object], smoke: bool) -> float:
-    """``bench(fn)``, or NaN with the error recorded, so one failing case keeps the rest."""
+def measure(res: dict, what: str, fn: Callable[[], object], smoke: bool,
+            timer: Callable[[Callable[[], object], bool], float] | None = None) -> float:
+    """``timer(fn)`` (``bench``: CUDA-graph replays; ``bench_eager`` for what the engine runs
+    eagerly), or NaN with the error recorded, so one failing case keeps the rest."""
     try:
-        return bench(fn, smoke)
+        return (timer or bench)(fn, smoke)
     except Exception as exc:
         res.setdefault("errors", []).append(f"{what}: {exc!r}"[:600])
         print(f"ERROR {what}: {exc!r}"[:300], flush=True)
@@ -334,13 +336,7 @@ def bench_eager(fn: Callable[[], object], smoke: bool) -> float:
 
 
 def measure_eager(res: dict, what: str, fn: Callable[[], object], smoke: bool) -> float:
-    """``bench_eager(fn)``, or NaN with the error recorded."""
-    try:
-        return bench_eager(fn, smoke)
-    except Exception as exc:
-        res.setdefault("errors", []).append(f"{what}: {exc!r}"[:600])
-        print(f"ERROR {what}: {exc!r}"[:300], flush=True)
-        return math.nan
+    return measure(res, what, fn, smoke, bench_eager)
 
 
 def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
