@@ -113,7 +113,7 @@ class ToolFormat(ABC):
         prompt's example included); a malformed call is skipped, not fatal to the others."""
         starts = [m.start() for m in re.finditer(re.escape(self.start), text)]
         calls: list[ToolCall] = []
-        for at, end in zip(starts, [*starts[1:], len(text)]):
+        for at, end in zip(starts, [*starts[1:], len(text)], strict=True):
             calls += self._parse_calls(text[at:end])
         return calls
 
