@@ -18,6 +18,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar, Sequence
 
 
@@ -111,9 +112,9 @@ class ToolFormat(ABC):
     def calls_in(self, text: str) -> list[ToolCall]:
         """Every well-formed call anywhere in ``text`` (a history of several turns, the system
         prompt's example included); a malformed call is skipped, not fatal to the others."""
-        starts = [m.start() for m in re.finditer(re.escape(self.start), text)]
+        bounds = [m.start() for m in re.finditer(re.escape(self.start), text)] + [len(text)]
         calls: list[ToolCall] = []
-        for at, end in zip(starts, [*starts[1:], len(text)], strict=True):
+        for at, end in pairwise(bounds):  # each call's text ends where the next one starts
             calls += self._parse_calls(text[at:end])
         return calls
 
