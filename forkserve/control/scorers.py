@@ -5,6 +5,7 @@ returns a ``Score`` in [0, 1]. They are strategies; the cascade combines them. S
 
 * ``LoopScorer``  — repeated n-grams against the branch's recent history. A residual
   that mostly repeats what was already said is a loop (the only thing DRAFT_SKIP skips).
+  A residual of tool calls is judged by its calls instead (``call_loop.CallLoopScorer``).
 * ``LegalityScorer`` — a tool call whose arguments do not parse is illegal text; given a
   ``CallChecker`` (the server supplies one over its grammar engine), a residual that cannot
   parse as a tool call of the model's format is rejected exactly.

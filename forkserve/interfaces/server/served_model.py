@@ -13,6 +13,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from forkserve.adapter_key import AdapterId, AdapterKey, adapter_key
 from forkserve.config import ForkServeConfig
+from forkserve.control.call_loop import CallLoopScorer
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 from forkserve.interfaces.server.errors import APIError
@@ -23,6 +24,7 @@ from forkserve.interfaces.server.generation_defaults import (
     load_sampling_defaults,
 )
 from forkserve.interfaces.server.grammar import GrammarCompiler
+from forkserve.interfaces.server.tools.call_reader import ToolCallReader
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
 from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
 from forkserve.interfaces.server.tools.legality import CallLegality
@@ -136,9 +138,12 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
 
     def decode(ids: Sequence[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
-    # The branch cascade rejects a residual that cannot parse as a call in the model's format.
-    calls = CallLegality(choose_format(tokenizer.chat_template), grammars, decode)
-    engine = Engine(backend, scorer=CompositeScorer([LoopScorer(), LegalityScorer(decode, calls=calls)]))
+    # The branch cascade rejects a residual that cannot parse as a call in the model's format,
+    # and judges a residual of calls as a loop only when it repeats a recent call (not markup).
+    fmt = choose_format(tokenizer.chat_template)
+    loops = CallLoopScorer(ToolCallReader(fmt, decode), LoopScorer())
+    calls = CallLegality(fmt, grammars, decode)
+    engine = Engine(backend, scorer=CompositeScorer([loops, LegalityScorer(decode, calls=calls)]))
     return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
                        max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos,

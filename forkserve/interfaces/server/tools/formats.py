@@ -18,6 +18,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar, Sequence
 
 
@@ -108,6 +109,15 @@ class ToolFormat(ABC):
         content = text[:at].strip()
         return ParsedReply(content or None, tuple(calls))
 
+    def calls_in(self, text: str) -> list[ToolCall]:
+        """Every well-formed call anywhere in ``text`` (a history of several turns, the system
+        prompt's example included); a malformed call is skipped, not fatal to the others."""
+        bounds = [m.start() for m in re.finditer(re.escape(self.start), text)] + [len(text)]
+        calls: list[ToolCall] = []
+        for at, end in pairwise(bounds):  # each call's text ends where the next one starts
+            calls += self._parse_calls(text[at:end])
+        return calls
+
     @abstractmethod
     def _parse_calls(self, text: str) -> list[ToolCall]:
         """The calls of ``text`` (which starts where the calls start); [] if malformed."""
@@ -160,6 +170,20 @@ class Llama3JsonFormat(ToolFormat):
 
     def hold(self, text: str) -> int:
         return len(text) if not text.strip() else 0
+
+    def calls_in(self, text: str) -> list[ToolCall]:
+        # Its start is any brace: read whole JSON objects, so a nested one is never a call.
+        decoder, calls, i = json.JSONDecoder(), [], text.find("{")
+        while i >= 0:
+            try:
+                obj, end = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                i = text.find("{", i + 1)
+                continue
+            call = _call(obj, self.arguments_key)
+            calls += [call] if call is not None else []
+            i = text.find("{", end)
+        return calls
 
     def _parse_calls(self, text: str) -> list[ToolCall]:
         decoder, calls, i = json.JSONDecoder(), [], 0
