@@ -129,6 +129,14 @@ def bench(fn: Callable[[], object], smoke: bool) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    ms = timed_median(graph.replay, most=100)
+    del graph
+    return ms
+
+
+def timed_median(run: Callable[[], object], most: int) -> float:
+    """Median ms of ``run()`` by CUDA events, L2 flushed (a 256 MiB write) before each call;
+    ~200 ms worth of calls, 5 to ``most`` of them."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
     def timed(n: int) -> list[float]:
@@ -137,16 +145,14 @@ def bench(fn: Callable[[], object], smoke: bool) -> float:
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            run()
             end.record()
             pairs.append((start, end))
         torch.cuda.synchronize()
         return [a.elapsed_time(b) for a, b in pairs]
 
     first = sorted(timed(3))[1]
-    n = int(min(100, max(5, 200.0 / max(first, 1e-3))))  # ~200 ms of replays, 5..100 of them
-    times = sorted(timed(n))
-    del graph
+    times = sorted(timed(int(min(most, max(5, 200.0 / max(first, 1e-3))))))
     return times[len(times) // 2]
 
 
@@ -316,23 +322,7 @@ def bench_eager(fn: Callable[[], object], smoke: bool) -> float:
     if smoke:
         return bench(fn, smoke)
     fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-
-    def timed(n: int) -> list[float]:
-        pairs = []
-        for _ in range(n):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in pairs]
-
-    first = sorted(timed(3))[1]
-    times = sorted(timed(int(min(50, max(5, 200.0 / max(first, 1e-3))))))
-    return times[len(times) // 2]
+    return timed_median(fn, most=50)
 
 
 def measure_eager(res: dict, what: str, fn: Callable[[], object], smoke: bool) -> float:
