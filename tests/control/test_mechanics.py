@@ -246,18 +246,25 @@ def test_loop_scorer_and_legality_scorer():
     assert legal.score([], tok.encode("just prose")).value == 1.0
 
 
-def test_a_published_prefix_does_not_spare_illegal_text_its_probe():
-    """An illegal call opening like a committed one hits the index for that prefix, and is
-    still early-aborted: its miss tail is prefilled and probed, then dropped."""
-    cfg = plus_config(page_size=4, num_pages=256, vocab_size=300)
-    eng = engine(cfg)
-    trunk = tok.encode("System: agent. User: go.  ")
+def _winner_committed(eng):
+    """Two sessions on one trunk; the first commits a winner (published). Returns the trunk,
+    the winner and the second session."""
+    trunk = tok.encode("System: agent. User: go.  ")  # 26 tokens
     winner = tok.encode('Action: go({"x": 1})')
     h1, h2 = eng.open(trunk), eng.open(trunk)
     k1 = eng.fork(h1.id, h1.tip, "w", winner)
     eng.speculate(h1.id, k1)
     eng.drain_slack()
     eng.commit(h1.id, h1.tip, winner)
+    return trunk, winner, h2
+
+
+def test_a_published_prefix_does_not_spare_illegal_text_its_probe():
+    """An illegal call opening like a committed one hits the index for that prefix, and is
+    still early-aborted: its miss tail is prefilled and probed, then dropped."""
+    cfg = plus_config(page_size=4, num_pages=256, vocab_size=300)
+    eng = engine(cfg)
+    trunk, winner, h2 = _winner_committed(eng)
     eng.fork(h2.id, h2.tip, "w", winner)
     bad = eng.fork(h2.id, h2.tip, "bad", tok.encode('Action: go({"x": 1, "y": ]})'))
     d = eng.speculate(h2.id, bad, priority=0.5)
@@ -271,13 +278,7 @@ def test_a_published_prefix_does_not_spare_illegal_text_its_probe():
 def test_hash_skip_across_sessions_and_partial_hit_on_open():
     cfg = plus_config(page_size=4, num_pages=256, vocab_size=300)
     eng = engine(cfg)
-    trunk = tok.encode("System: agent. User: go.  ")  # 26 tokens
-    winner = tok.encode('Action: go({"x": 1})')
-    h1, h2 = eng.open(trunk), eng.open(trunk)
-    k1 = eng.fork(h1.id, h1.tip, "w", winner)
-    eng.speculate(h1.id, k1)
-    eng.drain_slack()
-    eng.commit(h1.id, h1.tip, winner)
+    trunk, winner, h2 = _winner_committed(eng)
     k2 = eng.fork(h2.id, h2.tip, "w", winner)
     d = eng.speculate(h2.id, k2)
     assert d.action is Action.HASH_PARTIAL and d.miss_tokens == (len(trunk) + len(winner)) % 4
