@@ -61,15 +61,17 @@ def _host_bounds(counts: PrefillCounts | None) -> dict[str, int]:
 
 def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute], counts: PrefillCounts | None,
            seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, q: torch.Tensor,
-           k_cache: torch.Tensor) -> PrefillRoute:
+           k_cache: torch.Tensor) -> tuple[PrefillRoute, PrefillCounts | None]:
+    """The route, and the host counts: the caller's, or those "auto" read back (so the route
+    that needs them does not read them again)."""
     if variant == "auto":
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
         return DEFAULT_PREFILL_POLICY.route(counts, allowed is RESIDUAL_ROUTES,
-                                            flash_support(q, k_cache).varlen)
+                                            flash_support(q, k_cache).varlen), counts
     names = sorted(r.value for r in allowed)
     if variant not in names:
         raise ValueError(f"prefill variant must be 'auto' or one of {names}, got {variant!r}")
-    return PrefillRoute(variant)
+    return PrefillRoute(variant), counts
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -98,7 +100,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not _triton(use_triton, q):
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale)
-    route = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache)
+    route, counts = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache)
     if route in PACKED_ROUTES:
         from forkserve.kernels.flash_prefill import flash_prefill
         return flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
@@ -141,7 +143,7 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
     if not _triton(use_triton, q):
         return reference.residual_prefill_ref(*args)
-    route = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base)
+    route, counts = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base)
     if route is PrefillRoute.FUSED:
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)
