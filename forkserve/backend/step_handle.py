@@ -56,7 +56,12 @@ def run_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | Non
         return backend.step(work)
     if backend.capabilities.columns:
         return backend.step_batched(work, batch)
-    return backend.step([*work, *batch.items()])
+    return backend.step(step_items(work, batch))
+
+
+def step_items(work: Sequence[SeqWork], batch: DecodeBatch | None) -> list[SeqWork]:
+    """A step as items alone: ``work``, then ``batch``'s rows (for a backend without columns)."""
+    return [*work, *batch.items()] if batch is not None and len(batch) else list(work)
 
 
 class Deferred:

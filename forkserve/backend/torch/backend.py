@@ -20,7 +20,7 @@ from forkserve.adapter_key import AdapterId
 from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
-from forkserve.backend.step_handle import Done, StepHandle
+from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.errors import (
@@ -257,7 +257,7 @@ class TorchBackend:
         the sampling and the tokens' copy to the host are queued on the device stream
         (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
         refuses (``validate``) returns a handle that raises the refusal."""
-        items = [*work, *batch.items()] if batch is not None and len(batch) else list(work)
+        items = step_items(work, batch)
         try:
             if len(self._form_groups(items)) > 1:  # its parts run one after the other, here
                 return Done(self.forward(items).result)
