@@ -438,10 +438,7 @@ class Engine:
         step in flight (``config.overlap``): a session in that step still owes its token, so
         the answer is ``None`` until a later tick applies it — a driver polling every session
         each tick keeps the overlap."""
-        try:
-            session = self.sessions[session_id]
-        except (KeyError, TypeError):
-            raise UnknownSessionError(f"unknown session {session_id!r}") from None
+        session = self._lookup(session_id)
         if session.decode_left:
             return None
         return GenerateResult(tuple(session.generated), session.finish_reason)
@@ -549,6 +546,9 @@ class Engine:
 
     def _session(self, session_id: int) -> Session:
         self.stepper.sync()  # every verb and reading sees the last step applied
+        return self._lookup(session_id)
+
+    def _lookup(self, session_id: int) -> Session:
         try:
             return self.sessions[session_id]
         except (KeyError, TypeError):
