@@ -270,16 +270,25 @@ def _pythonpath() -> str:
     )
 
 
-def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """``/metrics`` as {sample name: {sorted labels: value}}."""
+def scrape(url: str, every_replica: bool = True, attempts: int = 5) -> dict[str, dict[tuple, float]]:
+    """``/metrics`` as {sample name: {sorted labels: value}}. A replica that did not answer
+    the Frontend in time is ``forkserve_replica_up 0`` and missing from every counter, which
+    would read as zero hits and zero prefill: with ``every_replica`` the scrape is retried
+    until all replicas answer, and a run whose counters cannot be read fails loudly."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+    for attempt in range(attempts):
+        text = httpx.get(f"{url}/metrics", timeout=60).text
+        out: dict[str, dict[tuple, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        up = out.get("forkserve_replica_up", {})
+        if not every_replica or (up and all(v == 1.0 for v in up.values())):
+            return out
+        time.sleep(1.0 + attempt)
+    down = sorted(dict(k)["replica"] for k, v in up.items() if v != 1.0)
+    raise RuntimeError(f"/metrics: replicas {down or 'none listed'} did not answer {attempts} scrapes")
 
 
 def _by_replica(m: dict, name: str, **labels: str) -> dict[str, float]:
@@ -473,7 +482,7 @@ def failover(cluster: Cluster, w: int, run: int, vocab: int) -> dict[str, Any]:
 
     before = scrape(cluster.url)
     makespan = lockstep(agents, p, vocab, during_turn=kill)
-    after = scrape(cluster.url)
+    after = scrape(cluster.url, every_replica=False)
     # A tree the survivor cannot hold (507) is a lost task, not lost tokens: it is reported apart.
     reported = {a.index: a.client.info(a.sid).committed_tokens for a in agents if not a.failed}
     lost = {

@@ -53,7 +53,7 @@ def test_router_bench_at_toy_size(tmp_path: Path) -> None:
     assert ours["errors"] == 0 and ours["tree_moves"] == 0 and ours["frontend_tree_moves"] == 0
     assert sum(ours["trees_per_replica"].values()) == 4
     # Two agents share each context: the second finds the first's pages where ours put it.
-    assert ours["base_hit_tokens"] > 0 and ours["prefill_tokens"] > 0
+    assert ours["base_hit_tokens"] > 0 and ours["prefill_tokens"] > 0, ours
     f = doc["failover"]
     assert f["ok"], f
     assert (
