@@ -661,11 +661,17 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
     pass 2 is about the difference) and, at the smallest context with batch 8, the error of
     each variant against the fp32 eager path. Writes ``path`` after every case.
     """
-    from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores
+    from forkserve.kernels.residual_decode_triton import (
+        SCORE_TUNING_BY_BATCH,
+        residual_scores,
+        score_tuning_for,
+    )
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
     res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
-    res["score_tuning_default"] = {k: str(v) for k, v in SCORE_TUNING.items()}
+    res["score_tuning_default"] = [
+        {"max_batch": bound, **{k: str(v) for k, v in t.items()}} for bound, t in SCORE_TUNING_BY_BATCH
+    ]
     for ctx in s.contexts:
         for batch in s.batches:
             bt, rbt, lens = s.tables(batch, ctx)
@@ -683,7 +689,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                 row[name + "_ms"] = measure(res, f"{tag} {name}", fn, s.smoke)
                 row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
                 if kw["variant"] == "two_pass":
-                    tuning = kw.get("score_tuning") or SCORE_TUNING
+                    tuning = kw.get("score_tuning") or score_tuning_for(batch)
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)

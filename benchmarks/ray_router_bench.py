@@ -270,7 +270,9 @@ def _pythonpath() -> str:
     )
 
 
-def scrape(url: str, every_replica: bool = True, attempts: int = 5) -> dict[str, dict[tuple, float]]:
+def scrape(
+    url: str, every_replica: bool = True, attempts: int = 5
+) -> dict[str, dict[tuple, float]]:
     """``/metrics`` as {sample name: {sorted labels: value}}. A replica that did not answer
     the Frontend in time is ``forkserve_replica_up 0`` and missing from every counter, which
     would read as zero hits and zero prefill: with ``every_replica`` the scrape is retried
@@ -288,7 +290,9 @@ def scrape(url: str, every_replica: bool = True, attempts: int = 5) -> dict[str,
             return out
         time.sleep(1.0 + attempt)
     down = sorted(dict(k)["replica"] for k, v in up.items() if v != 1.0)
-    raise RuntimeError(f"/metrics: replicas {down or 'none listed'} did not answer {attempts} scrapes")
+    raise RuntimeError(
+        f"/metrics: replicas {down or 'none listed'} did not answer {attempts} scrapes"
+    )
 
 
 def _by_replica(m: dict, name: str, **labels: str) -> dict[str, float]:

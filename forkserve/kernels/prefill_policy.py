@@ -106,22 +106,30 @@ class CostPrefillPolicy:
     with its preferred backend, cuDNN on the H200), ``FLASH`` (varlen, bottom-right causal)
     otherwise. Else the Triton kernels, with the residual form's merge-or-fuse rule measured
     on the H200 (react-multilora, docs/KERNELS.md): merge when the context is at most
-    ``merge_context_ratio`` times the new tokens.
+    ``merge_context_ratio`` times the new tokens. Neither gathering route runs below
+    ``min_gather_new_tokens`` new tokens.
 
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
-    because its alternative, the fused kernel, is itself 2.3x slower than unified. The
-    kernel benchmark's chunked cases are where they get measured.
+    because its alternative, the fused kernel, is itself 2.3x slower than unified.
+    ``min_gather_new_tokens`` is measured (H200, kernel_bench_prefill.json): the routes that
+    gather or rebuild K/V before attending (packed, merged) cost ~0.3 ms per call whatever
+    its size, so a 1K cold prefill took 0.39 ms through SDPA against 0.08 ms in the paged
+    kernel (residual form: SDPA 0.26, merged 0.83, fused 0.13), while
+    from 4K new tokens the packed routes win (unified 4K: 0.31 against 0.54; 8 chunks of 512
+    over 8K: flash 1.79 against paged 2.23, residual flash 1.86 against merged 2.33).
     """
 
     flash_min_pairs_per_key: float = 128.0
     residual_flash_min_pairs_per_key: float = 32.0
+    min_gather_new_tokens: int = 2048
     max_packed_keys: int = 1 << 19
     merge_context_ratio: float = 4.0
     sdpa_for_cold: bool = True
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
-        if flash and 0 < counts.packed_keys <= self.max_packed_keys:
+        if (flash and counts.new_tokens >= self.min_gather_new_tokens
+                and 0 < counts.packed_keys <= self.max_packed_keys):
             threshold = (self.residual_flash_min_pairs_per_key if residual
                          else self.flash_min_pairs_per_key)
             if counts.causal_pairs >= threshold * counts.packed_keys:
@@ -129,7 +137,8 @@ class CostPrefillPolicy:
                 return PrefillRoute.SDPA if cold else PrefillRoute.FLASH
         if not residual:
             return PrefillRoute.PAGED
-        if counts.context_tokens <= self.merge_context_ratio * counts.new_tokens:
+        if (counts.new_tokens >= self.min_gather_new_tokens
+                and counts.context_tokens <= self.merge_context_ratio * counts.new_tokens):
             return PrefillRoute.MERGED
         return PrefillRoute.FUSED
 

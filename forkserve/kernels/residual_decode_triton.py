@@ -39,10 +39,25 @@ from forkserve.kernels.split_kv import (
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
-# Two-pass score kernel: keys as M at 64-key tiles (wgmma with the rotated tile as a register
-# operand). On the H200 (kernel_bench_issue15.json) 1.67-2.26x unified against 1.89-2.40x for
-# the 32-key default at batch >= 8, 4K-32K; 2-3% slower at batch 1 below 32K.
-SCORE_TUNING = {"block_n": 64, "keys_m": True}
+# Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
+# .json, 4K-32K, docs/KERNELS.md): no form wins everywhere. At batch 1 the q-folded pass at
+# 128-key tiles over 8 warps (1.43-1.75x unified) beats keys-as-M (1.68-1.74x); at batch 8
+# keys-as-M at 64-key tiles (1.66-1.78x) beats every q-folded form (>= 1.73x); from batch 32
+# the q-folded pass at 64-key tiles (1.81-1.91x) beats keys-as-M (1.82-2.24x), whose 217
+# registers leave 2 programs per SM once the grid is full. Rows: (largest batch, tuning).
+SCORE_TUNING_BY_BATCH: tuple[tuple[int, dict], ...] = (
+    (1, {"form": "qfold", "angle_add": False, "block_n": 128, "num_warps": 8}),
+    (16, {"block_n": 64, "keys_m": True}),
+    (2**31, {"form": "qfold", "angle_add": False, "block_n": 64}),
+)
+
+
+def score_tuning_for(batch: int) -> dict:
+    """The score pass's tuning for ``batch`` rows (``SCORE_TUNING_BY_BATCH``). A CUDA graph
+    captures one batch bucket, so the choice is fixed per captured graph."""
+    return next(t for bound, t in SCORE_TUNING_BY_BATCH if batch <= bound)
+
+
 # Key tile per variant (H200-tuned).
 DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32}
 
@@ -311,7 +326,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
     compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
     transpose, no replicated warps) at 217 registers; two-pass decode's default
-    (``SCORE_TUNING``), faster on the H200 at batch >= 8 (docs/KERNELS.md).
+    (``score_tuning_for``) at batch 2-16 on the H200 (docs/KERNELS.md).
     ``form``: ``"rotate"`` (this module's kernel: rebuild, rotate and score each key) or
     ``"qfold"`` (residual_score_qfold.py: the queries folded into ``B_k``, cos/sin rows by
     ``angle_add``, default True, or from the table; ``keys_m`` does not apply).
@@ -434,7 +449,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     if variant == "two_pass":
         res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
                                    rope_tab, n_kv, max_seq_len,
-                                   **(SCORE_TUNING if score_tuning is None else score_tuning))
+                                   **(score_tuning_for(q.shape[0]) if score_tuning is None
+                                      else score_tuning))
 
     def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
         tuning = dict(scale=scale, num_splits=splits, split_len=split_len, block_n=block_n,

@@ -25,7 +25,11 @@ import torch
 
 from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
-from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores, residual_values
+from forkserve.kernels.residual_decode_triton import (
+    residual_scores,
+    residual_values,
+    score_tuning_for,
+)
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.split_kv import (
     NO_LIMIT,
@@ -90,7 +94,7 @@ def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
         residual = (*residual[:-1], cached_rope_table(residual[-1], max_seq_len))
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, table = residual
         bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv,
-                               max_seq_len, dtype=torch.float32, **SCORE_TUNING)
+                               max_seq_len, dtype=torch.float32, **score_tuning_for(batch))
     pre = PREFIX_TUNING | (prefix_tuning or {})
     pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, pre["block_n"],
                                 pre["num_splits"] or num_splits)

@@ -143,3 +143,16 @@ def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                         c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
                         score_tuning=score_tuning)
+
+
+def test_score_tuning_follows_the_batch_table() -> None:
+    """The score pass's form is picked per batch bucket from the H200 table, one bound each."""
+    from forkserve.kernels.residual_decode_triton import SCORE_TUNING_BY_BATCH, score_tuning_for
+
+    bounds = [b for b, _ in SCORE_TUNING_BY_BATCH]
+    assert bounds == sorted(bounds)
+    assert score_tuning_for(1)["form"] == "qfold" and score_tuning_for(1)["block_n"] == 128
+    assert score_tuning_for(8).get("keys_m") is True
+    assert score_tuning_for(64)["form"] == "qfold" and score_tuning_for(64)["block_n"] == 64
+    for lo, hi in zip([0, *bounds[:-1]], bounds, strict=True):
+        assert score_tuning_for(hi) is score_tuning_for(lo + 1)

@@ -136,7 +136,8 @@ def test_counts() -> None:
 
 def test_cost_policy_routes() -> None:
     policy = CostPrefillPolicy(flash_min_pairs_per_key=128, residual_flash_min_pairs_per_key=32,
-                               max_packed_keys=1 << 17, merge_context_ratio=4)
+                               min_gather_new_tokens=32, max_packed_keys=1 << 17,
+                               merge_context_ratio=4)
     whole_8k = PrefillCounts((8192,), (8192,))
     chunks = PrefillCounts((512,) * 8, (8704,) * 8)            # 8 chunks of 512 over 8K cached
     short = PrefillCounts((48,), (8192,))                      # few queries over a long context
@@ -147,6 +148,12 @@ def test_cost_policy_routes() -> None:
     assert policy.route(short, False, True) is PrefillRoute.PAGED
     assert policy.route(short, True, True) is PrefillRoute.FLASH   # residual's lower threshold
     assert policy.route(decodes, True, True) is PrefillRoute.FUSED
+    # Under the default minimum of new tokens the packed route's fixed cost loses (H200).
+    cold_1k = PrefillCounts((1024,), (1024,))
+    assert CostPrefillPolicy().route(cold_1k, False, True) is PrefillRoute.PAGED
+    assert CostPrefillPolicy().route(cold_1k, True, True) is PrefillRoute.FUSED
+    assert CostPrefillPolicy().route(short, True, True) is PrefillRoute.FUSED
+    assert CostPrefillPolicy().route(chunks, True, True) is PrefillRoute.FLASH
     too_big = PrefillCounts((140000,), (140000,))
     assert policy.route(too_big, False, True) is PrefillRoute.PAGED  # the buffer cap
     # Without the flash op: the Triton kernels, merged when the context is <= 4x the new tokens.
