@@ -10,6 +10,8 @@
 # Round 2 (packed prefill routes, q-folded score pass, TorchBackend.launch):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 7   # CUDA tests, prefill routes, decode v4
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 8   # react W=32: unified, disaggregated, no_lora
+# Round 3:
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # step profiles, decode v5 (msc)
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -74,6 +76,16 @@ case "$1" in
     --overlap off on --gpu-timeline --tag issue15_round2_no_lora --out "$OUT" 2>&1 | tail -5
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
     --tag issue15_round2_base --out "$OUT" 2>&1 | tail -4
+  ;;
+9)
+  # Round 3: where the step time goes (--profile-ticks: kernel time by category, device idle),
+  # the per-batch score tuning and the materialized-scores decode beside the best of round 2.
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    no_lora disaggregated --profile-ticks 3 --gpu-timeline --tag issue15_round3_profile --out "$OUT" 2>&1 \
+    | grep -v "^USDT" | tail -60
+  timeout 200 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 \
+    msc_bn64 msc_bn128_w8 \
+    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_v5 --out "$OUT" 2>&1 | tail -20
   ;;
 esac
 ls -la "$OUT"

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
+from forkserve.bench.multilora.step_profile import profile_lines
 from forkserve.bench.multilora.workload import (
     SYSTEMS,
     MultiLoraParams,
@@ -67,6 +68,10 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     ap.add_argument("--gpu-timeline", action="store_true",
                     help="record the device's idle time between decode steps (GpuTimeline; "
                          "the gpu_idle_share column)")
+    ap.add_argument("--profile-ticks", type=int, default=0,
+                    help="profile this many prefill and decode ticks of each run (torch.profiler:"
+                         " kernel time by category, top kernels, device idle; the step_profile "
+                         "entry of the JSON)")
     ap.add_argument("--host-residual-gib", type=float, default=0.0,
                     help="host tier for evicted residual pages (disaggregated layouts; 0: none)")
     ap.add_argument("--pause-pin", action="store_true",
@@ -155,12 +160,15 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                 off = variant(cascade, overlap)
                 bar.set_postfix_str(f"{system} W={w}{off}")
                 try:
-                    runs = sorted((run_system(system, params(w), backend, sizes, bar.update)
+                    runs = sorted((run_system(system, params(w), backend, sizes, bar.update,
+                                              args.profile_ticks)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
                     results.append(replace(_median(runs), cascade=cascade, overlap=overlap,
                                            commit=commit))
                     bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}"
                               f"{_extras(results[-1])}")
+                    for line in profile_lines(results[-1].step_profile):
+                        bar.write(line)
                 except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
                     failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade,
                                             overlap))

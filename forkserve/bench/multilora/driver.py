@@ -14,6 +14,7 @@ from forkserve.config import KVForm, KVLayout
 from forkserve.engine import Engine
 
 if TYPE_CHECKING:
+    from forkserve.bench.multilora.step_profile import StepProfiler
     from forkserve.bench.multilora.workload import MultiLoraParams
 
 
@@ -49,8 +50,10 @@ class Driver:
 
     def __init__(self, engine: Engine, flows: list[Workflow], params: MultiLoraParams,
                  sizes: dict[str, int], on_turn: Callable[[], object] | None,
-                 shared_context: list[int] | None = None) -> None:
+                 shared_context: list[int] | None = None,
+                 profiler: StepProfiler | None = None) -> None:
         self.engine, self.flows, self.params, self.on_turn = engine, flows, params, on_turn
+        self.profiler = profiler
         self.shared_context = shared_context
         self.base_bytes = sizes["base"]
         self.res_bytes = sizes["residual"]
@@ -77,7 +80,12 @@ class Driver:
         m = self.engine.metrics
         before, prefill_before = m.decode_tokens, m.prefill_tokens
         t0 = time.perf_counter()
-        did = self.engine.tick()
+        if self.profiler is not None and self.profiler.wants():
+            did = self.profiler.run(self.engine.tick, lambda: (
+                "prefill" if m.prefill_tokens > prefill_before
+                else "decode" if m.decode_tokens > before else None))
+        else:
+            did = self.engine.tick()
         elapsed = time.perf_counter() - t0
         if m.prefill_tokens > prefill_before:
             self.prefill_tick_s += elapsed

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from forkserve.bench.multilora.driver import Driver, Workflow
+from forkserve.bench.multilora.step_profile import StepProfiler
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
@@ -82,6 +83,8 @@ class RunResult:
     residual_prefill_tokens: int = 0
     pins_kept: int = 0
     pins_lost: int = 0
+    # Where the time of a few ticks of each kind went (step_profile.py); None unless asked.
+    step_profile: dict | None = None
 
 
 def tiny_config():
@@ -155,14 +158,17 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
 
 
 def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, int],
-               on_turn: Callable[[], object] | None = None) -> RunResult:
-    """One timed run on a fresh Engine over ``backend`` (its pools start empty)."""
+               on_turn: Callable[[], object] | None = None,
+               profile_ticks: int = 0) -> RunResult:
+    """One timed run on a fresh Engine over ``backend`` (its pools start empty);
+    ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none."""
     adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
-                          shared_by_base_pass=system == "disaggregated_base")
+                          shared_by_base_pass=system == "disaggregated_base",
+                          profiler=StepProfiler(profile_ticks) if profile_ticks else None)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
@@ -179,7 +185,7 @@ def agent_prompts(params: MultiLoraParams, vocab: int) -> tuple[list[int], list[
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
                  adapter_of, on_turn: Callable[[], object] | None = None,
                  shared_by_base_pass: bool = False,
-                 notes: tuple = ()) -> RunResult:
+                 notes: tuple = (), profiler: StepProfiler | None = None) -> RunResult:
     """Drive the workload over any engine (our backends, or vLLM's in
     benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
     i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
@@ -187,7 +193,8 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     context, prompts = agent_prompts(params, engine.config.vocab_size)
     flows = [Workflow(i, None if adapter_of is None else adapter_of(i), prompt, params)
              for i, prompt in enumerate(prompts)]
-    driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None)
+    driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None,
+                    profiler)
     start = time.perf_counter()
     if params.workload == "react":
         driver.react()
@@ -197,6 +204,8 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     m = engine.metrics
     lat = sorted(x for f in flows for x in f.latencies)
     hit_rate = m.base_hit_tokens / max(1, driver.prompt_tokens)
+    if profiler is not None:
+        notes = (*notes, f"{profiler.profiled} ticks profiled (their wall time is in the totals)")
     return RunResult(system, params.workflows, params.workflows / makespan, makespan,
                      _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
                      driver.peak_bytes / params.workflows, hit_rate,
@@ -207,7 +216,8 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      / max(1, driver.decode_only_ticks),
                      restored_tokens=m.restored_tokens,
                      residual_prefill_tokens=m.residual_prefill_tokens,
-                     pins_kept=m.pins_resumed, pins_lost=m.pins_broken + m.pins_expired)
+                     pins_kept=m.pins_resumed, pins_lost=m.pins_broken + m.pins_expired,
+                     step_profile=None if profiler is None else profiler.summary())
 
 
 def _pct(values: list[float], q: int) -> float:
