@@ -779,7 +779,10 @@ def register_report(out: Path) -> None:
                 "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
-    def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
+    def compile_one(kernel, consts: dict, num_warps: int, num_stages: int,
+                    logits: bool = False) -> dict:
+        """``logits``: the score buffer is msc's float32 logits, whose rows residual_logits
+        pads to 16 entries (so the JIT sees its strides divisible by 16)."""
         names = kernel.arg_names
         # Constexprs left out take their defaults, as at a launch.
         consts = {p.name: p.default for p in kernel.params
@@ -790,13 +793,14 @@ def register_report(out: Path) -> None:
                 sig[n] = "constexpr"
             elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs or n in fp16_ptrs:
                 sig[n] = ("*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs
-                          else "*fp16" if n in fp16_ptrs else "*i32")
+                          or (logits and n == "Bias") else "*fp16" if n in fp16_ptrs else "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif n == "qk_scale":
                 sig[n] = "fp32"
             else:
                 sig[n] = "i32"
-                if n.startswith("stride") and n not in ("stride_lh", "stride_sh", "stride_sb"):
+                aligned = n != "stride_lh" and (logits or n not in ("stride_sh", "stride_sb"))
+                if n.startswith("stride") and aligned:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                         constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -846,6 +850,21 @@ def register_report(out: Path) -> None:
             rows.append({"kernel": "score_qfold" + ("_angle" if angle_add else "_table"),
                          "residual": True, "split_score": False, "block_n": block_n,
                          "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps, 2)})
+    # Materialized scores (msc): pass 1 is the q-folded kernel writing whole float32 logits
+    # (it also streams K_base), pass 2 the partial kernel reading them instead of K.
+    for angle_add, block_n, warps in ((False, 32, 4), (False, 64, 4), (False, 128, 8), (True, 64, 4),
+                                      (True, 128, 8)):
+        consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
+                      ANGLE_ADD=angle_add, LOGITS=True)
+        rows.append({"kernel": "msc_pass1" + ("_angle" if angle_add else "_table"),
+                     "residual": True, "split_score": False, "block_n": block_n, "num_warps": warps,
+                     **compile_one(_qfold_score_kernel, consts, warps, 2, logits=True)})
+    for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False,
+                      RES_LOGITS=True, RANK=32)
+        rows.append({"kernel": "msc_pass2", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
