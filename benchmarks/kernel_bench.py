@@ -620,6 +620,19 @@ VARIANTS: dict[str, dict] = {
                                score_tuning=dict(form="qfold", block_n=64)),
     "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,
                                    score_tuning=dict(form="qfold", block_n=128, num_warps=8)),
+    # Materialized scores (residual_msc.py): pass 1 = the q-folded kernel also streaming
+    # K_base and writing whole float32 logits (its tile, warps; "a": angle addition, "f16":
+    # float16 logits), pass 2 = V, V_res and the logits only (its tile "bn", warps "w").
+    "msc_bn64": dict(variant="msc", block_n=64),
+    "msc_bn64_w8": dict(variant="msc", block_n=64, num_warps=8),
+    "msc_bn32": dict(variant="msc", block_n=32),
+    "msc_bn128_w8": dict(variant="msc", block_n=128, num_warps=8),
+    "msc_bn64_p128_w8": dict(variant="msc", block_n=64,
+                             score_tuning=dict(block_n=128, num_warps=8)),
+    "msc_bn64_a128_w8": dict(variant="msc", block_n=64,
+                             score_tuning=dict(block_n=128, num_warps=8, angle_add=True)),
+    "msc_bn64_f16": dict(variant="msc", block_n=64,
+                         score_tuning=dict(block_n=64, dtype=torch.float16)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -657,14 +670,17 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
-    Per case also times each two-pass variant's score pass alone (``<name>_scores_ms``:
+    Per case also times each two-pass or msc variant's pass 1 alone (``<name>_scores_ms``:
     pass 2 is about the difference) and, at the smallest context with batch 8, the error of
     each variant against the fp32 eager path. Writes ``path`` after every case.
     """
     from forkserve.kernels.residual_decode_triton import SCORE_TUNING, residual_scores
+    from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
-    res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
+    # default=str: a torch dtype in a variant's tuning is written by name.
+    res["decode_variants_config"] = json.loads(json.dumps(
+        {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}, default=str))
     res["score_tuning_default"] = {k: str(v) for k, v in SCORE_TUNING.items()}
     for ctx in s.contexts:
         for batch in s.batches:
@@ -687,6 +703,12 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
+                elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone
+                    tuning = kw.get("score_tuning") or MSC_TUNING
+                    row[name + "_scores_ms"] = measure(
+                        res, f"{tag} {name} logits", lambda t=tuning: residual_logits(
+                            q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
+                            1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
                     row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
                         fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
@@ -701,7 +723,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
 
 def plot_variants(res: dict, path: Path) -> None:
     """Per batch: each variant's time over unified (top) and its score pass alone over
-    unified (bottom, two-pass variants)."""
+    unified (bottom, two-pass and msc variants)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
