@@ -621,14 +621,18 @@ VARIANTS: dict[str, dict] = {
     "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,
                                    score_tuning=dict(form="qfold", block_n=128, num_warps=8)),
     # Materialized scores (residual_msc.py): pass 1 = the q-folded kernel also streaming
-    # K_base and writing whole float32 logits (its tile, warps; "a": angle addition, "f16":
-    # float16 logits), pass 2 = V, V_res and the logits only (its tile "bn", warps "w").
+    # K_base and writing whole float32 logits ("p"/"a": its tile with cos/sin from the table /
+    # by angle addition, "w" its warps; "f16": float16 logits), pass 2 = V, V_res and the
+    # logits only ("bn": its tile, "w": warps). Pass 1 at 64 keys holds 86 KiB of shared
+    # memory (two programs per SM), at 32 keys 45 KiB (four); see docs/KERNELS.md.
     "msc_bn64": dict(variant="msc", block_n=64),
     "msc_bn64_w8": dict(variant="msc", block_n=64, num_warps=8),
     "msc_bn32": dict(variant="msc", block_n=32),
     "msc_bn128_w8": dict(variant="msc", block_n=128, num_warps=8),
+    "msc_bn64_p32": dict(variant="msc", block_n=64, score_tuning=dict(block_n=32)),
     "msc_bn64_p128_w8": dict(variant="msc", block_n=64,
                              score_tuning=dict(block_n=128, num_warps=8)),
+    "msc_bn64_a64": dict(variant="msc", block_n=64, score_tuning=dict(block_n=64, angle_add=True)),
     "msc_bn64_a128_w8": dict(variant="msc", block_n=64,
                              score_tuning=dict(block_n=128, num_warps=8, angle_add=True)),
     "msc_bn64_f16": dict(variant="msc", block_n=64,
@@ -772,7 +776,8 @@ def print_variants_table(res: dict) -> None:
 
 
 def register_report(out: Path) -> None:
-    """Registers and spills of the decode and prefill kernels for sm_90a, with no GPU.
+    """Registers, spills and shared memory of the decode and prefill kernels for sm_90a,
+    with no GPU.
 
     Compiles each variant with the same specialisation the JIT applies on the device
     (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
@@ -836,7 +841,8 @@ def register_report(out: Path) -> None:
         regs = re.search(r"Used (\d+) registers", log)
         spill = re.search(r"(\d+) bytes spill stores", log)
         return {"registers": int(regs.group(1)) if regs else None,
-                "spill_store_bytes": int(spill.group(1)) if spill else None}
+                "spill_store_bytes": int(spill.group(1)) if spill else None,
+                "shared_bytes": compiled.metadata.shared}
 
     rows = []
     dec = dict(GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, RANK=16)
@@ -897,7 +903,7 @@ def register_report(out: Path) -> None:
     for r in rows:
         print(f"{r['kernel']:19s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
               f"block_n={r['block_n']:3d} warps={r['num_warps']}: {r['registers']} registers, "
-              f"{r['spill_store_bytes']} B spilled")
+              f"{r['spill_store_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared")
 
 
 def main() -> None:
