@@ -34,6 +34,11 @@ Where a tile's cos/sin come from (``ANGLE_ADD``):
 
 Grid ``(batch, n_kv, chunks)``; ``Fc, Fs`` live for the whole program. Output buffers are the
 caller's (``residual_scores``).
+
+``LOGITS`` is pass 1 of the materialized-scores decode (residual_msc.py): the program also
+streams its KV head's ``K_base`` tiles, adds ``K_base @ q^T`` (keys as M, one more product
+per tile) and writes the whole logit scaled into the log2 domain, for every row (a row
+without an adapter gets the base term alone).
 """
 from __future__ import annotations
 
