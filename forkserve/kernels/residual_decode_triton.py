@@ -423,9 +423,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
-    goes to ``residual_scores`` (two-pass) or ``residual_logits`` (msc), ``chunk`` is the chunked variant's keys per
-    phase, ``split_score`` picks the fused variant's score form; ``block_n`` defaults per
-    variant (``DEFAULT_BLOCK_N``)."""
+    goes to ``residual_scores`` (two-pass) or ``residual_logits`` (msc), ``chunk`` is the
+    chunked variant's keys per phase, ``split_score`` picks the fused variant's score form;
+    ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale

@@ -103,7 +103,7 @@ def _qfold_score_kernel(
     if LOGITS:
         # The group's queries as the N operand of the base product (keys as M), zero past
         # the group up to BASE_N columns: at N >= 16 it is a wgmma with both operands in
-        # shared memory (134 registers at 64-key tiles); at N = 4 an mma with the K tile
+        # shared memory (133 registers at 64-key tiles); at N = 4 an mma with the K tile
         # in registers (162).
         d = tl.arange(0, HEAD_DIM)
         cols = tl.arange(0, BASE_N)
