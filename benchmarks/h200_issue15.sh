@@ -83,9 +83,11 @@ case "$1" in
   timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
     no_lora disaggregated --profile-ticks 3 --gpu-timeline --tag issue15_round3_profile --out "$OUT" 2>&1 \
     | grep -v "^USDT" | tail -60
-  timeout 200 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 \
-    msc_bn64 msc_bn128_w8 \
-    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_v5 --out "$OUT" 2>&1 | tail -20
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py -k msc \
+    2>&1 | tail -8 | tee "$OUT/pytest_cuda_msc.log"
+  timeout 240 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
+    msc_bn64_w8 msc_bn32 msc_bn128_w8 msc_bn64_p32 msc_bn64_p128_w8 msc_bn64_a64 msc_bn64_a128_w8 msc_bn64_f16 \
+    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_msc --out "$OUT" 2>&1 | tail -20
   ;;
 esac
 ls -la "$OUT"

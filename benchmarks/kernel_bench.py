@@ -620,6 +620,23 @@ VARIANTS: dict[str, dict] = {
                                score_tuning=dict(form="qfold", block_n=64)),
     "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,
                                    score_tuning=dict(form="qfold", block_n=128, num_warps=8)),
+    # Materialized scores (residual_msc.py): pass 1 = the q-folded kernel also streaming
+    # K_base and writing whole float32 logits ("p"/"a": its tile with cos/sin from the table /
+    # by angle addition, "w" its warps; "f16": float16 logits), pass 2 = V, V_res and the
+    # logits only ("bn": its tile, "w": warps). Pass 1 at 64 keys holds 86 KiB of shared
+    # memory (two programs per SM), at 32 keys 45 KiB (four); see docs/KERNELS.md.
+    "msc_bn64": dict(variant="msc", block_n=64),
+    "msc_bn64_w8": dict(variant="msc", block_n=64, num_warps=8),
+    "msc_bn32": dict(variant="msc", block_n=32),
+    "msc_bn128_w8": dict(variant="msc", block_n=128, num_warps=8),
+    "msc_bn64_p32": dict(variant="msc", block_n=64, score_tuning=dict(block_n=32)),
+    "msc_bn64_p128_w8": dict(variant="msc", block_n=64,
+                             score_tuning=dict(block_n=128, num_warps=8)),
+    "msc_bn64_a64": dict(variant="msc", block_n=64, score_tuning=dict(block_n=64, angle_add=True)),
+    "msc_bn64_a128_w8": dict(variant="msc", block_n=64,
+                             score_tuning=dict(block_n=128, num_warps=8, angle_add=True)),
+    "msc_bn64_f16": dict(variant="msc", block_n=64,
+                         score_tuning=dict(block_n=64, dtype=torch.float16)),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -657,7 +674,7 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
-    Per case also times each two-pass variant's score pass alone (``<name>_scores_ms``:
+    Per case also times each two-pass or msc variant's pass 1 alone (``<name>_scores_ms``:
     pass 2 is about the difference) and, at the smallest context with batch 8, the error of
     each variant against the fp32 eager path. Writes ``path`` after every case.
     """
@@ -666,9 +683,12 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
         residual_scores,
         score_tuning_for,
     )
+    from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
-    res["decode_variants_config"] = {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}
+    # default=str: a torch dtype in a variant's tuning is written by name.
+    res["decode_variants_config"] = json.loads(json.dumps(
+        {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}, default=str))
     res["score_tuning_default"] = [
         {"max_batch": bound, **{k: str(v) for k, v in t.items()}} for bound, t in SCORE_TUNING_BY_BATCH
     ]
@@ -693,6 +713,12 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
+                elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone
+                    tuning = kw.get("score_tuning") or MSC_TUNING
+                    row[name + "_scores_ms"] = measure(
+                        res, f"{tag} {name} logits", lambda t=tuning: residual_logits(
+                            q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
+                            1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
                     row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
                         fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
@@ -707,7 +733,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
 
 def plot_variants(res: dict, path: Path) -> None:
     """Per batch: each variant's time over unified (top) and its score pass alone over
-    unified (bottom, two-pass variants)."""
+    unified (bottom, two-pass and msc variants)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -756,7 +782,8 @@ def print_variants_table(res: dict) -> None:
 
 
 def register_report(out: Path) -> None:
-    """Registers and spills of the decode and prefill kernels for sm_90a, with no GPU.
+    """Registers, spills and shared memory of the decode and prefill kernels for sm_90a,
+    with no GPU.
 
     Compiles each variant with the same specialisation the JIT applies on the device
     (pointers and strides divisible by 16) and runs the ptxas that Triton ships with
@@ -785,7 +812,10 @@ def register_report(out: Path) -> None:
                 "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
-    def compile_one(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
+    def compile_one(kernel, consts: dict, num_warps: int, num_stages: int,
+                    logits: bool = False) -> dict:
+        """``logits``: the score buffer is msc's float32 logits, whose rows residual_logits
+        pads to 16 entries (so the JIT sees its strides divisible by 16)."""
         names = kernel.arg_names
         # Constexprs left out take their defaults, as at a launch.
         consts = {p.name: p.default for p in kernel.params
@@ -796,13 +826,14 @@ def register_report(out: Path) -> None:
                 sig[n] = "constexpr"
             elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs or n in fp16_ptrs:
                 sig[n] = ("*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs
-                          else "*fp16" if n in fp16_ptrs else "*i32")
+                          or (logits and n == "Bias") else "*fp16" if n in fp16_ptrs else "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif n == "qk_scale":
                 sig[n] = "fp32"
             else:
                 sig[n] = "i32"
-                if n.startswith("stride") and n not in ("stride_lh", "stride_sh", "stride_sb"):
+                aligned = n != "stride_lh" and (logits or n not in ("stride_sh", "stride_sb"))
+                if n.startswith("stride") and aligned:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                         constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -816,7 +847,8 @@ def register_report(out: Path) -> None:
         regs = re.search(r"Used (\d+) registers", log)
         spill = re.search(r"(\d+) bytes spill stores", log)
         return {"registers": int(regs.group(1)) if regs else None,
-                "spill_store_bytes": int(spill.group(1)) if spill else None}
+                "spill_store_bytes": int(spill.group(1)) if spill else None,
+                "shared_bytes": compiled.metadata.shared}
 
     rows = []
     dec = dict(GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, RANK=16)
@@ -852,6 +884,21 @@ def register_report(out: Path) -> None:
             rows.append({"kernel": "score_qfold" + ("_angle" if angle_add else "_table"),
                          "residual": True, "split_score": False, "block_n": block_n,
                          "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps, 2)})
+    # Materialized scores (msc): pass 1 is the q-folded kernel writing whole float32 logits
+    # (it also streams K_base), pass 2 the partial kernel reading them instead of K.
+    for angle_add, block_n, warps in ((False, 32, 4), (False, 64, 4), (False, 128, 8), (True, 64, 4),
+                                      (True, 128, 8)):
+        consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
+                      ANGLE_ADD=angle_add, LOGITS=True)
+        rows.append({"kernel": "msc_pass1" + ("_angle" if angle_add else "_table"),
+                     "residual": True, "split_score": False, "block_n": block_n, "num_warps": warps,
+                     **compile_one(_qfold_score_kernel, consts, warps, 2, logits=True)})
+    for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False,
+                      RES_LOGITS=True, RANK=32)
+        rows.append({"kernel": "msc_pass2", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
@@ -862,7 +909,7 @@ def register_report(out: Path) -> None:
     for r in rows:
         print(f"{r['kernel']:19s} residual={r['residual']!s:5s} split={r['split_score']!s:5s} "
               f"block_n={r['block_n']:3d} warps={r['num_warps']}: {r['registers']} registers, "
-              f"{r['spill_store_bytes']} B spilled")
+              f"{r['spill_store_bytes']} B spilled, {r['shared_bytes'] // 1024} KiB shared")
 
 
 def main() -> None:

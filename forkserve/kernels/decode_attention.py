@@ -8,8 +8,9 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   ``K = K_base + RoPE(K_res @ B_k)`` (``"fused"``), or, with ``RES_BIAS``, the residual
   score precomputed by the score pass (``"two_pass"``); both keep a rank-r accumulator
   ``acc_r`` over ``V_res`` with the same online-softmax rescale as ``acc`` and apply ``B_v``
-  once per split (matrix associativity, seed 001 section 7). The variants and their
-  drivers are in residual_decode_triton.py;
+  once per split (matrix associativity, seed 001 section 7). With ``RES_LOGITS`` the whole
+  logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read.
+  The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
   suffixes, split on the device (shared_prefix.py).
 
@@ -53,7 +54,7 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
     RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
-    DYN_SPLIT: tl.constexpr = False,
+    DYN_SPLIT: tl.constexpr = False, RES_LOGITS: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -113,7 +114,7 @@ def _decode_partial_kernel(
         a_safe = tl.maximum(adapter, 0)
         r = tl.arange(0, RANK)
         r_ok = (r < rank) & has_ad
-        if not RES_BIAS:
+        if not RES_BIAS and not RES_LOGITS:
             b_row = BK + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM
             bk_lo = tl.load(b_row + d_lo[None, :], mask=r_ok[:, None], other=0.0)
             bk_hi = tl.load(b_row + HALF + d_lo[None, :], mask=r_ok[:, None], other=0.0)
@@ -121,6 +122,8 @@ def _decode_partial_kernel(
         else:
             s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
             s_rows = row_ok & has_ad
+            if RES_LOGITS:
+                s_rows = row_ok  # every row's whole logits, adapter or not
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
 
     for start_n in range(start, stop, BLOCK_N):
@@ -129,8 +132,10 @@ def _decode_partial_kernel(
         page = tl.load(BlockTables + lead * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
         kv_off = (page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
                   + kvh * stride_kh)
-        k_lo = tl.load(K + kv_off[:, None] + d_lo[None, :], mask=n_ok[:, None], other=0.0)
-        k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None], other=0.0)
+        if not RES_LOGITS:
+            k_lo = tl.load(K + kv_off[:, None] + d_lo[None, :], mask=n_ok[:, None], other=0.0)
+            k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None],
+                           other=0.0)
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         if HAS_RES and not TILED:
             rn_ok = n_ok & has_ad
@@ -138,7 +143,15 @@ def _decode_partial_kernel(
                                      stride_rp, stride_rs, PAGE_SIZE)
             res_mask = rn_ok[:, None] & r_ok[None, :]
             vr = tl.load(VR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
-        if HAS_RES and RES_BIAS:
+        if HAS_RES and RES_LOGITS:
+            # Materialized scores: the logits pass wrote q.K scaled into the log2 domain, so
+            # this loop reads no K and multiplies no q. Tiles start at multiples of BLOCK_N
+            # (split starts are; the driver asserts kv_start 0): said here so each thread
+            # loads 16-byte vectors, not single floats (96 -> 160 registers at 64 keys).
+            s_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+            s = tl.load(s_ptr + s_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
+                        other=0.0).to(tl.float32)
+        elif HAS_RES and RES_BIAS:
             # Two-pass: q.RoPE(K_res B_k) for these keys was written by the score kernel.
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
             s += tl.load(s_ptr + offs_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
@@ -150,7 +163,9 @@ def _decode_partial_kernel(
             s = fused_residual_score(q_lo, q_hi, k_lo, k_hi, rot_lo, rot_hi, SPLIT_SCORE)
         else:
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))
+        if not RES_LOGITS:
+            s = s * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
         if HAS_RES and TILED:
             tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -183,6 +198,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     residual: tuple | None = None, block_n: int = 64, num_warps: int = 4,
                     num_stages: int = 2, split_score: bool = False,
                     res_bias: torch.Tensor | None = None,
+                    res_logits: torch.Tensor | None = None,
                     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_starts: torch.Tensor | None = None) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
@@ -199,6 +215,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``res_bias`` (residual only): ``[batch, H, >= max key]`` residual scores written by
     ``residual_scores``; the kernel adds them to ``q.K_base`` instead of rebuilding keys
     (two-pass ResidualAttention), so ``B_k`` and the RoPE table are not read.
+    ``res_logits`` (residual only, instead of ``res_bias``): ``[batch, H, >= max key]``
+    whole logits ``q.K * scale * log2(e)`` of every row, written by residual_msc.py's pass
+    1; the kernel reads neither K nor q (materialized scores).
     ``tiles`` (cascade prefix): ``(tile_seqs [n_tiles, seqs], tile_lens [n_tiles])`` int32;
     program ``g`` serves the sequences ``tile_seqs[g]`` lists (-1: none) over keys
     ``[kv_start, tile_lens[g])`` of the first one's pages; rows of no tile are not written.
@@ -213,31 +232,36 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = n_heads // n_kv
     assert k.stride() == v.stride() and k.stride(-1) == 1 and q.stride(-1) == 1
     block_h = max(16, triton.next_power_of_2(group * seqs_per_program))
+    scores = res_bias if res_logits is None else res_logits
     if residual is not None:
         # Rows of several sequences share a program only as a cascade tile (score pass
         # required).
         assert seqs_per_program == 1 or (tiles is not None and res_bias is not None)
+        assert res_bias is None or res_logits is None
+        # The logits loop assumes tiles at multiples of block_n (vector loads).
+        assert res_logits is None or (kv_start == 0 and split_len % block_n == 0
+                                      and tiles is None and kv_starts is None)
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
         assert k_res.shape[-1] == rank, "residual pools and B matrices disagree on rank"
-        # Two-pass: acc_r and V_res padded to 32 columns. A 16-wide p @ V_res product
+        # Two-pass and msc: acc_r and V_res padded to 32 columns. A 16-wide p @ V_res product
         # compiles to 255 registers with spills on sm_90 (112-126 at 32; --regs).
-        rank_pad = max(32 if res_bias is not None else 16, triton.next_power_of_2(rank))
+        rank_pad = max(32 if scores is not None else 16, triton.next_power_of_2(rank))
         res_strides = (k_res.stride(0), k_res.stride(1), b_k_all.stride(0), b_k_all.stride(1))
         rbt_stride = res_bt.stride(0)
     else:
         k_res = v_res = res_bt = b_k_all = b_v_all = adapter_idx = rope_tab = None
         rank, rank_pad, res_strides, rbt_stride = 0, 16, (0, 0, 0, 0), 0
-    if res_bias is not None:
-        assert residual is not None and res_bias.stride(-1) == 1
-        bias_strides = (res_bias.stride(0), res_bias.stride(1))
+    if scores is not None:
+        assert residual is not None and scores.stride(-1) == 1
+        bias_strides = (scores.stride(0), scores.stride(1))
     else:
         bias_strides = (0, 0)
     programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
     _decode_partial_kernel[(programs, n_kv, num_splits)](
-        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, res_bias,
+        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
         tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
@@ -249,7 +273,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
         SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
         SEQ_START=kv_starts is not None,
-        DYN_SPLIT=tiles is not None or kv_starts is not None,
+        DYN_SPLIT=tiles is not None or kv_starts is not None, RES_LOGITS=res_logits is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 

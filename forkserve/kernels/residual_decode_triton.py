@@ -9,7 +9,9 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
   and keeps the rank-r ``acc_r`` over ``V_res``, so neither pass holds the rebuild's
   registers;
 * ``"chunked"``: both passes in one launch, alternating per chunk of keys;
-* ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``.
+* ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``;
+* ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
+  every head's whole logits, pass 2 reads only them, V_base and V_res.
 
 ``residual_values`` is the split-form cascade's value pass (shared_prefix.py). Score
 scratch buffers are temporaries of one call. H200 numbers: docs/KERNELS.md.
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from forkserve.kernels.decode_attention import decode_partials
+from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
 from forkserve.kernels.rope import cached_rope_table
@@ -36,7 +39,7 @@ from forkserve.kernels.split_kv import (
     waves_of,
 )
 
-RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused")
+RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
 # Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
@@ -59,7 +62,7 @@ def score_tuning_for(batch: int) -> dict:
 
 
 # Key tile per variant (H200-tuned).
-DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32}
+DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32, "msc": 64}
 
 
 @triton.jit
@@ -435,9 +438,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
-    goes to ``residual_scores`` (two-pass), ``chunk`` is the chunked variant's keys per
-    phase, ``split_score`` picks the fused variant's score form; ``block_n`` defaults per
-    variant (``DEFAULT_BLOCK_N``)."""
+    goes to ``residual_scores`` (two-pass) or ``residual_logits`` (msc), ``chunk`` is the
+    chunked variant's keys per phase, ``split_score`` picks the fused variant's score form;
+    ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
@@ -445,12 +448,16 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     n_kv = k_base.shape[2]
     rope_tab = cached_rope_table(inv_freq, max_seq_len)
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
-    res_bias = None
+    res_bias = res_logits = None
     if variant == "two_pass":
         res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
                                    rope_tab, n_kv, max_seq_len,
                                    **(score_tuning_for(q.shape[0]) if score_tuning is None
                                       else score_tuning))
+    elif variant == "msc":
+        res_logits = residual_logits(q, k_base, block_tables, k_res, res_block_tables, seq_lens,
+                                     b_k_all, adapter_idx, rope_tab, scale, max_seq_len,
+                                     **(MSC_TUNING if score_tuning is None else score_tuning))
 
     def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
         tuning = dict(scale=scale, num_splits=splits, split_len=split_len, block_n=block_n,
@@ -462,6 +469,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         else:
             decode_partials(q, k_base, v_base, block_tables, seq_lens, part_out, part_lse,
                             kv_start=0, kv_limit=NO_LIMIT, split_offset=0, residual=residual,
-                            split_score=split_score, res_bias=res_bias, **tuning)
+                            split_score=split_score, res_bias=res_bias, res_logits=res_logits,
+                            **tuning)
 
     return split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n, fill)

@@ -34,6 +34,11 @@ Where a tile's cos/sin come from (``ANGLE_ADD``):
 
 Grid ``(batch, n_kv, chunks)``; ``Fc, Fs`` live for the whole program. Output buffers are the
 caller's (``residual_scores``).
+
+``LOGITS`` is pass 1 of the materialized-scores decode (residual_msc.py): the program also
+streams its KV head's ``K_base`` tiles, adds ``K_base @ q^T`` (keys as M, one more product
+per tile) and writes the whole logit scaled into the log2 domain, for every row (a row
+without an adapter gets the base term alone).
 """
 from __future__ import annotations
 
@@ -48,13 +53,13 @@ from forkserve.kernels.split_kv import waves_of
 
 @triton.jit
 def _qfold_score_kernel(
-    Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias,
-    rank, chunk_len,
+    Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias, K, BlockTables,
+    rank, chunk_len, qk_scale,
     stride_qb, stride_qh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
-    stride_sb, stride_sh,
+    stride_sb, stride_sh, stride_kp, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
-    ANGLE_ADD: tl.constexpr,
+    ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     COLS: tl.constexpr = BLOCK_G * RANK
@@ -62,10 +67,12 @@ def _qfold_score_kernel(
     kvh = tl.program_id(1)
     chunk = tl.program_id(2)
     adapter = tl.load(AdapterIdx + b)
+    has_ad = adapter >= 0
     a_safe = tl.maximum(adapter, 0)
     start = chunk * chunk_len
     stop = tl.minimum(start + chunk_len, tl.load(SeqLens + b))
-    stop = tl.where(adapter >= 0, stop, start)  # no adapter: pass 2 never reads the bias
+    if not LOGITS:
+        stop = tl.where(has_ad, stop, start)  # no adapter: pass 2 never reads the bias
 
     # The group's queries folded into B_k: column (g, k) = query row g, rank column k.
     i = tl.arange(0, HALF)[:, None]
@@ -93,12 +100,28 @@ def _qfold_score_kernel(
     d_lo = tl.arange(0, HALF)
     rows = tl.arange(0, BLOCK_G)
     s_ptr = Bias + b * stride_sb + (kvh * GROUP + rows)[None, :] * stride_sh
+    if LOGITS:
+        # The group's queries as the N operand of the base product (keys as M), zero past
+        # the group up to BASE_N columns: at N >= 16 it is a wgmma with both operands in
+        # shared memory (133 registers at 64-key tiles); at N = 4 an mma with the K tile
+        # in registers (162).
+        d = tl.arange(0, HEAD_DIM)
+        cols = tl.arange(0, BASE_N)
+        q_t = tl.load(Q + b * stride_qb + (kvh * GROUP + cols)[None, :] * stride_qh + d[:, None],
+                      mask=(cols < GROUP)[None, :], other=0.0)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp,
+        if LOGITS:
+            page = tl.load(BlockTables + b * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+            k_off = (page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
+                     + kvh * stride_kh)
+            k_base = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        # A row without an adapter scores zero here (its residual pages are never read).
+        res_ok = n_ok & has_ad
+        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, res_ok, stride_rp,
                                  stride_rs, PAGE_SIZE)
-        kr = tl.load(KR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & (r < rank)[None, :],
+        kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_ok[:, None] & (r < rank)[None, :],
                      other=0.0)
         if ANGLE_ADD:
             cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
@@ -114,6 +137,14 @@ def _qfold_score_kernel(
             w = tl.dot(sin, fs, w)
         # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
         sc = tl.sum(tl.reshape(w, [BLOCK_N, BLOCK_G, RANK]) * kr.to(tl.float32)[:, None, :], 2)
+        if LOGITS:
+            base = tl.dot(k_base, q_t)
+            if BASE_N > BLOCK_G:
+                # Columns past the group are zero: fold them onto the group's.
+                base = tl.sum(tl.reshape(base, [BLOCK_N, BASE_N // BLOCK_G, BLOCK_G]), 1)
+            sc = (sc + base) * qk_scale
+            # Chunks start at multiples of BLOCK_N: vector stores along a head's keys.
+            offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),
                  mask=n_ok[:, None] & (rows < GROUP)[None, :])
 
@@ -122,10 +153,13 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
                  rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, *, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, chunk: int | None = None,
-                 angle_add: bool = True) -> None:
+                 angle_add: bool = True,
+                 logits: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
-    (default: about two waves of ``batch x n_kv`` programs)."""
+    (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
+    block_tables, qk_scale)``: write whole logits instead, ``(q.K_base + q.RoPE(K_res B_k))
+    * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py."""
     batch, n_heads, head_dim = q.shape
     span = bias.shape[2]
     if chunk is None:
@@ -133,13 +167,17 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     group = n_heads // n_kv
     rank = b_k_all.shape[1]
+    k_base, block_tables, qk_scale = logits if logits is not None else (None, None, 1.0)
+    base_strides = ((k_base.stride(0), k_base.stride(1), k_base.stride(2), block_tables.stride(0))
+                    if logits is not None else (0, 0, 0, 0))
     _qfold_score_kernel[(batch, n_kv, -(-span // chunk))](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, bias,
-        rank, chunk,
+        k_base, block_tables, rank, chunk, qk_scale,
         q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
         b_k_all.stride(0), b_k_all.stride(1), res_block_tables.stride(0),
-        bias.stride(0), bias.stride(1),
+        bias.stride(0), bias.stride(1), *base_strides,
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
-        ANGLE_ADD=angle_add, num_warps=num_warps, num_stages=num_stages,
+        ANGLE_ADD=angle_add, LOGITS=logits is not None,
+        BASE_N=max(16, triton.next_power_of_2(group)), num_warps=num_warps, num_stages=num_stages,
     )

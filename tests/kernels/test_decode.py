@@ -52,7 +52,10 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # score pass in its rotate form, keys as N or M, and in the q-folded form with cos/sin by
 # angle addition or from the table), chunked (both passes in one launch; a 32-key chunk gives
 # several chunks per split, and chunks that end mid-tile), the fused rebuild with both score
-# forms. A 48-key chunk starts score programs mid-tile and mid-page.
+# forms. A 48-key chunk starts score programs mid-tile and mid-page. Materialized scores
+# (msc: whole logits from K_base and K_res, then a loop over V only) at its default tiles
+# (one tile covers a sequence), at 16-key tiles with several chunks per sequence, and with
+# cos/sin by angle addition.
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -65,6 +68,9 @@ VARIANTS = [
     ("chunked", {"chunk": 32}),
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
+    ("msc", {"block_n": 64}),
+    ("msc", {"score_tuning": {"block_n": 16, "chunk": 48}}),
+    ("msc", {"score_tuning": {"block_n": 16, "angle_add": True}}),
 ]
 
 
@@ -76,8 +82,8 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: 
     q = _q(gen, len(seq_lens), n_heads, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
-    out = residual_decode(*args, use_triton=True, num_splits=2, block_n=16, variant=variant,
-                          **tuning)
+    out = residual_decode(*args, use_triton=True, **{"num_splits": 2, "block_n": 16, **tuning},
+                          variant=variant)
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
     assert rel_err(out, ref) < REL_TOL
@@ -110,10 +116,14 @@ def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
     assert rel_err(out, ref) < REL_TOL
 
 
-@pytest.mark.parametrize("score_tuning", [{}, QFOLD_ANGLE, QFOLD_TABLE])
-def test_residual_decode_fp16(score_tuning: dict) -> None:
+@pytest.mark.parametrize("variant,score_tuning", [
+    ("two_pass", {}), ("two_pass", QFOLD_ANGLE), ("two_pass", QFOLD_TABLE),
+    ("msc", {"block_n": 16}), ("msc", {"block_n": 16, "dtype": torch.float16}),
+])
+def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
     """Half-precision operands (the score pass rounds folded matrices, cos/sin and its
-    float16 scores): still the plain formula at half precision, every adapter kind."""
+    float16 scores; msc's logits float32 or float16): still the plain formula at half
+    precision, every adapter kind."""
     seq_lens, n_heads, n_kv, head_dim, rank = [37, 100, 70, 16], 8, 2, 32, 8
     gen = torch.Generator().manual_seed(5)
     c = make_cache(gen, seq_lens, n_kv, head_dim, rank=rank, dtype=torch.float16)
@@ -123,7 +133,8 @@ def test_residual_decode_fp16(score_tuning: dict) -> None:
     q = _q(gen, len(seq_lens), n_heads, head_dim).to(torch.float16)
     out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                           c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
-                          num_splits=2, block_n=16, score_tuning=score_tuning or None)
+                          num_splits=2, block_n=16, score_tuning=score_tuning or None,
+                          variant=variant)
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
     assert rel_err(out, ref) < 5e-3  # measured 6e-4 to 8e-4 under the interpreter
