@@ -193,9 +193,9 @@ class TorchPhases:
     def reset(self) -> None:
         self.seconds.update(dict.fromkeys(self.seconds, 0.0))
 
-    def split(self) -> dict[str, float]:
+    @staticmethod
+    def split(s: dict[str, float]) -> dict[str, float]:
         """Seconds per phase: preparation is ``launch`` less the forward and the drawing."""
-        s = self.seconds
         return {"prepare": s["launch"] - s["forward"] - s["draw"], "forward": s["forward"],
                 "post": s["draw"] + s["result"]}
 
@@ -241,12 +241,16 @@ def measure_torch(sessions: int, context: int, steps: int, profile: int = 0) -> 
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
-    t0 = time.perf_counter()
-    ticks = 0
-    while engine.tick():
-        ticks += 1
-    engine.sync()
-    total = time.perf_counter() - t0
+    per_tick = []  # (wall s, phase seconds) of each tick
+    while True:
+        phases.reset()
+        t0 = time.perf_counter()
+        more = engine.tick()
+        if not more:
+            engine.sync()
+        per_tick.append((time.perf_counter() - t0, dict(phases.seconds)))
+        if not more:
+            break
     if profiler is not None:
         import pstats
         profiler.disable()
@@ -254,12 +258,18 @@ def measure_torch(sessions: int, context: int, steps: int, profile: int = 0) -> 
     engine.check_integrity()
     assert engine.metrics.decode_tokens >= sessions * (steps - 1), \
         "not every session decoded each tick"
-    split = phases.split()
-    backend_s = phases.seconds["launch"] + phases.seconds["result"]
-    ms = {"engine": (total - backend_s) / ticks * 1e3} | {k: v / ticks * 1e3 for k, v in split.items()}
-    return {"sessions": sessions, "context": context, "ticks": ticks,
-            **{f"{k}_ms": v for k, v in ms.items()},
-            "host_ms": ms["engine"] + ms["prepare"] + ms["post"]}
+    ticks = [phases.split(seconds) | {"engine": wall - seconds["launch"] - seconds["result"]}
+             for wall, seconds in per_tick]
+    for tick in ticks:
+        tick["host"] = tick["engine"] + tick["prepare"] + tick["post"]
+    # The median tick is a steady decode step; the mean also carries the first decode tick
+    # (every session an item of the general path) and the boundary and publish ticks.
+    out = {"sessions": sessions, "context": context, "ticks": len(ticks)}
+    for key in ("engine", "prepare", "forward", "post", "host"):
+        values = [tick[key] * 1e3 for tick in ticks]
+        out[f"{key}_ms"] = statistics.median(values)
+        out[f"{key}_mean_ms"] = statistics.fmean(values)
+    return out
 
 
 def torch_main(args: argparse.Namespace) -> int:
@@ -267,16 +277,17 @@ def torch_main(args: argparse.Namespace) -> int:
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     rows = [r for r in old["rows"] if r["label"] != args.label]
     commit, cpu = source_commit(), _cpu()
-    keys = ("engine_ms", "prepare_ms", "forward_ms", "post_ms", "host_ms")
+    keys = ("engine_ms", "prepare_ms", "forward_ms", "post_ms", "host_ms", "host_mean_ms")
     print(f"{args.label} = {commit} on {args.machine} ({cpu}); TorchBackend on the CPU, "
-          f"overlap on; median (best) of {args.repeats}; host = engine + prepare + post")
+          f"overlap on; ms per tick: the median tick (host_mean: the mean tick), median (best) "
+          f"of {args.repeats} runs; host = engine + prepare + post")
     print(f"{'sessions':>8} " + " ".join(f"{k:>17}" for k in keys))
     for w in args.sessions:
         runs = [measure_torch(w, args.context, args.steps, args.profile if i == 0 else 0)
                 for i in range(args.repeats)]
         r = {"label": args.label, "commit": commit, "machine": args.machine, "sessions": w,
              "context": args.context, "ticks": runs[0]["ticks"], "repeats": args.repeats}
-        for key in keys:
+        for key in (*keys, "engine_mean_ms", "prepare_mean_ms", "forward_mean_ms", "post_mean_ms"):
             values = [run[key] for run in runs]
             r[key], r[key + "_best"] = statistics.median(values), min(values)
         rows.append(r)
