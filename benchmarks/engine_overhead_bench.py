@@ -34,8 +34,10 @@ random-weight Llama on the CPU, eager attention, overlap on) and splits each dec
 host time into its phases (``TorchPhases``): the engine's tick, the backend's batch
 preparation (everything ``launch`` does before the model's forward: validation, page tables,
 slot mappings, cascade tiles, graph or eager inputs), the model forward (real compute, on
-a CPU: not what the GPU pays), and the post-processing (sampling, reading the tokens back,
-``Sampler.accept``, the result). Rows go to ``engine_overhead_torch_<machine>.json``;
+a CPU: not what the GPU pays), the sampling (``Sampler.draw``: device work, inside a CUDA
+graph's replay for greedy rows; on a CPU its argmax alone takes ms) and the read-back
+(``result()``: the tokens to the host, ``Sampler.accept``, the result). host = engine +
+prepare + read-back: the Python a GPU's step waits for. Rows go to ``engine_overhead_torch_<machine>.json``;
 ``--profile`` adds cProfile's top functions outside the forward.
 """
 from __future__ import annotations
@@ -168,8 +170,6 @@ class TorchPhases:
     ``result()``. On a CPU device every phase runs inside these calls, so their sum is the
     backend's whole share of a tick."""
 
-    PHASES = ("prepare", "forward", "post")
-
     def __init__(self, backend) -> None:
         self.seconds = dict.fromkeys(("launch", "forward", "draw", "result"), 0.0)
         backend.launch = self._timed("launch", backend.launch, handle=True)
@@ -197,7 +197,7 @@ class TorchPhases:
     def split(s: dict[str, float]) -> dict[str, float]:
         """Seconds per phase: preparation is ``launch`` less the forward and the drawing."""
         return {"prepare": s["launch"] - s["forward"] - s["draw"], "forward": s["forward"],
-                "post": s["draw"] + s["result"]}
+                "sample": s["draw"], "readback": s["result"]}
 
 
 def tiny_llama():
@@ -261,11 +261,11 @@ def measure_torch(sessions: int, context: int, steps: int, profile: int = 0) -> 
     ticks = [phases.split(seconds) | {"engine": wall - seconds["launch"] - seconds["result"]}
              for wall, seconds in per_tick]
     for tick in ticks:
-        tick["host"] = tick["engine"] + tick["prepare"] + tick["post"]
+        tick["host"] = tick["engine"] + tick["prepare"] + tick["readback"]
     # The median tick is a steady decode step; the mean also carries the first decode tick
     # (every session an item of the general path) and the boundary and publish ticks.
     out = {"sessions": sessions, "context": context, "ticks": len(ticks)}
-    for key in ("engine", "prepare", "forward", "post", "host"):
+    for key in ("engine", "prepare", "forward", "sample", "readback", "host"):
         values = [tick[key] * 1e3 for tick in ticks]
         out[f"{key}_ms"] = statistics.median(values)
         out[f"{key}_mean_ms"] = statistics.fmean(values)
@@ -277,17 +277,19 @@ def torch_main(args: argparse.Namespace) -> int:
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     rows = [r for r in old["rows"] if r["label"] != args.label]
     commit, cpu = source_commit(), _cpu()
-    keys = ("engine_ms", "prepare_ms", "forward_ms", "post_ms", "host_ms", "host_mean_ms")
+    keys = ("engine_ms", "prepare_ms", "forward_ms", "sample_ms", "readback_ms", "host_ms",
+            "host_mean_ms")
     print(f"{args.label} = {commit} on {args.machine} ({cpu}); TorchBackend on the CPU, "
           f"overlap on; ms per tick: the median tick (host_mean: the mean tick), median (best) "
-          f"of {args.repeats} runs; host = engine + prepare + post")
+          f"of {args.repeats} runs; host = engine + prepare + readback")
     print(f"{'sessions':>8} " + " ".join(f"{k:>17}" for k in keys))
     for w in args.sessions:
         runs = [measure_torch(w, args.context, args.steps, args.profile if i == 0 else 0)
                 for i in range(args.repeats)]
         r = {"label": args.label, "commit": commit, "machine": args.machine, "sessions": w,
              "context": args.context, "ticks": runs[0]["ticks"], "repeats": args.repeats}
-        for key in (*keys, "engine_mean_ms", "prepare_mean_ms", "forward_mean_ms", "post_mean_ms"):
+        means = ("engine_mean_ms", "prepare_mean_ms", "sample_mean_ms", "readback_mean_ms")
+        for key in (*keys, *means):
             values = [run[key] for run in runs]
             r[key], r[key + "_best"] = statistics.median(values), min(values)
         rows.append(r)
