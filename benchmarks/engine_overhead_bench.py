@@ -37,8 +37,8 @@ slot mappings, cascade tiles, graph or eager inputs), the model forward (real co
 a CPU: not what the GPU pays), the sampling (``Sampler.draw``: device work, inside a CUDA
 graph's replay for greedy rows; on a CPU its argmax alone takes ms) and the read-back
 (``result()``: the tokens to the host, ``Sampler.accept``, the result). host = engine +
-prepare + read-back: the Python a GPU's step waits for. Rows go to ``engine_overhead_torch_<machine>.json``;
-``--profile`` adds cProfile's top functions outside the forward.
+prepare + read-back: the Python a GPU's step waits for. Rows go to
+``engine_overhead_torch_<machine>.json``; ``--profile`` prints cProfile's top functions.
 """
 from __future__ import annotations
 
