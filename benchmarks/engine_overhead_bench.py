@@ -28,6 +28,17 @@ machine, whose name is in the file's (``engine_overhead_<machine>.json|png``).
 subtracted): it leaves out time the process waited for a core, not the slowdown of sharing
 one (on the 2-core box of issue 21 it tracked the wall-clock figure within 1% when the box
 was quiet; under a load average of 8 the wall clock read ~2x the CPU time).
+
+``--backend torch`` runs the same sessions through the real ``TorchBackend`` (a tiny
+random-weight Llama on the CPU, eager attention, overlap on) and splits each decode step's
+host time into its phases (``TorchPhases``): the engine's tick, the backend's batch
+preparation (everything ``launch`` does before the model's forward: validation, page tables,
+slot mappings, cascade tiles, graph or eager inputs), the model forward (real compute, on
+a CPU: not what the GPU pays), the sampling (``Sampler.draw``: device work, inside a CUDA
+graph's replay for greedy rows; on a CPU its argmax alone takes ms) and the read-back
+(``result()``: the tokens to the host, ``Sampler.accept``, the result). host = engine +
+prepare + read-back: the Python a GPU's step waits for. Rows go to
+``engine_overhead_torch_<machine>.json``; ``--profile`` prints cProfile's top functions.
 """
 from __future__ import annotations
 
@@ -153,6 +164,143 @@ def measure(sessions: int, context: int, steps: int, gpu_ms: float, overlap: boo
             "unhidden": (modeled - busy) / busy}
 
 
+class TorchPhases:
+    """Host time of a TorchBackend's steps by phase, timed around its own calls: ``launch``
+    (all of it), the model's forward and ``Sampler.draw`` inside it, and each handle's
+    ``result()``. On a CPU device every phase runs inside these calls, so their sum is the
+    backend's whole share of a tick."""
+
+    def __init__(self, backend) -> None:
+        self.seconds = dict.fromkeys(("launch", "forward", "draw", "result"), 0.0)
+        backend.launch = self._timed("launch", backend.launch, handle=True)
+        backend.model.forward = self._timed("forward", backend.model.forward)
+        backend.sampler.draw = self._timed("draw", backend.sampler.draw)
+
+    def _timed(self, phase: str, run, handle: bool = False):
+        seconds = self.seconds
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                out = run(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t0
+            if handle:
+                out.result = self._timed("result", out.result)
+            return out
+        return call
+
+    def reset(self) -> None:
+        self.seconds.update(dict.fromkeys(self.seconds, 0.0))
+
+    @staticmethod
+    def split(s: dict[str, float]) -> dict[str, float]:
+        """Seconds per phase: preparation is ``launch`` less the forward and the drawing."""
+        return {"prepare": s["launch"] - s["forward"] - s["draw"], "forward": s["forward"],
+                "sample": s["draw"], "readback": s["result"]}
+
+
+def tiny_llama():
+    """One layer, one K/V head of 16: eager attention gathers every row's whole context each
+    step (W x 8K keys), so the model stays small enough for 512 rows on a CPU."""
+    from forkserve.backend.torch.model_config import ModelConfig
+    from forkserve.backend.torch.rope import RopeConfig
+
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5,
+                       rope=RopeConfig(), max_context=16384, attention_bias=False,
+                       tie_word_embeddings=False)
+
+
+def measure_torch(sessions: int, context: int, steps: int, profile: int = 0) -> dict:
+    """W sessions over one shared context through Engine + TorchBackend (overlap on, cascade
+    on, CPU): host ms per decode tick by phase."""
+    import torch
+
+    from forkserve.backend.torch import TorchBackend
+    from forkserve.backend.torch.weights import random_weights
+
+    page = 16
+    pages = context // page + sessions * (steps // page + 3) + 64
+    cfg = ForkServeConfig(page_size=page, num_pages=pages, hbm_tokens=pages * page,
+                          max_batch_tokens=1 << 20, node_ttl_s=None, overlap=True)
+    model = tiny_llama()
+    cpu = torch.device("cpu")
+    backend = TorchBackend.from_weights(cfg, model, random_weights(model, cpu, torch.float32),
+                                        device=cpu, dtype=torch.float32, attention="eager")
+    engine = Engine(backend)
+    prompt = [5 + i % 200 for i in range(context)]
+    handles = [engine.open(prompt + [7, 3 + i % 250]) for i in range(sessions)]
+    engine.drain_slack()
+    assert not engine.metrics.failed_items, "the prompts' prefill failed"
+    for h in handles:
+        engine.start_generate(h.id, steps)
+    phases = TorchPhases(backend)
+    profiler = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    per_tick = []  # (wall s, phase seconds) of each tick
+    while True:
+        phases.reset()
+        t0 = time.perf_counter()
+        more = engine.tick()
+        if not more:
+            engine.sync()
+        per_tick.append((time.perf_counter() - t0, dict(phases.seconds)))
+        if not more:
+            break
+    if profiler is not None:
+        import pstats
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
+    engine.check_integrity()
+    assert engine.metrics.decode_tokens >= sessions * (steps - 1), \
+        "not every session decoded each tick"
+    ticks = [phases.split(seconds) | {"engine": wall - seconds["launch"] - seconds["result"]}
+             for wall, seconds in per_tick]
+    for tick in ticks:
+        tick["host"] = tick["engine"] + tick["prepare"] + tick["readback"]
+    # The median tick is a steady decode step; the mean also carries the first decode tick
+    # (every session an item of the general path) and the boundary and publish ticks.
+    out = {"sessions": sessions, "context": context, "ticks": len(ticks)}
+    for key in ("engine", "prepare", "forward", "sample", "readback", "host"):
+        values = [tick[key] * 1e3 for tick in ticks]
+        out[f"{key}_ms"] = statistics.median(values)
+        out[f"{key}_mean_ms"] = statistics.fmean(values)
+    return out
+
+
+def torch_main(args: argparse.Namespace) -> int:
+    path = args.out / f"engine_overhead_torch_{args.machine}.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    rows = [r for r in old["rows"] if r["label"] != args.label]
+    commit, cpu = source_commit(), _cpu()
+    keys = ("engine_ms", "prepare_ms", "forward_ms", "sample_ms", "readback_ms", "host_ms",
+            "host_mean_ms")
+    print(f"{args.label} = {commit} on {args.machine} ({cpu}); TorchBackend on the CPU, "
+          f"overlap on; ms per tick: the median tick (host_mean: the mean tick), median (best) "
+          f"of {args.repeats} runs; host = engine + prepare + readback")
+    print(f"{'sessions':>8} " + " ".join(f"{k:>17}" for k in keys))
+    for w in args.sessions:
+        runs = [measure_torch(w, args.context, args.steps, args.profile if i == 0 else 0)
+                for i in range(args.repeats)]
+        r = {"label": args.label, "commit": commit, "machine": args.machine, "sessions": w,
+             "context": args.context, "ticks": runs[0]["ticks"], "repeats": args.repeats}
+        means = ("engine_mean_ms", "prepare_mean_ms", "sample_mean_ms", "readback_mean_ms")
+        for key in (*keys, *means):
+            values = [run[key] for run in runs]
+            r[key], r[key + "_best"] = statistics.median(values), min(values)
+        rows.append(r)
+        print(f"{w:>8} " + " ".join(f"{_pair(r, k):>17}" for k in keys))
+        write_json(path, {"context": args.context, "steps": args.steps, "machine": args.machine,
+                          "cpu": cpu, "model": "tiny Llama, 1 layer (tiny_llama), eager attention",
+                          "rows": rows}, quiet=True)
+    print(f"wrote {path}")
+    return 0
+
+
 def repeated(sessions: int, args: argparse.Namespace, overlap: bool) -> dict:
     """``measure`` ``args.repeats`` times: the median and the best of each figure."""
     runs = [measure(sessions, args.context, args.steps, args.gpu_step_ms, overlap=overlap)
@@ -178,10 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="now", help="this source tree's name in the JSON and plot")
     ap.add_argument("--machine", default="cpu",
                     help="the machine's name, in the file names and every row")
+    ap.add_argument("--backend", choices=("mock", "torch"), default="mock",
+                    help="mock: the engine alone; torch: TorchBackend's host phases too")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="torch: print cProfile's top N functions of each size's first run")
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.backend == "torch":
+        return torch_main(args)
     path = args.out / f"engine_overhead_{args.machine}.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     rows = [r for r in old["rows"] if r["label"] != args.label]

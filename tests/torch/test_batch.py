@@ -1,47 +1,130 @@
-"""The CUDA-graph input fill (`fill_decode`) writes exactly what `build` computes."""
+"""Decode rows: the CUDA-graph inputs (`decode_rows.of_items`) and the steady rows' columns
+(`of_batch`, with its eager tensors `to_batch`) hold exactly what `build` computes; `of_batch`
+answers None wherever `validate` refuses a row."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork
-from forkserve.backend.torch.batch import BatchLimits, build, fill_decode
-from forkserve.backend.torch.cuda_graph import pages_bucket
+from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork, SharedPrefix
+from forkserve.backend.torch import cascade as cascade_tiles
+from forkserve.backend.torch.batch import BatchLimits, build, validate
+from forkserve.backend.torch.decode_rows import ROW_FIELDS, TABLE_FIELDS, of_batch, of_items
 from forkserve.config import KVForm
+from forkserve.errors import ForkServeError
+
+PAGE, PAGES, SCRATCH = 16, 64, 500
+SLOTS = {7: 0, 9: 3}
+
+
+def _limits(disaggregated: bool) -> BatchLimits:
+    return BatchLimits(vocab_size=1000, max_context=PAGES * PAGE, page_size=PAGE, num_pages=SCRATCH,
+                       num_residual_pages=SCRATCH, disaggregated=disaggregated)
+
+
+def _work(rng: random.Random, disaggregated: bool, steady: bool, n: int = 5) -> list[SeqWork]:
+    """Decode items; ``steady``: as steady rows are (both sides written, the pages they read
+    listed, no aLoRA) over one shared prefix of 3 pages."""
+    shared = tuple(rng.sample(range(SCRATCH), 3))
+    work = []
+    for i in range(n):
+        at = rng.randrange(3 * PAGE, 40 * PAGE)
+        adapter = rng.choice([None, 7, 9])
+        table = shared + tuple(rng.sample(range(SCRATCH), PAGES - 3))
+        split = disaggregated and adapter is not None and (steady or rng.random() < 0.7)
+        res = tuple(rng.sample(range(SCRATCH), PAGES)) if split else None
+        if steady:
+            table, res = table[:at // PAGE + 1], res[:at // PAGE + 1] if res else None
+        work.append(SeqWork(i, (rng.randrange(1000),), at, KVSlots(table, res), adapter, GREEDY, decode=True,
+                            write_base=steady or rng.random() < 0.7,
+                            write_residual=steady or rng.random() < 0.7,
+                            form=KVForm.SPLIT if split else KVForm.MERGED,
+                            adapter_start=0 if adapter is not None else at + 1,
+                            shared_prefix=SharedPrefix(0, 3) if steady else None))
+    return work
+
+
+def _as_batch(work: list[SeqWork]) -> DecodeBatch:
+    return DecodeBatch(tuple(s.seq_id for s in work), tuple(s.tokens[0] for s in work),
+                       [s.start_pos for s in work], tuple(np.array(s.slots.pages) for s in work),
+                       tuple(None if s.slots.residual_pages is None else np.array(s.slots.residual_pages)
+                             for s in work),
+                       tuple(s.form for s in work), tuple(s.adapter_id for s in work),
+                       [s.adapter_start for s in work], tuple(s.sampling for s in work),
+                       tuple(s.shared_prefix for s in work))
 
 
 @pytest.mark.parametrize("disaggregated", [False, True])
-def test_fill_decode_equals_build(disaggregated):
-    rng = random.Random(0)
-    page, pages, scratch = 16, 64, 500
-    limits = BatchLimits(vocab_size=1000, max_context=pages * page, page_size=page, num_pages=scratch,
-                         num_residual_pages=scratch, disaggregated=disaggregated)
-    slots = {7: 0, 9: 3}
-    work = []
-    for i in range(5):
-        at = rng.randrange(0, 40 * page)
-        adapter = rng.choice([None, 7, 9])
-        table = tuple(rng.sample(range(scratch), pages))
-        split = disaggregated and adapter is not None and rng.random() < 0.7
-        res = tuple(rng.sample(range(scratch), pages)) if split else None
-        work.append(SeqWork(i, (rng.randrange(1000),), at, KVSlots(table, res), adapter, GREEDY, decode=True,
-                            write_base=rng.random() < 0.7, write_residual=rng.random() < 0.7,
-                            form=KVForm.SPLIT if split else KVForm.MERGED))
-    ref = build(work, limits, slots, False, torch.device("cpu"), scratch, scratch)
-    width = pages_bucket(ref.meta.block_tables.shape[1])
-    rows = {n: np.full((8,), -99, dtype=np.int64) for n in ("input_ids", "positions", "token_slot", "slot_mapping",
-                                                             "res_slot_mapping", "seq_lens", "seq_slot")}
-    rows |= {n: np.full((8, width), scratch, dtype=np.int64) for n in ("block_tables", "res_block_tables")}
-    fill_decode(work, limits, slots, rows, scratch, scratch)
-    n, w = len(work), ref.meta.block_tables.shape[1]
+@pytest.mark.parametrize("steady", [False, True])
+def test_decode_rows_equal_build(disaggregated, steady):
+    work = _work(random.Random(0), disaggregated, steady)
+    ref = build(work, _limits(disaggregated), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH)
+    rows = of_items(work, _limits(disaggregated), SLOTS, SCRATCH, SCRATCH)
     expect = {"input_ids": ref.input_ids, "positions": ref.positions, "token_slot": ref.token_slot,
               "slot_mapping": ref.meta.slot_mapping, "seq_lens": ref.meta.seq_lens, "seq_slot": ref.meta.seq_slot,
               "block_tables": ref.meta.block_tables}
     if disaggregated:
         expect |= {"res_slot_mapping": ref.meta.res_slot_mapping, "res_block_tables": ref.meta.res_block_tables}
     for name, value in expect.items():
-        got = rows[name][:n, :w] if value.dim() == 2 else rows[name][:n]
-        assert np.array_equal(got, value.numpy()), name
+        assert np.array_equal(getattr(rows, name), value.numpy()), name
+    if not steady:
+        return
+    columns = of_batch(_as_batch(work), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH)
+    for name in (*ROW_FIELDS, *TABLE_FIELDS):
+        assert np.array_equal(getattr(columns, name), getattr(rows, name)), name
+    assert columns.has_adapter == rows.has_adapter
+    # The eager tensors of the columns are build's, field for field.
+    plan = cascade_tiles.plan([s.shared_prefix for s in work], PAGE, 32)
+    ref = build(work, _limits(disaggregated), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH, plan)
+    got = columns.to_batch(torch.device("cpu"), plan)
+    for field in ("input_ids", "positions", "token_slot", "logits_indices", "use_lora"):
+        a, b = getattr(got, field), getattr(ref, field)
+        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, field
+    for field in dataclasses.fields(ref.meta):
+        a, b = getattr(got.meta, field.name), getattr(ref.meta, field.name)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert a is not None and b is not None and torch.equal(a, b) and a.dtype == b.dtype, field.name
+        elif field.name == "cascade":
+            assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)), field.name
+        else:
+            assert a == b, field.name
+
+
+def _refusals(work: list[SeqWork]) -> dict[str, list[SeqWork]]:
+    """One bad row each, as ``validate`` refuses it."""
+    first = work[0]
+
+    def replaced(**changes) -> list[SeqWork]:
+        return [dataclasses.replace(first, **changes), *work[1:]]
+
+    pages = first.slots.pages
+    return {
+        "token": replaced(tokens=(1000,)),
+        "position": replaced(start_pos=PAGES * PAGE),
+        "adapter": replaced(adapter_id=8),
+        "short table": replaced(slots=KVSlots(pages[:-1], first.slots.residual_pages)),
+        "page id": replaced(slots=KVSlots((*pages[:-1], SCRATCH), first.slots.residual_pages)),
+        "group pages": replaced(shared_prefix=SharedPrefix(0, 2)),
+        "group ids": replaced(slots=KVSlots((SCRATCH - 1, *pages[1:]), first.slots.residual_pages)),
+        "form": replaced(form=KVForm.SPLIT if first.form is KVForm.MERGED else KVForm.MERGED),
+    }
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_of_batch_refuses_what_validate_refuses(disaggregated):
+    work = _work(random.Random(1), disaggregated, steady=True)
+    work[0] = dataclasses.replace(work[0], adapter_id=7, adapter_start=0)
+    if disaggregated:  # the first row in the split form, so the form flip is a conflict
+        work[0] = dataclasses.replace(work[0], form=KVForm.SPLIT,
+                                      slots=KVSlots(work[0].slots.pages, work[0].slots.pages))
+    for name, bad in _refusals(work).items():
+        with pytest.raises(ForkServeError):
+            validate(bad, _limits(disaggregated), SLOTS)
+        assert of_batch(_as_batch(bad), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH) is None, name
+    validate(work, _limits(disaggregated), SLOTS)
+    assert of_batch(_as_batch(work), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH) is not None

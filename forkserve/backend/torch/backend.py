@@ -19,10 +19,18 @@ import torch
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.decode_batch import DecodeBatch
-from forkserve.backend.protocol import HostCopy, PageKind, SeqWork, StepCost, StepResult
+from forkserve.backend.protocol import (
+    HostCopy,
+    PageKind,
+    SamplingParams,
+    SeqWork,
+    StepCost,
+    StepResult,
+)
 from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.batch import BatchLimits, validate
+from forkserve.backend.torch.decode_rows import of_batch
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -257,8 +265,12 @@ class TorchBackend:
         the sampling and the tokens' copy to the host are queued on the device stream
         (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
         refuses (``validate``) returns a handle that raises the refusal."""
-        items = step_items(work, batch)
         try:
+            if not work and batch is not None and len(batch):
+                pending = self._start_rows(batch)
+                if pending is not None:
+                    return pending
+            items = step_items(work, batch)
             if len(self._form_groups(items)) > 1:  # its parts run one after the other, here
                 return Done(self.forward(items).result)
             return self._start(items, all_logits=False, hidden_states=False)
@@ -288,11 +300,9 @@ class TorchBackend:
 
     def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
         """Validate and queue one step; nothing here waits for the device."""
-        slots = {aid: r.slot for aid, r in self._resident.items()}
+        slots = self._slots()
         validate(work, self.limits, slots)
-        clock = StepClock(self.device)
-        if self.gpu_timeline is not None:
-            self.gpu_timeline.start()
+        clock = self._clock()
         run = self.runner.forward(work, slots, all_logits, hidden_states)
         if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
             self.gpu_timeline.stop(all(s.decode for s in work))
@@ -305,21 +315,63 @@ class TorchBackend:
                   if run.hidden is not None else ())
         counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
                   for s in work]
-        ends = itertools.accumulate(counts)
-        per_item = tuple(logits[e - n:e] if n else None for n, e in zip(counts, ends, strict=True))
+        greedy = None
         if sum(counts) == len(sampling):
-            last = logits  # one row per sampling item, in order (a graph's argmax matches it)
+            last, greedy = logits, run.greedy  # one row per sampling item, in order (a graph's argmax matches it)
         else:
-            sampled = [rows[-1] for rows, s in zip(per_item, work, strict=True) if s.sampling is not None]
-            last = torch.stack(sampled) if sampled else logits[:0]
+            ends = itertools.accumulate(counts)
+            last = torch.stack([logits[e - 1] for n, e, s in zip(counts, ends, work, strict=True)
+                                if s.sampling is not None]) if sampling else logits[:0]
+        prefill = [s for s in work if not s.decode]
+        cost = StepCost(prefill_tokens=sum(len(s.tokens) for s in prefill),
+                        decode_tokens=len(work) - len(prefill), prefill_calls=len(prefill))
+        return self._draw(logits, counts, hidden, [s.sampling for s in sampling],
+                          [s.start_pos + len(s.tokens) for s in sampling], [s.sampling is not None for s in work],
+                          [(i, s) for i, s in enumerate(work) if s.prompt_logprobs is not None],
+                          cost, last, greedy, clock)
+
+    def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
+        """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):
+        no per-row item, table tuple or validation pass. None where the columns do not fit
+        that path (rows of both forms, recompute layers, tracked writes) or a row would be
+        refused: the caller runs the rows as items, whose validation names the row."""
+        forms = {f for f, a in zip(batch.forms, batch.adapter_ids, strict=True) if a is not None}
+        if self._writes is not None or self.limits.recompute or len(forms) > 1:
+            return None
+        rows = of_batch(batch, self.limits, self._slots(), self.pool.scratch_page,
+                        self.pool.scratch_residual_page)
+        if rows is None:
+            return None
+        clock = self._clock()
+        run = self.runner.forward_rows(rows, batch.shared_prefix, forms == {KVForm.SPLIT})
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.stop(True)
+        n = len(batch)
+        return self._draw(run.logits, (1,) * n, (), batch.sampling, (rows.seq_lens).tolist(), None, (),
+                          StepCost(decode_tokens=n), run.logits, run.greedy, clock)
+
+    def _slots(self) -> dict[int, int]:
+        return {aid: r.slot for aid, r in self._resident.items()}
+
+    def _clock(self) -> StepClock:
+        """The step's clock, started with the device timeline's mark (when one is recorded)."""
+        clock = StepClock(self.device)
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.start()
+        return clock
+
+    def _draw(self, logits: torch.Tensor, counts: Sequence[int], hidden: tuple[torch.Tensor, ...],
+              params: Sequence[SamplingParams], positions: Sequence[int], samples: Sequence[bool] | None,
+              prompts: Sequence[tuple[int, SeqWork]], cost: StepCost, last: torch.Tensor,
+              greedy: torch.Tensor | None, clock: StepClock) -> PendingStep:
+        """Queue the sampling and the tokens' copy to the host behind the forward."""
         tokens = None
-        if sampling:
-            drawn = self.sampler.draw(last, [s.sampling for s in sampling],
-                                      [s.start_pos + len(s.tokens) for s in sampling],
-                                      run.greedy if last is logits else None)
+        if params:
+            drawn = self.sampler.draw(last, params, positions, greedy)
             tokens = drawn.to("cpu", non_blocking=True) if drawn.is_cuda else drawn
         clock.stop()
-        return PendingStep(work, per_item, hidden, sampling, last, tokens, self.sampler, clock)
+        return PendingStep(logits, counts, hidden, params, positions, samples, prompts, cost, last, tokens,
+                           self.sampler, clock)
 
     @property
     def cascade_attention(self) -> bool:

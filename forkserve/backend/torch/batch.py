@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from forkserve import errors
@@ -193,27 +192,3 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
                  # activation: its (zero) residual is written through it.
                  meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra_rows))
 
-
-def fill_decode(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
-                out: Mapping[str, np.ndarray], scratch_page: int, scratch_res_page: int) -> None:
-    """A decode-only batch (one token per item, already validated) written straight into the
-    host arrays of a CUDA graph's inputs: rows [0, len(work)), the caller pads the rest.
-    Same values as `build`, without building tensors: at batch 1 the host work between two
-    graph replays is the GPU's idle time."""
-    p = limits.page_size
-    for i, seq in enumerate(work):
-        slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
-        at = seq.start_pos
-        used = at // p + 1
-        pages = seq.slots.pages
-        res = seq.slots.residual_pages
-        out["input_ids"][i] = seq.tokens[0]
-        out["positions"][i] = at
-        out["token_slot"][i] = slot if at >= seq.adapter_start else -1  # aLoRA: base before activation
-        out["seq_slot"][i] = slot if res is not None else -1
-        out["seq_lens"][i] = at + 1
-        out["slot_mapping"][i] = pages[used - 1] * p + at % p if seq.write_base else scratch_page * p
-        out["res_slot_mapping"][i] = (res[used - 1] * p + at % p if res is not None and seq.write_residual
-                                      else scratch_res_page * p)
-        out["block_tables"][i, :used] = pages[:used]
-        out["res_block_tables"][i, :used] = res[:used] if res is not None else scratch_res_page

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from forkserve.backend.protocol import SeqWork
+from forkserve.backend.protocol import SeqWork, SharedPrefix
 from forkserve.backend.torch.errors import InvalidWorkError
 
 
@@ -68,17 +68,18 @@ def check_groups(work: Sequence[SeqWork], page_size: int) -> None:
             raise error
 
 
-def plan(work: Sequence[SeqWork], page_size: int, agents: int) -> CascadePlan | None:
-    """Tiles for the groups of at least two items; None when no item shares a prefix."""
+def plan(marks: Sequence[SharedPrefix | None], page_size: int, agents: int) -> CascadePlan | None:
+    """Tiles for the groups of at least two items (``marks``: each item's ``shared_prefix``);
+    None when no item shares a prefix."""
     groups: dict[int, list[int]] = {}
-    for i, seq in enumerate(work):
-        if seq.shared_prefix is not None and seq.shared_prefix.pages > 0:
-            groups.setdefault(seq.shared_prefix.group, []).append(i)
-    rows, lens, starts = [], [], [0] * len(work)
+    for i, mark in enumerate(marks):
+        if mark is not None and mark.pages > 0:
+            groups.setdefault(mark.group, []).append(i)
+    rows, lens, starts = [], [], [0] * len(marks)
     for members in groups.values():
         if len(members) < 2:
             continue
-        prefix = work[members[0]].shared_prefix.pages * page_size
+        prefix = marks[members[0]].pages * page_size
         for at in range(0, len(members), agents):
             chunk = members[at:at + agents]
             rows.append((*chunk, *[-1] * (agents - len(chunk))))

@@ -3,30 +3,26 @@ on/off, split or merged form, cascade tiles bucket).
 
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
-launch. Inputs live in one packed int64 device buffer, filled from the work items straight
-into a pinned host buffer and sent by one asynchronous copy per step; a smaller batch is
+launch. Inputs live in one packed int64 device buffer, filled from the step's ``DecodeRows``
+(``decode_rows.py``) into a pinned host buffer and sent by one asynchronous copy per step; a smaller batch is
 padded up to its bucket with rows that read and write only the pool's scratch page. The
 greedy argmax is captured too. Every tensor the graph reads is owned by the DecodeGraph:
 a temporary freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
-
 import numpy as np
 import torch
 
-from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
-from forkserve.backend.torch.batch import BatchLimits, fill_decode
+from forkserve.backend.torch.batch import BatchLimits
 from forkserve.backend.torch.cascade import CascadePlan, CascadeTiles
+from forkserve.backend.torch.decode_rows import ROW_FIELDS, TABLE_FIELDS, DecodeRows
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-_ROW_FIELDS = ("input_ids", "positions", "token_slot", "slot_mapping", "res_slot_mapping", "seq_lens", "seq_slot")
-_TABLE_FIELDS = ("block_tables", "res_block_tables")
 
 
 def batch_bucket(n: int) -> int | None:
@@ -54,7 +50,7 @@ class DecodeGraph:
             "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
             "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page,
             "kv_starts": 0, "tile_seqs": -1, "tile_lens": 0}  # cascade: suffix from key 0, tiles of no row
-        shapes = {name: (batch,) for name in _ROW_FIELDS} | {name: (batch, pages) for name in _TABLE_FIELDS}
+        shapes = {name: (batch,) for name in ROW_FIELDS} | {name: (batch, pages) for name in TABLE_FIELDS}
         if tiles:
             shapes |= {"kv_starts": (batch,), "tile_seqs": (tiles, agents), "tile_lens": (tiles,)}
         offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -67,7 +63,7 @@ class DecodeGraph:
         host_np = self.host.numpy()
         self.host_views = {n: host_np[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in offsets.items()}
         self.copied = torch.cuda.Event()
-        self._send([])
+        self._send(None)
         view = {n: self.packed[o:o + int(np.prod(s))].view(s) for n, (o, s) in offsets.items()}
         self.rows = torch.arange(batch, device=device)
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -99,23 +95,32 @@ class DecodeGraph:
             self.logits = forward()
             self.greedy = self.logits.argmax(dim=-1)
 
-    def _send(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int] | None = None,
-              cascade: CascadePlan | None = None) -> None:
+    def _send(self, rows: DecodeRows | None, cascade: CascadePlan | None = None) -> None:
         self.copied.synchronize()  # the previous step's copy has finished reading the pinned buffer
-        for name, block in self.host_views.items():
-            block[...] = self.padding[name]
-        fill_decode(work, self.limits, adapter_slots or {}, self.host_views, self.pool.scratch_page,
-                    self.pool.scratch_residual_page)
-        cascade_tiles.fill(cascade, self.host_views)
+        views = self.host_views
+        n, width = rows.block_tables.shape if rows is not None else (0, 0)
+        # Only what the rows leave is padding: a full-table reset is B x pages words a step.
+        for name in ROW_FIELDS:
+            views[name][n:] = self.padding[name]
+            if n:
+                views[name][:n] = getattr(rows, name)
+        for name in TABLE_FIELDS:
+            views[name][n:] = self.padding[name]
+            views[name][:n, width:] = self.padding[name]
+            if n:
+                views[name][:n, :width] = getattr(rows, name)
+        for name in ("kv_starts", "tile_seqs", "tile_lens"):
+            if name in views:
+                views[name][...] = self.padding[name]
+        cascade_tiles.fill(cascade, views)
         self.packed.copy_(self.host, non_blocking=True)
         self.copied.record()
 
-    def run(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int],
-            cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay for validated decode items: (logits [n, vocab], greedy tokens [n]), copied
+    def run(self, rows: DecodeRows, cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for validated decode rows: (logits [n, vocab], greedy tokens [n]), copied
         out of the graph's output buffers, which the next replay overwrites (a caller of
         TorchBackend.forward may keep a step's logits). ``cascade``: at most the graph's tiles."""
-        self._send(work, adapter_slots, cascade)
+        self._send(rows, cascade)
         self.graph.replay()
-        n = len(work)
+        n = len(rows)
         return self.logits[:n].clone(), self.greedy[:n].clone()

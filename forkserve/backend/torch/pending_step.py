@@ -15,13 +15,15 @@ the runner's copies, never a CUDA graph's output buffers, which the next replay 
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from forkserve.backend.protocol import SeqWork, StepCost, StepResult
+from forkserve.backend.protocol import SamplingParams, SeqWork, StepCost, StepResult
 from forkserve.backend.torch.sampler import Sampler, record_prompt
 
 
@@ -72,36 +74,47 @@ class StepClock:
 
 @dataclass
 class PendingStep:
-    work: Sequence[SeqWork]
-    per_item: tuple[torch.Tensor | None, ...]   # each item's logits rows (or None)
+    logits: torch.Tensor                  # the forward's logits rows, item after item
+    counts: Sequence[int]                 # per item: its rows of ``logits`` (0, 1 or its tokens)
     hidden: tuple[torch.Tensor, ...]
-    sampling: Sequence[SeqWork]                 # the items that sample, in order
-    last: torch.Tensor                          # their logits, one row each
-    tokens: torch.Tensor | None                 # their tokens: pinned host copy in flight
+    params: Sequence[SamplingParams]      # of the items that sample, in order
+    positions: Sequence[int]              # the position each of their tokens takes
+    samples: Sequence[bool] | None        # per item, whether it samples; None: every item does
+    prompts: Sequence[tuple[int, SeqWork]]  # (index, item) of the items asking prompt log-probs
+    cost: StepCost                        # the step's tokens; its ms once read back
+    last: torch.Tensor                    # the sampling items' logits, one row each
+    tokens: torch.Tensor | None           # their tokens: pinned host copy in flight
     sampler: Sampler
     clock: StepClock
-    _output: StepOutput | None = None
+    _result: StepResult | None = None
 
     def result(self) -> StepResult:
-        return self.output().result
+        if self._result is None:
+            self._result = self._finish()
+        return self._result
 
     def output(self) -> StepOutput:
         """The step's tokens and logits once the device has produced them."""
-        if self._output is None:
-            self._output = self._finish()
-        return self._output
+        return StepOutput(self.result(), self._per_item(), self.hidden)
 
-    def _finish(self) -> StepOutput:
+    def _per_item(self) -> tuple[torch.Tensor | None, ...]:
+        """Each item's rows of the logits (a step's result alone never needs them: at
+        hundreds of rows one slice each is a visible share of the host's step)."""
+        ends = itertools.accumulate(self.counts)
+        return tuple(self.logits[e - n:e] if n else None
+                     for n, e in zip(self.counts, ends, strict=True))
+
+    def _finish(self) -> StepResult:
         ms = self.clock.wait()
         tokens = self.tokens.tolist() if self.tokens is not None else []
-        self.sampler.accept(self.last, [s.sampling for s in self.sampling],
-                            [s.start_pos + len(s.tokens) for s in self.sampling], tokens)
-        for rows, s in zip(self.per_item, self.work, strict=True):
-            if s.prompt_logprobs is not None:
-                record_prompt(rows, s.tokens, s.start_pos, s.prompt_logprobs)
-        it = iter(tokens)
-        next_tokens = tuple(next(it) if s.sampling is not None else None for s in self.work)
-        prefill = [s for s in self.work if not s.decode]
-        cost = StepCost(ms=ms, prefill_tokens=sum(len(s.tokens) for s in prefill),
-                        decode_tokens=len(self.work) - len(prefill), prefill_calls=len(prefill))
-        return StepOutput(StepResult(next_tokens, cost), self.per_item, self.hidden)
+        self.sampler.accept(self.last, self.params, self.positions, tokens)
+        if self.prompts:
+            per_item = self._per_item()
+            for i, s in self.prompts:
+                record_prompt(per_item[i], s.tokens, s.start_pos, s.prompt_logprobs)
+        if self.samples is None:
+            next_tokens = tuple(tokens)
+        else:
+            it = iter(tokens)
+            next_tokens = tuple(next(it) if sampled else None for sampled in self.samples)
+        return StepResult(next_tokens, dataclasses.replace(self.cost, ms=ms))

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import torch
 
 from forkserve import kernels
-from forkserve.backend.protocol import SeqWork
+from forkserve.backend.protocol import SeqWork, SharedPrefix
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
@@ -16,6 +16,7 @@ from forkserve.backend.torch.cuda_graph import (
     batch_bucket,
     pages_bucket,
 )
+from forkserve.backend.torch.decode_rows import DecodeRows, of_items
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
 from forkserve.config import KVForm
@@ -60,10 +61,18 @@ class ModelRunner:
         # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
         # decoded slower with it there (63.8 vs 51.3 ms/step), faster without (29.2 vs 35.9;
         # docs/ENGINE.md); the cause is not found yet.
-        plan = (cascade_tiles.plan(work, self.limits.page_size, self.cascade_agents)
+        plan = (cascade_tiles.plan([s.shared_prefix for s in work], self.limits.page_size,
+                                   self.cascade_agents)
                 if self.cascade and decode and len(forms) <= 1 else None)
         if self.use_cuda_graphs and not all_logits and not hidden_states and bucket is not None and len(forms) <= 1 and decode:
-            return self._replay(work, adapter_slots, bucket, split=forms == {KVForm.SPLIT}, cascade=plan)
+            rows = of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
+                            self.pool.scratch_residual_page)
+            out = self._replay(rows, bucket, split=forms == {KVForm.SPLIT}, cascade=plan)
+            sampled = [i for i, s in enumerate(work) if s.sampling is not None]
+            if len(sampled) == len(work):
+                return out  # every item samples: the rows are already in order
+            index = torch.tensor(sampled, device=self.device)
+            return RunOutput(out.logits[index], out.greedy[index])
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page, plan)
         args = (batch.input_ids, batch.positions, batch.token_slot, batch.meta, self.pool,
@@ -72,6 +81,19 @@ class ModelRunner:
             logits, hidden = self.model.forward_hidden(*args)
             return RunOutput(logits, None, hidden)
         return RunOutput(self.model.forward(*args), None)
+
+    def forward_rows(self, rows: DecodeRows, marks: Sequence[SharedPrefix | None],
+                     split: bool) -> RunOutput:
+        """The logits of decode rows of one form (``split``), every row sampling, in order;
+        ``marks``: their cascade groups."""
+        plan = (cascade_tiles.plan(marks, self.limits.page_size, self.cascade_agents)
+                if self.cascade else None)
+        bucket = batch_bucket(len(rows))
+        if self.use_cuda_graphs and bucket is not None:
+            return self._replay(rows, bucket, split, plan)
+        batch = rows.to_batch(self.device, plan)
+        return RunOutput(self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
+                                            self.pool, batch.logits_indices, batch.use_lora), None)
 
     def capture_decode_graphs(self, max_batch: int, context_tokens: int, use_lora: bool,
                               splits: Sequence[bool]) -> int:
@@ -98,16 +120,10 @@ class ModelRunner:
                                         self.device, self._mempool, key[4], self.cascade_agents)
         return True
 
-    def _replay(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], bucket: int,
-                split: bool, cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
-        width = max(s.start_pos // self.limits.page_size + 1 for s in work)
-        use_lora = any(s.adapter_id is not None for s in work)
+    def _replay(self, rows: DecodeRows, bucket: int, split: bool,
+                cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
         tiles = cascade_tiles.tiles_bucket(len(cascade.tile_rows) if cascade is not None else 0)
-        key = (bucket, pages_bucket(width), use_lora, split, tiles)
+        key = (bucket, pages_bucket(rows.block_tables.shape[1]), rows.has_adapter, split, tiles)
         self._ensure_graph(key)
-        logits, greedy = self._graphs[key].run(work, adapter_slots, cascade)
-        rows = [i for i, s in enumerate(work) if s.sampling is not None]
-        if len(rows) == len(work):
-            return RunOutput(logits, greedy)  # every item samples: the rows are already in order
-        index = torch.tensor(rows, device=self.device)
-        return RunOutput(logits[index], greedy[index])
+        logits, greedy = self._graphs[key].run(rows, cascade)
+        return RunOutput(logits, greedy)

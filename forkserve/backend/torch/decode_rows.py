@@ -1,0 +1,206 @@
+"""DecodeRows: a decode-only step as the host arrays its forward reads (issue 21).
+
+One token per row: ``[B]`` int64 columns and ``[B, width]`` page tables, ``width`` the widest
+row's pages. A CUDA graph copies them into its pinned input buffer; the eager forward wraps
+them as tensors (``to_batch``, the same values ``batch.build`` computes from the items).
+
+Two sources. ``of_items``: validated decode ``SeqWork`` items, row by row. ``of_batch``: a
+``DecodeBatch``'s columns in numpy, its page rows joined in one ``concatenate`` and scattered
+into the table by one mask, so no step walks a row's pages in Python (at 256 rows over an
+8K context that walk — a tuple per row, a validation pass per page, a table row assigned
+from a tuple — was ~30 us a row, most of the GPU's idle time between steps). ``of_batch``
+also checks what ``batch.validate`` checks of such rows, on the columns; it answers None
+where that check would refuse one, and the caller then runs the rows as items, whose
+validation raises the error that names the row.
+
+Ownership: arrays of this step alone (fresh, or read-only views the batch owns); page ids
+stay the control plane's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from forkserve.backend.decode_batch import DecodeBatch
+from forkserve.backend.protocol import SeqWork, SharedPrefix, form_conflict
+from forkserve.backend.torch import cascade as cascade_tiles
+from forkserve.backend.torch.attention import AttentionMetadata
+from forkserve.backend.torch.batch import Batch, BatchLimits
+
+ROW_FIELDS = ("input_ids", "positions", "token_slot", "slot_mapping", "res_slot_mapping",
+              "seq_lens", "seq_slot")
+TABLE_FIELDS = ("block_tables", "res_block_tables")
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    input_ids: np.ndarray         # [B] int64 each
+    positions: np.ndarray
+    token_slot: np.ndarray        # the token's adapter slot, -1: base model (aLoRA, before it)
+    slot_mapping: np.ndarray
+    res_slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    seq_slot: np.ndarray          # whose B rebuilds K/V on read, -1: merged or no adapter
+    block_tables: np.ndarray      # [B, width] int64, padded with the scratch page
+    res_block_tables: np.ndarray  # [B, width] int64, the residual scratch page where none
+    has_adapter: bool             # a row names an adapter (the graph key's LoRA flag)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def split(self) -> bool:
+        """A row reads a residual (K/V rebuilt on read)."""
+        return bool((self.seq_slot >= 0).any())
+
+    def to_batch(self, device: torch.device, cascade: cascade_tiles.CascadePlan | None) -> Batch:
+        """The eager forward's tensors: what ``batch.build`` makes of the same rows."""
+        def tensor(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+            # A copy (some columns are the batch's read-only arrays), converted by numpy:
+            # torch.tensor(array, dtype=) walks a 256 x 513 table element by element (~6 ms).
+            return torch.from_numpy(np.array(values, dtype=dtype)).to(device, non_blocking=True)
+
+        n, split = len(self), self.split
+        seq_lens = tensor(self.seq_lens, np.int32)
+        meta = AttentionMetadata(
+            slot_mapping=tensor(self.slot_mapping, np.int64),
+            res_slot_mapping=tensor(self.res_slot_mapping, np.int64) if split else None,
+            block_tables=tensor(self.block_tables, np.int32),
+            res_block_tables=tensor(self.res_block_tables, np.int32) if split else None,
+            seq_lens=seq_lens, query_starts=torch.arange(n + 1, dtype=torch.int32, device=device),
+            seq_slot=tensor(self.seq_slot, np.int64), query_lens_host=(1,) * n,
+            seq_lens_host=tuple(self.seq_lens.tolist()),
+            seq_slot_host=tuple(self.seq_slot.tolist()),
+            decode_only=True,
+            cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None)
+        return Batch(input_ids=tensor(self.input_ids, np.int64),
+                     positions=tensor(self.positions, np.int64),
+                     token_slot=tensor(self.token_slot, np.int64),
+                     logits_indices=torch.arange(n, device=device), meta=meta,
+                     use_lora=bool((self.token_slot >= 0).any()) or split)
+
+
+def of_items(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
+             scratch_page: int, scratch_res_page: int) -> DecodeRows:
+    """Validated decode items (one token each), row by row: they may skip a side's write
+    (``write_base`` / ``write_residual``), which steady rows never do."""
+    p, n = limits.page_size, len(work)
+    width = max(s.start_pos // p + 1 for s in work)
+    cols = {name: np.empty(n, dtype=np.int64) for name in ROW_FIELDS}
+    tables = np.full((n, width), scratch_page, dtype=np.int64)
+    res_tables = np.full((n, width), scratch_res_page, dtype=np.int64)
+    for i, seq in enumerate(work):
+        slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
+        at = seq.start_pos
+        used = at // p + 1
+        pages = seq.slots.pages
+        res = seq.slots.residual_pages
+        cols["input_ids"][i] = seq.tokens[0]
+        cols["positions"][i] = at
+        # aLoRA: the base model before the activation.
+        cols["token_slot"][i] = slot if at >= seq.adapter_start else -1
+        cols["seq_slot"][i] = slot if res is not None else -1
+        cols["seq_lens"][i] = at + 1
+        cols["slot_mapping"][i] = (pages[used - 1] * p + at % p if seq.write_base
+                                   else scratch_page * p)
+        cols["res_slot_mapping"][i] = (res[used - 1] * p + at % p
+                                       if res is not None and seq.write_residual
+                                       else scratch_res_page * p)
+        tables[i, :used] = pages[:used]
+        if res is not None:
+            res_tables[i, :used] = res[:used]
+    return DecodeRows(**cols, block_tables=tables, res_block_tables=res_tables,
+                      has_adapter=any(s.adapter_id is not None for s in work))
+
+
+def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int, int],
+             scratch_page: int, scratch_res_page: int) -> DecodeRows | None:
+    """A ``DecodeBatch``'s rows (every one writes both sides), or None where ``batch.validate``
+    would refuse one of them."""
+    p, n = limits.page_size, len(batch)
+    positions = batch.positions
+    ids = np.asarray(batch.tokens, dtype=np.int64)
+    if (positions.min() < 0 or batch.adapter_starts.min() < 0 or ids.min() < 0
+            or ids.max() >= limits.vocab_size or positions.max() >= limits.max_context):
+        return None
+    if any(a is not None and a not in adapter_slots for a in set(batch.adapter_ids)):
+        return None
+    slot = np.fromiter((-1 if a is None else adapter_slots[a] for a in batch.adapter_ids),
+                       np.int64, n)
+    has_res = np.fromiter((r is not None for r in batch.residual_pages), bool, n)
+    kinds = set(zip(batch.forms, batch.adapter_ids, has_res.tolist(), strict=True))
+    if any(form_conflict(0, *kind) is not None for kind in kinds):
+        return None
+    if has_res.any() and not limits.disaggregated:
+        return None
+    used = positions // p + 1
+    rows = np.arange(n)
+    offset = positions % p
+    tables = _table(batch.pages, used, None, limits.num_pages, scratch_page)
+    if tables is None or not _groups_agree(batch.shared_prefix, tables, positions, p):
+        return None
+    res_tables = _table(batch.residual_pages, used, has_res, limits.num_residual_pages,
+                        scratch_res_page)
+    if res_tables is None:
+        return None
+    last = used - 1
+    return DecodeRows(
+        input_ids=ids, positions=positions,
+        token_slot=np.where(positions >= batch.adapter_starts, slot, -1),
+        slot_mapping=tables[rows, last] * p + offset,
+        res_slot_mapping=np.where(has_res, res_tables[rows, last] * p + offset,
+                                  scratch_res_page * p),
+        seq_lens=positions + 1, seq_slot=np.where(has_res, slot, -1),
+        block_tables=tables, res_block_tables=res_tables, has_adapter=bool((slot >= 0).any()))
+
+
+def _table(pages: Sequence[Sequence[int] | None], used: np.ndarray, present: np.ndarray | None,
+           limit: int, scratch: int) -> np.ndarray | None:
+    """Each row's first ``used`` page ids (of the rows ``present`` marks; all when None) in a
+    table padded with ``scratch``; None if a row lists too few pages or one outside [0, limit)."""
+    n, width = len(used), int(used.max())
+    table = np.full((n, width), scratch, dtype=np.int64)
+    if present is not None:
+        if not present.any():
+            return table
+        listed = [pages[i] for i in np.flatnonzero(present).tolist()]
+        need = used[present]
+    else:
+        listed, need = list(pages), used
+    lengths = np.fromiter(map(len, listed), np.int64, len(listed))
+    if (lengths < need).any():
+        return None
+    # The common case lists exactly the pages a row reads (a steady row's page view).
+    cut = (listed if np.array_equal(lengths, need)
+           else [r[:u] for r, u in zip(listed, need.tolist(), strict=True)])
+    flat = np.concatenate(cut).astype(np.int64, copy=False)
+    if flat.min() < 0 or flat.max() >= limit:
+        return None
+    mask = np.arange(width) < used[:, None]
+    if present is not None:
+        mask &= present[:, None]
+    table[mask] = flat  # row-major, as the rows were joined
+    return table
+
+
+def _groups_agree(marks: Sequence[SharedPrefix | None], tables: np.ndarray, positions: np.ndarray,
+                  page_size: int) -> bool:
+    """``cascade.check_groups`` on the columns: a group's members list its lead's (first
+    member's) page count and page ids, all before their new token."""
+    groups: dict[int, list[int]] = {}
+    for i, mark in enumerate(marks):
+        if mark is not None:
+            groups.setdefault(mark.group, []).append(i)
+    for members in groups.values():
+        k = marks[members[0]].pages
+        if k < 0 or any(marks[i].pages != k for i in members):
+            return False
+        at = np.array(members)
+        if (positions[at] < k * page_size).any():
+            return False
+        if k and (tables[at, :k] != tables[at[0], :k]).any():
+            return False
+    return True
