@@ -297,8 +297,10 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
     base = setting(params, model, adapter_dir)
     alora = fingerprint(alora_dir) if alora_dir is not None else None
     # An unknown name, or an aLoRA mode without its adapters, is refused before anything runs.
-    configs = {layout: mode_setting(base, modes.mode(layout), alora, offsets.SETTING)
-               for layout in layouts}
+    def config_of(layout: str) -> dict[str, Any]:
+        return mode_setting(base, modes.mode(layout), alora, offsets.SETTING)
+
+    configs = {layout: config_of(layout) for layout in layouts}
     t0 = time.perf_counter()
     profile = modes.load_drift(drift) if drift is not None else None
     todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
@@ -316,7 +318,8 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
             log(f"deadline: {len(todo) - len(done)} units left for the next run")
             break
         unit, hidden = run_unit(layout, a, b, inputs, params, configs[layout],
-                                reference_for(layout, a, b, params, out, cache, configs[layout]),
+                                reference_for(layout, a, b, params, out, cache,
+                                              config_of(modes.mode(layout).reference)),
                                 profile)
         if hidden:
             cache.mkdir(parents=True, exist_ok=True)
@@ -331,7 +334,7 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
 def reference_for(layout: str, first: int, end: int, params: EvalParams, out: Path, cache: Path,
                   config: Mapping[str, Any]) -> Reference | None:
     """The saved answers and cached hidden states of ``layout``'s reference mode for these
-    rounds, when both exist (``config``: the setting, which the reference shares)."""
+    rounds, when both exist (``config``: the reference's setting)."""
     mode = modes.mode(layout)
     if mode.is_reference or not params.hidden:
         return None
