@@ -2,19 +2,19 @@
 
     python -m benchmarks.quality.evaluate --adapters benchmarks/results/quality_adapters --tag h200
 
-Round r: the held-out item r of each of the K tasks; the K agents (agent i = task i's
-adapter) share one system message, the function catalog of all K items plus distractors,
-and each asks its own question. One agent, the writer (round r: agent r mod K), opens
-first and generates; then the other K - 1 open, finding the writer's published pages where
-the layout shares them, and decode together. The layouts and sharing modes (unified,
-disaggregated, full_reuse, base_activations, neutral, recompute<N>, offset<R>, no_lora;
-alora_unified and alora with ``--alora-adapters``) are the strategies of ``modes.py``; a mode with a prelude
-(a base-model pass) runs it over the shared context before the writer opens. ``recompute<N>``
-needs ``--drift`` (``drift.py``'s output): its N layers are the most drifting ones there;
+Round r: the held-out item r of each of the K tasks; the K agents (agent i = task i's adapter)
+share one system message, the function catalog of all K items plus distractors, and each asks
+its own question. One agent, the writer (round r: agent r mod K), opens first and generates;
+then the other K - 1 open, finding the writer's published pages where the layout shares them,
+and decode together. The layouts and sharing modes (unified, disaggregated, full_reuse,
+base_activations, neutral, recompute<N>, offset<R>, no_lora; alora_unified and alora with
+``--alora-adapters``) are the strategies of ``modes.py``; a mode with a prelude (a base-model
+pass) runs it over the shared context before the writer opens. ``recompute<N>`` needs
+``--drift`` (``drift.py``'s output): its N layers are the most drifting ones there;
 ``offset<R>`` fits its offset tables on training prompts before its unit runs, and runs eager
-attention whatever ``--attention`` says (``offsets.py``). The
-aLoRA modes run the adapters of ``train.py --alora``, whose invocation (the assistant-turn
-opener) every prompt must hold after the shared catalog: checked before anything runs.
+attention whatever ``--attention`` says (``offsets.py``). The aLoRA modes run the adapters of
+``train.py --alora``, whose invocation (the assistant-turn opener) every prompt must hold after
+the shared catalog: checked before anything runs.
 
 Per agent: accuracy (ast_check), token F1 of the call text, its tokens (report.py pairs
 them with its mode's reference: unified, or alora_unified for the aLoRA rows), and, with
@@ -187,7 +187,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
     table = None
     if mode.corrects:
         table = offsets.fit(inputs.model_config, inputs.weights, inputs.adapters_of(mode),
-                            inputs.anchors, mode.offset_rank, params.device, dtype, params.page_size)
+                            inputs.anchors, mode.offset_rank, params.device, dtype,
+                            params.page_size)
         backend.install_offsets(table)
     flops = 0
     engine = Engine(backend)

@@ -236,8 +236,8 @@ def write_outputs(folder: Path, label: str = "") -> str:
               f"{' cuda-graphs' if setting['cuda_graphs'] else ''}")
     if "offset_fit" in setting:
         fit = setting["offset_fit"]
-        header += (f"; offset rows: tables fitted on {fit['anchors_per_task']} training prompts per "
-                   f"task (ridge {fit['ridge']}), {fit['attention']} attention")
+        header += (f"; offset rows: tables fitted on {fit['anchors_per_task']} training "
+                   f"prompts per task (ridge {fit['ridge']}), {fit['attention']} attention")
     table = markdown(rows, header)
     prefix = folder.parent / folder.name
     prefix.with_suffix(".md").write_text(table + "\n")

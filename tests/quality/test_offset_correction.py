@@ -118,7 +118,8 @@ def test_a_pair_fits_zero_when_the_writer_is_the_reader(tiny3):
 
 
 def _session_logits(backend, steps):
-    """Logits of the last step of ``steps`` [(adapter, tokens, pages, residual pages, write_base)]."""
+    """Logits of the last of ``steps``: (adapter, tokens, start, pages, residual pages,
+    write_base) each."""
     out = None
     for i, (name, tokens, start, pages, res, write_base) in enumerate(steps):
         aid = None if name is None else backend.adapter_id(name)
@@ -142,6 +143,7 @@ def test_own_pages_base_model_reads_and_reused_pages_are_never_corrected(tiny3, 
     model reading base-model pages, and a session whose pages another adapter wrote earlier but
     that it overwrote (pages reused after eviction: the tags follow the last write)."""
     pages, res = tuple(range(10)), tuple(range(10))
+    RES2 = tuple(range(30, 40))  # noqa: N806
     cases = {
         "own": [("critic", HELD_OUT, 0, pages, res, True),
                 ("critic", QUESTION, 40, pages + (20,), res + (20,), True)],
@@ -149,13 +151,13 @@ def test_own_pages_base_model_reads_and_reused_pages_are_never_corrected(tiny3, 
                        (None, QUESTION, 40, pages + (20,), None, True)],
         "reused pages": [("planner", HELD_OUT, 0, pages, res, True),
                          ("critic", HELD_OUT[::-1], 0, pages, tuple(range(30, 40)), True),
-                         ("critic", QUESTION, 40, pages + (20,), tuple(range(30, 40)) + (41,), True)],
+                         ("critic", QUESTION, 40, pages + (20,), RES2 + (41,), True)],
     }
     for what, steps in cases.items():
         loud = _backend(tiny3)
         loud.install_offsets(_loud(tables[8]))
-        torch.testing.assert_close(_session_logits(loud, steps),
-                                   _session_logits(_backend(tiny3, correction=BaseCorrection.NONE), steps),
+        plain = _backend(tiny3, correction=BaseCorrection.NONE)
+        torch.testing.assert_close(_session_logits(loud, steps), _session_logits(plain, steps),
                                    rtol=0, atol=0, msg=what)
     # ... while a cross read under the loud table does move (the cases above are not vacuous).
     cross = [("planner", HELD_OUT, 0, pages, res, True),
@@ -163,8 +165,8 @@ def test_own_pages_base_model_reads_and_reused_pages_are_never_corrected(tiny3, 
              ("critic", QUESTION, 40, pages + (20,), tuple(range(30, 40)) + (41,), True)]
     loud = _backend(tiny3)
     loud.install_offsets(_loud(tables[8]))
-    assert not torch.allclose(_session_logits(loud, cross),
-                              _session_logits(_backend(tiny3, correction=BaseCorrection.NONE), cross))
+    plain = _backend(tiny3, correction=BaseCorrection.NONE)
+    assert not torch.allclose(_session_logits(loud, cross), _session_logits(plain, cross))
 
 
 def test_a_base_model_row_in_a_decode_batch_with_a_reader_is_not_corrected(tiny3, tables):
@@ -180,8 +182,9 @@ def test_a_base_model_row_in_a_decode_batch_with_a_reader_is_not_corrected(tiny3
         critic = backend.adapter_id("critic")
         backend.step([SeqWork(1, tuple(HELD_OUT), 0, KVSlots(pages, tuple(range(30, 40))), critic,
                               write_base=False, form=KVForm.SPLIT)])
-        items = [SeqWork(2, (QUESTION[0],), 40, KVSlots(base_pages + (40,)), None, form=KVForm.SPLIT),
-                 SeqWork(1, (QUESTION[0],), 40, KVSlots(pages + (41,), tuple(range(30, 40)) + (41,)),
+        first = (QUESTION[0],)
+        items = [SeqWork(2, first, 40, KVSlots(base_pages + (40,)), None, form=KVForm.SPLIT),
+                 SeqWork(1, first, 40, KVSlots(pages + (41,), tuple(range(30, 40)) + (41,)),
                          critic, form=KVForm.SPLIT)]
         return backend.forward(items, all_logits=True).logits
 
@@ -191,7 +194,8 @@ def test_a_base_model_row_in_a_decode_batch_with_a_reader_is_not_corrected(tiny3
 
 
 @pytest.mark.parametrize("share", [ShareBase.EXACT, ShareBase.NEUTRAL])
-def test_engine_sessions_that_read_no_other_adapter_answer_as_without_correction(tiny3, tables, share):
+def test_engine_sessions_that_read_no_other_adapter_answer_as_without_correction(tiny3, tables,
+                                                                                 share):
     """Through the Engine: under exact or neutral sharing, an adapter after another adapter's
     session (before any base-model pass) and the base model: the same tokens as with no
     correction."""
@@ -238,8 +242,9 @@ def test_tables_and_tags_are_costed(tiny3, tables):
 
     cfg = _backend(tiny3).model_config
     plain, corrected = _backend(tiny3, correction=BaseCorrection.NONE), _backend(tiny3)
-    assert corrected.kv_bytes_per_token()[PageKind.BASE] == plain.kv_bytes_per_token()[PageKind.BASE] + 4
-    assert corrected.pool.bytes_per_page(PageKind.BASE) == corrected.kv_bytes_per_token()[PageKind.BASE] * 4
+    per_token = corrected.kv_bytes_per_token()[PageKind.BASE]
+    assert per_token == plain.kv_bytes_per_token()[PageKind.BASE] + 4      # an int32 tag
+    assert corrected.pool.bytes_per_page(PageKind.BASE) == per_token * 4   # pages of 4 tokens
     t0, t8 = tables[0], tables[8]
     assert len(t8.pairs) == 4  # base -> planner, base -> critic, planner <-> critic
     assert t8.nbytes == 4 * LAYERS * 2 * (cfg.kv_size + 2 * 8 * cfg.kv_size) * 4

@@ -2,12 +2,13 @@
 docs/QUALITY.md, mode d): a strategy of the eager attention path.
 
 The pool tags every base slot with its writer (``KVPool.writer``: the adapter slot + 1 of the
-forward that wrote it, 0 for the base model, ``UNKNOWN_WRITER`` (-1) before any write and
-after the writer's adapter left: row 0 of ``pair_row``, no correction). On read, a split item of adapter slot s (the reader) adds, at each
-position whose writer w is another adapter or the base model, that pair's fitted offset
-(``offset_table.py``); its own positions, every base-model or merged item's reads and every
-pair without a table get exactly zero. The control plane is unchanged: who may read whose
-pages is still ``KVCache.may_read``; this only changes what a permitted read returns.
+forward that wrote it, 0 for the base model, ``UNKNOWN_WRITER`` (-1) before any write and after
+the writer's adapter left: row 0 of ``pair_row``, no correction). On read, a split item of
+adapter slot s (the reader) adds, at each position whose writer w is another adapter or the base
+model, that pair's fitted offset (``offset_table.py``); its own positions, every base-model or
+merged item's reads and every pair without a table get exactly zero. The control plane is
+unchanged: who may read whose pages is still ``KVCache.may_read``; this only changes what a
+permitted read returns.
 
 K is stored rotated, and the offset is fitted before RoPE (there it does not depend on the
 position), so the stored K is de-rotated to z_k, the estimate computed from it and rotated

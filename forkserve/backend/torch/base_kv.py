@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from forkserve.backend.torch.backend import TorchBackend
 
 
-def context_hidden(backend: "TorchBackend", tokens: Sequence[int], adapter_id: int | None) -> torch.Tensor:
+def context_hidden(backend: "TorchBackend", tokens: Sequence[int],
+                   adapter_id: int | None) -> torch.Tensor:
     """The residual stream after every layer over ``tokens``, one prefill: [T, layers, hidden]."""
     from forkserve.backend.protocol import KVSlots, SeqWork
 
@@ -26,7 +27,8 @@ def context_hidden(backend: "TorchBackend", tokens: Sequence[int], adapter_id: i
     return backend.forward([work], hidden_states=True).hidden[0].float()
 
 
-def attention_inputs(backend: "TorchBackend", tokens: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+def attention_inputs(backend: "TorchBackend", tokens: Sequence[int],
+                     hidden: torch.Tensor) -> torch.Tensor:
     """What each layer's q/k/v projections read: [layers, T, hidden] (normed stream before it)."""
     w, eps = backend.model.weights, backend.model_config.rms_norm_eps
     before = [w.embed[torch.tensor(list(tokens), device=w.embed.device)].float()]
