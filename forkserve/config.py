@@ -78,6 +78,16 @@ class ShareBase(str, enum.Enum):
         return self is not ShareBase.EXACT
 
 
+class BaseCorrection(str, enum.Enum):
+    """What a split item does to base K/V another forward wrote before it attends over it
+    (docs/QUALITY.md, mode d). Its own pages and the base model's reads are never changed."""
+
+    NONE = "none"      # read as stored (ForkKV)
+    # Add the (writer, reader) pair's estimated offset, fitted once on anchor prompts both
+    # computed (``backend/torch/offset_table.py``); eager attention only.
+    OFFSET = "offset"
+
+
 class PrefixDedup(str, enum.Enum):
     """Whether a committed prefill computes full pages another in-flight prefill is already
     writing under a key it may read (``control/inflight.py``)."""
@@ -102,6 +112,8 @@ class ForkServeConfig:
     # layers an adapter's split item keeps its own merged K/V in its residual pages instead
     # of reading the shared base pages (and its residual). () shares every layer.
     recompute_layers: tuple[int, ...] = ()
+    # Offset correction (mode d): a reader's base K/V from another writer is corrected on read.
+    base_correction: BaseCorrection = BaseCorrection.NONE
     # Memory the spine may occupy, in tokens (H of seed 000); decode slots C = H // M_spine.
     hbm_tokens: int = 65536
     spec_chunk: int = 512
@@ -188,6 +200,10 @@ class ForkServeConfig:
             raise ValueError("ForkServeConfig.recompute_layers: the host tier does not carry the recompute "
                              "layers' K/V; set host_residual_pages = 0")
         object.__setattr__(self, "recompute_layers", layers)
+        object.__setattr__(self, "base_correction", BaseCorrection(self.base_correction))
+        if self.base_correction is not BaseCorrection.NONE and not self.kv_layout.has_residual_pool:
+            raise ValueError("ForkServeConfig.base_correction corrects shared base pages: it needs a "
+                             f"layout with a residual pool (disaggregated, adaptive), not {self.kv_layout.value}")
         object.__setattr__(self, "prefix_dedup", PrefixDedup(self.prefix_dedup))
 
     def replace(self, **changes) -> "ForkServeConfig":

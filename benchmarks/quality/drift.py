@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.quality.evaluate import EvalParams, common_prefix, load_inputs
+from forkserve.backend.torch.base_kv import attention_inputs, context_hidden, kv_base
 from forkserve.bench.output import DEFAULT_OUT
 
 BASE = "base"  # the writer that runs no adapter
@@ -48,33 +48,6 @@ class DriftResult:
     pairs: tuple[PairDrift, ...]
     adapter_writer: PairDrift  # mean over the pairs of two adapters ("*", reader "*")
     base_writer: PairDrift     # mean over readers with the base model as writer
-
-
-def context_hidden(backend: Any, tokens: Sequence[int], adapter_id: int | None) -> torch.Tensor:
-    """The residual stream after every layer over ``tokens``, one prefill: [T, layers, hidden]."""
-    from forkserve.backend.protocol import KVSlots, SeqWork
-
-    pages = tuple(range(-(-len(tokens) // backend.config.page_size)))
-    work = SeqWork(seq_id=0, tokens=tuple(tokens), start_pos=0, slots=KVSlots(pages, None),
-                   adapter_id=adapter_id, sampling=None)
-    return backend.forward([work], hidden_states=True).hidden[0].float()
-
-
-def attention_inputs(backend: Any, tokens: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
-    """What each layer's q/k/v projections read: [layers, T, hidden] (normed stream before it)."""
-    w, eps = backend.model.weights, backend.model_config.rms_norm_eps
-    before = [w.embed[torch.tensor(list(tokens), device=w.embed.device)].float()]
-    before += list(hidden[:, :-1].unbind(1))
-    return torch.stack([F.rms_norm(x, (x.shape[-1],), layer.input_norm.float(), eps)
-                        for x, layer in zip(before, w.layers, strict=True)])
-
-
-def kv_base(backend: Any, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer n's base K and V (before RoPE) from attention inputs h [T, hidden]."""
-    cfg, layer = backend.model_config, backend.model.weights.layers[n]
-    qkv = F.linear(h, layer.qkv.float(),
-                   layer.qkv_bias.float() if layer.qkv_bias is not None else None)
-    return qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size], qkv[:, cfg.q_size + cfg.kv_size:]
 
 
 def measure(backend: Any, contexts: Sequence[Sequence[int]], names: Sequence[str],

@@ -2,17 +2,19 @@
 
     python -m benchmarks.quality.evaluate --adapters benchmarks/results/quality_adapters --tag h200
 
-Round r: the held-out item r of each of the K tasks; the K agents (agent i = task i's
-adapter) share one system message, the function catalog of all K items plus distractors,
-and each asks its own question. One agent, the writer (round r: agent r mod K), opens
-first and generates; then the other K - 1 open, finding the writer's published pages where
-the layout shares them, and decode together. The layouts and sharing modes (unified,
-disaggregated, full_reuse, base_activations, neutral, recompute<N>, no_lora; alora_unified
-and alora with ``--alora-adapters``) are the strategies of ``modes.py``; a mode with a prelude
-(a base-model pass) runs it over the shared context before the writer opens. ``recompute<N>``
-needs ``--drift`` (``drift.py``'s output): its N layers are the most drifting ones there. The
-aLoRA modes run the adapters of ``train.py --alora``, whose invocation (the assistant-turn
-opener) every prompt must hold after the shared catalog: checked before anything runs.
+Round r: the held-out item r of each of the K tasks; the K agents (agent i = task i's adapter)
+share one system message, the function catalog of all K items plus distractors, and each asks
+its own question. One agent, the writer (round r: agent r mod K), opens first and generates;
+then the other K - 1 open, finding the writer's published pages where the layout shares them,
+and decode together. The layouts and sharing modes (unified, disaggregated, full_reuse,
+base_activations, neutral, recompute<N>, offset<R>, no_lora; alora_unified and alora with
+``--alora-adapters``) are the strategies of ``modes.py``; a mode with a prelude (a base-model
+pass) runs it over the shared context before the writer opens. ``recompute<N>`` needs
+``--drift`` (``drift.py``'s output): its N layers are the most drifting ones there;
+``offset<R>`` fits its offset tables on training prompts before its unit runs, and runs eager
+attention whatever ``--attention`` says (``offsets.py``). The aLoRA modes run the adapters of
+``train.py --alora``, whose invocation (the assistant-turn opener) every prompt must hold after
+the shared catalog: checked before anything runs.
 
 Per agent: accuracy (ast_check), token F1 of the call text, its tokens (report.py pairs
 them with its mode's reference: unified, or alora_unified for the aLoRA rows), and, with
@@ -38,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from benchmarks.quality import modes, units
+from benchmarks.quality import modes, offsets, units
 from benchmarks.quality.ast_check import check, token_f1
 from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval_rounds
 from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
@@ -80,6 +82,7 @@ class Inputs:
     adapters: Mapping[str, Any]  # task -> its plain LoRA adapter
     tokenizer: Any
     alora: Mapping[str, Any]     # task -> its activated LoRA adapter; empty without them
+    anchors: tuple[tuple[int, ...], ...] = ()  # offset correction's fit prompts (training items)
 
     def adapters_of(self, mode: Mode) -> Mapping[str, Any]:
         """The adapters ``mode``'s backend loads (the base-model mode loads the plain ones and
@@ -120,10 +123,14 @@ def setting(params: EvalParams, model: Path, adapter_dir: Path) -> dict[str, Any
     return dict(d, model=model.name, adapters=fingerprint(adapter_dir))
 
 
-def mode_setting(base: Mapping[str, Any], mode: Mode, alora: str | None) -> dict[str, Any]:
+def mode_setting(base: Mapping[str, Any], mode: Mode, alora: str | None,
+                 offset_fit: Mapping[str, Any]) -> dict[str, Any]:
     """A unit's setting: ``base`` (``setting``), plus the aLoRA adapters' fingerprint
-    ``alora`` for a mode that runs them (units.OPTIONAL: the plain modes' units never carry
-    it, so that adding aLoRA rows keeps every saved plain unit)."""
+    ``alora`` for a mode that runs them, and for an offset mode what its tables were fitted
+    from and the attention it ran (units.OPTIONAL: the other modes' units never carry them,
+    so that adding rows keeps every saved unit)."""
+    if mode.corrects:
+        return dict(base, offset_fit=dict(offset_fit))
     if mode.adapters is not Adapters.ALORA:
         return dict(base)
     if alora is None:
@@ -170,12 +177,20 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
     k = len(rounds[0].examples)
     longest = max(len(p) for ps in prompts for p in ps)
     pages = 2 * k * (-(-(longest + params.max_new) // params.page_size)) + 64
+    dtype = getattr(torch, params.dtype)
     backend = RecordingBackend.from_weights(
         mode.config(layers, page_size=params.page_size, num_pages=pages, num_residual_pages=pages,
                     max_batch_tokens=4096),
         inputs.model_config, inputs.weights, inputs.adapters_of(mode), device=params.device,
-        dtype=getattr(torch, params.dtype), attention=params.attention,
+        dtype=dtype, attention=offsets.ATTENTION if mode.corrects else params.attention,
         use_cuda_graphs=params.cuda_graphs, compile_fusions=False)
+    table = None
+    if mode.corrects:
+        table = offsets.fit(inputs.model_config, inputs.weights, inputs.adapters_of(mode),
+                            inputs.anchors, mode.offset_rank, params.device, dtype,
+                            params.page_size)
+        backend.install_offsets(table)
+    flops = 0
     engine = Engine(backend)
     lora = mode.adapters is not Adapters.NONE
     record = params.hidden and lora and (mode.is_reference or reference is not None)
@@ -215,6 +230,9 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
             mine = stack(kept, ids[i], shared) if record else None
             cos: tuple[float, ...] = ()
             compared = 0
+            if table is not None:  # the prefill and each decode step re-correct what it reused
+                flops += offsets.extra_flops(table, inputs.model_config.kv_size,
+                                             inputs.model_config.num_layers, reused[i], len(out))
             if mine is not None and mode.is_reference:
                 hidden[key] = mine
             elif mine is not None and reference is not None and reused[i] > 0:
@@ -232,7 +250,7 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
     unit = Unit(layout, first, end, True, "" if record or not params.hidden or not lora
                 else "no reference hidden states for these rounds: no cosines", config,
                 tuple(agents), engine.metrics.prefill_tokens, time.perf_counter() - start,
-                context_bytes, layers)
+                context_bytes, layers, table.nbytes if table is not None else 0, flops)
     return unit, hidden
 
 
@@ -264,7 +282,8 @@ def load_inputs(model: Path, adapter_dir: Path, params: EvalParams,
         {t.name: load_peft_adapter(alora_dir / t.name, t.name) for t in tasks}
     if alora:
         check_activation(rounds, prompts, alora)
-    return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer, alora)
+    anchors = offsets.anchor_prompts(tasks, tokenizer, params.distractors, params.seed)
+    return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer, alora, anchors)
 
 
 def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cache: Path,
@@ -279,7 +298,10 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
     base = setting(params, model, adapter_dir)
     alora = fingerprint(alora_dir) if alora_dir is not None else None
     # An unknown name, or an aLoRA mode without its adapters, is refused before anything runs.
-    configs = {layout: mode_setting(base, modes.mode(layout), alora) for layout in layouts}
+    def config_of(layout: str) -> dict[str, Any]:
+        return mode_setting(base, modes.mode(layout), alora, offsets.SETTING)
+
+    configs = {layout: config_of(layout) for layout in layouts}
     t0 = time.perf_counter()
     profile = modes.load_drift(drift) if drift is not None else None
     todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
@@ -297,7 +319,8 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
             log(f"deadline: {len(todo) - len(done)} units left for the next run")
             break
         unit, hidden = run_unit(layout, a, b, inputs, params, configs[layout],
-                                reference_for(layout, a, b, params, out, cache, configs[layout]),
+                                reference_for(layout, a, b, params, out, cache,
+                                              config_of(modes.mode(layout).reference)),
                                 profile)
         if hidden:
             cache.mkdir(parents=True, exist_ok=True)
@@ -312,7 +335,7 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
 def reference_for(layout: str, first: int, end: int, params: EvalParams, out: Path, cache: Path,
                   config: Mapping[str, Any]) -> Reference | None:
     """The saved answers and cached hidden states of ``layout``'s reference mode for these
-    rounds, when both exist (``config``: the setting, which the reference shares)."""
+    rounds, when both exist (``config``: the reference's setting)."""
     mode = modes.mode(layout)
     if mode.is_reference or not params.hidden:
         return None

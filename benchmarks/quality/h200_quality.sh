@@ -23,9 +23,9 @@
 #          to /root/adapters/MODEL/alora and $OUT/quality_adapters/MODEL/alora
 #   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
 #          layers from; returns quality_TAG_drift.{json,png} (~1 min)
-#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15; with the
-#          aLoRA adapters also alora_unified and alora) x 40 rounds, fp32, Triton attention, CUDA
-#          graphs, no hidden states; saves every unit (mode x 10 rounds) and stops before 480 s;
+#   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15, offset0,
+#          offset; with the aLoRA adapters also alora_unified and alora) x 40 rounds, fp32, Triton
+#          attention (the offset modes: eager, the only path that corrects), CUDA graphs, no hidden states; saves every unit (mode x 10 rounds) and stops before 480 s;
 #          run it again until it says done (needs drift first, or the recompute units are saved
 #          as not available)
 #   diag   the hidden-state cosines (fp32 eager, 8 rounds)

@@ -17,6 +17,10 @@ Modes (docs/QUALITY.md says what each one keeps exact):
   writes its own residual in its own forward (mode a)
 * ``recompute<N>``: disaggregated, and the N layers of largest measured drift are kept exact
   per reader (``config.recompute_layers``; mode b). Needs a drift profile (``drift.py``)
+* ``offset<R>``: disaggregated, and each reader corrects the writer's base K/V on read by the
+  pair's offset fitted on anchor prompts (``config.base_correction``; mode d): rank R of the
+  ridge map from the writer's base K/V (0: the mean offset alone). ``offset`` is ``offset16``.
+  Eager attention (the only path that applies it)
 * ``no_lora``: no adapter at all
 * ``alora_unified``: the activated-LoRA adapters (``train.py --alora``), every agent prefilling
   its whole prompt (no published page reused): the reference of the aLoRA rows
@@ -34,11 +38,13 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from forkserve.backend.protocol import PageKind
-from forkserve.config import ForkServeConfig, KVLayout, ShareBase
+from forkserve.config import BaseCorrection, ForkServeConfig, KVLayout, ShareBase
 from forkserve.control.recompute_policy import LayerDrift, most_drifting
 
 REFERENCE = "unified"
 RECOMPUTE = re.compile(r"recompute(\d+)$")
+OFFSET = re.compile(r"offset(\d*)$")
+OFFSET_RANK = 16  # ``offset`` alone: a rank that fits SmolLM2's 192-wide K/V in ~1.5 MB per pair
 
 
 class Prelude(str, enum.Enum):
@@ -76,15 +82,22 @@ class Mode:
     recompute: int = 0  # layers recomputed per reader (chosen from the drift profile)
     reuse_prefix: bool = True  # False: every agent prefills its whole prompt (Engine.open)
     reference: str = REFERENCE  # the mode whose answers this mode's readers are paired with
+    offset_rank: int | None = None  # offset correction at this rank (None: base K/V read as stored)
 
     @property
     def is_reference(self) -> bool:
         """Whether other modes' readers are paired with this one's answers (itself has none)."""
         return self.reference == self.name
 
+    @property
+    def corrects(self) -> bool:
+        return self.offset_rank is not None
+
     def config(self, recompute_layers: Sequence[int], **sizes: int) -> ForkServeConfig:
+        correction = BaseCorrection.OFFSET if self.corrects else BaseCorrection.NONE
         return ForkServeConfig(kv_layout=self.kv_layout, share_base=self.share_base,
-                               recompute_layers=tuple(recompute_layers), node_ttl_s=None, **sizes)
+                               recompute_layers=tuple(recompute_layers), base_correction=correction,
+                               node_ttl_s=None, **sizes)
 
     def context_kv_bytes(self, per_token: Mapping[PageKind, int], tokens: int, agents: int) -> int:
         """KV bytes the shared context occupies with ``agents`` agents on it (``per_token``:
@@ -117,29 +130,35 @@ _FIXED = (
 FIXED = {m.name: m for m in _FIXED}
 # The default run: every fixed mode of plain LoRA and a recompute sweep (SmolLM2 has 30 layers).
 DEFAULT = ("unified", "disaggregated", "full_reuse", "base_activations", "neutral", "recompute5",
-           "recompute10", "recompute15", "no_lora")
+           "recompute10", "recompute15", "offset0", "offset", "no_lora")
 # Run when activated-LoRA adapters are given; the reference first (the cosines need its states).
 ALORA = ("alora_unified", "alora")
 ORDER = DEFAULT + ALORA
 
 
 def mode(name: str) -> Mode:
-    """The mode called ``name``: a fixed one, or ``recompute<N>``."""
+    """The mode called ``name``: a fixed one, ``recompute<N>`` or ``offset<R>``."""
     if name in FIXED:
         return FIXED[name]
     m = RECOMPUTE.match(name)
-    if m is None:
-        raise ValueError(f"unknown mode {name!r}; known: {sorted(FIXED)} and recompute<N>")
-    return Mode(name, KVLayout.DISAGGREGATED, ContextHolding.SPLIT, recompute=int(m.group(1)))
+    if m is not None:
+        return Mode(name, KVLayout.DISAGGREGATED, ContextHolding.SPLIT, recompute=int(m.group(1)))
+    m = OFFSET.match(name)
+    if m is not None:
+        return Mode(name, KVLayout.DISAGGREGATED, ContextHolding.SPLIT,
+                    offset_rank=int(m.group(1)) if m.group(1) else OFFSET_RANK)
+    raise ValueError(f"unknown mode {name!r}; known: {sorted(FIXED)}, recompute<N> and offset<R>")
 
 
 def order_key(name: str) -> tuple[int, int, str]:
-    """Table order: the default run's order, other recompute counts beside theirs, rest last."""
-    m = RECOMPUTE.match(name)
+    """Table order: the default run's order, other recompute counts and offset ranks beside
+    theirs, rest last."""
     if name in ORDER:
         return ORDER.index(name), 0, name
-    if m is not None:
-        return ORDER.index("recompute5"), int(m.group(1)), name
+    for pattern, anchor in ((RECOMPUTE, "recompute5"), (OFFSET, "offset0")):
+        m = pattern.match(name)
+        if m is not None:
+            return ORDER.index(anchor), int(m.group(1) or OFFSET_RANK), name
     return len(ORDER), 0, name
 
 

@@ -65,6 +65,8 @@ class LayoutSummary:
     recompute_layers: tuple[int, ...] = ()  # layers a reader keeps exact (selective recompute)
     reference: str = REFERENCE  # the mode ``paired`` compares with
     vs_lora: Paired | None = None  # every answer vs unified's, for a mode paired with another
+    offset_table_bytes: int = 0  # offset correction: its tables, held once for every context
+    extra_flops: int = 0         # offset correction: FLOPs spent correcting on read
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
@@ -114,7 +116,8 @@ def summarize(layout: str, us: Sequence[Unit],
                          len({a.round for a in agents}), len(agents), mean(a.valid for a in agents),
                          mean(a.f1 for a in agents), len(readers), paired, layer_cos,
                          sum(u.prefill_tokens for u in us), sum(u.seconds for u in us),
-                         sum(u.context_kv_bytes for u in us), layers, mode.reference, vs_lora)
+                         sum(u.context_kv_bytes for u in us), layers, mode.reference, vs_lora,
+                         max(u.offset_table_bytes for u in us), sum(u.extra_flops for u in us))
 
 
 def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
@@ -133,12 +136,13 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
              "| layout | rounds | answers | AST-valid (all) | F1 (all) | readers | paired with "
              "| reader F1 (reference) | ΔF1 | reader AST-valid (reference) | ΔAST-valid "
              "| greedy agreement | identical answers | hidden cos mean / last layer "
-             "| context KV MiB (x unified) | recomputed layers | prefill tokens | seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| context KV MiB (x unified) | recomputed layers | offset tables MiB / extra GFLOP "
+             "| prefill tokens | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
     for s in rows:
         if not s.available:
-            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 16)
+            lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 17)
             continue
         cos = f"{mean(s.layer_cos):.4f} / {s.layer_cos[-1]:.4f}" if s.layer_cos else "—"
         paired = "— | — | — | — | — | —" if s.paired is None else _paired_cells(s.paired)
@@ -146,9 +150,11 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
         if s.context_kv_bytes and unified:
             kv += f" ({s.context_kv_bytes / unified:.2f})"
         layers = ",".join(map(str, s.recompute_layers)) or "—"
+        correction = (f"{s.offset_table_bytes / 2**20:.2f} / {s.extra_flops / 1e9:.1f}"
+                      if s.offset_table_bytes else "—")
         lines.append(f"| {s.layout} | {s.rounds} | {s.answers} | {s.accuracy:.1%} "
                      f"| {s.token_f1:.3f} | {s.readers} | {s.reference} | {paired} | {cos} | {kv} "
-                     f"| {layers} | {s.prefill_tokens} | {s.seconds:.0f} |")
+                     f"| {layers} | {correction} | {s.prefill_tokens} | {s.seconds:.0f} |")
     variants = [s for s in rows if s.vs_lora is not None]
     if variants:
         lines += ["", "Against plain LoRA: every answer of the mode, paired with unified's to the "
@@ -228,6 +234,10 @@ def write_outputs(folder: Path, label: str = "") -> str:
               f"catalog; greedy, max {setting['max_new']} new tokens; {setting['device']} "
               f"{setting['dtype']} {setting['attention']}"
               f"{' cuda-graphs' if setting['cuda_graphs'] else ''}")
+    if "offset_fit" in setting:
+        fit = setting["offset_fit"]
+        header += (f"; offset rows: tables fitted on {fit['anchors_per_task']} training "
+                   f"prompts per task (ridge {fit['ridge']}), {fit['attention']} attention")
     table = markdown(rows, header)
     prefix = folder.parent / folder.name
     prefix.with_suffix(".md").write_text(table + "\n")

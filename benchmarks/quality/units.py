@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 AgentKey = tuple[int, str]  # (round, task)
-# Setting keys only some units carry: the activated-LoRA adapters' fingerprint (modes.py).
-OPTIONAL = ("alora_adapters",)
+# Setting keys only some units carry: the activated-LoRA adapters' fingerprint, the offset
+# modes' fit (modes.py, offsets.py).
+OPTIONAL = ("alora_adapters", "offset_fit")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Unit:
     seconds: float = 0.0
     context_kv_bytes: int = 0  # summed over rounds: the shared context's K/V, every agent on it
     recompute_layers: tuple[int, ...] = ()  # selective recompute: the layers kept exact
+    offset_table_bytes: int = 0  # offset correction: its tables (every pair, every layer)
+    extra_flops: int = 0         # offset correction: FLOPs spent correcting on read (offsets.py)
 
     @property
     def name(self) -> str:

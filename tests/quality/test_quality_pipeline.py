@@ -84,6 +84,16 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     # Neutral writer: every agent reads the base pass's pages, and the pass is prefill too.
     assert all(a.reused_tokens > 0 for a in units.agents_of(by["neutral"]))
     assert prefill["neutral"] > prefill["disaggregated"]
+    # Offset correction: disaggregated's sharing, its tables fitted and costed beside it.
+    for layout in ("offset0", "offset"):
+        us = by[layout]
+        assert all(u.setting["offset_fit"]["attention"] == "eager" for u in us)
+        assert all(u.offset_table_bytes > 0 and u.extra_flops > 0 for u in us)
+        agents = units.agents_of(us)
+        assert len([a for a in agents if a.reused_tokens > 0]) == params.rounds * (k - 1)
+        assert all(a.tokens == unified[a.key].tokens for a in agents if a.writer)
+        assert prefill[layout] == prefill["disaggregated"]
+    assert by["offset"][0].offset_table_bytes > by["offset0"][0].offset_table_bytes
     # Recompute modes without a drift profile are reported, not guessed.
     assert not by["recompute5"][0].available and "--drift" in by["recompute5"][0].note
 

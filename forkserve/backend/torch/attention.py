@@ -7,7 +7,10 @@ each query over its sequence's pages. Disaggregated pages are reconstructed on r
     V = V_base + V_res @ B_v[adapter]
 
 Triton kernels (forkserve/kernels) implement the same `AttentionBackend` protocol over the
-same pools and metadata; this file is what they are checked against.
+same pools and metadata; this file is what they are checked against. Offset correction
+(``base_correction.py``, docs/QUALITY.md mode d) runs here only: a split item's base K/V
+from another writer is corrected before its residual is added (the kernels do not read the
+writer tags; the backend refuses them with a correction on).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from forkserve.backend.torch.base_correction import Correction, NoCorrection
 from forkserve.backend.torch.cascade import CascadeTiles
 from forkserve.backend.torch.kv_pool import LayerKV
 from forkserve.backend.torch.rope import Rope, apply_rope
@@ -72,6 +76,9 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor 
 class EagerAttention:
     """Pure-PyTorch paged attention: batched gather for decode (graph-capturable), a loop for prefill."""
 
+    def __init__(self, correction: Correction | None = None) -> None:
+        self.correction = correction or NoCorrection()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
@@ -90,6 +97,9 @@ class EagerAttention:
         pages = meta.block_tables.long()
         keys = kv.k[pages].view(batch, seq, kv_heads, dim)
         values = kv.v[pages].view(batch, seq, kv_heads, dim)
+        if kv.writer is not None and meta.res_block_tables is not None:
+            keys, values = self.correction.correct(keys, values, kv.writer[pages].view(batch, seq),
+                                                   meta.seq_slot, kv.layer, rope)
         if kv.k_res is not None and meta.res_block_tables is not None:
             res_pages = meta.res_block_tables.long()
             has = (meta.seq_slot >= 0).view(batch, 1, 1, 1)
@@ -122,6 +132,9 @@ class EagerAttention:
             keys = kv.k[pages].reshape(-1, kv_heads, dim)[:slen]
             values = kv.v[pages].reshape(-1, kv_heads, dim)[:slen]
             slot = meta.seq_slot_host[i]
+            if kv.writer is not None and slot >= 0:
+                keys, values = self.correction.correct(
+                    keys, values, kv.writer[pages].reshape(-1)[:slen], meta.seq_slot[i], kv.layer, rope)
             if kv.k_res is not None and meta.res_block_tables is not None and slot >= 0:
                 res_pages = meta.res_block_tables[i, :n_pages].long()
                 if b_k is not None:

@@ -29,6 +29,7 @@ from forkserve.backend.protocol import (
 )
 from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
+from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.decode_rows import of_batch
 from forkserve.backend.torch.errors import (
@@ -51,6 +52,7 @@ from forkserve.backend.torch.lora import (
 )
 from forkserve.backend.torch.model import CausalLM
 from forkserve.backend.torch.model_config import ModelConfig
+from forkserve.backend.torch.offset_table import OffsetTable
 from forkserve.backend.torch.pending_step import PendingStep, StepClock, StepOutput
 from forkserve.backend.torch.recompute import group_forms
 from forkserve.backend.torch.runner import ModelRunner
@@ -83,21 +85,29 @@ def load_model(model_path: str | Path, device: torch.device,
 
 
 def make_attention(choice: str | AttentionBackend, device: torch.device, page_size: int,
-                   scaled_residual_rope: bool) -> AttentionBackend:
+                   scaled_residual_rope: bool, correction: Correction) -> AttentionBackend:
     """"eager" (pure PyTorch), "triton" (forkserve.kernels), "auto": triton on CUDA when importable
     and the pages are at least the kernels' 16-token key block, else eager.
 
     scaled_residual_rope: the disaggregated layout with yarn's cos/sin factor, which the
-    ResidualAttention kernels do not apply (checked here, before any KV is written)."""
+    ResidualAttention kernels do not apply (checked here, before any KV is written).
+    correction: what split items do to another writer's base K/V (``config.base_correction``);
+    only eager attention applies one, so "auto" picks eager and "triton" is refused with it."""
+    corrects = correction.tags_writers
     if not isinstance(choice, str):
+        if corrects:
+            raise UnsupportedModelError("base_correction runs in EagerAttention only: pass attention='eager'")
         return choice
     if choice == "auto":
         usable = (device.type == "cuda" and page_size >= 16 and not scaled_residual_rope
-                  and importlib.util.find_spec("triton"))
+                  and not corrects and importlib.util.find_spec("triton"))
         choice = "triton" if usable else "eager"
     if choice == "eager":
-        return EagerAttention()
+        return EagerAttention(correction)
     if choice == "triton":
+        if corrects:
+            raise UnsupportedModelError("the Triton kernels do not apply base_correction (offset "
+                                        "correction): use attention='eager' or 'auto'")
         if scaled_residual_rope:
             raise UnsupportedModelError("the ResidualAttention kernels do not apply yarn's cos/sin factor; "
                                         "use attention='eager' for this model in the disaggregated layout")
@@ -164,12 +174,17 @@ class TorchBackend:
                 targets |= a.targets
         disaggregated = self.layout.has_residual_pool
         rope_scale = model_cfg.rope.inv_freq_and_scale(model_cfg.head_dim)[1]
-        self.attention = make_attention(attention, device, config.page_size,
-                                        disaggregated and rope_scale != 1.0)
         self.max_adapters = max_adapters or max(8, len(adapters))
+        self.correction = correction_for(config.base_correction, model_cfg, self.max_adapters, device, dtype)
+        if self.correction.tags_writers and rope_scale != 1.0:
+            # De-rotating the stored K needs a rotation (cos^2 + sin^2 = 1); yarn scales both.
+            raise UnsupportedModelError("base_correction needs unscaled RoPE cos/sin; this model uses yarn's factor")
+        self.attention = make_attention(attention, device, config.page_size,
+                                        disaggregated and rope_scale != 1.0, self.correction)
         self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
         self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
-                           self.max_lora_rank, device, dtype, config.recompute_layers)
+                           self.max_lora_rank, device, dtype, config.recompute_layers,
+                           self.correction.tags_writers)
         self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
         # Adapter ids are never reused, so no versions; written positions once ``track_writes``.
         self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True, remove_adapter=True,
@@ -440,6 +455,8 @@ class TorchBackend:
         resident = self._resident.pop(aid)
         del self._names[resident.name]
         self.lora.clear(resident.slot)
+        self.pool.forget_writer(resident.slot)
+        self.correction.bind(self._slots_by_name())
 
     def capture_decode_graphs(self, max_batch: int, context_tokens: int) -> int:
         """Capture ahead the CUDA graphs decode batches of up to ``max_batch`` sequences of up
@@ -450,7 +467,21 @@ class TorchBackend:
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
         return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,
-                                  len(self.config.recompute_layers))
+                                  len(self.config.recompute_layers), self.correction.tags_writers)
+
+    def install_offsets(self, table: OffsetTable) -> None:
+        """The offset tables split items correct another writer's base K/V with
+        (``config.base_correction = "offset"``); pairs name adapters, resident now or later.
+        Before any decode graph is captured: a graph holds the tables it was captured with."""
+        if not isinstance(self.correction, OffsetCorrection):
+            raise InvalidWorkError(f"offset tables need config.base_correction = 'offset', not "
+                                   f"{self.config.base_correction.value!r}")
+        if self.runner.captured_graphs:
+            raise InvalidWorkError("install offset tables before the first decode graph is captured")
+        self.correction.install(table)
+
+    def _slots_by_name(self) -> dict[str, int]:
+        return {r.name: r.slot for r in self._resident.values()}
 
     def _install(self, name: str, adapter: LoraAdapter) -> int:
         if name in self._names:
@@ -466,6 +497,7 @@ class TorchBackend:
         self._resident[aid] = ResidentAdapter(aid, name, adapter.rank, adapter.targets, free[0],
                                              adapter.invocation_tokens)
         self._names[name] = aid
+        self.correction.bind(self._slots_by_name())
         return aid
 
 

@@ -7,6 +7,9 @@ Shared layout contract (forkserve/kernels plugs in behind it):
                          k_own, v_own [recompute layers, residual_pages + 1, P, n_kv_heads, head_dim]:
                            selective recompute (``config.recompute_layers``): in those layers a
                            split item's own merged K/V (K with RoPE), beside its residual page
+                         writer       [1, pages + 1, P] int32: offset correction (``config.base_correction``):
+                           who wrote each base slot (``base_correction.py``); one row, so that
+                           it is indexed by page id on dim 1 as K/V are (copied with them)
 Page ids are the control plane's; the one extra page at index `pages` is a scratch page
 that padded rows of a CUDA-graph batch write into, so real pages are never touched by padding.
 full_reuse stores exactly what unified stores; only the control plane's sharing differs.
@@ -22,20 +25,28 @@ from forkserve.backend.protocol import PageKind
 from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.config import KVLayout
 
+UNKNOWN_WRITER = -1  # a base slot never written, or written by an adapter no longer resident
+
 
 def page_kinds(layout: KVLayout) -> tuple[PageKind, ...]:
     return (PageKind.BASE, PageKind.RESIDUAL) if layout.has_residual_pool else (PageKind.UNIFIED,)
 
 
+WRITER_TAG = torch.int32
+
+
 def kv_bytes_per_token(cfg: ModelConfig, layout: KVLayout, lora_rank: int,
-                       dtype: torch.dtype, recompute_layers: int = 0) -> dict[PageKind, int]:
+                       dtype: torch.dtype, recompute_layers: int = 0,
+                       writer_tags: bool = False) -> dict[PageKind, int]:
     """Bytes one token occupies in each page kind, over all layers, K and V (a residual page
-    also holds full K/V in each of the ``recompute_layers``)."""
+    also holds full K/V in each of the ``recompute_layers``, a base page its writer tags)."""
     item = torch.empty((), dtype=dtype).element_size()
     full = 2 * cfg.num_layers * cfg.kv_size * item
     if layout.has_residual_pool:
         own = 2 * recompute_layers * cfg.kv_size * item
-        return {PageKind.BASE: full, PageKind.RESIDUAL: 2 * cfg.num_layers * lora_rank * item + own}
+        tag = torch.empty((), dtype=WRITER_TAG).element_size() if writer_tags else 0
+        return {PageKind.BASE: full + tag,
+                PageKind.RESIDUAL: 2 * cfg.num_layers * lora_rank * item + own}
     return {PageKind.UNIFIED: full}
 
 
@@ -63,12 +74,14 @@ class LayerKV:
     v: torch.Tensor
     k_res: torch.Tensor | None = None   # [residual_pages + 1, P, r_max]
     v_res: torch.Tensor | None = None
+    layer: int = 0
+    writer: torch.Tensor | None = None  # [pages + 1, P]: each base slot's writer tag (offset correction)
 
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, layout: KVLayout, page_size: int, num_pages: int,
                  num_residual_pages: int, lora_rank: int, device: torch.device, dtype: torch.dtype,
-                 recompute_layers: Sequence[int] = ()) -> None:
+                 recompute_layers: Sequence[int] = (), writer_tags: bool = False) -> None:
         self.layout, self.page_size = layout, page_size
         self.num_pages, self.num_residual_pages = num_pages, num_residual_pages
         self.lora_rank = lora_rank
@@ -95,6 +108,12 @@ class KVPool:
                          cfg.head_dim)
             self.k_own = torch.zeros(own_shape, device=device, dtype=dtype)
             self.v_own = torch.zeros(own_shape, device=device, dtype=dtype)
+        self.writer: torch.Tensor | None = None
+        if writer_tags:
+            if not layout.has_residual_pool:
+                raise ValueError("writer tags mark shared base pages: the layout has none")
+            self.writer = torch.full((1, num_pages + 1, page_size), UNKNOWN_WRITER, device=device,
+                                     dtype=WRITER_TAG)
 
     @property
     def scratch_page(self) -> int:
@@ -110,7 +129,19 @@ class KVPool:
     def layer(self, n: int) -> LayerKV:
         return LayerKV(self.k[n], self.v[n],
                        None if self.k_res is None else self.k_res[n],
-                       None if self.v_res is None else self.v_res[n])
+                       None if self.v_res is None else self.v_res[n], n,
+                       None if self.writer is None else self.writer[0])
+
+    def tag_writes(self, slot_mapping: torch.Tensor, token_slot: torch.Tensor) -> None:
+        """A step's base writes: each written slot's writer is the token's adapter slot + 1
+        (0: the base model, which covers an aLoRA's tokens before its activation point)."""
+        if self.writer is not None:
+            self.writer.view(-1).index_copy_(0, slot_mapping, (token_slot + 1).to(WRITER_TAG))
+
+    def forget_writer(self, slot: int) -> None:
+        """An adapter left its slot: its pages' tags must not name the next one to take it."""
+        if self.writer is not None:
+            self.writer.masked_fill_(self.writer == slot + 1, UNKNOWN_WRITER)
 
     def own_layer(self, n: int) -> LayerKV | None:
         """Layer ``n``'s own-K/V store, indexed by residual page id, if ``n`` is recomputed:
@@ -127,8 +158,11 @@ class KVPool:
 
     def _stored(self, kind: PageKind) -> tuple[torch.Tensor, ...]:
         """Every tensor indexed by ``kind``'s page ids (dim 1): what a page holds."""
-        own = (self.k_own, self.v_own) if kind is PageKind.RESIDUAL and self.k_own is not None else ()
-        return (*self.tensors_of(kind), *own)
+        if kind is PageKind.RESIDUAL:
+            extra = (self.k_own, self.v_own) if self.k_own is not None else ()
+        else:
+            extra = (self.writer,) if self.writer is not None else ()
+        return (*self.tensors_of(kind), *extra)
 
     def bytes_per_page(self, kind: PageKind) -> int:
         """Measured from the allocation (scratch page excluded)."""

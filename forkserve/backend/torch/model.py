@@ -63,6 +63,7 @@ class CausalLM:
         n_tokens = input_ids.shape[0]
         split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
+        pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
         for n, layer in enumerate(w.layers):
             # Selective recompute: in this layer the (all split) items keep merged K/V of their own.
             own = pool.own_layer(n) if split else None
