@@ -11,7 +11,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 7   # CUDA tests, prefill routes, decode v4
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 8   # react W=32: unified, disaggregated, no_lora
 # Round 3:
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # step profiles, decode v5 (msc)
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # CUDA tests, msc decode variants
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 10  # step profiles, adaptive W=1,8,32
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -78,16 +79,25 @@ case "$1" in
     --tag issue15_round2_base --out "$OUT" 2>&1 | tail -4
   ;;
 9)
-  # Round 3: where the step time goes (--profile-ticks: kernel time by category, device idle),
-  # the per-batch score tuning and the materialized-scores decode beside the best of round 2.
-  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
-    no_lora disaggregated --profile-ticks 3 --gpu-timeline --tag issue15_round3_profile --out "$OUT" 2>&1 \
-    | grep -v "^USDT" | tail -60
-  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py -k msc \
-    2>&1 | tail -8 | tee "$OUT/pytest_cuda_msc.log"
-  timeout 240 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
+  # Round 3, first call: the CUDA tests of what round 3 built (materialized-scores decode,
+  # steady rows read from columns, mixed-form batches under graphs), then the msc variants
+  # beside the best two-pass forms of round 2.
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py \
+    tests/torch/test_batch.py tests/torch/test_launch.py tests/torch/test_cascade.py tests/torch/test_layouts.py \
+    2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
+  timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
     msc_bn64_w8 msc_bn32 msc_bn128_w8 msc_bn64_p32 msc_bn64_p128_w8 msc_bn64_a64 msc_bn64_a128_w8 msc_bn64_f16 \
     --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_msc --out "$OUT" 2>&1 | tail -20
+  ;;
+10)
+  # Round 3, second call: where the step time goes (--profile-ticks: kernel time by category,
+  # top kernels, device idle per tick kind) and adaptive at W = 1, 8, 32 (mixed batches now
+  # under CUDA graphs) beside unified and disaggregated.
+  timeout 260 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
+    no_lora disaggregated --profile-ticks 3 --gpu-timeline --tag issue15_round3_profile --out "$OUT" 2>&1 \
+    | grep -v "^USDT" | tail -60
+  timeout 280 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round3_adaptive --out "$OUT" 2>&1 | tail -14
   ;;
 esac
 ls -la "$OUT"
