@@ -170,8 +170,10 @@ class KVCache:
         if adapter is not None and self.residual_pool is not None:
             _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
                                         self.path_start(adapter, tokens), salt)
-            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens,
-                                                         residual_key.base_pages, salt)) * p
+            # A probe: restoring the host tier's pages here would move them for a session
+            # that may not open (an admission controller sizes requests by this) or not split.
+            residual_hit = self.residual_index.reach(residual_key.namespace, residual_key.tokens,
+                                                     residual_key.base_pages, salt) * p
         projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))

@@ -226,17 +226,29 @@ class PrefixIndex:
         """Pages of the longest published page-aligned prefix of ``tokens`` under ``salt``; the
         first ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
         entries the match reaches are restored first (see the module docstring)."""
-        node = self._root
+        path = self._path(namespace, tokens, base_pages, salt)
         now = next(self._clock)
+        for node in path:
+            node.last_access = now
+        self._restore(path)
+        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+
+    def reach(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+              salt: CacheSalt = UNSALTED) -> int:
+        """How many pages ``match`` would find, on the device or the host, touching nothing:
+        a probe (``KVCache.choose_form``) restores no page and refreshes no LRU."""
+        return len(self._path(namespace, tokens, base_pages, salt))
+
+    def _path(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
+              salt: CacheSalt) -> list[_IndexNode]:
+        node = self._root
         path: list[_IndexNode] = []
         for key in self._page_keys(namespace, tokens, base_pages, salt):
             node = node.children.get(key)
             if node is None:
                 break
-            node.last_access = now
             path.append(node)
-        self._restore(path)
-        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+        return path
 
     def _restore(self, path: list[_IndexNode]) -> None:
         """Bring the offloaded tail of a matched path back to device pages, making room by
