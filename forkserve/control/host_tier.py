@@ -11,6 +11,7 @@ restored to a device page, adopts a freshly published device page, or is dropped
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from forkserve.backend.protocol import HostCopy, HostOffload, HostSlotId, PageKind
@@ -41,14 +42,22 @@ class HostTier:
 
     def offload(self, copies: Sequence[HostCopy]) -> None:
         if copies:
+            start = time.perf_counter()
             self._backend.offload_pages(self.kind, copies)
-            self._metrics.offloaded_pages += len(copies)
+            m = self._metrics
+            m.host_copy_ms += (time.perf_counter() - start) * 1e3
+            m.host_offload_calls += 1
+            m.offloaded_pages += len(copies)
 
     def restore(self, copies: Sequence[HostCopy]) -> None:
         if copies:
+            start = time.perf_counter()
             self._backend.restore_pages(self.kind, copies)
-            self._metrics.restored_pages += len(copies)
-            self._metrics.restored_tokens += len(copies) * self.page_size
+            m = self._metrics
+            m.host_copy_ms += (time.perf_counter() - start) * 1e3
+            m.host_restore_calls += 1
+            m.restored_pages += len(copies)
+            m.restored_tokens += len(copies) * self.page_size
 
     def dropped(self, n: int) -> None:
         self._metrics.host_dropped_pages += n

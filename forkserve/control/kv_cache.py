@@ -45,7 +45,7 @@ and the residual host tier alike.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import HostOffload, PageKind
@@ -170,8 +170,10 @@ class KVCache:
         if adapter is not None and self.residual_pool is not None:
             _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
                                         self.path_start(adapter, tokens), salt)
-            residual_hit = len(self.residual_index.match(residual_key.namespace, residual_key.tokens,
-                                                         residual_key.base_pages, salt)) * p
+            # A probe: restoring the host tier's pages here would move them for a session
+            # that may not open (an admission controller sizes requests by this) or not split.
+            residual_hit = self.residual_index.reach(residual_key.namespace, residual_key.tokens,
+                                                     residual_key.base_pages, salt) * p
         projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
@@ -374,17 +376,24 @@ class KVCache:
                                                        base_key.base_pages, base_key.salt), now)
 
     # ------------------------------------------------------------ memory
+    def evict_for(self, needs: Mapping[PagePool, int]) -> None:
+        """Evict each pool's own index once for what a whole tick will write (pages per
+        pool), so a tick under pressure makes one eviction pass, and one batch of host
+        copies, per pool instead of one per item; eviction only (no preemption, no pins):
+        what is still short is each item's ``make_room`` to settle."""
+        for pool, need in needs.items():
+            if need > pool.num_free:
+                self.index_of(pool).evict(need - pool.num_free)
+
     def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:
         """Free pages for a write: evict the pool's own index (never the other one; the
         residual index parks pages on the host tier), then, for committed work only
         (``preempt`` given), release speculation and after it pause pins; raise if still short."""
-        index = self.index_of(pool)
-        if need > pool.num_free:
-            index.evict(need - pool.num_free)
+        self.evict_for({pool: need})
         if need > pool.num_free and preempt is not None:
             preempt(pool, need)
         if need > pool.num_free and preempt is not None:
-            self.retention.release_for(pool, need, index.evict)
+            self.retention.release_for(pool, need, self.index_of(pool).evict)
         if need > pool.num_free:
             raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
                                   f"evicting the index and preempting speculation")

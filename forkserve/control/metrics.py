@@ -29,6 +29,11 @@ class EngineMetrics:
     restored_pages: int = 0
     restored_tokens: int = 0
     host_dropped_pages: int = 0
+    # The backend's host copies: calls (one batch each) and the host's time inside them, so
+    # a benchmark shows what D1's copies cost a tick (their bytes: pages x page bytes).
+    host_offload_calls: int = 0
+    host_restore_calls: int = 0
+    host_copy_ms: float = 0.0
     residual_prefill_tokens: int = 0  # residual-side tokens computed by prefill (not restored)
     # Base pages pinned through a tool pause: reused by the next turn, expired, or released
     # under committed pressure.

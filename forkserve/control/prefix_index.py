@@ -36,6 +36,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from forkserve.adapter_key import AdapterKey
 from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
+from forkserve.control.eviction_frontier import EvictionFrontier
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
 
@@ -124,6 +125,7 @@ class _IndexNode:
     last_access: int = 0
     evicted: bool = False
     host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
+    device_children: int = 0        # children on a device page (``EvictionFrontier``)
 
 
 class InsertCursor(NamedTuple):
@@ -180,6 +182,8 @@ class PrefixIndex:
         self._refs: collections.Counter[PageId] = collections.Counter()
         self._scopes: weakref.WeakValueDictionary[tuple[Namespace, CacheSalt], KeyScope] = \
             weakref.WeakValueDictionary()
+        # What eviction may take next, so it never walks the tree.
+        self._frontier = EvictionFrontier()
 
     @property
     def num_pages(self) -> int:
@@ -222,17 +226,29 @@ class PrefixIndex:
         """Pages of the longest published page-aligned prefix of ``tokens`` under ``salt``; the
         first ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
         entries the match reaches are restored first (see the module docstring)."""
-        node = self._root
+        path = self._path(namespace, tokens, base_pages, salt)
         now = next(self._clock)
+        for node in path:
+            node.last_access = now
+        self._restore(path)
+        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+
+    def reach(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+              salt: CacheSalt = UNSALTED) -> int:
+        """How many pages ``match`` would find, on the device or the host, touching nothing:
+        a probe (``KVCache.choose_form``) restores no page and refreshes no LRU."""
+        return len(self._path(namespace, tokens, base_pages, salt))
+
+    def _path(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
+              salt: CacheSalt) -> list[_IndexNode]:
+        node = self._root
         path: list[_IndexNode] = []
         for key in self._page_keys(namespace, tokens, base_pages, salt):
             node = node.children.get(key)
             if node is None:
                 break
-            node.last_access = now
             path.append(node)
-        self._restore(path)
-        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+        return path
 
     def _restore(self, path: list[_IndexNode]) -> None:
         """Bring the offloaded tail of a matched path back to device pages, making room by
@@ -250,6 +266,7 @@ class PrefixIndex:
             self.host.give_back(n.host)
             n.page, n.host = page, None
             self._refs[page] += 1
+            self._frontier.to_device(n)
         self._entries += len(take)
         self.num_offloaded -= len(take)
 
@@ -288,6 +305,7 @@ class PrefixIndex:
                 refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
                 child = _IndexNode(key, page, node)
                 node.children[key] = child
+                self._frontier.to_device(child)
                 added += 1
             elif child.page is None:
                 # Offloaded: the caller's page holds the same KV, so the host copy is redundant.
@@ -295,6 +313,7 @@ class PrefixIndex:
                 self._refs[page] += 1
                 self.host.give_back(child.host)
                 child.page, child.host = page, None
+                self._frontier.to_device(child)
                 added += 1
                 self.num_offloaded -= 1
             child.last_access = now
@@ -309,7 +328,7 @@ class PrefixIndex:
         many. With a host tier (and ``offload``) a page is parked there and its entry stays;
         otherwise the entry is dropped. ``keep``: entries a match is restoring, never touched."""
         host = self.host if offload else None
-        heap = [(n.last_access, id(n), n) for n in self._device_leaves() if n not in keep]
+        heap = [(n.last_access, id(n), n) for n in self._frontier.device if n not in keep]
         heapq.heapify(heap)
         run = _Eviction()
         while heap and (max_pages is None or len(run.released) < max_pages):
@@ -328,9 +347,8 @@ class PrefixIndex:
                 run.copies[slot] = node.page
                 node.page, node.host = None, slot
                 self.num_offloaded += 1
-            parent = node.parent
-            if (parent.page is not None and parent not in keep
-                    and all(c.page is None for c in parent.children.values())):
+            parent = self._frontier.off_device(node, parked=slot is not None)
+            if parent is not None and parent not in keep:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if host is not None:
             host.offload([HostCopy(page, slot) for slot, page in run.copies.items()])
@@ -350,8 +368,7 @@ class PrefixIndex:
         return self.host.take() if self.host.num_free else None
 
     def _drop_offloaded(self, max_pages: int | None, keep: frozenset, run: _Eviction) -> int:
-        heap = [(n.last_access, id(n), n) for n in self._walk_nodes()
-                if n.page is None and not n.children and n not in keep]
+        heap = [(n.last_access, id(n), n) for n in self._frontier.host if n not in keep]
         heapq.heapify(heap)
         dropped = 0
         while heap and (max_pages is None or dropped < max_pages):
@@ -362,8 +379,8 @@ class PrefixIndex:
             node.host = None
             self.num_offloaded -= 1
             dropped += 1
-            parent = node.parent
-            if parent.key is not None and parent.page is None and not parent.children and parent not in keep:
+            parent = self._frontier.dropped(node)
+            if parent is not None and parent not in keep:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if dropped:
             self.host.dropped(dropped)
@@ -373,12 +390,6 @@ class PrefixIndex:
     def _unlink(node: _IndexNode) -> None:
         del node.parent.children[node.key]
         node.evicted = True
-
-    def _device_leaves(self) -> Iterator[_IndexNode]:
-        """Device-resident entries none of whose children is on the device."""
-        for node in self._walk_nodes():
-            if node.page is not None and all(c.page is None for c in node.children.values()):
-                yield node
 
     def _walk_nodes(self) -> Iterator[_IndexNode]:
         # One root for every namespace (a path may cross from BASE into an adapter's), so
@@ -435,5 +446,6 @@ class PrefixIndex:
         if (device, offloaded) != (self._entries, self.num_offloaded):
             raise AssertionError(f"index counts {self._entries} device / {self.num_offloaded} host "
                                  f"entries, holds {device} / {offloaded}")
+        self._frontier.check(self._walk_nodes())
         if self.host is not None:
             self.host.check_integrity([e.slot for e in self.offloaded_entries()])

@@ -10,9 +10,9 @@ a few attribute writes per session and hands the backend one ``DecodeBatch`` of 
 Membership is decided once (``admit``, after a general-path step left the session in that
 state) and lost at anything unusual, after which the general path takes the session again:
 a verb on it (``Engine`` calls ``drop``), the end of its generation or a stop token, a page
-boundary the pool cannot serve without evicting, a last page someone else references, a
-failed step (its rows become ordinary items, rolled back one by one). ``clear`` drops all
-(a tick whose decode slots or token budget would not grant every session).
+boundary the pools cannot serve even after evicting their indexes, a last page someone else
+references, a failed step (its rows become ordinary items, rolled back one by one).
+``clear`` drops all (a tick whose decode slots or token budget would not grant every session).
 
 Ownership: the set holds references to sessions, their tip nodes and the tips' tables; it
 owns no page and no token. Pages are still allocated into, and owned by, the tip's
@@ -145,8 +145,10 @@ class SteadyDecode:
         """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
         the rows that run this tick and the sessions that left the set (the general path
         takes them this tick): a last page another holder references (it needs a copy on
-        write), or a page boundary when the pools cannot serve every member at one without
-        evicting."""
+        write), or a page boundary when the pools cannot serve every member at one even
+        after one eviction pass of their indexes (``KVCache.evict_for``: under pressure the
+        tick's boundary pages cost one pass and one batch of host copies, not one per member
+        on the general path)."""
         p = self.page_size
         boundary, left = [], []
         self.grown = []
@@ -168,6 +170,8 @@ class SteadyDecode:
         if boundary:
             base_pool, residual_pool = self.kv.pool, self.kv.residual_pool
             residual = sum(r.residual is not None for r in boundary)
+            self.kv.evict_for({base_pool: len(boundary),
+                               **({residual_pool: residual} if residual else {})})
             if len(boundary) > base_pool.num_free or (
                     residual > 0 and residual > residual_pool.num_free):
                 left += boundary

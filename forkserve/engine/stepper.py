@@ -228,6 +228,7 @@ class Stepper:
         committed work short of pages waits. ``rows``: the steady set's members, their pages
         already prepared. Returns whether any state moved."""
         items, waiting = [], []
+        self._evict_for(grants)
         for g in grants:
             session, node = self._nodes_by_id[g.node_id]
             if node.table is None:
@@ -397,6 +398,16 @@ class Stepper:
             self.emit(session)
         else:
             self._emit_speculative(node)
+
+    def _evict_for(self, grants: list[Grant]) -> None:
+        """One eviction pass per pool for every grant's pages (``KVCache.evict_for``)."""
+        needs: dict[PagePool, int] = {}
+        for g in grants:
+            table = self._nodes_by_id[g.node_id][1].table
+            if table is not None:
+                for pool, need in table.pages_needed(g.tokens).items():
+                    needs[pool] = needs.get(pool, 0) + need
+        self.kv.evict_for(needs)
 
     def _ensure_pages(self, node: Node, n: int, work_class: WorkClass) -> None:
         for pool, need in node.table.pages_needed(n).items():

@@ -117,3 +117,54 @@ def test_host_copies_reject_bad_input_and_change_nothing():
     assert (backend.host_values(0) == before).all()
     with pytest.raises(ValueError, match="host_residual_pages"):
         ForkServeConfig(host_residual_pages=-1)
+
+
+def _offloads_per_tick(n_sessions):
+    """Offload calls (pages each) in every tick of ``n_sessions`` sessions prefilled and decoded
+    together over a residual pool full of cache: every write evicts, every tick crosses pages."""
+    backend = RecordingBackend(CFG.replace(num_residual_pages=16))
+    eng = Engine(backend)
+    _turn(eng, OTHER, 1)  # 12 residual pages of cache
+    _turn(eng, CONTEXT, 1)
+    ticks = []
+    offload = backend.offload_pages
+    backend.offload_pages = lambda kind, copies: (ticks[-1].append(len(copies)), offload(kind, copies))
+    for i in range(n_sessions):
+        eng.start_generate(eng.open([200 + 3 * i, 201, 202], adapter="planner").id, 6)
+    ticks.append([])
+    while eng.tick():
+        ticks.append([])
+    eng.check_integrity()
+    assert all(eng.generation(h) is not None for h in range(3, 3 + n_sessions))
+    return ticks
+
+
+def test_a_tick_offloads_in_one_batch_whatever_the_number_of_pages():
+    """Eviction runs once per pool per tick (``KVCache.evict_for``), so its host copies are one
+    call however many items need pages: the prefill tick and each page boundary alike."""
+    few, many = _offloads_per_tick(2), _offloads_per_tick(5)
+    assert max(map(len, few)) == max(map(len, many)) == 1
+    assert sum(map(sum, many)) > sum(map(sum, few))
+    assert max(max(t, default=0) for t in many) > 1  # some call carried several pages
+
+
+def test_no_host_slot_or_page_leaks_on_failure_abort_and_close():
+    eng, backend = _pressured(CFG)
+    h = eng.open(CONTEXT + [7], adapter="planner")  # restores the parked context
+    assert eng.metrics.restored_pages == 8
+    injected = []
+    backend.fault = lambda work: injected.append(work) or ValueError("injected") if not injected else None
+    eng.start_generate(h.id, 3)
+    while eng.tick():
+        eng.check_integrity()
+    assert injected and eng.generation(h.id).finish_reason == "error"
+    backend.fault = None
+    eng.abort(h.id)  # the whole session
+    eng.check_integrity()
+    other = eng.open(OTHER, adapter="planner")  # parks the context again
+    eng.check_integrity()
+    eng.close(other.id)
+    eng.evict_all()
+    eng.check_integrity()
+    assert eng.kv.host_tier.num_free == CFG.host_residual_pages
+    assert all(pool.num_free == pool.num_pages for pool in eng.kv.pools())

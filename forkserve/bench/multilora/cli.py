@@ -186,6 +186,10 @@ def _extras(r: RunResult) -> str:
     if r.restored_tokens or r.pins_kept or r.pins_lost:
         out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
                 f", pins kept/lost {r.pins_kept}/{r.pins_lost}")
+    if r.host_copy_calls:
+        out += (f", host copies {r.host_copy_calls} ({r.host_copy_bytes / 2 ** 20:.0f} MiB, "
+                f"{r.host_copy_ms:.0f} ms host), per decode step "
+                f"{r.decode_host_copies_per_step:.2f} ({r.decode_host_copy_ms_per_step:.2f} ms)")
     return out
 
 

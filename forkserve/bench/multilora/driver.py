@@ -75,10 +75,15 @@ class Driver:
         self.prefill_tick_s = 0.0
         self.decode_tick_s = 0.0
         self.decode_only_ticks = 0
+        # D1's host copies inside decode-only ticks: calls, pages and the host's ms.
+        self.decode_copy_calls = 0
+        self.decode_copy_pages = 0
+        self.decode_copy_ms = 0.0
 
     def _tick(self) -> bool:
         m = self.engine.metrics
         before, prefill_before = m.decode_tokens, m.prefill_tokens
+        copies = _host_copies(m)
         t0 = time.perf_counter()
         if self.profiler is not None and self.profiler.wants():
             did = self.profiler.run(self.engine.tick, lambda: (
@@ -92,6 +97,11 @@ class Driver:
         elif m.decode_tokens > before:
             self.decode_tick_s += elapsed
             self.decode_only_ticks += 1
+            calls, pages, ms = (now - then
+                                for now, then in zip(_host_copies(m), copies, strict=True))
+            self.decode_copy_calls += calls
+            self.decode_copy_pages += pages
+            self.decode_copy_ms += ms
         if m.decode_tokens > before:
             self.decode_ticks += 1
         # Not cache_stats(): it settles a step in flight, which would undo the overlap measured.
@@ -154,8 +164,10 @@ class Driver:
             return True
         return False
 
-    def _close(self, flow: Workflow) -> None:
-        self.engine.close(flow.session)
+    def _close(self, flow: Workflow, pin: bool | None = None) -> None:
+        """``pin``: as ``Engine.close`` (None: the config's); a last turn pins nothing, as a
+        server pins only a reply that ends in tool calls (a pause follows)."""
+        self.engine.close(flow.session, pin=pin)
         for side, n in self._needs(flow).items():
             self.reserved[side] -= n
         self.admitted.remove(flow)
@@ -216,7 +228,7 @@ class Driver:
                     if self.on_turn is not None:
                         self.on_turn()
                     if flow.turn == self.params.turns:
-                        self._close(flow)
+                        self._close(flow, pin=False)
                         active.remove(flow)
                         continue
                     if self.params.reopen:  # the pause frees the session and its reservation
@@ -277,3 +289,9 @@ class Driver:
             self._tick()
         reducer.latencies.append(time.perf_counter() - start)
         self.engine.close(session)
+
+
+def _host_copies(m) -> tuple[int, int, float]:
+    """The engine's host-tier copies so far: calls, pages, host ms."""
+    return (m.host_offload_calls + m.host_restore_calls, m.offloaded_pages + m.restored_pages,
+            m.host_copy_ms)

@@ -83,6 +83,14 @@ class RunResult:
     residual_prefill_tokens: int = 0
     pins_kept: int = 0
     pins_lost: int = 0
+    # D1's host copies (one batch per call): over the run, and per decode-only tick, with
+    # the host's ms inside the backend's offload/restore calls.
+    host_copy_calls: int = 0
+    host_copy_bytes: int = 0
+    host_copy_ms: float = 0.0
+    decode_host_copies_per_step: float = 0.0
+    decode_host_copy_bytes_per_step: float = 0.0
+    decode_host_copy_ms_per_step: float = 0.0
     # Where the time of a few ticks of each kind went (step_profile.py); None unless asked.
     step_profile: dict | None = None
 
@@ -206,18 +214,25 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
     hit_rate = m.base_hit_tokens / max(1, driver.prompt_tokens)
     if profiler is not None:
         notes = (*notes, f"{profiler.profiled} ticks profiled (their wall time is in the totals)")
+    steps = max(1, driver.decode_only_ticks)
     return RunResult(system, params.workflows, params.workflows / makespan, makespan,
                      _pct(lat, 50), _pct(lat, 99), driver.peak_bytes,
                      driver.peak_bytes / params.workflows, hit_rate,
                      m.decode_tokens / max(1, driver.decode_ticks), driver.context_kv_per_agent,
                      driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
                      m.decode_tokens, driver.waited_s, notes=tuple(notes),
-                     decode_ms_per_step=driver.decode_tick_s * 1e3
-                     / max(1, driver.decode_only_ticks),
+                     decode_ms_per_step=driver.decode_tick_s * 1e3 / steps,
                      restored_tokens=m.restored_tokens,
                      residual_prefill_tokens=m.residual_prefill_tokens,
                      pins_kept=m.pins_resumed, pins_lost=m.pins_broken + m.pins_expired,
-                     step_profile=None if profiler is None else profiler.summary())
+                     step_profile=None if profiler is None else profiler.summary(),
+                     host_copy_calls=m.host_offload_calls + m.host_restore_calls,
+                     host_copy_bytes=(m.offloaded_pages + m.restored_pages) * sizes["residual"],
+                     host_copy_ms=m.host_copy_ms,
+                     decode_host_copies_per_step=driver.decode_copy_calls / steps,
+                     decode_host_copy_bytes_per_step=driver.decode_copy_pages
+                     * sizes["residual"] / steps,
+                     decode_host_copy_ms_per_step=driver.decode_copy_ms / steps)
 
 
 def _pct(values: list[float], q: int) -> float:
