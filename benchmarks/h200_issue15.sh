@@ -13,6 +13,8 @@
 # Round 3:
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # CUDA tests, msc decode variants
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 10  # step profiles, adaptive W=1,8,32
+# Item 5 (mixed merged/split decode batches under CUDA graphs, the policy that splits less):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # CUDA tests, adaptive cascade on/off
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -98,6 +100,14 @@ case "$1" in
     | grep -v "^USDT" | tail -60
   timeout 280 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
     disaggregated adaptive --tag issue15_round3_adaptive --out "$OUT" 2>&1 | tail -14
+  ;;
+11)
+  # Goal: adaptive >= 0.95x the better of unified and disaggregated at W = 1, 8, 32 (call 10).
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/torch/test_mixed_forms.py \
+    tests/torch/test_batch.py tests/torch/test_layouts.py tests/torch/test_cascade.py \
+    tests/torch/test_attention_backends.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_mixed.log"
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
+    --cascade on off --tag issue15_item5_adaptive --out "$OUT" 2>&1 | tail -8
   ;;
 esac
 ls -la "$OUT"
