@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch_testlib import as_decode_batch
 
-from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork, SharedPrefix
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build, validate
@@ -55,16 +55,6 @@ def _work(rng: random.Random, layout: str, steady: bool, n: int = 8) -> list[Seq
     return work
 
 
-def _as_batch(work: list[SeqWork]) -> DecodeBatch:
-    return DecodeBatch(tuple(s.seq_id for s in work), tuple(s.tokens[0] for s in work),
-                       [s.start_pos for s in work], tuple(np.array(s.slots.pages) for s in work),
-                       tuple(None if s.slots.residual_pages is None else np.array(s.slots.residual_pages)
-                             for s in work),
-                       tuple(s.form for s in work), tuple(s.adapter_id for s in work),
-                       [s.adapter_start for s in work], tuple(s.sampling for s in work),
-                       tuple(s.shared_prefix for s in work))
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("steady", [False, True])
 def test_decode_rows_equal_build(layout, steady):
@@ -85,7 +75,7 @@ def test_decode_rows_equal_build(layout, steady):
         assert np.array_equal(getattr(rows, name), value.numpy()), name
     if not steady:
         return
-    columns = of_batch(_as_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH)
+    columns = of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH)
     for name in (*ROW_FIELDS, *TABLE_FIELDS):
         assert np.array_equal(getattr(columns, name), getattr(rows, name)), name
     assert columns.has_adapter == rows.has_adapter
@@ -140,6 +130,6 @@ def test_of_batch_refuses_what_validate_refuses(layout):
     for name, bad in refusals.items():
         with pytest.raises(ForkServeError):
             validate(bad, _limits(layout), SLOTS)
-        assert of_batch(_as_batch(bad), _limits(layout), SLOTS, SCRATCH, SCRATCH) is None, name
+        assert of_batch(as_decode_batch(bad), _limits(layout), SLOTS, SCRATCH, SCRATCH) is None, name
     validate(work, _limits(layout), SLOTS)
-    assert of_batch(_as_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH) is not None
+    assert of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH) is not None

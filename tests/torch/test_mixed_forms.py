@@ -17,16 +17,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work  # noqa: E402
+from torch_testlib import (  # noqa: E402
+    DEVICE,
+    DTYPE,
+    PAGE,
+    REL_TOL,
+    as_decode_batch,
+    make_config,
+    prompt,
+    rel_err,
+    work,
+)
 
 from forkserve import kernels  # noqa: E402
 from forkserve.backend.protocol import SeqWork  # noqa: E402
 from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.cascade import plan  # noqa: E402
+from forkserve.backend.torch.decode_rows import of_items  # noqa: E402
 from forkserve.backend.torch.errors import InvalidWorkError  # noqa: E402
 from forkserve.backend.torch.kernel_attention import KernelAttention  # noqa: E402
 from forkserve.backend.torch.runner import graph_key  # noqa: E402
-from forkserve.config import KVForm, KVLayout  # noqa: E402
+from forkserve.config import KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
 CTX = 2 * PAGE + 2  # ends mid-page: each reader's last context page is its own
@@ -121,16 +132,35 @@ def test_mixed_batch_equals_its_forms_as_separate_batches(models, adapters, atte
         assert rel_err(got, expect[name]) < REL_TOL, name
 
 
-def test_mixed_decode_batch_takes_the_split_graph():
+def test_mixed_decode_batch_takes_the_split_graph(models, adapters):
     """The graph decision: a batch of both forms replays the split graph, cascade tiles
     included (it ran eagerly before); a merged-only batch the merged one."""
-    ids = {a: None if n is None else 10 + a for a, (n, _, _) in AGENTS.items()}
-    items = decode_items(ids, list(AGENTS), 0)
-    cascade = plan(items, PAGE, 16)
-    key = graph_key(items, PAGE, cascade)
-    assert key is not None and key[2] and key[3] and key[4] == 2  # LoRA, split form, two tiles
-    merged = [w for w in items if w.form is KVForm.MERGED]
-    assert not graph_key(merged, PAGE, None)[3]
+    backend, ids = backend_for(models, adapters, "eager", cascade=True)
+
+    def key(agents):
+        items = decode_items(ids, agents, 0)
+        rows = of_items(items, backend.limits, backend._slots(), backend.pool.scratch_page,
+                        backend.pool.scratch_residual_page)
+        return graph_key(rows, plan([w.shared_prefix for w in items], PAGE, 16))
+
+    mixed = key(list(AGENTS))
+    assert mixed is not None and mixed[2] and mixed[3] and mixed[4] == 2  # LoRA, split, two tiles
+    assert not key([a for a in AGENTS if not AGENTS[a][1]])[3]
+
+
+def test_mixed_steady_rows_launch_from_their_columns(models, adapters, monkeypatch):
+    """Steady rows of both forms are read from their columns (they ran as items before) and
+    sample what the same rows sample as items."""
+    tokens, rows = {}, []
+    for columns in (False, True):
+        backend, ids = backend_for(models, adapters, "eager", cascade=True)
+        real = backend.runner.forward_rows
+        monkeypatch.setattr(backend.runner, "forward_rows",
+                            lambda *a, real=real: rows.append(1) or real(*a))
+        items = decode_items(ids, list(AGENTS), 0)
+        step = backend.launch([], as_decode_batch(items)) if columns else backend.launch(items)
+        tokens[columns] = step.result().next_tokens
+    assert rows == [1] and tokens[True] == tokens[False]
 
 
 def test_merged_adapter_items_are_refused_where_adapters_split(models, adapters):
