@@ -13,6 +13,8 @@
 # Round 3:
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # CUDA tests, msc decode variants
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 10  # step profiles, adaptive W=1,8,32
+# Item 5 (mixed merged/split decode batches under CUDA graphs, the policy that splits less):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # adaptive W=32, cascade on/off
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -84,7 +86,7 @@ case "$1" in
   # beside the best two-pass forms of round 2.
   FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py \
     tests/torch/test_batch.py tests/torch/test_launch.py tests/torch/test_cascade.py tests/torch/test_layouts.py \
-    2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
+    tests/torch/test_mixed_forms.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
   timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
     msc_bn64_w8 msc_bn32 msc_bn128_w8 msc_bn64_p32 msc_bn64_p128_w8 msc_bn64_a64 msc_bn64_a128_w8 msc_bn64_f16 \
     --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_msc --out "$OUT" 2>&1 | tail -20
@@ -98,6 +100,12 @@ case "$1" in
     | grep -v "^USDT" | tail -60
   timeout 280 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
     disaggregated adaptive --tag issue15_round3_adaptive --out "$OUT" 2>&1 | tail -14
+  ;;
+11)
+  # Whether the cascade now helps adaptive's mixed batches (under graphs) as it helps the
+  # single-form layouts; the goal's comparison is call 10's.
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
+    --cascade on off --tag issue15_item5_adaptive --out "$OUT" 2>&1 | tail -8
   ;;
 esac
 ls -la "$OUT"

@@ -165,16 +165,25 @@ class KVCache:
                     salt: CacheSalt = UNSALTED) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
         queued prompts will still take from the base pool."""
+        if len(self.layout.forms) == 1:
+            return self.layout.forms[0]  # nothing to choose; the signals walk the index
         p = self.pool.page_size
+        full = tokens[:len(tokens) // p * p]
+        start = self.path_start(adapter, tokens)
+        base_key, residual_key = self.keys(adapter, full, KVForm.MERGED, start, salt)
         residual_hit = 0
-        if adapter is not None and self.residual_pool is not None:
-            _, residual_key = self.keys(adapter, tokens[:len(tokens) // p * p], KVForm.SPLIT,
-                                        self.path_start(adapter, tokens), salt)
+        if residual_key is not None and self.residual_pool is not None:
             # A probe: restoring the host tier's pages here would move them for a session
             # that may not open (an admission controller sizes requests by this) or not split.
             residual_hit = self.residual_index.reach(residual_key.namespace, residual_key.tokens,
                                                      residual_key.base_pages, salt) * p
-        projected = self.pool.num_used + pending_pages + -(-len(tokens) // p)
+        # What merged would hold: pages tables and pins hold (cached pages are evictable, not
+        # load), the queued prompts, and this prompt less the published merged pages others
+        # already hold (those it finds cached become load: they stay in its count).
+        merged_hit = self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages, salt)
+        shared = sum(1 for page in merged_hit if not self.index.cache_only(page))
+        projected = (self.pool.num_used - self.index.num_cache_only + pending_pages
+                     + -(-len(tokens) // p) - shared)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages))
 

@@ -24,7 +24,10 @@ class LayoutSignals:
 
     has_adapter: bool
     residual_hit_tokens: int     # prompt tokens whose residual for this adapter is published
-    projected_base_pages: int    # base pool pages in use + every live session's pending prompt + this one
+    # Base pages that would be load with this session merged: what tables and pins hold (not
+    # the evictable cache), every live session's pending prompt, and this prompt's pages less
+    # the published merged ones it would share with their holders.
+    projected_base_pages: int
     base_pool_pages: int
 
 

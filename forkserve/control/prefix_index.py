@@ -190,14 +190,14 @@ class PrefixIndex:
         """Device pages the index holds (a page under two keys counts once)."""
         return len(self._refs)
 
-    def _cache_only(self, page: PageId) -> bool:
+    def cache_only(self, page: PageId) -> bool:
         """Only the index holds the page: evicting it frees memory (no table reads it)."""
         return self.pool.refcount(page) == self._refs[page]
 
     @property
     def num_cache_only(self) -> int:
         """Device pages nothing but the index holds: cache, not load."""
-        return sum(1 for page in self._refs if self._cache_only(page))
+        return sum(1 for page in self._refs if self.cache_only(page))
 
     def _scope(self, namespace: Namespace, salt: CacheSalt) -> KeyScope:
         scope = self._scopes.get((namespace, salt))
@@ -334,7 +334,7 @@ class PrefixIndex:
         while heap and (max_pages is None or len(run.released) < max_pages):
             _, _, node = heapq.heappop(heap)
             # The index's own references are let go only after the pass, with the decref.
-            if not self._cache_only(node.page):
+            if not self.cache_only(node.page):
                 continue  # a live table still reads it; evicting would not free memory
             slot = self._host_slot(keep, run) if host is not None else None
             if slot is None and node.children:

@@ -76,3 +76,37 @@ def test_layout_form_rejects_bad_input_without_state_change():
     with pytest.raises(InvalidRequestError):
         eng.layout_form([], adapter="planner")
     assert not eng.sessions and eng.pool.num_used == 0
+
+
+def test_cached_pages_are_not_load():
+    """Another adapter's closed session leaves its merged pages published but held by nothing:
+    evictable, so they do not push the next session past the mark (it fits merged)."""
+    eng = engine(high_water=0.2)  # 25 pages: one 16-page context fits merged, two do not
+    a = eng.open(CONTEXT, adapter="planner").id
+    eng.generate(a, 2)
+    eng.close(a)
+    assert eng.pool.num_used >= 16
+    assert eng.layout_form(CONTEXT, adapter="critic") is KVForm.MERGED
+    b = eng.open(CONTEXT, adapter="critic").id
+    eng.generate(b, 2)  # the planner's cached pages are evicted to make room
+    assert form_of(eng, b) is KVForm.MERGED
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_a_session_reopening_its_merged_context_stays_merged(close):
+    """An agent's next turn over its published merged context takes those pages, not new ones:
+    merged fits (counting the prompt again split it, and its residual was prefilled anew)."""
+    eng = engine(high_water=0.2)
+    a = eng.open(CONTEXT, adapter="planner").id
+    eng.generate(a, 2)
+    if close:
+        eng.close(a, pin=True)  # pinned through the tool pause: load, and its own prefix
+    turn = CONTEXT + [9] * 8
+    assert eng.layout_form(turn, adapter="planner") is KVForm.MERGED
+    b = eng.open(turn, adapter="planner").id
+    assert form_of(eng, b) is KVForm.MERGED
+    assert eng.node(b, eng.tip(b)).kv_len == len(CONTEXT)  # the context's merged pages matched
+    eng.generate(b, 2)
+    assert eng.layout_form(CONTEXT, adapter="critic") is KVForm.SPLIT  # another adapter: no fit
+    eng.check_integrity()

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch_testlib import as_decode_batch
 
-from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork, SharedPrefix
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build, validate
@@ -22,21 +22,27 @@ PAGE, PAGES, SCRATCH = 16, 64, 500
 SLOTS = {7: 0, 9: 3}
 
 
-def _limits(disaggregated: bool) -> BatchLimits:
+# layout -> (the pool keeps residual pages, an adapter's item may run merged)
+LAYOUTS = {"unified": (False, True), "disaggregated": (True, False), "adaptive": (True, True)}
+
+
+def _limits(layout: str) -> BatchLimits:
+    disaggregated, merged_form = LAYOUTS[layout]
     return BatchLimits(vocab_size=1000, max_context=PAGES * PAGE, page_size=PAGE, num_pages=SCRATCH,
-                       num_residual_pages=SCRATCH, disaggregated=disaggregated)
+                       num_residual_pages=SCRATCH, disaggregated=disaggregated, merged_form=merged_form)
 
 
-def _work(rng: random.Random, disaggregated: bool, steady: bool, n: int = 5) -> list[SeqWork]:
+def _work(rng: random.Random, layout: str, steady: bool, n: int = 8) -> list[SeqWork]:
     """Decode items; ``steady``: as steady rows are (both sides written, the pages they read
-    listed, no aLoRA) over one shared prefix of 3 pages."""
+    listed, no aLoRA) over one shared prefix of 3 pages. Adaptive: merged and split rows."""
+    disaggregated, merged_form = LAYOUTS[layout]
     shared = tuple(rng.sample(range(SCRATCH), 3))
     work = []
     for i in range(n):
         at = rng.randrange(3 * PAGE, 40 * PAGE)
         adapter = rng.choice([None, 7, 9])
         table = shared + tuple(rng.sample(range(SCRATCH), PAGES - 3))
-        split = disaggregated and adapter is not None and (steady or rng.random() < 0.7)
+        split = disaggregated and adapter is not None and (not merged_form or rng.random() < 0.5)
         res = tuple(rng.sample(range(SCRATCH), PAGES)) if split else None
         if steady:
             table, res = table[:at // PAGE + 1], res[:at // PAGE + 1] if res else None
@@ -49,38 +55,33 @@ def _work(rng: random.Random, disaggregated: bool, steady: bool, n: int = 5) -> 
     return work
 
 
-def _as_batch(work: list[SeqWork]) -> DecodeBatch:
-    return DecodeBatch(tuple(s.seq_id for s in work), tuple(s.tokens[0] for s in work),
-                       [s.start_pos for s in work], tuple(np.array(s.slots.pages) for s in work),
-                       tuple(None if s.slots.residual_pages is None else np.array(s.slots.residual_pages)
-                             for s in work),
-                       tuple(s.form for s in work), tuple(s.adapter_id for s in work),
-                       [s.adapter_start for s in work], tuple(s.sampling for s in work),
-                       tuple(s.shared_prefix for s in work))
-
-
-@pytest.mark.parametrize("disaggregated", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("steady", [False, True])
-def test_decode_rows_equal_build(disaggregated, steady):
-    work = _work(random.Random(0), disaggregated, steady)
-    ref = build(work, _limits(disaggregated), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH)
-    rows = of_items(work, _limits(disaggregated), SLOTS, SCRATCH, SCRATCH)
+def test_decode_rows_equal_build(layout, steady):
+    disaggregated = LAYOUTS[layout][0]
+    work = _work(random.Random(0), layout, steady)
+    ref = build(work, _limits(layout), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH)
+    rows = of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH)
     expect = {"input_ids": ref.input_ids, "positions": ref.positions, "token_slot": ref.token_slot,
               "slot_mapping": ref.meta.slot_mapping, "seq_lens": ref.meta.seq_lens, "seq_slot": ref.meta.seq_slot,
               "block_tables": ref.meta.block_tables}
     if disaggregated:
         expect |= {"res_slot_mapping": ref.meta.res_slot_mapping, "res_block_tables": ref.meta.res_block_tables}
+    # The form column: a split graph's merge mask (the seed mixes both forms in adaptive).
+    merge = ref.meta.kv_merge_mask
+    assert (merge is not None) == (layout == "adaptive")
+    expect["kv_merge"] = torch.zeros(len(work), dtype=torch.int64) if merge is None else merge[:, 0].long()
     for name, value in expect.items():
         assert np.array_equal(getattr(rows, name), value.numpy()), name
     if not steady:
         return
-    columns = of_batch(_as_batch(work), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH)
+    columns = of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH)
     for name in (*ROW_FIELDS, *TABLE_FIELDS):
         assert np.array_equal(getattr(columns, name), getattr(rows, name)), name
     assert columns.has_adapter == rows.has_adapter
     # The eager tensors of the columns are build's, field for field.
     plan = cascade_tiles.plan([s.shared_prefix for s in work], PAGE, 32)
-    ref = build(work, _limits(disaggregated), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH, plan)
+    ref = build(work, _limits(layout), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH, plan)
     got = columns.to_batch(torch.device("cpu"), plan)
     for field in ("input_ids", "positions", "token_slot", "logits_indices", "use_lora"):
         a, b = getattr(got, field), getattr(ref, field)
@@ -115,16 +116,20 @@ def _refusals(work: list[SeqWork]) -> dict[str, list[SeqWork]]:
     }
 
 
-@pytest.mark.parametrize("disaggregated", [False, True])
-def test_of_batch_refuses_what_validate_refuses(disaggregated):
-    work = _work(random.Random(1), disaggregated, steady=True)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_of_batch_refuses_what_validate_refuses(layout):
+    work = _work(random.Random(1), layout, steady=True)
     work[0] = dataclasses.replace(work[0], adapter_id=7, adapter_start=0)
-    if disaggregated:  # the first row in the split form, so the form flip is a conflict
+    if LAYOUTS[layout][0]:  # the first row in the split form, so the form flip is a conflict
         work[0] = dataclasses.replace(work[0], form=KVForm.SPLIT,
                                       slots=KVSlots(work[0].slots.pages, work[0].slots.pages))
-    for name, bad in _refusals(work).items():
+    refusals = _refusals(work)
+    if layout == "disaggregated":  # an adapter's merged K/V where adapters' K/V is split
+        refusals["merged"] = [dataclasses.replace(work[0], form=KVForm.MERGED,
+                                                  slots=KVSlots(work[0].slots.pages, None)), *work[1:]]
+    for name, bad in refusals.items():
         with pytest.raises(ForkServeError):
-            validate(bad, _limits(disaggregated), SLOTS)
-        assert of_batch(_as_batch(bad), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH) is None, name
-    validate(work, _limits(disaggregated), SLOTS)
-    assert of_batch(_as_batch(work), _limits(disaggregated), SLOTS, SCRATCH, SCRATCH) is not None
+            validate(bad, _limits(layout), SLOTS)
+        assert of_batch(as_decode_batch(bad), _limits(layout), SLOTS, SCRATCH, SCRATCH) is None, name
+    validate(work, _limits(layout), SLOTS)
+    assert of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH) is not None

@@ -11,8 +11,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import GREEDY, KVSlots, SamplingParams, SeqWork
 from forkserve.config import ForkServeConfig, KVForm, KVLayout
 
@@ -118,3 +120,14 @@ def work(seq: int, tokens: Sequence[int], start: int, adapter: int | None = None
 def prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def as_decode_batch(work: Sequence[SeqWork]) -> DecodeBatch:
+    """Decode items as the steady set's columns (what ``launch(work=[], batch)`` reads)."""
+    return DecodeBatch(tuple(s.seq_id for s in work), tuple(s.tokens[0] for s in work),
+                       [s.start_pos for s in work], tuple(np.array(s.slots.pages) for s in work),
+                       tuple(None if s.slots.residual_pages is None else np.array(s.slots.residual_pages)
+                             for s in work),
+                       tuple(s.form for s in work), tuple(s.adapter_id for s in work),
+                       [s.adapter_start for s in work], tuple(s.sampling for s in work),
+                       tuple(s.shared_prefix for s in work))

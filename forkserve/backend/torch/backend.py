@@ -193,7 +193,8 @@ class TorchBackend:
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
             num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, recompute=bool(config.recompute_layers))
+            disaggregated=disaggregated, recompute=bool(config.recompute_layers),
+            merged_form=KVForm.MERGED in self.layout.forms)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -348,17 +349,16 @@ class TorchBackend:
     def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
         """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):
         no per-row item, table tuple or validation pass. None where the columns do not fit
-        that path (rows of both forms, recompute layers, tracked writes) or a row would be
-        refused: the caller runs the rows as items, whose validation names the row."""
-        forms = {f for f, a in zip(batch.forms, batch.adapter_ids, strict=True) if a is not None}
-        if self._writes is not None or self.limits.recompute or len(forms) > 1:
+        that path (recompute layers, tracked writes) or a row would be refused: the caller runs
+        the rows as items, whose validation names the row."""
+        if self._writes is not None or self.limits.recompute:
             return None
         rows = of_batch(batch, self.limits, self._slots(), self.pool.scratch_page,
                         self.pool.scratch_residual_page)
         if rows is None:
             return None
         clock = self._clock()
-        run = self.runner.forward_rows(rows, batch.shared_prefix, forms == {KVForm.SPLIT})
+        run = self.runner.forward_rows(rows, batch.shared_prefix)
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)

@@ -38,6 +38,9 @@ class BatchLimits:
     num_residual_pages: int
     disaggregated: bool  # the pool keeps BASE + RESIDUAL pages (split items may run)
     recompute: bool = False  # selective recompute layers: split items keep own K/V in some layers
+    # An adapter's item may run merged (every layout but disaggregated): beside split items
+    # its k/v LoRA delta goes into the base pages (``kv_merged``), in a decode graph too.
+    merged_form: bool = True
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
                              seq.slots.residual_pages is not None)
     if conflict is not None:
         raise InvalidWorkError(conflict)
+    if seq.adapter_id is not None and seq.form is KVForm.MERGED and not limits.merged_form:
+        raise InvalidWorkError(f"seq {seq.seq_id}: this layout keeps an adapter's K/V split; "
+                               f"merged K/V of adapter {seq.adapter_id!r} needs another layout")
     if seq.slots.residual_pages is not None:
         if not limits.disaggregated:
             raise InvalidWorkError(f"seq {seq.seq_id}: the split form needs a residual pool; "
@@ -111,6 +117,12 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
                      limits.page_size)
 
 
+def kv_merged(seq: SeqWork, slot: int, limits: BatchLimits) -> bool:
+    """Whether an item's k/v LoRA delta goes into its base pages although the batch may
+    write residuals: a merged item of an adapter beside split ones (adaptive layout)."""
+    return limits.disaggregated and slot >= 0 and seq.form is KVForm.MERGED
+
+
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
           all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
           cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
@@ -126,7 +138,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         n, end = len(seq.tokens), seq.start_pos + len(seq.tokens)
         pages = seq.slots.pages
         res = seq.slots.residual_pages
-        merged = limits.disaggregated and slot >= 0 and seq.form is KVForm.MERGED
+        merged = kv_merged(seq, slot, limits)
         first = len(ids)
         for j, token in enumerate(seq.tokens):
             at = seq.start_pos + j

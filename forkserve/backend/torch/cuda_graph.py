@@ -1,6 +1,11 @@
 """CUDA graphs for decode steps: one captured forward per (batch bucket, pages bucket, LoRA
 on/off, split or merged form, cascade tiles bucket).
 
+A split graph serves every batch with a split row: in a layout whose adapters may also run
+merged (adaptive), each row's form is one more input (``kv_merge``), so merged rows of a
+mixed batch get their k/v LoRA delta in their base pages and no residual (``seq_slot`` -1),
+which is what the eager path computes from the same rows (``DecodeRows.to_batch``).
+
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
 launch. Inputs live in one packed int64 device buffer, filled from the step's ``DecodeRows``
@@ -48,7 +53,7 @@ class DecodeGraph:
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
             "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
             "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
-            "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page,
+            "kv_merge": 0, "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page,
             "kv_starts": 0, "tile_seqs": -1, "tile_lens": 0}  # cascade: suffix from key 0, tiles of no row
         shapes = {name: (batch,) for name in ROW_FIELDS} | {name: (batch, pages) for name in TABLE_FIELDS}
         if tiles:
@@ -69,7 +74,9 @@ class DecodeGraph:
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
         def forward() -> torch.Tensor:
-            # The int32 casts run inside the graph, so they see every step's new inputs.
+            # The int32 casts (and the form mask) run inside the graph, so they see every step's
+            # new inputs.
+            merge = (view["kv_merge"] != 0)[:, None] if split and limits.merged_form else None
             cascade = CascadeTiles(view["tile_seqs"].to(torch.int32), view["tile_lens"].to(torch.int32),
                                    view["kv_starts"].to(torch.int32)) if tiles else None
             meta = AttentionMetadata(
@@ -79,7 +86,7 @@ class DecodeGraph:
                 res_block_tables=view["res_block_tables"].to(torch.int32) if split else None,
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
-                decode_only=True, cascade=cascade)
+                decode_only=True, cascade=cascade, kv_merge_mask=merge)
             return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta, pool,
                                  self.rows, use_lora)
 

@@ -28,10 +28,11 @@ from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SeqWork, SharedPrefix, form_conflict
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
-from forkserve.backend.torch.batch import Batch, BatchLimits
+from forkserve.backend.torch.batch import Batch, BatchLimits, kv_merged
+from forkserve.config import KVForm
 
 ROW_FIELDS = ("input_ids", "positions", "token_slot", "slot_mapping", "res_slot_mapping",
-              "seq_lens", "seq_slot")
+              "seq_lens", "seq_slot", "kv_merge")
 TABLE_FIELDS = ("block_tables", "res_block_tables")
 
 
@@ -44,6 +45,7 @@ class DecodeRows:
     res_slot_mapping: np.ndarray
     seq_lens: np.ndarray
     seq_slot: np.ndarray          # whose B rebuilds K/V on read, -1: merged or no adapter
+    kv_merge: np.ndarray          # 1: a merged row of an adapter, its k/v delta in its base page
     block_tables: np.ndarray      # [B, width] int64, padded with the scratch page
     res_block_tables: np.ndarray  # [B, width] int64, the residual scratch page where none
     has_adapter: bool             # a row names an adapter (the graph key's LoRA flag)
@@ -75,6 +77,8 @@ class DecodeRows:
             seq_lens_host=tuple(self.seq_lens.tolist()),
             seq_slot_host=tuple(self.seq_slot.tolist()),
             decode_only=True,
+            kv_merge_mask=tensor(self.kv_merge, np.bool_)[:, None] if split and self.kv_merge.any()
+            else None,
             cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None)
         return Batch(input_ids=tensor(self.input_ids, np.int64),
                      positions=tensor(self.positions, np.int64),
@@ -103,6 +107,7 @@ def of_items(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
         # aLoRA: the base model before the activation.
         cols["token_slot"][i] = slot if at >= seq.adapter_start else -1
         cols["seq_slot"][i] = slot if res is not None else -1
+        cols["kv_merge"][i] = kv_merged(seq, slot, limits)
         cols["seq_lens"][i] = at + 1
         cols["slot_mapping"][i] = (pages[used - 1] * p + at % p if seq.write_base
                                    else scratch_page * p)
@@ -136,6 +141,10 @@ def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int
         return None
     if has_res.any() and not limits.disaggregated:
         return None
+    # ``kv_merged`` on the columns (merged rows of an adapter, where the pool splits others).
+    merged = np.fromiter((f is KVForm.MERGED for f in batch.forms), bool, n) & (slot >= 0)
+    if merged.any() and not limits.merged_form:
+        return None
     used = positions // p + 1
     rows = np.arange(n)
     offset = positions % p
@@ -154,6 +163,7 @@ def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int
         res_slot_mapping=np.where(has_res, res_tables[rows, last] * p + offset,
                                   scratch_res_page * p),
         seq_lens=positions + 1, seq_slot=np.where(has_res, slot, -1),
+        kv_merge=(merged & limits.disaggregated).astype(np.int64),
         block_tables=tables, res_block_tables=res_tables, has_adapter=bool((slot >= 0).any()))
 
 

@@ -19,7 +19,6 @@ from forkserve.backend.torch.cuda_graph import (
 from forkserve.backend.torch.decode_rows import DecodeRows, of_items
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
-from forkserve.config import KVForm
 
 
 @dataclass(frozen=True)
@@ -30,6 +29,18 @@ class RunOutput:
 
 
 GraphKey = tuple[int, int, bool, bool, int]  # batch bucket, pages bucket, LoRA, split form, tiles bucket
+
+
+def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> GraphKey | None:
+    """The decode graph ``rows`` replay; None past the largest batch bucket (they run
+    eagerly). Rows with a split one replay the split graph whatever the other rows' form:
+    each row's form is a graph input (cuda_graph.py), so the adaptive layout's mixed batches
+    replay too."""
+    bucket = batch_bucket(len(rows))
+    if bucket is None:
+        return None
+    tiles = cascade_tiles.tiles_bucket(len(cascade.tile_rows) if cascade is not None else 0)
+    return bucket, pages_bucket(rows.block_tables.shape[1]), rows.has_adapter, rows.split, tiles
 
 
 class ModelRunner:
@@ -53,21 +64,19 @@ class ModelRunner:
         log-probabilities) or the last (it samples) or none; hidden_states: also every token's
         residual stream after each layer (runs eagerly: a replayed graph keeps no per-layer
         tensors)."""
-        bucket = batch_bucket(len(work))
-        # Adaptive layout: a batch of split and merged items runs eagerly (no graph has both).
-        forms = {s.form for s in work if s.adapter_id is not None}
         decode = all(len(s.tokens) == 1 and not s.extra_residuals and s.prompt_logprobs is None
                      for s in work)
-        # Not for a batch of both forms (it runs eagerly): adaptive react at W=32 on the H200
-        # decoded slower with it there (63.8 vs 51.3 ms/step), faster without (29.2 vs 35.9;
-        # docs/ENGINE.md); the cause is not found yet.
+        # Mixed merged/split batches too: a merged row has no residual (seq_slot -1), so the
+        # split-form kernels read its base pages as unified K/V, in a tile or alone.
         plan = (cascade_tiles.plan([s.shared_prefix for s in work], self.limits.page_size,
                                    self.cascade_agents)
-                if self.cascade and decode and len(forms) <= 1 else None)
-        if self.use_cuda_graphs and not all_logits and not hidden_states and bucket is not None and len(forms) <= 1 and decode:
-            rows = of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
-                            self.pool.scratch_residual_page)
-            out = self._replay(rows, bucket, split=forms == {KVForm.SPLIT}, cascade=plan)
+                if self.cascade and decode else None)
+        rows = (of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
+                         self.pool.scratch_residual_page)
+                if self.use_cuda_graphs and decode and not all_logits and not hidden_states else None)
+        key = graph_key(rows, plan) if rows is not None else None
+        if key is not None:
+            out = self._replay(rows, key, plan)
             sampled = [i for i, s in enumerate(work) if s.sampling is not None]
             if len(sampled) == len(work):
                 return out  # every item samples: the rows are already in order
@@ -82,15 +91,14 @@ class ModelRunner:
             return RunOutput(logits, None, hidden)
         return RunOutput(self.model.forward(*args), None)
 
-    def forward_rows(self, rows: DecodeRows, marks: Sequence[SharedPrefix | None],
-                     split: bool) -> RunOutput:
-        """The logits of decode rows of one form (``split``), every row sampling, in order;
+    def forward_rows(self, rows: DecodeRows, marks: Sequence[SharedPrefix | None]) -> RunOutput:
+        """The logits of decode rows (of either form or both), every row sampling, in order;
         ``marks``: their cascade groups."""
         plan = (cascade_tiles.plan(marks, self.limits.page_size, self.cascade_agents)
                 if self.cascade else None)
-        bucket = batch_bucket(len(rows))
-        if self.use_cuda_graphs and bucket is not None:
-            return self._replay(rows, bucket, split, plan)
+        key = graph_key(rows, plan) if self.use_cuda_graphs else None
+        if key is not None:
+            return self._replay(rows, key, plan)
         batch = rows.to_batch(self.device, plan)
         return RunOutput(self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
                                             self.pool, batch.logits_indices, batch.use_lora), None)
@@ -120,10 +128,8 @@ class ModelRunner:
                                         self.device, self._mempool, key[4], self.cascade_agents)
         return True
 
-    def _replay(self, rows: DecodeRows, bucket: int, split: bool,
+    def _replay(self, rows: DecodeRows, key: GraphKey,
                 cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
-        tiles = cascade_tiles.tiles_bucket(len(cascade.tile_rows) if cascade is not None else 0)
-        key = (bucket, pages_bucket(rows.block_tables.shape[1]), rows.has_adapter, split, tiles)
         self._ensure_graph(key)
         logits, greedy = self._graphs[key].run(rows, cascade)
         return RunOutput(logits, greedy)
