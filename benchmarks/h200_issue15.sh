@@ -13,6 +13,8 @@
 # Round 3:
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 9   # CUDA tests, msc decode variants
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 10  # step profiles, adaptive W=1,8,32
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # adaptive W=32, cascade on/off
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 12  # mapreduce, every system, W=1,8,32
 # Item 5 (mixed merged/split decode batches under CUDA graphs, the policy that splits less):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # adaptive W=32, cascade on/off
 set -u
@@ -106,6 +108,12 @@ case "$1" in
   # single-form layouts; the goal's comparison is call 10's.
   timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
     --cascade on off --tag issue15_item5_adaptive --out "$OUT" 2>&1 | tail -8
+  ;;
+12)
+  # The acceptance's mapreduce rows: every system at W = 1, 8, 32 (the JSON is rewritten after
+  # each run, so a cut keeps the systems done).
+  timeout 560 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems no_lora \
+    full_reuse disaggregated_base unified disaggregated adaptive --tag issue15_round3 --out "$OUT" 2>&1 | tail -24
   ;;
 esac
 ls -la "$OUT"
