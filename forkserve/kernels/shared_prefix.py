@@ -27,12 +27,12 @@ import torch
 
 from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
-from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_decode_triton import (
     residual_scores,
     residual_values,
     score_tuning_for,
 )
+from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.split_kv import (
     NO_LIMIT,
