@@ -17,7 +17,8 @@ Measures, for one attention layer:
   Hopper tiles), the packed routes (K/V gathered, then FlashAttention-2 varlen or SDPA per
   sequence), ResidualAttention fused / merged / packed with the rebuild, and baselines on
   K/V gathered beforehand (FlashAttention-2 varlen, SDPA default / flash / cuDNN);
-* shared-prefix decode at 32 agents vs 32 independent decodes of the same pages.
+* shared-prefix decode at 32 agents vs 32 independent decodes of the same pages: unified,
+  and the split form (ResidualAttention, each agent its own adapter) as two-pass and as msc.
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a table.
 ``--prefill`` runs only the prefill part (``kernel_bench_prefill.json`` / ``.png``).
@@ -545,19 +546,27 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
                     torch.full((1,), ctx, dtype=torch.int32, device=s.device),
                     torch.full((agents,), ctx, dtype=torch.int32, device=s.device))
         res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq)
-        split = lambda: cascade_residual_decode_triton(*res_args, *one_tile, max_seq_len=total)  # noqa: E731
+        line = (f"shared ctx={ctx:6d} agents={agents} shared={row['shared_ms']:.4f}ms "
+                f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f}")
+        # Keys "split_*": two-pass (cascade and independent decodes, the default);
+        # "split_msc_*": materialized scores, both. Errors against independent two-pass.
         split_indep = lambda: residual_decode_triton(*res_args, max_seq_len=total)  # noqa: E731
-        row["split_shared_ms"] = measure(res, tag + " split shared", split, s.smoke)
-        row["split_independent_ms"] = measure(res, tag + " split independent", split_indep, s.smoke)
-        row["split_shared_over_independent"] = row["split_shared_ms"] / row["split_independent_ms"]
-        row["split_rel_err_vs_independent"] = check(res, tag + " split check",
-                                                    lambda: rel_err(split(), split_indep()))
+        for key, variant in (("split", "two_pass"), ("split_msc", "msc")):
+            split = lambda v=variant: cascade_residual_decode_triton(  # noqa: E731
+                *res_args, *one_tile, max_seq_len=total, variant=v)
+            indep = lambda v=variant: residual_decode_triton(*res_args, max_seq_len=total, variant=v)  # noqa: E731
+            row[f"{key}_shared_ms"] = measure(res, f"{tag} {key} shared", split, s.smoke)
+            row[f"{key}_independent_ms"] = measure(res, f"{tag} {key} independent", indep, s.smoke)
+            row[f"{key}_shared_over_independent"] = row[f"{key}_shared_ms"] / row[f"{key}_independent_ms"]
+            row[f"{key}_rel_err_vs_independent"] = check(res, f"{tag} {key} check",
+                                                         lambda f=split: rel_err(f(), split_indep()))
+            line += (f" {variant}: shared={row[f'{key}_shared_ms']:.4f}ms "
+                     f"indep={row[f'{key}_independent_ms']:.4f}ms "
+                     f"ratio={row[f'{key}_shared_over_independent']:.3f} "
+                     f"err={row[f'{key}_rel_err_vs_independent']:.1e}")
+        row["split_msc_over_two_pass"] = row["split_msc_shared_ms"] / row["split_shared_ms"]
         res["shared_prefix"].append(row)
-        print(f"shared ctx={ctx:6d} agents={agents} shared={row['shared_ms']:.4f}ms "
-              f"indep={row['independent_ms']:.4f}ms ratio={row['shared_over_independent']:.3f} split: "
-              f"shared={row['split_shared_ms']:.4f}ms indep={row['split_independent_ms']:.4f}ms "
-              f"ratio={row['split_shared_over_independent']:.3f} err={row['split_rel_err_vs_independent']:.1e}",
-              flush=True)
+        print(line + f" msc/two_pass cascade={row['split_msc_over_two_pass']:.3f}", flush=True)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -899,6 +908,23 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "msc_pass2", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
+    # Cascade prefix launches (32 agents' GQA groups, 128 rows): unified, two-pass (score
+    # buffer float32, as the cascade allocates it) and msc (logits instead of K; V_res is the
+    # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
+    # prefix length).
+    tiled = dict(dec, SEQS=32, BLOCK_H=128, SPLIT_SCORE=False, TILED=True, DYN_SPLIT=True)
+    for form in ("unified", "two_pass", "msc"):
+        for block_n in (32, 64):
+            consts = dict(tiled, BLOCK_N=block_n, HAS_RES=form != "unified",
+                          RES_BIAS=form == "two_pass", RES_LOGITS=form == "msc", RANK=32)
+            rows.append({"kernel": f"cascade_prefix_{form}", "residual": form != "unified",
+                         "split_score": False, "block_n": block_n, "num_warps": 8,
+                         **compile_one(_decode_partial_kernel, consts, 8, 2, logits=True)})
+    consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False, RES_LOGITS=True,
+                  RANK=32, SEQ_START=True, DYN_SPLIT=True)
+    rows.append({"kernel": "cascade_suffix_msc", "residual": True, "split_score": False,
+                 "block_n": 64, "num_warps": 4,
+                 **compile_one(_decode_partial_kernel, consts, 4, 2, logits=True)})
     pre = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, RANK=16, BLOCK_N=64)
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)

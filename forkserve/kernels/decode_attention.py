@@ -105,9 +105,13 @@ def _decode_partial_kernel(
     if HAS_RES and TILED:
         # Split-form cascade: rows of several adapters share the tile's base keys. A row's
         # residual score comes from the score pass; the full score is written back for the
-        # value pass (``residual_values``), which adds the row's own V residual.
+        # value pass (``residual_values``), which adds the row's own V residual. With
+        # RES_LOGITS every row's whole logits are already there (msc cascade).
         s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
-        s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
+        if RES_LOGITS:
+            s_rows = row_ok
+        else:
+            s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
     elif HAS_RES:
         adapter = tl.load(AdapterIdx + lead)
         has_ad = adapter >= 0
@@ -148,7 +152,11 @@ def _decode_partial_kernel(
             # this loop reads no K and multiplies no q. Tiles start at multiples of BLOCK_N
             # (split starts are; the driver asserts kv_start 0): said here so each thread
             # loads 16-byte vectors, not single floats (96 -> 160 registers at 64 keys).
-            s_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+            # A cascade suffix starts at its row's prefix length, which promises nothing.
+            if SEQ_START:
+                s_n = offs_n
+            else:
+                s_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
             s = tl.load(s_ptr + s_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
                         other=0.0).to(tl.float32)
         elif HAS_RES and RES_BIAS:
@@ -166,7 +174,7 @@ def _decode_partial_kernel(
         if not RES_LOGITS:
             s = s * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        if HAS_RES and TILED:
+        if HAS_RES and TILED and not RES_LOGITS:
             tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -217,7 +225,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (two-pass ResidualAttention), so ``B_k`` and the RoPE table are not read.
     ``res_logits`` (residual only, instead of ``res_bias``): ``[batch, H, >= max key]``
     whole logits ``q.K * scale * log2(e)`` of every row, written by residual_msc.py's pass
-    1; the kernel reads neither K nor q (materialized scores).
+    1; the kernel reads neither K nor q (materialized scores). With ``tiles`` it reads each
+    row's own logits beside the tile's shared V and, like the bias form, leaves ``V_res``
+    to ``residual_values`` (the msc cascade).
     ``tiles`` (cascade prefix): ``(tile_seqs [n_tiles, seqs], tile_lens [n_tiles])`` int32;
     program ``g`` serves the sequences ``tile_seqs[g]`` lists (-1: none) over keys
     ``[kv_start, tile_lens[g])`` of the first one's pages; rows of no tile are not written.
@@ -236,11 +246,11 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if residual is not None:
         # Rows of several sequences share a program only as a cascade tile (score pass
         # required).
-        assert seqs_per_program == 1 or (tiles is not None and res_bias is not None)
+        assert seqs_per_program == 1 or (tiles is not None and scores is not None)
         assert res_bias is None or res_logits is None
-        # The logits loop assumes tiles at multiples of block_n (vector loads).
-        assert res_logits is None or (kv_start == 0 and split_len % block_n == 0
-                                      and tiles is None and kv_starts is None)
+        # The logits loop assumes tiles at multiples of block_n (vector loads), except from
+        # ``kv_starts``, where it reads the logits unaligned.
+        assert res_logits is None or (kv_start == 0 and split_len % block_n == 0)
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]

@@ -15,7 +15,9 @@ length, 0 for a sequence in no tile). Every program splits its own key range, so
 launch shape serves any grouping of a batch: it can be captured in a CUDA graph.
 ``cascade_residual_decode_triton`` is the split form (disaggregated cache): the tile shares
 the base pages, each row adds its own adapter's residual (two-pass decode's score pass, a
-value pass for ``V_res B_v``).
+value pass for ``V_res B_v``). Its ``variant="msc"`` materializes every row's whole logits
+first (residual_msc.py's pass 1, per row), so the tiled prefix launch reads the shared
+``V_base`` and no K at all; budgets in docs/KERNELS.md.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from forkserve.kernels.residual_decode_triton import (
     residual_values,
     score_tuning_for,
 )
+from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.split_kv import (
     NO_LIMIT,
@@ -43,6 +46,8 @@ from forkserve.kernels.split_kv import (
 # (4 would hold 128 fp32 values per thread for it alone); 32-key blocks measured best on the
 # H200 (kernel_bench --cascade-sweep: 0.056 ms vs 0.066 at 64 keys, 8K prefix, 32 agents).
 PREFIX_TUNING = {"num_splits": None, "block_n": 32, "num_warps": 8, "num_stages": 2}
+# How the split form gets each row's scores (``cascade_residual_decode_triton(variant=...)``).
+CASCADE_RESIDUAL_VARIANTS = ("two_pass", "msc")
 
 
 def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -67,34 +72,52 @@ def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base
                                    inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
                                    tile_lens: torch.Tensor, kv_starts: torch.Tensor,
                                    scale: float | None = None, max_seq_len: int | None = None,
+                                   variant: str = "two_pass", score_tuning: dict | None = None,
                                    **tuning) -> torch.Tensor:
     """The split form (disaggregated cache, ResidualAttention): a tile's rows share the base
-    pages of the prefix but each has its own adapter's residual. Two-pass decode's score pass
-    writes every row's residual score (float32 here: the prefix launch writes the full score
-    back into it); the tiled prefix launch adds it to the shared ``Q K_base^T`` and reads
-    ``V_base`` once per tile; the value pass then adds each row's ``(p V_res) B_v`` to its
-    prefix partials; suffixes run as plain two-pass decode from ``kv_starts``."""
+    pages of the prefix but each has its own adapter's residual.
+
+    ``"two_pass"``: two-pass decode's score pass writes every row's residual score (float32
+    here: the prefix launch writes the full score back into it); the tiled prefix launch adds
+    it to the shared ``Q K_base^T`` and reads ``K_base, V_base`` once per tile.
+    ``"msc"``: msc's pass 1 writes every row's whole logits over its whole length (it reads
+    the shared ``K_base`` once per row); the tiled prefix launch reads them and ``V_base``
+    once per tile, no K. Then, either way, the value pass adds each row's ``(p V_res) B_v``
+    to its prefix partials and the suffixes run per row from ``kv_starts`` (two-pass: scores
+    plus ``q.K_base``; msc: the logits). ``score_tuning``: pass 1's (default
+    ``score_tuning_for(batch)``, msc ``MSC_TUNING``)."""
+    if variant not in CASCADE_RESIDUAL_VARIANTS:
+        raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
+                         f"got {variant!r}")
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _cascade(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts,
-                    scale, max_seq_len, residual, **tuning)
+                    scale, max_seq_len, residual, variant=variant, score_tuning=score_tuning,
+                    **tuning)
 
 
 def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, tile_seqs: torch.Tensor, tile_lens: torch.Tensor,
              kv_starts: torch.Tensor, scale: float | None, max_seq_len: int | None,
              residual: tuple | None, num_splits: int | None = None, block_n: int = 64,
-             num_warps: int = 4, num_stages: int = 2,
-             prefix_tuning: dict | None = None) -> torch.Tensor:
+             num_warps: int = 4, num_stages: int = 2, prefix_tuning: dict | None = None,
+             variant: str = "two_pass", score_tuning: dict | None = None) -> torch.Tensor:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     max_seq_len = key_bound(seq_lens, max_seq_len)
-    bias = None
-    if residual is not None:  # inv_freq -> its cos/sin table; every row's residual scores
+    bias = logits = None
+    if residual is not None:  # inv_freq -> its cos/sin table; every row's scores
         residual = (*residual[:-1], cached_rope_table(residual[-1], max_seq_len))
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, table = residual
-        bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv,
-                               max_seq_len, dtype=torch.float32, **score_tuning_for(batch))
+        if variant == "msc":
+            logits = residual_logits(q, k, block_tables, k_res, res_bt, seq_lens, b_k_all,
+                                     adapter_idx, table, scale, max_seq_len,
+                                     **(MSC_TUNING if score_tuning is None else score_tuning))
+        else:
+            bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv,
+                                   max_seq_len, dtype=torch.float32,
+                                   **(score_tuning_for(batch) if score_tuning is None
+                                      else score_tuning))
     pre = PREFIX_TUNING | (prefix_tuning or {})
     pre_splits, _ = plan_splits(tile_seqs.shape[0] * n_kv, max_seq_len, q.device, pre["block_n"],
                                 pre["num_splits"] or num_splits)
@@ -103,13 +126,13 @@ def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
     part_out, part_lse = empty_partials(q, splits)
     part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial
     common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT, residual=residual,
-                  res_bias=bias)
+                  res_bias=bias, res_logits=logits)
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=pre_splits,
                     split_offset=0, tiles=(tile_seqs, tile_lens), block_n=pre["block_n"],
                     num_warps=pre["num_warps"], num_stages=pre["num_stages"], **common)
     if residual is not None:
-        residual_values(bias, v_res, b_v_all, res_bt, adapter_idx, kv_starts, part_out, part_lse,
-                        n_kv, pre_splits, pre["block_n"])
+        residual_values(bias if logits is None else logits, v_res, b_v_all, res_bt, adapter_idx,
+                        kv_starts, part_out, part_lse, n_kv, pre_splits, pre["block_n"])
     decode_partials(q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=suf_splits,
                     split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n,
                     num_warps=num_warps, num_stages=num_stages, **common)

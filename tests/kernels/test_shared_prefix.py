@@ -81,3 +81,32 @@ def test_split_form_tiles_share_base_pages_across_adapters() -> None:
     # The residual matters on this input (a kernel that dropped it, or mixed up whose it is, fails).
     base_only = plain.decode(q, c.k, c.v, tables, c.seq_lens)
     assert rel_err(base_only[adapters >= 0], ref[adapters >= 0]) > 20 * REL_TOL
+
+
+def test_msc_cascade_equals_eager_and_two_pass() -> None:
+    """The materialized-scores split form over several groups in one batch: a group over two
+    tiles whose prefix ends mid-page, with two adapters and -1 in one tile; a group of one; a
+    group of two sharing 1.25 pages; a row in no tile; an unused padded tile. Pass 1 in
+    several chunks per row, suffixes starting mid-tile. Equals the ungrouped eager path and
+    the two-pass cascade."""
+    gen = torch.Generator().manual_seed(15)
+    n_heads, n_kv, dim, rank = 4, 2, 32, 8
+    seq_lens = [70, 75, 66, 90, 41, 58, 36, 50]
+    c = make_cache(gen, seq_lens, n_kv, dim, rank)
+    tables = c.block_tables.clone()
+    tables[1:4, :4] = tables[0, :4]
+    tables[6, :2] = tables[4, :2]
+    b_k, b_v = make_adapters(gen, 2, rank, n_kv, dim)
+    adapters = torch.tensor([0, 1, -1, 1, 1, 0, -1, 0], dtype=torch.int32, device=DEVICE)
+    tile_seqs = torch.tensor([[0, 1], [2, 3], [5, -1], [4, 6], [-1, -1]], dtype=torch.int32,
+                             device=DEVICE)
+    tile_lens = torch.tensor([53, 53, 32, 20, 0], dtype=torch.int32, device=DEVICE)
+    kv_starts = torch.tensor([53, 53, 53, 53, 20, 32, 20, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
+    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v, adapters,
+            default_inv_freq(dim, device=DEVICE), tile_seqs, tile_lens, kv_starts)
+    tuning = dict(use_triton=True, num_splits=2, block_n=16, prefix_tuning={"block_n": 16})
+    msc = cascade_residual_decode(*args, variant="msc", score_tuning={"block_n": 16, "chunk": 32},
+                                  **tuning)
+    assert rel_err(msc, cascade_residual_decode(*args, use_triton=False)) < REL_TOL
+    assert rel_err(msc, cascade_residual_decode(*args, **tuning)) < REL_TOL
