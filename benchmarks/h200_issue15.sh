@@ -87,6 +87,7 @@ case "$1" in
   # steady rows read from columns, mixed-form batches under graphs), then the msc variants
   # beside the best two-pass forms of round 2.
   FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py \
+    tests/kernels/test_shared_prefix.py \
     tests/torch/test_batch.py tests/torch/test_launch.py tests/torch/test_cascade.py tests/torch/test_layouts.py \
     tests/torch/test_mixed_forms.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
   timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
@@ -108,6 +109,9 @@ case "$1" in
   # single-form layouts; the goal's comparison is call 10's.
   timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
     --cascade on off --tag issue15_item5_adaptive --out "$OUT" 2>&1 | tail -8
+  # The msc cascade (32 agents over an 8K / 32K shared prefix): split_msc_over_two_pass.
+  timeout 200 python3 benchmarks/kernel_bench.py --variants msc_bn64 --contexts 8192 32768 --batches 1 \
+    --tag cascade_msc --out "$OUT" 2>&1 | tail -12
   ;;
 12)
   # The acceptance's mapreduce rows: every system at W = 1, 8, 32 (the JSON is rewritten after
