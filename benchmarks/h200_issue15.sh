@@ -89,7 +89,7 @@ case "$1" in
   FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py \
     tests/kernels/test_shared_prefix.py \
     tests/torch/test_batch.py tests/torch/test_launch.py tests/torch/test_cascade.py tests/torch/test_layouts.py \
-    tests/torch/test_mixed_forms.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
+    tests/torch/test_mixed_forms.py tests/torch/test_host_pool.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
   timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
     msc_bn64_w8 msc_bn32 msc_bn128_w8 msc_bn64_p32 msc_bn64_p128_w8 msc_bn64_a64 msc_bn64_a128_w8 msc_bn64_f16 \
     --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_msc --out "$OUT" 2>&1 | tail -20
