@@ -53,6 +53,12 @@ def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     assert (tmp_path / "react_multilora_tiny.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'react_multilora_tiny.png'}" in out and "FAILED" not in out
+    # --plot redraws a JSON's PNG and prints its table without running anything.
+    (tmp_path / "react_multilora_tiny.png").unlink()
+    assert main(["react", "--plot", str(tmp_path / "react_multilora_tiny.json")]) == 0
+    assert (tmp_path / "react_multilora_tiny.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "unified" in table and "disaggregated" in table and "tasks/s" in table
 
 
 def test_a_failed_run_exits_1_and_is_reported(tmp_path, capsys):
@@ -63,4 +69,6 @@ def test_a_failed_run_exits_1_and_is_reported(tmp_path, capsys):
     data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
     [error] = data["errors"]
     assert (error["system"], error["workflows"]) == ("unified", 1)
+    assert "FAILED unified W=1: RuntimeError" in capsys.readouterr().out
+    assert main(["react", "--plot", str(tmp_path / "react_multilora_tiny.json")]) == 1
     assert "FAILED unified W=1: RuntimeError" in capsys.readouterr().out

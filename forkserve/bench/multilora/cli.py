@@ -3,6 +3,7 @@ and a PNG; exits 1 when a run failed."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -80,6 +81,9 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                     help="stateless turns: each turn closes its session, the next re-sends the "
                          "whole history (what the host tier and pause pins serve)")
     ap.add_argument("--tag", default="", help="suffix of the result files' names")
+    ap.add_argument("--plot", type=Path, metavar="RESULT.json",
+                    help="run nothing: print the table of a JSON this command wrote and draw "
+                         "its PNG beside it")
     add_out_argument(ap)
     return ap
 
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     """Returns the exit status: 0, or 1 when any run failed."""
     argv = list(argv or [])
     args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
+    if args.plot is not None:
+        return replot(args.plot, args.workload)
     device = torch.device(args.device)
     stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
             f"{'_' + args.tag if args.tag else ''}")
@@ -98,6 +104,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f.line())
     print(f"wrote {args.out / f'{stem}.json'}")
     plot(results, failed, args.out / f"{stem}.png", args.workload, args.tiny)
+    return 1 if failed else 0
+
+
+def replot(path: Path, workload: str) -> int:
+    """The table and the PNG of a JSON ``main`` wrote (e.g. one a GPU call cut before its
+    plot); exits 1 when it records failed runs, as the run did."""
+    doc = json.loads(path.read_text())
+    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ()))}) for r in doc["results"]]
+    failed = [FailedRun(**f) for f in doc.get("errors", [])]
+    print(format_table(results, workload))
+    for f in failed:
+        print(f.line())
+    plot(results, failed, path.with_suffix(".png"), workload, doc.get("model") == "tiny")
     return 1 if failed else 0
 
 
