@@ -5,16 +5,18 @@ row's pages. A CUDA graph copies them into its pinned input buffer; the eager fo
 them as tensors (``to_batch``, the same values ``batch.build`` computes from the items).
 
 Two sources. ``of_items``: validated decode ``SeqWork`` items, row by row. ``of_batch``: a
-``DecodeBatch``'s columns in numpy, its page rows joined in one ``concatenate`` and scattered
-into the table by one mask, so no step walks a row's pages in Python (at 256 rows over an
-8K context that walk — a tuple per row, a validation pass per page, a table row assigned
-from a tuple — was ~30 us a row, most of the GPU's idle time between steps). ``of_batch``
-also checks what ``batch.validate`` checks of such rows, on the columns; it answers None
-where that check would refuse one, and the caller then runs the rows as items, whose
-validation raises the error that names the row.
+``DecodeBatch``'s columns in numpy, so no step walks a row's pages in Python (at 256 rows
+over an 8K context that walk — a tuple per row, a validation pass per page, a table row
+assigned from a tuple — was ~30 us a row, most of the GPU's idle time between steps); its
+page tables and cascade groups come from ``KeptTables`` (``kept_tables.py``: the last
+launch's, with only the rows whose pages changed written again). ``of_batch`` also checks
+what ``batch.validate`` checks of such rows, on the columns; it answers None where that
+check would refuse one, and the caller then runs the rows as items, whose validation
+raises the error that names the row.
 
-Ownership: arrays of this step alone (fresh, or read-only views the batch owns); page ids
-stay the control plane's.
+Ownership: arrays of this step (fresh, read-only views the batch owns, or read-only tables
+``KeptTables`` may hand to later steps too: nobody writes them); page ids stay the control
+plane's.
 """
 from __future__ import annotations
 
