@@ -32,7 +32,6 @@ from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.decode_rows import of_batch
-from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -43,6 +42,7 @@ from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
 from forkserve.backend.torch.gpu_timeline import GpuTimeline
 from forkserve.backend.torch.host_pool import HostResidualPool
+from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
 from forkserve.backend.torch.lora import (
