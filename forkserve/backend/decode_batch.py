@@ -12,6 +12,12 @@ valid for the one step they are passed to; page ids stay the control plane's, as
 ``SeqWork``. Every row is a committed decode step that writes both sides of its KV
 (``write_base`` and ``write_residual``), with no extra residuals and no prompt log-probs.
 
+Repeated objects: from one step to the next the steady set hands the same page-row object
+for a row whose pages did not change (a new one when it gains a page or a new member takes
+its place) and the same ``shared_prefix`` tuple while its groups stand; an object handed
+again lists what it listed then. A backend may key what it derives from them on the objects
+(``backend/torch/kept_tables.py``: the page table and cascade tiles, reused across steps).
+
 A backend that reads columns implements ``step_batched(work, batch)``; any other backend is
 handed ``[*work, *batch.items()]`` through ``step`` (``step_handle.launch_step``): the two are
 the same step.

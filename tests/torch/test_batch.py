@@ -15,6 +15,7 @@ from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork, SharedPrefix
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build, validate
 from forkserve.backend.torch.decode_rows import ROW_FIELDS, TABLE_FIELDS, of_batch, of_items
+from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.config import KVForm
 from forkserve.errors import ForkServeError
 
@@ -75,7 +76,8 @@ def test_decode_rows_equal_build(layout, steady):
         assert np.array_equal(getattr(rows, name), value.numpy()), name
     if not steady:
         return
-    columns = of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH)
+    columns = of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH,
+                       KeptTables(PAGE, 32))
     for name in (*ROW_FIELDS, *TABLE_FIELDS):
         assert np.array_equal(getattr(columns, name), getattr(rows, name)), name
     assert columns.has_adapter == rows.has_adapter
@@ -127,9 +129,24 @@ def test_of_batch_refuses_what_validate_refuses(layout):
     if layout == "disaggregated":  # an adapter's merged K/V where adapters' K/V is split
         refusals["merged"] = [dataclasses.replace(work[0], form=KVForm.MERGED,
                                                   slots=KVSlots(work[0].slots.pages, None)), *work[1:]]
+    good = as_decode_batch(work)
     for name, bad in refusals.items():
         with pytest.raises(ForkServeError):
             validate(bad, _limits(layout), SLOTS)
-        assert of_batch(as_decode_batch(bad), _limits(layout), SLOTS, SCRATCH, SCRATCH) is None, name
+        # Built afresh, and over the kept tables of the good rows (the bad row rewritten alone).
+        kept = KeptTables(PAGE, 32)
+        assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH, kept) is not None
+        bad_batch = dataclasses.replace(good, **{
+            field: tuple(getattr(as_decode_batch(bad), field)[:1]) + getattr(good, field)[1:]
+            for field in ("tokens", "pages", "residual_pages", "forms", "adapter_ids", "sampling",
+                          "seq_ids")}, **{
+            field: getattr(as_decode_batch(bad), field)
+            for field in ("positions", "adapter_starts")},
+            # The same marks object where they agree: the groups' check then compares only
+            # the rewritten row.
+            shared_prefix=good.shared_prefix if as_decode_batch(bad).shared_prefix
+            == good.shared_prefix else as_decode_batch(bad).shared_prefix)
+        for tables in (KeptTables(PAGE, 32), kept):
+            assert of_batch(bad_batch, _limits(layout), SLOTS, SCRATCH, SCRATCH, tables) is None, name
     validate(work, _limits(layout), SLOTS)
-    assert of_batch(as_decode_batch(work), _limits(layout), SLOTS, SCRATCH, SCRATCH) is not None
+    assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH, KeptTables(PAGE, 32)) is not None

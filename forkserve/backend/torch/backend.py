@@ -42,6 +42,7 @@ from forkserve.backend.torch.fused import get_fusions
 from forkserve.backend.torch.gguf_loader import load_gguf
 from forkserve.backend.torch.gpu_timeline import GpuTimeline
 from forkserve.backend.torch.host_pool import HostResidualPool
+from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.backend.torch.kv_pool import KVPool, kv_bytes_per_token, page_kinds
 from forkserve.backend.torch.loader import load_hf_folder
 from forkserve.backend.torch.lora import (
@@ -199,6 +200,8 @@ class TorchBackend:
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
+        # The last steady launch's page tables and cascade groups, reused while rows repeat.
+        self._kept = KeptTables(self.limits.page_size, self.runner.cascade_agents)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s
         self._resident: dict[int, ResidentAdapter] = {}
@@ -354,11 +357,12 @@ class TorchBackend:
         if self._writes is not None or self.limits.recompute:
             return None
         rows = of_batch(batch, self.limits, self._slots(), self.pool.scratch_page,
-                        self.pool.scratch_residual_page)
+                        self.pool.scratch_residual_page, self._kept)
         if rows is None:
             return None
         clock = self._clock()
-        run = self.runner.forward_rows(rows, batch.shared_prefix)
+        plan = self._kept.groups.plan(batch.shared_prefix) if self.runner.cascade else None
+        run = self.runner.forward_rows(rows, plan)
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)

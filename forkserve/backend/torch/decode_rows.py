@@ -5,16 +5,18 @@ row's pages. A CUDA graph copies them into its pinned input buffer; the eager fo
 them as tensors (``to_batch``, the same values ``batch.build`` computes from the items).
 
 Two sources. ``of_items``: validated decode ``SeqWork`` items, row by row. ``of_batch``: a
-``DecodeBatch``'s columns in numpy, its page rows joined in one ``concatenate`` and scattered
-into the table by one mask, so no step walks a row's pages in Python (at 256 rows over an
-8K context that walk — a tuple per row, a validation pass per page, a table row assigned
-from a tuple — was ~30 us a row, most of the GPU's idle time between steps). ``of_batch``
-also checks what ``batch.validate`` checks of such rows, on the columns; it answers None
-where that check would refuse one, and the caller then runs the rows as items, whose
-validation raises the error that names the row.
+``DecodeBatch``'s columns in numpy, so no step walks a row's pages in Python (at 256 rows
+over an 8K context that walk — a tuple per row, a validation pass per page, a table row
+assigned from a tuple — was ~30 us a row, most of the GPU's idle time between steps); its
+page tables and cascade groups come from ``KeptTables`` (``kept_tables.py``: the last
+launch's, with only the rows whose pages changed written again). ``of_batch`` also checks
+what ``batch.validate`` checks of such rows, on the columns; it answers None where that
+check would refuse one, and the caller then runs the rows as items, whose validation
+raises the error that names the row.
 
-Ownership: arrays of this step alone (fresh, or read-only views the batch owns); page ids
-stay the control plane's.
+Ownership: arrays of this step (fresh, read-only views the batch owns, or read-only tables
+``KeptTables`` may hand to later steps too: nobody writes them); page ids stay the control
+plane's.
 """
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ import numpy as np
 import torch
 
 from forkserve.backend.decode_batch import DecodeBatch
-from forkserve.backend.protocol import SeqWork, SharedPrefix, form_conflict
+from forkserve.backend.protocol import SeqWork, form_conflict
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve.backend.torch.batch import Batch, BatchLimits, kv_merged
+from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.config import KVForm
 
 ROW_FIELDS = ("input_ids", "positions", "token_slot", "slot_mapping", "res_slot_mapping",
@@ -122,9 +125,10 @@ def of_items(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mappin
 
 
 def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int, int],
-             scratch_page: int, scratch_res_page: int) -> DecodeRows | None:
+             scratch_page: int, scratch_res_page: int, kept: KeptTables) -> DecodeRows | None:
     """A ``DecodeBatch``'s rows (every one writes both sides), or None where ``batch.validate``
-    would refuse one of them."""
+    would refuse one of them. ``kept``: the tables and groups of the last launch, reused
+    where this batch repeats its objects (and updated to this one's)."""
     p, n = limits.page_size, len(batch)
     positions = batch.positions
     ids = np.asarray(batch.tokens, dtype=np.int64)
@@ -148,11 +152,12 @@ def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int
     used = positions // p + 1
     rows = np.arange(n)
     offset = positions % p
-    tables = _table(batch.pages, used, None, limits.num_pages, scratch_page)
-    if tables is None or not _groups_agree(batch.shared_prefix, tables, positions, p):
+    tables = kept.pages.build(batch.pages, used, None, limits.num_pages, scratch_page)
+    if tables is None or not kept.groups.agree(batch.shared_prefix, tables, kept.pages.changed,
+                                               positions):
         return None
-    res_tables = _table(batch.residual_pages, used, has_res, limits.num_residual_pages,
-                        scratch_res_page)
+    res_tables = kept.residual.build(batch.residual_pages, used, has_res,
+                                     limits.num_residual_pages, scratch_res_page)
     if res_tables is None:
         return None
     last = used - 1
@@ -165,52 +170,3 @@ def of_batch(batch: DecodeBatch, limits: BatchLimits, adapter_slots: Mapping[int
         seq_lens=positions + 1, seq_slot=np.where(has_res, slot, -1),
         kv_merge=(merged & limits.disaggregated).astype(np.int64),
         block_tables=tables, res_block_tables=res_tables, has_adapter=bool((slot >= 0).any()))
-
-
-def _table(pages: Sequence[Sequence[int] | None], used: np.ndarray, present: np.ndarray | None,
-           limit: int, scratch: int) -> np.ndarray | None:
-    """Each row's first ``used`` page ids (of the rows ``present`` marks; all when None) in a
-    table padded with ``scratch``; None if a row lists too few pages or one outside [0, limit)."""
-    n, width = len(used), int(used.max())
-    table = np.full((n, width), scratch, dtype=np.int64)
-    if present is not None:
-        if not present.any():
-            return table
-        listed = [pages[i] for i in np.flatnonzero(present).tolist()]
-        need = used[present]
-    else:
-        listed, need = list(pages), used
-    lengths = np.fromiter(map(len, listed), np.int64, len(listed))
-    if (lengths < need).any():
-        return None
-    # The common case lists exactly the pages a row reads (a steady row's page view).
-    cut = (listed if np.array_equal(lengths, need)
-           else [r[:u] for r, u in zip(listed, need.tolist(), strict=True)])
-    flat = np.concatenate(cut).astype(np.int64, copy=False)
-    if flat.min() < 0 or flat.max() >= limit:
-        return None
-    mask = np.arange(width) < used[:, None]
-    if present is not None:
-        mask &= present[:, None]
-    table[mask] = flat  # row-major, as the rows were joined
-    return table
-
-
-def _groups_agree(marks: Sequence[SharedPrefix | None], tables: np.ndarray, positions: np.ndarray,
-                  page_size: int) -> bool:
-    """``cascade.check_groups`` on the columns: a group's members list its lead's (first
-    member's) page count and page ids, all before their new token."""
-    groups: dict[int, list[int]] = {}
-    for i, mark in enumerate(marks):
-        if mark is not None:
-            groups.setdefault(mark.group, []).append(i)
-    for members in groups.values():
-        k = marks[members[0]].pages
-        if k < 0 or any(marks[i].pages != k for i in members):
-            return False
-        at = np.array(members)
-        if (positions[at] < k * page_size).any():
-            return False
-        if k and (tables[at, :k] != tables[at[0], :k]).any():
-            return False
-    return True

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import torch
 
 from forkserve import kernels
-from forkserve.backend.protocol import SeqWork, SharedPrefix
+from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
@@ -91,11 +91,11 @@ class ModelRunner:
             return RunOutput(logits, None, hidden)
         return RunOutput(self.model.forward(*args), None)
 
-    def forward_rows(self, rows: DecodeRows, marks: Sequence[SharedPrefix | None]) -> RunOutput:
+    def forward_rows(self, rows: DecodeRows,
+                     plan: cascade_tiles.CascadePlan | None) -> RunOutput:
         """The logits of decode rows (of either form or both), every row sampling, in order;
-        ``marks``: their cascade groups."""
-        plan = (cascade_tiles.plan(marks, self.limits.page_size, self.cascade_agents)
-                if self.cascade else None)
+        ``plan``: their cascade tiles, None with ``cascade`` off (the caller keeps them
+        across steps: ``kept_tables.py``)."""
         key = graph_key(rows, plan) if self.use_cuda_graphs else None
         if key is not None:
             return self._replay(rows, key, plan)
