@@ -131,6 +131,17 @@ class TimedMock(MockBackend):
         return 40 + int(context[-1]) % 50
 
 
+def start_decoding(engine: Engine, sessions: int, context: int, steps: int) -> None:
+    """``sessions`` sessions over one shared ``context``-token prompt (two tokens of their own
+    each), prefilled, then each generating ``steps`` tokens: the steady state measured."""
+    prompt = [5 + i % 200 for i in range(context)]
+    handles = [engine.open(prompt + [7, 3 + i % 250]) for i in range(sessions)]
+    engine.drain_slack()
+    assert not engine.metrics.failed_items, "the prompts' prefill failed"
+    for h in handles:
+        engine.start_generate(h.id, steps)
+
+
 def measure(sessions: int, context: int, steps: int, gpu_ms: float, overlap: bool = False) -> dict:
     pages = sessions * (context // 16 + 16) + 64
     # H covers every page, so the decode slots C = H / M_spine admit all sessions each tick.
@@ -139,12 +150,7 @@ def measure(sessions: int, context: int, steps: int, gpu_ms: float, overlap: boo
                           **({"overlap": True} if overlap else {}))
     backend = TimedMock(cfg)
     engine = Engine(backend)
-    prompt = [5 + i % 200 for i in range(context)]
-    handles = [engine.open(prompt + [7, 3 + i % 250]) for i in range(sessions)]
-    engine.drain_slack()
-    assert not engine.metrics.failed_items, "the prompts' prefill failed"
-    for h in handles:
-        engine.start_generate(h.id, steps)
+    start_decoding(engine, sessions, context, steps)
     backend.start(gpu_ms)
     t0, cpu0 = time.perf_counter(), time.process_time()
     ticks = 0
@@ -229,12 +235,7 @@ def measure_torch(sessions: int, context: int, steps: int, profile: int = 0) -> 
     backend = TorchBackend.from_weights(cfg, model, random_weights(model, cpu, torch.float32),
                                         device=cpu, dtype=torch.float32, attention="eager")
     engine = Engine(backend)
-    prompt = [5 + i % 200 for i in range(context)]
-    handles = [engine.open(prompt + [7, 3 + i % 250]) for i in range(sessions)]
-    engine.drain_slack()
-    assert not engine.metrics.failed_items, "the prompts' prefill failed"
-    for h in handles:
-        engine.start_generate(h.id, steps)
+    start_decoding(engine, sessions, context, steps)
     phases = TorchPhases(backend)
     profiler = None
     if profile:
