@@ -31,7 +31,7 @@ from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
 from forkserve.backend.torch.batch import BatchLimits, validate
-from forkserve.backend.torch.decode_rows import of_batch
+from forkserve.backend.torch.decode_rows import DecodeRows, of_batch
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -56,7 +56,7 @@ from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.offset_table import OffsetTable
 from forkserve.backend.torch.pending_step import PendingStep, StepClock, StepOutput
 from forkserve.backend.torch.recompute import group_forms
-from forkserve.backend.torch.runner import ModelRunner
+from forkserve.backend.torch.runner import ModelRunner, RunOutput, decode_shaped
 from forkserve.backend.torch.sampler import Sampler
 from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
@@ -285,8 +285,8 @@ class TorchBackend:
         (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
         refuses (``validate``) returns a handle that raises the refusal."""
         try:
-            if not work and batch is not None and len(batch):
-                pending = self._start_rows(batch)
+            if batch is not None and len(batch):
+                pending = self._start_mixed(work, batch) if work else self._start_rows(batch)
                 if pending is not None:
                     return pending
             items = step_items(work, batch)
@@ -323,31 +323,60 @@ class TorchBackend:
         validate(work, self.limits, slots)
         clock = self._clock()
         run = self.runner.forward(work, slots, all_logits, hidden_states)
+        return self._sample(work, run, all_logits, clock)
+
+    def _sample(self, work: Sequence[SeqWork], run: RunOutput, all_logits: bool, clock: StepClock,
+                batch: DecodeBatch | None = None, rows: DecodeRows | None = None) -> PendingStep:
+        """Queue the sampling of a forward over ``work`` and then, where given, ``batch``'s
+        ``rows`` (one logits row each, every row sampling)."""
         if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0])
         logits = run.logits
+        n = len(batch) if batch is not None else 0
         sampling = [s for s in work if s.sampling is not None]
+        params = [s.sampling for s in sampling] + list(batch.sampling if n else ())
+        positions = [s.start_pos + len(s.tokens) for s in sampling] + (rows.seq_lens.tolist() if n else [])
+        samples = [s.sampling is not None for s in work] + [True] * n
         token_ends = itertools.accumulate(len(s.tokens) for s in work)
         hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, token_ends, strict=True))
                   if run.hidden is not None else ())
         counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
-                  for s in work]
+                  for s in work] + [1] * n
         greedy = None
-        if sum(counts) == len(sampling):
+        if sum(counts) == len(params):
             last, greedy = logits, run.greedy  # one row per sampling item, in order (a graph's argmax matches it)
         else:
             ends = itertools.accumulate(counts)
-            last = torch.stack([logits[e - 1] for n, e, s in zip(counts, ends, work, strict=True)
-                                if s.sampling is not None]) if sampling else logits[:0]
+            last = torch.stack([logits[e - 1] for e, s in zip(ends, samples, strict=True)
+                                if s]) if params else logits[:0]
         prefill = [s for s in work if not s.decode]
         cost = StepCost(prefill_tokens=sum(len(s.tokens) for s in prefill),
-                        decode_tokens=len(work) - len(prefill), prefill_calls=len(prefill))
-        return self._draw(logits, counts, hidden, [s.sampling for s in sampling],
-                          [s.start_pos + len(s.tokens) for s in sampling], [s.sampling is not None for s in work],
+                        decode_tokens=len(work) - len(prefill) + n, prefill_calls=len(prefill))
+        return self._draw(logits, counts, hidden, params, positions, samples,
                           [(i, s) for i, s in enumerate(work) if s.prompt_logprobs is not None],
                           cost, last, greedy, clock)
+
+    def _start_mixed(self, work: Sequence[SeqWork], batch: DecodeBatch) -> PendingStep | None:
+        """Queue a step of general items and steady rows as one eager forward whose rows'
+        part comes from their columns and the kept tables (``runner.forward_mixed``), so a
+        tick that prefills or commits a tail beside the steady set neither walks the rows
+        as items nor drops the kept tables. None where that does not fit (the caller runs
+        every row as an item, as before): recompute layers, tracked writes, items that are
+        all decode-shaped (their step may take cascade tiles or a graph), an item in a
+        cascade group (its group may hold rows), rows the columns refuse."""
+        if (self._writes is not None or self.limits.recompute or decode_shaped(work)
+                or any(s.shared_prefix is not None for s in work)):
+            return None
+        slots = self._slots()
+        validate(work, self.limits, slots)
+        rows = of_batch(batch, self.limits, slots, self.pool.scratch_page,
+                        self.pool.scratch_residual_page, self._kept)
+        if rows is None:
+            return None
+        clock = self._clock()
+        return self._sample(work, self.runner.forward_mixed(work, rows, slots), False, clock, batch, rows)
 
     def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
         """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):

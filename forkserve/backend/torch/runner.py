@@ -9,7 +9,7 @@ import torch
 from forkserve import kernels
 from forkserve.backend.protocol import SeqWork
 from forkserve.backend.torch import cascade as cascade_tiles
-from forkserve.backend.torch.batch import BatchLimits, build
+from forkserve.backend.torch.batch import Batch, BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
     BATCH_BUCKETS,
     DecodeGraph,
@@ -18,6 +18,7 @@ from forkserve.backend.torch.cuda_graph import (
 )
 from forkserve.backend.torch.decode_rows import DecodeRows, of_items
 from forkserve.backend.torch.kv_pool import KVPool
+from forkserve.backend.torch.mixed_batch import join
 from forkserve.backend.torch.model import CausalLM
 
 
@@ -43,6 +44,13 @@ def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> Gr
     return bucket, pages_bucket(rows.block_tables.shape[1]), rows.has_adapter, rows.split, tiles
 
 
+def decode_shaped(work: Sequence[SeqWork]) -> bool:
+    """Every item is one token with nothing beyond it: the step may plan cascade tiles and
+    replay a decode graph; any other step runs eagerly over ``build``'s batch."""
+    return all(len(s.tokens) == 1 and not s.extra_residuals and s.prompt_logprobs is None
+               for s in work)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, limits: BatchLimits, device: torch.device,
                  use_cuda_graphs: bool, cascade: bool = True) -> None:
@@ -64,8 +72,7 @@ class ModelRunner:
         log-probabilities) or the last (it samples) or none; hidden_states: also every token's
         residual stream after each layer (runs eagerly: a replayed graph keeps no per-layer
         tensors)."""
-        decode = all(len(s.tokens) == 1 and not s.extra_residuals and s.prompt_logprobs is None
-                     for s in work)
+        decode = decode_shaped(work)
         # Mixed merged/split batches too: a merged row has no residual (seq_slot -1), so the
         # split-form kernels read its base pages as unified K/V, in a tile or alone.
         plan = (cascade_tiles.plan([s.shared_prefix for s in work], self.limits.page_size,
@@ -84,12 +91,10 @@ class ModelRunner:
             return RunOutput(out.logits[index], out.greedy[index])
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
                       self.pool.scratch_page, self.pool.scratch_residual_page, plan)
-        args = (batch.input_ids, batch.positions, batch.token_slot, batch.meta, self.pool,
-                batch.logits_indices, batch.use_lora)
         if hidden_states:
-            logits, hidden = self.model.forward_hidden(*args)
+            logits, hidden = self.model.forward_hidden(*self._args(batch))
             return RunOutput(logits, None, hidden)
-        return RunOutput(self.model.forward(*args), None)
+        return RunOutput(self.model.forward(*self._args(batch)), None)
 
     def forward_rows(self, rows: DecodeRows,
                      plan: cascade_tiles.CascadePlan | None) -> RunOutput:
@@ -99,9 +104,24 @@ class ModelRunner:
         key = graph_key(rows, plan) if self.use_cuda_graphs else None
         if key is not None:
             return self._replay(rows, key, plan)
-        batch = rows.to_batch(self.device, plan)
-        return RunOutput(self.model.forward(batch.input_ids, batch.positions, batch.token_slot, batch.meta,
-                                            self.pool, batch.logits_indices, batch.use_lora), None)
+        return RunOutput(self.model.forward(*self._args(rows.to_batch(self.device, plan))), None)
+
+    def forward_mixed(self, work: Sequence[SeqWork], rows: DecodeRows,
+                      adapter_slots: Mapping[int, int]) -> RunOutput:
+        """The logits of validated items that are not all decode-shaped (``decode_shaped``:
+        a prefill, a committed tail), as ``forward`` gives them, then of decode rows, every
+        row sampling: one eager forward, as ``forward`` runs such a step over items (no
+        graph, no cascade), the rows' part built from their columns (``mixed_batch.py``)."""
+        scratch, scratch_res = self.pool.scratch_page, self.pool.scratch_residual_page
+        items = build(work, self.limits, adapter_slots, False, self.device, scratch, scratch_res)
+        batch = join(items, rows.to_batch(self.device, None), scratch, scratch_res,
+                     self.limits.page_size)
+        return RunOutput(self.model.forward(*self._args(batch)), None)
+
+    def _args(self, batch: Batch) -> tuple:
+        """The eager forward's arguments for ``batch``."""
+        return (batch.input_ids, batch.positions, batch.token_slot, batch.meta, self.pool,
+                batch.logits_indices, batch.use_lora)
 
     def capture_decode_graphs(self, max_batch: int, context_tokens: int, use_lora: bool,
                               splits: Sequence[bool]) -> int:
