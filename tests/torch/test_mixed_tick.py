@@ -1,0 +1,105 @@
+"""A tick of general items beside steady rows (``TorchBackend.launch(work, batch)``, issue 21):
+the rows keep their column path and the kept tables, and the tick's tokens, logits and
+written K/V equal those of the same step run as items, for a prefill and for a committed
+tail beside the rows, with cascade on and off, unified and disaggregated; the next steady
+tick reuses the tables the mixed tick kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch_testlib import DEVICE, DTYPE, PAGE, as_decode_batch, make_config, pages_for, prompt, work
+
+from forkserve.backend.protocol import SharedPrefix
+from forkserve.backend.torch import TorchBackend
+from forkserve.backend.torch import backend as backend_module
+from forkserve.backend.torch.pending_step import PendingStep
+from forkserve.config import KVLayout
+
+SHARED = 2    # pages of the context the base rows share (one cascade group)
+ROWS = 6      # rows 1..ROWS; the odd ones run an adapter (split where the layout splits)
+TAIL_SEQ = ROWS + 1
+
+
+def _row_pages(seq: int) -> tuple[int, ...]:
+    own = pages_for(seq)
+    return own if seq % 2 else pages_for(0)[:SHARED] + own[SHARED:]
+
+
+def _setup(models, adapters, layout: KVLayout, cascade: bool) -> tuple[TorchBackend, list]:
+    """A backend holding a shared context, the rows' prompts and the tail's session; the
+    rows' first decode items."""
+    backend = TorchBackend(make_config(layout), models["llama"], adapters={"qkvo": adapters["qkvo"]},
+                           device=DEVICE, dtype=DTYPE)
+    backend.cascade_attention = cascade
+    split = layout is KVLayout.DISAGGREGATED
+    context = prompt(0, SHARED * PAGE)
+    backend.step([work(0, context, 0, sampling=None)])
+    prefill, rows = [], []
+    for s in range(1, ROWS + 1):
+        adapter = 0 if s % 2 else None
+        start = 0 if adapter is not None else len(context)
+        # Positions 8..13 over 3 ticks: no row crosses into a wider table (a full rebuild).
+        tokens = prompt(s, SHARED * PAGE + s - 1 - start)
+        prefill.append(work(s, tokens, start, adapter, sampling=None, residual=split,
+                            pages=_row_pages(s)))
+        rows.append(work(s, [7 + s], start + len(tokens), adapter, residual=split, decode=True,
+                         pages=_row_pages(s),
+                         shared_prefix=None if adapter is not None else SharedPrefix(0, SHARED)))
+    # The tail's session: longer than any row, so its table is the widest.
+    prefill.append(work(TAIL_SEQ, prompt(TAIL_SEQ, 30), 0, 0, sampling=None, residual=split))
+    backend.step(prefill)
+    return backend, rows
+
+
+def _general(kind: str, split: bool) -> list:
+    if kind == "prefill":  # a new session's prompt, not sampling
+        return [work(TAIL_SEQ + 1, prompt(50, 9), 0, sampling=None, pages=pages_for(0)[SHARED:])]
+    return [work(TAIL_SEQ, [5, 6, 9], 30, 0, residual=split)]  # a committed tail, sampling
+
+
+def _pools(backend: TorchBackend) -> list[torch.Tensor]:
+    pool = backend.pool
+    return [t for t in (pool.k, pool.v, getattr(pool, "k_res", None), getattr(pool, "v_res", None))
+            if t is not None]
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
+@pytest.mark.parametrize("kind", ["prefill", "tail"])
+def test_a_mixed_tick_equals_its_items_and_keeps_the_tables(models, adapters, monkeypatch, kind,
+                                                             layout, cascade):
+    ours, rows = _setup(models, adapters, layout, cascade)
+    ref, _ = _setup(models, adapters, layout, cascade)
+    real = backend_module.of_batch
+    rebuilt: list[bool] = []
+
+    def spied(batch, limits, slots, scratch, scratch_res, kept):
+        got = real(batch, limits, slots, scratch, scratch_res, kept)
+        rebuilt.append(kept.pages.changed is None)
+        return got
+
+    monkeypatch.setattr(backend_module, "of_batch", spied)
+    steady = as_decode_batch(rows)
+    general = _general(kind, layout is KVLayout.DISAGGREGATED)
+    for tick in range(3):
+        # The same page objects every tick, as the steady set hands them; tick 1 is mixed.
+        batch = dataclasses.replace(steady, tokens=tuple(t + tick for t in steady.tokens),
+                                    positions=steady.positions + tick)
+        work_now = general if tick == 1 else []
+        handle = ours.launch(work_now, batch)
+        assert isinstance(handle, PendingStep)
+        got = handle.output()
+        want = ref.forward([*work_now, *batch.items()])
+        assert got.result.next_tokens == want.result.next_tokens
+        assert got.result.cost == dataclasses.replace(want.result.cost, ms=got.result.cost.ms)
+        for a, b in zip(got.logits, want.logits, strict=True):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b)
+        for a, b in zip(_pools(ours), _pools(ref), strict=True):
+            assert torch.equal(a, b)
+    # Every tick, the mixed one too, took the rows from their columns; only the first built
+    # the tables afresh.
+    assert rebuilt == [True, False, False]
