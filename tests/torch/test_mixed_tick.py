@@ -1,8 +1,9 @@
 """A tick of general items beside steady rows (``TorchBackend.launch(work, batch)``, issue 21):
 the rows keep their column path and the kept tables, and the tick's tokens, logits and
 written K/V equal those of the same step run as items, for a prefill and for a committed
-tail beside the rows, with cascade on and off, unified and disaggregated; the next steady
-tick reuses the tables the mixed tick kept.
+tail beside the rows (in their cascade group or not), with cascade on and off, unified and
+disaggregated; the next steady tick reuses the tables the mixed tick kept. An item that
+disagrees with its group's rows sends the step to the items' path, which refuses it.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from torch_testlib import DEVICE, DTYPE, PAGE, as_decode_batch, make_config, pag
 from forkserve.backend.protocol import SharedPrefix
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch import backend as backend_module
+from forkserve.backend.torch.errors import InvalidWorkError
 from forkserve.backend.torch.pending_step import PendingStep
 from forkserve.config import KVLayout
 
 SHARED = 2    # pages of the context the base rows share (one cascade group)
 ROWS = 6      # rows 1..ROWS; the odd ones run an adapter (split where the layout splits)
 TAIL_SEQ = ROWS + 1
+GROUPED_SEQ = ROWS + 2  # a base session on the shared context: its tail joins the rows' group
+GROUPED_PAGES = pages_for(0)[:SHARED] + pages_for(2)[:SHARED]  # pages no row uses
 
 
 def _row_pages(seq: int) -> tuple[int, ...]:
@@ -50,6 +54,8 @@ def _setup(models, adapters, layout: KVLayout, cascade: bool) -> tuple[TorchBack
                          shared_prefix=None if adapter is not None else SharedPrefix(0, SHARED)))
     # The tail's session: longer than any row, so its table is the widest.
     prefill.append(work(TAIL_SEQ, prompt(TAIL_SEQ, 30), 0, 0, sampling=None, residual=split))
+    prefill.append(work(GROUPED_SEQ, prompt(GROUPED_SEQ, PAGE), len(context), sampling=None,
+                        pages=GROUPED_PAGES))
     backend.step(prefill)
     return backend, rows
 
@@ -57,6 +63,9 @@ def _setup(models, adapters, layout: KVLayout, cascade: bool) -> tuple[TorchBack
 def _general(kind: str, split: bool) -> list:
     if kind == "prefill":  # a new session's prompt, not sampling
         return [work(TAIL_SEQ + 1, prompt(50, 9), 0, sampling=None, pages=pages_for(0)[SHARED:])]
+    if kind == "grouped":
+        return [work(GROUPED_SEQ, [5, 6, 9], (SHARED + 1) * PAGE, pages=GROUPED_PAGES,
+                     shared_prefix=SharedPrefix(0, SHARED))]
     return [work(TAIL_SEQ, [5, 6, 9], 30, 0, residual=split)]  # a committed tail, sampling
 
 
@@ -68,7 +77,7 @@ def _pools(backend: TorchBackend) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("cascade", [False, True])
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
-@pytest.mark.parametrize("kind", ["prefill", "tail"])
+@pytest.mark.parametrize("kind", ["prefill", "tail", "grouped"])
 def test_a_mixed_tick_equals_its_items_and_keeps_the_tables(models, adapters, monkeypatch, kind,
                                                              layout, cascade):
     ours, rows = _setup(models, adapters, layout, cascade)
@@ -103,3 +112,13 @@ def test_a_mixed_tick_equals_its_items_and_keeps_the_tables(models, adapters, mo
     # Every tick, the mixed one too, took the rows from their columns; only the first built
     # the tables afresh.
     assert rebuilt == [True, False, False]
+
+
+def test_an_item_that_disagrees_with_its_rows_group_is_refused(models, adapters):
+    backend, rows = _setup(models, adapters, KVLayout.UNIFIED, True)
+    wrong = GROUPED_PAGES[::-1]  # not the rows' shared pages
+    item = work(GROUPED_SEQ, [5, 6, 9], (SHARED + 1) * PAGE, pages=wrong,
+                shared_prefix=SharedPrefix(0, SHARED))
+    with pytest.raises(InvalidWorkError) as refused:
+        backend.launch([item], as_decode_batch(rows)).result()
+    assert refused.value.seq_ids  # validation named a member of the group

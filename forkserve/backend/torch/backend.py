@@ -30,6 +30,7 @@ from forkserve.backend.protocol import (
 from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
+from forkserve.backend.torch.cascade import rows_agree
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.decode_rows import DecodeRows, of_batch
 from forkserve.backend.torch.errors import (
@@ -364,16 +365,15 @@ class TorchBackend:
         tick that prefills or commits a tail beside the steady set neither walks the rows
         as items nor drops the kept tables. None where that does not fit (the caller runs
         every row as an item, as before): recompute layers, tracked writes, items that are
-        all decode-shaped (their step may take cascade tiles or a graph), an item in a
-        cascade group (its group may hold rows), rows the columns refuse."""
-        if (self._writes is not None or self.limits.recompute or decode_shaped(work)
-                or any(s.shared_prefix is not None for s in work)):
+        all decode-shaped (their step may take cascade tiles or a graph), rows the columns
+        refuse or that disagree with an item of their cascade group."""
+        if self._writes is not None or self.limits.recompute or decode_shaped(work):
             return None
         slots = self._slots()
         validate(work, self.limits, slots)
         rows = of_batch(batch, self.limits, slots, self.pool.scratch_page,
                         self.pool.scratch_residual_page, self._kept)
-        if rows is None:
+        if rows is None or not rows_agree(work, batch.shared_prefix, rows.block_tables):
             return None
         clock = self._clock()
         return self._sample(work, self.runner.forward_mixed(work, rows, slots), False, clock, batch, rows)

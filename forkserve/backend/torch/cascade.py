@@ -68,6 +68,26 @@ def check_groups(work: Sequence[SeqWork], page_size: int) -> None:
             raise error
 
 
+def rows_agree(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None],
+               table: np.ndarray) -> bool:
+    """``check_groups`` across items and the rows after them (``marks``, their padded page
+    ``table``), given each side checked alone: in a group of both, the rows' lead lists the
+    items' lead's page count and first pages (a committed tail joins its rows' group)."""
+    leads: dict[int, SeqWork] = {}
+    for seq in work:
+        if seq.shared_prefix is not None:
+            leads.setdefault(seq.shared_prefix.group, seq)
+    for i, mark in enumerate(marks):
+        lead = leads.pop(mark.group, None) if mark is not None else None
+        if lead is not None:
+            k = lead.shared_prefix.pages
+            if mark.pages != k or table[i, :k].tolist() != list(lead.slots.pages[:k]):
+                return False
+        if not leads:
+            break
+    return True
+
+
 def plan(marks: Sequence[SharedPrefix | None], page_size: int, agents: int) -> CascadePlan | None:
     """Tiles for the groups of at least two items (``marks``: each item's ``shared_prefix``);
     None when no item shares a prefix."""
