@@ -35,8 +35,8 @@ def _row_pages(seq: int) -> tuple[int, ...]:
 def _setup(models, adapters, layout: KVLayout, cascade: bool) -> tuple[TorchBackend, list]:
     """A backend holding a shared context, the rows' prompts and the tail's session; the
     rows' first decode items."""
-    backend = TorchBackend(make_config(layout), models["llama"], adapters={"qkvo": adapters["qkvo"]},
-                           device=DEVICE, dtype=DTYPE)
+    backend = TorchBackend(make_config(layout), models["llama"],
+                           adapters={"qkvo": adapters["qkvo"]}, device=DEVICE, dtype=DTYPE)
     backend.cascade_attention = cascade
     split = layout is KVLayout.DISAGGREGATED
     context = prompt(0, SHARED * PAGE)

@@ -30,8 +30,8 @@ from forkserve.backend.protocol import (
 from forkserve.backend.step_handle import Done, StepHandle, step_items
 from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
-from forkserve.backend.torch.cascade import rows_agree
 from forkserve.backend.torch.batch import BatchLimits, validate
+from forkserve.backend.torch.cascade import rows_agree
 from forkserve.backend.torch.decode_rows import DecodeRows, of_batch
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
