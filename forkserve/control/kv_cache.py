@@ -45,6 +45,7 @@ and the residual host tier alike.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Mapping, Sequence
 
 from forkserve.adapter_key import AdapterId
@@ -171,16 +172,18 @@ class KVCache:
         full = tokens[:len(tokens) // p * p]
         start = self.path_start(adapter, tokens)
         base_key, residual_key = self.keys(adapter, full, KVForm.MERGED, start, salt)
+        # Probes, not matches: restoring the host tier's pages or refreshing the LRU here
+        # would act for a session that may not open (an admission controller sizes requests
+        # by this) or not take the form probed.
         residual_hit = 0
         if residual_key is not None and self.residual_pool is not None:
-            # A probe: restoring the host tier's pages here would move them for a session
-            # that may not open (an admission controller sizes requests by this) or not split.
-            residual_hit = self.residual_index.reach(residual_key.namespace, residual_key.tokens,
-                                                     residual_key.base_pages, salt) * p
+            residual_hit = len(self.residual_index.probe(residual_key.namespace, residual_key.tokens,
+                                                         residual_key.base_pages, salt)) * p
         # What merged would hold: pages tables and pins hold (cached pages are evictable, not
         # load), the queued prompts, and this prompt less the published merged pages others
         # already hold (those it finds cached become load: they stay in its count).
-        merged_hit = self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages, salt)
+        merged_hit = itertools.takewhile(lambda page: page is not None, self.index.probe(
+            base_key.namespace, base_key.tokens, base_key.base_pages, salt))
         shared = sum(1 for page in merged_hit if not self.index.cache_only(page))
         projected = (self.pool.num_used - self.index.num_cache_only + pending_pages
                      + -(-len(tokens) // p) - shared)

@@ -233,11 +233,12 @@ class PrefixIndex:
         self._restore(path)
         return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
 
-    def reach(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
-              salt: CacheSalt = UNSALTED) -> int:
-        """How many pages ``match`` would find, on the device or the host, touching nothing:
-        a probe (``KVCache.choose_form``) restores no page and refreshes no LRU."""
-        return len(self._path(namespace, tokens, base_pages, salt))
+    def probe(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+              salt: CacheSalt = UNSALTED) -> list[PageId | None]:
+        """The entries ``match`` would find, touching nothing: each one's device page, None
+        for one on the host. A probe (``KVCache.choose_form``) restores no page and
+        refreshes no LRU."""
+        return [n.page for n in self._path(namespace, tokens, base_pages, salt)]
 
     def _path(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
               salt: CacheSalt) -> list[_IndexNode]:
