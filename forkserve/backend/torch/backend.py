@@ -367,12 +367,11 @@ class TorchBackend:
         every row as an item, as before): recompute layers, tracked writes, items that are
         all decode-shaped (their step may take cascade tiles or a graph), rows the columns
         refuse or that disagree with an item of their cascade group."""
-        if self._writes is not None or self.limits.recompute or decode_shaped(work):
+        if not self._columns_fit or decode_shaped(work):
             return None
         slots = self._slots()
         validate(work, self.limits, slots)
-        rows = of_batch(batch, self.limits, slots, self.pool.scratch_page,
-                        self.pool.scratch_residual_page, self._kept)
+        rows = self._rows(batch, slots)
         if rows is None or not rows_agree(work, batch.shared_prefix, rows.block_tables):
             return None
         clock = self._clock()
@@ -383,10 +382,7 @@ class TorchBackend:
         no per-row item, table tuple or validation pass. None where the columns do not fit
         that path (recompute layers, tracked writes) or a row would be refused: the caller runs
         the rows as items, whose validation names the row."""
-        if self._writes is not None or self.limits.recompute:
-            return None
-        rows = of_batch(batch, self.limits, self._slots(), self.pool.scratch_page,
-                        self.pool.scratch_residual_page, self._kept)
+        rows = self._rows(batch, self._slots()) if self._columns_fit else None
         if rows is None:
             return None
         clock = self._clock()
@@ -395,8 +391,20 @@ class TorchBackend:
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)
-        return self._draw(run.logits, (1,) * n, (), batch.sampling, (rows.seq_lens).tolist(), None, (),
+        return self._draw(run.logits, (1,) * n, (), batch.sampling, rows.seq_lens.tolist(), None, (),
                           StepCost(decode_tokens=n), run.logits, run.greedy, clock)
+
+    @property
+    def _columns_fit(self) -> bool:
+        """Whether steady rows may run from their columns: not with recompute layers, whose
+        steps run as their parts, nor while writes are tracked per item."""
+        return self._writes is None and not self.limits.recompute
+
+    def _rows(self, batch: DecodeBatch, slots: dict[int, int]) -> DecodeRows | None:
+        """``batch``'s rows from their columns and the kept tables, or None where the columns
+        refuse a row (``decode_rows.of_batch``)."""
+        return of_batch(batch, self.limits, slots, self.pool.scratch_page,
+                        self.pool.scratch_residual_page, self._kept)
 
     def _slots(self) -> dict[int, int]:
         return {aid: r.slot for aid, r in self._resident.items()}
