@@ -56,8 +56,7 @@ class HostResidualPool:
         k, v = self.pool.tensors_of(PageKind.RESIDUAL)
         pages = self.lane.indices([c.page for c in copies])
         staged = torch.empty((2, k.shape[0], len(copies), *k.shape[2:]), dtype=k.dtype, device=k.device)
-        torch.index_select(k, 1, pages, out=staged[0])
-        torch.index_select(v, 1, pages, out=staged[1])
+        _gather(k, v, pages, staged)
         host, landed = self.lane.to_host(staged)
         self._landing.append(_Landing(torch.tensor([c.slot for c in copies], dtype=torch.long), host, landed))
         self._land()
@@ -67,13 +66,10 @@ class HostResidualPool:
         self._land(frozenset(slots))
         index = torch.tensor(slots, dtype=torch.long)
         staged = self.lane.empty_host((2, self.k.shape[0], len(copies), *self.k.shape[2:]), self.k.dtype)
-        torch.index_select(self.k, 1, index, out=staged[0])
-        torch.index_select(self.v, 1, index, out=staged[1])
+        _gather(self.k, self.v, index, staged)
         on_device = self.lane.to_device(staged)
         pages = self.lane.indices([c.page for c in copies])
-        k, v = self.pool.tensors_of(PageKind.RESIDUAL)
-        k.index_copy_(1, pages, on_device[0])
-        v.index_copy_(1, pages, on_device[1])
+        _scatter(*self.pool.tensors_of(PageKind.RESIDUAL), pages, on_device)
 
     def settle(self) -> None:
         """Land every offload still in flight (waits for their copies): the slots then hold
@@ -90,6 +86,17 @@ class HostResidualPool:
         while self._landing and (must > 0 or self._landing[0].landed.done()):
             landing = self._landing.popleft()
             landing.landed.wait()
-            self.k.index_copy_(1, landing.slots, landing.staged[0])
-            self.v.index_copy_(1, landing.slots, landing.staged[1])
+            _scatter(self.k, self.v, landing.slots, landing.staged)
             must -= 1
+
+
+def _gather(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """K's and V's pages (or slots) ``index`` into ``out[0]`` and ``out[1]``."""
+    torch.index_select(k, 1, index, out=out[0])
+    torch.index_select(v, 1, index, out=out[1])
+
+
+def _scatter(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``src[0]`` and ``src[1]`` into K's and V's pages (or slots) ``index``."""
+    k.index_copy_(1, index, src[0])
+    v.index_copy_(1, index, src[1])
