@@ -8,6 +8,8 @@ published (with ``base_activations`` one base pass publishes it for every agent)
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
 from forkserve.config import KVForm, KVLayout
@@ -37,6 +39,33 @@ class Workflow:
     def footprint_tokens(self) -> int:
         p = self.params
         return len(self.prompt) + p.turns * (p.gen + p.observation)
+
+
+class PageCensus:
+    """Distinct base and residual pages over a changing set of holders, by reference count:
+    adding or dropping a holder costs its own pages, never a recount of everyone's."""
+
+    def __init__(self) -> None:
+        self._pages: dict[object, tuple[Sequence[int], Sequence[int]]] = {}
+        self._refs: tuple[Counter, Counter] = (Counter(), Counter())
+
+    def holders(self) -> set:
+        return set(self._pages)
+
+    def add(self, holder, base: Sequence[int], residual: Sequence[int]) -> None:
+        self._pages[holder] = (base, residual)
+        for refs, pages in zip(self._refs, (base, residual), strict=True):
+            refs.update(pages)
+
+    def drop(self, holder) -> None:
+        for refs, pages in zip(self._refs, self._pages.pop(holder), strict=True):
+            refs.subtract(pages)
+            for page in pages:
+                if refs[page] <= 0:
+                    del refs[page]
+
+    def distinct(self) -> tuple[int, int]:
+        return len(self._refs[0]), len(self._refs[1])
 
 
 def observation(turn: int, index: int, length: int, vocab: int) -> list[int]:
@@ -72,6 +101,7 @@ class Driver:
         self.context_pages = params.context // params.page_size
         self.context_kv_per_agent = 0.0
         self._context_holders = 0
+        self._census = PageCensus()
         self.prefill_tick_s = 0.0
         self.decode_tick_s = 0.0
         self.decode_only_ticks = 0
@@ -129,17 +159,24 @@ class Driver:
 
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
-        agents holding it — kept at the most agents seen at once."""
-        tables = [self.engine.session_pages(f.session) for f in flows if f.session is not None]
-        tables = [t for t in tables if t.length >= self.params.context]
-        if len(tables) <= self._context_holders:
+        agents holding it — kept at the most agents seen at once. Runs inside the timed loop
+        (once per agent's first turn), so a holder's context pages are read once, when it
+        starts holding (a live session's written prefix does not move), and counted in
+        ``_census``: W agents cost O(W x context pages), not that times W."""
+        holders = {f.session for f in flows
+                   if f.session is not None and self._written(f) >= self.params.context}
+        if len(holders) <= self._context_holders:
             return
         n = self.context_pages
-        base = {page for t in tables for page in t.base[:n]}
-        residual = {page for t in tables if t.residual is not None for page in t.residual[:n]}
-        self._context_holders = len(tables)
-        stored = len(base) * self.base_bytes + len(residual) * self.res_bytes
-        self.context_kv_per_agent = stored / len(tables)
+        for session in self._census.holders() - holders:
+            self._census.drop(session)
+        for session in holders - self._census.holders():
+            t = self.engine.session_pages(session)
+            self._census.add(session, t.base[:n], () if t.residual is None else t.residual[:n])
+        self._context_holders = len(holders)
+        base, residual = self._census.distinct()
+        stored = base * self.base_bytes + residual * self.res_bytes
+        self.context_kv_per_agent = stored / len(holders)
 
     def _shares_context(self, split: bool) -> bool:
         """Whether a running workflow of the same form holds the context written (so the index
