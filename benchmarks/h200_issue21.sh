@@ -4,7 +4,7 @@
 # the memory-pressure run (24 GiB, W = 128, disaggregated, stateless turns) with the residual
 # host tier and pause pins (D1) on vs off. Every run rewrites its JSON under $OUT as it ends,
 # and each stage starts only if the call's deadline leaves it time, so a cut loses one run.
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue21.sh [all|sweep|pressure]
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue21.sh [all|sweep|lora|pressure]
 # Llama-3-8B shape, random bf16 weights (forkserve bench react builds them; no files carried).
 # A CPU check of the script's logic: REACT_ARGS (appended last, so they win) shrinks each run:
 #   REACT_ARGS="--tiny --workflows 2 4 --context 128 --kv-budget-gib 0.004" bash benchmarks/h200_issue21.sh
@@ -31,6 +31,13 @@ if [[ $STAGES == all || $STAGES == sweep ]]; then
   # no_lora first: the shared context is prefilled once, so its decode steps dominate and
   # its GPU idle at W = 256 with overlap is the issue's goal (<= 5%); overlap off beside it.
   react no_lora 200 --systems no_lora --workflows 64 128 256 --kv-budget-gib 100 --overlap off on
+fi
+if [[ $STAGES == all || $STAGES == lora ]]; then
+  # Every agent its own adapter, the shared context's residuals written by one base pass
+  # (base_activations): the LoRA system whose prefill does not grow with W, against vLLM
+  # 0.26 with LoRA (1.85 tasks/s at W = 32, 1.74 at W = 64; the goal is 2x at every W).
+  react disaggregated_base 200 --systems disaggregated_base --workflows 64 128 256 \
+    --kv-budget-gib 100 --overlap on
 fi
 if [[ $STAGES == all || $STAGES == pressure ]]; then
   # 24 GiB with 5% for residuals: 128 agents' 8K-context residuals do not all fit, so paused
