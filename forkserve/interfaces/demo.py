@@ -141,7 +141,8 @@ def format_reports(reports: list[LayoutReport]) -> str:
     for r in reports:
         agree = sum(agreement(r.tokens[k], ref.tokens[k]) for k in ref.tokens) / len(ref.tokens)
         lines.append(f"{r.layout:<14} {r.kv_bytes:>10,} {r.base_pages:>18} {r.residual_pages:>14} "
-                     f"{r.prefill_tokens:>11} {r.shared_tokens:>10} {agree:>15.0%} {r.seconds:>8.1f}")
+                     f"{r.prefill_tokens:>11} {r.shared_tokens:>10} {agree:>15.0%} "
+                     f"{r.seconds:>8.1f}")
     return "\n".join(lines)
 
 

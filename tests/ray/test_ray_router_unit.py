@@ -58,12 +58,14 @@ def summary(prefix: list[int] = (), residual: dict[str, int] | None = None, used
 
 
 def request(method: str, hint: RouteHint, internal_id: str | None = None) -> PendingRequest:
-    meta = RequestMetadata(request_id="r", internal_request_id=internal_id or f"i-{method}-{hint.tree_id}",
+    meta = RequestMetadata(request_id="r",
+                           internal_request_id=internal_id or f"i-{method}-{hint.tree_id}",
                            call_method=method)
     return PendingRequest(args=[hint], kwargs={}, metadata=meta)
 
 
-def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str, hint: RouteHint) -> list[list[str]]:
+def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str,
+          hint: RouteHint) -> list[list[str]]:
     async def go() -> list[list[str]]:
         pr = request(method, hint)
         ranks = await router.choose_replicas(replicas, pr)
@@ -86,8 +88,10 @@ def open_hint(tree: int, tokens: list[int], adapter: str | None = None) -> Route
 def test_page_hashes_are_chained_and_only_cover_full_pages() -> None:
     a = page_hashes(BASE_SCOPE, list(range(10)), P)
     assert len(a) == 2
-    assert page_hashes(BASE_SCOPE, list(range(8)) + [99, 98], P) == a  # the partial page is not hashed
-    assert page_hashes(BASE_SCOPE, [7] + list(range(1, 10)), P)[1] != a[1]  # page 2's hash depends on page 1
+    # the partial page is not hashed
+    assert page_hashes(BASE_SCOPE, list(range(8)) + [99, 98], P) == a
+    # page 2's hash depends on page 1
+    assert page_hashes(BASE_SCOPE, [7] + list(range(1, 10)), P)[1] != a[1]
     assert page_hashes("planner", list(range(10)), P) != a  # scopes never collide
     assert matched_pages(page_hashes(BASE_SCOPE, list(range(16)), P), frozenset(a)) == 2
 
@@ -158,7 +162,8 @@ def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
     router = new_router()
 
     async def go() -> None:
-        first, second = (request("generate", RouteHint(t, None), internal_id="shared") for t in (7, 8))
+        first, second = (request("generate", RouteHint(t, None), internal_id="shared")
+                         for t in (7, 8))
         for pr in (first, second):
             router._pending_requests_to_fulfill.append(pr)
             router._add_pending_request_to_indices(pr)
@@ -173,7 +178,8 @@ SYSTEM = [5, 6, 7, 8, 9, 10, 11, 12]  # a chat template's default system prompt:
 def place_sequentially(router: TreeAffinityRouter, prompts: list[list[int]]) -> Counter:
     """Each prompt opened after the last was routed, before any summary shows it."""
     a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
-    return Counter(route(router, [a, b], "open", open_hint(100 + i, p))[0][0] for i, p in enumerate(prompts))
+    return Counter(route(router, [a, b], "open", open_hint(100 + i, p))[0][0]
+                   for i, p in enumerate(prompts))
 
 
 def test_sequential_clients_sharing_only_a_system_prompt_spread_over_replicas() -> None:
@@ -200,7 +206,8 @@ def test_kv_pressure_and_token_rate_outweigh_a_short_prefix_match() -> None:
     assert route(router, [full, idle], "open", hint)[0] == ["b"]
     assert route(router, [busy, idle], "open", open_hint(10, SYSTEM + [78] * 8))[0] == ["b"]
     # Idle and equal but for the prefix: the prefix wins.
-    assert route(router, [FakeReplica("a", summary(SYSTEM)), idle], "open", open_hint(11, SYSTEM))[0] == ["a"]
+    assert route(router, [FakeReplica("a", summary(SYSTEM)), idle], "open",
+                 open_hint(11, SYSTEM))[0] == ["a"]
 
 
 def test_recent_routes_count_until_their_ttl() -> None:
@@ -222,7 +229,8 @@ def test_a_burst_of_opens_sees_each_other_before_any_is_routed() -> None:
 
     async def burst() -> list[str]:
         hints = [open_hint(200 + i, contexts[i % 2] + [400 + i] * P) for i in range(8)]
-        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name for h in hints]
+        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name
+                for h in hints]
     placed = asyncio.run(burst())
     assert len({placed[i] for i in (0, 2, 4, 6)}) == 1 and len({placed[i] for i in (1, 3, 5, 7)}) == 1
     assert placed[0] != placed[1]  # the second context goes where the first's load is not
@@ -246,9 +254,12 @@ def test_an_open_serve_sent_elsewhere_is_counted_where_it_went() -> None:
 def test_the_two_choices_baseline_ignores_prefixes_but_keeps_owners() -> None:
     router = TwoChoicesRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
-    replicas = [FakeReplica("a", summary(list(range(64)))), FakeReplica("b", summary()), FakeReplica("c", summary())]
+    replicas = [FakeReplica("a", summary(list(range(64)))), FakeReplica("b", summary()),
+                FakeReplica("c", summary())]
     hint = open_hint(500, list(range(64)))
-    picks = {tuple(sorted(route(router, replicas, "open", replace(hint, tree_id=500 + i))[0])) for i in range(40)}
-    assert all(len(p) == 2 for p in picks) and len(picks) == 3  # any two, the prefix's holder or not
+    picks = {tuple(sorted(route(router, replicas, "open", replace(hint, tree_id=500 + i))[0]))
+             for i in range(40)}
+    # any two, the prefix's holder or not
+    assert all(len(p) == 2 for p in picks) and len(picks) == 3
     placed = route(router, replicas, "open", replace(hint, tree_id=600))[0][0]
     assert route(router, replicas, "generate", RouteHint(600, None)) == [[placed]]

@@ -100,7 +100,8 @@ def test_a_new_tree_goes_where_its_prefix_is_published(client: httpx.Client,
 
 def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Client,
                                                              prefix_on: dict[str, list[int]]) -> None:
-    # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
+    # Place each adapter's first agent by a base prefix: planner on one replica, critic on the
+    # other.
     home = {}
     for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items(), strict=False):
         # 16 pages of residual: the log term must clear a page or two of load that the
@@ -123,11 +124,13 @@ def test_concurrent_agents_each_stay_on_one_replica(client: httpx.Client) -> Non
         sid, owner = open_tree(client, fresh_tokens(12))
         seen = {owner}
         for _ in range(2):
-            r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True})
+            r = client.post(f"/v1/sessions/{sid}/generate",
+                            json={"max_tokens": 4, "ignore_eos": True})
             ok(r)
             seen.add(r.headers[REPLICA_HEADER])
             tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
-            r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": fresh_tokens(4)})
+            r = client.post(f"/v1/sessions/{sid}/commit",
+                            json={"tip": tip, "tokens": fresh_tokens(4)})
             ok(r)
             seen.add(r.headers[REPLICA_HEADER])
         ok(client.delete(f"/v1/sessions/{sid}"))
@@ -168,7 +171,8 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
     for s in (sid, control):
         ok(client.delete(f"/v1/sessions/{s}"))
 
-    body = {"model": "critic", "prompt": "The quick brown fox", "max_tokens": 4, "n": 2, "temperature": 0}
+    body = {"model": "critic", "prompt": "The quick brown fox", "max_tokens": 4, "n": 2,
+            "temperature": 0}
     whole = ok(client.post("/v1/completions", json=body))
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
@@ -254,7 +258,8 @@ def test_the_http_proxy_listens_on_loopback_only(cluster: Cluster) -> None:
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:
     prompt = fresh_tokens(14)
     sid, victim = open_tree(client, prompt)
-    g1 = ok(client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True}))["tokens"]
+    g1 = ok(client.post(f"/v1/sessions/{sid}/generate",
+                        json={"max_tokens": 4, "ignore_eos": True}))["tokens"]
     tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
     extra = fresh_tokens(5)
     ok(client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": extra}))

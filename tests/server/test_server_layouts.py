@@ -27,13 +27,15 @@ def test_residual_pool_layouts_serve_adapters_without_leaks(tiny_model_dir, layo
             client.generate(s.session_id, 4)
             client.close(s.session_id)
             text = client.metrics()
-        for name in ('forkserve_pages_used{pool="residual"}', 'forkserve_prefix_index_pages{tree="residual"}',
+        for name in ('forkserve_pages_used{pool="residual"}',
+                     'forkserve_prefix_index_pages{tree="residual"}',
                      'forkserve_prefix_hit_ratio{tree="residual"}'):
             assert name in text, name
 
         def audit(e):
             e.check_integrity()
-            held = (e.pool.num_used - e.index.num_pages, e.residual_pool.num_used - e.residual_index.num_pages)
+            held = (e.pool.num_used - e.index.num_pages,
+                    e.residual_pool.num_used - e.residual_index.num_pages)
             e.evict_all()
             return len(e.sessions), held, e.pool.num_used, e.residual_pool.num_used
         assert server.on_engine(audit) == (0, (0, 0), 0, 0)

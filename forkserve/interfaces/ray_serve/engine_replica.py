@@ -120,10 +120,12 @@ class EngineReplica:
         self._registry.register(self._collector)
         # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
-        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.cache_stats().base.free)
+        log.info("replica %s: %s, %d pages", self.replica, self._model.name,
+                 self._model.engine.cache_stats().base.free)
 
     def __del__(self) -> None:
-        worker = getattr(self, "_worker", None)  # absent when __init__ failed (Serve still calls this)
+        # absent when __init__ failed (Serve still calls this)
+        worker = getattr(self, "_worker", None)
         if worker is not None:
             worker.stop()
 
@@ -183,7 +185,8 @@ class EngineReplica:
         return ModelInfo(name=m.name, model_path=path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
                          vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size,
-                         sampling_defaults=m.sampling_defaults, share_base=m.engine.config.share_base)
+                         sampling_defaults=m.sampling_defaults,
+                         share_base=m.engine.config.share_base)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
@@ -205,12 +208,15 @@ class EngineReplica:
 
     async def info(self, hint: RouteHint) -> Reply[tuple[SessionInfo, TreeView]]:
         return await self._reply(lambda: self._on_tree(
-            hint.tree_id, lambda sid: (self._info(hint.tree_id, sid), self._view(hint.tree_id, sid))))
+            hint.tree_id,
+            lambda sid: (self._info(hint.tree_id, sid), self._view(hint.tree_id, sid))))
 
-    async def fork(self, hint: RouteHint, parent: int, label: str, tokens: list[int]) -> Reply[ForkResponse]:
+    async def fork(self, hint: RouteHint, parent: int, label: str,
+                   tokens: list[int]) -> Reply[ForkResponse]:
         def verb(sid: int) -> ForkResponse:
             self._model.check_vocab(tokens)
-            return ForkResponse(node=self._model.engine.fork(sid, parent, label, tokens), tokens=len(tokens))
+            return ForkResponse(node=self._model.engine.fork(sid, parent, label, tokens),
+                                tokens=len(tokens))
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
     async def speculate(self, hint: RouteHint, node: int, priority: float,
@@ -221,7 +227,8 @@ class EngineReplica:
                                     miss_tokens=d.miss_tokens, reason=d.reason)
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
-    async def commit(self, hint: RouteHint, tip: int, tokens: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
+    async def commit(self, hint: RouteHint, tip: int,
+                     tokens: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
         def verb(sid: int) -> tuple[CommitResponse, TreeView]:
             self._model.check_vocab(tokens)
             r = self._model.engine.commit(sid, tip, tokens)
@@ -295,7 +302,8 @@ class EngineReplica:
         replica's trees only so the router brings the call here."""
         def run() -> DrainResponse:
             r = self._model.engine.drain_slack()
-            return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_tokens,
+            return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens,
+                                 decode_tokens=r.decode_tokens,
                                  slack_filled_tokens=r.slack_filled_tokens)
         return await self._reply(lambda: self._worker.call(run))
 
@@ -314,7 +322,8 @@ class EngineReplica:
             pages = eng.published_pages()
             w = self._worker.stats()
             cache = eng.cache_stats()
-            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._model.adapter_names),
+            return ReplicaSummary(index_hashes(pages, eng.config.page_size,
+                                               self._model.adapter_names),
                                   pages_per_adapter(pages, self._model.adapter_names),
                                   cache.base.free, w.active_generations, w.queue_depth,
                                   live_pages=cache.base.live, page_size=cache.page_size,

@@ -108,14 +108,18 @@ _port = _int_in(0, 65535, "takes a TCP port in [0, 65535]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="forkserve serve", description="OpenAI-compatible server with branch endpoints")
-    ap.add_argument("--model", help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
-    ap.add_argument("--served-model-name", help="the model id clients send (default: the folder/file name)")
+    ap = ArgumentParser(prog="forkserve serve",
+                        description="OpenAI-compatible server with branch endpoints")
+    ap.add_argument("--model",
+                    help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
+    ap.add_argument("--served-model-name",
+                    help="the model id clients send (default: the folder/file name)")
     ap.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
                     help="a PEFT LoRA adapter, served as model NAME (repeatable)")
     ap.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.UNIFIED.value)
     ap.add_argument("--system", choices=sorted(SYSTEMS), default="app",
-                    help="engine policy: alias (no cascade), plus (full cascade), app (cascade tuned for apps)")
+                    help="engine policy: alias (no cascade), plus (full cascade), app (cascade "
+                         "tuned for apps)")
     ap.add_argument("--num-pages", type=_positive, default=1024, help="KV pages per pool")
     ap.add_argument("--page-size", type=_positive, default=16)
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -124,12 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
                     help="auto: a request that omits temperature/top_p gets the model's own "
                          "(generation_config.json or GGUF metadata); none: OpenAI's 1.0")
-    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph replay)")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="decode eagerly on CUDA (no graph replay)")
     ap.add_argument("--session-ttl", type=float, default=600.0,
                     help="seconds an idle branch-API session lives before it is closed")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
-    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ap.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"])
     add_access_args(ap)
     return ap
 
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     access = checked_access(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
         from forkserve.backend.torch import find_smollm2_gguf
@@ -164,14 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s", model_path)
         try:
             model = load_served_model(model_path, config=config, loras=dict(args.lora),
-                                      name=args.served_model_name, device=args.device, dtype=args.dtype,
-                                      attention=args.attention, use_cuda_graphs=not args.no_cuda_graphs,
+                                      name=args.served_model_name, device=args.device,
+                                      dtype=args.dtype, attention=args.attention,
+                                      use_cuda_graphs=not args.no_cuda_graphs,
                                       generation_config=args.generation_config)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
-        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl, access=access),
-                                               log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S))
+        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl,
+                                                          access=access),
+                                               log_level=args.log_level,
+                                               timeout_keep_alive=KEEP_ALIVE_S))
         server.run(sockets=[sock])
     finally:
         sock.close()

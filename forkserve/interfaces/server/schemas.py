@@ -51,7 +51,8 @@ class _Sampling(_Strict):
     def extended_fields(self) -> list[str]:
         """The fields set here that need more than temperature / top-p sampling (a front end
         that cannot honour them refuses them by name)."""
-        return [f for f in ("presence_penalty", "frequency_penalty", "logit_bias") if getattr(self, f)]
+        return [f for f in ("presence_penalty", "frequency_penalty", "logit_bias")
+                if getattr(self, f)]
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
