@@ -63,7 +63,8 @@ def write_demo_adapters(model_cfg, folder: Path, rank: int = 8, seed: int = 0) -
         for layer in range(model_cfg.num_layers):
             for target, (d_in, d_out) in shapes.items():
                 key = f"base_model.model.model.layers.{layer}.self_attn.{target}_proj"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in ** 0.5
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, d_in, generator=gen)
+                                                   / d_in ** 0.5)
                 tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02
         out = folder / name
         out.mkdir(parents=True, exist_ok=True)

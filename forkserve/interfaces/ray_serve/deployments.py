@@ -78,7 +78,9 @@ def build_app(args: Mapping[str, Any]) -> Application:
     fields["loras"] = tuple(sorted(dict(fields.get("loras") or {}).items()))
     spec = ReplicaSpec(**fields)
     return build_application(spec, replicas=int(args.get("replicas", 2)),
-                             max_ongoing_requests=int(args.get("max_ongoing_requests", DEFAULT_MAX_ONGOING)),
-                             stats_period_s=float(args.get("stats_period_s", DEFAULT_STATS_PERIOD_S)),
+                             max_ongoing_requests=int(args.get("max_ongoing_requests",
+                                                               DEFAULT_MAX_ONGOING)),
+                             stats_period_s=float(args.get("stats_period_s",
+                                                           DEFAULT_STATS_PERIOD_S)),
                              num_cpus=float(args.get("num_cpus", 1.0)),
                              num_gpus=float(args.get("num_gpus", 0.0)))

@@ -168,7 +168,8 @@ class EngineReplica:
     def _info(self, tree_id: int, sid: int) -> SessionInfo:
         eng = self._model.engine
         adapter = eng.session_summary(sid).adapter
-        name = self._model.name if adapter is None else self._model.adapter_names[adapter_key(adapter)]
+        name = (self._model.name if adapter is None
+                else self._model.adapter_names[adapter_key(adapter)])
         # The tree id; the Frontend shows the caller its public id instead.
         return SessionInfo(session_id=str(tree_id), tip=eng.tip(sid), model=name,
                            committed_tokens=len(eng.committed_tokens(sid)))
@@ -249,7 +250,8 @@ class EngineReplica:
             return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
-    async def _start_generation(self, hint: RouteHint, spec: GenerationSpec) -> tuple[Generation, int]:
+    async def _start_generation(self, hint: RouteHint,
+                                spec: GenerationSpec) -> tuple[Generation, int]:
         """A generation queued on the tree's committed tip (and that tip's id)."""
         def check(sid: int) -> tuple[int, int]:
             tip = self._model.engine.node(sid, self._model.engine.tip(sid))
@@ -258,7 +260,8 @@ class EngineReplica:
         sid, tip = await self._on_tree(hint.tree_id, check)
         return await self._worker.generate(sid, spec), tip
 
-    async def generate(self, hint: RouteHint, spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
+    async def generate(self, hint: RouteHint,
+                       spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
         """Decode on the committed tip; the generated tokens join the committed spine."""
         async def run() -> tuple[GenerateResponse, TreeView]:
             gen, tip = await self._start_generation(hint, spec)
@@ -266,7 +269,8 @@ class EngineReplica:
                 out = await gen.collect()
             finally:
                 gen.cancel()  # a cancelled call (client gone) aborts the decode
-            view = await self._worker.call(lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
+            view = await self._worker.call(
+                lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
             return GenerateResponse(text=out.text, tokens=list(out.tokens),
                                     finish_reason=out.finish_reason or "length", tip=tip), view
         return await self._reply(run)
@@ -312,7 +316,8 @@ class EngineReplica:
         replica (it left the replica set, and the router sent its scrape here)."""
         if hint.replica != self.replica:
             return None
-        self._collector.snapshot = await self._worker.call(lambda: take_snapshot(self._model.engine, self._worker))
+        self._collector.snapshot = await self._worker.call(
+            lambda: take_snapshot(self._model.engine, self._worker))
         return generate_latest(self._registry).decode()
 
     # ------------------------------------------------------------------ Serve hooks

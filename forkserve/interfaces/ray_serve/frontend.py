@@ -67,7 +67,8 @@ install_error_handlers(app)
 def _error_payload(exc: Exception) -> dict:
     """What a stream sends when it breaks after its first byte: a replica lost mid-stream
     reads as 503 (retry: the tree is re-opened from its committed tokens at its next verb)."""
-    status = exc.status if isinstance(exc, APIError) else 503 if isinstance(exc, REPLICA_GONE) else 500
+    status = (exc.status if isinstance(exc, APIError)
+              else 503 if isinstance(exc, REPLICA_GONE) else 500)
     return {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
 
 
@@ -184,7 +185,7 @@ class Frontend:
         records = [(sid, self._trees.ledger.get(tree)) for sid, tree in self._ids.of_tenant(tenant)]
         return schemas.SessionList(data=[schemas.SessionInfo(session_id=sid, tip=rec.tip,
                                                              model=rec.adapter or info.name,
-                                             committed_tokens=len(rec.committed))
+                                                             committed_tokens=len(rec.committed))
                                          for sid, rec in records])
 
     @app.get("/v1/sessions/{sid}")
@@ -257,8 +258,9 @@ class Frontend:
             async def lines() -> AsyncIterator[str]:
                 try:
                     async for c in stream:
-                        yield schemas.GenerateChunk(text=c.text, tokens=list(c.tokens),
-                                                    finish_reason=c.finish_reason).model_dump_json() + "\n"
+                        yield schemas.GenerateChunk(
+                            text=c.text, tokens=list(c.tokens),
+                            finish_reason=c.finish_reason).model_dump_json() + "\n"
                 except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
                     yield json.dumps(_error_payload(exc)) + "\n"
             return StreamingResponse(lines(), media_type="application/x-ndjson",
@@ -354,7 +356,8 @@ class Frontend:
             await self._trees.close(info, tree)
 
     async def _merged(self, info: ModelInfo,
-                      started: list[tuple[int, GenerationStream]]) -> AsyncIterator[tuple[int, object]]:
+                      started: list[tuple[int, GenerationStream]]
+                      ) -> AsyncIterator[tuple[int, object]]:
         """(choice index, chunk) as chunks come from every choice; each tree is closed when
         its stream ends, and every one when the client leaves."""
         async def close(i: int) -> None:
@@ -391,7 +394,9 @@ class Frontend:
             def usage_chunk(completion_tokens: int) -> schemas.CompletionResponse:
                 return wire.usage_chunk(openai_wire.usage(prompt_tokens, completion_tokens))
             events = openai_wire.stream_events(self._merged(info, started), render,
-                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None)
+                                               usage_chunk
+                                               if openai_wire.include_usage(body.stream_options)
+                                               else None)
             return self._sse(events, started)
 
         results = await asyncio.gather(*(self._complete(info, adapter, ids, s, salt)
@@ -404,7 +409,8 @@ class Frontend:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, body: schemas.ChatCompletionRequest, request: Request,
-                               response: Response) -> schemas.ChatCompletionResponse | StreamingResponse:
+                               response: Response
+                               ) -> schemas.ChatCompletionResponse | StreamingResponse:
         salt, info, adapter = await self._caller(request, body)
         ids = (await self._text()).apply_chat_template(body.template_messages())
         specs = self._specs(info, [ids], body, body.token_budget())
@@ -422,7 +428,9 @@ class Frontend:
             def usage_chunk(completion_tokens: int) -> schemas.ChatCompletionChunk:
                 return wire.usage_chunk(openai_wire.usage(len(ids), completion_tokens))
             events = openai_wire.stream_events(self._merged(info, started), render,
-                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None,
+                                               usage_chunk
+                                               if openai_wire.include_usage(body.stream_options)
+                                               else None,
                                                opening=wire.roles(len(started)))
             return self._sse(events, started)
 

@@ -87,7 +87,8 @@ class TreeAffinityRouter(RequestRouter):
         return self.placement.score(self.state(replica), hint)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
         if hint is None:  # not a tree verb (describe): any replica, shortest queue
             return [candidate_replicas]
@@ -178,8 +179,10 @@ class TwoChoicesRouter(TreeAffinityRouter):
     (a lockstep run under it fails in its first turn), so it cannot serve branch trees at all."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
-        if hint is not None and hint.replica is None and pending_request.metadata.call_method == "open":
+        if (hint is not None and hint.replica is None
+                and pending_request.metadata.call_method == "open"):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         return await super().choose_replicas(candidate_replicas, pending_request)

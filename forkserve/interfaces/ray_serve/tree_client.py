@@ -145,7 +145,8 @@ class TreeClient:
         cause: BaseException | None = None
         for _ in range(_ATTEMPTS):
             rec = self.ledger.get(tree_id)
-            stream = self._handle("generate_stream", rec.hint(), stream=True).remote(rec.hint(), spec)
+            stream = self._handle("generate_stream", rec.hint(),
+                                  stream=True).remote(rec.hint(), spec)
             try:
                 first = await stream.__anext__()
             except REPLICA_GONE as e:

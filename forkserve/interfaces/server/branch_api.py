@@ -63,7 +63,8 @@ T = TypeVar("T")
 
 def _tokens(st: ServerState, text: str | None, tokens: list[int] | None) -> list[int]:
     """Engine thread only (the tokenizer is not shared across threads)."""
-    ids = tokens if tokens is not None else st.model.tokenizer.encode(text or "", add_special_tokens=False)
+    ids = (tokens if tokens is not None
+           else st.model.tokenizer.encode(text or "", add_special_tokens=False))
     st.model.check_vocab(ids)
     return ids
 
@@ -111,9 +112,8 @@ async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep
         eid = st.tenancy.open(tenant, ids, adapter, salt, 0, expose=True).engine_id
         st.worker.lease(eid)
         return _info(st, eid)
-    return await st.worker.call(run,
-                                undo=lambda info: _close(st,
-                                                         st.tenancy.resolve(tenant, info.session_id)))
+    return await st.worker.call(
+        run, undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id)))
 
 
 def _close(st: ServerState, eid: int) -> None:
@@ -165,8 +165,8 @@ def _commit_response(sid: str, r) -> CommitResponse:
 async def commit(sid: str, body: CommitRequest, st: StateDep, tenant: TenantDep) -> CommitResponse:
     def run(eid: int) -> CommitResponse:
         ids = _tokens(st, body.text, body.tokens)
-        return _commit_response(sid, st.tenancy.grow(tenant, len(ids),
-                                                     lambda: st.worker.engine.commit(eid, body.tip, ids)))
+        return _commit_response(sid, st.tenancy.grow(
+            tenant, len(ids), lambda: st.worker.engine.commit(eid, body.tip, ids)))
     return await _on_session(st, tenant, sid, run)
 
 

@@ -10,9 +10,9 @@ is queued the thread runs idle ticks: that is where speculative branches are pre
 during a tool pause.
 
 Ownership: a session opened for one OpenAI request lives as long as its generation: it is
-closed when the generation ends, aborted when its client goes away. A session opened through the branch API is
-leased: any verb on it renews the lease, and a session idle past ``session_ttl_s`` is
-closed here, so a client that vanishes cannot leak pages.
+closed when the generation ends, aborted when its client goes away. A session opened through
+the branch API is leased: any verb on it renews the lease, and a session idle past
+``session_ttl_s`` is closed here, so a client that vanishes cannot leak pages.
 """
 from __future__ import annotations
 
@@ -277,7 +277,8 @@ class EngineWorker:
         timeout = 1.0 if block else None
         while True:
             try:
-                item = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+                item = (self._commands.get(timeout=timeout) if timeout
+                        else self._commands.get_nowait())
             except queue.Empty:
                 return
             timeout = None  # after the first command, drain without waiting

@@ -79,8 +79,7 @@ class EngineCollector:
         prefilled = s.counters["prefill_tokens"]
         ratio = GaugeMetricFamily("forkserve_prefix_hit_ratio",
                                   "tokens a prefix tree served / (served + prefilled), since "
-                                  "start; "
-                                  "tree=all: every side of the KV came from the index",
+                                  "start; tree=all: every side of the KV came from the index",
                                   labels=["tree"])
         hit_tokens = CounterMetricFamily("forkserve_prefix_hit_tokens",
                                          "tokens served from a prefix tree", labels=["tree"])

@@ -109,11 +109,13 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
     def prompt_records(index: int) -> list[SampledToken] | None:
         """The echoed prompt's logprobs (read once its prefill delivered a first chunk)."""
         log = choices[index].log
-        return log.prompt_entries(per_choice[index]) if body.prompt_logprobs is not None and log else None
+        return (log.prompt_entries(per_choice[index])
+                if body.prompt_logprobs is not None and log else None)
 
     def chunk(index: int, text: str, reason: str | None,
               records: list[SampledToken] | None = None) -> CompletionResponse:
-        lp = completion_logprobs(records, st.model.token_text, k, 0) if records is not None else None
+        lp = (completion_logprobs(records, st.model.token_text, k, 0) if records is not None
+              else None)
         return wire.chunk(index, text, reason, lp)
 
     if body.stream:
@@ -145,8 +147,8 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
             records, echo_offset = prompt + records, 0  # offsets run over the echoed tokens
         else:
             echo_offset = len(echo)
-        lp = completion_logprobs(records, st.model.token_text, k,
-                                 echo_offset) if records is not None else None
+        lp = (completion_logprobs(records, st.model.token_text, k, echo_offset)
+              if records is not None else None)
         out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason,
                                     logprobs=lp))
     return wire.body(out, usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
@@ -167,12 +169,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     model.check_vocab(ids)
     model.check_length(len(ids), budget)
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
-    grammar = await asyncio.to_thread(plan.grammar.compile,
-                                      model.grammar_compiler()) if plan.grammar else None
+    grammar = (await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler())
+               if plan.grammar else None)
     top = body.top_logprobs or 0
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
-    pin_if = (lambda text: bool(fmt.parse(text).calls)) if fmt is not None and model.pin_tool_pauses else None
+    pin_if = ((lambda text: bool(fmt.parse(text).calls))
+              if fmt is not None and model.pin_tool_pauses else None)
     choices, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops,
                                    top if body.logprobs else None, grammar, pin_if)
     wire = ChatWire.start(body.model)
@@ -301,7 +304,8 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
                 constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
-            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec, opener=opener(ids)), log))
+            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec,
+                                                                     opener=opener(ids)), log))
     except BaseException:
         for c in choices:
             c.gen.cancel()

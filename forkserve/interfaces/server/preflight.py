@@ -25,8 +25,7 @@ def check_model_path(path: str | Path) -> None:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise UsageError(f"--model {path} has no config.json (an HF model folder holds "
-                             "config.json, "
-                             "*.safetensors and the tokenizer files)")
+                             "config.json, *.safetensors and the tokenizer files)")
     elif p.suffix != ".gguf":
         raise UsageError(f"--model {path} is neither an HF model folder nor a .gguf file")
 
@@ -68,7 +67,8 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        reason = ("is already in use" if e.errno == errno.EADDRINUSE
+                  else f"cannot be bound ({e.strerror})")
         raise UsageError(f"port {port} on {host} {reason}; choose another with --port") from None
     sock.listen()
     return sock

@@ -232,7 +232,8 @@ class ChatCompletionRequest(_Sampling):
         return [t.function.name for t in self.tools or []]
 
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]

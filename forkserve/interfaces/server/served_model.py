@@ -83,10 +83,9 @@ class ServedModel:
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if prompt_tokens + max_tokens > self.max_context:
-            raise APIError(400,
-                           f"This model's maximum context length is {self.max_context} tokens; "
-                                f"the request has {prompt_tokens} prompt tokens and asks for "
-                                f"{max_tokens} completion tokens", param="max_tokens")
+            raise APIError(400, f"This model's maximum context length is {self.max_context} "
+                                f"tokens; the request has {prompt_tokens} prompt tokens and "
+                                f"asks for {max_tokens} completion tokens", param="max_tokens")
 
     @cached_property
     def adapter_names(self) -> Mapping[AdapterKey, str]:
