@@ -23,7 +23,8 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     if args.url:
         import httpx
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-        model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
+        model = args.model or httpx.get(f"{args.url}/v1/models",
+                                        headers=headers).json()["data"][0]["id"]
         yield args.url, model
         return
     from forkserve.backend.torch import find_smollm2_gguf

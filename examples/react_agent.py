@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__.split("\n")[0]).parse_args(argv)
     with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
         agent = ReActAgent(client, model, {"calculator": calculator, "lookup": lookup},
-                           max_tokens=48,
-                           expected_tool_ms=200, guesses=lambda tool, arg: [Guess("error: ", 0.2)])
+                           max_tokens=48, expected_tool_ms=200,
+                           guesses=lambda tool, arg: [Guess("error: ", 0.2)])
         result = agent.run(PROMPT, resume=REPLAY, max_steps=3)
     for i, step in enumerate(result.steps):
         c = step.commit

@@ -67,11 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
         c = step.commit
         print(f"step {i}: tool ran {step.tool_ms:.1f} ms; decisions "
               f"{({k: d.action for k, d in step.decisions.items()})}; commit bound node "
-              f"{c.bound_node} "
-              f"(matched {c.matched_tokens}, prefilled {c.prefilled_tokens}, aborted "
-              f"{len(c.aborted)})")
-    print(f"finished: {result.finished} {result.final_message!r}\n--- transcript "
-          f"---\n{result.transcript}")
+              f"{c.bound_node} (matched {c.matched_tokens}, prefilled {c.prefilled_tokens}, "
+              f"aborted {len(c.aborted)})")
+    print(f"finished: {result.finished} {result.final_message!r}\n"
+          f"--- transcript ---\n{result.transcript}")
     return {"steps": len(result.steps), "finished": result.finished,
             "transcript": result.transcript}
 

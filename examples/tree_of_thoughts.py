@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
         c = level.commit
         print(f"level {i}: scores {[round(s, 2) for s in level.scores]} -> thought {level.chosen} "
               f"(bound node {c.bound_node}, matched {c.matched_tokens}, prefilled "
-              f"{c.prefilled_tokens}, "
-              f"aborted {len(c.aborted)})")
+              f"{c.prefilled_tokens}, aborted {len(c.aborted)})")
     print(f"--- state ---\n{result.state}\n--- answer ---\n{result.answer}")
     return {"levels": len(result.levels), "state": result.state, "answer": result.answer}
 

@@ -44,8 +44,8 @@ def test_residuals_are_the_base_activations_times_each_adapters_A(model_dir):
             x = hf.model.layers[layer].input_layernorm(hidden[layer][0])
             a_k = next(v for k, v in weights.items()
                        if f"layers.{layer}.self_attn.k_proj.lora_A" in k)
-            stored = backend.pool.layer(layer).k_res[pages].reshape(-1,
-                                                                    backend.pool.layer(layer).k_res.shape[-1])
+            stored = backend.pool.layer(layer).k_res[pages].reshape(
+                -1, backend.pool.layer(layer).k_res.shape[-1])
             assert torch.allclose(stored[:, :a_k.shape[0]], x @ a_k.T, atol=1e-4), (name, layer)
 
 

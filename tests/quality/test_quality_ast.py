@@ -30,13 +30,14 @@ def test_valid_answers_pass(text):
 
 @pytest.mark.parametrize("text, why", [
     ("[spotify.play(artist='Taylor Swift', duration=20)]", "1 calls, expected 2"),
-    ("[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Adele', duration=15)]", "not in"),
+    ("[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Adele', "
+     "duration=15)]", "not in"),
     ("[spotify.play(artist='Taylor Swift', duration='20'), spotify.play(artist='Maroon 5', "
      "duration=15)]", "type"),
     ("[spotify.play(artist='Taylor Swift'), spotify.play(artist='Maroon 5', duration=15)]",
      "missing required"),
-    ("[spotify.play(artist='Taylor Swift', duration=20, loud=True), spotify.play(artist='Maroon "
-     "5', duration=15)]",
+    ("[spotify.play(artist='Taylor Swift', duration=20, loud=True), "
+     "spotify.play(artist='Maroon 5', duration=15)]",
      "unexpected argument"),
     ("[spotify.stop(artist='Taylor Swift', duration=20), spotify.play(artist='Maroon 5', "
      "duration=15)]", "function"),
@@ -53,7 +54,7 @@ def test_wrong_answers_fail_with_a_reason(text, why):
 def test_a_call_fitting_two_gold_calls_does_not_steal_its_siblings():
     funcs = [{"name": "f",
               "parameters": {"required": ["h"], "properties": {"h": {"type": "integer"},
-                                                                           "v": {"type": "integer"}}}}]
+                                                               "v": {"type": "integer"}}}}]
     gold = [{"f": {"h": [10], "v": ["", 0]}}, {"f": {"h": [10], "v": [5]}}]
     assert check("[f(h=10, v=5), f(h=10)]", gold, funcs).valid
 

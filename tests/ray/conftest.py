@@ -1,6 +1,7 @@
 """Fixtures of tests/ray: one loopback Ray cluster and one Serve application for the whole
-session (Ray's start-up is the slow part), its Frontend keyed for two tenants. The tiny model comes from tests/server's helpers,
-so both suites serve the same checkpoint through the same loaders."""
+session (Ray's start-up is the slow part), its Frontend keyed for two tenants. The tiny model
+comes from tests/server's helpers, so both suites serve the same checkpoint through the same
+loaders."""
 from __future__ import annotations
 
 import socket

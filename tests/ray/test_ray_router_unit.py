@@ -130,7 +130,8 @@ def test_a_new_tree_ranks_the_replica_with_its_prefix_first() -> None:
 
 def test_residual_pages_pull_an_adapters_new_agent() -> None:
     router = new_router()
-    a, b = FakeReplica("a", summary(residual={"critic": 40})), FakeReplica("b", summary(residual={"planner": 6}))
+    a, b = (FakeReplica("a", summary(residual={"critic": 40})),
+            FakeReplica("b", summary(residual={"planner": 6})))
     assert route(router, [a, b], "open", open_hint(3, [9] * 8, "planner"))[0] == ["b"]
     assert route(router, [a, b], "open", open_hint(4, [9] * 8, "critic"))[0] == ["a"]
 
@@ -154,7 +155,8 @@ def test_the_serve_config_file_is_a_valid_deploy_config() -> None:
     import forkserve.interfaces.ray_serve as pkg
     config = yaml.safe_load((Path(pkg.__file__).parent / "serve_config.yaml").read_text())
     app = ServeDeploySchema.model_validate(config).applications[0]
-    assert app.deployments[0].request_router_config["request_router_class"].endswith(":TreeAffinityRouter")
+    assert app.deployments[0].request_router_config["request_router_class"].endswith(
+        ":TreeAffinityRouter")
 
 
 def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
@@ -214,9 +216,11 @@ def test_recent_routes_count_until_their_ttl() -> None:
     now = [0.0]
     recent = RecentRoutes(4.0, clock=lambda: now[0])
     recent.add(open_hint(1, list(range(8)), "planner"), new_pages=2)
-    assert recent.new_pages() == 2 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    assert (recent.new_pages() == 2 and recent.adapter_pages("planner") == 2
+            and len(recent.hashes()) == 2)
     recent.closed(1)  # published cache now: still matched, no longer load
-    assert recent.new_pages() == 0 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    assert (recent.new_pages() == 0 and recent.adapter_pages("planner") == 2
+            and len(recent.hashes()) == 2)
     now[0] = 4.5
     assert recent.new_pages() == 0 and recent.hashes() == frozenset()
 
@@ -232,7 +236,8 @@ def test_a_burst_of_opens_sees_each_other_before_any_is_routed() -> None:
         return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name
                 for h in hints]
     placed = asyncio.run(burst())
-    assert len({placed[i] for i in (0, 2, 4, 6)}) == 1 and len({placed[i] for i in (1, 3, 5, 7)}) == 1
+    assert (len({placed[i] for i in (0, 2, 4, 6)}) == 1
+            and len({placed[i] for i in (1, 3, 5, 7)}) == 1)
     assert placed[0] != placed[1]  # the second context goes where the first's load is not
 
 

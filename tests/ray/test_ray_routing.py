@@ -98,8 +98,8 @@ def test_a_new_tree_goes_where_its_prefix_is_published(client: httpx.Client,
             ok(client.delete(f"/v1/sessions/{sid}"))
 
 
-def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Client,
-                                                             prefix_on: dict[str, list[int]]) -> None:
+def test_an_adapters_second_agent_prefers_its_residual_pages(
+        client: httpx.Client, prefix_on: dict[str, list[int]]) -> None:
     # Place each adapter's first agent by a base prefix: planner on one replica, critic on the
     # other.
     home = {}
@@ -195,7 +195,8 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
     ends = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
-    assert sorted(c["index"] for c in ends) == [0, 1] and all(c["delta"]["content"] is None for c in ends)
+    assert (sorted(c["index"] for c in ends) == [0, 1]
+            and all(c["delta"]["content"] is None for c in ends))
     assert chunks[-1]["choices"] == [] and 0 < chunks[-1]["usage"]["completion_tokens"] <= 6
 
 
@@ -221,7 +222,8 @@ def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) 
         assert c.bound_node == happy and c.matched_tokens == len(wrapper) and err in c.aborted
         out = client.generate(s.session_id, 5, ignore_eos=True)
         assert len(out.tokens) == 5 and out.tip == c.tip
-        assert client.info(s.session_id).committed_tokens == s.committed_tokens + len(wrapper) + 3 + 5
+        assert (client.info(s.session_id).committed_tokens
+                == s.committed_tokens + len(wrapper) + 3 + 5)
         client.close(s.session_id)
 
 
@@ -286,7 +288,8 @@ def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> Non
     assert r.headers[REPLICA_HEADER] != victim
     r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "ignore_eos": True})
     after = ok(r)["tokens"]
-    assert ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"] == len(committed + more + after)
+    assert (ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"]
+            == len(committed + more + after))
 
     # Greedy decoding from the re-opened tree equals decoding from a fresh tree on the
     # same tokens: the committed context came back whole.

@@ -28,7 +28,8 @@ def test_keys_are_required_on_every_route_but_health(url):
                                ("POST", "/v1/chat/completions", chat), ("POST", "/v1/drain", None)]:
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
             r = httpx.request(method, url + path, headers=headers, json=body)
-            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, r.text)
+            assert (r.status_code == 401
+                    and r.json()["error"]["type"] == "AuthenticationError"), (path, r.text)
     assert httpx.get(url + "/health").status_code == 200
 
 

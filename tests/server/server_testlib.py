@@ -15,8 +15,8 @@ from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 from forkserve.interfaces.server.served_model import load_served_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] "
-                 "}}<|im_end|>\n"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["Thought: I should look at the files first.", "Action: search[forkserve pages]",
           "Observation: the tool returned three results.", "Final Answer: the cache is shared.",

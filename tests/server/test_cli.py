@@ -48,7 +48,8 @@ def test_bad_flags_are_one_line(capsys, argv, message):
 def test_bad_model_paths_are_one_line(capsys, tmp_path):
     assert "has no config.json" in run_cli(capsys, "--model", tmp_path)
     (tmp_path / "weights.bin").write_bytes(b"x")
-    assert "neither an HF model folder nor a .gguf" in run_cli(capsys, "--model", tmp_path / "weights.bin")
+    assert "neither an HF model folder nor a .gguf" in run_cli(capsys, "--model",
+                                                              tmp_path / "weights.bin")
 
 
 def test_bad_adapters_are_one_line(capsys, model_path, tiny_model_dir, tmp_path):
@@ -92,8 +93,8 @@ def cli_process(*argv: str) -> subprocess.Popen:
     code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
             f"from forkserve.interfaces.cli import main; sys.exit(main({list(argv)!r}))")
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_usage_errors_load_nothing_heavy():

@@ -67,7 +67,8 @@ CASES = [
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
     ("a tool schema the grammar cannot enforce", "POST", "/v1/chat/completions",
      {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
-      "tool_choice": "required", "tools": [{"type": "function",
+      "tool_choice": "required",
+      "tools": [{"type": "function",
                  "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]}, 400),
     ("logit_bias out of vocabulary", "POST", "/v1/chat/completions",
      {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
@@ -99,7 +100,8 @@ CASES = [
 def _fill(value, ids):
     if isinstance(value, dict):
         return {k: _fill(v, ids) for k, v in value.items()}
-    if isinstance(value, str) and value.startswith("{") and value.endswith("}") and value[1:-1] in ids:
+    if (isinstance(value, str) and value.startswith("{") and value.endswith("}")
+            and value[1:-1] in ids):
         return ids[value[1:-1]]
     return value
 
@@ -127,5 +129,6 @@ def test_malformed_json_is_a_400_that_says_so(server, http, body, message):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert message in err["message"] and err["param"] is None and err["type"] == "BadRequestError", err
+        assert (message in err["message"] and err["param"] is None
+                and err["type"] == "BadRequestError"), err
     assert engine_state(server) == before

@@ -72,7 +72,8 @@ def test_join_commits_branches_one_after_another(client):
         client.speculate(s.session_id, n, priority=0.5)
     c = client.join(s.session_id, [a, b], separator_text="\n")
     info = client.info(s.session_id)
-    assert info.tip == c.tip and info.committed_tokens > s.committed_tokens + 4 and info.model == "critic"
+    assert (info.tip == c.tip and info.committed_tokens > s.committed_tokens + 4
+            and info.model == "critic")
     client.close(s.session_id)
 
 

@@ -127,7 +127,8 @@ def run(http: httpx.Client, reqs: list[Req]) -> dict[str, tuple[int | None, str]
 
 
 def settled(server) -> tuple[int, int, int]:
-    """Once every session ended: (pages used, published, used after evict_all); integrity checked."""
+    """Once every session ended: (pages used, published, used after evict_all); integrity
+    checked."""
     wait_until(lambda: quiescent_pages(server)[0] == 0)
 
     def audit(e):
@@ -155,7 +156,8 @@ def test_bad_requests_change_no_good_answer_and_leak_nothing(faulty_server, http
     assert faulty_server.on_engine(lambda e: e.pool.num_free) == free_before
 
 
-def test_a_branch_generation_the_backend_fails_ends_alone_and_keeps_the_session(faulty_server, http):
+def test_a_branch_generation_the_backend_fails_ends_alone_and_keeps_the_session(faulty_server,
+                                                                                http):
     poisoned = http.post("/v1/sessions",
                          json={"model": MODEL_NAME, "tokens": [7, POISON, 9]}).json()
     healthy = http.post("/v1/sessions", json={"model": MODEL_NAME, "tokens": [7, 8, 9]}).json()

@@ -16,7 +16,8 @@ def test_residual_pool_layouts_serve_adapters_without_leaks(tiny_model_dir, layo
     with start(tiny_model_dir, kv_layout=layout) as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         outs = {m: oai.chat.completions.create(model=m, max_tokens=6, temperature=0,
-                                               messages=[{"role": "user", "content": "Plan the fix."}])
+                                               messages=[{"role": "user",
+                                                          "content": "Plan the fix."}])
                 .choices[0].message.content for m in ("planner", "critic")}
         assert outs["planner"] != outs["critic"]
         with BranchClient(server.url) as client:

@@ -112,7 +112,8 @@ def victim_outputs(server, salt: str) -> list[str]:
     return [client.chat.completions.create(model=MODEL_NAME,
                                            messages=[{"role": "user", "content": p}],
                                            max_tokens=8, temperature=0,
-                                           extra_body={"cache_salt": salt}).choices[0].message.content
+                                           extra_body={"cache_salt": salt})
+            .choices[0].message.content
             for p in PROMPTS]
 
 

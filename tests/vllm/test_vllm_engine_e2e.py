@@ -155,7 +155,8 @@ def _script(eng, rng, adapters):
             pick = rng.choice([0, 1, 2, None])
             tokens = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 20))]
             if pick is not None:
-                tokens = list(eng.node(sid, eng.tip(sid)).children[pick].tokens)[:rng.randrange(1, 30)] + tokens
+                tokens = (list(eng.node(sid, eng.tip(sid)).children[pick].tokens)
+                          [:rng.randrange(1, 30)] + tokens)
             eng.commit(sid, eng.tip(sid), tokens)
             eng.generate(sid, rng.randrange(1, 24))
     return [eng.committed_tokens(s) for s in sessions]

@@ -1,4 +1,5 @@
-"""benchmarks/vllm_side_by_side.py runs without vLLM: it says vLLM is missing and skips those runs."""
+"""benchmarks/vllm_side_by_side.py runs without vLLM: it says vLLM is missing and skips those
+runs."""
 from __future__ import annotations
 
 import importlib.util

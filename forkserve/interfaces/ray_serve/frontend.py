@@ -167,9 +167,9 @@ class Frontend:
         info = await self._model()
         adapter = self._adapter(info, body.model)
         if body.messages is not None:
-            ids = (await self._text()).apply_chat_template([{"role": m.role, "content": m.text()}
-                                                            for m in body.messages],
-                                                      add_generation_prompt=body.add_generation_prompt)
+            ids = (await self._text()).apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
         elif body.text is not None:
             ids = (await self._text()).encode(body.text, add_special_tokens=True)
         else:

@@ -199,8 +199,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
                 yield wire.delta(index, ChatDelta(content=text or None), logprobs(records))
             if reply is not None and reply.calls:
                 yield wire.delta(index, ChatDelta(tool_calls=[
-                    ToolCallDelta(index=j, id=call.id, function=FunctionCallOut(name=call.name,
-                                                                               arguments=call.arguments))
+                    ToolCallDelta(index=j, id=call.id,
+                                  function=FunctionCallOut(name=call.name,
+                                                           arguments=call.arguments))
                     for j, call in enumerate(reply.calls)]))
             if c.finish_reason:
                 yield wire.finish(index, _finish(c.finish_reason, reply))
