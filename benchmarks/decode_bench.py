@@ -152,9 +152,9 @@ class Bench:
         gen = torch.Generator().manual_seed(context)
         vocab = self.backend.model_config.vocab_size
         shared = tuple(range(context // PAGE))
-        self.backend.step([SeqWork(0,
-                                   tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()), 0,
-                                   KVSlots(shared))])
+        self.backend.step([SeqWork(
+            0, tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()), 0,
+            KVSlots(shared))])
 
         def item(i: int, tokens: list[int], start: int, decode: bool = False) -> SeqWork:
             first = (i + 1) * self.pages_per_seq  # region 0 holds the context
@@ -164,10 +164,9 @@ class Bench:
 
         nxt = []
         for lo in range(0, agents, 8):
-            nxt += self.backend.step([item(i,
-                                           torch.randint(0, vocab, (16,), generator=gen).tolist(),
-                                           context)
-                                      for i in range(lo, min(agents, lo + 8))]).next_tokens
+            nxt += self.backend.step([
+                item(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), context)
+                for i in range(lo, min(agents, lo + 8))]).next_tokens
         sharing = PrefixSharing(PAGE)
         pos, times = context + 16, []
         for s in range(warmup + steps):
@@ -234,7 +233,8 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
-    """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token only)."""
+    """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token
+    only)."""
     linear = cfg.num_parameters() - 2 * cfg.vocab_size * cfg.hidden_size  # per-token matmul weights
     # QK^T and PV, causal half
     attn = 2 * 2 * cfg.num_layers * cfg.q_size * tokens * (tokens + 1) / 2
@@ -303,8 +303,8 @@ def main() -> None:
 
     def make(layout: KVLayout, fusions: bool) -> TorchBackend:
         fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
-                             num_residual_pages=big_batch * pages_per_seq
-                             if layout is KVLayout.DISAGGREGATED else 1,
+                             num_residual_pages=(big_batch * pages_per_seq
+                                                 if layout is KVLayout.DISAGGREGATED else 1),
                              kv_layout=layout, vocab_size=cfg.vocab_size)
         return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
                                          max_adapters=n_adapters, max_lora_rank=rank,
@@ -320,9 +320,11 @@ def main() -> None:
         (out / json_name).write_text(json.dumps(res, indent=1))
 
     def roofline(batch: int, lora: bool) -> float:
-        lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
+        lora_bytes = (n_adapters * cfg.num_layers * rank * 2
+                      * sum(sum(target_shapes(cfg)[t]) for t in TARGETS))
         kv = batch * (prompt + 16) * kv_token_bytes
-        nbytes = res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv + (lora_bytes if lora else 0)
+        nbytes = (res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv
+                  + (lora_bytes if lora else 0))
         return nbytes / res["copy_bandwidth_Bps"] * 1e3
 
     def decode_case(bench: Bench, batch: int, lora: bool) -> dict:
@@ -417,8 +419,8 @@ def plot(res: dict, path: Path) -> None:
 
 
 def print_table(res: dict) -> None:
-    print(f"\ncopy BW {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, matmul "
-          f"{res['matmul_flops'] / 1e12:.0f} TFLOP/s, "
+    print(f"\ncopy BW {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+          f"matmul {res['matmul_flops'] / 1e12:.0f} TFLOP/s, "
           f"weights {res['weight_bytes'] / 1e9:.2f} GB, attention {res.get('attention')}")
     print(f"{'case':34s} {'ms/step':>8s} {'roofline':>8s} {'ratio':>6s}")
     for key in ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora",
@@ -435,8 +437,8 @@ def print_table(res: dict) -> None:
     for key in ("prefill", "prefill_lora"):
         r = res.get(key)
         if r:
-            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline "
-                  f"{r['roofline_tokens_per_s']:.0f}) "
+            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s "
+                  f"(roofline {r['roofline_tokens_per_s']:.0f}) "
                   f"routes {r.get('prefill_routes')}")
     for key in ("hf_generate_b1", "hf_generate_b64"):
         r = res.get(key)

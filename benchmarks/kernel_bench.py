@@ -285,7 +285,8 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
             row["residual_ms"] = measure(res, tag + " residual", resid, s.smoke)
             kv_bytes = batch * ctx * bytes_per_token
             row["unified_GBps"] = kv_bytes / row["unified_ms"] / 1e6
-            row["residual_GBps"] = (kv_bytes + batch * ctx * res_bytes_per_token) / row["residual_ms"] / 1e6
+            row["residual_GBps"] = ((kv_bytes + batch * ctx * res_bytes_per_token)
+                                    / row["residual_ms"] / 1e6)
             row["residual_over_unified"] = row["residual_ms"] / row["unified_ms"]
             if batch * ctx <= 512 * 1024 or s.smoke:  # eager copies of the cache: cap memory/time
                 k, v = gathered_kv(s, bt, ctx)
@@ -298,10 +299,10 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
             if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[-2]:
                 # Diagnostic: every adapter -1 skips the residual loads but keeps the math.
                 none = torch.full_like(ad, -1)
-                row["residual_no_adapter_ms"] = measure(res, tag + " no-adapter",
-                                                        lambda: residual_decode_triton(
-                    q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, none, s.inv_freq,
-                    max_seq_len=ctx, **cfg["residual"]), s.smoke)
+                row["residual_no_adapter_ms"] = measure(
+                    res, tag + " no-adapter", lambda: residual_decode_triton(
+                        q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, none,
+                        s.inv_freq, max_seq_len=ctx, **cfg["residual"]), s.smoke)
             if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[1]:
                 row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
                     resid(),
@@ -452,20 +453,19 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
         k, v = pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys)
         scale = 1.0 / math.sqrt(s.head_dim)
-        row["varlen_gathered_ms"] = measure_eager(res, tag + " varlen gathered",
-                                                  lambda: flash_varlen(
-            q, k, v, cu, cu_k, new, keys, scale), s.smoke) if support.varlen else math.nan
+        row["varlen_gathered_ms"] = measure_eager(
+            res, tag + " varlen gathered",
+            lambda: flash_varlen(q, k, v, cu, cu_k, new, keys, scale),
+            s.smoke) if support.varlen else math.nan
         if new == keys and batch == 1:  # SDPA baselines: square causal only
             kh, vh = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
             for name, backend in (("sdpa_default", None),
                                   ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                   ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                row[name + "_ms"] = measure_eager(res, f"{tag} {name}",
-                                                  lambda b=backend: sdpa_backend(
-                    s, q, kh, vh, b), s.smoke)
+                row[name + "_ms"] = measure_eager(
+                    res, f"{tag} {name}", lambda b=backend: sdpa_backend(s, q, kh, vh, b), s.smoke)
             row["sdpa_expanded_ms"] = measure_eager(res, tag + " sdpa expanded",
-                                                    lambda: sdpa_prefill(
-                s, q, kh, vh), s.smoke)
+                                                    lambda: sdpa_prefill(s, q, kh, vh), s.smoke)
             del kh, vh
         del k, v
         flops = 4 * s.n_heads * s.head_dim * counts.causal_pairs  # causal QK^T + PV
@@ -484,18 +484,18 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
                                              for t in res_args),
                                            use_triton=False)
             for name in ("residual_flash", "residual_sdpa", "residual_fused"):
-                row[name + "_rel_err_vs_eager_fp32"] = check(res, f"{tag} {name} check",
-                                                             lambda n=name: rel_err(runs[n](), ref()))
-            row["unified_flash_rel_err_vs_paged"] = check(res, tag + " unified check",
-                                                          lambda: rel_err(
-                runs["unified_flash"](), runs["unified_paged"]()))
+                row[name + "_rel_err_vs_eager_fp32"] = check(
+                    res, f"{tag} {name} check", lambda n=name: rel_err(runs[n](), ref()))
+            row["unified_flash_rel_err_vs_paged"] = check(
+                res, tag + " unified check",
+                lambda: rel_err(runs["unified_flash"](), runs["unified_paged"]()))
         res["prefill"].append(row)
         save()
         print(f"prefill b={batch} new={new:6d} keys={keys:6d} | "
               f"paged={row['unified_paged_ms']:.3f} "
               f"flash={row['unified_flash_ms']:.3f} sdpa-route={row['unified_sdpa_ms']:.3f} "
-              f"baseline({row['baseline']})={baseline:.3f} | res "
-              f"fused={row['residual_fused_ms']:.3f} "
+              f"baseline({row['baseline']})={baseline:.3f} | "
+              f"res fused={row['residual_fused_ms']:.3f} "
               f"merged={row['residual_merged_ms']:.3f} flash={row['residual_flash_ms']:.3f} "
               f"sdpa={row['residual_sdpa_ms']:.3f} | pack={row['pack_ms']:.3f} "
               f"rebuild={row['pack_rebuild_ms']:.3f}", flush=True)
@@ -532,15 +532,15 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
 
 
 def print_prefill(res: dict) -> None:
-    print(f"prefill (eager, ms; flash: {res.get('flash_support')}; cfg {res.get('prefill_config')})")
+    print(f"prefill (eager, ms; flash: {res.get('flash_support')}; "
+          f"cfg {res.get('prefill_config')})")
     print("batch new keys | paged flash sdpa-rt | base (which) | res fused merged flash sdpa | "
           "flash/base res-flash/uni-flash | policy")
     for r in res["prefill"]:
         base = r.get(r["baseline"] + "_ms", math.nan)
         print(f"{r['batch']:3d} {r['new']:6d} {r['ctx']:6d} | {r['unified_paged_ms']:7.3f} "
               f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} | {base:7.3f} "
-              f"({r['baseline']}) | "
-              f"{r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} "
+              f"({r['baseline']}) | {r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} "
               f"{r['residual_flash_ms']:7.3f} "
               f"{r['residual_sdpa_ms']:7.3f} | {r['unified_flash_ms'] / base:5.2f} "
               f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | "
@@ -584,12 +584,14 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
         for key, variant in (("split", "two_pass"), ("split_msc", "msc")):
             split = lambda v=variant: cascade_residual_decode_triton(  # noqa: E731
                 *res_args, *one_tile, max_seq_len=total, variant=v)
-            indep = lambda v=variant: residual_decode_triton(*res_args, max_seq_len=total, variant=v)  # noqa: E731
+            indep = lambda v=variant: residual_decode_triton(  # noqa: E731
+                *res_args, max_seq_len=total, variant=v)
             row[f"{key}_shared_ms"] = measure(res, f"{tag} {key} shared", split, s.smoke)
             row[f"{key}_independent_ms"] = measure(res, f"{tag} {key} independent", indep, s.smoke)
-            row[f"{key}_shared_over_independent"] = row[f"{key}_shared_ms"] / row[f"{key}_independent_ms"]
-            row[f"{key}_rel_err_vs_independent"] = check(res, f"{tag} {key} check",
-                                                         lambda f=split: rel_err(f(), split_indep()))
+            row[f"{key}_shared_over_independent"] = (row[f"{key}_shared_ms"]
+                                                     / row[f"{key}_independent_ms"])
+            row[f"{key}_rel_err_vs_independent"] = check(
+                res, f"{tag} {key} check", lambda f=split: rel_err(f(), split_indep()))
             line += (f" {variant}: shared={row[f'{key}_shared_ms']:.4f}ms "
                      f"indep={row[f'{key}_independent_ms']:.4f}ms "
                      f"ratio={row[f'{key}_shared_over_independent']:.3f} "
@@ -628,10 +630,12 @@ def plot(res: dict, path: Path) -> None:
                   marker="o")
     ax[1, 1].axhline(0.5, color="red", linestyle=":", label="target 0.5")
     ax[1, 1].set(xscale="log", xlabel="shared prefix length", ylabel="time ratio",
-                 title=f"shared-prefix decode / independent ({sp[0]['agents'] if sp else 0} agents)")
+                 title="shared-prefix decode / independent "
+                       f"({sp[0]['agents'] if sp else 0} agents)")
     ax[1, 1].legend(fontsize=7)
     fig.suptitle(f"{res['device']}  {res['dtype']}  H={res['shape']['n_heads']} "
-                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} r={res['shape']['rank']}")
+                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
+                 f"r={res['shape']['rank']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -703,7 +707,8 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         for tuning in combos:
             ms = measure(res, f"sweep ctx={ctx} {tuning}",
                          lambda t=tuning: shared_prefix_decode_triton(
-                q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix, prefix_tuning=t),
+                             q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix,
+                             prefix_tuning=t),
                          s.smoke)
             res["cascade_sweep"].append({"prefix_ctx": ctx, "agents": s.agents, "suffix": s.suffix,
                                          "prefix_tuning": tuning, "shared_ms": ms,
@@ -765,10 +770,10 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                             q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
                             1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
-                    row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check",
-                                                                 lambda fn=fn: rel_err(
-                        fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
-                            s, bt, rbt, ctx, ad)))))
+                    row[name + "_rel_err_vs_eager_fp32"] = check(
+                        res, tag + " check", lambda fn=fn: rel_err(
+                            fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
+                                s, bt, rbt, ctx, ad)))))
             res["decode_variants"].append(row)
             path.write_text(json.dumps(res, indent=1))
             print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms " + " ".join(
@@ -1043,7 +1048,8 @@ def main() -> None:
     print(f"decode config {cfg}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     steps = (("decode", lambda: run_decode(s, cfg, res)),
-             ("shared", lambda: run_shared_prefix(s, cfg, res)), ("prefill", lambda: run_prefill(
+             ("shared", lambda: run_shared_prefix(s, cfg, res)),
+             ("prefill", lambda: run_prefill(
                  s, res,
                  lambda: (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1)))))
     for name, step in steps:
@@ -1147,8 +1153,7 @@ def print_table(res: dict) -> None:
     print("shared prefix: prefix agents | shared ms indep ms ratio")
     for r in res["shared_prefix"]:
         print(f"{r['prefix_ctx']:6d} {r['agents']:3d} | {r['shared_ms']:8.4f} "
-              f"{r['independent_ms']:8.4f} "
-              f"{r['shared_over_independent']:5.2f}")
+              f"{r['independent_ms']:8.4f} {r['shared_over_independent']:5.2f}")
     for e in res.get("errors", []):
         print("ERROR", e)
 

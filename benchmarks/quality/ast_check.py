@@ -110,7 +110,8 @@ def _value_ok(value: Any, options: Sequence[Any], schema: Mapping[str, Any]) -> 
     expected = PYTHON_TYPES.get(kind)
     if expected is not None and type(value) is not expected:
         return f"type {type(value).__name__}, schema says {kind}"
-    item_type = PYTHON_TYPES.get(schema.get("items", {}).get("type", "any")) if kind == "array" else None
+    item_type = (PYTHON_TYPES.get(schema.get("items", {}).get("type", "any")) if kind == "array"
+                 else None)
     if item_type is not None and item_type is not dict:
         if item_type is float:
             value = [float(v) if type(v) is int else v for v in value]

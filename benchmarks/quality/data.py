@@ -31,9 +31,8 @@ from benchmarks.quality.ast_check import check, gold_value
 
 DEFAULT_CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
 SYSTEM = ("You are an expert in composing functions. You are given a question and a set of "
-          "possible "
-          "functions. Based on the question, make one or more function calls to achieve the "
-          "purpose. "
+          "possible functions. Based on the question, make one or more function calls to achieve "
+          "the purpose. "
           "Answer with the calls only, in the format [func_name1(param=value, param2=value), "
           "func_name2(param=value)] and nothing else.\n"
           "Here is a list of functions in JSON format that you can invoke:\n")

@@ -194,9 +194,9 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     model = get_peft_model(base, cfg)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr,
                             weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt,
-                                              lambda s: min(1.0, (s + 1) / max(1, params.warmup))
-                                              * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, params.warmup))
+        * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stream = batches(tokenizer, tasks, index, params, invocation)
     losses: list[float] = []
@@ -261,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(checks the pipeline; the adapters learn nothing)")
     args = ap.parse_args(argv)
     params = TrainParams(rank=args.rank, alpha=2 * args.rank,
-                         targets=tuple(args.targets.split(",")),
-                         steps=args.max_steps, batch=args.batch, lr=args.lr,
-                         distractors=args.distractors,
+                         targets=tuple(args.targets.split(",")), steps=args.max_steps,
+                         batch=args.batch, lr=args.lr, distractors=args.distractors,
                          max_len=args.max_len, seed=args.seed, init=args.init, alora=args.alora)
     device = torch.device(args.device)
     if args.smoke:
@@ -301,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{task.name:<14} already in {args.out}, skipped")
             continue
         log = train_task(base, tokenizer, tasks, i, params, args.out, device)
-        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  loss "
-              f"{log.first_loss:.3f} -> "
-              f"{log.last_loss:.3f}  {log.seconds:.1f} s")
+        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  "
+              f"loss {log.first_loss:.3f} -> {log.last_loss:.3f}  {log.seconds:.1f} s")
         logs[task.name] = asdict(log)
         # After every task, so that a run stopped midway resumes with the next one.
         log_path.write_text(json.dumps(dict(head,
