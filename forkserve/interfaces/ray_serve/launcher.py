@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--gpus-per-replica", type=float,
                     help="GPUs per engine replica (default: 1 when the driver sees CUDA, else 0)")
-    ap.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ap.add_argument("--cpus-per-replica", type=float, default=1.0,
+                    help="CPUs Ray reserves per engine replica (default: 1)")
     ap.add_argument("--torch-threads", type=int, help="torch threads per CPU replica")
     ap.add_argument("--max-ongoing-requests", type=int, default=DEFAULT_MAX_ONGOING,
                     help="concurrent calls per engine replica (Serve's default of 5 starves the "
