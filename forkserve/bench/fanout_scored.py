@@ -48,7 +48,7 @@ from forkserve.control.call_loop import CallLoopScorer
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 
-SIZES = {  # shared/workloads.md `fanout` (issue 17's large size); SmolLM2 reads 8K tokens
+SIZES = {  # docs/WORKLOADS.md `fanout` (issue 17's large size); SmolLM2 reads 8K tokens
     "small": FanoutParams(sessions=10, trunk=256, residual=32, fanout=4),
     "large": FanoutParams(sessions=10, trunk=4096, residual=256, fanout=8),
 }
