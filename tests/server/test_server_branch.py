@@ -124,8 +124,8 @@ def test_non_streamed_request_of_a_vanished_client_is_aborted(server):
     before = server.on_engine(lambda e: e.metrics.decode_tokens)
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\ncontent-type: "
-                     b"application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"content-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
         wait_until(lambda: server.on_engine(lambda e: sum(s.decode_left > 0
                                                           for s in e.sessions.values())) == 16)

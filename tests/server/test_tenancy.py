@@ -76,8 +76,8 @@ def test_health_is_open_and_a_good_key_passes(server):
 
 def test_key_comparison_is_constant_time_and_maps_keys_to_tenants(tmp_path):
     keys = ApiKeys({"k1": "t", "k2": "t", "k3": "u"})
-    assert [keys.tenant_of(k)
-            for k in ("k1", "k2", "k3", "k4", "", "k1 ")] == ["t", "t", "u", None, None, None]
+    assert ([keys.tenant_of(k) for k in ("k1", "k2", "k3", "k4", "", "k1 ")]
+            == ["t", "t", "u", None, None, None])
     f = tmp_path / "keys"
     f.write_text("# team keys\nsk-1 app\n\nsk-2 app\nsk-3 other\n")
     assert ApiKeys.load(f).tenants == {"sk-1": "app", "sk-2": "app", "sk-3": "other"}
@@ -177,8 +177,8 @@ def test_completions_and_streams_report_cached_tokens(server):
             stream=True,
             stream_options={"include_usage": True}, extra_body={"cache_salt": "streams"}))
         streamed.append(chunks[-1].usage)
-    assert [u.prompt_tokens_details.cached_tokens
-            for u in streamed] == [0, full_hit(streamed[0].prompt_tokens)]
+    assert ([u.prompt_tokens_details.cached_tokens for u in streamed]
+            == [0, full_hit(streamed[0].prompt_tokens)])
 
 
 # ------------------------------------------------------------------------------ salt validation
