@@ -920,8 +920,8 @@ def register_report(out: Path) -> None:
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=32,
                       RANK_K=16, CHUNK=256)
         rows.append({"kernel": "chunked", "residual": True, "split_score": False,
-                     "block_n": block_n,
-                     "num_warps": 4, **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
+                     "block_n": block_n, "num_warps": 4,
+                     **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
     for keys_m, block_n, warps in ((False, 16, 4), (False, 32, 4), (False, 64, 4), (False, 64, 8),
                                    (True, 32, 4), (True, 64, 4), (True, 128, 8)):
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,

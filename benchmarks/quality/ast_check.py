@@ -161,8 +161,8 @@ def _match(calls: list[Call], golds: list[Mapping[str, Mapping[str, list[Any]]]]
         return ""
     first_why = ""
     for i, call in enumerate(calls):
-        why = check_call(call, golds[0], schemas) or _match(calls[:i] + calls[i + 1:], golds[1:],
-                                                            schemas)
+        why = (check_call(call, golds[0], schemas)
+               or _match(calls[:i] + calls[i + 1:], golds[1:], schemas))
         if not why:
             return ""
         first_why = first_why or why
