@@ -45,14 +45,16 @@ from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVForm, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
-VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}  # anchors.md
+# anchors.md
+VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}
 PAGE = 16
 TARGETS = ("q", "k", "v", "o")
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope=RopeConfig(),
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                       rope=RopeConfig(),
                        max_context=16384, attention_bias=False, tie_word_embeddings=False)
 
 
@@ -91,7 +93,8 @@ def matmul_rate(device: torch.device, n: int) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
-def random_adapter(cfg: ModelConfig, name: str, rank: int, device: torch.device, seed: int) -> LoraAdapter:
+def random_adapter(cfg: ModelConfig, name: str, rank: int, device: torch.device,
+                   seed: int) -> LoraAdapter:
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for layer in range(cfg.num_layers):
@@ -108,15 +111,17 @@ class Bench:
         self.backend, self.pages_per_seq = backend, pages_per_seq
         self.disaggregated = backend.layout is KVLayout.DISAGGREGATED
 
-    def item(self, seq: int, tokens: list[int], start: int, adapter: int | None, decode: bool = False) -> SeqWork:
+    def item(self, seq: int, tokens: list[int], start: int, adapter: int | None,
+             decode: bool = False) -> SeqWork:
         # The pages that cover positions [0, start + len(tokens)), as a control plane passes them.
         first = seq * self.pages_per_seq
         pages = tuple(range(first, first + -(-(start + len(tokens)) // PAGE)))
         res = pages if self.disaggregated and adapter is not None else None
-        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY, decode=decode,
-                       form=KVForm.SPLIT if res is not None else KVForm.MERGED)
+        return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY,
+                       decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
-    def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int, warmup: int = 3) -> dict:
+    def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
+               warmup: int = 3) -> dict:
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -124,7 +129,8 @@ class Bench:
         nxt = []
         for lo in range(0, batch, 8):  # prefill 8 sequences per step
             chunk = range(lo, min(batch, lo + 8))
-            nxt += self.backend.step([self.item(i, prompts[i], 0, ads[i]) for i in chunk]).next_tokens
+            nxt += self.backend.step([self.item(i, prompts[i], 0, ads[i])
+                                      for i in chunk]).next_tokens
         pos = prompt
         times = []
         for s in range(warmup + steps):
@@ -134,10 +140,11 @@ class Bench:
             if s >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
             pos += 1
-        return {"batch": batch, "prompt": prompt, "steps": steps, "ms_per_step": statistics.median(times),
-                "ms_min": min(times), "ms_max": max(times)}
+        return {"batch": batch, "prompt": prompt, "steps": steps,
+                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
 
-    def shared_decode(self, agents: int, context: int, steps: int, cascade: bool, warmup: int = 3) -> dict:
+    def shared_decode(self, agents: int, context: int, steps: int, cascade: bool,
+                      warmup: int = 3) -> dict:
         """``agents`` over one page-aligned ``context`` (sequence 0's pages, written once),
         16 own tokens each on their own pages, then decode steps marked by the control
         plane's PrefixSharing, as the Engine marks them."""
@@ -145,18 +152,21 @@ class Bench:
         gen = torch.Generator().manual_seed(context)
         vocab = self.backend.model_config.vocab_size
         shared = tuple(range(context // PAGE))
-        self.backend.step([SeqWork(0, tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()), 0,
-                                   KVSlots(shared))])
+        self.backend.step([SeqWork(
+            0, tuple(torch.randint(0, vocab, (context,), generator=gen).tolist()), 0,
+            KVSlots(shared))])
 
         def item(i: int, tokens: list[int], start: int, decode: bool = False) -> SeqWork:
             first = (i + 1) * self.pages_per_seq  # region 0 holds the context
             own = tuple(range(first, first + -(-(start + len(tokens)) // PAGE) - len(shared)))
-            return SeqWork(i, tuple(tokens), start, KVSlots(shared + own), None, GREEDY, decode=decode)
+            return SeqWork(i, tuple(tokens), start, KVSlots(shared + own), None, GREEDY,
+                           decode=decode)
 
         nxt = []
         for lo in range(0, agents, 8):
-            nxt += self.backend.step([item(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), context)
-                                      for i in range(lo, min(agents, lo + 8))]).next_tokens
+            nxt += self.backend.step([
+                item(i, torch.randint(0, vocab, (16,), generator=gen).tolist(), context)
+                for i in range(lo, min(agents, lo + 8))]).next_tokens
         sharing = PrefixSharing(PAGE)
         pos, times = context + 16, []
         for s in range(warmup + steps):
@@ -171,7 +181,8 @@ class Bench:
 
     def prefill(self, tokens: int, adapter: int | None, reps: int = 3) -> dict:
         vocab = self.backend.model_config.vocab_size
-        prompt = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+        prompt = torch.randint(0, vocab, (tokens,),
+                               generator=torch.Generator().manual_seed(7)).tolist()
         # Which prefill route the engine's dispatch took (KernelAttention counts its layer calls).
         routes = getattr(self.backend.attention, "prefill_routes", None)
         before = dict(routes or {})
@@ -190,7 +201,8 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
     included), and the top kernels of one eager step by CUDA time."""
     backend = bench.backend
     step = bench.decode(batch, prompt, adapters, steps=5)
-    graph = next(g for k, g in backend.runner._graphs.items() if k[0] >= batch and k[2] == (adapters[0] is not None))
+    graph = next(g for k, g in backend.runner._graphs.items()
+                 if k[0] >= batch and k[2] == (adapters[0] is not None))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(20):
@@ -200,26 +212,32 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
         end.synchronize()
         times.append(start.elapsed_time(end))
     backend.runner.use_cuda_graphs = False
-    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True) for i in range(batch)]
+    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True)
+             for i in range(batch)]
     backend.step(items)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         backend.step(items)
         torch.cuda.synchronize()
     backend.runner.use_cuda_graphs = True
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0]
+    events = [e for e in prof.key_averages()
+              if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0]
     events.sort(key=lambda e: -e.device_time_total)
-    top = [{"name": e.key[:80], "count": e.count, "ms": e.device_time_total / 1e3} for e in events[:20]]
-    return {"batch": batch, "step_ms": step["ms_per_step"], "graph_replay_ms": statistics.median(times),
+    top = [{"name": e.key[:80], "count": e.count, "ms": e.device_time_total / 1e3}
+           for e in events[:20]]
+    return {"batch": batch, "step_ms": step["ms_per_step"],
+            "graph_replay_ms": statistics.median(times),
             "eager_kernels": sum(e.count for e in events),
             "eager_kernel_ms": sum(e.device_time_total for e in events) / 1e3,
             "top_kernels": top}
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
-    """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token only)."""
+    """Matmul FLOPs of a causal prefill (embedding lookup excluded; lm_head on the last token
+    only)."""
     linear = cfg.num_parameters() - 2 * cfg.vocab_size * cfg.hidden_size  # per-token matmul weights
-    attn = 2 * 2 * cfg.num_layers * cfg.q_size * tokens * (tokens + 1) / 2  # QK^T and PV, causal half
+    # QK^T and PV, causal half
+    attn = 2 * 2 * cfg.num_layers * cfg.q_size * tokens * (tokens + 1) / 2
     return 2 * linear * tokens + attn + 2 * cfg.vocab_size * cfg.hidden_size
 
 
@@ -246,7 +264,8 @@ def hf_generate(cfg: ModelConfig, device: torch.device, batch: int, prompt: int,
 
     run(2)
     short, long = run(1), run(1 + new)
-    return {"batch": batch, "prompt": prompt, "new_tokens": new, "ms_per_token": (long - short) / new * 1e3}
+    return {"batch": batch, "prompt": prompt, "new_tokens": new,
+            "ms_per_token": (long - short) / new * 1e3}
 
 
 def main() -> None:
@@ -255,10 +274,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU: check the plumbing")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--no-fusions", action="store_true", help="skip torch.compile of the glue kernels")
+    ap.add_argument("--no-fusions", action="store_true",
+                    help="skip torch.compile of the glue kernels")
     ap.add_argument("--profile", action="store_true", help="only: where decode time goes (GPU)")
     ap.add_argument("--prefill-only", action="store_true",
-                    help="only: the 8K prefill without / with LoRA (unified layout); writes decode_bench_prefill.json")
+                    help="only: the 8K prefill without / with LoRA (unified layout); writes "
+                         "decode_bench_prefill.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -269,23 +290,25 @@ def main() -> None:
     prompt, big_batch, n_adapters, rank = 512, 64, 32, 16
     prefill_tokens = 1024 if args.tiny else 8192
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "model": "tiny" if args.tiny else "llama3-8b-shape", "dtype": "bf16",
-                 "commit": source_commit(), "errors": {}}
+                 "torch": torch.__version__, "model": "tiny" if args.tiny else "llama3-8b-shape",
+                 "dtype": "bf16", "commit": source_commit(), "errors": {}}
     res["copy_bandwidth_Bps"] = copy_bandwidth(device, 64 << 20 if args.tiny else 2 << 30)
     res["matmul_flops"] = matmul_rate(device, 1024 if args.tiny else 8192)
     weights = random_weights(cfg, device, dtype)
     res["weight_bytes"] = weights.nbytes()
-    adapters = {f"a{i}": random_adapter(cfg, f"a{i}", rank, device, seed=i) for i in range(n_adapters)}
+    adapters = {f"a{i}": random_adapter(cfg, f"a{i}", rank, device, seed=i)
+                for i in range(n_adapters)}
     pages_per_seq = -(-max(prompt + 64, prefill_tokens) // PAGE)
     kv_token_bytes = 2 * cfg.num_layers * cfg.kv_size * 2
 
     def make(layout: KVLayout, fusions: bool) -> TorchBackend:
         fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
-                             num_residual_pages=big_batch * pages_per_seq if layout is KVLayout.DISAGGREGATED else 1,
+                             num_residual_pages=(big_batch * pages_per_seq
+                                                 if layout is KVLayout.DISAGGREGATED else 1),
                              kv_layout=layout, vocab_size=cfg.vocab_size)
         return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
-                                         max_adapters=n_adapters, max_lora_rank=rank, lora_targets=TARGETS,
-                                         compile_fusions=fusions)
+                                         max_adapters=n_adapters, max_lora_rank=rank,
+                                         lora_targets=TARGETS, compile_fusions=fusions)
 
     def attempt(name: str, fn, *args) -> None:
         try:
@@ -297,14 +320,17 @@ def main() -> None:
         (out / json_name).write_text(json.dumps(res, indent=1))
 
     def roofline(batch: int, lora: bool) -> float:
-        lora_bytes = n_adapters * cfg.num_layers * rank * 2 * sum(sum(target_shapes(cfg)[t]) for t in TARGETS)
+        lora_bytes = (n_adapters * cfg.num_layers * rank * 2
+                      * sum(sum(target_shapes(cfg)[t]) for t in TARGETS))
         kv = batch * (prompt + 16) * kv_token_bytes
-        nbytes = res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv + (lora_bytes if lora else 0)
+        nbytes = (res["weight_bytes"] - cfg.vocab_size * cfg.hidden_size * 2 + kv
+                  + (lora_bytes if lora else 0))
         return nbytes / res["copy_bandwidth_Bps"] * 1e3
 
     def decode_case(bench: Bench, batch: int, lora: bool) -> dict:
         ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)] if lora else [None]
-        return {**bench.decode(batch, prompt, ids, args.steps), "roofline_ms": roofline(batch, lora)}
+        return {**bench.decode(batch, prompt, ids, args.steps),
+                "roofline_ms": roofline(batch, lora)}
 
     def prefill_case(bench: Bench, lora: bool) -> dict:
         flops = prefill_flops(cfg, prefill_tokens)
@@ -317,7 +343,8 @@ def main() -> None:
     res["attention"] = type(bench.backend.attention).__name__
     t0 = time.perf_counter()
     attempt("first_decode_step", bench.decode, 1, 16, [None], 1, 0)
-    if "first_decode_step" in res["errors"] and fusions:  # no Inductor here: measure without fusions
+    # no Inductor here: measure without fusions
+    if "first_decode_step" in res["errors"] and fusions:
         res["fusions_error"] = res["errors"].pop("first_decode_step")
         fusions = False
         bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
@@ -344,8 +371,8 @@ def main() -> None:
     for lora in (False, True):
         attempt("prefill" + ("_lora" if lora else ""), prefill_case, bench, lora)
     for cascade in (True, False):
-        attempt("decode_b32_shared_context" + ("" if cascade else "_no_cascade"), bench.shared_decode,
-                32, prefill_tokens, args.steps, cascade)
+        attempt("decode_b32_shared_context" + ("" if cascade else "_no_cascade"),
+                bench.shared_decode, 32, prefill_tokens, args.steps, cascade)
     res["graphs_captured"] = [list(k) for k in runner.captured_graphs]
     del bench, runner
     gc.collect()  # the unified pools and graphs go before the disaggregated ones are allocated
@@ -373,7 +400,8 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [("b1", "decode_b1"), ("b1 LoRA", "decode_b1_lora"), ("b64", "decode_b64"), ("b64 LoRA", "decode_b64_lora")]
+    rows = [("b1", "decode_b1"), ("b1 LoRA", "decode_b1_lora"), ("b64", "decode_b64"),
+            ("b64 LoRA", "decode_b64_lora")]
     vllm = [VLLM["b1"], VLLM["b1_lora"], VLLM["b64"], VLLM["b64_lora"]]
     ours = [res.get(k, {}).get("ms_per_step", 0) for _, k in rows]
     roof = [res.get(k, {}).get("roofline_ms", 0) for _, k in rows]
@@ -391,11 +419,12 @@ def plot(res: dict, path: Path) -> None:
 
 
 def print_table(res: dict) -> None:
-    print(f"\ncopy BW {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, matmul {res['matmul_flops'] / 1e12:.0f} TFLOP/s, "
+    print(f"\ncopy BW {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+          f"matmul {res['matmul_flops'] / 1e12:.0f} TFLOP/s, "
           f"weights {res['weight_bytes'] / 1e9:.2f} GB, attention {res.get('attention')}")
     print(f"{'case':34s} {'ms/step':>8s} {'roofline':>8s} {'ratio':>6s}")
-    for key in ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora", "decode_b64_lora_disaggregated",
-                "decode_b1_eager_no_graph"):
+    for key in ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora",
+                "decode_b64_lora_disaggregated", "decode_b1_eager_no_graph"):
         r = res.get(key)
         if r:
             roof = r.get("roofline_ms")
@@ -408,7 +437,8 @@ def print_table(res: dict) -> None:
     for key in ("prefill", "prefill_lora"):
         r = res.get(key)
         if r:
-            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s (roofline {r['roofline_tokens_per_s']:.0f}) "
+            print(f"{key:34s} {r['tokens_per_s']:8.0f} tok/s "
+                  f"(roofline {r['roofline_tokens_per_s']:.0f}) "
                   f"routes {r.get('prefill_routes')}")
     for key in ("hf_generate_b1", "hf_generate_b64"):
         r = res.get(key)

@@ -232,8 +232,10 @@ def tune_decode(s: Setup, res: dict) -> dict[str, dict]:
     if s.smoke:
         return {"unified": {"block_n": 16}, "residual": {"block_n": 16, "variant": "two_pass"}}
     shapes = [(8, 8192), (64, 8192)]
-    base = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=3),
-            dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3)]
+    base = [dict(block_n=32, num_warps=4, num_stages=2),
+            dict(block_n=32, num_warps=4, num_stages=3),
+            dict(block_n=64, num_warps=4, num_stages=2),
+            dict(block_n=64, num_warps=4, num_stages=3)]
     best: dict[str, dict] = {}
     for name in ("unified", "residual"):
         scores = []
@@ -247,7 +249,8 @@ def tune_decode(s: Setup, res: dict) -> dict[str, dict]:
                     bt, rbt, lens = s.tables(batch, ctx)
                     q = s.q(batch)
                     if name == "unified":
-                        fn = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx, **var)  # noqa: E731
+                        fn = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx,  # noqa: E731
+                                                         **var)
                     else:
                         ad = s.adapters(batch)
                         fn = lambda: residual_decode_triton(  # noqa: E731
@@ -272,7 +275,8 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
             bt, rbt, lens = s.tables(batch, ctx)
             q, ad = s.q(batch), s.adapters(batch)
             row: dict = {"ctx": ctx, "batch": batch}
-            uni = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx, **cfg["unified"])  # noqa: E731
+            uni = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=ctx,  # noqa: E731
+                                              **cfg["unified"])
             resid = lambda: residual_decode_triton(  # noqa: E731
                 q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
                 max_seq_len=ctx, **cfg["residual"])
@@ -281,30 +285,37 @@ def run_decode(s: Setup, cfg: dict[str, dict], res: dict) -> None:
             row["residual_ms"] = measure(res, tag + " residual", resid, s.smoke)
             kv_bytes = batch * ctx * bytes_per_token
             row["unified_GBps"] = kv_bytes / row["unified_ms"] / 1e6
-            row["residual_GBps"] = (kv_bytes + batch * ctx * res_bytes_per_token) / row["residual_ms"] / 1e6
+            row["residual_GBps"] = ((kv_bytes + batch * ctx * res_bytes_per_token)
+                                    / row["residual_ms"] / 1e6)
             row["residual_over_unified"] = row["residual_ms"] / row["unified_ms"]
             if batch * ctx <= 512 * 1024 or s.smoke:  # eager copies of the cache: cap memory/time
                 k, v = gathered_kv(s, bt, ctx)
-                row["sdpa_gathered_ms"] = measure(res, tag + " sdpa", lambda: sdpa_decode(s, q, k, v), s.smoke)
+                row["sdpa_gathered_ms"] = measure(res, tag + " sdpa",
+                                                  lambda: sdpa_decode(s, q, k, v), s.smoke)
                 del k, v
                 row["eager_reconstruct_ms"] = measure(
-                    res, tag + " eager", lambda: sdpa_decode(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)),
-                    s.smoke)
+                    res, tag + " eager",
+                    lambda: sdpa_decode(s, q, *eager_reconstruct(s, bt, rbt, ctx, ad)), s.smoke)
             if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[-2]:
                 # Diagnostic: every adapter -1 skips the residual loads but keeps the math.
                 none = torch.full_like(ad, -1)
-                row["residual_no_adapter_ms"] = measure(res, tag + " no-adapter", lambda: residual_decode_triton(
-                    q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, none, s.inv_freq,
-                    max_seq_len=ctx, **cfg["residual"]), s.smoke)
+                row["residual_no_adapter_ms"] = measure(
+                    res, tag + " no-adapter", lambda: residual_decode_triton(
+                        q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, none,
+                        s.inv_freq, max_seq_len=ctx, **cfg["residual"]), s.smoke)
             if ctx == s.contexts[len(s.contexts) // 2] and batch == s.batches[1]:
                 row["residual_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda: rel_err(
-                    resid(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(s, bt, rbt, ctx, ad)))))
+                    resid(),
+                    sdpa_decode(s, q.float(),
+                                *(t.float() for t in eager_reconstruct(s, bt, rbt, ctx, ad)))))
                 row["unified_rel_err_vs_sdpa_fp32"] = check(res, tag + " check", lambda: rel_err(
-                    uni(), sdpa_decode(s, q.float(), *(t.float() for t in gathered_kv(s, bt, ctx)))))
+                    uni(),
+                    sdpa_decode(s, q.float(), *(t.float() for t in gathered_kv(s, bt, ctx)))))
             res["decode"].append(row)
             print(f"decode ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms "
                   f"res={row['residual_ms']:.4f}ms ratio={row['residual_over_unified']:.3f} "
-                  f"uniBW={row['unified_GBps']:.0f}GB/s resBW={row['residual_GBps']:.0f}GB/s", flush=True)
+                  f"uniBW={row['unified_GBps']:.0f}GB/s resBW={row['residual_GBps']:.0f}GB/s",
+                  flush=True)
 
 
 # Hopper tiles for our Triton paged prefill (block_m counts tokens: x4 query rows at GQA 4),
@@ -371,7 +382,8 @@ def prefill_cases(s: Setup) -> list[tuple[int, int, int]]:
     return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(8, 512, 8192 + 512)]
 
 
-def sdpa_backend(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend) -> torch.Tensor:
+def sdpa_backend(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 backend) -> torch.Tensor:
     """Torch SDPA on contiguous ``[1, Hkv, L, D]`` K/V, GQA native, one backend or (None) torch's
     own pick; a cold prefill (square causal)."""
     from torch.nn.attention import sdpa_kernel
@@ -425,12 +437,15 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             "unified_paged": lambda: paged_prefill(*uni, variant="paged", **kw, **cfg["unified"]),
             "unified_flash": lambda: paged_prefill(*uni, variant="flash", **kw),
             "unified_sdpa": lambda: paged_prefill(*uni, variant="sdpa", **kw),
-            "residual_fused": lambda: residual_prefill(*res_args, variant="fused", **kw, **cfg["residual"]),
-            "residual_merged": lambda: residual_prefill(*res_args, variant="merged", **kw, **cfg["unified"]),
+            "residual_fused": lambda: residual_prefill(*res_args, variant="fused", **kw,
+                                                       **cfg["residual"]),
+            "residual_merged": lambda: residual_prefill(*res_args, variant="merged", **kw,
+                                                        **cfg["unified"]),
             "residual_flash": lambda: residual_prefill(*res_args, variant="flash", **kw),
             "residual_sdpa": lambda: residual_prefill(*res_args, variant="sdpa", **kw),
             "pack": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys),
-            "pack_rebuild": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys, residual),
+            "pack_rebuild": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys,
+                                            residual),
         }
         runs.update({f"paged_{n}": (lambda t=t: paged_prefill(*uni, variant="paged", **kw, **t))
                      for n, t in PREFILL_TILES.items()})
@@ -438,22 +453,26 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
         k, v = pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys)
         scale = 1.0 / math.sqrt(s.head_dim)
-        row["varlen_gathered_ms"] = measure_eager(res, tag + " varlen gathered", lambda: flash_varlen(
-            q, k, v, cu, cu_k, new, keys, scale), s.smoke) if support.varlen else math.nan
+        row["varlen_gathered_ms"] = measure_eager(
+            res, tag + " varlen gathered",
+            lambda: flash_varlen(q, k, v, cu, cu_k, new, keys, scale),
+            s.smoke) if support.varlen else math.nan
         if new == keys and batch == 1:  # SDPA baselines: square causal only
             kh, vh = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
-            for name, backend in (("sdpa_default", None), ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+            for name, backend in (("sdpa_default", None),
+                                  ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                   ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                row[name + "_ms"] = measure_eager(res, f"{tag} {name}", lambda b=backend: sdpa_backend(
-                    s, q, kh, vh, b), s.smoke)
-            row["sdpa_expanded_ms"] = measure_eager(res, tag + " sdpa expanded", lambda: sdpa_prefill(
-                s, q, kh, vh), s.smoke)
+                row[name + "_ms"] = measure_eager(
+                    res, f"{tag} {name}", lambda b=backend: sdpa_backend(s, q, kh, vh, b), s.smoke)
+            row["sdpa_expanded_ms"] = measure_eager(res, tag + " sdpa expanded",
+                                                    lambda: sdpa_prefill(s, q, kh, vh), s.smoke)
             del kh, vh
         del k, v
         flops = 4 * s.n_heads * s.head_dim * counts.causal_pairs  # causal QK^T + PV
         baseline = row.get("sdpa_default_ms", row["varlen_gathered_ms"])
         row["baseline"] = "sdpa_default" if "sdpa_default_ms" in row else "varlen_gathered"
-        for name in ("unified_paged", "unified_flash", "unified_sdpa", *(f"paged_{n}" for n in PREFILL_TILES)):
+        for name in ("unified_paged", "unified_flash", "unified_sdpa",
+                     *(f"paged_{n}" for n in PREFILL_TILES)):
             row[name + "_over_baseline"] = row[name + "_ms"] / baseline
             row[name + "_TFLOPs"] = flops / row[name + "_ms"] / 1e9
         best_unified = min(row["unified_flash_ms"], row["unified_sdpa_ms"], row["unified_paged_ms"])
@@ -461,25 +480,29 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             row[name + "_over_unified_paged"] = row[name + "_ms"] / row["unified_paged_ms"]
             row[name + "_over_best_unified"] = row[name + "_ms"] / best_unified
         if batch == 1 and keys == s.prefill_contexts[0] or batch > 1:
-            ref = lambda: residual_prefill(*(t.float() if t.is_floating_point() else t for t in res_args),  # noqa: E731
+            ref = lambda: residual_prefill(*(t.float() if t.is_floating_point() else t  # noqa: E731
+                                             for t in res_args),
                                            use_triton=False)
             for name in ("residual_flash", "residual_sdpa", "residual_fused"):
-                row[name + "_rel_err_vs_eager_fp32"] = check(res, f"{tag} {name} check",
-                                                             lambda n=name: rel_err(runs[n](), ref()))
-            row["unified_flash_rel_err_vs_paged"] = check(res, tag + " unified check", lambda: rel_err(
-                runs["unified_flash"](), runs["unified_paged"]()))
+                row[name + "_rel_err_vs_eager_fp32"] = check(
+                    res, f"{tag} {name} check", lambda n=name: rel_err(runs[n](), ref()))
+            row["unified_flash_rel_err_vs_paged"] = check(
+                res, tag + " unified check",
+                lambda: rel_err(runs["unified_flash"](), runs["unified_paged"]()))
         res["prefill"].append(row)
         save()
-        print(f"prefill b={batch} new={new:6d} keys={keys:6d} | paged={row['unified_paged_ms']:.3f} "
+        print(f"prefill b={batch} new={new:6d} keys={keys:6d} | "
+              f"paged={row['unified_paged_ms']:.3f} "
               f"flash={row['unified_flash_ms']:.3f} sdpa-route={row['unified_sdpa_ms']:.3f} "
-              f"baseline({row['baseline']})={baseline:.3f} | res fused={row['residual_fused_ms']:.3f} "
+              f"baseline({row['baseline']})={baseline:.3f} | "
+              f"res fused={row['residual_fused_ms']:.3f} "
               f"merged={row['residual_merged_ms']:.3f} flash={row['residual_flash_ms']:.3f} "
               f"sdpa={row['residual_sdpa_ms']:.3f} | pack={row['pack_ms']:.3f} "
               f"rebuild={row['pack_rebuild_ms']:.3f}", flush=True)
 
 
-PREFILL_ROUTES = ("unified_paged", "unified_flash", "unified_sdpa", "residual_fused", "residual_merged",
-                  "residual_flash", "residual_sdpa")
+PREFILL_ROUTES = ("unified_paged", "unified_flash", "unified_sdpa", "residual_fused",
+                  "residual_merged", "residual_flash", "residual_sdpa")
 
 
 def plot_prefill_ms(res: dict, ax) -> None:
@@ -488,7 +511,8 @@ def plot_prefill_ms(res: dict, ax) -> None:
     ctx = [r["ctx"] for r in pre]
     for key in (*PREFILL_ROUTES, "sdpa_default", "varlen_gathered"):
         ax.plot(ctx, [r.get(key + "_ms", math.nan) for r in pre], marker="o", label=key)
-    ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms (eager)", title="prefill, batch 1, causal")
+    ax.set(xscale="log", yscale="log", xlabel="context", ylabel="ms (eager)",
+           title="prefill, batch 1, causal")
     ax.legend(fontsize=6)
 
 
@@ -497,7 +521,8 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
     labels = [f"{r['batch']}x{r['new']}/{r['ctx']}" for r in res["prefill"]]
     x = range(len(labels))
     for i, key in enumerate(PREFILL_ROUTES):
-        base = [r.get(key + "_ms", math.nan) / r.get(r["baseline"] + "_ms", math.nan) for r in res["prefill"]]
+        base = [r.get(key + "_ms", math.nan) / r.get(r["baseline"] + "_ms", math.nan)
+                for r in res["prefill"]]
         ax_ratio.bar([j + (i - 3) * 0.11 for j in x], base, 0.11, label=key)
     ax_ratio.axhline(1.0, color="red", linestyle=":", label="baseline")
     ax_ratio.set_xticks(list(x), labels, fontsize=7)
@@ -507,16 +532,19 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
 
 
 def print_prefill(res: dict) -> None:
-    print(f"prefill (eager, ms; flash: {res.get('flash_support')}; cfg {res.get('prefill_config')})")
+    print(f"prefill (eager, ms; flash: {res.get('flash_support')}; "
+          f"cfg {res.get('prefill_config')})")
     print("batch new keys | paged flash sdpa-rt | base (which) | res fused merged flash sdpa | "
           "flash/base res-flash/uni-flash | policy")
     for r in res["prefill"]:
         base = r.get(r["baseline"] + "_ms", math.nan)
         print(f"{r['batch']:3d} {r['new']:6d} {r['ctx']:6d} | {r['unified_paged_ms']:7.3f} "
-              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} | {base:7.3f} ({r['baseline']}) | "
-              f"{r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} {r['residual_flash_ms']:7.3f} "
+              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} | {base:7.3f} "
+              f"({r['baseline']}) | {r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} "
+              f"{r['residual_flash_ms']:7.3f} "
               f"{r['residual_sdpa_ms']:7.3f} | {r['unified_flash_ms'] / base:5.2f} "
-              f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | {r['policy_unified']}/{r['policy_residual']}")
+              f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | "
+              f"{r['policy_unified']}/{r['policy_residual']}")
 
 
 def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
@@ -532,13 +560,15 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
         total = ctx + s.suffix
         shared = lambda: shared_prefix_decode_triton(  # noqa: E731
             q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=total, **cfg["unified"])
-        indep = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=total, **cfg["unified"])  # noqa: E731
+        indep = lambda: paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=total,  # noqa: E731
+                                            **cfg["unified"])
         tag = f"shared ctx={ctx}"
         row = {"prefix_ctx": ctx, "suffix": s.suffix, "agents": agents,
                "shared_ms": measure(res, tag + " shared", shared, s.smoke),
                "independent_ms": measure(res, tag + " independent", indep, s.smoke)}
         row["shared_over_independent"] = row["shared_ms"] / row["independent_ms"]
-        row["rel_err_vs_independent"] = check(res, tag + " check", lambda: rel_err(shared(), indep()))
+        row["rel_err_vs_independent"] = check(res, tag + " check",
+                                              lambda: rel_err(shared(), indep()))
         # The split form: the same shared base pages, each agent its own residual pages and adapter.
         _, rbt, _ = s.tables(agents, per * s.page)
         ad = s.adapters(agents)
@@ -554,12 +584,14 @@ def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
         for key, variant in (("split", "two_pass"), ("split_msc", "msc")):
             split = lambda v=variant: cascade_residual_decode_triton(  # noqa: E731
                 *res_args, *one_tile, max_seq_len=total, variant=v)
-            indep = lambda v=variant: residual_decode_triton(*res_args, max_seq_len=total, variant=v)  # noqa: E731
+            indep = lambda v=variant: residual_decode_triton(  # noqa: E731
+                *res_args, max_seq_len=total, variant=v)
             row[f"{key}_shared_ms"] = measure(res, f"{tag} {key} shared", split, s.smoke)
             row[f"{key}_independent_ms"] = measure(res, f"{tag} {key} independent", indep, s.smoke)
-            row[f"{key}_shared_over_independent"] = row[f"{key}_shared_ms"] / row[f"{key}_independent_ms"]
-            row[f"{key}_rel_err_vs_independent"] = check(res, f"{tag} {key} check",
-                                                         lambda f=split: rel_err(f(), split_indep()))
+            row[f"{key}_shared_over_independent"] = (row[f"{key}_shared_ms"]
+                                                     / row[f"{key}_independent_ms"])
+            row[f"{key}_rel_err_vs_independent"] = check(
+                res, f"{tag} {key} check", lambda f=split: rel_err(f(), split_indep()))
             line += (f" {variant}: shared={row[f'{key}_shared_ms']:.4f}ms "
                      f"indep={row[f'{key}_independent_ms']:.4f}ms "
                      f"ratio={row[f'{key}_shared_over_independent']:.3f} "
@@ -578,7 +610,8 @@ def plot(res: dict, path: Path) -> None:
     for batch, style in zip(sorted({r["batch"] for r in dec}), ("o", "s", "^", "D")):
         rows = [r for r in dec if r["batch"] == batch]
         ctx = [r["ctx"] for r in rows]
-        ax[0, 0].plot(ctx, [r["residual_over_unified"] for r in rows], marker=style, label=f"batch {batch}")
+        ax[0, 0].plot(ctx, [r["residual_over_unified"] for r in rows], marker=style,
+                      label=f"batch {batch}")
         ax[0, 1].plot(ctx, [r["unified_GBps"] / res["copy_GBps"] for r in rows], marker=style,
                       label=f"unified b{batch}")
         ax[0, 1].plot(ctx, [r["residual_GBps"] / res["copy_GBps"] for r in rows], marker=style,
@@ -593,13 +626,16 @@ def plot(res: dict, path: Path) -> None:
     ax[0, 1].legend(fontsize=6, ncol=2)
     plot_prefill_ms(res, ax[1, 0])
     sp = res["shared_prefix"]
-    ax[1, 1].plot([r["prefix_ctx"] for r in sp], [r["shared_over_independent"] for r in sp], marker="o")
+    ax[1, 1].plot([r["prefix_ctx"] for r in sp], [r["shared_over_independent"] for r in sp],
+                  marker="o")
     ax[1, 1].axhline(0.5, color="red", linestyle=":", label="target 0.5")
     ax[1, 1].set(xscale="log", xlabel="shared prefix length", ylabel="time ratio",
-                 title=f"shared-prefix decode / independent ({sp[0]['agents'] if sp else 0} agents)")
+                 title="shared-prefix decode / independent "
+                       f"({sp[0]['agents'] if sp else 0} agents)")
     ax[1, 1].legend(fontsize=7)
     fig.suptitle(f"{res['device']}  {res['dtype']}  H={res['shape']['n_heads']} "
-                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} r={res['shape']['rank']}")
+                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
+                 f"r={res['shape']['rank']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -669,12 +705,16 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         indep = measure(res, f"sweep ctx={ctx} independent", lambda: paged_decode_triton(
             q, s.k, s.v, bt, lens, max_seq_len=ctx + s.suffix), s.smoke)
         for tuning in combos:
-            ms = measure(res, f"sweep ctx={ctx} {tuning}", lambda t=tuning: shared_prefix_decode_triton(
-                q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix, prefix_tuning=t), s.smoke)
+            ms = measure(res, f"sweep ctx={ctx} {tuning}",
+                         lambda t=tuning: shared_prefix_decode_triton(
+                             q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=ctx + s.suffix,
+                             prefix_tuning=t),
+                         s.smoke)
             res["cascade_sweep"].append({"prefix_ctx": ctx, "agents": s.agents, "suffix": s.suffix,
-                                         "prefix_tuning": tuning, "shared_ms": ms, "independent_ms": indep,
-                                         "ratio": ms / indep})
-        best = min((r for r in res["cascade_sweep"] if r["prefix_ctx"] == ctx), key=lambda r: r["shared_ms"])
+                                         "prefix_tuning": tuning, "shared_ms": ms,
+                                         "independent_ms": indep, "ratio": ms / indep})
+        best = min((r for r in res["cascade_sweep"] if r["prefix_ctx"] == ctx),
+                   key=lambda r: r["shared_ms"])
         print(f"sweep ctx={ctx} independent={indep:.4f}ms best={best['shared_ms']:.4f}ms "
               f"({best['ratio']:.3f}) {best['prefix_tuning']}", flush=True)
         path.write_text(json.dumps(res, indent=1))
@@ -699,7 +739,8 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
     res["decode_variants_config"] = json.loads(json.dumps(
         {"unified": uni_cfg, **{n: VARIANTS[n] for n in names}}, default=str))
     res["score_tuning_default"] = [
-        {"max_batch": bound, **{k: str(v) for k, v in t.items()}} for bound, t in SCORE_TUNING_BY_BATCH
+        {"max_batch": bound, **{k: str(v) for k, v in t.items()}}
+        for bound, t in SCORE_TUNING_BY_BATCH
     ]
     for ctx in s.contexts:
         for batch in s.batches:
@@ -729,9 +770,10 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                             q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
                             1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
-                    row[name + "_rel_err_vs_eager_fp32"] = check(res, tag + " check", lambda fn=fn: rel_err(
-                        fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
-                            s, bt, rbt, ctx, ad)))))
+                    row[name + "_rel_err_vs_eager_fp32"] = check(
+                        res, tag + " check", lambda fn=fn: rel_err(
+                            fn(), sdpa_decode(s, q.float(), *(t.float() for t in eager_reconstruct(
+                                s, bt, rbt, ctx, ad)))))
             res["decode_variants"].append(row)
             path.write_text(json.dumps(res, indent=1))
             print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms " + " ".join(
@@ -757,8 +799,8 @@ def plot_variants(res: dict, path: Path) -> None:
         for name in names:
             top.plot(ctx, [r[name + "_ratio"] for r in sub], marker="o", label=name)
             if name + "_scores_ms" in sub[0]:
-                bottom.plot(ctx, [r[name + "_scores_ms"] / r["unified_ms"] for r in sub], marker="o",
-                            label=name)
+                bottom.plot(ctx, [r[name + "_scores_ms"] / r["unified_ms"] for r in sub],
+                            marker="o", label=name)
         goal = 1.3 if batch == 1 else 1.15  # issue 15's goals
         top.axhline(goal, color="red", linestyle=":", label=f"goal {goal}")
         top.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
@@ -786,7 +828,8 @@ def print_variants_table(res: dict) -> None:
         cells = []
         for r in rows:
             p1 = r.get(name + "_scores_ms")
-            cells.append(f"{r[name + '_ratio']:5.2f}" + (f" ({p1 / r['unified_ms']:4.2f})" if p1 else " " * 7))
+            cells.append(f"{r[name + '_ratio']:5.2f}"
+                         + (f" ({p1 / r['unified_ms']:4.2f})" if p1 else " " * 7))
         print(f"{name:28s}" + "  ".join(cells))
 
 
@@ -851,7 +894,8 @@ def register_report(out: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             ptx = Path(tmp) / "k.ptx"
             ptx.write_text(compiled.asm["ptx"])
-            log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+            log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o",
+                                  str(Path(tmp) / "k.o")],
                                  capture_output=True, text=True).stderr
         regs = re.search(r"Used (\d+) registers", log)
         spill = re.search(r"(\d+) bytes spill stores", log)
@@ -875,8 +919,9 @@ def register_report(out: Path) -> None:
     for block_n in (16, 32):
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=32,
                       RANK_K=16, CHUNK=256)
-        rows.append({"kernel": "chunked", "residual": True, "split_score": False, "block_n": block_n,
-                     "num_warps": 4, **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
+        rows.append({"kernel": "chunked", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": 4,
+                     **compile_one(_residual_decode_chunked_kernel, consts, 4, 2)})
     for keys_m, block_n, warps in ((False, 16, 4), (False, 32, 4), (False, 64, 4), (False, 64, 8),
                                    (True, 32, 4), (True, 64, 4), (True, 128, 8)):
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
@@ -895,8 +940,8 @@ def register_report(out: Path) -> None:
                          "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps, 2)})
     # Materialized scores (msc): pass 1 is the q-folded kernel writing whole float32 logits
     # (it also streams K_base), pass 2 the partial kernel reading them instead of K.
-    for angle_add, block_n, warps in ((False, 32, 4), (False, 64, 4), (False, 128, 8), (True, 64, 4),
-                                      (True, 128, 8)):
+    for angle_add, block_n, warps in ((False, 32, 4), (False, 64, 4), (False, 128, 8),
+                                      (True, 64, 4), (True, 128, 8)):
         consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16,
                       ANGLE_ADD=angle_add, LOGITS=True)
         rows.append({"kernel": "msc_pass1" + ("_angle" if angle_add else "_table"),
@@ -929,7 +974,8 @@ def register_report(out: Path) -> None:
     for has_res, block_m, warps in ((False, 16, 4), (True, 32, 8)):
         consts = dict(pre, BLOCK_M=block_m, HAS_RES=has_res, SPLIT_SCORE=False)
         rows.append({"kernel": "prefill", "residual": has_res, "split_score": False, "block_n": 64,
-                     "block_m": block_m, "num_warps": warps, **compile_one(_prefill_kernel, consts, warps, 2)})
+                     "block_m": block_m, "num_warps": warps,
+                     **compile_one(_prefill_kernel, consts, warps, 2)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_regs.json").write_text(json.dumps(rows, indent=1))
     for r in rows:
@@ -986,7 +1032,8 @@ def main() -> None:
     import triton
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode": [], "prefill": [], "shared_prefix": [],
@@ -1000,9 +1047,11 @@ def main() -> None:
     res["decode_config"] = cfg
     print(f"decode config {cfg}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    steps = (("decode", lambda: run_decode(s, cfg, res)), ("shared", lambda: run_shared_prefix(s, cfg, res)),
+    steps = (("decode", lambda: run_decode(s, cfg, res)),
+             ("shared", lambda: run_shared_prefix(s, cfg, res)),
              ("prefill", lambda: run_prefill(
-                 s, res, lambda: (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1)))))
+                 s, res,
+                 lambda: (args.out / "kernel_bench.json").write_text(json.dumps(res, indent=1)))))
     for name, step in steps:
         if name in args.skip:
             continue
@@ -1026,7 +1075,8 @@ def main_prefill(s: Setup, args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "timing": "eager (as the engine runs prefill), L2 flushed, median of CUDA events",
@@ -1043,7 +1093,8 @@ def main_prefill(s: Setup, args: argparse.Namespace) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(14, 5))
     plot_prefill_ms(res, ax[0])
     plot_prefill_ratios(res, ax[1])
-    fig.suptitle(f"{res['device']} {res['dtype']} H={s.n_heads} Hkv={s.n_kv} D={s.head_dim} r={s.rank}")
+    fig.suptitle(f"{res['device']} {res['dtype']} H={s.n_heads} Hkv={s.n_kv} D={s.head_dim} "
+                 f"r={s.rank}")
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
     print_prefill(res)
@@ -1056,7 +1107,8 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
     names = args.variants or list(VARIANTS)
     res: dict = {
         "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype), "commit": source_commit(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
         "decode_variants": [], "shared_prefix": [],
@@ -1087,18 +1139,21 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n== {res['device']} copy {res['copy_GBps']:.0f} GB/s; decode cfg {res['decode_config']}")
+    print(f"\n== {res['device']} copy {res['copy_GBps']:.0f} GB/s; decode cfg "
+          f"{res['decode_config']}")
     print("decode: ctx batch | unified ms  resid ms  ratio | uni %bw res %bw | sdpa ms eager ms")
     for r in res["decode"]:
         print(f"{r['ctx']:6d} {r['batch']:4d} | {r['unified_ms']:9.4f} {r['residual_ms']:9.4f} "
-              f"{r['residual_over_unified']:5.2f} | {100 * r['unified_GBps'] / res['copy_GBps']:6.1f} "
-              f"{100 * r['residual_GBps'] / res['copy_GBps']:6.1f} | {r.get('sdpa_gathered_ms', math.nan):8.4f} "
+              f"{r['residual_over_unified']:5.2f} | "
+              f"{100 * r['unified_GBps'] / res['copy_GBps']:6.1f} "
+              f"{100 * r['residual_GBps'] / res['copy_GBps']:6.1f} | "
+              f"{r.get('sdpa_gathered_ms', math.nan):8.4f} "
               f"{r.get('eager_reconstruct_ms', math.nan):8.4f}")
     print_prefill(res)
     print("shared prefix: prefix agents | shared ms indep ms ratio")
     for r in res["shared_prefix"]:
-        print(f"{r['prefix_ctx']:6d} {r['agents']:3d} | {r['shared_ms']:8.4f} {r['independent_ms']:8.4f} "
-              f"{r['shared_over_independent']:5.2f}")
+        print(f"{r['prefix_ctx']:6d} {r['agents']:3d} | {r['shared_ms']:8.4f} "
+              f"{r['independent_ms']:8.4f} {r['shared_over_independent']:5.2f}")
     for e in res.get("errors", []):
         print("ERROR", e)
 

@@ -9,7 +9,8 @@ from typing import Iterator
 
 def parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--url", help="a running `forkserve serve` (default: start the demo model here, on CPU)")
+    ap.add_argument("--url",
+                    help="a running `forkserve serve` (default: start the demo model here, on CPU)")
     ap.add_argument("--model", help="the model id to request (default: the server's base model)")
     ap.add_argument("--api-key", default=os.environ.get("FORKSERVE_API_KEY"),
                     help="the server's --api-key, if it has one (default: $FORKSERVE_API_KEY)")
@@ -22,7 +23,8 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     if args.url:
         import httpx
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-        model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
+        model = args.model or httpx.get(f"{args.url}/v1/models",
+                                        headers=headers).json()["data"][0]["id"]
         yield args.url, model
         return
     from forkserve.backend.torch import find_smollm2_gguf
@@ -31,7 +33,8 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     from forkserve.interfaces.server.served_model import load_served_model
 
     print("starting the demo model (SmolLM2-135M-Instruct, CPU) ...", flush=True)
-    served = load_served_model(find_smollm2_gguf(), config=app_config(num_pages=512, num_residual_pages=512),
+    served = load_served_model(find_smollm2_gguf(),
+                               config=app_config(num_pages=512, num_residual_pages=512),
                                device="cpu")
     with serve_in_thread(served) as running:
         yield running.url, args.model or served.name

@@ -40,13 +40,14 @@ def main(argv: list[str] | None = None) -> dict:
                           {"role": "user", "content": f"One sentence on {aspect.lower()}:"}])
             return f"{aspect}: {r.choices[0].message.content.strip()}"
 
-        graph = build_send_graph(SendFanout(client, model), review, separator="\n", summary_tokens=24,
-                                 summary_stop=("\n\n",))
+        graph = build_send_graph(SendFanout(client, model), review, separator="\n",
+                                 summary_tokens=24, summary_stop=("\n\n",))
         final = graph.invoke({"context": CONTEXT, "subtasks": REVIEWERS})
     for index, node, text in sorted(final["results"]):
         print(f"send {index} -> branch {node}: {text!r}")
     j = final["join"]
-    print(f"join: bound node {j['bound_node']} (matched {j['matched_tokens']}, prefilled {j['prefilled_tokens']})")
+    print(f"join: bound node {j['bound_node']} (matched {j['matched_tokens']}, prefilled "
+          f"{j['prefilled_tokens']})")
     print(f"summary: {final['summary']!r}")
     return final
 

@@ -30,7 +30,8 @@ Question: A crate holds 17 boxes of 23 apples. How many apples is that?
 """
 REPLAY = "Thought: I should multiply the boxes by the apples per box.\nAction: calculator[17*23]"
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}
 
 
 def calculator(expression: str) -> str:
@@ -54,8 +55,9 @@ def lookup(term: str) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parser(__doc__.split("\n")[0]).parse_args(argv)
     with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
-        agent = ReActAgent(client, model, {"calculator": calculator, "lookup": lookup}, max_tokens=48,
-                           expected_tool_ms=200, guesses=lambda tool, arg: [Guess("error: ", 0.2)])
+        agent = ReActAgent(client, model, {"calculator": calculator, "lookup": lookup},
+                           max_tokens=48, expected_tool_ms=200,
+                           guesses=lambda tool, arg: [Guess("error: ", 0.2)])
         result = agent.run(PROMPT, resume=REPLAY, max_steps=3)
     for i, step in enumerate(result.steps):
         c = step.commit

@@ -22,7 +22,8 @@ from forkserve.harness import SweAgent
 from forkserve.interfaces.client import BranchClient
 
 ALLOWED = {"ls", "cat", "head", "wc", "grep", "python"}
-SYSTEM = ("You are a software engineer. Run one tool per turn: <execute_bash>command</execute_bash> "
+SYSTEM = ("You are a software engineer. Run one tool per turn: "
+          "<execute_bash>command</execute_bash> "
           "or <read_file>path</read_file>; when done, <finish>summary</finish>.")
 TASK = "The test in test_mathx.py fails. Find the bug in mathx.py."
 REPLAY = "Let me look at the repository first.\n<execute_bash>ls</execute_bash>"
@@ -41,7 +42,8 @@ def tools_for(root: Path) -> dict:
         if not argv or argv[0] not in ALLOWED:
             return f"error: only {sorted(ALLOWED)} are allowed in this sandbox"
         try:
-            p = subprocess.run(argv, check=False, cwd=root, capture_output=True, text=True, timeout=10)
+            p = subprocess.run(argv, check=False, cwd=root, capture_output=True, text=True,
+                               timeout=10)
         except subprocess.TimeoutExpired:
             return "error: timed out after 10 s"
         return (p.stdout + p.stderr).strip()[:2000] + f"\n[exit code {p.returncode}]"
@@ -64,10 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
     for i, step in enumerate(result.steps):
         c = step.commit
         print(f"step {i}: tool ran {step.tool_ms:.1f} ms; decisions "
-              f"{({k: d.action for k, d in step.decisions.items()})}; commit bound node {c.bound_node} "
-              f"(matched {c.matched_tokens}, prefilled {c.prefilled_tokens}, aborted {len(c.aborted)})")
-    print(f"finished: {result.finished} {result.final_message!r}\n--- transcript ---\n{result.transcript}")
-    return {"steps": len(result.steps), "finished": result.finished, "transcript": result.transcript}
+              f"{({k: d.action for k, d in step.decisions.items()})}; commit bound node "
+              f"{c.bound_node} (matched {c.matched_tokens}, prefilled {c.prefilled_tokens}, "
+              f"aborted {len(c.aborted)})")
+    print(f"finished: {result.finished} {result.final_message!r}\n"
+          f"--- transcript ---\n{result.transcript}")
+    return {"steps": len(result.steps), "finished": result.finished,
+            "transcript": result.transcript}
 
 
 if __name__ == "__main__":

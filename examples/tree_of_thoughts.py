@@ -36,14 +36,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     with server(args) as (url, model), BranchClient(url, api_key=args.api_key) as client:
         oai = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key or "unused")
-        tot = TreeOfThoughts(client, model, sampling_proposer(oai, model, max_tokens=24, stop=("\n\n",)), novelty,
+        tot = TreeOfThoughts(client, model,
+                             sampling_proposer(oai, model, max_tokens=24, stop=("\n\n",)), novelty,
                              k=args.k, depth=args.depth, answer_tokens=32, answer_stop=("\n\n",))
         result = tot.run(PROMPT)
     for i, level in enumerate(result.levels):
         c = level.commit
         print(f"level {i}: scores {[round(s, 2) for s in level.scores]} -> thought {level.chosen} "
-              f"(bound node {c.bound_node}, matched {c.matched_tokens}, prefilled {c.prefilled_tokens}, "
-              f"aborted {len(c.aborted)})")
+              f"(bound node {c.bound_node}, matched {c.matched_tokens}, prefilled "
+              f"{c.prefilled_tokens}, aborted {len(c.aborted)})")
     print(f"--- state ---\n{result.state}\n--- answer ---\n{result.answer}")
     return {"levels": len(result.levels), "state": result.state, "answer": result.answer}
 

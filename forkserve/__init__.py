@@ -9,5 +9,6 @@ from forkserve.config import (
 )
 from forkserve.engine import Engine
 
-__all__ = ["Engine", "ForkServeConfig", "AdmitMode", "KVLayout", "ShareBase", "plus_config", "app_config"]
+__all__ = ["Engine", "ForkServeConfig", "AdmitMode", "KVLayout", "ShareBase", "plus_config",
+           "app_config"]
 __version__ = "0.1.0"

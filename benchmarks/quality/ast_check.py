@@ -20,7 +20,8 @@ from typing import Any, Mapping, Sequence
 
 # Schema type -> the Python type a literal must have (BFCL's PYTHON_TYPE_MAPPING).
 PYTHON_TYPES: dict[str, type] = {"integer": int, "float": float, "number": float, "string": str,
-                                 "boolean": bool, "array": list, "tuple": list, "dict": dict, "object": dict}
+                                 "boolean": bool, "array": list, "tuple": list, "dict": dict,
+                                 "object": dict}
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _value_ok(value: Any, options: Sequence[Any], schema: Mapping[str, Any]) -> 
     expected = PYTHON_TYPES.get(kind)
     if expected is not None and type(value) is not expected:
         return f"type {type(value).__name__}, schema says {kind}"
-    item_type = PYTHON_TYPES.get(schema.get("items", {}).get("type", "any")) if kind == "array" else None
+    item_type = (PYTHON_TYPES.get(schema.get("items", {}).get("type", "any")) if kind == "array"
+                 else None)
     if item_type is not None and item_type is not dict:
         if item_type is float:
             value = [float(v) if type(v) is int else v for v in value]
@@ -120,7 +122,8 @@ def _value_ok(value: Any, options: Sequence[Any], schema: Mapping[str, Any]) -> 
         ok = any(isinstance(o, dict) and _dict_ok(value, o) for o in candidates)
     elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         ok = any(isinstance(o, list) and len(o) == len(value)
-                 and all(isinstance(d, dict) and _dict_ok(v, d) for v, d in zip(value, o, strict=True)) for o in candidates)
+                 and all(isinstance(d, dict) and _dict_ok(v, d)
+                         for v, d in zip(value, o, strict=True)) for o in candidates)
     else:
         ok = _norm(value) in [_norm(o) for o in candidates]
     return "" if ok else f"{value!r} not in {candidates!r}"
@@ -158,7 +161,8 @@ def _match(calls: list[Call], golds: list[Mapping[str, Mapping[str, list[Any]]]]
         return ""
     first_why = ""
     for i, call in enumerate(calls):
-        why = check_call(call, golds[0], schemas) or _match(calls[:i] + calls[i + 1:], golds[1:], schemas)
+        why = (check_call(call, golds[0], schemas)
+               or _match(calls[:i] + calls[i + 1:], golds[1:], schemas))
         if not why:
             return ""
         first_why = first_why or why

@@ -30,8 +30,9 @@ from typing import Any, Sequence
 from benchmarks.quality.ast_check import check, gold_value
 
 DEFAULT_CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
-SYSTEM = ("You are an expert in composing functions. You are given a question and a set of possible "
-          "functions. Based on the question, make one or more function calls to achieve the purpose. "
+SYSTEM = ("You are an expert in composing functions. You are given a question and a set of "
+          "possible functions. Based on the question, make one or more function calls to achieve "
+          "the purpose. "
           "Answer with the calls only, in the format [func_name1(param=value, param2=value), "
           "func_name2(param=value)] and nothing else.\n"
           "Here is a list of functions in JSON format that you can invoke:\n")
@@ -108,13 +109,16 @@ def load_category(category: str, root: Path | None = None) -> list[BfclItem]:
             # A few live items carry their own system message: it becomes part of the question,
             # so that the shared system message stays identical across agents.
             question = "\n\n".join(m["content"] for m in turn)
-            items.append(BfclItem(row["id"], category, question, tuple(row["function"]), gold[row["id"]]))
+            items.append(BfclItem(row["id"], category, question, tuple(row["function"]),
+                                  gold[row["id"]]))
     # A few gold answers contradict their own schema (they leave out a required argument):
     # no answer could pass, so those items are left out.
-    return [item for item in items if check(target_text(item), item.ground_truth, item.functions).valid]
+    return [item for item in items
+            if check(target_text(item), item.ground_truth, item.functions).valid]
 
 
-def split(items: Sequence[BfclItem], heldout: int, seed: int) -> tuple[tuple[BfclItem, ...], tuple[BfclItem, ...]]:
+def split(items: Sequence[BfclItem], heldout: int,
+          seed: int) -> tuple[tuple[BfclItem, ...], tuple[BfclItem, ...]]:
     """(train, heldout) by documentation group; heldout has at least `heldout` items."""
     groups: dict[tuple[str, ...], list[BfclItem]] = {}
     for item in items:
@@ -134,7 +138,8 @@ def build_tasks(categories: Sequence[str] = DEFAULT_CATEGORIES, heldout: int = 4
                 root: Path | None = None) -> tuple[Task, ...]:
     if len(set(categories)) != len(categories):
         raise ValueError(f"categories must be distinct, got {categories}")
-    return tuple(Task(c, *split(load_category(c, root), heldout, seed + i)) for i, c in enumerate(categories))
+    return tuple(Task(c, *split(load_category(c, root), heldout, seed + i))
+                 for i, c in enumerate(categories))
 
 
 def format_value(value: Any) -> str:
@@ -153,7 +158,8 @@ def target_text(item: BfclItem) -> str:
         # checker requires it, so the target keeps it.
         required = set(schemas[name]["parameters"].get("required", []))
         parts = [f"{arg}={format_value(gold_value(options[0]))}" for arg, allowed in args.items()
-                 if (options := [o for o in allowed if o != ""]) and ("" not in allowed or arg in required)]
+                 if (options := [o for o in allowed if o != ""])
+                 and ("" not in allowed or arg in required)]
         calls.append(f"{name}({', '.join(parts)})")
     return "[" + ", ".join(calls) + "]"
 
@@ -174,7 +180,8 @@ def catalog(items: Sequence[BfclItem], rng: random.Random) -> list[dict[str, Any
     return functions
 
 
-def training_examples(tasks: Sequence[Task], task_index: int, distractors: int, seed: int) -> list[Example]:
+def training_examples(tasks: Sequence[Task], task_index: int, distractors: int,
+                      seed: int) -> list[Example]:
     """Every training item of one task, each in a catalog that also documents `distractors`
     training items of the other tasks (as in evaluation, where the agents share one catalog)."""
     rng = random.Random(seed)
@@ -183,7 +190,8 @@ def training_examples(tasks: Sequence[Task], task_index: int, distractors: int, 
     out = []
     for item in task.train:
         functions = catalog([item, *rng.sample(others, min(distractors, len(others)))], rng)
-        out.append(Example(task.name, item, system_message(functions), item.question, target_text(item)))
+        out.append(Example(task.name, item, system_message(functions), item.question,
+                           target_text(item)))
     return out
 
 
@@ -192,7 +200,8 @@ def eval_rounds(tasks: Sequence[Task], rounds: int, distractors: int, seed: int)
     of `distractors` held-out items that no round asks about (documentation no agent needs)."""
     n = min(len(t.heldout) for t in tasks)
     if rounds > n:
-        raise ValueError(f"{rounds} rounds need {rounds} held-out items per task; the smallest task has {n}")
+        raise ValueError(f"{rounds} rounds need {rounds} held-out items per task; the smallest "
+                         f"task has {n}")
     rng = random.Random(seed)
     spare = [item for t in tasks for item in t.heldout[rounds:]]
     out = []

@@ -165,7 +165,8 @@ def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainPara
         epoch += 1
 
 
-def collate(batch: list[tuple[list[int], int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+def collate(batch: list[tuple[list[int], int]], pad: int,
+            device: torch.device) -> dict[str, torch.Tensor]:
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -174,7 +175,8 @@ def collate(batch: list[tuple[list[int], int]], pad: int, device: torch.device) 
         input_ids[row, :len(ids)] = torch.tensor(ids)
         labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
         mask[row, :len(ids)] = 1
-    return {"input_ids": input_ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+    return {"input_ids": input_ids.to(device), "labels": labels.to(device),
+            "attention_mask": mask.to(device)}
 
 
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
@@ -187,12 +189,14 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     alora = {"alora_invocation_tokens": list(invocation)} if invocation is not None else {}
     cfg = LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=0.0, bias="none",
                      init_lora_weights=params.init == "peft",
-                     target_modules=[TARGET_MODULES[t] for t in params.targets], task_type="CAUSAL_LM",
-                     **alora)
+                     target_modules=[TARGET_MODULES[t] for t in params.targets],
+                     task_type="CAUSAL_LM", **alora)
     model = get_peft_model(base, cfg)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, params.warmup))
-                                              * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.lr,
+                            weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, params.warmup))
+        * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stream = batches(tokenizer, tasks, index, params, invocation)
     losses: list[float] = []
@@ -232,7 +236,8 @@ def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help=".gguf or HF folder (default: SmolLM2 GGUF)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help=".gguf or HF folder (default: SmolLM2 GGUF)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/quality_adapters"))
     ap.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES))
     ap.add_argument("--heldout", type=int, default=40, help="held-out items per task (at least)")
@@ -241,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=TrainParams.batch)
     ap.add_argument("--lr", type=float, default=TrainParams.lr)
     ap.add_argument("--rank", type=int, default=TrainParams.rank)
-    ap.add_argument("--targets", default=",".join(TrainParams.targets), help="of q,k,v,o,gate,up,down")
+    ap.add_argument("--targets", default=",".join(TrainParams.targets),
+                    help="of q,k,v,o,gate,up,down")
     ap.add_argument("--distractors", type=int, default=TrainParams.distractors)
     ap.add_argument("--max-len", type=int, default=TrainParams.max_len)
     ap.add_argument("--seed", type=int, default=0)
@@ -254,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU, 2 steps of batch 1 per task from a random LoRA init, no distractors "
                          "(checks the pipeline; the adapters learn nothing)")
     args = ap.parse_args(argv)
-    params = TrainParams(rank=args.rank, alpha=2 * args.rank, targets=tuple(args.targets.split(",")),
-                         steps=args.max_steps, batch=args.batch, lr=args.lr, distractors=args.distractors,
+    params = TrainParams(rank=args.rank, alpha=2 * args.rank,
+                         targets=tuple(args.targets.split(",")), steps=args.max_steps,
+                         batch=args.batch, lr=args.lr, distractors=args.distractors,
                          max_len=args.max_len, seed=args.seed, init=args.init, alora=args.alora)
     device = torch.device(args.device)
     if args.smoke:
-        params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2, batch=1,
-                             distractors=0, max_len=512, seed=params.seed, init="random",
+        params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2,
+                             batch=1, distractors=0, max_len=512, seed=params.seed, init="random",
                              alora=params.alora)
         device = torch.device("cpu")
     unknown = set(params.targets) - set(TARGET_MODULES)
@@ -286,17 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     head["load_s"] = time.perf_counter() - t0
     if params.alora:
         head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
-    print(f"model {args.model.name} loaded in {head['load_s']:.1f} s on {device}; params {asdict(params)}")
+    print(f"model {args.model.name} loaded in {head['load_s']:.1f} s on {device}; params "
+          f"{asdict(params)}")
     for i, task in enumerate(tasks):
         if task.name in logs:  # trained by an earlier run that stopped (a device call's limit)
             print(f"{task.name:<14} already in {args.out}, skipped")
             continue
         log = train_task(base, tokenizer, tasks, i, params, args.out, device)
-        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  loss {log.first_loss:.3f} -> "
-              f"{log.last_loss:.3f}  {log.seconds:.1f} s")
+        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  "
+              f"loss {log.first_loss:.3f} -> {log.last_loss:.3f}  {log.seconds:.1f} s")
         logs[task.name] = asdict(log)
         # After every task, so that a run stopped midway resumes with the next one.
-        log_path.write_text(json.dumps(dict(head, tasks=[logs[t.name] for t in tasks if t.name in logs]),
+        log_path.write_text(json.dumps(dict(head,
+                                            tasks=[logs[t.name] for t in tasks if t.name in logs]),
                                        indent=1))
     return 0
 

@@ -30,7 +30,7 @@ from forkserve.config import ForkServeConfig
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 
-SIZES = {  # shared/workloads.md `fanout`, and the large size of issue 17
+SIZES = {  # docs/WORKLOADS.md `fanout`, and the large size of issue 17
     "small": FanoutParams(sessions=10, trunk=256, residual=32, fanout=4),
     "large": FanoutParams(sessions=10, trunk=4096, residual=256, fanout=8),
 }

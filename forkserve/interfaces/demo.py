@@ -63,7 +63,8 @@ def write_demo_adapters(model_cfg, folder: Path, rank: int = 8, seed: int = 0) -
         for layer in range(model_cfg.num_layers):
             for target, (d_in, d_out) in shapes.items():
                 key = f"base_model.model.model.layers.{layer}.self_attn.{target}_proj"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in ** 0.5
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, d_in, generator=gen)
+                                                   / d_in ** 0.5)
                 tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02
         out = folder / name
         out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +142,8 @@ def format_reports(reports: list[LayoutReport]) -> str:
     for r in reports:
         agree = sum(agreement(r.tokens[k], ref.tokens[k]) for k in ref.tokens) / len(ref.tokens)
         lines.append(f"{r.layout:<14} {r.kv_bytes:>10,} {r.base_pages:>18} {r.residual_pages:>14} "
-                     f"{r.prefill_tokens:>11} {r.shared_tokens:>10} {agree:>15.0%} {r.seconds:>8.1f}")
+                     f"{r.prefill_tokens:>11} {r.shared_tokens:>10} {agree:>15.0%} "
+                     f"{r.seconds:>8.1f}")
     return "\n".join(lines)
 
 

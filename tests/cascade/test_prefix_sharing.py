@@ -56,7 +56,8 @@ def test_several_groups_in_one_step() -> None:
     groups = PrefixSharing(P).groups(work)
     assert groups == (PrefixGroup((0, 2), 20), PrefixGroup((1, 4), 30))
     marks = [w.shared_prefix for w in PrefixSharing(P).annotate(work)]
-    assert marks == [SharedPrefix(0, 20), SharedPrefix(1, 30), SharedPrefix(0, 20), None, SharedPrefix(1, 30)]
+    assert marks == [SharedPrefix(0, 20), SharedPrefix(1, 30), SharedPrefix(0, 20), None,
+                     SharedPrefix(1, 30)]
 
 
 def test_a_member_that_diverges_early_is_left_out_when_that_reads_less() -> None:
@@ -82,7 +83,8 @@ def test_numpy_rows_group_as_their_tuples(specs) -> None:
     sharing = PrefixSharing(P, min_tokens=2 * P)
     as_tuples = [(tuple(pages), start) for pages, start in rows]
     as_arrays = [(np.asarray(pages, dtype=np.int64), start) for pages, start in rows]
-    mixed = [row if spec[4] else array for row, array, spec in zip(as_tuples, as_arrays, specs, strict=True)]
+    mixed = [row if spec[4] else array
+             for row, array, spec in zip(as_tuples, as_arrays, specs, strict=True)]
     expected = sharing.groups_of(as_tuples)
     assert sharing.groups_of(as_arrays) == expected
     assert sharing.groups_of(mixed) == expected

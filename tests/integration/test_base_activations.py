@@ -37,12 +37,15 @@ def test_residuals_are_the_base_activations_times_each_adapters_A(model_dir):
         hidden = hf(torch.tensor([CONTEXT]), output_hidden_states=True).hidden_states
     for name, aid in ids.items():
         weights = load_file(str(model_dir[1][name] / "adapter_model.safetensors"))
-        pages = [e.page for e in sorted(engine.residual_index.entries(), key=lambda e: len(e.prefix))
+        pages = [e.page for e in sorted(engine.residual_index.entries(),
+                                        key=lambda e: len(e.prefix))
                  if e.namespace.adapter == adapter_key(aid)]
         for layer in range(2):
             x = hf.model.layers[layer].input_layernorm(hidden[layer][0])
-            a_k = next(v for k, v in weights.items() if f"layers.{layer}.self_attn.k_proj.lora_A" in k)
-            stored = backend.pool.layer(layer).k_res[pages].reshape(-1, backend.pool.layer(layer).k_res.shape[-1])
+            a_k = next(v for k, v in weights.items()
+                       if f"layers.{layer}.self_attn.k_proj.lora_A" in k)
+            stored = backend.pool.layer(layer).k_res[pages].reshape(
+                -1, backend.pool.layer(layer).k_res.shape[-1])
             assert torch.allclose(stored[:, :a_k.shape[0]], x @ a_k.T, atol=1e-4), (name, layer)
 
 
@@ -53,7 +56,8 @@ def test_agents_then_prefill_only_their_own_tokens(model_dir):
     before = engine.metrics.prefill_tokens
     h = engine.open(CONTEXT + [5, 6, 7], adapter=aid)
     engine.generate(h.id, 4)
-    assert engine.metrics.prefill_tokens - before == 3  # the context came from the index, both sides
+    # the context came from the index, both sides
+    assert engine.metrics.prefill_tokens - before == 3
     assert engine.metrics.residual_hit_tokens == 32
     engine.check_integrity()
 

@@ -32,7 +32,8 @@ def test_an_over_long_request_is_refused_and_the_good_session_stays_exact(model_
     # A session on the published prefix reads only KV that was written for it.
     hit = eng.open(committed[:16] + [7])
     assert eng.metrics.hash_hit_tokens >= 12
-    assert eng.generate(hit.id, 4).tokens == fresh.generate(fresh.open(committed[:16] + [7]).id, 4).tokens
+    assert (eng.generate(hit.id, 4).tokens
+            == fresh.generate(fresh.open(committed[:16] + [7]).id, 4).tokens)
     eng.check_integrity()
     # Adapters by name, where users have names; an unknown one is refused at the verb.
     h = eng.open([5, 6, 7], adapter="planner")

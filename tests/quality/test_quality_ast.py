@@ -4,7 +4,8 @@ from quality_testlib import needs_bfcl
 
 from benchmarks.quality.ast_check import check, gold_value, parse_calls, token_f1
 
-FUNCS = [{"name": "spotify.play", "parameters": {"type": "dict", "required": ["artist", "duration"], "properties": {
+FUNCS = [{"name": "spotify.play",
+          "parameters": {"type": "dict", "required": ["artist", "duration"], "properties": {
     "artist": {"type": "string"}, "duration": {"type": "integer"}, "shuffle": {"type": "boolean"},
     "volume": {"type": "float"}, "tags": {"type": "array", "items": {"type": "string"}}}}}]
 GOLD = [{"spotify.play": {"artist": ["Taylor Swift"], "duration": [20], "shuffle": ["", False],
@@ -14,9 +15,12 @@ GOLD = [{"spotify.play": {"artist": ["Taylor Swift"], "duration": [20], "shuffle
 
 
 @pytest.mark.parametrize("text", [
-    "[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Maroon 5', duration=15)]",
-    # any order, BFCL's string standardisation, an int where a float is expected, optional args given
-    "[spotify.play(artist='maroon-5', duration=15, volume=1), spotify.play(artist='TaylorSwift', duration=20)]",
+    "[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Maroon 5', "
+    "duration=15)]",
+    # any order, BFCL's string standardisation, an int where a float is expected, optional args
+    # given
+    "[spotify.play(artist='maroon-5', duration=15, volume=1), spotify.play(artist='TaylorSwift', "
+    "duration=20)]",
     "Sure: [spotify.play(artist='Taylor Swift', duration=20, tags=['Pop']), "
     "spotify.play(artist='Maroon 5', duration=15, shuffle=False)] done",
 ])
@@ -26,13 +30,19 @@ def test_valid_answers_pass(text):
 
 @pytest.mark.parametrize("text, why", [
     ("[spotify.play(artist='Taylor Swift', duration=20)]", "1 calls, expected 2"),
-    ("[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Adele', duration=15)]", "not in"),
-    ("[spotify.play(artist='Taylor Swift', duration='20'), spotify.play(artist='Maroon 5', duration=15)]", "type"),
-    ("[spotify.play(artist='Taylor Swift'), spotify.play(artist='Maroon 5', duration=15)]", "missing required"),
-    ("[spotify.play(artist='Taylor Swift', duration=20, loud=True), spotify.play(artist='Maroon 5', duration=15)]",
+    ("[spotify.play(artist='Taylor Swift', duration=20), spotify.play(artist='Adele', "
+     "duration=15)]", "not in"),
+    ("[spotify.play(artist='Taylor Swift', duration='20'), spotify.play(artist='Maroon 5', "
+     "duration=15)]", "type"),
+    ("[spotify.play(artist='Taylor Swift'), spotify.play(artist='Maroon 5', duration=15)]",
+     "missing required"),
+    ("[spotify.play(artist='Taylor Swift', duration=20, loud=True), "
+     "spotify.play(artist='Maroon 5', duration=15)]",
      "unexpected argument"),
-    ("[spotify.stop(artist='Taylor Swift', duration=20), spotify.play(artist='Maroon 5', duration=15)]", "function"),
-    ("[spotify.play('Taylor Swift', 20), spotify.play(artist='Maroon 5', duration=15)]", "unparsable"),
+    ("[spotify.stop(artist='Taylor Swift', duration=20), spotify.play(artist='Maroon 5', "
+     "duration=15)]", "function"),
+    ("[spotify.play('Taylor Swift', 20), spotify.play(artist='Maroon 5', duration=15)]",
+     "unparsable"),
     ("[spotify.play(artist=name, duration=20)]", "unparsable"),
     ("I cannot help with that.", "unparsable"),
 ])
@@ -42,8 +52,9 @@ def test_wrong_answers_fail_with_a_reason(text, why):
 
 
 def test_a_call_fitting_two_gold_calls_does_not_steal_its_siblings():
-    funcs = [{"name": "f", "parameters": {"required": ["h"], "properties": {"h": {"type": "integer"},
-                                                                           "v": {"type": "integer"}}}}]
+    funcs = [{"name": "f",
+              "parameters": {"required": ["h"], "properties": {"h": {"type": "integer"},
+                                                               "v": {"type": "integer"}}}}]
     gold = [{"f": {"h": [10], "v": ["", 0]}}, {"f": {"h": [10], "v": [5]}}]
     assert check("[f(h=10, v=5), f(h=10)]", gold, funcs).valid
 

@@ -39,10 +39,12 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
 
     out = tmp_path / "adapters"
     args = ["--model", str(tiny), "--out", str(out), "--device", "cpu", "--max-steps", "2",
-            "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4", "--init", "random"]
+            "--batch", "2", "--distractors", "1", "--heldout", "4", "--rank", "4", "--init",
+            "random"]
     assert train.main(args) == 0
     log = json.loads((out / "train_log.json").read_text())
-    assert [t["task"] for t in log["tasks"]] == ["simple_python", "multiple", "parallel", "live_simple"]
+    assert [t["task"] for t in log["tasks"]] == ["simple_python", "multiple", "parallel",
+                                                 "live_simple"]
     saved = out / "parallel" / "adapter_model.safetensors"
     stamp = saved.stat().st_mtime_ns
     assert train.main(args) == 0 and saved.stat().st_mtime_ns == stamp  # resumed: nothing to train
@@ -52,12 +54,14 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     params = EvalParams(rounds=2, distractors=1, max_new=6, heldout=4, block=1)
     folder, cache = tmp_path / "quality_test", tmp_path / "cache"
     # Two runs that add up: layouts split between them, the second also stopped by its deadline.
-    first = evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse"), log=lambda m: None)
+    first = evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse"),
+                     log=lambda m: None)
     assert [u.name for u in first] == ["unified.r000-001", "full_reuse.r000-001",
                                        "unified.r001-002", "full_reuse.r001-002"]
     assert evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse")) == []  # resume
     said: list[str] = []
-    assert evaluate(tiny, out, params, folder, cache, LAYOUTS, deadline_s=0.0, log=said.append) == []
+    assert evaluate(tiny, out, params, folder, cache, LAYOUTS, deadline_s=0.0,
+                    log=said.append) == []
     assert said == [f"deadline: {2 * (len(LAYOUTS) - 2)} units left for the next run"]
     rest = evaluate(tiny, out, params, folder, cache, LAYOUTS, log=lambda m: None)
     assert len(rest) == 2 * (len(LAYOUTS) - 2)

@@ -1,6 +1,7 @@
 """Fixtures of tests/ray: one loopback Ray cluster and one Serve application for the whole
-session (Ray's start-up is the slow part), its Frontend keyed for two tenants. The tiny model comes from tests/server's helpers,
-so both suites serve the same checkpoint through the same loaders."""
+session (Ray's start-up is the slow part), its Frontend keyed for two tenants. The tiny model
+comes from tests/server's helpers, so both suites serve the same checkpoint through the same
+loaders."""
 from __future__ import annotations
 
 import socket
@@ -37,9 +38,10 @@ def cluster(tmp_path_factory) -> Cluster:
              log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    spec = ReplicaSpec(model_path=str(path), loras=tuple(sorted((k, str(v)) for k, v in adapters.items())),
-                       layout="disaggregated", num_pages=512, page_size=4, device="cpu", dtype="float32",
-                       attention="eager", cuda_graphs=False, torch_threads=1)
+    spec = ReplicaSpec(model_path=str(path),
+                       loras=tuple(sorted((k, str(v)) for k, v in adapters.items())),
+                       layout="disaggregated", num_pages=512, page_size=4, device="cpu",
+                       dtype="float32", attention="eager", cuda_graphs=False, torch_threads=1)
     # Half a CPU per engine: the replica Serve starts after a kill fits beside the survivor.
     # No token-rate term: at page size 4, the few dozen tokens one test just ran would weigh
     # as much as the handful of pages the next one checks affinity for (the term has its

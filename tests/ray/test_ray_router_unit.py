@@ -58,12 +58,14 @@ def summary(prefix: list[int] = (), residual: dict[str, int] | None = None, used
 
 
 def request(method: str, hint: RouteHint, internal_id: str | None = None) -> PendingRequest:
-    meta = RequestMetadata(request_id="r", internal_request_id=internal_id or f"i-{method}-{hint.tree_id}",
+    meta = RequestMetadata(request_id="r",
+                           internal_request_id=internal_id or f"i-{method}-{hint.tree_id}",
                            call_method=method)
     return PendingRequest(args=[hint], kwargs={}, metadata=meta)
 
 
-def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str, hint: RouteHint) -> list[list[str]]:
+def route(router: TreeAffinityRouter, replicas: list[FakeReplica], method: str,
+          hint: RouteHint) -> list[list[str]]:
     async def go() -> list[list[str]]:
         pr = request(method, hint)
         ranks = await router.choose_replicas(replicas, pr)
@@ -86,8 +88,10 @@ def open_hint(tree: int, tokens: list[int], adapter: str | None = None) -> Route
 def test_page_hashes_are_chained_and_only_cover_full_pages() -> None:
     a = page_hashes(BASE_SCOPE, list(range(10)), P)
     assert len(a) == 2
-    assert page_hashes(BASE_SCOPE, list(range(8)) + [99, 98], P) == a  # the partial page is not hashed
-    assert page_hashes(BASE_SCOPE, [7] + list(range(1, 10)), P)[1] != a[1]  # page 2's hash depends on page 1
+    # the partial page is not hashed
+    assert page_hashes(BASE_SCOPE, list(range(8)) + [99, 98], P) == a
+    # page 2's hash depends on page 1
+    assert page_hashes(BASE_SCOPE, [7] + list(range(1, 10)), P)[1] != a[1]
     assert page_hashes("planner", list(range(10)), P) != a  # scopes never collide
     assert matched_pages(page_hashes(BASE_SCOPE, list(range(16)), P), frozenset(a)) == 2
 
@@ -126,7 +130,8 @@ def test_a_new_tree_ranks_the_replica_with_its_prefix_first() -> None:
 
 def test_residual_pages_pull_an_adapters_new_agent() -> None:
     router = new_router()
-    a, b = FakeReplica("a", summary(residual={"critic": 40})), FakeReplica("b", summary(residual={"planner": 6}))
+    a, b = (FakeReplica("a", summary(residual={"critic": 40})),
+            FakeReplica("b", summary(residual={"planner": 6})))
     assert route(router, [a, b], "open", open_hint(3, [9] * 8, "planner"))[0] == ["b"]
     assert route(router, [a, b], "open", open_hint(4, [9] * 8, "critic"))[0] == ["a"]
 
@@ -150,7 +155,8 @@ def test_the_serve_config_file_is_a_valid_deploy_config() -> None:
     import forkserve.interfaces.ray_serve as pkg
     config = yaml.safe_load((Path(pkg.__file__).parent / "serve_config.yaml").read_text())
     app = ServeDeploySchema.model_validate(config).applications[0]
-    assert app.deployments[0].request_router_config["request_router_class"].endswith(":TreeAffinityRouter")
+    assert app.deployments[0].request_router_config["request_router_class"].endswith(
+        ":TreeAffinityRouter")
 
 
 def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
@@ -158,7 +164,8 @@ def test_concurrent_calls_of_one_request_are_matched_by_identity() -> None:
     router = new_router()
 
     async def go() -> None:
-        first, second = (request("generate", RouteHint(t, None), internal_id="shared") for t in (7, 8))
+        first, second = (request("generate", RouteHint(t, None), internal_id="shared")
+                         for t in (7, 8))
         for pr in (first, second):
             router._pending_requests_to_fulfill.append(pr)
             router._add_pending_request_to_indices(pr)
@@ -173,7 +180,8 @@ SYSTEM = [5, 6, 7, 8, 9, 10, 11, 12]  # a chat template's default system prompt:
 def place_sequentially(router: TreeAffinityRouter, prompts: list[list[int]]) -> Counter:
     """Each prompt opened after the last was routed, before any summary shows it."""
     a, b = FakeReplica("a", summary()), FakeReplica("b", summary())
-    return Counter(route(router, [a, b], "open", open_hint(100 + i, p))[0][0] for i, p in enumerate(prompts))
+    return Counter(route(router, [a, b], "open", open_hint(100 + i, p))[0][0]
+                   for i, p in enumerate(prompts))
 
 
 def test_sequential_clients_sharing_only_a_system_prompt_spread_over_replicas() -> None:
@@ -200,16 +208,19 @@ def test_kv_pressure_and_token_rate_outweigh_a_short_prefix_match() -> None:
     assert route(router, [full, idle], "open", hint)[0] == ["b"]
     assert route(router, [busy, idle], "open", open_hint(10, SYSTEM + [78] * 8))[0] == ["b"]
     # Idle and equal but for the prefix: the prefix wins.
-    assert route(router, [FakeReplica("a", summary(SYSTEM)), idle], "open", open_hint(11, SYSTEM))[0] == ["a"]
+    assert route(router, [FakeReplica("a", summary(SYSTEM)), idle], "open",
+                 open_hint(11, SYSTEM))[0] == ["a"]
 
 
 def test_recent_routes_count_until_their_ttl() -> None:
     now = [0.0]
     recent = RecentRoutes(4.0, clock=lambda: now[0])
     recent.add(open_hint(1, list(range(8)), "planner"), new_pages=2)
-    assert recent.new_pages() == 2 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    assert (recent.new_pages() == 2 and recent.adapter_pages("planner") == 2
+            and len(recent.hashes()) == 2)
     recent.closed(1)  # published cache now: still matched, no longer load
-    assert recent.new_pages() == 0 and recent.adapter_pages("planner") == 2 and len(recent.hashes()) == 2
+    assert (recent.new_pages() == 0 and recent.adapter_pages("planner") == 2
+            and len(recent.hashes()) == 2)
     now[0] = 4.5
     assert recent.new_pages() == 0 and recent.hashes() == frozenset()
 
@@ -222,9 +233,11 @@ def test_a_burst_of_opens_sees_each_other_before_any_is_routed() -> None:
 
     async def burst() -> list[str]:
         hints = [open_hint(200 + i, contexts[i % 2] + [400 + i] * P) for i in range(8)]
-        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name for h in hints]
+        return [(await router.choose_replicas([a, b], request("open", h)))[0][0].name
+                for h in hints]
     placed = asyncio.run(burst())
-    assert len({placed[i] for i in (0, 2, 4, 6)}) == 1 and len({placed[i] for i in (1, 3, 5, 7)}) == 1
+    assert (len({placed[i] for i in (0, 2, 4, 6)}) == 1
+            and len({placed[i] for i in (1, 3, 5, 7)}) == 1)
     assert placed[0] != placed[1]  # the second context goes where the first's load is not
 
 
@@ -246,9 +259,12 @@ def test_an_open_serve_sent_elsewhere_is_counted_where_it_went() -> None:
 def test_the_two_choices_baseline_ignores_prefixes_but_keeps_owners() -> None:
     router = TwoChoicesRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
-    replicas = [FakeReplica("a", summary(list(range(64)))), FakeReplica("b", summary()), FakeReplica("c", summary())]
+    replicas = [FakeReplica("a", summary(list(range(64)))), FakeReplica("b", summary()),
+                FakeReplica("c", summary())]
     hint = open_hint(500, list(range(64)))
-    picks = {tuple(sorted(route(router, replicas, "open", replace(hint, tree_id=500 + i))[0])) for i in range(40)}
-    assert all(len(p) == 2 for p in picks) and len(picks) == 3  # any two, the prefix's holder or not
+    picks = {tuple(sorted(route(router, replicas, "open", replace(hint, tree_id=500 + i))[0]))
+             for i in range(40)}
+    # any two, the prefix's holder or not
+    assert all(len(p) == 2 for p in picks) and len(picks) == 3
     placed = route(router, replicas, "open", replace(hint, tree_id=600))[0][0]
     assert route(router, replicas, "generate", RouteHint(600, None)) == [[placed]]

@@ -98,9 +98,10 @@ def test_a_new_tree_goes_where_its_prefix_is_published(client: httpx.Client,
             ok(client.delete(f"/v1/sessions/{sid}"))
 
 
-def test_an_adapters_second_agent_prefers_its_residual_pages(client: httpx.Client,
-                                                             prefix_on: dict[str, list[int]]) -> None:
-    # Place each adapter's first agent by a base prefix: planner on one replica, critic on the other.
+def test_an_adapters_second_agent_prefers_its_residual_pages(
+        client: httpx.Client, prefix_on: dict[str, list[int]]) -> None:
+    # Place each adapter's first agent by a base prefix: planner on one replica, critic on the
+    # other.
     home = {}
     for adapter, (replica, prefix) in zip(("planner", "critic"), prefix_on.items(), strict=False):
         # 16 pages of residual: the log term must clear a page or two of load that the
@@ -123,11 +124,13 @@ def test_concurrent_agents_each_stay_on_one_replica(client: httpx.Client) -> Non
         sid, owner = open_tree(client, fresh_tokens(12))
         seen = {owner}
         for _ in range(2):
-            r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True})
+            r = client.post(f"/v1/sessions/{sid}/generate",
+                            json={"max_tokens": 4, "ignore_eos": True})
             ok(r)
             seen.add(r.headers[REPLICA_HEADER])
             tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
-            r = client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": fresh_tokens(4)})
+            r = client.post(f"/v1/sessions/{sid}/commit",
+                            json={"tip": tip, "tokens": fresh_tokens(4)})
             ok(r)
             seen.add(r.headers[REPLICA_HEADER])
         ok(client.delete(f"/v1/sessions/{sid}"))
@@ -168,7 +171,8 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
     for s in (sid, control):
         ok(client.delete(f"/v1/sessions/{s}"))
 
-    body = {"model": "critic", "prompt": "The quick brown fox", "max_tokens": 4, "n": 2, "temperature": 0}
+    body = {"model": "critic", "prompt": "The quick brown fox", "max_tokens": 4, "n": 2,
+            "temperature": 0}
     whole = ok(client.post("/v1/completions", json=body))
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
@@ -191,7 +195,8 @@ def test_streams_match_the_unstreamed_answers(client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert [c["delta"]["role"] for c in chunks[0]["choices"]] == ["assistant", "assistant"]
     ends = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
-    assert sorted(c["index"] for c in ends) == [0, 1] and all(c["delta"]["content"] is None for c in ends)
+    assert (sorted(c["index"] for c in ends) == [0, 1]
+            and all(c["delta"]["content"] is None for c in ends))
     assert chunks[-1]["choices"] == [] and 0 < chunks[-1]["usage"]["completion_tokens"] <= 6
 
 
@@ -217,7 +222,8 @@ def test_the_branch_client_drives_the_cluster_like_one_server(cluster: Cluster) 
         assert c.bound_node == happy and c.matched_tokens == len(wrapper) and err in c.aborted
         out = client.generate(s.session_id, 5, ignore_eos=True)
         assert len(out.tokens) == 5 and out.tip == c.tip
-        assert client.info(s.session_id).committed_tokens == s.committed_tokens + len(wrapper) + 3 + 5
+        assert (client.info(s.session_id).committed_tokens
+                == s.committed_tokens + len(wrapper) + 3 + 5)
         client.close(s.session_id)
 
 
@@ -254,7 +260,8 @@ def test_the_http_proxy_listens_on_loopback_only(cluster: Cluster) -> None:
 def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> None:
     prompt = fresh_tokens(14)
     sid, victim = open_tree(client, prompt)
-    g1 = ok(client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 4, "ignore_eos": True}))["tokens"]
+    g1 = ok(client.post(f"/v1/sessions/{sid}/generate",
+                        json={"max_tokens": 4, "ignore_eos": True}))["tokens"]
     tip = ok(client.get(f"/v1/sessions/{sid}"))["tip"]
     extra = fresh_tokens(5)
     ok(client.post(f"/v1/sessions/{sid}/commit", json={"tip": tip, "tokens": extra}))
@@ -281,7 +288,8 @@ def test_killing_a_replica_loses_no_committed_token(client: httpx.Client) -> Non
     assert r.headers[REPLICA_HEADER] != victim
     r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 5, "ignore_eos": True})
     after = ok(r)["tokens"]
-    assert ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"] == len(committed + more + after)
+    assert (ok(client.get(f"/v1/sessions/{sid}"))["committed_tokens"]
+            == len(committed + more + after))
 
     # Greedy decoding from the re-opened tree equals decoding from a fresh tree on the
     # same tokens: the committed context came back whole.

@@ -22,12 +22,14 @@ def url(cluster: Cluster) -> str:
 
 def test_keys_are_required_on_every_route_but_health(url):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/sessions", {"model": MODEL, "text": "hi"}),
-                               ("GET", "/v1/sessions/x", None), ("POST", "/v1/chat/completions", chat),
-                               ("POST", "/v1/drain", None)]:
+    for method, path, body in [("GET", "/v1/models", None),
+                               ("POST", "/v1/sessions", {"model": MODEL, "text": "hi"}),
+                               ("GET", "/v1/sessions/x", None),
+                               ("POST", "/v1/chat/completions", chat), ("POST", "/v1/drain", None)]:
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
             r = httpx.request(method, url + path, headers=headers, json=body)
-            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, r.text)
+            assert (r.status_code == 401
+                    and r.json()["error"]["type"] == "AuthenticationError"), (path, r.text)
     assert httpx.get(url + "/health").status_code == 200
 
 
@@ -54,6 +56,7 @@ def test_sessions_belong_to_their_tenant(url):
 
 @pytest.mark.parametrize("salt", ["", "x" * 10_240, "a\x00b", "public:undeclared"])
 def test_bad_cache_salt_is_a_400(url, salt):
-    r = httpx.post(url + "/v1/sessions", json={"model": MODEL, "tokens": [5, 6], "cache_salt": salt},
+    r = httpx.post(url + "/v1/sessions",
+                   json={"model": MODEL, "tokens": [5, 6], "cache_salt": salt},
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -15,7 +15,8 @@ from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.launcher import RunningServer, serve_in_thread
 from forkserve.interfaces.server.served_model import load_served_model
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CORPUS = ["Thought: I should look at the files first.", "Action: search[forkserve pages]",
           "Observation: the tool returned three results.", "Final Answer: the cache is shared.",
@@ -33,11 +34,12 @@ def save_tokenizer(path: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=320,
+                                  special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                   bos_token="<|im_start|>", eos_token="<|im_end|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return len(fast)
@@ -50,7 +52,8 @@ def save_model(root: Path) -> tuple[Path, dict[str, Path]]:
     path = root / MODEL_NAME
     vocab = save_tokenizer(path)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_CONTEXT,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=MAX_CONTEXT,
                       initializer_range=0.2, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)

@@ -24,7 +24,8 @@ def test_agent_step_binds_the_known_wrapper_and_prefills_only_the_tail(server, c
     wrapper, guess = [40, 41, 42, 43, 44], [40, 41, 90, 91]
     happy = client.fork(s.session_id, s.tip, tokens=wrapper, label="wrapper")
     err = client.fork(s.session_id, s.tip, tokens=guess, label="error")
-    assert client.speculate(s.session_id, happy, priority=1.0, t_idle_ms=500).action in ("prefill", "hash_partial")
+    assert client.speculate(s.session_id, happy, priority=1.0,
+                            t_idle_ms=500).action in ("prefill", "hash_partial")
     client.speculate(s.session_id, err, priority=0.2)
     client.drain()
     observation = wrapper + [50, 51, 52]
@@ -54,7 +55,8 @@ def test_concurrent_generations_share_decode_steps(server, client):
     sessions = [client.open(MODEL_NAME, tokens=[40 + i, 41, 42]) for i in range(4)]
     ticks_before = server.on_engine(lambda e: e.metrics.ticks)
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda s: client.generate(s.session_id, 48, ignore_eos=True), sessions))
+        outs = list(pool.map(lambda s: client.generate(s.session_id, 48, ignore_eos=True),
+                             sessions))
     ticks = server.on_engine(lambda e: e.metrics.ticks) - ticks_before
     assert all(len(o.tokens) == 48 for o in outs)
     assert ticks < 0.75 * 4 * 48  # one tick decodes every generating session: batched, not in turns
@@ -70,7 +72,8 @@ def test_join_commits_branches_one_after_another(client):
         client.speculate(s.session_id, n, priority=0.5)
     c = client.join(s.session_id, [a, b], separator_text="\n")
     info = client.info(s.session_id)
-    assert info.tip == c.tip and info.committed_tokens > s.committed_tokens + 4 and info.model == "critic"
+    assert (info.tip == c.tip and info.committed_tokens > s.committed_tokens + 4
+            and info.model == "critic")
     client.close(s.session_id)
 
 
@@ -116,14 +119,16 @@ def test_openai_stream_disconnect_frees_the_pages(server):
 
 def test_non_streamed_request_of_a_vanished_client_is_aborted(server):
     # The client leaves once all 16 choices are decoding (an event, not a fixed delay).
-    body = json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0,
-                       "n": 16}).encode()
+    body = json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 300,
+                       "temperature": 0, "n": 16}).encode()
     before = server.on_engine(lambda e: e.metrics.decode_tokens)
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"content-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        wait_until(lambda: server.on_engine(lambda e: sum(s.decode_left > 0 for s in e.sessions.values())) == 16)
+        wait_until(lambda: server.on_engine(lambda e: sum(s.decode_left > 0
+                                                          for s in e.sessions.values())) == 16)
     wait_until(lambda: quiescent_pages(server)[0] == 0)
     _, used, published = quiescent_pages(server)
     assert used == published
@@ -145,10 +150,13 @@ def test_a_generating_session_refuses_other_verbs(client):
 
 def test_metrics_expose_pools_actions_and_throughput(client):
     text = client.metrics()
-    for name in ("forkserve_pages_used{pool=\"unified\"}", "forkserve_prefix_index_pages{tree=\"base\"}",
-                 "forkserve_speculative_residuals_total{action=", "forkserve_decode_tokens_per_second",
+    for name in ("forkserve_pages_used{pool=\"unified\"}",
+                 "forkserve_prefix_index_pages{tree=\"base\"}",
+                 "forkserve_speculative_residuals_total{action=",
+                 "forkserve_decode_tokens_per_second",
                  "forkserve_queue_depth", "forkserve_http_requests_total{route=\"/v1/sessions\"",
-                 "forkserve_prefix_hit_ratio{tree=\"base\"}", "forkserve_prefix_hit_tokens_total{tree=\"all\"}"):
+                 "forkserve_prefix_hit_ratio{tree=\"base\"}",
+                 "forkserve_prefix_hit_tokens_total{tree=\"all\"}"):
         assert name in text, name
 
 

@@ -68,7 +68,8 @@ def good_requests(n: int) -> list[Req]:
             out.append(Req(f"chat{i}", "/v1/chat/completions",
                            {**common, "messages": [{"role": "user", "content": text}]}))
         else:
-            out.append(Req(f"cmpl{i}", "/v1/completions", {**common, "prompt": text}, stream=i % 3 == 2))
+            out.append(Req(f"cmpl{i}", "/v1/completions", {**common, "prompt": text},
+                           stream=i % 3 == 2))
     return out
 
 
@@ -85,7 +86,8 @@ BAD = [  # (request, the status it must get)
     (Req("backend fault", "/v1/completions", {"model": MODEL_NAME, "prompt": [5, 6, POISON, 8],
                                               "max_tokens": 4}), 500),
     (Req("backend fault, streamed", "/v1/completions",
-         {"model": "critic", "prompt": [9, POISON, 10], "max_tokens": 4, "stream": True}, stream=True), 500),
+         {"model": "critic", "prompt": [9, POISON, 10], "max_tokens": 4, "stream": True},
+         stream=True), 500),
 ]
 
 
@@ -113,17 +115,20 @@ def send(http: httpx.Client, req: Req) -> tuple[int | None, str]:
                 return event["error"]["code"], event["error"]["message"]
             if req.disconnect:
                 return None, ""  # closing the connection mid-stream
-            text += [c.get("text") or (c.get("delta") or {}).get("content") or "" for c in event["choices"]]
+            text += [c.get("text") or (c.get("delta") or {}).get("content") or ""
+                     for c in event["choices"]]
     return 200, "".join(text)
 
 
 def run(http: httpx.Client, reqs: list[Req]) -> dict[str, tuple[int | None, str]]:
     with ThreadPoolExecutor(8) as pool:
-        return dict(zip([r.name for r in reqs], pool.map(lambda r: send(http, r), reqs), strict=True))
+        return dict(zip([r.name for r in reqs], pool.map(lambda r: send(http, r), reqs),
+                        strict=True))
 
 
 def settled(server) -> tuple[int, int, int]:
-    """Once every session ended: (pages used, published, used after evict_all); integrity checked."""
+    """Once every session ended: (pages used, published, used after evict_all); integrity
+    checked."""
     wait_until(lambda: quiescent_pages(server)[0] == 0)
 
     def audit(e):
@@ -151,12 +156,15 @@ def test_bad_requests_change_no_good_answer_and_leak_nothing(faulty_server, http
     assert faulty_server.on_engine(lambda e: e.pool.num_free) == free_before
 
 
-def test_a_branch_generation_the_backend_fails_ends_alone_and_keeps_the_session(faulty_server, http):
-    poisoned = http.post("/v1/sessions", json={"model": MODEL_NAME, "tokens": [7, POISON, 9]}).json()
+def test_a_branch_generation_the_backend_fails_ends_alone_and_keeps_the_session(faulty_server,
+                                                                                http):
+    poisoned = http.post("/v1/sessions",
+                         json={"model": MODEL_NAME, "tokens": [7, POISON, 9]}).json()
     healthy = http.post("/v1/sessions", json={"model": MODEL_NAME, "tokens": [7, 8, 9]}).json()
     body = {"max_tokens": 4, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
-        bad, good = pool.map(lambda s: http.post(f"/v1/sessions/{s['session_id']}/generate", json=body),
+        bad, good = pool.map(lambda s: http.post(f"/v1/sessions/{s['session_id']}/generate",
+                                                 json=body),
                              (poisoned, healthy))
     assert bad.status_code == 500 and bad.json()["error"]["type"] == "BackendError", bad.text
     assert good.status_code == 200 and len(good.json()["tokens"]) == 4

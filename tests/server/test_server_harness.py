@@ -29,7 +29,8 @@ def assert_no_leak(server) -> None:
 
 
 def test_langgraph_send_example_runs_end_to_end(server):
-    final = example("langgraph_send").main(["--url", server.url, "--model", MODEL_NAME, "--note-tokens", "6"])
+    final = example("langgraph_send").main(["--url", server.url, "--model", MODEL_NAME,
+                                            "--note-tokens", "6"])
     results = sorted(final["results"])
     assert [i for i, _, _ in results] == [0, 1, 2]
     assert len({node for _, node, _ in results}) == 3
@@ -55,7 +56,8 @@ def test_tool_pause_prefills_the_wrapper_during_the_tool_and_binds_it(server):
         assert result.decisions["wrapper"].action in ("prefill", "hash_partial", "hash_skip")
         assert result.commit.bound_node is not None and result.commit.matched_tokens >= 2
         added = client.info(s.session_id).committed_tokens - s.committed_tokens
-        assert result.commit.prefilled_tokens == added - result.commit.matched_tokens  # only the tail
+        # only the tail
+        assert result.commit.prefilled_tokens == added - result.commit.matched_tokens
         client.close(s.session_id)
     assert_no_leak(server)
 
@@ -63,7 +65,8 @@ def test_tool_pause_prefills_the_wrapper_during_the_tool_and_binds_it(server):
 def test_react_runs_a_resumed_action_then_stops_without_one(server):
     calls = []
     with BranchClient(server.url) as client:
-        agent = ReActAgent(client, MODEL_NAME, {"calc": lambda a: calls.append(a) or "4"}, max_tokens=6)
+        agent = ReActAgent(client, MODEL_NAME, {"calc": lambda a: calls.append(a) or "4"},
+                           max_tokens=6)
         result = agent.run("Question: 2+2?\n", resume="Action: calc[2+2]", max_steps=1)
     assert calls == ["2+2"] and len(result.steps) == 1
     assert result.transcript.startswith("Action: calc[2+2]\nObservation: 4\nThought:")

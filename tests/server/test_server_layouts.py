@@ -16,7 +16,8 @@ def test_residual_pool_layouts_serve_adapters_without_leaks(tiny_model_dir, layo
     with start(tiny_model_dir, kv_layout=layout) as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         outs = {m: oai.chat.completions.create(model=m, max_tokens=6, temperature=0,
-                                               messages=[{"role": "user", "content": "Plan the fix."}])
+                                               messages=[{"role": "user",
+                                                          "content": "Plan the fix."}])
                 .choices[0].message.content for m in ("planner", "critic")}
         assert outs["planner"] != outs["critic"]
         with BranchClient(server.url) as client:
@@ -27,13 +28,15 @@ def test_residual_pool_layouts_serve_adapters_without_leaks(tiny_model_dir, layo
             client.generate(s.session_id, 4)
             client.close(s.session_id)
             text = client.metrics()
-        for name in ('forkserve_pages_used{pool="residual"}', 'forkserve_prefix_index_pages{tree="residual"}',
+        for name in ('forkserve_pages_used{pool="residual"}',
+                     'forkserve_prefix_index_pages{tree="residual"}',
                      'forkserve_prefix_hit_ratio{tree="residual"}'):
             assert name in text, name
 
         def audit(e):
             e.check_integrity()
-            held = (e.pool.num_used - e.index.num_pages, e.residual_pool.num_used - e.residual_index.num_pages)
+            held = (e.pool.num_used - e.index.num_pages,
+                    e.residual_pool.num_used - e.residual_index.num_pages)
             e.evict_all()
             return len(e.sessions), held, e.pool.num_used, e.residual_pool.num_used
         assert server.on_engine(audit) == (0, (0, 0), 0, 0)

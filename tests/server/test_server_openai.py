@@ -42,8 +42,10 @@ def test_chat_uses_the_template_and_adapters_change_the_output(client):
     outs = {}
     for model in (MODEL_NAME, "planner", "critic"):
         r = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
-                                           messages=[{"role": "system", "content": "You are terse."},
-                                                     {"role": "user", "content": "What is a page?"}])
+                                           messages=[{"role": "system",
+                                                      "content": "You are terse."},
+                                                     {"role": "user",
+                                                      "content": "What is a page?"}])
         assert r.choices[0].message.role == "assistant" and r.model == model
         # system + user turns and the assistant header, as the template renders them
         assert r.usage.prompt_tokens > 10
@@ -52,9 +54,11 @@ def test_chat_uses_the_template_and_adapters_change_the_output(client):
 
 
 def test_streaming_chat_equals_the_non_streamed_answer(client):
-    kw = dict(model="planner", messages=[{"role": "user", "content": "Thought:"}], max_tokens=10, temperature=0)
+    kw = dict(model="planner", messages=[{"role": "user", "content": "Thought:"}], max_tokens=10,
+              temperature=0)
     whole = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -70,7 +74,8 @@ def test_streaming_completion_with_n(client):
         for ch in c.choices:
             texts[ch.index] = texts.get(ch.index, "") + ch.text
             reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
-    assert set(texts) == {0, 1, 2} and set(reasons.values()) <= {"length", "stop"}  # stop: sampled EOS
+    # stop: sampled EOS
+    assert set(texts) == {0, 1, 2} and set(reasons.values()) <= {"length", "stop"}
 
 
 def test_stop_strings_cut_the_text(client):
@@ -80,12 +85,14 @@ def test_stop_strings_cut_the_text(client):
     stop = full[2:4]
     cut = client.completions.create(stop=[stop], **kw).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
+    streamed = "".join(c.choices[0].text
+                       for c in client.completions.create(stop=stop, stream=True, **kw))
     assert streamed == cut.text
 
 
 def test_no_pages_leak_after_requests(server, client):
-    client.chat.completions.create(model="planner", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    client.chat.completions.create(model="planner", messages=[{"role": "user", "content": "x"}],
+                                   max_tokens=2)
     sessions, used, published = quiescent_pages(server)
     assert sessions == 0 and used == published
     assert server.on_engine(lambda e: (e.check_integrity(), e.evict_all(), e.pool.num_used)[2]) == 0

@@ -18,13 +18,15 @@ from forkserve.interfaces.server.access import AccessConfig
 from forkserve.interfaces.server.auth import ApiKeys
 
 KEY_A, KEY_B = "sk-alice-" + "a" * 24, "sk-bob-" + "b" * 24
-KEY_C = "sk-carol-" + "c" * 24  # only the harness example uses it: A's and B's caches stay as the tests expect
+# only the harness example uses it: A's and B's caches stay as the tests expect
+KEY_C = "sk-carol-" + "c" * 24
 PAGE = 4  # server_testlib's page size
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    access = AccessConfig(ApiKeys({KEY_A: "alice", KEY_B: "bob", KEY_C: "carol"}), public_prefixes=frozenset({"sys"}))
+    access = AccessConfig(ApiKeys({KEY_A: "alice", KEY_B: "bob", KEY_C: "carol"}),
+                          public_prefixes=frozenset({"sys"}))
     with start(tiny_model_dir, access=access) as running:
         yield running
 
@@ -51,7 +53,8 @@ def engine_state(server) -> tuple:
 
 
 # ------------------------------------------------------------------------------ auth
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY_A},
+@pytest.mark.parametrize("headers",
+                         [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY_A},
                                      {"Authorization": f"Basic {KEY_A}"}])
 @pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                          ("POST", "/v1/sessions"), ("GET", "/v1/sessions/x"),
@@ -65,14 +68,16 @@ def test_every_route_but_health_needs_a_key(server, headers, method, path):
 
 def test_health_is_open_and_a_good_key_passes(server):
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
+    assert httpx.get(server.url + "/v1/models",
+                     headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         oai(server, "sk-nope").models.list()
 
 
 def test_key_comparison_is_constant_time_and_maps_keys_to_tenants(tmp_path):
     keys = ApiKeys({"k1": "t", "k2": "t", "k3": "u"})
-    assert [keys.tenant_of(k) for k in ("k1", "k2", "k3", "k4", "", "k1 ")] == ["t", "t", "u", None, None, None]
+    assert ([keys.tenant_of(k) for k in ("k1", "k2", "k3", "k4", "", "k1 ")]
+            == ["t", "t", "u", None, None, None])
     f = tmp_path / "keys"
     f.write_text("# team keys\nsk-1 app\n\nsk-2 app\nsk-3 other\n")
     assert ApiKeys.load(f).tenants == {"sk-1": "app", "sk-2": "app", "sk-3": "other"}
@@ -120,15 +125,16 @@ def test_another_tenant_cannot_touch_a_session_and_learns_nothing(server, a, b):
 def test_the_harness_examples_run_unchanged_with_a_key(server):
     from test_server_harness import example
 
-    out = example("langgraph_send").main(["--url", server.url, "--model", MODEL_NAME, "--note-tokens", "4",
-                                          "--api-key", KEY_C])
+    out = example("langgraph_send").main(["--url", server.url, "--model", MODEL_NAME,
+                                          "--note-tokens", "4", "--api-key", KEY_C])
     assert len(out["results"]) == 3
     assert server.on_engine(lambda e: len(e.sessions)) == 0
 
 
 # ------------------------------------------------------------------------------ cache isolation
 def chat(client: openai.OpenAI, content: str, **extra):
-    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+    r = client.chat.completions.create(model=MODEL_NAME,
+                                       messages=[{"role": "user", "content": content}],
                                        max_tokens=1, temperature=0, extra_body=extra or None)
     return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
 
@@ -167,18 +173,22 @@ def test_completions_and_streams_report_cached_tokens(server):
     streamed = []
     for _ in range(2):
         chunks = list(client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "stream me"}], max_tokens=1, stream=True,
+            model=MODEL_NAME, messages=[{"role": "user", "content": "stream me"}], max_tokens=1,
+            stream=True,
             stream_options={"include_usage": True}, extra_body={"cache_salt": "streams"}))
         streamed.append(chunks[-1].usage)
-    assert [u.prompt_tokens_details.cached_tokens for u in streamed] == [0, full_hit(streamed[0].prompt_tokens)]
+    assert ([u.prompt_tokens_details.cached_tokens for u in streamed]
+            == [0, full_hit(streamed[0].prompt_tokens)])
 
 
 # ------------------------------------------------------------------------------ salt validation
-@pytest.mark.parametrize("salt", ["", "x" * 10_240, "a\x00b", "line\nbreak", "\x1b[31m", "public:undeclared"])
+@pytest.mark.parametrize("salt", ["", "x" * 10_240, "a\x00b", "line\nbreak", "\x1b[31m",
+                                  "public:undeclared"])
 def test_bad_cache_salt_is_a_400_and_changes_nothing(server, a, salt):
     before = engine_state(server)
     headers = {"Authorization": f"Bearer {KEY_A}"}
-    bodies = {"/v1/chat/completions": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]},
+    bodies = {"/v1/chat/completions": {"model": MODEL_NAME,
+                                       "messages": [{"role": "user", "content": "hi"}]},
               "/v1/completions": {"model": MODEL_NAME, "prompt": "hi"},
               "/v1/sessions": {"model": MODEL_NAME, "text": "hi"}}
     for path, body in bodies.items():
@@ -223,7 +233,8 @@ def test_a_hit_on_another_tenants_prompt_is_indistinguishable_from_a_miss(server
 def test_non_loopback_bind_without_keys_is_refused_in_one_line(capsys):
     from forkserve.interfaces.cli import main
 
-    for argv in (["--host", "0.0.0.0"], ["--host", "10.1.2.3", "--port", "9"], ["--host", "example.com"]):
+    for argv in (["--host", "0.0.0.0"], ["--host", "10.1.2.3", "--port", "9"],
+                 ["--host", "example.com"]):
         assert main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--api-key" in err and "--insecure" in err

@@ -56,8 +56,9 @@ def test_no_page_is_ever_matched_across_trust_boundaries(config, script):
         eng.check_integrity()
     for index in (eng.index, eng.residual_index):
         if index is not None:
-            assert {e.salt for e in index.entries()} | {e.salt for e in index.offloaded_entries()} <= \
-                {SALTS[i] for i, _, _ in script}
+            assert ({e.salt for e in index.entries()}
+                    | {e.salt for e in index.offloaded_entries()}
+                    ) <= {SALTS[i] for i, _, _ in script}
 
 
 def test_within_one_boundary_pages_are_shared_and_across_none_are():

@@ -18,7 +18,8 @@ from forkserve.interfaces.server.limits import Demand, TenantLimits, TenantMeter
 
 NOISY, VICTIM, RATED = "sk-noisy-0000", "sk-victim-0000", "sk-rated-0000"
 # 3 tenants x 64 pages fit in the 256-page pool: no tenant can take what another needs.
-LIMITS = TenantLimits(max_sessions=3, max_pages=64, max_tokens_per_request=200, tokens_per_minute=3000)
+LIMITS = TenantLimits(max_sessions=3, max_pages=64, max_tokens_per_request=200,
+                      tokens_per_minute=3000)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,10 @@ def test_pages_limit_bounds_what_a_tenant_holds(server):
         with pytest.raises(BranchAPIError) as e:
             noisy.generate(s.session_id, 100)
         assert e.value.status == 429
-        assert server.on_engine(lambda e: (e.pool.num_used, len(e.sessions))) == before  # nothing changed
-        assert noisy.commit(s.session_id, s.tip, tokens=[9, 10, 11]).prefilled_tokens == 3  # this fits
+        # nothing changed
+        assert server.on_engine(lambda e: (e.pool.num_used, len(e.sessions))) == before
+        # this fits
+        assert noisy.commit(s.session_id, s.tip, tokens=[9, 10, 11]).prefilled_tokens == 3
         noisy.close(s.session_id)
 
 
@@ -78,7 +81,8 @@ def test_tokens_per_minute_is_a_429_with_the_wait_in_retry_after(server):
     start_t = time.monotonic()
     for _ in range(100):  # each request takes 190 tokens; the bucket refills 50 per second
         try:
-            client.completions.create(model=MODEL_NAME, prompt=[5] * 180, max_tokens=10, temperature=0)
+            client.completions.create(model=MODEL_NAME, prompt=[5] * 180, max_tokens=10,
+                                      temperature=0)
             statuses.append(200)
         except openai.RateLimitError as e:
             statuses.append(429)
@@ -105,9 +109,11 @@ PROMPTS = ["Thought: I should look at the files first.", "Final Answer: the cach
 
 def victim_outputs(server, salt: str) -> list[str]:
     client = oai(server, VICTIM)
-    return [client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": p}],
+    return [client.chat.completions.create(model=MODEL_NAME,
+                                           messages=[{"role": "user", "content": p}],
                                            max_tokens=8, temperature=0,
-                                           extra_body={"cache_salt": salt}).choices[0].message.content
+                                           extra_body={"cache_salt": salt})
+            .choices[0].message.content
             for p in PROMPTS]
 
 
@@ -118,14 +124,16 @@ def test_a_noisy_tenant_at_its_limits_does_not_change_anothers_outputs(server):
     def flood(i: int) -> int:
         try:
             client.chat.completions.create(model=MODEL_NAME, max_tokens=24, temperature=0,
-                                           messages=[{"role": "user", "content": f"flood {i} " * 8}])
+                                           messages=[{"role": "user",
+                                                      "content": f"flood {i} " * 8}])
             return 200
         except openai.RateLimitError:
             return 429
 
     with ThreadPoolExecutor(8) as pool:
         flooding = [pool.submit(flood, i) for i in range(40)]
-        noisy = victim_outputs(server, "noisy")  # the victim's own salt: a miss again, as in the reference
+        # the victim's own salt: a miss again, as in the reference
+        noisy = victim_outputs(server, "noisy")
         statuses = [f.result() for f in flooding]
     assert noisy == quiet
     assert 429 in statuses and 200 in statuses

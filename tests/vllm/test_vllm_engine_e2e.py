@@ -76,7 +76,8 @@ def test_children_hit_the_trunk_in_vllms_prefix_cache():
     backend.stats.cached_tokens = 0
     eng.drain_slack()
     full = (len(trunk) // 16) * 16
-    child_requests = [r for r in fake.requests if r.external_id.endswith(tuple(f"-{k}" for k in kids))]
+    child_requests = [r for r in fake.requests
+                      if r.external_id.endswith(tuple(f"-{k}" for k in kids))]
     assert len(child_requests) == 3
     # Each child prompt is trunk + residual; vLLM computes only the partial trunk page + residual.
     assert backend.stats.cached_tokens == 3 * full
@@ -144,7 +145,8 @@ def _script(eng, rng, adapters):
     for _ in range(4):
         for sid in sessions:
             tip = eng.tip(sid)
-            branches = [[rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))] for _ in range(3)]
+            branches = [[rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))]
+                        for _ in range(3)]
             kids = [eng.fork(sid, tip, f"b{i}", b) for i, b in enumerate(branches)]
             for i, k in enumerate(kids):
                 eng.speculate(sid, k, priority=1.0 if i == 0 else 0.3)
@@ -153,7 +155,8 @@ def _script(eng, rng, adapters):
             pick = rng.choice([0, 1, 2, None])
             tokens = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 20))]
             if pick is not None:
-                tokens = list(eng.node(sid, eng.tip(sid)).children[pick].tokens)[:rng.randrange(1, 30)] + tokens
+                tokens = (list(eng.node(sid, eng.tip(sid)).children[pick].tokens)
+                          [:rng.randrange(1, 30)] + tokens)
             eng.commit(sid, eng.tip(sid), tokens)
             eng.generate(sid, rng.randrange(1, 24))
     return [eng.committed_tokens(s) for s in sessions]

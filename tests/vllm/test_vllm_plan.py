@@ -46,7 +46,8 @@ def test_write_only_item_runs_greedy_and_drops_its_token():
 
 def test_seeded_sampling_is_offset_by_position_and_greedy_stays_unseeded():
     shadow = _shadow_with([0, 1], list(range(6)))
-    hot = SeqWork(1, (9,), 6, KVSlots((0, 1)), sampling=SamplingParams(0.7, 0.9, seed=5), decode=True)
+    hot = SeqWork(1, (9,), 6, KVSlots((0, 1)), sampling=SamplingParams(0.7, 0.9, seed=5),
+                  decode=True)
     (req,) = _plan([hot], shadow).requests()
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.7, 0.9, 12)
     assert req.decode and req.new_tokens == 1

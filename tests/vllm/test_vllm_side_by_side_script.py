@@ -1,4 +1,5 @@
-"""benchmarks/vllm_side_by_side.py runs without vLLM: it says vLLM is missing and skips those runs."""
+"""benchmarks/vllm_side_by_side.py runs without vLLM: it says vLLM is missing and skips those
+runs."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_script_reports_missing_vllm(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("vllm_side_by_side", ROOT / "benchmarks/vllm_side_by_side.py")
+    spec = importlib.util.spec_from_file_location("vllm_side_by_side",
+                                                  ROOT / "benchmarks/vllm_side_by_side.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look themselves up
     spec.loader.exec_module(script)

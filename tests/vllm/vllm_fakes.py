@@ -130,7 +130,8 @@ class FakeLLMEngine:
         full = len(r.tokens) // p
         hit = 0
         # As vLLM: the last prompt token is always computed (its logits are needed).
-        while hit < (len(r.tokens) - 1) // p and (lora, tuple(r.tokens[:(hit + 1) * p])) in self.cache:
+        while (hit < (len(r.tokens) - 1) // p
+               and (lora, tuple(r.tokens[:(hit + 1) * p])) in self.cache):
             hit += 1
         for j in range(full):
             key = (lora, tuple(r.tokens[:(j + 1) * p]))

@@ -31,7 +31,8 @@ DEFAULT_MAX_ONGOING = 256
 DEFAULT_STATS_PERIOD_S = 2.0
 
 
-def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
+def build_application(spec: ReplicaSpec, *, replicas: int,
+                      max_ongoing_requests: int = DEFAULT_MAX_ONGOING,
                       stats_period_s: float = DEFAULT_STATS_PERIOD_S, num_cpus: float = 1.0,
                       num_gpus: float = 0.0, router_kwargs: Mapping[str, float] | None = None,
                       health_check_period_s: float = 10.0, access: AccessConfig = DEFAULT_ACCESS,
@@ -53,7 +54,8 @@ def build_application(spec: ReplicaSpec, *, replicas: int, max_ongoing_requests:
     # The Frontend only parses, tokenizes and awaits the engine: no CPU reserved, so it
     # never competes with the engines for the cluster's cores.
     frontend = serve.deployment(Frontend, name="Frontend").options(
-        num_replicas=1, max_ongoing_requests=4 * max_ongoing_requests, ray_actor_options={"num_cpus": 0})
+        num_replicas=1, max_ongoing_requests=4 * max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0})
     return frontend.bind(engine.bind(spec), access)
 
 
@@ -64,8 +66,8 @@ def build_app(args: Mapping[str, Any]) -> Application:
     """Application builder for Serve config files: ``args`` holds ReplicaSpec's fields
     (``loras`` as a NAME: PATH mapping) plus ``replicas``, ``max_ongoing_requests``,
     ``stats_period_s``, ``num_cpus``, ``num_gpus``."""
-    unknown = set(args) - _SPEC_FIELDS - {"replicas", "max_ongoing_requests", "stats_period_s", "num_cpus",
-                                          "num_gpus"}
+    unknown = set(args) - _SPEC_FIELDS - {"replicas", "max_ongoing_requests", "stats_period_s",
+                                          "num_cpus", "num_gpus"}
     if unknown:
         raise ValueError(f"unknown args for the forkserve application: {sorted(unknown)}")
     fields = {k: v for k, v in args.items() if k in _SPEC_FIELDS}
@@ -76,6 +78,9 @@ def build_app(args: Mapping[str, Any]) -> Application:
     fields["loras"] = tuple(sorted(dict(fields.get("loras") or {}).items()))
     spec = ReplicaSpec(**fields)
     return build_application(spec, replicas=int(args.get("replicas", 2)),
-                             max_ongoing_requests=int(args.get("max_ongoing_requests", DEFAULT_MAX_ONGOING)),
-                             stats_period_s=float(args.get("stats_period_s", DEFAULT_STATS_PERIOD_S)),
-                             num_cpus=float(args.get("num_cpus", 1.0)), num_gpus=float(args.get("num_gpus", 0.0)))
+                             max_ongoing_requests=int(args.get("max_ongoing_requests",
+                                                               DEFAULT_MAX_ONGOING)),
+                             stats_period_s=float(args.get("stats_period_s",
+                                                           DEFAULT_STATS_PERIOD_S)),
+                             num_cpus=float(args.get("num_cpus", 1.0)),
+                             num_gpus=float(args.get("num_gpus", 0.0)))

@@ -120,10 +120,12 @@ class EngineReplica:
         self._registry.register(self._collector)
         # The replica's actor name: what logs, the x-forkserve-replica header and ray.get_actor use.
         self.replica = serve.get_replica_context().replica_id.to_full_id_str()
-        log.info("replica %s: %s, %d pages", self.replica, self._model.name, self._model.engine.cache_stats().base.free)
+        log.info("replica %s: %s, %d pages", self.replica, self._model.name,
+                 self._model.engine.cache_stats().base.free)
 
     def __del__(self) -> None:
-        worker = getattr(self, "_worker", None)  # absent when __init__ failed (Serve still calls this)
+        # absent when __init__ failed (Serve still calls this)
+        worker = getattr(self, "_worker", None)
         if worker is not None:
             worker.stop()
 
@@ -166,7 +168,8 @@ class EngineReplica:
     def _info(self, tree_id: int, sid: int) -> SessionInfo:
         eng = self._model.engine
         adapter = eng.session_summary(sid).adapter
-        name = self._model.name if adapter is None else self._model.adapter_names[adapter_key(adapter)]
+        name = (self._model.name if adapter is None
+                else self._model.adapter_names[adapter_key(adapter)])
         # The tree id; the Frontend shows the caller its public id instead.
         return SessionInfo(session_id=str(tree_id), tip=eng.tip(sid), model=name,
                            committed_tokens=len(eng.committed_tokens(sid)))
@@ -183,7 +186,8 @@ class EngineReplica:
         return ModelInfo(name=m.name, model_path=path, adapters=tuple(sorted(m.adapters)),
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
                          vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size,
-                         sampling_defaults=m.sampling_defaults, share_base=m.engine.config.share_base)
+                         sampling_defaults=m.sampling_defaults,
+                         share_base=m.engine.config.share_base)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""
@@ -205,12 +209,15 @@ class EngineReplica:
 
     async def info(self, hint: RouteHint) -> Reply[tuple[SessionInfo, TreeView]]:
         return await self._reply(lambda: self._on_tree(
-            hint.tree_id, lambda sid: (self._info(hint.tree_id, sid), self._view(hint.tree_id, sid))))
+            hint.tree_id,
+            lambda sid: (self._info(hint.tree_id, sid), self._view(hint.tree_id, sid))))
 
-    async def fork(self, hint: RouteHint, parent: int, label: str, tokens: list[int]) -> Reply[ForkResponse]:
+    async def fork(self, hint: RouteHint, parent: int, label: str,
+                   tokens: list[int]) -> Reply[ForkResponse]:
         def verb(sid: int) -> ForkResponse:
             self._model.check_vocab(tokens)
-            return ForkResponse(node=self._model.engine.fork(sid, parent, label, tokens), tokens=len(tokens))
+            return ForkResponse(node=self._model.engine.fork(sid, parent, label, tokens),
+                                tokens=len(tokens))
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
     async def speculate(self, hint: RouteHint, node: int, priority: float,
@@ -221,7 +228,8 @@ class EngineReplica:
                                     miss_tokens=d.miss_tokens, reason=d.reason)
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
-    async def commit(self, hint: RouteHint, tip: int, tokens: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
+    async def commit(self, hint: RouteHint, tip: int,
+                     tokens: list[int]) -> Reply[tuple[CommitResponse, TreeView]]:
         def verb(sid: int) -> tuple[CommitResponse, TreeView]:
             self._model.check_vocab(tokens)
             r = self._model.engine.commit(sid, tip, tokens)
@@ -242,7 +250,8 @@ class EngineReplica:
             return AbortResponse(released_nodes=list(r.released_nodes), freed_pages=r.freed_pages)
         return await self._reply(lambda: self._on_tree(hint.tree_id, verb))
 
-    async def _start_generation(self, hint: RouteHint, spec: GenerationSpec) -> tuple[Generation, int]:
+    async def _start_generation(self, hint: RouteHint,
+                                spec: GenerationSpec) -> tuple[Generation, int]:
         """A generation queued on the tree's committed tip (and that tip's id)."""
         def check(sid: int) -> tuple[int, int]:
             tip = self._model.engine.node(sid, self._model.engine.tip(sid))
@@ -251,7 +260,8 @@ class EngineReplica:
         sid, tip = await self._on_tree(hint.tree_id, check)
         return await self._worker.generate(sid, spec), tip
 
-    async def generate(self, hint: RouteHint, spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
+    async def generate(self, hint: RouteHint,
+                       spec: GenerationSpec) -> Reply[tuple[GenerateResponse, TreeView]]:
         """Decode on the committed tip; the generated tokens join the committed spine."""
         async def run() -> tuple[GenerateResponse, TreeView]:
             gen, tip = await self._start_generation(hint, spec)
@@ -259,7 +269,8 @@ class EngineReplica:
                 out = await gen.collect()
             finally:
                 gen.cancel()  # a cancelled call (client gone) aborts the decode
-            view = await self._worker.call(lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
+            view = await self._worker.call(
+                lambda: self._view(hint.tree_id, self._sid(hint.tree_id)))
             return GenerateResponse(text=out.text, tokens=list(out.tokens),
                                     finish_reason=out.finish_reason or "length", tip=tip), view
         return await self._reply(run)
@@ -295,7 +306,8 @@ class EngineReplica:
         replica's trees only so the router brings the call here."""
         def run() -> DrainResponse:
             r = self._model.engine.drain_slack()
-            return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_tokens,
+            return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens,
+                                 decode_tokens=r.decode_tokens,
                                  slack_filled_tokens=r.slack_filled_tokens)
         return await self._reply(lambda: self._worker.call(run))
 
@@ -304,7 +316,8 @@ class EngineReplica:
         replica (it left the replica set, and the router sent its scrape here)."""
         if hint.replica != self.replica:
             return None
-        self._collector.snapshot = await self._worker.call(lambda: take_snapshot(self._model.engine, self._worker))
+        self._collector.snapshot = await self._worker.call(
+            lambda: take_snapshot(self._model.engine, self._worker))
         return generate_latest(self._registry).decode()
 
     # ------------------------------------------------------------------ Serve hooks
@@ -314,7 +327,8 @@ class EngineReplica:
             pages = eng.published_pages()
             w = self._worker.stats()
             cache = eng.cache_stats()
-            return ReplicaSummary(index_hashes(pages, eng.config.page_size, self._model.adapter_names),
+            return ReplicaSummary(index_hashes(pages, eng.config.page_size,
+                                               self._model.adapter_names),
                                   pages_per_adapter(pages, self._model.adapter_names),
                                   cache.base.free, w.active_generations, w.queue_depth,
                                   live_pages=cache.base.live, page_size=cache.page_size,

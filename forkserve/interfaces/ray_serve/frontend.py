@@ -67,7 +67,8 @@ install_error_handlers(app)
 def _error_payload(exc: Exception) -> dict:
     """What a stream sends when it breaks after its first byte: a replica lost mid-stream
     reads as 503 (retry: the tree is re-opened from its committed tokens at its next verb)."""
-    status = exc.status if isinstance(exc, APIError) else 503 if isinstance(exc, REPLICA_GONE) else 500
+    status = (exc.status if isinstance(exc, APIError)
+              else 503 if isinstance(exc, REPLICA_GONE) else 500)
     return {"error": {"message": str(exc), "type": type(exc).__name__, "code": status}}
 
 
@@ -114,7 +115,8 @@ class Frontend:
             return None
         if model in info.adapters:
             return model
-        raise APIError(404, f"The model `{model}` does not exist; served: {[info.name, *info.adapters]}",
+        raise APIError(404,
+                       f"The model `{model}` does not exist; served: {[info.name, *info.adapters]}",
                        "NotFoundError", "model")
 
     async def _tokens(self, text: str | None, tokens: list[int] | None) -> list[int]:
@@ -138,7 +140,8 @@ class Frontend:
         response.headers[REPLICA_HEADER] = view.replica
         return out
 
-    async def _caller(self, request: Request, body: schemas.CompletionRequest | schemas.ChatCompletionRequest
+    async def _caller(self, request: Request,
+                      body: schemas.CompletionRequest | schemas.ChatCompletionRequest
                       ) -> tuple[CacheSalt, ModelInfo, str | None]:
         """An OpenAI request's trust boundary (401 first), the model and the adapter it names."""
         salt = self._salt(self._tenant(request), body.cache_salt)
@@ -157,14 +160,16 @@ class Frontend:
 
     # ------------------------------------------------------------------ branch API
     @app.post("/v1/sessions")
-    async def open_session(self, body: schemas.OpenSessionRequest, request: Request, response: Response) -> schemas.SessionInfo:
+    async def open_session(self, body: schemas.OpenSessionRequest, request: Request,
+                           response: Response) -> schemas.SessionInfo:
         tenant = self._tenant(request)
         salt = self._salt(tenant, body.cache_salt)
         info = await self._model()
         adapter = self._adapter(info, body.model)
         if body.messages is not None:
-            ids = (await self._text()).apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                      add_generation_prompt=body.add_generation_prompt)
+            ids = (await self._text()).apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
         elif body.text is not None:
             ids = (await self._text()).encode(body.text, add_special_tokens=True)
         else:
@@ -178,16 +183,20 @@ class Frontend:
         tenant = self._tenant(request)
         info = await self._model()
         records = [(sid, self._trees.ledger.get(tree)) for sid, tree in self._ids.of_tenant(tenant)]
-        return schemas.SessionList(data=[schemas.SessionInfo(session_id=sid, tip=rec.tip, model=rec.adapter or info.name,
-                                             committed_tokens=len(rec.committed)) for sid, rec in records])
+        return schemas.SessionList(data=[schemas.SessionInfo(session_id=sid, tip=rec.tip,
+                                                             model=rec.adapter or info.name,
+                                                             committed_tokens=len(rec.committed))
+                                         for sid, rec in records])
 
     @app.get("/v1/sessions/{sid}")
-    async def session_info(self, sid: str, request: Request, response: Response) -> schemas.SessionInfo:
+    async def session_info(self, sid: str, request: Request,
+                           response: Response) -> schemas.SessionInfo:
         session = await self._settled(self._tree(request, sid), "info", lambda rec: (), response)
         return session.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/fork")
-    async def fork(self, sid: str, body: schemas.ForkRequest, request: Request, response: Response) -> schemas.ForkResponse:
+    async def fork(self, sid: str, body: schemas.ForkRequest, request: Request,
+                   response: Response) -> schemas.ForkResponse:
         tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
         out, rec = await self._trees.call(await self._model(), tree, "fork",
@@ -196,21 +205,26 @@ class Frontend:
         return out
 
     @app.post("/v1/sessions/{sid}/speculate")
-    async def speculate(self, sid: str, body: schemas.SpeculateRequest, request: Request, response: Response) -> schemas.DecisionResponse:
-        out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "speculate",
-                                          lambda rec: (rec.node(body.node), body.priority, body.t_idle_ms))
+    async def speculate(self, sid: str, body: schemas.SpeculateRequest, request: Request,
+                        response: Response) -> schemas.DecisionResponse:
+        out, rec = await self._trees.call(await self._model(), self._tree(request, sid),
+                                          "speculate",
+                                          lambda rec: (rec.node(body.node), body.priority,
+                                                       body.t_idle_ms))
         response.headers[REPLICA_HEADER] = rec.replica
         return out
 
     @app.post("/v1/sessions/{sid}/commit")
-    async def commit(self, sid: str, body: schemas.CommitRequest, request: Request, response: Response) -> schemas.CommitResponse:
+    async def commit(self, sid: str, body: schemas.CommitRequest, request: Request,
+                     response: Response) -> schemas.CommitResponse:
         tree = self._tree(request, sid)
         ids = await self._tokens(body.text, body.tokens)
         out = await self._settled(tree, "commit", lambda rec: (rec.node(body.tip), ids), response)
         return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/join")
-    async def join(self, sid: str, body: schemas.JoinRequest, request: Request, response: Response) -> schemas.CommitResponse:
+    async def join(self, sid: str, body: schemas.JoinRequest, request: Request,
+                   response: Response) -> schemas.CommitResponse:
         tree = self._tree(request, sid)
         if body.separator_text is not None and body.separator_tokens is not None:
             raise APIError(400, "give at most one of 'separator_text' or 'separator_tokens'")
@@ -220,7 +234,8 @@ class Frontend:
         return out.model_copy(update={"session_id": sid})
 
     @app.post("/v1/sessions/{sid}/abort")
-    async def abort(self, sid: str, body: schemas.AbortRequest, request: Request, response: Response) -> schemas.AbortResponse:
+    async def abort(self, sid: str, body: schemas.AbortRequest, request: Request,
+                    response: Response) -> schemas.AbortResponse:
         out, rec = await self._trees.call(await self._model(), self._tree(request, sid), "abort",
                                           lambda rec: (rec.node(body.node),))
         response.headers[REPLICA_HEADER] = rec.replica
@@ -234,7 +249,8 @@ class Frontend:
             raise APIError(400, "stop strings must be non-empty", param="stop")
         info = await self._model()
         eos = () if body.ignore_eos else info.eos_token_ids
-        spec = GenerationSpec(body.max_tokens, SamplingParams(body.temperature, body.top_p, body.seed),
+        spec = GenerationSpec(body.max_tokens,
+                              SamplingParams(body.temperature, body.top_p, body.seed),
                               frozenset(eos), tuple(body.stop), keep_stop_text=True)
         if body.stream:
             stream = await self._trees.stream(info, tree, spec)
@@ -242,8 +258,9 @@ class Frontend:
             async def lines() -> AsyncIterator[str]:
                 try:
                     async for c in stream:
-                        yield schemas.GenerateChunk(text=c.text, tokens=list(c.tokens),
-                                                    finish_reason=c.finish_reason).model_dump_json() + "\n"
+                        yield schemas.GenerateChunk(
+                            text=c.text, tokens=list(c.tokens),
+                            finish_reason=c.finish_reason).model_dump_json() + "\n"
                 except Exception as exc:  # noqa: BLE001 - the client hears of it in the stream
                     yield json.dumps(_error_payload(exc)) + "\n"
             return StreamingResponse(lines(), media_type="application/x-ndjson",
@@ -273,14 +290,17 @@ class Frontend:
     async def list_models(self, request: Request) -> schemas.ModelList:
         self._tenant(request)
         info = await self._model()
-        return openai_wire.model_list(info.name, info.adapters, int(time.time()), info.sampling_defaults, info.share_base)
+        return openai_wire.model_list(info.name, info.adapters, int(time.time()),
+                                      info.sampling_defaults, info.share_base)
 
-    def _specs(self, info: ModelInfo, prompts: list[list[int]], body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
+    def _specs(self, info: ModelInfo, prompts: list[list[int]],
+               body: schemas.CompletionRequest | schemas.ChatCompletionRequest,
                budget: int | None) -> list[tuple[list[int], GenerationSpec]]:
         """One (prompt, spec) per choice, in OpenAI's order; with a seed, sample j of a prompt
         uses seed + j (distinct, reproducible), as in the one-process server."""
         if body.extended_fields():  # tools, schemas, logprobs, penalties: one-process server only
-            raise APIError(400, f"not supported with --replicas: {', '.join(body.extended_fields())}",
+            raise APIError(400,
+                           f"not supported with --replicas: {', '.join(body.extended_fields())}",
                            param=body.extended_fields()[0])
         try:
             stops = body.stop_strings()
@@ -292,11 +312,13 @@ class Frontend:
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j
                 max_tokens = budget if budget is not None else info.max_context - len(ids)
-                out.append((ids, GenerationSpec(max_tokens, SamplingParams(temperature, top_p, seed),
+                out.append((ids,
+                            GenerationSpec(max_tokens, SamplingParams(temperature, top_p, seed),
                                                 frozenset(info.eos_token_ids), stops)))
         return out
 
-    async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int], spec: GenerationSpec,
+    async def _complete(self, info: ModelInfo, adapter: str | None, ids: list[int],
+                        spec: GenerationSpec,
                         salt: CacheSalt) -> tuple[schemas.GenerateResponse, str]:
         """One choice: a tree opened on the prompt, generated, closed (its pages stay published)."""
         _, tree, _ = await self._open(info, adapter, ids, salt)
@@ -308,7 +330,8 @@ class Frontend:
                 await self._trees.close(info, tree)
         return out, view.replica
 
-    async def _start_streams(self, info: ModelInfo, adapter: str | None, specs: list[tuple[list[int], GenerationSpec]],
+    async def _start_streams(self, info: ModelInfo, adapter: str | None,
+                             specs: list[tuple[list[int], GenerationSpec]],
                              salt: CacheSalt) -> list[tuple[int, GenerationStream]]:
         """Every choice's tree opened and its generation started before the response is:
         a refusal is still an HTTP error, not an event."""
@@ -333,7 +356,8 @@ class Frontend:
             await self._trees.close(info, tree)
 
     async def _merged(self, info: ModelInfo,
-                      started: list[tuple[int, GenerationStream]]) -> AsyncIterator[tuple[int, object]]:
+                      started: list[tuple[int, GenerationStream]]
+                      ) -> AsyncIterator[tuple[int, object]]:
         """(choice index, chunk) as chunks come from every choice; each tree is closed when
         its stream ends, and every one when the client leaves."""
         async def close(i: int) -> None:
@@ -343,15 +367,18 @@ class Frontend:
             yield tagged
 
     @staticmethod
-    def _sse(events: AsyncIterator[BaseModel], started: list[tuple[int, GenerationStream]]) -> StreamingResponse:
+    def _sse(events: AsyncIterator[BaseModel],
+             started: list[tuple[int, GenerationStream]]) -> StreamingResponse:
         """The events as SSE; the header names the first choice's replica."""
-        return openai_wire.sse(events, _error_payload, headers={REPLICA_HEADER: started[0][1].replica})
+        return openai_wire.sse(events, _error_payload,
+                               headers={REPLICA_HEADER: started[0][1].replica})
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: schemas.CompletionRequest, request: Request,
                           response: Response) -> schemas.CompletionResponse | StreamingResponse:
         salt, info, adapter = await self._caller(request, body)
-        prompts = [p if isinstance(p, list) else (await self._text()).encode(p, add_special_tokens=True)
+        prompts = [p if isinstance(p, list)
+                   else (await self._text()).encode(p, add_special_tokens=True)
                    for p in body.prompts()]
         specs = self._specs(info, prompts, body, body.max_tokens)
         wire = openai_wire.CompletionWire.start(body.model)
@@ -367,18 +394,23 @@ class Frontend:
             def usage_chunk(completion_tokens: int) -> schemas.CompletionResponse:
                 return wire.usage_chunk(openai_wire.usage(prompt_tokens, completion_tokens))
             events = openai_wire.stream_events(self._merged(info, started), render,
-                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None)
+                                               usage_chunk
+                                               if openai_wire.include_usage(body.stream_options)
+                                               else None)
             return self._sse(events, started)
 
-        results = await asyncio.gather(*(self._complete(info, adapter, ids, s, salt) for ids, s in specs))
+        results = await asyncio.gather(*(self._complete(info, adapter, ids, s, salt)
+                                         for ids, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
-        return wire.body([schemas.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+        return wire.body([schemas.CompletionChoice(index=i, text=r.text,
+                                                   finish_reason=r.finish_reason)
                           for i, (r, _) in enumerate(results)],
                          openai_wire.usage(prompt_tokens, sum(len(r.tokens) for r, _ in results)))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, body: schemas.ChatCompletionRequest, request: Request,
-                               response: Response) -> schemas.ChatCompletionResponse | StreamingResponse:
+                               response: Response
+                               ) -> schemas.ChatCompletionResponse | StreamingResponse:
         salt, info, adapter = await self._caller(request, body)
         ids = (await self._text()).apply_chat_template(body.template_messages())
         specs = self._specs(info, [ids], body, body.token_budget())
@@ -396,13 +428,18 @@ class Frontend:
             def usage_chunk(completion_tokens: int) -> schemas.ChatCompletionChunk:
                 return wire.usage_chunk(openai_wire.usage(len(ids), completion_tokens))
             events = openai_wire.stream_events(self._merged(info, started), render,
-                                               usage_chunk if openai_wire.include_usage(body.stream_options) else None,
+                                               usage_chunk
+                                               if openai_wire.include_usage(body.stream_options)
+                                               else None,
                                                opening=wire.roles(len(started)))
             return self._sse(events, started)
 
-        results = await asyncio.gather(*(self._complete(info, adapter, p, s, salt) for p, s in specs))
+        results = await asyncio.gather(*(self._complete(info, adapter, p, s, salt)
+                                         for p, s in specs))
         response.headers[REPLICA_HEADER] = results[0][1]
-        return wire.body([schemas.ChatChoice(index=i, message=schemas.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+        return wire.body([schemas.ChatChoice(index=i,
+                                             message=schemas.AssistantMessage(content=r.text),
+                                             finish_reason=r.finish_reason)
                           for i, (r, _) in enumerate(results)],
                          openai_wire.usage(len(ids), sum(len(r.tokens) for r, _ in results)))
 
@@ -421,7 +458,8 @@ class Frontend:
                 return None
 
         texts = await asyncio.gather(*(scrape(n) for n in names))
-        counts = cluster_metrics.FrontendCounts(len(self._trees.ledger.trees), self._trees.ledger.moves)
+        counts = cluster_metrics.FrontendCounts(len(self._trees.ledger.trees),
+                                                self._trees.ledger.moves)
         body = cluster_metrics.render(dict(zip(names, texts, strict=True)), counts)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

@@ -44,15 +44,19 @@ def _positive(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="forkserve serve", add_help=False,
-                                 description="ForkServe on Ray Serve: N engine replicas, tree-sticky routing")
-    ap.add_argument("--replicas", type=_positive, required=True, help="engine replicas (one per GPU)")
+                                 description="ForkServe on Ray Serve: N engine replicas, "
+                                             "tree-sticky routing")
+    ap.add_argument("--replicas", type=_positive, required=True,
+                    help="engine replicas (one per GPU)")
     ap.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ap.add_argument("--gpus-per-replica", type=float,
                     help="GPUs per engine replica (default: 1 when the driver sees CUDA, else 0)")
-    ap.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ap.add_argument("--cpus-per-replica", type=float, default=1.0,
+                    help="CPUs Ray reserves per engine replica (default: 1)")
     ap.add_argument("--torch-threads", type=int, help="torch threads per CPU replica")
     ap.add_argument("--max-ongoing-requests", type=int, default=DEFAULT_MAX_ONGOING,
-                    help="concurrent calls per engine replica (Serve's default of 5 starves the batch)")
+                    help="concurrent calls per engine replica (Serve's default of 5 starves the "
+                         "batch)")
     ap.add_argument("--stats-period", type=float, default=DEFAULT_STATS_PERIOD_S,
                     help="seconds between replicas' routing-stats reports")
     return ap
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if access.limits != UNLIMITED:
         # The Frontend does not see the replicas' pages: refuse rather than ignore a limit.
         raise UsageError("per-key limits are not enforced with --replicas yet")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
         from forkserve.backend.torch import find_smollm2_gguf
@@ -95,19 +100,23 @@ def main(argv: list[str] | None = None) -> int:
     if gpus is None:
         import torch
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
-    spec = ReplicaSpec(model_path=str(model_path), loras=tuple(args.lora), served_model_name=args.served_model_name,
-                       layout=args.layout, system=args.system, num_pages=args.num_pages, page_size=args.page_size,
+    spec = ReplicaSpec(model_path=str(model_path), loras=tuple(args.lora),
+                       served_model_name=args.served_model_name,
+                       layout=args.layout, system=args.system, num_pages=args.num_pages,
+                       page_size=args.page_size,
                        device=args.device, dtype=args.dtype, attention=args.attention,
                        cuda_graphs=not args.no_cuda_graphs, session_ttl_s=args.session_ttl,
                        torch_threads=ours.torch_threads)
-    ray.init(**({"address": ours.ray_address} if ours.ray_address else local_ray_options(args.host)))
+    ray.init(**({"address": ours.ray_address} if ours.ray_address
+                else local_ray_options(args.host)))
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_application(spec, replicas=ours.replicas, max_ongoing_requests=ours.max_ongoing_requests,
-                                stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica, num_gpus=gpus,
-                                access=access)
-        log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas, model_path,
-                 args.host, args.port)
+        app = build_application(spec, replicas=ours.replicas,
+                                max_ongoing_requests=ours.max_ongoing_requests,
+                                stats_period_s=ours.stats_period, num_cpus=ours.cpus_per_replica,
+                                num_gpus=gpus, access=access)
+        log.info("deploying %d engine replicas of %s on Ray Serve at http://%s:%d", ours.replicas,
+                 model_path, args.host, args.port)
         serve.run(app, name="forkserve", route_prefix="/", blocking=True)
     except KeyboardInterrupt:
         # Serve re-raises Ctrl-C out of its wait loop so the caller shuts down: that is

@@ -67,7 +67,8 @@ class TreeLedger:
     def update(self, view: TreeView) -> None:
         rec = self.trees.get(view.tree_id)
         if rec is not None:
-            self.trees[view.tree_id] = replace(rec, committed=view.committed, tip=view.tip, replica=view.replica)
+            self.trees[view.tree_id] = replace(rec, committed=view.committed, tip=view.tip,
+                                               replica=view.replica)
 
     def reopened(self, old: TreeRecord, view: TreeView) -> TreeRecord:
         """The tree now lives on ``view.replica`` with root ``view.tip``: earlier tips alias it."""

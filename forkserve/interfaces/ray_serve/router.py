@@ -47,12 +47,12 @@ def _hint(request: PendingRequest | None) -> RouteHint | None:
 
 class TreeAffinityRouter(RequestRouter):
     def initialize_state(self, prefix_page_weight: float = 1.0, residual_weight: float = 1.0,
-                         queue_weight: float = 2.0, load_weight: float = 0.5, rate_horizon_s: float = 1.0,
-                         recent_ttl_s: float = 4.0) -> None:
+                         queue_weight: float = 2.0, load_weight: float = 0.5,
+                         rate_horizon_s: float = 1.0, recent_ttl_s: float = 4.0) -> None:
         """Weights: ``AffinityPlacement``'s. ``recent_ttl_s``: how long the router counts an
         open it sent toward its replica's pages and load (the summary shows it by then)."""
-        self.placement = AffinityPlacement(prefix_page_weight, residual_weight, queue_weight, load_weight,
-                                           rate_horizon_s)
+        self.placement = AffinityPlacement(prefix_page_weight, residual_weight, queue_weight,
+                                           load_weight, rate_horizon_s)
         self._recent_ttl_s = recent_ttl_s
         self._owners: dict[int, ReplicaID] = {}
         # Parsed summaries, kept until Serve hands a replica a new stats dict: parsing is
@@ -87,14 +87,16 @@ class TreeAffinityRouter(RequestRouter):
         return self.placement.score(self.state(replica), hint)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
         if hint is None:  # not a tree verb (describe): any replica, shortest queue
             return [candidate_replicas]
         if hint.replica is not None:
             # A replica Ray still names may have left the set: the call then goes anywhere
             # and the replica refuses it (never an empty rank: Serve would hold it pending).
-            target = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == hint.replica]
+            target = [r for r in candidate_replicas
+                      if r.replica_id.to_full_id_str() == hint.replica]
             return [target or candidate_replicas]
         if pending_request.metadata.call_method != "open":
             owner = self._owners.get(hint.tree_id)
@@ -118,7 +120,8 @@ class TreeAffinityRouter(RequestRouter):
         for recent in self._recent.values():
             recent.remove(hint.tree_id)
         matched = self.placement.matched(self._state_of(replica_id), hint)
-        self._recent_of(replica_id).add(hint, max(len(hint.base_hashes), len(hint.adapter_hashes)) - matched)
+        self._recent_of(replica_id).add(hint, max(len(hint.base_hashes),
+                                                  len(hint.adapter_hashes)) - matched)
 
     def _get_pending_request_matching_internal_request_id(
             self, request_metadata: RequestMetadata | None = None) -> PendingRequest | None:
@@ -136,7 +139,8 @@ class TreeAffinityRouter(RequestRouter):
                 return pr
         return None
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result) -> None:
         hint = _hint(pending_request)
         if hint is None:
             return
@@ -175,8 +179,10 @@ class TwoChoicesRouter(TreeAffinityRouter):
     (a lockstep run under it fails in its first turn), so it cannot serve branch trees at all."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
         hint = _hint(pending_request)
-        if hint is not None and hint.replica is None and pending_request.metadata.call_method == "open":
+        if (hint is not None and hint.replica is None
+                and pending_request.metadata.call_method == "open"):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         return await super().choose_replicas(candidate_replicas, pending_request)

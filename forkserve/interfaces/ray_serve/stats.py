@@ -77,16 +77,19 @@ class ReplicaSummary:
     token_rate: float = 0.0        # prefill + decode tokens per second, the engine worker's window
 
     def to_dict(self) -> dict[str, Any]:
-        return {"prefix_pages": sorted(self.prefix_pages), "residual_pages": dict(self.residual_pages),
+        return {"prefix_pages": sorted(self.prefix_pages),
+                "residual_pages": dict(self.residual_pages),
                 "free_pages": self.free_pages, "running": self.running, "waiting": self.waiting,
-                "live_pages": self.live_pages, "page_size": self.page_size, "token_rate": self.token_rate}
+                "live_pages": self.live_pages, "page_size": self.page_size,
+                "token_rate": self.token_rate}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaSummary:
         """A replica not polled yet publishes ``{}``: it reads as empty and idle."""
         return cls(frozenset(d.get("prefix_pages", ())), dict(d.get("residual_pages", {})),
                    int(d.get("free_pages", 0)), int(d.get("running", 0)), int(d.get("waiting", 0)),
-                   int(d.get("live_pages", 0)), int(d.get("page_size", 16)), float(d.get("token_rate", 0.0)))
+                   int(d.get("live_pages", 0)), int(d.get("page_size", 16)),
+                   float(d.get("token_rate", 0.0)))
 
 
 def _scope(page: PublishedPage, adapter_names: Mapping[AdapterKey, str]) -> str:

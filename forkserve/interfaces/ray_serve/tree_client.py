@@ -51,7 +51,8 @@ def raise_failure(f: Failure) -> None:
 
 
 def unavailable(tree_id: int, cause: BaseException | None) -> APIError:
-    return APIError(503, f"no engine replica could serve tree {tree_id} ({type(cause).__name__}); retry",
+    return APIError(503,
+                    f"no engine replica could serve tree {tree_id} ({type(cause).__name__}); retry",
                     "ServiceUnavailableError")
 
 
@@ -59,7 +60,8 @@ class GenerationStream:
     """A started generation: its first item is in hand, the rest come from the replica.
     The ledger learns the tree's committed state from the stream's final ``TreeView``."""
 
-    def __init__(self, ledger: TreeLedger, first: Chunk | TreeView, stream: Any, replica: str) -> None:
+    def __init__(self, ledger: TreeLedger, first: Chunk | TreeView, stream: Any,
+                 replica: str) -> None:
         self._ledger, self._first, self._stream = ledger, first, stream
         self.replica = replica
 
@@ -94,13 +96,14 @@ class TreeClient:
         """Open ``tokens`` as tree ``tree_id`` in the trust boundary ``salt`` wherever the
         router scores best."""
         hint = RouteHint(tree_id, adapter, page_hashes(BASE_SCOPE, tokens, info.page_size, salt),
-                         page_hashes(adapter, tokens, info.page_size, salt) if adapter is not None else (),
-                         salt)
+                         page_hashes(adapter, tokens, info.page_size, salt) if adapter is not None
+                         else (), salt)
         cause: BaseException | None = None
         for _ in range(_ATTEMPTS):
             try:
                 reply = await self._handle("open", hint).remote(hint, tokens)
-            except REPLICA_GONE as e:  # the router drops the dead replica; the next try goes elsewhere
+            # the router drops the dead replica; the next try goes elsewhere
+            except REPLICA_GONE as e:
                 cause = e
                 continue
             if isinstance(reply, Failure):
@@ -142,7 +145,8 @@ class TreeClient:
         cause: BaseException | None = None
         for _ in range(_ATTEMPTS):
             rec = self.ledger.get(tree_id)
-            stream = self._handle("generate_stream", rec.hint(), stream=True).remote(rec.hint(), spec)
+            stream = self._handle("generate_stream", rec.hint(),
+                                  stream=True).remote(rec.hint(), spec)
             try:
                 first = await stream.__anext__()
             except REPLICA_GONE as e:

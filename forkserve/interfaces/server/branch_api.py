@@ -63,7 +63,8 @@ T = TypeVar("T")
 
 def _tokens(st: ServerState, text: str | None, tokens: list[int] | None) -> list[int]:
     """Engine thread only (the tokenizer is not shared across threads)."""
-    ids = tokens if tokens is not None else st.model.tokenizer.encode(text or "", add_special_tokens=False)
+    ids = (tokens if tokens is not None
+           else st.model.tokenizer.encode(text or "", add_special_tokens=False))
     st.model.check_vocab(ids)
     return ids
 
@@ -85,7 +86,8 @@ async def _on_session(st: ServerState, tenant: str, sid: str, verb: Callable[[in
 def _info(st: ServerState, eid: int) -> SessionInfo:
     eng = st.worker.engine
     adapter = eng.session_summary(eid).adapter
-    name = st.model.name if adapter is None else next(n for n, a in st.model.adapters.items() if a == adapter)
+    name = st.model.name if adapter is None else next(n for n, a in st.model.adapters.items()
+                                                      if a == adapter)
     return SessionInfo(session_id=st.tenancy.public_id(eid), tip=eng.tip(eid), model=name,
                        committed_tokens=len(eng.committed_tokens(eid)))
 
@@ -98,7 +100,8 @@ async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep
 
     def run() -> SessionInfo:
         if body.messages is not None:
-            ids = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+            ids = tok.apply_chat_template([{"role": m.role, "content": m.text()}
+                                           for m in body.messages],
                                           add_generation_prompt=body.add_generation_prompt)
         elif body.text is not None:
             ids = tok.encode(body.text, add_special_tokens=True)
@@ -109,7 +112,8 @@ async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep
         eid = st.tenancy.open(tenant, ids, adapter, salt, 0, expose=True).engine_id
         st.worker.lease(eid)
         return _info(st, eid)
-    return await st.worker.call(run, undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id)))
+    return await st.worker.call(
+        run, undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id)))
 
 
 def _close(st: ServerState, eid: int) -> None:
@@ -134,15 +138,18 @@ async def session_info(sid: str, st: StateDep, tenant: TenantDep) -> SessionInfo
 async def fork(sid: str, body: ForkRequest, st: StateDep, tenant: TenantDep) -> ForkResponse:
     def run(eid: int) -> ForkResponse:
         ids = _tokens(st, body.text, body.tokens)
-        node = st.tenancy.grow(tenant, len(ids), lambda: st.worker.engine.fork(eid, body.parent, body.label, ids))
+        node = st.tenancy.grow(tenant, len(ids),
+                               lambda: st.worker.engine.fork(eid, body.parent, body.label, ids))
         return ForkResponse(node=node, tokens=len(ids))
     return await _on_session(st, tenant, sid, run)
 
 
 @router.post("/sessions/{sid}/speculate")
-async def speculate(sid: str, body: SpeculateRequest, st: StateDep, tenant: TenantDep) -> DecisionResponse:
+async def speculate(sid: str, body: SpeculateRequest, st: StateDep,
+                    tenant: TenantDep) -> DecisionResponse:
     def run(eid: int) -> DecisionResponse:
-        d = st.worker.engine.speculate(eid, body.node, priority=body.priority, t_idle_ms=body.t_idle_ms)
+        d = st.worker.engine.speculate(eid, body.node, priority=body.priority,
+                                       t_idle_ms=body.t_idle_ms)
         return DecisionResponse(action=d.action.value, score=d.score, hit_tokens=d.hit_tokens,
                                 miss_tokens=d.miss_tokens, reason=d.reason)
     return await _on_session(st, tenant, sid, run)
@@ -158,8 +165,8 @@ def _commit_response(sid: str, r) -> CommitResponse:
 async def commit(sid: str, body: CommitRequest, st: StateDep, tenant: TenantDep) -> CommitResponse:
     def run(eid: int) -> CommitResponse:
         ids = _tokens(st, body.text, body.tokens)
-        return _commit_response(sid, st.tenancy.grow(tenant, len(ids),
-                                                     lambda: st.worker.engine.commit(eid, body.tip, ids)))
+        return _commit_response(sid, st.tenancy.grow(
+            tenant, len(ids), lambda: st.worker.engine.commit(eid, body.tip, ids)))
     return await _on_session(st, tenant, sid, run)
 
 
@@ -226,12 +233,12 @@ async def generate(sid: str, body: GenerateRequest, request: Request, st: StateD
         out = await unless_disconnected(request, gen.collect())
     finally:
         gen.cancel()
-    return GenerateResponse(text=out.text, tokens=list(out.tokens), finish_reason=out.finish_reason or "length",
-                            tip=tip)
+    return GenerateResponse(text=out.text, tokens=list(out.tokens),
+                            finish_reason=out.finish_reason or "length", tip=tip)
 
 
 @router.post("/drain")
 async def drain(st: StateDep) -> DrainResponse:
     r = await st.worker.call(st.worker.engine.drain_slack)
-    return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_tokens,
-                         slack_filled_tokens=r.slack_filled_tokens)
+    return DrainResponse(ticks=r.ticks, prefill_tokens=r.prefill_tokens,
+                         decode_tokens=r.decode_tokens, slack_filled_tokens=r.slack_filled_tokens)

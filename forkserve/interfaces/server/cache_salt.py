@@ -36,11 +36,12 @@ def cache_salt(tenant: str, raw: str | None, public_names: AbstractSet[str]) -> 
         raise APIError(400, f"cache_salt is {len(raw)} characters; at most {MAX_SALT_CHARS}",
                        param="cache_salt")
     if not raw.isprintable():
-        raise APIError(400, "cache_salt must be printable text (no control characters)", param="cache_salt")
+        raise APIError(400, "cache_salt must be printable text (no control characters)",
+                       param="cache_salt")
     if raw.startswith(PUBLIC_PREFIX):
         name = raw[len(PUBLIC_PREFIX):]
         if name not in public_names:
-            raise APIError(400, f"cache_salt names the public prefix {name!r}, which this server does not "
-                                f"declare (--public-prefix)", param="cache_salt")
+            raise APIError(400, f"cache_salt names the public prefix {name!r}, which this server "
+                                f"does not declare (--public-prefix)", param="cache_salt")
         return CacheSalt.public(name)
     return CacheSalt(tenant, raw)

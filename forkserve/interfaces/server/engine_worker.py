@@ -10,9 +10,9 @@ is queued the thread runs idle ticks: that is where speculative branches are pre
 during a tool pause.
 
 Ownership: a session opened for one OpenAI request lives as long as its generation: it is
-closed when the generation ends, aborted when its client goes away. A session opened through the branch API is
-leased: any verb on it renews the lease, and a session idle past ``session_ttl_s`` is
-closed here, so a client that vanishes cannot leak pages.
+closed when the generation ends, aborted when its client goes away. A session opened through
+the branch API is leased: any verb on it renews the lease, and a session idle past
+``session_ttl_s`` is closed here, so a client that vanishes cannot leak pages.
 """
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ class EngineWorker:
         self.engine = engine
         self._decode = decode
         self.session_ttl_s = session_ttl_s
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future] | None] = \
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any],
+                                                concurrent.futures.Future] | None] = \
             queue.SimpleQueue()
         self._jobs: dict[int, _Job] = {}
         self._leases: dict[int, float] = {}
@@ -191,7 +192,8 @@ class EngineWorker:
             return gen
         return await self.call(register, undo=Generation.cancel)
 
-    async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None, spec: GenerationSpec, *,
+    async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None,
+                                spec: GenerationSpec, *,
                                 opener: Callable[[], int] | None = None) -> Generation:
         """Open a session on ``tokens`` and decode on it (one OpenAI choice). ``opener``
         opens it instead, on this thread, and returns its id (the server's tenancy: limits,
@@ -249,7 +251,8 @@ class EngineWorker:
             self.engine.abort(sid)
         elif job.gen.spec.close_when_done:
             pin_if = job.gen.spec.pin_if
-            self.engine.close(sid, pin=pin_if(self._decode(job.stream.token_ids)) if pin_if else None)
+            self.engine.close(sid,
+                              pin=pin_if(self._decode(job.stream.token_ids)) if pin_if else None)
         elif sid in self._leases:
             self.lease(sid)
 
@@ -274,7 +277,8 @@ class EngineWorker:
         timeout = 1.0 if block else None
         while True:
             try:
-                item = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+                item = (self._commands.get(timeout=timeout) if timeout
+                        else self._commands.get_nowait())
             except queue.Empty:
                 return
             timeout = None  # after the first command, drain without waiting
@@ -353,7 +357,8 @@ class EngineWorker:
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
-        expired = [s for s, deadline in self._leases.items() if deadline < now and s not in self._jobs]
+        expired = [s for s, deadline in self._leases.items()
+                   if deadline < now and s not in self._jobs]
         for sid in expired:
             del self._leases[sid]
             if self.engine.has_session(sid):

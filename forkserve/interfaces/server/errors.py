@@ -37,7 +37,8 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": status}},
+    return JSONResponse({"error": {"message": message, "type": type, "param": param,
+                                   "code": status}},
                         status_code=status, headers=headers)
 
 
@@ -90,7 +91,8 @@ def stream_error(exc: Exception) -> dict[str, Any]:
         if status == 500:
             log.error("stream failed", exc_info=exc)
         message, kind = str(exc), type(exc).__name__
-    return {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": status}}
+    return {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None),
+                      "code": status}}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -114,7 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == _FASTAPI_BODY_PARSE_ERROR:
-            return error_response(400, "the request body is not valid JSON (not UTF-8 text)", "BadRequestError")
+            return error_response(400, "the request body is not valid JSON (not UTF-8 text)",
+                                  "BadRequestError")
         return error_response(exc.status_code, str(exc.detail), "HTTPError")
 
     @app.exception_handler(Exception)
@@ -123,4 +126,5 @@ def install_error_handlers(app: FastAPI) -> None:
         if status is not None:
             return error_response(status, str(exc), type(exc).__name__)
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              "InternalServerError")

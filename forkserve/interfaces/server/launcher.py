@@ -32,7 +32,8 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0, access: AccessConfig = DEFAULT_ACCESS,
+def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0,
+                    access: AccessConfig = DEFAULT_ACCESS,
                     startup_timeout_s: float = 30.0) -> Iterator[RunningServer]:
     import uvicorn
 

@@ -73,25 +73,27 @@ class TenantMeter:
     def check(self, demand: Demand, *, sessions: int, pages: int, now: float) -> None:
         """Raise the 400/429 for a demand that does not fit now; change nothing."""
         lim = self.limits
-        if lim.max_tokens_per_request is not None and demand.request_tokens > lim.max_tokens_per_request:
-            raise APIError(400, f"the request needs {demand.request_tokens} tokens (prompt + max_tokens); "
-                                f"this key may use at most {lim.max_tokens_per_request} per request",
+        if (lim.max_tokens_per_request is not None
+                and demand.request_tokens > lim.max_tokens_per_request):
+            raise APIError(400, f"the request needs {demand.request_tokens} tokens (prompt + "
+                                f"max_tokens); this key may use at most "
+                                f"{lim.max_tokens_per_request} per request",
                            param="max_tokens")
         if lim.tokens_per_minute is not None and demand.tokens > lim.tokens_per_minute:
-            raise APIError(400, f"the request needs {demand.tokens} tokens; this key may use at most "
-                                f"{lim.tokens_per_minute} per minute", param="max_tokens")
+            raise APIError(400, f"the request needs {demand.tokens} tokens; this key may use at "
+                                f"most {lim.tokens_per_minute} per minute", param="max_tokens")
         if lim.max_sessions is not None and sessions + demand.sessions > lim.max_sessions:
             raise rate_limited(f"this key has {sessions} sessions open; at most {lim.max_sessions} "
                                f"(close one, or wait for its generation to end)", 1.0)
         if lim.max_pages is not None and pages + demand.pages > lim.max_pages:
-            raise rate_limited(f"this key's sessions hold {pages} KV pages and the request may grow by "
-                               f"{demand.pages}; at most {lim.max_pages}", 1.0)
+            raise rate_limited(f"this key's sessions hold {pages} KV pages and the request may "
+                               f"grow by {demand.pages}; at most {lim.max_pages}", 1.0)
         if lim.tokens_per_minute is not None:
             available = self._available(now)
             if demand.tokens > available:
                 rate = lim.tokens_per_minute / 60.0
-                raise rate_limited(f"this key's budget of {lim.tokens_per_minute} tokens per minute is "
-                                   f"spent", (demand.tokens - available) / rate)
+                raise rate_limited(f"this key's budget of {lim.tokens_per_minute} tokens per "
+                                   f"minute is spent", (demand.tokens - available) / rate)
 
     def charge(self, tokens: int, now: float) -> None:
         """Take an admitted request's tokens from the bucket (after ``check`` passed)."""

@@ -65,7 +65,8 @@ class EngineCollector:
         s = self.snapshot
         if s is None:
             return
-        used = GaugeMetricFamily("forkserve_pages_used", "KV pages in use, per pool", labels=["pool"])
+        used = GaugeMetricFamily("forkserve_pages_used", "KV pages in use, per pool",
+                                 labels=["pool"])
         free = GaugeMetricFamily("forkserve_pages_free", "free KV pages, per pool", labels=["pool"])
         for pool, n in s.pages_used.items():
             used.add_metric([pool], n)
@@ -77,10 +78,11 @@ class EngineCollector:
         yield from (used, free, index)
         prefilled = s.counters["prefill_tokens"]
         ratio = GaugeMetricFamily("forkserve_prefix_hit_ratio",
-                                  "tokens a prefix tree served / (served + prefilled), since start; "
-                                  "tree=all: every side of the KV came from the index", labels=["tree"])
-        hit_tokens = CounterMetricFamily("forkserve_prefix_hit_tokens", "tokens served from a prefix tree",
-                                         labels=["tree"])
+                                  "tokens a prefix tree served / (served + prefilled), since "
+                                  "start; tree=all: every side of the KV came from the index",
+                                  labels=["tree"])
+        hit_tokens = CounterMetricFamily("forkserve_prefix_hit_tokens",
+                                         "tokens served from a prefix tree", labels=["tree"])
         for tree, key in (("all", "hash_hit_tokens"), ("base", "base_hit_tokens"),
                           ("residual", "residual_hit_tokens")):
             if tree == "residual" and "residual" not in s.index_pages:
@@ -103,7 +105,8 @@ class EngineCollector:
                 ("sessions_leased", "branch-API sessions held by clients", w.leased_sessions),
                 ("queue_depth", "engine commands waiting to run", w.queue_depth),
                 ("active_generations", "generations being decoded", w.active_generations),
-                ("decode_tokens_per_second", "decode throughput over the last 10 s", w.decode_tokens_per_s),
+                ("decode_tokens_per_second", "decode throughput over the last 10 s",
+                 w.decode_tokens_per_s),
                 ("prefill_tokens_per_second", "prefill throughput over the last 10 s",
                  w.prefill_tokens_per_s)):
             yield GaugeMetricFamily(f"forkserve_{name}", help_text, value=value)

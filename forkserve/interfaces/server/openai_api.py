@@ -68,7 +68,8 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(st: StateDep) -> ModelList:
     m = st.model
-    return model_list(m.name, m.adapters, m.created, m.sampling_defaults, m.engine.config.share_base)
+    return model_list(m.name, m.adapters, m.created, m.sampling_defaults,
+                      m.engine.config.share_base)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
     stops = _stops(body.stop_strings)
     prompts = body.prompts()
     tok = st.model.tokenizer
-    encoded = await st.worker.call(lambda: [p if isinstance(p, list) else tok.encode(p, add_special_tokens=True)
+    encoded = await st.worker.call(lambda: [p if isinstance(p, list)
+                                            else tok.encode(p, add_special_tokens=True)
                                             for p in prompts])
     budget = body.max_tokens if body.max_tokens is not None else \
         st.model.max_context - max(len(ids) for ids in encoded)
@@ -93,11 +95,12 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
         st.model.check_length(len(ids), budget)
     echoes = [""] * len(prompts)
     if body.echo:
-        echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p) for p in prompts])
+        echoes = await st.worker.call(lambda: [p if isinstance(p, str) else tok.decode(p)
+                                               for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops, body.logprobs, None, None,
-                                   prompt_logprobs=body.prompt_logprobs)
+    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops,
+                                   body.logprobs, None, None, prompt_logprobs=body.prompt_logprobs)
     wire = CompletionWire.start(body.model)
     prompt_tokens = sum(len(ids) for ids in encoded)
     cached_tokens = sum(cached[::body.n])  # each prompt once, as prompt_tokens counts it
@@ -106,11 +109,13 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
     def prompt_records(index: int) -> list[SampledToken] | None:
         """The echoed prompt's logprobs (read once its prefill delivered a first chunk)."""
         log = choices[index].log
-        return log.prompt_entries(per_choice[index]) if body.prompt_logprobs is not None and log else None
+        return (log.prompt_entries(per_choice[index])
+                if body.prompt_logprobs is not None and log else None)
 
     def chunk(index: int, text: str, reason: str | None,
               records: list[SampledToken] | None = None) -> CompletionResponse:
-        lp = completion_logprobs(records, st.model.token_text, k, 0) if records is not None else None
+        lp = (completion_logprobs(records, st.model.token_text, k, 0) if records is not None
+              else None)
         return wire.chunk(index, text, reason, lp)
 
     if body.stream:
@@ -142,8 +147,10 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
             records, echo_offset = prompt + records, 0  # offsets run over the echoed tokens
         else:
             echo_offset = len(echo)
-        lp = completion_logprobs(records, st.model.token_text, k, echo_offset) if records is not None else None
-        out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=lp))
+        lp = (completion_logprobs(records, st.model.token_text, k, echo_offset)
+              if records is not None else None)
+        out.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason,
+                                    logprobs=lp))
     return wire.body(out, usage(prompt_tokens, sum(len(r.tokens) for r in results), cached_tokens))
 
 
@@ -162,11 +169,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     model.check_vocab(ids)
     model.check_length(len(ids), budget)
     # Compiling a schema can take a while: off the event loop, and off the engine thread.
-    grammar = await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler()) if plan.grammar else None
+    grammar = (await asyncio.to_thread(plan.grammar.compile, model.grammar_compiler())
+               if plan.grammar else None)
     top = body.top_logprobs or 0
     fmt = plan.fmt
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
-    pin_if = (lambda text: bool(fmt.parse(text).calls)) if fmt is not None and model.pin_tool_pauses else None
+    pin_if = ((lambda text: bool(fmt.parse(text).calls))
+              if fmt is not None and model.pin_tool_pauses else None)
     choices, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops,
                                    top if body.logprobs else None, grammar, pin_if)
     wire = ChatWire.start(body.model)
@@ -190,8 +199,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
                 yield wire.delta(index, ChatDelta(content=text or None), logprobs(records))
             if reply is not None and reply.calls:
                 yield wire.delta(index, ChatDelta(tool_calls=[
-                    ToolCallDelta(index=j, id=call.id, function=FunctionCallOut(name=call.name,
-                                                                               arguments=call.arguments))
+                    ToolCallDelta(index=j, id=call.id,
+                                  function=FunctionCallOut(name=call.name,
+                                                           arguments=call.arguments))
                     for j, call in enumerate(reply.calls)]))
             if c.finish_reason:
                 yield wire.finish(index, _finish(c.finish_reason, reply))
@@ -210,8 +220,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
         reply = plan.fmt.parse(r.text) if plan.fmt else ParsedReply(r.text, ())
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in reply.calls] or None
-        out.append(ChatChoice(index=i, message=AssistantMessage(content=reply.content, tool_calls=calls),
-                              finish_reason=_finish(r.finish_reason, reply), logprobs=logprobs(cursors.take(i, r))))
+        out.append(ChatChoice(index=i,
+                              message=AssistantMessage(content=reply.content, tool_calls=calls),
+                              finish_reason=_finish(r.finish_reason, reply),
+                              logprobs=logprobs(cursors.take(i, r))))
     return wire.body(out, usage(len(ids), sum(len(r.tokens) for r in results), cached[0]))
 
 
@@ -245,16 +257,19 @@ class _Cursors:
         return [r for r in log.entries(begin, begin + len(c.tokens)) if r.token not in self._eos]
 
 
-def _bias(body: CompletionRequest | ChatCompletionRequest, model: ServedModel) -> tuple[tuple[int, float], ...]:
+def _bias(body: CompletionRequest | ChatCompletionRequest,
+          model: ServedModel) -> tuple[tuple[int, float], ...]:
     bias = body.logit_bias or {}
     vocab = model.engine.config.vocab_size
     bad = [t for t in bias if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"logit_bias token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="logit_bias")
+        raise APIError(400, f"logit_bias token ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                       param="logit_bias")
     return tuple(sorted(bias.items()))
 
 
-async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: AdapterId | None, max_tokens: int,
+async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: AdapterId | None,
+                 max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
                  pin_if: Callable[[str], bool] | None,
@@ -290,7 +305,8 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
                 constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
-            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec, opener=opener(ids)), log))
+            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec,
+                                                                     opener=opener(ids)), log))
     except BaseException:
         for c in choices:
             c.gen.cancel()
@@ -301,7 +317,8 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
 async def _collect(request: Request, choices: list[_Choice]) -> list[Chunk]:
     gens = [c.gen for c in choices]
     try:
-        return list(await unless_disconnected(request, asyncio.gather(*(g.collect() for g in gens))))
+        return list(await unless_disconnected(request,
+                                              asyncio.gather(*(g.collect() for g in gens))))
     finally:
         for g in gens:
             g.cancel()  # no-op for finished ones; aborts the rest if the client went away

@@ -24,8 +24,8 @@ def check_model_path(path: str | Path) -> None:
         raise UsageError(f"--model {path} does not exist")
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise UsageError(f"--model {path} has no config.json (an HF model folder holds config.json, "
-                             "*.safetensors and the tokenizer files)")
+            raise UsageError(f"--model {path} has no config.json (an HF model folder holds "
+                             "config.json, *.safetensors and the tokenizer files)")
     elif p.suffix != ".gguf":
         raise UsageError(f"--model {path} is neither an HF model folder nor a .gguf file")
 
@@ -36,14 +36,16 @@ def check_adapters(loras: Sequence[tuple[str, str]], model_name: str) -> None:
         if name in seen:
             raise UsageError(f"--lora {name}=... is given twice")
         if name == model_name:
-            raise UsageError(f"--lora {name}=...: {name!r} is the base model's name; name the adapter otherwise")
+            raise UsageError(f"--lora {name}=...: {name!r} is the base model's name; name the "
+                             "adapter otherwise")
         seen.add(name)
         p = Path(path)
         if not p.exists():
             raise UsageError(f"--lora {name}={path}: {path} does not exist")
         missing = [f for f in PEFT_FILES if not (p / f).is_file()]
         if missing:
-            raise UsageError(f"--lora {name}={path} is not a PEFT LoRA adapter folder (no {', '.join(missing)})")
+            raise UsageError(f"--lora {name}={path} is not a PEFT LoRA adapter folder (no "
+                             f"{', '.join(missing)})")
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -59,12 +61,14 @@ def bind_port(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise UsageError(f"--host {host}: {e.strerror}") from None
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    # as uvicorn: a port in TIME_WAIT is free
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        reason = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        reason = ("is already in use" if e.errno == errno.EADDRINUSE
+                  else f"cannot be bound ({e.strerror})")
         raise UsageError(f"port {port} on {host} {reason}; choose another with --port") from None
     sock.listen()
     return sock
@@ -87,4 +91,5 @@ def check_device(device: str | None) -> None:
                else "no CUDA device is visible")
         raise UsageError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are "
+                         "visible")

@@ -51,7 +51,8 @@ class _Sampling(_Strict):
     def extended_fields(self) -> list[str]:
         """The fields set here that need more than temperature / top-p sampling (a front end
         that cannot honour them refuses them by name)."""
-        return [f for f in ("presence_penalty", "frequency_penalty", "logit_bias") if getattr(self, f)]
+        return [f for f in ("presence_penalty", "frequency_penalty", "logit_bias")
+                if getattr(self, f)]
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -231,7 +232,8 @@ class ChatCompletionRequest(_Sampling):
         return [t.function.name for t in self.tools or []]
 
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]

@@ -38,7 +38,8 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True,
                             tools: Sequence[dict[str, Any]] | None = None) -> list[int]: ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
@@ -65,7 +66,8 @@ class ServedModel:
     def grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             raise APIError(400, f"model {self.name!r} has no text tokenizer: structured outputs "
-                                "and required tool calls are not available", param="response_format")
+                                "and required tool calls are not available",
+                           param="response_format")
         return self.grammars
 
     def adapter_for(self, model: str) -> AdapterId | None:
@@ -81,9 +83,9 @@ class ServedModel:
         if prompt_tokens == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if prompt_tokens + max_tokens > self.max_context:
-            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; "
-                                f"the request has {prompt_tokens} prompt tokens and asks for "
-                                f"{max_tokens} completion tokens", param="max_tokens")
+            raise APIError(400, f"This model's maximum context length is {self.max_context} "
+                                f"tokens; the request has {prompt_tokens} prompt tokens and "
+                                f"asks for {max_tokens} completion tokens", param="max_tokens")
 
     @cached_property
     def adapter_names(self) -> Mapping[AdapterKey, str]:
@@ -109,7 +111,8 @@ class ServedModel:
         vocab = self.engine.config.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}", param="prompt")
+            raise APIError(400, f"token ids out of vocabulary [0, {vocab}): {bad[:5]}",
+                           param="prompt")
 
 
 def served_name(model_path: str | Path, name: str | None = None) -> str:
@@ -146,6 +149,7 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
     engine = Engine(backend, scorer=CompositeScorer([loops, LegalityScorer(decode, calls=calls)]))
     return ServedModel(name=served_name(model_path, name), engine=engine,
                        tokenizer=tokenizer, adapters=backend.adapters,
-                       max_context=min(engine.config.max_context, backend.max_context), eos_token_ids=eos,
+                       max_context=min(engine.config.max_context, backend.max_context),
+                       eos_token_ids=eos,
                        sampling_defaults=load_sampling_defaults(model_path, generation_config),
                        grammars=grammars)
