@@ -45,7 +45,7 @@ from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVForm, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
-# anchors.md
+# docs/ANCHORS.md
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}
 PAGE = 16
 TARGETS = ("q", "k", "v", "o")
@@ -408,7 +408,7 @@ def plot(res: dict, path: Path) -> None:
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([i - 0.27 for i in x], ours, 0.27, label="ForkServe TorchBackend")
-    ax.bar(list(x), vllm, 0.27, label="vLLM 0.26 (anchors.md)")
+    ax.bar(list(x), vllm, 0.27, label="vLLM 0.26 (docs/ANCHORS.md)")
     ax.bar([i + 0.27 for i in x], roof, 0.27, label="roofline (bytes / copy BW)")
     ax.set_xticks(list(x), [r[0] for r in rows])
     ax.set_ylabel("decode ms / step (prompt 512)")

@@ -47,7 +47,7 @@ class FanoutParams:
     fanout: int = 4
     page_size: int = 16
     # The seed's sessions share one trunk text; distinct trunks (a session marker up front)
-    # is how plain vLLM was measured in shared/notes/anchors.md: no prefix hit across sessions.
+    # is how plain vLLM was measured in docs/ANCHORS.md: no prefix hit across sessions.
     distinct_trunks: bool = False
     # In flight (the default): sessions opened together compute a shared prefix once. The
     # seed's arithmetic assumes every open computes its own copy: ``PrefixDedup.OFF``.

@@ -7,7 +7,7 @@ Three rows per workload size, one engine each, the same token ids:
                     plane);
 * ``vllm``          plain vLLM, prefix caching on: per session, the trunk + each thought as
                     one request, all of a session's requests submitted together (how
-                    shared/notes/anchors.md measured it).
+                    docs/ANCHORS.md measured it).
 
 The cascade here runs without disaggregation (one GPU, no connector), so the cost model
 beside each row is the MockBackend with that same config. Scores come from the same scorers
@@ -101,7 +101,7 @@ def run_native(sessions: Sequence[Sequence[Sequence[int]]], page_size: int, engi
                api: VllmApi, *, gauge: Any = None,
                reset: Callable[[], object] = lambda: None) -> NativeRun:
     """Each session's prompts (trunk + one child each) submitted together, sessions one after
-    another, one token each, after an untimed pass (how anchors.md measured the fan-out)."""
+    another, one token each, after an untimed pass (how docs/ANCHORS.md measured the fan-out)."""
     for prompts in sessions:  # warm-up
         run_batch(engine, api, prompts, 1)
     reset()

@@ -3,7 +3,7 @@
 The MockBackend *is* the cost model, so its measured row must equal the prediction; the
 Engine on VllmBackend (fake vLLM) must take the same cascade decisions and compute what the
 prefix cache leaves; plain "vLLM" (fake) must compute each session's trunk once, as
-shared/notes/anchors.md measured on the H200 (3840 tokens for the small size).
+docs/ANCHORS.md measured on the H200 (3840 tokens for the small size).
 """
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def test_plain_batch_computes_a_shared_trunk_once(harness):
     trunk = [(13 * i) % 500 + 3 for i in range(256)]
     prompts = [trunk + [20 + k] * 32 for k in range(4)]
     batch = run_batch(harness.llm.llm_engine, harness.api, prompts, 1)
-    # shared/notes/anchors.md: vLLM 0.26 computes a new trunk once for children that
+    # docs/ANCHORS.md: vLLM 0.26 computes a new trunk once for children that
     # arrive together.
     assert batch.computed_tokens == 256 + 4 * 32
     assert all(len(t) == 1 for t in batch.tokens)

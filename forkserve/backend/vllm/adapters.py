@@ -1,7 +1,7 @@
 """AdapterTable: the control plane's adapter ids -> vLLM LoRA requests.
 
 The Engine passes whatever adapter the session was opened with: a name (``"agent3"``) or
-the int that ``VllmBackend.adapter_id(name)`` returned (what forkserve/bench/multilora.py
+the int that ``VllmBackend.adapter_id(name)`` returned (what forkserve/bench/multilora/
 does). vLLM needs a ``LoRARequest(name, int_id > 0, path)``; its prefix cache keys blocks by
 that LoRA, so one name must always map to one int id.
 """

@@ -1,7 +1,7 @@
 """Files vLLM needs to run the benchmarks' shapes: a config-only model folder and PEFT adapters.
 
 vLLM loads models and LoRAs from folders. The benchmarks use random weights
-(forkserve/bench/multilora.py), so the model folder holds only ``config.json`` and vLLM
+(forkserve/bench/multilora/), so the model folder holds only ``config.json`` and vLLM
 runs with ``load_format="dummy"`` (random weights, no tokenizer: token ids only); each
 agent's adapter is written in PEFT format from the same ``LoraAdapter`` ForkServe's
 TorchBackend serves, so both engines apply the same deltas. No vLLM import here.
