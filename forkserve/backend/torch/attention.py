@@ -52,6 +52,13 @@ class AttentionMetadata:
     # Cascade attention (decode): shared prefixes read once per tile. Eager
     # attention ignores it (the same result, each prefix read per sequence).
     cascade: CascadeTiles | None = None
+    # The rows of T that write base K/V (``res_writes``: residuals), as (rows [W] int64, their
+    # slots [W] int64); None: every row writes at its slot_mapping (res_slot_mapping). A
+    # batch where some item reads a side already present (write_base / write_residual False,
+    # or no residual at all) names the others, rather than sending every such token's write
+    # to one scratch slot (on a GPU, a contended scatter as large as the batch).
+    base_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    res_writes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -63,14 +70,23 @@ class AttentionBackend(Protocol):
         b_k/b_v [slots, r_max, Hkv * D] (pre-scaled). Returns [T, Hq * D]."""
 
 
+def _scatter(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+             writes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """``pool [slots, ...]`` rows ``slots`` = ``values`` (``writes``: only those rows)."""
+    if writes is None:
+        pool.index_copy_(0, slots, values)
+    elif writes[0].shape[0]:  # a host count: no write at all costs no launch
+        pool.index_copy_(0, writes[1], values.index_select(0, writes[0]))
+
+
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
              v_res: torch.Tensor | None, meta: AttentionMetadata) -> None:
     heads, dim = k.shape[1], k.shape[2]
-    kv.k.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k)
-    kv.v.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v)
+    _scatter(kv.k.view(-1, heads, dim), meta.slot_mapping, k, meta.base_writes)
+    _scatter(kv.v.view(-1, heads, dim), meta.slot_mapping, v, meta.base_writes)
     for res, pool in ((k_res, kv.k_res), (v_res, kv.v_res)):
         if res is not None and pool is not None:
-            pool.view(-1, pool.shape[-1]).index_copy_(0, meta.res_slot_mapping, res)
+            _scatter(pool.view(-1, pool.shape[-1]), meta.res_slot_mapping, res, meta.res_writes)
 
 
 class EagerAttention:

@@ -132,6 +132,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
+    base_rows, base_at, res_rows, res_at = [], [], [], []
     tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
     for seq in work:
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
@@ -153,6 +154,13 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
             slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
             res_slots.append(res[at // p] * p + at % p if res is not None and seq.write_residual
                              else scratch_res_page * p)
+        # The same writes as row lists (``base_writes``), used where some row skips its write.
+        if seq.write_base:
+            base_rows.extend(range(first, first + n))
+            base_at.extend(slots[first:])
+        if res is not None and seq.write_residual:
+            res_rows.extend(range(first, first + n))
+            res_at.extend(res_slots[first:])
         for target in seq.extra_residuals:
             for j in range(n):
                 at = seq.start_pos + j
@@ -180,6 +188,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    decode_only = all(n == 1 for n in qlens)
     meta = AttentionMetadata(
         slot_mapping=tensor(slots, torch.int64),
         res_slot_mapping=tensor(res_slots, torch.int64) if split else None,
@@ -191,12 +200,18 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         query_lens_host=tuple(qlens),
         seq_lens_host=tuple(seq_lens),
         seq_slot_host=tuple(seq_slot),
-        decode_only=all(n == 1 for n in qlens),
+        decode_only=decode_only,
         extra_rows=tensor(extra_rows, torch.int64) if extra_rows else None,
         extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
         extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
         kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None] if split and any(merged_tokens) else None,
         cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
+        # A decode step keeps every row's write (its rows as DecodeRows makes them: one token
+        # each, so a skipped write costs one scratch row, not a contended scatter).
+        base_writes=(tensor(base_rows, torch.int64), tensor(base_at, torch.int64))
+        if len(base_rows) < len(ids) and not decode_only else None,
+        res_writes=(tensor(res_rows, torch.int64), tensor(res_at, torch.int64))
+        if split and len(res_rows) < len(ids) and not decode_only else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
                  token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),

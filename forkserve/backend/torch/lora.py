@@ -201,6 +201,19 @@ class LoraStack:
         """Masked [T, slots * r_max] -> [T, r_max]: each token's own x A (the residual cache row)."""
         return h_part.view(h_part.shape[0], self.max_slots, self.max_rank).sum(dim=1)
 
+    def residuals(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The residual rows of the qkv group's k and v targets from its masked shrink ``h``
+        ([T, G * width]): ``collapse`` of each part, in one reduction where both are
+        targeted (their parts are adjacent). Each row holds one slot's nonzero values, so
+        the sum is exact in any order."""
+        ts = [t for t in ("k", "v") if t in self.groups.get("qkv", ())]
+        if len(ts) < 2:
+            return {t: self.collapse(self.part("qkv", t, h)) for t in ts}
+        j = self.groups["qkv"].index("k")
+        both = h[:, j * self.width:(j + 2) * self.width]
+        rows = both.view(h.shape[0], 2, self.max_slots, self.max_rank).sum(dim=2)
+        return {"k": rows[:, 0], "v": rows[:, 1]}
+
     def b_stack(self, layer: int, target: str) -> torch.Tensor | None:
         """B of every slot as [slots, r_max, out] (the residual-attention kernel's operand)."""
         b = self.b[layer].get(target)

@@ -72,10 +72,11 @@ class CausalLM:
             res: dict[str, torch.Tensor] = {}
             if lora is not None and "qkv" in lora.groups:
                 shrunk = lora.shrink(n, "qkv", h, mask)
+                if layer_split:
+                    res = lora.residuals(shrunk)
                 for t in lora.groups["qkv"]:
                     part = lora.part("qkv", t, shrunk)
                     if layer_split and t in ("k", "v"):
-                        res[t] = lora.collapse(part)
                         if meta.kv_merge_mask is not None:
                             lora.expand_(n, t, part * meta.kv_merge_mask,
                                          qkv[:, self._qkv_slices[t]])
@@ -125,7 +126,6 @@ class CausalLM:
         rows = h.index_select(0, meta.extra_rows)
         shrunk = lora.shrink(layer, "qkv", rows, lora.token_mask(meta.extra_token_slot, h.dtype))
         kv = pool.layer(layer)
-        for target, dst in (("k", kv.k_res), ("v", kv.v_res)):
-            if target in lora.groups["qkv"]:
-                part = lora.collapse(lora.part("qkv", target, shrunk))
-                dst.view(-1, dst.shape[-1]).index_copy_(0, meta.extra_res_slot_mapping, part)
+        for target, part in lora.residuals(shrunk).items():
+            dst = kv.k_res if target == "k" else kv.v_res
+            dst.view(-1, dst.shape[-1]).index_copy_(0, meta.extra_res_slot_mapping, part)
