@@ -62,17 +62,20 @@ class KernelAttention:
                 args = (q, kv.k, kv.v, kv.k_res, kv.v_res, meta.block_tables, meta.res_block_tables,
                         meta.seq_lens, self._or_zeros(b_k, ref), self._or_zeros(b_v, ref),
                         meta.seq_slot.to(torch.int32), rope.inv_freq)
-                if meta.cascade is not None:  # split form: shared base pages, each row's own residual
+                if meta.cascade is not None:
+                    # split form: shared base pages, each row's own residual
                     c = meta.cascade
-                    out = kernels.cascade_residual_decode(*args, c.tile_seqs, c.tile_lens, c.kv_starts, scale,
+                    out = kernels.cascade_residual_decode(*args, c.tile_seqs, c.tile_lens,
+                                                          c.kv_starts, scale,
                                                           use_triton=self.use_triton, **tuning)
                 else:
-                    out = kernels.residual_decode(*args, scale, use_triton=self.use_triton, **tuning)
+                    out = kernels.residual_decode(*args, scale, use_triton=self.use_triton,
+                                                  **tuning)
             elif meta.cascade is not None:
                 c = meta.cascade
-                out = kernels.cascade_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, c.tile_seqs,
-                                             c.tile_lens, c.kv_starts, scale, use_triton=self.use_triton,
-                                             **tuning)
+                out = kernels.cascade_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens,
+                                             c.tile_seqs, c.tile_lens, c.kv_starts, scale,
+                                             use_triton=self.use_triton, **tuning)
             else:
                 out = kernels.paged_decode(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, scale,
                                            use_triton=self.use_triton, **tuning)

@@ -10,8 +10,8 @@ A field one side leaves out means the same on that side everywhere: no residual 
 reads (the residual scratch page), no extra residuals, every row writing (``base_writes``);
 a side without residuals is merged throughout, so beside a split side its adapter tokens
 get their k/v delta in the base pages (``kv_merge_mask``: ``build`` marks the aLoRA tokens
-before the activation too, whose delta is zero). Neither side may carry cascade tiles (a step with a prefill is not decode-only and
-plans none).
+before the activation too, whose delta is zero). Neither side may carry cascade tiles (a
+step with a prefill is not decode-only and plans none).
 
 Ownership: fresh tensors of this step; the inputs are not written.
 """
