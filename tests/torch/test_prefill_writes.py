@@ -92,6 +92,9 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     pool.k_res[:, pool.scratch_residual_page] = SENTINEL
     pool.v_res[:, pool.scratch_residual_page] = SENTINEL
     base, res = pool.k.clone(), pool.k_res.clone()
+    # No row writes base K/V: the step computes no K/V projections at all.
+    step = backend.forward([work(0, tokens, 0, aid, residual=True, write_base=False)])
+    assert rel_err(step.logits[0], wrote) < REL_TOL and torch.equal(pool.k, base)
     alone = backend.forward([work(1, tokens, 0, aid, residual=True)]).logits[0]
     base_1 = pool.k[:, list(pages_for(1))].clone()
     step = backend.forward([work(0, tokens, 0, aid, residual=True, write_base=False),
@@ -108,18 +111,28 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
         assert bool((t[:, scratch] == SENTINEL).all())
 
 
+# Matrix products: (the argument whose last dim is the inner one) per op.
+_PRODUCTS = {"linear": 0, "matmul": 0, "mm": 0, "addmm": 1, "addmm_": 1}
+
+
 class _Count(TorchDispatchMode):
-    """aten calls that compute (views left out), paused inside the attention kernel."""
+    """aten calls that compute (views left out), paused inside the attention kernel; and the
+    multiply-adds of the matrix products among them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.macs = 0
         self.on = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
         if self.on and not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+            self.ops[name] += 1
+            if name in _PRODUCTS:
+                self.macs += out.numel() * args[_PRODUCTS[name]].shape[-1]
+        return out
 
 
 class _Counted:
@@ -144,8 +157,9 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
     """Counted per aten call over a whole prefill of two adapters' items: the split form's
     operations are unified's, less the k/v LoRA expands, plus per layer its two residual
     writes and one reduction of x A to the residual rows. With the base pages present
-    (another agent wrote them, the react workload's case) it writes the residuals only."""
-    counts = {}
+    (another agent wrote them, the react workload's case) it writes the residuals only and
+    projects q alone (no K/V projection, RoPE over the q heads only)."""
+    counts, macs = {}, {}
     for layout in (KVLayout.UNIFIED, KVLayout.DISAGGREGATED):
         count = _Count()
         backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters,
@@ -158,7 +172,7 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
         backend.forward(items)
         with count:
             backend.forward(items)
-        counts[layout] = count.ops
+        counts[layout], macs[layout] = count.ops, count.macs
     layers = backend.model_config.num_layers
     unified, split = counts[KVLayout.UNIFIED], counts[KVLayout.DISAGGREGATED]
     own = 0 if base_present else 2 * layers
@@ -166,3 +180,8 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
     assert split - unified == collections.Counter({"index_copy_": own, "sum": layers} if own
                                                   else {"sum": layers})
     assert sum(split.values()) <= sum(unified.values()) + 2 * layers
+    # Fewer multiply-adds: no k/v LoRA expand, and no K/V projection where the base is present.
+    cfg, tokens = backend.model_config, sum(len(item.tokens) for item in items)
+    kv_projection = 2 * layers * tokens * cfg.kv_size * cfg.hidden_size
+    assert macs[KVLayout.DISAGGREGATED] <= macs[KVLayout.UNIFIED] - (kv_projection if base_present
+                                                                     else 1)

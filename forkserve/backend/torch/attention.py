@@ -62,11 +62,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (K with RoPE), k_res/v_res [T, r_max];
+        """q [T, Hq, D], k/v [T, Hkv, D] (K with RoPE; None where no row writes base K/V:
+        ``meta.base_writes`` empty, every key read from the pages), k_res/v_res [T, r_max];
         b_k/b_v [slots, r_max, Hkv * D] (pre-scaled). Returns [T, Hq * D]."""
 
 
@@ -79,11 +80,15 @@ def _scatter(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
         pool.index_copy_(0, writes[1], values.index_select(0, writes[0]))
 
 
-def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
-             v_res: torch.Tensor | None, meta: AttentionMetadata) -> None:
-    heads, dim = k.shape[1], k.shape[2]
-    _scatter(kv.k.view(-1, heads, dim), meta.slot_mapping, k, meta.base_writes)
-    _scatter(kv.v.view(-1, heads, dim), meta.slot_mapping, v, meta.base_writes)
+def write_kv(kv: LayerKV, k: torch.Tensor | None, v: torch.Tensor | None,
+             k_res: torch.Tensor | None, v_res: torch.Tensor | None,
+             meta: AttentionMetadata) -> None:
+    """This step's K/V (None: no row writes them, ``meta.base_writes`` empty) and residuals
+    into the layer's pools."""
+    if k is not None and v is not None:
+        heads, dim = k.shape[1], k.shape[2]
+        _scatter(kv.k.view(-1, heads, dim), meta.slot_mapping, k, meta.base_writes)
+        _scatter(kv.v.view(-1, heads, dim), meta.slot_mapping, v, meta.base_writes)
     for res, pool in ((k_res, kv.k_res), (v_res, kv.v_res)):
         if res is not None and pool is not None:
             _scatter(pool.view(-1, pool.shape[-1]), meta.res_slot_mapping, res, meta.res_writes)
@@ -96,7 +101,7 @@ class EagerAttention:
     def __init__(self, correction: Correction | None = None) -> None:
         self.correction = correction or NoCorrection()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:

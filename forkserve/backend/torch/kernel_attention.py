@@ -44,7 +44,7 @@ class KernelAttention:
             self._zeros[key] = torch.zeros_like(like)
         return self._zeros[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:

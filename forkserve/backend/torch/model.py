@@ -64,11 +64,20 @@ class CausalLM:
         split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
+        # No row writes base K/V (every item reads base pages already written, e.g. another
+        # agent's shared context): attention reads K/V from the pages, so the K/V projections
+        # would be written nowhere; only q is computed (not in a recompute layer's own store).
+        reads_base = meta.base_writes is not None and meta.base_writes[0].shape[0] == 0
         for n, layer in enumerate(w.layers):
             # Selective recompute: in this layer the (all split) items keep merged K/V of their own.
             own = pool.own_layer(n) if split else None
             layer_split = split and own is None
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            kv_free = reads_base and own is None
+            if kv_free:
+                bias = layer.qkv_bias[:cfg.q_size] if layer.qkv_bias is not None else None
+                qkv = F.linear(h, layer.qkv[:cfg.q_size], bias)
+            else:
+                qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             res: dict[str, torch.Tensor] = {}
             if lora is not None and "qkv" in lora.groups:
                 shrunk = lora.shrink(n, "qkv", h, mask)
@@ -76,6 +85,8 @@ class CausalLM:
                     res = lora.residuals(shrunk)
                 for t in lora.groups["qkv"]:
                     part = lora.part("qkv", t, shrunk)
+                    if t in ("k", "v") and kv_free:
+                        continue
                     if layer_split and t in ("k", "v"):
                         if meta.kv_merge_mask is not None:
                             lora.expand_(n, t, part * meta.kv_merge_mask,
@@ -85,9 +96,13 @@ class CausalLM:
             if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
                 self._write_extra_residuals(n, h, meta, pool, lora)
             # q and k are adjacent in qkv: one RoPE over both heads sets.
-            qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, self._qkv_slices["v"]].view(n_tokens, cfg.num_kv_heads, cfg.head_dim)
+            kv_heads = 0 if kv_free else cfg.num_kv_heads
+            qk = fx.rope_qk(qkv, cos, sin, cfg.num_heads, kv_heads, cfg.head_dim)
+            q = qk[:, :cfg.num_heads]
+            k = v = None
+            if not kv_free:
+                k = qk[:, cfg.num_heads:]
+                v = qkv[:, self._qkv_slices["v"]].view(n_tokens, kv_heads, cfg.head_dim)
             b_k = lora.b_stack(n, "k") if lora is not None and layer_split else None
             b_v = lora.b_stack(n, "v") if lora is not None and layer_split else None
             if own is None:
