@@ -80,7 +80,8 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
                                                                         attention):
     """An item whose base (or residual) pages are already written reads them untouched, no
     write reaches the scratch page, and its logits are those of the item that wrote them;
-    beside it in the batch, an item that writes both sides still does."""
+    beside it in the batch, an item that writes both sides still does (K/V projected from
+    the writing rows alone where they are at most half the batch, else from all rows)."""
     backend = TorchBackend(make_config(KVLayout.DISAGGREGATED), models["llama"],
                            adapters=adapters, device=DEVICE, dtype=DTYPE, attention=attention,
                            lora_targets=TARGETS)
@@ -102,6 +103,10 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     assert rel_err(step.logits[0], wrote) < REL_TOL and rel_err(step.logits[1], alone) < REL_TOL
     base[:, list(pages_for(1))] = base_1
     assert torch.equal(pool.k, base)
+    # Most rows write (K/V projected for all rows, the writing ones taken): the same.
+    step = backend.forward([work(0, tokens[:4], 0, aid, residual=True, write_base=False),
+                            work(1, tokens, 0, aid, residual=True)])
+    assert rel_err(step.logits[1], alone) < REL_TOL and torch.equal(pool.k, base)
     step = backend.forward([work(0, tokens, 0, aid, residual=True, write_residual=False)])
     assert rel_err(step.logits[0], wrote) < REL_TOL
     assert torch.equal(pool.k_res[:, list(pages_for(0))], res[:, list(pages_for(0))])

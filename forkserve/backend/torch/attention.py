@@ -66,32 +66,33 @@ class AttentionBackend(Protocol):
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (K with RoPE; None where no row writes base K/V:
-        ``meta.base_writes`` empty, every key read from the pages), k_res/v_res [T, r_max];
-        b_k/b_v [slots, r_max, Hkv * D] (pre-scaled). Returns [T, Hq * D]."""
-
-
-def _scatter(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-             writes: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """``pool [slots, ...]`` rows ``slots`` = ``values`` (``writes``: only those rows)."""
-    if writes is None:
-        pool.index_copy_(0, slots, values)
-    elif writes[0].shape[0]:  # a host count: no write at all costs no launch
-        pool.index_copy_(0, writes[1], values.index_select(0, writes[0]))
+        """q [T, Hq, D], k/v [W, Hkv, D] (K with RoPE) of the W rows that write base K/V
+        (``meta.base_writes``; W = T where None; None where no row writes them: every key is
+        read from the pages), k_res/v_res [T, r_max]; b_k/b_v [slots, r_max, Hkv * D]
+        (pre-scaled). Returns [T, Hq * D]."""
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor | None, v: torch.Tensor | None,
              k_res: torch.Tensor | None, v_res: torch.Tensor | None,
              meta: AttentionMetadata) -> None:
-    """This step's K/V (None: no row writes them, ``meta.base_writes`` empty) and residuals
-    into the layer's pools."""
-    if k is not None and v is not None:
+    """This step's K/V and residuals into the layer's pools. K/V hold the rows of
+    ``meta.base_writes`` only (every row where None; None where no row writes them); the
+    residuals every row, of which ``meta.res_writes`` names those written."""
+    if k is not None and v is not None and k.shape[0]:
         heads, dim = k.shape[1], k.shape[2]
-        _scatter(kv.k.view(-1, heads, dim), meta.slot_mapping, k, meta.base_writes)
-        _scatter(kv.v.view(-1, heads, dim), meta.slot_mapping, v, meta.base_writes)
+        slots = meta.slot_mapping if meta.base_writes is None else meta.base_writes[1]
+        kv.k.view(-1, heads, dim).index_copy_(0, slots, k)
+        kv.v.view(-1, heads, dim).index_copy_(0, slots, v)
+    writes = meta.res_writes
+    if writes is not None and not writes[0].shape[0]:  # a host count: no write, no launch
+        return
     for res, pool in ((k_res, kv.k_res), (v_res, kv.v_res)):
         if res is not None and pool is not None:
-            _scatter(pool.view(-1, pool.shape[-1]), meta.res_slot_mapping, res, meta.res_writes)
+            rows = pool.view(-1, pool.shape[-1])
+            if writes is None:
+                rows.index_copy_(0, meta.res_slot_mapping, res)
+            else:
+                rows.index_copy_(0, writes[1], res.index_select(0, writes[0]))
 
 
 class EagerAttention:
