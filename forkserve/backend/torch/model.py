@@ -66,13 +66,14 @@ class CausalLM:
         split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
+        rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin of written rows
         for n, layer in enumerate(w.layers):
             # Selective recompute: in this layer the (all split) items keep merged K/V of their own.
             own = pool.own_layer(n) if split else None
             layer_split = split and own is None
             layer_meta = meta if own is None else own_view(meta)
-            q, k, v, res = self._project(n, layer, h, cos, sin, mask, lora, layer_meta,
-                                         layer_split)
+            q, k, v, res = self._project(n, layer, h, (cos, sin), rope_rows, mask, lora,
+                                         layer_meta, layer_split)
             if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
                 self._write_extra_residuals(n, h, meta, pool, lora)
             b_k = lora.b_stack(n, "k") if lora is not None and layer_split else None
@@ -103,7 +104,8 @@ class CausalLM:
         x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
         return F.linear(x, w.lm_head).float()
 
-    def _project(self, n: int, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _project(self, n: int, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
                  mask: torch.Tensor | None, lora: LoraStack | None, meta: AttentionMetadata,
                  layer_split: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                              torch.Tensor | None, dict[str, torch.Tensor]]:
@@ -115,8 +117,10 @@ class CausalLM:
         partial prefix hit) needs no K/V: attention reads its keys from the pages. Where at
         most half the rows write, K/V are projected from those rows alone (the K/V share of
         the qkv product, its k/v LoRA expands and K's RoPE shrink to them); otherwise the
-        whole product runs and the writing rows are taken from it."""
+        whole product runs and the writing rows are taken from it. ``rope_rows``: the forward's
+        cos/sin of the writing rows, gathered at the first layer that needs them."""
         cfg, fx = self.cfg, self.fx
+        cos, sin = rope
         rows = None if meta.base_writes is None else meta.base_writes[0]
         compact = rows is not None and 2 * rows.shape[0] <= h.shape[0]
         kv = None
@@ -153,8 +157,9 @@ class CausalLM:
             q = fx.rope_qk(qkv, cos, sin, heads, 0, dim)
             if kv is None:
                 return q, None, None, res
-            k = fx.rope_qk(kv, cos.index_select(0, rows), sin.index_select(0, rows), kv_heads, 0,
-                           dim)
+            if id(rows) not in rope_rows:  # the rows tensor lives as long as the forward
+                rope_rows[id(rows)] = (cos.index_select(0, rows), sin.index_select(0, rows))
+            k = fx.rope_qk(kv, *rope_rows[id(rows)], kv_heads, 0, dim)
             return q, k, kv[:, cfg.kv_size:].view(-1, kv_heads, dim), res
         # q and k are adjacent in qkv: one RoPE over both heads sets.
         qk = fx.rope_qk(qkv, cos, sin, heads, kv_heads, dim)
