@@ -98,8 +98,10 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     assert rel_err(step.logits[0], wrote) < REL_TOL and torch.equal(pool.k, base)
     alone = backend.forward([work(1, tokens, 0, aid, residual=True)]).logits[0]
     base_1 = pool.k[:, list(pages_for(1))].clone()
+    # The writing rows (a chunk at positions 5..12) are under half the batch: K/V projected
+    # from them alone, rotated at their own positions.
     step = backend.forward([work(0, tokens, 0, aid, residual=True, write_base=False),
-                            work(1, tokens, 0, aid, residual=True)])
+                            work(1, tokens[5:], 5, aid, residual=True)])
     assert rel_err(step.logits[0], wrote) < REL_TOL and rel_err(step.logits[1], alone) < REL_TOL
     base[:, list(pages_for(1))] = base_1
     assert torch.equal(pool.k, base)
