@@ -194,11 +194,18 @@ class LoraStack:
         """[T, slots * r_max] 0/1: the rank columns of each token's adapter (none for slot -1)."""
         return (self.col_slot[None, :] == token_slot[:, None]).to(dtype)
 
+    def group_masks(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``token_mask`` repeated once per target of each group ([T, G * width]): made once
+        per forward instead of once per layer and group."""
+        return {g: mask if len(ts) == 1 else mask.repeat(1, len(ts))
+                for g, ts in self.groups.items()}
+
     def shrink(self, layer: int, group: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x A for every target of the group, masked to each token's adapter: [T, G * width]."""
+        """x A for every target of the group, masked to each token's adapter: [T, G * width].
+        ``mask``: ``token_mask`` or the group's ``group_masks`` entry."""
         h = x @ self.a[layer][group]
         g = len(self.groups[group])
-        return h * (mask if g == 1 else mask.repeat(1, g))
+        return h * (mask if mask.shape[-1] == h.shape[-1] else mask.repeat(1, g))
 
     def part(self, group: str, target: str, h: torch.Tensor) -> torch.Tensor:
         j = self.groups[group].index(target)

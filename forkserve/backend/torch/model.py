@@ -62,7 +62,7 @@ class CausalLM:
         lora = self.lora if use_lora else None
         x = F.embedding(input_ids, w.embed)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        mask = lora.token_mask(token_slot, x.dtype) if lora is not None else None
+        masks = lora.group_masks(lora.token_mask(token_slot, x.dtype)) if lora is not None else {}
         split = meta.res_block_tables is not None
         h = fx.rms_norm(x, w.layers[0].input_norm, eps)
         pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
@@ -72,7 +72,7 @@ class CausalLM:
             own = pool.own_layer(n) if split else None
             layer_split = split and own is None
             layer_meta = meta if own is None else own_view(meta)
-            q, k, v, res = self._project(n, layer, h, (cos, sin), rope_rows, mask, lora,
+            q, k, v, res = self._project(n, layer, h, (cos, sin), rope_rows, masks.get("qkv"), lora,
                                          layer_meta, layer_split)
             if lora is not None and meta.extra_rows is not None and "qkv" in lora.groups:
                 self._write_extra_residuals(n, h, meta, pool, lora)
@@ -83,18 +83,18 @@ class CausalLM:
                                           layer_meta, self.rope)
             o = F.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:
-                lora.expand_(n, "o", lora.shrink(n, "o", attn, mask), o)
+                lora.expand_(n, "o", lora.shrink(n, "o", attn, masks["o"]), o)
             x, h = fx.add_rms_norm(x, o, layer.post_norm, eps)
             gate_up = F.linear(h, layer.gate_up)
             if lora is not None and "gate_up" in lora.groups:
-                shrunk = lora.shrink(n, "gate_up", h, mask)
+                shrunk = lora.shrink(n, "gate_up", h, masks["gate_up"])
                 for t in lora.groups["gate_up"]:
                     lora.expand_(n, t, lora.part("gate_up", t, shrunk),
                                  gate_up[:, self._gate_up_slices[t]])
             act = fx.silu_mul(gate_up)
             down = F.linear(act, layer.down)
             if lora is not None and "down" in lora.groups:
-                lora.expand_(n, "down", lora.shrink(n, "down", act, mask), down)
+                lora.expand_(n, "down", lora.shrink(n, "down", act, masks["down"]), down)
             if n + 1 < len(w.layers):
                 x, h = fx.add_rms_norm(x, down, w.layers[n + 1].input_norm, eps)
             else:
