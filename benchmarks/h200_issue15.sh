@@ -127,11 +127,11 @@ case "$1" in
   # one reduction and works out a step's prefill route once. CUDA tests of what it touched,
   # then unified beside disaggregated at W = 32 with per-kernel step profiles of both (the
   # unified prefill profile round 3 lacked): is disaggregated prefill <= 1.3x unified?
-  FORKSERVE_TEST_DEVICE=cuda timeout 220 python3 -m pytest -q -p no:warnings tests/torch/test_prefill_writes.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:warnings tests/torch/test_prefill_writes.py \
     tests/torch/test_layouts.py tests/torch/test_batch.py tests/torch/test_mixed_forms.py \
-    tests/torch/test_mixed_tick.py tests/torch/test_attention_backends.py tests/torch/test_lora.py 2>&1 \
-    | tail -15 | tee "$OUT/pytest_cuda_round4.log"
-  timeout 340 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified disaggregated \
+    tests/torch/test_mixed_tick.py tests/torch/test_launch.py tests/torch/test_attention_backends.py \
+    tests/torch/test_lora.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round4.log"
+  timeout 330 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified disaggregated \
     --profile-ticks 3 --tag issue15_round4_prefill --out "$OUT" 2>&1 | grep -v "^USDT" | tail -60
   ;;
 esac
