@@ -123,8 +123,9 @@ case "$1" in
   ;;
 13)
   # Round 4: the split-form prefill leaves the rows that read a present side out of that
-  # side's scatter (no contended writes to the scratch page), collapses k/v residual rows in
-  # one reduction and works out a step's prefill route once. CUDA tests of what it touched,
+  # side's scatter (no contended writes to the scratch page) and projects K/V only for the
+  # rows that write them, collapses k/v residual rows in one reduction and works out a
+  # step's prefill route once. CUDA tests of what it touched,
   # then unified beside disaggregated at W = 32 with per-kernel step profiles of both (the
   # unified prefill profile round 3 lacked): is disaggregated prefill <= 1.3x unified?
   FORKSERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:warnings tests/torch/test_prefill_writes.py \
