@@ -17,6 +17,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 12  # mapreduce, every system, W=1,8,32
 # Item 5 (mixed merged/split decode batches under CUDA graphs, the policy that splits less):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # adaptive W=32, cascade on/off
+# Round 4 (the split-form prefill's extra work):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 13  # CUDA tests, profiled prefill
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -118,6 +120,20 @@ case "$1" in
   # each run, so a cut keeps the systems done).
   timeout 560 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems no_lora \
     full_reuse disaggregated_base unified disaggregated adaptive --tag issue15_round3 --out "$OUT" 2>&1 | tail -24
+  ;;
+13)
+  # Round 4: the split-form prefill leaves the rows that read a present side out of that
+  # side's scatter (no contended writes to the scratch page) and projects K/V only for the
+  # rows that write them, collapses k/v residual rows in one reduction and works out a
+  # step's prefill route once. CUDA tests of what it touched,
+  # then unified beside disaggregated at W = 32 with per-kernel step profiles of both (the
+  # unified prefill profile round 3 lacked): is disaggregated prefill <= 1.3x unified?
+  FORKSERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:warnings tests/torch/test_prefill_writes.py \
+    tests/torch/test_layouts.py tests/torch/test_batch.py tests/torch/test_mixed_forms.py \
+    tests/torch/test_mixed_tick.py tests/torch/test_launch.py tests/torch/test_attention_backends.py \
+    tests/torch/test_lora.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round4.log"
+  timeout 330 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified disaggregated \
+    --profile-ticks 3 --tag issue15_round4_prefill --out "$OUT" 2>&1 | grep -v "^USDT" | tail -60
   ;;
 esac
 ls -la "$OUT"

@@ -37,7 +37,7 @@ class AttentionMetadata:
     res_block_tables: torch.Tensor | None   # [B, max_res_pages] int32
     seq_lens: torch.Tensor                  # [B] int32: tokens in cache after this step
     query_starts: torch.Tensor              # [B + 1] int32: offsets of each sequence's tokens
-    seq_slot: torch.Tensor                  # [B] int64: adapter slot whose B_k/B_v reconstruct, -1 none
+    seq_slot: torch.Tensor                  # [B] int64: slot whose B_k/B_v rebuild K/V, -1 none
     query_lens_host: tuple[int, ...]        # host copies for the ragged (prefill) loop
     seq_lens_host: tuple[int, ...]
     seq_slot_host: tuple[int, ...]
@@ -52,34 +52,57 @@ class AttentionMetadata:
     # Cascade attention (decode): shared prefixes read once per tile. Eager
     # attention ignores it (the same result, each prefix read per sequence).
     cascade: CascadeTiles | None = None
+    # The rows of T that write base K/V (``res_writes``: residuals), as (rows [W] int64, their
+    # slots [W] int64); None: every row writes at its slot_mapping (res_slot_mapping). A
+    # batch where some item reads a side already present (write_base / write_residual False,
+    # or no residual at all) names the others, rather than sending every such token's write
+    # to one scratch slot (on a GPU, a contended scatter as large as the batch).
+    base_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    res_writes: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (K with RoPE), k_res/v_res [T, r_max];
-        b_k/b_v [slots, r_max, Hkv * D] (pre-scaled). Returns [T, Hq * D]."""
+        """q [T, Hq, D], k/v [W, Hkv, D] (K with RoPE) of the W rows that write base K/V
+        (``meta.base_writes``; W = T where None; None where no row writes them: every key is
+        read from the pages), k_res/v_res [T, r_max]; b_k/b_v [slots, r_max, Hkv * D]
+        (pre-scaled). Returns [T, Hq * D]."""
 
 
-def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
-             v_res: torch.Tensor | None, meta: AttentionMetadata) -> None:
-    heads, dim = k.shape[1], k.shape[2]
-    kv.k.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k)
-    kv.v.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v)
+def write_kv(kv: LayerKV, k: torch.Tensor | None, v: torch.Tensor | None,
+             k_res: torch.Tensor | None, v_res: torch.Tensor | None,
+             meta: AttentionMetadata) -> None:
+    """This step's K/V and residuals into the layer's pools. K/V hold the rows of
+    ``meta.base_writes`` only (every row where None; None where no row writes them); the
+    residuals every row, of which ``meta.res_writes`` names those written."""
+    if k is not None and v is not None and k.shape[0]:
+        heads, dim = k.shape[1], k.shape[2]
+        slots = meta.slot_mapping if meta.base_writes is None else meta.base_writes[1]
+        kv.k.view(-1, heads, dim).index_copy_(0, slots, k)
+        kv.v.view(-1, heads, dim).index_copy_(0, slots, v)
+    writes = meta.res_writes
+    if writes is not None and not writes[0].shape[0]:  # a host count: no write, no launch
+        return
     for res, pool in ((k_res, kv.k_res), (v_res, kv.v_res)):
         if res is not None and pool is not None:
-            pool.view(-1, pool.shape[-1]).index_copy_(0, meta.res_slot_mapping, res)
+            rows = pool.view(-1, pool.shape[-1])
+            if writes is None:
+                rows.index_copy_(0, meta.res_slot_mapping, res)
+            else:
+                rows.index_copy_(0, writes[1], res.index_select(0, writes[0]))
 
 
 class EagerAttention:
-    """Pure-PyTorch paged attention: batched gather for decode (graph-capturable), a loop for prefill."""
+    """Pure-PyTorch paged attention: batched gather for decode (graph-capturable), a loop
+    for prefill."""
 
     def __init__(self, correction: Correction | None = None) -> None:
         self.correction = correction or NoCorrection()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
@@ -88,8 +111,8 @@ class EagerAttention:
             return self._decode(q, kv, b_k, b_v, meta, rope)
         return self._ragged(q, kv, b_k, b_v, meta, rope)
 
-    def _decode(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None, b_v: torch.Tensor | None,
-                meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
+                b_v: torch.Tensor | None, meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
         # Fixed shapes from block_tables alone (no host values), so CUDA graphs can replay it.
         batch, heads, dim = q.shape
         kv_heads = kv.k.shape[2]
@@ -105,11 +128,13 @@ class EagerAttention:
             has = (meta.seq_slot >= 0).view(batch, 1, 1, 1)
             slot = meta.seq_slot.clamp(min=0)
             if b_k is not None:
-                delta = (kv.k_res[res_pages].view(batch, seq, -1) @ b_k[slot]).view(batch, seq, kv_heads, dim)
+                delta = (kv.k_res[res_pages].view(batch, seq, -1) @ b_k[slot]).view(
+                    batch, seq, kv_heads, dim)
                 cos, sin = rope.cos_sin(torch.arange(seq, device=q.device), q.dtype)
                 keys = torch.where(has, keys + apply_rope(delta, cos, sin), keys)
             if b_v is not None:
-                delta = (kv.v_res[res_pages].view(batch, seq, -1) @ b_v[slot]).view(batch, seq, kv_heads, dim)
+                delta = (kv.v_res[res_pages].view(batch, seq, -1) @ b_v[slot]).view(
+                    batch, seq, kv_heads, dim)
                 values = torch.where(has, values + delta, values)
         group = heads // kv_heads
         qg = q.view(batch, kv_heads, group, dim)
@@ -120,13 +145,14 @@ class EagerAttention:
         out = torch.matmul(probs, values.permute(0, 2, 1, 3))
         return out.reshape(batch, heads * dim)
 
-    def _ragged(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None, b_v: torch.Tensor | None,
-                meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
+    def _ragged(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
+                b_v: torch.Tensor | None, meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
         page_size, kv_heads, dim = kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
         heads = q.shape[1]
         outs = []
         start = 0
-        for i, (qlen, slen) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        lens = zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
+        for i, (qlen, slen) in enumerate(lens):
             n_pages = -(-slen // page_size)
             pages = meta.block_tables[i, :n_pages].long()
             keys = kv.k[pages].reshape(-1, kv_heads, dim)[:slen]
@@ -134,7 +160,8 @@ class EagerAttention:
             slot = meta.seq_slot_host[i]
             if kv.writer is not None and slot >= 0:
                 keys, values = self.correction.correct(
-                    keys, values, kv.writer[pages].reshape(-1)[:slen], meta.seq_slot[i], kv.layer, rope)
+                    keys, values, kv.writer[pages].reshape(-1)[:slen], meta.seq_slot[i],
+                    kv.layer, rope)
             if kv.k_res is not None and meta.res_block_tables is not None and slot >= 0:
                 res_pages = meta.res_block_tables[i, :n_pages].long()
                 if b_k is not None:
@@ -149,12 +176,14 @@ class EagerAttention:
             ki = keys.transpose(0, 1).unsqueeze(0)                            # [1, Hkv, slen, D]
             vi = values.transpose(0, 1).unsqueeze(0)
             if qlen == slen:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=heads != kv_heads)
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True,
+                                                   enable_gqa=heads != kv_heads)
             else:
                 # Queries are the last qlen positions: query j sees keys 0 .. slen - qlen + j.
                 causal = (torch.arange(slen, device=q.device)[None, :]
                           <= torch.arange(slen - qlen, slen, device=q.device)[:, None])
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal, enable_gqa=heads != kv_heads)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=causal,
+                                                   enable_gqa=heads != kv_heads)
             outs.append(o[0].transpose(0, 1).reshape(qlen, heads * dim))
             start += qlen
         return torch.cat(outs)

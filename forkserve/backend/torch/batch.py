@@ -5,9 +5,11 @@
 AttentionMetadata every attention backend reads. With a residual pool, an adapter's item
 in the split form (``SeqWork.form``) reads base + residual pages (K/V rebuilt on read) and
 one in the merged form gets its k/v LoRA delta in the base pages; a batch holding only
-merged items is built exactly as in the unified layout. `write_base` covers the item's `pages` in
-every layout (unified pages too); `write_residual` its residual pages. Padding (for CUDA graphs) points at the
-pool's scratch page, never at a real one.
+merged items is built exactly as in the unified layout. `write_base` covers the item's
+`pages` in every layout (unified pages too); `write_residual` its residual pages; in a
+prefill, the rows of a side not written are left out of its scatter (``base_writes`` /
+``res_writes``). Padding (for CUDA graphs) points at the pool's scratch page, never at a
+real one.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class Batch:
     use_lora: bool
 
 
-def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what: str, page_size: int) -> None:
+def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what: str,
+                 page_size: int) -> None:
     if len(pages) * page_size < need:
         raise InvalidWorkError(f"seq {seq.seq_id}: {len(pages)} {what} pages of {page_size} tokens "
                                f"cannot hold positions [0, {need})")
@@ -62,7 +65,8 @@ def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what
         raise InvalidWorkError(f"seq {seq.seq_id}: {what} page ids {bad} outside [0, {limit})")
 
 
-def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
+def validate(work: Sequence[SeqWork], limits: BatchLimits,
+             adapter_slots: Mapping[int, int]) -> None:
     """Check every item before anything is written; an error names its item (``seq_ids``),
     so the caller can fail that item alone and run the others."""
     for seq in work:
@@ -106,13 +110,16 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
         _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
                      limits.page_size)
     if seq.extra_residuals and limits.recompute:
-        raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot fill the "
-                               f"recompute layers' own K/V, which only the adapter's own forward computes")
+        raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot "
+                               f"fill the recompute layers' own K/V, which only the adapter's "
+                               f"own forward computes")
     for target in seq.extra_residuals:
         if not limits.disaggregated:
-            raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated layout")
+            raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals need the disaggregated "
+                                   f"layout")
         if target.adapter_id not in adapter_slots:
-            raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not resident")
+            raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {target.adapter_id} is not "
+                                      f"resident")
         _check_pages(seq, target.residual_pages, limits.num_residual_pages, end, "residual",
                      limits.page_size)
 
@@ -132,6 +139,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
+    base_rows, base_at, res_rows, res_at = [], [], [], []
     tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
     for seq in work:
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
@@ -153,6 +161,13 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
             slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
             res_slots.append(res[at // p] * p + at % p if res is not None and seq.write_residual
                              else scratch_res_page * p)
+        # The same writes as row lists (``base_writes``), used where some row skips its write.
+        if seq.write_base:
+            base_rows.extend(range(first, first + n))
+            base_at.extend(slots[first:])
+        if res is not None and seq.write_residual:
+            res_rows.extend(range(first, first + n))
+            res_at.extend(res_slots[first:])
         for target in seq.extra_residuals:
             for j in range(n):
                 at = seq.start_pos + j
@@ -180,6 +195,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    decode_only = all(n == 1 for n in qlens)
     meta = AttentionMetadata(
         slot_mapping=tensor(slots, torch.int64),
         res_slot_mapping=tensor(res_slots, torch.int64) if split else None,
@@ -191,15 +207,23 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         query_lens_host=tuple(qlens),
         seq_lens_host=tuple(seq_lens),
         seq_slot_host=tuple(seq_slot),
-        decode_only=all(n == 1 for n in qlens),
+        decode_only=decode_only,
         extra_rows=tensor(extra_rows, torch.int64) if extra_rows else None,
         extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
         extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
-        kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None] if split and any(merged_tokens) else None,
+        kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None]
+        if split and any(merged_tokens) else None,
         cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
+        # A decode step keeps every row's write (its rows as DecodeRows makes them: one token
+        # each, so a skipped write costs one scratch row, not a contended scatter).
+        base_writes=(tensor(base_rows, torch.int64), tensor(base_at, torch.int64))
+        if len(base_rows) < len(ids) and not decode_only else None,
+        res_writes=(tensor(res_rows, torch.int64), tensor(res_at, torch.int64))
+        if split and len(res_rows) < len(ids) and not decode_only else None,
     )
     return Batch(input_ids=tensor(ids, torch.int64), positions=tensor(pos, torch.int64),
-                 token_slot=tensor(tok_slot, torch.int64), logits_indices=tensor(logit_rows, torch.int64),
+                 token_slot=tensor(tok_slot, torch.int64),
+                 logits_indices=tensor(logit_rows, torch.int64),
                  # A split item needs the LoRA pass even where every token is before its aLoRA
                  # activation: its (zero) residual is written through it.
                  meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra_rows))

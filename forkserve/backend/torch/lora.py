@@ -30,14 +30,15 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",),
                                       "gate_up": ("gate", "up"), "down": ("down",)}
 MAX_RANK = 64
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.lora_([AB])\.weight$")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj"
+                  r"\.lora_([AB])\.weight$")
 
 
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every LoRA-able projection."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q": (h, cfg.q_size), "k": (h, cfg.kv_size), "v": (h, cfg.kv_size), "o": (cfg.q_size, h),
-            "gate": (h, i), "up": (h, i), "down": (i, h)}
+    return {"q": (h, cfg.q_size), "k": (h, cfg.kv_size), "v": (h, cfg.kv_size),
+            "o": (cfg.q_size, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,14 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
     try:
         rank, alpha = int(acfg["r"]), float(acfg.get("lora_alpha", acfg["r"]))
     except (KeyError, TypeError, ValueError) as e:
-        raise AdapterFormatError(f"{cfg_file}: \"r\" and \"lora_alpha\" must be numbers ({e!r})") from e
+        raise AdapterFormatError(
+            f"{cfg_file}: \"r\" and \"lora_alpha\" must be numbers ({e!r})") from e
     if rank <= 0:
         raise AdapterFormatError(f"{cfg_file}: r={rank} must be positive")
     scaling = alpha / math.sqrt(rank) if acfg.get("use_rslora") else alpha / rank
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in reading(weights_file, AdapterFormatError, lambda: load_file(weights_file)).items():
+    tensors = reading(weights_file, AdapterFormatError, lambda: load_file(weights_file))
+    for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
             raise AdapterFormatError(f"{folder}: unsupported tensor {key!r}")
@@ -90,10 +93,12 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
     weights = {}
     for (layer, target), ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise AdapterFormatError(f"{folder}: layer {layer} {target}_proj lacks lora_A or lora_B")
+            raise AdapterFormatError(f"{folder}: layer {layer} {target}_proj lacks lora_A or "
+                                     f"lora_B")
         weights[(layer, target)] = (ab["A"], ab["B"] * scaling)
+    invocation = _invocation_tokens(folder, acfg.get("alora_invocation_tokens"))
     return LoraAdapter(name=name or folder.name, rank=rank, scaling=scaling, weights=weights,
-                       invocation_tokens=_invocation_tokens(folder, acfg.get("alora_invocation_tokens")))
+                       invocation_tokens=invocation)
 
 
 def _invocation_tokens(folder: Path, value: object) -> tuple[int, ...] | None:
@@ -107,27 +112,30 @@ def _invocation_tokens(folder: Path, value: object) -> tuple[int, ...] | None:
     return tuple(value)
 
 
-def check_fits(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int, targets: tuple[str, ...]) -> None:
+def check_fits(adapter: LoraAdapter, cfg: ModelConfig, max_rank: int,
+               targets: tuple[str, ...]) -> None:
     """Raise AdapterShapeError unless every tensor of the adapter fits the model and stacks."""
     shapes = target_shapes(cfg)
     bad = [t for t in adapter.invocation_tokens or () if t >= cfg.vocab_size]
     if bad:
-        raise AdapterShapeError(f"adapter {adapter.name!r}: alora_invocation_tokens {bad[:5]} outside the "
-                                f"model's vocabulary [0, {cfg.vocab_size})")
+        raise AdapterShapeError(f"adapter {adapter.name!r}: alora_invocation_tokens {bad[:5]} "
+                                f"outside the model's vocabulary [0, {cfg.vocab_size})")
     if adapter.rank > max_rank:
-        raise AdapterShapeError(f"adapter {adapter.name!r} has rank {adapter.rank} > max_lora_rank {max_rank}")
+        raise AdapterShapeError(f"adapter {adapter.name!r} has rank {adapter.rank} > "
+                                f"max_lora_rank {max_rank}")
     for (layer, target), (a, b) in adapter.weights.items():
         if target not in targets:
-            raise AdapterShapeError(f"adapter {adapter.name!r} targets {target}_proj, which is not among "
-                                    f"the backend's lora_targets {targets}")
+            raise AdapterShapeError(f"adapter {adapter.name!r} targets {target}_proj, which is "
+                                    f"not among the backend's lora_targets {targets}")
         if not 0 <= layer < cfg.num_layers:
             raise AdapterShapeError(f"adapter {adapter.name!r} has layer {layer}; the model has "
                                     f"{cfg.num_layers} layers")
         fan_in, fan_out = shapes[target]
         if tuple(a.shape) != (adapter.rank, fan_in) or tuple(b.shape) != (fan_out, adapter.rank):
             raise AdapterShapeError(
-                f"adapter {adapter.name!r} layer {layer} {target}_proj: A {tuple(a.shape)}, B {tuple(b.shape)} "
-                f"do not fit the model (expected A ({adapter.rank}, {fan_in}), B ({fan_out}, {adapter.rank}))")
+                f"adapter {adapter.name!r} layer {layer} {target}_proj: A {tuple(a.shape)}, "
+                f"B {tuple(b.shape)} do not fit the model (expected A ({adapter.rank}, "
+                f"{fan_in}), B ({fan_out}, {adapter.rank}))")
 
 
 class LoraStack:
@@ -149,7 +157,8 @@ class LoraStack:
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_layers):
-            self.a.append({g: torch.zeros(shapes[ts[0]][0], len(ts) * width, device=device, dtype=dtype)
+            self.a.append({g: torch.zeros(shapes[ts[0]][0], len(ts) * width, device=device,
+                                          dtype=dtype)
                            for g, ts in self.groups.items()})
             self.b.append({t: torch.zeros(width, shapes[t][1], device=device, dtype=dtype)
                            for t in self.targets})
@@ -160,7 +169,8 @@ class LoraStack:
         return self.max_slots * self.max_rank
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy an adapter (already checked with check_fits) into a slot; missing targets stay zero."""
+        """Copy an adapter (already checked with check_fits) into a slot; missing targets
+        stay zero."""
         self.clear(slot)
         r, w = adapter.rank, self.width
         for (layer, target), (a, b) in adapter.weights.items():
@@ -175,7 +185,8 @@ class LoraStack:
         for layer in range(self.cfg.num_layers):
             for group, ts in self.groups.items():
                 for j in range(len(ts)):
-                    self.a[layer][group][:, j * self.width + cols.start: j * self.width + cols.stop].zero_()
+                    at = j * self.width
+                    self.a[layer][group][:, at + cols.start:at + cols.stop].zero_()
             for t in self.targets:
                 self.b[layer][t][cols].zero_()
 
@@ -183,11 +194,18 @@ class LoraStack:
         """[T, slots * r_max] 0/1: the rank columns of each token's adapter (none for slot -1)."""
         return (self.col_slot[None, :] == token_slot[:, None]).to(dtype)
 
+    def group_masks(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``token_mask`` repeated once per target of each group ([T, G * width]): made once
+        per forward instead of once per layer and group."""
+        return {g: mask if len(ts) == 1 else mask.repeat(1, len(ts))
+                for g, ts in self.groups.items()}
+
     def shrink(self, layer: int, group: str, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x A for every target of the group, masked to each token's adapter: [T, G * width]."""
+        """x A for every target of the group, masked to each token's adapter: [T, G * width].
+        ``mask``: ``token_mask`` or the group's ``group_masks`` entry."""
         h = x @ self.a[layer][group]
         g = len(self.groups[group])
-        return h * (mask if g == 1 else mask.repeat(1, g))
+        return h * (mask if mask.shape[-1] == h.shape[-1] else mask.repeat(1, g))
 
     def part(self, group: str, target: str, h: torch.Tensor) -> torch.Tensor:
         j = self.groups[group].index(target)
@@ -198,8 +216,22 @@ class LoraStack:
         out.addmm_(h_part, self.b[layer][target])
 
     def collapse(self, h_part: torch.Tensor) -> torch.Tensor:
-        """Masked [T, slots * r_max] -> [T, r_max]: each token's own x A (the residual cache row)."""
+        """Masked [T, slots * r_max] -> [T, r_max]: each token's own x A (the residual cache
+        row)."""
         return h_part.view(h_part.shape[0], self.max_slots, self.max_rank).sum(dim=1)
+
+    def residuals(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The residual rows of the qkv group's k and v targets from its masked shrink ``h``
+        ([T, G * width]): ``collapse`` of each part, in one reduction where both are
+        targeted (their parts are adjacent). Each row holds one slot's nonzero values, so
+        the sum is exact in any order."""
+        ts = [t for t in ("k", "v") if t in self.groups.get("qkv", ())]
+        if len(ts) < 2:
+            return {t: self.collapse(self.part("qkv", t, h)) for t in ts}
+        j = self.groups["qkv"].index("k")
+        both = h[:, j * self.width:(j + 2) * self.width]
+        rows = both.view(h.shape[0], 2, self.max_slots, self.max_rank).sum(dim=2)
+        return {"k": rows[:, 0], "v": rows[:, 1]}
 
     def b_stack(self, layer: int, target: str) -> torch.Tensor | None:
         """B of every slot as [slots, r_max, out] (the residual-attention kernel's operand)."""

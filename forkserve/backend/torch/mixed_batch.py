@@ -7,11 +7,11 @@ items are built by ``build`` and the rows by ``DecodeRows.to_batch``, and the tw
 here into what ``build`` makes of ``[*items, *rows]``: the same tensors, value for value.
 
 A field one side leaves out means the same on that side everywhere: no residual writes or
-reads (the residual scratch page), no extra residuals; a side without residuals is merged
-throughout, so beside a split side its adapter tokens get their k/v delta in the base pages
-(``kv_merge_mask``: ``build`` marks the aLoRA tokens before the activation too, whose delta
-is zero). Neither side may carry cascade tiles (a step with a prefill is not decode-only and
-plans none).
+reads (the residual scratch page), no extra residuals, every row writing (``base_writes``);
+a side without residuals is merged throughout, so beside a split side its adapter tokens
+get their k/v delta in the base pages (``kv_merge_mask``: ``build`` marks the aLoRA tokens
+before the activation too, whose delta is zero). Neither side may carry cascade tiles (a
+step with a prefill is not decode-only and plans none).
 
 Ownership: fresh tensors of this step; the inputs are not written.
 """
@@ -65,7 +65,9 @@ def join(a: Batch, b: Batch, scratch_page: int, scratch_res_page: int, page_size
         extra_token_slot=cat("extra_token_slot") if extra else None,
         extra_res_slot_mapping=cat("extra_res_slot_mapping") if extra else None,
         kv_merge_mask=_merge_mask(a, b) if split else None,
-        cascade=None)
+        cascade=None,
+        base_writes=_writes(a, b, "base_writes", "slot_mapping"),
+        res_writes=_writes(a, b, "res_writes", "res_slot_mapping") if split else None)
     return dataclasses.replace(
         a, input_ids=cat("input_ids"), positions=cat("positions"), token_slot=cat("token_slot"),
         logits_indices=cat("logits_indices", shift=tokens_a), meta=meta,
@@ -96,3 +98,25 @@ def _merge_mask(a: Batch, b: Batch) -> torch.Tensor:
         return (t.token_slot >= 0)[:, None]
 
     return torch.cat([side(a), side(b)])
+
+
+def _writes(a: Batch, b: Batch, field: str,
+            slots: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The joined rows that write (``base_writes`` / ``res_writes``): None where both sides
+    write every row; a side without the field writes all its rows, one without residuals
+    (``slots`` left out) none."""
+    if all(getattr(t.meta, field) is None and getattr(t.meta, slots) is not None
+           for t in (a, b)):
+        return None
+    rows, at = [], []
+    shift = 0
+    for t in (a, b):
+        writes, mapping = getattr(t.meta, field), getattr(t.meta, slots)
+        if writes is not None:
+            rows.append(writes[0] + shift)
+            at.append(writes[1])
+        elif mapping is not None:
+            rows.append(torch.arange(len(mapping), device=mapping.device) + shift)
+            at.append(mapping)
+        shift += len(t.input_ids)
+    return torch.cat(rows), torch.cat(at)

@@ -28,7 +28,8 @@ def own_view(meta: AttentionMetadata) -> AttentionMetadata:
     shared prefix (pages shared on the base side are each item's own here)."""
     return dataclasses.replace(meta, slot_mapping=meta.res_slot_mapping,
                                block_tables=meta.res_block_tables, res_slot_mapping=None,
-                               res_block_tables=None, kv_merge_mask=None, cascade=None)
+                               res_block_tables=None, kv_merge_mask=None, cascade=None,
+                               base_writes=meta.res_writes, res_writes=None)
 
 
 def group_forms(split: Sequence[bool]) -> list[list[int]]:
