@@ -172,38 +172,44 @@ class ForkServeConfig:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
                      "spec_chunk", "branch_cap", "vocab_size", "max_batch_tokens", "max_context"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ForkServeConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"ForkServeConfig.{name} must be positive, got "
+                                 f"{getattr(self, name)}")
         if self.host_residual_pages < 0:
-            raise ValueError(f"ForkServeConfig.host_residual_pages must be >= 0, got {self.host_residual_pages}")
+            raise ValueError("ForkServeConfig.host_residual_pages must be >= 0, got "
+                             f"{self.host_residual_pages}")
         if self.shared_prefix_min_tokens is not None and self.shared_prefix_min_tokens < 1:
             raise ValueError(f"ForkServeConfig.shared_prefix_min_tokens must be >= 1 or None, "
                              f"got {self.shared_prefix_min_tokens}")
         if self.pause_ttl_prior_s < 0:
-            raise ValueError(f"ForkServeConfig.pause_ttl_prior_s must be >= 0, got {self.pause_ttl_prior_s}")
+            raise ValueError("ForkServeConfig.pause_ttl_prior_s must be >= 0, got "
+                             f"{self.pause_ttl_prior_s}")
         if not 0.0 < self.pause_ttl_quantile <= 1.0:
-            raise ValueError(f"ForkServeConfig.pause_ttl_quantile must be in (0, 1], got {self.pause_ttl_quantile}")
+            raise ValueError("ForkServeConfig.pause_ttl_quantile must be in (0, 1], got "
+                             f"{self.pause_ttl_quantile}")
         for name in ("tau_pre", "tau", "q_min", "admit_alpha", "adaptive_high_water"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got {getattr(self, name)}")
+                raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got "
+                                 f"{getattr(self, name)}")
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
         object.__setattr__(self, "share_base", ShareBase(self.share_base))
         layers = tuple(self.recompute_layers)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers) \
                 or list(layers) != sorted(set(layers)):
-            raise ValueError(f"ForkServeConfig.recompute_layers must be increasing layer indices >= 0, "
-                             f"got {self.recompute_layers!r}")
+            raise ValueError("ForkServeConfig.recompute_layers must be increasing layer indices "
+                             f">= 0, got {self.recompute_layers!r}")
         if layers and not self.kv_layout.has_residual_pool:
             raise ValueError("ForkServeConfig.recompute_layers needs a layout with a residual pool "
                              f"(disaggregated, adaptive), not {self.kv_layout.value}")
         if layers and self.host_residual_pages:
-            raise ValueError("ForkServeConfig.recompute_layers: the host tier does not carry the recompute "
-                             "layers' K/V; set host_residual_pages = 0")
+            raise ValueError("ForkServeConfig.recompute_layers: the host tier does not carry the "
+                             "recompute layers' K/V; set host_residual_pages = 0")
         object.__setattr__(self, "recompute_layers", layers)
         object.__setattr__(self, "base_correction", BaseCorrection(self.base_correction))
         if self.base_correction is not BaseCorrection.NONE and not self.kv_layout.has_residual_pool:
-            raise ValueError("ForkServeConfig.base_correction corrects shared base pages: it needs a "
-                             f"layout with a residual pool (disaggregated, adaptive), not {self.kv_layout.value}")
+            raise ValueError("ForkServeConfig.base_correction corrects shared base pages: it needs "
+                             "a layout with a residual pool (disaggregated, adaptive), not "
+                             f"{self.kv_layout.value}")
         object.__setattr__(self, "prefix_dedup", PrefixDedup(self.prefix_dedup))
 
     def replace(self, **changes) -> "ForkServeConfig":

@@ -105,7 +105,8 @@ class MockBackend:
         return (PageKind.UNIFIED,)
 
     def _num_pages(self, kind: PageKind) -> int:
-        return self.config.num_residual_pages if kind is PageKind.RESIDUAL else self.config.num_pages
+        return (self.config.num_residual_pages if kind is PageKind.RESIDUAL
+                else self.config.num_pages)
 
     def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         kv = self._kv[kind]
@@ -156,7 +157,8 @@ class MockBackend:
         pages, slots = self._host_copies(kind, copies)
         self._kv[kind][pages] = self._host[slots]
 
-    def _host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> tuple[np.ndarray, np.ndarray]:
+    def _host_copies(self, kind: PageKind,
+                     copies: Sequence[HostCopy]) -> tuple[np.ndarray, np.ndarray]:
         if kind is not PageKind.RESIDUAL or kind not in self._kv:
             raise ValueError(f"the host tier stores residual pages of the disaggregated layout, "
                              f"not {kind.value!r} pages")
@@ -164,8 +166,8 @@ class MockBackend:
         slots = np.asarray([c.slot for c in copies], dtype=np.int64)
         if ((pages < 0) | (pages >= self._num_pages(kind))).any() or \
                 ((slots < 0) | (slots >= len(self._host))).any():
-            raise ValueError(f"host copies {list(copies)[:5]} outside {self._num_pages(kind)} pages / "
-                             f"{len(self._host)} host slots")
+            raise ValueError(f"host copies {list(copies)[:5]} outside {self._num_pages(kind)} "
+                             f"pages / {len(self._host)} host slots")
         return pages, slots
 
     def transfer_cost(self, tokens: int) -> StepCost:
@@ -179,8 +181,9 @@ class MockBackend:
         """What host slot ``slot`` holds (tests read this)."""
         return self._host[slot]
 
-    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter, form: KVForm = KVForm.MERGED,
-                        adapter_start: int = 0, start_pos: int = 0, version: int | None = None) -> np.ndarray:
+    def expected_values(self, kind: PageKind, tokens: Sequence[int], adapter,
+                        form: KVForm = KVForm.MERGED, adapter_start: int = 0, start_pos: int = 0,
+                        version: int | None = None) -> np.ndarray:
         """What ``tokens`` at positions ``start_pos..`` store in ``kind`` pages of K/V in
         ``form``; base-model values before ``adapter_start``. ``version``: the adapter's
         (None: its current one)."""
@@ -188,7 +191,8 @@ class MockBackend:
         if kind is PageKind.RESIDUAL or (form is KVForm.MERGED and not self._merged_is_shared):
             code = self._code(adapter, version)
         positions = np.arange(start_pos, start_pos + len(tokens))
-        return np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE + np.where(positions >= adapter_start, code, 0)
+        return (np.asarray(tokens, dtype=np.int64) * _ADAPTER_SPACE
+                + np.where(positions >= adapter_start, code, 0))
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
         return self.step_batched(work, None)
@@ -207,7 +211,8 @@ class MockBackend:
         calls = prefill_tokens = decode_tokens = context_read = 0
         for item in work:
             if item.adapter_id is not None and not self.knows_adapter(item.adapter_id):
-                raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not resident",
+                raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not "
+                                          "resident",
                                           seq_ids=(item.seq_id,))
             self._check_form(item.seq_id, item.form, item.adapter_id, item.slots.residual_pages)
             injected = self.fault(item) if self.fault is not None else None
@@ -223,9 +228,9 @@ class MockBackend:
             else:
                 calls += 1
                 prefill_tokens += len(item.tokens)
-            next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots, item.form,
-                                         item.adapter_id, item.adapter_start, item.sampling,
-                                         item.write_base, item.write_residual))
+            next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots,
+                                         item.form, item.adapter_id, item.adapter_start,
+                                         item.sampling, item.write_base, item.write_residual))
             if item.sampling is not None:
                 context_read += item.start_pos + len(item.tokens)
         rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions.tolist(),
@@ -237,15 +242,17 @@ class MockBackend:
                 raise UnknownAdapterError(f"seq {seq}: adapter {adapter!r} is not resident",
                                           seq_ids=(seq,))
             self._check_form(seq, form, adapter, residual)
-            next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), form, adapter,
-                                         start, sampling, True, True))
+            next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), form,
+                                         adapter, start, sampling, True, True))
             decode_tokens += 1
             context_read += pos + 1
         prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
         ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
-        return StepResult(tuple(next_tokens), StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
+        return StepResult(tuple(next_tokens),
+                          StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 
-    def _check_form(self, seq: int, form: KVForm, adapter, residual: Sequence[PageId] | None) -> None:
+    def _check_form(self, seq: int, form: KVForm, adapter,
+                    residual: Sequence[PageId] | None) -> None:
         """An item whose pages contradict its form is a control-plane bug: it trips a check."""
         conflict = form_conflict(seq, form, adapter, residual is not None)
         if conflict is None and residual is not None and PageKind.RESIDUAL not in self._kv:
@@ -253,8 +260,9 @@ class MockBackend:
         if conflict is not None:
             raise AssertionError(conflict)
 
-    def _run(self, seq: int, tokens: Sequence[int], start_pos: int, slots: KVSlots, form: KVForm, adapter,
-             adapter_start: int, sampling, write_base: bool, write_residual: bool) -> int | None:
+    def _run(self, seq: int, tokens: Sequence[int], start_pos: int, slots: KVSlots, form: KVForm,
+             adapter, adapter_start: int, sampling, write_base: bool,
+             write_residual: bool) -> int | None:
         """Write one item's K/V and sample its next token (None when it does not sample)."""
         base_kind = self.page_kinds()[0]
         sides = [(base_kind, slots.pages, write_base)]
@@ -304,12 +312,14 @@ class MockBackend:
     def _reconstruct(seq: int, base: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Base + residual read as merged K/V, so a split item samples what a merged one would."""
         if (base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE).any():
-            raise AssertionError(f"seq {seq}: base slot "
-                                 f"{int(np.argmax(base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE))} "
-                                 f"and its residual hold different tokens")
+            raise AssertionError(
+                f"seq {seq}: base slot "
+                f"{int(np.argmax(base // _ADAPTER_SPACE != residual // _ADAPTER_SPACE))} "
+                f"and its residual hold different tokens")
         if (base % _ADAPTER_SPACE != 0).any():
-            raise AssertionError(f"seq {seq}: base slot {int(np.argmax(base % _ADAPTER_SPACE != 0))} "
-                                 f"holds merged K/V, read as a base under a residual")
+            raise AssertionError(f"seq {seq}: base slot "
+                                 f"{int(np.argmax(base % _ADAPTER_SPACE != 0))} holds merged K/V, "
+                                 "read as a base under a residual")
         return base + residual % _ADAPTER_SPACE
 
     def _next_token(self, context: np.ndarray, adapter) -> int:

@@ -70,11 +70,13 @@ class Cascade:
         self.scorer = scorer
         self.rule = make_rule(config)
 
-    def decide(self, residual: Residual, admitted: Sequence[Candidate]) -> tuple[Decision, Candidate]:
+    def decide(self, residual: Residual,
+               admitted: Sequence[Candidate]) -> tuple[Decision, Candidate]:
         """Decide one residual; ``admitted`` are its siblings already kept, in order."""
         n, hit = len(residual.tokens), residual.hit_tokens
         if not self.config.cascade:
-            return Decision(Action.PREFILL, None, 0, n, "cascade off"), Candidate(residual.index, residual.priority, 1.0)
+            return (Decision(Action.PREFILL, None, 0, n, "cascade off"),
+                    Candidate(residual.index, residual.priority, 1.0))
         if hit >= n:
             return (Decision(Action.HASH_SKIP, None, n, 0, "published pages cover the residual"),
                     Candidate(residual.index, residual.priority, 1.0))

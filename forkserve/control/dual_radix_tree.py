@@ -16,8 +16,8 @@ published under.
 
 Both are ``PrefixIndex``es over their own pool, so each has its own LRU and evicting one
 never touches the other. Only the residual tree may have a ``HostTier``: its pages are
-rank-r, cheap to park on the host and to bring back. ``match`` reports how far each side reaches; the engine
-recomputes only the missing side (a partial hit).
+rank-r, cheap to park on the host and to bring back. ``match`` reports how far each side reaches;
+the engine recomputes only the missing side (a partial hit).
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class ResidualKey(NamedTuple):
 
     @property
     def namespace(self) -> AdapterNamespace:
-        return AdapterNamespace(adapter_key(self.adapter_id), self.adapter_version, self.adapter_start)
+        return AdapterNamespace(adapter_key(self.adapter_id), self.adapter_version,
+                                self.adapter_start)
 
 
 class DualCursor(NamedTuple):
@@ -87,7 +88,8 @@ class DualRadixTree:
     def __init__(self, base_pool: PagePool, residual_pool: PagePool | None,
                  residual_host: HostTier | None = None) -> None:
         self.base = PrefixIndex(base_pool)
-        self.residual = PrefixIndex(residual_pool, residual_host) if residual_pool is not None else None
+        self.residual = (PrefixIndex(residual_pool, residual_host) if residual_pool is not None
+                         else None)
 
     def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
         base_pages = self.base.match(base.namespace, base.tokens, base.base_pages, base.salt)

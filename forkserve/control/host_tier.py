@@ -34,7 +34,8 @@ class HostTier:
 
     def take(self) -> HostSlotId:
         if not self._free:
-            raise AssertionError(f"{self.kind.value} host tier: no free slot (the index drops one first)")
+            raise AssertionError(f"{self.kind.value} host tier: no free slot (the index drops one "
+                                 "first)")
         return self._free.pop()
 
     def give_back(self, slot: HostSlotId) -> None:
@@ -75,5 +76,6 @@ class HostTier:
                 raise AssertionError(f"{self.kind.value} host slot {slot} is held and free")
             seen.add(slot)
         if len(seen) + len(free) != self.capacity:
-            raise AssertionError(f"{self.kind.value} host tier: {self.capacity - len(seen) - len(free)} "
-                                 f"slots leaked (neither free nor held)")
+            raise AssertionError(f"{self.kind.value} host tier: "
+                                 f"{self.capacity - len(seen) - len(free)} slots leaked (neither "
+                                 "free nor held)")

@@ -67,7 +67,8 @@ class NodeKV:
 
     def fork_base(self, residual_pool: PagePool | None, adapter_start: int | None) -> "NodeKV":
         """Alias the base pages only, with an empty residual (a fork to another adapter)."""
-        return NodeKV(self.base.fork(), PageTable(residual_pool) if residual_pool is not None else None,
+        return NodeKV(self.base.fork(),
+                      PageTable(residual_pool) if residual_pool is not None else None,
                       adapter_start, self.salt)
 
     def regime(self) -> Regime:

@@ -34,7 +34,8 @@ class PagePool:
     def alloc(self, n: int) -> list[PageId]:
         if n > len(self._free):
             raise OutOfPagesError(
-                f"{self.kind.value} pool: need {n} pages, {len(self._free)} of {self.num_pages} free")
+                f"{self.kind.value} pool: need {n} pages, {len(self._free)} of {self.num_pages} "
+                "free")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
@@ -69,6 +70,8 @@ class PagePool:
                 raise AssertionError(f"page {page}: negative refcount {refs}")
             want = expected_refs.get(page, 0)
             if refs != want:
-                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs}, holders {want}")
+                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs}, holders "
+                                     f"{want}")
             if (refs == 0) != (page in free):
-                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs} but free={page in free}")
+                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs} but "
+                                     f"free={page in free}")

@@ -2,10 +2,10 @@
 
 Each tick fills committed work first — decode steps (up to C = floor(H / M_spine) of
 them, M_spine the memory a live session actually holds: pages shared across sessions count
-once, so agents over one shared context are not capped as if each held a copy), then commit tails and root prefills — and gives speculative chunks only what is
-left of the token budget and of memory. A speculative chunk is C_spec tokens (or the
-residual's rest), granted whole or not at all, so speculation stops at chunk
-boundaries; under saturation the speculative share is zero.
+once, so agents over one shared context are not capped as if each held a copy), then commit tails
+and root prefills — and gives speculative chunks only what is left of the token budget and of
+memory. A speculative chunk is C_spec tokens (or the residual's rest), granted whole or not at all,
+so speculation stops at chunk boundaries; under saturation the speculative share is zero.
 """
 from __future__ import annotations
 

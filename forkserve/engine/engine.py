@@ -100,7 +100,8 @@ class Engine:
         # Shorthands for the engine and its tests: the pools and the two sides of the
         # DualRadixTree (the interfaces read `cache_stats()` instead).
         self.pool, self.residual_pool = self.kv.pool, self.kv.residual_pool
-        self.cache, self.index, self.residual_index = self.kv.tree, self.kv.index, self.kv.residual_index
+        self.cache, self.index, self.residual_index = (self.kv.tree, self.kv.index,
+                                                       self.kv.residual_index)
         self.scorer = scorer or CompositeScorer([LoopScorer(), LegalityScorer(_text_of(backend))])
         self.cascade = Cascade(self.config, self.scorer)
         self.scheduler = TickScheduler(self.config)
@@ -219,7 +220,8 @@ class Engine:
                             node.tokens, hit_tokens)
         decision, _ = self.cascade.decide(residual, admitted)
         now = self.clock()
-        node.priority, node.decision, node.speculated, node.last_touch = priority, decision, True, now
+        node.priority, node.decision, node.speculated, node.last_touch = (
+            priority, decision, True, now)
         node.spec_generation = node.parent.generation
         self.metrics.actions[decision.action.value] += 1
         if decision.action.prunes:
@@ -250,15 +252,16 @@ class Engine:
         self._check_context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
         if self.residual_pool is None:
-            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated or "
-                                      "adaptive layout")
+            raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated "
+                                      "or adaptive layout")
         if not adapters or any(a is None for a in adapters):
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
         for a in adapters:
             self._check_adapter(a)
             if self.kv.invocation(a) is not None:
-                raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read the shared "
-                                          f"context's base pages as they are; prefill_shared is for plain adapters")
+                raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read "
+                                          "the shared context's base pages as they are; "
+                                          "prefill_shared is for plain adapters")
         p = self.config.page_size
         context = tokens[:len(tokens) // p * p]  # only full pages can be published
         if not context:
@@ -317,7 +320,8 @@ class Engine:
             new_tip.activation = tip.activation  # the same path, grown: scan only the new tokens
         if best is not None and matched == len(tokens) == best.kv_len - tip.end \
                 and best.end == best.kv_len:
-            new_tip.next_token, new_tip.next_token_sampling = best.next_token, best.next_token_sampling
+            new_tip.next_token, new_tip.next_token_sampling = (best.next_token,
+                                                               best.next_token_sampling)
         # Staged: the old tip keeps its table and the branches live until the tail is
         # written, so a failed tail puts everything back (``_unstage``).
         unwritten, session.generated_unwritten = session.generated_unwritten, False
@@ -328,7 +332,8 @@ class Engine:
         if wait:
             session.hold_speculation = True
             try:
-                self.stepper.run_until(lambda: new_tip.kv_len >= new_tip.end or session.error is not None)
+                self.stepper.run_until(lambda: (new_tip.kv_len >= new_tip.end
+                                                or session.error is not None))
             finally:
                 session.hold_speculation = False
             if new_tip.kv_len < new_tip.end:
@@ -377,7 +382,8 @@ class Engine:
         for nid in node_ids:
             node = self._node(session, nid)
             if node.state is not NodeState.SPECULATIVE:
-                raise InvalidStateError(f"node {nid} is {node.state.value}; join takes live branches")
+                raise InvalidStateError(f"node {nid} is {node.state.value}; join takes live "
+                                        "branches")
             if not self._descends_at(node, tip):
                 raise InvalidStateError(f"node {nid} does not branch from the tip {tip.id}")
             parts.append(session.tree.path_tokens(node)[tip.end:])
@@ -395,7 +401,8 @@ class Engine:
         if session.error is not None:
             raise session.error
         if session.decode_left:
-            session.fail(OutOfPagesError(f"session {session_id}: its decode could not be scheduled"))
+            session.fail(OutOfPagesError(f"session {session_id}: its decode could not be "
+                                         "scheduled"))
             raise session.error
         return self.generation(session_id)
 
@@ -406,7 +413,8 @@ class Engine:
         session = self._mutable(session_id)
         max_tokens = _count("max_tokens", max_tokens)
         if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+            raise InvalidRequestError("sampling must be SamplingParams, got "
+                                      f"{type(sampling).__name__}")
         stop = frozenset(_token_ids(stop, "stop", allow_empty=True))
         tip = session.tree.tip
         self._check_context(tip.end + max_tokens)
@@ -590,12 +598,14 @@ class Engine:
     def _check_fits(self, length: int, split: bool) -> None:
         """A sequence longer than a whole pool can never be written, whatever is evicted:
         refuse it now (one that only has to wait for pages is admitted)."""
-        pools = [self.pool] + ([self.residual_pool] if split and self.residual_pool is not None else [])
+        pools = [self.pool] + ([self.residual_pool] if split and self.residual_pool is not None
+                               else [])
         for pool in pools:
             need = -(-length // pool.page_size)
             if need > pool.num_pages:
-                raise CapacityError(f"a sequence of {length} tokens needs {need} {pool.kind.value} pages; "
-                                    f"the pool has {pool.num_pages} ({pool.num_pages * pool.page_size} tokens)")
+                raise CapacityError(f"a sequence of {length} tokens needs {need} {pool.kind.value} "
+                                    f"pages; the pool has {pool.num_pages} "
+                                    f"({pool.num_pages * pool.page_size} tokens)")
 
     # ----------------------------------------------------------- inspection
     def tip(self, session_id: int) -> int:
@@ -700,7 +710,8 @@ def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
 def _token_ids(tokens, what: str, allow_empty: bool = False) -> list[int]:
     """Token ids as plain ints: any integral type (numpy ints too); bools, floats, None refused."""
     if tokens is None or isinstance(tokens, (str, bytes)):
-        raise InvalidRequestError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}")
+        raise InvalidRequestError(f"{what} must be a sequence of token ids, got "
+                                  f"{type(tokens).__name__}")
     try:
         items = list(tokens)
     except TypeError:

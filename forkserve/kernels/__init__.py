@@ -27,10 +27,10 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
-    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support", "FlashSupport",
-    "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy", "PrefillAttentionPolicy",
-    "shared_prefix_decode", "cascade_decode", "cascade_residual_decode", "cascade_tile_agents",
-    "lora_shrink", "lora_expand",
+    "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
+    "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
+    "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
+    "cascade_tile_agents", "lora_shrink", "lora_expand",
 ]
 
 
@@ -50,7 +50,8 @@ def _host_counts(counts: PrefillCounts | None, seq_lens: torch.Tensor,
     if counts is not None:
         return counts
     cu = cu_seqlens_q.tolist()
-    return PrefillCounts(tuple(b - a for a, b in zip(cu, cu[1:], strict=False)), tuple(seq_lens.tolist()))
+    return PrefillCounts(tuple(b - a for a, b in zip(cu, cu[1:], strict=False)),
+                         tuple(seq_lens.tolist()))
 
 
 def _host_bounds(counts: PrefillCounts | None) -> dict[str, int]:
@@ -59,9 +60,9 @@ def _host_bounds(counts: PrefillCounts | None) -> dict[str, int]:
                                       "max_seq_len": max(counts.seq_lens, default=0)}
 
 
-def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute], counts: PrefillCounts | None,
-           seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, q: torch.Tensor,
-           k_cache: torch.Tensor) -> tuple[PrefillRoute, PrefillCounts | None]:
+def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
+           counts: PrefillCounts | None, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+           q: torch.Tensor, k_cache: torch.Tensor) -> tuple[PrefillRoute, PrefillCounts | None]:
     """The route, and the host counts: the caller's, or those "auto" read back (so the route
     that needs them does not read them again)."""
     if variant == "auto":
@@ -148,7 +149,8 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)
     from forkserve.kernels.kv_pack import ResidualPools
-    residual = ResidualPools(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
+    residual = ResidualPools(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx,
+                             inv_freq)
     counts = _host_counts(counts, seq_lens, cu_seqlens_q)
     if route in PACKED_ROUTES:
         from forkserve.kernels.flash_prefill import flash_prefill
@@ -156,9 +158,10 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
                              residual, attention=_PACKED_ATTENTION[route], **tuning)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     from forkserve.kernels.residual_merge import merged_pages
-    k, v, tables = merged_pages(k_base, v_base, residual, block_tables, seq_lens, cu_seqlens_q, counts)
-    return paged_prefill_triton(q, k, v, tables, seq_lens, cu_seqlens_q, scale, **_host_bounds(counts),
-                                **tuning)
+    k, v, tables = merged_pages(k_base, v_base, residual, block_tables, seq_lens, cu_seqlens_q,
+                                counts)
+    return paged_prefill_triton(q, k, v, tables, seq_lens, cu_seqlens_q, scale,
+                                **_host_bounds(counts), **tuning)
 
 
 def shared_prefix_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -189,16 +192,17 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     is where each sequence's own suffix starts. Equals ``paged_decode``, its reference."""
     if _triton(use_triton, q):
         from forkserve.kernels.shared_prefix import cascade_decode_triton
-        return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs, tile_lens,
-                                     kv_starts, scale, **tuning)
+        return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs,
+                                     tile_lens, kv_starts, scale, **tuning)
     return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def cascade_residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
                             k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
-                            res_block_tables: torch.Tensor, seq_lens: torch.Tensor, b_k_all: torch.Tensor,
-                            b_v_all: torch.Tensor, adapter_idx: torch.Tensor, inv_freq: torch.Tensor,
-                            tile_seqs: torch.Tensor, tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                            res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                            inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
+                            tile_lens: torch.Tensor, kv_starts: torch.Tensor,
                             scale: float | None = None, *, use_triton: bool | None = None,
                             **tuning) -> torch.Tensor:
     """ResidualAttention decode with cascade tiles (the split form): a tile's sequences read
@@ -209,7 +213,8 @@ def cascade_residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
             b_k_all, b_v_all, adapter_idx, inv_freq)
     if _triton(use_triton, q):
         from forkserve.kernels.shared_prefix import cascade_residual_decode_triton
-        return cascade_residual_decode_triton(*args, tile_seqs, tile_lens, kv_starts, scale, **tuning)
+        return cascade_residual_decode_triton(*args, tile_seqs, tile_lens, kv_starts, scale,
+                                              **tuning)
     return reference.residual_decode_ref(*args, scale)
 
 

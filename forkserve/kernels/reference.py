@@ -152,8 +152,10 @@ def residual_decode_ref(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
                                 seq_lens, cu, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
 
 
-def lora_shrink_ref(x: torch.Tensor, a_all: torch.Tensor, token_adapter: torch.Tensor) -> torch.Tensor:
-    """``y[t] = x[t] @ A[idx[t]]`` (zeros where idx = -1). x ``[T, hidden]``, A ``[N, hidden, r]``."""
+def lora_shrink_ref(x: torch.Tensor, a_all: torch.Tensor,
+                    token_adapter: torch.Tensor) -> torch.Tensor:
+    """``y[t] = x[t] @ A[idx[t]]`` (zeros where idx = -1). x ``[T, hidden]``, A
+    ``[N, hidden, r]``."""
     y = torch.zeros(x.shape[0], a_all.shape[-1], dtype=torch.float32, device=x.device)
     for a in token_adapter.unique().tolist():
         if a < 0:

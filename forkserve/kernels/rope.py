@@ -25,7 +25,8 @@ def default_inv_freq(head_dim: int, base: float = 10000.0,
     return 1.0 / (base ** exponents)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor,
+                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape ``positions.shape + [head_dim // 2]`` (float32)."""
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
     return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)

@@ -161,7 +161,8 @@ class FaultMachine(VerbMachine):
             session = self.engine.sessions[sid]
             self._record(sid, session.generated)
             if session.error is not None:
-                assert sid in users and isinstance(session.error, UnknownAdapterError), session.error
+                assert sid in users and isinstance(session.error, UnknownAdapterError), \
+                    session.error
                 self._count()
                 session.error = None
                 continue

@@ -33,9 +33,11 @@ def check_plan(config: ForkServeConfig, committed: Sequence[Demand], speculative
     served = {g.node_id: g.tokens for g in mine}
     for d in committed:
         if not d.decode:
-            assert served.get(d.node_id) == d.tokens, f"committed prefill {d} cut while speculation ran"
+            assert served.get(d.node_id) == d.tokens, \
+                f"committed prefill {d} cut while speculation ran"
     for d in [d for d in committed if d.decode][:decode_slots]:
-        assert served.get(d.node_id) == d.tokens, f"committed decode {d} skipped while speculation ran"
+        assert served.get(d.node_id) == d.tokens, \
+            f"committed decode {d} skipped while speculation ran"
     demanded = {d.node_id: d for d in speculative}
     for g in spec:
         assert g.node_id in demanded and g.tokens <= demanded[g.node_id].tokens

@@ -14,7 +14,8 @@ CONTEXT = [7 + i % 50 for i in range(64)]  # 16 pages of 4 tokens
 
 def engine(high_water: float) -> Engine:
     cfg = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=128, vocab_size=300,
-                          kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=high_water, node_ttl_s=None)
+                          kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=high_water,
+                          node_ttl_s=None)
     return Engine(MockBackend(cfg))
 
 
@@ -26,9 +27,9 @@ def form_of(eng: Engine, sid: int) -> KVForm:
 def test_pressure_policy_rules():
     policy = PressurePolicy(high_water=0.5)
     assert policy.choose(LayoutSignals(True, 0, 10, 100)) is KVForm.MERGED
-    assert policy.choose(LayoutSignals(True, 0, 51, 100)) is KVForm.SPLIT          # past the mark
-    assert policy.choose(LayoutSignals(True, 4, 10, 100)) is KVForm.SPLIT          # residual published
-    assert policy.choose(LayoutSignals(False, 0, 99, 100)) is KVForm.MERGED        # the base model
+    assert policy.choose(LayoutSignals(True, 0, 51, 100)) is KVForm.SPLIT    # past the mark
+    assert policy.choose(LayoutSignals(True, 4, 10, 100)) is KVForm.SPLIT    # residual published
+    assert policy.choose(LayoutSignals(False, 0, 99, 100)) is KVForm.MERGED  # the base model
 
 
 def test_light_load_stays_merged_and_shares_nothing_across_adapters():
@@ -46,7 +47,8 @@ def test_light_load_stays_merged_and_shares_nothing_across_adapters():
 
 
 def test_pressure_splits_and_split_sessions_share_the_base():
-    eng = engine(high_water=0.2)  # 25 pages: the first 16-page context fits merged, the next does not
+    # 25 pages: the first 16-page context fits merged, the next does not
+    eng = engine(high_water=0.2)
     a = eng.open(CONTEXT, adapter="planner").id
     eng.generate(a, 2)
     assert form_of(eng, a) is KVForm.MERGED
@@ -56,7 +58,8 @@ def test_pressure_splits_and_split_sessions_share_the_base():
     c = eng.open(CONTEXT, adapter="writer").id
     assert form_of(eng, b) is form_of(eng, c) is KVForm.SPLIT
     base_b = eng.node(b, eng.tip(b)).table.base.pages[:15]
-    assert eng.node(c, eng.tip(c)).table.base.pages[:15] == base_b   # the base is shared across adapters
+    # the base is shared across adapters
+    assert eng.node(c, eng.tip(c)).table.base.pages[:15] == base_b
     assert eng.node(c, eng.tip(c)).table.residual.length == 0         # its residual is its own
     eng.generate(c, 2)
     eng.check_integrity()

@@ -102,7 +102,8 @@ def test_prefill_shared_refuses_an_alora():
 
 @pytest.mark.parametrize("layout", [
     pytest.param({"kv_layout": KVLayout.DISAGGREGATED}, id="disaggregated"),
-    pytest.param({"kv_layout": KVLayout.ADAPTIVE, "adaptive_high_water": 0.0}, id="adaptive-split")])
+    pytest.param({"kv_layout": KVLayout.ADAPTIVE, "adaptive_high_water": 0.0},
+                 id="adaptive-split")])
 def test_alora_residual_pages_round_trip_through_the_host_tier(layout):
     """The residual index's offload/restore works over a path that crosses from BASE-keyed
     (zero residual) pages into the aLoRA's namespace: a re-open restores them, same output."""
@@ -117,7 +118,8 @@ def test_alora_residual_pages_round_trip_through_the_host_tier(layout):
     eng.residual_index.evict()
     assert eng.residual_index.num_offloaded == parked and eng.residual_index.num_pages == 0
     s = eng.open(path, adapter="a")
-    assert eng.metrics.restored_pages >= len(path) // P - 1  # at least all but the page kept to sample from
+    # at least all but the page kept to sample from
+    assert eng.metrics.restored_pages >= len(path) // P - 1
     assert eng.generate(s.id, 5).tokens == first
     _assert_kv_is_the_path(eng, s.id)
     eng.check_integrity()

@@ -61,7 +61,8 @@ def test_a_backend_error_for_one_item_fails_that_session_alone():
     backend = _mock()
     eng = Engine(backend)
     good, bad = eng.open([1, 2, 3, 4, 5]), eng.open([6, 7, 8])
-    backend.fault = lambda item: Injected("boom") if item.seq_id in eng.sessions[bad.id].tree.nodes else None
+    backend.fault = lambda item: (Injected("boom") if item.seq_id in eng.sessions[bad.id].tree.nodes
+                                  else None)
     eng.start_generate(bad.id, 4)
     out = eng.generate(good.id, 4).tokens
     assert out == _fresh([1, 2, 3, 4, 5], 4)
@@ -134,7 +135,8 @@ class Disaggregated(CascadeMultiAdapter):
 
 
 class Adaptive(CascadeMultiAdapter):
-    config = CascadeMultiAdapter.config.replace(kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=0.01)
+    config = CascadeMultiAdapter.config.replace(kv_layout=KVLayout.ADAPTIVE,
+                                                adaptive_high_water=0.01)
 
 
 class FullReuse(CascadeMultiAdapter):

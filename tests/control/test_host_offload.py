@@ -113,7 +113,8 @@ def test_host_copies_reject_bad_input_and_change_nothing():
     with pytest.raises(ValueError, match="residual pages"):
         backend.offload_pages(PageKind.BASE, [HostCopy(0, 0)])
     with pytest.raises(ValueError, match="outside"):
-        backend.offload_pages(PageKind.RESIDUAL, [HostCopy(0, 0), HostCopy(0, CFG.host_residual_pages)])
+        backend.offload_pages(PageKind.RESIDUAL,
+                              [HostCopy(0, 0), HostCopy(0, CFG.host_residual_pages)])
     assert (backend.host_values(0) == before).all()
     with pytest.raises(ValueError, match="host_residual_pages"):
         ForkServeConfig(host_residual_pages=-1)
@@ -128,7 +129,8 @@ def _offloads_per_tick(n_sessions):
     _turn(eng, CONTEXT, 1)
     ticks = []
     offload = backend.offload_pages
-    backend.offload_pages = lambda kind, copies: (ticks[-1].append(len(copies)), offload(kind, copies))
+    backend.offload_pages = lambda kind, copies: (ticks[-1].append(len(copies)),
+                                                  offload(kind, copies))
     for i in range(n_sessions):
         eng.start_generate(eng.open([200 + 3 * i, 201, 202], adapter="planner").id, 6)
     ticks.append([])
@@ -153,7 +155,8 @@ def test_no_host_slot_or_page_leaks_on_failure_abort_and_close():
     h = eng.open(CONTEXT + [7], adapter="planner")  # restores the parked context
     assert eng.metrics.restored_pages == 8
     injected = []
-    backend.fault = lambda work: injected.append(work) or ValueError("injected") if not injected else None
+    backend.fault = lambda work: (injected.append(work) or ValueError("injected") if not injected
+                                  else None)
     eng.start_generate(h.id, 3)
     while eng.tick():
         eng.check_integrity()

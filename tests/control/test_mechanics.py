@@ -169,9 +169,11 @@ def test_scheduler_committed_first_and_zero_speculation_under_saturation():
     cfg = ForkServeConfig(max_batch_tokens=100, spec_chunk=32, hbm_tokens=1000)
     s = TickScheduler(cfg)
     committed = [Demand(1, 1, True, WorkClass.COMMITTED), Demand(2, 60, False, WorkClass.COMMITTED)]
-    spec = [Demand(3, 50, False, WorkClass.SPECULATIVE, 0.5), Demand(4, 30, False, WorkClass.SPECULATIVE, 1.0)]
+    spec = [Demand(3, 50, False, WorkClass.SPECULATIVE, 0.5),
+            Demand(4, 30, False, WorkClass.SPECULATIVE, 1.0)]
     grants = s.plan(committed, spec, decode_slots=4, spec_memory_tokens=1000)
-    assert [(g.node_id, g.tokens) for g in grants] == [(1, 1), (2, 60), (4, 30)]  # 3's chunk does not fit
+    # 3's chunk does not fit
+    assert [(g.node_id, g.tokens) for g in grants] == [(1, 1), (2, 60), (4, 30)]
     saturated = [Demand(2, 500, False, WorkClass.COMMITTED)]
     assert all(g.work_class is WorkClass.COMMITTED for g in s.plan(saturated, spec, 4, 1000))
     assert s.plan([], spec, 4, spec_memory_tokens=0) == []               # no memory left
@@ -180,7 +182,8 @@ def test_scheduler_committed_first_and_zero_speculation_under_saturation():
 
 
 def test_speculation_stops_at_chunk_boundaries():
-    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300, spec_chunk=8, max_batch_tokens=8)
+    cfg = ForkServeConfig(page_size=4, num_pages=256, vocab_size=300, spec_chunk=8,
+                          max_batch_tokens=8)
     eng = engine(cfg)
     h = eng.open(list(range(10, 14)))
     a = eng.fork(h.id, h.tip, "a", list(range(40, 60)))
@@ -189,13 +192,14 @@ def test_speculation_stops_at_chunk_boundaries():
     assert eng.tick() and eng.node(h.id, a).kv_len == 4 + 16
 
 
-@pytest.mark.parametrize("mode,kept", [(AdmitMode.WINNER, 1), (AdmitMode.TOP_M, 3), (AdmitMode.ALPHA, 2),
-                                       (AdmitMode.SCORE, 5)])
+@pytest.mark.parametrize("mode,kept", [(AdmitMode.WINNER, 1), (AdmitMode.TOP_M, 3),
+                                       (AdmitMode.ALPHA, 2), (AdmitMode.SCORE, 5)])
 def test_admit_modes(mode, kept):
     cfg = plus_config(page_size=4, num_pages=512, vocab_size=300, admit_mode=mode, admit_alpha=0.7)
     eng = engine(cfg)
     h = eng.open(tok.encode("User: plan the trip. "))
-    kids = [eng.fork(h.id, h.tip, f"t{i}", tok.encode(f"Thought: option {i} is good")) for i in range(5)]
+    kids = [eng.fork(h.id, h.tip, f"t{i}", tok.encode(f"Thought: option {i} is good"))
+            for i in range(5)]
     actions = [eng.speculate(h.id, k, priority=0.4).action for k in kids]
     assert actions[0] is Action.PREFILL  # the winner is always kept
     assert sum(a is Action.PREFILL for a in actions) == kept
@@ -210,7 +214,8 @@ def test_winner_and_known_suffix_are_kept_even_when_they_loop():
     h = eng.open(tok.encode("User: plan the trip to Paris. Thought: plan the trip to Paris."))
     loop = tok.encode(" plan the trip to Paris.")
     kids = [eng.fork(h.id, h.tip, f"t{i}", loop) for i in range(3)]
-    actions = [eng.speculate(h.id, k, priority=p).action for k, p in zip(kids, (0.3, 0.3, 1.0), strict=True)]
+    actions = [eng.speculate(h.id, k, priority=p).action
+               for k, p in zip(kids, (0.3, 0.3, 1.0), strict=True)]
     assert actions == [Action.PREFILL, Action.DRAFT_SKIP, Action.PREFILL]
 
 
@@ -226,7 +231,8 @@ def test_scheduler_plans_committed_work_first(data, max_batch, chunk, slots, mem
                  for i, (dec, n) in enumerate(data.draw(st.lists(sizes, max_size=6)))]
     speculative = [Demand(100 + i, 1 if dec else n, dec, WorkClass.SPECULATIVE, p)
                    for i, (dec, n, p) in enumerate(data.draw(st.lists(
-                       st.tuples(st.booleans(), st.integers(1, 40), st.sampled_from([0.2, 0.5, 1.0])),
+                       st.tuples(st.booleans(), st.integers(1, 40),
+                                 st.sampled_from([0.2, 0.5, 1.0])),
                        max_size=6)))]
     grants = TickScheduler(cfg).plan(committed, speculative, slots, memory)
     check_plan(cfg, committed, speculative, slots, memory, 0, grants)

@@ -26,5 +26,6 @@ def test_seed_quickstart_runs_verbatim():
     assert cr.matched_tokens == len(wrap)
     assert cr.prefilled_tokens == len(observation)
     assert fail in cr.aborted
-    assert len(eng.committed_tokens(h.id)) == len(system_and_user_tokens) + len(wrap + observation) + 128
+    assert (len(eng.committed_tokens(h.id))
+            == len(system_and_user_tokens) + len(wrap + observation) + 128)
     eng.check_integrity()

@@ -83,7 +83,8 @@ class VerbMachine(RuleBasedStateMachine):
     invocations: dict = {}  # activated LoRA adapters: name -> invocation tokens
 
     def make_backend(self) -> MockBackend:
-        return MockBackend(self.config, invocations=self.invocations, adapter_versions=self.versions)
+        return MockBackend(self.config, invocations=self.invocations,
+                           adapter_versions=self.versions)
 
     @rule(tokens=TOKENS, data=st.data())
     def open(self, tokens, data):
@@ -288,9 +289,10 @@ class VerbMachine(RuleBasedStateMachine):
                 for table in node.table.tables():
                     kind = table.pool.kind
                     stored = self.backend.kv_values(kind, table.pages, table.length)
-                    want = self.backend.expected_values(kind, path[:table.length], node.adapter,
-                                                        self.engine.kv.form_of(node.table, node.adapter),
-                                                        _start(node.table.adapter_start))
+                    want = self.backend.expected_values(
+                        kind, path[:table.length], node.adapter,
+                        self.engine.kv.form_of(node.table, node.adapter),
+                        _start(node.table.adapter_start))
                     assert (stored == want).all(), f"node {node.id} {kind.value}"
 
     @invariant()
@@ -301,15 +303,16 @@ class VerbMachine(RuleBasedStateMachine):
                 continue
             kind = index.pool.kind
             for entry in index.entries():
-                assert any(seq[:len(entry.prefix)] == entry.prefix for seq in self.ever_committed), \
+                assert any(seq[:len(entry.prefix)] == entry.prefix
+                           for seq in self.ever_committed), \
                     f"published prefix {entry.prefix} was never committed"
                 adapter = getattr(entry.namespace, "adapter", None)
                 stored = self.backend.kv_values(kind, [entry.page], p)
                 # A base-side page under an adapter's namespace holds merged K/V.
-                want = self.backend.expected_values(kind, entry.prefix[-p:], adapter, KVForm.MERGED,
-                                                    _start(getattr(entry.namespace, "adapter_start", 0)),
-                                                    len(entry.prefix) - p,
-                                                    getattr(entry.namespace, "adapter_version", 0))
+                want = self.backend.expected_values(
+                    kind, entry.prefix[-p:], adapter, KVForm.MERGED,
+                    _start(getattr(entry.namespace, "adapter_start", 0)), len(entry.prefix) - p,
+                    getattr(entry.namespace, "adapter_version", 0))
                 assert (stored == want).all()
 
     def teardown(self):
@@ -340,7 +343,8 @@ class AdapterReloads:
 
     @rule(data=st.data())
     def reload_adapter(self, data):
-        in_use = {n.adapter for s in self.engine.sessions.values() for n in s.tree.nodes.values() if n.live}
+        in_use = {n.adapter for s in self.engine.sessions.values()
+                  for n in s.tree.nodes.values() if n.live}
         idle = [a for a in self.adapters if a is not None and a not in in_use]
         if idle:
             adapter = data.draw(st.sampled_from(idle))
@@ -412,7 +416,8 @@ class ALoraUnifiedMachine(ALoraMachine):
 
 class AdaptiveMachine(DisaggregatedMachine):
     # A low high-water mark: sessions open merged, then split once a few pages are in use.
-    config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=0.01)
+    config = DisaggregatedMachine.config.replace(kv_layout=KVLayout.ADAPTIVE,
+                                                 adaptive_high_water=0.01)
 
 
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None,

@@ -30,7 +30,8 @@ def _state(engine):
 @pytest.fixture
 def setup():
     # 18 pages of 16 tokens: a 300-token sequence can never fit, whatever is evicted.
-    eng = Engine(MockBackend(ForkServeConfig(branch_cap=2, vocab_size=300, max_context=512, num_pages=18)))
+    eng = Engine(MockBackend(ForkServeConfig(branch_cap=2, vocab_size=300, max_context=512,
+                                             num_pages=18)))
     h = eng.open(list(range(10, 40)))
     a = eng.fork(h.id, h.tip, "a", [5, 6, 7])
     eng.speculate(h.id, a)
@@ -39,20 +40,28 @@ def setup():
 
 
 CASES = {
-    "unknown session": (lambda e, h, a: e.fork(999, h.tip, "x", [1]), UnknownSessionError, "unknown session 999"),
-    "unknown node": (lambda e, h, a: e.fork(h.id, 12345, "x", [1]), UnknownNodeError, "no node 12345"),
+    "unknown session": (lambda e, h, a: e.fork(999, h.tip, "x", [1]), UnknownSessionError,
+                        "unknown session 999"),
+    "unknown node": (lambda e, h, a: e.fork(h.id, 12345, "x", [1]), UnknownNodeError,
+                     "no node 12345"),
     "empty tokens": (lambda e, h, a: e.fork(h.id, h.tip, "x", []), InvalidRequestError, "empty"),
     "empty open": (lambda e, h, a: e.open([]), InvalidRequestError, "empty"),
-    "out of vocab": (lambda e, h, a: e.commit(h.id, h.tip, [1, 300]), InvalidRequestError, "vocabulary"),
+    "out of vocab": (lambda e, h, a: e.commit(h.id, h.tip, [1, 300]), InvalidRequestError,
+                     "vocabulary"),
     "negative token": (lambda e, h, a: e.open([1, -2]), InvalidRequestError, "vocabulary"),
     "negative budget": (lambda e, h, a: e.generate(h.id, -1), InvalidRequestError, "max_tokens"),
-    "negative idle": (lambda e, h, a: e.speculate(h.id, e.fork(h.id, h.tip, "y", [1]), t_idle_ms=-5),
+    "negative idle": (lambda e, h, a: e.speculate(h.id, e.fork(h.id, h.tip, "y", [1]),
+                                                  t_idle_ms=-5),
                       InvalidRequestError, "t_idle_ms"),
-    "bad priority": (lambda e, h, a: e.speculate(h.id, a, priority=1.5), InvalidRequestError, "priority"),
-    "too long": (lambda e, h, a: e.generate(h.id, 10_000), ContextLengthError, "context window of 512"),
+    "bad priority": (lambda e, h, a: e.speculate(h.id, a, priority=1.5), InvalidRequestError,
+                     "priority"),
+    "too long": (lambda e, h, a: e.generate(h.id, 10_000), ContextLengthError,
+                 "context window of 512"),
     "open too long": (lambda e, h, a: e.open([1] * 513), ContextLengthError, "context window"),
-    "commit too long": (lambda e, h, a: e.commit(h.id, h.tip, [1] * 500), ContextLengthError, "context"),
-    "never fits the pool": (lambda e, h, a: e.open([1] * 300), CapacityError, "needs 19 unified pages"),
+    "commit too long": (lambda e, h, a: e.commit(h.id, h.tip, [1] * 500), ContextLengthError,
+                        "context"),
+    "never fits the pool": (lambda e, h, a: e.open([1] * 300), CapacityError,
+                            "needs 19 unified pages"),
     "fractional budget": (lambda e, h, a: e.generate(h.id, 2.5), InvalidRequestError, "integer"),
     "no budget": (lambda e, h, a: e.generate(h.id, None), InvalidRequestError, "integer"),
     "bool budget": (lambda e, h, a: e.generate(h.id, True), InvalidRequestError, "integer"),
@@ -61,9 +70,12 @@ CASES = {
     "float token": (lambda e, h, a: e.open([1, 2.0]), InvalidRequestError, "not a token id"),
     "string tokens": (lambda e, h, a: e.open("abc"), InvalidRequestError, "sequence of token ids"),
     "bool adapter": (lambda e, h, a: e.open([1], adapter=True), InvalidRequestError, "adapter"),
-    "bad stop": (lambda e, h, a: e.generate(h.id, 2, stop=[1.5]), InvalidRequestError, "not a token id"),
-    "commit speculative": (lambda e, h, a: e.commit(h.id, a, [1]), InvalidStateError, "speculative"),
-    "speculate twice": (lambda e, h, a: e.speculate(h.id, a), InvalidStateError, "already speculated"),
+    "bad stop": (lambda e, h, a: e.generate(h.id, 2, stop=[1.5]), InvalidRequestError,
+                 "not a token id"),
+    "commit speculative": (lambda e, h, a: e.commit(h.id, a, [1]), InvalidStateError,
+                           "speculative"),
+    "speculate twice": (lambda e, h, a: e.speculate(h.id, a), InvalidStateError,
+                        "already speculated"),
     "abort committed": (lambda e, h, a: e.abort(h.id, h.tip), InvalidStateError, "committed"),
     "join nothing": (lambda e, h, a: e.join(h.id, []), InvalidRequestError, "at least one"),
 }
@@ -115,7 +127,8 @@ def test_fork_past_the_branch_cap(setup):
 def test_errors_carry_http_status():
     assert UnknownSessionError("x").http_status == 404
     assert InvalidStateError("x").http_status == 409
-    assert issubclass(InvalidRequestError, ForkServeError) and InvalidRequestError.http_status == 400
+    assert (issubclass(InvalidRequestError, ForkServeError)
+            and InvalidRequestError.http_status == 400)
     assert str(UnknownSessionError("unknown session 3")) == "unknown session 3"
 
 

@@ -77,11 +77,13 @@ def make_cache(gen: torch.Generator, seq_lens: list[int], n_kv: int, head_dim: i
             vr[rp, :rows] = torch.randn(rows, rank, generator=gen)
     to = dict(device=DEVICE, dtype=dtype)
     return PagedCache(k.to(**to), v.to(**to), kr.to(**to), vr.to(**to), table.to(DEVICE),
-                      res_table.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+                      res_table.to(DEVICE),
+                      torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
 
 
 def make_adapters(gen: torch.Generator, n_adapters: int, rank: int, n_kv: int, head_dim: int,
-                  scale: float = 0.5, dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float = 0.5,
+                  dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked, already-scaled B_k, B_v ``[n_adapters, rank, n_kv * head_dim]``."""
     shape = (n_adapters, rank, n_kv * head_dim)
     b_k = torch.randn(*shape, generator=gen) * scale

@@ -47,9 +47,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     return out
 
 
-def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, residual: tuple | None = None,
-            scale: float | None = None) -> torch.Tensor:
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            residual: tuple | None = None, scale: float | None = None) -> torch.Tensor:
     """Varlen causal prefill, float64 ``[total_new, H, D]`` on q's device. ``residual``: (k_res,
     v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq) of the disaggregated
     layout: K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v; adapter -1 reads the base."""
@@ -72,8 +72,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     return out.to(q.device)
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, residual: tuple | None = None, scale: float | None = None) -> torch.Tensor:
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, residual: tuple | None = None,
+           scale: float | None = None) -> torch.Tensor:
     """One new token per sequence: ``q [batch, H, D]``."""
     return prefill(q, k_cache, v_cache, block_tables, seq_lens, torch.arange(q.shape[0] + 1),
                    residual, scale)

@@ -78,7 +78,8 @@ VARIANTS = [
 @pytest.mark.parametrize("variant,tuning", VARIANTS)
 def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: str,
                          tuning: dict) -> None:
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens, n_heads, n_kv)
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens,
+                                                            n_heads, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)

@@ -28,7 +28,8 @@ def test_shrink_and_expand() -> None:
     y_ref = reference.lora_shrink_ref(x, a_all, idx)
     assert rel_err(y, y_ref) < REL_TOL
     assert torch.all(y[idx < 0] == 0)
-    base = torch.randn(idx.numel(), 96, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
+    base = torch.randn(idx.numel(), 96,
+                       generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
     out = lora_expand(y_ref, b_all, idx, base.clone(), use_triton=True)
     out_ref = reference.lora_expand_ref(y_ref, b_all, idx, base.clone())
     assert rel_err(out, out_ref) < REL_TOL

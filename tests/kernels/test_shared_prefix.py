@@ -17,7 +17,8 @@ from forkserve.kernels import (
 
 @pytest.mark.parametrize("agents_per_program", [2, None])
 @pytest.mark.parametrize("n_heads,n_kv", [(4, 2), (6, 2)])
-def test_shared_prefix_equals_decode(agents_per_program: int | None, n_heads: int, n_kv: int) -> None:
+def test_shared_prefix_equals_decode(agents_per_program: int | None, n_heads: int,
+                                     n_kv: int) -> None:
     gen = torch.Generator().manual_seed(n_heads)
     prefix_pages, page = 5, 16
     # Five agents (not a multiple of the agent tile): suffixes of 0, 1, mid-page, several pages.
@@ -50,33 +51,36 @@ def test_cascade_tiles_equal_plain_attention(num_splits: int | None) -> None:
     tile_lens = torch.tensor([53, 53, 32, 0], dtype=torch.int32, device=DEVICE)
     kv_starts = torch.tensor([53, 53, 32, 53, 53, 0, 32], dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
-    out = cascade_decode(q, c.k, c.v, tables, c.seq_lens, tile_seqs, tile_lens, kv_starts, use_triton=True,
-                         num_splits=num_splits, block_n=16)
+    out = cascade_decode(q, c.k, c.v, tables, c.seq_lens, tile_seqs, tile_lens, kv_starts,
+                         use_triton=True, num_splits=num_splits, block_n=16)
     assert rel_err(out, plain.decode(q, c.k, c.v, tables, c.seq_lens)) < REL_TOL
 
 
 def test_split_form_tiles_share_base_pages_across_adapters() -> None:
     """ResidualAttention with cascade tiles: one group's rows share base pages but each has
     its own residual pages and adapter (two adapters, and -1); a prefix ending mid-page; a
-    row in no tile. Equals the plain formula K = K_base + RoPE(K_res B_k), V = V_base + V_res B_v."""
+    row in no tile. Equals the plain formula K = K_base + RoPE(K_res B_k),
+    V = V_base + V_res B_v."""
     gen = torch.Generator().manual_seed(11)
     n_heads, n_kv, dim, rank = 4, 2, 32, 8
     seq_lens = [70, 75, 66, 90, 41]
     c = make_cache(gen, seq_lens, n_kv, dim, rank)
     tables = c.block_tables.clone()
-    tables[1:4, :4] = tables[0, :4]  # rows 0-3 share 4 full base pages; residual pages stay their own
+    # rows 0-3 share 4 full base pages; residual pages stay their own
+    tables[1:4, :4] = tables[0, :4]
     b_k, b_v = make_adapters(gen, 2, rank, n_kv, dim)
     adapters = torch.tensor([0, 1, -1, 1, 0], dtype=torch.int32, device=DEVICE)
     tile_seqs = torch.tensor([[0, 1], [2, 3], [-1, -1]], dtype=torch.int32, device=DEVICE)
     tile_lens = torch.tensor([53, 53, 0], dtype=torch.int32, device=DEVICE)
     kv_starts = torch.tensor([53, 53, 53, 53, 0], dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
-    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v, adapters,
-            default_inv_freq(dim, device=DEVICE))
-    out = cascade_residual_decode(*args, tile_seqs, tile_lens, kv_starts, use_triton=True, num_splits=2,
-                                  block_n=16, prefix_tuning={"block_n": 16})
+    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v,
+            adapters, default_inv_freq(dim, device=DEVICE))
+    out = cascade_residual_decode(*args, tile_seqs, tile_lens, kv_starts, use_triton=True,
+                                  num_splits=2, block_n=16, prefix_tuning={"block_n": 16})
     ref = plain.decode(q, c.k, c.v, tables, c.seq_lens,
-                       residual=(c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, args[-1]))
+                       residual=(c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters,
+                                 args[-1]))
     assert rel_err(out, ref) < REL_TOL
     # The residual matters on this input (a kernel that dropped it, or mixed up whose it is, fails).
     base_only = plain.decode(q, c.k, c.v, tables, c.seq_lens)
@@ -103,8 +107,8 @@ def test_msc_cascade_equals_eager_and_two_pass() -> None:
     tile_lens = torch.tensor([53, 53, 32, 20, 0], dtype=torch.int32, device=DEVICE)
     kv_starts = torch.tensor([53, 53, 53, 53, 20, 32, 20, 0], dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
-    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v, adapters,
-            default_inv_freq(dim, device=DEVICE), tile_seqs, tile_lens, kv_starts)
+    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v,
+            adapters, default_inv_freq(dim, device=DEVICE), tile_seqs, tile_lens, kv_starts)
     tuning = dict(use_triton=True, num_splits=2, block_n=16, prefix_tuning={"block_n": 16})
     msc = cascade_residual_decode(*args, variant="msc", score_tuning={"block_n": 16, "chunk": 32},
                                   **tuning)

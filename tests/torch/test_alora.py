@@ -33,8 +33,8 @@ INVOKE = (7, 11, 13)
 @pytest.fixture(scope="module")
 def alora(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("alora")
-    return save_peft_adapter(models["llama"], root / "alora", 4, ("q", "k", "v", "o", "down"), seed=21,
-                             invocation=INVOKE)
+    return save_peft_adapter(models["llama"], root / "alora", 4, ("q", "k", "v", "o", "down"),
+                             seed=21, invocation=INVOKE)
 
 
 def _with_invocation(body: list[int], at: int) -> list[int]:
@@ -46,7 +46,8 @@ def test_logits_match_peft_alora(models, alora, layout):
     """Invocation twice (the last one counts) and absent, chunked through the mixed batch
     (adaptive: the first item split, the second merged, in one batch)."""
     path = models["llama"]
-    backend = TorchBackend(make_config(layout), path, adapters={"a": alora}, device=DEVICE, dtype=DTYPE)
+    backend = TorchBackend(make_config(layout), path, adapters={"a": alora}, device=DEVICE,
+                           dtype=DTYPE)
     aid = backend.adapter_id("a")
     assert backend.adapter_invocation(aid) == INVOKE
     prompts = [_with_invocation(_with_invocation(prompt(50, 14), 3), 12), prompt(51, 15)]
@@ -68,7 +69,8 @@ def test_logits_match_peft_alora(models, alora, layout):
     # Not vacuous: the invoked prompt differs from the base model after the invocation only.
     start = Invocation(INVOKE).last_start(prompts[0], 0)
     ref, base = hf_logits(path, prompts[0], alora), hf_logits(path, prompts[0])
-    assert rel_err(ref[:start], base[:start]) < REL_TOL and rel_err(ref[start:], base[start:]) > 0.05
+    assert (rel_err(ref[:start], base[:start]) < REL_TOL
+            and rel_err(ref[start:], base[start:]) > 0.05)
     # Absent invocation: peft runs the base model everywhere, and so do we.
     assert rel_err(torch.cat(logits[1]), hf_logits(path, prompts[1])) < REL_TOL
 
@@ -78,7 +80,8 @@ def test_engine_alora_shares_the_base_prefix(models, alora, layout):
     path = models["llama"]
 
     def engine() -> Engine:
-        backend = TorchBackend(make_config(layout), path, adapters={"a": alora}, device=DEVICE, dtype=DTYPE)
+        backend = TorchBackend(make_config(layout), path, adapters={"a": alora}, device=DEVICE,
+                               dtype=DTYPE)
         return Engine(backend)
 
     context = prompt(60, 29)
@@ -124,7 +127,8 @@ def test_bad_invocation_tokens_are_rejected(alora, tmp_path, value):
         load_peft_adapter(_rewritten(alora, tmp_path, value))
 
 
-def test_invocation_outside_the_vocabulary_is_rejected_without_side_effects(models, alora, tmp_path):
+def test_invocation_outside_the_vocabulary_is_rejected_without_side_effects(models, alora,
+                                                                            tmp_path):
     backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE)
     with pytest.raises(AdapterShapeError, match="outside the model's vocabulary"):
         backend.add_adapter("a", _rewritten(alora, tmp_path, [7, 100_000]))

@@ -12,18 +12,21 @@ from forkserve.config import KVLayout
 from forkserve.kernels import FixedPrefillPolicy, PrefillRoute
 
 
-def decode_run(backend: TorchBackend, names: list[str | None], residual: bool, steps: int = 4) -> torch.Tensor:
+def decode_run(backend: TorchBackend, names: list[str | None], residual: bool,
+               steps: int = 4) -> torch.Tensor:
     """Mixed-adapter prefill (ragged path) then decode steps (decode path); all sampled logits.
     Decode tokens are fixed (teacher-forced): a greedy near-tie flipping between two bf16
     implementations would otherwise compound into unrelated sequences."""
     ids = [None if n is None else backend.adapter_id(n) for n in names]
     prompts = [prompt(110 + i, 5 + 3 * i) for i in range(len(names))]
     forced = [prompt(130 + i, steps) for i in range(len(names))]
-    step = backend.forward([work(i, p, 0, ids[i], residual=residual) for i, p in enumerate(prompts)])
+    step = backend.forward([work(i, p, 0, ids[i], residual=residual)
+                            for i, p in enumerate(prompts)])
     logits = [torch.cat(step.logits)]
     lens = [len(p) for p in prompts]
     for s in range(steps):
-        step = backend.forward([work(i, [forced[i][s]], lens[i], ids[i], residual=residual, decode=True)
+        step = backend.forward([work(i, [forced[i][s]], lens[i], ids[i], residual=residual,
+                                     decode=True)
                                 for i in range(len(names))])
         logits.append(torch.cat(step.logits))
         lens = [n + 1 for n in lens]
@@ -39,11 +42,13 @@ def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
     SDPA per sequence). ``use_triton=True`` forces the kernels on CPU too; 16-token pages."""
     names = ["qkvo", None, "qv", "qkvo"]
     config = make_config(layout).replace(page_size=16)
-    policy = FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH) if prefill == "flash" else None
+    policy = (FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH) if prefill == "flash"
+              else None)
     attention = KernelAttention(use_triton=True, prefill_policy=policy)
     eager, kernels = (
-        decode_run(TorchBackend(config, models["llama"], adapters={k: adapters[k] for k in ("qkvo", "qv")},
-                                device=DEVICE, dtype=DTYPE, attention=choice, use_cuda_graphs=False),
+        decode_run(TorchBackend(config, models["llama"],
+                                adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
+                                dtype=DTYPE, attention=choice, use_cuda_graphs=False),
                    names, residual=layout is KVLayout.DISAGGREGATED)
         for choice in ("eager", attention))
     assert rel_err(kernels, eager) < REL_TOL
@@ -59,8 +64,8 @@ def test_cuda_graph_decode_matches_eager(models, adapters, layout, attention):
     out = {}
     for graphs in (False, True):
         backend = TorchBackend(make_config(layout), models["llama"],
-                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE, dtype=DTYPE,
-                               attention=attention, use_cuda_graphs=graphs)
+                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
+                               dtype=DTYPE, attention=attention, use_cuda_graphs=graphs)
         out[graphs] = decode_run(backend, names, residual=layout is KVLayout.DISAGGREGATED)
         if graphs:
             assert backend.runner.captured_graphs

@@ -30,7 +30,8 @@ LAYOUTS = {"unified": (False, True), "disaggregated": (True, False), "adaptive":
 def _limits(layout: str) -> BatchLimits:
     disaggregated, merged_form = LAYOUTS[layout]
     return BatchLimits(vocab_size=1000, max_context=PAGES * PAGE, page_size=PAGE, num_pages=SCRATCH,
-                       num_residual_pages=SCRATCH, disaggregated=disaggregated, merged_form=merged_form)
+                       num_residual_pages=SCRATCH, disaggregated=disaggregated,
+                       merged_form=merged_form)
 
 
 def _work(rng: random.Random, layout: str, steady: bool, n: int = 8) -> list[SeqWork]:
@@ -47,8 +48,8 @@ def _work(rng: random.Random, layout: str, steady: bool, n: int = 8) -> list[Seq
         res = tuple(rng.sample(range(SCRATCH), PAGES)) if split else None
         if steady:
             table, res = table[:at // PAGE + 1], res[:at // PAGE + 1] if res else None
-        work.append(SeqWork(i, (rng.randrange(1000),), at, KVSlots(table, res), adapter, GREEDY, decode=True,
-                            write_base=steady or rng.random() < 0.7,
+        work.append(SeqWork(i, (rng.randrange(1000),), at, KVSlots(table, res), adapter, GREEDY,
+                            decode=True, write_base=steady or rng.random() < 0.7,
                             write_residual=steady or rng.random() < 0.7,
                             form=KVForm.SPLIT if split else KVForm.MERGED,
                             adapter_start=0 if adapter is not None else at + 1,
@@ -64,14 +65,16 @@ def test_decode_rows_equal_build(layout, steady):
     ref = build(work, _limits(layout), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH)
     rows = of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH)
     expect = {"input_ids": ref.input_ids, "positions": ref.positions, "token_slot": ref.token_slot,
-              "slot_mapping": ref.meta.slot_mapping, "seq_lens": ref.meta.seq_lens, "seq_slot": ref.meta.seq_slot,
-              "block_tables": ref.meta.block_tables}
+              "slot_mapping": ref.meta.slot_mapping, "seq_lens": ref.meta.seq_lens,
+              "seq_slot": ref.meta.seq_slot, "block_tables": ref.meta.block_tables}
     if disaggregated:
-        expect |= {"res_slot_mapping": ref.meta.res_slot_mapping, "res_block_tables": ref.meta.res_block_tables}
+        expect |= {"res_slot_mapping": ref.meta.res_slot_mapping,
+                   "res_block_tables": ref.meta.res_block_tables}
     # The form column: a split graph's merge mask (the seed mixes both forms in adaptive).
     merge = ref.meta.kv_merge_mask
     assert (merge is not None) == (layout == "adaptive")
-    expect["kv_merge"] = torch.zeros(len(work), dtype=torch.int64) if merge is None else merge[:, 0].long()
+    expect["kv_merge"] = (torch.zeros(len(work), dtype=torch.int64) if merge is None
+                          else merge[:, 0].long())
     for name, value in expect.items():
         assert np.array_equal(getattr(rows, name), value.numpy()), name
     if not steady:
@@ -87,13 +90,17 @@ def test_decode_rows_equal_build(layout, steady):
     got = columns.to_batch(torch.device("cpu"), plan)
     for field in ("input_ids", "positions", "token_slot", "logits_indices", "use_lora"):
         a, b = getattr(got, field), getattr(ref, field)
-        assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, field
+        assert ((torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor)
+                else a == b), field
     for field in dataclasses.fields(ref.meta):
         a, b = getattr(got.meta, field.name), getattr(ref.meta, field.name)
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            assert a is not None and b is not None and torch.equal(a, b) and a.dtype == b.dtype, field.name
+            assert (a is not None and b is not None and torch.equal(a, b)
+                    and a.dtype == b.dtype), field.name
         elif field.name == "cascade":
-            assert all(torch.equal(x, y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True)), field.name
+            assert all(torch.equal(x, y)
+                       for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b),
+                                       strict=True)), field.name
         else:
             assert a == b, field.name
 
@@ -128,7 +135,8 @@ def test_of_batch_refuses_what_validate_refuses(layout):
     refusals = _refusals(work)
     if layout == "disaggregated":  # an adapter's merged K/V where adapters' K/V is split
         refusals["merged"] = [dataclasses.replace(work[0], form=KVForm.MERGED,
-                                                  slots=KVSlots(work[0].slots.pages, None)), *work[1:]]
+                                                  slots=KVSlots(work[0].slots.pages, None)),
+                              *work[1:]]
     good = as_decode_batch(work)
     for name, bad in refusals.items():
         with pytest.raises(ForkServeError):
@@ -147,6 +155,8 @@ def test_of_batch_refuses_what_validate_refuses(layout):
             shared_prefix=good.shared_prefix if as_decode_batch(bad).shared_prefix
             == good.shared_prefix else as_decode_batch(bad).shared_prefix)
         for tables in (KeptTables(PAGE, 32), kept):
-            assert of_batch(bad_batch, _limits(layout), SLOTS, SCRATCH, SCRATCH, tables) is None, name
+            assert of_batch(bad_batch, _limits(layout), SLOTS, SCRATCH, SCRATCH,
+                            tables) is None, name
     validate(work, _limits(layout), SLOTS)
-    assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH, KeptTables(PAGE, 32)) is not None
+    assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH,
+                    KeptTables(PAGE, 32)) is not None

@@ -13,7 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from torch_testlib import DEVICE, DTYPE, PAGE, REL_TOL, make_config, prompt, rel_err, work  # noqa: E402
+from torch_testlib import (  # noqa: E402
+    DEVICE,
+    DTYPE,
+    PAGE,
+    REL_TOL,
+    make_config,
+    prompt,
+    rel_err,
+    work,
+)
 
 from forkserve import Engine, kernels  # noqa: E402
 from forkserve.backend.protocol import SharedPrefix  # noqa: E402
@@ -25,7 +34,8 @@ from forkserve.control.sharing import PrefixSharing  # noqa: E402
 
 # Context A ends mid-page (its last page is each agent's own copy); context B is page-aligned.
 CTX_A, CTX_B = 64 // PAGE * PAGE + 2, 32
-CTX_A_PAGES, CTX_B_PAGES = tuple(range(200, 200 + CTX_A // PAGE)), tuple(range(230, 230 + CTX_B // PAGE))
+CTX_A_PAGES, CTX_B_PAGES = (tuple(range(200, 200 + CTX_A // PAGE)),
+                            tuple(range(230, 230 + CTX_B // PAGE)))
 GROUPS = {0: "A", 1: "A", 2: "A", 3: "B", 4: "B", 5: None}  # agent -> context; agent 5 reads alone
 
 
@@ -39,7 +49,8 @@ def pages_of(agent: int) -> tuple[int, ...]:
     return shared + own[:32 - len(shared)]
 
 
-def run(backend: TorchBackend, names: dict[int, str | None], residual: bool, steps: int = 2) -> torch.Tensor:
+def run(backend: TorchBackend, names: dict[int, str | None], residual: bool,
+        steps: int = 2) -> torch.Tensor:
     """Each context's first agent prefills it whole; the others only from its last full page
     (reading the first agent's pages); then teacher-forced decode steps of all six, marked by
     the control plane's PrefixSharing. Returns every decode step's logits."""
@@ -50,7 +61,8 @@ def run(backend: TorchBackend, names: dict[int, str | None], residual: bool, ste
         tokens = context[group] + prompt(10 + agent, 3 + agent)
         first = group is None or min(a for a, g in GROUPS.items() if g == group) == agent
         start = 0 if first else len(context[group]) // PAGE * PAGE
-        prefill.append(work(agent, tokens[start:], start, ids[agent], residual=residual, pages=pages_of(agent)))
+        prefill.append(work(agent, tokens[start:], start, ids[agent], residual=residual,
+                            pages=pages_of(agent)))
         lens[agent] = len(tokens)
     backend.forward(prefill[:1] + prefill[3:4])  # the contexts' writers first
     backend.forward(prefill[1:3] + prefill[4:])
@@ -78,11 +90,13 @@ def test_grouped_decode_equals_ungrouped(models, adapters, layout, named, graphs
     name = "cascade_residual_decode" if split else "cascade_decode"
     real = getattr(kernels, name)
     tiles = 12 if split else 5  # the tile table's position among the arguments
-    monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(a[tiles].shape) or real(*a, **k))
+    monkeypatch.setattr(kernels, name,
+                        lambda *a, **k: calls.append(a[tiles].shape) or real(*a, **k))
     out = {}
     for attention in ("eager", triton_attention()):
-        backend = TorchBackend(make_config(layout), models["llama"], adapters={k: adapters[k] for k in ("qkvo", "qv")},
-                               device=DEVICE, dtype=DTYPE, attention=attention, use_cuda_graphs=graphs)
+        backend = TorchBackend(make_config(layout), models["llama"],
+                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
+                               dtype=DTYPE, attention=attention, use_cuda_graphs=graphs)
         out[attention == "eager"] = run(backend, names, residual=layout is KVLayout.DISAGGREGATED)
     assert rel_err(out[False], out[True]) < REL_TOL
     if not graphs:  # two tiles: group A (agents 0-2 fit one tile: 64 agents / GQA group 2), group B
@@ -98,8 +112,9 @@ def test_engine_agents_over_one_context_decode_as_without_cascade(models, monkey
     context = prompt(3, CTX_A)
     outputs = {}
     for cascade in (True, False):
-        backend = TorchBackend(make_config(KVLayout.UNIFIED).replace(shared_prefix_min_tokens=PAGE), models["llama"],
-                               device=DEVICE, dtype=DTYPE, attention=triton_attention(), use_cuda_graphs=False)
+        backend = TorchBackend(make_config(KVLayout.UNIFIED).replace(shared_prefix_min_tokens=PAGE),
+                               models["llama"], device=DEVICE, dtype=DTYPE,
+                               attention=triton_attention(), use_cuda_graphs=False)
         backend.cascade_attention = cascade
         engine = Engine(backend)
         first = engine.open(context + prompt(20, 3))
@@ -116,7 +131,8 @@ def test_engine_agents_over_one_context_decode_as_without_cascade(models, monkey
 
 
 def test_a_false_sharing_claim_is_rejected_before_any_write(models):
-    backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE, use_cuda_graphs=False)
+    backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE,
+                           use_cuda_graphs=False)
     items = [work(a, [5], 4 * PAGE, decode=True) for a in (0, 1)]  # own pages: nothing shared
     items = [w.__class__(**{**w.__dict__, "shared_prefix": SharedPrefix(0, 4)}) for w in items]
     with pytest.raises(InvalidWorkError):

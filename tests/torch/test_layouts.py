@@ -34,7 +34,8 @@ def run(backend: TorchBackend, tokens: list[int], adapter: int | None, residual:
     step = backend.forward([work(0, tokens[cut:], cut, adapter, residual=residual)])
     out.append(step.logits[0])
     for i, token in enumerate(prompt(51, decode)):
-        step = backend.forward([work(0, [token], len(tokens) + i, adapter, residual=residual, decode=True)])
+        step = backend.forward([work(0, [token], len(tokens) + i, adapter, residual=residual,
+                                     decode=True)])
         out.append(step.logits[0])
     return torch.cat(out)
 
@@ -44,8 +45,9 @@ def test_disaggregated_equals_unified_for_the_writing_adapter(models, adapters, 
     tokens = prompt(50, 13)
     results = {}
     for layout in (KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.FULL_REUSE):
-        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
-                               dtype=DTYPE, lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters,
+                               device=DEVICE, dtype=DTYPE,
+                               lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
         aid = None if adapter is None else backend.adapter_id(adapter)
         results[layout] = run(backend, tokens, aid, residual=layout is KVLayout.DISAGGREGATED)
     assert rel_err(results[KVLayout.DISAGGREGATED], results[KVLayout.UNIFIED]) < REL_TOL
@@ -60,15 +62,18 @@ def test_adaptive_items_merged_split_and_mixed_equal_unified(models, adapters, a
     tokens = {0: prompt(60, 11), 1: prompt(61, 14)}
 
     def logits(layout: KVLayout, seqs: dict[int, tuple[str, bool]]) -> dict[int, torch.Tensor]:
-        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
-                               dtype=DTYPE, lora_targets=targets, attention=attention)
+        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters,
+                               device=DEVICE, dtype=DTYPE, lora_targets=targets,
+                               attention=attention)
         ids = {s: backend.adapter_id(name) for s, (name, _) in seqs.items()}
         out = {s: [] for s in seqs}
-        step = backend.forward([work(s, tokens[s], 0, ids[s], residual=split) for s, (_, split) in seqs.items()])
+        step = backend.forward([work(s, tokens[s], 0, ids[s], residual=split)
+                                for s, (_, split) in seqs.items()])
         for s, rows in zip(seqs, step.logits, strict=True):
             out[s].append(rows)
         for i, token in enumerate(prompt(62, 3)):
-            step = backend.forward([work(s, [token], len(tokens[s]) + i, ids[s], residual=split, decode=True)
+            step = backend.forward([work(s, [token], len(tokens[s]) + i, ids[s], residual=split,
+                                         decode=True)
                                     for s, (_, split) in seqs.items()])
             for s, rows in zip(seqs, step.logits, strict=True):
                 out[s].append(rows)
@@ -90,11 +95,12 @@ def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, re
     ctx, question = prompt(60, n_ctx), prompt(61, 3)
     tail_page = 100
     shared = tuple(range(0, 4))            # A's context pages (base, or merged for full_reuse)
-    private = tuple(range(40, 44))         # B's own prefill pages (only unified/own_forward needs them)
+    # B's own prefill pages (only unified/own_forward needs them)
+    private = tuple(range(40, 44))
     logits = {}
     for layout in (KVLayout.UNIFIED, KVLayout.DISAGGREGATED, KVLayout.FULL_REUSE):
-        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
-                               dtype=DTYPE)
+        backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters,
+                               device=DEVICE, dtype=DTYPE)
         a, b = backend.adapter_id("qkvo"), backend.adapter_id("qv")
         dis = layout is KVLayout.DISAGGREGATED
         backend.step([work(0, ctx, 0, a, sampling=None, residual=dis, pages=shared)])
@@ -103,7 +109,8 @@ def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, re
         elif dis:
             # B's own forward over the context writes only its residual; A's base pages are read.
             base_before = backend.pool.k[:, list(shared)].clone()
-            backend.step([work(1, ctx, 0, b, sampling=None, residual=True, pages=shared, write_base=False)])
+            backend.step([work(1, ctx, 0, b, sampling=None, residual=True, pages=shared,
+                               write_base=False)])
             assert torch.equal(backend.pool.k[:, list(shared)], base_before)
         pages = (private if layout is KVLayout.UNIFIED else shared) + (tail_page,)
         logits[layout] = backend.forward([work(1, question, n_ctx, b, residual=dis, pages=pages)],
@@ -112,7 +119,8 @@ def test_cross_adapter_base_sharing_differs_and_is_reported(models, adapters, re
     full_reuse = rel_err(logits[KVLayout.FULL_REUSE], logits[KVLayout.UNIFIED])
     record_property("cross_adapter_rel_err_disaggregated", forkkv)
     record_property("cross_adapter_rel_err_full_reuse", full_reuse)
-    print(f"\ncross-adapter logits rel. error vs unified: disaggregated {forkkv:.4f}, full_reuse {full_reuse:.4f}")
+    print(f"\ncross-adapter logits rel. error vs unified: disaggregated {forkkv:.4f}, full_reuse "
+          f"{full_reuse:.4f}")
     assert forkkv > 10 * REL_TOL          # sharing another adapter's base is not exact...
     assert forkkv < full_reuse            # ...but closer than sharing its merged K/V
 
@@ -135,7 +143,8 @@ def test_write_flags_leave_present_sides_untouched(models, adapters):
 
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_kv_bytes_match_allocation(models, layout):
-    backend = TorchBackend(make_config(layout), models["llama"], device=DEVICE, dtype=DTYPE, max_lora_rank=8)
+    backend = TorchBackend(make_config(layout), models["llama"], device=DEVICE, dtype=DTYPE,
+                           max_lora_rank=8)
     per_token = backend.kv_bytes_per_token()
     assert set(per_token) == set(backend.page_kinds())
     for kind, nbytes in per_token.items():
@@ -168,7 +177,8 @@ def test_llama3_8b_memory_example():
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
 def test_copy_pages_then_continue(models, adapters, layout):
     """Copy-on-write of a partial page: continuing on the copy equals continuing on the original."""
-    backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE, dtype=DTYPE)
+    backend = TorchBackend(make_config(layout), models["llama"], adapters=adapters, device=DEVICE,
+                           dtype=DTYPE)
     a = backend.adapter_id("qkvo")
     dis = layout is KVLayout.DISAGGREGATED
     tokens = prompt(70, 2 * PAGE + 2)      # ends inside page 2

@@ -39,7 +39,8 @@ def test_truncated_safetensors_names_the_file(models, tmp_path, keep):
 @pytest.mark.parametrize("text,match", [("{\"model_type\": \"llama\",", "not valid JSON"),
                                         ("[1, 2]", "JSON object"),
                                         ("{\"model_type\": \"llama\"}", "lacks the field"),
-                                        ("{\"model_type\": \"llama\", \"num_attention_heads\": \"four\"}",
+                                        ("{\"model_type\": \"llama\", \"num_attention_heads\": "
+                                         "\"four\"}",
                                          "invalid value")])
 def test_broken_config_json_names_the_file(models, tmp_path, text, match):
     folder = copy(models["llama"], tmp_path / "m")
@@ -64,11 +65,13 @@ def test_missing_paths_say_so(models, tmp_path):
 def test_broken_adapters_name_the_file(adapters, tmp_path):
     truncated = copy(adapters["qkvo"], tmp_path / "truncated")
     truncate(truncated / "adapter_model.safetensors", 0.5)
-    with pytest.raises(ModelLoadError, match=f"{truncated / 'adapter_model.safetensors'}.*truncated"):
+    with pytest.raises(ModelLoadError,
+                       match=f"{truncated / 'adapter_model.safetensors'}.*truncated"):
         load_peft_adapter(truncated)
     not_json = copy(adapters["qkvo"], tmp_path / "not_json")
     (not_json / "adapter_config.json").write_text("{")
-    with pytest.raises(ModelLoadError, match=f"{not_json / 'adapter_config.json'} is not valid JSON"):
+    with pytest.raises(ModelLoadError,
+                       match=f"{not_json / 'adapter_config.json'} is not valid JSON"):
         load_peft_adapter(not_json)
     no_rank = copy(adapters["qkvo"], tmp_path / "no_rank")
     cfg = json.loads((no_rank / "adapter_config.json").read_text())

@@ -16,14 +16,17 @@ def test_mixed_adapters_in_one_batch_match_peft(models, adapters):
     prompts = [prompt(20 + i, 11 + 2 * i) for i in range(len(names))]
     ids = [None if n is None else backend.adapter_id(n) for n in names]
     # Chunked: first chunk of every sequence together, then the rest together.
-    first = backend.forward([work(i, p[:6], 0, ids[i]) for i, p in enumerate(prompts)], all_logits=True)
-    rest = backend.forward([work(i, p[6:], 6, ids[i]) for i, p in enumerate(prompts)], all_logits=True)
+    first = backend.forward([work(i, p[:6], 0, ids[i]) for i, p in enumerate(prompts)],
+                            all_logits=True)
+    rest = backend.forward([work(i, p[6:], 6, ids[i]) for i, p in enumerate(prompts)],
+                           all_logits=True)
     for i, (name, p) in enumerate(zip(names, prompts, strict=True)):
         ours = torch.cat([first.logits[i], rest.logits[i]])
         ref = hf_logits(path, p, None if name is None else adapters[name])
         assert rel_err(ours, ref) < REL_TOL, name
     # The adapters really change the output (the comparison above is not vacuous).
-    assert rel_err(hf_logits(path, prompts[0], adapters["qkvo"]), hf_logits(path, prompts[0])) > 0.05
+    assert rel_err(hf_logits(path, prompts[0], adapters["qkvo"]),
+                   hf_logits(path, prompts[0])) > 0.05
 
 
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
@@ -36,7 +39,8 @@ def test_mixed_adapters_decode_batch(models, adapters, layout):
     prompts = [prompt(30 + i, 7 + i) for i in range(len(names))]
     residual = layout is KVLayout.DISAGGREGATED
     backend.step([work(i, p[:-1], 0, ids[i], residual=residual) for i, p in enumerate(prompts)])
-    out = backend.forward([work(i, p[-1:], len(p) - 1, ids[i], residual=residual) for i, p in enumerate(prompts)])
+    out = backend.forward([work(i, p[-1:], len(p) - 1, ids[i], residual=residual)
+                           for i, p in enumerate(prompts)])
     for i, (name, p) in enumerate(zip(names, prompts, strict=True)):
         ref = hf_logits(path, p, None if name is None else adapters[name])[-1]
         assert rel_err(out.logits[i][0], ref) < REL_TOL, name

@@ -17,13 +17,14 @@ def prefill_logits(backend: TorchBackend, seq: int, tokens: list[int], chunk: in
     """Run `tokens` in chunks of `chunk`; logits of every position."""
     out = []
     for start in range(0, len(tokens), chunk):
-        step = backend.forward([work(seq, tokens[start:start + chunk], start, adapter)], all_logits=True)
+        step = backend.forward([work(seq, tokens[start:start + chunk], start, adapter)],
+                               all_logits=True)
         out.append(step.logits[0])
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_sharded_tied", "llama3_rope", "qwen2", "qwen2_yarn_tied",
-                                  "mistral"])
+@pytest.mark.parametrize("name", ["llama", "llama_sharded_tied", "llama3_rope", "qwen2",
+                                  "qwen2_yarn_tied", "mistral"])
 def test_prefill_matches_hf(models, name):
     tokens = prompt(0, 23)
     backend = backend_for(models[name])
@@ -47,7 +48,8 @@ def test_chunked_prefill_and_decode_match_hf(models, chunk):
     """Chunks of any size (1 = token-by-token decode) give the full-prompt logits."""
     tokens = prompt(1, 21)
     backend = backend_for(models["qwen2"])
-    assert rel_err(prefill_logits(backend, 3, tokens, chunk), hf_logits(models["qwen2"], tokens)) < REL_TOL
+    assert rel_err(prefill_logits(backend, 3, tokens, chunk),
+                   hf_logits(models["qwen2"], tokens)) < REL_TOL
 
 
 def test_mixed_batch_prefill_and_decode(models):
@@ -68,7 +70,8 @@ def test_greedy_generation_matches_hf_generate(models):
 
     path = models["llama"]
     tokens = prompt(5, 10)
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                              dtype=torch.float64)
     ref = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                       pad_token_id=0)[0, len(tokens):].tolist()
     backend = backend_for(path)

@@ -25,7 +25,8 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     assert draws == again
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
     assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1, 0.0]), atol=0.04)
-    top = [sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=1)], [i])[0] for i in range(50)]
+    top = [sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=1)], [i])[0]
+           for i in range(50)]
     assert set(top) == {0}
 
 

@@ -38,8 +38,9 @@ def tiny_hf_config(arch: str, **overrides):
 
     # head_dim 32 (not hidden / heads = 16): the Triton kernels need at least 32.
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                  initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
     common.update(overrides)
     return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch](**common)
 
@@ -48,7 +49,8 @@ def save_tiny_model(path: Path, arch: str, seed: int, shard: bool = False, **ove
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(arch, **overrides),
+                                             attn_implementation="eager")
     with torch.no_grad():  # HF zero-initializes biases; random ones make the bias path observable
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -89,7 +91,8 @@ def hf_model(model_dir: Path, adapter_dir: Path | None = None) -> torch.nn.Modul
     return model
 
 
-def hf_logits(model_dir: Path, tokens: Sequence[int], adapter_dir: Path | None = None) -> torch.Tensor:
+def hf_logits(model_dir: Path, tokens: Sequence[int],
+              adapter_dir: Path | None = None) -> torch.Tensor:
     """The reference's logits for every position."""
     with torch.no_grad():
         return hf_model(model_dir, adapter_dir)(torch.tensor([list(tokens)])).logits[0].float()
@@ -112,7 +115,8 @@ def work(seq: int, tokens: Sequence[int], start: int, adapter: int | None = None
     split form, with residual pages where there is an adapter (the base model has none)."""
     pages = pages if pages is not None else pages_for(seq)
     return SeqWork(seq_id=seq, tokens=tuple(tokens), start_pos=start,
-                   slots=KVSlots(pages, pages_for(seq) if residual and adapter is not None else None),
+                   slots=KVSlots(pages,
+                                 pages_for(seq) if residual and adapter is not None else None),
                    adapter_id=adapter, sampling=sampling,
                    form=KVForm.SPLIT if residual else KVForm.MERGED, **flags)
 
@@ -126,7 +130,8 @@ def as_decode_batch(work: Sequence[SeqWork]) -> DecodeBatch:
     """Decode items as the steady set's columns (what ``launch(work=[], batch)`` reads)."""
     return DecodeBatch(tuple(s.seq_id for s in work), tuple(s.tokens[0] for s in work),
                        [s.start_pos for s in work], tuple(np.array(s.slots.pages) for s in work),
-                       tuple(None if s.slots.residual_pages is None else np.array(s.slots.residual_pages)
+                       tuple(None if s.slots.residual_pages is None
+                             else np.array(s.slots.residual_pages)
                              for s in work),
                        tuple(s.form for s in work), tuple(s.adapter_id for s in work),
                        [s.adapter_start for s in work], tuple(s.sampling for s in work),

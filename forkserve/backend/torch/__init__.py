@@ -17,8 +17,9 @@ from forkserve.backend.torch.kv_pool import kv_bytes_per_token, shared_context_k
 from forkserve.backend.torch.model_config import ModelConfig
 
 __all__ = [
-    "TorchBackend", "StepOutput", "ResidentAdapter", "load_model", "ModelConfig", "find_smollm2_gguf",
-    "kv_bytes_per_token", "shared_context_kv_bytes", "TorchBackendError", "UnsupportedModelError",
-    "CheckpointError", "UnknownAdapterError", "AdapterFormatError", "AdapterShapeError",
-    "AdapterCapacityError", "TokenOutOfVocabError", "ContextLengthError", "InvalidWorkError",
+    "TorchBackend", "StepOutput", "ResidentAdapter", "load_model", "ModelConfig",
+    "find_smollm2_gguf", "kv_bytes_per_token", "shared_context_kv_bytes", "TorchBackendError",
+    "UnsupportedModelError", "CheckpointError", "UnknownAdapterError", "AdapterFormatError",
+    "AdapterShapeError", "AdapterCapacityError", "TokenOutOfVocabError", "ContextLengthError",
+    "InvalidWorkError",
 ]

@@ -98,7 +98,8 @@ def make_attention(choice: str | AttentionBackend, device: torch.device, page_si
     corrects = correction.tags_writers
     if not isinstance(choice, str):
         if corrects:
-            raise UnsupportedModelError("base_correction runs in EagerAttention only: pass attention='eager'")
+            raise UnsupportedModelError("base_correction runs in EagerAttention only: pass "
+                                        "attention='eager'")
         return choice
     if choice == "auto":
         usable = (device.type == "cuda" and page_size >= 16 and not scaled_residual_rope
@@ -111,11 +112,13 @@ def make_attention(choice: str | AttentionBackend, device: torch.device, page_si
             raise UnsupportedModelError("the Triton kernels do not apply base_correction (offset "
                                         "correction): use attention='eager' or 'auto'")
         if scaled_residual_rope:
-            raise UnsupportedModelError("the ResidualAttention kernels do not apply yarn's cos/sin factor; "
-                                        "use attention='eager' for this model in the disaggregated layout")
+            raise UnsupportedModelError("the ResidualAttention kernels do not apply yarn's cos/sin "
+                                        "factor; use attention='eager' for this model in the "
+                                        "disaggregated layout")
         from forkserve.backend.torch.kernel_attention import KernelAttention
         return KernelAttention()
-    raise ValueError(f"attention must be 'auto', 'eager', 'triton' or an AttentionBackend, got {choice!r}")
+    raise ValueError("attention must be 'auto', 'eager', 'triton' or an AttentionBackend, got "
+                     f"{choice!r}")
 
 
 def default_device() -> torch.device:
@@ -127,41 +130,45 @@ class TorchBackend:
                  adapters: Mapping[str, str | Path] | None = None, *,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  max_adapters: int | None = None, max_lora_rank: int | None = None,
-                 lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
-                 use_cuda_graphs: bool = True, compile_fusions: bool | None = None,
-                 connector_gb_per_s: float = 25.0, seed: int = 0) -> None:
+                 lora_targets: Sequence[str] | None = None,
+                 attention: str | AttentionBackend = "auto", use_cuda_graphs: bool = True,
+                 compile_fusions: bool | None = None, connector_gb_per_s: float = 25.0,
+                 seed: int = 0) -> None:
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         model_cfg, weights = load_model(model_path, dev, dt)
         loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
-        self._setup(config, model_cfg, weights, loaded, dev, dt, max_adapters, max_lora_rank, lora_targets,
-                    attention, use_cuda_graphs, compile_fusions, connector_gb_per_s, seed)
+        self._setup(config, model_cfg, weights, loaded, dev, dt, max_adapters, max_lora_rank,
+                    lora_targets, attention, use_cuda_graphs, compile_fusions, connector_gb_per_s,
+                    seed)
         self.model_path: Path | None = Path(model_path)
 
     @classmethod
     def from_weights(cls, config: ForkServeConfig, model_config: ModelConfig, weights: ModelWeights,
-                     adapters: Mapping[str, LoraAdapter] | None = None, *, device: str | torch.device,
-                     dtype: torch.dtype, max_adapters: int | None = None, max_lora_rank: int | None = None,
-                     lora_targets: Sequence[str] | None = None, attention: str | AttentionBackend = "auto",
-                     use_cuda_graphs: bool = True, compile_fusions: bool | None = None,
-                     connector_gb_per_s: float = 25.0, seed: int = 0,
-                     tokenizer: Tokenizer | None = None) -> "TorchBackend":
+                     adapters: Mapping[str, LoraAdapter] | None = None, *,
+                     device: str | torch.device, dtype: torch.dtype,
+                     max_adapters: int | None = None, max_lora_rank: int | None = None,
+                     lora_targets: Sequence[str] | None = None,
+                     attention: str | AttentionBackend = "auto", use_cuda_graphs: bool = True,
+                     compile_fusions: bool | None = None, connector_gb_per_s: float = 25.0,
+                     seed: int = 0, tokenizer: Tokenizer | None = None) -> "TorchBackend":
         """A backend over weights already in memory (benchmarks with random weights, models
         read by another loader); ``tokenizer``: the model's, when the caller has one (there is
         no folder to read one from)."""
         self = cls.__new__(cls)
-        self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device), dtype,
-                    max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs, compile_fusions,
-                    connector_gb_per_s, seed)
+        self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device),
+                    dtype, max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs,
+                    compile_fusions, connector_gb_per_s, seed)
         self.model_path = None
         self._tokenizer = tokenizer
         return self
 
     def _setup(self, config: ForkServeConfig, model_cfg: ModelConfig, weights: ModelWeights,
                adapters: Mapping[str, LoraAdapter], device: torch.device, dtype: torch.dtype,
-               max_adapters: int | None, max_lora_rank: int | None, lora_targets: Sequence[str] | None,
-               attention: str | AttentionBackend, use_cuda_graphs: bool, compile_fusions: bool | None,
-               connector_gb_per_s: float, seed: int) -> None:
+               max_adapters: int | None, max_lora_rank: int | None,
+               lora_targets: Sequence[str] | None, attention: str | AttentionBackend,
+               use_cuda_graphs: bool, compile_fusions: bool | None, connector_gb_per_s: float,
+               seed: int) -> None:
         # The model decides the vocabulary and the context window; the control plane reads
         # both from backend.config, so the verbs admit against the loaded model.
         self.config = config.replace(vocab_size=model_cfg.vocab_size,
@@ -177,26 +184,31 @@ class TorchBackend:
         disaggregated = self.layout.has_residual_pool
         rope_scale = model_cfg.rope.inv_freq_and_scale(model_cfg.head_dim)[1]
         self.max_adapters = max_adapters or max(8, len(adapters))
-        self.correction = correction_for(config.base_correction, model_cfg, self.max_adapters, device, dtype)
+        self.correction = correction_for(config.base_correction, model_cfg, self.max_adapters,
+                                         device, dtype)
         if self.correction.tags_writers and rope_scale != 1.0:
             # De-rotating the stored K needs a rotation (cos^2 + sin^2 = 1); yarn scales both.
-            raise UnsupportedModelError("base_correction needs unscaled RoPE cos/sin; this model uses yarn's factor")
+            raise UnsupportedModelError("base_correction needs unscaled RoPE cos/sin; this model "
+                                        "uses yarn's factor")
         self.attention = make_attention(attention, device, config.page_size,
                                         disaggregated and rope_scale != 1.0, self.correction)
-        self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank, device, dtype)
-        self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages, config.num_residual_pages,
-                           self.max_lora_rank, device, dtype, config.recompute_layers,
-                           self.correction.tags_writers)
-        self.host = HostResidualPool(self.pool, config.host_residual_pages) if disaggregated else None
+        self.lora = LoraStack(model_cfg, tuple(targets), self.max_adapters, self.max_lora_rank,
+                              device, dtype)
+        self.pool = KVPool(model_cfg, self.layout, config.page_size, config.num_pages,
+                           config.num_residual_pages, self.max_lora_rank, device, dtype,
+                           config.recompute_layers, self.correction.tags_writers)
+        self.host = (HostResidualPool(self.pool, config.host_residual_pages) if disaggregated
+                     else None)
         # Adapter ids are never reused, so no versions; written positions once ``track_writes``.
-        self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True, remove_adapter=True,
-                                         activated_lora=True, host_offload=self.host is not None,
-                                         written_positions=True, launch=True)
+        self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True,
+                                         remove_adapter=True, activated_lora=True,
+                                         host_offload=self.host is not None, written_positions=True,
+                                         launch=True)
         self.limits = BatchLimits(
-            vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context, page_size=config.page_size,
-            num_pages=config.num_pages, num_residual_pages=config.num_residual_pages,
-            disaggregated=disaggregated, recompute=bool(config.recompute_layers),
-            merged_form=KVForm.MERGED in self.layout.forms)
+            vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context,
+            page_size=config.page_size, num_pages=config.num_pages,
+            num_residual_pages=config.num_residual_pages, disaggregated=disaggregated,
+            recompute=bool(config.recompute_layers), merged_form=KVForm.MERGED in self.layout.forms)
         # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
         fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
@@ -225,7 +237,8 @@ class TorchBackend:
 
     def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[int, int]]) -> None:
         if kind not in self.page_kinds():
-            raise InvalidWorkError(f"page kind {kind.value!r} is not stored by the {self.layout.value} layout")
+            raise InvalidWorkError(f"page kind {kind.value!r} is not stored by the "
+                                   f"{self.layout.value} layout")
         limit = self.pool.pages_of(kind)
         bad = [pair for pair in pairs if not all(0 <= p < limit for p in pair)]
         if bad:
@@ -248,12 +261,14 @@ class TorchBackend:
 
     def _check_host_copies(self, kind: PageKind, copies: Sequence[HostCopy]) -> None:
         if kind is not PageKind.RESIDUAL or self.host is None:
-            raise InvalidWorkError(f"the host tier stores residual pages of the disaggregated layout, "
-                                   f"not {kind.value!r} pages of the {self.layout.value} layout")
+            raise InvalidWorkError("the host tier stores residual pages of the disaggregated "
+                                   f"layout, not {kind.value!r} pages of the {self.layout.value} "
+                                   "layout")
         pages, slots = self.pool.pages_of(kind), self.host.num_slots
         bad = [c for c in copies if not (0 <= c.page < pages and 0 <= c.slot < slots)]
         if bad:
-            raise InvalidWorkError(f"host copies {bad[:5]} outside {pages} pages / {slots} host slots")
+            raise InvalidWorkError(f"host copies {bad[:5]} outside {pages} pages / {slots} host "
+                                   "slots")
 
     def transfer_cost(self, tokens: int) -> StepCost:
         """Modeled: KV bytes of `tokens` tokens over a connector of connector_gb_per_s."""
@@ -278,7 +293,8 @@ class TorchBackend:
     def first_unwritten(self, kind: PageKind, pages: Sequence[int], length: int) -> int | None:
         """The first of positions [0, length) behind ``pages`` no step wrote; None when all
         were, or when writes are not tracked (``track_writes``)."""
-        return self._writes.first_unwritten(kind, pages, length) if self._writes is not None else None
+        return (self._writes.first_unwritten(kind, pages, length) if self._writes is not None
+                else None)
 
     def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None = None) -> StepHandle:
         """Start a step over ``work`` then ``batch``'s rows and return at once: the forward,
@@ -307,8 +323,9 @@ class TorchBackend:
             return StepOutput(StepResult(()), ())
         groups = self._form_groups(work)
         if len(groups) > 1:
-            return _merged(work, groups, [self.forward([work[i] for i in g], all_logits, hidden_states)
-                                          for g in groups])
+            return _merged(work, groups,
+                           [self.forward([work[i] for i in g], all_logits, hidden_states)
+                            for g in groups])
         return self._start(work, all_logits, hidden_states).output()
 
     def _form_groups(self, work: Sequence[SeqWork]) -> list[list[int]]:
@@ -330,7 +347,8 @@ class TorchBackend:
                 batch: DecodeBatch | None = None, rows: DecodeRows | None = None) -> PendingStep:
         """Queue the sampling of a forward over ``work`` and then, where given, ``batch``'s
         ``rows`` (one logits row each, every row sampling)."""
-        if self.gpu_timeline is not None:  # before sampling: the tokens' read-back is the host's wait
+        # before sampling: the tokens' read-back is the host's wait
+        if self.gpu_timeline is not None:
             self.gpu_timeline.stop(all(s.decode for s in work))
         if self._writes is not None:
             self._writes.wrote(work, self.page_kinds()[0])
@@ -338,16 +356,20 @@ class TorchBackend:
         n = len(batch) if batch is not None else 0
         sampling = [s for s in work if s.sampling is not None]
         params = [s.sampling for s in sampling] + list(batch.sampling if n else ())
-        positions = [s.start_pos + len(s.tokens) for s in sampling] + (rows.seq_lens.tolist() if n else [])
+        positions = ([s.start_pos + len(s.tokens) for s in sampling]
+                     + (rows.seq_lens.tolist() if n else []))
         samples = [s.sampling is not None for s in work] + [True] * n
         token_ends = itertools.accumulate(len(s.tokens) for s in work)
-        hidden = (tuple(run.hidden[e - len(s.tokens):e] for s, e in zip(work, token_ends, strict=True))
+        hidden = (tuple(run.hidden[e - len(s.tokens):e]
+                        for s, e in zip(work, token_ends, strict=True))
                   if run.hidden is not None else ())
-        counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None else int(s.sampling is not None)
+        counts = [len(s.tokens) if all_logits or s.prompt_logprobs is not None
+                  else int(s.sampling is not None)
                   for s in work] + [1] * n
         greedy = None
         if sum(counts) == len(params):
-            last, greedy = logits, run.greedy  # one row per sampling item, in order (a graph's argmax matches it)
+            # one row per sampling item, in order (a graph's argmax matches it)
+            last, greedy = logits, run.greedy
         else:
             ends = itertools.accumulate(counts)
             last = torch.stack([logits[e - 1] for e, s in zip(ends, samples, strict=True)
@@ -375,7 +397,8 @@ class TorchBackend:
         if rows is None or not rows_agree(work, batch.shared_prefix, rows.block_tables):
             return None
         clock = self._clock()
-        return self._sample(work, self.runner.forward_mixed(work, rows, slots), False, clock, batch, rows)
+        return self._sample(work, self.runner.forward_mixed(work, rows, slots), False, clock, batch,
+                            rows)
 
     def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
         """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):
@@ -391,8 +414,8 @@ class TorchBackend:
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)
-        return self._draw(run.logits, (1,) * n, (), batch.sampling, rows.seq_lens.tolist(), None, (),
-                          StepCost(decode_tokens=n), run.logits, run.greedy, clock)
+        return self._draw(run.logits, (1,) * n, (), batch.sampling, rows.seq_lens.tolist(), None,
+                          (), StepCost(decode_tokens=n), run.logits, run.greedy, clock)
 
     @property
     def _columns_fit(self) -> bool:
@@ -417,17 +440,18 @@ class TorchBackend:
         return clock
 
     def _draw(self, logits: torch.Tensor, counts: Sequence[int], hidden: tuple[torch.Tensor, ...],
-              params: Sequence[SamplingParams], positions: Sequence[int], samples: Sequence[bool] | None,
-              prompts: Sequence[tuple[int, SeqWork]], cost: StepCost, last: torch.Tensor,
-              greedy: torch.Tensor | None, clock: StepClock) -> PendingStep:
+              params: Sequence[SamplingParams], positions: Sequence[int],
+              samples: Sequence[bool] | None, prompts: Sequence[tuple[int, SeqWork]],
+              cost: StepCost, last: torch.Tensor, greedy: torch.Tensor | None,
+              clock: StepClock) -> PendingStep:
         """Queue the sampling and the tokens' copy to the host behind the forward."""
         tokens = None
         if params:
             drawn = self.sampler.draw(last, params, positions, greedy)
             tokens = drawn.to("cpu", non_blocking=True) if drawn.is_cuda else drawn
         clock.stop()
-        return PendingStep(logits, counts, hidden, params, positions, samples, prompts, cost, last, tokens,
-                           self.sampler, clock)
+        return PendingStep(logits, counts, hidden, params, positions, samples, prompts, cost, last,
+                           tokens, self.sampler, clock)
 
     @property
     def cascade_attention(self) -> bool:
@@ -443,7 +467,8 @@ class TorchBackend:
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             if self.model_path is None:
-                raise RuntimeError("this backend was built from in-memory weights and has no tokenizer")
+                raise RuntimeError("this backend was built from in-memory weights and has no "
+                                   "tokenizer")
             self._tokenizer = Tokenizer.load(self.model_path)
         return self._tokenizer
 
@@ -475,11 +500,13 @@ class TorchBackend:
             return self.adapter_id(ref)
         if isinstance(ref, int) and not isinstance(ref, bool) and ref in self._resident:
             return ref
-        raise UnknownAdapterError(f"adapter {ref!r} is not resident (resident: {sorted(self._names)})")
+        raise UnknownAdapterError(f"adapter {ref!r} is not resident (resident: "
+                                  f"{sorted(self._names)})")
 
     def adapter_id(self, name: str) -> int:
         if name not in self._names:
-            raise UnknownAdapterError(f"adapter {name!r} is not resident (resident: {sorted(self._names)})")
+            raise UnknownAdapterError(f"adapter {name!r} is not resident (resident: "
+                                      f"{sorted(self._names)})")
         return self._names[name]
 
     def add_adapter(self, name: str, path: str | Path | LoraAdapter) -> int:
@@ -504,7 +531,8 @@ class TorchBackend:
         to ``context_tokens`` tokens will use, in each form the layout serves (merged, split);
         returns how many were new (0 off CUDA or with graphs off)."""
         splits = [form is KVForm.SPLIT for form in self.layout.forms]
-        return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident), splits)
+        return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident),
+                                                 splits)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
         return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,
@@ -518,7 +546,8 @@ class TorchBackend:
             raise InvalidWorkError(f"offset tables need config.base_correction = 'offset', not "
                                    f"{self.config.base_correction.value!r}")
         if self.runner.captured_graphs:
-            raise InvalidWorkError("install offset tables before the first decode graph is captured")
+            raise InvalidWorkError("install offset tables before the first decode graph is "
+                                   "captured")
         self.correction.install(table)
 
     def _slots_by_name(self) -> dict[str, int]:
@@ -526,12 +555,14 @@ class TorchBackend:
 
     def _install(self, name: str, adapter: LoraAdapter) -> int:
         if name in self._names:
-            raise AdapterCapacityError(f"adapter {name!r} is already resident (id {self._names[name]})")
+            raise AdapterCapacityError(f"adapter {name!r} is already resident (id "
+                                       f"{self._names[name]})")
         check_fits(adapter, self.model_config, self.max_lora_rank, self.lora.targets)
         used = {r.slot for r in self._resident.values()}
         free = [s for s in range(self.max_adapters) if s not in used]
         if not free:
-            raise AdapterCapacityError(f"all {self.max_adapters} adapter slots are taken; remove one first")
+            raise AdapterCapacityError(f"all {self.max_adapters} adapter slots are taken; remove "
+                                       "one first")
         self.lora.write(free[0], adapter)
         aid = self._next_id
         self._next_id += 1
@@ -542,7 +573,8 @@ class TorchBackend:
         return aid
 
 
-def _merged(work: Sequence[SeqWork], groups: Sequence[Sequence[int]], outs: Sequence[StepOutput]) -> StepOutput:
+def _merged(work: Sequence[SeqWork], groups: Sequence[Sequence[int]],
+            outs: Sequence[StepOutput]) -> StepOutput:
     """The outputs of ``work`` run as ``groups`` (``recompute.group_forms``), back in item order."""
     at = {i: (out, j) for g, out in zip(groups, outs, strict=True) for j, i in enumerate(g)}
     order = [at[i] for i in range(len(work))]

@@ -58,11 +58,12 @@ def check_groups(work: Sequence[SeqWork], page_size: int) -> None:
         error = None
         lead = leads.setdefault(mark.group, seq)
         if mark.pages < 0 or mark.pages * page_size > seq.start_pos:
-            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix of {mark.pages} pages is not wholly "
-                                     f"before position {seq.start_pos}")
-        elif lead.shared_prefix.pages != mark.pages or lead.slots.pages[:mark.pages] != seq.slots.pages[:mark.pages]:
-            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix group {mark.group} disagrees with "
-                                     f"seq {lead.seq_id} on its pages")
+            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix of {mark.pages} pages is "
+                                     f"not wholly before position {seq.start_pos}")
+        elif (lead.shared_prefix.pages != mark.pages
+              or lead.slots.pages[:mark.pages] != seq.slots.pages[:mark.pages]):
+            error = InvalidWorkError(f"seq {seq.seq_id}: shared prefix group {mark.group} "
+                                     f"disagrees with seq {lead.seq_id} on its pages")
         if error is not None:
             error.seq_ids = (seq.seq_id,)
             raise error
@@ -113,7 +114,8 @@ def to_device(cascade: CascadePlan, device: torch.device) -> CascadeTiles:
     def tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
-    return CascadeTiles(tensor(cascade.tile_rows), tensor(cascade.tile_lens), tensor(cascade.kv_starts))
+    return CascadeTiles(tensor(cascade.tile_rows), tensor(cascade.tile_lens),
+                        tensor(cascade.kv_starts))
 
 
 def fill(cascade: CascadePlan | None, out: Mapping[str, np.ndarray]) -> None:

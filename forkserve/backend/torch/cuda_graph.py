@@ -9,10 +9,10 @@ which is what the eager path computes from the same rows (``DecodeRows.to_batch`
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
 more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
 launch. Inputs live in one packed int64 device buffer, filled from the step's ``DecodeRows``
-(``decode_rows.py``) into a pinned host buffer and sent by one asynchronous copy per step; a smaller batch is
-padded up to its bucket with rows that read and write only the pool's scratch page. The
-greedy argmax is captured too. Every tensor the graph reads is owned by the DecodeGraph:
-a temporary freed after capture would be reused and read as garbage.
+(``decode_rows.py``) into a pinned host buffer and sent by one asynchronous copy per step; a smaller
+batch is padded up to its bucket with rows that read and write only the pool's scratch page. The
+greedy argmax is captured too. Every tensor the graph reads is owned by the DecodeGraph: a temporary
+freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
 
@@ -51,11 +51,15 @@ class DecodeGraph:
                  tiles: int = 0, agents: int = 1) -> None:
         self.batch, self.pages, self.pool, self.limits = batch, pages, pool, limits
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
-            "input_ids": 0, "positions": 0, "token_slot": -1, "slot_mapping": pool.scratch_page * pool.page_size,
-            "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1, "seq_slot": -1,
-            "kv_merge": 0, "block_tables": pool.scratch_page, "res_block_tables": pool.scratch_residual_page,
-            "kv_starts": 0, "tile_seqs": -1, "tile_lens": 0}  # cascade: suffix from key 0, tiles of no row
-        shapes = {name: (batch,) for name in ROW_FIELDS} | {name: (batch, pages) for name in TABLE_FIELDS}
+            "input_ids": 0, "positions": 0, "token_slot": -1,
+            "slot_mapping": pool.scratch_page * pool.page_size,
+            "res_slot_mapping": pool.scratch_residual_page * pool.page_size, "seq_lens": 1,
+            "seq_slot": -1, "kv_merge": 0, "block_tables": pool.scratch_page,
+            "res_block_tables": pool.scratch_residual_page,
+            # cascade: suffix from key 0, tiles of no row
+            "kv_starts": 0, "tile_seqs": -1, "tile_lens": 0}
+        shapes = ({name: (batch,) for name in ROW_FIELDS}
+                  | {name: (batch, pages) for name in TABLE_FIELDS})
         if tiles:
             shapes |= {"kv_starts": (batch,), "tile_seqs": (tiles, agents), "tile_lens": (tiles,)}
         offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -66,7 +70,8 @@ class DecodeGraph:
         self.packed = torch.empty(total, dtype=torch.int64, device=device)
         self.host = torch.empty(total, dtype=torch.int64, pin_memory=True)
         host_np = self.host.numpy()
-        self.host_views = {n: host_np[o:o + int(np.prod(s))].reshape(s) for n, (o, s) in offsets.items()}
+        self.host_views = {n: host_np[o:o + int(np.prod(s))].reshape(s)
+                           for n, (o, s) in offsets.items()}
         self.copied = torch.cuda.Event()
         self._send(None)
         view = {n: self.packed[o:o + int(np.prod(s))].view(s) for n, (o, s) in offsets.items()}
@@ -77,7 +82,8 @@ class DecodeGraph:
             # The int32 casts (and the form mask) run inside the graph, so they see every step's
             # new inputs.
             merge = (view["kv_merge"] != 0)[:, None] if split and limits.merged_form else None
-            cascade = CascadeTiles(view["tile_seqs"].to(torch.int32), view["tile_lens"].to(torch.int32),
+            cascade = CascadeTiles(view["tile_seqs"].to(torch.int32),
+                                   view["tile_lens"].to(torch.int32),
                                    view["kv_starts"].to(torch.int32)) if tiles else None
             meta = AttentionMetadata(
                 slot_mapping=view["slot_mapping"],
@@ -87,10 +93,11 @@ class DecodeGraph:
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
                 decode_only=True, cascade=cascade, kv_merge_mask=merge)
-            return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta, pool,
-                                 self.rows, use_lora)
+            return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta,
+                                 pool, self.rows, use_lora)
 
-        # Warm up on a side stream (allocator, library handles and kernel compiles settle), then capture.
+        # Warm up on a side stream (allocator, library handles and kernel compiles settle),
+        # then capture.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -123,7 +130,8 @@ class DecodeGraph:
         self.packed.copy_(self.host, non_blocking=True)
         self.copied.record()
 
-    def run(self, rows: DecodeRows, cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: DecodeRows,
+            cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for validated decode rows: (logits [n, vocab], greedy tokens [n]), copied
         out of the graph's output buffers, which the next replay overwrites (a caller of
         TorchBackend.forward may keep a step's logits). ``cascade``: at most the graph's tiles."""

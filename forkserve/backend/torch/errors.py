@@ -31,7 +31,8 @@ class UnknownAdapterError(TorchBackendError, errors.UnknownAdapterError):
 
 
 class AdapterFormatError(TorchBackendError, errors.ModelLoadError, ValueError):
-    """A PEFT adapter folder that cannot be read (missing or truncated files, unsupported options)."""
+    """A PEFT adapter folder that cannot be read (missing or truncated files, unsupported
+    options)."""
 
 
 class AdapterShapeError(TorchBackendError, ValueError):

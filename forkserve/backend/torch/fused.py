@@ -43,7 +43,8 @@ class Fusions:
     """The glue functions, compiled (one kernel each) or plain."""
 
     def __init__(self, compile: bool) -> None:
-        wrap: Callable = (lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile else (lambda f: f)
+        wrap: Callable = ((lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile
+                          else (lambda f: f))
         self.compiled = compile
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)

@@ -92,7 +92,8 @@ def _hf_config(reader: Any) -> dict[str, Any]:
         d["rope_scaling"] = {
             "type": scaling,
             "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
+            "original_max_position_embeddings":
+                _field(reader, f"{arch}.rope.scaling.original_context_length"),
         }
     return d
 
@@ -108,7 +109,8 @@ def load_gguf(path: str | Path, device: torch.device,
     try:
         import gguf
     except ImportError as e:  # optional dependency: only GGUF checkpoints need it
-        raise UnsupportedModelError("loading GGUF needs the `gguf` package (pip install gguf)") from e
+        raise UnsupportedModelError("loading GGUF needs the `gguf` package "
+                                    "(pip install gguf)") from e
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -119,7 +121,8 @@ def load_gguf(path: str | Path, device: torch.device,
         raise UnsupportedModelError(f"{path}: {e}") from e
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         # A metadata field missing (int(None)) or of the wrong type.
-        raise CheckpointError(f"{path} has missing or invalid metadata ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{path} has missing or invalid metadata "
+                              f"({type(e).__name__}: {e})") from e
     tensors: dict[str, Any] = {}
     for t in reader.tensors:
         if t.name.startswith("blk."):

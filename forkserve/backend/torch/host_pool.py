@@ -55,17 +55,20 @@ class HostResidualPool:
         self._land()
         k, v = self.pool.tensors_of(PageKind.RESIDUAL)
         pages = self.lane.indices([c.page for c in copies])
-        staged = torch.empty((2, k.shape[0], len(copies), *k.shape[2:]), dtype=k.dtype, device=k.device)
+        staged = torch.empty((2, k.shape[0], len(copies), *k.shape[2:]), dtype=k.dtype,
+                             device=k.device)
         _gather(k, v, pages, staged)
         host, landed = self.lane.to_host(staged)
-        self._landing.append(_Landing(torch.tensor([c.slot for c in copies], dtype=torch.long), host, landed))
+        self._landing.append(_Landing(torch.tensor([c.slot for c in copies], dtype=torch.long),
+                                      host, landed))
         self._land()
 
     def restore(self, copies: Sequence[HostCopy]) -> None:
         slots = [c.slot for c in copies]
         self._land(frozenset(slots))
         index = torch.tensor(slots, dtype=torch.long)
-        staged = self.lane.empty_host((2, self.k.shape[0], len(copies), *self.k.shape[2:]), self.k.dtype)
+        staged = self.lane.empty_host((2, self.k.shape[0], len(copies), *self.k.shape[2:]),
+                                      self.k.dtype)
         _gather(self.k, self.v, index, staged)
         on_device = self.lane.to_device(staged)
         pages = self.lane.indices([c.page for c in copies])

@@ -4,10 +4,12 @@ Shared layout contract (forkserve/kernels plugs in behind it):
   unified / full_reuse:  k, v        [layers, pages + 1, P, n_kv_heads, head_dim], K with RoPE
   disaggregated:         k, v        base pages, same shape: RoPE(x W_k (+b)) and x W_v
                          k_res, v_res [layers, residual_pages + 1, P, r_max]: x A_k, x A_v, no RoPE
-                         k_own, v_own [recompute layers, residual_pages + 1, P, n_kv_heads, head_dim]:
+                         k_own, v_own [recompute layers, residual_pages + 1, P, n_kv_heads,
+                                       head_dim]:
                            selective recompute (``config.recompute_layers``): in those layers a
                            split item's own merged K/V (K with RoPE), beside its residual page
-                         writer       [1, pages + 1, P] int32: offset correction (``config.base_correction``):
+                         writer       [1, pages + 1, P] int32:
+                           offset correction (``config.base_correction``):
                            who wrote each base slot (``base_correction.py``); one row, so that
                            it is indexed by page id on dim 1 as K/V are (copied with them)
 Page ids are the control plane's; the one extra page at index `pages` is a scratch page
@@ -75,7 +77,8 @@ class LayerKV:
     k_res: torch.Tensor | None = None   # [residual_pages + 1, P, r_max]
     v_res: torch.Tensor | None = None
     layer: int = 0
-    writer: torch.Tensor | None = None  # [pages + 1, P]: each base slot's writer tag (offset correction)
+    # [pages + 1, P]: each base slot's writer tag (offset correction)
+    writer: torch.Tensor | None = None
 
 
 class KVPool:
@@ -103,7 +106,8 @@ class KVPool:
                 raise ValueError("recompute layers live in residual pages: the layout has none")
             bad = [n for n in recompute_layers if not 0 <= n < cfg.num_layers]
             if bad:
-                raise ValueError(f"recompute layers {bad} outside the model's {cfg.num_layers} layers")
+                raise ValueError(f"recompute layers {bad} outside the model's {cfg.num_layers} "
+                                 "layers")
             own_shape = (len(recompute_layers), num_residual_pages + 1, page_size, cfg.num_kv_heads,
                          cfg.head_dim)
             self.k_own = torch.zeros(own_shape, device=device, dtype=dtype)
@@ -151,7 +155,8 @@ class KVPool:
 
     def tensors_of(self, kind: PageKind) -> tuple[torch.Tensor, torch.Tensor]:
         if kind not in page_kinds(self.layout):
-            raise ValueError(f"page kind {kind.value!r} is not stored by the {self.layout.value} layout")
+            raise ValueError(f"page kind {kind.value!r} is not stored by the {self.layout.value} "
+                             "layout")
         if kind is PageKind.RESIDUAL:
             return self.k_res, self.v_res
         return self.k, self.v
@@ -175,6 +180,7 @@ class KVPool:
         device = stored[0].device
         src = torch.tensor([s for s, _ in pairs], device=device)
         dst = torch.tensor([d for _, d in pairs], device=device)
-        # Gather first, then scatter: a chain (a->b, b->c) copies the old b, as sequential copies would not.
+        # Gather first, then scatter: a chain (a->b, b->c) copies the old b, as sequential
+        # copies would not.
         for t in stored:
             t[:, dst] = t[:, src]

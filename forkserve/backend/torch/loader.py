@@ -30,7 +30,8 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
         where = {name: folder / str(fname) for name, fname in weight_map.items()}
         missing = sorted({str(f) for f in where.values() if not f.is_file()})
         if missing:
-            raise CheckpointError(f"{index} names shard files that do not exist: {', '.join(missing[:3])}")
+            raise CheckpointError(f"{index} names shard files that do not exist: "
+                                  f"{', '.join(missing[:3])}")
         return where
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -85,7 +86,8 @@ def assemble_weights(cfg: ModelConfig, get: TensorGetter, device: torch.device,
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([load(p + f"self_attn.{x}_proj.bias", (size,))
-                              for x, size in (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size))])
+                              for x, size in (("q", cfg.q_size), ("k", cfg.kv_size),
+                                              ("v", cfg.kv_size))])
         gate = load(p + "mlp.gate_proj.weight", (i, h))
         up = load(p + "mlp.up_proj.weight", (i, h))
         layers.append(LayerWeights(

@@ -65,9 +65,11 @@ class ModelConfig:
         arch = d.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"model_type {arch!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         if d.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
+            raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} is not supported "
+                                        "(only silu)")
         if d.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         num_heads = int(d["num_attention_heads"])
@@ -119,7 +121,8 @@ class ModelConfig:
             raise CheckpointError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
         except (TypeError, ValueError, ArithmeticError) as e:
             # int("abc"), int(None), a zero head count: a field of the wrong type or value.
-            raise CheckpointError(f"{cfg_path} has an invalid value ({type(e).__name__}: {e})") from e
+            raise CheckpointError(f"{cfg_path} has an invalid value "
+                                  f"({type(e).__name__}: {e})") from e
 
 
 def llama3_8b_config() -> ModelConfig:

@@ -35,7 +35,8 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+                f"rope_type {self.rope_type!r} is not supported (supported: "
+                f"{', '.join(ROPE_TYPES)})")
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "RopeConfig":
@@ -69,7 +70,8 @@ class RopeConfig:
 
     def inv_freq_and_scale(self, head_dim: int) -> tuple[torch.Tensor, float]:
         """(inv_freq [head_dim/2] float32, factor on cos/sin), bit-compatible with HF's init."""
-        base = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        base = 1.0 / (self.theta
+                      ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.rope_type == "default":
             return base, 1.0
         if self.rope_type == "linear":
@@ -84,7 +86,8 @@ class RopeConfig:
         high_wavelen = old_len / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-        smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smooth = ((old_len / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
         smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
@@ -127,7 +130,8 @@ class Rope:
         self.inv_freq = inv_freq.to(device)
         self.scale = scale
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and *signed* sin [..., head_dim] for integer positions [...], in float32 like HF.
 
         The sign of rotate-half's first half is folded into sin (-sin | +sin), so apply_rope

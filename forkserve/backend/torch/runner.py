@@ -29,7 +29,8 @@ class RunOutput:
     hidden: torch.Tensor | None = None  # [tokens, layers, hidden] when asked for
 
 
-GraphKey = tuple[int, int, bool, bool, int]  # batch bucket, pages bucket, LoRA, split form, tiles bucket
+# batch bucket, pages bucket, LoRA, split form, tiles bucket
+GraphKey = tuple[int, int, bool, bool, int]
 
 
 def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> GraphKey | None:
@@ -58,7 +59,8 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         # Cascade attention for decode batches whose items share a page prefix (both forms).
         self.cascade = cascade
-        self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads // model.cfg.num_kv_heads)
+        self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads
+                                                          // model.cfg.num_kv_heads)
         self._graphs: dict[GraphKey, DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
@@ -80,7 +82,8 @@ class ModelRunner:
                 if self.cascade and decode else None)
         rows = (of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
                          self.pool.scratch_residual_page)
-                if self.use_cuda_graphs and decode and not all_logits and not hidden_states else None)
+                if self.use_cuda_graphs and decode and not all_logits and not hidden_states
+                else None)
         key = graph_key(rows, plan) if rows is not None else None
         if key is not None:
             out = self._replay(rows, key, plan)
@@ -135,7 +138,8 @@ class ModelRunner:
         new = 0
         for bucket in (b for b in BATCH_BUCKETS if b <= top):
             for split in splits:
-                # One shared context (one tile) is the common cascade; more tiles are captured on use.
+                # One shared context (one tile) is the common cascade; more tiles are captured on
+                # use.
                 for tiles in (0, 1) if self.cascade and bucket > 1 else (0,):
                     new += self._ensure_graph((bucket, pages, use_lora, split, tiles))
         return new
@@ -144,8 +148,9 @@ class ModelRunner:
         """Capture the graph for ``key`` unless it exists; whether it was new."""
         if key in self._graphs:
             return False
-        self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3], self.limits,
-                                        self.device, self._mempool, key[4], self.cascade_agents)
+        self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3],
+                                        self.limits, self.device, self._mempool, key[4],
+                                        self.cascade_agents)
         return True
 
     def _replay(self, rows: DecodeRows, key: GraphKey,

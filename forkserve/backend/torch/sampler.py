@@ -27,7 +27,8 @@ _MIX = 1_000_003  # odd multiplier spreading (seed, position) over the 63-bit se
 # Byte value -> what its 8 bits (lowest first) add to 8 tokens' logits: 0 allowed, -inf not.
 # A bitmask's int32 words, read as little-endian bytes, become an additive mask in one table
 # lookup, and one in-place add applies it (a bool masked_fill is several times slower on CPU).
-_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+_BYTE_BIAS = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0,
+                         float("-inf"))
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -46,7 +47,8 @@ def mask_bias(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Te
     xgrammar and llguidance write them) -> [rows, vocab] of 0 (allowed) and -inf (not)."""
     table = _bias_table(bitmask.device, dtype)
     rows = bitmask.shape[0]
-    return table.index_select(0, bitmask.view(torch.uint8).flatten().int()).view(rows, -1)[:, :vocab]
+    return table.index_select(0, bitmask.view(torch.uint8).flatten().int()).view(rows, -1)[:,
+                                                                                           :vocab]
 
 
 @functools.cache
@@ -54,7 +56,8 @@ def _bias_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _BYTE_BIAS.to(device, dtype)
 
 
-def record_prompt(logits: torch.Tensor, tokens: Sequence[int], start: int, request: PromptLogprobs) -> None:
+def record_prompt(logits: torch.Tensor, tokens: Sequence[int], start: int,
+                  request: PromptLogprobs) -> None:
     """Prompt log-probabilities of one prefill chunk (``logits``: a row per token, position
     ``start`` first): row i predicts the prompt token at ``start + i + 1``, the chunk's next
     token or, for its last row, ``request.following`` (none when the chunk ends the prompt)."""
@@ -67,7 +70,8 @@ def record_prompt(logits: torch.Tensor, tokens: Sequence[int], start: int, reque
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
     if request.top:
         values, ids = logprobs.topk(request.top, dim=-1)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                              strict=True)]
     for j, (token, lp, top) in enumerate(zip(targets, picked, tops, strict=True)):
         request.log.record_prompt(start + j + 1, token, lp, top)
 
@@ -77,8 +81,8 @@ class Sampler:
         self.device = device
         self._unseeded = torch.Generator(device=device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
-               greedy: torch.Tensor | None = None) -> list[int]:
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               positions: Sequence[int], greedy: torch.Tensor | None = None) -> list[int]:
         """logits [N, vocab] float32; positions: the position each sampled token will take;
         greedy: logits.argmax(-1) when already computed (inside a CUDA graph)."""
         tokens = self.draw(logits, params, positions, greedy).tolist()
@@ -103,7 +107,8 @@ class Sampler:
             if p.seed is None:
                 gen = self._unseeded
             else:
-                gen = torch.Generator(device=logits.device).manual_seed((p.seed * _MIX + pos) % (1 << 63))
+                gen = torch.Generator(device=logits.device).manual_seed(
+                    (p.seed * _MIX + pos) % (1 << 63))
             out[row] = torch.multinomial(probs, 1, generator=gen)[0]
         return out
 
@@ -125,12 +130,14 @@ class Sampler:
         for row, (p, pos) in enumerate(zip(params, positions, strict=True)):
             if p.logit_bias:
                 ids, bias = zip(*p.logit_bias, strict=True)
-                logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+                logits[row, list(ids)] += torch.tensor(bias, dtype=logits.dtype,
+                                                       device=logits.device)
             if (p.presence_penalty or p.frequency_penalty) and p.log is not None:
                 counts = Counter(p.log.history(pos))
                 if counts:
                     ids = torch.tensor(list(counts), device=logits.device)
-                    n = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+                    n = torch.tensor(list(counts.values()), dtype=logits.dtype,
+                                     device=logits.device)
                     logits[row, ids] -= p.frequency_penalty * n + p.presence_penalty
         rows = [row for row, p in enumerate(params) if p.constraint is not None]
         if rows:

@@ -20,7 +20,8 @@ class Tokenizer:
         path = Path(model_path)
         try:
             if path.suffix == ".gguf":
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    local_files_only=True)
             else:
                 tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
@@ -51,17 +52,20 @@ class Tokenizer:
     def chat_template(self) -> str:
         return getattr(self._tok, "chat_template", None) or ""
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True,
                             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat (the model's own template, given ``tools`` if any); raises if the
         model has none."""
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
-        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+        out = self._tok.apply_chat_template(list(messages),
+                                            add_generation_prompt=add_generation_prompt,
                                             tokenize=True, tools=list(tools) if tools else None)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
         """The chat as text (what a template does with tools and tool calls is probed on it)."""
-        return self._tok.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False,
-                                             tools=list(tools) if tools else None)
+        return self._tok.apply_chat_template(list(messages), add_generation_prompt=False,
+                                             tokenize=False, tools=list(tools) if tools else None)

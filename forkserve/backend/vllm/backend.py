@@ -47,7 +47,8 @@ class VllmBackend:
         _check_config(config)
         adapters = AdapterTable(lora_modules)
         loaded = load_engine(model, config, adapters, gpu_memory_utilization=gpu_memory_utilization,
-                             cow_blocks=cow_blocks, max_lora_rank=max_lora_rank, llm_kwargs=llm_kwargs)
+                             cow_blocks=cow_blocks, max_lora_rank=max_lora_rank,
+                             llm_kwargs=llm_kwargs)
         self.llm = loaded.llm
         self._setup(config, loaded.engine, loaded.api, loaded.pinner, adapters, two_class,
                     cow_blocks, loaded.tokenizer)
@@ -122,7 +123,8 @@ class VllmBackend:
 
     def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         if kind is not PageKind.UNIFIED:
-            raise ValueError(f"VllmBackend stores {PageKind.UNIFIED.value} pages only, not {kind.value}")
+            raise ValueError(f"VllmBackend stores {PageKind.UNIFIED.value} pages only, not "
+                             f"{kind.value}")
         for src, dst in pairs:
             self.shadow.copy(src, dst)
             self._drop_pin(dst)
@@ -161,7 +163,8 @@ def _check_config(config: ForkServeConfig) -> None:
         raise ValueError(f"VllmBackend needs kv_layout=unified (vLLM stores merged K/V per "
                          f"LoRA); got {config.kv_layout.value}")
     if config.disaggregated_prefill:
-        raise ValueError("VllmBackend runs one vLLM instance: disaggregated_prefill has no connector")
+        raise ValueError("VllmBackend runs one vLLM instance: disaggregated_prefill has no "
+                         "connector")
 
 
 def _cost(work: Sequence[SeqWork], ms: float) -> StepCost:

@@ -28,7 +28,8 @@ class TokenShadow:
 
     def read(self, pages: Sequence[PageId], length: int, adapter: AdapterId | None,
              seq_id: int) -> list[int]:
-        """The first ``length`` tokens behind ``pages``; every slot must be written by ``adapter``."""
+        """The first ``length`` tokens behind ``pages``; every slot must be written by
+        ``adapter``."""
         if length == 0:
             return []
         p = self.page_size
@@ -46,8 +47,8 @@ class TokenShadow:
                 raise AssertionError(f"seq {seq_id}: page {page} holds another adapter's KV")
         return values.tolist()
 
-    def write(self, pages: Sequence[PageId], start: int, tokens: Sequence[int], adapter: AdapterId | None,
-              seq_id: int) -> tuple[PageId, ...]:
+    def write(self, pages: Sequence[PageId], start: int, tokens: Sequence[int],
+              adapter: AdapterId | None, seq_id: int) -> tuple[PageId, ...]:
         """Write ``tokens`` at ``start..``; returns the pages this write touched, in order."""
         if not tokens:
             return ()

@@ -16,7 +16,8 @@ from forkserve.backend.vllm.phase_runner import VllmApi
 from forkserve.config import ForkServeConfig
 
 INSTALL_HINT = ('VllmBackend needs vLLM 0.26.0 and a CUDA GPU: pip install -e ".[vllm]" '
-                '(on the lent H200: the parts of shared/tools/vllm-carry.sh, see docs/VLLM_BACKEND.md)')
+                '(on the lent H200: the parts of shared/tools/vllm-carry.sh, see '
+                'docs/VLLM_BACKEND.md)')
 
 
 @dataclass(frozen=True)
