@@ -15,7 +15,6 @@ the engine moves them only through those two objects (see their docstrings).
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -52,6 +51,8 @@ from forkserve.engine.cache_stats import (
     published_pages,
     session_pages,
 )
+from forkserve.engine.integrity import check_integrity
+from forkserve.engine.request_checks import RequestChecks, count, token_ids
 from forkserve.engine.results import (
     AbortResult,
     CommitResult,
@@ -66,12 +67,9 @@ from forkserve.engine.stepper import Stepper
 from forkserve.errors import (
     AdapterInUseError,
     BranchCapError,
-    CapacityError,
-    ContextLengthError,
     InvalidRequestError,
     InvalidStateError,
     OutOfPagesError,
-    UnknownAdapterError,
     UnknownNodeError,
     UnknownSessionError,
 )
@@ -109,6 +107,7 @@ class Engine:
         self.sessions: dict[int, Session] = {}
         self._ids = itertools.count(1)
         self._sids = itertools.count(1)
+        self.checks = RequestChecks(self.config, backend, caps, self.pool, self.residual_pool)
         self.stepper = Stepper(self.sessions, self.config, self.kv, backend, self.scheduler,
                                self.metrics, self.scorer, clock)
 
@@ -120,11 +119,11 @@ class Engine:
         ``reuse_prefix=False``: prefill every token though published pages cover a prefix
         (its logits are wanted: prompt log-probabilities); what it writes is still published."""
         self.stepper.sync()
-        tokens = self._check_tokens(tokens)
-        adapter = self._check_adapter(adapter)
-        self._check_context(len(tokens))
+        tokens = self.checks.tokens(tokens)
+        adapter = self.checks.adapter(adapter)
+        self.checks.context(len(tokens))
         form = self._form(tokens, adapter, salt)
-        self._check_fits(len(tokens), form is KVForm.SPLIT and adapter is not None)
+        self.checks.fits(len(tokens), form is KVForm.SPLIT and adapter is not None)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
                     self.kv.new_kv(adapter, form, salt), NodeState.COMMITTED, adapter=adapter)
@@ -142,8 +141,8 @@ class Engine:
         depends on memory pressure and on what is published (an admission controller sizes
         a request by it before opening)."""
         self.stepper.sync()
-        tokens = self._check_tokens(tokens)
-        return self._form(tokens, self._check_adapter(adapter))
+        tokens = self.checks.tokens(tokens)
+        return self._form(tokens, self.checks.adapter(adapter))
 
     def _form(self, tokens: Sequence[int], adapter: AdapterId | None,
               salt: CacheSalt = UNSALTED) -> KVForm:
@@ -154,7 +153,7 @@ class Engine:
         """A speculative child of ``parent_id`` holding ``tokens``; aliases the parent's pages."""
         session = self._mutable(session_id)
         parent = self._node(session, parent_id)
-        tokens = self._check_tokens(tokens)
+        tokens = self.checks.tokens(tokens)
         if parent.state is NodeState.ABORTED:
             raise InvalidStateError(f"cannot fork aborted node {parent_id}")
         if parent.state is NodeState.COMMITTED and parent is not session.tree.tip:
@@ -163,10 +162,10 @@ class Engine:
         if len(parent.live_children()) >= self.config.branch_cap:
             raise BranchCapError(f"node {parent_id} already has {self.config.branch_cap} live "
                                  f"children (branch_cap)")
-        self._check_context(parent.end + len(tokens))
-        adapter = self._check_adapter(adapter)
+        self.checks.context(parent.end + len(tokens))
+        adapter = self.checks.adapter(adapter)
         adapter = adapter if adapter is not None else parent.adapter
-        self._check_fits(parent.end + len(tokens), parent.table is not None
+        self.checks.fits(parent.end + len(tokens), parent.table is not None
                          and parent.table.residual is not None)
         if parent.table is None or parent.kv_len < parent.end:
             # The trunk must exist before it can be aliased: run the parent's pending work.
@@ -248,8 +247,8 @@ class Engine:
         quality benchmark measures by how much. Disaggregated and adaptive layouts (in the
         adaptive one, an agent that opens on a published residual takes the split form)."""
         self.stepper.sync()
-        tokens = self._check_tokens(tokens)
-        self._check_context(len(tokens))
+        tokens = self.checks.tokens(tokens)
+        self.checks.context(len(tokens))
         adapters = list(dict.fromkeys(adapters))
         if self.residual_pool is None:
             raise InvalidRequestError("prefill_shared (base_activations) needs the disaggregated "
@@ -257,7 +256,7 @@ class Engine:
         if not adapters or any(a is None for a in adapters):
             raise InvalidRequestError("prefill_shared needs at least one adapter, and no None")
         for a in adapters:
-            self._check_adapter(a)
+            self.checks.adapter(a)
             if self.kv.invocation(a) is not None:
                 raise InvalidRequestError(f"adapter {a!r} is an activated LoRA: its agents read "
                                           "the shared context's base pages as they are; "
@@ -296,9 +295,9 @@ class Engine:
         """
         session = self._mutable(session_id)
         tip = self._committable_tip(session, node_id)
-        tokens = self._check_tokens(tokens)
-        self._check_context(tip.end + len(tokens))
-        self._check_fits(tip.end + len(tokens), tip.table.residual is not None)
+        tokens = self.checks.tokens(tokens)
+        self.checks.context(tip.end + len(tokens))
+        self.checks.fits(tip.end + len(tokens), tip.table.residual is not None)
         tree = session.tree
         best, matched = None, 0
         for cand in self._branches_at(tip):
@@ -411,15 +410,15 @@ class Engine:
         """Queue a generation without running it: ticks decode every queued session in one
         batch (drivers and servers with many sessions use this; ``generate`` waits)."""
         session = self._mutable(session_id)
-        max_tokens = _count("max_tokens", max_tokens)
+        max_tokens = count("max_tokens", max_tokens)
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError("sampling must be SamplingParams, got "
                                       f"{type(sampling).__name__}")
-        stop = frozenset(_token_ids(stop, "stop", allow_empty=True))
+        stop = frozenset(token_ids(stop, "stop", allow_empty=True))
         tip = session.tree.tip
-        self._check_context(tip.end + max_tokens)
+        self.checks.context(tip.end + max_tokens)
         # The last sampled token's KV is written only if another verb follows.
-        self._check_fits(tip.end + max_tokens - 1, tip.table.residual is not None)
+        self.checks.fits(tip.end + max_tokens - 1, tip.table.residual is not None)
         session.error = None
         session.begin_generate(max_tokens, sampling, stop)
         if tip.next_token is not None and tip.next_token_sampling != sampling:
@@ -473,7 +472,7 @@ class Engine:
         """Unload an adapter from the backend; refused while a live node uses it (drain or
         close those sessions first), so no queued work is left pointing at it."""
         self.stepper.sync()
-        adapter = self._check_adapter(adapter)
+        adapter = self.checks.adapter(adapter)
         if adapter is None:
             raise InvalidRequestError("remove_adapter needs an adapter, got None")
         users = sorted({s.id for s in self.sessions.values() for n in s.tree.nodes.values()
@@ -569,44 +568,6 @@ class Engine:
         except (KeyError, TypeError):
             raise UnknownNodeError(f"session {session.id} has no node {node_id!r}") from None
 
-    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        tokens = _token_ids(tokens, "tokens")
-        vocab = self.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids out of vocabulary [0, {vocab}): {bad[:5]}")
-        return tokens
-
-    def _check_adapter(self, adapter: AdapterId | None) -> AdapterId | None:
-        """The backend's id for ``adapter`` (a name where the backend has names); None stays
-        None. Unknown adapters are refused here, before any state changes."""
-        if adapter is None:
-            return None
-        if isinstance(adapter, bool):
-            raise InvalidRequestError(f"adapter must be a name or an id, got {adapter!r}")
-        if self.capabilities.resolve_adapter:
-            return self.backend.resolve_adapter(adapter)
-        if self.capabilities.knows_adapter and not self.backend.knows_adapter(adapter):
-            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded in the backend")
-        return adapter
-
-    def _check_context(self, length: int) -> None:
-        if length > self.config.max_context:
-            raise ContextLengthError(f"sequence of {length} tokens exceeds the context window of "
-                                     f"{self.config.max_context} tokens")
-
-    def _check_fits(self, length: int, split: bool) -> None:
-        """A sequence longer than a whole pool can never be written, whatever is evicted:
-        refuse it now (one that only has to wait for pages is admitted)."""
-        pools = [self.pool] + ([self.residual_pool] if split and self.residual_pool is not None
-                               else [])
-        for pool in pools:
-            need = -(-length // pool.page_size)
-            if need > pool.num_pages:
-                raise CapacityError(f"a sequence of {length} tokens needs {need} {pool.kind.value} "
-                                    f"pages; the pool has {pool.num_pages} "
-                                    f"({pool.num_pages * pool.page_size} tokens)")
-
     # ----------------------------------------------------------- inspection
     def tip(self, session_id: int) -> int:
         return self._session(session_id).tree.tip.id
@@ -653,44 +614,13 @@ class Engine:
         return self.kv.evict_all()
 
     def check_integrity(self) -> None:
-        """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing."""
+        """Refcounts equal holders exactly; tables are consistent; aborted nodes hold nothing;
+        what the backend can tell was written covers every table (``engine/integrity.py``)."""
         self.stepper.sync()
-        tables = []
-        p = self.pool.page_size
-        for session in self.sessions.values():
-            for node in session.tree.nodes.values():
-                if node.table is None:
-                    continue
-                if node.state is NodeState.ABORTED:
-                    raise AssertionError(f"aborted node {node.id} still holds pages")
-                for t in node.table.tables():
-                    if len(t.pages) != -(-t.length // p) or t.length > node.end:
-                        raise AssertionError(f"node {node.id}: {len(t.pages)} {t.pool.kind.value} "
-                                             f"pages for {t.length} tokens (end {node.end})")
-                    tables.append(t)
-            tip = session.tree.tip
-            if tip.state is not NodeState.COMMITTED or tip.table is None:
-                raise AssertionError(f"session {session.id}: tip {tip.id} lost its table")
-        self.kv.check_integrity(tables)
-        self._check_written(tables)
+        check_integrity(self.sessions.values(), self.kv,
+                        self.backend.first_unwritten if self.capabilities.written_positions
+                        else None)
 
-    def _check_written(self, tables) -> None:
-        """Every position a table claims, and every published page, was written by a step
-        (where the backend can tell: ``first_unwritten``): a table never runs ahead of its KV."""
-        if not self.capabilities.written_positions:
-            return
-        first_unwritten = self.backend.first_unwritten
-        for t in tables:
-            pos = first_unwritten(t.pool.kind, t.pages, t.length)
-            if pos is not None:
-                raise AssertionError(f"a {t.pool.kind.value} table claims {t.length} tokens but "
-                                     f"position {pos} was never written")
-        for pool in self.kv.pools():
-            for entry in self.kv.index_of(pool).entries():
-                pos = first_unwritten(pool.kind, [entry.page], pool.page_size)
-                if pos is not None:
-                    raise AssertionError(f"published {pool.kind.value} page {entry.page} has "
-                                         f"unwritten slot {pos}")
 
 
 def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
@@ -705,44 +635,6 @@ def _text_of(backend: Backend) -> Callable[[Sequence[int]], str]:
     return decode
 
 
-
-
-def _token_ids(tokens, what: str, allow_empty: bool = False) -> list[int]:
-    """Token ids as plain ints: any integral type (numpy ints too); bools, floats, None refused."""
-    if tokens is None or isinstance(tokens, (str, bytes)):
-        raise InvalidRequestError(f"{what} must be a sequence of token ids, got "
-                                  f"{type(tokens).__name__}")
-    try:
-        items = list(tokens)
-    except TypeError:
-        raise InvalidRequestError(f"{what} must be a sequence of token ids, "
-                                  f"got {type(tokens).__name__}") from None
-    if not items and not allow_empty:
-        raise InvalidRequestError(f"{what}: token list is empty")
-    if all(type(t) is int for t in items):  # the common case, checked at C speed
-        return items
-    out = []
-    for t in items:
-        if isinstance(t, bool) or type(t).__name__ == "bool_":
-            raise InvalidRequestError(f"{what}: {t!r} is not a token id")
-        try:
-            out.append(operator.index(t))
-        except TypeError:
-            raise InvalidRequestError(f"{what}: {t!r} is not a token id") from None
-    return out
-
-
-def _count(what: str, n) -> int:
-    """A non-negative integer argument (any integral type; bools, floats, None refused)."""
-    if isinstance(n, bool):
-        raise InvalidRequestError(f"{what} must be an integer >= 0, got {n!r}")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise InvalidRequestError(f"{what} must be an integer >= 0, got {n!r}") from None
-    if n < 0:
-        raise InvalidRequestError(f"{what} must be >= 0, got {n}")
-    return n
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
