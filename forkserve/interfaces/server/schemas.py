@@ -279,10 +279,7 @@ class TopLogprob(_Frozen):
     bytes: list[int]
 
 
-class TokenLogprob(_Frozen):
-    token: str
-    logprob: float
-    bytes: list[int]
+class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
