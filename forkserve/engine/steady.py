@@ -44,7 +44,8 @@ class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
     __slots__ = ("session", "node", "kv", "base", "residual", "form", "adapter", "adapter_start",
-                 "sampling", "base_row", "residual_row", "own_last")
+                 "sampling", "base_row", "residual_row", "own_last", "tokens", "committed",
+                 "generated", "stop")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -64,6 +65,13 @@ class SteadyRow:
         # partial page (a fork), and a verb drops the session from the set first: the index,
         # pause pins and other sessions' matches reference full pages only.
         self.own_last = False
+        # What ``Session.take`` appends to and reads (``apply`` does it inline): the tip's
+        # tokens, the committed path, this generation's tokens and its stop set. Fixed while
+        # the session stays: only a verb replaces them (``begin_generate``: a new row).
+        self.tokens: list[int] = node.tokens
+        self.committed: list[int] = session.tree.committed
+        self.generated: list[int] = session.generated
+        self.stop: frozenset = session.stop
 
     def follow(self) -> None:
         """The page rows catch up with the tables (a page added at a boundary, or given back)."""
@@ -246,20 +254,38 @@ class SteadyDecode:
                            adapter_starts, sampling, self._marks)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
-              publish: Callable[[Node], None]) -> None:
+              publish: Callable[[Node], None], positions: np.ndarray | None = None) -> None:
         """As ``Stepper._apply`` then ``emit`` for each row: a write that filled a page is
-        published, the sampled token joins the session (``Session.take``); a generation that
-        ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
-        already reach one further, for the next step.)"""
+        published, the sampled token joins the session (``Session.take``, inline); a
+        generation that ended leaves the set. (The step wrote position ``end - 1``; with
+        overlap the table may already reach one further, for the next step.) ``positions``:
+        the column of the batch the rows ran as (``DecodeBatch.positions``), which finds the
+        rows whose write filled a page in C (position ``end - 1`` is a page's last); None:
+        each row's tip is read."""
         p = self.page_size
         static = self._static
+        # The filled pages first, in row order (a row's publish reads only its own path and
+        # tables, which the other rows' tokens do not touch).
+        if positions is not None:
+            for i in np.flatnonzero(positions % p == p - 1).tolist():
+                publish(rows[i].node)
+        else:
+            for row in rows:
+                if row.node.end % p == 0:
+                    publish(row.node)
         for row, token in zip(rows, tokens, strict=True):
+            row.node.last_touch = now
+            # ``Session.take``, inline (a member's tip is ``row.node``, its generated token
+            # already unwritten: ``generated_unwritten`` stays True).
+            row.tokens.append(token)
+            row.committed.append(token)
+            row.generated.append(token)
             session = row.session
-            node = row.node
-            node.last_touch = now
-            if node.end % p == 0:
-                publish(node)
-            session.take(token)
+            if token in row.stop:
+                session.decode_left = 0
+                session.finish_reason = "stop"
+            else:
+                session.decode_left -= 1
             if session.decode_left == 0:
                 session.paused_since = now
                 self.drop(session.id)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, NamedTuple, Sequence
 
+import numpy as np
+
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
@@ -67,6 +69,8 @@ class Stepper:
         self.overlap = StepOverlap(self)
         # Whether a prefill waits for a prefix another one in flight is writing.
         self.dedup = dedup_for(config, metrics)
+        # The positions column of the last step of steady rows ``_step`` ran.
+        self._rows_positions: np.ndarray | None = None
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do. With
@@ -248,7 +252,7 @@ class Stepper:
         # Preemption by a later grant of this tick may have released an earlier one's table.
         items = [i for i in items if i.node.table is not None]
         done, failed, steady_tokens = self._run(items, rows)
-        self._settle(items, done, failed, rows, steady_tokens)
+        self._settle(items, done, failed, rows, steady_tokens, self._rows_positions)
         if not items and not rows and waiting:
             # Nothing can run and committed work waits for pages other sessions hold: fail
             # the youngest waiter (its verb raises; a server ends that request alone).
@@ -260,7 +264,7 @@ class Stepper:
 
     def _settle(self, items: list["_Item"], done: list[tuple["_Item", int | None]],
                 failed: list[tuple["_Item", Exception]], rows: list[SteadyRow],
-                steady_tokens: list[int] | None) -> None:
+                steady_tokens: list[int] | None, positions: np.ndarray | None = None) -> None:
         """Apply a step's outcome: failures rolled back and told, tokens applied, sessions
         left in steady decode admitted to the set, peaks accounted."""
         for item, exc in failed:
@@ -269,7 +273,7 @@ class Stepper:
             self._apply(item, token)
         touched = {i.session for i in items if i.session.id in self.sessions}
         if steady_tokens is not None:
-            self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
+            self.steady.apply(rows, steady_tokens, self.clock(), self.publish, positions)
             # A member's held pages change only when it gained a page this tick.
             self.account_rows(self.steady.grown)
         if self.config.steady_decode:
@@ -346,6 +350,7 @@ class Stepper:
             return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
                                None).result()
         batch = self.steady.batch(rows)
+        self._rows_positions = batch.positions  # the rows' positions, for ``steady.apply``
         work = [i.work for i in group]
         if work:  # one numbering of the groups over the items and the rows
             marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]
