@@ -264,6 +264,7 @@ class SteadyDecode:
         each row's tip is read."""
         p = self.page_size
         static = self._static
+        ended: list[int] = []
         # The filled pages first, in row order (a row's publish reads only its own path and
         # tables, which the other rows' tokens do not touch).
         if positions is not None:
@@ -288,7 +289,11 @@ class SteadyDecode:
                 session.decode_left -= 1
             if session.decode_left == 0:
                 session.paused_since = now
-                self.drop(session.id)
+                ended.append(session.id)
+        if ended:  # they leave the set together: one ``_changed``
+            rows_by_id = self._rows
+            if any([rows_by_id.pop(i, None) is not None for i in ended]):
+                self._changed()
         # Unless a member left or joined since the rows' batch was built (a new ``_static``),
         # these tokens, row for row, are what the members' next step writes.
         self._sampled = (static, tuple(tokens)) if static is not None and static is self._static \
