@@ -93,7 +93,24 @@ class PrefixSharing:
         """How many readable leading pages each of ``others`` shares with ``lead`` (indices
         into ``rows``; ``readable``: each row's pages wholly before its first new token)."""
         first = rows[lead][0]
-        return [_common(first, rows[i][0], min(readable[lead], readable[i])) for i in others]
+        n_lead = readable[lead]
+        if not isinstance(first, np.ndarray):
+            return [_common(first, rows[i][0], min(n_lead, readable[i])) for i in others]
+        # Numpy rows (steady decode): the lead's bytes once per length, each other row's
+        # compared with them in C; a row that differs (or is not numpy) takes ``_common``.
+        lead_bytes: dict[int, bytes] = {}
+        out = []
+        for i in others:
+            pages, n = rows[i][0], min(n_lead, readable[i])
+            if isinstance(pages, np.ndarray) and pages.dtype == first.dtype:
+                mine = lead_bytes.get(n)
+                if mine is None:
+                    mine = lead_bytes[n] = first[:n].tobytes()
+                if pages[:n].tobytes() == mine:
+                    out.append(n)
+                    continue
+            out.append(_common(first, pages, n))
+        return out
 
 
 def _common(pa: Sequence[PageId], pb: Sequence[PageId], n: int) -> int:
