@@ -341,13 +341,14 @@ class KVCache:
         # No copy of the path or the tables: with a valid cursor the index reads only the new
         # pages and their tokens (O(page), not O(context), per filled page).
         tokens = PathPrefix(path_of(), max(base_full, res_full) * p)
-        base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
+        base_key, residual_key = self._keys_of(
+            kv, adapter, tokens if base_full >= res_full else tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
             if res_full != base_full:
                 residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
-            residual_pages = PathPrefix(kv.residual.pages, res_full)
-        cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
+            residual_pages = _first(kv.residual.pages, res_full)
+        cursor = self.tree.insert(base_key, _first(kv.base.pages, base_full), residual_key,
                                   residual_pages, cursor)
         return (base_full, res_full), cursor
 
@@ -427,3 +428,9 @@ class KVCache:
                 refs[page] = refs.get(page, 0) + 1
         for pool, refs in expected.items():
             pool.check_integrity(refs)
+
+
+def _first(pages: list[int], n: int) -> Sequence[int]:
+    """``pages[:n]`` without a copy: the list itself when it has ``n`` pages (a table whose
+    last page just filled), else a view of it (read at once, as ``PathPrefix`` says)."""
+    return pages if len(pages) == n else PathPrefix(pages, n)
