@@ -185,21 +185,24 @@ class SteadyDecode:
                 left += boundary
                 boundary, residual = [], 0
             # prepare_write(1) of every boundary member, the pages allocated at once.
-            fresh = iter(base_pool.alloc(len(boundary)))
             fresh_residual = iter(residual_pool.alloc(residual) if residual else ())
-            for row in boundary:
-                row.base.grow(next(fresh))
-                if row.residual is not None:
-                    row.residual.grow(next(fresh_residual))
-                row.own_last = True
-                row.follow()
-            self.grown = boundary
-            self._pages = None
             # The cascade groups stand: a boundary appends a fresh page behind the shared
             # ones (a member's write page is its own), so no common prefix moves; only a
             # member whose readable pages just reached a group's minimum may change them
             # (``PrefixSharing.groups_of``: it may now lead its first page's group).
-            if any(row.base.length // p == self.sharing.min_pages for row in boundary):
+            min_pages, regroup = self.sharing.min_pages, False
+            for row, page in zip(boundary, base_pool.alloc(len(boundary)), strict=True):
+                base = row.base
+                base.grow(page)
+                if row.residual is not None:
+                    row.residual.grow(next(fresh_residual))
+                row.own_last = True
+                row.follow()
+                if base.length // p == min_pages:
+                    regroup = True
+            self.grown = boundary
+            self._pages = None
+            if regroup:
                 self._marks = None
         for row in left:
             self.drop(row.session.id)
