@@ -67,7 +67,8 @@ class PrefixSharing:
             common = sorted(zip(self._commons(rows, readable, items[0], items[1:]), items[1:],
                                 strict=True), reverse=True)
             best_k, best_saved = 0, 0
-            for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
+            # k followers share `pages` with the lead
+            for k, (pages, _) in enumerate(common, start=1):
                 if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
                     best_k, best_saved = k, k * pages
             if best_k:

@@ -152,7 +152,8 @@ class Stepper:
         done, failed, _ = self._run(items, [])
         self._settle(items, done, failed, [], None)
 
-    def _demands(self, session: Session, committed: list[Demand], speculative: list[Demand]) -> None:
+    def _demands(self, session: Session, committed: list[Demand],
+                 speculative: list[Demand]) -> None:
         """What one session on the general path needs this tick, appended to the two lists."""
         if session.error is not None:
             return  # a failed session waits for its next verb
@@ -188,7 +189,8 @@ class Stepper:
         return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)
 
     def _rematch(self, session: Session, tip: Node) -> None:
-        """Alias what is published now for a held tip's path (keeping its last token to sample from)."""
+        """Alias what is published now for a held tip's path (keeping its last token to sample
+        from)."""
         path = session.tree.path_tokens(tip)
         self.attach(tip, self.kv.match(tip.table, tip.adapter, path[:tip.end - 1]))
 
@@ -212,7 +214,8 @@ class Stepper:
             node.speculated = False  # the trunk moved under it: drop the queued work
             self.metrics.dropped_chunks += 1
             return None
-        if node.kv_len == node.end and node.next_token is not None and (node.probe_left or node.extend_left):
+        if node.kv_len == node.end and node.next_token is not None and (
+                node.probe_left or node.extend_left):
             self._emit_speculative(node)
         self.activate(self.sessions[node.session_id].tree, node)
         pending = _regime_capped(node, node.end - node.kv_len)
@@ -427,8 +430,8 @@ class Stepper:
         invocation = self.kv.invocation(node.adapter)
         if invocation is None or node.table is None:
             return
-        node.activation = node.activation.extend(invocation, lambda s, e: tree.path_slice(node, s, e),
-                                                 node.end)
+        node.activation = node.activation.extend(
+            invocation, lambda s, e: tree.path_slice(node, s, e), node.end)
         if self.kv.activate(node.table, node.activation.start):
             # Logits and published pages of the cut K/V no longer describe this path.
             node.next_token = None
