@@ -26,6 +26,7 @@ the last ``apply`` took: rebuilt row by row only after a join, a leave or an ``u
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, KeysView, Sequence
 
 import numpy as np
@@ -78,6 +79,12 @@ class SteadyRow:
         self.base_row.follow(self.base)
         if self.residual_row is not None:
             self.residual_row.follow(self.residual)
+
+
+# The batch's columns, read off the rows in C.
+_NODE_ID, _NODE, _FORM, _ADAPTER, _ADAPTER_START, _SAMPLING = map(
+    attrgetter, ("node.id", "node", "form", "adapter", "adapter_start", "sampling"))
+_BASE_VIEW, _RESIDUAL_ROW = attrgetter("base_row.view"), attrgetter("residual_row")
 
 
 class SteadyDecode:
@@ -226,19 +233,21 @@ class SteadyDecode:
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
-            starts = [r.adapter_start for r in rows]
+            # (Columns of the rows' fields read by ``attrgetter`` in C, one pass each.)
+            starts = list(map(_ADAPTER_START, rows))
             # Without an adapter the row runs as the base model: adapter_start past its token.
             as_base = np.array([s is None for s in starts], dtype=bool)
-            self._static = (tuple(r.node.id for r in rows), tuple(r.form for r in rows),
-                            tuple(r.adapter for r in rows),
+            self._static = (tuple(map(_NODE_ID, rows)), tuple(map(_FORM, rows)),
+                            tuple(map(_ADAPTER, rows)),
                             (as_base, np.array([s or 0 for s in starts], dtype=np.int64),
                              bool(as_base.any())),
-                            tuple(r.sampling for r in rows), tuple(r.node for r in rows))
+                            tuple(map(_SAMPLING, rows)), tuple(map(_NODE, rows)))
         seq_ids, forms, adapters, (as_base, starts, any_base), sampling, nodes = self._static
         if self._pages is None:
-            self._pages = (tuple(r.base_row.view for r in rows),
-                           tuple(None if r.residual_row is None else r.residual_row.view
-                                 for r in rows))
+            residual_rows = tuple(map(_RESIDUAL_ROW, rows))
+            self._pages = (tuple(map(_BASE_VIEW, rows)),
+                           tuple(None if r is None else r.view for r in residual_rows)
+                           if residual_rows.count(None) < len(residual_rows) else residual_rows)
         pages, residual = self._pages
         if self._positions is None:
             self._positions = np.fromiter((r.base.length - 1 for r in rows), np.int64, len(rows))
