@@ -97,13 +97,15 @@ class KVCache:
         self.residual_pool: PagePool | None = None
         self.host_tier: HostTier | None = None
         if PageKind.RESIDUAL in kinds:
-            self.residual_pool = PagePool(PageKind.RESIDUAL, config.num_residual_pages, config.page_size)
+            self.residual_pool = PagePool(PageKind.RESIDUAL, config.num_residual_pages,
+                                          config.page_size)
             if host is not None and config.host_residual_pages:
                 self.host_tier = HostTier(PageKind.RESIDUAL, config.host_residual_pages,
                                           config.page_size, host, metrics)
         self.tree = DualRadixTree(self.pool, self.residual_pool, self.host_tier)
         self.retention = BaseRetention(
-            pause_ttl or QuantilePauseTTL(config.pause_ttl_quantile, config.pause_ttl_prior_s), metrics)
+            pause_ttl or QuantilePauseTTL(config.pause_ttl_quantile, config.pause_ttl_prior_s),
+            metrics)
         self._adapter_version = adapter_version or (lambda adapter: 0)
         self._adapter_invocation = adapter_invocation or (lambda adapter: None)
         # Per adapter id, looked up once: ids are never reused for another adapter.
@@ -177,8 +179,8 @@ class KVCache:
         # by this) or not take the form probed.
         residual_hit = 0
         if residual_key is not None and self.residual_pool is not None:
-            residual_hit = len(self.residual_index.probe(residual_key.namespace, residual_key.tokens,
-                                                         residual_key.base_pages, salt)) * p
+            residual_hit = len(self.residual_index.probe(
+                residual_key.namespace, residual_key.tokens, residual_key.base_pages, salt)) * p
         # What merged would hold: pages tables and pins hold (cached pages are evictable, not
         # load), the queued prompts, and this prompt less the published merged pages others
         # already hold (those it finds cached become load: they stay in its count).
@@ -207,7 +209,8 @@ class KVCache:
         alora = self.invocation(adapter) is not None
         # An aLoRA child keeps the parent's point (``activate`` then cuts where they differ);
         # any other child of another adapter gets the layout's sharing as its own.
-        start = parent.adapter_start if alora or adapter == parent_adapter else self._fresh_start(adapter)
+        start = parent.adapter_start if alora or adapter == parent_adapter \
+            else self._fresh_start(adapter)
         if adapter == parent_adapter:
             return parent.fork(start)
         if alora and parent.adapter_start is None and parent.residual is None:
@@ -250,8 +253,9 @@ class KVCache:
         return 0 if adapter is not None and self.invocation(adapter) is None else None
 
     # ------------------------------------------------------------- index
-    def keys(self, adapter: AdapterId | None, path: Sequence[int], form: KVForm, adapter_start: int | None = 0,
-             salt: CacheSalt = UNSALTED) -> tuple[BaseKey, ResidualKey | None]:
+    def keys(self, adapter: AdapterId | None, path: Sequence[int], form: KVForm,
+             adapter_start: int | None = 0, salt: CacheSalt = UNSALTED
+             ) -> tuple[BaseKey, ResidualKey | None]:
         """Keys of ``path``'s pages for K/V of ``adapter`` in ``form``, applied from
         ``adapter_start`` (see ``AdapterNamespace``), within the trust boundary ``salt`` (both
         keys carry it, whatever the namespace: a BASE page is shared only inside it too).
@@ -268,8 +272,8 @@ class KVCache:
             return BaseKey(tokens, BASE, 0, salt), None
         p = self.pool.page_size
         base_pages = len(tokens) // p if adapter_start is None else adapter_start // p
-        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start, base_pages,
-                               salt)
+        residual = ResidualKey(adapter, self._adapter_version(adapter), tokens, adapter_start,
+                               base_pages, salt)
         if form is KVForm.MERGED and self.layout is not KVLayout.FULL_REUSE:
             # Merged K/V depends on the adapter: the base side lives under its namespace.
             return BaseKey(tokens, residual.namespace, base_pages, salt), residual
@@ -284,7 +288,8 @@ class KVCache:
                  path: Sequence[int]) -> tuple[BaseKey, ResidualKey | None]:
         """The keys a table's pages are matched and published under: its form, its
         activation point and its salt, all read off the table."""
-        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter), kv.salt)
+        return self.keys(adapter, path, self.form_of(kv, adapter), self.adapter_start(kv, adapter),
+                         kv.salt)
 
     def match(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int]) -> DualMatch:
         """Published pages for ``path``: how far the base side and the residual side reach."""
@@ -298,8 +303,10 @@ class KVCache:
                 hit = DualMatch(exact, hit.residual_pages)
         return hit
 
-    def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], chain: Sequence[int]
-                    ) -> tuple[int, tuple[frozenset[ClaimKey], ...], tuple[frozenset[ClaimKey], ...]]:
+    def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int],
+                    chain: Sequence[int]
+                    ) -> tuple[int, tuple[frozenset[ClaimKey], ...],
+                               tuple[frozenset[ClaimKey], ...]]:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
         each full page of ``path`` from the table's first unwritten one, the keys of the sides
         it still has to write there, and the keys whose publication would give it those sides
@@ -310,7 +317,8 @@ class KVCache:
         base_key, residual_key = self._keys_of(kv, adapter, path[:full * p])
         sides = [(kv.base, self.pool.kind, base_key.namespace, base_key.base_pages)]
         if kv.residual is not None and residual_key is not None:
-            sides.append((kv.residual, PageKind.RESIDUAL, residual_key.namespace, residual_key.base_pages))
+            sides.append((kv.residual, PageKind.RESIDUAL, residual_key.namespace,
+                          residual_key.base_pages))
         first = kv.length // p
         writes, reads = [], []
         for i in range(first, full):
@@ -341,13 +349,14 @@ class KVCache:
         # No copy of the path or the tables: with a valid cursor the index reads only the new
         # pages and their tokens (O(page), not O(context), per filled page).
         tokens = PathPrefix(path_of(), max(base_full, res_full) * p)
-        base_key, residual_key = self._keys_of(kv, adapter, tokens[:base_full * p])
+        base_key, residual_key = self._keys_of(
+            kv, adapter, tokens if base_full >= res_full else tokens[:base_full * p])
         residual_pages: Sequence[int] = ()
         if kv.residual is not None:
             if res_full != base_full:
                 residual_key = self._keys_of(kv, adapter, tokens[:res_full * p])[1]
-            residual_pages = PathPrefix(kv.residual.pages, res_full)
-        cursor = self.tree.insert(base_key, PathPrefix(kv.base.pages, base_full), residual_key,
+            residual_pages = _first(kv.residual.pages, res_full)
+        cursor = self.tree.insert(base_key, _first(kv.base.pages, base_full), residual_key,
                                   residual_pages, cursor)
         return (base_full, res_full), cursor
 
@@ -357,10 +366,13 @@ class KVCache:
         each of ``adapters``' residual (plain adapters, full pages): each holds the leading
         pages published on every side, so only the rest is computed."""
         base_key, keys = self._shared_keys(tokens, adapters)
-        hits = [self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages, base_key.salt)]
-        hits += [self.residual_index.match(k.namespace, k.tokens, k.base_pages, k.salt) for k in keys]
+        hits = [self.index.match(base_key.namespace, base_key.tokens, base_key.base_pages,
+                                 base_key.salt)]
+        hits += [self.residual_index.match(k.namespace, k.tokens, k.base_pages, k.salt)
+                 for k in keys]
         common = min(len(h) for h in hits)
-        shared = SharedKV(PageTable(self.pool), {a: PageTable(self.residual_pool) for a in adapters})
+        shared = SharedKV(PageTable(self.pool),
+                          {a: PageTable(self.residual_pool) for a in adapters})
         for table, pages in zip(shared.tables(), hits, strict=True):
             table.attach(pages[:common], common * self.pool.page_size)
         return shared
@@ -379,10 +391,13 @@ class KVCache:
                      ) -> tuple[BaseKey, list[ResidualKey]]:
         tokens = tuple(tokens)
         base_key = self.keys(None, tokens, KVForm.SPLIT)[0]
-        return base_key, [self.keys(a, tokens, KVForm.SPLIT, self._fresh_start(a))[1] for a in adapters]
+        return base_key, [self.keys(a, tokens, KVForm.SPLIT, self._fresh_start(a))[1]
+                          for a in adapters]
 
-    def pin_published(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int], now: float) -> None:
-        """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that follows."""
+    def pin_published(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int],
+                      now: float) -> None:
+        """Pin the base pages the index holds for ``path`` (``kv``'s) through the pause that
+        follows."""
         base_key, _ = self._keys_of(kv, adapter, path)
         self.retention.pin(self.pool, self.index.match(base_key.namespace, base_key.tokens,
                                                        base_key.base_pages, base_key.salt), now)
@@ -397,7 +412,8 @@ class KVCache:
             if need > pool.num_free:
                 self.index_of(pool).evict(need - pool.num_free)
 
-    def make_room(self, pool: PagePool, need: int, preempt: Callable[[PagePool, int], None] | None) -> None:
+    def make_room(self, pool: PagePool, need: int,
+                  preempt: Callable[[PagePool, int], None] | None) -> None:
         """Free pages for a write: evict the pool's own index (never the other one; the
         residual index parks pages on the host tier), then, for committed work only
         (``preempt`` given), release speculation and after it pause pins; raise if still short."""
@@ -407,8 +423,8 @@ class KVCache:
         if need > pool.num_free and preempt is not None:
             self.retention.release_for(pool, need, self.index_of(pool).evict)
         if need > pool.num_free:
-            raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free after "
-                                  f"evicting the index and preempting speculation")
+            raise OutOfPagesError(f"need {need} {pool.kind.value} pages; {pool.num_free} free "
+                                  f"after evicting the index and preempting speculation")
 
     def evict_all(self) -> int:
         """Drop every cached page: pause pins, the index, the host tier."""
@@ -427,3 +443,9 @@ class KVCache:
                 refs[page] = refs.get(page, 0) + 1
         for pool, refs in expected.items():
             pool.check_integrity(refs)
+
+
+def _first(pages: list[int], n: int) -> Sequence[int]:
+    """``pages[:n]`` without a copy: the list itself when it has ``n`` pages (a table whose
+    last page just filled), else a view of it (read at once, as ``PathPrefix`` says)."""
+    return pages if len(pages) == n else PathPrefix(pages, n)

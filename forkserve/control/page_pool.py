@@ -36,9 +36,14 @@ class PagePool:
             raise OutOfPagesError(
                 f"{self.kind.value} pool: need {n} pages, {len(self._free)} of {self.num_pages} "
                 "free")
-        pages = [self._free.pop() for _ in range(n)]
+        free = self._free
+        # What n pops would return (the end of the free list, last first), cut in C.
+        pages = free[len(free) - n:]
+        pages.reverse()
+        del free[len(free) - n:]
+        refs = self._refs
         for p in pages:
-            self._refs[p] = 1
+            refs[p] = 1
         return pages
 
     def incref(self, pages) -> None:
@@ -70,8 +75,8 @@ class PagePool:
                 raise AssertionError(f"page {page}: negative refcount {refs}")
             want = expected_refs.get(page, 0)
             if refs != want:
-                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs}, holders "
-                                     f"{want}")
+                raise AssertionError(f"{self.kind.value} page {page}: refcount {refs}, "
+                                     f"holders {want}")
             if (refs == 0) != (page in free):
                 raise AssertionError(f"{self.kind.value} page {page}: refcount {refs} but "
                                      f"free={page in free}")

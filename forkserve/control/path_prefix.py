@@ -47,3 +47,10 @@ class PathPrefix(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return itertools.islice(self._path, self._n)
+
+
+def backing(seq: Sequence[int]) -> Sequence[int]:
+    """What ``seq`` reads: a view's live list (equal to it at every index below its length,
+    which is all a caller may read of it), anything else itself. Lets a hot loop index and
+    slice in C (``PrefixIndex.insert``)."""
+    return seq._path if isinstance(seq, PathPrefix) else seq

@@ -39,6 +39,7 @@ from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
 from forkserve.control.eviction_frontier import EvictionFrontier
 from forkserve.control.host_tier import HostTier
 from forkserve.control.page_pool import PagePool
+from forkserve.control.path_prefix import backing
 
 
 @dataclass(frozen=True)
@@ -298,8 +299,16 @@ class PrefixIndex:
         now = next(self._clock)
         added = 0
         refs = self._refs
-        for key, page in zip(self._page_keys(namespace, tokens, base_pages, salt, first, scope),
-                             pages[first:], strict=False):
+        p = self.page_size
+        # The keys of ``tokens``' full pages from ``first`` (``_page_keys``: BASE before
+        # ``base_pages``), as many as there are pages; read in place (a view's list).
+        end = min(len(tokens) // p, len(pages))
+        base_scope = self._scope(BASE, salt) if first < min(base_pages, end) else None
+        token_list, page_list = backing(tokens), backing(pages)
+        for i in range(first, end):
+            key = PageKey(tuple(token_list[i * p:(i + 1) * p]),
+                          base_scope if i < base_pages else scope)
+            page = page_list[i]
             child = node.children.get(key)
             if child is None:
                 self.pool.incref((page,))
@@ -319,7 +328,7 @@ class PrefixIndex:
                 self.num_offloaded -= 1
             child.last_access = now
             node = child
-            first += 1
+        first = max(first, end)
         self._entries += added
         return InsertCursor(namespace, base_pages, node, first, salt, scope)
 

@@ -67,7 +67,8 @@ class PrefixSharing:
             common = sorted(zip(self._commons(rows, readable, items[0], items[1:]), items[1:],
                                 strict=True), reverse=True)
             best_k, best_saved = 0, 0
-            for k, (pages, _) in enumerate(common, start=1):  # k followers share `pages` with the lead
+            # k followers share `pages` with the lead
+            for k, (pages, _) in enumerate(common, start=1):
                 if k + 1 >= self.min_items and pages >= min_pages and k * pages > best_saved:
                     best_k, best_saved = k, k * pages
             if best_k:
@@ -93,7 +94,24 @@ class PrefixSharing:
         """How many readable leading pages each of ``others`` shares with ``lead`` (indices
         into ``rows``; ``readable``: each row's pages wholly before its first new token)."""
         first = rows[lead][0]
-        return [_common(first, rows[i][0], min(readable[lead], readable[i])) for i in others]
+        n_lead = readable[lead]
+        if not isinstance(first, np.ndarray):
+            return [_common(first, rows[i][0], min(n_lead, readable[i])) for i in others]
+        # Numpy rows (steady decode): the lead's bytes once per length, each other row's
+        # compared with them in C; a row that differs (or is not numpy) takes ``_common``.
+        lead_bytes: dict[int, bytes] = {}
+        out = []
+        for i in others:
+            pages, n = rows[i][0], min(n_lead, readable[i])
+            if isinstance(pages, np.ndarray) and pages.dtype == first.dtype:
+                mine = lead_bytes.get(n)
+                if mine is None:
+                    mine = lead_bytes[n] = first[:n].tobytes()
+                if pages[:n].tobytes() == mine:
+                    out.append(n)
+                    continue
+            out.append(_common(first, pages, n))
+        return out
 
 
 def _common(pa: Sequence[PageId], pb: Sequence[PageId], n: int) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
+import numpy as np
+
 from forkserve.backend.protocol import Backend, StepCost, StepResult
 from forkserve.backend.step_handle import StepHandle, launch_step
 from forkserve.control.context_tree import Node
@@ -48,6 +50,7 @@ class _InFlight(NamedTuple):
     handle: StepHandle
     rows: list[SteadyRow]
     version: int  # the steady set's at launch (``SteadyDecode.version``)
+    positions: np.ndarray  # the launched batch's (``SteadyDecode.apply`` finds filled pages)
 
 
 class StepOverlap:
@@ -65,13 +68,14 @@ class StepOverlap:
         write when the path does not hold them yet (the step before sampled them)."""
         steady = self.host.steady
         batch = steady.batch(rows, tokens)
-        self._inflight = _InFlight(launch_step(self.host.backend, [], batch), rows, steady.version)
+        self._inflight = _InFlight(launch_step(self.host.backend, [], batch), rows, steady.version,
+                                   batch.positions)
 
     def advance(self) -> bool:
         """A tick over the step in flight: prepare the next step's pages and columns while it
         runs, read it back, launch the next one with the tokens it sampled, then apply them."""
         host, steady = self.host, self.host.steady
-        handle, rows, launched = self._inflight
+        handle, rows, launched, positions = self._inflight
         for row in rows:
             if row.session.decode_left <= 1:  # its last token is in flight
                 steady.drop(row.session.id)
@@ -109,7 +113,7 @@ class StepOverlap:
             following, written = [r for r, _ in kept], [t for _, t in kept]
         if following:
             self.launch(following, written)
-        steady.apply(rows, tokens, host.clock(), host.publish)
+        steady.apply(rows, tokens, host.clock(), host.publish, positions)
         # A member's held pages change only when it gained a page for the next step.
         host.account_rows([r for r in steady.grown if r.session.id in steady])
         host.metrics.ticks += 1
@@ -119,7 +123,7 @@ class StepOverlap:
         """Read back and apply the step in flight, if any: the state every verb sees."""
         if self._inflight is None:
             return
-        handle, rows, _ = self._inflight
+        handle, rows, _, positions = self._inflight
         self._inflight = None
         try:
             result = handle.result()
@@ -128,7 +132,7 @@ class StepOverlap:
             return
         tokens = self._tokens(result, rows)
         self.host.account_cost(result.cost, [])
-        self.host.steady.apply(rows, tokens, self.host.clock(), self.host.publish)
+        self.host.steady.apply(rows, tokens, self.host.clock(), self.host.publish, positions)
 
     @staticmethod
     def _tokens(result: StepResult, rows: list[SteadyRow]) -> Sequence[int]:

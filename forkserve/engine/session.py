@@ -52,7 +52,8 @@ class Session:
 
     def take(self, token: int) -> None:
         """``token``, sampled after the tip, joins the committed path and this generation;
-        its KV is written by the next step (the general path's ``emit`` and the steady set)."""
+        its KV is written by the next step (the general path's ``emit``; ``SteadyDecode.apply``
+        does the same inline for its members)."""
         tree = self.tree
         tree.tip.tokens.append(token)
         tree.committed.append(token)

@@ -26,6 +26,7 @@ the last ``apply`` took: rebuilt row by row only after a join, a leave or an ``u
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable, KeysView, Sequence
 
 import numpy as np
@@ -44,7 +45,8 @@ class SteadyRow:
     """One steady session: what its rows in every tick's batch are built from."""
 
     __slots__ = ("session", "node", "kv", "base", "residual", "form", "adapter", "adapter_start",
-                 "sampling", "base_row", "residual_row", "own_last")
+                 "sampling", "base_row", "residual_row", "own_last", "tokens", "committed",
+                 "generated", "stop")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -64,12 +66,25 @@ class SteadyRow:
         # partial page (a fork), and a verb drops the session from the set first: the index,
         # pause pins and other sessions' matches reference full pages only.
         self.own_last = False
+        # What ``Session.take`` appends to and reads (``apply`` does it inline): the tip's
+        # tokens, the committed path, this generation's tokens and its stop set. Fixed while
+        # the session stays: only a verb replaces them (``begin_generate``: a new row).
+        self.tokens: list[int] = node.tokens
+        self.committed: list[int] = session.tree.committed
+        self.generated: list[int] = session.generated
+        self.stop: frozenset = session.stop
 
     def follow(self) -> None:
         """The page rows catch up with the tables (a page added at a boundary, or given back)."""
         self.base_row.follow(self.base)
         if self.residual_row is not None:
             self.residual_row.follow(self.residual)
+
+
+# The batch's columns, read off the rows in C.
+_NODE_ID, _NODE, _FORM, _ADAPTER, _ADAPTER_START, _SAMPLING = map(
+    attrgetter, ("node.id", "node", "form", "adapter", "adapter_start", "sampling"))
+_BASE_VIEW, _RESIDUAL_ROW = attrgetter("base_row.view"), attrgetter("residual_row")
 
 
 class SteadyDecode:
@@ -177,21 +192,24 @@ class SteadyDecode:
                 left += boundary
                 boundary, residual = [], 0
             # prepare_write(1) of every boundary member, the pages allocated at once.
-            fresh = iter(base_pool.alloc(len(boundary)))
             fresh_residual = iter(residual_pool.alloc(residual) if residual else ())
-            for row in boundary:
-                row.base.grow(next(fresh))
-                if row.residual is not None:
-                    row.residual.grow(next(fresh_residual))
-                row.own_last = True
-                row.follow()
-            self.grown = boundary
-            self._pages = None
             # The cascade groups stand: a boundary appends a fresh page behind the shared
             # ones (a member's write page is its own), so no common prefix moves; only a
             # member whose readable pages just reached a group's minimum may change them
             # (``PrefixSharing.groups_of``: it may now lead its first page's group).
-            if any(row.base.length // p == self.sharing.min_pages for row in boundary):
+            min_pages, regroup = self.sharing.min_pages, False
+            for row, page in zip(boundary, base_pool.alloc(len(boundary)), strict=True):
+                base = row.base
+                base.grow(page)
+                if row.residual is not None:
+                    row.residual.grow(next(fresh_residual))
+                row.own_last = True
+                row.follow()
+                if base.length // p == min_pages:
+                    regroup = True
+            self.grown = boundary
+            self._pages = None
+            if regroup:
                 self._marks = None
         for row in left:
             self.drop(row.session.id)
@@ -215,19 +233,21 @@ class SteadyDecode:
         when the path does not hold them yet (overlap: the step before sampled them and its
         tokens are not applied yet); None: each tip's last token."""
         if self._static is None:
-            starts = [r.adapter_start for r in rows]
+            # (Columns of the rows' fields read by ``attrgetter`` in C, one pass each.)
+            starts = list(map(_ADAPTER_START, rows))
             # Without an adapter the row runs as the base model: adapter_start past its token.
             as_base = np.array([s is None for s in starts], dtype=bool)
-            self._static = (tuple(r.node.id for r in rows), tuple(r.form for r in rows),
-                            tuple(r.adapter for r in rows),
+            self._static = (tuple(map(_NODE_ID, rows)), tuple(map(_FORM, rows)),
+                            tuple(map(_ADAPTER, rows)),
                             (as_base, np.array([s or 0 for s in starts], dtype=np.int64),
                              bool(as_base.any())),
-                            tuple(r.sampling for r in rows), tuple(r.node for r in rows))
+                            tuple(map(_SAMPLING, rows)), tuple(map(_NODE, rows)))
         seq_ids, forms, adapters, (as_base, starts, any_base), sampling, nodes = self._static
         if self._pages is None:
-            self._pages = (tuple(r.base_row.view for r in rows),
-                           tuple(None if r.residual_row is None else r.residual_row.view
-                                 for r in rows))
+            residual_rows = tuple(map(_RESIDUAL_ROW, rows))
+            self._pages = (tuple(map(_BASE_VIEW, rows)),
+                           tuple(None if r is None else r.view for r in residual_rows)
+                           if residual_rows.count(None) < len(residual_rows) else residual_rows)
         pages, residual = self._pages
         if self._positions is None:
             self._positions = np.fromiter((r.base.length - 1 for r in rows), np.int64, len(rows))
@@ -246,23 +266,46 @@ class SteadyDecode:
                            adapter_starts, sampling, self._marks)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
-              publish: Callable[[Node], None]) -> None:
+              publish: Callable[[Node], None], positions: np.ndarray | None = None) -> None:
         """As ``Stepper._apply`` then ``emit`` for each row: a write that filled a page is
-        published, the sampled token joins the session (``Session.take``); a generation that
-        ended leaves the set. (The step wrote position ``end - 1``; with overlap the table may
-        already reach one further, for the next step.)"""
+        published, the sampled token joins the session (``Session.take``, inline); a
+        generation that ended leaves the set. (The step wrote position ``end - 1``; with
+        overlap the table may already reach one further, for the next step.) ``positions``:
+        the column of the batch the rows ran as (``DecodeBatch.positions``), which finds the
+        rows whose write filled a page in C (position ``end - 1`` is a page's last); None:
+        each row's tip is read."""
         p = self.page_size
         static = self._static
+        ended: list[int] = []
+        # The filled pages first, in row order (a row's publish reads only its own path and
+        # tables, which the other rows' tokens do not touch).
+        if positions is not None:
+            for i in np.flatnonzero(positions % p == p - 1).tolist():
+                publish(rows[i].node)
+        else:
+            for row in rows:
+                if row.node.end % p == 0:
+                    publish(row.node)
         for row, token in zip(rows, tokens, strict=True):
+            row.node.last_touch = now
+            # ``Session.take``, inline (a member's tip is ``row.node``, its generated token
+            # already unwritten: ``generated_unwritten`` stays True).
+            row.tokens.append(token)
+            row.committed.append(token)
+            row.generated.append(token)
             session = row.session
-            node = row.node
-            node.last_touch = now
-            if node.end % p == 0:
-                publish(node)
-            session.take(token)
+            if token in row.stop:
+                session.decode_left = 0
+                session.finish_reason = "stop"
+            else:
+                session.decode_left -= 1
             if session.decode_left == 0:
                 session.paused_since = now
-                self.drop(session.id)
+                ended.append(session.id)
+        if ended:  # they leave the set together: one ``_changed``
+            rows_by_id = self._rows
+            if any([rows_by_id.pop(i, None) is not None for i in ended]):
+                self._changed()
         # Unless a member left or joined since the rows' batch was built (a new ``_static``),
         # these tokens, row for row, are what the members' next step writes.
         self._sampled = (static, tuple(tokens)) if static is not None and static is self._static \

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterable, NamedTuple, Sequence
 
+import numpy as np
+
 from forkserve.backend.protocol import (
     GREEDY,
     Backend,
@@ -67,6 +69,8 @@ class Stepper:
         self.overlap = StepOverlap(self)
         # Whether a prefill waits for a prefix another one in flight is writing.
         self.dedup = dedup_for(config, metrics)
+        # The positions column of the last step of steady rows ``_step`` ran.
+        self._rows_positions: np.ndarray | None = None
 
     def tick(self) -> bool:
         """One scheduler tick; returns False when there was nothing to do. With
@@ -148,7 +152,8 @@ class Stepper:
         done, failed, _ = self._run(items, [])
         self._settle(items, done, failed, [], None)
 
-    def _demands(self, session: Session, committed: list[Demand], speculative: list[Demand]) -> None:
+    def _demands(self, session: Session, committed: list[Demand],
+                 speculative: list[Demand]) -> None:
         """What one session on the general path needs this tick, appended to the two lists."""
         if session.error is not None:
             return  # a failed session waits for its next verb
@@ -184,7 +189,8 @@ class Stepper:
         return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)
 
     def _rematch(self, session: Session, tip: Node) -> None:
-        """Alias what is published now for a held tip's path (keeping its last token to sample from)."""
+        """Alias what is published now for a held tip's path (keeping its last token to sample
+        from)."""
         path = session.tree.path_tokens(tip)
         self.attach(tip, self.kv.match(tip.table, tip.adapter, path[:tip.end - 1]))
 
@@ -208,7 +214,8 @@ class Stepper:
             node.speculated = False  # the trunk moved under it: drop the queued work
             self.metrics.dropped_chunks += 1
             return None
-        if node.kv_len == node.end and node.next_token is not None and (node.probe_left or node.extend_left):
+        if node.kv_len == node.end and node.next_token is not None and (
+                node.probe_left or node.extend_left):
             self._emit_speculative(node)
         self.activate(self.sessions[node.session_id].tree, node)
         pending = _regime_capped(node, node.end - node.kv_len)
@@ -248,7 +255,7 @@ class Stepper:
         # Preemption by a later grant of this tick may have released an earlier one's table.
         items = [i for i in items if i.node.table is not None]
         done, failed, steady_tokens = self._run(items, rows)
-        self._settle(items, done, failed, rows, steady_tokens)
+        self._settle(items, done, failed, rows, steady_tokens, self._rows_positions)
         if not items and not rows and waiting:
             # Nothing can run and committed work waits for pages other sessions hold: fail
             # the youngest waiter (its verb raises; a server ends that request alone).
@@ -260,7 +267,7 @@ class Stepper:
 
     def _settle(self, items: list["_Item"], done: list[tuple["_Item", int | None]],
                 failed: list[tuple["_Item", Exception]], rows: list[SteadyRow],
-                steady_tokens: list[int] | None) -> None:
+                steady_tokens: list[int] | None, positions: np.ndarray | None = None) -> None:
         """Apply a step's outcome: failures rolled back and told, tokens applied, sessions
         left in steady decode admitted to the set, peaks accounted."""
         for item, exc in failed:
@@ -269,7 +276,7 @@ class Stepper:
             self._apply(item, token)
         touched = {i.session for i in items if i.session.id in self.sessions}
         if steady_tokens is not None:
-            self.steady.apply(rows, steady_tokens, self.clock(), self.publish)
+            self.steady.apply(rows, steady_tokens, self.clock(), self.publish, positions)
             # A member's held pages change only when it gained a page this tick.
             self.account_rows(self.steady.grown)
         if self.config.steady_decode:
@@ -346,6 +353,7 @@ class Stepper:
             return launch_step(self.backend, self.sharing.annotate([i.work for i in group]),
                                None).result()
         batch = self.steady.batch(rows)
+        self._rows_positions = batch.positions  # the rows' positions, for ``steady.apply``
         work = [i.work for i in group]
         if work:  # one numbering of the groups over the items and the rows
             marks = self.sharing.marks([(w.slots.pages, w.start_pos) for w in work]
@@ -422,8 +430,8 @@ class Stepper:
         invocation = self.kv.invocation(node.adapter)
         if invocation is None or node.table is None:
             return
-        node.activation = node.activation.extend(invocation, lambda s, e: tree.path_slice(node, s, e),
-                                                 node.end)
+        node.activation = node.activation.extend(
+            invocation, lambda s, e: tree.path_slice(node, s, e), node.end)
         if self.kv.activate(node.table, node.activation.start):
             # Logits and published pages of the cut K/V no longer describe this path.
             node.next_token = None
