@@ -45,6 +45,9 @@ if [[ $STAGES == all || $STAGES == pressure ]]; then
   # they are recomputed (off); pins keep a paused agent's base pages.
   for d1 in on off; do
     extra=(); [[ $d1 == on ]] && extra=(--host-residual-gib 4 --pause-pin)
+    # PROFILE=1: three decode ticks and the prefill ticks under the torch profiler
+    # (`step_profile` in the JSON): where D1-on's 1.5x longer decode step goes.
+    [[ ${PROFILE:-0} == 1 ]] && extra+=(--profile-ticks 3)
     react "pressure_d1_$d1" 150 --systems disaggregated --workflows 128 --kv-budget-gib 24 \
       --residual-share 0.05 --reopen "${extra[@]}"
   done
