@@ -168,9 +168,10 @@ class Driver:
         if len(holders) <= self._context_holders:
             return
         n = self.context_pages
-        for session in self._census.holders() - holders:
+        counted = self._census.holders()
+        for session in counted - holders:
             self._census.drop(session)
-        for session in holders - self._census.holders():
+        for session in holders - counted:
             t = self.engine.session_pages(session)
             self._census.add(session, t.base[:n], () if t.residual is None else t.residual[:n])
         self._context_holders = len(holders)
