@@ -63,3 +63,25 @@ def test_add_and_remove_at_run_time(models, adapters):
     out = backend.forward([work(0, p, 0, c), work(1, p, 0, b)], all_logits=True)
     assert rel_err(out.logits[0], hf_logits(path, p, adapters["all"])) < REL_TOL
     assert rel_err(out.logits[1], hf_logits(path, p, adapters["qv"])) < REL_TOL
+
+
+def test_slot_residuals_equal_the_masked_shrink_of_repeated_rows():
+    """base_activations' gather (one matmul over distinct tokens) against the masked shrink of
+    every (token, adapter) row, the form whose product grows with the adapter count."""
+    from forkserve.backend.torch.lora import LoraStack
+    from forkserve.bench.multilora.workload import tiny_config
+    cfg = tiny_config()
+    stack = LoraStack(cfg, ("q", "k", "v"), max_slots=5, max_rank=4, device=torch.device("cpu"),
+                      dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for layer in stack.a:
+        layer["qkv"].copy_(torch.randn(layer["qkv"].shape, generator=gen))
+    x = torch.randn(7, cfg.hidden_size, generator=gen)
+    rows = torch.tensor([0, 3, 3, 6, 1, 3])
+    slots = torch.tensor([0, 4, 2, -1, 1, 0])
+    got = stack.slot_residuals(1, x, rows, slots)
+    want = stack.residuals(stack.shrink(1, "qkv", x[rows], stack.token_mask(slots, x.dtype)))
+    assert set(got) == {"k", "v"}
+    for t in ("k", "v"):
+        torch.testing.assert_close(got[t], want[t], rtol=1e-5, atol=1e-5)
+    assert not got["k"][3].any()

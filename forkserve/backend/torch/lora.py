@@ -233,6 +233,22 @@ class LoraStack:
         rows = both.view(h.shape[0], 2, self.max_slots, self.max_rank).sum(dim=2)
         return {"k": rows[:, 0], "v": rows[:, 1]}
 
+    def slot_residuals(self, layer: int, x: torch.Tensor, rows: torch.Tensor,
+                       slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The residual rows ``x[rows] A_t`` of adapter ``slots`` (one slot per row; -1 gives
+        zeros) for the qkv group's k and v targets: [E, r_max] each. One matmul over the
+        forward's distinct tokens, then a gather: a context that many adapters read is
+        multiplied once, not once per adapter (``shrink`` of the repeated rows would build an
+        [E, slots * r_max] product, which grows with the square of the adapter count)."""
+        keep = (slots >= 0).unsqueeze(1).to(x.dtype)
+        slot = slots.clamp(min=0)
+        a, out = self.a[layer]["qkv"], {}
+        for t in (t for t in ("k", "v") if t in self.groups.get("qkv", ())):
+            j = self.groups["qkv"].index(t) * self.width
+            full = (x @ a[:, j:j + self.width]).view(-1, self.max_slots, self.max_rank)
+            out[t] = full[rows, slot] * keep
+        return out
+
     def b_stack(self, layer: int, target: str) -> torch.Tensor | None:
         """B of every slot as [slots, r_max, out] (the residual-attention kernel's operand)."""
         b = self.b[layer].get(target)

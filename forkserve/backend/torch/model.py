@@ -173,9 +173,8 @@ class CausalLM:
     def _write_extra_residuals(layer: int, h: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
                                lora: LoraStack) -> None:
         """base_activations: other adapters' x A_k, x A_v from this pass's activations ``h``."""
-        rows = h.index_select(0, meta.extra_rows)
-        shrunk = lora.shrink(layer, "qkv", rows, lora.token_mask(meta.extra_token_slot, h.dtype))
         kv = pool.layer(layer)
-        for target, part in lora.residuals(shrunk).items():
+        parts = lora.slot_residuals(layer, h, meta.extra_rows, meta.extra_token_slot)
+        for target, part in parts.items():
             dst = kv.k_res if target == "k" else kv.v_res
             dst.view(-1, dst.shape[-1]).index_copy_(0, meta.extra_res_slot_mapping, part)
