@@ -67,6 +67,9 @@ class LayoutSummary:
     vs_lora: Paired | None = None  # every answer vs unified's, for a mode paired with another
     offset_table_bytes: int = 0  # offset correction: its tables, held once for every context
     extra_flops: int = 0         # offset correction: FLOPs spent correcting on read
+    # context_kv_bytes against unified's over the same rounds (catalogs differ per round, so a
+    # mode with fewer rounds than unified is compared with those rounds only); None if unknown
+    kv_vs_unified: float | None = None
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> float:
@@ -91,8 +94,10 @@ def pair(answers: Sequence[AgentResult], ref: dict[units.AgentKey, AgentResult])
 
 
 def summarize(layout: str, us: Sequence[Unit],
-              refs: dict[str, dict[units.AgentKey, AgentResult]]) -> LayoutSummary:
-    """``refs``: each reference mode's answers by (round, task)."""
+              refs: dict[str, dict[units.AgentKey, AgentResult]],
+              unified_kv: dict[tuple[int, int], int] | None = None) -> LayoutSummary:
+    """``refs``: each reference mode's answers by (round, task); ``unified_kv``: unified's
+    context KV bytes by unit (first, end) round range."""
     mode = modes.mode(layout)
     if not all(u.available for u in us):
         note = next(u.note for u in us if not u.available)
@@ -117,7 +122,15 @@ def summarize(layout: str, us: Sequence[Unit],
                          mean(a.f1 for a in agents), len(readers), paired, layer_cos,
                          sum(u.prefill_tokens for u in us), sum(u.seconds for u in us),
                          sum(u.context_kv_bytes for u in us), layers, mode.reference, vs_lora,
-                         max(u.offset_table_bytes for u in us), sum(u.extra_flops for u in us))
+                         max(u.offset_table_bytes for u in us), sum(u.extra_flops for u in us),
+                         _kv_ratio(us, unified_kv or {}))
+
+
+def _kv_ratio(us: Sequence[Unit], unified_kv: dict[tuple[int, int], int]) -> float | None:
+    base = [unified_kv.get((u.first, u.end), 0) for u in us]
+    if not all(base) or not any(u.context_kv_bytes for u in us):
+        return None
+    return sum(u.context_kv_bytes for u in us) / sum(base)
 
 
 def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
@@ -125,7 +138,9 @@ def summaries(by: dict[str, list[Unit]]) -> list[LayoutSummary]:
         raise ValueError(f"no {REFERENCE} units: every layout is compared with it")
     refs = {name: {a.key: a for a in units.agents_of(us)} for name, us in by.items()
             if modes.mode(name).is_reference}
-    return [summarize(layout, by[layout], refs) for layout in sorted(by, key=modes.order_key)]
+    unified_kv = {(u.first, u.end): u.context_kv_bytes for u in by[REFERENCE]}
+    return [summarize(layout, by[layout], refs, unified_kv)
+            for layout in sorted(by, key=modes.order_key)]
 
 
 def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
@@ -139,7 +154,6 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
              "| context KV MiB (x unified) | recomputed layers | offset tables MiB / extra GFLOP "
              "| prefill tokens | seconds |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
     for s in rows:
         if not s.available:
             lines.append(f"| {s.layout} | not available: {s.note} |" + " |" * 17)
@@ -147,8 +161,8 @@ def markdown(rows: Sequence[LayoutSummary], header: str) -> str:
         cos = f"{mean(s.layer_cos):.4f} / {s.layer_cos[-1]:.4f}" if s.layer_cos else "—"
         paired = "— | — | — | — | — | —" if s.paired is None else _paired_cells(s.paired)
         kv = f"{s.context_kv_bytes / 2**20:.1f}" if s.context_kv_bytes else "—"
-        if s.context_kv_bytes and unified:
-            kv += f" ({s.context_kv_bytes / unified:.2f})"
+        if s.kv_vs_unified is not None:
+            kv += f" ({s.kv_vs_unified:.2f})"
         layers = ",".join(map(str, s.recompute_layers)) or "—"
         correction = (f"{s.offset_table_bytes / 2**20:.2f} / {s.extra_flops / 1e9:.1f}"
                       if s.offset_table_bytes else "—")
@@ -202,9 +216,8 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax2.set_title("paired loss of the readers")
     if shown:
         ax2.legend()
-    unified = next((s.context_kv_bytes for s in rows if s.layout == REFERENCE), 0)
-    for s in shown if unified else ():  # the trade-off: what a mode keeps against what it loses
-        est, x = s.paired.delta_f1, s.context_kv_bytes / unified
+    for s in (s for s in shown if s.kv_vs_unified is not None):  # kept against lost
+        est, x = s.paired.delta_f1, s.kv_vs_unified
         ax3.errorbar(x, est.mean * 100, yerr=[[(est.mean - est.low) * 100],
                                               [(est.high - est.mean) * 100]], fmt="o", capsize=4)
         ax3.annotate(s.layout, (x, est.mean * 100), fontsize=7, xytext=(4, 4),
