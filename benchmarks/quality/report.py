@@ -202,6 +202,9 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax1.grid(alpha=0.3)
     if ax1.lines:
         ax1.legend()
+    else:  # accuracy-only units (--no-hidden): say so rather than leave an empty frame
+        ax1.text(0.5, 0.5, "no hidden-state pass in these units\n(evaluate.py without --no-hidden)",
+                 ha="center", va="center", transform=ax1.transAxes, color="grey")
     shown = [s for s in rows if s.paired is not None]
     for i, s in enumerate(shown):
         for offset, est, label in ((-0.15, s.paired.delta_f1, "ΔF1"),
@@ -211,7 +214,8 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
                          fmt="o" if label == "ΔF1" else "s", capsize=4,
                          color="C0" if label == "ΔF1" else "C1", label=label if i == 0 else None)
     ax2.axhline(0, color="grey", lw=0.8)
-    ax2.set_xticks(range(len(shown)), [f"{s.layout}\nn={s.readers}" for s in shown])
+    ax2.set_xticks(range(len(shown)), [f"{s.layout} (n={s.readers})" for s in shown],
+                   rotation=35, ha="right", fontsize=8)
     ax2.set_ylabel("readers vs their reference (points), 95% CI")
     ax2.set_title("paired loss of the readers")
     if shown:
