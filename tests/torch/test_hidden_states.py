@@ -43,7 +43,8 @@ def test_hidden_states_match_hf_over_chunks_and_decodes(models, adapters, adapte
     assert ref.shape == ours.shape
     w, eps = backend.model.weights.final_norm, backend.model_config.rms_norm_eps
     ours[:, -1] = torch.nn.functional.rms_norm(ours[:, -1], (ours.shape[-1],), w.float().cpu(), eps)
-    assert rel_err(ours, ref) < REL_TOL
+    per_layer = [round(rel_err(ours[:, n], ref[:, n]), 4) for n in range(num_layers)]
+    assert rel_err(ours, ref) < REL_TOL, f"relative error per layer {per_layer}"
 
 
 def test_without_hidden_states_nothing_is_returned_and_logits_are_unchanged(models):
