@@ -18,9 +18,9 @@
 #          carries), check the sha256, install the gguf and bfcl-eval
 #          wheels, test the hidden-state API on CUDA
 #   train  train the 4 adapters (~7 min; tasks already saved are skipped), carry .carry/quality_adapters
-#          copy them to $OUT/quality_adapters (~30 MB)                     when a session brought them back
+#          return them as $OUT/adapters_MODEL_qkvo.tgz.partNN (~27 MB)    when a session brought them back
 #   train-alora  the same 4 adapters as activated LoRA (train.py --alora)  carry as train (its alora folder)
-#          to /root/adapters/MODEL/alora and $OUT/quality_adapters/MODEL/alora
+#          to /root/adapters/MODEL/alora and $OUT/adapters_MODEL_alora.tgz.partNN
 #   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
 #          layers from; returns quality_TAG_drift.{json,png} (~1 min)
 #   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15, offset0,
@@ -30,7 +30,10 @@
 #          as not available)
 #   diag   the hidden-state cosines (fp32 eager, 8 rounds)
 # Every call that evaluates seeds /root/quality from the units committed under
-# benchmarks/results/ (a later session resumes there) and copies its units and tables to $OUT.
+# benchmarks/results/ (a later session resumes there) and returns its tables and its units as
+# one $OUT/quality_TAG_units.tgz (the device tool returns at most 8 files, 16 MiB each, two
+# folders deep). Here: `tar -xzf quality_TAG_units.tgz -C benchmarks/results`, and the adapters
+# `cat adapters_MODEL_X.tgz.part* | tar -xzf - -C .carry/quality_adapters/MODEL`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: $0 part X|part1|setup|train|train-alora|drift|eval|diag}
@@ -74,8 +77,9 @@ train_into() {
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
       --targets q,k,v,o "$@" || rc=$?
   if [[ -f $dir/train_log.json ]]; then  # at least one task saved
-    mkdir -p "$OUT/quality_adapters/$NAME" && cp -r "$dir" "$OUT/quality_adapters/$NAME/"
-    cp "$dir/train_log.json" "$OUT/$log" && du -sh "$OUT/quality_adapters"
+    tar -C "$(dirname "$dir")" -czf - "$(basename "$dir")" \
+      | split -b 15M - "$OUT/adapters_${NAME}_$(basename "$dir").tgz.part"
+    cp "$dir/train_log.json" "$OUT/$log" && ls -l "$OUT"
   fi
   if [[ $rc == 124 ]]; then
     echo "stopped at 540 s: run this call again (saved tasks are skipped)"; return 0
@@ -94,7 +98,13 @@ seed_results() {
   cp -n "benchmarks/results/quality_${TAG}_drift.json" "$RESULTS/" 2>/dev/null || true
 }
 DRIFT=$RESULTS/quality_${TAG}_drift.json
-publish() { cp -r "$RESULTS"/. "$OUT"/; ls -R "$OUT" | head -50 || true; }
+# $1: tag. Its tables, the drift profile and its units in one archive.
+publish() {
+  tar -czf "$OUT/quality_$1_units.tgz" -C "$RESULTS" "quality_$1"
+  cp "$RESULTS/quality_$1".{md,json,png} "$RESULTS/quality_${TAG}"_drift.{json,png} "$OUT"/ \
+    2>/dev/null || true
+  ls -l "$OUT"
+}
 
 case "$call" in
   part|part1)
@@ -127,7 +137,7 @@ case "$call" in
     need_model; need_adapters
     python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
         --rounds 8 --out "$RESULTS" --tag "$TAG"
-    publish ;;
+    cp "$RESULTS/quality_${TAG}"_drift.{json,png} "$OUT"/ ;;
   eval)
     need_model; need_adapters; seed_results "$TAG"
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
@@ -135,7 +145,7 @@ case "$call" in
         --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden --attention triton --cuda-graphs \
         --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"} \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
-    publish ;;
+    publish "$TAG" ;;
   diag)
     need_model; need_adapters; seed_results "${TAG}_hidden"
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
@@ -143,6 +153,6 @@ case "$call" in
         --results "$RESULTS" --tag "${TAG}_hidden" --rounds 40 --block 4 --end 8 --deadline-s 420 \
         --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"} \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
-    publish ;;
+    publish "${TAG}_hidden" ;;
   *) echo "usage: $0 part X|part1|setup|train|train-alora|drift|eval|diag" >&2; exit 2 ;;
 esac
