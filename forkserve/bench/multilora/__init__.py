@@ -15,19 +15,22 @@ output and generates G. Systems, one engine each, run side by side:
                      ForkKV's split form once it would pass its high-water mark (seed 003, D3).
 * ``full_reuse``     merged K/V shared across adapters (the lossy upper bound).
 * ``no_lora``        every agent is the base model (the ideal sharing).
+* ``alora``          every adapter an activated LoRA, invoked at the start of each agent's
+                     instruction: the context is the base model's for every agent, prefilled
+                     once and shared exactly (unified layout, its pages keyed BASE).
 
 The KV budget is fixed in bytes for every system. One backend serves every W of a system,
 with its kernels compiled and its decode graphs captured before the timed runs (as a server
 would at start-up).
 
-Modules: ``workload`` (parameters, systems, one run), ``driver`` (the agents' closed loop
-and admission), ``report`` (table and plot), ``cli`` (``forkserve bench react|mapreduce``).
+Modules: ``systems`` (each system's layout and setup), ``workload`` (parameters, one run),
+``driver`` (the agents' closed loop and admission), ``report`` (table and plot), ``cli``
+(``forkserve bench react|mapreduce``).
 """
 from forkserve.bench.multilora.cli import main
 from forkserve.bench.multilora.report import FailedRun, format_table, plot
+from forkserve.bench.multilora.systems import SPECS, SYSTEMS, System
 from forkserve.bench.multilora.workload import (
-    LAYOUTS,
-    SYSTEMS,
     TARGETS,
     MultiLoraParams,
     RunResult,
@@ -40,6 +43,6 @@ from forkserve.bench.multilora.workload import (
     tiny_config,
 )
 
-__all__ = ["LAYOUTS", "SYSTEMS", "TARGETS", "FailedRun", "MultiLoraParams", "RunResult",
+__all__ = ["SPECS", "SYSTEMS", "TARGETS", "FailedRun", "MultiLoraParams", "RunResult", "System",
            "budget_pages", "build_backend", "format_table", "main", "page_bytes", "plot",
            "random_adapter", "run_system", "run_workload", "tiny_config"]

@@ -13,8 +13,8 @@ from tqdm import tqdm
 from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.step_profile import profile_lines
+from forkserve.bench.multilora.systems import SYSTEMS
 from forkserve.bench.multilora.workload import (
-    SYSTEMS,
     MultiLoraParams,
     RunResult,
     build_backend,

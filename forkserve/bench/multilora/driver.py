@@ -150,7 +150,11 @@ class Driver:
         layout = self.engine.config.kv_layout
         split = flow.adapter is not None and "residual" in self.capacity and (
             self.engine.layout_form(flow.prompt, adapter=flow.adapter) is KVForm.SPLIT)
-        shared = layout is KVLayout.FULL_REUSE or split or flow.adapter is None
+        # Where the adapter applies only after the context (none, or an aLoRA invoked by the
+        # instruction), the context's pages are the base model's: BASE-keyed in every layout.
+        start = self.engine.kv.path_start(flow.adapter, flow.prompt)
+        base_context = start is None or start >= self.params.context
+        shared = layout is KVLayout.FULL_REUSE or split or base_context
         base = total - (self.context_pages if shared and self._shares_context(split) else 0)
         needs = {"base": base}
         if split:
@@ -326,6 +330,7 @@ class Driver:
         while self.engine.generation(session) is None:
             self._tick()
         reducer.latencies.append(time.perf_counter() - start)
+        reducer.outputs.append(list(self.engine.generation(session).tokens))
         self.engine.close(session)
 
 

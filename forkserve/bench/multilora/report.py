@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkserve.bench.multilora.workload import SYSTEMS, RunResult
+from forkserve.bench.multilora.systems import SYSTEMS
+from forkserve.bench.multilora.workload import RunResult
 from forkserve.bench.output import legend_below, new_figure, save_figure, titled
 
 

@@ -1,8 +1,9 @@
-"""The workload's parameters, systems and result, and one timed run of a system.
+"""The workload's parameters and result, and one timed run of a system (systems.py).
 
 Every system gets the same KV budget in bytes; one backend serves every W of a system."""
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -11,13 +12,10 @@ import torch
 
 from forkserve.bench.multilora.driver import Driver, Workflow
 from forkserve.bench.multilora.step_profile import StepProfiler
+from forkserve.bench.multilora.systems import SPECS
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
-SYSTEMS = ("unified", "disaggregated", "disaggregated_base", "adaptive", "full_reuse", "no_lora")
-LAYOUTS = {"unified": KVLayout.UNIFIED, "disaggregated": KVLayout.DISAGGREGATED,
-           "disaggregated_base": KVLayout.DISAGGREGATED, "adaptive": KVLayout.ADAPTIVE,
-           "full_reuse": KVLayout.FULL_REUSE, "no_lora": KVLayout.UNIFIED}
 TARGETS = ("q", "k", "v", "o")
 
 
@@ -32,6 +30,9 @@ class MultiLoraParams:
     observation: int = 100
     pause_s: float = 0.1
     rank: int = 16
+    # Of the adapters' random A and B. WORKLOADS.md's 0.01 barely moves a tiny model's greedy
+    # tokens; a test that must see an adapter's effect (aLoRA's exactness) raises it.
+    adapter_std: float = 0.01
     kv_budget_gib: float = 24.0
     residual_share: float = 0.1   # of the budget, for the disaggregated residual pool
     lockstep: bool = True
@@ -93,6 +94,10 @@ class RunResult:
     decode_host_copy_ms_per_step: float = 0.0
     # Where the time of a few ticks of each kind went (step_profile.py); None unless asked.
     step_profile: dict | None = None
+    # SHA-256 of every agent's generated tokens (agent by agent, turn by turn, the reducer's
+    # last): two runs of one workload generated the same tokens iff equal. It tells an exact
+    # system from an approximate one (alora against the same agents with nothing shared).
+    outputs_sha256: str = ""
 
 
 def tiny_config():
@@ -106,8 +111,10 @@ def tiny_config():
                        tie_word_embeddings=False)
 
 
-def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: int):
-    """A LoRA adapter of random A and B (std 0.01, B nonzero), as docs/WORKLOADS.md specifies."""
+def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: int,
+                   invocation: tuple[int, ...] | None = None, std: float = 0.01):
+    """A LoRA adapter of random A and B (B nonzero; ``std`` 0.01 as docs/WORKLOADS.md says);
+    ``invocation``: an activated LoRA's invocation tokens (None: a plain LoRA)."""
     from forkserve.backend.torch.lora import LoraAdapter, target_shapes
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -115,10 +122,11 @@ def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: 
     for layer in range(model_cfg.num_layers):
         for t in TARGETS:
             fan_in, fan_out = target_shapes(model_cfg)[t]
-            a = torch.randn(rank, fan_in, generator=gen, device=device) * 0.01
-            b = torch.randn(fan_out, rank, generator=gen, device=device) * 0.01
+            a = torch.randn(rank, fan_in, generator=gen, device=device) * std
+            b = torch.randn(fan_out, rank, generator=gen, device=device) * std
             weights[(layer, t)] = (a, b)
-    return LoraAdapter(name=name, rank=rank, scaling=2.0, weights=weights)
+    return LoraAdapter(name=name, rank=rank, scaling=2.0, weights=weights,
+                       invocation_tokens=invocation)
 
 
 def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict[str, int]:
@@ -144,7 +152,8 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
     """One backend per system, with an adapter for each of up to ``max_workflows`` agents."""
     from forkserve.backend.torch import TorchBackend
 
-    layout = LAYOUTS[system]
+    spec = SPECS[system]
+    layout = spec.layout
     sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
     num_pages, num_res = budget_pages(sizes, params, layout)
     host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
@@ -155,8 +164,9 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
                           hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
                           max_context=model_cfg.max_context, node_ttl_s=None,
                           vocab_size=model_cfg.vocab_size)
-    adapters = {} if system == "no_lora" else {
-        f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i)
+    adapters = {} if not spec.lora else {
+        f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i,
+                                    invocation=spec.invocation, std=params.adapter_std)
         for i in range(max_workflows)}
     backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device,
                                         dtype=dtype, max_adapters=max(1, len(adapters)),
@@ -170,35 +180,42 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                profile_ticks: int = 0) -> RunResult:
     """One timed run on a fresh Engine over ``backend`` (its pools start empty);
     ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none."""
-    adapter_of = None if system == "no_lora" else (lambda i: backend.adapter_id(f"agent{i}"))
+    spec = SPECS[system]
+    adapter_of = None if not spec.lora else (lambda i: backend.adapter_id(f"agent{i}"))
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
-                          shared_by_base_pass=system == "disaggregated_base",
-                          profiler=StepProfiler(profile_ticks) if profile_ticks else None)
+                          shared_by_base_pass=spec.base_pass,
+                          profiler=StepProfiler(profile_ticks) if profile_ticks else None,
+                          invocation=spec.invocation)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
 
 
-def agent_prompts(params: MultiLoraParams, vocab: int) -> tuple[list[int], list[list[int]]]:
-    """The shared context and each agent's first prompt (context + its instruction)."""
+def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None
+                  ) -> tuple[list[int], list[list[int]]]:
+    """The shared context and each agent's first prompt (context + its instruction).
+    ``invocation``: the first tokens of every instruction (an aLoRA's, so it activates right
+    after the shared context); the instruction keeps its length, so prompts compare."""
     context = [(i * 7919) % (vocab - 3) + 3 for i in range(params.context)]
-    return context, [context + [(i * 131 + j * 17) % (vocab - 3) + 3
-                                for j in range(params.instruction)]
+    lead = list(invocation or ())
+    return context, [context + lead + [(i * 131 + j * 17) % (vocab - 3) + 3
+                                       for j in range(len(lead), params.instruction)]
                      for i in range(params.workflows)]
 
 
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
                  adapter_of, on_turn: Callable[[], object] | None = None,
                  shared_by_base_pass: bool = False,
-                 notes: tuple = (), profiler: StepProfiler | None = None) -> RunResult:
+                 notes: tuple = (), profiler: StepProfiler | None = None,
+                 invocation: tuple[int, ...] | None = None) -> RunResult:
     """Drive the workload over any engine (our backends, or vLLM's in
     benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
     i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
-    agent turn ends (a progress bar)."""
-    context, prompts = agent_prompts(params, engine.config.vocab_size)
+    agent turn ends (a progress bar); ``invocation``: as ``agent_prompts``."""
+    context, prompts = agent_prompts(params, engine.config.vocab_size, invocation)
     flows = [Workflow(i, None if adapter_of is None else adapter_of(i), prompt, params)
              for i, prompt in enumerate(prompts)]
     driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None,
@@ -232,7 +249,16 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      decode_host_copies_per_step=driver.decode_copy_calls / steps,
                      decode_host_copy_bytes_per_step=driver.decode_copy_pages
                      * sizes["residual"] / steps,
-                     decode_host_copy_ms_per_step=driver.decode_copy_ms / steps)
+                     decode_host_copy_ms_per_step=driver.decode_copy_ms / steps,
+                     outputs_sha256=_outputs_sha256(flows))
+
+
+def _outputs_sha256(flows: list[Workflow]) -> str:
+    digest = hashlib.sha256()
+    for flow in flows:
+        for tokens in flow.outputs:
+            digest.update(repr(tokens).encode())
+    return digest.hexdigest()
 
 
 def _pct(values: list[float], q: int) -> float:
