@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 21's H200 runs in one GPU call (<= 9 minutes): react at W = 64, 128, 256 with a
-# 100 GiB KV budget and the device's idle time between decode steps (--gpu-timeline), then
-# the memory-pressure run (24 GiB, W = 128, disaggregated, stateless turns) with the residual
-# host tier and pause pins (D1) on vs off. Every run rewrites its JSON under $OUT as it ends,
+# 100 GiB KV budget and the device's idle time between decode steps (--gpu-timeline), the
+# aLoRA system at the same W (stage alora, issue 16 item 5), then the memory-pressure run
+# (24 GiB, W = 128, disaggregated, stateless turns) with the residual host tier and pause
+# pins (D1) on vs off. Every run rewrites its JSON under $OUT as it ends,
 # and each stage starts only if the call's deadline leaves it time, so a cut loses one run.
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue21.sh [all|sweep|lora|pressure]
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue21.sh [all|sweep|lora|alora|pressure]
 # Llama-3-8B shape, random bf16 weights (forkserve bench react builds them; no files carried).
 # A CPU check of the script's logic: REACT_ARGS (appended last, so they win) shrinks each run:
 #   REACT_ARGS="--tiny --workflows 2 4 --context 128 --kv-budget-gib 0.004" bash benchmarks/h200_issue21.sh
@@ -38,6 +39,12 @@ if [[ $STAGES == all || $STAGES == lora ]]; then
   # 0.26 with LoRA (1.85 tasks/s at W = 32, 1.74 at W = 64; the goal is 2x at every W).
   react disaggregated_base 200 --systems disaggregated_base --workflows 64 128 256 \
     --kv-budget-gib 100 --overlap on
+fi
+if [[ $STAGES == all || $STAGES == alora ]]; then
+  # Every agent its own activated LoRA, invoked by its instruction: the context is the base
+  # model's for every agent, prefilled once and shared exactly (issue 16 item 5), against
+  # disaggregated_base's approximate sharing above.
+  react alora 200 --systems alora --workflows 64 128 256 --kv-budget-gib 100 --overlap on
 fi
 if [[ $STAGES == all || $STAGES == pressure ]]; then
   # 24 GiB with 5% for residuals: 128 agents' 8K-context residuals do not all fit, so paused
