@@ -286,7 +286,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
     _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
-        res_bias if res_logits is not None else None, block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
+        res_bias if res_logits is not None else None,
+        block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
         tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),

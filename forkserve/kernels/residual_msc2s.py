@@ -108,6 +108,20 @@ def base_logits(q: torch.Tensor, k_base: torch.Tensor, block_tables: torch.Tenso
     )
 
 
+def residual_bias(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
+                  rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, tuning: dict) -> None:
+    """Write the unscaled residual scores of rows with an adapter into ``bias`` with
+    ``qfold_scores``; ``tuning``: its keywords, ``waves`` (default 2) instead of ``chunk``
+    unless ``chunk`` is given."""
+    tuning = dict(tuning)
+    waves = tuning.pop("waves", 2.0)
+    tuning.setdefault("chunk", chunk_keys(bias.shape[2], q.shape[0] * n_kv, q.device, waves,
+                                          tuning.get("block_n", 64)))
+    qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
+                 bias, **tuning)
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -142,7 +156,7 @@ def split_logits(q: torch.Tensor, k_base: torch.Tensor, block_tables: torch.Tens
     (``dtype``); ``bias``: the unscaled residual score of rows with an adapter
     (``bias_dtype``, default float32 for float32 queries, else float16); other entries
     unwritten. ``block_n``, ``num_warps``, ``num_stages``, ``waves``: the base kernel's
-    tuning; ``residual``: ``qfold_scores``'s, with ``waves`` instead of ``chunk``."""
+    tuning; ``residual``: ``residual_bias``'s (default ``MSC2S_TUNING``'s)."""
     batch, n_heads, _ = q.shape
     n_kv = k_base.shape[2]
     if bias_dtype is None:
@@ -151,15 +165,12 @@ def split_logits(q: torch.Tensor, k_base: torch.Tensor, block_tables: torch.Tens
     span = -(-max(max_seq_len, 1) // 16) * 16
     logits = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device)
     bias = torch.empty(batch, n_heads, span, dtype=bias_dtype, device=q.device)
-    res_tuning = dict(MSC2S_TUNING["residual"] if residual is None else residual)
-    res_waves = res_tuning.pop("waves", 2.0)
-    res_tuning.setdefault("chunk", chunk_keys(span, batch * n_kv, q.device, res_waves,
-                                              res_tuning.get("block_n", 64)))
     side_by_side(
         lambda: base_logits(q, k_base, block_tables, seq_lens, logits, scale * LOG2E,
                             block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                             waves=waves),
-        lambda: qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
-                             rope_table, n_kv, bias, **res_tuning),
+        lambda: residual_bias(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
+                              rope_table, n_kv, bias,
+                              MSC2S_TUNING["residual"] if residual is None else residual),
         q.device)
     return logits, bias
