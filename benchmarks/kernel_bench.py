@@ -915,8 +915,8 @@ def register_report(out: Path) -> None:
     )
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
-    fp16_ptrs = {"Bias"}
+    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits"}
+    fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
                 "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
@@ -1008,6 +1008,20 @@ def register_report(out: Path) -> None:
         consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False,
                       RES_LOGITS=True, RANK=32)
         rows.append({"kernel": "msc_pass2", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
+    # msc2s: pass 1's base-logits kernel (its residual half is score_qfold_table above), and
+    # pass 2 reading the float32 logits plus the float16 bias.
+    from forkserve.kernels.residual_msc2s import _base_logits_kernel
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, BASE_N=16)
+        rows.append({"kernel": "msc2s_base", "residual": False, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_base_logits_kernel, consts, warps, 2, logits=True)})
+    for block_n, warps in ((64, 4), (64, 8)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True,
+                      RES_LOGITS=True, RANK=32)
+        rows.append({"kernel": "msc2s_pass2", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
     # Cascade prefix launches (32 agents' GQA groups, 128 rows): unified, two-pass (score

@@ -61,12 +61,14 @@ def test_split_logits_sum_to_msc_logits() -> None:
                                 residual={"block_n": 16, "chunk": 48})
     assert logits.shape == bias.shape and logits.stride() == bias.stride()
     whole = residual_logits(*common, block_n=16)
+    # Same products in both; on CUDA the bias is float16 (rounding ~5e-4 of its size).
+    tol = 2e-3 if ON_CUDA else 1e-4
     for b, length in enumerate(lens.tolist()):
         got = logits[b, :, :length].double()
         if adapters[b] >= 0:
             got = got + bias[b, :, :length].double() * scale * LOG2E
         want = whole[b, :, :length].double()
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert (got - want).abs().max() <= tol * want.abs().max()
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs and streams need a GPU")
