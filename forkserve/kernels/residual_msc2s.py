@@ -39,11 +39,12 @@ from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import base_key_tile, group_base_scores, group_queries_t
 from forkserve.kernels.split_kv import LOG2E, waves_of
 
-# Base kernel: 64-key tiles, 4 warps, about two waves of programs. Residual scorer: the
-# q-folded form with table rows at 64-key tiles (decode v4's best score pass, 120 registers,
-# 86 KiB of shared memory) at about one wave, so one residual program per SM leaves room
-# for base programs beside it (two waves of both would fill every SM with one kind first).
-# Logits float32 (msc's reasons); the bias float16 for half-precision queries.
+# Base kernel: 64-key tiles, 4 warps (34 registers, 37 KiB of shared memory on sm_90a),
+# about two waves of programs. Residual scorer: the q-folded form with table rows at 64-key
+# tiles (decode v4's best score pass; 120 registers, 50 KiB) at about one wave, so one
+# residual program per SM leaves room for four base programs beside it (at two waves each,
+# the kernel started first could fill every SM). Logits float32 (msc's reasons); the bias
+# float16 for half-precision queries.
 MSC2S_TUNING = {"block_n": 64, "num_warps": 4, "waves": 2.0,
                 "residual": {"block_n": 64, "angle_add": False, "waves": 1.0}}
 
