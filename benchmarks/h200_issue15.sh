@@ -147,7 +147,7 @@ case "$1" in
   FORKSERVE_TEST_DEVICE=cuda timeout 140 python3 -m pytest -q -p no:warnings tests/kernels/test_decode_msc2s.py \
     tests/kernels/test_decode.py -k msc 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round5.log"
   timeout 380 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
-    msc2s_bn64 msc2s_bn64_r2 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
+    msc2s_bn64 msc2s_bn64_r2 msc2s_bn64_r4 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
     --tag decode_msc2s --out "$OUT" 2>&1 | tail -24
   ;;
 esac

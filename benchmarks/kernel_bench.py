@@ -683,12 +683,15 @@ VARIANTS: dict[str, dict] = {
     "msc_bn64_f16": dict(variant="msc", block_n=64,
                          score_tuning=dict(block_n=64, dtype=torch.float16)),
     # msc with pass 1's halves as two kernels on two streams (residual_msc2s.py): the base
-    # logits (K_base, 64-key tiles, ~2 waves) beside the q-folded residual score (table rows,
-    # 64-key tiles) at ~1 wave (the default: one residual program per SM leaves room for
-    # base programs) or ~2 waves ("r2"); pass 2 adds the float16 bias to the float32 logits.
+    # logits (K_base, 64-key tiles, <= 2 programs per SM) beside the q-folded residual score
+    # (table rows, 64-key tiles) launched in batch slices of <= 1 program per SM (the
+    # default: room for base programs beside it), 2 ("r2") or 4 ("r4": one launch up to
+    # batch 64, as many residual programs as fit); pass 2 adds the float16 bias to the
+    # float32 logits.
     "msc2s_bn64": dict(variant="msc2s", block_n=64),
-    "msc2s_bn64_r2": dict(variant="msc2s", block_n=64, score_tuning=dict(
-        block_n=64, waves=2.0, residual=dict(block_n=64, angle_add=False, waves=2.0))),
+    **{f"msc2s_bn64_r{w}": dict(variant="msc2s", block_n=64, score_tuning=dict(
+        block_n=64, waves=2.0, residual=dict(block_n=64, angle_add=False, waves=float(w))))
+       for w in (2, 4)},
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),

@@ -37,14 +37,15 @@ import triton.language as tl
 
 from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import base_key_tile, group_base_scores, group_queries_t
-from forkserve.kernels.split_kv import LOG2E, waves_of
+from forkserve.kernels.split_kv import LOG2E, sm_count
 
 # Base kernel: 64-key tiles, 4 warps (34 registers, 37 KiB of shared memory on sm_90a),
-# about two waves of programs. Residual scorer: the q-folded form with table rows at 64-key
-# tiles (decode v4's best score pass; 120 registers, 50 KiB) at about one wave, so one
-# residual program per SM leaves room for four base programs beside it (at two waves each,
-# the kernel started first could fill every SM). Logits float32 (msc's reasons); the bias
-# float16 for half-precision queries.
+# at most about two programs per SM. Residual scorer: the q-folded form with table rows at
+# 64-key tiles (decode v4's best score pass; 120 registers, 50 KiB) at most about one
+# program per SM per launch (``residual_bias``), which leaves room for four base programs
+# beside it: unbounded, the kernel the scheduler starts first could fill every SM (4
+# residual programs fit one). Logits float32 (msc's reasons); the bias float16 for
+# half-precision queries.
 MSC2S_TUNING = {"block_n": 64, "num_warps": 4, "waves": 2.0,
                 "residual": {"block_n": 64, "angle_add": False, "waves": 1.0}}
 
@@ -80,10 +81,10 @@ def _base_logits_kernel(
 
 def chunk_keys(span: int, n_programs: int, device: torch.device, waves: float,
                block_n: int) -> int:
-    """Keys per program (a multiple of ``block_n``) for about ``waves`` waves of programs
-    when ``n_programs`` (sequences x KV heads) cut ``span`` keys each."""
-    # waves_of cuts for two waves; scaling the program count by 2 / waves gives ``waves``.
-    cuts = waves_of(max(1, round(2 * n_programs / waves)), device)
+    """Keys per program (a multiple of ``block_n``) for at most about ``waves`` programs
+    per SM when ``n_programs`` (sequences x KV heads) cut ``span`` keys each (rounded
+    down: never more programs than that, unless ``n_programs`` alone is)."""
+    cuts = max(1, int(waves * sm_count(device)) // max(n_programs, 1))
     per_program = -(-span // cuts)
     return max(block_n, -(-per_program // block_n) * block_n)
 
@@ -113,14 +114,25 @@ def residual_bias(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.
                   seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
                   rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, tuning: dict) -> None:
     """Write the unscaled residual scores of rows with an adapter into ``bias`` with
-    ``qfold_scores``; ``tuning``: its keywords, ``waves`` (default 2) instead of ``chunk``
-    unless ``chunk`` is given."""
+    ``qfold_scores``; ``tuning``: its keywords, plus ``waves`` (default 2): at most about
+    that many programs per SM per launch.
+
+    A large batch has more (row, KV head) programs than that even uncut (512 at batch 64,
+    up to 4 resident per SM at 64-key tiles), and if they all start first they leave no room
+    for the base kernel beside them. So the rows go in slices of about ``waves`` x SMs
+    programs, one launch each on the side stream (views of the same buffers), and each
+    launch cuts its keys into chunks for that many programs unless ``chunk`` is given."""
     tuning = dict(tuning)
     waves = tuning.pop("waves", 2.0)
-    tuning.setdefault("chunk", chunk_keys(bias.shape[2], q.shape[0] * n_kv, q.device, waves,
-                                          tuning.get("block_n", 64)))
-    qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
-                 bias, **tuning)
+    batch, span = q.shape[0], bias.shape[2]
+    budget = max(1, round(waves * sm_count(q.device)))
+    rows = max(1, budget // n_kv)
+    for s in range(0, batch, rows):
+        e = min(s + rows, batch)
+        chunk = tuning.get("chunk") or chunk_keys(span, (e - s) * n_kv, q.device, waves,
+                                                  tuning.get("block_n", 64))
+        qfold_scores(q[s:e], k_res, res_block_tables[s:e], seq_lens[s:e], b_k_all,
+                     adapter_idx[s:e], rope_table, n_kv, bias[s:e], **{**tuning, "chunk": chunk})
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
