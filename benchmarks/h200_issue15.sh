@@ -19,6 +19,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 11  # adaptive W=32, cascade on/off
 # Round 4 (the split-form prefill's extra work):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 13  # CUDA tests, profiled prefill
+# Round 5 (msc2s: msc's pass 1 as two kernels on two CUDA streams):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 14  # CUDA msc tests, msc2s decode variants
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -134,6 +136,19 @@ case "$1" in
     tests/torch/test_lora.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round4.log"
   timeout 330 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems unified disaggregated \
     --profile-ticks 3 --tag issue15_round4_prefill --out "$OUT" 2>&1 | grep -v "^USDT" | tail -60
+  ;;
+14)
+  # Round 5: msc2s (residual_msc2s.py; docs/KERNELS.md "Issue 15, round 5"): the base logits
+  # (K_base) and the q-folded residual score as two kernels on two streams inside the graph,
+  # pass 2 summing logits and bias. Its CUDA tests (one captures it in a CUDA graph) with
+  # msc's, then the decode variants beside two-pass and msc: <name>_scores_ms is pass 1 on
+  # both streams, <name>_base_ms / <name>_res_ms each half alone (overlap: scores ~ the
+  # longer half). The JSON is rewritten after every case, so a cut keeps the cases done.
+  FORKSERVE_TEST_DEVICE=cuda timeout 140 python3 -m pytest -q -p no:warnings tests/kernels/test_decode_msc2s.py \
+    tests/kernels/test_decode.py -k msc 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round5.log"
+  timeout 380 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
+    msc2s_bn64 msc2s_bn64_r2 msc2s_bn64_r4 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
+    --tag decode_msc2s --out "$OUT" 2>&1 | tail -24
   ;;
 esac
 ls -la "$OUT"

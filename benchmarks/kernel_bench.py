@@ -682,6 +682,16 @@ VARIANTS: dict[str, dict] = {
                              score_tuning=dict(block_n=128, num_warps=8, angle_add=True)),
     "msc_bn64_f16": dict(variant="msc", block_n=64,
                          score_tuning=dict(block_n=64, dtype=torch.float16)),
+    # msc with pass 1's halves as two kernels on two streams (residual_msc2s.py): the base
+    # logits (K_base, 64-key tiles, <= 2 programs per SM) beside the q-folded residual score
+    # (table rows, 64-key tiles) launched in batch slices of <= 1 program per SM (the
+    # default: room for base programs beside it), 2 ("r2") or 4 ("r4": one launch up to
+    # batch 64, as many residual programs as fit); pass 2 adds the float16 bias to the
+    # float32 logits.
+    "msc2s_bn64": dict(variant="msc2s", block_n=64),
+    **{f"msc2s_bn64_r{w}": dict(variant="msc2s", block_n=64, score_tuning=dict(
+        block_n=64, waves=2.0, residual=dict(block_n=64, angle_add=False, waves=float(w))))
+       for w in (2, 4)},
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -720,12 +730,37 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
+def time_msc2s_halves(s: Setup, res: dict, row: dict, what: str, name: str, tuning: dict,
+                      case: tuple) -> None:
+    """``<name>_base_ms`` (base logits from K_base) and ``<name>_res_ms`` (the q-folded
+    residual score) of an msc2s variant, each alone on one stream."""
+    from forkserve.kernels.residual_msc2s import (
+        MSC2S_TUNING,
+        base_logits,
+        residual_bias,
+        split_logits,
+    )
+    from forkserve.kernels.split_kv import LOG2E
+    q, bt, rbt, lens, ad, table, ctx = case
+    scale = 1.0 / math.sqrt(s.head_dim)
+    logits, bias = split_logits(q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table, scale, ctx,
+                                **tuning)
+    base_kw = {k: v for k, v in tuning.items()
+               if k in ("block_n", "num_warps", "num_stages", "waves")}
+    row[name + "_base_ms"] = measure(res, what + " base", lambda: base_logits(
+        q, s.k, bt, lens, logits, scale * LOG2E, **base_kw), s.smoke)
+    res_tuning = tuning.get("residual", MSC2S_TUNING["residual"])
+    row[name + "_res_ms"] = measure(res, what + " residual", lambda: residual_bias(
+        q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, bias, res_tuning), s.smoke)
+
+
 def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
     Per case also times each two-pass or msc variant's pass 1 alone (``<name>_scores_ms``:
-    pass 2 is about the difference) and, at the smallest context with batch 8, the error of
-    each variant against the fp32 eager path. Writes ``path`` after every case.
+    pass 2 is about the difference; for msc2s both streams, and each half alone as
+    ``<name>_base_ms`` and ``<name>_res_ms``) and, at the smallest context with batch 8, the
+    error of each variant against the fp32 eager path. Writes ``path`` after every case.
     """
     from forkserve.kernels.residual_decode_triton import (
         SCORE_TUNING_BY_BATCH,
@@ -733,6 +768,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
         score_tuning_for,
     )
     from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
+    from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
     from forkserve.kernels.rope import cached_rope_table
     uni_cfg = dict(block_n=64, num_warps=4, num_stages=2)
     # default=str: a torch dtype in a variant's tuning is written by name.
@@ -769,6 +805,17 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                         res, f"{tag} {name} logits", lambda t=tuning: residual_logits(
                             q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
                             1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
+                elif kw["variant"] == "msc2s":  # pass 1 on its two streams, then each half
+                    tuning = kw.get("score_tuning") or MSC2S_TUNING
+                    row[name + "_scores_ms"] = measure(
+                        res, f"{tag} {name} logits", lambda t=tuning: split_logits(
+                            q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
+                            1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
+                    # Each half alone, into the variant's own buffers (unless pass 1 failed:
+                    # its error is recorded, the halves would fail alike).
+                    if not math.isnan(row[name + "_scores_ms"]):
+                        time_msc2s_halves(s, res, row, f"{tag} {name}", name, tuning,
+                                          (q, bt, rbt, lens, ad, table, ctx))
                 if ctx == s.contexts[0] and batch == 8 or s.smoke:
                     row[name + "_rel_err_vs_eager_fp32"] = check(
                         res, tag + " check", lambda fn=fn: rel_err(
@@ -778,7 +825,9 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
             path.write_text(json.dumps(res, indent=1))
             print(f"variants ctx={ctx:6d} b={batch:3d} uni={row['unified_ms']:.4f}ms " + " ".join(
                 f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x"
-                + (f", p1 {row[n + '_scores_ms']:.4f})" if n + "_scores_ms" in row else ")")
+                + (f", p1 {row[n + '_scores_ms']:.4f}" if n + "_scores_ms" in row else "")
+                + (f", base {row[n + '_base_ms']:.4f}, res {row[n + '_res_ms']:.4f}"
+                   if n + "_base_ms" in row else "") + ")"
                 for n in names), flush=True)
 
 
@@ -801,6 +850,10 @@ def plot_variants(res: dict, path: Path) -> None:
             if name + "_scores_ms" in sub[0]:
                 bottom.plot(ctx, [r[name + "_scores_ms"] / r["unified_ms"] for r in sub],
                             marker="o", label=name)
+            for half in ("base", "res"):  # msc2s: each stream's kernel alone
+                if all(name + f"_{half}_ms" in r for r in sub):
+                    bottom.plot(ctx, [r[name + f"_{half}_ms"] / r["unified_ms"] for r in sub],
+                                marker=".", linestyle="--", label=f"{name} {half} alone")
         goal = 1.3 if batch == 1 else 1.15  # issue 15's goals
         top.axhline(goal, color="red", linestyle=":", label=f"goal {goal}")
         top.set(xscale="log", yscale="log", xlabel="context", ylabel="residual / unified time",
@@ -808,6 +861,7 @@ def plot_variants(res: dict, path: Path) -> None:
         bottom.set(xscale="log", xlabel="context", ylabel="score pass alone / unified",
                    title=f"pass 1, batch {batch}")
         top.legend(fontsize=6)
+        bottom.legend(fontsize=6)
     fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}, "
                  f"commit {res['commit'][:10]}")
     fig.tight_layout()
@@ -815,7 +869,8 @@ def plot_variants(res: dict, path: Path) -> None:
 
 
 def print_variants_table(res: dict) -> None:
-    """Residual / unified per variant and case; pass 1 alone / unified in brackets."""
+    """Residual / unified per variant and case; pass 1 alone / unified in brackets; for
+    msc2s also each half of pass 1 alone / unified."""
     rows = res["decode_variants"]
     names = [n for n in res["decode_variants_config"] if n != "unified"]
     print(f"\n== {res['device']} {res['dtype']} commit {res['commit']}: residual / unified "
@@ -831,6 +886,11 @@ def print_variants_table(res: dict) -> None:
             cells.append(f"{r[name + '_ratio']:5.2f}"
                          + (f" ({p1 / r['unified_ms']:4.2f})" if p1 else " " * 7))
         print(f"{name:28s}" + "  ".join(cells))
+        for half in ("base", "res"):
+            if any(name + f"_{half}_ms" in r for r in rows):
+                print(f"{'  ' + half + ' alone':28s}" + "  ".join(
+                    f"{r.get(name + f'_{half}_ms', math.nan) / r['unified_ms']:5.2f}" + " " * 7
+                    for r in rows))
 
 
 def register_report(out: Path) -> None:
@@ -858,8 +918,8 @@ def register_report(out: Path) -> None:
     )
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    fp32_ptrs = {"RopeTable", "PartOut", "PartLse"}
-    fp16_ptrs = {"Bias"}
+    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits"}
+    fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
                 "TileLens", "KvStarts"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
@@ -951,6 +1011,20 @@ def register_report(out: Path) -> None:
         consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False,
                       RES_LOGITS=True, RANK=32)
         rows.append({"kernel": "msc_pass2", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
+    # msc2s: pass 1's base-logits kernel (its residual half is score_qfold_table above), and
+    # pass 2 reading the float32 logits plus the float16 bias.
+    from forkserve.kernels.residual_msc2s import _base_logits_kernel
+    for block_n, warps in ((64, 4), (128, 4), (128, 8)):
+        consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, BASE_N=16)
+        rows.append({"kernel": "msc2s_base", "residual": False, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_base_logits_kernel, consts, warps, 2, logits=True)})
+    for block_n, warps in ((64, 4), (64, 8)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True,
+                      RES_LOGITS=True, RANK=32)
+        rows.append({"kernel": "msc2s_pass2", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
     # Cascade prefix launches (32 agents' GQA groups, 128 rows): unified, two-pass (score

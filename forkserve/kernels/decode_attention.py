@@ -9,7 +9,9 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   score precomputed by the score pass (``"two_pass"``); both keep a rank-r accumulator
   ``acc_r`` over ``V_res`` with the same online-softmax rescale as ``acc`` and apply ``B_v``
   once per split (matrix associativity, seed 001 section 7). With ``RES_LOGITS`` the whole
-  logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read.
+  logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read;
+  with ``RES_LOGITS`` and ``RES_BIAS`` they are base logits plus the residual score
+  (``"msc2s"``, residual_msc2s.py: the two halves of msc's pass 1 written side by side).
   The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
   suffixes, split on the device (shared_prefix.py).
@@ -38,7 +40,7 @@ from forkserve.kernels.split_kv import LOG2E, NO_LIMIT, key_bound, split_decode,
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, KR, VR, BK, BV, RopeTable, Bias,
+    Q, K, V, KR, VR, BK, BV, RopeTable, Bias, LogitBias,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
     PartOut, PartLse, TileSeqs, TileLens, KvStarts,
     batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
@@ -127,7 +129,13 @@ def _decode_partial_kernel(
             s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
             s_rows = row_ok & has_ad
             if RES_LOGITS:
-                s_rows = row_ok  # every row's whole logits, adapter or not
+                if RES_BIAS:
+                    # Logits of the base term only; the residual score of rows with an
+                    # adapter is in LogitBias (same strides).
+                    b_ptr = (LogitBias + row_seq[:, None] * stride_sb
+                             + row_head[:, None] * stride_sh)
+                    b_rows = s_rows
+                s_rows = row_ok  # every row's logits, adapter or not
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
 
     for start_n in range(start, stop, BLOCK_N):
@@ -159,6 +167,9 @@ def _decode_partial_kernel(
                 s_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
             s = tl.load(s_ptr + s_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
                         other=0.0).to(tl.float32)
+            if RES_BIAS:  # the unscaled residual score, into the log2 domain
+                s += tl.load(b_ptr + s_n[None, :], mask=b_rows[:, None] & n_ok[None, :],
+                             other=0.0).to(tl.float32) * qk_scale
         elif HAS_RES and RES_BIAS:
             # Two-pass: q.RoPE(K_res B_k) for these keys was written by the score kernel.
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
@@ -223,11 +234,13 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``res_bias`` (residual only): ``[batch, H, >= max key]`` residual scores written by
     ``residual_scores``; the kernel adds them to ``q.K_base`` instead of rebuilding keys
     (two-pass ResidualAttention), so ``B_k`` and the RoPE table are not read.
-    ``res_logits`` (residual only, instead of ``res_bias``): ``[batch, H, >= max key]``
-    whole logits ``q.K * scale * log2(e)`` of every row, written by residual_msc.py's pass
-    1; the kernel reads neither K nor q (materialized scores). With ``tiles`` it reads each
-    row's own logits beside the tile's shared V and, like the bias form, leaves ``V_res``
-    to ``residual_values`` (the msc cascade).
+    ``res_logits`` (residual only): ``[batch, H, >= max key]`` whole logits
+    ``q.K * scale * log2(e)`` of every row, written by residual_msc.py's pass 1; the kernel
+    reads neither K nor q (materialized scores). With ``tiles`` it reads each row's own
+    logits beside the tile's shared V and, like the bias form, leaves ``V_res`` to
+    ``residual_values`` (the msc cascade). With ``res_bias`` too (same strides, no
+    ``tiles`` / ``kv_starts``): base logits ``q.K_base * scale * log2(e)`` plus the bias,
+    scaled here (msc2s, residual_msc2s.py).
     ``tiles`` (cascade prefix): ``(tile_seqs [n_tiles, seqs], tile_lens [n_tiles])`` int32;
     program ``g`` serves the sequences ``tile_seqs[g]`` lists (-1: none) over keys
     ``[kv_start, tile_lens[g])`` of the first one's pages; rows of no tile are not written.
@@ -247,7 +260,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # Rows of several sequences share a program only as a cascade tile (score pass
         # required).
         assert seqs_per_program == 1 or (tiles is not None and scores is not None)
-        assert res_bias is None or res_logits is None
+        assert res_bias is None or res_logits is None or (
+            tiles is None and kv_starts is None and res_bias.stride() == res_logits.stride())
         # The logits loop assumes tiles at multiples of block_n (vector loads), except from
         # ``kv_starts``, where it reads the logits unaligned.
         assert res_logits is None or (kv_start == 0 and split_len % block_n == 0)
@@ -272,6 +286,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
     _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
+        res_bias if res_logits is not None else None,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
         tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,

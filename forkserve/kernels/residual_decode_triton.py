@@ -11,7 +11,9 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
 * ``"chunked"``: both passes in one launch, alternating per chunk of keys;
 * ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``;
 * ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
-  every head's whole logits, pass 2 reads only them, V_base and V_res.
+  every head's whole logits, pass 2 reads only them, V_base and V_res;
+* ``"msc2s"`` (residual_msc2s.py): msc with pass 1's halves as two kernels on two streams
+  (base logits from K_base; the q-folded residual score), pass 2 summing both.
 
 ``residual_values`` is the split-form cascade's value pass (shared_prefix.py). Score
 scratch buffers are temporaries of one call. H200 numbers: docs/KERNELS.md.
@@ -26,6 +28,7 @@ import triton.language as tl
 
 from forkserve.kernels.decode_attention import decode_partials
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
+from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
 from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
 from forkserve.kernels.rope import cached_rope_table
@@ -39,7 +42,7 @@ from forkserve.kernels.split_kv import (
     waves_of,
 )
 
-RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc")
+RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
 # Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
@@ -62,7 +65,7 @@ def score_tuning_for(batch: int) -> dict:
 
 
 # Key tile per variant (H200-tuned).
-DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32, "msc": 64}
+DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32, "msc": 64, "msc2s": 64}
 
 
 @triton.jit
@@ -438,9 +441,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
-    goes to ``residual_scores`` (two-pass) or ``residual_logits`` (msc), ``chunk`` is the
-    chunked variant's keys per phase, ``split_score`` picks the fused variant's score form;
-    ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``)."""
+    goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
+    (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
+    fused variant's score form; ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
@@ -458,6 +461,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         res_logits = residual_logits(q, k_base, block_tables, k_res, res_block_tables, seq_lens,
                                      b_k_all, adapter_idx, rope_tab, scale, max_seq_len,
                                      **(MSC_TUNING if score_tuning is None else score_tuning))
+    elif variant == "msc2s":
+        res_logits, res_bias = split_logits(
+            q, k_base, block_tables, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
+            rope_tab, scale, max_seq_len,
+            **(MSC2S_TUNING if score_tuning is None else score_tuning))
 
     def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
         tuning = dict(scale=scale, num_splits=splits, split_len=split_len, block_n=block_n,

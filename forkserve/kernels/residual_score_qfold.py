@@ -46,7 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.residual_triton import residual_offsets
+from forkserve.kernels.residual_triton import (
+    base_key_tile,
+    group_base_scores,
+    group_queries_t,
+    residual_offsets,
+)
 from forkserve.kernels.rope_triton import rope_row, rope_rows
 from forkserve.kernels.split_kv import waves_of
 
@@ -101,22 +106,14 @@ def _qfold_score_kernel(
     rows = tl.arange(0, BLOCK_G)
     s_ptr = Bias + b * stride_sb + (kvh * GROUP + rows)[None, :] * stride_sh
     if LOGITS:
-        # The group's queries as the N operand of the base product (keys as M), zero past
-        # the group up to BASE_N columns: at N >= 16 it is a wgmma with both operands in
-        # shared memory (133 registers at 64-key tiles); at N = 4 an mma with the K tile
-        # in registers (162).
-        d = tl.arange(0, HEAD_DIM)
-        cols = tl.arange(0, BASE_N)
-        q_t = tl.load(Q + b * stride_qb + (kvh * GROUP + cols)[None, :] * stride_qh + d[:, None],
-                      mask=(cols < GROUP)[None, :], other=0.0)
+        # The group's queries as the N operand of the base product (keys as M).
+        q_t = group_queries_t(Q, b * stride_qb, kvh, stride_qh, GROUP, HEAD_DIM, BASE_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
         if LOGITS:
-            page = tl.load(BlockTables + b * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-            k_off = (page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks
-                     + kvh * stride_kh)
-            k_base = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+            k_base = base_key_tile(K, BlockTables, b * stride_bt, offs_n, n_ok, kvh, stride_kp,
+                                   stride_ks, stride_kh, PAGE_SIZE, HEAD_DIM)
         # A row without an adapter scores zero here (its residual pages are never read).
         res_ok = n_ok & has_ad
         r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, res_ok, stride_rp,
@@ -138,11 +135,7 @@ def _qfold_score_kernel(
         # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
         sc = tl.sum(tl.reshape(w, [BLOCK_N, BLOCK_G, RANK]) * kr.to(tl.float32)[:, None, :], 2)
         if LOGITS:
-            base = tl.dot(k_base, q_t)
-            if BASE_N > BLOCK_G:
-                # Columns past the group are zero: fold them onto the group's.
-                base = tl.sum(tl.reshape(base, [BLOCK_N, BASE_N // BLOCK_G, BLOCK_G]), 1)
-            sc = (sc + base) * qk_scale
+            sc = (sc + group_base_scores(k_base, q_t, BLOCK_N, BLOCK_G, BASE_N)) * qk_scale
             # Chunks start at multiples of BLOCK_N: vector stores along a head's keys.
             offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),

@@ -1,7 +1,9 @@
 """Triton device functions shared by the ResidualAttention kernels (decode, its two-pass
 score kernel, prefill): where a key tile's residual rows live, the rebuilt residual keys
-RoPE(K_res B_k) at the tile's absolute positions (deferred RoPE), and the fused kernels'
-score of a query tile against K_base plus those keys."""
+RoPE(K_res B_k) at the tile's absolute positions (deferred RoPE), the fused kernels'
+score of a query tile against K_base plus those keys, and the base logits of a GQA group
+with keys as M (the materialized-scores pass 1s: residual_score_qfold.py's ``LOGITS``
+mode and residual_msc2s.py's base-logits kernel)."""
 from __future__ import annotations
 
 import triton
@@ -47,3 +49,39 @@ def fused_residual_score(q_lo, q_hi, k_lo, k_hi, rot_lo, rot_hi, SPLIT_SCORE: tl
         k_hi = (k_hi.to(tl.float32) + rot_hi).to(q_lo.dtype)
         s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     return s
+
+
+@triton.jit
+def group_queries_t(Q, q_row, kvh, stride_qh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BASE_N: tl.constexpr):
+    """The GQA group of KV head ``kvh`` (sequence at ``Q + q_row``) as the N operand
+    ``q^T [HEAD_DIM, BASE_N]`` of a keys-as-M product, zero past the group. At N >= 16 the
+    product is a wgmma with both operands in shared memory; at N = 4 an mma with the K tile
+    in registers (162 instead of 133 registers in msc's pass 1 at 64-key tiles)."""
+    d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BASE_N)
+    return tl.load(Q + q_row + (kvh * GROUP + cols)[None, :] * stride_qh + d[:, None],
+                   mask=(cols < GROUP)[None, :], other=0.0)
+
+
+@triton.jit
+def base_key_tile(K, BlockTables, table_row, offs_n, n_ok, kvh, stride_kp, stride_ks, stride_kh,
+                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``K_base`` rows of keys ``offs_n`` of KV head ``kvh``, ``[keys, HEAD_DIM]``, through
+    the sequence's block table at ``BlockTables + table_row`` (zero where not ``n_ok``)."""
+    page = tl.load(BlockTables + table_row + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+    k_off = page.to(tl.int64) * stride_kp + (offs_n % PAGE_SIZE) * stride_ks + kvh * stride_kh
+    d = tl.arange(0, HEAD_DIM)
+    return tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+
+
+@triton.jit
+def group_base_scores(k_tile, q_t, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BASE_N: tl.constexpr):
+    """Unscaled ``K_base @ q^T`` of a key tile against ``group_queries_t``: float32
+    ``[BLOCK_N, BLOCK_G]``, column g the group's query row g."""
+    base = tl.dot(k_tile, q_t)
+    if BASE_N > BLOCK_G:
+        # Columns past the group are zero: fold them onto the group's.
+        base = tl.sum(tl.reshape(base, [BLOCK_N, BASE_N // BLOCK_G, BLOCK_G]), 1)
+    return base

@@ -56,7 +56,8 @@ def _merge_kernel(PartOut, PartLse, Out, num_splits,
     tl.store(Out + b * stride_fb + h * stride_fh + d, out.to(Out.dtype.element_ty))
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA, for the interpreter's plans)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -64,7 +65,7 @@ def _sm_count(device: torch.device) -> int:
 
 def waves_of(n_programs: int, device: torch.device) -> int:
     """How many ways to cut each program's work for about two waves of programs."""
-    return max(1, -(-2 * _sm_count(device) // max(n_programs, 1)))
+    return max(1, -(-2 * sm_count(device) // max(n_programs, 1)))
 
 
 def key_bound(seq_lens: torch.Tensor, max_seq_len: int | None) -> int:

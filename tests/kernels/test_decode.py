@@ -55,7 +55,9 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # forms. A 48-key chunk starts score programs mid-tile and mid-page. Materialized scores
 # (msc: whole logits from K_base and K_res, then a loop over V only) at its default tiles
 # (one tile covers a sequence), at 16-key tiles with several chunks per sequence, and with
-# cos/sin by angle addition.
+# cos/sin by angle addition. msc2s (msc's pass 1 as a base-logits kernel and the q-folded
+# residual scorer, two streams on CUDA) at its default tuning, and at 16-key tiles with
+# several base chunks per sequence (8 waves) and residual chunks of 48 keys (mid-tile).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -71,6 +73,9 @@ VARIANTS = [
     ("msc", {"block_n": 64}),
     ("msc", {"score_tuning": {"block_n": 16, "chunk": 48}}),
     ("msc", {"score_tuning": {"block_n": 16, "angle_add": True}}),
+    ("msc2s", {"block_n": 64}),
+    ("msc2s", {"score_tuning": {"block_n": 16, "waves": 8,
+                                "residual": {"block_n": 16, "chunk": 48}}}),
 ]
 
 
@@ -120,11 +125,13 @@ def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
 @pytest.mark.parametrize("variant,score_tuning", [
     ("two_pass", {}), ("two_pass", QFOLD_ANGLE), ("two_pass", QFOLD_TABLE),
     ("msc", {"block_n": 16}), ("msc", {"block_n": 16, "dtype": torch.float16}),
+    ("msc2s", {"block_n": 16, "residual": {"block_n": 16}}),
+    ("msc2s", {"block_n": 16, "dtype": torch.float16, "residual": {"block_n": 16}}),
 ])
 def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
     """Half-precision operands (the score pass rounds folded matrices, cos/sin and its
-    float16 scores; msc's logits float32 or float16): still the plain formula at half
-    precision, every adapter kind."""
+    float16 scores; msc's logits float32 or float16; msc2s's float16 bias beside float32 or
+    float16 logits): still the plain formula at half precision, every adapter kind."""
     seq_lens, n_heads, n_kv, head_dim, rank = [37, 100, 70, 16], 8, 2, 32, 8
     gen = torch.Generator().manual_seed(5)
     c = make_cache(gen, seq_lens, n_kv, head_dim, rank=rank, dtype=torch.float16)
