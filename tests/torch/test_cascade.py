@@ -137,3 +137,18 @@ def test_a_false_sharing_claim_is_rejected_before_any_write(models):
     items = [w.__class__(**{**w.__dict__, "shared_prefix": SharedPrefix(0, 4)}) for w in items]
     with pytest.raises(InvalidWorkError):
         backend.forward(items)
+
+
+@pytest.mark.parametrize("agents", [8, 32])
+def test_graphs_captured_ahead_cover_every_batch_over_one_context(agents):
+    """Every batch of n rows over one shared prefix replays a decode graph captured ahead:
+    its tiles bucket is among those ``capture_decode_graphs`` captures for n's batch bucket
+    (a bucket left to capture on use costs a timed decode step two eager forwards and a
+    capture)."""
+    from forkserve.backend.torch import cascade as cascade_tiles
+    from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, batch_bucket
+
+    for n in range(1, BATCH_BUCKETS[-1] + 1):
+        plan = cascade_tiles.plan([SharedPrefix(0, 4)] * n, PAGE, agents)
+        tiles = cascade_tiles.tiles_bucket(len(plan.tile_rows) if plan is not None else 0)
+        assert tiles in cascade_tiles.tiles_buckets(batch_bucket(n), agents), n

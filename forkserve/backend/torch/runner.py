@@ -62,6 +62,9 @@ class ModelRunner:
         self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads
                                                           // model.cfg.num_kv_heads)
         self._graphs: dict[GraphKey, DecodeGraph] = {}
+        # Graphs a step had to capture itself (its key was not captured ahead): each costs
+        # that step two eager forwards and a capture (benchmarks report it).
+        self.captured_on_use = 0
         self._mempool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
     @property
@@ -138,9 +141,11 @@ class ModelRunner:
         new = 0
         for bucket in (b for b in BATCH_BUCKETS if b <= top):
             for split in splits:
-                # One shared context (one tile) is the common cascade; more tiles are captured on
-                # use.
-                for tiles in (0, 1) if self.cascade and bucket > 1 else (0,):
+                # The agents of one shared context: the common cascade; other tilings are
+                # captured on use.
+                tilings = (cascade_tiles.tiles_buckets(bucket, self.cascade_agents)
+                           if self.cascade else (0,))
+                for tiles in tilings:
                     new += self._ensure_graph((bucket, pages, use_lora, split, tiles))
         return new
 
@@ -155,6 +160,6 @@ class ModelRunner:
 
     def _replay(self, rows: DecodeRows, key: GraphKey,
                 cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
-        self._ensure_graph(key)
+        self.captured_on_use += self._ensure_graph(key)
         logits, greedy = self._graphs[key].run(rows, cascade)
         return RunOutput(logits, greedy)

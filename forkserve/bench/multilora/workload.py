@@ -93,6 +93,9 @@ class RunResult:
     decode_host_copy_ms_per_step: float = 0.0
     # Where the time of a few ticks of each kind went (step_profile.py); None unless asked.
     step_profile: dict | None = None
+    # Decode graphs a step of the run captured itself (its key was not captured ahead):
+    # each cost that tick two eager forwards and a capture.
+    graphs_captured_in_run: int = 0
 
 
 def tiny_config():
@@ -174,9 +177,11 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
+    captured = backend.runner.captured_on_use
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
                           shared_by_base_pass=system == "disaggregated_base",
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None)
+    result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
