@@ -141,14 +141,17 @@ def test_a_false_sharing_claim_is_rejected_before_any_write(models):
 
 @pytest.mark.parametrize("agents", [8, 32])
 def test_graphs_captured_ahead_cover_every_batch_over_one_context(agents):
-    """Every batch of n rows over one shared prefix replays a decode graph captured ahead:
-    its tiles bucket is among those ``capture_decode_graphs`` captures for n's batch bucket
-    (a bucket left to capture on use costs a timed decode step two eager forwards and a
-    capture)."""
+    """Every decode batch of n rows over one shared prefix replays a graph captured ahead
+    (a key left to capture on use costs a timed decode step two eager forwards and a
+    capture: with one tile slot captured, every batch past ``agents`` rows did)."""
     from forkserve.backend.torch import cascade as cascade_tiles
-    from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS, batch_bucket
+    from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS
+    from forkserve.backend.torch.runner import ahead_keys, key_of
 
+    ahead = set(ahead_keys(BATCH_BUCKETS[-1], 530, True, [True], agents))
     for n in range(1, BATCH_BUCKETS[-1] + 1):
-        plan = cascade_tiles.plan([SharedPrefix(0, 4)] * n, PAGE, agents)
-        tiles = cascade_tiles.tiles_bucket(len(plan.tile_rows) if plan is not None else 0)
-        assert tiles in cascade_tiles.tiles_buckets(batch_bucket(n), agents), n
+        plan = cascade_tiles.plan([SharedPrefix(0, 512)] * n, PAGE, agents)
+        tiles = len(plan.tile_rows) if plan is not None else 0
+        assert key_of(n, 530, True, True, tiles) in ahead, n
+    assert ahead_keys(8, 530, True, [True], None) == tuple(
+        (b, 1024, True, True, 0) for b in (1, 2, 4, 8))
