@@ -1,14 +1,18 @@
-"""The react bench under memory pressure, on a MockBackend: the engine's ms per decode tick
-and the decode graphs its steps need (CPU figures; issue 21's D1 runs).
+"""The react bench under memory pressure, on a MockBackend: the engine's ms per tick and
+the decode graphs its steps need (CPU figures; issue 21's D1 runs).
 
-    python benchmarks/pressure_tick_bench.py --out benchmarks/results
+    python benchmarks/pressure_tick_bench.py --label after --out benchmarks/results
+    PYTHONPATH=<an export of an older commit> FORKSERVE_COMMIT=<its hash> \
+        python benchmarks/pressure_tick_bench.py --label before --out benchmarks/results
 
 The workload of ``forkserve bench react --systems disaggregated --reopen`` at the Llama-3-8B
 page shape (its page bytes, budget and residual share buy the same page counts: the
 residuals of all agents do not fit, so paused agents' residuals are evicted), with the D1
 features (``--host-residual-gib 4 --pause-pin``) off and on. The mock's own work is timed
-apart, so ``engine_ms`` is the Engine's planning alone per decode-only tick (stepper,
-steady set, eviction, host tier, pause pins, publishing).
+apart, so ``decode_ms`` is the Engine's planning alone per decode-only tick (stepper,
+steady set, eviction, host tier, pause pins, publishing) and ``prefill_ms`` per tick that
+prefilled (scheduling, in-flight deduplication, page preparation); ``*_cpu_ms``: this
+process's CPU time, which other processes' load does not inflate.
 
 A decode-only step of TorchBackend replays the CUDA graph of its key (batch bucket, pages
 bucket, LoRA, form, cascade tiles bucket); a key not captured ahead is captured by the step
@@ -16,12 +20,14 @@ itself (two eager forwards and a capture: hundreds of ms on the 8B shape, inside
 tick). Each step's key is computed here from its batch, and the steps are counted whose key
 ``capture_decode_graphs`` leaves out: ``late_steps`` with this tree's rule
 (``runner.ahead_keys``), ``late_steps_one_tile`` with the rule before it (one tile slot:
-every batch of more rows than a tile holds missed). Rows go to
-``pressure_tick_<machine>.json``.
+every batch of more rows than a tile holds missed). Each run adds its rows under
+``--label`` to ``pressure_tick_<machine>.json`` (rows of other labels are kept, and the
+table prints them all: labels measured back to back compare).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import Counter
 
@@ -76,18 +82,22 @@ def measure(params: MultiLoraParams) -> dict:
     backend = KeyedMock(cfg, agents)
     backend.start(0.0)
     engine = Engine(backend)
-    m, ticks, seconds, cpu_seconds = engine.metrics, [0], [0.0], [0.0]
+    m = engine.metrics
+    kinds = {kind: [0, 0.0, 0.0] for kind in ("decode", "prefill")}  # ticks, wall s, CPU s
     tick = engine.tick
 
-    def timed_tick() -> bool:  # a decode-only tick's time, the mock's own left out
+    def timed_tick() -> bool:  # a tick's time by kind, the mock's own left out
         decode, prefill = m.decode_tokens, m.prefill_tokens
         mock, mock_cpu = backend.backend_s, backend.backend_cpu_s
         t0, cpu0 = time.perf_counter(), time.process_time()
         did = tick()
-        if m.prefill_tokens == prefill and m.decode_tokens > decode:
-            ticks[0] += 1
-            seconds[0] += time.perf_counter() - t0 - (backend.backend_s - mock)
-            cpu_seconds[0] += time.process_time() - cpu0 - (backend.backend_cpu_s - mock_cpu)
+        kind = ("prefill" if m.prefill_tokens > prefill
+                else "decode" if m.decode_tokens > decode else None)
+        if kind is not None:
+            acc = kinds[kind]
+            acc[0] += 1
+            acc[1] += time.perf_counter() - t0 - (backend.backend_s - mock)
+            acc[2] += time.process_time() - cpu0 - (backend.backend_cpu_s - mock_cpu)
         return did
 
     engine.tick = timed_tick
@@ -99,11 +109,12 @@ def measure(params: MultiLoraParams) -> dict:
     now = set(ahead_keys(params.workflows, context_pages, True, [True], agents))
     one_tile = {k for k in now if k[4] <= 1}
     steps = sum(backend.keys.values())
+    per_tick = {f"{kind}_{name}": s * 1e3 / max(1, n)
+                for kind, (n, wall, cpu) in kinds.items()
+                for name, s in (("ms", wall), ("cpu_ms", cpu))}
     return {"workflows": params.workflows, "host_residual_gib": params.host_residual_gib,
-            "pause_pin": params.pause_pin, "decode_only_ticks": ticks[0],
-            "engine_ms": seconds[0] * 1e3 / max(1, ticks[0]),
-            # This process's CPU time: what other processes' load does not inflate.
-            "engine_cpu_ms": cpu_seconds[0] * 1e3 / max(1, ticks[0]),
+            "pause_pin": params.pause_pin, "decode_only_ticks": kinds["decode"][0],
+            "prefill_ticks": kinds["prefill"][0], **per_tick,
             "mean_decode_batch": result.mean_decode_batch,
             "restored_tokens": result.restored_tokens,
             "residual_prefill_tokens": result.residual_prefill_tokens,
@@ -128,15 +139,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="tool pause (the mock's steps are fast: a short pause keeps it quick)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per mode; the row of the median engine CPU ms is kept")
+    ap.add_argument("--label", default="now", help="this source tree's name in the JSON")
     ap.add_argument("--machine", default="cpu", help="the machine's name, in the file name")
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    rows = []
-    print(f"{source_commit()}: react --reopen on a MockBackend at the 8B page shape, "
-          f"W={args.workflows}, CPU; engine ms per decode-only tick (mock excluded); decode "
-          f"steps (keys) whose graph a step captures itself: this tree / one tile slot")
-    print(f"{'D1':>4} {'ticks':>6} {'batch':>6} {'engine ms':>10} {'CPU ms':>7} {'restored':>9} "
-          f"{'keys':>5} {'late now':>10} {'late one tile':>14}")
+    path = args.out / f"pressure_tick_{args.machine}.json"
+    old = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = [r for r in old if r["label"] != args.label]
+    commit = source_commit()
     for on in (False, True):
         params = MultiLoraParams(workload="react", workflows=args.workflows,
                                  context=args.context, turns=args.turns, gen=args.gen,
@@ -145,18 +155,26 @@ def main(argv: list[str] | None = None) -> int:
                                  host_residual_gib=4.0 if on else 0.0, pause_pin=on,
                                  reopen=True)
         runs = sorted((measure(params) for _ in range(args.repeats)),
-                      key=lambda run: run["engine_cpu_ms"])
-        r = runs[len(runs) // 2] | {"repeats": args.repeats}
-        rows.append(r)
-        print(f"{'on' if on else 'off':>4} {r['decode_only_ticks']:>6} "
-              f"{r['mean_decode_batch']:>6.1f} {r['engine_ms']:>10.2f} {r['engine_cpu_ms']:>7.2f} "
-              f"{r['restored_tokens']:>9} {r['graph_keys']:>5} "
-              f"{r['late_steps']:>4} ({r['late_keys']}) "
+                      key=lambda run: run["decode_cpu_ms"])
+        rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
+                    | runs[len(runs) // 2])
+    print(f"react --reopen on a MockBackend at the 8B page shape, W={args.workflows}, CPU: "
+          f"engine ms per tick (mock excluded), wall (this process's CPU), median of "
+          f"{args.repeats}; decode steps (keys) whose graph a step captured itself, by the "
+          f"rule captured ahead: this tree's / one tile slot")
+    print(f"{'label':>8} {'commit':>8} {'D1':>3} {'decode ms':>14} {'prefill ms':>15} "
+          f"{'batch':>6} {'restored':>9} {'late':>7} {'late one tile':>14}")
+    for r in rows:
+        print(f"{r['label']:>8} {r['commit'][:8]:>8} {'on' if r['pause_pin'] else 'off':>3} "
+              f"{r['decode_ms']:>6.2f} ({r['decode_cpu_ms']:>5.2f}) "
+              f"{r['prefill_ms']:>6.1f} ({r['prefill_cpu_ms']:>6.1f}) "
+              f"{r['mean_decode_batch']:>6.1f} {r['restored_tokens']:>9} "
+              f"{r['late_steps']:>3} ({r['late_keys']}) "
               f"{r['late_steps_one_tile']:>8} ({r['late_keys_one_tile']})")
-    path = args.out / f"pressure_tick_{args.machine}.json"
-    write_json(path, {"commit": source_commit(), "machine": args.machine, "device": "cpu",
-                      "backend": "MockBackend (engine only)", "context": args.context,
-                      "turns": args.turns, "gen": args.gen, "kv_budget_gib": args.kv_budget_gib,
+    write_json(path, {"machine": args.machine, "device": "cpu",
+                      "backend": "MockBackend (engine only)", "workflows": args.workflows,
+                      "context": args.context, "turns": args.turns, "gen": args.gen,
+                      "kv_budget_gib": args.kv_budget_gib,
                       "residual_share": args.residual_share, "rows": rows})
     return 0
 
