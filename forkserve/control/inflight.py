@@ -17,10 +17,10 @@ nodes were held (``waiting``: the Stepper re-matches them before their next dema
 cache of page hashes per writer node, pruned to each tick's writers.
 
 A claim is a ``ClaimKey``: the tree, namespace and salt ``KVCache.page_claims`` derives as
-``KVCache.keys`` does (so a reader waits only for a leader whose pages it may read), and a
-chained hash of the page's tokens and all tokens before it. A hash collision can only make
-a writer wait for pages it then does not find and computes itself: what a writer reads
-always comes from ``KVCache.match``, never from a claim.
+``KVCache.keys`` does (so a reader waits only for a leader whose pages it may read), as the
+number ``ClaimStreams`` gives them, and a chained hash of the page's tokens and all tokens
+before it. A hash collision can only make a writer wait for pages it then does not find and
+computes itself: what a writer reads always comes from ``KVCache.match``, never from a claim.
 """
 from __future__ import annotations
 
@@ -35,15 +35,30 @@ from forkserve.control.metrics import EngineMetrics
 from forkserve.control.prefix_index import CacheSalt, Namespace
 from forkserve.control.scheduler import Demand
 
+# One side of one full page, as the prefix trees would publish it: ``page_chain``'s hash of
+# the page's tokens and every token before them, times ``STREAMS``, plus the number
+# ``ClaimStreams`` gives the side's tree, namespace and salt. One int: a writer claims each
+# page it still has to write every tick (hundreds over an 8K prompt), and a key object per
+# page (a tree, a namespace dataclass and a salt, hashed per page) cost ~8 ms per such writer
+# under memory pressure, most of it the garbage collections those objects set off.
+ClaimKey = int
+STREAMS = 1 << 32  # more streams than a tick's writers can name
 
-@dataclass(frozen=True)
-class ClaimKey:
-    """One side of one full page, as the prefix trees would publish it."""
 
-    tree: PageKind      # BASE/UNIFIED: the base tree; RESIDUAL: the residual tree
-    namespace: Namespace
-    salt: CacheSalt
-    chain: int          # ``page_chain``: this page's tokens and every token before them
+class ClaimStreams:
+    """Numbers each (tree, namespace, salt) claims are made under, for one tick's writers
+    (claims live one tick: a fresh numbering each ``admit`` keeps no namespace or salt of a
+    writer that has gone): equal triples get equal numbers, so keys compare as the triples."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[PageKind, Namespace, CacheSalt], int] = {}
+
+    def __call__(self, tree: PageKind, namespace: Namespace, salt: CacheSalt) -> int:
+        return self._ids.setdefault((tree, namespace, salt), len(self._ids))
+
+    def key(self, stream: int, page: int) -> ClaimKey:
+        """The claim of ``stream``'s side of the page whose ``page_chain`` hash is ``page``."""
+        return page * STREAMS + stream
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,9 @@ def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ())
 
 # ``(node_id, path) -> page_chain(path)``, cached per node by the policy.
 ChainOf = Callable[[int, Sequence[int]], Sequence[int]]
-Describe = Callable[[Demand, ChainOf], Writer]
+# A prefill demand as its ``Writer``, its pages hashed by ``ChainOf`` and its claims numbered
+# by the tick's ``ClaimStreams``.
+Describe = Callable[[Demand, ChainOf, ClaimStreams], Writer]
 
 
 class PrefixDedupPolicy(Protocol):
@@ -112,7 +129,8 @@ class InflightDedup:
         return chain
 
     def admit(self, demands: Sequence[Demand], describe: Describe) -> list[Demand]:
-        writers = sorted((describe(d, self.chain) for d in demands if not d.decode),
+        streams = ClaimStreams()
+        writers = sorted((describe(d, self.chain, streams) for d in demands if not d.decode),
                          key=lambda w: w.rank)
         live = {w.node_id for w in writers}
         self._chains = {n: c for n, c in self._chains.items() if n in live}  # the rest are gone

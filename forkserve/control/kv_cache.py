@@ -54,7 +54,7 @@ from forkserve.config import ForkServeConfig, KVForm, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.host_tier import HostTier
-from forkserve.control.inflight import ClaimKey
+from forkserve.control.inflight import ClaimKey, ClaimStreams
 from forkserve.control.layout_policy import LayoutPolicy, LayoutSignals, policy_for
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
@@ -304,14 +304,15 @@ class KVCache:
         return hit
 
     def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int],
-                    chain: Sequence[int]
+                    chain: Sequence[int], streams: ClaimStreams
                     ) -> tuple[int, tuple[frozenset[ClaimKey], ...],
                                tuple[frozenset[ClaimKey], ...]]:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
         each full page of ``path`` from the table's first unwritten one, the keys of the sides
         it still has to write there, and the keys whose publication would give it those sides
         under ``match``'s rule (an adapter's base side may also take the base model's pages).
-        ``chain``: ``page_chain(path)``. Returns the first page and the two per-page lists."""
+        ``chain``: ``page_chain(path)``; ``streams``: the tick's numbering of the keys' tree,
+        namespace and salt. Returns the first page and the two per-page lists."""
         p = self.pool.page_size
         full = len(chain)
         base_key, residual_key = self._keys_of(kv, adapter, path[:full * p])
@@ -319,20 +320,29 @@ class KVCache:
         if kv.residual is not None and residual_key is not None:
             sides.append((kv.residual, PageKind.RESIDUAL, residual_key.namespace,
                           residual_key.base_pages))
-        first = kv.length // p
-        writes, reads = [], []
-        for i in range(first, full):
-            wrote, read = set(), set()
-            for table, tree, namespace, base_pages in sides:
-                if table.length >= (i + 1) * p:
-                    continue  # this side of the page is held already
-                key = ClaimKey(tree, BASE if i < base_pages else namespace, kv.salt, chain[i])
-                wrote.add(key)
-                read.add(key)
-                if self._takes_base_model_pages(key.namespace):
-                    read.add(ClaimKey(tree, BASE, kv.salt, chain[i]))
-            writes.append(frozenset(wrote))
-            reads.append(frozenset(read))
+        # Per side, numbered once: the pages it holds, its stream before its activation page
+        # (BASE) and from it, and whether a read there may also take the base model's page.
+        plans = [(table.length // p, streams(tree, BASE, kv.salt),
+                  streams(tree, namespace, kv.salt), base_pages,
+                  self._takes_base_model_pages(namespace))
+                 for table, tree, namespace, base_pages in sides]
+        first, key = kv.length // p, streams.key
+        writes: list[frozenset[ClaimKey]] = []
+        reads: list[frozenset[ClaimKey]] = []
+        # Between these pages which sides a page still needs, and under which stream, stays
+        # the same: each run of pages is one comprehension over its hashes.
+        bounds = sorted({first, full, *(min(max(b, first), full)
+                                        for held, _, _, base_pages, _ in plans
+                                        for b in (held, base_pages))})
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            wrote = [before if lo < base_pages else after
+                     for held, before, after, base_pages, _ in plans if lo >= held]
+            extra = [before for held, before, _, base_pages, takes_base in plans
+                     if lo >= held and lo >= base_pages and takes_base]
+            run = [frozenset([key(s, page) for s in wrote]) for page in chain[lo:hi]]
+            writes += run
+            reads += ([keys.union([key(s, page) for s in extra])
+                       for keys, page in zip(run, chain[lo:hi], strict=True)] if extra else run)
         return first, tuple(writes), tuple(reads)
 
     def publish(self, kv: NodeKV, adapter: AdapterId | None, path_of: Callable[[], Sequence[int]],

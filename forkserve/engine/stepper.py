@@ -34,7 +34,7 @@ from forkserve.control.activation import adapter_start
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import DualMatch
-from forkserve.control.inflight import ChainOf, Writer, dedup_for
+from forkserve.control.inflight import ChainOf, ClaimStreams, Writer, dedup_for
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
@@ -176,14 +176,14 @@ class Stepper:
             if demand is not None:
                 speculative.append(demand)
 
-    def _writer(self, demand: Demand, chain_of: ChainOf) -> Writer:
+    def _writer(self, demand: Demand, chain_of: ChainOf, streams: ClaimStreams) -> Writer:
         """A committed prefill as in-flight deduplication sees it. It never waits when it
         wants every position computed (prompt log-probabilities, ``open(reuse_prefix=False)``)
         or is a commit's tail (atomic: ``Engine._unstage`` restores it as it was)."""
         session, node = self._nodes_by_id[demand.node_id]
         path = session.tree.path_tokens(node)
         first, writes, reads = self.kv.page_claims(node.table, node.adapter, path,
-                                                   chain_of(node.id, path))
+                                                   chain_of(node.id, path), streams)
         follows = (session.reuse_prefix and session.sampling.prompt_logprobs is None
                    and not session.hold_speculation)
         return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)

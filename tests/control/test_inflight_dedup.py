@@ -7,7 +7,7 @@ from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
 from forkserve.config import PrefixDedup, ShareBase
-from forkserve.control.inflight import ClaimKey, InflightDedup, Writer
+from forkserve.control.inflight import ClaimKey, ClaimStreams, InflightDedup, Writer
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.prefix_index import BASE, UNSALTED
 from forkserve.control.scheduler import Demand, WorkClass
@@ -134,7 +134,8 @@ def test_a_session_that_wants_every_logit_never_waits():
 
 
 def _key(page: int) -> ClaimKey:
-    return ClaimKey(PageKind.UNIFIED, BASE, UNSALTED, page)
+    streams = ClaimStreams()
+    return streams.key(streams(PageKind.UNIFIED, BASE, UNSALTED), page)
 
 
 def _writer(node, rank, start, pages, follows=True):
@@ -150,6 +151,6 @@ def test_the_oldest_writer_leads_and_a_follower_stops_before_the_first_claimed_p
     demands = [Demand(n, 200, False, WorkClass.COMMITTED) for n in (2, 1, 3, 4)]
     demands.append(Demand(9, 1, True, WorkClass.COMMITTED))  # decode steps are no writers
     dedup = InflightDedup(16, EngineMetrics())
-    out = dedup.admit(demands, lambda d, chain_of: writers[d.node_id])
+    out = dedup.admit(demands, lambda d, chain_of, streams: writers[d.node_id])
     assert [(d.node_id, d.tokens) for d in out] == [(2, 64 - 40), (1, 200), (4, 200), (9, 1)]
     assert dedup.waiting == {2, 3} and dedup.metrics.dedup_held == 1

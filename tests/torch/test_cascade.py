@@ -137,3 +137,21 @@ def test_a_false_sharing_claim_is_rejected_before_any_write(models):
     items = [w.__class__(**{**w.__dict__, "shared_prefix": SharedPrefix(0, 4)}) for w in items]
     with pytest.raises(InvalidWorkError):
         backend.forward(items)
+
+
+@pytest.mark.parametrize("agents", [8, 32])
+def test_graphs_captured_ahead_cover_every_batch_over_one_context(agents):
+    """Every decode batch of n rows over one shared prefix replays a graph captured ahead
+    (a key left to capture on use costs a timed decode step two eager forwards and a
+    capture: with one tile slot captured, every batch past ``agents`` rows did)."""
+    from forkserve.backend.torch import cascade as cascade_tiles
+    from forkserve.backend.torch.cuda_graph import BATCH_BUCKETS
+    from forkserve.backend.torch.runner import ahead_keys, key_of
+
+    ahead = set(ahead_keys(BATCH_BUCKETS[-1], 530, True, [True], agents))
+    for n in range(1, BATCH_BUCKETS[-1] + 1):
+        plan = cascade_tiles.plan([SharedPrefix(0, 512)] * n, PAGE, agents)
+        tiles = len(plan.tile_rows) if plan is not None else 0
+        assert key_of(n, 530, True, True, tiles) in ahead, n
+    assert ahead_keys(8, 530, True, [True], None) == tuple(
+        (b, 1024, True, True, 0) for b in (1, 2, 4, 8))

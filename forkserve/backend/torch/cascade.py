@@ -47,6 +47,18 @@ def tiles_bucket(n: int) -> int:
     return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
+def tiles_buckets(batch: int, agents: int) -> tuple[int, ...]:
+    """The tiles buckets a decode batch of up to ``batch`` rows takes when its rows share one
+    prefix (the agents of one context), or fewer of them do: no tile, then every bucket up to
+    that of ``batch / agents`` tiles. (Past ``agents`` rows one group is several tiles: a
+    graph captured ahead with one tile slot alone left every larger batch to capture its own
+    on its first step, inside a timed decode tick.) A lone row shares with nobody."""
+    if batch < 2:
+        return (0,)
+    top = tiles_bucket(-(-batch // agents))
+    return (0, *(1 << i for i in range(top.bit_length())))
+
+
 def check_groups(work: Sequence[SeqWork], page_size: int) -> None:
     """A group's members list the same first ``pages`` page ids, all before their new tokens.
     The error names the item (``seq_ids``), as ``batch.validate``'s do."""

@@ -38,11 +38,28 @@ def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> Gr
     eagerly). Rows with a split one replay the split graph whatever the other rows' form:
     each row's form is a graph input (cuda_graph.py), so the adaptive layout's mixed batches
     replay too."""
-    bucket = batch_bucket(len(rows))
+    return key_of(len(rows), rows.block_tables.shape[1], rows.has_adapter, rows.split,
+                  len(cascade.tile_rows) if cascade is not None else 0)
+
+
+def key_of(rows: int, pages: int, lora: bool, split: bool, tiles: int) -> GraphKey | None:
+    """``graph_key`` of ``rows`` rows whose widest reads ``pages`` pages, in ``tiles`` tiles."""
+    bucket = batch_bucket(rows)
     if bucket is None:
         return None
-    tiles = cascade_tiles.tiles_bucket(len(cascade.tile_rows) if cascade is not None else 0)
-    return bucket, pages_bucket(rows.block_tables.shape[1]), rows.has_adapter, rows.split, tiles
+    return bucket, pages_bucket(pages), lora, split, cascade_tiles.tiles_bucket(tiles)
+
+
+def ahead_keys(max_batch: int, context_pages: int, use_lora: bool, splits: Sequence[bool],
+               agents: int | None) -> tuple[GraphKey, ...]:
+    """The graphs ``ModelRunner.capture_decode_graphs`` captures: every batch bucket up to
+    ``max_batch``'s, at the pages bucket of ``context_pages``, in each form, and with
+    cascade (``agents`` rows per tile; None: cascade off) every tiles bucket the agents of
+    one shared context take (``cascade.tiles_buckets``); other tilings are captured on use."""
+    top = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
+    return tuple((bucket, pages_bucket(context_pages), use_lora, split, tiles)
+                 for bucket in BATCH_BUCKETS if bucket <= top for split in splits
+                 for tiles in (cascade_tiles.tiles_buckets(bucket, agents) if agents else (0,)))
 
 
 def decode_shaped(work: Sequence[SeqWork]) -> bool:
@@ -62,6 +79,9 @@ class ModelRunner:
         self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads
                                                           // model.cfg.num_kv_heads)
         self._graphs: dict[GraphKey, DecodeGraph] = {}
+        # Graphs a step had to capture itself (its key was not captured ahead): each costs
+        # that step two eager forwards and a capture (benchmarks report it).
+        self.captured_on_use = 0
         self._mempool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
     @property
@@ -133,16 +153,9 @@ class ModelRunner:
         measured run pays for a capture. Returns how many were new."""
         if not self.use_cuda_graphs:
             return 0
-        top = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
-        pages = pages_bucket(-(-context_tokens // self.limits.page_size))
-        new = 0
-        for bucket in (b for b in BATCH_BUCKETS if b <= top):
-            for split in splits:
-                # One shared context (one tile) is the common cascade; more tiles are captured on
-                # use.
-                for tiles in (0, 1) if self.cascade and bucket > 1 else (0,):
-                    new += self._ensure_graph((bucket, pages, use_lora, split, tiles))
-        return new
+        keys = ahead_keys(max_batch, -(-context_tokens // self.limits.page_size), use_lora, splits,
+                          self.cascade_agents if self.cascade else None)
+        return sum(self._ensure_graph(key) for key in keys)
 
     def _ensure_graph(self, key: GraphKey) -> bool:
         """Capture the graph for ``key`` unless it exists; whether it was new."""
@@ -155,6 +168,6 @@ class ModelRunner:
 
     def _replay(self, rows: DecodeRows, key: GraphKey,
                 cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
-        self._ensure_graph(key)
+        self.captured_on_use += self._ensure_graph(key)
         logits, greedy = self._graphs[key].run(rows, cascade)
         return RunOutput(logits, greedy)

@@ -202,6 +202,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
 def _extras(r: RunResult) -> str:
     """The optional figures of a run: device idle, and D1's under pressure."""
     out = f", GPU idle {r.gpu_idle_share:.1%}" if r.gpu_idle_share is not None else ""
+    if r.graphs_captured_in_run:
+        out += f", {r.graphs_captured_in_run} decode graphs captured in the run"
     if r.restored_tokens or r.pins_kept or r.pins_lost:
         out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
                 f", pins kept/lost {r.pins_kept}/{r.pins_lost}")

@@ -98,6 +98,9 @@ class RunResult:
     # last): two runs of one workload generated the same tokens iff equal. It tells an exact
     # system from an approximate one (alora against the same agents with nothing shared).
     outputs_sha256: str = ""
+    # Decode graphs a step of the run captured itself (its key was not captured ahead):
+    # each cost that tick two eager forwards and a capture.
+    graphs_captured_in_run: int = 0
 
 
 def tiny_config():
@@ -185,10 +188,12 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
+    captured = backend.runner.captured_on_use
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
                           shared_by_base_pass=spec.base_pass,
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None,
                           invocation=spec.invocation)
+    result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
