@@ -10,7 +10,7 @@ from forkserve.backend.torch import TorchBackend
 
 
 def hf_hidden(model_dir, tokens, adapter_dir=None) -> torch.Tensor:
-    """[tokens, layers, hidden]: transformers' stream after each decoder layer, float64 on CPU."""
+    """[tokens, layers, hidden]: transformers' stream after each decoder layer, fp32 on the CPU."""
     with torch.no_grad():
         model = hf_model(model_dir, adapter_dir)
         out = model(torch.tensor([list(tokens)]), output_hidden_states=True)
@@ -36,7 +36,8 @@ def test_hidden_states_match_hf_over_chunks_and_decodes(models, adapters, adapte
         out = backend.forward(pair, hidden_states=True)
         assert [h.shape[0] for h in out.hidden] == [1, 1]
         rows.append(out.hidden[1])
-    ours = torch.cat(rows)
+    # Compared on the CPU in fp32, where the reference lives (the rows are on DEVICE, in DTYPE).
+    ours = torch.cat(rows).float().cpu()
     num_layers = backend.model_config.num_layers
     assert ours.shape == (len(tokens), num_layers, backend.model_config.hidden_size)
     ref = hf_hidden(path, tokens, adapters["qkvo"] if adapter else None)
