@@ -187,7 +187,7 @@ class EngineReplica:
                          max_context=m.max_context, eos_token_ids=m.eos_token_ids,
                          vocab_size=m.engine.config.vocab_size, page_size=m.engine.config.page_size,
                          sampling_defaults=m.sampling_defaults,
-                         share_base=m.engine.config.share_base)
+                         share_base=m.engine.config.share_base, sharing_cost=m.sharing_cost)
 
     async def open(self, hint: RouteHint, tokens: list[int]) -> Reply[tuple[SessionInfo, TreeView]]:
         """Open a tree on ``tokens`` (a new prompt, or a dead replica's committed tokens)."""

@@ -291,7 +291,8 @@ class Frontend:
         self._tenant(request)
         info = await self._model()
         return openai_wire.model_list(info.name, info.adapters, int(time.time()),
-                                      info.sampling_defaults, info.share_base)
+                                      info.sampling_defaults, info.share_base,
+                                      info.sharing_cost)
 
     def _specs(self, info: ModelInfo, prompts: list[list[int]],
                body: schemas.CompletionRequest | schemas.ChatCompletionRequest,

@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 from forkserve.config import ShareBase
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.interfaces.server.generation_defaults import SamplingDefaults
+from forkserve.interfaces.server.schemas import SharingCostCard
 
 T = TypeVar("T")
 
@@ -79,6 +80,7 @@ class ModelInfo:
     # generation config), and the replicas' cache-sharing policy: both shown in /v1/models.
     sampling_defaults: SamplingDefaults
     share_base: ShareBase
+    sharing_cost: SharingCostCard | None = None  # its measured cost (server/sharing_cost.py)
 
 
 # Failure.type of a verb on a tree the replica does not hold (it restarted, or closed the

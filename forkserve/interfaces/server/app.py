@@ -16,7 +16,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from forkserve.config import ForkServeConfig, KVLayout, app_config, plus_config
+from forkserve.config import ForkServeConfig, KVLayout, ShareBase, app_config, plus_config
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.server import branch_api, openai_api, preflight
 from forkserve.interfaces.server.access import (
@@ -31,6 +31,7 @@ from forkserve.interfaces.server.errors import install_error_handlers
 from forkserve.interfaces.server.generation_defaults import GENERATION_CONFIG_MODES
 from forkserve.interfaces.server.metrics import RequestCounter, ServerMetrics
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model, served_name
+from forkserve.interfaces.server.sharing_cost import load_sharing_cost
 from forkserve.interfaces.server.state import ServerState, StateDep
 from forkserve.interfaces.server.tenancy import Tenancy
 from forkserve.interfaces.usage import ArgumentParser, UsageError
@@ -121,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV layout: unified (default), disaggregated (base pages shared across "
                          "adapters), adaptive (per session merged or split), full_reuse "
                          "(docs/SERVER.md)")
+    ap.add_argument("--share-base", choices=[s.value for s in ShareBase],
+                    default=ShareBase.CROSS_ADAPTER.value,
+                    help="who reads base-side K/V an adapter's forward wrote (layouts with a base "
+                         "pool): cross_adapter (every adapter: ForkKV's sharing, approximate; "
+                         "default), exact (only its writer), neutral (the base model's pages and "
+                         "its own) (docs/QUALITY.md)")
+    ap.add_argument("--quality-report", metavar="PATH",
+                    help="a quality_*.json of benchmarks/quality: /v1/models shows its measured "
+                         "F1 cost of the sharing this server does (share_base_cost)")
     ap.add_argument("--system", choices=sorted(SYSTEMS), default="app",
                     help="engine policy: alias (no cascade), plus (full cascade), app (cascade "
                          "tuned for apps; default)")
@@ -177,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     preflight.check_adapters(args.lora, served_name(model_path, args.served_model_name))
     try:
         config = SYSTEMS[args.system](page_size=args.page_size, num_pages=args.num_pages,
-                                      num_residual_pages=args.num_pages, kv_layout=args.layout)
+                                      num_residual_pages=args.num_pages, kv_layout=args.layout,
+                                      share_base=args.share_base)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    cost = load_sharing_cost(args.quality_report, config) if args.quality_report else None
     sock = preflight.bind_port(args.host, args.port)
     try:
         preflight.check_device(args.device)
@@ -189,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                                       name=args.served_model_name, device=args.device,
                                       dtype=args.dtype, attention=args.attention,
                                       use_cuda_graphs=not args.no_cuda_graphs,
-                                      generation_config=args.generation_config)
+                                      generation_config=args.generation_config,
+                                      sharing_cost=cost)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])

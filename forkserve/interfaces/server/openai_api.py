@@ -69,7 +69,7 @@ router = APIRouter()
 async def list_models(st: StateDep) -> ModelList:
     m = st.model
     return model_list(m.name, m.adapters, m.created, m.sampling_defaults,
-                      m.engine.config.share_base)
+                      m.engine.config.share_base, m.sharing_cost)
 
 
 @dataclass(frozen=True)

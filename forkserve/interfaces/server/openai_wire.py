@@ -37,22 +37,24 @@ from forkserve.interfaces.server.schemas import (
     ModelList,
     PromptTokensDetails,
     SamplingDefaultsCard,
+    SharingCostCard,
     StreamOptions,
     Usage,
 )
 
 
 def model_list(name: str, adapters: Iterable[str], created: int, defaults: SamplingDefaults,
-               share_base: ShareBase) -> ModelList:
+               share_base: ShareBase, sharing_cost: SharingCostCard | None = None) -> ModelList:
     """``/v1/models``: the base model, then each adapter as a model of its own (vLLM's
-    ``--lora-modules`` convention), each card with the server's sampling defaults and its
-    cache-sharing policy (docs/SERVER.md)."""
+    ``--lora-modules`` convention), each card with the server's sampling defaults, its
+    cache-sharing policy and that policy's measured cost (docs/SERVER.md)."""
     sampling = SamplingDefaultsCard(temperature=defaults.temperature, top_p=defaults.top_p,
                                     source=defaults.source)
 
     def card(model: str, parent: str | None) -> ModelCard:
         return ModelCard(id=model, created=created, root=model, parent=parent,
-                         sampling_defaults=sampling, share_base=share_base.value)
+                         sampling_defaults=sampling, share_base=share_base.value,
+                         share_base_cost=sharing_cost)
     return ModelList(data=[card(name, None), *(card(a, name) for a in sorted(adapters))])
 
 

@@ -359,6 +359,22 @@ class SamplingDefaultsCard(_Frozen):
     source: str
 
 
+class SharingCostCard(_Frozen):
+    """The measured answer-quality cost of the deployment's cross-adapter sharing: its
+    readers' paired F1 change against a reference that shares nothing, from the quality
+    report the server was started with (sharing_cost.py; docs/QUALITY.md)."""
+
+    mode: str                     # the report's row (``disaggregated``, ``neutral``, ...)
+    model: str                    # the model the report measured
+    delta_f1: float               # F1 points (x100), readers only; negative: a loss
+    ci95: tuple[float, float]     # bootstrap 95% interval of ``delta_f1``
+    readers: int
+    rounds: int
+    reference: str                # the mode the readers are paired with
+    kv_vs_unified: float | None   # the shared context's KV against unified's
+    source: str                   # the report's file name
+
+
 class ModelCard(_Frozen):
     id: str
     object: Literal["model"] = "model"
@@ -370,6 +386,9 @@ class ModelCard(_Frozen):
     # K/V an adapter wrote (config.ShareBase: "cross_adapter", "exact" or "neutral").
     sampling_defaults: SamplingDefaultsCard
     share_base: str
+    # Its measured cost (``--quality-report``); null without a report or where no adapter
+    # reads another forward's base K/V.
+    share_base_cost: SharingCostCard | None = None
 
 
 class ModelList(_Frozen):

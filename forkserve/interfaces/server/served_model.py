@@ -24,6 +24,7 @@ from forkserve.interfaces.server.generation_defaults import (
     load_sampling_defaults,
 )
 from forkserve.interfaces.server.grammar import GrammarCompiler
+from forkserve.interfaces.server.schemas import SharingCostCard
 from forkserve.interfaces.server.tools.call_reader import ToolCallReader
 from forkserve.interfaces.server.tools.chat_prompt import TemplateCaps
 from forkserve.interfaces.server.tools.formats import ToolFormat, choose_format
@@ -62,6 +63,8 @@ class ServedModel:
     pin_tool_pauses: bool = True
     # What a request that omits temperature / top_p samples with (generation_defaults.py).
     sampling_defaults: SamplingDefaults = OPENAI_DEFAULTS
+    # The measured cost of the engine's cross-adapter sharing (sharing_cost.py); /v1/models.
+    sharing_cost: SharingCostCard | None = None
 
     def grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
@@ -125,9 +128,11 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                       loras: Mapping[str, str | Path] | None = None, name: str | None = None,
                       device: str | None = None, dtype: str | None = None,
                       attention: str = "auto", use_cuda_graphs: bool = True,
-                      generation_config: GenerationConfigMode = "auto") -> ServedModel:
+                      generation_config: GenerationConfigMode = "auto",
+                      sharing_cost: SharingCostCard | None = None) -> ServedModel:
     """A TorchBackend over an HF folder or a .gguf file, wrapped in an Engine;
-    ``generation_config``: whose sampling defaults requests get (generation_defaults.py)."""
+    ``generation_config``: whose sampling defaults requests get (generation_defaults.py);
+    ``sharing_cost``: what ``config``'s sharing measured (``load_sharing_cost``)."""
     import torch
 
     from forkserve.backend.torch import TorchBackend
@@ -152,4 +157,4 @@ def load_served_model(model_path: str | Path, *, config: ForkServeConfig,
                        max_context=min(engine.config.max_context, backend.max_context),
                        eos_token_ids=eos,
                        sampling_defaults=load_sampling_defaults(model_path, generation_config),
-                       grammars=grammars)
+                       grammars=grammars, sharing_cost=sharing_cost)
