@@ -33,6 +33,11 @@ def test_router_bench_at_toy_size(tmp_path: Path) -> None:
         "4",
         "--contexts",
         "2",
+        # 16 pages of shared context: at --tiny's 64 tokens (4 pages) a context's affinity
+        # (+1 a page) was within one queued request (-2) of the other replica, so the opens of
+        # a burst split by Serve's queue cache and, once in a few runs, no agent hit a page.
+        "--context",
+        "256",
         "--turns",
         "2",
         "--with-failover",
