@@ -51,7 +51,8 @@ if stage pressure; then
   # 24 GiB with 5% for residuals: 128 agents' 8K-context residuals do not all fit, so paused
   # agents' residual pages are evicted while others run; the host tier parks them (on) or
   # they are recomputed (off); pins keep a paused agent's base pages.
-  for d1 in on off; do
+  # D1=off (or on) runs one of the two: a call cut at its limit reruns only what is owed.
+  for d1 in ${D1:-on off}; do
     extra=(); [[ $d1 == on ]] && extra=(--host-residual-gib 4 --pause-pin)
     # PROFILE=1: three decode ticks and the prefill ticks under the torch profiler
     # (`step_profile` in the JSON): where D1-on's 1.5x longer decode step goes.
