@@ -24,12 +24,16 @@ import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import mean
-from typing import Sequence
+from typing import Any, Sequence
 
 from benchmarks.quality import modes, units
 from benchmarks.quality.modes import REFERENCE
 from benchmarks.quality.stats import Estimate, bootstrap
 from benchmarks.quality.units import AgentResult, Unit
+
+# The plot's quality-against-memory panel shows ΔF1 down to this many points (see plot).
+OFF_SCALE_POINTS = -25.0
+PLOT_TOP = 5.0
 
 
 @dataclass(frozen=True)
@@ -192,19 +196,19 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.2))
-    for s in rows:
-        if s.layer_cos:
+    # The hidden-state panel only where a unit recorded hidden states (diag, not eval).
+    hidden = [s for s in rows if s.layer_cos]
+    fig, axes = plt.subplots(1, 3 if hidden else 2, figsize=(18 if hidden else 13, 4.6))
+    ax2, ax3 = axes[-2:]
+    if hidden:
+        ax1 = axes[0]
+        for s in hidden:
             ax1.plot(range(len(s.layer_cos)), s.layer_cos, marker=".", label=s.layout)
-    ax1.set_xlabel("layer")
-    ax1.set_ylabel("cosine to unified (readers' own tokens)")
-    ax1.set_title("hidden state after each layer")
-    ax1.grid(alpha=0.3)
-    if ax1.lines:
+        ax1.set_xlabel("layer")
+        ax1.set_ylabel("cosine to unified (readers' own tokens)")
+        ax1.set_title("hidden state after each layer")
+        ax1.grid(alpha=0.3)
         ax1.legend()
-    else:  # accuracy-only units (--no-hidden): say so rather than leave an empty frame
-        ax1.text(0.5, 0.5, "no hidden-state pass in these units\n(evaluate.py without --no-hidden)",
-                 ha="center", va="center", transform=ax1.transAxes, color="grey")
     shown = [s for s in rows if s.paired is not None]
     for i, s in enumerate(shown):
         for offset, est, label in ((-0.15, s.paired.delta_f1, "ΔF1"),
@@ -220,12 +224,38 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax2.set_title("paired loss of the readers")
     if shown:
         ax2.legend()
-    for s in (s for s in shown if s.kv_vs_unified is not None):  # kept against lost
-        est, x = s.paired.delta_f1, s.kv_vs_unified
-        ax3.errorbar(x, est.mean * 100, yerr=[[(est.mean - est.low) * 100],
-                                              [(est.high - est.mean) * 100]], fmt="o", capsize=4)
-        ax3.annotate(s.layout, (x, est.mean * 100), fontsize=7, xytext=(4, 4),
-                     textcoords="offset points")
+    placed = [s for s in shown if s.kv_vs_unified is not None]  # kept against lost
+    # The scale is the band where sharing modes differ; a mode far below it (no_lora) is
+    # marked at the bottom edge with its figure instead of squashing the others into a line.
+    floor = OFF_SCALE_POINTS
+    labels: dict[float, list[tuple[float, float, str, Any]]] = {}
+
+    def point(x: float, est: Estimate, label: str, color: Any, fmt: str) -> Any:
+        y = est.mean * 100
+        if y < floor:
+            label, y = f"{label}: {y:+.1f} (off scale)", floor
+            mark = ax3.plot([x], [y], marker="v", color=color)[0]
+        else:
+            mark = ax3.errorbar(x, y, yerr=[[y - est.low * 100], [est.high * 100 - y]], fmt=fmt,
+                                mfc="none" if fmt == "D" else None, capsize=4, color=color)[0]
+        labels.setdefault(round(x, 3), []).append((x, y, label, mark.get_color()))
+        return mark
+
+    for i, s in enumerate(placed):
+        mark = point(s.kv_vs_unified, s.paired.delta_f1, s.layout, f"C{i % 10}", "o")
+        if s.vs_lora is not None:  # a variant of the adapters: its own price, sharing aside
+            point(s.kv_vs_unified, s.vs_lora.delta_f1, f"{s.layout}: every answer vs plain LoRA",
+                  mark.get_color(), "D")
+    # Modes at one KV ratio share an x: their labels go down a column beside it, in the order
+    # of their points, each at least a line below the one above, tied to its point.
+    step = (PLOT_TOP - floor) / 22
+    for column in labels.values():
+        last = float("inf")
+        for x, y, label, color in sorted(column, key=lambda c: -c[1]):
+            last = min(y, last - step)
+            ax3.annotate(label, (x, y), xytext=(x + 0.012, last), fontsize=7, color=color,
+                         va="center", arrowprops=dict(arrowstyle="-", lw=0.4, color=color))
+    ax3.set_ylim(floor - 3, PLOT_TOP)
     ax3.axhline(0, color="grey", lw=0.8)
     ax3.set_xlabel("shared context's KV bytes, x unified")
     ax3.set_ylabel("readers' ΔF1 vs their reference (points), 95% CI")
