@@ -327,7 +327,7 @@ def train_in_workers(argv: Sequence[str], names: Sequence[str], jobs: int,
     return failed
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, torch.device]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None,
                     help=".gguf or HF folder (default: SmolLM2 GGUF)")
@@ -360,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, 2 steps of batch 1 per task from a random LoRA init, no distractors "
                          "(checks the pipeline; the adapters learn nothing)")
-    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     params = TrainParams(rank=args.rank, alpha=2 * args.rank,
                          targets=tuple(args.targets.split(",")), steps=args.max_steps,
@@ -377,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown targets {sorted(unknown)}")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    return args, params, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, params, device = parse_args(argv)
     if params.alora:
         import peft
         check_peft_alora(peft.LoraConfig, peft.__version__)
@@ -388,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tasks is not None:
         names = args.tasks.split(",")
         if set(names) - {t.name for t in tasks}:
-            ap.error(f"--tasks {args.tasks}: not among the tasks {[t.name for t in tasks]}")
+            raise SystemExit(f"--tasks {args.tasks}: not among the tasks "
+                             f"{[t.name for t in tasks]}")
     args.out.mkdir(parents=True, exist_ok=True)
     head = {"model": args.model.name, "device": str(device), "smoke": args.smoke,
             "params": asdict(params), "heldout": args.heldout}
@@ -417,7 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     if jobs == 1:
         train_here(args.model, device, tasks, set(pending), params, args.out, head, record)
         return 0
+    return run_jobs(argv, pending, jobs, head, record)
 
+
+def run_jobs(argv: Sequence[str], pending: Sequence[str], jobs: int, head: dict[str, Any],
+             record: Callable[[dict[str, Any]], None]) -> int:
+    """``pending`` in ``jobs`` worker processes, each task's log passed to ``record`` as its
+    worker ends; 1 when a worker failed (the others' adapters and logs are kept)."""
     def on_done(worker: dict[str, Any]) -> None:
         # The workers' heads differ from this one only in their load time (they load at once).
         head.update({k: v for k, v in worker.items() if k != "tasks"})

@@ -11,6 +11,16 @@ pytestmark = needs_bfcl
 TASKS = ["simple_python", "multiple"]  # two tasks: one round of two workers
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The in-process runs on one thread, as each of two workers on a 2-core runner: two
+    threads on a busy runner spin against each other (3 steps: 15 s instead of 1.5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _train(tiny, out, *extra):
     from benchmarks.quality import train
 
