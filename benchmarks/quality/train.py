@@ -197,6 +197,15 @@ def collate(batch: list[tuple[list[int], int]], pad: int,
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def alora_offsets(batch: list[tuple[list[int], int]], width: int,
+                  invocation_len: int) -> list[int]:
+    """Per row, the positions from the aLoRA invocation's start to the end of the padded row:
+    what PEFT's ``calculate_alora_offsets`` finds by scanning input_ids on the device, a host
+    sync per candidate token per row every step. Here it is known: the prompt ends with the
+    invocation (``encode`` checks) and the answer after it holds none."""
+    return [width - (prompt_len - invocation_len) for _, prompt_len in batch]
+
+
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
                out: Path, device: torch.device) -> TaskLog:
     from peft import LoraConfig, get_peft_model
@@ -222,7 +231,11 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     start = time.perf_counter()
     model.train()
     for step in range(params.steps):
-        inputs = collate(next(stream), pad, device)
+        batch = next(stream)
+        inputs: dict[str, Any] = dict(collate(batch, pad, device))
+        if invocation is not None:
+            width = inputs["input_ids"].shape[1]
+            inputs["alora_offsets"] = alora_offsets(batch, width, len(invocation))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(**inputs).loss
         loss.backward()
