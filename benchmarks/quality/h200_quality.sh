@@ -17,8 +17,9 @@
 #   setup  join the parts (the ones already copied and any this call        carry the last part, .whl
 #          carries), check the sha256, install the gguf and bfcl-eval
 #          wheels, test the hidden-state API on CUDA
-#   train  train the 4 adapters (~7 min; tasks already saved are skipped), carry .carry/quality_adapters
-#          return them as $OUT/adapters_MODEL_qkvo.tgz.partNN (~27 MB)    when a session brought them back
+#   train  train the 4 adapters at once (train.py --jobs 4; tasks already   carry .carry/quality_adapters
+#          saved are skipped), return them as                             when a session brought them back
+#          $OUT/adapters_MODEL_qkvo.tgz.partNN (~27 MB)
 #   train-alora  the same 4 adapters as activated LoRA (train.py --alora)  carry as train (its alora folder)
 #          to /root/adapters/MODEL/alora and $OUT/adapters_MODEL_alora.tgz.partNN
 #   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
@@ -64,8 +65,11 @@ need_adapters() {
 }
 # $1: adapters folder, $2: its train log's name under $OUT, then train.py's extra flags.
 # Adapters a session brought back (carried under .carry/quality_adapters/MODEL/) are put in
-# place first, so nothing is retrained. The training stops in time for the copy to $OUT
-# (tasks saved so far are skipped by the next call).
+# place first, so nothing is retrained. The 4 tasks train at once, one worker process each
+# (--jobs 4: a small model leaves the GPU idle while one process's host work runs; 4 copies
+# of a 0.5B model fit many times over). The training stops in time for the copy to $OUT
+# (tasks saved so far are skipped by the next call; timeout's SIGTERM reaches the workers too,
+# as they share its process group).
 train_into() {
   local dir=$1 log=$2; shift 2
   local carried=.carry/quality_adapters/$NAME/$(basename "$dir")
@@ -75,7 +79,7 @@ train_into() {
   python3 -c 'import peft; print("peft", peft.__version__)'
   rc=0
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
-      --targets q,k,v,o "$@" || rc=$?
+      --targets q,k,v,o --jobs 4 "$@" || rc=$?
   if [[ -f $dir/train_log.json ]]; then  # at least one task saved
     tar -C "$(dirname "$dir")" -czf - "$(basename "$dir")" \
       | split -b 15M - "$OUT/adapters_${NAME}_$(basename "$dir").tgz.part"

