@@ -289,10 +289,9 @@ class SteadyDecode:
         published, the sampled token joins the session (``Session.take``, inline); a
         generation that ended, or a token in the row's ``exits``, leaves the set. (The step
         wrote position ``end - 1``; with overlap the table may already reach one further, for
-        the next step.) ``positions``:
-        the column of the batch the rows ran as (``DecodeBatch.positions``), which finds the
-        rows whose write filled a page in C (position ``end - 1`` is a page's last); None:
-        each row's tip is read."""
+        the next step.) ``positions``: the column of the batch the rows ran as
+        (``DecodeBatch.positions``), which finds the rows whose write filled a page in C
+        (position ``end - 1`` is a page's last); None: each row's tip is read."""
         p = self.page_size
         static = self._static
         ended: list[int] = []
