@@ -4,10 +4,10 @@ A tick whose step is the steady set's rows alone launches it (``Backend.launch``
 ``launch_step``) and returns with it in flight. The next tick prepares the following step's
 pages and columns while it runs, reads it back, launches the following step with the tokens
 it sampled (a row whose token is a stop, or may end an aLoRA's invocation, is taken back
-out first: ``SteadyRow.exits``; a row whose generation
-ends with the step in flight is not prepared again), and only then applies the tokens
-(emit, publish): behind the next step. Anything else — general work joining a tick, every
-verb and inspection (``Engine.sync``) — reads the step back first (``sync``).
+out first: ``SteadyRow.exits``; a row whose generation ends with the step in flight is not
+prepared again), and only then applies the tokens (emit, publish): behind the next step.
+Anything else — general work joining a tick, every verb and inspection (``Engine.sync``) —
+reads the step back first (``sync``).
 
 Ownership: ``StepOverlap`` owns the one ``StepHandle`` in flight from launch to its single
 ``result()``; the rows' pages stay the step's until then (``backend/step_handle.py``). It

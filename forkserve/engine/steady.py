@@ -3,17 +3,17 @@
 A session is *steady* when all a tick has to do for it is one decode step of its committed
 tip: it is generating, its last sampled token waits to be written, it has no speculative
 node, no verb in flight, both sides of its KV at one length, and (an aLoRA) its activation
-point on the whole path is its table's. For those sessions
-the general path (a ``Demand``, a ``Grant``, ``pages_needed``/``prepare_write``, a ``SeqWork``
-with its ``KVSlots``, ``_apply``, ``emit``) always does the same thing; the set does it with
-a few attribute writes per session and hands the backend one ``DecodeBatch`` of columns.
+point on the whole path is its table's. For those sessions the general path (a ``Demand``, a
+``Grant``, ``pages_needed``/``prepare_write``, a ``SeqWork`` with its ``KVSlots``, ``_apply``,
+``emit``) always does the same thing; the set does it with a few attribute writes per session
+and hands the backend one ``DecodeBatch`` of columns.
 
 Membership is decided once (``admit``, after a general-path step left the session in that
 state) and lost at anything unusual, after which the general path takes the session again:
 a verb on it (``Engine`` calls ``drop``), the end of its generation, a stop token or an
-aLoRA's sampled token that may end an invocation (``SteadyRow.exits``), a page
-boundary the pools cannot serve even after evicting their indexes, a last page someone else
-references, a failed step (its rows become ordinary items, rolled back one by one).
+aLoRA's sampled token that may end an invocation (``SteadyRow.exits``), a page boundary the
+pools cannot serve even after evicting their indexes, a last page someone else references, a
+failed step (its rows become ordinary items, rolled back one by one).
 ``clear`` drops all (a tick whose decode slots or token budget would not grant every session).
 
 Ownership: the set holds references to sessions, their tip nodes and the tips' tables; it
