@@ -27,9 +27,11 @@ table prints them all: labels measured back to back compare).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import time
 from collections import Counter
+from typing import Mapping, Sequence
 
 import torch
 from engine_overhead_bench import TimedMock
@@ -38,6 +40,7 @@ from forkserve import Engine, ForkServeConfig
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.model_config import llama3_8b_config
 from forkserve.backend.torch.runner import ahead_keys, key_of
+from forkserve.bench.multilora.systems import SPECS
 from forkserve.bench.multilora.workload import (
     MultiLoraParams,
     budget_pages,
@@ -46,18 +49,23 @@ from forkserve.bench.multilora.workload import (
 )
 from forkserve.bench.output import add_out_argument, write_json
 from forkserve.bench.provenance import source_commit
-from forkserve.config import KVLayout
 from forkserve.kernels import cascade_tile_agents
 
 
 class KeyedMock(TimedMock):
-    """Counts the graph key of each decode-only step (rows alone, as TorchBackend replays)."""
+    """Counts the graph key of each decode-only step (rows alone, as TorchBackend replays),
+    and the decode rows that came as ``DecodeBatch`` columns (the steady set's) against
+    those that came as items (the general path: a Demand, a Grant and a SeqWork each)."""
 
-    def __init__(self, config: ForkServeConfig, agents: int) -> None:
-        super().__init__(config)
+    def __init__(self, config: ForkServeConfig, agents: int,
+                 invocations: Mapping[str, Sequence[int]] | None = None) -> None:
+        super().__init__(config, invocations=invocations)
         self.agents, self.keys = agents, Counter()
+        self.steady_rows = self.item_rows = 0
 
     def launch(self, work, batch):
+        self.steady_rows += 0 if batch is None else len(batch)
+        self.item_rows += sum(w.decode for w in work)
         if not work and batch is not None and len(batch):
             plan = cascade_tiles.plan(batch.shared_prefix, self.config.page_size, self.agents)
             width = int(batch.positions.max()) // self.config.page_size + 1
@@ -67,19 +75,26 @@ class KeyedMock(TimedMock):
         return super().launch(work, batch)
 
 
-def measure(params: MultiLoraParams) -> dict:
+def measure(params: MultiLoraParams, system: str = "disaggregated", overlap: bool = False,
+            profile: cProfile.Profile | None = None) -> dict:
+    """One run of ``system`` (bench/multilora/systems.py); ``profile``: enabled around the
+    run's ticks alone."""
+    spec = SPECS[system]
     model = llama3_8b_config()
     sizes = page_bytes(model, params.rank, params.page_size, torch.bfloat16)
-    base, residual = budget_pages(sizes, params, KVLayout.DISAGGREGATED)
+    base, residual = budget_pages(sizes, params, spec.layout)
+    host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
+        if spec.layout.has_residual_pool else 0
     cfg = ForkServeConfig(page_size=params.page_size, num_pages=base,
-                          num_residual_pages=residual, kv_layout=KVLayout.DISAGGREGATED,
-                          host_residual_pages=int(params.host_residual_gib * 2 ** 30
-                                                  // sizes["residual"]),
+                          num_residual_pages=residual, kv_layout=spec.layout,
+                          host_residual_pages=host_pages,
                           pause_pin=params.pause_pin, hbm_tokens=base * params.page_size,
                           max_batch_tokens=16384, max_context=16384, node_ttl_s=None,
-                          vocab_size=512)
+                          vocab_size=512, overlap=overlap)
     agents = cascade_tile_agents(model.num_heads // model.num_kv_heads)
-    backend = KeyedMock(cfg, agents)
+    name = (lambda i: f"agent{i}") if spec.lora else None
+    backend = KeyedMock(cfg, agents, None if spec.invocation is None else
+                        {name(i): spec.invocation for i in range(params.workflows)})
     backend.start(0.0)
     engine = Engine(backend)
     m = engine.metrics
@@ -90,7 +105,11 @@ def measure(params: MultiLoraParams) -> dict:
         decode, prefill = m.decode_tokens, m.prefill_tokens
         mock, mock_cpu = backend.backend_s, backend.backend_cpu_s
         t0, cpu0 = time.perf_counter(), time.process_time()
+        if profile is not None:
+            profile.enable()
         did = tick()
+        if profile is not None:
+            profile.disable()
         kind = ("prefill" if m.prefill_tokens > prefill
                 else "decode" if m.decode_tokens > decode else None)
         if kind is not None:
@@ -101,24 +120,30 @@ def measure(params: MultiLoraParams) -> dict:
         return did
 
     engine.tick = timed_tick
-    result = run_workload("disaggregated", params, engine, sizes,
-                          lambda i: f"agent{i}")
+    result = run_workload(system, params, engine, sizes, name, invocation=spec.invocation)
     engine.check_integrity()
     context_pages = -(-(params.context + params.instruction
                         + params.turns * (params.gen + params.observation)) // params.page_size)
-    now = set(ahead_keys(params.workflows, context_pages, True, [True], agents))
+    now = set(ahead_keys(params.workflows, context_pages, spec.lora,
+                         [spec.layout.has_residual_pool], agents))
     one_tile = {k for k in now if k[4] <= 1}
     steps = sum(backend.keys.values())
     per_tick = {f"{kind}_{name}": s * 1e3 / max(1, n)
                 for kind, (n, wall, cpu) in kinds.items()
                 for name, s in (("ms", wall), ("cpu_ms", cpu))}
-    return {"workflows": params.workflows, "host_residual_gib": params.host_residual_gib,
+    return {"system": system, "overlap": overlap, "workflows": params.workflows,
+            "host_residual_gib": params.host_residual_gib,
             "pause_pin": params.pause_pin, "decode_only_ticks": kinds["decode"][0],
             "prefill_ticks": kinds["prefill"][0], **per_tick,
             "mean_decode_batch": result.mean_decode_batch,
             "restored_tokens": result.restored_tokens,
             "residual_prefill_tokens": result.residual_prefill_tokens,
             "pins_kept": result.pins_kept, "pins_lost": result.pins_lost,
+            "outputs_sha256": result.outputs_sha256,
+            # Decode rows stepped as the steady set's columns (overlap launches only these)
+            # over all decode rows.
+            "steady_row_share": backend.steady_rows
+            / max(1, backend.steady_rows + backend.item_rows),
             "graph_keys": len(backend.keys), "graph_steps": steps,
             "late_steps": sum(n for k, n in backend.keys.items() if k not in now),
             "late_keys": sum(k not in now for k in backend.keys),

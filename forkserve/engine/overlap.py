@@ -3,10 +3,11 @@
 A tick whose step is the steady set's rows alone launches it (``Backend.launch`` through
 ``launch_step``) and returns with it in flight. The next tick prepares the following step's
 pages and columns while it runs, reads it back, launches the following step with the tokens
-it sampled (a row whose token is a stop is taken back out first; a row whose generation
-ends with the step in flight is not prepared again), and only then applies the tokens
-(emit, publish): behind the next step. Anything else — general work joining a tick, every
-verb and inspection (``Engine.sync``) — reads the step back first (``sync``).
+it sampled (a row whose token is a stop, or may end an aLoRA's invocation, is taken back
+out first: ``SteadyRow.exits``; a row whose generation ends with the step in flight is not
+prepared again), and only then applies the tokens (emit, publish): behind the next step.
+Anything else — general work joining a tick, every verb and inspection (``Engine.sync``) —
+reads the step back first (``sync``).
 
 Ownership: ``StepOverlap`` owns the one ``StepHandle`` in flight from launch to its single
 ``result()``; the rows' pages stay the step's until then (``backend/step_handle.py``). It
@@ -96,13 +97,13 @@ class StepOverlap:
         if steady.version == launched:
             # No member left or joined since the launch: ``following`` is ``rows``, row for row.
             written = tokens
-            stopped = [following[i] for i in steady.stop_rows()
-                       if tokens[i] in following[i].session.stop]
+            stopped = [following[i] for i in steady.exit_rows()
+                       if tokens[i] in following[i].exits]
         else:
             sampled = {row.session.id: token for row, token in zip(rows, tokens, strict=True)}
             written = [sampled[r.session.id] for r in following]
             stopped = [r for r, token in zip(following, written, strict=True)
-                       if token in r.session.stop]
+                       if token in r.exits]
         if stopped:
             steady.unprepare(stopped)
             gone = {row.session.id for row in stopped}

@@ -2,16 +2,18 @@
 
 A session is *steady* when all a tick has to do for it is one decode step of its committed
 tip: it is generating, its last sampled token waits to be written, it has no speculative
-node, no verb in flight, no aLoRA, both sides of its KV at one length. For those sessions
-the general path (a ``Demand``, a ``Grant``, ``pages_needed``/``prepare_write``, a ``SeqWork``
-with its ``KVSlots``, ``_apply``, ``emit``) always does the same thing; the set does it with
-a few attribute writes per session and hands the backend one ``DecodeBatch`` of columns.
+node, no verb in flight, both sides of its KV at one length, and (an aLoRA) its activation
+point on the whole path is its table's. For those sessions the general path (a ``Demand``, a
+``Grant``, ``pages_needed``/``prepare_write``, a ``SeqWork`` with its ``KVSlots``, ``_apply``,
+``emit``) always does the same thing; the set does it with a few attribute writes per session
+and hands the backend one ``DecodeBatch`` of columns.
 
 Membership is decided once (``admit``, after a general-path step left the session in that
 state) and lost at anything unusual, after which the general path takes the session again:
-a verb on it (``Engine`` calls ``drop``), the end of its generation or a stop token, a page
-boundary the pools cannot serve even after evicting their indexes, a last page someone else
-references, a failed step (its rows become ordinary items, rolled back one by one).
+a verb on it (``Engine`` calls ``drop``), the end of its generation, a stop token or an
+aLoRA's sampled token that may end an invocation (``SteadyRow.exits``), a page boundary the
+pools cannot serve even after evicting their indexes, a last page someone else references, a
+failed step (its rows become ordinary items, rolled back one by one).
 ``clear`` drops all (a tick whose decode slots or token budget would not grant every session).
 
 Ownership: the set holds references to sessions, their tip nodes and the tips' tables; it
@@ -46,7 +48,7 @@ class SteadyRow:
 
     __slots__ = ("session", "node", "kv", "base", "residual", "form", "adapter", "adapter_start",
                  "sampling", "base_row", "residual_row", "own_last", "tokens", "committed",
-                 "generated", "stop")
+                 "generated", "stop", "exits")
 
     def __init__(self, session: Session, kv_cache: KVCache) -> None:
         node = session.tree.tip
@@ -55,7 +57,8 @@ class SteadyRow:
         self.residual: PageTable | None = node.table.residual
         self.form = kv_cache.form_of(node.table, node.adapter)
         self.adapter = node.adapter
-        # Fixed while steady (no aLoRA): 0 for an adapter, None (run as base) without one.
+        # Fixed while steady: 0 for a plain adapter, None (run as base) without one; an aLoRA's
+        # point moves only at a token that ends an invocation, which takes the row out first.
         self.adapter_start = kv_cache.adapter_start(node.table, node.adapter)
         self.sampling: SamplingParams = session.sampling
         # The tables' page ids as the batch lists them, appended in place at a boundary.
@@ -73,6 +76,12 @@ class SteadyRow:
         self.committed: list[int] = session.tree.committed
         self.generated: list[int] = session.generated
         self.stop: frozenset = session.stop
+        # Sampled tokens after which the session leaves the set before its next step: its
+        # stop tokens, and an aLoRA's invocation's last (an occurrence may end there and move
+        # the activation point: the general path rescans, ``Stepper.activate``).
+        invocation = kv_cache.invocation(node.adapter)
+        self.exits: frozenset = self.stop if invocation is None \
+            else self.stop | {invocation.tokens[-1]}
 
     def follow(self) -> None:
         """The page rows catch up with the tables (a page added at a boundary, or given back)."""
@@ -104,7 +113,7 @@ class SteadyDecode:
         self._sampled: tuple[tuple | None, Sequence[int]] | None = None
         # Bumped whenever a member joins or leaves: equal versions, the same rows in order.
         self.version = 0
-        self._stop_rows: list[int] | None = None
+        self._exit_rows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -126,11 +135,20 @@ class SteadyDecode:
         if (session.error is not None or session.decode_left <= 0 or session.flush
                 or session.hold_speculation or not session.generated_unwritten
                 or tip.next_token is not None or kv is None or kv.base.length != tip.end - 1
-                or kv.regime().max_tokens is not None or self.kv.invocation(tip.adapter) is not None
+                or kv.regime().max_tokens is not None
                 or tip.next_token_sampling != session.sampling):
             return
         if any(n.state is NodeState.SPECULATIVE for n in session.tree.nodes.values()):
             return
+        invocation = self.kv.invocation(tip.adapter)
+        if invocation is not None:
+            # The token the first step writes was sampled after the last scan: an aLoRA joins
+            # only if its point on the whole path is still the one its table was written at.
+            scan = tip.activation.extend(
+                invocation, lambda s, e: session.tree.path_slice(tip, s, e), tip.end)
+            if scan.start != kv.adapter_start:
+                return
+            tip.activation = scan
         self._rows[session.id] = SteadyRow(session, self.kv)
         self._changed()
 
@@ -146,15 +164,15 @@ class SteadyDecode:
 
     def _changed(self) -> None:
         self._static = self._pages = self._marks = self._positions = self._sampled = None
-        self._stop_rows = None
+        self._exit_rows = None
         self.version += 1
 
-    def stop_rows(self) -> list[int]:
-        """Indices (in member order) of the members with stop tokens: only their sampled
-        token can end a generation early (a member's stop set is fixed while it stays)."""
-        if self._stop_rows is None:
-            self._stop_rows = [i for i, row in enumerate(self._rows.values()) if row.session.stop]
-        return self._stop_rows
+    def exit_rows(self) -> list[int]:
+        """Indices (in member order) of the members with ``exits``: only their sampled token
+        can take them out before their generation ends (fixed while a member stays)."""
+        if self._exit_rows is None:
+            self._exit_rows = [i for i, row in enumerate(self._rows.values()) if row.exits]
+        return self._exit_rows
 
     def prepare(self, copy_pages: CopyPages) -> tuple[list[SteadyRow], list[Session]]:
         """Make each member's next position writable, as ``prepare_write(1)`` would. Returns
@@ -269,11 +287,11 @@ class SteadyDecode:
               publish: Callable[[Node], None], positions: np.ndarray | None = None) -> None:
         """As ``Stepper._apply`` then ``emit`` for each row: a write that filled a page is
         published, the sampled token joins the session (``Session.take``, inline); a
-        generation that ended leaves the set. (The step wrote position ``end - 1``; with
-        overlap the table may already reach one further, for the next step.) ``positions``:
-        the column of the batch the rows ran as (``DecodeBatch.positions``), which finds the
-        rows whose write filled a page in C (position ``end - 1`` is a page's last); None:
-        each row's tip is read."""
+        generation that ended, or a token in the row's ``exits``, leaves the set. (The step
+        wrote position ``end - 1``; with overlap the table may already reach one further, for
+        the next step.) ``positions``: the column of the batch the rows ran as
+        (``DecodeBatch.positions``), which finds the rows whose write filled a page in C
+        (position ``end - 1`` is a page's last); None: each row's tip is read."""
         p = self.page_size
         static = self._static
         ended: list[int] = []
@@ -301,6 +319,8 @@ class SteadyDecode:
                 session.decode_left -= 1
             if session.decode_left == 0:
                 session.paused_since = now
+                ended.append(session.id)
+            elif token in row.exits:  # an aLoRA's point may move: the general path rescans
                 ended.append(session.id)
         if ended:  # they leave the set together: one ``_changed``
             rows_by_id = self._rows

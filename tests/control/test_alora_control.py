@@ -123,3 +123,43 @@ def test_alora_residual_pages_round_trip_through_the_host_tier(layout):
     assert eng.generate(s.id, 5).tokens == first
     _assert_kv_is_the_path(eng, s.id)
     eng.check_integrity()
+
+
+class _Counting(MockBackend):
+    """Counts the decode rows that came as the steady set's columns."""
+
+    steady_rows = 0
+
+    def launch(self, work, batch):
+        self.steady_rows += 0 if batch is None else len(batch)
+        return super().launch(work, batch)
+
+
+@pytest.mark.parametrize("at", [0, 10], ids=["first-token", "mid-generation"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("layout", LAYOUTS[:2])
+def test_an_invocation_generated_in_steady_decode_moves_the_point(layout, overlap, at):
+    """An aLoRA decodes in the steady set (and with overlap, launched ahead) until it samples
+    a token that may end its invocation: it leaves (or, sampled by the prompt's step, never
+    joins), the general path moves the point and recomputes, and it joins again. Every token
+    is what a fresh run over its path samples."""
+    prompt, n = list(range(10, 27)), 24
+    cfg = ForkServeConfig(page_size=P, num_pages=256, num_residual_pages=256, vocab_size=300,
+                          node_ttl_s=None, overlap=overlap, **layout)
+    plain = Engine(MockBackend(cfg))
+    base = list(plain.generate(plain.open(prompt).id, n).tokens)
+    # Not invoked by the prompt: the base model's tokens until the pair that ends at ``at``.
+    invocations = {"c": tuple((prompt + base)[len(prompt) + at - 1:len(prompt) + at + 1])}
+    eng = Engine(_Counting(cfg, invocations=invocations))
+    s = eng.open(prompt, adapter="c")
+    out = list(eng.generate(s.id, n).tokens)
+    assert out[:at + 1] == base[:at + 1] and out != base
+    path = eng.committed_tokens(s.id)
+    assert eng.sessions[s.id].tree.tip.table.adapter_start == Invocation(
+        invocations["c"]).last_start(path, 0) >= len(prompt) - 1
+    _assert_kv_is_the_path(eng, s.id)
+    eng.check_integrity()
+    assert eng.backend.steady_rows >= n - 6  # all but the steps around each join
+    for i in range(n):
+        fresh = Engine(MockBackend(cfg, invocations=invocations))
+        assert fresh.generate(fresh.open(prompt + out[:i], adapter="c").id, 1).tokens == (out[i],)

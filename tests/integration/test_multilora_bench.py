@@ -92,8 +92,10 @@ class _Isolated(Engine):
         return super().open(tokens, adapter=adapter, salt=CacheSalt(tenant=str(adapter)), **kw)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("workload", ["react", "mapreduce"])
-def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(tiny, workload):
+def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(tiny, workload,
+                                                                               overlap):
     cfg, weights = tiny
     # Adapters strong enough that one agent's adapter over the context changes the others'
     # tokens (at 0.01 it does not, and a context computed under an adapter would pass).
@@ -102,15 +104,23 @@ def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(t
     cpu = torch.device("cpu")
     backends = {s: build_backend(s, params, params.workflows, cfg, weights, cpu, torch.float32)
                 for s in ("alora", "unified", "full_reuse", "no_lora")}
+    backend = backends["alora"][0]
+    backend.config = backend.config.replace(overlap=overlap)
+    # The agents decode in the steady set: their steps reach the backend as columns.
+    column_steps = []
+    forward_rows = backend.runner.forward_rows
+    backend.runner.forward_rows = lambda rows, plan: (column_steps.append(len(rows)),
+                                                      forward_rows(rows, plan))[1]
     runs = {s: run_system(s, params, *b) for s, b in backends.items()}
     alora = runs["alora"]
+    assert sum(column_steps) >= alora.decode_tokens / 2
     # The context is prefilled once for all agents, as when every agent is the base model...
     assert alora.prefill_tokens == runs["no_lora"].prefill_tokens
     assert alora.prefill_tokens < runs["unified"].prefill_tokens / 2
     assert alora.prefix_hit_rate == pytest.approx(runs["no_lora"].prefix_hit_rate)
     assert alora.context_kv_per_agent_bytes == runs["no_lora"].context_kv_per_agent_bytes
     # ...and exactly: the same aLoRA agents, none reusing another's pages, generate the same.
-    backend, sizes = backends["alora"]
+    sizes = backends["alora"][1]
     alone = run_workload("alora", params, _Isolated(backend), sizes,
                          lambda i: backend.adapter_id(f"agent{i}"),
                          invocation=SPECS["alora"].invocation)
