@@ -167,15 +167,20 @@ def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainPara
         examples = training_examples(tasks, index, params.distractors, params.seed * 1000 + epoch)
         random.Random(params.seed + epoch).shuffle(examples)
         batch: list[tuple[list[int], int]] = []
+        fits = 0
         for example in examples:
             encoded = encode(tokenizer, example, params.max_len, invocation)
             if encoded is not None:
                 batch.append(encoded)
+                fits += 1
             if len(batch) == params.batch:
                 yield batch
                 batch = []
-        if epoch == 0 and not batch and not examples:
-            raise ValueError(f"task {tasks[index].name} has no training items")
+        # An epoch that yields nothing would be drawn again forever.
+        if epoch == 0 and fits < params.batch:
+            raise ValueError(f"task {tasks[index].name}: {fits} of {len(examples)} training items "
+                             f"fit in --max-len {params.max_len}, fewer than one batch of "
+                             f"{params.batch}")
         epoch += 1
 
 

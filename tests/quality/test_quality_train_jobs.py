@@ -66,3 +66,14 @@ def test_a_failed_worker_is_named_and_the_others_are_kept(tiny, tmp_path, capsys
     (out / "multiple").unlink()
     assert _train(tiny, out, "--jobs", "2") == 0  # resumes: only the failed task trains
     assert saved.stat().st_mtime_ns == stamp and [t["task"] for t in _tasks(out)] == TASKS
+
+
+def test_a_task_whose_items_do_not_fit_max_len_is_refused_not_drawn_forever(tiny):
+    from benchmarks.quality import train
+    from benchmarks.quality.data import build_tasks
+
+    tokenizer = train.load_base(tiny, torch.device("cpu"))[1]
+    params = train.TrainParams(batch=2, max_len=8, distractors=0)
+    tasks = build_tasks(TASKS, 4, 0)
+    with pytest.raises(ValueError, match=r"simple_python: 0 of \d+ training items fit in "):
+        next(train.batches(tokenizer, tasks, 0, params))
