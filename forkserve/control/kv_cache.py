@@ -195,14 +195,15 @@ class KVCache:
         shared = self._held_run(base_key)
         projected = (self.pool.num_used - self.index.num_cache_only + pending_pages
                      + -(-len(tokens) // p) - shared)
-        split_held = 0
+        split_held = base_model_held = 0
         if adapter is not None:
             split_key = self.keys(adapter, full, KVForm.SPLIT, start, salt)[0]
             split_held = self._held_run(split_key)
             if self._takes_base_model_pages(split_key.namespace):  # as ``match`` reads
-                split_held = max(split_held, self._held_run(BaseKey(split_key.tokens, BASE, 0,
-                                                                     salt)))
-        queued_merged, queued_split = self._queued_pages(queued, adapter, split_held)
+                base_model_held = self._held_run(BaseKey(split_key.tokens, BASE, 0, salt))
+                split_held = max(split_held, base_model_held)
+        queued_merged, queued_split = self._queued_pages(queued, adapter, split_held,
+                                                         base_model_held)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages, split_held, queued_merged,
                                                 queued_split))
@@ -213,12 +214,13 @@ class KVCache:
             key.namespace, key.tokens, key.base_pages, key.salt))
         return sum(1 for page in run if not self.index.cache_only(page))
 
-    def _queued_pages(self, queued: Queued, adapter: AdapterId | None,
-                      split_held: int) -> tuple[int, int]:
+    def _queued_pages(self, queued: Queued, adapter: AdapterId | None, split_held: int,
+                      base_model_held: int) -> tuple[int, int]:
         """Base pages ``queued`` takes all merged, and all split: split sessions of other
         adapters share the common prefix only under ``CROSS_ADAPTER`` (written once, less what
-        live split sessions already hold); otherwise only base-model pages held now. Merged
-        sessions share it only where it is the base model's (an aLoRA's context)."""
+        live split sessions already hold); under ``NEUTRAL`` only the base model's pages held
+        now, under ``EXACT`` nothing (``may_read``). Merged sessions share it only where it
+        is the base model's (an aLoRA's context)."""
         if not queued.sessions:
             return 0, 0
         p = self.pool.page_size
@@ -228,7 +230,7 @@ class KVCache:
         if self.config.share_base is ShareBase.CROSS_ADAPTER:
             split_shared, once = common, max(0, common - split_held)
         else:
-            split_shared, once = min(split_held, common), 0
+            split_shared, once = min(base_model_held, common), 0
         return (queued.sessions * (each - merged_shared),
                 queued.sessions * (each - split_shared) + once)
 

@@ -177,3 +177,15 @@ def test_a_session_reopening_its_merged_context_stays_merged(close):
     eng.generate(b, 2)
     assert eng.layout_form(CONTEXT, adapter="critic") is KVForm.SPLIT  # another adapter: no fit
     eng.check_integrity()
+
+
+def test_neutral_contention_splits_over_the_base_models_pages():
+    """Under ``NEUTRAL`` split sessions of other adapters share only the base model's pages:
+    with its pass over the context held, the burst splits as under ``CROSS_ADAPTER``."""
+    eng = engine(high_water=0.9, share_base=ShareBase.NEUTRAL)
+    base = eng.open(CONTEXT + [9]).id
+    eng.generate(base, 2)
+    forms = [form_of(eng, sid) for sid in open_burst(eng, 12)]
+    merged = forms.count(KVForm.MERGED)
+    assert 0 < merged < 12 and forms == [KVForm.MERGED] * merged + [KVForm.SPLIT] * (12 - merged)
+    eng.check_integrity()
