@@ -41,7 +41,7 @@ NOTHING_QUEUED = Queued()
 
 @dataclass(frozen=True)
 class LayoutSignals:
-    """What a policy may look at when a session opens (base-pool pages throughout)."""
+    """What a policy may look at when a session opens (pages are the base pool's)."""
 
     has_adapter: bool
     residual_hit_tokens: int     # prompt tokens whose residual for this adapter is published
