@@ -21,6 +21,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 13  # CUDA tests, profiled prefill
 # Round 5 (msc2s: msc's pass 1 as two kernels on two CUDA streams):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 14  # CUDA msc tests, msc2s decode variants
+# Round 6 (the adaptive policy weighs the admission queue: docs/MULTILORA.md "Round 6"):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 15  # react, mapreduce: W=1,8,32
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -149,6 +151,14 @@ case "$1" in
   timeout 380 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
     msc2s_bn64 msc2s_bn64_r2 msc2s_bn64_r4 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
     --tag decode_msc2s --out "$OUT" 2>&1 | tail -24
+  ;;
+15)
+  # Round 6: adaptive against unified and disaggregated at every W, both workloads (call 10's
+  # react rows and call 12's mapreduce rows without the profiles and the other systems).
+  timeout 280 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
+  timeout 280 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
   ;;
 esac
 ls -la "$OUT"

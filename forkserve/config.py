@@ -107,6 +107,9 @@ class ForkServeConfig:
     # Adaptive layout: a new session keeps merged K/V while the base pool, with every live
     # session's pending prompt and this one counted, stays under this fraction of its pages.
     adaptive_high_water: float = 0.9
+    # ...less this fraction while split sessions hold this prompt's context (hysteresis:
+    # ``PressurePolicy``), so the form does not alternate as load crosses the mark.
+    adaptive_hysteresis: float = 0.2
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
     # Selective recompute (disaggregated layout; docs/QUALITY.md, mode b): in these decoder
     # layers an adapter's split item keeps its own merged K/V in its residual pages instead
@@ -186,7 +189,8 @@ class ForkServeConfig:
         if not 0.0 < self.pause_ttl_quantile <= 1.0:
             raise ValueError("ForkServeConfig.pause_ttl_quantile must be in (0, 1], got "
                              f"{self.pause_ttl_quantile}")
-        for name in ("tau_pre", "tau", "q_min", "admit_alpha", "adaptive_high_water"):
+        for name in ("tau_pre", "tau", "q_min", "admit_alpha", "adaptive_high_water",
+                     "adaptive_hysteresis"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got "
                                  f"{getattr(self, name)}")

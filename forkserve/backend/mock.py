@@ -208,7 +208,8 @@ class MockBackend:
         if batch is not None and self.fault is not None:
             work, batch = [*work, *batch.items()], None
         next_tokens: list[int | None] = []
-        calls = prefill_tokens = decode_tokens = context_read = 0
+        calls = prefill_tokens = split_prefill = decode_tokens = context_read = split_read = 0
+        split_base: set[PageId] = set()  # base pages the split rows read (each read once)
         for item in work:
             if item.adapter_id is not None and not self.knows_adapter(item.adapter_id):
                 raise UnknownAdapterError(f"seq {item.seq_id}: adapter {item.adapter_id!r} is not "
@@ -223,15 +224,20 @@ class MockBackend:
                 start = item.adapter_start if target.adapter_id == item.adapter_id else 0
                 self._write(PageKind.RESIDUAL, item.seq_id, item.tokens, item.start_pos, start,
                             target.residual_pages, target.adapter_id, KVForm.SPLIT)
+            split = item.slots.residual_pages is not None
             if item.decode:
                 decode_tokens += len(item.tokens)
             else:
                 calls += 1
                 prefill_tokens += len(item.tokens)
+                split_prefill += len(item.tokens) if split else 0
             next_tokens.append(self._run(item.seq_id, item.tokens, item.start_pos, item.slots,
                                          item.form, item.adapter_id, item.adapter_start,
                                          item.sampling, item.write_base, item.write_residual))
-            if item.sampling is not None:
+            if item.sampling is not None and split:
+                split_read += item.start_pos + len(item.tokens)
+                split_base.update(item.slots.pages)
+            elif item.sampling is not None:
                 context_read += item.start_pos + len(item.tokens)
         rows = () if batch is None else zip(batch.seq_ids, batch.tokens, batch.positions.tolist(),
                                             batch.pages, batch.residual_pages, batch.forms,
@@ -245,9 +251,16 @@ class MockBackend:
             next_tokens.append(self._run(seq, (token,), pos, KVSlots(pages, residual), form,
                                          adapter, start, sampling, True, True))
             decode_tokens += 1
-            context_read += pos + 1
-        prefill_ms = self.cost_model.prefill_ms(calls, prefill_tokens)
-        ms = prefill_ms + (self.cost_model.decode_ms(context_read) if decode_tokens else 0.0)
+            if residual is not None:
+                split_read += pos + 1
+                split_base.update(pages)
+            else:
+                context_read += pos + 1
+        cost = self.cost_model
+        prefill_ms = cost.prefill_ms(calls, prefill_tokens, split_prefill)
+        ms = prefill_ms + (cost.decode_ms(context_read, split_read,
+                                          len(split_base) * self.config.page_size)
+                           if decode_tokens else 0.0)
         return StepResult(tuple(next_tokens),
                           StepCost(ms, prefill_tokens, decode_tokens, calls, prefill_ms))
 

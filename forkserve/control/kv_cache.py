@@ -55,7 +55,13 @@ from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.host_tier import HostTier
 from forkserve.control.inflight import ClaimKey, ClaimStreams
-from forkserve.control.layout_policy import LayoutPolicy, LayoutSignals, policy_for
+from forkserve.control.layout_policy import (
+    NOTHING_QUEUED,
+    LayoutPolicy,
+    LayoutSignals,
+    Queued,
+    policy_for,
+)
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.page_pool import PagePool
@@ -110,7 +116,8 @@ class KVCache:
         self._adapter_invocation = adapter_invocation or (lambda adapter: None)
         # Per adapter id, looked up once: ids are never reused for another adapter.
         self._invocations: dict[AdapterId, Invocation | None] = {}
-        self.policy = policy or policy_for(self.layout, config.adaptive_high_water)
+        self.policy = policy or policy_for(self.layout, config.adaptive_high_water,
+                                           config.adaptive_hysteresis)
 
     @property
     def index(self) -> PrefixIndex:
@@ -165,9 +172,10 @@ class KVCache:
 
     # ------------------------------------------------------------ tables
     def choose_form(self, adapter: AdapterId | None, tokens: Sequence[int], pending_pages: int,
-                    salt: CacheSalt = UNSALTED) -> KVForm:
+                    salt: CacheSalt = UNSALTED, queued: Queued = NOTHING_QUEUED) -> KVForm:
         """The form of a new session's pages. ``pending_pages``: pages the live sessions'
-        queued prompts will still take from the base pool."""
+        queued prompts will still take from the base pool; ``queued``: the sessions an
+        admission controller holds back behind this one."""
         if len(self.layout.forms) == 1:
             return self.layout.forms[0]  # nothing to choose; the signals walk the index
         p = self.pool.page_size
@@ -184,13 +192,47 @@ class KVCache:
         # What merged would hold: pages tables and pins hold (cached pages are evictable, not
         # load), the queued prompts, and this prompt less the published merged pages others
         # already hold (those it finds cached become load: they stay in its count).
-        merged_hit = itertools.takewhile(lambda page: page is not None, self.index.probe(
-            base_key.namespace, base_key.tokens, base_key.base_pages, salt))
-        shared = sum(1 for page in merged_hit if not self.index.cache_only(page))
+        shared = self._held_run(base_key)
         projected = (self.pool.num_used - self.index.num_cache_only + pending_pages
                      + -(-len(tokens) // p) - shared)
+        split_held = base_model_held = 0
+        if adapter is not None:
+            split_key = self.keys(adapter, full, KVForm.SPLIT, start, salt)[0]
+            split_held = self._held_run(split_key)
+            if self._takes_base_model_pages(split_key.namespace):  # as ``match`` reads
+                base_model_held = self._held_run(BaseKey(split_key.tokens, BASE, 0, salt))
+                split_held = max(split_held, base_model_held)
+        queued_merged, queued_split = self._queued_pages(queued, adapter, split_held,
+                                                         base_model_held)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
-                                                self.pool.num_pages))
+                                                self.pool.num_pages, split_held, queued_merged,
+                                                queued_split))
+
+    def _held_run(self, key: BaseKey) -> int:
+        """Leading pages of ``key`` published in the base index that a table or pin holds."""
+        run = itertools.takewhile(lambda page: page is not None, self.index.probe(
+            key.namespace, key.tokens, key.base_pages, key.salt))
+        return sum(1 for page in run if not self.index.cache_only(page))
+
+    def _queued_pages(self, queued: Queued, adapter: AdapterId | None, split_held: int,
+                      base_model_held: int) -> tuple[int, int]:
+        """Base pages ``queued`` takes all merged, and all split: split sessions of other
+        adapters share the common prefix only under ``CROSS_ADAPTER`` (written once, less what
+        live split sessions already hold); under ``NEUTRAL`` only the base model's pages held
+        now, under ``EXACT`` nothing (``may_read``). Merged sessions share it only where it
+        is the base model's (an aLoRA's context)."""
+        if not queued.sessions:
+            return 0, 0
+        p = self.pool.page_size
+        each = -(-queued.tokens // p)
+        common = min(queued.shared_tokens // p, each)
+        merged_shared = common if self.invocation(adapter) is not None else 0
+        if self.config.share_base is ShareBase.CROSS_ADAPTER:
+            split_shared, once = common, max(0, common - split_held)
+        else:
+            split_shared, once = min(base_model_held, common), 0
+        return (queued.sessions * (each - merged_shared),
+                queued.sessions * (each - split_shared) + once)
 
     def new_kv(self, adapter: AdapterId | None, form: KVForm,
                salt: CacheSalt = UNSALTED) -> NodeKV:

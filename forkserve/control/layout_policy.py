@@ -2,10 +2,17 @@
 
 The layout fixes it for every session except in the adaptive layout (seed 003, D3), where
 ForkKV's split form is chosen only when it pays: the split form costs a slower attention
-read (K/V rebuilt from base + residual) and buys memory (the base shared across adapters)
-and, where an adapter's residual for the prompt is already published (``base_activations``,
-or another session of the same adapter), the prefill itself. Under light load nothing is
-gained and the merged form keeps unified's speed, so light load never loses to unified.
+read (K/V rebuilt from base + residual) and a slower prefill, and buys memory (the base
+shared across adapters) and, where an adapter's residual for the prompt is already
+published (``base_activations``, or another session of the same adapter), the prefill
+itself. Under light load nothing is gained and the merged form keeps unified's speed, so
+light load never loses to unified.
+
+Under contention merged alone would leave the batch memory-bound: when the sessions an
+admission controller holds back (``Queued``) would not all fit merged but would split, the
+policy keeps sessions merged only while the queue still fits split beside them, so every
+agent runs (issue 15 item 5: merged sessions keep their pages for life, so splitting
+later cannot make room).
 
 A session keeps its form for life: its pages were written in that form. Forks of the same
 adapter inherit it; see ``KVCache.fork_kv`` for forks to another adapter.
@@ -19,8 +26,22 @@ from forkserve.config import KVForm, KVLayout
 
 
 @dataclass(frozen=True)
+class Queued:
+    """Sessions an admission controller holds back behind the one being opened, all alike:
+    each its own adapter, ``tokens`` long at its peak (what admission reserves), its first
+    ``shared_tokens`` the same as this prompt's (one context, many agents)."""
+
+    sessions: int = 0
+    tokens: int = 0
+    shared_tokens: int = 0
+
+
+NOTHING_QUEUED = Queued()
+
+
+@dataclass(frozen=True)
 class LayoutSignals:
-    """What a policy may look at when a session opens."""
+    """What a policy may look at when a session opens (pages are the base pool's)."""
 
     has_adapter: bool
     residual_hit_tokens: int     # prompt tokens whose residual for this adapter is published
@@ -29,6 +50,13 @@ class LayoutSignals:
     # the published merged ones it would share with their holders.
     projected_base_pages: int
     base_pool_pages: int
+    # Leading pages of this prompt whose split base live sessions hold: its context is served
+    # split now, and a split session joins it for its own pages alone.
+    split_held_pages: int = 0
+    # The queue (``Queued``) all merged, and all split, sharing only what ``share_base`` lets
+    # split sessions of other adapters share (equal where it shares nothing).
+    queued_merged_pages: int = 0
+    queued_split_pages: int = 0
 
 
 class LayoutPolicy(Protocol):
@@ -47,12 +75,20 @@ class FixedForm:
 
 @dataclass(frozen=True)
 class PressurePolicy:
-    """Split where the residual is already published (the prefill is saved) or when the base
-    pool would pass ``high_water`` with this session merged; merged otherwise. The high-water
-    mark leaves room for the split sessions that contention will bring, since merged sessions
-    keep their pages for life."""
+    """Split where the residual is already published (the prefill is saved); otherwise merged
+    while this session's merged pages, plus the room the queue needs under contention, stay
+    under the mark, split past it.
+
+    The mark is ``high_water`` of the base pool; it leaves room for the growth of sessions
+    (their generated tokens) since merged sessions keep their pages for life. Hysteresis:
+    while the context is served split (``split_held_pages``) the mark drops by
+    ``hysteresis``, so a session that finished merged does not hand its room to a new merged
+    copy that pushes the next arrival split again (merged and split alternating as load
+    crosses one line); the mark comes back once the split sessions of that context are gone.
+    """
 
     high_water: float
+    hysteresis: float = 0.0
     min_residual_hit: int = 1
 
     def choose(self, signals: LayoutSignals) -> KVForm:
@@ -60,13 +96,26 @@ class PressurePolicy:
             return KVForm.MERGED  # the base model's K/V is the same in both forms
         if signals.residual_hit_tokens >= self.min_residual_hit:
             return KVForm.SPLIT
-        if signals.projected_base_pages > self.high_water * signals.base_pool_pages:
-            return KVForm.SPLIT
-        return KVForm.MERGED
+        if signals.projected_base_pages + self.queue_room(signals) <= self.mark(signals):
+            return KVForm.MERGED
+        return KVForm.SPLIT
+
+    def mark(self, signals: LayoutSignals) -> float:
+        water = self.high_water - (self.hysteresis if signals.split_held_pages else 0.0)
+        return max(0.0, water) * signals.base_pool_pages
+
+    def queue_room(self, signals: LayoutSignals) -> int:
+        """Pages held back for the queue: under contention (it would not fit merged beside
+        this session) where splitting saves pages, its split pages; else none (it fits
+        either way, or splitting buys it nothing and merged stays faster)."""
+        contended = (signals.projected_base_pages + signals.queued_merged_pages
+                     > self.high_water * signals.base_pool_pages)
+        saves = signals.queued_split_pages < signals.queued_merged_pages
+        return signals.queued_split_pages if contended and saves else 0
 
 
-def policy_for(layout: KVLayout, high_water: float) -> LayoutPolicy:
+def policy_for(layout: KVLayout, high_water: float, hysteresis: float = 0.0) -> LayoutPolicy:
     """A layout of one form takes it everywhere; one that serves both chooses by pressure."""
     if len(layout.forms) > 1:
-        return PressurePolicy(high_water)
+        return PressurePolicy(high_water, hysteresis)
     return FixedForm(layout.forms[0])

@@ -30,6 +30,7 @@ from forkserve.control.cascade import Action, Cascade, Decision, Residual
 from forkserve.control.context_tree import ContextTree, Node, NodeState
 from forkserve.control.dual_radix_tree import DualMatch
 from forkserve.control.kv_cache import KVCache
+from forkserve.control.layout_policy import NOTHING_QUEUED, Queued
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
 from forkserve.control.pause_ttl import PauseTTL
@@ -113,16 +114,19 @@ class Engine:
 
     # ------------------------------------------------------------------ verbs
     def open(self, tokens: Sequence[int], *, adapter: AdapterId | None = None,
-             salt: CacheSalt = UNSALTED, reuse_prefix: bool = True) -> SessionHandle:
+             salt: CacheSalt = UNSALTED, reuse_prefix: bool = True,
+             queued: Queued = NOTHING_QUEUED) -> SessionHandle:
         """Start a session whose committed root is ``tokens``; its prefill is queued. ``salt``:
         the trust boundary its pages are matched and published in (every fork keeps it).
         ``reuse_prefix=False``: prefill every token though published pages cover a prefix
-        (its logits are wanted: prompt log-probabilities); what it writes is still published."""
+        (its logits are wanted: prompt log-probabilities); what it writes is still published.
+        ``queued``: the sessions an admission controller holds back behind this one (the
+        adaptive layout's form weighs them: ``layout_policy.Queued``)."""
         self.stepper.sync()
         tokens = self.checks.tokens(tokens)
         adapter = self.checks.adapter(adapter)
         self.checks.context(len(tokens))
-        form = self._form(tokens, adapter, salt)
+        form = self._form(tokens, adapter, salt, queued)
         self.checks.fits(len(tokens), form is KVForm.SPLIT and adapter is not None)
         sid = next(self._sids)
         root = Node(next(self._ids), sid, None, "root", tokens, 0,
@@ -135,18 +139,20 @@ class Engine:
         self.stepper.account()
         return SessionHandle(sid, root.id)
 
-    def layout_form(self, tokens: Sequence[int], *, adapter: AdapterId | None = None) -> KVForm:
-        """The form (merged or split K/V) ``open(tokens, adapter=adapter)`` would give the
-        session's pages now: fixed by the layout, except in the adaptive one, where it
-        depends on memory pressure and on what is published (an admission controller sizes
-        a request by it before opening)."""
+    def layout_form(self, tokens: Sequence[int], *, adapter: AdapterId | None = None,
+                    queued: Queued = NOTHING_QUEUED) -> KVForm:
+        """The form (merged or split K/V) ``open(tokens, adapter=adapter, queued=queued)``
+        would give the session's pages now: fixed by the layout, except in the adaptive one,
+        where it depends on memory pressure, on the admission queue and on what is published
+        (an admission controller sizes a request by it before opening)."""
         self.stepper.sync()
         tokens = self.checks.tokens(tokens)
-        return self._form(tokens, self.checks.adapter(adapter))
+        return self._form(tokens, self.checks.adapter(adapter), queued=queued)
 
     def _form(self, tokens: Sequence[int], adapter: AdapterId | None,
-              salt: CacheSalt = UNSALTED) -> KVForm:
-        return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages(), salt)
+              salt: CacheSalt = UNSALTED, queued: Queued = NOTHING_QUEUED) -> KVForm:
+        return self.kv.choose_form(adapter, tokens, self.stepper.pending_prompt_pages(), salt,
+                                   queued)
 
     def fork(self, session_id: int, parent_id: int, label: str, tokens: Sequence[int], *,
              adapter: AdapterId | None = None) -> int:

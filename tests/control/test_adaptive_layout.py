@@ -1,21 +1,22 @@
 """The adaptive layout (seed 003, D3) on the MockBackend: merged under light load, split
-under pressure or where the adapter's residual is published; each form shares what its
-rules allow; ``layout_form`` answers what ``open`` then does."""
+under pressure, under contention (an admission queue that would not fit merged) or where the
+adapter's residual is published; each form shares what its rules allow; ``layout_form``
+answers what ``open`` then does."""
 import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
-from forkserve.config import KVForm
-from forkserve.control.layout_policy import LayoutSignals, PressurePolicy
+from forkserve.config import KVForm, ShareBase
+from forkserve.control.layout_policy import LayoutSignals, PressurePolicy, Queued
 from forkserve.errors import InvalidRequestError
 
 CONTEXT = [7 + i % 50 for i in range(64)]  # 16 pages of 4 tokens
 
 
-def engine(high_water: float) -> Engine:
-    cfg = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=128, vocab_size=300,
+def engine(high_water: float, share_base: ShareBase = ShareBase.CROSS_ADAPTER) -> Engine:
+    cfg = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=512, vocab_size=300,
                           kv_layout=KVLayout.ADAPTIVE, adaptive_high_water=high_water,
-                          node_ttl_s=None)
+                          share_base=share_base, node_ttl_s=None)
     return Engine(MockBackend(cfg))
 
 
@@ -30,6 +31,69 @@ def test_pressure_policy_rules():
     assert policy.choose(LayoutSignals(True, 0, 51, 100)) is KVForm.SPLIT    # past the mark
     assert policy.choose(LayoutSignals(True, 4, 10, 100)) is KVForm.SPLIT    # residual published
     assert policy.choose(LayoutSignals(False, 0, 99, 100)) is KVForm.MERGED  # the base model
+
+
+def test_pressure_policy_weighs_the_queue_and_holds_its_form():
+    policy = PressurePolicy(high_water=0.5, hysteresis=0.2)
+    def choose(projected, queued_merged=0, queued_split=0, held=0):
+        return policy.choose(LayoutSignals(True, 0, projected, 100, held, queued_merged,
+                                           queued_split))
+    # Contended (10 + 60 > 50): merged while the queue still fits split beside it.
+    assert choose(10, 60, 8) is KVForm.MERGED
+    assert choose(45, 60, 8) is KVForm.SPLIT
+    assert choose(45, 4, 2) is KVForm.MERGED      # the queue fits merged: no room held back
+    assert choose(45, 60, 60) is KVForm.MERGED    # splitting saves nothing: merged is faster
+    # Hysteresis: while the context is served split, merged only under 50% - 20%.
+    assert choose(40, held=5) is KVForm.SPLIT
+    assert choose(25, held=5) is KVForm.MERGED
+    assert choose(40) is KVForm.MERGED
+
+
+def open_burst(eng: Engine, sessions: int) -> list[int]:
+    """``sessions`` agents over CONTEXT, each its own adapter and 8 tokens of its own, opened
+    as an admission controller would: each told how many wait behind it."""
+    ids = []
+    for i in range(sessions):
+        queued = Queued(sessions - i - 1, len(CONTEXT) + 8, len(CONTEXT))
+        tokens = CONTEXT + [200 + i] * 8
+        assert eng.layout_form(tokens, adapter=f"agent{i}", queued=queued) \
+            is eng.layout_form(tokens, adapter=f"agent{i}", queued=queued)
+        form = eng.layout_form(tokens, adapter=f"agent{i}", queued=queued)
+        ids.append(eng.open(tokens, adapter=f"agent{i}", queued=queued).id)
+        assert form_of(eng, ids[-1]) is form
+    return ids
+
+
+def test_contention_splits_the_burst_so_every_agent_fits():
+    # 12 agents of 18 pages: 216 merged against a mark of 115 (0.9 x 128); split, the 16
+    # context pages once and 2 pages each. Merged while the rest still fit split beside them:
+    # k + 1 merged prompts, 11 - k queued split and the context once, (k+1)18 + (11-k)2 + 16
+    # <= 115 up to k = 3; the other 8 split (without the queue, 6 would open merged).
+    eng = engine(high_water=0.9)
+    ids = open_burst(eng, 12)
+    merged = 4
+    assert [form_of(eng, sid) for sid in ids] == [KVForm.MERGED] * merged + [KVForm.SPLIT] * 8
+    for sid in ids:
+        eng.start_generate(sid, 2)
+    while any(eng.generation(sid) is None for sid in ids):
+        eng.tick()
+    split = [eng.node(sid, eng.tip(sid)).table for sid in ids[merged:]]
+    assert all(t.base.pages[:16] == split[0].base.pages[:16] for t in split)  # one base copy
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("sessions", [1, 3])
+def test_light_load_stays_merged_with_a_queue(sessions):
+    eng = engine(high_water=0.9)
+    assert {form_of(eng, sid) for sid in open_burst(eng, sessions)} == {KVForm.MERGED}
+
+
+def test_contention_does_not_split_where_split_shares_nothing():
+    """Under ``EXACT`` a split session reads only its own adapter's base pages: splitting the
+    queue would save nothing, so the burst stays merged up to the plain mark."""
+    eng = engine(high_water=0.9, share_base=ShareBase.EXACT)
+    forms = [form_of(eng, sid) for sid in open_burst(eng, 12)]
+    assert forms[:6] == [KVForm.MERGED] * 6  # 6 x 17 prompt pages: under the mark
 
 
 def test_light_load_stays_merged_and_shares_nothing_across_adapters():
@@ -112,4 +176,16 @@ def test_a_session_reopening_its_merged_context_stays_merged(close):
     assert eng.node(b, eng.tip(b)).kv_len == len(CONTEXT)  # the context's merged pages matched
     eng.generate(b, 2)
     assert eng.layout_form(CONTEXT, adapter="critic") is KVForm.SPLIT  # another adapter: no fit
+    eng.check_integrity()
+
+
+def test_neutral_contention_splits_over_the_base_models_pages():
+    """Under ``NEUTRAL`` split sessions of other adapters share only the base model's pages:
+    with its pass over the context held, the burst splits as under ``CROSS_ADAPTER``."""
+    eng = engine(high_water=0.9, share_base=ShareBase.NEUTRAL)
+    base = eng.open(CONTEXT + [9]).id
+    eng.generate(base, 2)
+    forms = [form_of(eng, sid) for sid in open_burst(eng, 12)]
+    merged = forms.count(KVForm.MERGED)
+    assert 0 < merged < 12 and forms == [KVForm.MERGED] * merged + [KVForm.SPLIT] * (12 - merged)
     eng.check_integrity()

@@ -29,6 +29,7 @@ from forkserve.backend.protocol import PageKind
 from forkserve.config import KVForm
 from forkserve.control.cascade import Action
 from forkserve.control.context_tree import NodeState
+from forkserve.control.layout_policy import Queued
 from forkserve.errors import BranchCapError, OutOfPagesError
 
 # A tiny alphabet makes loops, hash hits and shared prefixes frequent.
@@ -99,9 +100,12 @@ class VerbMachine(RuleBasedStateMachine):
         """Sessions opened in one burst on one prefix (in-flight deduplication: the oldest
         writes it, the others wait for its pages); some ticks run before the next rule, which
         may abort, close or fail the leader mid-prefill."""
-        for suffix in suffixes:
+        for i, suffix in enumerate(suffixes):
             tokens = prefix + suffix
-            h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters)))
+            # The rest of the burst waits behind this one (the adaptive layout weighs it).
+            queued = Queued(len(suffixes) - i - 1, len(prefix) + 5, len(prefix))
+            h = self.engine.open(tokens, adapter=data.draw(st.sampled_from(self.adapters)),
+                                 queued=queued)
             self.committed[h.id] = list(tokens)
             self.ever_committed.append(tuple(tokens))
         for _ in range(ticks):

@@ -99,7 +99,7 @@ def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(t
     cfg, weights = tiny
     # Adapters strong enough that one agent's adapter over the context changes the others'
     # tokens (at 0.01 it does not, and a context computed under an adapter would pass).
-    params = MultiLoraParams(workload, workflows=4, context=128, turns=2, gen=8, observation=8,
+    params = MultiLoraParams(workload, workflows=4, context=128, turns=2, gen=32, observation=8,
                              pause_s=0.0, kv_budget_gib=0.01, adapter_std=0.05)
     cpu = torch.device("cpu")
     backends = {s: build_backend(s, params, params.workflows, cfg, weights, cpu, torch.float32)
@@ -129,3 +129,32 @@ def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(t
     # Not vacuous: sharing one agent's adapted context with the others (full_reuse) shows.
     # (So does applying the aLoRAs from position 0 in the backend: checked by hand.)
     assert runs["full_reuse"].outputs_sha256 != runs["unified"].outputs_sha256
+
+
+@pytest.mark.parametrize("workload", ["react", "mapreduce"])
+def test_adaptive_runs_every_agent_under_contention_and_stays_merged_at_light_load(workload):
+    """On the mock at the tiny shape, a base pool of 95 pages: 8 agents of 38 pages do not fit
+    merged but fit split (the context once): adaptive's batch reaches disaggregated's (issue
+    15 item 5: round 3 kept it at unified's); 2 agents fit merged and stay merged."""
+    from forkserve.backend.mock import MockBackend
+    from forkserve.bench.multilora import tiny_config
+    from forkserve.bench.multilora.workload import engine_config, page_bytes
+
+    cfg = tiny_config()
+    sizes = page_bytes(cfg, 16, 16, torch.float32)
+    results, split = {}, {}
+    for w in (2, 8):
+        params = MultiLoraParams(workload, workflows=w, context=512, turns=2, gen=32,
+                                 observation=8, pause_s=0.0, residual_share=0.5,
+                                 kv_budget_gib=190 * sizes["base"] / 2 ** 30)
+        for system in ("unified", "disaggregated", "adaptive"):
+            engine = Engine(MockBackend(engine_config(SPECS[system].layout, params, sizes, cfg)))
+            results[w, system] = run_workload(system, params, engine, sizes,
+                                              lambda i: f"agent{i}")
+            split[w, system] = engine.kv.residual_pool is not None \
+                and engine.kv.residual_pool.num_used > 0
+            engine.check_integrity()
+    batch = {key: r.mean_decode_batch for key, r in results.items()}
+    assert batch[8, "unified"] < 0.8 * batch[8, "disaggregated"]  # contended: merged waits
+    assert batch[8, "adaptive"] >= 0.95 * batch[8, "disaggregated"]
+    assert not split[2, "adaptive"] and batch[2, "adaptive"] == batch[2, "unified"]

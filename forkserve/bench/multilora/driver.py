@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
-from forkserve.config import KVForm, KVLayout
+from forkserve.config import KVForm, KVLayout, PrefixDedup
+from forkserve.control.layout_policy import Queued
 from forkserve.engine import Engine
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ class Driver:
         total = -(-flow.footprint_tokens() // p)
         layout = self.engine.config.kv_layout
         split = flow.adapter is not None and "residual" in self.capacity and (
-            self.engine.layout_form(flow.prompt, adapter=flow.adapter) is KVForm.SPLIT)
+            self.engine.layout_form(flow.prompt, adapter=flow.adapter,
+                                    queued=self._queued(flow)) is KVForm.SPLIT)
         # Where the adapter applies only after the context (none, or an aLoRA invoked by the
         # instruction), the context's pages are the base model's: BASE-keyed in every layout.
         start = self.engine.kv.path_start(flow.adapter, flow.prompt)
@@ -160,6 +162,12 @@ class Driver:
         if split:
             needs["residual"] = total
         return needs
+
+    def _queued(self, flow: Workflow) -> Queued:
+        """The workflows never admitted, behind ``flow`` (all alike: this workload's footprint,
+        its context shared): what the adaptive layout weighs against the budget."""
+        behind = sum(1 for f in self.flows if f.needs is None and f is not flow)
+        return Queued(behind, flow.footprint_tokens(), self.params.context)
 
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
@@ -185,11 +193,16 @@ class Driver:
 
     def _shares_context(self, split: bool) -> bool:
         """Whether a running workflow of the same form holds the context written (so the index
-        cannot evict it, and a new agent finds it instead of writing its own copy)."""
+        cannot evict it, and a new agent finds it instead of writing its own copy), or is
+        prefilling it under in-flight deduplication (a later prefill waits for its pages
+        instead of writing its own copy: the adaptive layout splits agents admitted
+        together)."""
         if self.shared_context is not None:
             return True
+        in_flight = self.engine.config.prefix_dedup is PrefixDedup.IN_FLIGHT
         return any(f.split == split and f.session is not None
-                   and self._written(f) >= self.params.context for f in self.admitted)
+                   and (in_flight or self._written(f) >= self.params.context)
+                   for f in self.admitted)
 
     def _written(self, flow: Workflow) -> int:
         """Tokens of ``flow``'s committed path whose KV is written."""
@@ -216,7 +229,8 @@ class Driver:
 
     def _open(self, flow: Workflow, tokens: list[int] | None = None) -> None:
         tokens = flow.prompt if tokens is None else tokens
-        flow.session = self.engine.open(tokens, adapter=flow.adapter).id
+        flow.session = self.engine.open(tokens, adapter=flow.adapter,
+                                        queued=self._queued(flow)).id
         self.prompt_tokens += len(tokens)
         flow.turn_started = time.perf_counter()
         self.engine.start_generate(flow.session, self.params.gen)

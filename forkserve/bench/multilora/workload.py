@@ -150,23 +150,28 @@ def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
     return int(budget // sizes["base"]), 1
 
 
+def engine_config(layout: KVLayout, params: MultiLoraParams, sizes: dict[str, int],
+                  model_cfg) -> ForkServeConfig:
+    """The engine's config for ``layout`` under the byte budget: every system the same."""
+    num_pages, num_res = budget_pages(sizes, params, layout)
+    host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
+        if layout.has_residual_pool else 0
+    return ForkServeConfig(page_size=params.page_size, num_pages=num_pages,
+                           num_residual_pages=num_res, kv_layout=layout,
+                           host_residual_pages=host_pages, pause_pin=params.pause_pin,
+                           hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
+                           max_context=model_cfg.max_context, node_ttl_s=None,
+                           vocab_size=model_cfg.vocab_size)
+
+
 def build_backend(system: str, params: MultiLoraParams, max_workflows: int, model_cfg, weights,
                   device, dtype):
     """One backend per system, with an adapter for each of up to ``max_workflows`` agents."""
     from forkserve.backend.torch import TorchBackend
 
     spec = SPECS[system]
-    layout = spec.layout
     sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
-    num_pages, num_res = budget_pages(sizes, params, layout)
-    host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
-        if layout.has_residual_pool else 0
-    cfg = ForkServeConfig(page_size=params.page_size, num_pages=num_pages,
-                          num_residual_pages=num_res, kv_layout=layout,
-                          host_residual_pages=host_pages, pause_pin=params.pause_pin,
-                          hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
-                          max_context=model_cfg.max_context, node_ttl_s=None,
-                          vocab_size=model_cfg.vocab_size)
+    cfg = engine_config(spec.layout, params, sizes, model_cfg)
     adapters = {} if not spec.lora else {
         f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i,
                                     invocation=spec.invocation, std=params.adapter_std)
