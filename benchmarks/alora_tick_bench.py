@@ -35,7 +35,8 @@ from collections import Counter
 from dataclasses import replace
 
 from engine_overhead_bench import TorchPhases
-from pressure_tick_bench import measure
+from pressure_tick_bench import measure, plot_ticks
+from tqdm import tqdm
 
 from forkserve.bench.multilora.workload import (
     MultiLoraParams,
@@ -146,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                                turns=args.turns, gen=args.gen, pause_s=args.pause_s,
                                kv_budget_gib=args.kv_budget_gib)
 
-    for system in args.systems:
-        for w in args.workflows:
-            runs = sorted((measure(params(w), system, overlap) for _ in range(args.repeats)),
-                          key=lambda run: run["decode_cpu_ms"])
-            rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
-                        | runs[len(runs) // 2])
+    for system, w in tqdm([(s, w) for s in args.systems for w in args.workflows],
+                          desc="systems x W", unit="point"):
+        runs = sorted((measure(params(w), system, overlap) for _ in range(args.repeats)),
+                      key=lambda run: run["decode_cpu_ms"])
+        rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
+                    | runs[len(runs) // 2])
     for w in args.torch:
         torch_rows.append({"label": args.label, "commit": commit}
                           | measure_torch(replace(params(w), context=args.torch_context,
@@ -189,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                       "kv_budget_gib": args.kv_budget_gib, "overlap": overlap, "rows": rows,
                       "torch_model": "tiny_config (2 layers, hidden 128), float32, CPU",
                       "torch_context": args.torch_context, "torch_rows": torch_rows})
+    plot_ticks(rows, lambda r: f"{r['system']} W={r['workflows']}", path.with_suffix(".png"),
+               f"react, overlap {args.overlap}, MockBackend at the 8B page shape (CPU)")
+    print(f"wrote {path.with_suffix('.png')}")
     return 0
 
 

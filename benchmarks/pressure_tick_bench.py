@@ -31,10 +31,12 @@ import cProfile
 import json
 import time
 from collections import Counter
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 import torch
 from engine_overhead_bench import TimedMock
+from tqdm import tqdm
 
 from forkserve import Engine, ForkServeConfig
 from forkserve.backend.torch import cascade as cascade_tiles
@@ -151,6 +153,37 @@ def measure(params: MultiLoraParams, system: str = "disaggregated", overlap: boo
             "late_keys_one_tile": sum(k not in one_tile for k in backend.keys)}
 
 
+def plot_ticks(rows: Sequence[Mapping], category: Callable[[Mapping], str], path: Path,
+               title: str) -> None:
+    """Engine CPU ms per decode-only and per prefill tick, one bar per label (source tree)
+    in each ``category`` of rows (D1 on / off, system x W): labels measured back to back
+    compare."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(category(r) for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    width = 0.8 / len(labels)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.2 * len(groups) + 4), 4.2))
+    for ax, key, what in ((axes[0], "decode_cpu_ms", "decode-only tick"),
+                          (axes[1], "prefill_cpu_ms", "prefill tick")):
+        for j, label in enumerate(labels):
+            by = {category(r): r[key] for r in rows if r["label"] == label}
+            xs = [g for g in range(len(groups)) if groups[g] in by]
+            ax.bar([x + (j - (len(labels) - 1) / 2) * width for x in xs],
+                   [by[groups[x]] for x in xs], width, label=label)
+        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("engine CPU ms per tick (mock excluded)")
+        ax.set_title(what)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(title="label")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -179,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                                  residual_share=args.residual_share,
                                  host_residual_gib=4.0 if on else 0.0, pause_pin=on,
                                  reopen=True)
-        runs = sorted((measure(params) for _ in range(args.repeats)),
+        runs = sorted((measure(params) for _ in tqdm(range(args.repeats),
+                                                     desc=f"D1 {'on' if on else 'off'}")),
                       key=lambda run: run["decode_cpu_ms"])
         rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
                     | runs[len(runs) // 2])
@@ -201,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                       "context": args.context, "turns": args.turns, "gen": args.gen,
                       "kv_budget_gib": args.kv_budget_gib,
                       "residual_share": args.residual_share, "rows": rows})
+    plot_ticks(rows, lambda r: f"D1 {'on' if r['pause_pin'] else 'off'}", path.with_suffix(".png"),
+               f"react --reopen, W = {args.workflows}, MockBackend at the 8B page shape (CPU)")
+    print(f"wrote {path.with_suffix('.png')}")
     return 0
 
 
