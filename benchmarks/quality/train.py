@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -299,6 +300,9 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
             record(asdict(train_task(base, tokenizer, tasks, i, params, out, device)))
 
 
+PARENT_ENV = "FORKSERVE_TRAIN_PARENT"  # set in a worker's environment: its parent's pid
+
+
 class WorkerFailed(RuntimeError):
     """A worker process ended without its task's log."""
 
@@ -309,7 +313,22 @@ def worker_env(jobs: int) -> dict[str, str]:
     spin up a thread per core slow one another down (3 steps of the tiny model: 10 s, not 1)."""
     threads = max(1, len(os.sched_getaffinity(0)) // jobs)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads))
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads),
+                **{PARENT_ENV: str(os.getpid())})
+
+
+def die_with_parent() -> None:
+    """A worker ends when its parent does (Linux): a parent killed on its own, not through
+    the call's ``timeout``, would otherwise leave workers training adapters no log lists."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it died before the call above took effect
+        raise SystemExit(f"the parent process {parent} is gone")
 
 
 def run_worker(argv: Sequence[str], task: str, result: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -400,6 +419,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, params, device = parse_args(argv)
+    if args.worker_result is not None:
+        die_with_parent()
     if params.alora:
         import peft
         check_peft_alora(peft.LoraConfig, peft.__version__)
