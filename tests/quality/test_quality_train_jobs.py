@@ -2,6 +2,7 @@
 adapters the sequential run trains, only the parent writes train_log.json, and a failed worker
 is reported by task without losing the others' adapters."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,41 @@ def test_a_task_whose_items_do_not_fit_max_len_is_refused_not_drawn_forever(tiny
     tasks = build_tasks(TASKS, 4, 0)
     with pytest.raises(ValueError, match=r"simple_python: 0 of \d+ training items fit in "):
         next(train.batches(tokenizer, tasks, 0, params))
+
+
+def test_a_worker_ends_with_its_parent(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.quality import train
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from benchmarks.quality import train\n"
+        "child = 'from benchmarks.quality import train; train.die_with_parent(); "
+        "import time; time.sleep(120)'\n"
+        "p = subprocess.Popen([sys.executable, '-c', child], env=train.worker_env(1))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(train.ROOT), os.environ.get("PYTHONPATH")) if p))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    worker = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)  # killed alone, as a device call's limit would not
+    parent.wait()
+
+    def running() -> bool:  # a zombie nobody reaps (no init in a container) has ended too
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{worker}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 90
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(), "the worker outlived its parent"
