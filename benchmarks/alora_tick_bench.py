@@ -35,7 +35,7 @@ from collections import Counter
 from dataclasses import replace
 
 from engine_overhead_bench import TorchPhases
-from pressure_tick_bench import measure, plot_ticks
+from pressure_tick_bench import measure, save_ticks
 from tqdm import tqdm
 
 from forkserve.bench.multilora.workload import (
@@ -44,7 +44,7 @@ from forkserve.bench.multilora.workload import (
     run_system,
     tiny_config,
 )
-from forkserve.bench.output import add_out_argument, write_json
+from forkserve.bench.output import add_out_argument
 from forkserve.bench.provenance import source_commit
 
 SYSTEMS = ("alora", "no_lora")
@@ -184,15 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                  for p in ("columns", "items")]
         print(f"{r['label']:>8} {r['commit'][:8]:>8} {r['workflows']:>4} {cells[0]:>14} "
               f"{cells[1]:>14} {r['late_steps']:>5}")
-    write_json(path, {"machine": args.machine, "device": "cpu",
-                      "backend": "MockBackend (engine only)", "workflows": args.workflows,
-                      "context": args.context, "turns": args.turns, "gen": args.gen,
-                      "kv_budget_gib": args.kv_budget_gib, "overlap": overlap, "rows": rows,
-                      "torch_model": "tiny_config (2 layers, hidden 128), float32, CPU",
-                      "torch_context": args.torch_context, "torch_rows": torch_rows})
-    plot_ticks(rows, lambda r: f"{r['system']} W={r['workflows']}", path.with_suffix(".png"),
-               f"react, overlap {args.overlap}, MockBackend at the 8B page shape (CPU)")
-    print(f"wrote {path.with_suffix('.png')}")
+    save_ticks(path, args, rows, lambda r: f"{r['system']} W={r['workflows']}",
+               f"react, overlap {args.overlap}, MockBackend at the 8B page shape (CPU)",
+               overlap=overlap, torch_model="tiny_config (2 layers, hidden 128), float32, CPU",
+               torch_context=args.torch_context, torch_rows=torch_rows)
     return 0
 
 

@@ -184,6 +184,18 @@ def plot_ticks(rows: Sequence[Mapping], category: Callable[[Mapping], str], path
     plt.close(fig)
 
 
+def save_ticks(path: Path, args: argparse.Namespace, rows: Sequence[Mapping],
+               category: Callable[[Mapping], str], title: str, **fields: object) -> None:
+    """The rows (and ``fields``) as JSON at ``path`` under the run's common parameters, and
+    their plot beside it (``plot_ticks``)."""
+    write_json(path, {"machine": args.machine, "device": "cpu",
+                      "backend": "MockBackend (engine only)", "workflows": args.workflows,
+                      "context": args.context, "turns": args.turns, "gen": args.gen,
+                      "kv_budget_gib": args.kv_budget_gib, **fields, "rows": rows})
+    plot_ticks(rows, category, path.with_suffix(".png"), title)
+    print(f"wrote {path.with_suffix('.png')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -230,14 +242,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['mean_decode_batch']:>6.1f} {r['restored_tokens']:>9} "
               f"{r['late_steps']:>3} ({r['late_keys']}) "
               f"{r['late_steps_one_tile']:>8} ({r['late_keys_one_tile']})")
-    write_json(path, {"machine": args.machine, "device": "cpu",
-                      "backend": "MockBackend (engine only)", "workflows": args.workflows,
-                      "context": args.context, "turns": args.turns, "gen": args.gen,
-                      "kv_budget_gib": args.kv_budget_gib,
-                      "residual_share": args.residual_share, "rows": rows})
-    plot_ticks(rows, lambda r: f"D1 {'on' if r['pause_pin'] else 'off'}", path.with_suffix(".png"),
-               f"react --reopen, W = {args.workflows}, MockBackend at the 8B page shape (CPU)")
-    print(f"wrote {path.with_suffix('.png')}")
+    save_ticks(path, args, rows, lambda r: f"D1 {'on' if r['pause_pin'] else 'off'}",
+               f"react --reopen, W = {args.workflows}, MockBackend at the 8B page shape (CPU)",
+               residual_share=args.residual_share)
     return 0
 
 
