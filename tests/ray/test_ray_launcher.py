@@ -51,3 +51,19 @@ def test_ctrl_c_ends_a_replicas_server_cleanly(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_the_sharing_flags_reach_the_replicas_and_a_bad_report_is_one_line(
+        tmp_path: Path, capsys) -> None:
+    from forkserve.config import ShareBase
+    from forkserve.interfaces.cli import main
+    from forkserve.interfaces.ray_serve.engine_replica import ReplicaSpec
+
+    assert ReplicaSpec(model_path="m", share_base="exact").config().share_base is ShareBase.EXACT
+    path, _ = save_model(tmp_path)
+    capsys.readouterr()  # the model writer's progress bar
+    argv = ["serve", "--replicas", "1", "--model", str(path), "--layout", "disaggregated",
+            "--quality-report", str(tmp_path / "missing.json")]
+    assert main(argv) == 2  # before Ray starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--quality-report" in err and "does not exist" in err, err

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, generate_latest
 
 from forkserve.adapter_key import adapter_key
-from forkserve.config import ForkServeConfig
+from forkserve.config import ForkServeConfig, ShareBase
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.ray_serve.protocol import (
     NOT_RESIDENT,
@@ -57,6 +57,7 @@ from forkserve.interfaces.server.schemas import (
     ForkResponse,
     GenerateResponse,
     SessionInfo,
+    SharingCostCard,
 )
 from forkserve.interfaces.server.served_model import ServedModel, load_served_model
 
@@ -72,6 +73,7 @@ class ReplicaSpec:
     loras: tuple[tuple[str, str], ...] = ()
     served_model_name: str | None = None
     layout: str = "unified"
+    share_base: str = ShareBase.CROSS_ADAPTER.value
     system: str = "app"
     num_pages: int = 1024
     page_size: int = 16
@@ -87,15 +89,23 @@ class ReplicaSpec:
     # with in-memory random weights). Such a model has no tokenizer files: the Frontend then
     # serves token ids only. Must pickle (a module-level function).
     loader: Callable[[ReplicaSpec, ForkServeConfig], ServedModel] | None = None
+    # The measured cost of ``share_base`` (``--quality-report``), read by the launcher before
+    # Ray starts; every replica's /v1/models card carries it.
+    sharing_cost: SharingCostCard | None = None
+
+    def config(self) -> ForkServeConfig:
+        return SYSTEMS[self.system](page_size=self.page_size, num_pages=self.num_pages,
+                                    num_residual_pages=self.num_pages, kv_layout=self.layout,
+                                    share_base=self.share_base)
 
     def load(self) -> ServedModel:
-        config = SYSTEMS[self.system](page_size=self.page_size, num_pages=self.num_pages,
-                                      num_residual_pages=self.num_pages, kv_layout=self.layout)
+        config = self.config()
         if self.loader is not None:
             return self.loader(self, config)
         return load_served_model(self.model_path, config=config, loras=dict(self.loras),
                                  name=self.served_model_name, device=self.device, dtype=self.dtype,
-                                 attention=self.attention, use_cuda_graphs=self.cuda_graphs)
+                                 attention=self.attention, use_cuda_graphs=self.cuda_graphs,
+                                 sharing_cost=self.sharing_cost)
 
 
 class _NotResident(Exception):

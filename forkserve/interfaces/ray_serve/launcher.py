@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 
 from forkserve.interfaces.ray_serve.deployments import (
     DEFAULT_MAX_ONGOING,
@@ -29,6 +30,7 @@ from forkserve.interfaces.server.access import checked_access
 from forkserve.interfaces.server.app import build_parser as server_parser
 from forkserve.interfaces.server.limits import UNLIMITED
 from forkserve.interfaces.server.served_model import served_name
+from forkserve.interfaces.server.sharing_cost import load_sharing_cost
 from forkserve.interfaces.usage import ArgumentParser, UsageError
 
 log = logging.getLogger("forkserve.ray_serve")
@@ -93,6 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     # The replicas load the model: a bad path or adapter is one line here, before Ray starts.
     preflight.check_model_path(model_path)
     preflight.check_adapters(args.lora, served_name(model_path, args.served_model_name))
+    spec = ReplicaSpec(model_path=str(model_path), loras=tuple(args.lora),
+                       served_model_name=args.served_model_name,
+                       layout=args.layout, share_base=args.share_base, system=args.system,
+                       num_pages=args.num_pages,
+                       page_size=args.page_size,
+                       device=args.device, dtype=args.dtype, attention=args.attention,
+                       cuda_graphs=not args.no_cuda_graphs, session_ttl_s=args.session_ttl,
+                       torch_threads=ours.torch_threads)
+    try:
+        config = spec.config()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.quality_report:
+        spec = replace(spec, sharing_cost=load_sharing_cost(args.quality_report, config))
     import ray
     from ray import serve
 
@@ -100,13 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     if gpus is None:
         import torch
         gpus = 1.0 if torch.cuda.is_available() and args.device != "cpu" else 0.0
-    spec = ReplicaSpec(model_path=str(model_path), loras=tuple(args.lora),
-                       served_model_name=args.served_model_name,
-                       layout=args.layout, system=args.system, num_pages=args.num_pages,
-                       page_size=args.page_size,
-                       device=args.device, dtype=args.dtype, attention=args.attention,
-                       cuda_graphs=not args.no_cuda_graphs, session_ttl_s=args.session_ttl,
-                       torch_threads=ours.torch_threads)
     ray.init(**({"address": ours.ray_address} if ours.ray_address
                 else local_ray_options(args.host)))
     try:
