@@ -101,7 +101,8 @@ class FormCounter(Engine):
         return handle
 
 
-def measure(workload: str, workflows: int, system: str, args: argparse.Namespace) -> Row:
+def measure(workload: str, workflows: int, system: str, args: argparse.Namespace,
+            commit: str) -> Row:
     # The 8B page shape; a small vocabulary keeps the mock's token ids small.
     model = dataclasses.replace(llama3_8b_config(), vocab_size=512)
     params = MultiLoraParams(workload=workload, workflows=workflows, context=args.context,
@@ -117,7 +118,7 @@ def measure(workload: str, workflows: int, system: str, args: argparse.Namespace
     return Row(workload, workflows, system, workflows / modeled_s, modeled_s,
                result.mean_decode_batch, result.peak_kv_bytes / 2 ** 30, len(engine.late),
                engine.forms[KVForm.MERGED], engine.forms[KVForm.SPLIT], result.prefill_tokens,
-               result.decode_tokens, source_commit())
+               result.decode_tokens, commit)
 
 
 def versus_better(rows: list[Row], row: Row) -> float:
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--residual-share", type=float, default=0.1)
     add_out_argument(ap)
     args = ap.parse_args(argv)
-    rows = [measure(workload, w, system, args) for workload in args.workloads
+    commit = source_commit()
+    rows = [measure(workload, w, system, args, commit) for workload in args.workloads
             for w in args.workflows for system in SYSTEMS]
     print(f"{'workload':>9} {'W':>3} {'system':>14} {'tasks/s':>8} {'vs best':>7} {'batch':>6} "
           f"{'peak GiB':>8} {'waited':>6} {'merged':>6} {'split':>5} {'prefill':>8}")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": "MockBackend at the Llama-3-8B page shape", "device": "cpu",
         "cost_model": asdict(H200_8B), "context": args.context, "turns": args.turns,
         "gen": args.gen, "kv_budget_gib": args.kv_budget_gib,
-        "residual_share": args.residual_share, "commit": source_commit(),
+        "residual_share": args.residual_share, "commit": commit,
         "rows": [asdict(r) | {"vs_better": versus_better(rows, r)} for r in rows]})
     plot(rows, args.out / "adaptive_policy_cpu.png")
     return 0

@@ -49,7 +49,13 @@ from forkserve.bench.multilora.workload import (
     page_bytes,
     run_workload,
 )
-from forkserve.bench.output import add_out_argument, write_json
+from forkserve.bench.output import (
+    add_out_argument,
+    legend_below,
+    new_figure,
+    save_figure,
+    write_json,
+)
 from forkserve.bench.provenance import source_commit
 from forkserve.kernels import cascade_tile_agents
 
@@ -158,14 +164,10 @@ def plot_ticks(rows: Sequence[Mapping], category: Callable[[Mapping], str], path
     """Engine CPU ms per decode-only and per prefill tick, one bar per label (source tree)
     in each ``category`` of rows (D1 on / off, system x W): labels measured back to back
     compare."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys(category(r) for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
     width = 0.8 / len(labels)
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.2 * len(groups) + 4), 4.2))
+    fig, axes = new_figure(2, width=max(8.0, 1.2 * len(groups) + 4), height=4.6)
     for ax, key, what in ((axes[0], "decode_cpu_ms", "decode-only tick"),
                           (axes[1], "prefill_cpu_ms", "prefill tick")):
         for j, label in enumerate(labels):
@@ -177,11 +179,9 @@ def plot_ticks(rows: Sequence[Mapping], category: Callable[[Mapping], str], path
         ax.set_ylabel("engine CPU ms per tick (mock excluded)")
         ax.set_title(what)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(title="label")
+    legend_below(fig, axes[0])
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def save_ticks(path: Path, args: argparse.Namespace, rows: Sequence[Mapping],
@@ -193,7 +193,6 @@ def save_ticks(path: Path, args: argparse.Namespace, rows: Sequence[Mapping],
                       "context": args.context, "turns": args.turns, "gen": args.gen,
                       "kv_budget_gib": args.kv_budget_gib, **fields, "rows": rows})
     plot_ticks(rows, category, path.with_suffix(".png"), title)
-    print(f"wrote {path.with_suffix('.png')}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,6 @@ def test_a_task_whose_items_do_not_fit_max_len_is_refused_not_drawn_forever(tiny
 
 
 def test_a_worker_ends_with_its_parent(tmp_path):
-    import os
     import signal
     import subprocess
     import sys
@@ -98,10 +97,8 @@ def test_a_worker_ends_with_its_parent(tmp_path):
         "p = subprocess.Popen([sys.executable, '-c', child], env=train.worker_env(1))\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(120)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(train.ROOT), os.environ.get("PYTHONPATH")) if p))
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env=env)
+                              env=train.worker_env(1))  # benchmarks.quality importable
     worker = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)  # killed alone, as a device call's limit would not
     parent.wait()
