@@ -67,7 +67,8 @@ need_adapters() {
 # Adapters a session brought back (carried under .carry/quality_adapters/MODEL/) are put in
 # place first, so nothing is retrained. The 4 tasks train at once, one worker process each
 # (--jobs 4: a small model leaves the GPU idle while one process's host work runs; 4 copies
-# of a 0.5B model fit many times over). The training stops in time for the copy to $OUT
+# of a 0.5B model fit many times over; rows go MICRO_BATCH at a time, default 2: Qwen's
+# activations at 8 rows did not fit four processes). The training stops in time for the copy to $OUT
 # (tasks saved so far are skipped by the next call; timeout's SIGTERM reaches the workers too,
 # as they share its process group).
 train_into() {
@@ -79,7 +80,7 @@ train_into() {
   python3 -c 'import peft; print("peft", peft.__version__)'
   rc=0
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
-      --targets q,k,v,o --jobs 4 "$@" || rc=$?
+      --targets q,k,v,o --jobs 4 --micro-batch "${MICRO_BATCH:-2}" "$@" || rc=$?
   if [[ -f $dir/train_log.json ]]; then  # at least one task saved
     tar -C "$(dirname "$dir")" -czf - "$(basename "$dir")" \
       | split -b 15M - "$OUT/adapters_${NAME}_$(basename "$dir").tgz.part"

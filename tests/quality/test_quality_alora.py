@@ -57,13 +57,8 @@ def test_the_offsets_passed_to_peft_are_the_ones_its_scan_finds(tiny):
     from transformers import AutoTokenizer
 
     from benchmarks.quality.data import build_tasks
-    from benchmarks.quality.train import (
-        TrainParams,
-        alora_offsets,
-        assistant_opener,
-        batches,
-        collate,
-    )
+    from benchmarks.quality.answer_loss import micro_batch
+    from benchmarks.quality.train import TrainParams, alora_offsets, assistant_opener, batches
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     invocation = assistant_opener(tokenizer)
@@ -72,7 +67,7 @@ def test_the_offsets_passed_to_peft_are_the_ones_its_scan_finds(tiny):
     config = {"default": LoraConfig(alora_invocation_tokens=list(invocation))}
     for index in range(len(tasks)):
         batch = next(batches(tokenizer, tasks, index, params, invocation))
-        ids = collate(batch, tokenizer.pad_token_id, torch.device("cpu"))["input_ids"]
+        ids = micro_batch(batch, tokenizer.pad_token_id, torch.device("cpu"))["input_ids"]
         assert len({len(row) for row, _ in batch}) > 1  # padded rows: offsets count the pads
         assert alora_offsets(batch, ids.shape[1], len(invocation)) == \
             calculate_alora_offsets(config, "default", ids)
