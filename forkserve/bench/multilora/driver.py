@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from forkserve.config import KVForm, KVLayout, PrefixDedup
 from forkserve.control.layout_policy import Queued
+from forkserve.control.waiting_sessions import Waiter, WaitingSessions
 from forkserve.engine import Engine
 
 if TYPE_CHECKING:
@@ -99,6 +100,13 @@ class Driver:
             self.capacity["residual"] = cache.residual.pages
         self.reserved: dict[str, int] = {}
         self.admitted: list[Workflow] = []
+        # The workflows never admitted, kept as they leave (``_queued``): the admission queue
+        # the adaptive layout weighs, read in O(1) per open rather than recounted.
+        self._waiting = WaitingSessions(params.page_size)
+        self._waiters: dict[Workflow, Waiter] = {}
+        for flow in flows:
+            self._waiters[flow] = self._waiting.waiter(flow.prompt, flow.footprint_tokens())
+            self._waiting.add(self._waiters[flow])
         self.context_pages = params.context // params.page_size
         self.context_kv_per_agent = 0.0
         self._context_holders = 0
@@ -164,10 +172,10 @@ class Driver:
         return needs
 
     def _queued(self, flow: Workflow) -> Queued:
-        """The workflows never admitted, behind ``flow`` (all alike: this workload's footprint,
-        its context shared): what the adaptive layout weighs against the budget."""
-        behind = sum(1 for f in self.flows if f.needs is None and f is not flow)
-        return Queued(behind, flow.footprint_tokens(), self.params.context)
+        """The workflows never admitted, behind ``flow`` (their footprint, the prefix of
+        ``flow``'s first prompt they all share: the context): what the adaptive layout weighs
+        against the budget."""
+        return self._waiting.queued(self._waiters[flow])
 
     def _measure_context_kv(self, flows: list[Workflow]) -> None:
         """Bytes of the pages holding the shared context, each page counted once, over the
@@ -214,6 +222,8 @@ class Driver:
         if all(self.reserved.get(side, 0) + n <= self.capacity[side] for side, n in needs.items()):
             for side, n in needs.items():
                 self.reserved[side] = self.reserved.get(side, 0) + n
+            if flow.needs is None:  # first admitted: it leaves the queue (a reopen never rejoins)
+                self._waiting.remove(self._waiters[flow])
             flow.needs, flow.split = needs, "residual" in needs
             self.admitted.append(flow)
             return True

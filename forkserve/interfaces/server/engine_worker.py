@@ -9,6 +9,12 @@ meanwhile run, so a new request never waits for a long completion to end. When n
 is queued the thread runs idle ticks: that is where speculative branches are prefilled
 during a tool pause.
 
+Admission: the server opens a request's session as soon as the engine thread reaches its
+command, so the requests waiting for admission are the opens queued behind the one running
+(a burst that arrived during a tick). ``WaitingSessions`` keeps them as they are submitted and
+taken, and each open passes it to the engine as ``Queued``: the adaptive layout sees the
+backlog (splits a burst that would not fit merged) and nothing recounts the queue.
+
 Ownership: a session opened for one OpenAI request lives as long as its generation: it is
 closed when the generation ends, aborted when its client goes away. A session opened through
 the branch API is leased: any verb on it renews the lease, and a session idle past
@@ -28,6 +34,9 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import SamplingParams
+from forkserve.control.layout_policy import Queued
+from forkserve.control.prefix_index import UNSALTED, CacheSalt
+from forkserve.control.waiting_sessions import Waiter, WaitingSessions
 from forkserve.engine import Engine
 from forkserve.engine.session import Session
 from forkserve.interfaces.server.errors import APIError
@@ -66,6 +75,7 @@ class Chunk:
 @dataclass(frozen=True)
 class WorkerStats:
     queue_depth: int
+    waiting_sessions: int  # opens among those commands: the admission queue
     active_generations: int
     leased_sessions: int
     decode_tokens_per_s: float
@@ -146,6 +156,9 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}
         self._leases: dict[int, float] = {}
         self._rates: collections.deque[tuple[float, int, int]] = collections.deque()
+        # Opens submitted and not yet run: joined on the submitting thread, left on this one.
+        self._waiting = WaitingSessions(engine.config.page_size)
+        self._waiting_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="forkserve-engine", daemon=True)
 
@@ -193,24 +206,43 @@ class EngineWorker:
         return await self.call(register, undo=Generation.cancel)
 
     async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None,
-                                spec: GenerationSpec, *,
-                                opener: Callable[[], int] | None = None) -> Generation:
-        """Open a session on ``tokens`` and decode on it (one OpenAI choice). ``opener``
-        opens it instead, on this thread, and returns its id (the server's tenancy: limits,
-        cache salt, ownership)."""
+                                spec: GenerationSpec, *, salt: CacheSalt = UNSALTED,
+                                opener: Callable[[Queued], int] | None = None) -> Generation:
+        """Open a session on ``tokens`` in ``salt``'s boundary and decode on it (one OpenAI
+        choice); until it opens it waits in the admission queue the opens behind it see.
+        ``opener(queued)`` opens it instead, on this thread, and returns its id (the server's
+        tenancy: limits, cache salt, ownership)."""
         gen = Generation(spec, self)
+        waiter = self._waiting.waiter(tokens, len(tokens) + spec.max_tokens, salt)
+        with self._waiting_lock:
+            self._waiting.add(waiter)
 
         def register() -> Generation:
-            sid = opener() if opener is not None else self.engine.open(tokens, adapter=adapter).id
+            queued = self._admit(waiter)
+            sid = opener(queued) if opener is not None else self.engine.open(
+                tokens, adapter=adapter, salt=salt, queued=queued).id
             try:
                 self._register(sid, gen)
             except Exception:
                 self.engine.abort(sid)
                 raise
             return gen
+        # ``call`` runs ``register`` even for a client gone meanwhile (then undoes it), so
+        # every waiter leaves the queue at ``_admit``.
         return await self.call(register, undo=Generation.cancel)
 
+    def waiting_sessions(self) -> int:
+        """Opens submitted and not yet run (the admission queue)."""
+        with self._waiting_lock:
+            return len(self._waiting)
+
     # ------------------------------------------------------------ engine thread only
+    def _admit(self, waiter: Waiter) -> Queued:
+        """``waiter`` leaves the queue to open: the queue behind it, as the engine weighs it."""
+        with self._waiting_lock:
+            self._waiting.remove(waiter)
+            return self._waiting.queued(waiter)
+
     def ensure_idle(self, session_id: int) -> None:
         """Verbs other than generate may not interleave with a session's decode."""
         if session_id in self._jobs:
@@ -229,8 +261,8 @@ class EngineWorker:
             (t0, d0, p0), (t1, d1, p1) = self._rates[0], self._rates[-1]
             if t1 > t0:
                 decode_rate, prefill_rate = (d1 - d0) / (t1 - t0), (p1 - p0) / (t1 - t0)
-        return WorkerStats(self._commands.qsize(), len(self._jobs), len(self._leases),
-                           decode_rate, prefill_rate)
+        return WorkerStats(self._commands.qsize(), self.waiting_sessions(), len(self._jobs),
+                           len(self._leases), decode_rate, prefill_rate)
 
     def _register(self, session_id: int, gen: Generation) -> None:
         spec = gen.spec

@@ -104,6 +104,8 @@ class EngineCollector:
                 ("sessions_open", "sessions alive in the engine", s.sessions),
                 ("sessions_leased", "branch-API sessions held by clients", w.leased_sessions),
                 ("queue_depth", "engine commands waiting to run", w.queue_depth),
+                ("waiting_sessions", "opens waiting to run: the admission queue the adaptive "
+                 "layout weighs", w.waiting_sessions),
                 ("active_generations", "generations being decoded", w.active_generations),
                 ("decode_tokens_per_second", "decode throughput over the last 10 s",
                  w.decode_tokens_per_s),

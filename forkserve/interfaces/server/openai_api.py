@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import SamplingParams
+from forkserve.control.layout_policy import Queued
 from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import Chunk, Generation, GenerationSpec
@@ -288,10 +289,10 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
     choices: list[_Choice] = []
     cached: list[int] = []
 
-    def opener(ids: list[int]) -> Callable[[], int]:
-        def open_choice() -> int:
+    def opener(ids: list[int]) -> Callable[[Queued], int]:
+        def open_choice(queued: Queued) -> int:
             opened = st.tenancy.open(tenant, ids, adapter, salt, max_tokens, expose=False,
-                                     reuse_prefix=prompt_logprobs is None)
+                                     reuse_prefix=prompt_logprobs is None, queued=queued)
             cached.append(opened.cached_tokens)
             return opened.engine_id
         return open_choice
@@ -305,8 +306,8 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
                 constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
-            choices.append(_Choice(await st.worker.open_and_generate(ids, adapter, spec,
-                                                                     opener=opener(ids)), log))
+            choices.append(_Choice(await st.worker.open_and_generate(
+                ids, adapter, spec, salt=salt, opener=opener(ids)), log))
     except BaseException:
         for c in choices:
             c.gen.cancel()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Callable, Sequence, TypeVar
 
 from forkserve.adapter_key import AdapterId
+from forkserve.control.layout_policy import NOTHING_QUEUED, Queued
 from forkserve.control.prefix_index import CacheSalt
 from forkserve.engine import Engine
 from forkserve.interfaces.server.cache_salt import cache_salt
@@ -68,16 +69,17 @@ class Tenancy:
 
     # ------------------------------------------------------------ engine thread only
     def open(self, tenant: str, tokens: Sequence[int], adapter: AdapterId | None, salt: CacheSalt,
-             max_tokens: int, *, expose: bool, reuse_prefix: bool = True) -> Opened:
+             max_tokens: int, *, expose: bool, reuse_prefix: bool = True,
+             queued: Queued = NOTHING_QUEUED) -> Opened:
         """Check the tenant's limits, open the session in ``salt``'s boundary, own it.
-        ``expose``: a branch session, reachable by a new public id; ``reuse_prefix``: as
-        ``Engine.open``'s."""
+        ``expose``: a branch session, reachable by a new public id; ``reuse_prefix`` and
+        ``queued`` (the opens waiting behind it): as ``Engine.open``'s."""
         self._prune()
         p = self.engine.config.page_size
         need = len(tokens) + max_tokens
         sid = self.admit(tenant, Demand(1, need, need, -(-need // p)),
                          lambda: self.engine.open(tokens, adapter=adapter, salt=salt,
-                                                   reuse_prefix=reuse_prefix).id)
+                                                   reuse_prefix=reuse_prefix, queued=queued).id)
         self._owner[sid] = tenant
         if expose:
             self._public.bind(sid, tenant)
