@@ -56,8 +56,8 @@ def test_the_offsets_passed_to_peft_are_the_ones_its_scan_finds(tiny):
     from peft.tuners.lora.variants import calculate_alora_offsets
     from transformers import AutoTokenizer
 
-    from benchmarks.quality.data import build_tasks
     from benchmarks.quality.answer_loss import micro_batch
+    from benchmarks.quality.data import build_tasks
     from benchmarks.quality.train import TrainParams, alora_offsets, assistant_opener, batches
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
