@@ -64,8 +64,7 @@ need_adapters() {
   exit 3
 }
 # $1: adapters folder, $2: its train log's name under $OUT, then train.py's extra flags.
-# Adapters a session brought back (carried under .carry/quality_adapters/MODEL/) are put in
-# place first, so nothing is retrained. The 4 tasks train at once, one worker process each
+# The 4 tasks train at once, one worker process each
 # (--jobs 4: a small model leaves the GPU idle while one process's host work runs; 4 copies
 # of a 0.5B model fit many times over; rows go MICRO_BATCH at a time, default 2: Qwen's
 # activations at 8 rows did not fit four processes). The training stops in time for the copy to $OUT
@@ -73,10 +72,6 @@ need_adapters() {
 # as they share its process group).
 train_into() {
   local dir=$1 log=$2; shift 2
-  local carried=.carry/quality_adapters/$NAME/$(basename "$dir")
-  if [[ -d $carried && ! -d $dir ]]; then
-    mkdir -p "$(dirname "$dir")" && cp -r "$carried" "$dir"
-  fi
   python3 -c 'import peft; print("peft", peft.__version__)'
   rc=0
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
@@ -91,6 +86,13 @@ train_into() {
   fi
   return "$rc"
 }
+# Adapters a session brought back (carried under .carry/quality_adapters/MODEL/, by any call:
+# Qwen's plain and aLoRA folders are 35 MB each, one per call beside the tree) are put in
+# place, so nothing is retrained and eval finds them.
+for dir in "$ADAPTERS" "$ALORA_ADAPTERS"; do
+  carried=.carry/quality_adapters/$NAME/$(basename "$dir")
+  if [[ -d $carried && ! -d $dir ]]; then cp -r "$carried" "$dir"; fi
+done
 # The aLoRA modes join eval and diag once their adapters are on this machine.
 alora=(); [[ -f $ALORA_ADAPTERS/train_log.json ]] && alora=(--alora-adapters "$ALORA_ADAPTERS")
 layouts=(); [[ -n ${QUALITY_LAYOUTS:-} ]] && layouts=(--layouts "$QUALITY_LAYOUTS")
