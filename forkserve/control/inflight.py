@@ -14,28 +14,31 @@ leader that publishes, fails, is aborted, closed or preempted is simply not a wr
 next tick: its waiters match what it published and, where it published nothing, the oldest
 of them leads. There is nothing to release, so nothing can leak. Kept across ticks: which
 nodes were held (``waiting``: the Stepper re-matches them before their next demand) and a
-cache of page hashes per writer node, pruned to each tick's writers.
+cache of page hashes per writer node, pruned to each tick's writers. A writer's hashes start
+at the published prefix its table matched (its publish cursor's ``ChainSeed``): only a
+writer's own pages are hashed, not the shared context before them, once per session.
 
 A claim is a ``ClaimKey``: the tree, namespace and salt ``KVCache.page_claims`` derives as
 ``KVCache.keys`` does (so a reader waits only for a leader whose pages it may read), as the
 number ``ClaimStreams`` gives them, and a chained hash of the page's tokens and all tokens
-before it. A hash collision can only make a writer wait for pages it then does not find and
-computes itself: what a writer reads always comes from ``KVCache.match``, never from a claim.
+before it (``control/page_hash.py``). A hash collision can only make a writer wait for
+pages it then does not find and computes itself: what a writer reads always comes from
+``KVCache.match``, never from a claim.
 """
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig, PrefixDedup
 from forkserve.control.metrics import EngineMetrics
+from forkserve.control.page_hash import ChainSeed, PageChain
 from forkserve.control.prefix_index import CacheSalt, Namespace
 from forkserve.control.scheduler import Demand
 
-# One side of one full page, as the prefix trees would publish it: ``page_chain``'s hash of
+# One side of one full page, as the prefix trees would publish it: the chained hash of
 # the page's tokens and every token before them, times ``STREAMS``, plus the number
 # ``ClaimStreams`` gives the side's tree, namespace and salt. One int: a writer claims each
 # page it still has to write every tick (hundreds over an 8K prompt), and a key object per
@@ -57,7 +60,7 @@ class ClaimStreams:
         return self._ids.setdefault((tree, namespace, salt), len(self._ids))
 
     def key(self, stream: int, page: int) -> ClaimKey:
-        """The claim of ``stream``'s side of the page whose ``page_chain`` hash is ``page``."""
+        """The claim of ``stream``'s side of the page whose chained hash is ``page``."""
         return page * STREAMS + stream
 
 
@@ -76,21 +79,9 @@ class Writer:
     reads: tuple[frozenset[ClaimKey], ...] | None
 
 
-def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ()) -> array:
-    """One hash per full page of ``tokens``, each over the page and the hash before it;
-    ``known``: the hashes of a prefix of the same tokens, extended rather than recomputed.
-    An ``array('q')`` (``hash`` is a C ssize_t): a chain of 8K tokens kept per prefill is one
-    block, not 513 int objects the first decode tick would have to free one by one."""
-    chain = array("q", known)
-    prev = chain[-1] if chain else 0
-    for i in range(len(chain), len(tokens) // page_size):
-        prev = hash((prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
-        chain.append(prev)
-    return chain
-
-
-# ``(node_id, path) -> page_chain(path)``, cached per node by the policy.
-ChainOf = Callable[[int, Sequence[int]], Sequence[int]]
+# ``(node_id, path, seed) -> `` the path's ``PageChain`` from at most ``seed.pages`` on (``seed``:
+# a prefix of the path whose chain end is known), cached per node by the policy.
+ChainOf = Callable[[int, Sequence[int], ChainSeed], PageChain]
 # A prefill demand as its ``Writer``, its pages hashed by ``ChainOf`` and its claims numbered
 # by the tick's ``ClaimStreams``.
 Describe = Callable[[Demand, ChainOf, ClaimStreams], Writer]
@@ -119,13 +110,16 @@ class InflightDedup:
     def __init__(self, page_size: int, metrics: EngineMetrics) -> None:
         self.page_size, self.metrics = page_size, metrics
         self.waiting: frozenset[int] = frozenset()
-        self._chains: dict[int, array] = {}
+        self._chains: dict[int, PageChain] = {}
 
-    def chain(self, node_id: int, path: Sequence[int]) -> array:
+    def chain(self, node_id: int, path: Sequence[int], seed: ChainSeed) -> PageChain:
         # A node's path only grows (committed tokens are never rewritten), so a cached chain
-        # stays a valid prefix of the new one.
-        chain = page_chain(path, self.page_size, self._chains.get(node_id, ()))
-        self._chains[node_id] = chain
+        # stays a valid prefix of the new one; it is extended unless it starts past ``seed``
+        # (its table was cut below its first page) or the seed reaches further than it does.
+        known = self._chains.get(node_id)
+        if known is None or not known.first <= seed.pages <= known.end:
+            known = PageChain.at(seed)
+        chain = self._chains[node_id] = known.extend(path, self.page_size)
         return chain
 
     def admit(self, demands: Sequence[Demand], describe: Describe) -> list[Demand]:
