@@ -189,11 +189,11 @@ class Stepper:
         seed = cursor.seed if cursor is not None else ROOT_SEED
         if seed.pages > node.kv_len // self.pool.page_size:
             seed = ROOT_SEED
-        first, writes, reads = self.kv.page_claims(node.table, node.adapter, path,
-                                                   chain_of(node.id, path, seed), streams)
+        first, runs = self.kv.page_claims(node.table, node.adapter, path,
+                                          chain_of(node.id, path, seed), streams)
         follows = (session.reuse_prefix and session.sampling.prompt_logprobs is None
                    and not session.hold_speculation)
-        return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)
+        return Writer(node.id, session.id, node.kv_len, first, runs, follows)
 
     def _rematch(self, session: Session, tip: Node) -> None:
         """Alias what is published now for a held tip's path (keeping its last token to sample

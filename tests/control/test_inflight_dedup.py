@@ -7,7 +7,7 @@ from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
 from forkserve.config import PrefixDedup, ShareBase
-from forkserve.control.inflight import ClaimKey, ClaimStreams, InflightDedup, Writer
+from forkserve.control.inflight import ClaimRun, ClaimStreams, InflightDedup, Writer
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.prefix_index import BASE, UNSALTED
 from forkserve.control.scheduler import Demand, WorkClass
@@ -133,14 +133,10 @@ def test_a_session_that_wants_every_logit_never_waits():
     assert eng.metrics.dedup_held == 0 and eng.metrics.prefill_tokens == 2 * 517
 
 
-def _key(page: int) -> ClaimKey:
-    streams = ClaimStreams()
-    return streams.key(streams(PageKind.UNIFIED, BASE, UNSALTED), page)
-
-
 def _writer(node, rank, start, pages, follows=True):
-    keys = tuple(frozenset({_key(i)}) for i in pages)
-    return Writer(node, rank, start, pages[0], keys, keys if follows else None)
+    """Page ``i``'s hash is ``i``, under one stream."""
+    stream = (ClaimStreams()(PageKind.UNIFIED, BASE, UNSALTED),)
+    return Writer(node, rank, start, pages[0], (ClaimRun(pages, stream, stream),), follows)
 
 
 def test_the_oldest_writer_leads_and_a_follower_stops_before_the_first_claimed_page():
