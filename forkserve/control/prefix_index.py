@@ -128,9 +128,9 @@ class _IndexNode:
     evicted: bool = False
     host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
     device_children: int = 0        # children on a device page (``EvictionFrontier``)
-    # ``page_hash.chained`` over the prefix this entry ends: a path continuing it hashes only
-    # its own pages (``InsertCursor.seed``).
-    chain: int = ROOT_HASH
+    # ``page_hash.chained`` over the prefix this entry ends, once asked for (``_chain``): a
+    # path continuing it hashes only its own pages (``InsertCursor.seed``).
+    chain: int | None = None
 
 
 class InsertCursor(NamedTuple):
@@ -154,7 +154,21 @@ class InsertCursor(NamedTuple):
     @property
     def seed(self) -> ChainSeed:
         """The chain end of the prefix the cursor ends (``page_hash``)."""
-        return ChainSeed(self.pages, self.node.chain)
+        return ChainSeed(self.pages, _chain(self.node))
+
+
+def _chain(node: _IndexNode) -> int:
+    """``node.chain``, hashed on first use from its nearest hashed ancestor down (an entry's
+    parent and key never change, unlinked or not): most entries are never a seed, so an
+    insert of new pages hashes none of them."""
+    unhashed = []
+    while node.chain is None:
+        unhashed.append(node)
+        node = node.parent
+    prev = node.chain
+    for node in reversed(unhashed):
+        prev = node.chain = chained(prev, node.key.tokens)
+    return prev
 
 
 class IndexMatch(NamedTuple):
@@ -194,7 +208,7 @@ class PrefixIndex:
         self.pool = pool
         self.host = host
         self.page_size = pool.page_size
-        self._root = _IndexNode(None, None, None)
+        self._root = _IndexNode(None, None, None, chain=ROOT_HASH)
         self._clock = itertools.count(1)
         self._entries = 0        # entries on a device page
         self.num_offloaded = 0   # entries in a host slot
@@ -350,7 +364,7 @@ class PrefixIndex:
             if child is None:
                 self.pool.incref((page,))
                 refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
-                child = _IndexNode(key, page, node, chain=chained(node.chain, key.tokens))
+                child = _IndexNode(key, page, node)
                 node.children[key] = child
                 self._frontier.to_device(child)
                 added += 1
