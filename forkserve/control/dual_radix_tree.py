@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 from forkserve.adapter_key import AdapterId, adapter_key
 from forkserve.backend.protocol import PageId
 from forkserve.control.host_tier import HostTier
+from forkserve.control.page_hash import ChainSeed
 from forkserve.control.page_pool import PagePool
 from forkserve.control.prefix_index import (
     BASE,
@@ -70,11 +71,20 @@ class DualCursor(NamedTuple):
     base: InsertCursor
     residual: InsertCursor | None
 
+    @property
+    def seed(self) -> ChainSeed:
+        """The chain end of the published prefix the cursor ends (both sides hash the same
+        tokens; the base side is always there)."""
+        return self.base.seed
+
 
 @dataclass(frozen=True)
 class DualMatch:
     base_pages: list[PageId]
     residual_pages: list[PageId] | None  # None: no residual side asked for
+    # Where the match ended on each side: the first publish of a table that takes these
+    # pages resumes there (``Stepper.attach``); None where nothing was matched in the trees.
+    cursor: DualCursor | None = None
 
     @property
     def covered_pages(self) -> int:
@@ -92,11 +102,12 @@ class DualRadixTree:
                          else None)
 
     def match(self, base: BaseKey, residual: ResidualKey | None = None) -> DualMatch:
-        base_pages = self.base.match(base.namespace, base.tokens, base.base_pages, base.salt)
+        hit = self.base.match_at(base.namespace, base.tokens, base.base_pages, base.salt)
         if residual is None or self.residual is None:
-            return DualMatch(base_pages, None)
-        return DualMatch(base_pages, self.residual.match(residual.namespace, residual.tokens,
-                                                         residual.base_pages, residual.salt))
+            return DualMatch(hit.pages, None, DualCursor(hit.cursor, None))
+        res = self.residual.match_at(residual.namespace, residual.tokens, residual.base_pages,
+                                     residual.salt)
+        return DualMatch(hit.pages, res.pages, DualCursor(hit.cursor, res.cursor))
 
     def insert(self, base: BaseKey, base_pages: Sequence[PageId],
                residual: ResidualKey | None = None, residual_pages: Sequence[PageId] = (),

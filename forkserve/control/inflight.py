@@ -14,35 +14,36 @@ leader that publishes, fails, is aborted, closed or preempted is simply not a wr
 next tick: its waiters match what it published and, where it published nothing, the oldest
 of them leads. There is nothing to release, so nothing can leak. Kept across ticks: which
 nodes were held (``waiting``: the Stepper re-matches them before their next demand) and a
-cache of page hashes per writer node, pruned to each tick's writers.
+cache of page hashes per writer node, pruned to each tick's writers. A writer's hashes start
+at the published prefix its table matched (its publish cursor's ``ChainSeed``): only a
+writer's own pages are hashed, not the shared context before them, once per session.
 
-A claim is a ``ClaimKey``: the tree, namespace and salt ``KVCache.page_claims`` derives as
-``KVCache.keys`` does (so a reader waits only for a leader whose pages it may read), as the
-number ``ClaimStreams`` gives them, and a chained hash of the page's tokens and all tokens
-before it. A hash collision can only make a writer wait for pages it then does not find and
-computes itself: what a writer reads always comes from ``KVCache.match``, never from a claim.
+A claim is a page's chained hash (``control/page_hash.py``) under a stream: the tree,
+namespace and salt ``KVCache.page_claims`` derives as ``KVCache.keys`` does (so a reader
+waits only for a leader whose pages it may read), as the number ``ClaimStreams`` gives them.
+A hash collision can only make a writer wait for pages it then does not find and computes
+itself: what a writer reads always comes from ``KVCache.match``, never from a claim.
 """
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from forkserve.backend.protocol import PageKind
 from forkserve.config import ForkServeConfig, PrefixDedup
 from forkserve.control.metrics import EngineMetrics
+from forkserve.control.page_hash import ChainSeed, PageChain
 from forkserve.control.prefix_index import CacheSalt, Namespace
 from forkserve.control.scheduler import Demand
 
-# One side of one full page, as the prefix trees would publish it: ``page_chain``'s hash of
-# the page's tokens and every token before them, times ``STREAMS``, plus the number
-# ``ClaimStreams`` gives the side's tree, namespace and salt. One int: a writer claims each
-# page it still has to write every tick (hundreds over an 8K prompt), and a key object per
-# page (a tree, a namespace dataclass and a salt, hashed per page) cost ~8 ms per such writer
-# under memory pressure, most of it the garbage collections those objects set off.
-ClaimKey = int
-STREAMS = 1 << 32  # more streams than a tick's writers can name
+# What a tick's writers claimed: per stream (the number ``ClaimStreams`` gives a side's tree,
+# namespace and salt), the chained hashes of the full pages claimed under it. Plain ints in
+# C sets, tested and added a run of pages at a time: a key object per page (a tree, a
+# namespace dataclass and a salt, hashed per page) cost ~8 ms per writer under memory
+# pressure, and an int key made per page per writer per tick still cost most of a prefill
+# tick with a hundred agents of distinct adapters (streams no other writer claims under).
+Claims = dict[int, set[int]]
 
 
 class ClaimStreams:
@@ -56,9 +57,15 @@ class ClaimStreams:
     def __call__(self, tree: PageKind, namespace: Namespace, salt: CacheSalt) -> int:
         return self._ids.setdefault((tree, namespace, salt), len(self._ids))
 
-    def key(self, stream: int, page: int) -> ClaimKey:
-        """The claim of ``stream``'s side of the page whose ``page_chain`` hash is ``page``."""
-        return page * STREAMS + stream
+
+class ClaimRun(NamedTuple):
+    """Consecutive pages of a writer that need the same sides under the same streams: their
+    hashes, the streams of the sides it still has to write there, and the streams whose
+    publication would give it those sides (``writes`` and any it may also read)."""
+
+    hashes: Sequence[int]
+    writes: tuple[int, ...]
+    reads: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -68,29 +75,45 @@ class Writer:
     node_id: int
     rank: int            # the session id: older sessions lead
     start: int           # the first position it writes (its table's length)
-    first_page: int      # the page ``writes[0]`` describes
-    # Per full page from ``first_page``: the keys of the sides it still has to write there.
-    writes: tuple[frozenset[ClaimKey], ...]
-    # Per page: the keys whose publication would give it those sides; None: it never waits
-    # (it wants every position computed: prompt log-probabilities, a commit's atomic tail).
-    reads: tuple[frozenset[ClaimKey], ...] | None
+    first_page: int      # the first page of ``runs``
+    # Its full pages from ``first_page`` on, in runs (``KVCache.page_claims``).
+    runs: tuple[ClaimRun, ...]
+    # False: it never waits (it wants every position computed: prompt log-probabilities, a
+    # commit's atomic tail).
+    follows: bool = True
+
+    @property
+    def pages(self) -> int:
+        return sum(len(run.hashes) for run in self.runs)
+
+    def first_claimed(self, claimed: Claims) -> int:
+        """The first of its pages (from ``first_page``) another writer serves it; ``pages``
+        if none."""
+        if not self.follows or not claimed:
+            return self.pages
+        i = 0
+        for run in self.runs:
+            taken = [claimed[s] for s in run.reads if s in claimed]
+            if any(not t.isdisjoint(run.hashes) for t in taken):
+                return i + next(j for j, page in enumerate(run.hashes)
+                                if any(page in t for t in taken))
+            i += len(run.hashes)
+        return i
+
+    def claim(self, pages: int, claimed: Claims) -> None:
+        """Claim the sides it writes on its first ``pages`` pages."""
+        for run in self.runs:
+            if pages <= 0:
+                return
+            hashes = run.hashes[:pages]
+            for s in run.writes:
+                claimed.setdefault(s, set()).update(hashes)
+            pages -= len(hashes)
 
 
-def page_chain(tokens: Sequence[int], page_size: int, known: Sequence[int] = ()) -> array:
-    """One hash per full page of ``tokens``, each over the page and the hash before it;
-    ``known``: the hashes of a prefix of the same tokens, extended rather than recomputed.
-    An ``array('q')`` (``hash`` is a C ssize_t): a chain of 8K tokens kept per prefill is one
-    block, not 513 int objects the first decode tick would have to free one by one."""
-    chain = array("q", known)
-    prev = chain[-1] if chain else 0
-    for i in range(len(chain), len(tokens) // page_size):
-        prev = hash((prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
-        chain.append(prev)
-    return chain
-
-
-# ``(node_id, path) -> page_chain(path)``, cached per node by the policy.
-ChainOf = Callable[[int, Sequence[int]], Sequence[int]]
+# ``(node_id, path, seed)`` -> the path's ``PageChain`` from at most ``seed.pages`` on
+# (``seed``: a prefix of the path whose chain end is known), cached per node by the policy.
+ChainOf = Callable[[int, Sequence[int], ChainSeed], PageChain]
 # A prefill demand as its ``Writer``, its pages hashed by ``ChainOf`` and its claims numbered
 # by the tick's ``ClaimStreams``.
 Describe = Callable[[Demand, ChainOf, ClaimStreams], Writer]
@@ -119,13 +142,16 @@ class InflightDedup:
     def __init__(self, page_size: int, metrics: EngineMetrics) -> None:
         self.page_size, self.metrics = page_size, metrics
         self.waiting: frozenset[int] = frozenset()
-        self._chains: dict[int, array] = {}
+        self._chains: dict[int, PageChain] = {}
 
-    def chain(self, node_id: int, path: Sequence[int]) -> array:
+    def chain(self, node_id: int, path: Sequence[int], seed: ChainSeed) -> PageChain:
         # A node's path only grows (committed tokens are never rewritten), so a cached chain
-        # stays a valid prefix of the new one.
-        chain = page_chain(path, self.page_size, self._chains.get(node_id, ()))
-        self._chains[node_id] = chain
+        # stays a valid prefix of the new one; it is extended unless it starts past ``seed``
+        # (its table was cut below its first page) or the seed reaches further than it does.
+        known = self._chains.get(node_id)
+        if known is None or not known.first <= seed.pages <= known.end:
+            known = PageChain.at(seed)
+        chain = self._chains[node_id] = known.extend(path, self.page_size)
         return chain
 
     def admit(self, demands: Sequence[Demand], describe: Describe) -> list[Demand]:
@@ -134,13 +160,12 @@ class InflightDedup:
                          key=lambda w: w.rank)
         live = {w.node_id for w in writers}
         self._chains = {n: c for n, c in self._chains.items() if n in live}  # the rest are gone
-        claimed: set[ClaimKey] = set()
+        claimed: Claims = {}
         allowed: dict[int, int] = {}  # node -> tokens it may write before a claimed page
         for w in writers:
-            stop = _first_claimed(w, claimed)
-            for keys in w.writes[:stop]:
-                claimed |= keys
-            if stop < len(w.writes):
+            stop = w.first_claimed(claimed)
+            w.claim(stop, claimed)
+            if stop < w.pages:
                 allowed[w.node_id] = (w.first_page + stop) * self.page_size - w.start
         self.waiting = frozenset(allowed)
         out = []
@@ -153,14 +178,6 @@ class InflightDedup:
             else:
                 self.metrics.dedup_held += 1
         return out
-
-
-def _first_claimed(w: Writer, claimed: set[ClaimKey]) -> int:
-    """Index (into ``w.writes``) of the first page another writer serves it; len if none."""
-    if w.reads is None or not claimed:
-        return len(w.writes)
-    return next((i for i, keys in enumerate(w.reads) if not keys.isdisjoint(claimed)),
-                len(w.writes))
 
 
 def dedup_for(config: ForkServeConfig, metrics: EngineMetrics) -> PrefixDedupPolicy:

@@ -54,7 +54,7 @@ from forkserve.config import ForkServeConfig, KVForm, KVLayout, ShareBase
 from forkserve.control.activation import Invocation, earliest
 from forkserve.control.dual_radix_tree import BaseKey, DualMatch, DualRadixTree, ResidualKey
 from forkserve.control.host_tier import HostTier
-from forkserve.control.inflight import ClaimKey, ClaimStreams
+from forkserve.control.inflight import ClaimRun, ClaimStreams
 from forkserve.control.layout_policy import (
     NOTHING_QUEUED,
     LayoutPolicy,
@@ -64,6 +64,7 @@ from forkserve.control.layout_policy import (
 )
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV
+from forkserve.control.page_hash import PageChain
 from forkserve.control.page_pool import PagePool
 from forkserve.control.page_table import PageTable
 from forkserve.control.path_prefix import PathPrefix
@@ -342,21 +343,21 @@ class KVCache:
             # every adapter under a neutral writer.
             exact = self.index.match(BASE, base_key.tokens, 0, base_key.salt)
             if len(exact) > len(hit.base_pages):
-                hit = DualMatch(exact, hit.residual_pages)
+                hit = DualMatch(exact, hit.residual_pages, hit.cursor)  # a resume point still
         return hit
 
     def page_claims(self, kv: NodeKV, adapter: AdapterId | None, path: Sequence[int],
-                    chain: Sequence[int], streams: ClaimStreams
-                    ) -> tuple[int, tuple[frozenset[ClaimKey], ...],
-                               tuple[frozenset[ClaimKey], ...]]:
+                    chain: PageChain, streams: ClaimStreams) -> tuple[int, tuple[ClaimRun, ...]]:
         """In-flight deduplication's view of a committed table (``control/inflight.py``): for
-        each full page of ``path`` from the table's first unwritten one, the keys of the sides
-        it still has to write there, and the keys whose publication would give it those sides
-        under ``match``'s rule (an adapter's base side may also take the base model's pages).
-        ``chain``: ``page_chain(path)``; ``streams``: the tick's numbering of the keys' tree,
-        namespace and salt. Returns the first page and the two per-page lists."""
+        each full page of ``path`` from the table's first unwritten one, the streams of the
+        sides it still has to write there, and the streams whose publication would give it
+        those sides under ``match``'s rule (an adapter's base side may also take the base
+        model's pages), in runs of pages that share both. ``chain``: ``path``'s page hashes
+        from at most the table's first unwritten page on (``control/page_hash.py``);
+        ``streams``: the tick's numbering of the keys' tree, namespace and salt. Returns the
+        first page and the runs."""
         p = self.pool.page_size
-        full = len(chain)
+        full = chain.end
         base_key, residual_key = self._keys_of(kv, adapter, path[:full * p])
         sides = [(kv.base, self.pool.kind, base_key.namespace, base_key.base_pages)]
         if kv.residual is not None and residual_key is not None:
@@ -368,24 +369,20 @@ class KVCache:
                   streams(tree, namespace, kv.salt), base_pages,
                   self._takes_base_model_pages(namespace))
                  for table, tree, namespace, base_pages in sides]
-        first, key = kv.length // p, streams.key
-        writes: list[frozenset[ClaimKey]] = []
-        reads: list[frozenset[ClaimKey]] = []
+        first = kv.length // p
+        runs: list[ClaimRun] = []
         # Between these pages which sides a page still needs, and under which stream, stays
-        # the same: each run of pages is one comprehension over its hashes.
+        # the same: each is one run.
         bounds = sorted({first, full, *(min(max(b, first), full)
                                         for held, _, _, base_pages, _ in plans
                                         for b in (held, base_pages))})
         for lo, hi in zip(bounds, bounds[1:], strict=False):
-            wrote = [before if lo < base_pages else after
-                     for held, before, after, base_pages, _ in plans if lo >= held]
-            extra = [before for held, before, _, base_pages, takes_base in plans
-                     if lo >= held and lo >= base_pages and takes_base]
-            run = [frozenset([key(s, page) for s in wrote]) for page in chain[lo:hi]]
-            writes += run
-            reads += ([keys.union([key(s, page) for s in extra])
-                       for keys, page in zip(run, chain[lo:hi], strict=True)] if extra else run)
-        return first, tuple(writes), tuple(reads)
+            wrote = tuple(before if lo < base_pages else after
+                          for held, before, after, base_pages, _ in plans if lo >= held)
+            extra = tuple(before for held, before, _, base_pages, takes_base in plans
+                          if lo >= held and lo >= base_pages and takes_base)
+            runs.append(ClaimRun(chain.run(lo, hi), wrote, wrote + extra))
+        return first, tuple(runs)
 
     def publish(self, kv: NodeKV, adapter: AdapterId | None, path_of: Callable[[], Sequence[int]],
                 published: tuple[int, int], cursor) -> tuple[tuple[int, int], object]:

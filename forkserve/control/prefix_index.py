@@ -38,6 +38,7 @@ from forkserve.adapter_key import AdapterKey
 from forkserve.backend.protocol import HostCopy, HostSlotId, PageId
 from forkserve.control.eviction_frontier import EvictionFrontier
 from forkserve.control.host_tier import HostTier
+from forkserve.control.page_hash import ROOT_HASH, ChainSeed, chained
 from forkserve.control.page_pool import PagePool
 from forkserve.control.path_prefix import backing
 
@@ -127,10 +128,14 @@ class _IndexNode:
     evicted: bool = False
     host: HostSlotId | None = None  # set while offloaded (``page`` is then None)
     device_children: int = 0        # children on a device page (``EvictionFrontier``)
+    # ``page_hash.chained`` over the prefix this entry ends, once asked for (``_chain``): a
+    # path continuing it hashes only its own pages (``InsertCursor.seed``).
+    chain: int | None = None
 
 
 class InsertCursor(NamedTuple):
-    """Where a publisher's last insert ended, so the next one hashes only the new pages.
+    """Where a publisher's last insert (or the match its table took published pages from)
+    ended, so the next insert keys and walks only the pages after it.
 
     Valid while its node is in the tree and the keys are namespaced the same way; otherwise
     it is ignored. (A NamedTuple: one is built per publish.)
@@ -142,6 +147,35 @@ class InsertCursor(NamedTuple):
     pages: int
     salt: CacheSalt
     scope: KeyScope  # of ``namespace`` in ``salt``: a resumed insert looks up no scope
+    # From a match: the next insert still refreshes the LRU of the pages before it, as the
+    # walk from the root it replaces did (an insert's own cursor leaves them as they are).
+    refresh: bool = False
+
+    @property
+    def seed(self) -> ChainSeed:
+        """The chain end of the prefix the cursor ends (``page_hash``)."""
+        return ChainSeed(self.pages, _chain(self.node))
+
+
+def _chain(node: _IndexNode) -> int:
+    """``node.chain``, hashed on first use from its nearest hashed ancestor down (an entry's
+    parent and key never change, unlinked or not): most entries are never a seed, so an
+    insert of new pages hashes none of them."""
+    unhashed = []
+    while node.chain is None:
+        unhashed.append(node)
+        node = node.parent
+    prev = node.chain
+    for node in reversed(unhashed):
+        prev = node.chain = chained(prev, node.key.tokens)
+    return prev
+
+
+class IndexMatch(NamedTuple):
+    """A match's pages and a cursor after them (an insert of the path resumes there)."""
+
+    pages: list[PageId]
+    cursor: InsertCursor
 
 
 @dataclass(frozen=True)
@@ -174,7 +208,7 @@ class PrefixIndex:
         self.pool = pool
         self.host = host
         self.page_size = pool.page_size
-        self._root = _IndexNode(None, None, None)
+        self._root = _IndexNode(None, None, None, chain=ROOT_HASH)
         self._clock = itertools.count(1)
         self._entries = 0        # entries on a device page
         self.num_offloaded = 0   # entries in a host slot
@@ -227,12 +261,22 @@ class PrefixIndex:
         """Pages of the longest published page-aligned prefix of ``tokens`` under ``salt``; the
         first ``base_pages`` pages are keyed under BASE, the rest under ``namespace``. Offloaded
         entries the match reaches are restored first (see the module docstring)."""
+        return self.match_at(namespace, tokens, base_pages, salt).pages
+
+    def match_at(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+                 salt: CacheSalt = UNSALTED) -> IndexMatch:
+        """``match``, with a cursor after its pages: a table that takes them and later
+        publishes ``tokens`` (or a path they start) resumes there instead of walking the
+        matched prefix again, key by key (an 8K context per session opened on it)."""
         path = self._path(namespace, tokens, base_pages, salt)
         now = next(self._clock)
         for node in path:
             node.last_access = now
         self._restore(path)
-        return list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+        pages = list(itertools.takewhile(lambda p: p is not None, (n.page for n in path)))
+        end = path[len(pages) - 1] if pages else self._root
+        return IndexMatch(pages, InsertCursor(namespace, base_pages, end, len(pages), salt,
+                                              self._scope(namespace, salt), refresh=True))
 
     def probe(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
               salt: CacheSalt = UNSALTED) -> list[PageId | None]:
@@ -279,8 +323,8 @@ class PrefixIndex:
 
         Where a page for the same prefix is already published, the index keeps its own
         and the caller's stays private (both hold identical KV). With a valid ``resume``
-        from an earlier insert of a prefix of ``tokens``, only the pages after it are walked.
-        ``base_pages`` and ``salt`` as in ``match``.
+        from an earlier insert (or ``match_at``) of a prefix of ``tokens``, only the pages
+        after it are keyed and walked. ``base_pages`` and ``salt`` as in ``match``.
         """
         node = self._root
         first = 0
@@ -297,6 +341,13 @@ class PrefixIndex:
             node, first, scope = resume.node, resume.pages, resume.scope
         scope = scope or self._scope(namespace, salt)
         now = next(self._clock)
+        if first and resume.refresh:
+            # Parent links, no keys: the matched pages are on the device (the caller's table
+            # holds them), so the walk from the root would only have refreshed them.
+            up = node
+            while up is not self._root:
+                up.last_access = now
+                up = up.parent
         added = 0
         refs = self._refs
         p = self.page_size

@@ -38,6 +38,7 @@ from forkserve.control.inflight import ChainOf, ClaimStreams, Writer, dedup_for
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.node_kv import NodeKV, Regime
+from forkserve.control.page_hash import ROOT_SEED
 from forkserve.control.page_pool import PagePool
 from forkserve.control.scheduler import Demand, Grant, TickScheduler, WorkClass
 from forkserve.control.scorers import Scorer
@@ -182,11 +183,17 @@ class Stepper:
         or is a commit's tail (atomic: ``Engine._unstage`` restores it as it was)."""
         session, node = self._nodes_by_id[demand.node_id]
         path = session.tree.path_tokens(node)
-        first, writes, reads = self.kv.page_claims(node.table, node.adapter, path,
-                                                   chain_of(node.id, path), streams)
+        # Hash from where its published prefix ends, if the table still holds all of it (the
+        # claims start at its first unwritten page).
+        cursor = node.publish_cursor
+        seed = cursor.seed if cursor is not None else ROOT_SEED
+        if seed.pages > node.kv_len // self.pool.page_size:
+            seed = ROOT_SEED
+        first, runs = self.kv.page_claims(node.table, node.adapter, path,
+                                          chain_of(node.id, path, seed), streams)
         follows = (session.reuse_prefix and session.sampling.prompt_logprobs is None
                    and not session.hold_speculation)
-        return Writer(node.id, session.id, node.kv_len, first, writes, reads if follows else None)
+        return Writer(node.id, session.id, node.kv_len, first, runs, follows)
 
     def _rematch(self, session: Session, tip: Node) -> None:
         """Alias what is published now for a held tip's path (keeping its last token to sample
@@ -199,6 +206,9 @@ class Stepper:
         kv = node.table
         before = (kv.length, kv.base.length, kv.residual.length if kv.residual is not None else 0)
         kv.attach(hit.base_pages, hit.residual_pages, node.end)
+        if node.publish_cursor is None:
+            # Its first publish resumes after the matched pages instead of walking them again.
+            node.publish_cursor = hit.cursor
         self.metrics.hash_hit_tokens += kv.length - before[0]
         self.metrics.base_hit_tokens += kv.base.length - before[1]
         if kv.residual is not None:

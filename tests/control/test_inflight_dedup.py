@@ -2,12 +2,14 @@
 prefix compute it once; a leader that goes away mid-prefill hands the waiters back to the
 normal path; a reader waits only for pages it may read."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkserve import Engine, ForkServeConfig, KVLayout
 from forkserve.backend.mock import MockBackend
 from forkserve.backend.protocol import PageKind
 from forkserve.config import PrefixDedup, ShareBase
-from forkserve.control.inflight import ClaimKey, ClaimStreams, InflightDedup, Writer
+from forkserve.control.inflight import ClaimRun, ClaimStreams, InflightDedup, Writer
 from forkserve.control.metrics import EngineMetrics
 from forkserve.control.prefix_index import BASE, UNSALTED
 from forkserve.control.scheduler import Demand, WorkClass
@@ -133,14 +135,10 @@ def test_a_session_that_wants_every_logit_never_waits():
     assert eng.metrics.dedup_held == 0 and eng.metrics.prefill_tokens == 2 * 517
 
 
-def _key(page: int) -> ClaimKey:
-    streams = ClaimStreams()
-    return streams.key(streams(PageKind.UNIFIED, BASE, UNSALTED), page)
-
-
 def _writer(node, rank, start, pages, follows=True):
-    keys = tuple(frozenset({_key(i)}) for i in pages)
-    return Writer(node, rank, start, pages[0], keys, keys if follows else None)
+    """Page ``i``'s hash is ``i``, under one stream."""
+    stream = (ClaimStreams()(PageKind.UNIFIED, BASE, UNSALTED),)
+    return Writer(node, rank, start, pages[0], (ClaimRun(pages, stream, stream),), follows)
 
 
 def test_the_oldest_writer_leads_and_a_follower_stops_before_the_first_claimed_page():
@@ -154,3 +152,38 @@ def test_the_oldest_writer_leads_and_a_follower_stops_before_the_first_claimed_p
     out = dedup.admit(demands, lambda d, chain_of, streams: writers[d.node_id])
     assert [(d.node_id, d.tokens) for d in out] == [(2, 64 - 40), (1, 200), (4, 200), (9, 1)]
     assert dedup.waiting == {2, 3} and dedup.metrics.dedup_held == 1
+
+
+def _stops_per_page_keys(writers):
+    """Where each writer stops, by the rule as it was built before runs: a set of keys per
+    page, tested and claimed page by page (the reference for ``Writer``'s run-wise sets)."""
+    claimed, stops = set(), []
+    for w in writers:
+        pages = [(run, page) for run in w.runs for page in run.hashes]
+        writes = [frozenset((s, page) for s in run.writes) for run, page in pages]
+        reads = [frozenset((s, page) for s in run.reads) for run, page in pages]
+        stop = len(pages) if not w.follows or not claimed else next(
+            (i for i, keys in enumerate(reads) if not keys.isdisjoint(claimed)), len(pages))
+        for keys in writes[:stop]:
+            claimed |= keys
+        stops.append(stop)
+    return stops
+
+
+_STREAMS = st.lists(st.integers(0, 2), max_size=2).map(tuple)
+_RUN = st.builds(lambda hashes, writes, extra: ClaimRun(hashes, writes, writes + extra),
+                 st.lists(st.integers(0, 8), max_size=6), _STREAMS, _STREAMS)
+_WRITERS = st.lists(st.builds(lambda runs, follows: Writer(0, 0, 0, 0, tuple(runs), follows),
+                              st.lists(_RUN, min_size=1, max_size=3), st.booleans()),
+                    max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_WRITERS)
+def test_run_wise_claims_stop_where_per_page_keys_did(writers):
+    claimed, stops = {}, []
+    for w in writers:
+        stop = w.first_claimed(claimed)
+        w.claim(stop, claimed)
+        stops.append(stop)
+    assert stops == _stops_per_page_keys(writers)
