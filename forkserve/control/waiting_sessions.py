@@ -7,7 +7,7 @@ writes once). Recounting the queue at every open costs O(queue) per open; here e
 arrival and departure updates the aggregate by its own prompt alone, so an open reads it
 in O(log pages) whatever the queue's length.
 
-Shared prefix: a reference count per full-page prefix (``page_chain``'s hashes, within the
+Shared prefix: a reference count per full-page prefix (``page_hash``'s chain, within the
 session's ``CacheSalt``: pages are shared only inside one trust boundary) over the waiting
 prompts. A page every waiting prompt holds has a count equal to the queue's length, and
 counts only fall along a chain, so the pages of this prompt that the whole queue shares are
@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from forkserve.control.inflight import page_chain
 from forkserve.control.layout_policy import NOTHING_QUEUED, Queued
+from forkserve.control.page_hash import ROOT_SEED, PageChain
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.errors import InvalidStateError
 
@@ -49,7 +49,8 @@ class WaitingSessions:
                salt: CacheSalt = UNSALTED) -> Waiter:
         """A waiter for ``prompt`` (not yet added): its chain is hashed once, here, so the
         caller may do it outside whatever guards the queue."""
-        return Waiter(page_chain(prompt, self.page_size), salt, footprint)
+        return Waiter(PageChain.at(ROOT_SEED).extend(prompt, self.page_size).hashes, salt,
+                      footprint)
 
     def add(self, waiter: Waiter) -> None:
         if waiter in self._members:
