@@ -291,6 +291,12 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
                record: Callable[[dict[str, Any]], None], micro: int) -> None:
     """Loads the model once and trains the tasks ``names`` one after the other in this process,
     passing each one's log to ``record`` as soon as its adapter is saved."""
+    if device.type == "cuda":
+        # cuDNN's SDPA backward (torch's default on Hopper since 2.11) returns NaN in dQ when a
+        # mask is passed and the length is 64 past a multiple of 128 (pytorch/pytorch#196678):
+        # Qwen's micro-batches of two padded rows hit it on 2-3% of steps (2026-12-02). The
+        # flash and memory-efficient kernels are clean on the same inputs.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.perf_counter()
     base, tokenizer = load_base(model, device)
     head["load_s"] = time.perf_counter() - t0
