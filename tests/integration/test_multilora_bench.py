@@ -148,7 +148,7 @@ def test_adaptive_runs_every_agent_under_contention_and_stays_merged_at_light_lo
                                  observation=8, pause_s=0.0, residual_share=0.5,
                                  kv_budget_gib=190 * sizes["base"] / 2 ** 30)
         for system in ("unified", "disaggregated", "adaptive"):
-            engine = Engine(MockBackend(engine_config(SPECS[system].layout, params, sizes, cfg)))
+            engine = Engine(MockBackend(engine_config(SPECS[system], params, sizes, cfg)))
             results[w, system] = run_workload(system, params, engine, sizes,
                                               lambda i: f"agent{i}")
             split[w, system] = engine.kv.residual_pool is not None \

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.step_profile import profile_lines
-from forkserve.bench.multilora.systems import SYSTEMS
+from forkserve.bench.multilora.systems import SYSTEMS, UnknownSystem, spec
 from forkserve.bench.multilora.workload import (
     MultiLoraParams,
     RunResult,
@@ -39,9 +39,16 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                          "the plot title says 'tiny / CPU'")
     ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
                     help="the W values (concurrent agent workflows)")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), type=_system,
                     metavar="SYSTEM",
-                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}")
+                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}, and "
+                         "recompute<N> (disaggregated with the N most drifting layers exact "
+                         "per reader; --drift)")
+    ap.add_argument("--drift", type=Path, default=None, metavar="DRIFT.json",
+                    help="the drift profile (benchmarks/quality/drift.py) recompute<N> takes its "
+                         "layers from; default: the committed SmolLM2 one "
+                         "(benchmarks/results/quality_h200_drift.json), read at the model's "
+                         "depth")
     ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
     ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T per workflow")
     ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G generated per turn")
@@ -88,6 +95,14 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     return ap
 
 
+def _system(name: str) -> str:
+    try:
+        spec(name)
+    except UnknownSystem as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     """Returns the exit status: 0, or 1 when any run failed."""
     argv = list(argv or [])
@@ -111,7 +126,9 @@ def replot(path: Path, workload: str) -> int:
     """The table and the PNG of a JSON ``main`` wrote (e.g. one a GPU call cut before its
     plot); exits 1 when it records failed runs, as the run did."""
     doc = json.loads(path.read_text())
-    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ()))}) for r in doc["results"]]
+    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ())),
+                            "recompute_layers": tuple(r.get("recompute_layers", ()))})
+               for r in doc["results"]]
     failed = [FailedRun(**f) for f in doc.get("errors", [])]
     print(format_table(results, workload))
     for f in failed:
@@ -140,7 +157,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                                        residual_share=args.residual_share,
                                        lockstep=not args.closed_loop,
                                        host_residual_gib=args.host_residual_gib,
-                                       pause_pin=args.pause_pin, reopen=args.reopen) | over))
+                                       pause_pin=args.pause_pin, reopen=args.reopen,
+                                       drift=str(args.drift or "")) | over))
 
     def save() -> None:  # after every run, so a later failure or timeout loses nothing
         write_json(json_path, {
@@ -151,7 +169,7 @@ def _run_all(args: argparse.Namespace, device: torch.device,
             "context": args.context, "turns": args.turns, "gen": args.gen,
             "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
             "host_residual_gib": args.host_residual_gib, "pause_pin": args.pause_pin,
-            "reopen": args.reopen,
+            "reopen": args.reopen, "drift": str(args.drift or ""),
             "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
             quiet=True)
 
