@@ -138,12 +138,17 @@ def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: 
                        invocation_tokens=invocation)
 
 
-def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one base (K/V) page and of one residual (rank-r) page."""
-    elem = torch.finfo(dtype).bits // 8
-    kv = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * elem * page_size
-    res = 2 * model_cfg.num_layers * rank * elem * page_size
-    return {"base": kv, "residual": res}
+def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype,
+               recompute_layers: int = 0) -> dict[str, int]:
+    """Bytes of one base (K/V) page and of one residual (rank-r) page; a residual page also
+    holds full K/V in each of ``recompute_layers`` (the backend's own layout, kv_pool.py)."""
+    from forkserve.backend.protocol import PageKind
+    from forkserve.backend.torch.kv_pool import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(model_cfg, KVLayout.DISAGGREGATED, rank, dtype,
+                                   recompute_layers)
+    return {"base": per_token[PageKind.BASE] * page_size,
+            "residual": per_token[PageKind.RESIDUAL] * page_size}
 
 
 def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
@@ -183,7 +188,7 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
     from forkserve.backend.torch import TorchBackend
 
     system_spec = spec(system)
-    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
+    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype, system_spec.recompute)
     cfg = engine_config(system_spec, params, sizes, model_cfg)
     adapters = {} if not system_spec.lora else {
         f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i,
