@@ -210,3 +210,11 @@ def test_recompute_layers_come_from_the_drift_profile_named(tiny, tmp_path):
     assert "read at this model's depth" not in choice.note()  # its own depth
     with pytest.raises(FileNotFoundError, match="--drift"):
         choose(1, 2, tmp_path / "missing.json")
+
+
+def test_a_recompute_system_the_model_cannot_take_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["react", "--tiny", "--systems", "unified", "recompute3", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "recompute3: recompute count must be an int in [0, 2]" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

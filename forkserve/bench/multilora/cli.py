@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from forkserve.bench.multilora.recompute_choice import choose
 from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.step_profile import profile_lines
@@ -106,14 +107,22 @@ def _system(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Returns the exit status: 0, or 1 when any run failed."""
     argv = list(argv or [])
-    args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
+    ap = parser(TINY if "--tiny" in argv else FULL)
+    args = ap.parse_args(argv)
     if args.plot is not None:
         return replot(args.plot, args.workload)
+    model_cfg = _model_config(args.tiny)
+    for name in args.systems:  # a recompute<N> the model or profile cannot take: before any run
+        if spec(name).recompute:
+            try:
+                choose(spec(name).recompute, model_cfg.num_layers, args.drift)
+            except (ValueError, FileNotFoundError) as e:
+                ap.error(f"{name}: {e}")
     device = torch.device(args.device)
     stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
             f"{'_' + args.tag if args.tag else ''}")
     with tiny_threads(device, args.tiny):
-        results, failed = _run_all(args, device, args.out / f"{stem}.json")
+        results, failed = _run_all(args, model_cfg, device, args.out / f"{stem}.json")
     print(format_table(results, args.workload))
     for f in failed:
         print(f.line())
@@ -137,14 +146,18 @@ def replot(path: Path, workload: str) -> int:
     return 1 if failed else 0
 
 
-def _run_all(args: argparse.Namespace, device: torch.device,
+def _model_config(tiny: bool):
+    from forkserve.backend.torch.model_config import llama3_8b_config
+
+    return tiny_config() if tiny else llama3_8b_config()
+
+
+def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
              json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
     """Every system at every W; the JSON is rewritten after each run."""
-    from forkserve.backend.torch.model_config import llama3_8b_config
     from forkserve.backend.torch.weights import random_weights
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_cfg = tiny_config() if args.tiny else llama3_8b_config()
     weights = random_weights(model_cfg, device, dtype)
     results: list[RunResult] = []
     failed: list[FailedRun] = []
