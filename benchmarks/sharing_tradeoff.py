@@ -119,7 +119,7 @@ def _mode_name(layout: Any, path: Path) -> str:
 
 # ---------------------------------------------------------------- speed side
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Setting:
     """What makes two bench rows comparable: everything but the system."""
 
@@ -410,9 +410,8 @@ def plot(t: Tradeoff, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _x(r: Row, column: Setting | None) -> float | None:
-    if column is None:
-        return None
+def _x(r: Row, column: Setting) -> float | None:
+    """The row's tasks/s ×unified in ``column`` (None: not measured there)."""
     s = r.speed[column.label()]
     return None if isinstance(s, str) else s.vs_unified
 
