@@ -109,8 +109,8 @@ def measure(workload: str, workflows: int, system: str, args: argparse.Namespace
                              turns=args.turns, gen=args.gen, kv_budget_gib=args.kv_budget_gib,
                              residual_share=args.residual_share, pause_s=0.0)
     sizes = page_bytes(model, params.rank, params.page_size, torch.bfloat16)
-    layout = SPECS["adaptive" if system == "adaptive_no_queue" else system].layout
-    engine = FormCounter(MockBackend(engine_config(layout, params, sizes, model),
+    spec = SPECS["adaptive" if system == "adaptive_no_queue" else system]
+    engine = FormCounter(MockBackend(engine_config(spec, params, sizes, model),
                                      cost_model=H200_8B), weigh_queue=system != "adaptive_no_queue")
     result = run_workload(system, params, engine, sizes, lambda i: f"agent{i}")
     engine.check_integrity()

@@ -46,6 +46,7 @@ from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval
 from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
 from benchmarks.quality.modes import Adapters, Mode, Prelude
 from benchmarks.quality.units import AgentResult, Unit
+from forkserve.bench.multilora.recompute_choice import load_drift
 from forkserve.bench.output import DEFAULT_OUT
 from forkserve.control.activation import Invocation
 from forkserve.control.recompute_policy import LayerDrift
@@ -303,7 +304,7 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
 
     configs = {layout: config_of(layout) for layout in layouts}
     t0 = time.perf_counter()
-    profile = modes.load_drift(drift) if drift is not None else None
+    profile = load_drift(drift) if drift is not None else None
     todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
             if a >= first and (end is None or b <= end)
             for layout in sorted(dict.fromkeys(layouts), key=modes.order_key)

@@ -31,10 +31,8 @@ Modes (docs/QUALITY.md says what each one keeps exact):
 from __future__ import annotations
 
 import enum
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from forkserve.backend.protocol import PageKind
@@ -160,13 +158,6 @@ def order_key(name: str) -> tuple[int, int, str]:
         if m is not None:
             return ORDER.index(anchor), int(m.group(1) or OFFSET_RANK), name
     return len(ORDER), 0, name
-
-
-def load_drift(path: Path) -> LayerDrift:
-    """The drift profile readers of another adapter's base pages see (``drift.py``'s
-    ``adapter_writer``: the mean over adapter pairs)."""
-    d = json.loads(path.read_text())["adapter_writer"]
-    return LayerDrift(tuple(d["k"]), tuple(d["v"]))
 
 
 def recompute_layers(m: Mode, drift: LayerDrift | None) -> tuple[int, ...] | None:

@@ -43,3 +43,16 @@ def most_drifting(drift: LayerDrift, count: int) -> tuple[int, ...]:
     scores = drift.per_layer()
     ranked = sorted(range(drift.layers), key=lambda n: (-scores[n], n))
     return tuple(sorted(ranked[:count]))
+
+
+def resampled(drift: LayerDrift, layers: int) -> LayerDrift:
+    """``drift`` measured on a model of another depth, read at ``layers`` layers: layer n takes
+    the profile's layer at the same relative depth (nearest). Drift grows with depth (errors
+    accumulate through the residual stream), so relative depth is what carries over; a
+    profile of the model itself comes back unchanged."""
+    if layers < 1:
+        raise ValueError(f"a model has at least one layer, got {layers}")
+    if layers == drift.layers:
+        return drift
+    at = [round(n * (drift.layers - 1) / max(1, layers - 1)) for n in range(layers)]
+    return LayerDrift(tuple(drift.k[i] for i in at), tuple(drift.v[i] for i in at))

@@ -148,7 +148,7 @@ def test_adaptive_runs_every_agent_under_contention_and_stays_merged_at_light_lo
                                  observation=8, pause_s=0.0, residual_share=0.5,
                                  kv_budget_gib=190 * sizes["base"] / 2 ** 30)
         for system in ("unified", "disaggregated", "adaptive"):
-            engine = Engine(MockBackend(engine_config(SPECS[system].layout, params, sizes, cfg)))
+            engine = Engine(MockBackend(engine_config(SPECS[system], params, sizes, cfg)))
             results[w, system] = run_workload(system, params, engine, sizes,
                                               lambda i: f"agent{i}")
             split[w, system] = engine.kv.residual_pool is not None \
@@ -158,3 +158,63 @@ def test_adaptive_runs_every_agent_under_contention_and_stays_merged_at_light_lo
     assert batch[8, "unified"] < 0.8 * batch[8, "disaggregated"]  # contended: merged waits
     assert batch[8, "adaptive"] >= 0.95 * batch[8, "disaggregated"]
     assert not split[2, "adaptive"] and batch[2, "adaptive"] == batch[2, "unified"]
+
+
+def test_every_system_names_the_quality_mode_it_runs_as():
+    from forkserve.bench.multilora.systems import UnknownSystem, spec
+
+    assert {s: SPECS[s].quality_mode() for s in SYSTEMS} == {
+        "unified": "unified", "disaggregated": "disaggregated",
+        "disaggregated_base": "base_activations", "adaptive": "disaggregated",
+        "full_reuse": "full_reuse", "no_lora": "no_lora", "alora": "alora", "neutral": "neutral"}
+    assert spec("recompute10").quality_mode(range(10)) == "recompute10"
+    for bad in ("recompute0", "recompute", "fastest"):
+        with pytest.raises(UnknownSystem, match="recompute<N>"):
+            spec(bad)
+
+
+@pytest.mark.parametrize("workload", ["react", "mapreduce"])
+def test_recompute_of_every_layer_is_unified_and_neutral_adds_one_base_pass(tiny, workload):
+    cfg, weights = tiny
+    # Adapters strong enough that a reader of another adapter's base K/V generates otherwise.
+    params = MultiLoraParams(workload, workflows=4, context=128, turns=2, gen=8, observation=8,
+                             pause_s=0.0, kv_budget_gib=0.01, adapter_std=0.05)
+    systems = ("unified", "disaggregated", "neutral", f"recompute{cfg.num_layers}")
+    runs = {s: run_system(s, params, *build_backend(s, params, params.workflows, cfg, weights,
+                                                      torch.device("cpu"), torch.float32))
+            for s in systems}
+    every = runs[f"recompute{cfg.num_layers}"]
+    assert every.recompute_layers == tuple(range(cfg.num_layers))
+    assert "quality_h200_drift.json" in every.notes[0]  # which profile chose the layers
+    # Every layer exact per reader: unified's tokens; not vacuous, sharing the base changes them.
+    assert every.outputs_sha256 == runs["unified"].outputs_sha256
+    assert runs["disaggregated"].outputs_sha256 != runs["unified"].outputs_sha256
+    # Every reader still runs its own forward over the context (its residual and own layers),
+    # and holds the recomputed layers' K/V beside its residual: more than disaggregated.
+    assert every.prefill_tokens == runs["disaggregated"].prefill_tokens
+    assert every.context_kv_per_agent_bytes > runs["disaggregated"].context_kv_per_agent_bytes
+    # Neutral: one base-model pass over the context, then every agent (agent 0 too) reads it.
+    neutral, disaggregated = runs["neutral"], runs["disaggregated"]
+    assert neutral.prefill_tokens == disaggregated.prefill_tokens + params.context
+    assert neutral.prefix_hit_rate > disaggregated.prefix_hit_rate
+    assert neutral.context_kv_per_agent_bytes == disaggregated.context_kv_per_agent_bytes
+
+
+def test_recompute_layers_come_from_the_drift_profile_named(tiny, tmp_path):
+    from forkserve.bench.multilora.recompute_choice import choose
+
+    profile = tmp_path / "drift.json"
+    profile.write_text(json.dumps({"adapter_writer": {"k": [0.0, 0.9], "v": [0.0, 0.7]}}))
+    choice = choose(1, tiny[0].num_layers, profile)
+    assert choice.layers == (1,) and "by drift.json" in choice.note()
+    assert "read at this model's depth" not in choice.note()  # its own depth
+    with pytest.raises(FileNotFoundError, match="--drift"):
+        choose(1, 2, tmp_path / "missing.json")
+
+
+def test_a_recompute_system_the_model_cannot_take_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["react", "--tiny", "--systems", "unified", "recompute3", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "recompute3: recompute count must be an int in [0, 2]" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

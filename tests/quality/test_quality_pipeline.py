@@ -114,7 +114,8 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     assert (tmp_path / "quality_test.md").read_text().strip() == table
 
     # Recompute: the profile's most drifting layer; every layer recomputed answers as unified.
-    from benchmarks.quality import drift, modes
+    from benchmarks.quality import drift
+    from forkserve.bench.multilora.recompute_choice import load_drift
     from forkserve.control.recompute_policy import most_drifting
 
     drift.run(tiny, out, params, tmp_path, "test", rounds=1)
@@ -122,7 +123,7 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     evaluate(tiny, out, params, folder, cache, ("recompute1", "recompute3"), log=lambda m: None,
              drift=profile_path)
     by = units.load(folder)
-    assert by["recompute1"][0].recompute_layers == most_drifting(modes.load_drift(profile_path), 1)
+    assert by["recompute1"][0].recompute_layers == most_drifting(load_drift(profile_path), 1)
     assert all(a.tokens == unified[a.key].tokens for a in units.agents_of(by["recompute3"]))
     kv = {lay: sum(u.context_kv_bytes for u in us) for lay, us in by.items()}
     assert kv["full_reuse"] < kv["disaggregated"] == kv["neutral"] < kv["recompute1"] \

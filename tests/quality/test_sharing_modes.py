@@ -8,7 +8,7 @@ import torch
 
 from forkserve import Engine, ForkServeConfig, KVLayout, ShareBase
 from forkserve.config import KVForm
-from forkserve.control.recompute_policy import LayerDrift, most_drifting
+from forkserve.control.recompute_policy import LayerDrift, most_drifting, resampled
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from tiny_llama import save_tiny_llama  # noqa: E402
@@ -173,3 +173,11 @@ def test_the_layers_recomputed_are_the_most_drifting():
         most_drifting(drift, 5)
     with pytest.raises(ValueError):
         LayerDrift(k=(0.1,), v=(0.1, 0.2))
+
+
+def test_a_profile_of_another_depth_is_read_at_the_same_relative_depth():
+    drift = LayerDrift((0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.1, 0.2, 0.3, 0.4))
+    assert resampled(drift, 5) is drift
+    assert resampled(drift, 3).k == (0.0, 0.2, 0.4)      # first, middle, last
+    assert resampled(drift, 9).k == (0.0, 0.0, 0.1, 0.2, 0.2, 0.2, 0.3, 0.4, 0.4)
+    assert most_drifting(resampled(drift, 2), 1) == (1,)

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality.modes import mode
+from benchmarks.quality.modes import ORDER, Adapters, Prelude, mode
 from forkserve.config import BaseCorrection, ForkServeConfig, KVLayout, ShareBase
 from forkserve.interfaces.server.generation_defaults import OPENAI_DEFAULTS
 from forkserve.interfaces.server.openai_wire import model_list
 from forkserve.interfaces.server.sharing_cost import load_sharing_cost, quality_mode
 from forkserve.interfaces.usage import UsageError
+from forkserve.sharing_mode import NoQualityMode, deployment_mode
 from tests.server.test_cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +59,22 @@ def test_a_deployment_maps_to_the_report_row_of_its_reads(kw, expected):
 def test_the_mapping_names_the_mode_the_quality_eval_configures_alike(name):
     m = mode(name)
     assert quality_mode(m.config(range(m.recompute))) == name
+
+
+@pytest.mark.parametrize("name", [n for n in ORDER if n not in ("alora_unified", "offset0")]
+                         + ["recompute3"])
+def test_every_quality_mode_is_the_deployment_mode_of_its_own_setup(name):
+    # alora_unified reuses no published page at all: a choice per request, not a deployment;
+    # an offset mode's rank lives in its fitted tables, not the config (all read as "offset").
+    m = mode(name)
+    assert deployment_mode(m.config(range(m.recompute)), lora=m.adapters is not Adapters.NONE,
+                           activated=m.adapters is Adapters.ALORA,
+                           base_pass=m.prelude is Prelude.BASE_ACTIVATIONS) == name
+
+
+def test_a_deployment_no_quality_mode_runs_as_is_refused():
+    with pytest.raises(NoQualityMode, match="unified layout only"):
+        deployment_mode(config(), activated=True)
 
 
 def test_the_card_holds_the_rows_paired_change_in_points(report):

@@ -18,18 +18,28 @@ output and generates G. Systems, one engine each, run side by side:
 * ``alora``          every adapter an activated LoRA, invoked at the start of each agent's
                      instruction: the context is the base model's for every agent, prefilled
                      once and shared exactly (unified layout, its pages keyed BASE).
+* ``neutral``        disaggregated with ``share_base = neutral``: a base-model request writes
+                     the context's base pages, every agent reads them with its own residual
+                     (docs/QUALITY.md, mode a).
+* ``recompute<N>``   disaggregated, each reader keeping the N most drifting layers exact
+                     (mode b; ``recompute_choice`` picks them from a drift profile). By name
+                     only: N must fit the model.
+
+Each system names the quality benchmark's mode it runs as (``System.quality_mode``, through
+``forkserve/sharing_mode.py``), so ``benchmarks/sharing_tradeoff.py`` can join the two.
 
 The KV budget is fixed in bytes for every system. One backend serves every W of a system,
 with its kernels compiled and its decode graphs captured before the timed runs (as a server
 would at start-up).
 
-Modules: ``systems`` (each system's layout and setup), ``workload`` (parameters, one run),
+Modules: ``systems`` (each system's layout and setup), ``recompute_choice`` (the recompute
+systems' layers), ``workload`` (parameters, one run),
 ``driver`` (the agents' closed loop and admission), ``report`` (table and plot), ``cli``
 (``forkserve bench react|mapreduce``).
 """
 from forkserve.bench.multilora.cli import main
 from forkserve.bench.multilora.report import FailedRun, format_table, plot
-from forkserve.bench.multilora.systems import SPECS, SYSTEMS, System
+from forkserve.bench.multilora.systems import SPECS, SYSTEMS, System, spec
 from forkserve.bench.multilora.workload import (
     TARGETS,
     MultiLoraParams,
@@ -45,4 +55,4 @@ from forkserve.bench.multilora.workload import (
 
 __all__ = ["SPECS", "SYSTEMS", "TARGETS", "FailedRun", "MultiLoraParams", "RunResult", "System",
            "budget_pages", "build_backend", "format_table", "main", "page_bytes", "plot",
-           "random_adapter", "run_system", "run_workload", "tiny_config"]
+           "random_adapter", "run_system", "run_workload", "spec", "tiny_config"]

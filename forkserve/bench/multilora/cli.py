@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from forkserve.bench.multilora.recompute_choice import choose
 from forkserve.bench.multilora.report import FailedRun, format_table, plot, variant
 from forkserve.bench.multilora.scale import FULL, TINY, Scale, tiny_threads
 from forkserve.bench.multilora.step_profile import profile_lines
-from forkserve.bench.multilora.systems import SYSTEMS
+from forkserve.bench.multilora.systems import SYSTEMS, UnknownSystem, spec
 from forkserve.bench.multilora.workload import (
     MultiLoraParams,
     RunResult,
@@ -39,9 +40,16 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                          "the plot title says 'tiny / CPU'")
     ap.add_argument("--workflows", type=int, nargs="+", default=list(scale.workflows), metavar="W",
                     help="the W values (concurrent agent workflows)")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), type=_system,
                     metavar="SYSTEM",
-                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}")
+                    help=f"systems to run, one engine each, of {', '.join(SYSTEMS)}, and "
+                         "recompute<N> (disaggregated with the N most drifting layers exact "
+                         "per reader; --drift)")
+    ap.add_argument("--drift", type=Path, default=None, metavar="DRIFT.json",
+                    help="the drift profile (benchmarks/quality/drift.py) recompute<N> takes its "
+                         "layers from; default: the committed SmolLM2 one "
+                         "(benchmarks/results/quality_h200_drift.json), read at the model's "
+                         "depth")
     ap.add_argument("--context", type=int, default=scale.context, help="shared context tokens C")
     ap.add_argument("--turns", type=int, default=scale.turns, help="react turns T per workflow")
     ap.add_argument("--gen", type=int, default=scale.gen, help="tokens G generated per turn")
@@ -88,17 +96,33 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     return ap
 
 
+def _system(name: str) -> str:
+    try:
+        spec(name)
+    except UnknownSystem as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     """Returns the exit status: 0, or 1 when any run failed."""
     argv = list(argv or [])
-    args = parser(TINY if "--tiny" in argv else FULL).parse_args(argv)
+    ap = parser(TINY if "--tiny" in argv else FULL)
+    args = ap.parse_args(argv)
     if args.plot is not None:
         return replot(args.plot, args.workload)
+    model_cfg = _model_config(args.tiny)
+    for name in args.systems:  # a recompute<N> the model or profile cannot take: before any run
+        if spec(name).recompute:
+            try:
+                choose(spec(name).recompute, model_cfg.num_layers, args.drift)
+            except (ValueError, FileNotFoundError) as e:
+                ap.error(f"{name}: {e}")
     device = torch.device(args.device)
     stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
             f"{'_' + args.tag if args.tag else ''}")
     with tiny_threads(device, args.tiny):
-        results, failed = _run_all(args, device, args.out / f"{stem}.json")
+        results, failed = _run_all(args, model_cfg, device, args.out / f"{stem}.json")
     print(format_table(results, args.workload))
     for f in failed:
         print(f.line())
@@ -111,7 +135,9 @@ def replot(path: Path, workload: str) -> int:
     """The table and the PNG of a JSON ``main`` wrote (e.g. one a GPU call cut before its
     plot); exits 1 when it records failed runs, as the run did."""
     doc = json.loads(path.read_text())
-    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ()))}) for r in doc["results"]]
+    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ())),
+                            "recompute_layers": tuple(r.get("recompute_layers", ()))})
+               for r in doc["results"]]
     failed = [FailedRun(**f) for f in doc.get("errors", [])]
     print(format_table(results, workload))
     for f in failed:
@@ -120,14 +146,18 @@ def replot(path: Path, workload: str) -> int:
     return 1 if failed else 0
 
 
-def _run_all(args: argparse.Namespace, device: torch.device,
+def _model_config(tiny: bool):
+    from forkserve.backend.torch.model_config import llama3_8b_config
+
+    return tiny_config() if tiny else llama3_8b_config()
+
+
+def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
              json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
     """Every system at every W; the JSON is rewritten after each run."""
-    from forkserve.backend.torch.model_config import llama3_8b_config
     from forkserve.backend.torch.weights import random_weights
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_cfg = tiny_config() if args.tiny else llama3_8b_config()
     weights = random_weights(model_cfg, device, dtype)
     results: list[RunResult] = []
     failed: list[FailedRun] = []
@@ -140,7 +170,8 @@ def _run_all(args: argparse.Namespace, device: torch.device,
                                        residual_share=args.residual_share,
                                        lockstep=not args.closed_loop,
                                        host_residual_gib=args.host_residual_gib,
-                                       pause_pin=args.pause_pin, reopen=args.reopen) | over))
+                                       pause_pin=args.pause_pin, reopen=args.reopen,
+                                       drift=str(args.drift or "")) | over))
 
     def save() -> None:  # after every run, so a later failure or timeout loses nothing
         write_json(json_path, {
@@ -151,7 +182,7 @@ def _run_all(args: argparse.Namespace, device: torch.device,
             "context": args.context, "turns": args.turns, "gen": args.gen,
             "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
             "host_residual_gib": args.host_residual_gib, "pause_pin": args.pause_pin,
-            "reopen": args.reopen,
+            "reopen": args.reopen, "drift": str(args.drift or ""),
             "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
             quiet=True)
 

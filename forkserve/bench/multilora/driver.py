@@ -3,7 +3,8 @@
 A workflow is admitted when the pools can hold its whole footprint (context + instruction +
 every turn), so memory contention shows as waiting, the way a serving engine queues
 requests it cannot fit. Agent 0 prefills the shared context first; the others then find it
-published (with ``base_activations`` one base pass publishes it for every agent).
+published (with ``base_activations`` one base pass publishes it for every agent; with
+``neutral`` a base-model request publishes its base pages).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable
 
+from forkserve.bench.multilora.systems import ContextWriter
 from forkserve.config import KVForm, KVLayout, PrefixDedup
 from forkserve.control.layout_policy import Queued
 from forkserve.control.waiting_sessions import Waiter, WaitingSessions
@@ -81,11 +83,11 @@ class Driver:
 
     def __init__(self, engine: Engine, flows: list[Workflow], params: MultiLoraParams,
                  sizes: dict[str, int], on_turn: Callable[[], object] | None,
-                 shared_context: list[int] | None = None,
+                 context: list[int], writer: ContextWriter = ContextWriter.AGENT,
                  profiler: StepProfiler | None = None) -> None:
         self.engine, self.flows, self.params, self.on_turn = engine, flows, params, on_turn
         self.profiler = profiler
-        self.shared_context = shared_context
+        self.context, self.writer = context, writer
         self.base_bytes = sizes["base"]
         self.res_bytes = sizes["residual"]
         self.peak_bytes = 0
@@ -205,7 +207,7 @@ class Driver:
         prefilling it under in-flight deduplication (a later prefill waits for its pages
         instead of writing its own copy: the adaptive layout splits agents admitted
         together)."""
-        if self.shared_context is not None:
+        if self.writer is not ContextWriter.AGENT:
             return True
         in_flight = self.engine.config.prefix_dedup is PrefixDedup.IN_FLIGHT
         return any(f.split == split and f.session is not None
@@ -249,7 +251,7 @@ class Driver:
         """The one base pass writes every agent's context residual at once, before any
         admission: say so plainly rather than fail inside the engine."""
         pages = self.capacity.get("residual")
-        need = len(self.flows) * (-(-len(self.shared_context) // self.params.page_size))
+        need = len(self.flows) * (-(-len(self.context) // self.params.page_size))
         if pages is not None and need > pages:
             raise RuntimeError(f"the base pass writes {len(self.flows)} agents' context residuals "
                                f"at once: {need} residual pages, the pool has {pages} "
@@ -257,11 +259,16 @@ class Driver:
 
     def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
         """Agent 0 prefills the shared context and the rest find it published; with
-        base_activations one base pass publishes it for every agent first.
-        Returns (active, waiting)."""
-        if self.shared_context is not None:
+        base_activations one base pass publishes it for every agent first, with neutral a
+        base-model request publishes its base pages. Returns (active, waiting)."""
+        if self.writer is ContextWriter.BASE_ACTIVATIONS:
             self._check_shared_pass_fits()
-            self.engine.prefill_shared(self.shared_context, [f.adapter for f in self.flows])
+            self.engine.prefill_shared(self.context, [f.adapter for f in self.flows])
+            return [], list(self.flows)
+        if self.writer is ContextWriter.BASE_MODEL:
+            session = self.engine.open(self.context, adapter=None).id
+            self.engine.generate(session, 1)
+            self.engine.close(session)
             return [], list(self.flows)
         first = self.flows[0]
         if not self._fits(first):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkserve.bench.multilora.systems import SYSTEMS
+from forkserve.bench.multilora.systems import plot_order
 from forkserve.bench.multilora.workload import RunResult
 from forkserve.bench.output import legend_below, new_figure, save_figure, titled
 
@@ -53,7 +53,8 @@ def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload
     plots compare). A failed run is an x in its system's color on the W axis and is named
     above the plot, never left out silently."""
     fig, (tput, kv) = new_figure(2, width=11, height=4.6)
-    for i, system in enumerate(SYSTEMS):
+    for i, system in enumerate(plot_order([r.system for r in results]
+                                          + [f.system for f in failed])):
         # Variants (cascade off, overlap on: if run) in the system's color, each its own style.
         for k, how in enumerate(((True, False), (False, False), (True, True), (False, True))):
             cascade, overlap = how

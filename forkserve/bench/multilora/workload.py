@@ -11,8 +11,9 @@ from typing import Callable
 import torch
 
 from forkserve.bench.multilora.driver import Driver, Workflow
+from forkserve.bench.multilora.recompute_choice import choose
 from forkserve.bench.multilora.step_profile import StepProfiler
-from forkserve.bench.multilora.systems import SPECS
+from forkserve.bench.multilora.systems import ContextWriter, System, spec
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
@@ -43,6 +44,9 @@ class MultiLoraParams:
     host_residual_gib: float = 0.0
     pause_pin: bool = False
     reopen: bool = False
+    # The drift profile the recompute<N> systems take their layers from ("": the committed
+    # SmolLM2 one; recompute_choice.py).
+    drift: str = ""
 
     @property
     def turns_run(self) -> int:
@@ -101,6 +105,8 @@ class RunResult:
     # Decode graphs a step of the run captured itself (its key was not captured ahead):
     # each cost that tick two eager forwards and a capture.
     graphs_captured_in_run: int = 0
+    # The layers each reader recomputed (recompute<N> systems; the note says what chose them).
+    recompute_layers: tuple = ()
 
 
 def tiny_config():
@@ -132,12 +138,17 @@ def random_adapter(model_cfg, name: str, rank: int, device: torch.device, seed: 
                        invocation_tokens=invocation)
 
 
-def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one base (K/V) page and of one residual (rank-r) page."""
-    elem = torch.finfo(dtype).bits // 8
-    kv = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * elem * page_size
-    res = 2 * model_cfg.num_layers * rank * elem * page_size
-    return {"base": kv, "residual": res}
+def page_bytes(model_cfg, rank: int, page_size: int, dtype: torch.dtype,
+               recompute_layers: int = 0) -> dict[str, int]:
+    """Bytes of one base (K/V) page and of one residual (rank-r) page; a residual page also
+    holds full K/V in each of ``recompute_layers`` (the backend's own layout, kv_pool.py)."""
+    from forkserve.backend.protocol import PageKind
+    from forkserve.backend.torch.kv_pool import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(model_cfg, KVLayout.DISAGGREGATED, rank, dtype,
+                                   recompute_layers)
+    return {"base": per_token[PageKind.BASE] * page_size,
+            "residual": per_token[PageKind.RESIDUAL] * page_size}
 
 
 def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
@@ -150,18 +161,25 @@ def budget_pages(sizes: dict[str, int], params: MultiLoraParams,
     return int(budget // sizes["base"]), 1
 
 
-def engine_config(layout: KVLayout, params: MultiLoraParams, sizes: dict[str, int],
+def engine_config(system: System, params: MultiLoraParams, sizes: dict[str, int],
                   model_cfg) -> ForkServeConfig:
-    """The engine's config for ``layout`` under the byte budget: every system the same."""
+    """The engine's config for ``system`` under the byte budget: every system the same."""
+    layout = system.layout
     num_pages, num_res = budget_pages(sizes, params, layout)
     host_pages = int(params.host_residual_gib * 2 ** 30 // sizes["residual"]) \
         if layout.has_residual_pool else 0
-    return ForkServeConfig(page_size=params.page_size, num_pages=num_pages,
-                           num_residual_pages=num_res, kv_layout=layout,
-                           host_residual_pages=host_pages, pause_pin=params.pause_pin,
-                           hbm_tokens=num_pages * params.page_size, max_batch_tokens=16384,
-                           max_context=model_cfg.max_context, node_ttl_s=None,
-                           vocab_size=model_cfg.vocab_size)
+    return system.config(recompute_layers(system, params, model_cfg).layers
+                         if system.recompute else (),
+                         page_size=params.page_size, num_pages=num_pages,
+                         num_residual_pages=num_res, host_residual_pages=host_pages,
+                         pause_pin=params.pause_pin, hbm_tokens=num_pages * params.page_size,
+                         max_batch_tokens=16384, max_context=model_cfg.max_context,
+                         node_ttl_s=None, vocab_size=model_cfg.vocab_size)
+
+
+def recompute_layers(system: System, params: MultiLoraParams, model_cfg):
+    """The layers a recompute system's readers keep exact, chosen from ``params.drift``."""
+    return choose(system.recompute, model_cfg.num_layers, params.drift or None)
 
 
 def build_backend(system: str, params: MultiLoraParams, max_workflows: int, model_cfg, weights,
@@ -169,12 +187,12 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
     """One backend per system, with an adapter for each of up to ``max_workflows`` agents."""
     from forkserve.backend.torch import TorchBackend
 
-    spec = SPECS[system]
-    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype)
-    cfg = engine_config(spec.layout, params, sizes, model_cfg)
-    adapters = {} if not spec.lora else {
+    system_spec = spec(system)
+    sizes = page_bytes(model_cfg, params.rank, params.page_size, dtype, system_spec.recompute)
+    cfg = engine_config(system_spec, params, sizes, model_cfg)
+    adapters = {} if not system_spec.lora else {
         f"agent{i}": random_adapter(model_cfg, f"agent{i}", params.rank, device, seed=i,
-                                    invocation=spec.invocation, std=params.adapter_std)
+                                    invocation=system_spec.invocation, std=params.adapter_std)
         for i in range(max_workflows)}
     backend = TorchBackend.from_weights(cfg, model_cfg, weights, adapters, device=device,
                                         dtype=dtype, max_adapters=max(1, len(adapters)),
@@ -188,17 +206,20 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                profile_ticks: int = 0) -> RunResult:
     """One timed run on a fresh Engine over ``backend`` (its pools start empty);
     ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none."""
-    spec = SPECS[system]
-    adapter_of = None if not spec.lora else (lambda i: backend.adapter_id(f"agent{i}"))
+    system_spec = spec(system)
+    adapter_of = None if not system_spec.lora else (lambda i: backend.adapter_id(f"agent{i}"))
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
+    notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
+        if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
-                          shared_by_base_pass=spec.base_pass,
+                          writer=system_spec.writer, notes=notes,
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None,
-                          invocation=spec.invocation)
-    result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured)
+                          invocation=system_spec.invocation)
+    result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured,
+                     recompute_layers=backend.config.recompute_layers)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
@@ -218,18 +239,18 @@ def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ..
 
 def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: dict[str, int],
                  adapter_of, on_turn: Callable[[], object] | None = None,
-                 shared_by_base_pass: bool = False,
+                 writer: ContextWriter = ContextWriter.AGENT,
                  notes: tuple = (), profiler: StepProfiler | None = None,
                  invocation: tuple[int, ...] | None = None) -> RunResult:
     """Drive the workload over any engine (our backends, or vLLM's in
     benchmarks/vllm_side_by_side.py) and read the figures back. ``adapter_of(i)`` is agent
     i's adapter id (``None``: every agent is the base model); ``on_turn()`` is called as each
-    agent turn ends (a progress bar); ``invocation``: as ``agent_prompts``."""
+    agent turn ends (a progress bar); ``writer``: what writes the shared context first;
+    ``invocation``: as ``agent_prompts``."""
     context, prompts = agent_prompts(params, engine.config.vocab_size, invocation)
     flows = [Workflow(i, None if adapter_of is None else adapter_of(i), prompt, params)
              for i, prompt in enumerate(prompts)]
-    driver = Driver(engine, flows, params, sizes, on_turn, context if shared_by_base_pass else None,
-                    profiler)
+    driver = Driver(engine, flows, params, sizes, on_turn, context, writer, profiler)
     start = time.perf_counter()
     if params.workload == "react":
         driver.react()

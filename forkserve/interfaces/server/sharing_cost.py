@@ -18,26 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from forkserve.config import BaseCorrection, ForkServeConfig, KVLayout, ShareBase
+from forkserve.config import ForkServeConfig
 from forkserve.interfaces.server.schemas import SharingCostCard
 from forkserve.interfaces.usage import UsageError
-
-
-def quality_mode(config: ForkServeConfig) -> str | None:
-    """The quality report's mode whose readers read base K/V as this deployment's adapters
-    do; None where no adapter reads another forward's base K/V (exact by construction)."""
-    if config.kv_layout is KVLayout.UNIFIED or config.share_base is ShareBase.EXACT:
-        return None
-    if config.share_base is ShareBase.NEUTRAL:
-        return "neutral"
-    if config.kv_layout is KVLayout.FULL_REUSE:
-        return "full_reuse"
-    if config.base_correction is BaseCorrection.OFFSET:
-        return "offset"
-    if config.recompute_layers:
-        return f"recompute{len(config.recompute_layers)}"
-    # Adaptive splits a session only where it must; a split reader reads as disaggregated.
-    return "disaggregated"
+from forkserve.sharing_mode import quality_mode
 
 
 def load_sharing_cost(report: str | Path, config: ForkServeConfig) -> SharingCostCard | None:
