@@ -28,14 +28,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 from collections import Counter
 from dataclasses import replace
 
 from engine_overhead_bench import TorchPhases
-from pressure_tick_bench import measure, save_ticks
+from pressure_tick_bench import (
+    add_tick_arguments,
+    measure,
+    other_labels,
+    react_params,
+    save_ticks,
+)
 from tqdm import tqdm
 
 from forkserve.bench.multilora.workload import (
@@ -44,7 +49,6 @@ from forkserve.bench.multilora.workload import (
     run_system,
     tiny_config,
 )
-from forkserve.bench.output import add_out_argument
 from forkserve.bench.provenance import source_commit
 
 SYSTEMS = ("alora", "no_lora")
@@ -117,12 +121,6 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--workflows", type=int, nargs="+", default=[64, 128, 256], help="agents W")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    ap.add_argument("--context", type=int, default=8192, help="shared context tokens")
-    ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--kv-budget-gib", type=float, default=100.0)
-    ap.add_argument("--pause-s", type=float, default=0.01,
-                    help="tool pause (the mock's steps are fast: a short pause keeps it quick)")
     ap.add_argument("--overlap", choices=("on", "off"), default="on")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per system and W; the row of the median engine CPU ms is kept")
@@ -131,35 +129,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch", type=int, nargs="*", default=[], metavar="W",
                     help="also run these W on a tiny TorchBackend (CPU)")
     ap.add_argument("--torch-context", type=int, default=1024)
-    ap.add_argument("--label", default="now", help="this source tree's name in the JSON")
-    ap.add_argument("--machine", default="cpu", help="the machine's name, in the file name")
-    add_out_argument(ap)
+    add_tick_arguments(ap, kv_budget_gib=100.0)
     args = ap.parse_args(argv)
     overlap = args.overlap == "on"
     path = args.out / f"alora_tick_{args.machine}.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    rows = [r for r in old.get("rows", []) if r["label"] != args.label]
-    torch_rows = [r for r in old.get("torch_rows", []) if r["label"] != args.label]
+    rows = other_labels(path, args.label)
+    torch_rows = other_labels(path, args.label, "torch_rows")
     commit = source_commit()
-
-    def params(workflows: int) -> MultiLoraParams:
-        return MultiLoraParams(workload="react", workflows=workflows, context=args.context,
-                               turns=args.turns, gen=args.gen, pause_s=args.pause_s,
-                               kv_budget_gib=args.kv_budget_gib)
 
     for system, w in tqdm([(s, w) for s in args.systems for w in args.workflows],
                           desc="systems x W", unit="point"):
-        runs = sorted((measure(params(w), system, overlap) for _ in range(args.repeats)),
-                      key=lambda run: run["decode_cpu_ms"])
+        runs = sorted((measure(react_params(args, w), system, overlap)
+                       for _ in range(args.repeats)), key=lambda run: run["decode_cpu_ms"])
         rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
                     | runs[len(runs) // 2])
     for w in args.torch:
         torch_rows.append({"label": args.label, "commit": commit}
-                          | measure_torch(replace(params(w), context=args.torch_context,
+                          | measure_torch(replace(react_params(args, w), context=args.torch_context,
                                                 kv_budget_gib=TORCH_KV_GIB)))
     if args.profile:
         profile = cProfile.Profile()
-        measure(params(max(args.workflows)), "alora", overlap, profile)
+        measure(react_params(args, max(args.workflows)), "alora", overlap, profile)
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.profile)
         print(out.getvalue())

@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from pressure_tick_bench import measure
+from pressure_tick_bench import add_tick_arguments, measure, other_labels, react_params
 from tqdm import tqdm
 
 from forkserve.bench.multilora.systems import SPECS
 from forkserve.bench.multilora.workload import MultiLoraParams
 from forkserve.bench.output import (
-    add_out_argument,
     legend_below,
     new_figure,
     save_figure,
@@ -178,42 +177,29 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--workflows", type=int, nargs="+", default=[64, 128, 256], help="agents W")
     ap.add_argument("--systems", nargs="+", choices=list(SPECS), default=list(SPECS))
-    ap.add_argument("--context", type=int, default=8192, help="shared context tokens")
-    ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--kv-budget-gib", type=float, default=100.0)
-    ap.add_argument("--pause-s", type=float, default=0.01,
-                    help="tool pause (the mock's steps are fast: a short pause keeps it quick)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs per system and W; the row of the median prefill CPU ms")
     ap.add_argument("--profile", type=int, default=25, metavar="N",
                     help="keep cProfile's top N functions of each system's prefill ticks at "
                          "the largest W (0: none)")
-    ap.add_argument("--label", default="now", help="this source tree's name in the JSON")
-    ap.add_argument("--machine", default="cpu", help="the machine's name, in the file name")
-    add_out_argument(ap)
+    add_tick_arguments(ap, kv_budget_gib=100.0)
     args = ap.parse_args(argv)
     path = args.out / f"prefill_tick_{args.machine}.json"
+    rows = other_labels(path, args.label)
     old = json.loads(path.read_text()) if path.exists() else {}
-    rows = [r for r in old.get("rows", []) if r["label"] != args.label]
     profiles = {k: v for k, v in old.get("profiles", {}).items() if k != args.label}
     commit = source_commit()
-
-    def params(workflows: int) -> MultiLoraParams:
-        return MultiLoraParams(workload="react", workflows=workflows, context=args.context,
-                               turns=args.turns, gen=args.gen, pause_s=args.pause_s,
-                               kv_budget_gib=args.kv_budget_gib)
 
     for system, w in tqdm([(s, w) for s in args.systems for w in args.workflows],
                           desc="systems x W", unit="point"):
         rows.append({"label": args.label, "commit": commit, "repeats": args.repeats}
-                    | run_point(params(w), system, args.repeats))
+                    | run_point(react_params(args, w), system, args.repeats))
     if args.profile:
         profiles[args.label] = {}
         for system in tqdm(args.systems, desc="profiles", unit="system"):
             phases = PrefillPhases(profile=True)
             with phases.installed():
-                measure(params(max(args.workflows)), system, overlap=True)
+                measure(react_params(args, max(args.workflows)), system, overlap=True)
             profiles[args.label][system] = phases.top(args.profile)
     print(f"react on a MockBackend at the 8B page shape, overlap on, CPU: engine CPU ms per "
           f"prefill tick (mock excluded), median of {args.repeats}, by phase")

@@ -195,34 +195,48 @@ def save_ticks(path: Path, args: argparse.Namespace, rows: Sequence[Mapping],
     plot_ticks(rows, category, path.with_suffix(".png"), title)
 
 
+
+def add_tick_arguments(ap: argparse.ArgumentParser, kv_budget_gib: float) -> None:
+    """What every tick replay takes alike: the react run's shape, this tree's label and the
+    machine's name (the JSON keeps other labels' rows, so before/after sit in one file)."""
+    ap.add_argument("--context", type=int, default=8192, help="shared context tokens")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--kv-budget-gib", type=float, default=kv_budget_gib)
+    ap.add_argument("--pause-s", type=float, default=0.01,
+                    help="tool pause (the mock's steps are fast: a short pause keeps it quick)")
+    ap.add_argument("--label", default="now", help="this source tree's name in the JSON")
+    ap.add_argument("--machine", default="cpu", help="the machine's name, in the file name")
+    add_out_argument(ap)
+
+
+def react_params(args: argparse.Namespace, workflows: int, **over) -> MultiLoraParams:
+    """The react run ``add_tick_arguments`` describes, at ``workflows`` agents."""
+    return MultiLoraParams(workload="react", workflows=workflows, context=args.context,
+                           turns=args.turns, gen=args.gen, pause_s=args.pause_s,
+                           kv_budget_gib=args.kv_budget_gib, **over)
+
+
+def other_labels(path: Path, label: str, key: str = "rows") -> list:
+    """``path``'s ``key`` entries of every label but ``label`` (a rerun replaces its own)."""
+    old = json.loads(path.read_text()).get(key, []) if path.exists() else []
+    return [r for r in old if r["label"] != label]
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--workflows", type=int, default=128, help="agents W")
-    ap.add_argument("--context", type=int, default=8192, help="shared context tokens")
-    ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--gen", type=int, default=32)
-    ap.add_argument("--kv-budget-gib", type=float, default=24.0)
     ap.add_argument("--residual-share", type=float, default=0.05)
-    ap.add_argument("--pause-s", type=float, default=0.01,
-                    help="tool pause (the mock's steps are fast: a short pause keeps it quick)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs per mode; the row of the median engine CPU ms is kept")
-    ap.add_argument("--label", default="now", help="this source tree's name in the JSON")
-    ap.add_argument("--machine", default="cpu", help="the machine's name, in the file name")
-    add_out_argument(ap)
+    add_tick_arguments(ap, kv_budget_gib=24.0)
     args = ap.parse_args(argv)
     path = args.out / f"pressure_tick_{args.machine}.json"
-    old = json.loads(path.read_text())["rows"] if path.exists() else []
-    rows = [r for r in old if r["label"] != args.label]
+    rows = other_labels(path, args.label)
     commit = source_commit()
     for on in (False, True):
-        params = MultiLoraParams(workload="react", workflows=args.workflows,
-                                 context=args.context, turns=args.turns, gen=args.gen,
-                                 pause_s=args.pause_s, kv_budget_gib=args.kv_budget_gib,
-                                 residual_share=args.residual_share,
-                                 host_residual_gib=4.0 if on else 0.0, pause_pin=on,
-                                 reopen=True)
+        params = react_params(args, args.workflows, residual_share=args.residual_share,
+                              host_residual_gib=4.0 if on else 0.0, pause_pin=on, reopen=True)
         runs = sorted((measure(params) for _ in tqdm(range(args.repeats),
                                                      desc=f"D1 {'on' if on else 'off'}")),
                       key=lambda run: run["decode_cpu_ms"])
