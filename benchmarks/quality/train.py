@@ -239,9 +239,10 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     for step in range(params.steps):
         losses[step] = backward_answer_loss(model, next(stream), micro, pad, device, extra)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        # One non-finite gradient would make every weight NaN for good (Qwen2.5 in bf16 did,
-        # 2026-12-02): such a step is skipped, as a grad scaler skips one, and counted. The
-        # check reads the norm back, one sync a step.
+        # One non-finite gradient would make every weight NaN for good (Qwen2.5's did on
+        # 2026-12-02, through the cuDNN bug ``train_here`` works around): such a step is
+        # skipped, as a grad scaler skips one, and counted. The check reads the norm back,
+        # one sync a step.
         if torch.isfinite(norm):
             opt.step()
         else:
