@@ -152,7 +152,7 @@ def assistant_opener(tokenizer: Any) -> tuple[int, ...]:
 
 
 def encode(tokenizer: Any, example: Example, max_len: int,
-           invocation: tuple[int, ...] | None = None) -> tuple[list[int], int] | None:
+           invocation: tuple[int, ...] | None = None) -> Row | None:
     """(prompt + answer ids, prompt length), or None when longer than max_len (never cut:
     a cut catalog or answer would teach the wrong thing). ``invocation``: an aLoRA's, which
     must end the prompt (where it is missing, PEFT trains nothing and says nothing)."""
@@ -179,7 +179,7 @@ def batches(tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainPara
     while True:
         examples = training_examples(tasks, index, params.distractors, params.seed * 1000 + epoch)
         random.Random(params.seed + epoch).shuffle(examples)
-        batch: list[tuple[list[int], int]] = []
+        batch: list[Row] = []
         fits = 0
         for example in examples:
             encoded = encode(tokenizer, example, params.max_len, invocation)
