@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ from benchmarks.quality.data import DEFAULT_CATEGORIES, Round, build_tasks, eval
 from benchmarks.quality.hidden_states import RecordingBackend, layer_cosines, stack
 from benchmarks.quality.modes import Adapters, Mode, Prelude
 from benchmarks.quality.units import AgentResult, Unit
+from benchmarks.quality.workers import die_with_parent, worker_env
 from forkserve.bench.multilora.recompute_choice import load_drift
 from forkserve.bench.output import DEFAULT_OUT
 from forkserve.control.activation import Invocation
@@ -161,22 +164,33 @@ def check_activation(rounds: Sequence[Round], prompts: Sequence[Sequence[Sequenc
                                  "disagree")
 
 
-def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalParams,
-             config: Mapping[str, Any], reference: Reference | None, drift: LayerDrift | None = None
-             ) -> tuple[Unit, dict[units.AgentKey, torch.Tensor]]:
-    """Rounds first .. end-1 in one layout or mode; (the unit, each agent's hidden states from
-    the shared prefix on). ``reference``: the reference mode's hidden states for the
-    cosines, if recorded; ``drift``: the profile recompute modes choose their layers from."""
+@dataclass
+class ModeRun:
+    """One mode's backend and engine, built once and reused by every unit of that mode a
+    process runs (a build captures CUDA graphs and fits offset tables: seconds a unit would
+    repeat). Each round ends with every session closed and the cache evicted, so a unit
+    finds it as a fresh one would."""
+
+    layout: str
+    mode: Mode
+    backend: Any
+    engine: Any
+    layers: tuple[int, ...]
+    table: Any  # offset tables, for a mode that corrects
+
+
+def open_mode(layout: str, inputs: Inputs, params: EvalParams,
+              drift: LayerDrift | None = None) -> ModeRun | None:
+    """``layout``'s backend and engine, sized for the longest prompt of every round; None for
+    a recompute mode without a drift profile to choose its layers from."""
     from forkserve.engine import Engine
 
     mode = modes.mode(layout)
     layers = modes.recompute_layers(mode, drift)
     if layers is None:
-        return Unit(layout, first, end, False, "needs a drift profile (--drift, drift.py's "
-                    "output) to choose its layers; not run", config), {}
-    rounds, prompts = inputs.rounds[first:end], inputs.prompts[first:end]
-    k = len(rounds[0].examples)
-    longest = max(len(p) for ps in prompts for p in ps)
+        return None
+    k = len(inputs.rounds[0].examples)
+    longest = max(len(p) for ps in inputs.prompts for p in ps)
     pages = 2 * k * (-(-(longest + params.max_new) // params.page_size)) + 64
     dtype = getattr(torch, params.dtype)
     backend = RecordingBackend.from_weights(
@@ -191,8 +205,27 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
                             inputs.anchors, mode.offset_rank, params.device, dtype,
                             params.page_size)
         backend.install_offsets(table)
+    return ModeRun(layout, mode, backend, Engine(backend), layers, table)
+
+
+def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalParams,
+             config: Mapping[str, Any], reference: Reference | None,
+             drift: LayerDrift | None = None, run: ModeRun | None = None
+             ) -> tuple[Unit, dict[units.AgentKey, torch.Tensor]]:
+    """Rounds first .. end-1 in one layout or mode; (the unit, each agent's hidden states from
+    the shared prefix on). ``reference``: the reference mode's hidden states for the
+    cosines, if recorded; ``drift``: the profile recompute modes choose their layers from;
+    ``run``: ``layout``'s backend from an earlier unit (built here when None)."""
+    if run is None:
+        run = open_mode(layout, inputs, params, drift)
+    if run is None:
+        return Unit(layout, first, end, False, "needs a drift profile (--drift, drift.py's "
+                    "output) to choose its layers; not run", config), {}
+    mode, backend, engine, layers, table = run.mode, run.backend, run.engine, run.layers, run.table
+    rounds, prompts = inputs.rounds[first:end], inputs.prompts[first:end]
+    k = len(rounds[0].examples)
     flops = 0
-    engine = Engine(backend)
+    prefill_before = engine.metrics.prefill_tokens
     lora = mode.adapters is not Adapters.NONE
     record = params.hidden and lora and (mode.is_reference or reference is not None)
     context_bytes = 0
@@ -250,7 +283,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
         engine.evict_all()  # the next round has another catalog: nothing left to hit
     unit = Unit(layout, first, end, True, "" if record or not params.hidden or not lora
                 else "no reference hidden states for these rounds: no cosines", config,
-                tuple(agents), engine.metrics.prefill_tokens, time.perf_counter() - start,
+                tuple(agents), engine.metrics.prefill_tokens - prefill_before,
+                time.perf_counter() - start,
                 context_bytes, layers, table.nbytes if table is not None else 0, flops)
     return unit, hidden
 
@@ -305,24 +339,30 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
     configs = {layout: config_of(layout) for layout in layouts}
     t0 = time.perf_counter()
     profile = load_drift(drift) if drift is not None else None
-    todo = [(layout, a, b) for a, b in units.blocks(params.rounds, params.block)
+    # Mode by mode, so that consecutive units share their mode's backend (``ModeRun``); the
+    # reference mode comes first (modes.order_key), as the others' cosines read its units.
+    todo = [(layout, a, b) for layout in sorted(dict.fromkeys(layouts), key=modes.order_key)
+            for a, b in units.blocks(params.rounds, params.block)
             if a >= first and (end is None or b <= end)
-            for layout in sorted(dict.fromkeys(layouts), key=modes.order_key)
-            if units.find(out, layout, a, b, configs[layout]) is None]
+            and units.find(out, layout, a, b, configs[layout]) is None]
     if not todo:
         return []
     inputs = load_inputs(model, adapter_dir, params, alora_dir)
     done: list[Unit] = []
+    run: ModeRun | None = None
     for layout, a, b in todo:
         elapsed = time.perf_counter() - t0
         longest = max((u.seconds for u in done), default=0.0)
         if deadline_s is not None and elapsed + 1.25 * longest > deadline_s:
             log(f"deadline: {len(todo) - len(done)} units left for the next run")
             break
+        if run is None or run.layout != layout:
+            run = None  # the last mode's backend goes before the next one is built
+            run = open_mode(layout, inputs, params, profile)
         unit, hidden = run_unit(layout, a, b, inputs, params, configs[layout],
                                 reference_for(layout, a, b, params, out, cache,
                                               config_of(modes.mode(layout).reference)),
-                                profile)
+                                profile, run)
         if hidden:
             cache.mkdir(parents=True, exist_ok=True)
             torch.save(hidden, units.hidden_path(cache, layout, a, b))
@@ -347,9 +387,44 @@ def reference_for(layout: str, first: int, end: int, params: EvalParams, out: Pa
     return Reference({a.key: a.tokens for a in unit.agents}, torch.load(path))
 
 
+def partition(layouts: Sequence[str], jobs: int) -> list[list[str]]:
+    """``layouts`` in at most ``jobs`` groups of about equal work, each group in the order
+    ``evaluate`` runs them: an offset mode (eager attention, tables fitted first) weighs about
+    what four others do (SmolLM2 on the H200: 14-23 s a unit against 4-9)."""
+    def weight(layout: str) -> int:
+        return 4 if modes.mode(layout).corrects else 1
+
+    groups: list[list[str]] = [[] for _ in range(min(jobs, len(layouts)))]
+    load = [0] * len(groups)
+    for layout in sorted(layouts, key=lambda x: (-weight(x), modes.order_key(x))):
+        i = load.index(min(load))
+        groups[i].append(layout)
+        load[i] += weight(layout)
+    return [sorted(g, key=modes.order_key) for g in groups if g]
+
+
+def run_jobs(argv: Sequence[str], layouts: Sequence[str], jobs: int) -> int:
+    """``layouts`` split among ``jobs`` worker processes (``partition``), each this module
+    with its own ``--layouts``, saving its units into the one folder; 1 if any worker failed
+    (the units the others saved are kept)."""
+    groups = partition(layouts, jobs)
+    env = worker_env(len(groups))
+    print(f"{len(layouts)} modes in {len(groups)} worker processes: "
+          + "; ".join(",".join(g) for g in groups), flush=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.quality.evaluate", *argv,
+                               "--layouts", ",".join(g), "--jobs", "1", "--worker"], env=env)
+             for g in groups]
+    failed = [",".join(g) for g, p in zip(groups, procs, strict=True) if p.wait() != 0]
+    for group in failed:
+        print(f"the worker of {group} failed (its saved units are kept; run again)",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.quality.report import write_outputs
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None,
                     help=".gguf or HF folder (default: SmolLM2 GGUF)")
@@ -386,7 +461,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hidden", action="store_true",
                     help="accuracy only: no hidden-state cosines (steps may use CUDA graphs)")
     ap.add_argument("--label", default="", help="what the adapters are (printed with the table)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="run the modes in up to this many worker processes at once (a small "
+                         "model's decode leaves the GPU mostly idle)")
+    # A worker of --jobs: runs its --layouts, leaves the report to its parent.
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    if args.jobs > 1 and not args.no_hidden:
+        ap.error("--jobs needs --no-hidden: a mode's cosines read its reference's hidden "
+                 "states, which another worker may not have written yet")
+    if args.worker:
+        die_with_parent()
     if args.model is None:
         from forkserve.backend.torch import find_smollm2_gguf
         args.model = find_smollm2_gguf()
@@ -396,11 +483,18 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.results / f"quality_{args.tag}"
     layouts = tuple(args.layouts.split(",")) if args.layouts else \
         LAYOUTS + (modes.ALORA if args.alora_adapters else ())
-    evaluate(args.model, args.adapters, params, folder, args.cache / args.tag, layouts,
-             args.first, args.end, args.deadline_s, drift=args.drift,
-             alora_dir=args.alora_adapters)
-    print(write_outputs(folder, args.label))
-    return 0
+    for layout in layouts:
+        modes.mode(layout)  # an unknown name is refused here, not in every worker
+    rc = 0
+    if args.jobs > 1 and len(layouts) > 1:
+        rc = run_jobs(argv, layouts, args.jobs)
+    else:
+        evaluate(args.model, args.adapters, params, folder, args.cache / args.tag, layouts,
+                 args.first, args.end, args.deadline_s, drift=args.drift,
+                 alora_dir=args.alora_adapters)
+    if not args.worker:
+        print(write_outputs(folder, args.label))
+    return rc
 
 
 if __name__ == "__main__":

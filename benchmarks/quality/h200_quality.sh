@@ -39,9 +39,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 call=${1:?usage: $0 part X|part1|setup|train|train-alora|drift|eval|diag}
 NAME=${QUALITY_MODEL:-smollm2}
+# TF32 matmuls in training (train.py --tf32): Qwen's fp32 training was compute-bound (4 tasks,
+# 424 s on 2026-12-02). SmolLM2's committed adapters were trained without.
 case "$NAME" in
-  smollm2) TAG=h200 ;;
-  qwen) TAG=h200_qwen ;;
+  smollm2) TAG=h200 TF32= ;;
+  qwen) TAG=h200_qwen TF32=--tf32 ;;
   *) echo "QUALITY_MODEL must be smollm2 or qwen, got $NAME" >&2; exit 2 ;;
 esac
 PARTS=/root/parts/$NAME
@@ -75,7 +77,7 @@ train_into() {
   python3 -c 'import peft; print("peft", peft.__version__)'
   rc=0
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
-      --targets q,k,v,o --jobs 4 --micro-batch "${MICRO_BATCH:-2}" "$@" || rc=$?
+      --targets q,k,v,o --jobs 4 --micro-batch "${MICRO_BATCH:-2}" $TF32 "$@" || rc=$?
   if [[ -f $dir/train_log.json ]]; then  # at least one task saved
     tar -C "$(dirname "$dir")" -czf - "$(basename "$dir")" \
       | split -b 15M - "$OUT/adapters_${NAME}_$(basename "$dir").tgz.part"
@@ -105,6 +107,11 @@ seed_results() {
   cp -n "benchmarks/results/quality_${TAG}_drift.json" "$RESULTS/" 2>/dev/null || true
 }
 DRIFT=$RESULTS/quality_${TAG}_drift.json
+run_drift() {
+  python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
+      --rounds 8 --out "$RESULTS" --tag "$TAG"
+  cp "$RESULTS/quality_${TAG}"_drift.{json,png} "$OUT"/
+}
 # $1: tag. Its tables, the drift profile and its units in one archive.
 publish() {
   tar -czf "$OUT/quality_$1_units.tgz" -C "$RESULTS" "quality_$1"
@@ -141,16 +148,14 @@ case "$call" in
     need_model
     train_into "$ALORA_ADAPTERS" "quality_${TAG}_alora_train.json" --alora ;;
   drift)
-    need_model; need_adapters
-    python3 -m benchmarks.quality.drift --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --rounds 8 --out "$RESULTS" --tag "$TAG"
-    cp "$RESULTS/quality_${TAG}"_drift.{json,png} "$OUT"/ ;;
+    need_model; need_adapters; run_drift ;;
   eval)
     need_model; need_adapters; seed_results "$TAG"
-    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
-    python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
-        --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden --attention triton --cuda-graphs \
-        --deadline-s 480 --label "(LoRA rank 16 on q,k,v,o, 300 steps)" ${drift[@]+"${drift[@]}"} \
+    if [[ ! -f $DRIFT ]]; then run_drift; fi
+    time python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" \
+        --device cuda --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden \
+        --attention triton --cuda-graphs --jobs "${EVAL_JOBS:-4}" --deadline-s "${DEADLINE:-450}" \
+        --label "(LoRA rank 16 on q,k,v,o, 300 steps${TF32:+, TF32})" --drift "$DRIFT" \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
     publish "$TAG" ;;
   diag)

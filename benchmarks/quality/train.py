@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,8 +54,8 @@ from benchmarks.quality.data import (
     build_tasks,
     training_examples,
 )
+from benchmarks.quality.workers import die_with_parent, worker_env
 
-ROOT = Path(__file__).resolve().parents[2]  # the workers import benchmarks.quality from here
 STDERR_TAIL = 20  # lines of a failed worker's stderr to show (its traceback)
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                   "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -80,6 +79,10 @@ class TrainParams:
     init: str = "peft"
     # Activated LoRA: the adapter starts at the assistant-turn opener (``assistant_opener``).
     alora: bool = False
+    # Matmuls in TF32 on CUDA (HF Trainer's ``tf32``): fp32 training of a 0.5B model is
+    # compute-bound at fp32's ~60 TFLOP/s on an H200, TF32's tensor cores run it several times
+    # faster; weights, optimizer and loss stay fp32.
+    tf32: bool = False
 
 
 class PeftTooOld(RuntimeError):
@@ -298,6 +301,8 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
         # Qwen's micro-batches of two padded rows hit it on 2-3% of steps (2026-12-02). The
         # flash and memory-efficient kernels are clean on the same inputs.
         torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.matmul.allow_tf32 = params.tf32
+        torch.backends.cudnn.allow_tf32 = params.tf32
     t0 = time.perf_counter()
     base, tokenizer = load_base(model, device)
     head["load_s"] = time.perf_counter() - t0
@@ -310,35 +315,8 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
             record(asdict(train_task(base, tokenizer, tasks, i, params, out, device, micro)))
 
 
-PARENT_ENV = "FORKSERVE_TRAIN_PARENT"  # set in a worker's environment: its parent's pid
-
-
 class WorkerFailed(RuntimeError):
     """A worker process ended without its task's log."""
-
-
-def worker_env(jobs: int) -> dict[str, str]:
-    """The environment of one of ``jobs`` workers: this module importable by name however the
-    parent was started (pytest, -m), and a share of the cores each, since workers that each
-    spin up a thread per core slow one another down (3 steps of the tiny model: 10 s, not 1)."""
-    threads = max(1, len(os.sched_getaffinity(0)) // jobs)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads),
-                **{PARENT_ENV: str(os.getpid())})
-
-
-def die_with_parent() -> None:
-    """A worker ends when its parent does (Linux): a parent killed on its own, not through
-    the call's ``timeout``, would otherwise leave workers training adapters no log lists."""
-    parent = os.environ.get(PARENT_ENV)
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != int(parent):  # it died before the call above took effect
-        raise SystemExit(f"the parent process {parent} is gone")
 
 
 def run_worker(argv: Sequence[str], task: str, result: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -399,6 +377,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
     ap.add_argument("--alora", action="store_true",
                     help="activated LoRA: the adapter starts at the chat template's assistant-turn "
                          "opener (PEFT alora_invocation_tokens)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="matmuls in TF32 on CUDA (several times faster; recorded in the log)")
     ap.add_argument("--tasks", default=None,
                     help="train only these of the categories' tasks (comma-separated; the others "
                          "still lend their functions to the catalogs)")
@@ -414,7 +394,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
     params = TrainParams(rank=args.rank, alpha=2 * args.rank,
                          targets=tuple(args.targets.split(",")), steps=args.max_steps,
                          batch=args.batch, lr=args.lr, distractors=args.distractors,
-                         max_len=args.max_len, seed=args.seed, init=args.init, alora=args.alora)
+                         max_len=args.max_len, seed=args.seed, init=args.init, alora=args.alora,
+                         tf32=args.tf32)
     device = torch.device(args.device)
     if args.smoke:
         params = TrainParams(rank=params.rank, alpha=params.alpha, targets=params.targets, steps=2,

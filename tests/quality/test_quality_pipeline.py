@@ -56,8 +56,9 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     # Two runs that add up: layouts split between them, the second also stopped by its deadline.
     first = evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse"),
                      log=lambda m: None)
-    assert [u.name for u in first] == ["unified.r000-001", "full_reuse.r000-001",
-                                       "unified.r001-002", "full_reuse.r001-002"]
+    # Mode by mode: the second unit of a mode reuses the first's backend (evaluate.ModeRun).
+    assert [u.name for u in first] == ["unified.r000-001", "unified.r001-002",
+                                       "full_reuse.r000-001", "full_reuse.r001-002"]
     assert evaluate(tiny, out, params, folder, cache, ("unified", "full_reuse")) == []  # resume
     said: list[str] = []
     assert evaluate(tiny, out, params, folder, cache, LAYOUTS, deadline_s=0.0,
@@ -132,6 +133,27 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     rows = {s.layout: s for s in summaries(by)}
     assert rows["recompute3"].paired.identical.mean == 1.0
     assert "recompute1" in write_outputs(folder, "smoke")
+
+    # A reused backend answers as a fresh one: round 1 of disaggregated again, built anew.
+    from benchmarks.quality import evaluate as ev
+
+    inputs = ev.load_inputs(tiny, out, params)
+    config = units.find(folder, "disaggregated", 1, 2, by["disaggregated"][1].setting).setting
+    fresh, _ = ev.run_unit("disaggregated", 1, 2, inputs, params, config, None)
+    assert [a.tokens for a in fresh.agents] == [a.tokens for a in by["disaggregated"][1].agents]
+    assert fresh.prefill_tokens == by["disaggregated"][1].prefill_tokens
+
+    # --jobs: the modes in worker processes, their units in one folder, one report.
+    argv = ["--model", str(tiny), "--adapters", str(out), "--device", "cpu", "--results",
+            str(tmp_path), "--tag", "jobs", "--rounds", "1", "--distractors", "1", "--max-new",
+            "6", "--heldout", "4", "--no-hidden", "--layouts", "unified,full_reuse,no_lora",
+            "--jobs", "2"]
+    assert ev.main(argv) == 0
+    jobs = units.load(tmp_path / "quality_jobs")
+    assert sorted(jobs) == ["full_reuse", "no_lora", "unified"]
+    assert [a.tokens for a in jobs["unified"][0].agents] == \
+        [a.tokens for a in by["unified"][0].agents]
+    assert (tmp_path / "quality_jobs.md").exists()
 
     # Another setting never lands among these units.
     with pytest.raises(ValueError, match="another setting"):
