@@ -57,7 +57,8 @@ if stage pressure; then
     # PROFILE=1: three decode ticks and the prefill ticks under the torch profiler
     # (`step_profile` in the JSON): where D1-on's 1.5x longer decode step goes.
     [[ ${PROFILE:-0} == 1 ]] && extra+=(--profile-ticks 3)
-    react "pressure_d1_$d1" 150 --systems disaggregated --workflows 128 --kv-budget-gib 24 \
+    # D1 off recomputes evicted residuals: it ran past 150 s on 2026-12-02 and saved nothing.
+    react "pressure_d1_$d1" 280 --systems disaggregated --workflows 128 --kv-budget-gib 24 \
       --residual-share 0.05 --reopen "${extra[@]}"
   done
 fi

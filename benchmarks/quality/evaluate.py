@@ -120,27 +120,29 @@ def fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def setting(params: EvalParams, model: Path, adapter_dir: Path) -> dict[str, Any]:
+def setting(params: EvalParams, model: Path) -> dict[str, Any]:
     d = asdict(params)
     del d["block"]  # how the rounds are cut does not change a result
     d["categories"] = list(d["categories"])
-    return dict(d, model=model.name, adapters=fingerprint(adapter_dir))
+    return dict(d, model=model.name)
 
 
-def mode_setting(base: Mapping[str, Any], mode: Mode, alora: str | None,
+def mode_setting(base: Mapping[str, Any], mode: Mode, plain: str | None, alora: str | None,
                  offset_fit: Mapping[str, Any]) -> dict[str, Any]:
-    """A unit's setting: ``base`` (``setting``), plus the aLoRA adapters' fingerprint
-    ``alora`` for a mode that runs them, and for an offset mode what its tables were fitted
-    from and the attention it ran (units.OPTIONAL: the other modes' units never carry them,
-    so that adding rows keeps every saved unit)."""
+    """A unit's setting: ``base`` (``setting``), plus the fingerprint of the adapters the mode
+    loads (``plain`` or the aLoRA ones ``alora``), and for an offset mode what its tables were
+    fitted from and the attention it ran (units.OPTIONAL: only some units carry each, so that
+    adding rows keeps every saved unit)."""
+    if mode.adapters is Adapters.ALORA:
+        if alora is None:
+            raise ValueError(f"{mode.name} runs activated-LoRA adapters: give --alora-adapters "
+                             "(train.py --alora)")
+        return dict(base, alora_adapters=alora)
+    if plain is None:
+        raise ValueError(f"{mode.name} runs the plain adapters: give --adapters (train.py)")
     if mode.corrects:
-        return dict(base, offset_fit=dict(offset_fit))
-    if mode.adapters is not Adapters.ALORA:
-        return dict(base)
-    if alora is None:
-        raise ValueError(f"{mode.name} runs activated-LoRA adapters: give --alora-adapters "
-                         "(train.py --alora)")
-    return dict(base, alora_adapters=alora)
+        return dict(base, adapters=plain, offset_fit=dict(offset_fit))
+    return dict(base, adapters=plain)
 
 
 def check_activation(rounds: Sequence[Round], prompts: Sequence[Sequence[Sequence[int]]],
@@ -299,7 +301,7 @@ def prelude(engine: Any, mode: Mode, context: Sequence[int], ids: Sequence[int |
         engine.close(session)
 
 
-def load_inputs(model: Path, adapter_dir: Path, params: EvalParams,
+def load_inputs(model: Path, adapter_dir: Path | None, params: EvalParams,
                 alora_dir: Path | None = None) -> Inputs:
     from forkserve.backend.torch import load_model
     from forkserve.backend.torch.lora import load_peft_adapter
@@ -312,7 +314,8 @@ def load_inputs(model: Path, adapter_dir: Path, params: EvalParams,
                     for r in rounds)
     model_cfg, weights = load_model(model, torch.device(params.device),
                                     getattr(torch, params.dtype))
-    adapters = {t.name: load_peft_adapter(adapter_dir / t.name, t.name) for t in tasks}
+    adapters = {} if adapter_dir is None else \
+        {t.name: load_peft_adapter(adapter_dir / t.name, t.name) for t in tasks}
     alora = {} if alora_dir is None else \
         {t.name: load_peft_adapter(alora_dir / t.name, t.name) for t in tasks}
     if alora:
@@ -321,7 +324,7 @@ def load_inputs(model: Path, adapter_dir: Path, params: EvalParams,
     return Inputs(tuple(rounds), prompts, model_cfg, weights, adapters, tokenizer, alora, anchors)
 
 
-def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cache: Path,
+def evaluate(model: Path, adapter_dir: Path | None, params: EvalParams, out: Path, cache: Path,
              layouts: Sequence[str] = LAYOUTS, first: int = 0, end: int | None = None,
              deadline_s: float | None = None, log: Any = print,
              drift: Path | None = None, alora_dir: Path | None = None) -> list[Unit]:
@@ -330,11 +333,12 @@ def evaluate(model: Path, adapter_dir: Path, params: EvalParams, out: Path, cach
     past ``deadline_s`` (seconds from now, judged by the longest unit so far). ``drift``:
     ``drift.py``'s JSON, which the recompute modes choose their layers from; ``alora_dir``:
     the activated-LoRA adapters (``train.py --alora``) the aLoRA modes run."""
-    base = setting(params, model, adapter_dir)
+    base = setting(params, model)
+    plain = fingerprint(adapter_dir) if adapter_dir is not None else None
     alora = fingerprint(alora_dir) if alora_dir is not None else None
-    # An unknown name, or an aLoRA mode without its adapters, is refused before anything runs.
+    # An unknown name, or a mode without its adapters, is refused before anything runs.
     def config_of(layout: str) -> dict[str, Any]:
-        return mode_setting(base, modes.mode(layout), alora, offsets.SETTING)
+        return mode_setting(base, modes.mode(layout), plain, alora, offsets.SETTING)
 
     configs = {layout: config_of(layout) for layout in layouts}
     t0 = time.perf_counter()
@@ -428,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None,
                     help=".gguf or HF folder (default: SmolLM2 GGUF)")
-    ap.add_argument("--adapters", type=Path, default=Path("benchmarks/results/quality_adapters"),
-                    help="folder with one PEFT folder per task (train.py --out)")
+    ap.add_argument("--adapters", type=Path, default=None,
+                    help="folder with one PEFT folder per task (train.py --out); every mode but "
+                         "the activated-LoRA ones runs them")
     ap.add_argument("--tag", default="h200",
                     help="units in RESULTS/quality_<tag>/, the report in RESULTS/quality_<tag>.*")
     ap.add_argument("--results", type=Path, default=DEFAULT_OUT,
@@ -482,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.cuda_graphs, not args.no_hidden, args.block)
     folder = args.results / f"quality_{args.tag}"
     layouts = tuple(args.layouts.split(",")) if args.layouts else \
-        LAYOUTS + (modes.ALORA if args.alora_adapters else ())
+        (LAYOUTS if args.adapters else ()) + (modes.ALORA if args.alora_adapters else ())
+    if not layouts:
+        ap.error("nothing to run: give --adapters, --alora-adapters or both")
     for layout in layouts:
         modes.mode(layout)  # an unknown name is refused here, not in every worker
     rc = 0

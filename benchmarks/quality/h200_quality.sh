@@ -65,6 +65,15 @@ need_adapters() {
   echo "no adapters in $ADAPTERS: run train first" >&2
   exit 3
 }
+# eval and diag: the plain adapters when they are here (every mode but the aLoRA ones runs
+# them), else only the aLoRA modes can run (QUALITY_LAYOUTS=alora_unified,alora).
+plain_or_alora() {
+  [[ -f $ADAPTERS/train_log.json ]] && { plain=(--adapters "$ADAPTERS"); return; }
+  plain=()
+  [[ -f $ALORA_ADAPTERS/train_log.json ]] && return
+  echo "no adapters in $ADAPTERS or $ALORA_ADAPTERS: run train or train-alora first" >&2
+  exit 3
+}
 # $1: adapters folder, $2: its train log's name under $OUT, then train.py's extra flags.
 # The 4 tasks train at once, one worker process each
 # (--jobs 4: a small model leaves the GPU idle while one process's host work runs; 4 copies
@@ -150,18 +159,19 @@ case "$call" in
   drift)
     need_model; need_adapters; run_drift ;;
   eval)
-    need_model; need_adapters; seed_results "$TAG"
-    if [[ ! -f $DRIFT ]]; then run_drift; fi
-    time python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" \
+    need_model; plain_or_alora; seed_results "$TAG"
+    if [[ ! -f $DRIFT && ${#plain[@]} -gt 0 ]]; then run_drift; fi
+    drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
+    time python3 -m benchmarks.quality.evaluate --model "$MODEL" ${plain[@]+"${plain[@]}"} \
         --device cuda --results "$RESULTS" --tag "$TAG" --rounds 40 --no-hidden \
         --attention triton --cuda-graphs --jobs "${EVAL_JOBS:-4}" --deadline-s "${DEADLINE:-450}" \
-        --label "(LoRA rank 16 on q,k,v,o, 300 steps${TF32:+, TF32})" --drift "$DRIFT" \
+        --label "(LoRA rank 16 on q,k,v,o, 300 steps${TF32:+, TF32})" ${drift[@]+"${drift[@]}"} \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
     publish "$TAG" ;;
   diag)
-    need_model; need_adapters; seed_results "${TAG}_hidden"
+    need_model; plain_or_alora; seed_results "${TAG}_hidden"
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
-    python3 -m benchmarks.quality.evaluate --model "$MODEL" --adapters "$ADAPTERS" --device cuda \
+    python3 -m benchmarks.quality.evaluate --model "$MODEL" ${plain[@]+"${plain[@]}"} --device cuda \
         --results "$RESULTS" --tag "${TAG}_hidden" --rounds 40 --block 4 --end 8 --deadline-s 420 \
         --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"} \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}

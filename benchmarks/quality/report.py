@@ -275,8 +275,8 @@ def write_outputs(folder: Path, label: str = "") -> str:
                     if k in u.setting})
     cats = setting["categories"]
     alora = f" (aLoRA: {setting['alora_adapters']})" if "alora_adapters" in setting else ""
-    header = (f"model {setting['model']}; adapters {setting['adapters']}{alora} {label}; "
-              f"K = {len(cats)} "
+    header = (f"model {setting['model']}; adapters {setting.get('adapters', 'none')}{alora} "
+              f"{label}; K = {len(cats)} "
               f"tasks ({', '.join(cats)}); {setting['distractors']} distractor items in each "
               f"catalog; greedy, max {setting['max_new']} new tokens; {setting['device']} "
               f"{setting['dtype']} {setting['attention']}"

@@ -31,6 +31,7 @@ the adapters are the ones ``--jobs 1`` trains. Only this (parent) process writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -42,10 +43,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from benchmarks.quality import alora_mask
 from benchmarks.quality.answer_loss import Row, backward_answer_loss
 from benchmarks.quality.data import (
     DEFAULT_CATEGORIES,
@@ -209,6 +211,32 @@ def alora_offsets(batch: Sequence[Row], width: int,
     return [width - (prompt_len - invocation_len) for _, prompt_len in batch]
 
 
+def run_steps(model: Any, opt: Any, sched: Any, stream: Iterator[list[Row]], params: TrainParams,
+              micro: int, pad: int, device: torch.device, extra: Any, losses: torch.Tensor,
+              task: str) -> list[int]:
+    """``params.steps`` optimizer steps, each step's loss into ``losses``; returns the steps
+    skipped for a non-finite gradient."""
+    skipped: list[int] = []
+    for step in range(params.steps):
+        losses[step] = backward_answer_loss(model, next(stream), micro, pad, device, extra)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # One non-finite gradient would make every weight NaN for good (Qwen2.5's did on
+        # 2026-12-02, through the cuDNN bug ``train_here`` works around): such a step is
+        # skipped, as a grad scaler skips one, and counted. The check reads the norm back,
+        # one sync a step.
+        if torch.isfinite(norm):
+            opt.step()
+        else:
+            skipped.append(step)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if len(skipped) > params.steps * MAX_SKIPPED:
+            raise NonFiniteTraining(f"task {task}: non-finite gradients at steps "
+                                    f"{skipped[:8]}... ({len(skipped)} of {step + 1}); losses "
+                                    f"{[round(v, 3) for v in losses[:step + 1].tolist()][-8:]}")
+    return skipped
+
+
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
                out: Path, device: torch.device, micro: int) -> TaskLog:
     from peft import LoraConfig, get_peft_model
@@ -236,26 +264,12 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
     extra = offsets if invocation is not None else None
     # Kept on the device and read once at the end: a per-step .item() would wait for the GPU.
     losses = torch.zeros(params.steps, device=device)
-    skipped: list[int] = []
     start = time.perf_counter()
     model.train()
-    for step in range(params.steps):
-        losses[step] = backward_answer_loss(model, next(stream), micro, pad, device, extra)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        # One non-finite gradient would make every weight NaN for good (Qwen2.5's did on
-        # 2026-12-02, through the cuDNN bug ``train_here`` works around): such a step is
-        # skipped, as a grad scaler skips one, and counted. The check reads the norm back,
-        # one sync a step.
-        if torch.isfinite(norm):
-            opt.step()
-        else:
-            skipped.append(step)
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if len(skipped) > params.steps * MAX_SKIPPED:
-            raise NonFiniteTraining(f"task {tasks[index].name}: non-finite gradients at steps "
-                                    f"{skipped[:8]}... ({len(skipped)} of {step + 1}); losses "
-                                    f"{[round(v, 3) for v in losses[:step + 1].tolist()][-8:]}")
+    # aLoRA layers without PEFT's host sync in each of them (alora_mask.py); plain LoRA as is.
+    with alora_mask.sync_free() if invocation is not None else contextlib.nullcontext():
+        skipped = run_steps(model, opt, sched, stream, params, micro, pad, device, extra, losses,
+                            tasks[index].name)
     values = losses.tolist()
     seconds = time.perf_counter() - start
     path = out / tasks[index].name

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 AgentKey = tuple[int, str]  # (round, task)
-# Setting keys only some units carry: the activated-LoRA adapters' fingerprint, the offset
-# modes' fit (modes.py, offsets.py).
-OPTIONAL = ("alora_adapters", "offset_fit")
+# Setting keys only some units carry: the plain adapters' fingerprint (every mode but the
+# activated-LoRA ones), the activated-LoRA adapters' fingerprint, the offset modes' fit
+# (modes.py, offsets.py). The aLoRA rows thus join plain rows of any session that trained the
+# same plain adapters, or none: trained adapters do not outlive a device machine.
+OPTIONAL = ("adapters", "alora_adapters", "offset_fit")
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,39 @@ def test_too_many_non_finite_steps_fail_the_task(tiny, tmp_path, monkeypatch):
                     "--categories", "simple_python", "--max-steps", "3", "--batch", "2",
                     "--distractors", "1", "--heldout", "4", "--rank", "4"])
     assert not (tmp_path / "simple_python").exists()
+
+
+def test_sync_free_alora_layers_give_pefts_loss_and_gradients(tiny):
+    from benchmarks.quality.alora_mask import sync_free
+    from benchmarks.quality.answer_loss import backward_answer_loss, micro_batch
+    from benchmarks.quality.train import alora_offsets
+
+    model, pad, rows, invocation = _setup(tiny, True)
+    cpu = torch.device("cpu")
+
+    def extra(part, width):
+        return {"alora_offsets": alora_offsets(part, width, len(invocation))}
+
+    inputs = micro_batch(rows, pad, cpu)
+    reference = model(**inputs, **extra(rows, inputs["input_ids"].shape[1])).loss  # PEFT's
+    reference.backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with sync_free():
+        loss = backward_answer_loss(model, rows, 2, pad, cpu, extra)
+    torch.testing.assert_close(loss, reference.detach(), rtol=1e-5, atol=1e-6)
+    got = _grads(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+    from peft.tuners.lora.variants import ALoraLinearVariant
+
+    assert ALoraLinearVariant.forward.__module__.startswith("peft")  # PEFT's forward is back
+
+
+def test_the_activation_mask_is_pefts():
+    from benchmarks.quality.alora_mask import activation_mask
+
+    mask = activation_mask([2, None, 9, 0], 5, torch.device("cpu"))
+    assert mask.tolist() == [[False, False, False, True, True], [False] * 5, [True] * 5,
+                             [False] * 5]

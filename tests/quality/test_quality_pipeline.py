@@ -145,8 +145,9 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
 
     # --jobs: the modes in worker processes, their units in one folder, one report.
     argv = ["--model", str(tiny), "--adapters", str(out), "--device", "cpu", "--results",
-            str(tmp_path), "--tag", "jobs", "--rounds", "1", "--distractors", "1", "--max-new",
-            "6", "--heldout", "4", "--no-hidden", "--layouts", "unified,full_reuse,no_lora",
+            str(tmp_path), "--tag", "jobs", "--rounds", "2", "--block", "1", "--end", "1",
+            "--distractors", "1", "--max-new", "6", "--heldout", "4", "--no-hidden", "--layouts",
+            "unified,full_reuse,no_lora",
             "--jobs", "2"]
     assert ev.main(argv) == 0
     jobs = units.load(tmp_path / "quality_jobs")
