@@ -26,6 +26,8 @@ reference's.
 The work is cut into units (units.py): one layout over one block of rounds, saved as it
 ends. A rerun skips saved units, ``--layouts`` and ``--first/--end`` pick a subset, and
 ``--deadline-s`` stops starting units that would not finish in time (a device call's limit).
+``--jobs N`` runs the modes in N worker processes (the reference modes first when hidden states
+are recorded); each process builds a mode's backend once for all its units.
 Hidden states cost speed (every step eager); ``--no-hidden --dtype bfloat16 --attention
 triton --cuda-graphs`` is the fast accuracy-only pass.
 """
@@ -407,18 +409,29 @@ def partition(layouts: Sequence[str], jobs: int) -> list[list[str]]:
     return [sorted(g, key=modes.order_key) for g in groups if g]
 
 
-def run_jobs(argv: Sequence[str], layouts: Sequence[str], jobs: int) -> int:
+def run_jobs(argv: Sequence[str], layouts: Sequence[str], jobs: int, hidden: bool,
+             deadline_s: float | None) -> int:
     """``layouts`` split among ``jobs`` worker processes (``partition``), each this module
     with its own ``--layouts``, saving its units into the one folder; 1 if any worker failed
-    (the units the others saved are kept)."""
-    groups = partition(layouts, jobs)
-    env = worker_env(len(groups))
-    print(f"{len(layouts)} modes in {len(groups)} worker processes: "
-          + "; ".join(",".join(g) for g in groups), flush=True)
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.quality.evaluate", *argv,
-                               "--layouts", ",".join(g), "--jobs", "1", "--worker"], env=env)
-             for g in groups]
-    failed = [",".join(g) for g, p in zip(groups, procs, strict=True) if p.wait() != 0]
+    (the units the others saved are kept). With hidden states the reference modes run first:
+    the others' cosines read the hidden states they leave in the cache folder."""
+    t0 = time.perf_counter()
+    first = [x for x in layouts if hidden and modes.mode(x).is_reference]
+    failed: list[str] = []
+    for phase in (first, [x for x in layouts if x not in first]):
+        if not phase:
+            continue
+        left = [] if deadline_s is None else \
+            ["--deadline-s", f"{deadline_s - (time.perf_counter() - t0):.0f}"]
+        groups = partition(phase, jobs)
+        env = worker_env(len(groups))
+        print(f"{len(phase)} modes in {len(groups)} worker processes: "
+              + "; ".join(",".join(g) for g in groups), flush=True)
+        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.quality.evaluate", *argv,
+                                   *left, "--layouts", ",".join(g), "--jobs", "1", "--worker"],
+                                  env=env)
+                 for g in groups]
+        failed += [",".join(g) for g, p in zip(groups, procs, strict=True) if p.wait() != 0]
     for group in failed:
         print(f"the worker of {group} failed (its saved units are kept; run again)",
               file=sys.stderr)
@@ -474,9 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
-    if args.jobs > 1 and not args.no_hidden:
-        ap.error("--jobs needs --no-hidden: a mode's cosines read its reference's hidden "
-                 "states, which another worker may not have written yet")
     if args.worker:
         die_with_parent()
     if args.model is None:
@@ -494,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         modes.mode(layout)  # an unknown name is refused here, not in every worker
     rc = 0
     if args.jobs > 1 and len(layouts) > 1:
-        rc = run_jobs(argv, layouts, args.jobs)
+        rc = run_jobs(argv, layouts, args.jobs, not args.no_hidden, args.deadline_s)
     else:
         evaluate(args.model, args.adapters, params, folder, args.cache / args.tag, layouts,
                  args.first, args.end, args.deadline_s, drift=args.drift,

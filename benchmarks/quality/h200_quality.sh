@@ -4,7 +4,7 @@
 #   [QUALITY_MODEL=smollm2|qwen] bash benchmarks/quality/h200_quality.sh CALL
 #
 # QUALITY_MODEL picks the model (default smollm2: SmolLM2-135M-Instruct, 2 parts; qwen:
-# Qwen2.5-Coder-0.5B-Instruct, 8 parts of 60 MiB, from `run_all.sh pack-qwen`). Its GGUF's
+# Qwen2.5-Coder-0.5B-Instruct, 10 parts of 47 MiB, from `run_all.sh pack-qwen`). Its GGUF's
 # sha256 is tracked in benchmarks/quality/models.sha256; results take the tag h200 (smollm2)
 # or h200_qwen, adapters live under /root/adapters/MODEL (qkvo: plain LoRA; alora: activated
 # LoRA). QUALITY_LAYOUTS=a,b,... limits eval and diag to those modes (default: modes.DEFAULT,
@@ -26,10 +26,12 @@
 #          layers from; returns quality_TAG_drift.{json,png} (~1 min)
 #   eval   the layouts and modes (modes.DEFAULT: 5 layouts, neutral, recompute5/10/15, offset0,
 #          offset; with the aLoRA adapters also alora_unified and alora) x 40 rounds, fp32, Triton
-#          attention (the offset modes: eager, the only path that corrects), CUDA graphs, no hidden states; saves every unit (mode x 10 rounds) and stops before 480 s;
-#          run it again until it says done (needs drift first, or the recompute units are saved
-#          as not available)
-#   diag   the hidden-state cosines (fp32 eager, 8 rounds)
+#          attention (the offset modes: eager, the only path that corrects), CUDA graphs, no
+#          hidden states, the modes in EVAL_JOBS (4) worker processes; saves every unit (mode x
+#          10 rounds) and starts none past DEADLINE (450 s); runs drift first when its profile
+#          is missing; with only the aLoRA adapters here, QUALITY_LAYOUTS=alora_unified,alora
+#   diag   the hidden-state cosines (fp32 eager, 8 rounds; the reference modes first, then the
+#          others in 4 worker processes)
 # Every call that evaluates seeds /root/quality from the units committed under
 # benchmarks/results/ (a later session resumes there) and returns its tables and its units as
 # one $OUT/quality_TAG_units.tgz (the device tool returns at most 8 files, 16 MiB each, two
@@ -173,6 +175,7 @@ case "$call" in
     drift=(); [[ -f $DRIFT ]] && drift=(--drift "$DRIFT")
     python3 -m benchmarks.quality.evaluate --model "$MODEL" ${plain[@]+"${plain[@]}"} --device cuda \
         --results "$RESULTS" --tag "${TAG}_hidden" --rounds 40 --block 4 --end 8 --deadline-s 420 \
+        --jobs "${EVAL_JOBS:-4}" \
         --label "(hidden-state pass: 8 of the 40 rounds, fp32 eager)" ${drift[@]+"${drift[@]}"} \
         ${alora[@]+"${alora[@]}"} ${layouts[@]+"${layouts[@]}"}
     publish "${TAG}_hidden" ;;

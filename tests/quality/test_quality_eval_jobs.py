@@ -20,9 +20,36 @@ def test_more_jobs_than_modes_start_one_worker_per_mode():
                                                                    ["disaggregated"]]
 
 
-def test_jobs_with_hidden_states_or_an_unknown_mode_are_refused(capsys):
-    with pytest.raises(SystemExit):
-        evaluate.main(["--jobs", "2", "--model", "m.gguf"])
-    assert "--jobs needs --no-hidden" in capsys.readouterr().err
+def test_with_hidden_states_the_references_run_before_the_modes_that_read_them(monkeypatch):
+    started: list[list[str]] = []
+    waited: list[int] = []
+
+    class Worker:
+        def __init__(self, command, env):
+            assert env["OMP_NUM_THREADS"]
+            started.append(command)
+
+        def wait(self):
+            waited.append(len(started))
+            return 0
+
+    monkeypatch.setattr(evaluate.subprocess, "Popen", Worker)
+    layouts = ["unified", "disaggregated", "alora_unified", "alora", "full_reuse"]
+    assert evaluate.run_jobs(["--tag", "t"], layouts, 4, True, 300.0) == 0
+    groups = [c[c.index("--layouts") + 1] for c in started]
+    assert sorted(groups[:2]) == ["alora_unified", "unified"]  # the first phase
+    assert waited[:2] == [2, 2]  # both waited for before the second phase starts
+    assert sorted(",".join(groups[2:]).split(",")) == ["alora", "disaggregated", "full_reuse"]
+    # The second phase gets what is left of the deadline (argparse keeps the last one).
+    assert all(c[c.index("--deadline-s") + 1] in ("300", "299") for c in started)
+    started.clear()
+    assert evaluate.run_jobs(["--tag", "t"], layouts, 4, False, None) == 0
+    assert len(started) == 4 and all("--deadline-s" not in c for c in started)
+
+
+def test_an_unknown_mode_or_nothing_to_run_is_refused(capsys):
     with pytest.raises(ValueError):
         evaluate.main(["--jobs", "2", "--no-hidden", "--model", "m.gguf", "--layouts", "nope"])
+    with pytest.raises(SystemExit):
+        evaluate.main(["--model", "m.gguf"])
+    assert "nothing to run" in capsys.readouterr().err
