@@ -92,7 +92,7 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     pool.v[:, pool.scratch_page] = SENTINEL
     pool.k_res[:, pool.scratch_residual_page] = SENTINEL
     pool.v_res[:, pool.scratch_residual_page] = SENTINEL
-    base, res = pool.k.clone(), pool.k_res.clone()
+    base = pool.k.clone()
     # No row writes base K/V: the step computes no K/V projections at all.
     step = backend.forward([work(0, tokens, 0, aid, residual=True, write_base=False)])
     assert rel_err(step.logits[0], wrote) < REL_TOL and torch.equal(pool.k, base)
@@ -109,6 +109,9 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     step = backend.forward([work(0, tokens[:4], 0, aid, residual=True, write_base=False),
                             work(1, tokens, 0, aid, residual=True)])
     assert rel_err(step.logits[1], alone) < REL_TOL and torch.equal(pool.k, base)
+    # Taken here: the steps above rewrote item 0's residual pages from batches of other
+    # shapes, equal only up to the CPU GEMM's rounding (bitwise on some CPUs, not on others).
+    res = pool.k_res.clone()
     step = backend.forward([work(0, tokens, 0, aid, residual=True, write_residual=False)])
     assert rel_err(step.logits[0], wrote) < REL_TOL
     assert torch.equal(pool.k_res[:, list(pages_for(0))], res[:, list(pages_for(0))])
