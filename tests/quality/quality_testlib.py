@@ -41,3 +41,54 @@ def tiny_model(folder: Path, texts: list[str], vocab: int = 1024) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     return folder
+
+
+def tiny_gguf(folder: Path, path: Path, tied: bool = False) -> Path:
+    """``folder``'s model (tiny_model) as a Q8_0 GGUF with its BPE tokenizer and chat template,
+    what transformers' GGUF loader reads; ``tied``: without output.weight (as Qwen2.5-0.5B)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(len(tok))
+    w.add_tokenizer_model("gpt2")
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_token_list([t for t, _ in vocab])
+    special = set(tok.all_special_tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
+                       for t, _ in vocab])
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_chat_template(tok.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for name, t in load_file(folder / "model.safetensors").items():
+        if tied and name == "lm_head.weight":
+            continue
+        a = t.float().numpy()
+        gname = names.get_name(name, try_suffixes=(".weight",))
+        if a.ndim == 2:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
