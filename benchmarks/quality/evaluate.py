@@ -53,6 +53,7 @@ from benchmarks.quality.units import AgentResult, Unit
 from benchmarks.quality.workers import die_with_parent, worker_env
 from forkserve.bench.multilora.recompute_choice import load_drift
 from forkserve.bench.output import DEFAULT_OUT
+from forkserve.bench.provenance import source_commit
 from forkserve.control.activation import Invocation
 from forkserve.control.recompute_policy import LayerDrift
 
@@ -289,7 +290,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
                 else "no reference hidden states for these rounds: no cosines", config,
                 tuple(agents), engine.metrics.prefill_tokens - prefill_before,
                 time.perf_counter() - start,
-                context_bytes, layers, table.nbytes if table is not None else 0, flops)
+                context_bytes, layers, table.nbytes if table is not None else 0, flops,
+                source_commit())
     return unit, hidden
 
 

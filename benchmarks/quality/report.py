@@ -285,11 +285,13 @@ def write_outputs(folder: Path, label: str = "") -> str:
         fit = setting["offset_fit"]
         header += (f"; offset rows: tables fitted on {fit['anchors_per_task']} training "
                    f"prompts per task (ridge {fit['ridge']}), {fit['attention']} attention")
+    commits = sorted({u.commit or "unrecorded" for us in by.values() for u in us})
+    header += f"; measured at {', '.join(commits)}"
     table = markdown(rows, header)
     prefix = folder.parent / folder.name
     prefix.with_suffix(".md").write_text(table + "\n")
     prefix.with_suffix(".json").write_text(json.dumps(
-        {"setting": setting, "label": label,
+        {"setting": setting, "label": label, "commits": commits,
          "units": sorted(u.name for us in by.values() for u in us),
          "summaries": [asdict(s) for s in rows]}, indent=1))
     plot(rows, header, prefix.with_suffix(".png"))

@@ -63,6 +63,9 @@ class Unit:
     recompute_layers: tuple[int, ...] = ()  # selective recompute: the layers kept exact
     offset_table_bytes: int = 0  # offset correction: its tables (every pair, every layer)
     extra_flops: int = 0         # offset correction: FLOPs spent correcting on read (offsets.py)
+    # The source it ran (forkserve.bench.provenance); "" in units saved before it was kept.
+    # Not part of the setting: units of several commits merge, and the report lists them.
+    commit: str = ""
 
     @property
     def name(self) -> str:

@@ -70,6 +70,7 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     k = len(params.categories)
     assert all(len(units.agents_of(us)) == params.rounds * k for us in by.values()
                if all(u.available for u in us))
+    assert all(u.commit for us in by.values() for u in us)  # each unit names its source
     unified = {a.key: a for a in units.agents_of(by["unified"])}
     assert all(a.reused_tokens == 0 for a in unified.values())  # no sharing across adapters
     for layout in ("disaggregated", "full_reuse"):
