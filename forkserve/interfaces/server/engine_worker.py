@@ -49,6 +49,11 @@ T = TypeVar("T")
 _RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 
 
+class _Abandoned(Exception):
+    """An open whose caller was cancelled while it waited: nothing was opened, and nobody
+    reads this (the caller's ``call`` is cancelled)."""
+
+
 @dataclass(frozen=True)
 class GenerationSpec:
     max_tokens: int
@@ -157,7 +162,8 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}
         self._leases: dict[int, float] = {}
         self._rates: collections.deque[tuple[float, int, int]] = collections.deque()
-        # Opens submitted and not yet run: joined on the submitting thread, left on this one.
+        # Opens submitted and not yet run: joined on the submitting thread, left on this one
+        # as they open (or on the submitting one as their caller is cancelled).
         self._waiting = WaitingSessions(engine.config.page_size)
         self._waiting_lock = threading.Lock()
         self._stopping = False
@@ -211,14 +217,20 @@ class EngineWorker:
         """Run ``opener(queued)`` on the engine thread, which opens a session on ``prompt`` in
         ``salt``'s boundary given the opens waiting behind it (``queued``). Until it runs, this
         open waits in the admission queue, its footprint ``prompt`` + ``max_tokens``; it leaves
-        the queue as it runs, whatever then happens to it. ``undo``: as ``call``'s (a caller
-        cancelled before the result arrives: its client went away)."""
+        the queue as it runs (whatever then happens to it), or as its caller is cancelled (its
+        client went away: nothing is opened). ``undo``: as ``call``'s, for a caller cancelled
+        once its open ran."""
         waiter = self._waiting.waiter(prompt, len(prompt) + max_tokens, salt)
         with self._waiting_lock:
             self._waiting.add(waiter)
-        # ``call`` runs ``opener`` even for a client gone meanwhile (then undoes it), so every
-        # waiter leaves the queue at ``_admit``, before anything that may fail.
-        return await self.call(lambda: opener(self._admit(waiter)), undo=undo)
+        try:
+            return await self.call(lambda: opener(self._admit(waiter)), undo=undo)
+        except asyncio.CancelledError:
+            # A client gone before its turn leaves the queue now (the opens ahead of it no
+            # longer weigh it) and ``_admit`` opens nothing for it; gone after its turn, its
+            # session is undone.
+            self._leave(waiter)
+            raise
 
     async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None,
                                 spec: GenerationSpec, *, salt: CacheSalt = UNSALTED,
@@ -245,10 +257,19 @@ class EngineWorker:
         with self._waiting_lock:
             return len(self._waiting)
 
+    def _leave(self, waiter: Waiter) -> None:
+        """``waiter``'s caller is gone; a no-op once its open has begun."""
+        with self._waiting_lock:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+
     # ------------------------------------------------------------ engine thread only
     def _admit(self, waiter: Waiter) -> Queued:
-        """``waiter`` leaves the queue to open: the queue behind it, as the engine weighs it."""
+        """``waiter`` leaves the queue to open: the queue behind it, as the engine weighs it.
+        Runs first in its command, so a waiter leaves before anything that may fail."""
         with self._waiting_lock:
+            if waiter not in self._waiting:
+                raise _Abandoned("the client left before its open's turn")
             self._waiting.remove(waiter)
             return self._waiting.queued(waiter)
 
