@@ -19,8 +19,8 @@ after the prompt): adapters announce structure, they never rewrite prompts. Ever
 validates before it mutates, so a 4xx leaves the engine as it was. A verb on a session
 renews its lease (see EngineWorker); a session that is generating accepts no other verb;
 a client that disconnects while its session generates (streamed or not) aborts the session.
-An open waits in the engine worker's admission queue as OpenAI opens do (its client gone
-meanwhile: the session is closed as it opens).
+An open waits in the engine worker's admission queue as OpenAI opens do; a client that
+disconnects meanwhile leaves it and opens nothing (gone as it opened: the session is closed).
 
 ``sid`` is the session's public id (tenancy.py): random, and only its tenant's; any other
 caller gets 404 for it, as for an id that never existed. Verbs that add tokens are admitted
@@ -122,7 +122,7 @@ async def open_session(body: OpenSessionRequest, request: Request, st: StateDep,
                               queued=queued).engine_id
         st.worker.lease(eid)
         return _info(st, eid)
-    # A client that leaves while its open waits has the session closed as soon as it opens.
+    # Watch the connection while the open waits: a client gone leaves the queue at once.
     return await unless_disconnected(request, st.worker.open(
         ids, 0, run, salt=salt,
         undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id))))
