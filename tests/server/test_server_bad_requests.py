@@ -78,6 +78,9 @@ CASES = [
     ("open: unknown model", "POST", "/v1/sessions", {"model": "nope", "text": "hi"}, 404),
     ("open: two prompts", "POST", "/v1/sessions", {"model": MODEL_NAME, "text": "a", "tokens": [1]},
      400),
+    ("open: prompt too long", "POST", "/v1/sessions", {"model": MODEL_NAME, "text": LONG}, 400),
+    ("open: token out of vocabulary", "POST", "/v1/sessions",
+     {"model": MODEL_NAME, "tokens": [1, 10 ** 6]}, 400),
     ("unknown session", "POST", "/v1/sessions/999999/fork", {"parent": 1, "tokens": [1]}, 404),
     ("negative generate budget", "POST", "/v1/sessions/{sid}/generate", {"max_tokens": -3}, 400),
     ("generate past the context", "POST", "/v1/sessions/{sid}/generate",
@@ -117,6 +120,7 @@ def test_bad_request_is_a_4xx_json_error_and_changes_nothing(server, http, live_
     err = r.json()["error"]
     assert err["message"] and err["code"] == status
     assert engine_state(server) == before
+    assert server.state.worker.waiting_sessions() == 0  # nor the admission queue
 
 
 @pytest.mark.parametrize("body,message", [(b'{"model": "x", "messages": [', "is not valid JSON"),

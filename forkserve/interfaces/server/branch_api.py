@@ -19,6 +19,8 @@ after the prompt): adapters announce structure, they never rewrite prompts. Ever
 validates before it mutates, so a 4xx leaves the engine as it was. A verb on a session
 renews its lease (see EngineWorker); a session that is generating accepts no other verb;
 a client that disconnects while its session generates (streamed or not) aborts the session.
+An open waits in the engine worker's admission queue as OpenAI opens do; a client that
+disconnects meanwhile leaves it and opens nothing (gone as it opened: the session is closed).
 
 ``sid`` is the session's public id (tenancy.py): random, and only its tenant's; any other
 caller gets 404 for it, as for an id that never existed. Verbs that add tokens are admitted
@@ -33,6 +35,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from forkserve.backend.protocol import SamplingParams
+from forkserve.control.layout_policy import Queued
 from forkserve.interfaces.server.auth import TenantDep
 from forkserve.interfaces.server.disconnect import unless_disconnected
 from forkserve.interfaces.server.engine_worker import GenerationSpec
@@ -92,28 +95,37 @@ def _info(st: ServerState, eid: int) -> SessionInfo:
                        committed_tokens=len(eng.committed_tokens(eid)))
 
 
+def _prompt(st: ServerState, body: OpenSessionRequest) -> list[int]:
+    """Engine thread only (the tokenizer is not shared across threads)."""
+    tok = st.model.tokenizer
+    if body.messages is not None:
+        return tok.apply_chat_template([{"role": m.role, "content": m.text()}
+                                        for m in body.messages],
+                                       add_generation_prompt=body.add_generation_prompt)
+    if body.text is not None:
+        return tok.encode(body.text, add_special_tokens=True)
+    return list(body.tokens or [])
+
+
 @router.post("/sessions")
-async def open_session(body: OpenSessionRequest, st: StateDep, tenant: TenantDep) -> SessionInfo:
+async def open_session(body: OpenSessionRequest, request: Request, st: StateDep,
+                       tenant: TenantDep) -> SessionInfo:
     adapter = st.model.adapter_for(body.model)
     salt = st.tenancy.salt(tenant, body.cache_salt)
-    tok = st.model.tokenizer
+    # Encoded before the open is submitted: it waits in the admission queue as its prompt.
+    ids = await st.worker.call(lambda: _prompt(st, body))
+    st.model.check_vocab(ids)
+    st.model.check_length(len(ids), 0)
 
-    def run() -> SessionInfo:
-        if body.messages is not None:
-            ids = tok.apply_chat_template([{"role": m.role, "content": m.text()}
-                                           for m in body.messages],
-                                          add_generation_prompt=body.add_generation_prompt)
-        elif body.text is not None:
-            ids = tok.encode(body.text, add_special_tokens=True)
-        else:
-            ids = list(body.tokens or [])
-        st.model.check_vocab(ids)
-        st.model.check_length(len(ids), 0)
-        eid = st.tenancy.open(tenant, ids, adapter, salt, 0, expose=True).engine_id
+    def run(queued: Queued) -> SessionInfo:
+        eid = st.tenancy.open(tenant, ids, adapter, salt, 0, expose=True,
+                              queued=queued).engine_id
         st.worker.lease(eid)
         return _info(st, eid)
-    return await st.worker.call(
-        run, undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id)))
+    # Watch the connection while the open waits: a client gone leaves the queue at once.
+    return await unless_disconnected(request, st.worker.open(
+        ids, 0, run, salt=salt,
+        undo=lambda info: _close(st, st.tenancy.resolve(tenant, info.session_id))))
 
 
 def _close(st: ServerState, eid: int) -> None:

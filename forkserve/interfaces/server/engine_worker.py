@@ -11,8 +11,9 @@ during a tool pause.
 
 Admission: the server opens a request's session as soon as the engine thread reaches its
 command, so the requests waiting for admission are the opens queued behind the one running
-(a burst that arrived during a tick). ``WaitingSessions`` keeps them as they are submitted and
-taken, and each open passes it to the engine as ``Queued``: the adaptive layout sees the
+(a burst that arrived during a tick). Every open, an OpenAI choice's or a branch session's,
+goes through ``open``: ``WaitingSessions`` keeps the waiters as they are submitted and taken,
+and each open receives the queue behind it as ``Queued``: the adaptive layout sees the
 backlog (splits a burst that would not fit merged) and nothing recounts the queue.
 
 Ownership: a session opened for one OpenAI request lives as long as its generation: it is
@@ -46,6 +47,11 @@ log = logging.getLogger("forkserve.server")
 T = TypeVar("T")
 
 _RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+
+
+class _Abandoned(Exception):
+    """An open whose caller was cancelled while it waited: nothing was opened, and nobody
+    reads this (the caller's ``call`` is cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,8 @@ class EngineWorker:
         self._jobs: dict[int, _Job] = {}
         self._leases: dict[int, float] = {}
         self._rates: collections.deque[tuple[float, int, int]] = collections.deque()
-        # Opens submitted and not yet run: joined on the submitting thread, left on this one.
+        # Opens submitted and not yet run: joined on the submitting thread, left on this one
+        # as they open (or on the submitting one as their caller is cancelled).
         self._waiting = WaitingSessions(engine.config.page_size)
         self._waiting_lock = threading.Lock()
         self._stopping = False
@@ -205,20 +212,35 @@ class EngineWorker:
             return gen
         return await self.call(register, undo=Generation.cancel)
 
+    async def open(self, prompt: list[int], max_tokens: int, opener: Callable[[Queued], T], *,
+                   salt: CacheSalt = UNSALTED, undo: Callable[[T], Any]) -> T:
+        """Run ``opener(queued)`` on the engine thread, which opens a session on ``prompt`` in
+        ``salt``'s boundary given the opens waiting behind it (``queued``). Until it runs, this
+        open waits in the admission queue, its footprint ``prompt`` + ``max_tokens``; it leaves
+        the queue as it runs (whatever then happens to it), or as its caller is cancelled (its
+        client went away: nothing is opened). ``undo``: as ``call``'s, for a caller cancelled
+        once its open ran."""
+        waiter = self._waiting.waiter(prompt, len(prompt) + max_tokens, salt)
+        with self._waiting_lock:
+            self._waiting.add(waiter)
+        try:
+            return await self.call(lambda: opener(self._admit(waiter)), undo=undo)
+        except asyncio.CancelledError:
+            # A client gone before its turn leaves the queue now (the opens ahead of it no
+            # longer weigh it) and ``_admit`` opens nothing for it; gone after its turn, its
+            # session is undone.
+            self._leave(waiter)
+            raise
+
     async def open_and_generate(self, tokens: list[int], adapter: AdapterId | None,
                                 spec: GenerationSpec, *, salt: CacheSalt = UNSALTED,
                                 opener: Callable[[Queued], int] | None = None) -> Generation:
-        """Open a session on ``tokens`` in ``salt``'s boundary and decode on it (one OpenAI
-        choice); until it opens it waits in the admission queue the opens behind it see.
-        ``opener(queued)`` opens it instead, on this thread, and returns its id (the server's
-        tenancy: limits, cache salt, ownership)."""
+        """Open a session on ``tokens`` in ``salt``'s boundary (through ``open``: the admission
+        queue) and decode on it (one OpenAI choice). ``opener(queued)`` opens it instead, on
+        this thread, and returns its id (the server's tenancy: limits, cache salt, ownership)."""
         gen = Generation(spec, self)
-        waiter = self._waiting.waiter(tokens, len(tokens) + spec.max_tokens, salt)
-        with self._waiting_lock:
-            self._waiting.add(waiter)
 
-        def register() -> Generation:
-            queued = self._admit(waiter)
+        def register(queued: Queued) -> Generation:
             sid = opener(queued) if opener is not None else self.engine.open(
                 tokens, adapter=adapter, salt=salt, queued=queued).id
             try:
@@ -227,19 +249,27 @@ class EngineWorker:
                 self.engine.abort(sid)
                 raise
             return gen
-        # ``call`` runs ``register`` even for a client gone meanwhile (then undoes it), so
-        # every waiter leaves the queue at ``_admit``.
-        return await self.call(register, undo=Generation.cancel)
+        return await self.open(tokens, spec.max_tokens, register, salt=salt,
+                               undo=Generation.cancel)
 
     def waiting_sessions(self) -> int:
         """Opens submitted and not yet run (the admission queue)."""
         with self._waiting_lock:
             return len(self._waiting)
 
+    def _leave(self, waiter: Waiter) -> None:
+        """``waiter``'s caller is gone; a no-op once its open has begun."""
+        with self._waiting_lock:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+
     # ------------------------------------------------------------ engine thread only
     def _admit(self, waiter: Waiter) -> Queued:
-        """``waiter`` leaves the queue to open: the queue behind it, as the engine weighs it."""
+        """``waiter`` leaves the queue to open: the queue behind it, as the engine weighs it.
+        Runs first in its command, so a waiter leaves before anything that may fail."""
         with self._waiting_lock:
+            if waiter not in self._waiting:
+                raise _Abandoned("the client left before its open's turn")
             self._waiting.remove(waiter)
             return self._waiting.queued(waiter)
 

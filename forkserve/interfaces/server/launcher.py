@@ -16,6 +16,7 @@ from forkserve.engine import Engine
 from forkserve.interfaces.server.access import DEFAULT_ACCESS, AccessConfig
 from forkserve.interfaces.server.app import KEEP_ALIVE_S, create_app
 from forkserve.interfaces.server.served_model import ServedModel
+from forkserve.interfaces.server.state import ServerState
 
 T = TypeVar("T")
 
@@ -24,11 +25,11 @@ T = TypeVar("T")
 class RunningServer:
     url: str                 # http://127.0.0.1:PORT
     model: ServedModel
-    _run_sync: Callable
+    state: ServerState       # the app's: its worker, metrics and tenancy, as the routes see them
 
     def on_engine(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread (the engine is not thread-safe)."""
-        return self._run_sync(lambda: fn(self.model.engine))
+        return self.state.worker.run_sync(lambda: fn(self.model.engine))
 
 
 @contextlib.contextmanager
@@ -52,9 +53,8 @@ def serve_in_thread(model: ServedModel, *, session_ttl_s: float = 600.0,
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
-    worker = app.state.forkserve.worker
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", model, worker.run_sync)
+        yield RunningServer(f"http://127.0.0.1:{port}", model, app.state.forkserve)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -100,7 +100,7 @@ async def completions(body: CompletionRequest, request: Request, st: StateDep,
                                                for p in prompts])
     # Choice index i*n + j: prompt i, sample j (the OpenAI order for batched prompts).
     per_choice = [ids for ids in encoded for _ in range(body.n)]
-    choices, cached = await _start(st, tenant, per_choice, adapter, budget, body, stops,
+    choices, cached = await _start(st, request, tenant, per_choice, adapter, budget, body, stops,
                                    body.logprobs, None, None, prompt_logprobs=body.prompt_logprobs)
     wire = CompletionWire.start(body.model)
     prompt_tokens = sum(len(ids) for ids in encoded)
@@ -177,8 +177,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     # A reply that ends in tool calls begins a tool pause: its KV stays pinned for the follow-up.
     pin_if = ((lambda text: bool(fmt.parse(text).calls))
               if fmt is not None and model.pin_tool_pauses else None)
-    choices, cached = await _start(st, tenant, [ids] * body.n, adapter, budget, body, stops,
-                                   top if body.logprobs else None, grammar, pin_if)
+    choices, cached = await _start(st, request, tenant, [ids] * body.n, adapter, budget, body,
+                                   stops, top if body.logprobs else None, grammar, pin_if)
     wire = ChatWire.start(body.model)
 
     def logprobs(records: list[SampledToken] | None) -> ChatLogprobs | None:
@@ -269,8 +269,8 @@ def _bias(body: CompletionRequest | ChatCompletionRequest,
     return tuple(sorted(bias.items()))
 
 
-async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter: AdapterId | None,
-                 max_tokens: int,
+async def _start(st: ServerState, request: Request, tenant: str, prompts: list[list[int]],
+                 adapter: AdapterId | None, max_tokens: int,
                  body: CompletionRequest | ChatCompletionRequest, stops: tuple[str, ...],
                  logprobs: int | None, grammar: object | None,
                  pin_if: Callable[[str], bool] | None,
@@ -306,8 +306,9 @@ async def _start(st: ServerState, tenant: str, prompts: list[list[int]], adapter
                 constraint=GrammarConstraint(grammar, len(ids)) if grammar is not None else None)
             spec = GenerationSpec(max_tokens, sampling, frozenset(st.model.eos_token_ids), stops,
                                   close_when_done=True, pin_if=pin_if)
-            choices.append(_Choice(await st.worker.open_and_generate(
-                ids, adapter, spec, salt=salt, opener=opener(ids)), log))
+            # A client that leaves while its opens wait is noticed there, not at _collect.
+            choices.append(_Choice(await unless_disconnected(request, st.worker.open_and_generate(
+                ids, adapter, spec, salt=salt, opener=opener(ids))), log))
     except BaseException:
         for c in choices:
             c.gen.cancel()
