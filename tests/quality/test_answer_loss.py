@@ -136,6 +136,30 @@ def test_sync_free_alora_layers_give_pefts_loss_and_gradients(tiny):
     assert ALoraLinearVariant.forward.__module__.startswith("peft")  # PEFT's forward is back
 
 
+def test_sync_free_alora_layers_select_no_tokens_on_the_host(tiny):
+    """PEFT's aLoRA layer picks its tokens with a boolean mask (``nonzero``: a device-to-host
+    sync on a GPU) in every adapted layer; the sync-free forward never does."""
+    from torch.profiler import profile
+
+    from benchmarks.quality.alora_mask import sync_free
+    from benchmarks.quality.answer_loss import micro_batch
+    from benchmarks.quality.train import alora_offsets
+
+    model, pad, rows, invocation = _setup(tiny, True)
+    inputs = micro_batch(rows, pad, torch.device("cpu"))
+    offsets = alora_offsets(rows, inputs["input_ids"].shape[1], len(invocation))
+
+    def nonzeros() -> int:
+        with torch.no_grad(), profile() as prof:
+            model(**inputs, alora_offsets=offsets)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::nonzero")
+
+    layers = sum(1 for n, _ in model.named_modules() if n.endswith("lora_A"))
+    assert nonzeros() >= layers > 0  # PEFT's forward: one per adapted layer at least
+    with sync_free():
+        assert nonzeros() == 0
+
+
 def test_the_activation_mask_is_pefts():
     from benchmarks.quality.alora_mask import activation_mask
 
