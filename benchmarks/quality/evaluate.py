@@ -225,7 +225,8 @@ def run_unit(layout: str, first: int, end: int, inputs: Inputs, params: EvalPara
         run = open_mode(layout, inputs, params, drift)
     if run is None:
         return Unit(layout, first, end, False, "needs a drift profile (--drift, drift.py's "
-                    "output) to choose its layers; not run", config), {}
+                    "output) to choose its layers; not run", config,
+                    commit=source_commit()), {}
     mode, backend, engine, layers, table = run.mode, run.backend, run.engine, run.layers, run.table
     rounds, prompts = inputs.rounds[first:end], inputs.prompts[first:end]
     k = len(rounds[0].examples)
