@@ -27,8 +27,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stage=${1:-all}
-MODEL=${MODEL:-$(python3 -c 'from forkserve.backend.torch import find_smollm2_gguf; print(find_smollm2_gguf())')}
-DEVICE=${DEVICE:-$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+# pack-qwen needs neither (it runs before ./install.sh on a new machine too).
+if [[ $stage != pack-qwen ]]; then
+  MODEL=${MODEL:-$(python3 -c 'from forkserve.backend.torch import find_smollm2_gguf; print(find_smollm2_gguf())')}
+  DEVICE=${DEVICE:-$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}
+fi
 RESULTS=${RESULTS:-forkserve-bench-results}
 WORK=${WORK:-/tmp/quality_adapters}
 TAG=${TAG:-h200}
