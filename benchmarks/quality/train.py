@@ -28,6 +28,9 @@ with ``--tasks NAME``, loading its own copy of the model). A small model's step 
 host (Python, kernel launches, tokenizing the batch), not by the GPU, so processes that share
 the GPU overlap their host work. Each task's seed and batches do not depend on the others, so
 the adapters are the ones ``--jobs 1`` trains. Only this (parent) process writes train_log.json.
+
+``--checkpoint-every N`` saves a task's state every N steps (checkpoint.py): a task cut by a
+device call's timeout continues from its last checkpoint in the next run, to the same adapter.
 """
 from __future__ import annotations
 
@@ -48,8 +51,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from benchmarks.quality import alora_mask
+from benchmarks.quality import alora_mask, checkpoint
 from benchmarks.quality.answer_loss import Row, backward_answer_loss
+from benchmarks.quality.checkpoint import Progress
 from benchmarks.quality.data import (
     DEFAULT_CATEGORIES,
     Example,
@@ -98,12 +102,13 @@ class TaskLog:
     task: str
     train_items: int
     steps: int
-    seconds: float
+    seconds: float  # of this run's steps: those after resumed_from_step
     first_loss: float
     last_loss: float  # mean of the last 10 steps
     path: str
     skipped_steps: list[int]  # steps whose gradients were not finite (no update)
     losses: list[float]  # every step's
+    resumed_from_step: int  # the checkpoint's step this run started from (0: from the start)
 
 
 # Steps with non-finite gradients a task may skip before it fails: past this the adapter
@@ -206,12 +211,13 @@ def alora_offsets(batch: Sequence[Row], width: int,
 
 
 def run_steps(model: Any, opt: Any, sched: Any, stream: Iterator[list[Row]], params: TrainParams,
-              micro: int, pad: int, device: torch.device, extra: Any, losses: torch.Tensor,
-              task: str) -> list[int]:
-    """``params.steps`` optimizer steps, each step's loss into ``losses``; returns the steps
-    skipped for a non-finite gradient."""
-    skipped: list[int] = []
-    for step in range(params.steps):
+              micro: int, pad: int, device: torch.device, extra: Any, progress: Progress,
+              task: str, every: int, save: Callable[[], None]) -> None:
+    """The optimizer steps from ``progress.step`` to ``params.steps``, each step's loss and any
+    step skipped for a non-finite gradient into ``progress``; ``save()`` (a checkpoint) after
+    every ``every`` steps but the last (0: never)."""
+    losses, skipped = progress.losses, progress.skipped
+    for step in range(progress.step, params.steps):
         losses[step] = backward_answer_loss(model, next(stream), micro, pad, device, extra)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         # One non-finite gradient would make every weight NaN for good (Qwen2.5's did on
@@ -228,11 +234,16 @@ def run_steps(model: Any, opt: Any, sched: Any, stream: Iterator[list[Row]], par
             raise NonFiniteTraining(f"task {task}: non-finite gradients at steps "
                                     f"{skipped[:8]}... ({len(skipped)} of {step + 1}); losses "
                                     f"{[round(v, 3) for v in losses[:step + 1].tolist()][-8:]}")
-    return skipped
+        progress.step = step + 1
+        if every and progress.step % every == 0 and progress.step < params.steps:
+            save()
 
 
 def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, params: TrainParams,
-               out: Path, device: torch.device, micro: int) -> TaskLog:
+               out: Path, device: torch.device, micro: int, key: dict[str, Any],
+               every: int) -> TaskLog:
+    """Trains task ``index`` (from its checkpoint in ``out``, if one was written under ``key``)
+    and saves its adapter; a checkpoint every ``every`` steps (0: none)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(params.seed + index)
@@ -256,22 +267,37 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
         return {"alora_offsets": alora_offsets(rows, width, len(invocation))}
 
     extra = offsets if invocation is not None else None
-    # Kept on the device and read once at the end: a per-step .item() would wait for the GPU.
+    path = out / tasks[index].name
+    # Kept on the device and read once at the end (and at each checkpoint): a per-step .item()
+    # would wait for the GPU.
     losses = torch.zeros(params.steps, device=device)
+    progress = checkpoint.restore(path, key, model, opt, sched, losses, device)
+    if progress is None:
+        progress = Progress(0, [], losses)
+    else:
+        print(f"{tasks[index].name:<14} resumes at step {progress.step} of {params.steps}",
+              flush=True)
+    resumed_from = progress.step
+    for _ in range(resumed_from):  # the batches the checkpointed steps drew
+        next(stream)
+
+    def save() -> None:
+        checkpoint.save(path, key, model, opt, sched, progress, device)
+
     start = time.perf_counter()
     model.train()
     # aLoRA layers without PEFT's host sync in each of them (alora_mask.py); plain LoRA as is.
     with alora_mask.sync_free() if invocation is not None else contextlib.nullcontext():
-        skipped = run_steps(model, opt, sched, stream, params, micro, pad, device, extra, losses,
-                            tasks[index].name)
+        run_steps(model, opt, sched, stream, params, micro, pad, device, extra, progress,
+                  tasks[index].name, every, save)
     values = losses.tolist()
     seconds = time.perf_counter() - start
-    path = out / tasks[index].name
     model.save_pretrained(str(path))
+    checkpoint.remove(path)
     model.unload()  # takes the LoRA layers out again (no merge): the next task starts from the base
     return TaskLog(tasks[index].name, len(tasks[index].train), params.steps, seconds, values[0],
-                   sum(values[-10:]) / len(values[-10:]), str(path), skipped,
-                   [round(v, 4) for v in values])
+                   sum(values[-10:]) / len(values[-10:]), str(path), progress.skipped,
+                   [round(v, 4) for v in values], resumed_from)
 
 
 def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -300,9 +326,10 @@ def write_log(path: Path, head: dict[str, Any], tasks: Sequence[Task],
 
 def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
                params: TrainParams, out: Path, head: dict[str, Any],
-               record: Callable[[dict[str, Any]], None], micro: int) -> None:
+               record: Callable[[dict[str, Any]], None], micro: int, every: int) -> None:
     """Loads the model once and trains the tasks ``names`` one after the other in this process,
-    passing each one's log to ``record`` as soon as its adapter is saved."""
+    passing each one's log to ``record`` as soon as its adapter is saved; each checkpointed
+    every ``every`` steps."""
     if device.type == "cuda":
         # cuDNN's SDPA backward (torch's default on Hopper since 2.11) returns NaN in dQ when a
         # mask is passed and the length is 64 past a multiple of 128 (pytorch/pytorch#196678):
@@ -318,9 +345,14 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
         head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
     print(f"model {model.name} loaded in {head['load_s']:.1f} s on {device}; params "
           f"{asdict(params)}")
+    # What a checkpoint must have been written under: besides the recipe, the tasks and their
+    # split decide each task's items, distractors and seed.
+    key = {"model": head["model"], "params": head["params"], "heldout": head["heldout"],
+           "tasks": [t.name for t in tasks]}
     for i, task in enumerate(tasks):  # every task stays in the list: they are each other's
         if task.name in names:        # distractors, and the index seeds the task
-            record(asdict(train_task(base, tokenizer, tasks, i, params, out, device, micro)))
+            record(asdict(train_task(base, tokenizer, tasks, i, params, out, device, micro, key,
+                                     every)))
 
 
 class WorkerFailed(RuntimeError):
@@ -393,6 +425,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
     ap.add_argument("--jobs", type=int, default=1,
                     help="train up to this many tasks at once, each in a worker process with its "
                          "own copy of the model")
+    ap.add_argument("--checkpoint-every", type=int, default=25,
+                    help="save a task's training state every this many steps, from which a run "
+                         "cut short continues (0: never)")
     # A worker of --jobs: trains its --tasks, writes their log here, never train_log.json.
     ap.add_argument("--worker-result", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true",
@@ -417,6 +452,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, TrainParams, to
         ap.error("--jobs must be at least 1")
     if args.micro_batch < 1:
         ap.error("--micro-batch must be at least 1")
+    if args.checkpoint_every < 0:
+        ap.error("--checkpoint-every must be 0 (never) or more")
     return args, params, device
 
 
@@ -443,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             "params": asdict(params), "heldout": args.heldout}
     if args.worker_result is not None:
         return work(args.model, device, tasks, set(names), params, args.out, head,
-                    args.worker_result, args.micro_batch)
+                    args.worker_result, args.micro_batch, args.checkpoint_every)
     log_path = args.out / "train_log.json"
     logs = done_tasks(log_path, head)
     for name in names:
@@ -456,9 +493,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def record(log: dict[str, Any]) -> None:
         logs[log["task"]] = log
+        resumed = f" (from step {log['resumed_from_step']})" if log["resumed_from_step"] else ""
         print(f"{log['task']:<14} {log['train_items']:>4} items  {log['steps']} steps  "
-              f"loss {log['first_loss']:.3f} -> {log['last_loss']:.3f}  {log['seconds']:.1f} s",
-              flush=True)
+              f"loss {log['first_loss']:.3f} -> {log['last_loss']:.3f}  {log['seconds']:.1f} s"
+              f"{resumed}", flush=True)
         # After every task, so that a run stopped midway resumes with the next one.
         write_log(log_path, head, tasks, logs)
 
@@ -470,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = min(args.jobs, len(pending))
     if jobs == 1:
         train_here(args.model, device, tasks, set(pending), params, args.out, head, record,
-                   args.micro_batch)
+                   args.micro_batch, args.checkpoint_every)
         return 0
     return run_jobs(argv, pending, jobs, head, record)
 
@@ -498,7 +536,8 @@ def run_jobs(argv: Sequence[str], pending: Sequence[str], jobs: int, head: dict[
 
 
 def work(model: Path, device: torch.device, tasks: Sequence[Task], names: set[str],
-         params: TrainParams, out: Path, head: dict[str, Any], result: Path, micro: int) -> int:
+         params: TrainParams, out: Path, head: dict[str, Any], result: Path, micro: int,
+         every: int) -> int:
     """A worker of ``--jobs``: trains ``names`` and writes their log to ``result`` (its parent
     merges it into train_log.json)."""
     logs: dict[str, dict[str, Any]] = {}
@@ -507,7 +546,7 @@ def work(model: Path, device: torch.device, tasks: Sequence[Task], names: set[st
         logs[log["task"]] = log
         write_log(result, head, tasks, logs)
 
-    train_here(model, device, tasks, names, params, out, head, record, micro)
+    train_here(model, device, tasks, names, params, out, head, record, micro, every)
     return 0
 
 
