@@ -18,8 +18,8 @@
 #          carries), check the sha256, install the gguf and bfcl-eval
 #          wheels, test the hidden-state API on CUDA
 #   train  train the 4 adapters at once (train.py --jobs 4; tasks already   carry .carry/quality_adapters
-#          saved are skipped), return them as                             when a session brought them back
-#          $OUT/adapters_MODEL_qkvo.tgz.partNN (~27 MB)
+#          saved are skipped, a task cut at 540 s continues from its      when a session brought them back
+#          checkpoint), return them as $OUT/adapters_MODEL_qkvo.tgz.partNN (~27 MB)
 #   train-alora  the same 4 adapters as activated LoRA (train.py --alora)  carry as train (its alora folder)
 #          to /root/adapters/MODEL/alora and $OUT/adapters_MODEL_alora.tgz.partNN
 #   drift  per-layer drift over 8 catalogs (drift.py): the profile the recompute modes take their
@@ -81,8 +81,9 @@ plain_or_alora() {
 # (--jobs 4: a small model leaves the GPU idle while one process's host work runs; 4 copies
 # of a 0.5B model fit many times over; rows go MICRO_BATCH at a time, default 2: Qwen's
 # activations at 8 rows did not fit four processes). The training stops in time for the copy to $OUT
-# (tasks saved so far are skipped by the next call; timeout's SIGTERM reaches the workers too,
-# as they share its process group).
+# (tasks saved so far are skipped by the next call, and a task cut midway continues from its last
+# checkpoint, every 25 steps, in /root; timeout's SIGTERM reaches the workers too, as they share
+# its process group). The checkpoints stay on the machine: $OUT gets the saved adapters only.
 train_into() {
   local dir=$1 log=$2; shift 2
   python3 -c 'import peft; print("peft", peft.__version__)'
@@ -90,12 +91,13 @@ train_into() {
   time timeout 540 python3 -m benchmarks.quality.train --model "$MODEL" --out "$dir" --device cuda \
       --targets q,k,v,o --jobs 4 --micro-batch "${MICRO_BATCH:-2}" $TF32 "$@" || rc=$?
   if [[ -f $dir/train_log.json ]]; then  # at least one task saved
-    tar -C "$(dirname "$dir")" -czf - "$(basename "$dir")" \
+    tar -C "$(dirname "$dir")" --exclude='checkpoint.pt*' -czf - "$(basename "$dir")" \
       | split -b 15M - "$OUT/adapters_${NAME}_$(basename "$dir").tgz.part"
     cp "$dir/train_log.json" "$OUT/$log" && ls -l "$OUT"
   fi
   if [[ $rc == 124 ]]; then
-    echo "stopped at 540 s: run this call again (saved tasks are skipped)"; return 0
+    echo "stopped at 540 s: run this call again (saved tasks are skipped, cut ones continue)"
+    return 0
   fi
   return "$rc"
 }

@@ -1,6 +1,7 @@
 """train.py --checkpoint-every on the tiny random model: a task cut after some steps continues
 from its last checkpoint to the adapter and losses of an uninterrupted run, bit for bit (plain
-LoRA and aLoRA); a checkpoint of other parameters is refused; a finished task leaves none."""
+LoRA and aLoRA), in a worker of --jobs too; a checkpoint of other parameters is refused; a
+finished task leaves none."""
 import json
 
 import pytest
@@ -91,6 +92,15 @@ def test_a_checkpoint_of_other_parameters_is_refused(tiny, tmp_path, monkeypatch
                                          rf"with other parameters"):
         _train(tiny, tmp_path, "--lr", "1e-3")
     assert (tmp_path / TASK / "checkpoint.pt").exists()  # kept: the right run can still use it
+
+
+def test_a_worker_of_jobs_continues_its_task(tiny, tmp_path, monkeypatch):
+    other = "multiple"
+    _killed_in_step(tiny, tmp_path, monkeypatch, 4, "--categories", f"{TASK},{other}")
+    assert _train(tiny, tmp_path, "--categories", f"{TASK},{other}", "--jobs", "2") == 0
+    tasks = json.loads((tmp_path / "train_log.json").read_text())["tasks"]
+    assert {t["task"]: t["resumed_from_step"] for t in tasks} == {TASK: 2, other: 0}
+    assert not list(tmp_path.glob("*/checkpoint.pt*"))
 
 
 def test_checkpoint_every_0_writes_none(tiny, tmp_path, monkeypatch):
