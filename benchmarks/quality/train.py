@@ -307,9 +307,14 @@ def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]
     old = json.loads(log_path.read_text())
     # A log written before a field of TrainParams existed reads with that field's default.
     params = json.loads(json.dumps(asdict(TrainParams(**old["params"]))))
-    if params != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]:
+    # The held-out split and the categories decide each task's training items too (logs
+    # written before the categories were recorded trained the default ones).
+    split = (old.get("heldout"), old.get("categories", list(DEFAULT_CATEGORIES)))
+    if (params != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]
+            or split != (head["heldout"], head["categories"])):
         raise SystemExit(f"{log_path.parent} holds adapters trained with other parameters "
-                         f"({old['model']}, {old['params']}); use another --out")
+                         f"({old['model']}, {old['params']}, heldout {split[0]}, categories "
+                         f"{split[1]}); use another --out")
     return {t["task"]: t for t in old["tasks"]
             if (log_path.parent / t["task"] / "adapter_model.safetensors").exists()}
 
@@ -477,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{[t.name for t in tasks]}")
     args.out.mkdir(parents=True, exist_ok=True)
     head = {"model": args.model.name, "device": str(device), "smoke": args.smoke,
-            "params": asdict(params), "heldout": args.heldout}
+            "params": asdict(params), "heldout": args.heldout,
+            "categories": args.categories.split(",")}
     if args.worker_result is not None:
         return work(args.model, device, tasks, set(names), params, args.out, head,
                     args.worker_result, args.micro_batch, args.checkpoint_every)

@@ -50,6 +50,10 @@ def test_train_evaluate_report_end_to_end(tiny, tmp_path):
     assert train.main(args) == 0 and saved.stat().st_mtime_ns == stamp  # resumed: nothing to train
     with pytest.raises(SystemExit, match="other parameters"):
         train.main(args[:-1] + ["peft"])
+    other_split = list(args)
+    other_split[other_split.index("--heldout") + 1] = "5"  # other training items, same params
+    with pytest.raises(SystemExit, match="heldout 4"):
+        train.main(other_split)
 
     params = EvalParams(rounds=2, distractors=1, max_new=6, heldout=4, block=1)
     folder, cache = tmp_path / "quality_test", tmp_path / "cache"
