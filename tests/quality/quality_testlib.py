@@ -49,22 +49,14 @@ def tiny_gguf(folder: Path, path: Path, tied: bool = False) -> Path:
     import json
 
     import gguf
+    from gguf_testlib import add_llama_header, add_weight, write_out
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(len(tok))
-    w.add_tokenizer_model("gpt2")
+    add_llama_header(w, cfg, len(tok))
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     w.add_token_list([t for t, _ in vocab])
     special = set(tok.all_special_tokens)
@@ -82,13 +74,6 @@ def tiny_gguf(folder: Path, path: Path, tied: bool = False) -> Path:
             continue
         a = t.float().numpy()
         gname = names.get_name(name, try_suffixes=(".weight",))
-        if a.ndim == 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_weight(w, gname, a, gguf.GGMLQuantizationType.Q8_0)
+    write_out(w)
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_testlib import add_llama_header, add_weight, write_out
 from torch_testlib import DEVICE, DTYPE, REL_TOL, VOCAB, make_config, prompt, rel_err, work
 
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork
@@ -24,16 +25,7 @@ def write_tiny_gguf(hf_dir, path) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
+    add_llama_header(w, cfg, cfg.vocab_size)
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     w.add_token_types([1] * cfg.vocab_size)
     w.add_token_merges([])
@@ -59,15 +51,8 @@ def write_tiny_gguf(hf_dir, path) -> None:
                 a = permute(a, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 a = permute(a, cfg.num_key_value_heads)
-        if a.ndim == 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_weight(w, gname, a, gguf.GGMLQuantizationType.Q4_1)
+    write_out(w)
 
 
 def test_tiny_q4_1_gguf_matches_transformers(models, tmp_path):
