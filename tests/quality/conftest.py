@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# tests/lib: test libraries several test folders share (gguf_testlib). Not tests/ itself:
+# its folders named like packages (torch, ray, vllm) would import as namespace packages.
+SHARED_LIB = str(Path(__file__).resolve().parents[1] / "lib")
+if SHARED_LIB not in sys.path:
+    sys.path.insert(0, SHARED_LIB)
+
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

@@ -6,6 +6,7 @@ them into the model): TRITON_INTERPRET must be set before triton is first import
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +16,12 @@ if not torch.cuda.is_available():
 
 import pytest
 from torch_testlib import save_peft_adapter, save_tiny_model
+
+# tests/lib: test libraries several test folders share (gguf_testlib). Not tests/ itself:
+# its folders named like packages (torch, ray, vllm) would import as namespace packages.
+SHARED_LIB = str(Path(__file__).resolve().parents[1] / "lib")
+if SHARED_LIB not in sys.path:
+    sys.path.insert(0, SHARED_LIB)
 
 
 @pytest.fixture(scope="session")
