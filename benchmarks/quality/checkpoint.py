@@ -11,12 +11,11 @@ schedule's position and the torch RNG states are restored as they were, and the 
 (``train.batches``: a deterministic generator) is fast-forwarded by the batches already drawn
 (one per step), so the adapter is bit for bit the one an uninterrupted run saves. Python's
 global ``random`` is not saved: the stream draws from ``random.Random`` instances of its own.
-A checkpoint records the ``key`` of the run that wrote it (model, TrainParams, the tasks and
-their split); one written under another key is refused, never mixed.
+A checkpoint records the ``key`` of the run that wrote it (``train.run_key``: model, recipe and
+split, as JSON reads them back); one written under another key is refused, never mixed.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +34,6 @@ class Progress:
     losses: torch.Tensor  # [params.steps] on the training device; the first ``step`` are set
 
 
-def _normal(key: dict[str, Any]) -> Any:
-    """``key`` as JSON reads it back (tuples as lists), so a saved key compares equal."""
-    return json.loads(json.dumps(key))
-
-
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
@@ -49,7 +43,7 @@ def save(folder: Path, key: dict[str, Any], model: torch.nn.Module,
          progress: Progress, device: torch.device) -> None:
     """Writes the task's state to ``folder/checkpoint.pt`` atomically."""
     state = {
-        "key": _normal(key),
+        "key": key,
         "step": progress.step,
         "skipped": list(progress.skipped),
         "losses": progress.losses[:progress.step].cpu(),
@@ -75,7 +69,7 @@ def restore(folder: Path, key: dict[str, Any], model: torch.nn.Module,
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["key"] != _normal(key):
+    if state["key"] != key:
         raise SystemExit(f"{folder} holds a checkpoint of training with other parameters "
                          f"({state['key']}); delete {path} or use another --out")
     with torch.no_grad():

@@ -300,21 +300,28 @@ def train_task(base: Any, tokenizer: Any, tasks: Sequence[Task], index: int, par
                    [round(v, 4) for v in values], resumed_from)
 
 
+def run_key(head: dict[str, Any]) -> dict[str, Any]:
+    """What a run's saved tasks and checkpoints depend on, as JSON reads it back: the model,
+    the recipe, and the split (the held-out count and the categories decide each task's items,
+    distractors and seed)."""
+    return json.loads(json.dumps({k: head[k] for k in ("model", "params", "heldout",
+                                                       "categories")}))
+
+
 def done_tasks(log_path: Path, head: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Tasks an earlier run with the same parameters saved in this folder: name -> its log."""
+    """Tasks an earlier run with the same ``run_key`` saved in this folder: name -> its log."""
     if not log_path.exists():
         return {}
     old = json.loads(log_path.read_text())
-    # A log written before a field of TrainParams existed reads with that field's default.
-    params = json.loads(json.dumps(asdict(TrainParams(**old["params"]))))
-    # The held-out split and the categories decide each task's training items too (logs
-    # written before the categories were recorded trained the default ones).
-    split = (old.get("heldout"), old.get("categories", list(DEFAULT_CATEGORIES)))
-    if (params != json.loads(json.dumps(head["params"])) or old["model"] != head["model"]
-            or split != (head["heldout"], head["categories"])):
+    # A log written before a field of TrainParams, or the categories, was recorded reads with
+    # its default.
+    was = run_key(dict(old, params=asdict(TrainParams(**old["params"])),
+                       heldout=old.get("heldout"),
+                       categories=old.get("categories", list(DEFAULT_CATEGORIES))))
+    if was != run_key(head):
         raise SystemExit(f"{log_path.parent} holds adapters trained with other parameters "
-                         f"({old['model']}, {old['params']}, heldout {split[0]}, categories "
-                         f"{split[1]}); use another --out")
+                         f"({was['model']}, {was['params']}, heldout {was['heldout']}, "
+                         f"categories {was['categories']}); use another --out")
     return {t["task"]: t for t in old["tasks"]
             if (log_path.parent / t["task"] / "adapter_model.safetensors").exists()}
 
@@ -350,10 +357,7 @@ def train_here(model: Path, device: torch.device, tasks: Sequence[Task], names: 
         head["alora_invocation_tokens"] = list(assistant_opener(tokenizer))
     print(f"model {model.name} loaded in {head['load_s']:.1f} s on {device}; params "
           f"{asdict(params)}")
-    # What a checkpoint must have been written under: besides the recipe, the tasks and their
-    # split decide each task's items, distractors and seed.
-    key = {"model": head["model"], "params": head["params"], "heldout": head["heldout"],
-           "tasks": [t.name for t in tasks]}
+    key = run_key(head)  # what a checkpoint must have been written under
     for i, task in enumerate(tasks):  # every task stays in the list: they are each other's
         if task.name in names:        # distractors, and the index seeds the task
             record(asdict(train_task(base, tokenizer, tasks, i, params, out, device, micro, key,
