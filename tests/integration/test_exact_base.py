@@ -27,14 +27,34 @@ def _run(eng, adapter, tokens, n=6):
     return out
 
 
+def _logits_of(eng, adapter, tokens):
+    """The generated tokens and the logits of every model forward the request ran."""
+    model, seen = eng.backend.model, []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(forward(*args, **kwargs).clone())
+        return seen[-1]
+
+    model.forward = recording
+    try:
+        return _run(eng, adapter, tokens), seen
+    finally:
+        del model.forward
+
+
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_the_base_model_never_reads_an_adapters_pages(model_dir, layout):
     eng = _engine(model_dir, layout)
     _run(eng, "planner", PROMPT)                 # publishes the prompt's pages
     before = eng.metrics.hash_hit_tokens
-    out = _run(eng, None, PROMPT)
+    out, logits = _logits_of(eng, None, PROMPT)
     assert eng.metrics.hash_hit_tokens == before  # nothing the adapter wrote was reused
-    assert out == _run(_engine(model_dir, layout), None, PROMPT)
+    plain_out, plain_logits = _logits_of(_engine(model_dir, layout), None, PROMPT)
+    assert out == plain_out
+    # The plain model's logits at every step, bit for bit: same steps over the same K/V.
+    assert len(logits) == len(plain_logits) > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits, strict=True))
     eng.check_integrity()
 
 
