@@ -23,6 +23,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 14  # CUDA msc tests, msc2s decode variants
 # Round 6 (the adaptive policy weighs the admission queue: docs/MULTILORA.md "Round 6"):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 15  # react, mapreduce: W=1,8,32
+# The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -159,6 +161,11 @@ case "$1" in
     disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
   timeout 280 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems unified \
     disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
+  ;;
+suite)
+  # tee writes as it goes: a run cut at the timeout keeps the tests it finished.
+  FORKSERVE_TEST_DEVICE=cuda timeout 500 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
+    --durations=10 tests/torch tests/kernels tests/cascade 2>&1 | tee "$OUT/pytest_cuda_suite.log" | tail -30
   ;;
 esac
 ls -la "$OUT"
