@@ -10,9 +10,11 @@ light load never loses to unified.
 
 Under contention merged alone would leave the batch memory-bound: when the sessions an
 admission controller holds back (``Queued``) would not all fit merged but would split, the
-policy keeps sessions merged only while the queue still fits split beside them, so every
-agent runs (issue 15 item 5: merged sessions keep their pages for life, so splitting
-later cannot make room).
+session opens split, so every agent runs beside it (merged sessions keep their pages for
+life, so splitting later cannot make room). Not some merged first and the rest split: on the
+H200 (docs/MULTILORA.md "Round 6") such a mixed batch decoded slower than all split at the
+same batch (24.9 against 19.9 ms a step at react W = 32), since each merged agent reads its
+own copy of the context while the split agents' cascade reads their shared base once.
 
 A session keeps its form for life: its pages were written in that form. Forks of the same
 adapter inherit it; see ``KVCache.fork_kv`` for forks to another adapter.
@@ -75,9 +77,10 @@ class FixedForm:
 
 @dataclass(frozen=True)
 class PressurePolicy:
-    """Split where the residual is already published (the prefill is saved); otherwise merged
-    while this session's merged pages, plus the room the queue needs under contention, stay
-    under the mark, split past it.
+    """Split where the residual is already published (the prefill is saved) or under
+    contention (the queue would not fit merged beside this session, and would split into
+    fewer pages); otherwise merged while this session's merged pages stay under the mark,
+    split past it.
 
     The mark is ``high_water`` of the base pool; it leaves room for the growth of sessions
     (their generated tokens) since merged sessions keep their pages for life. Hysteresis:
@@ -94,9 +97,9 @@ class PressurePolicy:
     def choose(self, signals: LayoutSignals) -> KVForm:
         if not signals.has_adapter:
             return KVForm.MERGED  # the base model's K/V is the same in both forms
-        if signals.residual_hit_tokens >= self.min_residual_hit:
+        if signals.residual_hit_tokens >= self.min_residual_hit or self.contended(signals):
             return KVForm.SPLIT
-        if signals.projected_base_pages + self.queue_room(signals) <= self.mark(signals):
+        if signals.projected_base_pages <= self.mark(signals):
             return KVForm.MERGED
         return KVForm.SPLIT
 
@@ -104,14 +107,12 @@ class PressurePolicy:
         water = self.high_water - (self.hysteresis if signals.split_held_pages else 0.0)
         return max(0.0, water) * signals.base_pool_pages
 
-    def queue_room(self, signals: LayoutSignals) -> int:
-        """Pages held back for the queue: under contention (it would not fit merged beside
-        this session) where splitting saves pages, its split pages; else none (it fits
-        either way, or splitting buys it nothing and merged stays faster)."""
-        contended = (signals.projected_base_pages + signals.queued_merged_pages
-                     > self.high_water * signals.base_pool_pages)
-        saves = signals.queued_split_pages < signals.queued_merged_pages
-        return signals.queued_split_pages if contended and saves else 0
+    def contended(self, signals: LayoutSignals) -> bool:
+        """The queue would not fit merged beside this session, and splitting saves pages
+        (where split shares nothing across adapters, merged stays: it is faster)."""
+        crowded = (signals.projected_base_pages + signals.queued_merged_pages
+                   > self.high_water * signals.base_pool_pages)
+        return crowded and signals.queued_split_pages < signals.queued_merged_pages
 
 
 def policy_for(layout: KVLayout, high_water: float, hysteresis: float = 0.0) -> LayoutPolicy:
