@@ -127,18 +127,27 @@ _PRODUCTS = {"linear": 0, "matmul": 0, "mm": 0, "addmm": 1, "addmm_": 1}
 
 class _Count(TorchDispatchMode):
     """aten calls that compute (views left out), paused inside the attention kernel; and the
-    multiply-adds of the matrix products among them."""
+    multiply-adds of the matrix products among them. Apart from them: the host tensors made
+    (``lift_fresh``: ``batch.build``'s metadata, one per index tensor) and their copies to
+    another device (a ``_to_copy`` from the CPU, made on CUDA only: on the CPU ``.to(device)``
+    returns the tensor itself)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.macs = 0
         self.on = True
+        self.host_tensors = 0
+        self.uploads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if self.on and not func.is_view:
+        if name == "lift_fresh":
+            self.host_tensors += 1
+        elif name == "_to_copy" and args[0].device.type == "cpu" and out.device != args[0].device:
+            self.uploads += 1
+        elif self.on and not func.is_view:
             self.ops[name] += 1
             if name in _PRODUCTS:
                 self.macs += out.numel() * args[_PRODUCTS[name]].shape[-1]
@@ -169,7 +178,7 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
     writes and one reduction of x A to the residual rows. With the base pages present
     (another agent wrote them, the react workload's case) it writes the residuals only and
     projects q alone (no K/V projection, RoPE over the q heads only)."""
-    counts, macs = {}, {}
+    counts, macs, host, uploads = {}, {}, {}, {}
     for layout in (KVLayout.UNIFIED, KVLayout.DISAGGREGATED):
         count = _Count()
         # Plain fusions: compiled ones would run as Inductor kernels, not aten calls.
@@ -184,6 +193,7 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
         with count:
             backend.forward(items)
         counts[layout], macs[layout] = count.ops, count.macs
+        host[layout], uploads[layout] = count.host_tensors, count.uploads
     layers = backend.model_config.num_layers
     unified, split = counts[KVLayout.UNIFIED], counts[KVLayout.DISAGGREGATED]
     own = 0 if base_present else 2 * layers
@@ -191,6 +201,13 @@ def test_split_prefill_ops_exceed_unified_only_by_the_residual_writes(models, ad
     assert split - unified == collections.Counter({"index_copy_": own, "sum": layers} if own
                                                   else {"sum": layers})
     assert sum(split.values()) <= sum(unified.values()) + 2 * layers
+    # Per forward, not per layer: the split form's own metadata, res_slot_mapping and
+    # res_block_tables, plus base_writes' two tensors where rows skip the base write (each one
+    # small host->device copy on CUDA, none on the CPU: the CUDA run's extra `_to_copy`s).
+    extra = 2 + (2 if base_present else 0)
+    assert host[KVLayout.DISAGGREGATED] - host[KVLayout.UNIFIED] == extra
+    assert uploads[KVLayout.DISAGGREGATED] - uploads[KVLayout.UNIFIED] == (
+        0 if DEVICE.type == "cpu" else extra)
     # Fewer multiply-adds: no k/v LoRA expand, and no K/V projection where the base is present.
     cfg, tokens = backend.model_config, sum(len(item.tokens) for item in items)
     kv_projection = 2 * layers * tokens * cfg.kv_size * cfg.hidden_size
