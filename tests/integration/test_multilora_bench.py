@@ -71,6 +71,19 @@ def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     assert "unified" in table and "disaggregated" in table and "tasks/s" in table
 
 
+def test_prefill_ticks_carry_every_prefill_token(tmp_path):
+    """The rows count the ticks that prefilled and their tokens: every prefill token rode in
+    one of them (the agent-written systems prefill only inside the driver's ticks)."""
+    assert main(["react", "--tiny", "--workflows", "3", "--systems", "unified", "disaggregated",
+                 "--context", "64", "--turns", "2", "--gen", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
+    for r in data["results"]:
+        assert r["prefill_ticks"] > 0
+        assert r["prefill_tokens_per_tick"] * r["prefill_ticks"] == pytest.approx(
+            r["prefill_tokens"])
+        assert r["prefill_tokens_per_tick"] <= r["prefill_tokens_per_tick_max"] <= 16384
+
+
 def test_a_failed_run_exits_1_and_is_reported(tmp_path, capsys):
     # 6 pages of KV cannot hold one workflow's 12.
     assert main(["react", "--tiny", "--workflows", "1", "--systems", "unified", "--context", "64",

@@ -114,6 +114,7 @@ class Driver:
         self._context_holders = 0
         self._census = PageCensus()
         self.prefill_tick_s = 0.0
+        self.prefill_tick_tokens: list[int] = []   # the prefill tokens of each prefill tick
         self.decode_tick_s = 0.0
         self.decode_only_ticks = 0
         # D1's host copies inside decode-only ticks: calls, pages and the host's ms.
@@ -135,6 +136,7 @@ class Driver:
         elapsed = time.perf_counter() - t0
         if m.prefill_tokens > prefill_before:
             self.prefill_tick_s += elapsed
+            self.prefill_tick_tokens.append(m.prefill_tokens - prefill_before)
         elif m.decode_tokens > before:
             self.decode_tick_s += elapsed
             self.decode_only_ticks += 1

@@ -32,7 +32,7 @@ def format_table(results: list[RunResult], workload: str) -> str:
     head = (f"{'system':<18} {'cascade':>7} {'overlap':>7} {'W':>3} {'tasks/s':>8} {'p50 s':>6} "
             f"{'p99 s':>6} "
             f"{'peak GiB':>8} {'agent MiB':>9} {'ctx MiB/agent':>13} {'hit':>5} "
-            f"{'prefill tok':>11} {'batch':>5} "
+            f"{'prefill tok':>11} {'pf ticks':>8} {'batch':>5} "
             f"{'prefill s':>9} {'decode s':>8} {'ms/step':>7}")
     lines = [f"{workload}-multilora", head, "-" * len(head)]
     for r in results:
@@ -42,7 +42,8 @@ def format_table(results: list[RunResult], workload: str) -> str:
                      f"{r.turn_latency_p50_s:>6.2f} {r.turn_latency_p99_s:>6.2f} "
                      f"{r.peak_kv_bytes / 2**30:>8.2f} {r.per_agent_kv_bytes / 2**20:>9.1f} "
                      f"{r.context_kv_per_agent_bytes / 2**20:>13.2f} {r.prefix_hit_rate:>5.2f} "
-                     f"{r.prefill_tokens:>11} {r.mean_decode_batch:>5.1f} {r.prefill_tick_s:>9.2f} "
+                     f"{r.prefill_tokens:>11} {r.prefill_ticks:>8} {r.mean_decode_batch:>5.1f} "
+                     f"{r.prefill_tick_s:>9.2f} "
                      f"{r.decode_tick_s:>8.2f} {r.decode_ms_per_step:>7.2f}")
     return "\n".join(lines)
 

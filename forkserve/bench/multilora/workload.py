@@ -107,6 +107,11 @@ class RunResult:
     graphs_captured_in_run: int = 0
     # The layers each reader recomputed (recompute<N> systems; the note says what chose them).
     recompute_layers: tuple = ()
+    # Ticks that prefilled (``prefill_tick_s``'s ticks) and the prefill tokens each carried:
+    # the same prefill tokens over more or emptier ticks cost more device time.
+    prefill_ticks: int = 0
+    prefill_tokens_per_tick: float = 0.0      # mean over the prefill ticks
+    prefill_tokens_per_tick_max: int = 0
 
 
 def tiny_config():
@@ -281,7 +286,11 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      decode_host_copy_bytes_per_step=driver.decode_copy_pages
                      * sizes["residual"] / steps,
                      decode_host_copy_ms_per_step=driver.decode_copy_ms / steps,
-                     outputs_sha256=_outputs_sha256(flows))
+                     outputs_sha256=_outputs_sha256(flows),
+                     prefill_ticks=len(driver.prefill_tick_tokens),
+                     prefill_tokens_per_tick=sum(driver.prefill_tick_tokens)
+                     / max(1, len(driver.prefill_tick_tokens)),
+                     prefill_tokens_per_tick_max=max(driver.prefill_tick_tokens, default=0))
 
 
 def _outputs_sha256(flows: list[Workflow]) -> str:
