@@ -56,6 +56,40 @@ def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
         assert set(attention.prefill_routes) == {"flash"}
 
 
+def mixed_run(backend: TorchBackend, names: list[str | None], residual: bool) -> torch.Tensor:
+    """Prefill, then one step where items 0 and 2 decode a token while 1 and 3 prefill a
+    chunk (a mixed tick), then a decode step; every logit of the last two steps."""
+    ids = [None if n is None else backend.adapter_id(n) for n in names]
+    prompts = [prompt(150 + i, 20 + 7 * i) for i in range(len(names))]
+    backend.forward([work(i, p, 0, ids[i], residual=residual) for i, p in enumerate(prompts)])
+    lens = [len(p) for p in prompts]
+    chunks = [prompt(170 + i, 1 if i % 2 == 0 else 6) for i in range(len(names))]
+    mixed = backend.forward([work(i, c, lens[i], ids[i], residual=residual)
+                             for i, c in enumerate(chunks)])
+    lens = [n + len(c) for n, c in zip(lens, chunks, strict=True)]
+    after = backend.forward([work(i, prompt(190 + i, 1), lens[i], ids[i], residual=residual,
+                                  decode=True) for i in range(len(names))])
+    return torch.cat([*mixed.logits, *after.logits])
+
+
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
+def test_decode_rows_of_a_prefill_step_take_the_decode_kernels(models, adapters, layout):
+    """A step of one-token items beside chunks attends the former with the decode kernels
+    (``step_rows.py``), the latter on their prefill route: the same logits as eager
+    attention, in this step and the next (the pages it wrote)."""
+    names = ["qkvo", None, "qv", "qkvo"]
+    config = make_config(layout).replace(page_size=16)
+    attention = KernelAttention(use_triton=True)
+    eager, kernels = (
+        mixed_run(TorchBackend(config, models["llama"],
+                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
+                               dtype=DTYPE, attention=choice, use_cuda_graphs=False),
+                  names, residual=layout is KVLayout.DISAGGREGATED)
+        for choice in ("eager", attention))
+    assert rel_err(kernels, eager) < REL_TOL
+    assert attention.prefill_routes["decode_rows"] > 0
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("attention", ["eager", "triton"])
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
