@@ -12,16 +12,33 @@
 #   command: bash benchmarks/h200_vllm.sh N [LAST]   (DRY_RUN=1: print the commands, run none)
 # LAST is the last part's number (2 for the usual three parts; if vllm-carry.sh wrote more,
 # call N = 0..LAST carries part N, the middle calls only copy, and call LAST runs call 2's work).
+# A call carries the work tree too (14 MB in 2026-12) and at most 64 MiB in all, so
+# vllm-carry.sh's 60 MiB parts no longer fit beside it: on the dev box first
+#   bash benchmarks/h200_vllm.sh resplit     (rejoin, check the sha256, 45 MiB parts; prints LAST)
 # COPY_ONLY=1: calls 0..LAST only gather the parts and unpack vLLM (a hold for the scored run).
 #
 # The scored fan-out (issue 17, item 3; SmolLM2 in two 50 MiB parts, after the calls above
 # in the same hold for its plain-vLLM row, or alone on a fresh machine without that row):
 #   call smollm2  carry .carry/smollm2/part-aa                      part aa to /root/parts
+#   call grammar  carry .carry/grammar (h200_grammar.sh prepare)   to /root/grammar
 #   call scored   carry .carry/smollm2/part-ab,                     join + sha256, wheels to
-#                       .whl/gguf-0.19.0-py3-none-any.whl,          /tmp/site, then
-#                       .carry/grammar/wheels                       h200_vllm.py scored-fanout
+#                       .whl/gguf-0.19.0-py3-none-any.whl           /tmp/site, then
+#                                                                   h200_vllm.py scored-fanout
+# (SmolLM2's second part, the grammar wheels and the tree together pass 64 MiB: two calls.)
 set -u
-n=${1:?usage: h200_vllm.sh N [LAST] | smollm2 | scored}
+n=${1:?usage: h200_vllm.sh N [LAST] | resplit | smollm2 | grammar | scored}
+if [ "$n" = resplit ]; then  # on the dev box: the same bytes in parts that fit beside the tree
+  set -e
+  joined=$(mktemp) && trap 'rm -f "$joined"' EXIT
+  cat .vllm/vllm026.part* > "$joined"
+  [ "$(sha256sum "$joined" | cut -d' ' -f1)" = "$(cat .vllm/vllm026.sha256)" ] || {
+    echo "the .vllm parts do not match vllm026.sha256: rebuild with vllm-carry.sh" >&2; exit 1; }
+  rm -f .vllm/vllm026.part*
+  split -b 45M -d "$joined" .vllm/vllm026.part
+  ls -l .vllm
+  echo "LAST=$(( $(ls .vllm/vllm026.part* | wc -l) - 1 ))"
+  exit 0
+fi
 last=${2:-2}
 start=$(date +%s)
 stop=$((start + ${BUDGET_S:-480}))
@@ -42,6 +59,9 @@ case "$n" in
 smollm2)
   mkdir -p "$SMOL" && run cp .carry/smollm2/part-aa "$SMOL/" && ls -l "$SMOL"
   exit $? ;;
+grammar)
+  run cp -r .carry/grammar /root/ && ls /root/grammar/wheels
+  exit $? ;;
 scored)
   mkdir -p "$SMOL"
   run cp .carry/smollm2/part-ab "$SMOL/" || { echo "carry .carry/smollm2/part-ab"; exit 1; }
@@ -55,7 +75,7 @@ scored)
   # gguf (our loader, transformers' tokenizer) and the grammar engine with the server package
   # it lives in (the exact tool-call check); after vLLM's own packages on the path.
   run python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    .whl/gguf-*.whl .carry/grammar/wheels/*.whl
+    .whl/gguf-*.whl /root/grammar/wheels/*.whl
   export PYTHONPATH=$PWD:$SITE:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   [ -d "$SITE/vllm" ] || echo "no vLLM in $SITE (calls 0..LAST not run in this hold): its row is skipped"
   run timeout "$(left)" python3 benchmarks/h200_vllm.py scored-fanout --out "$OUT" \
