@@ -40,20 +40,27 @@ def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
     merged residual variant at these lengths; on a GPU the flash route where the batch is
     long enough), or the flash route forced (on CPU: the pack kernel under the interpreter,
     SDPA per sequence). ``use_triton=True`` forces the kernels on CPU too; 16-token pages."""
-    names = ["qkvo", None, "qv", "qkvo"]
-    config = make_config(layout).replace(page_size=16)
     policy = (FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH) if prefill == "flash"
               else None)
     attention = KernelAttention(use_triton=True, prefill_policy=policy)
-    eager, kernels = (
-        decode_run(TorchBackend(config, models["llama"],
-                                adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
-                                dtype=DTYPE, attention=choice, use_cuda_graphs=False),
-                   names, residual=layout is KVLayout.DISAGGREGATED)
-        for choice in ("eager", attention))
-    assert rel_err(kernels, eager) < REL_TOL
+    assert_kernels_match_eager(decode_run, models, adapters, layout, attention)
     if prefill == "flash":  # one prefill step: every layer took the flash route
         assert set(attention.prefill_routes) == {"flash"}
+
+
+def assert_kernels_match_eager(run, models, adapters, layout: KVLayout,
+                               attention: KernelAttention) -> None:
+    """``run`` over mixed adapters (and the base model) gives the same logits with
+    ``attention`` as with eager attention; 16-token pages."""
+    names = ["qkvo", None, "qv", "qkvo"]
+    config = make_config(layout).replace(page_size=16)
+    eager, kernels = (
+        run(TorchBackend(config, models["llama"],
+                         adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
+                         dtype=DTYPE, attention=choice, use_cuda_graphs=False),
+            names, residual=layout is KVLayout.DISAGGREGATED)
+        for choice in ("eager", attention))
+    assert rel_err(kernels, eager) < REL_TOL
 
 
 def mixed_run(backend: TorchBackend, names: list[str | None], residual: bool) -> torch.Tensor:
@@ -77,16 +84,8 @@ def test_decode_rows_of_a_prefill_step_take_the_decode_kernels(models, adapters,
     """A step of one-token items beside chunks attends the former with the decode kernels
     (``step_rows.py``), the latter on their prefill route: the same logits as eager
     attention, in this step and the next (the pages it wrote)."""
-    names = ["qkvo", None, "qv", "qkvo"]
-    config = make_config(layout).replace(page_size=16)
     attention = KernelAttention(use_triton=True)
-    eager, kernels = (
-        mixed_run(TorchBackend(config, models["llama"],
-                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
-                               dtype=DTYPE, attention=choice, use_cuda_graphs=False),
-                  names, residual=layout is KVLayout.DISAGGREGATED)
-        for choice in ("eager", attention))
-    assert rel_err(kernels, eager) < REL_TOL
+    assert_kernels_match_eager(mixed_run, models, adapters, layout, attention)
     assert attention.prefill_routes["decode_rows"] > 0
 
 
