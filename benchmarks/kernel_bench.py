@@ -22,6 +22,10 @@ Measures, for one attention layer:
 
 Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a table.
 ``--prefill`` runs only the prefill part (``kernel_bench_prefill.json`` / ``.png``).
+``--mixed`` runs only mixed steps (a prefill chunk beside one-token rows, one layer call):
+the whole batch on its prefill route, as before ``backend/torch/step_rows.py``, against the
+chunk on its route plus the rows through the decode kernel, each half alone, and the split
+output checked against the whole one (``kernel_bench_<tag>.json`` / ``.png``, tag "mixed").
 ``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing;
 ``--regs`` needs no GPU: it reports registers and spills of the kernels for sm_90a.
 """
@@ -66,6 +70,7 @@ class Setup:
             self.n_heads, self.n_kv, self.head_dim, self.rank = 4, 2, 32, 16
             self.contexts, self.batches = [64, 128], [1, 2]
             self.prefill_contexts, self.agents, self.suffix = [64], 4, 16
+            self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [64], 16, [2, 3]
             self.max_tokens = 1024
         else:
             self.n_heads, self.n_kv, self.head_dim, self.rank = 32, 8, 128, 16
@@ -73,6 +78,8 @@ class Setup:
             self.batches = [1, 8, 32, 64]
             self.prefill_contexts = [1024, 4096, 8192, 32768]
             self.agents, self.suffix = 32, 128
+            # A mixed tick (docs/MULTILORA.md "Round 4"): a ~200-token chunk beside decode rows.
+            self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [8192, 32768], 202, [8, 28]
             self.max_tokens = 64 * 32768 + 32 * 256
         self.page = 16
         self.n_adapters = 4
@@ -545,6 +552,144 @@ def print_prefill(res: dict) -> None:
               f"{r['residual_sdpa_ms']:7.3f} | {r['unified_flash_ms'] / base:5.2f} "
               f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | "
               f"{r['policy_unified']}/{r['policy_residual']}")
+
+
+def mixed_cases(s: Setup) -> list[tuple[int, int, int]]:
+    """(context, new tokens of the chunk, one-token rows) of the mixed steps: every sequence
+    holds ``context`` keys (the chunk's new tokens among them)."""
+    return [(ctx, s.mixed_chunk, rows) for ctx in s.mixed_contexts for rows in s.mixed_rows]
+
+
+def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
+               flash: bool) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
+    """One attention layer call of a mixed step (one chunk of ``new`` tokens beside ``rows``
+    one-token sequences, each over ``ctx`` keys), as ``KernelAttention.forward`` runs it:
+    "whole", the batch on the prefill route the policy picks for all of it (before
+    step_rows.py); "split", the chunk on its own route and the rows through the decode kernel
+    into one output (now); "rows" and "chunk", each half alone; "reference", the whole batch
+    through the kernels package's eager float32 reference (not timed). Kernel defaults, as the
+    engine calls them. Returns the calls and the routes taken."""
+    from forkserve import kernels
+    policy = kernels.CostPrefillPolicy()
+    bt, rbt, lens = s.tables(1 + rows, ctx)
+    q, ad = s.q(new + rows), s.adapters(1 + rows)
+    qlens = (new,) + (1,) * rows
+    cu = torch.tensor((0, *(new + i for i in range(rows + 1))), dtype=torch.int32,
+                      device=s.device)
+    whole_counts = kernels.PrefillCounts(qlens, (ctx,) * (1 + rows))
+    chunk_counts = kernels.PrefillCounts((new,), (ctx,))
+    route = {"whole": policy.route(whole_counts, residual, flash),
+             "chunk": policy.route(chunk_counts, residual, flash)}
+    pools = (s.k, s.v, s.k_res, s.v_res) if residual else (s.k, s.v)
+
+    def tables(lo: int, hi: int) -> tuple:  # sequences lo .. hi-1, as step_rows' views
+        return (bt[lo:hi], rbt[lo:hi]) if residual else (bt[lo:hi],)
+
+    def rest(lo: int, hi: int) -> tuple:  # after the query starts: B stacks, slots, inv_freq
+        return (s.b_k, s.b_v, ad[lo:hi], s.inv_freq) if residual else ()
+
+    def prefill(qq: torch.Tensor, hi: int, starts: torch.Tensor, counts,
+                which: str) -> torch.Tensor:
+        fn = kernels.residual_prefill if residual else kernels.paged_prefill
+        return fn(qq, *pools, *tables(0, hi), lens[:hi], starts, *rest(0, hi), use_triton=True,
+                  variant=route[which], counts=counts)
+
+    def reference() -> torch.Tensor:
+        fn = kernels.residual_prefill if residual else kernels.paged_prefill
+        args = (q, *pools, *tables(0, 1 + rows), lens, cu, *rest(0, 1 + rows))
+        return fn(*(t.float() if t.is_floating_point() else t for t in args), use_triton=False)
+
+    def decode(qq: torch.Tensor) -> torch.Tensor:
+        fn = kernels.residual_decode if residual else kernels.paged_decode
+        # The engine's host-free bound: the padded table width.
+        return fn(qq, *pools, *tables(1, 1 + rows), lens[1:], *rest(1, 1 + rows),
+                  use_triton=True, max_seq_len=bt.shape[1] * s.page)
+
+    def split() -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        out[:new] = prefill(q[:new], 1, cu[:2], chunk_counts, "chunk")
+        out[new:] = decode(q[new:])
+        return out
+
+    calls = {"whole": lambda: prefill(q, 1 + rows, cu, whole_counts, "whole"),
+             "split": split,
+             "rows": lambda: decode(q[new:]),
+             "chunk": lambda: prefill(q[:new], 1, cu[:2], chunk_counts, "chunk"),
+             "reference": reference}
+    return calls, {k: v.value for k, v in route.items()}
+
+
+MIXED_FORMS = ("unified", "residual")
+
+
+def run_mixed(s: Setup, res: dict, save: Callable[[], None], forms=MIXED_FORMS) -> None:
+    """Mixed steps per form and case (JSON saved after each): whole, split, rows and chunk
+    timed eagerly (a prefill step runs eagerly), and split's output against whole's."""
+    from forkserve.kernels import flash_support
+    flash = flash_support(s.q(1), s.k).varlen
+    res["flash_varlen"] = flash
+    for form in forms:
+        for ctx, new, rows in mixed_cases(s):
+            calls, routes = mixed_step(s, ctx, new, rows, form == "residual", flash)
+            reference = calls.pop("reference")
+            tag = f"mixed {form} ctx={ctx} chunk={new} rows={rows}"
+            row: dict = {"form": form, "ctx": ctx, "chunk": new, "rows": rows,
+                         "route_whole": routes["whole"], "route_chunk": routes["chunk"]}
+            for name, fn in calls.items():
+                row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
+            row["whole_over_split"] = row["whole_ms"] / row["split_ms"]
+            row["split_over_parts"] = row["split_ms"] / (row["rows_ms"] + row["chunk_ms"])
+            row["split_rel_err_vs_whole"] = check(
+                res, tag + " check", lambda: rel_err(calls["split"](), calls["whole"]()))
+            if ctx == s.mixed_contexts[0]:  # the eager float32 reference: the first context
+                for name in ("whole", "split"):
+                    row[name + "_rel_err_vs_eager_fp32"] = check(
+                        res, f"{tag} {name} check",
+                        lambda n=name: rel_err(calls[n](), reference()))
+            res["mixed"].append(row)
+            save()
+            print(f"{tag} | whole({row['route_whole']})={row['whole_ms']:.3f} "
+                  f"split({row['route_chunk']}+decode)={row['split_ms']:.3f} "
+                  f"rows={row['rows_ms']:.3f} chunk={row['chunk_ms']:.3f} ms | "
+                  f"whole/split={row['whole_over_split']:.2f} "
+                  f"err={row['split_rel_err_vs_whole']:.1e} "
+                  f"(vs fp32: {row.get('split_rel_err_vs_eager_fp32', math.nan):.1e})", flush=True)
+
+
+def print_mixed(res: dict) -> None:
+    print(f"mixed step, one attention layer call (eager ms; {res['dtype']})")
+    print("form      ctx chunk rows | whole (route)      split   rows  chunk | whole/split "
+          "split/(rows+chunk) | split err vs whole, vs fp32")
+    for r in res["mixed"]:
+        print(f"{r['form']:8s} {r['ctx']:6d} {r['chunk']:4d} {r['rows']:4d} | "
+              f"{r['whole_ms']:7.3f} ({r['route_whole']:6s}) {r['split_ms']:7.3f} "
+              f"{r['rows_ms']:7.3f} {r['chunk_ms']:7.3f} | {r['whole_over_split']:6.2f} "
+              f"{r['split_over_parts']:6.2f} | {r['split_rel_err_vs_whole']:.1e} "
+              f"{r.get('split_rel_err_vs_eager_fp32', math.nan):.1e}")
+
+
+def plot_mixed(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    forms = [f for f in MIXED_FORMS if any(r["form"] == f for r in res["mixed"])] or ["unified"]
+    fig, ax = plt.subplots(1, len(forms), figsize=(7 * len(forms), 5), squeeze=False)
+    for axis, form in zip(ax[0], forms):
+        rows = [r for r in res["mixed"] if r["form"] == form]
+        x = range(len(rows))
+        for i, key in enumerate(("whole", "split", "rows", "chunk")):
+            axis.bar([j + (i - 1.5) * 0.2 for j in x], [r[key + "_ms"] for r in rows], 0.2,
+                     label=key)
+        axis.set_xticks(list(x), [f"{r['ctx']}\n{r['chunk']}+{r['rows']}x1\n"
+                                  f"{r['whole_over_split']:.2f}x" for r in rows], fontsize=7)
+        axis.set(yscale="log", ylabel="ms (eager)",
+                 title=f"mixed step, {form}: context / chunk + rows / whole over split")
+        axis.legend(fontsize=7)
+    fig.suptitle(f"{res['device']} {res['dtype']} H={res['shape']['n_heads']} "
+                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
+                 f"r={res['shape']['rank']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
@@ -1062,7 +1207,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "shared"])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["decode", "prefill", "shared", *MIXED_FORMS],
+                        help="steps to leave out (unified / residual: forms of --mixed)")
     parser.add_argument("--regs", action="store_true",
                         help="no GPU: registers/spills of the kernels for sm_90a (ptxas -v)")
     parser.add_argument("--variants", nargs="*", choices=sorted(VARIANTS),
@@ -1071,12 +1218,22 @@ def main() -> None:
                              "kernel_bench_<tag>.json/.png")
     parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
     parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
-    parser.add_argument("--tag", default="decode_variants", help="file name tag for --variants")
+    parser.add_argument("--tag", help="file name tag for --variants (default decode_variants) "
+                                      "and --mixed (default mixed)")
     parser.add_argument("--prefill", action="store_true",
                         help="only: the prefill routes side by side (no decode tuning); writes "
                              "kernel_bench_prefill.json/.png")
     parser.add_argument("--prefill-contexts", nargs="*", type=int,
                         help="batch-1 prefill contexts (default 1K 4K 8K 32K)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="only: mixed steps, whole batch on the prefill route vs the chunk on "
+                             "its route + the one-token rows on the decode kernel; writes "
+                             "kernel_bench_<tag>.json/.png")
+    parser.add_argument("--mixed-contexts", nargs="*", type=int,
+                        help="keys per sequence of --mixed (default 8K 32K)")
+    parser.add_argument("--mixed-rows", nargs="*", type=int,
+                        help="one-token rows beside the chunk of --mixed (default 8 28)")
+    parser.add_argument("--chunk", type=int, help="new tokens of --mixed's chunk (default 202)")
     parser.add_argument("--cascade-sweep", action="store_true",
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
@@ -1091,6 +1248,15 @@ def main() -> None:
         s.batches = args.batches
     if args.prefill_contexts:
         s.prefill_contexts = args.prefill_contexts
+    if args.mixed_contexts:
+        s.mixed_contexts = args.mixed_contexts
+    if args.mixed_rows:
+        s.mixed_rows = args.mixed_rows
+    if args.chunk:
+        s.mixed_chunk = args.chunk
+    if args.mixed:
+        main_mixed(s, args)
+        return
     if args.variants is not None:
         main_variants(s, args)
         return
@@ -1176,6 +1342,36 @@ def main_prefill(s: Setup, args: argparse.Namespace) -> None:
         print("ERROR", e)
 
 
+def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
+    import triton
+    res: dict = {
+        "device": "cpu (interpreter)" if s.smoke else torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
+        "commit": source_commit(),
+        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
+                  "page_size": s.page},
+        "timing": "eager (a prefill step runs eagerly), L2 flushed, median of CUDA events",
+        "mixed": [],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernel_bench_{args.tag or 'mixed'}.json"
+    forms = [f for f in MIXED_FORMS if f not in args.skip]
+    try:
+        run_mixed(s, res, lambda: path.write_text(json.dumps(res, indent=1)), forms)
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"mixed: {exc!r}"[:1000])
+        print(f"mixed FAILED: {exc!r}", flush=True)
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        plot_mixed(res, path.with_suffix(".png"))
+    except Exception as exc:
+        print(f"plot failed: {exc!r}", flush=True)
+    print_mixed(res)
+    for e in res.get("errors", []):
+        print("ERROR", e)
+    return res
+
+
 def main_variants(s: Setup, args: argparse.Namespace) -> None:
     import triton
     names = args.variants or list(VARIANTS)
@@ -1188,7 +1384,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
         "decode_variants": [], "shared_prefix": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernel_bench_{args.tag}.json"
+    path = args.out / f"kernel_bench_{args.tag or 'decode_variants'}.json"
     res["copy_GBps"] = copy_bandwidth(s) / 1e9
     print(f"copy bandwidth {res['copy_GBps']:.0f} GB/s", flush=True)
     try:
