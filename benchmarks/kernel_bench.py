@@ -1242,18 +1242,13 @@ def main() -> None:
         register_report(args.out)
         return
     s = Setup(args.smoke)
-    if args.contexts:
-        s.contexts = args.contexts
-    if args.batches:
-        s.batches = args.batches
-    if args.prefill_contexts:
-        s.prefill_contexts = args.prefill_contexts
-    if args.mixed_contexts:
-        s.mixed_contexts = args.mixed_contexts
-    if args.mixed_rows:
-        s.mixed_rows = args.mixed_rows
-    if args.chunk:
-        s.mixed_chunk = args.chunk
+    # Shapes given on the command line replace the Setup's defaults.
+    for arg, field in (("contexts", "contexts"), ("batches", "batches"),
+                       ("prefill_contexts", "prefill_contexts"),
+                       ("mixed_contexts", "mixed_contexts"), ("mixed_rows", "mixed_rows"),
+                       ("chunk", "mixed_chunk")):
+        if getattr(args, arg):
+            setattr(s, field, getattr(args, arg))
     if args.mixed:
         main_mixed(s, args)
         return
@@ -1308,20 +1303,41 @@ def main() -> None:
     print_table(res)
 
 
-def main_prefill(s: Setup, args: argparse.Namespace) -> None:
-    import matplotlib
+def result_header(s: Setup, **fields) -> dict:
+    """The head of a result file (prefill, mixed, decode variants): machine, versions and
+    shape, then ``fields`` (its timing note, its empty row lists)."""
     import triton
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    res: dict = {
-        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
+    return {
+        "device": "cpu (interpreter)" if s.smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
         "commit": source_commit(),
         "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
                   "page_size": s.page},
-        "timing": "eager (as the engine runs prefill), L2 flushed, median of CUDA events",
-        "prefill": [],
+        **fields,
     }
+
+
+def publish(res: dict, path: Path, plot_fn: Callable[[dict, Path], None],
+            print_fn: Callable[[dict], None]) -> None:
+    """The JSON at ``path``, its PNG beside it (a plot that fails is said, not fatal), the
+    printed table and the errors."""
+    path.write_text(json.dumps(res, indent=1))
+    try:
+        plot_fn(res, path.with_suffix(".png"))
+    except Exception as exc:
+        print(f"plot failed: {exc!r}", flush=True)
+    print_fn(res)
+    for e in res.get("errors", []):
+        print("ERROR", e)
+
+
+def main_prefill(s: Setup, args: argparse.Namespace) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = result_header(
+        s, timing="eager (as the engine runs prefill), L2 flushed, median of CUDA events",
+        prefill=[])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "kernel_bench_prefill.json"
     try:
@@ -1343,16 +1359,9 @@ def main_prefill(s: Setup, args: argparse.Namespace) -> None:
 
 
 def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
-    import triton
-    res: dict = {
-        "device": "cpu (interpreter)" if s.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
-        "commit": source_commit(),
-        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
-                  "page_size": s.page},
-        "timing": "eager (a prefill step runs eagerly), L2 flushed, median of CUDA events",
-        "mixed": [],
-    }
+    res = result_header(
+        s, timing="eager (a prefill step runs eagerly), L2 flushed, median of CUDA events",
+        mixed=[])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_bench_{args.tag or 'mixed'}.json"
     forms = [f for f in MIXED_FORMS if f not in args.skip]
@@ -1361,28 +1370,13 @@ def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
     except Exception as exc:  # keep what was measured; report the failure
         res.setdefault("errors", []).append(f"mixed: {exc!r}"[:1000])
         print(f"mixed FAILED: {exc!r}", flush=True)
-    path.write_text(json.dumps(res, indent=1))
-    try:
-        plot_mixed(res, path.with_suffix(".png"))
-    except Exception as exc:
-        print(f"plot failed: {exc!r}", flush=True)
-    print_mixed(res)
-    for e in res.get("errors", []):
-        print("ERROR", e)
+    publish(res, path, plot_mixed, print_mixed)
     return res
 
 
 def main_variants(s: Setup, args: argparse.Namespace) -> None:
-    import triton
     names = args.variants or list(VARIANTS)
-    res: dict = {
-        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
-        "commit": source_commit(),
-        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
-                  "page_size": s.page},
-        "decode_variants": [], "shared_prefix": [],
-    }
+    res = result_header(s, decode_variants=[], shared_prefix=[])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_bench_{args.tag or 'decode_variants'}.json"
     res["copy_GBps"] = copy_bandwidth(s) / 1e9
@@ -1398,14 +1392,7 @@ def main_variants(s: Setup, args: argparse.Namespace) -> None:
             run_shared_prefix(s, {"unified": dict(block_n=64, num_warps=4, num_stages=2)}, res)
         except Exception as exc:
             res.setdefault("errors", []).append(f"shared: {exc!r}"[:1000])
-        path.write_text(json.dumps(res, indent=1))
-    try:
-        plot_variants(res, path.with_suffix(".png"))
-    except Exception as exc:
-        print(f"plot failed: {exc!r}", flush=True)
-    print_variants_table(res)
-    for e in res.get("errors", []):
-        print("ERROR", e)
+    publish(res, path, plot_variants, print_variants_table)
 
 
 def print_table(res: dict) -> None:
