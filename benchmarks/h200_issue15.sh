@@ -23,6 +23,9 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 14  # CUDA msc tests, msc2s decode variants
 # Round 6 (the adaptive policy weighs the admission queue: docs/MULTILORA.md "Round 6"):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 15  # react, mapreduce: W=1,8,32
+# Round 7 (the adaptive policy splits under contention; a mixed tick's decode rows take the
+# decode kernels: docs/MULTILORA.md "Round 7" and "Round 4"):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 16  # react W=1,8,32; mixed-step kernels
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite
 set -u
@@ -161,6 +164,15 @@ case "$1" in
     disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
   timeout 280 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems unified \
     disaggregated adaptive --tag issue15_round6 --out "$OUT" 2>&1 | tail -14
+  ;;
+16)
+  # The react rows carry `pf ticks`: does disaggregated's prefill (12.99 s in round 6) drop
+  # toward unified's (10.51 s) now that its small mixed ticks' decode rows skip the prefill
+  # kernels? Then one layer call of such a tick, whole against split (KERNELS.md "Mixed step").
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round7 --out "$OUT" 2>&1 | tail -14
+  timeout 150 python3 benchmarks/kernel_bench.py --mixed --mixed-contexts 8192 32768 \
+    --mixed-rows 8 28 --chunk 202 --out "$OUT" 2>&1 | tail -12
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished.
