@@ -13,10 +13,12 @@ import pytest
 import torch
 from torch_testlib import DEVICE, DTYPE, PAGE, as_decode_batch, make_config, pages_for, prompt, work
 
+from forkserve import kernels
 from forkserve.backend.protocol import SharedPrefix
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch import backend as backend_module
 from forkserve.backend.torch.errors import InvalidWorkError
+from forkserve.backend.torch.kernel_attention import KernelAttention
 from forkserve.backend.torch.pending_step import PendingStep
 from forkserve.config import KVLayout
 
@@ -32,11 +34,13 @@ def _row_pages(seq: int) -> tuple[int, ...]:
     return own if seq % 2 else pages_for(0)[:SHARED] + own[SHARED:]
 
 
-def _setup(models, adapters, layout: KVLayout, cascade: bool) -> tuple[TorchBackend, list]:
+def _setup(models, adapters, layout: KVLayout, cascade: bool,
+           attention="auto") -> tuple[TorchBackend, list]:
     """A backend holding a shared context, the rows' prompts and the tail's session; the
     rows' first decode items."""
     backend = TorchBackend(make_config(layout), models["llama"],
-                           adapters={"qkvo": adapters["qkvo"]}, device=DEVICE, dtype=DTYPE)
+                           adapters={"qkvo": adapters["qkvo"]}, device=DEVICE, dtype=DTYPE,
+                           attention=attention)
     backend.cascade_attention = cascade
     split = layout is KVLayout.DISAGGREGATED
     context = prompt(0, SHARED * PAGE)
@@ -112,6 +116,31 @@ def test_a_mixed_tick_equals_its_items_and_keeps_the_tables(models, adapters, mo
     # Every tick, the mixed one too, took the rows from their columns; only the first built
     # the tables afresh.
     assert rebuilt == [True, False, False]
+
+
+@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
+def test_a_mixed_ticks_rows_read_their_shared_context_once(models, adapters, monkeypatch,
+                                                             layout):
+    """With the Triton kernels (the interpreter on CPU), the rows of a tick that also
+    prefills take the decode kernels with their cascade tiles, as a decode-only tick's do, and
+    the tick equals the same step run as items (which plans the same tiles), bit for bit."""
+    attention = (lambda: KernelAttention(use_triton=True)) if DEVICE.type == "cpu" else (
+        lambda: "triton")
+    ours, rows = _setup(models, adapters, layout, True, attention())
+    ref, _ = _setup(models, adapters, layout, True, attention())
+    tiled = []
+    for name in ("cascade_decode", "cascade_residual_decode"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, **k: tiled.append(1) or
+                            _real(*a, **k))
+    general = _general("prefill", layout is KVLayout.DISAGGREGATED)
+    batch = as_decode_batch(rows)
+    got = ours.launch(general, batch).output()
+    assert tiled, "the rows' shared context was read per row"
+    want = ref.forward([*general, *batch.items()])
+    assert got.result.next_tokens == want.result.next_tokens
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert a is None or torch.equal(a, b)
 
 
 def test_an_item_that_disagrees_with_its_rows_group_is_refused(models, adapters):

@@ -49,8 +49,10 @@ class AttentionMetadata:
     # Adaptive layout, a batch of split and merged items: [T, 1] bool, the merged items'
     # tokens (their k/v LoRA delta is added to K/V; the split items' goes to the residual).
     kv_merge_mask: torch.Tensor | None = None
-    # Cascade attention (decode): shared prefixes read once per tile. Eager
-    # attention ignores it (the same result, each prefix read per sequence).
+    # Cascade attention: shared prefixes read once per tile, over the step's one-token
+    # sequences in their order (every sequence of a decode batch; in a prefill step, the
+    # decode rows its attention cuts out, step_rows.py). Eager attention ignores it (the
+    # same result, each prefix read per sequence).
     cascade: CascadeTiles | None = None
     # The rows of T that write base K/V (``res_writes``: residuals), as (rows [W] int64, their
     # slots [W] int64); None: every row writes at its slot_mapping (res_slot_mapping). A

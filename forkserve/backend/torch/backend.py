@@ -397,8 +397,8 @@ class TorchBackend:
         if rows is None or not rows_agree(work, batch.shared_prefix, rows.block_tables):
             return None
         clock = self._clock()
-        return self._sample(work, self.runner.forward_mixed(work, rows, slots), False, clock, batch,
-                            rows)
+        run = self.runner.forward_mixed(work, rows, slots, batch.shared_prefix)
+        return self._sample(work, run, False, clock, batch, rows)
 
     def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
         """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):

@@ -101,6 +101,13 @@ def rows_agree(work: Sequence[SeqWork], marks: Sequence[SharedPrefix | None],
     return True
 
 
+def decode_marks(work: Sequence[SeqWork]) -> list[SharedPrefix | None]:
+    """The marks of the step's one-token items, in order: the sequences the decode kernels
+    attend (every item of a decode batch; a prefill step's decode rows, ``step_rows.py``),
+    which its tiles index."""
+    return [s.shared_prefix for s in work if len(s.tokens) == 1]
+
+
 def plan(marks: Sequence[SharedPrefix | None], page_size: int, agents: int) -> CascadePlan | None:
     """Tiles for the groups of at least two items (``marks``: each item's ``shared_prefix``);
     None when no item shares a prefix."""

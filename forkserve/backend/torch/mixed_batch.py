@@ -10,8 +10,9 @@ A field one side leaves out means the same on that side everywhere: no residual 
 reads (the residual scratch page), no extra residuals, every row writing (``base_writes``);
 a side without residuals is merged throughout, so beside a split side its adapter tokens
 get their k/v delta in the base pages (``kv_merge_mask``: ``build`` marks the aLoRA tokens
-before the activation too, whose delta is zero). Neither side may carry cascade tiles (a
-step with a prefill is not decode-only and plans none).
+before the activation too, whose delta is zero). Neither side carries cascade tiles: the
+joined step's, over its one-token sequences (``cascade.decode_marks`` of the items, then the
+rows), are the caller's.
 
 Ownership: fresh tensors of this step; the inputs are not written.
 """
@@ -24,12 +25,14 @@ import torch.nn.functional as F
 
 from forkserve.backend.torch.attention import AttentionMetadata
 from forkserve.backend.torch.batch import Batch
+from forkserve.backend.torch.cascade import CascadeTiles
 
 
-def join(a: Batch, b: Batch, scratch_page: int, scratch_res_page: int, page_size: int) -> Batch:
-    """``b``'s tokens and sequences after ``a``'s."""
+def join(a: Batch, b: Batch, scratch_page: int, scratch_res_page: int, page_size: int,
+         cascade: CascadeTiles | None = None) -> Batch:
+    """``b``'s tokens and sequences after ``a``'s, with the joined step's ``cascade`` tiles."""
     ma, mb = a.meta, b.meta
-    assert ma.cascade is None and mb.cascade is None, "a joined step plans no cascade tiles"
+    assert ma.cascade is None and mb.cascade is None, "the tiles are the joined step's"
     tokens_a = len(a.input_ids)
     width = max(ma.block_tables.shape[1], mb.block_tables.shape[1])
     split = ma.res_slot_mapping is not None or mb.res_slot_mapping is not None
@@ -65,7 +68,7 @@ def join(a: Batch, b: Batch, scratch_page: int, scratch_res_page: int, page_size
         extra_token_slot=cat("extra_token_slot") if extra else None,
         extra_res_slot_mapping=cat("extra_res_slot_mapping") if extra else None,
         kv_merge_mask=_merge_mask(a, b) if split else None,
-        cascade=None,
+        cascade=cascade,
         base_writes=_writes(a, b, "base_writes", "slot_mapping"),
         res_writes=_writes(a, b, "res_writes", "res_slot_mapping") if split else None)
     return dataclasses.replace(

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 import torch
 
 from forkserve import kernels
-from forkserve.backend.protocol import SeqWork
+from forkserve.backend.protocol import SeqWork, SharedPrefix
 from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import Batch, BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
@@ -96,10 +96,9 @@ class ModelRunner:
         tensors)."""
         decode = decode_shaped(work)
         # Mixed merged/split batches too: a merged row has no residual (seq_slot -1), so the
-        # split-form kernels read its base pages as unified K/V, in a tile or alone.
-        plan = (cascade_tiles.plan([s.shared_prefix for s in work], self.limits.page_size,
-                                   self.cascade_agents)
-                if self.cascade and decode else None)
+        # split-form kernels read its base pages as unified K/V, in a tile or alone. A step
+        # that prefills plans tiles for its one-token items (its attention's decode rows).
+        plan = self._tiles(cascade_tiles.decode_marks(work))
         rows = (of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
                          self.pool.scratch_residual_page)
                 if self.use_cuda_graphs and decode and not all_logits and not hidden_states
@@ -130,16 +129,26 @@ class ModelRunner:
         return RunOutput(self.model.forward(*self._args(rows.to_batch(self.device, plan))), None)
 
     def forward_mixed(self, work: Sequence[SeqWork], rows: DecodeRows,
-                      adapter_slots: Mapping[int, int]) -> RunOutput:
+                      adapter_slots: Mapping[int, int],
+                      row_marks: Sequence[SharedPrefix | None]) -> RunOutput:
         """The logits of validated items that are not all decode-shaped (``decode_shaped``:
         a prefill, a committed tail), as ``forward`` gives them, then of decode rows, every
         row sampling: one eager forward, as ``forward`` runs such a step over items (no
-        graph, no cascade), the rows' part built from their columns (``mixed_batch.py``)."""
+        graph; the tiles ``forward`` would plan for ``[*work, *rows]``, ``row_marks`` being
+        the rows' marks), the rows' part built from their columns (``mixed_batch.py``)."""
         scratch, scratch_res = self.pool.scratch_page, self.pool.scratch_residual_page
         items = build(work, self.limits, adapter_slots, False, self.device, scratch, scratch_res)
+        plan = self._tiles([*cascade_tiles.decode_marks(work), *row_marks])
         batch = join(items, rows.to_batch(self.device, None), scratch, scratch_res,
-                     self.limits.page_size)
+                     self.limits.page_size,
+                     cascade_tiles.to_device(plan, self.device) if plan is not None else None)
         return RunOutput(self.model.forward(*self._args(batch)), None)
+
+    def _tiles(self, marks: Sequence[SharedPrefix | None]) -> cascade_tiles.CascadePlan | None:
+        """The cascade tiles of a step's one-token sequences (None with cascade off)."""
+        if not self.cascade:
+            return None
+        return cascade_tiles.plan(marks, self.limits.page_size, self.cascade_agents)
 
     def _args(self, batch: Batch) -> tuple:
         """The eager forward's arguments for ``batch``."""

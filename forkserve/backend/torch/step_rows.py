@@ -8,7 +8,8 @@ that context per tile (on the H200, a tick of 202 prefill tokens beside 28 split
 over an 8K context took 130-135 ms against 20 ms for the decode rows alone; docs/MULTILORA.md
 "Round 4"). ``split_rows`` cuts such a step into two attention views over the same pools:
 the sequences with more than one new token (the prefill kernels and their route) and those
-with exactly one (the decode kernels). Both views are for attention only: the step's K/V and
+with exactly one (the decode kernels, with the step's cascade tiles, which index exactly
+these: ``cascade.decode_marks``). Both views are for attention only: the step's K/V and
 residual writes are the whole batch's, done before either reads.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from forkserve.backend.torch.attention import AttentionMetadata
 @dataclass(frozen=True)
 class StepRows:
     """Rows of q (``[T, Hq, D]``) each view attends, and the views (``decode`` is
-    ``decode_only``; neither carries cascade tiles)."""
+    ``decode_only`` and keeps the step's cascade tiles)."""
 
     prefill_q: torch.Tensor          # [P] int64
     decode_q: torch.Tensor           # [D] int64
@@ -67,4 +68,4 @@ def _view(meta: AttentionMetadata, seqs: list[int], decode: bool) -> AttentionMe
         query_lens_host=query_lens,
         seq_lens_host=tuple(meta.seq_lens_host[i] for i in seqs),
         seq_slot_host=tuple(meta.seq_slot_host[i] for i in seqs),
-        decode_only=decode, cascade=None)
+        decode_only=decode, cascade=meta.cascade if decode else None)
