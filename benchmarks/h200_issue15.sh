@@ -27,7 +27,7 @@
 # decode kernels: docs/MULTILORA.md "Round 7" and "Round 4"):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 16  # react W=1,8,32; mixed-step kernels
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
@@ -175,9 +175,14 @@ case "$1" in
     --mixed-rows 8 28 --chunk 202 --out "$OUT" 2>&1 | tail -12
   ;;
 suite)
-  # tee writes as it goes: a run cut at the timeout keeps the tests it finished.
+  # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
+  # folders (default all three; if one call cannot hold them, "tests/torch" in one and
+  # "tests/kernels tests/cascade" in the next), named in the log's file name.
+  folders=${2:-tests/torch tests/kernels tests/cascade}
+  # shellcheck disable=SC2086  # one folder per word
   FORKSERVE_TEST_DEVICE=cuda timeout 500 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
-    --durations=10 tests/torch tests/kernels tests/cascade 2>&1 | tee "$OUT/pytest_cuda_suite.log" | tail -30
+    --durations=10 $folders 2>&1 | tee "$OUT/pytest_cuda_suite_$(echo "$folders" | tr -c 'a-z\n' _).log" \
+    | tail -30
   ;;
 esac
 ls -la "$OUT"
