@@ -581,6 +581,8 @@ def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
     route = {"whole": policy.route(whole_counts, residual, flash),
              "chunk": policy.route(chunk_counts, residual, flash)}
     pools = (s.k, s.v, s.k_res, s.v_res) if residual else (s.k, s.v)
+    prefill_fn = kernels.residual_prefill if residual else kernels.paged_prefill
+    decode_fn = kernels.residual_decode if residual else kernels.paged_decode
 
     def tables(lo: int, hi: int) -> tuple:  # sequences lo .. hi-1, as step_rows' views
         return (bt[lo:hi], rbt[lo:hi]) if residual else (bt[lo:hi],)
@@ -590,20 +592,18 @@ def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
 
     def prefill(qq: torch.Tensor, hi: int, starts: torch.Tensor, counts,
                 which: str) -> torch.Tensor:
-        fn = kernels.residual_prefill if residual else kernels.paged_prefill
-        return fn(qq, *pools, *tables(0, hi), lens[:hi], starts, *rest(0, hi), use_triton=True,
-                  variant=route[which], counts=counts)
+        return prefill_fn(qq, *pools, *tables(0, hi), lens[:hi], starts, *rest(0, hi),
+                          use_triton=True, variant=route[which], counts=counts)
 
     def reference() -> torch.Tensor:
-        fn = kernels.residual_prefill if residual else kernels.paged_prefill
         args = (q, *pools, *tables(0, 1 + rows), lens, cu, *rest(0, 1 + rows))
-        return fn(*(t.float() if t.is_floating_point() else t for t in args), use_triton=False)
+        return prefill_fn(*(t.float() if t.is_floating_point() else t for t in args),
+                          use_triton=False)
 
     def decode(qq: torch.Tensor) -> torch.Tensor:
-        fn = kernels.residual_decode if residual else kernels.paged_decode
         # The engine's host-free bound: the padded table width.
-        return fn(qq, *pools, *tables(1, 1 + rows), lens[1:], *rest(1, 1 + rows),
-                  use_triton=True, max_seq_len=bt.shape[1] * s.page)
+        return decode_fn(qq, *pools, *tables(1, 1 + rows), lens[1:], *rest(1, 1 + rows),
+                         use_triton=True, max_seq_len=bt.shape[1] * s.page)
 
     def split() -> torch.Tensor:
         out = q.new_empty(q.shape)

@@ -34,6 +34,7 @@ class _PrefillPlan(NamedTuple):
     counts: kernels.PrefillCounts  # of the sequences that prefill
     route: kernels.PrefillRoute
     slots: torch.Tensor | None     # their adapter index as int32 (residual form)
+    triton: bool                   # the kernels run (else the kernels package's references)
 
 
 class KernelAttention:
@@ -121,7 +122,7 @@ class KernelAttention:
             flash = triton and kernels.flash_support(q, kv.k).varlen
             route = self.prefill_policy.route(counts, residual, flash)
             slots = view.seq_slot.to(torch.int32) if residual else None
-            step = self._step = _PrefillPlan(meta, residual, rows, counts, route, slots)
+            step = self._step = _PrefillPlan(meta, residual, rows, counts, route, slots, triton)
         return step
 
     def _prefill(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
@@ -129,8 +130,7 @@ class KernelAttention:
                  residual: bool) -> torch.Tensor:
         """The sequences of ``meta`` with more than one new token (all of them where the
         step has no decode rows), q holding only their rows."""
-        triton = q.is_cuda if self.use_triton is None else self.use_triton
-        _, _, rows, counts, route, slots = self._plan(q, kv, meta, residual)
+        _, _, rows, counts, route, slots, triton = self._plan(q, kv, meta, residual)
         view = meta if rows is None else rows.prefill
         # Off the Triton path the kernels package runs its eager reference whatever the route.
         self.prefill_routes[route.value if triton else "reference"] += 1
