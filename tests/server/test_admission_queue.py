@@ -82,6 +82,11 @@ class Served:
         assert self.worker.waiting_sessions() == n
         for i in cancel:
             tasks[i].cancel()
+        # Let the cancellations land (each leaves the queue) before the engine thread frees:
+        # set at once, the gate let the thread admit a cancelled open first, whose two-token
+        # generation could then finish before its undo arrived, keeping its session.
+        await asyncio.sleep(0)
+        assert self.worker.waiting_sessions() == n - len(cancel)
         self.gate.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
