@@ -61,8 +61,8 @@ from benchmarks.quality.data import (
     build_tasks,
     training_examples,
 )
-from benchmarks.quality.hf_copy import hf_copy
 from benchmarks.quality.workers import die_with_parent, worker_env
+from forkserve.backend.torch.gguf_hf_copy import hf_copy
 
 STDERR_TAIL = 20  # lines of a failed worker's stderr to show (its traceback)
 TARGET_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",

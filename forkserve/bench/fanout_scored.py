@@ -10,8 +10,9 @@ Rows, side by side on the same token ids:
 
 * ``cascade``  the Engine with the cascade (``plus_config``, no disaggregation: one device);
 * ``alias``    the Engine without it: every candidate prefilled (the exhaustive run);
-* ``vllm``     plain vLLM on the GGUF, prefix caching on (optional: skipped with the reason
-               when vLLM or CUDA is missing, always on a CPU).
+* ``vllm``     plain vLLM on the GGUF's Hugging Face copy (vLLM 0.26 reads no GGUF), in the
+               TorchBackend rows' dtype, prefix caching on (optional: skipped with the
+               reason when vLLM or CUDA is missing, always on a CPU).
 
 Per row: prompt tokens computed, wall ms, peak KV (summed per-session peak, as in
 ``bench/fanout.py``), residuals per cascade stage, probe aborts, and the quality side: each
@@ -226,25 +227,48 @@ class NativeVllm:
     reset: Callable[[], object]
 
     @classmethod
-    def start(cls, path: Path, page_size: int, max_context: int,
-              utilization: float) -> "NativeVllm":
-        """Raises ImportError / RuntimeError (no vLLM, no CUDA, a GGUF it cannot load)."""
+    def start(cls, path: Path, page_size: int, max_context: int, utilization: float,
+              dtype: Any) -> "NativeVllm":
+        """vLLM 0.26 reads no GGUF: a ``.gguf`` ``path`` is served from its float32 Hugging Face
+        copy (``gguf_hf_copy``, made once beside it), run in ``dtype`` (the TorchBackend rows'
+        dtype, so both compute alike). Raises ImportError / RuntimeError (no vLLM, no CUDA, a
+        model it cannot load)."""
         import torch
 
         from forkserve.backend.vllm.kv_gauge import KvGauge
         from forkserve.backend.vllm.vllm_loader import api, build_llm
 
+        folder = vllm_model_folder(path)
         cfg = ForkServeConfig(page_size=page_size, num_pages=1, max_context=max_context)
         gc.collect()  # the workload's and earlier rows' backends (engine <-> stepper cycles)
         torch.cuda.empty_cache()  # vLLM sizes its pool from the memory free when it starts
-        llm = build_llm(str(path), cfg, max_loras=0, gpu_memory_utilization=utilization,
-                        max_lora_rank=16, llm_kwargs=dict(skip_tokenizer_init=True))
+        try:
+            llm = build_llm(str(folder), cfg, max_loras=0, gpu_memory_utilization=utilization,
+                            max_lora_rank=16,
+                            llm_kwargs=dict(skip_tokenizer_init=True, dtype=dtype))
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"vLLM could not load {folder}: {type(exc).__name__}: "
+                               f"{exc}") from exc
 
         def reset() -> None:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM still holds blocks: the prefix cache was not reset")
 
         return cls(llm.llm_engine, api(), KvGauge.attach(llm.llm_engine), reset)
+
+
+def vllm_model_folder(path: Path) -> Path:
+    """What plain vLLM loads for ``path``: a GGUF's Hugging Face copy, else ``path`` itself.
+    Raises ImportError (no ``gguf`` package for transformers) / RuntimeError."""
+    if path.suffix != ".gguf":
+        return path
+    from forkserve.backend.torch.gguf_hf_copy import hf_copy
+
+    try:
+        return hf_copy(path)
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"no Hugging Face copy of {path} for vLLM: {type(exc).__name__}: "
+                           f"{exc}") from exc
 
 
 def vllm_row(size: str, workload: ScoredWorkload, native: NativeVllm) -> ScoredRow:
@@ -393,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     why = "--no-vllm" if args.no_vllm else vllm_available()
     native = why or (lambda: NativeVllm.start(path, variants[0][1].shape.page_size,
                                               model.config.max_context,
-                                              args.gpu_memory_utilization))
+                                              args.gpu_memory_utilization, model.dtype))
     run(report, model, variants, native, args.stop_at)
     rows = report.rows()
     print(format_rows(rows))

@@ -138,3 +138,58 @@ def test_the_exhaustive_run_prefills_everything_and_the_cascade_loses_a_winner_o
                                                              strict=True))
     assert cascade.computed_tokens < alias.computed_tokens
     assert cascade.peak_kv_tokens < alias.peak_kv_tokens
+
+
+def test_plain_vllm_loads_a_ggufs_hf_copy_in_the_rows_dtype(tmp_path, monkeypatch):
+    """vLLM 0.26 reads no GGUF: NativeVllm.start hands build_llm the GGUF's Hugging Face copy
+    (skip_tokenizer_init, the TorchBackend rows' dtype); an HF folder goes as it is; a load
+    vLLM refuses with an OSError comes back as a RuntimeError, which the bench notes."""
+    import torch
+
+    from forkserve.backend.torch import gguf_hf_copy
+    from forkserve.backend.vllm import kv_gauge, vllm_loader
+    from forkserve.bench import fanout_scored
+
+    gguf, copy = tmp_path / "m.gguf", tmp_path / "m.gguf.hf-key"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    class FakeLlm:
+        llm_engine = object()
+
+        def reset_prefix_cache(self) -> bool:
+            return True
+
+    def build_llm(model, config, **kw):
+        calls.append((model, kw))
+        if model.endswith("refused"):
+            raise OSError("not a valid JSON file")
+        return FakeLlm()
+
+    monkeypatch.setattr(gguf_hf_copy, "hf_copy", lambda path: copy if path == gguf else None)
+    monkeypatch.setattr(vllm_loader, "build_llm", build_llm)
+    monkeypatch.setattr(vllm_loader, "api", lambda: "api")
+    monkeypatch.setattr(kv_gauge.KvGauge, "attach", classmethod(lambda cls, engine: "gauge"))
+    native = fanout_scored.NativeVllm.start(gguf, 16, 256, 0.3, torch.bfloat16)
+    assert (native.engine, native.api, native.gauge) == (FakeLlm.llm_engine, "api", "gauge")
+    native.reset()
+    model, kw = calls[-1]
+    assert model == str(copy)
+    assert kw["llm_kwargs"] == {"skip_tokenizer_init": True, "dtype": torch.bfloat16}
+    assert kw["max_loras"] == 0 and kw["gpu_memory_utilization"] == 0.3
+    fanout_scored.NativeVllm.start(tmp_path, 16, 256, 0.3, torch.bfloat16)
+    assert calls[-1][0] == str(tmp_path)
+    with pytest.raises(RuntimeError, match="vLLM could not load .*refused: OSError"):
+        fanout_scored.NativeVllm.start(tmp_path / "refused", 16, 256, 0.3, torch.bfloat16)
+
+
+def test_a_gguf_without_an_hf_copy_is_a_runtime_error(tmp_path, monkeypatch):
+    from forkserve.backend.torch import gguf_hf_copy
+    from forkserve.bench import fanout_scored
+
+    def fails(path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gguf_hf_copy, "hf_copy", fails)
+    with pytest.raises(RuntimeError, match="no Hugging Face copy of .*m.gguf.*disk full"):
+        fanout_scored.vllm_model_folder(tmp_path / "m.gguf")

@@ -8,7 +8,8 @@ import pytest
 import torch
 from quality_testlib import needs_bfcl, tiny_gguf
 
-from benchmarks.quality import hf_copy, train
+from benchmarks.quality import train
+from forkserve.backend.torch import gguf_hf_copy as hf_copy
 
 CHAT = [{"role": "system", "content": "You call functions: f(x)."},
         {"role": "user", "content": "Héllo  wörld\n\tdef f(x): return {'a': [1, 2]}  🙂"}]

@@ -1,7 +1,10 @@
 """A GGUF's float32 Hugging Face copy (safetensors, config, tokenizer), made once and read by
-every later load of the model for training: transformers dequantizes a GGUF and rebuilds its
-tokenizer in Python, which took 101 s in each of train.py's ``--jobs`` workers on the H200
-(Qwen2.5-Coder-0.5B), where loading the copy takes seconds.
+every later load of the model that needs a Hugging Face folder: training
+(benchmarks/quality/train.py: transformers dequantizes a GGUF and rebuilds its tokenizer in
+Python, which took 101 s in each of train.py's ``--jobs`` workers on the H200
+(Qwen2.5-Coder-0.5B), where loading the copy takes seconds) and plain vLLM in
+``bench/fanout_scored.py`` (vLLM 0.26 cannot read a GGUF at all). The copy's config has no
+``quantization_config``: its weights are dequantized already.
 
 Ownership and lifetime: the copy is a cache that this module alone names, writes and deletes.
 It lies beside the GGUF (``m.gguf`` -> ``m.gguf.hf-<key>/``) when that folder is writable, else
