@@ -17,16 +17,18 @@
 #   bash benchmarks/h200_vllm.sh resplit     (rejoin, check the sha256, 45 MiB parts; prints LAST)
 # COPY_ONLY=1: calls 0..LAST only gather the parts and unpack vLLM (a hold for the scored run).
 #
-# The scored fan-out (issue 17, item 3; SmolLM2 in two 50 MiB parts, after the calls above
-# in the same hold for its plain-vLLM row, or alone on a fresh machine without that row):
-#   call smollm2  carry .carry/smollm2/part-aa                      part aa to /root/parts
-#   call grammar  carry .carry/grammar (h200_grammar.sh prepare)   to /root/grammar
-#   call scored   carry .carry/smollm2/part-ab,                     join + sha256, wheels to
-#                       .whl/gguf-0.19.0-py3-none-any.whl           /tmp/site, then
+# The scored fan-out (issue 17, item 3; SmolLM2 in three 34 MiB parts from run_all.sh pack,
+# after the calls above in the same hold for its plain-vLLM row, or alone on a fresh machine
+# without that row):
+#   call smollm2 aa  carry .carry/smollm2/part-aa                   part aa to /root/parts
+#   call smollm2 ab  carry .carry/smollm2/part-ab                   part ab
+#   call grammar     carry .carry/grammar (h200_grammar.sh prepare) to /root/grammar
+#   call scored      carry .carry/smollm2/part-ac,                  join + sha256, wheels to
+#                          .whl/gguf-0.19.0-py3-none-any.whl        /tmp/site, then
 #                                                                   h200_vllm.py scored-fanout
-# (SmolLM2's second part, the grammar wheels and the tree together pass 64 MiB: two calls.)
+# (a part, the grammar wheels and the tree together pass 64 MiB: one call each.)
 set -u
-n=${1:?usage: h200_vllm.sh N [LAST] | resplit | smollm2 | grammar | scored}
+n=${1:?usage: h200_vllm.sh N [LAST] | resplit | smollm2 PART | grammar | scored}
 if [ "$n" = resplit ]; then  # on the dev box: the same bytes in parts that fit beside the tree
   set -e
   joined=$(mktemp) && trap 'rm -f "$joined"' EXIT
@@ -57,19 +59,21 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memo
 SMOL=${SMOL:-/root/parts/smollm2}  # SmolLM2's parts, where h200_quality.sh keeps them
 case "$n" in
 smollm2)
-  mkdir -p "$SMOL" && run cp .carry/smollm2/part-aa "$SMOL/" && ls -l "$SMOL"
+  part=${2:-aa}
+  mkdir -p "$SMOL" && run cp ".carry/smollm2/part-$part" "$SMOL/" && ls -l "$SMOL"
   exit $? ;;
 grammar)
   run cp -r .carry/grammar /root/ && ls /root/grammar/wheels
   exit $? ;;
 scored)
   mkdir -p "$SMOL"
-  run cp .carry/smollm2/part-ab "$SMOL/" || { echo "carry .carry/smollm2/part-ab"; exit 1; }
+  # the last part travels with this call; the earlier ones came in calls smollm2 aa, ab
+  run cp .carry/smollm2/part-* "$SMOL/" || { echo "carry .carry/smollm2/part-ac"; exit 1; }
   if [ -z "${DRY_RUN:-}" ]; then
     cat "$SMOL"/part-* > "$SMOL/m.gguf"
     want=$(awk '$2 == "smollm2" {print $1}' benchmarks/quality/models.sha256)
     [ "$(sha256sum "$SMOL/m.gguf" | cut -d' ' -f1)" = "$want" ] || {
-      echo "SmolLM2 GGUF does not match models.sha256 (parts: $(ls "$SMOL")): run call smollm2 first"
+      echo "SmolLM2 GGUF does not match models.sha256 (parts: $(ls "$SMOL")): run calls smollm2 aa and ab first"
       rm -f "$SMOL/m.gguf"; exit 1; }
   fi
   # gguf (our loader, transformers' tokenizer) and the grammar engine with the server package

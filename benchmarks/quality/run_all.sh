@@ -81,9 +81,11 @@ case "$stage" in
         --rounds 1 --distractors 0 --max-new 24 --results "$RESULTS" --tag smoke \
         --label "(SMOKE: random LoRA init + 2 CPU steps per task; untrained)" ;;
   pack)
-    # The device tool carries 64 MiB per call: the 98 MB GGUF travels in two calls.
+    # The device tool carries 64 MiB per call, the tree (17 MB in 2026-12) included: the
+    # 98 MB GGUF travels in three calls of 34 MiB (part-aa, part-ab, part-ac).
     mkdir -p .carry/smollm2 .whl
-    split -b 50M "$MODEL" .carry/smollm2/part-
+    rm -f .carry/smollm2/part-*
+    split -b 34M "$MODEL" .carry/smollm2/part-
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
         gguf==0.19.0 bfcl-eval==2026.3.23
     ls -l .carry/smollm2 .whl ;;
