@@ -27,8 +27,17 @@
 #                          .whl/gguf-0.19.0-py3-none-any.whl        /tmp/site, then
 #                                                                   h200_vllm.py scored-fanout
 # (a part, the grammar wheels and the tree together pass 64 MiB: one call each.)
+#
+# Our rows alone (no vLLM carried, none installed: its runs and decode columns are left out):
+#   call cuda-rows  carry nothing   react-multilora disaggregated/unified (warmed up: one
+#                                   backend per system, an untimed run and its decode graphs
+#                                   first) and the TorchBackend decode rows, merged over the
+#                                   committed benchmarks/results/vllm_side_by_side.json (its
+#                                   vLLM rows kept, ours replaced); $OUT/cuda_rows.log
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_vllm.sh cuda-rows
+# (FORKSERVE_COMMIT: the commit the reports record, the device's copy having no .git.)
 set -u
-n=${1:?usage: h200_vllm.sh N [LAST] | resplit | smollm2 PART | grammar | scored}
+n=${1:?usage: h200_vllm.sh N [LAST] | resplit | smollm2 PART | grammar | scored | cuda-rows}
 if [ "$n" = resplit ]; then  # on the dev box: the same bytes in parts that fit beside the tree
   set -e
   joined=$(mktemp) && trap 'rm -f "$joined"' EXIT
@@ -58,6 +67,15 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memo
   --format=csv | tee "$OUT/gpu_$n.txt"
 SMOL=${SMOL:-/root/parts/smollm2}  # SmolLM2's parts, where h200_quality.sh keeps them
 case "$n" in
+cuda-rows)  # no vLLM: vllm_side_by_side.py leaves its parts out (exit 0), ours are rerun
+  echo "commit: ${FORKSERVE_COMMIT:-unset, so the report records git rev-parse HEAD or unknown}"
+  export PYTHONPATH=$PWD
+  run timeout "$(left)" python3 benchmarks/vllm_side_by_side.py --systems disaggregated unified \
+    "${react[@]}" --rows-from benchmarks/results/vllm_side_by_side.json --out "$OUT" \
+    --stop-at "$stop" 2>&1 | tee "$OUT/cuda_rows.log"
+  status=${PIPESTATUS[0]}
+  ls -la "$OUT"
+  exit "$status" ;;
 smollm2)
   part=${2:-aa}
   mkdir -p "$SMOL" && run cp ".carry/smollm2/part-$part" "$SMOL/" && ls -l "$SMOL"

@@ -10,7 +10,13 @@
    agent's whole history with its LoRA (forkserve/backend/vllm/native.py). vLLM's KV pool is
    fixed at the budget's pages plus a small headroom for the partial tail blocks it
    recomputes, so no system gets more KV than the budget (plus that headroom).
-2. decode ms/step at prompt 512, batch 1 and 64 (64 over 32 adapters with LoRA): through
+   Our systems run as the CLI (``forkserve bench react``) runs them: one backend per system,
+   built for the largest W, warmed up once (``warm_up``: an untimed 2-agent run, then the
+   decode graphs captured) and reused for every W (``--no-warmup``: cold, as before); the
+   report says which (``"warmup"``).
+2. decode ms/step at prompt 512, batch 1 and 64 (64 over 32 adapters with LoRA): our
+   TorchBackend (no_lora's / unified's backend, decode graphs captured first; decode_bench's
+   ``Bench.decode``, median after 2 warm steps), and, where a vLLM engine runs,
    ``VllmBackend.step`` (one vLLM request per sequence per step) beside vLLM's own decode
    loop (``LLM.generate`` of the same prompts), i.e. what the translation costs.
 
@@ -18,18 +24,21 @@ One vLLM engine (Llama-3-8B shape, dummy bf16 weights, token ids only) serves ev
 pins are released and the prefix cache reset between runs. Writes vllm_side_by_side.json
 to --out (default ./forkserve-bench-results) after every run, so a timeout loses nothing;
 ``--stop-at`` (a Unix time) records the runs not started by then as skipped, so one GPU
-call ends on time. ``main(argv, harness)`` reuses a vLLM engine the caller started
+call ends on time. ``--rows-from`` merges an earlier report: this run's rows replace its
+rows of the same (system, W, cascade, overlap), its decode entries are merged by (batch,
+LoRA), this run's fields winning. ``main(argv, harness)`` reuses a vLLM engine the caller started
 (benchmarks/h200_vllm.py shares one across its tests, fan-out and this).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +58,29 @@ from forkserve.bench.multilora import (  # noqa: E402
     run_system,
     run_workload,
     tiny_config,
+    warm_up,
 )
 from forkserve.bench.multilora.driver import observation  # noqa: E402
 from forkserve.bench.multilora.scale import FULL, TINY, tiny_threads  # noqa: E402
 from forkserve.bench.multilora.workload import agent_prompts  # noqa: E402
 from forkserve.bench.output import add_out_argument, write_json  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVLayout  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_bench import Bench  # noqa: E402
 
 VLLM_SYSTEMS = ("vllm", "vllm_no_lora", "vllm_native")
 PAGE, RANK = 16, 16  # tokens per KV page, LoRA rank (the workload's)
 DECODE_PROMPT = 512
+DECODE_CASES = ((1, False), (1, True), (64, False), (64, True))  # (batch, LoRA)
+DECODE_ADAPTERS = 32  # batch 64 with LoRA: sequence i runs agent{i % 32}
+DECODE_WARM_STEPS = 2
+# The decode entries' columns (absent where not run), with their labels.
+DECODE_COLUMNS = (("torch_backend_ms_per_step", "TorchBackend"),
+                  ("vllm_backend_ms_per_step", "Engine on VllmBackend"),
+                  ("native_vllm_ms_per_step", "vLLM's own loop"))
 
 
 @dataclass
@@ -242,8 +263,65 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
             "vllm_stats": backend.stats.as_dict()}
 
 
+def torch_decode_backend(lora: bool, steps: int, model_cfg, weights, device: torch.device,
+                         dtype: torch.dtype):
+    """Our backend for the decode comparison: unified's (32 adapters) with LoRA, no_lora's
+    without, its KV pool just large enough for 64 sequences of the decode prompt and steps."""
+    pages_per_seq = -(-(DECODE_PROMPT + DECODE_WARM_STEPS + steps + 1) // PAGE)
+    sizes = page_bytes(model_cfg, RANK, PAGE, dtype)
+    pages = max(b for b, _ in DECODE_CASES) * pages_per_seq + 2  # + 2: no float rounding short
+    params = MultiLoraParams("react", DECODE_ADAPTERS, DECODE_PROMPT, rank=RANK, page_size=PAGE,
+                             kv_budget_gib=pages * sizes["base"] / 2 ** 30)
+    backend, _ = build_backend("unified" if lora else "no_lora", params, DECODE_ADAPTERS,
+                               model_cfg, weights, device, dtype)
+    return backend, pages_per_seq
+
+
+def torch_decode(backend, pages_per_seq: int, batch: int, lora: bool, steps: int) -> dict:
+    """ms per decode step of TorchBackend.step (batch building, graph replay, greedy sampling,
+    host sync: what the Engine pays), prompt DECODE_PROMPT, with LoRA ``batch`` sequences over
+    DECODE_ADAPTERS adapters; the decode graphs are captured first, as our engine does."""
+    ids = ([backend.adapter_id(f"agent{i}") for i in range(DECODE_ADAPTERS)] if lora
+           else [None])
+    backend.capture_decode_graphs(batch, DECODE_PROMPT + DECODE_WARM_STEPS + steps + 1)
+    r = Bench(backend, pages_per_seq).decode(batch, DECODE_PROMPT, ids, steps,
+                                             warmup=DECODE_WARM_STEPS)
+    return {"batch": batch, "lora": lora, "steps": steps,
+            "torch_backend_ms_per_step": r["ms_per_step"]}
+
+
+def _row_key(r: dict) -> tuple:
+    return r["system"], r["workflows"], r.get("cascade", True), r.get("overlap", False)
+
+
+def merge_reports(report: dict, earlier: dict | None, source: str = "") -> dict:
+    """``report`` (this run) over ``earlier`` (``--rows-from``): each row of this run replaces
+    the earlier row of its (system, W, cascade, overlap), in place; an earlier error of a
+    (system, W) this run measured or failed goes; decode entries merge by (batch, LoRA), this
+    run's fields winning. The rest of the report (workload, warm-up, ...) is this run's."""
+    if earlier is None:
+        return report
+    mine = {_row_key(r): r for r in report["results"]}
+    results = [mine.pop(_row_key(r), r) for r in earlier["results"]] + list(mine.values())
+    done = {(e["system"], e["workflows"]) for e in report["results"] + report["errors"]}
+    errors = [e for e in earlier["errors"] if (e["system"], e["workflows"]) not in done]
+    decode: dict[tuple, dict] = {}
+    for d in [*earlier.get("decode", []), *report["decode"]]:
+        key = (d["batch"], d["lora"])
+        decode[key] = {**decode.get(key, {}), **d}
+    return {**report, "results": results, "errors": errors + report["errors"],
+            "decode": [decode[k] for k in sorted(decode)], "merged_from": source}
+
+
+def decode_line(d: dict) -> str:
+    """One decode entry, whichever columns it has."""
+    cols = "; ".join(f"{label} {d[k]:.2f}" for k, label in DECODE_COLUMNS if k in d)
+    return f"decode b={d['batch']:<3} lora={d['lora']!s:<5} {cols} (ms/step)"
+
+
 def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> int:
-    """Returns the exit status: 1 when a run failed (vLLM missing on a CPU is not a failure).
+    """Returns the exit status: 1 when a run of this call failed (vLLM missing is not a
+    failure, nor an error an earlier report of ``--rows-from`` records).
     ``harness``: a vLLM engine already started (``start_vllm``), used instead of a new one."""
     from forkserve.backend.torch.model_config import llama3_8b_config
 
@@ -269,13 +347,18 @@ def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> i
                     help="VllmBackend: plain LRU prefix cache, no pins")
     ap.add_argument("--decode-steps", type=int, default=32, help="steps of the decode comparison")
     ap.add_argument("--skip-decode", action="store_true", help="skip the decode comparison")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                    default=torch.cuda.is_available(),
+                    help="per system of ours, one untimed 2-agent run and the decode graphs "
+                         "captured before the timed runs, as the CLI (on by default on CUDA)")
     ap.add_argument("--decode-first", action="store_true",
                     help="run the decode comparison before react-multilora")
     ap.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
                     help="start no run after this time (the rest is recorded as skipped)")
     ap.add_argument("--rows-from", type=Path, default=None, metavar="JSON",
                     help="an earlier run's vllm_side_by_side.json (same workload flags, e.g. "
-                         "our systems in an earlier GPU call): its rows join this report")
+                         "our systems in an earlier GPU call): its rows join this report, "
+                         "this run's replacing those of the same system, W, cascade, overlap")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer model with small defaults (CPU plumbing check; add it to "
                          "--help to see those defaults)")
@@ -286,48 +369,49 @@ def main(argv: list[str] | None = None, harness: VllmHarness | None = None) -> i
     model_cfg = tiny_config() if args.tiny else llama3_8b_config()
     report: dict = {"workload": "react-multilora",
                     "model": "tiny" if args.tiny else "llama3-8b-shape", "device": str(device),
+                    "commit": source_commit(), "warmup": args.warmup,
                     "context": args.context, "turns": args.turns, "gen": args.gen,
                     "kv_budget_gib": args.kv_budget_gib, "results": [], "decode": [], "errors": [],
                     "skipped": []}
+    earlier = None
     if args.rows_from is not None and args.rows_from.exists():
         earlier = json.loads(args.rows_from.read_text())
         differ = [k for k in ("model", "context", "turns", "gen", "kv_budget_gib")
                   if earlier[k] != report[k]]
         if differ:
             ap.error(f"--rows-from {args.rows_from} ran another workload ({differ} differ)")
-        report["results"] += earlier["results"]
-        report["errors"] += earlier["errors"]
-        report["merged_from"] = str(args.rows_from)
     out = args.out / "vllm_side_by_side.json"
-    runs = _Runs(args, model_cfg, device, dtype, report, out, harness)
+    runs = _Runs(args, model_cfg, device, dtype, report, out, harness, earlier)
     decode = args.decode_first and not args.skip_decode
-    if decode:
-        runs.decode()
     with tiny_threads(device, args.tiny):  # a no-op on a GPU
-        for w in args.workflows:
-            for system in args.systems:
+        if decode:
+            runs.decode()
+        # System by system: one backend of ours at a time, built and warmed once, every W.
+        for system in args.systems:
+            for w in args.workflows:
                 runs.run(system, w)
-    if not decode and not args.skip_decode:
-        runs.decode()
-    print(format_table([RunResult(**r) for r in report["results"]], "react"))
-    for d in report["decode"]:
-        print(f"decode b={d['batch']:<3} lora={d['lora']!s:<5} "
-              f"VllmBackend {d['vllm_backend_ms_per_step']:.2f} ms/step; "
-              f"vLLM's own loop {d['native_vllm_ms_per_step']:.2f} ms/step")
-    for e in report["errors"]:
+        runs.release()
+        if not decode and not args.skip_decode:
+            runs.decode()
+    merged = runs.merged()
+    print(format_table([RunResult(**r) for r in merged["results"]], "react"))
+    for d in merged["decode"]:
+        print(decode_line(d))
+    for e in merged["errors"]:
         print(f"FAILED {e['system']} W={e['workflows']}: {e['error']}")
     if report["skipped"]:
         print(f"skipped {len(report['skipped'])} runs: "
               f"{sorted({s['why'] for s in report['skipped']})}")
     runs.save()
     print(f"wrote {out}")
-    if report["results"] or report["decode"]:
-        plot(report, args.out / "vllm_side_by_side.png")
+    if merged["results"] or merged["decode"]:
+        plot(merged, args.out / "vllm_side_by_side.png")
     return 1 if report["errors"] else 0
 
 
 def plot(report: dict, path: Path) -> None:
-    """tasks/s against W per system, and decode ms/step: VllmBackend beside vLLM's loop."""
+    """tasks/s against W per system, and decode ms/step: TorchBackend, VllmBackend and vLLM's
+    loop, whichever of them ran."""
     from forkserve.bench.output import new_figure, save_figure
 
     fig, (tput, dec) = new_figure(2, width=12, height=4.4)
@@ -338,16 +422,19 @@ def plot(report: dict, path: Path) -> None:
                   color=f"C{i}", label=system)
     tput.set(xscale="log", yscale="log", xlabel="W (agents)", ylabel="tasks/s",
              title=f"react-multilora, {report['kv_budget_gib']} GiB KV, T={report['turns']}")
-    tput.legend(fontsize=8)
+    if systems:
+        tput.legend(fontsize=8)
     labels = [f"b={d['batch']}{' LoRA' if d['lora'] else ''}" for d in report["decode"]]
     xs = range(len(labels))
-    dec.bar([x - 0.2 for x in xs], [d["vllm_backend_ms_per_step"] for d in report["decode"]],
-            0.4, label="Engine on VllmBackend")
-    dec.bar([x + 0.2 for x in xs], [d["native_vllm_ms_per_step"] for d in report["decode"]],
-            0.4, label="vLLM's own loop")
+    columns = [(k, label) for k, label in DECODE_COLUMNS if any(k in d for d in report["decode"])]
+    width = 0.8 / max(1, len(columns))
+    for i, (key, label) in enumerate(columns):
+        dec.bar([x + (i - (len(columns) - 1) / 2) * width for x in xs],
+                [d.get(key, float("nan")) for d in report["decode"]], width, label=label)
     dec.set_xticks(list(xs), labels)
     dec.set(ylabel="ms / decode step", title=f"decode, prompt {DECODE_PROMPT}")
-    dec.legend(fontsize=8)
+    if columns:
+        dec.legend(fontsize=8)
     save_figure(fig, path)
 
 
@@ -357,32 +444,65 @@ class _Runs:
 
     def __init__(self, args: argparse.Namespace, model_cfg, device: torch.device,
                  dtype: torch.dtype, report: dict, out: Path,
-                 harness: VllmHarness | None) -> None:
+                 harness: VllmHarness | None, earlier: dict | None = None) -> None:
         self.args, self.model_cfg, self.device, self.dtype = args, model_cfg, device, dtype
-        self.report, self.out = report, out
+        self.report, self.out, self.earlier = report, out, earlier
         self.weights = None
         self.harness = harness
         self.vllm_missing: str | None = None
+        self.ours: tuple[str, Any, dict[str, int]] | None = None  # (system, backend, sizes)
+
+    def merged(self) -> dict:
+        """This run's report over the ``--rows-from`` one (merge_reports)."""
+        return merge_reports(self.report, self.earlier, str(self.args.rows_from))
 
     def save(self) -> None:
-        write_json(self.out, self.report, quiet=True)
+        write_json(self.out, self.merged(), quiet=True)
+
+    def release(self) -> None:
+        """Free our backend (the GPU holds one at a time) before another is built."""
+        self.ours = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def out_of_time(self) -> bool:
         return self.args.stop_at is not None and time.time() >= self.args.stop_at
 
     def decode(self) -> None:
-        """The decode comparison on the vLLM engine, if one was started."""
-        for batch, lora in ((1, False), (1, True), (64, False), (64, True)):
-            if self.harness is None or self.out_of_time():
-                return
-            try:
-                self.report["decode"].append(decode_side_by_side(
-                    self.harness, batch, lora, self.args.decode_steps, PAGE))
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                self.report["errors"].append({"system": f"decode b={batch} lora={lora}",
-                                              "workflows": batch,
-                                              "error": f"{type(exc).__name__}: {exc}"})
-            self.save()
+        """The decode comparison: our TorchBackend always, the vLLM columns on the vLLM engine
+        if one was started (none: they are left out, not an error)."""
+        self.release()
+        steps = self.args.decode_steps
+        backends: dict[bool, tuple] = {}
+        try:
+            for batch, lora in DECODE_CASES:
+                if self.out_of_time():
+                    return
+                entry: dict = {}
+                try:
+                    if lora not in backends:
+                        backends[lora] = torch_decode_backend(lora, steps, self.model_cfg,
+                                                              self._weights(), self.device,
+                                                              self.dtype)
+                    entry.update(torch_decode(*backends[lora], batch, lora, steps))
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                    self._error(f"decode b={batch} lora={lora} TorchBackend", batch, exc)
+                if self.harness is not None and not self.out_of_time():
+                    try:
+                        entry.update(decode_side_by_side(self.harness, batch, lora, steps, PAGE))
+                    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                        self._error(f"decode b={batch} lora={lora}", batch, exc)
+                if entry:
+                    self.report["decode"].append(entry)
+                self.save()
+        finally:
+            backends.clear()
+            self.release()
+
+    def _error(self, system: str, w: int, exc: BaseException) -> None:
+        self.report["errors"].append({"system": system, "workflows": w,
+                                      "error": f"{type(exc).__name__}: {exc}"})
 
     def run(self, system: str, w: int) -> None:
         args = self.args
@@ -398,6 +518,7 @@ class _Runs:
                 if self.vllm_missing is not None:
                     self._skip(system, w)
                     return
+                self.release()
                 harness = self._vllm(params)
                 result = (run_native_react(params, harness) if system == "vllm_native" else
                           run_vllm_system(system, params, harness, args.two_class))
@@ -410,8 +531,7 @@ class _Runs:
             print(self.vllm_missing, flush=True)
             self._skip(system, w)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-            self.report["errors"].append({"system": system, "workflows": w,
-                                          "error": f"{type(exc).__name__}: {exc}"})
+            self._error(system, w, exc)
         self.save()
 
     def _skip(self, system: str, w: int) -> None:
@@ -426,12 +546,26 @@ class _Runs:
                                       not self.args.no_cow_blocks)
         return self.harness
 
-    def _ours(self, system: str, params: MultiLoraParams) -> RunResult:
+    def _weights(self):
         if self.weights is None:
             from forkserve.backend.torch.weights import random_weights
             self.weights = random_weights(self.model_cfg, self.device, self.dtype)
-        backend, sizes = build_backend(system, params, params.workflows, self.model_cfg,
-                                       self.weights, self.device, self.dtype)
+        return self.weights
+
+    def _ours(self, system: str, params: MultiLoraParams) -> RunResult:
+        """A timed run on the system's one backend: built for the largest W (as the CLI) and
+        warmed up when first used, the previous system's released first."""
+        if self.ours is None or self.ours[0] != system:
+            self.release()
+            top = replace(params, workflows=max(self.args.workflows))
+            backend, sizes = build_backend(system, top, max(top.workflows, 2), self.model_cfg,
+                                           self._weights(), self.device, self.dtype)
+            self.ours = (system, backend, sizes)
+            del backend
+            if self.args.warmup:
+                print(f"{system:<14} warm-up: {warm_up(system, top, *self.ours[1:])} decode "
+                      "graphs captured", flush=True)
+        _, backend, sizes = self.ours
         return run_system(system, params, backend, sizes)
 
 

@@ -51,8 +51,10 @@ from forkserve.bench.multilora.workload import (
     run_system,
     run_workload,
     tiny_config,
+    warm_up,
 )
 
 __all__ = ["SPECS", "SYSTEMS", "TARGETS", "FailedRun", "MultiLoraParams", "RunResult", "System",
            "budget_pages", "build_backend", "format_table", "main", "page_bytes", "plot",
-           "random_adapter", "run_system", "run_workload", "spec", "tiny_config"]
+           "random_adapter", "run_system", "run_workload", "spec", "tiny_config",
+           "warm_up"]

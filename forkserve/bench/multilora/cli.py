@@ -21,6 +21,7 @@ from forkserve.bench.multilora.workload import (
     build_backend,
     run_system,
     tiny_config,
+    warm_up,
 )
 from forkserve.bench.output import add_out_argument, write_json
 from forkserve.bench.provenance import source_commit
@@ -196,10 +197,7 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                                            device, dtype)
             if args.warmup:  # compile kernels and capture graphs outside the timed runs
                 bar.set_postfix_str(f"{system}: warm-up")
-                run_system(system, params(2, turns=min(2, args.turns), gen=4), backend, sizes)
-                full = params(top)
-                backend.capture_decode_graphs(top, args.context + full.instruction
-                                              + args.turns * (args.gen + full.observation))
+                warm_up(system, params(top), backend, sizes)
             if args.gpu_timeline:
                 backend.record_gpu_timeline()
             for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows

@@ -230,6 +230,17 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
 
 
+def warm_up(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]) -> int:
+    """Compile the kernels and capture the decode graphs outside the timed runs, as a server
+    would at start-up: one untimed 2-agent run (at most 2 turns of 4 tokens) on ``backend``,
+    then the decode graphs of up to ``params.workflows`` sequences as long as a run of
+    ``params`` (the largest W the backend will serve) grows. Returns the graphs captured."""
+    run_system(system, replace(params, workflows=2, turns=min(2, params.turns), gen=4), backend,
+               sizes)
+    return backend.capture_decode_graphs(params.workflows, params.context + params.instruction
+                                         + params.turns * (params.gen + params.observation))
+
+
 def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None
                   ) -> tuple[list[int], list[list[int]]]:
     """The shared context and each agent's first prompt (context + its instruction).
