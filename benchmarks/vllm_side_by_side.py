@@ -524,7 +524,8 @@ class _Runs:
                           run_vllm_system(system, params, harness, args.two_class))
             else:
                 result = self._ours(system, params)
-            self.report["results"].append(asdict(result))
+            # Each row names the source it measured: a merged report holds rows of several.
+            self.report["results"].append(asdict(replace(result, commit=self.report["commit"])))
             print(f"{system:<14} W={w:<3} {result.tasks_per_s:.3f} tasks/s", flush=True)
         except ImportError as exc:  # vLLM is not installed: say so once, keep our systems
             self.vllm_missing = f"vLLM is missing: {exc}"
