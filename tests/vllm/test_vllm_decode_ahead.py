@@ -128,6 +128,14 @@ def test_copy_onto_a_lookahead_page_drops_it():
     assert backend.lookahead.dropped == 7
 
 
+def test_another_sequence_writing_onto_its_pages_drops_it():
+    backend, fake = _backend(8)
+    _decode(backend, 1)
+    # seq 1 restarts page 2 (positions 32..47 of seq 0, where its lookahead writes next).
+    backend.step([SeqWork(1, (5,) * 4, 0, KVSlots((2,)), None, None)])
+    assert len(backend.lookahead) == 0 and backend.stats.ahead_dropped == 7
+
+
 def test_pins_taken_equal_released_after_close_with_k8():
     backend, fake = _backend(8, num_pages=64, hbm_tokens=64 * 16)
     eng = Engine(backend)

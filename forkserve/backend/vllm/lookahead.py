@@ -50,6 +50,8 @@ class _Entry:
     token: int                     # the token expected there (returned by the last step)
     queue: list[int]               # tokens the next served steps return, in order
     pages: tuple[PageId, ...]      # the pages holding positions 0..pos-1
+    # The request's adapter. (VllmBackend's requests ignore ``adapter_start``, so it is not
+    # part of the match: it would only follow whatever the request did.)
     adapter_id: AdapterId | None
     sampling: tuple[float, float, int | None]
     last_step: int
