@@ -213,8 +213,9 @@ def run_native_react(params: MultiLoraParams, harness: VllmHarness) -> RunResult
 
 def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int,
                         page: int) -> dict:
-    """ms per decode step: VllmBackend.step (one request per sequence per step) and vLLM's
-    own loop (one ``LLM.generate`` of ``steps`` tokens) on the same prompts."""
+    """ms per decode step: VllmBackend.step (with the config's default decode-ahead K, one
+    request per sequence per K steps; K = 1: one per step) and vLLM's own loop (one
+    ``LLM.generate`` of ``steps`` tokens) on the same prompts."""
     from forkserve.backend.vllm import VllmBackend
 
     vocab = harness.model_cfg.vocab_size
@@ -258,6 +259,7 @@ def decode_side_by_side(harness: VllmHarness, batch: int, lora: bool, steps: int
     harness.llm.generate(batch_prompts, params(steps), lora_request=lreqs, use_tqdm=False)
     native_ms = (time.perf_counter() - t0) * 1000 / steps
     return {"batch": batch, "lora": lora, "steps": steps,
+            "vllm_decode_ahead": cfg.vllm_decode_ahead,
             "vllm_backend_ms_per_step": statistics.median(times[2:] or times),
             "native_vllm_ms_per_step": native_ms,
             "vllm_stats": backend.stats.as_dict()}

@@ -170,10 +170,15 @@ class ForkServeConfig:
     overlap: bool = False
     # In-flight prefix deduplication: sessions opened together on one prefix compute it once.
     prefix_dedup: PrefixDedup = PrefixDedup.IN_FLIGHT
+    # VllmBackend, decode-ahead: a committed plain decode asks vLLM for this many tokens in
+    # one request and serves the rest from a lookahead while the Engine writes exactly them
+    # (backend/vllm/lookahead.py). 1: one vLLM request per sequence per step.
+    vllm_decode_ahead: int = 8
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_residual_pages", "hbm_tokens",
-                     "spec_chunk", "branch_cap", "vocab_size", "max_batch_tokens", "max_context"):
+                     "spec_chunk", "branch_cap", "vocab_size", "max_batch_tokens", "max_context",
+                     "vllm_decode_ahead"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ForkServeConfig.{name} must be positive, got "
                                  f"{getattr(self, name)}")

@@ -9,6 +9,9 @@ meet through content, not ids (docs/VLLM_BACKEND.md):
 * with ``cow_blocks`` each full page id pins the vLLM block holding the same contents
   (``PinTable`` + a ``Pinner``), so vLLM cannot evict a trunk the control plane still holds;
   writing into a page id (reallocation, mid-page truncation) or copying onto it drops the pin;
+* decode-ahead (``config.vllm_decode_ahead`` = K > 1): a committed plain decode asks for K
+  tokens; the rest are served from a ``Lookahead`` on later steps that write exactly them,
+  with no vLLM request (a step served whole makes no vLLM call);
 * one step is one phase (``two_class=False``: vLLM's scheduler sees all requests) or two
   (committed, then speculative).
 
@@ -24,6 +27,7 @@ from typing import Any, Mapping, Sequence
 from forkserve.backend.capabilities import Capabilities
 from forkserve.backend.protocol import PageId, PageKind, SeqWork, StepCost, StepResult
 from forkserve.backend.vllm.adapters import AdapterTable
+from forkserve.backend.vllm.lookahead import Lookahead
 from forkserve.backend.vllm.phase_runner import EngineLike, PhaseRunner, Pinner, VllmApi
 from forkserve.backend.vllm.pin_table import PinTable
 from forkserve.backend.vllm.planner import plan_step
@@ -79,6 +83,7 @@ class VllmBackend:
         self.pinner = pinner if cow_blocks else None
         self.runner = PhaseRunner(engine, api, self.pinner)
         self.stats = VllmStats()
+        self.lookahead = Lookahead(config.page_size)
         self._tokenizer = tokenizer
 
     # ------------------------------------------------------------------ protocol
@@ -95,11 +100,27 @@ class VllmBackend:
         return self._tokenizer
 
     def step(self, work: Sequence[SeqWork]) -> StepResult:
-        plan = plan_step(work, self.shadow, self.adapters, step_index=self.stats.steps,
-                         two_class=self.two_class, cow_blocks=self.cow_blocks)
+        # Decode-ahead: items whose next token vLLM already produced are served from the
+        # lookahead (no request); everything a write contradicts is dropped first.
+        served = self.lookahead.serve(work, self.stats.steps)
+        todo = [item for item in work if item.seq_id not in served]
+        served_pins = {}
+        if self.cow_blocks:
+            for item in todo:
+                held = [(j, page) for j, page in self.lookahead.take_unpinned(item.seq_id)
+                        if self.pins.get(page) is None]
+                if held:
+                    served_pins[item.seq_id] = held
+        plan = plan_step(todo, self.shadow, self.adapters, step_index=self.stats.steps,
+                         two_class=self.two_class, cow_blocks=self.cow_blocks,
+                         decode_ahead=self.config.vllm_decode_ahead,
+                         max_context=self.config.max_context, served_pins=served_pins)
         for item in work:
-            self.shadow.write(item.slots.pages, item.start_pos, item.tokens, item.adapter_id,
-                              item.seq_id)
+            touched = self.shadow.write(item.slots.pages, item.start_pos, item.tokens,
+                                        item.adapter_id, item.seq_id)
+            if item.seq_id in served:  # no request: unpin what it wrote, as plan.unpin does
+                for page in touched:
+                    self._drop_pin(page)
         for page in plan.unpin:
             self._drop_pin(page)
         t0 = time.perf_counter()
@@ -107,6 +128,7 @@ class VllmBackend:
         for phase in plan.phases:
             results.update(self.runner.run(phase))
         ms = (time.perf_counter() - t0) * 1000.0
+        items = {item.seq_id: item for item in todo}
         for request in plan.requests():
             result = results[request.request_id]
             self.stats.prompt_tokens += len(request.prompt)
@@ -115,16 +137,22 @@ class VllmBackend:
                 handle = result.pins.get(block)
                 if handle is not None:  # None: vLLM had not cached that block, nothing to hold
                     self._hold_pin(page, handle)
+            if request.sampling.max_tokens > 1:
+                self.lookahead.keep(items[request.seq_id], result.ahead_tokens(), self.stats.steps)
         self.stats.steps += 1
         self.stats.phases += len(plan.phases)
-        self.stats.requests += len(work)
+        self.stats.requests += len(plan.requests())
+        self.stats.ahead_served = self.lookahead.served
+        self.stats.ahead_dropped = self.lookahead.dropped
         by_seq = {r.seq_id: results[r.request_id].token for r in plan.requests()}
+        by_seq.update(served)
         return StepResult(tuple(by_seq[item.seq_id] for item in work), _cost(work, ms))
 
     def copy_pages(self, kind: PageKind, pairs: Sequence[tuple[PageId, PageId]]) -> None:
         if kind is not PageKind.UNIFIED:
             raise ValueError(f"VllmBackend stores {PageKind.UNIFIED.value} pages only, not "
                              f"{kind.value}")
+        self.lookahead.drop_pages(dst for _, dst in pairs)
         for src, dst in pairs:
             self.shadow.copy(src, dst)
             self._drop_pin(dst)
@@ -136,7 +164,10 @@ class VllmBackend:
 
     def close(self) -> None:
         """Release every pin, so the vLLM engine can serve another backend (a benchmark that
-        reuses one ``LLM`` across runs) without blocks held by page ids nobody owns."""
+        reuses one ``LLM`` across runs) without blocks held by page ids nobody owns; drop
+        every lookahead."""
+        self.lookahead.clear()
+        self.stats.ahead_dropped = self.lookahead.dropped
         for handle in self.pins.drain():
             if self.pinner is not None:
                 self.pinner.release(handle)

@@ -53,8 +53,14 @@ class Pinner(Protocol[Handle]):
 class RequestResult:
     request_id: str
     token: int | None          # None for a write-only request
+    # Tokens a decode-ahead request produced past ``token`` (max_tokens > 1), in order.
+    ahead: tuple[int, ...]
     cached_tokens: int         # prompt tokens vLLM found in its prefix cache
     pins: Mapping[int, Any]    # block index -> pinner handle
+
+    def ahead_tokens(self) -> tuple[int, ...]:
+        """Every token the request returned: ``token``, then ``ahead``."""
+        return () if self.token is None else (self.token, *self.ahead)
 
 
 # Steps in a row that finish nothing before a phase counts as stuck. A long prefill finishes
@@ -107,9 +113,12 @@ class PhaseRunner(Generic[Handle]):
         for out in outputs:
             if out.request_id in plans:
                 plan = plans[out.request_id]
-                token = out.outputs[0].token_ids[-1] if plan.returns_token else None
+                # Cumulative output (vLLM's default kind): every token the request produced.
+                ids = tuple(out.outputs[0].token_ids)
+                token = ids[0] if plan.returns_token else None
+                ahead = ids[1:] if plan.returns_token else ()
                 pins = self.pinner.take(plan.request_id) if self.pinner is not None else {}
-                results[out.request_id] = RequestResult(out.request_id, token,
+                results[out.request_id] = RequestResult(out.request_id, token, ahead,
                                                         int(out.num_cached_tokens or 0), pins)
         missing = sorted(set(plans) - set(results))
         if missing:

@@ -15,8 +15,9 @@ from forkserve.backend.vllm.adapters import LoraRef
 
 @dataclass(frozen=True)
 class RequestSampling:
-    """vLLM ``SamplingParams`` of one request: always one new token (the Engine decodes one
-    position per step), EOS ignored (the Engine applies stop tokens itself)."""
+    """vLLM ``SamplingParams`` of one request: one new token (the Engine decodes one position
+    per step), or ``max_tokens`` for a decode-ahead request (the first is returned, the rest
+    kept in the ``Lookahead``); EOS ignored (the Engine applies stop tokens itself)."""
 
     temperature: float
     top_p: float
@@ -38,7 +39,9 @@ class RequestPlan:
     decode: bool
     new_tokens: int  # len(SeqWork.tokens): what the control plane asked to write
     # (block index in this request, control-plane page id): full pages this write completed;
-    # each page id pins the request's block at that index once the request finishes.
+    # each page id pins the request's block at that index once the request finishes. It also
+    # names full pages earlier steps served from the lookahead completed (no request pinned
+    # them; this prompt holds their blocks).
     pin_blocks: tuple[tuple[int, PageId], ...] = ()
 
 

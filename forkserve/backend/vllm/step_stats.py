@@ -15,6 +15,9 @@ class VllmStats:
     cached_tokens: int = 0
     pins_taken: int = 0
     pins_released: int = 0
+    # Decode-ahead: items served from the lookahead (no request), lookahead tokens discarded.
+    ahead_served: int = 0
+    ahead_dropped: int = 0
 
     def computed_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
