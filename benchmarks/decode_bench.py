@@ -44,6 +44,7 @@ from forkserve.backend.torch.weights import random_weights  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVForm, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
+from forkserve.engine import Engine  # noqa: E402
 
 # docs/ANCHORS.md
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}
@@ -142,6 +143,43 @@ class Bench:
             pos += 1
         return {"batch": batch, "prompt": prompt, "steps": steps,
                 "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+
+    def engine_decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
+                      overlap: bool, warmup: int = 4) -> dict:
+        """The same decode through the Engine (steady-decode set, ``config.overlap`` off or on):
+        ``batch`` sessions opened on ``prompt`` random tokens generate ``warmup`` tokens
+        (prefill, graph capture; untimed), then ``steps`` more each: the wall time of that
+        tick loop, host work included, per token of one sequence."""
+        backend = self.backend
+        # The Engine reads its config from the backend (as the multilora bench's runs do).
+        backend.config = backend.config.replace(overlap=overlap)
+        engine = Engine(backend)
+        gen = torch.Generator().manual_seed(1000 + batch)
+        vocab = backend.model_config.vocab_size
+        handles = [engine.open(torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
+                               adapter=adapters[i % len(adapters)]) for i in range(batch)]
+
+        def generate(n: int) -> float:  # n tokens per session: n backend steps
+            sync(backend.device)
+            t0 = time.perf_counter()
+            for h in handles:
+                engine.start_generate(h.id, n)
+            while engine.tick():
+                pass
+            engine.sync()
+            sync(backend.device)
+            elapsed = time.perf_counter() - t0
+            for h in handles:
+                assert len(engine.generation(h.id).tokens) == n
+            return elapsed
+
+        generate(warmup)
+        elapsed = generate(steps)
+        for h in handles:
+            engine.close(h.id)
+        return {"batch": batch, "prompt": prompt, "lora": adapters[0] is not None,
+                "overlap": overlap, "steps": steps,
+                "ms_per_step": elapsed / steps * 1e3}
 
     def shared_decode(self, agents: int, context: int, steps: int, cascade: bool,
                       warmup: int = 3) -> dict:
@@ -280,10 +318,14 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true",
                     help="only: the 8K prefill without / with LoRA (unified layout); writes "
                          "decode_bench_prefill.json")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="only: decode through the Engine, overlap off / on (batch 1 and 64, "
+                         "64 with LoRA); writes decode_bench_engine.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_name = "decode_bench_prefill.json" if args.prefill_only else "decode_bench.json"
+    json_name = ("decode_bench_prefill.json" if args.prefill_only else
+                 "decode_bench_engine.json" if args.engine_only else "decode_bench.json")
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
@@ -338,6 +380,26 @@ def main() -> None:
         return {**bench.prefill(prefill_tokens, adapter),
                 "roofline_tokens_per_s": prefill_tokens / (flops / res["matmul_flops"])}
 
+    def engine_case(bench: Bench, batch: int, lora: bool, ids: list[int | None],
+                    overlap: bool) -> dict:
+        return {**bench.engine_decode(batch, prompt, ids, args.steps, overlap),
+                "roofline_ms": roofline(batch, lora)}
+
+    def engine_cases(bench: Bench) -> None:
+        # decode_b1, decode_b64 (and decode_b64_lora) through the Engine: host work included
+        res.setdefault("engine_decode", [])
+        for batch, lora in ((1, False), (big_batch, False), (big_batch, True)):
+            for overlap in (False, True):
+                name = f"engine_decode_b{batch}" + ("_lora" if lora else "") + \
+                    ("_overlap" if overlap else "")
+                ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)] if lora \
+                    else [None]
+                attempt(name, engine_case, bench, batch, lora, ids, overlap)
+                if name in res:
+                    res["engine_decode"].append(res.pop(name))
+                    (out / json_name).write_text(json.dumps(res, indent=1))
+        bench.backend.config = bench.backend.config.replace(overlap=False)
+
     fusions = device.type == "cuda" and not args.no_fusions
     bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
     res["attention"] = type(bench.backend.attention).__name__
@@ -356,6 +418,10 @@ def main() -> None:
             attempt("prefill" + ("_lora" if lora else ""), prefill_case, bench, lora)
         print_table(res)
         return
+    if args.engine_only:
+        engine_cases(bench)
+        print_table(res)
+        return
     if args.profile:
         attempt("profile_b1", profile_decode, bench, 1, [None], prompt)
         attempt("profile_b64_lora", profile_decode, bench, big_batch, adapter_ids, prompt)
@@ -364,6 +430,7 @@ def main() -> None:
     for batch in (1, big_batch):
         for lora in (False, True):
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
+    engine_cases(bench)  # after the backend rows: their graphs are captured
     runner = bench.backend.runner
     runner.use_cuda_graphs = False
     attempt("decode_b1_eager_no_graph", bench.decode, 1, prompt, [None], 10)
@@ -405,11 +472,16 @@ def plot(res: dict, path: Path) -> None:
     vllm = [VLLM["b1"], VLLM["b1_lora"], VLLM["b64"], VLLM["b64_lora"]]
     ours = [res.get(k, {}).get("ms_per_step", 0) for _, k in rows]
     roof = [res.get(k, {}).get("roofline_ms", 0) for _, k in rows]
+    engine = {(r["batch"], r["lora"]): r["ms_per_step"]
+              for r in res.get("engine_decode", ()) if r["overlap"]}
+    overlapped = [engine.get((b, lora), 0) for b, lora in ((1, False), (1, True), (64, False),
+                                                          (64, True))]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([i - 0.27 for i in x], ours, 0.27, label="ForkServe TorchBackend")
-    ax.bar(list(x), vllm, 0.27, label="vLLM 0.26 (docs/ANCHORS.md)")
-    ax.bar([i + 0.27 for i in x], roof, 0.27, label="roofline (bytes / copy BW)")
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([i - 0.3 for i in x], ours, 0.2, label="ForkServe TorchBackend.step")
+    ax.bar([i - 0.1 for i in x], overlapped, 0.2, label="ForkServe Engine, overlap on")
+    ax.bar([i + 0.1 for i in x], vllm, 0.2, label="vLLM 0.26 (docs/ANCHORS.md)")
+    ax.bar([i + 0.3 for i in x], roof, 0.2, label="roofline (bytes / copy BW)")
     ax.set_xticks(list(x), [r[0] for r in rows])
     ax.set_ylabel("decode ms / step (prompt 512)")
     ax.set_title(f"Llama-3-8B shape, bf16, {res['device']}")
@@ -430,6 +502,11 @@ def print_table(res: dict) -> None:
             roof = r.get("roofline_ms")
             ratio = f"{r['ms_per_step'] / roof:6.2f}" if roof else ""
             print(f"{key:34s} {r['ms_per_step']:8.2f} {roof or 0:8.2f} {ratio}")
+    for r in res.get("engine_decode", ()):
+        key = (f"engine_b{r['batch']}" + (" LoRA" if r["lora"] else "")
+               + (" overlap" if r["overlap"] else ""))
+        print(f"{key:34s} {r['ms_per_step']:8.2f} {r['roofline_ms']:8.2f} "
+              f"{r['ms_per_step'] / r['roofline_ms']:6.2f}")
     for key in ("decode_b32_shared_context", "decode_b32_shared_context_no_cascade"):
         r = res.get(key)
         if r:

@@ -1,0 +1,33 @@
+"""benchmarks/decode_bench.py --tiny --engine-only on CPU: the Engine-level decode rows (batch 1
+and 64, 64 over 32 adapters; overlap off and on) run, land in the JSON and the table. On CPU
+the overlap's launch runs synchronously: the plumbing is checked, not the speed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_bench.py"
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_engine_only_rows(tmp_path, monkeypatch, capsys) -> None:
+    db = _bench()
+    monkeypatch.setattr(sys, "argv", ["decode_bench.py", "--tiny", "--engine-only", "--steps",
+                                      "3", "--out", str(tmp_path)])
+    db.main()
+    res = json.loads((tmp_path / "decode_bench_engine.json").read_text())
+    assert res["errors"] == {}
+    rows = res["engine_decode"]
+    assert [(r["batch"], r["lora"], r["overlap"]) for r in rows] == [
+        (1, False, False), (1, False, True), (64, False, False), (64, False, True),
+        (64, True, False), (64, True, True)]
+    assert all(r["steps"] == 3 and r["prompt"] == 512 and r["ms_per_step"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "engine_b64 LoRA overlap" in out
