@@ -2,6 +2,7 @@
 
     python benchmarks/decode_bench.py --out benchmarks/results        # on the H200
     python benchmarks/decode_bench.py --tiny --out /tmp/bench          # plumbing check on CPU
+    python benchmarks/decode_bench.py --engine-only --out benchmarks/results  # Engine rows only
 
 Measures, through the Backend protocol (TorchBackend.step: batch building, CUDA-graph
 replay, greedy sampling, host sync, i.e. what the Engine pays):
@@ -15,6 +16,10 @@ replay, greedy sampling, host sync, i.e. what the Engine pays):
   and the prefill routes the engine's attention dispatch took (``--prefill-only``: just these);
 * decode ms/step of 32 agents over one 8K context (the same pages, 16 own tokens each; the
   react workload's step), shared-prefix (cascade) attention on and off;
+* decode ms/step through the Engine (``engine_decode`` rows; ``--engine-only``: just these):
+  batch 1 and 64, and 64 over 32 adapters with LoRA, sessions that generate ``--steps``
+  tokens, ``config.overlap`` off and on (the next step planned while one runs): the tick
+  loop's wall time per step, host work included;
 * Hugging Face `generate` (sdpa, bf16) at batch 1 and 64 on the same shape, per new token.
 
 Each backend is freed before the next is built (two 64 GiB pools do not fit one H200).
