@@ -35,7 +35,7 @@ import sys
 import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from benchmarks.quality import modes
 from forkserve.bench.multilora.scale import FULL
@@ -88,7 +88,7 @@ def load_quality(spec_arg: str) -> QualitySource:
     """``LABEL=PATH`` (or PATH: the file's stem labels it)."""
     label, _, path = spec_arg.rpartition("=")
     path = Path(path)
-    data = _read_json(path, "quality report")
+    data = read_json(path, "quality report")
     summaries = data.get("summaries") if isinstance(data, dict) else None
     if not isinstance(summaries, list):
         raise TradeoffError(f"{path} is not a quality report (no 'summaries' list: "
@@ -168,8 +168,18 @@ class SpeedRow:
 def load_speed(paths: Sequence[Path]) -> dict[Setting, dict[str, SpeedRow]]:
     """Every usable bench row by setting and system, the newest source of each."""
     out: dict[Setting, dict[str, SpeedRow]] = {}
+    for setting, row in bench_rows(paths):
+        kept = out.setdefault(setting, {}).get(row.system)
+        if kept is None or row.rank > kept.rank:
+            out[setting][row.system] = row
+    return out
+
+
+def bench_rows(paths: Sequence[Path]) -> Iterator[tuple[Setting, SpeedRow]]:
+    """Every usable bench row of ``paths`` with its setting, in file order; ``SpeedRow.rank``
+    orders them by age (``commit_time``, then file and row order). Profiled rows are left out."""
     for f, path in enumerate(paths):
-        doc = _read_json(path, "bench result")
+        doc = read_json(path, "bench result")
         if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
             raise TradeoffError(f"{path} is not a result of forkserve bench react|mapreduce "
                                 "(no 'results' list)")
@@ -185,10 +195,7 @@ def load_speed(paths: Sequence[Path]) -> dict[Setting, dict[str, SpeedRow]]:
                                (commit_time(commit), f, i))
             except (KeyError, TypeError, ValueError) as e:
                 raise TradeoffError(f"{path}: row {i} is not a bench row ({e!r})") from None
-            kept = out.setdefault(setting, {}).get(row.system)
-            if kept is None or row.rank > kept.rank:
-                out[setting][row.system] = row
-    return out
+            yield setting, row
 
 
 def _setting(doc: dict, r: dict, path: Path) -> Setting:
@@ -430,7 +437,7 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _read_json(path: Path, what: str) -> Any:
+def read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:

@@ -1,0 +1,443 @@
+"""Issue 15's goals against the committed H200 figures, one row per goal.
+
+    python3 -m benchmarks.issue15_goals --out benchmarks/results
+
+reads the result JSONs under ``benchmarks/results`` (``--results`` names another folder):
+``kernel_bench*.json`` (``kernel_bench.py``: decode variants, prefill routes),
+``decode_bench*.json`` (``decode_bench.py``: ms per decode step, 8K prefill) and
+``react_multilora*.json`` (``forkserve bench react``: tasks/s), and writes
+``issue15_goals.{md,json,png}``: per goal the measured value, the goal, met or missed (the
+value as a ratio to the goal), the source file and its commit.
+
+Every figure is read from a file, none is typed in here. Where several files hold a figure
+(rounds of the same call), the newest wins: its commit's date in git
+(``sharing_tradeoff.commit_time``); a file whose commit git does not know, or that has none,
+ranks oldest, then the later file in name order. A goal no file holds says "not measured" and
+names the file that would hold it. A missing folder, or a file that is not readable JSON or not
+the bench's shape, is a one-line error (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from benchmarks.sharing_tradeoff import (
+    RESULTS,
+    Setting,
+    SpeedRow,
+    TradeoffError,
+    bench_rows,
+    commit_time,
+    read_json,
+)
+from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json
+
+NOT_MEASURED = "not measured"
+ISSUE15_W = 32           # the react goals' W
+ISSUE15_KV_GIB = 24.0    # the react goals' KV budget
+ADAPTIVE_WS = (1, 8, 32)
+LONG_CTX = 4096          # ">= 4K"
+PREFILL_CTX = (1024, 32768)  # "1K-32K"
+PREFILL_TOKENS = 8192    # decode_bench's 8K prefill
+
+
+class GoalsError(ValueError):
+    """An input the table cannot use; the message is the one line the command prints."""
+
+
+@dataclass(frozen=True)
+class Goal:
+    number: str
+    name: str
+    op: str        # "<=" or ">="
+    target: float
+    unit: str      # "x", "tok/s", "tasks/s", "ms"
+    wants: str     # the file (and field) that would hold the figure
+
+
+@dataclass(frozen=True)
+class Found:
+    """One goal's measured value and where it came from."""
+
+    value: float
+    source: str
+    commit: str
+    detail: str                       # which point / system / route the value is
+    rank: tuple[float, int] = (-1.0, 0)
+
+
+@dataclass
+class Row:
+    goal: Goal
+    found: Found | None
+    met: bool | None = field(default=None)
+    ratio: float | None = field(default=None)  # value / goal
+
+    def __post_init__(self) -> None:
+        if self.found is not None:
+            self.ratio = self.found.value / self.goal.target
+            self.met = (self.found.value <= self.goal.target if self.goal.op == "<="
+                        else self.found.value >= self.goal.target)
+
+
+# ---------------------------------------------------------------- inputs
+
+@dataclass(frozen=True)
+class Doc:
+    path: Path
+    data: dict
+    commit: str
+    rank: tuple[float, int]
+
+
+def load_docs(paths: Sequence[Path], what: str) -> list[Doc]:
+    docs = []
+    for f, path in enumerate(paths):
+        data = _read(path, what)
+        if not isinstance(data, dict):
+            raise GoalsError(f"{what} {path} is not a JSON object")
+        commit = str(data.get("commit") or "")
+        docs.append(Doc(path, data, commit, (commit_time(commit), f)))
+    return docs
+
+
+def _read(path: Path, what: str) -> Any:
+    try:
+        return read_json(path, what)
+    except TradeoffError as e:
+        raise GoalsError(str(e)) from None
+
+
+def _list(doc: Doc, key: str) -> list[dict]:
+    rows = doc.data.get(key)
+    if rows is None:
+        return []
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise GoalsError(f"{doc.path}: '{key}' is not a list of rows")
+    return rows
+
+
+def _num(doc: Doc, row: dict, key: str) -> Any:
+    try:
+        return row[key]
+    except KeyError:
+        raise GoalsError(f"{doc.path}: a row without '{key}'") from None
+
+
+def _newest(found: list[Found]) -> Found | None:
+    return max(found, key=lambda x: x.rank, default=None)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# ---------------------------------------------------------------- kernel_bench
+
+def _decode_points(doc: Doc) -> list[tuple[int, int, str, float]]:
+    """(ctx, batch, best residual variant, its ratio to unified) per decode point: the best
+    ``*_ratio`` of ``decode_variants``, or ``residual_over_unified`` of the older ``decode``."""
+    points = []
+    for r in _list(doc, "decode_variants"):
+        ratios = {k.removesuffix("_ratio"): v for k, v in r.items()
+                  if k.endswith("_ratio") and _finite(v)}
+        if ratios:
+            best = min(ratios, key=ratios.get)
+            points.append((int(_num(doc, r, "ctx")), int(_num(doc, r, "batch")), best,
+                           ratios[best]))
+    for r in _list(doc, "decode"):
+        v = r.get("residual_over_unified")
+        if _finite(v):
+            points.append((int(_num(doc, r, "ctx")), int(_num(doc, r, "batch")), "residual", v))
+    return points
+
+
+def residual_decode(kernel: list[Doc], batch_ok: Callable[[int], bool]) -> Found | None:
+    """Worst (ctx >= 4K, batch) point of the newest kernel_bench file with such points, each
+    point's ratio the best residual variant's."""
+    found = []
+    for doc in kernel:
+        points = [p for p in _decode_points(doc) if p[0] >= LONG_CTX and batch_ok(p[1])]
+        if points:
+            ctx, batch, variant, ratio = max(points, key=lambda p: p[3])
+            found.append(Found(ratio, doc.path.name, doc.commit,
+                               f"worst of {len(points)} points: ctx {ctx}, batch {batch} "
+                               f"({variant})", doc.rank))
+    return _newest(found)
+
+
+def residual_prefill(kernel: list[Doc]) -> Found | None:
+    """Worst 1K-32K point of the best residual route over the best unified route."""
+    found = []
+    for doc in kernel:
+        points = []
+        for r in _list(doc, "prefill"):
+            ratios = {k.removeprefix("residual_").removesuffix("_over_best_unified"): v
+                      for k, v in r.items()
+                      if k.startswith("residual_") and k.endswith("_over_best_unified")
+                      and _finite(v)}
+            ctx = int(_num(doc, r, "ctx"))
+            if ratios and PREFILL_CTX[0] <= ctx <= PREFILL_CTX[1]:
+                best = min(ratios, key=ratios.get)
+                points.append((ratios[best], ctx, int(_num(doc, r, "batch")), best))
+        if points:
+            ratio, ctx, batch, route = max(points)
+            found.append(Found(ratio, doc.path.name, doc.commit,
+                               f"worst of {len(points)} points: batch {batch} x ctx {ctx} "
+                               f"(best residual route {route})", doc.rank))
+    return _newest(found)
+
+
+def unified_prefill_vs_sdpa(kernel: list[Doc]) -> Found | None:
+    """Worst ctx >= 4K point of unified prefill on the route the policy takes over torch SDPA
+    (the rows whose baseline is ``sdpa_default``)."""
+    found = []
+    for doc in kernel:
+        points = []
+        for r in _list(doc, "prefill"):
+            route = r.get("policy_unified")
+            v = r.get(f"unified_{route}_over_baseline")
+            if r.get("baseline") == "sdpa_default" and _finite(v) \
+                    and int(_num(doc, r, "ctx")) >= LONG_CTX:
+                points.append((v, int(r["ctx"]), route))
+        if points:
+            ratio, ctx, route = max(points)
+            found.append(Found(ratio, doc.path.name, doc.commit,
+                               f"worst of {len(points)} points: ctx {ctx} ({route} route, "
+                               "the policy's)", doc.rank))
+    return _newest(found)
+
+
+# ---------------------------------------------------------------- decode_bench
+
+def decode_figure(decode: list[Doc], key: str, field_: str, detail: str,
+                  ok: Callable[[dict], bool] = lambda _: True) -> Found | None:
+    found = []
+    for doc in decode:
+        part = doc.data.get(key)
+        if isinstance(part, dict) and _finite(part.get(field_)) and ok(part):
+            found.append(Found(float(part[field_]), doc.path.name, doc.commit,
+                               f"{key}.{field_}{detail}", doc.rank))
+    return _newest(found)
+
+
+# ---------------------------------------------------------------- react
+
+def _issue15(setting: Setting) -> bool:
+    return (setting.workload == "react" and setting.kv_budget_gib == ISSUE15_KV_GIB
+            and setting.default_engine)
+
+
+def react_system(rows: list[tuple[Setting, SpeedRow]], system: str) -> Found | None:
+    """The system's W = 32 tasks/s from the newest commit; overlap on or off, the better."""
+    cands = [(s, r) for s, r in rows
+             if _issue15(s) and s.workflows == ISSUE15_W and r.system == system]
+    if not cands:
+        return None
+    newest = max(r.rank[0] for _, r in cands)
+    s, r = max(((s, r) for s, r in cands if r.rank[0] == newest),
+               key=lambda sr: (sr[1].tasks_per_s, sr[1].rank))
+    both = {x.overlap for x, y in cands if y.rank[0] == newest}
+    note = f"overlap {'on' if s.overlap else 'off'}" + (
+        " (the better of on and off)" if len(both) > 1 else " (the only one run)")
+    return Found(r.tasks_per_s, r.source, r.commit, f"W={s.workflows}, {note}",
+                 (r.rank[0], r.rank[1]))
+
+
+def _groups(rows: list[tuple[Setting, SpeedRow]], ws: Sequence[int]
+            ) -> dict[tuple[str, Setting], dict[tuple[int, str], SpeedRow]]:
+    """Rows of one file and setting (any W), by (W, system)."""
+    out: dict[tuple[str, Setting], dict[tuple[int, str], SpeedRow]] = {}
+    for s, r in rows:
+        if _issue15(s) and s.workflows in ws:
+            out.setdefault((r.source, s.group()), {})[(s.workflows, r.system)] = r
+    return out
+
+
+def disaggregated_vs_unified(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
+    found = []
+    for (source, _), g in _groups(rows, (ISSUE15_W,)).items():
+        d, u = g.get((ISSUE15_W, "disaggregated")), g.get((ISSUE15_W, "unified"))
+        if d and u:
+            rank = max(d.rank, u.rank)
+            found.append(Found(d.tasks_per_s / u.tasks_per_s, source, d.commit,
+                               f"W={ISSUE15_W}: disaggregated {d.tasks_per_s:.3f} / unified "
+                               f"{u.tasks_per_s:.3f} tasks/s", (rank[0], rank[1])))
+    return _newest(found)
+
+
+def adaptive_vs_better(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
+    found = []
+    for (source, _), g in _groups(rows, ADAPTIVE_WS).items():
+        if not all((w, s) in g for w in ADAPTIVE_WS
+                   for s in ("unified", "disaggregated", "adaptive")):
+            continue
+        per_w = {w: g[(w, "adaptive")].tasks_per_s
+                 / max(g[(w, "unified")].tasks_per_s, g[(w, "disaggregated")].tasks_per_s)
+                 for w in ADAPTIVE_WS}
+        worst = min(per_w, key=per_w.get)
+        rank = max(r.rank for r in g.values())
+        found.append(Found(per_w[worst], source, g[(worst, "adaptive")].commit,
+                           f"worst W={worst}; per W: " + ", ".join(
+                               f"{w}: {v:.3f}" for w, v in per_w.items()),
+                           (rank[0], rank[1])))
+    return _newest(found)
+
+
+# ---------------------------------------------------------------- the table
+
+GOALS = (
+    Goal("1", "ResidualAttention decode / unified, ctx >= 4K, batch >= 8", "<=", 1.15, "x",
+         "kernel_bench*.json (kernel_bench.py --decode-variants: decode_variants *_ratio)"),
+    Goal("2", "ResidualAttention decode / unified, ctx >= 4K, batch 1", "<=", 1.3, "x",
+         "kernel_bench*.json (kernel_bench.py --decode-variants: decode_variants *_ratio)"),
+    Goal("3", "residual prefill / unified prefill, ctx 1K-32K", "<=", 1.3, "x",
+         "kernel_bench_prefill.json (prefill residual_*_over_best_unified)"),
+    Goal("4", "unified prefill / torch SDPA, ctx >= 4K", "<=", 1.0, "x",
+         "kernel_bench_prefill.json (prefill unified_<policy>_over_baseline)"),
+    Goal("5", "8K LoRA prefill (decode_bench)", ">=", 35000.0, "tok/s",
+         "decode_bench*.json (prefill_lora.tokens_per_s)"),
+    Goal("6", "react W=32, 24 GiB, no_lora", ">=", 10.3, "tasks/s",
+         "react_multilora*.json (system no_lora, workflows 32)"),
+    Goal("7", "react W=32, 24 GiB, disaggregated_base", ">=", 7.0, "tasks/s",
+         "react_multilora*.json (system disaggregated_base, workflows 32)"),
+    Goal("8", "react W=32 disaggregated / unified (one file)", ">=", 1.3, "x",
+         "react_multilora*.json (unified and disaggregated, workflows 32, one file)"),
+    Goal("9", "react adaptive / better of unified, disaggregated, W=1, 8, 32 (worst W)", ">=",
+         0.95, "x", "react_multilora*.json (unified, disaggregated, adaptive at W 1, 8, 32)"),
+    Goal("10a", "decode ms/step, batch 1, no LoRA", "<=", 4.9, "ms",
+         "decode_bench*.json (decode_b1.ms_per_step)"),
+    Goal("10b", "decode ms/step, batch 64, no LoRA", "<=", 6.7, "ms",
+         "decode_bench*.json (decode_b64.ms_per_step)"),
+)
+
+
+def build(results: Path) -> list[Row]:
+    if not results.is_dir():
+        raise GoalsError(f"results folder {results} does not exist")
+    kernel = load_docs(sorted(results.glob("kernel_bench*.json")), "kernel_bench result")
+    decode = load_docs(sorted(results.glob("decode_bench*.json")), "decode_bench result")
+    try:
+        react = list(bench_rows(sorted(results.glob("react_multilora*.json"))))
+    except TradeoffError as e:
+        raise GoalsError(str(e)) from None
+    tokens = f" ({PREFILL_TOKENS} tokens)"
+    found = {
+        "1": residual_decode(kernel, lambda b: b >= 8),
+        "2": residual_decode(kernel, lambda b: b == 1),
+        "3": residual_prefill(kernel),
+        "4": unified_prefill_vs_sdpa(kernel),
+        "5": decode_figure(decode, "prefill_lora", "tokens_per_s", tokens,
+                           lambda p: p.get("tokens") == PREFILL_TOKENS),
+        "6": react_system(react, "no_lora"),
+        "7": react_system(react, "disaggregated_base"),
+        "8": disaggregated_vs_unified(react),
+        "9": adaptive_vs_better(react),
+        "10a": decode_figure(decode, "decode_b1", "ms_per_step", ""),
+        "10b": decode_figure(decode, "decode_b64", "ms_per_step", ""),
+    }
+    return [Row(g, found[g.number]) for g in GOALS]
+
+
+def _value(x: float, unit: str) -> str:
+    if unit == "x":
+        return f"{x:.2f}x"
+    if unit == "tok/s":
+        return f"{x / 1000:.1f}K tok/s"
+    return f"{x:.2f} {unit}"
+
+
+def _status(r: Row) -> str:
+    if r.found is None:
+        return NOT_MEASURED
+    return f"{'met' if r.met else '**missed**'} ({r.ratio:.2f}x the goal)"
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| # | goal | measured | target | status | source | commit |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g, f = r.goal, r.found
+        goal = f"{g.op} {_value(g.target, g.unit)}"
+        if f is None:
+            lines.append(f"| {g.number} | {g.name} | {NOT_MEASURED} | {goal} | "
+                         f"{NOT_MEASURED} | would be in {g.wants} | — |")
+        else:
+            lines.append(f"| {g.number} | {g.name} | {_value(f.value, g.unit)} | {goal} | "
+                         f"{_status(r)} | `{f.source}` | {f.commit[:8] or 'unknown'} |")
+    lines += ["", "Status: the measured value as a ratio to the goal (below 1 meets a <= goal, "
+              "at or above 1 a >= goal). Each figure is the newest file's that holds it (its "
+              "commit's date in git; a file without a known commit ranks oldest). What each "
+              "value is:"]
+    lines += [f"* {r.goal.number}: {r.found.detail}" if r.found else
+              f"* {r.goal.number}: {NOT_MEASURED}" for r in rows]
+    return "\n".join(lines)
+
+
+def to_json(rows: Sequence[Row]) -> dict[str, Any]:
+    out = []
+    for r in rows:
+        f = r.found
+        out.append({**asdict(r.goal), "value": f.value if f else None,
+                    "status": ("met" if r.met else "missed") if f else NOT_MEASURED,
+                    "ratio_to_goal": r.ratio, "source": f.source if f else None,
+                    "commit": (f.commit or "unknown") if f else None,
+                    "detail": f.detail if f else None})
+    return {"issue": 15, "goals": out}
+
+
+def plot(rows: Sequence[Row], path: Path) -> None:
+    """One bar per goal: the value over the goal, so 1.0 is the goal line; green met, red
+    missed; a goal not measured has no bar."""
+    fig, (ax,) = new_figure(1, width=10, height=0.45 * len(rows) + 1.8)
+    labels, ys = [], list(range(len(rows)))[::-1]
+    for y, r in zip(ys, rows, strict=True):
+        g = r.goal
+        labels.append(f"{g.number}. {g.name} ({g.op} {_value(g.target, g.unit)})")
+        if r.found is None:
+            ax.text(0.02, y, NOT_MEASURED, va="center", fontsize=8, color="grey")
+            continue
+        ax.barh(y, r.ratio, color="tab:green" if r.met else "tab:red")
+        ax.text(r.ratio, y, f" {_value(r.found.value, g.unit)}", va="center", fontsize=7,
+                bbox={"facecolor": "white", "alpha": 0.7, "lw": 0, "pad": 1})
+    ax.axvline(1.0, color="black", linestyle="--", lw=1, label="goal")
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.set_xlabel("measured / goal (1.0 = the goal; <= goals want less, >= goals more)")
+    ax.set_title("issue 15's goals (H200; green met, red missed)")
+    ax.set_xlim(0, max([r.ratio for r in rows if r.ratio] + [1.0]) * 1.2)
+    save_figure(fig, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.issue15_goals",
+                                 description=__doc__.split("\n\n")[2],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="folder of the result JSONs to read")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    try:
+        rows = build(args.results)
+    except GoalsError as e:
+        print(f"issue15_goals: error: {e}", file=sys.stderr)
+        return 2
+    except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong kind
+        print(f"issue15_goals: error: a result under {args.results} is not the bench's shape "
+              f"({e!r})", file=sys.stderr)
+        return 2
+    table = markdown(rows)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "issue15_goals.md").write_text(table + "\n")
+    print(f"wrote {args.out / 'issue15_goals.md'}")
+    write_json(args.out / "issue15_goals.json", to_json(rows))
+    plot(rows, args.out / "issue15_goals.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

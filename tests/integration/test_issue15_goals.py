@@ -1,0 +1,96 @@
+"""benchmarks/issue15_goals.py: a row per issue-15 goal from the result JSONs (small synthetic
+folders, then the committed one): the newest commit's figure wins, a goal no file holds says
+"not measured", met and missed are against the goal, and an unusable input is one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import issue15_goals as goals
+from benchmarks.sharing_tradeoff import RESULTS, commit_time
+
+NEWER, OLDER = "8fb454c", "a1f081c"  # commits of committed results, in this repo's history
+
+
+def write(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def react_row(system: str, w: int, tasks: float, overlap: bool = False) -> dict:
+    return {"system": system, "workflows": w, "tasks_per_s": tasks, "cascade": True,
+            "overlap": overlap, "commit": NEWER}
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    assert commit_time(NEWER) > commit_time(OLDER) > 0, "needs the repository's history"
+    # The newer commit sits in the file that sorts first: file order alone would pick the other.
+    write(tmp_path / "kernel_bench_a.json", {"commit": NEWER, "decode_variants": [
+        {"ctx": 8192, "batch": 8, "unified_ms": 1.0, "v1_ratio": 1.5, "v2_ratio": 1.4},
+        {"ctx": 2048, "batch": 8, "unified_ms": 1.0, "v1_ratio": 9.0},  # below 4K: left out
+        {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 1.2}]})
+    write(tmp_path / "kernel_bench_b.json", {"commit": OLDER, "decode_variants": [
+        {"ctx": 8192, "batch": 8, "unified_ms": 1.0, "v1_ratio": 1.1},
+        {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 2.0}]})
+    write(tmp_path / "decode_bench_x.json", {  # no commit, no batch 64
+        "decode_b1": {"batch": 1, "ms_per_step": 4.5},
+        "prefill_lora": {"tokens": 8192, "tokens_per_s": 36000.0}})
+    rows = [react_row("no_lora", 32, 10.0), react_row("no_lora", 32, 11.0, overlap=True)]
+    for w, (u, d, a) in {1: (0.5, 0.4, 0.45), 8: (1.6, 1.5, 1.6), 32: (1.8, 2.0, 2.0)}.items():
+        rows += [react_row("unified", w, u), react_row("disaggregated", w, d),
+                 react_row("adaptive", w, a)]
+    write(tmp_path / "react_multilora_t.json", {
+        "workload": "react-multilora", "driver": "lockstep", "model": "llama3-8b-shape",
+        "device": "cuda", "context": 8192, "turns": 3, "gen": 64, "kv_budget_gib": 24.0,
+        "residual_share": 0.1, "commit": NEWER, "results": rows})
+    return tmp_path
+
+
+def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
+    saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
+    assert list(saved) == [g.number for g in goals.GOALS]
+    # Newest commit wins (1.4 from the newer file, not 1.1), its best variant; missed.
+    assert saved["1"]["value"] == pytest.approx(1.4) and saved["1"]["status"] == "missed"
+    assert saved["1"]["source"] == "kernel_bench_a.json" and saved["1"]["commit"] == NEWER
+    assert saved["1"]["ratio_to_goal"] == pytest.approx(1.4 / 1.15)
+    assert saved["2"]["value"] == pytest.approx(1.2) and saved["2"]["status"] == "met"
+    for n in ("3", "4", "7", "10b"):  # no file holds them
+        assert saved[n]["status"] == "not measured" and saved[n]["value"] is None
+    assert saved["5"]["status"] == "met" and saved["10a"]["status"] == "met"
+    assert saved["10a"]["commit"] == "unknown"
+    assert saved["6"]["value"] == pytest.approx(11.0) and "overlap on" in saved["6"]["detail"]
+    assert saved["8"]["value"] == pytest.approx(2.0 / 1.8) and saved["8"]["status"] == "missed"
+    assert saved["9"]["value"] == pytest.approx(0.45 / 0.5) and "W=1" in saved["9"]["detail"]
+    table = (out / "issue15_goals.md").read_text()
+    assert "would be in kernel_bench_prefill.json" in table and "| unknown |" in table
+    assert (out / "issue15_goals.png").stat().st_size > 0
+    assert f"wrote {out / 'issue15_goals.png'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("broken", ["missing_folder", "not_json", "not_a_bench"])
+def test_an_unusable_input_is_one_line(folder, tmp_path, capsys, broken):
+    results = folder
+    if broken == "missing_folder":
+        results = tmp_path / "nowhere"
+    elif broken == "not_json":
+        (folder / "decode_bench_x.json").write_text("{not json")
+    else:
+        write(folder / "react_multilora_t.json", {"workload": "react-multilora"})
+    assert goals.main(["--results", str(results), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("issue15_goals: error: ")
+
+
+def test_the_committed_results(tmp_path):
+    assert goals.main(["--out", str(tmp_path)]) == 0
+    saved = {g["number"]: g for g in json.loads((tmp_path / "issue15_goals.json").read_text())
+             ["goals"]}
+    adaptive = saved["9"]
+    assert adaptive["source"] == "react_multilora_issue15_round7.json"
+    assert round(adaptive["value"], 2) == 0.97 and adaptive["status"] == "met"
+    assert all(g["status"] != "not measured" for g in saved.values()), RESULTS
