@@ -34,7 +34,7 @@ from benchmarks.sharing_tradeoff import (
     commit_time,
     read_json,
 )
-from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json
+from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_tables
 
 NOT_MEASURED = "not measured"
 ISSUE15_W = 32           # the react goals' W
@@ -429,12 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"issue15_goals: error: a result under {args.results} is not the bench's shape "
               f"({e!r})", file=sys.stderr)
         return 2
-    table = markdown(rows)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "issue15_goals.md").write_text(table + "\n")
-    print(f"wrote {args.out / 'issue15_goals.md'}")
-    write_json(args.out / "issue15_goals.json", to_json(rows))
+    write_tables(args.out, "issue15_goals", markdown(rows), to_json(rows))
     plot(rows, args.out / "issue15_goals.png")
     return 0
 

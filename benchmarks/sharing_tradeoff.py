@@ -45,7 +45,7 @@ from forkserve.bench.output import (
     legend_below,
     new_figure,
     save_figure,
-    write_json,
+    write_tables,
 )
 from forkserve.sharing_mode import NoQualityMode
 
@@ -472,12 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TradeoffError as e:
         print(f"sharing_tradeoff: error: {e}", file=sys.stderr)
         return 2
-    table = markdown(t)
-    print(table)
-    (args.out / "sharing_tradeoff.md").parent.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharing_tradeoff.md").write_text(table + "\n")
-    print(f"wrote {args.out / 'sharing_tradeoff.md'}")
-    write_json(args.out / "sharing_tradeoff.json", to_json(t))
+    write_tables(args.out, "sharing_tradeoff", markdown(t), to_json(t))
     plot(t, args.out / "sharing_tradeoff.png")
     return 0
 

@@ -24,6 +24,16 @@ def write_json(path: Path, data: Any, *, quiet: bool = False) -> None:
         print(f"wrote {path}")
 
 
+def write_tables(out: Path, stem: str, markdown: str, data: Any) -> None:
+    """A joined report's Markdown table (printed too) and its JSON: ``out/stem.{md,json}``."""
+    print(markdown)
+    path = out / f"{stem}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown + "\n")
+    print(f"wrote {path}")
+    write_json(out / f"{stem}.json", data)
+
+
 def save_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
