@@ -3,22 +3,14 @@ and 64, 64 over 32 adapters; overlap off and on) run, land in the JSON and the t
 the overlap's launch runs synchronously: the plumbing is checked, not the speed."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-
-def _bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_bench.py"
-    spec = importlib.util.spec_from_file_location("decode_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_script import load_script
 
 
 def test_engine_only_rows(tmp_path, monkeypatch, capsys) -> None:
-    db = _bench()
+    db = load_script("decode_bench")
     monkeypatch.setattr(sys, "argv", ["decode_bench.py", "--tiny", "--engine-only", "--steps",
                                       "3", "--out", str(tmp_path)])
     db.main()

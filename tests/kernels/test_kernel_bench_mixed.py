@@ -4,27 +4,18 @@ through the decode kernel) gives the whole batch's prefill-route output, and bot
 eager float32 reference. On CUDA the bench itself checks this (``split_rel_err_vs_whole``)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+
+from tests.benchmark_script import load_script
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU smoke shapes; on CUDA run kernel_bench.py --mixed")
 
 
-def _bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_bench.py"
-    spec = importlib.util.spec_from_file_location("kernel_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("residual", [False, True])
 def test_mixed_split_equals_whole(residual: bool) -> None:
-    kb = _bench()
+    kb = load_script("kernel_bench")
     s = kb.Setup(smoke=True)
     calls, routes = kb.mixed_step(s, ctx=64, new=16, rows=3, residual=residual, flash=False)
     assert routes == ({"whole": "fused", "chunk": "fused"} if residual

@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from vllm_fakes import FAKE_API, FakeGauge, FakeLLM, FakeLLMEngine, FakePinner
 
 from forkserve.bench.multilora import tiny_config
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_script import load_script
 
 
 @pytest.fixture(scope="module")
 def scripts():
-    sbs = _load("vllm_side_by_side")
-    return sbs, _load("h200_vllm")
+    sbs = load_script("vllm_side_by_side")
+    return sbs, load_script("h200_vllm")
 
 
 def _harness(sbs, tmp_path):

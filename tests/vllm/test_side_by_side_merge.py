@@ -3,24 +3,16 @@ ones of the same key, decode entries merge by (batch, LoRA)) and its TorchBacken
 which runs without vLLM (no harness)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_script import load_script
 
 
 @pytest.fixture(scope="module")
 def sbs():
-    spec = importlib.util.spec_from_file_location("vllm_side_by_side",
-                                                  ROOT / "benchmarks/vllm_side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("vllm_side_by_side")
 
 
 def _row(system, w, tput, cascade=True):
