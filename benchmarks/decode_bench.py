@@ -258,21 +258,38 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
     items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True)
              for i in range(batch)]
     backend.step(items)
+    launches, kernel_ms, top = top_kernels(lambda: backend.step(items), 20)
+    backend.runner.use_cuda_graphs = True
+    return {"batch": batch, "step_ms": step["ms_per_step"],
+            "graph_replay_ms": statistics.median(times),
+            "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
+
+
+def top_kernels(run, count: int = 24) -> tuple[int, float, list[dict]]:
+    """The CUDA kernels of ``run()`` by device time: (launches, total ms, the top ``count``)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        backend.step(items)
+        run()
         torch.cuda.synchronize()
-    backend.runner.use_cuda_graphs = True
     events = [e for e in prof.key_averages()
               if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0]
     events.sort(key=lambda e: -e.device_time_total)
     top = [{"name": e.key[:80], "count": e.count, "ms": e.device_time_total / 1e3}
-           for e in events[:20]]
-    return {"batch": batch, "step_ms": step["ms_per_step"],
-            "graph_replay_ms": statistics.median(times),
-            "eager_kernels": sum(e.count for e in events),
-            "eager_kernel_ms": sum(e.device_time_total for e in events) / 1e3,
-            "top_kernels": top}
+           for e in events[:count]]
+    return (sum(e.count for e in events), sum(e.device_time_total for e in events) / 1e3, top)
+
+
+def profile_prefill(bench: Bench, tokens: int, adapter: int | None) -> dict:
+    """Where an 8K prefill's time goes: its wall time and the kernels of one step by CUDA time
+    (the gap between the two is host work and GPU idle)."""
+    wall = bench.prefill(tokens, adapter, reps=2)
+    vocab = bench.backend.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (tokens,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    launches, kernel_ms, top = top_kernels(
+        lambda: bench.backend.step([bench.item(0, prompt, 0, adapter)]))
+    return {"tokens": tokens, "lora": adapter is not None, "step_s": wall["s"],
+            "kernels": launches, "kernel_ms": kernel_ms, "top_kernels": top}
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -319,7 +336,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-fusions", action="store_true",
                     help="skip torch.compile of the glue kernels")
-    ap.add_argument("--profile", action="store_true", help="only: where decode time goes (GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only: where decode (batch 1, 64, 64 LoRA) and 8K prefill time goes "
+                         "(GPU); writes decode_profile.json")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only: the 8K prefill without / with LoRA (unified layout); writes "
                          "decode_bench_prefill.json")
@@ -330,6 +349,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_name = ("decode_bench_prefill.json" if args.prefill_only else
+                 "decode_profile.json" if args.profile else
                  "decode_bench_engine.json" if args.engine_only else "decode_bench.json")
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = tiny_config() if args.tiny else llama3_8b_config()
@@ -429,8 +449,11 @@ def main() -> None:
         return
     if args.profile:
         attempt("profile_b1", profile_decode, bench, 1, [None], prompt)
+        attempt("profile_b64", profile_decode, bench, big_batch, [None], prompt)
         attempt("profile_b64_lora", profile_decode, bench, big_batch, adapter_ids, prompt)
-        (out / "decode_profile.json").write_text(json.dumps(res, indent=1))
+        for lora in (False, True):
+            attempt("profile_prefill" + ("_lora" if lora else ""), profile_prefill, bench,
+                    prefill_tokens, adapter_ids[0] if lora else None)
         return
     for batch in (1, big_batch):
         for lora in (False, True):
