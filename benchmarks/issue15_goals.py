@@ -225,6 +225,19 @@ def decode_figure(decode: list[Doc], key: str, field_: str, detail: str,
     return _newest(found)
 
 
+def engine_decode(decode: list[Doc], batch: int) -> Found | None:
+    """The Engine's decode row (``engine_decode``: host work included) of ``batch`` without
+    LoRA, overlap on: the step as the server runs it."""
+    found = []
+    for doc in decode:
+        for row in _list(doc, "engine_decode"):
+            if (row.get("batch") == batch and not row.get("lora") and row.get("overlap")
+                    and _finite(row.get("ms_per_step"))):
+                found.append(Found(float(row["ms_per_step"]), doc.path.name, doc.commit,
+                                   f"engine_decode b{batch}, overlap on", doc.rank))
+    return _newest(found)
+
+
 # ---------------------------------------------------------------- react
 
 def _issue15(setting: Setting) -> bool:
@@ -313,6 +326,10 @@ GOALS = (
          "decode_bench*.json (decode_b1.ms_per_step)"),
     Goal("10b", "decode ms/step, batch 64, no LoRA", "<=", 6.7, "ms",
          "decode_bench*.json (decode_b64.ms_per_step)"),
+    Goal("10c", "decode ms/step through the Engine, batch 1, no LoRA, overlap on", "<=", 4.9,
+         "ms", "decode_bench*.json (engine_decode, batch 1, overlap on)"),
+    Goal("10d", "decode ms/step through the Engine, batch 64, no LoRA, overlap on", "<=", 6.7,
+         "ms", "decode_bench*.json (engine_decode, batch 64, overlap on)"),
 )
 
 
@@ -339,6 +356,8 @@ def build(results: Path) -> list[Row]:
         "9": adaptive_vs_better(react),
         "10a": decode_figure(decode, "decode_b1", "ms_per_step", ""),
         "10b": decode_figure(decode, "decode_b64", "ms_per_step", ""),
+        "10c": engine_decode(decode, 1),
+        "10d": engine_decode(decode, 64),
     }
     return [Row(g, found[g.number]) for g in GOALS]
 

@@ -37,7 +37,11 @@ def folder(tmp_path) -> Path:
         {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 2.0}]})
     write(tmp_path / "decode_bench_x.json", {  # no commit, no batch 64
         "decode_b1": {"batch": 1, "ms_per_step": 4.5},
-        "prefill_lora": {"tokens": 8192, "tokens_per_s": 36000.0}})
+        "prefill_lora": {"tokens": 8192, "tokens_per_s": 36000.0},
+        "engine_decode": [  # overlap off and LoRA rows are not the goal's
+            {"batch": 1, "lora": False, "overlap": False, "ms_per_step": 4.0},
+            {"batch": 1, "lora": False, "overlap": True, "ms_per_step": 5.0},
+            {"batch": 1, "lora": True, "overlap": True, "ms_per_step": 3.0}]})
     rows = [react_row("no_lora", 32, 10.0), react_row("no_lora", 32, 11.0, overlap=True)]
     for w, (u, d, a) in {1: (0.5, 0.4, 0.45), 8: (1.6, 1.5, 1.6), 32: (1.8, 2.0, 2.0)}.items():
         rows += [react_row("unified", w, u), react_row("disaggregated", w, d),
@@ -59,7 +63,8 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     assert saved["1"]["source"] == "kernel_bench_a.json" and saved["1"]["commit"] == NEWER
     assert saved["1"]["ratio_to_goal"] == pytest.approx(1.4 / 1.15)
     assert saved["2"]["value"] == pytest.approx(1.2) and saved["2"]["status"] == "met"
-    for n in ("3", "4", "7", "10b"):  # no file holds them
+    assert saved["10c"]["value"] == pytest.approx(5.0) and saved["10c"]["status"] == "missed"
+    for n in ("3", "4", "7", "10b", "10d"):  # no file holds them
         assert saved[n]["status"] == "not measured" and saved[n]["value"] is None
     assert saved["5"]["status"] == "met" and saved["10a"]["status"] == "met"
     assert saved["10a"]["commit"] == "unknown"
