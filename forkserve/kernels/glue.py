@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The token count varies every prefill step: not specialised on (divisible by 16, equal to 1),
+# so a run compiles one kernel per block shape rather than one per such class of lengths.
+@triton.jit(do_not_specialize=["n_tokens"])
 def _rope_qk_kernel(
     X, Cos, Sin, Out,
     n_tokens, n_heads,
