@@ -82,12 +82,13 @@ def rope_qk_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_he
     # 8K tokens x 40 heads); short batches (decode): one head a program for parallelism.
     block_t = min(16, triton.next_power_of_2(n))
     per_prog = 8 if n >= 1024 else 1
+    half_p2 = triton.next_power_of_2(head_dim // 2)
     grid = (triton.cdiv(n, block_t), triton.cdiv(heads, per_prog))
     _rope_qk_kernel[grid](
         qkv, cos, sin, out, n, heads,
         qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0),
-        HEAD_DIM=head_dim, HALF_P2=triton.next_power_of_2(head_dim // 2), BLOCK_T=block_t,
-        HEADS_PER_PROG=per_prog, num_warps=4)
+        HEAD_DIM=head_dim, HALF_P2=half_p2, BLOCK_T=block_t, HEADS_PER_PROG=per_prog,
+        num_warps=max(1, min(4, block_t * half_p2 // 256)))  # ~8 elements a thread a half
     return out
 
 
