@@ -30,7 +30,7 @@ __all__ = [
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
     "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
-    "cascade_tile_agents", "lora_shrink", "lora_expand",
+    "cascade_tile_agents", "lora_shrink", "lora_expand", "write_kv_pages",
 ]
 
 
@@ -242,3 +242,14 @@ def lora_expand(y: torch.Tensor, b_all: torch.Tensor, token_adapter: torch.Tenso
         from forkserve.kernels.lora import lora_expand_triton
         return lora_expand_triton(y, b_all, token_adapter, out)
     return reference.lora_expand_ref(y, b_all, token_adapter, out)
+
+
+def write_kv_pages(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   slots: torch.Tensor, *, use_triton: bool | None = None) -> None:
+    """``k_pool.view(-1, H, D)[slots] = k`` and the same for v (rows ``[W, H, D]``, pools
+    ``[pages, P, H, D]``, flat slots ``[W]``): one Triton launch for both."""
+    if _triton(use_triton, k):
+        from forkserve.kernels.glue import write_kv_triton
+        write_kv_triton(k, v, k_pool, v_pool, slots)
+    else:
+        reference.write_kv_pages_ref(k, v, k_pool, v_pool, slots)

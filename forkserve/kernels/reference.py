@@ -175,3 +175,11 @@ def lora_expand_ref(y: torch.Tensor, b_all: torch.Tensor, token_adapter: torch.T
         delta = y[rows].to(torch.float32) @ b_all[a].to(torch.float32)
         out[rows] = (out[rows].to(torch.float32) + delta).to(out.dtype)
     return out
+
+
+def write_kv_pages_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                       v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """K/V rows ``[W, H, D]`` into the pools ``[pages, P, H, D]`` at flat slots ``[W]``."""
+    heads, dim = k.shape[1], k.shape[2]
+    k_pool.view(-1, heads, dim).index_copy_(0, slots, k)
+    v_pool.view(-1, heads, dim).index_copy_(0, slots, v)

@@ -92,3 +92,23 @@ def test_step_reports_costs(models):
     assert r.cost.prefill_tokens == 12 and r.cost.prefill_calls == 2 and r.cost.ms > 0
     r = backend.step([work(0, [5], 7, decode=True)])
     assert r.cost.decode_tokens == 1 and r.cost.prefill_tokens == 0
+
+
+def test_triton_glue_matches_hf(models):
+    """RoPE and SiLU * up through the Triton glue kernels (kernels/glue.py; the interpreter
+    without CUDA) inside the model: prefill chunks and token-by-token decode, q/k/v bias."""
+    from forkserve.backend.torch.fused import Fusions
+
+    tokens = prompt(1, 13)
+    backend = backend_for(models["qwen2"], compile_fusions=False)
+    backend.model.fx = Fusions(compile=False, triton=True)
+    ours = prefill_logits(backend, 3, tokens[:9], chunk=9)
+    ours = torch.cat([ours, prefill_logits_from(backend, 3, tokens, start=9)])
+    assert rel_err(ours, hf_logits(models["qwen2"], tokens)) < REL_TOL
+
+
+def prefill_logits_from(backend: TorchBackend, seq: int, tokens: list[int],
+                        start: int) -> torch.Tensor:
+    """Decode ``tokens[start:]`` one step each after a prefill of ``tokens[:start]``."""
+    return torch.cat([backend.forward([work(seq, tokens[i:i + 1], i)], all_logits=True).logits[0]
+                      for i in range(start, len(tokens))])

@@ -17,6 +17,7 @@ from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.attention import EagerAttention, write_kv
 from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.decode_rows import of_items
+from forkserve.backend.torch.fused import Fusions
 from forkserve.backend.torch.mixed_batch import join
 from forkserve.config import KVForm, KVLayout
 
@@ -85,6 +86,8 @@ def test_reading_a_present_side_writes_neither_it_nor_the_scratch_page(models, a
     backend = TorchBackend(make_config(KVLayout.DISAGGREGATED), models["llama"],
                            adapters=adapters, device=DEVICE, dtype=DTYPE, attention=attention,
                            lora_targets=TARGETS)
+    if attention == "triton":  # the Triton glue too (RoPE of the compact K rows; CUDA's default)
+        backend.model.fx = Fusions(compile=False, triton=True)
     pool, aid = backend.pool, backend.adapter_id("qkvo")
     tokens = prompt(70, 13)
     wrote = backend.forward([work(0, tokens, 0, aid, residual=True)]).logits[0]

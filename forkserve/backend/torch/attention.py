@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from forkserve import kernels
 from forkserve.backend.torch.base_correction import Correction, NoCorrection
 from forkserve.backend.torch.cascade import CascadeTiles
 from forkserve.backend.torch.kv_pool import LayerKV
@@ -76,15 +77,15 @@ class AttentionBackend(Protocol):
 
 def write_kv(kv: LayerKV, k: torch.Tensor | None, v: torch.Tensor | None,
              k_res: torch.Tensor | None, v_res: torch.Tensor | None,
-             meta: AttentionMetadata) -> None:
+             meta: AttentionMetadata, use_triton: bool | None = False) -> None:
     """This step's K/V and residuals into the layer's pools. K/V hold the rows of
     ``meta.base_writes`` only (every row where None; None where no row writes them); the
-    residuals every row, of which ``meta.res_writes`` names those written."""
+    residuals every row, of which ``meta.res_writes`` names those written. ``use_triton``:
+    K and V in one Triton launch (``kernels.write_kv_pages``; None: on CUDA tensors) instead
+    of two ``index_copy_``."""
     if k is not None and v is not None and k.shape[0]:
-        heads, dim = k.shape[1], k.shape[2]
         slots = meta.slot_mapping if meta.base_writes is None else meta.base_writes[1]
-        kv.k.view(-1, heads, dim).index_copy_(0, slots, k)
-        kv.v.view(-1, heads, dim).index_copy_(0, slots, v)
+        kernels.write_kv_pages(k, v, kv.k, kv.v, slots, use_triton=use_triton)
     writes = meta.res_writes
     if writes is not None and not writes[0].shape[0]:  # a host count: no write, no launch
         return

@@ -209,8 +209,10 @@ class TorchBackend:
             page_size=config.page_size, num_pages=config.num_pages,
             num_residual_pages=config.num_residual_pages, disaggregated=disaggregated,
             recompute=bool(config.recompute_layers), merged_form=KVForm.MERGED in self.layout.forms)
-        # Inductor fusions pay off on CUDA; on CPU they would only add compile time to tests.
-        fusions = get_fusions(device.type == "cuda" if compile_fusions is None else compile_fusions)
+        # Inductor and Triton fusions pay off on CUDA; on CPU they would only add compile time
+        # to tests (and Triton has no CPU target).
+        fused = device.type == "cuda" if compile_fusions is None else compile_fusions
+        fusions = get_fusions(fused, fused and device.type == "cuda")
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         # The last steady launch's page tables and cascade groups, reused while rows repeat.

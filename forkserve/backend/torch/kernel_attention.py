@@ -63,7 +63,7 @@ class KernelAttention:
                 k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                 b_k: torch.Tensor | None, b_v: torch.Tensor | None,
                 meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
-        write_kv(kv, k, v, k_res, v_res, meta)
+        write_kv(kv, k, v, k_res, v_res, meta, self.use_triton)
         scale = 1.0 / math.sqrt(q.shape[-1])
         # make_attention refuses yarn-scaled RoPE with this backend in the disaggregated layout.
         residual = kv.k_res is not None and meta.res_block_tables is not None and (
