@@ -15,8 +15,10 @@ Measures, for one attention layer:
 * prefill (whole-context causal at batch 1 over 1K-32K, and 8 chunks of 512 tokens over 8K
   cached keys), timed eagerly as the engine runs it: our Triton paged kernel (tuned, plus
   Hopper tiles), the packed routes (K/V gathered, then FlashAttention-2 varlen or SDPA per
-  sequence), ResidualAttention fused / merged / packed with the rebuild, and baselines on
-  K/V gathered beforehand (FlashAttention-2 varlen, SDPA default / flash / cuDNN);
+  sequence), ResidualAttention fused / merged / packed with the rebuild, the FRESH route of
+  a cold prefill (SDPA over the step's own K/V, no gather), the engine's dispatch
+  (``KernelAttention.forward``) with and without FRESH, and baselines on K/V gathered
+  beforehand (FlashAttention-2 varlen, SDPA default / flash / cuDNN);
 * shared-prefix decode at 32 agents vs 32 independent decodes of the same pages: unified,
   and the split form (ResidualAttention, each agent its own adapter) as two-pass and as msc.
 
@@ -401,14 +403,72 @@ def sdpa_backend(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
 
 
+def step_tensors(s: Setup, bt: torch.Tensor, rbt: torch.Tensor, batch: int, new: int,
+                 keys: int) -> dict[str, torch.Tensor]:
+    """A prefill step's own tensors as the model hands them to attention: q, K (with RoPE)
+    and V as views into one ``[T, Hq + 2 Hkv, D]`` projection (CausalLM._project's layout:
+    rows strided, not contiguous), K/V and residual rows ``[T, r]`` of each sequence's last
+    ``new`` positions read from the pools (so the engine's page writes put back what is
+    there), and the step's slot mappings."""
+    pos = torch.arange(keys - new, keys, device=s.device)
+    pages, offs = pos // s.page, pos % s.page
+    slots = (bt[:, pages].long() * s.page + offs).reshape(-1)
+    res_slots = (rbt[:, pages].long() * s.page + offs).reshape(-1)
+    kv_rows = (-1, s.n_kv, s.head_dim)
+    h, g = s.n_heads, s.n_kv
+    qkv = torch.empty(batch * new, h + 2 * g, s.head_dim, device=s.device, dtype=s.dtype)
+    qkv[:, :h] = s.q(batch * new)
+    qkv[:, h:h + g] = s.k.view(kv_rows)[slots]
+    qkv[:, h + g:] = s.v.view(kv_rows)[slots]
+    return {"q": qkv[:, :h], "k": qkv[:, h:h + g], "v": qkv[:, h + g:],
+            "k_res": s.k_res.view(-1, s.rank)[res_slots],
+            "v_res": s.v_res.view(-1, s.rank)[res_slots], "slots": slots, "res_slots": res_slots}
+
+
+def engine_call(s: Setup, own: dict, bt: torch.Tensor, rbt: torch.Tensor,
+                lens: torch.Tensor, cu: torch.Tensor, ad: torch.Tensor, counts, residual: bool,
+                policy) -> tuple[Callable[[], torch.Tensor], object]:
+    """One layer call of the engine's attention dispatch (``KernelAttention.forward``: the
+    page writes, the plan made once per step as the engine's layers share it, then the
+    route ``policy`` picks), and that backend (its ``prefill_routes`` say what ran)."""
+    from forkserve.backend.torch.attention import AttentionMetadata
+    from forkserve.backend.torch.kernel_attention import KernelAttention
+    from forkserve.backend.torch.kv_pool import LayerKV
+    from forkserve.backend.torch.rope import Rope, RopeConfig
+    attention = KernelAttention(use_triton=True, prefill_policy=policy)
+    meta = AttentionMetadata(
+        slot_mapping=own["slots"], res_slot_mapping=own["res_slots"] if residual else None,
+        block_tables=bt, res_block_tables=rbt if residual else None, seq_lens=lens,
+        query_starts=cu, seq_slot=ad.long() if residual else torch.full_like(ad.long(), -1),
+        query_lens_host=counts.query_lens, seq_lens_host=counts.seq_lens,
+        seq_slot_host=tuple(ad.tolist()) if residual else (-1,) * len(counts.seq_lens),
+        decode_only=False)
+    kv = LayerKV(s.k, s.v, s.k_res if residual else None, s.v_res if residual else None)
+    rope = Rope(RopeConfig(theta=500000.0), s.head_dim, s.device)
+    rope.inv_freq = s.inv_freq  # the bench's own (the kernels' tables key on it)
+    b_k, b_v = (s.b_k, s.b_v) if residual else (None, None)
+    k_res, v_res = (own["k_res"], own["v_res"]) if residual else (None, None)
+    return (lambda: attention.forward(own["q"], own["k"], own["v"], k_res, v_res, kv, b_k, b_v,
+                                      meta, rope)), attention
+
+
 def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
     """Prefill routes side by side, per case (JSON saved after each): our Triton paged kernel
     (tuned, and the Hopper tiles), the packed routes (K/V gathered then FlashAttention-2 varlen,
-    or SDPA per sequence), ResidualAttention fused / merged / packed with the rebuild, and
-    the baselines on K/V gathered beforehand (gather not timed): the varlen op, torch SDPA
-    with its own backend pick and forced to flash / cuDNN, and the old expanded-K/V SDPA."""
+    or SDPA per sequence), ResidualAttention fused / merged / packed with the rebuild, the
+    FRESH route of a cold prefill (SDPA over the step's own K/V, rebuilt from its residual
+    rows in the residual form: ``unified_fresh`` / ``residual_fresh``), and the baselines on
+    K/V gathered beforehand (gather not timed): the varlen op, torch SDPA with its own backend
+    pick and forced to flash / cuDNN, and the old expanded-K/V SDPA.
+
+    The ``engine_*`` columns time the engine's dispatch itself (``KernelAttention.forward``,
+    page writes included) with the default policy, and ``engine_*_old`` with FRESH off (the
+    dispatch before it); ``policy_unified`` / ``policy_residual`` are the routes that call
+    took (``prefill_routes``), joined by "+" where a step took several."""
     from torch.nn.attention import SDPBackend
 
+    from forkserve.backend.torch.fresh_prefill import fresh_prefill
+    from forkserve.backend.torch.rope import Rope, RopeConfig
     from forkserve.kernels import (
         CostPrefillPolicy,
         PrefillCounts,
@@ -428,7 +488,9 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
     save()
     for batch, new, keys in prefill_cases(s):
         bt, rbt, lens = s.tables(batch, keys)
-        q, ad = s.q(batch * new), s.adapters(batch)
+        own = step_tensors(s, bt, rbt, batch, new, keys)
+        # The kernel routes' columns take q contiguous, as they did before the engine columns.
+        q, ad = own["q"].contiguous(), s.adapters(batch)
         cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=s.device)
         cu_k = torch.arange(0, batch * keys + 1, keys, dtype=torch.int32, device=s.device)
         counts = PrefillCounts((new,) * batch, (keys,) * batch)
@@ -436,8 +498,18 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
         tag = f"prefill batch={batch} new={new} keys={keys}"
         row: dict = {"batch": batch, "new": new, "ctx": keys, "cold": new == keys,
-                     "policy_unified": policy.route(counts, False, support.varlen).value,
-                     "policy_residual": policy.route(counts, True, support.varlen).value}
+                     "batch_policy_unified": policy.route(counts, False, support.varlen).value,
+                     "batch_policy_residual": policy.route(counts, True, support.varlen).value}
+        scale = 1.0 / math.sqrt(s.head_dim)
+        rope = Rope(RopeConfig(theta=500000.0), s.head_dim, s.device)
+        rope.inv_freq = s.inv_freq
+        cos_sin = rope.cos_sin(torch.arange(new, device=s.device), s.dtype)
+        slots = tuple(ad.tolist())
+        engines = {}
+        for form, residual_form in (("unified", False), ("residual", True)):
+            for suffix, pol in (("", policy), ("_old", CostPrefillPolicy(fresh=False))):
+                engines[f"engine_{form}{suffix}"] = engine_call(
+                    s, own, bt, rbt, lens, cu, ad, counts, residual_form, pol)
         uni = (q, s.k, s.v, bt, lens, cu)
         kw = dict(use_triton=True, counts=counts)  # use_triton: the kernels under --smoke too
         runs = {
@@ -450,16 +522,31 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
                                                         **cfg["unified"]),
             "residual_flash": lambda: residual_prefill(*res_args, variant="flash", **kw),
             "residual_sdpa": lambda: residual_prefill(*res_args, variant="sdpa", **kw),
+            **{name: call for name, (call, _) in engines.items()},
             "pack": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys),
             "pack_rebuild": lambda: pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys,
                                             residual),
         }
+        if new == keys:  # FRESH: a cold prefill's keys are all the step's own
+            contig = [t.contiguous() for t in (own["q"], own["k"], own["v"])]
+            runs["unified_fresh"] = lambda: fresh_prefill(own["q"], own["k"], own["v"],
+                                                          counts.query_lens, scale)
+            # the same on contiguous q/k/v: what the projection's layout costs SDPA, if anything
+            runs["unified_fresh_contiguous"] = lambda: fresh_prefill(*contig, counts.query_lens,
+                                                                     scale)
+            runs["residual_fresh"] = lambda: fresh_prefill(
+                own["q"], own["k"], own["v"], counts.query_lens, scale, slots, own["k_res"],
+                own["v_res"], s.b_k, s.b_v, cos_sin)
         runs.update({f"paged_{n}": (lambda t=t: paged_prefill(*uni, variant="paged", **kw, **t))
                      for n, t in PREFILL_TILES.items()})
         for name, fn in runs.items():
             row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
+        for name, (_, attention) in engines.items():
+            taken = [r for r in attention.prefill_routes if r != "decode_rows"]
+            row[name + "_routes"] = "+".join(sorted(taken))
+        row["policy_unified"] = row["engine_unified_routes"]
+        row["policy_residual"] = row["engine_residual_routes"]
         k, v = pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys)
-        scale = 1.0 / math.sqrt(s.head_dim)
         row["varlen_gathered_ms"] = measure_eager(
             res, tag + " varlen gathered",
             lambda: flash_varlen(q, k, v, cu, cu_k, new, keys, scale),
@@ -478,24 +565,33 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         flops = 4 * s.n_heads * s.head_dim * counts.causal_pairs  # causal QK^T + PV
         baseline = row.get("sdpa_default_ms", row["varlen_gathered_ms"])
         row["baseline"] = "sdpa_default" if "sdpa_default_ms" in row else "varlen_gathered"
-        for name in ("unified_paged", "unified_flash", "unified_sdpa",
+        unified = [n for n in UNIFIED_ROUTE_COLUMNS if n + "_ms" in row]
+        for name in (*unified, "engine_unified", "engine_unified_old",
                      *(f"paged_{n}" for n in PREFILL_TILES)):
             row[name + "_over_baseline"] = row[name + "_ms"] / baseline
             row[name + "_TFLOPs"] = flops / row[name + "_ms"] / 1e9
-        best_unified = min(row["unified_flash_ms"], row["unified_sdpa_ms"], row["unified_paged_ms"])
-        for name in ("residual_fused", "residual_merged", "residual_flash", "residual_sdpa"):
+        best_unified = min(row[n + "_ms"] for n in unified)
+        for name in (*(n for n in RESIDUAL_ROUTE_COLUMNS if n + "_ms" in row), "engine_residual",
+                     "engine_residual_old"):
             row[name + "_over_unified_paged"] = row[name + "_ms"] / row["unified_paged_ms"]
             row[name + "_over_best_unified"] = row[name + "_ms"] / best_unified
+        row["engine_residual_over_engine_unified"] = (row["engine_residual_ms"]
+                                                      / row["engine_unified_ms"])
         if batch == 1 and keys == s.prefill_contexts[0] or batch > 1:
             ref = lambda: residual_prefill(*(t.float() if t.is_floating_point() else t  # noqa: E731
                                              for t in res_args),
                                            use_triton=False)
-            for name in ("residual_flash", "residual_sdpa", "residual_fused"):
-                row[name + "_rel_err_vs_eager_fp32"] = check(
-                    res, f"{tag} {name} check", lambda n=name: rel_err(runs[n](), ref()))
-            row["unified_flash_rel_err_vs_paged"] = check(
-                res, tag + " unified check",
-                lambda: rel_err(runs["unified_flash"](), runs["unified_paged"]()))
+            for name in ("residual_flash", "residual_sdpa", "residual_fused", "residual_fresh",
+                         "engine_residual"):
+                if name in runs:
+                    row[name + "_rel_err_vs_eager_fp32"] = check(
+                        res, f"{tag} {name} check",
+                        lambda n=name: rel_err(runs[n]().view(q.shape), ref()))
+            for name in ("unified_flash", "unified_fresh", "engine_unified"):
+                if name in runs:
+                    row[name + "_rel_err_vs_paged"] = check(
+                        res, f"{tag} {name} check",
+                        lambda n=name: rel_err(runs[n]().view(q.shape), runs["unified_paged"]()))
         res["prefill"].append(row)
         save()
         print(f"prefill b={batch} new={new:6d} keys={keys:6d} | "
@@ -504,12 +600,19 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
               f"baseline({row['baseline']})={baseline:.3f} | "
               f"res fused={row['residual_fused_ms']:.3f} "
               f"merged={row['residual_merged_ms']:.3f} flash={row['residual_flash_ms']:.3f} "
-              f"sdpa={row['residual_sdpa_ms']:.3f} | pack={row['pack_ms']:.3f} "
-              f"rebuild={row['pack_rebuild_ms']:.3f}", flush=True)
+              f"sdpa={row['residual_sdpa_ms']:.3f} "
+              f"fresh={row.get('residual_fresh_ms', math.nan):.3f} | "
+              f"pack={row['pack_ms']:.3f} rebuild={row['pack_rebuild_ms']:.3f} | engine "
+              f"unified {row['engine_unified_old_ms']:.3f} -> {row['engine_unified_ms']:.3f} "
+              f"({row['policy_unified']}), residual {row['engine_residual_old_ms']:.3f} -> "
+              f"{row['engine_residual_ms']:.3f} ({row['policy_residual']})", flush=True)
 
 
-PREFILL_ROUTES = ("unified_paged", "unified_flash", "unified_sdpa", "residual_fused",
-                  "residual_merged", "residual_flash", "residual_sdpa")
+UNIFIED_ROUTE_COLUMNS = ("unified_paged", "unified_flash", "unified_sdpa", "unified_fresh")
+RESIDUAL_ROUTE_COLUMNS = ("residual_fused", "residual_merged", "residual_flash", "residual_sdpa",
+                          "residual_fresh")
+PREFILL_ROUTES = (*UNIFIED_ROUTE_COLUMNS, *RESIDUAL_ROUTE_COLUMNS, "engine_unified",
+                  "engine_residual")
 
 
 def plot_prefill_ms(res: dict, ax) -> None:
@@ -530,7 +633,9 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
     for i, key in enumerate(PREFILL_ROUTES):
         base = [r.get(key + "_ms", math.nan) / r.get(r["baseline"] + "_ms", math.nan)
                 for r in res["prefill"]]
-        ax_ratio.bar([j + (i - 3) * 0.11 for j in x], base, 0.11, label=key)
+        width = 0.8 / len(PREFILL_ROUTES)
+        ax_ratio.bar([j + (i - len(PREFILL_ROUTES) / 2) * width for j in x], base, width,
+                     label=key)
     ax_ratio.axhline(1.0, color="red", linestyle=":", label="baseline")
     ax_ratio.set_xticks(list(x), labels, fontsize=7)
     ax_ratio.set(ylabel="time / baseline (SDPA default; chunks: varlen on gathered K/V)",
@@ -541,16 +646,23 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
 def print_prefill(res: dict) -> None:
     print(f"prefill (eager, ms; flash: {res.get('flash_support')}; "
           f"cfg {res.get('prefill_config')})")
-    print("batch new keys | paged flash sdpa-rt | base (which) | res fused merged flash sdpa | "
-          "flash/base res-flash/uni-flash | policy")
+    print("batch new keys | paged flash sdpa-rt fresh | base (which) | "
+          "res fused merged flash sdpa fresh | engine uni old->new res old->new | "
+          "eng-uni/base eng-res/eng-uni | policy")
     for r in res["prefill"]:
         base = r.get(r["baseline"] + "_ms", math.nan)
         print(f"{r['batch']:3d} {r['new']:6d} {r['ctx']:6d} | {r['unified_paged_ms']:7.3f} "
-              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} | {base:7.3f} "
+              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} "
+              f"{r.get('unified_fresh_ms', math.nan):7.3f} | {base:7.3f} "
               f"({r['baseline']}) | {r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} "
-              f"{r['residual_flash_ms']:7.3f} "
-              f"{r['residual_sdpa_ms']:7.3f} | {r['unified_flash_ms'] / base:5.2f} "
-              f"{r['residual_flash_ms'] / r['unified_flash_ms']:5.2f} | "
+              f"{r['residual_flash_ms']:7.3f} {r['residual_sdpa_ms']:7.3f} "
+              f"{r.get('residual_fresh_ms', math.nan):7.3f} | "
+              f"{r.get('engine_unified_old_ms', math.nan):7.3f} "
+              f"{r.get('engine_unified_ms', math.nan):7.3f} "
+              f"{r.get('engine_residual_old_ms', math.nan):7.3f} "
+              f"{r.get('engine_residual_ms', math.nan):7.3f} | "
+              f"{r.get('engine_unified_ms', math.nan) / base:5.2f} "
+              f"{r.get('engine_residual_over_engine_unified', math.nan):5.2f} | "
               f"{r['policy_unified']}/{r['policy_residual']}")
 
 

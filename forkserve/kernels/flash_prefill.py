@@ -33,6 +33,16 @@ from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.prefill_policy import PrefillCounts
 
 
+def sdpa_cold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One cold prefill (``q [n, H, D]`` over ``k, v [n, Hkv, D]``, keys 0 .. n-1) as plain
+    ``is_causal`` SDPA, so torch may pick any backend (cuDNN, flash); GQA native. Returns
+    ``[n, H, D]`` (a transposed view of SDPA's output)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
 def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: PrefillCounts,
                   scale: float) -> torch.Tensor:
     out = torch.empty_like(q)

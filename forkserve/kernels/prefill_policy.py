@@ -8,7 +8,11 @@ Routes (``PrefillRoute``):
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
   packed buffer, then FlashAttention-2's varlen op through torch (flash_prefill.py);
 * ``SDPA``: the same packed buffer attended per sequence by torch's public SDPA, which picks
-  its own backend (cuDNN on Hopper with torch >= 2.11's bundled cuDNN, else flash).
+  its own backend (cuDNN on Hopper with torch >= 2.11's bundled cuDNN, else flash);
+* ``FRESH``: a sequence whose keys are all this step's own tokens (no cached prefix) attended
+  by causal SDPA over the step's own q/k/v (rebuilt from base + residual in the residual
+  form), no pages read (backend/torch/fresh_prefill.py). Chosen per sequence
+  (``fresh_items``), before the batch's route: the other sequences keep theirs.
 
 The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
 and whether the flash op takes these inputs (``flash_prefill.flash_support``), so deciding
@@ -28,6 +32,7 @@ class PrefillRoute(str, Enum):
     MERGED = "merged"
     FLASH = "flash"
     SDPA = "sdpa"
+    FRESH = "fresh"
 
 
 PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
@@ -94,6 +99,19 @@ class PrefillAttentionPolicy(Protocol):
         and residual); ``flash``: the flash op takes this batch's inputs (device, dtype, head
         dim, GQA group)."""
 
+    def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
+        """Per sequence: attend it on the ``FRESH`` route (only asked where the step holds
+        every new token's own K/V; a True must be a sequence with ``q == s > 0``). The
+        sequences left go through ``route`` as a batch of their own."""
+
+
+def cold_items(counts: PrefillCounts, min_new_tokens: int, max_seqs: int) -> tuple[bool, ...]:
+    """The sequences with no cached prefix (``q == s``) of at least ``min_new_tokens`` new
+    tokens, the ``max_seqs`` longest of them (ties: batch order)."""
+    cold = [i for i, (q, s) in enumerate(counts._pairs()) if q == s and q >= max(1, min_new_tokens)]
+    keep = set(sorted(cold, key=lambda i: -counts.query_lens[i])[:max_seqs])
+    return tuple(i in keep for i in range(len(counts.query_lens)))
+
 
 @dataclass(frozen=True)
 class CostPrefillPolicy:
@@ -108,6 +126,16 @@ class CostPrefillPolicy:
     on the H200 (react-multilora, docs/KERNELS.md): merge when the context is at most
     ``merge_context_ratio`` times the new tokens. Neither gathering route runs below
     ``min_gather_new_tokens`` new tokens.
+
+    ``FRESH`` (``fresh_items``): every sequence with no cached prefix of at least
+    ``fresh_min_new_tokens`` new tokens, at most ``fresh_max_seqs`` of them per step (the
+    longest; each is one SDPA call, plus the rebuild's few launches in the residual form,
+    so a step of many short cold prompts keeps the one-launch paged kernel for the rest).
+    It neither gathers nor rebuilds from pages, so it has no O(keys) pass and no fixed cost
+    beyond its launches: a first estimate that it wins at every length where SDPA beats our
+    Triton kernel (H200: SDPA on K/V gathered beforehand 0.256 ms at 4K against the SDPA
+    route's 0.310 and the paged kernel's 0.54); both thresholds await the GPU rows
+    (kernel_bench.py --prefill, the ``*_fresh`` columns).
 
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
@@ -126,6 +154,14 @@ class CostPrefillPolicy:
     max_packed_keys: int = 1 << 19
     merge_context_ratio: float = 4.0
     sdpa_for_cold: bool = True
+    fresh: bool = True
+    fresh_min_new_tokens: int = 2
+    fresh_max_seqs: int = 16
+
+    def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
+        if not self.fresh:
+            return (False,) * len(counts.query_lens)
+        return cold_items(counts, self.fresh_min_new_tokens, self.fresh_max_seqs)
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         if (flash and counts.new_tokens >= self.min_gather_new_tokens
@@ -146,10 +182,13 @@ class CostPrefillPolicy:
 @dataclass(frozen=True)
 class FixedPrefillPolicy:
     """One route for every batch of its form (benchmarks, tests). FLASH runs even where the
-    flash op refuses the inputs: it then attends per sequence through SDPA."""
+    flash op refuses the inputs: it then attends per sequence through SDPA. ``fresh``: every
+    sequence with no cached prefix takes ``FRESH`` first (where the step holds its K/V), the
+    others the pinned route."""
 
     unified: PrefillRoute = PrefillRoute.PAGED
     residual: PrefillRoute = PrefillRoute.FUSED
+    fresh: bool = False
 
     def __post_init__(self) -> None:
         if self.unified not in UNIFIED_ROUTES:
@@ -158,6 +197,11 @@ class FixedPrefillPolicy:
         if self.residual not in RESIDUAL_ROUTES:
             raise ValueError(f"residual prefill route must be one of {sorted(RESIDUAL_ROUTES)}, "
                              f"got {self.residual}")
+
+    def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
+        if not self.fresh:
+            return (False,) * len(counts.query_lens)
+        return cold_items(counts, 1, len(counts.query_lens))
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         return self.residual if residual else self.unified

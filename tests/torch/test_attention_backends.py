@@ -46,6 +46,8 @@ def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
     assert_kernels_match_eager(decode_run, models, adapters, layout, attention)
     if prefill == "flash":  # one prefill step: every layer took the flash route
         assert set(attention.prefill_routes) == {"flash"}
+    else:  # cold prompts: the FRESH route (the split layout: the item without an adapter)
+        assert attention.prefill_routes["fresh"] > 0
 
 
 def assert_kernels_match_eager(run, models, adapters, layout: KVLayout,

@@ -5,10 +5,12 @@ decode kernels read pages in place instead of gathering them, and ResidualAttent
 reconstructs disaggregated K/V in on-chip memory. A prefill batch takes the route its
 ``PrefillAttentionPolicy`` picks from the step's host counts (kernels/prefill_policy.py): the
 Triton paged kernels, or K/V packed per layer call (rebuilt in the residual form) and
-FlashAttention-2. A prefill step's one-token sequences (decode rows riding in a mixed tick)
-go to the decode kernels instead (``step_rows.py``). Off CUDA the kernels package runs its own
-eager references unless ``use_triton=True`` (the CPU tests run the kernels under the
-interpreter).
+FlashAttention-2; before that, the sequences the policy's ``fresh_items`` names (no cached
+prefix, every row's K/V this step's own) attend over the step's own K/V
+(``fresh_prefill.py``), the rest keeping the batch route. A prefill step's one-token
+sequences (decode rows riding in a mixed tick) go to the decode kernels instead
+(``step_rows.py``). Off CUDA the kernels package runs its own eager references unless
+``use_triton=True`` (the CPU tests run the kernels under the interpreter).
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import torch
 
 from forkserve import kernels
 from forkserve.backend.torch.attention import AttentionMetadata, write_kv
+from forkserve.backend.torch.fresh_prefill import FreshRows, fresh_prefill, fresh_rows, take
 from forkserve.backend.torch.kv_pool import LayerKV
 from forkserve.backend.torch.rope import Rope
-from forkserve.backend.torch.step_rows import StepRows, split_rows
+from forkserve.backend.torch.step_rows import StepRows, prefill_part, split_rows
 
 
 class _PrefillPlan(NamedTuple):
@@ -31,8 +34,11 @@ class _PrefillPlan(NamedTuple):
     meta: AttentionMetadata
     residual: bool
     rows: StepRows | None          # its decode rows cut out, or None
-    counts: kernels.PrefillCounts  # of the sequences that prefill
-    route: kernels.PrefillRoute
+    fresh: FreshRows | None        # the sequences on the FRESH route, or None
+    routed_q: torch.Tensor | None  # rows of q of the sequences on ``route`` (None: every row)
+    view: AttentionMetadata | None  # those sequences (None: none left)
+    counts: kernels.PrefillCounts | None  # of those sequences
+    route: kernels.PrefillRoute | None
     slots: torch.Tensor | None     # their adapter index as int32 (residual form)
     triton: bool                   # the kernels run (else the kernels package's references)
 
@@ -71,17 +77,46 @@ class KernelAttention:
         if meta.decode_only:
             out = self._decode(q, kv, b_k, b_v, meta, rope, scale, residual)
         else:
-            rows = self._plan(q, kv, meta, residual).rows
-            if rows is None:
-                out = self._prefill(q, kv, b_k, b_v, meta, rope, scale, residual)
+            plan = self._plan(q, kv, meta, residual)
+            if plan.rows is None and plan.fresh is None:
+                out = self._prefill(q, kv, b_k, b_v, plan, rope, scale, residual)
             else:
-                self.prefill_routes["decode_rows"] += 1
-                out = q.new_empty(q.shape)
-                out[rows.prefill_q] = self._prefill(q.index_select(0, rows.prefill_q), kv, b_k,
-                                                    b_v, meta, rope, scale, residual)
-                out[rows.decode_q] = self._decode(q.index_select(0, rows.decode_q), kv, b_k, b_v,
-                                                  rows.decode, rope, scale, residual)
+                out = self._parts(q, k, v, k_res, v_res, kv, b_k, b_v, plan, rope, scale,
+                                  residual)
         return out.reshape(q.shape[0], -1)
+
+    def _parts(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
+               b_k: torch.Tensor | None, b_v: torch.Tensor | None, plan: _PrefillPlan,
+               rope: Rope, scale: float, residual: bool) -> torch.Tensor:
+        """A step cut in parts: FRESH sequences, those on the batch route, decode rows."""
+        out = None
+        fresh = plan.fresh
+        if fresh is not None:
+            self.prefill_routes[kernels.PrefillRoute.FRESH.value] += 1
+            if k is None or v is None or k.shape[0] != q.shape[0]:
+                raise ValueError("the FRESH route needs every row's own K/V")
+            res = dict(k_res=take(k_res, fresh.rows), v_res=take(v_res, fresh.rows), b_k=b_k,
+                       b_v=b_v, slots=fresh.slots,
+                       cos_sin=fresh.cos_sin(rope, q.dtype, q.device)) if residual else {}
+            o = fresh_prefill(take(q, fresh.rows), take(k, fresh.rows), take(v, fresh.rows),
+                              fresh.query_lens, scale, **res)
+            if fresh.tokens == q.shape[0]:
+                out = o
+            else:
+                out = q.new_empty(q.shape)
+                out[fresh.rows] = o
+        if out is None:
+            out = q.new_empty(q.shape)
+        if plan.view is not None:
+            out[plan.routed_q] = self._prefill(q.index_select(0, plan.routed_q), kv, b_k, b_v,
+                                               plan, rope, scale, residual)
+        rows = plan.rows
+        if rows is not None:
+            self.prefill_routes["decode_rows"] += 1
+            out[rows.decode_q] = self._decode(q.index_select(0, rows.decode_q), kv, b_k, b_v,
+                                              rows.decode, rope, scale, residual)
+        return out
 
     def _decode(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
                 b_v: torch.Tensor | None, meta: AttentionMetadata, rope: Rope, scale: float,
@@ -112,28 +147,49 @@ class KernelAttention:
     def _plan(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
               residual: bool) -> _PrefillPlan:
         """The step's plan, made at its first layer call: the same metadata object and form
-        reuse it."""
+        reuse it. The one place that picks FRESH sequences: where every row of the step wrote
+        its own K/V (``base_writes`` None), the policy's ``fresh_items`` among the prefill
+        sequences; in the residual form a split sequence only where every row also wrote its
+        residual (``res_writes`` None: the rows this step holds are the ones in the pool)."""
         step = self._step
         if step is None or step.meta is not meta or step.residual is not residual:
             triton = q.is_cuda if self.use_triton is None else self.use_triton
             rows = split_rows(meta)
             view = meta if rows is None else rows.prefill
+            lens = meta.query_lens_host
+            seqs = list(range(len(lens))) if rows is None else [
+                i for i, n in enumerate(lens) if n != 1]
             counts = kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host)
-            flash = triton and kernels.flash_support(q, kv.k).varlen
-            route = self.prefill_policy.route(counts, residual, flash)
-            slots = view.seq_slot.to(torch.int32) if residual else None
-            step = self._step = _PrefillPlan(meta, residual, rows, counts, route, slots, triton)
+            fresh, routed_q = None, None if rows is None else rows.prefill_q
+            if meta.base_writes is None:
+                pick = self.prefill_policy.fresh_items(counts, residual)
+                if residual and meta.res_writes is not None:
+                    pick = tuple(p and view.seq_slot_host[j] < 0 for j, p in enumerate(pick))
+                if any(pick):
+                    fresh = fresh_rows(meta, [i for i, p in zip(seqs, pick, strict=True) if p])
+                    rest = [i for i, p in zip(seqs, pick, strict=True) if not p and lens[i]]
+                    view = None
+                    if rest:
+                        routed_q, view = prefill_part(meta, rest)
+                        counts = kernels.PrefillCounts(view.query_lens_host,
+                                                       view.seq_lens_host)
+            route = slots = None
+            if view is not None:
+                flash = triton and kernels.flash_support(q, kv.k).varlen
+                route = self.prefill_policy.route(counts, residual, flash)
+                slots = view.seq_slot.to(torch.int32) if residual else None
+            step = self._step = _PrefillPlan(meta, residual, rows, fresh, routed_q, view,
+                                             counts if view is not None else None, route, slots,
+                                             triton)
         return step
 
     def _prefill(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
-                 b_v: torch.Tensor | None, meta: AttentionMetadata, rope: Rope, scale: float,
+                 b_v: torch.Tensor | None, plan: _PrefillPlan, rope: Rope, scale: float,
                  residual: bool) -> torch.Tensor:
-        """The sequences of ``meta`` with more than one new token (all of them where the
-        step has no decode rows), q holding only their rows."""
-        _, _, rows, counts, route, slots, triton = self._plan(q, kv, meta, residual)
-        view = meta if rows is None else rows.prefill
+        """The plan's routed sequences (``plan.view``), q holding only their rows."""
+        view, counts, route, slots = plan.view, plan.counts, plan.route, plan.slots
         # Off the Triton path the kernels package runs its eager reference whatever the route.
-        self.prefill_routes[route.value if triton else "reference"] += 1
+        self.prefill_routes[route.value if plan.triton else "reference"] += 1
         if residual:
             ref = b_k if b_k is not None else b_v
             return kernels.residual_prefill(

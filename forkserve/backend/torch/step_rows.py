@@ -52,6 +52,17 @@ def split_rows(meta: AttentionMetadata) -> StepRows | None:
         prefill=_view(meta, many, decode=False), decode=_view(meta, one, decode=True))
 
 
+def prefill_part(meta: AttentionMetadata,
+                 seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The rows of q (``[R]`` int64) and the prefill attention view of ``meta``'s sequences
+    ``seqs``, in order (the sequences a step leaves to its prefill route once others took
+    the FRESH one, kernel_attention.py)."""
+    starts = (0, *accumulate(meta.query_lens_host))
+    rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+    return (torch.tensor(rows, dtype=torch.int64).to(meta.seq_lens.device, non_blocking=True),
+            _view(meta, seqs, decode=False))
+
+
 def _view(meta: AttentionMetadata, seqs: list[int], decode: bool) -> AttentionMetadata:
     """``meta``'s sequences ``seqs``, in order, as attention reads them."""
     index = torch.tensor(seqs, dtype=torch.int64).to(meta.seq_lens.device, non_blocking=True)
