@@ -28,6 +28,10 @@ Writes ``kernel_bench.json`` and ``kernel_bench.png`` to ``--out`` and prints a 
 the whole batch on its prefill route, as before ``backend/torch/step_rows.py``, against the
 chunk on its route plus the rows through the decode kernel, each half alone, and the split
 output checked against the whole one (``kernel_bench_<tag>.json`` / ``.png``, tag "mixed").
+``--decode-short`` runs only unified decode of short sequences (512-4K keys, batch 1 / 8 / 64)
+in tables as wide as the keys and 8K / 32K wide (a decode graph's), the static split plan of
+before against the dynamic one, plus the dynamic plan at forced split counts
+(``kernel_bench_decode_short.json`` / ``.png``, written after every row).
 ``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing;
 ``--regs`` needs no GPU: it reports registers and spills of the kernels for sm_90a.
 """
@@ -73,6 +77,7 @@ class Setup:
             self.contexts, self.batches = [64, 128], [1, 2]
             self.prefill_contexts, self.agents, self.suffix = [64], 4, 16
             self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [64], 16, [2, 3]
+            self.short_keys, self.short_widths, self.short_batches = [16, 40], [0, 256], [1, 3]
             self.max_tokens = 1024
         else:
             self.n_heads, self.n_kv, self.head_dim, self.rank = 32, 8, 128, 16
@@ -82,6 +87,9 @@ class Setup:
             self.agents, self.suffix = 32, 128
             # A mixed tick (docs/MULTILORA.md "Round 4"): a ~200-token chunk beside decode rows.
             self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [8192, 32768], 202, [8, 28]
+            # --decode-short: keys per sequence, table widths (0: the keys'), batches.
+            self.short_keys, self.short_widths = [512, 1024, 2048, 4096], [0, 8192, 32768]
+            self.short_batches = [1, 8, 64]
             self.max_tokens = 64 * 32768 + 32 * 256
         self.page = 16
         self.n_adapters = 4
@@ -804,6 +812,154 @@ def plot_mixed(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# --decode-short: unified decode of short sequences (decode_bench's prompt 512 and up) in
+# tables as wide as their keys and as a wide decode graph's (8K / 32K), the static split plan
+# of before against the dynamic one (decode_attention.paged_decode_triton ``plan``), and the
+# dynamic plan at forced split counts: which count the H200 wants per batch and length.
+SHORT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def short_table(s: Setup, batch: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shuffled pages for ``batch`` x ``keys`` in a table ``width`` keys wide, padded with the
+    pool's last page (outside the shuffled ones: a decode graph's scratch page), and lens."""
+    bt, _, lens = s.tables(batch, keys)
+    pages = max(bt.shape[1], -(-width // s.page))
+    if pages > bt.shape[1]:
+        pad = torch.full((batch, pages - bt.shape[1]), s.k.shape[0] - 1, dtype=bt.dtype,
+                         device=bt.device)
+        bt = torch.cat([bt, pad], dim=1).contiguous()
+    return bt, lens
+
+
+def short_cases(s: Setup) -> list[tuple[int, int, int]]:
+    """(keys, table width in keys, batch): widths of 0 mean the keys' own."""
+    cases = []
+    for keys in s.short_keys:
+        widths = sorted({w if w else keys for w in s.short_widths if not w or w >= keys})
+        for width in widths:
+            for batch in s.short_batches:
+                cases.append((keys, width, batch))
+    return cases
+
+
+def live_splits(keys: int, splits: int, block_n: int) -> int:
+    """Splits of the dynamic plan that hold keys for a ``keys``-long sequence (the kernel's
+    ``DYN_SPLIT`` split: ``keys / splits`` rounded up to whole ``block_n`` tiles)."""
+    per = -(-keys // splits)
+    split_len = -(-per // block_n) * block_n
+    return -(-keys // split_len)
+
+
+def run_decode_short(s: Setup, res: dict, save: Callable[[], None]) -> None:
+    """One row per case (``save`` after each): the static plan's splits and time, the
+    dynamic plan's, the dynamic plan forced to each count of ``SHORT_SWEEP`` that a
+    sequence's keys can fill, achieved TB/s (K+V bytes read / time), and the outputs
+    checked against each other (and the float32 reference where the table is not wide)."""
+    from forkserve.kernels.split_kv import dynamic_splits, plan_splits, sm_count
+    tuning = {"block_n": 16} if s.smoke else {}
+    block_n = tuning.get("block_n", 64)
+    per_key = 2 * s.n_kv * s.head_dim * s.k.element_size()
+    res["decode_short_tuning"] = {"block_n": block_n, "num_warps": 4, "num_stages": 2}
+    for keys, width, batch in short_cases(s):
+        bt, lens = short_table(s, batch, keys, width)
+        bound = bt.shape[1] * s.page
+        q = s.q(batch)
+        n_programs = batch * s.n_kv
+        old_splits, old_len = plan_splits(n_programs, bound, s.device, block_n)
+        new_splits = dynamic_splits(n_programs, bound, sm_count(s.device), block_n)
+
+        def run(plan: str, splits: int | None = None) -> torch.Tensor:
+            return paged_decode_triton(q, s.k, s.v, bt, lens, max_seq_len=bound, plan=plan,
+                                       num_splits=splits, **tuning)
+
+        tag = f"decode-short keys={keys} width={bound} batch={batch}"
+        kv_bytes = batch * keys * per_key
+        row: dict = {"keys": keys, "width": bound, "batch": batch, "kv_bytes": kv_bytes,
+                     "old_splits": old_splits, "old_split_len": old_len,
+                     "old_programs": old_splits * n_programs, "new_splits": new_splits,
+                     "new_programs": new_splits * n_programs,
+                     "new_live_splits": live_splits(keys, new_splits, block_n)}
+        row["old_ms"] = measure(res, tag + " old", lambda: run("static"), s.smoke)
+        row["new_ms"] = measure(res, tag + " new", lambda: run("dynamic"), s.smoke)
+        row["old_TBps"] = kv_bytes / row["old_ms"] / 1e9
+        row["new_TBps"] = kv_bytes / row["new_ms"] / 1e9
+        row["new_over_old"] = row["new_ms"] / row["old_ms"]
+        sweep = {}
+        for n in (SHORT_SWEEP[:2] if s.smoke else SHORT_SWEEP):
+            if n > -(-keys // block_n):
+                break  # more splits than key tiles: only empty programs more
+            sweep[str(n)] = (row["new_ms"] if n == new_splits else
+                             measure(res, f"{tag} splits={n}", lambda n=n: run("dynamic", n),
+                                     s.smoke))
+        row["sweep_ms"] = sweep
+        if sweep:
+            best = min(sweep, key=lambda n: sweep[n] if sweep[n] == sweep[n] else math.inf)
+            row["best_splits"], row["best_ms"] = int(best), sweep[best]
+        row["new_rel_err_vs_old"] = check(res, tag + " check",
+                                          lambda: rel_err(run("dynamic"), run("static")))
+        if width == keys or s.smoke:
+            # The reference upcasts the gathered K/V itself (not the whole pool).
+            row["new_rel_err_vs_ref_fp32"] = check(res, tag + " check", lambda: rel_err(
+                run("dynamic"), reference.paged_decode_ref(q.float(), s.k, s.v, bt, lens)))
+        res["decode_short"].append(row)
+        save()
+        print(f"{tag} | old {old_splits}x{old_len} {row['old_ms']:.4f} ms "
+              f"{row['old_TBps']:.2f} TB/s | new {new_splits} {row['new_ms']:.4f} ms "
+              f"{row['new_TBps']:.2f} TB/s | new/old {row['new_over_old']:.2f} | best "
+              f"{row.get('best_splits')} {row.get('best_ms', math.nan):.4f} ms", flush=True)
+
+
+def print_decode_short(res: dict) -> None:
+    print(f"\n== {res['device']} {res['dtype']} commit {res['commit'][:10]}: unified decode of "
+          f"short sequences, static plan (old) vs dynamic (new); ms of one layer call "
+          f"(copy {res.get('copy_GBps', math.nan):.0f} GB/s)")
+    print(" keys  width batch | old splits x len       ms   TB/s | new splits       ms   TB/s "
+          "| new/old | best splits       ms | err new-old  new-ref")
+    for r in res["decode_short"]:
+        print(f"{r['keys']:5d} {r['width']:6d} {r['batch']:5d} | {r['old_splits']:4d} x "
+              f"{r['old_split_len']:6d} {r['old_ms']:8.4f} {r['old_TBps']:6.2f} | "
+              f"{r['new_splits']:10d} {r['new_ms']:8.4f} {r['new_TBps']:6.2f} | "
+              f"{r['new_over_old']:7.2f} | {r.get('best_splits', 0):11d} "
+              f"{r.get('best_ms', math.nan):8.4f} | {r.get('new_rel_err_vs_old', math.nan):.1e} "
+              f"{r.get('new_rel_err_vs_ref_fp32', math.nan):.1e}")
+
+
+def plot_decode_short(res: dict, path: Path) -> None:
+    """Per batch: ms (top) and TB/s (bottom) against keys, old (dashed) and new (solid) plan,
+    one colour per table width class (keys, 8K, 32K)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["decode_short"]
+    batches = sorted({r["batch"] for r in rows})
+    if not batches:
+        return
+    fig, axes = plt.subplots(2, len(batches), figsize=(5 * len(batches), 8), squeeze=False)
+
+    def width_class(r: dict) -> str:
+        return "width = keys" if r["width"] < 2 * r["keys"] else f"width {r['width'] // 1024}K"
+
+    for col, batch in enumerate(batches):
+        sub = [r for r in rows if r["batch"] == batch]
+        classes = sorted({width_class(r) for r in sub})
+        for i, cls in enumerate(classes):
+            pts = sorted((r for r in sub if width_class(r) == cls), key=lambda r: r["keys"])
+            keys = [r["keys"] for r in pts]
+            for plan, style in (("old", "--"), ("new", "-")):
+                for row_i, metric in enumerate(("ms", "TBps")):
+                    axes[row_i, col].plot(keys, [r[f"{plan}_{metric}"] for r in pts],
+                                          linestyle=style, marker="o", color=f"C{i}",
+                                          label=f"{plan}, {cls}")
+        axes[0, col].set(xscale="log", yscale="log", xlabel="keys per sequence",
+                         ylabel="ms (one layer)", title=f"batch {batch}")
+        axes[1, col].set(xscale="log", xlabel="keys per sequence", ylabel="K+V TB/s")
+        axes[0, col].legend(fontsize=6)
+    fig.suptitle(f"unified decode, short sequences: static (--) vs dynamic (-) split plan; "
+                 f"{res['device']} {res['dtype']} commit {res['commit'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def run_shared_prefix(s: Setup, cfg: dict[str, dict], res: dict) -> None:
     agents = s.agents
     for ctx in s.contexts:
@@ -1233,6 +1389,14 @@ def register_report(out: Path) -> None:
             rows.append({"kernel": "decode_pass2" if bias else "decode", "residual": has_res,
                          "split_score": split, "block_n": block_n, "num_warps": 4,
                          **compile_one(_decode_partial_kernel, consts, 4, 2)})
+    # Unified decode's dynamic plan: per-sequence splits writing live partials, or one split
+    # writing the output itself (PartOut compiled as float32 here; bf16 on the device).
+    for mode in ("LIVE_ONLY", "DIRECT"):
+        consts = dict(dec, BLOCK_N=64, HAS_RES=False, SPLIT_SCORE=False, RES_BIAS=False,
+                      DYN_SPLIT=True, **{mode: True})
+        rows.append({"kernel": "decode_dyn_" + mode.lower(), "residual": False,
+                     "split_score": False, "block_n": 64, "num_warps": 4,
+                     **compile_one(_decode_partial_kernel, consts, 4, 2)})
     for block_n in (16, 32):
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=32,
                       RANK_K=16, CHUNK=256)
@@ -1346,6 +1510,17 @@ def main() -> None:
     parser.add_argument("--mixed-rows", nargs="*", type=int,
                         help="one-token rows beside the chunk of --mixed (default 8 28)")
     parser.add_argument("--chunk", type=int, help="new tokens of --mixed's chunk (default 202)")
+    parser.add_argument("--decode-short", action="store_true",
+                        help="only: unified decode of short sequences in narrow and wide "
+                             "tables, static vs dynamic split plan; writes "
+                             "kernel_bench_decode_short.json/.png")
+    parser.add_argument("--short-keys", nargs="*", type=int,
+                        help="keys per sequence of --decode-short (default 512 1K 2K 4K)")
+    parser.add_argument("--short-widths", nargs="*", type=int,
+                        help="table widths in keys of --decode-short, 0 = the keys' own "
+                             "(default 0 8K 32K)")
+    parser.add_argument("--short-batches", nargs="*", type=int,
+                        help="batches of --decode-short (default 1 8 64)")
     parser.add_argument("--cascade-sweep", action="store_true",
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
@@ -1358,11 +1533,15 @@ def main() -> None:
     for arg, field in (("contexts", "contexts"), ("batches", "batches"),
                        ("prefill_contexts", "prefill_contexts"),
                        ("mixed_contexts", "mixed_contexts"), ("mixed_rows", "mixed_rows"),
-                       ("chunk", "mixed_chunk")):
+                       ("chunk", "mixed_chunk"), ("short_keys", "short_keys"),
+                       ("short_widths", "short_widths"), ("short_batches", "short_batches")):
         if getattr(args, arg):
             setattr(s, field, getattr(args, arg))
     if args.mixed:
         main_mixed(s, args)
+        return
+    if args.decode_short:
+        main_decode_short(s, args)
         return
     if args.variants is not None:
         main_variants(s, args)
@@ -1483,6 +1662,30 @@ def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
         res.setdefault("errors", []).append(f"mixed: {exc!r}"[:1000])
         print(f"mixed FAILED: {exc!r}", flush=True)
     publish(res, path, plot_mixed, print_mixed)
+    return res
+
+
+def main_decode_short(s: Setup, args: argparse.Namespace) -> dict:
+    res = result_header(
+        s, timing="CUDA graph replay (as the engine's decode), L2 flushed, median of CUDA events",
+        decode_short=[])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "kernel_bench_decode_short.json"
+    res["copy_GBps"] = copy_bandwidth(s) / 1e9
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1))
+        try:
+            plot_decode_short(res, path.with_suffix(".png"))
+        except Exception as exc:
+            print(f"plot failed: {exc!r}", flush=True)
+
+    try:
+        run_decode_short(s, res, save)
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"decode short: {exc!r}"[:1000])
+        print(f"decode short FAILED: {exc!r}", flush=True)
+    publish(res, path, plot_decode_short, print_decode_short)
     return res
 
 

@@ -14,7 +14,10 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   (``"msc2s"``, residual_msc2s.py: the two halves of msc's pass 1 written side by side).
   The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
-  suffixes, split on the device (shared_prefix.py).
+  suffixes, split on the device (shared_prefix.py). Unified decode's dynamic plan uses
+  ``DYN_SPLIT`` alone (each sequence's own keys cut in ``num_splits``), with ``LIVE_ONLY``
+  (an empty split writes only its lse) or, at one split, ``DIRECT`` (the output itself, no
+  merge).
 
 Grid ``(seq_groups, n_kv_heads, num_splits)``. A program owns one KV head, a contiguous
 range of keys and a tile of query rows that all read those keys: the GQA group of one
@@ -35,7 +38,18 @@ from forkserve.kernels.residual_triton import (
     rotated_residual_keys,
 )
 from forkserve.kernels.rope_triton import rope_rows
-from forkserve.kernels.split_kv import LOG2E, NO_LIMIT, key_bound, split_decode, store_partial
+from forkserve.kernels.split_kv import (
+    LOG2E,
+    NO_LIMIT,
+    dynamic_splits,
+    empty_partials,
+    key_bound,
+    merge_partials,
+    sm_count,
+    split_decode,
+    store_live_partial,
+    store_partial,
+)
 
 
 @triton.jit
@@ -57,6 +71,7 @@ def _decode_partial_kernel(
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
     RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
     DYN_SPLIT: tl.constexpr = False, RES_LOGITS: tl.constexpr = False,
+    LIVE_ONLY: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -97,8 +112,10 @@ def _decode_partial_kernel(
     d_lo = tl.arange(0, HALF)
     d = tl.arange(0, HEAD_DIM)
     q_ptr = Q + row_seq[:, None] * stride_qb + row_head[:, None] * stride_qh
-    q_lo = tl.load(q_ptr + d_lo[None, :], mask=row_ok[:, None], other=0.0)
-    q_hi = tl.load(q_ptr + HALF + d_lo[None, :], mask=row_ok[:, None], other=0.0)
+    # A split with no keys (past its sequence's end) reads no q: it only writes lse -inf.
+    q_ok = row_ok & (start < stop)
+    q_lo = tl.load(q_ptr + d_lo[None, :], mask=q_ok[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + HALF + d_lo[None, :], mask=q_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -202,10 +219,18 @@ def _decode_partial_kernel(
                      + d[None, :], mask=r_ok[:, None], other=0.0)
         acc += tl.dot(acc_r, bv.to(tl.float32))
     slot = split_offset + split
-    store_partial(acc, l_i, m_i,
-                  PartOut + row_seq[:, None] * stride_ob + row_head[:, None] * stride_oh
-                  + slot * stride_os,
-                  PartLse + row_seq * stride_lb + row_head * stride_lh + slot, row_ok, d)
+    out_ptr = (PartOut + row_seq[:, None] * stride_ob + row_head[:, None] * stride_oh
+               + slot * stride_os)
+    if DIRECT:
+        # One split: the normalised output itself, in the output's dtype (no merge launch).
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + d[None, :], out.to(PartOut.dtype.element_ty), mask=row_ok[:, None])
+    elif LIVE_ONLY:
+        store_live_partial(acc, l_i, m_i, out_ptr,
+                           PartLse + row_seq * stride_lb + row_head * stride_lh + slot, row_ok, d)
+    else:
+        store_partial(acc, l_i, m_i, out_ptr,
+                      PartLse + row_seq * stride_lb + row_head * stride_lh + slot, row_ok, d)
 
 
 
@@ -219,7 +244,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     res_bias: torch.Tensor | None = None,
                     res_logits: torch.Tensor | None = None,
                     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    kv_starts: torch.Tensor | None = None) -> None:
+                    kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
+                    direct: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -247,6 +273,11 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``kv_starts`` (cascade suffix): ``[batch]`` int32, each sequence's first key instead of
     ``kv_start``. With either, ``split_len`` is ignored: each program splits its own
     sequence's range in ``num_splits`` (graph-safe, no host bound needed).
+    ``dyn_split`` (unified, the dynamic plan): the same per-sequence split of
+    ``[kv_start, min(seq_len, kv_limit))`` without tiles or ``kv_starts``; ``split_len`` is
+    ignored and an empty split writes only its lse (-inf), which the merge skips.
+    ``direct`` (unified, one split): ``part_out`` is the output ``[batch, H, D]`` itself,
+    written normalised in its dtype; ``part_lse`` is not read or written (may be None).
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -284,6 +315,15 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bias_strides = (0, 0)
     programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
+    if direct:
+        assert residual is None and tiles is None and num_splits == 1 and split_offset == 0
+        assert part_out.shape == q.shape and part_out.stride(-1) == 1
+        out_strides = (part_out.stride(0), part_out.stride(1), 0)
+        part_lse, lse_strides = part_out, (0, 0)
+    else:
+        out_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        lse_strides = (part_lse.stride(0), part_lse.stride(1))
+    dyn = dyn_split and tiles is None and kv_starts is None
     _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
         res_bias if res_logits is not None else None,
@@ -292,31 +332,62 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         *res_strides, block_tables.stride(0), rbt_stride,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), *bias_strides,
+        *out_strides, *lse_strides, *bias_strides,
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
         SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
         SEQ_START=kv_starts is not None,
-        DYN_SPLIT=tiles is not None or kv_starts is not None, RES_LOGITS=res_logits is not None,
+        DYN_SPLIT=tiles is not None or kv_starts is not None or dyn_split,
+        RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
     )
 
+
+
+PLANS = ("dynamic", "static")
 
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float | None = None, max_seq_len: int | None = None,
                         num_splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                        num_stages: int = 2) -> torch.Tensor:
-    """Decode over the unified paged cache. q ``[batch, H, D]`` -> ``[batch, H, D]``."""
+                        num_stages: int = 2, plan: str = "dynamic",
+                        programs_per_sm: int | None = None) -> torch.Tensor:
+    """Decode over the unified paged cache. q ``[batch, H, D]`` -> ``[batch, H, D]``.
+
+    ``plan="dynamic"`` (default): ``split_kv.dynamic_splits`` picks a split count from the
+    batch and a bound (``max_seq_len``, else the table's width: no host sync either way) and
+    every program splits its own sequence's keys on the device, so a short sequence in a
+    wide graph table gets short splits (empty ones write only lse -inf); one split writes
+    the output directly (no merge launch). ``programs_per_sm`` tunes that plan.
+    ``plan="static"``: the split plan of before (``split_kv.plan_splits`` over
+    ``[0, max_seq_len)``: split length from the bound, which a wide table makes long; a bound
+    under a sequence's length drops its later keys), kept for side-by-side benchmarks.
+    """
+    if plan not in PLANS:
+        raise ValueError(f"decode plan must be one of {PLANS}, got {plan!r}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    common = dict(scale=scale, kv_start=0, kv_limit=NO_LIMIT, split_offset=0, block_n=block_n,
+                  num_warps=num_warps, num_stages=num_stages)
+    n_programs = q.shape[0] * k_cache.shape[2]
+    if plan == "static":
+        def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int,
+                 split_len: int) -> None:
+            decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+                            num_splits=splits, split_len=split_len, **common)
 
-    def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
-        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                        scale=scale, kv_start=0, kv_limit=NO_LIMIT, num_splits=splits,
-                        split_len=split_len, split_offset=0, block_n=block_n,
-                        num_warps=num_warps, num_stages=num_stages)
-
-    return split_decode(q, q.shape[0] * k_cache.shape[2], key_bound(seq_lens, max_seq_len),
-                        num_splits, block_n, fill)
+        return split_decode(q, n_programs, key_bound(seq_lens, max_seq_len), num_splits,
+                            block_n, fill)
+    bound = block_tables.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
+    tuning = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
+    splits = dynamic_splits(n_programs, bound, sm_count(q.device), block_n, num_splits,
+                            **tuning)
+    out = torch.empty_like(q)
+    if splits == 1:
+        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, out, None, num_splits=1,
+                        split_len=0, dyn_split=True, direct=True, **common)
+        return out
+    part_out, part_lse = empty_partials(q, splits)
+    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+                    num_splits=splits, split_len=0, dyn_split=True, **common)
+    return merge_partials(part_out, part_lse, out, splits)

@@ -8,6 +8,11 @@ shape, the device function that writes a partial, and the merge; the kernels tha
 partials live in decode_attention.py (the split-K loop), residual_decode_triton.py (the
 ResidualAttention passes) and shared_prefix.py (cascade tiles). Partial buffers are
 temporaries of one call (the caching allocator, or a CUDA graph's pool, reuses them).
+
+Two plans: ``plan_splits`` cuts ``[0, bound)`` into splits of one host-known length (the
+residual and cascade drivers); ``dynamic_splits`` only picks a count, and each program cuts
+its own sequence's keys on the device (``DYN_SPLIT``; unified decode's default), so a bound
+far above the real lengths (a CUDA graph's table width) makes no split longer.
 """
 from __future__ import annotations
 
@@ -21,6 +26,12 @@ LOG2E = 1.4426950408889634
 # A key range of at most this many positions is not split further (the merge costs more).
 MIN_SPLIT_TOKENS = 256
 NO_LIMIT = 2 ** 30
+# The dynamic plan (unified decode, ``dynamic_splits``): programs per SM it aims for (the
+# unified kernel fits 5 per SM at 64-key tiles: docs/KERNELS.md), the fewest keys a split
+# may hold where the key bound caps the count, and the most splits (the merge's tile).
+DYN_PROGRAMS_PER_SM = 4
+DYN_MIN_SPLIT_TOKENS = 64
+DYN_MAX_SPLITS = 64
 
 
 @triton.jit
@@ -56,6 +67,18 @@ def _merge_kernel(PartOut, PartLse, Out, num_splits,
     tl.store(Out + b * stride_fb + h * stride_fh + d, out.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def store_live_partial(acc, l_i, m_i, out_ptr, lse_ptr, row_ok, d):
+    """``store_partial`` that writes no output for a row that saw no key (its log2-sum-exp
+    -inf tells the merge to skip the slot): a dynamic plan's empty splits write 4 bytes a
+    row, not a head_dim row of zeros."""
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(out_ptr + d[None, :], out, mask=(row_ok & has_keys)[:, None])
+    tl.store(lse_ptr, lse, mask=row_ok)
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (4 off CUDA, for the interpreter's plans)."""
     if device.type == "cuda":
@@ -88,6 +111,25 @@ def plan_splits(n_programs: int, span: int, device: torch.device, block_n: int,
     split_len = -(-span // num_splits)
     split_len = -(-split_len // block_n) * block_n
     return -(-span // split_len), split_len
+
+
+def dynamic_splits(n_programs: int, bound: int, sms: int, block_n: int,
+                   num_splits: int | None = None, programs_per_sm: int = DYN_PROGRAMS_PER_SM,
+                   min_split: int = DYN_MIN_SPLIT_TOKENS) -> int:
+    """Splits per sequence for the dynamic plan (``DYN_SPLIT``: each program cuts its own
+    sequence's keys into this many, on the device, so the plan needs no exact length).
+
+    Enough ``n_programs``-program splits for about ``programs_per_sm`` programs per SM
+    (rounded down: a batch that already fills them runs in one split, which needs no
+    merge), never more than a split per ``min_split`` keys of ``bound`` (a host bound on
+    every length: a graph's table width; its only use here is this cap, so a wide table
+    costs empty programs, not longer ones) nor ``DYN_MAX_SPLITS``. ``num_splits`` forces it.
+    """
+    if num_splits is not None:
+        return max(1, num_splits)
+    want = programs_per_sm * sms // max(n_programs, 1)
+    cap = -(-max(bound, 1) // max(min_split, block_n))
+    return max(1, min(want, cap, DYN_MAX_SPLITS))
 
 
 def empty_partials(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

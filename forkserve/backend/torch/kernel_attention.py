@@ -123,6 +123,9 @@ class KernelAttention:
                 residual: bool) -> torch.Tensor:
         page_size = kv.k.shape[1]
         # A host-free bound (the padded table width) keeps decode capturable in a CUDA graph.
+        # Unified decode's dynamic plan only caps its split count by it (each program splits
+        # its own sequence's keys on the device), so a wide bucket costs empty programs, not
+        # long splits; the residual and cascade plans still cut splits from it.
         tuning = {"max_seq_len": meta.block_tables.shape[1] * page_size} if q.is_cuda else {}
         if residual:
             ref = b_k if b_k is not None else b_v
