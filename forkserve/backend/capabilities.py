@@ -40,6 +40,10 @@ class Capabilities:
     # ``launch(work, batch) -> StepHandle``: starts a step and returns at once
     # (``step_handle.py``). Without it the step runs synchronously inside ``launch_step``.
     launch: bool = False
+    # ``launch`` honours ``DecodeBatch.fed``: a batch's rows write the tokens an earlier
+    # step (launched, maybe not read back) sampled, row for row (``decode_batch.py``).
+    # Without it the overlap reads the earlier step back and hands the tokens.
+    fed_tokens: bool = False
 
     def missing(self, backend: object) -> tuple[str, ...]:
         """The methods the flags set here promise that ``backend`` lacks (empty: it keeps
@@ -60,4 +64,5 @@ METHODS: dict[str, tuple[str, ...]] = {
     "written_positions": ("first_unwritten",),
     "columns": ("step_batched",),
     "launch": ("launch",),
+    "fed_tokens": ("launch",),
 }

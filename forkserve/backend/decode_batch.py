@@ -21,17 +21,28 @@ again lists what it listed then. A backend may key what it derives from them on 
 A backend that reads columns implements ``step_batched(work, batch)``; any other backend is
 handed ``[*work, *batch.items()]`` through ``step`` (``step_handle.launch_step``): the two are
 the same step.
+
+Fed tokens (``fed``, ``Capabilities.fed_tokens``): a batch whose rows are, row for row, the
+rows of a step launched before and not necessarily read back may carry that step's handle
+instead of the tokens: row i writes the token row i of that step sampled, which a backend
+that keeps its sampled tokens on the device takes from there (no read-back before the next
+launch). ``tokens`` then holds placeholders. Only the overlap builds such a batch, only for
+a backend that declares the capability; ``resolved`` turns it into a plain batch (it waits
+for the earlier step's tokens).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from forkserve.adapter_key import AdapterId
 from forkserve.backend.protocol import KVSlots, PageId, SamplingParams, SeqWork, SharedPrefix
 from forkserve.config import KVForm
+
+if TYPE_CHECKING:
+    from forkserve.backend.step_handle import StepHandle
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,9 @@ class DecodeBatch:
     sampling: tuple[SamplingParams, ...]
     # Cascade attention groups, numbered with the ``SeqWork`` items of the same step.
     shared_prefix: tuple[SharedPrefix | None, ...]
+    # The step whose sampled tokens the rows write, row for row (``tokens``: placeholders);
+    # None: ``tokens`` are the tokens. Only for a backend with ``Capabilities.fed_tokens``.
+    fed: "StepHandle | None" = None
 
     def __post_init__(self) -> None:
         for name in ("positions", "adapter_starts"):
@@ -62,8 +76,21 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.seq_ids)
 
+    def resolved(self, tokens: Sequence[int] | None = None) -> "DecodeBatch":
+        """This batch with the tokens its ``fed`` step sampled (``tokens``: those, already
+        read; None: asked of the step's handle, which waits for it), ``fed`` cleared."""
+        if self.fed is None:
+            return self
+        if tokens is None:
+            tokens = self.fed.result().next_tokens
+        if len(tokens) != len(self):
+            raise AssertionError(f"a fed batch of {len(self)} rows from a step of "
+                                 f"{len(tokens)} tokens")
+        return replace(self, tokens=tuple(tokens), fed=None)
+
     def items(self) -> list[SeqWork]:
         """The same rows as ``SeqWork`` items (for backends that take only those)."""
+        assert self.fed is None, "a fed batch's tokens are placeholders: resolve it first"
         return [SeqWork(seq, (token,), pos, KVSlots(_ids(pages), _ids(residual)), adapter, sampling,
                         decode=True, form=form, adapter_start=start, shared_prefix=shared)
                 for seq, token, pos, pages, residual, form, adapter, start, sampling, shared

@@ -71,7 +71,7 @@ class MockBackend:
     # Every optional part but names: the ids it is given are its ids.
     capabilities = Capabilities(knows_adapter=True, remove_adapter=True, adapter_versions=True,
                                 activated_lora=True, host_offload=True, written_positions=True,
-                                columns=True, launch=True)
+                                columns=True, launch=True, fed_tokens=True)
 
     def __init__(self, config: ForkServeConfig | None = None, cost_model: CostModel | None = None,
                  invocations: Mapping[AdapterId, Sequence[int]] | None = None,
@@ -199,7 +199,10 @@ class MockBackend:
 
     def launch(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> Deferred:
         """The step, run when its result is asked for (``step_handle``): a page the control
-        plane changed before that would show in the sampled tokens."""
+        plane changed before that would show in the sampled tokens. A fed batch
+        (``DecodeBatch.fed``) takes its tokens from the earlier step's handle when it runs."""
+        if batch is not None and batch.fed is not None:
+            return Deferred(lambda: self.step_batched(work, batch.resolved()))
         return Deferred(lambda: self.step_batched(work, batch))
 
     def step_batched(self, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepResult:

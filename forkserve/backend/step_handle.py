@@ -51,7 +51,10 @@ def launch_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | 
 
 
 def run_step(backend: Backend, work: Sequence[SeqWork], batch: DecodeBatch | None) -> StepResult:
-    """One synchronous step: one sampled token per item, then per row."""
+    """One synchronous step: one sampled token per item, then per row (a fed batch's tokens
+    read from the earlier step's handle first: ``DecodeBatch.resolved``)."""
+    if batch is not None and batch.fed is not None:
+        batch = batch.resolved()
     if batch is None or not len(batch):
         return backend.step(work)
     if backend.capabilities.columns:

@@ -35,6 +35,7 @@ import numpy as np
 
 from forkserve.backend.decode_batch import DecodeBatch
 from forkserve.backend.protocol import SamplingParams, SharedPrefix
+from forkserve.backend.step_handle import StepHandle
 from forkserve.control.context_tree import Node, NodeState
 from forkserve.control.kv_cache import KVCache
 from forkserve.control.page_table import CopyPages, PageTable
@@ -244,12 +245,15 @@ class SteadyDecode:
             row.follow()
         self._pages = self._marks = self._positions = None
 
-    def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None) -> DecodeBatch:
+    def batch(self, rows: Sequence[SteadyRow], tokens: Sequence[int] | None = None,
+              fed: StepHandle | None = None) -> DecodeBatch:
         """The ``DecodeBatch`` of ``rows`` (all members, as ``prepare`` returned them); the
         cascade groups of these rows alone (``PrefixSharing.marks``) are asked again only
         when the members change or a boundary may move them. ``tokens``: what the rows write,
         when the path does not hold them yet (overlap: the step before sampled them and its
-        tokens are not applied yet); None: each tip's last token."""
+        tokens are not applied yet); None: each tip's last token. ``fed``: the rows write
+        what that step (launched, not read back) sampled, row for row (``DecodeBatch.fed``;
+        ``tokens`` ignored)."""
         if self._static is None:
             # (Columns of the rows' fields read by ``attrgetter`` in C, one pass each.)
             starts = list(map(_ADAPTER_START, rows))
@@ -274,14 +278,16 @@ class SteadyDecode:
             self._marks = tuple(self.sharing.marks(list(zip(pages, positions.tolist(),
                                                             strict=True))))
         adapter_starts = np.where(as_base, positions + 1, starts) if any_base else starts
-        if tokens is not None:
+        if fed is not None:
+            written = (0,) * len(rows)  # placeholders: the backend reads ``fed``'s tokens
+        elif tokens is not None:
             written = tuple(tokens)
         elif self._sampled is not None and self._sampled[0] is self._static:
             written = self._sampled[1]  # what the last apply took, row for row
         else:
             written = tuple(n.tokens[-1] for n in nodes)
         return DecodeBatch(seq_ids, written, positions, pages, residual, forms, adapters,
-                           adapter_starts, sampling, self._marks)
+                           adapter_starts, sampling, self._marks, fed)
 
     def apply(self, rows: Sequence[SteadyRow], tokens: Sequence[int], now: float,
               publish: Callable[[Node], None], positions: np.ndarray | None = None) -> None:

@@ -203,7 +203,7 @@ class TorchBackend:
         self.capabilities = Capabilities(resolve_adapter=True, knows_adapter=True,
                                          remove_adapter=True, activated_lora=True,
                                          host_offload=self.host is not None, written_positions=True,
-                                         launch=True)
+                                         launch=True, fed_tokens=True)
         self.limits = BatchLimits(
             vocab_size=model_cfg.vocab_size, max_context=model_cfg.max_context,
             page_size=config.page_size, num_pages=config.num_pages,
@@ -302,8 +302,21 @@ class TorchBackend:
         """Start a step over ``work`` then ``batch``'s rows and return at once: the forward,
         the sampling and the tokens' copy to the host are queued on the device stream
         (``pending_step.py``); the handle's ``result()`` waits for them. A step the backend
-        refuses (``validate``) returns a handle that raises the refusal."""
+        refuses (``validate``) returns a handle that raises the refusal. A fed batch
+        (``DecodeBatch.fed``, ``Capabilities.fed_tokens``) whose rows run from their columns
+        reads its input ids from the earlier step's sampled-token tensor on the device, queued
+        behind that step; any other fed batch waits for the earlier step's tokens first."""
         try:
+            if batch is not None and batch.fed is not None:
+                fed = self._fed(batch) if not work else None
+                if fed is not None:
+                    pending = self._start_rows(batch, fed)
+                    if pending is not None:
+                        return pending
+                # Not from the device: the earlier step's tokens, waited for, on the host.
+                earlier = batch.fed
+                batch = batch.resolved(earlier.sampled() if isinstance(earlier, PendingStep)
+                                       else None)
             if batch is not None and len(batch):
                 pending = self._start_mixed(work, batch) if work else self._start_rows(batch)
                 if pending is not None:
@@ -402,17 +415,28 @@ class TorchBackend:
         run = self.runner.forward_mixed(work, rows, slots, batch.shared_prefix)
         return self._sample(work, run, False, clock, batch, rows)
 
-    def _start_rows(self, batch: DecodeBatch) -> PendingStep | None:
+    def _fed(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """The device tensor of sampled tokens a fed batch's rows read (the earlier step's,
+        row for row), or None where it has none to give or the rows will not run from
+        their columns."""
+        earlier = batch.fed
+        if not self._columns_fit or not isinstance(earlier, PendingStep):
+            return None
+        return earlier.feeds(len(batch))
+
+    def _start_rows(self, batch: DecodeBatch,
+                    fed: torch.Tensor | None = None) -> PendingStep | None:
         """Queue a step of steady-decode rows from their columns (``decode_rows.of_batch``):
         no per-row item, table tuple or validation pass. None where the columns do not fit
         that path (recompute layers, tracked writes) or a row would be refused: the caller runs
-        the rows as items, whose validation names the row."""
+        the rows as items, whose validation names the row. ``fed``: the rows' input ids on the
+        device (``batch.tokens`` are placeholders; a sampler's tokens are in the vocabulary)."""
         rows = self._rows(batch, self._slots()) if self._columns_fit else None
         if rows is None:
             return None
         clock = self._clock()
         plan = self._kept.groups.plan(batch.shared_prefix) if self.runner.cascade else None
-        run = self.runner.forward_rows(rows, plan)
+        run = self.runner.forward_rows(rows, plan, fed)
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)
@@ -447,13 +471,13 @@ class TorchBackend:
               cost: StepCost, last: torch.Tensor, greedy: torch.Tensor | None,
               clock: StepClock) -> PendingStep:
         """Queue the sampling and the tokens' copy to the host behind the forward."""
-        tokens = None
+        tokens = drawn = None
         if params:
             drawn = self.sampler.draw(last, params, positions, greedy)
             tokens = drawn.to("cpu", non_blocking=True) if drawn.is_cuda else drawn
         clock.stop()
         return PendingStep(logits, counts, hidden, params, positions, samples, prompts, cost, last,
-                           tokens, self.sampler, clock)
+                           tokens, self.sampler, clock, drawn if params else None)
 
     @property
     def cascade_attention(self) -> bool:

@@ -75,6 +75,7 @@ class DecodeGraph:
         self.copied = torch.cuda.Event()
         self._send(None)
         view = {n: self.packed[o:o + int(np.prod(s))].view(s) for n, (o, s) in offsets.items()}
+        self.input_ids = view["input_ids"]  # a fed step's tokens land here, device to device
         self.rows = torch.arange(batch, device=device)
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
@@ -130,12 +131,17 @@ class DecodeGraph:
         self.packed.copy_(self.host, non_blocking=True)
         self.copied.record()
 
-    def run(self, rows: DecodeRows,
-            cascade: CascadePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: DecodeRows, cascade: CascadePlan | None = None,
+            fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for validated decode rows: (logits [n, vocab], greedy tokens [n]), copied
         out of the graph's output buffers, which the next replay overwrites (a caller of
-        TorchBackend.forward may keep a step's logits). ``cascade``: at most the graph's tiles."""
+        TorchBackend.forward may keep a step's logits). ``cascade``: at most the graph's tiles.
+        ``fed``: the rows' input tokens as a device tensor [n] (an earlier step's sampled
+        tokens, not read back): copied over ``rows.input_ids`` on the stream, after the
+        host buffer's copy and before the replay."""
         self._send(rows, cascade)
+        if fed is not None:
+            self.input_ids[:len(rows)].copy_(fed, non_blocking=True)
         self.graph.replay()
         n = len(rows)
         return self.logits[:n].clone(), self.greedy[:n].clone()

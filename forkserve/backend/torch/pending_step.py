@@ -86,7 +86,26 @@ class PendingStep:
     tokens: torch.Tensor | None           # their tokens: pinned host copy in flight
     sampler: Sampler
     clock: StepClock
+    # The sampled tokens on the device [sampling items], what a fed step after this one
+    # reads as its input ids before this one is read back (``DecodeBatch.fed``).
+    drawn: torch.Tensor | None = None
     _result: StepResult | None = None
+
+    def feeds(self, rows: int) -> torch.Tensor | None:
+        """The device tensor a step of ``rows`` rows fed from this one reads, row for row:
+        None unless every item sampled one token and there are ``rows`` of them."""
+        if self.drawn is None or (self.samples is not None and not all(self.samples)) \
+                or self.drawn.shape[0] != rows:
+            return None
+        return self.drawn
+
+    def sampled(self) -> list[int]:
+        """The sampled tokens, waited for, without the host's half of the step (``result``
+        runs it once, later): what a fed step that cannot read ``drawn`` writes."""
+        if self._result is not None:
+            return list(self._result.next_tokens)
+        self.clock.wait()
+        return self.tokens.tolist() if self.tokens is not None else []
 
     def result(self) -> StepResult:
         if self._result is None:

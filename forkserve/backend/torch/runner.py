@@ -1,6 +1,7 @@
 """ModelRunner: one forward for a validated list of work items, eager or through a CUDA graph."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -118,15 +119,19 @@ class ModelRunner:
             return RunOutput(logits, None, hidden)
         return RunOutput(self.model.forward(*self._args(batch)), None)
 
-    def forward_rows(self, rows: DecodeRows,
-                     plan: cascade_tiles.CascadePlan | None) -> RunOutput:
+    def forward_rows(self, rows: DecodeRows, plan: cascade_tiles.CascadePlan | None,
+                     fed: torch.Tensor | None = None) -> RunOutput:
         """The logits of decode rows (of either form or both), every row sampling, in order;
         ``plan``: their cascade tiles, None with ``cascade`` off (the caller keeps them
-        across steps: ``kept_tables.py``)."""
+        across steps: ``kept_tables.py``). ``fed``: the rows' input tokens as a device tensor
+        [n] (an earlier step's sampled tokens), in place of ``rows.input_ids``."""
         key = graph_key(rows, plan) if self.use_cuda_graphs else None
         if key is not None:
-            return self._replay(rows, key, plan)
-        return RunOutput(self.model.forward(*self._args(rows.to_batch(self.device, plan))), None)
+            return self._replay(rows, key, plan, fed)
+        batch = rows.to_batch(self.device, plan)
+        if fed is not None:  # a copy: the earlier step's tensor is its handle's
+            batch = dataclasses.replace(batch, input_ids=fed.to(torch.int64, copy=True))
+        return RunOutput(self.model.forward(*self._args(batch)), None)
 
     def forward_mixed(self, work: Sequence[SeqWork], rows: DecodeRows,
                       adapter_slots: Mapping[int, int],
@@ -175,8 +180,8 @@ class ModelRunner:
                                         self.cascade_agents)
         return True
 
-    def _replay(self, rows: DecodeRows, key: GraphKey,
-                cascade: cascade_tiles.CascadePlan | None) -> RunOutput:
+    def _replay(self, rows: DecodeRows, key: GraphKey, cascade: cascade_tiles.CascadePlan | None,
+                fed: torch.Tensor | None = None) -> RunOutput:
         self.captured_on_use += self._ensure_graph(key)
-        logits, greedy = self._graphs[key].run(rows, cascade)
+        logits, greedy = self._graphs[key].run(rows, cascade, fed)
         return RunOutput(logits, greedy)
