@@ -26,6 +26,11 @@
 # Round 7 (the adaptive policy splits under contention; a mixed tick's decode rows take the
 # decode kernels: docs/MULTILORA.md "Round 7" and "Round 4"):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 16  # react W=1,8,32; mixed-step kernels
+# Round 8 (Triton glue kernels, dynamic decode splits, the FRESH prefill route, fed steps):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 17  # CUDA tests, decode-short, prefill routes
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 18  # decode_bench (+ Engine rows), profiles
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 19  # react W=1,8,32 + no_lora, base
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 20  # mapreduce W=1,8,32
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -173,6 +178,28 @@ case "$1" in
     disaggregated adaptive --tag issue15_round7 --out "$OUT" 2>&1 | tail -14
   timeout 150 python3 benchmarks/kernel_bench.py --mixed --mixed-contexts 8192 32768 \
     --mixed-rows 8 28 --chunk 202 --out "$OUT" 2>&1 | tail -12
+  ;;
+17)
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_glue.py tests/kernels/test_decode_short.py tests/kernels/test_decode.py \
+    tests/torch/test_fresh_prefill.py tests/torch/test_attention_backends.py tests/torch/test_launch.py \
+    2>&1 | tee "$OUT/pytest_cuda_round8.log" | tail -12
+  timeout 150 python3 benchmarks/kernel_bench.py --decode-short --out "$OUT" 2>&1 | tail -40
+  timeout 200 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -20
+  ;;
+18)
+  timeout 330 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -22
+  timeout 150 python3 benchmarks/decode_bench.py --profile --no-hf --out "$OUT" 2>&1 | tail -3
+  ;;
+19)
+  timeout 300 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round8 --out "$OUT" 2>&1 | tail -14
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    disaggregated_base --overlap on --tag issue15_round8_base --out "$OUT" 2>&1 | tail -6
+  ;;
+20)
+  timeout 280 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round8 --out "$OUT" 2>&1 | tail -14
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
