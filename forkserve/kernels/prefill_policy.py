@@ -128,14 +128,15 @@ class CostPrefillPolicy:
     ``min_gather_new_tokens`` new tokens.
 
     ``FRESH`` (``fresh_items``): every sequence with no cached prefix of at least
-    ``fresh_min_new_tokens`` new tokens, at most ``fresh_max_seqs`` of them per step (the
-    longest; each is one SDPA call, plus the rebuild's few launches in the residual form,
-    so a step of many short cold prompts keeps the one-launch paged kernel for the rest).
-    It neither gathers nor rebuilds from pages, so it has no O(keys) pass and no fixed cost
-    beyond its launches: a first estimate that it wins at every length where SDPA beats our
-    Triton kernel (H200: SDPA on K/V gathered beforehand 0.256 ms at 4K against the SDPA
-    route's 0.310 and the paged kernel's 0.54); both thresholds await the GPU rows
-    (kernel_bench.py --prefill, the ``*_fresh`` columns).
+    ``fresh_min_new_tokens`` new tokens (``residual_fresh_min_new_tokens`` in the residual
+    form), at most ``fresh_max_seqs`` of them per step (the longest; each is one SDPA call,
+    plus the rebuild's few launches in the residual form, so a step of many short cold
+    prompts keeps the one-launch paged kernel for the rest). It neither gathers nor rebuilds
+    from pages. Thresholds measured (H200, commit 16d15b6, kernel_bench_prefill.json, the
+    engine's layer call with its page writes, old dispatch -> FRESH): unified 1K 0.074 ->
+    0.079 ms, 4K 0.322 -> 0.272, 8K 1.024 -> 0.940, 32K 15.12 -> 15.13; residual 1K 0.247 ->
+    0.279, 4K 0.348 -> 0.374, 8K 1.078 -> 1.135, 32K 15.74 -> 15.33 (its rebuild's eager
+    launches cost more than the packed route's gather until the attention dwarfs both).
 
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
@@ -155,13 +156,15 @@ class CostPrefillPolicy:
     merge_context_ratio: float = 4.0
     sdpa_for_cold: bool = True
     fresh: bool = True
-    fresh_min_new_tokens: int = 2
+    fresh_min_new_tokens: int = 2048
+    residual_fresh_min_new_tokens: int = 16384
     fresh_max_seqs: int = 16
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         if not self.fresh:
             return (False,) * len(counts.query_lens)
-        return cold_items(counts, self.fresh_min_new_tokens, self.fresh_max_seqs)
+        least = self.residual_fresh_min_new_tokens if residual else self.fresh_min_new_tokens
+        return cold_items(counts, least, self.fresh_max_seqs)
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         if (flash and counts.new_tokens >= self.min_gather_new_tokens

@@ -9,7 +9,7 @@ from torch_testlib import DEVICE, DTYPE, REL_TOL, make_config, prompt, rel_err, 
 from forkserve.backend.torch import TorchBackend
 from forkserve.backend.torch.kernel_attention import KernelAttention
 from forkserve.config import KVLayout
-from forkserve.kernels import FixedPrefillPolicy, PrefillRoute
+from forkserve.kernels import CostPrefillPolicy, FixedPrefillPolicy, PrefillRoute
 
 
 def decode_run(backend: TorchBackend, names: list[str | None], residual: bool,
@@ -33,20 +33,22 @@ def decode_run(backend: TorchBackend, names: list[str | None], residual: bool,
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("prefill", ["policy", "flash"])
+@pytest.mark.parametrize("prefill", ["policy", "flash", "fresh"])
 @pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
 def test_kernel_attention_matches_eager(models, adapters, layout, prefill):
     """Mixed adapters, prefill and decode (two-pass). Prefill: the default policy's route (the
     merged residual variant at these lengths; on a GPU the flash route where the batch is
     long enough), or the flash route forced (on CPU: the pack kernel under the interpreter,
-    SDPA per sequence). ``use_triton=True`` forces the kernels on CPU too; 16-token pages."""
-    policy = (FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH) if prefill == "flash"
-              else None)
+    SDPA per sequence), or the cost policy with FRESH thresholds these short cold prompts
+    pass. ``use_triton=True`` forces the kernels on CPU too; 16-token pages."""
+    policy = {"flash": FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.FLASH),
+              "fresh": CostPrefillPolicy(fresh_min_new_tokens=2,
+                                         residual_fresh_min_new_tokens=2)}.get(prefill)
     attention = KernelAttention(use_triton=True, prefill_policy=policy)
     assert_kernels_match_eager(decode_run, models, adapters, layout, attention)
     if prefill == "flash":  # one prefill step: every layer took the flash route
         assert set(attention.prefill_routes) == {"flash"}
-    else:  # cold prompts: the FRESH route (the split layout: the item without an adapter)
+    elif prefill == "fresh":  # cold prompts (the split layout: the item without an adapter)
         assert attention.prefill_routes["fresh"] > 0
 
 

@@ -128,10 +128,17 @@ def test_prefix_sequence_does_not_take_the_fresh_route():
     attend(attention, kv, meta, step, ROPE)
     assert "fresh" not in attention.prefill_routes
     counts = PrefillCounts((8, 11, 12, 1), (24, 16, 12, 1))
-    assert CostPrefillPolicy().fresh_items(counts, True) == (False, False, True, False)
+    small = CostPrefillPolicy(fresh_min_new_tokens=2, residual_fresh_min_new_tokens=2)
+    assert small.fresh_items(counts, True) == (False, False, True, False)
+    # The measured thresholds: cold prompts under 2K (under 16K in the residual form) keep
+    # their route.
+    assert not any(CostPrefillPolicy().fresh_items(counts, False))
+    cold = PrefillCounts((4096, 20000), (4096, 20000))
+    assert CostPrefillPolicy().fresh_items(cold, False) == (True, True)
+    assert CostPrefillPolicy().fresh_items(cold, True) == (False, True)
     assert not any(CostPrefillPolicy(fresh=False).fresh_items(counts, False))
     assert not any(FixedPrefillPolicy().fresh_items(counts, False))
-    longest = CostPrefillPolicy(fresh_max_seqs=1).fresh_items(
+    longest = CostPrefillPolicy(fresh_max_seqs=1, fresh_min_new_tokens=2).fresh_items(
         PrefillCounts((5, 9, 9), (5, 9, 9)), False)
     assert longest == (False, True, False)
 
@@ -176,9 +183,10 @@ def test_fresh_matches_the_triton_routes(residual):
         assert set(pinned.prefill_routes) == {(res if residual else unified).value}
 
 
-def test_default_policy_takes_fresh_for_cold_prompts():
+def test_cost_policy_takes_fresh_for_cold_prompts():
     kv, meta, step = build_step([(0, 33, 2), (0, 3, 1)], 5)
-    attention = KernelAttention(use_triton=False)
+    attention = KernelAttention(use_triton=False, prefill_policy=CostPrefillPolicy(
+        fresh_min_new_tokens=2, residual_fresh_min_new_tokens=2))
     out = attend(attention, kv, meta, step, ROPE)
     assert set(attention.prefill_routes) == {"fresh"}
     assert rel_err(out, attend(EagerAttention(), kv, meta, step, ROPE)) < REL_TOL
