@@ -32,15 +32,35 @@ from forkserve.kernels.flash_op import flash_support, flash_varlen
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.prefill_policy import PrefillCounts
 
+# Lengths per octave a cold SDPA call runs at: torch's SDPA on Hopper (cuDNN) builds a plan
+# the first time it meets a shape, ~42 ms against 0.12-0.4 ms for the call itself (H200,
+# `sdpa_shapes.json`), and a react run meets a new prompt length at nearly every cold
+# prefill. Rounding up to 16 lengths per octave bounds the plans (~35 between 2K and 9K)
+# for at most 1/16 more attention (the padded rows are past every real row: causal).
+COLD_LENGTHS_PER_OCTAVE = 16
+
+
+def cold_length(n: int) -> int:
+    """The length a cold prefill of ``n`` (>= 1) tokens attends at: ``n`` rounded up to a
+    multiple of 2^floor(log2 n) / COLD_LENGTHS_PER_OCTAVE, at least 64 (powers of two and
+    their 1/16 steps stay as they are)."""
+    granule = max(64, (1 << (n.bit_length() - 1)) // COLD_LENGTHS_PER_OCTAVE)
+    return -(-n // granule) * granule
+
 
 def sdpa_cold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One cold prefill (``q [n, H, D]`` over ``k, v [n, Hkv, D]``, keys 0 .. n-1) as plain
-    ``is_causal`` SDPA, so torch may pick any backend (cuDNN, flash); GQA native. Returns
-    ``[n, H, D]`` (a transposed view of SDPA's output)."""
+    ``is_causal`` SDPA, so torch may pick any backend (cuDNN, flash); GQA native. Runs at
+    ``cold_length(n)``, the rows past ``n`` zero (no real query sees them: causal) and
+    dropped. Returns ``[n, H, D]`` (a view of SDPA's output)."""
+    n = q.shape[0]
+    pad = cold_length(n) - n
+    if pad:  # one copy of q, k, v (~5% of the attention at 8K) against a new cuDNN plan
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], is_causal=True, scale=scale,
                                        enable_gqa=q.shape[1] != k.shape[1])
-    return o[0].transpose(0, 1)
+    return o[0].transpose(0, 1)[:n]
 
 
 def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: PrefillCounts,
@@ -51,14 +71,16 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Pre
     for q_len, s_len in zip(counts.query_lens, counts.seq_lens, strict=True):
         if q_len == 0:  # packed buffers leave out sequences with no new token
             continue
-        qi = q[q_at:q_at + q_len].transpose(0, 1)[None]
-        ki = k[k_at:k_at + s_len].transpose(0, 1)[None]
-        vi = v[k_at:k_at + s_len].transpose(0, 1)[None]
-        # A cold prefill as plain is_causal, so SDPA may pick any backend (cuDNN, flash).
-        mask = None if q_len == s_len else causal_lower_right(q_len, s_len)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=gqa)
-        out[q_at:q_at + q_len] = o[0].transpose(0, 1)
+        if q_len == s_len:
+            out[q_at:q_at + q_len] = sdpa_cold(q[q_at:q_at + q_len], k[k_at:k_at + s_len],
+                                               v[k_at:k_at + s_len], scale)
+        else:
+            o = F.scaled_dot_product_attention(
+                q[q_at:q_at + q_len].transpose(0, 1)[None],
+                k[k_at:k_at + s_len].transpose(0, 1)[None],
+                v[k_at:k_at + s_len].transpose(0, 1)[None],
+                attn_mask=causal_lower_right(q_len, s_len), scale=scale, enable_gqa=gqa)
+            out[q_at:q_at + q_len] = o[0].transpose(0, 1)
         q_at, k_at = q_at + q_len, k_at + s_len
     return out
 

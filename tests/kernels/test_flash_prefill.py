@@ -23,6 +23,7 @@ from forkserve.kernels import (
     paged_prefill,
     residual_prefill,
 )
+from forkserve.kernels.flash_prefill import cold_length, sdpa_cold
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.rope import default_inv_freq
 
@@ -199,3 +200,24 @@ def test_flash_matches_triton_on_gpu() -> None:
     one = (q[:1000], c.k, c.v, c.block_tables[:1], c.seq_lens[:1], cu[:2])
     assert rel_err(paged_prefill(*one, variant="sdpa", counts=cold),
                    paged_prefill(*one, variant="flash", counts=cold)) < REL_TOL
+
+
+def test_cold_length_bounds_the_shapes() -> None:
+    """16 lengths per octave, at least 64: powers of two stay, the padding is under 1/16."""
+    assert [cold_length(n) for n in (1, 64, 100, 1024, 2049, 4100, 8410)] == [
+        64, 64, 128, 1024, 2176, 4352, 8704]
+    lengths = range(2048, 9000, 7)
+    assert len({cold_length(n) for n in lengths}) <= 16 * 3
+    assert all(0 <= cold_length(n) - n < max(64, n / 16) for n in range(1, 5000))
+
+
+@pytest.mark.parametrize("n", [37, 64, 129])
+def test_sdpa_cold_padded_equals_unpadded(n) -> None:
+    """Rows past n are zero and past every real row: the real rows attend as without them."""
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, h, 32, generator=gen).to(DEVICE, DTYPE) for h in (4, 2, 2))
+    out = sdpa_cold(q, k, v, 0.2)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+    assert out.shape == q.shape and rel_err(out, ref) < REL_TOL
