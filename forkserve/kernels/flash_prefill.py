@@ -48,6 +48,27 @@ def cold_length(n: int) -> int:
     return -(-n // granule) * granule
 
 
+def cold_lengths(lo: int, hi: int) -> list[int]:
+    """Every length a cold prefill of ``lo`` .. ``hi`` tokens attends at (``cold_length``)."""
+    out, n = [], cold_length(max(1, lo))
+    while n <= cold_length(hi):
+        out.append(n)
+        n = cold_length(n + 1)
+    return out
+
+
+def warm_cold_plans(lengths: list[int], q_heads: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, device: torch.device) -> int:
+    """Run one cold SDPA call at each of ``lengths`` (zero inputs), so the backend's
+    per-shape plans (cuDNN) are built before serving, not during the first prefill that meets
+    each length. Returns the calls made."""
+    for n in lengths:
+        q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
+        sdpa_cold(q, kv, kv, 1.0)
+    return len(lengths)
+
+
 def sdpa_cold(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One cold prefill (``q [n, H, D]`` over ``k, v [n, Hkv, D]``, keys 0 .. n-1) as plain
     ``is_causal`` SDPA, so torch may pick any backend (cuDNN, flash); GQA native. Runs at

@@ -23,7 +23,7 @@ from forkserve.kernels import (
     paged_prefill,
     residual_prefill,
 )
-from forkserve.kernels.flash_prefill import cold_length, sdpa_cold
+from forkserve.kernels.flash_prefill import cold_length, cold_lengths, sdpa_cold, warm_cold_plans
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.rope import default_inv_freq
 
@@ -221,3 +221,10 @@ def test_sdpa_cold_padded_equals_unpadded(n) -> None:
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         is_causal=True, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
     assert out.shape == q.shape and rel_err(out, ref) < REL_TOL
+
+
+def test_cold_lengths_cover_every_length_once() -> None:
+    lengths = cold_lengths(1000, 2300)
+    assert lengths == sorted(set(lengths)) and lengths[0] == 1024 and lengths[-1] == 2304
+    assert {cold_length(n) for n in range(1000, 2301)} == set(lengths)
+    assert warm_cold_plans(cold_lengths(60, 130), 4, 2, 32, DTYPE, torch.device(DEVICE)) == 3

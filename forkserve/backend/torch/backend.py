@@ -63,6 +63,7 @@ from forkserve.backend.torch.tokenizer import Tokenizer
 from forkserve.backend.torch.weights import ModelWeights
 from forkserve.backend.torch.write_tracker import WriteTracker
 from forkserve.config import ForkServeConfig, KVForm, KVLayout
+from forkserve.kernels.flash_prefill import cold_lengths, warm_cold_plans
 
 DEFAULT_LORA_TARGETS = ("q", "k", "v", "o")
 
@@ -559,6 +560,17 @@ class TorchBackend:
         splits = [form is KVForm.SPLIT for form in self.layout.forms]
         return self.runner.capture_decode_graphs(max_batch, context_tokens, bool(self._resident),
                                                  splits)
+
+    def warm_cold_prefill(self, max_tokens: int, min_tokens: int = 1024) -> int:
+        """Build the attention plans of cold prefills of ``min_tokens`` .. ``max_tokens``
+        tokens ahead (one SDPA call per ``flash_prefill.cold_length``): on CUDA, torch's SDPA
+        builds one the first time it meets a length (~42 ms on the H200). Returns the calls
+        made (0 off CUDA, where nothing is planned)."""
+        if self.device.type != "cuda" or max_tokens < min_tokens:
+            return 0
+        cfg = self.model_config
+        return warm_cold_plans(cold_lengths(min_tokens, max_tokens), cfg.num_heads,
+                               cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
         return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,

@@ -234,11 +234,15 @@ def warm_up(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]
     """Compile the kernels and capture the decode graphs outside the timed runs, as a server
     would at start-up: one untimed 2-agent run (at most 2 turns of 4 tokens) on ``backend``,
     then the decode graphs of up to ``params.workflows`` sequences as long as a run of
-    ``params`` (the largest W the backend will serve) grows. Returns the graphs captured."""
+    ``params`` (the largest W the backend will serve) grows, and the cold-prefill attention
+    plans of every prompt length up to that (``TorchBackend.warm_cold_prefill``; without
+    them the first system of a process would pay ~42 ms per new length inside its timed
+    runs). Returns the graphs captured."""
     run_system(system, replace(params, workflows=2, turns=min(2, params.turns), gen=4), backend,
                sizes)
-    return backend.capture_decode_graphs(params.workflows, params.context + params.instruction
-                                         + params.turns * (params.gen + params.observation))
+    longest = params.context + params.instruction + params.turns * (params.gen + params.observation)
+    backend.warm_cold_prefill(longest)
+    return backend.capture_decode_graphs(params.workflows, longest)
 
 
 def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None
