@@ -482,6 +482,7 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         PrefillCounts,
         flash_support,
         paged_prefill,
+        rebuild_kv,
         residual_prefill,
     )
     from forkserve.kernels.flash_op import flash_varlen
@@ -545,6 +546,12 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             runs["residual_fresh"] = lambda: fresh_prefill(
                 own["q"], own["k"], own["v"], counts.query_lens, scale, slots, own["k_res"],
                 own["v_res"], s.b_k, s.b_v, cos_sin)
+            # the split form's K/V rebuild alone, first sequence (slot 0): the Triton kernel
+            # (one launch) and the eager form it replaced (~6 launches)
+            rebuild = (*(own[n][:new] for n in ("k", "v", "k_res", "v_res")), s.b_k[0], s.b_v[0],
+                       *cos_sin)
+            runs["rebuild_kv"] = lambda: rebuild_kv(*rebuild)
+            runs["rebuild_kv_eager"] = lambda: rebuild_kv(*rebuild, use_triton=False)
         runs.update({f"paged_{n}": (lambda t=t: paged_prefill(*uni, variant="paged", **kw, **t))
                      for n, t in PREFILL_TILES.items()})
         for name, fn in runs.items():

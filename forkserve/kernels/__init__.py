@@ -30,7 +30,7 @@ __all__ = [
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
     "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
-    "cascade_tile_agents", "lora_shrink", "lora_expand", "write_kv_pages",
+    "cascade_tile_agents", "lora_shrink", "lora_expand", "write_kv_pages", "rebuild_kv",
 ]
 
 
@@ -253,3 +253,21 @@ def write_kv_pages(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_poo
         write_kv_triton(k, v, k_pool, v_pool, slots)
     else:
         reference.write_kv_pages_ref(k, v, k_pool, v_pool, slots)
+
+
+def rebuild_kv(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
+               v_res: torch.Tensor | None, b_k: torch.Tensor | None, b_v: torch.Tensor | None,
+               cos: torch.Tensor | None, sin: torch.Tensor | None, *,
+               use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's ``K = k + RoPE(k_res @ b_k)``, ``V = v + v_res @ b_v`` over ``[n, Hkv, D]``
+    rows at positions 0 .. n - 1 (the FRESH route's split-form rebuild): ``b_k, b_v`` one
+    slot's pre-scaled ``[r, Hkv * D]`` (None: that side returned as given), ``cos, sin``
+    ``Rope.cos_sin`` rows (signed sin). Triton: one launch for both sides
+    (residual_rebuild.py); a head dim it does not take (``rebuild_supported``: a power of two
+    >= 32) runs the eager form even with ``use_triton=True``, so FRESH serves every model."""
+    args = (k, v, k_res, v_res, b_k, b_v, cos, sin)
+    if _triton(use_triton, k):
+        from forkserve.kernels.residual_rebuild import rebuild_kv_triton, rebuild_supported
+        if rebuild_supported(k.shape[-1]):
+            return rebuild_kv_triton(*args)
+    return reference.rebuild_kv_ref(*args)

@@ -183,3 +183,22 @@ def write_kv_pages_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
     heads, dim = k.shape[1], k.shape[2]
     k_pool.view(-1, heads, dim).index_copy_(0, slots, k)
     v_pool.view(-1, heads, dim).index_copy_(0, slots, v)
+
+
+def rebuild_kv_ref(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
+                   v_res: torch.Tensor | None, b_k: torch.Tensor | None,
+                   b_v: torch.Tensor | None, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's K = k + RoPE(k_res @ b_k), V = v + v_res @ b_v over rows ``[n, Hkv, D]``
+    at positions 0 .. n - 1, in the model dtype (the FRESH route's eager rebuild): ``b_k, b_v``
+    one slot's ``[r, Hkv * D]`` (None: that side as given), ``cos, sin [>= n, D]`` cos and
+    signed sin (``Rope.cos_sin``)."""
+    n, heads, dim = k.shape
+    if b_k is not None:
+        delta = (k_res @ b_k).view(n, heads, dim)
+        # x * cos + roll(x, D / 2) * signed sin: rotate-half with the sign folded into sin.
+        rolled = torch.roll(delta, dim // 2, dims=-1)
+        k = k + torch.addcmul(delta * cos[:n].unsqueeze(-2), rolled, sin[:n].unsqueeze(-2))
+    if b_v is not None:
+        v = torch.addmm(v.reshape(n, heads * dim), v_res, b_v).view(n, heads, dim)
+    return k, v

@@ -181,6 +181,11 @@ def test_fresh_matches_the_triton_routes(residual):
         pinned = KernelAttention(use_triton=True, prefill_policy=FixedPrefillPolicy(unified, res))
         assert rel_err(out, attend(pinned, kv, meta, step, ROPE)) < REL_TOL
         assert set(pinned.prefill_routes) == {(res if residual else unified).value}
+    # FRESH itself with the kernels: the split form's rebuild as one Triton launch
+    # (kernels/residual_rebuild.py) and the page write (glue.py)
+    kernel_fresh = KernelAttention(use_triton=True, prefill_policy=FRESH)
+    assert rel_err(out, attend(kernel_fresh, kv, meta, step, ROPE)) < REL_TOL
+    assert set(kernel_fresh.prefill_routes) == {"fresh"}
 
 
 def test_cost_policy_takes_fresh_for_cold_prompts():

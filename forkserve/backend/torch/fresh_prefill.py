@@ -18,7 +18,9 @@ In the residual form a split sequence's keys are rebuilt from this step's tensor
     V = V_base + V_res @ B_v[slot]
 
 one ``[q_len, r] x [r, Hkv * D]`` product per target (B pre-scaled: the LoRA scaling is folded
-into the stacks, as for every residual route), in the model dtype like the eager reference.
+into the stacks, as for every residual route): on CUDA one Triton launch for both
+(``kernels.rebuild_kv``, residual_rebuild.py: each K/V element read and written once, float32
+math), elsewhere the eager form in the model dtype (``reference.rebuild_kv_ref``).
 A sequence with slot -1 (a merged or base item inside a split batch) attends its K/V as
 written.
 """
@@ -30,7 +32,8 @@ from itertools import accumulate
 import torch
 
 from forkserve.backend.torch.attention import AttentionMetadata
-from forkserve.backend.torch.rope import Rope, apply_rope
+from forkserve.backend.torch.rope import Rope
+from forkserve.kernels import rebuild_kv
 from forkserve.kernels.flash_prefill import sdpa_cold
 
 
@@ -83,22 +86,23 @@ def fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens:
                   scale: float, slots: tuple[int, ...] | None = None,
                   k_res: torch.Tensor | None = None, v_res: torch.Tensor | None = None,
                   b_k: torch.Tensor | None = None, b_v: torch.Tensor | None = None,
-                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                  use_triton: bool | None = None) -> torch.Tensor:
     """Cold causal prefill of sequences back to back: ``q [N, Hq, D]``, ``k, v [N, Hkv, D]``
     (K with RoPE at positions 0 .. q_len - 1 of each), ``query_lens`` summing to N. The
     residual form: ``slots`` (-1: attend k/v as they are), ``k_res, v_res [N, r]`` and the
     pre-scaled ``b_k, b_v [slots, r, Hkv * D]`` (either None: that side is not rebuilt),
-    ``cos_sin``: ``Rope.cos_sin`` of positions 0 .. max(query_lens) - 1. Returns
-    ``[N, Hq, D]``."""
+    ``cos_sin``: ``Rope.cos_sin`` of positions 0 .. max(query_lens) - 1. ``use_triton``: the
+    rebuild's kernel (``kernels.rebuild_kv``: None picks it on CUDA). Returns ``[N, Hq, D]``."""
     if len(query_lens) == 1:
         return _one(q, k, v, query_lens[0], scale, None if slots is None else slots[0],
-                    k_res, v_res, b_k, b_v, cos_sin)
+                    k_res, v_res, b_k, b_v, cos_sin, use_triton)
     out = torch.empty_like(q)
     at = 0
     for i, n in enumerate(query_lens):
         part = slice(at, at + n)
         out[part] = _one(q[part], k[part], v[part], n, scale, None if slots is None else slots[i],
-                         take(k_res, part), take(v_res, part), b_k, b_v, cos_sin)
+                         take(k_res, part), take(v_res, part), b_k, b_v, cos_sin, use_triton)
         at += n
     return out
 
@@ -106,16 +110,14 @@ def fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens:
 def _one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float,
          slot: int | None, k_res: torch.Tensor | None, v_res: torch.Tensor | None,
          b_k: torch.Tensor | None, b_v: torch.Tensor | None,
-         cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    if slot is not None and slot >= 0:
-        heads, dim = k.shape[1], k.shape[2]
-        if b_k is not None:
-            if k_res is None or cos_sin is None:
-                raise ValueError("a rebuilt key needs its residual rows and RoPE's cos/sin")
-            delta = (k_res @ b_k[slot]).view(n, heads, dim)
-            k = k + apply_rope(delta, cos_sin[0][:n], cos_sin[1][:n])
-        if b_v is not None:
-            if v_res is None:
-                raise ValueError("a rebuilt value needs its residual rows")
-            v = torch.addmm(v.reshape(n, heads * dim), v_res, b_v[slot]).view(n, heads, dim)
+         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+         use_triton: bool | None) -> torch.Tensor:
+    if slot is not None and slot >= 0 and (b_k is not None or b_v is not None):
+        if b_k is not None and (k_res is None or cos_sin is None):
+            raise ValueError("a rebuilt key needs its residual rows and RoPE's cos/sin")
+        if b_v is not None and v_res is None:
+            raise ValueError("a rebuilt value needs its residual rows")
+        cos, sin = (None, None) if cos_sin is None else cos_sin
+        k, v = rebuild_kv(k, v, k_res, v_res, None if b_k is None else b_k[slot],
+                          None if b_v is None else b_v[slot], cos, sin, use_triton=use_triton)
     return sdpa_cold(q, k, v, scale)

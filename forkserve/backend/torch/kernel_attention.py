@@ -100,7 +100,7 @@ class KernelAttention:
                        b_v=b_v, slots=fresh.slots,
                        cos_sin=fresh.cos_sin(rope, q.dtype, q.device)) if residual else {}
             o = fresh_prefill(take(q, fresh.rows), take(k, fresh.rows), take(v, fresh.rows),
-                              fresh.query_lens, scale, **res)
+                              fresh.query_lens, scale, **res, use_triton=self.use_triton)
             if fresh.tokens == q.shape[0]:
                 out = o
             else:
