@@ -83,23 +83,25 @@ def _rebuild_kernel(
             tl.store(o_at, k_lo.to(OutK.dtype.element_ty), mask=ok)
             tl.store(o_at + HALF, k_hi.to(OutK.dtype.element_ty), mask=ok)
     else:
-        d = tl.arange(0, HEAD_DIM)[None, :]
+        # Names apart from the K side's: the compiler types a name once across both
+        # branches of a runtime if (``d`` is [1, HALF] there).
+        dv = tl.arange(0, HEAD_DIM)[None, :]
         vr = tl.load(VR + t64 * stride_vrt + r[None, :], mask=res_ok, other=0.0)
         if DOT_F32:
             vr = vr.to(tl.float32)
         for i in tl.static_range(HEADS_PER_PROG):
             h = h0 + i
             h_ok = h < n_heads
-            b = tl.load(BV + r[:, None] * stride_bvr + h * HEAD_DIM + d,
+            b = tl.load(BV + r[:, None] * stride_bvr + h * HEAD_DIM + dv,
                         mask=(r < rank)[:, None] & h_ok, other=0.0)
             if DOT_F32:
                 up = tl.dot(vr, b.to(tl.float32), input_precision="ieee")
             else:
                 up = tl.dot(vr, b)
             ok = row_ok & h_ok
-            val = tl.load(V + t64 * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
+            val = tl.load(V + t64 * stride_vt + h * stride_vh + dv, mask=ok, other=0.0)
             out = val.to(tl.float32) + up
-            tl.store(OutV + t64 * stride_ot + h * stride_oh + d, out.to(OutV.dtype.element_ty),
+            tl.store(OutV + t64 * stride_ot + h * stride_oh + dv, out.to(OutV.dtype.element_ty),
                      mask=ok)
 
 
