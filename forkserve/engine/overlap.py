@@ -118,10 +118,7 @@ class StepOverlap:
         try:
             result = handle.result()
         except Exception as exc:  # noqa: BLE001 - settled per item, as a synchronous step's
-            steady.unprepare(following)
-            host.settle_failed(rows, exc)
-            host.metrics.ticks += 1
-            return True
+            return self._failed(rows, following, exc)
         tokens = self._tokens(result, rows)
         host.account_cost(result.cost, [])
         if steady.version == launched:
@@ -150,6 +147,15 @@ class StepOverlap:
         host.metrics.ticks += 1
         return True
 
+    def _failed(self, rows: list[SteadyRow], following: list[SteadyRow], exc: Exception) -> bool:
+        """The step of ``rows`` failed when read back: undo ``following``'s preparation (no
+        step writing it is in flight any more) and settle ``rows`` like a synchronous
+        failure; the tick is over."""
+        self.host.steady.unprepare(following)
+        self.host.settle_failed(rows, exc)
+        self.host.metrics.ticks += 1
+        return True
+
     def _feeds(self, rows: list[SteadyRow]) -> bool:
         """Whether the next step of ``rows`` (the members, row for row the step in flight's)
         may launch fed from the step in flight, before it is read back."""
@@ -175,10 +181,7 @@ class StepOverlap:
             # pages are written until it ends: wait for it, then undo its preparation.
             fed, self._inflight = self._inflight, None
             _wait(fed.handle)
-            steady.unprepare(following)
-            host.settle_failed(rows, exc)
-            host.metrics.ticks += 1
-            return True
+            return self._failed(rows, following, exc)
         tokens = self._tokens(result, rows)
         host.account_cost(result.cost, [])
         exited = {rows[i].session.id for i in steady.exit_rows() if tokens[i] in rows[i].exits}

@@ -95,7 +95,8 @@ def test_the_committed_results(tmp_path):
     assert goals.main(["--out", str(tmp_path)]) == 0
     saved = {g["number"]: g for g in json.loads((tmp_path / "issue15_goals.json").read_text())
              ["goals"]}
-    adaptive = saved["9"]
-    assert adaptive["source"] == "react_multilora_issue15_round7.json"
-    assert round(adaptive["value"], 2) == 0.97 and adaptive["status"] == "met"
     assert all(g["status"] != "not measured" for g in saved.values()), RESULTS
+    # The committed table is the one the committed results give (regenerated with them).
+    committed = {g["number"]: g for g in json.loads(
+        (RESULTS / "issue15_goals.json").read_text())["goals"]}
+    assert committed == saved
