@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from forkserve.kernels.rope import apply_rope
+from forkserve.kernels.rope import apply_rope, rotate_signed
 
 
 def gather_pages(pool: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -195,10 +195,7 @@ def rebuild_kv_ref(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor | None,
     signed sin (``Rope.cos_sin``)."""
     n, heads, dim = k.shape
     if b_k is not None:
-        delta = (k_res @ b_k).view(n, heads, dim)
-        # x * cos + roll(x, D / 2) * signed sin: rotate-half with the sign folded into sin.
-        rolled = torch.roll(delta, dim // 2, dims=-1)
-        k = k + torch.addcmul(delta * cos[:n].unsqueeze(-2), rolled, sin[:n].unsqueeze(-2))
+        k = k + rotate_signed((k_res @ b_k).view(n, heads, dim), cos[:n], sin[:n])
     if b_v is not None:
         v = torch.addmm(v.reshape(n, heads * dim), v_res, b_v).view(n, heads, dim)
     return k, v

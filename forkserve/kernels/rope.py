@@ -45,6 +45,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return torch.cat((lo * cos - hi * sin, hi * cos + lo * sin), dim=-1)
 
 
+def rotate_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x ``[..., heads, head_dim]`` rotated with cos and *signed* sin ``[..., head_dim]`` (the
+    first half's sin negated, as ``backend/torch/rope.Rope.cos_sin`` makes them), broadcast
+    over heads: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = roll(x, half)``
+    times the sign, so one roll replaces a slice, a negation and a concatenation."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos.unsqueeze(-2), rolled, signed_sin.unsqueeze(-2))
+
+
 def rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
     """cos/sin of positions ``0 .. n_positions-1``: float32 ``[n_positions, 2, D/2]``."""
     cos, sin = rope_cos_sin(torch.arange(n_positions, device=inv_freq.device), inv_freq)

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from forkserve.backend.torch.errors import UnsupportedModelError
+from forkserve.kernels.rope import rotate_signed
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -143,8 +144,6 @@ class Rope:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [..., heads, head_dim]; cos/signed_sin from Rope.cos_sin, broadcast over heads.
-
-    x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x, half) * (-1 | +1)."""
-    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
-    return torch.addcmul(x * cos.unsqueeze(-2), rolled, signed_sin.unsqueeze(-2))
+    """x [..., heads, head_dim]; cos/signed_sin from Rope.cos_sin, broadcast over heads
+    (``kernels.rope.rotate_signed``, the one form the kernels' eager twins share)."""
+    return rotate_signed(x, cos, signed_sin)
