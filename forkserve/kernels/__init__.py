@@ -13,6 +13,7 @@ import torch
 
 from forkserve.kernels import reference
 from forkserve.kernels.flash_op import FlashSupport, flash_support
+from forkserve.kernels.prefill_groups import PrefillGroups, prefill_groups
 from forkserve.kernels.prefill_policy import (
     PACKED_ROUTES,
     RESIDUAL_ROUTES,
@@ -30,7 +31,8 @@ __all__ = [
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
     "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
-    "cascade_tile_agents", "lora_shrink", "lora_expand", "write_kv_pages", "rebuild_kv",
+    "cascade_tile_agents", "cascade_prefill", "PrefillGroups", "prefill_groups", "lora_shrink",
+    "lora_expand", "write_kv_pages", "rebuild_kv",
 ]
 
 
@@ -195,6 +197,24 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return cascade_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, tile_seqs,
                                      tile_lens, kv_starts, scale, **tuning)
     return reference.paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def cascade_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, groups: PrefillGroups, scale: float | None = None,
+                    *, use_triton: bool | None = None, counts: PrefillCounts | None = None,
+                    **tuning) -> torch.Tensor:
+    """Varlen causal prefill (unified layout) with each group's shared prefix attended once
+    for all its members' rows (``groups``: ``prefill_groups``; cascade_prefill.py). Equals
+    ``paged_prefill``; the reference is plain prefill. ``counts``: host lengths (spare the
+    suffix launch's read-back); ``tuning``: ``cascade_prefill_triton``'s keywords."""
+    if not _triton(use_triton, q):
+        return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
+                                           cu_seqlens_q, scale)
+    from forkserve.kernels.cascade_prefill import cascade_prefill_triton
+    bound = {} if counts is None else {"max_q_len": counts.max_query_len}
+    return cascade_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                  groups, scale, **bound, **tuning)
 
 
 def cascade_residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,

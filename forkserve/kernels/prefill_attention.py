@@ -8,6 +8,12 @@ Grid ``(ceil(max_q_len / BLOCK_M), batch, n_kv_heads)``. A program's query tile 
 BLOCK_M tokens times the (power-of-two padded) GQA group of one KV head, so each key tile
 is loaded, and in the residual layout rebuilt as ``K_base + RoPE(K_res @ B_k)``, once per
 KV head rather than once per query head.
+
+Three options serve cascade prefill (cascade_prefill.py), each a constexpr, so the plain
+callers compile the kernel they always did: ``kv_range`` (each sequence attends only keys
+``[lo, hi)`` of its table), ``q_rows`` (sequence b's token t is row ``q_rows[cu[b] + t]`` of
+q and of the output: a group's members stacked without a copy) and ``lse`` (write each row's
+partial, normalised by its own sum, and its log2-sum-exp for ``split_kv.merge_partials``).
 """
 from __future__ import annotations
 
@@ -24,16 +30,17 @@ from forkserve.kernels.residual_triton import (
 )
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.rope_triton import rope_rows
+from forkserve.kernels.split_kv import store_partial
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, KR, VR, BK, BV, RopeTable, Out,
-    BlockTables, ResBlockTables, SeqLens, CuSeqlensQ, AdapterIdx,
+    Q, K, V, KR, VR, BK, BV, RopeTable, Out, Lse,
+    BlockTables, ResBlockTables, SeqLens, CuSeqlensQ, AdapterIdx, KvRange, QRows,
     qk_scale, rank,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh,
     stride_rp, stride_rs,
     stride_ba, stride_br,
@@ -41,6 +48,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
+    HAS_RANGE: tl.constexpr, HAS_ROWS: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
@@ -61,7 +69,11 @@ def _prefill_kernel(
 
     d_lo = tl.arange(0, HALF)
     d = tl.arange(0, HEAD_DIM)
-    q_ptr = Q + (q_begin + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    if HAS_ROWS:
+        q_row = tl.load(QRows + q_begin + tok, mask=row_ok, other=0)
+    else:
+        q_row = q_begin + tok
+    q_ptr = Q + q_row[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
     q_lo = tl.load(q_ptr + d_lo[None, :], mask=row_ok[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF + d_lo[None, :], mask=row_ok[:, None], other=0.0)
 
@@ -86,7 +98,11 @@ def _prefill_kernel(
     # Causal: the last query of this tile sits at ctx + min(q_len, (m_blk+1)*BLOCK_M) - 1.
     kv_stop = tl.minimum(seq_len, ctx + (m_blk + 1) * BLOCK_M)
     kv_stop = tl.where(m_blk * BLOCK_M < q_len, kv_stop, 0)
-    for start_n in range(0, kv_stop, BLOCK_N):
+    kv_lo = 0
+    if HAS_RANGE:
+        kv_lo = tl.load(KvRange + 2 * b)
+        kv_stop = tl.minimum(kv_stop, tl.load(KvRange + 2 * b + 1))
+    for start_n in range(kv_lo, kv_stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_stop
         page = tl.load(BlockTables + b * stride_bt + offs_n // PAGE_SIZE, mask=n_ok, other=0)
@@ -122,16 +138,26 @@ def _prefill_kernel(
 
     if HAS_RES:
         acc += tl.dot(acc_r, bv.to(tl.float32))
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptr = Out + (q_begin + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptr + d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    o_ptr = Out + q_row[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+    if STORE_LSE:
+        store_partial(acc, l_i, m_i, o_ptr, Lse + q_row.to(tl.int64) * stride_lt
+                      + head * stride_lh, row_ok, d)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
-             seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float | None,
-             max_q_len: int | None, max_seq_len: int | None, residual: tuple | None,
-             block_m: int | None, block_n: int, num_warps: int, num_stages: int,
-             split_score: bool = False) -> torch.Tensor:
+def prefill_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, scale: float | None, max_q_len: int | None,
+                   max_seq_len: int | None, residual: tuple | None, block_m: int | None,
+                   block_n: int, num_warps: int, num_stages: int, split_score: bool = False,
+                   kv_range: torch.Tensor | None = None, q_rows: torch.Tensor | None = None,
+                   partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The kernel's one launch (every public entry point's, cascade_prefill.py's two);
+    ``kv_range`` ``[batch, 2]`` and ``q_rows`` int32 as in the module docstring;
+    ``partial``: (out ``[T, H, D]``, lse ``[T, H]``) float32 views the kernel writes
+    (``STORE_LSE``), returned as out."""
     total, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     group = n_heads // n_kv
@@ -142,7 +168,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
     if block_m is None:  # query rows per program (tokens x padded group), H200-tuned
         block_m = max(1, (64 if residual is None else 128) // group_pad)
-    out = torch.empty_like(q)
+    out, lse = (torch.empty_like(q), None) if partial is None else partial
     batch = seq_lens.numel()
     if residual is not None:
         k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, inv_freq = residual
@@ -160,15 +186,17 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
         rank, rank_pad, res_strides, rbt_stride = 0, 16, (0, 0, 0, 0), 0
     grid = (max(1, -(-max_q_len // block_m)), batch, n_kv)
     _prefill_kernel[grid](
-        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, out,
-        block_tables, res_bt, seq_lens, cu_seqlens_q, adapter_idx,
+        q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, out, lse,
+        block_tables, res_bt, seq_lens, cu_seqlens_q, adapter_idx, kv_range, q_rows,
         scale * LOG2E, rank,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *((0, 0) if lse is None else lse.stride()),
         k.stride(0), k.stride(1), k.stride(2), *res_strides,
         block_tables.stride(0), rbt_stride,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
-        SPLIT_SCORE=split_score,
+        SPLIT_SCORE=split_score, HAS_RANGE=kv_range is not None, HAS_ROWS=q_rows is not None,
+        STORE_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -181,8 +209,8 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
                          num_stages: int = 2) -> torch.Tensor:
     """Varlen causal prefill over the unified paged cache. q ``[total_new, H, D]``."""
-    return _prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                    max_seq_len, None, block_m, block_n, num_warps, num_stages)
+    return prefill_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                          max_q_len, max_seq_len, None, block_m, block_n, num_warps, num_stages)
 
 
 def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -197,5 +225,6 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
     """ResidualAttention varlen causal prefill over the disaggregated cache.
     ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
-    return _prefill(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                    max_seq_len, residual, block_m, block_n, num_warps, num_stages, split_score)
+    return prefill_launch(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale,
+                          max_q_len, max_seq_len, residual, block_m, block_n, num_warps, num_stages,
+                          split_score)
