@@ -205,13 +205,13 @@ def cascade_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     *, use_triton: bool | None = None, counts: PrefillCounts | None = None,
                     **tuning) -> torch.Tensor:
     """Varlen causal prefill (unified layout) with each group's shared prefix attended once
-    for all its members' rows (``groups``: ``prefill_groups``; cascade_prefill.py). Equals
+    for all its members' rows (``groups``: ``prefill_groups``; shared_prefix_prefill.py). Equals
     ``paged_prefill``; the reference is plain prefill. ``counts``: host lengths (spare the
     suffix launch's read-back); ``tuning``: ``cascade_prefill_triton``'s keywords."""
     if not _triton(use_triton, q):
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale)
-    from forkserve.kernels.cascade_prefill import cascade_prefill_triton
+    from forkserve.kernels.shared_prefix_prefill import cascade_prefill_triton
     bound = {} if counts is None else {"max_q_len": counts.max_query_len}
     return cascade_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                   groups, scale, **bound, **tuning)

@@ -9,7 +9,7 @@ BLOCK_M tokens times the (power-of-two padded) GQA group of one KV head, so each
 is loaded, and in the residual layout rebuilt as ``K_base + RoPE(K_res @ B_k)``, once per
 KV head rather than once per query head.
 
-Three options serve cascade prefill (cascade_prefill.py), each a constexpr, so the plain
+Three options serve cascade prefill (shared_prefix_prefill.py), each a constexpr, so the plain
 callers compile the kernel they always did: ``kv_range`` (each sequence attends only keys
 ``[lo, hi)`` of its table), ``q_rows`` (sequence b's token t is row ``q_rows[cu[b] + t]`` of
 q and of the output: a group's members stacked without a copy) and ``lse`` (write each row's
@@ -154,7 +154,7 @@ def prefill_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    block_n: int, num_warps: int, num_stages: int, split_score: bool = False,
                    kv_range: torch.Tensor | None = None, q_rows: torch.Tensor | None = None,
                    partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The kernel's one launch (every public entry point's, cascade_prefill.py's two);
+    """The kernel's one launch (every public entry point's, shared_prefix_prefill.py's two);
     ``kv_range`` ``[batch, 2]`` and ``q_rows`` int32 as in the module docstring;
     ``partial``: (out ``[T, H, D]``, lse ``[T, H]``) float32 views the kernel writes
     (``STORE_LSE``), returned as out."""

@@ -3,7 +3,7 @@
 Which sequences of a varlen batch form a group, and over how many shared keys, is decided
 on the host once per step (the engine: ``KernelAttention._plan`` from the control plane's
 ``SeqWork.shared_prefix`` marks and its prefill policy); ``prefill_groups`` lays it out for
-``cascade_prefill.py``'s two launches. No Triton here: the kernels package imports it eagerly.
+``shared_prefix_prefill.py``'s two launches. No Triton here: the kernels package imports it eagerly.
 """
 from __future__ import annotations
 

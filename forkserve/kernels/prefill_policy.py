@@ -13,6 +13,10 @@ Routes (``PrefillRoute``):
   by causal SDPA over the step's own q/k/v (rebuilt from base + residual in the residual
   form), no pages read (backend/torch/fresh_prefill.py). Chosen per sequence
   (``fresh_items``), before the batch's route: the other sequences keep theirs.
+* ``CASCADE``: the chunks of a group whose page tables share a prefix (the control plane's
+  ``SeqWork.shared_prefix``) attend it once for all their rows, then each its own suffix,
+  merged by log-sum-exp (kernels/shared_prefix_prefill.py). Chosen per group (``cascade_group``),
+  unified form only, after ``FRESH`` and before the batch's route.
 
 The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
 and whether the flash op takes these inputs (``flash_prefill.flash_support``), so deciding
@@ -33,6 +37,7 @@ class PrefillRoute(str, Enum):
     FLASH = "flash"
     SDPA = "sdpa"
     FRESH = "fresh"
+    CASCADE = "cascade"
 
 
 PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
@@ -104,6 +109,10 @@ class PrefillAttentionPolicy(Protocol):
         every new token's own K/V; a True must be a sequence with ``q == s > 0``). The
         sequences left go through ``route`` as a batch of their own."""
 
+    def cascade_group(self, prefix: int, query_lens: tuple[int, ...]) -> bool:
+        """Whether the prefill chunks of one group (``query_lens``: their new tokens) over a
+        shared prefix of ``prefix`` keys take ``CASCADE`` (only asked in the unified form)."""
+
 
 def cold_items(counts: PrefillCounts, min_new_tokens: int, max_seqs: int) -> tuple[bool, ...]:
     """The sequences with no cached prefix (``q == s``) of at least ``min_new_tokens`` new
@@ -138,6 +147,13 @@ class CostPrefillPolicy:
     0.279, 4K 0.348 -> 0.374, 8K 1.078 -> 1.135, 32K 15.74 -> 15.33 (its rebuild's eager
     launches cost more than the packed route's gather until the attention dwarfs both).
 
+    ``CASCADE`` (``cascade_group``): a group of at least ``cascade_min_members`` chunks whose
+    shared prefix is at least ``cascade_prefix_ratio`` times their mean new tokens (None:
+    never). Each chunk re-reads the prefix in every route, so short chunks over a long prefix
+    are memory-bound on it and gain from one read; a long chunk is compute-bound and gains
+    little against the extra launch and merge. The default is a conservative first estimate,
+    to be measured on the H200 (kernel_bench --cascade-prefill).
+
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
     because its alternative, the fused kernel, is itself 2.3x slower than unified.
@@ -159,12 +175,19 @@ class CostPrefillPolicy:
     fresh_min_new_tokens: int = 2048
     residual_fresh_min_new_tokens: int = 16384
     fresh_max_seqs: int = 16
+    cascade_min_members: int = 2
+    cascade_prefix_ratio: float | None = 16.0
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         if not self.fresh:
             return (False,) * len(counts.query_lens)
         least = self.residual_fresh_min_new_tokens if residual else self.fresh_min_new_tokens
         return cold_items(counts, least, self.fresh_max_seqs)
+
+    def cascade_group(self, prefix: int, query_lens: tuple[int, ...]) -> bool:
+        if self.cascade_prefix_ratio is None or len(query_lens) < self.cascade_min_members:
+            return False
+        return prefix * len(query_lens) >= self.cascade_prefix_ratio * sum(query_lens)
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         if (flash and counts.new_tokens >= self.min_gather_new_tokens
@@ -187,11 +210,13 @@ class FixedPrefillPolicy:
     """One route for every batch of its form (benchmarks, tests). FLASH runs even where the
     flash op refuses the inputs: it then attends per sequence through SDPA. ``fresh``: every
     sequence with no cached prefix takes ``FRESH`` first (where the step holds its K/V), the
-    others the pinned route."""
+    others the pinned route. ``cascade``: every group of two or more chunks takes ``CASCADE``
+    (unified form)."""
 
     unified: PrefillRoute = PrefillRoute.PAGED
     residual: PrefillRoute = PrefillRoute.FUSED
     fresh: bool = False
+    cascade: bool = False
 
     def __post_init__(self) -> None:
         if self.unified not in UNIFIED_ROUTES:
@@ -205,6 +230,9 @@ class FixedPrefillPolicy:
         if not self.fresh:
             return (False,) * len(counts.query_lens)
         return cold_items(counts, 1, len(counts.query_lens))
+
+    def cascade_group(self, prefix: int, query_lens: tuple[int, ...]) -> bool:
+        return self.cascade and len(query_lens) >= 2
 
     def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
         return self.residual if residual else self.unified

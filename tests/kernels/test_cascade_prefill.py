@@ -1,4 +1,4 @@
-"""Cascade prefill (kernels/cascade_prefill.py) equals plain varlen prefill: each group's
+"""Cascade prefill (kernels/shared_prefix_prefill.py) equals plain varlen prefill: each group's
 prefix attended once for its members' stacked rows, each member's suffix alone, merged."""
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from forkserve import kernels
+from forkserve.backend.protocol import SharedPrefix
 from forkserve.backend.torch.base_correction import Correction, NoCorrection
 from forkserve.backend.torch.cascade import CascadeTiles
 from forkserve.backend.torch.kv_pool import LayerKV
@@ -55,6 +56,9 @@ class AttentionMetadata:
     # decode rows its attention cuts out, step_rows.py). Eager attention ignores it (the
     # same result, each prefix read per sequence).
     cascade: CascadeTiles | None = None
+    # Each sequence's ``SeqWork.shared_prefix`` (host; empty: none marked, or cascade off): a
+    # prefill step's groups of chunks over one prefix (kernel_attention.py's ``_plan``).
+    shared_prefix_host: tuple[SharedPrefix | None, ...] = ()
     # The rows of T that write base K/V (``res_writes``: residuals), as (rows [W] int64, their
     # slots [W] int64); None: every row writes at its slot_mapping (res_slot_mapping). A
     # batch where some item reads a side already present (write_base / write_residual False,

@@ -132,10 +132,11 @@ def kv_merged(seq: SeqWork, slot: int, limits: BatchLimits) -> bool:
 
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
           all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
-          cascade: cascade_tiles.CascadePlan | None = None) -> Batch:
+          cascade: cascade_tiles.CascadePlan | None = None, marks: bool = False) -> Batch:
     """Flatten `work` (already validated). Logits rows: every token if all_logits, else every
     token of an item that asks for prompt log-probabilities and the last token of any other
-    item that samples. `cascade`: tiles of a decode batch."""
+    item that samples. `cascade`: tiles of a decode batch; `marks`: carry the items' shared
+    prefix marks to attention (a step that prefills may group its chunks)."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
     extra_rows, extra_slot, extra_res = [], [], []
@@ -214,6 +215,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None]
         if split and any(merged_tokens) else None,
         cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
+        shared_prefix_host=tuple(s.shared_prefix for s in work)
+        if marks and not decode_only
+        and any(s.shared_prefix is not None for s in work) else (),
         # A decode step keeps every row's write (its rows as DecodeRows makes them: one token
         # each, so a skipped write costs one scratch row, not a contended scatter).
         base_writes=(tensor(base_rows, torch.int64), tensor(base_at, torch.int64))

@@ -7,7 +7,9 @@ reconstructs disaggregated K/V in on-chip memory. A prefill batch takes the rout
 Triton paged kernels, or K/V packed per layer call (rebuilt in the residual form) and
 FlashAttention-2; before that, the sequences the policy's ``fresh_items`` names (no cached
 prefix, every row's K/V this step's own) attend over the step's own K/V
-(``fresh_prefill.py``), the rest keeping the batch route. A prefill step's one-token
+(``fresh_prefill.py``), and the groups of chunks over one shared prefix that the policy's
+``cascade_group`` names read it once per group (``cascade_prefill.py``, unified form), the
+rest keeping the batch route. A prefill step's one-token
 sequences (decode rows riding in a mixed tick) go to the decode kernels instead
 (``step_rows.py``). Off CUDA the kernels package runs its own eager references unless
 ``use_triton=True`` (the CPU tests run the kernels under the interpreter).
@@ -22,6 +24,7 @@ import torch
 
 from forkserve import kernels
 from forkserve.backend.torch.attention import AttentionMetadata, write_kv
+from forkserve.backend.torch.cascade_prefill import CascadePart, cascade_part
 from forkserve.backend.torch.fresh_prefill import FreshRows, fresh_prefill, fresh_rows, take
 from forkserve.backend.torch.kv_pool import LayerKV
 from forkserve.backend.torch.rope import Rope
@@ -35,6 +38,7 @@ class _PrefillPlan(NamedTuple):
     residual: bool
     rows: StepRows | None          # its decode rows cut out, or None
     fresh: FreshRows | None        # the sequences on the FRESH route, or None
+    cascade: CascadePart | None    # the groups on the CASCADE route, or None
     routed_q: torch.Tensor | None  # rows of q of the sequences on ``route`` (None: every row)
     view: AttentionMetadata | None  # those sequences (None: none left)
     counts: kernels.PrefillCounts | None  # of those sequences
@@ -78,7 +82,7 @@ class KernelAttention:
             out = self._decode(q, kv, b_k, b_v, meta, rope, scale, residual)
         else:
             plan = self._plan(q, kv, meta, residual)
-            if plan.rows is None and plan.fresh is None:
+            if plan.rows is None and plan.fresh is None and plan.cascade is None:
                 out = self._prefill(q, kv, b_k, b_v, plan, rope, scale, residual)
             else:
                 out = self._parts(q, k, v, k_res, v_res, kv, b_k, b_v, plan, rope, scale,
@@ -89,7 +93,8 @@ class KernelAttention:
                k_res: torch.Tensor | None, v_res: torch.Tensor | None, kv: LayerKV,
                b_k: torch.Tensor | None, b_v: torch.Tensor | None, plan: _PrefillPlan,
                rope: Rope, scale: float, residual: bool) -> torch.Tensor:
-        """A step cut in parts: FRESH sequences, those on the batch route, decode rows."""
+        """A step cut in parts: FRESH sequences, CASCADE groups, those on the batch route,
+        decode rows."""
         out = None
         fresh = plan.fresh
         if fresh is not None:
@@ -108,6 +113,11 @@ class KernelAttention:
                 out[fresh.rows] = o
         if out is None:
             out = q.new_empty(q.shape)
+        cascade = plan.cascade
+        if cascade is not None:
+            self.prefill_routes[kernels.PrefillRoute.CASCADE.value] += 1
+            out[cascade.rows] = cascade.attend(q.index_select(0, cascade.rows), kv, scale,
+                                               self.use_triton)
         if plan.view is not None:
             out[plan.routed_q] = self._prefill(q.index_select(0, plan.routed_q), kv, b_k, b_v,
                                                plan, rope, scale, residual)
@@ -150,10 +160,13 @@ class KernelAttention:
     def _plan(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
               residual: bool) -> _PrefillPlan:
         """The step's plan, made at its first layer call: the same metadata object and form
-        reuse it. The one place that picks FRESH sequences: where every row of the step wrote
-        its own K/V (``base_writes`` None), the policy's ``fresh_items`` among the prefill
-        sequences; in the residual form a split sequence only where every row also wrote its
-        residual (``res_writes`` None: the rows this step holds are the ones in the pool)."""
+        reuse it. The one place that picks FRESH sequences and CASCADE groups: FRESH where
+        every row of the step wrote its own K/V (``base_writes`` None), the policy's
+        ``fresh_items`` among the prefill sequences; in the residual form a split sequence
+        only where every row also wrote its residual (``res_writes`` None: the rows this
+        step holds are the ones in the pool). CASCADE, in the unified form, for the groups
+        of the sequences left (the control plane's marks) that the policy's
+        ``cascade_group`` names; the split form attends every chunk on its own route."""
         step = self._step
         if step is None or step.meta is not meta or step.residual is not residual:
             triton = q.is_cuda if self.use_triton is None else self.use_triton
@@ -164,6 +177,7 @@ class KernelAttention:
                 i for i, n in enumerate(lens) if n != 1]
             counts = kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host)
             fresh, routed_q = None, None if rows is None else rows.prefill_q
+            rest = seqs
             if meta.base_writes is None:
                 pick = self.prefill_policy.fresh_items(counts, residual)
                 if residual and meta.res_writes is not None:
@@ -171,19 +185,23 @@ class KernelAttention:
                 if any(pick):
                     fresh = fresh_rows(meta, [i for i, p in zip(seqs, pick, strict=True) if p])
                     rest = [i for i, p in zip(seqs, pick, strict=True) if not p and lens[i]]
-                    view = None
-                    if rest:
-                        routed_q, view = prefill_part(meta, rest)
-                        counts = kernels.PrefillCounts(view.query_lens_host,
-                                                       view.seq_lens_host)
+            cascade = None if residual or not meta.shared_prefix_host else cascade_part(
+                meta, rest, kv.k.shape[1], self.prefill_policy)
+            if cascade is not None:
+                rest = [i for i in rest if i not in cascade.members]
+            if fresh is not None or cascade is not None:
+                view = None
+                if rest:
+                    routed_q, view = prefill_part(meta, rest)
+                    counts = kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host)
             route = slots = None
             if view is not None:
                 flash = triton and kernels.flash_support(q, kv.k).varlen
                 route = self.prefill_policy.route(counts, residual, flash)
                 slots = view.seq_slot.to(torch.int32) if residual else None
-            step = self._step = _PrefillPlan(meta, residual, rows, fresh, routed_q, view,
-                                             counts if view is not None else None, route, slots,
-                                             triton)
+            step = self._step = _PrefillPlan(meta, residual, rows, fresh, cascade, routed_q,
+                                             view, counts if view is not None else None, route,
+                                             slots, triton)
         return step
 
     def _prefill(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,

@@ -69,6 +69,8 @@ def join(a: Batch, b: Batch, scratch_page: int, scratch_res_page: int, page_size
         extra_res_slot_mapping=cat("extra_res_slot_mapping") if extra else None,
         kv_merge_mask=_merge_mask(a, b) if split else None,
         cascade=cascade,
+        shared_prefix_host=ma.shared_prefix_host and (
+            ma.shared_prefix_host + (None,) * len(mb.query_lens_host)),
         base_writes=_writes(a, b, "base_writes", "slot_mapping"),
         res_writes=_writes(a, b, "res_writes", "res_slot_mapping") if split else None)
     return dataclasses.replace(

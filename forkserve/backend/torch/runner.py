@@ -75,7 +75,8 @@ class ModelRunner:
                  use_cuda_graphs: bool, cascade: bool = True) -> None:
         self.model, self.pool, self.limits, self.device = model, pool, limits, device
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
-        # Cascade attention for decode batches whose items share a page prefix (both forms).
+        # Cascade attention for items that share a page prefix: decode batches (both forms),
+        # a prefill step's chunks (unified form; its attention's policy decides per group).
         self.cascade = cascade
         self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads
                                                           // model.cfg.num_kv_heads)
@@ -113,7 +114,8 @@ class ModelRunner:
             index = torch.tensor(sampled, device=self.device)
             return RunOutput(out.logits[index], out.greedy[index])
         batch = build(work, self.limits, adapter_slots, all_logits, self.device,
-                      self.pool.scratch_page, self.pool.scratch_residual_page, plan)
+                      self.pool.scratch_page, self.pool.scratch_residual_page, plan,
+                      marks=self.cascade)
         if hidden_states:
             logits, hidden = self.model.forward_hidden(*self._args(batch))
             return RunOutput(logits, None, hidden)
@@ -142,7 +144,8 @@ class ModelRunner:
         graph; the tiles ``forward`` would plan for ``[*work, *rows]``, ``row_marks`` being
         the rows' marks), the rows' part built from their columns (``mixed_batch.py``)."""
         scratch, scratch_res = self.pool.scratch_page, self.pool.scratch_residual_page
-        items = build(work, self.limits, adapter_slots, False, self.device, scratch, scratch_res)
+        items = build(work, self.limits, adapter_slots, False, self.device, scratch, scratch_res,
+                      marks=self.cascade)
         plan = self._tiles([*cascade_tiles.decode_marks(work), *row_marks])
         batch = join(items, rows.to_batch(self.device, None), scratch, scratch_res,
                      self.limits.page_size,

@@ -79,4 +79,6 @@ def _view(meta: AttentionMetadata, seqs: list[int], decode: bool) -> AttentionMe
         query_lens_host=query_lens,
         seq_lens_host=tuple(meta.seq_lens_host[i] for i in seqs),
         seq_slot_host=tuple(meta.seq_slot_host[i] for i in seqs),
-        decode_only=decode, cascade=meta.cascade if decode else None)
+        decode_only=decode, cascade=meta.cascade if decode else None,
+        shared_prefix_host=() if decode or not meta.shared_prefix_host else tuple(
+            meta.shared_prefix_host[i] for i in seqs))
