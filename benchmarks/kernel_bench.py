@@ -32,6 +32,10 @@ output checked against the whole one (``kernel_bench_<tag>.json`` / ``.png``, ta
 in tables as wide as the keys and 8K / 32K wide (a decode graph's), the static split plan of
 before against the dynamic one, plus the dynamic plan at forced split counts
 (``kernel_bench_decode_short.json`` / ``.png``, written after every row).
+``--cascade-prefill`` runs only prefill chunks of a group over one shared prefix (agents
+each prefilling an observation over one context): the engine's layer call ungrouped (its
+route, and the paged route pinned) against grouped, the prefix read once per group
+(``kernel_bench_cascade_prefill.json`` / ``.png``, written after every row).
 ``--smoke`` runs tiny shapes on CPU under the Triton interpreter to check the plumbing;
 ``--regs`` needs no GPU: it reports registers and spills of the kernels for sm_90a.
 """
@@ -77,6 +81,7 @@ class Setup:
             self.contexts, self.batches = [64, 128], [1, 2]
             self.prefill_contexts, self.agents, self.suffix = [64], 4, 16
             self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [64], 16, [2, 3]
+            self.cascade_prefixes, self.cascade_members, self.cascade_new = [64], [2, 3], [4, 8]
             self.short_keys, self.short_widths, self.short_batches = [16, 40], [0, 256], [1, 3]
             self.max_tokens = 1024
         else:
@@ -87,6 +92,9 @@ class Setup:
             self.agents, self.suffix = 32, 128
             # A mixed tick (docs/MULTILORA.md "Round 4"): a ~200-token chunk beside decode rows.
             self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [8192, 32768], 202, [8, 28]
+            # --cascade-prefill: agents each prefilling a chunk over one shared context.
+            self.cascade_prefixes, self.cascade_members = [8192, 32768], [8, 32]
+            self.cascade_new = [32, 128, 512]
             # --decode-short: keys per sequence, table widths (0: the keys'), batches.
             self.short_keys, self.short_widths = [512, 1024, 2048, 4096], [0, 8192, 32768]
             self.short_batches = [1, 8, 64]
@@ -435,10 +443,11 @@ def step_tensors(s: Setup, bt: torch.Tensor, rbt: torch.Tensor, batch: int, new:
 
 def engine_call(s: Setup, own: dict, bt: torch.Tensor, rbt: torch.Tensor,
                 lens: torch.Tensor, cu: torch.Tensor, ad: torch.Tensor, counts, residual: bool,
-                policy) -> tuple[Callable[[], torch.Tensor], object]:
+                policy, marks: tuple = ()) -> tuple[Callable[[], torch.Tensor], object]:
     """One layer call of the engine's attention dispatch (``KernelAttention.forward``: the
     page writes, the plan made once per step as the engine's layers share it, then the
-    route ``policy`` picks), and that backend (its ``prefill_routes`` say what ran)."""
+    route ``policy`` picks), and that backend (its ``prefill_routes`` say what ran).
+    ``marks``: each sequence's ``SharedPrefix`` (cascade prefill groups)."""
     from forkserve.backend.torch.attention import AttentionMetadata
     from forkserve.backend.torch.kernel_attention import KernelAttention
     from forkserve.backend.torch.kv_pool import LayerKV
@@ -450,7 +459,7 @@ def engine_call(s: Setup, own: dict, bt: torch.Tensor, rbt: torch.Tensor,
         query_starts=cu, seq_slot=ad.long() if residual else torch.full_like(ad.long(), -1),
         query_lens_host=counts.query_lens, seq_lens_host=counts.seq_lens,
         seq_slot_host=tuple(ad.tolist()) if residual else (-1,) * len(counts.seq_lens),
-        decode_only=False)
+        decode_only=False, shared_prefix_host=marks)
     kv = LayerKV(s.k, s.v, s.k_res if residual else None, s.v_res if residual else None)
     rope = Rope(RopeConfig(theta=500000.0), s.head_dim, s.device)
     rope.inv_freq = s.inv_freq  # the bench's own (the kernels' tables key on it)
@@ -815,6 +824,104 @@ def plot_mixed(res: dict, path: Path) -> None:
     fig.suptitle(f"{res['device']} {res['dtype']} H={res['shape']['n_heads']} "
                  f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
                  f"r={res['shape']['rank']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --cascade-prefill: prefill chunks of a group over one shared prefix (32 agents each
+# prefilling an observation over one context), one layer call of the engine's dispatch.
+def cascade_prefill_cases(s: Setup) -> list[tuple[int, int, int]]:
+    """(shared prefix keys, members, new tokens per member) of --cascade-prefill."""
+    return [(p, g, n) for p in s.cascade_prefixes for g in s.cascade_members
+            for n in s.cascade_new]
+
+
+def cascade_prefill_step(s: Setup, prefix: int, members: int,
+                         new: int) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
+    """One attention layer call (``KernelAttention.forward``, page writes included) of
+    ``members`` chunks of ``new`` tokens, each over the same ``prefix`` keys (the same
+    pages, page-aligned, marked as one group) then its own pages: "ungrouped", the engine's
+    dispatch as it was (``CostPrefillPolicy`` with cascade off: the route it picks, flash
+    included); "ungrouped_paged", the same with the Triton paged route pinned; "grouped",
+    ``FixedPrefillPolicy(cascade=True)``: the prefix once per group. Returns the calls and
+    the routes each took (after one call)."""
+    from forkserve import kernels
+    from forkserve.backend.protocol import SharedPrefix
+    shared = prefix // s.page
+    own = -(-new // s.page)
+    pages = s.perm[:shared + members * own]
+    bt = torch.cat([pages[:shared].expand(members, shared),
+                    pages[shared:].view(members, own)], dim=1).contiguous()
+    keys = prefix + new
+    lens = torch.full((members,), keys, dtype=torch.int32, device=s.device)
+    cu = torch.arange(0, members * new + 1, new, dtype=torch.int32, device=s.device)
+    tensors = step_tensors(s, bt, bt, members, new, keys)
+    counts = kernels.PrefillCounts((new,) * members, (keys,) * members)
+    ad = torch.full((members,), -1, dtype=torch.int32, device=s.device)
+    marks = (SharedPrefix(0, shared),) * members
+    policies = {"ungrouped": kernels.CostPrefillPolicy(cascade_prefix_ratio=None),
+                "ungrouped_paged": kernels.FixedPrefillPolicy(),
+                "grouped": kernels.FixedPrefillPolicy(cascade=True)}
+    calls, routes = {}, {}
+    for name, policy in policies.items():
+        fn, attention = engine_call(s, tensors, bt, bt, lens, cu, ad, counts, False, policy,
+                                    marks)
+        fn()
+        calls[name], routes[name] = fn, "+".join(sorted(attention.prefill_routes))
+    return calls, routes
+
+
+def run_cascade_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
+    """Per case (JSON saved after each): the three calls timed eagerly (a prefill step runs
+    eagerly), grouped's output against ungrouped's."""
+    for prefix, members, new in cascade_prefill_cases(s):
+        tag = f"cascade prefill prefix={prefix} members={members} new={new}"
+        calls, routes = cascade_prefill_step(s, prefix, members, new)
+        row: dict = {"prefix": prefix, "members": members, "new": new,
+                     "route_ungrouped": routes["ungrouped"], "route_grouped": routes["grouped"]}
+        for name, fn in calls.items():
+            row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
+        row["ungrouped_over_grouped"] = row["ungrouped_ms"] / row["grouped_ms"]
+        row["paged_over_grouped"] = row["ungrouped_paged_ms"] / row["grouped_ms"]
+        row["grouped_rel_err_vs_ungrouped"] = check(
+            res, tag + " check", lambda: rel_err(calls["grouped"](), calls["ungrouped"]()))
+        res["cascade_prefill"].append(row)
+        save()
+        print(f"{tag} | ungrouped({row['route_ungrouped']})={row['ungrouped_ms']:.3f} "
+              f"paged={row['ungrouped_paged_ms']:.3f} grouped={row['grouped_ms']:.3f} ms | "
+              f"ratio={row['ungrouped_over_grouped']:.2f} "
+              f"err={row['grouped_rel_err_vs_ungrouped']:.1e}", flush=True)
+
+
+def print_cascade_prefill(res: dict) -> None:
+    print(f"cascade prefill, one attention layer call (eager ms; {res['dtype']}); ratio: "
+          "ungrouped / grouped (> 1: grouping wins)")
+    print(" prefix members  new | ungrouped (route)     paged  grouped | ratio paged/grp | err")
+    for r in res["cascade_prefill"]:
+        print(f"{r['prefix']:7d} {r['members']:7d} {r['new']:4d} | {r['ungrouped_ms']:8.3f} "
+              f"({r['route_ungrouped']:6s}) {r['ungrouped_paged_ms']:8.3f} "
+              f"{r['grouped_ms']:8.3f} | {r['ungrouped_over_grouped']:5.2f} "
+              f"{r['paged_over_grouped']:5.2f} | {r['grouped_rel_err_vs_ungrouped']:.1e}")
+
+
+def plot_cascade_prefill(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["cascade_prefill"]
+    fig, axis = plt.subplots(figsize=(max(7, 0.6 * len(rows)), 5))
+    x = range(len(rows))
+    for i, key in enumerate(("ungrouped", "ungrouped_paged", "grouped")):
+        axis.bar([j + (i - 1) * 0.27 for j in x], [r[key + "_ms"] for r in rows], 0.27,
+                 label=key)
+    axis.set_xticks(list(x), [f"{r['prefix']}\n{r['members']}x{r['new']}\n"
+                              f"{r['ungrouped_over_grouped']:.2f}x" for r in rows], fontsize=7)
+    axis.set(yscale="log", ylabel="ms (eager)",
+             title="cascade prefill: prefix / members x new tokens / ungrouped over grouped")
+    axis.legend(fontsize=7)
+    fig.suptitle(f"{res['device']} {res['dtype']} H={res['shape']['n_heads']} "
+                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
+                 f"page={res['shape']['page_size']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -1528,6 +1635,16 @@ def main() -> None:
                              "(default 0 8K 32K)")
     parser.add_argument("--short-batches", nargs="*", type=int,
                         help="batches of --decode-short (default 1 8 64)")
+    parser.add_argument("--cascade-prefill", action="store_true",
+                        help="only: prefill chunks of a group over one shared prefix, the "
+                             "engine's layer call ungrouped against grouped (cascade); writes "
+                             "kernel_bench_cascade_prefill.json/.png")
+    parser.add_argument("--cascade-prefixes", nargs="*", type=int,
+                        help="shared prefix keys of --cascade-prefill (default 8K 32K)")
+    parser.add_argument("--cascade-members", nargs="*", type=int,
+                        help="chunks per group of --cascade-prefill (default 8 32)")
+    parser.add_argument("--cascade-new", nargs="*", type=int,
+                        help="new tokens per chunk of --cascade-prefill (default 32 128 512)")
     parser.add_argument("--cascade-sweep", action="store_true",
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
@@ -1541,11 +1658,16 @@ def main() -> None:
                        ("prefill_contexts", "prefill_contexts"),
                        ("mixed_contexts", "mixed_contexts"), ("mixed_rows", "mixed_rows"),
                        ("chunk", "mixed_chunk"), ("short_keys", "short_keys"),
-                       ("short_widths", "short_widths"), ("short_batches", "short_batches")):
+                       ("short_widths", "short_widths"), ("short_batches", "short_batches"),
+                       ("cascade_prefixes", "cascade_prefixes"),
+                       ("cascade_members", "cascade_members"), ("cascade_new", "cascade_new")):
         if getattr(args, arg):
             setattr(s, field, getattr(args, arg))
     if args.mixed:
         main_mixed(s, args)
+        return
+    if args.cascade_prefill:
+        main_cascade_prefill(s, args)
         return
     if args.decode_short:
         main_decode_short(s, args)
@@ -1669,6 +1791,21 @@ def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
         res.setdefault("errors", []).append(f"mixed: {exc!r}"[:1000])
         print(f"mixed FAILED: {exc!r}", flush=True)
     publish(res, path, plot_mixed, print_mixed)
+    return res
+
+
+def main_cascade_prefill(s: Setup, args: argparse.Namespace) -> dict:
+    res = result_header(
+        s, timing="eager (as the engine runs prefill), L2 flushed, median of CUDA events",
+        cascade_prefill=[])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "kernel_bench_cascade_prefill.json"
+    try:
+        run_cascade_prefill(s, res, lambda: path.write_text(json.dumps(res, indent=1)))
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"cascade prefill: {exc!r}"[:1000])
+        print(f"cascade prefill FAILED: {exc!r}", flush=True)
+    publish(res, path, plot_cascade_prefill, print_cascade_prefill)
     return res
 
 
