@@ -151,8 +151,10 @@ class CostPrefillPolicy:
     shared prefix is at least ``cascade_prefix_ratio`` times their mean new tokens (None:
     never). Each chunk re-reads the prefix in every route, so short chunks over a long prefix
     are memory-bound on it and gain from one read; a long chunk is compute-bound and gains
-    little against the extra launch and merge. The default is a conservative first estimate,
-    to be measured on the H200 (kernel_bench --cascade-prefill).
+    little against the extra launch and merge (and gives up the packed routes, whose flash
+    attention outruns the Triton kernel where the work is compute). The default, 64 (an 8K
+    prefix: chunks of up to 128 tokens; 32K: up to 512), is a conservative first estimate,
+    not yet measured on the H200 (kernel_bench --cascade-prefill).
 
     The flash thresholds are first estimates (gather ~2.7 ns per key per layer at 3 TB/s
     against ~0.02 ns saved per pair at the Llama-3-8B shape); the residual form's is lower
@@ -176,7 +178,7 @@ class CostPrefillPolicy:
     residual_fresh_min_new_tokens: int = 16384
     fresh_max_seqs: int = 16
     cascade_min_members: int = 2
-    cascade_prefix_ratio: float | None = 16.0
+    cascade_prefix_ratio: float | None = 64.0
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         if not self.fresh:
