@@ -830,21 +830,32 @@ def plot_mixed(res: dict, path: Path) -> None:
 
 # --cascade-prefill: prefill chunks of a group over one shared prefix (32 agents each
 # prefilling an observation over one context), one layer call of the engine's dispatch.
+# Prefix-launch tiles timed beside it (kernel alone: ``kernels.cascade_prefill`` with
+# ``prefix_tuning``), in query rows (tokens x padded GQA group), key block and warps: which
+# tile the prefix launch wants (shared_prefix_prefill.PREFIX_ROWS / PREFIX_TUNING).
+CASCADE_PREFIX_TILES: dict[str, tuple[int, int, int]] = {
+    "r64_n64_w4": (64, 64, 4), "r128_n32_w8": (128, 32, 8), "r128_n64_w8": (128, 64, 8),
+    "r256_n64_w8": (256, 64, 8),
+}
+
+
 def cascade_prefill_cases(s: Setup) -> list[tuple[int, int, int]]:
     """(shared prefix keys, members, new tokens per member) of --cascade-prefill."""
     return [(p, g, n) for p in s.cascade_prefixes for g in s.cascade_members
             for n in s.cascade_new]
 
 
-def cascade_prefill_step(s: Setup, prefix: int, members: int,
-                         new: int) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
+def cascade_prefill_step(s: Setup, prefix: int, members: int, new: int,
+                         tiles: bool = False) -> tuple[dict[str, Callable[[], torch.Tensor]],
+                                                       dict]:
     """One attention layer call (``KernelAttention.forward``, page writes included) of
     ``members`` chunks of ``new`` tokens, each over the same ``prefix`` keys (the same
     pages, page-aligned, marked as one group) then its own pages: "ungrouped", the engine's
     dispatch as it was (``CostPrefillPolicy`` with cascade off: the route it picks, flash
     included); "ungrouped_paged", the same with the Triton paged route pinned; "grouped",
-    ``FixedPrefillPolicy(cascade=True)``: the prefix once per group. Returns the calls and
-    the routes each took (after one call)."""
+    ``FixedPrefillPolicy(cascade=True)``: the prefix once per group; with ``tiles``,
+    "tile_<name>": the kernel alone with each of ``CASCADE_PREFIX_TILES`` for its prefix
+    launch. Returns the calls and the routes the engine's calls took (after one call)."""
     from forkserve import kernels
     from forkserve.backend.protocol import SharedPrefix
     shared = prefix // s.page
@@ -868,6 +879,15 @@ def cascade_prefill_step(s: Setup, prefix: int, members: int,
                                     marks)
         fn()
         calls[name], routes[name] = fn, "+".join(sorted(attention.prefill_routes))
+    if tiles:
+        groups = kernels.prefill_groups([(tuple(range(members)), prefix)], counts.query_lens,
+                                        counts.seq_lens, bt)
+        pad = 1 << (s.n_heads // s.n_kv - 1).bit_length()
+        for name, (rows, block_n, warps) in CASCADE_PREFIX_TILES.items():
+            tuning = {"block_m": max(1, rows // pad), "block_n": block_n, "num_warps": warps}
+            calls["tile_" + name] = lambda t=tuning: kernels.cascade_prefill(
+                tensors["q"], s.k, s.v, bt, lens, cu, groups, use_triton=True, counts=counts,
+                prefix_tuning=t)
     return calls, routes
 
 
@@ -876,7 +896,7 @@ def run_cascade_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
     eagerly), grouped's output against ungrouped's."""
     for prefix, members, new in cascade_prefill_cases(s):
         tag = f"cascade prefill prefix={prefix} members={members} new={new}"
-        calls, routes = cascade_prefill_step(s, prefix, members, new)
+        calls, routes = cascade_prefill_step(s, prefix, members, new, tiles=True)
         row: dict = {"prefix": prefix, "members": members, "new": new,
                      "route_ungrouped": routes["ungrouped"], "route_grouped": routes["grouped"]}
         for name, fn in calls.items():
@@ -885,23 +905,29 @@ def run_cascade_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         row["paged_over_grouped"] = row["ungrouped_paged_ms"] / row["grouped_ms"]
         row["grouped_rel_err_vs_ungrouped"] = check(
             res, tag + " check", lambda: rel_err(calls["grouped"](), calls["ungrouped"]()))
+        tile_ms = {k[5:-3]: v for k, v in row.items() if k.startswith("tile_")}
+        row["best_tile"] = min(tile_ms, key=tile_ms.get)
+        row["best_tile_ms"] = tile_ms[row["best_tile"]]
         res["cascade_prefill"].append(row)
         save()
         print(f"{tag} | ungrouped({row['route_ungrouped']})={row['ungrouped_ms']:.3f} "
               f"paged={row['ungrouped_paged_ms']:.3f} grouped={row['grouped_ms']:.3f} ms | "
               f"ratio={row['ungrouped_over_grouped']:.2f} "
-              f"err={row['grouped_rel_err_vs_ungrouped']:.1e}", flush=True)
+              f"err={row['grouped_rel_err_vs_ungrouped']:.1e} best tile {row['best_tile']}",
+              flush=True)
 
 
 def print_cascade_prefill(res: dict) -> None:
     print(f"cascade prefill, one attention layer call (eager ms; {res['dtype']}); ratio: "
           "ungrouped / grouped (> 1: grouping wins)")
-    print(" prefix members  new | ungrouped (route)     paged  grouped | ratio paged/grp | err")
+    print(" prefix members  new | ungrouped (route)     paged  grouped | ratio paged/grp | err"
+          "     | best prefix tile (kernel alone)")
     for r in res["cascade_prefill"]:
         print(f"{r['prefix']:7d} {r['members']:7d} {r['new']:4d} | {r['ungrouped_ms']:8.3f} "
               f"({r['route_ungrouped']:6s}) {r['ungrouped_paged_ms']:8.3f} "
               f"{r['grouped_ms']:8.3f} | {r['ungrouped_over_grouped']:5.2f} "
-              f"{r['paged_over_grouped']:5.2f} | {r['grouped_rel_err_vs_ungrouped']:.1e}")
+              f"{r['paged_over_grouped']:5.2f} | {r['grouped_rel_err_vs_ungrouped']:.1e} | "
+              f"{r['best_tile']} {r['best_tile_ms']:.3f}")
 
 
 def plot_cascade_prefill(res: dict, path: Path) -> None:
