@@ -1471,10 +1471,10 @@ def register_report(out: Path) -> None:
     )
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits"}
+    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits", "Lse"}
     fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
-                "TileLens", "KvStarts"}
+                "TileLens", "KvStarts", "KvRange", "QRows"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int,
@@ -1611,6 +1611,12 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "prefill", "residual": has_res, "split_score": False, "block_n": 64,
                      "block_m": block_m, "num_warps": warps,
                      **compile_one(_prefill_kernel, consts, warps, 2)})
+    # Cascade prefill's prefix launch (shared_prefix_prefill.py: 128 query rows, 8 warps).
+    consts = dict(pre, BLOCK_M=32, HAS_RES=False, SPLIT_SCORE=False, HAS_RANGE=True,
+                  HAS_ROWS=True, STORE_LSE=True)
+    rows.append({"kernel": "cascade_prefill", "residual": False, "split_score": False,
+                 "block_n": 64, "block_m": 32, "num_warps": 8,
+                 **compile_one(_prefill_kernel, consts, 8, 2)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernel_regs.json").write_text(json.dumps(rows, indent=1))
     for r in rows:

@@ -48,7 +48,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
-    HAS_RANGE: tl.constexpr, HAS_ROWS: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_RANGE: tl.constexpr = False, HAS_ROWS: tl.constexpr = False,
+    STORE_LSE: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
