@@ -130,29 +130,60 @@ def test_policy_threshold():
     assert not FixedPrefillPolicy().cascade_group(8192, (32, 32))
 
 
-def test_engine_chunks_over_one_context(models):
-    """Through ``TorchBackend.forward``: four chunks over one prefilled context (ending
-    mid-page), marked by the control plane's PrefixSharing, give the logits of the same
-    backend with cascade attention off."""
+def _engine(models, cascade: bool) -> tuple[TorchBackend, KernelAttention]:
+    attention = KernelAttention(use_triton=True, prefill_policy=CASCADE)
+    backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE,
+                           attention=attention, use_cuda_graphs=False)
+    backend.cascade_attention = cascade
+    return backend, attention
+
+
+def _chunks(backend: TorchBackend) -> list:
+    """Agent 0 prefills a context ending mid-page; agents 1-4 each a chunk over its full
+    pages, marked by the control plane's PrefixSharing (one group)."""
     from torch_testlib import PAGE as ENGINE_PAGE
     context = prompt(1, 5 * ENGINE_PAGE + 2)
-    shared = tuple(range(100, 105))
+    backend.forward([work(0, context + prompt(9, 2), 0, pages=_pages(0), sampling=None)])
+    start = 5 * ENGINE_PAGE
+    items = [work(a, (context + prompt(10 + a, 3 + a))[start:], start, pages=_pages(a))
+             for a in range(1, 5)]
+    items = PrefixSharing(ENGINE_PAGE, min_tokens=ENGINE_PAGE).annotate(items)
+    assert all(w.shared_prefix is not None for w in items)
+    return items
 
-    def pages(agent: int) -> tuple[int, ...]:
-        return shared + tuple(range(agent * 24, agent * 24 + 24))
 
+def _pages(agent: int) -> tuple[int, ...]:
+    return tuple(range(100, 105)) + tuple(range(agent * 24, agent * 24 + 24))
+
+
+def test_engine_chunks_over_one_context(models):
+    """Through ``TorchBackend.forward``: the group's logits equal those of the same backend
+    with cascade attention off."""
     logits = {}
     for cascade in (True, False):
-        attention = KernelAttention(use_triton=True, prefill_policy=CASCADE)
-        backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE,
-                               attention=attention, use_cuda_graphs=False)
-        backend.cascade_attention = cascade
-        backend.forward([work(0, context + prompt(9, 2), 0, pages=pages(0))])
-        start = len(shared) * ENGINE_PAGE
-        items = [work(a, (context + prompt(10 + a, 3 + a))[start:], start, pages=pages(a))
-                 for a in range(1, 5)]
-        items = PrefixSharing(ENGINE_PAGE, min_tokens=ENGINE_PAGE).annotate(items)
-        assert all(w.shared_prefix is not None for w in items)
-        logits[cascade] = torch.cat(backend.forward(items).logits)
+        backend, attention = _engine(models, cascade)
+        logits[cascade] = torch.cat(backend.forward(_chunks(backend)).logits)
         assert ("cascade" in attention.prefill_routes) == cascade, attention.prefill_routes
     assert rel_err(logits[True], logits[False]) < REL_TOL
+
+
+def test_engine_mixed_tick_with_steady_rows(models):
+    """A tick of the grouped chunks beside a steady row (``launch(work, batch)``: the rows
+    joined after the items, ``mixed_batch.join``) equals the same step run as items with
+    cascade attention off."""
+    from torch_testlib import as_decode_batch
+    out = {}
+    for cascade in (True, False):
+        backend, attention = _engine(models, cascade)
+        chunks = _chunks(backend)
+        batch = as_decode_batch([work(0, [7], 24, pages=_pages(0), decode=True)])
+        if cascade:
+            joined = []
+            real = backend.runner.forward_mixed
+            backend.runner.forward_mixed = lambda *a, _j=joined, _f=real: _j.append(1) or _f(*a)
+            got = backend.launch(chunks, batch).output()
+            assert joined and {"cascade", "decode_rows"} <= set(attention.prefill_routes)
+        else:
+            got = backend.forward([*chunks, *batch.items()])
+        out[cascade] = torch.cat(got.logits)
+    assert rel_err(out[True], out[False]) < REL_TOL
