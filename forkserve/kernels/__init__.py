@@ -13,7 +13,6 @@ import torch
 
 from forkserve.kernels import reference
 from forkserve.kernels.flash_op import FlashSupport, flash_support
-from forkserve.kernels.prefill_groups import PrefillGroups, prefill_groups
 from forkserve.kernels.prefill_policy import (
     PACKED_ROUTES,
     RESIDUAL_ROUTES,
@@ -24,6 +23,7 @@ from forkserve.kernels.prefill_policy import (
     PrefillCounts,
     PrefillRoute,
 )
+from forkserve.kernels.prefix_groups import PrefillGroups, prefill_groups
 from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 __all__ = [

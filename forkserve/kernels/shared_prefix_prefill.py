@@ -13,7 +13,7 @@ Both passes are ``prefill_attention``'s kernel with its cascade options: the pre
 reads the group's table (its first member's) over keys ``[0, prefix)`` with the stacked
 rows placed after the prefix (``q_rows``: no copy of q), the suffix pass each member's own
 table over ``[prefix, seq_len)``. The grouping is host data planned once per step
-(``prefill_groups.py``); nothing here reads the device back. Unified K/V only (unified,
+(``prefix_groups.py``); nothing here reads the device back. Unified K/V only (unified,
 full_reuse, no-LoRA, adaptive merged pages): the split form falls back to its plain route.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from forkserve.kernels.prefill_attention import prefill_launch
-from forkserve.kernels.prefill_groups import PrefillGroups
+from forkserve.kernels.prefix_groups import PrefillGroups
 from forkserve.kernels.split_kv import merge_partials
 
 # The prefix launch has no causal mask and many rows per group: 128-row query tiles (tokens
