@@ -855,7 +855,8 @@ def cascade_prefill_step(s: Setup, prefix: int, members: int, new: int,
     included); "ungrouped_paged", the same with the Triton paged route pinned; "grouped",
     ``FixedPrefillPolicy(cascade=True)``: the prefix once per group; with ``tiles``,
     "tile_<name>": the kernel alone with each of ``CASCADE_PREFIX_TILES`` for its prefix
-    launch. Returns the calls and the routes the engine's calls took (after one call)."""
+    launch at the engine's split count, and the default tile unsplit. Returns the calls and
+    the routes the engine's calls took (after one call), with that split count."""
     from forkserve import kernels
     from forkserve.backend.protocol import SharedPrefix
     shared = prefix // s.page
@@ -879,14 +880,18 @@ def cascade_prefill_step(s: Setup, prefix: int, members: int, new: int,
                                     marks)
         fn()
         calls[name], routes[name] = fn, "+".join(sorted(attention.prefill_routes))
+    group = [(tuple(range(members)), prefix)]
+    splits = kernels.prefix_splits(group, counts.query_lens, s.n_heads, s.n_kv)
+    routes["prefix_splits"] = splits
     if tiles:
-        groups = kernels.prefill_groups([(tuple(range(members)), prefix)], counts.query_lens,
-                                        counts.seq_lens, bt)
         pad = 1 << (s.n_heads // s.n_kv - 1).bit_length()
-        for name, (rows, block_n, warps) in CASCADE_PREFIX_TILES.items():
+        variants = {name: (tile, splits) for name, tile in CASCADE_PREFIX_TILES.items()}
+        variants["r128_n64_w8_unsplit"] = (CASCADE_PREFIX_TILES["r128_n64_w8"], 1)
+        for name, ((rows, block_n, warps), n) in variants.items():
+            groups = kernels.prefill_groups(group, counts.query_lens, counts.seq_lens, bt, n)
             tuning = {"block_m": max(1, rows // pad), "block_n": block_n, "num_warps": warps}
-            calls["tile_" + name] = lambda t=tuning: kernels.cascade_prefill(
-                tensors["q"], s.k, s.v, bt, lens, cu, groups, use_triton=True, counts=counts,
+            calls["tile_" + name] = lambda t=tuning, g=groups: kernels.cascade_prefill(
+                tensors["q"], s.k, s.v, bt, lens, cu, g, use_triton=True, counts=counts,
                 prefix_tuning=t)
     return calls, routes
 
@@ -898,7 +903,8 @@ def run_cascade_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         tag = f"cascade prefill prefix={prefix} members={members} new={new}"
         calls, routes = cascade_prefill_step(s, prefix, members, new, tiles=True)
         row: dict = {"prefix": prefix, "members": members, "new": new,
-                     "route_ungrouped": routes["ungrouped"], "route_grouped": routes["grouped"]}
+                     "route_ungrouped": routes["ungrouped"], "route_grouped": routes["grouped"],
+                     "prefix_splits": routes["prefix_splits"]}
         for name, fn in calls.items():
             row[name + "_ms"] = measure_eager(res, f"{tag} {name}", fn, s.smoke)
         row["ungrouped_over_grouped"] = row["ungrouped_ms"] / row["grouped_ms"]
@@ -913,21 +919,21 @@ def run_cascade_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         print(f"{tag} | ungrouped({row['route_ungrouped']})={row['ungrouped_ms']:.3f} "
               f"paged={row['ungrouped_paged_ms']:.3f} grouped={row['grouped_ms']:.3f} ms | "
               f"ratio={row['ungrouped_over_grouped']:.2f} "
-              f"err={row['grouped_rel_err_vs_ungrouped']:.1e} best tile {row['best_tile']}",
-              flush=True)
+              f"err={row['grouped_rel_err_vs_ungrouped']:.1e} splits={row['prefix_splits']} "
+              f"best tile {row['best_tile']}", flush=True)
 
 
 def print_cascade_prefill(res: dict) -> None:
     print(f"cascade prefill, one attention layer call (eager ms; {res['dtype']}); ratio: "
           "ungrouped / grouped (> 1: grouping wins)")
     print(" prefix members  new | ungrouped (route)     paged  grouped | ratio paged/grp | err"
-          "     | best prefix tile (kernel alone)")
+          "     | splits | best prefix tile (kernel alone)")
     for r in res["cascade_prefill"]:
         print(f"{r['prefix']:7d} {r['members']:7d} {r['new']:4d} | {r['ungrouped_ms']:8.3f} "
               f"({r['route_ungrouped']:6s}) {r['ungrouped_paged_ms']:8.3f} "
               f"{r['grouped_ms']:8.3f} | {r['ungrouped_over_grouped']:5.2f} "
               f"{r['paged_over_grouped']:5.2f} | {r['grouped_rel_err_vs_ungrouped']:.1e} | "
-              f"{r['best_tile']} {r['best_tile_ms']:.3f}")
+              f"{r['prefix_splits']:6d} | {r['best_tile']} {r['best_tile_ms']:.3f}")
 
 
 def plot_cascade_prefill(res: dict, path: Path) -> None:

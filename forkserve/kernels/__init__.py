@@ -23,7 +23,7 @@ from forkserve.kernels.prefill_policy import (
     PrefillCounts,
     PrefillRoute,
 )
-from forkserve.kernels.prefix_groups import PrefillGroups, prefill_groups
+from forkserve.kernels.prefix_groups import PrefillGroups, prefill_groups, prefix_splits
 from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 __all__ = [
@@ -31,7 +31,8 @@ __all__ = [
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
     "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
-    "cascade_tile_agents", "cascade_prefill", "PrefillGroups", "prefill_groups", "lora_shrink",
+    "cascade_tile_agents", "cascade_prefill", "PrefillGroups", "prefill_groups", "prefix_splits",
+    "lora_shrink",
     "lora_expand", "write_kv_pages", "rebuild_kv",
 ]
 

@@ -17,7 +17,8 @@ def test_grouped_equals_ungrouped() -> None:
     kb = load_script("kernel_bench")
     s = kb.Setup(smoke=True)
     calls, routes = kb.cascade_prefill_step(s, prefix=64, members=3, new=5)
-    assert routes == {"ungrouped": "paged", "ungrouped_paged": "paged", "grouped": "cascade"}
+    assert routes == {"ungrouped": "paged", "ungrouped_paged": "paged", "grouped": "cascade",
+                      "prefix_splits": 1}
     grouped, ungrouped = calls["grouped"](), calls["ungrouped"]()
     assert grouped.shape == (3 * 5, s.n_heads * s.head_dim)
     assert kb.rel_err(grouped, ungrouped) < 1e-5

@@ -62,8 +62,10 @@ def marked_groups(meta: AttentionMetadata, seqs: Sequence[int],
 
 
 def cascade_part(meta: AttentionMetadata, seqs: Sequence[int], page_size: int,
-                 policy: kernels.PrefillAttentionPolicy) -> CascadePart | None:
-    """The part of ``seqs`` whose groups the policy sends to ``CASCADE``; None: no group."""
+                 policy: kernels.PrefillAttentionPolicy,
+                 heads: tuple[int, int]) -> CascadePart | None:
+    """The part of ``seqs`` whose groups the policy sends to ``CASCADE``, its prefix launch
+    split for ``heads`` (query, KV heads); None: no group."""
     lens = meta.query_lens_host
     chosen = [(m, prefix) for m, prefix in marked_groups(meta, seqs, page_size)
               if policy.cascade_group(prefix, tuple(lens[i] for i in m))]
@@ -72,7 +74,9 @@ def cascade_part(meta: AttentionMetadata, seqs: Sequence[int], page_size: int,
     members = sorted(i for m, _ in chosen for i in m)
     at = {i: j for j, i in enumerate(members)}
     rows, view = prefill_part(meta, members)
-    groups = kernels.prefill_groups([(tuple(at[i] for i in m), p) for m, p in chosen],
-                                    view.query_lens_host, view.seq_lens_host, view.block_tables)
+    local = [(tuple(at[i] for i in m), p) for m, p in chosen]
+    splits = kernels.prefix_splits(local, view.query_lens_host, *heads)
+    groups = kernels.prefill_groups(local, view.query_lens_host, view.seq_lens_host,
+                                    view.block_tables, splits)
     return CascadePart(frozenset(members), rows, view, groups,
                        kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host))

@@ -186,7 +186,7 @@ class KernelAttention:
                     fresh = fresh_rows(meta, [i for i, p in zip(seqs, pick, strict=True) if p])
                     rest = [i for i, p in zip(seqs, pick, strict=True) if not p and lens[i]]
             cascade = None if residual or not meta.shared_prefix_host else cascade_part(
-                meta, rest, kv.k.shape[1], self.prefill_policy)
+                meta, rest, kv.k.shape[1], self.prefill_policy, (q.shape[1], kv.k.shape[2]))
             if cascade is not None:
                 rest = [i for i in rest if i not in cascade.members]
             if fresh is not None or cascade is not None:
