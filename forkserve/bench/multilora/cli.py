@@ -233,6 +233,10 @@ def _extras(r: RunResult) -> str:
     out = f", GPU idle {r.gpu_idle_share:.1%}" if r.gpu_idle_share is not None else ""
     if r.graphs_captured_in_run:
         out += f", {r.graphs_captured_in_run} decode graphs captured in the run"
+    if r.kernels_built_in_run or r.dynamo_graphs_in_run:
+        out += (f", {r.kernels_built_in_run} kernels built in the run "
+                f"({r.kernel_build_s_in_run:.1f} s: {', '.join(r.kernels_built)})"
+                + (f", {r.dynamo_graphs_in_run} dynamo graphs" if r.dynamo_graphs_in_run else ""))
     if r.restored_tokens or r.pins_kept or r.pins_lost:
         out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
                 f", pins kept/lost {r.pins_kept}/{r.pins_lost}")

@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from forkserve.bench.kernel_compiles import KernelCompiles
 from forkserve.bench.multilora.driver import Driver, Workflow
 from forkserve.bench.multilora.recompute_choice import choose
 from forkserve.bench.multilora.step_profile import StepProfiler
@@ -18,6 +19,9 @@ from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
 TARGETS = ("q", "k", "v", "o")
+# The process's kernel builds, read around each timed run (installed once: its hooks are
+# process-wide and every run of the process reads the same counts).
+_COMPILES = KernelCompiles().install()
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ class RunResult:
     prefill_ticks: int = 0
     prefill_tokens_per_tick: float = 0.0      # mean over the prefill ticks
     prefill_tokens_per_tick_max: int = 0
+    # Kernels first built inside the timed run (bench/kernel_compiles.py): Triton
+    # specializations the warm-up missed, the seconds they took (compile or on-disk cache
+    # load), the kernels that built most, and graphs dynamo compiled. 0 in a fair row.
+    kernels_built_in_run: int = 0
+    kernel_build_s_in_run: float = 0.0
+    kernels_built: tuple = ()
+    dynamo_graphs_in_run: int = 0
 
 
 def tiny_config():
@@ -217,14 +228,19 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
+    built = _COMPILES.window()
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
                           writer=system_spec.writer, notes=notes,
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None,
                           invocation=system_spec.invocation)
+    compiles = _COMPILES.since(built)
     result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured,
-                     recompute_layers=backend.config.recompute_layers)
+                     recompute_layers=backend.config.recompute_layers,
+                     kernels_built_in_run=compiles.triton,
+                     kernel_build_s_in_run=compiles.triton_s, kernels_built=compiles.top,
+                     dynamo_graphs_in_run=compiles.dynamo_graphs)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
