@@ -607,6 +607,11 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
                     row[name + "_rel_err_vs_paged"] = check(
                         res, f"{tag} {name} check",
                         lambda n=name: rel_err(runs[n]().view(q.shape), runs["unified_paged"]()))
+        if new == keys and batch == 1:
+            kh, vh = (t.transpose(0, 1)[None].contiguous() for t in (own["k"], own["v"]))
+            device_times(res, tag, row, {**runs, "sdpa_default": lambda: sdpa_backend(
+                s, q, kh, vh, None)}, s.smoke)
+            del kh, vh
         res["prefill"].append(row)
         save()
         print(f"prefill b={batch} new={new:6d} keys={keys:6d} | "
@@ -621,6 +626,29 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
               f"unified {row['engine_unified_old_ms']:.3f} -> {row['engine_unified_ms']:.3f} "
               f"({row['policy_unified']}), residual {row['engine_residual_old_ms']:.3f} -> "
               f"{row['engine_residual_ms']:.3f} ({row['policy_residual']})", flush=True)
+
+
+# Cold batch-1 rows also time these by CUDA-graph replay (``*_device_ms``): the device's
+# work alone, as the decode goals are timed. The eager columns add each call's host launch
+# cost, which at 1K (~0.03 ms of attention) is most of a short route's time, while in the
+# engine's forward it overlaps the device's work on the layers before it.
+DEVICE_COLUMNS = ("sdpa_default", "unified_paged", "unified_fresh", "residual_fresh")
+
+
+def device_times(res: dict, tag: str, row: dict, runs: dict[str, Callable[[], object]],
+                 smoke: bool) -> None:
+    """``row``'s ``DEVICE_COLUMNS`` by graph replay, and their ratios: unified FRESH over
+    SDPA (``unified_fresh_device_over_baseline``), the residual FRESH route over the better
+    unified route (``residual_fresh_device_over_best_unified``)."""
+    for name in DEVICE_COLUMNS:
+        if name in runs:
+            row[name + "_device_ms"] = measure(res, f"{tag} {name} (graph)", runs[name], smoke)
+    base = row.get("sdpa_default_device_ms", math.nan)
+    row["unified_fresh_device_over_baseline"] = row.get("unified_fresh_device_ms", math.nan) / base
+    best = min(row.get("unified_fresh_device_ms", math.inf),
+               row.get("unified_paged_device_ms", math.inf))
+    row["residual_fresh_device_over_best_unified"] = (row.get("residual_fresh_device_ms", math.nan)
+                                                      / best)
 
 
 UNIFIED_ROUTE_COLUMNS = ("unified_paged", "unified_flash", "unified_sdpa", "unified_fresh")

@@ -19,6 +19,7 @@ from forkserve.bench.multilora.workload import (
     MultiLoraParams,
     RunResult,
     build_backend,
+    rehearse,
     run_system,
     tiny_config,
     warm_up,
@@ -65,8 +66,9 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                     help="torch device")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction,
                     default=torch.cuda.is_available(),
-                    help="per system, one untimed 2-agent run and the decode graphs captured "
-                         "before the timed runs (on by default on CUDA)")
+                    help="per system, one untimed 2-agent run and the decode graphs captured, "
+                         "and per W one untimed rehearsal run (2 turns of 16 tokens), before "
+                         "the timed runs (on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
@@ -208,6 +210,11 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                 off = variant(cascade, overlap)
                 bar.set_postfix_str(f"{system} W={w}{off}")
                 try:
+                    if args.warmup:
+                        bar.set_postfix_str(f"{system} W={w}{off}: rehearsal")
+                        built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
+                        bar.set_postfix_str(f"{system} W={w}{off} ({built} kernels built "
+                                            "by its rehearsal)")
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update,
                                               args.profile_ticks)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
