@@ -34,6 +34,8 @@
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
+# Round 9, with each W's timed runs after an untimed rehearsal (kernels_built_in_run ~0):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 23  # react W=1,8,32 on a cold cache; prefill routes by device time
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -219,6 +221,12 @@ case "$1" in
   export TRITON_CACHE_DIR=/root/triton_round9
   timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
     disaggregated unified --tag issue15_round9_warm --out "$OUT" 2>&1 | tail -5
+  ;;
+23)
+  export TRITON_CACHE_DIR=/root/triton_round9_23 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 400 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round9 --out "$OUT" 2>&1 | tail -14
+  timeout 170 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -8
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
