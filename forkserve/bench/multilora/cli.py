@@ -67,7 +67,7 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction,
                     default=torch.cuda.is_available(),
                     help="per system, one untimed 2-agent run and the decode graphs captured, "
-                         "and per W one untimed rehearsal run (2 turns of 16 tokens), before "
+                         "and per W one untimed rehearsal run (at most 2 turns), before "
                          "the timed runs (on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")

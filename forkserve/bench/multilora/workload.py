@@ -262,15 +262,16 @@ def warm_up(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]
 
 
 def rehearse(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]) -> RunResult:
-    """One untimed run of ``params``' shape (its W and context, at most 2 turns of 16
-    tokens) on ``backend``, before the timed runs at that W. Triton builds a kernel per
+    """One untimed run of ``params``' shape (its W, context and generation length, at most 2
+    turns) on ``backend``, before the timed runs at that W. Triton builds a kernel per
     specialization (constexpr modes, integer arguments' divisibility), and a W-agent run's
     prefill and mixed ticks meet ones that ``warm_up``'s 2-agent run and graph captures do
     not: on an empty on-disk Triton cache, 10 of them compiled inside a timed W = 32 run
-    (5.3 s of its 16.1 s of prefill; ``kernels_built_in_run``). Returns the run, whose own
+    (5.3 s of its 16.1 s of prefill; ``kernels_built_in_run``). A rehearsal of 16-token turns
+    still left adaptive's W = 32 run 2 decode kernels (1.8 s) that only its longer turns'
+    mixed ticks meet, so the turns keep their length. Returns the run, whose own
     ``kernels_built_in_run`` lists what this rehearsal built."""
-    return run_system(system, replace(params, turns=min(2, params.turns), gen=min(16, params.gen)),
-                      backend, sizes)
+    return run_system(system, replace(params, turns=min(2, params.turns)), backend, sizes)
 
 
 def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None
