@@ -235,7 +235,6 @@ case "$1" in
     disaggregated adaptive --tag issue15_round9_full --out "$OUT" 2>&1 | tail -12
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
     disaggregated_base --overlap on --tag issue15_round9_base --out "$OUT" 2>&1 | tail -4
-  timeout 110 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -7
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
