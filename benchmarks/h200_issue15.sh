@@ -31,6 +31,12 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 18  # decode_bench (+ Engine rows), profiles
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 19  # react W=1,8,32 + no_lora, base
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 20  # mapreduce W=1,8,32
+# Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
+# Round 9, with each W's timed runs after an untimed rehearsal (kernels_built_in_run ~0):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 23  # react W=1,8,32 on a cold cache; prefill routes by device time
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 24  # the same, full-length rehearsals; base systems W=32
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -200,6 +206,35 @@ case "$1" in
 20)
   timeout 280 python3 -m forkserve.interfaces.cli bench mapreduce --workflows 1 8 32 --systems unified \
     disaggregated adaptive --tag issue15_round8 --out "$OUT" 2>&1 | tail -14
+  ;;
+21)
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_residual_rebuild.py tests/torch/test_fresh_prefill.py \
+    tests/kernels/test_flash_prefill.py 2>&1 | tee "$OUT/pytest_cuda_round9.log" | tail -8
+  timeout 170 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -20
+  # Rows count the Triton kernels first built inside each timed run (kernels_built_in_run):
+  # on an empty on-disk cache they compile there, on 22's warm one they only load.
+  export TRITON_CACHE_DIR=/root/triton_round9 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated unified --tag issue15_round9_cold --out "$OUT" 2>&1 | tail -5
+  ;;
+22)
+  export TRITON_CACHE_DIR=/root/triton_round9
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated unified --tag issue15_round9_warm --out "$OUT" 2>&1 | tail -5
+  ;;
+23)
+  export TRITON_CACHE_DIR=/root/triton_round9_23 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 400 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round9 --out "$OUT" 2>&1 | tail -14
+  timeout 170 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -8
+  ;;
+24)
+  export TRITON_CACHE_DIR=/root/triton_round9_24 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 330 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
+    disaggregated adaptive --tag issue15_round9_full --out "$OUT" 2>&1 | tail -12
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
+    disaggregated_base --overlap on --tag issue15_round9_base --out "$OUT" 2>&1 | tail -4
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

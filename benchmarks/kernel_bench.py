@@ -146,6 +146,14 @@ def bench(fn: Callable[[], object], smoke: bool) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
+    graph = captured(fn)
+    ms = timed_median(graph.replay, most=100)
+    del graph
+    return ms
+
+
+def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` in a CUDA graph, after a warm-up call (compiles) and one on a side stream."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -155,9 +163,30 @@ def bench(fn: Callable[[], object], smoke: bool) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    ms = timed_median(graph.replay, most=100)
-    del graph
-    return ms
+    return graph
+
+
+def timed_interleaved(runs: dict[str, Callable[[], object]], rounds: int = 30) -> dict[str, float]:
+    """Median ms of each of ``runs`` by CUDA-graph replay, the graphs replayed in turn
+    (A, B, C, A, B, C, ...) so a drift of the clock or the board's temperature over the
+    measurement falls on every column alike: for ratios near 1. L2 flushed before each."""
+    graphs = {name: captured(fn) for name, fn in runs.items()}
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    pairs: dict[str, list] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            pairs[name].append((start, end))
+    torch.cuda.synchronize()
+    out = {}
+    for name, events in pairs.items():
+        times = sorted(a.elapsed_time(b) for a, b in events)
+        out[name] = times[len(times) // 2]
+    return out
 
 
 def timed_median(run: Callable[[], object], most: int) -> float:
@@ -616,6 +645,11 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
                     row[name + "_rel_err_vs_paged"] = check(
                         res, f"{tag} {name} check",
                         lambda n=name: rel_err(runs[n]().view(q.shape), runs["unified_paged"]()))
+        if new == keys and batch == 1:
+            kh, vh = (t.transpose(0, 1)[None].contiguous() for t in (own["k"], own["v"]))
+            device_times(res, tag, row, {**runs, "sdpa_default": lambda: sdpa_backend(
+                s, q, kh, vh, None)}, s.smoke)
+            del kh, vh
         res["prefill"].append(row)
         save()
         print(f"prefill b={batch} new={new:6d} keys={keys:6d} | "
@@ -630,6 +664,36 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
               f"unified {row['engine_unified_old_ms']:.3f} -> {row['engine_unified_ms']:.3f} "
               f"({row['policy_unified']}), residual {row['engine_residual_old_ms']:.3f} -> "
               f"{row['engine_residual_ms']:.3f} ({row['policy_residual']})", flush=True)
+
+
+# Cold batch-1 rows also time these by CUDA-graph replay (``*_device_ms``, interleaved):
+# the device's work alone, as the decode goals are timed. The eager columns add each call's
+# host launch cost, which at 1K (~0.03 ms of attention) is most of a short route's time,
+# while in the engine's forward it overlaps the device's work on the layers before it.
+DEVICE_COLUMNS = ("sdpa_default", "unified_paged", "unified_fresh", "residual_fresh")
+
+
+def device_times(res: dict, tag: str, row: dict, runs: dict[str, Callable[[], object]],
+                 smoke: bool) -> None:
+    """``row``'s ``DEVICE_COLUMNS`` by graph replay, interleaved (``timed_interleaved``), and
+    their ratios: unified FRESH over SDPA (``unified_fresh_device_over_baseline``), the
+    residual FRESH route over the better unified route
+    (``residual_fresh_device_over_best_unified``)."""
+    chosen = {name: runs[name] for name in DEVICE_COLUMNS if name in runs}
+    try:
+        times = ({name: bench(fn, smoke) for name, fn in chosen.items()} if smoke
+                 else timed_interleaved(chosen, rounds=30 if row["ctx"] <= 8192 else 12))
+    except Exception as exc:  # one failing capture keeps the rest of the bench
+        res.setdefault("errors", []).append(f"{tag} device times: {exc!r}"[:600])
+        return
+    for name, ms in times.items():
+        row[name + "_device_ms"] = ms
+    base = row.get("sdpa_default_device_ms", math.nan)
+    row["unified_fresh_device_over_baseline"] = row.get("unified_fresh_device_ms", math.nan) / base
+    best = min(row.get("unified_fresh_device_ms", math.inf),
+               row.get("unified_paged_device_ms", math.inf))
+    row["residual_fresh_device_over_best_unified"] = (row.get("residual_fresh_device_ms", math.nan)
+                                                      / best)
 
 
 UNIFIED_ROUTE_COLUMNS = ("unified_paged", "unified_flash", "unified_sdpa", "unified_fresh")

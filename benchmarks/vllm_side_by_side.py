@@ -12,7 +12,8 @@
    recomputes, so no system gets more KV than the budget (plus that headroom).
    Our systems run as the CLI (``forkserve bench react``) runs them: one backend per system,
    built for the largest W, warmed up once (``warm_up``: an untimed 2-agent run, then the
-   decode graphs captured) and reused for every W (``--no-warmup``: cold, as before); the
+   decode graphs captured), rehearsed untimed at each W (``rehearse``) and reused for every W
+   (``--no-warmup``: cold, as before); the
    report says which (``"warmup"``).
 2. decode ms/step at prompt 512, batch 1 and 64 (64 over 32 adapters with LoRA): our
    TorchBackend (no_lora's / unified's backend, decode graphs captured first; decode_bench's
@@ -55,6 +56,7 @@ from forkserve.bench.multilora import (  # noqa: E402
     format_table,
     page_bytes,
     random_adapter,
+    rehearse,
     run_system,
     run_workload,
     tiny_config,
@@ -572,6 +574,8 @@ class _Runs:
                 print(f"{system:<14} warm-up: {warm_up(system, top, *self.ours[1:])} decode "
                       "graphs captured", flush=True)
         _, backend, sizes = self.ours
+        if self.args.warmup:
+            rehearse(system, params, backend, sizes)
         return run_system(system, params, backend, sizes)
 
 

@@ -141,11 +141,13 @@ class CostPrefillPolicy:
     form), at most ``fresh_max_seqs`` of them per step (the longest; each is one SDPA call,
     plus the rebuild's few launches in the residual form, so a step of many short cold
     prompts keeps the one-launch paged kernel for the rest). It neither gathers nor rebuilds
-    from pages. Thresholds measured (H200, commit 16d15b6, kernel_bench_prefill.json, the
-    engine's layer call with its page writes, old dispatch -> FRESH): unified 1K 0.074 ->
-    0.079 ms, 4K 0.322 -> 0.272, 8K 1.024 -> 0.940, 32K 15.12 -> 15.13; residual 1K 0.247 ->
-    0.279, 4K 0.348 -> 0.374, 8K 1.078 -> 1.135, 32K 15.74 -> 15.33 (its rebuild's eager
-    launches cost more than the packed route's gather until the attention dwarfs both).
+    from pages. Thresholds measured (H200, kernel_bench_prefill.json; eager, host launches
+    included): at commit 16d15b6 FRESH won for unified from 4K and, with the residual
+    form's rebuild as ~6 eager launches, only from 32K in that form. With the rebuild as one
+    Triton launch (commit 4000238) it wins in both forms from the 1K row on: unified 1K
+    0.034 ms against the paged kernel's 0.060; residual 1K 0.061 against fused 0.133, 4K
+    0.280 against SDPA's 0.329, 8K 0.936 against 1.037 (the rebuild: 0.010 / 0.048 / 0.033
+    ms). Below 1K nothing is measured, so the paged kernels keep those.
 
     ``CASCADE`` (``cascade_group``): a group of at least ``cascade_min_members`` chunks whose
     shared prefix is at least ``cascade_prefix_ratio`` times their mean new tokens (None:
@@ -174,8 +176,8 @@ class CostPrefillPolicy:
     merge_context_ratio: float = 4.0
     sdpa_for_cold: bool = True
     fresh: bool = True
-    fresh_min_new_tokens: int = 2048
-    residual_fresh_min_new_tokens: int = 16384
+    fresh_min_new_tokens: int = 1024
+    residual_fresh_min_new_tokens: int = 1024
     fresh_max_seqs: int = 16
     cascade_min_members: int = 2
     cascade_prefix_ratio: float | None = 64.0

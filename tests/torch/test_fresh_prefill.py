@@ -130,12 +130,11 @@ def test_prefix_sequence_does_not_take_the_fresh_route():
     counts = PrefillCounts((8, 11, 12, 1), (24, 16, 12, 1))
     small = CostPrefillPolicy(fresh_min_new_tokens=2, residual_fresh_min_new_tokens=2)
     assert small.fresh_items(counts, True) == (False, False, True, False)
-    # The measured thresholds: cold prompts under 2K (under 16K in the residual form) keep
-    # their route.
+    # The measured threshold: cold prompts under 1K keep their route, in either form.
     assert not any(CostPrefillPolicy().fresh_items(counts, False))
-    cold = PrefillCounts((4096, 20000), (4096, 20000))
-    assert CostPrefillPolicy().fresh_items(cold, False) == (True, True)
-    assert CostPrefillPolicy().fresh_items(cold, True) == (False, True)
+    cold = PrefillCounts((1000, 1024, 20000), (1000, 1024, 20000))
+    assert CostPrefillPolicy().fresh_items(cold, False) == (False, True, True)
+    assert CostPrefillPolicy().fresh_items(cold, True) == (False, True, True)
     assert not any(CostPrefillPolicy(fresh=False).fresh_items(counts, False))
     assert not any(FixedPrefillPolicy().fresh_items(counts, False))
     longest = CostPrefillPolicy(fresh_max_seqs=1, fresh_min_new_tokens=2).fresh_items(

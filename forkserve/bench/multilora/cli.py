@@ -19,6 +19,7 @@ from forkserve.bench.multilora.workload import (
     MultiLoraParams,
     RunResult,
     build_backend,
+    rehearse,
     run_system,
     tiny_config,
     warm_up,
@@ -65,8 +66,9 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                     help="torch device")
     ap.add_argument("--warmup", action=argparse.BooleanOptionalAction,
                     default=torch.cuda.is_available(),
-                    help="per system, one untimed 2-agent run and the decode graphs captured "
-                         "before the timed runs (on by default on CUDA)")
+                    help="per system, one untimed 2-agent run and the decode graphs captured, "
+                         "and per W one untimed rehearsal run (at most 2 turns), before "
+                         "the timed runs (on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
@@ -208,6 +210,11 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                 off = variant(cascade, overlap)
                 bar.set_postfix_str(f"{system} W={w}{off}")
                 try:
+                    if args.warmup:
+                        bar.set_postfix_str(f"{system} W={w}{off}: rehearsal")
+                        built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
+                        bar.set_postfix_str(f"{system} W={w}{off} ({built} kernels built "
+                                            "by its rehearsal)")
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update,
                                               args.profile_ticks)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
@@ -233,6 +240,10 @@ def _extras(r: RunResult) -> str:
     out = f", GPU idle {r.gpu_idle_share:.1%}" if r.gpu_idle_share is not None else ""
     if r.graphs_captured_in_run:
         out += f", {r.graphs_captured_in_run} decode graphs captured in the run"
+    if r.kernels_built_in_run or r.dynamo_graphs_in_run:
+        out += (f", {r.kernels_built_in_run} kernels built in the run "
+                f"({r.kernel_build_s_in_run:.1f} s: {', '.join(r.kernels_built)})"
+                + (f", {r.dynamo_graphs_in_run} dynamo graphs" if r.dynamo_graphs_in_run else ""))
     if r.restored_tokens or r.pins_kept or r.pins_lost:
         out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
                 f", pins kept/lost {r.pins_kept}/{r.pins_lost}")

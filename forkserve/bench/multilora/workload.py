@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from forkserve.bench.kernel_compiles import KernelCompiles
 from forkserve.bench.multilora.driver import Driver, Workflow
 from forkserve.bench.multilora.recompute_choice import choose
 from forkserve.bench.multilora.step_profile import StepProfiler
@@ -18,6 +19,9 @@ from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
 TARGETS = ("q", "k", "v", "o")
+# The process's kernel builds, read around each timed run (installed once: its hooks are
+# process-wide and every run of the process reads the same counts).
+_COMPILES = KernelCompiles().install()
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ class RunResult:
     prefill_ticks: int = 0
     prefill_tokens_per_tick: float = 0.0      # mean over the prefill ticks
     prefill_tokens_per_tick_max: int = 0
+    # Kernels first built inside the timed run (bench/kernel_compiles.py): Triton
+    # specializations the warm-up missed, the seconds they took (compile or on-disk cache
+    # load), the kernels that built most, and graphs dynamo compiled. 0 in a fair row.
+    kernels_built_in_run: int = 0
+    kernel_build_s_in_run: float = 0.0
+    kernels_built: tuple = ()
+    dynamo_graphs_in_run: int = 0
 
 
 def tiny_config():
@@ -217,14 +228,19 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
+    built = _COMPILES.window()
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
                           writer=system_spec.writer, notes=notes,
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None,
                           invocation=system_spec.invocation)
+    compiles = _COMPILES.since(built)
     result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured,
-                     recompute_layers=backend.config.recompute_layers)
+                     recompute_layers=backend.config.recompute_layers,
+                     kernels_built_in_run=compiles.triton,
+                     kernel_build_s_in_run=compiles.triton_s, kernels_built=compiles.top,
+                     dynamo_graphs_in_run=compiles.dynamo_graphs)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
@@ -243,6 +259,19 @@ def warm_up(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]
     longest = params.context + params.instruction + params.turns * (params.gen + params.observation)
     backend.warm_cold_prefill(longest)
     return backend.capture_decode_graphs(params.workflows, longest)
+
+
+def rehearse(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]) -> RunResult:
+    """One untimed run of ``params``' shape (its W, context and generation length, at most 2
+    turns) on ``backend``, before the timed runs at that W. Triton builds a kernel per
+    specialization (constexpr modes, integer arguments' divisibility), and a W-agent run's
+    prefill and mixed ticks meet ones that ``warm_up``'s 2-agent run and graph captures do
+    not: on an empty on-disk Triton cache, 10 of them compiled inside a timed W = 32 run
+    (5.3 s of its 16.1 s of prefill; ``kernels_built_in_run``). A rehearsal of 16-token turns
+    still left adaptive's W = 32 run 2 decode kernels (1.8 s) that only its longer turns'
+    mixed ticks meet, so the turns keep their length. Returns the run, whose own
+    ``kernels_built_in_run`` lists what this rehearsal built."""
+    return run_system(system, replace(params, turns=min(2, params.turns)), backend, sizes)
 
 
 def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None

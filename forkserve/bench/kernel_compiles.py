@@ -1,0 +1,95 @@
+"""Kernel specializations a timed region met for the first time in this process.
+
+A Triton kernel is built per constexpr/dtype/alignment specialization on its first launch:
+compiled (~0.5-2 s) or loaded from Triton's on-disk cache (~ms). A benchmark whose warm-up
+missed a specialization pays that inside its timed run, and on a fresh machine (empty disk
+cache) it pays the whole compile: one run of a system measured 10.6 s of prefill on a warm
+machine and 18.5 s on a fresh one (docs/MULTILORA.md "Round 8"). ``KernelCompiles`` makes
+that visible in every row instead of leaving it to be inferred from the spread.
+
+Triton calls ``knobs.runtime.jit_cache_hook`` before it builds a specialization and
+``jit_post_compile_hook`` after; the time between them is the build (compile or disk load).
+Inductor (torch.compile) builds its kernels outside those hooks, so dynamo's compiled-graph
+count is read too. The hooks are process-wide: one recorder is installed at a time, and it
+restores the hooks it found on ``close``.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+_TOP = 6  # kernel names kept per window (the most built first)
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """What a window built: Triton specializations, their seconds (compile or disk load),
+    the kernels that built most, and the graphs dynamo compiled."""
+
+    triton: int = 0
+    triton_s: float = 0.0
+    top: tuple[str, ...] = ()
+    dynamo_graphs: int = 0
+
+
+def _dynamo_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # a torch without dynamo compiles nothing
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+class KernelCompiles:
+    """Counts the kernel builds of a process from ``install()`` to ``close()``; ``window()``
+    starts a region and ``since(mark)`` reads what it built. Without Triton (or on a CPU run
+    that never launches a kernel) every count stays zero."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+        self._names: Counter[str] = Counter()
+        self._count = 0
+        self._seconds = 0.0
+        self._saved: tuple | None = None
+
+    def install(self) -> KernelCompiles:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        rt = knobs.runtime
+        self._saved = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+        before, after = self._saved
+
+        def on_build(**kw):
+            self._started[id(kw["compile"]["key"])] = time.perf_counter()
+            return before(**kw) if before else False
+
+        def on_built(**kw):
+            start = self._started.pop(id(kw["compile"]["key"]), None)
+            if start is not None:
+                self._seconds += time.perf_counter() - start
+            self._count += 1
+            self._names[kw["fn"].name] += 1
+            return after(**kw) if after else None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = on_build, on_built
+        return self
+
+    def close(self) -> None:
+        if self._saved is not None:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+            self._saved = None
+
+    def window(self) -> tuple[int, float, Counter[str], int]:
+        return self._count, self._seconds, Counter(self._names), _dynamo_graphs()
+
+    def since(self, mark: tuple[int, float, Counter[str], int]) -> CompileCounts:
+        count, seconds, names, graphs = mark
+        built = self._names - names
+        return CompileCounts(self._count - count, round(self._seconds - seconds, 3),
+                             tuple(f"{n} x{c}" for n, c in built.most_common(_TOP)),
+                             _dynamo_graphs() - graphs)

@@ -1,0 +1,42 @@
+"""KernelCompiles: the Triton builds a timed region met, read through Triton's own hooks."""
+from types import SimpleNamespace
+
+import pytest
+
+from forkserve.bench.kernel_compiles import KernelCompiles
+
+knobs = pytest.importorskip("triton").knobs
+
+
+def _build(name: str, key: tuple) -> None:
+    """What Triton's JITFunction._do_compile calls around one specialization's build."""
+    kw = dict(key=key, repr=name, fn=SimpleNamespace(name=name), compile={"key": key},
+              is_manual_warmup=False, already_compiled=False)
+    before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    assert not (before and before(**kw))  # a true answer would make Triton skip the build
+    if after:
+        after(**kw)
+
+
+def test_counts_builds_per_window_and_restores_the_hooks():
+    seen = []
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        rec = KernelCompiles().install()
+        _build("warm", (1,))
+        mark = rec.window()
+        _build("decode", (2,))
+        _build("decode", (3,))
+        _build("prefill", (4,))
+        counts = rec.since(mark)
+        assert (counts.triton, counts.top) == (3, ("decode x2", "prefill x1"))
+        assert counts.triton_s >= 0.0
+        assert rec.since(rec.window()).triton == 0
+        rec.close()
+        # The hook found at install still ran under ours, and is back in place.
+        assert seen == ["warm", "decode", "decode", "prefill"]
+        _build("after", (5,))
+        assert seen[-1] == "after" and rec.since(mark).triton == 3
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+        knobs.runtime.jit_cache_hook = None
