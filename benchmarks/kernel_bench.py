@@ -1313,6 +1313,11 @@ def print_variants_table(res: dict) -> None:
                     for r in rows))
 
 
+# (agents, KV heads, key tile, warps) of the tiled score pass that --regs compiles.
+TILED_SCORE_CONFIGS = ((4, 1, 64, 8), (4, 1, 64, 4), (2, 1, 64, 4), (2, 2, 64, 8), (4, 1, 32, 4),
+                       (8, 1, 32, 8), (4, 2, 32, 8))
+
+
 def register_report(out: Path) -> None:
     """Registers, spills and shared memory of the decode and prefill kernels for sm_90a,
     with no GPU.
@@ -1467,6 +1472,15 @@ def register_report(out: Path) -> None:
             rows.append({"kernel": f"cascade_prefix_{form}", "residual": form != "unified",
                          "split_score": False, "block_n": block_n, "num_warps": 8,
                          **compile_one(_decode_partial_kernel, consts, 8, 2, logits=True)})
+    # The split-form cascade's tiled score pass (32-agent tiles; the score buffer float32 as
+    # above): agents x KV heads per program (N = 64 x both), key tile, warps.
+    from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
+    for agents, kv_heads, block_n, warps in TILED_SCORE_CONFIGS:
+        consts = dict(SEQS=32, AGENTS=agents, KV_HEADS=kv_heads, GROUP=4, BLOCK_G=4,
+                      HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
+        rows.append({"kernel": f"tiled_scores_a{agents}h{kv_heads}", "residual": True,
+                     "split_score": False, "block_n": block_n, "num_warps": warps,
+                     **compile_one(_tiled_score_kernel, consts, warps, 2, logits=True)})
     consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False, RES_LOGITS=True,
                   RANK=32, SEQ_START=True, DYN_SPLIT=True)
     rows.append({"kernel": "cascade_suffix_msc", "residual": True, "split_score": False,
