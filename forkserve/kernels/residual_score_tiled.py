@@ -27,7 +27,6 @@ import triton.language as tl
 
 from forkserve.kernels.residual_score_qfold import fold_queries, qfold_scores
 from forkserve.kernels.residual_triton import residual_offsets
-from forkserve.kernels.rope_triton import rope_rows_at
 from forkserve.kernels.split_kv import waves_of
 
 # The per-row pass over the suffixes (qfold_scores' tuning): the batch >= 17 row of
@@ -89,9 +88,12 @@ def _tiled_score_kernel(
         (g < GROUP) & (c_seq >= 0),
         tl.maximum(c_ad, 0) * stride_ba + k * stride_br + c_kvh * HEAD_DIM,
         (k < rank) & (c_ad >= 0), HALF)
+    # [Fc; Fs] as one [D, columns] operand: a table row is [cos | sin], so one product with
+    # K = D replaces two with K = D/2 (and the accumulator's layout change between them).
     dt = Q.dtype.element_ty
-    fc = fold_c.to(dt)
-    fs = fold_s.to(dt)
+    fold = tl.reshape(tl.permute(tl.join(fold_c, fold_s), (2, 0, 1)),
+                      (HEAD_DIM, SLOTS * SLOT_COLS)).to(dt)
+    d = tl.arange(0, HEAD_DIM)
 
     r = tl.arange(0, RANK)
     gg = tl.arange(0, BLOCK_G)
@@ -100,10 +102,10 @@ def _tiled_score_kernel(
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        # One table tile for every slot: the point of the tile.
-        cos, sin = rope_rows_at(RopeTable, offs_n, n_ok, HALF)
-        w = tl.dot(cos.to(dt), fc)
-        w = tl.dot(sin.to(dt), fs, w)
+        # One table tile (the keys' [cos | sin] rows, rope.py) for every slot: the point.
+        cs = tl.load(RopeTable + offs_n[:, None] * HEAD_DIM + d[None, :], mask=n_ok[:, None],
+                     other=0.0)
+        w = tl.dot(cs.to(dt), fold)
         res_ok = n_ok[:, None] & live[None, :]
         r_off = residual_offsets(ResBlockTables, (seq * stride_rbt)[None, :], offs_n[:, None],
                                  res_ok, stride_rp, stride_rs, PAGE_SIZE)
