@@ -1161,7 +1161,7 @@ CASCADE_SPLIT_VARIANTS: dict[str, tuple[str, dict | None]] = {
     "msc": ("msc", None),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": ("tiled_scores", dict(agents=a, kv_heads=h, block_n=bn,
                                                             num_warps=w))
-       for a, h, bn, w in ((4, 1, 64, 8), (2, 1, 64, 4), (4, 1, 32, 8), (2, 2, 64, 8))},
+       for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
 }
 
 
@@ -1455,8 +1455,8 @@ def print_variants_table(res: dict) -> None:
 
 
 # (agents, KV heads, key tile, warps) of the tiled score pass that --regs compiles.
-TILED_SCORE_CONFIGS = ((4, 1, 64, 8), (4, 1, 64, 4), (2, 1, 64, 4), (2, 2, 64, 8), (4, 1, 32, 4),
-                       (8, 1, 32, 8), (4, 2, 32, 8))
+TILED_SCORE_CONFIGS = ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8), (2, 1, 64, 4),
+                       (4, 1, 64, 4), (8, 1, 32, 8))
 
 
 def register_report(out: Path) -> None:

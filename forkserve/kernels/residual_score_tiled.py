@@ -8,10 +8,10 @@ multiplies, per key tile, the keys' cos|sin rows ``[keys, D]`` by the row's fold
 layer at 8K keys x 32 rows x 8 KV heads). The rows of a cascade tile have the same prefix
 positions, so here one program takes ``SLOTS = AGENTS x KV_HEADS`` (row, KV head) pairs of
 one tile: it loads each key tile's cos|sin rows once and multiplies them by the slots'
-folded matrices side by side, ``[D, SLOTS G r]`` (4 slots of a GQA group of 4 at rank 16:
-N = 256, the shape the tensor cores want), then contracts each slot's columns with its own
-row's ``K_res`` tile. Table reads drop by ``SLOTS``; the multiply-adds stay (``D G r`` per
-key and slot), in products N = ``SLOTS G r`` wide instead of ``G r``.
+folded matrices side by side, ``[D, SLOTS G r]`` (a GQA group of 4 at rank 16: N = 64 per
+slot; 2 slots fill two warpgroups' N = 64 each, 4 slots N = 256), then contracts each slot's
+columns with its own row's ``K_res`` tile. Table reads drop by ``SLOTS``; the multiply-adds
+stay (``D G r`` per key and slot), in products N = ``SLOTS G r`` wide instead of ``G r``.
 
 Grid ``(tiles x agent blocks, n_kv / KV_HEADS, chunks)``; each program cuts its tile's
 prefix over the chunks itself, so a CUDA graph captures one shape for any grouping
@@ -121,7 +121,7 @@ def _tiled_score_kernel(
 def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor,
                  rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, tile_seqs: torch.Tensor,
-                 tile_lens: torch.Tensor, kv_starts: torch.Tensor, *, agents: int = 4,
+                 tile_lens: torch.Tensor, kv_starts: torch.Tensor, *, agents: int = 2,
                  kv_heads: int = 1, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
                  chunks: int | None = None, suffix: dict | None = None) -> None:
     """Every row's residual scores into ``bias [batch, H, >= max key]`` (as
@@ -129,9 +129,10 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     kernel, ``agents`` rows x ``kv_heads`` KV heads per program; each row's keys from
     ``kv_starts`` by the per-row q-folded pass (``suffix``: its tuning, default
     ``SUFFIX_SCORE_TUNING``). ``chunks``: programs per tile's prefix (default: about two
-    waves of programs). ``agents``, ``kv_heads``: powers of two. The defaults are a first
-    choice, not tuned on the H200: 4 slots (N = 256) over 8 warps at 64-key tiles hold the
-    ``[64, 256]`` float32 product in 64 registers per thread (4 warps: 128)."""
+    waves of programs). ``agents``, ``kv_heads``: powers of two. The defaults are picked from
+    registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128) over 8 warps at
+    64-key tiles take 123 registers, two programs per SM; 4 slots (N = 256) take 169, one
+    (docs/KERNELS.md)."""
     batch, n_heads, head_dim = q.shape
     if n_kv % kv_heads or kv_heads & (kv_heads - 1) or agents & (agents - 1):
         raise ValueError(f"agents={agents} and kv_heads={kv_heads} must be powers of two, "

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.skipif(torch.cuda.is_available(),
 
 def test_cascade_split_rows(tmp_path, monkeypatch) -> None:
     kb = load_script("kernel_bench")
-    names = ("two_pass", "msc", "tiled_a4h1_bn64_w8")
+    names = ("two_pass", "msc", "tiled_a2h1_bn64_w8")
     monkeypatch.setattr(kb, "CASCADE_SPLIT_VARIANTS",
                         {n: kb.CASCADE_SPLIT_VARIANTS[n] for n in names})
     s = kb.Setup(smoke=True)

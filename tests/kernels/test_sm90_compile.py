@@ -70,7 +70,7 @@ from test_sm90_compile import compile_sm90
 from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
 from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
 tiled = dict(SEQS=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=16)
-for agents, kv_heads in ((4, 1), (2, 2)):
+for agents, kv_heads in ((2, 1), (4, 1), (2, 2)):
     ptx = compile_sm90(_tiled_score_kernel, dict(tiled, AGENTS=agents, KV_HEADS=kv_heads), 8)
     assert ".entry" in ptx
 assert ".entry" in compile_sm90(_qfold_score_kernel, dict(
@@ -80,7 +80,7 @@ assert ".entry" in compile_sm90(_qfold_score_kernel, dict(
 
 
 def test_tiled_scores_compile():
-    """The split-form cascade's tiled score pass (4 agents x 1 KV head, the default, and
+    """The split-form cascade's tiled score pass (2 agents x 1 KV head, the default; 4 x 1;
     2 x 2) and the q-folded pass over the suffixes (``SEQ_START``)."""
     here = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
