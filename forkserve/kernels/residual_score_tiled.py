@@ -13,8 +13,8 @@ slot; 2 slots fill two warpgroups' N = 64 each, 4 slots N = 256), then contracts
 columns with its own row's ``K_res`` tile. Table reads drop by ``SLOTS``; the multiply-adds
 stay (``D G r`` per key and slot), in products N = ``SLOTS G r`` wide instead of ``G r``.
 
-Grid ``(tiles x agent blocks, n_kv / KV_HEADS, chunks)``; each program cuts its tile's
-prefix over the chunks itself, so a CUDA graph captures one shape for any grouping
+Grid ``(tiles, n_kv / KV_HEADS, agent blocks x chunks)``; each program finds its block and
+its share of the tile's prefix itself, so a CUDA graph captures one shape for any grouping
 (``tile_seqs``, ``tile_lens`` as in shared_prefix.py). The keys a row has past its tile's
 prefix (its suffix, or all of a row in no tile) are the per-row q-folded pass's, from
 ``kv_starts`` (``tiled_scores``).
@@ -49,19 +49,26 @@ def _tiled_score_kernel(
     stride_sb, stride_sh,
     SEQS: tl.constexpr, AGENTS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, RANK: tl.constexpr, SEQS_P2: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SLOTS: tl.constexpr = AGENTS * KV_HEADS
     SLOT_COLS: tl.constexpr = BLOCK_G * RANK
-    BLOCKS: tl.constexpr = (SEQS + AGENTS - 1) // AGENTS
-    tile = tl.program_id(0) // BLOCKS
-    agent0 = (tl.program_id(0) % BLOCKS) * AGENTS
+    tile = tl.program_id(0)
     kvh0 = tl.program_id(1) * KV_HEADS
     # The prefix as the tiled launch reads it (decode_attention.py, TILED).
     first = tl.load(TileSeqs + tile * SEQS)
     kv_end = tl.where(first >= 0, tl.minimum(tl.load(SeqLens + tl.maximum(first, 0)),
                                              tl.load(TileLens + tile)), 0)
+    # The tile's programs go to its blocks of AGENTS up to its last listed agent: a graph's
+    # tiles are as wide as the widest group (-1 pads), so a tile of 8 agents in 32 places
+    # gets all its programs, not a quarter of them.
+    at = tl.arange(0, SEQS_P2)
+    listed = tl.load(TileSeqs + tile * SEQS + at, mask=at < SEQS, other=-1) >= 0
+    blocks = tl.maximum(tl.cdiv(tl.max(tl.where(listed, at + 1, 0), 0), AGENTS), 1)
+    chunks = tl.num_programs(2) // blocks
+    agent0 = (tl.program_id(2) % blocks) * AGENTS
+    chunk = tl.program_id(2) // blocks
 
     # Slot s = (agent s // KV_HEADS, KV head s % KV_HEADS); a slot without an adapter is
     # never read by the later passes, so it scores nothing.
@@ -70,9 +77,10 @@ def _tiled_score_kernel(
     live = adapter >= 0
     seq = tl.maximum(seq, 0)
     kvh = kvh0 + slot % KV_HEADS
-    span = tl.where(tl.max(live.to(tl.int32), 0) > 0, kv_end, 0)
-    key_split = tl.cdiv(tl.cdiv(span, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    start = tl.program_id(2) * key_split
+    # The num_programs % blocks left over (chunk == chunks) have nothing to do.
+    span = tl.where((tl.max(live.to(tl.int32), 0) > 0) & (chunk < chunks), kv_end, 0)
+    key_split = tl.cdiv(tl.cdiv(span, chunks), BLOCK_N) * BLOCK_N
+    start = chunk * key_split
     stop = tl.minimum(start + key_split, span)
 
     # The slots' folded matrices side by side: column (s, g, k) = slot s, query row g of its
@@ -128,11 +136,12 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     ``residual_scores`` writes them): the prefix keys of each cascade tile by this module's
     kernel, ``agents`` rows x ``kv_heads`` KV heads per program; each row's keys from
     ``kv_starts`` by the per-row q-folded pass (``suffix``: its tuning, default
-    ``SUFFIX_SCORE_TUNING``). ``chunks``: programs per tile's prefix (default: about two
-    waves of programs). ``agents``, ``kv_heads``: powers of two. The defaults are picked from
-    registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128) over 8 warps at
-    64-key tiles take 123 registers, two programs per SM; 4 slots (N = 256) take 169, one
-    (docs/KERNELS.md)."""
+    ``SUFFIX_SCORE_TUNING``). ``chunks``: programs per block of ``agents`` and KV heads in
+    a full tile (default: about two waves of programs; a tile listing fewer agents spreads
+    the same programs over its blocks). ``agents``, ``kv_heads``: powers of two. The defaults
+    are picked from registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128)
+    over 8 warps at 64-key tiles take 123 registers, two programs per SM; 4 slots (N = 256)
+    take 169, one (docs/KERNELS.md)."""
     batch, n_heads, head_dim = q.shape
     if n_kv % kv_heads or kv_heads & (kv_heads - 1) or agents & (agents - 1):
         raise ValueError(f"agents={agents} and kv_heads={kv_heads} must be powers of two, "
@@ -144,7 +153,7 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     if chunks is None:
         chunks = max(1, min(waves_of(programs, q.device), -(-bias.shape[2] // block_n)))
     group = n_heads // n_kv
-    _tiled_score_kernel[(n_tiles * blocks, n_kv // kv_heads, chunks)](
+    _tiled_score_kernel[(n_tiles, n_kv // kv_heads, blocks * chunks)](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, tile_seqs,
         tile_lens, bias, b_k_all.shape[1],
         q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
@@ -153,7 +162,7 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
         SEQS=seqs, AGENTS=agents, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, PAGE_SIZE=k_res.shape[1],
         BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(b_k_all.shape[1])),
-        num_warps=num_warps, num_stages=num_stages,
+        SEQS_P2=triton.next_power_of_2(seqs), num_warps=num_warps, num_stages=num_stages,
     )
     qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                  bias, kv_starts=kv_starts, **(SUFFIX_SCORE_TUNING if suffix is None else suffix))

@@ -124,12 +124,16 @@ def test_msc_cascade_equals_eager_and_two_pass() -> None:
     assert rel_err(msc, cascade_residual_decode(*args, **TUNING)) < REL_TOL
 
 
-@pytest.mark.parametrize("agents,kv_heads,angle_add", [(2, 1, False), (1, 2, True)])
-def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int,
-                                               angle_add: bool) -> None:
+@pytest.mark.parametrize("agents,kv_heads,angle_add,wide", [(2, 1, False, False),
+                                                            (1, 2, True, False),
+                                                            (1, 1, False, True)])
+def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int, angle_add: bool,
+                                               wide: bool) -> None:
     """The tiled score pass (``_split_groups``): agents of two adapters stacked in one program
-    (2 x 1), or one agent per program over both KV heads (1 x 2: two agent blocks per tile),
-    prefixes in two chunks, suffixes (table rows / angle addition) in several. Every score a
+    (2 x 1), or one agent per program over both KV heads (1 x 2: up to two agent blocks per
+    tile); ``wide``: tiles of four places, the first group's rows 0, 1, 3 in one (three
+    blocks share eight programs, two left over) and row 2 alone. Prefixes in two chunks per
+    block of a full tile, suffixes (table rows / angle addition) in several. Every score a
     later pass reads (rows with an adapter, keys below their length) equals the per-row
     pass's, and is written (the buffer starts NaN)."""
     from forkserve.kernels.residual_decode_triton import residual_scores
@@ -137,6 +141,10 @@ def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int,
     from forkserve.kernels.rope import cached_rope_table
     q, _, _, k_res, _, _, rbt, lens, b_k, _, ad, inv_freq, tile_seqs, tile_lens, kv_starts = (
         _split_groups())
+    if wide:
+        tile_seqs = torch.tensor([[0, 1, 3, -1], [2, -1, -1, -1], [5, -1, -1, -1],
+                                  [4, 6, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32,
+                                 device=DEVICE)
     width, n_kv = int(lens.max()), 2
     table = cached_rope_table(inv_freq, width)
     ref = residual_scores(q, k_res, rbt, lens, b_k, ad, table, n_kv, width, dtype=torch.float32,
