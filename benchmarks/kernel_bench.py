@@ -1617,8 +1617,8 @@ def register_report(out: Path) -> None:
     # above): agents x KV heads per program (N = 64 x both), key tile, warps.
     from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
     for agents, kv_heads, block_n, warps in TILED_SCORE_CONFIGS:
-        consts = dict(SEQS=32, AGENTS=agents, KV_HEADS=kv_heads, GROUP=4, BLOCK_G=4,
-                      HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
+        consts = dict(SEQS=32, SEQS_P2=32, AGENTS=agents, KV_HEADS=kv_heads, GROUP=4,
+                      BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
         rows.append({"kernel": f"tiled_scores_a{agents}h{kv_heads}", "residual": True,
                      "split_score": False, "block_n": block_n, "num_warps": warps,
                      **compile_one(_tiled_score_kernel, consts, warps, 2, logits=True)})

@@ -69,7 +69,8 @@ _SCORE_PASSES = """
 from test_sm90_compile import compile_sm90
 from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
 from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
-tiled = dict(SEQS=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=16)
+tiled = dict(SEQS=32, SEQS_P2=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
+             RANK=16)
 for agents, kv_heads in ((2, 1), (4, 1), (2, 2)):
     ptx = compile_sm90(_tiled_score_kernel, dict(tiled, AGENTS=agents, KV_HEADS=kv_heads), 8)
     assert ".entry" in ptx
