@@ -140,8 +140,8 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     a full tile (default: about two waves of programs; a tile listing fewer agents spreads
     the same programs over its blocks). ``agents``, ``kv_heads``: powers of two. The defaults
     are picked from registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128)
-    over 8 warps at 64-key tiles take 123 registers, two programs per SM; 4 slots (N = 256)
-    take 169, one (docs/KERNELS.md)."""
+    over 8 warps at 64-key tiles take 117 registers, two programs per SM; 4 slots (N = 256)
+    take 175, one (docs/KERNELS.md)."""
     batch, n_heads, head_dim = q.shape
     if n_kv % kv_heads or kv_heads & (kv_heads - 1) or agents & (agents - 1):
         raise ValueError(f"agents={agents} and kv_heads={kv_heads} must be powers of two, "
