@@ -142,7 +142,7 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     are picked from registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128)
     over 8 warps at 64-key tiles take 117 registers, two programs per SM; 4 slots (N = 256)
     take 175, one (docs/KERNELS.md)."""
-    batch, n_heads, head_dim = q.shape
+    _, n_heads, head_dim = q.shape
     if n_kv % kv_heads or kv_heads & (kv_heads - 1) or agents & (agents - 1):
         raise ValueError(f"agents={agents} and kv_heads={kv_heads} must be powers of two, "
                          f"kv_heads dividing the {n_kv} KV heads")
