@@ -83,6 +83,7 @@ class Setup:
             self.mixed_contexts, self.mixed_chunk, self.mixed_rows = [64], 16, [2, 3]
             self.cascade_prefixes, self.cascade_members, self.cascade_new = [64], [2, 3], [4, 8]
             self.short_keys, self.short_widths, self.short_batches = [16, 40], [0, 256], [1, 3]
+            self.split_prefixes, self.split_agents, self.split_suffix = [64], [2, 4], 24
             self.max_tokens = 1024
         else:
             self.n_heads, self.n_kv, self.head_dim, self.rank = 32, 8, 128, 16
@@ -98,6 +99,8 @@ class Setup:
             # --decode-short: keys per sequence, table widths (0: the keys'), batches.
             self.short_keys, self.short_widths = [512, 1024, 2048, 4096], [0, 8192, 32768]
             self.short_batches = [1, 8, 64]
+            # --cascade-split: shared prefixes, agents per prefix, private suffix (react-like).
+            self.split_prefixes, self.split_agents, self.split_suffix = [8192, 32768], [8, 32], 600
             self.max_tokens = 64 * 32768 + 32 * 256
         self.page = 16
         self.n_adapters = 4
@@ -1353,6 +1356,144 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
+# The split-form cascade's variants timed by --cascade-split: name -> (variant, score_tuning).
+# "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>": variant="tiled_scores" at that tuning
+# (residual_score_tiled.py; registers in docs/KERNELS.md), the first its default.
+CASCADE_SPLIT_VARIANTS: dict[str, tuple[str, dict | None]] = {
+    "two_pass": ("two_pass", None),
+    "msc": ("msc", None),
+    **{f"tiled_a{a}h{h}_bn{bn}_w{w}": ("tiled_scores", dict(agents=a, kv_heads=h, block_n=bn,
+                                                            num_warps=w))
+       for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
+}
+
+
+def split_pass1(s: Setup, variant: str, tuning: dict | None, case: tuple) -> Callable[[], object]:
+    """Pass 1 alone of a split-form cascade variant, as ``_cascade`` launches it."""
+    from forkserve.kernels.residual_decode_triton import residual_scores, score_tuning_for
+    from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
+    from forkserve.kernels.residual_score_tiled import tiled_scores
+    q, bt, rbt, lens, ad, table, width, tiles = case
+    if variant == "msc":
+        return lambda: residual_logits(q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
+                                       1.0 / math.sqrt(s.head_dim), width,
+                                       **(tuning or MSC_TUNING))
+    if variant == "two_pass":
+        return lambda: residual_scores(q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, width,
+                                       dtype=torch.float32,
+                                       **(tuning or score_tuning_for(q.shape[0])))
+    bias = torch.empty(q.shape[0], s.n_heads, width, dtype=torch.float32, device=s.device)
+    return lambda: tiled_scores(q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, bias, *tiles,
+                                **(tuning or {}))
+
+
+def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
+    """Per (shared prefix, agents): the unified cascade (the floor), then every split-form
+    variant whole and its pass 1 alone; one tile as the engine fills a decode graph's (the
+    agents, then -1 up to ``cascade_tile_agents``), each agent its own adapter and residual
+    pages and a ``split_suffix``-key suffix. Errors against the two-pass cascade."""
+    from forkserve.kernels import cascade_tile_agents
+    from forkserve.kernels.rope import cached_rope_table
+    width_tile = cascade_tile_agents(s.n_heads // s.n_kv)
+    for agents in s.split_agents:
+        for ctx in s.split_prefixes:
+            prefix_pages, total = ctx // s.page, ctx + s.split_suffix
+            bt, rbt, _ = s.tables(agents, total)
+            bt = bt.clone()
+            # Every page holding a prefix key is shared (a prefix may end mid-page).
+            bt[:, :-(-ctx // s.page)] = bt[0, :-(-ctx // s.page)]
+            lens = torch.full((agents,), total, dtype=torch.int32, device=s.device)
+            q, ad = s.q(agents), s.adapters(agents)
+            seqs = torch.arange(width_tile, dtype=torch.int32, device=s.device)
+            tiles = (torch.where(seqs < agents, seqs, -1).view(1, width_tile),
+                     torch.full((1,), ctx, dtype=torch.int32, device=s.device),
+                     torch.full((agents,), ctx, dtype=torch.int32, device=s.device))
+            table = cached_rope_table(s.inv_freq, total)
+            case = (q, bt, rbt, lens, ad, table, total, tiles)
+            tag = f"split prefix={ctx} agents={agents}"
+            row = {"prefix_ctx": ctx, "agents": agents, "suffix": s.split_suffix,
+                   "unified_ms": measure(res, tag + " unified", lambda: shared_prefix_decode_triton(
+                       q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=total), s.smoke)}
+            args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
+                    *tiles)
+            outs = {}
+            for name, (variant, tuning) in CASCADE_SPLIT_VARIANTS.items():
+                whole = lambda v=variant, t=tuning: cascade_residual_decode_triton(  # noqa: E731
+                    *args, max_seq_len=total, variant=v, score_tuning=t)
+                row[name + "_ms"] = measure(res, f"{tag} {name}", whole, s.smoke)
+                row[name + "_pass1_ms"] = measure(res, f"{tag} {name} pass 1",
+                                                  split_pass1(s, variant, tuning, case), s.smoke)
+                outs[name] = check(res, f"{tag} {name} run", whole)
+            for name, out in outs.items():
+                row[name + "_rel_err"] = check(res, f"{tag} {name} check",
+                                               lambda o=out: rel_err(o, outs["two_pass"]))
+            res["cascade_split"].append(row)
+            save()
+            print(f"{tag}: unified {row['unified_ms']:.4f} ms | " + " | ".join(
+                f"{n} {row[n + '_ms']:.4f} (p1 {row[n + '_pass1_ms']:.4f})"
+                for n in CASCADE_SPLIT_VARIANTS), flush=True)
+
+
+def print_cascade_split(res: dict) -> None:
+    print(f"\n== {res['device']} {res['dtype']} commit {res['commit'][:10]}: split-form cascade "
+          f"decode, one layer, ms whole / pass 1 alone; err vs two_pass")
+    for r in res["cascade_split"]:
+        print(f"prefix {r['prefix_ctx']:6d} agents {r['agents']:3d} suffix {r['suffix']:4d} | "
+              f"unified cascade {r['unified_ms']:.4f}")
+        for n in CASCADE_SPLIT_VARIANTS:
+            print(f"    {n:22s} {r[n + '_ms']:8.4f} / {r[n + '_pass1_ms']:8.4f}  "
+                  f"err {r.get(n + '_rel_err', math.nan):.1e}")
+
+
+def plot_cascade_split(res: dict, path: Path) -> None:
+    """Per agent count: ms against the prefix length, whole (solid) and pass 1 (dashed) per
+    variant, the unified cascade in black."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["cascade_split"]
+    counts = sorted({r["agents"] for r in rows})
+    fig, axes = plt.subplots(1, max(len(counts), 1), figsize=(7 * max(len(counts), 1), 5),
+                             squeeze=False)
+    for ax, agents in zip(axes[0], counts):
+        pts = sorted((r for r in rows if r["agents"] == agents), key=lambda r: r["prefix_ctx"])
+        x = [r["prefix_ctx"] for r in pts]
+        ax.plot(x, [r["unified_ms"] for r in pts], color="black", marker="o", label="unified")
+        for i, n in enumerate(CASCADE_SPLIT_VARIANTS):
+            ax.plot(x, [r[n + "_ms"] for r in pts], color=f"C{i}", marker="o", label=n)
+            ax.plot(x, [r[n + "_pass1_ms"] for r in pts], color=f"C{i}", marker="x",
+                    linestyle="--", label=n + " pass 1")
+        ax.set(xscale="log", yscale="log", xlabel="shared prefix (keys)", ylabel="ms (one layer)",
+               title=f"{agents} agents, {pts[0]['suffix'] if pts else 0}-key suffixes")
+        ax.legend(fontsize=6)
+    fig.suptitle(f"split-form cascade: whole (-) and pass 1 (--); {res['device']} {res['dtype']} "
+                 f"commit {res['commit'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main_cascade_split(s: Setup, args: argparse.Namespace) -> dict:
+    res = result_header(s, timing="CUDA graph replay, L2 flushed, median of CUDA events",
+                        cascade_split=[])
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "kernel_bench_cascade_split.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1))
+        try:
+            plot_cascade_split(res, path.with_suffix(".png"))
+        except Exception as exc:
+            print(f"plot failed: {exc!r}", flush=True)
+
+    try:
+        run_cascade_split(s, res, save)
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"cascade split: {exc!r}"[:1000])
+        print(f"cascade split FAILED: {exc!r}", flush=True)
+    publish(res, path, plot_cascade_split, print_cascade_split)
+    return res
+
+
 def time_msc2s_halves(s: Setup, res: dict, row: dict, what: str, name: str, tuning: dict,
                       case: tuple) -> None:
     """``<name>_base_ms`` (base logits from K_base) and ``<name>_res_ms`` (the q-folded
@@ -1516,6 +1657,11 @@ def print_variants_table(res: dict) -> None:
                     for r in rows))
 
 
+# (agents, KV heads, key tile, warps) of the tiled score pass that --regs compiles.
+TILED_SCORE_CONFIGS = ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8), (2, 1, 64, 4),
+                       (4, 1, 64, 4), (8, 1, 32, 8))
+
+
 def register_report(out: Path) -> None:
     """Registers, spills and shared memory of the decode and prefill kernels for sm_90a,
     with no GPU.
@@ -1670,6 +1816,15 @@ def register_report(out: Path) -> None:
             rows.append({"kernel": f"cascade_prefix_{form}", "residual": form != "unified",
                          "split_score": False, "block_n": block_n, "num_warps": 8,
                          **compile_one(_decode_partial_kernel, consts, 8, 2, logits=True)})
+    # The split-form cascade's tiled score pass (32-agent tiles; the score buffer float32 as
+    # above): agents x KV heads per program (N = 64 x both), key tile, warps.
+    from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
+    for agents, kv_heads, block_n, warps in TILED_SCORE_CONFIGS:
+        consts = dict(SEQS=32, SEQS_P2=32, AGENTS=agents, KV_HEADS=kv_heads, GROUP=4,
+                      BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n, RANK=16)
+        rows.append({"kernel": f"tiled_scores_a{agents}h{kv_heads}", "residual": True,
+                     "split_score": False, "block_n": block_n, "num_warps": warps,
+                     **compile_one(_tiled_score_kernel, consts, warps, 2, logits=True)})
     consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False, RES_LOGITS=True,
                   RANK=32, SEQ_START=True, DYN_SPLIT=True)
     rows.append({"kernel": "cascade_suffix_msc", "residual": True, "split_score": False,
@@ -1750,6 +1905,16 @@ def main() -> None:
     parser.add_argument("--cascade-sweep", action="store_true",
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
+    parser.add_argument("--cascade-split", action="store_true",
+                        help="only: the split-form cascade's variants (two-pass, msc, tiled "
+                             "scores) whole and pass 1 alone; writes "
+                             "kernel_bench_cascade_split.json/.png")
+    parser.add_argument("--split-prefixes", nargs="*", type=int,
+                        help="shared prefixes of --cascade-split (default 8K 32K)")
+    parser.add_argument("--split-agents", nargs="*", type=int,
+                        help="agents per prefix of --cascade-split (default 8 32)")
+    parser.add_argument("--split-suffix", type=int,
+                        help="private suffix keys per agent of --cascade-split (default 600)")
     args = parser.parse_args()
     if args.regs:
         register_report(args.out)
@@ -1762,7 +1927,9 @@ def main() -> None:
                        ("chunk", "mixed_chunk"), ("short_keys", "short_keys"),
                        ("short_widths", "short_widths"), ("short_batches", "short_batches"),
                        ("cascade_prefixes", "cascade_prefixes"),
-                       ("cascade_members", "cascade_members"), ("cascade_new", "cascade_new")):
+                       ("cascade_members", "cascade_members"), ("cascade_new", "cascade_new"),
+                       ("split_prefixes", "split_prefixes"), ("split_agents", "split_agents"),
+                       ("split_suffix", "split_suffix")):
         if getattr(args, arg):
             setattr(s, field, getattr(args, arg))
     if args.mixed:
@@ -1773,6 +1940,9 @@ def main() -> None:
         return
     if args.decode_short:
         main_decode_short(s, args)
+        return
+    if args.cascade_split:
+        main_cascade_split(s, args)
         return
     if args.variants is not None:
         main_variants(s, args)

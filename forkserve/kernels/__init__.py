@@ -228,8 +228,9 @@ def cascade_residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             **tuning) -> torch.Tensor:
     """ResidualAttention decode with cascade tiles (the split form): a tile's sequences read
     its shared base prefix once, each with its own adapter's residual. Equals
-    ``residual_decode``, its reference. ``tuning`` (Triton): ``variant`` "two_pass" (default)
-    or "msc", ``score_tuning``, the launches' tiles (``cascade_residual_decode_triton``)."""
+    ``residual_decode``, its reference. ``tuning`` (Triton): ``variant`` "two_pass" (default),
+    "msc" or "tiled_scores", ``score_tuning``, the launches' tiles
+    (``cascade_residual_decode_triton``)."""
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             b_k_all, b_v_all, adapter_idx, inv_freq)
     if _triton(use_triton, q):

@@ -52,19 +52,36 @@ from forkserve.kernels.residual_triton import (
     group_queries_t,
     residual_offsets,
 )
-from forkserve.kernels.rope_triton import rope_row, rope_rows
+from forkserve.kernels.rope_triton import rope_row, rope_rows, rope_rows_at
 from forkserve.kernels.split_kv import waves_of
 
 
 @triton.jit
+def fold_queries(Q, BK, q_col, q_ok, b_col, b_ok, HALF: tl.constexpr):
+    """The folded matrices ``Fc, Fs`` (module docstring), float32 ``[HALF, columns]``: column
+    ``c`` folds the query at ``Q + q_col[c]`` (zero where not ``q_ok``) into the ``B_k`` row at
+    ``BK + b_col[c]`` (zero where not ``b_ok``); both offsets point at the row's first
+    element."""
+    i = tl.arange(0, HALF)[:, None]
+    q_ptr = Q + q_col[None, :] + i
+    q_lo = tl.load(q_ptr, mask=q_ok[None, :], other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + HALF, mask=q_ok[None, :], other=0.0).to(tl.float32)
+    b_ptr = BK + b_col[None, :] + i
+    b_lo = tl.load(b_ptr, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    b_hi = tl.load(b_ptr + HALF, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    return q_lo * b_lo + q_hi * b_hi, q_hi * b_lo - q_lo * b_hi
+
+
+@triton.jit
 def _qfold_score_kernel(
-    Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias, K, BlockTables,
+    Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias, K, BlockTables, KvStarts,
     rank, chunk_len, qk_scale,
     stride_qb, stride_qh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
     stride_sb, stride_sh, stride_kp, stride_ks, stride_kh, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
     ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
+    SEQ_START: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     COLS: tl.constexpr = BLOCK_G * RANK
@@ -74,24 +91,27 @@ def _qfold_score_kernel(
     adapter = tl.load(AdapterIdx + b)
     has_ad = adapter >= 0
     a_safe = tl.maximum(adapter, 0)
-    start = chunk * chunk_len
-    stop = tl.minimum(start + chunk_len, tl.load(SeqLens + b))
+    seq_len = tl.load(SeqLens + b)
+    if SEQ_START:
+        # Split-form cascade, tiled scores: only the keys from the row's suffix start (its
+        # prefix keys are scored per tile), cut over the chunks in this row (graph-safe).
+        key0 = tl.load(KvStarts + b)
+        chunk_len = tl.cdiv(tl.cdiv(tl.maximum(seq_len - key0, 0), tl.num_programs(2)),
+                            BLOCK_N) * BLOCK_N
+        start = key0 + chunk * chunk_len
+    else:
+        start = chunk * chunk_len
+    stop = tl.minimum(start + chunk_len, seq_len)
     if not LOGITS:
         stop = tl.where(has_ad, stop, start)  # no adapter: pass 2 never reads the bias
 
     # The group's queries folded into B_k: column (g, k) = query row g, rank column k.
-    i = tl.arange(0, HALF)[:, None]
-    col = tl.arange(0, COLS)[None, :]
+    col = tl.arange(0, COLS)
     g = col // RANK
     k = col % RANK
-    q_ptr = Q + b * stride_qb + (kvh * GROUP + g) * stride_qh + i
-    q_lo = tl.load(q_ptr, mask=g < GROUP, other=0.0).to(tl.float32)
-    q_hi = tl.load(q_ptr + HALF, mask=g < GROUP, other=0.0).to(tl.float32)
-    b_ptr = BK + a_safe * stride_ba + k * stride_br + kvh * HEAD_DIM + i
-    b_lo = tl.load(b_ptr, mask=k < rank, other=0.0).to(tl.float32)
-    b_hi = tl.load(b_ptr + HALF, mask=k < rank, other=0.0).to(tl.float32)
-    fold_c = q_lo * b_lo + q_hi * b_hi
-    fold_s = q_hi * b_lo - q_lo * b_hi
+    fold_c, fold_s = fold_queries(
+        Q, BK, b * stride_qb + (kvh * GROUP + g) * stride_qh, g < GROUP,
+        a_safe * stride_ba + k * stride_br + kvh * HEAD_DIM, k < rank, HALF)
     dt = Q.dtype.element_ty
     if ANGLE_ADD:
         cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
@@ -102,7 +122,6 @@ def _qfold_score_kernel(
         fs = fold_s.to(dt)
 
     r = tl.arange(0, RANK)
-    d_lo = tl.arange(0, HALF)
     rows = tl.arange(0, BLOCK_G)
     s_ptr = Bias + b * stride_sb + (kvh * GROUP + rows)[None, :] * stride_sh
     if LOGITS:
@@ -127,11 +146,9 @@ def _qfold_score_kernel(
             w = tl.dot(cos_j, wc.to(dt))
             w = tl.dot(sin_j, ws.to(dt), w)
         else:
-            t_row = RopeTable + offs_n[:, None] * (2 * HALF) + d_lo[None, :]
-            cos = tl.load(t_row, mask=n_ok[:, None], other=0.0).to(dt)
-            sin = tl.load(t_row + HALF, mask=n_ok[:, None], other=0.0).to(dt)
-            w = tl.dot(cos, fc)
-            w = tl.dot(sin, fs, w)
+            cos, sin = rope_rows_at(RopeTable, offs_n, n_ok, HALF)
+            w = tl.dot(cos.to(dt), fc)
+            w = tl.dot(sin.to(dt), fs, w)
         # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
         sc = tl.sum(tl.reshape(w, [BLOCK_N, BLOCK_G, RANK]) * kr.to(tl.float32)[:, None, :], 2)
         if LOGITS:
@@ -147,12 +164,17 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, *, block_n: int = 64,
                  num_warps: int = 4, num_stages: int = 2, chunk: int | None = None,
                  angle_add: bool = True,
-                 logits: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                 logits: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 kv_starts: torch.Tensor | None = None) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
     (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
     block_tables, qk_scale)``: write whole logits instead, ``(q.K_base + q.RoPE(K_res B_k))
-    * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py."""
+    * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py.
+    ``kv_starts [batch]``: score only keys ``kv_starts[b] .. seq_lens[b]`` of each row, its
+    range cut over the same number of chunks (residual_score_tiled.py scores the rest)."""
+    if logits is not None and kv_starts is not None:
+        raise ValueError("kv_starts is a residual-score option; msc's logits cover every key")
     batch, n_heads, head_dim = q.shape
     span = bias.shape[2]
     if chunk is None:
@@ -165,12 +187,13 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                     if logits is not None else (0, 0, 0, 0))
     _qfold_score_kernel[(batch, n_kv, -(-span // chunk))](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, bias,
-        k_base, block_tables, rank, chunk, qk_scale,
+        k_base, block_tables, kv_starts, rank, chunk, qk_scale,
         q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
         b_k_all.stride(0), b_k_all.stride(1), res_block_tables.stride(0),
         bias.stride(0), bias.stride(1), *base_strides,
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
         ANGLE_ADD=angle_add, LOGITS=logits is not None,
-        BASE_N=max(16, triton.next_power_of_2(group)), num_warps=num_warps, num_stages=num_stages,
+        BASE_N=max(16, triton.next_power_of_2(group)), SEQ_START=kv_starts is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )

@@ -28,6 +28,16 @@ def rope_rows(Table, N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
+def rope_rows_at(Table, offs_n, mask, HALF: tl.constexpr):
+    """cos, sin at the positions ``offs_n [N]`` (zero where not ``mask``): float32
+    ``[N, HALF]`` each, straight from the table (no angle addition)."""
+    d = tl.arange(0, HALF)
+    row = Table + offs_n[:, None] * (2 * HALF) + d[None, :]
+    return (tl.load(row, mask=mask[:, None], other=0.0),
+            tl.load(row + HALF, mask=mask[:, None], other=0.0))
+
+
+@triton.jit
 def rope_row(Table, pos, HALF: tl.constexpr):
     """cos, sin at the scalar position ``pos``: float32 ``[HALF]`` each."""
     d = tl.arange(0, HALF)

@@ -17,7 +17,8 @@ launch shape serves any grouping of a batch: it can be captured in a CUDA graph.
 the base pages, each row adds its own adapter's residual (two-pass decode's score pass, a
 value pass for ``V_res B_v``). Its ``variant="msc"`` materializes every row's whole logits
 first (residual_msc.py's pass 1, per row), so the tiled prefix launch reads the shared
-``V_base`` and no K at all; budgets in docs/KERNELS.md.
+``V_base`` and no K at all; ``variant="tiled_scores"`` scores the prefix keys per tile
+(residual_score_tiled.py); budgets in docs/KERNELS.md.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from forkserve.kernels.residual_decode_triton import (
     score_tuning_for,
 )
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
+from forkserve.kernels.residual_score_tiled import tiled_scores
 from forkserve.kernels.rope import cached_rope_table
 from forkserve.kernels.split_kv import (
     NO_LIMIT,
@@ -47,7 +49,7 @@ from forkserve.kernels.split_kv import (
 # H200 (kernel_bench --cascade-sweep: 0.056 ms vs 0.066 at 64 keys, 8K prefix, 32 agents).
 PREFIX_TUNING = {"num_splits": None, "block_n": 32, "num_warps": 8, "num_stages": 2}
 # How the split form gets each row's scores (``cascade_residual_decode_triton(variant=...)``).
-CASCADE_RESIDUAL_VARIANTS = ("two_pass", "msc")
+CASCADE_RESIDUAL_VARIANTS = ("two_pass", "msc", "tiled_scores")
 
 
 def cascade_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,8 +86,11 @@ def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base
     the shared ``K_base`` once per row); the tiled prefix launch reads them and ``V_base``
     once per tile, no K. Then, either way, the value pass adds each row's ``(p V_res) B_v``
     to its prefix partials and the suffixes run per row from ``kv_starts`` (two-pass: scores
-    plus ``q.K_base``; msc: the logits). ``score_tuning``: pass 1's (default
-    ``score_tuning_for(batch)``, msc ``MSC_TUNING``)."""
+    plus ``q.K_base``; msc: the logits). ``"tiled_scores"``: two-pass, but the prefix keys'
+    scores come per tile, the tile's cos|sin rows loaded once for several agents
+    (residual_score_tiled.py), the suffixes' per row. ``score_tuning``: pass 1's (default
+    ``score_tuning_for(batch)``, msc ``MSC_TUNING``, tiled_scores ``tiled_scores``'
+    defaults)."""
     if variant not in CASCADE_RESIDUAL_VARIANTS:
         raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
                          f"got {variant!r}")
@@ -113,6 +118,11 @@ def _cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: to
             logits = residual_logits(q, k, block_tables, k_res, res_bt, seq_lens, b_k_all,
                                      adapter_idx, table, scale, max_seq_len,
                                      **(MSC_TUNING if score_tuning is None else score_tuning))
+        elif variant == "tiled_scores":
+            bias = torch.empty(batch, n_heads, max(max_seq_len, 1), dtype=torch.float32,
+                               device=q.device)
+            tiled_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv, bias,
+                         tile_seqs, tile_lens, kv_starts, **(score_tuning or {}))
         else:
             bias = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, table, n_kv,
                                    max_seq_len, dtype=torch.float32,

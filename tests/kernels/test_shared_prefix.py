@@ -87,12 +87,11 @@ def test_split_form_tiles_share_base_pages_across_adapters() -> None:
     assert rel_err(base_only[adapters >= 0], ref[adapters >= 0]) > 20 * REL_TOL
 
 
-def test_msc_cascade_equals_eager_and_two_pass() -> None:
-    """The materialized-scores split form over several groups in one batch: a group over two
-    tiles whose prefix ends mid-page, with two adapters and -1 in one tile; a group of one; a
-    group of two sharing 1.25 pages; a row in no tile; an unused padded tile. Pass 1 in
-    several chunks per row, suffixes starting mid-tile. Equals the ungrouped eager path and
-    the two-pass cascade."""
+def _split_groups() -> tuple:
+    """The split form over several groups in one batch: a group over two tiles whose prefix
+    ends mid-page, with two adapters and -1 in one tile; a group of one; a group of two
+    sharing 1.25 pages; a row in no tile; an unused padded tile; suffixes of 13 to 37 keys.
+    ``cascade_residual_decode``'s positional arguments."""
     gen = torch.Generator().manual_seed(15)
     n_heads, n_kv, dim, rank = 4, 2, 32, 8
     seq_lens = [70, 75, 66, 90, 41, 58, 36, 50]
@@ -107,10 +106,62 @@ def test_msc_cascade_equals_eager_and_two_pass() -> None:
     tile_lens = torch.tensor([53, 53, 32, 20, 0], dtype=torch.int32, device=DEVICE)
     kv_starts = torch.tensor([53, 53, 53, 53, 20, 32, 20, 0], dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(seq_lens), n_heads, dim, generator=gen).to(DEVICE, DTYPE)
-    args = (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v,
+    return (q, c.k, c.v, c.k_res, c.v_res, tables, c.res_block_tables, c.seq_lens, b_k, b_v,
             adapters, default_inv_freq(dim, device=DEVICE), tile_seqs, tile_lens, kv_starts)
-    tuning = dict(use_triton=True, num_splits=2, block_n=16, prefix_tuning={"block_n": 16})
+
+
+TUNING = dict(use_triton=True, num_splits=2, block_n=16, prefix_tuning={"block_n": 16})
+
+
+def test_msc_cascade_equals_eager_and_two_pass() -> None:
+    """The materialized-scores split form (``_split_groups``), pass 1 in several chunks per
+    row, suffixes starting mid-tile. Equals the ungrouped eager path and the two-pass
+    cascade."""
+    args = _split_groups()
     msc = cascade_residual_decode(*args, variant="msc", score_tuning={"block_n": 16, "chunk": 32},
-                                  **tuning)
+                                  **TUNING)
     assert rel_err(msc, cascade_residual_decode(*args, use_triton=False)) < REL_TOL
-    assert rel_err(msc, cascade_residual_decode(*args, **tuning)) < REL_TOL
+    assert rel_err(msc, cascade_residual_decode(*args, **TUNING)) < REL_TOL
+
+
+@pytest.mark.parametrize("agents,kv_heads,angle_add,wide", [(2, 1, False, False),
+                                                            (1, 2, True, False),
+                                                            (1, 1, False, True)])
+def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int, angle_add: bool,
+                                               wide: bool) -> None:
+    """The tiled score pass (``_split_groups``): agents of two adapters stacked in one program
+    (2 x 1), or one agent per program over both KV heads (1 x 2: up to two agent blocks per
+    tile); ``wide``: tiles of four places, the first group's rows 0, 1, 3 in one (three
+    blocks share eight programs, two left over) and row 2 alone. Prefixes in two chunks per
+    block of a full tile, suffixes (table rows / angle addition) in several. Every score a
+    later pass reads (rows with an adapter, keys below their length) equals the per-row
+    pass's, and is written (the buffer starts NaN)."""
+    from forkserve.kernels.residual_decode_triton import residual_scores
+    from forkserve.kernels.residual_score_tiled import tiled_scores
+    from forkserve.kernels.rope import cached_rope_table
+    q, _, _, k_res, _, _, rbt, lens, b_k, _, ad, inv_freq, tile_seqs, tile_lens, kv_starts = (
+        _split_groups())
+    if wide:
+        tile_seqs = torch.tensor([[0, 1, 3, -1], [2, -1, -1, -1], [5, -1, -1, -1],
+                                  [4, 6, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32,
+                                 device=DEVICE)
+    width, n_kv = int(lens.max()), 2
+    table = cached_rope_table(inv_freq, width)
+    ref = residual_scores(q, k_res, rbt, lens, b_k, ad, table, n_kv, width, dtype=torch.float32,
+                          form="qfold", block_n=16)
+    bias = torch.full_like(ref, float("nan"))
+    tiled_scores(q, k_res, rbt, lens, b_k, ad, table, n_kv, bias, tile_seqs, tile_lens,
+                 kv_starts, agents=agents, kv_heads=kv_heads, block_n=16, num_warps=4, chunks=2,
+                 suffix=dict(block_n=16, chunk=32, angle_add=angle_add))
+    read = ((ad >= 0)[:, None] & (torch.arange(width, device=DEVICE) < lens[:, None]))[:, None]
+    read = read.expand_as(ref)
+    torch.testing.assert_close(bias[read], ref[read], rtol=1e-4, atol=1e-4)
+
+
+def test_tiled_scores_cascade_equals_eager() -> None:
+    """The split-form cascade with ``variant="tiled_scores"`` (``_split_groups``) equals the
+    ungrouped eager path."""
+    args = _split_groups()
+    out = cascade_residual_decode(*args, variant="tiled_scores", score_tuning=dict(
+        block_n=16, num_warps=4, suffix=dict(block_n=16, chunk=32, angle_add=False)), **TUNING)
+    assert rel_err(out, cascade_residual_decode(*args, use_triton=False)) < REL_TOL

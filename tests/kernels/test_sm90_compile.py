@@ -6,6 +6,11 @@ the device (the FRESH route's rebuild, round 8). Compiling to PTX here catches t
 error in CI. Pointers are bf16 (the serving dtype), integers i32."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -18,8 +23,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from forkserve.kernels.glue import _rope_qk_kernel, _silu_mul_kernel, _write_kv_kernel  # noqa: E402
 from forkserve.kernels.residual_rebuild import _rebuild_kernel  # noqa: E402
 
-POINTERS = {"X", "Cos", "Sin", "Out", "K", "V", "KR", "VR", "BK", "BV", "OutK", "OutV",
+POINTERS = {"X", "Q", "Cos", "Sin", "Out", "K", "V", "KR", "VR", "BK", "BV", "OutK", "OutV",
             "KPool", "VPool"}
+# The score passes' float32 cos/sin table and score buffer (the cascade's), int32 tables.
+FP32_POINTERS = {"RopeTable", "Bias"}
+I32_POINTERS = {"ResBlockTables", "SeqLens", "AdapterIdx", "TileSeqs", "TileLens", "KvStarts",
+                "BlockTables"}
 
 
 def compile_sm90(kernel, consts: dict, num_warps: int = 4) -> str:
@@ -29,6 +38,7 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4) -> str:
         kernel = JITFunction(kernel.fn)
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else "*bf16" if n in POINTERS
+           else "*fp32" if n in FP32_POINTERS else "*i32" if n in I32_POINTERS
            else "*i64" if n == "Slots" else "i32" for n in names}
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
@@ -50,3 +60,33 @@ def test_glue_compiles():
                                                           HEADS_PER_PROG=8))
     assert ".entry" in compile_sm90(_silu_mul_kernel, dict(BLOCK=2048), num_warps=8)
     assert ".entry" in compile_sm90(_write_kv_kernel, dict(HEAD_DIM=128, HEADS_P2=8, DIM_P2=128))
+
+
+# Kernels that call ``@triton.jit`` device functions (their own, or tl.sum / tl.max) compile
+# in a fresh interpreter-free process: under TRITON_INTERPRET=1 those functions are
+# interpreted ones, which the compiler cannot inline.
+_SCORE_PASSES = """
+from test_sm90_compile import compile_sm90
+from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
+from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
+tiled = dict(SEQS=32, SEQS_P2=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
+             RANK=16)
+for agents, kv_heads in ((2, 1), (4, 1), (2, 2)):
+    ptx = compile_sm90(_tiled_score_kernel, dict(tiled, AGENTS=agents, KV_HEADS=kv_heads), 8)
+    assert ".entry" in ptx
+assert ".entry" in compile_sm90(_qfold_score_kernel, dict(
+    GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=16, ANGLE_ADD=False,
+    LOGITS=False, BASE_N=16, SEQ_START=True))
+"""
+
+
+def test_tiled_scores_compile():
+    """The split-form cascade's tiled score pass (2 agents x 1 KV head, the default; 4 x 1;
+    2 x 2) and the q-folded pass over the suffixes (``SEQ_START``)."""
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _SCORE_PASSES], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
