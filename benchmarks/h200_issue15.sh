@@ -37,6 +37,7 @@
 # Round 9, with each W's timed runs after an untimed rehearsal (kernels_built_in_run ~0):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 23  # react W=1,8,32 on a cold cache; prefill routes by device time
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 24  # the same, full-length rehearsals; base systems W=32
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 25  # cascade prefill, tiled split-form scores: CUDA tests, benches
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -235,6 +236,13 @@ case "$1" in
     disaggregated adaptive --tag issue15_round9_full --out "$OUT" 2>&1 | tail -12
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
     disaggregated_base --overlap on --tag issue15_round9_base --out "$OUT" 2>&1 | tail -4
+  ;;
+25)
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_shared_prefix_prefill.py tests/torch/test_cascade_prefill.py \
+    tests/kernels/test_shared_prefix.py 2>&1 | tee "$OUT/pytest_cuda_round9_cascade.log" | tail -8
+  timeout 170 python3 benchmarks/kernel_bench.py --cascade-prefill --out "$OUT" 2>&1 | tail -16
+  timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -16
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
