@@ -1475,23 +1475,9 @@ def plot_cascade_split(res: dict, path: Path) -> None:
 def main_cascade_split(s: Setup, args: argparse.Namespace) -> dict:
     res = result_header(s, timing="CUDA graph replay, L2 flushed, median of CUDA events",
                         cascade_split=[])
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "kernel_bench_cascade_split.json"
-
-    def save() -> None:
-        path.write_text(json.dumps(res, indent=1))
-        try:
-            plot_cascade_split(res, path.with_suffix(".png"))
-        except Exception as exc:
-            print(f"plot failed: {exc!r}", flush=True)
-
-    try:
-        run_cascade_split(s, res, save)
-    except Exception as exc:  # keep what was measured; report the failure
-        res.setdefault("errors", []).append(f"cascade split: {exc!r}"[:1000])
-        print(f"cascade split FAILED: {exc!r}", flush=True)
-    publish(res, path, plot_cascade_split, print_cascade_split)
-    return res
+    return run_mode(res, args.out / "kernel_bench_cascade_split.json", "cascade split",
+                    lambda save: run_cascade_split(s, res, save), plot_cascade_split,
+                    print_cascade_split, plot_each=True)
 
 
 def time_msc2s_halves(s: Setup, res: dict, row: dict, what: str, name: str, tuning: dict,
@@ -2050,59 +2036,57 @@ def main_prefill(s: Setup, args: argparse.Namespace) -> None:
         print("ERROR", e)
 
 
+def run_mode(res: dict, path: Path, what: str, run: Callable[[Callable[[], None]], None],
+             plot_fn: Callable[[dict, Path], None], print_fn: Callable[[dict], None],
+             plot_each: bool = False) -> dict:
+    """One bench mode: ``run(save)`` measures into ``res`` and calls ``save()`` after every
+    case (the JSON, and with ``plot_each`` the PNG too, so a call cut at its time limit keeps
+    what it measured); a failure is recorded, not fatal; then ``publish``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1))
+        if plot_each:
+            try:
+                plot_fn(res, path.with_suffix(".png"))
+            except Exception as exc:
+                print(f"plot failed: {exc!r}", flush=True)
+
+    try:
+        run(save)
+    except Exception as exc:  # keep what was measured; report the failure
+        res.setdefault("errors", []).append(f"{what}: {exc!r}"[:1000])
+        print(f"{what} FAILED: {exc!r}", flush=True)
+    publish(res, path, plot_fn, print_fn)
+    return res
+
+
 def main_mixed(s: Setup, args: argparse.Namespace) -> dict:
     res = result_header(
         s, timing="eager (a prefill step runs eagerly), L2 flushed, median of CUDA events",
         mixed=[])
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernel_bench_{args.tag or 'mixed'}.json"
     forms = [f for f in MIXED_FORMS if f not in args.skip]
-    try:
-        run_mixed(s, res, lambda: path.write_text(json.dumps(res, indent=1)), forms)
-    except Exception as exc:  # keep what was measured; report the failure
-        res.setdefault("errors", []).append(f"mixed: {exc!r}"[:1000])
-        print(f"mixed FAILED: {exc!r}", flush=True)
-    publish(res, path, plot_mixed, print_mixed)
-    return res
+    return run_mode(res, args.out / f"kernel_bench_{args.tag or 'mixed'}.json", "mixed",
+                    lambda save: run_mixed(s, res, save, forms), plot_mixed, print_mixed)
 
 
 def main_cascade_prefill(s: Setup, args: argparse.Namespace) -> dict:
     res = result_header(
         s, timing="eager (as the engine runs prefill), L2 flushed, median of CUDA events",
         cascade_prefill=[])
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "kernel_bench_cascade_prefill.json"
-    try:
-        run_cascade_prefill(s, res, lambda: path.write_text(json.dumps(res, indent=1)))
-    except Exception as exc:  # keep what was measured; report the failure
-        res.setdefault("errors", []).append(f"cascade prefill: {exc!r}"[:1000])
-        print(f"cascade prefill FAILED: {exc!r}", flush=True)
-    publish(res, path, plot_cascade_prefill, print_cascade_prefill)
-    return res
+    return run_mode(res, args.out / "kernel_bench_cascade_prefill.json", "cascade prefill",
+                    lambda save: run_cascade_prefill(s, res, save), plot_cascade_prefill,
+                    print_cascade_prefill)
 
 
 def main_decode_short(s: Setup, args: argparse.Namespace) -> dict:
     res = result_header(
         s, timing="CUDA graph replay (as the engine's decode), L2 flushed, median of CUDA events",
         decode_short=[])
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "kernel_bench_decode_short.json"
     res["copy_GBps"] = copy_bandwidth(s) / 1e9
-
-    def save() -> None:
-        path.write_text(json.dumps(res, indent=1))
-        try:
-            plot_decode_short(res, path.with_suffix(".png"))
-        except Exception as exc:
-            print(f"plot failed: {exc!r}", flush=True)
-
-    try:
-        run_decode_short(s, res, save)
-    except Exception as exc:  # keep what was measured; report the failure
-        res.setdefault("errors", []).append(f"decode short: {exc!r}"[:1000])
-        print(f"decode short FAILED: {exc!r}", flush=True)
-    publish(res, path, plot_decode_short, print_decode_short)
-    return res
+    return run_mode(res, args.out / "kernel_bench_decode_short.json", "decode short",
+                    lambda save: run_decode_short(s, res, save), plot_decode_short,
+                    print_decode_short, plot_each=True)
 
 
 def main_variants(s: Setup, args: argparse.Namespace) -> None:
