@@ -36,7 +36,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
 # Round 9, with each W's timed runs after an untimed rehearsal (kernels_built_in_run ~0):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 23  # react W=1,8,32 on a cold cache; prefill routes by device time
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 24  # the same, full-length rehearsals; base systems W=32
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) W="1 8 32" bash benchmarks/h200_issue15.sh 24  # full-length rehearsals (default W=32); base systems W=32
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 25  # cascade prefill, tiled split-form scores: CUDA tests, benches
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
@@ -232,8 +232,8 @@ case "$1" in
   ;;
 24)
   export TRITON_CACHE_DIR=/root/triton_round9_24 && rm -rf "$TRITON_CACHE_DIR"
-  timeout 330 python3 -m forkserve.interfaces.cli bench react --workflows 1 8 32 --systems unified \
-    disaggregated adaptive --tag issue15_round9_full --out "$OUT" 2>&1 | tail -12
+  timeout 240 python3 -m forkserve.interfaces.cli bench react --workflows ${W:-32} --systems \
+    unified disaggregated adaptive --tag issue15_round9_full --out "$OUT" 2>&1 | tail -8
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems no_lora \
     disaggregated_base --overlap on --tag issue15_round9_base --out "$OUT" 2>&1 | tail -4
   ;;
