@@ -180,7 +180,7 @@ class CostPrefillPolicy:
     residual_fresh_min_new_tokens: int = 1024
     fresh_max_seqs: int = 16
     cascade_min_members: int = 2
-    cascade_prefix_ratio: float | None = 64.0
+    cascade_prefix_ratio: float | None = None
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         if not self.fresh:
