@@ -31,6 +31,9 @@ class CompileCounts:
     triton_s: float = 0.0
     top: tuple[str, ...] = ()
     dynamo_graphs: int = 0
+    # The first builds' constexpr values ("name(K=v, ...)"): which specialization the
+    # warm-up missed.
+    specs: tuple[str, ...] = ()
 
 
 def _dynamo_graphs() -> int:
@@ -51,6 +54,7 @@ class KernelCompiles:
         self._names: Counter[str] = Counter()
         self._count = 0
         self._seconds = 0.0
+        self._specs: list[str] = []
         self._saved: tuple | None = None
 
     def install(self) -> KernelCompiles:
@@ -72,6 +76,7 @@ class KernelCompiles:
                 self._seconds += time.perf_counter() - start
             self._count += 1
             self._names[kw["fn"].name] += 1
+            self._specs.append(_spec(kw))
             return after(**kw) if after else None
 
         rt.jit_cache_hook, rt.jit_post_compile_hook = on_build, on_built
@@ -92,4 +97,19 @@ class KernelCompiles:
         built = self._names - names
         return CompileCounts(self._count - count, round(self._seconds - seconds, 3),
                              tuple(f"{n} x{c}" for n, c in built.most_common(_TOP)),
-                             _dynamo_graphs() - graphs)
+                             _dynamo_graphs() - graphs, tuple(self._specs[count:count + _TOP]))
+
+
+def _spec(kw: dict) -> str:
+    """A build's launch options, argument specializations and constexpr values (by parameter
+    name where Triton says it)."""
+    fn = kw["fn"]
+    names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
+    consts = kw["compile"].get("constants") or {}
+    parts = []
+    for key, value in consts.items():
+        at = key[0] if isinstance(key, tuple) and key else key
+        name = names[at] if isinstance(at, int) and at < len(names) else str(key)
+        parts.append(f"{name}={value}")
+    # ``repr``: the launch options and every argument's specialization (dtype, divisibility)
+    return f"{kw.get('repr', fn.name)} constexprs({', '.join(parts)})"

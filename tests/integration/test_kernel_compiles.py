@@ -10,7 +10,9 @@ knobs = pytest.importorskip("triton").knobs
 
 def _build(name: str, key: tuple) -> None:
     """What Triton's JITFunction._do_compile calls around one specialization's build."""
-    kw = dict(key=key, repr=name, fn=SimpleNamespace(name=name), compile={"key": key},
+    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=["X", "BLOCK"]))
+    kw = dict(key=key, repr=f"{name}[num_warps=4]", fn=fn,
+              compile={"key": key, "constants": {(1,): 64}},
               is_manual_warmup=False, already_compiled=False)
     before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     assert not (before and before(**kw))  # a true answer would make Triton skip the build
@@ -31,6 +33,7 @@ def test_counts_builds_per_window_and_restores_the_hooks():
         counts = rec.since(mark)
         assert (counts.triton, counts.top) == (3, ("decode x2", "prefill x1"))
         assert counts.triton_s >= 0.0
+        assert counts.specs[0] == "decode[num_warps=4] constexprs(BLOCK=64)"
         assert rec.since(rec.window()).triton == 0
         rec.close()
         # The hook found at install still ran under ours, and is back in place.

@@ -155,7 +155,10 @@ def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int, angle
                  suffix=dict(block_n=16, chunk=32, angle_add=angle_add))
     read = ((ad >= 0)[:, None] & (torch.arange(width, device=DEVICE) < lens[:, None]))[:, None]
     read = read.expand_as(ref)
-    torch.testing.assert_close(bias[read], ref[read], rtol=1e-4, atol=1e-4)
+    # Elementwise in float32 (the interpreter); on CUDA the two passes round their bf16
+    # folded operands at different points, so the scores agree to the suite's relative norm.
+    assert not bias[read].isnan().any()
+    assert rel_err(bias[read], ref[read]) < (REL_TOL if DTYPE != torch.float32 else 1e-5)
 
 
 def test_tiled_scores_cascade_equals_eager() -> None:

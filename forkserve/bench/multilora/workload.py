@@ -123,6 +123,7 @@ class RunResult:
     kernel_build_s_in_run: float = 0.0
     kernels_built: tuple = ()
     dynamo_graphs_in_run: int = 0
+    kernels_built_specs: tuple = ()  # the first few builds' specializations
 
 
 def tiny_config():
@@ -240,7 +241,8 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                      recompute_layers=backend.config.recompute_layers,
                      kernels_built_in_run=compiles.triton,
                      kernel_build_s_in_run=compiles.triton_s, kernels_built=compiles.top,
-                     dynamo_graphs_in_run=compiles.dynamo_graphs)
+                     dynamo_graphs_in_run=compiles.dynamo_graphs,
+                     kernels_built_specs=compiles.specs)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
