@@ -58,6 +58,9 @@ class KernelCompiles:
         self._saved: tuple | None = None
 
     def install(self) -> KernelCompiles:
+        """Hook Triton's compile path; a second call (already installed) does nothing."""
+        if self._saved is not None:
+            return self
         try:
             from triton import knobs
         except ImportError:

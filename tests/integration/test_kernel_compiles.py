@@ -5,11 +5,16 @@ import pytest
 
 from forkserve.bench.kernel_compiles import KernelCompiles
 
-knobs = pytest.importorskip("triton").knobs
+
+def _knobs():
+    # Imported in the test, not at collection: importing Triton before tests/kernels'
+    # conftest sets TRITON_INTERPRET would leave the kernel tests without the interpreter.
+    return pytest.importorskip("triton").knobs
 
 
 def _build(name: str, key: tuple) -> None:
     """What Triton's JITFunction._do_compile calls around one specialization's build."""
+    knobs = _knobs()
     fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=["X", "BLOCK"]))
     kw = dict(key=key, repr=f"{name}[num_warps=4]", fn=fn,
               compile={"key": key, "constants": {(1,): 64}},
@@ -21,6 +26,7 @@ def _build(name: str, key: tuple) -> None:
 
 
 def test_counts_builds_per_window_and_restores_the_hooks():
+    knobs = _knobs()
     seen = []
     knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
     try:

@@ -48,6 +48,7 @@ from forkserve.bench.multilora.workload import (
     build_backend,
     page_bytes,
     random_adapter,
+    rehearse,
     run_system,
     run_workload,
     tiny_config,
@@ -56,5 +57,5 @@ from forkserve.bench.multilora.workload import (
 
 __all__ = ["SPECS", "SYSTEMS", "TARGETS", "FailedRun", "MultiLoraParams", "RunResult", "System",
            "budget_pages", "build_backend", "format_table", "main", "page_bytes", "plot",
-           "random_adapter", "run_system", "run_workload", "spec", "tiny_config",
-           "warm_up"]
+           "random_adapter", "rehearse", "run_system", "run_workload", "spec",
+           "tiny_config", "warm_up"]

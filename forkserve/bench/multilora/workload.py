@@ -19,9 +19,10 @@ from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
 
 TARGETS = ("q", "k", "v", "o")
-# The process's kernel builds, read around each timed run (installed once: its hooks are
-# process-wide and every run of the process reads the same counts).
-_COMPILES = KernelCompiles().install()
+# The process's kernel builds, read around each timed run: installed at the first run, not
+# at import (importing Triton first would fix its mode before a test sets TRITON_INTERPRET),
+# and once (its hooks are process-wide; every run of the process reads the same counts).
+_COMPILES = KernelCompiles()
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
-    built = _COMPILES.window()
+    built = _COMPILES.install().window()
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
