@@ -38,6 +38,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 23  # react W=1,8,32 on a cold cache; prefill routes by device time
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) W="1 8 32" bash benchmarks/h200_issue15.sh 24  # full-length rehearsals (default W=32); base systems W=32
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 25  # cascade prefill, tiled split-form scores: CUDA tests, benches
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 26  # adaptive W=32: which specializations its rehearsal misses; split cascade breakdown
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -242,6 +243,15 @@ case "$1" in
     tests/kernels/test_shared_prefix_prefill.py tests/torch/test_cascade_prefill.py \
     tests/kernels/test_shared_prefix.py 2>&1 | tee "$OUT/pytest_cuda_round9_cascade.log" | tail -8
   timeout 170 python3 benchmarks/kernel_bench.py --cascade-prefill --out "$OUT" 2>&1 | tail -16
+  timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -16
+  ;;
+26)
+  export TRITON_CACHE_DIR=/root/triton_round10 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 160 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems adaptive \
+    --tag issue15_round10_specs --out "$OUT" 2>&1 | tail -3
+  python3 -c "import json, sys; [print(r['kernels_built_in_run'], *r['kernels_built_specs'], \
+    sep='\n') for r in json.load(open(sys.argv[1]))['results']]" \
+    "$OUT/react_multilora_issue15_round10_specs.json"
   timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -16
   ;;
 suite)
