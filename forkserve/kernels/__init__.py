@@ -32,8 +32,7 @@ __all__ = [
     "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
     "cascade_tile_agents", "cascade_prefill", "PrefillGroups", "prefill_groups", "prefix_splits",
-    "lora_shrink",
-    "lora_expand", "write_kv_pages", "rebuild_kv",
+    "lora_shrink", "lora_expand", "write_kv_pages", "rebuild_kv",
 ]
 
 
