@@ -119,14 +119,15 @@ def test_mixed_step_with_decode_rows():
 
 def test_policy_threshold():
     """Chunks of 6 and 10 over a 32-key prefix: a ratio of 4 takes CASCADE, 8 does not,
-    None never; a group needs two members."""
+    None (the default: grouping lost every H200 row) never; a group needs two members."""
     chunks = [("A", 6, True), ("A", 10, True)]
     check(chunks, CostPrefillPolicy(cascade_prefix_ratio=4.0), routes=("cascade",))
     check(chunks, CostPrefillPolicy(cascade_prefix_ratio=8.0), routes=("paged",))
-    assert not CostPrefillPolicy(cascade_prefix_ratio=None).cascade_group(8192, (32, 32))
-    assert CostPrefillPolicy().cascade_group(8192, (128,) * 32)
-    assert not CostPrefillPolicy().cascade_group(8192, (1024,) * 32)
-    assert not CostPrefillPolicy().cascade_group(8192, (32,))
+    assert not CostPrefillPolicy().cascade_group(8192, (32, 32))
+    on = CostPrefillPolicy(cascade_prefix_ratio=64.0)
+    assert on.cascade_group(8192, (128,) * 32)
+    assert not on.cascade_group(8192, (1024,) * 32)
+    assert not on.cascade_group(8192, (32,))
     assert not FixedPrefillPolicy().cascade_group(8192, (32, 32))
 
 
