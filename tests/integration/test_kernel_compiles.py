@@ -49,3 +49,16 @@ def test_counts_builds_per_window_and_restores_the_hooks():
     finally:
         knobs.runtime.jit_post_compile_hook = None
         knobs.runtime.jit_cache_hook = None
+
+
+def test_importing_the_bench_leaves_triton_unimported():
+    """The bench modules that tests import at collection must not import Triton: it would fix
+    its mode before tests/kernels' conftest sets TRITON_INTERPRET (161 kernel tests failed
+    in CI that way)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, forkserve.bench.multilora, forkserve.bench.kernel_compiles; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
