@@ -51,8 +51,16 @@ from forkserve.kernels.split_kv import (
     store_partial,
 )
 
+# Integer arguments that change from step to step (batch, table widths, the score buffer's
+# key bound, split counts). Triton builds one kernel per class of each (== 1, divisible by
+# 16, other): an eager mixed tick whose widths fell in a class the captured graphs never
+# met compiled its kernels inside a timed adaptive run (1.35 s at W = 32,
+# ``kernels_built_specs``). One build serves every class.
+_STEP_INTS = ["batch", "kv_start", "kv_limit", "split_len", "split_offset", "stride_bt",
+              "stride_rbt", "stride_lh", "stride_sb", "stride_sh"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_STEP_INTS)
 def _decode_partial_kernel(
     Q, K, V, KR, VR, BK, BV, RopeTable, Bias, LogitBias,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,

@@ -16,6 +16,10 @@ freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -26,6 +30,22 @@ from forkserve.backend.torch.cascade import CascadePlan, CascadeTiles
 from forkserve.backend.torch.decode_rows import ROW_FIELDS, TABLE_FIELDS, DecodeRows
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.model import CausalLM
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector runs inside whatever allocation crosses its threshold. If it
+    frees a dead backend's CUDA objects (a graph, a pinned buffer, an event) while a capture is
+    open, that CUDA call is illegal in capture and the process aborts: a failed test's
+    traceback cycle took the CUDA suite down this way. The garbage waits for the capture."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -106,7 +126,7 @@ class DecodeGraph:
                 forward()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool):
+        with collector_paused(), torch.cuda.graph(self.graph, pool=mempool):
             self.logits = forward()
             self.greedy = self.logits.argmax(dim=-1)
 
