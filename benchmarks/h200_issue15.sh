@@ -39,6 +39,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) W="1 8 32" bash benchmarks/h200_issue15.sh 24  # full-length rehearsals (default W=32); base systems W=32
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 25  # cascade prefill, tiled split-form scores: CUDA tests, benches
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 26  # adaptive W=32: which specializations its rehearsal misses; split cascade breakdown
+# Round 10 (the decode kernel's per-step integers unspecialized):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 27  # react W=1,8,32 on a cold cache
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -253,6 +255,15 @@ case "$1" in
     sep='\n') for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/react_multilora_issue15_round10_specs.json"
   timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -16
+  ;;
+27)
+  # Round 10: adaptive's step integers unspecialized. Every row's kernels_built_in_run should be 0.
+  export TRITON_CACHE_DIR=/root/triton_round10_27 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 450 python3 -m forkserve.interfaces.cli bench react --workflows ${W:-1 8 32} --systems \
+    unified disaggregated adaptive --tag issue15_round10 --out "$OUT" 2>&1 | tail -12
+  python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
+    *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
+    "$OUT/react_multilora_issue15_round10.json"
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
