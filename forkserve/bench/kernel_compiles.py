@@ -104,15 +104,23 @@ class KernelCompiles:
 
 
 def _spec(kw: dict) -> str:
-    """A build's launch options, argument specializations and constexpr values (by parameter
-    name where Triton says it)."""
+    """A build's launch options, constexpr values (by parameter name where Triton says it) and
+    the integer arguments it specialized as divisible by 16: an integer that changes class
+    from step to step (a table width, a split count) builds again unless the kernel lists it
+    in ``do_not_specialize``."""
     fn = kw["fn"]
     names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
-    consts = kw["compile"].get("constants") or {}
-    parts = []
-    for key, value in consts.items():
+    build = kw["compile"]
+
+    def name_of(key: object) -> str:
         at = key[0] if isinstance(key, tuple) and key else key
-        name = names[at] if isinstance(at, int) and at < len(names) else str(key)
-        parts.append(f"{name}={value}")
-    # ``repr``: the launch options and every argument's specialization (dtype, divisibility)
-    return f"{kw.get('repr', fn.name)} constexprs({', '.join(parts)})"
+        return names[at] if isinstance(at, int) and at < len(names) else str(key)
+
+    consts = ", ".join(f"{name_of(k)}={v}" for k, v in (build.get("constants") or {}).items())
+    signature = build.get("signature") or {}
+    attrs = (build.get("configs") or [{}])[0] or {}
+    divisible = [name_of(k) for k, found in attrs.items()
+                 if str(signature.get(name_of(k), "")).startswith(("i", "u"))
+                 and any("divisibility" in str(a[0]) for a in found)]
+    return (f"{kw.get('repr', fn.name)} constexprs({consts})"
+            + (f" div16({', '.join(divisible)})" if divisible else ""))

@@ -46,7 +46,9 @@ def store_partial(acc, l_i, m_i, out_ptr, lse_ptr, row_ok, d):
     tl.store(lse_ptr, lse, mask=row_ok)
 
 
-@triton.jit
+# The split count and the strides it sets change from step to step; one build serves every
+# value (decode_attention._STEP_INTS says why).
+@triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh", "stride_lb", "stride_lh"])
 def _merge_kernel(PartOut, PartLse, Out, num_splits,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   stride_fb, stride_fh,

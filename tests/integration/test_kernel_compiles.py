@@ -13,11 +13,15 @@ def _knobs():
 
 
 def _build(name: str, key: tuple) -> None:
-    """What Triton's JITFunction._do_compile calls around one specialization's build."""
+    """What Triton's JITFunction._do_compile calls around one specialization's build: ``X``
+    a pointer and ``n`` an integer, both specialized as divisible by 16."""
     knobs = _knobs()
-    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=["X", "BLOCK"]))
+    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(arg_names=["X", "BLOCK", "n"]))
+    sixteen = [["tt.divisibility", 16]]
     kw = dict(key=key, repr=f"{name}[num_warps=4]", fn=fn,
-              compile={"key": key, "constants": {(1,): 64}},
+              compile={"key": key, "constants": {(1,): 64},
+                       "signature": {"X": "*bf16", "BLOCK": "constexpr", "n": "i32"},
+                       "configs": [{(0,): sixteen, (2,): sixteen}]},
               is_manual_warmup=False, already_compiled=False)
     before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     assert not (before and before(**kw))  # a true answer would make Triton skip the build
@@ -39,7 +43,7 @@ def test_counts_builds_per_window_and_restores_the_hooks():
         counts = rec.since(mark)
         assert (counts.triton, counts.top) == (3, ("decode x2", "prefill x1"))
         assert counts.triton_s >= 0.0
-        assert counts.specs[0] == "decode[num_warps=4] constexprs(BLOCK=64)"
+        assert counts.specs[0] == "decode[num_warps=4] constexprs(BLOCK=64) div16(n)"
         assert rec.since(rec.window()).triton == 0
         rec.close()
         # The hook found at install still ran under ours, and is back in place.
