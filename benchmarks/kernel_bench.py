@@ -1553,7 +1553,8 @@ def plot_split_parts(ax, rows: list[dict]) -> None:
                        label=part if g == 0 and j == 0 else None)
                 bottom += ms
             ticks.append(x0 + j)
-            labels.append(f"{n} {r['prefix_ctx'] // 1024}K")
+            ctx = r["prefix_ctx"]
+            labels.append(f"{n} {f'{ctx // 1024}K' if ctx >= 1024 else ctx}")
     ax.set_xticks(ticks, labels, rotation=90, fontsize=6)
     ax.set(ylabel="ms (each launch alone)",
            title=f"launch by launch, {rows[0]['agents'] if rows else 0} agents")
