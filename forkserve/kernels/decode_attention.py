@@ -14,7 +14,8 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   (``"msc2s"``, residual_msc2s.py: the two halves of msc's pass 1 written side by side).
   The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
-  suffixes, split on the device (shared_prefix.py). Unified decode's dynamic plan uses
+  suffixes, split on the device (shared_prefix.py); ``REL_SCORE``: the split form's float16
+  score write-back, each score relative to its key block's max. Unified decode's dynamic plan uses
   ``DYN_SPLIT`` alone (each sequence's own keys cut in ``num_splits``), with ``LIVE_ONLY``
   (an empty split writes only its lse) or, at one split, ``DIRECT`` (the output itself, no
   merge).
