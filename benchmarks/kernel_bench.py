@@ -64,6 +64,7 @@ from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_p
 from forkserve.kernels.residual_decode_triton import residual_decode_triton  # noqa: E402
 from forkserve.kernels.rope import apply_rope, default_inv_freq  # noqa: E402
 from forkserve.kernels.shared_prefix import (  # noqa: E402
+    PREFIX_TUNING,
     cascade_residual_decode_triton,
     shared_prefix_decode_triton,
 )
@@ -1356,44 +1357,69 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
-# The split-form cascade's variants timed by --cascade-split: name -> (variant, score_tuning).
-# "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>": variant="tiled_scores" at that tuning
-# (residual_score_tiled.py; registers in docs/KERNELS.md), the first its default.
-CASCADE_SPLIT_VARIANTS: dict[str, tuple[str, dict | None]] = {
-    "two_pass": ("two_pass", None),
-    "msc": ("msc", None),
-    **{f"tiled_a{a}h{h}_bn{bn}_w{w}": ("tiled_scores", dict(agents=a, kv_heads=h, block_n=bn,
-                                                            num_warps=w))
+# The split-form cascade's variants timed by --cascade-split: name ->
+# cascade_residual_decode_triton keywords. "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>":
+# variant="tiled_scores" at that tuning (residual_score_tiled.py; registers in
+# docs/KERNELS.md), the first its default; "_fp16": the float16 score buffer.
+CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
+    "two_pass": dict(variant="two_pass"),
+    "two_pass_fp16": dict(variant="two_pass", score_dtype=torch.float16),
+    "msc": dict(variant="msc"),
+    **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
+        agents=a, kv_heads=h, block_n=bn, num_warps=w))
        for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
 }
+# The split cascade's launches, in order (shared_prefix.CascadeLaunches).
+SPLIT_PARTS = ("pass1", "prefix", "values", "suffix", "merge")
 
 
-def split_pass1(s: Setup, variant: str, tuning: dict | None, case: tuple) -> Callable[[], object]:
-    """Pass 1 alone of a split-form cascade variant, as ``_cascade`` launches it."""
-    from forkserve.kernels.residual_decode_triton import residual_scores, score_tuning_for
-    from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
-    from forkserve.kernels.residual_score_tiled import tiled_scores
-    q, bt, rbt, lens, ad, table, width, tiles = case
-    if variant == "msc":
-        return lambda: residual_logits(q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
-                                       1.0 / math.sqrt(s.head_dim), width,
-                                       **(tuning or MSC_TUNING))
-    if variant == "two_pass":
-        return lambda: residual_scores(q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, width,
-                                       dtype=torch.float32,
-                                       **(tuning or score_tuning_for(q.shape[0])))
-    bias = torch.empty(q.shape[0], s.n_heads, width, dtype=torch.float32, device=s.device)
-    return lambda: tiled_scores(q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, bias, *tiles,
-                                **(tuning or {}))
+def split_part_bytes(s: Setup, keywords: dict, agents: int, prefix: int,
+                     grids: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Bytes each launch of a split-cascade variant must move at least, from the tensors'
+    shapes: every tensor it reads or writes once, the tile's shared base pages once per tile
+    (as DRAM serves them when the agents' programs share them through L2). Not counted:
+    q, B_k, B_v and the RoPE table (L2-resident, < 1%). ``grids``: the call's
+    (``CascadeLaunches.grids``: the partials' split counts)."""
+    rows, keys, suffix = agents * s.n_heads, prefix + s.split_suffix, s.split_suffix
+    kv, res = s.n_kv * s.head_dim * s.k.element_size(), s.rank * s.k_res.element_size()
+    tiles, pre_splits = grids["prefix"][0], grids["prefix"][2]
+    splits = pre_splits + grids["suffix"][2]
+    part = rows * (s.head_dim + 1) * 4  # one split slot: a float32 output row and its lse
+    if keywords["variant"] == "msc":
+        score = rows * (keywords.get("score_tuning") or {}).get("dtype", torch.float32).itemsize
+        return {
+            "pass1": (tiles * prefix + agents * suffix) * kv + agents * keys * res + keys * score,
+            "prefix": rows * pre_splits * 4 + tiles * prefix * kv + prefix * score
+                      + pre_splits * part,
+            "values": prefix * (score + agents * res) + rows * pre_splits * (4 + 8 * s.head_dim),
+            "suffix": suffix * (agents * (kv + res) + score) + grids["suffix"][2] * part,
+            "merge": splits * part + rows * s.head_dim * s.k.element_size(),
+        }
+    score = rows * keywords.get("score_dtype", torch.float32).itemsize  # per key
+    # float16 scores: a float32 block max per row, head and prefix key block
+    block_max = (rows * 4 * -(-prefix // PREFIX_TUNING["block_n"])
+                 if keywords.get("score_dtype", torch.float32) != torch.float32 else 0)
+    return {
+        "pass1": keys * (agents * res + score),
+        "prefix": rows * pre_splits * 4 + tiles * prefix * 2 * kv + 2 * prefix * score
+                  + block_max + pre_splits * part,
+        "values": prefix * (score + agents * res) + block_max
+                  + rows * pre_splits * (4 + 8 * s.head_dim),
+        "suffix": suffix * (agents * (2 * kv + res) + score) + grids["suffix"][2] * part,
+        "merge": splits * part + rows * s.head_dim * s.k.element_size(),
+    }
 
 
 def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
     """Per (shared prefix, agents): the unified cascade (the floor), then every split-form
-    variant whole and its pass 1 alone; one tile as the engine fills a decode graph's (the
-    agents, then -1 up to ``cascade_tile_agents``), each agent its own adapter and residual
-    pages and a ``split_suffix``-key suffix. Errors against the two-pass cascade."""
+    variant whole and each of its launches alone (pass 1 as ``<variant>_pass1_ms`` too),
+    with the bytes each must move, its GB/s and the launch grids; one tile as the engine
+    fills a decode graph's (the agents, then -1 up to ``cascade_tile_agents``), each agent
+    its own adapter and residual pages and a ``split_suffix``-key suffix. Errors against
+    the two-pass cascade."""
     from forkserve.kernels import cascade_tile_agents
-    from forkserve.kernels.rope import cached_rope_table
+    from forkserve.kernels.shared_prefix import cascade_residual_launches
+    from forkserve.kernels.split_kv import sm_count
     width_tile = cascade_tile_agents(s.n_heads // s.n_kv)
     for agents in s.split_agents:
         for ctx in s.split_prefixes:
@@ -1408,22 +1434,22 @@ def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
             tiles = (torch.where(seqs < agents, seqs, -1).view(1, width_tile),
                      torch.full((1,), ctx, dtype=torch.int32, device=s.device),
                      torch.full((agents,), ctx, dtype=torch.int32, device=s.device))
-            table = cached_rope_table(s.inv_freq, total)
-            case = (q, bt, rbt, lens, ad, table, total, tiles)
             tag = f"split prefix={ctx} agents={agents}"
             row = {"prefix_ctx": ctx, "agents": agents, "suffix": s.split_suffix,
+                   "sms": sm_count(s.device),
                    "unified_ms": measure(res, tag + " unified", lambda: shared_prefix_decode_triton(
                        q, s.k, s.v, bt, lens, prefix_pages, max_seq_len=total), s.smoke)}
             args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
                     *tiles)
             outs = {}
-            for name, (variant, tuning) in CASCADE_SPLIT_VARIANTS.items():
-                whole = lambda v=variant, t=tuning: cascade_residual_decode_triton(  # noqa: E731
-                    *args, max_seq_len=total, variant=v, score_tuning=t)
+            for name, keywords in CASCADE_SPLIT_VARIANTS.items():
+                whole = lambda kw=keywords: cascade_residual_decode_triton(  # noqa: E731
+                    *args, max_seq_len=total, **kw)
                 row[name + "_ms"] = measure(res, f"{tag} {name}", whole, s.smoke)
-                row[name + "_pass1_ms"] = measure(res, f"{tag} {name} pass 1",
-                                                  split_pass1(s, variant, tuning, case), s.smoke)
                 outs[name] = check(res, f"{tag} {name} run", whole)
+                time_split_parts(s, res, row, f"{tag} {name}", name, keywords, ctx, agents,
+                                 lambda kw=keywords: cascade_residual_launches(
+                                     *args, max_seq_len=total, **kw))
             for name, out in outs.items():
                 row[name + "_rel_err"] = check(res, f"{tag} {name} check",
                                                lambda o=out: rel_err(o, outs["two_pass"]))
@@ -1434,27 +1460,65 @@ def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
                 for n in CASCADE_SPLIT_VARIANTS), flush=True)
 
 
+def time_split_parts(s: Setup, res: dict, row: dict, what: str, name: str, keywords: dict,
+                     prefix: int, agents: int, build: Callable[[], object]) -> None:
+    """Each launch of one split-cascade variant alone, by graph replay over the buffers a
+    whole run filled first: ``<name>_parts_ms``, ``_parts_bytes`` (``split_part_bytes``),
+    ``_parts_GBps``, ``_grids``; ``<name>_pass1_ms`` is the pass-1 part. The prefix launch
+    writes its scores back and the value pass adds into the partials, so their replays
+    drift in value, not in the bytes they move. Each part starts with L2 flushed (in the
+    whole call the merge, say, reads partials still in L2): the parts sum above the whole."""
+    try:
+        calls = build()
+        calls.run()
+    except Exception as exc:
+        res.setdefault("errors", []).append(f"{what} launches: {exc!r}"[:600])
+        calls = None
+    parts = {part: measure(res, f"{what} {part}", launch, s.smoke)
+             for part, launch in (calls.launches if calls else ())}
+    row[name + "_pass1_ms"] = parts.get("pass1", math.nan)
+    row[name + "_parts_ms"] = parts
+    if calls is None:
+        return
+    nbytes = split_part_bytes(s, keywords, agents, prefix, calls.grids)
+    row[name + "_parts_bytes"] = nbytes
+    row[name + "_parts_GBps"] = {p: nbytes[p] / ms / 1e6 for p, ms in parts.items()}
+    row[name + "_grids"] = {p: list(g) for p, g in calls.grids.items()}
+
+
 def print_cascade_split(res: dict) -> None:
     print(f"\n== {res['device']} {res['dtype']} commit {res['commit'][:10]}: split-form cascade "
-          f"decode, one layer, ms whole / pass 1 alone; err vs two_pass")
+          f"decode, one layer, ms whole / pass 1 alone; err vs two_pass; then each launch "
+          f"alone, L2 flushed: ms (GB/s of the bytes it must move), the prefix and value "
+          f"launches' grids")
     for r in res["cascade_split"]:
         print(f"prefix {r['prefix_ctx']:6d} agents {r['agents']:3d} suffix {r['suffix']:4d} | "
               f"unified cascade {r['unified_ms']:.4f}")
         for n in CASCADE_SPLIT_VARIANTS:
             print(f"    {n:22s} {r[n + '_ms']:8.4f} / {r[n + '_pass1_ms']:8.4f}  "
                   f"err {r.get(n + '_rel_err', math.nan):.1e}")
+            parts, gbps = r.get(n + "_parts_ms", {}), r.get(n + "_parts_GBps", {})
+            grids = r.get(n + "_grids", {})
+            print("        " + " ".join(f"{p} {ms:.4f} ({gbps.get(p, math.nan):.0f})"
+                                        for p, ms in parts.items())
+                  + f" = {sum(parts.values()):.4f} | programs " + " ".join(
+                      f"{p} {'x'.join(map(str, grids[p]))}={math.prod(grids[p])}"
+                      for p in ("prefix", "values") if p in grids)
+                  + f" on {r.get('sms', '?')} SMs")
 
 
 def plot_cascade_split(res: dict, path: Path) -> None:
     """Per agent count: ms against the prefix length, whole (solid) and pass 1 (dashed) per
-    variant, the unified cascade in black."""
+    variant, the unified cascade in black; last panel, at the largest agent count: per
+    prefix length a bar per variant stacked by launch (each timed alone), the unified
+    cascade's whole call a black line across its group."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = res["cascade_split"]
     counts = sorted({r["agents"] for r in rows})
-    fig, axes = plt.subplots(1, max(len(counts), 1), figsize=(7 * max(len(counts), 1), 5),
-                             squeeze=False)
+    panels = len(counts) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 5), squeeze=False)
     for ax, agents in zip(axes[0], counts):
         pts = sorted((r for r in rows if r["agents"] == agents), key=lambda r: r["prefix_ctx"])
         x = [r["prefix_ctx"] for r in pts]
@@ -1466,10 +1530,35 @@ def plot_cascade_split(res: dict, path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="shared prefix (keys)", ylabel="ms (one layer)",
                title=f"{agents} agents, {pts[0]['suffix'] if pts else 0}-key suffixes")
         ax.legend(fontsize=6)
+    plot_split_parts(axes[0][-1], [r for r in rows if counts and r["agents"] == counts[-1]])
     fig.suptitle(f"split-form cascade: whole (-) and pass 1 (--); {res['device']} {res['dtype']} "
                  f"commit {res['commit'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_split_parts(ax, rows: list[dict]) -> None:
+    """Stacked bars of each variant's launches (one agent count), grouped by prefix length."""
+    names = list(CASCADE_SPLIT_VARIANTS)
+    ticks, labels = [], []
+    for g, r in enumerate(sorted(rows, key=lambda r: r["prefix_ctx"])):
+        x0 = g * (len(names) + 1)
+        ax.hlines(r["unified_ms"], x0 - 0.5, x0 + len(names) - 0.5, color="black",
+                  label="unified cascade" if g == 0 else None)
+        for j, n in enumerate(names):
+            bottom = 0.0
+            for k, part in enumerate(SPLIT_PARTS):
+                ms = r.get(n + "_parts_ms", {}).get(part, math.nan)
+                ax.bar(x0 + j, ms, bottom=bottom, color=f"C{k}",
+                       label=part if g == 0 and j == 0 else None)
+                bottom += ms
+            ticks.append(x0 + j)
+            ctx = r["prefix_ctx"]
+            labels.append(f"{n} {f'{ctx // 1024}K' if ctx >= 1024 else ctx}")
+    ax.set_xticks(ticks, labels, rotation=90, fontsize=6)
+    ax.set(ylabel="ms (each launch alone)",
+           title=f"launch by launch, {rows[0]['agents'] if rows else 0} agents")
+    ax.legend(fontsize=7)
 
 
 def main_cascade_split(s: Setup, args: argparse.Namespace) -> dict:
@@ -1892,8 +1981,8 @@ def main() -> None:
                         help="only: shared-prefix decode over its prefix launch's tuning; writes "
                              "kernel_bench_cascade_sweep.json")
     parser.add_argument("--cascade-split", action="store_true",
-                        help="only: the split-form cascade's variants (two-pass, msc, tiled "
-                             "scores) whole and pass 1 alone; writes "
+                        help="only: the split-form cascade's variants (two-pass, float16 "
+                             "scores, msc, tiled scores) whole and each launch alone; writes "
                              "kernel_bench_cascade_split.json/.png")
     parser.add_argument("--split-prefixes", nargs="*", type=int,
                         help="shared prefixes of --cascade-split (default 8K 32K)")

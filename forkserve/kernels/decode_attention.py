@@ -14,7 +14,8 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   (``"msc2s"``, residual_msc2s.py: the two halves of msc's pass 1 written side by side).
   The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
-  suffixes, split on the device (shared_prefix.py). Unified decode's dynamic plan uses
+  suffixes, split on the device (shared_prefix.py); ``REL_SCORE``: the split form's float16
+  score write-back, each score relative to its key block's max. Unified decode's dynamic plan uses
   ``DYN_SPLIT`` alone (each sequence's own keys cut in ``num_splits``), with ``LIVE_ONLY``
   (an empty split writes only its lse) or, at one split, ``DIRECT`` (the output itself, no
   merge).
@@ -57,12 +58,12 @@ from forkserve.kernels.split_kv import (
 # met compiled its kernels inside a timed adaptive run (1.35 s at W = 32,
 # ``kernels_built_specs``). One build serves every class.
 _STEP_INTS = ["batch", "kv_start", "kv_limit", "split_len", "split_offset", "stride_bt",
-              "stride_rbt", "stride_lh", "stride_sb", "stride_sh"]
+              "stride_rbt", "stride_lh", "stride_sb", "stride_sh", "stride_mb", "stride_mh"]
 
 
 @triton.jit(do_not_specialize=_STEP_INTS)
 def _decode_partial_kernel(
-    Q, K, V, KR, VR, BK, BV, RopeTable, Bias, LogitBias,
+    Q, K, V, KR, VR, BK, BV, RopeTable, Bias, LogitBias, BlockMax,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
     PartOut, PartLse, TileSeqs, TileLens, KvStarts,
     batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
@@ -74,12 +75,14 @@ def _decode_partial_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     stride_sb, stride_sh,
+    stride_mb, stride_mh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
     RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
     DYN_SPLIT: tl.constexpr = False, RES_LOGITS: tl.constexpr = False,
     LIVE_ONLY: tl.constexpr = False, DIRECT: tl.constexpr = False,
+    REL_SCORE: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -211,7 +214,17 @@ def _decode_partial_kernel(
             s = s * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
         if HAS_RES and TILED and not RES_LOGITS:
-            tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
+            if REL_SCORE:
+                # A float16 buffer: each score relative to its block's row max (float32,
+                # beside it). The value pass needs exp2(s - lse) where s is near the max: a
+                # difference near 0 keeps ~5e-4 there; a whole log2 score of 30 only ~1e-2.
+                blk_max = tl.max(s, 1)
+                tl.store(BlockMax + row_seq * stride_mb + row_head * stride_mh
+                         + start_n // BLOCK_N, blk_max, mask=s_rows)
+                tl.store(s_ptr + offs_n[None, :], (s - blk_max[:, None]).to(Bias.dtype.element_ty),
+                         mask=s_rows[:, None] & n_ok[None, :])
+            else:
+                tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -253,7 +266,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     res_logits: torch.Tensor | None = None,
                     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
-                    direct: bool = False) -> None:
+                    direct: bool = False, block_max: torch.Tensor | None = None) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -286,6 +299,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ignored and an empty split writes only its lse (-inf), which the merge skips.
     ``direct`` (unified, one split): ``part_out`` is the output ``[batch, H, D]`` itself,
     written normalised in its dtype; ``part_lse`` is not read or written (may be None).
+    ``block_max`` (split-form cascade prefix with a float16 ``res_bias``): ``[batch, H, >=
+    key blocks]`` float32; the write-back stores each score relative to its ``block_n``-key
+    block's row max and the max here (``residual_values`` adds it back).
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -321,6 +337,14 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bias_strides = (scores.stride(0), scores.stride(1))
     else:
         bias_strides = (0, 0)
+    # The write-back keeps whole float32 scores, or float16 ones relative to a block max.
+    assert tiles is None or res_bias is None or res_logits is not None or (
+        (block_max is None) == (res_bias.dtype == torch.float32))
+    if block_max is not None:
+        assert tiles is not None and res_bias is not None and res_logits is None
+        max_strides = (block_max.stride(0), block_max.stride(1))
+    else:
+        max_strides = (0, 0)
     programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
     if direct:
@@ -334,20 +358,20 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dyn = dyn_split and tiles is None and kv_starts is None
     _decode_partial_kernel[(programs, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
-        res_bias if res_logits is not None else None,
+        res_bias if res_logits is not None else None, block_max,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
         tile_seqs, tile_lens, kv_starts,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         *res_strides, block_tables.stride(0), rbt_stride,
-        *out_strides, *lse_strides, *bias_strides,
+        *out_strides, *lse_strides, *bias_strides, *max_strides,
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
         SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
         SEQ_START=kv_starts is not None,
         DYN_SPLIT=tiles is not None or kv_starts is not None or dyn_split,
         RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
-        num_warps=num_warps, num_stages=num_stages,
+        REL_SCORE=block_max is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 

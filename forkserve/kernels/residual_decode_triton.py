@@ -267,17 +267,19 @@ def _residual_score_kernel(
 
 @triton.jit
 def _residual_value_kernel(
-    Scores, VR, BV, ResBlockTables, AdapterIdx, KvStarts, PartOut, PartLse,
-    rank, stride_sb, stride_sh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    Scores, BlockMax, VR, BV, ResBlockTables, AdapterIdx, KvStarts, PartOut, PartLse,
+    rank, stride_sb, stride_sh, stride_mb, stride_mh, stride_rp, stride_rs, stride_ba,
+    stride_br, stride_rbt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, RANK: tl.constexpr, REL_SCORE: tl.constexpr = False,
 ):
     """Split-form cascade, after the tiled prefix launch: adds a row's V residual to each of
     its prefix partials, ``(sum_n exp2(s_n - lse) V_res[n]) B_v``, from the scores ``s`` and
     the partial's log2-sum-exp ``lse`` that launch wrote (so already normalised like the
     partial). Grid ``(batch, n_kv, prefix splits)``, the splits laid out as the prefix
-    launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length)."""
+    launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length). ``REL_SCORE``: each score
+    is stored relative to its ``BLOCK_N``-key block's max, kept in ``BlockMax`` (float16
+    scores, decode_attention.py)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -300,7 +302,13 @@ def _residual_value_kernel(
         ok = row_ok[:, None] & n_ok[None, :]
         s = tl.load(Scores + b * stride_sb + heads[:, None] * stride_sh + offs_n[None, :],
                     mask=ok, other=0.0)
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        if REL_SCORE:
+            # (block max - lse) first, both float32: the float16 part stays a small number.
+            shift = tl.load(BlockMax + b * stride_mb + heads * stride_mh + start_n // BLOCK_N,
+                            mask=row_ok, other=0.0) - lse
+            p = tl.where(ok, tl.exp2(s.to(tl.float32) + shift[:, None]), 0.0)
+        else:
+            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
         r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs,
                                  PAGE_SIZE)
         vr = tl.load(VR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
@@ -320,7 +328,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     dtype: torch.dtype | None = None, block_n: int = 32, num_warps: int = 4,
                     num_stages: int = 2, chunk: int | None = None,
                     keys_m: bool = False, form: str = "rotate",
-                    angle_add: bool | None = None) -> torch.Tensor:
+                    angle_add: bool | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
@@ -336,6 +345,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``form``: ``"rotate"`` (this module's kernel: rebuild, rotate and score each key) or
     ``"qfold"`` (residual_score_qfold.py: the queries folded into ``B_k``, cos/sin rows by
     ``angle_add``, default True, or from the table; ``keys_m`` does not apply).
+    ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
+    call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
     if form not in SCORE_FORMS:
         raise ValueError(f"residual score form must be one of {SCORE_FORMS}, got {form!r}")
@@ -344,7 +355,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     if dtype is None:
         dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
     span = max(max_seq_len, 1)
-    bias = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device)
+    bias = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device) if out is None else out
     if form == "qfold":
         if keys_m:
             raise ValueError("keys_m is a rotate-form option; the qfold form has no rebuilt keys")
@@ -377,20 +388,23 @@ def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Te
                     res_block_tables: torch.Tensor, adapter_idx: torch.Tensor,
                     kv_starts: torch.Tensor,
                     part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
-                    block_n: int) -> None:
+                    block_n: int, block_max: torch.Tensor | None = None) -> None:
     """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
-    launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``."""
+    launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``;
+    ``block_max``: the block maxima it stored beside relative scores (float16 ones)."""
     batch, n_heads, _, head_dim = part_out.shape
     group = n_heads // n_kv
     rank = b_v_all.shape[1]
+    m_strides = (0, 0) if block_max is None else (block_max.stride(0), block_max.stride(1))
     _residual_value_kernel[(batch, n_kv, num_splits)](
-        scores, v_res, b_v_all, res_block_tables, adapter_idx, kv_starts, part_out, part_lse,
-        rank, scores.stride(0), scores.stride(1), v_res.stride(0), v_res.stride(1),
-        b_v_all.stride(0), b_v_all.stride(1), res_block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        scores, block_max, v_res, b_v_all, res_block_tables, adapter_idx, kv_starts, part_out,
+        part_lse, rank, scores.stride(0), scores.stride(1), *m_strides,
+        v_res.stride(0), v_res.stride(1), b_v_all.stride(0), b_v_all.stride(1),
+        res_block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=v_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
+        REL_SCORE=block_max is not None,
     )
 
 

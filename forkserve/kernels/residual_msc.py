@@ -34,21 +34,29 @@ from forkserve.kernels.split_kv import LOG2E
 MSC_TUNING = {"block_n": 64, "angle_add": False}
 
 
+def empty_logits(q: torch.Tensor, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An unwritten logits buffer for ``q [batch, H, D]`` over ``max_seq_len`` keys."""
+    batch, n_heads, _ = q.shape
+    # Rows padded to 16 entries: the JIT then knows every head's row is aligned, and both
+    # passes move the logits in vectors (pass 2: 96 instead of 160 registers).
+    span = -(-max(max_seq_len, 1) // 16) * 16
+    return torch.empty(batch, n_heads, span, dtype=dtype, device=q.device)
+
+
 def residual_logits(q: torch.Tensor, k_base: torch.Tensor, block_tables: torch.Tensor,
                     k_res: torch.Tensor, res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     b_k_all: torch.Tensor, adapter_idx: torch.Tensor, rope_table: torch.Tensor,
                     scale: float, max_seq_len: int, *, dtype: torch.dtype = torch.float32,
                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                    chunk: int | None = None, angle_add: bool = False) -> torch.Tensor:
+                    chunk: int | None = None, angle_add: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1: ``[batch, H, max_seq_len]`` logits ``q.K * scale * log2(e)`` at every key
     ``n < seq_len`` (other entries unwritten). ``block_n``, ``num_warps``, ``num_stages``,
     ``chunk`` (keys per program), ``angle_add`` (cos/sin by angle addition instead of table
-    rows): the q-folded score kernel's tuning."""
-    batch, n_heads, _ = q.shape
-    # Rows padded to 16 entries: the JIT then knows every head's row is aligned, and both
-    # passes move the logits in vectors (pass 2: 96 instead of 160 registers).
-    span = -(-max(max_seq_len, 1) // 16) * 16
-    logits = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device)
+    rows): the q-folded score kernel's tuning. ``out``: an ``empty_logits`` buffer to write
+    (a call split into launches over buffers allocated once); ``dtype`` is then its own."""
+    logits = empty_logits(q, max_seq_len, dtype) if out is None else out
     qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table,
                  k_base.shape[2], logits, block_n=block_n, num_warps=num_warps,
                  num_stages=num_stages, chunk=chunk, angle_add=angle_add,

@@ -1,9 +1,12 @@
 """benchmarks/kernel_bench.py --cascade-split at a toy shape (CPU, Triton interpreter): one
-case with two-pass, msc and the tiled score pass, each whole and its pass 1 alone, equal
-outputs, the JSON, table and plot. On CUDA run the bench itself."""
+case with two-pass (float32 and float16 scores) and msc, each whole and launch by launch
+(times, bytes, GB/s, grids), equal outputs, the JSON, table and plot (the tiled score pass
+runs the same bench code; its kernels' tests are test_shared_prefix.py's). On CUDA run the
+bench itself."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,12 +15,12 @@ from tests.benchmark_script import load_script
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(),
                                  reason="CPU smoke shapes; on CUDA run the bench itself"),
-              pytest.mark.slow]  # ~7 s in the interpreter
+              pytest.mark.slow]  # ~12 s in the interpreter
 
 
 def test_cascade_split_rows(tmp_path, monkeypatch) -> None:
     kb = load_script("kernel_bench")
-    names = ("two_pass", "msc", "tiled_a2h1_bn64_w8")
+    names = ("two_pass", "two_pass_fp16", "msc")
     monkeypatch.setattr(kb, "CASCADE_SPLIT_VARIANTS",
                         {n: kb.CASCADE_SPLIT_VARIANTS[n] for n in names})
     s = kb.Setup(smoke=True)
@@ -28,8 +31,19 @@ def test_cascade_split_rows(tmp_path, monkeypatch) -> None:
     assert "errors" not in res
     (row,) = json.loads(path.read_text())["cascade_split"]
     assert (row["prefix_ctx"], row["agents"], row["suffix"]) == (40, 3, 8)
+    parts = ("pass1", "prefix", "values", "suffix", "merge")
     for n in names:
-        assert row[n + "_ms"] > 0 and row[n + "_pass1_ms"] > 0 and row[n + "_rel_err"] < 1e-5
+        assert row[n + "_ms"] > 0 and row[n + "_pass1_ms"] > 0
+        assert row[n + "_rel_err"] < (3e-3 if n.endswith("fp16") else 1e-5)
+        for key in ("_parts_ms", "_parts_bytes", "_parts_GBps"):
+            assert tuple(row[n + key]) == parts
+            assert all(math.isfinite(x) and x > 0 for x in row[n + key].values())
+        assert row[n + "_parts_ms"]["pass1"] == row[n + "_pass1_ms"]
+        # One tile of 3 agents (in 32 places), 2 KV heads, split as the launches planned.
+        prefix, values = row[n + "_grids"]["prefix"], row[n + "_grids"]["values"]
+        assert prefix[:2] == [1, 2] and values == [3, 2, prefix[2]]
+    # float16 scores halve the bytes the score buffer moves
+    assert row["two_pass_fp16_parts_bytes"]["prefix"] < row["two_pass_parts_bytes"]["prefix"]
     kb.print_cascade_split(res)
     kb.plot_cascade_split(res, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0

@@ -168,3 +168,57 @@ def test_tiled_scores_cascade_equals_eager() -> None:
     out = cascade_residual_decode(*args, variant="tiled_scores", score_tuning=dict(
         block_n=16, num_warps=4, suffix=dict(block_n=16, chunk=32, angle_add=False)), **TUNING)
     assert rel_err(out, cascade_residual_decode(*args, use_triton=False)) < REL_TOL
+
+
+@pytest.mark.parametrize("variant", [None, "two_pass", "tiled_scores"])
+def test_launches_one_by_one_equal_the_whole_call(variant: str | None) -> None:
+    """A call as its named launches (``_split_groups``: several tiles, a group of one, a
+    prefix ending mid-page), each run alone in order, equals the whole call bit for bit and
+    the eager path; run again over the same buffers (a graph's replay), the same again.
+    ``None``: the unified form over the same base pages."""
+    from forkserve.kernels.shared_prefix import (
+        cascade_decode_triton,
+        cascade_launches,
+        cascade_residual_decode_triton,
+        cascade_residual_launches,
+    )
+    args = _split_groups()
+    tuning = {k: v for k, v in TUNING.items() if k != "use_triton"}
+    if variant is None:
+        q, k, v, tables, lens = args[0], args[1], args[2], args[5], args[7]
+        unified = (q, k, v, tables, lens, *args[12:])
+        calls = cascade_launches(*unified, **tuning)
+        whole = cascade_decode_triton(*unified, **tuning)
+        ref = plain.decode(q, k, v, tables, lens)
+        names = ("prefix", "suffix", "merge")
+    else:
+        if variant == "tiled_scores":
+            tuning["score_tuning"] = dict(block_n=16, num_warps=4,
+                                          suffix=dict(block_n=16, chunk=32, angle_add=False))
+        calls = cascade_residual_launches(*args, variant=variant, **tuning)
+        whole = cascade_residual_decode_triton(*args, variant=variant, **tuning)
+        ref = cascade_residual_decode(*args, use_triton=False)
+        names = ("pass1", "prefix", "values", "suffix", "merge")
+    assert tuple(name for name, _ in calls.launches) == names
+    assert set(calls.grids) == set(names) - {"pass1"}
+    for _, launch in calls.launches:
+        launch()
+    assert torch.equal(calls.out, whole)
+    assert rel_err(whole, ref) < REL_TOL
+    first = calls.out.clone()
+    assert torch.equal(calls.run(), first)
+
+
+@pytest.mark.parametrize("variant", ["two_pass", "tiled_scores"])
+def test_float16_scores_equal_float32(variant: str) -> None:
+    """``score_dtype=torch.float16`` (``_split_groups``; scores written back relative to
+    their block's max) equals the float32 buffer to 3e-3; msc refuses it (its logits'
+    dtype is its score tuning's)."""
+    args = _split_groups()
+    score_tuning = None if variant == "two_pass" else dict(
+        block_n=16, num_warps=4, suffix=dict(block_n=16, chunk=32, angle_add=False))
+    run = lambda dtype: cascade_residual_decode(  # noqa: E731
+        *args, variant=variant, score_tuning=score_tuning, score_dtype=dtype, **TUNING)
+    assert rel_err(run(torch.float16), run(torch.float32)) < 3e-3
+    with pytest.raises(ValueError, match="score_dtype"):
+        cascade_residual_decode(*args, variant="msc", score_dtype=torch.float16, **TUNING)

@@ -31,7 +31,8 @@ I32_POINTERS = {"ResBlockTables", "SeqLens", "AdapterIdx", "TileSeqs", "TileLens
                 "BlockTables"}
 
 
-def compile_sm90(kernel, consts: dict, num_warps: int = 4) -> str:
+def compile_sm90(kernel, consts: dict, num_warps: int = 4,
+                 pointers: dict[str, str] | None = None) -> str:
     # Under TRITON_INTERPRET=1 (the kernel tests' setting) ``@triton.jit`` made an
     # interpreted function: compile its Python source as the device would.
     if not isinstance(kernel, JITFunction):
@@ -40,6 +41,8 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4) -> str:
     sig = {n: "constexpr" if n in consts else "*bf16" if n in POINTERS
            else "*fp32" if n in FP32_POINTERS else "*i32" if n in I32_POINTERS
            else "*i64" if n == "Slots" else "i32" for n in names}
+    # Types over the defaults (float16 score buffers), for the arguments this kernel has.
+    sig.update({n: t for n, t in (pointers or {}).items() if n in sig})
     src = ASTSource(fn=kernel, signature=sig,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -80,13 +83,44 @@ assert ".entry" in compile_sm90(_qfold_score_kernel, dict(
 """
 
 
-def test_tiled_scores_compile():
-    """The split-form cascade's tiled score pass (2 agents x 1 KV head, the default; 4 x 1;
-    2 x 2) and the q-folded pass over the suffixes (``SEQ_START``)."""
+def _fresh_process(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a Python without TRITON_INTERPRET, this folder importable."""
     here = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1]),
                                          env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SCORE_PASSES], env=env, capture_output=True,
-                         text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_tiled_scores_compile():
+    """The split-form cascade's tiled score pass (2 agents x 1 KV head, the default; 4 x 1;
+    2 x 2) and the q-folded pass over the suffixes (``SEQ_START``)."""
+    run = _fresh_process(_SCORE_PASSES)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+# The split cascade's prefix launch (a 32-agent tile, two-pass scores) and value pass, with
+# float32 scores and with float16 ones relative to a float32 block max (``REL_SCORE``).
+_CASCADE_LAUNCHES = """
+from test_sm90_compile import compile_sm90
+from forkserve.kernels.decode_attention import _decode_partial_kernel
+from forkserve.kernels.residual_decode_triton import _residual_value_kernel
+f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
+for rel in (False, True):
+    types = f32 | {n: "*fp16" if rel else "*fp32" for n in ("Bias", "Scores")}
+    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
+        GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
+        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
+        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel), 8, types)
+    assert ".entry" in compile_sm90(_residual_value_kernel, dict(
+        GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=16, REL_SCORE=rel),
+        4, types)
+"""
+
+
+def test_cascade_prefix_and_value_launches_compile():
+    """The split cascade's prefix launch and value pass, float32 scores and float16 ones
+    (``score_dtype``), compiled in a fresh process (they call device functions)."""
+    run = _fresh_process(_CASCADE_LAUNCHES)
     assert run.returncode == 0, run.stderr[-3000:]
