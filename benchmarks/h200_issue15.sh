@@ -41,6 +41,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 26  # adaptive W=32: which specializations its rehearsal misses; split cascade breakdown
 # Round 10 (the decode kernel's per-step integers unspecialized):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 27  # react W=1,8,32 on a cold cache
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 28  # the split cascade launch by launch
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
@@ -264,6 +265,13 @@ case "$1" in
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/react_multilora_issue15_round10.json"
+  ;;
+28)
+  # Round 10: the split cascade launch by launch (and its float16 score buffer).
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_shared_prefix.py tests/kernels/test_sm90_compile.py tests/torch/test_cascade.py \
+    2>&1 | tee "$OUT/pytest_cuda_round10_csplit.log" | tail -6
+  timeout 300 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -40
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
