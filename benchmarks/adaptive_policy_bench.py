@@ -4,18 +4,21 @@ page shape and the H200's 24 GiB budget, priced by a cost model fitted to the H2
 
     python benchmarks/adaptive_policy_bench.py --out benchmarks/results
 
-Each (workload, W, system) runs once (the mock is deterministic) and gives a row: the mean
-decode batch, the peak KV, the agents that waited for admission (first opened after decoding
-began), the sessions opened merged and split, prefill tokens, and tasks/s as the cost model
-prices the run (``modeled_tasks_per_s``: W over the modeled device-busy time; the tool pauses,
-0.1 s each on the H200, are left out). ``adaptive_policy_cpu.json|png``; the PNG's bars are
-each system's modeled tasks/s over the better of unified and disaggregated (goal: adaptive
->= 0.95 at every W).
+The adaptive layout runs three times, as admission reports to it (``QUEUE_VIEWS``): round
+10's policy (``adaptive``), round 7's (``adaptive_no_hold``) and round 3's
+(``adaptive_no_queue``). Each (workload, W, system) runs once (the mock is deterministic) and
+gives a row: the mean decode batch, the peak KV, the agents that waited for admission (first
+opened after decoding began), the sessions opened merged and split, prefill tokens, and
+tasks/s as the cost model prices the run (``modeled_tasks_per_s``: W over the modeled
+device-busy time; the tool pauses, 0.1 s each on the H200, are left out).
+``adaptive_policy_cpu.json|png``; the PNG's bars are each system's modeled tasks/s over the
+better of unified and disaggregated (goal: adaptive >= 0.95 at every W).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,12 +42,19 @@ from forkserve.bench.output import (
     write_json,
 )
 from forkserve.bench.provenance import source_commit
-from forkserve.config import KVForm
-from forkserve.control.layout_policy import NOTHING_QUEUED
+from forkserve.config import ForkServeConfig, KVForm
+from forkserve.control.layout_policy import NOTHING_QUEUED, Queued
 
-# adaptive_no_queue: the adaptive layout with an admission controller that reports no queue
-# (``Queued``), so only the pool's pressure decides: the policy round 3 measured.
-SYSTEMS = ("unified", "disaggregated", "adaptive", "adaptive_no_queue")
+# The adaptive layout as admission reports to it (``Queued``): adaptive, everything (the queue,
+# and that it holds a session until its pages fit: merged waves up to ``adaptive_split_waves``,
+# round 10's policy); adaptive_no_hold, the queue alone (contention splits the burst: round 7's);
+# adaptive_no_queue, nothing (only the pool's pressure decides: round 3's).
+QUEUE_VIEWS: dict[str, Callable[[Queued], Queued]] = {
+    "adaptive": lambda queued: queued,
+    "adaptive_no_hold": lambda queued: dataclasses.replace(queued, holds_for_room=False),
+    "adaptive_no_queue": lambda queued: NOTHING_QUEUED,
+}
+SYSTEMS = ("unified", "disaggregated", *QUEUE_VIEWS)
 
 # Fitted to docs/MULTILORA.md "Round 3" (H200, 8B shape, W agents over one 8K context): least
 # squares, relative, over its twelve unified and disaggregated makespans (react and mapreduce
@@ -76,22 +86,21 @@ class Row:
 
 class FormCounter(Engine):
     """Counts each opened session's form, and the adapters first opened after decoding began
-    (their agent waited for admission); ``weigh_queue`` False hides the admission queue."""
+    (their agent waited for admission); the layout sees the admission queue through ``view``."""
 
-    def __init__(self, backend: MockBackend, weigh_queue: bool = True) -> None:
+    def __init__(self, backend: MockBackend,
+                 view: Callable[[Queued], Queued] = QUEUE_VIEWS["adaptive"]) -> None:
         super().__init__(backend)
-        self.weigh_queue = weigh_queue
+        self.view = view
         self.forms = {KVForm.MERGED: 0, KVForm.SPLIT: 0}
         self.late: set = set()
         self._seen: set = set()
 
     def layout_form(self, tokens, *, adapter=None, queued=NOTHING_QUEUED):
-        return super().layout_form(tokens, adapter=adapter,
-                                   queued=queued if self.weigh_queue else NOTHING_QUEUED)
+        return super().layout_form(tokens, adapter=adapter, queued=self.view(queued))
 
     def open(self, tokens, *, queued=NOTHING_QUEUED, **kwargs):
-        handle = super().open(tokens, queued=queued if self.weigh_queue else NOTHING_QUEUED,
-                              **kwargs)
+        handle = super().open(tokens, queued=self.view(queued), **kwargs)
         node = self.node(handle.id, self.tip(handle.id))
         self.forms[self.kv.form_of(node.table, node.adapter)
                    if node.adapter is not None else KVForm.MERGED] += 1
@@ -109,9 +118,9 @@ def measure(workload: str, workflows: int, system: str, args: argparse.Namespace
                              turns=args.turns, gen=args.gen, kv_budget_gib=args.kv_budget_gib,
                              residual_share=args.residual_share, pause_s=0.0)
     sizes = page_bytes(model, params.rank, params.page_size, torch.bfloat16)
-    spec = SPECS["adaptive" if system == "adaptive_no_queue" else system]
-    engine = FormCounter(MockBackend(engine_config(spec, params, sizes, model),
-                                     cost_model=H200_8B), weigh_queue=system != "adaptive_no_queue")
+    spec = SPECS["adaptive" if system in QUEUE_VIEWS else system]
+    backend = MockBackend(engine_config(spec, params, sizes, model), cost_model=H200_8B)
+    engine = FormCounter(backend, QUEUE_VIEWS.get(system, QUEUE_VIEWS["adaptive"]))
     result = run_workload(system, params, engine, sizes, lambda i: f"agent{i}")
     engine.check_integrity()
     modeled_s = engine.metrics.ms / 1e3
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["react", "mapreduce"],
                     choices=["react", "mapreduce"])
-    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32], metavar="W")
+    ap.add_argument("--workflows", type=int, nargs="+", default=[1, 8, 32, 64], metavar="W")
     ap.add_argument("--context", type=int, default=8192, help="shared context tokens")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--gen", type=int, default=64)
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": "MockBackend at the Llama-3-8B page shape", "device": "cpu",
         "cost_model": asdict(H200_8B), "context": args.context, "turns": args.turns,
         "gen": args.gen, "kv_budget_gib": args.kv_budget_gib,
+        "adaptive_split_waves": ForkServeConfig().adaptive_split_waves,
         "residual_share": args.residual_share, "commit": commit,
         "rows": [asdict(r) | {"vs_better": versus_better(rows, r)} for r in rows]})
     plot(rows, args.out / "adaptive_policy_cpu.png")

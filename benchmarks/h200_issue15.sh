@@ -42,12 +42,26 @@
 # Round 10 (the decode kernel's per-step integers unspecialized):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 27  # react W=1,8,32 on a cold cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 28  # the split cascade launch by launch
+# Round 10, merged waves before splitting (docs/MULTILORA.md "Round 10, merged waves"):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) W=32 bash benchmarks/h200_issue15.sh 29  # react, then mapreduce, on a cold cache
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu_$1.txt"
+
+# Round 10's runs on a cold Triton cache: $1 the workload. Every row's kernels_built_in_run
+# should be 0 (its rehearsal built them). Adaptive's form shows in its context KV per agent
+# and mean decode batch (unified's where it ran merged).
+round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in its run
+  export TRITON_CACHE_DIR=/root/triton_$2_$1 && rm -rf "$TRITON_CACHE_DIR"
+  timeout "${3:-450}" python3 -m forkserve.interfaces.cli bench "$1" --workflows ${W:-1 8 32} \
+    --systems unified disaggregated adaptive --tag "$2" --out "$OUT" 2>&1 | tail -12
+  python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
+    *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
+    "$OUT/$1_multilora_$2.json"
+}
 case "$1" in
 1)
   FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -x tests/kernels/test_shared_prefix.py \
@@ -259,12 +273,12 @@ case "$1" in
   ;;
 27)
   # Round 10: adaptive's step integers unspecialized. Every row's kernels_built_in_run should be 0.
-  export TRITON_CACHE_DIR=/root/triton_round10_27 && rm -rf "$TRITON_CACHE_DIR"
-  timeout 450 python3 -m forkserve.interfaces.cli bench react --workflows ${W:-1 8 32} --systems \
-    unified disaggregated adaptive --tag issue15_round10 --out "$OUT" 2>&1 | tail -12
-  python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
-    *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
-    "$OUT/react_multilora_issue15_round10.json"
+  round10 react issue15_round10
+  ;;
+29)
+  # Round 10, merged waves: adaptive W = 32 should run merged, as unified (react, mapreduce).
+  round10 react issue15_round10_waves 280
+  round10 mapreduce issue15_round10_waves 280
   ;;
 28)
   # Round 10: the split cascade launch by launch (and its float16 score buffer).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -110,6 +111,11 @@ class ForkServeConfig:
     # ...less this fraction while split sessions hold this prompt's context (hysteresis:
     # ``PressurePolicy``), so the form does not alternate as load crosses the mark.
     adaptive_hysteresis: float = 0.2
+    # Where admission holds a session until its pages fit (``Queued.holds_for_room``), a queue
+    # that would not fit merged runs merged in waves up to this many times the mark, and splits
+    # past it. 2: react at W = 32 (1.75 waves at the 8B shape in 24 GiB) ran faster merged in
+    # waves than all split on the H200 (docs/MULTILORA.md "Round 10").
+    adaptive_split_waves: float = 2.0
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
     # Selective recompute (disaggregated layout; docs/QUALITY.md, mode b): in these decoder
     # layers an adapter's split item keeps its own merged K/V in its residual pages instead
@@ -199,6 +205,9 @@ class ForkServeConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"ForkServeConfig.{name} must be in [0, 1], got "
                                  f"{getattr(self, name)}")
+        if not 1.0 <= self.adaptive_split_waves < math.inf:
+            raise ValueError("ForkServeConfig.adaptive_split_waves must be >= 1 and finite, got "
+                             f"{self.adaptive_split_waves}")
         object.__setattr__(self, "admit_mode", AdmitMode(self.admit_mode))
         object.__setattr__(self, "kv_layout", KVLayout(self.kv_layout))
         object.__setattr__(self, "share_base", ShareBase(self.share_base))

@@ -118,7 +118,8 @@ class KVCache:
         # Per adapter id, looked up once: ids are never reused for another adapter.
         self._invocations: dict[AdapterId, Invocation | None] = {}
         self.policy = policy or policy_for(self.layout, config.adaptive_high_water,
-                                           config.adaptive_hysteresis)
+                                           config.adaptive_hysteresis,
+                                           config.adaptive_split_waves)
 
     @property
     def index(self) -> PrefixIndex:
@@ -207,7 +208,8 @@ class KVCache:
                                                          base_model_held)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages, split_held, queued_merged,
-                                                queued_split))
+                                                queued_split, -(-len(tokens) // p),
+                                                queued.holds_for_room))
 
     def _held_run(self, key: BaseKey) -> int:
         """Leading pages of ``key`` published in the base index that a table or pin holds."""

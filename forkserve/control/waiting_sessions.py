@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from forkserve.control.layout_policy import NOTHING_QUEUED, Queued
+from forkserve.control.layout_policy import Queued
 from forkserve.control.page_hash import ROOT_SEED, PageChain
 from forkserve.control.prefix_index import UNSALTED, CacheSalt
 from forkserve.errors import InvalidStateError
@@ -39,8 +39,12 @@ class Waiter:
 
 
 class WaitingSessions:
-    def __init__(self, page_size: int) -> None:
+    """``holds_for_room``: whether the admission point opens a session only once its pages
+    fit (``Queued.holds_for_room``): every ``queued`` answer says so, an empty queue's too."""
+
+    def __init__(self, page_size: int, holds_for_room: bool = False) -> None:
         self.page_size = page_size
+        self._empty = Queued(holds_for_room=holds_for_room)
         self._members: set[Waiter] = set()
         self._tokens = 0
         self._prefixes: Counter[tuple[CacheSalt, int]] = Counter()
@@ -87,11 +91,12 @@ class WaitingSessions:
         own = opening in self._members
         sessions, tokens = waiting - own, self._tokens - (opening.footprint if own else 0)
         if not sessions:
-            return NOTHING_QUEUED
+            return self._empty
         # Every other waiter holds a page of ``opening``'s chain iff its count is ``waiting``
         # (``opening``, when queued, holds all of its own). Counts only fall along a chain:
         # bisect for the first page someone lacks.
         salt, chain, prefixes = opening.salt, opening.chain, self._prefixes
         shared = bisect.bisect_left(range(len(chain)), True,
                                     key=lambda k: prefixes.get((salt, chain[k]), 0) < waiting)
-        return Queued(sessions, -(-tokens // sessions), shared * self.page_size)
+        return Queued(sessions, -(-tokens // sessions), shared * self.page_size,
+                      self._empty.holds_for_room)

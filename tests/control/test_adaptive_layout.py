@@ -1,7 +1,10 @@
 """The adaptive layout (seed 003, D3) on the MockBackend: merged under light load, split
-under pressure, under contention (an admission queue that would not fit merged) or where the
+under pressure, under contention (an admission queue that would not fit merged; where
+admission holds sessions for room, not within ``split_waves`` waves) or where the
 adapter's residual is published; each form shares what its rules allow; ``layout_form``
 answers what ``open`` then does."""
+import dataclasses
+
 import pytest
 
 from forkserve import Engine, ForkServeConfig, KVLayout
@@ -34,12 +37,14 @@ def test_pressure_policy_rules():
 
 
 def test_pressure_policy_weighs_the_queue_and_holds_its_form():
-    policy = PressurePolicy(high_water=0.5, hysteresis=0.2)
+    # A queue whose controller opens every session as it comes (the server): no waves.
+    policy = PressurePolicy(high_water=0.5, hysteresis=0.2, split_waves=2.0)
     def choose(projected, queued_merged=0, queued_split=0, held=0):
         return policy.choose(LayoutSignals(True, 0, projected, 100, held, queued_merged,
                                            queued_split))
     # Contended (10 + 60 > 50, and the queue splits into fewer pages): split, however little
-    # this session's own pages are.
+    # this session's own pages are; ``split_waves`` does not apply, nothing would hold the
+    # queue back until merged room frees.
     assert choose(10, 60, 8) is KVForm.SPLIT
     assert choose(45, 60, 8) is KVForm.SPLIT
     assert choose(45, 4, 2) is KVForm.MERGED      # the queue fits merged: no room held back
@@ -48,6 +53,75 @@ def test_pressure_policy_weighs_the_queue_and_holds_its_form():
     assert choose(40, held=5) is KVForm.SPLIT
     assert choose(25, held=5) is KVForm.MERGED
     assert choose(40) is KVForm.MERGED
+    # Past the mark with nothing queued: split (nothing would make it wait for room).
+    assert choose(60) is KVForm.SPLIT
+
+
+def held(projected: int, queued_merged: int = 0, queued_split: int = 0, split_held: int = 0,
+         session_pages: int = 10) -> LayoutSignals:
+    """Signals from an admission controller that holds a session until its pages fit (pool
+    100 pages); ``session_pages``: this prompt's own."""
+    return LayoutSignals(True, 0, projected, 100, split_held, queued_merged, queued_split,
+                         session_pages, holds_for_room=True)
+
+
+@pytest.mark.parametrize("queued_merged,form", [
+    (60, KVForm.MERGED),   # 10 + 60 = 1.4 marks: the queue runs merged in two waves
+    (89, KVForm.MERGED),   # 10 + 89 = 1.98 marks: still within two waves
+    (95, KVForm.SPLIT),    # 10 + 95 = 2.1 marks: more waves than split's slower attention costs
+])
+def test_a_held_queue_splits_only_past_split_waves_marks(queued_merged, form):
+    policy = PressurePolicy(high_water=0.5, split_waves=2.0)
+    assert policy.choose(held(10, queued_merged, 8)) is form
+    # split_waves 1: round 7's rule, a queue that does not fit merged beside it splits.
+    assert PressurePolicy(high_water=0.5).choose(held(10, queued_merged, 8)) is KVForm.SPLIT
+
+
+def test_a_held_session_past_the_mark_waits_merged_unless_it_never_fits():
+    policy = PressurePolicy(high_water=0.5, hysteresis=0.2, split_waves=2.0)
+    # Past the mark (60 > 50), queue or not: merged, admission holds it for its wave rather
+    # than open it split beside the merged sessions (a mixed batch decodes slowest).
+    assert policy.choose(held(60)) is KVForm.MERGED
+    assert policy.choose(held(60, 30, 8)) is KVForm.MERGED
+    # Its own pages alone pass the mark: merged room never comes, so it splits (no deadlock).
+    assert policy.choose(held(60, session_pages=55)) is KVForm.SPLIT
+    assert policy.choose(held(20, session_pages=55)) is KVForm.MERGED  # under the mark: fits
+    # The context served split (hysteresis): past the lowered mark (35 > 30) it joins that
+    # base for its own pages instead of waiting merged beside the split sessions; under it
+    # the room is there, merged.
+    assert policy.choose(held(35, split_held=5)) is KVForm.SPLIT
+    assert policy.choose(held(25, split_held=5)) is KVForm.MERGED
+    # Not held: round 7's rule, past the mark splits.
+    assert policy.choose(dataclasses.replace(held(60), holds_for_room=False)) is KVForm.SPLIT
+
+
+def test_layout_form_passes_the_hold_and_the_prompts_pages():
+    """``choose_form`` tells the policy whether the queue's controller holds for room (an empty
+    queue's too) and this prompt's own pages."""
+    seen = []
+
+    class Spy(PressurePolicy):
+        def choose(self, signals):
+            seen.append(signals)
+            return super().choose(signals)
+
+    cfg = ForkServeConfig(page_size=4, num_pages=128, num_residual_pages=512, vocab_size=300,
+                          kv_layout=KVLayout.ADAPTIVE, node_ttl_s=None)
+    eng = Engine(MockBackend(cfg))
+    eng.kv.policy = Spy(high_water=0.9, split_waves=2.0)
+    eng.layout_form(CONTEXT + [9], adapter="planner", queued=Queued(holds_for_room=True))
+    eng.layout_form(CONTEXT + [9], adapter="planner", queued=Queued(3, 80, 64))
+    assert [(s.holds_for_room, s.session_pages) for s in seen] == [(True, 17), (False, 17)]
+
+
+def test_split_waves_is_validated_and_reaches_the_policy():
+    eng = Engine(MockBackend(ForkServeConfig(page_size=4, vocab_size=300, node_ttl_s=None,
+                                             kv_layout=KVLayout.ADAPTIVE,
+                                             adaptive_split_waves=3.0)))
+    assert eng.kv.policy.split_waves == 3.0
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="adaptive_split_waves"):
+            ForkServeConfig(adaptive_split_waves=bad)
 
 
 def open_burst(eng: Engine, sessions: int) -> list[int]:

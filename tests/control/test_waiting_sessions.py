@@ -77,7 +77,17 @@ def test_a_waiter_joins_and_leaves_once():
     queue.remove(waiter)
     with pytest.raises(InvalidStateError):
         queue.remove(waiter)
-    assert queue.queued(waiter) is NOTHING_QUEUED
+    assert queue.queued(waiter) == NOTHING_QUEUED
+
+
+def test_a_queue_that_holds_for_room_says_so_even_empty():
+    """The bench driver's queue holds a session until its pages fit: every answer says so, the
+    last of a burst's too (nothing behind it, yet it still waits for its merged wave)."""
+    queue = WaitingSessions(PAGE, holds_for_room=True)
+    me = queue.waiter([1] * 8, 10)
+    assert queue.queued(me) == Queued(holds_for_room=True)
+    queue.add(queue.waiter([1] * 8, 30))
+    assert queue.queued(me) == Queued(1, 30, 8, holds_for_room=True)
 
 
 def test_the_shared_prefix_is_every_waiters_and_within_one_boundary():

@@ -103,8 +103,9 @@ class Driver:
         self.reserved: dict[str, int] = {}
         self.admitted: list[Workflow] = []
         # The workflows never admitted, kept as they leave (``_queued``): the admission queue
-        # the adaptive layout weighs, read in O(1) per open rather than recounted.
-        self._waiting = WaitingSessions(params.page_size)
+        # the adaptive layout weighs, read in O(1) per open rather than recounted. It holds a
+        # workflow until its pages fit (``_fits``), so a merged one waits for its wave.
+        self._waiting = WaitingSessions(params.page_size, holds_for_room=True)
         self._waiters: dict[Workflow, Waiter] = {}
         for flow in flows:
             self._waiters[flow] = self._waiting.waiter(flow.prompt, flow.footprint_tokens())
