@@ -107,18 +107,25 @@ def cascade_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_starts, scale, max_seq_len, None, **tuning)
 
 
-def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-                                   k_res: torch.Tensor, v_res: torch.Tensor,
-                                   block_tables: torch.Tensor, res_block_tables: torch.Tensor,
-                                   seq_lens: torch.Tensor, b_k_all: torch.Tensor,
-                                   b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
-                                   inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
-                                   tile_lens: torch.Tensor, kv_starts: torch.Tensor,
-                                   scale: float | None = None, max_seq_len: int | None = None,
-                                   variant: str = "two_pass", score_tuning: dict | None = None,
-                                   score_dtype: torch.dtype = torch.float32,
-                                   **tuning) -> torch.Tensor:
-    """The split form (disaggregated cache, ResidualAttention): a tile's rows share the base
+def cascade_residual_decode_triton(*args, **kwargs) -> torch.Tensor:
+    """Split-form cascade decode: ``cascade_residual_launches``' arguments, its launches run
+    in order. Returns ``[batch, H, D]``."""
+    return cascade_residual_launches(*args, **kwargs).run()
+
+
+def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                              k_res: torch.Tensor, v_res: torch.Tensor,
+                              block_tables: torch.Tensor, res_block_tables: torch.Tensor,
+                              seq_lens: torch.Tensor, b_k_all: torch.Tensor,
+                              b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                              inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
+                              tile_lens: torch.Tensor, kv_starts: torch.Tensor,
+                              scale: float | None = None, max_seq_len: int | None = None,
+                              variant: str = "two_pass", score_tuning: dict | None = None,
+                              score_dtype: torch.dtype = torch.float32,
+                              **tuning) -> CascadeLaunches:
+    """The split form (disaggregated cache, ResidualAttention) as its launches, nothing
+    launched yet (``cascade_residual_decode_triton`` runs them): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual.
 
     ``"two_pass"``: two-pass decode's score pass writes every row's residual score; the
@@ -135,24 +142,6 @@ def cascade_residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base
     defaults). ``score_dtype`` (two_pass, tiled_scores): the score buffer's, float32 or
     float16 (half its bytes; the write-back then stores each score relative to its key
     block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``)."""
-    return cascade_residual_launches(
-        q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens, b_k_all,
-        b_v_all, adapter_idx, inv_freq, tile_seqs, tile_lens, kv_starts, scale, max_seq_len,
-        variant, score_tuning, score_dtype, **tuning).run()
-
-
-def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-                              k_res: torch.Tensor, v_res: torch.Tensor,
-                              block_tables: torch.Tensor, res_block_tables: torch.Tensor,
-                              seq_lens: torch.Tensor, b_k_all: torch.Tensor,
-                              b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
-                              inv_freq: torch.Tensor, tile_seqs: torch.Tensor,
-                              tile_lens: torch.Tensor, kv_starts: torch.Tensor,
-                              scale: float | None = None, max_seq_len: int | None = None,
-                              variant: str = "two_pass", score_tuning: dict | None = None,
-                              score_dtype: torch.dtype = torch.float32,
-                              **tuning) -> CascadeLaunches:
-    """``cascade_residual_decode_triton``'s call as its launches (nothing launched yet)."""
     if variant not in CASCADE_RESIDUAL_VARIANTS:
         raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
                          f"got {variant!r}")
