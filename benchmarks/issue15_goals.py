@@ -19,6 +19,7 @@ the bench's shape, is a one-line error (exit 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import asdict, dataclass, field
@@ -296,21 +297,26 @@ def disaggregated_vs_unified(rows: list[tuple[Setting, SpeedRow]]) -> Found | No
 
 
 def adaptive_vs_better(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
-    found = []
-    for (source, _), g in _groups(rows, ADAPTIVE_WS).items():
-        if not all((w, s) in g for w in ADAPTIVE_WS
-                   for s in ("unified", "disaggregated", "adaptive")):
-            continue
-        per_w = {w: g[(w, "adaptive")].tasks_per_s
-                 / max(g[(w, "unified")].tasks_per_s, g[(w, "disaggregated")].tasks_per_s)
-                 for w in ADAPTIVE_WS}
-        worst = min(per_w, key=per_w.get)
-        rank = max(r.rank for r in g.values())
-        found.append(Found(per_w[worst], source, g[(worst, "adaptive")].commit,
-                           f"worst W={worst}; per W: " + ", ".join(
-                               f"{w}: {v:.3f}" for w, v in per_w.items()),
-                           (rank[0], rank[1])))
-    return _newest(found)
+    """Per W, adaptive over the better of unified and disaggregated from the newest file that
+    ran all three side by side at that W (a change that moves one W is rerun at that W
+    alone); the worst W's ratio, each W's file named."""
+    per_w: dict[int, Found] = {}
+    for w in ADAPTIVE_WS:
+        found = []
+        for (source, _), g in _groups(rows, (w,)).items():
+            trio = [g.get((w, s)) for s in ("unified", "disaggregated", "adaptive")]
+            if all(trio):
+                u, d, a = trio
+                rank = max(r.rank for r in trio)
+                found.append(Found(a.tasks_per_s / max(u.tasks_per_s, d.tasks_per_s), source,
+                                   a.commit, "", (rank[0], rank[1])))
+        newest = _newest(found)
+        if newest is None:
+            return None
+        per_w[w] = newest
+    worst = min(per_w, key=lambda w: per_w[w].value)
+    return dataclasses.replace(per_w[worst], detail=f"worst W={worst}; per W: " + ", ".join(
+        f"{w}: {f.value:.3f} ({f.source}, {f.commit[:8]})" for w, f in per_w.items()))
 
 
 # ---------------------------------------------------------------- the table

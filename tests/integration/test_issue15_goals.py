@@ -11,7 +11,7 @@ import pytest
 from benchmarks import issue15_goals as goals
 from benchmarks.sharing_tradeoff import RESULTS, commit_time
 
-NEWER, OLDER = "8fb454c", "a1f081c"  # commits of committed results, in this repo's history
+NEWEST, NEWER, OLDER = "4f7eedd", "8fb454c", "a1f081c"  # commits in this repo's history
 
 
 def write(path: Path, data) -> Path:
@@ -26,7 +26,8 @@ def react_row(system: str, w: int, tasks: float, overlap: bool = False) -> dict:
 
 @pytest.fixture
 def folder(tmp_path) -> Path:
-    assert commit_time(NEWER) > commit_time(OLDER) > 0, "needs the repository's history"
+    assert commit_time(NEWEST) > commit_time(NEWER) > commit_time(OLDER) > 0, \
+        "needs the repository's history"
     # The newer commit sits in the file that sorts first: file order alone would pick the other.
     write(tmp_path / "kernel_bench_a.json", {"commit": NEWER, "decode_variants": [
         {"ctx": 8192, "batch": 8, "unified_ms": 1.0, "v1_ratio": 1.5, "v2_ratio": 1.4},
@@ -71,6 +72,15 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     assert saved["6"]["value"] == pytest.approx(11.0) and "overlap on" in saved["6"]["detail"]
     assert saved["8"]["value"] == pytest.approx(2.0 / 1.8) and saved["8"]["status"] == "missed"
     assert saved["9"]["value"] == pytest.approx(0.45 / 0.5) and "W=1" in saved["9"]["detail"]
+    # A newer file that reruns one W alone replaces that W's ratio only.
+    write(folder / "react_multilora_u.json", {**json.loads(
+        (folder / "react_multilora_t.json").read_text()), "results": [
+        {**react_row(s, 1, t), "commit": NEWEST} for s, t in
+        (("unified", 0.5), ("disaggregated", 0.4), ("adaptive", 0.52))]})
+    assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
+    saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
+    assert saved["9"]["value"] == pytest.approx(1.0) and "worst W=8" in saved["9"]["detail"]
+    assert "1: 1.040 (react_multilora_u.json" in saved["9"]["detail"]
     table = (out / "issue15_goals.md").read_text()
     assert "would be in kernel_bench_prefill.json" in table and "| unknown |" in table
     assert (out / "issue15_goals.png").stat().st_size > 0
