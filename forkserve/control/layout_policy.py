@@ -15,11 +15,11 @@ life, so splitting later cannot make room). Where the controller holds a session
 its pages fit (``Queued.holds_for_room``: the bench driver), a queue that does not fit merged
 can instead run merged in waves, as unified runs it; it splits only past ``split_waves``
 waves of the mark. On the H200 (docs/MULTILORA.md "Round 10") react at W = 32, about 1.75
-waves, ran faster merged in waves than all split (2.31 against 2.19 tasks/s), and mapreduce
-there only 2-5% slower: a second wave costs less than the split form's slower attention,
-while past two the last wave waits behind two whole rounds of prefill and decode (that
-side is not measured on the H200 yet). Where
-every queued open runs as its turn comes (the server: no memory admission), there are no
+waves, ran faster merged in waves than all split (2.30 against 2.12 tasks/s), and mapreduce
+there within 5% either way (2.98 merged in waves against 2.96 split): a second wave costs
+less than the split form's slower attention, while past two the last wave waits behind two
+whole rounds of prefill and decode (that side is not measured on the H200 yet). Where every
+queued open runs as its turn comes (the server: no memory admission), there are no
 waves: a queue that does not fit merged splits.
 
 Not some merged and the rest split: on the H200 (docs/MULTILORA.md "Round 6") such a mixed
