@@ -45,6 +45,8 @@ from forkserve.kernels.split_kv import (
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
+# The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``).
+VALUE_GRIDS = ("kv_head", "row")
 # Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
 # .json, 4K-32K, docs/KERNELS.md): no form wins everywhere. At batch 1 the q-folded pass at
 # 128-key tiles over 8 warps (1.43-1.75x unified) beats keys-as-M (1.68-1.74x); at batch 8
@@ -270,18 +272,23 @@ def _residual_value_kernel(
     Scores, BlockMax, VR, BV, ResBlockTables, AdapterIdx, KvStarts, PartOut, PartLse,
     rank, stride_sb, stride_sh, stride_mb, stride_mh, stride_rp, stride_rs, stride_ba,
     stride_br, stride_rbt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, RANK: tl.constexpr, REL_SCORE: tl.constexpr = False,
+    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
+    REL_SCORE: tl.constexpr = False,
 ):
     """Split-form cascade, after the tiled prefix launch: adds a row's V residual to each of
     its prefix partials, ``(sum_n exp2(s_n - lse) V_res[n]) B_v``, from the scores ``s`` and
     the partial's log2-sum-exp ``lse`` that launch wrote (so already normalised like the
-    partial). Grid ``(batch, n_kv, prefix splits)``, the splits laid out as the prefix
-    launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length). ``REL_SCORE``: each score
-    is stored relative to its ``BLOCK_N``-key block's max, kept in ``BlockMax`` (float16
-    scores, decode_attention.py)."""
+    partial). Grid ``(batch, n_kv // KV_HEADS, prefix splits)``, the splits laid out as the
+    prefix launch's (``BLOCK_N``, ``KvStarts`` = the row's prefix length). A program takes
+    the ``KV_HEADS * GROUP`` query heads of ``KV_HEADS`` consecutive KV heads: each key
+    tile's scores, ``V_res`` rows and block-table entries are loaded once for all of them
+    and accumulated by one dot in rank space; ``B_v`` is applied per KV head at the end
+    (``residual_values(grid=...)``: 1 or all). ``REL_SCORE``: each score is stored relative
+    to its ``BLOCK_N``-key block's max, kept in ``BlockMax`` (float16 scores,
+    decode_attention.py)."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kv0 = tl.program_id(1) * KV_HEADS
     split = tl.program_id(2)
     adapter = tl.load(AdapterIdx + b)
     span = tl.where(adapter >= 0, tl.load(KvStarts + b), 0)
@@ -289,8 +296,8 @@ def _residual_value_kernel(
     start = split * key_split
     stop = tl.minimum(start + key_split, span)
     rows = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + rows
-    row_ok = (rows < GROUP) & (start < stop)
+    heads = kv0 * GROUP + rows
+    row_ok = (rows < KV_HEADS * GROUP) & (start < stop)
     lse = tl.load(PartLse + b * stride_lb + heads * stride_lh + split, mask=row_ok, other=0.0)
     r = tl.arange(0, RANK)
     r_ok = r < rank
@@ -314,11 +321,18 @@ def _residual_value_kernel(
         vr = tl.load(VR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                      other=0.0)
         acc_r += tl.dot(p.to(vr.dtype), vr)
-    bv = tl.load(BV + tl.maximum(adapter, 0) * stride_ba + r[:, None] * stride_br
-                 + kvh * HEAD_DIM + d[None, :], mask=r_ok[:, None], other=0.0)
+    # Each KV head's slice of B_v up-projects only its own group's rows of acc_r: a masked
+    # [BLOCK_H, RANK] x [RANK, D] dot per KV head (KV_HEADS times the needed FLOPs, still
+    # ~1 MFLOP a program) keeps every operand 2-D; gathering B_v per row would hold a
+    # [BLOCK_H, RANK, D] tile.
+    bv_ptr = BV + tl.maximum(adapter, 0) * stride_ba + r[:, None] * stride_br + d[None, :]
+    out = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for j in tl.static_range(KV_HEADS):
+        bv = tl.load(bv_ptr + (kv0 + j) * HEAD_DIM, mask=r_ok[:, None], other=0.0)
+        out += tl.dot(tl.where((rows // GROUP == j)[:, None], acc_r, 0.0), bv.to(tl.float32))
     o_ptr = PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     part = tl.load(o_ptr, mask=row_ok[:, None], other=0.0)
-    tl.store(o_ptr, part + tl.dot(acc_r, bv.to(tl.float32)), mask=row_ok[:, None])
+    tl.store(o_ptr, part + out, mask=row_ok[:, None])
 
 
 
@@ -384,27 +398,43 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
 
 
 
+def value_launch_grid(grid: str, batch: int, n_kv: int, num_splits: int) -> tuple[int, int, int]:
+    """The value pass's launch grid for ``residual_values(grid=...)``: ``"kv_head"``, a
+    program per row, KV head and split; ``"row"``, a program per row and split over all
+    heads (the middle axis 1)."""
+    if grid not in VALUE_GRIDS:
+        raise ValueError(f"value pass grid must be one of {VALUE_GRIDS}, got {grid!r}")
+    return (batch, n_kv if grid == "kv_head" else 1, num_splits)
+
+
 def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Tensor,
                     res_block_tables: torch.Tensor, adapter_idx: torch.Tensor,
                     kv_starts: torch.Tensor,
                     part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
-                    block_n: int, block_max: torch.Tensor | None = None) -> None:
+                    block_n: int, block_max: torch.Tensor | None = None, grid: str = "kv_head",
+                    num_warps: int = 4) -> None:
     """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
     launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``;
-    ``block_max``: the block maxima it stored beside relative scores (float16 ones)."""
+    ``block_max``: the block maxima it stored beside relative scores (float16 ones).
+    ``grid`` (``value_launch_grid``): ``"kv_head"`` reads each row's ``V_res`` and residual block
+    table once per KV head, in 16-row tiles of ``GROUP`` live rows; ``"row"`` reads them once
+    per row for all heads (unmeasured on a GPU yet: docs/KERNELS.md)."""
     batch, n_heads, _, head_dim = part_out.shape
+    launch = value_launch_grid(grid, batch, n_kv, num_splits)
     group = n_heads // n_kv
+    kv_heads = n_kv // launch[1]
     rank = b_v_all.shape[1]
     m_strides = (0, 0) if block_max is None else (block_max.stride(0), block_max.stride(1))
-    _residual_value_kernel[(batch, n_kv, num_splits)](
+    _residual_value_kernel[launch](
         scores, block_max, v_res, b_v_all, res_block_tables, adapter_idx, kv_starts, part_out,
         part_lse, rank, scores.stride(0), scores.stride(1), *m_strides,
         v_res.stride(0), v_res.stride(1), b_v_all.stride(0), b_v_all.stride(1),
         res_block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE_SIZE=v_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
-        REL_SCORE=block_max is not None,
+        GROUP=group, KV_HEADS=kv_heads, BLOCK_H=max(16, triton.next_power_of_2(group * kv_heads)),
+        HEAD_DIM=head_dim, PAGE_SIZE=v_res.shape[1], BLOCK_N=block_n,
+        RANK=max(16, triton.next_power_of_2(rank)), REL_SCORE=block_max is not None,
+        num_warps=num_warps,
     )
 
 

@@ -42,6 +42,7 @@ from forkserve.kernels.residual_decode_triton import (
     residual_scores,
     residual_values,
     score_tuning_for,
+    value_launch_grid,
 )
 from forkserve.kernels.residual_msc import MSC_TUNING, empty_logits, residual_logits
 from forkserve.kernels.residual_score_tiled import tiled_scores
@@ -123,7 +124,7 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
                               scale: float | None = None, max_seq_len: int | None = None,
                               variant: str = "two_pass", score_tuning: dict | None = None,
                               score_dtype: torch.dtype = torch.float32,
-                              **tuning) -> CascadeLaunches:
+                              value_grid: str = "kv_head", **tuning) -> CascadeLaunches:
     """The split form (disaggregated cache, ResidualAttention) as its launches, nothing
     launched yet (``cascade_residual_decode_triton`` runs them): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual.
@@ -141,7 +142,9 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     ``score_tuning_for(batch)``, msc ``MSC_TUNING``, tiled_scores ``tiled_scores``'
     defaults). ``score_dtype`` (two_pass, tiled_scores): the score buffer's, float32 or
     float16 (half its bytes; the write-back then stores each score relative to its key
-    block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``)."""
+    block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``).
+    ``value_grid``: the value pass's (``residual_values(grid=...)``), ``"kv_head"`` or
+    ``"row"``."""
     if variant not in CASCADE_RESIDUAL_VARIANTS:
         raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
                          f"got {variant!r}")
@@ -153,7 +156,7 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _launches(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts,
                      scale, max_seq_len, residual, variant=variant, score_tuning=score_tuning,
-                     score_dtype=score_dtype, **tuning)
+                     score_dtype=score_dtype, value_grid=value_grid, **tuning)
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,8 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
               residual: tuple | None, num_splits: int | None = None, block_n: int = 64,
               num_warps: int = 4, num_stages: int = 2, prefix_tuning: dict | None = None,
               variant: str = "two_pass", score_tuning: dict | None = None,
-              score_dtype: torch.dtype = torch.float32) -> CascadeLaunches:
+              score_dtype: torch.dtype = torch.float32,
+              value_grid: str = "kv_head") -> CascadeLaunches:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -242,8 +246,9 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
         _, v_res, res_bt, _, b_v_all, adapter_idx, _ = residual
         launches.append(("values", lambda: residual_values(
             bias if logits is None else logits, v_res, b_v_all, res_bt, adapter_idx, kv_starts,
-            part_out, part_lse, n_kv, pre_splits, pre["block_n"], block_max=block_max)))
-        grids["values"] = (batch, n_kv, pre_splits)
+            part_out, part_lse, n_kv, pre_splits, pre["block_n"], block_max=block_max,
+            grid=value_grid)))
+        grids["values"] = value_launch_grid(value_grid, batch, n_kv, pre_splits)
     launches.append(("suffix", lambda: decode_partials(
         q, k, v, block_tables, seq_lens, part_out, part_lse, num_splits=suf_splits,
         split_offset=pre_splits, kv_starts=kv_starts, block_n=block_n, num_warps=num_warps,

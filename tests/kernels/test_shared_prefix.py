@@ -222,3 +222,51 @@ def test_float16_scores_equal_float32(variant: str) -> None:
     assert rel_err(run(torch.float16), run(torch.float32)) < 3e-3
     with pytest.raises(ValueError, match="score_dtype"):
         cascade_residual_decode(*args, variant="msc", score_dtype=torch.float16, **TUNING)
+
+
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.float16])
+def test_row_value_grid_equals_kv_head_grid(score_dtype: torch.dtype) -> None:
+    """The value pass over all heads per program (``grid="row"``) adds what the per-KV-head
+    grid adds, on ``_split_groups``' rows (prefixes of 0, 20, 32 and mid-page 53 keys over
+    several 16-key tiles and two splits, adapters 0, 1 and -1) with random scores, lse and
+    partials; float16 scores relative to a random block max (``REL_SCORE``). Rows without an
+    adapter are left untouched."""
+    from forkserve.kernels.residual_decode_triton import residual_values
+    _, _, _, _, v_res, _, rbt, lens, _, b_v, ad, _, _, _, kv_starts = _split_groups()
+    gen = torch.Generator().manual_seed(3)
+    batch, n_heads, n_kv, splits, block_n = len(lens), 4, 2, 2, 16
+    dim = b_v.shape[-1] // n_kv
+    width = int(lens.max())
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE)  # noqa: E731
+    scores = rand(batch, n_heads, width).to(score_dtype)
+    block_max = None if score_dtype == torch.float32 else rand(batch, n_heads, -(-width // block_n))
+    part_lse = rand(batch, n_heads, splits) + 4.0
+    part_out = rand(batch, n_heads, splits, dim)
+    outs = {}
+    for grid in ("kv_head", "row"):
+        outs[grid] = part_out.clone()
+        residual_values(scores, v_res, b_v, rbt, ad, kv_starts, outs[grid], part_lse, n_kv,
+                        splits, block_n, block_max=block_max, grid=grid)
+    added = outs["kv_head"] - part_out
+    assert added[(ad >= 0) & (kv_starts > 0)].abs().amax() > 0.1  # the pass did add something
+    assert torch.equal(outs["row"][ad < 0], part_out[ad < 0])
+    assert rel_err(outs["row"] - part_out, added) < (1e-5 if DTYPE == torch.float32 else REL_TOL)
+
+
+@pytest.mark.parametrize("score_dtype", [torch.float32, torch.float16])
+def test_row_value_grid_cascade_equals_default(score_dtype: torch.dtype) -> None:
+    """The whole split cascade (``_split_groups``) with ``value_grid="row"`` equals the
+    default grid, reports its one-program-per-row-and-split grid, and refuses other grids."""
+    from forkserve.kernels.shared_prefix import cascade_residual_launches
+    args = _split_groups()
+    tuning = {k: v for k, v in TUNING.items() if k != "use_triton"}
+    run = lambda grid: cascade_residual_launches(  # noqa: E731
+        *args, score_dtype=score_dtype, value_grid=grid, **tuning)
+    row, kv_head = run("row"), run("kv_head")
+    batch, splits = args[0].shape[0], kv_head.grids["values"][2]
+    assert kv_head.grids["values"] == (batch, 2, splits)
+    assert row.grids["values"] == (batch, 1, splits)
+    tol = (1e-5 if score_dtype == torch.float32 else 3e-3) if DTYPE == torch.float32 else REL_TOL
+    assert rel_err(row.run(), kv_head.run()) < tol
+    with pytest.raises(ValueError, match="grid"):
+        run("heads")
