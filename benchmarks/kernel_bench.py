@@ -1360,10 +1360,14 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 # The split-form cascade's variants timed by --cascade-split: name ->
 # cascade_residual_decode_triton keywords. "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>":
 # variant="tiled_scores" at that tuning (residual_score_tiled.py; registers in
-# docs/KERNELS.md), the first its default; "_fp16": the float16 score buffer.
+# docs/KERNELS.md), the first its default; "_fp16": the float16 score buffer; "_rowvalues":
+# the value pass's row grid (one program per row and split over all heads; value_grid).
 CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     "two_pass": dict(variant="two_pass"),
     "two_pass_fp16": dict(variant="two_pass", score_dtype=torch.float16),
+    "two_pass_rowvalues": dict(variant="two_pass", value_grid="row"),
+    "two_pass_fp16_rowvalues": dict(variant="two_pass", score_dtype=torch.float16,
+                                    value_grid="row"),
     "msc": dict(variant="msc"),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w))
@@ -1759,10 +1763,11 @@ def register_report(out: Path) -> None:
     from forkserve.kernels.residual_decode_triton import (
         _residual_decode_chunked_kernel,
         _residual_score_kernel,
+        _residual_value_kernel,
     )
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits", "Lse"}
+    fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits", "Lse", "Scores", "BlockMax"}
     fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
                 "TileLens", "KvStarts", "KvRange", "QRows"}
@@ -1900,6 +1905,14 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": f"tiled_scores_a{agents}h{kv_heads}", "residual": True,
                      "split_score": False, "block_n": block_n, "num_warps": warps,
                      **compile_one(_tiled_score_kernel, consts, warps, 2, logits=True)})
+    # The split cascade's value pass (float32 scores, Llama-3-8B's 8 KV heads): a program per
+    # KV head (grid "kv_head") or per row over all heads (grid "row", BLOCK_H 32).
+    for kv_heads, warps in ((1, 4), (8, 4), (8, 8)):
+        consts = dict(GROUP=4, KV_HEADS=kv_heads, BLOCK_H=max(16, 4 * kv_heads), HEAD_DIM=128,
+                      PAGE_SIZE=16, BLOCK_N=32, RANK=16)
+        rows.append({"kernel": "cascade_values_" + ("row" if kv_heads > 1 else "kvh"),
+                     "residual": True, "split_score": False, "block_n": 32, "num_warps": warps,
+                     **compile_one(_residual_value_kernel, consts, warps, 2, logits=True)})
     consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False, RES_LOGITS=True,
                   RANK=32, SEQ_START=True, DYN_SPLIT=True)
     rows.append({"kernel": "cascade_suffix_msc", "residual": True, "split_score": False,
