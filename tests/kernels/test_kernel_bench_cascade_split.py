@@ -1,8 +1,8 @@
 """benchmarks/kernel_bench.py --cascade-split at a toy shape (CPU, Triton interpreter): one
-case with two-pass (float32 and float16 scores) and msc, each whole and launch by launch
-(times, bytes, GB/s, grids), equal outputs, the JSON, table and plot (the tiled score pass
-runs the same bench code; its kernels' tests are test_shared_prefix.py's). On CUDA run the
-bench itself."""
+case with two-pass (float32 and float16 scores; the value pass's row grid) and msc, each
+whole and launch by launch (times, bytes, GB/s, grids), equal outputs, the JSON, table and
+plot (the tiled score pass runs the same bench code; its kernels' tests are
+test_shared_prefix.py's). On CUDA run the bench itself."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.skipif(torch.cuda.is_available(),
 
 def test_cascade_split_rows(tmp_path, monkeypatch) -> None:
     kb = load_script("kernel_bench")
-    names = ("two_pass", "two_pass_fp16", "msc")
+    names = ("two_pass", "two_pass_fp16", "two_pass_rowvalues", "msc")
     monkeypatch.setattr(kb, "CASCADE_SPLIT_VARIANTS",
                         {n: kb.CASCADE_SPLIT_VARIANTS[n] for n in names})
     s = kb.Setup(smoke=True)
@@ -39,9 +39,11 @@ def test_cascade_split_rows(tmp_path, monkeypatch) -> None:
             assert tuple(row[n + key]) == parts
             assert all(math.isfinite(x) and x > 0 for x in row[n + key].values())
         assert row[n + "_parts_ms"]["pass1"] == row[n + "_pass1_ms"]
-        # One tile of 3 agents (in 32 places), 2 KV heads, split as the launches planned.
+        # One tile of 3 agents (in 32 places), 2 KV heads (the row grid: all in one program),
+        # split as the launches planned.
         prefix, values = row[n + "_grids"]["prefix"], row[n + "_grids"]["values"]
-        assert prefix[:2] == [1, 2] and values == [3, 2, prefix[2]]
+        assert prefix[:2] == [1, 2]
+        assert values == [3, 1 if n.endswith("rowvalues") else 2, prefix[2]]
     # float16 scores halve the bytes the score buffer moves
     assert row["two_pass_fp16_parts_bytes"]["prefix"] < row["two_pass_parts_bytes"]["prefix"]
     kb.print_cascade_split(res)
