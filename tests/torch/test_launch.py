@@ -185,3 +185,25 @@ def test_a_batch_fed_from_a_failed_step_fails(models):
     with pytest.raises(UnknownAdapterError):
         fed.result()
 
+
+
+def test_graph_capture_pauses_the_cycle_collector_and_restores_it():
+    """A collection inside a capture may free a dead backend's CUDA objects, an illegal call
+    while capturing (the CUDA suite aborted so): the collector waits for the capture, then
+    comes back as it was, also when the capture raises."""
+    import gc
+
+    from forkserve.backend.torch.cuda_graph import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own pause stays
+    finally:
+        gc.enable()
