@@ -19,10 +19,9 @@ the bench's shape, is a one-line error (exit 2).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -315,7 +314,7 @@ def adaptive_vs_better(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
             return None
         per_w[w] = newest
     worst = min(per_w, key=lambda w: per_w[w].value)
-    return dataclasses.replace(per_w[worst], detail=f"worst W={worst}; per W: " + ", ".join(
+    return replace(per_w[worst], detail=f"worst W={worst}; per W: " + ", ".join(
         f"{w}: {f.value:.3f} ({f.source}, {f.commit[:8]})" for w, f in per_w.items()))
 
 

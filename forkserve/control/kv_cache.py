@@ -195,8 +195,8 @@ class KVCache:
         # load), the queued prompts, and this prompt less the published merged pages others
         # already hold (those it finds cached become load: they stay in its count).
         shared = self._held_run(base_key)
-        projected = (self.pool.num_used - self.index.num_cache_only + pending_pages
-                     + -(-len(tokens) // p) - shared)
+        own = -(-len(tokens) // p)
+        projected = self.pool.num_used - self.index.num_cache_only + pending_pages + own - shared
         split_held = base_model_held = 0
         if adapter is not None:
             split_key = self.keys(adapter, full, KVForm.SPLIT, start, salt)[0]
@@ -208,8 +208,7 @@ class KVCache:
                                                          base_model_held)
         return self.policy.choose(LayoutSignals(adapter is not None, residual_hit, projected,
                                                 self.pool.num_pages, split_held, queued_merged,
-                                                queued_split, -(-len(tokens) // p),
-                                                queued.holds_for_room))
+                                                queued_split, own, queued.holds_for_room))
 
     def _held_run(self, key: BaseKey) -> int:
         """Leading pages of ``key`` published in the base index that a table or pin holds."""
