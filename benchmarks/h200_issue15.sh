@@ -31,6 +31,8 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 18  # decode_bench (+ Engine rows), profiles
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 19  # react W=1,8,32 + no_lora, base
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 20  # mapreduce W=1,8,32
+# Round 11 (float16 scores and the row-grid value pass as the split cascade's default):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 30  # CUDA tests, react W=32 base + 3 systems
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -286,6 +288,16 @@ case "$1" in
     tests/kernels/test_shared_prefix.py tests/kernels/test_sm90_compile.py tests/torch/test_cascade.py \
     2>&1 | tee "$OUT/pytest_cuda_round10_csplit.log" | tail -6
   timeout 300 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -40
+  ;;
+30)
+  # Round 11: the split cascade's float16 scores and row-grid value pass as the default.
+  FORKSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_shared_prefix.py tests/torch/test_cascade.py \
+    2>&1 | tee "$OUT/pytest_cuda_round11_defaults.log" | tail -4
+  export TRITON_CACHE_DIR=/root/triton_round11 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated_base --overlap on --tag issue15_round11_base --out "$OUT" 2>&1 | tail -4
+  W=32 round10 react issue15_round11 280
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1358,19 +1358,23 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 
 
 # The split-form cascade's variants timed by --cascade-split: name ->
-# cascade_residual_decode_triton keywords. "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>":
-# variant="tiled_scores" at that tuning (residual_score_tiled.py; registers in
-# docs/KERNELS.md), the first its default; "_fp16": the float16 score buffer; "_rowvalues":
-# the value pass's row grid (one program per row and split over all heads; value_grid).
+# cascade_residual_decode_triton keywords, each naming its score buffer and value grid (the
+# defaults moved in round 11). "two_pass": the round-10 form, float32 scores and the
+# per-KV-head value grid (the errors' reference); "_fp16": the float16 score buffer;
+# "_rowvalues": the value pass's row grid (one program per row and split over all heads);
+# "two_pass_fp16_rowvalues" is the engine's default since round 11.
+# "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>": variant="tiled_scores" at that tuning
+# (residual_score_tiled.py; registers in docs/KERNELS.md), the first its default.
+_ROUND10 = dict(score_dtype=torch.float32, value_grid="kv_head")
 CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
-    "two_pass": dict(variant="two_pass"),
-    "two_pass_fp16": dict(variant="two_pass", score_dtype=torch.float16),
-    "two_pass_rowvalues": dict(variant="two_pass", value_grid="row"),
+    "two_pass": dict(variant="two_pass", **_ROUND10),
+    "two_pass_fp16": dict(_ROUND10, variant="two_pass", score_dtype=torch.float16),
+    "two_pass_rowvalues": dict(_ROUND10, variant="two_pass", value_grid="row"),
     "two_pass_fp16_rowvalues": dict(variant="two_pass", score_dtype=torch.float16,
                                     value_grid="row"),
-    "msc": dict(variant="msc"),
+    "msc": dict(variant="msc", **_ROUND10),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
-        agents=a, kv_heads=h, block_n=bn, num_warps=w))
+        agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)
        for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
 }
 # The split cascade's launches, in order (shared_prefix.CascadeLaunches).
@@ -1399,10 +1403,10 @@ def split_part_bytes(s: Setup, keywords: dict, agents: int, prefix: int,
             "suffix": suffix * (agents * (kv + res) + score) + grids["suffix"][2] * part,
             "merge": splits * part + rows * s.head_dim * s.k.element_size(),
         }
-    score = rows * keywords.get("score_dtype", torch.float32).itemsize  # per key
+    score = rows * keywords["score_dtype"].itemsize  # per key
     # float16 scores: a float32 block max per row, head and prefix key block
     block_max = (rows * 4 * -(-prefix // PREFIX_TUNING["block_n"])
-                 if keywords.get("score_dtype", torch.float32) != torch.float32 else 0)
+                 if keywords["score_dtype"] != torch.float32 else 0)
     return {
         "pass1": keys * (agents * res + score),
         "prefix": rows * pre_splits * 4 + tiles * prefix * 2 * kv + 2 * prefix * score

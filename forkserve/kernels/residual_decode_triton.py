@@ -411,14 +411,15 @@ def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Te
                     res_block_tables: torch.Tensor, adapter_idx: torch.Tensor,
                     kv_starts: torch.Tensor,
                     part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
-                    block_n: int, block_max: torch.Tensor | None = None, grid: str = "kv_head",
+                    block_n: int, block_max: torch.Tensor | None = None, grid: str = "row",
                     num_warps: int = 4) -> None:
     """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
     launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``;
     ``block_max``: the block maxima it stored beside relative scores (float16 ones).
-    ``grid`` (``value_launch_grid``): ``"kv_head"`` reads each row's ``V_res`` and residual block
-    table once per KV head, in 16-row tiles of ``GROUP`` live rows; ``"row"`` reads them once
-    per row for all heads (unmeasured on a GPU yet: docs/KERNELS.md)."""
+    ``grid`` (``value_launch_grid``): ``"row"`` (default) reads each row's ``V_res`` and
+    residual block table once for all heads; ``"kv_head"`` once per KV head, in 16-row tiles
+    of ``GROUP`` live rows (3.5x slower at 8K x 32 on the H200 with float16 scores:
+    docs/KERNELS.md)."""
     batch, n_heads, _, head_dim = part_out.shape
     launch = value_launch_grid(grid, batch, n_kv, num_splits)
     group = n_heads // n_kv

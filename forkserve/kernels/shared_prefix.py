@@ -123,8 +123,8 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
                               tile_lens: torch.Tensor, kv_starts: torch.Tensor,
                               scale: float | None = None, max_seq_len: int | None = None,
                               variant: str = "two_pass", score_tuning: dict | None = None,
-                              score_dtype: torch.dtype = torch.float32,
-                              value_grid: str = "kv_head", **tuning) -> CascadeLaunches:
+                              score_dtype: torch.dtype | None = None,
+                              value_grid: str = "row", **tuning) -> CascadeLaunches:
     """The split form (disaggregated cache, ResidualAttention) as its launches, nothing
     launched yet (``cascade_residual_decode_triton`` runs them): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual.
@@ -143,8 +143,13 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     defaults). ``score_dtype`` (two_pass, tiled_scores): the score buffer's, float32 or
     float16 (half its bytes; the write-back then stores each score relative to its key
     block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``).
-    ``value_grid``: the value pass's (``residual_values(grid=...)``), ``"kv_head"`` or
-    ``"row"``."""
+    Default: float16 for half-precision queries (H200, 8K x 32: the whole call 0.376 ->
+    0.327 ms, error 1.6e-3, below bf16's rounding of the output), float32 for float32 ones
+    and for msc. ``value_grid``: the value pass's (``residual_values(grid=...)``), ``"row"``
+    (default: V_res read once per row, 0.182 -> 0.053 ms there) or ``"kv_head"``."""
+    if score_dtype is None:
+        score_dtype = (torch.float32 if q.dtype == torch.float32 or variant == "msc"
+                       else torch.float16)
     if variant not in CASCADE_RESIDUAL_VARIANTS:
         raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
                          f"got {variant!r}")
@@ -208,7 +213,7 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
               num_warps: int = 4, num_stages: int = 2, prefix_tuning: dict | None = None,
               variant: str = "two_pass", score_tuning: dict | None = None,
               score_dtype: torch.dtype = torch.float32,
-              value_grid: str = "kv_head") -> CascadeLaunches:
+              value_grid: str = "row") -> CascadeLaunches:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
