@@ -28,7 +28,7 @@ MIN_SPLIT_TOKENS = 256
 NO_LIMIT = 2 ** 30
 # The dynamic plan (unified decode, ``dynamic_splits``): programs per SM it aims for (the
 # unified kernel fits 5 per SM at 64-key tiles: docs/KERNELS.md), the fewest keys a split
-# may hold where the key bound caps the count, and the most splits (the merge's tile).
+# may hold where the key bound caps the count, and the most splits.
 DYN_PROGRAMS_PER_SM = 4
 DYN_MIN_SPLIT_TOKENS = 64
 DYN_MAX_SPLITS = 64
@@ -47,7 +47,13 @@ def store_partial(acc, l_i, m_i, out_ptr, lse_ptr, row_ok, d):
 
 
 # The split count and the strides it sets change from step to step; one build serves every
-# value (decode_attention._STEP_INTS says why).
+# value (decode_attention._STEP_INTS says why). The splits are read in fixed tiles of
+# MERGE_BLOCK_S for the same reason: a tile sized to the count made one build per power of
+# two, and a count class first met inside a timed run built there (react W=32, round 11:
+# BLOCK_S=32 in unified's run, 0.2 s).
+MERGE_BLOCK_S = 32
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_ob", "stride_oh", "stride_lb", "stride_lh"])
 def _merge_kernel(PartOut, PartLse, Out, num_splits,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -55,18 +61,28 @@ def _merge_kernel(PartOut, PartLse, Out, num_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
-    s_ok = s < num_splits
-    lse = tl.load(PartLse + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
-    # A slot with no keys may never have been written (cascade: rows of no tile): skip its read.
-    live = s_ok & (lse > float("-inf"))
-    part = tl.load(PartOut + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                   mask=live[:, None], other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_fb + h * stride_fh + d, out.to(Out.dtype.element_ty))
+    lse_row = PartLse + b * stride_lb + h * stride_lh
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.max(tl.load(lse_row + s, mask=s < num_splits,
+                                         other=float("-inf")), 0))
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < num_splits
+        lse = tl.load(lse_row + s, mask=s_ok, other=float("-inf"))
+        w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+        # A slot with no keys may never have been written (cascade: rows of no tile): skip
+        # its read.
+        live = s_ok & (lse > float("-inf"))
+        part = tl.load(PartOut + b * stride_ob + h * stride_oh + s[:, None] * stride_os
+                       + d[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        den += tl.sum(w, 0)
+    tl.store(Out + b * stride_fb + h * stride_fh + d, (acc / den).to(Out.dtype.element_ty))
 
 
 @triton.jit
@@ -152,7 +168,7 @@ def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
         part_out, part_lse, out, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S,
     )
     return out
 

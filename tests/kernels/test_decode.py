@@ -176,3 +176,26 @@ def test_score_tuning_follows_the_batch_table() -> None:
     assert score_tuning_for(64)["form"] == "qfold" and score_tuning_for(64)["block_n"] == 64
     for lo, hi in zip([0, *bounds[:-1]], bounds, strict=True):
         assert score_tuning_for(hi) is score_tuning_for(lo + 1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 32, 45])
+def test_merge_reads_any_split_count(num_splits: int) -> None:
+    """The merge reads the splits in fixed tiles (``MERGE_BLOCK_S``, one build for every
+    count): counts below, at and past one tile equal the log-sum-exp of the partials, and a
+    slot that saw no key (lse -inf, its output never written: NaN here) is skipped."""
+    from forkserve.kernels.split_kv import empty_partials, merge_partials
+
+    gen = torch.Generator().manual_seed(num_splits)
+    batch, n_heads, head_dim = 3, 4, 16
+    q = torch.empty(batch, n_heads, head_dim, device=DEVICE)
+    part_out, part_lse = empty_partials(q, num_splits)
+    part_out.copy_(torch.randn(part_out.shape, generator=gen))
+    part_lse.copy_(torch.randn(part_lse.shape, generator=gen) * 4)
+    if num_splits > 1:
+        part_lse[:, :, num_splits // 2] = float("-inf")
+        part_out[:, :, num_splits // 2] = float("nan")
+    out = merge_partials(part_out, part_lse, torch.empty_like(q, dtype=DTYPE), num_splits)
+    w = torch.softmax(part_lse.float() * 0.6931471805599453, dim=2)  # log2 domain
+    live = torch.nan_to_num(part_out.float())
+    ref = (w[..., None] * live).sum(2)
+    assert rel_err(out.float(), ref) < (1e-5 if DTYPE == torch.float32 else REL_TOL)
