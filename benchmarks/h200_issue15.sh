@@ -33,6 +33,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 20  # mapreduce W=1,8,32
 # Round 11 (float16 scores and the row-grid value pass as the split cascade's default):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 30  # CUDA tests, react W=32 base + 3 systems
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 31  # merge tests, pass 1 tunings, react W=64
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -298,6 +299,17 @@ case "$1" in
   timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
     disaggregated_base --overlap on --tag issue15_round11_base --out "$OUT" 2>&1 | tail -4
   W=32 round10 react issue15_round11 280
+  ;;
+31)
+  # Round 11: the merge's fixed split tiles (CUDA decode tests), pass 1's tunings in the split
+  # cascade at 8K x 32, then react at W = 64 (the merged-waves rule's split side).
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_decode.py 2>&1 | tee "$OUT/pytest_cuda_round11_merge.log" | tail -3
+  timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-prefixes 8192 \
+    --split-agents 32 --split-variants two_pass_fp16_rowvalues p1_qfold_bn128_w8 p1_qfold_bn64_w8 \
+    p1_qfold_bn32_w4 p1_qfold_angleadd_bn64 p1_qfold_bn64_s3 p1_keysm_bn64 \
+    --out "$OUT" 2>&1 | tail -20
+  W=64 round10 react issue15_round11_w64 "${REACT_S:-300}"
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

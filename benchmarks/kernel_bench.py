@@ -1376,6 +1376,19 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)
        for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
+    # Pass 1 is the default form's largest launch since round 11: its tunings at the
+    # default's buffers ("p1_" + residual_scores keywords; the default at batch 32 is
+    # score_tuning_for's qfold at 64-key tiles over 4 warps).
+    **{f"p1_{name}": dict(variant="two_pass", score_dtype=torch.float16, value_grid="row",
+                          score_tuning=tuning)
+       for name, tuning in (
+           ("qfold_bn128_w8", dict(form="qfold", angle_add=False, block_n=128, num_warps=8)),
+           ("qfold_bn64_w8", dict(form="qfold", angle_add=False, block_n=64, num_warps=8)),
+           ("qfold_bn32_w4", dict(form="qfold", angle_add=False, block_n=32)),
+           ("qfold_angleadd_bn64", dict(form="qfold", angle_add=True, block_n=64)),
+           ("qfold_bn64_s3", dict(form="qfold", angle_add=False, block_n=64, num_stages=3)),
+           ("keysm_bn64", dict(block_n=64, keys_m=True)),
+       )},
 }
 # The split cascade's launches, in order (shared_prefix.CascadeLaunches).
 SPLIT_PARTS = ("pass1", "prefix", "values", "suffix", "merge")
@@ -1450,7 +1463,8 @@ def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
             args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
                     *tiles)
             outs = {}
-            for name, keywords in CASCADE_SPLIT_VARIANTS.items():
+            for name in res["split_variants"]:
+                keywords = CASCADE_SPLIT_VARIANTS[name]
                 whole = lambda kw=keywords: cascade_residual_decode_triton(  # noqa: E731
                     *args, max_seq_len=total, **kw)
                 row[name + "_ms"] = measure(res, f"{tag} {name}", whole, s.smoke)
@@ -1465,7 +1479,7 @@ def run_cascade_split(s: Setup, res: dict, save: Callable[[], None]) -> None:
             save()
             print(f"{tag}: unified {row['unified_ms']:.4f} ms | " + " | ".join(
                 f"{n} {row[n + '_ms']:.4f} (p1 {row[n + '_pass1_ms']:.4f})"
-                for n in CASCADE_SPLIT_VARIANTS), flush=True)
+                for n in res["split_variants"]), flush=True)
 
 
 def time_split_parts(s: Setup, res: dict, row: dict, what: str, name: str, keywords: dict,
@@ -1502,7 +1516,7 @@ def print_cascade_split(res: dict) -> None:
     for r in res["cascade_split"]:
         print(f"prefix {r['prefix_ctx']:6d} agents {r['agents']:3d} suffix {r['suffix']:4d} | "
               f"unified cascade {r['unified_ms']:.4f}")
-        for n in CASCADE_SPLIT_VARIANTS:
+        for n in split_variants(res):
             print(f"    {n:22s} {r[n + '_ms']:8.4f} / {r[n + '_pass1_ms']:8.4f}  "
                   f"err {r.get(n + '_rel_err', math.nan):.1e}")
             parts, gbps = r.get(n + "_parts_ms", {}), r.get(n + "_parts_GBps", {})
@@ -1531,23 +1545,23 @@ def plot_cascade_split(res: dict, path: Path) -> None:
         pts = sorted((r for r in rows if r["agents"] == agents), key=lambda r: r["prefix_ctx"])
         x = [r["prefix_ctx"] for r in pts]
         ax.plot(x, [r["unified_ms"] for r in pts], color="black", marker="o", label="unified")
-        for i, n in enumerate(CASCADE_SPLIT_VARIANTS):
+        for i, n in enumerate(split_variants(res)):
             ax.plot(x, [r[n + "_ms"] for r in pts], color=f"C{i}", marker="o", label=n)
             ax.plot(x, [r[n + "_pass1_ms"] for r in pts], color=f"C{i}", marker="x",
                     linestyle="--", label=n + " pass 1")
         ax.set(xscale="log", yscale="log", xlabel="shared prefix (keys)", ylabel="ms (one layer)",
                title=f"{agents} agents, {pts[0]['suffix'] if pts else 0}-key suffixes")
         ax.legend(fontsize=6)
-    plot_split_parts(axes[0][-1], [r for r in rows if counts and r["agents"] == counts[-1]])
+    plot_split_parts(axes[0][-1], [r for r in rows if counts and r["agents"] == counts[-1]],
+                     split_variants(res))
     fig.suptitle(f"split-form cascade: whole (-) and pass 1 (--); {res['device']} {res['dtype']} "
                  f"commit {res['commit'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def plot_split_parts(ax, rows: list[dict]) -> None:
+def plot_split_parts(ax, rows: list[dict], names: list[str]) -> None:
     """Stacked bars of each variant's launches (one agent count), grouped by prefix length."""
-    names = list(CASCADE_SPLIT_VARIANTS)
     ticks, labels = [], []
     for g, r in enumerate(sorted(rows, key=lambda r: r["prefix_ctx"])):
         x0 = g * (len(names) + 1)
@@ -1569,9 +1583,20 @@ def plot_split_parts(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
+def split_variants(res: dict) -> list[str]:
+    """The variants a --cascade-split result ran (all of them before ``--split-variants``)."""
+    return res.get("split_variants", list(CASCADE_SPLIT_VARIANTS))
+
+
 def main_cascade_split(s: Setup, args: argparse.Namespace) -> dict:
+    unknown = set(args.split_variants or ()) - set(CASCADE_SPLIT_VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown --split-variants {sorted(unknown)}; known: "
+                         f"{', '.join(CASCADE_SPLIT_VARIANTS)}")
+    names = (list(CASCADE_SPLIT_VARIANTS) if not args.split_variants else
+             ["two_pass"] + [n for n in args.split_variants if n != "two_pass"])
     res = result_header(s, timing="CUDA graph replay, L2 flushed, median of CUDA events",
-                        cascade_split=[])
+                        cascade_split=[], split_variants=names)
     return run_mode(res, args.out / "kernel_bench_cascade_split.json", "cascade split",
                     lambda save: run_cascade_split(s, res, save), plot_cascade_split,
                     print_cascade_split, plot_each=True)
@@ -2005,6 +2030,9 @@ def main() -> None:
                         help="shared prefixes of --cascade-split (default 8K 32K)")
     parser.add_argument("--split-agents", nargs="*", type=int,
                         help="agents per prefix of --cascade-split (default 8 32)")
+    parser.add_argument("--split-variants", nargs="*",
+                        help="only these CASCADE_SPLIT_VARIANTS of --cascade-split (two_pass, "
+                             "the errors' reference, always runs)")
     parser.add_argument("--split-suffix", type=int,
                         help="private suffix keys per agent of --cascade-split (default 600)")
     args = parser.parse_args()
