@@ -33,7 +33,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 20  # mapreduce W=1,8,32
 # Round 11 (float16 scores and the row-grid value pass as the split cascade's default):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 30  # CUDA tests, react W=32 base + 3 systems
-#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 31  # merge tests, pass 1 tunings, react W=64
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 31  # CUDA tests, pass 1 tunings, react W=32 base + 3 systems
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -301,15 +301,20 @@ case "$1" in
   W=32 round10 react issue15_round11 280
   ;;
 31)
-  # Round 11: the merge's fixed split tiles (CUDA decode tests), pass 1's tunings in the split
-  # cascade at 8K x 32, then react at W = 64 (the merged-waves rule's split side).
-  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
-    tests/kernels/test_decode.py 2>&1 | tee "$OUT/pytest_cuda_round11_merge.log" | tail -3
+  # Round 11b: the merge's fixed split tiles, float16 scores relative to the running max
+  # (no second reduction in the prefix launch): CUDA tests, pass 1's tunings in the split
+  # cascade at 8K x 32, then react W = 32 (base, then the three systems).
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+    tests/kernels/test_decode.py tests/kernels/test_shared_prefix.py tests/torch/test_cascade.py \
+    2>&1 | tee "$OUT/pytest_cuda_round11b.log" | tail -3
   timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-prefixes 8192 \
-    --split-agents 32 --split-variants two_pass_fp16_rowvalues p1_qfold_bn128_w8 p1_qfold_bn64_w8 \
-    p1_qfold_bn32_w4 p1_qfold_angleadd_bn64 p1_qfold_bn64_s3 p1_keysm_bn64 \
-    --out "$OUT" 2>&1 | tail -20
-  W=64 round10 react issue15_round11_w64 "${REACT_S:-300}"
+    --split-agents 32 --split-variants two_pass_fp16 two_pass_fp16_rowvalues two_pass_fp16_rowvalues_pbn16 p1_qfold_bn128_w8 \
+    p1_qfold_bn64_w8 p1_qfold_bn32_w4 p1_qfold_angleadd_bn64 p1_qfold_bn64_s3 p1_keysm_bn64 \
+    --out "$OUT" 2>&1 | tail -22
+  export TRITON_CACHE_DIR=/root/triton_round11b && rm -rf "$TRITON_CACHE_DIR"
+  timeout 120 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated_base --overlap on --tag issue15_round11b_base --out "$OUT" 2>&1 | tail -3
+  W=32 round10 react issue15_round11b "${REACT_S:-200}"
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

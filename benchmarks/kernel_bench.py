@@ -1372,6 +1372,10 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     "two_pass_rowvalues": dict(_ROUND10, variant="two_pass", value_grid="row"),
     "two_pass_fp16_rowvalues": dict(variant="two_pass", score_dtype=torch.float16,
                                     value_grid="row"),
+    # The prefix launch at 16-key tiles: with float16 scores it spills at 32 (255 registers,
+    # 48 B; --regs), not at 16 (221).
+    "two_pass_fp16_rowvalues_pbn16": dict(variant="two_pass", score_dtype=torch.float16,
+                                          value_grid="row", prefix_tuning=dict(block_n=16)),
     "msc": dict(variant="msc", **_ROUND10),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)
@@ -1803,9 +1807,10 @@ def register_report(out: Path) -> None:
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int,
-                    logits: bool = False) -> dict:
+                    logits: bool = False, fp16_scores: bool = False) -> dict:
         """``logits``: the score buffer is msc's float32 logits, whose rows residual_logits
-        pads to 16 entries (so the JIT sees its strides divisible by 16)."""
+        pads to 16 entries (so the JIT sees its strides divisible by 16); with
+        ``fp16_scores`` a float16 buffer of such rows (the split cascade's default)."""
         names = kernel.arg_names
         # Constexprs left out take their defaults, as at a launch.
         consts = {p.name: p.default for p in kernel.params
@@ -1815,8 +1820,10 @@ def register_report(out: Path) -> None:
             if n in consts:
                 sig[n] = "constexpr"
             elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs or n in fp16_ptrs:
-                sig[n] = ("*bf16" if n in bf16_ptrs else "*fp32" if n in fp32_ptrs
-                          or (logits and n == "Bias") else "*fp16" if n in fp16_ptrs else "*i32")
+                half = (n in fp16_ptrs and not (logits and n == "Bias")
+                        or fp16_scores and n in ("Bias", "Scores"))
+                sig[n] = ("*bf16" if n in bf16_ptrs else "*fp16" if half
+                          else "*fp32" if n in fp32_ptrs or n == "Bias" else "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif n == "qk_scale":
                 sig[n] = "fp32"
@@ -1918,13 +1925,17 @@ def register_report(out: Path) -> None:
     # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
     # prefix length).
     tiled = dict(dec, SEQS=32, BLOCK_H=128, SPLIT_SCORE=False, TILED=True, DYN_SPLIT=True)
-    for form in ("unified", "two_pass", "msc"):
+    # "two_pass_fp16": the default since round 11, float16 scores stored relative to their
+    # block max (REL_SCORE).
+    for form in ("unified", "two_pass", "two_pass_fp16", "msc"):
         for block_n in (32, 64):
             consts = dict(tiled, BLOCK_N=block_n, HAS_RES=form != "unified",
-                          RES_BIAS=form == "two_pass", RES_LOGITS=form == "msc", RANK=32)
+                          RES_BIAS=form.startswith("two_pass"), RES_LOGITS=form == "msc",
+                          RANK=32, REL_SCORE=form == "two_pass_fp16")
             rows.append({"kernel": f"cascade_prefix_{form}", "residual": form != "unified",
                          "split_score": False, "block_n": block_n, "num_warps": 8,
-                         **compile_one(_decode_partial_kernel, consts, 8, 2, logits=True)})
+                         **compile_one(_decode_partial_kernel, consts, 8, 2, logits=True,
+                                       fp16_scores=form == "two_pass_fp16")})
     # The split-form cascade's tiled score pass (32-agent tiles; the score buffer float32 as
     # above): agents x KV heads per program (N = 64 x both), key tile, warps.
     from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
@@ -1934,14 +1945,17 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": f"tiled_scores_a{agents}h{kv_heads}", "residual": True,
                      "split_score": False, "block_n": block_n, "num_warps": warps,
                      **compile_one(_tiled_score_kernel, consts, warps, 2, logits=True)})
-    # The split cascade's value pass (float32 scores, Llama-3-8B's 8 KV heads): a program per
-    # KV head (grid "kv_head") or per row over all heads (grid "row", BLOCK_H 32).
-    for kv_heads, warps in ((1, 4), (8, 4), (8, 8)):
+    # The split cascade's value pass (Llama-3-8B's 8 KV heads): a program per KV head (grid
+    # "kv_head") or per row over all heads (grid "row", BLOCK_H 32), float32 scores; last,
+    # the default since round 11: the row grid over float16 relative scores.
+    for kv_heads, warps, fp16 in ((1, 4, False), (8, 4, False), (8, 8, False), (8, 4, True)):
         consts = dict(GROUP=4, KV_HEADS=kv_heads, BLOCK_H=max(16, 4 * kv_heads), HEAD_DIM=128,
-                      PAGE_SIZE=16, BLOCK_N=32, RANK=16)
-        rows.append({"kernel": "cascade_values_" + ("row" if kv_heads > 1 else "kvh"),
+                      PAGE_SIZE=16, BLOCK_N=32, RANK=16, REL_SCORE=fp16)
+        rows.append({"kernel": ("cascade_values_" + ("row" if kv_heads > 1 else "kvh")
+                                + ("_fp16" if fp16 else "")),
                      "residual": True, "split_score": False, "block_n": 32, "num_warps": warps,
-                     **compile_one(_residual_value_kernel, consts, warps, 2, logits=True)})
+                     **compile_one(_residual_value_kernel, consts, warps, 2, logits=True,
+                                   fp16_scores=fp16)})
     consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False, RES_LOGITS=True,
                   RANK=32, SEQ_START=True, DYN_SPLIT=True)
     rows.append({"kernel": "cascade_suffix_msc", "residual": True, "split_score": False,
