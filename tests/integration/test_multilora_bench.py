@@ -53,6 +53,11 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
             <= runs["unified"].context_kv_per_agent_bytes / 2)
     # base_activations: one base pass over the context instead of one pass per agent.
     assert runs["disaggregated_base"].prefill_tokens < runs["disaggregated"].prefill_tokens / 2
+    # That pass runs before any agent opens: timed on its own, inside the makespan, in no
+    # tick bucket; where agent 0 writes the context, its ticks hold that time.
+    base = runs["disaggregated_base"]
+    assert 0 < base.context_write_s < base.makespan_s - base.prefill_tick_s - base.decode_tick_s
+    assert runs["disaggregated"].context_write_s == 0
 
 
 def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):

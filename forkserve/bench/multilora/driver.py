@@ -117,6 +117,9 @@ class Driver:
         self.prefill_tick_s = 0.0
         self.prefill_tick_tokens: list[int] = []   # the prefill tokens of each prefill tick
         self.decode_tick_s = 0.0
+        # The pass that writes the shared context before any agent opens (base_activations,
+        # neutral): inside the makespan, in neither tick bucket.
+        self.context_write_s = 0.0
         self.decode_only_ticks = 0
         # D1's host copies inside decode-only ticks: calls, pages and the host's ms.
         self.decode_copy_calls = 0
@@ -266,12 +269,16 @@ class Driver:
         base-model request publishes its base pages. Returns (active, waiting)."""
         if self.writer is ContextWriter.BASE_ACTIVATIONS:
             self._check_shared_pass_fits()
+            t0 = time.perf_counter()
             self.engine.prefill_shared(self.context, [f.adapter for f in self.flows])
+            self.context_write_s = time.perf_counter() - t0
             return [], list(self.flows)
         if self.writer is ContextWriter.BASE_MODEL:
+            t0 = time.perf_counter()
             session = self.engine.open(self.context, adapter=None).id
             self.engine.generate(session, 1)
             self.engine.close(session)
+            self.context_write_s = time.perf_counter() - t0
             return [], list(self.flows)
         first = self.flows[0]
         if not self._fits(first):

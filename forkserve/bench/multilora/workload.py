@@ -103,6 +103,11 @@ class RunResult:
     decode_host_copy_ms_per_step: float = 0.0
     # Where the time of a few ticks of each kind went (step_profile.py); None unless asked.
     step_profile: dict | None = None
+    # Wall time of the pass that wrote the shared context before any agent opened
+    # (base_activations' prefill_shared, neutral's base-model request; 0 where the first
+    # agent writes it in its own ticks): in the makespan, in neither tick bucket. Device
+    # work it leaves in flight is charged to the first tick.
+    context_write_s: float = 0.0
     # SHA-256 of every agent's generated tokens (agent by agent, turn by turn, the reducer's
     # last): two runs of one workload generated the same tokens iff equal. It tells an exact
     # system from an approximate one (alora against the same agents with nothing shared).
@@ -322,6 +327,7 @@ def run_workload(system: str, params: MultiLoraParams, engine: Engine, sizes: di
                      driver.prefill_tick_s, driver.decode_tick_s, m.prefill_tokens,
                      m.decode_tokens, driver.waited_s, notes=tuple(notes),
                      decode_ms_per_step=driver.decode_tick_s * 1e3 / steps,
+                     context_write_s=driver.context_write_s,
                      restored_tokens=m.restored_tokens,
                      residual_prefill_tokens=m.residual_prefill_tokens,
                      pins_kept=m.pins_resumed, pins_lost=m.pins_broken + m.pins_expired,
