@@ -15,10 +15,10 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   The variants and their drivers are in residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
   suffixes, split on the device (shared_prefix.py); ``REL_SCORE``: the split form's float16
-  score write-back, each score relative to the row's running max after its key block.
-  Unified decode's dynamic plan uses ``DYN_SPLIT`` alone (each sequence's own keys cut in
-  ``num_splits``), with ``LIVE_ONLY`` (an empty split writes only its lse) or, at one split,
-  ``DIRECT`` (the output itself, no merge).
+  score write-back, each score relative to its key block's max. Unified decode's dynamic plan uses
+  ``DYN_SPLIT`` alone (each sequence's own keys cut in ``num_splits``), with ``LIVE_ONLY``
+  (an empty split writes only its lse) or, at one split, ``DIRECT`` (the output itself, no
+  merge).
 
 Grid ``(seq_groups, n_kv_heads, num_splits)``. A program owns one KV head, a contiguous
 range of keys and a tile of query rows that all read those keys: the GQA group of one
@@ -213,23 +213,21 @@ def _decode_partial_kernel(
         if not RES_LOGITS:
             s = s * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        s_rel = s - m_new[:, None]
         if HAS_RES and TILED and not RES_LOGITS:
             if REL_SCORE:
-                # A float16 buffer: each score relative to the row's running max after its
-                # block (float32, beside it), the difference the softmax takes anyway. The
-                # value pass needs exp2(s - lse) where s is near the max: a difference near 0
-                # keeps ~5e-4 there; a whole log2 score of 30 only ~1e-2. (A block max of
-                # its own cost a second reduction and 48 B of spills at 255 registers.)
+                # A float16 buffer: each score relative to its block's row max (float32,
+                # beside it). The value pass needs exp2(s - lse) where s is near the max: a
+                # difference near 0 keeps ~5e-4 there; a whole log2 score of 30 only ~1e-2.
+                blk_max = tl.max(s, 1)
                 tl.store(BlockMax + row_seq * stride_mb + row_head * stride_mh
-                         + start_n // BLOCK_N, m_new, mask=s_rows)
-                tl.store(s_ptr + offs_n[None, :], s_rel.to(Bias.dtype.element_ty),
+                         + start_n // BLOCK_N, blk_max, mask=s_rows)
+                tl.store(s_ptr + offs_n[None, :], (s - blk_max[:, None]).to(Bias.dtype.element_ty),
                          mask=s_rows[:, None] & n_ok[None, :])
             else:
                 tl.store(s_ptr + offs_n[None, :], s, mask=s_rows[:, None] & n_ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s_rel)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         if HAS_RES and not TILED:
@@ -302,9 +300,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``direct`` (unified, one split): ``part_out`` is the output ``[batch, H, D]`` itself,
     written normalised in its dtype; ``part_lse`` is not read or written (may be None).
     ``block_max`` (split-form cascade prefix with a float16 ``res_bias``): ``[batch, H, >=
-    key blocks]`` float32; the write-back stores each score relative to the row's running
-    max after its ``block_n``-key block, and that max here (``residual_values`` adds it
-    back).
+    key blocks]`` float32; the write-back stores each score relative to its ``block_n``-key
+    block's row max and the max here (``residual_values`` adds it back).
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -340,7 +337,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bias_strides = (scores.stride(0), scores.stride(1))
     else:
         bias_strides = (0, 0)
-    # The write-back keeps whole float32 scores, or float16 ones relative to a running max.
+    # The write-back keeps whole float32 scores, or float16 ones relative to a block max.
     assert tiles is None or res_bias is None or res_logits is not None or (
         (block_max is None) == (res_bias.dtype == torch.float32))
     if block_max is not None:

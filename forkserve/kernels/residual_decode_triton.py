@@ -285,8 +285,8 @@ def _residual_value_kernel(
     tile's scores, ``V_res`` rows and block-table entries are loaded once for all of them
     and accumulated by one dot in rank space; ``B_v`` is applied per KV head at the end
     (``residual_values(grid=...)``: 1 or all). ``REL_SCORE``: each score is stored relative
-    to the row's running max after its ``BLOCK_N``-key block, kept in ``BlockMax`` (float16
-    scores, decode_attention.py)."""
+    to its ``BLOCK_N``-key block's max, kept in ``BlockMax`` (float16 scores,
+    decode_attention.py)."""
     b = tl.program_id(0)
     kv0 = tl.program_id(1) * KV_HEADS
     split = tl.program_id(2)

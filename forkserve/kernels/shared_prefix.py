@@ -19,9 +19,8 @@ value pass for ``V_res B_v``). Its ``variant="msc"`` materializes every row's wh
 first (residual_msc.py's pass 1, per row), so the tiled prefix launch reads the shared
 ``V_base`` and no K at all; ``variant="tiled_scores"`` scores the prefix keys per tile
 (residual_score_tiled.py). Its score buffer is float32, or float16 (``score_dtype``): the
-prefix launch's write-back then stores each score relative to the row's running max after
-its key block, kept in float32 beside it, so the value pass's weights near the max stay
-exact to ~5e-4.
+prefix launch's write-back then stores each score relative to its key block's max, kept in
+float32 beside it, so the value pass's weights near the max stay exact to ~5e-4.
 
 Each call is a ``CascadeLaunches``: its launches in order, named (``pass1`` and ``values``
 in the split form only; ``prefix``, ``suffix``, ``merge``), over buffers allocated once
@@ -142,9 +141,8 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     (residual_score_tiled.py), the suffixes' per row. ``score_tuning``: pass 1's (default
     ``score_tuning_for(batch)``, msc ``MSC_TUNING``, tiled_scores ``tiled_scores``'
     defaults). ``score_dtype`` (two_pass, tiled_scores): the score buffer's, float32 or
-    float16 (half its bytes; the write-back then stores each score relative to the row's
-    running max after its key block, kept in float32 beside it; msc's logits take
-    ``score_tuning``'s ``dtype``).
+    float16 (half its bytes; the write-back then stores each score relative to its key
+    block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``).
     Default: float16 for half-precision queries (H200, 8K x 32: the whole call 0.376 ->
     0.327 ms, error 1.6e-3, below bf16's rounding of the output), float32 for float32 ones
     and for msc. ``value_grid``: the value pass's (``residual_values(grid=...)``), ``"row"``

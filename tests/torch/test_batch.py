@@ -160,3 +160,25 @@ def test_of_batch_refuses_what_validate_refuses(layout):
     validate(work, _limits(layout), SLOTS)
     assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH,
                     KeptTables(PAGE, 32)) is not None
+
+
+def test_extra_residual_writes_name_each_targets_slot() -> None:
+    """base_activations: every target's write of every token, rows after the batch's earlier
+    items, at the target's own page for that position (a chunk starting mid-page, its pages
+    indexed from the context's first)."""
+    from forkserve.backend.protocol import ResidualTarget
+
+    rng = random.Random(3)
+    start, n = 2 * PAGE + 5, 3 * PAGE
+    targets = tuple(ResidualTarget(a, tuple(rng.sample(range(SCRATCH), PAGES))) for a in (7, 9))
+    first = SeqWork(0, (1, 2, 3), 0, KVSlots(tuple(range(4)), None), None, GREEDY)
+    base = tuple(rng.sample(range(SCRATCH), PAGES))
+    shared = SeqWork(1, tuple(rng.randrange(1000) for _ in range(n)), start, KVSlots(base, None),
+                     None, None, form=KVForm.SPLIT, extra_residuals=targets)
+    meta = build([first, shared], _limits("disaggregated"), SLOTS, False, torch.device("cpu"),
+                 SCRATCH, SCRATCH).meta
+    want = [(3 + j, SLOTS[t.adapter_id], t.residual_pages[(start + j) // PAGE] * PAGE
+             + (start + j) % PAGE) for t in targets for j in range(n)]
+    got = list(zip(meta.extra_rows.tolist(), meta.extra_token_slot.tolist(),
+                   meta.extra_res_slot_mapping.tolist(), strict=True))
+    assert got == want

@@ -130,6 +130,25 @@ def kv_merged(seq: SeqWork, slot: int, limits: BatchLimits) -> bool:
     return limits.disaggregated and slot >= 0 and seq.form is KVForm.MERGED
 
 
+def _extra_residual_writes(seq: SeqWork, first: int, adapter_slots: Mapping[int, int],
+                           p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """base_activations: the rows, adapter slots and flat residual slots of every target's
+    writes for ``seq``'s tokens (rows from ``first``), target after target. Tensor
+    arithmetic per target, not a Python step per token and target: a shared 8K context
+    for 32 adapters is 262K writes (~0.13 s of host time a pass as a loop)."""
+    n = len(seq.tokens)
+    at = torch.arange(seq.start_pos, seq.start_pos + n)
+    lo, hi = seq.start_pos // p, -(-(seq.start_pos + n) // p)
+    page_of, offset = at // p - lo, at % p
+    slots, res = [], []
+    for target in seq.extra_residuals:
+        pages = torch.tensor(list(target.residual_pages[lo:hi]), dtype=torch.int64)
+        res.append(pages[page_of] * p + offset)
+        slots.append(torch.full((n,), adapter_slots[target.adapter_id], dtype=torch.int64))
+    rows = torch.arange(first, first + n).repeat(len(seq.extra_residuals))
+    return rows, torch.cat(slots), torch.cat(res)
+
+
 def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
           all_logits: bool, device: torch.device, scratch_page: int, scratch_res_page: int,
           cascade: cascade_tiles.CascadePlan | None = None, marks: bool = False) -> Batch:
@@ -139,7 +158,7 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     prefix marks to attention (a step that prefills may group its chunks)."""
     p = limits.page_size
     ids, pos, tok_slot, slots, res_slots, logit_rows, merged_tokens = [], [], [], [], [], [], []
-    extra_rows, extra_slot, extra_res = [], [], []
+    extra: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     base_rows, base_at, res_rows, res_at = [], [], [], []
     tables, res_tables, seq_lens, qlens, seq_slot = [], [], [], [], []
     for seq in work:
@@ -169,12 +188,8 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         if res is not None and seq.write_residual:
             res_rows.extend(range(first, first + n))
             res_at.extend(res_slots[first:])
-        for target in seq.extra_residuals:
-            for j in range(n):
-                at = seq.start_pos + j
-                extra_rows.append(first + j)
-                extra_slot.append(adapter_slots[target.adapter_id])
-                extra_res.append(target.residual_pages[at // p] * p + at % p)
+        if seq.extra_residuals:
+            extra.append(_extra_residual_writes(seq, first, adapter_slots, p))
         if all_logits or seq.prompt_logprobs is not None:
             logit_rows.extend(range(first, first + n))
         elif seq.sampling is not None:
@@ -196,6 +211,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    def extra_part(i: int) -> torch.Tensor | None:
+        return torch.cat([e[i] for e in extra]).to(device, non_blocking=True) if extra else None
+
     decode_only = all(n == 1 for n in qlens)
     meta = AttentionMetadata(
         slot_mapping=tensor(slots, torch.int64),
@@ -209,9 +227,9 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         seq_lens_host=tuple(seq_lens),
         seq_slot_host=tuple(seq_slot),
         decode_only=decode_only,
-        extra_rows=tensor(extra_rows, torch.int64) if extra_rows else None,
-        extra_token_slot=tensor(extra_slot, torch.int64) if extra_rows else None,
-        extra_res_slot_mapping=tensor(extra_res, torch.int64) if extra_rows else None,
+        extra_rows=extra_part(0),
+        extra_token_slot=extra_part(1),
+        extra_res_slot_mapping=extra_part(2),
         kv_merge_mask=tensor(merged_tokens, torch.bool)[:, None]
         if split and any(merged_tokens) else None,
         cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None,
@@ -230,5 +248,5 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
                  logits_indices=tensor(logit_rows, torch.int64),
                  # A split item needs the LoRA pass even where every token is before its aLoRA
                  # activation: its (zero) residual is written through it.
-                 meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra_rows))
+                 meta=meta, use_lora=any(s >= 0 for s in tok_slot) or split or bool(extra))
 
