@@ -1366,16 +1366,15 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 # "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>": variant="tiled_scores" at that tuning
 # (residual_score_tiled.py; registers in docs/KERNELS.md), the first its default.
 _ROUND10 = dict(score_dtype=torch.float32, value_grid="kv_head")
+_ROUND11 = dict(variant="two_pass", score_dtype=torch.float16, value_grid="row")
 CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     "two_pass": dict(variant="two_pass", **_ROUND10),
     "two_pass_fp16": dict(_ROUND10, variant="two_pass", score_dtype=torch.float16),
     "two_pass_rowvalues": dict(_ROUND10, variant="two_pass", value_grid="row"),
-    "two_pass_fp16_rowvalues": dict(variant="two_pass", score_dtype=torch.float16,
-                                    value_grid="row"),
+    "two_pass_fp16_rowvalues": _ROUND11,
     # The prefix launch at 16-key tiles: with float16 scores it spills at 32 (255 registers,
     # 48 B; --regs), not at 16 (221).
-    "two_pass_fp16_rowvalues_pbn16": dict(variant="two_pass", score_dtype=torch.float16,
-                                          value_grid="row", prefix_tuning=dict(block_n=16)),
+    "two_pass_fp16_rowvalues_pbn16": dict(_ROUND11, prefix_tuning=dict(block_n=16)),
     "msc": dict(variant="msc", **_ROUND10),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)
@@ -1383,8 +1382,7 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     # Pass 1 is the default form's largest launch since round 11: its tunings at the
     # default's buffers ("p1_" + residual_scores keywords; the default at batch 32 is
     # score_tuning_for's qfold at 64-key tiles over 4 warps).
-    **{f"p1_{name}": dict(variant="two_pass", score_dtype=torch.float16, value_grid="row",
-                          score_tuning=tuning)
+    **{f"p1_{name}": dict(_ROUND11, score_tuning=tuning)
        for name, tuning in (
            ("qfold_bn128_w8", dict(form="qfold", angle_add=False, block_n=128, num_warps=8)),
            ("qfold_bn64_w8", dict(form="qfold", angle_add=False, block_n=64, num_warps=8)),

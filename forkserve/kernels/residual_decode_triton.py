@@ -45,8 +45,11 @@ from forkserve.kernels.split_kv import (
 RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
-# The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``).
+# The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``); the default,
+# "row", reads each row's V_res once for all heads (H200, 8K x 32: 3.5x faster than one
+# program per KV head with float16 scores; docs/KERNELS.md "H200, round 11").
 VALUE_GRIDS = ("kv_head", "row")
+DEFAULT_VALUE_GRID = "row"
 # Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
 # .json, 4K-32K, docs/KERNELS.md): no form wins everywhere. At batch 1 the q-folded pass at
 # 128-key tiles over 8 warps (1.43-1.75x unified) beats keys-as-M (1.68-1.74x); at batch 8
@@ -58,6 +61,13 @@ SCORE_TUNING_BY_BATCH: tuple[tuple[int, dict], ...] = (
     (16, {"block_n": 64, "keys_m": True}),
     (2**31, {"form": "qfold", "angle_add": False, "block_n": 64}),
 )
+
+
+def score_dtype_for(q: torch.Tensor) -> torch.dtype:
+    """A residual score buffer's dtype for queries ``q``: float32 for float32 queries, else
+    float16 (10-bit mantissa on a score term of a few units: ~1e-3 absolute, below the bf16
+    rounding of K itself; half the bytes)."""
+    return torch.float32 if q.dtype == torch.float32 else torch.float16
 
 
 def score_tuning_for(batch: int) -> dict:
@@ -348,8 +358,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
 
-    ``dtype``: float32 for float32 queries, else float16 (10-bit mantissa on a score term
-    of a few units: ~1e-3 absolute, below the bf16 rounding of K itself; half the bytes).
+    ``dtype``: default ``score_dtype_for(q)``.
     ``chunk``: keys per program (default: enough programs for ~2 waves). ``block_n=32``:
     128 registers, no spills on sm_90 (64: 240; see ``kernel_bench.py --regs``).
     ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
@@ -367,7 +376,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
     if dtype is None:
-        dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+        dtype = score_dtype_for(q)
     span = max(max_seq_len, 1)
     bias = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device) if out is None else out
     if form == "qfold":
@@ -411,15 +420,15 @@ def residual_values(scores: torch.Tensor, v_res: torch.Tensor, b_v_all: torch.Te
                     res_block_tables: torch.Tensor, adapter_idx: torch.Tensor,
                     kv_starts: torch.Tensor,
                     part_out: torch.Tensor, part_lse: torch.Tensor, n_kv: int, num_splits: int,
-                    block_n: int, block_max: torch.Tensor | None = None, grid: str = "row",
+                    block_n: int, block_max: torch.Tensor | None = None,
+                    grid: str = DEFAULT_VALUE_GRID,
                     num_warps: int = 4) -> None:
     """The split-form cascade's value pass (see its kernel): ``scores`` as the tiled prefix
     launch left them, its partials at slots ``0 .. num_splits``, its ``block_n``;
     ``block_max``: the block maxima it stored beside relative scores (float16 ones).
-    ``grid`` (``value_launch_grid``): ``"row"`` (default) reads each row's ``V_res`` and
-    residual block table once for all heads; ``"kv_head"`` once per KV head, in 16-row tiles
-    of ``GROUP`` live rows (3.5x slower at 8K x 32 on the H200 with float16 scores:
-    docs/KERNELS.md)."""
+    ``grid`` (``value_launch_grid``): ``"row"`` (``DEFAULT_VALUE_GRID``) reads each row's
+    ``V_res`` and residual block table once for all heads; ``"kv_head"`` once per KV head,
+    in 16-row tiles of ``GROUP`` live rows."""
     batch, n_heads, _, head_dim = part_out.shape
     launch = value_launch_grid(grid, batch, n_kv, num_splits)
     group = n_heads // n_kv
@@ -457,7 +466,7 @@ def residual_chunked_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rank = b_k_all.shape[1]
     assert k_res.shape[-1] == rank, "residual pools and B matrices disagree on rank"
     bias = torch.empty(batch, n_heads, max(max_seq_len, 1), device=q.device,
-                       dtype=torch.float32 if q.dtype == torch.float32 else torch.float16)
+                       dtype=score_dtype_for(q))
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     _residual_decode_chunked_kernel[(batch, n_kv, num_splits)](
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, bias,

@@ -39,8 +39,10 @@ import torch
 from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
 from forkserve.kernels.residual_decode_triton import (
+    DEFAULT_VALUE_GRID,
     residual_scores,
     residual_values,
+    score_dtype_for,
     score_tuning_for,
     value_launch_grid,
 )
@@ -124,7 +126,7 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
                               scale: float | None = None, max_seq_len: int | None = None,
                               variant: str = "two_pass", score_tuning: dict | None = None,
                               score_dtype: torch.dtype | None = None,
-                              value_grid: str = "row", **tuning) -> CascadeLaunches:
+                              value_grid: str = DEFAULT_VALUE_GRID, **tuning) -> CascadeLaunches:
     """The split form (disaggregated cache, ResidualAttention) as its launches, nothing
     launched yet (``cascade_residual_decode_triton`` runs them): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual.
@@ -143,13 +145,13 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     defaults). ``score_dtype`` (two_pass, tiled_scores): the score buffer's, float32 or
     float16 (half its bytes; the write-back then stores each score relative to its key
     block's max, kept in float32 beside it; msc's logits take ``score_tuning``'s ``dtype``).
-    Default: float16 for half-precision queries (H200, 8K x 32: the whole call 0.376 ->
-    0.327 ms, error 1.6e-3, below bf16's rounding of the output), float32 for float32 ones
-    and for msc. ``value_grid``: the value pass's (``residual_values(grid=...)``), ``"row"``
-    (default: V_res read once per row, 0.182 -> 0.053 ms there) or ``"kv_head"``."""
+    Default: ``score_dtype_for(q)``, float16 for half-precision queries (H200, 8K x 32: the
+    whole call 0.376 -> 0.327 ms, error 1.6e-3, below bf16's rounding of the output);
+    float32 for msc. ``value_grid``: the value pass's (``residual_values(grid=...)``),
+    ``DEFAULT_VALUE_GRID`` ("row": V_res read once per row, 0.182 -> 0.053 ms there) or
+    ``"kv_head"``."""
     if score_dtype is None:
-        score_dtype = (torch.float32 if q.dtype == torch.float32 or variant == "msc"
-                       else torch.float16)
+        score_dtype = torch.float32 if variant == "msc" else score_dtype_for(q)
     if variant not in CASCADE_RESIDUAL_VARIANTS:
         raise ValueError(f"cascade residual variant must be one of {CASCADE_RESIDUAL_VARIANTS}, "
                          f"got {variant!r}")
@@ -213,7 +215,7 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
               num_warps: int = 4, num_stages: int = 2, prefix_tuning: dict | None = None,
               variant: str = "two_pass", score_tuning: dict | None = None,
               score_dtype: torch.dtype = torch.float32,
-              value_grid: str = "row") -> CascadeLaunches:
+              value_grid: str = DEFAULT_VALUE_GRID) -> CascadeLaunches:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

@@ -142,7 +142,7 @@ def _extra_residual_writes(seq: SeqWork, first: int, adapter_slots: Mapping[int,
     page_of, offset = at // p - lo, at % p
     slots, res = [], []
     for target in seq.extra_residuals:
-        pages = torch.tensor(list(target.residual_pages[lo:hi]), dtype=torch.int64)
+        pages = torch.tensor(target.residual_pages[lo:hi], dtype=torch.int64)
         res.append(pages[page_of] * p + offset)
         slots.append(torch.full((n,), adapter_slots[target.adapter_id], dtype=torch.int64))
     rows = torch.arange(first, first + n).repeat(len(seq.extra_residuals))
