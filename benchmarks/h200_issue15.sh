@@ -34,6 +34,8 @@
 # Round 11 (float16 scores and the row-grid value pass as the split cascade's default):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 30  # CUDA tests, react W=32 base + 3 systems
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 31  # CUDA tests, pass 1 tunings, react W=32 base + 3 systems
+# Round 12 (the shared-context pass of disaggregated_base, row 7):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 32  # react W=32 base, then profiled
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -315,6 +317,16 @@ case "$1" in
   timeout 120 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
     disaggregated_base --overlap on --tag issue15_round11b_base --out "$OUT" 2>&1 | tail -3
   W=32 round10 react issue15_round11b "${REACT_S:-200}"
+  ;;
+32)
+  # Round 12: disaggregated_base at W = 32 (row 7) as measured, then again with its
+  # shared-context pass (context_write) and a tick of each kind under torch.profiler.
+  export TRITON_CACHE_DIR=/root/triton_round12 && rm -rf "$TRITON_CACHE_DIR"
+  timeout 170 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated_base --overlap on --tag issue15_round12_base --out "$OUT" 2>&1 | tail -4
+  timeout 170 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
+    disaggregated_base --overlap on --profile-ticks 1 --tag issue15_round12_base_profile \
+    --out "$OUT" 2>&1 | tail -75
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

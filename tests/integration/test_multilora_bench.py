@@ -60,6 +60,24 @@ def test_every_system_completes_and_disaggregation_shares_the_context(tiny, work
     assert runs["disaggregated"].context_write_s == 0
 
 
+def test_profiled_runs_profile_the_context_write_once_and_their_ticks(tiny):
+    """--profile-ticks: base_activations' shared-context pass is profiled whole (its kernels
+    and host operators), beside the ticks; a system without that pass has no such entry."""
+    cfg, weights = tiny
+    params = MultiLoraParams("react", workflows=2, context=64, turns=1, gen=3, observation=4,
+                             pause_s=0.0, kv_budget_gib=0.01)
+    profiles = {s: run_system(s, params, *build_backend(s, params, params.workflows, cfg, weights,
+                                                          torch.device("cpu"), torch.float32),
+                              profile_ticks=1).step_profile
+                for s in ("disaggregated_base", "disaggregated")}
+    write = profiles["disaggregated_base"]["context_write"]
+    assert write["ticks"] == 1 and write["wall_ms"] > 0
+    assert write["by_category_ms"].get("gemm", 0.0) > 0
+    assert write["host_top"] and all(k["ms"] > 0 for k in write["host_top"])
+    assert "context_write" not in profiles["disaggregated"]
+    assert {"prefill", "decode"} <= set(profiles["disaggregated"])
+
+
 def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     assert main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
                  "--context", "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path)]) == 0

@@ -263,6 +263,22 @@ class Driver:
                                f"at once: {need} residual pages, the pool has {pages} "
                                f"(raise --residual-share or --kv-budget-gib)")
 
+    def _base_request(self) -> None:
+        session = self.engine.open(self.context, adapter=None).id
+        self.engine.generate(session, 1)
+        self.engine.close(session)
+
+    def _context_write(self, write: Callable[[], object]) -> None:
+        """The shared context's write pass, under the profiler where the run has one (its
+        wall time then includes the profiler's, as a profiled tick's does)."""
+        if self.profiler is None:
+            write()
+        else:
+            def tick() -> bool:
+                write()
+                return True
+            self.profiler.run(tick, lambda: "context_write")
+
     def _open_first(self) -> tuple[list[Workflow], list[Workflow]]:
         """Agent 0 prefills the shared context and the rest find it published; with
         base_activations one base pass publishes it for every agent first, with neutral a
@@ -270,14 +286,13 @@ class Driver:
         if self.writer is ContextWriter.BASE_ACTIVATIONS:
             self._check_shared_pass_fits()
             t0 = time.perf_counter()
-            self.engine.prefill_shared(self.context, [f.adapter for f in self.flows])
+            self._context_write(lambda: self.engine.prefill_shared(
+                self.context, [f.adapter for f in self.flows]))
             self.context_write_s = time.perf_counter() - t0
             return [], list(self.flows)
         if self.writer is ContextWriter.BASE_MODEL:
             t0 = time.perf_counter()
-            session = self.engine.open(self.context, adapter=None).id
-            self.engine.generate(session, 1)
-            self.engine.close(session)
+            self._context_write(self._base_request)
             self.context_write_s = time.perf_counter() - t0
             return [], list(self.flows)
         first = self.flows[0]

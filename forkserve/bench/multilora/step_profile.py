@@ -3,10 +3,12 @@
 The run's figures say *that* a system's decode step or prefill is slow (disaggregated_base's
 25 ms decode step against no_lora's 9; the residual prefill at 1.3x unified's); this says
 *where*: per tick kind (``prefill``: the tick prefilled, maybe decoding too; ``decode``: a
-decode-only tick), the tick's wall time, the device's busy time (the union of its kernels'
+decode-only tick; ``context_write``: the pass that writes the shared context before any agent
+opens, base_activations' ``Engine.prefill_shared`` or neutral's base request), the wall time, the device's busy time (the union of its kernels'
 intervals, so the rest of the wall time is the device waiting on the host), and the kernel
 time by category (attention, LoRA, GEMM, copies, sampling, other) with the top kernels by
-name. On a CPU device the same table is built from the host's operator self times.
+name, and the host operators by self time (on a device that waits on its host, where the host
+spends it). On a CPU device the kernel table is built from the host's operator self times.
 
 Profiling is not free: the profiled ticks are a handful per run, their wall time stays in the
 run's tick totals, and the run's notes say how many were profiled. Ownership: a
@@ -54,6 +56,7 @@ class TickKindProfile:
     busy_ms: float                  # device (or host operator) time, overlaps counted once
     by_category_ms: dict[str, float]
     top: tuple[KernelTime, ...]
+    host_top: tuple[KernelTime, ...] = ()  # host operators by self CPU time
 
     @property
     def idle_share(self) -> float:
@@ -67,13 +70,15 @@ class _Acc:
     wall_us: float = 0.0
     busy_us: float = 0.0
     by_name: dict[str, list[float]] = field(default_factory=dict)  # name -> [us, calls]
+    host: dict[str, list[float]] = field(default_factory=dict)     # host operators, the same
 
 
 class StepProfiler:
     """Profiles ticks until ``ticks_per_kind`` of each kind are kept, after the run's first
     ``skip`` ticks (the first agent's prefill of the shared context is not the steady state)."""
 
-    KINDS = ("prefill", "decode")
+    TICK_KINDS = ("prefill", "decode")
+    KINDS = ("context_write", *TICK_KINDS)  # the context write is profiled whole, once
 
     def __init__(self, ticks_per_kind: int = 3, skip: int = 2, top: int = 8) -> None:
         if ticks_per_kind < 1:
@@ -86,7 +91,7 @@ class StepProfiler:
     def wants(self) -> bool:
         self._seen += 1
         return self._seen > self.skip and any(
-            a.ticks < self.ticks_per_kind for a in self._acc.values())
+            self._acc[k].ticks < self.ticks_per_kind for k in self.TICK_KINDS)
 
     def run(self, tick: Callable[[], bool], kind_of: Callable[[], str | None]) -> bool:
         """Runs ``tick`` under the profiler; ``kind_of()`` (read after it) names the tick's
@@ -111,19 +116,18 @@ class StepProfiler:
         end = max((e.time_range.end for e in events), default=0)
         acc.wall_us += end - start
         kernels = [e for e in events if _on_device(e)] if cuda else []
+        host = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()
+                if e.self_cpu_time_total > 0]
+        for name, us, calls in host:
+            _add(acc.host, name, us, calls)
         if kernels:
             acc.busy_us += _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
             for e in kernels:
-                slot = acc.by_name.setdefault(e.name, [0.0, 0.0])
-                slot[0] += e.time_range.elapsed_us()
-                slot[1] += 1
+                _add(acc.by_name, e.name, e.time_range.elapsed_us(), 1)
         else:  # host operators' self times: what the CPU device computed
-            for e in prof.key_averages():
-                if e.self_cpu_time_total > 0:
-                    slot = acc.by_name.setdefault(e.key, [0.0, 0.0])
-                    slot[0] += e.self_cpu_time_total
-                    slot[1] += e.count
-                    acc.busy_us += e.self_cpu_time_total
+            for name, us, calls in host:
+                _add(acc.by_name, name, us, calls)
+                acc.busy_us += us
         return did
 
     def summary(self) -> dict[str, dict]:
@@ -135,13 +139,22 @@ class StepProfiler:
             cats: dict[str, float] = {}
             for name, (us, _) in a.by_name.items():
                 cats[category(name)] = cats.get(category(name), 0.0) + us / a.ticks / 1e3
-            top = sorted(a.by_name.items(), key=lambda kv: -kv[1][0])[: self.top]
             p = TickKindProfile(kind, a.ticks, a.wall_us / a.ticks / 1e3, a.busy_us / a.ticks / 1e3,
                                 dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-                                tuple(KernelTime(n, us / a.ticks / 1e3, c / a.ticks)
-                                      for n, (us, c) in top))
+                                self._top(a.by_name, a.ticks), self._top(a.host, a.ticks))
             out[kind] = asdict(p) | {"idle_share": p.idle_share}
         return out
+
+
+    def _top(self, by_name: dict[str, list[float]], ticks: int) -> tuple[KernelTime, ...]:
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: self.top]
+        return tuple(KernelTime(n, us / ticks / 1e3, c / ticks) for n, (us, c) in top)
+
+
+def _add(by_name: dict[str, list[float]], name: str, us: float, calls: float) -> None:
+    slot = by_name.setdefault(name, [0.0, 0.0])
+    slot[0] += us
+    slot[1] += calls
 
 
 def _on_device(event) -> bool:
@@ -169,4 +182,8 @@ def profile_lines(summary: dict[str, dict] | None) -> list[str]:
         out.append(f"  {kind} tick ({p['ticks']} profiled): wall {p['wall_ms']:.2f} ms, busy "
                    f"{p['busy_ms']:.2f} ms (idle {p['idle_share']:.0%}); ms by kind: {cats}")
         out.extend(f"    {k['ms']:8.3f} ms {k['calls']:6.1f}x {k['name'][:90]}" for k in p["top"])
+        if p.get("host_top") and p["host_top"] != p["top"]:
+            out.append("    host operators by self time:")
+            out.extend(f"    {k['ms']:8.3f} ms {k['calls']:6.1f}x {k['name'][:90]}"
+                       for k in p["host_top"])
     return out
