@@ -36,6 +36,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 31  # CUDA tests, pass 1 tunings, react W=32 base + 3 systems
 # Round 12 (the shared-context pass of disaggregated_base, row 7):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 32  # react W=32 base, then profiled
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 33  # the profiled run alone ($TAG)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -324,9 +325,12 @@ case "$1" in
   export TRITON_CACHE_DIR=/root/triton_round12 && rm -rf "$TRITON_CACHE_DIR"
   timeout 170 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
     disaggregated_base --overlap on --tag issue15_round12_base --out "$OUT" 2>&1 | tail -4
+  TAG=issue15_round12_base_profile bash "$0" 33
+  ;;
+33)
   timeout 170 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
-    disaggregated_base --overlap on --profile-ticks 1 --tag issue15_round12_base_profile \
-    --out "$OUT" 2>&1 | tail -75
+    disaggregated_base --overlap on --profile-ticks 1 --tag "${TAG:-issue15_round12_profile}" \
+    --out "$OUT" 2>&1 | grep -v "^USDT" | tr '\r' '\n' | grep -v "agent turns:" | tail -110
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -74,6 +74,7 @@ def test_profiled_runs_profile_the_context_write_once_and_their_ticks(tiny):
     assert write["ticks"] == 1 and write["wall_ms"] > 0
     assert write["by_category_ms"].get("gemm", 0.0) > 0
     assert write["host_top"] and all(k["ms"] > 0 for k in write["host_top"])
+    assert any(k["name"] == "forkserve.engine.engine:prefill_shared" for k in write["python_top"])
     assert "context_write" not in profiles["disaggregated"]
     assert {"prefill", "decode"} <= set(profiles["disaggregated"])
 

@@ -7,8 +7,8 @@ decode-only tick; ``context_write``: the pass that writes the shared context bef
 opens, base_activations' ``Engine.prefill_shared`` or neutral's base request), the wall time, the device's busy time (the union of its kernels'
 intervals, so the rest of the wall time is the device waiting on the host), and the kernel
 time by category (attention, LoRA, GEMM, copies, sampling, other) with the top kernels by
-name, and the host operators by self time (on a device that waits on its host, where the host
-spends it). On a CPU device the kernel table is built from the host's operator self times.
+name, the host operators by self time and the Python functions by cumulative time (``cProfile``:
+on a device that waits on its host, where the host spends it). On a CPU device the kernel table is built from the host's operator self times.
 
 Profiling is not free: the profiled ticks are a handful per run, their wall time stays in the
 run's tick totals, and the run's notes say how many were profiled. Ownership: a
@@ -16,7 +16,10 @@ run's tick totals, and the run's notes say how many were profiled. Ownership: a
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -57,6 +60,7 @@ class TickKindProfile:
     by_category_ms: dict[str, float]
     top: tuple[KernelTime, ...]
     host_top: tuple[KernelTime, ...] = ()  # host operators by self CPU time
+    python_top: tuple[KernelTime, ...] = ()  # our Python functions by cumulative time
 
     @property
     def idle_share(self) -> float:
@@ -71,6 +75,7 @@ class _Acc:
     busy_us: float = 0.0
     by_name: dict[str, list[float]] = field(default_factory=dict)  # name -> [us, calls]
     host: dict[str, list[float]] = field(default_factory=dict)     # host operators, the same
+    python: dict[str, list[float]] = field(default_factory=dict)   # forkserve functions
 
 
 class StepProfiler:
@@ -101,8 +106,13 @@ class StepProfiler:
 
         cuda = torch.cuda.is_available()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        functions = cProfile.Profile()
         with profile(activities=acts) as prof:
-            did = tick()
+            functions.enable()
+            try:
+                did = tick()
+            finally:
+                functions.disable()
             if cuda:
                 torch.cuda.synchronize()
         kind = kind_of()
@@ -120,6 +130,8 @@ class StepProfiler:
                 if e.self_cpu_time_total > 0]
         for name, us, calls in host:
             _add(acc.host, name, us, calls)
+        for name, us, calls in _our_functions(functions):
+            _add(acc.python, name, us, calls)
         if kernels:
             acc.busy_us += _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
             for e in kernels:
@@ -141,13 +153,15 @@ class StepProfiler:
                 cats[category(name)] = cats.get(category(name), 0.0) + us / a.ticks / 1e3
             p = TickKindProfile(kind, a.ticks, a.wall_us / a.ticks / 1e3, a.busy_us / a.ticks / 1e3,
                                 dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-                                self._top(a.by_name, a.ticks), self._top(a.host, a.ticks))
+                                self._top(a.by_name, a.ticks), self._top(a.host, a.ticks),
+                                self._top(a.python, a.ticks, 2 * self.top))
             out[kind] = asdict(p) | {"idle_share": p.idle_share}
         return out
 
 
-    def _top(self, by_name: dict[str, list[float]], ticks: int) -> tuple[KernelTime, ...]:
-        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: self.top]
+    def _top(self, by_name: dict[str, list[float]], ticks: int,
+             count: int | None = None) -> tuple[KernelTime, ...]:
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: count or self.top]
         return tuple(KernelTime(n, us / ticks / 1e3, c / ticks) for n, (us, c) in top)
 
 
@@ -155,6 +169,18 @@ def _add(by_name: dict[str, list[float]], name: str, us: float, calls: float) ->
     slot = by_name.setdefault(name, [0.0, 0.0])
     slot[0] += us
     slot[1] += calls
+
+
+def _our_functions(functions: cProfile.Profile) -> list[tuple[str, float, float]]:
+    """(module:function, cumulative us, calls) of the package's own functions: the host's
+    time by where our code spends it, the tick's outer calls included (they hold the rest)."""
+    package = Path(__file__).resolve().parents[2]
+    out = []
+    for (file, _, name), (_, calls, _, cumulative, _) in pstats.Stats(functions).stats.items():
+        if file.startswith(str(package)):
+            where = Path(file).relative_to(package.parent).with_suffix("")
+            out.append((f"{'.'.join(where.parts)}:{name}", cumulative * 1e6, calls))
+    return out
 
 
 def _on_device(event) -> bool:
@@ -182,8 +208,10 @@ def profile_lines(summary: dict[str, dict] | None) -> list[str]:
         out.append(f"  {kind} tick ({p['ticks']} profiled): wall {p['wall_ms']:.2f} ms, busy "
                    f"{p['busy_ms']:.2f} ms (idle {p['idle_share']:.0%}); ms by kind: {cats}")
         out.extend(f"    {k['ms']:8.3f} ms {k['calls']:6.1f}x {k['name'][:90]}" for k in p["top"])
-        if p.get("host_top") and p["host_top"] != p["top"]:
-            out.append("    host operators by self time:")
-            out.extend(f"    {k['ms']:8.3f} ms {k['calls']:6.1f}x {k['name'][:90]}"
-                       for k in p["host_top"])
+        for entry, title in (("host_top", "host operators by self time"),
+                             ("python_top", "our Python functions by cumulative time")):
+            if p.get(entry) and p[entry] != p["top"]:
+                out.append(f"    {title}:")
+                out.extend(f"    {k['ms']:8.3f} ms {k['calls']:6.1f}x {k['name'][:90]}"
+                           for k in p[entry])
     return out
