@@ -1,5 +1,6 @@
 """The react/mapreduce multi-LoRA benchmark runs every system on a tiny model (CPU) and
 measures what the layouts promise: one shared copy of the context when disaggregated."""
+import gc
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from forkserve.bench.multilora import (
 from forkserve.config import KVForm
 from forkserve.control.prefix_index import CacheSalt
 from forkserve.engine import Engine
+from forkserve.engine.heap import thaw
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,9 @@ def test_profiled_runs_profile_the_context_write_once_and_their_ticks(tiny):
     assert any(k["name"] == "forkserve.engine.engine:prefill_shared" for k in write["python_top"])
     assert "context_write" not in profiles["disaggregated"]
     assert {"prefill", "decode"} <= set(profiles["disaggregated"])
+    # Each run starts on a settled heap (engine/heap.py): what it started with is frozen.
+    assert gc.get_freeze_count() > 0
+    thaw()
 
 
 def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):

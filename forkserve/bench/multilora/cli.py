@@ -26,6 +26,7 @@ from forkserve.bench.multilora.workload import (
 )
 from forkserve.bench.output import add_out_argument, write_json
 from forkserve.bench.provenance import source_commit
+from forkserve.engine.heap import thaw
 from forkserve.errors import OutOfPagesError
 
 
@@ -230,6 +231,7 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                     bar.write(failed[-1].line())
                 save()
             del backend
+            thaw()  # its cycles, frozen with each run's heap, go before the next backend
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return results, failed

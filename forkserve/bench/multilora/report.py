@@ -49,6 +49,9 @@ def format_table(results: list[RunResult], workload: str) -> str:
     lines += [f"{r.system} W={r.workflows}: {r.context_write_s:.2f} s writing the shared "
               f"context before the agents opened (in the makespan, not in prefill s)"
               for r in results if r.context_write_s > 0]
+    lines += [f"{r.system} W={r.workflows}: {r.gc_pause_s_in_run:.2f} s in the cycle collector "
+              f"({r.gc_full_passes_in_run} full passes)"
+              for r in results if r.gc_pause_s_in_run >= 0.01]
     return "\n".join(lines)
 
 

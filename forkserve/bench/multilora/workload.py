@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from forkserve.bench.gc_pauses import GcWatch
 from forkserve.bench.kernel_compiles import KernelCompiles
 from forkserve.bench.multilora.driver import Driver, Workflow
 from forkserve.bench.multilora.recompute_choice import choose
@@ -17,12 +18,14 @@ from forkserve.bench.multilora.step_profile import StepProfiler
 from forkserve.bench.multilora.systems import ContextWriter, System, spec
 from forkserve.config import ForkServeConfig, KVLayout
 from forkserve.engine import Engine
+from forkserve.engine.heap import settle
 
 TARGETS = ("q", "k", "v", "o")
 # The process's kernel builds, read around each timed run: installed at the first run, not
 # at import (importing Triton first would fix its mode before a test sets TRITON_INTERPRET),
 # and once (its hooks are process-wide; every run of the process reads the same counts).
 _COMPILES = KernelCompiles()
+_GC = GcWatch()
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class RunResult:
     kernels_built: tuple = ()
     dynamo_graphs_in_run: int = 0
     kernels_built_specs: tuple = ()  # the first few builds' specializations
+    # The cycle collector inside the run (gc_pauses.py): full passes, and all passes' seconds.
+    gc_full_passes_in_run: int = 0
+    gc_pause_s_in_run: float = 0.0
 
 
 def tiny_config():
@@ -235,7 +241,9 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
+    settle()  # earlier runs' garbage goes now; the heap the run starts with is frozen
     built = _COMPILES.install().window()
+    paused = _GC.install().window()
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
@@ -243,12 +251,14 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                           profiler=StepProfiler(profile_ticks) if profile_ticks else None,
                           invocation=system_spec.invocation)
     compiles = _COMPILES.since(built)
+    pauses = _GC.since(paused)
     result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured,
                      recompute_layers=backend.config.recompute_layers,
                      kernels_built_in_run=compiles.triton,
                      kernel_build_s_in_run=compiles.triton_s, kernels_built=compiles.top,
                      dynamo_graphs_in_run=compiles.dynamo_graphs,
-                     kernels_built_specs=compiles.specs)
+                     kernels_built_specs=compiles.specs,
+                     gc_full_passes_in_run=pauses.full, gc_pause_s_in_run=pauses.seconds)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)

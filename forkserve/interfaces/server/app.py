@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, ShareBase, app_config, plus_config
 from forkserve.errors import ForkServeError
+from forkserve.engine.heap import settle
 from forkserve.interfaces.server import branch_api, openai_api, preflight
 from forkserve.interfaces.server.access import (
     DEFAULT_ACCESS,
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                                       sharing_cost=cost)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
+        # The loaded model's objects: the collector's full passes skip them from now on.
+        log.info("froze %d start-up objects out of the collector's passes", settle())
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
         server = uvicorn.Server(uvicorn.Config(create_app(model, session_ttl_s=args.session_ttl,
                                                           access=access),
