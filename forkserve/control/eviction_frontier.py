@@ -36,6 +36,15 @@ class EvictionFrontier:
         if node.device_children == 0:
             self.device.add(node)
 
+    def grafted(self, parent: _IndexNode, last: _IndexNode) -> None:
+        """A new chain of device entries hangs from ``parent`` (each with one device child,
+        ``last`` with none): what ``to_device`` of each, in order, would leave."""
+        if parent.key is not None:
+            parent.device_children += 1
+            self.device.discard(parent)
+            self.host.discard(parent)
+        self.device.add(last)
+
     def off_device(self, node: _IndexNode, parked: bool) -> _IndexNode | None:
         """``node`` left the device: parked in a host slot, or (not ``parked``) unlinked.
         Returns its parent when that became a device leaf (eviction may take it next)."""

@@ -362,13 +362,12 @@ class PrefixIndex:
             page = page_list[i]
             child = node.children.get(key)
             if child is None:
-                self.pool.incref((page,))
-                refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
-                child = _IndexNode(key, page, node)
-                node.children[key] = child
-                self._frontier.to_device(child)
-                added += 1
-            elif child.page is None:
+                # A new entry has no children: every page after it is new too.
+                node = self._graft(node, key, i, end, token_list, page_list, base_pages,
+                                   base_scope, scope, now)
+                added += end - i
+                break
+            if child.page is None:
                 # Offloaded: the caller's page holds the same KV, so the host copy is redundant.
                 self.pool.incref([page])
                 self._refs[page] += 1
@@ -382,6 +381,30 @@ class PrefixIndex:
         first = max(first, end)
         self._entries += added
         return InsertCursor(namespace, base_pages, node, first, salt, scope)
+
+    def _graft(self, node: _IndexNode, key: PageKey, i: int, end: int, token_list: Sequence[int],
+               page_list: Sequence[PageId], base_pages: int, base_scope: KeyScope | None,
+               scope: KeyScope, now: int) -> _IndexNode:
+        """Link pages ``i..end`` (the first keyed ``key``) as a new chain under ``node``;
+        returns its last entry. One pass per page and one frontier update for the chain: a
+        shared context's publish is 512 pages for each of 33 paths at W = 32."""
+        p = self.page_size
+        pages = page_list[i:end]
+        self.pool.incref(pages)
+        refs = self._refs
+        for page in pages:
+            refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
+        top = node
+        for j, page in enumerate(pages, i):
+            if j > i:
+                key = PageKey(tuple(token_list[j * p:(j + 1) * p]),
+                              base_scope if j < base_pages else scope)
+            child = _IndexNode(key, page, node, last_access=now, device_children=1)
+            node.children[key] = child
+            node = child
+        node.device_children = 0  # the chain's last entry has no children
+        self._frontier.grafted(top, node)
+        return node
 
     def evict(self, max_pages: int | None = None, *, keep: frozenset = frozenset(),
               offload: bool = True) -> int:
