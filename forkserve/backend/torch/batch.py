@@ -130,6 +130,16 @@ def kv_merged(seq: SeqWork, slot: int, limits: BatchLimits) -> bool:
     return limits.disaggregated and slot >= 0 and seq.form is KVForm.MERGED
 
 
+def _page_slots(pages: Sequence[int], start: int, end: int, p: int) -> list[int]:
+    """The flat KV slots of positions [start, end) behind ``pages``: a run per page, not a
+    Python step per token (an 8K-token item is 512 runs)."""
+    out: list[int] = []
+    for page in range(start // p, -(-end // p)):
+        at = pages[page] * p - page * p  # slot of position x on this page: at + x
+        out.extend(range(at + max(start, page * p), at + min(end, (page + 1) * p)))
+    return out
+
+
 def _extra_residual_writes(seq: SeqWork, first: int, adapter_slots: Mapping[int, int],
                            p: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """base_activations: the rows, adapter slots and flat residual slots of every target's
@@ -168,19 +178,20 @@ def build(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[i
         res = seq.slots.residual_pages
         merged = kv_merged(seq, slot, limits)
         first = len(ids)
-        for j, token in enumerate(seq.tokens):
-            at = seq.start_pos + j
-            ids.append(token)
-            pos.append(at)
-            # Activated LoRA: tokens before the invocation run as the base model (no LoRA delta:
-            # a merged item's base pages get base K/V there, a split item's residual zeros).
-            tok_slot.append(slot if at >= seq.adapter_start else -1)
-            merged_tokens.append(merged)
-            # A side that is already present (write_base / write_residual False: aliased pages
-            # of a fork, a partial prefix hit) is read, never rewritten: its write goes to scratch.
-            slots.append(pages[at // p] * p + at % p if seq.write_base else scratch_page * p)
-            res_slots.append(res[at // p] * p + at % p if res is not None and seq.write_residual
-                             else scratch_res_page * p)
+        start = seq.start_pos
+        ids.extend(seq.tokens)
+        pos.extend(range(start, end))
+        # Activated LoRA: tokens before the invocation run as the base model (no LoRA delta:
+        # a merged item's base pages get base K/V there, a split item's residual zeros).
+        before = min(max(seq.adapter_start - start, 0), n)
+        tok_slot.extend([-1] * before + [slot] * (n - before))
+        merged_tokens.extend([merged] * n)
+        # A side that is already present (write_base / write_residual False: aliased pages
+        # of a fork, a partial prefix hit) is read, never rewritten: its write goes to scratch.
+        slots.extend(_page_slots(pages, start, end, p) if seq.write_base
+                     else [scratch_page * p] * n)
+        res_slots.extend(_page_slots(res, start, end, p) if res is not None and seq.write_residual
+                         else [scratch_res_page * p] * n)
         # The same writes as row lists (``base_writes``), used where some row skips its write.
         if seq.write_base:
             base_rows.extend(range(first, first + n))
