@@ -37,6 +37,8 @@
 # Round 12 (the shared-context pass of disaggregated_base, row 7):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 32  # react W=32 base, then profiled
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 33  # the profiled run alone ($TAG)
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 34  # CUDA suite, decode_bench --no-hf
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 35  # react W=32: unified, disaggregated, adaptive
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -331,6 +333,14 @@ case "$1" in
   timeout 170 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems \
     disaggregated_base --overlap on --profile-ticks 1 --tag "${TAG:-issue15_round12_profile}" \
     --out "$OUT" 2>&1 | grep -v "^USDT" | tr '\r' '\n' | grep -v "agent turns:" | tail -110
+  ;;
+34)
+  # Round 12: the acceptance's CUDA suite, then rows 10a-d (decode_bench, no HF rows).
+  bash "$0" suite
+  timeout 330 python3 benchmarks/decode_bench.py --no-hf --out "$OUT" 2>&1 | tail -22
+  ;;
+35)
+  W=32 round10 react issue15_round12 280
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
