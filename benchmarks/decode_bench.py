@@ -345,12 +345,17 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true",
                     help="only: decode through the Engine, overlap off / on (batch 1 and 64, "
                          "64 with LoRA); writes decode_bench_engine.json")
+    ap.add_argument("--step-only", action="store_true",
+                    help="only: decode through TorchBackend.step and through the Engine "
+                         "(batch 1 and 64, 64 with LoRA; unified layout); writes "
+                         "decode_bench_step.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_name = ("decode_bench_prefill.json" if args.prefill_only else
                  "decode_profile.json" if args.profile else
-                 "decode_bench_engine.json" if args.engine_only else "decode_bench.json")
+                 "decode_bench_engine.json" if args.engine_only else
+                 "decode_bench_step.json" if args.step_only else "decode_bench.json")
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
@@ -459,6 +464,9 @@ def main() -> None:
         for lora in (False, True):
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
     engine_cases(bench)  # after the backend rows: their graphs are captured
+    if args.step_only:
+        print_table(res)
+        return
     runner = bench.backend.runner
     runner.use_cuda_graphs = False
     attempt("decode_b1_eager_no_graph", bench.decode, 1, prompt, [None], 10)

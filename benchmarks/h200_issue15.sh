@@ -39,6 +39,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 33  # the profiled run alone ($TAG)
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 34  # CUDA suite, decode_bench --no-hf
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 35  # react W=32: unified, disaggregated, adaptive
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 36  # decode_bench --step-only (rows 10a-d)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -341,6 +342,9 @@ case "$1" in
   ;;
 35)
   W=32 round10 react issue15_round12 280
+  ;;
+36)
+  timeout 300 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

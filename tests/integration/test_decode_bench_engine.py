@@ -23,3 +23,19 @@ def test_engine_only_rows(tmp_path, monkeypatch, capsys) -> None:
     assert all(r["steps"] == 3 and r["prompt"] == 512 and r["ms_per_step"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "engine_b64 LoRA overlap" in out
+
+
+def test_step_only_rows(tmp_path, monkeypatch) -> None:
+    """--step-only: the backend-step rows (goal rows 10a/b) and the Engine rows, no prefill,
+    shared-context or disaggregated rows."""
+    db = load_script("decode_bench")
+    monkeypatch.setattr(sys, "argv", ["decode_bench.py", "--tiny", "--step-only", "--steps",
+                                      "2", "--out", str(tmp_path)])
+    db.main()
+    res = json.loads((tmp_path / "decode_bench_step.json").read_text())
+    assert res["errors"] == {}
+    assert all(res[k]["ms_per_step"] > 0 for k in
+               ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora"))
+    assert len(res["engine_decode"]) == 6
+    assert not any(k.startswith(("prefill", "decode_b32_shared", "decode_b64_lora_dis"))
+                   for k in res)
