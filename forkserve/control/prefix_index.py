@@ -349,7 +349,6 @@ class PrefixIndex:
                 up.last_access = now
                 up = up.parent
         added = 0
-        refs = self._refs
         p = self.page_size
         # The keys of ``tokens``' full pages from ``first`` (``_page_keys``: BASE before
         # ``base_pages``), as many as there are pages; read in place (a view's list).

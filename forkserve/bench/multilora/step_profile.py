@@ -3,12 +3,14 @@
 The run's figures say *that* a system's decode step or prefill is slow (disaggregated_base's
 25 ms decode step against no_lora's 9; the residual prefill at 1.3x unified's); this says
 *where*: per tick kind (``prefill``: the tick prefilled, maybe decoding too; ``decode``: a
-decode-only tick; ``context_write``: the pass that writes the shared context before any agent
-opens, base_activations' ``Engine.prefill_shared`` or neutral's base request), the wall time, the device's busy time (the union of its kernels'
-intervals, so the rest of the wall time is the device waiting on the host), and the kernel
-time by category (attention, LoRA, GEMM, copies, sampling, other) with the top kernels by
-name, the host operators by self time and the Python functions by cumulative time (``cProfile``:
-on a device that waits on its host, where the host spends it). On a CPU device the kernel table is built from the host's operator self times.
+decode-only tick; ``context_write``: the pass that writes the shared context before any
+agent opens, base_activations' ``Engine.prefill_shared`` or neutral's base request), the
+wall time, the device's busy time (the union of its kernels' intervals, so the rest of the
+wall time is the device waiting on the host), and the kernel time by category (attention,
+LoRA, GEMM, copies, sampling, other) with the top kernels by name, the host operators by
+self time and our Python functions by cumulative time (``cProfile``: on a device that waits
+on its host, where the host spends it). On a CPU device the kernel table is built from the
+host's operator self times.
 
 Profiling is not free: the profiled ticks are a handful per run, their wall time stays in the
 run's tick totals, and the run's notes say how many were profiled. Ownership: a

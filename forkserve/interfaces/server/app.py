@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from forkserve.config import ForkServeConfig, KVLayout, ShareBase, app_config, plus_config
-from forkserve.errors import ForkServeError
 from forkserve.engine.heap import settle
+from forkserve.errors import ForkServeError
 from forkserve.interfaces.server import branch_api, openai_api, preflight
 from forkserve.interfaces.server.access import (
     DEFAULT_ACCESS,
