@@ -182,3 +182,33 @@ def test_extra_residual_writes_name_each_targets_slot() -> None:
     got = list(zip(meta.extra_rows.tolist(), meta.extra_token_slot.tolist(),
                    meta.extra_res_slot_mapping.tolist(), strict=True))
     assert got == want
+
+
+@pytest.mark.parametrize("write_base,write_residual", [(True, True), (False, True), (True, False)])
+def test_prefill_columns_follow_each_token(write_base, write_residual) -> None:
+    """``build``'s per-token columns of prefill chunks that start and end mid-page (an aLoRA
+    invoked mid-chunk, sides skipped to scratch), token by token as the protocol defines them."""
+    rng = random.Random(11)
+    items = []
+    for i, (start, n, adapter_start) in enumerate([(2 * PAGE + 5, 3 * PAGE + 7, 3 * PAGE + 1),
+                                                  (0, PAGE, 0), (PAGE - 1, 2, 40 * PAGE)]):
+        pages = tuple(rng.sample(range(SCRATCH), PAGES))
+        res = tuple(rng.sample(range(SCRATCH), PAGES))
+        items.append(SeqWork(i, tuple(rng.randrange(1000) for _ in range(n)), start,
+                             KVSlots(pages, res), 7, GREEDY, write_base=write_base,
+                             write_residual=write_residual, form=KVForm.SPLIT,
+                             adapter_start=adapter_start))
+    batch = build(items, _limits("disaggregated"), SLOTS, False, torch.device("cpu"), SCRATCH,
+                  SCRATCH)
+    at = [s.start_pos + j for s in items for j in range(len(s.tokens))]
+    owner = [s for s in items for _ in s.tokens]
+    assert batch.positions.tolist() == at
+    assert batch.input_ids.tolist() == [t for s in items for t in s.tokens]
+    assert batch.token_slot.tolist() == [SLOTS[7] if a >= s.adapter_start else -1
+                                         for a, s in zip(at, owner, strict=True)]
+    assert batch.meta.slot_mapping.tolist() == [
+        s.slots.pages[a // PAGE] * PAGE + a % PAGE if write_base else SCRATCH * PAGE
+        for a, s in zip(at, owner, strict=True)]
+    assert batch.meta.res_slot_mapping.tolist() == [
+        s.slots.residual_pages[a // PAGE] * PAGE + a % PAGE if write_residual
+        else SCRATCH * PAGE for a, s in zip(at, owner, strict=True)]
