@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from forkserve.adapter_key import adapter_key
 from forkserve.config import ForkServeConfig, ShareBase
+from forkserve.engine.heap import settle
 from forkserve.errors import ForkServeError
 from forkserve.interfaces.ray_serve.protocol import (
     NOT_RESIDENT,
@@ -120,6 +121,7 @@ class EngineReplica:
             import torch
             torch.set_num_threads(spec.torch_threads)
         self._model = spec.load()
+        settle()  # as the server does: the loaded model out of the collector's passes
         self._spec = spec
         self._worker = EngineWorker(self._model.engine, self._model.tokenizer.decode,
                                     session_ttl_s=spec.session_ttl_s)
