@@ -24,7 +24,8 @@ import gc
 def settle() -> int:
     """Collect what earlier work left (frozen objects included) and freeze the survivors.
     Call once start-up (model load, warm-up, graph capture) is done (the server and each Ray
-    replica do, after loading), or before a timed run; it costs one full pass. Returns how many objects are frozen."""
+    replica do, after loading), or before a timed run; it costs one full pass. Returns how
+    many objects are frozen."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

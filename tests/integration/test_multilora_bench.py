@@ -70,7 +70,7 @@ def test_profiled_runs_profile_the_context_write_once_and_their_ticks(tiny):
                              pause_s=0.0, kv_budget_gib=0.01)
     profiles = {s: run_system(s, params, *build_backend(s, params, params.workflows, cfg, weights,
                                                           torch.device("cpu"), torch.float32),
-                              profile_ticks=1).step_profile
+                              profile_ticks=1, settle_heap=True).step_profile
                 for s in ("disaggregated_base", "disaggregated")}
     write = profiles["disaggregated_base"]["context_write"]
     assert write["ticks"] == 1 and write["wall_ms"] > 0

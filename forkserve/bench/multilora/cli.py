@@ -70,6 +70,11 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                     help="per system, one untimed 2-agent run and the decode graphs captured, "
                          "and per W one untimed rehearsal run (at most 2 turns), before "
                          "the timed runs (on by default on CUDA)")
+    ap.add_argument("--settle-heap", action=argparse.BooleanOptionalAction,
+                    default=torch.cuda.is_available(),
+                    help="start each timed run on a settled heap: earlier runs' garbage "
+                         "collected, the rest frozen out of the cycle collector's passes, as "
+                         "the server does after loading (engine/heap.py; on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="timed runs per system and W; the one with the median tasks/s is reported")
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
@@ -217,7 +222,7 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                         bar.set_postfix_str(f"{system} W={w}{off} ({built} kernels built "
                                             "by its rehearsal)")
                     runs = sorted((run_system(system, params(w), backend, sizes, bar.update,
-                                              args.profile_ticks)
+                                              args.profile_ticks, args.settle_heap)
                                    for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
                     results.append(replace(_median(runs), cascade=cascade, overlap=overlap,
                                            commit=commit))

@@ -232,16 +232,20 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
 
 def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, int],
                on_turn: Callable[[], object] | None = None,
-               profile_ticks: int = 0) -> RunResult:
+               profile_ticks: int = 0, settle_heap: bool = False) -> RunResult:
     """One timed run on a fresh Engine over ``backend`` (its pools start empty);
-    ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none."""
+    ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none;
+    ``settle_heap``: start on a settled heap (engine/heap.py: earlier runs' garbage collected,
+    the rest frozen), as a server runs; one full collection before the timer (~0.5 s in a
+    test process, which the CPU plumbing runs skip)."""
     system_spec = spec(system)
     adapter_of = None if not system_spec.lora else (lambda i: backend.adapter_id(f"agent{i}"))
     timeline = backend.gpu_timeline
     if timeline is not None:
         timeline.reset()
     captured = backend.runner.captured_on_use
-    settle()  # earlier runs' garbage goes now; the heap the run starts with is frozen
+    if settle_heap:
+        settle()
     built = _COMPILES.install().window()
     paused = _GC.install().window()
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
