@@ -362,7 +362,7 @@ class PrefixIndex:
             child = node.children.get(key)
             if child is None:
                 # A new entry has no children: every page after it is new too.
-                node = self._graft(node, key, i, end, token_list, page_list, base_pages,
+                node = self._graft(node, i, end, token_list, page_list, base_pages,
                                    base_scope, scope, now)
                 added += end - i
                 break
@@ -381,12 +381,12 @@ class PrefixIndex:
         self._entries += added
         return InsertCursor(namespace, base_pages, node, first, salt, scope)
 
-    def _graft(self, node: _IndexNode, key: PageKey, i: int, end: int, token_list: Sequence[int],
+    def _graft(self, node: _IndexNode, i: int, end: int, token_list: Sequence[int],
                page_list: Sequence[PageId], base_pages: int, base_scope: KeyScope | None,
                scope: KeyScope, now: int) -> _IndexNode:
-        """Link pages ``i..end`` (the first keyed ``key``) as a new chain under ``node``;
-        returns its last entry. One pass per page and one frontier update for the chain: a
-        shared context's publish is 512 pages for each of 33 paths at W = 32."""
+        """Link pages ``i..end`` as a new chain under ``node``; returns its last entry. One
+        pass per page and one frontier update for the chain: a shared context's publish is
+        512 pages for each of 33 paths at W = 32."""
         p = self.page_size
         pages = page_list[i:end]
         self.pool.incref(pages)
@@ -395,9 +395,8 @@ class PrefixIndex:
             refs[page] = refs.get(page, 0) + 1  # (Counter's += calls __missing__ in Python)
         top = node
         for j, page in enumerate(pages, i):
-            if j > i:
-                key = PageKey(tuple(token_list[j * p:(j + 1) * p]),
-                              base_scope if j < base_pages else scope)
+            key = PageKey(tuple(token_list[j * p:(j + 1) * p]),
+                          base_scope if j < base_pages else scope)
             child = _IndexNode(key, page, node, last_access=now, device_children=1)
             node.children[key] = child
             node = child

@@ -160,7 +160,6 @@ class StepProfiler:
             out[kind] = asdict(p) | {"idle_share": p.idle_share}
         return out
 
-
     def _top(self, by_name: dict[str, list[float]], ticks: int,
              count: int | None = None) -> tuple[KernelTime, ...]:
         top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: count or self.top]
