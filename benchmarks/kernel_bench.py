@@ -1319,6 +1319,13 @@ VARIANTS: dict[str, dict] = {
     **{f"msc2s_bn64_r{w}": dict(variant="msc2s", block_n=64, score_tuning=dict(
         block_n=64, waves=2.0, residual=dict(block_n=64, angle_add=False, waves=float(w))))
        for w in (2, 4)},
+    # The engine's default (two-pass, pass 1 picked per batch by score_tuning_for) beside
+    # three-pass: the same pass 1, the partial kernel without acc_r writing float16 scores
+    # back, the value pass over V_res (its tile: "bn", warps: "w").
+    "two_pass_default": dict(variant="two_pass", block_n=64),
+    "three_pass_bn64": dict(variant="three_pass", block_n=64),
+    "three_pass_bn32": dict(variant="three_pass", block_n=32),
+    "three_pass_bn64_w8": dict(variant="three_pass", block_n=64, num_warps=8),
     "chunked_bn16": dict(variant="chunked", block_n=16, chunk=256),
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
@@ -1668,7 +1675,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     max_seq_len=ctx, **kw))
                 row[name + "_ms"] = measure(res, f"{tag} {name}", fn, s.smoke)
                 row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
-                if kw["variant"] == "two_pass":
+                if kw["variant"] in ("two_pass", "three_pass"):
                     tuning = kw.get("score_tuning") or score_tuning_for(batch)
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
@@ -1922,7 +1929,16 @@ def register_report(out: Path) -> None:
     # buffer float32, as the cascade allocates it) and msc (logits instead of K; V_res is the
     # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
     # prefix length).
-    tiled = dict(dec, SEQS=32, BLOCK_H=128, SPLIT_SCORE=False, TILED=True, DYN_SPLIT=True)
+    # Three-pass: the partial kernel without acc_r, float16 scores written back relative to
+    # their block max (the value pass's rows are cascade_values_row_fp16 below).
+    for block_n, warps in ((32, 4), (64, 4), (64, 8)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True,
+                      RANK=32, DYN_SPLIT=True, LIVE_ONLY=True, VALUE_PASS=True, REL_SCORE=True)
+        rows.append({"kernel": "three_pass_pass2", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, fp16_scores=True)})
+    tiled = dict(dec, SEQS=32, BLOCK_H=128, SPLIT_SCORE=False, TILED=True, DYN_SPLIT=True,
+                 VALUE_PASS=True)
     # "two_pass_fp16": the default since round 11, float16 scores stored relative to their
     # block max (REL_SCORE).
     for form in ("unified", "two_pass", "two_pass_fp16", "msc"):

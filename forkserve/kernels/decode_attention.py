@@ -12,7 +12,10 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read;
   with ``RES_LOGITS`` and ``RES_BIAS`` they are base logits plus the residual score
   (``"msc2s"``, residual_msc2s.py: the two halves of msc's pass 1 written side by side).
-  The variants and their drivers are in residual_decode_triton.py;
+  With ``VALUE_PASS`` (and ``RES_BIAS``) the loop keeps no ``acc_r``: it writes every
+  score back and ``residual_values`` adds the V residual after it (``"three_pass"``, and
+  the split-form cascade's prefix tiles). The variants and their drivers are in
+  residual_decode_triton.py;
 * ``TILED`` / ``SEQ_START`` / ``DYN_SPLIT``: cascade decode's prefix tiles and per-row
   suffixes, split on the device (shared_prefix.py); ``REL_SCORE``: the split form's float16
   score write-back, each score relative to its key block's max. Unified decode's dynamic plan uses
@@ -82,7 +85,7 @@ def _decode_partial_kernel(
     RES_BIAS: tl.constexpr, TILED: tl.constexpr = False, SEQ_START: tl.constexpr = False,
     DYN_SPLIT: tl.constexpr = False, RES_LOGITS: tl.constexpr = False,
     LIVE_ONLY: tl.constexpr = False, DIRECT: tl.constexpr = False,
-    REL_SCORE: tl.constexpr = False,
+    REL_SCORE: tl.constexpr = False, VALUE_PASS: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -132,11 +135,12 @@ def _decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
 
-    if HAS_RES and TILED:
-        # Split-form cascade: rows of several adapters share the tile's base keys. A row's
-        # residual score comes from the score pass; the full score is written back for the
-        # value pass (``residual_values``), which adds the row's own V residual. With
-        # RES_LOGITS every row's whole logits are already there (msc cascade).
+    if HAS_RES and VALUE_PASS:
+        # Split-form cascade (rows of several adapters share the tile's base keys) or
+        # three-pass decode: a row's residual score comes from the score pass; the full
+        # score is written back for the value pass (``residual_values``), which adds the
+        # row's own V residual, so this loop keeps no ``acc_r``. With RES_LOGITS every
+        # row's whole logits are already there (msc cascade).
         s_ptr = Bias + row_seq[:, None] * stride_sb + row_head[:, None] * stride_sh
         if RES_LOGITS:
             s_rows = row_ok
@@ -177,7 +181,7 @@ def _decode_partial_kernel(
             k_hi = tl.load(K + kv_off[:, None] + HALF + d_lo[None, :], mask=n_ok[:, None],
                            other=0.0)
         v = tl.load(V + kv_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        if HAS_RES and not TILED:
+        if HAS_RES and not VALUE_PASS:
             rn_ok = n_ok & has_ad
             r_off = residual_offsets(ResBlockTables, lead * stride_rbt, offs_n, rn_ok,
                                      stride_rp, stride_rs, PAGE_SIZE)
@@ -213,7 +217,7 @@ def _decode_partial_kernel(
         if not RES_LOGITS:
             s = s * qk_scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        if HAS_RES and TILED and not RES_LOGITS:
+        if HAS_RES and VALUE_PASS and not RES_LOGITS:
             if REL_SCORE:
                 # A float16 buffer: each score relative to its block's row max (float32,
                 # beside it). The value pass needs exp2(s - lse) where s is near the max: a
@@ -230,12 +234,12 @@ def _decode_partial_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        if HAS_RES and not TILED:
+        if HAS_RES and not VALUE_PASS:
             # Same rescale as acc: acc_r is the softmax-weighted sum of V_res rows.
             acc_r = acc_r * alpha[:, None] + tl.dot(p.to(vr.dtype), vr)
         m_i = m_new
 
-    if HAS_RES and not TILED:
+    if HAS_RES and not VALUE_PASS:
         bv = tl.load(BV + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM
                      + d[None, :], mask=r_ok[:, None], other=0.0)
         acc += tl.dot(acc_r, bv.to(tl.float32))
@@ -266,7 +270,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     res_logits: torch.Tensor | None = None,
                     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
-                    direct: bool = False, block_max: torch.Tensor | None = None) -> None:
+                    direct: bool = False, block_max: torch.Tensor | None = None,
+                    value_pass: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -302,6 +307,10 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``block_max`` (split-form cascade prefix with a float16 ``res_bias``): ``[batch, H, >=
     key blocks]`` float32; the write-back stores each score relative to its ``block_n``-key
     block's row max and the max here (``residual_values`` adds it back).
+    ``value_pass`` (residual with ``res_bias`` and ``dyn_split``, no tiles): three-pass
+    decode; as the cascade's prefix launch, the loop keeps no ``acc_r`` and writes every
+    score back (relative to its block's max where ``block_max`` is given) for
+    ``residual_values``, which splits each sequence's keys as this launch did.
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -337,11 +346,15 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bias_strides = (scores.stride(0), scores.stride(1))
     else:
         bias_strides = (0, 0)
+    if value_pass:
+        assert (residual is not None and res_bias is not None and res_logits is None
+                and tiles is None and kv_starts is None and dyn_split and kv_start == 0)
+    writes_back = tiles is not None or value_pass
     # The write-back keeps whole float32 scores, or float16 ones relative to a block max.
-    assert tiles is None or res_bias is None or res_logits is not None or (
+    assert not writes_back or res_bias is None or res_logits is not None or (
         (block_max is None) == (res_bias.dtype == torch.float32))
     if block_max is not None:
-        assert tiles is not None and res_bias is not None and res_logits is None
+        assert writes_back and res_bias is not None and res_logits is None
         max_strides = (block_max.stride(0), block_max.stride(1))
     else:
         max_strides = (0, 0)
@@ -371,7 +384,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         SEQ_START=kv_starts is not None,
         DYN_SPLIT=tiles is not None or kv_starts is not None or dyn_split,
         RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
-        REL_SCORE=block_max is not None, num_warps=num_warps, num_stages=num_stages,
+        REL_SCORE=block_max is not None, VALUE_PASS=writes_back, num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 

@@ -8,6 +8,10 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
   head, then decode_attention.py's partial kernel adds it to ``q.K_base`` (``RES_BIAS``)
   and keeps the rank-r ``acc_r`` over ``V_res``, so neither pass holds the rebuild's
   registers;
+* ``"three_pass"``: two-pass without ``acc_r`` in the partial kernel, which writes every
+  score back (``VALUE_PASS``); ``residual_values`` then adds each split's
+  ``(sum_n exp2(s_n - lse) V_res[n]) B_v`` to its partial before the merge, as the
+  split-form cascade does after its prefix launch;
 * ``"chunked"``: both passes in one launch, alternating per chunk of keys;
 * ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``;
 * ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
@@ -36,13 +40,17 @@ from forkserve.kernels.rope_triton import rope_rows
 from forkserve.kernels.split_kv import (
     LOG2E,
     NO_LIMIT,
+    dynamic_splits,
+    empty_partials,
     key_bound,
+    merge_partials,
+    sm_count,
     split_decode,
     store_partial,
     waves_of,
 )
 
-RESIDUAL_VARIANTS = ("two_pass", "chunked", "fused", "msc", "msc2s")
+RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
 # The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``); the default,
@@ -77,7 +85,8 @@ def score_tuning_for(batch: int) -> dict:
 
 
 # Key tile per variant (H200-tuned).
-DEFAULT_BLOCK_N = {"two_pass": 64, "chunked": 16, "fused": 32, "msc": 64, "msc2s": 64}
+DEFAULT_BLOCK_N = {"two_pass": 64, "three_pass": 64, "chunked": 16, "fused": 32, "msc": 64,
+                   "msc2s": 64}
 
 
 @triton.jit
@@ -506,6 +515,12 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     rope_tab = cached_rope_table(inv_freq, max_seq_len)
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
     res_bias = res_logits = None
+    if variant == "three_pass":
+        return _three_pass(q, k_base, v_base, block_tables, seq_lens, residual, scale=scale,
+                           max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n,
+                           num_warps=num_warps, num_stages=num_stages,
+                           score_tuning=(score_tuning_for(q.shape[0]) if score_tuning is None
+                                         else score_tuning))
     if variant == "two_pass":
         res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
                                    rope_tab, n_kv, max_seq_len,
@@ -535,3 +550,32 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                             **tuning)
 
     return split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n, fill)
+
+
+def _three_pass(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, residual: tuple, *,
+                scale: float, max_seq_len: int, num_splits: int | None, block_n: int,
+                num_warps: int, num_stages: int, score_tuning: dict) -> torch.Tensor:
+    """``variant="three_pass"``: the score pass, the partial kernel over the base K/V with
+    the scores added and written back (no ``acc_r``), the value pass over ``V_res``, the
+    merge. Each sequence's keys are split on the device (the dynamic plan), which the value
+    pass repeats from ``seq_lens``; float16 scores are written back relative to their
+    ``block_n``-key block's max, kept in float32 beside them."""
+    k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
+    batch, n_heads, _ = q.shape
+    n_kv = k_base.shape[2]
+    scores = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, rope_tab, n_kv,
+                             max_seq_len, **score_tuning)
+    block_max = (torch.empty(batch, n_heads, max(-(-max_seq_len // block_n), 1),
+                             dtype=torch.float32, device=q.device)
+                 if scores.dtype != torch.float32 else None)
+    splits = dynamic_splits(batch * n_kv, max_seq_len, sm_count(q.device), block_n, num_splits)
+    part_out, part_lse = empty_partials(q, splits)
+    decode_partials(q, k_base, v_base, block_tables, seq_lens, part_out, part_lse, scale=scale,
+                    kv_start=0, kv_limit=NO_LIMIT, num_splits=splits, split_len=0,
+                    split_offset=0, residual=residual, block_n=block_n, num_warps=num_warps,
+                    num_stages=num_stages, res_bias=scores, dyn_split=True, block_max=block_max,
+                    value_pass=True)
+    residual_values(scores, v_res, b_v_all, res_bt, adapter_idx, seq_lens.to(torch.int32),
+                    part_out, part_lse, n_kv, splits, block_n, block_max=block_max)
+    return merge_partials(part_out, part_lse, torch.empty_like(q), splits)

@@ -58,6 +58,8 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # cos/sin by angle addition. msc2s (msc's pass 1 as a base-logits kernel and the q-folded
 # residual scorer, two streams on CUDA) at its default tuning, and at 16-key tiles with
 # several base chunks per sequence (8 waves) and residual chunks of 48 keys (mid-tile).
+# Three-pass (two-pass whose partial kernel writes the scores back and leaves V_res to the
+# value pass) at the default split count and at 2, so a value program meets split bounds.
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -67,6 +69,8 @@ VARIANTS = [
     ("two_pass", {"score_tuning": QFOLD_ANGLE}),
     ("two_pass", {"score_tuning": dict(QFOLD_ANGLE, chunk=48)}),
     ("two_pass", {"score_tuning": QFOLD_TABLE}),
+    ("three_pass", {}),
+    ("three_pass", {"num_splits": None, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("chunked", {"chunk": 32}),
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
@@ -103,7 +107,7 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: 
 
 @pytest.mark.parametrize("variant,tuning", [
     # 64-key tiles: the interpreter's cost is per tile (the chunked form took 26 s at 16).
-    ("two_pass", {}), ("chunked", {"block_n": 64}),
+    ("two_pass", {}), ("chunked", {"block_n": 64}), ("three_pass", {}),
     ("two_pass", {"score_tuning": {"form": "qfold"}}),
     ("two_pass", {"score_tuning": {"form": "qfold", "angle_add": False}}),
 ])
@@ -125,7 +129,7 @@ def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
 
 @pytest.mark.parametrize("variant,score_tuning", [
     ("two_pass", {}), ("two_pass", QFOLD_ANGLE), ("two_pass", QFOLD_TABLE),
-    ("msc", {"block_n": 16}), ("msc", {"block_n": 16, "dtype": torch.float16}),
+    ("three_pass", {}), ("msc", {"block_n": 16}), ("msc", {"block_n": 16, "dtype": torch.float16}),
     ("msc2s", {"block_n": 16, "residual": {"block_n": 16}}),
     ("msc2s", {"block_n": 16, "dtype": torch.float16, "residual": {"block_n": 16}}),
 ])

@@ -100,8 +100,9 @@ def test_tiled_scores_compile():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-# The split cascade's prefix launch (a 32-agent tile, two-pass scores) and value pass (both
-# grids), with float32 scores and with float16 ones relative to a float32 block max (``REL_SCORE``).
+# The split cascade's prefix launch (a 32-agent tile, two-pass scores), three-pass decode's
+# partial launch and the value pass (both grids), with float32 scores and with float16 ones
+# relative to a float32 block max (``REL_SCORE``).
 _CASCADE_LAUNCHES = """
 from test_sm90_compile import compile_sm90
 from forkserve.kernels.decode_attention import _decode_partial_kernel
@@ -112,7 +113,14 @@ for rel in (False, True):
     assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
         GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
         HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
-        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel), 8, types)
+        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel,
+        VALUE_PASS=True), 8, types)
+    # Three-pass decode's partial launch: one sequence's GQA group, no acc_r.
+    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
+        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
+        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
+        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=True, DIRECT=False, REL_SCORE=rel,
+        VALUE_PASS=True), 4, types)
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
             GROUP=4, KV_HEADS=kv_heads, BLOCK_H=block_h, HEAD_DIM=128, PAGE_SIZE=16,
