@@ -29,8 +29,10 @@ table last.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -127,7 +129,12 @@ class Bench:
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
-               warmup: int = 3) -> dict:
+               warmup: int = 3, host_profile: bool = False) -> dict:
+        """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
+        caller's ``SeqWork`` building included, as a control plane would pay it.
+        ``host_profile``: the timed steps under cProfile instead, reporting where the host's
+        time goes (``host_top``, ms per step by self time; the wait for the device is in it,
+        under whichever call blocks)."""
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -139,15 +146,22 @@ class Bench:
                                       for i in chunk]).next_tokens
         pos = prompt
         times = []
+        functions = cProfile.Profile()
         for s in range(warmup + steps):
+            if host_profile and s == warmup:
+                functions.enable()
             t0 = time.perf_counter()
             nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i], decode=True)
                                      for i in range(batch)]).next_tokens
             if s >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
             pos += 1
-        return {"batch": batch, "prompt": prompt, "steps": steps,
-                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+        functions.disable()
+        row = {"batch": batch, "prompt": prompt, "steps": steps,
+               "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+        if host_profile:
+            row["host_top"] = host_top(functions, steps)
+        return row
 
     def engine_decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
                       overlap: bool, warmup: int = 4) -> dict:
@@ -263,6 +277,15 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
     return {"batch": batch, "step_ms": step["ms_per_step"],
             "graph_replay_ms": statistics.median(times),
             "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
+
+
+def host_top(functions: cProfile.Profile, steps: int, count: int = 25) -> list[dict]:
+    """The ``count`` functions with the most self time in ``functions``, in ms per step."""
+    stats = pstats.Stats(functions).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:count]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls / steps,
+             "self_ms": tottime / steps * 1e3, "cumulative_ms": cumulative / steps * 1e3}
+            for (file, line, name), (_, calls, tottime, cumulative, _) in top]
 
 
 def top_kernels(run, count: int = 24) -> tuple[int, float, list[dict]]:
@@ -465,6 +488,9 @@ def main() -> None:
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
     engine_cases(bench)  # after the backend rows: their graphs are captured
     if args.step_only:
+        for batch in (1, big_batch):
+            attempt(f"host_profile_b{batch}", bench.decode, batch, prompt, [None], args.steps,
+                    3, True)
         print_table(res)
         return
     runner = bench.backend.runner
