@@ -40,6 +40,9 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 34  # CUDA suite, decode_bench --no-hf
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 35  # react W=32: unified, disaggregated, adaptive
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 36  # decode_bench --step-only (rows 10a-d)
+# Round 13 (three-pass decode, rows 1-2 and 10a-b at one commit):
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 37  # CUDA tests, three-pass, prefill routes
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 38  # rows 1-2 best forms, decode_bench --step-only
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -345,6 +348,29 @@ case "$1" in
   ;;
 36)
   timeout 300 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
+  ;;
+37)
+  # Round 13: three-pass decode on CUDA (tests, then beside the engine's two-pass), and the
+  # prefill routes with every point's device time interleaved (row 4).
+  export TRITON_CACHE_DIR=/root/tc13
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_decode.py -k "three_pass or two_pass" 2>&1 \
+    | tee "$OUT/pytest_cuda_round13_decode.log" | tail -3
+  timeout 220 python3 benchmarks/kernel_bench.py --variants two_pass_default three_pass_bn64 \
+    three_pass_bn64_w8 three_pass_bn32 --skip shared --contexts 4096 8192 32768 \
+    --batches 1 8 32 64 --tag decode_three_pass --out "$OUT" 2>&1 | tail -12
+  timeout 200 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -25
+  ;;
+38)
+  # Round 13: rows 1-2 at this commit, the engine's default beside every form that led a
+  # column in an earlier run (msc2s, the batch-1 q-fold, keys as M) and three-pass; then
+  # rows 10a-d (36).
+  export TRITON_CACHE_DIR=/root/tc13
+  timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_default three_pass_bn64 \
+    msc2s_bn64_r2 msc2s_bn64_r4 two_pass_qfold_t128_w8 two_pass_bn64_keysm64 --skip shared \
+    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round13 --out "$OUT" 2>&1 \
+    | tail -12
+  bash "$0" 36
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1635,6 +1635,37 @@ def time_msc2s_halves(s: Setup, res: dict, row: dict, what: str, name: str, tuni
         q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, bias, res_tuning), s.smoke)
 
 
+def time_pass2(s: Setup, res: dict, row: dict, what: str, name: str, kw: dict, case: tuple,
+               tuning: dict) -> None:
+    """Two-pass decode's pass 2 alone (the partial kernel adding the score pass's bias,
+    ``acc_r`` over ``V_res``), on the split plan its call takes: ``<name>_pass2_ms``; again
+    with every sequence's adapter off (``_pass2_noadapter_ms``: the same code, no bias,
+    ``V_res`` or residual table read); and the unified partial kernel on that plan
+    (``_unified_partials_ms``). Where the pass's extra time over unified goes: reads, or the
+    code and registers."""
+    from forkserve.kernels.decode_attention import decode_partials
+    from forkserve.kernels.residual_decode_triton import residual_scores
+    from forkserve.kernels.split_kv import NO_LIMIT, empty_partials, plan_splits
+    q, bt, rbt, lens, ad, table, ctx = case
+    block_n = kw.get("block_n", 64)
+    splits, split_len = plan_splits(q.shape[0] * s.n_kv, ctx, q.device, block_n)
+    part_out, part_lse = empty_partials(q, splits)
+    bias = residual_scores(q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **tuning)
+    scale = 1.0 / math.sqrt(s.head_dim)
+    common = dict(scale=scale, kv_start=0, kv_limit=NO_LIMIT, num_splits=splits,
+                  split_len=split_len, split_offset=0, block_n=block_n,
+                  num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 2))
+    off = torch.full_like(ad, -1)
+    for key, adapters in (("_pass2_ms", ad), ("_pass2_noadapter_ms", off)):
+        residual = (s.k_res, s.v_res, rbt, s.b_k, s.b_v, adapters, table)
+        row[name + key] = measure(res, what + key, lambda r=residual: decode_partials(
+            q, s.k, s.v, bt, lens, part_out, part_lse, residual=r, res_bias=bias, **common),
+            s.smoke)
+    row[name + "_unified_partials_ms"] = measure(
+        res, what + " unified partials", lambda: decode_partials(
+            q, s.k, s.v, bt, lens, part_out, part_lse, **common), s.smoke)
+
+
 def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> None:
     """Unified decode vs each ResidualAttention variant, no tuning, no SDPA/eager baselines.
 
@@ -1680,6 +1711,9 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
+                    if kw["variant"] == "two_pass":
+                        time_pass2(s, res, row, f"{tag} {name}", name, kw,
+                                   (q, bt, rbt, lens, ad, table, ctx), tuning)
                 elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone
                     tuning = kw.get("score_tuning") or MSC_TUNING
                     row[name + "_scores_ms"] = measure(
@@ -1708,7 +1742,11 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                 f"{n}={row[n + '_ms']:.4f}({row[n + '_ratio']:.2f}x"
                 + (f", p1 {row[n + '_scores_ms']:.4f}" if n + "_scores_ms" in row else "")
                 + (f", base {row[n + '_base_ms']:.4f}, res {row[n + '_res_ms']:.4f}"
-                   if n + "_base_ms" in row else "") + ")"
+                   if n + "_base_ms" in row else "")
+                + (f", p2 {row[n + '_pass2_ms']:.4f} / no adapter "
+                   f"{row[n + '_pass2_noadapter_ms']:.4f} / unified "
+                   f"{row[n + '_unified_partials_ms']:.4f}" if n + "_pass2_ms" in row else "")
+                + ")"
                 for n in names), flush=True)
 
 

@@ -132,7 +132,7 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KVSlots:
     """Where one sequence's KV lives: page ids, in position order.
 
@@ -154,7 +154,7 @@ class ResidualTarget:
     residual_pages: tuple[PageId, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SharedPrefix:
     """Cascade attention: the item's first ``pages`` page ids are the same physical pages as
     those of every other item of ``group`` in this step (groups numbered from 0 per step),
@@ -177,7 +177,7 @@ class PromptLogprobs:
     log: SampleLog
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SeqWork:
     """Write KV for ``tokens`` at positions ``start_pos..``; sample one token if asked."""
 
@@ -233,7 +233,7 @@ def form_conflict(seq_id: int, form: KVForm, adapter_id: AdapterId | None,
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepCost:
     """What a step cost. ``ms`` is modeled (MockBackend) or measured (real backends)."""
 
@@ -250,7 +250,7 @@ class StepCost:
                         self.prefill_ms + other.prefill_ms)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """One sampled token per ``SeqWork`` (None where ``sampling`` was None)."""
 

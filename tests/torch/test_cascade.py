@@ -5,6 +5,7 @@ ones exercised; the oracle is EagerAttention, which reads every item's whole tab
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -134,7 +135,7 @@ def test_a_false_sharing_claim_is_rejected_before_any_write(models):
     backend = TorchBackend(make_config(), models["llama"], device=DEVICE, dtype=DTYPE,
                            use_cuda_graphs=False)
     items = [work(a, [5], 4 * PAGE, decode=True) for a in (0, 1)]  # own pages: nothing shared
-    items = [w.__class__(**{**w.__dict__, "shared_prefix": SharedPrefix(0, 4)}) for w in items]
+    items = [dataclasses.replace(w, shared_prefix=SharedPrefix(0, 4)) for w in items]
     with pytest.raises(InvalidWorkError):
         backend.forward(items)
 
