@@ -1323,6 +1323,8 @@ VARIANTS: dict[str, dict] = {
     # three-pass: the same pass 1, the partial kernel without acc_r writing float16 scores
     # back, the value pass over V_res (its tile: "bn", warps: "w").
     "two_pass_default": dict(variant="two_pass", block_n=64),
+    # The same on unified decode's dynamic split plan (one split: no merge).
+    "two_pass_dyn": dict(variant="two_pass", block_n=64, plan="dynamic"),
     "three_pass_bn64": dict(variant="three_pass", block_n=64),
     "three_pass_bn32": dict(variant="three_pass", block_n=32),
     "three_pass_bn64_w8": dict(variant="three_pass", block_n=64, num_warps=8),
@@ -1711,7 +1713,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
-                    if kw["variant"] == "two_pass":
+                    if kw["variant"] == "two_pass" and kw.get("plan", "static") == "static":
                         time_pass2(s, res, row, f"{tag} {name}", name, kw,
                                    (q, bt, rbt, lens, ad, table, ctx), tuning)
                 elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone

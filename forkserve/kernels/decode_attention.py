@@ -45,11 +45,8 @@ from forkserve.kernels.rope_triton import rope_rows
 from forkserve.kernels.split_kv import (
     LOG2E,
     NO_LIMIT,
-    dynamic_splits,
-    empty_partials,
+    dynamic_split_decode,
     key_bound,
-    merge_partials,
-    sm_count,
     split_decode,
     store_live_partial,
     store_partial,
@@ -302,7 +299,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``dyn_split`` (unified, the dynamic plan): the same per-sequence split of
     ``[kv_start, min(seq_len, kv_limit))`` without tiles or ``kv_starts``; ``split_len`` is
     ignored and an empty split writes only its lse (-inf), which the merge skips.
-    ``direct`` (unified, one split): ``part_out`` is the output ``[batch, H, D]`` itself,
+    ``direct`` (one split, no tiles): ``part_out`` is the output ``[batch, H, D]`` itself,
     written normalised in its dtype; ``part_lse`` is not read or written (may be None).
     ``block_max`` (split-form cascade prefix with a float16 ``res_bias``): ``[batch, H, >=
     key blocks]`` float32; the write-back stores each score relative to its ``block_n``-key
@@ -361,7 +358,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     programs = tiles[0].shape[0] if tiles is not None else -(-batch // seqs_per_program)
     tile_seqs, tile_lens = tiles if tiles is not None else (None, None)
     if direct:
-        assert residual is None and tiles is None and num_splits == 1 and split_offset == 0
+        assert tiles is None and num_splits == 1 and split_offset == 0
         assert part_out.shape == q.shape and part_out.stride(-1) == 1
         out_strides = (part_out.stride(0), part_out.stride(1), 0)
         part_lse, lse_strides = part_out, (0, 0)
@@ -426,14 +423,10 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                             block_n, fill)
     bound = block_tables.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
     tuning = {} if programs_per_sm is None else {"programs_per_sm": programs_per_sm}
-    splits = dynamic_splits(n_programs, bound, sm_count(q.device), block_n, num_splits,
-                            **tuning)
-    out = torch.empty_like(q)
-    if splits == 1:
-        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, out, None, num_splits=1,
-                        split_len=0, dyn_split=True, direct=True, **common)
-        return out
-    part_out, part_lse = empty_partials(q, splits)
-    decode_partials(q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-                    num_splits=splits, split_len=0, dyn_split=True, **common)
-    return merge_partials(part_out, part_lse, out, splits)
+
+    def fill(out: torch.Tensor, part_lse: torch.Tensor | None, splits: int) -> None:
+        decode_partials(q, k_cache, v_cache, block_tables, seq_lens, out, part_lse,
+                        num_splits=splits, split_len=0, dyn_split=True,
+                        direct=part_lse is None, **common)
+
+    return dynamic_split_decode(q, n_programs, bound, num_splits, block_n, fill, **tuning)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.decode_attention import decode_partials
+from forkserve.kernels.decode_attention import PLANS, decode_partials
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
 from forkserve.kernels.residual_score_qfold import qfold_scores
@@ -40,6 +40,7 @@ from forkserve.kernels.rope_triton import rope_rows
 from forkserve.kernels.split_kv import (
     LOG2E,
     NO_LIMIT,
+    dynamic_split_decode,
     dynamic_splits,
     empty_partials,
     key_bound,
@@ -502,12 +503,18 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            max_seq_len: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            split_score: bool = False, variant: str = "two_pass",
-                           score_tuning: dict | None = None, chunk: int = 256) -> torch.Tensor:
+                           score_tuning: dict | None = None, chunk: int = 256,
+                           plan: str = "static") -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
-    fused variant's score form; ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``)."""
+    fused variant's score form; ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``).
+    ``plan`` (two-pass): the partial kernel's split plan, ``"static"`` (``plan_splits`` over
+    ``[0, max_seq_len)``) or ``"dynamic"`` (unified decode's: each sequence's own keys cut on
+    the device, one split writing the output with no merge; ``paged_decode_triton``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
+    if plan not in PLANS or (plan == "dynamic" and variant != "two_pass"):
+        raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     max_seq_len = key_bound(seq_lens, max_seq_len)
@@ -535,6 +542,17 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
             q, k_base, block_tables, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
             rope_tab, scale, max_seq_len,
             **(MSC2S_TUNING if score_tuning is None else score_tuning))
+
+    if plan == "dynamic":
+        def fill_dynamic(out: torch.Tensor, part_lse: torch.Tensor | None, splits: int) -> None:
+            decode_partials(q, k_base, v_base, block_tables, seq_lens, out, part_lse, scale=scale,
+                            kv_start=0, kv_limit=NO_LIMIT, num_splits=splits, split_len=0,
+                            split_offset=0, residual=residual, block_n=block_n,
+                            num_warps=num_warps, num_stages=num_stages, res_bias=res_bias,
+                            dyn_split=True, direct=part_lse is None)
+
+        return dynamic_split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n,
+                                    fill_dynamic)
 
     def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
         tuning = dict(scale=scale, num_splits=splits, split_len=split_len, block_n=block_n,

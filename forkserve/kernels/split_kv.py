@@ -185,3 +185,24 @@ def split_decode(q: torch.Tensor, n_programs: int, max_seq_len: int, num_splits:
     part_out, part_lse = empty_partials(q, splits)
     fill(part_out, part_lse, splits, split_len)
     return merge_partials(part_out, part_lse, torch.empty_like(q), splits)
+
+
+# fill(out_or_partials, part_lse or None, num_splits): one split (``part_lse`` None) writes
+# the normalised output itself.
+DynamicFill = Callable[[torch.Tensor, torch.Tensor | None, int], None]
+
+
+def dynamic_split_decode(q: torch.Tensor, n_programs: int, bound: int, num_splits: int | None,
+                         block_n: int, fill: DynamicFill, **tuning) -> torch.Tensor:
+    """One decode call on the dynamic plan (``dynamic_splits``; ``tuning`` its keywords):
+    ``fill`` writes every split partial of each sequence's own keys (``DYN_SPLIT``), merged
+    into a tensor like ``q``; at one split it writes that tensor directly (no merge)."""
+    splits = dynamic_splits(n_programs, bound, sm_count(q.device), block_n, num_splits, **tuning)
+    out = torch.empty_like(q)
+    if splits == 1:
+        fill(out, None, 1)
+        return out
+    part_out, part_lse = empty_partials(q, splits)
+    fill(part_out, part_lse, splits)
+    return merge_partials(part_out, part_lse, out, splits)
+

@@ -60,6 +60,8 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # several base chunks per sequence (8 waves) and residual chunks of 48 keys (mid-tile).
 # Three-pass (two-pass whose partial kernel writes the scores back and leaves V_res to the
 # value pass) at the default split count and at 2, so a value program meets split bounds.
+# Two-pass on the dynamic split plan: 2 splits, the plan's own count, and one split (the
+# output written directly, no merge).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -69,6 +71,9 @@ VARIANTS = [
     ("two_pass", {"score_tuning": QFOLD_ANGLE}),
     ("two_pass", {"score_tuning": dict(QFOLD_ANGLE, chunk=48)}),
     ("two_pass", {"score_tuning": QFOLD_TABLE}),
+    ("two_pass", {"plan": "dynamic"}),
+    ("two_pass", {"plan": "dynamic", "num_splits": None}),
+    ("two_pass", {"plan": "dynamic", "num_splits": 1}),
     ("three_pass", {}),
     ("three_pass", {"num_splits": None, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("chunked", {"chunk": 32}),
@@ -167,6 +172,36 @@ def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                         c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
                         score_tuning=score_tuning)
+
+
+def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the dynamic plan one split writes the output itself, B_v applied, with no merge."""
+    from forkserve.kernels import split_kv
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("one split must not launch the merge")
+
+    monkeypatch.setattr(split_kv, "merge_partials", no_merge)
+    seq_lens, n_heads, n_kv = [70, 9, 33, 16], 4, 2
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(9, seq_lens, n_heads, n_kv)
+    q = _q(gen, len(seq_lens), n_heads, 32)
+    residual = (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq)
+    out = residual_decode(q, c.k, c.v, *residual[:2], c.block_tables, c.res_block_tables,
+                          c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
+                          plan="dynamic", num_splits=1, block_n=16)
+    assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
+
+
+@pytest.mark.parametrize("variant,plan", [("two_pass", "dyn"), ("msc", "dynamic")])
+def test_residual_plan_refused(variant: str, plan: str) -> None:
+    """An unknown split plan, or the dynamic plan for a variant without it, is a clear
+    error."""
+    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
+    with pytest.raises(ValueError, match="plan"):
+        residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                        c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
+                        variant=variant, plan=plan)
 
 
 def test_score_tuning_follows_the_batch_table() -> None:

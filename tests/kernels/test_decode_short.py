@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_cache, rel_err
 
-from forkserve.kernels import decode_attention, split_kv
+from forkserve.kernels import split_kv
 from forkserve.kernels.decode_attention import decode_partials, paged_decode_triton
 from forkserve.kernels.split_kv import dynamic_splits, merge_partials
 
@@ -73,7 +73,7 @@ def test_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_merge(*args, **kwargs):
         raise AssertionError("one split must not launch the merge")
 
-    monkeypatch.setattr(decode_attention, "merge_partials", no_merge)
+    monkeypatch.setattr(split_kv, "merge_partials", no_merge)
     c, q, ref = _case(5, [70, 9])
     out = paged_decode_triton(q, c.k, c.v, c.block_tables, c.seq_lens, num_splits=1,
                               block_n=16)
