@@ -1325,6 +1325,11 @@ VARIANTS: dict[str, dict] = {
     "two_pass_default": dict(variant="two_pass", block_n=64),
     # The same on unified decode's dynamic split plan (one split: no merge).
     "two_pass_dyn": dict(variant="two_pass", block_n=64, plan="dynamic"),
+    # Pass 2 with deeper software pipelining: with every adapter off it runs at unified's
+    # speed, so its extra time is the bias, residual table and V_res reads (round 13).
+    **{f"two_pass{plan}_s{st}": dict(variant="two_pass", block_n=64, num_stages=st,
+                                     plan="dynamic" if plan else "static")
+       for plan in ("", "_dyn") for st in (3, 4)},
     "three_pass_bn64": dict(variant="three_pass", block_n=64),
     "three_pass_bn32": dict(variant="three_pass", block_n=32),
     "three_pass_bn64_w8": dict(variant="three_pass", block_n=64, num_warps=8),
