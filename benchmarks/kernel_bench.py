@@ -1330,6 +1330,9 @@ VARIANTS: dict[str, dict] = {
     **{f"two_pass{plan}_s{st}": dict(variant="two_pass", block_n=64, num_stages=st,
                                      plan="dynamic" if plan else "static")
        for plan in ("", "_dyn") for st in (3, 4)},
+    # ... or with the bias and residual table entries loaded a tile ahead (``prefetch``).
+    "two_pass_pf": dict(variant="two_pass", block_n=64, prefetch=True),
+    "two_pass_dyn_pf": dict(variant="two_pass", block_n=64, plan="dynamic", prefetch=True),
     "three_pass_bn64": dict(variant="three_pass", block_n=64),
     "three_pass_bn32": dict(variant="three_pass", block_n=32),
     "three_pass_bn64_w8": dict(variant="three_pass", block_n=64, num_warps=8),
@@ -1663,11 +1666,12 @@ def time_pass2(s: Setup, res: dict, row: dict, what: str, name: str, kw: dict, c
                   split_len=split_len, split_offset=0, block_n=block_n,
                   num_warps=kw.get("num_warps", 4), num_stages=kw.get("num_stages", 2))
     off = torch.full_like(ad, -1)
+    prefetch = kw.get("prefetch", False)
     for key, adapters in (("_pass2_ms", ad), ("_pass2_noadapter_ms", off)):
         residual = (s.k_res, s.v_res, rbt, s.b_k, s.b_v, adapters, table)
         row[name + key] = measure(res, what + key, lambda r=residual: decode_partials(
-            q, s.k, s.v, bt, lens, part_out, part_lse, residual=r, res_bias=bias, **common),
-            s.smoke)
+            q, s.k, s.v, bt, lens, part_out, part_lse, residual=r, res_bias=bias,
+            prefetch=prefetch, **common), s.smoke)
     row[name + "_unified_partials_ms"] = measure(
         res, what + " unified partials", lambda: decode_partials(
             q, s.k, s.v, bt, lens, part_out, part_lse, **common), s.smoke)
@@ -1974,6 +1978,13 @@ def register_report(out: Path) -> None:
     # buffer float32, as the cascade allocates it) and msc (logits instead of K; V_res is the
     # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
     # prefix length).
+    # Two-pass pass 2 with the bias and residual table entries loaded a tile ahead.
+    for block_n, warps in ((32, 4), (64, 4)):
+        consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True,
+                      RANK=32, DYN_SPLIT=True, LIVE_ONLY=True, PREFETCH=True)
+        rows.append({"kernel": "decode_pass2_prefetch", "residual": True, "split_score": False,
+                     "block_n": block_n, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, fp16_scores=True)})
     # Three-pass: the partial kernel without acc_r, float16 scores written back relative to
     # their block max (the value pass's rows are cascade_values_row_fp16 below).
     for block_n, warps in ((32, 4), (64, 4), (64, 8)):

@@ -504,17 +504,21 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
-                           plan: str = "static") -> torch.Tensor:
+                           plan: str = "static", prefetch: bool = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
     fused variant's score form; ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``).
     ``plan`` (two-pass): the partial kernel's split plan, ``"static"`` (``plan_splits`` over
     ``[0, max_seq_len)``) or ``"dynamic"`` (unified decode's: each sequence's own keys cut on
-    the device, one split writing the output with no merge; ``paged_decode_triton``)."""
+    the device, one split writing the output with no merge; ``paged_decode_triton``).
+    ``prefetch`` (two-pass): the partial kernel loads each key tile's bias and residual table
+    entries one tile ahead (``decode_partials``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan not in PLANS or (plan == "dynamic" and variant != "two_pass"):
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
+    if prefetch and variant != "two_pass":
+        raise ValueError("prefetch is a two_pass option")
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     max_seq_len = key_bound(seq_lens, max_seq_len)
@@ -549,7 +553,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                             kv_start=0, kv_limit=NO_LIMIT, num_splits=splits, split_len=0,
                             split_offset=0, residual=residual, block_n=block_n,
                             num_warps=num_warps, num_stages=num_stages, res_bias=res_bias,
-                            dyn_split=True, direct=part_lse is None)
+                            dyn_split=True, direct=part_lse is None, prefetch=prefetch)
 
         return dynamic_split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n,
                                     fill_dynamic)
@@ -565,7 +569,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
             decode_partials(q, k_base, v_base, block_tables, seq_lens, part_out, part_lse,
                             kv_start=0, kv_limit=NO_LIMIT, split_offset=0, residual=residual,
                             split_score=split_score, res_bias=res_bias, res_logits=res_logits,
-                            **tuning)
+                            prefetch=prefetch, **tuning)
 
     return split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n, fill)
 

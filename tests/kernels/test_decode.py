@@ -61,7 +61,8 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # Three-pass (two-pass whose partial kernel writes the scores back and leaves V_res to the
 # value pass) at the default split count and at 2, so a value program meets split bounds.
 # Two-pass on the dynamic split plan: 2 splits, the plan's own count, and one split (the
-# output written directly, no merge).
+# output written directly, no merge); with the bias and residual table loaded a tile ahead
+# (several tiles a split, on both plans).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -74,6 +75,8 @@ VARIANTS = [
     ("two_pass", {"plan": "dynamic"}),
     ("two_pass", {"plan": "dynamic", "num_splits": None}),
     ("two_pass", {"plan": "dynamic", "num_splits": 1}),
+    ("two_pass", {"plan": "dynamic", "num_splits": 1, "prefetch": True}),
+    ("two_pass", {"prefetch": True, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("three_pass", {}),
     ("three_pass", {"num_splits": None, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("chunked", {"chunk": 32}),
@@ -113,6 +116,7 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: 
 @pytest.mark.parametrize("variant,tuning", [
     # 64-key tiles: the interpreter's cost is per tile (the chunked form took 26 s at 16).
     ("two_pass", {}), ("chunked", {"block_n": 64}), ("three_pass", {}),
+    ("two_pass", {"plan": "dynamic", "prefetch": True}),
     ("two_pass", {"score_tuning": {"form": "qfold"}}),
     ("two_pass", {"score_tuning": {"form": "qfold", "angle_add": False}}),
 ])

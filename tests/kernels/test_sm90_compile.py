@@ -114,13 +114,19 @@ for rel in (False, True):
         GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
         HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
         DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel,
-        VALUE_PASS=True), 8, types)
+        VALUE_PASS=True, PREFETCH=False), 8, types)
+    # Two-pass decode's pass 2 with its bias and residual table loaded a tile ahead.
+    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
+        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
+        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
+        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=True, DIRECT=False, REL_SCORE=False,
+        VALUE_PASS=False, PREFETCH=True), 4, types)
     # Three-pass decode's partial launch: one sequence's GQA group, no acc_r.
     assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
         GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
         HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
         DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=True, DIRECT=False, REL_SCORE=rel,
-        VALUE_PASS=True), 4, types)
+        VALUE_PASS=True, PREFETCH=False), 4, types)
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
             GROUP=4, KV_HEADS=kv_heads, BLOCK_H=block_h, HEAD_DIM=128, PAGE_SIZE=16,
