@@ -1323,7 +1323,9 @@ VARIANTS: dict[str, dict] = {
     # three-pass: the same pass 1, the partial kernel without acc_r writing float16 scores
     # back, the value pass over V_res (its tile: "bn", warps: "w").
     "two_pass_default": dict(variant="two_pass", block_n=64),
-    # The same on unified decode's dynamic split plan (one split: no merge).
+    # On the static split plan (the default until round 13) and unified decode's dynamic
+    # plan (one split: no merge; the default since).
+    "two_pass_static": dict(variant="two_pass", block_n=64, plan="static"),
     "two_pass_dyn": dict(variant="two_pass", block_n=64, plan="dynamic"),
     # Pass 2 with deeper software pipelining: with every adapter off it runs at unified's
     # speed, so its extra time is the bias, residual table and V_res reads (round 13).
@@ -1331,7 +1333,7 @@ VARIANTS: dict[str, dict] = {
                                      plan="dynamic" if plan else "static")
        for plan in ("", "_dyn") for st in (3, 4)},
     # ... or with the bias and residual table entries loaded a tile ahead (``prefetch``).
-    "two_pass_pf": dict(variant="two_pass", block_n=64, prefetch=True),
+    "two_pass_pf": dict(variant="two_pass", block_n=64, prefetch=True, plan="static"),
     "two_pass_dyn_pf": dict(variant="two_pass", block_n=64, plan="dynamic", prefetch=True),
     "three_pass_bn64": dict(variant="three_pass", block_n=64),
     "three_pass_bn32": dict(variant="three_pass", block_n=32),
@@ -1722,7 +1724,7 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
-                    if kw["variant"] == "two_pass" and kw.get("plan", "static") == "static":
+                    if kw["variant"] == "two_pass" and kw.get("plan") == "static":
                         time_pass2(s, res, row, f"{tag} {name}", name, kw,
                                    (q, bt, rbt, lens, ad, table, ctx), tuning)
                 elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone

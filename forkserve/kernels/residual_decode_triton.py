@@ -504,17 +504,20 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
-                           plan: str = "static", prefetch: bool = False) -> torch.Tensor:
+                           plan: str | None = None, prefetch: bool = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
     fused variant's score form; ``block_n`` defaults per variant (``DEFAULT_BLOCK_N``).
-    ``plan`` (two-pass): the partial kernel's split plan, ``"static"`` (``plan_splits`` over
-    ``[0, max_seq_len)``) or ``"dynamic"`` (unified decode's: each sequence's own keys cut on
-    the device, one split writing the output with no merge; ``paged_decode_triton``).
+    ``plan`` (two-pass): the partial kernel's split plan, ``"dynamic"`` (the default: unified
+    decode's, each sequence's own keys cut on the device, one split writing the output with
+    no merge; ``paged_decode_triton``) or ``"static"`` (``plan_splits`` over
+    ``[0, max_seq_len)``, every other variant's).
     ``prefetch`` (two-pass): the partial kernel loads each key tile's bias and residual table
     entries one tile ahead (``decode_partials``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
+    if plan is None:
+        plan = "dynamic" if variant == "two_pass" else "static"
     if plan not in PLANS or (plan == "dynamic" and variant != "two_pass"):
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     if prefetch and variant != "two_pass":
