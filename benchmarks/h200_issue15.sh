@@ -43,6 +43,7 @@
 # Round 13 (three-pass decode, rows 1-2 and 10a-b at one commit):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 37  # CUDA tests, three-pass, prefill routes
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 38  # rows 1-2 best forms, decode_bench --step-only
+#   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 39  # rows 1-2 on the new defaults, CUDA suite
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -371,6 +372,18 @@ case "$1" in
     --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round13 \
     --out "$OUT" 2>&1 | tail -12
   bash "$0" 36
+  ;;
+39)
+  # Round 13's defaults (two-pass on the dynamic plan with prefetch) at every point of rows
+  # 1-2, beside each half of the change; the split cascade with prefetch (off by default);
+  # then the CUDA suite on them.
+  export TRITON_CACHE_DIR=/root/tc13
+  timeout 240 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_static \
+    two_pass_dyn two_pass_pf --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
+    --tag decode_round13_defaults --out "$OUT" 2>&1 | tail -8
+  timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
+    two_pass_fp16_rowvalues two_pass_fp16_rowvalues_pf --out "$OUT" 2>&1 | tail -8
+  bash "$0" suite
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

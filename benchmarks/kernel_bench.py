@@ -1319,18 +1319,19 @@ VARIANTS: dict[str, dict] = {
     **{f"msc2s_bn64_r{w}": dict(variant="msc2s", block_n=64, score_tuning=dict(
         block_n=64, waves=2.0, residual=dict(block_n=64, angle_add=False, waves=float(w))))
        for w in (2, 4)},
-    # The engine's default (two-pass, pass 1 picked per batch by score_tuning_for) beside
+    # The engine's default (two-pass, pass 1 picked per batch by score_tuning_for; since
+    # round 13 on the dynamic plan with prefetch) beside
     # three-pass: the same pass 1, the partial kernel without acc_r writing float16 scores
     # back, the value pass over V_res (its tile: "bn", warps: "w").
     "two_pass_default": dict(variant="two_pass", block_n=64),
     # On the static split plan (the default until round 13) and unified decode's dynamic
-    # plan (one split: no merge; the default since).
-    "two_pass_static": dict(variant="two_pass", block_n=64, plan="static"),
-    "two_pass_dyn": dict(variant="two_pass", block_n=64, plan="dynamic"),
+    # plan (one split: no merge), both without prefetch.
+    "two_pass_static": dict(variant="two_pass", block_n=64, plan="static", prefetch=False),
+    "two_pass_dyn": dict(variant="two_pass", block_n=64, plan="dynamic", prefetch=False),
     # Pass 2 with deeper software pipelining: with every adapter off it runs at unified's
     # speed, so its extra time is the bias, residual table and V_res reads (round 13).
     **{f"two_pass{plan}_s{st}": dict(variant="two_pass", block_n=64, num_stages=st,
-                                     plan="dynamic" if plan else "static")
+                                     plan="dynamic" if plan else "static", prefetch=False)
        for plan in ("", "_dyn") for st in (3, 4)},
     # ... or with the bias and residual table entries loaded a tile ahead (``prefetch``).
     "two_pass_pf": dict(variant="two_pass", block_n=64, prefetch=True, plan="static"),
@@ -1394,6 +1395,9 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     # The prefix launch at 16-key tiles: with float16 scores it spills at 32 (255 registers,
     # 48 B; --regs), not at 16 (221).
     "two_pass_fp16_rowvalues_pbn16": dict(_ROUND11, prefix_tuning=dict(block_n=16)),
+    # Round 13: the prefix and suffix launches load each tile's scores a tile ahead (two-pass
+    # decode's default since; its pass 2 went 1.4 -> 1.1x unified at batch 64).
+    "two_pass_fp16_rowvalues_pf": dict(_ROUND11, prefetch=True),
     "msc": dict(variant="msc", **_ROUND10),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)

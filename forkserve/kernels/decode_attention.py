@@ -6,7 +6,9 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
 * plain: unified paged K/V (``paged_decode_triton``);
 * ``HAS_RES``: ResidualAttention over the disaggregated cache, with the key tile rebuilt as
   ``K = K_base + RoPE(K_res @ B_k)`` (``"fused"``), or, with ``RES_BIAS``, the residual
-  score precomputed by the score pass (``"two_pass"``); both keep a rank-r accumulator
+  score precomputed by the score pass (``"two_pass"``; ``PREFETCH`` loads each tile's bias
+  and residual table entries one tile ahead, as neither feeds a dot the pipeliner would
+  prefetch); both keep a rank-r accumulator
   ``acc_r`` over ``V_res`` with the same online-softmax rescale as ``acc`` and apply ``B_v``
   once per split (matrix associativity, seed 001 section 7). With ``RES_LOGITS`` the whole
   logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read;
@@ -144,6 +146,10 @@ def _decode_partial_kernel(
             s_rows = row_ok
         else:
             s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
+            if PREFETCH:  # the first tile's scores; the loop loads each next one ahead
+                offs_f = start + tl.arange(0, BLOCK_N)
+                bias_next = tl.load(s_ptr + offs_f[None, :],
+                                    mask=s_rows[:, None] & (offs_f < stop)[None, :], other=0.0)
     elif HAS_RES:
         adapter = tl.load(AdapterIdx + lead)
         has_ad = adapter >= 0
@@ -223,8 +229,10 @@ def _decode_partial_kernel(
                 ok_f = offs_f < stop
                 bias_next = tl.load(s_ptr + offs_f[None, :],
                                     mask=s_rows[:, None] & ok_f[None, :], other=0.0)
-                r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
-                                              ok_f & has_ad, stride_rp, stride_rs, PAGE_SIZE)
+                if not VALUE_PASS:
+                    r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
+                                                  ok_f & has_ad, stride_rp, stride_rs,
+                                                  PAGE_SIZE)
             else:
                 s += tl.load(s_ptr + offs_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
                              other=0.0).to(tl.float32)
@@ -332,8 +340,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     decode; as the cascade's prefix launch, the loop keeps no ``acc_r`` and writes every
     score back (relative to its block's max where ``block_max`` is given) for
     ``residual_values``, which splits each sequence's keys as this launch did.
-    ``prefetch`` (two-pass: residual with ``res_bias``, no logits, tiles or value pass):
-    each key tile's bias and residual table entries are loaded one tile ahead.
+    ``prefetch`` (residual with ``res_bias``, no logits): each key tile's bias (and, where
+    the loop reads ``V_res``, its residual table entries) is loaded one tile ahead.
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -370,8 +378,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         bias_strides = (0, 0)
     if prefetch:
-        assert (residual is not None and res_bias is not None and res_logits is None
-                and tiles is None and not value_pass)
+        assert residual is not None and res_bias is not None and res_logits is None
     if value_pass:
         assert (residual is not None and res_bias is not None and res_logits is None
                 and tiles is None and kv_starts is None and dyn_split and kv_start == 0)

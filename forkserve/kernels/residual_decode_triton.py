@@ -7,7 +7,8 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
 * ``"two_pass"`` (default): ``residual_scores`` writes the residual score of every key and
   head, then decode_attention.py's partial kernel adds it to ``q.K_base`` (``RES_BIAS``)
   and keeps the rank-r ``acc_r`` over ``V_res``, so neither pass holds the rebuild's
-  registers;
+  registers; by default on unified decode's dynamic split plan, with each tile's bias and
+  residual table entries loaded a tile ahead (``plan``, ``prefetch``);
 * ``"three_pass"``: two-pass without ``acc_r`` in the partial kernel, which writes every
   score back (``VALUE_PASS``); ``residual_values`` then adds each split's
   ``(sum_n exp2(s_n - lse) V_res[n]) B_v`` to its partial before the merge, as the
@@ -504,7 +505,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
-                           plan: str | None = None, prefetch: bool = False) -> torch.Tensor:
+                           plan: str | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -513,11 +514,14 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     decode's, each sequence's own keys cut on the device, one split writing the output with
     no merge; ``paged_decode_triton``) or ``"static"`` (``plan_splits`` over
     ``[0, max_seq_len)``, every other variant's).
-    ``prefetch`` (two-pass): the partial kernel loads each key tile's bias and residual table
-    entries one tile ahead (``decode_partials``)."""
+    ``prefetch`` (two-pass; default on): the partial kernel loads each key tile's bias and
+    residual table entries one tile ahead (``decode_partials``; H200: pass 2 1.4 -> 1.1x
+    unified at batch 64, docs/KERNELS.md "Round 13")."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
+    if prefetch is None:
+        prefetch = variant == "two_pass"
     if plan not in PLANS or (plan == "dynamic" and variant != "two_pass"):
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     if prefetch and variant != "two_pass":

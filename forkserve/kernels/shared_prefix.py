@@ -126,7 +126,8 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
                               scale: float | None = None, max_seq_len: int | None = None,
                               variant: str = "two_pass", score_tuning: dict | None = None,
                               score_dtype: torch.dtype | None = None,
-                              value_grid: str = DEFAULT_VALUE_GRID, **tuning) -> CascadeLaunches:
+                              value_grid: str = DEFAULT_VALUE_GRID, prefetch: bool = False,
+                              **tuning) -> CascadeLaunches:
     """The split form (disaggregated cache, ResidualAttention) as its launches, nothing
     launched yet (``cascade_residual_decode_triton`` runs them): a tile's rows share the base
     pages of the prefix but each has its own adapter's residual.
@@ -149,7 +150,9 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
     whole call 0.376 -> 0.327 ms, error 1.6e-3, below bf16's rounding of the output);
     float32 for msc. ``value_grid``: the value pass's (``residual_values(grid=...)``),
     ``DEFAULT_VALUE_GRID`` ("row": V_res read once per row, 0.182 -> 0.053 ms there) or
-    ``"kv_head"``."""
+    ``"kv_head"``. ``prefetch`` (two_pass, tiled_scores): the prefix and suffix launches load
+    each key tile's scores (and the suffix its residual table entries) one tile ahead, as
+    two-pass decode does by default since round 13; off until measured here."""
     if score_dtype is None:
         score_dtype = torch.float32 if variant == "msc" else score_dtype_for(q)
     if variant not in CASCADE_RESIDUAL_VARIANTS:
@@ -160,10 +163,12 @@ def cascade_residual_launches(q: torch.Tensor, k_base: torch.Tensor, v_base: tor
         raise ValueError(f"score_dtype must be torch.float32 or torch.float16 (two_pass, "
                          f"tiled_scores; msc: score_tuning's dtype), got {score_dtype} "
                          f"for {variant!r}")
+    if prefetch and variant == "msc":
+        raise ValueError("prefetch reads score-pass biases; msc has whole logits")
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return _launches(q, k_base, v_base, block_tables, seq_lens, tile_seqs, tile_lens, kv_starts,
                      scale, max_seq_len, residual, variant=variant, score_tuning=score_tuning,
-                     score_dtype=score_dtype, value_grid=value_grid, **tuning)
+                     score_dtype=score_dtype, value_grid=value_grid, prefetch=prefetch, **tuning)
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
               num_warps: int = 4, num_stages: int = 2, prefix_tuning: dict | None = None,
               variant: str = "two_pass", score_tuning: dict | None = None,
               score_dtype: torch.dtype = torch.float32,
-              value_grid: str = DEFAULT_VALUE_GRID) -> CascadeLaunches:
+              value_grid: str = DEFAULT_VALUE_GRID, prefetch: bool = False) -> CascadeLaunches:
     batch, n_heads, head_dim = q.shape
     n_kv = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -238,7 +243,7 @@ def _launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: t
         launches.append(("pass1", scores.launch))
         bias, logits, block_max = scores.bias, scores.logits, scores.block_max
     common = dict(scale=scale, split_len=0, kv_start=0, kv_limit=NO_LIMIT, residual=residual,
-                  res_bias=bias, res_logits=logits)
+                  res_bias=bias, res_logits=logits, prefetch=prefetch)
 
     def prefix() -> None:
         part_lse[:, :, :pre_splits].fill_(float("-inf"))  # rows of no tile have no prefix partial

@@ -60,9 +60,9 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # several base chunks per sequence (8 waves) and residual chunks of 48 keys (mid-tile).
 # Three-pass (two-pass whose partial kernel writes the scores back and leaves V_res to the
 # value pass) at the default split count and at 2, so a value program meets split bounds.
-# Two-pass on the dynamic split plan: 2 splits, the plan's own count, and one split (the
-# output written directly, no merge); with the bias and residual table loaded a tile ahead
-# (several tiles a split, on both plans).
+# Two-pass on the static plan and on the dynamic one without prefetch (the defaults since
+# round 13 are the dynamic plan with the bias and residual table loaded a tile ahead): 2
+# splits, the plan's own count, and one split (the output written directly, no merge).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -72,11 +72,12 @@ VARIANTS = [
     ("two_pass", {"score_tuning": QFOLD_ANGLE}),
     ("two_pass", {"score_tuning": dict(QFOLD_ANGLE, chunk=48)}),
     ("two_pass", {"score_tuning": QFOLD_TABLE}),
-    ("two_pass", {"plan": "dynamic"}),
+    ("two_pass", {"plan": "static", "prefetch": False}),
+    ("two_pass", {"plan": "dynamic", "prefetch": False}),
     ("two_pass", {"plan": "dynamic", "num_splits": None}),
     ("two_pass", {"plan": "dynamic", "num_splits": 1}),
-    ("two_pass", {"plan": "dynamic", "num_splits": 1, "prefetch": True}),
-    ("two_pass", {"prefetch": True, "score_tuning": {"block_n": 16, "chunk": 48}}),
+    ("two_pass", {"plan": "dynamic", "num_splits": 1, "prefetch": False}),
+    ("two_pass", {"plan": "static", "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("three_pass", {}),
     ("three_pass", {"num_splits": None, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("chunked", {"chunk": 32}),

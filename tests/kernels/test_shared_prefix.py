@@ -275,3 +275,21 @@ def test_row_value_grid_cascade_equals_default(score_dtype: torch.dtype) -> None
     assert rel_err(row.run(), kv_head.run()) < tol
     with pytest.raises(ValueError, match="grid"):
         run("heads")
+
+
+@pytest.mark.parametrize("variant,score_dtype", [("two_pass", torch.float32),
+                                                 ("two_pass", torch.float16),
+                                                 ("tiled_scores", torch.float16)])
+def test_prefetch_cascade_equals_default(variant: str, score_dtype: torch.dtype) -> None:
+    """The split cascade (``_split_groups``: several tiles, a group of one, a prefix ending
+    mid-page) with each tile's scores loaded a tile ahead in the prefix and suffix launches
+    computes what the default does; msc (whole logits, no bias) refuses it."""
+    from forkserve.kernels.shared_prefix import cascade_residual_launches
+    args = _split_groups()
+    tuning = {k: v for k, v in TUNING.items() if k != "use_triton"}
+    run = lambda prefetch, v=variant: cascade_residual_launches(  # noqa: E731
+        *args, variant=v, score_dtype=score_dtype, prefetch=prefetch, **tuning).run()
+    assert torch.equal(run(True), run(False))
+    with pytest.raises(ValueError, match="prefetch"):
+        cascade_residual_launches(*args, variant="msc", score_dtype=torch.float32,
+                                  prefetch=True, **tuning)
