@@ -375,12 +375,13 @@ case "$1" in
   ;;
 39)
   # Round 13's defaults (two-pass on the dynamic plan with prefetch) at every point of rows
-  # 1-2, beside each half of the change; the split cascade with prefetch (off by default);
-  # then the CUDA suite on them.
+  # 1-2, beside each half of the change and with pass 1 beside pass 2 over row slices
+  # (overlap_slices, off by default); the split cascade with prefetch (off by default); then
+  # the CUDA suite on them.
   export TRITON_CACHE_DIR=/root/tc13
   timeout 240 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_static \
-    two_pass_dyn two_pass_pf --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
-    --tag decode_round13_defaults --out "$OUT" 2>&1 | tail -8
+    two_pass_dyn two_pass_pf two_pass_ov2 two_pass_ov4 --skip shared --contexts 4096 8192 \
+    32768 --batches 1 8 32 64 --tag decode_round13_defaults --out "$OUT" 2>&1 | tail -8
   timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues two_pass_fp16_rowvalues_pf --out "$OUT" 2>&1 | tail -8
   bash "$0" suite

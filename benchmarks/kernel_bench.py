@@ -1336,6 +1336,8 @@ VARIANTS: dict[str, dict] = {
     # ... or with the bias and residual table entries loaded a tile ahead (``prefetch``).
     "two_pass_pf": dict(variant="two_pass", block_n=64, prefetch=True, plan="static"),
     "two_pass_dyn_pf": dict(variant="two_pass", block_n=64, plan="dynamic", prefetch=True),
+    # The default with pass 1 of row slice i + 1 on a side stream beside pass 2 of slice i.
+    **{f"two_pass_ov{n}": dict(variant="two_pass", block_n=64, overlap_slices=n) for n in (2, 4)},
     "three_pass_bn64": dict(variant="three_pass", block_n=64),
     "three_pass_bn32": dict(variant="three_pass", block_n=32),
     "three_pass_bn64_w8": dict(variant="three_pass", block_n=64, num_warps=8),

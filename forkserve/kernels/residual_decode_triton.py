@@ -51,6 +51,7 @@ from forkserve.kernels.split_kv import (
     store_partial,
     waves_of,
 )
+from forkserve.kernels.streams import row_pipeline
 
 RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
@@ -505,7 +506,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
-                           plan: str | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                           plan: str | None = None, prefetch: bool | None = None,
+                           overlap_slices: int | None = None) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -516,7 +518,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     ``[0, max_seq_len)``, every other variant's).
     ``prefetch`` (two-pass; default on): the partial kernel loads each key tile's bias and
     residual table entries one tile ahead (``decode_partials``; H200: pass 2 1.4 -> 1.1x
-    unified at batch 64, docs/KERNELS.md "Round 13")."""
+    unified at batch 64, docs/KERNELS.md "Round 13").
+    ``overlap_slices`` (two-pass, dynamic plan; off by default until measured): the rows in
+    that many slices, pass 1 of slice i + 1 on a side stream beside pass 2 of slice i
+    (``streams.row_pipeline``), so the tensor-core score pass and the memory-bound partial
+    kernel can share the SMs."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
@@ -526,6 +532,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     if prefetch and variant != "two_pass":
         raise ValueError("prefetch is a two_pass option")
+    if overlap_slices is not None and (plan != "dynamic" or overlap_slices < 1):
+        raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
+                         f"two_pass on the dynamic plan")
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
     max_seq_len = key_bound(seq_lens, max_seq_len)
@@ -539,11 +548,16 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            num_warps=num_warps, num_stages=num_stages,
                            score_tuning=(score_tuning_for(q.shape[0]) if score_tuning is None
                                          else score_tuning))
+    batch = q.shape[0]
     if variant == "two_pass":
-        res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx,
-                                   rope_tab, n_kv, max_seq_len,
-                                   **(score_tuning_for(q.shape[0]) if score_tuning is None
-                                      else score_tuning))
+        tuning = score_tuning_for(batch) if score_tuning is None else score_tuning
+        if overlap_slices is None:
+            res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all,
+                                       adapter_idx, rope_tab, n_kv, max_seq_len, **tuning)
+        else:  # filled slice by slice on the side stream; allocated here, before the fork
+            res_bias = torch.empty(batch, q.shape[1], max(max_seq_len, 1),
+                                   dtype=tuning.get("dtype") or score_dtype_for(q),
+                                   device=q.device)
     elif variant == "msc":
         res_logits = residual_logits(q, k_base, block_tables, k_res, res_block_tables, seq_lens,
                                      b_k_all, adapter_idx, rope_tab, scale, max_seq_len,
@@ -555,15 +569,33 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
             **(MSC2S_TUNING if score_tuning is None else score_tuning))
 
     if plan == "dynamic":
-        def fill_dynamic(out: torch.Tensor, part_lse: torch.Tensor | None, splits: int) -> None:
-            decode_partials(q, k_base, v_base, block_tables, seq_lens, out, part_lse, scale=scale,
-                            kv_start=0, kv_limit=NO_LIMIT, num_splits=splits, split_len=0,
-                            split_offset=0, residual=residual, block_n=block_n,
-                            num_warps=num_warps, num_stages=num_stages, res_bias=res_bias,
-                            dyn_split=True, direct=part_lse is None, prefetch=prefetch)
+        out = torch.empty_like(q)
 
-        return dynamic_split_decode(q, q.shape[0] * n_kv, max_seq_len, num_splits, block_n,
-                                    fill_dynamic)
+        def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
+            residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,
+                            adapter_idx[lo:hi], rope_tab, n_kv, max_seq_len, out=res_bias[lo:hi],
+                            **tuning)
+
+        def attend(lo: int, hi: int) -> None:  # pass 2 of rows [lo, hi), into out
+            rows = (k_res, v_res, res_block_tables[lo:hi], b_k_all, b_v_all, adapter_idx[lo:hi],
+                    rope_tab)
+
+            def fill(part: torch.Tensor, part_lse: torch.Tensor | None, splits: int) -> None:
+                decode_partials(q[lo:hi], k_base, v_base, block_tables[lo:hi], seq_lens[lo:hi],
+                                part, part_lse, scale=scale, kv_start=0, kv_limit=NO_LIMIT,
+                                num_splits=splits, split_len=0, split_offset=0, residual=rows,
+                                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                res_bias=res_bias[lo:hi], dyn_split=True,
+                                direct=part_lse is None, prefetch=prefetch)
+
+            dynamic_split_decode(q[lo:hi], (hi - lo) * n_kv, max_seq_len, num_splits, block_n,
+                                 fill, out=out[lo:hi])
+
+        if overlap_slices is None:
+            attend(0, batch)
+        else:
+            row_pipeline(batch, overlap_slices, scores, attend, q.device)
+        return out
 
     def fill(part_out: torch.Tensor, part_lse: torch.Tensor, splits: int, split_len: int) -> None:
         tuning = dict(scale=scale, num_splits=splits, split_len=split_len, block_n=block_n,

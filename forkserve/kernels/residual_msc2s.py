@@ -29,8 +29,6 @@ on it after pass 2 (which runs after the join), so the caching allocator needs n
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +36,7 @@ import triton.language as tl
 from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import base_key_tile, group_base_scores, group_queries_t
 from forkserve.kernels.split_kv import LOG2E, sm_count
+from forkserve.kernels.streams import side_by_side
 
 # Base kernel: 64-key tiles, 4 warps (34 registers, 37 KiB of shared memory on sm_90a),
 # at most about two programs per SM. Residual scorer: the q-folded form with table rows at
@@ -133,28 +132,6 @@ def residual_bias(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.
                                                   tuning.get("block_n", 64))
         qfold_scores(q[s:e], k_res, res_block_tables[s:e], seq_lens[s:e], b_k_all,
                      adapter_idx[s:e], rope_table, n_kv, bias[s:e], **{**tuning, "chunk": chunk})
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_by_side(main_work: Callable[[], None], side_work: Callable[[], None],
-                 device: torch.device) -> None:
-    """Run ``side_work`` on a side stream beside ``main_work`` on the current one; return
-    with the current stream after both (graph-capturable fork/join). Sequential off CUDA."""
-    if device.type != "cuda":
-        main_work()
-        side_work()
-        return
-    main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device.index)
-    if side is None:
-        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        side_work()
-    main_work()
-    main.wait_stream(side)
 
 
 def split_logits(q: torch.Tensor, k_base: torch.Tensor, block_tables: torch.Tensor,

@@ -193,12 +193,14 @@ DynamicFill = Callable[[torch.Tensor, torch.Tensor | None, int], None]
 
 
 def dynamic_split_decode(q: torch.Tensor, n_programs: int, bound: int, num_splits: int | None,
-                         block_n: int, fill: DynamicFill, **tuning) -> torch.Tensor:
+                         block_n: int, fill: DynamicFill, out: torch.Tensor | None = None,
+                         **tuning) -> torch.Tensor:
     """One decode call on the dynamic plan (``dynamic_splits``; ``tuning`` its keywords):
     ``fill`` writes every split partial of each sequence's own keys (``DYN_SPLIT``), merged
-    into a tensor like ``q``; at one split it writes that tensor directly (no merge)."""
+    into ``out`` (default a new tensor like ``q``); at one split it writes ``out`` directly
+    (no merge)."""
     splits = dynamic_splits(n_programs, bound, sm_count(q.device), block_n, num_splits, **tuning)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if splits == 1:
         fill(out, None, 1)
         return out

@@ -62,7 +62,8 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # value pass) at the default split count and at 2, so a value program meets split bounds.
 # Two-pass on the static plan and on the dynamic one without prefetch (the defaults since
 # round 13 are the dynamic plan with the bias and residual table loaded a tile ahead): 2
-# splits, the plan's own count, and one split (the output written directly, no merge).
+# splits, the plan's own count, and one split (the output written directly, no merge); the
+# rows in 2 and 3 slices, pass 1 of each before its pass 2 (a side stream on CUDA).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -78,6 +79,8 @@ VARIANTS = [
     ("two_pass", {"plan": "dynamic", "num_splits": 1}),
     ("two_pass", {"plan": "dynamic", "num_splits": 1, "prefetch": False}),
     ("two_pass", {"plan": "static", "score_tuning": {"block_n": 16, "chunk": 48}}),
+    ("two_pass", {"overlap_slices": 2}),
+    ("two_pass", {"overlap_slices": 3, "num_splits": None}),
     ("three_pass", {}),
     ("three_pass", {"num_splits": None, "score_tuning": {"block_n": 16, "chunk": 48}}),
     ("chunked", {"chunk": 32}),
@@ -197,16 +200,21 @@ def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPa
     assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
 
 
-@pytest.mark.parametrize("variant,plan", [("two_pass", "dyn"), ("msc", "dynamic")])
-def test_residual_plan_refused(variant: str, plan: str) -> None:
-    """An unknown split plan, or the dynamic plan for a variant without it, is a clear
-    error."""
+@pytest.mark.parametrize("variant,options,wrong", [
+    ("two_pass", {"plan": "dyn"}, "plan"), ("msc", {"plan": "dynamic"}, "plan"),
+    ("msc", {"prefetch": True}, "prefetch"),
+    ("two_pass", {"plan": "static", "overlap_slices": 2}, "overlap_slices"),
+    ("two_pass", {"overlap_slices": 0}, "overlap_slices"),
+])
+def test_residual_plan_refused(variant: str, options: dict, wrong: str) -> None:
+    """An unknown split plan, or the dynamic plan, prefetch or row slices for a variant or
+    plan without them, is a clear error."""
     _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="plan"):
+    with pytest.raises(ValueError, match=wrong):
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                         c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
-                        variant=variant, plan=plan)
+                        variant=variant, **options)
 
 
 def test_score_tuning_follows_the_batch_table() -> None:
