@@ -110,11 +110,18 @@ from forkserve.kernels.residual_decode_triton import _residual_value_kernel
 f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
 for rel in (False, True):
     types = f32 | {n: "*fp16" if rel else "*fp32" for n in ("Bias", "Scores")}
+    for prefetch in (False, True):  # the prefix launch loading each tile's scores ahead
+        assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
+            GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
+            HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
+            DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel,
+            VALUE_PASS=True, PREFETCH=prefetch), 8, types)
+    # The cascade's suffix launch (each row from its prefix length) with prefetch.
     assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
-        GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
-        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
-        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel,
-        VALUE_PASS=True, PREFETCH=False), 8, types)
+        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
+        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=True,
+        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=False,
+        VALUE_PASS=False, PREFETCH=True), 4, types)
     # Two-pass decode's pass 2 with its bias and residual table loaded a tile ahead.
     assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
         GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
