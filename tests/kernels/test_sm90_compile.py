@@ -100,40 +100,32 @@ def test_tiled_scores_compile():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-# The split cascade's prefix launch (a 32-agent tile, two-pass scores), three-pass decode's
-# partial launch and the value pass (both grids), with float32 scores and with float16 ones
-# relative to a float32 block max (``REL_SCORE``).
+# The split cascade's prefix launch (a 32-agent tile, two-pass scores; with and without
+# prefetch) and suffix launch, two-pass's pass 2 with prefetch, three-pass decode's partial
+# launch and the value pass (both grids), with float32 scores and with float16 ones relative
+# to a float32 block max (``REL_SCORE``).
 _CASCADE_LAUNCHES = """
 from test_sm90_compile import compile_sm90
 from forkserve.kernels.decode_attention import _decode_partial_kernel
 from forkserve.kernels.residual_decode_triton import _residual_value_kernel
 f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
+# One sequence's GQA group over two-pass scores, every mode off: each launch names its own.
+base = dict(GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
+            HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
+            DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=False,
+            VALUE_PASS=False, PREFETCH=False)
 for rel in (False, True):
     types = f32 | {n: "*fp16" if rel else "*fp32" for n in ("Bias", "Scores")}
+
+    def partial(warps, **modes):
+        assert ".entry" in compile_sm90(_decode_partial_kernel, base | modes, warps, types)
+
     for prefetch in (False, True):  # the prefix launch loading each tile's scores ahead
-        assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
-            GROUP=4, SEQS=32, BLOCK_H=128, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=32, RANK=32,
-            HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=True, SEQ_START=False,
-            DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=rel,
-            VALUE_PASS=True, PREFETCH=prefetch), 8, types)
-    # The cascade's suffix launch (each row from its prefix length) with prefetch.
-    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
-        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
-        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=True,
-        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=False, DIRECT=False, REL_SCORE=False,
-        VALUE_PASS=False, PREFETCH=True), 4, types)
-    # Two-pass decode's pass 2 with its bias and residual table loaded a tile ahead.
-    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
-        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
-        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
-        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=True, DIRECT=False, REL_SCORE=False,
-        VALUE_PASS=False, PREFETCH=True), 4, types)
-    # Three-pass decode's partial launch: one sequence's GQA group, no acc_r.
-    assert ".entry" in compile_sm90(_decode_partial_kernel, dict(
-        GROUP=4, SEQS=1, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=32,
-        HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, TILED=False, SEQ_START=False,
-        DYN_SPLIT=True, RES_LOGITS=False, LIVE_ONLY=True, DIRECT=False, REL_SCORE=rel,
-        VALUE_PASS=True, PREFETCH=False), 4, types)
+        partial(8, SEQS=32, BLOCK_H=128, BLOCK_N=32, TILED=True, REL_SCORE=rel,
+                VALUE_PASS=True, PREFETCH=prefetch)
+    partial(4, SEQ_START=True, PREFETCH=True)  # the cascade's suffix launch
+    partial(4, LIVE_ONLY=True, PREFETCH=True)  # two-pass decode's pass 2
+    partial(4, LIVE_ONLY=True, REL_SCORE=rel, VALUE_PASS=True)  # three-pass, no acc_r
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
             GROUP=4, KV_HEADS=kv_heads, BLOCK_H=block_h, HEAD_DIM=128, PAGE_SIZE=16,
@@ -142,7 +134,8 @@ for rel in (False, True):
 
 
 def test_cascade_prefix_and_value_launches_compile():
-    """The split cascade's prefix launch and value pass (both grids), float32 scores and
-    float16 ones (``score_dtype``), compiled in a fresh process (they call device functions)."""
+    """The partial kernel's two-pass, three-pass and split-cascade launches and the value
+    pass (both grids), float32 scores and float16 ones (``score_dtype``), compiled in a fresh
+    process (they call device functions)."""
     run = _fresh_process(_CASCADE_LAUNCHES)
     assert run.returncode == 0, run.stderr[-3000:]
