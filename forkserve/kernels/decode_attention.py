@@ -146,10 +146,6 @@ def _decode_partial_kernel(
             s_rows = row_ok
         else:
             s_rows = row_ok & (tl.load(AdapterIdx + row_seq, mask=row_ok, other=-1) >= 0)
-            if PREFETCH:  # the first tile's scores; the loop loads each next one ahead
-                offs_f = start + tl.arange(0, BLOCK_N)
-                bias_next = tl.load(s_ptr + offs_f[None, :],
-                                    mask=s_rows[:, None] & (offs_f < stop)[None, :], other=0.0)
     elif HAS_RES:
         adapter = tl.load(AdapterIdx + lead)
         has_ad = adapter >= 0
@@ -173,15 +169,16 @@ def _decode_partial_kernel(
                     b_rows = s_rows
                 s_rows = row_ok  # every row's logits, adapter or not
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
-        if PREFETCH:
-            # Two-pass: the bias and the residual table entries of the first tile; the loop
-            # loads each next tile's while it computes this one (neither feeds a dot the
-            # pipeliner would prefetch: with every adapter off this kernel runs at unified's
-            # speed, with them on ~1.35x, round 13).
-            offs_f = start + tl.arange(0, BLOCK_N)
-            ok_f = offs_f < stop
-            bias_next = tl.load(s_ptr + offs_f[None, :], mask=s_rows[:, None] & ok_f[None, :],
-                                other=0.0)
+    if PREFETCH:
+        # The first tile's bias (and, where this loop reads V_res, its residual table
+        # entries); the loop loads each next tile's while it computes this one. Neither feeds
+        # a dot the pipeliner would prefetch: with every adapter off two-pass's loop ran at
+        # unified's speed, with them on ~1.35x (round 13).
+        offs_f = start + tl.arange(0, BLOCK_N)
+        ok_f = offs_f < stop
+        bias_next = tl.load(s_ptr + offs_f[None, :], mask=s_rows[:, None] & ok_f[None, :],
+                            other=0.0)
+        if not VALUE_PASS:
             r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
                                           ok_f & has_ad, stride_rp, stride_rs, PAGE_SIZE)
 

@@ -81,6 +81,25 @@ def score_dtype_for(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float32 else torch.float16
 
 
+def score_buffer(q: torch.Tensor, max_seq_len: int,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An unwritten residual score buffer ``[batch, H, max(max_seq_len, 1)]`` for queries
+    ``q`` (``dtype``: default ``score_dtype_for(q)``)."""
+    return torch.empty(q.shape[0], q.shape[1], max(max_seq_len, 1),
+                       dtype=score_dtype_for(q) if dtype is None else dtype, device=q.device)
+
+
+def block_maxima(scores: torch.Tensor, block_n: int) -> torch.Tensor | None:
+    """Where a write-back of ``scores`` keeps each float16 score relative to its
+    ``block_n``-key block's row max, those maxima: an unwritten float32 ``[batch, H, key
+    blocks]``; None for float32 scores (kept whole)."""
+    if scores.dtype == torch.float32:
+        return None
+    batch, n_heads, span = scores.shape
+    return torch.empty(batch, n_heads, -(-span // block_n), dtype=torch.float32,
+                       device=scores.device)
+
+
 def score_tuning_for(batch: int) -> dict:
     """The score pass's tuning for ``batch`` rows (``SCORE_TUNING_BY_BATCH``). A CUDA graph
     captures one batch bucket, so the choice is fixed per captured graph."""
@@ -387,10 +406,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         raise ValueError(f"residual score form must be one of {SCORE_FORMS}, got {form!r}")
     batch, n_heads, head_dim = q.shape
     group = n_heads // n_kv
-    if dtype is None:
-        dtype = score_dtype_for(q)
-    span = max(max_seq_len, 1)
-    bias = torch.empty(batch, n_heads, span, dtype=dtype, device=q.device) if out is None else out
+    bias = score_buffer(q, max_seq_len, dtype) if out is None else out
+    span = bias.shape[2]
     if form == "qfold":
         if keys_m:
             raise ValueError("keys_m is a rotate-form option; the qfold form has no rebuilt keys")
@@ -542,22 +559,23 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     rope_tab = cached_rope_table(inv_freq, max_seq_len)
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
     res_bias = res_logits = None
+    batch = q.shape[0]
+    tuning = score_tuning_for(batch) if score_tuning is None else score_tuning
     if variant == "three_pass":
         return _three_pass(q, k_base, v_base, block_tables, seq_lens, residual, scale=scale,
                            max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n,
-                           num_warps=num_warps, num_stages=num_stages,
-                           score_tuning=(score_tuning_for(q.shape[0]) if score_tuning is None
-                                         else score_tuning))
-    batch = q.shape[0]
+                           num_warps=num_warps, num_stages=num_stages, score_tuning=tuning)
     if variant == "two_pass":
-        tuning = score_tuning_for(batch) if score_tuning is None else score_tuning
+        # Allocated here, before any fork: with overlap_slices the side stream fills it.
+        res_bias = score_buffer(q, max_seq_len, tuning.get("dtype"))
+
+        def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
+            residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,
+                            adapter_idx[lo:hi], rope_tab, n_kv, max_seq_len, out=res_bias[lo:hi],
+                            **tuning)
+
         if overlap_slices is None:
-            res_bias = residual_scores(q, k_res, res_block_tables, seq_lens, b_k_all,
-                                       adapter_idx, rope_tab, n_kv, max_seq_len, **tuning)
-        else:  # filled slice by slice on the side stream; allocated here, before the fork
-            res_bias = torch.empty(batch, q.shape[1], max(max_seq_len, 1),
-                                   dtype=tuning.get("dtype") or score_dtype_for(q),
-                                   device=q.device)
+            scores(0, batch)
     elif variant == "msc":
         res_logits = residual_logits(q, k_base, block_tables, k_res, res_block_tables, seq_lens,
                                      b_k_all, adapter_idx, rope_tab, scale, max_seq_len,
@@ -570,11 +588,6 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
 
     if plan == "dynamic":
         out = torch.empty_like(q)
-
-        def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
-            residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,
-                            adapter_idx[lo:hi], rope_tab, n_kv, max_seq_len, out=res_bias[lo:hi],
-                            **tuning)
 
         def attend(lo: int, hi: int) -> None:  # pass 2 of rows [lo, hi), into out
             rows = (k_res, v_res, res_block_tables[lo:hi], b_k_all, b_v_all, adapter_idx[lo:hi],
@@ -623,13 +636,11 @@ def _three_pass(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
     pass repeats from ``seq_lens``; float16 scores are written back relative to their
     ``block_n``-key block's max, kept in float32 beside them."""
     k_res, v_res, res_bt, b_k_all, b_v_all, adapter_idx, rope_tab = residual
-    batch, n_heads, _ = q.shape
+    batch = q.shape[0]
     n_kv = k_base.shape[2]
     scores = residual_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx, rope_tab, n_kv,
                              max_seq_len, **score_tuning)
-    block_max = (torch.empty(batch, n_heads, max(-(-max_seq_len // block_n), 1),
-                             dtype=torch.float32, device=q.device)
-                 if scores.dtype != torch.float32 else None)
+    block_max = block_maxima(scores, block_n)
     splits = dynamic_splits(batch * n_kv, max_seq_len, sm_count(q.device), block_n, num_splits)
     part_out, part_lse = empty_partials(q, splits)
     decode_partials(q, k_base, v_base, block_tables, seq_lens, part_out, part_lse, scale=scale,

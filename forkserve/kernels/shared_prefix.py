@@ -40,8 +40,10 @@ from forkserve.kernels import cascade_tile_agents
 from forkserve.kernels.decode_attention import decode_partials
 from forkserve.kernels.residual_decode_triton import (
     DEFAULT_VALUE_GRID,
+    block_maxima,
     residual_scores,
     residual_values,
+    score_buffer,
     score_dtype_for,
     score_tuning_for,
     value_launch_grid,
@@ -188,7 +190,7 @@ def _score_pass(q: torch.Tensor, k: torch.Tensor, block_tables: torch.Tensor,
                 variant: str, score_tuning: dict | None, score_dtype: torch.dtype,
                 prefix_block_n: int) -> _Scores:
     k_res, _, res_bt, b_k_all, _, adapter_idx, table = residual
-    batch, n_heads, _ = q.shape
+    batch = q.shape[0]
     n_kv = k.shape[2]
     if variant == "msc":
         tuning = MSC_TUNING if score_tuning is None else score_tuning
@@ -196,12 +198,8 @@ def _score_pass(q: torch.Tensor, k: torch.Tensor, block_tables: torch.Tensor,
         return _Scores(lambda: residual_logits(q, k, block_tables, k_res, res_bt, seq_lens,
                                                b_k_all, adapter_idx, table, scale, max_seq_len,
                                                out=logits, **tuning), logits=logits)
-    width = max(max_seq_len, 1)
-    bias = torch.empty(batch, n_heads, width, dtype=score_dtype, device=q.device)
-    block_max = None
-    if score_dtype != torch.float32:  # one float32 per row, head and prefix key block
-        block_max = torch.empty(batch, n_heads, -(-width // prefix_block_n), dtype=torch.float32,
-                                device=q.device)
+    bias = score_buffer(q, max_seq_len, score_dtype)
+    block_max = block_maxima(bias, prefix_block_n)
     if variant == "tiled_scores":
         launch = lambda: tiled_scores(q, k_res, res_bt, seq_lens, b_k_all, adapter_idx,  # noqa: E731
                                       table, n_kv, bias, tile_seqs, tile_lens, kv_starts,

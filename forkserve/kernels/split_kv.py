@@ -207,4 +207,3 @@ def dynamic_split_decode(q: torch.Tensor, n_programs: int, bound: int, num_split
     part_out, part_lse = empty_partials(q, splits)
     fill(part_out, part_lse, splits)
     return merge_partials(part_out, part_lse, out, splits)
-
