@@ -1384,11 +1384,12 @@ def run_cascade_sweep(s: Setup, res: dict, path: Path) -> None:
 # defaults moved in round 11). "two_pass": the round-10 form, float32 scores and the
 # per-KV-head value grid (the errors' reference); "_fp16": the float16 score buffer;
 # "_rowvalues": the value pass's row grid (one program per row and split over all heads);
-# "two_pass_fp16_rowvalues" is the engine's default since round 11.
+# "two_pass_fp16_rowvalues" was the engine's default in rounds 11-13; all but "_pf" run
+# without prefetch (the default since round 14).
 # "tiled_a<agents>h<KV heads>_bn<keys>_w<warps>": variant="tiled_scores" at that tuning
 # (residual_score_tiled.py; registers in docs/KERNELS.md), the first its default.
-_ROUND10 = dict(score_dtype=torch.float32, value_grid="kv_head")
-_ROUND11 = dict(variant="two_pass", score_dtype=torch.float16, value_grid="row")
+_ROUND10 = dict(score_dtype=torch.float32, value_grid="kv_head", prefetch=False)
+_ROUND11 = dict(variant="two_pass", score_dtype=torch.float16, value_grid="row", prefetch=False)
 CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     "two_pass": dict(variant="two_pass", **_ROUND10),
     "two_pass_fp16": dict(_ROUND10, variant="two_pass", score_dtype=torch.float16),
@@ -1398,7 +1399,8 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     # 48 B; --regs), not at 16 (221).
     "two_pass_fp16_rowvalues_pbn16": dict(_ROUND11, prefix_tuning=dict(block_n=16)),
     # Round 13: the prefix and suffix launches load each tile's scores a tile ahead (two-pass
-    # decode's default since; its pass 2 went 1.4 -> 1.1x unified at batch 64).
+    # decode's default since; its pass 2 went 1.4 -> 1.1x unified at batch 64); the engine's
+    # default since round 14 (the call 0.8-1.7% faster at 8K / 32K x 32).
     "two_pass_fp16_rowvalues_pf": dict(_ROUND11, prefetch=True),
     "msc": dict(variant="msc", **_ROUND10),
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(

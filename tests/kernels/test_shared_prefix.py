@@ -283,7 +283,8 @@ def test_row_value_grid_cascade_equals_default(score_dtype: torch.dtype) -> None
 def test_prefetch_cascade_equals_default(variant: str, score_dtype: torch.dtype) -> None:
     """The split cascade (``_split_groups``: several tiles, a group of one, a prefix ending
     mid-page) with each tile's scores loaded a tile ahead in the prefix and suffix launches
-    computes what the default does; msc (whole logits, no bias) refuses it."""
+    (the default) computes what it does without; msc (whole logits, no bias) refuses it and
+    runs without it by default."""
     from forkserve.kernels.shared_prefix import cascade_residual_launches
     args = _split_groups()
     tuning = {k: v for k, v in TUNING.items() if k != "use_triton"}
@@ -293,3 +294,4 @@ def test_prefetch_cascade_equals_default(variant: str, score_dtype: torch.dtype)
     with pytest.raises(ValueError, match="prefetch"):
         cascade_residual_launches(*args, variant="msc", score_dtype=torch.float32,
                                   prefetch=True, **tuning)
+    assert torch.equal(run(None), run(True))
