@@ -536,10 +536,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     ``prefetch`` (two-pass; default on): the partial kernel loads each key tile's bias and
     residual table entries one tile ahead (``decode_partials``; H200: pass 2 1.4 -> 1.1x
     unified at batch 64, docs/KERNELS.md "Round 13").
-    ``overlap_slices`` (two-pass, dynamic plan; off by default until measured): the rows in
-    that many slices, pass 1 of slice i + 1 on a side stream beside pass 2 of slice i
+    ``overlap_slices`` (two-pass, dynamic plan; off by default): the rows in that many
+    slices, pass 1 of slice i + 1 on a side stream beside pass 2 of slice i
     (``streams.row_pipeline``), so the tensor-core score pass and the memory-bound partial
-    kernel can share the SMs."""
+    kernel could share the SMs. H200, round 14: 2 slices tie at batch 1 and lose 0.01-0.17x
+    unified elsewhere, 4 lose more (smaller grids, and pass 2's programs fill the SMs)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
