@@ -64,6 +64,7 @@ def measure_torch(params: MultiLoraParams) -> dict:
 
     from forkserve.backend.torch import cascade as cascade_tiles
     from forkserve.backend.torch.decode_rows import of_items
+    from forkserve.backend.torch.kept_tables import KeptTables
     from forkserve.backend.torch.runner import ahead_keys, decode_shaped, graph_key
     from forkserve.backend.torch.weights import random_weights
 
@@ -74,20 +75,21 @@ def measure_torch(params: MultiLoraParams) -> dict:
     runner = backend.runner
     keys: Counter = Counter()
     step: list[str] = []  # the path of the launch in progress
+    kept = KeptTables(runner.limits.page_size, runner.cascade_agents)  # the items' tables
 
-    def forward_rows(rows, plan, run=runner.forward_rows):
+    def forward_rows(rows, plan, *rest, run=runner.forward_rows):
         step.append("columns")
         keys[graph_key(rows, plan)] += 1
-        return run(rows, plan)
+        return run(rows, plan, *rest)
 
-    def forward(work, slots, all_logits, hidden_states=False, run=runner.forward):
+    def forward(work, slots, all_logits, hidden_states=False, *rest, run=runner.forward):
         if decode_shaped(work) and not all_logits and not hidden_states:
             step.append("items")
             plan = cascade_tiles.plan([w.shared_prefix for w in work], runner.limits.page_size,
                                       runner.cascade_agents)
             keys[graph_key(of_items(work, runner.limits, slots, runner.pool.scratch_page,
-                                    runner.pool.scratch_residual_page), plan)] += 1
-        return run(work, slots, all_logits, hidden_states)
+                                    runner.pool.scratch_residual_page, kept), plan)] += 1
+        return run(work, slots, all_logits, hidden_states, *rest)
 
     runner.forward_rows, runner.forward = forward_rows, forward
     phases = TorchPhases(backend)

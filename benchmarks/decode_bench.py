@@ -118,12 +118,22 @@ class Bench:
     def __init__(self, backend: TorchBackend, pages_per_seq: int) -> None:
         self.backend, self.pages_per_seq = backend, pages_per_seq
         self.disaggregated = backend.layout is KVLayout.DISAGGREGATED
+        self._pages: dict[int, tuple[int, ...]] = {}  # each sequence's page tuple
+
+    def pages(self, seq: int, end: int) -> tuple[int, ...]:
+        """The pages that cover positions [0, end) of ``seq``, as a control plane holds them
+        (``PageTable.frozen``): one tuple per sequence, the same object while its page count
+        stands and a new one only when that changes (a page boundary), not one per step."""
+        held = self._pages.get(seq, ())
+        need = -(-end // PAGE)
+        if len(held) != need:
+            first = seq * self.pages_per_seq
+            held = self._pages[seq] = tuple(range(first, first + need))
+        return held
 
     def item(self, seq: int, tokens: list[int], start: int, adapter: int | None,
              decode: bool = False) -> SeqWork:
-        # The pages that cover positions [0, start + len(tokens)), as a control plane passes them.
-        first = seq * self.pages_per_seq
-        pages = tuple(range(first, first + -(-(start + len(tokens)) // PAGE)))
+        pages = self.pages(seq, start + len(tokens))
         res = pages if self.disaggregated and adapter is not None else None
         return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY,
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
@@ -131,7 +141,8 @@ class Bench:
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
                warmup: int = 3, host_profile: bool = False) -> dict:
         """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
-        caller's ``SeqWork`` building included, as a control plane would pay it.
+        caller's ``SeqWork`` building included, as a control plane would pay it (a fresh item
+        per sequence and step over the page tuple it holds, ``pages``).
         ``host_profile``: the timed steps under cProfile instead, reporting where the host's
         time goes (``host_top``, ms per step by self time; the wait for the device is in it,
         under whichever call blocks)."""

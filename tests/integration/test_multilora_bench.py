@@ -152,8 +152,8 @@ def test_alora_prefills_the_context_once_and_generates_what_unshared_agents_do(t
     # The agents decode in the steady set: their steps reach the backend as columns.
     column_steps = []
     forward_rows = backend.runner.forward_rows
-    backend.runner.forward_rows = lambda rows, plan, fed=None: (
-        column_steps.append(len(rows)), forward_rows(rows, plan, fed))[1]
+    backend.runner.forward_rows = lambda rows, plan, *rest: (
+        column_steps.append(len(rows)), forward_rows(rows, plan, *rest))[1]
     runs = {s: run_system(s, params, *b) for s, b in backends.items()}
     alora = runs["alora"]
     assert sum(column_steps) >= alora.decode_tokens / 2

@@ -63,7 +63,16 @@ def test_decode_rows_equal_build(layout, steady):
     disaggregated = LAYOUTS[layout][0]
     work = _work(random.Random(0), layout, steady)
     ref = build(work, _limits(layout), SLOTS, False, torch.device("cpu"), SCRATCH, SCRATCH)
-    rows = of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH)
+    # Over kept tables of earlier items too: every row new, or two rows new (rewritten alone).
+    kept, other = KeptTables(PAGE, 32), _work(random.Random(5), layout, steady)
+    for earlier in (other, [*work[:-2], *other[-2:]]):
+        of_items(earlier, _limits(layout), SLOTS, SCRATCH, SCRATCH, kept)
+        for name in TABLE_FIELDS:
+            assert np.array_equal(
+                getattr(of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH, kept), name),
+                getattr(of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH,
+                                 KeptTables(PAGE, 32)), name)), name
+    rows = of_items(work, _limits(layout), SLOTS, SCRATCH, SCRATCH, kept)
     expect = {"input_ids": ref.input_ids, "positions": ref.positions, "token_slot": ref.token_slot,
               "slot_mapping": ref.meta.slot_mapping, "seq_lens": ref.meta.seq_lens,
               "seq_slot": ref.meta.seq_slot, "block_tables": ref.meta.block_tables}
@@ -160,6 +169,35 @@ def test_of_batch_refuses_what_validate_refuses(layout):
     validate(work, _limits(layout), SLOTS)
     assert of_batch(good, _limits(layout), SLOTS, SCRATCH, SCRATCH,
                     KeptTables(PAGE, 32)) is not None
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_of_items_refuses_the_pages_validate_leaves_to_it(layout):
+    """``validate(page_ids=False)`` leaves the items' pages to the rows' tables: ``of_items``
+    refuses (None) a table too short or a page id outside its pool, on either side, built
+    afresh or over the kept tables of good items; ``validate`` then names the item."""
+    work = _work(random.Random(1), layout, steady=True)
+    work[0] = dataclasses.replace(work[0], adapter_id=7, adapter_start=0)
+    pages = work[0].slots.pages
+    if LAYOUTS[layout][0]:  # the first row in the split form: its residual pages refused too
+        work[0] = dataclasses.replace(work[0], form=KVForm.SPLIT, slots=KVSlots(pages, pages))
+    first = work[0]
+    refusals = {name: bad for name, bad in _refusals(work).items()
+                if name in ("short table", "page id")}
+    if LAYOUTS[layout][0]:
+        for name, res in (("short residual", pages[:-1]),
+                          ("residual id", (*pages[:-1], SCRATCH))):
+            refusals[name] = [dataclasses.replace(first, slots=KVSlots(pages, res)), *work[1:]]
+    limits = _limits(layout)
+    for name, bad in refusals.items():
+        validate(bad, limits, SLOTS, page_ids=False)
+        with pytest.raises(ForkServeError) as refused:
+            validate(bad, limits, SLOTS)
+        assert refused.value.seq_ids == (first.seq_id,), name
+        kept = KeptTables(PAGE, 32)
+        assert of_items(work, limits, SLOTS, SCRATCH, SCRATCH, kept) is not None
+        for tables in (KeptTables(PAGE, 32), kept):
+            assert of_items(bad, limits, SLOTS, SCRATCH, SCRATCH, tables) is None, name
 
 
 def test_extra_residual_writes_name_each_targets_slot() -> None:

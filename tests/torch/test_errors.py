@@ -1,6 +1,7 @@
 """Bad input raises a typed error and changes no state (pools, adapters, ids)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -21,6 +22,7 @@ from forkserve.backend.torch import (
     UnknownAdapterError,
     UnsupportedModelError,
 )
+from forkserve.backend.torch import backend as backend_module
 from forkserve.config import KVForm, KVLayout
 
 
@@ -72,6 +74,38 @@ def test_bad_work_raises_typed_error_and_changes_nothing(backend):
         with pytest.raises(error):
             backend.step([ok, item])
         assert unchanged(backend, before), error
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("side", ["base", "residual"])
+def test_decode_item_with_a_page_out_of_range_is_named_alone(backend, monkeypatch, graph, side):
+    """A decode batch where one item lists a page id outside its pool: InvalidWorkError names
+    that item alone (``seq_ids``: the engine fails it and runs the others) and no item's KV is
+    written. ``graph``: the step a CUDA graph would replay (forced here on any device), whose
+    rows' tables check the page ids and refuse, after which the items' own validation names
+    the item."""
+    aid = backend.adapter_id("qkvo")
+    backend.step([work(1, prompt(83, 30), 0), work(2, prompt(84, 40), 0, aid, residual=True)])
+    items = [work(0, [5], 80, aid, residual=True, decode=True), work(1, [6], 30, decode=True),
+             work(2, [7], 40, aid, residual=True, decode=True)]
+    slots = items[2].slots
+    limit = backend.limits.num_pages if side == "base" else backend.limits.num_residual_pages
+    listed = slots.pages if side == "base" else slots.residual_pages
+    beyond = (listed[0], limit, *listed[2:])  # its second page: read at any page size
+    items[2] = dataclasses.replace(items[2], slots=KVSlots(beyond, slots.residual_pages)
+                                   if side == "base" else KVSlots(slots.pages, beyond))
+    rows = []
+    if graph:
+        monkeypatch.setattr(backend.runner, "replays", lambda *args: True)
+        real = backend_module.of_items
+        monkeypatch.setattr(backend_module, "of_items",
+                            lambda *args: rows.append(real(*args)) or rows[-1])
+    before = snapshot(backend)
+    with pytest.raises(InvalidWorkError, match="outside") as refused:
+        backend.step(items)
+    assert refused.value.seq_ids == (2,)
+    assert unchanged(backend, before)
+    assert rows == ([None] if graph else [])
 
 
 def test_bad_copy_pages(backend):

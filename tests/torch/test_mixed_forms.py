@@ -35,6 +35,7 @@ from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.cascade import plan  # noqa: E402
 from forkserve.backend.torch.decode_rows import of_items  # noqa: E402
 from forkserve.backend.torch.errors import InvalidWorkError  # noqa: E402
+from forkserve.backend.torch.kept_tables import KeptTables  # noqa: E402
 from forkserve.backend.torch.kernel_attention import KernelAttention  # noqa: E402
 from forkserve.backend.torch.runner import graph_key  # noqa: E402
 from forkserve.config import KVLayout  # noqa: E402
@@ -140,7 +141,7 @@ def test_mixed_decode_batch_takes_the_split_graph(models, adapters):
     def key(agents):
         items = decode_items(ids, agents, 0)
         rows = of_items(items, backend.limits, backend._slots(), backend.pool.scratch_page,
-                        backend.pool.scratch_residual_page)
+                        backend.pool.scratch_residual_page, KeptTables(PAGE, 16))
         return graph_key(rows, plan([w.shared_prefix for w in items], PAGE, 16))
 
     mixed = key(list(AGENTS))

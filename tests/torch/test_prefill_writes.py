@@ -18,6 +18,7 @@ from forkserve.backend.torch.attention import EagerAttention, write_kv
 from forkserve.backend.torch.batch import BatchLimits, build
 from forkserve.backend.torch.decode_rows import of_items
 from forkserve.backend.torch.fused import Fusions
+from forkserve.backend.torch.kept_tables import KeptTables
 from forkserve.backend.torch.mixed_batch import join
 from forkserve.config import KVForm, KVLayout
 
@@ -62,7 +63,8 @@ def test_join_lists_what_build_lists():
     dev = torch.device("cpu")
     ref = build([*items, *rows], LIMITS, SLOTS, False, dev, SCRATCH, SCRATCH).meta
     got = join(build(items, LIMITS, SLOTS, False, dev, SCRATCH, SCRATCH),
-               of_items(rows, LIMITS, SLOTS, SCRATCH, SCRATCH).to_batch(dev, None),
+               of_items(rows, LIMITS, SLOTS, SCRATCH, SCRATCH,
+                        KeptTables(PAGE, 32)).to_batch(dev, None),
                SCRATCH, SCRATCH, PAGE).meta
     for field, mapping in (("base_writes", "slot_mapping"), ("res_writes", "res_slot_mapping")):
         assert _written(got, field, mapping) == _written(ref, field, mapping), field

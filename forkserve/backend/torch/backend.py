@@ -32,7 +32,7 @@ from forkserve.backend.torch.attention import AttentionBackend, EagerAttention
 from forkserve.backend.torch.base_correction import Correction, OffsetCorrection, correction_for
 from forkserve.backend.torch.batch import BatchLimits, validate
 from forkserve.backend.torch.cascade import rows_agree
-from forkserve.backend.torch.decode_rows import DecodeRows, of_batch
+from forkserve.backend.torch.decode_rows import DecodeRows, of_batch, of_items
 from forkserve.backend.torch.errors import (
     AdapterCapacityError,
     InvalidWorkError,
@@ -216,8 +216,10 @@ class TorchBackend:
         fusions = get_fusions(fused, fused and device.type == "cuda")
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
-        # The last steady launch's page tables and cascade groups, reused while rows repeat.
+        # The last steady launch's page tables and cascade groups, reused while rows repeat;
+        # the last decode items' tables, reused while items repeat their page tuples.
         self._kept = KeptTables(self.limits.page_size, self.runner.cascade_agents)
+        self._kept_items = KeptTables(self.limits.page_size, self.runner.cascade_agents)
         self.sampler = Sampler(device, seed)
         self.connector_gb_per_s = connector_gb_per_s
         self._resident: dict[int, ResidentAdapter] = {}
@@ -356,10 +358,21 @@ class TorchBackend:
     def _start(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> PendingStep:
         """Validate and queue one step; nothing here waits for the device."""
         slots = self._slots()
-        validate(work, self.limits, slots)
+        rows = (self._item_rows(work, slots)
+                if self.runner.replays(work, all_logits, hidden_states) else None)
+        if rows is None:
+            validate(work, self.limits, slots)
         clock = self._clock()
-        run = self.runner.forward(work, slots, all_logits, hidden_states)
+        run = self.runner.forward(work, slots, all_logits, hidden_states, rows, clock.stream)
         return self._sample(work, run, all_logits, clock)
+
+    def _item_rows(self, work: Sequence[SeqWork], slots: dict[int, int]) -> DecodeRows | None:
+        """Decode items as the rows a graph replays, their page ids checked on the rows'
+        tables (``decode_rows.of_items``), not id by id; None where the tables refuse one
+        (the caller's ``validate`` of the items then names it)."""
+        validate(work, self.limits, slots, page_ids=False)
+        return of_items(work, self.limits, slots, self.pool.scratch_page,
+                        self.pool.scratch_residual_page, self._kept_items)
 
     def _sample(self, work: Sequence[SeqWork], run: RunOutput, all_logits: bool, clock: StepClock,
                 batch: DecodeBatch | None = None, rows: DecodeRows | None = None) -> PendingStep:
@@ -439,7 +452,7 @@ class TorchBackend:
             return None
         clock = self._clock()
         plan = self._kept.groups.plan(batch.shared_prefix) if self.runner.cascade else None
-        run = self.runner.forward_rows(rows, plan, fed)
+        run = self.runner.forward_rows(rows, plan, fed, clock.stream)
         if self.gpu_timeline is not None:
             self.gpu_timeline.stop(True)
         n = len(batch)

@@ -65,20 +65,23 @@ def _check_pages(seq: SeqWork, pages: Sequence[int], limit: int, need: int, what
         raise InvalidWorkError(f"seq {seq.seq_id}: {what} page ids {bad} outside [0, {limit})")
 
 
-def validate(work: Sequence[SeqWork], limits: BatchLimits,
-             adapter_slots: Mapping[int, int]) -> None:
+def validate(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
+             page_ids: bool = True) -> None:
     """Check every item before anything is written; an error names its item (``seq_ids``),
-    so the caller can fail that item alone and run the others."""
+    so the caller can fail that item alone and run the others. ``page_ids`` False: the
+    items' ``slots`` (both sides) are left to the caller, who checks them on the tables it
+    builds (``decode_rows.of_items``) and validates again where those refuse one."""
     for seq in work:
         try:
-            _validate_item(seq, limits, adapter_slots)
+            _validate_item(seq, limits, adapter_slots, page_ids)
         except errors.ForkServeError as exc:
             exc.seq_ids = (seq.seq_id,)
             raise
     cascade_tiles.check_groups(work, limits.page_size)
 
 
-def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int, int]) -> None:
+def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int, int],
+                   page_ids: bool) -> None:
     if not seq.tokens:
         raise InvalidWorkError(f"seq {seq.seq_id}: no tokens")
     if seq.start_pos < 0:
@@ -95,7 +98,8 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
                                  f"{limits.max_context}")
     if seq.adapter_id is not None and seq.adapter_id not in adapter_slots:
         raise UnknownAdapterError(f"seq {seq.seq_id}: adapter id {seq.adapter_id} is not resident")
-    _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
+    if page_ids:
+        _check_pages(seq, seq.slots.pages, limits.num_pages, end, "KV", limits.page_size)
     conflict = form_conflict(seq.seq_id, seq.form, seq.adapter_id,
                              seq.slots.residual_pages is not None)
     if conflict is not None:
@@ -107,8 +111,9 @@ def _validate_item(seq: SeqWork, limits: BatchLimits, adapter_slots: Mapping[int
         if not limits.disaggregated:
             raise InvalidWorkError(f"seq {seq.seq_id}: the split form needs a residual pool; "
                                    f"this layout keeps merged K/V only")
-        _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end, "residual",
-                     limits.page_size)
+        if page_ids:
+            _check_pages(seq, seq.slots.residual_pages, limits.num_residual_pages, end,
+                         "residual", limits.page_size)
     if seq.extra_residuals and limits.recompute:
         raise InvalidWorkError(f"seq {seq.seq_id}: extra residuals (base_activations) cannot "
                                f"fill the recompute layers' own K/V, which only the adapter's "

@@ -4,7 +4,9 @@ One token per row: ``[B]`` int64 columns and ``[B, width]`` page tables, ``width
 row's pages. A CUDA graph copies them into its pinned input buffer; the eager forward wraps
 them as tensors (``to_batch``, the same values ``batch.build`` computes from the items).
 
-Two sources. ``of_items``: validated decode ``SeqWork`` items, row by row. ``of_batch``: a
+Two sources. ``of_items``: decode ``SeqWork`` items, their scalars gathered in one pass and
+their page tables kept like ``of_batch``'s (an item repeating its page tuple reuses its row;
+the tables check the items' page ids, which ``batch.validate`` then leaves). ``of_batch``: a
 ``DecodeBatch``'s columns in numpy, so no step walks a row's pages in Python (at 256 rows
 over an 8K context that walk — a tuple per row, a validation pass per page, a table row
 assigned from a tuple — was ~30 us a row, most of the GPU's idle time between steps); its
@@ -91,36 +93,46 @@ class DecodeRows:
 
 
 def of_items(work: Sequence[SeqWork], limits: BatchLimits, adapter_slots: Mapping[int, int],
-             scratch_page: int, scratch_res_page: int) -> DecodeRows:
-    """Validated decode items (one token each), row by row: they may skip a side's write
-    (``write_base`` / ``write_residual``), which steady rows never do."""
+             scratch_page: int, scratch_res_page: int, kept: KeptTables) -> DecodeRows | None:
+    """Decode items (one token each), validated but for their pages
+    (``batch.validate(page_ids=False)``): they may skip a side's write (``write_base`` /
+    ``write_residual``), which steady rows never do. None where a row lists too few pages or
+    a page id outside its pool, checked on the tables (``KeptTable.build``), not id by id:
+    the caller then validates the items whole, which names the row. ``kept``: the last
+    items' tables (its groups unused: ``validate`` checks the items'), reused for an item
+    that repeats its page tuple (a control plane's ``PageTable.frozen``)."""
     p, n = limits.page_size, len(work)
-    width = max(s.start_pos // p + 1 for s in work)
-    cols = {name: np.empty(n, dtype=np.int64) for name in ROW_FIELDS}
-    tables = np.full((n, width), scratch_page, dtype=np.int64)
-    res_tables = np.full((n, width), scratch_res_page, dtype=np.int64)
-    for i, seq in enumerate(work):
+    pages = tuple(s.slots.pages for s in work)
+    residual = tuple(s.slots.residual_pages for s in work)
+    used = np.fromiter((s.start_pos // p + 1 for s in work), np.int64, n)
+    tables = kept.pages.build(pages, used, None, limits.num_pages, scratch_page)
+    if tables is None:
+        return None
+    if any(r is not None for r in residual):
+        res_tables = kept.residual.build(residual, used,
+                                         np.fromiter((r is not None for r in residual), bool, n),
+                                         limits.num_residual_pages, scratch_res_page)
+        if res_tables is None:
+            return None
+    else:  # no row reads a residual (the kept residual table waits for items that do)
+        res_tables = np.full(tables.shape, scratch_res_page, dtype=np.int64)
+    # A row's scalars as a tuple, then every column in one conversion: a numpy store per
+    # field and row was most of this function's time.
+    rows: list[tuple[int, ...]] = []
+    for seq, listed, res in zip(work, pages, residual, strict=True):
         slot = -1 if seq.adapter_id is None else adapter_slots[seq.adapter_id]
         at = seq.start_pos
-        used = at // p + 1
-        pages = seq.slots.pages
-        res = seq.slots.residual_pages
-        cols["input_ids"][i] = seq.tokens[0]
-        cols["positions"][i] = at
-        # aLoRA: the base model before the activation.
-        cols["token_slot"][i] = slot if at >= seq.adapter_start else -1
-        cols["seq_slot"][i] = slot if res is not None else -1
-        cols["kv_merge"][i] = kv_merged(seq, slot, limits)
-        cols["seq_lens"][i] = at + 1
-        cols["slot_mapping"][i] = (pages[used - 1] * p + at % p if seq.write_base
-                                   else scratch_page * p)
-        cols["res_slot_mapping"][i] = (res[used - 1] * p + at % p
-                                       if res is not None and seq.write_residual
-                                       else scratch_res_page * p)
-        tables[i, :used] = pages[:used]
-        if res is not None:
-            res_tables[i, :used] = res[:used]
-    return DecodeRows(**cols, block_tables=tables, res_block_tables=res_tables,
+        last = at // p
+        rows.append((  # ROW_FIELDS's order
+            seq.tokens[0], at,
+            slot if at >= seq.adapter_start else -1,  # aLoRA: the base model before it
+            listed[last] * p + at % p if seq.write_base else scratch_page * p,
+            res[last] * p + at % p if res is not None and seq.write_residual
+            else scratch_res_page * p,
+            at + 1, slot if res is not None else -1, kv_merged(seq, slot, limits)))
+    columns = np.array(rows, dtype=np.int64).T
+    return DecodeRows(**dict(zip(ROW_FIELDS, columns, strict=True)), block_tables=tables,
+                      res_block_tables=res_tables,
                       has_adapter=any(s.adapter_id is not None for s in work))
 
 

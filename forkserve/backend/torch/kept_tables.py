@@ -8,8 +8,12 @@ although they change only when a row joins, leaves or gains a page: the steady s
 the same page-row object again for a row whose pages did not change, and the same marks
 tuple while its groups stand (``DecodeBatch``: "repeated objects"). So the last launch's
 are kept and keyed on those objects; a row whose page object is new (it gained a page, or
-a new member took its place) is checked and written alone, into a copy: a kept table is
-never written once handed out, so an earlier step's ``DecodeRows`` stay as they were.
+a new member took its place) is checked and written alone, into a copy (where most rows
+are, a fresh table is built): a kept table is never written once handed out, so an earlier
+step's ``DecodeRows`` stay as they were.
+Decode items (``decode_rows.of_items``: a graph's step of ``SeqWork``s) keep their tables the
+same way, keyed on each item's page tuple (``PageTable.frozen`` hands a sequence the same
+one while its pages stand), and have their page ids checked there.
 
 Everything refused here is refused as a fresh build would refuse it (the caller runs the
 rows as items and validation names the row); ``tests/torch/test_kept_tables.py`` checks the
@@ -20,6 +24,7 @@ identity cannot be reused by another object); the arrays handed out are read-onl
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,16 +57,22 @@ class KeptTable:
         """Each row's first ``used`` page ids (of the rows ``present`` marks; all when None)
         padded with ``scratch``; None if a row lists too few pages or one outside [0, limit)."""
         last = self._last
-        if (last is None or len(last.rows) != len(pages) or last.table.shape[1] != used.max()
-                or not _same_mask(last.present, present)):
+        moved = None  # the rows to write again; None: all, in a fresh table
+        if last is not None and len(last.rows) == len(pages) and _same_mask(last.present, present):
+            changed = used != last.used
+            if pages is not last.rows:  # else no row changed: a tuple the set kept
+                changed |= np.fromiter(map(_is_not, pages, last.rows), bool, len(pages))
+            moved = changed.nonzero()[0]
+            # A fresh table where the width changed or most rows moved: a row rewritten alone
+            # costs up to ~4x its share of a fresh table, whose fixed cost is ~3 rows' (items
+            # that repeat no page tuple would otherwise rewrite every row, one by one).
+            if len(moved) and (len(moved) > 3 + len(pages) // 2
+                               or last.table.shape[1] != used.max()):
+                moved = None
+        if moved is None:
             table = _table(pages, used, present, limit, scratch)
             self.changed = None
         else:
-            if pages is last.rows:  # no row changed: a tuple the set kept
-                moved = np.flatnonzero(used != last.used)
-            else:
-                fresh = np.fromiter(map(_is_not, pages, last.rows), bool, len(pages))
-                moved = np.flatnonzero(fresh | (used != last.used))
             table = last.table if not len(moved) else _rewrite(last.table, pages, used, moved,
                                                               limit, scratch)
             self.changed = (last.table, moved)
@@ -118,7 +129,10 @@ def _table(pages: Sequence[Sequence[int] | None], used: np.ndarray, present: np.
     # The common case lists exactly the pages a row reads (a steady row's page view).
     cut = (listed if np.array_equal(lengths, need)
            else [r[:u] for r, u in zip(listed, need.tolist(), strict=True)])
-    flat = np.concatenate(cut).astype(np.int64, copy=False)
+    # Items' page tuples convert id by id either way; fromiter skips concatenate's array per
+    # tuple (half its time at 64 rows).
+    flat = (np.fromiter(itertools.chain.from_iterable(cut), np.int64, int(need.sum()))
+            if isinstance(cut[0], tuple) else np.concatenate(cut).astype(np.int64, copy=False))
     if flat.min() < 0 or flat.max() >= limit:
         return None
     mask = np.arange(width) < used[:, None]

@@ -41,19 +41,20 @@ class StepOutput:
 class StepClock:
     """How long a step took: CUDA events on the step's stream (the device's time from the
     launch's first host action to the sampled tokens' copy), wall clock on a CPU device,
-    where the step ran inside ``launch``."""
+    where the step ran inside ``launch``. ``stream``: the step's, looked up once (None on
+    a CPU device)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self._t0 = time.perf_counter()
         self._start = self._event() if self.cuda else None
         self._end: torch.cuda.Event | None = None
         self._ms: float | None = None
 
-    @staticmethod
-    def _event() -> torch.cuda.Event:
+    def _event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.stream)
         return event
 
     def stop(self) -> None:

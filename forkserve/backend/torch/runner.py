@@ -17,7 +17,7 @@ from forkserve.backend.torch.cuda_graph import (
     batch_bucket,
     pages_bucket,
 )
-from forkserve.backend.torch.decode_rows import DecodeRows, of_items
+from forkserve.backend.torch.decode_rows import DecodeRows
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.mixed_batch import join
 from forkserve.backend.torch.model import CausalLM
@@ -90,24 +90,28 @@ class ModelRunner:
     def captured_graphs(self) -> tuple[GraphKey, ...]:
         return tuple(self._graphs)
 
+    def replays(self, work: Sequence[SeqWork], all_logits: bool, hidden_states: bool) -> bool:
+        """Whether a step over ``work`` may replay a decode graph, from the items' rows
+        (``forward``'s ``rows``): graphs on, decode-shaped items, no logits beyond the sampled
+        rows', no hidden states (a replayed graph keeps no per-layer tensors)."""
+        return (self.use_cuda_graphs and not all_logits and not hidden_states
+                and decode_shaped(work))
+
     def forward(self, work: Sequence[SeqWork], adapter_slots: Mapping[int, int], all_logits: bool,
-                hidden_states: bool = False) -> RunOutput:
+                hidden_states: bool = False, rows: DecodeRows | None = None,
+                stream: torch.cuda.Stream | None = None) -> RunOutput:
         """Logits for every token (all_logits) or, per item, for every token (prompt
         log-probabilities) or the last (it samples) or none; hidden_states: also every token's
-        residual stream after each layer (runs eagerly: a replayed graph keeps no per-layer
-        tensors)."""
-        decode = decode_shaped(work)
+        residual stream after each layer (runs eagerly). ``rows``: the items as decode rows
+        (``decode_rows.of_items``) where they may replay a graph (``replays``); ``stream``:
+        the step's (a replay's input copy is ordered on it)."""
         # Mixed merged/split batches too: a merged row has no residual (seq_slot -1), so the
         # split-form kernels read its base pages as unified K/V, in a tile or alone. A step
         # that prefills plans tiles for its one-token items (its attention's decode rows).
         plan = self._tiles(cascade_tiles.decode_marks(work))
-        rows = (of_items(work, self.limits, adapter_slots, self.pool.scratch_page,
-                         self.pool.scratch_residual_page)
-                if self.use_cuda_graphs and decode and not all_logits and not hidden_states
-                else None)
         key = graph_key(rows, plan) if rows is not None else None
         if key is not None:
-            out = self._replay(rows, key, plan)
+            out = self._replay(rows, key, plan, stream=stream)
             sampled = [i for i, s in enumerate(work) if s.sampling is not None]
             if len(sampled) == len(work):
                 return out  # every item samples: the rows are already in order
@@ -122,14 +126,16 @@ class ModelRunner:
         return RunOutput(self.model.forward(*self._args(batch)), None)
 
     def forward_rows(self, rows: DecodeRows, plan: cascade_tiles.CascadePlan | None,
-                     fed: torch.Tensor | None = None) -> RunOutput:
+                     fed: torch.Tensor | None = None,
+                     stream: torch.cuda.Stream | None = None) -> RunOutput:
         """The logits of decode rows (of either form or both), every row sampling, in order;
         ``plan``: their cascade tiles, None with ``cascade`` off (the caller keeps them
         across steps: ``kept_tables.py``). ``fed``: the rows' input tokens as a device tensor
-        [n] (an earlier step's sampled tokens), in place of ``rows.input_ids``."""
+        [n] (an earlier step's sampled tokens), in place of ``rows.input_ids``; ``stream``: as
+        ``forward``'s."""
         key = graph_key(rows, plan) if self.use_cuda_graphs else None
         if key is not None:
-            return self._replay(rows, key, plan, fed)
+            return self._replay(rows, key, plan, fed, stream)
         batch = rows.to_batch(self.device, plan)
         if fed is not None:  # a copy: the earlier step's tensor is its handle's
             batch = dataclasses.replace(batch, input_ids=fed.to(torch.int64, copy=True))
@@ -184,7 +190,8 @@ class ModelRunner:
         return True
 
     def _replay(self, rows: DecodeRows, key: GraphKey, cascade: cascade_tiles.CascadePlan | None,
-                fed: torch.Tensor | None = None) -> RunOutput:
+                fed: torch.Tensor | None = None,
+                stream: torch.cuda.Stream | None = None) -> RunOutput:
         self.captured_on_use += self._ensure_graph(key)
-        logits, greedy = self._graphs[key].run(rows, cascade, fed)
+        logits, greedy = self._graphs[key].run(rows, cascade, fed, stream)
         return RunOutput(logits, greedy)
