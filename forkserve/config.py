@@ -113,10 +113,10 @@ class ForkServeConfig:
     adaptive_hysteresis: float = 0.2
     # Where admission holds a session until its pages fit (``Queued.holds_for_room``), a queue
     # that would not fit merged runs merged in waves up to this many times the mark, and splits
-    # past it. 4: at the 8B shape in 24 GiB both react and mapreduce ran faster (and with
-    # lower latency) merged in waves than all split on the H200 at W = 32 (1.75 marks) and
-    # W = 64 (3.5 marks; docs/MULTILORA.md "Round 10" and "Round 14").
-    adaptive_split_waves: float = 4.0
+    # past it. 2: react at W = 32 (1.75 waves at the 8B shape in 24 GiB) ran faster merged in
+    # waves than all split on the H200 (docs/MULTILORA.md "Round 10"); at W = 64 (3.5 marks)
+    # 4 (merged) lost react to 2 (split) by 6% (docs/MULTILORA.md "Round 14").
+    adaptive_split_waves: float = 2.0
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
     # Selective recompute (disaggregated layout; docs/QUALITY.md, mode b): in these decoder
     # layers an adapter's split item keeps its own merged K/V in its residual pages instead
