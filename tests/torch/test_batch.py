@@ -9,6 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch_testlib import as_decode_batch
 
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork, SharedPrefix
@@ -250,3 +252,77 @@ def test_prefill_columns_follow_each_token(write_base, write_residual) -> None:
     assert batch.meta.res_slot_mapping.tolist() == [
         s.slots.residual_pages[a // PAGE] * PAGE + a % PAGE if write_residual
         else SCRATCH * PAGE for a, s in zip(at, owner, strict=True)]
+
+
+# What a decode item's page tuple does between two steps (``test_kept_item_tables_...``);
+# "same" and "advance" weigh most, so that most steps rewrite a few rows of a kept table.
+ITEM_MOVES = ("same",) * 4 + ("advance",) * 3 + ("copy", "new", "bad id", "short", "leave",
+                                                  "join")
+AT = 20 * PAGE - 1  # items at AT .. AT + 2: one advance from a page boundary or past it
+
+
+@settings(max_examples=400, deadline=None)
+@given(layout=st.sampled_from(list(LAYOUTS)), seed=st.integers(0, 2 ** 16),
+       steps=st.lists(st.lists(st.sampled_from(ITEM_MOVES), min_size=1, max_size=10),
+                      min_size=1, max_size=8))
+def test_kept_item_tables_equal_fresh_ones_over_any_steps(layout, seed, steps):
+    """Steps of decode items whose page tuples stay (the same object), advance a position
+    (the same object while it lists the page, else a longer one at a page boundary), are
+    copied (equal, a new object), replaced (new pages, same position), list an id outside
+    the pool or too few pages, or whose items leave or join. Some tuples list pages ahead
+    of the position, as a control plane may reserve them. ``of_items`` over the kept tables
+    answers what it answers over fresh ones (both None where a row is refused), and a table
+    handed out earlier never changes."""
+    rng = random.Random(seed)
+    limits = _limits(layout)
+    kept = KeptTables(PAGE, 32)
+    handed: list[tuple[np.ndarray, np.ndarray]] = []  # (table, its copy when handed out)
+
+    def pages_for(at: int, ahead: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(SCRATCH) for _ in range(at // PAGE + 1 + ahead))
+
+    def fresh_item(at: int) -> SeqWork:
+        seq = _work(rng, layout, steady=True, n=1)[0]
+        ahead = rng.choice((0, 2))
+        res = pages_for(at, ahead) if seq.slots.residual_pages is not None else None
+        return dataclasses.replace(seq, start_pos=at, slots=KVSlots(pages_for(at, ahead), res),
+                                   adapter_start=min(seq.adapter_start, at + 1))
+
+    def moved(seq: SeqWork, move: str) -> SeqWork | None:
+        pages, res, at = seq.slots.pages, seq.slots.residual_pages, seq.start_pos
+        if move in ("same", "leave"):
+            return seq if move == "same" else None
+        if move in ("new", "join"):
+            return fresh_item(at if move == "new" else AT + rng.randrange(3))
+        if move == "advance":
+            at += 1
+            if len(pages) <= at // PAGE:  # a page boundary past the listed pages: one more
+                pages = (*pages, rng.randrange(SCRATCH))
+                res = (*res, rng.randrange(SCRATCH)) if res is not None else None
+        elif move == "copy":
+            pages = tuple(list(pages))
+        elif move == "bad id":
+            pages = (*pages[:at // PAGE], SCRATCH + rng.randrange(3), *pages[at // PAGE + 1:])
+        elif move == "short":
+            pages = pages[:at // PAGE]
+        return dataclasses.replace(seq, start_pos=at, slots=KVSlots(pages, res))
+
+    work = [fresh_item(AT + rng.randrange(3)) for _ in range(4)]
+    for moves in steps:
+        nxt = []
+        for i, move in enumerate(moves):
+            if i >= len(work):
+                move = "join"
+            item = moved(work[min(i, len(work) - 1)], move)
+            if item is not None:
+                nxt.append(item)
+        work = [dataclasses.replace(s, seq_id=i) for i, s in enumerate(nxt)] or work[:1]
+        ours = of_items(work, limits, SLOTS, SCRATCH, SCRATCH, kept)
+        fresh = of_items(work, limits, SLOTS, SCRATCH, SCRATCH, KeptTables(PAGE, 32))
+        assert (ours is None) == (fresh is None)
+        if ours is None:
+            continue
+        for name in (*ROW_FIELDS, *TABLE_FIELDS):
+            assert np.array_equal(getattr(ours, name), getattr(fresh, name)), name
+        handed += [(t, t.copy()) for t in (ours.block_tables, ours.res_block_tables)]
+        assert all(np.array_equal(t, copy) for t, copy in handed)
