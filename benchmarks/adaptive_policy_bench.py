@@ -119,7 +119,9 @@ def measure(workload: str, workflows: int, system: str, args: argparse.Namespace
                              residual_share=args.residual_share, pause_s=0.0)
     sizes = page_bytes(model, params.rank, params.page_size, torch.bfloat16)
     spec = SPECS["adaptive" if system in QUEUE_VIEWS else system]
-    backend = MockBackend(engine_config(spec, params, sizes, model), cost_model=H200_8B)
+    config = engine_config(spec, params, sizes, model).replace(
+        adaptive_split_waves=args.split_waves)
+    backend = MockBackend(config, cost_model=H200_8B)
     engine = FormCounter(backend, QUEUE_VIEWS.get(system, QUEUE_VIEWS["adaptive"]))
     result = run_workload(system, params, engine, sizes, lambda i: f"agent{i}")
     engine.check_integrity()
@@ -142,10 +144,11 @@ def plot(rows: list[Row], path) -> None:
     fig, axes = new_figure(len(workloads), width=5.5 * len(workloads))
     for ax, workload in zip(axes, workloads, strict=True):
         ws = sorted({r.workflows for r in rows if r.workload == workload})
-        width = 0.8 / len(SYSTEMS)
-        for k, system in enumerate(SYSTEMS):
+        systems = [s for s in SYSTEMS if any(r.system == s for r in rows)]
+        width = 0.8 / len(systems)
+        for k, system in enumerate(systems):
             mine = {r.workflows: r for r in rows if r.workload == workload and r.system == system}
-            xs = [i + (k - (len(SYSTEMS) - 1) / 2) * width for i in range(len(ws))]
+            xs = [i + (k - (len(systems) - 1) / 2) * width for i in range(len(ws))]
             bars = ax.bar(xs, [versus_better(rows, mine[w]) for w in ws], width, label=system)
             ax.bar_label(bars, [f"{mine[w].mean_decode_batch:.0f}" for w in ws], fontsize=7)
         ax.axhline(0.95, color="grey", linestyle="--", linewidth=1)
@@ -169,11 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--kv-budget-gib", type=float, default=24.0)
     ap.add_argument("--residual-share", type=float, default=0.1)
+    ap.add_argument("--split-waves", type=float,
+                    default=ForkServeConfig().adaptive_split_waves,
+                    help="the adaptive layout's adaptive_split_waves (merged waves up to this "
+                         "many marks where admission holds sessions for room)")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                    help="unified and disaggregated are the 'vs best' reference: keep one")
+    ap.add_argument("--tag", default="", help="suffix of the JSON and PNG names")
     add_out_argument(ap)
     args = ap.parse_args(argv)
+    if not {"unified", "disaggregated"} & set(args.systems):
+        ap.error("--systems needs unified or disaggregated (the 'vs best' reference)")
     commit = source_commit()
     rows = [measure(workload, w, system, args, commit) for workload in args.workloads
-            for w in args.workflows for system in SYSTEMS]
+            for w in args.workflows for system in args.systems]
     print(f"{'workload':>9} {'W':>3} {'system':>14} {'tasks/s':>8} {'vs best':>7} {'batch':>6} "
           f"{'peak GiB':>8} {'waited':>6} {'merged':>6} {'split':>5} {'prefill':>8}")
     for r in rows:
@@ -181,14 +193,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{versus_better(rows, r):>7.2f} {r.mean_decode_batch:>6.1f} {r.peak_kv_gib:>8.1f} "
               f"{r.waited_agents:>6} {r.merged_sessions:>6} {r.split_sessions:>5} "
               f"{r.prefill_tokens:>8}")
-    write_json(args.out / "adaptive_policy_cpu.json", {
+    name = "adaptive_policy_cpu" + (f"_{args.tag}" if args.tag else "")
+    write_json(args.out / f"{name}.json", {
         "backend": "MockBackend at the Llama-3-8B page shape", "device": "cpu",
         "cost_model": asdict(H200_8B), "context": args.context, "turns": args.turns,
         "gen": args.gen, "kv_budget_gib": args.kv_budget_gib,
-        "adaptive_split_waves": ForkServeConfig().adaptive_split_waves,
+        "adaptive_split_waves": args.split_waves,
         "residual_share": args.residual_share, "commit": commit,
         "rows": [asdict(r) | {"vs_better": versus_better(rows, r)} for r in rows]})
-    plot(rows, args.out / "adaptive_policy_cpu.png")
+    plot(rows, args.out / f"{name}.png")
     return 0
 
 
