@@ -44,6 +44,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 37  # CUDA tests, three-pass, prefill routes
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 38  # rows 1-2 best forms, decode_bench --step-only
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 39  # rows 1-2 on the new defaults, CUDA suite
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 40  # pass 1 prefetch, q-fold table16 (rows 1-2)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -385,6 +386,20 @@ case "$1" in
   timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues two_pass_fp16_rowvalues_pf --out "$OUT" 2>&1 | tail -8
   bash "$0" suite
+  ;;
+40)
+  # Round 15: pass 1 with its residual rows loaded a tile ahead, and the q-folded pass from
+  # a table in the queries' dtype, beside the defaults and the forms they change, at every
+  # point of rows 1-2; their CUDA tests first.
+  export TRITON_CACHE_DIR=/root/tc15
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_decode.py -k "prefetch_and_table16 or two_pass or score_options" 2>&1 \
+    | tee "$OUT/pytest_cuda_round15_pass1.log" | tail -3
+  timeout 400 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_qfold_t64 \
+    two_pass_qfold_t64_pf two_pass_qfold_t64_pf16 two_pass_qfold_t128_pf16 \
+    two_pass_qfold_t128_w8 two_pass_qfold_t128_w8_pf two_pass_qfold_t128_w8_pf16 \
+    two_pass_bn64_keysm64 two_pass_bn64_keysm64_pf --skip shared --contexts 4096 8192 32768 \
+    --batches 1 8 32 64 --tag decode_round15_pass1 --out "$OUT" 2>&1 | tail -14
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

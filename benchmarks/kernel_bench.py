@@ -1288,6 +1288,16 @@ VARIANTS: dict[str, dict] = {
     "two_pass_qfold_t128_w8": dict(variant="two_pass", block_n=64,
                                    score_tuning=dict(form="qfold", angle_add=False, block_n=128,
                                                      num_warps=8)),
+    # Round 15: pass 1 with each tile's residual rows loaded a tile ahead ("pf"), and the
+    # q-folded pass reading cos/sin from a table in the queries' dtype ("16": the rows it
+    # rounds to bf16 before its dots anyway, half the bytes).
+    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf{'16' if t16 else ''}": dict(
+        variant="two_pass", block_n=64, score_tuning=dict(
+            form="qfold", angle_add=False, block_n=bn, num_warps=w, prefetch=True,
+            table16=t16))
+       for bn, w in ((64, 4), (128, 4), (128, 8)) for t16 in (False, True)},
+    "two_pass_bn64_keysm64_pf": dict(variant="two_pass", block_n=64,
+                                     score_tuning=dict(block_n=64, keys_m=True, prefetch=True)),
     "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,
                                score_tuning=dict(form="qfold", block_n=64)),
     "two_pass_qfold_a128_w8": dict(variant="two_pass", block_n=64,

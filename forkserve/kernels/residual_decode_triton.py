@@ -35,8 +35,12 @@ from forkserve.kernels.decode_attention import PLANS, decode_partials
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
 from forkserve.kernels.residual_score_qfold import qfold_scores
-from forkserve.kernels.residual_triton import residual_offsets, rotated_residual_keys
-from forkserve.kernels.rope import cached_rope_table
+from forkserve.kernels.residual_triton import (
+    residual_offsets,
+    residual_tile,
+    rotated_residual_keys,
+)
+from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.rope_triton import rope_rows
 from forkserve.kernels.split_kv import (
     LOG2E,
@@ -241,7 +245,7 @@ def _residual_score_kernel(
     stride_sb, stride_sh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
-    KEYS_M: tl.constexpr = False,
+    KEYS_M: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Pass 1 of two-pass ResidualAttention decode:
     ``Bias[b, h, n] = q[b, h] . RoPE_n(K_res[n] B_k)`` for every key ``n`` of a chunk of
@@ -251,7 +255,8 @@ def _residual_score_kernel(
     from the table at the keys' absolute positions) are loaded once and reused by every KV
     head; per head the tile is up-projected (``K_res @ B_k``, two rank-r products), rotated,
     and multiplied by the head's GQA group of queries. Sequences without an adapter skip
-    the work (pass 2 never reads their bias).
+    the work (pass 2 never reads their bias). ``PREFETCH``: the tile loop holds the next
+    tile's residual rows and the one after's offsets (residual_score_qfold.py says why).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     b = tl.program_id(0)
@@ -268,13 +273,28 @@ def _residual_score_kernel(
     r = tl.arange(0, RANK)
     r_ok = r < rank
     d_lo = tl.arange(0, HALF)
+    table_row = b * stride_rbt
+    if PREFETCH:
+        offs_f = start + tl.arange(0, BLOCK_N)
+        kr_next = residual_tile(KR, ResBlockTables, table_row, offs_f, offs_f < stop, r, rank,
+                                stride_rp, stride_rs, PAGE_SIZE)
+        offs_f += BLOCK_N
+        r_off_next = residual_offsets(ResBlockTables, table_row, offs_f, offs_f < stop,
+                                      stride_rp, stride_rs, PAGE_SIZE)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, n_ok, stride_rp, stride_rs,
-                                 PAGE_SIZE)
-        kr = tl.load(KR + r_off[:, None] + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0)
+        if PREFETCH:
+            kr = kr_next
+            offs_f = offs_n + BLOCK_N
+            kr_next = tl.load(KR + r_off_next[:, None] + r[None, :],
+                              mask=(offs_f < stop)[:, None] & r_ok[None, :], other=0.0)
+            offs_f += BLOCK_N
+            r_off_next = residual_offsets(ResBlockTables, table_row, offs_f, offs_f < stop,
+                                          stride_rp, stride_rs, PAGE_SIZE)
+        else:
+            kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok, r, rank, stride_rp,
+                               stride_rs, PAGE_SIZE)
         t_row = RopeTable + offs_n[:, None] * (2 * HALF) + d_lo[None, :]
         cos = tl.load(t_row, mask=n_ok[:, None], other=0.0)
         sin = tl.load(t_row + HALF, mask=n_ok[:, None], other=0.0)
@@ -383,8 +403,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     dtype: torch.dtype | None = None, block_n: int = 32, num_warps: int = 4,
                     num_stages: int = 2, chunk: int | None = None,
                     keys_m: bool = False, form: str = "rotate",
-                    angle_add: bool | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    angle_add: bool | None = None, prefetch: bool = False,
+                    table16: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
@@ -399,6 +419,11 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``form``: ``"rotate"`` (this module's kernel: rebuild, rotate and score each key) or
     ``"qfold"`` (residual_score_qfold.py: the queries folded into ``B_k``, cos/sin rows by
     ``angle_add``, default True, or from the table; ``keys_m`` does not apply).
+    ``prefetch``: the tile loop loads each key tile's residual rows (a gather behind the
+    residual table, which the pipeliner does not load ahead) a tile before it uses them.
+    ``table16`` (qfold from the table): read the cos/sin rows from a copy of the table in
+    the queries' dtype (``rope.rope_table_in``): the kernel rounds each row to it before its
+    dot anyway, so the scores are the same and the rows half the bytes.
     ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
     call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
@@ -408,12 +433,17 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     group = n_heads // n_kv
     bias = score_buffer(q, max_seq_len, dtype) if out is None else out
     span = bias.shape[2]
+    if table16 and (form != "qfold" or angle_add is not False):
+        raise ValueError("table16 is an option of the qfold form reading table rows "
+                         "(angle_add=False); the rotate form rotates in float32")
+    if table16:
+        rope_table = rope_table_in(rope_table, q.dtype)
     if form == "qfold":
         if keys_m:
             raise ValueError("keys_m is a rotate-form option; the qfold form has no rebuilt keys")
         qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                      bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     chunk=chunk, angle_add=angle_add is not False)
+                     chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch)
         return bias
     if angle_add is not None:
         raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")
@@ -430,7 +460,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         bias.stride(0), bias.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
-        KEYS_M=keys_m, num_warps=num_warps, num_stages=num_stages,
+        KEYS_M=keys_m, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
     return bias
 

@@ -51,6 +51,7 @@ from forkserve.kernels.residual_triton import (
     group_base_scores,
     group_queries_t,
     residual_offsets,
+    residual_tile,
 )
 from forkserve.kernels.rope_triton import rope_row, rope_rows, rope_rows_at
 from forkserve.kernels.split_kv import waves_of
@@ -81,7 +82,7 @@ def _qfold_score_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
     ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
-    SEQ_START: tl.constexpr = False,
+    SEQ_START: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     COLS: tl.constexpr = BLOCK_G * RANK
@@ -127,6 +128,19 @@ def _qfold_score_kernel(
     if LOGITS:
         # The group's queries as the N operand of the base product (keys as M).
         q_t = group_queries_t(Q, b * stride_qb, kvh, stride_qh, GROUP, HEAD_DIM, BASE_N)
+    table_row = b * stride_rbt
+    if PREFETCH:
+        # The residual rows feed the contraction, not a dot, and sit behind a residual-table
+        # gather: the pipeliner loads neither ahead (only the cos/sin rows), so without this
+        # every tile waits on two dependent L2 reads. Here the loop holds tile i + 1's rows
+        # and tile i + 2's offsets: each load's address is in registers a tile before it
+        # issues, and its data a tile before its use.
+        offs_f = start + tl.arange(0, BLOCK_N)
+        kr_next = residual_tile(KR, ResBlockTables, table_row, offs_f, (offs_f < stop) & has_ad,
+                                r, rank, stride_rp, stride_rs, PAGE_SIZE)
+        offs_f += BLOCK_N
+        r_off_next = residual_offsets(ResBlockTables, table_row, offs_f,
+                                      (offs_f < stop) & has_ad, stride_rp, stride_rs, PAGE_SIZE)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
@@ -134,11 +148,19 @@ def _qfold_score_kernel(
             k_base = base_key_tile(K, BlockTables, b * stride_bt, offs_n, n_ok, kvh, stride_kp,
                                    stride_ks, stride_kh, PAGE_SIZE, HEAD_DIM)
         # A row without an adapter scores zero here (its residual pages are never read).
-        res_ok = n_ok & has_ad
-        r_off = residual_offsets(ResBlockTables, b * stride_rbt, offs_n, res_ok, stride_rp,
-                                 stride_rs, PAGE_SIZE)
-        kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_ok[:, None] & (r < rank)[None, :],
-                     other=0.0)
+        if PREFETCH:
+            kr = kr_next
+            offs_f = offs_n + BLOCK_N
+            f_ok = (offs_f < stop) & has_ad
+            kr_next = tl.load(KR + r_off_next[:, None] + r[None, :],
+                              mask=f_ok[:, None] & (r < rank)[None, :], other=0.0)
+            offs_f += BLOCK_N
+            r_off_next = residual_offsets(ResBlockTables, table_row, offs_f,
+                                          (offs_f < stop) & has_ad, stride_rp, stride_rs,
+                                          PAGE_SIZE)
+        else:
+            kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok & has_ad, r, rank,
+                               stride_rp, stride_rs, PAGE_SIZE)
         if ANGLE_ADD:
             cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
             wc = fold_c * cos_b[:, None] + fold_s * sin_b[:, None]
@@ -165,14 +187,15 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  num_warps: int = 4, num_stages: int = 2, chunk: int | None = None,
                  angle_add: bool = True,
                  logits: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                 kv_starts: torch.Tensor | None = None) -> None:
+                 kv_starts: torch.Tensor | None = None, prefetch: bool = False) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
     (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
     block_tables, qk_scale)``: write whole logits instead, ``(q.K_base + q.RoPE(K_res B_k))
     * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py.
     ``kv_starts [batch]``: score only keys ``kv_starts[b] .. seq_lens[b]`` of each row, its
-    range cut over the same number of chunks (residual_score_tiled.py scores the rest)."""
+    range cut over the same number of chunks (residual_score_tiled.py scores the rest).
+    ``prefetch``: load each key tile's residual rows a tile ahead (``PREFETCH``)."""
     if logits is not None and kv_starts is not None:
         raise ValueError("kv_starts is a residual-score option; msc's logits cover every key")
     batch, n_heads, head_dim = q.shape
@@ -195,5 +218,5 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
         ANGLE_ADD=angle_add, LOGITS=logits is not None,
         BASE_N=max(16, triton.next_power_of_2(group)), SEQ_START=kv_starts is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )

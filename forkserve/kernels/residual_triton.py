@@ -22,6 +22,17 @@ def residual_offsets(ResBlockTables, table_row, offs_n, mask, stride_rp, stride_
 
 
 @triton.jit
+def residual_tile(KR, ResBlockTables, table_row, offs_n, mask, r, rank, stride_rp, stride_rs,
+                  PAGE_SIZE: tl.constexpr):
+    """The residual rows ``K_res[offs_n] [N, RANK]`` through the residual block table at
+    ``ResBlockTables + table_row`` (zero where not ``mask`` or past ``rank``)."""
+    r_off = residual_offsets(ResBlockTables, table_row, offs_n, mask, stride_rp, stride_rs,
+                             PAGE_SIZE)
+    return tl.load(KR + r_off[:, None] + r[None, :], mask=mask[:, None] & (r < rank)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start, cos_j, sin_j, HALF: tl.constexpr):
     """RoPE(K_res B_k) for a key tile at positions ``start + j``: its rank-r rows ``kr``
     up-projected by the two halves of B_k, then rotated. Float32 halves (lo, hi)."""

@@ -88,3 +88,26 @@ def cached_rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
         table = rope_table(inv_freq, size)
         _TABLES[key] = (inv_freq, table)
     return table
+
+
+# (device, data_ptr, version, rows, dtype) of a float32 table -> (that table, its copy).
+_COPIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table_in(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``table`` (``rope_table``'s float32) rounded to ``dtype``, made once per table. A score
+    pass that rounds each cos/sin row to its queries' dtype before a dot reads this copy
+    instead: the same operands, half the bytes. Like ``cached_rope_table``, the first call
+    per table must come before CUDA graph capture."""
+    if dtype == table.dtype:
+        return table
+    key = (str(table.device), table.data_ptr(), table._version, table.shape[0], dtype)
+    entry = _COPIES.get(key)
+    if entry is None:
+        if table.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the {dtype} RoPE table is not built; run one step eagerly before CUDA "
+                "graph capture")
+        # Holding the source keeps its memory from serving a later table at the same key.
+        entry = _COPIES[key] = (table, table.to(dtype))
+    return entry[1]

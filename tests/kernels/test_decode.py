@@ -63,7 +63,9 @@ def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, he
 # Two-pass on the static plan and on the dynamic one without prefetch (the defaults since
 # round 13 are the dynamic plan with the bias and residual table loaded a tile ahead): 2
 # splits, the plan's own count, and one split (the output written directly, no merge); the
-# rows in 2 and 3 slices, pass 1 of each before its pass 2 (a side stream on CUDA).
+# rows in 2 and 3 slices, pass 1 of each before its pass 2 (a side stream on CUDA). Pass 1
+# with its residual rows loaded a tile ahead (q-folded from a table in the queries' dtype,
+# and the rotate form).
 QFOLD_ANGLE = {"form": "qfold", "block_n": 16}
 QFOLD_TABLE = {"form": "qfold", "block_n": 16, "angle_add": False, "chunk": 48}
 VARIANTS = [
@@ -73,6 +75,8 @@ VARIANTS = [
     ("two_pass", {"score_tuning": QFOLD_ANGLE}),
     ("two_pass", {"score_tuning": dict(QFOLD_ANGLE, chunk=48)}),
     ("two_pass", {"score_tuning": QFOLD_TABLE}),
+    ("two_pass", {"score_tuning": dict(QFOLD_TABLE, prefetch=True, table16=True)}),
+    ("two_pass", {"score_tuning": {"block_n": 16, "keys_m": True, "prefetch": True}}),
     ("two_pass", {"plan": "static", "prefetch": False}),
     ("two_pass", {"plan": "dynamic", "prefetch": False}),
     ("two_pass", {"plan": "dynamic", "num_splits": None}),
@@ -142,6 +146,7 @@ def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
 
 @pytest.mark.parametrize("variant,score_tuning", [
     ("two_pass", {}), ("two_pass", QFOLD_ANGLE), ("two_pass", QFOLD_TABLE),
+    ("two_pass", dict(QFOLD_TABLE, table16=True, prefetch=True)),
     ("three_pass", {}), ("msc", {"block_n": 16}), ("msc", {"block_n": 16, "dtype": torch.float16}),
     ("msc2s", {"block_n": 16, "residual": {"block_n": 16}}),
     ("msc2s", {"block_n": 16, "dtype": torch.float16, "residual": {"block_n": 16}}),
@@ -171,6 +176,8 @@ def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
     ({"form": "rotated"}, "form"),
     ({"form": "qfold", "keys_m": True}, "keys_m"),
     ({"angle_add": False}, "angle_add"),
+    ({"table16": True}, "table16"),
+    ({"form": "qfold", "table16": True}, "table16"),
 ])
 def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
     """An unknown score form, or an option of the other form, is a clear error."""
@@ -180,6 +187,51 @@ def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                         c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
                         score_tuning=score_tuning)
+
+
+# (form options): pass 1's q-folded form from the table at 16-key tiles, chunks of 48 keys
+# (programs start mid-tile) and of 16 (one tile: the prefetch runs past the chunk), and the
+# rotate form with keys as M.
+SCORE_PASSES = [
+    {"form": "qfold", "angle_add": False, "block_n": 16, "chunk": 48},
+    {"form": "qfold", "angle_add": False, "block_n": 16, "chunk": 16},
+    {"block_n": 16, "keys_m": True, "chunk": 48},
+]
+
+
+# The serving dtype on CUDA; float16 under the interpreter, which holds bf16 wrongly.
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   torch.bfloat16 if DEVICE.type == "cuda" else torch.float16])
+@pytest.mark.parametrize("options", SCORE_PASSES)
+def test_score_pass_prefetch_and_table16_change_no_score(options: dict,
+                                                         dtype: torch.dtype) -> None:
+    """Loading each tile's residual rows a tile ahead, and (q-folded) reading cos/sin from a
+    table already in the queries' dtype, reorder loads only: every score the pass writes is
+    bit for bit the plain pass's, and it writes nothing else (the buffer starts NaN)."""
+    from forkserve.kernels.residual_decode_triton import residual_scores
+    from forkserve.kernels.rope import cached_rope_table
+
+    seq_lens, n_heads, n_kv = [37, 100, 70, 16, 81], 4, 2
+    gen, c, b_k, _, adapters, inv_freq = _residual_inputs(23, seq_lens, n_heads, n_kv)
+    q = _q(gen, len(seq_lens), n_heads, 32).to(dtype)
+    k_res, b_k = c.k_res.to(dtype), b_k.to(dtype)
+    table = cached_rope_table(inv_freq, max(seq_lens))
+
+    def scores(**extra) -> torch.Tensor:
+        out = torch.full((len(seq_lens), n_heads, max(seq_lens)), float("nan"), device=DEVICE)
+        residual_scores(q, k_res, c.res_block_tables, c.seq_lens, b_k, adapters, table, n_kv,
+                        max(seq_lens), out=out, **options, **extra)
+        return out
+
+    plain_pass = scores()
+    written = ~plain_pass.isnan()
+    for b, (n, a) in enumerate(zip(seq_lens, adapters.tolist(), strict=True)):
+        assert written[b, :, :n].all() == (a >= 0) and not written[b, :, n:].any()
+    variants = [{"prefetch": True}]
+    if options.get("form") == "qfold":
+        variants += [{"table16": True}, {"prefetch": True, "table16": True}]
+    for extra in variants:
+        assert torch.equal(scores(**extra).nan_to_num(7.0), plain_pass.nan_to_num(7.0)), extra
 
 
 def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
