@@ -45,6 +45,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 38  # rows 1-2 best forms, decode_bench --step-only
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 39  # rows 1-2 on the new defaults, CUDA suite
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 40  # pass 1 prefetch, q-fold table16 (rows 1-2)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 41  # q-fold table16 with KV heads per program
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -400,6 +401,20 @@ case "$1" in
     two_pass_qfold_t128_w8 two_pass_qfold_t128_w8_pf two_pass_qfold_t128_w8_pf16 \
     two_pass_bn64_keysm64 two_pass_bn64_keysm64_pf --skip shared --contexts 4096 8192 32768 \
     --batches 1 8 32 64 --tag decode_round15_pass1 --out "$OUT" 2>&1 | tail -14
+  ;;
+41)
+  # Round 15, second step: the q-folded pass from the bf16 table with 2 or 4 KV heads per
+  # program (one product over their folds; each tile's residual and table rows read once),
+  # and with 3 pipeline stages.
+  export TRITON_CACHE_DIR=/root/tc15
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_decode.py -k "prefetch_and_table16 or score_options" 2>&1 \
+    | tee "$OUT/pytest_cuda_round15_kv_heads.log" | tail -3
+  timeout 400 python3 benchmarks/kernel_bench.py --variants two_pass_default \
+    two_pass_qfold_t64_pf16 two_pass_qfold_t128_pf16 two_pass_qfold_t64_pf16_h2 \
+    two_pass_qfold_t64_w8_pf16_h2 two_pass_qfold_t128_w8_pf16_h2 two_pass_qfold_t64_w8_pf16_h4 \
+    two_pass_qfold_t64_pf16_s3 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
+    --tag decode_round15_kv_heads --out "$OUT" 2>&1 | tail -12
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

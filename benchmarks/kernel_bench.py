@@ -1296,6 +1296,15 @@ VARIANTS: dict[str, dict] = {
             form="qfold", angle_add=False, block_n=bn, num_warps=w, prefetch=True,
             table16=t16))
        for bn, w in ((64, 4), (128, 4), (128, 8)) for t16 in (False, True)},
+    # ... with KV heads per program sharing each tile's residual and cos/sin rows ("_h"),
+    # and the 64-key pass with 3 pipeline stages ("_s3": two tiles of table rows in flight).
+    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf16_h{h}": dict(
+        variant="two_pass", block_n=64, score_tuning=dict(
+            form="qfold", angle_add=False, block_n=bn, num_warps=w, prefetch=True,
+            table16=True, kv_heads=h))
+       for bn, w, h in ((64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 8, 4))},
+    "two_pass_qfold_t64_pf16_s3": dict(variant="two_pass", block_n=64, score_tuning=dict(
+        form="qfold", angle_add=False, block_n=64, prefetch=True, table16=True, num_stages=3)),
     "two_pass_bn64_keysm64_pf": dict(variant="two_pass", block_n=64,
                                      score_tuning=dict(block_n=64, keys_m=True, prefetch=True)),
     "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,

@@ -404,7 +404,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     num_stages: int = 2, chunk: int | None = None,
                     keys_m: bool = False, form: str = "rotate",
                     angle_add: bool | None = None, prefetch: bool = False,
-                    table16: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                    table16: bool = False, kv_heads: int = 1,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
@@ -424,6 +425,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``table16`` (qfold from the table): read the cos/sin rows from a copy of the table in
     the queries' dtype (``rope.rope_table_in``): the kernel rounds each row to it before its
     dot anyway, so the scores are the same and the rows half the bytes.
+    ``kv_heads`` (qfold): KV heads per program, sharing each key tile's residual and cos/sin
+    rows in one product ``kv_heads`` times wider.
     ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
     call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
@@ -436,6 +439,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     if table16 and (form != "qfold" or angle_add is not False):
         raise ValueError("table16 is an option of the qfold form reading table rows "
                          "(angle_add=False); the rotate form rotates in float32")
+    if kv_heads != 1 and form != "qfold":
+        raise ValueError("kv_heads is a qfold-form option; the rotate form loops over them")
     if table16:
         rope_table = rope_table_in(rope_table, q.dtype)
     if form == "qfold":
@@ -443,7 +448,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
             raise ValueError("keys_m is a rotate-form option; the qfold form has no rebuilt keys")
         qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                      bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch)
+                     chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch,
+                     kv_heads=kv_heads)
         return bias
     if angle_add is not None:
         raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")

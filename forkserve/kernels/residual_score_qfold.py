@@ -82,12 +82,13 @@ def _qfold_score_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
     ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
-    SEQ_START: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    SEQ_START: tl.constexpr = False, PREFETCH: tl.constexpr = False, KV_HEADS: tl.constexpr = 1,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    COLS: tl.constexpr = BLOCK_G * RANK
+    SLOT_ROWS: tl.constexpr = KV_HEADS * BLOCK_G
+    COLS: tl.constexpr = SLOT_ROWS * RANK
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * KV_HEADS
     chunk = tl.program_id(2)
     adapter = tl.load(AdapterIdx + b)
     has_ad = adapter >= 0
@@ -106,13 +107,16 @@ def _qfold_score_kernel(
     if not LOGITS:
         stop = tl.where(has_ad, stop, start)  # no adapter: pass 2 never reads the bias
 
-    # The group's queries folded into B_k: column (g, k) = query row g, rank column k.
+    # The groups' queries folded into B_k: column (h, g, k) = KV head kvh + h, query row g
+    # of its group, rank column k. The KV heads of one program share each tile's K_res and
+    # cos/sin rows (one product N = KV_HEADS G r wide).
     col = tl.arange(0, COLS)
-    g = col // RANK
+    h = col // (BLOCK_G * RANK)
+    g = (col // RANK) % BLOCK_G
     k = col % RANK
     fold_c, fold_s = fold_queries(
-        Q, BK, b * stride_qb + (kvh * GROUP + g) * stride_qh, g < GROUP,
-        a_safe * stride_ba + k * stride_br + kvh * HEAD_DIM, k < rank, HALF)
+        Q, BK, b * stride_qb + ((kvh + h) * GROUP + g) * stride_qh, g < GROUP,
+        a_safe * stride_ba + k * stride_br + (kvh + h) * HEAD_DIM, k < rank, HALF)
     dt = Q.dtype.element_ty
     if ANGLE_ADD:
         cos_j, sin_j = rope_rows(RopeTable, BLOCK_N, HALF)
@@ -123,8 +127,10 @@ def _qfold_score_kernel(
         fs = fold_s.to(dt)
 
     r = tl.arange(0, RANK)
-    rows = tl.arange(0, BLOCK_G)
-    s_ptr = Bias + b * stride_sb + (kvh * GROUP + rows)[None, :] * stride_sh
+    rows = tl.arange(0, SLOT_ROWS)
+    row_ok = rows % BLOCK_G < GROUP
+    heads = (kvh + rows // BLOCK_G) * GROUP + rows % BLOCK_G
+    s_ptr = Bias + b * stride_sb + heads[None, :] * stride_sh
     if LOGITS:
         # The group's queries as the N operand of the base product (keys as M).
         q_t = group_queries_t(Q, b * stride_qb, kvh, stride_qh, GROUP, HEAD_DIM, BASE_N)
@@ -172,13 +178,13 @@ def _qfold_score_kernel(
             w = tl.dot(cos.to(dt), fc)
             w = tl.dot(sin.to(dt), fs, w)
         # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
-        sc = tl.sum(tl.reshape(w, [BLOCK_N, BLOCK_G, RANK]) * kr.to(tl.float32)[:, None, :], 2)
+        sc = tl.sum(tl.reshape(w, [BLOCK_N, SLOT_ROWS, RANK]) * kr.to(tl.float32)[:, None, :], 2)
         if LOGITS:
             sc = (sc + group_base_scores(k_base, q_t, BLOCK_N, BLOCK_G, BASE_N)) * qk_scale
             # Chunks start at multiples of BLOCK_N: vector stores along a head's keys.
             offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
         tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),
-                 mask=n_ok[:, None] & (rows < GROUP)[None, :])
+                 mask=n_ok[:, None] & row_ok[None, :])
 
 
 def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,
@@ -187,7 +193,8 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  num_warps: int = 4, num_stages: int = 2, chunk: int | None = None,
                  angle_add: bool = True,
                  logits: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                 kv_starts: torch.Tensor | None = None, prefetch: bool = False) -> None:
+                 kv_starts: torch.Tensor | None = None, prefetch: bool = False,
+                 kv_heads: int = 1) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
     (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
@@ -195,20 +202,25 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py.
     ``kv_starts [batch]``: score only keys ``kv_starts[b] .. seq_lens[b]`` of each row, its
     range cut over the same number of chunks (residual_score_tiled.py scores the rest).
-    ``prefetch``: load each key tile's residual rows a tile ahead (``PREFETCH``)."""
+    ``prefetch``: load each key tile's residual rows a tile ahead (``PREFETCH``).
+    ``kv_heads``: KV heads per program (a divisor of ``n_kv``), sharing each key tile's
+    residual and cos/sin rows; 1 with ``logits``."""
     if logits is not None and kv_starts is not None:
         raise ValueError("kv_starts is a residual-score option; msc's logits cover every key")
+    if kv_heads < 1 or n_kv % kv_heads or (logits is not None and kv_heads != 1):
+        raise ValueError(f"kv_heads {kv_heads!r}: a divisor of the {n_kv} KV heads, 1 with "
+                         "logits")
     batch, n_heads, head_dim = q.shape
     span = bias.shape[2]
     if chunk is None:
-        chunk = -(-span // waves_of(batch * n_kv, q.device))
+        chunk = -(-span // waves_of(batch * n_kv // kv_heads, q.device))
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     group = n_heads // n_kv
     rank = b_k_all.shape[1]
     k_base, block_tables, qk_scale = logits if logits is not None else (None, None, 1.0)
     base_strides = ((k_base.stride(0), k_base.stride(1), k_base.stride(2), block_tables.stride(0))
                     if logits is not None else (0, 0, 0, 0))
-    _qfold_score_kernel[(batch, n_kv, -(-span // chunk))](
+    _qfold_score_kernel[(batch, n_kv // kv_heads, -(-span // chunk))](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, bias,
         k_base, block_tables, kv_starts, rank, chunk, qk_scale,
         q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
@@ -218,5 +230,5 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
         ANGLE_ADD=angle_add, LOGITS=logits is not None,
         BASE_N=max(16, triton.next_power_of_2(group)), SEQ_START=kv_starts is not None,
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, KV_HEADS=kv_heads, num_warps=num_warps, num_stages=num_stages,
     )

@@ -178,6 +178,8 @@ def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
     ({"angle_add": False}, "angle_add"),
     ({"table16": True}, "table16"),
     ({"form": "qfold", "table16": True}, "table16"),
+    ({"kv_heads": 2}, "kv_heads"),
+    ({"form": "qfold", "kv_heads": 3}, "kv_heads"),
 ])
 def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
     """An unknown score form, or an option of the other form, is a clear error."""
@@ -203,15 +205,18 @@ SCORE_PASSES = [
 @pytest.mark.parametrize("dtype", [torch.float32,
                                    torch.bfloat16 if DEVICE.type == "cuda" else torch.float16])
 @pytest.mark.parametrize("options", SCORE_PASSES)
-def test_score_pass_prefetch_and_table16_change_no_score(options: dict,
-                                                         dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("n_heads,n_kv", [(8, 4), (6, 2)])
+def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: torch.dtype,
+                                                         n_heads: int, n_kv: int) -> None:
     """Loading each tile's residual rows a tile ahead, and (q-folded) reading cos/sin from a
     table already in the queries' dtype, reorder loads only: every score the pass writes is
-    bit for bit the plain pass's, and it writes nothing else (the buffer starts NaN)."""
+    bit for bit the plain pass's, and it writes nothing else (the buffer starts NaN). Two KV
+    heads per q-folded program (GQA groups of 2, and of 3 in a padded block of 4) change the
+    products' width, not a column's sum: the same scores to rounding."""
     from forkserve.kernels.residual_decode_triton import residual_scores
     from forkserve.kernels.rope import cached_rope_table
 
-    seq_lens, n_heads, n_kv = [37, 100, 70, 16, 81], 4, 2
+    seq_lens = [37, 100, 70, 16, 81]
     gen, c, b_k, _, adapters, inv_freq = _residual_inputs(23, seq_lens, n_heads, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32).to(dtype)
     k_res, b_k = c.k_res.to(dtype), b_k.to(dtype)
@@ -232,6 +237,10 @@ def test_score_pass_prefetch_and_table16_change_no_score(options: dict,
         variants += [{"table16": True}, {"prefetch": True, "table16": True}]
     for extra in variants:
         assert torch.equal(scores(**extra).nan_to_num(7.0), plain_pass.nan_to_num(7.0)), extra
+    if options.get("form") == "qfold":
+        shared = scores(kv_heads=2, prefetch=True, table16=True)
+        assert torch.equal(shared.isnan(), plain_pass.isnan())
+        torch.testing.assert_close(shared[written], plain_pass[written], rtol=1e-5, atol=1e-4)
 
 
 def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
