@@ -65,16 +65,22 @@ SCORE_FORMS = ("rotate", "qfold")
 # program per KV head with float16 scores; docs/KERNELS.md "H200, round 11").
 VALUE_GRIDS = ("kv_head", "row")
 DEFAULT_VALUE_GRID = "row"
-# Two-pass score kernel per batch size, from the H200's decode v4 run (kernel_bench_decode_v4
-# .json, 4K-32K, docs/KERNELS.md): no form wins everywhere. At batch 1 the q-folded pass at
-# 128-key tiles over 8 warps (1.43-1.75x unified) beats keys-as-M (1.68-1.74x); at batch 8
-# keys-as-M at 64-key tiles (1.66-1.78x) beats every q-folded form (>= 1.73x); from batch 32
-# the q-folded pass at 64-key tiles (1.81-1.91x) beats keys-as-M (1.82-2.24x), whose 217
-# registers leave 2 programs per SM once the grid is full. Rows: (largest batch, tuning).
+# Two-pass score kernel per batch size, from the H200's round-15 runs
+# (kernel_bench_decode_round15_kv_heads.json, 4K-32K; docs/KERNELS.md "Round 15"): the
+# q-folded pass reading cos/sin rows from the table in the queries' dtype (table16: the bf16
+# rows it rounded to before its dots anyway; pass 1 0.50 -> 0.37x unified at batch >= 32)
+# with two KV heads per program sharing each tile's rows (one product N = 128). At batch 1
+# and above 32, 128-key tiles over 8 warps (1.35-1.42x unified); at batch 2-32 64-key tiles
+# over 4 warps (1.34-1.47x); each tile's residual rows loaded a tile ahead (prefetch: no
+# change measured, kept for the gather it takes off each tile's path). Rows: (largest
+# batch, tuning). The rotate form (keys_m, the batch 2-16 pick of decode v4) and the fp32
+# table stay options.
+_QFOLD16 = {"form": "qfold", "angle_add": False, "table16": True, "prefetch": True,
+            "kv_heads": 2}
 SCORE_TUNING_BY_BATCH: tuple[tuple[int, dict], ...] = (
-    (1, {"form": "qfold", "angle_add": False, "block_n": 128, "num_warps": 8}),
-    (16, {"block_n": 64, "keys_m": True}),
-    (2**31, {"form": "qfold", "angle_add": False, "block_n": 64}),
+    (1, {**_QFOLD16, "block_n": 128, "num_warps": 8}),
+    (32, {**_QFOLD16, "block_n": 64}),
+    (2**31, {**_QFOLD16, "block_n": 128, "num_warps": 8}),
 )
 
 
@@ -426,7 +432,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     the queries' dtype (``rope.rope_table_in``): the kernel rounds each row to it before its
     dot anyway, so the scores are the same and the rows half the bytes.
     ``kv_heads`` (qfold): KV heads per program, sharing each key tile's residual and cos/sin
-    rows in one product ``kv_heads`` times wider.
+    rows in one product that many times wider; a tuning names it for any model, so a
+    program takes ``gcd(kv_heads, n_kv)`` (an MQA model's one KV head alone).
     ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
     call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
@@ -439,8 +446,9 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     if table16 and (form != "qfold" or angle_add is not False):
         raise ValueError("table16 is an option of the qfold form reading table rows "
                          "(angle_add=False); the rotate form rotates in float32")
-    if kv_heads != 1 and form != "qfold":
-        raise ValueError("kv_heads is a qfold-form option; the rotate form loops over them")
+    if kv_heads < 1 or kv_heads != 1 and form != "qfold":
+        raise ValueError(f"kv_heads {kv_heads!r}: a positive count, and a qfold-form option "
+                         "(the rotate form loops over the KV heads)")
     if table16:
         rope_table = rope_table_in(rope_table, q.dtype)
     if form == "qfold":
@@ -449,7 +457,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                      bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch,
-                     kv_heads=kv_heads)
+                     kv_heads=math.gcd(kv_heads, n_kv))
         return bias
     if angle_add is not None:
         raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")

@@ -85,12 +85,16 @@ def cached_rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
         size = MIN_TABLE_POSITIONS
         while size < n_positions:
             size *= 2
+        if entry is not None:  # grown: the old table's copies go with it
+            for k in [k for k, (src, _) in _COPIES.items() if src is entry[1]]:
+                del _COPIES[k]
         table = rope_table(inv_freq, size)
         _TABLES[key] = (inv_freq, table)
     return table
 
 
-# (device, data_ptr, version, rows, dtype) of a float32 table -> (that table, its copy).
+# (device, data_ptr, version, rows, dtype) of a float32 table -> (that table, its copy); a
+# table's copies are dropped when cached_rope_table grows it.
 _COPIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 

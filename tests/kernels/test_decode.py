@@ -179,7 +179,7 @@ def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
     ({"table16": True}, "table16"),
     ({"form": "qfold", "table16": True}, "table16"),
     ({"kv_heads": 2}, "kv_heads"),
-    ({"form": "qfold", "kv_heads": 3}, "kv_heads"),
+    ({"form": "qfold", "kv_heads": 0}, "kv_heads"),
 ])
 def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
     """An unknown score form, or an option of the other form, is a clear error."""
@@ -205,7 +205,7 @@ SCORE_PASSES = [
 @pytest.mark.parametrize("dtype", [torch.float32,
                                    torch.bfloat16 if DEVICE.type == "cuda" else torch.float16])
 @pytest.mark.parametrize("options", SCORE_PASSES)
-@pytest.mark.parametrize("n_heads,n_kv", [(8, 4), (6, 2)])
+@pytest.mark.parametrize("n_heads,n_kv", [(8, 4), (6, 2), (4, 1)])
 def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: torch.dtype,
                                                          n_heads: int, n_kv: int) -> None:
     """Loading each tile's residual rows a tile ahead, and (q-folded) reading cos/sin from a
@@ -284,9 +284,10 @@ def test_score_tuning_follows_the_batch_table() -> None:
 
     bounds = [b for b, _ in SCORE_TUNING_BY_BATCH]
     assert bounds == sorted(bounds)
-    assert score_tuning_for(1)["form"] == "qfold" and score_tuning_for(1)["block_n"] == 128
-    assert score_tuning_for(8).get("keys_m") is True
-    assert score_tuning_for(64)["form"] == "qfold" and score_tuning_for(64)["block_n"] == 64
+    for batch, block_n, warps in ((1, 128, 8), (8, 64, 4), (32, 64, 4), (64, 128, 8)):
+        t = score_tuning_for(batch)
+        assert (t["form"], t["block_n"], t.get("num_warps", 4)) == ("qfold", block_n, warps)
+        assert t["table16"] and t["kv_heads"] == 2 and t["angle_add"] is False
     for lo, hi in zip([0, *bounds[:-1]], bounds, strict=True):
         assert score_tuning_for(hi) is score_tuning_for(lo + 1)
 

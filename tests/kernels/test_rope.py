@@ -9,7 +9,13 @@ import triton
 import triton.language as tl
 from kernel_testlib import DEVICE
 
-from forkserve.kernels.rope import apply_rope, cached_rope_table, default_inv_freq
+from forkserve.kernels import rope as rope_mod
+from forkserve.kernels.rope import (
+    apply_rope,
+    cached_rope_table,
+    default_inv_freq,
+    rope_table_in,
+)
 from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
 
 
@@ -48,6 +54,22 @@ def test_table_is_memoised_and_grows() -> None:
     big = cached_rope_table(inv_freq, small.shape[0] + 1)
     assert big.shape[0] >= 2 * small.shape[0]
     torch.testing.assert_close(big[: small.shape[0]], small)
+
+
+def test_table_copies_are_made_once_and_go_with_their_table() -> None:
+    """A table's copy in another dtype is the table rounded to it, made once; the same
+    dtype is the table itself; growing the table drops the old one's copies (nothing kept
+    alive) and the next call copies the grown one."""
+    inv_freq = default_inv_freq(16, base=1234.0).to(DEVICE)
+    small = cached_rope_table(inv_freq, 10)
+    half = rope_table_in(small, torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, small.to(torch.float16))
+    assert rope_table_in(small, torch.float16) is half
+    assert rope_table_in(small, torch.float32) is small
+    big = cached_rope_table(inv_freq, small.shape[0] + 1)
+    assert not any(src is small for src, _ in rope_mod._COPIES.values())
+    grown = rope_table_in(big, torch.float16)
+    assert grown.shape == big.shape and torch.equal(grown, big.to(torch.float16))
 
 
 def test_rope_scores_depend_on_distance_only() -> None:
