@@ -46,6 +46,7 @@
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 39  # rows 1-2 on the new defaults, CUDA suite
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 40  # pass 1 prefetch, q-fold table16 (rows 1-2)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 41  # q-fold table16 with KV heads per program
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 42  # round 15's defaults, rows 1-2 and the split cascade
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -415,6 +416,16 @@ case "$1" in
     two_pass_qfold_t64_w8_pf16_h2 two_pass_qfold_t128_w8_pf16_h2 two_pass_qfold_t64_w8_pf16_h4 \
     two_pass_qfold_t64_pf16_s3 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
     --tag decode_round15_kv_heads --out "$OUT" 2>&1 | tail -12
+  ;;
+42)
+  # Round 15's pass-1 defaults (bf16 table, two KV heads per program) at every point of rows
+  # 1-2 beside round 14's per-batch forms, and in the split cascade beside round 14's pass 1.
+  export TRITON_CACHE_DIR=/root/tc15
+  timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_qfold_t64 \
+    two_pass_bn64_keysm64 two_pass_qfold_t128_w8 --skip shared --contexts 4096 8192 32768 \
+    --batches 1 8 32 64 --tag decode_round15_defaults --out "$OUT" 2>&1 | tail -8
+  timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
+    two_pass_fp16_rowvalues_pf p1_round14 --out "$OUT" 2>&1 | tail -8
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1430,6 +1430,7 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     # score_tuning_for's qfold at 64-key tiles over 4 warps).
     **{f"p1_{name}": dict(_ROUND11, score_tuning=tuning)
        for name, tuning in (
+           ("round14", dict(form="qfold", angle_add=False, block_n=64, prefetch=True)),
            ("qfold_bn128_w8", dict(form="qfold", angle_add=False, block_n=128, num_warps=8)),
            ("qfold_bn64_w8", dict(form="qfold", angle_add=False, block_n=64, num_warps=8)),
            ("qfold_bn32_w4", dict(form="qfold", angle_add=False, block_n=32)),
