@@ -47,6 +47,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 40  # pass 1 prefetch, q-fold table16 (rows 1-2)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 41  # q-fold table16 with KV heads per program
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 42  # round 15's defaults, rows 1-2 and the split cascade
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 43  # CUDA suite, pass 2 launched programmatically (pdl)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -426,6 +427,15 @@ case "$1" in
     --batches 1 8 32 64 --tag decode_round15_defaults --out "$OUT" 2>&1 | tail -8
   timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues_pf p1_round14 --out "$OUT" 2>&1 | tail -8
+  ;;
+43)
+  # Round 15: the CUDA suite on the new pass-1 defaults (with the pdl tests), then pass 2
+  # launched programmatically beside the default at every point of rows 1-2.
+  bash "$0" suite
+  export TRITON_CACHE_DIR=/root/tc15
+  timeout 200 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_pdl \
+    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round15_pdl \
+    --out "$OUT" 2>&1 | tail -6
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -37,6 +37,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from forkserve.kernels.residual_triton import (
     fused_residual_score,
@@ -85,7 +86,7 @@ def _decode_partial_kernel(
     DYN_SPLIT: tl.constexpr = False, RES_LOGITS: tl.constexpr = False,
     LIVE_ONLY: tl.constexpr = False, DIRECT: tl.constexpr = False,
     REL_SCORE: tl.constexpr = False, VALUE_PASS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, GDC_WAIT: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -169,6 +170,10 @@ def _decode_partial_kernel(
                     b_rows = s_rows
                 s_rows = row_ok  # every row's logits, adapter or not
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
+    if GDC_WAIT:
+        # Launched while the score pass still runs (``pdl``): everything above reads what
+        # was written before that pass began; its scores only after this wait.
+        gdc_wait()
     if PREFETCH:
         # The first tile's bias (and, where this loop reads V_res, its residual table
         # entries); the loop loads each next tile's while it computes this one. Neither feeds
@@ -297,7 +302,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
                     kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
                     direct: bool = False, block_max: torch.Tensor | None = None,
-                    value_pass: bool = False, prefetch: bool = False) -> None:
+                    value_pass: bool = False, prefetch: bool = False,
+                    pdl: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -339,6 +345,10 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``residual_values``, which splits each sequence's keys as this launch did.
     ``prefetch`` (residual with ``res_bias``, no logits): each key tile's bias (and, where
     the loop reads ``V_res``, its residual table entries) is loaded one tile ahead.
+    ``pdl`` (residual with ``res_bias``, CUDA sm_90+): launched programmatically after the
+    score pass that writes ``res_bias`` (``residual_scores(pdl=True)``, the launch right
+    before this one): the programs start and load what that pass does not write while it
+    runs, and wait for it (``griddepcontrol.wait``) before the first bias read.
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -376,6 +386,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         bias_strides = (0, 0)
     if prefetch:
         assert residual is not None and res_bias is not None and res_logits is None
+    assert not pdl or (res_bias is not None and q.is_cuda)
     if value_pass:
         assert (residual is not None and res_bias is not None and res_logits is None
                 and tiles is None and kv_starts is None and dyn_split and kv_start == 0)
@@ -415,7 +426,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DYN_SPLIT=tiles is not None or kv_starts is not None or dyn_split,
         RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
         REL_SCORE=block_max is not None, VALUE_PASS=writes_back, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages,
+        GDC_WAIT=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 

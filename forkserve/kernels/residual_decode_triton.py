@@ -410,7 +410,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     num_stages: int = 2, chunk: int | None = None,
                     keys_m: bool = False, form: str = "rotate",
                     angle_add: bool | None = None, prefetch: bool = False,
-                    table16: bool = False, kv_heads: int = 1,
+                    table16: bool = False, kv_heads: int = 1, pdl: bool = False,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
@@ -434,6 +434,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     ``kv_heads`` (qfold): KV heads per program, sharing each key tile's residual and cos/sin
     rows in one product that many times wider; a tuning names it for any model, so a
     program takes ``gcd(kv_heads, n_kv)`` (an MQA model's one KV head alone).
+    ``pdl`` (qfold, CUDA): the next launch may start programmatically while this one runs
+    (``decode_partials(pdl=True)``, which waits for it before reading the scores).
     ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
     call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
@@ -449,6 +451,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     if kv_heads < 1 or kv_heads != 1 and form != "qfold":
         raise ValueError(f"kv_heads {kv_heads!r}: a positive count, and a qfold-form option "
                          "(the rotate form loops over the KV heads)")
+    if pdl and (form != "qfold" or not q.is_cuda):
+        raise ValueError("pdl is a qfold-form option on a CUDA device")
     if table16:
         rope_table = rope_table_in(rope_table, q.dtype)
     if form == "qfold":
@@ -457,7 +461,7 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                      bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch,
-                     kv_heads=math.gcd(kv_heads, n_kv))
+                     kv_heads=math.gcd(kv_heads, n_kv), pdl=pdl)
         return bias
     if angle_add is not None:
         raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")
@@ -568,7 +572,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
                            plan: str | None = None, prefetch: bool | None = None,
-                           overlap_slices: int | None = None) -> torch.Tensor:
+                           overlap_slices: int | None = None, pdl: bool = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -584,7 +588,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     slices, pass 1 of slice i + 1 on a side stream beside pass 2 of slice i
     (``streams.row_pipeline``), so the tensor-core score pass and the memory-bound partial
     kernel could share the SMs. H200, round 14: 2 slices tie at batch 1 and lose 0.01-0.17x
-    unified elsewhere, 4 lose more (smaller grids, and pass 2's programs fill the SMs)."""
+    unified elsewhere, 4 lose more (smaller grids, and pass 2's programs fill the SMs).
+    ``pdl`` (two-pass, dynamic plan, no slices, CUDA sm_90+, the q-folded pass 1): pass 2 is
+    launched programmatically, so its programs start while pass 1 runs and wait for it
+    before their first score read (``griddepcontrol``; at batch 1 pass 1 is mostly a fixed
+    latency)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
@@ -594,6 +602,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     if prefetch and variant != "two_pass":
         raise ValueError("prefetch is a two_pass option")
+    if pdl and (variant != "two_pass" or plan != "dynamic" or overlap_slices is not None
+                or not q.is_cuda):
+        raise ValueError("pdl: two_pass on the dynamic plan without overlap_slices, on CUDA")
     if overlap_slices is not None and (plan != "dynamic" or overlap_slices < 1):
         raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
                          f"two_pass on the dynamic plan")
@@ -617,7 +628,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
             residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,
                             adapter_idx[lo:hi], rope_tab, n_kv, max_seq_len, out=res_bias[lo:hi],
-                            **tuning)
+                            pdl=pdl, **tuning)
 
         if overlap_slices is None:
             scores(0, batch)
@@ -644,7 +655,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                                 num_splits=splits, split_len=0, split_offset=0, residual=rows,
                                 block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                 res_bias=res_bias[lo:hi], dyn_split=True,
-                                direct=part_lse is None, prefetch=prefetch)
+                                direct=part_lse is None, prefetch=prefetch, pdl=pdl)
 
             dynamic_split_decode(q[lo:hi], (hi - lo) * n_kv, max_seq_len, num_splits, block_n,
                                  fill, out=out[lo:hi])

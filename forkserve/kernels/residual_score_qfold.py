@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from forkserve.kernels.residual_triton import (
     base_key_tile,
@@ -83,7 +84,12 @@ def _qfold_score_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
     ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
     SEQ_START: tl.constexpr = False, PREFETCH: tl.constexpr = False, KV_HEADS: tl.constexpr = 1,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:
+        # The next launch (pass 2, ``pdl``) may start once every program here has: it
+        # waits for this grid's end before reading the scores.
+        gdc_launch_dependents()
     HALF: tl.constexpr = HEAD_DIM // 2
     SLOT_ROWS: tl.constexpr = KV_HEADS * BLOCK_G
     COLS: tl.constexpr = SLOT_ROWS * RANK
@@ -194,7 +200,7 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  angle_add: bool = True,
                  logits: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                  kv_starts: torch.Tensor | None = None, prefetch: bool = False,
-                 kv_heads: int = 1) -> None:
+                 kv_heads: int = 1, pdl: bool = False) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
     (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
@@ -204,7 +210,8 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     range cut over the same number of chunks (residual_score_tiled.py scores the rest).
     ``prefetch``: load each key tile's residual rows a tile ahead (``PREFETCH``).
     ``kv_heads``: KV heads per program (a divisor of ``n_kv``), sharing each key tile's
-    residual and cos/sin rows; 1 with ``logits``."""
+    residual and cos/sin rows; 1 with ``logits``. ``pdl`` (CUDA sm_90+): let the next launch
+    start programmatically while this one runs (it must wait before reading the scores)."""
     if logits is not None and kv_starts is not None:
         raise ValueError("kv_starts is a residual-score option; msc's logits cover every key")
     if kv_heads < 1 or n_kv % kv_heads or (logits is not None and kv_heads != 1):
@@ -230,5 +237,6 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
         ANGLE_ADD=angle_add, LOGITS=logits is not None,
         BASE_N=max(16, triton.next_power_of_2(group)), SEQ_START=kv_starts is not None,
-        PREFETCH=prefetch, KV_HEADS=kv_heads, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, KV_HEADS=kv_heads, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        num_stages=num_stages,
     )

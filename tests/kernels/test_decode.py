@@ -243,6 +243,40 @@ def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: t
         torch.testing.assert_close(shared[written], plain_pass[written], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="programmatic launches need sm_90")
+@pytest.mark.parametrize("batch_lens", [[700], [37, 100, 70, 16, 81]])
+def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
+    """Pass 2 launched programmatically while pass 1 runs (``pdl``) waits for pass 1's scores:
+    the output is the plain launch's, bit for bit, at one row and at five (one without an
+    adapter), under a CUDA graph too."""
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(29, batch_lens, 8, 2)
+    q = _q(gen, len(batch_lens), 8, 32)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, inv_freq)
+    bound = {"max_seq_len": max(batch_lens)}  # no host sync inside the capture
+    plain_launch = residual_decode(*args, use_triton=True, **bound)
+    assert torch.equal(residual_decode(*args, use_triton=True, pdl=True, **bound), plain_launch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = residual_decode(*args, use_triton=True, pdl=True, **bound)
+    graph.replay()
+    assert torch.equal(captured, plain_launch)
+
+
+def test_pdl_refused_off_cuda() -> None:
+    """A programmatic launch is a CUDA sm_90 feature: elsewhere, and with a pass that has no
+    programmatic partner, a clear error."""
+    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, inv_freq)
+    with pytest.raises(ValueError, match="pdl"):
+        residual_decode(*args, use_triton=True, pdl=True, plan="static")
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match="pdl"):
+            residual_decode(*args, use_triton=True, pdl=True)
+
+
 def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the dynamic plan one split writes the output itself, B_v applied, with no merge."""
     from forkserve.kernels import split_kv

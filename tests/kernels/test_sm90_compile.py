@@ -6,6 +6,7 @@ the device (the FRESH route's rebuild, round 8). Compiling to PTX here catches t
 error in CI. Pointers are bf16 (the serving dtype), integers i32."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
     if not isinstance(kernel, JITFunction):
         kernel = JITFunction(kernel.fn)
     names = kernel.arg_names
+    # Constexprs left out take their defaults, as at a launch.
+    consts = {p.name: p.default for p in kernel.params
+              if p.is_constexpr and p.default is not inspect.Parameter.empty} | consts
     sig = {n: "constexpr" if n in consts else "*bf16" if n in POINTERS
            else "*fp32" if n in FP32_POINTERS else "*i32" if n in I32_POINTERS
            else "*i64" if n == "Slots" else "i32" for n in names}
@@ -80,6 +84,14 @@ for agents, kv_heads in ((2, 1), (4, 1), (2, 2)):
 assert ".entry" in compile_sm90(_qfold_score_kernel, dict(
     GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, RANK=16, ANGLE_ADD=False,
     LOGITS=False, BASE_N=16, SEQ_START=True))
+# Two-pass decode's pass 1 as the engine runs it (bf16 table rows, two KV heads, residual
+# rows a tile ahead), signalling a programmatic launch of pass 2 (pdl) or not.
+for launch_dependents in (False, True):
+    ptx = compile_sm90(_qfold_score_kernel, dict(
+        GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, RANK=16, ANGLE_ADD=False,
+        PREFETCH=True, KV_HEADS=2, LAUNCH_DEPENDENTS=launch_dependents), 8,
+        {"RopeTable": "*bf16", "Bias": "*fp16"})
+    assert ("griddepcontrol.launch_dependents" in ptx) == launch_dependents
 """
 
 
@@ -125,6 +137,9 @@ for rel in (False, True):
                 VALUE_PASS=True, PREFETCH=prefetch)
     partial(4, SEQ_START=True, PREFETCH=True)  # the cascade's suffix launch
     partial(4, LIVE_ONLY=True, PREFETCH=True)  # two-pass decode's pass 2
+    ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
+                                                           GDC_WAIT=True), 4, types)
+    assert "griddepcontrol.wait" in ptx  # ... launched programmatically (pdl)
     partial(4, LIVE_ONLY=True, REL_SCORE=rel, VALUE_PASS=True)  # three-pass, no acc_r
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
