@@ -49,6 +49,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 42  # round 15's defaults, rows 1-2 and the split cascade
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 43  # CUDA suite, pass 2 launched programmatically (pdl)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 44  # react W=32: unified, disaggregated, adaptive
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 45  # CUDA suite, rows 1-2 with and without pdl
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -441,6 +442,15 @@ case "$1" in
 44)
   # Round 15: react W = 32, every LoRA system, on the new pass-1 defaults (rows 8-9).
   W=32 round10 react issue15_round15 330
+  ;;
+45)
+  # Round 15, after the fixes: the CUDA suite (the bf16 table copy under inference mode; pdl
+  # on by default), then the default beside it without pdl at every point of rows 1-2.
+  bash "$0" suite
+  export TRITON_CACHE_DIR=/root/tc15
+  timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_nopdl \
+    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round15_final \
+    --out "$OUT" 2>&1 | tail -6
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1305,8 +1305,10 @@ VARIANTS: dict[str, dict] = {
        for bn, w, h in ((64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 8, 4))},
     "two_pass_qfold_t64_pf16_s3": dict(variant="two_pass", block_n=64, score_tuning=dict(
         form="qfold", angle_add=False, block_n=64, prefetch=True, table16=True, num_stages=3)),
-    # The default with pass 2 launched programmatically while pass 1 runs (``pdl``).
+    # Pass 2 launched programmatically while pass 1 runs (``pdl``; the default on sm_90
+    # since round 15), and the default without it.
     "two_pass_pdl": dict(variant="two_pass", block_n=64, pdl=True),
+    "two_pass_nopdl": dict(variant="two_pass", block_n=64, pdl=False),
     "two_pass_bn64_keysm64_pf": dict(variant="two_pass", block_n=64,
                                      score_tuning=dict(block_n=64, keys_m=True, prefetch=True)),
     "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,

@@ -25,6 +25,7 @@ scratch buffers are temporaries of one call. H200 numbers: docs/KERNELS.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -108,6 +109,18 @@ def block_maxima(scores: torch.Tensor, block_n: int) -> torch.Tensor | None:
     batch, n_heads, span = scores.shape
     return torch.empty(batch, n_heads, -(-span // block_n), dtype=torch.float32,
                        device=scores.device)
+
+
+@functools.cache
+def _sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def programmatic_launches(device: torch.device) -> bool:
+    """Whether ``device`` launches a kernel programmatically after another (``pdl``):
+    CUDA, sm_90 or later."""
+    return device.type == "cuda" and _sm90_or_later(
+        torch.cuda.current_device() if device.index is None else device.index)
 
 
 def score_tuning_for(batch: int) -> dict:
@@ -572,7 +585,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            split_score: bool = False, variant: str = "two_pass",
                            score_tuning: dict | None = None, chunk: int = 256,
                            plan: str | None = None, prefetch: bool | None = None,
-                           overlap_slices: int | None = None, pdl: bool = False) -> torch.Tensor:
+                           overlap_slices: int | None = None,
+                           pdl: bool | None = None) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -592,7 +606,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     ``pdl`` (two-pass, dynamic plan, no slices, CUDA sm_90+, the q-folded pass 1): pass 2 is
     launched programmatically, so its programs start while pass 1 runs and wait for it
     before their first score read (``griddepcontrol``; at batch 1 pass 1 is mostly a fixed
-    latency)."""
+    latency: H200, 1.34-1.41x -> 1.28-1.35x unified, no change past it). Default: on
+    wherever it applies."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
@@ -602,9 +617,14 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
         raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
     if prefetch and variant != "two_pass":
         raise ValueError("prefetch is a two_pass option")
-    if pdl and (variant != "two_pass" or plan != "dynamic" or overlap_slices is not None
-                or not q.is_cuda):
-        raise ValueError("pdl: two_pass on the dynamic plan without overlap_slices, on CUDA")
+    tuning = score_tuning_for(q.shape[0]) if score_tuning is None else score_tuning
+    pdl_applies = (variant == "two_pass" and plan == "dynamic" and overlap_slices is None
+                   and tuning.get("form") == "qfold" and programmatic_launches(q.device))
+    if pdl is None:
+        pdl = pdl_applies
+    if pdl and not pdl_applies:
+        raise ValueError("pdl: two_pass on the dynamic plan without overlap_slices, its pass "
+                         "1 q-folded, on a CUDA device of sm_90 or later")
     if overlap_slices is not None and (plan != "dynamic" or overlap_slices < 1):
         raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
                          f"two_pass on the dynamic plan")
@@ -616,7 +636,6 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
     res_bias = res_logits = None
     batch = q.shape[0]
-    tuning = score_tuning_for(batch) if score_tuning is None else score_tuning
     if variant == "three_pass":
         return _three_pass(q, k_base, v_base, block_tables, seq_lens, residual, scale=scale,
                            max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n,

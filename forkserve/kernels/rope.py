@@ -93,7 +93,7 @@ def cached_rope_table(inv_freq: torch.Tensor, n_positions: int) -> torch.Tensor:
     return table
 
 
-# (device, data_ptr, version, rows, dtype) of a float32 table -> (that table, its copy); a
+# (device, data_ptr, rows, dtype) of a float32 table -> (that table, its copy); a
 # table's copies are dropped when cached_rope_table grows it.
 _COPIES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -105,9 +105,12 @@ def rope_table_in(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     per table must come before CUDA graph capture."""
     if dtype == table.dtype:
         return table
-    key = (str(table.device), table.data_ptr(), table._version, table.shape[0], dtype)
+    # No version in the key: an inference-mode table has no counter, and no table of this
+    # module's is written after it is built. The entry holds its source, so a key can only
+    # meet another tensor once that source has gone from the entry.
+    key = (str(table.device), table.data_ptr(), table.shape[0], dtype)
     entry = _COPIES.get(key)
-    if entry is None:
+    if entry is None or entry[0] is not table:
         if table.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"the {dtype} RoPE table is not built; run one step eagerly before CUDA "

@@ -246,15 +246,18 @@ def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: t
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="programmatic launches need sm_90")
 @pytest.mark.parametrize("batch_lens", [[700], [37, 100, 70, 16, 81]])
 def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
-    """Pass 2 launched programmatically while pass 1 runs (``pdl``) waits for pass 1's scores:
-    the output is the plain launch's, bit for bit, at one row and at five (one without an
-    adapter), under a CUDA graph too."""
+    """Pass 2 launched programmatically while pass 1 runs (``pdl``, the default on sm_90)
+    waits for pass 1's scores: the output is the plain launch's, bit for bit, at one row and
+    at five (one without an adapter), under a CUDA graph too."""
+    from forkserve.kernels.residual_decode_triton import programmatic_launches
+
+    assert programmatic_launches(DEVICE)  # an H200: on by default
     gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(29, batch_lens, 8, 2)
     q = _q(gen, len(batch_lens), 8, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
     bound = {"max_seq_len": max(batch_lens)}  # no host sync inside the capture
-    plain_launch = residual_decode(*args, use_triton=True, **bound)
+    plain_launch = residual_decode(*args, use_triton=True, pdl=False, **bound)
     assert torch.equal(residual_decode(*args, use_triton=True, pdl=True, **bound), plain_launch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -14,6 +14,7 @@ from forkserve.kernels.rope import (
     apply_rope,
     cached_rope_table,
     default_inv_freq,
+    rope_table,
     rope_table_in,
 )
 from forkserve.kernels.rope_triton import rope_rotate, rope_row, rope_rows
@@ -70,6 +71,10 @@ def test_table_copies_are_made_once_and_go_with_their_table() -> None:
     assert not any(src is small for src, _ in rope_mod._COPIES.values())
     grown = rope_table_in(big, torch.float16)
     assert grown.shape == big.shape and torch.equal(grown, big.to(torch.float16))
+    # The engine serves under inference mode, whose tensors keep no version counter.
+    with torch.inference_mode():
+        served = rope_table(default_inv_freq(16, base=4321.0).to(DEVICE), 8)
+        assert torch.equal(rope_table_in(served, torch.float16), served.to(torch.float16))
 
 
 def test_rope_scores_depend_on_distance_only() -> None:
