@@ -1,0 +1,31 @@
+"""benchmarks/kernel_bench.py --variants at its smoke shapes (CPU, Triton interpreter): unified
+and each variant's whole call timed together (``measure_interleaved``), a variant that fails
+(``pdl`` needs an sm_90 GPU) recorded as NaN with its error while the others are still timed,
+and each two-pass variant's pass 1 alone. On CUDA run the bench itself."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.benchmark_script import load_script
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="CPU smoke shapes; on CUDA run the bench itself")
+
+
+def test_variants_row_keeps_the_others_when_one_fails(tmp_path) -> None:
+    kb = load_script("kernel_bench")
+    s = kb.Setup(smoke=True)
+    s.contexts, s.batches = [64], [2]
+    res = kb.result_header(s, decode_variants=[])
+    path = tmp_path / "kernel_bench_decode_variants.json"
+    kb.run_decode_variants(s, res, ["two_pass_nopdl", "two_pass_pdl"], path)
+    (row,) = json.loads(path.read_text())["decode_variants"]
+    assert row["unified_ms"] > 0 and row["two_pass_nopdl_ms"] > 0
+    assert row["two_pass_nopdl_ratio"] == row["two_pass_nopdl_ms"] / row["unified_ms"]
+    assert row["two_pass_nopdl_scores_ms"] > 0
+    assert math.isnan(row["two_pass_pdl_ms"])
+    assert any("two_pass_pdl" in e and "pdl" in e for e in res["errors"])
