@@ -24,16 +24,23 @@ four small ones and the elementwise rotation between them.
 
 Where a tile's cos/sin come from (``ANGLE_ADD``):
 
-* False: the rows at the keys' absolute positions, read from the float32 table (rope.py):
-  ``2 x D/2 x 4`` bytes per key and KV head program (from L2; the table is shared by all
-  sequences);
+* False: the rows at the keys' absolute positions, read from the table (rope.py):
+  ``2 x D/2 x 4`` bytes per key and program from the float32 table (from L2; the table is
+  shared by all sequences), half that from its copy in the queries' dtype, which the dots
+  round the rows to anyway (``residual_scores(table16=True)``; H200 round 15: the rows'
+  bytes, not the products, bounded this pass);
 * True: angle addition moved onto the folded matrices. ``cos_{n0+j} Fc + sin_{n0+j} Fs =
   cos_j (cos_n0 Fc + sin_n0 Fs) + sin_j (cos_n0 Fs - sin_n0 Fc)``: the program holds the
   rows ``j < BLOCK_N`` for the whole loop and rotates ``Fc, Fs`` by the tile start's one row
   (``D/2 x G r`` pairs per tile, no per-key table read).
 
-Grid ``(batch, n_kv, chunks)``; ``Fc, Fs`` live for the whole program. Output buffers are the
-caller's (``residual_scores``).
+Grid ``(batch, n_kv / KV_HEADS, chunks)``; ``Fc, Fs`` live for the whole program. A program
+takes ``KV_HEADS`` KV heads of its row, their folded matrices side by side (``[D/2, KV_HEADS
+G r]``): each tile's residual and cos/sin rows serve all of them in one product. With
+``PREFETCH`` the loop holds the next tile's residual rows (a gather the pipeliner does not
+load ahead); with ``LAUNCH_DEPENDENTS`` the programs let the next launch start
+(``griddepcontrol``, pass 2 with ``pdl``). Output buffers are the caller's
+(``residual_scores``).
 
 ``LOGITS`` is pass 1 of the materialized-scores decode (residual_msc.py): the program also
 streams its KV head's ``K_base`` tiles, adds ``K_base @ q^T`` (keys as M, one more product
