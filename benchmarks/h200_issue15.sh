@@ -81,6 +81,16 @@ round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/$1_multilora_$2.json"
 }
+decode_tests() {  # $1: the log's tag, $2: pytest -k; tests/kernels/test_decode.py on CUDA
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_decode.py -k "$2" 2>&1 | tee "$OUT/pytest_cuda_$1.log" | tail -3
+}
+variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every point of rows 1-2
+  local limit=$1 tag=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/kernel_bench.py --variants "$@" --skip shared \
+    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag "$tag" --out "$OUT" 2>&1 | tail -14
+}
 case "$1" in
 1)
   FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -x tests/kernels/test_shared_prefix.py \
@@ -360,12 +370,9 @@ case "$1" in
   # Round 13: three-pass decode on CUDA (tests, then beside the engine's two-pass), and the
   # prefill routes with every point's device time interleaved (row 4).
   export TRITON_CACHE_DIR=/root/tc13
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_decode.py -k "three_pass or two_pass" 2>&1 \
-    | tee "$OUT/pytest_cuda_round13_decode.log" | tail -3
-  timeout 220 python3 benchmarks/kernel_bench.py --variants two_pass_default three_pass_bn64 \
-    three_pass_bn64_w8 three_pass_bn32 --skip shared --contexts 4096 8192 32768 \
-    --batches 1 8 32 64 --tag decode_three_pass --out "$OUT" 2>&1 | tail -12
+  decode_tests round13_decode "three_pass or two_pass"
+  variants 220 decode_three_pass two_pass_default three_pass_bn64 three_pass_bn64_w8 \
+    three_pass_bn32
   timeout 200 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -25
   ;;
 38)
@@ -373,10 +380,8 @@ case "$1" in
   # column in an earlier run (msc2s, the batch-1 q-fold, keys as M), three-pass and two-pass
   # on the dynamic split plan (pass 2 alone timed for the static ones); then rows 10a-d (36).
   export TRITON_CACHE_DIR=/root/tc13
-  timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_dyn \
-    three_pass_bn64 msc2s_bn64_r2 msc2s_bn64_r4 two_pass_qfold_t128_w8 two_pass_bn64_keysm64 \
-    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round13 \
-    --out "$OUT" 2>&1 | tail -12
+  variants 300 decode_round13 two_pass_default two_pass_dyn three_pass_bn64 msc2s_bn64_r2 \
+    msc2s_bn64_r4 two_pass_qfold_t128_w8 two_pass_bn64_keysm64
   bash "$0" 36
   ;;
 39)
@@ -385,9 +390,8 @@ case "$1" in
   # (overlap_slices, off by default); the split cascade with prefetch (off by default); then
   # the CUDA suite on them.
   export TRITON_CACHE_DIR=/root/tc13
-  timeout 240 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_static \
-    two_pass_dyn two_pass_pf two_pass_ov2 two_pass_ov4 --skip shared --contexts 4096 8192 \
-    32768 --batches 1 8 32 64 --tag decode_round13_defaults --out "$OUT" 2>&1 | tail -8
+  variants 240 decode_round13_defaults two_pass_default two_pass_static two_pass_dyn \
+    two_pass_pf two_pass_ov2 two_pass_ov4
   timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues two_pass_fp16_rowvalues_pf --out "$OUT" 2>&1 | tail -8
   bash "$0" suite
@@ -397,36 +401,28 @@ case "$1" in
   # a table in the queries' dtype, beside the defaults and the forms they change, at every
   # point of rows 1-2; their CUDA tests first.
   export TRITON_CACHE_DIR=/root/tc15
-  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_decode.py -k "prefetch_and_table16 or two_pass or score_options" 2>&1 \
-    | tee "$OUT/pytest_cuda_round15_pass1.log" | tail -3
-  timeout 400 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_qfold_t64 \
-    two_pass_qfold_t64_pf two_pass_qfold_t64_pf16 two_pass_qfold_t128_pf16 \
-    two_pass_qfold_t128_w8 two_pass_qfold_t128_w8_pf two_pass_qfold_t128_w8_pf16 \
-    two_pass_bn64_keysm64 two_pass_bn64_keysm64_pf --skip shared --contexts 4096 8192 32768 \
-    --batches 1 8 32 64 --tag decode_round15_pass1 --out "$OUT" 2>&1 | tail -14
+  decode_tests round15_pass1 "prefetch_and_table16 or two_pass or score_options"
+  variants 400 decode_round15_pass1 two_pass_default two_pass_qfold_t64 two_pass_qfold_t64_pf \
+    two_pass_qfold_t64_pf16 two_pass_qfold_t128_pf16 two_pass_qfold_t128_w8 \
+    two_pass_qfold_t128_w8_pf two_pass_qfold_t128_w8_pf16 two_pass_bn64_keysm64 \
+    two_pass_bn64_keysm64_pf
   ;;
 41)
   # Round 15, second step: the q-folded pass from the bf16 table with 2 or 4 KV heads per
   # program (one product over their folds; each tile's residual and table rows read once),
   # and with 3 pipeline stages.
   export TRITON_CACHE_DIR=/root/tc15
-  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_decode.py -k "prefetch_and_table16 or score_options" 2>&1 \
-    | tee "$OUT/pytest_cuda_round15_kv_heads.log" | tail -3
-  timeout 400 python3 benchmarks/kernel_bench.py --variants two_pass_default \
-    two_pass_qfold_t64_pf16 two_pass_qfold_t128_pf16 two_pass_qfold_t64_pf16_h2 \
-    two_pass_qfold_t64_w8_pf16_h2 two_pass_qfold_t128_w8_pf16_h2 two_pass_qfold_t64_w8_pf16_h4 \
-    two_pass_qfold_t64_pf16_s3 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
-    --tag decode_round15_kv_heads --out "$OUT" 2>&1 | tail -12
+  decode_tests round15_kv_heads "prefetch_and_table16 or score_options"
+  variants 400 decode_round15_kv_heads two_pass_default two_pass_qfold_t64_pf16 \
+    two_pass_qfold_t128_pf16 two_pass_qfold_t64_pf16_h2 two_pass_qfold_t64_w8_pf16_h2 \
+    two_pass_qfold_t128_w8_pf16_h2 two_pass_qfold_t64_w8_pf16_h4 two_pass_qfold_t64_pf16_s3
   ;;
 42)
   # Round 15's pass-1 defaults (bf16 table, two KV heads per program) at every point of rows
   # 1-2 beside round 14's per-batch forms, and in the split cascade beside round 14's pass 1.
   export TRITON_CACHE_DIR=/root/tc15
-  timeout 300 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_qfold_t64 \
-    two_pass_bn64_keysm64 two_pass_qfold_t128_w8 --skip shared --contexts 4096 8192 32768 \
-    --batches 1 8 32 64 --tag decode_round15_defaults --out "$OUT" 2>&1 | tail -8
+  variants 300 decode_round15_defaults two_pass_default two_pass_qfold_t64 \
+    two_pass_bn64_keysm64 two_pass_qfold_t128_w8
   timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues_pf p1_round14 --out "$OUT" 2>&1 | tail -8
   ;;
@@ -435,9 +431,7 @@ case "$1" in
   # launched programmatically beside the default at every point of rows 1-2.
   bash "$0" suite
   export TRITON_CACHE_DIR=/root/tc15
-  timeout 200 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_pdl \
-    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round15_pdl \
-    --out "$OUT" 2>&1 | tail -6
+  variants 200 decode_round15_pdl two_pass_default two_pass_pdl
   ;;
 44)
   # Round 15: react W = 32, every LoRA system, on the new pass-1 defaults (rows 8-9).
@@ -448,9 +442,7 @@ case "$1" in
   # on by default), then the default beside it without pdl at every point of rows 1-2.
   bash "$0" suite
   export TRITON_CACHE_DIR=/root/tc15
-  timeout 150 python3 benchmarks/kernel_bench.py --variants two_pass_default two_pass_nopdl \
-    --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 --tag decode_round15_final \
-    --out "$OUT" 2>&1 | tail -6
+  variants 150 decode_round15_final two_pass_default two_pass_nopdl
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
