@@ -50,6 +50,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 43  # CUDA suite, pass 2 launched programmatically (pdl)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 44  # react W=32: unified, disaggregated, adaptive
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 45  # CUDA suite, rows 1-2 with and without pdl
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 46  # rows 1-2 interleaved; batch-1 pass 1 over longer chunks
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -443,6 +444,13 @@ case "$1" in
   bash "$0" suite
   export TRITON_CACHE_DIR=/root/tc15
   variants 150 decode_round15_final two_pass_default two_pass_nopdl
+  ;;
+46)
+  # Round 16 (prepared in round 15): rows 1-2 with whole calls interleaved (kernel_bench's
+  # default since a9f0615), and the batch-1 pass 1 over longer chunks.
+  export TRITON_CACHE_DIR=/root/tc15
+  variants 300 decode_round16 two_pass_default two_pass_nopdl two_pass_b1_c256 \
+    two_pass_b1_c512 two_pass_b1_c1024
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

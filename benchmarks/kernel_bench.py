@@ -1330,6 +1330,12 @@ VARIANTS: dict[str, dict] = {
     # since round 15), and the default without it.
     "two_pass_pdl": dict(variant="two_pass", block_n=64, pdl=True),
     "two_pass_nopdl": dict(variant="two_pass", block_n=64, pdl=False),
+    # The batch-1 pass 1 (128-key tiles, 8 warps, bf16 rows, two KV heads) with longer
+    # chunks: fewer programs, each folding once for several pipelined tiles (its fixed chain
+    # of loads is most of pass 1 at batch 1; the default cuts ~2 waves of programs).
+    **{f"two_pass_b1_c{c}": dict(variant="two_pass", block_n=64, score_tuning=dict(
+        form="qfold", angle_add=False, table16=True, prefetch=True, kv_heads=2, block_n=128,
+        num_warps=8, chunk=c)) for c in (256, 512, 1024)},
     "two_pass_bn64_keysm64_pf": dict(variant="two_pass", block_n=64,
                                      score_tuning=dict(block_n=64, keys_m=True, prefetch=True)),
     "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,
