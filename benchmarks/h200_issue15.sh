@@ -447,10 +447,14 @@ case "$1" in
   ;;
 46)
   # Round 16 (prepared in round 15): rows 1-2 with whole calls interleaved (kernel_bench's
-  # default since a9f0615), and the batch-1 pass 1 over longer chunks.
+  # default since a9f0615), the batch-1 pass 1 over longer chunks, and the split cascade
+  # with the tiled score pass from the bf16 table.
   export TRITON_CACHE_DIR=/root/tc15
   variants 300 decode_round16 two_pass_default two_pass_nopdl two_pass_b1_c256 \
     two_pass_b1_c512 two_pass_b1_c1024
+  timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
+    two_pass_fp16_rowvalues_pf tiled16_a2h1_bn64_w8 tiled16_a4h1_bn64_w8 --out "$OUT" \
+    2>&1 | tail -8
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1456,6 +1456,12 @@ CASCADE_SPLIT_VARIANTS: dict[str, dict] = {
     **{f"tiled_a{a}h{h}_bn{bn}_w{w}": dict(variant="tiled_scores", score_tuning=dict(
         agents=a, kv_heads=h, block_n=bn, num_warps=w), **_ROUND10)
        for a, h, bn, w in ((2, 1, 64, 8), (4, 1, 64, 8), (2, 2, 64, 8), (4, 1, 32, 8))},
+    # Round 15: the tiled pass from the bf16 table (86 registers at 2 x 1 over 8 warps, was
+    # 116), its suffixes on two-pass's batch 2-32 pass 1; float16 scores, row value grid.
+    **{f"tiled16_a{a}h1_bn64_w8": dict(_ROUND11, variant="tiled_scores", score_tuning=dict(
+        agents=a, kv_heads=1, block_n=64, num_warps=8, table16=True, suffix=dict(
+            angle_add=False, block_n=64, prefetch=True, kv_heads=2)))
+       for a in (2, 4)},
     # Pass 1 is the default form's largest launch since round 11: its tunings at the
     # default's buffers ("p1_" + residual_scores keywords; the default at batch 32 is
     # score_tuning_for's qfold at 64-key tiles over 4 warps).

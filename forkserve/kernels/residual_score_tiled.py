@@ -27,6 +27,7 @@ import triton.language as tl
 
 from forkserve.kernels.residual_score_qfold import fold_queries, qfold_scores
 from forkserve.kernels.residual_triton import residual_offsets
+from forkserve.kernels.rope import rope_table_in
 from forkserve.kernels.split_kv import waves_of
 
 # The per-row pass over the suffixes (qfold_scores' tuning): the batch >= 17 row of
@@ -131,7 +132,8 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  rope_table: torch.Tensor, n_kv: int, bias: torch.Tensor, tile_seqs: torch.Tensor,
                  tile_lens: torch.Tensor, kv_starts: torch.Tensor, *, agents: int = 2,
                  kv_heads: int = 1, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                 chunks: int | None = None, suffix: dict | None = None) -> None:
+                 chunks: int | None = None, suffix: dict | None = None,
+                 table16: bool = False) -> None:
     """Every row's residual scores into ``bias [batch, H, >= max key]`` (as
     ``residual_scores`` writes them): the prefix keys of each cascade tile by this module's
     kernel, ``agents`` rows x ``kv_heads`` KV heads per program; each row's keys from
@@ -141,7 +143,8 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     the same programs over its blocks). ``agents``, ``kv_heads``: powers of two. The defaults
     are picked from registers, not measured on the H200 (sm_90a, ptxas): 2 slots (N = 128)
     over 8 warps at 64-key tiles take 117 registers, two programs per SM; 4 slots (N = 256)
-    take 175, one (docs/KERNELS.md)."""
+    take 175, one (docs/KERNELS.md). ``table16``: both passes read the table's copy in the
+    queries' dtype (``rope.rope_table_in``; the rows their dots round to anyway)."""
     _, n_heads, head_dim = q.shape
     if n_kv % kv_heads or kv_heads & (kv_heads - 1) or agents & (agents - 1):
         raise ValueError(f"agents={agents} and kv_heads={kv_heads} must be powers of two, "
@@ -153,6 +156,8 @@ def tiled_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
     if chunks is None:
         chunks = max(1, min(waves_of(programs, q.device), -(-bias.shape[2] // block_n)))
     group = n_heads // n_kv
+    if table16:
+        rope_table = rope_table_in(rope_table, q.dtype)
     _tiled_score_kernel[(n_tiles, n_kv // kv_heads, blocks * chunks)](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, tile_seqs,
         tile_lens, bias, b_k_all.shape[1],

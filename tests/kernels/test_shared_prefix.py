@@ -124,18 +124,19 @@ def test_msc_cascade_equals_eager_and_two_pass() -> None:
     assert rel_err(msc, cascade_residual_decode(*args, **TUNING)) < REL_TOL
 
 
-@pytest.mark.parametrize("agents,kv_heads,angle_add,wide", [(2, 1, False, False),
-                                                            (1, 2, True, False),
-                                                            (1, 1, False, True)])
+@pytest.mark.parametrize("agents,kv_heads,angle_add,wide,table16", [
+    (2, 1, False, False, False), (1, 2, True, False, False), (1, 1, False, True, False),
+    (2, 1, False, False, True)])
 def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int, angle_add: bool,
-                                               wide: bool) -> None:
+                                               wide: bool, table16: bool) -> None:
     """The tiled score pass (``_split_groups``): agents of two adapters stacked in one program
     (2 x 1), or one agent per program over both KV heads (1 x 2: up to two agent blocks per
     tile); ``wide``: tiles of four places, the first group's rows 0, 1, 3 in one (three
     blocks share eight programs, two left over) and row 2 alone. Prefixes in two chunks per
     block of a full tile, suffixes (table rows / angle addition) in several. Every score a
     later pass reads (rows with an adapter, keys below their length) equals the per-row
-    pass's, and is written (the buffer starts NaN)."""
+    pass's, and is written (the buffer starts NaN). ``table16``: both passes from the table's
+    copy in the queries' dtype (the same table off CUDA, whose tests run float32)."""
     from forkserve.kernels.residual_decode_triton import residual_scores
     from forkserve.kernels.residual_score_tiled import tiled_scores
     from forkserve.kernels.rope import cached_rope_table
@@ -152,7 +153,7 @@ def test_tiled_scores_write_the_per_row_scores(agents: int, kv_heads: int, angle
     bias = torch.full_like(ref, float("nan"))
     tiled_scores(q, k_res, rbt, lens, b_k, ad, table, n_kv, bias, tile_seqs, tile_lens,
                  kv_starts, agents=agents, kv_heads=kv_heads, block_n=16, num_warps=4, chunks=2,
-                 suffix=dict(block_n=16, chunk=32, angle_add=angle_add))
+                 suffix=dict(block_n=16, chunk=32, angle_add=angle_add), table16=table16)
     read = ((ad >= 0)[:, None] & (torch.arange(width, device=DEVICE) < lens[:, None]))[:, None]
     read = read.expand_as(ref)
     # Elementwise in float32 (the interpreter); on CUDA the two passes round their bf16
