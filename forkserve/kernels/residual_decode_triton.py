@@ -38,6 +38,8 @@ from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
 from forkserve.kernels.residual_score_qfold import qfold_scores
 from forkserve.kernels.residual_triton import (
     residual_offsets,
+    residual_rows_ahead,
+    residual_rows_step,
     residual_tile,
     rotated_residual_keys,
 )
@@ -293,24 +295,18 @@ def _residual_score_kernel(
     r_ok = r < rank
     d_lo = tl.arange(0, HALF)
     table_row = b * stride_rbt
-    if PREFETCH:
-        offs_f = start + tl.arange(0, BLOCK_N)
-        kr_next = residual_tile(KR, ResBlockTables, table_row, offs_f, offs_f < stop, r, rank,
-                                stride_rp, stride_rs, PAGE_SIZE)
-        offs_f += BLOCK_N
-        r_off_next = residual_offsets(ResBlockTables, table_row, offs_f, offs_f < stop,
-                                      stride_rp, stride_rs, PAGE_SIZE)
+    if PREFETCH:  # (stop is start without an adapter: nothing loads then)
+        kr_next, r_off_next = residual_rows_ahead(KR, ResBlockTables, table_row, start, stop,
+                                                  adapter >= 0, r, rank, stride_rp, stride_rs,
+                                                  PAGE_SIZE, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
         if PREFETCH:
             kr = kr_next
-            offs_f = offs_n + BLOCK_N
-            kr_next = tl.load(KR + r_off_next[:, None] + r[None, :],
-                              mask=(offs_f < stop)[:, None] & r_ok[None, :], other=0.0)
-            offs_f += BLOCK_N
-            r_off_next = residual_offsets(ResBlockTables, table_row, offs_f, offs_f < stop,
-                                          stride_rp, stride_rs, PAGE_SIZE)
+            kr_next, r_off_next = residual_rows_step(KR, ResBlockTables, table_row, start_n,
+                                                     stop, adapter >= 0, r_off_next, r, rank,
+                                                     stride_rp, stride_rs, PAGE_SIZE, BLOCK_N)
         else:
             kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok, r, rank, stride_rp,
                                stride_rs, PAGE_SIZE)

@@ -58,7 +58,8 @@ from forkserve.kernels.residual_triton import (
     base_key_tile,
     group_base_scores,
     group_queries_t,
-    residual_offsets,
+    residual_rows_ahead,
+    residual_rows_step,
     residual_tile,
 )
 from forkserve.kernels.rope_triton import rope_row, rope_rows, rope_rows_at
@@ -152,14 +153,10 @@ def _qfold_score_kernel(
         # The residual rows feed the contraction, not a dot, and sit behind a residual-table
         # gather: the pipeliner loads neither ahead (only the cos/sin rows), so without this
         # every tile waits on two dependent L2 reads. Here the loop holds tile i + 1's rows
-        # and tile i + 2's offsets: each load's address is in registers a tile before it
-        # issues, and its data a tile before its use.
-        offs_f = start + tl.arange(0, BLOCK_N)
-        kr_next = residual_tile(KR, ResBlockTables, table_row, offs_f, (offs_f < stop) & has_ad,
-                                r, rank, stride_rp, stride_rs, PAGE_SIZE)
-        offs_f += BLOCK_N
-        r_off_next = residual_offsets(ResBlockTables, table_row, offs_f,
-                                      (offs_f < stop) & has_ad, stride_rp, stride_rs, PAGE_SIZE)
+        # and tile i + 2's offsets.
+        kr_next, r_off_next = residual_rows_ahead(KR, ResBlockTables, table_row, start, stop,
+                                                  has_ad, r, rank, stride_rp, stride_rs,
+                                                  PAGE_SIZE, BLOCK_N)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
@@ -169,14 +166,9 @@ def _qfold_score_kernel(
         # A row without an adapter scores zero here (its residual pages are never read).
         if PREFETCH:
             kr = kr_next
-            offs_f = offs_n + BLOCK_N
-            f_ok = (offs_f < stop) & has_ad
-            kr_next = tl.load(KR + r_off_next[:, None] + r[None, :],
-                              mask=f_ok[:, None] & (r < rank)[None, :], other=0.0)
-            offs_f += BLOCK_N
-            r_off_next = residual_offsets(ResBlockTables, table_row, offs_f,
-                                          (offs_f < stop) & has_ad, stride_rp, stride_rs,
-                                          PAGE_SIZE)
+            kr_next, r_off_next = residual_rows_step(KR, ResBlockTables, table_row, start_n,
+                                                     stop, has_ad, r_off_next, r, rank,
+                                                     stride_rp, stride_rs, PAGE_SIZE, BLOCK_N)
         else:
             kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok & has_ad, r, rank,
                                stride_rp, stride_rs, PAGE_SIZE)

@@ -33,6 +33,34 @@ def residual_tile(KR, ResBlockTables, table_row, offs_n, mask, r, rank, stride_r
 
 
 @triton.jit
+def residual_rows_ahead(KR, ResBlockTables, table_row, start, stop, live, r, rank, stride_rp,
+                        stride_rs, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Before a tile loop that holds its residual rows a tile ahead (a score pass's
+    ``PREFETCH``): the rows of the tile at ``start`` and the offsets of the one after (keys
+    below ``stop``, none unless ``live``). The loop then calls ``residual_rows_step``."""
+    offs = start + tl.arange(0, BLOCK_N)
+    rows = residual_tile(KR, ResBlockTables, table_row, offs, (offs < stop) & live, r, rank,
+                         stride_rp, stride_rs, PAGE_SIZE)
+    offs += BLOCK_N
+    return rows, residual_offsets(ResBlockTables, table_row, offs, (offs < stop) & live,
+                                  stride_rp, stride_rs, PAGE_SIZE)
+
+
+@triton.jit
+def residual_rows_step(KR, ResBlockTables, table_row, start_n, stop, live, r_off_next, r, rank,
+                       stride_rp, stride_rs, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """In that loop at the tile ``start_n``: the next tile's rows, from the offsets it holds
+    (``r_off_next``), and the offsets of the tile after. Each load's address is in registers
+    a tile before it issues, and its data a tile before its use."""
+    offs = start_n + BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(KR + r_off_next[:, None] + r[None, :],
+                   mask=((offs < stop) & live)[:, None] & (r < rank)[None, :], other=0.0)
+    offs += BLOCK_N
+    return rows, residual_offsets(ResBlockTables, table_row, offs, (offs < stop) & live,
+                                  stride_rp, stride_rs, PAGE_SIZE)
+
+
+@triton.jit
 def rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start, cos_j, sin_j, HALF: tl.constexpr):
     """RoPE(K_res B_k) for a key tile at positions ``start + j``: its rank-r rows ``kr``
     up-projected by the two halves of B_k, then rotated. Float32 halves (lo, hi)."""
