@@ -1288,6 +1288,12 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _qfold_table(**tuning) -> dict:
+    """A two-pass variant whose pass 1 is the q-folded form from table rows at ``tuning``."""
+    return dict(variant="two_pass", block_n=64,
+                score_tuning=dict(form="qfold", angle_add=False, **tuning))
+
+
 # ResidualAttention decode variants timed by --variants (name -> residual_decode_triton keywords).
 VARIANTS: dict[str, dict] = {
     "two_pass_bn64": dict(variant="two_pass", block_n=64, score_tuning=dict(block_n=32)),
@@ -1312,20 +1318,16 @@ VARIANTS: dict[str, dict] = {
     # Round 15: pass 1 with each tile's residual rows loaded a tile ahead ("pf"), and the
     # q-folded pass reading cos/sin from a table in the queries' dtype ("16": the rows it
     # rounds to bf16 before its dots anyway, half the bytes).
-    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf{'16' if t16 else ''}": dict(
-        variant="two_pass", block_n=64, score_tuning=dict(
-            form="qfold", angle_add=False, block_n=bn, num_warps=w, prefetch=True,
-            table16=t16))
+    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf{'16' if t16 else ''}": _qfold_table(
+        block_n=bn, num_warps=w, prefetch=True, table16=t16)
        for bn, w in ((64, 4), (128, 4), (128, 8)) for t16 in (False, True)},
     # ... with KV heads per program sharing each tile's residual and cos/sin rows ("_h"),
     # and the 64-key pass with 3 pipeline stages ("_s3": two tiles of table rows in flight).
-    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf16_h{h}": dict(
-        variant="two_pass", block_n=64, score_tuning=dict(
-            form="qfold", angle_add=False, block_n=bn, num_warps=w, prefetch=True,
-            table16=True, kv_heads=h))
+    **{f"two_pass_qfold_t{bn}{'_w8' if w == 8 else ''}_pf16_h{h}": _qfold_table(
+        block_n=bn, num_warps=w, prefetch=True, table16=True, kv_heads=h)
        for bn, w, h in ((64, 4, 2), (64, 8, 2), (128, 8, 2), (64, 8, 4))},
-    "two_pass_qfold_t64_pf16_s3": dict(variant="two_pass", block_n=64, score_tuning=dict(
-        form="qfold", angle_add=False, block_n=64, prefetch=True, table16=True, num_stages=3)),
+    "two_pass_qfold_t64_pf16_s3": _qfold_table(block_n=64, prefetch=True, table16=True,
+                                               num_stages=3),
     # Pass 2 launched programmatically while pass 1 runs (``pdl``; the default on sm_90
     # since round 15), and the default without it.
     "two_pass_pdl": dict(variant="two_pass", block_n=64, pdl=True),
@@ -1333,9 +1335,9 @@ VARIANTS: dict[str, dict] = {
     # The batch-1 pass 1 (128-key tiles, 8 warps, bf16 rows, two KV heads) with longer
     # chunks: fewer programs, each folding once for several pipelined tiles (its fixed chain
     # of loads is most of pass 1 at batch 1; the default cuts ~2 waves of programs).
-    **{f"two_pass_b1_c{c}": dict(variant="two_pass", block_n=64, score_tuning=dict(
-        form="qfold", angle_add=False, table16=True, prefetch=True, kv_heads=2, block_n=128,
-        num_warps=8, chunk=c)) for c in (256, 512, 1024)},
+    **{f"two_pass_b1_c{c}": _qfold_table(block_n=128, num_warps=8, prefetch=True,
+                                         table16=True, kv_heads=2, chunk=c)
+       for c in (256, 512, 1024)},
     "two_pass_bn64_keysm64_pf": dict(variant="two_pass", block_n=64,
                                      score_tuning=dict(block_n=64, keys_m=True, prefetch=True)),
     "two_pass_qfold_a64": dict(variant="two_pass", block_n=64,
