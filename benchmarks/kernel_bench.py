@@ -1332,6 +1332,11 @@ VARIANTS: dict[str, dict] = {
     # since round 15), and the default without it.
     "two_pass_pdl": dict(variant="two_pass", block_n=64, pdl=True),
     "two_pass_nopdl": dict(variant="two_pass", block_n=64, pdl=False),
+    # Round 16: pass 2 following pass 1's published keys (``follow``, score_progress.py):
+    # pass 1's programs in about 1 or 2 waves ("w"), publishing every 256-2048 keys ("s").
+    **{f"two_pass_follow_w{w}_s{seg}": dict(variant="two_pass", block_n=64,
+                                            follow=dict(waves=w, segment=seg))
+       for w in (1, 2) for seg in (256, 512, 2048)},
     # The batch-1 pass 1 (128-key tiles, 8 warps, bf16 rows, two KV heads) with longer
     # chunks: fewer programs, each folding once for several pipelined tiles (its fixed chain
     # of loads is most of pass 1 at batch 1; the default cuts ~2 waves of programs).

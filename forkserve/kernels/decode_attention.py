@@ -45,6 +45,12 @@ from forkserve.kernels.residual_triton import (
     rotated_residual_keys,
 )
 from forkserve.kernels.rope_triton import rope_rows
+from forkserve.kernels.score_progress import (
+    ScoreProgress,
+    keys_needed,
+    load_published,
+    wait_for_keys,
+)
 from forkserve.kernels.split_kv import (
     LOG2E,
     NO_LIMIT,
@@ -61,15 +67,16 @@ from forkserve.kernels.split_kv import (
 # met compiled its kernels inside a timed adaptive run (1.35 s at W = 32,
 # ``kernels_built_specs``). One build serves every class.
 _STEP_INTS = ["batch", "kv_start", "kv_limit", "split_len", "split_offset", "stride_bt",
-              "stride_rbt", "stride_lh", "stride_sb", "stride_sh", "stride_mb", "stride_mh"]
+              "stride_rbt", "stride_lh", "stride_sb", "stride_sh", "stride_mb", "stride_mh",
+              "score_chunk", "stride_fb"]
 
 
 @triton.jit(do_not_specialize=_STEP_INTS)
 def _decode_partial_kernel(
     Q, K, V, KR, VR, BK, BV, RopeTable, Bias, LogitBias, BlockMax,
     BlockTables, ResBlockTables, SeqLens, AdapterIdx,
-    PartOut, PartLse, TileSeqs, TileLens, KvStarts,
-    batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset,
+    PartOut, PartLse, TileSeqs, TileLens, KvStarts, Flags,
+    batch, qk_scale, rank, kv_start, kv_limit, split_len, split_offset, score_chunk,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_rp, stride_rs,
@@ -79,6 +86,7 @@ def _decode_partial_kernel(
     stride_lb, stride_lh,
     stride_sb, stride_sh,
     stride_mb, stride_mh,
+    stride_fb, stride_fh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     RANK: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_SCORE: tl.constexpr,
@@ -87,6 +95,7 @@ def _decode_partial_kernel(
     LIVE_ONLY: tl.constexpr = False, DIRECT: tl.constexpr = False,
     REL_SCORE: tl.constexpr = False, VALUE_PASS: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, GDC_WAIT: tl.constexpr = False,
+    FOLLOW: tl.constexpr = False, SPIN: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -181,8 +190,15 @@ def _decode_partial_kernel(
         # unified's speed, with them on ~1.35x (round 13).
         offs_f = start + tl.arange(0, BLOCK_N)
         ok_f = offs_f < stop
-        bias_next = tl.load(s_ptr + offs_f[None, :], mask=s_rows[:, None] & ok_f[None, :],
-                            other=0.0)
+        if FOLLOW:
+            # The score pass may still be writing this row's later keys (score_progress.py).
+            f_ptr = Flags + lead * stride_fb + kvh * stride_fh
+            ready = wait_for_keys(f_ptr + start // score_chunk, start * 0,
+                                  keys_needed(start, stop, has_ad, BLOCK_N), SPIN)
+            bias_next = load_published(s_ptr, s_rows, offs_f, ok_f, ready, SPIN)
+        else:
+            bias_next = tl.load(s_ptr + offs_f[None, :], mask=s_rows[:, None] & ok_f[None, :],
+                                other=0.0)
         if not VALUE_PASS:
             r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
                                           ok_f & has_ad, stride_rp, stride_rs, PAGE_SIZE)
@@ -229,8 +245,14 @@ def _decode_partial_kernel(
                 s += bias_next.to(tl.float32)
                 offs_f = start_n + BLOCK_N + tl.arange(0, BLOCK_N)
                 ok_f = offs_f < stop
-                bias_next = tl.load(s_ptr + offs_f[None, :],
-                                    mask=s_rows[:, None] & ok_f[None, :], other=0.0)
+                if FOLLOW:
+                    ready = wait_for_keys(f_ptr + (start_n + BLOCK_N) // score_chunk, ready,
+                                          keys_needed(start_n + BLOCK_N, stop, has_ad, BLOCK_N),
+                                          SPIN)
+                    bias_next = load_published(s_ptr, s_rows, offs_f, ok_f, ready, SPIN)
+                else:
+                    bias_next = tl.load(s_ptr + offs_f[None, :],
+                                        mask=s_rows[:, None] & ok_f[None, :], other=0.0)
                 if not VALUE_PASS:
                     r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
                                                   ok_f & has_ad, stride_rp, stride_rs,
@@ -303,7 +325,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
                     direct: bool = False, block_max: torch.Tensor | None = None,
                     value_pass: bool = False, prefetch: bool = False,
-                    pdl: bool = False) -> None:
+                    pdl: bool = False, progress: ScoreProgress | None = None) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -349,6 +371,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     score pass that writes ``res_bias`` (``residual_scores(pdl=True)``, the launch right
     before this one): the programs start and load what that pass does not write while it
     runs, and wait for it (``griddepcontrol.wait``) before the first bias read.
+    ``progress`` (two-pass with ``prefetch`` and ``dyn_split``; the flags the score pass
+    publishes, ``residual_scores(progress=...)``): wait, tile by tile, only for the keys
+    about to be read instead (score_progress.py); with ``pdl`` the two passes overlap.
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -387,6 +412,14 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if prefetch:
         assert residual is not None and res_bias is not None and res_logits is None
     assert not pdl or (res_bias is not None and q.is_cuda)
+    if progress is not None:
+        assert (prefetch and dyn_split and tiles is None and kv_starts is None
+                and not value_pass and seqs_per_program == 1
+                and progress.chunk_len % block_n == 0)
+        flags = progress.flags
+        flag_strides = (flags.stride(0), flags.stride(1))
+    else:
+        flags, flag_strides = None, (0, 0)
     if value_pass:
         assert (residual is not None and res_bias is not None and res_logits is None
                 and tiles is None and kv_starts is None and dyn_split and kv_start == 0)
@@ -414,11 +447,12 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, k_res, v_res, b_k_all, b_v_all, rope_tab, scores,
         res_bias if res_logits is not None else None, block_max,
         block_tables, res_bt, seq_lens, adapter_idx, part_out, part_lse,
-        tile_seqs, tile_lens, kv_starts,
+        tile_seqs, tile_lens, kv_starts, flags,
         batch, scale * LOG2E, rank, kv_start, kv_limit, split_len, split_offset,
+        0 if progress is None else progress.chunk_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         *res_strides, block_tables.stride(0), rbt_stride,
-        *out_strides, *lse_strides, *bias_strides, *max_strides,
+        *out_strides, *lse_strides, *bias_strides, *max_strides, *flag_strides,
         GROUP=group, SEQS=seqs_per_program, BLOCK_H=block_h, HEAD_DIM=head_dim,
         PAGE_SIZE=k.shape[1], BLOCK_N=block_n, RANK=rank_pad, HAS_RES=residual is not None,
         SPLIT_SCORE=split_score, RES_BIAS=res_bias is not None, TILED=tiles is not None,
@@ -426,7 +460,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DYN_SPLIT=tiles is not None or kv_starts is not None or dyn_split,
         RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
         REL_SCORE=block_max is not None, VALUE_PASS=writes_back, PREFETCH=prefetch,
-        GDC_WAIT=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        GDC_WAIT=pdl and progress is None, FOLLOW=progress is not None, SPIN=q.is_cuda,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 

@@ -35,7 +35,7 @@ import triton.language as tl
 from forkserve.kernels.decode_attention import PLANS, decode_partials
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
-from forkserve.kernels.residual_score_qfold import qfold_scores
+from forkserve.kernels.residual_score_qfold import qfold_scores, score_chunk
 from forkserve.kernels.residual_triton import (
     residual_offsets,
     residual_rows_ahead,
@@ -45,6 +45,7 @@ from forkserve.kernels.residual_triton import (
 )
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.rope_triton import rope_rows
+from forkserve.kernels.score_progress import ScoreProgress, score_progress
 from forkserve.kernels.split_kv import (
     LOG2E,
     NO_LIMIT,
@@ -56,7 +57,6 @@ from forkserve.kernels.split_kv import (
     sm_count,
     split_decode,
     store_partial,
-    waves_of,
 )
 from forkserve.kernels.streams import row_pipeline
 
@@ -85,6 +85,11 @@ SCORE_TUNING_BY_BATCH: tuple[tuple[int, dict], ...] = (
     (32, {**_QFOLD16, "block_n": 64}),
     (2**31, {**_QFOLD16, "block_n": 128, "num_warps": 8}),
 )
+
+
+# ``follow``'s defaults: pass 1's programs for about ``waves`` waves (pass 2 starts once
+# the last has started), each publishing after every ``segment`` keys.
+FOLLOW_TUNING = {"waves": 2, "segment": 512}
 
 
 def score_dtype_for(q: torch.Tensor) -> torch.dtype:
@@ -420,13 +425,15 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                     keys_m: bool = False, form: str = "rotate",
                     angle_add: bool | None = None, prefetch: bool = False,
                     table16: bool = False, kv_heads: int = 1, pdl: bool = False,
+                    waves: int = 2, progress: ScoreProgress | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Pass 1 of two-pass ResidualAttention decode: ``[batch, H, max_seq_len]`` with
     ``q[b, h] . RoPE_n(K_res[b, n] B_k[adapter_b])`` (unscaled) at every key ``n < seq_len``
     of a sequence with an adapter; other entries are left unwritten.
 
     ``dtype``: default ``score_dtype_for(q)``.
-    ``chunk``: keys per program (default: enough programs for ~2 waves). ``block_n=32``:
+    ``chunk``: keys per program (default: enough programs for about ``waves`` waves).
+    ``block_n=32``:
     128 registers, no spills on sm_90 (64: 240; see ``kernel_bench.py --regs``).
     ``keys_m``: score the rotated tile as ``rot @ q^T`` (keys as M). At ``block_n=64`` the
     compiler then uses wgmma with the rotated tile as a register operand (no shared-memory
@@ -445,6 +452,9 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
     program takes ``gcd(kv_heads, n_kv)`` (an MQA model's one KV head alone).
     ``pdl`` (qfold, CUDA): the next launch may start programmatically while this one runs
     (``decode_partials(pdl=True)``, which waits for it before reading the scores).
+    ``progress`` (qfold): publish each written key tile there, in chunks of its
+    ``chunk_len`` (``chunk`` unused), for a partial kernel that follows this pass
+    (score_progress.py).
     ``out``: a ``[batch, H, max(max_seq_len, 1)]`` buffer to write instead of a new one (a
     call split into launches over buffers allocated once); ``dtype`` is then its own.
     """
@@ -462,6 +472,8 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
                          "(the rotate form loops over the KV heads)")
     if pdl and (form != "qfold" or not q.is_cuda):
         raise ValueError("pdl is a qfold-form option on a CUDA device")
+    if progress is not None and form != "qfold":
+        raise ValueError("progress is a qfold-form option")
     if table16:
         rope_table = rope_table_in(rope_table, q.dtype)
     if form == "qfold":
@@ -470,13 +482,12 @@ def residual_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torc
         qfold_scores(q, k_res, res_block_tables, seq_lens, b_k_all, adapter_idx, rope_table, n_kv,
                      bias, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      chunk=chunk, angle_add=angle_add is not False, prefetch=prefetch,
-                     kv_heads=math.gcd(kv_heads, n_kv), pdl=pdl)
+                     kv_heads=math.gcd(kv_heads, n_kv), pdl=pdl, waves=waves,
+                     progress=progress)
         return bias
     if angle_add is not None:
         raise ValueError("angle_add is a qfold-form option; the rotate form reads table rows")
-    if chunk is None:
-        chunk = -(-span // waves_of(batch, q.device))
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    chunk = score_chunk(span, batch, block_n, q.device, chunk, waves)
     rank = b_k_all.shape[1]
     grid = (batch, -(-span // chunk))
     _residual_score_kernel[grid](
@@ -582,7 +593,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            score_tuning: dict | None = None, chunk: int = 256,
                            plan: str | None = None, prefetch: bool | None = None,
                            overlap_slices: int | None = None,
-                           pdl: bool | None = None) -> torch.Tensor:
+                           pdl: bool | None = None,
+                           follow: bool | dict = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -603,7 +615,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     launched programmatically, so its programs start while pass 1 runs and wait for it
     before their first score read (``griddepcontrol``; at batch 1 pass 1 is mostly a fixed
     latency: H200, 1.34-1.41x -> 1.28-1.35x unified, no change past it). Default: on
-    wherever it applies."""
+    wherever it applies.
+    ``follow`` (two-pass, dynamic plan, no slices, prefetch, the q-folded pass 1): pass 1
+    publishes how far it has scored each row's keys and pass 2 waits only for the tile it
+    reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
+    running back to back. A dict: ``FOLLOW_TUNING``'s keys to override."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if plan is None:
         plan = "dynamic" if variant == "two_pass" else "static"
@@ -621,6 +637,10 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     if pdl and not pdl_applies:
         raise ValueError("pdl: two_pass on the dynamic plan without overlap_slices, its pass "
                          "1 q-folded, on a CUDA device of sm_90 or later")
+    if follow and not (variant == "two_pass" and plan == "dynamic" and overlap_slices is None
+                       and prefetch and tuning.get("form") == "qfold"):
+        raise ValueError("follow: two_pass on the dynamic plan with prefetch, without "
+                         "overlap_slices, its pass 1 q-folded")
     if overlap_slices is not None and (plan != "dynamic" or overlap_slices < 1):
         raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
                          f"two_pass on the dynamic plan")
@@ -630,7 +650,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     n_kv = k_base.shape[2]
     rope_tab = cached_rope_table(inv_freq, max_seq_len)
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
-    res_bias = res_logits = None
+    res_bias = res_logits = progress = None
     batch = q.shape[0]
     if variant == "three_pass":
         return _three_pass(q, k_base, v_base, block_tables, seq_lens, residual, scale=scale,
@@ -639,11 +659,23 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     if variant == "two_pass":
         # Allocated here, before any fork: with overlap_slices the side stream fills it.
         res_bias = score_buffer(q, max_seq_len, tuning.get("dtype"))
+        if follow:
+            # Chunks of whole tiles of both passes, segments of pass 1's; the same flags and
+            # lengths to both.
+            how = FOLLOW_TUNING | (follow if isinstance(follow, dict) else {})
+            kv_heads = math.gcd(tuning.get("kv_heads", 1), n_kv)
+            score_tile = tuning.get("block_n", 32)
+            progress = score_progress(
+                q, n_kv, res_bias.shape[2],
+                score_chunk(res_bias.shape[2], batch * n_kv // kv_heads,
+                            math.lcm(score_tile, block_n), q.device, tuning.get("chunk"),
+                            how["waves"]),
+                score_chunk(0, 1, score_tile, q.device, how["segment"]))
 
         def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
             residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,
                             adapter_idx[lo:hi], rope_tab, n_kv, max_seq_len, out=res_bias[lo:hi],
-                            pdl=pdl, **tuning)
+                            pdl=pdl, progress=progress, **tuning)
 
         if overlap_slices is None:
             scores(0, batch)
@@ -670,7 +702,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                                 num_splits=splits, split_len=0, split_offset=0, residual=rows,
                                 block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                 res_bias=res_bias[lo:hi], dyn_split=True,
-                                direct=part_lse is None, prefetch=prefetch, pdl=pdl)
+                                direct=part_lse is None, prefetch=prefetch, pdl=pdl,
+                                progress=progress)
 
             dynamic_split_decode(q[lo:hi], (hi - lo) * n_kv, max_seq_len, num_splits, block_n,
                                  fill, out=out[lo:hi])

@@ -63,6 +63,7 @@ from forkserve.kernels.residual_triton import (
     residual_tile,
 )
 from forkserve.kernels.rope_triton import rope_row, rope_rows, rope_rows_at
+from forkserve.kernels.score_progress import ScoreProgress, publish_keys, reset_progress
 from forkserve.kernels.split_kv import waves_of
 
 
@@ -85,25 +86,31 @@ def fold_queries(Q, BK, q_col, q_ok, b_col, b_ok, HALF: tl.constexpr):
 @triton.jit
 def _qfold_score_kernel(
     Q, KR, BK, RopeTable, ResBlockTables, SeqLens, AdapterIdx, Bias, K, BlockTables, KvStarts,
-    rank, chunk_len, qk_scale,
+    Flags, rank, chunk_len, segment, qk_scale,
     stride_qb, stride_qh, stride_rp, stride_rs, stride_ba, stride_br, stride_rbt,
-    stride_sb, stride_sh, stride_kp, stride_ks, stride_kh, stride_bt,
+    stride_sb, stride_sh, stride_kp, stride_ks, stride_kh, stride_bt, stride_fb, stride_fh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, RANK: tl.constexpr,
     ANGLE_ADD: tl.constexpr, LOGITS: tl.constexpr = False, BASE_N: tl.constexpr = 16,
     SEQ_START: tl.constexpr = False, PREFETCH: tl.constexpr = False, KV_HEADS: tl.constexpr = 1,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False, PUBLISH: tl.constexpr = False,
+    SPIN: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:
-        # The next launch (pass 2, ``pdl``) may start once every program here has: it
-        # waits for this grid's end before reading the scores.
-        gdc_launch_dependents()
     HALF: tl.constexpr = HEAD_DIM // 2
     SLOT_ROWS: tl.constexpr = KV_HEADS * BLOCK_G
     COLS: tl.constexpr = SLOT_ROWS * RANK
     b = tl.program_id(0)
     kvh = tl.program_id(1) * KV_HEADS
     chunk = tl.program_id(2)
+    if PUBLISH:
+        # Pass 2 follows this program's keys (score_progress.py); it may start only once
+        # the flags read zero.
+        f_ptr = Flags + b * stride_fb + kvh * stride_fh + chunk
+        reset_progress(f_ptr, KV_HEADS, stride_fh, LAUNCH_DEPENDENTS)
+    elif LAUNCH_DEPENDENTS:
+        # The next launch (pass 2, ``pdl``) may start once every program here has: it
+        # waits for this grid's end before reading the scores.
+        gdc_launch_dependents()
     adapter = tl.load(AdapterIdx + b)
     has_ad = adapter >= 0
     a_safe = tl.maximum(adapter, 0)
@@ -157,39 +164,58 @@ def _qfold_score_kernel(
         kr_next, r_off_next = residual_rows_ahead(KR, ResBlockTables, table_row, start, stop,
                                                   has_ad, r, rank, stride_rp, stride_rs,
                                                   PAGE_SIZE, BLOCK_N)
-    for start_n in range(start, stop, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < stop
-        if LOGITS:
-            k_base = base_key_tile(K, BlockTables, b * stride_bt, offs_n, n_ok, kvh, stride_kp,
-                                   stride_ks, stride_kh, PAGE_SIZE, HEAD_DIM)
-        # A row without an adapter scores zero here (its residual pages are never read).
-        if PREFETCH:
-            kr = kr_next
-            kr_next, r_off_next = residual_rows_step(KR, ResBlockTables, table_row, start_n,
-                                                     stop, has_ad, r_off_next, r, rank,
-                                                     stride_rp, stride_rs, PAGE_SIZE, BLOCK_N)
-        else:
-            kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok & has_ad, r, rank,
-                               stride_rp, stride_rs, PAGE_SIZE)
-        if ANGLE_ADD:
-            cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
-            wc = fold_c * cos_b[:, None] + fold_s * sin_b[:, None]
-            ws = fold_s * cos_b[:, None] - fold_c * sin_b[:, None]
-            w = tl.dot(cos_j, wc.to(dt))
-            w = tl.dot(sin_j, ws.to(dt), w)
-        else:
-            cos, sin = rope_rows_at(RopeTable, offs_n, n_ok, HALF)
-            w = tl.dot(cos.to(dt), fc)
-            w = tl.dot(sin.to(dt), fs, w)
-        # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
-        sc = tl.sum(tl.reshape(w, [BLOCK_N, SLOT_ROWS, RANK]) * kr.to(tl.float32)[:, None, :], 2)
-        if LOGITS:
-            sc = (sc + group_base_scores(k_base, q_t, BLOCK_N, BLOCK_G, BASE_N)) * qk_scale
-            # Chunks start at multiples of BLOCK_N: vector stores along a head's keys.
-            offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
-        tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),
-                 mask=n_ok[:, None] & row_ok[None, :])
+    # Keys in segments of ``segment`` (one segment: the whole chunk unless PUBLISH): each
+    # segment's tiles one pipelined loop, the CTA barrier of a publish between them (inside
+    # the loop it would stop the pipeliner loading the table rows ahead).
+    for seg in range(start, stop, segment):
+        seg_stop = tl.minimum(seg + segment, stop)
+        for start_n in range(seg, seg_stop, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < stop
+            if LOGITS:
+                k_base = base_key_tile(K, BlockTables, b * stride_bt, offs_n, n_ok, kvh,
+                                       stride_kp, stride_ks, stride_kh, PAGE_SIZE, HEAD_DIM)
+            # A row without an adapter scores zero here (its residual pages are never read).
+            if PREFETCH:
+                kr = kr_next
+                kr_next, r_off_next = residual_rows_step(
+                    KR, ResBlockTables, table_row, start_n, stop, has_ad, r_off_next, r, rank,
+                    stride_rp, stride_rs, PAGE_SIZE, BLOCK_N)
+            else:
+                kr = residual_tile(KR, ResBlockTables, table_row, offs_n, n_ok & has_ad, r,
+                                   rank, stride_rp, stride_rs, PAGE_SIZE)
+            if ANGLE_ADD:
+                cos_b, sin_b = rope_row(RopeTable, start_n, HALF)
+                wc = fold_c * cos_b[:, None] + fold_s * sin_b[:, None]
+                ws = fold_s * cos_b[:, None] - fold_c * sin_b[:, None]
+                w = tl.dot(cos_j, wc.to(dt))
+                w = tl.dot(sin_j, ws.to(dt), w)
+            else:
+                cos, sin = rope_rows_at(RopeTable, offs_n, n_ok, HALF)
+                w = tl.dot(cos.to(dt), fc)
+                w = tl.dot(sin.to(dt), fs, w)
+            # score[n, g] = sum_k K_res[n, k] W[n, (g, k)]
+            sc = tl.sum(tl.reshape(w, [BLOCK_N, SLOT_ROWS, RANK])
+                        * kr.to(tl.float32)[:, None, :], 2)
+            if LOGITS:
+                sc = ((sc + group_base_scores(k_base, q_t, BLOCK_N, BLOCK_G, BASE_N))
+                      * qk_scale)
+                # Chunks start at multiples of BLOCK_N: vector stores along a head's keys.
+                offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
+            tl.store(s_ptr + offs_n[:, None], sc.to(Bias.dtype.element_ty),
+                     mask=n_ok[:, None] & row_ok[None, :])
+        if PUBLISH:
+            publish_keys(f_ptr, seg_stop, KV_HEADS, stride_fh, SPIN)
+
+
+def score_chunk(span: int, programs: int, block_n: int, device: torch.device,
+                chunk: int | None = None, waves: int = 2) -> int:
+    """Keys per score-pass program over ``span`` keys: ``chunk`` rounded up to whole
+    ``block_n`` tiles, default enough chunks of ``programs`` programs for about ``waves``
+    waves on ``device``."""
+    if chunk is None:
+        chunk = -(-span // waves_of(programs, device, waves))
+    return max(block_n, -(-chunk // block_n) * block_n)
 
 
 def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,
@@ -199,43 +225,56 @@ def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.T
                  angle_add: bool = True,
                  logits: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                  kv_starts: torch.Tensor | None = None, prefetch: bool = False,
-                 kv_heads: int = 1, pdl: bool = False) -> None:
+                 kv_heads: int = 1, pdl: bool = False, waves: int = 2,
+                 progress: ScoreProgress | None = None) -> None:
     """Write the residual scores into ``bias [batch, H, >= max key]`` (see the module
     docstring; ``residual_scores(form="qfold")`` allocates it). ``chunk``: keys per program
-    (default: about two waves of ``batch x n_kv`` programs). ``logits``: ``(k_base,
-    block_tables, qk_scale)``: write whole logits instead, ``(q.K_base + q.RoPE(K_res B_k))
-    * qk_scale``, for every row (adapter -1: the base term alone); residual_msc.py.
+    (default: about ``waves`` waves of ``batch x n_kv / kv_heads`` programs). ``logits``:
+    ``(k_base, block_tables, qk_scale)``: write whole logits instead,
+    ``(q.K_base + q.RoPE(K_res B_k)) * qk_scale``, for every row (adapter -1: the base
+    term alone); residual_msc.py.
     ``kv_starts [batch]``: score only keys ``kv_starts[b] .. seq_lens[b]`` of each row, its
     range cut over the same number of chunks (residual_score_tiled.py scores the rest).
     ``prefetch``: load each key tile's residual rows a tile ahead (``PREFETCH``).
     ``kv_heads``: KV heads per program (a divisor of ``n_kv``), sharing each key tile's
     residual and cos/sin rows; 1 with ``logits``. ``pdl`` (CUDA sm_90+): let the next launch
-    start programmatically while this one runs (it must wait before reading the scores)."""
+    start programmatically while this one runs (it must wait before reading the scores).
+    ``progress`` (residual scores over every key): publish the written keys in its flags
+    after each of its segments (score_progress.py), in chunks of its ``chunk_len``
+    (``chunk`` is then unused)."""
     if logits is not None and kv_starts is not None:
         raise ValueError("kv_starts is a residual-score option; msc's logits cover every key")
+    if progress is not None and (logits is not None or kv_starts is not None
+                                 or progress.chunk_len % block_n or progress.segment % block_n):
+        raise ValueError("progress: residual scores over every key, in chunks and segments "
+                         f"of whole {block_n}-key tiles (chunk_len {progress.chunk_len}, "
+                         f"segment {progress.segment})")
     if kv_heads < 1 or n_kv % kv_heads or (logits is not None and kv_heads != 1):
         raise ValueError(f"kv_heads {kv_heads!r}: a divisor of the {n_kv} KV heads, 1 with "
                          "logits")
     batch, n_heads, head_dim = q.shape
     span = bias.shape[2]
-    if chunk is None:
-        chunk = -(-span // waves_of(batch * n_kv // kv_heads, q.device))
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    chunk = (score_chunk(span, batch * n_kv // kv_heads, block_n, q.device, chunk, waves)
+             if progress is None else progress.chunk_len)
     group = n_heads // n_kv
     rank = b_k_all.shape[1]
     k_base, block_tables, qk_scale = logits if logits is not None else (None, None, 1.0)
     base_strides = ((k_base.stride(0), k_base.stride(1), k_base.stride(2), block_tables.stride(0))
                     if logits is not None else (0, 0, 0, 0))
+    flags = None if progress is None else progress.flags
     _qfold_score_kernel[(batch, n_kv // kv_heads, -(-span // chunk))](
         q, k_res, b_k_all, rope_table, res_block_tables, seq_lens, adapter_idx, bias,
-        k_base, block_tables, kv_starts, rank, chunk, qk_scale,
+        k_base, block_tables, kv_starts, flags, rank, chunk,
+        chunk if progress is None else progress.segment, qk_scale,
         q.stride(0), q.stride(1), k_res.stride(0), k_res.stride(1),
         b_k_all.stride(0), b_k_all.stride(1), res_block_tables.stride(0),
         bias.stride(0), bias.stride(1), *base_strides,
+        *((flags.stride(0), flags.stride(1)) if flags is not None else (0, 0)),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
         PAGE_SIZE=k_res.shape[1], BLOCK_N=block_n, RANK=max(16, triton.next_power_of_2(rank)),
         ANGLE_ADD=angle_add, LOGITS=logits is not None,
         BASE_N=max(16, triton.next_power_of_2(group)), SEQ_START=kv_starts is not None,
-        PREFETCH=prefetch, KV_HEADS=kv_heads, LAUNCH_DEPENDENTS=pdl, num_warps=num_warps,
+        PREFETCH=prefetch, KV_HEADS=kv_heads, LAUNCH_DEPENDENTS=pdl,
+        PUBLISH=progress is not None, SPIN=q.is_cuda, num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -104,9 +104,9 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-def waves_of(n_programs: int, device: torch.device) -> int:
-    """How many ways to cut each program's work for about two waves of programs."""
-    return max(1, -(-2 * sm_count(device) // max(n_programs, 1)))
+def waves_of(n_programs: int, device: torch.device, waves: int = 2) -> int:
+    """How many ways to cut each program's work for about ``waves`` waves of programs."""
+    return max(1, -(-waves * sm_count(device) // max(n_programs, 1)))
 
 
 def key_bound(seq_lens: torch.Tensor, max_seq_len: int | None) -> int:

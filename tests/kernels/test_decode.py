@@ -266,6 +266,64 @@ def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
     assert torch.equal(captured, plain_launch)
 
 
+# (score tuning, follow, splits): pass 1's 16-key tiles beside pass 2's 32, chunks of 32 keys
+# (a pass-2 tile spans one chunk; several chunks per split) and 96 (several tiles of both
+# passes per chunk, a split starting mid-chunk) published whole or in segments of 32 keys
+# and of 16 (each tile: a segment ends mid-pass-2-tile), one split (direct output) and three;
+# pass 1 with two KV heads per program publishing for both, in one wave.
+QFOLD_ROWS = {"form": "qfold", "angle_add": False, "block_n": 16}
+FOLLOW_CASES = [
+    (dict(QFOLD_ROWS, chunk=32), True, 3),
+    (dict(QFOLD_ROWS, chunk=96, prefetch=True), True, 1),
+    (dict(QFOLD_ROWS, chunk=96), {"segment": 32}, 3),
+    (dict(QFOLD_ROWS, chunk=96, prefetch=True), {"segment": 16}, 1),
+    (dict(QFOLD_ROWS, kv_heads=2), {"waves": 1, "segment": 32}, 2),
+]
+
+
+@pytest.mark.parametrize("score_tuning,follow,splits", FOLLOW_CASES)
+def test_follow_changes_no_output(score_tuning: dict, follow: bool | dict, splits: int) -> None:
+    """Pass 2 following pass 1's published keys (``follow``) reads each tile's scores only
+    once the flags say they are written: the same output as the whole-pass wait, bit for bit,
+    with a row without an adapter and rows ending mid-tile. In the interpreter the wait
+    returns the flag as it stands and pass 2 masks keys past it, so a flag raised short (or
+    read at the wrong chunk, row or head) changes the output; on CUDA with pdl the passes
+    overlap, under a CUDA graph too."""
+    from forkserve.kernels.residual_decode_triton import programmatic_launches
+
+    seq_lens = [37, 190, 70, 16, 81]
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(31, seq_lens, 8, 4)
+    q = _q(gen, len(seq_lens), 8, 32)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, inv_freq)
+    tuning = {"max_seq_len": max(seq_lens), "num_splits": splits, "block_n": 32,
+              "score_tuning": score_tuning}
+    whole = residual_decode(*args, use_triton=True, pdl=False, **tuning)
+    residual = (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq)
+    assert rel_err(whole, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
+    pdl = programmatic_launches(DEVICE)
+    assert torch.equal(residual_decode(*args, use_triton=True, pdl=pdl, follow=follow, **tuning),
+                       whole)
+    if DEVICE.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = residual_decode(*args, use_triton=True, pdl=pdl, follow=follow, **tuning)
+        graph.replay()
+        assert torch.equal(captured, whole)
+
+
+def test_follow_refused_where_nothing_publishes() -> None:
+    """``follow`` needs the q-folded pass 1 and pass 2's tile-ahead bias loads on the
+    dynamic plan: elsewhere, a clear error."""
+    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, inv_freq)
+    for wrong in ({"plan": "static"}, {"prefetch": False}, {"score_tuning": {"block_n": 16}}):
+        with pytest.raises(ValueError, match="follow"):
+            residual_decode(*args, use_triton=True, follow=True, pdl=False, **wrong)
+
+
 def test_pdl_refused_off_cuda() -> None:
     """A programmatic launch is a CUDA sm_90 feature: elsewhere, and with a pass that has no
     programmatic partner, a clear error."""
