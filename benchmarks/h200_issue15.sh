@@ -51,6 +51,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 44  # react W=32: unified, disaggregated, adaptive
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 45  # CUDA suite, rows 1-2 with and without pdl
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 46  # rows 1-2 interleaved; batch-1 pass 1 over longer chunks
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 47  # pass 2 following pass 1's keys: CUDA tests, rows 1-2
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -455,6 +456,16 @@ case "$1" in
   timeout 200 python3 benchmarks/kernel_bench.py --cascade-split --split-variants \
     two_pass_fp16_rowvalues_pf tiled16_a2h1_bn64_w8 tiled16_a4h1_bn64_w8 --out "$OUT" \
     2>&1 | tail -8
+  ;;
+47)
+  # Round 16: pass 2 following pass 1's published keys (follow, score_progress.py): its CUDA
+  # tests (bit-equal to the whole-pass wait, eager and under a graph), then every follow
+  # tuning beside the default at every point of rows 1-2.
+  export TRITON_CACHE_DIR=/root/tc15
+  decode_tests round16_follow "follow or pdl or score_options or two_pass"
+  variants 400 decode_round16_follow two_pass_default two_pass_follow_w1_s256 \
+    two_pass_follow_w1_s512 two_pass_follow_w1_s2048 two_pass_follow_w2_s256 \
+    two_pass_follow_w2_s512 two_pass_follow_w2_s2048
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
