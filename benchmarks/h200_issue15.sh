@@ -52,6 +52,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 45  # CUDA suite, rows 1-2 with and without pdl
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 46  # rows 1-2 interleaved; batch-1 pass 1 over longer chunks
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 47  # pass 2 following pass 1's keys: CUDA tests, rows 1-2
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 48  # pass 1's first rows before its folds; follow without pdl; CUDA suite
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -466,6 +467,15 @@ case "$1" in
   variants 400 decode_round16_follow two_pass_default two_pass_follow_w1_s256 \
     two_pass_follow_w1_s512 two_pass_follow_w1_s2048 two_pass_follow_w2_s256 \
     two_pass_follow_w2_s512 two_pass_follow_w2_s2048
+  ;;
+48)
+  # Round 16: pass 1 issuing its first residual rows before the folds (batch 1's chain),
+  # beside the default without pdl and follow with and without it, at every point of rows
+  # 1-2; then the CUDA suite on it.
+  export TRITON_CACHE_DIR=/root/tc15
+  variants 200 decode_round16_chain two_pass_default two_pass_nopdl two_pass_follow_w2_s2048 \
+    two_pass_follow_nopdl
+  bash "$0" suite
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -1337,6 +1337,10 @@ VARIANTS: dict[str, dict] = {
     **{f"two_pass_follow_w{w}_s{seg}": dict(variant="two_pass", block_n=64,
                                             follow=dict(waves=w, segment=seg))
        for w in (1, 2) for seg in (256, 512, 2048)},
+    # ... launched plainly (pass 2 after pass 1's end): the polls' and uncached loads' cost
+    # with nothing to overlap.
+    "two_pass_follow_nopdl": dict(variant="two_pass", block_n=64, pdl=False,
+                                  follow=dict(waves=2, segment=2048)),
     # The batch-1 pass 1 (128-key tiles, 8 warps, bf16 rows, two KV heads) with longer
     # chunks: fewer programs, each folding once for several pipelined tiles (its fixed chain
     # of loads is most of pass 1 at batch 1; the default cuts ~2 waves of programs).
