@@ -128,19 +128,6 @@ def _qfold_score_kernel(
     if not LOGITS:
         stop = tl.where(has_ad, stop, start)  # no adapter: pass 2 never reads the bias
 
-    r = tl.arange(0, RANK)
-    table_row = b * stride_rbt
-    if PREFETCH:
-        # The residual rows feed the contraction, not a dot, and sit behind a residual-table
-        # gather: the pipeliner loads neither ahead (only the cos/sin rows), so without this
-        # every tile waits on two dependent L2 reads. Here the loop holds tile i + 1's rows
-        # and tile i + 2's offsets. Issued before the folds: the first rows' two reads then
-        # run beside the B_k reads the folds wait on, not after them (at batch 1 a program
-        # is mostly this chain).
-        kr_next, r_off_next = residual_rows_ahead(KR, ResBlockTables, table_row, start, stop,
-                                                  has_ad, r, rank, stride_rp, stride_rs,
-                                                  PAGE_SIZE, BLOCK_N)
-
     # The groups' queries folded into B_k: column (h, g, k) = KV head kvh + h, query row g
     # of its group, rank column k. The KV heads of one program share each tile's K_res and
     # cos/sin rows (one product N = KV_HEADS G r wide).
@@ -160,6 +147,7 @@ def _qfold_score_kernel(
         fc = fold_c.to(dt)
         fs = fold_s.to(dt)
 
+    r = tl.arange(0, RANK)
     rows = tl.arange(0, SLOT_ROWS)
     row_ok = rows % BLOCK_G < GROUP
     heads = (kvh + rows // BLOCK_G) * GROUP + rows % BLOCK_G
@@ -167,6 +155,15 @@ def _qfold_score_kernel(
     if LOGITS:
         # The group's queries as the N operand of the base product (keys as M).
         q_t = group_queries_t(Q, b * stride_qb, kvh, stride_qh, GROUP, HEAD_DIM, BASE_N)
+    table_row = b * stride_rbt
+    if PREFETCH:
+        # The residual rows feed the contraction, not a dot, and sit behind a residual-table
+        # gather: the pipeliner loads neither ahead (only the cos/sin rows), so without this
+        # every tile waits on two dependent L2 reads. Here the loop holds tile i + 1's rows
+        # and tile i + 2's offsets.
+        kr_next, r_off_next = residual_rows_ahead(KR, ResBlockTables, table_row, start, stop,
+                                                  has_ad, r, rank, stride_rp, stride_rs,
+                                                  PAGE_SIZE, BLOCK_N)
     # Keys in segments of ``segment`` (one segment: the whole chunk unless PUBLISH): each
     # segment's tiles one pipelined loop, the CTA barrier of a publish between them (inside
     # the loop it would stop the pipeliner loading the table rows ahead).
