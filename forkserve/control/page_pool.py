@@ -7,6 +7,8 @@ the free list when its last reference goes. The pool never frees a referenced pa
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from forkserve.backend.protocol import PageId, PageKind
 from forkserve.errors import OutOfPagesError
 
@@ -30,6 +32,13 @@ class PagePool:
 
     def refcount(self, page: PageId) -> int:
         return self._refs[page]
+
+    def held_only(self, held: Mapping[PageId, int]) -> int:
+        """Pages of ``held`` (a holder's references per page) that no one else references.
+        One pass over ``held`` reading the counts in place: the adaptive layout asks at every
+        form it chooses (``PrefixIndex.num_cache_only``), over every page the index holds."""
+        refs = self._refs
+        return sum(1 for page, n in held.items() if refs[page] == n)
 
     def alloc(self, n: int) -> list[PageId]:
         if n > len(self._free):

@@ -232,7 +232,7 @@ class PrefixIndex:
     @property
     def num_cache_only(self) -> int:
         """Device pages nothing but the index holds: cache, not load."""
-        return sum(1 for page in self._refs if self.cache_only(page))
+        return self.pool.held_only(self._refs)  # ``cache_only`` of each page, in one pass
 
     def _scope(self, namespace: Namespace, salt: CacheSalt) -> KeyScope:
         scope = self._scopes.get((namespace, salt))

@@ -162,12 +162,20 @@ class Driver:
         side across agents, the shared context is counted once (by the first agent)."""
         if flow.needs is not None:
             return flow.needs
+        return self._needs_as(flow, self._may_split(flow) and (
+            self.engine.layout_form(flow.prompt, adapter=flow.adapter,
+                                    queued=self._queued(flow)) is KVForm.SPLIT))
+
+    def _may_split(self, flow: Workflow) -> bool:
+        """Whether ``flow``'s form is the layout's to choose: an adapter's, beside a residual
+        pool (otherwise merged, with no probe)."""
+        return flow.adapter is not None and "residual" in self.capacity
+
+    def _needs_as(self, flow: Workflow, split: bool) -> dict[str, int]:
+        """``_needs`` with the form given."""
         p = self.params.page_size
         total = -(-flow.footprint_tokens() // p)
         layout = self.engine.config.kv_layout
-        split = flow.adapter is not None and "residual" in self.capacity and (
-            self.engine.layout_form(flow.prompt, adapter=flow.adapter,
-                                    queued=self._queued(flow)) is KVForm.SPLIT)
         # Where the adapter applies only after the context (none, or an aLoRA invoked by the
         # instruction), the context's pages are the base model's: BASE-keyed in every layout.
         start = self.engine.kv.path_start(flow.adapter, flow.prompt)
@@ -226,8 +234,10 @@ class Driver:
 
     def _fits(self, flow: Workflow) -> bool:
         """Admit a workflow only if what every admitted workflow may still claim fits."""
+        if self._no_form_fits(flow):
+            return False
         needs = self._needs(flow)
-        if all(self.reserved.get(side, 0) + n <= self.capacity[side] for side, n in needs.items()):
+        if self._room_for(needs):
             for side, n in needs.items():
                 self.reserved[side] = self.reserved.get(side, 0) + n
             if flow.needs is None:  # first admitted: it leaves the queue (a reopen never rejoins)
@@ -236,6 +246,18 @@ class Driver:
             self.admitted.append(flow)
             return True
         return False
+
+    def _no_form_fits(self, flow: Workflow) -> bool:
+        """A workflow whose form is the layout's to choose fits in neither form: the form
+        cannot change ``_fits``' answer, so the layout's probe (``layout_form``: ~0.5-1 ms of
+        index walks at an 8K prompt) is skipped. The head of the queue would otherwise pay it
+        at every tick it waits for its wave (docs/MULTILORA.md "Round 16")."""
+        return flow.needs is None and self._may_split(flow) and not any(
+            self._room_for(self._needs_as(flow, split)) for split in (False, True))
+
+    def _room_for(self, needs: dict[str, int]) -> bool:
+        return all(self.reserved.get(side, 0) + n <= self.capacity[side]
+                   for side, n in needs.items())
 
     def _close(self, flow: Workflow, pin: bool | None = None) -> None:
         """``pin``: as ``Engine.close`` (None: the config's); a last turn pins nothing, as a
