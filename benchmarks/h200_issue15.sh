@@ -53,6 +53,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 46  # rows 1-2 interleaved; batch-1 pass 1 over longer chunks
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 47  # pass 2 following pass 1's keys: CUDA tests, rows 1-2
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 48  # pass 1's first rows before its folds; follow without pdl; CUDA suite
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 49  # react W=32, every LoRA system, median of 3 (rows 8-9)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -79,7 +80,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | te
 round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in its run
   export TRITON_CACHE_DIR=/root/triton_$2_$1 && rm -rf "$TRITON_CACHE_DIR"
   timeout "${3:-450}" python3 -m forkserve.interfaces.cli bench "$1" --workflows ${W:-1 8 32} \
-    --systems unified disaggregated adaptive --tag "$2" --out "$OUT" 2>&1 | tail -12
+    --systems unified disaggregated adaptive --repeat "${REPEAT:-1}" --tag "$2" --out "$OUT" \
+    2>&1 | tail -12
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/$1_multilora_$2.json"
@@ -476,6 +478,12 @@ case "$1" in
   variants 200 decode_round16_chain two_pass_default two_pass_nopdl two_pass_follow_w2_s2048 \
     two_pass_follow_nopdl
   bash "$0" suite
+  ;;
+49)
+  # Round 16: react W = 32, every LoRA system, the median of 3 runs each, after the bench
+  # driver stopped probing the adaptive layout for a queue head that fits in neither form
+  # (rows 8-9; adaptive's time outside ticks was 0.74-1.05 s against unified's 0.4).
+  W=32 REPEAT=3 round10 react issue15_round16 540
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
