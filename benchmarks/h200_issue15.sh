@@ -54,6 +54,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 47  # pass 2 following pass 1's keys: CUDA tests, rows 1-2
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 48  # pass 1's first rows before its folds; follow without pdl; CUDA suite
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 49  # react W=32, every LoRA system, median of 3 (rows 8-9)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 50  # the folded variant (residual score inside the key loop), rows 1-2
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -484,6 +485,13 @@ case "$1" in
   # driver stopped probing the adaptive layout for a queue head that fits in neither form
   # (rows 8-9; adaptive's time outside ticks was 0.74-1.05 s against unified's 0.4).
   W=32 REPEAT=3 round10 react issue15_round16 540
+  ;;
+50)
+  # Round 16: the folded variant (one launch, the q-folded residual score inside the key
+  # loop) beside the default at every point of rows 1-2; its CUDA tests first.
+  export TRITON_CACHE_DIR=/root/tc15
+  decode_tests round16_folded "folded"
+  variants 200 decode_round16_folded two_pass_default folded_bn64 folded_bn64_w8
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

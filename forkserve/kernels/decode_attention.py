@@ -8,7 +8,9 @@ KV head and writes a split partial (split_kv.py merges them). Its constexpr mode
   ``K = K_base + RoPE(K_res @ B_k)`` (``"fused"``), or, with ``RES_BIAS``, the residual
   score precomputed by the score pass (``"two_pass"``; ``PREFETCH`` loads each tile's bias
   and residual table entries one tile ahead, as neither feeds a dot the pipeliner would
-  prefetch); both keep a rank-r accumulator
+  prefetch; ``FOLLOW`` waits for the score pass tile by tile, score_progress.py), or, with
+  ``RES_FOLD``, the score pass's q-folded products inside the loop (``"folded"``); all keep
+  a rank-r accumulator
   ``acc_r`` over ``V_res`` with the same online-softmax rescale as ``acc`` and apply ``B_v``
   once per split (matrix associativity, seed 001 section 7). With ``RES_LOGITS`` the whole
   logits come precomputed (``"msc"``, residual_msc.py) and only V and ``V_res`` are read;
@@ -40,11 +42,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from forkserve.kernels.residual_triton import (
+    fold_queries,
     fused_residual_score,
     residual_offsets,
     rotated_residual_keys,
 )
-from forkserve.kernels.rope_triton import rope_rows
+from forkserve.kernels.rope_triton import rope_rows, rope_rows_at
 from forkserve.kernels.score_progress import (
     ScoreProgress,
     keys_needed,
@@ -96,6 +99,7 @@ def _decode_partial_kernel(
     REL_SCORE: tl.constexpr = False, VALUE_PASS: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, GDC_WAIT: tl.constexpr = False,
     FOLLOW: tl.constexpr = False, SPIN: tl.constexpr = False,
+    RES_FOLD: tl.constexpr = False, FOLD_G: tl.constexpr = 4, FOLD_RANK: tl.constexpr = 16,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -162,7 +166,22 @@ def _decode_partial_kernel(
         a_safe = tl.maximum(adapter, 0)
         r = tl.arange(0, RANK)
         r_ok = (r < rank) & has_ad
-        if not RES_BIAS and not RES_LOGITS:
+        if RES_FOLD:
+            # The group's queries folded into this KV head's B_k (residual_score_qfold.py's
+            # pass, here inside the key loop): each tile's residual score is two products
+            # against its cos/sin rows (in the queries' dtype) and a rank contraction, on
+            # tensor cores the K/V stream leaves idle.
+            col = tl.arange(0, FOLD_G * FOLD_RANK)
+            g = col // FOLD_RANK
+            kk = col % FOLD_RANK
+            fold_c, fold_s = fold_queries(
+                Q, BK, lead * stride_qb + (kvh * GROUP + g) * stride_qh, g < GROUP,
+                a_safe * stride_ba + kk * stride_br + kvh * HEAD_DIM, (kk < rank) & has_ad,
+                HALF)
+            fc = fold_c.to(Q.dtype.element_ty)
+            fs = fold_s.to(Q.dtype.element_ty)
+            rk = tl.arange(0, FOLD_RANK)
+        elif not RES_BIAS and not RES_LOGITS:
             b_row = BK + a_safe * stride_ba + r[:, None] * stride_br + kvh * HEAD_DIM
             bk_lo = tl.load(b_row + d_lo[None, :], mask=r_ok[:, None], other=0.0)
             bk_hi = tl.load(b_row + HALF + d_lo[None, :], mask=r_ok[:, None], other=0.0)
@@ -260,6 +279,20 @@ def _decode_partial_kernel(
             else:
                 s += tl.load(s_ptr + offs_n[None, :], mask=s_rows[:, None] & n_ok[None, :],
                              other=0.0).to(tl.float32)
+        elif HAS_RES and RES_FOLD:
+            kr = tl.load(KR + r_off[:, None] + rk[None, :],
+                         mask=rn_ok[:, None] & (rk < rank)[None, :], other=0.0)
+            cos, sin = rope_rows_at(RopeTable, offs_n, n_ok, HALF)
+            w = tl.dot(cos.to(fc.dtype), fc)
+            w = tl.dot(sin.to(fs.dtype), fs, w)
+            # [keys, FOLD_G] residual scores, their group rows repeated down the BLOCK_H rows
+            # (rows past the group are masked).
+            sc = tl.sum(tl.reshape(w, [BLOCK_N, FOLD_G, FOLD_RANK])
+                        * kr.to(tl.float32)[:, None, :], 2)
+            s_res = tl.reshape(tl.broadcast_to(tl.trans(sc)[None, :, :],
+                                               [BLOCK_H // FOLD_G, FOLD_G, BLOCK_N]),
+                               [BLOCK_H, BLOCK_N])
+            s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi)) + s_res
         elif HAS_RES:
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j,
@@ -325,7 +358,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_starts: torch.Tensor | None = None, dyn_split: bool = False,
                     direct: bool = False, block_max: torch.Tensor | None = None,
                     value_pass: bool = False, prefetch: bool = False,
-                    pdl: bool = False, progress: ScoreProgress | None = None) -> None:
+                    pdl: bool = False, progress: ScoreProgress | None = None,
+                    fold: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -374,6 +408,10 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``progress`` (two-pass with ``prefetch`` and ``dyn_split``; the flags the score pass
     publishes, ``residual_scores(progress=...)``): wait, tile by tile, only for the keys
     about to be read instead (score_progress.py); with ``pdl`` the two passes overlap.
+    ``fold`` (residual, no scores, one sequence a program, no tiles): score each key tile's
+    residual inside the loop, the queries folded into ``B_k`` as residual_score_qfold.py's
+    pass does (``RES_FOLD``); ``residual``'s RoPE table in the queries' dtype
+    (``rope.rope_table_in``).
     """
     batch, n_heads, head_dim = q.shape
     if tiles is not None:
@@ -412,6 +450,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if prefetch:
         assert residual is not None and res_bias is not None and res_logits is None
     assert not pdl or (res_bias is not None and q.is_cuda)
+    if fold:
+        assert (residual is not None and scores is None and tiles is None
+                and seqs_per_program == 1 and not value_pass and not prefetch)
     if progress is not None:
         assert (prefetch and dyn_split and tiles is None and kv_starts is None
                 and not value_pass and seqs_per_program == 1
@@ -461,6 +502,8 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         RES_LOGITS=res_logits is not None, LIVE_ONLY=dyn, DIRECT=direct,
         REL_SCORE=block_max is not None, VALUE_PASS=writes_back, PREFETCH=prefetch,
         GDC_WAIT=pdl and progress is None, FOLLOW=progress is not None, SPIN=q.is_cuda,
+        RES_FOLD=fold, FOLD_G=triton.next_power_of_2(group),
+        FOLD_RANK=max(16, triton.next_power_of_2(rank)),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 

@@ -15,6 +15,9 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
   split-form cascade does after its prefix launch;
 * ``"chunked"``: both passes in one launch, alternating per chunk of keys;
 * ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``;
+* ``"folded"``: one launch on the dynamic plan whose key loop scores each tile's residual as
+  the q-folded pass 1 does (``RES_FOLD``: two products against the tile's cos/sin rows, a
+  rank contraction), beside the K/V stream instead of before it;
 * ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
   every head's whole logits, pass 2 reads only them, V_base and V_res;
 * ``"msc2s"`` (residual_msc2s.py): msc with pass 1's halves as two kernels on two streams
@@ -60,7 +63,7 @@ from forkserve.kernels.split_kv import (
 )
 from forkserve.kernels.streams import row_pipeline
 
-RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "msc", "msc2s")
+RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "folded", "msc", "msc2s")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
 # The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``); the default,
@@ -137,8 +140,8 @@ def score_tuning_for(batch: int) -> dict:
 
 
 # Key tile per variant (H200-tuned).
-DEFAULT_BLOCK_N = {"two_pass": 64, "three_pass": 64, "chunked": 16, "fused": 32, "msc": 64,
-                   "msc2s": 64}
+DEFAULT_BLOCK_N = {"two_pass": 64, "three_pass": 64, "chunked": 16, "fused": 32, "folded": 64,
+                   "msc": 64, "msc2s": 64}
 
 
 @triton.jit
@@ -621,12 +624,15 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
+    dynamic_only = variant == "folded"
     if plan is None:
-        plan = "dynamic" if variant == "two_pass" else "static"
+        plan = "dynamic" if variant in ("two_pass", "folded") else "static"
     if prefetch is None:
         prefetch = variant == "two_pass"
-    if plan not in PLANS or (plan == "dynamic" and variant != "two_pass"):
-        raise ValueError(f"plan {plan!r}: one of {PLANS}, \"dynamic\" for two_pass only")
+    if (plan not in PLANS or (plan == "dynamic" and variant not in ("two_pass", "folded"))
+            or (dynamic_only and plan != "dynamic")):
+        raise ValueError(f"plan {plan!r}: one of {PLANS}; \"dynamic\" for two_pass and "
+                         "folded only, folded on it alone")
     if prefetch and variant != "two_pass":
         raise ValueError("prefetch is a two_pass option")
     tuning = score_tuning_for(q.shape[0]) if score_tuning is None else score_tuning
@@ -641,7 +647,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                        and prefetch and tuning.get("form") == "qfold"):
         raise ValueError("follow: two_pass on the dynamic plan with prefetch, without "
                          "overlap_slices, its pass 1 q-folded")
-    if overlap_slices is not None and (plan != "dynamic" or overlap_slices < 1):
+    if overlap_slices is not None and (variant != "two_pass" or plan != "dynamic"
+                                       or overlap_slices < 1):
         raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
                          f"two_pass on the dynamic plan")
     block_n = DEFAULT_BLOCK_N[variant] if block_n is None else block_n
@@ -649,6 +656,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     max_seq_len = key_bound(seq_lens, max_seq_len)
     n_kv = k_base.shape[2]
     rope_tab = cached_rope_table(inv_freq, max_seq_len)
+    if variant == "folded":  # its products take the rows in the queries' dtype
+        rope_tab = rope_table_in(rope_tab, q.dtype)
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, rope_tab)
     res_bias = res_logits = progress = None
     batch = q.shape[0]
@@ -701,9 +710,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                                 part, part_lse, scale=scale, kv_start=0, kv_limit=NO_LIMIT,
                                 num_splits=splits, split_len=0, split_offset=0, residual=rows,
                                 block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                                res_bias=res_bias[lo:hi], dyn_split=True,
-                                direct=part_lse is None, prefetch=prefetch, pdl=pdl,
-                                progress=progress)
+                                res_bias=None if res_bias is None else res_bias[lo:hi],
+                                dyn_split=True, direct=part_lse is None, prefetch=prefetch, pdl=pdl,
+                                progress=progress, fold=variant == "folded")
 
             dynamic_split_decode(q[lo:hi], (hi - lo) * n_kv, max_seq_len, num_splits, block_n,
                                  fill, out=out[lo:hi])

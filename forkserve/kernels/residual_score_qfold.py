@@ -56,6 +56,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from forkserve.kernels.residual_triton import (
     base_key_tile,
+    fold_queries,
     group_base_scores,
     group_queries_t,
     residual_rows_ahead,
@@ -65,22 +66,6 @@ from forkserve.kernels.residual_triton import (
 from forkserve.kernels.rope_triton import rope_row, rope_rows, rope_rows_at
 from forkserve.kernels.score_progress import ScoreProgress, publish_keys, reset_progress
 from forkserve.kernels.split_kv import waves_of
-
-
-@triton.jit
-def fold_queries(Q, BK, q_col, q_ok, b_col, b_ok, HALF: tl.constexpr):
-    """The folded matrices ``Fc, Fs`` (module docstring), float32 ``[HALF, columns]``: column
-    ``c`` folds the query at ``Q + q_col[c]`` (zero where not ``q_ok``) into the ``B_k`` row at
-    ``BK + b_col[c]`` (zero where not ``b_ok``); both offsets point at the row's first
-    element."""
-    i = tl.arange(0, HALF)[:, None]
-    q_ptr = Q + q_col[None, :] + i
-    q_lo = tl.load(q_ptr, mask=q_ok[None, :], other=0.0).to(tl.float32)
-    q_hi = tl.load(q_ptr + HALF, mask=q_ok[None, :], other=0.0).to(tl.float32)
-    b_ptr = BK + b_col[None, :] + i
-    b_lo = tl.load(b_ptr, mask=b_ok[None, :], other=0.0).to(tl.float32)
-    b_hi = tl.load(b_ptr + HALF, mask=b_ok[None, :], other=0.0).to(tl.float32)
-    return q_lo * b_lo + q_hi * b_hi, q_hi * b_lo - q_lo * b_hi
 
 
 @triton.jit

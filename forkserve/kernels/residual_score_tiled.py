@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forkserve.kernels.residual_score_qfold import fold_queries, qfold_scores
-from forkserve.kernels.residual_triton import residual_offsets
+from forkserve.kernels.residual_score_qfold import qfold_scores
+from forkserve.kernels.residual_triton import fold_queries, residual_offsets
 from forkserve.kernels.rope import rope_table_in
 from forkserve.kernels.split_kv import waves_of
 

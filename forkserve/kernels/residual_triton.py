@@ -3,7 +3,9 @@ score kernel, prefill): where a key tile's residual rows live, the rebuilt resid
 RoPE(K_res B_k) at the tile's absolute positions (deferred RoPE), the fused kernels'
 score of a query tile against K_base plus those keys, and the base logits of a GQA group
 with keys as M (the materialized-scores pass 1s: residual_score_qfold.py's ``LOGITS``
-mode and residual_msc2s.py's base-logits kernel)."""
+mode and residual_msc2s.py's base-logits kernel), and the q-folded ``B_k`` of the q-folded
+score forms (``fold_queries``: residual_score_qfold.py's pass, the tiled one, and the
+partial kernel's ``RES_FOLD``)."""
 from __future__ import annotations
 
 import triton
@@ -124,3 +126,20 @@ def group_base_scores(k_tile, q_t, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
         # Columns past the group are zero: fold them onto the group's.
         base = tl.sum(tl.reshape(base, [BLOCK_N, BASE_N // BLOCK_G, BLOCK_G]), 1)
     return base
+
+
+@triton.jit
+def fold_queries(Q, BK, q_col, q_ok, b_col, b_ok, HALF: tl.constexpr):
+    """The folded matrices ``Fc, Fs`` (residual_score_qfold.py's docstring), float32
+    ``[HALF, columns]``: column
+    ``c`` folds the query at ``Q + q_col[c]`` (zero where not ``q_ok``) into the ``B_k`` row at
+    ``BK + b_col[c]`` (zero where not ``b_ok``); both offsets point at the row's first
+    element."""
+    i = tl.arange(0, HALF)[:, None]
+    q_ptr = Q + q_col[None, :] + i
+    q_lo = tl.load(q_ptr, mask=q_ok[None, :], other=0.0).to(tl.float32)
+    q_hi = tl.load(q_ptr + HALF, mask=q_ok[None, :], other=0.0).to(tl.float32)
+    b_ptr = BK + b_col[None, :] + i
+    b_lo = tl.load(b_ptr, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    b_hi = tl.load(b_ptr + HALF, mask=b_ok[None, :], other=0.0).to(tl.float32)
+    return q_lo * b_lo + q_hi * b_hi, q_hi * b_lo - q_lo * b_hi

@@ -90,6 +90,8 @@ VARIANTS = [
     ("chunked", {"chunk": 32}),
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
+    ("folded", {}),
+    ("folded", {"num_splits": 1}),
     ("msc", {"block_n": 64}),
     ("msc", {"score_tuning": {"block_n": 16, "chunk": 48}}),
     ("msc", {"score_tuning": {"block_n": 16, "angle_add": True}}),
@@ -127,6 +129,7 @@ def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: 
     ("two_pass", {"plan": "dynamic", "prefetch": True}),
     ("two_pass", {"score_tuning": {"form": "qfold"}}),
     ("two_pass", {"score_tuning": {"form": "qfold", "angle_add": False}}),
+    ("folded", {}),
 ])
 def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
     """One adapter, keys past position 4K: RoPE of the rebuilt keys far from the table's
