@@ -491,7 +491,8 @@ case "$1" in
   # loop) beside the default at every point of rows 1-2; its CUDA tests first.
   export TRITON_CACHE_DIR=/root/tc15
   decode_tests round16_folded "folded"
-  variants 200 decode_round16_folded two_pass_default folded_bn64 folded_bn64_w8
+  variants 200 decode_round16_folded two_pass_default folded_bn64 folded_bn64_w8 \
+    folded_bn64_nopf
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -215,7 +215,7 @@ def _decode_partial_kernel(
             ready = wait_for_keys(f_ptr + start // score_chunk, start * 0,
                                   keys_needed(start, stop, has_ad, BLOCK_N), SPIN)
             bias_next = load_published(s_ptr, s_rows, offs_f, ok_f, ready, SPIN)
-        else:
+        elif not RES_FOLD:  # (folded: no score buffer, only the residual table entries)
             bias_next = tl.load(s_ptr + offs_f[None, :], mask=s_rows[:, None] & ok_f[None, :],
                                 other=0.0)
         if not VALUE_PASS:
@@ -293,6 +293,11 @@ def _decode_partial_kernel(
                                                [BLOCK_H // FOLD_G, FOLD_G, BLOCK_N]),
                                [BLOCK_H, BLOCK_N])
             s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi)) + s_res
+            if PREFETCH:
+                offs_f = start_n + BLOCK_N + tl.arange(0, BLOCK_N)
+                r_off_next = residual_offsets(ResBlockTables, lead * stride_rbt, offs_f,
+                                              (offs_f < stop) & has_ad, stride_rp, stride_rs,
+                                              PAGE_SIZE)
         elif HAS_RES:
             kr = tl.load(KR + r_off[:, None] + r[None, :], mask=res_mask, other=0.0)
             rot_lo, rot_hi = rotated_residual_keys(kr, bk_lo, bk_hi, RopeTable, start_n, cos_j,
@@ -399,8 +404,9 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     decode; as the cascade's prefix launch, the loop keeps no ``acc_r`` and writes every
     score back (relative to its block's max where ``block_max`` is given) for
     ``residual_values``, which splits each sequence's keys as this launch did.
-    ``prefetch`` (residual with ``res_bias``, no logits): each key tile's bias (and, where
-    the loop reads ``V_res``, its residual table entries) is loaded one tile ahead.
+    ``prefetch`` (residual with ``res_bias`` or ``fold``, no logits): each key tile's bias
+    (and, where the loop reads ``V_res``, its residual table entries) is loaded one tile
+    ahead.
     ``pdl`` (residual with ``res_bias``, CUDA sm_90+): launched programmatically after the
     score pass that writes ``res_bias`` (``residual_scores(pdl=True)``, the launch right
     before this one): the programs start and load what that pass does not write while it
@@ -448,11 +454,11 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         bias_strides = (0, 0)
     if prefetch:
-        assert residual is not None and res_bias is not None and res_logits is None
+        assert residual is not None and (res_bias is not None or fold) and res_logits is None
     assert not pdl or (res_bias is not None and q.is_cuda)
     if fold:
         assert (residual is not None and scores is None and tiles is None
-                and seqs_per_program == 1 and not value_pass and not prefetch)
+                and seqs_per_program == 1 and not value_pass)
     if progress is not None:
         assert (prefetch and dyn_split and tiles is None and kv_starts is None
                 and not value_pass and seqs_per_program == 1

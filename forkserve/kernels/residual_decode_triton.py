@@ -606,9 +606,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     decode's, each sequence's own keys cut on the device, one split writing the output with
     no merge; ``paged_decode_triton``) or ``"static"`` (``plan_splits`` over
     ``[0, max_seq_len)``, every other variant's).
-    ``prefetch`` (two-pass; default on): the partial kernel loads each key tile's bias and
-    residual table entries one tile ahead (``decode_partials``; H200: pass 2 1.4 -> 1.1x
-    unified at batch 64, docs/KERNELS.md "Round 13").
+    ``prefetch`` (two-pass and folded; default on): the partial kernel loads each key tile's
+    bias and residual table entries one tile ahead (``decode_partials``; H200: pass 2 1.4 ->
+    1.1x unified at batch 64, docs/KERNELS.md "Round 13"; folded: the table entries).
     ``overlap_slices`` (two-pass, dynamic plan; off by default): the rows in that many
     slices, pass 1 of slice i + 1 on a side stream beside pass 2 of slice i
     (``streams.row_pipeline``), so the tensor-core score pass and the memory-bound partial
@@ -628,13 +628,13 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     if plan is None:
         plan = "dynamic" if variant in ("two_pass", "folded") else "static"
     if prefetch is None:
-        prefetch = variant == "two_pass"
+        prefetch = variant in ("two_pass", "folded")
     if (plan not in PLANS or (plan == "dynamic" and variant not in ("two_pass", "folded"))
             or (dynamic_only and plan != "dynamic")):
         raise ValueError(f"plan {plan!r}: one of {PLANS}; \"dynamic\" for two_pass and "
                          "folded only, folded on it alone")
-    if prefetch and variant != "two_pass":
-        raise ValueError("prefetch is a two_pass option")
+    if prefetch and variant not in ("two_pass", "folded"):
+        raise ValueError("prefetch is a two_pass and folded option")
     tuning = score_tuning_for(q.shape[0]) if score_tuning is None else score_tuning
     pdl_applies = (variant == "two_pass" and plan == "dynamic" and overlap_slices is None
                    and tuning.get("form") == "qfold" and programmatic_launches(q.device))

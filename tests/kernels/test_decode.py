@@ -91,7 +91,7 @@ VARIANTS = [
     ("fused", {"split_score": True}),
     ("fused", {"split_score": False}),
     ("folded", {}),
-    ("folded", {"num_splits": 1}),
+    ("folded", {"num_splits": 1, "prefetch": False}),
     ("msc", {"block_n": 64}),
     ("msc", {"score_tuning": {"block_n": 16, "chunk": 48}}),
     ("msc", {"score_tuning": {"block_n": 16, "angle_add": True}}),
