@@ -55,13 +55,17 @@ def publish(client: httpx.Client, tokens: list[int], model: str = MODEL) -> str:
 def prefix_on(client: httpx.Client) -> dict[str, list[int]]:
     """A published 6-page prefix on each replica. New trees with no match are spread by
     load, so a few leaders reach both. No wait for the replicas' stats: the router counts
-    what it just routed (placement.RecentRoutes) until their summaries show it."""
+    what it just routed (placement.RecentRoutes) until their summaries show it. A replica
+    still starting (a loaded CI machine) is not routed to yet: trees keep coming, a stats
+    period apart after the first 16, for up to 60 s."""
     found: dict[str, list[int]] = {}
-    for _ in range(16):
+    deadline, trees = time.monotonic() + 60.0, 0
+    while len(found) < 2 and time.monotonic() < deadline:
+        if trees >= 16:
+            time.sleep(STATS_PERIOD_S)
         tokens = fresh_tokens(24)
         found.setdefault(publish(client, tokens), tokens)
-        if len(found) == 2:
-            break
+        trees += 1
     assert len(found) == 2, "new trees never reached the second replica"
     return found
 
