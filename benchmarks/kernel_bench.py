@@ -1945,14 +1945,16 @@ def register_report(out: Path) -> None:
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits", "Lse", "Scores", "BlockMax"}
     fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",
-                "TileLens", "KvStarts", "KvRange", "QRows"}
+                "TileLens", "KvStarts", "KvRange", "QRows", "Flags"}
     bf16_ptrs = {"Q", "K", "V", "KR", "VR", "BK", "BV", "Out"}
 
     def compile_one(kernel, consts: dict, num_warps: int, num_stages: int,
-                    logits: bool = False, fp16_scores: bool = False) -> dict:
+                    logits: bool = False, fp16_scores: bool = False,
+                    table16: bool = False) -> dict:
         """``logits``: the score buffer is msc's float32 logits, whose rows residual_logits
         pads to 16 entries (so the JIT sees its strides divisible by 16); with
-        ``fp16_scores`` a float16 buffer of such rows (the split cascade's default)."""
+        ``fp16_scores`` a float16 buffer of such rows (the split cascade's default).
+        ``table16``: the RoPE table in the queries' dtype (``rope.rope_table_in``)."""
         names = kernel.arg_names
         # Constexprs left out take their defaults, as at a launch.
         consts = {p.name: p.default for p in kernel.params
@@ -1964,7 +1966,8 @@ def register_report(out: Path) -> None:
             elif n in bf16_ptrs or n in fp32_ptrs or n in int_ptrs or n in fp16_ptrs:
                 half = (n in fp16_ptrs and not (logits and n == "Bias")
                         or fp16_scores and n in ("Bias", "Scores"))
-                sig[n] = ("*bf16" if n in bf16_ptrs else "*fp16" if half
+                bf16 = n in bf16_ptrs or table16 and n == "RopeTable"
+                sig[n] = ("*bf16" if bf16 else "*fp16" if half
                           else "*fp32" if n in fp32_ptrs or n == "Bias" else "*i32")
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif n == "qk_scale":
@@ -2073,6 +2076,30 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "decode_pass2_prefetch", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, fp16_scores=True)})
+    # Round 15-16: the default pass 1 (q-folded from the bf16 table, two KV heads per program,
+    # prefetch), publishing its progress for a following pass 2 or not; pass 2 following
+    # it; the folded one-launch form (the q-folded score inside the key loop).
+    for block_n, warps in ((64, 4), (128, 8)):
+        for publish in (False, True):
+            consts = dict(GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=block_n,
+                          RANK=16, ANGLE_ADD=False, PREFETCH=True, KV_HEADS=2,
+                          LAUNCH_DEPENDENTS=True, PUBLISH=publish, SPIN=publish)
+            rows.append({"kernel": "score_qfold_table16_h2" + ("_publish" if publish else ""),
+                         "residual": True, "split_score": False, "block_n": block_n,
+                         "num_warps": warps, **compile_one(_qfold_score_kernel, consts, warps,
+                                                           2, fp16_scores=True, table16=True)})
+    consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True, RANK=32,
+                  DYN_SPLIT=True, LIVE_ONLY=True, PREFETCH=True, FOLLOW=True, SPIN=True)
+    rows.append({"kernel": "decode_pass2_follow", "residual": True, "split_score": False,
+                 "block_n": 64, "num_warps": 4,
+                 **compile_one(_decode_partial_kernel, consts, 4, 2, fp16_scores=True)})
+    for prefetch, warps in ((True, 4), (True, 8), (False, 4), (False, 8)):
+        consts = dict(dec, BLOCK_N=64, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=False,
+                      RANK=32, DYN_SPLIT=True, LIVE_ONLY=True, RES_FOLD=True, FOLD_G=4,
+                      FOLD_RANK=16, PREFETCH=prefetch)
+        rows.append({"kernel": "decode_folded" + ("" if prefetch else "_nopf"), "residual": True,
+                     "split_score": False, "block_n": 64, "num_warps": warps,
+                     **compile_one(_decode_partial_kernel, consts, warps, 2, table16=True)})
     # Three-pass: the partial kernel without acc_r, float16 scores written back relative to
     # their block max (the value pass's rows are cascade_values_row_fp16 below).
     for block_n, warps in ((32, 4), (64, 4), (64, 8)):
