@@ -492,7 +492,7 @@ case "$1" in
   export TRITON_CACHE_DIR=/root/tc15
   decode_tests round16_folded "folded"
   variants 200 decode_round16_folded two_pass_default folded_bn64 folded_bn64_w8 \
-    folded_bn64_nopf
+    folded_bn64_nopf folded_bn32
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

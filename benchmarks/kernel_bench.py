@@ -1406,11 +1406,13 @@ VARIANTS: dict[str, dict] = {
     "chunked_bn32": dict(variant="chunked", block_n=32, chunk=256),
     "fused_bn32": dict(variant="fused", block_n=32),
     # Round 16: one launch whose key loop scores each tile's residual by the q-folded
-    # products (RES_FOLD) beside the K/V stream (64-key tiles, 4 or 8 warps), each tile's
-    # residual table entries a tile ahead (the default) or not ("_nopf").
+    # products (RES_FOLD) beside the K/V stream (64-key tiles, 4 or 8 warps; 32-key tiles:
+    # half the shared memory), each tile's residual table entries a tile ahead (the
+    # default) or not ("_nopf").
     "folded_bn64": dict(variant="folded", block_n=64),
     "folded_bn64_w8": dict(variant="folded", block_n=64, num_warps=8),
     "folded_bn64_nopf": dict(variant="folded", block_n=64, prefetch=False),
+    "folded_bn32": dict(variant="folded", block_n=32),
 }
 
 
