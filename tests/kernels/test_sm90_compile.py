@@ -10,6 +10,7 @@ import inspect
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ POINTERS = {"X", "Q", "Cos", "Sin", "Out", "K", "V", "KR", "VR", "BK", "BV", "Ou
 # The score passes' float32 cos/sin table and score buffer (the cascade's), int32 tables.
 FP32_POINTERS = {"RopeTable", "Bias"}
 I32_POINTERS = {"ResBlockTables", "SeqLens", "AdapterIdx", "TileSeqs", "TileLens", "KvStarts",
-                "BlockTables"}
+                "BlockTables", "Flags"}
 
 
 def compile_sm90(kernel, consts: dict, num_warps: int = 4,
@@ -53,6 +54,18 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           options=dict(num_warps=num_warps)).asm["ptx"]
 
 
+def assemble_sm90a(ptx: str) -> None:
+    """Assemble ``ptx`` with the ptxas Triton ships (no GPU needed): inline asm is opaque to
+    the compiler, so its syntax shows only here (score_progress.py's polls and publishes)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([str(ptxas), "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("consts", [
     dict(HEAD_DIM=128, RANK=16, BLOCK_T=64, HEADS_PER_PROG=1, FIRST_SIDE=0, DOT_F32=False),
     dict(HEAD_DIM=128, RANK=16, BLOCK_T=64, HEADS_PER_PROG=1, FIRST_SIDE=0, DOT_F32=True),
@@ -73,7 +86,7 @@ def test_glue_compiles():
 # in a fresh interpreter-free process: under TRITON_INTERPRET=1 those functions are
 # interpreted ones, which the compiler cannot inline.
 _SCORE_PASSES = """
-from test_sm90_compile import compile_sm90
+from test_sm90_compile import assemble_sm90a, compile_sm90
 from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
 from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
 tiled = dict(SEQS=32, SEQS_P2=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
@@ -92,6 +105,14 @@ for launch_dependents in (False, True):
         PREFETCH=True, KV_HEADS=2, LAUNCH_DEPENDENTS=launch_dependents), 8,
         {"RopeTable": "*bf16", "Bias": "*fp16"})
     assert ("griddepcontrol.launch_dependents" in ptx) == launch_dependents
+# ... publishing its progress for a pass 2 that follows it (score_progress.py): the zeroed
+# flags fenced before the signal, each segment's publish a fence and a store.
+ptx = compile_sm90(_qfold_score_kernel, dict(
+    GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, RANK=16, ANGLE_ADD=False,
+    PREFETCH=True, KV_HEADS=2, LAUNCH_DEPENDENTS=True, PUBLISH=True, SPIN=True), 8,
+    {"RopeTable": "*bf16", "Bias": "*fp16"})
+assert "fence.acq_rel.gpu" in ptx and "st.relaxed.gpu.global" in ptx
+assemble_sm90a(ptx)
 """
 
 
@@ -117,7 +138,7 @@ def test_tiled_scores_compile():
 # launch and the value pass (both grids), with float32 scores and with float16 ones relative
 # to a float32 block max (``REL_SCORE``).
 _CASCADE_LAUNCHES = """
-from test_sm90_compile import compile_sm90
+from test_sm90_compile import assemble_sm90a, compile_sm90
 from forkserve.kernels.decode_attention import _decode_partial_kernel
 from forkserve.kernels.residual_decode_triton import _residual_value_kernel
 f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
@@ -140,6 +161,13 @@ for rel in (False, True):
     ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
                                                            GDC_WAIT=True), 4, types)
     assert "griddepcontrol.wait" in ptx  # ... launched programmatically (pdl)
+    # ... following pass 1's published keys (score_progress.py: the poll is inline asm)
+    ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
+                                                           FOLLOW=True, SPIN=True), 4, types)
+    assert "ld.global.acquire.gpu" in ptx
+    assemble_sm90a(ptx)
+    # the folded form (the q-folded residual score inside the loop, bf16 table rows)
+    partial(4, LIVE_ONLY=True, RES_BIAS=False, RES_FOLD=True, PREFETCH=True)
     partial(4, LIVE_ONLY=True, REL_SCORE=rel, VALUE_PASS=True)  # three-pass, no acc_r
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
