@@ -622,7 +622,9 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     ``follow`` (two-pass, dynamic plan, no slices, prefetch, the q-folded pass 1): pass 1
     publishes how far it has scored each row's keys and pass 2 waits only for the tile it
     reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
-    running back to back. A dict: ``FOLLOW_TUNING``'s keys to override."""
+    running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
+    0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
+    polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     dynamic_only = variant == "folded"
     if plan is None:

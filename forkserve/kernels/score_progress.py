@@ -12,10 +12,13 @@ the tile it is about to read.
 Ownership and lifetime: ``ScoreProgress.flags`` is one int32 per ``(sequence, KV head,
 chunk)`` of one decode call, allocated unwritten by the caller (``score_progress``). Each
 score-pass program owns its chunk's flags: it zeroes them first, before it lets the next
-launch start (``release_dependents``), then raises them after each segment of key
-tiles (``publish_keys``). No other program writes them, so nothing is reset between calls and
-no flag outlives the call that allocated it. A partial-kernel program only reads them
+launch start (``reset_progress``), then raises them after each segment of key tiles
+(``publish_keys``). No other program writes them, so nothing is reset between calls and no
+flag outlives the call that allocated it. A partial-kernel program only reads them
 (``wait_for_keys``).
+
+Measured on the H200 (docs/KERNELS.md "Round 16"): it loses to the whole-pass wait at every
+point (the polls cost about what the overlap wins), so ``follow`` is off by default.
 
 Why it cannot deadlock: with programmatic launch, pass 2's programs start only once every
 pass-1 program has signalled (``griddepcontrol.launch_dependents``, the first thing each
