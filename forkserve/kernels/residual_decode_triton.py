@@ -38,7 +38,7 @@ import triton.language as tl
 from forkserve.kernels.decode_attention import PLANS, decode_partials
 from forkserve.kernels.residual_msc import MSC_TUNING, residual_logits
 from forkserve.kernels.residual_msc2s import MSC2S_TUNING, split_logits
-from forkserve.kernels.residual_score_qfold import qfold_scores, score_chunk
+from forkserve.kernels.residual_score_qfold import qfold_scores, score_chunk, whole_tiles
 from forkserve.kernels.residual_triton import (
     residual_offsets,
     residual_rows_ahead,
@@ -64,6 +64,11 @@ from forkserve.kernels.split_kv import (
 from forkserve.kernels.streams import row_pipeline
 
 RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "folded", "msc", "msc2s")
+# The split plans each variant runs on, its default first (any other: "static" alone), and
+# the variants whose partial kernel can load each tile's bias / residual table entries ahead
+# (``prefetch``, on by default for them).
+VARIANT_PLANS = {"two_pass": ("dynamic", "static"), "folded": ("dynamic",)}
+PREFETCHING = ("two_pass", "folded")
 # Pass 1's forms (``residual_scores(form=...)``).
 SCORE_FORMS = ("rotate", "qfold")
 # The value pass's grids (``residual_values(grid=...)``, ``value_launch_grid``); the default,
@@ -626,17 +631,15 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
     polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
-    dynamic_only = variant == "folded"
+    plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
-        plan = "dynamic" if variant in ("two_pass", "folded") else "static"
+        plan = plans[0]
     if prefetch is None:
-        prefetch = variant in ("two_pass", "folded")
-    if (plan not in PLANS or (plan == "dynamic" and variant not in ("two_pass", "folded"))
-            or (dynamic_only and plan != "dynamic")):
-        raise ValueError(f"plan {plan!r}: one of {PLANS}; \"dynamic\" for two_pass and "
-                         "folded only, folded on it alone")
-    if prefetch and variant not in ("two_pass", "folded"):
-        raise ValueError("prefetch is a two_pass and folded option")
+        prefetch = variant in PREFETCHING
+    if plan not in plans:
+        raise ValueError(f"plan {plan!r}: {variant} runs on {plans} (of {PLANS})")
+    if prefetch and variant not in PREFETCHING:
+        raise ValueError(f"prefetch is an option of {PREFETCHING}")
     tuning = score_tuning_for(q.shape[0]) if score_tuning is None else score_tuning
     pdl_applies = (variant == "two_pass" and plan == "dynamic" and overlap_slices is None
                    and tuning.get("form") == "qfold" and programmatic_launches(q.device))
@@ -681,7 +684,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                 score_chunk(res_bias.shape[2], batch * n_kv // kv_heads,
                             math.lcm(score_tile, block_n), q.device, tuning.get("chunk"),
                             how["waves"]),
-                score_chunk(0, 1, score_tile, q.device, how["segment"]))
+                whole_tiles(how["segment"], score_tile))
 
         def scores(lo: int, hi: int) -> None:  # pass 1 of rows [lo, hi), into res_bias
             residual_scores(q[lo:hi], k_res, res_block_tables[lo:hi], seq_lens[lo:hi], b_k_all,

@@ -200,7 +200,12 @@ def score_chunk(span: int, programs: int, block_n: int, device: torch.device,
     waves on ``device``."""
     if chunk is None:
         chunk = -(-span // waves_of(programs, device, waves))
-    return max(block_n, -(-chunk // block_n) * block_n)
+    return whole_tiles(chunk, block_n)
+
+
+def whole_tiles(keys: int, block_n: int) -> int:
+    """``keys`` rounded up to whole ``block_n``-key tiles, one tile at least."""
+    return max(block_n, -(-keys // block_n) * block_n)
 
 
 def qfold_scores(q: torch.Tensor, k_res: torch.Tensor, res_block_tables: torch.Tensor,

@@ -131,10 +131,9 @@ def group_base_scores(k_tile, q_t, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
 @triton.jit
 def fold_queries(Q, BK, q_col, q_ok, b_col, b_ok, HALF: tl.constexpr):
     """The folded matrices ``Fc, Fs`` (residual_score_qfold.py's docstring), float32
-    ``[HALF, columns]``: column
-    ``c`` folds the query at ``Q + q_col[c]`` (zero where not ``q_ok``) into the ``B_k`` row at
-    ``BK + b_col[c]`` (zero where not ``b_ok``); both offsets point at the row's first
-    element."""
+    ``[HALF, columns]``: column ``c`` folds the query at ``Q + q_col[c]`` (zero where not
+    ``q_ok``) into the ``B_k`` row at ``BK + b_col[c]`` (zero where not ``b_ok``); both
+    offsets point at the row's first element."""
     i = tl.arange(0, HALF)[:, None]
     q_ptr = Q + q_col[None, :] + i
     q_lo = tl.load(q_ptr, mask=q_ok[None, :], other=0.0).to(tl.float32)
