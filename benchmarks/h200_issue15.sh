@@ -494,6 +494,14 @@ case "$1" in
   variants 200 decode_round16_folded two_pass_default folded_bn64 folded_bn64_w8 \
     folded_bn64_nopf folded_bn32
   ;;
+51)
+  # Round 17: the folded variant at 32 residual columns (no spills) beside the default; its
+  # CUDA tests first. (The run in kernel_bench_decode_round17_folded.json also had two
+  # loop changes that lost, at tag exp-round17-folded.)
+  export TRITON_CACHE_DIR=/root/tc15
+  decode_tests round17_folded "folded"
+  variants 200 decode_round17_folded two_pass_default folded_bn64 folded_bn32
+  ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and

@@ -349,6 +349,14 @@ def _decode_partial_kernel(
                       PartLse + row_seq * stride_lb + row_head * stride_lh + slot, row_ok, d)
 
 
+def residual_columns(rank: int, wide: bool) -> int:
+    """Columns of the residual rows (and ``acc_r``) the partial kernel holds for adapters of
+    ``rank``. ``wide``: a launch reading a score buffer (two-pass, msc) or folding the scores
+    in (``fold``) pads to 32: there a 16-wide ``p @ V_res`` product compiles to 255 registers
+    with spills on sm_90 (two-pass 112-126 registers at 32; folded 856 bytes of spills at
+    16, none at 32, and 3.5-5.3x unified on the H200 against 1.5-1.9x: round 17)."""
+    return max(32 if wide else 16, triton.next_power_of_2(rank))
+
 
 def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor,
@@ -440,9 +448,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         assert k_res.stride() == v_res.stride() and b_k_all.stride() == b_v_all.stride()
         rank = b_k_all.shape[1]
         assert k_res.shape[-1] == rank, "residual pools and B matrices disagree on rank"
-        # Two-pass and msc: acc_r and V_res padded to 32 columns. A 16-wide p @ V_res product
-        # compiles to 255 registers with spills on sm_90 (112-126 at 32; --regs).
-        rank_pad = max(32 if scores is not None else 16, triton.next_power_of_2(rank))
+        rank_pad = residual_columns(rank, wide=scores is not None or fold)
         res_strides = (k_res.stride(0), k_res.stride(1), b_k_all.stride(0), b_k_all.stride(1))
         rbt_stride = res_bt.stride(0)
     else:

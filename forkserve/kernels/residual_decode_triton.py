@@ -17,7 +17,9 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
 * ``"fused"``: the partial kernel rebuilds each key tile ``K_base + RoPE(K_res B_k)``;
 * ``"folded"``: one launch on the dynamic plan whose key loop scores each tile's residual as
   the q-folded pass 1 does (``RES_FOLD``: two products against the tile's cos/sin rows, a
-  rank contraction), beside the K/V stream instead of before it;
+  rank contraction), beside the K/V stream instead of before it (1.46-1.93x unified on the
+  H200 against two-pass's 1.32-1.42x: the products run in series with the stream of the same
+  warps; docs/KERNELS.md "Round 17");
 * ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
   every head's whole logits, pass 2 reads only them, V_base and V_res;
 * ``"msc2s"`` (residual_msc2s.py): msc with pass 1's halves as two kernels on two streams

@@ -359,6 +359,34 @@ def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPa
     assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
 
 
+@pytest.mark.parametrize("variant,columns", [("two_pass", 32), ("folded", 32), ("fused", 16)])
+def test_residual_columns_per_variant(monkeypatch: pytest.MonkeyPatch, variant: str,
+                                      columns: int) -> None:
+    """The partial kernel's residual columns at rank 12 as each variant launches it: 32 where
+    a 16-wide p @ V_res spills on sm_90 (two-pass, folded; test_sm90_compile checks the
+    spills at that width), 16 for the fused rebuild."""
+    from forkserve.kernels import decode_attention
+
+    seen = []
+    kernel = decode_attention._decode_partial_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["RANK"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(decode_attention, "_decode_partial_kernel", Recorder())
+    seq_lens, n_heads, n_kv = [40, 9], 4, 2
+    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(5, seq_lens, n_heads, n_kv)
+    q = _q(gen, len(seq_lens), n_heads, 32)
+    residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
+                    c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True, variant=variant,
+                    block_n=16)
+    assert seen and set(seen) == {columns}
+
+
 @pytest.mark.parametrize("variant,options,wrong", [
     ("two_pass", {"plan": "dyn"}, "plan"), ("msc", {"plan": "dynamic"}, "plan"),
     ("msc", {"prefetch": True}, "prefetch"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,12 @@ I32_POINTERS = {"ResBlockTables", "SeqLens", "AdapterIdx", "TileSeqs", "TileLens
 
 
 def compile_sm90(kernel, consts: dict, num_warps: int = 4,
-                 pointers: dict[str, str] | None = None) -> str:
+                 pointers: dict[str, str] | None = None,
+                 unaligned: frozenset[str] | None = None, num_stages: int | None = None) -> str:
+    """PTX of ``kernel`` for sm_90 (``num_stages``: Triton's default unless given; the decode
+    launches' is 2). ``unaligned``: specialise as the JIT does on the device,
+    every pointer and ``stride_*`` argument divisible by 16 but these (register counts and
+    spills depend on it: unspecialised addressing holds more registers)."""
     # Under TRITON_INTERPRET=1 (the kernel tests' setting) ``@triton.jit`` made an
     # interpreted function: compile its Python source as the device would.
     if not isinstance(kernel, JITFunction):
@@ -48,22 +54,29 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
            else "*i64" if n == "Slots" else "i32" for n in names}
     # Types over the defaults (float16 score buffers), for the arguments this kernel has.
     sig.update({n: t for n, t in (pointers or {}).items() if n in sig})
-    src = ASTSource(fn=kernel, signature=sig,
+    attrs = {} if unaligned is None else {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+        if n not in unaligned and (sig[n].startswith("*") or n.startswith("stride_"))}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps)).asm["ptx"]
+                          options=dict(num_warps=num_warps)
+                          | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
-def assemble_sm90a(ptx: str) -> None:
+def assemble_sm90a(ptx: str) -> int:
     """Assemble ``ptx`` with the ptxas Triton ships (no GPU needed): inline asm is opaque to
-    the compiler, so its syntax shows only here (score_progress.py's polls and publishes)."""
+    the compiler, so its syntax shows only here (score_progress.py's polls and publishes).
+    Returns the bytes ptxas spills to local memory."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        run = subprocess.run([str(ptxas), "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.o")], capture_output=True, text=True,
+                             timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
 @pytest.mark.parametrize("consts", [
@@ -139,7 +152,7 @@ def test_tiled_scores_compile():
 # to a float32 block max (``REL_SCORE``).
 _CASCADE_LAUNCHES = """
 from test_sm90_compile import assemble_sm90a, compile_sm90
-from forkserve.kernels.decode_attention import _decode_partial_kernel
+from forkserve.kernels.decode_attention import _decode_partial_kernel, residual_columns
 from forkserve.kernels.residual_decode_triton import _residual_value_kernel
 f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
 # One sequence's GQA group over two-pass scores, every mode off: each launch names its own.
@@ -166,8 +179,17 @@ for rel in (False, True):
                                                            FOLLOW=True, SPIN=True), 4, types)
     assert "ld.global.acquire.gpu" in ptx
     assemble_sm90a(ptx)
-    # the folded form (the q-folded residual score inside the loop, bf16 table rows)
-    partial(4, LIVE_ONLY=True, RES_BIAS=False, RES_FOLD=True, PREFETCH=True)
+    # The folded form (the q-folded residual score inside the loop, bf16 table rows) and
+    # two-pass's pass 2 at the residual columns the launcher gives rank 16: no spills (at 16
+    # columns the folded form spilled 856 bytes and ran 3.5-5.3x unified; round 17).
+    wide = residual_columns(16, wide=True)
+    for modes in (dict(RES_BIAS=False, RES_FOLD=True, table16=True), dict()):
+        table = {"RopeTable": "*bf16"} if modes.pop("table16", False) else {}
+        # (a score row's strides: a multiple of 16 only where its length is)
+        ptx = compile_sm90(_decode_partial_kernel, base | modes | dict(
+            LIVE_ONLY=True, PREFETCH=True, RANK=wide), 4, types | table,
+            unaligned=frozenset({"stride_sb", "stride_sh", "stride_lh"}), num_stages=2)
+        assert assemble_sm90a(ptx) == 0, modes
     partial(4, LIVE_ONLY=True, REL_SCORE=rel, VALUE_PASS=True)  # three-pass, no acc_r
     for kv_heads, block_h in ((1, 16), (8, 32)):  # grid "kv_head", "row" (Llama-3-8B)
         assert ".entry" in compile_sm90(_residual_value_kernel, dict(
