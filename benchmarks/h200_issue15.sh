@@ -502,14 +502,6 @@ case "$1" in
   decode_tests round17_folded "folded"
   variants 200 decode_round17_folded two_pass_default folded_bn64 folded_bn32
   ;;
-52)
-  # Round 17: pass 2 prefetching its first key tiles of K/V into L2 while pass 1 runs
-  # (warm, l2_warm.py) beside the default; the pdl tests (bit for bit with and without) first.
-  export TRITON_CACHE_DIR=/root/tc15
-  decode_tests round17_warm "pdl"
-  variants 300 decode_round17_warm two_pass_default two_pass_warm1 two_pass_warm2 \
-    two_pass_warm4 two_pass_warm8 two_pass_warm64
-  ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and

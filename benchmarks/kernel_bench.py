@@ -1331,10 +1331,6 @@ VARIANTS: dict[str, dict] = {
     # Pass 2 launched programmatically while pass 1 runs (``pdl``; the default on sm_90
     # since round 15), and the default without it.
     "two_pass_pdl": dict(variant="two_pass", block_n=64, pdl=True),
-    # Round 17: ... with each pass-2 program's first N key tiles of K/V prefetched into L2
-    # while pass 1 runs (``warm``, l2_warm.py).
-    **{f"two_pass_warm{n}": dict(variant="two_pass", block_n=64, pdl=True, warm=n)
-       for n in (1, 2, 4, 8, 64)},
     "two_pass_nopdl": dict(variant="two_pass", block_n=64, pdl=False),
     # Round 16: pass 2 following pass 1's published keys (``follow``, score_progress.py):
     # pass 1's programs in about 1 or 2 waves ("w"), publishing every 256-2048 keys ("s").

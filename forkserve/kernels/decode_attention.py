@@ -47,7 +47,6 @@ from forkserve.kernels.residual_triton import (
     residual_offsets,
     rotated_residual_keys,
 )
-from forkserve.kernels.l2_warm import warm_l2
 from forkserve.kernels.rope_triton import rope_rows, rope_rows_at
 from forkserve.kernels.score_progress import (
     ScoreProgress,
@@ -101,7 +100,6 @@ def _decode_partial_kernel(
     PREFETCH: tl.constexpr = False, GDC_WAIT: tl.constexpr = False,
     FOLLOW: tl.constexpr = False, SPIN: tl.constexpr = False,
     RES_FOLD: tl.constexpr = False, FOLD_G: tl.constexpr = 4, FOLD_RANK: tl.constexpr = 16,
-    WARM_TILES: tl.constexpr = 0,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_g = tl.program_id(0)
@@ -202,11 +200,7 @@ def _decode_partial_kernel(
         acc_r = tl.zeros([BLOCK_H, RANK], tl.float32)
     if GDC_WAIT:
         # Launched while the score pass still runs (``pdl``): everything above reads what
-        # was written before that pass began; its scores only after this wait. The K/V
-        # pages are such: their first tiles may start into L2 meanwhile (l2_warm.py).
-        if WARM_TILES > 0:
-            warm_l2(K, V, BlockTables, lead * stride_bt, start, stop, kvh * stride_kh,
-                    stride_kp, stride_ks, PAGE_SIZE, BLOCK_N, HEAD_DIM, WARM_TILES)
+        # was written before that pass began; its scores only after this wait.
         gdc_wait()
     if PREFETCH:
         # The first tile's bias (and, where this loop reads V_res, its residual table
@@ -378,7 +372,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     direct: bool = False, block_max: torch.Tensor | None = None,
                     value_pass: bool = False, prefetch: bool = False,
                     pdl: bool = False, progress: ScoreProgress | None = None,
-                    fold: bool = False, warm_tiles: int = 0) -> None:
+                    fold: bool = False) -> None:
     """Launch the partial kernel over keys ``[kv_start, min(seq_len, kv_limit))``.
 
     q ``[batch, H, D]``; k, v pools ``[pages, P, Hkv, D]``; part_out ``[batch, H, S, D]``
@@ -425,8 +419,6 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     score pass that writes ``res_bias`` (``residual_scores(pdl=True)``, the launch right
     before this one): the programs start and load what that pass does not write while it
     runs, and wait for it (``griddepcontrol.wait``) before the first bias read.
-    ``warm_tiles`` (with ``pdl``): before that wait, prefetch each program's first that
-    many key tiles of K/V into L2 (l2_warm.py).
     ``progress`` (two-pass with ``prefetch`` and ``dyn_split``; the flags the score pass
     publishes, ``residual_scores(progress=...)``): wait, tile by tile, only for the keys
     about to be read instead (score_progress.py); with ``pdl`` the two passes overlap.
@@ -470,7 +462,6 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if prefetch:
         assert residual is not None and (res_bias is not None or fold) and res_logits is None
     assert not pdl or (res_bias is not None and q.is_cuda)
-    assert warm_tiles >= 0 and (not warm_tiles or pdl and progress is None)
     if fold:
         assert (residual is not None and scores is None and tiles is None
                 and seqs_per_program == 1 and not value_pass)
@@ -524,7 +515,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         REL_SCORE=block_max is not None, VALUE_PASS=writes_back, PREFETCH=prefetch,
         GDC_WAIT=pdl and progress is None, FOLLOW=progress is not None, SPIN=q.is_cuda,
         RES_FOLD=fold, FOLD_G=triton.next_power_of_2(group),
-        FOLD_RANK=max(16, triton.next_power_of_2(rank)), WARM_TILES=warm_tiles,
+        FOLD_RANK=max(16, triton.next_power_of_2(rank)),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 

@@ -604,7 +604,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            plan: str | None = None, prefetch: bool | None = None,
                            overlap_slices: int | None = None,
                            pdl: bool | None = None,
-                           follow: bool | dict = False, warm: int = 0) -> torch.Tensor:
+                           follow: bool | dict = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -631,9 +631,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
-    polls cost about what the overlap wins); off by default.
-    ``warm`` (with ``pdl``, without ``follow``): each pass-2 program prefetches its first
-    that many key tiles of K/V into L2 while pass 1 runs (l2_warm.py); 0 (default) none."""
+    polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
@@ -656,8 +654,6 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                        and prefetch and tuning.get("form") == "qfold"):
         raise ValueError("follow: two_pass on the dynamic plan with prefetch, without "
                          "overlap_slices, its pass 1 q-folded")
-    if warm < 0 or warm and not (pdl and not follow):
-        raise ValueError(f"warm {warm!r}: key tiles (>= 0), an option of pdl without follow")
     if overlap_slices is not None and (variant != "two_pass" or plan != "dynamic"
                                        or overlap_slices < 1):
         raise ValueError(f"overlap_slices {overlap_slices!r}: a positive count, with "
@@ -723,8 +719,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                                 block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                 res_bias=None if res_bias is None else res_bias[lo:hi],
                                 dyn_split=True, direct=part_lse is None, prefetch=prefetch, pdl=pdl,
-                                progress=progress, fold=variant == "folded",
-                                warm_tiles=warm)
+                                progress=progress, fold=variant == "folded")
 
             dynamic_split_decode(q[lo:hi], (hi - lo) * n_kv, max_seq_len, num_splits, block_n,
                                  fill, out=out[lo:hi])

@@ -248,12 +248,10 @@ def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: t
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="programmatic launches need sm_90")
 @pytest.mark.parametrize("batch_lens", [[700], [37, 100, 70, 16, 81]])
-@pytest.mark.parametrize("warm", [0, 1, 64])
-def test_pdl_changes_no_output(batch_lens: list[int], warm: int) -> None:
+def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
     """Pass 2 launched programmatically while pass 1 runs (``pdl``, the default on sm_90)
     waits for pass 1's scores: the output is the plain launch's, bit for bit, at one row and
-    at five (one without an adapter), under a CUDA graph too; with its first key tiles
-    prefetched into L2 meanwhile (``warm``: one tile, and more tiles than a split has)."""
+    at five (one without an adapter), under a CUDA graph too."""
     from forkserve.kernels.residual_decode_triton import programmatic_launches
 
     assert programmatic_launches(DEVICE)  # an H200: on by default
@@ -263,11 +261,10 @@ def test_pdl_changes_no_output(batch_lens: list[int], warm: int) -> None:
             b_k, b_v, adapters, inv_freq)
     bound = {"max_seq_len": max(batch_lens)}  # no host sync inside the capture
     plain_launch = residual_decode(*args, use_triton=True, pdl=False, **bound)
-    assert torch.equal(residual_decode(*args, use_triton=True, pdl=True, warm=warm, **bound),
-                       plain_launch)
+    assert torch.equal(residual_decode(*args, use_triton=True, pdl=True, **bound), plain_launch)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = residual_decode(*args, use_triton=True, pdl=True, warm=warm, **bound)
+        captured = residual_decode(*args, use_triton=True, pdl=True, **bound)
     graph.replay()
     assert torch.equal(captured, plain_launch)
 
@@ -332,7 +329,7 @@ def test_follow_refused_where_nothing_publishes() -> None:
 
 def test_pdl_refused_off_cuda() -> None:
     """A programmatic launch is a CUDA sm_90 feature: elsewhere, and with a pass that has no
-    programmatic partner, a clear error; so is ``warm``, which needs it."""
+    programmatic partner, a clear error."""
     _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
@@ -342,13 +339,6 @@ def test_pdl_refused_off_cuda() -> None:
     if DEVICE.type != "cuda":
         with pytest.raises(ValueError, match="pdl"):
             residual_decode(*args, use_triton=True, pdl=True)
-    # Warming L2 before the wait needs the programmatic launch, and a count of tiles.
-    with pytest.raises(ValueError, match="warm"):
-        residual_decode(*args, use_triton=True, pdl=False, warm=2)
-    with pytest.raises(ValueError, match="warm"):
-        residual_decode(*args, use_triton=True, warm=-1)
-    with pytest.raises(ValueError, match="warm"):
-        residual_decode(*args, use_triton=True, follow=True, warm=2)
 
 
 def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,11 +174,6 @@ for rel in (False, True):
     ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
                                                            GDC_WAIT=True), 4, types)
     assert "griddepcontrol.wait" in ptx  # ... launched programmatically (pdl)
-    # ... warming L2 with its first K/V tiles before that wait (l2_warm.py: inline asm)
-    ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
-                                                           GDC_WAIT=True, WARM_TILES=2), 4, types)
-    assert "prefetch.global.L2::evict_last" in ptx
-    assemble_sm90a(ptx)
     # ... following pass 1's published keys (score_progress.py: the poll is inline asm)
     ptx = compile_sm90(_decode_partial_kernel, base | dict(LIVE_ONLY=True, PREFETCH=True,
                                                            FOLLOW=True, SPIN=True), 4, types)
