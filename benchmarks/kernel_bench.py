@@ -1933,6 +1933,7 @@ def register_report(out: Path) -> None:
 
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     from forkserve.kernels.decode_attention import _decode_partial_kernel
@@ -1943,7 +1944,9 @@ def register_report(out: Path) -> None:
         _residual_value_kernel,
     )
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    # The ptxas Triton itself runs (its PTX version follows it: on the H200 machine a CUDA
+    # toolkit's, newer than the one in Triton's wheel).
+    ptxas = get_ptxas(90).path
     fp32_ptrs = {"RopeTable", "PartOut", "PartLse", "Logits", "Lse", "Scores", "BlockMax"}
     fp16_ptrs = {"Bias", "LogitBias"}
     int_ptrs = {"BlockTables", "ResBlockTables", "SeqLens", "CuSeqlensQ", "AdapterIdx", "TileSeqs",

@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -65,10 +66,12 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
 
 
 def assemble_sm90a(ptx: str) -> int:
-    """Assemble ``ptx`` with the ptxas Triton ships (no GPU needed): inline asm is opaque to
+    """Assemble ``ptx`` with the ptxas Triton uses (no GPU needed): inline asm is opaque to
     the compiler, so its syntax shows only here (score_progress.py's polls and publishes).
     Returns the bytes ptxas spills to local memory."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    # The ptxas Triton itself runs (its PTX version follows it: on the H200 machine a CUDA
+    # toolkit's, newer than the one in Triton's wheel).
+    ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
