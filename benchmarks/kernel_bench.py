@@ -1052,6 +1052,11 @@ def plot_cascade_prefill(res: dict, path: Path) -> None:
 # of before against the dynamic one (decode_attention.paged_decode_triton ``plan``), and the
 # dynamic plan at forced split counts: which count the H200 wants per batch and length.
 SHORT_SWEEP = (1, 2, 4, 8, 16, 32, 64)
+# ... and the dynamic plan at other (key tile, warps, pipeline stages) than the default
+# (64, 4, 2): at 512 keys x batch 64 each program walks nine tiles with one load ahead
+# (2.8 TB/s on the H200, round 8), where more stages keep more loads in flight.
+SHORT_TILES = ((64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 8, 2), (128, 8, 3),
+               (64, 8, 3))
 
 
 def short_table(s: Setup, batch: int, keys: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1130,6 +1135,14 @@ def run_decode_short(s: Setup, res: dict, save: Callable[[], None]) -> None:
         if sweep:
             best = min(sweep, key=lambda n: sweep[n] if sweep[n] == sweep[n] else math.inf)
             row["best_splits"], row["best_ms"] = int(best), sweep[best]
+        tiles = {}
+        for bn, warps, stages in (SHORT_TILES[:1] if s.smoke else SHORT_TILES):
+            cfg = dict(block_n=16 if s.smoke else bn, num_warps=warps, num_stages=stages)
+            tiles[f"bn{bn}_w{warps}_s{stages}"] = measure(
+                res, f"{tag} tiles {cfg}", lambda cfg=cfg: paged_decode_triton(
+                    q, s.k, s.v, bt, lens, max_seq_len=bound, plan="dynamic", **cfg), s.smoke)
+        row["tiles_ms"] = tiles
+        row["tiles_over_new"] = {k: v / row["new_ms"] for k, v in tiles.items()}
         row["new_rel_err_vs_old"] = check(res, tag + " check",
                                           lambda: rel_err(run("dynamic"), run("static")))
         if width == keys or s.smoke:
@@ -1141,7 +1154,8 @@ def run_decode_short(s: Setup, res: dict, save: Callable[[], None]) -> None:
         print(f"{tag} | old {old_splits}x{old_len} {row['old_ms']:.4f} ms "
               f"{row['old_TBps']:.2f} TB/s | new {new_splits} {row['new_ms']:.4f} ms "
               f"{row['new_TBps']:.2f} TB/s | new/old {row['new_over_old']:.2f} | best "
-              f"{row.get('best_splits')} {row.get('best_ms', math.nan):.4f} ms", flush=True)
+              f"{row.get('best_splits')} {row.get('best_ms', math.nan):.4f} ms | tiles/new "
+              + " ".join(f"{k} {v:.2f}" for k, v in row["tiles_over_new"].items()), flush=True)
 
 
 def print_decode_short(res: dict) -> None:
@@ -1149,14 +1163,17 @@ def print_decode_short(res: dict) -> None:
           f"short sequences, static plan (old) vs dynamic (new); ms of one layer call "
           f"(copy {res.get('copy_GBps', math.nan):.0f} GB/s)")
     print(" keys  width batch | old splits x len       ms   TB/s | new splits       ms   TB/s "
-          "| new/old | best splits       ms | err new-old  new-ref")
+          "| new/old | best splits       ms | err new-old  new-ref | best tiles / new")
     for r in res["decode_short"]:
+        ratios = r.get("tiles_over_new") or {}
+        tiles = min(ratios, key=ratios.get) if ratios else ""
         print(f"{r['keys']:5d} {r['width']:6d} {r['batch']:5d} | {r['old_splits']:4d} x "
               f"{r['old_split_len']:6d} {r['old_ms']:8.4f} {r['old_TBps']:6.2f} | "
               f"{r['new_splits']:10d} {r['new_ms']:8.4f} {r['new_TBps']:6.2f} | "
               f"{r['new_over_old']:7.2f} | {r.get('best_splits', 0):11d} "
               f"{r.get('best_ms', math.nan):8.4f} | {r.get('new_rel_err_vs_old', math.nan):.1e} "
-              f"{r.get('new_rel_err_vs_ref_fp32', math.nan):.1e}")
+              f"{r.get('new_rel_err_vs_ref_fp32', math.nan):.1e} | {tiles} "
+              f"{ratios.get(tiles, math.nan):.2f}")
 
 
 def plot_decode_short(res: dict, path: Path) -> None:
