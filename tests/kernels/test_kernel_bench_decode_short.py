@@ -35,6 +35,8 @@ def test_decode_short_rows(tmp_path) -> None:
     assert set(row["sweep_ms"]) == {"1", "2"}
     assert row["new_rel_err_vs_old"] < 1e-5 and row["new_rel_err_vs_ref_fp32"] < 1e-5
     assert row["old_TBps"] > 0 and row["new_TBps"] > 0
+    # The tile sweep (one configuration at smoke shapes), over the dynamic plan's time.
+    assert list(row["tiles_ms"]) == ["bn64_w4_s3"] and row["tiles_over_new"]["bn64_w4_s3"] > 0
     kb.print_decode_short(res)
     kb.plot_decode_short(res, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
