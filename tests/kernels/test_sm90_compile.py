@@ -186,8 +186,8 @@ for rel in (False, True):
     # two-pass's pass 2 at the residual columns the launcher gives rank 16: no spills (at 16
     # columns the folded form spilled 856 bytes and ran 3.5-5.3x unified; round 17).
     wide = residual_columns(16, wide=True)
-    for modes in (dict(RES_BIAS=False, RES_FOLD=True, table16=True), dict()):
-        table = {"RopeTable": "*bf16"} if modes.pop("table16", False) else {}
+    folded = dict(RES_BIAS=False, RES_FOLD=True)
+    for modes, table in ((folded, {"RopeTable": "*bf16"}), ({}, {})):
         # (a score row's strides: a multiple of 16 only where its length is)
         ptx = compile_sm90(_decode_partial_kernel, base | modes | dict(
             LIVE_ONLY=True, PREFETCH=True, RANK=wide), 4, types | table,
