@@ -515,7 +515,7 @@ def decode_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         REL_SCORE=block_max is not None, VALUE_PASS=writes_back, PREFETCH=prefetch,
         GDC_WAIT=pdl and progress is None, FOLLOW=progress is not None, SPIN=q.is_cuda,
         RES_FOLD=fold, FOLD_G=triton.next_power_of_2(group),
-        FOLD_RANK=max(16, triton.next_power_of_2(rank)),
+        FOLD_RANK=residual_columns(rank, wide=False),
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
