@@ -52,6 +52,7 @@ from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.config import ForkServeConfig, KVForm, KVLayout  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
+from forkserve.kernels.skinny_gemm import SkinnyTuning  # noqa: E402
 
 # docs/ANCHORS.md
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}
@@ -383,6 +384,9 @@ def main() -> None:
                     help="only: decode through TorchBackend.step and through the Engine "
                          "(batch 1 and 64, 64 with LoRA; unified layout); writes "
                          "decode_bench_step.json")
+    ap.add_argument("--no-skinny", action="store_true",
+                    help="the projections through cuBLAS everywhere (the skinny GEMM's "
+                         "baseline); the JSON's name gains '_cublas'")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,6 +394,8 @@ def main() -> None:
                  "decode_profile.json" if args.profile else
                  "decode_bench_engine.json" if args.engine_only else
                  "decode_bench_step.json" if args.step_only else "decode_bench.json")
+    if args.no_skinny:
+        json_name = json_name.replace(".json", "_cublas.json")
     device = torch.device("cpu" if args.tiny else "cuda")
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
@@ -414,7 +420,8 @@ def main() -> None:
                              kv_layout=layout, vocab_size=cfg.vocab_size)
         return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
                                          max_adapters=n_adapters, max_lora_rank=rank,
-                                         lora_targets=TARGETS, compile_fusions=fusions)
+                                         lora_targets=TARGETS, compile_fusions=fusions,
+                                         skinny_linear=fusions and not args.no_skinny)
 
     def attempt(name: str, fn, *args) -> None:
         try:
@@ -475,6 +482,9 @@ def main() -> None:
         fusions = False
         bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
     res["fusions"] = fusions
+    res["skinny_linear"] = fusions and not args.no_skinny
+    if res["skinny_linear"] and device.type == "cuda":  # the tiles this run's device reads
+        res["skinny_tuning"] = SkinnyTuning.packaged().to_json().get(res["device"], {})
     res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
     adapter_ids = [bench.backend.adapter_id(f"a{i}") for i in range(n_adapters)]
     if args.prefill_only:

@@ -55,6 +55,9 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 48  # pass 1's first rows before its folds; follow without pdl; CUDA suite
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 49  # react W=32, every LoRA system, median of 3 (rows 8-9)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 50  # the folded variant (residual score inside the key loop), rows 1-2
+# Round 18 (the skinny GEMM for the decode projections, rows 10a-b):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 52  # CUDA tests, linear_bench (the tuning)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 53  # decode_bench --step-only, skinny on / off
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -501,6 +504,24 @@ case "$1" in
   export TRITON_CACHE_DIR=/root/tc15
   decode_tests round17_folded "folded"
   variants 200 decode_round17_folded two_pass_default folded_bn64 folded_bn32
+  ;;
+52)
+  # Round 18: the skinny GEMM for the decode step's projections (rows 10a-b): its CUDA tests,
+  # then linear_bench (every Llama-3-8B projection at 1, 32 and 64 rows against cuBLAS; writes
+  # the tuning to adopt, skinny_tuning.json).
+  export TRITON_CACHE_DIR=/root/tc18
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_skinny_gemm.py tests/kernels/test_sm90_compile.py \
+    tests/torch/test_model.py -k "skinny or test_triton_glue" 2>&1 \
+    | tee "$OUT/pytest_cuda_round18_skinny.log" | tail -3
+  timeout 420 python3 benchmarks/linear_bench.py --out "$OUT" 2>&1 | tail -20
+  ;;
+53)
+  # Round 18: rows 10a-d with the packaged skinny tuning, then with cuBLAS everywhere.
+  export TRITON_CACHE_DIR=/root/tc18
+  timeout 270 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
+  timeout 270 python3 benchmarks/decode_bench.py --step-only --no-skinny --out "$OUT" 2>&1 \
+    | tail -16
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

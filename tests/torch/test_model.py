@@ -112,3 +112,43 @@ def prefill_logits_from(backend: TorchBackend, seq: int, tokens: list[int],
     """Decode ``tokens[start:]`` one step each after a prefill of ``tokens[:start]``."""
     return torch.cat([backend.forward([work(seq, tokens[i:i + 1], i)], all_logits=True).logits[0]
                       for i in range(start, len(tokens))])
+
+
+def test_skinny_linear_in_the_model(models, monkeypatch):
+    """Every projection through the skinny GEMM (kernels/skinny_gemm.py, the interpreter
+    without CUDA) where a tuning names its shape, the MLP's SiLU * up in its epilogue: the
+    same logits as F.linear's, prefill and decode, q/k/v bias (qwen2). fp16: the kernel's
+    operands are 16-bit."""
+    from forkserve.backend.torch.fused import Fusions
+    from forkserve.kernels import skinny_gemm
+    from forkserve.kernels.skinny_gemm import ShapeKey, SkinnyLinear, SkinnyTile, SkinnyTuning
+
+    dtype = DTYPE if DTYPE != torch.float32 else torch.float16
+    backend = TorchBackend(make_config(), models["qwen2"], device=DEVICE, dtype=dtype,
+                           compile_fusions=False)
+    cfg = backend.model_config
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
+              (cfg.hidden_size, cfg.num_heads * cfg.head_dim, False),
+              (cfg.intermediate_size, cfg.hidden_size, True),
+              (cfg.hidden_size, cfg.intermediate_size, False),
+              (cfg.vocab_size, cfg.hidden_size, False)]
+    name = "dev"
+    tile = SkinnyTile(block_n=16, block_k=32, warps=4, stages=2)
+    tuning = SkinnyTuning({name: {ShapeKey(n, k, m, silu): tile
+                                  for n, k, silu in shapes for m in (16, 32, 64)}})
+    tokens = prompt(2, 11)
+
+    def logits(fx: Fusions) -> torch.Tensor:
+        backend.model.fx = fx
+        ours = prefill_logits(backend, 4, tokens[:8], chunk=8)
+        return torch.cat([ours, prefill_logits_from(backend, 4, tokens, start=8)])
+
+    plain = logits(Fusions(compile=False, triton=True))
+    calls = []
+    kernel = skinny_gemm.skinny_mm
+    monkeypatch.setattr(skinny_gemm, "skinny_mm",
+                        lambda *a, **k: calls.append(k.get("silu", False)) or kernel(*a, **k))
+    skinny = logits(Fusions(compile=False, triton=True, skinny=SkinnyLinear(tuning, name)))
+    # 4 forwards x (2 layers x 4 projections + lm_head), one of each layer's with SiLU.
+    assert len(calls) == 4 * 9 and sum(calls) == 4 * 2
+    assert rel_err(skinny, plain) < 3e-3

@@ -10,12 +10,15 @@ path computes the same function.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from forkserve.backend.torch.rope import apply_rope
+
+if TYPE_CHECKING:
+    from forkserve.kernels.skinny_gemm import SkinnyLinear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,15 +44,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_silu(h: torch.Tensor, gate_up: torch.Tensor, silu: Callable) -> torch.Tensor:
+    """The MLP's activation ``silu(gate) * up`` of ``h @ gate_up.T`` (``[2I, K]``, gate first)."""
+    return silu(F.linear(h, gate_up))
+
+
 class Fusions:
     """The glue functions, fused (one kernel each) or plain: the one place that decides.
 
     ``compile``: the norms through torch.compile. ``triton``: RoPE and SiLU * up through the
     Triton kernels (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``); None: the same
-    as ``compile`` where CUDA is available. Each attribute is fixed at construction, so a
-    call does no dispatch work and is safe in CUDA graph capture."""
+    as ``compile`` where CUDA is available. ``skinny``: the projections (``linear``, and
+    ``gate_up_silu`` with SiLU * up in its epilogue) through the skinny GEMM where its tuning
+    names the shape (``kernels/skinny_gemm.py``; elsewhere ``F.linear``): True for the
+    packaged tuning, a ``SkinnyLinear`` for another (tests), None / False for ``F.linear``.
+    Each attribute is fixed at construction, so a call does no dispatch work beyond the
+    skinny GEMM's shape lookup and is safe in CUDA graph capture."""
 
-    def __init__(self, compile: bool, triton: bool | None = None) -> None:
+    def __init__(self, compile: bool, triton: bool | None = None,
+                 skinny: "bool | SkinnyLinear | None" = None) -> None:
         wrap: Callable = ((lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile
                           else (lambda f: f))
         if triton is None:
@@ -65,9 +78,17 @@ class Fusions:
         else:
             self.rope_qk = wrap(rope_qk)
             self.silu_mul = wrap(silu_mul)
+        self.linear: Callable = F.linear
+        self.gate_up_silu: Callable = lambda h, w: gate_up_silu(h, w, self.silu_mul)
+        if skinny:
+            from forkserve.kernels.skinny_gemm import SkinnyLinear, SkinnyTuning
+            mm = skinny if isinstance(skinny, SkinnyLinear) else SkinnyLinear(
+                SkinnyTuning.packaged())
+            self.linear = mm
+            self.gate_up_silu = lambda h, w: mm.gate_up_silu(h, w, self.silu_mul)
 
 
 @functools.cache
-def get_fusions(compile: bool, triton: bool | None = None) -> Fusions:
+def get_fusions(compile: bool, triton: bool | None = None, skinny: bool = False) -> Fusions:
     """One set per process: every backend shares the compiled kernels (and their compile time)."""
-    return Fusions(compile, triton)
+    return Fusions(compile, triton, skinny)

@@ -81,18 +81,20 @@ class CausalLM:
             attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"),
                                           pool.layer(n) if own is None else own, b_k, b_v,
                                           layer_meta, self.rope)
-            o = F.linear(attn, layer.o)
+            o = fx.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:
                 lora.expand_(n, "o", lora.shrink(n, "o", attn, masks["o"]), o)
             x, h = fx.add_rms_norm(x, o, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up)
             if lora is not None and "gate_up" in lora.groups:
+                gate_up = fx.linear(h, layer.gate_up)
                 shrunk = lora.shrink(n, "gate_up", h, masks["gate_up"])
                 for t in lora.groups["gate_up"]:
                     lora.expand_(n, t, lora.part("gate_up", t, shrunk),
                                  gate_up[:, self._gate_up_slices[t]])
-            act = fx.silu_mul(gate_up)
-            down = F.linear(act, layer.down)
+                act = fx.silu_mul(gate_up)
+            else:
+                act = fx.gate_up_silu(h, layer.gate_up)
+            down = fx.linear(act, layer.down)
             if lora is not None and "down" in lora.groups:
                 lora.expand_(n, "down", lora.shrink(n, "down", act, masks["down"]), down)
             if n + 1 < len(w.layers):
@@ -102,7 +104,7 @@ class CausalLM:
             if layers_out is not None:
                 layers_out.append(x)
         x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
-        return F.linear(x, w.lm_head).float()
+        return fx.linear(x, w.lm_head).float()
 
     def _project(self, n: int, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -127,12 +129,12 @@ class CausalLM:
         if compact:
             q_cols, kv_cols = slice(0, cfg.q_size), slice(cfg.q_size, None)
             bias = layer.qkv_bias
-            qkv = F.linear(h, layer.qkv[q_cols], None if bias is None else bias[q_cols])
+            qkv = fx.linear(h, layer.qkv[q_cols], None if bias is None else bias[q_cols])
             if rows.shape[0]:
-                kv = F.linear(h.index_select(0, rows), layer.qkv[kv_cols],
-                              None if bias is None else bias[kv_cols])
+                kv = fx.linear(h.index_select(0, rows), layer.qkv[kv_cols],
+                               None if bias is None else bias[kv_cols])
         else:
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = fx.linear(h, layer.qkv, layer.qkv_bias)
         res: dict[str, torch.Tensor] = {}
         if lora is not None and "qkv" in lora.groups:
             shrunk = lora.shrink(n, "qkv", h, mask)

@@ -1,0 +1,223 @@
+"""The decode step's projections: the skinny GEMM (``kernels/skinny_gemm.py``) against cuBLAS.
+
+    python benchmarks/linear_bench.py --out benchmarks/results [--rows 1 64 32]
+    python benchmarks/linear_bench.py --smoke --out /tmp/lb     # CPU, interpreter: plumbing
+
+For each projection of the Llama-3-8B shape (qkv, o, gate_up with its SiLU, down, lm_head)
+and each row count (a decode batch: its tile class is 16, 32 or 64 rows), one CUDA graph per
+variant runs the projection over 32 distinct weights, as a step's 32 layers do (the lm_head
+over 2), so no weight is read from L2; the graphs are replayed in turn (``timed_interleaved``)
+and each variant's time is per projection. Variants: ``F.linear`` (cuBLAS; for gate_up,
+``F.linear`` then the ``silu_mul`` kernel, what the model ran), and the skinny kernel at every
+tile ``even_tiles`` proposes (pipeline depth 4, 4 warps), then the best of those at other
+depths and 8 warps. Each tile's output is checked against ``F.linear``'s first.
+
+Writes after every (projection, rows) point: ``linear_bench.json`` (ms, TB/s read, ratio to
+cuBLAS, the roofline at the measured copy bandwidth), ``skinny_tuning.json`` (per shape class
+the best tile where it beats cuBLAS by ``--margin``, else null: copy it to
+``forkserve/kernels/skinny_tuning.json`` to adopt it) and ``linear_bench.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.bench.provenance import source_commit  # noqa: E402
+from forkserve.kernels.glue import silu_mul_triton  # noqa: E402
+from forkserve.kernels.skinny_gemm import (  # noqa: E402
+    ShapeKey,
+    SkinnyTile,
+    SkinnyTuning,
+    block_m,
+    even_tiles,
+    skinny_mm,
+)
+
+# name -> (weight rows, K, silu): Llama-3-8B (hidden 4096, 32 / 8 heads of 128, MLP 14336).
+LLAMA3_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
+             "gate_up": (28672, 4096, True), "down": (4096, 14336, False),
+             "lm_head": (128256, 4096, False)}
+SMOKE = {"qkv": (128, 64, False), "gate_up": (128, 64, True)}
+LAYERS = 32
+
+
+def weights_for(rows: int, k: int, copies: int, device, dtype) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(rows * 7 + k)
+    return [(torch.randn(rows, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+            for _ in range(copies)]
+
+
+def runs_for(ws: list[torch.Tensor], x: torch.Tensor, silu: bool,
+             tiles: list[SkinnyTile]) -> dict:
+    """Each variant as a callable over every weight (one graph each)."""
+    def cublas():
+        for w in ws:
+            y = F.linear(x, w)
+            if silu:
+                silu_mul_triton(y)
+
+    def tiled(t: SkinnyTile):
+        def run():
+            for w in ws:
+                skinny_mm(x, w, t, silu=silu)
+        return run
+
+    return {"cublas": cublas} | {tile_name(t): tiled(t) for t in tiles}
+
+
+def tile_name(t: SkinnyTile) -> str:
+    return f"n{t.block_n}_k{t.block_k}_w{t.warps}_s{t.stages}"
+
+
+def max_error(x: torch.Tensor, w: torch.Tensor, silu: bool, tile: SkinnyTile) -> float:
+    ref = F.linear(x, w)
+    ref = silu_mul_triton(ref) if silu else ref
+    return (skinny_mm(x, w, tile, silu=silu).float() - ref.float()).abs().max().item()
+
+
+def timed(runs: dict, smoke: bool) -> dict[str, float]:
+    if smoke:  # the interpreter: one call each, for the plumbing
+        out = {}
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name] = (time.perf_counter() - t0) * 1e3
+        return out
+    from kernel_bench import timed_interleaved
+    return timed_interleaved(runs, rounds=20)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device copy, read + write counted (the roofline's rate)."""
+    x = torch.empty(1 << 30, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * x.numel() * 2 / (start.elapsed_time(end) * 1e-3)
+
+
+def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int, sms: int,
+                  device, dtype, smoke: bool, margin: float) -> dict:
+    n_rows, k, silu = shape
+    key = ShapeKey(n_rows // 2 if silu else n_rows, k, block_m(rows), silu)
+    copies = 1 if smoke else (2 if name == "lm_head" else LAYERS)
+    ws = weights_for(n_rows, k, copies, device, dtype)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    tol = 0.05 * max(1.0, F.linear(x, ws[0]).float().abs().max().item() / 8)
+    errors, first = {}, []
+    for t in even_tiles(key, sms, stages=(4,)):
+        errors[tile_name(t)] = max_error(x, ws[0], silu, t)
+        if errors[tile_name(t)] <= tol:
+            first.append(t)
+    ms = timed(runs_for(ws, x, silu, first), smoke)
+    skinny = {n: v for n, v in ms.items() if n != "cublas" and math.isfinite(v)}
+    if skinny:  # the best tile at other pipeline depths and warps
+        best = next(t for t in first if tile_name(t) == min(skinny, key=skinny.get))
+        more = [best._replace(stages=s) for s in (3, 5, 6)] + [best._replace(warps=8)]
+        more = [t for t in more if max_error(x, ws[0], silu, t) <= tol]
+        ms |= {n: v for n, v in timed(runs_for(ws, x, silu, more), smoke).items()
+               if n != "cublas"}
+        skinny = {n: v for n, v in ms.items() if n != "cublas" and math.isfinite(v)}
+    per = {n: v / copies for n, v in ms.items()}
+    nbytes = n_rows * k * dtype.itemsize
+    best_name = min(skinny, key=skinny.get) if skinny else None
+    point = {"projection": name, "rows": rows, "key": key.text(), "weight_bytes": nbytes,
+             "ms": per, "TBps": {n: nbytes / (v * 1e-3) / 1e12 for n, v in per.items()},
+             "max_error": errors, "tolerance": tol, "best": best_name,
+             "best_over_cublas": per[best_name] / per["cublas"] if best_name else None,
+             "roofline_ms": nbytes / res["copy_bandwidth_Bps"] * 2 * 1e3
+             if res.get("copy_bandwidth_Bps") else None}
+    wins = best_name is not None and point["best_over_cublas"] <= 1 - margin
+    point["adopted"] = best_name if wins else None
+    return point
+
+
+def tuning_of(points: list[dict], device_name: str) -> SkinnyTuning:
+    tiles: dict[ShapeKey, SkinnyTile | None] = {}
+    for p in points:
+        name = p["adopted"]
+        tiles[ShapeKey.parse(p["key"])] = (SkinnyTile(*(int(part[1:]) for part in name.split("_")))
+                                           if name else None)
+    return SkinnyTuning({device_name: tiles})
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{p['projection']}\nM={p['rows']}" for p in points]
+    cub = [p["TBps"]["cublas"] for p in points]
+    best = [p["TBps"][p["best"]] if p["best"] else 0.0 for p in points]
+    fig, ax = plt.subplots(figsize=(max(6, len(points) * 0.9), 4))
+    xs = range(len(points))
+    ax.bar([i - 0.2 for i in xs], cub, 0.4, label="cuBLAS (F.linear)")
+    ax.bar([i + 0.2 for i in xs], best, 0.4, label="skinny, best tile")
+    roof = [p["weight_bytes"] / (p["roofline_ms"] * 1e-3) / 1e12 for p in points
+            if p.get("roofline_ms")]
+    if roof:
+        ax.axhline(roof[0], color="k", ls="--", lw=1, label="copy bandwidth / 2")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("weight TB/s")
+    ax.set_title("Decode projections: weight read rate (higher is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 32])
+    ap.add_argument("--projections", nargs="+", default=list(LLAMA3_8B))
+    ap.add_argument("--margin", type=float, default=0.02,
+                    help="adopt a tile only where it is this much faster than cuBLAS")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = args.smoke
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float16 if smoke else torch.bfloat16  # bf16 is wrong in the interpreter
+    shapes = SMOKE if smoke else {p: LLAMA3_8B[p] for p in args.projections}
+    sms = 4 if smoke else torch.cuda.get_device_properties(device).multi_processor_count
+    device_name = "cpu" if smoke else torch.cuda.get_device_name(device)
+    res = {"device": device_name, "sms": sms, "torch": torch.__version__,
+           "dtype": str(dtype), "commit": source_commit(), "layers": LAYERS,
+           "copy_bandwidth_Bps": None if smoke else copy_bandwidth(device), "points": []}
+    rows = [1, 32] if smoke else args.rows
+    for name, shape in shapes.items():
+        for m in rows:
+            point = measure_point(res, name, shape, m, sms, device, dtype, smoke, args.margin)
+            res["points"].append(point)
+            print(f"{name:8s} M={m:3d} cuBLAS {point['ms']['cublas'] * 1e3:8.1f} us  "
+                  f"best {point['best']} "
+                  f"{point['ms'][point['best']] * 1e3 if point['best'] else math.nan:8.1f} us  "
+                  f"x{point['best_over_cublas'] or math.nan:.3f}  adopted: {point['adopted']}",
+                  flush=True)
+            (out / "linear_bench.json").write_text(json.dumps(res, indent=1))
+            (out / "skinny_tuning.json").write_text(
+                json.dumps(tuning_of(res["points"], device_name).to_json(), indent=1))
+            plot(res["points"], out / "linear_bench.png")
+
+
+if __name__ == "__main__":
+    main()

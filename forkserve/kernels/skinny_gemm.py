@@ -1,0 +1,217 @@
+"""Skinny GEMM: ``x [M, K] @ W[N, K].T`` for the decode step's few rows (M <= 64).
+
+A decode step at batch 1 is ~4 ms of weight reads: every projection is a GEMV that streams
+its weight once. cuBLAS's kernels for these shapes (H200, Llama-3-8B, ``decode_profile.json``)
+read 3.1-3.4 TB/s on qkv and o and ~4.0 on gate_up and down, against ~4.4 on the 1 GiB
+lm_head: its tiles for the small projections fill a wave and a fraction of a wave (qkv at
+128-row tiles is 48 programs over 132 SMs; gate_up 224 programs, 1.7 waves), and it splits K
+for o and down, a second kernel reducing the parts. Here a program takes ``block_n`` whole
+weight rows (all of K) and the step's rows of x, computes ``W_tile @ x.T`` on the tensor
+cores (rows of W as the dot's M, so 16 output rows still fill it; the M rows of x, padded to
+16, 32 or 64, as its N) and writes them: one kernel, no split, and ``block_n`` chosen so the
+programs spread evenly over the SMs. x (a few KiB) stays in L2; the weight tiles are loaded
+``stages`` deep by Triton's pipeliner.
+
+``gate_up_silu``: the MLP's gate and up rows (``[2I, K]``, gate first) in one program each,
+``silu(gate) * up`` in the epilogue: the ``silu_mul`` kernel and the ``[M, 2I]`` round trip go.
+Both halves are rounded to the input dtype first, so it computes what ``F.linear`` then
+``silu_mul_triton`` computes.
+
+Which shapes take the kernel, and at which tile, is data: ``SkinnyTuning``, measured per
+device by ``benchmarks/linear_bench.py`` against cuBLAS and kept in ``skinny_tuning.json``
+(vLLM keeps its fused-MoE tiles the same way). A shape the tuning does not list (another
+device, model or batch class) runs ``F.linear``; so does anything not 2-D, contiguous in K,
+16-bit, or on a device Triton does not drive.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Mapping, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 64  # beyond a decode batch the GEMM is compute-shaped: cuBLAS
+TUNING_FILE = Path(__file__).with_name("skinny_tuning.json")
+
+
+class SkinnyTile(NamedTuple):
+    block_n: int   # weight rows (output columns) per program
+    block_k: int
+    warps: int
+    stages: int
+
+
+class ShapeKey(NamedTuple):
+    """What a tile is chosen for: the weight's shape, the padded row count, the epilogue."""
+    n: int         # output columns (for gate_up_silu: I, half the weight's rows)
+    k: int
+    block_m: int   # 16, 32 or 64
+    silu: bool
+
+    def text(self) -> str:
+        return f"{self.n}x{self.k}/m{self.block_m}" + ("/silu" if self.silu else "")
+
+    @classmethod
+    def parse(cls, text: str) -> ShapeKey:
+        shape, block, *silu = text.split("/")
+        n, k = shape.split("x")
+        return cls(int(n), int(k), int(block[1:]), bool(silu))
+
+
+def block_m(rows: int) -> int:
+    """The dot's N for ``rows`` rows of x: at least 16 (the tensor cores' minimum)."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+def tile_fits(key: ShapeKey, tile: SkinnyTile) -> bool:
+    """The kernel has no N or K masks: the tile must divide the shape."""
+    return key.n % tile.block_n == 0 and key.k % tile.block_k == 0
+
+
+class SkinnyTuning:
+    """Per device name: the tile of each measured shape, or None where cuBLAS won there.
+
+    Immutable once built; ``for_device`` reads the packaged file once per process."""
+
+    def __init__(self, tiles: Mapping[str, Mapping[ShapeKey, SkinnyTile | None]]) -> None:
+        self._tiles = {dev: dict(by_shape) for dev, by_shape in tiles.items()}
+
+    def tile(self, device_name: str, key: ShapeKey) -> SkinnyTile | None:
+        tile = self._tiles.get(device_name, {}).get(key)
+        return tile if tile is not None and tile_fits(key, tile) else None
+
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self._tiles)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> SkinnyTuning:
+        """``{device: {"NxK/mB[/silu]": [block_n, block_k, warps, stages] | null}}``."""
+        return cls({dev: {ShapeKey.parse(k): (SkinnyTile(*v) if v is not None else None)
+                          for k, v in shapes.items()}
+                    for dev, shapes in data.items()})
+
+    def to_json(self) -> dict:
+        return {dev: {k.text(): (list(t) if t is not None else None) for k, t in shapes.items()}
+                for dev, shapes in self._tiles.items()}
+
+    @classmethod
+    @functools.cache
+    def packaged(cls) -> SkinnyTuning:
+        if not TUNING_FILE.exists():
+            return cls({})
+        return cls.from_json(json.loads(TUNING_FILE.read_text()))
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+class SkinnyLinear:
+    """``F.linear`` with the skinny kernel where ``tuning`` names the shape: the one place that
+    decides. ``device_name``: fixed (the CPU tests, under the interpreter) or None to ask CUDA
+    for the tensor's device. Each decision is a dictionary lookup on shapes alone, so a call
+    is safe inside CUDA graph capture once its kernel is compiled (a graph's warm-up does)."""
+
+    def __init__(self, tuning: SkinnyTuning, device_name: str | None = None) -> None:
+        self.tuning, self.device_name = tuning, device_name
+
+    def plan(self, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> SkinnyTile | None:
+        if (x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]
+                or x.shape[0] == 0 or x.shape[0] > MAX_ROWS
+                or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype
+                or x.stride(1) != 1 or w.stride(1) != 1 or x.device != w.device):
+            return None
+        if self.device_name is None and not x.is_cuda:
+            return None
+        name = self.device_name or _device_name(x.device)
+        n = w.shape[0] // 2 if silu else w.shape[0]
+        return self.tuning.tile(name, ShapeKey(n, w.shape[1], block_m(x.shape[0]), silu))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        tile = self.plan(x, w)
+        return F.linear(x, w, bias) if tile is None else skinny_mm(x, w, tile, bias)
+
+    def gate_up_silu(self, x: torch.Tensor, w: torch.Tensor, silu_mul) -> torch.Tensor:
+        """``silu_mul(F.linear(x, w))`` for the MLP's ``[2I, K]`` gate/up weight; ``silu_mul``:
+        the caller's, for the shapes the kernel does not take."""
+        tile = self.plan(x, w, silu=True)
+        return silu_mul(F.linear(x, w)) if tile is None else skinny_mm(x, w, tile, silu=True)
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, Bias, Y,
+    M, K, up_rows,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    # Program: BLOCK_N weight rows over all of K. The weight tile is the dot's A operand
+    # (its rows contiguous in K, as the tensor cores read A), x's rows its N, so the product is
+    # y's tile transposed ([BLOCK_N, BLOCK_M]), stored by address.
+    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    w_ptrs = W + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        acc = tl.dot(tl.load(w_ptrs), tl.trans(x), acc)
+        if SILU:
+            acc_up = tl.dot(tl.load(w_ptrs + up_rows * stride_wn), tl.trans(x), acc_up)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn).to(tl.float32)[:, None]
+    out = acc
+    if SILU:
+        # Both halves rounded as F.linear would store them, then silu_mul's float32 math.
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+    y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :])
+
+
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
+              bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` ([M, N], x's dtype) at ``tile``, or with ``silu``
+    ``silu(gate) * up`` of the ``[M, 2I]`` product ([M, I]). The caller checked the shapes
+    (``SkinnyLinear.plan``, ``tile_fits``); this asserts them."""
+    rows, k = x.shape
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    assert 0 < rows <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
+    assert n % tile.block_n == 0 and k % tile.block_k == 0, (n, k, tile)
+    assert bias is None or not silu
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _skinny_kernel[(n // tile.block_n,)](
+        x, w, bias if bias is not None else x, y, rows, k, n,
+        x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=block_m(rows), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        HAS_BIAS=bias is not None, SILU=silu, num_warps=tile.warps, num_stages=tile.stages)
+    return y
+
+
+def even_tiles(key: ShapeKey, sms: int, block_ns=(16, 32, 64, 128), block_ks=(128, 256),
+               warps=(4,), stages=(3, 4, 5)) -> list[SkinnyTile]:
+    """Candidate tiles for ``key`` on ``sms`` SMs (what ``linear_bench`` sweeps): those that
+    divide the shape and whose programs fill the SMs to within 15% of whole waves."""
+    out = []
+    for bn in block_ns:
+        programs = key.n // bn
+        waves = -(-programs // sms)
+        if key.n % bn or programs / (waves * sms) < 0.85:
+            continue
+        out += [SkinnyTile(bn, bk, w, s) for bk in block_ks if key.k % bk == 0
+                for w in warps for s in stages]
+    return out

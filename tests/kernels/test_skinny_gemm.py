@@ -1,0 +1,128 @@
+"""The skinny GEMM (kernels/skinny_gemm.py) equals ``F.linear`` (and ``silu_mul`` after it) at
+every row count of a decode batch, with bias and strided operands, and runs only where its
+tuning names the shape.
+
+Operands are 16-bit (the kernel's contract): bf16 on CUDA, fp16 in the interpreter (which
+holds bf16 as raw integers). Both sides see the same rounded inputs and accumulate in
+float32, so they differ by the order of the sums and one rounding of the output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testlib import DEVICE, ON_CUDA
+
+from forkserve.kernels import skinny_gemm
+from forkserve.kernels.glue import silu_mul_triton
+from forkserve.kernels.skinny_gemm import (
+    ShapeKey,
+    SkinnyLinear,
+    SkinnyTile,
+    SkinnyTuning,
+    even_tiles,
+    skinny_mm,
+)
+
+DTYPE = torch.bfloat16 if ON_CUDA else torch.float16
+TOL = 2e-2 if ON_CUDA else 2e-3  # relative to the output's largest magnitude
+TILE = SkinnyTile(block_n=16, block_k=32, warps=4, stages=2)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    scale = ref.float().abs().max().clamp_min(1e-6)
+    return bool(((out.float() - ref.float()).abs().max() / scale) < TOL)
+
+
+def _operands(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as a column slice of a NaN-padded buffer (row stride above K) and W as a row slice
+    of one (rows outside it NaN): a read past either shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    xb = torch.full((rows, k + 24), float("nan"))
+    xb[:, 8:8 + k] = torch.randn(rows, k, generator=gen)
+    wb = torch.full((n + 32, k), float("nan"))
+    wb[16:16 + n] = torch.randn(n, k, generator=gen) / k ** 0.5
+    xb, wb = xb.to(DEVICE, DTYPE), wb.to(DEVICE, DTYPE)
+    return xb[:, 8:8 + k], wb[16:16 + n]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_mm_equals_linear(rows, bias):
+    x, w = _operands(rows, 64, 96, seed=rows)
+    b = torch.randn(64, generator=torch.Generator().manual_seed(5)).to(DEVICE, DTYPE) \
+        if bias else None
+    out = skinny_mm(x, w, TILE, b)
+    assert out.shape == (rows, 64) and out.dtype == DTYPE and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    assert _close(out, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_gate_up_silu_equals_linear_then_silu_mul(rows):
+    x, w = _operands(rows, 2 * 48, 64, seed=10 + rows)  # gate rows 0-47, up rows 48-95
+    out = skinny_mm(x, w, TILE._replace(block_n=16), silu=True)
+    assert out.shape == (rows, 48)
+    assert _close(out, silu_mul_triton(F.linear(x, w)))
+
+
+def _tuning(*keys: ShapeKey, tile: SkinnyTile = TILE) -> SkinnyLinear:
+    return SkinnyLinear(SkinnyTuning({"dev": {k: tile for k in keys}}), device_name="dev")
+
+
+def test_plan_takes_only_tuned_shapes():
+    mm = _tuning(ShapeKey(64, 96, 16, False), ShapeKey(48, 64, 64, True))
+    x, w = _operands(4, 64, 96, seed=1)
+    assert mm.plan(x, w) == TILE
+    assert mm.plan(x.float(), w.float()) is None              # not 16-bit
+    assert mm.plan(torch.cat([x] * 9), w) is None             # 36 rows: class 64, not tuned
+    assert mm.plan(torch.cat([x] * 17), w) is None            # 68 rows: past a decode batch
+    assert mm.plan(x[:, :64], w) is None                      # K differs: F.linear's error
+    assert mm.plan(x.t().contiguous().t(), w) is None         # x not contiguous in K
+    assert mm.plan(x, w, silu=True) is None                   # silu of [32, 96]: not tuned
+    x2, w2 = _operands(40, 96, 64, seed=2)
+    assert mm.plan(x2, w2, silu=True) == TILE                 # [2 x 48, 64] at 40 rows
+    # A tile that does not divide the shape is never used.
+    bad = _tuning(ShapeKey(64, 96, 16, False), tile=TILE._replace(block_k=64))
+    assert bad.plan(x, w) is None
+
+
+def test_untuned_call_is_f_linear(monkeypatch):
+    calls = []
+    monkeypatch.setattr(skinny_gemm, "skinny_mm", lambda *a, **k: calls.append(a) or a[0])
+    x, w = _operands(4, 64, 96, seed=3)
+    out = _tuning(ShapeKey(32, 96, 16, False))(x, w)
+    assert not calls and torch.equal(out, F.linear(x, w))
+    _tuning(ShapeKey(64, 96, 16, False))(x, w)
+    assert len(calls) == 1
+
+
+def test_tuning_json_round_trip():
+    tiles = {ShapeKey(6144, 4096, 16, False): SkinnyTile(16, 256, 4, 4),
+             ShapeKey(14336, 4096, 64, True): None}
+    tuning = SkinnyTuning({"NVIDIA H200": tiles})
+    again = SkinnyTuning.from_json(tuning.to_json())
+    assert again.to_json() == tuning.to_json()
+    assert again.tile("NVIDIA H200", ShapeKey(6144, 4096, 16, False)) == SkinnyTile(16, 256, 4, 4)
+    assert again.tile("NVIDIA H200", ShapeKey(14336, 4096, 64, True)) is None
+    assert again.tile("other", ShapeKey(6144, 4096, 16, False)) is None
+    assert ShapeKey.parse("14336x4096/m64/silu") == ShapeKey(14336, 4096, 64, True)
+
+
+def test_packaged_tuning_tiles_divide_their_shapes():
+    for device in SkinnyTuning.packaged().devices():
+        for text, tile in SkinnyTuning.packaged().to_json()[device].items():
+            key = ShapeKey.parse(text)
+            assert tile is None or SkinnyTuning.packaged().tile(device, key) is not None, text
+
+
+def test_even_tiles_fill_the_sms():
+    # Llama-3-8B's qkv (6144 rows) over 132 SMs: only 16-row tiles come within 15% of whole
+    # waves (384 programs of 396 slots; 32 rows would be 192 of 264).
+    qkv = even_tiles(ShapeKey(6144, 4096, 16, False), 132)
+    assert qkv and {t.block_n for t in qkv} == {16}
+    for key in (ShapeKey(4096, 14336, 64, False), ShapeKey(14336, 4096, 16, True)):
+        for t in even_tiles(key, 132):
+            programs = key.n // t.block_n
+            assert key.n % t.block_n == 0 and key.k % t.block_k == 0
+            assert programs / (-(-programs // 132) * 132) >= 0.85
