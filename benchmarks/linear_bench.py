@@ -49,7 +49,7 @@ from forkserve.kernels.skinny_gemm import (  # noqa: E402
 LLAMA3_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
              "gate_up": (28672, 4096, True), "down": (4096, 14336, False),
              "lm_head": (128256, 4096, False)}
-SMOKE = {"qkv": (128, 64, False), "gate_up": (128, 64, True)}
+SMOKE = {"qkv": (128, 128, False), "gate_up": (128, 128, True)}
 LAYERS = 32
 
 
