@@ -117,12 +117,12 @@ def test_packaged_tuning_tiles_divide_their_shapes():
 
 
 def test_even_tiles_fill_the_sms():
-    # Llama-3-8B's qkv (6144 rows) over 132 SMs: only 16-row tiles come within 15% of whole
-    # waves (384 programs of 396 slots; 32 rows would be 192 of 264).
+    # Llama-3-8B's qkv (6144 rows) over 132 SMs: 128-row tiles leave 84 of 132 SMs idle
+    # (48 programs); 16-64 rows come within 30% of whole waves.
     qkv = even_tiles(ShapeKey(6144, 4096, 16, False), 132)
-    assert qkv and {t.block_n for t in qkv} == {16}
+    assert {t.block_n for t in qkv} == {16, 32, 64}
     for key in (ShapeKey(4096, 14336, 64, False), ShapeKey(14336, 4096, 16, True)):
         for t in even_tiles(key, 132):
             programs = key.n // t.block_n
             assert key.n % t.block_n == 0 and key.k % t.block_k == 0
-            assert programs / (-(-programs // 132) * 132) >= 0.85
+            assert programs / (-(-programs // 132) * 132) >= 0.7
