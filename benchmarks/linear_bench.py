@@ -13,7 +13,7 @@ tile ``even_tiles`` proposes (pipeline depth 4, 4 warps), then the best of those
 depths and 8 warps. Each tile's output is checked against ``F.linear``'s first.
 
 Writes after every (projection, rows) point: ``linear_bench.json`` (ms, TB/s read, ratio to
-cuBLAS, the roofline at the measured copy bandwidth), ``skinny_tuning.json`` (per shape class
+cuBLAS, the roofline: the weight's bytes at the measured copy rate), ``skinny_tuning.json`` (per shape class
 the best tile where it beats cuBLAS by ``--margin``, else null: copy it to
 ``forkserve/kernels/skinny_tuning.json`` to adopt it) and ``linear_bench.png``.
 """
@@ -150,7 +150,7 @@ def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int,
              "ms": per, "TBps": {n: nbytes / (v * 1e-3) / 1e12 for n, v in per.items()},
              "max_error": errors, "tolerance": tol, "best": best_name,
              "best_over_cublas": per[best_name] / per["cublas"] if best_name else None,
-             "roofline_ms": nbytes / res["copy_bandwidth_Bps"] * 2 * 1e3
+             "roofline_ms": nbytes / res["copy_bandwidth_Bps"] * 1e3
              if res.get("copy_bandwidth_Bps") else None}
     wins = best_name is not None and point["best_over_cublas"] <= 1 - margin
     point["adopted"] = best_name if wins else None
@@ -180,7 +180,7 @@ def plot(points: list[dict], path: Path) -> None:
     roof = [p["weight_bytes"] / (p["roofline_ms"] * 1e-3) / 1e12 for p in points
             if p.get("roofline_ms")]
     if roof:
-        ax.axhline(roof[0], color="k", ls="--", lw=1, label="copy bandwidth / 2")
+        ax.axhline(roof[0], color="k", ls="--", lw=1, label="device copy rate (read + write)")
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("weight TB/s")
     ax.set_title("Decode projections: weight read rate (higher is better)")
