@@ -140,13 +140,15 @@ class Bench:
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
-               warmup: int = 3, host_profile: bool = False) -> dict:
+               warmup: int = 3, host_profile: bool = False, timeline: bool = False) -> dict:
         """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
         caller's ``SeqWork`` building included, as a control plane would pay it (a fresh item
         per sequence and step over the page tuple it holds, ``pages``).
         ``host_profile``: the timed steps under cProfile instead, reporting where the host's
         time goes (``host_top``, ms per step by self time; the wait for the device is in it,
-        under whichever call blocks)."""
+        under whichever call blocks). ``timeline``: also the device's busy and idle time per
+        timed step (``GpuTimeline``: idle from one step's forward end to the next one's start
+        mark, which follows the step's validation and row building)."""
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -162,6 +164,8 @@ class Bench:
         for s in range(warmup + steps):
             if host_profile and s == warmup:
                 functions.enable()
+            if timeline and s == warmup:
+                self.backend.record_gpu_timeline()
             t0 = time.perf_counter()
             nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i], decode=True)
                                      for i in range(batch)]).next_tokens
@@ -173,6 +177,11 @@ class Bench:
                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
         if host_profile:
             row["host_top"] = host_top(functions, steps)
+        if timeline:
+            spans = self.backend.gpu_timeline.summary()
+            self.backend.gpu_timeline = None
+            pairs = max(1, spans.decode_steps - 1)
+            row |= {"gpu_busy_ms": spans.busy_ms / pairs, "gpu_idle_ms": spans.idle_ms / pairs}
         return row
 
     def engine_decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
@@ -270,8 +279,23 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
     included), and the top kernels of one eager step by CUDA time."""
     backend = bench.backend
     step = bench.decode(batch, prompt, adapters, steps=5)
-    graph = next(g for k, g in backend.runner._graphs.items()
-                 if k[0] >= batch and k[2] == (adapters[0] is not None))
+    replay = graph_replay_ms(bench, batch, adapters[0] is not None)
+    backend.runner.use_cuda_graphs = False
+    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True)
+             for i in range(batch)]
+    backend.step(items)
+    launches, kernel_ms, top = top_kernels(lambda: backend.step(items), 20)
+    backend.runner.use_cuda_graphs = True
+    return {"batch": batch, "step_ms": step["ms_per_step"],
+            "graph_replay_ms": replay,
+            "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
+
+
+def graph_replay_ms(bench: Bench, batch: int, lora: bool) -> float:
+    """Median device time of the captured decode graph for ``batch`` rows replayed alone:
+    the step's GPU part, no host work, no input copy, no sampling."""
+    graph = next(g for k, g in bench.backend.runner._graphs.items()
+                 if k[0] >= batch and k[2] == lora)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(20):
@@ -280,15 +304,7 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    backend.runner.use_cuda_graphs = False
-    items = [bench.item(i, [1], prompt + 10, adapters[i % len(adapters)], decode=True)
-             for i in range(batch)]
-    backend.step(items)
-    launches, kernel_ms, top = top_kernels(lambda: backend.step(items), 20)
-    backend.runner.use_cuda_graphs = True
-    return {"batch": batch, "step_ms": step["ms_per_step"],
-            "graph_replay_ms": statistics.median(times),
-            "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
+    return statistics.median(times)
 
 
 def host_top(functions: cProfile.Profile, steps: int, count: int = 25) -> list[dict]:
@@ -483,6 +499,8 @@ def main() -> None:
         bench = Bench(make(KVLayout.UNIFIED, fusions), pages_per_seq)
     res["fusions"] = fusions
     res["skinny_linear"] = fusions and not args.no_skinny
+    if args.no_skinny:  # issue15_goals leaves baselines out
+        res["baseline"] = "cublas"
     if res["skinny_linear"] and device.type == "cuda":  # the tiles this run's device reads
         res["skinny_tuning"] = SkinnyTuning.packaged().to_json().get(res["device"], {})
     res["first_decode_step_s"] = time.perf_counter() - t0  # compile + capture, once per process
@@ -512,6 +530,10 @@ def main() -> None:
         for batch in (1, big_batch):
             attempt(f"host_profile_b{batch}", bench.decode, batch, prompt, [None], args.steps,
                     3, True)
+            attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps, 3,
+                    False, True)
+            if device.type == "cuda":
+                attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
         print_table(res)
         return
     runner = bench.backend.runner
