@@ -13,9 +13,9 @@ tile ``even_tiles`` proposes (pipeline depth 4, 4 warps), then the best of those
 depths and 8 warps. Each tile's output is checked against ``F.linear``'s first.
 
 Writes after every (projection, rows) point: ``linear_bench.json`` (ms, TB/s read, ratio to
-cuBLAS, the roofline: the weight's bytes at the measured copy rate), ``skinny_tuning.json`` (per shape class
-the best tile where it beats cuBLAS by ``--margin``, else null: copy it to
-``forkserve/kernels/skinny_tuning.json`` to adopt it) and ``linear_bench.png``.
+cuBLAS, the roofline: the weight's bytes at the measured copy rate), ``skinny_tuning.json``
+(per shape class the best tile where it beats cuBLAS by ``--margin``, else null: merge it
+into ``forkserve/kernels/skinny_tuning.json`` to adopt it) and ``linear_bench.png``.
 """
 from __future__ import annotations
 
