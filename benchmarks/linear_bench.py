@@ -79,7 +79,8 @@ def runs_for(ws: list[torch.Tensor], x: torch.Tensor, silu: bool,
 
 
 def tile_name(t: SkinnyTile) -> str:
-    return f"n{t.block_n}_k{t.block_k}_w{t.warps}_s{t.stages}"
+    return f"n{t.block_n}_k{t.block_k}_w{t.warps}_s{t.stages}" + (
+        f"_x{t.split_k}" if t.split_k > 1 else "")
 
 
 def max_error(x: torch.Tensor, w: torch.Tensor, silu: bool, tile: SkinnyTile) -> float:

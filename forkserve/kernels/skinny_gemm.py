@@ -6,11 +6,17 @@ read 3.1-3.4 TB/s on qkv and o and ~4.0 on gate_up and down, against ~4.4 on the
 lm_head: its tiles for the small projections fill a wave and a fraction of a wave (qkv at
 128-row tiles is 48 programs over 132 SMs; gate_up 224 programs, 1.7 waves), and it splits K
 for o and down, a second kernel reducing the parts. Here a program takes ``block_n`` whole
-weight rows (all of K) and the step's rows of x, computes ``W_tile @ x.T`` on the tensor
-cores (rows of W as the dot's M, so 16 output rows still fill it; the M rows of x, padded to
-16, 32 or 64, as its N) and writes them: one kernel, no split, and ``block_n`` chosen so the
-programs spread evenly over the SMs. x (a few KiB) stays in L2; the weight tiles are loaded
-``stages`` deep by Triton's pipeliner.
+weight rows and the step's rows of x, computes ``W_tile @ x.T`` on the tensor cores (rows of
+W as the dot's M, so 16 output rows still fill it; the M rows of x, padded to 16, 32 or 64,
+as its N) and writes them, ``block_n`` chosen so the programs spread evenly over the SMs. x
+(a few KiB) stays in L2; the weight tiles are loaded ``stages`` deep by Triton's pipeliner.
+
+At 64 rows a program reads x's ``[64, block_k]`` slice beside each ``[block_n, block_k]``
+weight tile, so narrow tiles read more x than W (from L2, but still bytes): wide tiles
+(``block_n`` 64-128) keep it small, and where they leave SMs idle the tile is split in K
+(``split_k``): each split leaves its float32 tile in a buffer of the call, and the split that
+finishes last (a per-tile counter, acquire-release) sums them in split order and writes the
+output, so a result does not depend on which split finished when. One kernel either way.
 
 ``gate_up_silu``: the MLP's gate and up rows (``[2I, K]``, gate first) in one program each,
 ``silu(gate) * up`` in the epilogue: the ``silu_mul`` kernel and the ``[M, 2I]`` round trip go.
@@ -44,6 +50,7 @@ class SkinnyTile(NamedTuple):
     block_k: int
     warps: int
     stages: int
+    split_k: int = 1  # programs per output tile, each over K / split_k
 
 
 class ShapeKey(NamedTuple):
@@ -69,8 +76,9 @@ def block_m(rows: int) -> int:
 
 
 def tile_fits(key: ShapeKey, tile: SkinnyTile) -> bool:
-    """The kernel has no N or K masks: the tile must divide the shape."""
-    return key.n % tile.block_n == 0 and key.k % tile.block_k == 0
+    """The kernel has no N or K masks: the tile (each split's share of K) must divide the
+    shape."""
+    return key.n % tile.block_n == 0 and key.k % (tile.block_k * tile.split_k) == 0
 
 
 class SkinnyTuning:
@@ -147,30 +155,55 @@ class SkinnyLinear:
 
 @triton.jit
 def _skinny_kernel(
-    X, W, Bias, Y,
-    M, K, up_rows,
+    X, W, Bias, Y, Partial, Arrived,
+    M, k_split, up_rows, n_out,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # Program: BLOCK_N weight rows over all of K. The weight tile is the dot's A operand
-    # (its rows contiguous in K, as the tensor cores read A), x's rows its N, so the product is
-    # y's tile transposed ([BLOCK_N, BLOCK_M]), stored by address.
-    rn = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    # Program (N tile, K split): BLOCK_N weight rows over K / SPLIT_K. The weight tile is the
+    # dot's A operand (its rows contiguous in K, as the tensor cores read A), x's rows its N,
+    # so the product is y's tile transposed ([BLOCK_N, BLOCK_M]), stored by address.
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
+    # A split starts at a multiple of BLOCK_K (the launcher's tile divides k_split): told so,
+    # the compiler keeps the weight loads aligned and loaded ahead (cp.async).
+    rk = tl.multiple_of(split * k_split, BLOCK_K) + tl.arange(0, BLOCK_K)
     m_ok = rm < M
+    x_ok = m_ok[:, None]
     w_ptrs = W + rn[:, None] * stride_wn + rk[None, :]
     x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    for _ in range(0, k_split, BLOCK_K):
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         acc = tl.dot(tl.load(w_ptrs), tl.trans(x), acc)
         if SILU:
             acc_up = tl.dot(tl.load(w_ptrs + up_rows * stride_wn), tl.trans(x), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    last = True
+    if SPLIT_K > 1:
+        # Each split leaves its float32 tile in Partial[split]; the split that arrives last
+        # (the tile's counter, acq_rel: the others' stores are visible to it) sums them in
+        # split order (the same sums every run) and writes the tile; the others' loads and
+        # stores below are masked off.
+        part = rm[None, :] * n_out + rn[:, None]
+        plane = BLOCK_M * n_out.to(tl.int64)
+        tl.store(Partial + split * (2 * plane) + part, acc)
+        if SILU:
+            tl.store(Partial + split * (2 * plane) + plane + part, acc_up)
+        last = tl.atomic_add(Arrived + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        acc_up = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(Partial + s * (2 * plane) + part, mask=last, other=0.0,
+                           cache_modifier=".cg")
+            if SILU:
+                acc_up += tl.load(Partial + s * (2 * plane) + plane + part, mask=last,
+                                  other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(Bias + rn).to(tl.float32)[:, None]
     out = acc
@@ -180,7 +213,7 @@ def _skinny_kernel(
         up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
     y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :])
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :] & last)
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
@@ -191,27 +224,43 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
     rows, k = x.shape
     n = w.shape[0] // 2 if silu else w.shape[0]
     assert 0 < rows <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
-    assert n % tile.block_n == 0 and k % tile.block_k == 0, (n, k, tile)
+    assert n % tile.block_n == 0 and k % (tile.block_k * tile.split_k) == 0, (n, k, tile)
     assert bias is None or not silu
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _skinny_kernel[(n // tile.block_n,)](
-        x, w, bias if bias is not None else x, y, rows, k, n,
+    bm, tiles = block_m(rows), n // tile.block_n
+    if tile.split_k > 1:
+        # Per call, from the caching allocator (a graph's pool under capture): no state is
+        # shared between calls, so launches on different streams cannot meet in it.
+        partial = torch.empty(tile.split_k * 2 * bm * n, dtype=torch.float32, device=x.device)
+        arrived = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    else:
+        partial = arrived = y
+    _skinny_kernel[(tiles, tile.split_k)](
+        x, w, bias if bias is not None else x, y, partial, arrived,
+        rows, k // tile.split_k, n, n,
         x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=block_m(rows), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        HAS_BIAS=bias is not None, SILU=silu, num_warps=tile.warps, num_stages=tile.stages)
+        BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        HAS_BIAS=bias is not None, SILU=silu, SPLIT_K=tile.split_k, num_warps=tile.warps,
+        num_stages=tile.stages)
     return y
 
 
 def even_tiles(key: ShapeKey, sms: int, block_ns=(16, 32, 64, 128), block_ks=(128, 256),
-               warps=(4,), stages=(3, 4, 5)) -> list[SkinnyTile]:
+               warps=(4,), stages=(3, 4, 5), splits=(1, 2, 4, 8)) -> list[SkinnyTile]:
     """Candidate tiles for ``key`` on ``sms`` SMs (what ``linear_bench`` sweeps): those that
-    divide the shape and whose programs fill the SMs to within 30% of whole waves."""
+    divide the shape, give each split at least 4 K tiles, and whose programs fill the SMs to
+    within 30% of whole waves; a split of K only where the unsplit tile leaves a wave
+    under-filled or gives fewer programs than SMs."""
     out = []
     for bn in block_ns:
-        programs = key.n // bn
-        waves = -(-programs // sms)
-        if key.n % bn or programs / (waves * sms) < 0.7:
+        if key.n % bn:
             continue
-        out += [SkinnyTile(bn, bk, w, s) for bk in block_ks if key.k % bk == 0
-                for w in warps for s in stages]
+        for split in splits:
+            programs = key.n // bn * split
+            waves = -(-programs // sms)
+            if programs / (waves * sms) < 0.7 or (split > 1 and key.n // bn >= sms):
+                continue
+            out += [SkinnyTile(bn, bk, w, s, split) for bk in block_ks
+                    if key.k % (bk * split) == 0 and key.k // (bk * split) >= 4
+                    for w in warps for s in stages]
     return out

@@ -48,22 +48,35 @@ def _operands(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_mm_equals_linear(rows, bias):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_skinny_mm_equals_linear(rows, bias, split_k):
     x, w = _operands(rows, 64, 96, seed=rows)
     b = torch.randn(64, generator=torch.Generator().manual_seed(5)).to(DEVICE, DTYPE) \
         if bias else None
-    out = skinny_mm(x, w, TILE, b)
+    out = skinny_mm(x, w, TILE._replace(split_k=split_k), b)
     assert out.shape == (rows, 64) and out.dtype == DTYPE and out.is_contiguous()
     assert torch.isfinite(out).all()
     assert _close(out, F.linear(x, w, b))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
-def test_gate_up_silu_equals_linear_then_silu_mul(rows):
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_gate_up_silu_equals_linear_then_silu_mul(rows, split_k):
     x, w = _operands(rows, 2 * 48, 64, seed=10 + rows)  # gate rows 0-47, up rows 48-95
-    out = skinny_mm(x, w, TILE._replace(block_n=16), silu=True)
+    out = skinny_mm(x, w, TILE._replace(split_k=split_k), silu=True)
     assert out.shape == (rows, 48)
     assert _close(out, silu_mul_triton(F.linear(x, w)))
+
+
+def test_split_k_sums_in_a_fixed_order():
+    """Split in K, the last split to finish sums the float32 partials in split order,
+    whichever split that is: repeated calls agree bit for bit (on the GPU the splits finish
+    in a different order each time; an atomic sum would not)."""
+    x, w = _operands(8, 64, 96, seed=7)
+    tile = TILE._replace(split_k=3)
+    first = skinny_mm(x, w, tile)
+    assert all(torch.equal(first, skinny_mm(x, w, tile)) for _ in range(5))
+    assert _close(first, F.linear(x, w))
 
 
 def _tuning(*keys: ShapeKey, tile: SkinnyTile = TILE) -> SkinnyLinear:
@@ -82,9 +95,11 @@ def test_plan_takes_only_tuned_shapes():
     assert mm.plan(x, w, silu=True) is None                   # silu of [32, 96]: not tuned
     x2, w2 = _operands(40, 96, 64, seed=2)
     assert mm.plan(x2, w2, silu=True) == TILE                 # [2 x 48, 64] at 40 rows
-    # A tile that does not divide the shape is never used.
-    bad = _tuning(ShapeKey(64, 96, 16, False), tile=TILE._replace(block_k=64))
-    assert bad.plan(x, w) is None
+    # A tile that does not divide the shape is never used (K = 96: 64-deep tiles, or 32-deep
+    # ones in 2 splits of 48).
+    for tile in (TILE._replace(block_k=64), TILE._replace(split_k=2)):
+        assert _tuning(ShapeKey(64, 96, 16, False), tile=tile).plan(x, w) is None
+    assert _tuning(ShapeKey(64, 96, 16, False), tile=TILE._replace(split_k=3)).plan(x, w)
 
 
 def test_untuned_call_is_f_linear(monkeypatch):
@@ -99,6 +114,7 @@ def test_untuned_call_is_f_linear(monkeypatch):
 
 def test_tuning_json_round_trip():
     tiles = {ShapeKey(6144, 4096, 16, False): SkinnyTile(16, 256, 4, 4),
+             ShapeKey(4096, 4096, 64, False): SkinnyTile(128, 128, 4, 4, 4),
              ShapeKey(14336, 4096, 64, True): None}
     tuning = SkinnyTuning({"NVIDIA H200": tiles})
     again = SkinnyTuning.from_json(tuning.to_json())
@@ -117,12 +133,15 @@ def test_packaged_tuning_tiles_divide_their_shapes():
 
 
 def test_even_tiles_fill_the_sms():
-    # Llama-3-8B's qkv (6144 rows) over 132 SMs: 128-row tiles leave 84 of 132 SMs idle
-    # (48 programs); 16-64 rows come within 30% of whole waves.
+    # Llama-3-8B's qkv (6144 rows) over 132 SMs: unsplit, 128-row tiles leave 84 of 132 SMs
+    # idle (48 programs) and 16-64 rows come within 30% of whole waves; split in K, 128 rows
+    # do too (48 x 8 = 384 programs).
     qkv = even_tiles(ShapeKey(6144, 4096, 16, False), 132)
-    assert {t.block_n for t in qkv} == {16, 32, 64}
+    assert {t.block_n for t in qkv if t.split_k == 1} == {16, 32, 64}
+    assert SkinnyTile(128, 128, 4, 4, 8) in qkv
     for key in (ShapeKey(4096, 14336, 64, False), ShapeKey(14336, 4096, 16, True)):
         for t in even_tiles(key, 132):
-            programs = key.n // t.block_n
-            assert key.n % t.block_n == 0 and key.k % t.block_k == 0
+            programs = key.n // t.block_n * t.split_k
+            assert key.n % t.block_n == 0 and key.k % (t.block_k * t.split_k) == 0
             assert programs / (-(-programs // 132) * 132) >= 0.7
+            assert t.split_k == 1 or key.n // t.block_n < 132

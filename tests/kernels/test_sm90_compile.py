@@ -209,17 +209,22 @@ def test_cascade_prefix_and_value_launches_compile():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k,silu,warps", [
-    (16, 16, 256, False, 4), (64, 32, 128, False, 4), (16, 16, 128, True, 4),
-    (64, 64, 128, True, 4), (64, 128, 128, False, 8)])
-def test_skinny_gemm_compiles_pipelined(block_m, block_n, block_k, silu, warps):
+@pytest.mark.parametrize("block_m,block_n,block_k,silu,warps,split_k", [
+    (16, 16, 256, False, 4, 1), (64, 32, 128, False, 4, 1), (16, 16, 128, True, 4, 1),
+    (64, 64, 128, True, 4, 1), (64, 128, 128, False, 8, 1), (64, 128, 128, False, 8, 4),
+    (64, 64, 128, True, 4, 2)])
+def test_skinny_gemm_compiles_pipelined(block_m, block_n, block_k, silu, warps, split_k):
     """The skinny GEMM at the decode classes' tiles: the weight tiles loaded ahead
-    (``cp.async``, 4 stages) and nothing spilled."""
+    (``cp.async``, 4 stages) and nothing spilled; split in K, the last split's partial sums
+    read from L2."""
     from forkserve.kernels.skinny_gemm import _skinny_kernel
 
     ptx = compile_sm90(_skinny_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                            HAS_BIAS=False, SILU=silu), num_warps=warps,
-                       pointers={"W": "*bf16", "Y": "*bf16", "Bias": "*bf16", "K": "i32"},
+                                            HAS_BIAS=False, SILU=silu, SPLIT_K=split_k),
+                       num_warps=warps,
+                       pointers={"W": "*bf16", "Y": "*bf16", "Bias": "*bf16",
+                                 "Partial": "*fp32", "Arrived": "*i32"},
                        unaligned=frozenset(), num_stages=4)
+    assert (split_k > 1) == ("atom.global.gpu.acq_rel.add" in ptx)
     assert "cp.async" in ptx
     assert assemble_sm90a(ptx) == 0
