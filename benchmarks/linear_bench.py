@@ -50,7 +50,7 @@ from forkserve.kernels.skinny_gemm import (  # noqa: E402
 LLAMA3_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
              "gate_up": (28672, 4096, True), "down": (4096, 14336, False),
              "lm_head": (128256, 4096, False)}
-SMOKE = {"qkv": (128, 128, False), "gate_up": (128, 128, True)}
+SMOKE = {"qkv": (128, 512, False), "gate_up": (128, 512, True)}
 LAYERS = 32
 
 
