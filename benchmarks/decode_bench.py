@@ -140,11 +140,14 @@ class Bench:
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
-               warmup: int = 3, host_profile: bool = False, timeline: bool = False) -> dict:
+               warmup: int = 10, host_profile: bool = False, timeline: bool = False) -> dict:
         """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
         caller's ``SeqWork`` building included, as a control plane would pay it (a fresh item
         per sequence and step over the page tuple it holds, ``pages``).
-        ``host_profile``: the timed steps under cProfile instead, reporting where the host's
+        ``warmup``: untimed steps first (the graph's capture, then the steps after it: with 3,
+        the first rows of a process read 0.1-0.4 ms over the same rows timed later in it,
+        ``decode_bench_step_round18b.json``). ``host_profile``: the timed steps under cProfile
+        instead, reporting where the host's
         time goes (``host_top``, ms per step by self time; the wait for the device is in it,
         under whichever call blocks). ``timeline``: also the device's busy and idle time per
         timed step (``GpuTimeline``: idle from one step's forward end to the next one's start
@@ -529,9 +532,9 @@ def main() -> None:
     if args.step_only:
         for batch in (1, big_batch):
             attempt(f"host_profile_b{batch}", bench.decode, batch, prompt, [None], args.steps,
-                    3, True)
-            attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps, 3,
-                    False, True)
+                    host_profile=True)
+            attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps,
+                    timeline=True)
             if device.type == "cuda":
                 attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
         print_table(res)
