@@ -294,6 +294,23 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
             "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
 
 
+def ab_decode(benches: dict[str, Bench], batch: int, prompt: int, steps: int,
+              rounds: int) -> dict[str, dict]:
+    """``Bench.decode`` of each backend in turn, ``rounds`` times (A, B, A, B, ...: a drift of
+    the clocks or of the process falls on both alike), no LoRA: per backend its median round
+    (by ms per step) with every round's median beside it."""
+    runs: dict[str, list[dict]] = {name: [] for name in benches}
+    for _ in range(rounds):
+        for name, bench in benches.items():
+            runs[name].append(bench.decode(batch, prompt, [None], steps))
+    out = {}
+    for name, rows in runs.items():
+        ranked = sorted(rows, key=lambda r: r["ms_per_step"])
+        out[name] = {**ranked[len(ranked) // 2],
+                     "rounds_ms": [r["ms_per_step"] for r in rows]}
+    return out
+
+
 def graph_replay_ms(bench: Bench, batch: int, lora: bool) -> float:
     """Median device time of the captured decode graph for ``batch`` rows replayed alone:
     the step's GPU part, no host work, no input copy, no sampling."""
@@ -406,6 +423,11 @@ def main() -> None:
     ap.add_argument("--no-skinny", action="store_true",
                     help="the projections through cuBLAS everywhere (the skinny GEMM's "
                          "baseline); the JSON's name gains '_cublas'")
+    ap.add_argument("--ab-rounds", type=int, default=3,
+                    help="--step-only on CUDA: the no-LoRA decode rows (batch 1, 64) also on a "
+                         "second backend with cuBLAS everywhere over the same weights, the "
+                         "two timed in turn this many rounds (decode_b*_cublas; the rows are "
+                         "each variant's median round); 0: no A/B")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -419,7 +441,9 @@ def main() -> None:
     cfg = tiny_config() if args.tiny else llama3_8b_config()
     dtype = torch.bfloat16
     prompt, big_batch, n_adapters, rank = 512, 64, 32, 16
-    prefill_tokens = 1024 if args.tiny else 8192
+    # --step-only prefills nothing past the 512-token prompts: small pools, so a second
+    # backend (the A/B baseline) fits beside the first.
+    prefill_tokens = 1024 if args.tiny else (prompt if args.step_only else 8192)
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "model": "tiny" if args.tiny else "llama3-8b-shape",
                  "dtype": "bf16", "commit": source_commit(), "errors": {}}
@@ -432,7 +456,7 @@ def main() -> None:
     pages_per_seq = -(-max(prompt + 64, prefill_tokens) // PAGE)
     kv_token_bytes = 2 * cfg.num_layers * cfg.kv_size * 2
 
-    def make(layout: KVLayout, fusions: bool) -> TorchBackend:
+    def make(layout: KVLayout, fusions: bool, skinny: bool | None = None) -> TorchBackend:
         fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
                              num_residual_pages=(big_batch * pages_per_seq
                                                  if layout is KVLayout.DISAGGREGATED else 1),
@@ -440,7 +464,8 @@ def main() -> None:
         return TorchBackend.from_weights(fs, cfg, weights, adapters, device=device, dtype=dtype,
                                          max_adapters=n_adapters, max_lora_rank=rank,
                                          lora_targets=TARGETS, compile_fusions=fusions,
-                                         skinny_linear=fusions and not args.no_skinny)
+                                         skinny_linear=fusions and not args.no_skinny
+                                         if skinny is None else skinny)
 
     def attempt(name: str, fn, *args) -> None:
         try:
@@ -525,9 +550,21 @@ def main() -> None:
             attempt("profile_prefill" + ("_lora" if lora else ""), profile_prefill, bench,
                     prefill_tokens, adapter_ids[0] if lora else None)
         return
+    ab = (args.step_only and args.ab_rounds > 0 and res["skinny_linear"]
+          and device.type == "cuda")
+    baseline = Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq) if ab \
+        else None
     for batch in (1, big_batch):
         for lora in (False, True):
+            if ab and not lora:
+                attempt(f"ab_b{batch}", ab_decode, {"skinny": bench, "cublas": baseline},
+                        batch, prompt, args.steps, args.ab_rounds)
+                for variant, row in res.get(f"ab_b{batch}", {}).items():
+                    res[f"decode_b{batch}" + ("" if variant == "skinny" else f"_{variant}")] = \
+                        {**row, "roofline_ms": roofline(batch, False)}
+                continue
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
+    del baseline
     engine_cases(bench)  # after the backend rows: their graphs are captured
     if args.step_only:
         for batch in (1, big_batch):

@@ -517,11 +517,10 @@ case "$1" in
   timeout 420 python3 benchmarks/linear_bench.py --out "$OUT" 2>&1 | tail -20
   ;;
 53)
-  # Round 18: rows 10a-d with the packaged skinny tuning, then with cuBLAS everywhere.
+  # Round 18: rows 10a-d with the packaged skinny tuning, the no-LoRA decode rows timed in
+  # turn with a cuBLAS backend over the same weights (--ab-rounds, in one process).
   export TRITON_CACHE_DIR=/root/tc18
-  timeout 270 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
-  timeout 270 python3 benchmarks/decode_bench.py --step-only --no-skinny --out "$OUT" 2>&1 \
-    | tail -16
+  timeout 400 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
