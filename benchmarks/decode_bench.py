@@ -564,7 +564,12 @@ def main() -> None:
                         {**row, "roofline_ms": roofline(batch, False)}
                 continue
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
+    # Freed here, not by a later collection: one that ran inside a graph capture and freed
+    # this backend's graphs would abort the process (cuda_graph.collector_paused).
     del baseline
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     engine_cases(bench)  # after the backend rows: their graphs are captured
     if args.step_only:
         for batch in (1, big_batch):
