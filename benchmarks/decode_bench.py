@@ -467,9 +467,9 @@ def main() -> None:
                                          skinny_linear=fusions and not args.no_skinny
                                          if skinny is None else skinny)
 
-    def attempt(name: str, fn, *args) -> None:
+    def attempt(name: str, fn, *args, **kwargs) -> None:
         try:
-            res[name] = fn(*args)
+            res[name] = fn(*args, **kwargs)
             print(name, res[name], flush=True)
         except Exception:  # one failed measurement must not lose the others
             res["errors"][name] = traceback.format_exc()
