@@ -140,7 +140,8 @@ def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int,
     if skinny:  # the best tile at other pipeline depths and warps
         best = next(t for t in first if tile_name(t) == min(skinny, key=skinny.get))
         more = [best._replace(stages=s) for s in (3, 5, 6)] + [best._replace(warps=8)]
-        more = [t for t in more if max_error(x, ws[0], silu, t) <= tol]
+        errors |= {tile_name(t): max_error(x, ws[0], silu, t) for t in more}
+        more = [t for t in more if errors[tile_name(t)] <= tol]
         ms |= {n: v for n, v in timed(runs_for(ws, x, silu, more), smoke).items()
                if n != "cublas"}
         skinny = {n: v for n, v in ms.items() if n != "cublas" and math.isfinite(v)}
