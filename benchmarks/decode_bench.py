@@ -151,7 +151,10 @@ class Bench:
         time goes (``host_top``, ms per step by self time; the wait for the device is in it,
         under whichever call blocks). ``timeline``: also the device's busy and idle time per
         timed step (``GpuTimeline``: idle from one step's forward end to the next one's start
-        mark, which follows the step's validation and row building)."""
+        mark, which follows the step's validation and row building), and the host's phases
+        (medians, ms): building the items, ``launch`` (validation, rows, the input copy and
+        the graph's launch are queued when it returns) and ``result`` (the wait for the
+        tokens and the host's half of the step; ``step`` is ``launch(...).result()``)."""
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -162,7 +165,8 @@ class Bench:
             nxt += self.backend.step([self.item(i, prompts[i], 0, ads[i])
                                       for i in chunk]).next_tokens
         pos = prompt
-        times = []
+        times: list[float] = []
+        phases: dict[str, list[float]] = {"items_ms": [], "launch_ms": [], "result_ms": []}
         functions = cProfile.Profile()
         for s in range(warmup + steps):
             if host_profile and s == warmup:
@@ -170,10 +174,16 @@ class Bench:
             if timeline and s == warmup:
                 self.backend.record_gpu_timeline()
             t0 = time.perf_counter()
-            nxt = self.backend.step([self.item(i, [nxt[i]], pos, ads[i], decode=True)
-                                     for i in range(batch)]).next_tokens
+            work = [self.item(i, [nxt[i]], pos, ads[i], decode=True) for i in range(batch)]
+            t1 = time.perf_counter()
+            handle = self.backend.launch(work)
+            t2 = time.perf_counter()
+            nxt = handle.result().next_tokens
+            t3 = time.perf_counter()
             if s >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append((t3 - t0) * 1e3)
+                for name, (a, b) in zip(phases, ((t0, t1), (t1, t2), (t2, t3)), strict=True):
+                    phases[name].append((b - a) * 1e3)
             pos += 1
         functions.disable()
         row = {"batch": batch, "prompt": prompt, "steps": steps,
@@ -184,7 +194,8 @@ class Bench:
             spans = self.backend.gpu_timeline.summary()
             self.backend.gpu_timeline = None
             pairs = max(1, spans.decode_steps - 1)
-            row |= {"gpu_busy_ms": spans.busy_ms / pairs, "gpu_idle_ms": spans.idle_ms / pairs}
+            row |= {"gpu_busy_ms": spans.busy_ms / pairs, "gpu_idle_ms": spans.idle_ms / pairs,
+                    "host": {name: statistics.median(v) for name, v in phases.items()}}
         return row
 
     def engine_decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
