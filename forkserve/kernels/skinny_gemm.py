@@ -84,7 +84,7 @@ def tile_fits(key: ShapeKey, tile: SkinnyTile) -> bool:
 class SkinnyTuning:
     """Per device name: the tile of each measured shape, or None where cuBLAS won there.
 
-    Immutable once built; ``for_device`` reads the packaged file once per process."""
+    Immutable once built; ``packaged`` reads ``skinny_tuning.json`` once per process."""
 
     def __init__(self, tiles: Mapping[str, Mapping[ShapeKey, SkinnyTile | None]]) -> None:
         self._tiles = {dev: dict(by_shape) for dev, by_shape in tiles.items()}
@@ -98,7 +98,8 @@ class SkinnyTuning:
 
     @classmethod
     def from_json(cls, data: Mapping) -> SkinnyTuning:
-        """``{device: {"NxK/mB[/silu]": [block_n, block_k, warps, stages] | null}}``."""
+        """``{device: {"NxK/mB[/silu]": [block_n, block_k, warps, stages(, split_k)] |
+        null}}``."""
         return cls({dev: {ShapeKey.parse(k): (SkinnyTile(*v) if v is not None else None)
                           for k, v in shapes.items()}
                     for dev, shapes in data.items()})
