@@ -246,16 +246,20 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
     return y
 
 
-def even_tiles(key: ShapeKey, sms: int, block_ns=(16, 32, 64, 128), block_ks=(128, 256),
-               warps=(4,), stages=(3, 4, 5), splits=(1, 2, 4, 8)) -> list[SkinnyTile]:
+def even_tiles(key: ShapeKey, sms: int, block_ns=(16, 32, 64, 128, 256), block_ks=(128, 256),
+               stages=(3, 4, 5), splits=(1, 2, 4, 8)) -> list[SkinnyTile]:
     """Candidate tiles for ``key`` on ``sms`` SMs (what ``linear_bench`` sweeps): those that
     divide the shape, give each split at least 4 K tiles, and whose programs fill the SMs to
     within 30% of whole waves; a split of K only where the unsplit tile leaves a wave
-    under-filled or gives fewer programs than SMs."""
+    under-filled or gives fewer programs than SMs. 8 warps where the float32 accumulator
+    holds 128 x 64 values or more (64 registers a thread at 4 warps, and the split's sum
+    beside it spilled), else 4. Wide tiles matter at 64 rows, where a program reads x's
+    slice beside each weight tile: 256 weight rows read a quarter as much x as W."""
     out = []
     for bn in block_ns:
         if key.n % bn:
             continue
+        warps = (8,) if bn * key.block_m >= 128 * 64 else (4,)
         for split in splits:
             programs = key.n // bn * split
             waves = -(-programs // sms)

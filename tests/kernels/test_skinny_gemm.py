@@ -145,3 +145,6 @@ def test_even_tiles_fill_the_sms():
             assert key.n % t.block_n == 0 and key.k % (t.block_k * t.split_k) == 0
             assert programs / (-(-programs // 132) * 132) >= 0.7
             assert t.split_k == 1 or key.n // t.block_n < 132
+            assert t.warps == (8 if t.block_n * key.block_m >= 8192 else 4)
+    # o at 64 rows: 256-row tiles split 8 ways (16 x 8 programs), over 8 warps.
+    assert SkinnyTile(256, 128, 8, 4, 8) in even_tiles(ShapeKey(4096, 4096, 64, False), 132)
