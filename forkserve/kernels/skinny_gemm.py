@@ -155,6 +155,24 @@ class SkinnyLinear:
 
 
 @triton.jit
+def _finish_tile(Y, Bias, rn, rm, m_ok, stride_ym, acc, acc_up, keep,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """Bias, the SiLU epilogue and the store of y's rows ``rm`` x columns ``rn`` from the
+    float32 tile ``acc`` ([len(rn), BLOCK_M], transposed); ``keep``: whether this program
+    writes it (a split that did not finish last does not)."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn).to(tl.float32)[:, None]
+    out = acc
+    if SILU:
+        # Both halves rounded as F.linear would store them, then silu_mul's float32 math.
+        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+    y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :] & keep)
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Bias, Y, Partial, Arrived,
     M, k_split, up_rows, n_out,
@@ -185,36 +203,36 @@ def _skinny_kernel(
             acc_up = tl.dot(tl.load(w_ptrs + up_rows * stride_wn), tl.trans(x), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    last = True
-    if SPLIT_K > 1:
+    if SPLIT_K == 1:
+        _finish_tile(Y, Bias, rn, rm, m_ok, stride_ym, acc, acc_up, True, HAS_BIAS, SILU)
+    else:
         # Each split leaves its float32 tile in Partial[split]; the split that arrives last
-        # (the tile's counter, acq_rel: the others' stores are visible to it) sums them in
-        # split order (the same sums every run) and writes the tile; the others' loads and
-        # stores below are masked off.
-        part = rm[None, :] * n_out + rn[:, None]
+        # sums them in split order (the same sums every run) and writes the tile; the
+        # others' loads and stores are masked off. The barrier puts every thread's stores
+        # before the counter's release (one thread increments it); the acquire and the
+        # broadcast of its value order the last split's reads after the others' stores.
         plane = BLOCK_M * n_out.to(tl.int64)
+        part = rm[None, :] * n_out + rn[:, None]
         tl.store(Partial + split * (2 * plane) + part, acc)
         if SILU:
             tl.store(Partial + split * (2 * plane) + plane + part, acc_up)
+        tl.debug_barrier()
         last = tl.atomic_add(Arrived + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-        acc_up = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(Partial + s * (2 * plane) + part, mask=last, other=0.0,
-                           cache_modifier=".cg")
-            if SILU:
-                acc_up += tl.load(Partial + s * (2 * plane) + plane + part, mask=last,
-                                  other=0.0, cache_modifier=".cg")
-    if HAS_BIAS:
-        acc += tl.load(Bias + rn).to(tl.float32)[:, None]
-    out = acc
-    if SILU:
-        # Both halves rounded as F.linear would store them, then silu_mul's float32 math.
-        gate = acc.to(Y.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        out = gate / (1.0 + tl.exp(-gate)) * up
-    y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :] & last)
+        # Summed 64 rows at a time: a whole 256 x 64 tile and its sum spilled (sm_90a).
+        SLICE: tl.constexpr = 64 if BLOCK_N > 64 else BLOCK_N
+        for j in tl.static_range(BLOCK_N // SLICE):
+            rn_j = (tile * BLOCK_N + j * SLICE + tl.arange(0, SLICE)).to(tl.int64)
+            part_j = rm[None, :] * n_out + rn_j[:, None]
+            total = tl.full((SLICE, BLOCK_M), 0.0, tl.float32)
+            total_up = tl.full((SLICE, BLOCK_M), 0.0, tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(Partial + s * (2 * plane) + part_j, mask=last, other=0.0,
+                                 cache_modifier=".cg")
+                if SILU:
+                    total_up += tl.load(Partial + s * (2 * plane) + plane + part_j, mask=last,
+                                        other=0.0, cache_modifier=".cg")
+            _finish_tile(Y, Bias, rn_j, rm, m_ok, stride_ym, total, total_up, last, HAS_BIAS,
+                         SILU)
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,

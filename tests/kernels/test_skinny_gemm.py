@@ -79,6 +79,16 @@ def test_split_k_sums_in_a_fixed_order():
     assert _close(first, F.linear(x, w))
 
 
+@pytest.mark.parametrize("silu", [False, True])
+def test_split_k_wide_tiles_sum_in_slices(silu):
+    """Tiles over 64 rows split in K sum their partials 64 rows at a time; every slice
+    lands in its own rows (256-row tiles: four slices)."""
+    x, w = _operands(5, 2 * 256 if silu else 512, 128, seed=11)
+    tile = SkinnyTile(block_n=256, block_k=32, warps=4, stages=2, split_k=2)
+    ref = silu_mul_triton(F.linear(x, w)) if silu else F.linear(x, w)
+    assert _close(skinny_mm(x, w, tile, silu=silu), ref)
+
+
 def _tuning(*keys: ShapeKey, tile: SkinnyTile = TILE) -> SkinnyLinear:
     return SkinnyLinear(SkinnyTuning({"dev": {k: tile for k in keys}}), device_name="dev")
 

@@ -7,6 +7,7 @@ error in CI. Pointers are bf16 (the serving dtype), integers i32."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -236,22 +237,64 @@ def test_cascade_prefix_and_value_launches_compile():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("block_m,block_n,block_k,silu,warps,split_k", [
+# The skinny GEMM calls a ``@triton.jit`` helper (its epilogue): compiled in a fresh process
+# (``_fresh_process``), every build in one, its facts printed as JSON. The fixed builds: the
+# decode classes' tiles, split in K or not; then every tile the packaged tuning names
+# (forkserve/kernels/skinny_tuning.json), as its launch builds it.
+SKINNY_BUILDS = [  # (block_m, block_n, block_k, silu, warps, split_k); 4 stages
     (16, 16, 256, False, 4, 1), (64, 32, 128, False, 4, 1), (16, 16, 128, True, 4, 1),
     (64, 64, 128, True, 4, 1), (64, 128, 128, False, 8, 1), (64, 128, 128, False, 8, 4),
-    (64, 64, 128, True, 4, 2)])
-def test_skinny_gemm_compiles_pipelined(block_m, block_n, block_k, silu, warps, split_k):
-    """The skinny GEMM at the decode classes' tiles: the weight tiles loaded ahead
-    (``cp.async``, 4 stages) and nothing spilled; split in K, the splits counted with an
-    acquire-release atomic."""
-    from forkserve.kernels.skinny_gemm import _skinny_kernel
+    (64, 64, 128, True, 4, 2), (64, 256, 128, False, 8, 8)]
+_SKINNY = """
+import json
+from test_sm90_compile import SKINNY_BUILDS, assemble_sm90a, compile_sm90
+from forkserve.kernels.skinny_gemm import SkinnyTuning, _skinny_kernel
 
+def build(block_m, block_n, block_k, silu, warps, split_k, stages):
     ptx = compile_sm90(_skinny_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                             HAS_BIAS=False, SILU=silu, SPLIT_K=split_k),
-                       num_warps=warps,
-                       pointers={"W": "*bf16", "Y": "*bf16", "Bias": "*bf16",
-                                 "Partial": "*fp32", "Arrived": "*i32"},
-                       unaligned=frozenset(), num_stages=4)
-    assert (split_k > 1) == ("atom.global.gpu.acq_rel.add" in ptx)
-    assert "cp.async" in ptx
-    assert assemble_sm90a(ptx) == 0
+                       warps, {"W": "*bf16", "Y": "*bf16", "Bias": "*bf16", "Partial": "*fp32",
+                               "Arrived": "*i32"}, unaligned=frozenset(), num_stages=stages)
+    return {"acq_rel": "atom.global.gpu.acq_rel.add" in ptx, "cp_async": "cp.async" in ptx,
+            "spills": assemble_sm90a(ptx)}
+
+packaged = {}
+for device, tiles in SkinnyTuning.packaged().to_json().items():
+    for key, tile in tiles.items():
+        if tile is not None:
+            block_n, block_k, warps, stages, *split = tile
+            packaged[f"{device} {key} {tile}"] = build(
+                int(key.split("/")[1][1:]), block_n, block_k, key.endswith("/silu"), warps,
+                split[0] if split else 1, stages)
+print(json.dumps({"fixed": [build(*b, stages=4) for b in SKINNY_BUILDS],
+                  "packaged": packaged}))
+"""
+
+
+@pytest.fixture(scope="module")
+def skinny_builds() -> dict:
+    run = _fresh_process(_SKINNY)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(SKINNY_BUILDS)),
+                         ids=["-".join(map(str, b)) for b in SKINNY_BUILDS])
+def test_skinny_gemm_compiles_pipelined(skinny_builds, index):
+    """The skinny GEMM at the decode classes' tiles: the weight tiles loaded ahead
+    (``cp.async``, 4 stages) and nothing spilled; split in K, the splits counted with an
+    acquire-release atomic (and 256-row tiles summed 64 rows at a time: whole, 700 bytes
+    spilled)."""
+    build = skinny_builds["fixed"][index]
+    assert build["acq_rel"] == (SKINNY_BUILDS[index][5] > 1)
+    assert build["cp_async"] and build["spills"] == 0
+
+
+def test_packaged_skinny_tiles_compile(skinny_builds):
+    """Every tile the packaged tuning names builds for sm_90a as its launch would (block_m
+    from the shape class, the tile's warps, stages and split), pipelined and without spills:
+    a tuning edited by hand, or a kernel change, that breaks one fails here, not in a decode
+    graph's capture on the GPU."""
+    assert skinny_builds["packaged"], "the packaged tuning names no tile"
+    for name, build in skinny_builds["packaged"].items():
+        assert build["cp_async"] and build["spills"] == 0, name
