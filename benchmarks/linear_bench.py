@@ -107,21 +107,6 @@ def timed(runs: dict, smoke: bool) -> dict[str, float]:
     return timed_interleaved(runs, rounds=20)
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 2 GiB device copy, read + write counted (the roofline's rate)."""
-    x = torch.empty(1 << 30, dtype=torch.float16, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 10 * 2 * x.numel() * 2 / (start.elapsed_time(end) * 1e-3)
-
-
 def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int, sms: int,
                   device, dtype, smoke: bool, margin: float) -> dict:
     n_rows, k, silu = shape
@@ -130,7 +115,7 @@ def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int,
     ws = weights_for(n_rows, k, copies, device, dtype)
     x = torch.randn(rows, k, device=device).to(dtype)
     tol = 0.05 * max(1.0, F.linear(x, ws[0]).float().abs().max().item() / 8)
-    errors, first = {}, []
+    errors, first, more = {}, [], []
     for t in even_tiles(key, sms, stages=(4,)):
         errors[tile_name(t)] = max_error(x, ws[0], silu, t)
         if errors[tile_name(t)] <= tol:
@@ -156,16 +141,15 @@ def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int,
              if res.get("copy_bandwidth_Bps") else None}
     wins = best_name is not None and point["best_over_cublas"] <= 1 - margin
     point["adopted"] = best_name if wins else None
+    point["adopted_tile"] = (list(next(t for t in first + more if tile_name(t) == best_name))
+                             if wins else None)
     return point
 
 
 def tuning_of(points: list[dict], device_name: str) -> SkinnyTuning:
-    tiles: dict[ShapeKey, SkinnyTile | None] = {}
-    for p in points:
-        name = p["adopted"]
-        tiles[ShapeKey.parse(p["key"])] = (SkinnyTile(*(int(part[1:]) for part in name.split("_")))
-                                           if name else None)
-    return SkinnyTuning({device_name: tiles})
+    return SkinnyTuning({device_name: {
+        ShapeKey.parse(p["key"]): SkinnyTile(*p["adopted_tile"]) if p["adopted_tile"] else None
+        for p in points}})
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -201,6 +185,7 @@ def main() -> None:
                     help="adopt a tile only where it is this much faster than cuBLAS")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    from decode_bench import copy_bandwidth
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     smoke = args.smoke
@@ -211,7 +196,8 @@ def main() -> None:
     device_name = "cpu" if smoke else torch.cuda.get_device_name(device)
     res = {"device": device_name, "sms": sms, "torch": torch.__version__,
            "dtype": str(dtype), "commit": source_commit(), "layers": LAYERS,
-           "copy_bandwidth_Bps": None if smoke else copy_bandwidth(device), "points": []}
+           "copy_bandwidth_Bps": None if smoke else copy_bandwidth(device, 2 << 30),
+           "points": []}
     rows = [1, 32] if smoke else args.rows
     for name, shape in shapes.items():
         for m in rows:
