@@ -54,6 +54,9 @@ from forkserve.control.sharing import PrefixSharing  # noqa: E402
 from forkserve.engine import Engine  # noqa: E402
 from forkserve.kernels.skinny_gemm import SkinnyTuning  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_trace  # noqa: E402
+
 # docs/ANCHORS.md
 VLLM = {"b1": 4.90, "b1_lora": 7.04, "b64": 6.70, "b64_lora": 20.93, "prefill_lora_tok_s": 20000}
 PAGE = 16
@@ -140,7 +143,8 @@ class Bench:
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
-               warmup: int = 10, host_profile: bool = False, timeline: bool = False) -> dict:
+               warmup: int = 10, host_profile: bool = False, timeline: bool = False,
+               trace: Path | None = None) -> dict:
         """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
         caller's ``SeqWork`` building included, as a control plane would pay it (a fresh item
         per sequence and step over the page tuple it holds, ``pages``).
@@ -154,7 +158,9 @@ class Bench:
         mark, which follows the step's validation and row building), and the host's phases
         (medians, ms): building the items, ``launch`` (validation, rows, the input copy and
         the graph's launch are queued when it returns) and ``result`` (the wait for the
-        tokens and the host's half of the step; ``step`` is ``launch(...).result()``)."""
+        tokens and the host's half of the step; ``step`` is ``launch(...).result()``).
+        ``trace``: the timed steps under ``torch.profiler`` instead, the trace saved there
+        (gzipped) and cut into the step's intervals (``step_trace.summarize``)."""
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -168,23 +174,34 @@ class Bench:
         times: list[float] = []
         phases: dict[str, list[float]] = {"items_ms": [], "launch_ms": [], "result_ms": []}
         functions = cProfile.Profile()
-        for s in range(warmup + steps):
-            if host_profile and s == warmup:
-                functions.enable()
-            if timeline and s == warmup:
-                self.backend.record_gpu_timeline()
-            t0 = time.perf_counter()
-            work = [self.item(i, [nxt[i]], pos, ads[i], decode=True) for i in range(batch)]
-            t1 = time.perf_counter()
-            handle = self.backend.launch(work)
-            t2 = time.perf_counter()
-            nxt = handle.result().next_tokens
-            t3 = time.perf_counter()
-            if s >= warmup:
-                times.append((t3 - t0) * 1e3)
-                for name, (a, b) in zip(phases, ((t0, t1), (t1, t2), (t2, t3)), strict=True):
-                    phases[name].append((b - a) * 1e3)
-            pos += 1
+
+        def run(first: int, count: int) -> None:
+            nonlocal nxt, pos
+            tracing = trace is not None and first >= warmup
+            for s in range(first, first + count):
+                if host_profile and s == warmup:
+                    functions.enable()
+                if timeline and s == warmup:
+                    self.backend.record_gpu_timeline()
+                t0 = time.perf_counter()
+                with step_trace.mark("items", tracing):
+                    work = [self.item(i, [nxt[i]], pos, ads[i], decode=True) for i in range(batch)]
+                t1 = time.perf_counter()
+                with step_trace.mark("launch", tracing):
+                    handle = self.backend.launch(work)
+                t2 = time.perf_counter()
+                with step_trace.mark("result", tracing):
+                    nxt = handle.result().next_tokens
+                t3 = time.perf_counter()
+                if s >= warmup:
+                    times.append((t3 - t0) * 1e3)
+                    for name, (a, b) in zip(phases, ((t0, t1), (t1, t2), (t2, t3)), strict=True):
+                        phases[name].append((b - a) * 1e3)
+                pos += 1
+
+        run(0, warmup)
+        events = step_trace.record(lambda: run(warmup, steps), self.backend.device) \
+            if trace is not None else run(warmup, steps)
         functions.disable()
         row = {"batch": batch, "prompt": prompt, "steps": steps,
                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
@@ -196,6 +213,9 @@ class Bench:
             pairs = max(1, spans.decode_steps - 1)
             row |= {"gpu_busy_ms": spans.busy_ms / pairs, "gpu_idle_ms": spans.idle_ms / pairs,
                     "host": {name: statistics.median(v) for name, v in phases.items()}}
+        if trace is not None:
+            step_trace.save(events, trace)
+            row |= {"trace": step_trace.summarize(events), "trace_file": trace.name}
         return row
 
     def engine_decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
@@ -588,6 +608,8 @@ def main() -> None:
                     host_profile=True)
             attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps,
                     timeline=True)
+            attempt(f"trace_b{batch}", bench.decode, batch, prompt, [None], 8,
+                    trace=out / f"step_trace_b{batch}.json.gz")
             if device.type == "cuda":
                 attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
         print_table(res)

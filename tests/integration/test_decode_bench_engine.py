@@ -37,5 +37,8 @@ def test_step_only_rows(tmp_path, monkeypatch) -> None:
     assert all(res[k]["ms_per_step"] > 0 for k in
                ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora"))
     assert len(res["engine_decode"]) == 6
+    for batch in (1, 64):  # the traced steps, cut into their phases (step_trace.py)
+        assert res[f"trace_b{batch}"]["trace"]["steps"] == 8
+        assert (tmp_path / res[f"trace_b{batch}"]["trace_file"]).is_file()
     assert not any(k.startswith(("prefill", "decode_b32_shared", "decode_b64_lora_dis"))
                    for k in res)
