@@ -344,18 +344,37 @@ def ab_decode(benches: dict[str, Bench], batch: int, prompt: int, steps: int,
 
 def graph_replay_ms(bench: Bench, batch: int, lora: bool) -> float:
     """Median device time of the captured decode graph for ``batch`` rows replayed alone:
-    the step's GPU part, no host work, no input copy, no sampling."""
+    the step's GPU part, no host work, no input copy, no sampling (its launch latency
+    included: the device idles until the graph's launch reaches it; ``graph_launch``)."""
+    return graph_launch(bench, batch, lora)["idle_device_ms"]
+
+
+def graph_launch(bench: Bench, batch: int, lora: bool, reps: int = 20) -> dict:
+    """What launching the decode graph costs, medians in ms over ``reps`` replays:
+    ``call_ms`` the host's time inside ``replay()`` (``cudaGraphLaunch``), ``idle_device_ms``
+    a replay's device time from an event recorded just before it on an idle device (what a
+    synchronous step pays: the graph's kernels wait for its launch), ``queued_device_ms``
+    the same with the device kept busy behind a sleep kernel while the host launches (the
+    graph's kernels alone); ``exposed_launch_ms`` their difference."""
     graph = next(g for k, g in bench.backend.runner._graphs.items()
                  if k[0] >= batch and k[2] == lora)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
+    calls, idle, queued = [], [], []
+    for queue in (False, True) * reps:
+        torch.cuda.synchronize()
+        if queue:
+            torch.cuda._sleep(2_000_000)  # ~1 ms at the H200's clock: the launch lands behind it
         start.record()
+        t0 = time.perf_counter()
         graph.graph.replay()
+        t1 = time.perf_counter()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        (queued if queue else idle).append(start.elapsed_time(end))
+        calls.append((t1 - t0) * 1e3)
+    row = {"call_ms": statistics.median(calls), "idle_device_ms": statistics.median(idle),
+           "queued_device_ms": statistics.median(queued)}
+    return row | {"exposed_launch_ms": row["idle_device_ms"] - row["queued_device_ms"]}
 
 
 def host_top(functions: cProfile.Profile, steps: int, count: int = 25) -> list[dict]:
@@ -612,6 +631,7 @@ def main() -> None:
                     trace=out / f"step_trace_b{batch}.json.gz")
             if device.type == "cuda":
                 attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
+                attempt(f"graph_launch_b{batch}", graph_launch, bench, batch, False)
         print_table(res)
         return
     runner = bench.backend.runner
