@@ -481,10 +481,6 @@ def main() -> None:
     ap.add_argument("--ab-baseline", choices=("one_graph", "cublas"), default="one_graph",
                     help="the A/B's second backend: each decode graph captured whole (no "
                          "segments, cuda_graph.SEGMENT_CUTS) or cuBLAS for every projection")
-    ap.add_argument("--capture-ahead", action="store_true",
-                    help="--step-only: every decode graph of up to 64 rows captured on both A/B "
-                         "backends before the rows (as the Engine does at start-up), not only "
-                         "the ones the rows replay")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -617,9 +613,6 @@ def main() -> None:
         if args.ab_baseline == "one_graph":
             baseline.backend.runner.segment_cuts = ()
         res["ab_baseline"] = args.ab_baseline
-        if args.capture_ahead:
-            res["captured_ahead"] = [b.backend.capture_decode_graphs(big_batch, prompt + 64)
-                                     for b in (bench, baseline)]
     for batch in (1, big_batch):
         for lora in (False, True):
             if ab and not lora:
