@@ -621,11 +621,6 @@ def main() -> None:
                 for variant, row in res.get(f"ab_b{batch}", {}).items():
                     res[f"decode_b{batch}" + ("" if variant == "ours" else f"_{variant}")] = \
                         {**row, "roofline_ms": roofline(batch, False)}
-                # the baseline's own launch and trace rows, beside ours (below)
-                attempt(f"graph_launch_b{batch}_{args.ab_baseline}", graph_launch, baseline,
-                        batch, False)
-                attempt(f"trace_b{batch}_{args.ab_baseline}", baseline.decode, batch, prompt,
-                        [None], 8, trace=out / f"step_trace_b{batch}_{args.ab_baseline}.json.gz")
                 continue
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
     # Freed here, not by a later collection: one that ran inside a graph capture and freed
