@@ -113,8 +113,8 @@ class DecodeGraph:
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
         def forward() -> Generator[None, None, torch.Tensor]:
-            # A generator, so that the int32 casts (and the form mask) run inside the first
-            # segment's capture, where they see every step's new inputs.
+            # The int32 casts (and the form mask) run inside the graph, so they see every step's
+            # new inputs.
             merge = (view["kv_merge"] != 0)[:, None] if split and limits.merged_form else None
             cascade = CascadeTiles(view["tile_seqs"].to(torch.int32),
                                    view["tile_lens"].to(torch.int32),
@@ -127,9 +127,8 @@ class DecodeGraph:
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
                 decode_only=True, cascade=cascade, kv_merge_mask=merge)
-            return (yield from model.stages(view["input_ids"], view["positions"],
-                                            view["token_slot"], meta, pool, self.rows, use_lora,
-                                            cuts))
+            return model.stages(view["input_ids"], view["positions"], view["token_slot"], meta,
+                                pool, self.rows, use_lora, cuts)
 
         cuts = tuple(c for c in segment_cuts if 0 < c < model.cfg.num_layers)
         # Warm up on a side stream (allocator, library handles and kernel compiles settle),
