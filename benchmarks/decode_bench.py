@@ -366,7 +366,7 @@ def graph_launch(bench: Bench, batch: int, lora: bool, reps: int = 20) -> dict:
             torch.cuda._sleep(2_000_000)  # ~1 ms at the H200's clock: the launch lands behind it
         start.record()
         t0 = time.perf_counter()
-        graph.replay()
+        graph.graph.replay()
         t1 = time.perf_counter()
         end.record()
         end.synchronize()
@@ -475,12 +475,9 @@ def main() -> None:
                          "baseline); the JSON's name gains '_cublas'")
     ap.add_argument("--ab-rounds", type=int, default=3,
                     help="--step-only on CUDA: the no-LoRA decode rows (batch 1, 64) also on a "
-                         "second backend over the same weights (--ab-baseline), the two timed "
-                         "in turn this many rounds (decode_b*_<baseline>; the rows are each "
-                         "variant's median round); 0: no A/B")
-    ap.add_argument("--ab-baseline", choices=("one_graph", "cublas"), default="one_graph",
-                    help="the A/B's second backend: each decode graph captured whole (no "
-                         "segments, cuda_graph.SEGMENT_CUTS) or cuBLAS for every projection")
+                         "second backend with cuBLAS everywhere over the same weights, the "
+                         "two timed in turn this many rounds (decode_b*_cublas; the rows are "
+                         "each variant's median round); 0: no A/B")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -603,23 +600,17 @@ def main() -> None:
             attempt("profile_prefill" + ("_lora" if lora else ""), profile_prefill, bench,
                     prefill_tokens, adapter_ids[0] if lora else None)
         return
-    ab = (args.step_only and args.ab_rounds > 0 and device.type == "cuda"
-          and (args.ab_baseline != "cublas" or res["skinny_linear"]))
-    baseline = None
-    if ab:
-        baseline = Bench(make(KVLayout.UNIFIED, fusions,
-                              skinny=False if args.ab_baseline == "cublas" else None),
-                         pages_per_seq)
-        if args.ab_baseline == "one_graph":
-            baseline.backend.runner.segment_cuts = ()
-        res["ab_baseline"] = args.ab_baseline
+    ab = (args.step_only and args.ab_rounds > 0 and res["skinny_linear"]
+          and device.type == "cuda")
+    baseline = Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq) if ab \
+        else None
     for batch in (1, big_batch):
         for lora in (False, True):
             if ab and not lora:
-                attempt(f"ab_b{batch}", ab_decode, {"ours": bench, args.ab_baseline: baseline},
+                attempt(f"ab_b{batch}", ab_decode, {"skinny": bench, "cublas": baseline},
                         batch, prompt, args.steps, args.ab_rounds)
                 for variant, row in res.get(f"ab_b{batch}", {}).items():
-                    res[f"decode_b{batch}" + ("" if variant == "ours" else f"_{variant}")] = \
+                    res[f"decode_b{batch}" + ("" if variant == "skinny" else f"_{variant}")] = \
                         {**row, "roofline_ms": roofline(batch, False)}
                 continue
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)

@@ -107,21 +107,3 @@ def test_cuda_graph_decode_matches_eager(models, adapters, layout, attention):
         if graphs:
             assert backend.runner.captured_graphs
     assert rel_err(out[True], out[False]) < REL_TOL
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("layout", [KVLayout.UNIFIED, KVLayout.DISAGGREGATED])
-def test_decode_graph_segments_equal_one_graph(models, adapters, layout):
-    """A decode graph cut into segments (``cuda_graph.SEGMENT_CUTS``: one CUDA graph each,
-    replayed in order) gives the logits of the graph captured whole, bit for bit."""
-    out = {}
-    for cuts in ((), (1,)):
-        backend = TorchBackend(make_config(layout), models["llama"],
-                               adapters={k: adapters[k] for k in ("qkvo", "qv")}, device=DEVICE,
-                               dtype=DTYPE, attention="triton", use_cuda_graphs=True)
-        backend.runner.segment_cuts = cuts
-        out[cuts] = decode_run(backend, ["qkvo", None, "qv"],
-                               residual=layout is KVLayout.DISAGGREGATED)
-        graphs = backend.runner._graphs.values()
-        assert graphs and all(len(g.segments) == len(cuts) + 1 for g in graphs)
-    assert torch.equal(out[()], out[(1,)])

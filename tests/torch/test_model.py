@@ -152,31 +152,3 @@ def test_skinny_linear_in_the_model(models, monkeypatch):
     # 4 forwards x (2 layers x 4 projections + lm_head), one of each layer's with SiLU.
     assert len(calls) == 4 * 9 and sum(calls) == 4 * 2
     assert rel_err(skinny, plain) < 3e-3
-
-
-def test_forward_stages_pause_before_the_cut_layers(models, monkeypatch):
-    """``CausalLM.stages`` (what ``cuda_graph.py`` captures one segment at a time) pauses
-    before each cut layer the model has, none past its last, and returns forward()'s
-    logits."""
-    from forkserve.backend.torch.model import CausalLM
-
-    backend = backend_for(models["llama"])
-    tokens = prompt(3, 9)
-    whole = prefill_logits(backend, 1, tokens, chunk=9)
-    pauses = []
-
-    def forward(self, *args) -> torch.Tensor:
-        stages = self.stages(*args, cuts=(1, 2, 7))
-        n = 0
-        while True:
-            try:
-                next(stages)
-                n += 1
-            except StopIteration as done:
-                pauses.append(n)
-                return done.value
-
-    monkeypatch.setattr(CausalLM, "forward", forward)
-    staged = prefill_logits(backend, 2, tokens, chunk=9)
-    assert pauses == [1]  # the 2-layer model: cut 1 only
-    assert torch.equal(staged, whole)

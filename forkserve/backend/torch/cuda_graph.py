@@ -7,20 +7,18 @@ mixed batch get their k/v LoRA delta in their base pages and no residual (``seq_
 which is what the eager path computes from the same rows (``DecodeRows.to_batch``).
 
 A decode step of an 8B model is hundreds of small kernels; launching them from Python costs
-more than running them (about 3.5x at batch 1 on the H200). A graph replays them with a few
-launches (its segments, ``SEGMENT_CUTS``: the first reaches the device while the host still
-launches the rest). Inputs live in one packed int64 device buffer, filled from the step's
-``DecodeRows`` (``decode_rows.py``) into a pinned host buffer and sent by one asynchronous
-copy per step; a smaller batch is padded up to its bucket with rows that read and write only
-the pool's scratch page. The greedy argmax is captured too. Every tensor the graph reads is
-owned by the DecodeGraph: a temporary freed after capture would be reused and read as
-garbage.
+more than running them (about 3.5x at batch 1 on the H200). A graph replays them with one
+launch. Inputs live in one packed int64 device buffer, filled from the step's ``DecodeRows``
+(``decode_rows.py``) into a pinned host buffer and sent by one asynchronous copy per step; a smaller
+batch is padded up to its bucket with rows that read and write only the pool's scratch page. The
+greedy argmax is captured too. Every tensor the graph reads is owned by the DecodeGraph: a temporary
+freed after capture would be reused and read as garbage.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -31,7 +29,7 @@ from forkserve.backend.torch.batch import BatchLimits
 from forkserve.backend.torch.cascade import CascadePlan, CascadeTiles
 from forkserve.backend.torch.decode_rows import ROW_FIELDS, TABLE_FIELDS, DecodeRows
 from forkserve.backend.torch.kv_pool import KVPool
-from forkserve.backend.torch.model import CausalLM, drain
+from forkserve.backend.torch.model import CausalLM
 
 
 @contextlib.contextmanager
@@ -67,21 +65,10 @@ def pages_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# The decoder layers before which a decode graph is cut into its next segment (one CUDA
-# graph each, launched in order). A synchronous step's device waits for its graph's launch:
-# ``cudaGraphLaunch`` of the ~400 nodes of a Llama-3-8B step held the host ~0.19-0.21 ms on
-# the H200, and the device idled as long (decode_bench's ``graph_launch`` rows, round 19).
-# Cut so, the first segment (the input casts, embedding, layer 0: ~25 nodes) reaches the
-# device at once and each later one is launched while those before it run: layers 1-3 while
-# layer 0 runs, the rest (and the head) while layers 0-3 run.
-SEGMENT_CUTS = (1, 4)
-
-
 class DecodeGraph:
     def __init__(self, model: CausalLM, pool: KVPool, batch: int, pages: int, use_lora: bool,
                  split: bool, limits: BatchLimits, device: torch.device, mempool: tuple,
-                 tiles: int = 0, agents: int = 1,
-                 segment_cuts: tuple[int, ...] = SEGMENT_CUTS) -> None:
+                 tiles: int = 0, agents: int = 1) -> None:
         self.batch, self.pages, self.pool, self.limits = batch, pages, pool, limits
         self.padding = {  # what a padded row holds: a 1-token sequence on the scratch page
             "input_ids": 0, "positions": 0, "token_slot": -1,
@@ -112,7 +99,7 @@ class DecodeGraph:
         self.rows = torch.arange(batch, device=device)
         self.query_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
-        def forward() -> Generator[None, None, torch.Tensor]:
+        def forward() -> torch.Tensor:
             # The int32 casts (and the form mask) run inside the graph, so they see every step's
             # new inputs.
             merge = (view["kv_merge"] != 0)[:, None] if split and limits.merged_form else None
@@ -127,37 +114,21 @@ class DecodeGraph:
                 seq_lens=view["seq_lens"].to(torch.int32), query_starts=self.query_starts,
                 seq_slot=view["seq_slot"], query_lens_host=(), seq_lens_host=(), seq_slot_host=(),
                 decode_only=True, cascade=cascade, kv_merge_mask=merge)
-            return model.stages(view["input_ids"], view["positions"], view["token_slot"], meta,
-                                pool, self.rows, use_lora, cuts)
+            return model.forward(view["input_ids"], view["positions"], view["token_slot"], meta,
+                                 pool, self.rows, use_lora)
 
-        cuts = tuple(c for c in segment_cuts if 0 < c < model.cfg.num_layers)
         # Warm up on a side stream (allocator, library handles and kernel compiles settle),
-        # then capture one graph per segment, in order, into the runner's pool: a tensor one
-        # segment leaves to the next stays referenced (by ``stages``) until the last is
-        # captured, and the segments replay in the order they were captured.
+        # then capture.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                drain(forward())
+                forward()
         torch.cuda.current_stream(device).wait_stream(stream)
-        self.segments: list[torch.cuda.CUDAGraph] = []
-        with collector_paused():
-            stages = forward()
-            for _ in range(len(cuts) + 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    try:
-                        next(stages)
-                    except StopIteration as done:
-                        self.logits = done.value
-                        self.greedy = self.logits.argmax(dim=-1)
-                self.segments.append(graph)
-
-    def replay(self) -> None:
-        """Launch the segments in order (what a step replays after its input copy)."""
-        for graph in self.segments:
-            graph.replay()
+        self.graph = torch.cuda.CUDAGraph()
+        with collector_paused(), torch.cuda.graph(self.graph, pool=mempool):
+            self.logits = forward()
+            self.greedy = self.logits.argmax(dim=-1)
 
     def _send(self, rows: DecodeRows | None, cascade: CascadePlan | None = None,
               stream: torch.cuda.Stream | None = None) -> None:
@@ -200,6 +171,6 @@ class DecodeGraph:
         self._send(rows, cascade, stream)
         if fed is not None:
             self.input_ids[:len(rows)].copy_(fed, non_blocking=True)
-        self.replay()
+        self.graph.replay()
         n = len(rows)
         return self.logits[:n].clone(), self.greedy[:n].clone()

@@ -12,8 +12,6 @@ its residual and attention, not a K/V projection written nowhere.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Generator
-
 import torch
 import torch.nn.functional as F
 
@@ -25,15 +23,6 @@ from forkserve.backend.torch.model_config import ModelConfig
 from forkserve.backend.torch.recompute import own_view
 from forkserve.backend.torch.rope import Rope
 from forkserve.backend.torch.weights import ModelWeights
-
-
-def drain(stages: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    """Run a forward's stages (``CausalLM.stages``) to the end; its logits."""
-    while True:
-        try:
-            next(stages)
-        except StopIteration as done:
-            return done.value
 
 
 class CausalLM:
@@ -51,8 +40,8 @@ class CausalLM:
                 meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor,
                 use_lora: bool) -> torch.Tensor:
         """input_ids/positions/token_slot [T] -> float32 logits [len(logits_indices), vocab]."""
-        return drain(self.stages(input_ids, positions, token_slot, meta, pool, logits_indices,
-                                 use_lora))
+        return self._run(input_ids, positions, token_slot, meta, pool, logits_indices, use_lora,
+                         None)
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        token_slot: torch.Tensor, meta: AttentionMetadata, pool: KVPool,
@@ -61,20 +50,14 @@ class CausalLM:
         """forward() plus the residual stream after every decoder layer: [T, layers, hidden]
         (before the final norm), for every token, not only the logits rows."""
         layers: list[torch.Tensor] = []
-        logits = drain(self.stages(input_ids, positions, token_slot, meta, pool, logits_indices,
-                                   use_lora, layers_out=layers))
+        logits = self._run(input_ids, positions, token_slot, meta, pool, logits_indices, use_lora,
+                           layers)
         return logits, torch.stack(layers, dim=1)
 
     @torch.inference_mode()
-    def stages(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slot: torch.Tensor,
-               meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor,
-               use_lora: bool, cuts: Collection[int] = (),
-               layers_out: list[torch.Tensor] | None = None) -> Generator[None, None, torch.Tensor]:
-        """The forward as a generator: it pauses (yields) before each decoder layer whose index
-        is in ``cuts`` and returns the logits. A caller that captures a CUDA graph per stage
-        (``cuda_graph.py``) launches the first before the rest are launched; ``drain`` runs it
-        whole. The tensors one stage leaves to the next stay referenced by the generator until
-        it finishes."""
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slot: torch.Tensor,
+             meta: AttentionMetadata, pool: KVPool, logits_indices: torch.Tensor, use_lora: bool,
+             layers_out: list[torch.Tensor] | None) -> torch.Tensor:
         w, fx, eps = self.weights, self.fx, self.cfg.rms_norm_eps
         lora = self.lora if use_lora else None
         x = F.embedding(input_ids, w.embed)
@@ -85,8 +68,6 @@ class CausalLM:
         pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
         rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin of written rows
         for n, layer in enumerate(w.layers):
-            if n in cuts:
-                yield
             # Selective recompute: in this layer the (all split) items keep merged K/V of their own.
             own = pool.own_layer(n) if split else None
             layer_split = split and own is None

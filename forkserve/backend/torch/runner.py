@@ -13,7 +13,6 @@ from forkserve.backend.torch import cascade as cascade_tiles
 from forkserve.backend.torch.batch import Batch, BatchLimits, build
 from forkserve.backend.torch.cuda_graph import (
     BATCH_BUCKETS,
-    SEGMENT_CUTS,
     DecodeGraph,
     batch_bucket,
     pages_bucket,
@@ -82,9 +81,6 @@ class ModelRunner:
         self.cascade_agents = kernels.cascade_tile_agents(model.cfg.num_heads
                                                           // model.cfg.num_kv_heads)
         self._graphs: dict[GraphKey, DecodeGraph] = {}
-        # Where graphs captured from now on are cut into segments (``cuda_graph.SEGMENT_CUTS``;
-        # () captures one graph per key: the side-by-side baseline of decode_bench).
-        self.segment_cuts: tuple[int, ...] = SEGMENT_CUTS
         # Graphs a step had to capture itself (its key was not captured ahead): each costs
         # that step two eager forwards and a capture (benchmarks report it).
         self.captured_on_use = 0
@@ -190,7 +186,7 @@ class ModelRunner:
             return False
         self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3],
                                         self.limits, self.device, self._mempool, key[4],
-                                        self.cascade_agents, self.segment_cuts)
+                                        self.cascade_agents)
         return True
 
     def _replay(self, rows: DecodeRows, key: GraphKey, cascade: cascade_tiles.CascadePlan | None,
