@@ -627,11 +627,15 @@ def main() -> None:
                     host_profile=True)
             attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps,
                     timeline=True)
-            attempt(f"trace_b{batch}", bench.decode, batch, prompt, [None], 8,
-                    trace=out / f"step_trace_b{batch}.json.gz")
             if device.type == "cuda":
                 attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
                 attempt(f"graph_launch_b{batch}", graph_launch, bench, batch, False)
+        for batch in (1, big_batch):  # last: traced, the process's graph launches stay slow
+            attempt(f"trace_b{batch}", bench.decode, batch, prompt, [None], 8,
+                    trace=out / f"step_trace_b{batch}.json.gz")
+        if device.type == "cuda":  # what the traces left behind (step_trace.py)
+            for batch in (1, big_batch):
+                attempt(f"graph_launch_b{batch}_after_trace", graph_launch, bench, batch, False)
         print_table(res)
         return
     runner = bench.backend.runner
