@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import json
 import pstats
@@ -38,10 +39,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve.backend.decode_batch import DecodeBatch  # noqa: E402
 from forkserve.backend.protocol import GREEDY, KVSlots, SeqWork  # noqa: E402
 from forkserve.backend.torch import TorchBackend  # noqa: E402
 from forkserve.backend.torch.lora import LoraAdapter, target_shapes  # noqa: E402
@@ -123,6 +127,7 @@ class Bench:
         self.backend, self.pages_per_seq = backend, pages_per_seq
         self.disaggregated = backend.layout is KVLayout.DISAGGREGATED
         self._pages: dict[int, tuple[int, ...]] = {}  # each sequence's page tuple
+        self._columns: dict[int, DecodeBatch] = {}  # per batch size: its standing columns
 
     def pages(self, seq: int, end: int) -> tuple[int, ...]:
         """The pages that cover positions [0, end) of ``seq``, as a control plane holds them
@@ -142,9 +147,28 @@ class Bench:
         return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY,
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
+    def rows(self, batch: int, tokens: Sequence[int], pos: int,
+             adapters: list[int | None]) -> DecodeBatch:
+        """Sequences ``0..batch`` writing ``tokens`` at ``pos`` as one ``DecodeBatch``: the
+        columns that stand (ids, page tuples, forms, adapters, sampling, groups) are built
+        once and kept while the rows' page tuples stand, as the steady set keeps them."""
+        pages = tuple(self.pages(i, pos + 1) for i in range(batch))
+        kept = self._columns.get(batch)
+        if kept is None or any(a is not b for a, b in zip(kept.pages, pages, strict=True)):
+            split = [self.disaggregated and a is not None for a in adapters]
+            kept = self._columns[batch] = DecodeBatch(
+                seq_ids=tuple(range(batch)), tokens=(), positions=np.zeros(batch, np.int64),
+                pages=pages, residual_pages=tuple(p if s else None
+                                                  for p, s in zip(pages, split, strict=True)),
+                forms=tuple(KVForm.SPLIT if s else KVForm.MERGED for s in split),
+                adapter_ids=tuple(adapters), adapter_starts=np.zeros(batch, np.int64),
+                sampling=(GREEDY,) * batch, shared_prefix=(None,) * batch)
+        return dataclasses.replace(kept, tokens=tokens,
+                                   positions=np.full(batch, pos, dtype=np.int64))
+
     def decode(self, batch: int, prompt: int, adapters: list[int | None], steps: int,
                warmup: int = 10, host_profile: bool = False, timeline: bool = False,
-               trace: Path | None = None) -> dict:
+               trace: Path | None = None, columns: bool = False) -> dict:
         """Backend decode steps of ``batch`` sequences: ms per step (median, min, max), the
         caller's ``SeqWork`` building included, as a control plane would pay it (a fresh item
         per sequence and step over the page tuple it holds, ``pages``).
@@ -160,7 +184,11 @@ class Bench:
         the graph's launch are queued when it returns) and ``result`` (the wait for the
         tokens and the host's half of the step; ``step`` is ``launch(...).result()``).
         ``trace``: the timed steps under ``torch.profiler`` instead, the trace saved there
-        (gzipped) and cut into the step's intervals (``step_trace.summarize``)."""
+        (gzipped) and cut into the step's intervals (``step_trace.summarize``).
+        ``columns``: each step a ``DecodeBatch`` instead of items, as the Engine's steady-decode
+        set hands its rows (``engine/steady.py``): the columns that stand kept from step to
+        step, the positions one int64 array advanced, the tokens the last step's (no
+        ``SeqWork`` per row; the backend reads the columns, ``decode_rows.of_batch``)."""
         gen = torch.Generator().manual_seed(batch)
         vocab = self.backend.model_config.vocab_size
         prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(batch)]
@@ -185,10 +213,14 @@ class Bench:
                     self.backend.record_gpu_timeline()
                 t0 = time.perf_counter()
                 with step_trace.mark("items", tracing):
-                    work = [self.item(i, [nxt[i]], pos, ads[i], decode=True) for i in range(batch)]
+                    if columns:
+                        work, rows = [], self.rows(batch, nxt, pos, ads)
+                    else:
+                        work, rows = [self.item(i, [nxt[i]], pos, ads[i], decode=True)
+                                      for i in range(batch)], None
                 t1 = time.perf_counter()
                 with step_trace.mark("launch", tracing):
-                    handle = self.backend.launch(work)
+                    handle = self.backend.launch(work, rows)
                 t2 = time.perf_counter()
                 with step_trace.mark("result", tracing):
                     nxt = handle.result().next_tokens
@@ -204,7 +236,8 @@ class Bench:
             if trace is not None else run(warmup, steps)
         functions.disable()
         row = {"batch": batch, "prompt": prompt, "steps": steps,
-               "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
+               "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+               "last_tokens": list(nxt[:8])}  # the same sequences, whichever variant ran them
         if host_profile:
             row["host_top"] = host_top(functions, steps)
         if timeline:
@@ -325,15 +358,16 @@ def profile_decode(bench: Bench, batch: int, adapters: list[int | None], prompt:
             "eager_kernels": launches, "eager_kernel_ms": kernel_ms, "top_kernels": top}
 
 
-def ab_decode(benches: dict[str, Bench], batch: int, prompt: int, steps: int,
+def ab_decode(variants: dict[str, tuple[Bench, dict]], batch: int, prompt: int, steps: int,
               rounds: int) -> dict[str, dict]:
-    """``Bench.decode`` of each backend in turn, ``rounds`` times (A, B, A, B, ...: a drift of
-    the clocks or of the process falls on both alike), no LoRA: per backend its median round
-    (by ms per step) with every round's median beside it."""
-    runs: dict[str, list[dict]] = {name: [] for name in benches}
+    """``Bench.decode`` of each variant (a backend and ``decode``'s keywords) in turn,
+    ``rounds`` times (A, B, A, B, ...: a drift of the clocks or of the process falls on all
+    alike), no LoRA: per variant its median round (by ms per step) with every round's median
+    beside it."""
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, bench in benches.items():
-            runs[name].append(bench.decode(batch, prompt, [None], steps))
+        for name, (bench, kwargs) in variants.items():
+            runs[name].append(bench.decode(batch, prompt, [None], steps, **kwargs))
     out = {}
     for name, rows in runs.items():
         ranked = sorted(rows, key=lambda r: r["ms_per_step"])
@@ -474,10 +508,12 @@ def main() -> None:
                     help="the projections through cuBLAS everywhere (the skinny GEMM's "
                          "baseline); the JSON's name gains '_cublas'")
     ap.add_argument("--ab-rounds", type=int, default=3,
-                    help="--step-only on CUDA: the no-LoRA decode rows (batch 1, 64) also on a "
-                         "second backend with cuBLAS everywhere over the same weights, the "
-                         "two timed in turn this many rounds (decode_b*_cublas; the rows are "
-                         "each variant's median round); 0: no A/B")
+                    help="--step-only: the no-LoRA decode rows (batch 1, 64) of items, of "
+                         "columns (decode_b*_columns: a DecodeBatch, as the Engine's steady "
+                         "set hands them) and, on CUDA, of a second backend with cuBLAS "
+                         "everywhere over the same weights (decode_b*_cublas), timed in turn "
+                         "this many rounds (the rows are each variant's median round); 0: "
+                         "items only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -600,17 +636,19 @@ def main() -> None:
             attempt("profile_prefill" + ("_lora" if lora else ""), profile_prefill, bench,
                     prefill_tokens, adapter_ids[0] if lora else None)
         return
-    ab = (args.step_only and args.ab_rounds > 0 and res["skinny_linear"]
-          and device.type == "cuda")
-    baseline = Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq) if ab \
-        else None
+    ab = args.step_only and args.ab_rounds > 0
+    baseline = (Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq)
+                if ab and res["skinny_linear"] and device.type == "cuda" else None)
+    variants = {"items": (bench, {}), "columns": (bench, {"columns": True})}
+    if baseline is not None:
+        variants["cublas"] = (baseline, {})
     for batch in (1, big_batch):
         for lora in (False, True):
             if ab and not lora:
-                attempt(f"ab_b{batch}", ab_decode, {"skinny": bench, "cublas": baseline},
-                        batch, prompt, args.steps, args.ab_rounds)
+                attempt(f"ab_b{batch}", ab_decode, variants, batch, prompt, args.steps,
+                        args.ab_rounds)
                 for variant, row in res.get(f"ab_b{batch}", {}).items():
-                    res[f"decode_b{batch}" + ("" if variant == "skinny" else f"_{variant}")] = \
+                    res[f"decode_b{batch}" + ("" if variant == "items" else f"_{variant}")] = \
                         {**row, "roofline_ms": roofline(batch, False)}
                 continue
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)

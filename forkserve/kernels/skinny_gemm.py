@@ -16,7 +16,11 @@ weight tile, so narrow tiles read more x than W (from L2, but still bytes): wide
 (``block_n`` 64-128) keep it small, and where they leave SMs idle the tile is split in K
 (``split_k``): each split leaves its float32 tile in a buffer of the call, and the split that
 finishes last (a per-tile counter, acquire-release) sums them in split order and writes the
-output, so a result does not depend on which split finished when. One kernel either way.
+output, so a result does not depend on which split finished when, and sets the counter
+back to 0: the counters live in one zeroed buffer per device (``_arrivals``), so a call
+launches no fill kernel (in a CUDA graph one per split projection and layer: 32 more nodes of
+the batch-64 step). That buffer serves one call at a time: calls are ordered on one stream
+(the model's projections are). One kernel either way.
 
 ``gate_up_silu``: the MLP's gate and up rows (``[2I, K]``, gate first) in one program each,
 ``silu(gate) * up`` in the epilogue: the ``silu_mul`` kernel and the ``[M, 2I]`` round trip go.
@@ -233,6 +237,29 @@ def _skinny_kernel(
                                         other=0.0, cache_modifier=".cg")
             _finish_tile(Y, Bias, rn_j, rm, m_ok, stride_ym, total, total_up, last, HAS_BIAS,
                          SILU)
+        # Every split has counted in: the last leaves the counter as it found it.
+        tl.store(Arrived + tile, 0, mask=last)
+
+
+# Split counters per device, made once and never freed or replaced: a captured graph keeps
+# the address it was captured with. 64K (256 KiB) covers any tiling of N <= 1M rows.
+ARRIVAL_SLOTS = 1 << 16
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """``tiles`` split counters, all 0: the front of ``device``'s buffer, which each split-K
+    call leaves as it found it. Made by the device's first split-K call, which must not be
+    inside a CUDA graph capture (a buffer made there would be the graph's): the model's
+    first calls are a graph's eager warm-up."""
+    assert tiles <= ARRIVAL_SLOTS, tiles
+    buf = _ARRIVALS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_mm: the device's first split-K call inside a CUDA "
+                               "graph capture (run one eagerly first)")
+        buf = _ARRIVALS[device] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return buf[:tiles]
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
@@ -248,10 +275,10 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     bm, tiles = block_m(rows), n // tile.block_n
     if tile.split_k > 1:
-        # Per call, from the caching allocator (a graph's pool under capture): no state is
-        # shared between calls, so launches on different streams cannot meet in it.
+        # The partials per call, from the caching allocator (a graph's pool under capture);
+        # the counters from the device's buffer, which every call leaves zeroed.
         partial = torch.empty(tile.split_k * 2 * bm * n, dtype=torch.float32, device=x.device)
-        arrived = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        arrived = _arrivals(x.device, tiles)
     else:
         partial = arrived = y
     _skinny_kernel[(tiles, tile.split_k)](

@@ -35,7 +35,11 @@ def test_step_only_rows(tmp_path, monkeypatch) -> None:
     res = json.loads((tmp_path / "decode_bench_step.json").read_text())
     assert res["errors"] == {}
     assert all(res[k]["ms_per_step"] > 0 for k in
-               ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora"))
+               ("decode_b1", "decode_b1_lora", "decode_b64", "decode_b64_lora",
+                "decode_b1_columns", "decode_b64_columns"))
+    # items and columns timed in turn (no cuBLAS baseline off CUDA)
+    assert set(res["ab_b64"]) == {"items", "columns"}
+    assert res["decode_b64_columns"]["last_tokens"] == res["decode_b64"]["last_tokens"]
     assert len(res["engine_decode"]) == 6
     for batch in (1, 64):  # the traced steps, cut into their phases (step_trace.py)
         assert res[f"trace_b{batch}"]["trace"]["steps"] == 8

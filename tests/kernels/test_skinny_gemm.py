@@ -89,6 +89,19 @@ def test_split_k_wide_tiles_sum_in_slices(silu):
     assert _close(skinny_mm(x, w, tile, silu=silu), ref)
 
 
+def test_split_k_leaves_its_counters_zeroed():
+    """Split-K calls share one counter buffer per device, which each leaves as it found it:
+    all zero after calls of several shapes and split counts, so the next call's last split
+    is the one that counts ``split_k`` arrivals (a stale count would make it an earlier one,
+    which would write a partial sum)."""
+    for n, k, split_k, silu in ((64, 96, 3, False), (2 * 48, 64, 2, True), (512, 128, 2, False)):
+        x, w = _operands(4, n, k, seed=n + k)
+        tile = TILE._replace(split_k=split_k)
+        out = skinny_mm(x, w, tile, silu=silu)
+        assert _close(out, silu_mul_triton(F.linear(x, w)) if silu else F.linear(x, w))
+        assert not skinny_gemm._ARRIVALS[x.device].any()
+
+
 def _tuning(*keys: ShapeKey, tile: SkinnyTile = TILE) -> SkinnyLinear:
     return SkinnyLinear(SkinnyTuning({"dev": {k: tile for k in keys}}), device_name="dev")
 
