@@ -517,8 +517,9 @@ case "$1" in
   timeout 420 python3 benchmarks/linear_bench.py --out "$OUT" 2>&1 | tail -20
   ;;
 53)
-  # Round 18: rows 10a-d with the packaged skinny tuning, the no-LoRA decode rows timed in
-  # turn with a cuBLAS backend over the same weights (--ab-rounds, in one process).
+  # Rows 10a-d: the no-LoRA decode rows as items, as DecodeBatch columns and on a cuBLAS
+  # backend over the same weights, timed in turn (--ab-rounds, one process); the graph's
+  # launch rows; last the step traces (step_trace.py), gzipped beside the JSON.
   export TRITON_CACHE_DIR=/root/tc18
   timeout 400 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
   ;;
