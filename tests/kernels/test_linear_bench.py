@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_testlib import ON_CUDA
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 linear_bench = pytest.importorskip("linear_bench")
@@ -14,6 +15,7 @@ linear_bench = pytest.importorskip("linear_bench")
 from forkserve.kernels.skinny_gemm import ShapeKey, SkinnyTuning  # noqa: E402
 
 
+@pytest.mark.skipif(ON_CUDA, reason="--smoke is the interpreter's run over CPU tensors")
 def test_smoke_run_writes_points_and_tuning(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["linear_bench.py", "--smoke", "--out", str(tmp_path)])
     linear_bench.main()
