@@ -147,7 +147,7 @@ class Bench:
         return SeqWork(seq, tuple(tokens), start, KVSlots(pages, res), adapter, GREEDY,
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
-    def rows(self, batch: int, tokens: Sequence[int], pos: int,
+    def decode_batch(self, batch: int, tokens: Sequence[int], pos: int,
              adapters: list[int | None]) -> DecodeBatch:
         """Sequences ``0..batch`` writing ``tokens`` at ``pos`` as one ``DecodeBatch``: the
         columns that stand (ids, page tuples, forms, adapters, sampling, groups) are built
@@ -214,7 +214,7 @@ class Bench:
                 t0 = time.perf_counter()
                 with step_trace.mark("items", tracing):
                     if columns:
-                        work, rows = [], self.rows(batch, nxt, pos, ads)
+                        work, rows = [], self.decode_batch(batch, nxt, pos, ads)
                     else:
                         work, rows = [self.item(i, [nxt[i]], pos, ads[i], decode=True)
                                       for i in range(batch)], None
@@ -232,8 +232,10 @@ class Bench:
                 pos += 1
 
         run(0, warmup)
-        events = step_trace.record(lambda: run(warmup, steps), self.backend.device) \
-            if trace is not None else run(warmup, steps)
+        if trace is None:
+            run(warmup, steps)
+        else:
+            events = step_trace.record(lambda: run(warmup, steps), self.backend.device)
         functions.disable()
         row = {"batch": batch, "prompt": prompt, "steps": steps,
                "ms_per_step": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
