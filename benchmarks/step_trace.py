@@ -25,8 +25,8 @@ against each other, and the untraced rows for the step's time. Its CUDA tracing 
 changes what follows it in the process: a decode graph's ``cudaGraphLaunch``, 0.006-0.027
 ms before any trace, took 0.08-0.21 ms in every later call, with the device idle that long
 (decode_bench's ``graph_launch`` and ``graph_launch_*_after_trace`` rows, H200, round 19),
-and a traced step's kernels start only when the launch returns. So a benchmark traces last, and reads a traced launch as
-the profiler's cost, not the step's.
+and a traced step's kernels start only when the launch returns. So a benchmark traces last,
+and reads a traced launch as the profiler's cost, not the step's.
 """
 from __future__ import annotations
 
