@@ -512,10 +512,11 @@ def main() -> None:
     ap.add_argument("--ab-rounds", type=int, default=3,
                     help="--step-only: the no-LoRA decode rows (batch 1, 64) of items, of "
                          "columns (decode_b*_columns: a DecodeBatch, as the Engine's steady "
-                         "set hands them) and, on CUDA, of a second backend with cuBLAS "
-                         "everywhere over the same weights (decode_b*_cublas), timed in turn "
-                         "this many rounds (the rows are each variant's median round); 0: "
-                         "items only")
+                         "set hands them) and, on CUDA, of a backend with cuBLAS everywhere "
+                         "(decode_b*_cublas) and of one with the norms folded into the skinny "
+                         "GEMMs (decode_b*_folded), over the same weights, timed in turn this "
+                         "many rounds (the rows are each variant's median round); 0: items "
+                         "only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -544,7 +545,8 @@ def main() -> None:
     pages_per_seq = -(-max(prompt + 64, prefill_tokens) // PAGE)
     kv_token_bytes = 2 * cfg.num_layers * cfg.kv_size * 2
 
-    def make(layout: KVLayout, fusions: bool, skinny: bool | None = None) -> TorchBackend:
+    def make(layout: KVLayout, fusions: bool, skinny: bool | None = None,
+             fold_norms: bool = False) -> TorchBackend:
         fs = ForkServeConfig(page_size=PAGE, num_pages=big_batch * pages_per_seq,
                              num_residual_pages=(big_batch * pages_per_seq
                                                  if layout is KVLayout.DISAGGREGATED else 1),
@@ -553,7 +555,8 @@ def main() -> None:
                                          max_adapters=n_adapters, max_lora_rank=rank,
                                          lora_targets=TARGETS, compile_fusions=fusions,
                                          skinny_linear=fusions and not args.no_skinny
-                                         if skinny is None else skinny)
+                                         if skinny is None else skinny,
+                                         fold_norms=fold_norms)
 
     def attempt(name: str, fn, *args, **kwargs) -> None:
         try:
@@ -644,6 +647,12 @@ def main() -> None:
     variants = {"items": (bench, {}), "columns": (bench, {"columns": True})}
     if baseline is not None:
         variants["cublas"] = (baseline, {})
+    # The RMSNorms and residual adds folded into the skinny GEMMs (TorchBackend(fold_norms)):
+    # measured beside the default before it becomes one.
+    folded = (Bench(make(KVLayout.UNIFIED, fusions, fold_norms=True), pages_per_seq)
+              if ab and res["skinny_linear"] and device.type == "cuda" else None)
+    if folded is not None:
+        variants["folded"] = (folded, {})
     for batch in (1, big_batch):
         for lora in (False, True):
             if ab and not lora:
@@ -656,7 +665,7 @@ def main() -> None:
             attempt(f"decode_b{batch}" + ("_lora" if lora else ""), decode_case, bench, batch, lora)
     # Freed here, not by a later collection: one that ran inside a graph capture and freed
     # this backend's graphs would abort the process (cuda_graph.collector_paused).
-    del baseline
+    del baseline, folded, variants
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

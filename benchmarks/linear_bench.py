@@ -12,6 +12,12 @@ and each variant's time is per projection. Variants: ``F.linear`` (cuBLAS; for g
 tile ``even_tiles`` proposes (pipeline depth 4, 4 warps), then the best of those at other
 depths and 8 warps. Each tile's output is checked against ``F.linear``'s first.
 
+``--fold``: each projection measured as a step that folds its glue into it calls it
+(``Fusions(fold_norms)``): qkv, gate_up and the lm_head with their input's RMSNorm
+(``skinny_mm(norm=)``, one split) against the norm kernel then cuBLAS, o and down with the
+residual add (``residual=``) against cuBLAS then the add; their keys end in ``/norm`` or
+``/add``.
+
 Writes after every (projection, rows) point: ``linear_bench.json`` (ms, TB/s read, ratio to
 cuBLAS, the roofline: the weight's bytes at the measured copy rate), ``skinny_tuning.json``
 (per shape class the best tile where it beats cuBLAS by ``--margin``, else null: merge it
@@ -26,6 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,8 +57,11 @@ from forkserve.kernels.skinny_gemm import (  # noqa: E402
 LLAMA3_8B = {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
              "gate_up": (28672, 4096, True), "down": (4096, 14336, False),
              "lm_head": (128256, 4096, False)}
-SMOKE = {"qkv": (128, 512, False), "gate_up": (128, 512, True)}
+SMOKE = {"qkv": (128, 512, False), "o": (128, 512, False), "gate_up": (128, 512, True)}
 LAYERS = 32
+# What each projection folds in when the step folds (``--fold``; ``model.py``).
+FOLD_ROLE = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "add", "down": "add"}
+EPS = 1e-5
 
 
 def weights_for(rows: int, k: int, copies: int, device, dtype) -> list[torch.Tensor]:
@@ -60,19 +70,38 @@ def weights_for(rows: int, k: int, copies: int, device, dtype) -> list[torch.Ten
             for _ in range(copies)]
 
 
-def runs_for(ws: list[torch.Tensor], x: torch.Tensor, silu: bool,
-             tiles: list[SkinnyTile]) -> dict:
+class Call(NamedTuple):
+    """One projection call as a decode step makes it: its rows, SiLU, and what it folds in
+    ("", "norm": the RMSNorm of x by ``gamma``, "add": the residual ``r`` after it)."""
+    x: torch.Tensor
+    silu: bool
+    fold: str
+    gamma: torch.Tensor
+    r: torch.Tensor | None
+    norm: Callable  # the norm kernel the step runs where it does not fold
+
+    def reference(self, w: torch.Tensor) -> torch.Tensor:
+        """cuBLAS and the glue kernels around it: what the step runs unfolded."""
+        y = F.linear(self.norm(self.x, self.gamma, EPS) if self.fold == "norm" else self.x, w)
+        y = silu_mul_triton(y) if self.silu else y
+        return self.r + y if self.fold == "add" else y
+
+    def tiled(self, w: torch.Tensor, t: SkinnyTile) -> torch.Tensor:
+        return skinny_mm(self.x, w, t, silu=self.silu,
+                         norm=(self.gamma, EPS) if self.fold == "norm" else None,
+                         residual=self.r if self.fold == "add" else None)
+
+
+def runs_for(ws: list[torch.Tensor], call: Call, tiles: list[SkinnyTile]) -> dict:
     """Each variant as a callable over every weight (one graph each)."""
     def cublas():
         for w in ws:
-            y = F.linear(x, w)
-            if silu:
-                silu_mul_triton(y)
+            call.reference(w)
 
     def tiled(t: SkinnyTile):
         def run():
             for w in ws:
-                skinny_mm(x, w, t, silu=silu)
+                call.tiled(w, t)
         return run
 
     return {"cublas": cublas} | {tile_name(t): tiled(t) for t in tiles}
@@ -83,16 +112,14 @@ def tile_name(t: SkinnyTile) -> str:
         f"_x{t.split_k}" if t.split_k > 1 else "")
 
 
-def max_error(x: torch.Tensor, w: torch.Tensor, silu: bool, tile: SkinnyTile) -> float:
-    """The tile's largest error against F.linear; inf where it does not launch (a pipeline
-    deeper than the SM's shared memory)."""
-    ref = F.linear(x, w)
-    ref = silu_mul_triton(ref) if silu else ref
+def max_error(call: Call, w: torch.Tensor, tile: SkinnyTile) -> float:
+    """The tile's largest error against the unfolded call; inf where it does not launch (a
+    pipeline deeper than the SM's shared memory)."""
     try:
-        out = skinny_mm(x, w, tile, silu=silu)
+        out = call.tiled(w, tile)
     except triton.runtime.errors.OutOfResources:
         return math.inf
-    return (out.float() - ref.float()).abs().max().item()
+    return (out.float() - call.reference(w).float()).abs().max().item()
 
 
 def timed(runs: dict, smoke: bool) -> dict[str, float]:
@@ -108,27 +135,35 @@ def timed(runs: dict, smoke: bool) -> dict[str, float]:
 
 
 def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int, sms: int,
-                  device, dtype, smoke: bool, margin: float) -> dict:
+                  device, dtype, smoke: bool, margin: float, fold: str = "",
+                  norm: Callable | None = None) -> dict:
+    """``fold``: the call folds its input's norm (by ``norm`` where unfolded) or the add."""
     n_rows, k, silu = shape
-    key = ShapeKey(n_rows // 2 if silu else n_rows, k, block_m(rows), silu)
+    n = n_rows // 2 if silu else n_rows
+    key = ShapeKey(n, k, block_m(rows), silu, fold)
     copies = 1 if smoke else (2 if name == "lm_head" else LAYERS)
     ws = weights_for(n_rows, k, copies, device, dtype)
-    x = torch.randn(rows, k, device=device).to(dtype)
-    tol = 0.05 * max(1.0, F.linear(x, ws[0]).float().abs().max().item() / 8)
+    gen = torch.Generator(device=device).manual_seed(rows)
+    x = torch.randn(rows, k, device=device, generator=gen).to(dtype)
+    call = Call(x, silu, fold, (0.5 + torch.rand(k, device=device, generator=gen)).to(dtype),
+                torch.randn(rows, n, device=device, generator=gen).to(dtype) if fold == "add"
+                else None, norm)
+    tol = 0.05 * max(1.0, call.reference(ws[0]).float().abs().max().item() / 8)
     errors, first, more = {}, [], []
-    for t in even_tiles(key, sms, stages=(4,)):
-        errors[tile_name(t)] = max_error(x, ws[0], silu, t)
+    # A folded norm runs in one split (each split would see part of a row's squares).
+    for t in (t for t in even_tiles(key, sms, stages=(4,)) if fold != "norm" or t.split_k == 1):
+        errors[tile_name(t)] = max_error(call, ws[0], t)
         if errors[tile_name(t)] <= tol:
             first.append(t)
-    ms = timed(runs_for(ws, x, silu, first), smoke)
+    ms = timed(runs_for(ws, call, first), smoke)
     skinny = {n: v for n, v in ms.items() if n != "cublas" and math.isfinite(v)}
     if skinny:  # the best tile at other pipeline depths and warps
         best = next(t for t in first if tile_name(t) == min(skinny, key=skinny.get))
         more = [best._replace(stages=s) for s in (3, 5, 6)] + [best._replace(warps=8)]
-        errors |= {tile_name(t): max_error(x, ws[0], silu, t) for t in more}
+        errors |= {tile_name(t): max_error(call, ws[0], t) for t in more}
         more = [t for t in more if errors[tile_name(t)] <= tol]
-        ms |= {n: v for n, v in timed(runs_for(ws, x, silu, more), smoke).items()
-               if n != "cublas"}
+        ms |= {variant: v for variant, v in timed(runs_for(ws, call, more), smoke).items()
+               if variant != "cublas"}
         skinny = {n: v for n, v in ms.items() if n != "cublas" and math.isfinite(v)}
     per = {n: v / copies for n, v in ms.items()}
     nbytes = n_rows * k * dtype.itemsize
@@ -183,6 +218,9 @@ def main() -> None:
     ap.add_argument("--projections", nargs="+", default=list(LLAMA3_8B))
     ap.add_argument("--margin", type=float, default=0.02,
                     help="adopt a tile only where it is this much faster than cuBLAS")
+    ap.add_argument("--fold", action="store_true",
+                    help="each projection with the glue a folding step puts in it: the input's "
+                         "RMSNorm (qkv, gate_up, lm_head) or the residual add (o, down)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     from decode_bench import copy_bandwidth
@@ -191,7 +229,11 @@ def main() -> None:
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float16 if smoke else torch.bfloat16  # bf16 is wrong in the interpreter
-    shapes = SMOKE if smoke else {p: LLAMA3_8B[p] for p in args.projections}
+    table = SMOKE if smoke else LLAMA3_8B
+    shapes = {p: table[p] for p in args.projections if p in table}
+    # The norm a step runs where it does not fold it: the model's (compiled on CUDA).
+    from forkserve.backend.torch.fused import get_fusions, rms_norm
+    norm = rms_norm if smoke else get_fusions(True, True).rms_norm
     sms = 4 if smoke else torch.cuda.get_device_properties(device).multi_processor_count
     device_name = "cpu" if smoke else torch.cuda.get_device_name(device)
     res = {"device": device_name, "sms": sms, "torch": torch.__version__,
@@ -201,9 +243,11 @@ def main() -> None:
     rows = [1, 32] if smoke else args.rows
     for name, shape in shapes.items():
         for m in rows:
-            point = measure_point(res, name, shape, m, sms, device, dtype, smoke, args.margin)
+            point = measure_point(res, name, shape, m, sms, device, dtype, smoke, args.margin,
+                                  FOLD_ROLE.get(name, "") if args.fold else "", norm)
             res["points"].append(point)
-            print(f"{name:8s} M={m:3d} cuBLAS {point['ms']['cublas'] * 1e3:8.1f} us  "
+            print(f"{point['key']:24s} {name:8s} M={m:3d} "
+                  f"cuBLAS {point['ms']['cublas'] * 1e3:8.1f} us  "
                   f"best {point['best']} "
                   f"{point['ms'][point['best']] * 1e3 if point['best'] else math.nan:8.1f} us  "
                   f"x{point['best_over_cublas'] or math.nan:.3f}  adopted: {point['adopted']}",

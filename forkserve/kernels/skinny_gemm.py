@@ -57,21 +57,32 @@ class SkinnyTile(NamedTuple):
     split_k: int = 1  # programs per output tile, each over K / split_k
 
 
+FOLDS = ("", "norm", "add")
+
+
 class ShapeKey(NamedTuple):
-    """What a tile is chosen for: the weight's shape, the padded row count, the epilogue."""
+    """What a tile is chosen for: the weight's shape, the padded row count, the epilogue,
+    and what the call folds in: "" nothing, "norm" the RMSNorm of its input (measured
+    against the norm kernel then cuBLAS), "add" the residual add after it (against cuBLAS
+    then the add)."""
     n: int         # output columns (for gate_up_silu: I, half the weight's rows)
     k: int
     block_m: int   # 16, 32 or 64
     silu: bool
+    fold: str = ""
 
     def text(self) -> str:
-        return f"{self.n}x{self.k}/m{self.block_m}" + ("/silu" if self.silu else "")
+        return (f"{self.n}x{self.k}/m{self.block_m}" + ("/silu" if self.silu else "")
+                + (f"/{self.fold}" if self.fold else ""))
 
     @classmethod
     def parse(cls, text: str) -> ShapeKey:
-        shape, block, *silu = text.split("/")
+        shape, block, *tags = text.split("/")
         n, k = shape.split("x")
-        return cls(int(n), int(k), int(block[1:]), bool(silu))
+        folds = [t for t in tags if t in FOLDS[1:]]
+        if any(t not in ("silu", *FOLDS[1:]) for t in tags) or len(folds) > 1:
+            raise ValueError(f"skinny tuning key {text!r}: tags are silu, norm or add")
+        return cls(int(n), int(k), int(block[1:]), "silu" in tags, folds[0] if folds else "")
 
 
 def block_m(rows: int) -> int:
@@ -96,6 +107,10 @@ class SkinnyTuning:
     def tile(self, device_name: str, key: ShapeKey) -> SkinnyTile | None:
         tile = self._tiles.get(device_name, {}).get(key)
         return tile if tile is not None and tile_fits(key, tile) else None
+
+    def names(self, device_name: str, key: ShapeKey) -> bool:
+        """Whether ``key`` was measured on the device (a tile, or None where cuBLAS won)."""
+        return key in self._tiles.get(device_name, {})
 
     def devices(self) -> tuple[str, ...]:
         return tuple(self._tiles)
@@ -134,7 +149,12 @@ class SkinnyLinear:
     def __init__(self, tuning: SkinnyTuning, device_name: str | None = None) -> None:
         self.tuning, self.device_name = tuning, device_name
 
-    def plan(self, x: torch.Tensor, w: torch.Tensor, silu: bool = False) -> SkinnyTile | None:
+    def plan(self, x: torch.Tensor, w: torch.Tensor, silu: bool = False,
+             fold: str = "") -> SkinnyTile | None:
+        """The tile for ``x @ w.T`` (None: cuBLAS). ``fold``: a call that also folds in its
+        input's norm ("norm": one split only, a split sees part of each row) or the residual
+        add ("add") takes the tile measured so where the tuning names its key, else the
+        plain shape's (which beat cuBLAS without the glue kernel the fold saves)."""
         if (x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]
                 or x.shape[0] == 0 or x.shape[0] > MAX_ROWS
                 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype
@@ -144,7 +164,10 @@ class SkinnyLinear:
             return None
         name = self.device_name or _device_name(x.device)
         n = w.shape[0] // 2 if silu else w.shape[0]
-        return self.tuning.tile(name, ShapeKey(n, w.shape[1], block_m(x.shape[0]), silu))
+        key = ShapeKey(n, w.shape[1], block_m(x.shape[0]), silu)
+        folded = key._replace(fold=fold)
+        tile = self.tuning.tile(name, folded if self.tuning.names(name, folded) else key)
+        return None if tile is None or (fold == "norm" and tile.split_k > 1) else tile
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,11 +182,11 @@ class SkinnyLinear:
 
 
 @triton.jit
-def _finish_tile(Y, Bias, rn, rm, m_ok, stride_ym, acc, acc_up, keep,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """Bias, the SiLU epilogue and the store of y's rows ``rm`` x columns ``rn`` from the
-    float32 tile ``acc`` ([len(rn), BLOCK_M], transposed); ``keep``: whether this program
-    writes it (a split that did not finish last does not)."""
+def _finish_tile(Y, Bias, Res, rn, rm, m_ok, stride_ym, stride_rm, acc, acc_up, keep,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Bias, the SiLU epilogue, the residual add and the store of y's rows ``rm`` x columns
+    ``rn`` from the float32 tile ``acc`` ([len(rn), BLOCK_M], transposed); ``keep``: whether
+    this program writes it (a split that did not finish last does not)."""
     if HAS_BIAS:
         acc += tl.load(Bias + rn).to(tl.float32)[:, None]
     out = acc
@@ -172,17 +195,21 @@ def _finish_tile(Y, Bias, rn, rm, m_ok, stride_ym, acc, acc_up, keep,
         gate = acc.to(Y.dtype.element_ty).to(tl.float32)
         up = acc_up.to(Y.dtype.element_ty).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
+    if RESIDUAL:  # the residual stream plus this product, rounded once
+        out += tl.load(Res + rm[None, :] * stride_rm + rn[:, None], mask=m_ok[None, :] & keep,
+                       other=0.0).to(tl.float32)
     y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
     tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=m_ok[None, :] & keep)
 
 
 @triton.jit
 def _skinny_kernel(
-    X, W, Bias, Y, Partial, Arrived,
-    M, k_split, up_rows, n_out,
-    stride_xm, stride_wn, stride_ym,
+    X, W, Bias, Y, Partial, Arrived, Gamma, Res,
+    M, k_split, up_rows, n_out, eps,
+    stride_xm, stride_wn, stride_ym, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     # Program (N tile, K split): BLOCK_N weight rows over K / SPLIT_K. The weight tile is the
     # dot's A operand (its rows contiguous in K, as the tensor cores read A), x's rows its N,
@@ -200,15 +227,30 @@ def _skinny_kernel(
     x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    squares = tl.full((BLOCK_M,), 0.0, tl.float32)
+    g_ptrs = Gamma + rk
     for _ in range(0, k_split, BLOCK_K):
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if NORM:
+            # RMSNorm folded in: the rows' sums of squares from the tiles the loop loads
+            # anyway, gamma applied to each tile; 1/rms, a factor per row, after the loop.
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(g_ptrs).to(tl.float32)[None, :]).to(X.dtype.element_ty)
+            g_ptrs += BLOCK_K
         acc = tl.dot(tl.load(w_ptrs), tl.trans(x), acc)
         if SILU:
             acc_up = tl.dot(tl.load(w_ptrs + up_rows * stride_wn), tl.trans(x), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if NORM:  # one split (the launcher's): its loop saw every column
+        inv_rms = tl.rsqrt(squares / k_split + eps)[None, :]
+        acc = acc * inv_rms
+        if SILU:
+            acc_up = acc_up * inv_rms
     if SPLIT_K == 1:
-        _finish_tile(Y, Bias, rn, rm, m_ok, stride_ym, acc, acc_up, True, HAS_BIAS, SILU)
+        _finish_tile(Y, Bias, Res, rn, rm, m_ok, stride_ym, stride_rm, acc, acc_up, True,
+                     HAS_BIAS, SILU, RESIDUAL)
     else:
         # Each split leaves its float32 tile in Partial[split]; the split that arrives last
         # sums them in split order (the same sums every run) and writes the tile; the
@@ -235,8 +277,8 @@ def _skinny_kernel(
                 if SILU:
                     total_up += tl.load(Partial + s * (2 * plane) + plane + part_j, mask=last,
                                         other=0.0, cache_modifier=".cg")
-            _finish_tile(Y, Bias, rn_j, rm, m_ok, stride_ym, total, total_up, last, HAS_BIAS,
-                         SILU)
+            _finish_tile(Y, Bias, Res, rn_j, rm, m_ok, stride_ym, stride_rm, total, total_up,
+                         last, HAS_BIAS, SILU, RESIDUAL)
         # Every split has counted in: the last leaves the counter as it found it.
         tl.store(Arrived + tile, 0, mask=last)
 
@@ -263,15 +305,23 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
-              bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, silu: bool = False,
+              norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` ([M, N], x's dtype) at ``tile``, or with ``silu``
-    ``silu(gate) * up`` of the ``[M, 2I]`` product ([M, I]). The caller checked the shapes
-    (``SkinnyLinear.plan``, ``tile_fits``); this asserts them."""
+    ``silu(gate) * up`` of the ``[M, 2I]`` product ([M, I]). ``norm`` (gamma [K], eps): of
+    ``rms_norm(x) * gamma`` instead of x (one split only). ``residual`` ([M, N]): plus it,
+    rounded once (no SiLU). The caller checked the shapes (``SkinnyLinear.plan``,
+    ``tile_fits``); this asserts them."""
     rows, k = x.shape
     n = w.shape[0] // 2 if silu else w.shape[0]
     assert 0 < rows <= MAX_ROWS and w.shape[1] == k and x.stride(1) == 1 and w.stride(1) == 1
     assert n % tile.block_n == 0 and k % (tile.block_k * tile.split_k) == 0, (n, k, tile)
     assert bias is None or not silu
+    assert norm is None or (tile.split_k == 1 and norm[0].shape == (k,)
+                            and norm[0].is_contiguous())
+    assert residual is None or (not silu and residual.shape == (rows, n)
+                                and residual.stride(1) == 1)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     bm, tiles = block_m(rows), n // tile.block_n
     if tile.split_k > 1:
@@ -281,12 +331,15 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, tile: SkinnyTile,
         arrived = _arrivals(x.device, tiles)
     else:
         partial = arrived = y
+    gamma, eps = norm if norm is not None else (x, 0.0)
+    res = residual if residual is not None else y
     _skinny_kernel[(tiles, tile.split_k)](
-        x, w, bias if bias is not None else x, y, partial, arrived,
-        rows, k // tile.split_k, n, n,
-        x.stride(0), w.stride(0), y.stride(0),
+        x, w, bias if bias is not None else x, y, partial, arrived, gamma, res,
+        rows, k // tile.split_k, n, n, eps,
+        x.stride(0), w.stride(0), y.stride(0), res.stride(0),
         BLOCK_M=bm, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        HAS_BIAS=bias is not None, SILU=silu, SPLIT_K=tile.split_k, num_warps=tile.warps,
+        HAS_BIAS=bias is not None, SILU=silu, SPLIT_K=tile.split_k,
+        NORM=norm is not None, RESIDUAL=residual is not None, num_warps=tile.warps,
         num_stages=tile.stages)
     return y
 

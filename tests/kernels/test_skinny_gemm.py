@@ -68,6 +68,32 @@ def test_gate_up_silu_equals_linear_then_silu_mul(rows, split_k):
     assert _close(out, silu_mul_triton(F.linear(x, w)))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_folded_equals_rms_norm_then_linear(rows, silu):
+    """``norm``: the product of ``rms_norm(x) * gamma`` from x itself (the sums of squares
+    from the K loop's tiles, gamma on each tile, 1/rms per row after the loop): what the
+    norm kernel then ``F.linear`` (and ``silu_mul``) compute, up to rounding. x at the scale
+    of a residual stream (not normed), gamma away from 1."""
+    n = 2 * 48 if silu else 64
+    x, w = _operands(rows, n, 96, seed=20 + rows)
+    x = (x.float() * 8).to(DTYPE)
+    gamma = (0.5 + torch.rand(96, generator=torch.Generator().manual_seed(3))).to(DEVICE, DTYPE)
+    out = skinny_mm(x, w, TILE, silu=silu, norm=(gamma, 1e-5))
+    ref = F.linear(F.rms_norm(x, (96,), gamma, 1e-5), w)
+    assert _close(out, silu_mul_triton(ref) if silu else ref)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_residual_added_in_the_epilogue(split_k):
+    """``residual``: ``r + F.linear(x, w)`` in the store (the residual stream's add), split
+    in K too (the last split adds it)."""
+    x, w = _operands(7, 64, 96, seed=31)
+    r = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE, DTYPE)
+    out = skinny_mm(x, w, TILE._replace(split_k=split_k), residual=r)
+    assert _close(out, r + F.linear(x, w))
+
+
 def test_split_k_sums_in_a_fixed_order():
     """Split in K, the last split to finish sums the float32 partials in split order,
     whichever split that is: repeated calls agree bit for bit (on the GPU the splits finish
@@ -125,6 +151,21 @@ def test_plan_takes_only_tuned_shapes():
     assert _tuning(ShapeKey(64, 96, 16, False), tile=TILE._replace(split_k=3)).plan(x, w)
 
 
+def test_plan_of_a_folding_call():
+    """A call that folds in its input's norm or the residual add takes the tile measured so
+    where the tuning names that key (None there: cuBLAS and the glue kernel won), else the
+    plain shape's; a folded norm never takes a split tile."""
+    plain, x_w = ShapeKey(64, 96, 16, False), _operands(4, 64, 96, seed=1)
+    split = TILE._replace(split_k=3)
+    assert _tuning(plain, tile=split).plan(*x_w, fold="norm") is None
+    assert _tuning(plain, tile=split).plan(*x_w, fold="add") == split
+    measured = SkinnyLinear(SkinnyTuning({"dev": {plain: TILE, plain._replace(fold="norm"): None,
+                                                  plain._replace(fold="add"): split}}), "dev")
+    assert measured.plan(*x_w, fold="norm") is None
+    assert measured.plan(*x_w, fold="add") == split
+    assert measured.plan(*x_w) == TILE
+
+
 def test_untuned_call_is_f_linear(monkeypatch):
     calls = []
     monkeypatch.setattr(skinny_gemm, "skinny_mm", lambda *a, **k: calls.append(a) or a[0])
@@ -146,6 +187,10 @@ def test_tuning_json_round_trip():
     assert again.tile("NVIDIA H200", ShapeKey(14336, 4096, 64, True)) is None
     assert again.tile("other", ShapeKey(6144, 4096, 16, False)) is None
     assert ShapeKey.parse("14336x4096/m64/silu") == ShapeKey(14336, 4096, 64, True)
+    for key in (ShapeKey(14336, 4096, 16, True, "norm"), ShapeKey(4096, 4096, 64, False, "add")):
+        assert ShapeKey.parse(key.text()) == key
+    with pytest.raises(ValueError, match="tags are silu, norm or add"):
+        ShapeKey.parse("4096x4096/m64/gelu")
 
 
 def test_packaged_tuning_tiles_divide_their_shapes():

@@ -241,20 +241,26 @@ def test_cascade_prefix_and_value_launches_compile():
 # (``_fresh_process``), every build in one, its facts printed as JSON. The fixed builds: the
 # decode classes' tiles, split in K or not; then every tile the packaged tuning names
 # (forkserve/kernels/skinny_tuning.json), as its launch builds it.
-SKINNY_BUILDS = [  # (block_m, block_n, block_k, silu, warps, split_k); 4 stages
-    (16, 16, 256, False, 4, 1), (64, 32, 128, False, 4, 1), (16, 16, 128, True, 4, 1),
-    (64, 64, 128, True, 4, 1), (64, 128, 128, False, 8, 1), (64, 128, 128, False, 8, 4),
-    (64, 64, 128, True, 4, 2), (64, 256, 128, False, 8, 8)]
+SKINNY_BUILDS = [  # (block_m, block_n, block_k, silu, warps, split_k, norm, residual); 4 stages
+    (16, 16, 256, False, 4, 1, False, False), (64, 32, 128, False, 4, 1, False, False),
+    (16, 16, 128, True, 4, 1, False, False), (64, 64, 128, True, 4, 1, False, False),
+    (64, 128, 128, False, 8, 1, False, False), (64, 128, 128, False, 8, 4, False, False),
+    (64, 64, 128, True, 4, 2, False, False), (64, 256, 128, False, 8, 8, False, False),
+    # fold_norms: the norm in qkv's / gate_up's / the lm_head's tiles, the add in o's and down's
+    (16, 64, 256, False, 4, 1, True, False), (64, 64, 128, True, 4, 1, True, False),
+    (16, 32, 256, False, 4, 1, False, True), (64, 64, 128, False, 4, 2, False, True)]
 _SKINNY = """
 import json
 from test_sm90_compile import SKINNY_BUILDS, assemble_sm90a, compile_sm90
 from forkserve.kernels.skinny_gemm import SkinnyTuning, _skinny_kernel
 
-def build(block_m, block_n, block_k, silu, warps, split_k, stages):
+def build(block_m, block_n, block_k, silu, warps, split_k, norm, residual, stages):
     ptx = compile_sm90(_skinny_kernel, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                            HAS_BIAS=False, SILU=silu, SPLIT_K=split_k),
+                                            HAS_BIAS=False, SILU=silu, SPLIT_K=split_k,
+                                            NORM=norm, RESIDUAL=residual),
                        warps, {"W": "*bf16", "Y": "*bf16", "Bias": "*bf16", "Partial": "*fp32",
-                               "Arrived": "*i32"}, unaligned=frozenset(), num_stages=stages)
+                               "Arrived": "*i32", "Gamma": "*bf16", "Res": "*bf16",
+                               "eps": "fp32"}, unaligned=frozenset(), num_stages=stages)
     return {"acq_rel": "atom.global.gpu.acq_rel.add" in ptx, "cp_async": "cp.async" in ptx,
             "spills": assemble_sm90a(ptx)}
 
@@ -265,7 +271,7 @@ for device, tiles in SkinnyTuning.packaged().to_json().items():
             block_n, block_k, warps, stages, *split = tile
             packaged[f"{device} {key} {tile}"] = build(
                 int(key.split("/")[1][1:]), block_n, block_k, key.endswith("/silu"), warps,
-                split[0] if split else 1, stages)
+                split[0] if split else 1, False, False, stages)
 print(json.dumps({"fixed": [build(*b, stages=4) for b in SKINNY_BUILDS],
                   "packaged": packaged}))
 """
@@ -284,7 +290,8 @@ def test_skinny_gemm_compiles_pipelined(skinny_builds, index):
     """The skinny GEMM at the decode classes' tiles: the weight tiles loaded ahead
     (``cp.async``, 4 stages) and nothing spilled; split in K, the splits counted with an
     acquire-release atomic (and 256-row tiles summed 64 rows at a time: whole, 700 bytes
-    spilled)."""
+    spilled); with the folded norm (x's tiles scaled by gamma in the loop) and the residual
+    add too."""
     build = skinny_builds["fixed"][index]
     assert build["acq_rel"] == (SKINNY_BUILDS[index][5] > 1)
     assert build["cp_async"] and build["spills"] == 0

@@ -152,3 +152,47 @@ def test_skinny_linear_in_the_model(models, monkeypatch):
     # 4 forwards x (2 layers x 4 projections + lm_head), one of each layer's with SiLU.
     assert len(calls) == 4 * 9 and sum(calls) == 4 * 2
     assert rel_err(skinny, plain) < 3e-3
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_folded_norms_in_the_model(models, monkeypatch, name):
+    """``fold_norms``: every RMSNorm inside the skinny GEMM that reads it (qkv, gate_up, the
+    lm_head) and the residual adds in the epilogues of o and down: the logits of the unfolded
+    skinny path, prefill and decode, q/k/v bias (qwen2). A chunk over the kernel's 64 rows
+    and a LoRA step do not fold (``Fusions.folds``)."""
+    from forkserve.backend.torch.fused import Fusions
+    from forkserve.kernels import skinny_gemm
+    from forkserve.kernels.skinny_gemm import ShapeKey, SkinnyLinear, SkinnyTile, SkinnyTuning
+
+    dtype = DTYPE if DTYPE != torch.float32 else torch.float16
+    backend = TorchBackend(make_config(), models[name], device=DEVICE, dtype=dtype,
+                           compile_fusions=False)
+    cfg = backend.model_config
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
+              (cfg.hidden_size, cfg.num_heads * cfg.head_dim, False),
+              (cfg.intermediate_size, cfg.hidden_size, True),
+              (cfg.hidden_size, cfg.intermediate_size, False),
+              (cfg.vocab_size, cfg.hidden_size, False)]
+    tile = SkinnyTile(block_n=16, block_k=32, warps=4, stages=2)
+    mm = SkinnyLinear(SkinnyTuning({"dev": {ShapeKey(n, k, m, silu): tile
+                                            for n, k, silu in shapes for m in (16, 32, 64)}}),
+                      "dev")
+    tokens = prompt(4, 11)
+
+    def logits(fx: Fusions) -> torch.Tensor:
+        backend.model.fx = fx
+        ours = prefill_logits(backend, 4, tokens[:8], chunk=8)
+        return torch.cat([ours, prefill_logits_from(backend, 4, tokens, start=8)])
+
+    unfolded = logits(Fusions(compile=False, triton=True, skinny=mm))
+    calls = []
+    kernel = skinny_gemm.skinny_mm
+    monkeypatch.setattr(skinny_gemm, "skinny_mm", lambda *a, **k: calls.append(
+        ("norm" in k, "residual" in k)) or kernel(*a, **k))
+    folded_fx = Fusions(compile=False, triton=True, skinny=mm, fold_norms=True)
+    folded = logits(folded_fx)
+    # 4 forwards x (2 layers x (qkv, gate_up) + lm_head) norms, 4 x 2 layers x (o, down) adds
+    assert calls.count((True, False)) == 4 * 5 and calls.count((False, True)) == 4 * 4
+    assert rel_err(folded, unfolded) < 3e-3
+    assert not folded_fx.folds(65, lora=False) and not folded_fx.folds(8, lora=True)
+    assert folded_fx.folds(64, lora=False)

@@ -134,14 +134,15 @@ class TorchBackend:
                  lora_targets: Sequence[str] | None = None,
                  attention: str | AttentionBackend = "auto", use_cuda_graphs: bool = True,
                  compile_fusions: bool | None = None, connector_gb_per_s: float = 25.0,
-                 seed: int = 0, skinny_linear: bool | None = None) -> None:
+                 seed: int = 0, skinny_linear: bool | None = None,
+                 fold_norms: bool = False) -> None:
         dev = torch.device(device) if device is not None else default_device()
         dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         model_cfg, weights = load_model(model_path, dev, dt)
         loaded = {name: load_peft_adapter(path, name) for name, path in (adapters or {}).items()}
         self._setup(config, model_cfg, weights, loaded, dev, dt, max_adapters, max_lora_rank,
                     lora_targets, attention, use_cuda_graphs, compile_fusions, connector_gb_per_s,
-                    seed, skinny_linear)
+                    seed, skinny_linear, fold_norms)
         self.model_path: Path | None = Path(model_path)
 
     @classmethod
@@ -153,14 +154,15 @@ class TorchBackend:
                      attention: str | AttentionBackend = "auto", use_cuda_graphs: bool = True,
                      compile_fusions: bool | None = None, connector_gb_per_s: float = 25.0,
                      seed: int = 0, tokenizer: Tokenizer | None = None,
-                     skinny_linear: bool | None = None) -> "TorchBackend":
+                     skinny_linear: bool | None = None,
+                     fold_norms: bool = False) -> "TorchBackend":
         """A backend over weights already in memory (benchmarks with random weights, models
         read by another loader); ``tokenizer``: the model's, when the caller has one (there is
         no folder to read one from)."""
         self = cls.__new__(cls)
         self._setup(config, model_config, weights, dict(adapters or {}), torch.device(device),
                     dtype, max_adapters, max_lora_rank, lora_targets, attention, use_cuda_graphs,
-                    compile_fusions, connector_gb_per_s, seed, skinny_linear)
+                    compile_fusions, connector_gb_per_s, seed, skinny_linear, fold_norms)
         self.model_path = None
         self._tokenizer = tokenizer
         return self
@@ -170,7 +172,7 @@ class TorchBackend:
                max_adapters: int | None, max_lora_rank: int | None,
                lora_targets: Sequence[str] | None, attention: str | AttentionBackend,
                use_cuda_graphs: bool, compile_fusions: bool | None, connector_gb_per_s: float,
-               seed: int, skinny_linear: bool | None = None) -> None:
+               seed: int, skinny_linear: bool | None = None, fold_norms: bool = False) -> None:
         # The model decides the vocabulary and the context window; the control plane reads
         # both from backend.config, so the verbs admit against the loaded model.
         self.config = config.replace(vocab_size=model_cfg.vocab_size,
@@ -216,10 +218,12 @@ class TorchBackend:
         fused = device.type == "cuda" if compile_fusions is None else compile_fusions
         # The projections of a decode batch through the skinny GEMM where this device's
         # tuning names their shapes (``kernels/skinny_gemm.py``); ``skinny_linear=False``:
-        # cuBLAS everywhere (the benchmarks' baseline).
-        fusions = get_fusions(fused, fused and device.type == "cuda",
-                              fused and device.type == "cuda" if skinny_linear is None
-                              else skinny_linear)
+        # cuBLAS everywhere (the benchmarks' baseline). ``fold_norms``: a no-LoRA step of
+        # decode size also runs its RMSNorms and residual adds inside those GEMMs
+        # (``Fusions.folds``; off until measured on the H200).
+        skinny = fused and device.type == "cuda" if skinny_linear is None else skinny_linear
+        fusions = get_fusions(fused, fused and device.type == "cuda", skinny,
+                              fold_norms and bool(skinny))
         self.model = CausalLM(model_cfg, weights, self.lora, self.attention, device, fusions)
         self.runner = ModelRunner(self.model, self.pool, self.limits, device, use_cuda_graphs)
         # The last steady launch's page tables and cascade groups, reused while rows repeat;

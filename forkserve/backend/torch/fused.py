@@ -10,7 +10,7 @@ path computes the same function.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,16 @@ def gate_up_silu(h: torch.Tensor, gate_up: torch.Tensor, silu: Callable) -> torc
     return silu(F.linear(h, gate_up))
 
 
+class Normed(NamedTuple):
+    """``rms_norm(x, weight, eps)``, not computed yet: the input of the projection that reads
+    it, which may fold the norm into its GEMM (``Fusions.norm_linear``); ``value`` where a
+    reader needs the rows themselves. Valid while ``x`` is (one forward)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 class Fusions:
     """The glue functions, fused (one kernel each) or plain: the one place that decides.
 
@@ -58,11 +68,16 @@ class Fusions:
     ``gate_up_silu`` with SiLU * up in its epilogue) through the skinny GEMM where its tuning
     names the shape (``kernels/skinny_gemm.py``; elsewhere ``F.linear``): True for the
     packaged tuning, a ``SkinnyLinear`` for another (tests), None / False for ``F.linear``.
+    ``fold_norms`` (with ``skinny``): a forward that ``folds`` runs each RMSNorm inside the
+    skinny GEMM that reads it and the residual adds in the epilogues of o and down, so its
+    norm kernels go (``norm_linear``, ``norm_gate_up_silu``, ``linear_add``; where the
+    tuning has no tile for the call (``SkinnyLinear.plan``'s ``fold``) it runs the norm or
+    the add beside ``linear``).
     Each attribute is fixed at construction, so a call does no dispatch work beyond the
     skinny GEMM's shape lookup and is safe in CUDA graph capture."""
 
     def __init__(self, compile: bool, triton: bool | None = None,
-                 skinny: "bool | SkinnyLinear | None" = None) -> None:
+                 skinny: "bool | SkinnyLinear | None" = None, fold_norms: bool = False) -> None:
         wrap: Callable = ((lambda f: torch.compile(f, dynamic=True, fullgraph=True)) if compile
                           else (lambda f: f))
         if triton is None:
@@ -80,15 +95,55 @@ class Fusions:
             self.silu_mul = wrap(silu_mul)
         self.linear: Callable = F.linear
         self.gate_up_silu: Callable = lambda h, w: gate_up_silu(h, w, self.silu_mul)
+        self._mm: SkinnyLinear | None = None
         if skinny:
             from forkserve.kernels.skinny_gemm import SkinnyLinear, SkinnyTuning
             mm = skinny if isinstance(skinny, SkinnyLinear) else SkinnyLinear(
                 SkinnyTuning.packaged())
             self.linear = mm
             self.gate_up_silu = lambda h, w: mm.gate_up_silu(h, w, self.silu_mul)
+            self._mm = mm if fold_norms else None
+
+    def folds(self, rows: int, lora: bool) -> bool:
+        """Whether a forward of ``rows`` rows folds its norms and residual adds: with
+        ``fold_norms``, no LoRA (whose shrink reads the normed rows themselves) and rows the
+        skinny GEMM takes."""
+        from forkserve.kernels.skinny_gemm import MAX_ROWS
+        return self._mm is not None and not lora and 0 < rows <= MAX_ROWS
+
+    def value(self, h: Normed) -> torch.Tensor:
+        return self.rms_norm(h.x, h.weight, h.eps)
+
+    def norm_linear(self, h: Normed, w: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``linear(rms_norm(h), w, bias)``, the norm inside the GEMM where a one-split tile
+        names the shape."""
+        tile = self._mm.plan(h.x, w, fold="norm") if self._mm is not None else None
+        if tile is None:
+            return self.linear(self.value(h), w, bias)
+        from forkserve.kernels.skinny_gemm import skinny_mm
+        return skinny_mm(h.x, w, tile, bias, norm=(h.weight, h.eps))
+
+    def norm_gate_up_silu(self, h: Normed, w: torch.Tensor) -> torch.Tensor:
+        """``gate_up_silu(rms_norm(h), w)``, the norm inside the GEMM as ``norm_linear``."""
+        tile = self._mm.plan(h.x, w, silu=True, fold="norm") if self._mm is not None else None
+        if tile is None:
+            return self.gate_up_silu(self.value(h), w)
+        from forkserve.kernels.skinny_gemm import skinny_mm
+        return skinny_mm(h.x, w, tile, silu=True, norm=(h.weight, h.eps))
+
+    def linear_add(self, a: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``r + linear(a, w)`` (the residual stream's add), in the GEMM's epilogue where a
+        tile names the shape."""
+        tile = self._mm.plan(a, w, fold="add") if self._mm is not None else None
+        if tile is None:
+            return r + self.linear(a, w)
+        from forkserve.kernels.skinny_gemm import skinny_mm
+        return skinny_mm(a, w, tile, residual=r)
 
 
 @functools.cache
-def get_fusions(compile: bool, triton: bool | None = None, skinny: bool = False) -> Fusions:
+def get_fusions(compile: bool, triton: bool | None = None, skinny: bool = False,
+                fold_norms: bool = False) -> Fusions:
     """One set per process: every backend shares the compiled kernels (and their compile time)."""
-    return Fusions(compile, triton, skinny)
+    return Fusions(compile, triton, skinny, fold_norms)

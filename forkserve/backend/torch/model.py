@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from forkserve.backend.torch.attention import AttentionBackend, AttentionMetadata
-from forkserve.backend.torch.fused import Fusions
+from forkserve.backend.torch.fused import Fusions, Normed
 from forkserve.backend.torch.kv_pool import KVPool
 from forkserve.backend.torch.lora import LoraStack
 from forkserve.backend.torch.model_config import ModelConfig
@@ -64,7 +64,11 @@ class CausalLM:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         masks = lora.group_masks(lora.token_mask(token_slot, x.dtype)) if lora is not None else {}
         split = meta.res_block_tables is not None
-        h = fx.rms_norm(x, w.layers[0].input_norm, eps)
+        # Folded (``Fusions.folds``): each norm runs inside the projection that reads it (h a
+        # ``Normed``), each residual add in the epilogue of o and down.
+        fold = fx.folds(x.shape[0], lora is not None)
+        h: torch.Tensor | Normed = (Normed(x, w.layers[0].input_norm, eps) if fold
+                                    else fx.rms_norm(x, w.layers[0].input_norm, eps))
         pool.tag_writes(meta.slot_mapping, token_slot)  # offset correction: each slot's writer
         rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin of written rows
         for n, layer in enumerate(w.layers):
@@ -81,6 +85,15 @@ class CausalLM:
             attn = self.attention.forward(q, k, v, res.get("k"), res.get("v"),
                                           pool.layer(n) if own is None else own, b_k, b_v,
                                           layer_meta, self.rope)
+            if fold:
+                x = fx.linear_add(attn, layer.o, x)
+                x = fx.linear_add(fx.norm_gate_up_silu(Normed(x, layer.post_norm, eps),
+                                                       layer.gate_up), layer.down, x)
+                if n + 1 < len(w.layers):
+                    h = Normed(x, w.layers[n + 1].input_norm, eps)
+                if layers_out is not None:
+                    layers_out.append(x)
+                continue
             o = fx.linear(attn, layer.o)
             if lora is not None and "o" in lora.groups:
                 lora.expand_(n, "o", lora.shrink(n, "o", attn, masks["o"]), o)
@@ -103,10 +116,13 @@ class CausalLM:
                 x = x + down
             if layers_out is not None:
                 layers_out.append(x)
+        if fold:
+            return fx.norm_linear(Normed(x[logits_indices], w.final_norm, eps), w.lm_head).float()
         x = fx.rms_norm(x[logits_indices], w.final_norm, eps)
         return fx.linear(x, w.lm_head).float()
 
-    def _project(self, n: int, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def _project(self, n: int, layer, h: torch.Tensor | Normed,
+                 rope: tuple[torch.Tensor, torch.Tensor],
                  rope_rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
                  mask: torch.Tensor | None, lora: LoraStack | None, meta: AttentionMetadata,
                  layer_split: bool) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -120,11 +136,16 @@ class CausalLM:
         most half the rows write, K/V are projected from those rows alone (the K/V share of
         the qkv product, its k/v LoRA expands and K's RoPE shrink to them); otherwise the
         whole product runs and the writing rows are taken from it. ``rope_rows``: the forward's
-        cos/sin of the writing rows, gathered at the first layer that needs them."""
+        cos/sin of the writing rows, gathered at the first layer that needs them. ``h`` a
+        ``Normed`` (a folding forward, no LoRA): the whole product folds the norm; the
+        compact one takes the normed rows."""
         cfg, fx = self.cfg, self.fx
         cos, sin = rope
         rows = None if meta.base_writes is None else meta.base_writes[0]
-        compact = rows is not None and 2 * rows.shape[0] <= h.shape[0]
+        tokens = (h.x if isinstance(h, Normed) else h).shape[0]
+        compact = rows is not None and 2 * rows.shape[0] <= tokens
+        if compact and isinstance(h, Normed):
+            h = fx.value(h)
         kv = None
         if compact:
             q_cols, kv_cols = slice(0, cfg.q_size), slice(cfg.q_size, None)
@@ -133,6 +154,8 @@ class CausalLM:
             if rows.shape[0]:
                 kv = fx.linear(h.index_select(0, rows), layer.qkv[kv_cols],
                                None if bias is None else bias[kv_cols])
+        elif isinstance(h, Normed):
+            qkv = fx.norm_linear(h, layer.qkv, layer.qkv_bias)
         else:
             qkv = fx.linear(h, layer.qkv, layer.qkv_bias)
         res: dict[str, torch.Tensor] = {}
@@ -166,7 +189,7 @@ class CausalLM:
         # q and k are adjacent in qkv: one RoPE over both heads sets.
         qk = fx.rope_qk(qkv, cos, sin, heads, kv_heads, dim)
         q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, self._qkv_slices["v"]].view(h.shape[0], kv_heads, dim)
+        v = qkv[:, self._qkv_slices["v"]].view(tokens, kv_heads, dim)
         if rows is not None:
             k, v = k.index_select(0, rows), v.index_select(0, rows)
         return q, k, v, res
