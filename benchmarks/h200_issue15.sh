@@ -57,7 +57,9 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 50  # the folded variant (residual score inside the key loop), rows 1-2
 # Round 18 (the skinny GEMM for the decode projections, rows 10a-b):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 52  # CUDA tests, linear_bench (the tuning)
-#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 53  # decode_bench --step-only, skinny on / off
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 53  # decode_bench --step-only: items, columns, cuBLAS, folded
+# Round 20 (the folded norms):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 54  # CUDA fold tests, linear_bench --fold
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -522,6 +524,16 @@ case "$1" in
   # launch rows; last the step traces (step_trace.py), gzipped beside the JSON.
   export TRITON_CACHE_DIR=/root/tc18
   timeout 400 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
+  ;;
+54)
+  # Round 20: the folded norms (TorchBackend(fold_norms)): their CUDA tests, then linear_bench
+  # --fold at 1 and 64 rows (the /norm and /add keys of the tuning to merge).
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_skinny_gemm.py tests/torch/test_model.py -k "norm or residual or folded" \
+    2>&1 | tee "$OUT/pytest_cuda_round20_fold.log" | tail -3
+  mkdir -p "$OUT/fold"
+  timeout 400 python3 benchmarks/linear_bench.py --fold --rows 1 64 --out "$OUT/fold" 2>&1 | tail -12
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
