@@ -114,17 +114,14 @@ def prefill_logits_from(backend: TorchBackend, seq: int, tokens: list[int],
                       for i in range(start, len(tokens))])
 
 
-def test_skinny_linear_in_the_model(models, monkeypatch):
-    """Every projection through the skinny GEMM (kernels/skinny_gemm.py, the interpreter
-    without CUDA) where a tuning names its shape, the MLP's SiLU * up in its epilogue: the
-    same logits as F.linear's, prefill and decode, q/k/v bias (qwen2). fp16: the kernel's
-    operands are 16-bit."""
-    from forkserve.backend.torch.fused import Fusions
-    from forkserve.kernels import skinny_gemm
+def skinny_backend(models, name: str):
+    """A 16-bit backend over the tiny ``name`` (fp16 in the interpreter: the kernel's operands
+    are 16-bit) and a ``SkinnyLinear`` whose tuning names every projection of it at every
+    row class, at one small tile."""
     from forkserve.kernels.skinny_gemm import ShapeKey, SkinnyLinear, SkinnyTile, SkinnyTuning
 
     dtype = DTYPE if DTYPE != torch.float32 else torch.float16
-    backend = TorchBackend(make_config(), models["qwen2"], device=DEVICE, dtype=dtype,
+    backend = TorchBackend(make_config(), models[name], device=DEVICE, dtype=dtype,
                            compile_fusions=False)
     cfg = backend.model_config
     shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
@@ -132,10 +129,21 @@ def test_skinny_linear_in_the_model(models, monkeypatch):
               (cfg.intermediate_size, cfg.hidden_size, True),
               (cfg.hidden_size, cfg.intermediate_size, False),
               (cfg.vocab_size, cfg.hidden_size, False)]
-    name = "dev"
     tile = SkinnyTile(block_n=16, block_k=32, warps=4, stages=2)
-    tuning = SkinnyTuning({name: {ShapeKey(n, k, m, silu): tile
-                                  for n, k, silu in shapes for m in (16, 32, 64)}})
+    tuning = SkinnyTuning({"dev": {ShapeKey(n, k, m, silu): tile
+                                   for n, k, silu in shapes for m in (16, 32, 64)}})
+    return backend, SkinnyLinear(tuning, "dev")
+
+
+def test_skinny_linear_in_the_model(models, monkeypatch):
+    """Every projection through the skinny GEMM (kernels/skinny_gemm.py, the interpreter
+    without CUDA) where a tuning names its shape, the MLP's SiLU * up in its epilogue: the
+    same logits as F.linear's, prefill and decode, q/k/v bias (qwen2). fp16: the kernel's
+    operands are 16-bit."""
+    from forkserve.backend.torch.fused import Fusions
+    from forkserve.kernels import skinny_gemm
+
+    backend, mm = skinny_backend(models, "qwen2")
     tokens = prompt(2, 11)
 
     def logits(fx: Fusions) -> torch.Tensor:
@@ -148,7 +156,7 @@ def test_skinny_linear_in_the_model(models, monkeypatch):
     kernel = skinny_gemm.skinny_mm
     monkeypatch.setattr(skinny_gemm, "skinny_mm",
                         lambda *a, **k: calls.append(k.get("silu", False)) or kernel(*a, **k))
-    skinny = logits(Fusions(compile=False, triton=True, skinny=SkinnyLinear(tuning, name)))
+    skinny = logits(Fusions(compile=False, triton=True, skinny=mm))
     # 4 forwards x (2 layers x 4 projections + lm_head), one of each layer's with SiLU.
     assert len(calls) == 4 * 9 and sum(calls) == 4 * 2
     assert rel_err(skinny, plain) < 3e-3
@@ -162,21 +170,8 @@ def test_folded_norms_in_the_model(models, monkeypatch, name):
     and a LoRA step do not fold (``Fusions.folds``)."""
     from forkserve.backend.torch.fused import Fusions
     from forkserve.kernels import skinny_gemm
-    from forkserve.kernels.skinny_gemm import ShapeKey, SkinnyLinear, SkinnyTile, SkinnyTuning
 
-    dtype = DTYPE if DTYPE != torch.float32 else torch.float16
-    backend = TorchBackend(make_config(), models[name], device=DEVICE, dtype=dtype,
-                           compile_fusions=False)
-    cfg = backend.model_config
-    shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
-              (cfg.hidden_size, cfg.num_heads * cfg.head_dim, False),
-              (cfg.intermediate_size, cfg.hidden_size, True),
-              (cfg.hidden_size, cfg.intermediate_size, False),
-              (cfg.vocab_size, cfg.hidden_size, False)]
-    tile = SkinnyTile(block_n=16, block_k=32, warps=4, stages=2)
-    mm = SkinnyLinear(SkinnyTuning({"dev": {ShapeKey(n, k, m, silu): tile
-                                            for n, k, silu in shapes for m in (16, 32, 64)}}),
-                      "dev")
+    backend, mm = skinny_backend(models, name)
     tokens = prompt(4, 11)
 
     def logits(fx: Fusions) -> torch.Tensor:
