@@ -8,7 +8,9 @@ it (``kv_merge_mask``) still get their delta. q/o/MLP LoRA apply normally everyw
 selective-recompute layer (``recompute.py``) split items run as merged ones over their own
 store. K/V are projected only for the rows that write them (``AttentionMetadata.base_writes``):
 a row that reads base pages already written (the split form over a shared context) costs q,
-its residual and attention, not a K/V projection written nowhere.
+its residual and attention, not a K/V projection written nowhere. A forward that folds
+(``Fusions.folds``: ``fold_norms``, no LoRA, decode-sized) runs each RMSNorm inside the
+projection that reads it and each residual add in the epilogue of o and down.
 """
 from __future__ import annotations
 
