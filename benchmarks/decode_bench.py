@@ -148,7 +148,7 @@ class Bench:
                        decode=decode, form=KVForm.SPLIT if res is not None else KVForm.MERGED)
 
     def decode_batch(self, batch: int, tokens: Sequence[int], pos: int,
-             adapters: list[int | None]) -> DecodeBatch:
+                     adapters: list[int | None]) -> DecodeBatch:
         """Sequences ``0..batch`` writing ``tokens`` at ``pos`` as one ``DecodeBatch``: the
         columns that stand (ids, page tuples, forms, adapters, sampling, groups) are built
         once and kept while the rows' page tuples stand, as the steady set keeps them."""
@@ -642,17 +642,14 @@ def main() -> None:
                     prefill_tokens, adapter_ids[0] if lora else None)
         return
     ab = args.step_only and args.ab_rounds > 0
-    baseline = (Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq)
-                if ab and res["skinny_linear"] and device.type == "cuda" else None)
     variants = {"items": (bench, {}), "columns": (bench, {"columns": True})}
-    if baseline is not None:
-        variants["cublas"] = (baseline, {})
-    # The RMSNorms and residual adds folded into the skinny GEMMs (TorchBackend(fold_norms)):
-    # measured beside the default before it becomes one.
-    folded = (Bench(make(KVLayout.UNIFIED, fusions, fold_norms=True), pages_per_seq)
-              if ab and res["skinny_linear"] and device.type == "cuda" else None)
-    if folded is not None:
-        variants["folded"] = (folded, {})
+    baseline = folded = None
+    if ab and res["skinny_linear"] and device.type == "cuda":
+        baseline = Bench(make(KVLayout.UNIFIED, fusions, skinny=False), pages_per_seq)
+        # The RMSNorms and residual adds folded into the skinny GEMMs
+        # (TorchBackend(fold_norms)): measured beside the default before it becomes one.
+        folded = Bench(make(KVLayout.UNIFIED, fusions, fold_norms=True), pages_per_seq)
+        variants |= {"cublas": (baseline, {}), "folded": (folded, {})}
     for batch in (1, big_batch):
         for lora in (False, True):
             if ab and not lora:
@@ -677,8 +674,10 @@ def main() -> None:
             attempt(f"timeline_b{batch}", bench.decode, batch, prompt, [None], args.steps,
                     timeline=True)
             if device.type == "cuda":
-                attempt(f"graph_replay_b{batch}", graph_replay_ms, bench, batch, False)
                 attempt(f"graph_launch_b{batch}", graph_launch, bench, batch, False)
+                if f"graph_launch_b{batch}" in res:  # the graph alone, from the same replays
+                    res[f"graph_replay_b{batch}"] = res[f"graph_launch_b{batch}"][
+                        "idle_device_ms"]
         for batch in (1, big_batch):  # last: traced, the process's graph launches stay slow
             attempt(f"trace_b{batch}", bench.decode, batch, prompt, [None], 8,
                     trace=out / f"step_trace_b{batch}.json.gz")
