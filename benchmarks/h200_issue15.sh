@@ -535,6 +535,27 @@ case "$1" in
   mkdir -p "$OUT/fold"
   timeout 400 python3 benchmarks/linear_bench.py --fold --rows 1 64 --out "$OUT/fold" 2>&1 | tail -12
   ;;
+55)
+  # Round 20b: the folded model test held to the fp32 reference, gate_up's /silu/norm keys
+  # (the bench's tolerance now two ulps at the output's largest magnitude) merged into the
+  # packaged tuning here, then 53's A/B with the folded backend on the merged tuning.
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/torch/test_model.py -k "folded" 2>&1 | tee "$OUT/pytest_cuda_round20b_fold.log" | tail -3
+  mkdir -p "$OUT/fold"
+  timeout 150 python3 benchmarks/linear_bench.py --fold --rows 1 64 --projections gate_up \
+    --out "$OUT/fold" 2>&1 | tail -3
+  python3 - "$OUT/fold/skinny_tuning.json" forkserve/kernels/skinny_tuning.json <<'PY'
+import json, sys
+new, packaged = (json.load(open(p)) for p in sys.argv[1:])
+for device, keys in new.items():
+    packaged.setdefault(device, {}).update(keys)
+open(sys.argv[2], "w").write(json.dumps(packaged, indent=1) + "\n")
+PY
+  cp forkserve/kernels/skinny_tuning.json "$OUT/skinny_tuning_merged.json"
+  export TRITON_CACHE_DIR=/root/tc18
+  timeout 330 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
+  ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and

@@ -148,7 +148,9 @@ def measure_point(res: dict, name: str, shape: tuple[int, int, bool], rows: int,
     call = Call(x, silu, fold, (0.5 + torch.rand(k, device=device, generator=gen)).to(dtype),
                 torch.randn(rows, n, device=device, generator=gen).to(dtype) if fold == "add"
                 else None, norm)
-    tol = 0.05 * max(1.0, call.reference(ws[0]).float().abs().max().item() / 8)
+    # Two bf16 ulps at the output's largest magnitude (a folded norm rounds elsewhere than the
+    # norm kernel, so one-ulp differences at the largest outputs are expected), at least 0.05.
+    tol = 0.05 * max(1.0, call.reference(ws[0]).float().abs().max().item() / 4)
     errors, first, more = {}, [], []
     # A folded norm runs in one split (each split would see part of a row's squares).
     for t in (t for t in even_tiles(key, sms, stages=(4,)) if fold != "norm" or t.split_k == 1):

@@ -188,6 +188,11 @@ def test_folded_norms_in_the_model(models, monkeypatch, name):
     folded = logits(folded_fx)
     # 4 forwards x (2 layers x (qkv, gate_up) + lm_head) norms, 4 x 2 layers x (o, down) adds
     assert calls.count((True, False)) == 4 * 5 and calls.count((False, True)) == 4 * 4
-    assert rel_err(folded, unfolded) < 3e-3
+    # The folded norm rounds elsewhere (1/rms in fp32 after the product, not a 16-bit normed
+    # x before it), so in bf16 the two paths differ by an ulp or two: each is held to the
+    # fp32 reference instead, the folded one no further from it than the unfolded one.
+    ref = hf_logits(models[name], tokens)
+    assert rel_err(folded, ref) <= 1.25 * rel_err(unfolded, ref) + 1e-3
+    assert rel_err(folded, unfolded) < (3e-3 if backend.dtype == torch.float16 else 1.2e-2)
     assert not folded_fx.folds(65, lora=False) and not folded_fx.folds(8, lora=True)
     assert folded_fx.folds(64, lora=False)
