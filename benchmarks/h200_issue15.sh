@@ -556,6 +556,16 @@ PY
   export TRITON_CACHE_DIR=/root/tc18
   timeout 330 python3 benchmarks/decode_bench.py --step-only --out "$OUT" 2>&1 | tail -16
   ;;
+56)
+  # Round 20c: the warp-specialized Gluon decode (variant "ws"): its CUDA tests, then beside
+  # the default at every point of rows 1-2 (only if the tests pass: a hang stops at 90 s).
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round20_ws.log" | tail -15
+  if grep -q " passed" "$OUT/pytest_cuda_round20_ws.log" && ! grep -q "failed\|error" "$OUT/pytest_cuda_round20_ws.log"; then
+    variants 300 decode_round20_ws two_pass_default ws
+  fi
+  ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and

@@ -1430,6 +1430,9 @@ VARIANTS: dict[str, dict] = {
     "folded_bn64_w8": dict(variant="folded", block_n=64, num_warps=8),
     "folded_bn64_nopf": dict(variant="folded", block_n=64, prefetch=False),
     "folded_bn32": dict(variant="folded", block_n=32),
+    # Round 20: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
+    # warp beside the warp group of products, softmax and values.
+    "ws": dict(variant="ws"),
 }
 
 

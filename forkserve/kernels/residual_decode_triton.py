@@ -23,7 +23,10 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
 * ``"msc"`` (materialized scores, residual_msc.py): pass 1 reads K_base and K_res and writes
   every head's whole logits, pass 2 reads only them, V_base and V_res;
 * ``"msc2s"`` (residual_msc2s.py): msc with pass 1's halves as two kernels on two streams
-  (base logits from K_base; the q-folded residual score), pass 2 summing both.
+  (base logits from K_base; the q-folded residual score), pass 2 summing both;
+* ``"ws"`` (residual_decode_gluon.py, Gluon on sm_90+, the shapes of its ``supports``): one
+  warp-specialized launch, a loader warp gathering each tile by TMA while a warp group runs
+  the q-folded products, the softmax and the value products.
 
 ``residual_values`` is the split-form cascade's value pass (shared_prefix.py). Score
 scratch buffers are temporaries of one call. H200 numbers: docs/KERNELS.md.
@@ -65,7 +68,8 @@ from forkserve.kernels.split_kv import (
 )
 from forkserve.kernels.streams import row_pipeline
 
-RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "folded", "msc", "msc2s")
+RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "folded", "msc", "msc2s",
+                     "ws")
 # The split plans each variant runs on, its default first (any other: "static" alone), and
 # the variants whose partial kernel can load each tile's bias / residual table entries ahead
 # (``prefetch``, on by default for them).
@@ -633,6 +637,11 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
     polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
+    if variant == "ws":
+        from forkserve.kernels.residual_decode_gluon import residual_decode_ws
+        return residual_decode_ws(q, k_base, v_base, k_res, v_res, block_tables,
+                                  res_block_tables, seq_lens, b_k_all, b_v_all, adapter_idx,
+                                  inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits)
     plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
         plan = plans[0]

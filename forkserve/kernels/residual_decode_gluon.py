@@ -1,0 +1,369 @@
+"""ResidualAttention decode in one warp-specialized launch (Gluon, Hopper; ``variant="ws"``).
+
+Two-pass decode (residual_decode_triton.py) runs the q-folded residual score (tensor-core
+bound: ``D x G x r`` multiply-adds per key and KV head) before the base K/V stream (memory
+bound), one after the other. Triton's own warp specialization does not take this loop
+(KERNELS.md "Round 17": its producer lowering takes TMA loads only, and the page gathers are
+not). Here the roles are explicit (``gl.warp_specialize``):
+
+* the **loader** (one warp) gathers each 64-key tile by TMA, one box per page: the page's
+  ``K_base, V_base`` halves for the program's KV head, the residual rows ``K_res, V_res`` and
+  the tile's cos|sin rows from the bf16 RoPE table, into a ring of ``STAGES`` shared-memory
+  slots, each with a ready and an empty mbarrier;
+* the **default partition** (one warp group) takes the slots in order: the base scores
+  ``K @ q^T`` and the folded residual scores ``cos @ Fc + sin @ Fs`` as wgmma with the keys
+  as M, the rank contraction with ``K_res``, the online softmax, ``V^T @ p`` by wgmma and
+  ``V_res^T @ p`` by mma_v2, then frees the slot.
+
+So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
+padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
+zeros, ``split`` back). The folded matrices ``Fc, Fs`` (residual_score_qfold.py's algebra)
+are made by torch before the launch, per row and KV head, already scaled into the log2
+domain like the queries.
+
+Grid ``(batch * n_kv, splits)``; a program's keys are its split of its own sequence
+(``DYN_SPLIT``, the dynamic plan), its output the partials ``merge_partials`` combines, or
+the output itself at one split. Shapes it takes (``supports``): 16-key pages, head_dim 128,
+a GQA group of 4, residual rank 16, bf16; the rest stay on two-pass.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from forkserve.kernels.rope import cached_rope_table, rope_table_in
+from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
+
+LOG2E = 1.4426950408889634
+PAGE = 16
+TILE = 64  # keys per slot: the wgmma M of the score products
+GP = 8  # the GQA group padded to the wgmma's narrowest N
+STAGES = 3
+PROGRAMS_PER_SM = 1  # ~150 KiB of slots: one program per SM
+
+
+def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
+    """Whether ``residual_decode_ws`` takes these shapes (see the module docstring)."""
+    n_kv, head_dim = k_base.shape[2], k_base.shape[3]
+    return (q.is_cuda and q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
+            and head_dim == 128 and q.shape[1] == 4 * n_kv and k_res.shape[2] == 16
+            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+
+
+@gluon.jit
+def _loader(kd, vd, krd, vrd, csd, bars, bufs, bt_row, rbt_row, kv_col, start, seq_len,
+            n_tiles, has_res):
+    ready, empty = bars
+    k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
+    HALF: gl.constexpr = k_lo.type.shape[2]
+    T: gl.constexpr = k_lo.type.shape[1]
+    NS: gl.constexpr = k_lo.type.shape[0]
+    P: gl.constexpr = kd.block_type.shape[0]
+    kv_bytes: gl.constexpr = 4 * (T // P) * kd.block_type.nbytes
+    res_bytes: gl.constexpr = 2 * (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
+    last_page = (seq_len - 1) // P
+    for i in range(n_tiles):
+        s = i % NS
+        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        n0 = start + i * T
+        bar = ready.index(s)
+        # expect's byte count is a constant: one of the two, by predicate.
+        mbarrier.expect(bar, kv_bytes + res_bytes, pred=has_res)
+        mbarrier.expect(bar, kv_bytes, pred=not has_res)
+        for j in gl.static_range(T // P):
+            # Pages past the sequence's end (a split's last tile) are clamped to its last
+            # page: in bounds, and the compute side masks their keys.
+            pi = gl.minimum(n0 // P + j, last_page)
+            row = gl.load(bt_row + pi) * P
+            tma.async_copy_global_to_shared(kd, [row, kv_col], bar, k_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar,
+                                            k_hi.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(vd, [row, kv_col], bar, v_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar,
+                                            v_hi.index(s).slice(j * P, P))
+            if has_res:
+                rrow = gl.load(rbt_row + pi) * P
+                tma.async_copy_global_to_shared(krd, [rrow, 0], bar, kr.index(s).slice(j * P, P))
+                tma.async_copy_global_to_shared(vrd, [rrow, 0], bar, vr.index(s).slice(j * P, P))
+        if has_res:
+            # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
+            tma.async_copy_global_to_shared(csd, [n0, 0], bar, cs_c.index(s))
+            tma.async_copy_global_to_shared(csd, [n0, HALF], bar, cs_s.index(s))
+
+
+@gluon.constexpr_function
+def rank_layout(rank, num_warps):
+    """``[T, G, R]``: the rank contraction inside each thread."""
+    return gl.BlockedLayout([1, 1, rank], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _interleave(x, zero):
+    """``[T, G]`` -> ``[T, 2G]`` with ``x[:, g]`` at column ``2 g`` and ``zero`` between."""
+    return gl.reshape(gl.join(x, zero), [x.shape[0], 2 * x.shape[1]])
+
+
+@gluon.jit
+def _evens(x):
+    """The even columns of ``[T, 2G]``: ``_interleave``'s inverse."""
+    a, b = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return a
+
+
+@gluon.jit
+def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
+             T: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HALF: gl.constexpr,
+             num_warps: gl.constexpr):
+    ready, empty = bars
+    k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
+    NS: gl.constexpr = k_lo.type.shape[0]
+    GP2: gl.constexpr = 2 * G
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, GP2, 16])
+    p_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, G * R, 16])
+    r_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, 8])
+    l3: gl.constexpr = rank_layout(R, num_warps)
+    lp: gl.constexpr = gl.SliceLayout(2, l3)  # [T, G]: scores, probabilities
+    col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
+
+    m_i = gl.full([G], float("-inf"), gl.float32, col)
+    l_i = gl.full([G], 0.0, gl.float32, col)
+    acc_lo = gl.zeros([HALF, GP2], gl.float32, s_mma)
+    acc_hi = gl.zeros([HALF, GP2], gl.float32, s_mma)
+    acc_r = gl.zeros([R, GP2], gl.float32, r_mma)
+    zeros_tg = gl.full([T, G], 0.0, gl.float32, lp)
+    keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T],
+                                       gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16))
+    for i in range(n_tiles):
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
+                           gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False)
+        sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb)
+        score = gl.convert_layout(_evens(sb), lp)
+        if has_res:
+            w = warpgroup_mma(cs_c.index(s), fc.permute((1, 0)),
+                              gl.zeros([T, G * R], gl.float32, p_mma), use_acc=False)
+            w = warpgroup_mma(cs_s.index(s), fs.permute((1, 0)), w)
+            # Each thread takes one (key, g)'s R columns: the contraction stays in-thread.
+            w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [num_warps, 1], [1, 0]))
+            w3 = gl.convert_layout(gl.reshape(w2, [T, G, R]), l3)
+            k_rows = kr.index(s).load(gl.SliceLayout(1, l3)).to(gl.float32)
+            score = score + gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
+        n = start + i * T + keys
+        score = gl.where(gl.expand_dims(n < stop, 1), score, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(score, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(score - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        a2 = gl.reshape(gl.join(alpha, alpha), [GP2])
+        acc_lo = acc_lo * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, s_mma)), 0)
+        acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, s_mma)), 0)
+        acc_r = acc_r * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, r_mma)), 0)
+        p2 = _interleave(p, zeros_tg).to(gl.bfloat16)  # [T, 2G]
+        p_smem.store(gl.permute(p2, (1, 0)))
+        fence_async_shared()
+        acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo)
+        acc_hi = warpgroup_mma(v_hi.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_hi)
+        if has_res:
+            a_op = vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2))
+            b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
+            acc_r = mma_v2(a_op, b_op, acc_r)
+        mbarrier.arrive(empty.index(s))
+    return m_i, l_i, acc_lo, acc_hi, acc_r
+
+
+@gluon.jit
+def _residual_decode_ws_kernel(
+        kd, vd, krd, vrd, csd, Q, F, BV, Adapter, BlockTables, ResTables, SeqLens,
+        Out, PartOut, PartLse, scale_log2e,
+        stride_qb, stride_qh, stride_bt, stride_rbt, stride_bva, stride_bvk,
+        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
+        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    GP2: gl.constexpr = 2 * G
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    row = pid // N_KV
+    head = pid % N_KV
+    seq_len = gl.load(SeqLens + row)
+    span = gl.maximum(seq_len, 0)
+    key_split = gl.cdiv(gl.cdiv(span, gl.num_programs(1)), T) * T
+    start = split * key_split
+    stop = gl.minimum(start + key_split, seq_len)
+    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    adapter = gl.load(Adapter + row)
+    has_res = adapter >= 0
+
+    # The queries, interleaved with zero rows to 2G (the N of the score wgmma), and the
+    # folded matrices, in shared memory for the whole loop.
+    lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    qr = gl.arange(0, GP2, layout=gl.SliceLayout(1, lq))
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
+    q_ptr = Q + row * stride_qb + (head * G + qr // 2)[:, None] * stride_qh + d[None, :]
+    q_ok = (qr % 2 == 0)[:, None] & (n_tiles > 0)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, HALF], gl.bfloat16)
+    q_lo = gl.allocate_shared_memory(gl.bfloat16, [GP2, HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(gl.bfloat16, [GP2, HALF], q_layout)
+    q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G * R, HALF], gl.bfloat16)
+    fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
+    fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
+    fr = gl.arange(0, G * R, layout=gl.SliceLayout(1, lq))
+    f_ptr = F + (pid * 2 * G * R + fr)[:, None] * HALF + d[None, :]
+    f_ok = has_res & (n_tiles > 0)
+    fc.store(gl.load(f_ptr, mask=f_ok, other=0.0))
+    fs.store(gl.load(f_ptr + G * R * HALF, mask=f_ok, other=0.0))
+
+    k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    bars = (ready, empty)
+    bufs = (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s)
+    m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize([
+        (_compute, (bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
+                    T, G, R, HALF, num_warps)),
+        (_loader, (kd, vd, krd, vrd, csd, bars, bufs, BlockTables + row * stride_bt,
+                   ResTables + row * stride_rbt, head * HEAD_DIM, start, seq_len, n_tiles,
+                   has_res)),
+    ], [1], [40])
+
+    # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
+    lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
+    lo2: gl.constexpr = gl.SliceLayout(1, lo3)  # [HALF, G]
+    dd = gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, lo3)))
+    kk = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, lo3)))
+    bv_ptr = (BV + gl.maximum(adapter, 0) * stride_bva + kk[None, :] * stride_bvk
+              + head * HEAD_DIM + dd[:, None])
+    res = gl.expand_dims(gl.convert_layout(_evens(acc_r), gl.SliceLayout(0, lo3)), 0)
+    ok = has_res & (n_tiles > 0)
+    bv_lo = gl.load(bv_ptr, mask=ok, other=0.0).to(gl.float32)
+    bv_hi = gl.load(bv_ptr + HALF, mask=ok, other=0.0).to(gl.float32)
+    l_safe = gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), gl.SliceLayout(0, lo2))
+    o_lo = (gl.convert_layout(_evens(acc_lo), lo2) + gl.sum(gl.expand_dims(bv_lo, 2) * res, 1))
+    o_hi = (gl.convert_layout(_evens(acc_hi), lo2) + gl.sum(gl.expand_dims(bv_hi, 2) * res, 1))
+    o_lo = o_lo / gl.expand_dims(l_safe, 0)
+    o_hi = o_hi / gl.expand_dims(l_safe, 0)
+    od = gl.arange(0, HALF, layout=gl.SliceLayout(1, lo2))
+    og = gl.arange(0, G, layout=gl.SliceLayout(0, lo2))
+    heads = head * G + og
+    if DIRECT:
+        o_ptr = Out + row * stride_ob + heads[None, :] * stride_oh + od[:, None]
+        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty))
+        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty))
+    else:
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        lg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R, num_warps))))
+        gl.store(PartLse + row * stride_lb + (head * G + lg) * stride_lh + split, lse)
+        if n_tiles > 0:
+            p_ptr = (PartOut + row * stride_pb + heads[None, :] * stride_ph + split * stride_ps
+                     + od[:, None])
+            gl.store(p_ptr, o_lo)
+            gl.store(p_ptr + HALF, o_hi)
+
+
+def descriptors(k_base, v_base, k_res, v_res, table16):
+    """TMA descriptors: one page's half head of K/V ``[P, D/2]`` over ``[pages * P, n_kv * D]``,
+    one page of residual rows ``[P, r]``, a tile's cos or sin rows ``[TILE, D/2]``."""
+    pages, page, n_kv, head_dim = k_base.shape
+    half = head_dim // 2
+    kv_layout = gl.NVMMASharedLayout.get_default_for([page, half], gl.bfloat16)
+    res_layout = gl.NVMMASharedLayout.get_default_for([page, k_res.shape[2]], gl.bfloat16)
+    cs_layout = gl.NVMMASharedLayout.get_default_for([TILE, half], gl.bfloat16)
+
+    def desc(t, block, layout):
+        flat = t.view(-1, t.shape[-1] if t.dim() == 3 else t.shape[2] * t.shape[3])
+        return TensorDescriptor.from_tensor(flat, block, layout)
+
+    return (desc(k_base, [page, half], kv_layout), desc(v_base, [page, half], kv_layout),
+            desc(k_res, [page, k_res.shape[2]], res_layout),
+            desc(v_res, [page, k_res.shape[2]], res_layout),
+            TensorDescriptor.from_tensor(table16, [TILE, half], cs_layout))
+
+
+def fold(q: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor, n_kv: int,
+         scale_log2e: float) -> torch.Tensor:
+    """``Fc, Fs`` of every row and KV head (residual_score_qfold.py's algebra), bf16
+    ``[batch * n_kv, 2, G * r, D/2]``: column ``(g, k)`` folds query ``g`` into ``B_k`` row
+    ``k``; scaled into the log2 domain."""
+    batch, n_heads, head_dim = q.shape
+    g, half, rank = n_heads // n_kv, head_dim // 2, b_k_all.shape[1]
+    qs = (q.float() * scale_log2e).view(batch, n_kv, g, 2, half)
+    bk = b_k_all[adapter_idx.long().clamp(min=0)].float().view(batch, rank, n_kv, 2, half)
+    bk = bk.permute(0, 2, 1, 3, 4)  # [batch, n_kv, r, 2, half]
+    q_lo, q_hi = qs[:, :, :, None, 0], qs[:, :, :, None, 1]  # [batch, n_kv, g, 1, half]
+    b_lo, b_hi = bk[:, :, None, :, 0], bk[:, :, None, :, 1]  # [batch, n_kv, 1, r, half]
+    fc = q_lo * b_lo + q_hi * b_hi
+    fs = q_hi * b_lo - q_lo * b_hi
+    return torch.stack((fc, fs), dim=2).reshape(batch * n_kv, 2, g * rank, half).to(q.dtype)
+
+
+def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                       k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                       res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                       inv_freq: torch.Tensor, scale: float | None = None,
+                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
+    """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
+    docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
+    ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
+    the split plan; graph-safe)."""
+    if not supports(q, k_base, k_res):
+        raise ValueError("residual_decode_ws: 16-key pages, head_dim 128, a GQA group of 4, "
+                         "rank 16, bf16 on sm_90+")
+    batch, n_heads, head_dim = q.shape
+    n_kv = k_base.shape[2]
+    g, rank = n_heads // n_kv, k_res.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    bound = max(max_seq_len, 1)
+    table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
+    f = fold(q, b_k_all, adapter_idx, n_kv, scale * LOG2E)
+    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
+    splits = dynamic_splits(batch * n_kv, bound, sm_count(q.device), TILE, num_splits,
+                            programs_per_sm=PROGRAMS_PER_SM)
+    out = torch.empty_like(q)
+    part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
+    direct = splits == 1
+    _residual_decode_ws_kernel[(batch * n_kv, splits)](
+        kd, vd, krd, vrd, csd, q, f, b_v_all, adapter_idx, block_tables, res_block_tables,
+        seq_lens, out, part_out, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
+        b_v_all.stride(0), b_v_all.stride(1), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES, DIRECT=direct,
+        num_warps=4)
+    if direct:
+        return out
+    return merge_partials(part_out, part_lse, out, splits)

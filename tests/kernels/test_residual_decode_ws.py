@@ -1,0 +1,110 @@
+"""The warp-specialized ResidualAttention decode (residual_decode_gluon.py, ``variant="ws"``).
+
+Gluon has no interpreter: without a GPU the kernel is compiled for sm_90a (both outputs:
+partials and the direct one) and assembled by ptxas; on CUDA it is checked against the plain
+formulas (plain_oracle.py) and under a CUDA graph."""
+from __future__ import annotations
+
+import plain_oracle as plain
+import pytest
+import torch
+from kernel_testlib import DEVICE, REL_TOL, make_adapters, make_cache, rel_err
+from test_sm90_compile import assemble_sm90a
+
+from forkserve.kernels import residual_decode
+from forkserve.kernels.rope import default_inv_freq
+
+HEAD_DIM, RANK = 128, 16
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_ws_kernel_builds_for_sm90(direct: bool) -> None:
+    """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
+    cut, fits one program's shared memory (227 KiB) and spills nothing."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from forkserve.kernels import residual_decode_gluon as ws
+
+    n_kv = 8
+    k = torch.empty(64, 16, n_kv, HEAD_DIM, dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, RANK, dtype=torch.bfloat16)
+    table = torch.empty(4096, HEAD_DIM, dtype=torch.bfloat16)
+    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
+                                                            torch.float32))
+    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
+                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
+    values |= dict(Q=ptr, F=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
+                   SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
+    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
+                  DIRECT=direct, num_warps=4)
+    kernel = ws._residual_decode_ws_kernel
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
+           for n in names}
+    src = GluonASTSource(fn=kernel, signature=sig,
+                         constexprs={(names.index(n),): v for n, v in consts.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = built.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "setmaxnreg.dec" in ptx  # the loader partition gives its registers back
+    assert built.metadata.shared <= 227 * 1024
+    assert assemble_sm90a(ptx) == 0
+
+
+def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    c = make_cache(gen, seq_lens, n_kv, HEAD_DIM, rank=RANK)
+    b_k, b_v = make_adapters(gen, 3, RANK, n_kv, HEAD_DIM, scale=0.2)
+    b_k[1, 8:] = 0  # adapter 1 has rank 8 < 16: its padding rows are zero (the contract)
+    b_v[1, 8:] = 0
+    adapters = torch.tensor([(0, 2, -1, 1)[i % 4] for i in range(len(seq_lens))],
+                            dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 4 * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            b_k, b_v, adapters, default_inv_freq(HEAD_DIM, device=DEVICE))
+    return args, c
+
+
+cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_90+ only")
+
+
+@cuda_only
+@pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None) -> None:
+    """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
+    adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
+    directly) and three (empty splits at the short rows)."""
+    args, c = _inputs(len(seq_lens), seq_lens)
+    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits)
+    q, adapters = args[0], args[10]
+    ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
+                       (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
+                        args[11]))
+    assert rel_err(out, ref) < REL_TOL
+    base_only = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens)
+    with_adapter = adapters >= 0
+    assert rel_err(base_only[with_adapter], ref[with_adapter]) > 20 * REL_TOL
+    assert rel_err(out[~with_adapter], base_only[~with_adapter]) < REL_TOL
+
+
+@cuda_only
+def test_ws_under_a_cuda_graph() -> None:
+    args, _ = _inputs(5, [300, 1000, 17])
+    bound = {"max_seq_len": 1024}
+    eager = residual_decode(*args, use_triton=True, variant="ws", **bound)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = residual_decode(*args, use_triton=True, variant="ws", **bound)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
+def test_ws_refuses_other_shapes() -> None:
+    args, _ = _inputs(1, [40], n_kv=2)
+    with pytest.raises(ValueError, match="residual_decode_ws"):
+        from forkserve.kernels.residual_decode_gluon import residual_decode_ws
+        residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
