@@ -184,6 +184,8 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
             a_op = vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2))
             b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
             acc_r = mma_v2(a_op, b_op, acc_r)
+        # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+        fence_async_shared()
         mbarrier.arrive(empty.index(s))
     return m_i, l_i, acc_lo, acc_hi, acc_r
 
