@@ -109,6 +109,15 @@ def rank_layout(rank, num_warps):
 
 
 @gluon.jit
+def _zero_rows_from(buf, first, num_warps: gl.constexpr):
+    """Rows ``first..`` of the shared-memory tile ``buf`` set to zero."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
+    x = buf.load(layout)
+    buf.store(gl.where(gl.expand_dims(rows < first, 1), x, gl.zeros_like(x)))
+
+
+@gluon.jit
 def _interleave(x, zero):
     """``[T, G]`` -> ``[T, 2G]`` with ``x[:, g]`` at column ``2 g`` and ``zero`` between."""
     return gl.reshape(gl.join(x, zero), [x.shape[0], 2 * x.shape[1]])
@@ -151,6 +160,14 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
     for i in range(n_tiles):
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
+        if start + (i + 1) * T > stop:
+            # The split's last tile runs past its keys: their V rows (stale or never written
+            # page slots) would reach the value products as 0 * NaN, so they are zeroed.
+            _zero_rows_from(v_lo.index(s), stop - start - i * T, num_warps)
+            _zero_rows_from(v_hi.index(s), stop - start - i * T, num_warps)
+            if has_res:
+                _zero_rows_from(vr.index(s), stop - start - i * T, num_warps)
+            fence_async_shared()
         sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
                            gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False)
         sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb)
