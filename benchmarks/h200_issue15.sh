@@ -561,8 +561,8 @@ PY
   # the default at every point of rows 1-2 (only if the tests pass: a hang stops at 90 s).
   export TRITON_CACHE_DIR=/root/tc20
   FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round20_ws.log" | tail -15
-  if grep -q " passed" "$OUT/pytest_cuda_round20_ws.log" && ! grep -q "failed\|error" "$OUT/pytest_cuda_round20_ws.log"; then
+    -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round20_ws.log" | tail -15
+  if [ "${PIPESTATUS[0]}" = 0 ]; then
     variants 300 decode_round20_ws two_pass_default ws
   fi
   ;;
