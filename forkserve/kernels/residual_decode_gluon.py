@@ -51,6 +51,10 @@ TILE = 64  # keys per slot: the wgmma M of the score products
 GP = 8  # the GQA group padded to the wgmma's narrowest N
 STAGES = 3
 PROGRAMS_PER_SM = 1  # ~150 KiB of slots: one program per SM
+CONSUMERS = 2  # warp groups taking alternate tiles
+# The registers each thread starts with: with the loader's warp group cut to 40, the consumer
+# groups share the rest of the 64 K (12 warps at 168: each consumer at 232).
+MAXNREG = {1: 256, 2: 168}
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -61,11 +65,34 @@ def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool
             and torch.cuda.get_device_capability(q.device)[0] >= 9)
 
 
+@gluon.constexpr_function
+def rank_layout(rank, num_warps):
+    """``[T, G, R]``: the rank contraction inside each thread."""
+    return gl.BlockedLayout([1, 1, rank], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def wgmma_layout(n, num_warps):
+    """The accumulator of a keys-as-M (or head-dim-as-M) wgmma ``[64, n]``."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def mma2_layout(num_warps):
+    """The accumulator of the ``V_res^T p`` product (``[r, 2G]``, mma_v2)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, 8])
+
+
 @gluon.jit
-def _loader(kd, vd, krd, vrd, csd, bars, bufs, bt_row, rbt_row, kv_col, start, seq_len,
-            n_tiles, has_res):
+def _loader(args):
+    """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
+    descs, bars, bufs, _, _, scalars = args
+    kd, vd, krd, vrd, csd = descs
     ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
+    bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
     HALF: gl.constexpr = k_lo.type.shape[2]
     T: gl.constexpr = k_lo.type.shape[1]
     NS: gl.constexpr = k_lo.type.shape[0]
@@ -102,16 +129,10 @@ def _loader(kd, vd, krd, vrd, csd, bars, bufs, bt_row, rbt_row, kv_col, start, s
             tma.async_copy_global_to_shared(csd, [n0, HALF], bar, cs_s.index(s))
 
 
-@gluon.constexpr_function
-def rank_layout(rank, num_warps):
-    """``[T, G, R]``: the rank contraction inside each thread."""
-    return gl.BlockedLayout([1, 1, rank], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])
-
-
 @gluon.jit
-def _zero_rows_from(buf, first, num_warps: gl.constexpr):
+def _zero_rows_from(buf, first):
     """Rows ``first..`` of the shared-memory tile ``buf`` set to zero."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
     x = buf.load(layout)
     buf.store(gl.where(gl.expand_dims(rows < first, 1), x, gl.zeros_like(x)))
@@ -131,20 +152,33 @@ def _evens(x):
 
 
 @gluon.jit
-def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
-             T: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HALF: gl.constexpr,
-             num_warps: gl.constexpr):
+def _columns(a, layout: gl.constexpr):
+    """A ``[G]`` factor as a ``[1, 2G]`` row of an interleaved accumulator in ``layout``."""
+    a2 = gl.reshape(gl.join(a, a), [2 * a.shape[0]])
+    return gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, layout)), 0)
+
+
+@gluon.jit
+def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """One consumer warp group: tiles ``FIRST, FIRST + STEP, ..`` of the program's keys.
+    Returns its online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
+    2G]`` (``V^T p``, interleaved columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
+    _, bars, bufs, ops, _, scalars = args
     ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
+    q_lo, q_hi, fc, fs, _, _ = ops
+    _, _, _, start, stop, _, n_tiles, has_res = scalars
     NS: gl.constexpr = k_lo.type.shape[0]
+    T: gl.constexpr = k_lo.type.shape[1]
+    HALF: gl.constexpr = k_lo.type.shape[2]
+    R: gl.constexpr = kr.type.shape[2]
+    G: gl.constexpr = fc.type.shape[0] // R
     GP2: gl.constexpr = 2 * G
-    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, GP2, 16])
-    p_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, G * R, 16])
-    r_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, 8])
-    l3: gl.constexpr = rank_layout(R, num_warps)
+    nw: gl.constexpr = gl.num_warps()
+    s_mma: gl.constexpr = wgmma_layout(GP2, nw)
+    p_mma: gl.constexpr = wgmma_layout(G * R, nw)
+    r_mma: gl.constexpr = mma2_layout(nw)
+    l3: gl.constexpr = rank_layout(R, nw)
     lp: gl.constexpr = gl.SliceLayout(2, l3)  # [T, G]: scores, probabilities
     col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
 
@@ -155,18 +189,16 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
     acc_r = gl.zeros([R, GP2], gl.float32, r_mma)
     zeros_tg = gl.full([T, G], 0.0, gl.float32, lp)
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T],
-                                       gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16))
-    for i in range(n_tiles):
+    for i in range(FIRST, n_tiles, STEP):
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
         if start + (i + 1) * T > stop:
             # The split's last tile runs past its keys: their V rows (stale or never written
             # page slots) would reach the value products as 0 * NaN, so they are zeroed.
-            _zero_rows_from(v_lo.index(s), stop - start - i * T, num_warps)
-            _zero_rows_from(v_hi.index(s), stop - start - i * T, num_warps)
+            _zero_rows_from(v_lo.index(s), stop - start - i * T)
+            _zero_rows_from(v_hi.index(s), stop - start - i * T)
             if has_res:
-                _zero_rows_from(vr.index(s), stop - start - i * T, num_warps)
+                _zero_rows_from(vr.index(s), stop - start - i * T)
             fence_async_shared()
         sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
                            gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False)
@@ -177,7 +209,7 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
                               gl.zeros([T, G * R], gl.float32, p_mma), use_acc=False)
             w = warpgroup_mma(cs_s.index(s), fs.permute((1, 0)), w)
             # Each thread takes one (key, g)'s R columns: the contraction stays in-thread.
-            w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [num_warps, 1], [1, 0]))
+            w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [nw, 1], [1, 0]))
             w3 = gl.convert_layout(gl.reshape(w2, [T, G, R]), l3)
             k_rows = kr.index(s).load(gl.SliceLayout(1, l3)).to(gl.float32)
             score = score + gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
@@ -188,10 +220,9 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
         p = gl.exp2(score - gl.expand_dims(m_new, 0))
         l_i = l_i * alpha + gl.sum(p, axis=0)
         m_i = m_new
-        a2 = gl.reshape(gl.join(alpha, alpha), [GP2])
-        acc_lo = acc_lo * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, s_mma)), 0)
-        acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, s_mma)), 0)
-        acc_r = acc_r * gl.expand_dims(gl.convert_layout(a2, gl.SliceLayout(0, r_mma)), 0)
+        acc_lo = acc_lo * _columns(alpha, s_mma)
+        acc_hi = acc_hi * _columns(alpha, s_mma)
+        acc_r = acc_r * _columns(alpha, r_mma)
         p2 = _interleave(p, zeros_tg).to(gl.bfloat16)  # [T, 2G]
         p_smem.store(gl.permute(p2, (1, 0)))
         fence_async_shared()
@@ -208,14 +239,51 @@ def _compute(bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
 
 
 @gluon.jit
+def _first_consumer(args, CONSUMERS: gl.constexpr):
+    return _consume(args, args[3][4], 0, CONSUMERS)
+
+
+@gluon.jit
+def _second_consumer(args):
+    """The odd tiles; its state handed over in shared memory (a worker returns nothing)."""
+    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2)
+    h_m, h_l, h_lo, h_hi, h_r = args[4]
+    h_m.store(m_i)
+    h_l.store(l_i)
+    h_lo.store(acc_lo)
+    h_hi.store(acc_hi)
+    h_r.store(acc_r)
+
+
+@gluon.jit
+def _merge_consumers(state, handoff, G: gl.constexpr, R: gl.constexpr):
+    """The first consumer's state merged with the second's (log-sum-exp of two splits)."""
+    m0, l0, lo0, hi0, r0 = state
+    h_m, h_l, h_lo, h_hi, h_r = handoff
+    nw: gl.constexpr = gl.num_warps()
+    s_mma: gl.constexpr = wgmma_layout(2 * G, nw)
+    r_mma: gl.constexpr = mma2_layout(nw)
+    col: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R, nw)))
+    m1 = h_m.load(col)
+    l1 = h_l.load(col)
+    m = gl.maximum(m0, m1)
+    a0 = gl.where(m0 == float("-inf"), 0.0, gl.exp2(m0 - m))
+    a1 = gl.where(m1 == float("-inf"), 0.0, gl.exp2(m1 - m))
+    return (m, l0 * a0 + l1 * a1,
+            lo0 * _columns(a0, s_mma) + h_lo.load(s_mma) * _columns(a1, s_mma),
+            hi0 * _columns(a0, s_mma) + h_hi.load(s_mma) * _columns(a1, s_mma),
+            r0 * _columns(a0, r_mma) + h_r.load(r_mma) * _columns(a1, r_mma))
+
+
+@gluon.jit
 def _residual_decode_ws_kernel(
-        kd, vd, krd, vrd, csd, Q, F, BV, Adapter, BlockTables, ResTables, SeqLens,
+        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens,
         Out, PartOut, PartLse, scale_log2e,
-        stride_qb, stride_qh, stride_bt, stride_rbt, stride_bva, stride_bvk,
+        stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, CONSUMERS: gl.constexpr,
+        DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -231,8 +299,8 @@ def _residual_decode_ws_kernel(
     adapter = gl.load(Adapter + row)
     has_res = adapter >= 0
 
-    # The queries, interleaved with zero rows to 2G (the N of the score wgmma), and the
-    # folded matrices, in shared memory for the whole loop.
+    # The queries, interleaved with zero rows to 2G (the N of the score wgmma), in the
+    # log2 domain, and the folded matrices (residual_score_qfold.py), for the whole loop.
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     qr = gl.arange(0, GP2, layout=gl.SliceLayout(1, lq))
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
@@ -245,14 +313,26 @@ def _residual_decode_ws_kernel(
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
+    # Fc[(g, k), i] = q_lo[g, i] B_lo[k, i] + q_hi[g, i] B_hi[k, i]; Fs the rotated pair.
+    lf: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [num_warps, 1, 1], [2, 1, 0])
+    g3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, lf))), 1), 2)
+    k3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, lf))), 0), 2)
+    i3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, lf))), 0), 1)
+    f_ok = has_res & (n_tiles > 0)
+    fq = Q + row * stride_qb + (head * G + g3) * stride_qh + i3
+    fq_lo = gl.load(fq, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
+    fq_hi = gl.load(fq + HALF, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
+    fb = BK + gl.maximum(adapter, 0) * stride_ba + k3 * stride_bk + head * HEAD_DIM + i3
+    fb_lo = gl.load(fb, mask=f_ok, other=0.0).to(gl.float32)
+    fb_hi = gl.load(fb + HALF, mask=f_ok, other=0.0).to(gl.float32)
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G * R, HALF], gl.bfloat16)
     fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
-    fr = gl.arange(0, G * R, layout=gl.SliceLayout(1, lq))
-    f_ptr = F + (pid * 2 * G * R + fr)[:, None] * HALF + d[None, :]
-    f_ok = has_res & (n_tiles > 0)
-    fc.store(gl.load(f_ptr, mask=f_ok, other=0.0))
-    fs.store(gl.load(f_ptr + G * R * HALF, mask=f_ok, other=0.0))
+    fc.store(gl.reshape(fq_lo * fb_lo + fq_hi * fb_hi, [G * R, HALF]).to(gl.bfloat16))
+    fs.store(gl.reshape(fq_hi * fb_lo - fq_lo * fb_hi, [G * R, HALF]).to(gl.bfloat16))
 
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -267,28 +347,40 @@ def _residual_decode_ws_kernel(
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
+    p_first = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
+    p_second = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    handoff = (gl.allocate_shared_memory(gl.float32, [G], flat1),
+               gl.allocate_shared_memory(gl.float32, [G], flat1),
+               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
+               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
+               gl.allocate_shared_memory(gl.float32, [R, GP2], flat))
     fence_async_shared()
-    bars = (ready, empty)
-    bufs = (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s)
-    m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize([
-        (_compute, (bars, bufs, q_lo, q_hi, fc, fs, stop, start, n_tiles, has_res,
-                    T, G, R, HALF, num_warps)),
-        (_loader, (kd, vd, krd, vrd, csd, bars, bufs, BlockTables + row * stride_bt,
-                   ResTables + row * stride_rbt, head * HEAD_DIM, start, seq_len, n_tiles,
-                   has_res)),
-    ], [1], [40])
+    args = ((kd, vd, krd, vrd, csd), (ready, empty),
+            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_first, p_second),
+            handoff, (BlockTables + row * stride_bt, ResTables + row * stride_rbt,
+                      head * HEAD_DIM, start, stop, seq_len, n_tiles, has_res))
+    if CONSUMERS == 2:
+        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS)),
+                                    (_second_consumer, (args, )), (_loader, (args, ))],
+                                   [4, 1], [232, 40])
+        m_i, l_i, acc_lo, acc_hi, acc_r = _merge_consumers(state, handoff, G, R)
+    else:
+        m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
+            [(_first_consumer, (args, CONSUMERS)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
     lo2: gl.constexpr = gl.SliceLayout(1, lo3)  # [HALF, G]
     dd = gl.arange(0, HALF, layout=gl.SliceLayout(1, gl.SliceLayout(2, lo3)))
     kk = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, lo3)))
-    bv_ptr = (BV + gl.maximum(adapter, 0) * stride_bva + kk[None, :] * stride_bvk
+    bv_ptr = (BV + gl.maximum(adapter, 0) * stride_ba + kk[None, :] * stride_bk
               + head * HEAD_DIM + dd[:, None])
     res = gl.expand_dims(gl.convert_layout(_evens(acc_r), gl.SliceLayout(0, lo3)), 0)
-    ok = has_res & (n_tiles > 0)
-    bv_lo = gl.load(bv_ptr, mask=ok, other=0.0).to(gl.float32)
-    bv_hi = gl.load(bv_ptr + HALF, mask=ok, other=0.0).to(gl.float32)
+    bv_lo = gl.load(bv_ptr, mask=f_ok, other=0.0).to(gl.float32)
+    bv_hi = gl.load(bv_ptr + HALF, mask=f_ok, other=0.0).to(gl.float32)
     l_safe = gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), gl.SliceLayout(0, lo2))
     o_lo = (gl.convert_layout(_evens(acc_lo), lo2) + gl.sum(gl.expand_dims(bv_lo, 2) * res, 1))
     o_hi = (gl.convert_layout(_evens(acc_hi), lo2) + gl.sum(gl.expand_dims(bv_hi, 2) * res, 1))
@@ -303,7 +395,8 @@ def _residual_decode_ws_kernel(
         gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty))
     else:
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        lg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R, num_warps))))
+        lg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R,
+                                                                                   num_warps))))
         gl.store(PartLse + row * stride_lb + (head * G + lg) * stride_lh + split, lse)
         if n_tiles > 0:
             p_ptr = (PartOut + row * stride_pb + heads[None, :] * stride_ph + split * stride_ps
@@ -331,29 +424,13 @@ def descriptors(k_base, v_base, k_res, v_res, table16):
             TensorDescriptor.from_tensor(table16, [TILE, half], cs_layout))
 
 
-def fold(q: torch.Tensor, b_k_all: torch.Tensor, adapter_idx: torch.Tensor, n_kv: int,
-         scale_log2e: float) -> torch.Tensor:
-    """``Fc, Fs`` of every row and KV head (residual_score_qfold.py's algebra), bf16
-    ``[batch * n_kv, 2, G * r, D/2]``: column ``(g, k)`` folds query ``g`` into ``B_k`` row
-    ``k``; scaled into the log2 domain."""
-    batch, n_heads, head_dim = q.shape
-    g, half, rank = n_heads // n_kv, head_dim // 2, b_k_all.shape[1]
-    qs = (q.float() * scale_log2e).view(batch, n_kv, g, 2, half)
-    bk = b_k_all[adapter_idx.long().clamp(min=0)].float().view(batch, rank, n_kv, 2, half)
-    bk = bk.permute(0, 2, 1, 3, 4)  # [batch, n_kv, r, 2, half]
-    q_lo, q_hi = qs[:, :, :, None, 0], qs[:, :, :, None, 1]  # [batch, n_kv, g, 1, half]
-    b_lo, b_hi = bk[:, :, None, :, 0], bk[:, :, None, :, 1]  # [batch, n_kv, 1, r, half]
-    fc = q_lo * b_lo + q_hi * b_hi
-    fs = q_hi * b_lo - q_lo * b_hi
-    return torch.stack((fc, fs), dim=2).reshape(batch * n_kv, 2, g * rank, half).to(q.dtype)
-
-
 def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
                        k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
-                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
+                       max_seq_len: int = 0, num_splits: int | None = None,
+                       consumers: int = CONSUMERS) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -361,13 +438,14 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
     if not supports(q, k_base, k_res):
         raise ValueError("residual_decode_ws: 16-key pages, head_dim 128, a GQA group of 4, "
                          "rank 16, bf16 on sm_90+")
+    if b_k_all.stride() != b_v_all.stride():
+        raise ValueError("residual_decode_ws: B_k and B_v stacked alike (one pair of strides)")
     batch, n_heads, head_dim = q.shape
     n_kv = k_base.shape[2]
     g, rank = n_heads // n_kv, k_res.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     bound = max(max_seq_len, 1)
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
-    f = fold(q, b_k_all, adapter_idx, n_kv, scale * LOG2E)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
     splits = dynamic_splits(batch * n_kv, bound, sm_count(q.device), TILE, num_splits,
                             programs_per_sm=PROGRAMS_PER_SM)
@@ -375,14 +453,14 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
     part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
     direct = splits == 1
     _residual_decode_ws_kernel[(batch * n_kv, splits)](
-        kd, vd, krd, vrd, csd, q, f, b_v_all, adapter_idx, block_tables, res_block_tables,
+        kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables, res_block_tables,
         seq_lens, out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
         b_v_all.stride(0), b_v_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES, DIRECT=direct,
-        num_warps=4)
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
+        CONSUMERS=consumers, DIRECT=direct, num_warps=4, maxnreg=MAXNREG[consumers])
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)
