@@ -563,7 +563,7 @@ PY
   FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
     -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round20_ws.log" | tail -15
   if [ "${PIPESTATUS[0]}" = 0 ]; then
-    variants 300 "decode_round20_ws${2:-}" two_pass_default ws ws_c1
+    variants 230 "decode_round20_ws${2:-}" two_pass_default ws
   fi
   ;;
 suite)

@@ -1433,7 +1433,7 @@ VARIANTS: dict[str, dict] = {
     # Round 20: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
     # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
-    "ws_c1": dict(variant="ws", consumers=1),
+    "ws_c2": dict(variant="ws", consumers=2),
 }
 
 
