@@ -138,10 +138,11 @@ def _finite(x: Any) -> bool:
 
 # ---------------------------------------------------------------- kernel_bench
 
-# The variant residual_decode_triton runs by default (kernel_bench's name for it): where a
-# row has it, its ratio is the point's, not the best of the variants beside it (some were
-# tried and reverted, and the best of several noisy readings is biased low).
-DEFAULT_DECODE_VARIANT = "two_pass_default"
+# The variant a decode call runs by default (kernel_bench's names for it, newest first: since
+# round 20 "default", the policy's pick; before it "two_pass_default"): where a row has it,
+# its ratio is the point's, not the best of the variants beside it (some were tried and
+# reverted, and the best of several noisy readings is biased low).
+DEFAULT_DECODE_VARIANTS = ("default", "two_pass_default")
 
 
 def _decode_points(doc: Doc) -> list[tuple[int, int, str, float]]:
@@ -153,8 +154,8 @@ def _decode_points(doc: Doc) -> list[tuple[int, int, str, float]]:
         ratios = {k.removesuffix("_ratio"): v for k, v in r.items()
                   if k.endswith("_ratio") and _finite(v)}
         if ratios:
-            best = (DEFAULT_DECODE_VARIANT if DEFAULT_DECODE_VARIANT in ratios
-                    else min(ratios, key=ratios.get))
+            best = next((v for v in DEFAULT_DECODE_VARIANTS if v in ratios),
+                        min(ratios, key=ratios.get))
             points.append((int(_num(doc, r, "ctx")), int(_num(doc, r, "batch")), best,
                            ratios[best]))
     for r in _list(doc, "decode"):

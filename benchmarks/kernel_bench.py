@@ -1433,6 +1433,8 @@ VARIANTS: dict[str, dict] = {
     # Round 20: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
     # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
+    # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY: ws up to 16 rows).
+    "default": dict(),
     "ws_c2": dict(variant="ws", consumers=2),
 }
 

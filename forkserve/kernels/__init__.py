@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from forkserve.kernels import reference
+from forkserve.kernels.decode_policy import DEFAULT_DECODE_POLICY
 from forkserve.kernels.flash_op import FlashSupport, flash_support
 from forkserve.kernels.prefill_policy import (
     PACKED_ROUTES,
@@ -120,11 +121,15 @@ def residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
                     b_v_all: torch.Tensor, adapter_idx: torch.Tensor, inv_freq: torch.Tensor,
                     scale: float | None = None, *, use_triton: bool | None = None,
                     **tuning) -> torch.Tensor:
-    """ResidualAttention decode over the disaggregated cache."""
+    """ResidualAttention decode over the disaggregated cache. A call naming no variant nor
+    any option of one (the engine's: a host bound and a split count at most) runs the
+    variant ``DEFAULT_DECODE_POLICY`` picks."""
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             b_k_all, b_v_all, adapter_idx, inv_freq, scale)
     if _triton(use_triton, q):
         from forkserve.kernels.residual_decode_triton import residual_decode_triton
+        if set(tuning) <= {"max_seq_len", "num_splits"}:
+            tuning["variant"] = DEFAULT_DECODE_POLICY.variant(q, k_base, k_res)
         return residual_decode_triton(*args, **tuning)
     return reference.residual_decode_ref(*args)
 

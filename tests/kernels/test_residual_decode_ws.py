@@ -128,6 +128,27 @@ def test_ws_under_a_cuda_graph() -> None:
     assert torch.equal(captured, eager)
 
 
+def test_the_default_variant_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call naming no variant nor any option of one (the engine's) runs the policy's pick:
+    ws up to 16 rows where its kernel takes the shapes, two-pass past that or where it does
+    not; a call with an option of its own keeps two-pass's default."""
+    from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
+    from forkserve.kernels import residual_decode_triton as rdt
+
+    args, _ = _inputs(1, [40] * 17)
+    assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == (
+        "ws" if DEVICE.type == "cuda" and len(args[0]) <= 16 else "two_pass")
+    monkeypatch.setattr(residual_decode_gluon, "supports", lambda *a: True)
+    assert DEFAULT_DECODE_POLICY.variant(args[0][:16], args[1], args[3]) == "ws"
+    assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "two_pass"
+    seen = []
+    monkeypatch.setattr(rdt, "residual_decode_triton", lambda *a, **k: seen.append(k))
+    short = (args[0][:2], *args[1:])
+    residual_decode(*short, use_triton=True, max_seq_len=64)
+    residual_decode(*short, use_triton=True, pdl=False)
+    assert seen == [{"max_seq_len": 64, "variant": "ws"}, {"pdl": False}]
+
+
 def test_ws_refuses_other_shapes() -> None:
     args, _ = _inputs(1, [40], n_kv=2)
     with pytest.raises(ValueError, match="residual_decode_ws"):
