@@ -1534,7 +1534,7 @@ def split_part_bytes(s: Setup, keywords: dict, agents: int, prefix: int,
     tiles, pre_splits = grids["prefix"][0], grids["prefix"][2]
     splits = pre_splits + grids["suffix"][2]
     part = rows * (s.head_dim + 1) * 4  # one split slot: a float32 output row and its lse
-    if keywords["variant"] == "msc":
+    if keywords.get("variant") == "msc":
         score = rows * (keywords.get("score_tuning") or {}).get("dtype", torch.float32).itemsize
         return {
             "pass1": (tiles * prefix + agents * suffix) * kv + agents * keys * res + keys * score,
@@ -1830,21 +1830,21 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
                 kw, fn = VARIANTS[name], calls[name]
                 row[name + "_ms"] = whole[name]
                 row[name + "_ratio"] = row[name + "_ms"] / row["unified_ms"]
-                if kw["variant"] in ("two_pass", "three_pass"):
+                if kw.get("variant") in ("two_pass", "three_pass"):
                     tuning = kw.get("score_tuning") or score_tuning_for(batch)
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} scores", lambda t=tuning: residual_scores(
                             q, s.k_res, rbt, lens, s.b_k, ad, table, s.n_kv, ctx, **t), s.smoke)
-                    if kw["variant"] == "two_pass" and kw.get("plan") == "static":
+                    if kw.get("variant") == "two_pass" and kw.get("plan") == "static":
                         time_pass2(s, res, row, f"{tag} {name}", name, kw,
                                    (q, bt, rbt, lens, ad, table, ctx), tuning)
-                elif kw["variant"] == "msc":  # pass 1 (K_base + K_res -> logits) alone
+                elif kw.get("variant") == "msc":  # pass 1 (K_base + K_res -> logits) alone
                     tuning = kw.get("score_tuning") or MSC_TUNING
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} logits", lambda t=tuning: residual_logits(
                             q, s.k, bt, s.k_res, rbt, lens, s.b_k, ad, table,
                             1.0 / math.sqrt(s.head_dim), ctx, **t), s.smoke)
-                elif kw["variant"] == "msc2s":  # pass 1 on its two streams, then each half
+                elif kw.get("variant") == "msc2s":  # pass 1 on its two streams, then each half
                     tuning = kw.get("score_tuning") or MSC2S_TUNING
                     row[name + "_scores_ms"] = measure(
                         res, f"{tag} {name} logits", lambda t=tuning: split_logits(
