@@ -57,6 +57,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forkserve import kernels  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import reference  # noqa: E402
 from forkserve.kernels.decode_attention import paged_decode_triton  # noqa: E402
@@ -1816,9 +1817,13 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
             q, ad = s.q(batch), s.adapters(batch)
             tag = f"variants ctx={ctx} batch={batch}"
             row: dict = {"ctx": ctx, "batch": batch}
-            calls = {name: (lambda kw=VARIANTS[name]: residual_decode_triton(
+            # A spec naming no variant goes through kernels.residual_decode, as the engine's
+            # calls do (its DEFAULT_DECODE_POLICY picks one).
+            calls = {name: (lambda kw=VARIANTS[name]: (
+                residual_decode_triton if "variant" in kw else kernels.residual_decode)(
                 q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
-                max_seq_len=ctx, **kw)) for name in names}
+                max_seq_len=ctx, **kw, **({} if "variant" in kw else {"use_triton": True})))
+                for name in names}
             # Whole calls interleaved with unified (round 15: timed one after another, the
             # first variant at 32K x 64 read 1.57x unified where it read 1.41x second).
             whole = measure_interleaved(res, tag, {"unified": lambda: paged_decode_triton(
