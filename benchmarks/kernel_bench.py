@@ -1436,6 +1436,7 @@ VARIANTS: dict[str, dict] = {
     "ws": dict(variant="ws"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY: ws up to 16 rows).
     "default": dict(),
+    "ws_c2": dict(variant="ws", consumers=2),
 }
 
 

@@ -51,6 +51,13 @@ TILE = 64  # keys per slot: the wgmma M of the score products
 GP = 8  # the GQA group padded to the wgmma's narrowest N
 STAGES = 3
 PROGRAMS_PER_SM = 1  # ~150 KiB of slots: one program per SM
+# Warp groups taking alternate tiles. Two hung or faulted in 3 of 7 H200 launches (round 20)
+# before the ``started`` barrier (``_first_consumer``); with it, not yet run on a GPU: one
+# is the default.
+CONSUMERS = 1
+# The registers each thread starts with: with the loader's warp group cut to 40, the consumer
+# groups share the rest of the 64 K (12 warps at 168: each consumer at 232).
+MAXNREG = {1: 256, 2: 168}
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -86,9 +93,9 @@ def mma2_layout(num_warps):
 @gluon.jit
 def _loader(args):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
-    descs, bars, bufs, _, scalars = args
+    descs, bars, bufs, _, _, scalars = args
     kd, vd, krd, vrd, csd = descs
-    ready, empty = bars
+    ready, empty, _ = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
     HALF: gl.constexpr = k_lo.type.shape[2]
@@ -157,14 +164,14 @@ def _columns(a, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(args):
-    """The consumer warp group (the default partition): every tile of the program's keys.
-    Returns the online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
+def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """One consumer warp group: tiles ``FIRST, FIRST + STEP, ..`` of the program's keys.
+    Returns its online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
     2G]`` (``V^T p``, interleaved columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
-    _, bars, bufs, ops, scalars = args
-    ready, empty = bars
+    _, bars, bufs, ops, _, scalars = args
+    ready, empty, _ = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
-    q_lo, q_hi, fc, fs, p_smem = ops
+    q_lo, q_hi, fc, fs, _, _ = ops
     _, _, _, start, stop, _, n_tiles, has_res = scalars
     NS: gl.constexpr = k_lo.type.shape[0]
     T: gl.constexpr = k_lo.type.shape[1]
@@ -187,7 +194,7 @@ def _consumer(args):
     acc_r = gl.zeros([R, GP2], gl.float32, r_mma)
     zeros_tg = gl.full([T, G], 0.0, gl.float32, lp)
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
-    for i in range(n_tiles):
+    for i in range(FIRST, n_tiles, STEP):
         s = i % NS
         mbarrier.wait(ready.index(s), (i // NS) & 1)
         if start + (i + 1) * T > stop:
@@ -237,14 +244,59 @@ def _consumer(args):
 
 
 @gluon.jit
+def _first_consumer(args, CONSUMERS: gl.constexpr):
+    if CONSUMERS == 2:
+        # A worker partition reads its arguments from a shared-memory buffer at its start,
+        # and the compiler gives this partition's layout-conversion scratch the same bytes
+        # (Triton 3.6; allocation.offset of both in the TTGIR after AllocateSharedMemoryNv).
+        # The loader has read its own before its first copy lands (this partition's first
+        # conversion waits for it); the second consumer says so by ``started``.
+        mbarrier.wait(args[1][2], 0)
+    return _consume(args, args[3][4], 0, CONSUMERS)
+
+
+@gluon.jit
+def _second_consumer(args):
+    """The odd tiles; its state handed over in shared memory (a worker returns nothing)."""
+    mbarrier.arrive(args[1][2])
+    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2)
+    h_m, h_l, h_lo, h_hi, h_r = args[4]
+    h_m.store(m_i)
+    h_l.store(l_i)
+    h_lo.store(acc_lo)
+    h_hi.store(acc_hi)
+    h_r.store(acc_r)
+
+
+@gluon.jit
+def _merge_consumers(state, handoff, G: gl.constexpr, R: gl.constexpr):
+    """The first consumer's state merged with the second's (log-sum-exp of two splits)."""
+    m0, l0, lo0, hi0, r0 = state
+    h_m, h_l, h_lo, h_hi, h_r = handoff
+    nw: gl.constexpr = gl.num_warps()
+    s_mma: gl.constexpr = wgmma_layout(2 * G, nw)
+    r_mma: gl.constexpr = mma2_layout(nw)
+    col: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R, nw)))
+    m1 = h_m.load(col)
+    l1 = h_l.load(col)
+    m = gl.maximum(m0, m1)
+    a0 = gl.where(m0 == float("-inf"), 0.0, gl.exp2(m0 - m))
+    a1 = gl.where(m1 == float("-inf"), 0.0, gl.exp2(m1 - m))
+    return (m, l0 * a0 + l1 * a1,
+            lo0 * _columns(a0, s_mma) + h_lo.load(s_mma) * _columns(a1, s_mma),
+            hi0 * _columns(a0, s_mma) + h_hi.load(s_mma) * _columns(a1, s_mma),
+            r0 * _columns(a0, r_mma) + h_r.load(r_mma) * _columns(a1, r_mma))
+
+
+@gluon.jit
 def _residual_decode_ws_kernel(
         kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens,
         Out, PartOut, PartLse, scale_log2e,
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, CONSUMERS: gl.constexpr,
+        DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -308,15 +360,34 @@ def _residual_decode_ws_kernel(
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    p_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [GP2, T], gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16))
+    if CONSUMERS == 2:
+        started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(started, count=1)
+    else:
+        started = ready  # read by no one: the one consumer's first conversion waits on ready
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
+    p_first = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
+    p_second = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    handoff = (gl.allocate_shared_memory(gl.float32, [G], flat1),
+               gl.allocate_shared_memory(gl.float32, [G], flat1),
+               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
+               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
+               gl.allocate_shared_memory(gl.float32, [R, GP2], flat))
     fence_async_shared()
-    args = ((kd, vd, krd, vrd, csd), (ready, empty),
-            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
-            (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
-             start, stop, seq_len, n_tiles, has_res))
-    m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consumer, (args, )), (_loader, (args, ))], [1], [40])
+    args = ((kd, vd, krd, vrd, csd), (ready, empty, started),
+            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_first, p_second),
+            handoff, (BlockTables + row * stride_bt, ResTables + row * stride_rbt,
+                      head * HEAD_DIM, start, stop, seq_len, n_tiles, has_res))
+    if CONSUMERS == 2:
+        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS)),
+                                    (_second_consumer, (args, )), (_loader, (args, ))],
+                                   [4, 1], [232, 40])
+        m_i, l_i, acc_lo, acc_hi, acc_r = _merge_consumers(state, handoff, G, R)
+    else:
+        m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
+            [(_first_consumer, (args, CONSUMERS)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -376,7 +447,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
-                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
+                       max_seq_len: int = 0, num_splits: int | None = None,
+                       consumers: int = CONSUMERS) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -406,7 +478,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        DIRECT=direct, num_warps=4)
+        CONSUMERS=consumers, DIRECT=direct, num_warps=4, maxnreg=MAXNREG[consumers])
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)
