@@ -34,7 +34,11 @@ def folder(tmp_path) -> Path:
         {"ctx": 2048, "batch": 8, "unified_ms": 1.0, "v1_ratio": 9.0},  # below 4K: left out
         # Where the default variant ran, its ratio is the point's, however far below another's.
         {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 1.0,
-         "two_pass_default_ratio": 1.2}]})
+         "two_pass_default_ratio": 1.2},
+        # Since round 20 "default" (the policy's pick) is the default's name, before
+        # two_pass_default: 1.25, not 1.1.
+        {"ctx": 8192, "batch": 1, "unified_ms": 1.0, "two_pass_default_ratio": 1.1,
+         "default_ratio": 1.25}]})
     write(tmp_path / "kernel_bench_b.json", {"commit": OLDER, "decode_variants": [
         {"ctx": 8192, "batch": 8, "unified_ms": 1.0, "v1_ratio": 1.1},
         {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 2.0}]})
@@ -69,7 +73,8 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     assert saved["1"]["value"] == pytest.approx(1.4) and saved["1"]["status"] == "missed"
     assert saved["1"]["source"] == "kernel_bench_a.json" and saved["1"]["commit"] == NEWER
     assert saved["1"]["ratio_to_goal"] == pytest.approx(1.4 / 1.15)
-    assert saved["2"]["value"] == pytest.approx(1.2) and saved["2"]["status"] == "met"
+    assert saved["2"]["value"] == pytest.approx(1.25) and saved["2"]["status"] == "met"
+    assert "(default)" in saved["2"]["detail"]
     assert saved["10c"]["value"] == pytest.approx(5.0) and saved["10c"]["status"] == "missed"
     for n in ("3", "4", "7", "10b", "10d"):  # no file holds them
         assert saved[n]["status"] == "not measured" and saved[n]["value"] is None
