@@ -566,6 +566,19 @@ PY
     variants 230 "decode_round20_ws${2:-}" two_pass_default ws
   fi
   ;;
+57)
+  # Round 21: two consumer warp groups with the started guard. The ws tests (their [2-*]
+  # cases) under a short timeout, then every launch of the probe in a process of its own
+  # (a hang costs its 30 s, not the call), then the bench only if every case finished.
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+    -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_ws2.log" | tail -4
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  timeout 300 python3 benchmarks/ws_launch_probe.py --out "$OUT" 2>&1 | tail -14
+  if python3 -c "import json,sys; c=json.load(open('$OUT/ws_launch_probe.json'))['cases']; sys.exit(any(x['status'] != 'ok' for x in c))"; then
+    variants 200 decode_round21_ws2 default ws ws_c2 two_pass_default
+  fi
+  ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and
