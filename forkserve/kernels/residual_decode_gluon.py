@@ -10,21 +10,23 @@ not). Here the roles are explicit (``gl.warp_specialize``):
   ``K_base, V_base`` halves for the program's KV head, the residual rows ``K_res, V_res`` and
   the tile's cos|sin rows from the bf16 RoPE table, into a ring of ``STAGES`` shared-memory
   slots, each with a ready and an empty mbarrier;
-* the **default partition** (one warp group) takes the slots in order: the base scores
-  ``K @ q^T`` and the folded residual scores ``cos @ Fc + sin @ Fs`` as wgmma with the keys
-  as M, the rank contraction with ``K_res``, the online softmax, ``V^T @ p`` by wgmma and
-  ``V_res^T @ p`` by mma_v2, then frees the slot.
+* the **consumer** (the default partition, one warp group) takes the slots in order: the
+  base scores ``K @ q^T`` and the folded residual scores ``cos @ Fc + sin @ Fs`` as wgmma
+  with the keys as M, the rank contraction with ``K_res``, the online softmax, ``V^T @ p`` by
+  wgmma and ``V_res^T @ p`` by mma_v2, then frees the slot. With ``consumers=2`` a second
+  warp group takes the odd tiles and hands its softmax state over in shared memory, merged
+  by log-sum-exp after the partitions join (an option, not yet run since its guard).
 
 So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
 padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
-zeros, ``split`` back). The folded matrices ``Fc, Fs`` (residual_score_qfold.py's algebra)
-are made by torch before the launch, per row and KV head, already scaled into the log2
-domain like the queries.
+zeros, ``split`` back). The program makes the folded matrices ``Fc, Fs``
+(residual_score_qfold.py's algebra) and the interleaved queries itself before the partitions
+fork, both scaled into the log2 domain; ``B_v`` is applied once after the loop.
 
 Grid ``(batch * n_kv, splits)``; a program's keys are its split of its own sequence
 (``DYN_SPLIT``, the dynamic plan), its output the partials ``merge_partials`` combines, or
 the output itself at one split. Shapes it takes (``supports``): 16-key pages, head_dim 128,
-a GQA group of 4, residual rank 16, bf16; the rest stay on two-pass.
+a GQA group of 4, residual rank 16, bf16, contiguous pools; the rest stay on two-pass.
 """
 from __future__ import annotations
 
@@ -48,9 +50,8 @@ from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_par
 LOG2E = 1.4426950408889634
 PAGE = 16
 TILE = 64  # keys per slot: the wgmma M of the score products
-GP = 8  # the GQA group padded to the wgmma's narrowest N
 STAGES = 3
-PROGRAMS_PER_SM = 1  # ~150 KiB of slots: one program per SM
+PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~179 KiB in all: one program per SM
 # Warp groups taking alternate tiles. Two hung or faulted in 3 of 7 H200 launches (round 20)
 # before the ``started`` barrier (``_first_consumer``); with it, not yet run on a GPU: one
 # is the default.
