@@ -1436,7 +1436,10 @@ VARIANTS: dict[str, dict] = {
     "ws": dict(variant="ws"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY: ws up to 16 rows).
     "default": dict(),
-    "ws_c2": dict(variant="ws", consumers=2),
+    "ws_c2": dict(variant="ws", ws={"consumers": 2}),
+    # ... all of a tile's score products in flight before one wait, and the value products'.
+    "ws_async": dict(variant="ws", ws={"async_mma": True}),
+    "ws_c2_async": dict(variant="ws", ws={"consumers": 2, "async_mma": True}),
 }
 
 

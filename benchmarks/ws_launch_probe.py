@@ -1,11 +1,11 @@
 """Does the warp-specialized decode finish every launch? (round 20: with two consumer warp
 groups, 3 of 7 H200 launches hung or faulted before the ``started`` guard)
 
-Each case (rows x keys x splits x consumers) runs in a process of its own under a timeout,
-because a hung kernel hangs its process and a fault poisons its CUDA context. A case
-launches ``residual_decode(variant="ws")`` ``--repeats`` times over random pools (16-key
-pages scattered, rank-16 adapters, every fourth row without one) and compares the last
-output with two-pass's. Per case: "ok" (seconds, the worst relative error of a row), "hang"
+Each case (rows x keys x splits x consumers x async products) runs in a process of its own
+under a timeout, because a hung kernel hangs its process and a fault poisons its CUDA
+context. A case launches ``residual_decode(variant="ws")`` ``--repeats`` times over random
+pools (16-key pages scattered, rank-16 adapters, every fourth row without one) and compares
+the last output with two-pass's. Per case: "ok" (seconds, the worst relative error of a row), "hang"
 (the timeout) or "fault" (the process's last stderr line). Prints a table; writes
 ``ws_launch_probe.json`` after every case.
 
@@ -38,7 +38,8 @@ def run_case(cmd: list[str], timeout: float) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def child(batch: int, keys: int, splits: int, consumers: int, repeats: int) -> dict:
+def child(batch: int, keys: int, splits: int, consumers: int, async_mma: int,
+          repeats: int) -> dict:
     import torch
 
     from forkserve.kernels import residual_decode
@@ -63,8 +64,9 @@ def child(batch: int, keys: int, splits: int, consumers: int, repeats: int) -> d
             b_k, b_v, adapters, default_inv_freq(HEAD_DIM, device="cuda"))
     start = time.perf_counter()
     for _ in range(repeats):
-        out = residual_decode(*args, use_triton=True, variant="ws", consumers=consumers,
-                              num_splits=splits or None, max_seq_len=keys)
+        out = residual_decode(*args, use_triton=True, variant="ws", num_splits=splits or None,
+                              ws={"consumers": consumers, "async_mma": bool(async_mma)},
+                              max_seq_len=keys)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     ref = residual_decode(*args, use_triton=True, variant="two_pass", max_seq_len=keys)
@@ -80,9 +82,11 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1],
                     help="0: the plan's count")
     ap.add_argument("--consumers", type=int, nargs="+", default=[2])
+    ap.add_argument("--async-mma", type=int, nargs="+", default=[0, 1],
+                    help="the products waited on one by one (0) or in flight together (1)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--child", type=int, nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -92,13 +96,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res = {"commit": source_commit(), "repeats": args.repeats, "timeout_s": args.timeout,
            "cases": []}
-    for consumers, batch, keys, splits in itertools.product(args.consumers, args.batches,
-                                                            args.keys, args.splits):
-        case = {"consumers": consumers, "batch": batch, "keys": keys, "splits": splits}
+    for consumers, async_mma, batch, keys, splits in itertools.product(
+            args.consumers, args.async_mma, args.batches, args.keys, args.splits):
+        case = {"consumers": consumers, "async_mma": async_mma, "batch": batch, "keys": keys,
+                "splits": splits}
         case |= run_case([sys.executable, __file__, "--child", str(batch), str(keys),
-                          str(splits), str(consumers), str(args.repeats)], args.timeout)
+                          str(splits), str(consumers), str(async_mma), str(args.repeats)],
+                         args.timeout)
         res["cases"].append(case)
-        print(f"consumers {consumers} batch {batch:3d} keys {keys:6d} splits {splits or 'plan':>4}"
+        print(f"consumers {consumers} async {async_mma} batch {batch:3d} keys {keys:6d} "
+              f"splits {splits or 'plan':>4}"
               f"  {case['status']:5s} {case.get('max_rel_err', '')} {case.get('error', '')}",
               flush=True)
         (out / "ws_launch_probe.json").write_text(json.dumps(res, indent=1))

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -92,7 +93,7 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
-def _loader(args):
+def _loader(args, ASYNC: gl.constexpr):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
     descs, bars, bufs, _, _, scalars = args
     kd, vd, krd, vrd, csd = descs
@@ -165,7 +166,31 @@ def _columns(a, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
+def _folded_products(cos, sin, fc, fs, layout: gl.constexpr, ASYNC: gl.constexpr):
+    """``cos @ Fc^T + sin @ Fs^T`` of one tile, ``[T, G r]`` in ``layout`` (a token to wait
+    on if ``ASYNC``)."""
+    T: gl.constexpr = cos.type.shape[0]
+    N: gl.constexpr = fc.type.shape[0]
+    w = warpgroup_mma(cos, fc.permute((1, 0)), gl.zeros([T, N], gl.float32, layout),
+                      use_acc=False, is_async=ASYNC)
+    return warpgroup_mma(sin, fs.permute((1, 0)), w, is_async=ASYNC)
+
+
+@gluon.jit
+def _contract(w, k_res, l3: gl.constexpr):
+    """The residual scores ``[T, G]``: ``sum_k w[n, (g, k)] K_res[n, k]``. Each thread takes
+    one (key, g)'s r columns, so the contraction stays in-thread."""
+    T: gl.constexpr = w.type.shape[0]
+    R: gl.constexpr = k_res.type.shape[1]
+    G: gl.constexpr = w.type.shape[1] // R
+    w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [gl.num_warps(), 1], [1, 0]))
+    w3 = gl.convert_layout(gl.reshape(w2, [T, G, R]), l3)
+    k_rows = k_res.load(gl.SliceLayout(1, l3)).to(gl.float32)
+    return gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
+
+
+@gluon.jit
+def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.constexpr):
     """One consumer warp group: tiles ``FIRST, FIRST + STEP, ..`` of the program's keys.
     Returns its online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
     2G]`` (``V^T p``, interleaved columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -207,18 +232,22 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
                 _zero_rows_from(vr.index(s), stop - start - i * T)
             fence_async_shared()
         sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
-                           gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False)
-        sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb)
-        score = gl.convert_layout(_evens(sb), lp)
-        if has_res:
-            w = warpgroup_mma(cs_c.index(s), fc.permute((1, 0)),
-                              gl.zeros([T, G * R], gl.float32, p_mma), use_acc=False)
-            w = warpgroup_mma(cs_s.index(s), fs.permute((1, 0)), w)
-            # Each thread takes one (key, g)'s R columns: the contraction stays in-thread.
-            w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [nw, 1], [1, 0]))
-            w3 = gl.convert_layout(gl.reshape(w2, [T, G, R]), l3)
-            k_rows = kr.index(s).load(gl.SliceLayout(1, l3)).to(gl.float32)
-            score = score + gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
+                           gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False, is_async=ASYNC)
+        sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb, is_async=ASYNC)
+        if ASYNC:
+            # All four score products in flight at once, one wait.
+            if has_res:
+                w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, True)
+                sb_done, w_done = warpgroup_mma_wait(0, deps=(sb, w))
+                score = (gl.convert_layout(_evens(sb_done), lp)
+                         + _contract(w_done, kr.index(s), l3))
+            else:
+                score = gl.convert_layout(_evens(warpgroup_mma_wait(0, deps=(sb, ))), lp)
+        else:
+            score = gl.convert_layout(_evens(sb), lp)
+            if has_res:
+                w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, False)
+                score = score + _contract(w, kr.index(s), l3)
         n = start + i * T + keys
         score = gl.where(gl.expand_dims(n < stop, 1), score, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(score, axis=0))
@@ -232,12 +261,16 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
         p2 = _interleave(p, zeros_tg).to(gl.bfloat16)  # [T, 2G]
         p_smem.store(gl.permute(p2, (1, 0)))
         fence_async_shared()
-        acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo)
-        acc_hi = warpgroup_mma(v_hi.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_hi)
+        acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo,
+                               is_async=ASYNC)
+        acc_hi = warpgroup_mma(v_hi.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_hi,
+                               is_async=ASYNC)
         if has_res:
             a_op = vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2))
             b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
             acc_r = mma_v2(a_op, b_op, acc_r)
+        if ASYNC:  # the value products done before the slot and p_smem are reused
+            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
         fence_async_shared()
         mbarrier.arrive(empty.index(s))
@@ -245,7 +278,7 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr):
 
 
 @gluon.jit
-def _first_consumer(args, CONSUMERS: gl.constexpr):
+def _first_consumer(args, CONSUMERS: gl.constexpr, ASYNC: gl.constexpr):
     if CONSUMERS == 2:
         # A worker partition reads its arguments from a shared-memory buffer at its start,
         # and the compiler gives this partition's layout-conversion scratch the same bytes
@@ -253,14 +286,14 @@ def _first_consumer(args, CONSUMERS: gl.constexpr):
         # The loader has read its own before its first copy lands (this partition's first
         # conversion waits for it); the second consumer says so by ``started``.
         mbarrier.wait(args[1][2], 0)
-    return _consume(args, args[3][4], 0, CONSUMERS)
+    return _consume(args, args[3][4], 0, CONSUMERS, ASYNC)
 
 
 @gluon.jit
-def _second_consumer(args):
+def _second_consumer(args, ASYNC: gl.constexpr):
     """The odd tiles; its state handed over in shared memory (a worker returns nothing)."""
     mbarrier.arrive(args[1][2])
-    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2)
+    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2, ASYNC)
     h_m, h_l, h_lo, h_hi, h_r = args[4]
     h_m.store(m_i)
     h_l.store(l_i)
@@ -297,7 +330,7 @@ def _residual_decode_ws_kernel(
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, STAGES_: gl.constexpr, CONSUMERS: gl.constexpr,
-        DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        ASYNC_MMA: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -382,13 +415,14 @@ def _residual_decode_ws_kernel(
             handoff, (BlockTables + row * stride_bt, ResTables + row * stride_rbt,
                       head * HEAD_DIM, start, stop, seq_len, n_tiles, has_res))
     if CONSUMERS == 2:
-        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS)),
-                                    (_second_consumer, (args, )), (_loader, (args, ))],
-                                   [4, 1], [232, 40])
+        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS, ASYNC_MMA)),
+                                    (_second_consumer, (args, ASYNC_MMA)),
+                                    (_loader, (args, ASYNC_MMA))], [4, 1], [232, 40])
         m_i, l_i, acc_lo, acc_hi, acc_r = _merge_consumers(state, handoff, G, R)
     else:
         m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-            [(_first_consumer, (args, CONSUMERS)), (_loader, (args, ))], [1], [40])
+            [(_first_consumer, (args, CONSUMERS, ASYNC_MMA)), (_loader, (args, ASYNC_MMA))],
+            [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -449,7 +483,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       consumers: int = CONSUMERS) -> torch.Tensor:
+                       consumers: int = CONSUMERS, async_mma: bool = False) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -479,7 +513,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        CONSUMERS=consumers, DIRECT=direct, num_warps=4, maxnreg=MAXNREG[consumers])
+        CONSUMERS=consumers, ASYNC_MMA=async_mma, DIRECT=direct, num_warps=4,
+        maxnreg=MAXNREG[consumers])
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

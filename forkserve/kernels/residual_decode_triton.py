@@ -609,7 +609,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            overlap_slices: int | None = None,
                            pdl: bool | None = None,
                            follow: bool | dict = False,
-                           consumers: int | None = None) -> torch.Tensor:
+                           ws: dict | None = None) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -637,16 +637,16 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
     polls cost about what the overlap wins); off by default.
-    ``consumers`` (ws): the warp groups taking alternate tiles (residual_decode_gluon.py)."""
+    ``ws``: keywords of the ws variant's ``residual_decode_ws`` (``consumers``, ``async_mma``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if variant == "ws":
-        from forkserve.kernels.residual_decode_gluon import CONSUMERS, residual_decode_ws
+        from forkserve.kernels.residual_decode_gluon import residual_decode_ws
         return residual_decode_ws(q, k_base, v_base, k_res, v_res, block_tables,
                                   res_block_tables, seq_lens, b_k_all, b_v_all, adapter_idx,
                                   inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits,
-                                  consumers or CONSUMERS)
-    if consumers is not None:
-        raise ValueError("consumers is an option of the ws variant")
+                                  **(ws or {}))
+    if ws is not None:
+        raise ValueError("ws: options of the ws variant")
     plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
         plan = plans[0]

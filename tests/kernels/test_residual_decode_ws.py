@@ -22,7 +22,7 @@ from forkserve.kernels.rope import default_inv_freq
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, consumers: int) -> tuple[str, int]:
+def build_sm90(direct: bool, consumers: int, async_mma: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +42,7 @@ def build_sm90(direct: bool, consumers: int) -> tuple[str, int]:
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  CONSUMERS=consumers, DIRECT=direct, num_warps=4)
+                  CONSUMERS=consumers, ASYNC_MMA=async_mma, DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
@@ -54,8 +54,10 @@ def build_sm90(direct: bool, consumers: int) -> tuple[str, int]:
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,consumers", [(False, 2), (True, 1)])
-def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, tmp_path) -> None:
+@pytest.mark.parametrize("direct,consumers,async_mma", [(False, 2, False), (True, 1, False),
+                                                       (False, 1, True)])
+def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, async_mma: bool,
+                                   tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -64,6 +66,7 @@ def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, tmp_path) -> No
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     run = subprocess.run([sys.executable, __file__, str(int(direct)), str(consumers),
+                          str(int(async_mma)),
                           str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
@@ -95,16 +98,19 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("consumers", [1, 2])
+@pytest.mark.parametrize("options", [{}, {"consumers": 2}, {"async_mma": True},
+                                     {"consumers": 2, "async_mma": True}],
+                         ids=["c1", "c2", "c1-async", "c2-async"])
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
-                                consumers: int) -> None:
+                                options: dict) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
     directly) and three (empty splits at the short rows); one consumer warp group and two
-    (alternate tiles, merged at the end; a one-tile split leaves the second one empty)."""
+    (alternate tiles, merged at the end; a one-tile split leaves the second one empty), each
+    with its products waited on one by one and in flight together (``async_mma``)."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                          consumers=consumers)
+                          ws=options)
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -156,7 +162,7 @@ def test_ws_refuses_other_shapes() -> None:
         residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: argv direct, consumers, folder
-    ptx, shared = build_sm90(bool(int(sys.argv[1])), int(sys.argv[2]))
-    (Path(sys.argv[3]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[3]) / "shared").write_text(str(shared))
+if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: direct, consumers, async, folder
+    ptx, shared = build_sm90(bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3])))
+    (Path(sys.argv[4]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[4]) / "shared").write_text(str(shared))
