@@ -567,8 +567,8 @@ PY
   fi
   ;;
 57)
-  # Round 21: two consumer warp groups with the started guard, and the products in flight
-  # together (async_mma). The ws tests under a short timeout, then every launch case of the
+  # Round 21: two consumer warp groups with the started guard, the products in flight
+  # together (async_mma), the scores in the base accumulator's layout (in_thread). The ws tests under a short timeout, then every launch case of the
   # probe in a process of its own (a hang costs its 30 s, not the call), then the bench
   # only if every case finished.
   export TRITON_CACHE_DIR=/root/tc20
@@ -578,7 +578,8 @@ PY
   timeout 400 python3 benchmarks/ws_launch_probe.py --consumers 1 2 --batches 8 32 --splits 0 \
     --repeats 30 --out "$OUT" 2>&1 | tail -18
   if python3 -c "import json,sys; c=json.load(open('$OUT/ws_launch_probe.json'))['cases']; sys.exit(any(x['status'] != 'ok' for x in c))"; then
-    variants 200 decode_round21_ws2 default ws ws_c2 ws_async ws_c2_async two_pass_default
+    variants 280 decode_round21_ws2 default ws ws_c2 ws_async ws_it ws_async_it ws_c2_async \
+      ws_c2_async_it two_pass_default
   fi
   ;;
 suite)

@@ -1440,6 +1440,12 @@ VARIANTS: dict[str, dict] = {
     # ... all of a tile's score products in flight before one wait, and the value products'.
     "ws_async": dict(variant="ws", ws={"async_mma": True}),
     "ws_c2_async": dict(variant="ws", ws={"consumers": 2, "async_mma": True}),
+    # ... and the scores in the base accumulator's layout (the folds' rows in lane order:
+    # the rank contraction in-thread, no conversion).
+    "ws_it": dict(variant="ws", ws={"in_thread": True}),
+    "ws_async_it": dict(variant="ws", ws={"async_mma": True, "in_thread": True}),
+    "ws_c2_async_it": dict(variant="ws", ws={"consumers": 2, "async_mma": True,
+                                              "in_thread": True}),
 }
 
 

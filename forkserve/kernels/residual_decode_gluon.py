@@ -93,7 +93,7 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
-def _loader(args, ASYNC: gl.constexpr):
+def _loader(args, ASYNC: gl.constexpr, IN_THREAD: gl.constexpr):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
     descs, bars, bufs, _, _, scalars = args
     kd, vd, krd, vrd, csd = descs
@@ -166,6 +166,42 @@ def _columns(a, layout: gl.constexpr):
 
 
 @gluon.jit
+def _fold_rows(f, IN_THREAD: gl.constexpr):
+    """``[G, r, D/2]`` folds as the ``[G r, D/2]`` B operand: row ``g r + k``, or with
+    ``IN_THREAD`` row ``2G (k // 2) + 2g + k % 2``, the order in which the product's wgmma
+    accumulator gives each thread all r columns of one g (lane ``g`` of its quad), so the
+    rank contraction needs no layout conversion (``_contract_in_thread``)."""
+    G: gl.constexpr = f.type.shape[0]
+    R: gl.constexpr = f.type.shape[1]
+    HALF: gl.constexpr = f.type.shape[2]
+    if IN_THREAD:
+        f = gl.permute(gl.reshape(f, [G, R // 2, 2, HALF]), (1, 0, 2, 3))
+    return gl.reshape(f, [G * R, HALF])
+
+
+@gluon.jit
+def _contract_in_thread(w, k_res):
+    """``_contract`` for folds in ``_fold_rows``' lane order: the sum over k is over each
+    thread's own registers, and the result lands where ``_evens`` puts the base scores."""
+    T: gl.constexpr = w.type.shape[0]
+    R: gl.constexpr = k_res.type.shape[1]
+    G: gl.constexpr = w.type.shape[1] // R
+    w3 = gl.reshape(gl.permute(gl.reshape(w, [T, R // 2, G, 2]), (0, 2, 1, 3)), [T, G, R])
+    k_rows = k_res.load(gl.SliceLayout(1, w3.type.layout)).to(gl.float32)
+    return gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
+
+
+@gluon.jit
+def _residual_scores(w, k_res, l3: gl.constexpr, lp, IN_THREAD: gl.constexpr):
+    """The residual scores ``[T, G]`` in the scores' layout ``lp``."""
+    if IN_THREAD:
+        scores = gl.convert_layout(_contract_in_thread(w, k_res), lp, assert_trivial=True)
+    else:
+        scores = _contract(w, k_res, l3)
+    return scores
+
+
+@gluon.jit
 def _folded_products(cos, sin, fc, fs, layout: gl.constexpr, ASYNC: gl.constexpr):
     """``cos @ Fc^T + sin @ Fs^T`` of one tile, ``[T, G r]`` in ``layout`` (a token to wait
     on if ``ASYNC``)."""
@@ -190,7 +226,8 @@ def _contract(w, k_res, l3: gl.constexpr):
 
 
 @gluon.jit
-def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.constexpr):
+def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.constexpr,
+             IN_THREAD: gl.constexpr):
     """One consumer warp group: tiles ``FIRST, FIRST + STEP, ..`` of the program's keys.
     Returns its online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
     2G]`` (``V^T p``, interleaved columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -210,7 +247,13 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.co
     p_mma: gl.constexpr = wgmma_layout(G * R, nw)
     r_mma: gl.constexpr = mma2_layout(nw)
     l3: gl.constexpr = rank_layout(R, nw)
-    lp: gl.constexpr = gl.SliceLayout(2, l3)  # [T, G]: scores, probabilities
+    # [T, G]: scores, probabilities. With IN_THREAD the layout _evens gives the base scores'
+    # accumulator, where _contract_in_thread's residual scores land too.
+    if IN_THREAD:
+        zeros_tg = _evens(gl.zeros([T, GP2], gl.float32, s_mma))
+    else:
+        zeros_tg = gl.full([T, G], 0.0, gl.float32, gl.SliceLayout(2, l3))
+    lp: gl.constexpr = zeros_tg.type.layout
     col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
 
     m_i = gl.full([G], float("-inf"), gl.float32, col)
@@ -218,7 +261,6 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.co
     acc_lo = gl.zeros([HALF, GP2], gl.float32, s_mma)
     acc_hi = gl.zeros([HALF, GP2], gl.float32, s_mma)
     acc_r = gl.zeros([R, GP2], gl.float32, r_mma)
-    zeros_tg = gl.full([T, G], 0.0, gl.float32, lp)
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     for i in range(FIRST, n_tiles, STEP):
         s = i % NS
@@ -240,14 +282,14 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.co
                 w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, True)
                 sb_done, w_done = warpgroup_mma_wait(0, deps=(sb, w))
                 score = (gl.convert_layout(_evens(sb_done), lp)
-                         + _contract(w_done, kr.index(s), l3))
+                         + _residual_scores(w_done, kr.index(s), l3, lp, IN_THREAD))
             else:
                 score = gl.convert_layout(_evens(warpgroup_mma_wait(0, deps=(sb, ))), lp)
         else:
             score = gl.convert_layout(_evens(sb), lp)
             if has_res:
                 w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, False)
-                score = score + _contract(w, kr.index(s), l3)
+                score = score + _residual_scores(w, kr.index(s), l3, lp, IN_THREAD)
         n = start + i * T + keys
         score = gl.where(gl.expand_dims(n < stop, 1), score, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(score, axis=0))
@@ -267,7 +309,10 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.co
                                is_async=ASYNC)
         if has_res:
             a_op = vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2))
-            b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
+            if IN_THREAD:  # read back from where the value wgmma reads it: no conversion
+                b_op = p_smem.permute((1, 0)).load(gl.DotOperandLayout(1, r_mma, 2))
+            else:
+                b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
             acc_r = mma_v2(a_op, b_op, acc_r)
         if ASYNC:  # the value products done before the slot and p_smem are reused
             acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
@@ -278,7 +323,8 @@ def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.co
 
 
 @gluon.jit
-def _first_consumer(args, CONSUMERS: gl.constexpr, ASYNC: gl.constexpr):
+def _first_consumer(args, CONSUMERS: gl.constexpr, ASYNC: gl.constexpr,
+                    IN_THREAD: gl.constexpr):
     if CONSUMERS == 2:
         # A worker partition reads its arguments from a shared-memory buffer at its start,
         # and the compiler gives this partition's layout-conversion scratch the same bytes
@@ -286,14 +332,14 @@ def _first_consumer(args, CONSUMERS: gl.constexpr, ASYNC: gl.constexpr):
         # The loader has read its own before its first copy lands (this partition's first
         # conversion waits for it); the second consumer says so by ``started``.
         mbarrier.wait(args[1][2], 0)
-    return _consume(args, args[3][4], 0, CONSUMERS, ASYNC)
+    return _consume(args, args[3][4], 0, CONSUMERS, ASYNC, IN_THREAD)
 
 
 @gluon.jit
-def _second_consumer(args, ASYNC: gl.constexpr):
+def _second_consumer(args, ASYNC: gl.constexpr, IN_THREAD: gl.constexpr):
     """The odd tiles; its state handed over in shared memory (a worker returns nothing)."""
     mbarrier.arrive(args[1][2])
-    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2, ASYNC)
+    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2, ASYNC, IN_THREAD)
     h_m, h_l, h_lo, h_hi, h_r = args[4]
     h_m.store(m_i)
     h_l.store(l_i)
@@ -310,9 +356,8 @@ def _merge_consumers(state, handoff, G: gl.constexpr, R: gl.constexpr):
     nw: gl.constexpr = gl.num_warps()
     s_mma: gl.constexpr = wgmma_layout(2 * G, nw)
     r_mma: gl.constexpr = mma2_layout(nw)
-    col: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R, nw)))
-    m1 = h_m.load(col)
-    l1 = h_l.load(col)
+    m1 = h_m.load(m0.type.layout)
+    l1 = h_l.load(l0.type.layout)
     m = gl.maximum(m0, m1)
     a0 = gl.where(m0 == float("-inf"), 0.0, gl.exp2(m0 - m))
     a1 = gl.where(m1 == float("-inf"), 0.0, gl.exp2(m1 - m))
@@ -330,7 +375,8 @@ def _residual_decode_ws_kernel(
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, STAGES_: gl.constexpr, CONSUMERS: gl.constexpr,
-        ASYNC_MMA: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        ASYNC_MMA: gl.constexpr, IN_THREAD: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -378,8 +424,8 @@ def _residual_decode_ws_kernel(
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G * R, HALF], gl.bfloat16)
     fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
-    fc.store(gl.reshape(fq_lo * fb_lo + fq_hi * fb_hi, [G * R, HALF]).to(gl.bfloat16))
-    fs.store(gl.reshape(fq_hi * fb_lo - fq_lo * fb_hi, [G * R, HALF]).to(gl.bfloat16))
+    fc.store(_fold_rows(fq_lo * fb_lo + fq_hi * fb_hi, IN_THREAD).to(gl.bfloat16))
+    fs.store(_fold_rows(fq_hi * fb_lo - fq_lo * fb_hi, IN_THREAD).to(gl.bfloat16))
 
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -415,14 +461,14 @@ def _residual_decode_ws_kernel(
             handoff, (BlockTables + row * stride_bt, ResTables + row * stride_rbt,
                       head * HEAD_DIM, start, stop, seq_len, n_tiles, has_res))
     if CONSUMERS == 2:
-        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS, ASYNC_MMA)),
-                                    (_second_consumer, (args, ASYNC_MMA)),
-                                    (_loader, (args, ASYNC_MMA))], [4, 1], [232, 40])
+        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS, ASYNC_MMA, IN_THREAD)),
+                                    (_second_consumer, (args, ASYNC_MMA, IN_THREAD)),
+                                    (_loader, (args, ASYNC_MMA, IN_THREAD))], [4, 1], [232, 40])
         m_i, l_i, acc_lo, acc_hi, acc_r = _merge_consumers(state, handoff, G, R)
     else:
         m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-            [(_first_consumer, (args, CONSUMERS, ASYNC_MMA)), (_loader, (args, ASYNC_MMA))],
-            [1], [40])
+            [(_first_consumer, (args, CONSUMERS, ASYNC_MMA, IN_THREAD)),
+             (_loader, (args, ASYNC_MMA, IN_THREAD))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -448,8 +494,7 @@ def _residual_decode_ws_kernel(
         gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty))
     else:
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        lg = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, rank_layout(R,
-                                                                                   num_warps))))
+        lg = gl.arange(0, G, layout=lse.type.layout)
         gl.store(PartLse + row * stride_lb + (head * G + lg) * stride_lh + split, lse)
         if n_tiles > 0:
             p_ptr = (PartOut + row * stride_pb + heads[None, :] * stride_ph + split * stride_ps
@@ -483,7 +528,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       consumers: int = CONSUMERS, async_mma: bool = False) -> torch.Tensor:
+                       consumers: int = CONSUMERS, async_mma: bool = False,
+                       in_thread: bool = False) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -513,7 +559,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        CONSUMERS=consumers, ASYNC_MMA=async_mma, DIRECT=direct, num_warps=4,
+        CONSUMERS=consumers, ASYNC_MMA=async_mma, IN_THREAD=in_thread, DIRECT=direct,
+        num_warps=4,
         maxnreg=MAXNREG[consumers])
     if direct:
         return out

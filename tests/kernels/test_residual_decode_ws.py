@@ -22,7 +22,8 @@ from forkserve.kernels.rope import default_inv_freq
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, consumers: int, async_mma: bool) -> tuple[str, int]:
+def build_sm90(direct: bool, consumers: int, async_mma: bool,
+               in_thread: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +43,8 @@ def build_sm90(direct: bool, consumers: int, async_mma: bool) -> tuple[str, int]
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  CONSUMERS=consumers, ASYNC_MMA=async_mma, DIRECT=direct, num_warps=4)
+                  CONSUMERS=consumers, ASYNC_MMA=async_mma, IN_THREAD=in_thread,
+                  DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
@@ -54,10 +56,10 @@ def build_sm90(direct: bool, consumers: int, async_mma: bool) -> tuple[str, int]
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,consumers,async_mma", [(False, 2, False), (True, 1, False),
-                                                       (False, 1, True)])
+@pytest.mark.parametrize("direct,consumers,async_mma,in_thread", [
+    (False, 2, False, False), (True, 1, False, False), (False, 1, True, True)])
 def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, async_mma: bool,
-                                   tmp_path) -> None:
+                                   in_thread: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -66,7 +68,7 @@ def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, async_mma: bool
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     run = subprocess.run([sys.executable, __file__, str(int(direct)), str(consumers),
-                          str(int(async_mma)),
+                          str(int(async_mma)), str(int(in_thread)),
                           str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
@@ -99,15 +101,17 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("options", [{}, {"consumers": 2}, {"async_mma": True},
-                                     {"consumers": 2, "async_mma": True}],
-                         ids=["c1", "c2", "c1-async", "c2-async"])
+                                     {"in_thread": True},
+                                     {"consumers": 2, "async_mma": True, "in_thread": True}],
+                         ids=["c1", "c2", "c1-async", "c1-in-thread", "c2-async-in-thread"])
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
                                 options: dict) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
     directly) and three (empty splits at the short rows); one consumer warp group and two
-    (alternate tiles, merged at the end; a one-tile split leaves the second one empty), each
-    with its products waited on one by one and in flight together (``async_mma``)."""
+    (alternate tiles, merged at the end; a one-tile split leaves the second one empty), the
+    products waited on one by one and in flight together (``async_mma``), the scores in
+    the base accumulator's layout (``in_thread``: the folds' rows in lane order)."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
                           ws=options)
@@ -162,7 +166,8 @@ def test_ws_refuses_other_shapes() -> None:
         residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: direct, consumers, async, folder
-    ptx, shared = build_sm90(bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3])))
-    (Path(sys.argv[4]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[4]) / "shared").write_text(str(shared))
+if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
+    ptx, shared = build_sm90(bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3])),
+                             bool(int(sys.argv[4])))
+    (Path(sys.argv[5]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[5]) / "shared").write_text(str(shared))
