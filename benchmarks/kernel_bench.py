@@ -1826,13 +1826,11 @@ def run_decode_variants(s: Setup, res: dict, names: list[str], path: Path) -> No
             q, ad = s.q(batch), s.adapters(batch)
             tag = f"variants ctx={ctx} batch={batch}"
             row: dict = {"ctx": ctx, "batch": batch}
-            # A spec naming no variant goes through kernels.residual_decode, as the engine's
-            # calls do (its DEFAULT_DECODE_POLICY picks one).
-            calls = {name: (lambda kw=VARIANTS[name]: (
-                residual_decode_triton if "variant" in kw else kernels.residual_decode)(
+            # Through kernels.residual_decode, as the engine's calls go: a spec naming no
+            # variant runs its DEFAULT_DECODE_POLICY's pick.
+            calls = {name: (lambda kw=VARIANTS[name]: kernels.residual_decode(
                 q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, s.b_k, s.b_v, ad, s.inv_freq,
-                max_seq_len=ctx, **kw, **({} if "variant" in kw else {"use_triton": True})))
-                for name in names}
+                use_triton=True, max_seq_len=ctx, **kw)) for name in names}
             # Whole calls interleaved with unified (round 15: timed one after another, the
             # first variant at 32K x 64 read 1.57x unified where it read 1.41x second).
             whole = measure_interleaved(res, tag, {"unified": lambda: paged_decode_triton(

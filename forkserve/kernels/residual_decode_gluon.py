@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from forkserve.kernels.residual_decode_triton import programmatic_launches
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
@@ -65,11 +66,12 @@ MAXNREG = {1: 256, 2: 168}
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
     """Whether ``residual_decode_ws`` takes these shapes (see the module docstring)."""
     n_kv, head_dim = k_base.shape[2], k_base.shape[3]
-    # The TMA descriptors view the pools as 2-D row-major tensors.
-    return (q.is_cuda and q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
+    # The TMA descriptors view the pools as 2-D row-major tensors. The device check is
+    # pdl's (CUDA, sm_90+; cached: the policy asks on every eager layer call).
+    return (q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
             and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
             and head_dim == 128 and q.shape[1] == 4 * n_kv and k_res.shape[2] == 16
-            and torch.cuda.get_device_capability(q.device)[0] >= 9)
+            and programmatic_launches(q.device))
 
 
 @gluon.constexpr_function
