@@ -1431,21 +1431,14 @@ VARIANTS: dict[str, dict] = {
     "folded_bn64_w8": dict(variant="folded", block_n=64, num_warps=8),
     "folded_bn64_nopf": dict(variant="folded", block_n=64, prefetch=False),
     "folded_bn32": dict(variant="folded", block_n=32),
-    # Round 20: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
-    # warp beside the warp group of products, softmax and values.
+    # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
+    # warp beside the warp group of products, softmax and values (its module defaults).
     "ws": dict(variant="ws"),
-    # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY: ws up to 16 rows).
+    # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
-    "ws_c2": dict(variant="ws", ws={"consumers": 2}),
-    # ... all of a tile's score products in flight before one wait, and the value products'.
-    "ws_async": dict(variant="ws", ws={"async_mma": True}),
-    "ws_c2_async": dict(variant="ws", ws={"consumers": 2, "async_mma": True}),
-    # ... and the scores in the base accumulator's layout (the folds' rows in lane order:
-    # the rank contraction in-thread, no conversion).
-    "ws_it": dict(variant="ws", ws={"in_thread": True}),
-    "ws_async_it": dict(variant="ws", ws={"async_mma": True, "in_thread": True}),
-    "ws_c2_async_it": dict(variant="ws", ws={"consumers": 2, "async_mma": True,
-                                              "in_thread": True}),
+    # The next tile's score products issued before this tile's softmax, or after its values.
+    "ws_prefetch": dict(variant="ws", ws={"prefetch": True}),
+    "ws_noprefetch": dict(variant="ws", ws={"prefetch": False}),
 }
 
 

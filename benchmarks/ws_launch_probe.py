@@ -1,7 +1,8 @@
-"""Does the warp-specialized decode finish every launch? (round 20: with two consumer warp
-groups, 3 of 7 H200 launches hung or faulted before the ``started`` guard)
+"""Does the warp-specialized decode finish every launch? (rounds 20-21: with two consumer warp
+groups, since removed, 3 of 7 H200 launches hung or faulted, and 6 of 8 probe cases with a
+guard)
 
-Each case (rows x keys x splits x consumers x async products) runs in a process of its own
+Each case (rows x keys x splits x prefetch) runs in a process of its own
 under a timeout, because a hung kernel hangs its process and a fault poisons its CUDA
 context. A case launches ``residual_decode(variant="ws")`` ``--repeats`` times over random
 pools (16-key pages scattered, rank-16 adapters, every fourth row without one) and compares
@@ -9,7 +10,7 @@ the last output with two-pass's. Per case: "ok" (seconds, the worst relative err
 (the timeout) or "fault" (the process's last stderr line). Prints a table; writes
 ``ws_launch_probe.json`` after every case.
 
-    python benchmarks/ws_launch_probe.py --out $OUT [--consumers 1 2] [--timeout 30]
+    python benchmarks/ws_launch_probe.py --out $OUT [--prefetch 0 1] [--timeout 30]
 """
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ def run_case(cmd: list[str], timeout: float) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def child(batch: int, keys: int, splits: int, consumers: int, async_mma: int,
-          repeats: int) -> dict:
+def child(batch: int, keys: int, splits: int, prefetch: int, repeats: int) -> dict:
     import torch
 
     from forkserve.kernels import residual_decode
@@ -65,7 +65,7 @@ def child(batch: int, keys: int, splits: int, consumers: int, async_mma: int,
     start = time.perf_counter()
     for _ in range(repeats):
         out = residual_decode(*args, use_triton=True, variant="ws", num_splits=splits or None,
-                              ws={"consumers": consumers, "async_mma": bool(async_mma)},
+                              ws={"prefetch": bool(prefetch)},
                               max_seq_len=keys)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -81,12 +81,12 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1],
                     help="0: the plan's count")
-    ap.add_argument("--consumers", type=int, nargs="+", default=[2])
-    ap.add_argument("--async-mma", type=int, nargs="+", default=[0, 1],
-                    help="the products waited on one by one (0) or in flight together (1)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
+                    help="the next tile's score products before this tile's softmax (1) or "
+                         "after its values (0)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--child", type=int, nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -96,15 +96,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res = {"commit": source_commit(), "repeats": args.repeats, "timeout_s": args.timeout,
            "cases": []}
-    for consumers, async_mma, batch, keys, splits in itertools.product(
-            args.consumers, args.async_mma, args.batches, args.keys, args.splits):
-        case = {"consumers": consumers, "async_mma": async_mma, "batch": batch, "keys": keys,
-                "splits": splits}
+    for prefetch, batch, keys, splits in itertools.product(
+            args.prefetch, args.batches, args.keys, args.splits):
+        case = {"prefetch": prefetch, "batch": batch, "keys": keys, "splits": splits}
         case |= run_case([sys.executable, __file__, "--child", str(batch), str(keys),
-                          str(splits), str(consumers), str(async_mma), str(args.repeats)],
+                          str(splits), str(prefetch), str(args.repeats)],
                          args.timeout)
         res["cases"].append(case)
-        print(f"consumers {consumers} async {async_mma} batch {batch:3d} keys {keys:6d} "
+        print(f"prefetch {prefetch} batch {batch:3d} keys {keys:6d} "
               f"splits {splits or 'plan':>4}"
               f"  {case['status']:5s} {case.get('max_rel_err', '')} {case.get('error', '')}",
               flush=True)

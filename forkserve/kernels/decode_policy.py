@@ -2,16 +2,16 @@
 
 A small strategy object, decided once per call from what the call's shapes are, so a CUDA
 graph (one batch size) captures one variant. Measured on the H200 (docs/KERNELS.md "Round
-20", ``kernel_bench_decode_round20_wsc.json``), residual / unified:
+21", ``kernel_bench_decode_round21_ws2.json``), residual / unified at 4K / 8K / 32K keys:
 
-* the warp-specialized Gluon launch (``"ws"``): 1.03 / 1.06 / 1.18x at batch 1 (4K / 8K /
-  32K keys), 1.17 / 1.26 / 1.37x at batch 8;
-* two-pass: 1.31-1.35x at batch 1, 1.37-1.43x at batch 8, and at batch 32-64 the two tie
-  (1.34-1.41x against 1.31-1.41x: with every SM busy, ws's one consumer warp group is the
-  bound, where two-pass's score pass runs at tensor-core rates).
+* the warp-specialized Gluon launch (``"ws"``, its score products in flight together and
+  the rank contraction in-thread): 1.00 / 1.03 / 1.09x at batch 1, 1.08-1.15x at batch 8,
+  1.11-1.16x at batch 32-64;
+* two-pass: 1.33-1.34x at batch 1, 1.34-1.44x at batch 8-64.
 
-So "ws" up to ``ws_max_batch`` rows where its kernel takes the shapes, two-pass past it. The
-batches between 8 and 32 are not measured; 16 is the midpoint.
+So "ws" at every batch where its kernel takes the shapes (``residual_decode_gluon.supports``),
+two-pass elsewhere. ``ws_max_batch`` bounds it for experiments (round 20's one-by-one
+products lost to two-pass past 16 rows).
 """
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ import torch
 
 @dataclass(frozen=True)
 class DecodeVariantPolicy:
-    ws_max_batch: int = 16
+    ws_max_batch: int | None = None
 
     def variant(self, q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> str:
         from forkserve.kernels import residual_decode_gluon
-        if q.shape[0] <= self.ws_max_batch and residual_decode_gluon.supports(q, k_base, k_res):
+        if ((self.ws_max_batch is None or q.shape[0] <= self.ws_max_batch)
+                and residual_decode_gluon.supports(q, k_base, k_res)):
             return "ws"
         return "two_pass"
 

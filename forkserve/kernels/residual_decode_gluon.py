@@ -12,10 +12,11 @@ not). Here the roles are explicit (``gl.warp_specialize``):
   slots, each with a ready and an empty mbarrier;
 * the **consumer** (the default partition, one warp group) takes the slots in order: the
   base scores ``K @ q^T`` and the folded residual scores ``cos @ Fc + sin @ Fs`` as wgmma
-  with the keys as M, the rank contraction with ``K_res``, the online softmax, ``V^T @ p`` by
-  wgmma and ``V_res^T @ p`` by mma_v2, then frees the slot. With ``consumers=2`` a second
-  warp group takes the odd tiles and hands its softmax state over in shared memory, merged
-  by log-sum-exp after the partitions join (an option, not yet run since its guard).
+  with the keys as M, all four in flight before one wait; the rank contraction with
+  ``K_res`` in each thread's registers (the folds' rows in lane order, ``_fold_rows``); the
+  online softmax; ``V^T @ p`` by wgmma beside ``V_res^T @ p`` by mma_v2; then it frees the
+  slot. With ``prefetch`` the next tile's score products are issued before this tile's
+  softmax, so they run while it does.
 
 So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
 padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
@@ -53,14 +54,11 @@ LOG2E = 1.4426950408889634
 PAGE = 16
 TILE = 64  # keys per slot: the wgmma M of the score products
 STAGES = 3
-PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~179 KiB in all: one program per SM
-# Warp groups taking alternate tiles. Two hung or faulted in 3 of 7 H200 launches (round 20)
-# before the ``started`` barrier (``_first_consumer``); with it, not yet run on a GPU: one
-# is the default.
-CONSUMERS = 1
-# The registers each thread starts with: with the loader's warp group cut to 40, the consumer
-# groups share the rest of the 64 K (12 warps at 168: each consumer at 232).
-MAXNREG = {1: 256, 2: 168}
+PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
+# The registers each thread starts with: the loader's warp group is cut to 40 (its
+# ``warp_specialize`` count), the consumer keeps these.
+MAXNREG = 256
+PREFETCH = False  # the next tile's score products before this tile's softmax: not yet measured
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -72,12 +70,6 @@ def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool
             and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
             and head_dim == 128 and q.shape[1] == 4 * n_kv and k_res.shape[2] == 16
             and programmatic_launches(q.device))
-
-
-@gluon.constexpr_function
-def rank_layout(rank, num_warps):
-    """``[T, G, R]``: the rank contraction inside each thread."""
-    return gl.BlockedLayout([1, 1, rank], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -95,11 +87,11 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
-def _loader(args, ASYNC: gl.constexpr, IN_THREAD: gl.constexpr):
+def _loader(args):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
-    descs, bars, bufs, _, _, scalars = args
+    descs, bars, bufs, _, scalars = args
     kd, vd, krd, vrd, csd = descs
-    ready, empty, _ = bars
+    ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
     HALF: gl.constexpr = k_lo.type.shape[2]
@@ -168,205 +160,164 @@ def _columns(a, layout: gl.constexpr):
 
 
 @gluon.jit
-def _fold_rows(f, IN_THREAD: gl.constexpr):
-    """``[G, r, D/2]`` folds as the ``[G r, D/2]`` B operand: row ``g r + k``, or with
-    ``IN_THREAD`` row ``2G (k // 2) + 2g + k % 2``, the order in which the product's wgmma
-    accumulator gives each thread all r columns of one g (lane ``g`` of its quad), so the
-    rank contraction needs no layout conversion (``_contract_in_thread``)."""
+def _fold_rows(f):
+    """``[G, r, D/2]`` folds as the ``[G r, D/2]`` B operand, row ``2G (k // 2) + 2g + k %
+    2``: the order in which the product's wgmma accumulator gives each thread all r columns
+    of one g (lane ``g`` of its quad), so the rank contraction needs no layout conversion
+    (``_contract``)."""
     G: gl.constexpr = f.type.shape[0]
     R: gl.constexpr = f.type.shape[1]
     HALF: gl.constexpr = f.type.shape[2]
-    if IN_THREAD:
-        f = gl.permute(gl.reshape(f, [G, R // 2, 2, HALF]), (1, 0, 2, 3))
+    f = gl.permute(gl.reshape(f, [G, R // 2, 2, HALF]), (1, 0, 2, 3))
     return gl.reshape(f, [G * R, HALF])
 
 
 @gluon.jit
-def _contract_in_thread(w, k_res):
-    """``_contract`` for folds in ``_fold_rows``' lane order: the sum over k is over each
-    thread's own registers, and the result lands where ``_evens`` puts the base scores."""
+def _contract(w, k_res, lp: gl.constexpr):
+    """The residual scores ``[T, G]``, ``sum_k w[n, (g, k)] K_res[n, k]``, for folds in
+    ``_fold_rows``' order: the sum over k is over each thread's own registers, and the
+    result lands where ``_evens`` puts the base scores (``lp``)."""
     T: gl.constexpr = w.type.shape[0]
     R: gl.constexpr = k_res.type.shape[1]
     G: gl.constexpr = w.type.shape[1] // R
     w3 = gl.reshape(gl.permute(gl.reshape(w, [T, R // 2, G, 2]), (0, 2, 1, 3)), [T, G, R])
     k_rows = k_res.load(gl.SliceLayout(1, w3.type.layout)).to(gl.float32)
-    return gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
+    return gl.convert_layout(gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2), lp,
+                             assert_trivial=True)
 
 
 @gluon.jit
-def _residual_scores(w, k_res, l3: gl.constexpr, lp, IN_THREAD: gl.constexpr):
-    """The residual scores ``[T, G]`` in the scores' layout ``lp``."""
-    if IN_THREAD:
-        scores = gl.convert_layout(_contract_in_thread(w, k_res), lp, assert_trivial=True)
-    else:
-        scores = _contract(w, k_res, l3)
-    return scores
-
-
-@gluon.jit
-def _folded_products(cos, sin, fc, fs, layout: gl.constexpr, ASYNC: gl.constexpr):
-    """``cos @ Fc^T + sin @ Fs^T`` of one tile, ``[T, G r]`` in ``layout`` (a token to wait
-    on if ``ASYNC``)."""
-    T: gl.constexpr = cos.type.shape[0]
-    N: gl.constexpr = fc.type.shape[0]
-    w = warpgroup_mma(cos, fc.permute((1, 0)), gl.zeros([T, N], gl.float32, layout),
-                      use_acc=False, is_async=ASYNC)
-    return warpgroup_mma(sin, fs.permute((1, 0)), w, is_async=ASYNC)
-
-
-@gluon.jit
-def _contract(w, k_res, l3: gl.constexpr):
-    """The residual scores ``[T, G]``: ``sum_k w[n, (g, k)] K_res[n, k]``. Each thread takes
-    one (key, g)'s r columns, so the contraction stays in-thread."""
-    T: gl.constexpr = w.type.shape[0]
-    R: gl.constexpr = k_res.type.shape[1]
-    G: gl.constexpr = w.type.shape[1] // R
-    w2 = gl.convert_layout(w, gl.BlockedLayout([1, R], [8, 4], [gl.num_warps(), 1], [1, 0]))
-    w3 = gl.convert_layout(gl.reshape(w2, [T, G, R]), l3)
-    k_rows = k_res.load(gl.SliceLayout(1, l3)).to(gl.float32)
-    return gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2)
-
-
-@gluon.jit
-def _consume(args, p_smem, FIRST: gl.constexpr, STEP: gl.constexpr, ASYNC: gl.constexpr,
-             IN_THREAD: gl.constexpr):
-    """One consumer warp group: tiles ``FIRST, FIRST + STEP, ..`` of the program's keys.
-    Returns its online-softmax state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2,
-    2G]`` (``V^T p``, interleaved columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
-    _, bars, bufs, ops, _, scalars = args
-    ready, empty, _ = bars
-    k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
-    q_lo, q_hi, fc, fs, _, _ = ops
-    _, _, _, start, stop, _, n_tiles, has_res = scalars
+def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
+    """Waits for tile ``i``'s slot and issues its score products, all in flight (wgmma
+    async, for the caller to wait on): the base ``K q^T [T, 2G]`` and the folded residual
+    ``cos Fc^T + sin Fs^T [T, G r]``. A row without an adapter has no cos|sin rows in its
+    slots (stale bytes): ``_tile`` drops its residual scores by ``has_res``, so the products
+    run unconditionally and no in-flight result crosses a branch."""
+    _, bars, bufs, ops, scalars = args
+    ready = bars[0]
+    k_lo, k_hi, _, _, _, _, cs_c, cs_s = bufs
+    q_lo, q_hi, fc, fs, _ = ops
     NS: gl.constexpr = k_lo.type.shape[0]
     T: gl.constexpr = k_lo.type.shape[1]
-    HALF: gl.constexpr = k_lo.type.shape[2]
+    NQ: gl.constexpr = q_lo.type.shape[0]
+    NF: gl.constexpr = fc.type.shape[0]
+    s = i % NS
+    mbarrier.wait(ready.index(s), (i // NS) & 1)
+    sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
+                       gl.zeros([T, NQ], gl.float32, s_mma), use_acc=False,
+                       is_async=True)
+    sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb, is_async=True)
+    w = warpgroup_mma(cs_c.index(s), fc.permute((1, 0)),
+                      gl.zeros([T, NF], gl.float32, p_mma), use_acc=False,
+                      is_async=True)
+    w = warpgroup_mma(cs_s.index(s), fs.permute((1, 0)), w, is_async=True)
+    return sb, w
+
+
+@gluon.jit
+def _tile(args, i, sb, w, state, lp: gl.constexpr):
+    """Tile ``i`` from its finished score products: the masked scores, the online softmax
+    and the value products (issued, not waited on). Returns the updated state."""
+    _, _, bufs, ops, scalars = args
+    _, _, v_lo, v_hi, kr, vr, _, _ = bufs
+    p_smem = ops[4]
+    _, _, _, start, stop, _, _, has_res = scalars
+    m_i, l_i, acc_lo, acc_hi, acc_r = state
+    NS: gl.constexpr = v_lo.type.shape[0]
+    T: gl.constexpr = v_lo.type.shape[1]
+    s_mma: gl.constexpr = acc_lo.type.layout
+    r_mma: gl.constexpr = acc_r.type.layout
+    s = i % NS
+    if start + (i + 1) * T > stop:
+        # The split's last tile runs past its keys: their V rows (stale or never written
+        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
+        _zero_rows_from(v_lo.index(s), stop - start - i * T)
+        _zero_rows_from(v_hi.index(s), stop - start - i * T)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - start - i * T)
+        fence_async_shared()
+    # where, not a product: the stale slots of a row without an adapter may hold NaN.
+    score = (gl.convert_layout(_evens(sb), lp)
+             + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
+    keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
+    score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(score, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(score - gl.expand_dims(m_new, 0))
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    acc_lo = acc_lo * _columns(alpha, s_mma)
+    acc_hi = acc_hi * _columns(alpha, s_mma)
+    acc_r = acc_r * _columns(alpha, r_mma)
+    p_smem.store(gl.permute(_interleave(p, gl.zeros_like(p)).to(gl.bfloat16), (1, 0)))
+    fence_async_shared()
+    acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo,
+                           is_async=True)
+    acc_hi = warpgroup_mma(v_hi.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_hi,
+                           is_async=True)
+    if has_res:  # mma_v2 reads p back from where the value wgmma reads it: no conversion
+        acc_r = mma_v2(vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2)),
+                       p_smem.permute((1, 0)).load(gl.DotOperandLayout(1, r_mma, 2)), acc_r)
+    return m_new, l_i, acc_lo, acc_hi, acc_r
+
+
+@gluon.jit
+def _release(args, i):
+    """Tile ``i``'s slot back to the loader, its reads done (the caller waited on the
+    value products)."""
+    empty = args[1][1]
+    # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+    fence_async_shared()
+    mbarrier.arrive(empty.index(i % empty.type.shape[0]))
+
+
+@gluon.jit
+def _consume(args, PREFETCH: gl.constexpr):
+    """The consumer warp group: every tile of the program's keys. Returns its online-softmax
+    state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
+    columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
+    _, _, bufs, ops, scalars = args
+    kr = bufs[4]
+    fc = ops[2]
+    n_tiles = scalars[6]
+    T: gl.constexpr = kr.type.shape[1]
     R: gl.constexpr = kr.type.shape[2]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
     G: gl.constexpr = fc.type.shape[0] // R
     GP2: gl.constexpr = 2 * G
     nw: gl.constexpr = gl.num_warps()
     s_mma: gl.constexpr = wgmma_layout(GP2, nw)
     p_mma: gl.constexpr = wgmma_layout(G * R, nw)
     r_mma: gl.constexpr = mma2_layout(nw)
-    l3: gl.constexpr = rank_layout(R, nw)
-    # [T, G]: scores, probabilities. With IN_THREAD the layout _evens gives the base scores'
-    # accumulator, where _contract_in_thread's residual scores land too.
-    if IN_THREAD:
-        zeros_tg = _evens(gl.zeros([T, GP2], gl.float32, s_mma))
-    else:
-        zeros_tg = gl.full([T, G], 0.0, gl.float32, gl.SliceLayout(2, l3))
-    lp: gl.constexpr = zeros_tg.type.layout
+    # [T, G] scores and probabilities: the layout _evens gives the base scores' accumulator,
+    # where _contract's residual scores land too.
+    lp: gl.constexpr = _evens(gl.zeros([T, GP2], gl.float32, s_mma)).type.layout
     col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
-
-    m_i = gl.full([G], float("-inf"), gl.float32, col)
-    l_i = gl.full([G], 0.0, gl.float32, col)
-    acc_lo = gl.zeros([HALF, GP2], gl.float32, s_mma)
-    acc_hi = gl.zeros([HALF, GP2], gl.float32, s_mma)
-    acc_r = gl.zeros([R, GP2], gl.float32, r_mma)
-    keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
-    for i in range(FIRST, n_tiles, STEP):
-        s = i % NS
-        mbarrier.wait(ready.index(s), (i // NS) & 1)
-        if start + (i + 1) * T > stop:
-            # The split's last tile runs past its keys: their V rows (stale or never written
-            # page slots) would reach the value products as 0 * NaN, so they are zeroed.
-            _zero_rows_from(v_lo.index(s), stop - start - i * T)
-            _zero_rows_from(v_hi.index(s), stop - start - i * T)
-            if has_res:
-                _zero_rows_from(vr.index(s), stop - start - i * T)
-            fence_async_shared()
-        sb = warpgroup_mma(k_lo.index(s), q_lo.permute((1, 0)),
-                           gl.zeros([T, GP2], gl.float32, s_mma), use_acc=False, is_async=ASYNC)
-        sb = warpgroup_mma(k_hi.index(s), q_hi.permute((1, 0)), sb, is_async=ASYNC)
-        if ASYNC:
-            # All four score products in flight at once, one wait.
-            if has_res:
-                w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, True)
-                sb_done, w_done = warpgroup_mma_wait(0, deps=(sb, w))
-                score = (gl.convert_layout(_evens(sb_done), lp)
-                         + _residual_scores(w_done, kr.index(s), l3, lp, IN_THREAD))
-            else:
-                score = gl.convert_layout(_evens(warpgroup_mma_wait(0, deps=(sb, ))), lp)
-        else:
-            score = gl.convert_layout(_evens(sb), lp)
-            if has_res:
-                w = _folded_products(cs_c.index(s), cs_s.index(s), fc, fs, p_mma, False)
-                score = score + _residual_scores(w, kr.index(s), l3, lp, IN_THREAD)
-        n = start + i * T + keys
-        score = gl.where(gl.expand_dims(n < stop, 1), score, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(score, axis=0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(score - gl.expand_dims(m_new, 0))
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        acc_lo = acc_lo * _columns(alpha, s_mma)
-        acc_hi = acc_hi * _columns(alpha, s_mma)
-        acc_r = acc_r * _columns(alpha, r_mma)
-        p2 = _interleave(p, zeros_tg).to(gl.bfloat16)  # [T, 2G]
-        p_smem.store(gl.permute(p2, (1, 0)))
-        fence_async_shared()
-        acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo,
-                               is_async=ASYNC)
-        acc_hi = warpgroup_mma(v_hi.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_hi,
-                               is_async=ASYNC)
-        if has_res:
-            a_op = vr.index(s).permute((1, 0)).load(gl.DotOperandLayout(0, r_mma, 2))
-            if IN_THREAD:  # read back from where the value wgmma reads it: no conversion
-                b_op = p_smem.permute((1, 0)).load(gl.DotOperandLayout(1, r_mma, 2))
-            else:
-                b_op = gl.convert_layout(p2, gl.DotOperandLayout(1, r_mma, 2))
-            acc_r = mma_v2(a_op, b_op, acc_r)
-        if ASYNC:  # the value products done before the slot and p_smem are reused
+    state = (gl.full([G], float("-inf"), gl.float32, col), gl.full([G], 0.0, gl.float32, col),
+             gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
+             gl.zeros([R, GP2], gl.float32, r_mma))
+    if PREFETCH:
+        if n_tiles > 0:  # an empty split waits for no slot
+            sb, w = _issue_scores(args, 0, s_mma, p_mma)
+            sb, w = warpgroup_mma_wait(0, deps=(sb, w))
+            for i in range(n_tiles):
+                # The next tile's scores (this one's again at the last: its slot is still
+                # held, so no wait and no branch) run beside this tile's softmax.
+                sb_next, w_next = _issue_scores(args, gl.minimum(i + 1, n_tiles - 1), s_mma,
+                                                p_mma)
+                m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
+                acc_lo, acc_hi, sb, w = warpgroup_mma_wait(
+                    0, deps=(acc_lo, acc_hi, sb_next, w_next))
+                state = (m_i, l_i, acc_lo, acc_hi, acc_r)
+                _release(args, i)
+    else:
+        for i in range(n_tiles):
+            sb, w = _issue_scores(args, i, s_mma, p_mma)
+            sb, w = warpgroup_mma_wait(0, deps=(sb, w))
+            m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
             acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
-        # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s))
-    return m_i, l_i, acc_lo, acc_hi, acc_r
-
-
-@gluon.jit
-def _first_consumer(args, CONSUMERS: gl.constexpr, ASYNC: gl.constexpr,
-                    IN_THREAD: gl.constexpr):
-    if CONSUMERS == 2:
-        # A worker partition reads its arguments from a shared-memory buffer at its start,
-        # and the compiler gives this partition's layout-conversion scratch the same bytes
-        # (Triton 3.6; allocation.offset of both in the TTGIR after AllocateSharedMemoryNv).
-        # The loader has read its own before its first copy lands (this partition's first
-        # conversion waits for it); the second consumer says so by ``started``.
-        mbarrier.wait(args[1][2], 0)
-    return _consume(args, args[3][4], 0, CONSUMERS, ASYNC, IN_THREAD)
-
-
-@gluon.jit
-def _second_consumer(args, ASYNC: gl.constexpr, IN_THREAD: gl.constexpr):
-    """The odd tiles; its state handed over in shared memory (a worker returns nothing)."""
-    mbarrier.arrive(args[1][2])
-    m_i, l_i, acc_lo, acc_hi, acc_r = _consume(args, args[3][5], 1, 2, ASYNC, IN_THREAD)
-    h_m, h_l, h_lo, h_hi, h_r = args[4]
-    h_m.store(m_i)
-    h_l.store(l_i)
-    h_lo.store(acc_lo)
-    h_hi.store(acc_hi)
-    h_r.store(acc_r)
-
-
-@gluon.jit
-def _merge_consumers(state, handoff, G: gl.constexpr, R: gl.constexpr):
-    """The first consumer's state merged with the second's (log-sum-exp of two splits)."""
-    m0, l0, lo0, hi0, r0 = state
-    h_m, h_l, h_lo, h_hi, h_r = handoff
-    nw: gl.constexpr = gl.num_warps()
-    s_mma: gl.constexpr = wgmma_layout(2 * G, nw)
-    r_mma: gl.constexpr = mma2_layout(nw)
-    m1 = h_m.load(m0.type.layout)
-    l1 = h_l.load(l0.type.layout)
-    m = gl.maximum(m0, m1)
-    a0 = gl.where(m0 == float("-inf"), 0.0, gl.exp2(m0 - m))
-    a1 = gl.where(m1 == float("-inf"), 0.0, gl.exp2(m1 - m))
-    return (m, l0 * a0 + l1 * a1,
-            lo0 * _columns(a0, s_mma) + h_lo.load(s_mma) * _columns(a1, s_mma),
-            hi0 * _columns(a0, s_mma) + h_hi.load(s_mma) * _columns(a1, s_mma),
-            r0 * _columns(a0, r_mma) + h_r.load(r_mma) * _columns(a1, r_mma))
+            state = (m_i, l_i, acc_lo, acc_hi, acc_r)
+            _release(args, i)
+    return state
 
 
 @gluon.jit
@@ -376,8 +327,7 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, CONSUMERS: gl.constexpr,
-        ASYNC_MMA: gl.constexpr, IN_THREAD: gl.constexpr, DIRECT: gl.constexpr,
+        T: gl.constexpr, STAGES_: gl.constexpr, PREFETCH_: gl.constexpr, DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
@@ -426,8 +376,8 @@ def _residual_decode_ws_kernel(
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G * R, HALF], gl.bfloat16)
     fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
-    fc.store(_fold_rows(fq_lo * fb_lo + fq_hi * fb_hi, IN_THREAD).to(gl.bfloat16))
-    fs.store(_fold_rows(fq_hi * fb_lo - fq_lo * fb_hi, IN_THREAD).to(gl.bfloat16))
+    fc.store(_fold_rows(fq_lo * fb_lo + fq_hi * fb_hi).to(gl.bfloat16))
+    fs.store(_fold_rows(fq_hi * fb_lo - fq_lo * fb_hi).to(gl.bfloat16))
 
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -442,35 +392,17 @@ def _residual_decode_ws_kernel(
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if CONSUMERS == 2:
-        started = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(started, count=1)
-    else:
-        started = ready  # read by no one: the one consumer's first conversion waits on ready
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
-    p_first = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
-    p_second = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    handoff = (gl.allocate_shared_memory(gl.float32, [G], flat1),
-               gl.allocate_shared_memory(gl.float32, [G], flat1),
-               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
-               gl.allocate_shared_memory(gl.float32, [HALF, GP2], flat),
-               gl.allocate_shared_memory(gl.float32, [R, GP2], flat))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()
-    args = ((kd, vd, krd, vrd, csd), (ready, empty, started),
-            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_first, p_second),
-            handoff, (BlockTables + row * stride_bt, ResTables + row * stride_rbt,
-                      head * HEAD_DIM, start, stop, seq_len, n_tiles, has_res))
-    if CONSUMERS == 2:
-        state = gl.warp_specialize([(_first_consumer, (args, CONSUMERS, ASYNC_MMA, IN_THREAD)),
-                                    (_second_consumer, (args, ASYNC_MMA, IN_THREAD)),
-                                    (_loader, (args, ASYNC_MMA, IN_THREAD))], [4, 1], [232, 40])
-        m_i, l_i, acc_lo, acc_hi, acc_r = _merge_consumers(state, handoff, G, R)
-    else:
-        m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-            [(_first_consumer, (args, CONSUMERS, ASYNC_MMA, IN_THREAD)),
-             (_loader, (args, ASYNC_MMA, IN_THREAD))], [1], [40])
+    # One tuple for both partitions (a worker's arguments are the default's, by signature):
+    # descriptors, barriers, slots, the operands made above, the program's integers.
+    args = ((kd, vd, krd, vrd, csd), (ready, empty),
+            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
+            (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
+             start, stop, seq_len, n_tiles, has_res))
+    m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
+        [(_consume, (args, PREFETCH_)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -530,8 +462,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       consumers: int = CONSUMERS, async_mma: bool = False,
-                       in_thread: bool = False) -> torch.Tensor:
+                       prefetch: bool = PREFETCH) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -561,9 +492,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        CONSUMERS=consumers, ASYNC_MMA=async_mma, IN_THREAD=in_thread, DIRECT=direct,
-        num_warps=4,
-        maxnreg=MAXNREG[consumers])
+        PREFETCH_=prefetch, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

@@ -22,8 +22,7 @@ from forkserve.kernels.rope import default_inv_freq
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, consumers: int, async_mma: bool,
-               in_thread: bool) -> tuple[str, int]:
+def build_sm90(direct: bool, prefetch: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -43,8 +42,7 @@ def build_sm90(direct: bool, consumers: int, async_mma: bool,
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  CONSUMERS=consumers, ASYNC_MMA=async_mma, IN_THREAD=in_thread,
-                  DIRECT=direct, num_warps=4)
+                  PREFETCH_=prefetch, DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
@@ -52,14 +50,12 @@ def build_sm90(direct: bool, consumers: int, async_mma: bool,
     src = GluonASTSource(fn=kernel, signature=sig,
                          constexprs={(names.index(n),): v for n, v in consts.items()})
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4, maxnreg=ws.MAXNREG[consumers]))
+                           options=dict(num_warps=4, maxnreg=ws.MAXNREG))
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,consumers,async_mma,in_thread", [
-    (False, 2, False, False), (True, 1, False, False), (False, 1, True, True)])
-def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, async_mma: bool,
-                                   in_thread: bool, tmp_path) -> None:
+@pytest.mark.parametrize("direct,prefetch", [(False, True), (True, False)])
+def test_ws_kernel_builds_for_sm90(direct: bool, prefetch: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -67,8 +63,7 @@ def test_ws_kernel_builds_for_sm90(direct: bool, consumers: int, async_mma: bool
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(consumers),
-                          str(int(async_mma)), str(int(in_thread)),
+    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(int(prefetch)),
                           str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
@@ -100,18 +95,15 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("options", [{}, {"consumers": 2}, {"async_mma": True},
-                                     {"in_thread": True},
-                                     {"consumers": 2, "async_mma": True, "in_thread": True}],
-                         ids=["c1", "c2", "c1-async", "c1-in-thread", "c2-async-in-thread"])
+@pytest.mark.parametrize("options", [{"prefetch": False}, {"prefetch": True}],
+                         ids=["tile-by-tile", "prefetch"])
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
                                 options: dict) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
-    directly) and three (empty splits at the short rows); one consumer warp group and two
-    (alternate tiles, merged at the end; a one-tile split leaves the second one empty), the
-    products waited on one by one and in flight together (``async_mma``), the scores in
-    the base accumulator's layout (``in_thread``: the folds' rows in lane order)."""
+    directly) and three (empty splits at the short rows); each tile's score products issued
+    after the last tile's values, or before its softmax (``prefetch``; at a split's last
+    tile its own again)."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
                           ws=options)
@@ -138,19 +130,24 @@ def test_ws_under_a_cuda_graph() -> None:
     assert torch.equal(captured, eager)
 
 
-def test_the_default_variant_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A call naming no variant nor any option of one (the engine's) runs the policy's pick:
-    ws up to 16 rows where its kernel takes the shapes, two-pass past that or where it does
-    not; a call with an option of its own keeps two-pass's default."""
+    ws where its kernel takes the shapes (at any batch, unless the policy bounds it),
+    two-pass where it does not; a call with an option of its own keeps two-pass's default."""
     from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
     from forkserve.kernels import residual_decode_triton as rdt
+    from forkserve.kernels.decode_policy import DecodeVariantPolicy
 
-    args, _ = _inputs(1, [40] * 17)
+    args, _ = _inputs(1, [40] * 65)
     assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == (
-        "ws" if DEVICE.type == "cuda" and len(args[0]) <= 16 else "two_pass")
+        "ws" if DEVICE.type == "cuda" else "two_pass")
+    narrow = args[0][:, :8].contiguous()  # a GQA group of 1: not ws's
+    assert DEFAULT_DECODE_POLICY.variant(narrow, args[1], args[3]) == "two_pass"
     monkeypatch.setattr(residual_decode_gluon, "supports", lambda *a: True)
-    assert DEFAULT_DECODE_POLICY.variant(args[0][:16], args[1], args[3]) == "ws"
-    assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "two_pass"
+    assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "ws"
+    bounded = DecodeVariantPolicy(ws_max_batch=16)
+    assert bounded.variant(args[0][:16], args[1], args[3]) == "ws"
+    assert bounded.variant(args[0][:17], args[1], args[3]) == "two_pass"
     seen = []
     monkeypatch.setattr(rdt, "residual_decode_triton", lambda *a, **k: seen.append(k))
     short = (args[0][:2], *args[1:])
@@ -167,7 +164,6 @@ def test_ws_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(bool(int(sys.argv[1])), int(sys.argv[2]), bool(int(sys.argv[3])),
-                             bool(int(sys.argv[4])))
-    (Path(sys.argv[5]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[5]) / "shared").write_text(str(shared))
+    ptx, shared = build_sm90(bool(int(sys.argv[1])), bool(int(sys.argv[2])))
+    (Path(sys.argv[3]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[3]) / "shared").write_text(str(shared))
