@@ -141,7 +141,7 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     args, _ = _inputs(1, [40] * 65)
     assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == (
         "ws" if DEVICE.type == "cuda" else "two_pass")
-    narrow = args[0][:, :8].contiguous()  # a GQA group of 1: not ws's
+    narrow = args[0][:, :4].contiguous()  # a GQA group of 2: not ws's
     assert DEFAULT_DECODE_POLICY.variant(narrow, args[1], args[3]) == "two_pass"
     monkeypatch.setattr(residual_decode_gluon, "supports", lambda *a: True)
     assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "ws"
