@@ -2,7 +2,7 @@
 groups, since removed, 3 of 7 H200 launches hung or faulted, and 6 of 8 probe cases with a
 guard)
 
-Each case (rows x keys x splits x prefetch) runs in a process of its own
+Each case (rows x keys x splits x options) runs in a process of its own
 under a timeout, because a hung kernel hangs its process and a fault poisons its CUDA
 context. A case launches ``residual_decode(variant="ws")`` ``--repeats`` times over random
 pools (16-key pages scattered, rank-16 adapters, every fourth row without one) and compares
@@ -39,7 +39,8 @@ def run_case(cmd: list[str], timeout: float) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def child(batch: int, keys: int, splits: int, prefetch: int, repeats: int) -> dict:
+def child(batch: int, keys: int, splits: int, prefetch: int, split_slots: int,
+          repeats: int) -> dict:
     import torch
 
     from forkserve.kernels import residual_decode
@@ -65,7 +66,8 @@ def child(batch: int, keys: int, splits: int, prefetch: int, repeats: int) -> di
     start = time.perf_counter()
     for _ in range(repeats):
         out = residual_decode(*args, use_triton=True, variant="ws", num_splits=splits or None,
-                              ws={"prefetch": bool(prefetch)},
+                              ws={"prefetch": bool(prefetch),
+                                  "split_slots": bool(split_slots)},
                               max_seq_len=keys)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -84,9 +86,11 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
                     help="the next tile's score products before this tile's softmax (1) or "
                          "after its values (0)")
+    ap.add_argument("--split-slots", type=int, nargs="+", default=[0, 1],
+                    help="a slot's scores and values halves on barriers of their own (1)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--child", type=int, nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -96,14 +100,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res = {"commit": source_commit(), "repeats": args.repeats, "timeout_s": args.timeout,
            "cases": []}
-    for prefetch, batch, keys, splits in itertools.product(
-            args.prefetch, args.batches, args.keys, args.splits):
-        case = {"prefetch": prefetch, "batch": batch, "keys": keys, "splits": splits}
+    for prefetch, split_slots, batch, keys, splits in itertools.product(
+            args.prefetch, args.split_slots, args.batches, args.keys, args.splits):
+        case = {"prefetch": prefetch, "split_slots": split_slots, "batch": batch, "keys": keys,
+                "splits": splits}
         case |= run_case([sys.executable, __file__, "--child", str(batch), str(keys),
-                          str(splits), str(prefetch), str(args.repeats)],
+                          str(splits), str(prefetch), str(split_slots), str(args.repeats)],
                          args.timeout)
         res["cases"].append(case)
-        print(f"prefetch {prefetch} batch {batch:3d} keys {keys:6d} "
+        print(f"prefetch {prefetch} split {split_slots} batch {batch:3d} keys {keys:6d} "
               f"splits {splits or 'plan':>4}"
               f"  {case['status']:5s} {case.get('max_rel_err', '')} {case.get('error', '')}",
               flush=True)

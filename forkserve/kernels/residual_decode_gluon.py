@@ -58,7 +58,12 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 # The registers each thread starts with: the loader's warp group is cut to 40 (its
 # ``warp_specialize`` count), the consumer keeps these.
 MAXNREG = 256
-PREFETCH = False  # the next tile's score products before this tile's softmax: not yet measured
+# The next tile's score products before this tile's softmax: 1.04-1.41x unified against
+# 1.00-1.17x without on the H200 (round 21): the consumer then holds two of the three slots.
+PREFETCH = False
+# A slot's scores half (K, K_res, cos|sin) and values half (V, V_res) on barriers of their own:
+# the next keys' K gathered while this tile's V is read. Prepared, not yet measured.
+SPLIT_SLOTS = False
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -87,47 +92,70 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
-def _loader(args):
+def _loader(args, SPLIT: gl.constexpr):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
     descs, bars, bufs, _, scalars = args
     kd, vd, krd, vrd, csd = descs
-    ready, empty = bars
+    ready_k, ready_v, empty_k, empty_v = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
     HALF: gl.constexpr = k_lo.type.shape[2]
     T: gl.constexpr = k_lo.type.shape[1]
     NS: gl.constexpr = k_lo.type.shape[0]
     P: gl.constexpr = kd.block_type.shape[0]
-    kv_bytes: gl.constexpr = 4 * (T // P) * kd.block_type.nbytes
-    res_bytes: gl.constexpr = 2 * (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
+    # A slot's halves: what the scores read (K, K_res, cos|sin) and what the values read (V,
+    # V_res). With SPLIT each half has its own barriers, so the next keys' scores half is
+    # gathered while this tile's values are still being read.
+    k_bytes: gl.constexpr = 2 * (T // P) * kd.block_type.nbytes
+    k_res_bytes: gl.constexpr = (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
+    v_res_bytes: gl.constexpr = (T // P) * vrd.block_type.nbytes
     last_page = (seq_len - 1) // P
     for i in range(n_tiles):
         s = i % NS
-        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        phase = ((i // NS) & 1) ^ 1
         n0 = start + i * T
-        bar = ready.index(s)
+        bar_k = ready_k.index(s)
+        mbarrier.wait(empty_k.index(s), phase)
         # expect's byte count is a constant: one of the two, by predicate.
-        mbarrier.expect(bar, kv_bytes + res_bytes, pred=has_res)
-        mbarrier.expect(bar, kv_bytes, pred=not has_res)
+        if SPLIT:
+            mbarrier.expect(bar_k, k_bytes + k_res_bytes, pred=has_res)
+            mbarrier.expect(bar_k, k_bytes, pred=not has_res)
+        else:
+            mbarrier.expect(bar_k, 2 * k_bytes + k_res_bytes + v_res_bytes, pred=has_res)
+            mbarrier.expect(bar_k, 2 * k_bytes, pred=not has_res)
+        # Pages past the sequence's end (a split's last tile) are clamped to its last page:
+        # in bounds, and the compute side masks their keys.
         for j in gl.static_range(T // P):
-            # Pages past the sequence's end (a split's last tile) are clamped to its last
-            # page: in bounds, and the compute side masks their keys.
-            pi = gl.minimum(n0 // P + j, last_page)
-            row = gl.load(bt_row + pi) * P
-            tma.async_copy_global_to_shared(kd, [row, kv_col], bar, k_lo.index(s).slice(j * P, P))
-            tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar,
+            row = gl.load(bt_row + gl.minimum(n0 // P + j, last_page)) * P
+            tma.async_copy_global_to_shared(kd, [row, kv_col], bar_k,
+                                            k_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar_k,
                                             k_hi.index(s).slice(j * P, P))
-            tma.async_copy_global_to_shared(vd, [row, kv_col], bar, v_lo.index(s).slice(j * P, P))
-            tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar,
-                                            v_hi.index(s).slice(j * P, P))
             if has_res:
-                rrow = gl.load(rbt_row + pi) * P
-                tma.async_copy_global_to_shared(krd, [rrow, 0], bar, kr.index(s).slice(j * P, P))
-                tma.async_copy_global_to_shared(vrd, [rrow, 0], bar, vr.index(s).slice(j * P, P))
+                rrow = gl.load(rbt_row + gl.minimum(n0 // P + j, last_page)) * P
+                tma.async_copy_global_to_shared(krd, [rrow, 0], bar_k,
+                                                kr.index(s).slice(j * P, P))
         if has_res:
             # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
-            tma.async_copy_global_to_shared(csd, [n0, 0], bar, cs_c.index(s))
-            tma.async_copy_global_to_shared(csd, [n0, HALF], bar, cs_s.index(s))
+            tma.async_copy_global_to_shared(csd, [n0, 0], bar_k, cs_c.index(s))
+            tma.async_copy_global_to_shared(csd, [n0, HALF], bar_k, cs_s.index(s))
+        if SPLIT:
+            bar_v = ready_v.index(s)
+            mbarrier.wait(empty_v.index(s), phase)
+            mbarrier.expect(bar_v, k_bytes + v_res_bytes, pred=has_res)
+            mbarrier.expect(bar_v, k_bytes, pred=not has_res)
+        else:
+            bar_v = bar_k
+        for j in gl.static_range(T // P):
+            row = gl.load(bt_row + gl.minimum(n0 // P + j, last_page)) * P
+            tma.async_copy_global_to_shared(vd, [row, kv_col], bar_v,
+                                            v_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar_v,
+                                            v_hi.index(s).slice(j * P, P))
+            if has_res:
+                rrow = gl.load(rbt_row + gl.minimum(n0 // P + j, last_page)) * P
+                tma.async_copy_global_to_shared(vrd, [rrow, 0], bar_v,
+                                                vr.index(s).slice(j * P, P))
 
 
 @gluon.jit
@@ -194,7 +222,7 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
     slots (stale bytes): ``_tile`` drops its residual scores by ``has_res``, so the products
     run unconditionally and no in-flight result crosses a branch."""
     _, bars, bufs, ops, scalars = args
-    ready = bars[0]
+    ready = bars[0]  # ready_k: the scores' half
     k_lo, k_hi, _, _, _, _, cs_c, cs_s = bufs
     q_lo, q_hi, fc, fs, _ = ops
     NS: gl.constexpr = k_lo.type.shape[0]
@@ -215,10 +243,13 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr):
+def _tile(args, i, sb, w, state, lp: gl.constexpr, SPLIT: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
-    and the value products (issued, not waited on). Returns the updated state."""
-    _, _, bufs, ops, scalars = args
+    and the value products (issued, not waited on). With ``SPLIT`` the slot's scores half
+    goes back to the loader once read, and the values half is waited for here. Returns the
+    updated state."""
+    _, bars, bufs, ops, scalars = args
+    _, ready_v, empty_k, _ = bars
     _, _, v_lo, v_hi, kr, vr, _, _ = bufs
     p_smem = ops[4]
     _, _, _, start, stop, _, _, has_res = scalars
@@ -228,17 +259,12 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr):
     s_mma: gl.constexpr = acc_lo.type.layout
     r_mma: gl.constexpr = acc_r.type.layout
     s = i % NS
-    if start + (i + 1) * T > stop:
-        # The split's last tile runs past its keys: their V rows (stale or never written
-        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
-        _zero_rows_from(v_lo.index(s), stop - start - i * T)
-        _zero_rows_from(v_hi.index(s), stop - start - i * T)
-        if has_res:
-            _zero_rows_from(vr.index(s), stop - start - i * T)
-        fence_async_shared()
     # where, not a product: the stale slots of a row without an adapter may hold NaN.
     score = (gl.convert_layout(_evens(sb), lp)
              + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
+    if SPLIT:
+        fence_async_shared()  # K_res's generic-proxy reads before the loader's next writes
+        mbarrier.arrive(empty_k.index(s))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(score, axis=0))
@@ -248,6 +274,15 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr):
     acc_lo = acc_lo * _columns(alpha, s_mma)
     acc_hi = acc_hi * _columns(alpha, s_mma)
     acc_r = acc_r * _columns(alpha, r_mma)
+    if SPLIT:
+        mbarrier.wait(ready_v.index(s), (i // NS) & 1)
+    if start + (i + 1) * T > stop:
+        # The split's last tile runs past its keys: their V rows (stale or never written
+        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
+        _zero_rows_from(v_lo.index(s), stop - start - i * T)
+        _zero_rows_from(v_hi.index(s), stop - start - i * T)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - start - i * T)
     p_smem.store(gl.permute(_interleave(p, gl.zeros_like(p)).to(gl.bfloat16), (1, 0)))
     fence_async_shared()
     acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo,
@@ -261,17 +296,18 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr):
 
 
 @gluon.jit
-def _release(args, i):
-    """Tile ``i``'s slot back to the loader, its reads done (the caller waited on the
-    value products)."""
-    empty = args[1][1]
+def _release(args, i, SPLIT: gl.constexpr):
+    """Tile ``i``'s slot (with ``SPLIT`` its values half) back to the loader, its reads
+    done (the caller waited on the value products)."""
+    _, _, empty_k, empty_v = args[1]
+    empty = empty_v if SPLIT else empty_k
     # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
     fence_async_shared()
     mbarrier.arrive(empty.index(i % empty.type.shape[0]))
 
 
 @gluon.jit
-def _consume(args, PREFETCH: gl.constexpr):
+def _consume(args, PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -304,19 +340,19 @@ def _consume(args, PREFETCH: gl.constexpr):
                 # held, so no wait and no branch) run beside this tile's softmax.
                 sb_next, w_next = _issue_scores(args, gl.minimum(i + 1, n_tiles - 1), s_mma,
                                                 p_mma)
-                m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
+                m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SPLIT)
                 acc_lo, acc_hi, sb, w = warpgroup_mma_wait(
                     0, deps=(acc_lo, acc_hi, sb_next, w_next))
                 state = (m_i, l_i, acc_lo, acc_hi, acc_r)
-                _release(args, i)
+                _release(args, i, SPLIT)
     else:
         for i in range(n_tiles):
             sb, w = _issue_scores(args, i, s_mma, p_mma)
             sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-            m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
+            m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SPLIT)
             acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
             state = (m_i, l_i, acc_lo, acc_hi, acc_r)
-            _release(args, i)
+            _release(args, i, SPLIT)
     return state
 
 
@@ -327,8 +363,8 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, PREFETCH_: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, PREFETCH_: gl.constexpr, SPLIT_: gl.constexpr,
+        DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -387,22 +423,26 @@ def _residual_decode_ws_kernel(
     vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
     cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
     cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    # ready_k, ready_v, empty_k, empty_v (without SPLIT the _k pair covers the whole slot)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    bars = (gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
+            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
+            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
+            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout))
     for i in gl.static_range(STAGES_):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        for b in gl.static_range(4):
+            mbarrier.init(bars[b].index(i), count=1)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
     # descriptors, barriers, slots, the operands made above, the program's integers.
-    args = ((kd, vd, krd, vrd, csd), (ready, empty),
+    args = ((kd, vd, krd, vrd, csd), bars,
             (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res))
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, PREFETCH_)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, PREFETCH_, SPLIT_)), (_loader, (args, SPLIT_))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -462,7 +502,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       prefetch: bool = PREFETCH) -> torch.Tensor:
+                       prefetch: bool = PREFETCH, split_slots: bool = SPLIT_SLOTS
+                       ) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -492,7 +533,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        PREFETCH_=prefetch, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+        PREFETCH_=prefetch, SPLIT_=split_slots, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)
