@@ -585,7 +585,7 @@ PY
   # without the next tile's scores prefetched), beside the default and two-pass at every
   # point of rows 1-2.
   export TRITON_CACHE_DIR=/root/tc20
-  variants 240 decode_round21_split default ws_split ws_split_prefetch two_pass_default
+  variants 240 "decode_round21_split${2:-}" default ws_split ws_split_prefetch two_pass_default
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

@@ -92,8 +92,33 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
+def _pick(rows, j: gl.constexpr):
+    """Element ``j`` of a small tensor as a scalar (a warp reduction: no memory round trip)."""
+    idx = gl.arange(0, rows.type.shape[0], layout=rows.type.layout)
+    return gl.sum(gl.where(idx == j, rows, 0), axis=0)
+
+
+@gluon.jit
+def _copy_pages(desc, lo, hi, res_desc, res, rows, rrows, s, bar, kv_col, has_res):
+    """One tile's pages of a K or V pool (both halves of the head) and of its residual pool,
+    into slot ``s``, on ``bar``."""
+    P: gl.constexpr = desc.block_type.shape[0]
+    HALF: gl.constexpr = lo.type.shape[2]
+    for j in gl.static_range(lo.type.shape[1] // P):
+        row = _pick(rows, j)
+        tma.async_copy_global_to_shared(desc, [row, kv_col], bar, lo.index(s).slice(j * P, P))
+        tma.async_copy_global_to_shared(desc, [row, kv_col + HALF], bar,
+                                        hi.index(s).slice(j * P, P))
+        if has_res:
+            tma.async_copy_global_to_shared(res_desc, [_pick(rrows, j), 0], bar,
+                                            res.index(s).slice(j * P, P))
+
+
+@gluon.jit
 def _loader(args, SPLIT: gl.constexpr):
-    """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
+    """The loader partition (one warp): TMA gathers of every tile of the program's keys.
+    A tile's page rows are read before it waits for the slot, so their latency hides behind
+    the wait instead of sitting between copies."""
     descs, bars, bufs, _, scalars = args
     kd, vd, krd, vrd, csd = descs
     ready_k, ready_v, empty_k, empty_v = bars
@@ -109,11 +134,17 @@ def _loader(args, SPLIT: gl.constexpr):
     k_bytes: gl.constexpr = 2 * (T // P) * kd.block_type.nbytes
     k_res_bytes: gl.constexpr = (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
     v_res_bytes: gl.constexpr = (T // P) * vrd.block_type.nbytes
+    pages = gl.arange(0, T // P, layout=gl.BlockedLayout([1], [32], [1], [0]))
     last_page = (seq_len - 1) // P
     for i in range(n_tiles):
         s = i % NS
         phase = ((i // NS) & 1) ^ 1
         n0 = start + i * T
+        # Pages past the sequence's end (a split's last tile) are clamped to its last page:
+        # in bounds, and the compute side masks their keys.
+        pi = gl.minimum(n0 // P + pages, last_page)
+        rows = gl.load(bt_row + pi) * P
+        rrows = gl.load(rbt_row + pi, mask=(pages >= 0) & has_res, other=0) * P
         bar_k = ready_k.index(s)
         mbarrier.wait(empty_k.index(s), phase)
         # expect's byte count is a constant: one of the two, by predicate.
@@ -123,18 +154,7 @@ def _loader(args, SPLIT: gl.constexpr):
         else:
             mbarrier.expect(bar_k, 2 * k_bytes + k_res_bytes + v_res_bytes, pred=has_res)
             mbarrier.expect(bar_k, 2 * k_bytes, pred=not has_res)
-        # Pages past the sequence's end (a split's last tile) are clamped to its last page:
-        # in bounds, and the compute side masks their keys.
-        for j in gl.static_range(T // P):
-            row = gl.load(bt_row + gl.minimum(n0 // P + j, last_page)) * P
-            tma.async_copy_global_to_shared(kd, [row, kv_col], bar_k,
-                                            k_lo.index(s).slice(j * P, P))
-            tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar_k,
-                                            k_hi.index(s).slice(j * P, P))
-            if has_res:
-                rrow = gl.load(rbt_row + gl.minimum(n0 // P + j, last_page)) * P
-                tma.async_copy_global_to_shared(krd, [rrow, 0], bar_k,
-                                                kr.index(s).slice(j * P, P))
+        _copy_pages(kd, k_lo, k_hi, krd, kr, rows, rrows, s, bar_k, kv_col, has_res)
         if has_res:
             # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
             tma.async_copy_global_to_shared(csd, [n0, 0], bar_k, cs_c.index(s))
@@ -146,16 +166,7 @@ def _loader(args, SPLIT: gl.constexpr):
             mbarrier.expect(bar_v, k_bytes, pred=not has_res)
         else:
             bar_v = bar_k
-        for j in gl.static_range(T // P):
-            row = gl.load(bt_row + gl.minimum(n0 // P + j, last_page)) * P
-            tma.async_copy_global_to_shared(vd, [row, kv_col], bar_v,
-                                            v_lo.index(s).slice(j * P, P))
-            tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar_v,
-                                            v_hi.index(s).slice(j * P, P))
-            if has_res:
-                rrow = gl.load(rbt_row + gl.minimum(n0 // P + j, last_page)) * P
-                tma.async_copy_global_to_shared(vrd, [rrow, 0], bar_v,
-                                                vr.index(s).slice(j * P, P))
+        _copy_pages(vd, v_lo, v_hi, vrd, vr, rows, rrows, s, bar_v, kv_col, has_res)
 
 
 @gluon.jit
