@@ -62,7 +62,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 54  # CUDA fold tests, linear_bench --fold
 # Round 21 (the ws decode's options):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 57  # ws CUDA tests, the launch probe
-#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with split slots, prefetch
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with the loader's rows early and late
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -577,15 +577,14 @@ PY
   FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
     -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_ws.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  timeout 240 python3 benchmarks/ws_launch_probe.py --prefetch 0 --split-slots 0 1 \
+  timeout 240 python3 benchmarks/ws_launch_probe.py --early-rows 0 1 \
     --batches 8 32 --splits 0 --repeats 30 --out "$OUT" 2>&1 | tail -10
   ;;
 58)
-  # Round 21's bench: the ws kernel with a slot's halves on barriers of their own (with and
-  # without the next tile's scores prefetched), beside the default and two-pass at every
-  # point of rows 1-2.
+  # Round 21's bench: the ws kernel with the loader's page rows read early and late, beside
+  # the default and two-pass at every point of rows 1-2 ($2: a suffix of the JSON's tag).
   export TRITON_CACHE_DIR=/root/tc20
-  variants 240 "decode_round21_split${2:-}" default ws_split ws_split_prefetch two_pass_default
+  variants 240 "decode_round21_rows${2:-}" default ws_early_rows ws_late_rows two_pass_default
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the

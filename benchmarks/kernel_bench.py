@@ -1436,13 +1436,10 @@ VARIANTS: dict[str, dict] = {
     "ws": dict(variant="ws"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
-    # The next tile's score products issued before this tile's softmax, or after its values.
-    "ws_prefetch": dict(variant="ws", ws={"prefetch": True}),
-    "ws_noprefetch": dict(variant="ws", ws={"prefetch": False}),
-    # A slot's scores half (K, K_res, cos|sin) and values half (V, V_res) on barriers of their
-    # own: the next keys' K gathered while this tile's V is read.
-    "ws_split": dict(variant="ws", ws={"split_slots": True}),
-    "ws_split_prefetch": dict(variant="ws", ws={"split_slots": True, "prefetch": True}),
+    # The loader's page rows for a tile read at once before it waits for the slot, or one by
+    # one beside its copies.
+    "ws_early_rows": dict(variant="ws", ws={"early_rows": True}),
+    "ws_late_rows": dict(variant="ws", ws={"early_rows": False}),
 }
 
 

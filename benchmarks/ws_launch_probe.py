@@ -39,8 +39,7 @@ def run_case(cmd: list[str], timeout: float) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def child(batch: int, keys: int, splits: int, prefetch: int, split_slots: int,
-          repeats: int) -> dict:
+def child(batch: int, keys: int, splits: int, early_rows: int, repeats: int) -> dict:
     import torch
 
     from forkserve.kernels import residual_decode
@@ -66,8 +65,7 @@ def child(batch: int, keys: int, splits: int, prefetch: int, split_slots: int,
     start = time.perf_counter()
     for _ in range(repeats):
         out = residual_decode(*args, use_triton=True, variant="ws", num_splits=splits or None,
-                              ws={"prefetch": bool(prefetch),
-                                  "split_slots": bool(split_slots)},
+                              ws={"early_rows": bool(early_rows)},
                               max_seq_len=keys)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -83,14 +81,11 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1],
                     help="0: the plan's count")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
-                    help="the next tile's score products before this tile's softmax (1) or "
-                         "after its values (0)")
-    ap.add_argument("--split-slots", type=int, nargs="+", default=[0, 1],
-                    help="a slot's scores and values halves on barriers of their own (1)")
+    ap.add_argument("--early-rows", type=int, nargs="+", default=[0, 1],
+                    help="the loader's page rows read a tile at once before its wait (1)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--child", type=int, nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -100,15 +95,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res = {"commit": source_commit(), "repeats": args.repeats, "timeout_s": args.timeout,
            "cases": []}
-    for prefetch, split_slots, batch, keys, splits in itertools.product(
-            args.prefetch, args.split_slots, args.batches, args.keys, args.splits):
-        case = {"prefetch": prefetch, "split_slots": split_slots, "batch": batch, "keys": keys,
-                "splits": splits}
+    for early_rows, batch, keys, splits in itertools.product(
+            args.early_rows, args.batches, args.keys, args.splits):
+        case = {"early_rows": early_rows, "batch": batch, "keys": keys, "splits": splits}
         case |= run_case([sys.executable, __file__, "--child", str(batch), str(keys),
-                          str(splits), str(prefetch), str(split_slots), str(args.repeats)],
+                          str(splits), str(early_rows), str(args.repeats)],
                          args.timeout)
         res["cases"].append(case)
-        print(f"prefetch {prefetch} split {split_slots} batch {batch:3d} keys {keys:6d} "
+        print(f"early rows {early_rows} batch {batch:3d} keys {keys:6d} "
               f"splits {splits or 'plan':>4}"
               f"  {case['status']:5s} {case.get('max_rel_err', '')} {case.get('error', '')}",
               flush=True)

@@ -15,8 +15,9 @@ not). Here the roles are explicit (``gl.warp_specialize``):
   with the keys as M, all four in flight before one wait; the rank contraction with
   ``K_res`` in each thread's registers (the folds' rows in lane order, ``_fold_rows``); the
   online softmax; ``V^T @ p`` by wgmma beside ``V_res^T @ p`` by mma_v2; then it frees the
-  slot. With ``prefetch`` the next tile's score products are issued before this tile's
-  softmax, so they run while it does.
+  slot. (Round 21 on the H200: the next tile's score products issued before this tile's
+  softmax lost 0.04-0.26x unified, the consumer then holding two of the three slots; each
+  slot's K and V halves on barriers of their own gained nothing.)
 
 So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
 padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
@@ -58,12 +59,9 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 # The registers each thread starts with: the loader's warp group is cut to 40 (its
 # ``warp_specialize`` count), the consumer keeps these.
 MAXNREG = 256
-# The next tile's score products before this tile's softmax: 1.04-1.41x unified against
-# 1.00-1.17x without on the H200 (round 21): the consumer then holds two of the three slots.
-PREFETCH = False
-# A slot's scores half (K, K_res, cos|sin) and values half (V, V_res) on barriers of their own:
-# the next keys' K gathered while this tile's V is read. Prepared, not yet measured.
-SPLIT_SLOTS = False
+# A tile's page rows read by the loader as one small tensor before it waits for the slot,
+# instead of one by one between the copies. Prepared, not yet measured.
+EARLY_ROWS = False
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -99,74 +97,60 @@ def _pick(rows, j: gl.constexpr):
 
 
 @gluon.jit
-def _copy_pages(desc, lo, hi, res_desc, res, rows, rrows, s, bar, kv_col, has_res):
-    """One tile's pages of a K or V pool (both halves of the head) and of its residual pool,
-    into slot ``s``, on ``bar``."""
-    P: gl.constexpr = desc.block_type.shape[0]
-    HALF: gl.constexpr = lo.type.shape[2]
-    for j in gl.static_range(lo.type.shape[1] // P):
-        row = _pick(rows, j)
-        tma.async_copy_global_to_shared(desc, [row, kv_col], bar, lo.index(s).slice(j * P, P))
-        tma.async_copy_global_to_shared(desc, [row, kv_col + HALF], bar,
-                                        hi.index(s).slice(j * P, P))
-        if has_res:
-            tma.async_copy_global_to_shared(res_desc, [_pick(rrows, j), 0], bar,
-                                            res.index(s).slice(j * P, P))
-
-
-@gluon.jit
-def _loader(args, SPLIT: gl.constexpr):
+def _loader(args, EARLY_ROWS: gl.constexpr):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys.
-    A tile's page rows are read before it waits for the slot, so their latency hides behind
-    the wait instead of sitting between copies."""
+    With ``EARLY_ROWS`` a tile's page rows are read as one small tensor before the loader
+    waits for the slot (their latency behind the wait), else one by one beside the copies."""
     descs, bars, bufs, _, scalars = args
     kd, vd, krd, vrd, csd = descs
-    ready_k, ready_v, empty_k, empty_v = bars
+    ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
     HALF: gl.constexpr = k_lo.type.shape[2]
     T: gl.constexpr = k_lo.type.shape[1]
     NS: gl.constexpr = k_lo.type.shape[0]
     P: gl.constexpr = kd.block_type.shape[0]
-    # A slot's halves: what the scores read (K, K_res, cos|sin) and what the values read (V,
-    # V_res). With SPLIT each half has its own barriers, so the next keys' scores half is
-    # gathered while this tile's values are still being read.
-    k_bytes: gl.constexpr = 2 * (T // P) * kd.block_type.nbytes
-    k_res_bytes: gl.constexpr = (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
-    v_res_bytes: gl.constexpr = (T // P) * vrd.block_type.nbytes
-    pages = gl.arange(0, T // P, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    kv_bytes: gl.constexpr = 4 * (T // P) * kd.block_type.nbytes
+    res_bytes: gl.constexpr = 2 * (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
     last_page = (seq_len - 1) // P
+    pages = gl.arange(0, T // P, layout=gl.BlockedLayout([1], [32], [1], [0]))
     for i in range(n_tiles):
         s = i % NS
-        phase = ((i // NS) & 1) ^ 1
         n0 = start + i * T
-        # Pages past the sequence's end (a split's last tile) are clamped to its last page:
-        # in bounds, and the compute side masks their keys.
-        pi = gl.minimum(n0 // P + pages, last_page)
-        rows = gl.load(bt_row + pi) * P
-        rrows = gl.load(rbt_row + pi, mask=(pages >= 0) & has_res, other=0) * P
-        bar_k = ready_k.index(s)
-        mbarrier.wait(empty_k.index(s), phase)
+        if EARLY_ROWS:
+            tile_pages = gl.minimum(n0 // P + pages, last_page)
+            rows = gl.load(bt_row + tile_pages) * P
+            rrows = gl.load(rbt_row + tile_pages, mask=(pages >= 0) & has_res, other=0) * P
+        mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        bar = ready.index(s)
         # expect's byte count is a constant: one of the two, by predicate.
-        if SPLIT:
-            mbarrier.expect(bar_k, k_bytes + k_res_bytes, pred=has_res)
-            mbarrier.expect(bar_k, k_bytes, pred=not has_res)
-        else:
-            mbarrier.expect(bar_k, 2 * k_bytes + k_res_bytes + v_res_bytes, pred=has_res)
-            mbarrier.expect(bar_k, 2 * k_bytes, pred=not has_res)
-        _copy_pages(kd, k_lo, k_hi, krd, kr, rows, rrows, s, bar_k, kv_col, has_res)
+        mbarrier.expect(bar, kv_bytes + res_bytes, pred=has_res)
+        mbarrier.expect(bar, kv_bytes, pred=not has_res)
+        for j in gl.static_range(T // P):
+            # Pages past the sequence's end (a split's last tile) are clamped to its last
+            # page: in bounds, and the compute side masks their keys.
+            pi = gl.minimum(n0 // P + j, last_page)
+            if EARLY_ROWS:
+                row = _pick(rows, j)
+            else:
+                row = gl.load(bt_row + pi) * P
+            tma.async_copy_global_to_shared(kd, [row, kv_col], bar, k_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar,
+                                            k_hi.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(vd, [row, kv_col], bar, v_lo.index(s).slice(j * P, P))
+            tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar,
+                                            v_hi.index(s).slice(j * P, P))
+            if has_res:
+                if EARLY_ROWS:
+                    rrow = _pick(rrows, j)
+                else:
+                    rrow = gl.load(rbt_row + pi) * P
+                tma.async_copy_global_to_shared(krd, [rrow, 0], bar, kr.index(s).slice(j * P, P))
+                tma.async_copy_global_to_shared(vrd, [rrow, 0], bar, vr.index(s).slice(j * P, P))
         if has_res:
             # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
-            tma.async_copy_global_to_shared(csd, [n0, 0], bar_k, cs_c.index(s))
-            tma.async_copy_global_to_shared(csd, [n0, HALF], bar_k, cs_s.index(s))
-        if SPLIT:
-            bar_v = ready_v.index(s)
-            mbarrier.wait(empty_v.index(s), phase)
-            mbarrier.expect(bar_v, k_bytes + v_res_bytes, pred=has_res)
-            mbarrier.expect(bar_v, k_bytes, pred=not has_res)
-        else:
-            bar_v = bar_k
-        _copy_pages(vd, v_lo, v_hi, vrd, vr, rows, rrows, s, bar_v, kv_col, has_res)
+            tma.async_copy_global_to_shared(csd, [n0, 0], bar, cs_c.index(s))
+            tma.async_copy_global_to_shared(csd, [n0, HALF], bar, cs_s.index(s))
 
 
 @gluon.jit
@@ -233,7 +217,7 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
     slots (stale bytes): ``_tile`` drops its residual scores by ``has_res``, so the products
     run unconditionally and no in-flight result crosses a branch."""
     _, bars, bufs, ops, scalars = args
-    ready = bars[0]  # ready_k: the scores' half
+    ready = bars[0]
     k_lo, k_hi, _, _, _, _, cs_c, cs_s = bufs
     q_lo, q_hi, fc, fs, _ = ops
     NS: gl.constexpr = k_lo.type.shape[0]
@@ -254,13 +238,10 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr, SPLIT: gl.constexpr):
+def _tile(args, i, sb, w, state, lp: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
-    and the value products (issued, not waited on). With ``SPLIT`` the slot's scores half
-    goes back to the loader once read, and the values half is waited for here. Returns the
-    updated state."""
-    _, bars, bufs, ops, scalars = args
-    _, ready_v, empty_k, _ = bars
+    and the value products (issued, not waited on). Returns the updated state."""
+    _, _, bufs, ops, scalars = args
     _, _, v_lo, v_hi, kr, vr, _, _ = bufs
     p_smem = ops[4]
     _, _, _, start, stop, _, _, has_res = scalars
@@ -270,12 +251,17 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SPLIT: gl.constexpr):
     s_mma: gl.constexpr = acc_lo.type.layout
     r_mma: gl.constexpr = acc_r.type.layout
     s = i % NS
+    if start + (i + 1) * T > stop:
+        # The split's last tile runs past its keys: their V rows (stale or never written
+        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
+        _zero_rows_from(v_lo.index(s), stop - start - i * T)
+        _zero_rows_from(v_hi.index(s), stop - start - i * T)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - start - i * T)
+        fence_async_shared()
     # where, not a product: the stale slots of a row without an adapter may hold NaN.
     score = (gl.convert_layout(_evens(sb), lp)
              + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
-    if SPLIT:
-        fence_async_shared()  # K_res's generic-proxy reads before the loader's next writes
-        mbarrier.arrive(empty_k.index(s))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(score, axis=0))
@@ -285,15 +271,6 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SPLIT: gl.constexpr):
     acc_lo = acc_lo * _columns(alpha, s_mma)
     acc_hi = acc_hi * _columns(alpha, s_mma)
     acc_r = acc_r * _columns(alpha, r_mma)
-    if SPLIT:
-        mbarrier.wait(ready_v.index(s), (i // NS) & 1)
-    if start + (i + 1) * T > stop:
-        # The split's last tile runs past its keys: their V rows (stale or never written
-        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
-        _zero_rows_from(v_lo.index(s), stop - start - i * T)
-        _zero_rows_from(v_hi.index(s), stop - start - i * T)
-        if has_res:
-            _zero_rows_from(vr.index(s), stop - start - i * T)
     p_smem.store(gl.permute(_interleave(p, gl.zeros_like(p)).to(gl.bfloat16), (1, 0)))
     fence_async_shared()
     acc_lo = warpgroup_mma(v_lo.index(s).permute((1, 0)), p_smem.permute((1, 0)), acc_lo,
@@ -307,18 +284,17 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _release(args, i, SPLIT: gl.constexpr):
-    """Tile ``i``'s slot (with ``SPLIT`` its values half) back to the loader, its reads
-    done (the caller waited on the value products)."""
-    _, _, empty_k, empty_v = args[1]
-    empty = empty_v if SPLIT else empty_k
+def _release(args, i):
+    """Tile ``i``'s slot back to the loader, its reads done (the caller waited on the
+    value products)."""
+    empty = args[1][1]
     # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
     fence_async_shared()
     mbarrier.arrive(empty.index(i % empty.type.shape[0]))
 
 
 @gluon.jit
-def _consume(args, PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
+def _consume(args):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -342,28 +318,13 @@ def _consume(args, PREFETCH: gl.constexpr, SPLIT: gl.constexpr):
     state = (gl.full([G], float("-inf"), gl.float32, col), gl.full([G], 0.0, gl.float32, col),
              gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
              gl.zeros([R, GP2], gl.float32, r_mma))
-    if PREFETCH:
-        if n_tiles > 0:  # an empty split waits for no slot
-            sb, w = _issue_scores(args, 0, s_mma, p_mma)
-            sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-            for i in range(n_tiles):
-                # The next tile's scores (this one's again at the last: its slot is still
-                # held, so no wait and no branch) run beside this tile's softmax.
-                sb_next, w_next = _issue_scores(args, gl.minimum(i + 1, n_tiles - 1), s_mma,
-                                                p_mma)
-                m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SPLIT)
-                acc_lo, acc_hi, sb, w = warpgroup_mma_wait(
-                    0, deps=(acc_lo, acc_hi, sb_next, w_next))
-                state = (m_i, l_i, acc_lo, acc_hi, acc_r)
-                _release(args, i, SPLIT)
-    else:
-        for i in range(n_tiles):
-            sb, w = _issue_scores(args, i, s_mma, p_mma)
-            sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-            m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SPLIT)
-            acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
-            state = (m_i, l_i, acc_lo, acc_hi, acc_r)
-            _release(args, i, SPLIT)
+    for i in range(n_tiles):
+        sb, w = _issue_scores(args, i, s_mma, p_mma)
+        sb, w = warpgroup_mma_wait(0, deps=(sb, w))
+        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
+        acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
+        state = (m_i, l_i, acc_lo, acc_hi, acc_r)
+        _release(args, i)
     return state
 
 
@@ -374,8 +335,8 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, PREFETCH_: gl.constexpr, SPLIT_: gl.constexpr,
-        DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, EARLY_ROWS_: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -434,26 +395,22 @@ def _residual_decode_ws_kernel(
     vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
     cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
     cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    # ready_k, ready_v, empty_k, empty_v (without SPLIT the _k pair covers the whole slot)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    bars = (gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
-            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
-            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout),
-            gl.allocate_shared_memory(gl.int64, [STAGES_, 1], bar_layout))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
-        for b in gl.static_range(4):
-            mbarrier.init(bars[b].index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
     # descriptors, barriers, slots, the operands made above, the program's integers.
-    args = ((kd, vd, krd, vrd, csd), bars,
+    args = ((kd, vd, krd, vrd, csd), (ready, empty),
             (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res))
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, PREFETCH_, SPLIT_)), (_loader, (args, SPLIT_))], [1], [40])
+        [(_consume, (args, )), (_loader, (args, EARLY_ROWS_))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -513,8 +470,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       prefetch: bool = PREFETCH, split_slots: bool = SPLIT_SLOTS
-                       ) -> torch.Tensor:
+                       early_rows: bool = EARLY_ROWS) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -544,7 +500,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        PREFETCH_=prefetch, SPLIT_=split_slots, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+        EARLY_ROWS_=early_rows, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

@@ -22,7 +22,7 @@ from forkserve.kernels.rope import default_inv_freq
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, prefetch: bool, split_slots: bool) -> tuple[str, int]:
+def build_sm90(direct: bool, early_rows: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +42,7 @@ def build_sm90(direct: bool, prefetch: bool, split_slots: bool) -> tuple[str, in
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  PREFETCH_=prefetch, SPLIT_=split_slots, DIRECT=direct, num_warps=4)
+                  EARLY_ROWS_=early_rows, DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
@@ -54,9 +54,8 @@ def build_sm90(direct: bool, prefetch: bool, split_slots: bool) -> tuple[str, in
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,prefetch,split_slots", [(False, True, True), (True, False, False)])
-def test_ws_kernel_builds_for_sm90(direct: bool, prefetch: bool, split_slots: bool,
-                                   tmp_path) -> None:
+@pytest.mark.parametrize("direct,early_rows", [(False, True), (True, False)])
+def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -64,8 +63,8 @@ def test_ws_kernel_builds_for_sm90(direct: bool, prefetch: bool, split_slots: bo
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(int(prefetch)),
-                          str(int(split_slots)), str(tmp_path)],
+    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(int(early_rows)),
+                          str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -96,18 +95,14 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("options", [{"prefetch": False, "split_slots": False},
-                                     {"prefetch": True}, {"split_slots": True},
-                                     {"prefetch": True, "split_slots": True}],
-                         ids=["tile-by-tile", "prefetch", "split-slots", "prefetch-split-slots"])
+@pytest.mark.parametrize("options", [{"early_rows": False}, {"early_rows": True}],
+                         ids=["rows-by-copies", "early-rows"])
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
                                 options: dict) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
-    directly) and three (empty splits at the short rows); each tile's score products issued
-    after the last tile's values, or before its softmax (``prefetch``; at a split's last
-    tile its own again); each slot on one pair of barriers or its halves on a pair each
-    (``split_slots``)."""
+    directly) and three (empty splits at the short rows); the loader's page rows read one by
+    one or a tile's at once (``early_rows``)."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
                           ws=options)
@@ -168,6 +163,6 @@ def test_ws_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(*(bool(int(a)) for a in sys.argv[1:4]))
-    (Path(sys.argv[4]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[4]) / "shared").write_text(str(shared))
+    ptx, shared = build_sm90(*(bool(int(a)) for a in sys.argv[1:3]))
+    (Path(sys.argv[3]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[3]) / "shared").write_text(str(shared))
