@@ -63,6 +63,7 @@
 # Round 21 (the ws decode's options):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 57  # ws CUDA tests, the launch probe
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with the loader's rows early and late
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 59  # react W=32, every LoRA system, ws default
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -585,6 +586,11 @@ PY
   # the default and two-pass at every point of rows 1-2 ($2: a suffix of the JSON's tag).
   export TRITON_CACHE_DIR=/root/tc20
   variants 240 "decode_round21_rows${2:-}" default ws_early_rows ws_late_rows two_pass_default
+  ;;
+59)
+  # Round 21: react W = 32, every LoRA system, with ws the decode default at every batch
+  # (rows 7-9; the engine's decode attention of the split form).
+  W=32 round10 react issue15_round21 "${2:-300}"
   ;;
 suite)
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
