@@ -64,6 +64,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 57  # ws CUDA tests, the launch probe
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with the loader's rows early and late
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 59  # react W=32, every LoRA system, ws default
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 60  # ws + aLoRA CUDA tests; late operands
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -586,6 +587,16 @@ PY
   # the default and two-pass at every point of rows 1-2 ($2: a suffix of the JSON's tag).
   export TRITON_CACHE_DIR=/root/tc20
   variants 240 "decode_round21_rows${2:-}" default ws_early_rows ws_late_rows two_pass_default
+  ;;
+60)
+  # Round 21: the ws tests and the aLoRA engine test (its bf16 rule), then the queries and
+  # folds made after the fork beside the default at every point of rows 1-2.
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_decode_ws.py tests/torch/test_alora.py 2>&1 \
+    | tee "$OUT/pytest_cuda_round21_late.log" | tail -2
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  variants 200 decode_round21_late default ws_late_operands two_pass_default
   ;;
 59)
   # Round 21: react W = 32, every LoRA system, with ws the decode default at every batch

@@ -1440,6 +1440,9 @@ VARIANTS: dict[str, dict] = {
     # one beside its copies.
     "ws_early_rows": dict(variant="ws", ws={"early_rows": True}),
     "ws_late_rows": dict(variant="ws", ws={"early_rows": False}),
+    # The queries and folds made by the consumer after the fork, the loader's first gathers
+    # meanwhile.
+    "ws_late_operands": dict(variant="ws", ws={"late_operands": True}),
 }
 
 

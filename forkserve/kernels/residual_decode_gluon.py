@@ -62,6 +62,9 @@ MAXNREG = 256
 # A tile's page rows read by the loader as one small tensor before it waits for the slot,
 # instead of one by one between the copies. Prepared, not yet measured.
 EARLY_ROWS = False
+# The queries and folds made by the consumer after the fork (the loader's first gathers
+# meanwhile), not before it. Prepared, not yet measured.
+LATE_OPERANDS = False
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -101,7 +104,7 @@ def _loader(args, EARLY_ROWS: gl.constexpr):
     """The loader partition (one warp): TMA gathers of every tile of the program's keys.
     With ``EARLY_ROWS`` a tile's page rows are read as one small tensor before the loader
     waits for the slot (their latency behind the wait), else one by one beside the copies."""
-    descs, bars, bufs, _, scalars = args
+    descs, bars, bufs, _, scalars, _ = args
     kd, vd, krd, vrd, csd = descs
     ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
@@ -216,7 +219,7 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
     ``cos Fc^T + sin Fs^T [T, G r]``. A row without an adapter has no cos|sin rows in its
     slots (stale bytes): ``_tile`` drops its residual scores by ``has_res``, so the products
     run unconditionally and no in-flight result crosses a branch."""
-    _, bars, bufs, ops, scalars = args
+    _, bars, bufs, ops, scalars, _ = args
     ready = bars[0]
     k_lo, k_hi, _, _, _, _, cs_c, cs_s = bufs
     q_lo, q_hi, fc, fs, _ = ops
@@ -241,7 +244,7 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
 def _tile(args, i, sb, w, state, lp: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
     and the value products (issued, not waited on). Returns the updated state."""
-    _, _, bufs, ops, scalars = args
+    _, _, bufs, ops, scalars, _ = args
     _, _, v_lo, v_hi, kr, vr, _, _ = bufs
     p_smem = ops[4]
     _, _, _, start, stop, _, _, has_res = scalars
@@ -294,11 +297,53 @@ def _release(args, i):
 
 
 @gluon.jit
-def _consume(args):
+def _make_operands(operands, bufs):
+    """The queries, interleaved with zero rows to 2G (the N of the score wgmma), and the
+    folded matrices (residual_score_qfold.py), both in the log2 domain, into ``q_lo, q_hi,
+    fc, fs`` for the whole loop. ``operands``: the program's query row (its first head),
+    the query head stride, its adapter's ``B_k`` row (its KV head's columns), the rank
+    stride, the scale, whether it folds (a row with an adapter and keys), whether it has
+    keys."""
+    q_row, stride_qh, b_row, stride_bk, scale_log2e, f_ok, has_keys = operands
+    q_lo, q_hi, fc, fs = bufs[0], bufs[1], bufs[2], bufs[3]
+    GP2: gl.constexpr = q_lo.type.shape[0]
+    HALF: gl.constexpr = q_lo.type.shape[1]
+    G: gl.constexpr = GP2 // 2
+    R: gl.constexpr = fc.type.shape[0] // G
+    nw: gl.constexpr = gl.num_warps()
+    lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
+    qr = gl.arange(0, GP2, layout=gl.SliceLayout(1, lq))
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
+    q_ptr = q_row + (qr // 2)[:, None] * stride_qh + d[None, :]
+    q_ok = (qr % 2 == 0)[:, None] & has_keys
+    q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    # Fc[(g, k), i] = q_lo[g, i] B_lo[k, i] + q_hi[g, i] B_hi[k, i]; Fs the rotated pair.
+    lf: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [nw, 1, 1], [2, 1, 0])
+    g3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, lf))), 1), 2)
+    k3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, lf))), 0), 2)
+    i3 = gl.expand_dims(gl.expand_dims(
+        gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, lf))), 0), 1)
+    fq = q_row + g3 * stride_qh + i3
+    fq_lo = gl.load(fq, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
+    fq_hi = gl.load(fq + HALF, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
+    fb = b_row + k3 * stride_bk + i3
+    fb_lo = gl.load(fb, mask=f_ok, other=0.0).to(gl.float32)
+    fb_hi = gl.load(fb + HALF, mask=f_ok, other=0.0).to(gl.float32)
+    fc.store(_fold_rows(fq_lo * fb_lo + fq_hi * fb_hi).to(gl.bfloat16))
+    fs.store(_fold_rows(fq_hi * fb_lo - fq_lo * fb_hi).to(gl.bfloat16))
+
+
+@gluon.jit
+def _consume(args, LATE_OPERANDS: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
-    _, _, bufs, ops, scalars = args
+    _, _, bufs, ops, scalars, _ = args
     kr = bufs[4]
     fc = ops[2]
     n_tiles = scalars[6]
@@ -318,6 +363,15 @@ def _consume(args):
     state = (gl.full([G], float("-inf"), gl.float32, col), gl.full([G], 0.0, gl.float32, col),
              gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
              gl.zeros([R, GP2], gl.float32, r_mma))
+    if LATE_OPERANDS:
+        if n_tiles > 0:  # an empty split needs no operands
+            # Made here, after the fork, so the loader's first gathers run meanwhile. Not
+            # before its first tile lands: the loader reads its arguments from shared memory
+            # at its start, in bytes this partition's layout conversions may reuse (Triton
+            # 3.6; docs/KERNELS.md "Round 20").
+            mbarrier.wait(args[1][0].index(0), 0)
+            _make_operands(args[5], ops)
+            fence_async_shared()
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
@@ -335,8 +389,8 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, EARLY_ROWS_: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, EARLY_ROWS_: gl.constexpr,
+        LATE_OPERANDS_: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -352,40 +406,18 @@ def _residual_decode_ws_kernel(
     adapter = gl.load(Adapter + row)
     has_res = adapter >= 0
 
-    # The queries, interleaved with zero rows to 2G (the N of the score wgmma), in the
-    # log2 domain, and the folded matrices (residual_score_qfold.py), for the whole loop.
-    lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    qr = gl.arange(0, GP2, layout=gl.SliceLayout(1, lq))
-    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
-    q_ptr = Q + row * stride_qb + (head * G + qr // 2)[:, None] * stride_qh + d[None, :]
-    q_ok = (qr % 2 == 0)[:, None] & (n_tiles > 0)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, HALF], gl.bfloat16)
     q_lo = gl.allocate_shared_memory(gl.bfloat16, [GP2, HALF], q_layout)
     q_hi = gl.allocate_shared_memory(gl.bfloat16, [GP2, HALF], q_layout)
-    q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
-               .to(gl.bfloat16))
-    q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
-               .to(gl.bfloat16))
-    # Fc[(g, k), i] = q_lo[g, i] B_lo[k, i] + q_hi[g, i] B_hi[k, i]; Fs the rotated pair.
-    lf: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [num_warps, 1, 1], [2, 1, 0])
-    g3 = gl.expand_dims(gl.expand_dims(
-        gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, lf))), 1), 2)
-    k3 = gl.expand_dims(gl.expand_dims(
-        gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, lf))), 0), 2)
-    i3 = gl.expand_dims(gl.expand_dims(
-        gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, lf))), 0), 1)
-    f_ok = has_res & (n_tiles > 0)
-    fq = Q + row * stride_qb + (head * G + g3) * stride_qh + i3
-    fq_lo = gl.load(fq, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
-    fq_hi = gl.load(fq + HALF, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
-    fb = BK + gl.maximum(adapter, 0) * stride_ba + k3 * stride_bk + head * HEAD_DIM + i3
-    fb_lo = gl.load(fb, mask=f_ok, other=0.0).to(gl.float32)
-    fb_hi = gl.load(fb + HALF, mask=f_ok, other=0.0).to(gl.float32)
     f_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G * R, HALF], gl.bfloat16)
     fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
-    fc.store(_fold_rows(fq_lo * fb_lo + fq_hi * fb_hi).to(gl.bfloat16))
-    fs.store(_fold_rows(fq_hi * fb_lo - fq_lo * fb_hi).to(gl.bfloat16))
+    f_ok = has_res & (n_tiles > 0)
+    operands = (Q + row * stride_qb + head * G * stride_qh, stride_qh,
+                BK + gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM, stride_bk,
+                scale_log2e, f_ok, n_tiles > 0)
+    if not LATE_OPERANDS_:
+        _make_operands(operands, (q_lo, q_hi, fc, fs))
 
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -404,13 +436,14 @@ def _residual_decode_ws_kernel(
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
-    # descriptors, barriers, slots, the operands made above, the program's integers.
+    # descriptors, barriers, slots, the operands' buffers, the program's integers, what
+    # _make_operands reads.
     args = ((kd, vd, krd, vrd, csd), (ready, empty),
             (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
-             start, stop, seq_len, n_tiles, has_res))
+             start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, )), (_loader, (args, EARLY_ROWS_))], [1], [40])
+        [(_consume, (args, LATE_OPERANDS_)), (_loader, (args, EARLY_ROWS_))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -470,7 +503,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
                        max_seq_len: int = 0, num_splits: int | None = None,
-                       early_rows: bool = EARLY_ROWS) -> torch.Tensor:
+                       early_rows: bool = EARLY_ROWS, late_operands: bool = LATE_OPERANDS
+                       ) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -500,7 +534,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        EARLY_ROWS_=early_rows, DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+        EARLY_ROWS_=early_rows, LATE_OPERANDS_=late_operands, DIRECT=direct, num_warps=4,
+        maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

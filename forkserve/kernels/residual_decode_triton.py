@@ -637,7 +637,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
     polls cost about what the overlap wins); off by default.
-    ``ws``: keywords of the ws variant's ``residual_decode_ws`` (``early_rows``)."""
+    ``ws``: keywords of the ws variant's ``residual_decode_ws`` (``early_rows``,
+    ``late_operands``)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if variant == "ws":
         from forkserve.kernels.residual_decode_gluon import residual_decode_ws

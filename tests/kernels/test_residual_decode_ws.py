@@ -22,7 +22,7 @@ from forkserve.kernels.rope import default_inv_freq
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, early_rows: bool) -> tuple[str, int]:
+def build_sm90(direct: bool, early_rows: bool, late_operands: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +42,8 @@ def build_sm90(direct: bool, early_rows: bool) -> tuple[str, int]:
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  EARLY_ROWS_=early_rows, DIRECT=direct, num_warps=4)
+                  EARLY_ROWS_=early_rows, LATE_OPERANDS_=late_operands,
+                  DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
@@ -54,8 +55,10 @@ def build_sm90(direct: bool, early_rows: bool) -> tuple[str, int]:
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,early_rows", [(False, True), (True, False)])
-def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, tmp_path) -> None:
+@pytest.mark.parametrize("direct,early_rows,late_operands", [(False, True, True),
+                                                            (True, False, False)])
+def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, late_operands: bool,
+                                   tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -64,7 +67,7 @@ def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, tmp_path) -> 
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     run = subprocess.run([sys.executable, __file__, str(int(direct)), str(int(early_rows)),
-                          str(tmp_path)],
+                          str(int(late_operands)), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -95,14 +98,16 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("options", [{"early_rows": False}, {"early_rows": True}],
-                         ids=["rows-by-copies", "early-rows"])
+@pytest.mark.parametrize("options", [{"early_rows": False, "late_operands": False},
+                                     {"early_rows": True}, {"late_operands": True}],
+                         ids=["measured", "early-rows", "late-operands"])
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
                                 options: dict) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
     directly) and three (empty splits at the short rows); the loader's page rows read one by
-    one or a tile's at once (``early_rows``)."""
+    one or a tile's at once (``early_rows``); the queries and folds made before the fork
+    or after it (``late_operands``)."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
                           ws=options)
@@ -163,6 +168,6 @@ def test_ws_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(*(bool(int(a)) for a in sys.argv[1:3]))
-    (Path(sys.argv[3]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[3]) / "shared").write_text(str(shared))
+    ptx, shared = build_sm90(*(bool(int(a)) for a in sys.argv[1:4]))
+    (Path(sys.argv[4]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[4]) / "shared").write_text(str(shared))
