@@ -65,6 +65,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with the loader's rows early and late
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 59  # react W=32, every LoRA system, ws default
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 60  # ws + aLoRA CUDA tests; late operands
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 61  # the final defaults: ws tests, rows 1-2
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -597,6 +598,14 @@ PY
     | tee "$OUT/pytest_cuda_round21_late.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   variants 200 decode_round21_late default ws_late_operands two_pass_default
+  ;;
+61)
+  # Round 21's defaults (late operands): the ws tests, rows 1-2.
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_final.log" | tail -2
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  variants 150 decode_round21_default default two_pass_default
   ;;
 59)
   # Round 21: react W = 32, every LoRA system, with ws the decode default at every batch
