@@ -2,12 +2,11 @@
 
 A small strategy object, decided once per call from what the call's shapes are, so a CUDA
 graph (one batch size) captures one variant. Measured on the H200 (docs/KERNELS.md "Round
-21", ``kernel_bench_decode_round21_ws2.json``), residual / unified at 4K / 8K / 32K keys:
+21", ``kernel_bench_decode_round21_default.json``), residual / unified at 4K / 8K / 32K keys:
 
-* the warp-specialized Gluon launch (``"ws"``, its score products in flight together and
-  the rank contraction in-thread): 1.00 / 1.03 / 1.09x at batch 1, 1.08-1.15x at batch 8,
-  1.11-1.16x at batch 32-64;
-* two-pass: 1.33-1.34x at batch 1, 1.34-1.44x at batch 8-64.
+* the warp-specialized Gluon launch (``"ws"``): 0.97 / 1.01 / 1.08x at batch 1, 1.07-1.14x
+  at batch 8-64;
+* two-pass: 1.32-1.34x at batch 1, 1.33-1.43x at batch 8-64.
 
 So "ws" at every batch where its kernel takes the shapes (``residual_decode_gluon.supports``),
 two-pass elsewhere. ``ws_max_batch`` bounds it for experiments (round 20's one-by-one
