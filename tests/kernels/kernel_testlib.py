@@ -89,3 +89,22 @@ def make_adapters(gen: torch.Generator, n_adapters: int, rank: int, n_kv: int, h
     b_k = torch.randn(*shape, generator=gen) * scale
     b_v = torch.randn(*shape, generator=gen) * scale
     return b_k.to(DEVICE, dtype), b_v.to(DEVICE, dtype)
+
+
+def residual_inputs(seed: int, seq_lens: list[int], n_kv: int, head_dim: int = 32,
+                    rank: int = 8, r_max: int = 12, b_scale: float = 0.5):
+    """A paged cache with residual pools of rank ``r_max`` and three adapters: 0 and 2 of
+    rank ``r_max``, 1 of rank ``rank`` (its padding rows of B zero, as the contract says);
+    rows take adapters 0, 2, none, 1 in turn. Returns the generator (for queries drawn
+    after), the cache, ``B_k, B_v``, the rows' adapter slots and RoPE's inverse
+    frequencies."""
+    from forkserve.kernels.rope import default_inv_freq
+
+    gen = torch.Generator().manual_seed(seed)
+    c = make_cache(gen, seq_lens, n_kv, head_dim, rank=r_max)
+    b_k, b_v = make_adapters(gen, 3, r_max, n_kv, head_dim, scale=b_scale)
+    b_k[1, rank:] = 0
+    b_v[1, rank:] = 0
+    adapters = torch.tensor([(0, 2, -1, 1)[i % 4] for i in range(len(seq_lens))],
+                            dtype=torch.int32, device=DEVICE)
+    return gen, c, b_k, b_v, adapters, default_inv_freq(head_dim, device=DEVICE)

@@ -4,7 +4,15 @@ from __future__ import annotations
 import plain_oracle as plain
 import pytest
 import torch
-from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
+from kernel_testlib import (
+    DEVICE,
+    DTYPE,
+    REL_TOL,
+    make_adapters,
+    make_cache,
+    rel_err,
+    residual_inputs,
+)
 
 from forkserve.kernels import paged_decode, residual_decode
 from forkserve.kernels.rope import default_inv_freq
@@ -32,20 +40,6 @@ def test_paged_decode(seq_lens: list[int], n_heads: int, n_kv: int, num_splits: 
     out = paged_decode(q, c.k, c.v, c.block_tables, c.seq_lens, use_triton=True,
                        num_splits=num_splits, block_n=16)
     assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens)) < REL_TOL
-
-
-def _residual_inputs(seed: int, seq_lens: list[int], n_heads: int, n_kv: int, head_dim: int = 32,
-                     rank: int = 8, r_max: int = 12):
-    gen = torch.Generator().manual_seed(seed)
-    c = make_cache(gen, seq_lens, n_kv, head_dim, rank=r_max)
-    b_k, b_v = make_adapters(gen, 3, r_max, n_kv, head_dim)
-    # Adapter 1 has rank 8 < r_max: its padding rows of B are zero, as the contract says.
-    b_k[1, rank:] = 0
-    b_v[1, rank:] = 0
-    adapters = torch.tensor([(0, 2, -1, 1)[i % 4] for i in range(len(seq_lens))],
-                            dtype=torch.int32, device=DEVICE)
-    inv_freq = default_inv_freq(head_dim, device=DEVICE)
-    return gen, c, b_k, b_v, adapters, inv_freq
 
 
 # (variant, extra tuning): two-pass (scores kernel + unified loop with a score bias; the
@@ -105,8 +99,7 @@ VARIANTS = [
 @pytest.mark.parametrize("variant,tuning", VARIANTS)
 def test_residual_decode(seq_lens: list[int], n_heads: int, n_kv: int, variant: str,
                          tuning: dict) -> None:
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(len(seq_lens) * 7, seq_lens,
-                                                            n_heads, n_kv)
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(len(seq_lens) * 7, seq_lens, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
@@ -136,7 +129,7 @@ def test_residual_decode_past_4k(variant: str, tuning: dict) -> None:
     first rows (angle addition in the kernels, a direct rotation in the oracle)."""
     seq_lens = [4100 + 9, 4096 + 64]
     n_heads, n_kv, head_dim = 4, 2, 32
-    gen, c, b_k, b_v, _, inv_freq = _residual_inputs(11, seq_lens, n_heads, n_kv, head_dim)
+    gen, c, b_k, b_v, _, inv_freq = residual_inputs(11, seq_lens, n_kv, head_dim)
     adapters = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
     q = _q(gen, len(seq_lens), n_heads, head_dim)
     out = residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
@@ -186,7 +179,7 @@ def test_residual_decode_fp16(variant: str, score_tuning: dict) -> None:
 ])
 def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
     """An unknown score form, or an option of the other form, is a clear error."""
-    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    _, c, b_k, b_v, adapters, inv_freq = residual_inputs(3, [20], 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match=wrong):
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
@@ -220,7 +213,7 @@ def test_score_pass_prefetch_and_table16_change_no_score(options: dict, dtype: t
     from forkserve.kernels.rope import cached_rope_table
 
     seq_lens = [37, 100, 70, 16, 81]
-    gen, c, b_k, _, adapters, inv_freq = _residual_inputs(23, seq_lens, n_heads, n_kv)
+    gen, c, b_k, _, adapters, inv_freq = residual_inputs(23, seq_lens, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32).to(dtype)
     k_res, b_k = c.k_res.to(dtype), b_k.to(dtype)
     table = cached_rope_table(inv_freq, max(seq_lens))
@@ -255,7 +248,7 @@ def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
     from forkserve.kernels.residual_decode_triton import programmatic_launches
 
     assert programmatic_launches(DEVICE)  # an H200: on by default
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(29, batch_lens, 8, 2)
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(29, batch_lens, 2)
     q = _q(gen, len(batch_lens), 8, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
@@ -295,7 +288,7 @@ def test_follow_changes_no_output(score_tuning: dict, follow: bool | dict, split
     from forkserve.kernels.residual_decode_triton import programmatic_launches
 
     seq_lens = [37, 190, 70, 16, 81]
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(31, seq_lens, 8, 4)
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(31, seq_lens, 4)
     q = _q(gen, len(seq_lens), 8, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
@@ -318,7 +311,7 @@ def test_follow_changes_no_output(score_tuning: dict, follow: bool | dict, split
 def test_follow_refused_where_nothing_publishes() -> None:
     """``follow`` needs the q-folded pass 1 and pass 2's tile-ahead bias loads on the
     dynamic plan: elsewhere, a clear error."""
-    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    _, c, b_k, b_v, adapters, inv_freq = residual_inputs(3, [20], 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
@@ -330,7 +323,7 @@ def test_follow_refused_where_nothing_publishes() -> None:
 def test_pdl_refused_off_cuda() -> None:
     """A programmatic launch is a CUDA sm_90 feature: elsewhere, and with a pass that has no
     programmatic partner, a clear error."""
-    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    _, c, b_k, b_v, adapters, inv_freq = residual_inputs(3, [20], 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
@@ -350,7 +343,7 @@ def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(split_kv, "merge_partials", no_merge)
     seq_lens, n_heads, n_kv = [70, 9, 33, 16], 4, 2
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(9, seq_lens, n_heads, n_kv)
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(9, seq_lens, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     residual = (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq)
     out = residual_decode(q, c.k, c.v, *residual[:2], c.block_tables, c.res_block_tables,
@@ -379,7 +372,7 @@ def test_residual_columns_per_variant(monkeypatch: pytest.MonkeyPatch, variant: 
 
     monkeypatch.setattr(decode_attention, "_decode_partial_kernel", Recorder())
     seq_lens, n_heads, n_kv = [40, 9], 4, 2
-    gen, c, b_k, b_v, adapters, inv_freq = _residual_inputs(5, seq_lens, n_heads, n_kv)
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(5, seq_lens, n_kv)
     q = _q(gen, len(seq_lens), n_heads, 32)
     residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                     c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True, variant=variant,
@@ -396,7 +389,7 @@ def test_residual_columns_per_variant(monkeypatch: pytest.MonkeyPatch, variant: 
 def test_residual_plan_refused(variant: str, options: dict, wrong: str) -> None:
     """An unknown split plan, or the dynamic plan, prefetch or row slices for a variant or
     plan without them, is a clear error."""
-    _, c, b_k, b_v, adapters, inv_freq = _residual_inputs(3, [20], 2, 2)
+    _, c, b_k, b_v, adapters, inv_freq = residual_inputs(3, [20], 2)
     q = torch.zeros(1, 2, 32, dtype=DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match=wrong):
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,

@@ -13,11 +13,10 @@ from pathlib import Path
 import plain_oracle as plain
 import pytest
 import torch
-from kernel_testlib import DEVICE, REL_TOL, make_adapters, make_cache, rel_err
+from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import assemble_sm90a
 
 from forkserve.kernels import residual_decode
-from forkserve.kernels.rope import default_inv_freq
 
 HEAD_DIM, RANK = 128, 16
 
@@ -79,16 +78,12 @@ def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, late_operands
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
-    gen = torch.Generator().manual_seed(seed)
-    c = make_cache(gen, seq_lens, n_kv, HEAD_DIM, rank=RANK)
-    b_k, b_v = make_adapters(gen, 3, RANK, n_kv, HEAD_DIM, scale=0.2)
-    b_k[1, 8:] = 0  # adapter 1 has rank 8 < 16: its padding rows are zero (the contract)
-    b_v[1, 8:] = 0
-    adapters = torch.tensor([(0, 2, -1, 1)[i % 4] for i in range(len(seq_lens))],
-                            dtype=torch.int32, device=DEVICE)
+    """Rank-16 pools (adapter 1 of rank 8, padded), head_dim 128, B scaled by 0.2."""
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(
+        seed, seq_lens, n_kv, HEAD_DIM, rank=8, r_max=RANK, b_scale=0.2)
     q = torch.randn(len(seq_lens), 4 * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
-            b_k, b_v, adapters, default_inv_freq(HEAD_DIM, device=DEVICE))
+            b_k, b_v, adapters, inv_freq)
     return args, c
 
 
