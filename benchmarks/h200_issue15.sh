@@ -62,9 +62,8 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 54  # CUDA fold tests, linear_bench --fold
 # Round 21 (the ws decode's options):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 57  # ws CUDA tests, the launch probe
-#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 58  # rows 1-2: ws with the loader's rows early and late
+#   (58, 60: the benches of the options tried at ddcdc5b-458daff, since removed: KERNELS.md "Round 21")
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 59  # react W=32, every LoRA system, ws default
-#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 60  # ws + aLoRA CUDA tests; late operands
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 61  # the final defaults: ws tests, rows 1-2
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
@@ -580,27 +579,11 @@ PY
   FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
     -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_ws.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  timeout 240 python3 benchmarks/ws_launch_probe.py --early-rows 0 1 \
-    --batches 8 32 --splits 0 --repeats 30 --out "$OUT" 2>&1 | tail -10
-  ;;
-58)
-  # Round 21's bench: the ws kernel with the loader's page rows read early and late, beside
-  # the default and two-pass at every point of rows 1-2 ($2: a suffix of the JSON's tag).
-  export TRITON_CACHE_DIR=/root/tc20
-  variants 240 "decode_round21_rows${2:-}" default ws_early_rows ws_late_rows two_pass_default
-  ;;
-60)
-  # Round 21: the ws tests and the aLoRA engine test (its bf16 rule), then the queries and
-  # folds made after the fork beside the default at every point of rows 1-2.
-  export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_decode_ws.py tests/torch/test_alora.py 2>&1 \
-    | tee "$OUT/pytest_cuda_round21_late.log" | tail -2
-  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  variants 200 decode_round21_late default ws_late_operands two_pass_default
+  timeout 240 python3 benchmarks/ws_launch_probe.py --batches 8 32 --splits 0 --repeats 30 \
+    --out "$OUT" 2>&1 | tail -10
   ;;
 61)
-  # Round 21's defaults (late operands): the ws tests, rows 1-2.
+  # Round 21's final kernel: the ws tests, rows 1-2 beside two-pass.
   export TRITON_CACHE_DIR=/root/tc20
   FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
     tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_final.log" | tail -2

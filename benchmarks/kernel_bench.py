@@ -1436,13 +1436,6 @@ VARIANTS: dict[str, dict] = {
     "ws": dict(variant="ws"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
-    # The loader's page rows for a tile read at once before it waits for the slot, or one by
-    # one beside its copies.
-    "ws_early_rows": dict(variant="ws", ws={"early_rows": True}),
-    "ws_late_rows": dict(variant="ws", ws={"early_rows": False}),
-    # The queries and folds made by the consumer after the fork, the loader's first gathers
-    # meanwhile.
-    "ws_late_operands": dict(variant="ws", ws={"late_operands": True}),
 }
 
 

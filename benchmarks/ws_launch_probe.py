@@ -2,7 +2,7 @@
 groups, since removed, 3 of 7 H200 launches hung or faulted, and 6 of 8 probe cases with a
 guard)
 
-Each case (rows x keys x splits x options) runs in a process of its own
+Each case (rows x keys x splits) runs in a process of its own
 under a timeout, because a hung kernel hangs its process and a fault poisons its CUDA
 context. A case launches ``residual_decode(variant="ws")`` ``--repeats`` times over random
 pools (16-key pages scattered, rank-16 adapters, every fourth row without one) and compares
@@ -10,7 +10,7 @@ the last output with two-pass's. Per case: "ok" (seconds, the worst relative err
 (the timeout) or "fault" (the process's last stderr line). Prints a table; writes
 ``ws_launch_probe.json`` after every case.
 
-    python benchmarks/ws_launch_probe.py --out $OUT [--prefetch 0 1] [--timeout 30]
+    python benchmarks/ws_launch_probe.py --out $OUT [--batches 8 32] [--timeout 30]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run_case(cmd: list[str], timeout: float) -> dict:
     return {"status": "ok", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def child(batch: int, keys: int, splits: int, early_rows: int, repeats: int) -> dict:
+def child(batch: int, keys: int, splits: int, repeats: int) -> dict:
     import torch
 
     from forkserve.kernels import residual_decode
@@ -65,7 +65,6 @@ def child(batch: int, keys: int, splits: int, early_rows: int, repeats: int) -> 
     start = time.perf_counter()
     for _ in range(repeats):
         out = residual_decode(*args, use_triton=True, variant="ws", num_splits=splits or None,
-                              ws={"early_rows": bool(early_rows)},
                               max_seq_len=keys)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -81,11 +80,9 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1],
                     help="0: the plan's count")
-    ap.add_argument("--early-rows", type=int, nargs="+", default=[0, 1],
-                    help="the loader's page rows read a tile at once before its wait (1)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--child", type=int, nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=int, nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -95,14 +92,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     res = {"commit": source_commit(), "repeats": args.repeats, "timeout_s": args.timeout,
            "cases": []}
-    for early_rows, batch, keys, splits in itertools.product(
-            args.early_rows, args.batches, args.keys, args.splits):
-        case = {"early_rows": early_rows, "batch": batch, "keys": keys, "splits": splits}
+    for batch, keys, splits in itertools.product(args.batches, args.keys, args.splits):
+        case = {"batch": batch, "keys": keys, "splits": splits}
         case |= run_case([sys.executable, __file__, "--child", str(batch), str(keys),
-                          str(splits), str(early_rows), str(args.repeats)],
+                          str(splits), str(args.repeats)],
                          args.timeout)
         res["cases"].append(case)
-        print(f"early rows {early_rows} batch {batch:3d} keys {keys:6d} "
+        print(f"batch {batch:3d} keys {keys:6d} "
               f"splits {splits or 'plan':>4}"
               f"  {case['status']:5s} {case.get('max_rel_err', '')} {case.get('error', '')}",
               flush=True)

@@ -21,9 +21,12 @@ not). Here the roles are explicit (``gl.warp_specialize``):
 
 So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
 padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
-zeros, ``split`` back). The program makes the folded matrices ``Fc, Fs``
-(residual_score_qfold.py's algebra) and the interleaved queries itself before the partitions
-fork, both scaled into the log2 domain; ``B_v`` is applied once after the loop.
+zeros, ``split`` back). The consumer makes the folded matrices ``Fc, Fs``
+(residual_score_qfold.py's algebra) and the interleaved queries itself, both scaled into the
+log2 domain, once its first tile has landed, so the loader's first gathers run meanwhile
+(round 21: 0.00-0.04x unified faster than making them before the fork); ``B_v`` is applied
+once after the loop. (A tile's page rows read by the loader as one small tensor before its
+slot wait, instead of one by one beside the copies, gained nothing either.)
 
 Grid ``(batch * n_kv, splits)``; a program's keys are its split of its own sequence
 (``DYN_SPLIT``, the dynamic plan), its output the partials ``merge_partials`` combines, or
@@ -59,12 +62,6 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 # The registers each thread starts with: the loader's warp group is cut to 40 (its
 # ``warp_specialize`` count), the consumer keeps these.
 MAXNREG = 256
-# A tile's page rows read by the loader as one small tensor before it waits for the slot,
-# instead of one by one between the copies: no faster (H200, round 21: -0.03 to +0.02x).
-EARLY_ROWS = False
-# The queries and folds made by the consumer after the fork (the loader's first gathers
-# meanwhile), not before it: 0.00-0.04x unified faster at every point (H200, round 21).
-LATE_OPERANDS = True
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
@@ -93,17 +90,8 @@ def mma2_layout(num_warps):
 
 
 @gluon.jit
-def _pick(rows, j: gl.constexpr):
-    """Element ``j`` of a small tensor as a scalar (a warp reduction: no memory round trip)."""
-    idx = gl.arange(0, rows.type.shape[0], layout=rows.type.layout)
-    return gl.sum(gl.where(idx == j, rows, 0), axis=0)
-
-
-@gluon.jit
-def _loader(args, EARLY_ROWS: gl.constexpr):
-    """The loader partition (one warp): TMA gathers of every tile of the program's keys.
-    With ``EARLY_ROWS`` a tile's page rows are read as one small tensor before the loader
-    waits for the slot (their latency behind the wait), else one by one beside the copies."""
+def _loader(args):
+    """The loader partition (one warp): TMA gathers of every tile of the program's keys."""
     descs, bars, bufs, _, scalars, _ = args
     kd, vd, krd, vrd, csd = descs
     ready, empty = bars
@@ -116,15 +104,10 @@ def _loader(args, EARLY_ROWS: gl.constexpr):
     kv_bytes: gl.constexpr = 4 * (T // P) * kd.block_type.nbytes
     res_bytes: gl.constexpr = 2 * (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
     last_page = (seq_len - 1) // P
-    pages = gl.arange(0, T // P, layout=gl.BlockedLayout([1], [32], [1], [0]))
     for i in range(n_tiles):
         s = i % NS
-        n0 = start + i * T
-        if EARLY_ROWS:
-            tile_pages = gl.minimum(n0 // P + pages, last_page)
-            rows = gl.load(bt_row + tile_pages) * P
-            rrows = gl.load(rbt_row + tile_pages, mask=(pages >= 0) & has_res, other=0) * P
         mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+        n0 = start + i * T
         bar = ready.index(s)
         # expect's byte count is a constant: one of the two, by predicate.
         mbarrier.expect(bar, kv_bytes + res_bytes, pred=has_res)
@@ -133,10 +116,7 @@ def _loader(args, EARLY_ROWS: gl.constexpr):
             # Pages past the sequence's end (a split's last tile) are clamped to its last
             # page: in bounds, and the compute side masks their keys.
             pi = gl.minimum(n0 // P + j, last_page)
-            if EARLY_ROWS:
-                row = _pick(rows, j)
-            else:
-                row = gl.load(bt_row + pi) * P
+            row = gl.load(bt_row + pi) * P
             tma.async_copy_global_to_shared(kd, [row, kv_col], bar, k_lo.index(s).slice(j * P, P))
             tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar,
                                             k_hi.index(s).slice(j * P, P))
@@ -144,10 +124,7 @@ def _loader(args, EARLY_ROWS: gl.constexpr):
             tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar,
                                             v_hi.index(s).slice(j * P, P))
             if has_res:
-                if EARLY_ROWS:
-                    rrow = _pick(rrows, j)
-                else:
-                    rrow = gl.load(rbt_row + pi) * P
+                rrow = gl.load(rbt_row + pi) * P
                 tma.async_copy_global_to_shared(krd, [rrow, 0], bar, kr.index(s).slice(j * P, P))
                 tma.async_copy_global_to_shared(vrd, [rrow, 0], bar, vr.index(s).slice(j * P, P))
         if has_res:
@@ -300,11 +277,10 @@ def _release(args, i):
 def _make_operands(operands, bufs):
     """The queries, interleaved with zero rows to 2G (the N of the score wgmma), and the
     folded matrices (residual_score_qfold.py), both in the log2 domain, into ``q_lo, q_hi,
-    fc, fs`` for the whole loop. ``operands``: the program's query row (its first head),
-    the query head stride, its adapter's ``B_k`` row (its KV head's columns), the rank
-    stride, the scale, whether it folds (a row with an adapter and keys), whether it has
-    keys."""
-    q_row, stride_qh, b_row, stride_bk, scale_log2e, f_ok, has_keys = operands
+    fc, fs`` for the whole loop (a program with keys). ``operands``: the program's query row
+    (its first head), the query head stride, its adapter's ``B_k`` row (its KV head's
+    columns), the rank stride, the scale, whether it folds (a row with an adapter)."""
+    q_row, stride_qh, b_row, stride_bk, scale_log2e, f_ok = operands
     q_lo, q_hi, fc, fs = bufs[0], bufs[1], bufs[2], bufs[3]
     GP2: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
@@ -315,7 +291,7 @@ def _make_operands(operands, bufs):
     qr = gl.arange(0, GP2, layout=gl.SliceLayout(1, lq))
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
     q_ptr = q_row + (qr // 2)[:, None] * stride_qh + d[None, :]
-    q_ok = (qr % 2 == 0)[:, None] & has_keys
+    q_ok = (qr % 2 == 0)[:, None]
     q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
@@ -339,7 +315,7 @@ def _make_operands(operands, bufs):
 
 
 @gluon.jit
-def _consume(args, LATE_OPERANDS: gl.constexpr):
+def _consume(args):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -363,15 +339,14 @@ def _consume(args, LATE_OPERANDS: gl.constexpr):
     state = (gl.full([G], float("-inf"), gl.float32, col), gl.full([G], 0.0, gl.float32, col),
              gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
              gl.zeros([R, GP2], gl.float32, r_mma))
-    if LATE_OPERANDS:
-        if n_tiles > 0:  # an empty split needs no operands
-            # Made here, after the fork, so the loader's first gathers run meanwhile. Not
-            # before its first tile lands: the loader reads its arguments from shared memory
-            # at its start, in bytes this partition's layout conversions may reuse (Triton
-            # 3.6; docs/KERNELS.md "Round 20").
-            mbarrier.wait(args[1][0].index(0), 0)
-            _make_operands(args[5], ops)
-            fence_async_shared()
+    if n_tiles > 0:  # an empty split needs no operands
+        # Made here, after the fork, so the loader's first gathers run meanwhile. Not before
+        # its first tile lands: the loader reads its arguments from shared memory at its
+        # start, in bytes this partition's layout conversions may reuse (Triton 3.6;
+        # docs/KERNELS.md "Round 20").
+        mbarrier.wait(args[1][0].index(0), 0)
+        _make_operands(args[5], ops)
+        fence_async_shared()
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
@@ -389,8 +364,7 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, EARLY_ROWS_: gl.constexpr,
-        LATE_OPERANDS_: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -415,9 +389,7 @@ def _residual_decode_ws_kernel(
     f_ok = has_res & (n_tiles > 0)
     operands = (Q + row * stride_qb + head * G * stride_qh, stride_qh,
                 BK + gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM, stride_bk,
-                scale_log2e, f_ok, n_tiles > 0)
-    if not LATE_OPERANDS_:
-        _make_operands(operands, (q_lo, q_hi, fc, fs))
+                scale_log2e, f_ok)
 
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -443,7 +415,7 @@ def _residual_decode_ws_kernel(
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, LATE_OPERANDS_)), (_loader, (args, EARLY_ROWS_))], [1], [40])
+        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -502,9 +474,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
-                       max_seq_len: int = 0, num_splits: int | None = None,
-                       early_rows: bool = EARLY_ROWS, late_operands: bool = LATE_OPERANDS
-                       ) -> torch.Tensor:
+                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -534,8 +504,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        EARLY_ROWS_=early_rows, LATE_OPERANDS_=late_operands, DIRECT=direct, num_warps=4,
-        maxnreg=MAXNREG)
+        DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

@@ -608,8 +608,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            plan: str | None = None, prefetch: bool | None = None,
                            overlap_slices: int | None = None,
                            pdl: bool | None = None,
-                           follow: bool | dict = False,
-                           ws: dict | None = None) -> torch.Tensor:
+                           follow: bool | dict = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -636,18 +635,13 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
-    polls cost about what the overlap wins); off by default.
-    ``ws``: keywords of the ws variant's ``residual_decode_ws`` (``early_rows``,
-    ``late_operands``)."""
+    polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
     if variant == "ws":
         from forkserve.kernels.residual_decode_gluon import residual_decode_ws
         return residual_decode_ws(q, k_base, v_base, k_res, v_res, block_tables,
                                   res_block_tables, seq_lens, b_k_all, b_v_all, adapter_idx,
-                                  inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits,
-                                  **(ws or {}))
-    if ws is not None:
-        raise ValueError("ws: options of the ws variant")
+                                  inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits)
     plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
         plan = plans[0]

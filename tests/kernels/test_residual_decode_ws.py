@@ -21,7 +21,7 @@ from forkserve.kernels import residual_decode
 HEAD_DIM, RANK = 128, 16
 
 
-def build_sm90(direct: bool, early_rows: bool, late_operands: bool) -> tuple[str, int]:
+def build_sm90(direct: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,7 +41,6 @@ def build_sm90(direct: bool, early_rows: bool, late_operands: bool) -> tuple[str
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  EARLY_ROWS_=early_rows, LATE_OPERANDS_=late_operands,
                   DIRECT=direct, num_warps=4)
     kernel = ws._residual_decode_ws_kernel
     names = kernel.arg_names
@@ -54,10 +53,8 @@ def build_sm90(direct: bool, early_rows: bool, late_operands: bool) -> tuple[str
     return built.asm["ptx"], built.metadata.shared
 
 
-@pytest.mark.parametrize("direct,early_rows,late_operands", [(False, True, True),
-                                                            (True, False, False)])
-def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, late_operands: bool,
-                                   tmp_path) -> None:
+@pytest.mark.parametrize("direct", [False, True])
+def test_ws_kernel_builds_for_sm90(direct: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
     own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
@@ -65,8 +62,7 @@ def test_ws_kernel_builds_for_sm90(direct: bool, early_rows: bool, late_operands
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(int(early_rows)),
-                          str(int(late_operands)), str(tmp_path)],
+    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -93,19 +89,12 @@ cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_9
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("options", [{"early_rows": False, "late_operands": False},
-                                     {"early_rows": True}, {"late_operands": True}],
-                         ids=["measured", "early-rows", "late-operands"])
-def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
-                                options: dict) -> None:
+def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
     adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
-    directly) and three (empty splits at the short rows); the loader's page rows read one by
-    one or a tile's at once (``early_rows``); the queries and folds made before the fork
-    or after it (``late_operands``)."""
+    directly) and three (empty splits at the short rows, which make no operands)."""
     args, c = _inputs(len(seq_lens), seq_lens)
-    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                          ws=options)
+    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits)
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -163,6 +152,6 @@ def test_ws_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(*(bool(int(a)) for a in sys.argv[1:4]))
-    (Path(sys.argv[4]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[4]) / "shared").write_text(str(shared))
+    ptx, shared = build_sm90(bool(int(sys.argv[1])))
+    (Path(sys.argv[2]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[2]) / "shared").write_text(str(shared))
