@@ -35,6 +35,7 @@ a GQA group of 4, residual rank 16, bf16, contiguous pools; the rest stay on two
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -50,7 +51,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from forkserve.kernels.residual_decode_triton import programmatic_launches
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
@@ -64,15 +64,28 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 MAXNREG = 256
 
 
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU: the kernel lowers to sm_90a's wgmma, which later
+    architectures (sm_100, sm_120) do not have. Cached: the policy asks on every eager
+    layer call."""
+    return device.type == "cuda" and _hopper(
+        torch.cuda.current_device() if device.index is None else device.index)
+
+
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
-    """Whether ``residual_decode_ws`` takes these shapes (see the module docstring)."""
+    """Whether ``residual_decode_ws`` takes these shapes on this device (see the module
+    docstring)."""
     n_kv, head_dim = k_base.shape[2], k_base.shape[3]
-    # The TMA descriptors view the pools as 2-D row-major tensors. The device check is
-    # pdl's (CUDA, sm_90+; cached: the policy asks on every eager layer call).
+    # The TMA descriptors view the pools as 2-D row-major tensors.
     return (q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
             and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
             and head_dim == 128 and q.shape[1] == 4 * n_kv and k_res.shape[2] == 16
-            and programmatic_launches(q.device))
+            and hopper(q.device))
 
 
 @gluon.constexpr_function
@@ -481,7 +494,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
     the split plan; graph-safe)."""
     if not supports(q, k_base, k_res):
         raise ValueError("residual_decode_ws: 16-key pages, head_dim 128, a GQA group of 4, "
-                         "rank 16, bf16 on sm_90+")
+                         "rank 16, bf16 on an sm_90 GPU")
     if b_k_all.stride() != b_v_all.stride():
         raise ValueError("residual_decode_ws: B_k and B_v stacked alike (one pair of strides)")
     batch, n_heads, head_dim = q.shape

@@ -83,7 +83,9 @@ def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
     return args, c
 
 
-cuda_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon runs on sm_90+ only")
+cuda_only = pytest.mark.skipif(
+    DEVICE.type != "cuda" or torch.cuda.get_device_capability() != (9, 0),
+    reason="the kernel is sm_90a's (wgmma)")
 
 
 @cuda_only
@@ -128,7 +130,7 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
 
     args, _ = _inputs(1, [40] * 65)
     assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == (
-        "ws" if DEVICE.type == "cuda" else "two_pass")
+        "ws" if residual_decode_gluon.hopper(args[0].device) else "two_pass")
     narrow = args[0][:, :4].contiguous()  # a GQA group of 2: not ws's
     assert DEFAULT_DECODE_POLICY.variant(narrow, args[1], args[3]) == "two_pass"
     monkeypatch.setattr(residual_decode_gluon, "supports", lambda *a: True)
@@ -142,6 +144,24 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     residual_decode(*short, use_triton=True, max_seq_len=64)
     residual_decode(*short, use_triton=True, pdl=False)
     assert seen == [{"max_seq_len": 64, "variant": "ws"}, {"pdl": False}]
+
+
+def test_ws_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm_90 takes the kernel; Blackwell (sm_100, sm_120) has no wgmma, so the policy falls
+    back to two-pass there (and on CPU)."""
+    from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
+
+    args, _ = _inputs(1, [40], n_kv=8)
+    cuda = torch.device("cuda", 0)
+    for capability, takes in (((9, 0), True), ((10, 0), False), ((12, 0), False),
+                              ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
+        residual_decode_gluon._hopper.cache_clear()
+        assert residual_decode_gluon.hopper(cuda) is takes
+    residual_decode_gluon._hopper.cache_clear()
+    assert not residual_decode_gluon.hopper(torch.device("cpu"))
+    if DEVICE.type == "cpu":
+        assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "two_pass"
 
 
 def test_ws_refuses_other_shapes() -> None:
