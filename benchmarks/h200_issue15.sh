@@ -81,6 +81,7 @@
 # The acceptance's CUDA suite (every torch, kernel and cascade test on the GPU, whole log kept):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh suite [FOLDERS]
 set -u
+# pytest runs quiet already (pyproject's addopts: -q); another -q would drop the summary line.
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu_$1.txt"
@@ -98,7 +99,7 @@ round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in
     "$OUT/$1_multilora_$2.json"
 }
 decode_tests() {  # $1: the log's tag, $2: pytest -k; tests/kernels/test_decode.py on CUDA
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
     tests/kernels/test_decode.py -k "$2" 2>&1 | tee "$OUT/pytest_cuda_$1.log" | tail -3
 }
 variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every point of rows 1-2
@@ -109,7 +110,7 @@ variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every poi
 }
 case "$1" in
 1)
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -x tests/kernels/test_shared_prefix.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:warnings -x tests/kernels/test_shared_prefix.py \
     tests/torch/test_cascade.py tests/torch/test_attention_backends.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_cascade.log"
   timeout 180 python3 benchmarks/kernel_bench.py --variants two_pass_bn64 two_pass_bn64_keysm64 \
     --contexts 4096 8192 32768 --batches 1 8 32 64 --tag issue15 --out "$OUT" 2>&1 | tail -20
@@ -131,7 +132,7 @@ case "$1" in
     --cascade on off --repeat 3 --tag issue15_no_lora_v3 --out "$OUT" 2>&1 | tail -4
   ;;
 4)
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings tests/kernels/test_shared_prefix.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:warnings tests/kernels/test_shared_prefix.py \
     tests/kernels/test_decode.py tests/torch/test_cascade.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_split_cascade.log"
   timeout 200 python3 -m forkserve.interfaces.cli bench react --workflows 32 --systems disaggregated_base \
     --cascade on off --tag issue15_disaggregated_base_split --out "$OUT" 2>&1 | tail -4
@@ -150,7 +151,7 @@ case "$1" in
     --cascade on off --tag issue15_adaptive --out "$OUT" 2>&1 | tail -4
   ;;
 7)
-  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_flash_prefill.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:warnings tests/kernels/test_flash_prefill.py \
     tests/kernels/test_prefill.py tests/kernels/test_decode.py tests/torch/test_attention_backends.py \
     tests/torch/test_launch.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round2.log"
   timeout 150 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -24
@@ -172,7 +173,7 @@ case "$1" in
   # Round 3, first call: the CUDA tests of what round 3 built (materialized-scores decode,
   # steady rows read from columns, mixed-form batches under graphs), then the msc variants
   # beside the best two-pass forms of round 2.
-  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:warnings tests/kernels/test_decode.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:warnings tests/kernels/test_decode.py \
     tests/kernels/test_shared_prefix.py \
     tests/torch/test_batch.py tests/torch/test_launch.py tests/torch/test_cascade.py tests/torch/test_layouts.py \
     tests/torch/test_mixed_forms.py tests/torch/test_host_pool.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round3.log"
@@ -212,7 +213,7 @@ case "$1" in
   # step's prefill route once. CUDA tests of what it touched,
   # then unified beside disaggregated at W = 32 with per-kernel step profiles of both (the
   # unified prefill profile round 3 lacked): is disaggregated prefill <= 1.3x unified?
-  FORKSERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -q -p no:warnings tests/torch/test_prefill_writes.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 230 python3 -m pytest -p no:warnings tests/torch/test_prefill_writes.py \
     tests/torch/test_layouts.py tests/torch/test_batch.py tests/torch/test_mixed_forms.py \
     tests/torch/test_mixed_tick.py tests/torch/test_launch.py tests/torch/test_attention_backends.py \
     tests/torch/test_lora.py 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round4.log"
@@ -226,7 +227,7 @@ case "$1" in
   # msc's, then the decode variants beside two-pass and msc: <name>_scores_ms is pass 1 on
   # both streams, <name>_base_ms / <name>_res_ms each half alone (overlap: scores ~ the
   # longer half). The JSON is rewritten after every case, so a cut keeps the cases done.
-  FORKSERVE_TEST_DEVICE=cuda timeout 140 python3 -m pytest -q -p no:warnings tests/kernels/test_decode_msc2s.py \
+  FORKSERVE_TEST_DEVICE=cuda timeout 140 python3 -m pytest -p no:warnings tests/kernels/test_decode_msc2s.py \
     tests/kernels/test_decode.py -k msc 2>&1 | tail -15 | tee "$OUT/pytest_cuda_round5.log"
   timeout 380 python3 benchmarks/kernel_bench.py --variants two_pass_bn64_keysm64 two_pass_qfold_t64 msc_bn64 \
     msc2s_bn64 msc2s_bn64_r2 msc2s_bn64_r4 --skip shared --contexts 4096 8192 32768 --batches 1 8 32 64 \
@@ -327,14 +328,14 @@ case "$1" in
   ;;
 28)
   # Round 10: the split cascade launch by launch (and its float16 score buffer).
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:warnings -p no:cacheprovider -rfE \
     tests/kernels/test_shared_prefix.py tests/kernels/test_sm90_compile.py tests/torch/test_cascade.py \
     2>&1 | tee "$OUT/pytest_cuda_round10_csplit.log" | tail -6
   timeout 300 python3 benchmarks/kernel_bench.py --cascade-split --out "$OUT" 2>&1 | tail -40
   ;;
 30)
   # Round 11: the split cascade's float16 scores and row-grid value pass as the default.
-  FORKSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+  FORKSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -p no:warnings -p no:cacheprovider -rfE \
     tests/kernels/test_shared_prefix.py tests/torch/test_cascade.py \
     2>&1 | tee "$OUT/pytest_cuda_round11_defaults.log" | tail -4
   export TRITON_CACHE_DIR=/root/triton_round11 && rm -rf "$TRITON_CACHE_DIR"
@@ -346,7 +347,7 @@ case "$1" in
   # Round 11b: the merge's fixed split tiles, float16 scores relative to the running max
   # (no second reduction in the prefix launch): CUDA tests, pass 1's tunings in the split
   # cascade at 8K x 32, then react W = 32 (base, then the three systems).
-  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:warnings -p no:cacheprovider -rfE \
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:warnings -p no:cacheprovider -rfE \
     tests/kernels/test_decode.py tests/kernels/test_shared_prefix.py tests/torch/test_cascade.py \
     2>&1 | tee "$OUT/pytest_cuda_round11b.log" | tail -3
   timeout 150 python3 benchmarks/kernel_bench.py --cascade-split --split-prefixes 8192 \
@@ -517,7 +518,7 @@ case "$1" in
   # then linear_bench (every Llama-3-8B projection at 1, 32 and 64 rows against cuBLAS; writes
   # the tuning to adopt, skinny_tuning.json).
   export TRITON_CACHE_DIR=/root/tc18
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
     tests/kernels/test_skinny_gemm.py tests/kernels/test_sm90_compile.py \
     tests/torch/test_model.py -k "skinny or test_triton_glue" 2>&1 \
     | tee "$OUT/pytest_cuda_round18_skinny.log" | tail -3
@@ -534,7 +535,7 @@ case "$1" in
   # Round 20: the folded norms (TorchBackend(fold_norms)): their CUDA tests, then linear_bench
   # --fold at 1 and 64 rows (the /norm and /add keys of the tuning to merge).
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
     tests/kernels/test_skinny_gemm.py tests/torch/test_model.py -k "norm or residual or folded" \
     2>&1 | tee "$OUT/pytest_cuda_round20_fold.log" | tail -3
   mkdir -p "$OUT/fold"
@@ -545,7 +546,7 @@ case "$1" in
   # (the bench's tolerance now two ulps at the output's largest magnitude) merged into the
   # packaged tuning here, then 53's A/B with the folded backend on the merged tuning.
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider -p no:warnings \
     tests/torch/test_model.py -k "folded" 2>&1 | tee "$OUT/pytest_cuda_round20b_fold.log" | tail -3
   mkdir -p "$OUT/fold"
   timeout 150 python3 benchmarks/linear_bench.py --fold --rows 1 64 --projections gate_up \
@@ -565,7 +566,7 @@ PY
   # Round 20c: the warp-specialized Gluon decode (variant "ws"): its CUDA tests, then beside
   # the default at every point of rows 1-2 (only if the tests pass: a hang stops at 90 s).
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
     -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round20_ws.log" | tail -15
   if [ "${PIPESTATUS[0]}" = 0 ]; then
     variants 230 "decode_round20_ws${2:-}" two_pass_default ws
@@ -576,7 +577,7 @@ PY
   # hang costs its 30 s, not the call). Two consumer warp groups faulted here in 6 of 8 cases
   # and are gone (docs/KERNELS.md "Round 21").
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
     -rA tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_ws.log" | tail -4
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   timeout 240 python3 benchmarks/ws_launch_probe.py --batches 8 32 --splits 0 --repeats 30 \
@@ -585,7 +586,7 @@ PY
 61)
   # Round 21's final kernel: the ws tests, rows 1-2 beside two-pass.
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
     tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round21_final.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   variants 150 decode_round21_default default two_pass_default
