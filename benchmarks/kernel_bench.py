@@ -1432,7 +1432,7 @@ VARIANTS: dict[str, dict] = {
     "folded_bn64_nopf": dict(variant="folded", block_n=64, prefetch=False),
     "folded_bn32": dict(variant="folded", block_n=32),
     # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
-    # warp beside the warp group of products, softmax and values (its module defaults).
+    # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),

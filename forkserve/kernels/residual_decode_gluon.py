@@ -35,7 +35,6 @@ a GQA group of 4, residual rank 16, bf16, contiguous pools; the rest stay on two
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -51,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from forkserve.kernels.residual_decode_triton import cuda_capability
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
@@ -64,17 +64,10 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 MAXNREG = 256
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def hopper(device: torch.device) -> bool:
     """Whether ``device`` is an sm_90 GPU: the kernel lowers to sm_90a's wgmma, which later
-    architectures (sm_100, sm_120) do not have. Cached: the policy asks on every eager
-    layer call."""
-    return device.type == "cuda" and _hopper(
-        torch.cuda.current_device() if device.index is None else device.index)
+    architectures (sm_100, sm_120) do not have."""
+    return cuda_capability(device) == (9, 0)
 
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ additive, ``q.K = q.K_base + q.RoPE(K_res B_k)``:
   every head's whole logits, pass 2 reads only them, V_base and V_res;
 * ``"msc2s"`` (residual_msc2s.py): msc with pass 1's halves as two kernels on two streams
   (base logits from K_base; the q-folded residual score), pass 2 summing both;
-* ``"ws"`` (residual_decode_gluon.py, Gluon on sm_90+, the shapes of its ``supports``): one
+* ``"ws"`` (residual_decode_gluon.py, Gluon on sm_90, the shapes of its ``supports``): one
   warp-specialized launch, a loader warp gathering each tile by TMA while a warp group runs
   the q-folded products, the softmax and the value products.
 
@@ -133,15 +133,23 @@ def block_maxima(scores: torch.Tensor, block_n: int) -> torch.Tensor | None:
 
 
 @functools.cache
-def _sm90_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability (None off CUDA). Cached: the decode calls ask on every
+    eager layer call."""
+    if device.type != "cuda":
+        return None
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def programmatic_launches(device: torch.device) -> bool:
     """Whether ``device`` launches a kernel programmatically after another (``pdl``):
     CUDA, sm_90 or later."""
-    return device.type == "cuda" and _sm90_or_later(
-        torch.cuda.current_device() if device.index is None else device.index)
+    capability = cuda_capability(device)
+    return capability is not None and capability >= (9, 0)
 
 
 def score_tuning_for(batch: int) -> dict:

@@ -150,15 +150,16 @@ def test_ws_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """sm_90 takes the kernel; Blackwell (sm_100, sm_120) has no wgmma, so the policy falls
     back to two-pass there (and on CPU)."""
     from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
+    from forkserve.kernels import residual_decode_triton as rdt
 
     args, _ = _inputs(1, [40], n_kv=8)
     cuda = torch.device("cuda", 0)
     for capability, takes in (((9, 0), True), ((10, 0), False), ((12, 0), False),
                               ((8, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
-        residual_decode_gluon._hopper.cache_clear()
+        rdt._capability.cache_clear()
         assert residual_decode_gluon.hopper(cuda) is takes
-    residual_decode_gluon._hopper.cache_clear()
+    rdt._capability.cache_clear()
     assert not residual_decode_gluon.hopper(torch.device("cpu"))
     if DEVICE.type == "cpu":
         assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "two_pass"
