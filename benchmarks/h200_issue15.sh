@@ -65,6 +65,9 @@
 #   (58, 60: the benches of the options tried at ddcdc5b-458daff, since removed: KERNELS.md "Round 21")
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 59  # react W=32, every LoRA system, ws default
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 61  # the final defaults: ws tests, rows 1-2
+# Round 22 (FlashAttention-4 as the prefill's library kernel; its wheels carried in parts made
+# by benchmarks/fa4_carry.sh, copied to /root/fa4parts by the calls before):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 62  # FA4 CUDA tests, library bench, prefill routes
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -97,6 +100,13 @@ round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/$1_multilora_$2.json"
+}
+fa4_site() {  # FlashAttention-4 on PYTHONPATH, unpacked once from the carried parts
+  if [ ! -d /root/fa4site/flash_attn ]; then
+    mkdir -p /root/fa4site && cat /root/fa4parts/fa4.part* | xz -d | tar -x -C /root/fa4site || return 1
+  fi
+  export PYTHONPATH=/root/fa4site:/root/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c "import flash_attn.cute" || return 1
 }
 decode_tests() {  # $1: the log's tag, $2: pytest -k; tests/kernels/test_decode.py on CUDA
   FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
@@ -596,7 +606,20 @@ PY
   # (rows 7-9; the engine's decode attention of the split form).
   W=32 round10 react issue15_round21 "${2:-300}"
   ;;
+62)
+  # Round 22: FlashAttention-4 serves FRESH (one varlen call) and PAGED_FLASH (the pages read
+  # through the block tables); the CUDA tests of what it serves, the library bench, then the
+  # prefill routes (rows 3-4, device time).
+  fa4_site || exit 1
+  export TRITON_CACHE_DIR=/root/tc22
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -p no:warnings -rs \
+    tests/kernels/test_fa4_prefill.py tests/kernels/test_flash_prefill.py tests/torch/test_fresh_prefill.py \
+    tests/torch/test_attention_backends.py 2>&1 | tee "$OUT/pytest_cuda_round22_fa4.log" | tail -4
+  timeout 100 python3 benchmarks/fa4_prefill_bench.py --out "$OUT" 2>&1 | tail -10
+  timeout 240 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -12
+  ;;
 suite)
+  [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came
   # tee writes as it goes: a run cut at the timeout keeps the tests it finished. $2: the
   # folders (default all three; if one call cannot hold them, "tests/torch" in one and
   # "tests/kernels tests/cascade" in the next), named in the log's file name.

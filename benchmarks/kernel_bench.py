@@ -456,10 +456,12 @@ def tune_prefill(s: Setup, res: dict) -> dict[str, dict]:
 
 def prefill_cases(s: Setup) -> list[tuple[int, int, int]]:
     """(batch, new tokens, keys) per sequence: whole-context causal prefills at batch 1, then
-    chunks over a cached prefix (8 sequences x 512 new tokens over 8K, as react's agents)."""
+    chunks over a cached prefix (8 sequences x 512 new tokens over 8K, as react's agents; 8 x
+    64, a short tool result each)."""
     if s.smoke:
         return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(2, 16, 48)]
-    return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(8, 512, 8192 + 512)]
+    return [(1, ctx, ctx) for ctx in s.prefill_contexts] + [(8, 512, 8192 + 512),
+                                                            (8, 64, 8192 + 64)]
 
 
 def sdpa_backend(s: Setup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -555,7 +557,8 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
     res["prefill_config"] = cfg
     res["prefill_tiles"] = PREFILL_TILES
     support = flash_support(s.q(1), s.k)
-    res["flash_support"] = {"varlen": support.varlen, "reason": support.reason}
+    res["flash_support"] = {"kernel": support.kernel, "varlen": support.varlen,
+                            "paged": support.paged, "reason": support.reason}
     print(f"prefill config {cfg}; flash: {support}", flush=True)
     policy = CostPrefillPolicy()
     save()
@@ -589,6 +592,8 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             "unified_paged": lambda: paged_prefill(*uni, variant="paged", **kw, **cfg["unified"]),
             "unified_flash": lambda: paged_prefill(*uni, variant="flash", **kw),
             "unified_sdpa": lambda: paged_prefill(*uni, variant="sdpa", **kw),
+            **({"unified_paged_flash": lambda: paged_prefill(*uni, variant="paged_flash", **kw)}
+               if support.paged else {}),
             "residual_fused": lambda: residual_prefill(*res_args, variant="fused", **kw,
                                                        **cfg["residual"]),
             "residual_merged": lambda: residual_prefill(*res_args, variant="merged", **kw,
@@ -602,14 +607,18 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         }
         if new == keys:  # FRESH: a cold prefill's keys are all the step's own
             contig = [t.contiguous() for t in (own["q"], own["k"], own["v"])]
+            # FRESH attends as the engine's does: one FA4 varlen call where flash_support
+            # found it, else SDPA per sequence (``unified_fresh_sdpa``, its column either way)
             runs["unified_fresh"] = lambda: fresh_prefill(own["q"], own["k"], own["v"],
-                                                          counts.query_lens, scale)
-            # the same on contiguous q/k/v: what the projection's layout costs SDPA, if anything
-            runs["unified_fresh_contiguous"] = lambda: fresh_prefill(*contig, counts.query_lens,
-                                                                     scale)
+                                                          counts.query_lens, scale, flash=support)
+            runs["unified_fresh_sdpa"] = lambda: fresh_prefill(own["q"], own["k"], own["v"],
+                                                               counts.query_lens, scale)
+            # the same on contiguous q/k/v: what the projection's layout costs, if anything
+            runs["unified_fresh_contiguous"] = lambda: fresh_prefill(
+                *contig, counts.query_lens, scale, flash=support)
             runs["residual_fresh"] = lambda: fresh_prefill(
                 own["q"], own["k"], own["v"], counts.query_lens, scale, slots, own["k_res"],
-                own["v_res"], s.b_k, s.b_v, cos_sin)
+                own["v_res"], s.b_k, s.b_v, cos_sin, flash=support)
             # the split form's K/V rebuild alone, first sequence (slot 0): the Triton kernel
             # (one launch) and the eager form it replaced (~6 launches)
             rebuild = (*(own[n][:new] for n in ("k", "v", "k_res", "v_res")), s.b_k[0], s.b_v[0],
@@ -628,7 +637,7 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         k, v = pack_kv(s.k, s.v, bt, lens, cu_k[:-1], batch * keys, keys)
         row["varlen_gathered_ms"] = measure_eager(
             res, tag + " varlen gathered",
-            lambda: flash_varlen(q, k, v, cu, cu_k, new, keys, scale),
+            lambda: flash_varlen(q, k, v, cu, cu_k, new, keys, scale, support.kernel),
             s.smoke) if support.varlen else math.nan
         if new == keys and batch == 1:  # SDPA baselines: square causal only
             kh, vh = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
@@ -666,7 +675,7 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
                     row[name + "_rel_err_vs_eager_fp32"] = check(
                         res, f"{tag} {name} check",
                         lambda n=name: rel_err(runs[n]().view(q.shape), ref()))
-            for name in ("unified_flash", "unified_fresh", "engine_unified"):
+            for name in ("unified_flash", "unified_paged_flash", "unified_fresh", "engine_unified"):
                 if name in runs:
                     row[name + "_rel_err_vs_paged"] = check(
                         res, f"{tag} {name} check",
@@ -696,7 +705,8 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
 # the device's work alone, as the decode goals are timed. The eager columns add each call's
 # host launch cost, which at 1K (~0.03 ms of attention) is most of a short route's time,
 # while in the engine's forward it overlaps the device's work on the layers before it.
-DEVICE_COLUMNS = ("sdpa_default", "unified_paged", "unified_fresh", "residual_fresh")
+DEVICE_COLUMNS = ("sdpa_default", "unified_paged", "unified_paged_flash", "unified_fresh",
+                  "unified_fresh_sdpa", "residual_fresh")
 
 
 def device_times(res: dict, tag: str, row: dict, runs: dict[str, Callable[[], object]],
@@ -716,13 +726,14 @@ def device_times(res: dict, tag: str, row: dict, runs: dict[str, Callable[[], ob
         row[name + "_device_ms"] = ms
     base = row.get("sdpa_default_device_ms", math.nan)
     row["unified_fresh_device_over_baseline"] = row.get("unified_fresh_device_ms", math.nan) / base
-    best = min(row.get("unified_fresh_device_ms", math.inf),
-               row.get("unified_paged_device_ms", math.inf))
+    best = min(row.get(name + "_device_ms", math.inf)
+               for name in ("unified_fresh", "unified_paged", "unified_paged_flash"))
     row["residual_fresh_device_over_best_unified"] = (row.get("residual_fresh_device_ms", math.nan)
                                                       / best)
 
 
-UNIFIED_ROUTE_COLUMNS = ("unified_paged", "unified_flash", "unified_sdpa", "unified_fresh")
+UNIFIED_ROUTE_COLUMNS = ("unified_paged", "unified_paged_flash", "unified_flash", "unified_sdpa",
+                         "unified_fresh")
 RESIDUAL_ROUTE_COLUMNS = ("residual_fused", "residual_merged", "residual_flash", "residual_sdpa",
                           "residual_fresh")
 PREFILL_ROUTES = (*UNIFIED_ROUTE_COLUMNS, *RESIDUAL_ROUTE_COLUMNS, "engine_unified",
@@ -760,13 +771,14 @@ def plot_prefill_ratios(res: dict, ax_ratio) -> None:
 def print_prefill(res: dict) -> None:
     print(f"prefill (eager, ms; flash: {res.get('flash_support')}; "
           f"cfg {res.get('prefill_config')})")
-    print("batch new keys | paged flash sdpa-rt fresh | base (which) | "
+    print("batch new keys | paged pg-fl4 flash sdpa-rt fresh | base (which) | "
           "res fused merged flash sdpa fresh | engine uni old->new res old->new | "
           "eng-uni/base eng-res/eng-uni | policy")
     for r in res["prefill"]:
         base = r.get(r["baseline"] + "_ms", math.nan)
         print(f"{r['batch']:3d} {r['new']:6d} {r['ctx']:6d} | {r['unified_paged_ms']:7.3f} "
-              f"{r['unified_flash_ms']:7.3f} {r['unified_sdpa_ms']:7.3f} "
+              f"{r.get('unified_paged_flash_ms', math.nan):7.3f} {r['unified_flash_ms']:7.3f} "
+              f"{r['unified_sdpa_ms']:7.3f} "
               f"{r.get('unified_fresh_ms', math.nan):7.3f} | {base:7.3f} "
               f"({r['baseline']}) | {r['residual_fused_ms']:7.3f} {r['residual_merged_ms']:7.3f} "
               f"{r['residual_flash_ms']:7.3f} {r['residual_sdpa_ms']:7.3f} "

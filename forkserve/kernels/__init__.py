@@ -70,8 +70,9 @@ def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
     that needs them does not read them again)."""
     if variant == "auto":
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
-        return DEFAULT_PREFILL_POLICY.route(counts, allowed is RESIDUAL_ROUTES,
-                                            flash_support(q, k_cache).varlen), counts
+        support = flash_support(q, k_cache)
+        return DEFAULT_PREFILL_POLICY.route(counts, allowed is RESIDUAL_ROUTES, support.varlen,
+                                            support.paged), counts
     names = sorted(r.value for r in allowed)
     if variant not in names:
         raise ValueError(f"prefill variant must be 'auto' or one of {names}, got {variant!r}")
@@ -95,8 +96,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   variant: PrefillRoute | str = "auto", counts: PrefillCounts | None = None,
                   **tuning) -> torch.Tensor:
     """Varlen causal prefill over the unified paged cache: q ``[total_new, H, D]``.
-    ``variant`` (Triton only): "paged" (the Triton kernel), "flash" / "sdpa" (packed K/V, then
-    FlashAttention-2 varlen / SDPA per sequence: flash_prefill.py) or "auto"
+    ``variant`` (Triton only): "paged" (the Triton kernel), "paged_flash" (FlashAttention-4
+    through the block tables: flash_op.py), "flash" / "sdpa" (packed K/V, then the varlen
+    flash kernel / SDPA per sequence: flash_prefill.py) or "auto"
     (``DEFAULT_PREFILL_POLICY``). ``counts``:
     the batch's lengths on the host, when the caller has them (else read back once where a
     route needs them). ``tuning``: keywords of the chosen route's Triton kernel (pin the
@@ -110,6 +112,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                              _host_counts(counts, seq_lens, cu_seqlens_q), scale,
                              attention=_PACKED_ATTENTION[route], **tuning)
+    if route is PrefillRoute.PAGED_FLASH:
+        from forkserve.kernels.flash_op import flash_paged
+        counts = _host_counts(counts, seq_lens, cu_seqlens_q)
+        return flash_paged(q, k_cache, v_cache, block_tables, seq_lens,
+                           cu_seqlens_q.to(torch.int32), counts.max_query_len,
+                           reference._scale(scale, q.shape[-1]), flash_support(q, k_cache).kernel)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                 **_host_bounds(counts), **tuning)

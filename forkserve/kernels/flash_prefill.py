@@ -1,4 +1,4 @@
-"""The flash prefill route: pack the batch's K/V contiguously, then FlashAttention-2 via torch.
+"""The flash prefill route: pack the batch's K/V contiguously, then a varlen flash kernel.
 
 Our Triton paged prefill ran 1.6-1.9x slower than torch SDPA's flash kernel on the same
 K/V gathered contiguous (H200, Llama-3-8B shape: 1.89 vs 1.06 ms at 8K, 28.4 vs 15.1 at
@@ -9,9 +9,11 @@ tokens both forms pay it once per layer and attend at flash speed:
 1. ``pack_kv`` (kv_pack.py) writes each sequence with new tokens back to back into
    ``[packed_keys, Hkv, D]`` K and V buffers (rebuilt from base + residual in the
    disaggregated form); sequences with no new token are left out;
-2. ``torch.ops.aten._flash_attention_forward`` attends varlen over the packed rows: GQA
-   natively, causal aligned bottom-right per sequence (query j of a chunk of q over s keys
-   sees keys ``0 .. s - q + j``), which is chunked prefill over a cached prefix.
+2. the varlen flash kernel ``flash_op.flash_support`` found (FlashAttention-4 on the H200
+   where installed, else FlashAttention-2 through ``torch.ops.aten._flash_attention_forward``)
+   attends varlen over the packed rows: GQA natively, causal aligned bottom-right per
+   sequence (query j of a chunk of q over s keys sees keys ``0 .. s - q + j``), which is
+   chunked prefill over a cached prefix.
 
 ``attention="sdpa"`` (the ``SDPA`` route) attends the packed buffers per sequence with public
 SDPA instead: ``is_causal`` for a cold prefill, so torch picks its preferred backend (cuDNN on
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from forkserve.kernels.flash_op import flash_support, flash_varlen
+from forkserve.kernels.flash_op import flash_paged, flash_support, flash_varlen
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.prefill_policy import PrefillCounts
 
@@ -58,10 +60,27 @@ def cold_lengths(lo: int, hi: int) -> list[int]:
 
 
 def warm_cold_plans(lengths: list[int], q_heads: int, kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, device: torch.device) -> int:
-    """Run one cold SDPA call at each of ``lengths`` (zero inputs), so the backend's
-    per-shape plans (cuDNN) are built before serving, not during the first prefill that meets
-    each length. Returns the calls made."""
+                    dtype: torch.dtype, device: torch.device, page_size: int = 16) -> int:
+    """Build before serving what the cold prefills of ``lengths`` will run, not during the
+    first prefill that meets each: where FlashAttention-4 attends them
+    (``FlashSupport.fresh_varlen``), its kernels, compiled once per configuration (~3 s
+    each), by one varlen call and one paged call over pages of ``page_size`` (the
+    ``PAGED_FLASH`` route of the chunks after); else one cold SDPA call at each length (zero
+    inputs), for the backend's per-shape plans (cuDNN). Returns the calls made."""
+    if not lengths:
+        return 0
+    n = lengths[0]
+    q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
+    support = flash_support(q, kv)
+    if support.fresh_varlen:
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        flash_varlen(q, kv, kv, cu, cu, n, n, 1.0, support.kernel)
+        pages = -(-n // page_size)
+        pool = torch.zeros(pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        table = torch.arange(pages, dtype=torch.int32, device=device)[None]
+        flash_paged(q, pool, pool, table, cu[1:], cu, n, 1.0, support.kernel)
+        return 2
     for n in lengths:
         q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
@@ -115,7 +134,7 @@ def flash_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ``residual``, through packed K/V. ``counts``: host copies of the batch's lengths (they
     size the buffers and the grid; nothing is read back). The packed K/V (``counts.packed_keys``
     rows each) are allocated here and dropped on return: per layer call, reused by the
-    caching allocator. ``attention``: "varlen" (FlashAttention-2, where it takes the inputs)
+    caching allocator. ``attention``: "varlen" (the flash kernel, where one takes the inputs)
     or "sdpa" (per sequence). ``pack_tuning``: ``pack_kv``'s ``block_t`` / ``num_warps``."""
     if attention not in ("varlen", "sdpa"):
         raise ValueError(f"attention must be 'varlen' or 'sdpa', got {attention!r}")
@@ -132,6 +151,8 @@ def flash_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     cu_k[1:] = torch.cumsum(key_lens, 0)
     k, v = pack_kv(k_pool, v_pool, block_tables, key_lens, cu_k[:-1], counts.packed_keys,
                    counts.max_packed_len, residual, **pack_tuning)
-    if attention == "varlen" and flash_support(q, k_pool).varlen:
-        return flash_varlen(q, k, v, cu_q, cu_k, counts.max_query_len, counts.max_packed_len, scale)
+    support = flash_support(q, k_pool)
+    if attention == "varlen" and support.varlen:
+        return flash_varlen(q, k, v, cu_q, cu_k, counts.max_query_len, counts.max_packed_len, scale,
+                            support.kernel)
     return _per_sequence(q, k, v, counts, scale)

@@ -7,11 +7,14 @@ Routes (``PrefillRoute``):
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
   packed buffer, then FlashAttention-2's varlen op through torch (flash_prefill.py);
+* ``PAGED_FLASH``: FlashAttention-4 over the unified paged cache through the block tables
+  (``flash_op.flash_paged``): no gather, no pack; where ``FlashSupport.paged``;
 * ``SDPA``: the same packed buffer attended per sequence by torch's public SDPA, which picks
   its own backend (cuDNN on Hopper with torch >= 2.11's bundled cuDNN, else flash);
 * ``FRESH``: a sequence whose keys are all this step's own tokens (no cached prefix) attended
   by causal SDPA over the step's own q/k/v (rebuilt from base + residual in the residual
-  form), no pages read (backend/torch/fresh_prefill.py). Chosen per sequence
+  form), no pages read (backend/torch/fresh_prefill.py); one FlashAttention-4 varlen call for
+  them all where ``FlashSupport.fresh_varlen``. Chosen per sequence
   (``fresh_items``), before the batch's route: the other sequences keep theirs.
 * ``CASCADE``: the chunks of a group whose page tables share a prefix (the control plane's
   ``SeqWork.shared_prefix``) attend it once for all their rows, then each its own suffix,
@@ -19,7 +22,7 @@ Routes (``PrefillRoute``):
   unified form only, after ``FRESH`` and before the batch's route.
 
 The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
-and whether the flash op takes these inputs (``flash_prefill.flash_support``), so deciding
+and what the library flash kernels take (``flash_op.flash_support``), so deciding
 never reads the device. A policy is a small strategy object: the engine's ``KernelAttention``
 holds one, the benchmark and the tests pin a route with ``FixedPrefillPolicy``.
 """
@@ -35,13 +38,14 @@ class PrefillRoute(str, Enum):
     FUSED = "fused"
     MERGED = "merged"
     FLASH = "flash"
+    PAGED_FLASH = "paged_flash"
     SDPA = "sdpa"
     FRESH = "fresh"
     CASCADE = "cascade"
 
 
 PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
-UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED}) | PACKED_ROUTES
+UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED, PrefillRoute.PAGED_FLASH}) | PACKED_ROUTES
 RESIDUAL_ROUTES = frozenset({PrefillRoute.FUSED, PrefillRoute.MERGED}) | PACKED_ROUTES
 
 
@@ -99,10 +103,12 @@ class PrefillCounts:
 
 
 class PrefillAttentionPolicy(Protocol):
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
+              paged_flash: bool = False) -> PrefillRoute:
         """The route for a batch; ``residual``: the disaggregated form (K/V rebuilt from base
-        and residual); ``flash``: the flash op takes this batch's inputs (device, dtype, head
-        dim, GQA group)."""
+        and residual); ``flash``: a varlen flash kernel takes this batch's inputs (device,
+        dtype, head dim, GQA group: ``FlashSupport.varlen``); ``paged_flash``: one reads
+        them from the pages too (``FlashSupport.paged``)."""
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         """Per sequence: attend it on the ``FRESH`` route (only asked where the step holds
@@ -149,6 +155,11 @@ class CostPrefillPolicy:
     0.280 against SDPA's 0.329, 8K 0.936 against 1.037 (the rebuild: 0.010 / 0.048 / 0.033
     ms). Below 1K nothing is measured, so the paged kernels keep those.
 
+    ``PAGED_FLASH`` (unified form, where ``paged_flash``): FlashAttention-4 reads the pages
+    itself, so no gather is paid and the Triton kernel's 1.6-1.9x gap to flash speed goes
+    (H200, ``fa4_prefill.json``: 0.90-0.98x torch SDPA's time at 4K-32K on K/V SDPA gets
+    contiguous, 0.77x at 1K); from ``paged_flash_min_new_tokens`` new tokens.
+
     ``CASCADE`` (``cascade_group``): a group of at least ``cascade_min_members`` chunks whose
     shared prefix is at least ``cascade_prefix_ratio`` times their mean new tokens (None:
     never). Each chunk re-reads the prefix in every route, so short chunks over a long prefix
@@ -169,6 +180,7 @@ class CostPrefillPolicy:
     over 8K: flash 1.79 against paged 2.23, residual flash 1.86 against merged 2.33).
     """
 
+    paged_flash_min_new_tokens: int = 1
     flash_min_pairs_per_key: float = 128.0
     residual_flash_min_pairs_per_key: float = 32.0
     min_gather_new_tokens: int = 2048
@@ -193,7 +205,11 @@ class CostPrefillPolicy:
             return False
         return prefix * len(query_lens) >= self.cascade_prefix_ratio * sum(query_lens)
 
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
+              paged_flash: bool = False) -> PrefillRoute:
+        if (paged_flash and not residual
+                and counts.new_tokens >= self.paged_flash_min_new_tokens):
+            return PrefillRoute.PAGED_FLASH
         if (flash and counts.new_tokens >= self.min_gather_new_tokens
                 and 0 < counts.packed_keys <= self.max_packed_keys):
             threshold = (self.residual_flash_min_pairs_per_key if residual
@@ -238,5 +254,6 @@ class FixedPrefillPolicy:
     def cascade_group(self, prefix: int, query_lens: tuple[int, ...]) -> bool:
         return self.cascade and len(query_lens) >= 2
 
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool) -> PrefillRoute:
+    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
+              paged_flash: bool = False) -> PrefillRoute:
         return self.residual if residual else self.unified

@@ -588,15 +588,17 @@ class TorchBackend:
                                                  splits)
 
     def warm_cold_prefill(self, max_tokens: int, min_tokens: int = 1024) -> int:
-        """Build the attention plans of cold prefills of ``min_tokens`` .. ``max_tokens``
-        tokens ahead (one SDPA call per ``flash_prefill.cold_length``): on CUDA, torch's SDPA
-        builds one the first time it meets a length (~42 ms on the H200). Returns the calls
+        """Build what cold prefills of ``min_tokens`` .. ``max_tokens`` tokens will run,
+        ahead (``flash_prefill.warm_cold_plans``): FlashAttention-4's kernels where it serves
+        them, else one SDPA call per ``flash_prefill.cold_length``: on CUDA, torch's SDPA
+        builds a plan the first time it meets a length (~42 ms on the H200). Returns the calls
         made (0 off CUDA, where nothing is planned)."""
         if self.device.type != "cuda" or max_tokens < min_tokens:
             return 0
         cfg = self.model_config
         return warm_cold_plans(cold_lengths(min_tokens, max_tokens), cfg.num_heads,
-                               cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+                               cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+                               self.config.page_size)
 
     def kv_bytes_per_token(self) -> dict[PageKind, int]:
         return kv_bytes_per_token(self.model_config, self.layout, self.max_lora_rank, self.dtype,

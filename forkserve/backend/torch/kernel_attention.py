@@ -4,15 +4,16 @@ Same pools, same metadata, same AttentionBackend protocol as attention.EagerAtte
 decode kernels read pages in place instead of gathering them, and ResidualAttention
 reconstructs disaggregated K/V in on-chip memory. A prefill batch takes the route its
 ``PrefillAttentionPolicy`` picks from the step's host counts (kernels/prefill_policy.py): the
-Triton paged kernels, or K/V packed per layer call (rebuilt in the residual form) and
-FlashAttention-2; before that, the sequences the policy's ``fresh_items`` names (no cached
-prefix, every row's K/V this step's own) attend over the step's own K/V
-(``fresh_prefill.py``), and the groups of chunks over one shared prefix that the policy's
-``cascade_group`` names read it once per group (``cascade_prefill.py``, unified form), the
-rest keeping the batch route. A prefill step's one-token
-sequences (decode rows riding in a mixed tick) go to the decode kernels instead
-(``step_rows.py``). Off CUDA the kernels package runs its own eager references unless
-``use_triton=True`` (the CPU tests run the kernels under the interpreter).
+Triton paged kernels, K/V packed per layer call (rebuilt in the residual form) and a library
+flash kernel, or (unified form) FlashAttention-4 reading the pages itself (``PAGED_FLASH``);
+before that, the sequences the policy's ``fresh_items`` names (no cached prefix, every row's
+K/V this step's own) attend over the step's own K/V (``fresh_prefill.py``), and the groups of
+chunks over one shared prefix that the policy's ``cascade_group`` names read it once per
+group (``cascade_prefill.py``, unified form), the rest keeping the batch route. The library
+kernel (``kernels.flash_support``) is looked up once per step and travels in its plan. A
+prefill step's one-token sequences (decode rows riding in a mixed tick) go to the decode
+kernels instead (``step_rows.py``). Off CUDA the kernels package runs its own eager
+references unless ``use_triton=True`` (the CPU tests run the kernels under the interpreter).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class _PrefillPlan(NamedTuple):
     route: kernels.PrefillRoute | None
     slots: torch.Tensor | None     # their adapter index as int32 (residual form)
     triton: bool                   # the kernels run (else the kernels package's references)
+    flash: kernels.FlashSupport | None  # the library flash kernel for these inputs (Triton path)
 
 
 class KernelAttention:
@@ -105,7 +107,8 @@ class KernelAttention:
                        b_v=b_v, slots=fresh.slots,
                        cos_sin=fresh.cos_sin(rope, q.dtype, q.device)) if residual else {}
             o = fresh_prefill(take(q, fresh.rows), take(k, fresh.rows), take(v, fresh.rows),
-                              fresh.query_lens, scale, **res, use_triton=self.use_triton)
+                              fresh.query_lens, scale, **res, use_triton=self.use_triton,
+                              flash=plan.flash, cu_seqlens=fresh.cu_seqlens(q.device))
             if fresh.tokens == q.shape[0]:
                 out = o
             else:
@@ -170,6 +173,7 @@ class KernelAttention:
         step = self._step
         if step is None or step.meta is not meta or step.residual is not residual:
             triton = q.is_cuda if self.use_triton is None else self.use_triton
+            support = kernels.flash_support(q, kv.k) if triton else None
             rows = split_rows(meta)
             view = meta if rows is None else rows.prefill
             lens = meta.query_lens_host
@@ -196,12 +200,12 @@ class KernelAttention:
                     counts = kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host)
             route = slots = None
             if view is not None:
-                flash = triton and kernels.flash_support(q, kv.k).varlen
-                route = self.prefill_policy.route(counts, residual, flash)
+                varlen, paged = (support.varlen, support.paged) if support else (False, False)
+                route = self.prefill_policy.route(counts, residual, varlen, paged)
                 slots = view.seq_slot.to(torch.int32) if residual else None
             step = self._step = _PrefillPlan(meta, residual, rows, fresh, cascade, routed_q,
                                              view, counts if view is not None else None, route,
-                                             slots, triton)
+                                             slots, triton, support)
         return step
 
     def _prefill(self, q: torch.Tensor, kv: LayerKV, b_k: torch.Tensor | None,
