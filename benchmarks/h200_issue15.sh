@@ -68,6 +68,7 @@
 # Round 22 (FlashAttention-4 as the prefill's library kernel; its wheels carried in parts made
 # by benchmarks/fa4_carry.sh, copied to /root/fa4parts by the calls before):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 62  # FA4 CUDA tests, library bench, prefill routes
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 63  # prefill routes by device time, library bench eager, decode_bench prefill
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -617,6 +618,15 @@ PY
     tests/torch/test_attention_backends.py 2>&1 | tee "$OUT/pytest_cuda_round22_fa4.log" | tail -4
   timeout 100 python3 benchmarks/fa4_prefill_bench.py --out "$OUT" 2>&1 | tail -10
   timeout 240 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -12
+  ;;
+63)
+  # Round 22: the prefill routes with their device times (rows 3-4), the library bench with
+  # eager columns (FA4's host cost), the 8K LoRA prefill through the model (row 5).
+  fa4_site || exit 1
+  export TRITON_CACHE_DIR=/root/tc22
+  timeout 100 python3 benchmarks/fa4_prefill_bench.py --out "$OUT" 2>&1 | tail -10
+  timeout 240 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -12
+  timeout 150 python3 benchmarks/decode_bench.py --prefill-only --no-hf --out "$OUT" 2>&1 | tail -8
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

@@ -609,16 +609,18 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
             contig = [t.contiguous() for t in (own["q"], own["k"], own["v"])]
             # FRESH attends as the engine's does: one FA4 varlen call where flash_support
             # found it, else SDPA per sequence (``unified_fresh_sdpa``, its column either way)
+            # (the varlen offsets made once, as FreshRows does: no host copy inside a capture)
+            fcu = dict(flash=support, cu_seqlens=cu)
             runs["unified_fresh"] = lambda: fresh_prefill(own["q"], own["k"], own["v"],
-                                                          counts.query_lens, scale, flash=support)
+                                                          counts.query_lens, scale, **fcu)
             runs["unified_fresh_sdpa"] = lambda: fresh_prefill(own["q"], own["k"], own["v"],
                                                                counts.query_lens, scale)
             # the same on contiguous q/k/v: what the projection's layout costs, if anything
             runs["unified_fresh_contiguous"] = lambda: fresh_prefill(
-                *contig, counts.query_lens, scale, flash=support)
+                *contig, counts.query_lens, scale, **fcu)
             runs["residual_fresh"] = lambda: fresh_prefill(
                 own["q"], own["k"], own["v"], counts.query_lens, scale, slots, own["k_res"],
-                own["v_res"], s.b_k, s.b_v, cos_sin, flash=support)
+                own["v_res"], s.b_k, s.b_v, cos_sin, **fcu)
             # the split form's K/V rebuild alone, first sequence (slot 0): the Triton kernel
             # (one launch) and the eager form it replaced (~6 launches)
             rebuild = (*(own[n][:new] for n in ("k", "v", "k_res", "v_res")), s.b_k[0], s.b_v[0],

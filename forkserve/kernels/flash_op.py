@@ -1,7 +1,8 @@
 """The library flash kernels the prefill routes call: which one takes a shape of inputs, and
 the calls. FlashAttention-4 (``fa4_op.py``: varlen, and paged through the block tables) where
 it is installed and measured (sm_90), else FlashAttention-2's varlen forward through torch
-(``aten._flash_attention_forward``), else none.
+(``aten._flash_attention_forward``), else none. ``FORKSERVE_FA4=off`` in the environment
+leaves FlashAttention-4 out (read at each shape's first probe).
 
 ``flash_support`` decides once per (device, dtype, heads, KV heads, head dim), by each
 kernel's documented limits and then a trial call, and says why: the outcome is data
@@ -12,6 +13,7 @@ Triton here: the engine asks before choosing a route.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,8 @@ def _trial(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv: int,
 
 def _probe_fa4(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv: int,
                head_dim: int) -> FlashSupport:
+    if os.environ.get("FORKSERVE_FA4", "").lower() in ("0", "off", "false", "no"):
+        return FlashSupport("", "FlashAttention-4 turned off (FORKSERVE_FA4)")
     capability = torch.cuda.get_device_capability(device)
     if capability not in fa4_op.FA4_CAPABILITIES:
         return FlashSupport("", f"sm_{capability[0]}{capability[1]}: FlashAttention-4 is "

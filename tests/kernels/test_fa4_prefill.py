@@ -54,6 +54,13 @@ def test_cpu_probe_finds_no_kernel() -> None:
     assert support.kernel == "" and "CUDA" in support.reason
 
 
+def test_fa4_can_be_turned_off(monkeypatch) -> None:
+    from forkserve.kernels import flash_op
+    monkeypatch.setenv("FORKSERVE_FA4", "off")
+    assert flash_op._probe_fa4(torch.device("cpu"), DTYPE, 8, 2, 128).reason.endswith(
+        "(FORKSERVE_FA4)")
+
+
 def test_policy_takes_the_pages_only_where_fa4_reads_them() -> None:
     policy = CostPrefillPolicy()
     chunks = PrefillCounts((512,) * 8, (8704,) * 8)
