@@ -24,7 +24,7 @@ from forkserve.backend.torch.kernel_attention import KernelAttention  # noqa: E4
 from forkserve.backend.torch.kv_pool import LayerKV  # noqa: E402
 from forkserve.backend.torch.rope import Rope, RopeConfig  # noqa: E402
 from forkserve.control.sharing import PrefixSharing  # noqa: E402
-from forkserve.kernels import CostPrefillPolicy, FixedPrefillPolicy  # noqa: E402
+from forkserve.kernels import CostPrefillPolicy, FixedPrefillPolicy, flash_support  # noqa: E402
 
 HQ, HKV, D, PAGE, PAGES = 4, 2, 32, 16, 48
 DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
@@ -122,7 +122,12 @@ def test_policy_threshold():
     None (the default: grouping lost every H200 row) never; a group needs two members."""
     chunks = [("A", 6, True), ("A", 10, True)]
     check(chunks, CostPrefillPolicy(cascade_prefix_ratio=4.0), routes=("cascade",))
-    check(chunks, CostPrefillPolicy(cascade_prefix_ratio=8.0), routes=("paged",))
+    # Ungrouped, the batch takes the unified route: the pages through FlashAttention-4 where
+    # flash_support finds it (the H200 with flash-attn-4), else the Triton kernel.
+    fa4 = flash_support(torch.zeros(1, HQ, D, dtype=DTYPE, device=DEVICE),
+                        torch.zeros(1, PAGE, HKV, D, dtype=DTYPE, device=DEVICE)).paged
+    check(chunks, CostPrefillPolicy(cascade_prefix_ratio=8.0),
+          routes=("paged_flash" if fa4 else "paged",))
     assert not CostPrefillPolicy().cascade_group(8192, (32, 32))
     on = CostPrefillPolicy(cascade_prefix_ratio=64.0)
     assert on.cascade_group(8192, (128,) * 32)
