@@ -69,6 +69,7 @@
 # by benchmarks/fa4_carry.sh, copied to /root/fa4parts by the calls before):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 62  # FA4 CUDA tests, library bench, prefill routes
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 63  # prefill routes by device time, library bench eager, decode_bench prefill
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 64  # FA4 route tests, react W=32 every LoRA system (FA4, residual 8 warps)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -627,6 +628,15 @@ PY
   timeout 100 python3 benchmarks/fa4_prefill_bench.py --out "$OUT" 2>&1 | tail -10
   timeout 240 python3 benchmarks/kernel_bench.py --prefill --out "$OUT" 2>&1 | tail -12
   timeout 150 python3 benchmarks/decode_bench.py --prefill-only --no-hf --out "$OUT" 2>&1 | tail -8
+  ;;
+64)
+  # Round 22: the engine on FA4 with the fused residual prefill at 8 warps (prefill_tiles.json):
+  # the route tests the suite failed once, then react W = 32, every LoRA system (rows 8-9).
+  fa4_site || exit 1
+  FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider -p no:warnings \
+    tests/torch/test_cascade_prefill.py tests/kernels/test_fa4_prefill.py tests/kernels/test_prefill.py \
+    2>&1 | tee "$OUT/pytest_cuda_round22_routes.log" | tail -3
+  W=32 round10 react issue15_round22 "${2:-330}"
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

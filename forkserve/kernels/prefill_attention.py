@@ -221,7 +221,7 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                             inv_freq: torch.Tensor, scale: float | None = None,
                             max_q_len: int | None = None, max_seq_len: int | None = None,
-                            block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                            block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
                             num_stages: int = 2, split_score: bool = False) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache.
     ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
