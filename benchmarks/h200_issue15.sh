@@ -70,6 +70,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 62  # FA4 CUDA tests, library bench, prefill routes
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 63  # prefill routes by device time, library bench eager, decode_bench prefill
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 64  # FA4 route tests, react W=32 every LoRA system (FA4, residual 8 warps)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 65  # react W=32 unified, FA4 on then off (routes, FA4 compiles in the run)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -637,6 +638,16 @@ PY
     tests/torch/test_cascade_prefill.py tests/kernels/test_fa4_prefill.py tests/kernels/test_prefill.py \
     2>&1 | tee "$OUT/pytest_cuda_round22_routes.log" | tail -3
   W=32 round10 react issue15_round22 "${2:-330}"
+  ;;
+65)
+  # Round 22: why unified react lost 3 s of prefill on FA4 (step 64): the same run with
+  # FA4 on and off, each row naming its prefill routes and the FA4 kernels compiled in it.
+  fa4_site || exit 1
+  export TRITON_CACHE_DIR=/root/tc22
+  for fa4 in on off; do
+    FORKSERVE_FA4=$fa4 timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 \
+      --systems unified --tag "issue15_round22_unified_fa4_$fa4" --out "$OUT" 2>&1 | tail -3
+  done
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

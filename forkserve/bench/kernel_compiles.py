@@ -15,6 +15,7 @@ restores the hooks it found on ``close``.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,17 @@ class CompileCounts:
     # The first builds' constexpr values ("name(K=v, ...)"): which specialization the
     # warm-up missed.
     specs: tuple[str, ...] = ()
+    # FlashAttention-4 kernels compiled (~3 s each on the H200; kernels/fa4_op.py).
+    fa4: int = 0
+
+
+def _fa4_compiled() -> int:
+    """Kernels FlashAttention-4's forward has compiled in this process (its in-memory JIT
+    cache), 0 where it was never imported: it compiles outside Triton's hooks."""
+    interface = sys.modules.get("flash_attn.cute.interface")
+    cache = getattr(getattr(getattr(interface, "_flash_attn_fwd", None), "compile_cache", None),
+                    "cache", None)
+    return len(cache) if isinstance(cache, dict) else 0
 
 
 def _dynamo_graphs() -> int:
@@ -92,15 +104,17 @@ class KernelCompiles:
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
             self._saved = None
 
-    def window(self) -> tuple[int, float, Counter[str], int]:
-        return self._count, self._seconds, Counter(self._names), _dynamo_graphs()
+    def window(self) -> tuple[int, float, Counter[str], int, int]:
+        return (self._count, self._seconds, Counter(self._names), _dynamo_graphs(),
+                _fa4_compiled())
 
-    def since(self, mark: tuple[int, float, Counter[str], int]) -> CompileCounts:
-        count, seconds, names, graphs = mark
+    def since(self, mark: tuple[int, float, Counter[str], int, int]) -> CompileCounts:
+        count, seconds, names, graphs, fa4 = mark
         built = self._names - names
         return CompileCounts(self._count - count, round(self._seconds - seconds, 3),
                              tuple(f"{n} x{c}" for n, c in built.most_common(_TOP)),
-                             _dynamo_graphs() - graphs, tuple(self._specs[count:count + _TOP]))
+                             _dynamo_graphs() - graphs, tuple(self._specs[count:count + _TOP]),
+                             _fa4_compiled() - fa4)
 
 
 def _spec(kw: dict) -> str:

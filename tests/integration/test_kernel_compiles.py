@@ -66,3 +66,21 @@ def test_importing_the_bench_leaves_triton_unimported():
             "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_fa4_compiles_counted_from_its_jit_cache(monkeypatch) -> None:
+    """FlashAttention-4 compiles outside Triton's hooks: a window counts the entries its
+    forward's in-memory JIT cache gained (none where it was never imported)."""
+    import sys
+    from types import SimpleNamespace
+
+    from forkserve.bench.kernel_compiles import KernelCompiles
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.interface", raising=False)
+    compiles = KernelCompiles()
+    assert compiles.since(compiles.window()).fa4 == 0
+    cache = SimpleNamespace(cache={"a": 1})
+    interface = SimpleNamespace(_flash_attn_fwd=SimpleNamespace(compile_cache=cache))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    mark = compiles.window()
+    cache.cache.update(b=2, c=3)
+    assert compiles.since(mark).fa4 == 2

@@ -251,6 +251,10 @@ def _extras(r: RunResult) -> str:
         out += (f", {r.kernels_built_in_run} kernels built in the run "
                 f"({r.kernel_build_s_in_run:.1f} s: {', '.join(r.kernels_built)})"
                 + (f", {r.dynamo_graphs_in_run} dynamo graphs" if r.dynamo_graphs_in_run else ""))
+    if r.fa4_compiled_in_run:
+        out += f", {r.fa4_compiled_in_run} FlashAttention-4 kernels compiled in the run"
+    if r.prefill_routes:
+        out += ", prefill routes " + " ".join(f"{k}:{n}" for k, n in r.prefill_routes)
     if r.restored_tokens or r.pins_kept or r.pins_lost:
         out += (f", residual restored/recomputed {r.restored_tokens}/{r.residual_prefill_tokens}"
                 f", pins kept/lost {r.pins_kept}/{r.pins_lost}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -133,6 +134,9 @@ class RunResult:
     kernels_built: tuple = ()
     dynamo_graphs_in_run: int = 0
     kernels_built_specs: tuple = ()  # the first few builds' specializations
+    fa4_compiled_in_run: int = 0  # FlashAttention-4 kernels compiled in the run (~3 s each)
+    # The prefill attention routes the run's layer calls took (KernelAttention.prefill_routes).
+    prefill_routes: tuple = ()
     # The cycle collector inside the run (gc_pauses.py): full passes, and all passes' seconds.
     gc_full_passes_in_run: int = 0
     gc_pause_s_in_run: float = 0.0
@@ -248,6 +252,8 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
         settle()
     built = _COMPILES.install().window()
     paused = _GC.install().window()
+    routes = getattr(backend.attention, "prefill_routes", None)
+    routes_before = Counter(routes or {})
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
     result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
@@ -261,7 +267,8 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                      kernels_built_in_run=compiles.triton,
                      kernel_build_s_in_run=compiles.triton_s, kernels_built=compiles.top,
                      dynamo_graphs_in_run=compiles.dynamo_graphs,
-                     kernels_built_specs=compiles.specs,
+                     kernels_built_specs=compiles.specs, fa4_compiled_in_run=compiles.fa4,
+                     prefill_routes=tuple(sorted((Counter(routes or {}) - routes_before).items())),
                      gc_full_passes_in_run=pauses.full, gc_pause_s_in_run=pauses.seconds)
     if timeline is None:
         return result
