@@ -177,7 +177,9 @@ def load_speed(paths: Sequence[Path]) -> dict[Setting, dict[str, SpeedRow]]:
 
 def bench_rows(paths: Sequence[Path]) -> Iterator[tuple[Setting, SpeedRow]]:
     """Every usable bench row of ``paths`` with its setting, in file order; ``SpeedRow.rank``
-    orders them by age (``commit_time``, then file and row order). Profiled rows are left out."""
+    orders them by age (``commit_time``, then file and row order). Profiled rows are left out,
+    and rows that built kernels inside their timed run (Triton specializations or
+    FlashAttention-4 kernels the warm-up missed: seconds each, not the system's speed)."""
     for f, path in enumerate(paths):
         doc = read_json(path, "bench result")
         if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
@@ -186,6 +188,8 @@ def bench_rows(paths: Sequence[Path]) -> Iterator[tuple[Setting, SpeedRow]]:
         for i, r in enumerate(doc["results"]):
             if r.get("step_profile") is not None:
                 continue  # its wall time includes the profiler
+            if r.get("kernels_built_in_run") or r.get("fa4_compiled_in_run"):
+                continue  # its wall time includes kernel builds
             setting = _setting(doc, r, path)
             commit = str(r.get("commit") or doc.get("commit") or "")
             try:

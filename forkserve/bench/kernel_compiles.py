@@ -39,13 +39,14 @@ class CompileCounts:
     fa4: int = 0
 
 
-def _fa4_compiled() -> int:
-    """Kernels FlashAttention-4's forward has compiled in this process (its in-memory JIT
-    cache), 0 where it was never imported: it compiles outside Triton's hooks."""
+def _fa4_compiled() -> frozenset:
+    """The keys of the kernels FlashAttention-4's forward has compiled in this process (its
+    in-memory JIT cache), none where it was never imported: it compiles outside Triton's
+    hooks."""
     interface = sys.modules.get("flash_attn.cute.interface")
     cache = getattr(getattr(getattr(interface, "_flash_attn_fwd", None), "compile_cache", None),
                     "cache", None)
-    return len(cache) if isinstance(cache, dict) else 0
+    return frozenset(cache) if isinstance(cache, dict) else frozenset()
 
 
 def _dynamo_graphs() -> int:
@@ -104,17 +105,21 @@ class KernelCompiles:
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
             self._saved = None
 
-    def window(self) -> tuple[int, float, Counter[str], int, int]:
+    def window(self) -> tuple[int, float, Counter[str], int, frozenset]:
         return (self._count, self._seconds, Counter(self._names), _dynamo_graphs(),
                 _fa4_compiled())
 
-    def since(self, mark: tuple[int, float, Counter[str], int, int]) -> CompileCounts:
+    def since(self, mark: tuple[int, float, Counter[str], int, frozenset]) -> CompileCounts:
         count, seconds, names, graphs, fa4 = mark
         built = self._names - names
+        # FA4's new kernels by their compile key (which configuration the warm-up missed).
+        fa4_new = sorted(str(key)[:400] for key in _fa4_compiled() - fa4)
         return CompileCounts(self._count - count, round(self._seconds - seconds, 3),
                              tuple(f"{n} x{c}" for n, c in built.most_common(_TOP)),
-                             _dynamo_graphs() - graphs, tuple(self._specs[count:count + _TOP]),
-                             _fa4_compiled() - fa4)
+                             _dynamo_graphs() - graphs,
+                             tuple(self._specs[count:count + _TOP])
+                             + tuple(f"flash_attn.cute fwd {k}" for k in fa4_new[:_TOP]),
+                             len(fa4_new))
 
 
 def _spec(kw: dict) -> str:

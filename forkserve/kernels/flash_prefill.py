@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from forkserve.kernels.flash_op import flash_paged, flash_support, flash_varlen
+from forkserve.kernels import fa4_op
+from forkserve.kernels.flash_op import flash_support, flash_varlen
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.prefill_policy import PrefillCounts
 
@@ -63,24 +64,16 @@ def warm_cold_plans(lengths: list[int], q_heads: int, kv_heads: int, head_dim: i
                     dtype: torch.dtype, device: torch.device, page_size: int = 16) -> int:
     """Build before serving what the cold prefills of ``lengths`` will run, not during the
     first prefill that meets each: where FlashAttention-4 attends them
-    (``FlashSupport.fresh_varlen``), its kernels, compiled once per configuration (~3 s
-    each), by one varlen call and one paged call over pages of ``page_size`` (the
-    ``PAGED_FLASH`` route of the chunks after); else one cold SDPA call at each length (zero
-    inputs), for the backend's per-shape plans (cuDNN). Returns the calls made."""
+    (``FlashSupport.fresh_varlen``), its kernels (``fa4_op.warm``); else one cold SDPA call
+    at each length (zero inputs), for the backend's per-shape plans (cuDNN). Returns the
+    calls made."""
     if not lengths:
         return 0
-    n = lengths[0]
-    q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
-    kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, page_size, kv_heads, head_dim, dtype=dtype, device=device)
     support = flash_support(q, kv)
     if support.fresh_varlen:
-        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-        flash_varlen(q, kv, kv, cu, cu, n, n, 1.0, support.kernel)
-        pages = -(-n // page_size)
-        pool = torch.zeros(pages, page_size, kv_heads, head_dim, dtype=dtype, device=device)
-        table = torch.arange(pages, dtype=torch.int32, device=device)[None]
-        flash_paged(q, pool, pool, table, cu[1:], cu, n, 1.0, support.kernel)
-        return 2
+        return fa4_op.warm(q_heads, kv_heads, head_dim, dtype, device, page_size, lengths[0])
     for n in lengths:
         q = torch.zeros(n, q_heads, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)

@@ -83,4 +83,5 @@ def test_fa4_compiles_counted_from_its_jit_cache(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     mark = compiles.window()
     cache.cache.update(b=2, c=3)
-    assert compiles.since(mark).fa4 == 2
+    counts = compiles.since(mark)
+    assert counts.fa4 == 2 and counts.specs == ("flash_attn.cute fwd b", "flash_attn.cute fwd c")
