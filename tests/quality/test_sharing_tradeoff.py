@@ -54,6 +54,9 @@ def inputs(tmp_path) -> tuple[Path, list[Path]]:
         bench_row("adaptive", 8, 0.8, 80.0), bench_row("full_reuse", 8, 5.0, 5.0),
         bench_row("recompute2", 8, 0.7, 60.0, recompute_layers=[0, 1]),
         bench_row("no_lora", 8, 6.0, 5.0, step_profile={"ticks": 5}),  # profiled: left out
+        # Kernels built inside the timed run (Triton, FlashAttention-4): left out too.
+        bench_row("unified", 8, 2.0, 100.0, fa4_compiled_in_run=1),
+        bench_row("unified", 8, 3.0, 100.0, kernels_built_in_run=2),
         bench_row("unified", 4, 1.0, 100.0), bench_row("disaggregated", 4, 2.0, 10.0)]))
     return quality, [older, newer]
 
