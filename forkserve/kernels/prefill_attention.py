@@ -214,6 +214,24 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                           max_q_len, max_seq_len, None, block_m, block_n, num_warps, num_stages)
 
 
+# The fused residual prefill's launch when the caller names none, by the batch's longest
+# chunk (H200, Llama-3-8B heads, GQA 4, rank 16; ``benchmarks/prefill_tiles_bench.py``,
+# prefill_tiles.json, measured at GQA 4 only): 32 tokens a program (128 query rows) on 8
+# warps was the fastest or within 7% of it on 1K / 4K cold prefills and 8 x 64 / 8 x 512
+# chunks over 8K (0.36-0.59x the 4-warp launch it replaced); chunks of at most 16 tokens
+# (32 x 16 over 8K) ran fastest at 16 tokens on 4 warps (0.78 ms against 1.20).
+SHORT_CHUNK_TOKENS = 16
+
+
+def residual_launch(max_q_len: int | None) -> tuple[int, int]:
+    """(query rows per program, warps) of the fused residual prefill for a batch whose
+    longest chunk is ``max_q_len`` (None: unknown, the long-chunk launch); a program holds
+    rows // (padded GQA group) tokens."""
+    if max_q_len is not None and max_q_len <= SHORT_CHUNK_TOKENS:
+        return 64, 4
+    return 128, 8
+
+
 def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
                             k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
                             res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -221,11 +239,16 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
                             b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                             inv_freq: torch.Tensor, scale: float | None = None,
                             max_q_len: int | None = None, max_seq_len: int | None = None,
-                            block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
-                            num_stages: int = 2, split_score: bool = False) -> torch.Tensor:
+                            block_m: int | None = None, block_n: int = 64,
+                            num_warps: int | None = None, num_stages: int = 2,
+                            split_score: bool = False) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache.
-    ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
+    ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them;
+    ``block_m`` (tokens per program) / ``num_warps`` left None take ``residual_launch``'s."""
+    rows, warps = residual_launch(max_q_len)
+    if block_m is None:
+        block_m = max(1, rows // triton.next_power_of_2(q.shape[1] // k_base.shape[2]))
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return prefill_launch(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale,
-                          max_q_len, max_seq_len, residual, block_m, block_n, num_warps, num_stages,
-                          split_score)
+                          max_q_len, max_seq_len, residual, block_m, block_n,
+                          warps if num_warps is None else num_warps, num_stages, split_score)

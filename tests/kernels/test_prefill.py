@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_testlib import DEVICE, DTYPE, REL_TOL, make_adapters, make_cache, rel_err
 
-from forkserve.kernels import paged_prefill, residual_prefill
+from forkserve.kernels import PrefillCounts, paged_prefill, residual_prefill
 from forkserve.kernels.rope import default_inv_freq
 
 # (seq_lens, q_lens, n_heads, n_kv): cold prefills (q_len == seq_len), prefills after a
@@ -75,6 +75,31 @@ def test_residual_prefill_chunk_past_4k(variant: str) -> None:
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
             b_k, b_v, adapters, inv_freq)
     out = residual_prefill(*args, use_triton=True, variant=variant, block_m=32, block_n=128)
+    ref = plain.prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu,
+                        (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
+    assert rel_err(out, ref) < REL_TOL
+
+
+@pytest.mark.parametrize("q_lens", [[16, 9, 1], [40, 3, 17]])
+def test_residual_prefill_default_launch(q_lens: list[int]) -> None:
+    """The launch the engine gets (no tiles named): chunks of at most 16 tokens take 64 query
+    rows a program on 4 warps, longer ones 128 on 8 (``residual_launch``, H200-measured);
+    both against the formulas, GQA 4."""
+    from forkserve.kernels.prefill_attention import residual_launch
+    assert residual_launch(max(q_lens)) == ((64, 4) if max(q_lens) <= 16 else (128, 8))
+    assert residual_launch(None) == (128, 8)
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    head_dim, r_max, seq_lens = 32, 12, [70, 33, 50]
+    c = make_cache(gen, seq_lens, 2, head_dim, rank=r_max)
+    b_k, b_v = make_adapters(gen, 3, r_max, 2, head_dim)
+    adapters = torch.tensor([1, -1, 2], dtype=torch.int32, device=DEVICE)
+    inv_freq = default_inv_freq(head_dim, device=DEVICE)
+    q, cu = _varlen_q(gen, q_lens, 8, head_dim)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
+            b_k, b_v, adapters, inv_freq)
+    # The host counts the engine passes carry the longest chunk the launch is chosen by.
+    counts = PrefillCounts(tuple(q_lens), tuple(seq_lens))
+    out = residual_prefill(*args, use_triton=True, variant="fused", counts=counts)
     ref = plain.prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu,
                         (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
     assert rel_err(out, ref) < REL_TOL
