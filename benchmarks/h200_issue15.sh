@@ -637,7 +637,7 @@ PY
   FORKSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider -p no:warnings \
     tests/torch/test_cascade_prefill.py tests/kernels/test_fa4_prefill.py tests/kernels/test_prefill.py \
     2>&1 | tee "$OUT/pytest_cuda_round22_routes.log" | tail -3
-  W=32 round10 react issue15_round22 "${2:-330}"
+  W=32 round10 react "${TAG:-issue15_round22}" "${2:-330}"  # TAG: a rerun's own file name
   ;;
 65)
   # Round 22: why unified react lost 3 s of prefill on FA4 (step 64): the same run with
