@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import timed_interleaved, timed_median  # noqa: E402
+from benchmarks.kernel_bench import bench_eager, timed_interleaved  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_default": None, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -119,12 +119,13 @@ def case(batch: int, length: int, fa4, device: torch.device, dtype: torch.dtype,
             ref = out.float().clone()
         row["max_diff"][name] = (out.float() - ref).abs().max().item()
         ok[name] = run
-    row["ms"] = timed(ok, res, f"{batch}x{length}") if device.type == "cuda" else {
-        name: eager_ms(run) for name, run in ok.items()}
-    # Eager, as the engine calls them (CUDA events, L2 flushed): the device time plus any
-    # host work the GPU waits for (FA4's Python-side argument handling, SDPA's dispatch).
-    row["eager_ms"] = {name: timed_median(run, most=50) if device.type == "cuda"
-                       else row["ms"][name] for name, run in ok.items()}
+    smoke = device.type != "cuda"
+    replayed = None if smoke else timed(ok, res, f"{batch}x{length}")
+    # Eager, as the engine calls them (CUDA events, L2 flushed: ``kernel_bench.bench_eager``):
+    # the device time plus any host work the GPU waits for (FA4's Python-side argument
+    # handling, SDPA's dispatch). On CPU one wall-timed call, the plumbing only.
+    row["eager_ms"] = {name: bench_eager(run, smoke) for name, run in ok.items()}
+    row["ms"] = replayed or row["eager_ms"]
     flops = 2.0 * batch * length * length * dim * hq  # causal: half of 4 * S^2 * D per head
     base = row["ms"].get("sdpa_default", math.nan)
     row["tflops"] = {name: flops / (ms * 1e-3) / 1e12 for name, ms in row["ms"].items()}
@@ -132,27 +133,15 @@ def case(batch: int, length: int, fa4, device: torch.device, dtype: torch.dtype,
     return row
 
 
-def timed(runs: dict[str, Callable[[], torch.Tensor]], res: dict, tag: str) -> dict[str, float]:
-    """Graph replay, interleaved; a column whose capture fails is timed eagerly instead."""
+def timed(runs: dict[str, Callable[[], torch.Tensor]], res: dict,
+          tag: str) -> dict[str, float] | None:
+    """Graph replay, interleaved; None (the error recorded) where a capture fails, and the
+    eager times stand in."""
     try:
         return timed_interleaved(runs, rounds=20)
     except Exception as exc:
         res["errors"].append(f"{tag} graphs: {exc!r}"[:600])
-        return {name: eager_ms(run) for name, run in runs.items()}
-
-
-def eager_ms(run: Callable[[], torch.Tensor], reps: int = 10) -> float:
-    """Median wall ms of ``run`` called eagerly, synchronised."""
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from forkserve.kernels.prefix_groups import gqa_pad
 from forkserve.kernels.residual_triton import (
     fused_residual_score,
     residual_offsets,
@@ -167,8 +168,8 @@ def prefill_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
-    if block_m is None:  # query rows per program (tokens x padded group), H200-tuned
-        block_m = max(1, (64 if residual is None else 128) // group_pad)
+    if block_m is None:  # 64 query rows a program, H200-tuned (the residual kernel's caller
+        block_m = max(1, 64 // group_pad)  # names its own: residual_launch)
     out, lse = (torch.empty_like(q), None) if partial is None else partial
     batch = seq_lens.numel()
     if residual is not None:
@@ -247,7 +248,7 @@ def residual_prefill_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch
     ``block_m`` (tokens per program) / ``num_warps`` left None take ``residual_launch``'s."""
     rows, warps = residual_launch(max_q_len)
     if block_m is None:
-        block_m = max(1, rows // triton.next_power_of_2(q.shape[1] // k_base.shape[2]))
+        block_m = max(1, rows // gqa_pad(q.shape[1], k_base.shape[2]))
     residual = (k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx, inv_freq)
     return prefill_launch(q, k_base, v_base, block_tables, seq_lens, cu_seqlens_q, scale,
                           max_q_len, max_seq_len, residual, block_m, block_n,

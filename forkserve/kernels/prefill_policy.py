@@ -6,7 +6,8 @@ Routes (``PrefillRoute``):
 * ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
-  packed buffer, then FlashAttention-2's varlen op through torch (flash_prefill.py);
+  packed buffer, then the varlen flash kernel ``flash_op.flash_support`` found
+  (FlashAttention-4, else FlashAttention-2 through torch: flash_prefill.py);
 * ``PAGED_FLASH``: FlashAttention-4 over the unified paged cache through the block tables
   (``flash_op.flash_paged``): no gather, no pack; where ``FlashSupport.paged``;
 * ``SDPA``: the same packed buffer attended per sequence by torch's public SDPA, which picks

@@ -61,8 +61,7 @@ class FreshRows:
         """int32 offsets of ``query_lens`` on ``device``, made once per step (the varlen
         kernel's ``cu_seqlens``)."""
         if "cu" not in self._made:
-            self._made["cu"] = torch.tensor((0, *accumulate(self.query_lens)), dtype=torch.int32,
-                                            device=device)
+            self._made["cu"] = offsets(self.query_lens, device)
         return self._made["cu"]
 
     def cos_sin(self, rope: Rope, dtype: torch.dtype,
@@ -71,6 +70,11 @@ class FreshRows:
             positions = torch.arange(max(self.query_lens), device=device)
             self._made[dtype] = rope.cos_sin(positions, dtype)
         return self._made[dtype]
+
+
+def offsets(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 ``[0, l0, l0 + l1, ...]`` on ``device``: a varlen kernel's ``cu_seqlens``."""
+    return torch.tensor((0, *accumulate(lengths)), dtype=torch.int32, device=device)
 
 
 def fresh_rows(meta: AttentionMetadata, seqs: list[int]) -> FreshRows:
@@ -122,8 +126,7 @@ def fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens:
                 at += n
             k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks), torch.cat(vs))
         if cu_seqlens is None:
-            cu_seqlens = torch.tensor((0, *accumulate(query_lens)), dtype=torch.int32,
-                                      device=q.device)
+            cu_seqlens = offsets(query_lens, q.device)
         most = max(query_lens)
         return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, most, most, scale, flash.kernel)
     if len(query_lens) == 1:
