@@ -71,6 +71,8 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 63  # prefill routes by device time, library bench eager, decode_bench prefill
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 64  # FA4 route tests, react W=32 every LoRA system (FA4, residual 8 warps)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 65  # react W=32 unified, FA4 on then off (routes, FA4 compiles in the run)
+# Round 23 (the warp-specialized residual prefill, residual_prefill_gluon.py; row 3):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests, residual_prefill_bench (FA4 where carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -648,6 +650,17 @@ PY
     FORKSERVE_FA4=$fa4 timeout 150 python3 -m forkserve.interfaces.cli bench react --workflows 32 \
       --systems unified --tag "issue15_round22_unified_fa4_$fa4" --out "$OUT" 2>&1 | tail -3
   done
+  ;;
+66)
+  # Round 23: the ws residual prefill against the formulas (each test file under its own
+  # timeout: a hang costs that file only), then every residual route against the best
+  # unified one per case (FA4's paged route where its parts came).
+  [ -d /root/fa4parts ] && { fa4_site || exit 1; }
+  export TRITON_CACHE_DIR=/root/tc23
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_round23_ws_prefill.log" | tail -4
+  timeout 200 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
+    --out "$OUT" 2>&1 | tail -12
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

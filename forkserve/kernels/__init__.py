@@ -151,6 +151,7 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
                      counts: PrefillCounts | None = None, **tuning) -> torch.Tensor:
     """ResidualAttention varlen causal prefill over the disaggregated cache. ``variant``
     (Triton only; prefill_policy.py): "fused" rebuilds key tiles inside the paged kernel,
+    "ws" inside one warp-specialized Gluon launch (sm_90),
     "merged" rebuilds every used page once (residual_merge.py) and runs the unified kernel,
     "flash" / "sdpa" rebuild into packed K/V for FlashAttention-2 varlen / SDPA per sequence
     (flash_prefill.py), "auto" asks
@@ -163,6 +164,9 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
     if route is PrefillRoute.FUSED:
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)
+    if route is PrefillRoute.WS:
+        from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
+        return residual_prefill_ws(*args, **_host_bounds(counts), **tuning)
     from forkserve.kernels.kv_pack import ResidualPools
     residual = ResidualPools(k_res, v_res, res_block_tables, b_k_all, b_v_all, adapter_idx,
                              inv_freq)

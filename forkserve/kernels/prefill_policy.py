@@ -4,6 +4,9 @@ Routes (``PrefillRoute``):
 
 * ``PAGED``: the Triton kernel over the unified paged cache (prefill_attention.py);
 * ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
+* ``WS``: the residual form in one warp-specialized Gluon launch (residual_prefill_gluon.py:
+  TMA page gathers, each key tile rebuilt once per 64 query rows by wgmma); sm_90 and the
+  shapes of ``residual_decode_gluon.supports`` only;
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
   packed buffer, then the varlen flash kernel ``flash_op.flash_support`` found
@@ -37,6 +40,7 @@ from typing import Protocol
 class PrefillRoute(str, Enum):
     PAGED = "paged"
     FUSED = "fused"
+    WS = "ws"
     MERGED = "merged"
     FLASH = "flash"
     PAGED_FLASH = "paged_flash"
@@ -47,7 +51,8 @@ class PrefillRoute(str, Enum):
 
 PACKED_ROUTES = frozenset({PrefillRoute.FLASH, PrefillRoute.SDPA})
 UNIFIED_ROUTES = frozenset({PrefillRoute.PAGED, PrefillRoute.PAGED_FLASH}) | PACKED_ROUTES
-RESIDUAL_ROUTES = frozenset({PrefillRoute.FUSED, PrefillRoute.MERGED}) | PACKED_ROUTES
+RESIDUAL_ROUTES = (frozenset({PrefillRoute.FUSED, PrefillRoute.WS, PrefillRoute.MERGED})
+                   | PACKED_ROUTES)
 
 
 @dataclass(frozen=True)

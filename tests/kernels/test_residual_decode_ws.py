@@ -14,7 +14,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import assemble_sm90a
+from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
 
 from forkserve.kernels import residual_decode
 
@@ -23,11 +23,6 @@ HEAD_DIM, RANK = 128, 16
 
 def build_sm90(direct: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     from forkserve.kernels import residual_decode_gluon as ws
 
     n_kv = 8
@@ -42,15 +37,7 @@ def build_sm90(direct: bool) -> tuple[str, int]:
                    SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
                   DIRECT=direct, num_warps=4)
-    kernel = ws._residual_decode_ws_kernel
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
-           for n in names}
-    src = GluonASTSource(fn=kernel, signature=sig,
-                         constexprs={(names.index(n),): v for n, v in consts.items()})
-    built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=4, maxnreg=ws.MAXNREG))
-    return built.asm["ptx"], built.metadata.shared
+    return compile_gluon_sm90(ws._residual_decode_ws_kernel, values, consts, ws.MAXNREG)
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -93,6 +93,24 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
+def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tuple[str, int]:
+    """A Gluon kernel's PTX for sm_90a and its shared memory in bytes: ``values`` give the
+    runtime arguments' types (tensors, descriptors, floats; any other argument is an i32),
+    ``consts`` its constexprs (``num_warps`` among them). Gluon has no interpreter, so its
+    kernels are checked on CPU this way, in a process without TRITON_INTERPRET."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
+           for n in names}
+    src = GluonASTSource(fn=kernel, signature=sig,
+                         constexprs={(names.index(n),): v for n, v in consts.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
+    return built.asm["ptx"], built.metadata.shared
+
+
 def assemble_sm90a(ptx: str) -> int:
     """Assemble ``ptx`` with the ptxas Triton uses (no GPU needed): inline asm is opaque to
     the compiler, so its syntax shows only here (score_progress.py's polls and publishes).

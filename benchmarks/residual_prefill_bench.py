@@ -1,0 +1,130 @@
+"""ResidualAttention prefill routes against the best unified prefill, per case (row 3 of
+issue 15: residual / unified <= 1.3x).
+
+    python benchmarks/residual_prefill_bench.py --out benchmarks/results   # on the H200
+    python benchmarks/residual_prefill_bench.py --smoke --out /tmp/bench    # plumbing (CPU)
+
+Per case (batch x new tokens over keys; Llama-3-8B heads, GQA 4, rank 16, bf16), each route
+eager as the engine runs prefill (CUDA events, L2 flushed: ``kernel_bench.bench_eager``):
+
+* unified: ``paged`` (our Triton kernel) and ``paged_flash`` (FlashAttention-4 through the
+  block tables, where ``flash_support`` finds it): the baseline is the faster;
+* residual: ``ws`` (residual_prefill_gluon.py, sm_90 only), ``fused`` (the Triton kernel at
+  its default launch) and ``flash`` (the context rebuilt and packed, then the varlen flash
+  kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``).
+
+Writes residual_prefill.json after every case (``--tag`` names the file), a PNG of each
+route's time over the baseline's, and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.kernel_bench import Setup, bench_eager  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
+
+CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 8704),
+         (1, 4096, 4096)]
+SMOKE_CASES = [(1, 8, 40), (2, 16, 48)]
+GOAL = 1.3
+
+
+def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
+    from forkserve.kernels import PrefillCounts, flash_support, paged_prefill, residual_prefill
+    from forkserve.kernels.residual_decode_gluon import supports
+
+    bt, rbt, lens = s.tables(batch, keys)
+    q = s.q(batch * new)
+    ad = s.adapters(batch)
+    cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=s.device)
+    kw = dict(use_triton=True, counts=PrefillCounts((new,) * batch, (keys,) * batch))
+    uni = (q, s.k, s.v, bt, lens, cu)
+    res = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
+    flash = flash_support(q, s.k)
+    unified = {"paged": lambda: paged_prefill(*uni, variant="paged", **kw)}
+    if flash.paged:
+        unified["paged_flash"] = lambda: paged_prefill(*uni, variant="paged_flash", **kw)
+    residual = {"fused": lambda: residual_prefill(*res, variant="fused", **kw),
+                "flash": lambda: residual_prefill(*res, variant="flash", **kw),
+                "auto": lambda: residual_prefill(*res, **kw)}
+    if supports(q, s.k, s.k_res):
+        residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
+    row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
+                 "unified": {n: bench_eager(f, s.smoke) for n, f in unified.items()},
+                 "residual": {n: bench_eager(f, s.smoke) for n, f in residual.items()}}
+    row["baseline"] = min(row["unified"], key=row["unified"].get)
+    base = row["unified"][row["baseline"]]
+    row["over_baseline"] = {n: ms / base for n, ms in row["residual"].items()}
+    if "ws" in residual:  # the kernel against the formula's other route, same inputs
+        ws, ref = residual["ws"](), residual["fused"]()
+        row["ws_rel_err_vs_fused"] = float((ws.float() - ref.float()).norm()
+                                           / ref.float().norm())
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--tag", default="residual_prefill")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    args = ap.parse_args(argv)
+    s = Setup(args.smoke)
+    res: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
+                 "commit": source_commit(), "goal": GOAL, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.tag}.json"
+    for batch, new, keys in SMOKE_CASES if args.smoke else CASES:
+        res["rows"].append(run_case(s, batch, new, keys))
+        path.write_text(json.dumps(res, indent=1))
+        print(f"{batch}x{new}/{keys} done", flush=True)
+    print_table(res)
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return 0
+
+
+def print_table(res: dict) -> None:
+    names = sorted({n for r in res["rows"] for n in r["residual"]})
+    print(f"\n{res['device']}, commit {res['commit']}: prefill eager, ms; residual routes "
+          f"as x the best unified (goal <= {res['goal']}x)")
+    print(f"{'case':>14s} {'baseline':>22s} " + " ".join(f"{n:>16s}" for n in names))
+    for r in res["rows"]:
+        base = f"{r['baseline']} {r['unified'][r['baseline']]:.3f}"
+        cells = [f"{r['residual'][n]:7.3f} ({r['over_baseline'][n]:4.2f}x)"
+                 if n in r["residual"] else "-" for n in names]
+        label = f"{r['batch']}x{r['new']}/{r['keys']}"
+        print(f"{label:>14s} {base:>22s} " + " ".join(f"{c:>16s}" for c in cells))
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = sorted({n for r in res["rows"] for n in r["residual"]})
+    labels = [f"{r['batch']}x{r['new']}/{r['keys']}" for r in res["rows"]]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(labels))],
+               [r["over_baseline"].get(name, 0.0) for r in res["rows"]], width, label=name)
+    ax.axhline(res["goal"], color="r", lw=0.8, ls="--", label=f"goal {res['goal']}x")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel("time / the best unified route's (lower is faster)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"ResidualAttention prefill routes, {res['device']}, {res['commit'][:8]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,348 @@
+"""ResidualAttention prefill in one warp-specialized launch (Gluon, Hopper; the ``ws`` route).
+
+The Triton kernel (prefill_attention.py) rebuilds each key tile as ``K_base + RoPE(K_res
+B_k)`` with ``tl.dot`` over pointer gathers; against FlashAttention-4 reading the unified
+pages it ran 4.5x at 8 chunks of 64 tokens over 8K keys (kernel_bench_prefill.json, round
+22), and the packed route that rebuilds the whole context before FA4 3.2x (the rebuild
+alone writes every key). Here the decode kernel's loader (residual_decode_gluon.py: one
+warp, one TMA box per page half of ``K_base, V_base``, the page's ``K_res, V_res`` rows and
+the tile's cos|sin rows, a ring of ``STAGES`` slots) feeds a consumer warp group that holds
+64 query rows (16 tokens of one KV head's GQA group of 4) as the wgmma's M:
+
+* the tile's rotated residual keys rebuilt once: ``U = K_res B_k`` as two wgmma (64 keys x
+  64 columns, K = r), RoPE in registers (the halves of a column pair sit in one thread), the
+  result stored bf16 to a shared tile ``R`` (the queries are not folded into ``B_k`` as the
+  decode does: with 64 query rows the folded product would cost r times the score product);
+* the scores ``Q K_base^T + Q R^T`` as four wgmma in flight together (two halves of D each;
+  the residual's own, unrounded by a sum with the base key, as the Triton kernel's
+  ``split_score``);
+* the causal mask, the online softmax in the log2 domain, ``P V_base`` by wgmma with P from
+  registers, ``P V_res`` beside it (N = r), and ``B_v`` applied once after the loop.
+
+Grid ``(batch * n_kv * m_blocks, splits)``, the m blocks of one (sequence, KV head)
+adjacent so their key tiles meet in L2; a program's keys are its split of the keys its
+block's last token sees, merged by ``split_kv.merge_partials`` when the dynamic plan cuts
+them. Shapes: ``residual_decode_gluon.supports``' (16-key pages, head_dim 128, a GQA group of
+4, rank 16, bf16, contiguous pools, sm_90).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from forkserve.kernels.residual_decode_gluon import (
+    LOG2E,
+    MAXNREG,
+    STAGES,
+    TILE,
+    _loader,
+    _zero_rows_from,
+    descriptors,
+    supports,
+    wgmma_layout,
+)
+from forkserve.kernels.rope import cached_rope_table, rope_table_in
+from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
+
+ROWS = 64  # query rows a program: one warp group's wgmma M
+
+
+@gluon.jit
+def _stage_operands(operands, bufs):
+    """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
+    ``q_lo, q_hi [ROWS, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
+    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter), and ``rot`` zeroed:
+    a program without an adapter never writes it, and its score products read it."""
+    q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
+        has_res = operands
+    q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi = bufs
+    M: gl.constexpr = q_lo.type.shape[0]
+    HALF: gl.constexpr = q_lo.type.shape[1]
+    R: gl.constexpr = bk_lo.type.shape[0]
+    G: gl.constexpr = 4
+    lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, lq))
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
+    tok = tok0 + rows // G
+    q_ptr = (q_base + tok[:, None].to(gl.int64) * stride_qt + (rows % G)[:, None] * stride_qh
+             + d[None, :])
+    q_ok = (tok < q_len)[:, None]
+    q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
+               .to(gl.bfloat16))
+    k = gl.arange(0, R, layout=gl.SliceLayout(1, lq))
+    b_off = k[:, None] * stride_br + d[None, :]
+    bk_lo.store(gl.load(bk_row + b_off, mask=has_res, other=0.0))
+    bk_hi.store(gl.load(bk_row + b_off + HALF, mask=has_res, other=0.0))
+    bv_lo.store(gl.load(bv_row + b_off, mask=has_res, other=0.0))
+    bv_hi.store(gl.load(bv_row + b_off + HALF, mask=has_res, other=0.0))
+    T: gl.constexpr = rot_lo.type.shape[0]
+    zero = gl.zeros([T, HALF], gl.bfloat16, lq)
+    rot_lo.store(zero)
+    rot_hi.store(zero)
+
+
+@gluon.jit
+def _rebuild(bufs, ops, s, acc_l: gl.constexpr):
+    """Slot ``s``'s rotated residual keys ``RoPE(K_res B_k)`` into ``rot_lo, rot_hi``."""
+    kr, cs_c, cs_s = bufs[4], bufs[6], bufs[7]
+    bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
+    T: gl.constexpr = kr.type.shape[1]
+    HALF: gl.constexpr = bk_lo.type.shape[1]
+    zero = gl.zeros([T, HALF], gl.float32, acc_l)
+    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+    u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+    cos = cs_c.index(s).load(acc_l).to(gl.float32)
+    sin = cs_s.index(s).load(acc_l).to(gl.float32)
+    rot_lo.store((u_lo * cos - u_hi * sin).to(gl.bfloat16))
+    rot_hi.store((u_hi * cos + u_lo * sin).to(gl.bfloat16))
+    fence_async_shared()
+
+
+@gluon.jit
+def _consume(args):
+    """The consumer warp group: every tile of the program's keys. Returns ``m, l [ROWS]``
+    (log2 domain) and ``o_lo, o_hi [ROWS, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+    _, bars, bufs, ops, scalars, operands = args
+    ready, empty = bars
+    k_lo, k_hi, v_lo, v_hi, kr, vr, _, _ = bufs
+    q_lo, q_hi, _, _, bv_lo, bv_hi, rot_lo, rot_hi = ops
+    _, _, _, start, stop, _, n_tiles, has_res = scalars
+    q_pos0 = operands[10]  # the position of the program's first token
+    NS: gl.constexpr = k_lo.type.shape[0]
+    T: gl.constexpr = k_lo.type.shape[1]
+    HALF: gl.constexpr = k_lo.type.shape[2]
+    R: gl.constexpr = kr.type.shape[2]
+    M: gl.constexpr = q_lo.type.shape[0]
+    G: gl.constexpr = 4
+    nw: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = wgmma_layout(HALF, nw)  # [M, 64]: scores, and each half of O
+    r_l: gl.constexpr = wgmma_layout(R, nw)  # [M, r]: P V_res
+    p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+    pr_op: gl.constexpr = gl.DotOperandLayout(0, r_l, 2)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    m_i = gl.full([M], float("-inf"), gl.float32, row_l)
+    l_i = gl.full([M], 0.0, gl.float32, row_l)
+    o_lo = gl.zeros([M, HALF], gl.float32, acc_l)
+    o_hi = gl.zeros([M, HALF], gl.float32, acc_l)
+    acc_r = gl.zeros([M, R], gl.float32, r_l)
+    if n_tiles > 0:  # an empty program makes no operands
+        # After the loader's first tile lands: a worker reads its arguments from shared
+        # memory at its start, in bytes this partition's layout conversions may reuse
+        # (Triton 3.6; docs/KERNELS.md "Round 20").
+        mbarrier.wait(ready.index(0), 0)
+        _stage_operands(operands, ops)
+        fence_async_shared()
+    pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
+    cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
+    for i in range(n_tiles):
+        s = i % NS
+        mbarrier.wait(ready.index(s), (i // NS) & 1)
+        n0 = start + i * T
+        if n0 + T > stop:
+            # Keys past the split (stale or never written page slots) would reach the value
+            # products as 0 * NaN: zeroed.
+            _zero_rows_from(v_lo.index(s), stop - n0)
+            _zero_rows_from(v_hi.index(s), stop - n0)
+            if has_res:
+                _zero_rows_from(vr.index(s), stop - n0)
+            fence_async_shared()
+        if has_res:
+            _rebuild(bufs, ops, s, acc_l)
+        zero = gl.zeros([M, T], gl.float32, acc_l)
+        sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+        sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(sc, ))
+        key = n0 + cols
+        visible = (gl.expand_dims(key < stop, 0)
+                   & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
+        sc = gl.where(visible, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o_lo = o_lo * gl.expand_dims(alpha, 1)
+        o_hi = o_hi * gl.expand_dims(alpha, 1)
+        p16 = p.to(gl.bfloat16)
+        if has_res:
+            acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+            acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r)
+        pa = gl.convert_layout(p16, p_op)
+        o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
+        o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
+        o_lo, o_hi = warpgroup_mma_wait(0, deps=(o_lo, o_hi))
+        m_i = m_new
+        # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s))
+    if has_res & (n_tiles > 0):
+        # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
+        r_hi = acc_r.to(gl.bfloat16)
+        r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
+        a_hi = gl.convert_layout(r_hi, p_op)
+        a_lo = gl.convert_layout(r_lo, p_op)
+        o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
+        o_lo = warpgroup_mma(a_lo, bv_lo, o_lo)
+        o_hi = warpgroup_mma(a_hi, bv_hi, o_hi)
+        o_hi = warpgroup_mma(a_lo, bv_hi, o_hi)
+    return m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
+def _residual_prefill_ws_kernel(
+        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
+        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
+        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    TOKENS: gl.constexpr = M // G
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    mb = pid % m_blocks
+    head = (pid // m_blocks) % N_KV
+    b = pid // (m_blocks * N_KV)
+    q_begin = gl.load(CuSeqlensQ + b)
+    q_len = gl.load(CuSeqlensQ + b + 1) - q_begin
+    seq_len = gl.load(SeqLens + b)
+    ctx = seq_len - q_len  # keys before the first new token
+    tok0 = mb * TOKENS
+    # Causal: the block's last token sees keys [0, ctx + its index + 1).
+    kv_end = gl.where(tok0 < q_len, ctx + gl.minimum(q_len, tok0 + TOKENS), 0)
+    key_split = gl.cdiv(gl.cdiv(kv_end, gl.num_programs(1)), T) * T
+    start = split * key_split
+    stop = gl.minimum(start + key_split, kv_end)
+    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    adapter = gl.load(Adapter + b)
+    has_res = adapter >= 0
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HALF], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, HALF], gl.bfloat16)
+    q_lo = gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout)
+    bk_lo = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bk_hi = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bv_lo = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bv_hi = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    rot_lo = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
+    rot_hi = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
+
+    k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
+    operands = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
+                stride_qh, tok0, q_len, BK + a_row, BV + a_row, stride_br, scale_log2e,
+                has_res, ctx + tok0)
+    # One tuple for both partitions, in the decode loader's order (its ``_loader`` serves
+    # here unchanged): descriptors, barriers, slots, this kernel's own buffers, the
+    # program's integers, what _stage_operands reads.
+    args = ((kd, vd, krd, vrd, csd), (ready, empty),
+            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s),
+            (q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi),
+            (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
+             start, stop, seq_len, n_tiles, has_res), operands)
+    m_i, l_i, o_lo, o_hi = gl.warp_specialize(
+        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
+
+    acc_l: gl.constexpr = o_lo.type.layout
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
+    tok = tok0 + rows // G
+    row_ok = gl.expand_dims(tok < q_len, 1)
+    t_idx = gl.expand_dims((q_begin + tok).to(gl.int64), 1)
+    h_idx = gl.expand_dims(head * G + rows % G, 1)
+    l_safe = gl.expand_dims(gl.where(l_i > 0, l_i, 1.0), 1)
+    o_lo = o_lo / l_safe
+    o_hi = o_hi / l_safe
+    if DIRECT:
+        o_ptr = Out + t_idx * stride_ot + h_idx * stride_oh + gl.expand_dims(d, 0)
+        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty), mask=row_ok)
+        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty), mask=row_ok)
+    else:
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(PartLse + (q_begin + tok).to(gl.int64) * stride_lt + (head * G + rows % G)
+                 * stride_lh + split, lse, mask=tok < q_len)
+        if n_tiles > 0:
+            p_ptr = (PartOut + t_idx * stride_pt + h_idx * stride_ph + split * stride_ps
+                     + gl.expand_dims(d, 0))
+            gl.store(p_ptr, o_lo, mask=row_ok)
+            gl.store(p_ptr + HALF, o_hi, mask=row_ok)
+
+
+def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                        k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor,
+                        b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                        inv_freq: torch.Tensor, scale: float | None = None,
+                        max_q_len: int | None = None, max_seq_len: int | None = None,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """ResidualAttention varlen causal prefill of ``q [total_new, H, D]`` over the
+    disaggregated cache (prefill_attention.py's contract: each sequence's new tokens are its
+    last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
+    only. ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
+    if not supports(q, k_base, k_res):
+        raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of 4, "
+                         "rank 16, bf16 on an sm_90 GPU")
+    if b_k_all.stride() != b_v_all.stride():
+        raise ValueError("residual_prefill_ws: B_k and B_v stacked alike (one pair of strides)")
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv, rank = k_base.shape[2], k_res.shape[2]
+    g = n_heads // n_kv
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())  # one host sync
+    bound = max(max_seq_len, 1)
+    table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
+    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
+    m_blocks = max(1, -(-max_q_len * g // ROWS))
+    programs = seq_lens.numel() * n_kv * m_blocks
+    splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
+                            programs_per_sm=1)
+    out = torch.empty_like(q)
+    part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
+    direct = splits == 1
+    _residual_prefill_ws_kernel[(programs, splits)](
+        kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
+        res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,
+        m_blocks, q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
+        b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=ROWS, STAGES_=STAGES,
+        DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+    if direct:
+        return out
+    return merge_partials(part_out, part_lse, out, splits)

@@ -1,0 +1,135 @@
+"""The warp-specialized ResidualAttention prefill (residual_prefill_gluon.py, the ``ws`` route).
+
+As for the ws decode: without a GPU the kernel is compiled for sm_90a (both outputs) and
+assembled by ptxas; on CUDA it is checked against the plain formulas over NaN-poisoned
+pools, with the split plan's partials and under a CUDA graph."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import plain_oracle as plain
+import pytest
+import torch
+from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
+from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
+
+HEAD_DIM, RANK = 128, 16
+
+
+def build_sm90(direct: bool) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes."""
+    from forkserve.kernels import residual_decode_gluon as ws
+    from forkserve.kernels import residual_prefill_gluon as pw
+
+    n_kv = 8
+    k = torch.empty(64, 16, n_kv, HEAD_DIM, dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, RANK, dtype=torch.bfloat16)
+    table = torch.empty(4096, HEAD_DIM, dtype=torch.bfloat16)
+    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
+                                                            torch.float32))
+    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
+                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
+    values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
+                   SeqLens=ints, CuSeqlensQ=ints, Out=ptr, PartOut=floats, PartLse=floats,
+                   scale_log2e=0.1)
+    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=pw.ROWS,
+                  STAGES_=ws.STAGES, DIRECT=direct, num_warps=4)
+    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, ws.MAXNREG)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_ws_prefill_builds_for_sm90(direct: bool, tmp_path) -> None:
+    """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
+    cut, fits one program's shared memory (227 KiB) and spills nothing (in a process of its
+    own: see test_residual_decode_ws.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = (tmp_path / "ws.ptx").read_text()
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "setmaxnreg.dec" in ptx
+    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
+    assert assemble_sm90a(ptx) == 0
+
+
+def _inputs(seed: int, seq_lens: list[int], q_lens: list[int], n_kv: int = 2):
+    """Rank-16 pools (adapter 1 of rank 8, padded; every fourth row none), head_dim 128,
+    GQA 4, B scaled by 0.2; the new tokens of sequence i are its last ``q_lens[i]``."""
+    gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(
+        seed, seq_lens, n_kv, HEAD_DIM, rank=8, r_max=RANK, b_scale=0.2)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), 4 * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
+    args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
+            cu.to(DEVICE), b_k, b_v, adapters, inv_freq)
+    return args, c
+
+
+def _formula(args, c):
+    q, cu, b_k, b_v, adapters, inv_freq = args[0], args[8], args[9], args[10], args[11], args[12]
+    return plain.prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu,
+                         (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq))
+
+
+cuda_only = pytest.mark.skipif(
+    DEVICE.type != "cuda" or torch.cuda.get_device_capability() != (9, 0),
+    reason="the kernel is sm_90a's (wgmma)")
+
+# (seq_lens, q_lens): chunks over cached contexts ending mid-page and mid-tile, a cold
+# prompt (q == s), one token, an empty chunk, a chunk of several query blocks; 64-token
+# chunks over 4K+ keys (the short-chunk case the kernel is for).
+CASES = [
+    ([37, 100, 16, 70], [37, 30, 1, 21]),
+    ([64, 45, 300], [0, 45, 77]),
+    ([4099, 4160, 1000, 2050], [64, 64, 64, 64]),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("seq_lens,q_lens", CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_ws_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
+                                        num_splits: int | None) -> None:
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
+
+    args, c = _inputs(sum(q_lens), seq_lens, q_lens)
+    out = residual_prefill_ws(*args, num_splits=num_splits)
+    ref = _formula(args, c)
+    assert rel_err(out, ref) < REL_TOL
+    base_only = plain.prefill(args[0], c.k, c.v, c.block_tables, c.seq_lens, args[8])
+    assert rel_err(base_only, ref) > 20 * REL_TOL  # the residual is in the test's answer
+
+
+@cuda_only
+def test_ws_prefill_under_a_cuda_graph() -> None:
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
+
+    args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
+    bounds = {"max_q_len": 64, "max_seq_len": 1024}
+    eager = residual_prefill_ws(*args, **bounds)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = residual_prefill_ws(*args, **bounds)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
+def test_ws_prefill_refuses_other_shapes() -> None:
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
+
+    args, _ = _inputs(1, [40], [8], n_kv=2)
+    with pytest.raises(ValueError, match="residual_prefill_ws"):
+        residual_prefill_ws(args[0][:, :4].contiguous(), *args[1:])
+
+
+if __name__ == "__main__":  # test_ws_prefill_builds_for_sm90's: its parameters, then a folder
+    ptx, shared = build_sm90(bool(int(sys.argv[1])))
+    (Path(sys.argv[2]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[2]) / "shared").write_text(str(shared))
