@@ -33,11 +33,18 @@ CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 
          (1, 4096, 4096)]
 SMOKE_CASES = [(1, 8, 40), (2, 16, 48)]
 GOAL = 1.3
+# The ws kernel's launches beside its default (rows, stages, full_k: WsPrefillLaunch).
+WS_OTHER_LAUNCHES = [(64, 3, True), (128, 2, False), (128, 2, True), (128, 3, False),
+                     (128, 3, True)]
 
 
 def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     from forkserve.kernels import PrefillCounts, flash_support, paged_prefill, residual_prefill
     from forkserve.kernels.residual_decode_gluon import supports
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+
+    WS_LAUNCHES = {f"ws_m{r}_s{st}{'_full' if f else ''}": WsPrefillLaunch(r, st, f)
+                   for r, st, f in WS_OTHER_LAUNCHES}
 
     bt, rbt, lens = s.tables(batch, keys)
     q = s.q(batch * new)
@@ -55,6 +62,9 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
                 "auto": lambda: residual_prefill(*res, **kw)}
     if supports(q, s.k, s.k_res):
         residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
+        for name, launch in WS_LAUNCHES.items():
+            residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
+                                                                launch=lc)
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "unified": {n: bench_eager(f, s.smoke) for n, f in unified.items()},
                  "residual": {n: bench_eager(f, s.smoke) for n, f in residual.items()}}

@@ -28,6 +28,7 @@ them. Shapes: ``residual_decode_gluon.supports``' (16-key pages, head_dim 128, a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -53,13 +54,39 @@ from forkserve.kernels.residual_decode_gluon import (
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
-ROWS = 64  # query rows a program: one warp group's wgmma M
+
+@dataclass(frozen=True)
+class WsPrefillLaunch:
+    """One launch configuration: ``rows`` query rows a program (64: one consumer warp group;
+    128: two, in lockstep over one slot ring, each key tile loaded and rebuilt once for both),
+    ``stages`` slots in the ring, ``full_k``: the rebuilt residual added to the base tile and
+    scored by one product per half of D (two wgmma), instead of scored apart (four)."""
+
+    rows: int = 64
+    stages: int = STAGES
+    full_k: bool = False
+
+    @property
+    def warps(self) -> int:
+        return self.rows // 16
+
+
+DEFAULT_LAUNCH = WsPrefillLaunch()
+
+
+@gluon.constexpr_function
+def rebuild_layout(n, num_warps):
+    """The accumulator of a key tile's rebuild ``[64, n]``: M = 64 keys on one warp group, a
+    second one (8 warps) taking half the columns."""
+    wn = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn],
+                                     instr_shape=[16, n // wn, 16])
 
 
 @gluon.jit
 def _stage_operands(operands, bufs):
     """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
-    ``q_lo, q_hi [ROWS, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
+    ``q_lo, q_hi [rows, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
     ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter), and ``rot`` zeroed:
     a program without an adapter never writes it, and its score products read it."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
@@ -93,27 +120,34 @@ def _stage_operands(operands, bufs):
 
 
 @gluon.jit
-def _rebuild(bufs, ops, s, acc_l: gl.constexpr):
-    """Slot ``s``'s rotated residual keys ``RoPE(K_res B_k)`` into ``rot_lo, rot_hi``."""
-    kr, cs_c, cs_s = bufs[4], bufs[6], bufs[7]
+def _rebuild(bufs, ops, s, FULL_K: gl.constexpr):
+    """Slot ``s``'s rotated residual keys ``RoPE(K_res B_k)`` into ``rot_lo, rot_hi``, plus
+    the base tile where ``FULL_K`` (then ``rot`` holds the whole key)."""
+    k_lo, k_hi, kr, cs_c, cs_s = bufs[0], bufs[1], bufs[4], bufs[6], bufs[7]
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
     T: gl.constexpr = kr.type.shape[1]
     HALF: gl.constexpr = bk_lo.type.shape[1]
-    zero = gl.zeros([T, HALF], gl.float32, acc_l)
+    u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
+    zero = gl.zeros([T, HALF], gl.float32, u_l)
     u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
     u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
     u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-    cos = cs_c.index(s).load(acc_l).to(gl.float32)
-    sin = cs_s.index(s).load(acc_l).to(gl.float32)
-    rot_lo.store((u_lo * cos - u_hi * sin).to(gl.bfloat16))
-    rot_hi.store((u_hi * cos + u_lo * sin).to(gl.bfloat16))
+    cos = cs_c.index(s).load(u_l).to(gl.float32)
+    sin = cs_s.index(s).load(u_l).to(gl.float32)
+    r_lo = u_lo * cos - u_hi * sin
+    r_hi = u_hi * cos + u_lo * sin
+    if FULL_K:
+        r_lo += k_lo.index(s).load(u_l).to(gl.float32)
+        r_hi += k_hi.index(s).load(u_l).to(gl.float32)
+    rot_lo.store(r_lo.to(gl.bfloat16))
+    rot_hi.store(r_hi.to(gl.bfloat16))
     fence_async_shared()
 
 
 @gluon.jit
-def _consume(args):
-    """The consumer warp group: every tile of the program's keys. Returns ``m, l [ROWS]``
-    (log2 domain) and ``o_lo, o_hi [ROWS, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+def _consume(args, FULL_K: gl.constexpr):
+    """The consumer warp group: every tile of the program's keys. Returns ``m, l [rows]``
+    (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
     ready, empty = bars
     k_lo, k_hi, v_lo, v_hi, kr, vr, _, _ = bufs
@@ -158,15 +192,25 @@ def _consume(args):
             if has_res:
                 _zero_rows_from(vr.index(s), stop - n0)
             fence_async_shared()
-        if has_res:
-            _rebuild(bufs, ops, s, acc_l)
         zero = gl.zeros([M, T], gl.float32, acc_l)
-        sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False,
-                           is_async=True)
-        sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(sc, ))
+        if FULL_K:
+            # rot holds the whole key: the base tile itself where there is no residual.
+            if has_res:
+                _rebuild(bufs, ops, s, FULL_K)
+                sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), zero, use_acc=False)
+                sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc)
+            else:
+                sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False)
+                sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc)
+        else:
+            if has_res:
+                _rebuild(bufs, ops, s, FULL_K)
+            sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
+            sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
         key = n0 + cols
         visible = (gl.expand_dims(key < stop, 0)
                    & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
@@ -211,8 +255,8 @@ def _residual_prefill_ws_kernel(
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, FULL_K: gl.constexpr,
+        DIRECT: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
     pid = gl.program_id(0)
@@ -272,7 +316,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, FULL_K)), (_loader, (args, ))], [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
@@ -306,7 +350,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
                         b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                         inv_freq: torch.Tensor, scale: float | None = None,
                         max_q_len: int | None = None, max_seq_len: int | None = None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None,
+                        launch: WsPrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """ResidualAttention varlen causal prefill of ``q [total_new, H, D]`` over the
     disaggregated cache (prefill_attention.py's contract: each sequence's new tokens are its
     last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
@@ -327,7 +372,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     bound = max(max_seq_len, 1)
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
-    m_blocks = max(1, -(-max_q_len * g // ROWS))
+    m_blocks = max(1, -(-max_q_len * g // launch.rows))
     programs = seq_lens.numel() * n_kv * m_blocks
     splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
                             programs_per_sm=1)
@@ -341,8 +386,9 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=ROWS, STAGES_=STAGES,
-        DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
+        STAGES_=launch.stages, FULL_K=launch.full_k, DIRECT=direct, num_warps=launch.warps,
+        maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

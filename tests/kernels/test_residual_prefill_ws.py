@@ -17,10 +17,14 @@ from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
 
 HEAD_DIM, RANK = 128, 16
+# (rows, stages, full_k): the default launch and the others the bench measures.
+DEFAULT = (64, 3, False)
+OTHER_LAUNCHES = [(64, 3, True), (128, 2, False), (128, 2, True), (128, 3, False),
+                  (128, 3, True)]
 
 
-def build_sm90(direct: bool) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes."""
+def build_sm90(direct: bool, rows: int, stages: int, full_k: bool) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch."""
     from forkserve.kernels import residual_decode_gluon as ws
     from forkserve.kernels import residual_prefill_gluon as pw
 
@@ -35,20 +39,22 @@ def build_sm90(direct: bool) -> tuple[str, int]:
     values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                    SeqLens=ints, CuSeqlensQ=ints, Out=ptr, PartOut=floats, PartLse=floats,
                    scale_log2e=0.1)
-    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=pw.ROWS,
-                  STAGES_=ws.STAGES, DIRECT=direct, num_warps=4)
+    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows,
+                  STAGES_=stages, FULL_K=full_k, DIRECT=direct, num_warps=rows // 16)
     return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, ws.MAXNREG)
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_ws_prefill_builds_for_sm90(direct: bool, tmp_path) -> None:
+@pytest.mark.parametrize("direct,launch", [
+    (False, DEFAULT), (True, DEFAULT), *((True, lc) for lc in OTHER_LAUNCHES)])
+def test_ws_prefill_builds_for_sm90(direct: bool, launch: tuple, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing (in a process of its
     own: see test_residual_decode_ws.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(tmp_path)],
+    run = subprocess.run([sys.executable, __file__, str(tmp_path), str(int(direct)),
+                          *(str(int(x)) for x in launch)],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -108,6 +114,20 @@ def test_ws_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
 
 
 @cuda_only
+@pytest.mark.parametrize("launch", OTHER_LAUNCHES)
+@pytest.mark.parametrize("case", [0, 2])
+def test_ws_prefill_launches_match_the_formula(launch: tuple, case: int) -> None:
+    """Every launch the bench measures: two consumer warp groups, fewer slots, the whole
+    key rebuilt (a row without an adapter scores its base tile)."""
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, residual_prefill_ws
+
+    seq_lens, q_lens = CASES[case]
+    args, c = _inputs(case, seq_lens, q_lens)
+    out = residual_prefill_ws(*args, launch=WsPrefillLaunch(*launch))
+    assert rel_err(out, _formula(args, c)) < REL_TOL
+
+
+@cuda_only
 def test_ws_prefill_under_a_cuda_graph() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
@@ -130,6 +150,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_prefill_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(bool(int(sys.argv[1])))
-    (Path(sys.argv[2]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[2]) / "shared").write_text(str(shared))
+    direct_, rows_, stages_, full_k_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90(bool(direct_), rows_, stages_, bool(full_k_))
+    (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[1]) / "shared").write_text(str(shared))
