@@ -70,6 +70,13 @@ class WsPrefillLaunch:
     def warps(self) -> int:
         return self.rows // 16
 
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread starts with: every warp of the program (the loader's padded to
+        a warp group by ``warp_specialize``) within the SM's 64K, up to 256; the partitions'
+        ``setmaxnreg`` then move the loader's to the consumers."""
+        return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
+
 
 DEFAULT_LAUNCH = WsPrefillLaunch()
 
@@ -388,7 +395,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
         STAGES_=launch.stages, FULL_K=launch.full_k, DIRECT=direct, num_warps=launch.warps,
-        maxnreg=MAXNREG)
+        maxnreg=launch.maxnreg)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

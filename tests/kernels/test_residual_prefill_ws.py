@@ -41,7 +41,8 @@ def build_sm90(direct: bool, rows: int, stages: int, full_k: bool) -> tuple[str,
                    scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows,
                   STAGES_=stages, FULL_K=full_k, DIRECT=direct, num_warps=rows // 16)
-    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, ws.MAXNREG)
+    launch = pw.WsPrefillLaunch(rows, stages, full_k)
+    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, launch.maxnreg)
 
 
 @pytest.mark.parametrize("direct,launch", [
