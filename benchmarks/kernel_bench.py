@@ -548,6 +548,7 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         PrefillCounts,
         flash_support,
         paged_prefill,
+        prefill_kernels,
         rebuild_kv,
         residual_prefill,
     )
@@ -574,8 +575,10 @@ def run_prefill(s: Setup, res: dict, save: Callable[[], None]) -> None:
         res_args = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
         tag = f"prefill batch={batch} new={new} keys={keys}"
         row: dict = {"batch": batch, "new": new, "ctx": keys, "cold": new == keys,
-                     "batch_policy_unified": policy.route(counts, False, support.varlen).value,
-                     "batch_policy_residual": policy.route(counts, True, support.varlen).value}
+                     "batch_policy_unified": policy.route(
+                         counts, False, prefill_kernels(q, s.k, flash=support)).value,
+                     "batch_policy_residual": policy.route(
+                         counts, True, prefill_kernels(q, s.k, s.k_res, support)).value}
         scale = 1.0 / math.sqrt(s.head_dim)
         rope = Rope(RopeConfig(theta=500000.0), s.head_dim, s.device)
         rope.inv_freq = s.inv_freq
@@ -801,7 +804,7 @@ def mixed_cases(s: Setup) -> list[tuple[int, int, int]]:
 
 
 def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
-               flash: bool) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
+               found: kernels.PrefillKernels) -> tuple[dict[str, Callable[[], torch.Tensor]], dict]:
     """One attention layer call of a mixed step (one chunk of ``new`` tokens beside ``rows``
     one-token sequences, each over ``ctx`` keys), as ``KernelAttention.forward`` runs it:
     "whole", the batch on the prefill route the policy picks for all of it (before
@@ -818,8 +821,8 @@ def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
                       device=s.device)
     whole_counts = kernels.PrefillCounts(qlens, (ctx,) * (1 + rows))
     chunk_counts = kernels.PrefillCounts((new,), (ctx,))
-    route = {"whole": policy.route(whole_counts, residual, flash),
-             "chunk": policy.route(chunk_counts, residual, flash)}
+    route = {"whole": policy.route(whole_counts, residual, found),
+             "chunk": policy.route(chunk_counts, residual, found)}
     pools = (s.k, s.v, s.k_res, s.v_res) if residual else (s.k, s.v)
     prefill_fn = kernels.residual_prefill if residual else kernels.paged_prefill
     decode_fn = kernels.residual_decode if residual else kernels.paged_decode
@@ -865,12 +868,12 @@ MIXED_FORMS = ("unified", "residual")
 def run_mixed(s: Setup, res: dict, save: Callable[[], None], forms=MIXED_FORMS) -> None:
     """Mixed steps per form and case (JSON saved after each): whole, split, rows and chunk
     timed eagerly (a prefill step runs eagerly), and split's output against whole's."""
-    from forkserve.kernels import flash_support
-    flash = flash_support(s.q(1), s.k).varlen
-    res["flash_varlen"] = flash
+    from forkserve.kernels import prefill_kernels
+    res["flash_varlen"] = prefill_kernels(s.q(1), s.k).varlen
     for form in forms:
+        found = prefill_kernels(s.q(1), s.k, s.k_res if form == "residual" else None)
         for ctx, new, rows in mixed_cases(s):
-            calls, routes = mixed_step(s, ctx, new, rows, form == "residual", flash)
+            calls, routes = mixed_step(s, ctx, new, rows, form == "residual", found)
             reference = calls.pop("reference")
             tag = f"mixed {form} ctx={ctx} chunk={new} rows={rows}"
             row: dict = {"form": form, "ctx": ctx, "chunk": new, "rows": rows,

@@ -11,7 +11,10 @@ eager as the engine runs prefill (CUDA events, L2 flushed: ``kernel_bench.bench_
   block tables, where ``flash_support`` finds it): the baseline is the faster;
 * residual: ``ws`` (residual_prefill_gluon.py, sm_90 only), ``fused`` (the Triton kernel at
   its default launch) and ``flash`` (the context rebuilt and packed, then the varlen flash
-  kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``).
+  kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``);
+
+and by CUDA-graph replay (device time, no launch cost) the routes a graph holds: the unified
+ones, ``fused`` and every ``ws`` launch.
 
 Writes residual_prefill.json after every case (``--tag`` names the file), a PNG of each
 route's time over the baseline's, and prints a table.
@@ -26,16 +29,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import Setup, bench_eager  # noqa: E402
+from benchmarks.kernel_bench import Setup, bench, bench_eager  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 8704),
          (1, 4096, 4096)]
 SMOKE_CASES = [(1, 8, 40), (2, 16, 48)]
 GOAL = 1.3
-# The ws kernel's launches beside its default (rows, stages, full_k: WsPrefillLaunch).
-WS_OTHER_LAUNCHES = [(64, 3, True), (128, 2, False), (128, 2, True), (128, 3, False),
-                     (128, 3, True)]
+# The ws kernel's launches beside its default (rows, stages: WsPrefillLaunch).
+WS_LAUNCHES = [(64, 3), (64, 2), (128, 3), (128, 2)]
 
 
 def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
@@ -43,8 +45,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     from forkserve.kernels.residual_decode_gluon import supports
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
-    WS_LAUNCHES = {f"ws_m{r}_s{st}{'_full' if f else ''}": WsPrefillLaunch(r, st, f)
-                   for r, st, f in WS_OTHER_LAUNCHES}
+    launches = {f"ws_m{r}_s{st}": WsPrefillLaunch(r, st) for r, st in WS_LAUNCHES}
 
     bt, rbt, lens = s.tables(batch, keys)
     q = s.q(batch * new)
@@ -62,7 +63,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
                 "auto": lambda: residual_prefill(*res, **kw)}
     if supports(q, s.k, s.k_res):
         residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
-        for name, launch in WS_LAUNCHES.items():
+        for name, launch in launches.items():
             residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
                                                                 launch=lc)
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
@@ -71,6 +72,12 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     row["baseline"] = min(row["unified"], key=row["unified"].get)
     base = row["unified"][row["baseline"]]
     row["over_baseline"] = {n: ms / base for n, ms in row["residual"].items()}
+    # Device time (CUDA-graph replay: no host launch cost) of the routes a graph can hold.
+    device = {f"unified_{n}": f for n, f in unified.items()}
+    device |= {f"residual_{n}": f for n, f in residual.items() if n.startswith(("ws", "fused"))}
+    row["device"] = {n: bench(f, s.smoke) for n, f in device.items()}
+    best = min(v for n, v in row["device"].items() if n.startswith("unified_"))
+    row["device_over_best_unified"] = {n: v / best for n, v in row["device"].items()}
     if "ws" in residual:  # the kernel against the formula's other route, same inputs
         ws, ref = residual["ws"](), residual["fused"]()
         row["ws_rel_err_vs_fused"] = float((ws.float() - ref.float()).norm()
@@ -110,6 +117,11 @@ def print_table(res: dict) -> None:
                  if n in r["residual"] else "-" for n in names]
         label = f"{r['batch']}x{r['new']}/{r['keys']}"
         print(f"{label:>14s} {base:>22s} " + " ".join(f"{c:>16s}" for c in cells))
+    print("device time (graph replay), x the best unified:")
+    for r in res["rows"]:
+        label = f"{r['batch']}x{r['new']}/{r['keys']}"
+        print(f"{label:>14s} " + " ".join(f"{n}={ms:.3f} ({r['device_over_best_unified'][n]:.2f}x)"
+                                          for n, ms in r["device"].items()))
 
 
 def plot(res: dict, path: Path) -> None:

@@ -22,6 +22,7 @@ from forkserve.kernels.prefill_policy import (
     FixedPrefillPolicy,
     PrefillAttentionPolicy,
     PrefillCounts,
+    PrefillKernels,
     PrefillRoute,
 )
 from forkserve.kernels.prefix_groups import PrefillGroups, prefill_groups, prefix_splits
@@ -30,7 +31,8 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq, rope_cos_sin
 __all__ = [
     "apply_rope", "default_inv_freq", "rope_cos_sin", "reference",
     "paged_decode", "paged_prefill", "residual_decode", "residual_prefill", "flash_support",
-    "FlashSupport", "PrefillCounts", "PrefillRoute", "CostPrefillPolicy", "FixedPrefillPolicy",
+    "FlashSupport", "PrefillCounts", "PrefillKernels", "prefill_kernels", "PrefillRoute",
+    "CostPrefillPolicy", "FixedPrefillPolicy",
     "PrefillAttentionPolicy", "shared_prefix_decode", "cascade_decode", "cascade_residual_decode",
     "cascade_tile_agents", "cascade_prefill", "PrefillGroups", "prefill_groups", "prefix_splits",
     "lora_shrink", "lora_expand", "write_kv_pages", "rebuild_kv",
@@ -63,16 +65,30 @@ def _host_bounds(counts: PrefillCounts | None) -> dict[str, int]:
                                       "max_seq_len": max(counts.seq_lens, default=0)}
 
 
+def prefill_kernels(q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None,
+                    flash: FlashSupport | None = None) -> PrefillKernels:
+    """Which prefill kernels take these inputs (the policy's ``kernels``): the flash kernels
+    ``flash`` found (looked up here when None), and the ws residual prefill where ``k_res``
+    (the residual form) and its shapes allow."""
+    flash = flash_support(q, k_cache) if flash is None else flash
+    ws = False
+    if k_res is not None:
+        from forkserve.kernels.residual_decode_gluon import supports
+        ws = supports(q, k_cache, k_res)
+    return PrefillKernels(flash.varlen, flash.paged, ws)
+
+
 def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
            counts: PrefillCounts | None, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-           q: torch.Tensor, k_cache: torch.Tensor) -> tuple[PrefillRoute, PrefillCounts | None]:
+           q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None
+           ) -> tuple[PrefillRoute, PrefillCounts | None]:
     """The route, and the host counts: the caller's, or those "auto" read back (so the route
     that needs them does not read them again)."""
     if variant == "auto":
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
-        support = flash_support(q, k_cache)
-        return DEFAULT_PREFILL_POLICY.route(counts, allowed is RESIDUAL_ROUTES, support.varlen,
-                                            support.paged), counts
+        residual = allowed is RESIDUAL_ROUTES
+        found = prefill_kernels(q, k_cache, k_res if residual else None)
+        return DEFAULT_PREFILL_POLICY.route(counts, residual, found), counts
     names = sorted(r.value for r in allowed)
     if variant not in names:
         raise ValueError(f"prefill variant must be 'auto' or one of {names}, got {variant!r}")
@@ -160,7 +176,8 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq, scale)
     if not _triton(use_triton, q):
         return reference.residual_prefill_ref(*args)
-    route, counts = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base)
+    route, counts = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base,
+                           k_res)
     if route is PrefillRoute.FUSED:
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)

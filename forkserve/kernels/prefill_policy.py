@@ -26,8 +26,9 @@ Routes (``PrefillRoute``):
   unified form only, after ``FRESH`` and before the batch's route.
 
 The decision uses host counts only (``PrefillCounts``: the engine holds them for every step)
-and what the library flash kernels take (``flash_op.flash_support``), so deciding
-never reads the device. A policy is a small strategy object: the engine's ``KernelAttention``
+and which kernels take the batch's inputs (``PrefillKernels``: the library flash kernels
+``flash_op.flash_support`` found, the Gluon residual kernel), so deciding never reads the
+device. A policy is a small strategy object: the engine's ``KernelAttention``
 holds one, the benchmark and the tests pin a route with ``FixedPrefillPolicy``.
 """
 from __future__ import annotations
@@ -108,13 +109,27 @@ class PrefillCounts:
         return sum(q * (s - q) + q * (q + 1) // 2 for q, s in self._pairs())
 
 
+@dataclass(frozen=True)
+class PrefillKernels:
+    """Which kernels take a batch's inputs (device, dtype, head dim, GQA group, rank), found
+    once per step by the caller (``kernels.prefill_kernels``) and read by the policy:
+    ``varlen``, a varlen flash kernel (``FlashSupport.varlen``); ``paged``, one that reads
+    the pages too (``FlashSupport.paged``); ``residual_ws``, the warp-specialized residual
+    prefill (``residual_decode_gluon.supports``)."""
+
+    varlen: bool = False
+    paged: bool = False
+    residual_ws: bool = False
+
+
+NO_KERNELS = PrefillKernels()
+
+
 class PrefillAttentionPolicy(Protocol):
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
-              paged_flash: bool = False) -> PrefillRoute:
+    def route(self, counts: PrefillCounts, residual: bool,
+              kernels: PrefillKernels = NO_KERNELS) -> PrefillRoute:
         """The route for a batch; ``residual``: the disaggregated form (K/V rebuilt from base
-        and residual); ``flash``: a varlen flash kernel takes this batch's inputs (device,
-        dtype, head dim, GQA group: ``FlashSupport.varlen``); ``paged_flash``: one reads
-        them from the pages too (``FlashSupport.paged``)."""
+        and residual); ``kernels``: which kernels take its inputs."""
 
     def fresh_items(self, counts: PrefillCounts, residual: bool) -> tuple[bool, ...]:
         """Per sequence: attend it on the ``FRESH`` route (only asked where the step holds
@@ -161,7 +176,13 @@ class CostPrefillPolicy:
     0.280 against SDPA's 0.329, 8K 0.936 against 1.037 (the rebuild: 0.010 / 0.048 / 0.033
     ms). Below 1K nothing is measured, so the paged kernels keep those.
 
-    ``PAGED_FLASH`` (unified form, where ``paged_flash``): FlashAttention-4 reads the pages
+    ``WS`` (residual form, where ``kernels.residual_ws``): wherever the Triton kernels would
+    run (``MERGED`` or ``FUSED``); the packed routes keep the long chunks their threshold
+    gives them (H200, residual_prefill_launches.json: 8 x 512 over 8K, packed FA4 1.86 ms
+    against ws 2.19, while ws took 8 x 64 over 8K in 0.28 against the fused kernel's 0.60,
+    and 4 x 64 over 32K in 0.56 against 2.38).
+
+    ``PAGED_FLASH`` (unified form, where ``kernels.paged``): FlashAttention-4 reads the pages
     itself, so no gather is paid and the Triton kernel's 1.6-1.9x gap to flash speed goes
     (H200, ``fa4_prefill.json``: 0.90-0.98x torch SDPA's time at 4K-32K on K/V SDPA gets
     contiguous, 0.77x at 1K); from ``paged_flash_min_new_tokens`` new tokens.
@@ -211,12 +232,12 @@ class CostPrefillPolicy:
             return False
         return prefix * len(query_lens) >= self.cascade_prefix_ratio * sum(query_lens)
 
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
-              paged_flash: bool = False) -> PrefillRoute:
-        if (paged_flash and not residual
+    def route(self, counts: PrefillCounts, residual: bool,
+              kernels: PrefillKernels = NO_KERNELS) -> PrefillRoute:
+        if (kernels.paged and not residual
                 and counts.new_tokens >= self.paged_flash_min_new_tokens):
             return PrefillRoute.PAGED_FLASH
-        if (flash and counts.new_tokens >= self.min_gather_new_tokens
+        if (kernels.varlen and counts.new_tokens >= self.min_gather_new_tokens
                 and 0 < counts.packed_keys <= self.max_packed_keys):
             threshold = (self.residual_flash_min_pairs_per_key if residual
                          else self.flash_min_pairs_per_key)
@@ -225,6 +246,8 @@ class CostPrefillPolicy:
                 return PrefillRoute.SDPA if cold else PrefillRoute.FLASH
         if not residual:
             return PrefillRoute.PAGED
+        if kernels.residual_ws:
+            return PrefillRoute.WS
         if (counts.new_tokens >= self.min_gather_new_tokens
                 and counts.context_tokens <= self.merge_context_ratio * counts.new_tokens):
             return PrefillRoute.MERGED
@@ -260,6 +283,6 @@ class FixedPrefillPolicy:
     def cascade_group(self, prefix: int, query_lens: tuple[int, ...]) -> bool:
         return self.cascade and len(query_lens) >= 2
 
-    def route(self, counts: PrefillCounts, residual: bool, flash: bool,
-              paged_flash: bool = False) -> PrefillRoute:
+    def route(self, counts: PrefillCounts, residual: bool,
+              kernels: PrefillKernels = NO_KERNELS) -> PrefillRoute:
         return self.residual if residual else self.unified

@@ -58,13 +58,11 @@ from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_par
 @dataclass(frozen=True)
 class WsPrefillLaunch:
     """One launch configuration: ``rows`` query rows a program (64: one consumer warp group;
-    128: two, in lockstep over one slot ring, each key tile loaded and rebuilt once for both),
-    ``stages`` slots in the ring, ``full_k``: the rebuilt residual added to the base tile and
-    scored by one product per half of D (two wgmma), instead of scored apart (four)."""
+    128: two, in lockstep over one slot ring, so each key tile is loaded and rebuilt once for
+    both) and ``stages`` slots in the ring."""
 
-    rows: int = 64
+    rows: int = 128
     stages: int = STAGES
-    full_k: bool = False
 
     @property
     def warps(self) -> int:
@@ -78,7 +76,17 @@ class WsPrefillLaunch:
         return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
 
 
-DEFAULT_LAUNCH = WsPrefillLaunch()
+# H200 (residual_prefill_launches.json): 128 rows ran 8 x 64 over 8K in 0.28-0.29 ms
+# against 0.39 for 64 and 4 x 64 over 32K in 0.56 against 0.75; chunks of at most 16 tokens
+# fill only 64 rows (32 x 16 over 8K: 0.40 against 0.54).
+SHORT_CHUNK_TOKENS = 16
+
+
+def default_launch(max_q_len: int) -> WsPrefillLaunch:
+    """The launch for a batch whose longest chunk is ``max_q_len`` tokens."""
+    return WsPrefillLaunch(64 if max_q_len <= SHORT_CHUNK_TOKENS else 128)
+
+
 
 
 @gluon.constexpr_function
@@ -127,43 +135,71 @@ def _stage_operands(operands, bufs):
 
 
 @gluon.jit
-def _rebuild(bufs, ops, s, FULL_K: gl.constexpr):
-    """Slot ``s``'s rotated residual keys ``RoPE(K_res B_k)`` into ``rot_lo, rot_hi``, plus
-    the base tile where ``FULL_K`` (then ``rot`` holds the whole key)."""
-    k_lo, k_hi, kr, cs_c, cs_s = bufs[0], bufs[1], bufs[4], bufs[6], bufs[7]
+def _prepare(args, i):
+    """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
+    split zeroed (stale or never written page slots would reach the value products as 0 *
+    NaN), the whole key ``K_base + RoPE(K_res B_k)`` (the base tile alone without an
+    adapter) written bf16 into ``rot``. Only synchronous products: nothing in flight
+    crosses its branches."""
+    _, bars, bufs, ops, scalars, _ = args
+    k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
-    T: gl.constexpr = kr.type.shape[1]
-    HALF: gl.constexpr = bk_lo.type.shape[1]
+    start, stop, has_res = scalars[3], scalars[4], scalars[7]
+    NS: gl.constexpr = k_lo.type.shape[0]
+    T: gl.constexpr = k_lo.type.shape[1]
+    HALF: gl.constexpr = k_lo.type.shape[2]
+    s = i % NS
+    mbarrier.wait(bars[0].index(s), (i // NS) & 1)
+    n0 = start + i * T
+    if n0 + T > stop:
+        _zero_rows_from(v_lo.index(s), stop - n0)
+        _zero_rows_from(v_hi.index(s), stop - n0)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - n0)
+        fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
-    zero = gl.zeros([T, HALF], gl.float32, u_l)
-    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
-    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
-    u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-    cos = cs_c.index(s).load(u_l).to(gl.float32)
-    sin = cs_s.index(s).load(u_l).to(gl.float32)
-    r_lo = u_lo * cos - u_hi * sin
-    r_hi = u_hi * cos + u_lo * sin
-    if FULL_K:
-        r_lo += k_lo.index(s).load(u_l).to(gl.float32)
-        r_hi += k_hi.index(s).load(u_l).to(gl.float32)
-    rot_lo.store(r_lo.to(gl.bfloat16))
-    rot_hi.store(r_hi.to(gl.bfloat16))
+    k_a = k_lo.index(s).load(u_l).to(gl.float32)
+    k_b = k_hi.index(s).load(u_l).to(gl.float32)
+    if has_res:
+        zero = gl.zeros([T, HALF], gl.float32, u_l)
+        u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+        u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+        cos = cs_c.index(s).load(u_l).to(gl.float32)
+        sin = cs_s.index(s).load(u_l).to(gl.float32)
+        k_a += u_lo * cos - u_hi * sin
+        k_b += u_hi * cos + u_lo * sin
+    rot_lo.store(k_a.to(gl.bfloat16))
+    rot_hi.store(k_b.to(gl.bfloat16))
     fence_async_shared()
 
 
 @gluon.jit
-def _consume(args, FULL_K: gl.constexpr):
-    """The consumer warp group: every tile of the program's keys. Returns ``m, l [rows]``
-    (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+def _issue_scores(ops, acc_l: gl.constexpr):
+    """The scores ``Q K^T`` of the key tile in ``rot``, in flight (the caller waits)."""
+    q_lo, q_hi, rot_lo, rot_hi = ops[0], ops[1], ops[6], ops[7]
+    M: gl.constexpr = q_lo.type.shape[0]
+    T: gl.constexpr = rot_lo.type.shape[0]
+    zero = gl.zeros([M, T], gl.float32, acc_l)
+    sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
+
+
+@gluon.jit
+def _consume(args):
+    """The consumer warp group(s): every tile of the program's keys. Tile ``i + 1``'s key is
+    rebuilt and its score products issued before tile ``i``'s softmax, so they run under it
+    (``rot`` is free then: tile ``i``'s scores have landed). Returns ``m, l [rows]`` (log2
+    domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
     ready, empty = bars
-    k_lo, k_hi, v_lo, v_hi, kr, vr, _, _ = bufs
-    q_lo, q_hi, _, _, bv_lo, bv_hi, rot_lo, rot_hi = ops
-    _, _, _, start, stop, _, n_tiles, has_res = scalars
+    v_lo, v_hi, kr, vr = bufs[2], bufs[3], bufs[4], bufs[5]
+    q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
+    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
     q_pos0 = operands[10]  # the position of the program's first token
-    NS: gl.constexpr = k_lo.type.shape[0]
-    T: gl.constexpr = k_lo.type.shape[1]
-    HALF: gl.constexpr = k_lo.type.shape[2]
+    NS: gl.constexpr = v_lo.type.shape[0]
+    T: gl.constexpr = v_lo.type.shape[1]
+    HALF: gl.constexpr = v_lo.type.shape[2]
     R: gl.constexpr = kr.type.shape[2]
     M: gl.constexpr = q_lo.type.shape[0]
     G: gl.constexpr = 4
@@ -178,6 +214,7 @@ def _consume(args, FULL_K: gl.constexpr):
     o_lo = gl.zeros([M, HALF], gl.float32, acc_l)
     o_hi = gl.zeros([M, HALF], gl.float32, acc_l)
     acc_r = gl.zeros([M, R], gl.float32, r_l)
+    sc = gl.zeros([M, T], gl.float32, acc_l)
     if n_tiles > 0:  # an empty program makes no operands
         # After the loader's first tile lands: a worker reads its arguments from shared
         # memory at its start, in bytes this partition's layout conversions may reuse
@@ -185,40 +222,17 @@ def _consume(args, FULL_K: gl.constexpr):
         mbarrier.wait(ready.index(0), 0)
         _stage_operands(operands, ops)
         fence_async_shared()
+        _prepare(args, 0)
+        sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, acc_l), ))
     pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
-    for i in range(n_tiles):
-        s = i % NS
-        mbarrier.wait(ready.index(s), (i // NS) & 1)
-        n0 = start + i * T
-        if n0 + T > stop:
-            # Keys past the split (stale or never written page slots) would reach the value
-            # products as 0 * NaN: zeroed.
-            _zero_rows_from(v_lo.index(s), stop - n0)
-            _zero_rows_from(v_hi.index(s), stop - n0)
-            if has_res:
-                _zero_rows_from(vr.index(s), stop - n0)
-            fence_async_shared()
-        zero = gl.zeros([M, T], gl.float32, acc_l)
-        if FULL_K:
-            # rot holds the whole key: the base tile itself where there is no residual.
-            if has_res:
-                _rebuild(bufs, ops, s, FULL_K)
-                sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), zero, use_acc=False)
-                sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc)
-            else:
-                sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False)
-                sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc)
-        else:
-            if has_res:
-                _rebuild(bufs, ops, s, FULL_K)
-            sc = warpgroup_mma(q_lo, k_lo.index(s).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            sc = warpgroup_mma(q_hi, k_hi.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc, ))
-        key = n0 + cols
+    for i in range(n_tiles):  # tile i's scores have landed (sc)
+        if i + 1 < n_tiles:
+            _prepare(args, i + 1)
+        # Unconditional, so nothing in flight crosses a branch: after the last tile these
+        # products score its key again, and their result is dropped.
+        sc_next = _issue_scores(ops, acc_l)
+        key = start + i * T + cols
         visible = (gl.expand_dims(key < stop, 0)
                    & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
         sc = gl.where(visible, sc, float("-inf"))
@@ -231,13 +245,14 @@ def _consume(args, FULL_K: gl.constexpr):
         o_lo = o_lo * gl.expand_dims(alpha, 1)
         o_hi = o_hi * gl.expand_dims(alpha, 1)
         p16 = p.to(gl.bfloat16)
-        if has_res:
-            acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
-            acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r)
+        s = i % NS
         pa = gl.convert_layout(p16, p_op)
         o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
         o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
-        o_lo, o_hi = warpgroup_mma_wait(0, deps=(o_lo, o_hi))
+        o_lo, o_hi, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, sc_next))
+        if has_res:
+            acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+            acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r)
         m_i = m_new
         # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
         fence_async_shared()
@@ -262,8 +277,8 @@ def _residual_prefill_ws_kernel(
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, FULL_K: gl.constexpr,
-        DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
     pid = gl.program_id(0)
@@ -323,7 +338,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, FULL_K)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
@@ -358,7 +373,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
                         inv_freq: torch.Tensor, scale: float | None = None,
                         max_q_len: int | None = None, max_seq_len: int | None = None,
                         num_splits: int | None = None,
-                        launch: WsPrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+                        launch: WsPrefillLaunch | None = None) -> torch.Tensor:
     """ResidualAttention varlen causal prefill of ``q [total_new, H, D]`` over the
     disaggregated cache (prefill_attention.py's contract: each sequence's new tokens are its
     last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
@@ -377,6 +392,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())  # one host sync
     bound = max(max_seq_len, 1)
+    launch = default_launch(max_q_len) if launch is None else launch
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
     m_blocks = max(1, -(-max_q_len * g // launch.rows))
@@ -394,7 +410,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
-        STAGES_=launch.stages, FULL_K=launch.full_k, DIRECT=direct, num_warps=launch.warps,
+        STAGES_=launch.stages, DIRECT=direct, num_warps=launch.warps,
         maxnreg=launch.maxnreg)
     if direct:
         return out

@@ -20,6 +20,7 @@ from forkserve.kernels import (
     FixedPrefillPolicy,
     FlashSupport,
     PrefillCounts,
+    PrefillKernels,
     PrefillRoute,
     flash_support,
     paged_prefill,
@@ -63,17 +64,18 @@ def test_fa4_can_be_turned_off(monkeypatch) -> None:
 
 def test_policy_takes_the_pages_only_where_fa4_reads_them() -> None:
     policy = CostPrefillPolicy()
+    FA4_PAGED, VARLEN = PrefillKernels(varlen=True, paged=True), PrefillKernels(varlen=True)
     chunks = PrefillCounts((512,) * 8, (8704,) * 8)
     cold = PrefillCounts((8192,), (8192,))
     short = PrefillCounts((48,), (8192,))
     for counts in (chunks, cold, short):
-        assert policy.route(counts, False, True, True) is PrefillRoute.PAGED_FLASH
-        assert policy.route(counts, False, True, False) is not PrefillRoute.PAGED_FLASH
-        assert policy.route(counts, True, True, True) is not PrefillRoute.PAGED_FLASH  # residual
+        assert policy.route(counts, False, FA4_PAGED) is PrefillRoute.PAGED_FLASH
+        assert policy.route(counts, False, VARLEN) is not PrefillRoute.PAGED_FLASH
+        assert policy.route(counts, True, FA4_PAGED) is not PrefillRoute.PAGED_FLASH  # residual
     assert CostPrefillPolicy(paged_flash_min_new_tokens=64).route(
-        short, False, True, True) is PrefillRoute.PAGED  # under the threshold: Triton
+        short, False, FA4_PAGED) is PrefillRoute.PAGED  # under the threshold: Triton
     assert FixedPrefillPolicy(PrefillRoute.PAGED_FLASH).route(
-        cold, False, False) is PrefillRoute.PAGED_FLASH
+        cold, False) is PrefillRoute.PAGED_FLASH
     with pytest.raises(ValueError, match="residual prefill route"):
         FixedPrefillPolicy(residual=PrefillRoute.PAGED_FLASH)
 

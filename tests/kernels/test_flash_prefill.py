@@ -18,6 +18,7 @@ from forkserve.kernels import (
     CostPrefillPolicy,
     FixedPrefillPolicy,
     PrefillCounts,
+    PrefillKernels,
     PrefillRoute,
     flash_support,
     paged_prefill,
@@ -26,6 +27,8 @@ from forkserve.kernels import (
 from forkserve.kernels.flash_prefill import cold_length, cold_lengths, sdpa_cold, warm_cold_plans
 from forkserve.kernels.kv_pack import ResidualPools, pack_kv
 from forkserve.kernels.rope import default_inv_freq
+
+VARLEN, NO_FLASH = PrefillKernels(varlen=True), PrefillKernels()
 
 # (seq_lens, q_lens, n_heads, n_kv): cold prefills, chunks after a cached prefix ending
 # mid-page, a one-token chunk, an empty chunk (left out of the packed buffers), GQA 1/2/3/4.
@@ -143,29 +146,46 @@ def test_cost_policy_routes() -> None:
     chunks = PrefillCounts((512,) * 8, (8704,) * 8)            # 8 chunks of 512 over 8K cached
     short = PrefillCounts((48,), (8192,))                      # few queries over a long context
     decodes = PrefillCounts((1,) * 64, (8192,) * 64)           # decode-like rows dominate
-    assert policy.route(whole_8k, False, True) is PrefillRoute.SDPA  # cold: SDPA picks a backend
-    assert policy.route(chunks, False, True) is PrefillRoute.FLASH
-    assert CostPrefillPolicy(sdpa_for_cold=False).route(whole_8k, True, True) is PrefillRoute.FLASH
-    assert policy.route(short, False, True) is PrefillRoute.PAGED
-    assert policy.route(short, True, True) is PrefillRoute.FLASH   # residual's lower threshold
-    assert policy.route(decodes, True, True) is PrefillRoute.FUSED
+    assert policy.route(whole_8k, False, VARLEN) is PrefillRoute.SDPA  # cold: SDPA picks one
+    assert policy.route(chunks, False, VARLEN) is PrefillRoute.FLASH
+    no_sdpa = CostPrefillPolicy(sdpa_for_cold=False)
+    assert no_sdpa.route(whole_8k, True, VARLEN) is PrefillRoute.FLASH
+    assert policy.route(short, False, VARLEN) is PrefillRoute.PAGED
+    assert policy.route(short, True, VARLEN) is PrefillRoute.FLASH  # residual's lower threshold
+    assert policy.route(decodes, True, VARLEN) is PrefillRoute.FUSED
     # Under the default minimum of new tokens the packed route's fixed cost loses (H200).
     cold_1k = PrefillCounts((1024,), (1024,))
-    assert CostPrefillPolicy().route(cold_1k, False, True) is PrefillRoute.PAGED
-    assert CostPrefillPolicy().route(cold_1k, True, True) is PrefillRoute.FUSED
-    assert CostPrefillPolicy().route(short, True, True) is PrefillRoute.FUSED
-    assert CostPrefillPolicy().route(chunks, True, True) is PrefillRoute.FLASH
+    assert CostPrefillPolicy().route(cold_1k, False, VARLEN) is PrefillRoute.PAGED
+    assert CostPrefillPolicy().route(cold_1k, True, VARLEN) is PrefillRoute.FUSED
+    assert CostPrefillPolicy().route(short, True, VARLEN) is PrefillRoute.FUSED
+    assert CostPrefillPolicy().route(chunks, True, VARLEN) is PrefillRoute.FLASH
     too_big = PrefillCounts((140000,), (140000,))
-    assert policy.route(too_big, False, True) is PrefillRoute.PAGED  # the buffer cap
+    assert policy.route(too_big, False, VARLEN) is PrefillRoute.PAGED  # the buffer cap
     # Without the flash op: the Triton kernels, merged when the context is <= 4x the new tokens.
-    assert policy.route(whole_8k, False, False) is PrefillRoute.PAGED
-    assert policy.route(whole_8k, True, False) is PrefillRoute.MERGED
-    assert policy.route(short, True, False) is PrefillRoute.FUSED
+    assert policy.route(whole_8k, False, NO_FLASH) is PrefillRoute.PAGED
+    assert policy.route(whole_8k, True, NO_FLASH) is PrefillRoute.MERGED
+    assert policy.route(short, True, NO_FLASH) is PrefillRoute.FUSED
+
+
+def test_the_policy_takes_ws_where_the_triton_kernels_would_run() -> None:
+    """Where the ws residual prefill takes the inputs it replaces MERGED and FUSED; the
+    packed routes keep the long chunks their threshold gives them, the unified form is
+    untouched."""
+    policy = CostPrefillPolicy()
+    ws = PrefillKernels(varlen=True, residual_ws=True)
+    short = PrefillCounts((64,) * 8, (8256,) * 8)
+    chunks = PrefillCounts((512,) * 8, (8704,) * 8)
+    whole_8k = PrefillCounts((8192,), (8192,))
+    assert policy.route(short, True, VARLEN) is PrefillRoute.FUSED
+    assert policy.route(short, True, ws) is PrefillRoute.WS
+    assert policy.route(chunks, True, ws) is PrefillRoute.FLASH
+    assert policy.route(whole_8k, True, PrefillKernels(residual_ws=True)) is PrefillRoute.WS
+    assert policy.route(short, False, ws) is PrefillRoute.PAGED
 
 
 def test_fixed_policy_and_variants_refuse_wrong_routes() -> None:
     assert FixedPrefillPolicy(PrefillRoute.FLASH, PrefillRoute.MERGED).route(
-        PrefillCounts((1,), (1,)), True, False) is PrefillRoute.MERGED
+        PrefillCounts((1,), (1,)), True) is PrefillRoute.MERGED
     with pytest.raises(ValueError, match="unified prefill route"):
         FixedPrefillPolicy(unified=PrefillRoute.FUSED)
     c, q, cu, _, _ = _batch(torch.Generator().manual_seed(1), [20], [20], 2, 2)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 def test_mixed_split_equals_whole(residual: bool) -> None:
     kb = load_script("kernel_bench")
     s = kb.Setup(smoke=True)
-    calls, routes = kb.mixed_step(s, ctx=64, new=16, rows=3, residual=residual, flash=False)
+    calls, routes = kb.mixed_step(s, ctx=64, new=16, rows=3, residual=residual,
+                                  found=kb.kernels.PrefillKernels())
     assert routes == ({"whole": "fused", "chunk": "fused"} if residual
                       else {"whole": "paged", "chunk": "paged"})
     whole, split, ref = calls["whole"](), calls["split"](), calls["reference"]()

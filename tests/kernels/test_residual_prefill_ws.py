@@ -17,13 +17,12 @@ from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
 
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, full_k): the default launch and the others the bench measures.
-DEFAULT = (64, 3, False)
-OTHER_LAUNCHES = [(64, 3, True), (128, 2, False), (128, 2, True), (128, 3, False),
-                  (128, 3, True)]
+# (rows, stages): the default launches and the others the bench measures.
+DEFAULT = (128, 3)
+OTHER_LAUNCHES = [(64, 3), (64, 2), (128, 2)]
 
 
-def build_sm90(direct: bool, rows: int, stages: int, full_k: bool) -> tuple[str, int]:
+def build_sm90(direct: bool, rows: int, stages: int) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch."""
     from forkserve.kernels import residual_decode_gluon as ws
     from forkserve.kernels import residual_prefill_gluon as pw
@@ -40,8 +39,8 @@ def build_sm90(direct: bool, rows: int, stages: int, full_k: bool) -> tuple[str,
                    SeqLens=ints, CuSeqlensQ=ints, Out=ptr, PartOut=floats, PartLse=floats,
                    scale_log2e=0.1)
     consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows,
-                  STAGES_=stages, FULL_K=full_k, DIRECT=direct, num_warps=rows // 16)
-    launch = pw.WsPrefillLaunch(rows, stages, full_k)
+                  STAGES_=stages, DIRECT=direct, num_warps=rows // 16)
+    launch = pw.WsPrefillLaunch(rows, stages)
     return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, launch.maxnreg)
 
 
@@ -118,8 +117,7 @@ def test_ws_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
 @pytest.mark.parametrize("launch", OTHER_LAUNCHES)
 @pytest.mark.parametrize("case", [0, 2])
 def test_ws_prefill_launches_match_the_formula(launch: tuple, case: int) -> None:
-    """Every launch the bench measures: two consumer warp groups, fewer slots, the whole
-    key rebuilt (a row without an adapter scores its base tile)."""
+    """Every launch the bench measures: one consumer warp group or two, fewer slots."""
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, residual_prefill_ws
 
     seq_lens, q_lens = CASES[case]
@@ -142,6 +140,23 @@ def test_ws_prefill_under_a_cuda_graph() -> None:
     assert torch.equal(captured, eager)
 
 
+@cuda_only
+def test_the_default_route_is_ws_on_hopper() -> None:
+    """The kernels package's default policy sends short chunks over a long context of these
+    shapes to ws (where it replaces the fused Triton kernel), with the engine's host counts."""
+    from forkserve.kernels import PrefillCounts, PrefillRoute, prefill_kernels, residual_prefill
+    from forkserve.kernels.prefill_policy import CostPrefillPolicy
+
+    seq_lens, q_lens = CASES[2]
+    args, c = _inputs(7, seq_lens, q_lens)
+    counts = PrefillCounts(tuple(q_lens), tuple(seq_lens))
+    found = prefill_kernels(args[0], c.k, c.k_res)
+    assert found.residual_ws
+    assert CostPrefillPolicy().route(counts, True, found) is PrefillRoute.WS
+    out = residual_prefill(*args, use_triton=True, counts=counts)
+    assert rel_err(out, _formula(args, c)) < REL_TOL
+
+
 def test_ws_prefill_refuses_other_shapes() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
@@ -151,7 +166,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_prefill_builds_for_sm90's: its parameters, then a folder
-    direct_, rows_, stages_, full_k_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90(bool(direct_), rows_, stages_, bool(full_k_))
+    direct_, rows_, stages_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90(bool(direct_), rows_, stages_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

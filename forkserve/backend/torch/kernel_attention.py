@@ -200,8 +200,9 @@ class KernelAttention:
                     counts = kernels.PrefillCounts(view.query_lens_host, view.seq_lens_host)
             route = slots = None
             if view is not None:
-                varlen, paged = (support.varlen, support.paged) if support else (False, False)
-                route = self.prefill_policy.route(counts, residual, varlen, paged)
+                found = kernels.prefill_kernels(q, kv.k, kv.k_res if residual else None,
+                                                support) if support else kernels.PrefillKernels()
+                route = self.prefill_policy.route(counts, residual, found)
                 slots = view.seq_slot.to(torch.int32) if residual else None
             step = self._step = _PrefillPlan(meta, residual, rows, fresh, cascade, routed_q,
                                              view, counts if view is not None else None, route,
