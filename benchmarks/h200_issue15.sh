@@ -73,6 +73,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 65  # react W=32 unified, FA4 on then off (routes, FA4 compiles in the run)
 # Round 23 (the warp-specialized residual prefill, residual_prefill_gluon.py; row 3):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests, residual_prefill_bench (FA4 where carried)
+#   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 67  # react W=32 every LoRA system alone (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -661,6 +662,11 @@ PY
     tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_round23_ws_prefill.log" | tail -4
   timeout 200 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
     --out "$OUT" 2>&1 | tail -12
+  ;;
+67)
+  # Round 23: react W = 32, every LoRA system (rows 8-9), with no tests before it.
+  fa4_site || exit 1
+  W=32 round10 react "${TAG:-issue15_round23}" "${2:-330}"
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

@@ -113,10 +113,13 @@ class ForkServeConfig:
     adaptive_hysteresis: float = 0.2
     # Where admission holds a session until its pages fit (``Queued.holds_for_room``), a queue
     # that would not fit merged runs merged in waves up to this many times the mark, and splits
-    # past it. 2: react at W = 32 (1.75 waves at the 8B shape in 24 GiB) ran faster merged in
-    # waves than all split on the H200 (docs/MULTILORA.md "Round 10"); at W = 64 (3.5 marks)
-    # 4 (merged) lost react to 2 (split) by 6% (docs/MULTILORA.md "Round 14").
-    adaptive_split_waves: float = 2.0
+    # past it. 1.5: with the split form's prefill in the ws kernel (issue 15 round 23), react
+    # at W = 32 (1.75 waves at the 8B shape in 24 GiB) ran faster all split than merged in
+    # waves on the H200 (disaggregated 2.64 against unified 2.48 tasks/s,
+    # react_multilora_issue15_round23_ws.json); before it, merged in waves had won there (2.30
+    # against 2.12, docs/MULTILORA.md "Round 10"). At W = 64 (3.5 marks) 4 (merged) lost
+    # react to 2 (split) by 6% (docs/MULTILORA.md "Round 14").
+    adaptive_split_waves: float = 1.5
     share_base: ShareBase = ShareBase.CROSS_ADAPTER
     # Selective recompute (disaggregated layout; docs/QUALITY.md, mode b): in these decoder
     # layers an adapter's split item keeps its own merged K/V in its residual pages instead

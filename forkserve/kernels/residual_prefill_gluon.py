@@ -158,17 +158,22 @@ def _prepare(args, i):
             _zero_rows_from(vr.index(s), stop - n0)
         fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
-    k_a = k_lo.index(s).load(u_l).to(gl.float32)
-    k_b = k_hi.index(s).load(u_l).to(gl.float32)
     if has_res:
+        # The up-projection in flight while the base tile and the tile's cos|sin rows come
+        # from shared memory.
         zero = gl.zeros([T, HALF], gl.float32, u_l)
         u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
         u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
-        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
         cos = cs_c.index(s).load(u_l).to(gl.float32)
         sin = cs_s.index(s).load(u_l).to(gl.float32)
+        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
         k_a += u_lo * cos - u_hi * sin
         k_b += u_hi * cos + u_lo * sin
+    else:
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
     rot_lo.store(k_a.to(gl.bfloat16))
     rot_hi.store(k_b.to(gl.bfloat16))
     fence_async_shared()
@@ -249,10 +254,11 @@ def _consume(args):
         pa = gl.convert_layout(p16, p_op)
         o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
         o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
-        o_lo, o_hi, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, sc_next))
-        if has_res:
-            acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
-            acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r)
+        # Unconditional, beside the value products (one wait for all): without an adapter
+        # the slot's V_res rows are stale bytes, and acc_r is then never read.
+        acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+        acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r, is_async=True)
+        o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
         m_i = m_new
         # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
         fence_async_shared()
