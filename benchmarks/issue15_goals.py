@@ -179,11 +179,55 @@ def residual_decode(kernel: list[Doc], batch_ok: Callable[[int], bool]) -> Found
     return _newest(found)
 
 
-def residual_prefill(kernel: list[Doc]) -> Found | None:
+def policy_route(row: dict) -> str:
+    """The residual route the default policy takes for a residual_prefill_bench case: the
+    row's own record (``policy_route``), else the policy asked again with the case's counts
+    and the kernels the row ran (rows written before the bench recorded it)."""
+    if "policy_route" in row:
+        return str(row["policy_route"])
+    from forkserve.kernels.prefill_policy import CostPrefillPolicy, PrefillCounts, PrefillKernels
+    batch, new, keys = int(row["batch"]), int(row["new"]), int(row["keys"])
+    flash = str(row.get("flash_kernel") or "")
+    found = PrefillKernels(varlen=bool(flash), paged=flash == "fa4",
+                           residual_ws="ws" in row.get("residual", {}))
+    return CostPrefillPolicy().route(PrefillCounts((new,) * batch, (keys,) * batch), True,
+                                     found).value
+
+
+def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
+    """Per residual_prefill_bench file: the worst case of the route the policy takes over
+    the best unified route, by device time where a graph held both (the Triton and ws
+    kernels), else eagerly (the packed route). Cold prompts are left out: the engine takes
+    FRESH there, kernel_bench's rows."""
+    found = []
+    for doc in docs:
+        points = []
+        for r in _list(doc, "rows"):
+            new, keys = int(_num(doc, r, "new")), int(_num(doc, r, "keys"))
+            if new == keys or not PREFILL_CTX[0] <= keys - new <= PREFILL_CTX[1]:
+                continue
+            route = policy_route(r)
+            ratio = (r.get("device_over_best_unified") or {}).get(f"residual_{route}")
+            how = "device time"
+            if not _finite(ratio):
+                ratio, how = (r.get("over_baseline") or {}).get(route), "eager"
+            if _finite(ratio):
+                points.append((ratio, keys - new, int(_num(doc, r, "batch")), new,
+                               f"{route}, {how}"))
+        if points:
+            ratio, ctx, batch, new, route = max(points)
+            found.append(Found(ratio, doc.path.name, doc.commit,
+                               f"worst of {len(points)} points: {batch} x {new} over ctx {ctx} "
+                               f"(the policy's route {route})", doc.rank))
+    return found
+
+
+def residual_prefill(kernel: list[Doc], routes: list[Doc]) -> Found | None:
     """Worst 1K-32K point of the best residual route over the best unified route; where a row
     has device times (graph replays, kernel_bench ``DEVICE_COLUMNS``), the FRESH routes'
-    ratio by them, as the decode rows are timed."""
-    found = []
+    ratio by them, as the decode rows are timed. The newest of kernel_bench's and
+    residual_prefill_bench's files (``residual_prefill_routes``)."""
+    found = residual_prefill_routes(routes)
     for doc in kernel:
         points = []
         for r in _list(doc, "prefill"):
@@ -363,6 +407,8 @@ def build(results: Path) -> list[Row]:
     if not results.is_dir():
         raise GoalsError(f"results folder {results} does not exist")
     kernel = load_docs(sorted(results.glob("kernel_bench*.json")), "kernel_bench result")
+    routes = load_docs(sorted(results.glob("residual_prefill*.json")),
+                       "residual_prefill_bench result")
     # A baseline run (``decode_bench --no-skinny``: cuBLAS where the engine runs the skinny
     # GEMM) is the comparison, not the engine's figure.
     decode = [d for d in load_docs(sorted(results.glob("decode_bench*.json")),
@@ -375,7 +421,7 @@ def build(results: Path) -> list[Row]:
     found = {
         "1": residual_decode(kernel, lambda b: b >= 8),
         "2": residual_decode(kernel, lambda b: b == 1),
-        "3": residual_prefill(kernel),
+        "3": residual_prefill(kernel, routes),
         "4": unified_prefill_vs_sdpa(kernel),
         "5": decode_figure(decode, "prefill_lora", "tokens_per_s", tokens,
                            lambda p: p.get("tokens") == PREFILL_TOKENS),

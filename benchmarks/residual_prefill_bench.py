@@ -41,7 +41,14 @@ WS_LAUNCHES = [(64, 3), (64, 2), (128, 3), (128, 2)]
 
 
 def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
-    from forkserve.kernels import PrefillCounts, flash_support, paged_prefill, residual_prefill
+    from forkserve.kernels import (
+        DEFAULT_PREFILL_POLICY,
+        PrefillCounts,
+        flash_support,
+        paged_prefill,
+        prefill_kernels,
+        residual_prefill,
+    )
     from forkserve.kernels.residual_decode_gluon import supports
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
@@ -66,7 +73,10 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
         for name, launch in launches.items():
             residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
                                                                 launch=lc)
+    found = prefill_kernels(q, s.k, s.k_res, flash)
+    route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
+                 "policy_route": route,
                  "unified": {n: bench_eager(f, s.smoke) for n, f in unified.items()},
                  "residual": {n: bench_eager(f, s.smoke) for n, f in residual.items()}}
     row["baseline"] = min(row["unified"], key=row["unified"].get)

@@ -98,6 +98,32 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     assert f"wrote {out / 'issue15_goals.png'}" in capsys.readouterr().out
 
 
+def test_row_3_from_the_residual_routes_bench(folder, tmp_path):
+    """residual_prefill_bench's rows: the route the policy takes (recorded, or asked again
+    for a row written before the bench recorded it), by device time where a graph held it,
+    eagerly where not; cold prompts left out (the engine's FRESH, kernel_bench's rows)."""
+    write(folder / "residual_prefill_x.json", {"commit": NEWER, "rows": [
+        {"batch": 8, "new": 64, "keys": 8256, "policy_route": "ws",
+         "device_over_best_unified": {"residual_ws": 2.0, "residual_fused": 4.0},
+         "over_baseline": {"ws": 1.5, "flash": 1.2}},
+        {"batch": 8, "new": 512, "keys": 8704, "policy_route": "flash",
+         "device_over_best_unified": {"residual_ws": 2.5}, "over_baseline": {"flash": 1.1}},
+        {"batch": 1, "new": 4096, "keys": 4096, "policy_route": "ws",
+         "device_over_best_unified": {"residual_ws": 3.0}},
+        {"batch": 4, "new": 64, "keys": 32832, "flash_kernel": "fa4", "residual": {"ws": 0.5},
+         "device_over_best_unified": {"residual_ws": 1.2}}]})
+    out = tmp_path / "out"
+    assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
+    saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
+    assert saved["3"]["value"] == pytest.approx(2.0) and saved["3"]["status"] == "missed"
+    assert saved["3"]["detail"] == ("worst of 3 points: 8 x 64 over ctx 8192 "
+                                    "(the policy's route ws, device time)")
+    assert goals.policy_route({"batch": 4, "new": 64, "keys": 32832, "flash_kernel": "fa4",
+                               "residual": {"ws": 0.5}}) == "ws"
+    assert goals.policy_route({"batch": 4, "new": 64, "keys": 32832, "flash_kernel": "fa4",
+                               "residual": {"fused": 0.5}}) == "fused"
+
+
 @pytest.mark.parametrize("broken", ["missing_folder", "not_json", "not_a_bench"])
 def test_an_unusable_input_is_one_line(folder, tmp_path, capsys, broken):
     results = folder
