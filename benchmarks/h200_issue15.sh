@@ -74,6 +74,7 @@
 # Round 23 (the warp-specialized residual prefill, residual_prefill_gluon.py; row 3):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests, residual_prefill_bench (FA4 where carried)
 #   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 67  # react W=32 every LoRA system alone (FA4 carried)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 68  # ncu on the ws prefill, 8 x 64 over 8K (no carry)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -667,6 +668,22 @@ PY
   # Round 23: react W = 32, every LoRA system (rows 8-9), with no tests before it.
   fa4_site || exit 1
   W=32 round10 react "${TAG:-issue15_round23}" "${2:-330}"
+  ;;
+68)
+  # Round 24: where the ws prefill's time goes (8 x 64 over 8K, 2x FA4's paged read): Nsight
+  # Compute's stall reasons and throughputs for one launch of each default (128 and 64 rows),
+  # clocks left alone (METHOD.md). ncu reads the counters on Firecracker machines only
+  # (KINDS.md): a machine where it cannot says so in the log, and the graph-replay times
+  # still come back.
+  export TRITON_CACHE_DIR=/root/tc23
+  ncu --version 2>&1 | tail -1
+  for rows in 128 64; do
+    timeout 200 ncu --clock-control none --kernel-name regex:_residual_prefill_ws_kernel \
+      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \
+      python3 benchmarks/ws_prefill_profile.py --rows "$rows" 2>&1 \
+      | tee "$OUT/ncu_ws_prefill_rows$rows.txt" | tail -40
+  done
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came
