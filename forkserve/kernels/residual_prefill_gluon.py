@@ -6,24 +6,25 @@ pages it ran 4.5x at 8 chunks of 64 tokens over 8K keys (kernel_bench_prefill.js
 22), and the packed route that rebuilds the whole context before FA4 3.2x (the rebuild
 alone writes every key). Here the decode kernel's loader (residual_decode_gluon.py: one
 warp, one TMA box per page half of ``K_base, V_base``, the page's ``K_res, V_res`` rows and
-the tile's cos|sin rows, a ring of ``STAGES`` slots) feeds a consumer warp group that holds
-64 query rows (16 tokens of one KV head's GQA group of 4) as the wgmma's M:
+the tile's cos|sin rows, a ring of slots) feeds consumer warp groups that hold the query rows
+as the wgmma's M: 64 (16 tokens of one KV head's GQA group of 4) on one warp group, or 128
+on two in lockstep (``WsPrefillLaunch``). Per key tile:
 
-* the tile's rotated residual keys rebuilt once: ``U = K_res B_k`` as two wgmma (64 keys x
-  64 columns, K = r), RoPE in registers (the halves of a column pair sit in one thread), the
-  result stored bf16 to a shared tile ``R`` (the queries are not folded into ``B_k`` as the
-  decode does: with 64 query rows the folded product would cost r times the score product);
-* the scores ``Q K_base^T + Q R^T`` as four wgmma in flight together (two halves of D each;
-  the residual's own, unrounded by a sum with the base key, as the Triton kernel's
-  ``split_score``);
-* the causal mask, the online softmax in the log2 domain, ``P V_base`` by wgmma with P from
-  registers, ``P V_res`` beside it (N = r), and ``B_v`` applied once after the loop.
+* the whole key rebuilt once for every row: ``U = K_res B_k`` as two wgmma (64 keys x 64
+  columns, K = r), RoPE in registers (the halves of a column pair sit in one thread), plus
+  the base tile, stored bf16 to a shared tile ``rot`` (the queries are not folded into
+  ``B_k`` as the decode does: with 64+ query rows the folded product would cost r times the
+  score product);
+* the scores ``Q rot^T``, issued for tile ``i + 1`` before tile ``i``'s softmax so they run
+  under it; the causal mask and the online softmax in the log2 domain;
+* ``P V_base`` by wgmma with P from registers and ``P V_res`` (N = r) beside it, one wait a
+  tile; ``B_v`` applied once after the loop.
 
 Grid ``(batch * n_kv * m_blocks, splits)``, the m blocks of one (sequence, KV head)
 adjacent so their key tiles meet in L2; a program's keys are its split of the keys its
 block's last token sees, merged by ``split_kv.merge_partials`` when the dynamic plan cuts
 them. Shapes: ``residual_decode_gluon.supports``' (16-key pages, head_dim 128, a GQA group of
-4, rank 16, bf16, contiguous pools, sm_90).
+4, rank 16, bf16, contiguous pools, sm_90). Measured: docs/KERNELS.md "Round 23".
 """
 from __future__ import annotations
 
@@ -87,8 +88,6 @@ def default_launch(max_q_len: int) -> WsPrefillLaunch:
     return WsPrefillLaunch(64 if max_q_len <= SHORT_CHUNK_TOKENS else 128)
 
 
-
-
 @gluon.constexpr_function
 def rebuild_layout(n, num_warps):
     """The accumulator of a key tile's rebuild ``[64, n]``: M = 64 keys on one warp group, a
@@ -102,11 +101,10 @@ def rebuild_layout(n, num_warps):
 def _stage_operands(operands, bufs):
     """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
     ``q_lo, q_hi [rows, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
-    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter), and ``rot`` zeroed:
-    a program without an adapter never writes it, and its score products read it."""
+    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
         has_res = operands
-    q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi = bufs
+    q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi = bufs[:6]
     M: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
     R: gl.constexpr = bk_lo.type.shape[0]
@@ -128,10 +126,6 @@ def _stage_operands(operands, bufs):
     bk_hi.store(gl.load(bk_row + b_off + HALF, mask=has_res, other=0.0))
     bv_lo.store(gl.load(bv_row + b_off, mask=has_res, other=0.0))
     bv_hi.store(gl.load(bv_row + b_off + HALF, mask=has_res, other=0.0))
-    T: gl.constexpr = rot_lo.type.shape[0]
-    zero = gl.zeros([T, HALF], gl.bfloat16, lq)
-    rot_lo.store(zero)
-    rot_hi.store(zero)
 
 
 @gluon.jit

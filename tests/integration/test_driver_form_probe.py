@@ -54,7 +54,7 @@ class Recorder(Engine):
 def run(workload: str, workflows: int, driver: type[Driver],
         monkeypatch: pytest.MonkeyPatch) -> tuple[Recorder, str]:
     """As test_multilora_bench's contention test: a base pool of 95 pages (mark 85.5), agents
-    of 38 pages; 4 agents run merged in two waves, 8 split."""
+    of 38 pages; 3 agents run merged in two waves, 8 split (past ``adaptive_split_waves``)."""
     cfg = tiny_config()
     sizes = page_bytes(cfg, 16, 16, torch.float32)
     params = MultiLoraParams(workload, workflows=workflows, context=512, turns=2, gen=32,
@@ -68,7 +68,7 @@ def run(workload: str, workflows: int, driver: type[Driver],
 
 
 @pytest.mark.parametrize("workload", ["react", "mapreduce"])
-@pytest.mark.parametrize("workflows, form", [(4, KVForm.MERGED), (8, KVForm.SPLIT)])
+@pytest.mark.parametrize("workflows, form", [(3, KVForm.MERGED), (8, KVForm.SPLIT)])
 def test_skipping_the_probe_changes_no_decision(workload, workflows, form, monkeypatch):
     fast, fast_out = run(workload, workflows, Driver, monkeypatch)
     plain, plain_out = run(workload, workflows, ProbeEveryTime, monkeypatch)
