@@ -365,6 +365,31 @@ def _consume(args):
 
 
 @gluon.jit
+def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr):
+    """The loader's ring in shared memory: ``STAGES_`` slots of a ``T``-key tile, each the
+    halves of ``K_base`` and ``V_base`` (``kd``'s boxes), ``K_res`` and ``V_res`` rows
+    (``krd``'s) and the cos and sin rows (``csd``'s), with a ready and an empty mbarrier each.
+    Returns ``(k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)``, ``_loader``'s
+    order."""
+    HALF: gl.constexpr = kd.block_type.shape[1]
+    R: gl.constexpr = krd.block_type.shape[1]
+    k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
+    kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
+    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)
+
+
+@gluon.jit
 def _residual_decode_ws_kernel(
         kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens,
         Out, PartOut, PartLse, scale_log2e,
@@ -398,27 +423,14 @@ def _residual_decode_ws_kernel(
                 BK + gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM, stride_bk,
                 scale_log2e, f_ok)
 
-    k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    v_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
-    vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
-    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES_):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
     # descriptors, barriers, slots, the operands' buffers, the program's integers, what
     # _make_operands reads.
-    args = ((kd, vd, krd, vrd, csd), (ready, empty),
-            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (q_lo, q_hi, fc, fs, p_smem),
+    args = ((kd, vd, krd, vrd, csd), bars, slots, (q_lo, q_hi, fc, fs, p_smem),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(

@@ -49,6 +49,7 @@ from forkserve.kernels.residual_decode_gluon import (
     _loader,
     _zero_rows_from,
     descriptors,
+    slot_ring,
     supports,
     wgmma_layout,
 )
@@ -311,19 +312,7 @@ def _residual_prefill_ws_kernel(
     rot_lo = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
     rot_hi = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
 
-    k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    v_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
-    kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
-    vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
-    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES_):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     operands = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
@@ -332,8 +321,7 @@ def _residual_prefill_ws_kernel(
     # One tuple for both partitions, in the decode loader's order (its ``_loader`` serves
     # here unchanged): descriptors, barriers, slots, this kernel's own buffers, the
     # program's integers, what _stage_operands reads.
-    args = ((kd, vd, krd, vrd, csd), (ready, empty),
-            (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s),
+    args = ((kd, vd, krd, vrd, csd), bars, slots,
             (q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi),
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)

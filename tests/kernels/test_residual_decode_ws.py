@@ -14,7 +14,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
+from test_sm90_compile import assemble_sm90a, compile_gluon_sm90, ws_kernel_values
 
 from forkserve.kernels import residual_decode
 
@@ -25,19 +25,10 @@ def build_sm90(direct: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes."""
     from forkserve.kernels import residual_decode_gluon as ws
 
-    n_kv = 8
-    k = torch.empty(64, 16, n_kv, HEAD_DIM, dtype=torch.bfloat16)
-    k_res = torch.empty(64, 16, RANK, dtype=torch.bfloat16)
-    table = torch.empty(4096, HEAD_DIM, dtype=torch.bfloat16)
-    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
-                                                            torch.float32))
-    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
-                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
-    values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
-                   SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats, scale_log2e=0.1)
-    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
+    consts = dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
                   DIRECT=direct, num_warps=4)
-    return compile_gluon_sm90(ws._residual_decode_ws_kernel, values, consts, ws.MAXNREG)
+    return compile_gluon_sm90(ws._residual_decode_ws_kernel, ws_kernel_values(8, HEAD_DIM, RANK),
+                              consts, ws.MAXNREG)
 
 
 @pytest.mark.parametrize("direct", [False, True])

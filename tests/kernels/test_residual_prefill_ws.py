@@ -14,7 +14,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import assemble_sm90a, compile_gluon_sm90
+from test_sm90_compile import assemble_sm90a, compile_gluon_sm90, ws_kernel_values
 
 HEAD_DIM, RANK = 128, 16
 # (rows, stages): the default launches and the others the bench measures.
@@ -27,21 +27,11 @@ def build_sm90(direct: bool, rows: int, stages: int) -> tuple[str, int]:
     from forkserve.kernels import residual_decode_gluon as ws
     from forkserve.kernels import residual_prefill_gluon as pw
 
-    n_kv = 8
-    k = torch.empty(64, 16, n_kv, HEAD_DIM, dtype=torch.bfloat16)
-    k_res = torch.empty(64, 16, RANK, dtype=torch.bfloat16)
-    table = torch.empty(4096, HEAD_DIM, dtype=torch.bfloat16)
-    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
-                                                            torch.float32))
-    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
-                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
-    values |= dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
-                   SeqLens=ints, CuSeqlensQ=ints, Out=ptr, PartOut=floats, PartLse=floats,
-                   scale_log2e=0.1)
-    consts = dict(N_KV=n_kv, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows,
-                  STAGES_=stages, DIRECT=direct, num_warps=rows // 16)
-    launch = pw.WsPrefillLaunch(rows, stages)
-    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, launch.maxnreg)
+    values = ws_kernel_values(8, HEAD_DIM, RANK) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
+    consts = dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows, STAGES_=stages,
+                  DIRECT=direct, num_warps=rows // 16)
+    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts,
+                              pw.WsPrefillLaunch(rows, stages).maxnreg)
 
 
 @pytest.mark.parametrize("direct,launch", [

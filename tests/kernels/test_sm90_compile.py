@@ -93,6 +93,27 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
+def ws_kernel_values(n_kv: int, head_dim: int, rank: int) -> dict:
+    """The argument values the ws kernels (decode and prefill) share, for
+    ``compile_gluon_sm90``: the loader's five TMA descriptors over bf16 pools of ``n_kv``
+    heads of ``head_dim`` and rank-``rank`` residual rows, bf16 query / B / output pointers,
+    int32 tables, float32 partials."""
+    import torch
+
+    from forkserve.kernels import residual_decode_gluon as ws
+
+    k = torch.empty(64, 16, n_kv, head_dim, dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
+    table = torch.empty(4096, head_dim, dtype=torch.bfloat16)
+    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
+                                                            torch.float32))
+    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
+                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
+    return values | dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
+                         SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats,
+                         scale_log2e=0.1)
+
+
 def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tuple[str, int]:
     """A Gluon kernel's PTX for sm_90a and its shared memory in bytes: ``values`` give the
     runtime arguments' types (tensors, descriptors, floats; any other argument is an i32),
