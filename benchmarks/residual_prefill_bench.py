@@ -9,9 +9,11 @@ eager as the engine runs prefill (CUDA events, L2 flushed: ``kernel_bench.bench_
 
 * unified: ``paged`` (our Triton kernel) and ``paged_flash`` (FlashAttention-4 through the
   block tables, where ``flash_support`` finds it): the baseline is the faster;
-* residual: ``ws`` (residual_prefill_gluon.py, sm_90 only), ``fused`` (the Triton kernel at
-  its default launch) and ``flash`` (the context rebuilt and packed, then the varlen flash
-  kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``);
+* residual: ``ws`` (residual_prefill_gluon.py, sm_90 only; ``ws_m<rows>_s<stages>`` each
+  launch, ``ws_base_only`` the default launch with no row's adapter: the residual's share of
+  its time), ``fused`` (the Triton kernel at its default launch) and ``flash`` (the context
+  rebuilt and packed, then the varlen flash kernel), and the route
+  ``DEFAULT_PREFILL_POLICY`` picks (``auto``, recorded as ``policy_route``);
 
 and by CUDA-graph replay (device time, no launch cost) the routes a graph holds: the unified
 ones, ``fused`` and every ``ws`` launch.
@@ -73,6 +75,11 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
         for name, launch in launches.items():
             residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
                                                                 launch=lc)
+        # The same launch with no row's adapter: the kernel's skeleton (loads, base scores,
+        # softmax, values) without the rebuild and the V residual, what the residual costs.
+        no_adapter = torch.full_like(ad, -1)
+        base_only = (*res[:11], no_adapter, res[12])
+        residual["ws_base_only"] = lambda: residual_prefill(*base_only, variant="ws", **kw)
     found = prefill_kernels(q, s.k, s.k_res, flash)
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
