@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import Setup, bench, bench_eager  # noqa: E402
+from benchmarks.kernel_bench import Setup, bench, bench_eager, rel_err  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 8704),
@@ -51,7 +51,6 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
         prefill_kernels,
         residual_prefill,
     )
-    from forkserve.kernels.residual_decode_gluon import supports
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
     launches = {f"ws_m{r}_s{st}": WsPrefillLaunch(r, st) for r, st in WS_LAUNCHES}
@@ -64,13 +63,14 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     uni = (q, s.k, s.v, bt, lens, cu)
     res = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
     flash = flash_support(q, s.k)
+    found = prefill_kernels(q, s.k, s.k_res, flash)
     unified = {"paged": lambda: paged_prefill(*uni, variant="paged", **kw)}
     if flash.paged:
         unified["paged_flash"] = lambda: paged_prefill(*uni, variant="paged_flash", **kw)
     residual = {"fused": lambda: residual_prefill(*res, variant="fused", **kw),
                 "flash": lambda: residual_prefill(*res, variant="flash", **kw),
                 "auto": lambda: residual_prefill(*res, **kw)}
-    if supports(q, s.k, s.k_res):
+    if found.residual_ws:
         residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
         for name, launch in launches.items():
             residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
@@ -80,7 +80,6 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
         no_adapter = torch.full_like(ad, -1)
         base_only = (*res[:11], no_adapter, res[12])
         residual["ws_base_only"] = lambda: residual_prefill(*base_only, variant="ws", **kw)
-    found = prefill_kernels(q, s.k, s.k_res, flash)
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "policy_route": route,
@@ -96,9 +95,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     best = min(v for n, v in row["device"].items() if n.startswith("unified_"))
     row["device_over_best_unified"] = {n: v / best for n, v in row["device"].items()}
     if "ws" in residual:  # the kernel against the formula's other route, same inputs
-        ws, ref = residual["ws"](), residual["fused"]()
-        row["ws_rel_err_vs_fused"] = float((ws.float() - ref.float()).norm()
-                                           / ref.float().norm())
+        row["ws_rel_err_vs_fused"] = rel_err(residual["ws"](), residual["fused"]())
     return row
 
 

@@ -5,7 +5,7 @@ Routes (``PrefillRoute``):
 * ``PAGED``: the Triton kernel over the unified paged cache (prefill_attention.py);
 * ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
 * ``WS``: the residual form in one warp-specialized Gluon launch (residual_prefill_gluon.py:
-  TMA page gathers, each key tile rebuilt once per 64 query rows by wgmma); sm_90 and the
+  TMA page gathers, each key tile rebuilt once per 64 or 128 query rows by wgmma); sm_90 and the
   shapes of ``residual_decode_gluon.supports`` only;
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one

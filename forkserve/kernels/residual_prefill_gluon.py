@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from forkserve.kernels.prefill_attention import residual_launch
 from forkserve.kernels.residual_decode_gluon import (
     LOG2E,
     MAXNREG,
@@ -78,15 +79,13 @@ class WsPrefillLaunch:
         return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
 
 
-# H200 (residual_prefill_launches.json): 128 rows ran 8 x 64 over 8K in 0.28-0.29 ms
-# against 0.39 for 64 and 4 x 64 over 32K in 0.56 against 0.75; chunks of at most 16 tokens
-# fill only 64 rows (32 x 16 over 8K: 0.40 against 0.54).
-SHORT_CHUNK_TOKENS = 16
-
-
 def default_launch(max_q_len: int) -> WsPrefillLaunch:
-    """The launch for a batch whose longest chunk is ``max_q_len`` tokens."""
-    return WsPrefillLaunch(64 if max_q_len <= SHORT_CHUNK_TOKENS else 128)
+    """The launch for a batch whose longest chunk is ``max_q_len`` tokens: the query rows the
+    fused Triton kernel takes (``prefill_attention.residual_launch``: 64 for chunks of at most
+    16 tokens, else 128), measured for this kernel too (H200, residual_prefill_launches.json:
+    128 rows ran 8 x 64 over 8K in 0.28-0.29 ms against 0.39 for 64, and 4 x 64 over 32K in
+    0.56 against 0.75; 32 x 16 over 8K, which fills only 64 rows, 0.40 against 0.54)."""
+    return WsPrefillLaunch(residual_launch(max_q_len)[0])
 
 
 @gluon.constexpr_function

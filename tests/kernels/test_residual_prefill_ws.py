@@ -147,6 +147,16 @@ def test_the_default_route_is_ws_on_hopper() -> None:
     assert rel_err(out, _formula(args, c)) < REL_TOL
 
 
+def test_the_default_launch_by_chunk_length() -> None:
+    """The fused Triton kernel's rows by the longest chunk (``residual_launch``), measured for
+    ws too: 64 rows on one warp group up to 16-token chunks, 128 on two past them."""
+    from forkserve.kernels.residual_prefill_gluon import default_launch
+
+    assert [(default_launch(n).rows, default_launch(n).warps) for n in (1, 16, 17, 512)] == [
+        (64, 4), (64, 4), (128, 8), (128, 8)]
+    assert default_launch(64).maxnreg == 168 and default_launch(16).maxnreg == 256
+
+
 def test_ws_prefill_refuses_other_shapes() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
