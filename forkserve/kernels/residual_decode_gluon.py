@@ -365,12 +365,12 @@ def _consume(args):
 
 
 @gluon.jit
-def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr, CONSUMERS: gl.constexpr):
+def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr):
     """The loader's ring in shared memory: ``STAGES_`` slots of a ``T``-key tile, each the
     halves of ``K_base`` and ``V_base`` (``kd``'s boxes), ``K_res`` and ``V_res`` rows
     (``krd``'s) and the cos and sin rows (``csd``'s), with a ready and an empty mbarrier each.
-    A slot is free again once ``CONSUMERS`` partitions have released it. Returns ``(k_lo,
-    k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)``, ``_loader``'s order."""
+    Returns ``(k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)``, ``_loader``'s
+    order."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
@@ -385,7 +385,7 @@ def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr, CONSUMERS: g
     empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(empty.index(i), count=1)
     return (k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)
 
 
@@ -423,7 +423,7 @@ def _residual_decode_ws_kernel(
                 BK + gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM, stride_bk,
                 scale_log2e, f_ok)
 
-    slots, bars = slot_ring(kd, krd, csd, STAGES_, T, 1)
+    slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
     fence_async_shared()

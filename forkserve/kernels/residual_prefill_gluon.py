@@ -45,6 +45,7 @@ from forkserve.kernels.prefill_attention import residual_launch
 from forkserve.kernels.residual_decode_gluon import (
     LOG2E,
     MAXNREG,
+    STAGES,
     TILE,
     _loader,
     _zero_rows_from,
@@ -56,64 +57,57 @@ from forkserve.kernels.residual_decode_gluon import (
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
-CONSUMER_ROWS = 64  # query rows on one consumer warp group: the wgmma's M
-# setmaxnreg of the workers (the default partition, the first consumer, is left the rest of
-# the SM's 64K), chosen where ptxas spills none: the rebuild works a quarter of the columns at
-# a time.
-CONSUMER_REGS = gl.constexpr(184)
-REBUILD_REGS = gl.constexpr(120)
-LOADER_REGS = gl.constexpr(24)
-
 
 @dataclass(frozen=True)
 class WsPrefillLaunch:
-    """One launch configuration: ``rows`` query rows a program, 64 on each consumer warp
-    group (one or two, each a partition of its own, so neither waits on the other's
-    softmax); ``stages`` slots in the loader's ring; ``rot_stages`` rebuilt key tiles
-    between the rebuild warp group and the consumers."""
+    """One launch configuration: ``rows`` query rows a program (64: one consumer warp group;
+    128: two, in lockstep over one slot ring, so each key tile is loaded and rebuilt once for
+    both) and ``stages`` slots in the ring."""
 
     rows: int = 128
-    stages: int = 2
-    rot_stages: int = 2
+    stages: int = STAGES
 
     @property
-    def consumers(self) -> int:
-        return self.rows // CONSUMER_ROWS
+    def warps(self) -> int:
+        return self.rows // 16
 
     @property
     def maxnreg(self) -> int:
-        """Registers a thread starts with: every warp of the program (the consumers', the
-        rebuild's and the loader's, padded to a warp group by ``warp_specialize``) within
-        the SM's 64K; the partitions' ``setmaxnreg`` then move them."""
-        return min(MAXNREG, 65536 // ((self.consumers + 2) * 128) // 8 * 8)
+        """Registers a thread starts with: every warp of the program (the loader's padded to
+        a warp group by ``warp_specialize``) within the SM's 64K, up to 256; the partitions'
+        ``setmaxnreg`` then move the loader's to the consumers."""
+        return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
 
 
 def default_launch(max_q_len: int) -> WsPrefillLaunch:
     """The launch for a batch whose longest chunk is ``max_q_len`` tokens: the query rows the
     fused Triton kernel takes (``prefill_attention.residual_launch``: 64 for chunks of at most
-    16 tokens, which fill no more, else 128)."""
+    16 tokens, else 128), measured for this kernel too (H200, residual_prefill_launches.json:
+    128 rows ran 8 x 64 over 8K in 0.28-0.29 ms against 0.39 for 64, and 4 x 64 over 32K in
+    0.56 against 0.75; 32 x 16 over 8K, which fills only 64 rows, 0.40 against 0.54)."""
     return WsPrefillLaunch(residual_launch(max_q_len)[0])
 
 
-@gluon.jit
-def _stage_b(b_row, stride_br, has_res, col0, buf):
-    """Columns ``col0 ..`` of an adapter's ``B`` rows for the program's KV head into ``buf [r,
-    n]`` (zero without an adapter)."""
-    R: gl.constexpr = buf.type.shape[0]
-    N: gl.constexpr = buf.type.shape[1]
-    lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    k = gl.arange(0, R, layout=gl.SliceLayout(1, lb))
-    d = gl.arange(0, N, layout=gl.SliceLayout(0, lb))
-    buf.store(gl.load(b_row + col0 + k[:, None] * stride_br + d[None, :], mask=has_res,
-                      other=0.0))
+@gluon.constexpr_function
+def rebuild_layout(n, num_warps):
+    """The accumulator of a key tile's rebuild ``[64, n]``: M = 64 keys on one warp group, a
+    second one (8 warps) taking half the columns."""
+    wn = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, wn],
+                                     instr_shape=[16, n // wn, 16])
 
 
 @gluon.jit
-def _stage_queries(q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e, q_lo, q_hi):
-    """A consumer's query rows (scaled into the log2 domain; rows past the chunk zero) into
-    ``q_lo, q_hi [64, D/2]``: row ``j`` is token ``tok0 + j // G``, head ``j % G``."""
+def _stage_operands(operands, bufs):
+    """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
+    ``q_lo, q_hi [rows, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
+    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
+    q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
+        has_res = operands
+    q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi = bufs[:6]
     M: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
+    R: gl.constexpr = bk_lo.type.shape[0]
     G: gl.constexpr = 4
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, lq))
@@ -126,80 +120,63 @@ def _stage_queries(q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e, q_lo,
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
+    k = gl.arange(0, R, layout=gl.SliceLayout(1, lq))
+    b_off = k[:, None] * stride_br + d[None, :]
+    bk_lo.store(gl.load(bk_row + b_off, mask=has_res, other=0.0))
+    bk_hi.store(gl.load(bk_row + b_off + HALF, mask=has_res, other=0.0))
+    bv_lo.store(gl.load(bv_row + b_off, mask=has_res, other=0.0))
+    bv_hi.store(gl.load(bv_row + b_off + HALF, mask=has_res, other=0.0))
 
 
 @gluon.jit
-def _load(args):
-    """The loader partition: the decode's (one warp, TMA), after telling the first consumer
-    it has read its arguments."""
-    mbarrier.arrive(args[3][4])
-    _loader(args)
-
-
-@gluon.jit
-def _rebuild(args):
-    """The rebuild warp group. For every tile of the program's keys, once the loader's slot
-    has landed and both consumers have scored the ``rot`` slot it reuses: the whole key
-    ``K_base + RoPE(K_res B_k)`` (the base tile alone without an adapter) into that slot,
-    and the V rows past the split zeroed in the loader's (stale or never-written page slots
-    would reach the value products as 0 * NaN). Its fence also orders the slot's
-    generic-proxy reads before the loader's next TMA writes to it (the consumers read the
-    slot by wgmma only)."""
-    _, bars, bufs, own, scalars, operands = args
-    ready = bars[0]
+def _prepare(args, i):
+    """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
+    split zeroed (stale or never written page slots would reach the value products as 0 *
+    NaN), the whole key ``K_base + RoPE(K_res B_k)`` (the base tile alone without an
+    adapter) written bf16 into ``rot``. Only synchronous products: nothing in flight
+    crosses its branches."""
+    _, bars, bufs, ops, scalars, _ = args
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
-    rot_lo, rot_hi, rot_ready, rot_empty, started, bk = own[:6]
-    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
-    mbarrier.arrive(started)
+    bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
+    start, stop, has_res = scalars[3], scalars[4], scalars[7]
     NS: gl.constexpr = k_lo.type.shape[0]
-    RS: gl.constexpr = rot_lo.type.shape[0]
     T: gl.constexpr = k_lo.type.shape[1]
     HALF: gl.constexpr = k_lo.type.shape[2]
-    QC: gl.constexpr = bk.type.shape[2]  # columns of a quarter: half of one half
-    u_l: gl.constexpr = wgmma_layout(QC, gl.num_warps())
-    if has_res & (n_tiles > 0):
-        for h in gl.static_range(4):  # lo, lo, hi, hi
-            _stage_b(operands[5], operands[7], has_res, (h // 2) * HALF + (h % 2) * QC,
-                     bk.index(h))
+    s = i % NS
+    mbarrier.wait(bars[0].index(s), (i // NS) & 1)
+    n0 = start + i * T
+    if n0 + T > stop:
+        _zero_rows_from(v_lo.index(s), stop - n0)
+        _zero_rows_from(v_hi.index(s), stop - n0)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - n0)
         fence_async_shared()
-    for i in range(n_tiles):
-        s = i % NS
-        j = i % RS
-        mbarrier.wait(ready.index(s), (i // NS) & 1)
-        mbarrier.wait(rot_empty.index(j), ((i // RS) & 1) ^ 1)
-        n0 = start + i * T
-        if n0 + T > stop:
-            _zero_rows_from(v_lo.index(s), stop - n0)
-            _zero_rows_from(v_hi.index(s), stop - n0)
-            if has_res:
-                _zero_rows_from(vr.index(s), stop - n0)
-        # A quarter of the columns at a time (each column with its RoPE pair): the
-        # up-projection's products and the tile's rows of a quarter fit the rebuild's
-        # registers.
-        for h in gl.static_range(2):
-            k_a = k_lo.index(s).slice(h * QC, QC, 1).load(u_l).to(gl.float32)
-            k_b = k_hi.index(s).slice(h * QC, QC, 1).load(u_l).to(gl.float32)
-            if has_res:
-                zero = gl.zeros([T, QC], gl.float32, u_l)
-                u_a = warpgroup_mma(kr.index(s), bk.index(h), zero, use_acc=False,
-                                    is_async=True)
-                u_b = warpgroup_mma(kr.index(s), bk.index(2 + h), zero, use_acc=False,
-                                    is_async=True)
-                cos = cs_c.index(s).slice(h * QC, QC, 1).load(u_l).to(gl.float32)
-                sin = cs_s.index(s).slice(h * QC, QC, 1).load(u_l).to(gl.float32)
-                u_a, u_b = warpgroup_mma_wait(0, deps=(u_a, u_b))
-                k_a += u_a * cos - u_b * sin
-                k_b += u_b * cos + u_a * sin
-            rot_lo.index(j).slice(h * QC, QC, 1).store(k_a.to(gl.bfloat16))
-            rot_hi.index(j).slice(h * QC, QC, 1).store(k_b.to(gl.bfloat16))
-        fence_async_shared()
-        mbarrier.arrive(rot_ready.index(j))
+    u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
+    if has_res:
+        # The up-projection in flight while the base tile and the tile's cos|sin rows come
+        # from shared memory.
+        zero = gl.zeros([T, HALF], gl.float32, u_l)
+        u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+        u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
+        cos = cs_c.index(s).load(u_l).to(gl.float32)
+        sin = cs_s.index(s).load(u_l).to(gl.float32)
+        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+        k_a += u_lo * cos - u_hi * sin
+        k_b += u_hi * cos + u_lo * sin
+    else:
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
+    rot_lo.store(k_a.to(gl.bfloat16))
+    rot_hi.store(k_b.to(gl.bfloat16))
+    fence_async_shared()
 
 
 @gluon.jit
-def _issue_scores(q_lo, q_hi, rot_lo, rot_hi, acc_l: gl.constexpr):
-    """The scores ``Q K^T`` of the key tile in ``rot_lo, rot_hi``, in flight (the caller
-    waits)."""
+def _issue_scores(ops, acc_l: gl.constexpr):
+    """The scores ``Q K^T`` of the key tile in ``rot``, in flight (the caller waits)."""
+    q_lo, q_hi, rot_lo, rot_hi = ops[0], ops[1], ops[6], ops[7]
     M: gl.constexpr = q_lo.type.shape[0]
     T: gl.constexpr = rot_lo.type.shape[0]
     zero = gl.zeros([M, T], gl.float32, acc_l)
@@ -208,14 +185,149 @@ def _issue_scores(q_lo, q_hi, rot_lo, rot_hi, acc_l: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(outs, tok0, m_i, l_i, o_lo, o_hi, n_tiles, DIRECT: gl.constexpr):
-    """A consumer's 64 rows normalised into ``Out`` (one split) or its split's partials."""
-    Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, \
-        stride_lt, stride_lh, q_begin, q_len, head, split = outs
-    acc_l: gl.constexpr = o_lo.type.layout
-    M: gl.constexpr = o_lo.type.shape[0]
-    HALF: gl.constexpr = o_lo.type.shape[1]
+def _consume(args):
+    """The consumer warp group(s): every tile of the program's keys. Tile ``i + 1``'s key is
+    rebuilt and its score products issued before tile ``i``'s softmax, so they run under it
+    (``rot`` is free then: tile ``i``'s scores have landed). Returns ``m, l [rows]`` (log2
+    domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+    _, bars, bufs, ops, scalars, operands = args
+    ready, empty = bars
+    v_lo, v_hi, kr, vr = bufs[2], bufs[3], bufs[4], bufs[5]
+    q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
+    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
+    q_pos0 = operands[10]  # the position of the program's first token
+    NS: gl.constexpr = v_lo.type.shape[0]
+    T: gl.constexpr = v_lo.type.shape[1]
+    HALF: gl.constexpr = v_lo.type.shape[2]
+    R: gl.constexpr = kr.type.shape[2]
+    M: gl.constexpr = q_lo.type.shape[0]
     G: gl.constexpr = 4
+    nw: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = wgmma_layout(HALF, nw)  # [M, 64]: scores, and each half of O
+    r_l: gl.constexpr = wgmma_layout(R, nw)  # [M, r]: P V_res
+    p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+    pr_op: gl.constexpr = gl.DotOperandLayout(0, r_l, 2)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    m_i = gl.full([M], float("-inf"), gl.float32, row_l)
+    l_i = gl.full([M], 0.0, gl.float32, row_l)
+    o_lo = gl.zeros([M, HALF], gl.float32, acc_l)
+    o_hi = gl.zeros([M, HALF], gl.float32, acc_l)
+    acc_r = gl.zeros([M, R], gl.float32, r_l)
+    sc = gl.zeros([M, T], gl.float32, acc_l)
+    if n_tiles > 0:  # an empty program makes no operands
+        # After the loader's first tile lands: a worker reads its arguments from shared
+        # memory at its start, in bytes this partition's layout conversions may reuse
+        # (Triton 3.6; docs/KERNELS.md "Round 20").
+        mbarrier.wait(ready.index(0), 0)
+        _stage_operands(operands, ops)
+        fence_async_shared()
+        _prepare(args, 0)
+        sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, acc_l), ))
+    pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
+    cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
+    for i in range(n_tiles):  # tile i's scores have landed (sc)
+        if i + 1 < n_tiles:
+            _prepare(args, i + 1)
+        # Unconditional, so nothing in flight crosses a branch: after the last tile these
+        # products score its key again, and their result is dropped.
+        sc_next = _issue_scores(ops, acc_l)
+        key = start + i * T + cols
+        visible = (gl.expand_dims(key < stop, 0)
+                   & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
+        sc = gl.where(visible, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o_lo = o_lo * gl.expand_dims(alpha, 1)
+        o_hi = o_hi * gl.expand_dims(alpha, 1)
+        p16 = p.to(gl.bfloat16)
+        s = i % NS
+        pa = gl.convert_layout(p16, p_op)
+        o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
+        o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
+        # Unconditional, beside the value products (one wait for all): without an adapter
+        # the slot's V_res rows are stale bytes, and acc_r is then never read.
+        acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+        acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r, is_async=True)
+        o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
+        m_i = m_new
+        # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s))
+    if has_res & (n_tiles > 0):
+        # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
+        r_hi = acc_r.to(gl.bfloat16)
+        r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
+        a_hi = gl.convert_layout(r_hi, p_op)
+        a_lo = gl.convert_layout(r_lo, p_op)
+        o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
+        o_lo = warpgroup_mma(a_lo, bv_lo, o_lo)
+        o_hi = warpgroup_mma(a_hi, bv_hi, o_hi)
+        o_hi = warpgroup_mma(a_lo, bv_hi, o_hi)
+    return m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
+def _residual_prefill_ws_kernel(
+        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
+        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
+        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    TOKENS: gl.constexpr = M // G
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    mb = pid % m_blocks
+    head = (pid // m_blocks) % N_KV
+    b = pid // (m_blocks * N_KV)
+    q_begin = gl.load(CuSeqlensQ + b)
+    q_len = gl.load(CuSeqlensQ + b + 1) - q_begin
+    seq_len = gl.load(SeqLens + b)
+    ctx = seq_len - q_len  # keys before the first new token
+    tok0 = mb * TOKENS
+    # Causal: the block's last token sees keys [0, ctx + its index + 1).
+    kv_end = gl.where(tok0 < q_len, ctx + gl.minimum(q_len, tok0 + TOKENS), 0)
+    key_split = gl.cdiv(gl.cdiv(kv_end, gl.num_programs(1)), T) * T
+    start = split * key_split
+    stop = gl.minimum(start + key_split, kv_end)
+    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    adapter = gl.load(Adapter + b)
+    has_res = adapter >= 0
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HALF], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, HALF], gl.bfloat16)
+    q_lo = gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout)
+    bk_lo = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bk_hi = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bv_lo = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    bv_hi = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
+    rot_lo = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
+    rot_hi = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
+
+    slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
+    fence_async_shared()
+    a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
+    operands = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
+                stride_qh, tok0, q_len, BK + a_row, BV + a_row, stride_br, scale_log2e,
+                has_res, ctx + tok0)
+    # One tuple for both partitions, in the decode loader's order (its ``_loader`` serves
+    # here unchanged): descriptors, barriers, slots, this kernel's own buffers, the
+    # program's integers, what _stage_operands reads.
+    args = ((kd, vd, krd, vrd, csd), bars, slots,
+            (q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi),
+            (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
+             start, stop, seq_len, n_tiles, has_res), operands)
+    m_i, l_i, o_lo, o_hi = gl.warp_specialize(
+        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
+
+    acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
     tok = tok0 + rows // G
@@ -238,183 +350,6 @@ def _store_rows(outs, tok0, m_i, l_i, o_lo, o_hi, n_tiles, DIRECT: gl.constexpr)
                      + gl.expand_dims(d, 0))
             gl.store(p_ptr, o_lo, mask=row_ok)
             gl.store(p_ptr + HALF, o_hi, mask=row_ok)
-
-
-@gluon.jit
-def _consume(args, c: gl.constexpr, DIRECT: gl.constexpr):
-    """Consumer warp group ``c``: the program's query rows ``64 c ..`` over every tile of its
-    keys, then those rows of the output (or of the split's partials). Tile ``i + 1``'s
-    score products are issued before tile ``i``'s softmax, so they run under it; ``P
-    V_base`` and ``P V_res`` run together, one wait a tile; ``B_v`` once after the loop."""
-    _, bars, bufs, own, scalars, operands = args
-    ready, empty = bars
-    v_lo, v_hi, vr = bufs[2], bufs[3], bufs[5]
-    rot_lo, rot_hi, rot_ready, rot_empty, started = own[:5]
-    q_lo, q_hi = own[6].index(c), own[7].index(c)
-    bv_lo, bv_hi = own[8].index(c), own[9].index(c)
-    n_tiles, has_res = scalars[6], scalars[7]
-    start, stop = scalars[3], scalars[4]
-    NS: gl.constexpr = v_lo.type.shape[0]
-    RS: gl.constexpr = rot_lo.type.shape[0]
-    T: gl.constexpr = v_lo.type.shape[1]
-    HALF: gl.constexpr = v_lo.type.shape[2]
-    R: gl.constexpr = vr.type.shape[2]
-    M: gl.constexpr = q_lo.type.shape[0]
-    G: gl.constexpr = 4
-    nw: gl.constexpr = gl.num_warps()
-    if c == 0:
-        # The workers read their arguments from shared memory as they start, in bytes this
-        # (the default) partition's layout conversions may reuse (Triton 3.6;
-        # docs/KERNELS.md "Round 20").
-        mbarrier.wait(started, 0)
-    else:
-        mbarrier.arrive(started)
-    q_base, stride_qt, stride_qh, tok0, q_len, _, bv_row, stride_br, scale_log2e, _, q_pos0, \
-        outs = operands
-    tok0 = tok0 + c * (M // G)
-    acc_l: gl.constexpr = wgmma_layout(HALF, nw)  # [M, 64]: scores, and each half of O
-    r_l: gl.constexpr = wgmma_layout(R, nw)  # [M, r]: P V_res
-    p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
-    pr_op: gl.constexpr = gl.DotOperandLayout(0, r_l, 2)
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    m_i = gl.full([M], float("-inf"), gl.float32, row_l)
-    l_i = gl.full([M], 0.0, gl.float32, row_l)
-    o_lo = gl.zeros([M, HALF], gl.float32, acc_l)
-    o_hi = gl.zeros([M, HALF], gl.float32, acc_l)
-    acc_r = gl.zeros([M, R], gl.float32, r_l)
-    sc = gl.zeros([M, T], gl.float32, acc_l)
-    if n_tiles > 0:  # an empty program makes no operands
-        _stage_queries(q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e, q_lo, q_hi)
-        _stage_b(bv_row, stride_br, has_res, 0, bv_lo)
-        _stage_b(bv_row, stride_br, has_res, HALF, bv_hi)
-        fence_async_shared()
-        mbarrier.wait(rot_ready.index(0), 0)
-        sc = warpgroup_mma_wait(0, deps=(
-            _issue_scores(q_lo, q_hi, rot_lo.index(0), rot_hi.index(0), acc_l), ))
-        mbarrier.arrive(rot_empty.index(0))
-    pos = q_pos0 + c * (M // G) + gl.arange(0, M, layout=row_l) // G
-    cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
-    for i in range(n_tiles):  # tile i's scores have landed (sc)
-        # The last tile scores its own key again (its slot is not refilled: no tile follows
-        # it), so that nothing in flight crosses a branch; the result is dropped.
-        nxt = gl.minimum(i + 1, n_tiles - 1)
-        jn = nxt % RS
-        mbarrier.wait(rot_ready.index(jn), (nxt // RS) & 1)
-        sc_next = _issue_scores(q_lo, q_hi, rot_lo.index(jn), rot_hi.index(jn), acc_l)
-        key = start + i * T + cols
-        visible = (gl.expand_dims(key < stop, 0)
-                   & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
-        sc = gl.where(visible, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o_lo = o_lo * gl.expand_dims(alpha, 1)
-        o_hi = o_hi * gl.expand_dims(alpha, 1)
-        acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
-        p16 = p.to(gl.bfloat16)
-        s = i % NS
-        # The V tile's own barrier (landed, as the rebuild saw; its phase holds until both
-        # consumers release the slot).
-        mbarrier.wait(ready.index(s), (i // NS) & 1)
-        pa = gl.convert_layout(p16, p_op)
-        o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
-        o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
-        # Unconditional, beside the value products (one wait for all): without an adapter
-        # the slot's V_res rows are stale bytes, and acc_r is then never read.
-        acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r, is_async=True)
-        o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
-        m_i = m_new
-        mbarrier.arrive(empty.index(s))
-        if i + 1 < n_tiles:
-            mbarrier.arrive(rot_empty.index(jn))
-    if has_res & (n_tiles > 0):
-        # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
-        r_hi = acc_r.to(gl.bfloat16)
-        r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
-        a_hi = gl.convert_layout(r_hi, p_op)
-        a_lo = gl.convert_layout(r_lo, p_op)
-        o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
-        o_lo = warpgroup_mma(a_lo, bv_lo, o_lo)
-        o_hi = warpgroup_mma(a_hi, bv_hi, o_hi)
-        o_hi = warpgroup_mma(a_lo, bv_hi, o_hi)
-    _store_rows(outs, tok0, m_i, l_i, o_lo, o_hi, n_tiles, DIRECT)
-
-
-@gluon.jit
-def _residual_prefill_ws_kernel(
-        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
-        Out, PartOut, PartLse, scale_log2e, m_blocks,
-        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
-        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, ROT_STAGES: gl.constexpr,
-        DIRECT: gl.constexpr, num_warps: gl.constexpr):
-    HALF: gl.constexpr = HEAD_DIM // 2
-    NC: gl.constexpr = M // 64
-    TOKENS: gl.constexpr = M // G
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    mb = pid % m_blocks
-    head = (pid // m_blocks) % N_KV
-    b = pid // (m_blocks * N_KV)
-    q_begin = gl.load(CuSeqlensQ + b)
-    q_len = gl.load(CuSeqlensQ + b + 1) - q_begin
-    seq_len = gl.load(SeqLens + b)
-    ctx = seq_len - q_len  # keys before the first new token
-    tok0 = mb * TOKENS
-    # Causal: the block's last token sees keys [0, ctx + its index + 1).
-    kv_end = gl.where(tok0 < q_len, ctx + gl.minimum(q_len, tok0 + TOKENS), 0)
-    key_split = gl.cdiv(gl.cdiv(kv_end, gl.num_programs(1)), T) * T
-    start = split * key_split
-    stop = gl.minimum(start + key_split, kv_end)
-    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
-    adapter = gl.load(Adapter + b)
-    has_res = adapter >= 0
-
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HALF], gl.bfloat16)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, HALF], gl.bfloat16)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_lo = gl.allocate_shared_memory(gl.bfloat16, [NC, 64, HALF], q_layout)
-    q_hi = gl.allocate_shared_memory(gl.bfloat16, [NC, 64, HALF], q_layout)
-    bv_lo = gl.allocate_shared_memory(gl.bfloat16, [NC, R, HALF], b_layout)
-    bv_hi = gl.allocate_shared_memory(gl.bfloat16, [NC, R, HALF], b_layout)
-    bk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, HALF // 2],
-                                                                   gl.bfloat16)
-    bk = gl.allocate_shared_memory(gl.bfloat16, [4, R, HALF // 2], bk_layout)
-    rot_lo = gl.allocate_shared_memory(gl.bfloat16, [ROT_STAGES, T, HALF], kd.layout)
-    rot_hi = gl.allocate_shared_memory(gl.bfloat16, [ROT_STAGES, T, HALF], kd.layout)
-    rot_ready = gl.allocate_shared_memory(gl.int64, [ROT_STAGES, 1], bar_layout)
-    rot_empty = gl.allocate_shared_memory(gl.int64, [ROT_STAGES, 1], bar_layout)
-    started = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for j in gl.static_range(ROT_STAGES):
-        mbarrier.init(rot_ready.index(j), count=1)
-        mbarrier.init(rot_empty.index(j), count=NC)
-    mbarrier.init(started, count=NC + 1)  # the workers: the other consumer, rebuild, loader
-    slots, bars = slot_ring(kd, krd, csd, STAGES_, T, NC)
-    fence_async_shared()
-    a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
-    outs = (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-            stride_lt, stride_lh, q_begin, q_len, head, split)
-    operands = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
-                stride_qh, tok0, q_len, BK + a_row, BV + a_row, stride_br, scale_log2e,
-                has_res, ctx + tok0, outs)
-    # One tuple for every partition, in the decode loader's order (its ``_loader`` serves
-    # here unchanged): descriptors, barriers, slots, this kernel's own buffers, the
-    # program's integers, what the rebuild and consumers read.
-    args = ((kd, vd, krd, vrd, csd), bars, slots,
-            (rot_lo, rot_hi, rot_ready, rot_empty, started, bk, q_lo, q_hi, bv_lo, bv_hi),
-            (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
-             start, stop, seq_len, n_tiles, has_res), operands)
-    if NC == 1:
-        gl.warp_specialize([(_consume, (args, 0, DIRECT)), (_rebuild, (args, )),
-                            (_load, (args, ))], [4, 1], [REBUILD_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([(_consume, (args, 0, DIRECT)), (_consume, (args, 1, DIRECT)),
-                            (_rebuild, (args, )), (_load, (args, ))], [4, 4, 1],
-                           [CONSUMER_REGS, REBUILD_REGS, LOADER_REGS])
 
 
 def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -462,7 +397,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
-        STAGES_=launch.stages, ROT_STAGES=launch.rot_stages, DIRECT=direct, num_warps=4,
+        STAGES_=launch.stages, DIRECT=direct, num_warps=launch.warps,
         maxnreg=launch.maxnreg)
     if direct:
         return out

@@ -17,21 +17,21 @@ from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import assemble_sm90a, compile_gluon_sm90, ws_kernel_values
 
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, rot_stages): the default launch and the others the bench measures.
-DEFAULT = (128, 2, 2)
-OTHER_LAUNCHES = [(64, 2, 2), (64, 3, 2), (128, 2, 3)]
+# (rows, stages): the default launches and the others the bench measures.
+DEFAULT = (128, 3)
+OTHER_LAUNCHES = [(64, 3), (64, 2), (128, 2)]
 
 
-def build_sm90(direct: bool, rows: int, stages: int, rot_stages: int) -> tuple[str, int]:
+def build_sm90(direct: bool, rows: int, stages: int) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch."""
     from forkserve.kernels import residual_decode_gluon as ws
     from forkserve.kernels import residual_prefill_gluon as pw
 
     values = ws_kernel_values(8, HEAD_DIM, RANK) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
     consts = dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows, STAGES_=stages,
-                  ROT_STAGES=rot_stages, DIRECT=direct, num_warps=4)
+                  DIRECT=direct, num_warps=rows // 16)
     return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts,
-                              pw.WsPrefillLaunch(rows, stages, rot_stages).maxnreg)
+                              pw.WsPrefillLaunch(rows, stages).maxnreg)
 
 
 @pytest.mark.parametrize("direct,launch", [
@@ -152,10 +152,9 @@ def test_the_default_launch_by_chunk_length() -> None:
     ws too: 64 rows on one warp group up to 16-token chunks, 128 on two past them."""
     from forkserve.kernels.residual_prefill_gluon import default_launch
 
-    assert [(default_launch(n).rows, default_launch(n).consumers) for n in (1, 16, 17, 512)] == [
-        (64, 1), (64, 1), (128, 2), (128, 2)]
-    # 16 warps (two consumers, the rebuild, the loader's padded group) or 12, in 64K.
-    assert default_launch(64).maxnreg == 128 and default_launch(16).maxnreg == 168
+    assert [(default_launch(n).rows, default_launch(n).warps) for n in (1, 16, 17, 512)] == [
+        (64, 4), (64, 4), (128, 8), (128, 8)]
+    assert default_launch(64).maxnreg == 168 and default_launch(16).maxnreg == 256
 
 
 def test_ws_prefill_refuses_other_shapes() -> None:
@@ -167,7 +166,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # test_ws_prefill_builds_for_sm90's: its parameters, then a folder
-    direct_, *launch_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90(bool(direct_), *launch_)
+    direct_, rows_, stages_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90(bool(direct_), rows_, stages_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))
