@@ -368,8 +368,7 @@ def _consume(args):
 def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr):
     """The loader's ring in shared memory: ``STAGES_`` slots of a ``T``-key tile, each the
     halves of ``K_base`` and ``V_base`` (``kd``'s boxes), ``K_res`` and ``V_res`` rows
-    (``krd``'s) and the cos and sin rows (``csd``'s boxes: the tile's, or its first key's
-    alone), with a ready and an empty mbarrier each.
+    (``krd``'s) and the cos and sin rows (``csd``'s), with a ready and an empty mbarrier each.
     Returns ``(k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s), (ready, empty)``, ``_loader``'s
     order."""
     HALF: gl.constexpr = kd.block_type.shape[1]
@@ -380,10 +379,8 @@ def slot_ring(kd, krd, csd, STAGES_: gl.constexpr, T: gl.constexpr):
     v_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], kd.layout)
     kr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
     vr = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, R], krd.layout)
-    CS_ROWS: gl.constexpr = csd.block_type.shape[0]
-    cs_ty: gl.constexpr = csd.block_type.element_ty
-    cs_c = gl.allocate_shared_memory(cs_ty, [STAGES_, CS_ROWS, HALF], csd.layout)
-    cs_s = gl.allocate_shared_memory(cs_ty, [STAGES_, CS_ROWS, HALF], csd.layout)
+    cs_c = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
+    cs_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, T, HALF], csd.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
@@ -475,18 +472,13 @@ def _residual_decode_ws_kernel(
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, cols: int) -> gl.NVMMASharedLayout:
     """A bf16 box's shared-memory layout (~11 us of host time to derive, per descriptor per
-    launch on the eager prefill path otherwise; a pure function of the box). A single row
-    is left unswizzled (a row wider than the swizzle's span could not be one box)."""
-    if rows == 1:
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    launch on the eager prefill path otherwise; a pure function of the box)."""
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def descriptors(k_base, v_base, k_res, v_res, table, cs_rows: int = TILE):
+def descriptors(k_base, v_base, k_res, v_res, table16):
     """TMA descriptors: one page's half head of K/V ``[P, D/2]`` over ``[pages * P, n_kv * D]``,
-    one page of residual rows ``[P, r]``, and of the RoPE ``table`` (cos | sin by position)
-    ``cs_rows`` rows of cos or sin ``[cs_rows, D/2]``: a tile's (``TILE``, the bf16 table),
-    or its first key's alone (1, the float32 table)."""
+    one page of residual rows ``[P, r]``, a tile's cos or sin rows ``[TILE, D/2]``."""
     pages, page, n_kv, head_dim = k_base.shape
     half, rank = head_dim // 2, k_res.shape[2]
 
@@ -496,7 +488,7 @@ def descriptors(k_base, v_base, k_res, v_res, table, cs_rows: int = TILE):
 
     return (desc(k_base, page, half), desc(v_base, page, half), desc(k_res, page, rank),
             desc(v_res, page, rank),
-            TensorDescriptor.from_tensor(table, [cs_rows, half], _smem_layout(cs_rows, half)))
+            TensorDescriptor.from_tensor(table16, [TILE, half], _smem_layout(TILE, half)))
 
 
 def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,

@@ -45,6 +45,7 @@ from forkserve.kernels.prefill_attention import residual_launch
 from forkserve.kernels.residual_decode_gluon import (
     LOG2E,
     MAXNREG,
+    STAGES,
     TILE,
     _loader,
     _zero_rows_from,
@@ -64,7 +65,7 @@ class WsPrefillLaunch:
     both) and ``stages`` slots in the ring."""
 
     rows: int = 128
-    stages: int = 4
+    stages: int = STAGES
 
     @property
     def warps(self) -> int:
@@ -100,14 +101,10 @@ def rebuild_layout(n, num_warps):
 def _stage_operands(operands, bufs):
     """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
     ``q_lo, q_hi [rows, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
-    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter), the cos and sin of
-    the angles of a tile's offsets ``0 .. T-1`` (the bf16 table's first rows) into ``r_cos,
-    r_sin [T, D/2]``."""
+    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
-        has_res = operands[:10]
-    table16 = operands[11]
+        has_res = operands
     q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi = bufs[:6]
-    r_cos, r_sin = bufs[8], bufs[9]
     M: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
     R: gl.constexpr = bk_lo.type.shape[0]
@@ -129,11 +126,6 @@ def _stage_operands(operands, bufs):
     bk_hi.store(gl.load(bk_row + b_off + HALF, mask=has_res, other=0.0))
     bv_lo.store(gl.load(bv_row + b_off, mask=has_res, other=0.0))
     bv_hi.store(gl.load(bv_row + b_off + HALF, mask=has_res, other=0.0))
-    T: gl.constexpr = r_cos.type.shape[0]
-    t = gl.arange(0, T, layout=gl.SliceLayout(1, lq))
-    t_off = t[:, None] * (2 * HALF) + d[None, :]
-    r_cos.store(gl.load(table16 + t_off, mask=has_res, other=0.0))
-    r_sin.store(gl.load(table16 + t_off + HALF, mask=has_res, other=0.0))
 
 
 @gluon.jit
@@ -141,12 +133,11 @@ def _prepare(args, i):
     """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
     split zeroed (stale or never written page slots would reach the value products as 0 *
     NaN), the whole key ``K_base + RoPE(K_res B_k)`` (the base tile alone without an
-    adapter) written bf16 into ``rot``. The angles of key ``n0 + t`` by their sum: the cos
-    and sin of the tile's first key from the slot (float32), of ``t`` from ``r_cos, r_sin``.
-    Only synchronous products: nothing in flight crosses its branches."""
+    adapter) written bf16 into ``rot``. Only synchronous products: nothing in flight
+    crosses its branches."""
     _, bars, bufs, ops, scalars, _ = args
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
-    bk_lo, bk_hi, rot_lo, rot_hi, r_cos, r_sin = ops[2], ops[3], ops[6], ops[7], ops[8], ops[9]
+    bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
     start, stop, has_res = scalars[3], scalars[4], scalars[7]
     NS: gl.constexpr = k_lo.type.shape[0]
     T: gl.constexpr = k_lo.type.shape[1]
@@ -162,20 +153,18 @@ def _prepare(args, i):
         fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
     if has_res:
-        # The up-projection in flight while the base tile comes from shared memory and the
-        # tile's angles are made.
+        # The up-projection in flight while the base tile and the tile's cos|sin rows come
+        # from shared memory.
         zero = gl.zeros([T, HALF], gl.float32, u_l)
         u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
         u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
-        c0 = cs_c.index(s).load(u_l)  # [1, D/2]
-        s0 = cs_s.index(s).load(u_l)
-        cr = r_cos.load(u_l).to(gl.float32)
-        sr = r_sin.load(u_l).to(gl.float32)
-        cos = c0 * cr - s0 * sr
-        sin = s0 * cr + c0 * sr
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
+        cos = cs_c.index(s).load(u_l).to(gl.float32)
+        sin = cs_s.index(s).load(u_l).to(gl.float32)
         u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-        k_a = k_lo.index(s).load(u_l).to(gl.float32) + (u_lo * cos - u_hi * sin)
-        k_b = k_hi.index(s).load(u_l).to(gl.float32) + (u_hi * cos + u_lo * sin)
+        k_a += u_lo * cos - u_hi * sin
+        k_b += u_hi * cos + u_lo * sin
     else:
         k_a = k_lo.index(s).load(u_l).to(gl.float32)
         k_b = k_hi.index(s).load(u_l).to(gl.float32)
@@ -284,7 +273,7 @@ def _consume(args):
 @gluon.jit
 def _residual_prefill_ws_kernel(
         kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
-        Table16, Out, PartOut, PartLse, scale_log2e, m_blocks,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -321,22 +310,18 @@ def _residual_prefill_ws_kernel(
     bv_hi = gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout)
     rot_lo = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
     rot_hi = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], kd.layout)
-    r_cos = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], csd.layout)
-    r_sin = gl.allocate_shared_memory(gl.bfloat16, [T, HALF], csd.layout)
 
-    # One cos|sin row a slot (csd's box): a key's angles are its tile's first key's plus its
-    # offset's (r_cos, r_sin).
     slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     operands = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
                 stride_qh, tok0, q_len, BK + a_row, BV + a_row, stride_br, scale_log2e,
-                has_res, ctx + tok0, Table16)
+                has_res, ctx + tok0)
     # One tuple for both partitions, in the decode loader's order (its ``_loader`` serves
     # here unchanged): descriptors, barriers, slots, this kernel's own buffers, the
     # program's integers, what _stage_operands reads.
     args = ((kd, vd, krd, vrd, csd), bars, slots,
-            (q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi, r_cos, r_sin),
+            (q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi, rot_lo, rot_hi),
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
@@ -395,10 +380,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         max_seq_len = int(seq_lens.max())  # one host sync
     bound = max(max_seq_len, 1)
     launch = default_launch(max_q_len) if launch is None else launch
-    table = cached_rope_table(inv_freq, bound)
-    table16 = rope_table_in(table, q.dtype).view(-1, head_dim)
-    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res,
-                                        table.view(-1, head_dim), cs_rows=1)
+    table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
+    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
     m_blocks = max(1, -(-max_q_len * g // launch.rows))
     programs = seq_lens.numel() * n_kv * m_blocks
     splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
@@ -408,8 +391,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     direct = splits == 1
     _residual_prefill_ws_kernel[(programs, splits)](
         kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
-        res_block_tables, seq_lens, cu_seqlens_q, table16, out, part_out, part_lse,
-        scale * LOG2E,
+        res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,
         m_blocks, q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
         b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,

@@ -93,23 +93,22 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
-def ws_kernel_values(n_kv: int, head_dim: int, rank: int, cs_rows: int = 64) -> dict:
+def ws_kernel_values(n_kv: int, head_dim: int, rank: int) -> dict:
     """The argument values the ws kernels (decode and prefill) share, for
     ``compile_gluon_sm90``: the loader's five TMA descriptors over bf16 pools of ``n_kv``
-    heads of ``head_dim`` and rank-``rank`` residual rows (the RoPE table's boxes of
-    ``cs_rows``: 64 bf16 rows for the decode, one float32 row for the prefill), bf16 query /
-    B / output pointers, int32 tables, float32 partials."""
+    heads of ``head_dim`` and rank-``rank`` residual rows, bf16 query / B / output pointers,
+    int32 tables, float32 partials."""
     import torch
 
     from forkserve.kernels import residual_decode_gluon as ws
 
     k = torch.empty(64, 16, n_kv, head_dim, dtype=torch.bfloat16)
     k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
-    table = torch.empty(4096, head_dim, dtype=torch.float32 if cs_rows == 1 else torch.bfloat16)
+    table = torch.empty(4096, head_dim, dtype=torch.bfloat16)
     ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
                                                             torch.float32))
     values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
-                      ws.descriptors(k, k, k_res, k_res, table, cs_rows), strict=True))
+                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
     return values | dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
                          SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats,
                          scale_log2e=0.1)
