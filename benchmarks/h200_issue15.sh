@@ -665,9 +665,9 @@ PY
     --out "$OUT" 2>&1 | tail -12
   ;;
 67)
-  # Round 23: react W = 32, every LoRA system (rows 8-9), with no tests before it.
+  # Round 23: react W = 32 (or $W), every LoRA system (rows 8-9), with no tests before it.
   fa4_site || exit 1
-  W=32 round10 react "${TAG:-issue15_round23}" "${2:-330}"
+  W=${W:-32} round10 react "${TAG:-issue15_round23}" "${2:-330}"
   ;;
 68)
   # Round 24: where the ws prefill's time goes (8 x 64 over 8K, 2x FA4's paged read): Nsight
