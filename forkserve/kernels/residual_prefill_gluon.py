@@ -62,10 +62,15 @@ from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_par
 class WsPrefillLaunch:
     """One launch configuration: ``rows`` query rows a program (64: one consumer warp group;
     128: two, in lockstep over one slot ring, so each key tile is loaded and rebuilt once for
-    both) and ``stages`` slots in the ring."""
+    both), ``stages`` slots in the ring, and ``edge_masks``: the causal and split-end mask
+    applied only to the tiles that cross them (every row of a program sees the keys before
+    its first token's position), not to every tile (the consumer issues an instruction every
+    ~7 cycles a warp, so a tile's time follows its instruction count: docs/KERNELS.md
+    "Round 24")."""
 
     rows: int = 128
     stages: int = STAGES
+    edge_masks: bool = False
 
     @property
     def warps(self) -> int:
@@ -185,7 +190,17 @@ def _issue_scores(ops, acc_l: gl.constexpr):
 
 
 @gluon.jit
-def _consume(args):
+def _mask_scores(sc, n0, stop, pos, cols):
+    """Scores of keys ``n0 + cols`` past ``stop`` or past a row's position ``pos`` set to
+    -inf."""
+    key = n0 + cols
+    visible = (gl.expand_dims(key < stop, 0)
+               & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
+    return gl.where(visible, sc, float("-inf"))
+
+
+@gluon.jit
+def _consume(args, EDGE_MASKS: gl.constexpr):
     """The consumer warp group(s): every tile of the program's keys. Tile ``i + 1``'s key is
     rebuilt and its score products issued before tile ``i``'s softmax, so they run under it
     (``rot`` is free then: tile ``i``'s scores have landed). Returns ``m, l [rows]`` (log2
@@ -225,16 +240,19 @@ def _consume(args):
         sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, acc_l), ))
     pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
+    seen_by_all = gl.minimum(stop, q_pos0 + 1)  # keys every row of the program sees
     for i in range(n_tiles):  # tile i's scores have landed (sc)
+        if EDGE_MASKS:
+            # Here, with nothing in flight, so the branch may hold the mask.
+            if start + (i + 1) * T > seen_by_all:
+                sc = _mask_scores(sc, start + i * T, stop, pos, cols)
         if i + 1 < n_tiles:
             _prepare(args, i + 1)
         # Unconditional, so nothing in flight crosses a branch: after the last tile these
         # products score its key again, and their result is dropped.
         sc_next = _issue_scores(ops, acc_l)
-        key = start + i * T + cols
-        visible = (gl.expand_dims(key < stop, 0)
-                   & (gl.expand_dims(key, 0) <= gl.expand_dims(pos, 1)))
-        sc = gl.where(visible, sc, float("-inf"))
+        if not EDGE_MASKS:
+            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -277,7 +295,8 @@ def _residual_prefill_ws_kernel(
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
+        DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
@@ -325,7 +344,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, EDGE_MASKS)), (_loader, (args, ))], [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
@@ -397,7 +416,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
-        STAGES_=launch.stages, DIRECT=direct, num_warps=launch.warps,
+        STAGES_=launch.stages, EDGE_MASKS=launch.edge_masks, DIRECT=direct,
+        num_warps=launch.warps,
         maxnreg=launch.maxnreg)
     if direct:
         return out
