@@ -10,10 +10,11 @@ eager as the engine runs prefill (CUDA events, L2 flushed: ``kernel_bench.bench_
 * unified: ``paged`` (our Triton kernel) and ``paged_flash`` (FlashAttention-4 through the
   block tables, where ``flash_support`` finds it): the baseline is the faster;
 * residual: ``ws`` (residual_prefill_gluon.py, sm_90 only; ``ws_m<rows>_s<stages>`` each
-  launch, ``_edge`` with ``edge_masks``, ``ws_base_only`` the default launch with no row's
-  adapter: the residual's share of its time), ``fused`` (the Triton kernel at its default
-  launch) and ``flash`` (the context rebuilt and packed, then the varlen flash kernel), and
-  the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``, recorded as ``policy_route``);
+  launch, ``_edge`` with ``edge_masks``, ``_base`` with ``base_scores``, ``ws_base_only``
+  the default launch with no row's adapter: the residual's share of its time), ``fused``
+  (the Triton kernel at its default launch) and ``flash`` (the context rebuilt and packed,
+  then the varlen flash kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``,
+  recorded as ``policy_route``);
 
 and by CUDA-graph replay (device time, no launch cost) the routes a graph holds: the unified
 ones, ``fused`` and every ``ws`` launch.
@@ -38,9 +39,11 @@ CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 
          (1, 4096, 4096)]
 SMOKE_CASES = [(1, 8, 40), (2, 16, 48)]
 GOAL = 1.3
-# The ws kernel's launches beside its default (rows, stages, edge_masks: WsPrefillLaunch).
-WS_LAUNCHES = [(64, 3, False), (64, 2, False), (128, 3, False), (128, 2, False),
-               (128, 3, True)]
+# The ws kernel's launches beside its default (rows, stages, edge_masks, base_scores:
+# WsPrefillLaunch).
+WS_LAUNCHES = [(64, 3, False, False), (64, 2, False, False), (128, 3, False, False),
+               (128, 2, False, False), (128, 3, True, False), (128, 3, False, True),
+               (128, 3, True, True)]
 
 
 def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
@@ -54,8 +57,8 @@ def run_case(s: Setup, batch: int, new: int, keys: int) -> dict:
     )
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
-    launches = {f"ws_m{r}_s{st}" + ("_edge" if edge else ""): WsPrefillLaunch(r, st, edge)
-                for r, st, edge in WS_LAUNCHES}
+    launches = {f"ws_m{r}_s{st}" + "_edge" * edge + "_base" * base:
+                WsPrefillLaunch(r, st, edge, base) for r, st, edge, base in WS_LAUNCHES}
 
     bt, rbt, lens = s.tables(batch, keys)
     q = s.q(batch * new)

@@ -64,13 +64,15 @@ class WsPrefillLaunch:
     128: two, in lockstep over one slot ring, so each key tile is loaded and rebuilt once for
     both), ``stages`` slots in the ring, and ``edge_masks``: the causal and split-end mask
     applied only to the tiles that cross them (every row of a program sees the keys before
-    its first token's position), not to every tile (the consumer issues an instruction every
-    ~7 cycles a warp, so a tile's time follows its instruction count: docs/KERNELS.md
-    "Round 24")."""
+    its first token's position), not to every tile; ``base_scores``: the base key's scores
+    taken straight from the slot, ``rot`` holding only the residual's rotated key (four
+    score products a tile, no base tile through registers). Both cut the consumer's
+    instructions a tile, which its time follows (docs/KERNELS.md "Round 24")."""
 
     rows: int = 128
     stages: int = STAGES
     edge_masks: bool = False
+    base_scores: bool = False
 
     @property
     def warps(self) -> int:
@@ -134,12 +136,13 @@ def _stage_operands(operands, bufs):
 
 
 @gluon.jit
-def _prepare(args, i):
+def _prepare(args, i, BASE_SCORES: gl.constexpr):
     """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
     split zeroed (stale or never written page slots would reach the value products as 0 *
     NaN), the whole key ``K_base + RoPE(K_res B_k)`` (the base tile alone without an
-    adapter) written bf16 into ``rot``. Only synchronous products: nothing in flight
-    crosses its branches."""
+    adapter) written bf16 into ``rot``; with ``BASE_SCORES`` the rotated residual alone
+    (nothing without an adapter: ``rot`` stays zero). Only synchronous products: nothing in
+    flight crosses its branches."""
     _, bars, bufs, ops, scalars, _ = args
     k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
@@ -157,7 +160,17 @@ def _prepare(args, i):
             _zero_rows_from(vr.index(s), stop - n0)
         fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
-    if has_res:
+    if BASE_SCORES:
+        if has_res:
+            zero = gl.zeros([T, HALF], gl.float32, u_l)
+            u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+            u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+            cos = cs_c.index(s).load(u_l).to(gl.float32)
+            sin = cs_s.index(s).load(u_l).to(gl.float32)
+            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+            rot_lo.store((u_lo * cos - u_hi * sin).to(gl.bfloat16))
+            rot_hi.store((u_hi * cos + u_lo * sin).to(gl.bfloat16))
+    elif has_res:
         # The up-projection in flight while the base tile and the tile's cos|sin rows come
         # from shared memory.
         zero = gl.zeros([T, HALF], gl.float32, u_l)
@@ -173,20 +186,26 @@ def _prepare(args, i):
     else:
         k_a = k_lo.index(s).load(u_l).to(gl.float32)
         k_b = k_hi.index(s).load(u_l).to(gl.float32)
-    rot_lo.store(k_a.to(gl.bfloat16))
-    rot_hi.store(k_b.to(gl.bfloat16))
+    if not BASE_SCORES:
+        rot_lo.store(k_a.to(gl.bfloat16))
+        rot_hi.store(k_b.to(gl.bfloat16))
     fence_async_shared()
 
 
 @gluon.jit
-def _issue_scores(ops, acc_l: gl.constexpr):
-    """The scores ``Q K^T`` of the key tile in ``rot``, in flight (the caller waits)."""
+def _issue_scores(ops, bufs, s, acc_l: gl.constexpr, BASE_SCORES: gl.constexpr):
+    """The scores ``Q K^T`` of the key tile in ``rot`` (plus, with ``BASE_SCORES``, of the
+    base tile in slot ``s``), in flight (the caller waits)."""
     q_lo, q_hi, rot_lo, rot_hi = ops[0], ops[1], ops[6], ops[7]
     M: gl.constexpr = q_lo.type.shape[0]
     T: gl.constexpr = rot_lo.type.shape[0]
     zero = gl.zeros([M, T], gl.float32, acc_l)
     sc = warpgroup_mma(q_lo, rot_lo.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
+    sc = warpgroup_mma(q_hi, rot_hi.permute((1, 0)), sc, is_async=True)
+    if BASE_SCORES:
+        sc = warpgroup_mma(q_lo, bufs[0].index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_hi, bufs[1].index(s).permute((1, 0)), sc, is_async=True)
+    return sc
 
 
 @gluon.jit
@@ -200,7 +219,7 @@ def _mask_scores(sc, n0, stop, pos, cols):
 
 
 @gluon.jit
-def _consume(args, EDGE_MASKS: gl.constexpr):
+def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr):
     """The consumer warp group(s): every tile of the program's keys. Tile ``i + 1``'s key is
     rebuilt and its score products issued before tile ``i``'s softmax, so they run under it
     (``rot`` is free then: tile ``i``'s scores have landed). Returns ``m, l [rows]`` (log2
@@ -235,9 +254,13 @@ def _consume(args, EDGE_MASKS: gl.constexpr):
         # (Triton 3.6; docs/KERNELS.md "Round 20").
         mbarrier.wait(ready.index(0), 0)
         _stage_operands(operands, ops)
+        if BASE_SCORES:  # what a tile without an adapter adds to its base scores
+            zero_rot = gl.zeros([T, HALF], gl.bfloat16, rebuild_layout(HALF, nw))
+            ops[6].store(zero_rot)
+            ops[7].store(zero_rot)
         fence_async_shared()
-        _prepare(args, 0)
-        sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, acc_l), ))
+        _prepare(args, 0, BASE_SCORES)
+        sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
     pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
     seen_by_all = gl.minimum(stop, q_pos0 + 1)  # keys every row of the program sees
@@ -247,10 +270,11 @@ def _consume(args, EDGE_MASKS: gl.constexpr):
             if start + (i + 1) * T > seen_by_all:
                 sc = _mask_scores(sc, start + i * T, stop, pos, cols)
         if i + 1 < n_tiles:
-            _prepare(args, i + 1)
+            _prepare(args, i + 1, BASE_SCORES)
         # Unconditional, so nothing in flight crosses a branch: after the last tile these
-        # products score its key again, and their result is dropped.
-        sc_next = _issue_scores(ops, acc_l)
+        # products score its key (and a released slot no tile refills) again, and their
+        # result is dropped.
+        sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
         if not EDGE_MASKS:
             sc = _mask_scores(sc, start + i * T, stop, pos, cols)
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
@@ -296,7 +320,7 @@ def _residual_prefill_ws_kernel(
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
-        DIRECT: gl.constexpr,
+        BASE_SCORES: gl.constexpr, DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
@@ -344,7 +368,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, EDGE_MASKS)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, EDGE_MASKS, BASE_SCORES)), (_loader, (args, ))], [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
@@ -416,7 +440,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
-        STAGES_=launch.stages, EDGE_MASKS=launch.edge_masks, DIRECT=direct,
+        STAGES_=launch.stages, EDGE_MASKS=launch.edge_masks,
+        BASE_SCORES=launch.base_scores, DIRECT=direct,
         num_warps=launch.warps,
         maxnreg=launch.maxnreg)
     if direct:
