@@ -136,6 +136,31 @@ def _stage_operands(operands, bufs):
 
 
 @gluon.jit
+def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.constexpr):
+    """``RoPE(K_res B_k)`` of slot ``s``'s tile as float32 halves ``[T, D/2]`` in ``u_l``
+    (plus the base tile if ``WITH_BASE``): the up-projection in flight while the base tile
+    and the tile's cos|sin rows come from shared memory."""
+    k_lo, k_hi, _, _, kr, _, cs_c, cs_s = bufs
+    T: gl.constexpr = k_lo.type.shape[1]
+    HALF: gl.constexpr = k_lo.type.shape[2]
+    zero = gl.zeros([T, HALF], gl.float32, u_l)
+    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+    if WITH_BASE:
+        k_a = k_lo.index(s).load(u_l).to(gl.float32)
+        k_b = k_hi.index(s).load(u_l).to(gl.float32)
+    cos = cs_c.index(s).load(u_l).to(gl.float32)
+    sin = cs_s.index(s).load(u_l).to(gl.float32)
+    u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+    r_a = u_lo * cos - u_hi * sin
+    r_b = u_hi * cos + u_lo * sin
+    if WITH_BASE:
+        r_a = k_a + r_a
+        r_b = k_b + r_b
+    return r_a, r_b
+
+
+@gluon.jit
 def _prepare(args, i, BASE_SCORES: gl.constexpr):
     """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
     split zeroed (stale or never written page slots would reach the value products as 0 *
@@ -144,7 +169,7 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr):
     (nothing without an adapter: ``rot`` stays zero). Only synchronous products: nothing in
     flight crosses its branches."""
     _, bars, bufs, ops, scalars, _ = args
-    k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
+    k_lo, k_hi, v_lo, v_hi, _, vr, _, _ = bufs
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
     start, stop, has_res = scalars[3], scalars[4], scalars[7]
     NS: gl.constexpr = k_lo.type.shape[0]
@@ -160,35 +185,13 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr):
             _zero_rows_from(vr.index(s), stop - n0)
         fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
-    if BASE_SCORES:
-        if has_res:
-            zero = gl.zeros([T, HALF], gl.float32, u_l)
-            u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
-            u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
-            cos = cs_c.index(s).load(u_l).to(gl.float32)
-            sin = cs_s.index(s).load(u_l).to(gl.float32)
-            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-            rot_lo.store((u_lo * cos - u_hi * sin).to(gl.bfloat16))
-            rot_hi.store((u_hi * cos + u_lo * sin).to(gl.bfloat16))
-    elif has_res:
-        # The up-projection in flight while the base tile and the tile's cos|sin rows come
-        # from shared memory.
-        zero = gl.zeros([T, HALF], gl.float32, u_l)
-        u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
-        u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
-        k_a = k_lo.index(s).load(u_l).to(gl.float32)
-        k_b = k_hi.index(s).load(u_l).to(gl.float32)
-        cos = cs_c.index(s).load(u_l).to(gl.float32)
-        sin = cs_s.index(s).load(u_l).to(gl.float32)
-        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-        k_a += u_lo * cos - u_hi * sin
-        k_b += u_hi * cos + u_lo * sin
-    else:
-        k_a = k_lo.index(s).load(u_l).to(gl.float32)
-        k_b = k_hi.index(s).load(u_l).to(gl.float32)
-    if not BASE_SCORES:
+    if has_res:
+        k_a, k_b = _rotated_residual(bufs, s, bk_lo, bk_hi, u_l, not BASE_SCORES)
         rot_lo.store(k_a.to(gl.bfloat16))
         rot_hi.store(k_b.to(gl.bfloat16))
+    elif not BASE_SCORES:
+        rot_lo.store(k_lo.index(s).load(u_l))
+        rot_hi.store(k_hi.index(s).load(u_l))
     fence_async_shared()
 
 
