@@ -659,9 +659,9 @@ PY
   # unified one per case (FA4's paged route where its parts came).
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }
   export TRITON_CACHE_DIR=/root/tc23
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_round23_ws_prefill.log" | tail -4
-  timeout 200 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
+  FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}.log" | tail -4
+  timeout 260 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
     --out "$OUT" 2>&1 | tail -12
   ;;
 67)
