@@ -5,8 +5,6 @@ partials and the direct one) and assembled by ptxas; on CUDA it is checked again
 formulas (plain_oracle.py) and under a CUDA graph."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import assemble_sm90a, compile_gluon_sm90, ws_kernel_values
+from test_sm90_compile import check_ws_build, compile_gluon_sm90, ws_kernel_values
 
 from forkserve.kernels import residual_decode
 
@@ -34,21 +32,8 @@ def build_sm90(direct: bool) -> tuple[str, int]:
 @pytest.mark.parametrize("direct", [False, True])
 def test_ws_kernel_builds_for_sm90(direct: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing. In a process of its
-    own: under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
-    (``gl.sum``'s combine function) is an interpreted one, which the compiler refuses."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(int(direct)), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ptx = (tmp_path / "ws.ptx").read_text()
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert "setmaxnreg.dec" in ptx  # the loader partition gives its registers back
-    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
-    assert assemble_sm90a(ptx) == 0
+    cut, fits one program's shared memory (227 KiB) and spills nothing."""
+    check_ws_build(__file__, [direct], tmp_path)
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
@@ -150,7 +135,7 @@ def test_ws_refuses_other_shapes() -> None:
         residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-if __name__ == "__main__":  # test_ws_kernel_builds_for_sm90's: its parameters, then a folder
-    ptx, shared = build_sm90(bool(int(sys.argv[1])))
-    (Path(sys.argv[2]) / "ws.ptx").write_text(ptx)
-    (Path(sys.argv[2]) / "shared").write_text(str(shared))
+if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameter
+    ptx, shared = build_sm90(bool(int(sys.argv[2])))
+    (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -5,8 +5,6 @@ assembled by ptxas; on CUDA it is checked against the plain formulas over NaN-po
 pools, with the split plan's partials and under a CUDA graph."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import assemble_sm90a, compile_gluon_sm90, ws_kernel_values
+from test_sm90_compile import check_ws_build, compile_gluon_sm90, ws_kernel_values
 
 HEAD_DIM, RANK = 128, 16
 # (rows, stages, edge_masks, base_scores): the default launch and the others the bench
@@ -43,21 +41,8 @@ def build_sm90(direct: bool, rows: int, stages: int, edge_masks: bool,
     (False, DEFAULT), (True, DEFAULT), *((True, lc) for lc in OTHER_LAUNCHES)])
 def test_ws_prefill_builds_for_sm90(direct: bool, launch: tuple, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing (in a process of its
-    own: see test_residual_decode_ws.py)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(tmp_path), str(int(direct)),
-                          *(str(int(x)) for x in launch)],
-                         env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ptx = (tmp_path / "ws.ptx").read_text()
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert "setmaxnreg.dec" in ptx
-    assert int((tmp_path / "shared").read_text()) <= 227 * 1024
-    assert assemble_sm90a(ptx) == 0
+    cut, fits one program's shared memory (227 KiB) and spills nothing."""
+    check_ws_build(__file__, [direct, *launch], tmp_path)
 
 
 def _inputs(seed: int, seq_lens: list[int], q_lens: list[int], n_kv: int = 2):
@@ -188,7 +173,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
         residual_prefill_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-if __name__ == "__main__":  # test_ws_prefill_builds_for_sm90's: its parameters, then a folder
+if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     direct_, rows_, stages_, edge_, base_ = (int(x) for x in sys.argv[2:])
     ptx, shared = build_sm90(bool(direct_), rows_, stages_, bool(edge_), bool(base_))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)

@@ -132,6 +132,27 @@ def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tupl
     return built.asm["ptx"], built.metadata.shared
 
 
+def check_ws_build(test_file: str, params: list[int], out: Path) -> None:
+    """Builds a ws kernel by ``test_file``'s ``__main__`` (its arguments: ``out``, then
+    ``params``; it writes ``ws.ptx`` and ``shared`` there) in a process of its own, and checks
+    what the sm_90a build must hold: TMA copies, wgmma, the loader's register cut, one
+    program's shared memory (227 KiB), no spills. A process of its own: under the kernel
+    tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports (``gl.sum``'s combine
+    function) is an interpreted one, which the compiler refuses."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, test_file, str(out), *(str(int(p)) for p in params)],
+                         env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = (out / "ws.ptx").read_text()
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "setmaxnreg.dec" in ptx  # the loader partition gives its registers back
+    assert int((out / "shared").read_text()) <= 227 * 1024
+    assert assemble_sm90a(ptx) == 0
+
+
 def assemble_sm90a(ptx: str) -> int:
     """Assemble ``ptx`` with the ptxas Triton uses (no GPU needed): inline asm is opaque to
     the compiler, so its syntax shows only here (score_progress.py's polls and publishes).
