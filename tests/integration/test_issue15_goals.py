@@ -112,6 +112,11 @@ def test_row_3_from_the_residual_routes_bench(folder, tmp_path):
          "device_over_best_unified": {"residual_ws": 3.0}},
         {"batch": 4, "new": 64, "keys": 32832, "flash_kernel": "fa4", "residual": {"ws": 0.5},
          "device_over_best_unified": {"residual_ws": 1.2}}]})
+    # A reverted kernel's run is kept under reverted/: never the row's, however new.
+    (folder / "reverted").mkdir()
+    write(folder / "reverted" / "residual_prefill_lost.json", {"commit": NEWEST, "rows": [
+        {"batch": 8, "new": 64, "keys": 8256, "policy_route": "ws",
+         "device_over_best_unified": {"residual_ws": 1.1}}]})
     out = tmp_path / "out"
     assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
     saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
