@@ -75,6 +75,9 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests, residual_prefill_bench (FA4 where carried)
 #   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 67  # react W=32 every LoRA system alone (FA4 carried)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 68  # ncu on the ws prefill, 8 x 64 over 8K (no carry)
+# Round 25 (the ws prefill's launch options: fewer instructions a tile):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests alone (no carry)
+#   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 69  # residual_prefill_bench (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -654,15 +657,20 @@ PY
   done
   ;;
 66)
-  # Round 23: the ws residual prefill against the formulas (each test file under its own
-  # timeout: a hang costs that file only), then every residual route against the best
-  # unified one per case (FA4's paged route where its parts came).
+  # Round 23: the ws residual prefill against the formulas, every launch and option (round
+  # 25: ten launches, each compiled whole and split, so the tests have a call of their own;
+  # the compiled kernels stay in TRITON_CACHE_DIR for step 69 while the machine is held).
+  export TRITON_CACHE_DIR=/root/tc23
+  FORKSERVE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}.log" | tail -4
+  ;;
+69)
+  # Round 25: every residual route and ws launch against the best unified one per case
+  # (FA4's paged route where its parts came), after step 66 in the same held machine.
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }
   export TRITON_CACHE_DIR=/root/tc23
-  FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}.log" | tail -4
-  timeout 260 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
-    --out "$OUT" 2>&1 | tail -12
+  timeout 540 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill}" \
+    --out "$OUT" 2>&1 | tail -16
   ;;
 67)
   # Round 23: react W = 32 (or $W), every LoRA system (rows 8-9), with no tests before it.

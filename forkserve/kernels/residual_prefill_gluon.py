@@ -66,17 +66,41 @@ class WsPrefillLaunch:
     applied only to the tiles that cross them (every row of a program sees the keys before
     its first token's position), not to every tile; ``base_scores``: the base key's scores
     taken straight from the slot, ``rot`` holding only the residual's rotated key (four
-    score products a tile, no base tile through registers). Both cut the consumer's
-    instructions a tile, which its time follows (docs/KERNELS.md "Round 24")."""
+    score products a tile, no base tile through registers); ``bf16_rope`` (with
+    ``base_scores`` only): that rotated residual computed in packed bf16 pairs
+    (``_rope_bf16x2``); ``pairs``: two tiles a loop iteration, so the next tile's scores
+    need no register copy. Each cuts the consumer's instructions a tile, which its time
+    follows (docs/KERNELS.md "Round 24" and "Round 25")."""
 
     rows: int = 128
     stages: int = STAGES
     edge_masks: bool = False
     base_scores: bool = False
+    bf16_rope: bool = False
+    pairs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bf16_rope and not self.base_scores:
+            raise ValueError("WsPrefillLaunch: bf16_rope rounds the rotated residual alone, "
+                             "so it needs base_scores")
+
+    @property
+    def name(self) -> str:
+        """``ws_m<rows>_s<stages>`` and the options it takes, as the bench reports it."""
+        options = ("edge", "base", "bf16", "pairs")
+        flags = (self.edge_masks, self.base_scores, self.bf16_rope, self.pairs)
+        return f"ws_m{self.rows}_s{self.stages}" + "".join(
+            f"_{o}" for o, on in zip(options, flags, strict=True) if on)
 
     @property
     def warps(self) -> int:
         return self.rows // 16
+
+    def constexprs(self) -> dict:
+        """The kernel's compile-time arguments for this launch (and its launch options)."""
+        return dict(M=self.rows, STAGES_=self.stages, EDGE_MASKS=self.edge_masks,
+                    BASE_SCORES=self.base_scores, BF16_ROPE=self.bf16_rope, PAIRS=self.pairs,
+                    num_warps=self.warps, maxnreg=self.maxnreg)
 
     @property
     def maxnreg(self) -> int:
@@ -136,32 +160,60 @@ def _stage_operands(operands, bufs):
 
 
 @gluon.jit
-def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.constexpr):
-    """``RoPE(K_res B_k)`` of slot ``s``'s tile as float32 halves ``[T, D/2]`` in ``u_l``
-    (plus the base tile if ``WITH_BASE``): the up-projection in flight while the base tile
-    and the tile's cos|sin rows come from shared memory."""
+def _rope_bf16x2(u_lo, u_hi, cos, sin):
+    """``u_lo cos - u_hi sin, u_hi cos + u_lo sin`` in packed bf16 pairs (two HFMA2-class
+    instructions a pair where float32 takes a conversion per value and one a product): the
+    float32 halves rounded to bf16, then one product and one fused multiply-add each, so a
+    value is rounded three times, not once."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 a, b, t;
+        cvt.rn.bf16x2.f32 a, $3, $2;
+        cvt.rn.bf16x2.f32 b, $5, $4;
+        mul.rn.bf16x2 t, b, $7;
+        neg.bf16x2 t, t;
+        fma.rn.bf16x2 $0, a, $6, t;
+        mul.rn.bf16x2 t, a, $7;
+        fma.rn.bf16x2 $1, b, $6, t; }""",
+        "=r,=r,r,r,r,r,r,r", [u_lo, u_hi, cos, sin], [gl.bfloat16, gl.bfloat16],
+        is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.constexpr,
+                      BF16_ROPE: gl.constexpr):
+    """``RoPE(K_res B_k)`` of slot ``s``'s tile as halves ``[T, D/2]`` in ``u_l`` (plus the
+    base tile if ``WITH_BASE``): the up-projection in flight while the base tile and the
+    tile's cos|sin rows come from shared memory. Float32, or bf16 with ``BF16_ROPE``
+    (``_rope_bf16x2``; the residual alone, never with the base tile)."""
     k_lo, k_hi, _, _, kr, _, cs_c, cs_s = bufs
     T: gl.constexpr = k_lo.type.shape[1]
     HALF: gl.constexpr = k_lo.type.shape[2]
+    gl.static_assert(not (WITH_BASE and BF16_ROPE), "bf16 RoPE rounds the residual alone")
     zero = gl.zeros([T, HALF], gl.float32, u_l)
     u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
     u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
     if WITH_BASE:
         k_a = k_lo.index(s).load(u_l).to(gl.float32)
         k_b = k_hi.index(s).load(u_l).to(gl.float32)
-    cos = cs_c.index(s).load(u_l).to(gl.float32)
-    sin = cs_s.index(s).load(u_l).to(gl.float32)
+    cos = cs_c.index(s).load(u_l)
+    sin = cs_s.index(s).load(u_l)
+    if not BF16_ROPE:
+        cos = cos.to(gl.float32)
+        sin = sin.to(gl.float32)
     u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-    r_a = u_lo * cos - u_hi * sin
-    r_b = u_hi * cos + u_lo * sin
-    if WITH_BASE:
-        r_a = k_a + r_a
-        r_b = k_b + r_b
+    if BF16_ROPE:
+        r_a, r_b = _rope_bf16x2(u_lo, u_hi, cos, sin)
+    else:
+        r_a = u_lo * cos - u_hi * sin
+        r_b = u_hi * cos + u_lo * sin
+        if WITH_BASE:
+            r_a = k_a + r_a
+            r_b = k_b + r_b
     return r_a, r_b
 
 
 @gluon.jit
-def _prepare(args, i, BASE_SCORES: gl.constexpr):
+def _prepare(args, i, BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr):
     """Waits for tile ``i``'s slot and makes it ready for its products: the V rows past the
     split zeroed (stale or never written page slots would reach the value products as 0 *
     NaN), the whole key ``K_base + RoPE(K_res B_k)`` (the base tile alone without an
@@ -186,7 +238,7 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr):
         fence_async_shared()
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
     if has_res:
-        k_a, k_b = _rotated_residual(bufs, s, bk_lo, bk_hi, u_l, not BASE_SCORES)
+        k_a, k_b = _rotated_residual(bufs, s, bk_lo, bk_hi, u_l, not BASE_SCORES, BF16_ROPE)
         rot_lo.store(k_a.to(gl.bfloat16))
         rot_hi.store(k_b.to(gl.bfloat16))
     elif not BASE_SCORES:
@@ -222,90 +274,120 @@ def _mask_scores(sc, n0, stop, pos, cols):
 
 
 @gluon.jit
-def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr):
-    """The consumer warp group(s): every tile of the program's keys. Tile ``i + 1``'s key is
-    rebuilt and its score products issued before tile ``i``'s softmax, so they run under it
-    (``rot`` is free then: tile ``i``'s scores have landed). Returns ``m, l [rows]`` (log2
-    domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
-    _, bars, bufs, ops, scalars, operands = args
-    ready, empty = bars
-    v_lo, v_hi, kr, vr = bufs[2], bufs[3], bufs[4], bufs[5]
-    q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
-    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
-    q_pos0 = operands[10]  # the position of the program's first token
+def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
+          BF16_ROPE: gl.constexpr):
+    """Tile ``i`` of the program's keys, whose scores ``sc`` have landed: tile ``i + 1``'s
+    key rebuilt and its score products issued first, so they run under this tile's softmax
+    (``rot`` is free then); the value products; the slot released. ``rows``: each score
+    row's position, the score columns, the keys every row sees. Returns tile ``i + 1``'s
+    scores and the updated state."""
+    _, bars, bufs, ops, scalars, _ = args
+    v_lo, v_hi, vr = bufs[2], bufs[3], bufs[5]
+    start, stop, n_tiles = scalars[3], scalars[4], scalars[6]
+    m_i, l_i, o_lo, o_hi, acc_r = state
+    pos, cols, seen_by_all = rows
     NS: gl.constexpr = v_lo.type.shape[0]
     T: gl.constexpr = v_lo.type.shape[1]
-    HALF: gl.constexpr = v_lo.type.shape[2]
+    acc_l: gl.constexpr = o_lo.type.layout
+    r_l: gl.constexpr = acc_r.type.layout
+    if EDGE_MASKS:
+        # Here, with nothing in flight, so the branch may hold the mask.
+        if start + (i + 1) * T > seen_by_all:
+            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
+    if i + 1 < n_tiles:
+        _prepare(args, i + 1, BASE_SCORES, BF16_ROPE)
+    # Unconditional, so nothing in flight crosses a branch: after the last tile these
+    # products score its key (and a released slot no tile refills) again, and their
+    # result is dropped.
+    sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
+    if not EDGE_MASKS:
+        sc = _mask_scores(sc, start + i * T, stop, pos, cols)
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    o_lo = o_lo * gl.expand_dims(alpha, 1)
+    o_hi = o_hi * gl.expand_dims(alpha, 1)
+    p16 = p.to(gl.bfloat16)
+    s = i % NS
+    pa = gl.convert_layout(p16, gl.DotOperandLayout(0, acc_l, 2))
+    o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
+    o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
+    # Unconditional, beside the value products (one wait for all): without an adapter
+    # the slot's V_res rows are stale bytes, and acc_r is then never read.
+    acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+    acc_r = warpgroup_mma(gl.convert_layout(p16, gl.DotOperandLayout(0, r_l, 2)), vr.index(s),
+                          acc_r, is_async=True)
+    o_lo, o_hi, acc_r, sc_next = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
+    # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+    fence_async_shared()
+    mbarrier.arrive(bars[1].index(s))
+    return sc_next, (m_new, l_i, o_lo, o_hi, acc_r)
+
+
+@gluon.jit
+def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
+             BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr):
+    """The consumer warp group(s): every tile of the program's keys (``_tile``; with
+    ``PAIRS`` two a loop iteration). Returns ``m, l [rows]`` (log2 domain) and ``o_lo, o_hi
+    [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+    _, bars, bufs, ops, scalars, operands = args
+    kr = bufs[4]
+    q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
+    stop, n_tiles, has_res = scalars[4], scalars[6], scalars[7]
+    q_pos0 = operands[10]  # the position of the program's first token
+    T: gl.constexpr = kr.type.shape[1]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
     R: gl.constexpr = kr.type.shape[2]
     M: gl.constexpr = q_lo.type.shape[0]
     G: gl.constexpr = 4
     nw: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = wgmma_layout(HALF, nw)  # [M, 64]: scores, and each half of O
     r_l: gl.constexpr = wgmma_layout(R, nw)  # [M, r]: P V_res
-    p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
-    pr_op: gl.constexpr = gl.DotOperandLayout(0, r_l, 2)
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    m_i = gl.full([M], float("-inf"), gl.float32, row_l)
-    l_i = gl.full([M], 0.0, gl.float32, row_l)
-    o_lo = gl.zeros([M, HALF], gl.float32, acc_l)
-    o_hi = gl.zeros([M, HALF], gl.float32, acc_l)
-    acc_r = gl.zeros([M, R], gl.float32, r_l)
+    state = (gl.full([M], float("-inf"), gl.float32, row_l),
+             gl.full([M], 0.0, gl.float32, row_l), gl.zeros([M, HALF], gl.float32, acc_l),
+             gl.zeros([M, HALF], gl.float32, acc_l), gl.zeros([M, R], gl.float32, r_l))
     sc = gl.zeros([M, T], gl.float32, acc_l)
     if n_tiles > 0:  # an empty program makes no operands
         # After the loader's first tile lands: a worker reads its arguments from shared
         # memory at its start, in bytes this partition's layout conversions may reuse
         # (Triton 3.6; docs/KERNELS.md "Round 20").
-        mbarrier.wait(ready.index(0), 0)
+        mbarrier.wait(bars[0].index(0), 0)
         _stage_operands(operands, ops)
         if BASE_SCORES:  # what a tile without an adapter adds to its base scores
             zero_rot = gl.zeros([T, HALF], gl.bfloat16, rebuild_layout(HALF, nw))
             ops[6].store(zero_rot)
             ops[7].store(zero_rot)
         fence_async_shared()
-        _prepare(args, 0, BASE_SCORES)
+        _prepare(args, 0, BASE_SCORES, BF16_ROPE)
         sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
-    pos = q_pos0 + gl.arange(0, M, layout=row_l) // G
-    cols = gl.arange(0, T, layout=gl.SliceLayout(0, acc_l))
-    seen_by_all = gl.minimum(stop, q_pos0 + 1)  # keys every row of the program sees
-    for i in range(n_tiles):  # tile i's scores have landed (sc)
-        if EDGE_MASKS:
-            # Here, with nothing in flight, so the branch may hold the mask.
-            if start + (i + 1) * T > seen_by_all:
-                sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-        if i + 1 < n_tiles:
-            _prepare(args, i + 1, BASE_SCORES)
-        # Unconditional, so nothing in flight crosses a branch: after the last tile these
-        # products score its key (and a released slot no tile refills) again, and their
-        # result is dropped.
-        sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
-        if not EDGE_MASKS:
-            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        o_lo = o_lo * gl.expand_dims(alpha, 1)
-        o_hi = o_hi * gl.expand_dims(alpha, 1)
-        p16 = p.to(gl.bfloat16)
-        s = i % NS
-        pa = gl.convert_layout(p16, p_op)
-        o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
-        o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
-        # Unconditional, beside the value products (one wait for all): without an adapter
-        # the slot's V_res rows are stale bytes, and acc_r is then never read.
-        acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
-        acc_r = warpgroup_mma(gl.convert_layout(p16, pr_op), vr.index(s), acc_r, is_async=True)
-        o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
-        m_i = m_new
-        # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s))
+    rows = (q_pos0 + gl.arange(0, M, layout=row_l) // G,
+            gl.arange(0, T, layout=gl.SliceLayout(0, acc_l)),
+            gl.minimum(stop, q_pos0 + 1))  # the keys every row of the program sees
+    if PAIRS:
+        # Two tiles an iteration: the second's scores land in the registers the first's
+        # were in, so the loop carries them without copying; an odd last tile after it.
+        for j in range(n_tiles // 2):
+            sc, state = _tile(args, 2 * j, sc, state, rows, EDGE_MASKS, BASE_SCORES,
+                              BF16_ROPE)
+            sc, state = _tile(args, 2 * j + 1, sc, state, rows, EDGE_MASKS, BASE_SCORES,
+                              BF16_ROPE)
+        if n_tiles % 2 == 1:
+            sc, state = _tile(args, n_tiles - 1, sc, state, rows, EDGE_MASKS, BASE_SCORES,
+                              BF16_ROPE)
+    else:
+        for i in range(n_tiles):
+            sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES,
+                              BF16_ROPE)
+    m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
         r_hi = acc_r.to(gl.bfloat16)
         r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
+        p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
         a_hi = gl.convert_layout(r_hi, p_op)
         a_lo = gl.convert_layout(r_lo, p_op)
         o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
@@ -323,7 +405,8 @@ def _residual_prefill_ws_kernel(
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
-        BASE_SCORES: gl.constexpr, DIRECT: gl.constexpr,
+        BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr,
+        DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
@@ -371,7 +454,8 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, EDGE_MASKS, BASE_SCORES)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE, PAIRS)), (_loader, (args, ))],
+        [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
@@ -442,11 +526,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, M=launch.rows,
-        STAGES_=launch.stages, EDGE_MASKS=launch.edge_masks,
-        BASE_SCORES=launch.base_scores, DIRECT=direct,
-        num_warps=launch.warps,
-        maxnreg=launch.maxnreg)
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
+        **launch.constexprs())
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

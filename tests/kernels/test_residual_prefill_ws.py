@@ -15,26 +15,29 @@ from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import check_ws_build, compile_gluon_sm90, ws_kernel_values
 
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, edge_masks, base_scores): the default launch and the others the bench
-# measures.
-DEFAULT = (128, 3, False, False)
-OPTIONS = [(True, False), (False, True), (True, True)]
-OTHER_LAUNCHES = [(64, 3, False, False), (64, 2, False, False), (128, 2, False, False),
+# (rows, stages, edge_masks, base_scores, bf16_rope, pairs): the default launch and the
+# others the bench measures.
+DEFAULT = (128, 3, False, False, False, False)
+OPTIONS = [(True, False, False, False), (False, True, False, False),
+           (True, True, False, False), (False, False, False, True),
+           (True, True, True, False), (True, True, False, True), (True, True, True, True)]
+OTHER_LAUNCHES = [(64, 3, False, False, False, False), (64, 2, False, False, False, False),
+                  (64, 3, True, True, True, False), (128, 2, False, False, False, False),
                   *((128, 3, *o) for o in OPTIONS)]
 
 
-def build_sm90(direct: bool, rows: int, stages: int, edge_masks: bool,
-               base_scores: bool) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch."""
+def build_sm90(direct: bool, *launch: int) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch (its
+    ``WsPrefillLaunch`` fields)."""
     from forkserve.kernels import residual_decode_gluon as ws
     from forkserve.kernels import residual_prefill_gluon as pw
 
     values = ws_kernel_values(8, HEAD_DIM, RANK) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
-    consts = dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, M=rows, STAGES_=stages,
-                  EDGE_MASKS=edge_masks, BASE_SCORES=base_scores, DIRECT=direct,
-                  num_warps=rows // 16)
-    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts,
-                              pw.WsPrefillLaunch(rows, stages).maxnreg)
+    rows, stages, *options = launch
+    consts = pw.WsPrefillLaunch(rows, stages, *map(bool, options)).constexprs()
+    maxnreg = consts.pop("maxnreg")
+    consts |= dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, DIRECT=direct)
+    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, maxnreg)
 
 
 @pytest.mark.parametrize("direct,launch", [
@@ -109,18 +112,18 @@ def test_ws_prefill_launches_match_the_formula(launch: tuple, case: int) -> None
 @cuda_only
 @pytest.mark.parametrize("seq_lens,q_lens", CASES)
 @pytest.mark.parametrize("num_splits", [None, 3])
-@pytest.mark.parametrize("edge_masks,base_scores", OPTIONS)
+@pytest.mark.parametrize("options", OPTIONS)
 def test_ws_prefill_options_match_the_formula(seq_lens: list[int], q_lens: list[int],
-                                              num_splits: int | None, edge_masks: bool,
-                                              base_scores: bool) -> None:
+                                              num_splits: int | None, options: tuple) -> None:
     """The launch options over every case, whole and split (split ends fall mid-tile):
     the mask on the tiles that cross the diagonal or a split's end only; the base scores
-    from the slot (rows without an adapter among them: ``rot`` zero)."""
+    from the slot (rows without an adapter among them: ``rot`` zero); the rotated residual
+    in bf16; two tiles a loop iteration (odd and even tile counts)."""
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, residual_prefill_ws
 
     args, c = _inputs(sum(q_lens) + 7, seq_lens, q_lens)
     out = residual_prefill_ws(*args, num_splits=num_splits,
-                              launch=WsPrefillLaunch(128, 3, edge_masks, base_scores))
+                              launch=WsPrefillLaunch(128, 3, *options))
     assert rel_err(out, _formula(args, c)) < REL_TOL
 
 
@@ -174,7 +177,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
-    direct_, rows_, stages_, edge_, base_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90(bool(direct_), rows_, stages_, bool(edge_), bool(base_))
+    direct_, *launch_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90(bool(direct_), *launch_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))
