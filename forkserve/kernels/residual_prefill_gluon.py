@@ -482,6 +482,19 @@ def _residual_prefill_ws_kernel(
             gl.store(p_ptr + HALF, o_hi, mask=row_ok)
 
 
+def build_sm90a(launch: WsPrefillLaunch, direct: bool) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
+    written directly, or as partials), built without a GPU (``sm90_build``): Llama-3-8B's
+    attention shapes (8 KV heads, head_dim 128, rank 16)."""
+    from forkserve.kernels.sm90_build import compile_gluon_sm90, ws_kernel_values
+
+    values = ws_kernel_values(8, 128, 16) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
+    consts = launch.constexprs()
+    maxnreg = consts.pop("maxnreg")
+    consts |= dict(N_KV=8, G=4, R=16, HEAD_DIM=128, T=TILE, DIRECT=direct)
+    return compile_gluon_sm90(_residual_prefill_ws_kernel, values, consts, maxnreg)
+
+
 def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
                         k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
                         res_block_tables: torch.Tensor, seq_lens: torch.Tensor,

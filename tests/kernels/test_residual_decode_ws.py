@@ -12,21 +12,11 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import check_ws_build, compile_gluon_sm90, ws_kernel_values
+from test_sm90_compile import check_ws_build
 
 from forkserve.kernels import residual_decode
 
 HEAD_DIM, RANK = 128, 16
-
-
-def build_sm90(direct: bool) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes."""
-    from forkserve.kernels import residual_decode_gluon as ws
-
-    consts = dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, STAGES_=ws.STAGES,
-                  DIRECT=direct, num_warps=4)
-    return compile_gluon_sm90(ws._residual_decode_ws_kernel, ws_kernel_values(8, HEAD_DIM, RANK),
-                              consts, ws.MAXNREG)
 
 
 @pytest.mark.parametrize("direct", [False, True])
@@ -136,6 +126,8 @@ def test_ws_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameter
-    ptx, shared = build_sm90(bool(int(sys.argv[2])))
+    from forkserve.kernels.residual_decode_gluon import build_sm90a
+
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

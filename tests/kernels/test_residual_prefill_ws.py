@@ -12,7 +12,7 @@ import plain_oracle as plain
 import pytest
 import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
-from test_sm90_compile import check_ws_build, compile_gluon_sm90, ws_kernel_values
+from test_sm90_compile import check_ws_build
 
 HEAD_DIM, RANK = 128, 16
 # (rows, stages, edge_masks, base_scores, bf16_rope, pairs): the default launch and the
@@ -24,20 +24,6 @@ OPTIONS = [(True, False, False, False), (False, True, False, False),
 OTHER_LAUNCHES = [(64, 3, False, False, False, False), (64, 2, False, False, False, False),
                   (64, 3, True, True, True, False), (128, 2, False, False, False, False),
                   *((128, 3, *o) for o in OPTIONS)]
-
-
-def build_sm90(direct: bool, *launch: int) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes, at one launch (its
-    ``WsPrefillLaunch`` fields)."""
-    from forkserve.kernels import residual_decode_gluon as ws
-    from forkserve.kernels import residual_prefill_gluon as pw
-
-    values = ws_kernel_values(8, HEAD_DIM, RANK) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
-    rows, stages, *options = launch
-    consts = pw.WsPrefillLaunch(rows, stages, *map(bool, options)).constexprs()
-    maxnreg = consts.pop("maxnreg")
-    consts |= dict(N_KV=8, G=4, R=RANK, HEAD_DIM=HEAD_DIM, T=ws.TILE, DIRECT=direct)
-    return compile_gluon_sm90(pw._residual_prefill_ws_kernel, values, consts, maxnreg)
 
 
 @pytest.mark.parametrize("direct,launch", [
@@ -177,7 +163,10 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
-    direct_, *launch_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90(bool(direct_), *launch_)
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, build_sm90a
+
+    direct_, rows_, stages_, *options_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90a(WsPrefillLaunch(rows_, stages_, *map(bool, options_)),
+                              bool(direct_))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

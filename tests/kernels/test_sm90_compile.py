@@ -9,10 +9,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,12 +19,12 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from forkserve.kernels.glue import _rope_qk_kernel, _silu_mul_kernel, _write_kv_kernel  # noqa: E402
 from forkserve.kernels.residual_rebuild import _rebuild_kernel  # noqa: E402
+from forkserve.kernels.sm90_build import assemble_sm90a  # noqa: E402
 
 POINTERS = {"X", "Q", "Cos", "Sin", "Out", "K", "V", "KR", "VR", "BK", "BV", "OutK", "OutV",
             "KPool", "VPool"}
@@ -93,45 +91,6 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
-def ws_kernel_values(n_kv: int, head_dim: int, rank: int) -> dict:
-    """The argument values the ws kernels (decode and prefill) share, for
-    ``compile_gluon_sm90``: the loader's five TMA descriptors over bf16 pools of ``n_kv``
-    heads of ``head_dim`` and rank-``rank`` residual rows, bf16 query / B / output pointers,
-    int32 tables, float32 partials."""
-    import torch
-
-    from forkserve.kernels import residual_decode_gluon as ws
-
-    k = torch.empty(64, 16, n_kv, head_dim, dtype=torch.bfloat16)
-    k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
-    table = torch.empty(4096, head_dim, dtype=torch.bfloat16)
-    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
-                                                            torch.float32))
-    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
-                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
-    return values | dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
-                         SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats,
-                         scale_log2e=0.1)
-
-
-def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tuple[str, int]:
-    """A Gluon kernel's PTX for sm_90a and its shared memory in bytes: ``values`` give the
-    runtime arguments' types (tensors, descriptors, floats; any other argument is an i32),
-    ``consts`` its constexprs (``num_warps`` among them). Gluon has no interpreter, so its
-    kernels are checked on CPU this way, in a process without TRITON_INTERPRET."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
-           for n in names}
-    src = GluonASTSource(fn=kernel, signature=sig,
-                         constexprs={(names.index(n),): v for n, v in consts.items()})
-    built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
-    return built.asm["ptx"], built.metadata.shared
-
-
 def check_ws_build(test_file: str, params: list[int], out: Path) -> None:
     """Builds a ws kernel by ``test_file``'s ``__main__`` (its arguments: ``out``, then
     ``params``; it writes ``ws.ptx`` and ``shared`` there) in a process of its own, and checks
@@ -151,23 +110,6 @@ def check_ws_build(test_file: str, params: list[int], out: Path) -> None:
     assert "setmaxnreg.dec" in ptx  # the loader partition gives its registers back
     assert int((out / "shared").read_text()) <= 227 * 1024
     assert assemble_sm90a(ptx) == 0
-
-
-def assemble_sm90a(ptx: str) -> int:
-    """Assemble ``ptx`` with the ptxas Triton uses (no GPU needed): inline asm is opaque to
-    the compiler, so its syntax shows only here (score_progress.py's polls and publishes).
-    Returns the bytes ptxas spills to local memory."""
-    # The ptxas Triton itself runs (its PTX version follows it: on the H200 machine a CUDA
-    # toolkit's, newer than the one in Triton's wheel).
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.o")], capture_output=True, text=True,
-                             timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
 @pytest.mark.parametrize("consts", [
@@ -190,7 +132,8 @@ def test_glue_compiles():
 # in a fresh interpreter-free process: under TRITON_INTERPRET=1 those functions are
 # interpreted ones, which the compiler cannot inline.
 _SCORE_PASSES = """
-from test_sm90_compile import assemble_sm90a, compile_sm90
+from test_sm90_compile import compile_sm90
+from forkserve.kernels.sm90_build import assemble_sm90a
 from forkserve.kernels.residual_score_qfold import _qfold_score_kernel
 from forkserve.kernels.residual_score_tiled import _tiled_score_kernel
 tiled = dict(SEQS=32, SEQS_P2=32, GROUP=4, BLOCK_G=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64,
@@ -242,7 +185,8 @@ def test_tiled_scores_compile():
 # launch and the value pass (both grids), with float32 scores and with float16 ones relative
 # to a float32 block max (``REL_SCORE``).
 _CASCADE_LAUNCHES = """
-from test_sm90_compile import assemble_sm90a, compile_sm90
+from test_sm90_compile import compile_sm90
+from forkserve.kernels.sm90_build import assemble_sm90a
 from forkserve.kernels.decode_attention import _decode_partial_kernel, residual_columns
 from forkserve.kernels.residual_decode_triton import _residual_value_kernel
 f32 = {n: "*fp32" for n in ("PartOut", "PartLse", "BlockMax", "LogitBias")}
@@ -311,7 +255,8 @@ SKINNY_BUILDS = [  # (block_m, block_n, block_k, silu, warps, split_k, norm, res
     (16, 32, 256, False, 4, 1, False, True), (64, 64, 128, False, 4, 2, False, True)]
 _SKINNY = """
 import json
-from test_sm90_compile import SKINNY_BUILDS, assemble_sm90a, compile_sm90
+from test_sm90_compile import SKINNY_BUILDS, compile_sm90
+from forkserve.kernels.sm90_build import assemble_sm90a
 from forkserve.kernels.skinny_gemm import SkinnyTuning, _skinny_kernel
 
 def build(block_m, block_n, block_k, silu, warps, split_k, norm, residual, stages):

@@ -1,0 +1,101 @@
+"""Gluon kernels built for the H200 (sm_90a) on a machine without a GPU.
+
+Gluon has no interpreter, so the ws kernels are checked on the CPU by what their sm_90a
+build holds: the PTX (TMA copies, wgmma, the loader's register cut), the shared memory a
+program takes, the bytes ptxas spills, and the SASS a tile's loop runs
+(``benchmarks/ws_prefill_sass.py`` counts it: the consumer is issue-bound, so its time
+follows that count, docs/KERNELS.md "Round 24"). The tools are Triton's own ptxas and
+cuobjdump, so the build is the one the H200 machine makes up to its newer ptxas.
+
+Build in a process without ``TRITON_INTERPRET``: under it every ``@jit`` helper Triton
+imports (``gl.sum``'s combine function) is an interpreted one, which the compiler refuses.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class BuildError(RuntimeError):
+    """ptxas or cuobjdump refused the PTX (the message is their stderr's tail)."""
+
+
+def ws_kernel_values(n_kv: int, head_dim: int, rank: int) -> dict:
+    """The argument values the ws kernels (decode and prefill) share, for
+    ``compile_gluon_sm90``: the loader's five TMA descriptors over bf16 pools of ``n_kv``
+    heads of ``head_dim`` and rank-``rank`` residual rows, bf16 query / B / output pointers,
+    int32 tables, float32 partials."""
+    from forkserve.kernels import residual_decode_gluon as ws
+
+    k = torch.empty(64, 16, n_kv, head_dim, dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
+    table = torch.empty(4096, head_dim, dtype=torch.bfloat16)
+    ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
+                                                            torch.float32))
+    values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
+                      ws.descriptors(k, k, k_res, k_res, table), strict=True))
+    return values | dict(Q=ptr, BK=ptr, BV=ptr, Adapter=ints, BlockTables=ints, ResTables=ints,
+                         SeqLens=ints, Out=ptr, PartOut=floats, PartLse=floats,
+                         scale_log2e=0.1)
+
+
+def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tuple[str, int]:
+    """A Gluon kernel's PTX for sm_90a and its shared memory in bytes: ``values`` give the
+    runtime arguments' types (tensors, descriptors, floats; any other argument is an i32),
+    ``consts`` its constexprs (``num_warps`` among them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
+           for n in names}
+    src = GluonASTSource(fn=kernel, signature=sig,
+                         constexprs={(names.index(n),): v for n, v in consts.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
+    return built.asm["ptx"], built.metadata.shared
+
+
+def _tool(name: str) -> Path:
+    """Triton's own copy of a CUDA tool (its PTX version follows it: on the H200 machine a
+    CUDA toolkit's ptxas, newer than the one in Triton's wheel)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = Path(get_ptxas(90).path)
+    return ptxas if name == "ptxas" else ptxas.with_name(name)
+
+
+def _assemble(ptx: str, folder: Path) -> tuple[Path, str]:
+    src, cubin = folder / "k.ptx", folder / "k.cubin"
+    src.write_text(ptx)
+    run = subprocess.run([str(_tool("ptxas")), "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        raise BuildError(run.stderr[-2000:])
+    return cubin, run.stderr
+
+
+def assemble_sm90a(ptx: str) -> int:
+    """Assemble ``ptx`` for sm_90a (no GPU needed): inline asm is opaque to the compiler, so
+    its syntax shows only here (score_progress.py's polls and publishes). Returns the bytes
+    ptxas spills to local memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, log = _assemble(ptx, Path(tmp))
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+def sass_sm90a(ptx: str) -> str:
+    """The SASS ptxas makes of ``ptx`` for sm_90a, as cuobjdump prints it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, _ = _assemble(ptx, Path(tmp))
+        run = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)],
+                             capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        raise BuildError(run.stderr[-2000:])
+    return run.stdout
