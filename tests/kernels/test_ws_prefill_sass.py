@@ -1,0 +1,96 @@
+"""benchmarks/ws_prefill_sass.py: the ws prefill consumer's instructions a tile, counted in
+the sm_90a SASS on the CPU. The counting on a hand-made listing (a loop, its cold blocks, the
+loops it must not take), then the tool on two real builds in a process of its own (the
+compiler refuses the interpreted helpers of these tests' TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _listing(blocks: list[list[str]]) -> str:
+    """cuobjdump-like lines, 16 bytes an instruction, from ``blocks`` of opcodes; a
+    ``BRA <k>`` jumps to block ``k``'s first instruction."""
+    starts, at = [], 0
+    for block in blocks:
+        starts.append(at)
+        at += 16 * len(block)
+    lines, at = [], 0
+    for block in blocks:
+        for op in block:
+            if "BRA " in op:
+                head, k = op.rsplit(" ", 1)
+                op = f"{head} {starts[int(k)]:#x}"
+            lines.append(f"        /*{at:04x}*/                   {op} ;")
+            at += 16
+    return "\n".join(lines)
+
+
+def test_a_tile_is_the_loop_less_its_cold_blocks():
+    from benchmarks import ws_prefill_sass as tool
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+
+    softmax = ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ"] * 20 + ["FMNMX R1, R2, R3"] * 4
+    zeroing = ["PRMT R1, R2, 0x7632, R1"] * 16 + ["SEL R1, R2, RZ, P0"] * 16
+    sass = _listing([
+        ["MOV R1, R2"],                               # 0: before the loops
+        ["ISETP.GT.AND P0, PT, R1, R2, PT", "@P0 BRA 3"],   # 1: the loop's head
+        zeroing,                                      # 2: cold (a split's last tile)
+        [*softmax, "FADD R1, R1, R2", "@P1 BRA 1"],   # 3: the tile, back to 1
+        ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ"] * 20
+        + ["STG.E [R2], R4", "@P2 BRA 4"],            # 4: the epilogue's loop: a store
+        ["EXIT"],
+    ])
+    c = tool.count(WsPrefillLaunch(), sass)
+    assert c.per_tile == 2 + 25 + 1 and c.tiles_per_iteration == 1
+    assert c.by_class["wgmma"] == 20 and c.by_class["fp32"] == 5
+    assert c.loop_instructions == 2 + 32 + 26
+    paired = tool.count(WsPrefillLaunch(pairs=True), sass)
+    assert paired.per_tile == c.per_tile / 2  # a pairs loop holds two tiles
+    with pytest.raises(ValueError, match="no consumer loop"):
+        tool.count(WsPrefillLaunch(), _listing([["MOV R1, R2"], ["EXIT"]]))
+
+
+def test_the_tool_on_two_builds(tmp_path):
+    measured = tmp_path / "bench.json"
+    measured.write_text(json.dumps({"rows": [
+        {"batch": 8, "new": 64, "keys": 8256,
+         "device": {"unified_paged": 0.3, "residual_ws_m128_s3": 0.27,
+                    "residual_ws_m128_s3_edge_base_bf16_pairs": 0.18}}]}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/ws_prefill_sass.py", "--out", str(tmp_path),
+         "--launches", "ws_m128_s3_edge_base_bf16_pairs", "--measured", str(measured)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "ws_prefill_sass.json").read_text())
+    counts = {c["launch"]: c for c in saved["launches"]}
+    assert list(counts) == ["ws_m128_s3", "ws_m128_s3_edge_base_bf16_pairs"]
+    plain, cut = counts["ws_m128_s3"], counts["ws_m128_s3_edge_base_bf16_pairs"]
+    # Round 23's loop: a few hundred instructions a tile, every class counted once.
+    assert 500 < plain["per_tile"] < 1200
+    assert sum(plain["by_class"].values()) == pytest.approx(plain["per_tile"])
+    assert cut["tiles_per_iteration"] == 2 and cut["by_class"]["bf16x2"] > 0
+    assert cut["per_tile"] < 0.75 * plain["per_tile"]  # what the options are for
+    assert saved["measured"]["ws_m128_s3_edge_base_bf16_pairs"] == pytest.approx(0.18 / 0.27)
+    assert (tmp_path / "ws_prefill_sass.png").stat().st_size > 0
+    assert "x plain" in run.stdout
+
+
+def test_an_unknown_launch_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "benchmarks/ws_prefill_sass.py", "--out", str(tmp_path),
+         "--launches", "ws_m96_s3"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120)
+    assert run.returncode == 2
+    assert "unknown launch ws_m96_s3" in run.stderr.splitlines()[-1]
