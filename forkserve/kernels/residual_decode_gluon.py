@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -63,6 +64,22 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 # The registers each thread starts with: the loader's warp group is cut to 40 (its
 # ``warp_specialize`` count), the consumer keeps these.
 MAXNREG = 256
+
+
+@dataclass(frozen=True)
+class WsDecodeLaunch:
+    """The kernel's options: ``one_exchange``, the tile's softmax with one exchange between
+    the warps, not two (``_softmax_one_exchange``)."""
+
+    one_exchange: bool = False
+
+    @property
+    def name(self) -> str:
+        return "ws" + "_one_exchange" * self.one_exchange
+
+    def constexprs(self) -> dict:
+        """The kernel's compile-time arguments for these options."""
+        return dict(ONE_EXCHANGE=self.one_exchange)
 
 
 def hopper(device: torch.device) -> bool:
@@ -225,7 +242,40 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr):
+def _merge_softmax(m_a, l_a, m_b, l_b):
+    """Two partial softmax sums ``(max, sum of exp2(s - max))`` as one."""
+    m = gl.maximum(m_a, m_b)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    return m, l_a * gl.exp2(m_a - m_safe) + l_b * gl.exp2(m_b - m_safe)
+
+
+@gluon.jit
+def _softmax_one_exchange(score, m_i):
+    """The tile's max ``m_new`` (with the running ``m_i``), its sum ``sum exp2(score -
+    m_new)`` and its probabilities, with one exchange between the warps where reducing the
+    max and then the sum over the keys takes two (each a shared-memory round trip with two
+    barriers): each warp reduces its own keys (the accumulator's rows: a quarter of the
+    tile) by shuffles, max and sum; one reduction merges the warps' pairs; each warp then
+    rescales its probabilities to the common max (two products a thread)."""
+    T: gl.constexpr = score.type.shape[0]
+    G: gl.constexpr = score.type.shape[1]
+    nw: gl.constexpr = gl.num_warps()
+    s3 = gl.reshape(score, [nw, T // nw, G])  # the warp's keys along axis 1
+    m_l: gl.constexpr = gl.SliceLayout(1, s3.type.layout)  # [warps, G]
+    m_run = gl.expand_dims(gl.convert_layout(m_i, gl.SliceLayout(0, m_l)), 0)
+    m_w = gl.maximum(gl.max(s3, axis=1), m_run)
+    m_w_safe = gl.where(m_w == float("-inf"), 0.0, m_w)
+    p3 = gl.exp2(s3 - gl.expand_dims(m_w_safe, 1))
+    m_new, l_t = gl.reduce((m_w, gl.sum(p3, axis=1)), 0, _merge_softmax)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    c_w = gl.exp2(m_w - gl.expand_dims(m_safe, 0))  # 0 for a warp whose keys are all masked
+    p = gl.reshape(p3 * gl.expand_dims(c_w, 1), [T, G])
+    return (gl.convert_layout(m_new, m_i.type.layout), gl.convert_layout(l_t, m_i.type.layout),
+            gl.convert_layout(p, score.type.layout))
+
+
+@gluon.jit
+def _tile(args, i, sb, w, state, lp: gl.constexpr, ONE_EXCHANGE: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
     and the value products (issued, not waited on). Returns the updated state."""
     _, _, bufs, ops, scalars, _ = args
@@ -251,10 +301,14 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr):
              + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(score, axis=0))
+    if ONE_EXCHANGE:
+        m_new, l_t, p = _softmax_one_exchange(score, m_i)
+    else:
+        m_new = gl.maximum(m_i, gl.max(score, axis=0))
+        p = gl.exp2(score - gl.expand_dims(m_new, 0))
+        l_t = gl.sum(p, axis=0)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(score - gl.expand_dims(m_new, 0))
-    l_i = l_i * alpha + gl.sum(p, axis=0)
+    l_i = l_i * alpha + l_t
     acc_lo = acc_lo * _columns(alpha, s_mma)
     acc_hi = acc_hi * _columns(alpha, s_mma)
     acc_r = acc_r * _columns(alpha, r_mma)
@@ -322,7 +376,7 @@ def _make_operands(operands, bufs):
 
 
 @gluon.jit
-def _consume(args):
+def _consume(args, ONE_EXCHANGE: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -357,7 +411,7 @@ def _consume(args):
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
+        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, ONE_EXCHANGE)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         state = (m_i, l_i, acc_lo, acc_hi, acc_r)
         _release(args, i)
@@ -396,7 +450,8 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
+        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, ONE_EXCHANGE: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -434,7 +489,7 @@ def _residual_decode_ws_kernel(
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, )), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, ONE_EXCHANGE)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -491,14 +546,14 @@ def descriptors(k_base, v_base, k_res, v_res, table16):
             TensorDescriptor.from_tensor(table16, [TILE, half], _smem_layout(TILE, half)))
 
 
-def build_sm90a(direct: bool) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes (output written directly,
-    or as partials), built without a GPU (``sm90_build``): Llama-3-8B's attention shapes
-    (8 KV heads, head_dim 128, rank 16)."""
+def build_sm90a(direct: bool, launch: WsDecodeLaunch = WsDecodeLaunch()) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
+    written directly, or as partials), built without a GPU (``sm90_build``): Llama-3-8B's
+    attention shapes (8 KV heads, head_dim 128, rank 16)."""
     from forkserve.kernels.sm90_build import compile_gluon_sm90, ws_kernel_values
 
     consts = dict(N_KV=8, G=4, R=16, HEAD_DIM=128, T=TILE, STAGES_=STAGES, DIRECT=direct,
-                  num_warps=4)
+                  num_warps=4, **launch.constexprs())
     return compile_gluon_sm90(_residual_decode_ws_kernel, ws_kernel_values(8, 128, 16),
                               consts, MAXNREG)
 
@@ -508,7 +563,8 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
-                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
+                       max_seq_len: int = 0, num_splits: int | None = None,
+                       launch: WsDecodeLaunch = WsDecodeLaunch()) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -538,7 +594,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
+        DIRECT=direct, num_warps=4, maxnreg=MAXNREG, **launch.constexprs())
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

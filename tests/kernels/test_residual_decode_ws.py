@@ -19,11 +19,12 @@ from forkserve.kernels import residual_decode
 HEAD_DIM, RANK = 128, 16
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_ws_kernel_builds_for_sm90(direct: bool, tmp_path) -> None:
+@pytest.mark.parametrize("direct,one_exchange", [(False, False), (True, False), (False, True),
+                                                 (True, True)])
+def test_ws_kernel_builds_for_sm90(direct: bool, one_exchange: bool, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing."""
-    check_ws_build(__file__, [direct], tmp_path)
+    cut, fits one program's shared memory (227 KiB) and spills nothing, with each option."""
+    check_ws_build(__file__, [direct, one_exchange], tmp_path)
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
@@ -44,12 +45,18 @@ cuda_only = pytest.mark.skipif(
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None) -> None:
-    """Ragged lengths (mid-page and mid-tile ends, one key, one page), a row without an
-    adapter, a rank-8 adapter padded to 16; the plan's splits, one (the output written
-    directly) and three (empty splits at the short rows, which make no operands)."""
+@pytest.mark.parametrize("one_exchange", [False, True])
+def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
+                                one_exchange: bool) -> None:
+    """Ragged lengths (mid-page and mid-tile ends, one key, one page: warps whose keys are
+    all past the end), a row without an adapter, a rank-8 adapter padded to 16; the plan's
+    splits, one (the output written directly) and three (empty splits at the short rows,
+    which make no operands); each softmax form."""
+    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
+
     args, c = _inputs(len(seq_lens), seq_lens)
-    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits)
+    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
+                          ws_launch=WsDecodeLaunch(one_exchange))
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -125,9 +132,9 @@ def test_ws_refuses_other_shapes() -> None:
         residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameter
-    from forkserve.kernels.residual_decode_gluon import build_sm90a
+if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
+    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, build_sm90a
 
-    ptx, shared = build_sm90a(bool(int(sys.argv[2])))
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(bool(int(sys.argv[3]))))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))
