@@ -34,8 +34,9 @@ if __name__ == "__main__":  # before triton's import: the compiler refuses inter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, build_sm90a  # noqa: E402
-from forkserve.kernels.sm90_build import sass_sm90a  # noqa: E402
+from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
 
 # Instruction classes, by SASS opcode (the part before the first dot); the rest is
 # "uniform" (the uniform datapath's: mostly the wgmma descriptors) or "int/other".
@@ -229,8 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(launches)}] {launch.name}: {counts[-1].per_tile:.0f} a tile",
               flush=True)
     print_table(counts, measured)
+    import triton
+
     write_json(args.out / "ws_prefill_sass.json",
-               {"case": CASE, "measured": measured, "launches": [asdict(c) for c in counts]})
+               {"commit": source_commit(), "triton": triton.__version__,
+                "ptxas": ptxas_version(), "case": CASE, "measured": measured,
+                "launches": [asdict(c) for c in counts]})
     plot(counts, measured, args.out / "ws_prefill_sass.png")
     return 0
 

@@ -71,6 +71,13 @@ def _tool(name: str) -> Path:
     return ptxas if name == "ptxas" else ptxas.with_name(name)
 
 
+def ptxas_version() -> str:
+    """The ptxas these builds use: the last line of its ``--version`` (its build)."""
+    run = subprocess.run([str(_tool("ptxas")), "--version"], capture_output=True, text=True,
+                         timeout=60)
+    return run.stdout.strip().splitlines()[-1] if run.returncode == 0 else "unknown"
+
+
 def _assemble(ptx: str, folder: Path) -> tuple[Path, str]:
     src, cubin = folder / "k.ptx", folder / "k.cubin"
     src.write_text(ptx)
