@@ -78,6 +78,7 @@
 # Round 25 (the ws prefill's launch options: fewer instructions a tile):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests alone (no carry)
 #   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 69  # residual_prefill_bench (FA4 carried)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2 with one_exchange
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -660,9 +661,11 @@ PY
   # Round 23: the ws residual prefill against the formulas, every launch and option (round
   # 25: ten launches, each compiled whole and split, so the tests have a call of their own;
   # the compiled kernels stay in TRITON_CACHE_DIR for step 69 while the machine is held).
+  # K: a pytest -k expression, for the rest of a run cut at its timeout.
   export TRITON_CACHE_DIR=/root/tc23
-  FORKSERVE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_prefill_ws.py 2>&1 | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}.log" | tail -4
+  FORKSERVE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -v -p no:cacheprovider -p no:warnings \
+    ${K:+-k "$K"} tests/kernels/test_residual_prefill_ws.py 2>&1 \
+    | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}${K:+_rest}.log" | tail -4
   ;;
 69)
   # Round 25: every residual route and ws launch against the best unified one per case
@@ -692,6 +695,15 @@ PY
       python3 benchmarks/ws_prefill_profile.py --rows "$rows" 2>&1 \
       | tee "$OUT/ncu_ws_prefill_rows$rows.txt" | tail -40
   done
+  ;;
+70)
+  # Round 25: the ws decode's one-exchange softmax (row 1's margin): its CUDA tests (both
+  # forms), then rows 1-2 with it beside the default, interleaved (no carry).
+  export TRITON_CACHE_DIR=/root/tc20
+  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round25_decode.log" | tail -2
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  variants 200 decode_round25_one_exchange default ws_one_exchange
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

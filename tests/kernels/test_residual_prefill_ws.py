@@ -14,20 +14,25 @@ import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import check_ws_build
 
+from benchmarks.residual_prefill_bench import WS_LAUNCHES
+from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, edge_masks, base_scores, bf16_rope, pairs): the default launch and the
-# others the bench measures.
+# (rows, stages, edge_masks, base_scores, bf16_rope, pairs): the default launch, the others
+# the bench measures, and the options among them at the default's rows and slots.
 DEFAULT = (128, 3, False, False, False, False)
-OPTIONS = [(True, False, False, False), (False, True, False, False),
-           (True, True, False, False), (False, False, False, True),
-           (True, True, True, False), (True, True, False, True), (True, True, True, True)]
-OTHER_LAUNCHES = [(64, 3, False, False, False, False), (64, 2, False, False, False, False),
-                  (64, 3, True, True, True, False), (128, 2, False, False, False, False),
-                  *((128, 3, *o) for o in OPTIONS)]
+OTHER_LAUNCHES = [lc for lc in WS_LAUNCHES if lc != DEFAULT]
+OPTIONS = [lc[2:] for lc in OTHER_LAUNCHES if lc[:2] == DEFAULT[:2]]
+
+
+def _name(launch: tuple) -> str:
+    """A launch's test id: its name (``-k ws_m128_s3_pairs``, or ``-k pairs``)."""
+    return WsPrefillLaunch(*launch).name
 
 
 @pytest.mark.parametrize("direct,launch", [
-    (False, DEFAULT), (True, DEFAULT), *((True, lc) for lc in OTHER_LAUNCHES)])
+    (False, DEFAULT), (True, DEFAULT), *((True, lc) for lc in OTHER_LAUNCHES)],
+    ids=lambda x: _name(x) if isinstance(x, tuple) else ("direct" if x else "split"))
 def test_ws_prefill_builds_for_sm90(direct: bool, launch: tuple, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing."""
@@ -83,11 +88,11 @@ def test_ws_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
 
 
 @cuda_only
-@pytest.mark.parametrize("launch", OTHER_LAUNCHES)
+@pytest.mark.parametrize("launch", OTHER_LAUNCHES, ids=_name)
 @pytest.mark.parametrize("case", [0, 2])
 def test_ws_prefill_launches_match_the_formula(launch: tuple, case: int) -> None:
     """Every launch the bench measures: one consumer warp group or two, fewer slots."""
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, residual_prefill_ws
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
     seq_lens, q_lens = CASES[case]
     args, c = _inputs(case, seq_lens, q_lens)
@@ -98,14 +103,14 @@ def test_ws_prefill_launches_match_the_formula(launch: tuple, case: int) -> None
 @cuda_only
 @pytest.mark.parametrize("seq_lens,q_lens", CASES)
 @pytest.mark.parametrize("num_splits", [None, 3])
-@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: _name((*DEFAULT[:2], *o)))
 def test_ws_prefill_options_match_the_formula(seq_lens: list[int], q_lens: list[int],
                                               num_splits: int | None, options: tuple) -> None:
     """The launch options over every case, whole and split (split ends fall mid-tile):
     the mask on the tiles that cross the diagonal or a split's end only; the base scores
     from the slot (rows without an adapter among them: ``rot`` zero); the rotated residual
     in bf16; two tiles a loop iteration (odd and even tile counts)."""
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, residual_prefill_ws
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
     args, c = _inputs(sum(q_lens) + 7, seq_lens, q_lens)
     out = residual_prefill_ws(*args, num_splits=num_splits,
@@ -163,7 +168,7 @@ def test_ws_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, build_sm90a
+    from forkserve.kernels.residual_prefill_gluon import build_sm90a
 
     direct_, rows_, stages_, *options_ = (int(x) for x in sys.argv[2:])
     ptx, shared = build_sm90a(WsPrefillLaunch(rows_, stages_, *map(bool, options_)),
