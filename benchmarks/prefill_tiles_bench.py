@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
+# --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernel_bench import Setup, bench_eager  # noqa: E402
