@@ -8,7 +8,7 @@ Issue 15's row 4 asks the unified prefill to run at or under torch SDPA at >= 4K
 engine's cold route (FRESH) *is* torch's SDPA pick, so it sits at 1.00x by construction;
 only a faster kernel moves it. This weighs FA4 as that kernel before the engine takes it:
 per case (batch x length, Llama-3-8B heads: 32 q, 8 kv, head_dim 128, bf16, causal), each
-column by CUDA-graph replay, interleaved, L2 flushed (``kernel_bench.timed_interleaved``):
+column by CUDA-graph replay, interleaved, L2 flushed (``kernelbench.timing.timed_interleaved``):
 
 - ``sdpa_default`` / ``sdpa_cudnn`` / ``sdpa_flash``: one ``is_causal`` GQA SDPA call per
   sequence on (B, H, S, D) views of the (S, H, D) step tensors, as ``fresh_prefill`` calls it;
@@ -27,17 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+# --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import bench_eager, timed_interleaved  # noqa: E402
+from benchmarks.kernelbench.timing import bench_eager, timed_interleaved  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_default": None, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -121,7 +126,7 @@ def case(batch: int, length: int, fa4, device: torch.device, dtype: torch.dtype,
         ok[name] = run
     smoke = device.type != "cuda"
     replayed = None if smoke else timed(ok, res, f"{batch}x{length}")
-    # Eager, as the engine calls them (CUDA events, L2 flushed: ``kernel_bench.bench_eager``):
+    # Eager, as the engine calls them (CUDA events, L2 flushed: ``kernelbench.timing.bench_eager``):
     # the device time plus any host work the GPU waits for (FA4's Python-side argument
     # handling, SDPA's dispatch). On CPU one wall-timed call, the plumbing only.
     row["eager_ms"] = {name: bench_eager(run, smoke) for name, run in ok.items()}

@@ -226,7 +226,7 @@ def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
 
 def residual_prefill(kernel: list[Doc], routes: list[Doc]) -> Found | None:
     """Worst 1K-32K point of the best residual route over the best unified route; where a row
-    has device times (graph replays, kernel_bench ``DEVICE_COLUMNS``), the FRESH routes'
+    has device times (graph replays, kernelbench.prefill ``DEVICE_COLUMNS``), the FRESH routes'
     ratio by them, as the decode rows are timed. The newest of kernel_bench's and
     residual_prefill_bench's files (``residual_prefill_routes``)."""
     found = residual_prefill_routes(routes)

@@ -130,7 +130,7 @@ def timed(runs: dict, smoke: bool) -> dict[str, float]:
             fn()
             out[name] = (time.perf_counter() - t0) * 1e3
         return out
-    from kernel_bench import timed_interleaved
+    from benchmarks.kernelbench.timing import timed_interleaved
     return timed_interleaved(runs, rounds=20)
 
 

@@ -10,20 +10,26 @@ with their defaults: the two can disagree, and did (H200, ``kernel_bench_prefill
 fe206fd: the fused residual route 0.61 ms tuned against 1.69 through the engine for 8 chunks
 of 64 tokens over 8K). Per case (batch x new tokens over keys; Llama-3-8B heads, rank 16,
 bf16) and kernel, each configuration eager, as the engine runs prefill (CUDA events, L2
-flushed: ``kernel_bench.timed_median``), the default first. Writes prefill_tiles.json after
+flushed: ``kernelbench.timing.timed_median``), the default first. Writes prefill_tiles.json after
 every case, prefill_tiles.png, prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
+# --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import Setup, bench_eager  # noqa: E402
+from benchmarks.kernelbench.setup import Setup  # noqa: E402
+from benchmarks.kernelbench.timing import bench_eager  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 # None: the kernel's own default (what the engine launches).

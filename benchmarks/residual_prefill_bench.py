@@ -5,7 +5,7 @@ issue 15: residual / unified <= 1.3x).
     python benchmarks/residual_prefill_bench.py --smoke --out /tmp/bench    # plumbing (CPU)
 
 Per case (batch x new tokens over keys; Llama-3-8B heads, GQA 4, rank 16, bf16), each route
-eager as the engine runs prefill (CUDA events, L2 flushed: ``kernel_bench.bench_eager``):
+eager as the engine runs prefill (CUDA events, L2 flushed: ``kernelbench.timing.bench_eager``):
 
 * unified: ``paged`` (our Triton kernel) and ``paged_flash`` (FlashAttention-4 through the
   block tables, where ``flash_support`` finds it): the baseline is the faster;
@@ -26,13 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
+# --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import Setup, bench, bench_eager, rel_err  # noqa: E402
+from benchmarks.kernelbench.setup import Setup, rel_err  # noqa: E402
+from benchmarks.kernelbench.timing import bench, bench_eager  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 
 CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 8704),

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernel_bench import Setup, bench  # noqa: E402
+from benchmarks.kernelbench.setup import Setup  # noqa: E402
+from benchmarks.kernelbench.timing import bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

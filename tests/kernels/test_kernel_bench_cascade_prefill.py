@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.benchmark_script import load_script
+from benchmarks.kernelbench.cascade_prefill import cascade_prefill_step
+from benchmarks.kernelbench.setup import Setup, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU smoke shapes; on CUDA run kernel_bench.py "
@@ -14,11 +15,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 def test_grouped_equals_ungrouped() -> None:
-    kb = load_script("kernel_bench")
-    s = kb.Setup(smoke=True)
-    calls, routes = kb.cascade_prefill_step(s, prefix=64, members=3, new=5)
+    s = Setup(smoke=True)
+    calls, routes = cascade_prefill_step(s, prefix=64, members=3, new=5)
     assert routes == {"ungrouped": "paged", "ungrouped_paged": "paged", "grouped": "cascade",
                       "prefix_splits": 1}
     grouped, ungrouped = calls["grouped"](), calls["ungrouped"]()
     assert grouped.shape == (3 * 5, s.n_heads * s.head_dim)
-    assert kb.rel_err(grouped, ungrouped) < 1e-5
+    assert rel_err(grouped, ungrouped) < 1e-5

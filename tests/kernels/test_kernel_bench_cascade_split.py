@@ -11,7 +11,13 @@ import math
 import pytest
 import torch
 
-from tests.benchmark_script import load_script
+from benchmarks.kernelbench.cascade_split import (
+    plot_cascade_split,
+    print_cascade_split,
+    run_cascade_split,
+)
+from benchmarks.kernelbench.report import result_header
+from benchmarks.kernelbench.setup import Setup
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(),
                                  reason="CPU smoke shapes; on CUDA run the bench itself"),
@@ -19,13 +25,12 @@ pytestmark = [pytest.mark.skipif(torch.cuda.is_available(),
 
 
 def test_cascade_split_rows(tmp_path) -> None:
-    kb = load_script("kernel_bench")
     names = ("two_pass", "two_pass_fp16", "two_pass_rowvalues", "msc", "p1_qfold_bn32_w4")
-    s = kb.Setup(smoke=True)
+    s = Setup(smoke=True)
     s.split_prefixes, s.split_agents, s.split_suffix = [40], [3], 8
-    res = kb.result_header(s, cascade_split=[], split_variants=list(names))
+    res = result_header(s, cascade_split=[], split_variants=list(names))
     path = tmp_path / "kernel_bench_cascade_split.json"
-    kb.run_cascade_split(s, res, lambda: path.write_text(json.dumps(res)))
+    run_cascade_split(s, res, lambda: path.write_text(json.dumps(res)))
     assert "errors" not in res
     (row,) = json.loads(path.read_text())["cascade_split"]
     assert (row["prefix_ctx"], row["agents"], row["suffix"]) == (40, 3, 8)
@@ -44,6 +49,6 @@ def test_cascade_split_rows(tmp_path) -> None:
         assert values == [3, 1 if n.endswith("rowvalues") or n.startswith("p1_") else 2, prefix[2]]
     # float16 scores halve the bytes the score buffer moves
     assert row["two_pass_fp16_parts_bytes"]["prefix"] < row["two_pass_parts_bytes"]["prefix"]
-    kb.print_cascade_split(res)
-    kb.plot_cascade_split(res, tmp_path / "plot.png")
+    print_cascade_split(res)
+    plot_cascade_split(res, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0

@@ -9,20 +9,25 @@ import json
 import pytest
 import torch
 
-from tests.benchmark_script import load_script
+from benchmarks.kernelbench.decode_short import (
+    plot_decode_short,
+    print_decode_short,
+    run_decode_short,
+)
+from benchmarks.kernelbench.report import result_header
+from benchmarks.kernelbench.setup import Setup
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU smoke shapes; on CUDA run the bench itself")
 
 
 def test_decode_short_rows(tmp_path) -> None:
-    kb = load_script("kernel_bench")
-    s = kb.Setup(smoke=True)
+    s = Setup(smoke=True)
     s.short_keys, s.short_widths, s.short_batches = [24], [128], [1]
-    res = kb.result_header(s, decode_short=[])
+    res = result_header(s, decode_short=[])
     path = tmp_path / "kernel_bench_decode_short.json"
     saved = []
-    kb.run_decode_short(s, res, lambda: saved.append(path.write_text(json.dumps(res))))
+    run_decode_short(s, res, lambda: saved.append(path.write_text(json.dumps(res))))
     assert "errors" not in res
     assert len(saved) == 1 and json.loads(path.read_text())["decode_short"] == res["decode_short"]
     (row,) = res["decode_short"]
@@ -37,6 +42,6 @@ def test_decode_short_rows(tmp_path) -> None:
     assert row["old_TBps"] > 0 and row["new_TBps"] > 0
     # The tile sweep (one configuration at smoke shapes), over the dynamic plan's time.
     assert list(row["tiles_ms"]) == ["bn64_w4_s3"] and row["tiles_over_new"]["bn64_w4_s3"] > 0
-    kb.print_decode_short(res)
-    kb.plot_decode_short(res, tmp_path / "plot.png")
+    print_decode_short(res)
+    plot_decode_short(res, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0

@@ -10,19 +10,20 @@ import math
 import pytest
 import torch
 
-from tests.benchmark_script import load_script
+from benchmarks.kernelbench.report import result_header
+from benchmarks.kernelbench.setup import Setup
+from benchmarks.kernelbench.variants import run_decode_variants
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU smoke shapes; on CUDA run the bench itself")
 
 
 def test_variants_row_keeps_the_others_when_one_fails(tmp_path) -> None:
-    kb = load_script("kernel_bench")
-    s = kb.Setup(smoke=True)
+    s = Setup(smoke=True)
     s.contexts, s.batches = [64], [2]
-    res = kb.result_header(s, decode_variants=[])
+    res = result_header(s, decode_variants=[])
     path = tmp_path / "kernel_bench_decode_variants.json"
-    kb.run_decode_variants(s, res, ["two_pass_nopdl", "two_pass_pdl"], path)
+    run_decode_variants(s, res, ["two_pass_nopdl", "two_pass_pdl"], path)
     (row,) = json.loads(path.read_text())["decode_variants"]
     assert row["unified_ms"] > 0 and row["two_pass_nopdl_ms"] > 0
     assert row["two_pass_nopdl_ratio"] == row["two_pass_nopdl_ms"] / row["unified_ms"]
