@@ -6,7 +6,7 @@ Run on a GPU (bf16, Llama-3-8B attention: 32 heads, 8 KV heads, head_dim 128, ra
 
 Measures, for one attention layer:
 
-* copy bandwidth (device-to-device copy of 2 GiB, bytes read + written): the ceiling;
+* copy bandwidth (device-to-device copy of 4 GiB, bytes read + written): the ceiling;
 * decode, contexts 1K-32K x batch 1-64, equal tokens per sequence, pages shuffled:
   unified paged decode (ours), ResidualAttention decode (ours), torch SDPA on K/V that
   was gathered beforehand (the gather is not timed), and the eager reconstruct path

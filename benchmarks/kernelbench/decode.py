@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.kernelbench.prefill import plot_prefill_ms, print_prefill, run_prefill
+from benchmarks.kernelbench.report import result_header
 from benchmarks.kernelbench.setup import (
     Setup,
     copy_bandwidth,
@@ -19,7 +20,6 @@ from benchmarks.kernelbench.setup import (
     sdpa_decode,
 )
 from benchmarks.kernelbench.timing import bench, check, measure
-from forkserve.bench.provenance import source_commit
 from forkserve.kernels.decode_attention import paged_decode_triton
 from forkserve.kernels.residual_decode_triton import residual_decode_triton
 from forkserve.kernels.shared_prefix import (
@@ -235,15 +235,7 @@ def print_table(res: dict) -> None:
 def main_default(s: Setup, args: argparse.Namespace) -> None:
     """``kernel_bench.json`` / ``.png`` and the table: the copy rate, first and last, around
     the decode, shared-prefix and prefill steps that ``--skip`` leaves in."""
-    import triton
-    res: dict = {
-        "device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "dtype": str(s.dtype),
-        "commit": source_commit(),
-        "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim, "rank": s.rank,
-                  "page_size": s.page},
-        "decode": [], "prefill": [], "shared_prefix": [],
-    }
+    res = result_header(s, decode=[], prefill=[], shared_prefix=[])
     # Measured first and last: the first can run before the clocks have ramped up; the
     # ceiling is the better of the two.
     res["copy_GBps_first"] = copy_bandwidth(s) / 1e9

@@ -30,7 +30,6 @@ def mixed_step(s: Setup, ctx: int, new: int, rows: int, residual: bool,
     into one output (now); "rows" and "chunk", each half alone; "reference", the whole batch
     through the kernels package's eager float32 reference (not timed). Kernel defaults, as the
     engine calls them. Returns the calls and the routes taken."""
-    from forkserve import kernels
     policy = kernels.CostPrefillPolicy()
     bt, rbt, lens = s.tables(1 + rows, ctx)
     q, ad = s.q(new + rows), s.adapters(1 + rows)

@@ -161,10 +161,6 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "msc2s_pass2", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, logits=True)})
-    # Cascade prefix launches (32 agents' GQA groups, 128 rows): unified, two-pass (score
-    # buffer float32, as the cascade allocates it) and msc (logits instead of K; V_res is the
-    # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
-    # prefix length).
     # Two-pass pass 2 with the bias and residual table entries loaded a tile ahead.
     for block_n, warps in ((32, 4), (64, 4)):
         consts = dict(dec, BLOCK_N=block_n, HAS_RES=True, SPLIT_SCORE=False, RES_BIAS=True,
@@ -206,6 +202,10 @@ def register_report(out: Path) -> None:
         rows.append({"kernel": "three_pass_pass2", "residual": True, "split_score": False,
                      "block_n": block_n, "num_warps": warps,
                      **compile_one(_decode_partial_kernel, consts, warps, 2, fp16_scores=True)})
+    # Cascade prefix launches (32 agents' GQA groups, 128 rows): unified, two-pass (score
+    # buffer float32, as the cascade allocates it) and msc (logits instead of K; V_res is the
+    # value pass's); then msc's per-row suffix launch (logits read unaligned from each row's
+    # prefix length).
     tiled = dict(dec, SEQS=32, BLOCK_H=128, SPLIT_SCORE=False, TILED=True, DYN_SPLIT=True,
                  VALUE_PASS=True)
     # "two_pass_fp16": the default since round 11, float16 scores stored relative to their

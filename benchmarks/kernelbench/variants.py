@@ -21,6 +21,7 @@ from benchmarks.kernelbench.setup import (
 from benchmarks.kernelbench.timing import check, measure, measure_interleaved
 from forkserve import kernels
 from forkserve.kernels.decode_attention import paged_decode_triton
+from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 
 
 def _qfold_table(**tuning) -> dict:
@@ -151,6 +152,8 @@ VARIANTS: dict[str, dict] = {
     # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
     # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
+    # Round 25: its softmax with one exchange between the warps (8 barriers a tile -> 5).
+    "ws_one_exchange": dict(variant="ws", ws_launch=WsDecodeLaunch(one_exchange=True)),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
 }
