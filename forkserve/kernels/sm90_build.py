@@ -3,7 +3,7 @@
 Gluon has no interpreter, so the ws kernels are checked on the CPU by what their sm_90a
 build holds: the PTX (TMA copies, wgmma, the loader's register cut), the shared memory a
 program takes, the bytes ptxas spills, and the SASS a tile's loop runs
-(``benchmarks/ws_prefill_sass.py`` counts it: the consumer is issue-bound, so its time
+(``benchmarks/ws_sass.py`` counts it: the consumer is issue-bound, so its time
 follows that count, docs/KERNELS.md "Round 24"). The tools are Triton's own ptxas and
 cuobjdump, so the build is the one the H200 machine makes up to its newer ptxas.
 

@@ -1,7 +1,7 @@
-"""benchmarks/ws_prefill_sass.py: the ws prefill consumer's instructions a tile, counted in
-the sm_90a SASS on the CPU. The counting on a hand-made listing (a loop, its cold blocks, the
-loops it must not take), then the tool on two real builds in a process of its own (the
-compiler refuses the interpreted helpers of these tests' TRITON_INTERPRET=1)."""
+"""benchmarks/ws_sass.py: the ws kernels' consumer instructions a tile, counted in the
+sm_90a SASS on the CPU. The counting on a hand-made listing (a loop, its cold blocks, the
+loops it must not take), then the tool on real builds in a process of its own (the compiler
+refuses the interpreted helpers of these tests' TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import json
@@ -36,8 +36,7 @@ def _listing(blocks: list[list[str]]) -> str:
 
 
 def test_a_tile_is_the_loop_less_its_cold_blocks():
-    from benchmarks import ws_prefill_sass as tool
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+    from benchmarks import ws_sass as tool
 
     softmax = ["HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ"] * 20 + ["FMNMX R1, R2, R3"] * 4
     zeroing = ["PRMT R1, R2, 0x7632, R1"] * 16 + ["SEL R1, R2, RZ, P0"] * 16
@@ -50,27 +49,31 @@ def test_a_tile_is_the_loop_less_its_cold_blocks():
         + ["STG.E [R2], R4", "@P2 BRA 4"],            # 4: the epilogue's loop: a store
         ["EXIT"],
     ])
-    c = tool.count(WsPrefillLaunch(), sass)
-    assert c.per_tile == 2 + 25 + 1 and c.tiles_per_iteration == 1
+    c = tool.count("a", "a", 1, sass)
+    assert c.per_tile == 2 + 25 + 1 and c.tiles_per_iteration == 1 and c.barriers == 0
     assert c.by_class["wgmma"] == 20 and c.by_class["fp32"] == 5
     assert c.loop_instructions == 2 + 32 + 26
-    paired = tool.count(WsPrefillLaunch(pairs=True), sass)
+    paired = tool.count("b", "a", 2, sass)
     assert paired.per_tile == c.per_tile / 2  # a pairs loop holds two tiles
+    assert tool.ratios([c, paired]) == {"a": 1.0, "b": 0.5}
     with pytest.raises(ValueError, match="no consumer loop"):
-        tool.count(WsPrefillLaunch(), _listing([["MOV R1, R2"], ["EXIT"]]))
+        tool.count("a", "a", 1, _listing([["MOV R1, R2"], ["EXIT"]]))
 
 
-def test_the_tool_on_two_builds(tmp_path):
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "benchmarks/ws_sass.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_prefill_launches(tmp_path):
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
         {"batch": 8, "new": 64, "keys": 8256,
          "device": {"unified_paged": 0.3, "residual_ws_m128_s3": 0.27,
                     "residual_ws_m128_s3_edge_base_bf16_pairs": 0.18}}]}))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "benchmarks/ws_prefill_sass.py", "--out", str(tmp_path),
-         "--launches", "ws_m128_s3_edge_base_bf16_pairs", "--measured", str(measured)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = _run("prefill", "--out", str(tmp_path), "--launches",
+               "ws_m128_s3_edge_base_bf16_pairs", "--measured", str(measured))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "ws_prefill_sass.json").read_text())
     counts = {c["launch"]: c for c in saved["launches"]}
@@ -86,11 +89,23 @@ def test_the_tool_on_two_builds(tmp_path):
     assert "x plain" in run.stdout
 
 
+def test_the_decode_launches(tmp_path):
+    measured = tmp_path / "variants.json"
+    measured.write_text(json.dumps({"decode_variants": [
+        {"ctx": 4096, "batch": 64, "unified_ms": 0.26, "default_ratio": 1.16,
+         "ws_one_exchange_ratio": 1.10}]}))
+    run = _run("decode", "--out", str(tmp_path), "--measured", str(measured))
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "ws_decode_sass.json").read_text())
+    counts = {c["launch"]: c for c in saved["launches"]}
+    assert list(counts) == ["ws", "ws_one_exchange"]
+    # One exchange between the warps where the max and the sum took one each: fewer
+    # barriers a tile.
+    assert counts["ws_one_exchange"]["barriers"] < counts["ws"]["barriers"]
+    assert saved["measured"] == pytest.approx({"ws": 1.0, "ws_one_exchange": 1.10 / 1.16})
+
+
 def test_an_unknown_launch_is_one_line(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "benchmarks/ws_prefill_sass.py", "--out", str(tmp_path),
-         "--launches", "ws_m96_s3"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=120)
+    run = _run("prefill", "--out", str(tmp_path), "--launches", "ws_m96_s3")
     assert run.returncode == 2
-    assert "unknown launch ws_m96_s3" in run.stderr.splitlines()[-1]
+    assert "unknown prefill launch ws_m96_s3" in run.stderr.splitlines()[-1]

@@ -1,0 +1,305 @@
+"""The ws kernels' consumers counted instruction by instruction, every launch the benches
+measure, on the CPU (no GPU: the sm_90a build, ``forkserve.kernels.sm90_build``).
+
+    python3 benchmarks/ws_sass.py prefill --out benchmarks/results \\
+        [--measured benchmarks/results/residual_prefill_v5.json]
+    python3 benchmarks/ws_sass.py decode --out benchmarks/results \\
+        [--measured benchmarks/results/kernel_bench_decode_round25_one_exchange.json]
+
+Round 24 found the ws prefill's consumer issue-bound (docs/KERNELS.md): a key tile's time
+follows the instructions its warps issue, ~8 cycles each at 8 x 64 over 8K. So a launch
+option can be weighed before a GPU runs it. For each launch (the prefill's:
+``residual_prefill_bench.WS_LAUNCHES``; the decode's: each ``WsDecodeLaunch``) this builds
+the kernel (output written directly), finds the consumer's main loop in the SASS (the
+innermost loop holding a tile's wgmma and no global store) and counts what a tile runs in
+steady state: the loop's basic blocks less the cold ones (``cold``: the split's last tile
+zeroing its V rows, the prefill's mask of a tile crossing the diagonal under
+``edge_masks``, its copy into ``rot`` for a program without an adapter). A prefill
+``pairs`` launch's loop holds two tiles. Prints a table (per launch: instructions and CTA
+barriers a tile, by class, and the ratio to the same launch without options), writes
+``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` puts a bench run beside it, each
+launch's time over the plain launch's at the row's worst case, so the model meets the
+measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __name__ == "__main__":  # before triton's import: the compiler refuses interpreted helpers
+    os.environ.pop("TRITON_INTERPRET", None)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
+from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
+from forkserve.bench.provenance import source_commit  # noqa: E402
+from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
+from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch  # noqa: E402
+from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
+from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
+
+# Instruction classes, by SASS opcode (the part before the first dot); the rest is
+# "uniform" (the uniform datapath's: mostly the wgmma descriptors) or "int/other".
+CLASSES = {
+    "fp32": ("FMUL", "FADD", "FFMA", "FMNMX", "FSEL", "FSETP"),
+    "exp2": ("MUFU",),
+    "bf16x2": ("HFMA2", "HMUL2", "HADD2"),
+    "convert": ("F2FP", "PRMT", "F2F"),
+    "wgmma": ("HGMMA", "WARPGROUP"),
+    "smem/sync": ("LDS", "STS", "LDSM", "STSM", "BAR", "SYNCS", "MEMBAR", "FENCE", "SHFL"),
+}
+OTHER_UNIFORM, OTHER = "uniform", "int/other"
+ALL_CLASSES = (*CLASSES, OTHER_UNIFORM, OTHER)
+
+
+@dataclass(frozen=True)
+class TileCount:
+    """One launch's consumer: instructions a key tile runs in steady state, by class, and
+    the CTA barriers among them (per thread: a 64-row prefill launch's thread has twice a
+    128-row one's share of a tile). ``plain``: the same launch without options, which the
+    ratio is against."""
+
+    launch: str
+    plain: str
+    per_tile: float
+    barriers: float
+    by_class: dict[str, float]
+    loop_instructions: int
+    tiles_per_iteration: int
+
+
+def opcode(line: str) -> str:
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", line).split()[0].split(".")[0]
+
+
+def op_class(op: str) -> str:
+    for name, ops in CLASSES.items():
+        if op in ops:
+            return name
+    return OTHER_UNIFORM if op.startswith("U") or op == "R2UR" else OTHER
+
+
+def parse(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines())
+            if m]
+
+
+def branch_target(text: str) -> int | None:
+    m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+    return int(m.group(1), 16) if m else None
+
+
+def main_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The innermost loop (a backward branch's span) with a tile's wgmma and no global store:
+    the consumer's; the epilogue's and the loader's loops fail one test or the other."""
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        target = branch_target(text)
+        if target is not None and target < a and target in at:
+            body = ins[at[target]:i + 1]
+            ops = Counter(opcode(t) for _, t in body)
+            if ops["HGMMA"] >= 15 and ops["STG"] == 0:
+                loops.append(body)
+    if not loops:
+        raise ValueError("no consumer loop in the SASS (a tile's wgmma, no global store)")
+    return min(loops, key=len)
+
+
+def blocks(body: list[tuple[int, str]], targets: set[int]) -> list[Counter]:
+    out, cur = [], Counter()
+    for a, text in body:
+        if a in targets and cur:
+            out.append(cur)
+            cur = Counter()
+        cur[opcode(text)] += 1
+        if branch_target(text) is not None:
+            out.append(cur)
+            cur = Counter()
+    if cur:
+        out.append(cur)
+    return out
+
+
+def cold(block: Counter) -> bool:
+    """A block steady-state tiles skip: the V rows zeroed past a split's end (selects over
+    unpacked bf16), the edge-only mask (selects, no softmax), the no-adapter copy (four
+    ldmatrix and four stmatrix alone)."""
+    zeroing = block["SEL"] >= 16 and block["PRMT"] >= 16
+    edge_mask = block["FSEL"] >= 64 and block["FMNMX"] == 0 and block["HGMMA"] == 0
+    copy = (block["LDSM"] == 4 and block["STSM"] == 4 and block["HGMMA"] == 0
+            and sum(block.values()) < 20)
+    return zeroing or edge_mask or copy
+
+
+def count(name: str, plain: str, tiles: int, sass: str) -> TileCount:
+    """The steady-state tile of the consumer loop in ``sass``, whose loop holds ``tiles``
+    key tiles an iteration."""
+    ins = parse(sass)
+    body = main_loop(ins)
+    targets = {t for _, text in ins if (t := branch_target(text)) is not None}
+    hot = Counter()
+    for block in blocks(body, targets):
+        if not cold(block):
+            hot += block
+    by_class = Counter()
+    for op, n in hot.items():
+        by_class[op_class(op)] += n / tiles
+    return TileCount(name, plain, sum(hot.values()) / tiles, hot["BAR"] / tiles,
+                     dict(by_class.most_common()), len(body), tiles)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One ws kernel as this tool counts it: its launches, each one's launch without
+    options, its sm_90a PTX and key tiles a loop iteration, and each launch's time over the
+    plain one's in a measured run (``--measured``) at ``case``."""
+
+    name: str
+    launches: tuple
+    plain: Callable[[object], object]
+    ptx: Callable[[object], str]
+    tiles: Callable[[object], int]
+    measured: Callable[[Path], dict[str, float]]
+    case: str
+
+
+def prefill_measured(path: Path) -> dict[str, float]:
+    """Each launch's device time over the default launch's at 8 x 64 over 8K (row 3's worst)
+    in a residual_prefill_bench result (its ``residual_<launch>`` columns)."""
+    doc = json.loads(path.read_text())
+    row = next((r for r in doc["rows"] if (r["batch"], r["new"], r["keys"]) == (8, 64, 8256)),
+               None)
+    if row is None:
+        raise ValueError(f"{path}: no 8 x 64 over 8256 row")
+    device = {n.removeprefix("residual_"): ms for n, ms in row["device"].items()}
+    default = WsPrefillLaunch().name
+    if default not in device:
+        raise ValueError(f"{path}: no {default} column at that case")
+    return {n: ms / device[default] for n, ms in device.items() if n.startswith("ws_m")}
+
+
+def decode_measured(path: Path) -> dict[str, float]:
+    """Each launch's time over the plain ws kernel's at 4K x 64 (row 1's worst) in a
+    kernel_bench ``--variants`` result (``<variant>_ratio`` columns, over unified; the plain
+    kernel's as ``ws``, or as ``default`` where the policy picks it)."""
+    doc = json.loads(path.read_text())
+    row = next((r for r in doc["decode_variants"] if (r["ctx"], r["batch"]) == (4096, 64)),
+               None)
+    if row is None:
+        raise ValueError(f"{path}: no 4K x 64 row")
+    over_unified = {n.removesuffix("_ratio"): v for n, v in row.items() if n.endswith("_ratio")}
+    plain = over_unified.get(WsDecodeLaunch().name, over_unified.get("default"))
+    if plain is None:
+        raise ValueError(f"{path}: neither ws nor default at that case")
+    return {WsDecodeLaunch().name: 1.0} | {
+        lc.name: over_unified[lc.name] / plain for lc in DECODE.launches
+        if lc != WsDecodeLaunch() and lc.name in over_unified}
+
+
+PREFILL = Kernel(
+    "prefill", tuple(WsPrefillLaunch(*flags) for flags in WS_LAUNCHES),
+    lambda lc: WsPrefillLaunch(lc.rows),
+    lambda lc: residual_prefill_gluon.build_sm90a(lc, direct=True)[0],
+    lambda lc: 2 if lc.pairs else 1, prefill_measured, "8 x 64 over 8K")
+DECODE = Kernel(
+    "decode", (WsDecodeLaunch(), WsDecodeLaunch(one_exchange=True)),
+    lambda lc: WsDecodeLaunch(), lambda lc: residual_decode_gluon.build_sm90a(True, lc)[0],
+    lambda lc: 1, decode_measured, "4K x 64")
+KERNELS = {k.name: k for k in (PREFILL, DECODE)}
+
+
+def ratios(counts: list[TileCount]) -> dict[str, float]:
+    """Each launch's instructions a tile over its plain launch's."""
+    per_tile = {c.launch: c.per_tile for c in counts}
+    return {c.launch: c.per_tile / per_tile[c.plain] for c in counts}
+
+
+def print_table(counts: list[TileCount], measured: dict[str, float]) -> None:
+    ratio = ratios(counts)
+    head = f"{'launch':32s} {'a tile':>7s} {'x plain':>8s} {'BAR':>5s} " + " ".join(
+        f"{c:>9s}" for c in ALL_CLASSES)
+    if measured:
+        head += f" {'measured':>9s}"
+    print(head)
+    for c in counts:
+        cells = " ".join(f"{c.by_class.get(k, 0):9.0f}" for k in ALL_CLASSES)
+        line = (f"{c.launch:32s} {c.per_tile:7.0f} {ratio[c.launch]:8.2f} {c.barriers:5.1f} "
+                f"{cells}")
+        if measured:
+            line += f" {measured.get(c.launch, float('nan')):9.2f}"
+        print(line)
+
+
+def plot(kernel: Kernel, counts: list[TileCount], measured: dict[str, float],
+         path: Path) -> None:
+    fig, (ax,) = new_figure(1, width=max(6.0, 1.1 * len(counts) + 2), height=5)
+    names = [c.launch.removeprefix("ws_") for c in counts]
+    bottom = [0.0] * len(counts)
+    for k in ALL_CLASSES:
+        values = [c.by_class.get(k, 0.0) for c in counts]
+        ax.bar(names, values, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    if measured:
+        per_tile = {c.launch: c.per_tile for c in counts}
+        ax.plot(names, [measured.get(c.launch, float("nan")) * per_tile[c.plain]
+                        for c in counts], "kD",
+                label=f"measured time x the plain launch's count ({kernel.case})")
+    ax.set_ylabel("SASS instructions a key tile (consumer thread)")
+    ax.set_title(f"ws residual {kernel.name}: the consumer's instructions a tile, sm_90a")
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    ax.legend(fontsize=8, ncols=2)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS))
+    add_out_argument(ap)
+    ap.add_argument("--measured", type=Path,
+                    help="a bench result to put beside the counts (prefill: "
+                         "residual_prefill_bench's; decode: kernel_bench --variants')")
+    ap.add_argument("--launches", nargs="+", metavar="NAME",
+                    help="only these launches (by name), beside each one's plain launch")
+    args = ap.parse_args(argv)
+    kernel = KERNELS[args.kernel]
+    launches = list(kernel.launches)
+    if args.launches:
+        unknown = set(args.launches) - {lc.name for lc in launches}
+        if unknown:
+            ap.error(f"unknown {kernel.name} launch {sorted(unknown)[0]}; the bench's: "
+                     + ", ".join(lc.name for lc in launches))
+        named = [lc for lc in launches if lc.name in args.launches]
+        launches = [lc for lc in launches if lc in named or lc in map(kernel.plain, named)]
+    try:
+        measured = kernel.measured(args.measured) if args.measured else {}
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(str(e))
+    counts = []
+    for i, launch in enumerate(launches, 1):
+        counts.append(count(launch.name, kernel.plain(launch).name, kernel.tiles(launch),
+                            sass_sm90a(kernel.ptx(launch))))
+        print(f"[{i}/{len(launches)}] {launch.name}: {counts[-1].per_tile:.0f} a tile",
+              flush=True)
+    print_table(counts, measured)
+    import triton
+
+    stem = f"ws_{kernel.name}_sass"
+    write_json(args.out / f"{stem}.json",
+               {"commit": source_commit(), "triton": triton.__version__,
+                "ptxas": ptxas_version(), "kernel": kernel.name, "case": kernel.case,
+                "measured": measured, "launches": [asdict(c) for c in counts]})
+    plot(kernel, counts, measured, args.out / f"{stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
