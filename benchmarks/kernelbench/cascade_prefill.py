@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from benchmarks.kernelbench.prefill import engine_call, step_tensors
-from benchmarks.kernelbench.report import result_header, run_mode
+from benchmarks.kernelbench.report import result_header, run_mode, save_titled
 from benchmarks.kernelbench.setup import Setup, rel_err
 from benchmarks.kernelbench.timing import check, measure_eager
 
@@ -136,11 +136,7 @@ def plot_cascade_prefill(res: dict, path: Path) -> None:
     axis.set(yscale="log", ylabel="ms (eager)",
              title="cascade prefill: prefix / members x new tokens / ungrouped over grouped")
     axis.legend(fontsize=7)
-    fig.suptitle(f"{res['device']} {res['dtype']} H={res['shape']['n_heads']} "
-                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
-                 f"page={res['shape']['page_size']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path)
 
 
 def main_cascade_prefill(s: Setup, args: argparse.Namespace) -> dict:

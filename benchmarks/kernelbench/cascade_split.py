@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.kernelbench.report import result_header, run_mode
+from benchmarks.kernelbench.report import result_header, run_mode, save_titled
 from benchmarks.kernelbench.setup import Setup, rel_err
 from benchmarks.kernelbench.timing import check, measure
 from forkserve.kernels.shared_prefix import (
@@ -229,10 +229,7 @@ def plot_cascade_split(res: dict, path: Path) -> None:
         ax.legend(fontsize=6)
     plot_split_parts(axes[0][-1], [r for r in rows if counts and r["agents"] == counts[-1]],
                      split_variants(res))
-    fig.suptitle(f"split-form cascade: whole (-) and pass 1 (--); {res['device']} {res['dtype']} "
-                 f"commit {res['commit'][:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path, "split-form cascade: whole (-) and pass 1 (--); ")
 
 
 def plot_split_parts(ax, rows: list[dict], names: list[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.kernelbench.prefill import plot_prefill_ms, print_prefill, run_prefill
-from benchmarks.kernelbench.report import result_header
+from benchmarks.kernelbench.report import result_header, save_titled
 from benchmarks.kernelbench.setup import (
     Setup,
     copy_bandwidth,
@@ -205,11 +205,7 @@ def plot(res: dict, path: Path) -> None:
                  title="shared-prefix decode / independent "
                        f"({sp[0]['agents'] if sp else 0} agents)")
     ax[1, 1].legend(fontsize=7)
-    fig.suptitle(f"{res['device']}  {res['dtype']}  H={res['shape']['n_heads']} "
-                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
-                 f"r={res['shape']['rank']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path)
 
 
 def print_table(res: dict) -> None:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.kernelbench.report import result_header, run_mode
+from benchmarks.kernelbench.report import result_header, run_mode, save_titled
 from benchmarks.kernelbench.setup import Setup, copy_bandwidth, rel_err
 from benchmarks.kernelbench.timing import check, measure
 from forkserve.kernels import reference
@@ -174,10 +174,8 @@ def plot_decode_short(res: dict, path: Path) -> None:
                          ylabel="ms (one layer)", title=f"batch {batch}")
         axes[1, col].set(xscale="log", xlabel="keys per sequence", ylabel="K+V TB/s")
         axes[0, col].legend(fontsize=6)
-    fig.suptitle(f"unified decode, short sequences: static (--) vs dynamic (-) split plan; "
-                 f"{res['device']} {res['dtype']} commit {res['commit'][:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path,
+                "unified decode, short sequences: static (--) vs dynamic (-) split plan; ")
 
 
 def main_decode_short(s: Setup, args: argparse.Namespace) -> dict:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.kernelbench.report import result_header, run_mode
+from benchmarks.kernelbench.report import result_header, run_mode, save_titled
 from benchmarks.kernelbench.setup import Setup, rel_err
 from benchmarks.kernelbench.timing import check, measure_eager
 from forkserve import kernels
@@ -145,11 +145,7 @@ def plot_mixed(res: dict, path: Path) -> None:
         axis.set(yscale="log", ylabel="ms (eager)",
                  title=f"mixed step, {form}: context / chunk + rows / whole over split")
         axis.legend(fontsize=7)
-    fig.suptitle(f"{res['device']} {res['dtype']} H={res['shape']['n_heads']} "
-                 f"Hkv={res['shape']['n_kv']} D={res['shape']['head_dim']} "
-                 f"r={res['shape']['rank']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path)
 
 
 def main_mixed(s: Setup, args: argparse.Namespace) -> dict:

@@ -3,13 +3,13 @@ engine's own layer call (``engine_call``, also cascade_prefill's); its plot and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from benchmarks.kernelbench.report import result_header
+from benchmarks.kernelbench.report import result_header, run_mode, save_titled
 from benchmarks.kernelbench.setup import Setup, rel_err, sdpa_backend, sdpa_prefill
 from benchmarks.kernelbench.timing import bench, check, measure_eager, timed_interleaved
 from forkserve.kernels.prefill_attention import paged_prefill_triton, residual_prefill_triton
@@ -388,28 +388,19 @@ def print_prefill(res: dict) -> None:
               f"{r['policy_unified']}/{r['policy_residual']}")
 
 
-def main_prefill(s: Setup, args: argparse.Namespace) -> None:
+def plot_prefill(res: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    res = result_header(
-        s, timing="eager (as the engine runs prefill), L2 flushed, median of CUDA events",
-        prefill=[])
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "kernel_bench_prefill.json"
-    try:
-        run_prefill(s, res, lambda: path.write_text(json.dumps(res, indent=1)))
-    except Exception as exc:  # keep what was measured; report the failure
-        res.setdefault("errors", []).append(f"prefill: {exc!r}"[:1000])
-        print(f"prefill FAILED: {exc!r}", flush=True)
-    path.write_text(json.dumps(res, indent=1))
     fig, ax = plt.subplots(1, 2, figsize=(14, 5))
     plot_prefill_ms(res, ax[0])
     plot_prefill_ratios(res, ax[1])
-    fig.suptitle(f"{res['device']} {res['dtype']} H={s.n_heads} Hkv={s.n_kv} D={s.head_dim} "
-                 f"r={s.rank}")
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=110)
-    print_prefill(res)
-    for e in res.get("errors", []):
-        print("ERROR", e)
+    save_titled(fig, res, path)
+
+
+def main_prefill(s: Setup, args: argparse.Namespace) -> dict:
+    res = result_header(
+        s, timing="eager (as the engine runs prefill), L2 flushed, median of CUDA events",
+        prefill=[])
+    return run_mode(res, args.out / "kernel_bench_prefill.json", "prefill",
+                    lambda save: run_prefill(s, res, save), plot_prefill, print_prefill)

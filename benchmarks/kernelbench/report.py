@@ -26,6 +26,17 @@ def result_header(s: Setup, **fields) -> dict:
     }
 
 
+def save_titled(fig, res: dict, path: Path, what: str = "") -> None:
+    """A mode's figure titled with ``what`` and the run (device, dtype, shape, commit),
+    laid out and saved at ``path``."""
+    sh = res["shape"]
+    fig.suptitle(f"{what}{res['device']} {res['dtype']} H={sh['n_heads']} Hkv={sh['n_kv']} "
+                 f"D={sh['head_dim']} r={sh['rank']} page={sh['page_size']}, "
+                 f"commit {res['commit'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def publish(res: dict, path: Path, plot_fn: Callable[[dict, Path], None],
             print_fn: Callable[[dict], None]) -> None:
     """The JSON at ``path``, its PNG beside it (a plot that fails is said, not fatal), the

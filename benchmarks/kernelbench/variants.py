@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.kernelbench.decode import run_shared_prefix
-from benchmarks.kernelbench.report import publish, result_header
+from benchmarks.kernelbench.report import publish, result_header, save_titled
 from benchmarks.kernelbench.setup import (
     Setup,
     copy_bandwidth,
@@ -336,10 +336,7 @@ def plot_variants(res: dict, path: Path) -> None:
                    title=f"pass 1, batch {batch}")
         top.legend(fontsize=6)
         bottom.legend(fontsize=6)
-    fig.suptitle(f"ResidualAttention decode variants, {res['device']} {res['dtype']}, "
-                 f"commit {res['commit'][:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_titled(fig, res, path, "ResidualAttention decode variants, ")
 
 
 def print_variants_table(res: dict) -> None:
