@@ -161,10 +161,10 @@ def _stage_operands(operands, bufs):
 
 @gluon.jit
 def _rope_bf16x2(u_lo, u_hi, cos, sin):
-    """``u_lo cos - u_hi sin, u_hi cos + u_lo sin`` in packed bf16 pairs (two HFMA2-class
-    instructions a pair where float32 takes a conversion per value and one a product): the
-    float32 halves rounded to bf16, then one product and one fused multiply-add each, so a
-    value is rounded three times, not once."""
+    """``u_lo cos - u_hi sin, u_hi cos + u_lo sin`` in packed bf16 pairs (HMUL2 / HFMA2: two
+    columns an instruction, cos and sin used as they sit in shared memory, not widened to
+    float32): the float32 halves rounded to bf16, then one product and one fused
+    multiply-add each, so a value is rounded three times, not once."""
     return gl.inline_asm_elementwise(
         """{ .reg .b32 a, b, t;
         cvt.rn.bf16x2.f32 a, $3, $2;
