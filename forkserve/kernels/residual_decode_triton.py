@@ -652,6 +652,8 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     ``ws_launch`` (ws): the Gluon kernel's options (``residual_decode_gluon.WsDecodeLaunch``;
     default: none)."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
+    if ws_launch is not None and variant != "ws":
+        raise ValueError(f"ws_launch is the ws variant's; variant {variant!r} takes none")
     if variant == "ws":
         from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, residual_decode_ws
         return residual_decode_ws(q, k_base, v_base, k_res, v_res, block_tables,

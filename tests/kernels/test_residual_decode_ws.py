@@ -132,6 +132,17 @@ def test_ws_refuses_other_shapes() -> None:
         residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
+def test_ws_options_only_with_ws() -> None:
+    """The ws kernel's options with another variant are a clear error, not ignored (CPU:
+    refused before any kernel runs)."""
+    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
+
+    args, _ = _inputs(1, [40], n_kv=2)
+    with pytest.raises(ValueError, match="ws_launch is the ws variant's"):
+        residual_decode(*args, use_triton=True, variant="two_pass",
+                        ws_launch=WsDecodeLaunch(one_exchange=True))
+
+
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, build_sm90a
 
