@@ -548,14 +548,12 @@ def descriptors(k_base, v_base, k_res, v_res, table16):
 
 def build_sm90a(direct: bool, launch: WsDecodeLaunch = WsDecodeLaunch()) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
-    written directly, or as partials), built without a GPU (``sm90_build``): Llama-3-8B's
-    attention shapes (8 KV heads, head_dim 128, rank 16)."""
-    from forkserve.kernels.sm90_build import compile_gluon_sm90, ws_kernel_values
+    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE``."""
+    from forkserve.kernels.sm90_build import compile_ws_sm90
 
-    consts = dict(N_KV=8, G=4, R=16, HEAD_DIM=128, T=TILE, STAGES_=STAGES, DIRECT=direct,
-                  num_warps=4, **launch.constexprs())
-    return compile_gluon_sm90(_residual_decode_ws_kernel, ws_kernel_values(8, 128, 16),
-                              consts, MAXNREG)
+    return compile_ws_sm90(_residual_decode_ws_kernel,
+                           dict(T=TILE, STAGES_=STAGES, DIRECT=direct, num_warps=4,
+                                **launch.constexprs()), MAXNREG)
 
 
 def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,

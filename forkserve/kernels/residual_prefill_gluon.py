@@ -97,10 +97,11 @@ class WsPrefillLaunch:
         return self.rows // 16
 
     def constexprs(self) -> dict:
-        """The kernel's compile-time arguments for this launch (and its launch options)."""
+        """The kernel's compile-time arguments for this launch and its options (``maxnreg``
+        is the launch's, not a constexpr)."""
         return dict(M=self.rows, STAGES_=self.stages, EDGE_MASKS=self.edge_masks,
                     BASE_SCORES=self.base_scores, BF16_ROPE=self.bf16_rope, PAIRS=self.pairs,
-                    num_warps=self.warps, maxnreg=self.maxnreg)
+                    num_warps=self.warps)
 
     @property
     def maxnreg(self) -> int:
@@ -484,15 +485,12 @@ def _residual_prefill_ws_kernel(
 
 def build_sm90a(launch: WsPrefillLaunch, direct: bool) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
-    written directly, or as partials), built without a GPU (``sm90_build``): Llama-3-8B's
-    attention shapes (8 KV heads, head_dim 128, rank 16)."""
-    from forkserve.kernels.sm90_build import compile_gluon_sm90, ws_kernel_values
+    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE``."""
+    from forkserve.kernels.sm90_build import compile_ws_sm90
 
-    values = ws_kernel_values(8, 128, 16) | {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)}
-    consts = launch.constexprs()
-    maxnreg = consts.pop("maxnreg")
-    consts |= dict(N_KV=8, G=4, R=16, HEAD_DIM=128, T=TILE, DIRECT=direct)
-    return compile_gluon_sm90(_residual_prefill_ws_kernel, values, consts, maxnreg)
+    return compile_ws_sm90(_residual_prefill_ws_kernel,
+                           dict(T=TILE, DIRECT=direct, **launch.constexprs()), launch.maxnreg,
+                           {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)})
 
 
 def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -540,7 +538,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
-        **launch.constexprs())
+        maxnreg=launch.maxnreg, **launch.constexprs())
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

@@ -24,16 +24,20 @@ class BuildError(RuntimeError):
     """ptxas or cuobjdump refused the PTX (the message is their stderr's tail)."""
 
 
-def ws_kernel_values(n_kv: int, head_dim: int, rank: int) -> dict:
-    """The argument values the ws kernels (decode and prefill) share, for
-    ``compile_gluon_sm90``: the loader's five TMA descriptors over bf16 pools of ``n_kv``
-    heads of ``head_dim`` and rank-``rank`` residual rows, bf16 query / B / output pointers,
-    int32 tables, float32 partials."""
+# The shapes the ws kernels are built at: Llama-3-8B's attention (8 KV heads of 128, a GQA
+# group of 4) and rank-16 residuals.
+WS_SHAPE = dict(N_KV=8, G=4, R=16, HEAD_DIM=128)
+
+
+def _ws_kernel_values() -> dict:
+    """The argument values the ws kernels (decode and prefill) share at ``WS_SHAPE``: the
+    loader's five TMA descriptors over bf16 pools, bf16 query / B / output pointers, int32
+    tables, float32 partials."""
     from forkserve.kernels import residual_decode_gluon as ws
 
-    k = torch.empty(64, 16, n_kv, head_dim, dtype=torch.bfloat16)
-    k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
-    table = torch.empty(4096, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(64, 16, WS_SHAPE["N_KV"], WS_SHAPE["HEAD_DIM"], dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, WS_SHAPE["R"], dtype=torch.bfloat16)
+    table = torch.empty(4096, WS_SHAPE["HEAD_DIM"], dtype=torch.bfloat16)
     ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
                                                             torch.float32))
     values = dict(zip(("kd", "vd", "krd", "vrd", "csd"),
@@ -60,6 +64,15 @@ def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tupl
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
     return built.asm["ptx"], built.metadata.shared
+
+
+def compile_ws_sm90(kernel, consts: dict, maxnreg: int,
+                    values: dict | None = None) -> tuple[str, int]:
+    """A ws kernel's PTX for sm_90a and its shared memory at ``WS_SHAPE``: ``consts`` its
+    other constexprs (``num_warps`` among them), ``values`` its own runtime arguments beside
+    the ones the ws kernels share."""
+    return compile_gluon_sm90(kernel, _ws_kernel_values() | (values or {}),
+                              WS_SHAPE | consts, maxnreg)
 
 
 def _tool(name: str) -> Path:
