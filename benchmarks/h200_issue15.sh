@@ -78,7 +78,7 @@
 # Round 25 (the ws prefill's launch options: fewer instructions a tile):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests alone (no carry)
 #   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 69  # residual_prefill_bench (FA4 carried)
-#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2 with one_exchange
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2 with deferred_sum
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -697,13 +697,13 @@ PY
   done
   ;;
 70)
-  # Round 25: the ws decode's one-exchange softmax (row 1's margin): its CUDA tests (both
+  # Round 26: the ws decode's deferred-sum softmax (row 1's margin): its CUDA tests (both
   # forms), then rows 1-2 with it beside the default, interleaved (no carry).
   export TRITON_CACHE_DIR=/root/tc20
   FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round25_decode.log" | tail -2
+    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round26_decode.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  variants 200 decode_round25_one_exchange default ws_one_exchange
+  variants 200 decode_round26_deferred_sum default ws_deferred_sum
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

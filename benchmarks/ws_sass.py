@@ -4,7 +4,7 @@ measure, on the CPU (no GPU: the sm_90a build, ``forkserve.kernels.sm90_build``)
     python3 benchmarks/ws_sass.py prefill --out benchmarks/results \\
         [--measured benchmarks/results/residual_prefill_v5.json]
     python3 benchmarks/ws_sass.py decode --out benchmarks/results \\
-        [--measured benchmarks/results/kernel_bench_decode_round25_one_exchange.json]
+        [--measured benchmarks/results/kernel_bench_decode_round26_deferred_sum.json]
 
 Round 24 found the ws prefill's consumer issue-bound (docs/KERNELS.md): a key tile's time
 follows the instructions its warps issue, ~8 cycles each at 8 x 64 over 8K. So a launch
@@ -41,7 +41,7 @@ from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
-from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch  # noqa: E402
+from forkserve.kernels.residual_decode_gluon import SOFTMAX_FORMS, WsDecodeLaunch  # noqa: E402
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
 from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
 
@@ -211,7 +211,7 @@ PREFILL = Kernel(
     lambda lc: residual_prefill_gluon.build_sm90a(lc, direct=True)[0],
     lambda lc: 2 if lc.pairs else 1, prefill_measured, "8 x 64 over 8K")
 DECODE = Kernel(
-    "decode", (WsDecodeLaunch(), WsDecodeLaunch(one_exchange=True)),
+    "decode", tuple(map(WsDecodeLaunch, SOFTMAX_FORMS)),
     lambda lc: WsDecodeLaunch(), lambda lc: residual_decode_gluon.build_sm90a(True, lc)[0],
     lambda lc: 1, decode_measured, "4K x 64")
 KERNELS = {k.name: k for k in (PREFILL, DECODE)}

@@ -152,8 +152,9 @@ VARIANTS: dict[str, dict] = {
     # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
     # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
-    # Round 25: its softmax with one exchange between the warps (8 barriers a tile -> 5).
-    "ws_one_exchange": dict(variant="ws", ws_launch=WsDecodeLaunch(one_exchange=True)),
+    # Round 26: only the softmax's max crosses its warps, the sums kept per thread (8
+    # barriers a tile -> 4).
+    "ws_deferred_sum": dict(variant="ws", ws_launch=WsDecodeLaunch("deferred_sum")),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
 }

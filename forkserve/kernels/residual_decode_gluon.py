@@ -66,20 +66,34 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 MAXNREG = 256
 
 
+# How a tile's softmax meets across the consumer's four warps (a tile's keys are the score
+# wgmma's rows, a quarter to each warp; KERNELS.md "Round 26"):
+# * "two_exchanges": the tile's max, then its sum, each reduced over the warps by Triton (a
+#   shared-memory round trip of two barriers each, and one more between them);
+# * "deferred_sum": only the max crosses the warps, in one barrier (``_max_over_warps``);
+#   each thread keeps running sums of its own probabilities (rescaled as the accumulator
+#   is), reduced once after the loop.
+SOFTMAX_FORMS = ("two_exchanges", "deferred_sum")
+
+
 @dataclass(frozen=True)
 class WsDecodeLaunch:
-    """The kernel's options: ``one_exchange``, the tile's softmax with one exchange between
-    the warps, not two (``_softmax_one_exchange``)."""
+    """The kernel's options: ``softmax``, one of ``SOFTMAX_FORMS``."""
 
-    one_exchange: bool = False
+    softmax: str = "two_exchanges"
+
+    def __post_init__(self) -> None:
+        if self.softmax not in SOFTMAX_FORMS:
+            raise ValueError(f"WsDecodeLaunch: softmax {self.softmax!r} is not one of "
+                             + ", ".join(SOFTMAX_FORMS))
 
     @property
     def name(self) -> str:
-        return "ws" + "_one_exchange" * self.one_exchange
+        return "ws" if self.softmax == SOFTMAX_FORMS[0] else f"ws_{self.softmax}"
 
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments for these options."""
-        return dict(ONE_EXCHANGE=self.one_exchange)
+        return dict(SOFTMAX=self.softmax)
 
 
 def hopper(device: torch.device) -> bool:
@@ -223,7 +237,7 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
     _, bars, bufs, ops, scalars, _ = args
     ready = bars[0]
     k_lo, k_hi, _, _, _, _, cs_c, cs_s = bufs
-    q_lo, q_hi, fc, fs, _ = ops
+    q_lo, q_hi, fc, fs, _, _ = ops
     NS: gl.constexpr = k_lo.type.shape[0]
     T: gl.constexpr = k_lo.type.shape[1]
     NQ: gl.constexpr = q_lo.type.shape[0]
@@ -242,42 +256,27 @@ def _issue_scores(args, i, s_mma: gl.constexpr, p_mma: gl.constexpr):
 
 
 @gluon.jit
-def _merge_softmax(m_a, l_a, m_b, l_b):
-    """Two partial softmax sums ``(max, sum of exp2(s - max))`` as one."""
-    m = gl.maximum(m_a, m_b)
-    m_safe = gl.where(m == float("-inf"), 0.0, m)
-    return m, l_a * gl.exp2(m_a - m_safe) + l_b * gl.exp2(m_b - m_safe)
-
-
-@gluon.jit
-def _softmax_one_exchange(score, m_i):
-    """The tile's max ``m_new`` (with the running ``m_i``), its sum ``sum exp2(score -
-    m_new)`` and its probabilities, with one exchange between the warps where reducing the
-    max and then the sum over the keys takes two (each a shared-memory round trip with two
-    barriers): each warp reduces its own keys (the accumulator's rows: a quarter of the
-    tile) by shuffles, max and sum; one reduction merges the warps' pairs; each warp then
-    rescales its probabilities to the common max (two products a thread)."""
+def _max_over_warps(score, m_i, red):
+    """The tile's max with the running ``m_i`` ``[G]`` in one barrier: each warp's own by
+    shuffles into its row of ``red [warps, G]``, then every thread reads all the rows and
+    takes their max itself (``gl.max`` over the warps has a second round trip, where a few
+    threads reduce and write the result back). The next tile's store to ``red`` waits for
+    these reads at the probabilities' barrier (``p_smem``) between them."""
     T: gl.constexpr = score.type.shape[0]
     G: gl.constexpr = score.type.shape[1]
     nw: gl.constexpr = gl.num_warps()
-    s3 = gl.reshape(score, [nw, T // nw, G])  # the warp's keys along axis 1
-    m_l: gl.constexpr = gl.SliceLayout(1, s3.type.layout)  # [warps, G]
-    m_run = gl.expand_dims(gl.convert_layout(m_i, gl.SliceLayout(0, m_l)), 0)
-    m_w = gl.maximum(gl.max(s3, axis=1), m_run)
-    m_w_safe = gl.where(m_w == float("-inf"), 0.0, m_w)
-    p3 = gl.exp2(s3 - gl.expand_dims(m_w_safe, 1))
-    m_new, l_t = gl.reduce((m_w, gl.sum(p3, axis=1)), 0, _merge_softmax)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    c_w = gl.exp2(m_w - gl.expand_dims(m_safe, 0))  # 0 for a warp whose keys are all masked
-    p = gl.reshape(p3 * gl.expand_dims(c_w, 1), [T, G])
-    return (gl.convert_layout(m_new, m_i.type.layout), gl.convert_layout(l_t, m_i.type.layout),
-            gl.convert_layout(p, score.type.layout))
+    s3 = gl.reshape(score, [nw, T // nw, G])
+    red.store(gl.max(s3, axis=1))
+    everyone: gl.constexpr = gl.BlockedLayout([nw, 1], [32 // G, G], [nw, 1], [1, 0])
+    m_t = gl.max(red.load(everyone), axis=0)
+    return gl.maximum(m_i, gl.convert_layout(m_t, m_i.type.layout))
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr, ONE_EXCHANGE: gl.constexpr):
+def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
-    and the value products (issued, not waited on). Returns the updated state."""
+    and the value products (issued, not waited on). Returns the updated state (under
+    "deferred_sum" its ``l`` is each thread's ``[T, G]`` running sums)."""
     _, _, bufs, ops, scalars, _ = args
     _, _, v_lo, v_hi, kr, vr, _, _ = bufs
     p_smem = ops[4]
@@ -301,14 +300,18 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, ONE_EXCHANGE: gl.constexpr):
              + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
-    if ONE_EXCHANGE:
-        m_new, l_t, p = _softmax_one_exchange(score, m_i)
+    if SOFTMAX == "deferred_sum":
+        m_new = _max_over_warps(score, m_i, ops[5])
     else:
         m_new = gl.maximum(m_i, gl.max(score, axis=0))
-        p = gl.exp2(score - gl.expand_dims(m_new, 0))
+    p = gl.exp2(score - gl.expand_dims(m_new, 0))
+    if SOFTMAX == "deferred_sum":
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * gl.expand_dims(alpha, 0) + p
+    else:  # the sum first: the order of the build measured in rounds 21-24
         l_t = gl.sum(p, axis=0)
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + l_t
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + l_t
     acc_lo = acc_lo * _columns(alpha, s_mma)
     acc_hi = acc_hi * _columns(alpha, s_mma)
     acc_r = acc_r * _columns(alpha, r_mma)
@@ -376,7 +379,7 @@ def _make_operands(operands, bufs):
 
 
 @gluon.jit
-def _consume(args, ONE_EXCHANGE: gl.constexpr):
+def _consume(args, SOFTMAX: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -397,7 +400,11 @@ def _consume(args, ONE_EXCHANGE: gl.constexpr):
     # where _contract's residual scores land too.
     lp: gl.constexpr = _evens(gl.zeros([T, GP2], gl.float32, s_mma)).type.layout
     col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
-    state = (gl.full([G], float("-inf"), gl.float32, col), gl.full([G], 0.0, gl.float32, col),
+    if SOFTMAX == "deferred_sum":
+        l_0 = gl.zeros([T, G], gl.float32, lp)
+    else:
+        l_0 = gl.zeros([G], gl.float32, col)
+    state = (gl.full([G], float("-inf"), gl.float32, col), l_0,
              gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
              gl.zeros([R, GP2], gl.float32, r_mma))
     if n_tiles > 0:  # an empty split needs no operands
@@ -411,11 +418,14 @@ def _consume(args, ONE_EXCHANGE: gl.constexpr):
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, ONE_EXCHANGE)
+        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SOFTMAX)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         state = (m_i, l_i, acc_lo, acc_hi, acc_r)
         _release(args, i)
-    return state
+    m_i, l_i, acc_lo, acc_hi, acc_r = state
+    if SOFTMAX == "deferred_sum":  # the threads' running sums: one reduction, here
+        l_i = gl.sum(l_i, axis=0)
+    return m_i, l_i, acc_lo, acc_hi, acc_r
 
 
 @gluon.jit
@@ -450,7 +460,7 @@ def _residual_decode_ws_kernel(
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, ONE_EXCHANGE: gl.constexpr,
+        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, SOFTMAX: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
@@ -485,11 +495,14 @@ def _residual_decode_ws_kernel(
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
     # descriptors, barriers, slots, the operands' buffers, the program's integers, what
     # _make_operands reads.
-    args = ((kd, vd, krd, vrd, csd), bars, slots, (q_lo, q_hi, fc, fs, p_smem),
+    # The warps' maxima ("deferred_sum"; a form that does not read it builds without it).
+    red = gl.allocate_shared_memory(gl.float32, [num_warps, G],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    args = ((kd, vd, krd, vrd, csd), bars, slots, (q_lo, q_hi, fc, fs, p_smem, red),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, ONE_EXCHANGE)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, SOFTMAX)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])

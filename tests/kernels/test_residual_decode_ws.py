@@ -15,16 +15,27 @@ from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import check_ws_build
 
 from forkserve.kernels import residual_decode
+from forkserve.kernels.residual_decode_gluon import SOFTMAX_FORMS
 
 HEAD_DIM, RANK = 128, 16
 
 
-@pytest.mark.parametrize("direct,one_exchange", [(False, False), (True, False), (False, True),
-                                                 (True, True)])
-def test_ws_kernel_builds_for_sm90(direct: bool, one_exchange: bool, tmp_path) -> None:
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("softmax", SOFTMAX_FORMS)
+def test_ws_kernel_builds_for_sm90(direct: bool, softmax: str, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing, with each option."""
-    check_ws_build(__file__, [direct, one_exchange], tmp_path)
+    cut, fits one program's shared memory (227 KiB) and spills nothing, in each softmax
+    form."""
+    check_ws_build(__file__, [direct, softmax], tmp_path)
+
+
+def test_an_unknown_softmax_form_is_refused() -> None:
+    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
+
+    with pytest.raises(ValueError, match="not one of two_exchanges, deferred_sum"):
+        WsDecodeLaunch("one_exchange")
+    assert WsDecodeLaunch().name == "ws"
+    assert WsDecodeLaunch("deferred_sum").name == "ws_deferred_sum"
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
@@ -45,9 +56,9 @@ cuda_only = pytest.mark.skipif(
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("one_exchange", [False, True])
+@pytest.mark.parametrize("softmax", SOFTMAX_FORMS)
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
-                                one_exchange: bool) -> None:
+                                softmax: str) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page: warps whose keys are
     all past the end), a row without an adapter, a rank-8 adapter padded to 16; the plan's
     splits, one (the output written directly) and three (empty splits at the short rows,
@@ -56,7 +67,7 @@ def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
 
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                          ws_launch=WsDecodeLaunch(one_exchange))
+                          ws_launch=WsDecodeLaunch(softmax))
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -140,12 +151,12 @@ def test_ws_options_only_with_ws() -> None:
     args, _ = _inputs(1, [40], n_kv=2)
     with pytest.raises(ValueError, match="ws_launch is the ws variant's"):
         residual_decode(*args, use_triton=True, variant="two_pass",
-                        ws_launch=WsDecodeLaunch(one_exchange=True))
+                        ws_launch=WsDecodeLaunch("deferred_sum"))
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, build_sm90a
 
-    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(bool(int(sys.argv[3]))))
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(sys.argv[3]))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -91,17 +91,18 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
-def check_ws_build(test_file: str, params: list[int], out: Path) -> None:
+def check_ws_build(test_file: str, params: list[int | bool | str], out: Path) -> None:
     """Builds a ws kernel by ``test_file``'s ``__main__`` (its arguments: ``out``, then
-    ``params``; it writes ``ws.ptx`` and ``shared`` there) in a process of its own, and checks
-    what the sm_90a build must hold: TMA copies, wgmma, the loader's register cut, one
-    program's shared memory (227 KiB), no spills. A process of its own: under the kernel
-    tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports (``gl.sum``'s combine
-    function) is an interpreted one, which the compiler refuses."""
+    ``params``, a bool as 0 or 1; it writes ``ws.ptx`` and ``shared`` there) in a process
+    of its own, and checks what the sm_90a build must hold: TMA copies, wgmma, the loader's
+    register cut, one program's shared memory (227 KiB), no spills. A process of its own:
+    under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
+    (``gl.sum``'s combine function) is an interpreted one, which the compiler refuses."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, test_file, str(out), *(str(int(p)) for p in params)],
+    argv = [str(int(p) if isinstance(p, bool) else p) for p in params]
+    run = subprocess.run([sys.executable, test_file, str(out), *argv],
                          env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
