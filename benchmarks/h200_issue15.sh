@@ -78,7 +78,9 @@
 # Round 25 (the ws prefill's launch options: fewer instructions a tile):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 66  # ws prefill CUDA tests alone (no carry)
 #   FORKSERVE_COMMIT=<sha> TAG=... bash benchmarks/h200_issue15.sh 69  # residual_prefill_bench (FA4 carried)
+# Round 26 (the ws decode: its softmax in one barrier; GQA groups 1-8 and rank 32):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2 with deferred_sum
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 71  # the ws decode at GQA 8 and rank 32
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -698,12 +700,24 @@ PY
   ;;
 70)
   # Round 26: the ws decode's deferred-sum softmax (row 1's margin): its CUDA tests (both
-  # forms), then rows 1-2 with it beside the default, interleaved (no carry).
+  # forms, and the shapes built beside Llama-3-8B's: GQA groups 1-8, rank 32), then rows
+  # 1-2 with it beside the default, interleaved (no carry).
   export TRITON_CACHE_DIR=/root/tc20
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
+  FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
     tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round26_decode.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   variants 200 decode_round26_deferred_sum default ws_deferred_sum
+  ;;
+71)
+  # Round 26: the ws decode at the shapes built beside Llama-3-8B's, GQA 8 (Llama-3-70B's)
+  # and rank 32, each beside the policy's pick there (two-pass) and unified, interleaved
+  # (no carry; after step 70, whose tests cover these shapes). What decides whether
+  # decode_policy.MEASURED_WS_SHAPES takes them.
+  export TRITON_CACHE_DIR=/root/tc20
+  variants 150 decode_round26_gqa8 default ws ws_deferred_sum --group 8 \
+    --contexts 4096 32768 --batches 1 8 64
+  variants 150 decode_round26_rank32 default ws ws_deferred_sum --rank 32 \
+    --contexts 4096 32768 --batches 1 8 64
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

@@ -16,7 +16,9 @@ ranks oldest, then the later file in name order. Only the folder's own files are
 kernel's figures kept after the kernel was reverted live under ``reverted/`` there, so a later
 run of a lost experiment can never stand for the kernel main ships. A goal no file holds says
 "not measured" and names the file that would hold it. A missing folder, or a file that is not
-readable JSON or not the bench's shape, is a one-line error (exit 2).
+readable JSON or not the bench's shape, is a one-line error (exit 2). A kernel_bench run at
+another attention shape than the issue's (Llama-3-8B's, rank-16 residuals: ``--group``,
+``--rank``) is left out.
 """
 from __future__ import annotations
 
@@ -405,10 +407,22 @@ GOALS = (
 )
 
 
+# The issue's goals are at Llama-3-8B's attention with rank-16 residuals: a kernel_bench run
+# whose recorded shape differs (``--group 8``, ``--rank 32``) answers another question.
+ISSUE_SHAPE = {"n_heads": 32, "n_kv": 8, "head_dim": 128, "rank": 16}
+
+
+def at_issue_shape(doc: Doc) -> bool:
+    shape = doc.data.get("shape")
+    return not isinstance(shape, dict) or all(
+        shape.get(k, v) == v for k, v in ISSUE_SHAPE.items())
+
+
 def build(results: Path) -> list[Row]:
     if not results.is_dir():
         raise GoalsError(f"results folder {results} does not exist")
-    kernel = load_docs(sorted(results.glob("kernel_bench*.json")), "kernel_bench result")
+    kernel = [d for d in load_docs(sorted(results.glob("kernel_bench*.json")),
+                                   "kernel_bench result") if at_issue_shape(d)]
     routes = load_docs(sorted(results.glob("residual_prefill*.json")),
                        "residual_prefill_bench result")
     # A baseline run (``decode_bench --no-skinny``: cuBLAS where the engine runs the skinny

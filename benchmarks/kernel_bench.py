@@ -80,6 +80,9 @@ def main() -> None:
                              "no SDPA/eager), plus shared-prefix unless skipped; writes "
                              "kernel_bench_<tag>.json/.png")
     parser.add_argument("--contexts", nargs="*", type=int, help="decode contexts (default: all)")
+    parser.add_argument("--group", type=int,
+                        help="query heads a KV head (default 4: Llama-3-8B's; 8 is Llama-3-70B's)")
+    parser.add_argument("--rank", type=int, help="the residual pools' rank (default 16)")
     parser.add_argument("--batches", nargs="*", type=int, help="decode batches (default: all)")
     parser.add_argument("--tag", help="file name tag for --variants (default decode_variants) "
                                       "and --mixed (default mixed)")
@@ -138,7 +141,7 @@ def main() -> None:
     if args.regs:
         register_report(args.out)
         return
-    s = Setup(args.smoke)
+    s = Setup(args.smoke, args.group, args.rank)
     # Shapes given on the command line replace the Setup's defaults.
     for arg, field in (("contexts", "contexts"), ("batches", "batches"),
                        ("prefill_contexts", "prefill_contexts"),

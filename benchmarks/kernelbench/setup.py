@@ -11,9 +11,11 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq
 
 
 class Setup:
-    """Shapes and one shared set of pools, sized for the largest case."""
+    """Shapes and one shared set of pools, sized for the largest case: Llama-3-8B's attention
+    (32 query heads over 8 KV heads of 128) and rank-16 residuals unless ``group`` (query
+    heads a KV head) or ``rank`` say otherwise."""
 
-    def __init__(self, smoke: bool) -> None:
+    def __init__(self, smoke: bool, group: int | None = None, rank: int | None = None) -> None:
         self.smoke = smoke
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
@@ -43,6 +45,8 @@ class Setup:
             # --cascade-split: shared prefixes, agents per prefix, private suffix (react-like).
             self.split_prefixes, self.split_agents, self.split_suffix = [8192, 32768], [8, 32], 600
             self.max_tokens = 64 * 32768 + 32 * 256
+        self.n_heads = self.n_kv * (group or self.n_heads // self.n_kv)
+        self.rank = rank or self.rank
         self.page = 16
         self.n_adapters = 4
         gen = torch.Generator(device=self.device).manual_seed(0)

@@ -73,7 +73,7 @@ def prefill_kernels(q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor 
     flash = flash_support(q, k_cache) if flash is None else flash
     ws = False
     if k_res is not None:
-        from forkserve.kernels.residual_decode_gluon import supports
+        from forkserve.kernels.residual_prefill_gluon import supports
         ws = supports(q, k_cache, k_res)
     return PrefillKernels(flash.varlen, flash.paged, ws)
 

@@ -8,9 +8,11 @@ graph (one batch size) captures one variant. Measured on the H200 (docs/KERNELS.
   at batch 8-64;
 * two-pass: 1.32-1.34x at batch 1, 1.33-1.43x at batch 8-64.
 
-So "ws" at every batch where its kernel takes the shapes (``residual_decode_gluon.supports``),
-two-pass elsewhere. ``ws_max_batch`` bounds it for experiments (round 20's one-by-one
-products lost to two-pass past 16 rows).
+So "ws" at every batch where its kernel takes the shapes and they are among ``ws_shapes``
+(``residual_decode_gluon.ws_shape``'s ``(GQA group, rank)``; by default the ones measured,
+``MEASURED_SHAPES``: the kernel builds for more, which stay on two-pass until a run on the
+GPU measures them), two-pass elsewhere. ``ws_max_batch`` bounds it for experiments (round
+20's one-by-one products lost to two-pass past 16 rows).
 """
 from __future__ import annotations
 
@@ -18,15 +20,22 @@ from dataclasses import dataclass
 
 import torch
 
+# The ``(GQA group, rank)`` pairs of the ws kernel measured on the H200 (docs/KERNELS.md,
+# rounds 20-26: Llama-3-8B's group and rank-16 pools). The others it builds for (groups up
+# to 8 padded to 4 or 8, rank 32) are checked on the CPU's sm_90a build and by the CUDA
+# tests, and join this set once a run measures them against two-pass.
+MEASURED_WS_SHAPES = frozenset({(4, 16)})
+
 
 @dataclass(frozen=True)
 class DecodeVariantPolicy:
     ws_max_batch: int | None = None
+    ws_shapes: frozenset[tuple[int, int]] = MEASURED_WS_SHAPES
 
     def variant(self, q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> str:
         from forkserve.kernels import residual_decode_gluon
         if ((self.ws_max_batch is None or q.shape[0] <= self.ws_max_batch)
-                and residual_decode_gluon.supports(q, k_base, k_res)):
+                and residual_decode_gluon.ws_shape(q, k_base, k_res) in self.ws_shapes):
             return "ws"
         return "two_pass"
 

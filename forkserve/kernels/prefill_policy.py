@@ -6,7 +6,7 @@ Routes (``PrefillRoute``):
 * ``FUSED``: the same kernel in the residual form, rebuilding each key tile per query block;
 * ``WS``: the residual form in one warp-specialized Gluon launch (residual_prefill_gluon.py:
   TMA page gathers, each key tile rebuilt once per 64 or 128 query rows by wgmma); sm_90 and the
-  shapes of ``residual_decode_gluon.supports`` only;
+  shapes of ``residual_prefill_gluon.supports`` only;
 * ``MERGED``: the residual form rebuilt once into temporary pages, then ``PAGED``'s kernel;
 * ``FLASH``: each sequence's K/V gathered (and, in the residual form, rebuilt) into one
   packed buffer, then the varlen flash kernel ``flash_op.flash_support`` found
@@ -115,7 +115,7 @@ class PrefillKernels:
     once per step by the caller (``kernels.prefill_kernels``) and read by the policy:
     ``varlen``, a varlen flash kernel (``FlashSupport.varlen``); ``paged``, one that reads
     the pages too (``FlashSupport.paged``); ``residual_ws``, the warp-specialized residual
-    prefill (``residual_decode_gluon.supports``)."""
+    prefill (``residual_prefill_gluon.supports``)."""
 
     varlen: bool = False
     paged: bool = False

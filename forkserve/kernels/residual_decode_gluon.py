@@ -19,9 +19,10 @@ not). Here the roles are explicit (``gl.warp_specialize``):
   softmax lost 0.04-0.26x unified, the consumer then holding two of the three slots; each
   slot's K and V halves on barriers of their own gained nothing.)
 
-So the HBM stream of the next tiles runs while this tile's products do. The GQA group is
-padded to the wgmma's 8 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with
-zeros, ``split`` back). The consumer makes the folded matrices ``Fc, Fs``
+So the HBM stream of the next tiles runs while this tile's products do. The GQA group (padded
+to 4 or 8 query columns with zero queries, ``padded_group``) is spread over the wgmma's 8 or
+16 columns by interleaving: query ``g`` is column ``2 g`` (``join`` with zeros, ``split``
+back). The consumer makes the folded matrices ``Fc, Fs``
 (residual_score_qfold.py's algebra) and the interleaved queries itself, both scaled into the
 log2 domain, once its first tile has landed, so the loader's first gathers run meanwhile
 (round 21: 0.00-0.04x unified faster than making them before the fork); ``B_v`` is applied
@@ -30,8 +31,10 @@ slot wait, instead of one by one beside the copies, gained nothing either.)
 
 Grid ``(batch * n_kv, splits)``; a program's keys are its split of its own sequence
 (``DYN_SPLIT``, the dynamic plan), its output the partials ``merge_partials`` combines, or
-the output itself at one split. Shapes it takes (``supports``): 16-key pages, head_dim 128,
-a GQA group of 4, residual rank 16, bf16, contiguous pools; the rest stay on two-pass.
+the output itself at one split. Shapes it takes (``ws_shape``): 16-key pages, head_dim 128, a
+GQA group of up to 8, residual rank 16 (or 32 with a group of up to 4), bf16, contiguous
+pools; the rest stay on two-pass, and so do the taken shapes the decode policy has not
+measured (``decode_policy.MEASURED_WS_SHAPES``).
 """
 from __future__ import annotations
 
@@ -102,15 +105,38 @@ def hopper(device: torch.device) -> bool:
     return cuda_capability(device) == (9, 0)
 
 
-def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
-    """Whether ``residual_decode_ws`` takes these shapes on this device (see the module
-    docstring)."""
+# The pool ranks the kernel takes (a K_res row is one TMA box; the V_res product's M).
+# Which of the shapes ``ws_shape`` takes the decode policy picks is the policy's
+# (``decode_policy.MEASURED_WS_SHAPES``: those measured on the H200).
+RANKS = (16, 32)
+
+
+def padded_group(group: int) -> int | None:
+    """The query columns a KV head's GQA ``group`` takes in the kernel (4 or 8: the score
+    wgmma's N is twice it, at least 8), the rest zero queries; None past 8."""
+    return 4 if 1 <= group <= 4 else 8 if group <= 8 else None
+
+
+def ws_shape(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor
+             ) -> tuple[int, int] | None:
+    """``(GQA group, rank)`` where ``residual_decode_ws`` takes these tensors on this device,
+    else None: 16-key pages, head_dim 128, a group of at most 8, rank 16 or 32 with the
+    padded group times the rank at most 128 (the folds ``Fc, Fs`` are ``2 x G r x 64``
+    bf16 of shared memory beside the slot ring), bf16, contiguous pools, sm_90."""
     n_kv, head_dim = k_base.shape[2], k_base.shape[3]
+    group, rank = q.shape[1] // n_kv, k_res.shape[2]
+    padded = padded_group(group)
     # The TMA descriptors view the pools as 2-D row-major tensors.
-    return (q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
-            and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
-            and head_dim == 128 and q.shape[1] == 4 * n_kv and k_res.shape[2] == 16
-            and hopper(q.device))
+    ok = (q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
+          and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
+          and head_dim == 128 and q.shape[1] == group * n_kv and padded is not None
+          and rank in RANKS and padded * rank <= 128 and hopper(q.device))
+    return (group, rank) if ok else None
+
+
+def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
+    """Whether ``residual_decode_ws`` takes these shapes on this device (``ws_shape``)."""
+    return ws_shape(q, k_base, k_res) is not None
 
 
 @gluon.constexpr_function
@@ -338,12 +364,14 @@ def _release(args, i):
 
 
 @gluon.jit
-def _make_operands(operands, bufs):
+def _make_operands(operands, bufs, GROUP: gl.constexpr):
     """The queries, interleaved with zero rows to 2G (the N of the score wgmma), and the
     folded matrices (residual_score_qfold.py), both in the log2 domain, into ``q_lo, q_hi,
     fc, fs`` for the whole loop (a program with keys). ``operands``: the program's query row
     (its first head), the query head stride, its adapter's ``B_k`` row (its KV head's
-    columns), the rank stride, the scale, whether it folds (a row with an adapter)."""
+    columns), the rank stride, the scale, whether it folds (a row with an adapter).
+    ``GROUP``: the query heads of its GQA group (``G`` or fewer: the rest are padding, zero
+    queries)."""
     q_row, stride_qh, b_row, stride_bk, scale_log2e, f_ok = operands
     q_lo, q_hi, fc, fs = bufs[0], bufs[1], bufs[2], bufs[3]
     GP2: gl.constexpr = q_lo.type.shape[0]
@@ -356,6 +384,8 @@ def _make_operands(operands, bufs):
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
     q_ptr = q_row + (qr // 2)[:, None] * stride_qh + d[None, :]
     q_ok = (qr % 2 == 0)[:, None]
+    if GROUP < G:
+        q_ok = q_ok & (qr // 2 < GROUP)[:, None]
     q_lo.store((gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
@@ -369,8 +399,11 @@ def _make_operands(operands, bufs):
     i3 = gl.expand_dims(gl.expand_dims(
         gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, lf))), 0), 1)
     fq = q_row + g3 * stride_qh + i3
-    fq_lo = gl.load(fq, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
-    fq_hi = gl.load(fq + HALF, mask=f_ok, other=0.0).to(gl.float32) * scale_log2e
+    fq_ok = f_ok
+    if GROUP < G:
+        fq_ok = fq_ok & (g3 < GROUP)
+    fq_lo = gl.load(fq, mask=fq_ok, other=0.0).to(gl.float32) * scale_log2e
+    fq_hi = gl.load(fq + HALF, mask=fq_ok, other=0.0).to(gl.float32) * scale_log2e
     fb = b_row + k3 * stride_bk + i3
     fb_lo = gl.load(fb, mask=f_ok, other=0.0).to(gl.float32)
     fb_hi = gl.load(fb + HALF, mask=f_ok, other=0.0).to(gl.float32)
@@ -379,7 +412,7 @@ def _make_operands(operands, bufs):
 
 
 @gluon.jit
-def _consume(args, SOFTMAX: gl.constexpr):
+def _consume(args, SOFTMAX: gl.constexpr, GROUP: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -413,7 +446,7 @@ def _consume(args, SOFTMAX: gl.constexpr):
         # start, in bytes this partition's layout conversions may reuse (Triton 3.6;
         # docs/KERNELS.md "Round 20").
         mbarrier.wait(args[1][0].index(0), 0)
-        _make_operands(args[5], ops)
+        _make_operands(args[5], ops, GROUP)
         fence_async_shared()
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
@@ -459,9 +492,10 @@ def _residual_decode_ws_kernel(
         Out, PartOut, PartLse, scale_log2e,
         stride_qb, stride_qh, stride_bt, stride_rbt, stride_ba, stride_bk,
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr, SOFTMAX: gl.constexpr,
-        num_warps: gl.constexpr):
+        N_KV: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, R: gl.constexpr,
+        HEAD_DIM: gl.constexpr, T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
+        SOFTMAX: gl.constexpr, num_warps: gl.constexpr):
+    # GROUP query heads a KV head, padded to G (4 or 8: the score wgmma's N is 2G).
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
     pid = gl.program_id(0)
@@ -484,25 +518,25 @@ def _residual_decode_ws_kernel(
     fc = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     fs = gl.allocate_shared_memory(gl.bfloat16, [G * R, HALF], f_layout)
     f_ok = has_res & (n_tiles > 0)
-    operands = (Q + row * stride_qb + head * G * stride_qh, stride_qh,
+    operands = (Q + row * stride_qb + head * GROUP * stride_qh, stride_qh,
                 BK + gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM, stride_bk,
                 scale_log2e, f_ok)
 
     slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
+    # The warps' maxima ("deferred_sum"; a form that does not read it builds without it).
+    red = gl.allocate_shared_memory(gl.float32, [num_warps, G],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     fence_async_shared()
     # One tuple for both partitions (a worker's arguments are the default's, by signature):
     # descriptors, barriers, slots, the operands' buffers, the program's integers, what
     # _make_operands reads.
-    # The warps' maxima ("deferred_sum"; a form that does not read it builds without it).
-    red = gl.allocate_shared_memory(gl.float32, [num_warps, G],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     args = ((kd, vd, krd, vrd, csd), bars, slots, (q_lo, q_hi, fc, fs, p_smem, red),
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, SOFTMAX)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, SOFTMAX, GROUP)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -521,20 +555,22 @@ def _residual_decode_ws_kernel(
     o_hi = o_hi / gl.expand_dims(l_safe, 0)
     od = gl.arange(0, HALF, layout=gl.SliceLayout(1, lo2))
     og = gl.arange(0, G, layout=gl.SliceLayout(0, lo2))
-    heads = head * G + og
+    heads = head * GROUP + og
+    o_ok = (og < GROUP)[None, :]  # the padding heads' columns are not stored
     if DIRECT:
         o_ptr = Out + row * stride_ob + heads[None, :] * stride_oh + od[:, None]
-        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty))
-        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty))
+        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty), mask=o_ok)
+        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty), mask=o_ok)
     else:
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         lg = gl.arange(0, G, layout=lse.type.layout)
-        gl.store(PartLse + row * stride_lb + (head * G + lg) * stride_lh + split, lse)
+        gl.store(PartLse + row * stride_lb + (head * GROUP + lg) * stride_lh + split, lse,
+                 mask=lg < GROUP)
         if n_tiles > 0:
             p_ptr = (PartOut + row * stride_pb + heads[None, :] * stride_ph + split * stride_ps
                      + od[:, None])
-            gl.store(p_ptr, o_lo)
-            gl.store(p_ptr + HALF, o_hi)
+            gl.store(p_ptr, o_lo, mask=o_ok)
+            gl.store(p_ptr + HALF, o_hi, mask=o_ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -559,14 +595,17 @@ def descriptors(k_base, v_base, k_res, v_res, table16):
             TensorDescriptor.from_tensor(table16, [TILE, half], _smem_layout(TILE, half)))
 
 
-def build_sm90a(direct: bool, launch: WsDecodeLaunch = WsDecodeLaunch()) -> tuple[str, int]:
+def build_sm90a(direct: bool, launch: WsDecodeLaunch = WsDecodeLaunch(), group: int = 4,
+                rank: int = 16) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
-    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE``."""
+    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE`` with
+    this GQA group and rank."""
     from forkserve.kernels.sm90_build import compile_ws_sm90
 
     return compile_ws_sm90(_residual_decode_ws_kernel,
-                           dict(T=TILE, STAGES_=STAGES, DIRECT=direct, num_warps=4,
-                                **launch.constexprs()), MAXNREG)
+                           dict(T=TILE, STAGES_=STAGES, DIRECT=direct, num_warps=4, GROUP=group,
+                                G=padded_group(group), R=rank, **launch.constexprs()),
+                           MAXNREG)
 
 
 def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -581,8 +620,9 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
     the split plan; graph-safe)."""
     if not supports(q, k_base, k_res):
-        raise ValueError("residual_decode_ws: 16-key pages, head_dim 128, a GQA group of 4, "
-                         "rank 16, bf16 on an sm_90 GPU")
+        raise ValueError("residual_decode_ws: 16-key pages, head_dim 128, a GQA group of at "
+                         "most 8, rank 16 (or 32 with a group of at most 4), bf16, contiguous "
+                         "pools, on an sm_90 GPU")
     if b_k_all.stride() != b_v_all.stride():
         raise ValueError("residual_decode_ws: B_k and B_v stacked alike (one pair of strides)")
     batch, n_heads, head_dim = q.shape
@@ -604,7 +644,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         b_v_all.stride(0), b_v_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
+        N_KV=n_kv, GROUP=g, G=padded_group(g), R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
         DIRECT=direct, num_warps=4, maxnreg=MAXNREG, **launch.constexprs())
     if direct:
         return out

@@ -23,8 +23,9 @@ on two in lockstep (``WsPrefillLaunch``). Per key tile:
 Grid ``(batch * n_kv * m_blocks, splits)``, the m blocks of one (sequence, KV head)
 adjacent so their key tiles meet in L2; a program's keys are its split of the keys its
 block's last token sees, merged by ``split_kv.merge_partials`` when the dynamic plan cuts
-them. Shapes: ``residual_decode_gluon.supports``' (16-key pages, head_dim 128, a GQA group of
-4, rank 16, bf16, contiguous pools, sm_90). Measured: docs/KERNELS.md "Round 23".
+them. Shapes: ``supports`` (the decode kernel's ``ws_shape`` at a GQA group of 4 and rank
+16 only: 16-key pages, head_dim 128, bf16, contiguous pools, sm_90). Measured:
+docs/KERNELS.md "Round 23".
 """
 from __future__ import annotations
 
@@ -51,11 +52,18 @@ from forkserve.kernels.residual_decode_gluon import (
     _zero_rows_from,
     descriptors,
     slot_ring,
-    supports,
     wgmma_layout,
+    ws_shape,
 )
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
+
+
+def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
+    """Whether ``residual_prefill_ws`` takes these shapes on this device: the decode
+    kernel's (``residual_decode_gluon.ws_shape``) at a GQA group of 4 and rank 16, the
+    shape this kernel's query rows (16 tokens x 4 heads a warp group) are built for."""
+    return ws_shape(q, k_base, k_res) == (4, 16)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,14 @@ class BuildError(RuntimeError):
 WS_SHAPE = dict(N_KV=8, G=4, R=16, HEAD_DIM=128)
 
 
-def _ws_kernel_values() -> dict:
-    """The argument values the ws kernels (decode and prefill) share at ``WS_SHAPE``: the
-    loader's five TMA descriptors over bf16 pools, bf16 query / B / output pointers, int32
-    tables, float32 partials."""
+def _ws_kernel_values(rank: int) -> dict:
+    """The argument values the ws kernels (decode and prefill) share at ``WS_SHAPE`` with
+    residuals of ``rank``: the loader's five TMA descriptors over bf16 pools, bf16 query / B
+    / output pointers, int32 tables, float32 partials."""
     from forkserve.kernels import residual_decode_gluon as ws
 
     k = torch.empty(64, 16, WS_SHAPE["N_KV"], WS_SHAPE["HEAD_DIM"], dtype=torch.bfloat16)
-    k_res = torch.empty(64, 16, WS_SHAPE["R"], dtype=torch.bfloat16)
+    k_res = torch.empty(64, 16, rank, dtype=torch.bfloat16)
     table = torch.empty(4096, WS_SHAPE["HEAD_DIM"], dtype=torch.bfloat16)
     ptr, ints, floats = (torch.empty(8, dtype=t) for t in (torch.bfloat16, torch.int32,
                                                             torch.float32))
@@ -69,10 +69,11 @@ def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tupl
 def compile_ws_sm90(kernel, consts: dict, maxnreg: int,
                     values: dict | None = None) -> tuple[str, int]:
     """A ws kernel's PTX for sm_90a and its shared memory at ``WS_SHAPE``: ``consts`` its
-    other constexprs (``num_warps`` among them), ``values`` its own runtime arguments beside
-    the ones the ws kernels share."""
-    return compile_gluon_sm90(kernel, _ws_kernel_values() | (values or {}),
-                              WS_SHAPE | consts, maxnreg)
+    other constexprs (``num_warps`` among them; ``G`` or ``R`` there replace the shape's),
+    ``values`` its own runtime arguments beside the ones the ws kernels share."""
+    shape = WS_SHAPE | consts
+    return compile_gluon_sm90(kernel, _ws_kernel_values(shape["R"]) | (values or {}), shape,
+                              maxnreg)
 
 
 def _tool(name: str) -> Path:

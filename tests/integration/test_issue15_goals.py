@@ -39,6 +39,12 @@ def folder(tmp_path) -> Path:
         # two_pass_default: 1.25, not 1.1.
         {"ctx": 8192, "batch": 1, "unified_ms": 1.0, "two_pass_default_ratio": 1.1,
          "default_ratio": 1.25}]})
+    # The newest of all, but at another shape (GQA 8): never the goals' figure.
+    write(tmp_path / "kernel_bench_gqa8.json", {
+        "commit": NEWEST, "shape": {"n_heads": 64, "n_kv": 8, "head_dim": 128, "rank": 16},
+        "decode_variants": [{"ctx": 8192, "batch": 8, "unified_ms": 1.0, "default_ratio": 1.0},
+                            {"ctx": 8192, "batch": 1, "unified_ms": 1.0,
+                             "default_ratio": 1.0}]})
     write(tmp_path / "kernel_bench_b.json", {"commit": OLDER, "decode_variants": [
         {"ctx": 8192, "batch": 8, "unified_ms": 1.0, "v1_ratio": 1.1},
         {"ctx": 4096, "batch": 1, "unified_ms": 1.0, "v1_ratio": 2.0}]})

@@ -20,13 +20,20 @@ from forkserve.kernels.residual_decode_gluon import SOFTMAX_FORMS
 HEAD_DIM, RANK = 128, 16
 
 
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("softmax", SOFTMAX_FORMS)
-def test_ws_kernel_builds_for_sm90(direct: bool, softmax: str, tmp_path) -> None:
+# (direct, softmax, GQA group, rank): both outputs in both softmax forms at the measured
+# shape; the other shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
+BUILDS = [(direct, softmax, 4, 16) for direct in (False, True) for softmax in SOFTMAX_FORMS] + [
+    (False, "two_exchanges", 8, 16), (False, "two_exchanges", 4, 32),
+    (True, "deferred_sum", 3, 16)]
+
+
+@pytest.mark.parametrize("direct,softmax,group,rank", BUILDS)
+def test_ws_kernel_builds_for_sm90(direct: bool, softmax: str, group: int, rank: int,
+                                   tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing, in each softmax
-    form."""
-    check_ws_build(__file__, [direct, softmax], tmp_path)
+    form and at each kind of shape it takes."""
+    check_ws_build(__file__, [direct, softmax, group, rank], tmp_path)
 
 
 def test_an_unknown_softmax_form_is_refused() -> None:
@@ -38,11 +45,12 @@ def test_an_unknown_softmax_form_is_refused() -> None:
     assert WsDecodeLaunch("deferred_sum").name == "ws_deferred_sum"
 
 
-def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2):
-    """Rank-16 pools (adapter 1 of rank 8, padded), head_dim 128, B scaled by 0.2."""
+def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2, group: int = 4, rank: int = RANK):
+    """Pools of ``rank`` (adapter 1 of rank 8, padded), head_dim 128, B scaled by 0.2, a GQA
+    group of ``group``."""
     gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(
-        seed, seq_lens, n_kv, HEAD_DIM, rank=8, r_max=RANK, b_scale=0.2)
-    q = torch.randn(len(seq_lens), 4 * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
+        seed, seq_lens, n_kv, HEAD_DIM, rank=8, r_max=rank, b_scale=0.2)
+    q = torch.randn(len(seq_lens), group * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
     return args, c
@@ -80,6 +88,28 @@ def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
 
 
 @cuda_only
+@pytest.mark.parametrize("group,rank,softmax", [
+    (8, 16, "two_exchanges"), (4, 32, "two_exchanges"), (3, 16, "two_exchanges"),
+    (7, 16, "deferred_sum"), (1, 16, "deferred_sum")])
+def test_ws_at_other_shapes(group: int, rank: int, softmax: str) -> None:
+    """The shapes built beside the measured one: a group padded to 8 query columns (8, 7),
+    to 4 (3, 1: the padding heads' columns neither stored nor written to partials), rank
+    32; split and direct."""
+    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
+
+    seq_lens = [37, 700, 16, 1, 129]
+    args, c = _inputs(group + rank, seq_lens, group=group, rank=rank)
+    q, adapters = args[0], args[10]
+    ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
+                       (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
+                        args[11]))
+    for num_splits in (None, 1):
+        out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
+                              ws_launch=WsDecodeLaunch(softmax))
+        assert rel_err(out, ref) < REL_TOL, num_splits
+
+
+@cuda_only
 def test_ws_under_a_cuda_graph() -> None:
     args, _ = _inputs(5, [300, 1000, 17])
     bound = {"max_seq_len": 1024}
@@ -93,28 +123,52 @@ def test_ws_under_a_cuda_graph() -> None:
 
 def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A call naming no variant nor any option of one (the engine's) runs the policy's pick:
-    ws where its kernel takes the shapes (at any batch, unless the policy bounds it),
-    two-pass where it does not; a call with an option of its own keeps two-pass's default."""
+    ws where its kernel takes the shapes and they are measured ones (at any batch, unless
+    the policy bounds it), two-pass where not; a call with an option of its own keeps
+    two-pass's default."""
     from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
     from forkserve.kernels import residual_decode_triton as rdt
-    from forkserve.kernels.decode_policy import DecodeVariantPolicy
+    from forkserve.kernels.decode_policy import MEASURED_WS_SHAPES, DecodeVariantPolicy
 
     args, _ = _inputs(1, [40] * 65)
     assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == (
         "ws" if residual_decode_gluon.hopper(args[0].device) else "two_pass")
-    narrow = args[0][:, :4].contiguous()  # a GQA group of 2: not ws's
-    assert DEFAULT_DECODE_POLICY.variant(narrow, args[1], args[3]) == "two_pass"
-    monkeypatch.setattr(residual_decode_gluon, "supports", lambda *a: True)
-    assert DEFAULT_DECODE_POLICY.variant(args[0], args[1], args[3]) == "ws"
+    monkeypatch.setattr(residual_decode_gluon, "hopper", lambda device: True)
+    q, k, k_res = (t.to(torch.bfloat16) for t in (args[0], args[1], args[3]))
+    assert DEFAULT_DECODE_POLICY.variant(q, k, k_res) == "ws"
+    narrow = q[:, :4].contiguous()  # a GQA group of 2: built for, not measured
+    assert residual_decode_gluon.ws_shape(narrow, k, k_res) == (2, 16)
+    assert DEFAULT_DECODE_POLICY.variant(narrow, k, k_res) == "two_pass"
+    wider = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES | {(2, 16)})
+    assert wider.variant(narrow, k, k_res) == "ws"
     bounded = DecodeVariantPolicy(ws_max_batch=16)
-    assert bounded.variant(args[0][:16], args[1], args[3]) == "ws"
-    assert bounded.variant(args[0][:17], args[1], args[3]) == "two_pass"
+    assert bounded.variant(q[:16], k, k_res) == "ws"
+    assert bounded.variant(q[:17], k, k_res) == "two_pass"
     seen = []
     monkeypatch.setattr(rdt, "residual_decode_triton", lambda *a, **k: seen.append(k))
-    short = (args[0][:2], *args[1:])
+    short = (q[:2], k, args[2], k_res, *args[4:])
     residual_decode(*short, use_triton=True, max_seq_len=64)
     residual_decode(*short, use_triton=True, pdl=False)
     assert seen == [{"max_seq_len": 64, "variant": "ws"}, {"pdl": False}]
+
+
+@pytest.mark.parametrize("group,rank,head_dim,taken", [
+    (4, 16, 128, True), (1, 16, 128, True), (3, 16, 128, True), (7, 16, 128, True),
+    (8, 16, 128, True), (2, 32, 128, True), (4, 32, 128, True),
+    (8, 32, 128, False),  # the folds would not fit beside the slot ring
+    (9, 16, 128, False), (4, 8, 128, False), (4, 64, 128, False), (4, 16, 64, False)])
+def test_the_shapes_the_kernel_takes(monkeypatch: pytest.MonkeyPatch, group: int, rank: int,
+                                     head_dim: int, taken: bool) -> None:
+    """``ws_shape``: a GQA group of up to 8 (padded to 4 or 8 query columns), rank 16, or 32
+    where the padded group is 4; head_dim 128."""
+    from forkserve.kernels import residual_decode_gluon
+
+    monkeypatch.setattr(residual_decode_gluon, "hopper", lambda device: True)
+    n_kv = 2
+    q = torch.empty(1, group * n_kv, head_dim, dtype=torch.bfloat16)
+    k = torch.empty(4, 16, n_kv, head_dim, dtype=torch.bfloat16)
+    k_res = torch.empty(4, 16, rank, dtype=torch.bfloat16)
+    assert residual_decode_gluon.ws_shape(q, k, k_res) == ((group, rank) if taken else None)
 
 
 def test_ws_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +211,7 @@ def test_ws_options_only_with_ws() -> None:
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, build_sm90a
 
-    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(sys.argv[3]))
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(sys.argv[3]),
+                              int(sys.argv[4]), int(sys.argv[5]))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))
