@@ -5,6 +5,7 @@ measure, on the CPU (no GPU: the sm_90a build, ``forkserve.kernels.sm90_build``)
         [--measured benchmarks/results/residual_prefill_v5.json]
     python3 benchmarks/ws_sass.py decode --out benchmarks/results \\
         [--measured benchmarks/results/kernel_bench_decode_round26_deferred_sum.json]
+    python3 benchmarks/ws_sass.py decode --shape 8 16 --out benchmarks/results
 
 Round 24 found the ws prefill's consumer issue-bound (docs/KERNELS.md): a key tile's time
 follows the instructions its warps issue, ~8 cycles each at 8 x 64 over 8K. So a launch
@@ -19,7 +20,9 @@ zeroing its V rows, the prefill's mask of a tile crossing the diagonal under
 barriers a tile, by class, and the ratio to the same launch without options), writes
 ``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` puts a bench run beside it, each
 launch's time over the plain launch's at the row's worst case, so the model meets the
-measurement.
+measurement. ``--shape GROUP RANK`` builds the decode at another GQA group and rank than
+Llama-3-8B's 4 and 16 (``residual_decode_gluon.ws_shape``), into
+``ws_decode_sass_g<GROUP>_r<RANK>``.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if __name__ == "__main__":  # before triton's import: the compiler refuses interpreted helpers
@@ -215,6 +218,7 @@ DECODE = Kernel(
     lambda lc: WsDecodeLaunch(), lambda lc: residual_decode_gluon.build_sm90a(True, lc)[0],
     lambda lc: 1, decode_measured, "4K x 64")
 KERNELS = {k.name: k for k in (PREFILL, DECODE)}
+DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at
 
 
 def ratios(counts: list[TileCount]) -> dict[str, float]:
@@ -254,7 +258,8 @@ def plot(kernel: Kernel, counts: list[TileCount], measured: dict[str, float],
                         for c in counts], "kD",
                 label=f"measured time x the plain launch's count ({kernel.case})")
     ax.set_ylabel("SASS instructions a key tile (consumer thread)")
-    ax.set_title(f"ws residual {kernel.name}: the consumer's instructions a tile, sm_90a")
+    ax.set_title(f"ws residual {kernel.name}, sm_90a ({kernel.case}):\n"
+                 "the consumer's instructions a tile", fontsize=10)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=8, ncols=2)
     save_figure(fig, path)
@@ -269,8 +274,22 @@ def main(argv: list[str] | None = None) -> int:
                          "residual_prefill_bench's; decode: kernel_bench --variants')")
     ap.add_argument("--launches", nargs="+", metavar="NAME",
                     help="only these launches (by name), beside each one's plain launch")
+    ap.add_argument("--shape", nargs=2, type=int, metavar=("GROUP", "RANK"),
+                    default=list(DECODE_SHAPE),
+                    help="decode only: the GQA group and residual rank to build at")
     args = ap.parse_args(argv)
     kernel = KERNELS[args.kernel]
+    shape = tuple(args.shape)
+    stem = f"ws_{kernel.name}_sass"
+    if shape != DECODE_SHAPE:
+        if kernel is not DECODE:
+            ap.error("--shape is the decode's: the prefill is built at GQA 4, rank 16 only")
+        if not residual_decode_gluon.builds_for(*shape):
+            ap.error(f"--shape {shape[0]} {shape[1]}: the ws decode is not built for it "
+                     "(residual_decode_gluon.ws_shape)")
+        kernel = replace(kernel, ptx=lambda lc: residual_decode_gluon.build_sm90a(
+            True, lc, *shape)[0], case=f"{kernel.case}, GQA {shape[0]}, rank {shape[1]}")
+        stem += f"_g{shape[0]}_r{shape[1]}"
     launches = list(kernel.launches)
     if args.launches:
         unknown = set(args.launches) - {lc.name for lc in launches}
@@ -292,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(counts, measured)
     import triton
 
-    stem = f"ws_{kernel.name}_sass"
     write_json(args.out / f"{stem}.json",
                {"commit": source_commit(), "triton": triton.__version__,
                 "ptxas": ptxas_version(), "kernel": kernel.name, "case": kernel.case,
+                "shape": {"group": shape[0], "rank": shape[1]},
                 "measured": measured, "launches": [asdict(c) for c in counts]})
     plot(kernel, counts, measured, args.out / f"{stem}.png")
     return 0

@@ -117,20 +117,26 @@ def padded_group(group: int) -> int | None:
     return 4 if 1 <= group <= 4 else 8 if group <= 8 else None
 
 
+def builds_for(group: int, rank: int) -> bool:
+    """Whether the kernel is built for a GQA ``group`` and pool ``rank``: a group of at most
+    8, rank 16 or 32 with the padded group times the rank at most 128 (the folds ``Fc, Fs``
+    are ``2 x G r x 64`` bf16 of shared memory beside the slot ring)."""
+    padded = padded_group(group)
+    return padded is not None and rank in RANKS and padded * rank <= 128
+
+
 def ws_shape(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor
              ) -> tuple[int, int] | None:
     """``(GQA group, rank)`` where ``residual_decode_ws`` takes these tensors on this device,
-    else None: 16-key pages, head_dim 128, a group of at most 8, rank 16 or 32 with the
-    padded group times the rank at most 128 (the folds ``Fc, Fs`` are ``2 x G r x 64``
-    bf16 of shared memory beside the slot ring), bf16, contiguous pools, sm_90."""
+    else None: 16-key pages, head_dim 128, a group and rank it ``builds_for``, bf16,
+    contiguous pools, sm_90."""
     n_kv, head_dim = k_base.shape[2], k_base.shape[3]
     group, rank = q.shape[1] // n_kv, k_res.shape[2]
-    padded = padded_group(group)
     # The TMA descriptors view the pools as 2-D row-major tensors.
     ok = (q.dtype == torch.bfloat16 and k_base.shape[1] == PAGE
           and k_base.is_contiguous() and k_res.is_contiguous() and q.stride(2) == 1
-          and head_dim == 128 and q.shape[1] == group * n_kv and padded is not None
-          and rank in RANKS and padded * rank <= 128 and hopper(q.device))
+          and head_dim == 128 and q.shape[1] == group * n_kv and builds_for(group, rank)
+          and hopper(q.device))
     return (group, rank) if ok else None
 
 

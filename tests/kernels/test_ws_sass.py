@@ -106,6 +106,21 @@ def test_the_decode_launches(tmp_path):
     assert saved["measured"] == pytest.approx({"ws": 1.0, "ws_deferred_sum": 1.10 / 1.16})
 
 
+def test_the_decode_at_another_shape(tmp_path):
+    """``--shape``: the GQA-8 build (16 interleaved query columns, folds of 128 rows) counts
+    more a tile than Llama-3-8B's, into a file of its own; a shape the kernel is not built
+    for, or a shape for the prefill, is one line."""
+    run = _run("decode", "--out", str(tmp_path), "--shape", "8", "16", "--launches", "ws")
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "ws_decode_sass_g8_r16.json").read_text())
+    assert saved["shape"] == {"group": 8, "rank": 16} and "GQA 8" in saved["case"]
+    (count,) = saved["launches"]
+    assert 330 < count["per_tile"] < 600 and count["barriers"] == 8
+    for bad in (["decode", "--shape", "8", "32"], ["prefill", "--shape", "8", "16"]):
+        run = _run(*bad, "--out", str(tmp_path))
+        assert run.returncode == 2 and "--shape" in run.stderr.splitlines()[-1]
+
+
 def test_an_unknown_launch_is_one_line(tmp_path):
     run = _run("prefill", "--out", str(tmp_path), "--launches", "ws_m96_s3")
     assert run.returncode == 2
