@@ -10,7 +10,7 @@ graph (one batch size) captures one variant. Measured on the H200 (docs/KERNELS.
 
 So "ws" at every batch where its kernel takes the shapes and they are among ``ws_shapes``
 (``residual_decode_gluon.ws_shape``'s ``(GQA group, rank)``; by default the ones measured,
-``MEASURED_SHAPES``: the kernel builds for more, which stay on two-pass until a run on the
+``MEASURED_WS_SHAPES``: the kernel builds for more, which stay on two-pass until a run on the
 GPU measures them), two-pass elsewhere. ``ws_max_batch`` bounds it for experiments (round
 20's one-by-one products lost to two-pass past 16 rows).
 """
