@@ -706,7 +706,7 @@ PY
   FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
     tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round26_decode.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  variants 200 decode_round26_deferred_sum default ws_deferred_sum
+  variants 240 decode_round26_deferred_sum default ws_deferred_sum ws_deferred_sum_c4
   ;;
 71)
   # Round 26: the ws decode at the shapes built beside Llama-3-8B's, GQA 8 (Llama-3-70B's)
@@ -714,9 +714,9 @@ PY
   # (no carry; after step 70, whose tests cover these shapes). What decides whether
   # decode_policy.MEASURED_WS_SHAPES takes them.
   export TRITON_CACHE_DIR=/root/tc20
-  variants 150 decode_round26_gqa8 default ws ws_deferred_sum --group 8 \
+  variants 150 decode_round26_gqa8 default ws ws_deferred_sum_c4 --group 8 \
     --contexts 4096 32768 --batches 1 8 64
-  variants 150 decode_round26_rank32 default ws ws_deferred_sum --rank 32 \
+  variants 150 decode_round26_rank32 default ws ws_deferred_sum_c4 --rank 32 \
     --contexts 4096 32768 --batches 1 8 64
   ;;
 suite)

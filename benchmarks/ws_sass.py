@@ -40,11 +40,12 @@ if __name__ == "__main__":  # before triton's import: the compiler refuses inter
     os.environ.pop("TRITON_INTERPRET", None)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.kernelbench.variants import WS_DECODE_LAUNCHES  # noqa: E402
 from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
-from forkserve.kernels.residual_decode_gluon import SOFTMAX_FORMS, WsDecodeLaunch  # noqa: E402
+from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch  # noqa: E402
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
 from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
 
@@ -214,7 +215,7 @@ PREFILL = Kernel(
     lambda lc: residual_prefill_gluon.build_sm90a(lc, direct=True)[0],
     lambda lc: 2 if lc.pairs else 1, prefill_measured, "8 x 64 over 8K")
 DECODE = Kernel(
-    "decode", tuple(map(WsDecodeLaunch, SOFTMAX_FORMS)),
+    "decode", WS_DECODE_LAUNCHES,
     lambda lc: WsDecodeLaunch(), lambda lc: residual_decode_gluon.build_sm90a(True, lc)[0],
     lambda lc: 1, decode_measured, "4K x 64")
 KERNELS = {k.name: k for k in (PREFILL, DECODE)}

@@ -23,6 +23,14 @@ from forkserve import kernels
 from forkserve.kernels.decode_attention import paged_decode_triton
 from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 
+# The ws decode's launches the bench measures (residual_decode_gluon.WsDecodeLaunch; the
+# first is the kernel's default), by name; ws_sass.py counts the same ones and the CUDA tests
+# run them. Round 26: only the softmax's max crosses the warps, the sums kept per thread (8
+# barriers a tile -> 4), then the rank contraction in four partial sums (its chain of 16
+# dependent multiply-adds -> 7).
+WS_DECODE_LAUNCHES = (WsDecodeLaunch(), WsDecodeLaunch("deferred_sum"),
+                      WsDecodeLaunch("deferred_sum", chains=4))
+
 
 def _qfold_table(**tuning) -> dict:
     """A two-pass variant whose pass 1 is the q-folded form from table rows at ``tuning``."""
@@ -152,9 +160,7 @@ VARIANTS: dict[str, dict] = {
     # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
     # warp beside the warp group of products, softmax and values.
     "ws": dict(variant="ws"),
-    # Round 26: only the softmax's max crosses its warps, the sums kept per thread (8
-    # barriers a tile -> 4).
-    "ws_deferred_sum": dict(variant="ws", ws_launch=WsDecodeLaunch("deferred_sum")),
+    **{lc.name: dict(variant="ws", ws_launch=lc) for lc in WS_DECODE_LAUNCHES[1:]},
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
 }

@@ -81,22 +81,28 @@ SOFTMAX_FORMS = ("two_exchanges", "deferred_sum")
 
 @dataclass(frozen=True)
 class WsDecodeLaunch:
-    """The kernel's options: ``softmax``, one of ``SOFTMAX_FORMS``."""
+    """The kernel's options: ``softmax``, one of ``SOFTMAX_FORMS``; ``chains``, the partial
+    sums a (key, query) residual score's rank contraction is split into (1: one chain of r
+    dependent multiply-adds, the tile's longest; 4: four of r / 4, then three adds)."""
 
     softmax: str = "two_exchanges"
+    chains: int = 1
 
     def __post_init__(self) -> None:
         if self.softmax not in SOFTMAX_FORMS:
             raise ValueError(f"WsDecodeLaunch: softmax {self.softmax!r} is not one of "
                              + ", ".join(SOFTMAX_FORMS))
+        if self.chains not in (1, 2, 4):
+            raise ValueError(f"WsDecodeLaunch: chains {self.chains} is not 1, 2 or 4")
 
     @property
     def name(self) -> str:
-        return "ws" if self.softmax == SOFTMAX_FORMS[0] else f"ws_{self.softmax}"
+        return ("ws" + (f"_{self.softmax}" if self.softmax != SOFTMAX_FORMS[0] else "")
+                + (f"_c{self.chains}" if self.chains > 1 else ""))
 
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments for these options."""
-        return dict(SOFTMAX=self.softmax)
+        return dict(SOFTMAX=self.softmax, CHAINS=self.chains)
 
 
 def hopper(device: torch.device) -> bool:
@@ -246,17 +252,23 @@ def _fold_rows(f):
 
 
 @gluon.jit
-def _contract(w, k_res, lp: gl.constexpr):
+def _contract(w, k_res, lp: gl.constexpr, CHAINS: gl.constexpr):
     """The residual scores ``[T, G]``, ``sum_k w[n, (g, k)] K_res[n, k]``, for folds in
     ``_fold_rows``' order: the sum over k is over each thread's own registers, and the
-    result lands where ``_evens`` puts the base scores (``lp``)."""
+    result lands where ``_evens`` puts the base scores (``lp``). The compiler sums a
+    thread's registers in order, one multiply-add after another; ``CHAINS`` partial sums
+    make the chain ``r / CHAINS + CHAINS - 1`` long instead of ``r``."""
     T: gl.constexpr = w.type.shape[0]
     R: gl.constexpr = k_res.type.shape[1]
     G: gl.constexpr = w.type.shape[1] // R
     w3 = gl.reshape(gl.permute(gl.reshape(w, [T, R // 2, G, 2]), (0, 2, 1, 3)), [T, G, R])
     k_rows = k_res.load(gl.SliceLayout(1, w3.type.layout)).to(gl.float32)
-    return gl.convert_layout(gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2), lp,
-                             assert_trivial=True)
+    prod = w3 * gl.expand_dims(k_rows, 1)
+    if CHAINS == 1:
+        score = gl.sum(prod, axis=2)
+    else:
+        score = gl.sum(gl.sum(gl.reshape(prod, [T, G, CHAINS, R // CHAINS]), axis=3), axis=2)
+    return gl.convert_layout(score, lp, assert_trivial=True)
 
 
 @gluon.jit
@@ -305,7 +317,8 @@ def _max_over_warps(score, m_i, red):
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr):
+def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr,
+          CHAINS: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
     and the value products (issued, not waited on). Returns the updated state (under
     "deferred_sum" its ``l`` is each thread's ``[T, G]`` running sums)."""
@@ -329,7 +342,7 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr):
         fence_async_shared()
     # where, not a product: the stale slots of a row without an adapter may hold NaN.
     score = (gl.convert_layout(_evens(sb), lp)
-             + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
+             + gl.where(has_res, _contract(w, kr.index(s), lp, CHAINS), 0.0))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
     if SOFTMAX == "deferred_sum":
@@ -418,7 +431,7 @@ def _make_operands(operands, bufs, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _consume(args, SOFTMAX: gl.constexpr, GROUP: gl.constexpr):
+def _consume(args, SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, GROUP: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -457,7 +470,7 @@ def _consume(args, SOFTMAX: gl.constexpr, GROUP: gl.constexpr):
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SOFTMAX)
+        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SOFTMAX, CHAINS)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         state = (m_i, l_i, acc_lo, acc_hi, acc_r)
         _release(args, i)
@@ -500,7 +513,7 @@ def _residual_decode_ws_kernel(
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, R: gl.constexpr,
         HEAD_DIM: gl.constexpr, T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
-        SOFTMAX: gl.constexpr, num_warps: gl.constexpr):
+        SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, num_warps: gl.constexpr):
     # GROUP query heads a KV head, padded to G (4 or 8: the score wgmma's N is 2G).
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
@@ -542,7 +555,7 @@ def _residual_decode_ws_kernel(
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, SOFTMAX, GROUP)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, SOFTMAX, CHAINS, GROUP)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])

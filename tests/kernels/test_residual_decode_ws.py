@@ -14,35 +14,38 @@ import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import check_ws_build
 
+from benchmarks.kernelbench.variants import WS_DECODE_LAUNCHES
 from forkserve.kernels import residual_decode
-from forkserve.kernels.residual_decode_gluon import SOFTMAX_FORMS
+from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 
 HEAD_DIM, RANK = 128, 16
 
 
-# (direct, softmax, GQA group, rank): both outputs in both softmax forms at the measured
-# shape; the other shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
-BUILDS = [(direct, softmax, 4, 16) for direct in (False, True) for softmax in SOFTMAX_FORMS] + [
-    (False, "two_exchanges", 8, 16), (False, "two_exchanges", 4, 32),
-    (True, "deferred_sum", 3, 16)]
+DEFAULT, DEFERRED, DEFERRED_C4 = WS_DECODE_LAUNCHES
+# (direct, launch, GQA group, rank): both outputs of every launch the bench measures at the
+# measured shape; the other shapes' (a padded group of 8, rank 32, a group of 3 padded to
+# 4) once.
+BUILDS = [(direct, lc, 4, 16) for direct in (False, True) for lc in WS_DECODE_LAUNCHES] + [
+    (False, DEFAULT, 8, 16), (False, DEFAULT, 4, 32), (True, DEFERRED_C4, 3, 16)]
 
 
-@pytest.mark.parametrize("direct,softmax,group,rank", BUILDS)
-def test_ws_kernel_builds_for_sm90(direct: bool, softmax: str, group: int, rank: int,
-                                   tmp_path) -> None:
+@pytest.mark.parametrize("direct,launch,group,rank", BUILDS,
+                         ids=lambda x: x.name if isinstance(x, WsDecodeLaunch) else str(x))
+def test_ws_kernel_builds_for_sm90(direct: bool, launch: WsDecodeLaunch, group: int,
+                                   rank: int, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing, in each softmax
-    form and at each kind of shape it takes."""
-    check_ws_build(__file__, [direct, softmax, group, rank], tmp_path)
+    cut, fits one program's shared memory (227 KiB) and spills nothing, with each launch
+    and at each kind of shape it takes."""
+    check_ws_build(__file__, [direct, launch.softmax, launch.chains, group, rank], tmp_path)
 
 
-def test_an_unknown_softmax_form_is_refused() -> None:
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
-
+def test_an_unknown_option_is_refused() -> None:
     with pytest.raises(ValueError, match="not one of two_exchanges, deferred_sum"):
         WsDecodeLaunch("one_exchange")
-    assert WsDecodeLaunch().name == "ws"
-    assert WsDecodeLaunch("deferred_sum").name == "ws_deferred_sum"
+    with pytest.raises(ValueError, match="chains 3 is not 1, 2 or 4"):
+        WsDecodeLaunch(chains=3)
+    assert [lc.name for lc in WS_DECODE_LAUNCHES] == ["ws", "ws_deferred_sum",
+                                                      "ws_deferred_sum_c4"]
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2, group: int = 4, rank: int = RANK):
@@ -64,18 +67,16 @@ cuda_only = pytest.mark.skipif(
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("softmax", SOFTMAX_FORMS)
+@pytest.mark.parametrize("launch", WS_DECODE_LAUNCHES, ids=lambda lc: lc.name)
 def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
-                                softmax: str) -> None:
+                                launch: WsDecodeLaunch) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page: warps whose keys are
     all past the end), a row without an adapter, a rank-8 adapter padded to 16; the plan's
     splits, one (the output written directly) and three (empty splits at the short rows,
-    which make no operands); each softmax form."""
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
-
+    which make no operands); every launch the bench measures."""
     args, c = _inputs(len(seq_lens), seq_lens)
     out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                          ws_launch=WsDecodeLaunch(softmax))
+                          ws_launch=launch)
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -88,15 +89,14 @@ def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
 
 
 @cuda_only
-@pytest.mark.parametrize("group,rank,softmax", [
-    (8, 16, "two_exchanges"), (4, 32, "two_exchanges"), (3, 16, "two_exchanges"),
-    (7, 16, "deferred_sum"), (1, 16, "deferred_sum")])
-def test_ws_at_other_shapes(group: int, rank: int, softmax: str) -> None:
+@pytest.mark.parametrize("group,rank,launch", [
+    (8, 16, DEFAULT), (4, 32, DEFAULT), (3, 16, DEFAULT), (7, 16, DEFERRED_C4),
+    (1, 16, DEFERRED_C4), (4, 32, DEFERRED_C4)],
+    ids=lambda x: x.name if isinstance(x, WsDecodeLaunch) else str(x))
+def test_ws_at_other_shapes(group: int, rank: int, launch: WsDecodeLaunch) -> None:
     """The shapes built beside the measured one: a group padded to 8 query columns (8, 7),
     to 4 (3, 1: the padding heads' columns neither stored nor written to partials), rank
     32; split and direct."""
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
-
     seq_lens = [37, 700, 16, 1, 129]
     args, c = _inputs(group + rank, seq_lens, group=group, rank=rank)
     q, adapters = args[0], args[10]
@@ -105,7 +105,7 @@ def test_ws_at_other_shapes(group: int, rank: int, softmax: str) -> None:
                         args[11]))
     for num_splits in (None, 1):
         out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                              ws_launch=WsDecodeLaunch(softmax))
+                              ws_launch=launch)
         assert rel_err(out, ref) < REL_TOL, num_splits
 
 
@@ -200,8 +200,6 @@ def test_ws_refuses_other_shapes() -> None:
 def test_ws_options_only_with_ws() -> None:
     """The ws kernel's options with another variant are a clear error, not ignored (CPU:
     refused before any kernel runs)."""
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
-
     args, _ = _inputs(1, [40], n_kv=2)
     with pytest.raises(ValueError, match="ws_launch is the ws variant's"):
         residual_decode(*args, use_triton=True, variant="two_pass",
@@ -209,9 +207,10 @@ def test_ws_options_only_with_ws() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, build_sm90a
+    from forkserve.kernels.residual_decode_gluon import build_sm90a
 
-    ptx, shared = build_sm90a(bool(int(sys.argv[2])), WsDecodeLaunch(sys.argv[3]),
-                              int(sys.argv[4]), int(sys.argv[5]))
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])),
+                              WsDecodeLaunch(sys.argv[3], int(sys.argv[4])),
+                              int(sys.argv[5]), int(sys.argv[6]))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -98,11 +98,15 @@ def test_the_decode_launches(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "ws_decode_sass.json").read_text())
     counts = {c["launch"]: c for c in saved["launches"]}
-    assert list(counts) == ["ws", "ws_deferred_sum"]
+    assert list(counts) == ["ws", "ws_deferred_sum", "ws_deferred_sum_c4"]
     # Only the max crosses the warps, in one barrier, where the max and then the sum took
-    # two each: fewer barriers and fewer instructions a tile.
+    # two each: fewer barriers and fewer instructions a tile; the contraction in partial
+    # sums adds a few adds, no barrier.
     assert counts["ws_deferred_sum"]["barriers"] <= counts["ws"]["barriers"] - 3
     assert counts["ws_deferred_sum"]["per_tile"] < counts["ws"]["per_tile"]
+    c4 = counts["ws_deferred_sum_c4"]
+    assert c4["barriers"] == counts["ws_deferred_sum"]["barriers"]
+    assert c4["per_tile"] < counts["ws"]["per_tile"]
     assert saved["measured"] == pytest.approx({"ws": 1.0, "ws_deferred_sum": 1.10 / 1.16})
 
 
