@@ -283,6 +283,26 @@ def _mask_scores(sc, n0, stop, pos, cols):
 
 
 @gluon.jit
+def _row_max(x):
+    """``max(x, axis=1)`` of a score tile as a tree inside each thread, not one in-order
+    chain: a thread's columns of a row are ``8 n + 2 lane + pair`` (the wgmma accumulator),
+    reduced over the pair, then n in two levels, then over the quad's lanes."""
+    M: gl.constexpr = x.type.shape[0]
+    T: gl.constexpr = x.type.shape[1]
+    x5 = gl.reshape(x, [M, 2, T // 16, 4, 2])
+    return gl.max(gl.max(gl.max(gl.max(x5, axis=4), axis=2), axis=1), axis=1)
+
+
+@gluon.jit
+def _row_sum(x):
+    """``sum(x, axis=1)`` as ``_row_max``'s tree."""
+    M: gl.constexpr = x.type.shape[0]
+    T: gl.constexpr = x.type.shape[1]
+    x5 = gl.reshape(x, [M, 2, T // 16, 4, 2])
+    return gl.sum(gl.sum(gl.sum(gl.sum(x5, axis=4), axis=2), axis=1), axis=1)
+
+
+@gluon.jit
 def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
           BF16_ROPE: gl.constexpr):
     """Tile ``i`` of the program's keys, whose scores ``sc`` have landed: tile ``i + 1``'s
@@ -311,12 +331,12 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
     if not EDGE_MASKS:
         sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(sc), m_i.type.layout))
     # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + gl.convert_layout(_row_sum(p), l_i.type.layout)
     o_lo = o_lo * gl.expand_dims(alpha, 1)
     o_hi = o_hi * gl.expand_dims(alpha, 1)
     p16 = p.to(gl.bfloat16)
