@@ -78,7 +78,10 @@ class WsPrefillLaunch:
     ``base_scores`` only): that rotated residual computed in packed bf16 pairs
     (``_rope_bf16x2``); ``pairs``: two tiles a loop iteration, so the next tile's scores
     need no register copy. Each cuts the consumer's instructions a tile, which its time
-    follows (docs/KERNELS.md "Round 24" and "Round 25")."""
+    follows (docs/KERNELS.md "Round 24" and "Round 25"). ``late_pv`` (with ``base_scores``,
+    three slots or more, not with ``pairs``): each tile's value products one tile late,
+    under the next key's rebuild, so no product runs with the consumer only waiting on it
+    (``_late_tile``, "Round 26")."""
 
     rows: int = 128
     stages: int = STAGES
@@ -86,17 +89,24 @@ class WsPrefillLaunch:
     base_scores: bool = False
     bf16_rope: bool = False
     pairs: bool = False
+    late_pv: bool = False
 
     def __post_init__(self) -> None:
         if self.bf16_rope and not self.base_scores:
             raise ValueError("WsPrefillLaunch: bf16_rope rounds the rotated residual alone, "
                              "so it needs base_scores")
+        if self.late_pv and (not self.base_scores or self.pairs or self.stages < 3):
+            # The rebuild it hides a product under is base_scores' (the residual alone,
+            # zero by a select for a row without an adapter); a tile's value products then
+            # hold its slot while the next two land.
+            raise ValueError("WsPrefillLaunch: late_pv needs base_scores and three slots or "
+                             "more, and is not for pairs")
 
     @property
     def name(self) -> str:
         """``ws_m<rows>_s<stages>`` and the options it takes, as the bench reports it."""
-        options = ("edge", "base", "bf16", "pairs")
-        flags = (self.edge_masks, self.base_scores, self.bf16_rope, self.pairs)
+        options = ("edge", "base", "bf16", "pairs", "late")
+        flags = (self.edge_masks, self.base_scores, self.bf16_rope, self.pairs, self.late_pv)
         return f"ws_m{self.rows}_s{self.stages}" + "".join(
             f"_{o}" for o, on in zip(options, flags, strict=True) if on)
 
@@ -109,7 +119,7 @@ class WsPrefillLaunch:
         is the launch's, not a constexpr)."""
         return dict(M=self.rows, STAGES_=self.stages, EDGE_MASKS=self.edge_masks,
                     BASE_SCORES=self.base_scores, BF16_ROPE=self.bf16_rope, PAIRS=self.pairs,
-                    num_warps=self.warps)
+                    LATE_PV=self.late_pv, num_warps=self.warps)
 
     @property
     def maxnreg(self) -> int:
@@ -194,31 +204,78 @@ def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.co
     base tile if ``WITH_BASE``): the up-projection in flight while the base tile and the
     tile's cos|sin rows come from shared memory. Float32, or bf16 with ``BF16_ROPE``
     (``_rope_bf16x2``; the residual alone, never with the base tile)."""
-    k_lo, k_hi, _, _, kr, _, cs_c, cs_s = bufs
-    T: gl.constexpr = k_lo.type.shape[1]
-    HALF: gl.constexpr = k_lo.type.shape[2]
+    k_lo, k_hi = bufs[0], bufs[1]
     gl.static_assert(not (WITH_BASE and BF16_ROPE), "bf16 RoPE rounds the residual alone")
-    zero = gl.zeros([T, HALF], gl.float32, u_l)
-    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
-    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+    u_lo, u_hi = _up_projection(bufs, s, bk_lo, bk_hi, u_l)
     if WITH_BASE:
         k_a = k_lo.index(s).load(u_l).to(gl.float32)
         k_b = k_hi.index(s).load(u_l).to(gl.float32)
-    cos = cs_c.index(s).load(u_l)
-    sin = cs_s.index(s).load(u_l)
+    cos, sin = _cos_sin(bufs, s, u_l, BF16_ROPE)
+    u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+    r_a, r_b = _rope(u_lo, u_hi, cos, sin, BF16_ROPE)
+    if WITH_BASE:
+        r_a = k_a + r_a
+        r_b = k_b + r_b
+    return r_a, r_b
+
+
+@gluon.jit
+def _up_projection(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr):
+    """``K_res B_k`` of slot ``s``'s tile, its halves in flight (the caller waits)."""
+    kr = bufs[4]
+    T: gl.constexpr = kr.type.shape[1]
+    HALF: gl.constexpr = bk_lo.type.shape[1]
+    zero = gl.zeros([T, HALF], gl.float32, u_l)
+    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
+    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+    return u_lo, u_hi
+
+
+@gluon.jit
+def _cos_sin(bufs, s, u_l: gl.constexpr, BF16_ROPE: gl.constexpr):
+    """Slot ``s``'s cos and sin rows in ``u_l``: bf16 for ``_rope_bf16x2``, else float32."""
+    cos = bufs[6].index(s).load(u_l)
+    sin = bufs[7].index(s).load(u_l)
     if not BF16_ROPE:
         cos = cos.to(gl.float32)
         sin = sin.to(gl.float32)
-    u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+    return cos, sin
+
+
+@gluon.jit
+def _rope(u_lo, u_hi, cos, sin, BF16_ROPE: gl.constexpr):
+    """The rotation of the up-projection's halves (``_rope_bf16x2`` in bf16 pairs)."""
     if BF16_ROPE:
         r_a, r_b = _rope_bf16x2(u_lo, u_hi, cos, sin)
     else:
         r_a = u_lo * cos - u_hi * sin
         r_b = u_hi * cos + u_lo * sin
-        if WITH_BASE:
-            r_a = k_a + r_a
-            r_b = k_b + r_b
     return r_a, r_b
+
+
+@gluon.jit
+def _landed(args, i, SYNC: gl.constexpr = False):
+    """Waits for tile ``i``'s slot and zeroes its V rows past the split (stale or never
+    written page slots would reach the value products as 0 * NaN). Returns the slot.
+    ``SYNC``: a barrier after the zeroing, where value products of another slot follow at
+    once (the compiler cannot tell the slots apart and would put one between them)."""
+    _, bars, bufs, _, scalars, _ = args
+    v_lo, v_hi, vr = bufs[2], bufs[3], bufs[5]
+    start, stop, has_res = scalars[3], scalars[4], scalars[7]
+    NS: gl.constexpr = v_lo.type.shape[0]
+    T: gl.constexpr = v_lo.type.shape[1]
+    s = i % NS
+    mbarrier.wait(bars[0].index(s), (i // NS) & 1)
+    n0 = start + i * T
+    if n0 + T > stop:
+        _zero_rows_from(v_lo.index(s), stop - n0)
+        _zero_rows_from(v_hi.index(s), stop - n0)
+        if has_res:
+            _zero_rows_from(vr.index(s), stop - n0)
+        fence_async_shared()
+        if SYNC:
+            gl.thread_barrier()
+    return s
 
 
 @gluon.jit
@@ -229,22 +286,12 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr):
     adapter) written bf16 into ``rot``; with ``BASE_SCORES`` the rotated residual alone
     (nothing without an adapter: ``rot`` stays zero). Only synchronous products: nothing in
     flight crosses its branches."""
-    _, bars, bufs, ops, scalars, _ = args
-    k_lo, k_hi, v_lo, v_hi, _, vr, _, _ = bufs
+    _, _, bufs, ops, scalars, _ = args
+    k_lo, k_hi = bufs[0], bufs[1]
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
-    start, stop, has_res = scalars[3], scalars[4], scalars[7]
-    NS: gl.constexpr = k_lo.type.shape[0]
-    T: gl.constexpr = k_lo.type.shape[1]
+    has_res = scalars[7]
     HALF: gl.constexpr = k_lo.type.shape[2]
-    s = i % NS
-    mbarrier.wait(bars[0].index(s), (i // NS) & 1)
-    n0 = start + i * T
-    if n0 + T > stop:
-        _zero_rows_from(v_lo.index(s), stop - n0)
-        _zero_rows_from(v_hi.index(s), stop - n0)
-        if has_res:
-            _zero_rows_from(vr.index(s), stop - n0)
-        fence_async_shared()
+    s = _landed(args, i)
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
     if has_res:
         k_a, k_b = _rotated_residual(bufs, s, bk_lo, bk_hi, u_l, not BASE_SCORES, BF16_ROPE)
@@ -303,6 +350,51 @@ def _row_sum(x):
 
 
 @gluon.jit
+def _online_softmax(sc, state):
+    """Tile's probabilities (bf16) from its masked scores, and the running state with them:
+    ``m``, ``l``, and ``O``, ``P V_res`` rescaled to the new max."""
+    m_i, l_i, o_lo, o_hi, acc_r = state
+    r_l: gl.constexpr = acc_r.type.layout
+    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(sc), m_i.type.layout))
+    # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
+    l_i = l_i * alpha + gl.convert_layout(_row_sum(p), l_i.type.layout)
+    o_lo = o_lo * gl.expand_dims(alpha, 1)
+    o_hi = o_hi * gl.expand_dims(alpha, 1)
+    acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
+    return p.to(gl.bfloat16), (m_new, l_i, o_lo, o_hi, acc_r)
+
+
+@gluon.jit
+def _value_products(bufs, p16, s, state):
+    """``P V_base`` and ``P V_res`` of slot ``s``'s tile added to the state's accumulators,
+    in flight (the caller waits). Unconditional: without an adapter the slot's ``V_res``
+    rows are stale bytes, and ``P V_res`` is then never read."""
+    m_i, l_i, o_lo, o_hi, acc_r = state
+    acc_l: gl.constexpr = o_lo.type.layout
+    r_l: gl.constexpr = acc_r.type.layout
+    pa = gl.convert_layout(p16, gl.DotOperandLayout(0, acc_l, 2))
+    o_lo = warpgroup_mma(pa, bufs[2].index(s), o_lo, is_async=True)
+    o_hi = warpgroup_mma(pa, bufs[3].index(s), o_hi, is_async=True)
+    acc_r = warpgroup_mma(gl.convert_layout(p16, gl.DotOperandLayout(0, r_l, 2)),
+                          bufs[5].index(s), acc_r, is_async=True)
+    return m_i, l_i, o_lo, o_hi, acc_r
+
+
+@gluon.jit
+def _values_done(bars, s, state):
+    """Waits for the value products, then gives slot ``s`` back to the loader."""
+    m_i, l_i, o_lo, o_hi, acc_r = state
+    o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
+    # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
+    fence_async_shared()
+    mbarrier.arrive(bars[1].index(s))
+    return m_i, l_i, o_lo, o_hi, acc_r
+
+
+@gluon.jit
 def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
           BF16_ROPE: gl.constexpr):
     """Tile ``i`` of the program's keys, whose scores ``sc`` have landed: tile ``i + 1``'s
@@ -311,14 +403,11 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     row's position, the score columns, the keys every row sees. Returns tile ``i + 1``'s
     scores and the updated state."""
     _, bars, bufs, ops, scalars, _ = args
-    v_lo, v_hi, vr = bufs[2], bufs[3], bufs[5]
     start, stop, n_tiles = scalars[3], scalars[4], scalars[6]
-    m_i, l_i, o_lo, o_hi, acc_r = state
     pos, cols, seen_by_all = rows
-    NS: gl.constexpr = v_lo.type.shape[0]
-    T: gl.constexpr = v_lo.type.shape[1]
-    acc_l: gl.constexpr = o_lo.type.layout
-    r_l: gl.constexpr = acc_r.type.layout
+    NS: gl.constexpr = bufs[2].type.shape[0]
+    T: gl.constexpr = bufs[2].type.shape[1]
+    acc_l: gl.constexpr = state[2].type.layout
     if EDGE_MASKS:
         # Here, with nothing in flight, so the branch may hold the mask.
         if start + (i + 1) * T > seen_by_all:
@@ -331,37 +420,73 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
     if not EDGE_MASKS:
         sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(sc), m_i.type.layout))
-    # A row with no visible key yet keeps m = -inf: exp2 of (-inf) - (-inf) guarded.
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
-    l_i = l_i * alpha + gl.convert_layout(_row_sum(p), l_i.type.layout)
-    o_lo = o_lo * gl.expand_dims(alpha, 1)
-    o_hi = o_hi * gl.expand_dims(alpha, 1)
-    p16 = p.to(gl.bfloat16)
-    s = i % NS
-    pa = gl.convert_layout(p16, gl.DotOperandLayout(0, acc_l, 2))
-    o_lo = warpgroup_mma(pa, v_lo.index(s), o_lo, is_async=True)
-    o_hi = warpgroup_mma(pa, v_hi.index(s), o_hi, is_async=True)
-    # Unconditional, beside the value products (one wait for all): without an adapter
-    # the slot's V_res rows are stale bytes, and acc_r is then never read.
-    acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
-    acc_r = warpgroup_mma(gl.convert_layout(p16, gl.DotOperandLayout(0, r_l, 2)), vr.index(s),
-                          acc_r, is_async=True)
+    p16, state = _online_softmax(sc, state)
+    m_i, l_i, o_lo, o_hi, acc_r = _value_products(bufs, p16, i % NS, state)
+    # One wait for the value products and the next tile's scores.
     o_lo, o_hi, acc_r, sc_next = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
-    # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
     fence_async_shared()
-    mbarrier.arrive(bars[1].index(s))
-    return sc_next, (m_new, l_i, o_lo, o_hi, acc_r)
+    mbarrier.arrive(bars[1].index(i % NS))
+    return sc_next, (m_i, l_i, o_lo, o_hi, acc_r)
+
+
+@gluon.jit
+def _late_tile(args, i, sc, state, p_prev, rows, HAS_PREV: gl.constexpr,
+               HAS_NEXT: gl.constexpr, EDGE_MASKS: gl.constexpr, BF16_ROPE: gl.constexpr):
+    """Tile ``i`` under ``late_pv`` (``base_scores`` too): tile ``i - 1``'s value products
+    (``p_prev``, kept from the last call) run under the rebuild of tile ``i + 1``'s rotated
+    residual, and tile ``i + 1``'s scores under tile ``i``'s softmax, so neither product
+    waits alone (docs/KERNELS.md "Round 26"). ``HAS_PREV``: a tile before this one (not the
+    program's first); ``HAS_NEXT``: one after it. Nothing in flight crosses a branch, so
+    a row without an adapter rebuilds too: its slots' ``K_res`` and cos|sin rows, which the
+    loader never fills, were zeroed at the program's start (``_consume``), and its ``B_k``
+    is zero, so its rotated residual is exactly zero. Returns tile ``i + 1``'s scores, the
+    state and this tile's probabilities; the caller runs the last tile's value
+    products."""
+    _, bars, bufs, ops, scalars, _ = args
+    bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
+    start, stop = scalars[3], scalars[4]
+    pos, cols, seen_by_all = rows
+    NS: gl.constexpr = bufs[2].type.shape[0]
+    T: gl.constexpr = bufs[2].type.shape[1]
+    HALF: gl.constexpr = bufs[2].type.shape[2]
+    acc_l: gl.constexpr = state[2].type.layout
+    u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
+    if EDGE_MASKS:
+        # Here, with nothing in flight, so the branch may hold the mask.
+        if start + (i + 1) * T > seen_by_all:
+            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
+    if HAS_NEXT:
+        s_next = _landed(args, i + 1, SYNC=True)
+        u_lo, u_hi = _up_projection(bufs, s_next, bk_lo, bk_hi, u_l)
+    if HAS_PREV:
+        state = _value_products(bufs, p_prev, (i - 1) % NS, state)
+    if HAS_NEXT:
+        cos, sin = _cos_sin(bufs, s_next, u_l, BF16_ROPE)
+        # The up-projection landed, the value products (three groups after it) may not.
+        u_lo, u_hi = warpgroup_mma_wait(3 if HAS_PREV else 0, deps=(u_lo, u_hi))
+        r_a, r_b = _rope(u_lo, u_hi, cos, sin, BF16_ROPE)
+        rot_lo.store(r_a.to(gl.bfloat16))
+        rot_hi.store(r_b.to(gl.bfloat16))
+        fence_async_shared()
+    if HAS_PREV:
+        state = _values_done(bars, (i - 1) % NS, state)
+    if HAS_NEXT:
+        sc_next = _issue_scores(ops, bufs, s_next, acc_l, True)
+    if not EDGE_MASKS:
+        sc = _mask_scores(sc, start + i * T, stop, pos, cols)
+    p16, state = _online_softmax(sc, state)
+    if HAS_NEXT:
+        sc = warpgroup_mma_wait(0, deps=(sc_next, ))
+    return sc, state, p16
 
 
 @gluon.jit
 def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
-             BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr):
+             BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr, LATE_PV: gl.constexpr):
     """The consumer warp group(s): every tile of the program's keys (``_tile``; with
-    ``PAIRS`` two a loop iteration). Returns ``m, l [rows]`` (log2 domain) and ``o_lo, o_hi
-    [rows, D/2]``, ``P V_base + (P V_res) B_v`` unnormalised."""
+    ``PAIRS`` two a loop iteration; with ``LATE_PV`` ``_late_tile``). Returns ``m, l
+    [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v``
+    unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
     kr = bufs[4]
     q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
@@ -390,13 +515,39 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
             zero_rot = gl.zeros([T, HALF], gl.bfloat16, rebuild_layout(HALF, nw))
             ops[6].store(zero_rot)
             ops[7].store(zero_rot)
+        if LATE_PV:
+            if not has_res:  # see _late_tile: slots the loader leaves alone, made zero
+                NSLOTS: gl.constexpr = kr.type.shape[0]
+                for k in gl.static_range(NSLOTS):
+                    _zero_rows_from(kr.index(k), 0)
+                    _zero_rows_from(bufs[6].index(k), 0)
+                    _zero_rows_from(bufs[7].index(k), 0)
         fence_async_shared()
         _prepare(args, 0, BASE_SCORES, BF16_ROPE)
         sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
     rows = (q_pos0 + gl.arange(0, M, layout=row_l) // G,
             gl.arange(0, T, layout=gl.SliceLayout(0, acc_l)),
             gl.minimum(stop, q_pos0 + 1))  # the keys every row of the program sees
-    if PAIRS:
+    if LATE_PV:
+        # The first tile has no value products before it, the last no tile after it: each
+        # a call of its own, so no branch holds a product in flight.
+        NS: gl.constexpr = kr.type.shape[0]
+        p16 = gl.zeros([M, T], gl.bfloat16, acc_l)
+        if n_tiles > 1:
+            sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, True,
+                                        EDGE_MASKS, BF16_ROPE)
+            for i in range(1, n_tiles - 1):
+                sc, state, p16 = _late_tile(args, i, sc, state, p16, rows, True, True,
+                                            EDGE_MASKS, BF16_ROPE)
+            sc, state, p16 = _late_tile(args, n_tiles - 1, sc, state, p16, rows, True, False,
+                                        EDGE_MASKS, BF16_ROPE)
+        elif n_tiles == 1:
+            sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, False,
+                                        EDGE_MASKS, BF16_ROPE)
+        if n_tiles > 0:
+            last = (n_tiles - 1) % NS
+            state = _values_done(bars, last, _value_products(bufs, p16, last, state))
+    elif PAIRS:
         # Two tiles an iteration: the second's scores land in the registers the first's
         # were in, so the loop carries them without copying; an odd last tile after it.
         for j in range(n_tiles // 2):
@@ -435,7 +586,7 @@ def _residual_prefill_ws_kernel(
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
         BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr,
-        DIRECT: gl.constexpr,
+        LATE_PV: gl.constexpr, DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
@@ -483,7 +634,8 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE, PAIRS)), (_loader, (args, ))],
+        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE, PAIRS, LATE_PV)),
+         (_loader, (args, ))],
         [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout

@@ -28,3 +28,11 @@ def test_smoke_rows(tmp_path) -> None:
         assert set(row["device"]) == {"unified_paged", "residual_fused"}
         assert row["device_over_best_unified"]["unified_paged"] == pytest.approx(1.0)
     assert (tmp_path / "rp.png").stat().st_size > 0
+
+
+def test_an_unknown_launch_to_skip_is_one_line(tmp_path, capsys) -> None:
+    bench = load_script("residual_prefill_bench")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--smoke", "--out", str(tmp_path), "--skip-launches", "ws_m96_s3"])
+    assert e.value.code == 2
+    assert "unknown ws launch ws_m96_s3" in capsys.readouterr().err.splitlines()[-1]

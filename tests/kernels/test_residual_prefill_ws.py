@@ -18,9 +18,9 @@ from benchmarks.residual_prefill_bench import WS_LAUNCHES
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, edge_masks, base_scores, bf16_rope, pairs): the default launch, the others
-# the bench measures, and the options among them at the default's rows and slots.
-DEFAULT = (128, 3, False, False, False, False)
+# (rows, stages, edge_masks, base_scores, bf16_rope, pairs, late_pv): the default launch,
+# the others the bench measures, and the options among them at the default's rows and slots.
+DEFAULT = (128, 3, False, False, False, False, False)
 OTHER_LAUNCHES = [lc for lc in WS_LAUNCHES if lc != DEFAULT]
 OPTIONS = [lc[2:] for lc in OTHER_LAUNCHES if lc[:2] == DEFAULT[:2]]
 
@@ -109,7 +109,9 @@ def test_ws_prefill_options_match_the_formula(seq_lens: list[int], q_lens: list[
     """The launch options over every case, whole and split (split ends fall mid-tile):
     the mask on the tiles that cross the diagonal or a split's end only; the base scores
     from the slot (rows without an adapter among them: ``rot`` zero); the rotated residual
-    in bf16; two tiles a loop iteration (odd and even tile counts)."""
+    in bf16; two tiles a loop iteration (odd and even tile counts); each tile's value
+    products one tile late (one tile, two, many; rows without an adapter, whose zeroed
+    slots it rebuilds from)."""
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
     args, c = _inputs(sum(q_lens) + 7, seq_lens, q_lens)
@@ -165,6 +167,18 @@ def test_ws_prefill_refuses_other_shapes() -> None:
     args, _ = _inputs(1, [40], [8], n_kv=2)
     with pytest.raises(ValueError, match="residual_prefill_ws"):
         residual_prefill_ws(args[0][:, :4].contiguous(), *args[1:])
+
+
+def test_late_pv_needs_its_companions() -> None:
+    """``late_pv`` hides a product under ``base_scores``' rebuild of the residual alone, and
+    holds a slot one tile longer: refused without ``base_scores``, with ``pairs`` or with
+    two slots."""
+    for bad in (dict(late_pv=True), dict(late_pv=True, base_scores=True, pairs=True),
+                dict(late_pv=True, base_scores=True, stages=2)):
+        with pytest.raises(ValueError, match="late_pv needs base_scores"):
+            WsPrefillLaunch(**bad)
+    assert WsPrefillLaunch(128, 3, True, True, True, False, True).name == \
+        "ws_m128_s3_edge_base_bf16_late"
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
