@@ -23,8 +23,8 @@ HEAD_DIM, RANK = 128, 16
 
 DEFAULT, DEFERRED, DEFERRED_C4 = WS_DECODE_LAUNCHES
 # (direct, launch, GQA group, rank): every launch the bench measures at the measured shape
-# (both outputs of the default's, whose partials the other launches share); the other
-# shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
+# (the partials' epilogue, the same code after any launch's loop, with the default's); the
+# other shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
 BUILDS = [(False, DEFAULT, 4, 16), *((True, lc, 4, 16) for lc in WS_DECODE_LAUNCHES),
           (False, DEFAULT, 8, 16), (False, DEFAULT, 4, 32), (True, DEFERRED_C4, 3, 16)]
 
