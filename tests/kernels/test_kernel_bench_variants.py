@@ -30,3 +30,16 @@ def test_variants_row_keeps_the_others_when_one_fails(tmp_path) -> None:
     assert row["two_pass_nopdl_scores_ms"] > 0
     assert math.isnan(row["two_pass_pdl_ms"])
     assert any("two_pass_pdl" in e and "pdl" in e for e in res["errors"])
+
+
+def test_another_group_and_rank_reach_the_pools_and_the_header() -> None:
+    """``--group`` and ``--rank``: the query heads a KV head and the residual pools' rank, in
+    the pools, the adapters and the result's recorded shape (issue15_goals reads it)."""
+    s = Setup(smoke=True, group=3, rank=32)
+    assert (s.n_heads, s.n_kv, s.rank) == (3 * s.n_kv, s.n_kv, 32)
+    assert s.k_res.shape[-1] == 32 and s.b_k.shape[1] == 32
+    assert result_header(s)["shape"] == {"n_heads": 3 * s.n_kv, "n_kv": s.n_kv,
+                                              "head_dim": s.head_dim, "rank": 32,
+                                              "page_size": s.page}
+    default = Setup(smoke=True)
+    assert (default.n_heads // default.n_kv, default.rank) == (2, 16)
