@@ -39,7 +39,7 @@ def test_another_group_and_rank_reach_the_pools_and_the_header() -> None:
     assert (s.n_heads, s.n_kv, s.rank) == (3 * s.n_kv, s.n_kv, 32)
     assert s.k_res.shape[-1] == 32 and s.b_k.shape[1] == 32
     assert result_header(s)["shape"] == {"n_heads": 3 * s.n_kv, "n_kv": s.n_kv,
-                                              "head_dim": s.head_dim, "rank": 32,
-                                              "page_size": s.page}
+                                         "head_dim": s.head_dim, "rank": 32,
+                                         "page_size": s.page}
     default = Setup(smoke=True)
     assert (default.n_heads // default.n_kv, default.rank) == (2, 16)
