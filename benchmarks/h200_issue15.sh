@@ -126,10 +126,12 @@ decode_tests() {  # $1: the log's tag, $2: pytest -k; tests/kernels/test_decode.
     tests/kernels/test_decode.py -k "$2" 2>&1 | tee "$OUT/pytest_cuda_$1.log" | tail -3
 }
 variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every point of rows 1-2
+  # (options after the names, e.g. --group 8 --contexts 4096, replace these defaults: last)
   local limit=$1 tag=$2
   shift 2
-  timeout "$limit" python3 benchmarks/kernel_bench.py --variants "$@" --skip shared \
-    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag "$tag" --out "$OUT" 2>&1 | tail -14
+  timeout "$limit" python3 benchmarks/kernel_bench.py --skip shared \
+    --contexts 4096 8192 32768 --batches 1 8 32 64 --tag "$tag" --out "$OUT" --variants "$@" \
+    2>&1 | tail -14
 }
 case "$1" in
 1)
