@@ -219,6 +219,18 @@ def _zero_rows_from(buf, first):
 
 
 @gluon.jit
+def _zero_values_from(bufs, s, first, has_res):
+    """Slot ``s``'s ``V`` rows (and ``V_res``'s, for a row with an adapter) from ``first`` on
+    set to zero, fenced for the value products: a split's last tile runs past its keys, and
+    their stale or never written page slots would reach the products as 0 * NaN."""
+    _zero_rows_from(bufs[2].index(s), first)
+    _zero_rows_from(bufs[3].index(s), first)
+    if has_res:
+        _zero_rows_from(bufs[5].index(s), first)
+    fence_async_shared()
+
+
+@gluon.jit
 def _interleave(x, zero):
     """``[T, G]`` -> ``[T, 2G]`` with ``x[:, g]`` at column ``2 g`` and ``zero`` between."""
     return gl.reshape(gl.join(x, zero), [x.shape[0], 2 * x.shape[1]])
@@ -333,13 +345,7 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr,
     r_mma: gl.constexpr = acc_r.type.layout
     s = i % NS
     if start + (i + 1) * T > stop:
-        # The split's last tile runs past its keys: their V rows (stale or never written
-        # page slots) would reach the value products as 0 * NaN, so they are zeroed.
-        _zero_rows_from(v_lo.index(s), stop - start - i * T)
-        _zero_rows_from(v_hi.index(s), stop - start - i * T)
-        if has_res:
-            _zero_rows_from(vr.index(s), stop - start - i * T)
-        fence_async_shared()
+        _zero_values_from(bufs, s, stop - start - i * T, has_res)
     # where, not a product: the stale slots of a row without an adapter may hold NaN.
     score = (gl.convert_layout(_evens(sb), lp)
              + gl.where(has_res, _contract(w, kr.index(s), lp, CHAINS), 0.0))

@@ -50,6 +50,7 @@ from forkserve.kernels.residual_decode_gluon import (
     TILE,
     _loader,
     _zero_rows_from,
+    _zero_values_from,
     descriptors,
     slot_ring,
     wgmma_layout,
@@ -260,19 +261,14 @@ def _landed(args, i, SYNC: gl.constexpr = False):
     ``SYNC``: a barrier after the zeroing, where value products of another slot follow at
     once (the compiler cannot tell the slots apart and would put one between them)."""
     _, bars, bufs, _, scalars, _ = args
-    v_lo, v_hi, vr = bufs[2], bufs[3], bufs[5]
     start, stop, has_res = scalars[3], scalars[4], scalars[7]
-    NS: gl.constexpr = v_lo.type.shape[0]
-    T: gl.constexpr = v_lo.type.shape[1]
+    NS: gl.constexpr = bufs[2].type.shape[0]
+    T: gl.constexpr = bufs[2].type.shape[1]
     s = i % NS
     mbarrier.wait(bars[0].index(s), (i // NS) & 1)
     n0 = start + i * T
     if n0 + T > stop:
-        _zero_rows_from(v_lo.index(s), stop - n0)
-        _zero_rows_from(v_hi.index(s), stop - n0)
-        if has_res:
-            _zero_rows_from(vr.index(s), stop - n0)
-        fence_async_shared()
+        _zero_values_from(bufs, s, stop - n0, has_res)
         if SYNC:
             gl.thread_barrier()
     return s
@@ -492,6 +488,7 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
     q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
     stop, n_tiles, has_res = scalars[4], scalars[6], scalars[7]
     q_pos0 = operands[10]  # the position of the program's first token
+    NS: gl.constexpr = kr.type.shape[0]
     T: gl.constexpr = kr.type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     R: gl.constexpr = kr.type.shape[2]
@@ -517,8 +514,7 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
             ops[7].store(zero_rot)
         if LATE_PV:
             if not has_res:  # see _late_tile: slots the loader leaves alone, made zero
-                NSLOTS: gl.constexpr = kr.type.shape[0]
-                for k in gl.static_range(NSLOTS):
+                for k in gl.static_range(NS):
                     _zero_rows_from(kr.index(k), 0)
                     _zero_rows_from(bufs[6].index(k), 0)
                     _zero_rows_from(bufs[7].index(k), 0)
@@ -531,7 +527,6 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
     if LATE_PV:
         # The first tile has no value products before it, the last no tile after it: each
         # a call of its own, so no branch holds a product in flight.
-        NS: gl.constexpr = kr.type.shape[0]
         p16 = gl.zeros([M, T], gl.bfloat16, acc_l)
         if n_tiles > 1:
             sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, True,

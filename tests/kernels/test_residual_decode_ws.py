@@ -21,7 +21,7 @@ from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 HEAD_DIM, RANK = 128, 16
 
 
-DEFAULT, DEFERRED, DEFERRED_C4 = WS_DECODE_LAUNCHES
+DEFAULT, DEFERRED_C4 = WS_DECODE_LAUNCHES[0], WS_DECODE_LAUNCHES[-1]
 # (direct, launch, GQA group, rank): every launch the bench measures at the measured shape
 # (the partials' epilogue, the same code after any launch's loop, with the default's); the
 # other shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
