@@ -49,6 +49,7 @@ from forkserve.kernels.residual_decode_gluon import (
     STAGES,
     TILE,
     _loader,
+    _release,
     _zero_rows_from,
     _zero_values_from,
     descriptors,
@@ -380,13 +381,11 @@ def _value_products(bufs, p16, s, state):
 
 
 @gluon.jit
-def _values_done(bars, s, state):
-    """Waits for the value products, then gives slot ``s`` back to the loader."""
+def _values_done(args, i, state):
+    """Waits for the value products, then gives tile ``i``'s slot back to the loader."""
     m_i, l_i, o_lo, o_hi, acc_r = state
     o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
-    # The slot's generic-proxy reads ordered before the loader's next TMA writes to it.
-    fence_async_shared()
-    mbarrier.arrive(bars[1].index(s))
+    _release(args, i)
     return m_i, l_i, o_lo, o_hi, acc_r
 
 
@@ -398,7 +397,7 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     (``rot`` is free then); the value products; the slot released. ``rows``: each score
     row's position, the score columns, the keys every row sees. Returns tile ``i + 1``'s
     scores and the updated state."""
-    _, bars, bufs, ops, scalars, _ = args
+    _, _, bufs, ops, scalars, _ = args
     start, stop, n_tiles = scalars[3], scalars[4], scalars[6]
     pos, cols, seen_by_all = rows
     NS: gl.constexpr = bufs[2].type.shape[0]
@@ -420,8 +419,7 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     m_i, l_i, o_lo, o_hi, acc_r = _value_products(bufs, p16, i % NS, state)
     # One wait for the value products and the next tile's scores.
     o_lo, o_hi, acc_r, sc_next = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
-    fence_async_shared()
-    mbarrier.arrive(bars[1].index(i % NS))
+    _release(args, i)
     return sc_next, (m_i, l_i, o_lo, o_hi, acc_r)
 
 
@@ -438,7 +436,7 @@ def _late_tile(args, i, sc, state, p_prev, rows, HAS_PREV: gl.constexpr,
     is zero, so its rotated residual is exactly zero. Returns tile ``i + 1``'s scores, the
     state and this tile's probabilities; the caller runs the last tile's value
     products."""
-    _, bars, bufs, ops, scalars, _ = args
+    _, _, bufs, ops, scalars, _ = args
     bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
     start, stop = scalars[3], scalars[4]
     pos, cols, seen_by_all = rows
@@ -465,7 +463,7 @@ def _late_tile(args, i, sc, state, p_prev, rows, HAS_PREV: gl.constexpr,
         rot_hi.store(r_b.to(gl.bfloat16))
         fence_async_shared()
     if HAS_PREV:
-        state = _values_done(bars, (i - 1) % NS, state)
+        state = _values_done(args, i - 1, state)
     if HAS_NEXT:
         sc_next = _issue_scores(ops, bufs, s_next, acc_l, True)
     if not EDGE_MASKS:
@@ -540,8 +538,8 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
             sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, False,
                                         EDGE_MASKS, BF16_ROPE)
         if n_tiles > 0:
-            last = (n_tiles - 1) % NS
-            state = _values_done(bars, last, _value_products(bufs, p16, last, state))
+            state = _values_done(args, n_tiles - 1,
+                                 _value_products(bufs, p16, (n_tiles - 1) % NS, state))
     elif PAIRS:
         # Two tiles an iteration: the second's scores land in the registers the first's
         # were in, so the loop carries them without copying; an odd last tile after it.
