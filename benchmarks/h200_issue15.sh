@@ -669,7 +669,7 @@ PY
   export TRITON_CACHE_DIR=/root/tc23
   # Round 26's late_pv first, alone and short: a new Gluon schedule can deadlock, and a hang
   # must cost its 150 s, not the call (then SKIP=ws_m128_s3_edge_base_bf16_late for 69).
-  if [ -z "$K" ]; then
+  if [ -z "${K:-}" ]; then
     FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -v -p no:cacheprovider -p no:warnings \
       -k late tests/kernels/test_residual_prefill_ws.py 2>&1 \
       | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}_late.log" | tail -4
@@ -711,24 +711,24 @@ PY
   done
   ;;
 70)
-  # Round 26: the ws decode's deferred-sum softmax (row 1's margin): its CUDA tests (both
-  # forms, and the shapes built beside Llama-3-8B's: GQA groups 1-8, rank 32), then rows
-  # 1-2 with it beside the default, interleaved (no carry).
+  # Round 26-27: the ws decode's CUDA tests (its one form since round 27, the deferred-sum
+  # softmax, and the shapes built beside Llama-3-8B's: GQA groups 1-8, rank 32), then rows
+  # 1-2 (no carry). Round 26 ran it with the forms since removed
+  # (kernel_bench_decode_round26_deferred_sum.json).
   export TRITON_CACHE_DIR=/root/tc20
   FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -x -p no:cacheprovider -p no:warnings \
-    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round26_decode.log" | tail -2
+    tests/kernels/test_residual_decode_ws.py 2>&1 | tee "$OUT/pytest_cuda_round27_decode.log" | tail -2
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  variants 240 decode_round26_deferred_sum default ws_deferred_sum ws_deferred_sum_c4
+  variants 240 "decode_${TAG:-round27}" default
   ;;
 71)
-  # Round 26: the ws decode at the shapes built beside Llama-3-8B's, GQA 8 (Llama-3-70B's)
-  # and rank 32, each beside the policy's pick there (two-pass) and unified, interleaved
-  # (no carry; after step 70, whose tests cover these shapes). What decides whether
-  # decode_policy.MEASURED_WS_SHAPES takes them.
+  # Round 26-27: the ws decode at the shapes built beside Llama-3-8B's, GQA 8 (Llama-3-70B's)
+  # and rank 32, beside two-pass (the policy's pick before round 27 measured them:
+  # kernel_bench_decode_round26_gqa8.json, _rank32.json) and unified, interleaved (no carry).
   export TRITON_CACHE_DIR=/root/tc20
-  variants 150 decode_round26_gqa8 default ws ws_deferred_sum_c4 --group 8 \
+  variants 150 "decode_${TAG:-round27}_gqa8" two_pass ws --group 8 \
     --contexts 4096 32768 --batches 1 8 64
-  variants 150 decode_round26_rank32 default ws ws_deferred_sum_c4 --rank 32 \
+  variants 150 "decode_${TAG:-round27}_rank32" two_pass ws --rank 32 \
     --contexts 4096 32768 --batches 1 8 64
   ;;
 suite)

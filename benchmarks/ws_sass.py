@@ -3,14 +3,13 @@ measure, on the CPU (no GPU: the sm_90a build, ``forkserve.kernels.sm90_build``)
 
     python3 benchmarks/ws_sass.py prefill --out benchmarks/results \\
         [--measured benchmarks/results/residual_prefill_v5.json]
-    python3 benchmarks/ws_sass.py decode --out benchmarks/results \\
-        [--measured benchmarks/results/kernel_bench_decode_round26_deferred_sum.json]
+    python3 benchmarks/ws_sass.py decode --out benchmarks/results
     python3 benchmarks/ws_sass.py decode --shape 8 16 --out benchmarks/results
 
 Round 24 found the ws prefill's consumer issue-bound (docs/KERNELS.md): a key tile's time
 follows the instructions its warps issue, ~8 cycles each at 8 x 64 over 8K. So a launch
 option can be weighed before a GPU runs it. For each launch (the prefill's:
-``residual_prefill_bench.WS_LAUNCHES``; the decode's: each ``WsDecodeLaunch``) this builds
+``residual_prefill_bench.WS_LAUNCHES``; the decode: its one form since round 27) this builds
 the kernel (output written directly), finds the consumer's main loop in the SASS (the
 innermost loop holding a tile's wgmma and no global store) and counts what a tile runs in
 steady state: the loop's basic blocks less the cold ones (``cold``: the split's last tile
@@ -18,10 +17,11 @@ zeroing its V rows, the prefill's mask of a tile crossing the diagonal under
 ``edge_masks``, its copy into ``rot`` for a program without an adapter). A prefill
 ``pairs`` launch's loop holds two tiles. Prints a table (per launch: instructions and CTA
 barriers a tile, by class, and the ratio to the same launch without options), writes
-``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` puts a bench run beside it, each
-launch's time over the plain launch's at the row's worst case, so the model meets the
-measurement. ``--shape GROUP RANK`` builds the decode at another GQA group and rank than
-Llama-3-8B's 4 and 16 (``residual_decode_gluon.ws_shape``), into
+``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` (prefill) puts a bench run beside it,
+each launch's time over the plain launch's at the row's worst case, so the model meets the
+measurement (round 27 found it does not for the prefill: docs/KERNELS.md "Round 27").
+``--shape GROUP RANK`` builds the decode at another GQA group and rank than Llama-3-8B's 4
+and 16 (``residual_decode_gluon.ws_shape``), into
 ``ws_decode_sass_g<GROUP>_r<RANK>``.
 """
 from __future__ import annotations
@@ -40,12 +40,10 @@ if __name__ == "__main__":  # before triton's import: the compiler refuses inter
     os.environ.pop("TRITON_INTERPRET", None)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.kernelbench.variants import WS_DECODE_LAUNCHES  # noqa: E402
 from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
-from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch  # noqa: E402
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
 from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
 
@@ -196,22 +194,17 @@ def prefill_measured(path: Path) -> dict[str, float]:
     return {n: ms / device[default] for n, ms in device.items() if n.startswith("ws_m")}
 
 
+@dataclass(frozen=True)
+class DecodeBuild:
+    """The ws decode as a launch of this tool: one form since round 27 (round 26's options
+    were measured, ``kernel_bench_decode_round26_deferred_sum.json``, and the winner kept)."""
+
+    name: str = "ws"
+
+
 def decode_measured(path: Path) -> dict[str, float]:
-    """Each launch's time over the plain ws kernel's at 4K x 64 (row 1's worst) in a
-    kernel_bench ``--variants`` result (``<variant>_ratio`` columns, over unified; the plain
-    kernel's as ``ws``, or as ``default`` where the policy picks it)."""
-    doc = json.loads(path.read_text())
-    row = next((r for r in doc["decode_variants"] if (r["ctx"], r["batch"]) == (4096, 64)),
-               None)
-    if row is None:
-        raise ValueError(f"{path}: no 4K x 64 row")
-    over_unified = {n.removesuffix("_ratio"): v for n, v in row.items() if n.endswith("_ratio")}
-    plain = over_unified.get(WsDecodeLaunch().name, over_unified.get("default"))
-    if plain is None:
-        raise ValueError(f"{path}: neither ws nor default at that case")
-    return {WsDecodeLaunch().name: 1.0} | {
-        lc.name: over_unified[lc.name] / plain for lc in DECODE.launches
-        if lc != WsDecodeLaunch() and lc.name in over_unified}
+    raise ValueError("--measured is the prefill's: the decode has one form, nothing to weigh "
+                     "it against")
 
 
 PREFILL = Kernel(
@@ -220,9 +213,9 @@ PREFILL = Kernel(
     lambda lc: residual_prefill_gluon.build_sm90a(lc, direct=True)[0],
     lambda lc: 2 if lc.pairs else 1, prefill_measured, "8 x 64 over 8K")
 DECODE = Kernel(
-    "decode", WS_DECODE_LAUNCHES,
-    lambda lc: WsDecodeLaunch(), lambda lc: residual_decode_gluon.build_sm90a(True, lc)[0],
-    lambda lc: 1, decode_measured, "4K x 64")
+    "decode", (DecodeBuild(),), lambda lc: lc,
+    lambda lc: residual_decode_gluon.build_sm90a(True)[0], lambda lc: 1, decode_measured,
+    "4K x 64")
 KERNELS = {k.name: k for k in (PREFILL, DECODE)}
 DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at
 
@@ -276,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("kernel", choices=sorted(KERNELS))
     add_out_argument(ap)
     ap.add_argument("--measured", type=Path,
-                    help="a bench result to put beside the counts (prefill: "
-                         "residual_prefill_bench's; decode: kernel_bench --variants')")
+                    help="prefill: a residual_prefill_bench result to put beside the counts")
     ap.add_argument("--launches", nargs="+", metavar="NAME",
                     help="only these launches (by name), beside each one's plain launch")
     ap.add_argument("--shape", nargs=2, type=int, metavar=("GROUP", "RANK"),
@@ -294,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--shape {shape[0]} {shape[1]}: the ws decode is not built for it "
                      "(residual_decode_gluon.ws_shape)")
         kernel = replace(kernel, ptx=lambda lc: residual_decode_gluon.build_sm90a(
-            True, lc, *shape)[0], case=f"{kernel.case}, GQA {shape[0]}, rank {shape[1]}")
+            True, *shape)[0], case=f"{kernel.case}, GQA {shape[0]}, rank {shape[1]}")
         stem += f"_g{shape[0]}_r{shape[1]}"
     launches = list(kernel.launches)
     if args.launches:

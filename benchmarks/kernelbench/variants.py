@@ -21,15 +21,6 @@ from benchmarks.kernelbench.setup import (
 from benchmarks.kernelbench.timing import check, measure, measure_interleaved
 from forkserve import kernels
 from forkserve.kernels.decode_attention import paged_decode_triton
-from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
-
-# The ws decode's launches the bench measures (residual_decode_gluon.WsDecodeLaunch; the
-# first is the kernel's default), by name; ws_sass.py counts the same ones and the CUDA tests
-# run them. Round 26: only the softmax's max crosses the warps, the sums kept per thread (8
-# barriers a tile -> 4), then the rank contraction in four partial sums (its chain of 16
-# dependent multiply-adds -> 7).
-WS_DECODE_LAUNCHES = (WsDecodeLaunch(), WsDecodeLaunch("deferred_sum"),
-                      WsDecodeLaunch("deferred_sum", chains=4))
 
 
 def _qfold_table(**tuning) -> dict:
@@ -158,9 +149,11 @@ VARIANTS: dict[str, dict] = {
     "folded_bn64_nopf": dict(variant="folded", block_n=64, prefetch=False),
     "folded_bn32": dict(variant="folded", block_n=32),
     # Round 20-21: one warp-specialized Gluon launch (residual_decode_gluon.py): a TMA loader
-    # warp beside the warp group of products, softmax and values.
+    # warp beside the warp group of products, softmax and values (since round 27 in one form:
+    # round 26's deferred-sum softmax).
     "ws": dict(variant="ws"),
-    **{lc.name: dict(variant="ws", ws_launch=lc) for lc in WS_DECODE_LAUNCHES[1:]},
+    # The policy's pick where ws is not measured: what a shape's ws is weighed against.
+    "two_pass": dict(variant="two_pass"),
     # What a call naming no variant runs (kernels.DEFAULT_DECODE_POLICY).
     "default": dict(),
 }

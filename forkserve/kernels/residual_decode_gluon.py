@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -67,42 +66,6 @@ PROGRAMS_PER_SM = 1  # 3 slots of 52 KiB, ~178 KiB in all: one program per SM
 # The registers each thread starts with: the loader's warp group is cut to 40 (its
 # ``warp_specialize`` count), the consumer keeps these.
 MAXNREG = 256
-
-
-# How a tile's softmax meets across the consumer's four warps (a tile's keys are the score
-# wgmma's rows, a quarter to each warp; KERNELS.md "Round 26"):
-# * "two_exchanges": the tile's max, then its sum, each reduced over the warps by Triton (a
-#   shared-memory round trip of two barriers each, and one more between them);
-# * "deferred_sum": only the max crosses the warps, in one barrier (``_max_over_warps``);
-#   each thread keeps running sums of its own probabilities (rescaled as the accumulator
-#   is), reduced once after the loop.
-SOFTMAX_FORMS = ("two_exchanges", "deferred_sum")
-
-
-@dataclass(frozen=True)
-class WsDecodeLaunch:
-    """The kernel's options: ``softmax``, one of ``SOFTMAX_FORMS``; ``chains``, the partial
-    sums a (key, query) residual score's rank contraction is split into (1: one chain of r
-    dependent multiply-adds, the tile's longest; 4: four of r / 4, then three adds)."""
-
-    softmax: str = "two_exchanges"
-    chains: int = 1
-
-    def __post_init__(self) -> None:
-        if self.softmax not in SOFTMAX_FORMS:
-            raise ValueError(f"WsDecodeLaunch: softmax {self.softmax!r} is not one of "
-                             + ", ".join(SOFTMAX_FORMS))
-        if self.chains not in (1, 2, 4):
-            raise ValueError(f"WsDecodeLaunch: chains {self.chains} is not 1, 2 or 4")
-
-    @property
-    def name(self) -> str:
-        return ("ws" + (f"_{self.softmax}" if self.softmax != SOFTMAX_FORMS[0] else "")
-                + (f"_c{self.chains}" if self.chains > 1 else ""))
-
-    def constexprs(self) -> dict:
-        """The kernel's compile-time arguments for these options."""
-        return dict(SOFTMAX=self.softmax, CHAINS=self.chains)
 
 
 def hopper(device: torch.device) -> bool:
@@ -264,23 +227,19 @@ def _fold_rows(f):
 
 
 @gluon.jit
-def _contract(w, k_res, lp: gl.constexpr, CHAINS: gl.constexpr):
+def _contract(w, k_res, lp: gl.constexpr):
     """The residual scores ``[T, G]``, ``sum_k w[n, (g, k)] K_res[n, k]``, for folds in
     ``_fold_rows``' order: the sum over k is over each thread's own registers, and the
-    result lands where ``_evens`` puts the base scores (``lp``). The compiler sums a
-    thread's registers in order, one multiply-add after another; ``CHAINS`` partial sums
-    make the chain ``r / CHAINS + CHAINS - 1`` long instead of ``r``."""
+    result lands where ``_evens`` puts the base scores (``lp``). (Four partial sums, which
+    cut that chain of r dependent multiply-adds to 7, measured no faster: KERNELS.md
+    "Round 27".)"""
     T: gl.constexpr = w.type.shape[0]
     R: gl.constexpr = k_res.type.shape[1]
     G: gl.constexpr = w.type.shape[1] // R
     w3 = gl.reshape(gl.permute(gl.reshape(w, [T, R // 2, G, 2]), (0, 2, 1, 3)), [T, G, R])
     k_rows = k_res.load(gl.SliceLayout(1, w3.type.layout)).to(gl.float32)
     prod = w3 * gl.expand_dims(k_rows, 1)
-    if CHAINS == 1:
-        score = gl.sum(prod, axis=2)
-    else:
-        score = gl.sum(gl.sum(gl.reshape(prod, [T, G, CHAINS, R // CHAINS]), axis=3), axis=2)
-    return gl.convert_layout(score, lp, assert_trivial=True)
+    return gl.convert_layout(gl.sum(prod, axis=2), lp, assert_trivial=True)
 
 
 @gluon.jit
@@ -329,11 +288,13 @@ def _max_over_warps(score, m_i, red):
 
 
 @gluon.jit
-def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr,
-          CHAINS: gl.constexpr):
+def _tile(args, i, sb, w, state, lp: gl.constexpr):
     """Tile ``i`` from its finished score products: the masked scores, the online softmax
-    and the value products (issued, not waited on). Returns the updated state (under
-    "deferred_sum" its ``l`` is each thread's ``[T, G]`` running sums)."""
+    and the value products (issued, not waited on). Returns the updated state. Only the
+    tile's max crosses the consumer's four warps, in one barrier (``_max_over_warps``):
+    ``l`` is each thread's ``[T, G]`` running sums of its own probabilities, rescaled as the
+    accumulator is and reduced once after the loop (``_consume``; KERNELS.md "Round 26":
+    a tile's barriers 8 -> 4)."""
     _, _, bufs, ops, scalars, _ = args
     _, _, v_lo, v_hi, kr, vr, _, _ = bufs
     p_smem = ops[4]
@@ -348,21 +309,13 @@ def _tile(args, i, sb, w, state, lp: gl.constexpr, SOFTMAX: gl.constexpr,
         _zero_values_from(bufs, s, stop - start - i * T, has_res)
     # where, not a product: the stale slots of a row without an adapter may hold NaN.
     score = (gl.convert_layout(_evens(sb), lp)
-             + gl.where(has_res, _contract(w, kr.index(s), lp, CHAINS), 0.0))
+             + gl.where(has_res, _contract(w, kr.index(s), lp), 0.0))
     keys = gl.arange(0, T, layout=gl.SliceLayout(1, lp))
     score = gl.where(gl.expand_dims(start + i * T + keys < stop, 1), score, float("-inf"))
-    if SOFTMAX == "deferred_sum":
-        m_new = _max_over_warps(score, m_i, ops[5])
-    else:
-        m_new = gl.maximum(m_i, gl.max(score, axis=0))
+    m_new = _max_over_warps(score, m_i, ops[5])
     p = gl.exp2(score - gl.expand_dims(m_new, 0))
-    if SOFTMAX == "deferred_sum":
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * gl.expand_dims(alpha, 0) + p
-    else:  # the sum first: the order of the build measured in rounds 21-24
-        l_t = gl.sum(p, axis=0)
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + l_t
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * gl.expand_dims(alpha, 0) + p
     acc_lo = acc_lo * _columns(alpha, s_mma)
     acc_hi = acc_hi * _columns(alpha, s_mma)
     acc_r = acc_r * _columns(alpha, r_mma)
@@ -437,7 +390,7 @@ def _make_operands(operands, bufs, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _consume(args, SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, GROUP: gl.constexpr):
+def _consume(args, GROUP: gl.constexpr):
     """The consumer warp group: every tile of the program's keys. Returns its online-softmax
     state: ``m, l [G]`` (log2 domain), ``acc_lo, acc_hi [D/2, 2G]`` (``V^T p``, interleaved
     columns) and ``acc_r [r, 2G]`` (``V_res^T p``)."""
@@ -458,11 +411,7 @@ def _consume(args, SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, GROUP: gl.conste
     # where _contract's residual scores land too.
     lp: gl.constexpr = _evens(gl.zeros([T, GP2], gl.float32, s_mma)).type.layout
     col: gl.constexpr = gl.SliceLayout(0, lp)  # [G]
-    if SOFTMAX == "deferred_sum":
-        l_0 = gl.zeros([T, G], gl.float32, lp)
-    else:
-        l_0 = gl.zeros([G], gl.float32, col)
-    state = (gl.full([G], float("-inf"), gl.float32, col), l_0,
+    state = (gl.full([G], float("-inf"), gl.float32, col), gl.zeros([T, G], gl.float32, lp),
              gl.zeros([HALF, GP2], gl.float32, s_mma), gl.zeros([HALF, GP2], gl.float32, s_mma),
              gl.zeros([R, GP2], gl.float32, r_mma))
     if n_tiles > 0:  # an empty split needs no operands
@@ -476,14 +425,12 @@ def _consume(args, SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, GROUP: gl.conste
     for i in range(n_tiles):
         sb, w = _issue_scores(args, i, s_mma, p_mma)
         sb, w = warpgroup_mma_wait(0, deps=(sb, w))
-        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp, SOFTMAX, CHAINS)
+        m_i, l_i, acc_lo, acc_hi, acc_r = _tile(args, i, sb, w, state, lp)
         acc_lo, acc_hi = warpgroup_mma_wait(0, deps=(acc_lo, acc_hi))
         state = (m_i, l_i, acc_lo, acc_hi, acc_r)
         _release(args, i)
     m_i, l_i, acc_lo, acc_hi, acc_r = state
-    if SOFTMAX == "deferred_sum":  # the threads' running sums: one reduction, here
-        l_i = gl.sum(l_i, axis=0)
-    return m_i, l_i, acc_lo, acc_hi, acc_r
+    return m_i, gl.sum(l_i, axis=0), acc_lo, acc_hi, acc_r
 
 
 @gluon.jit
@@ -519,7 +466,7 @@ def _residual_decode_ws_kernel(
         stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
         N_KV: gl.constexpr, GROUP: gl.constexpr, G: gl.constexpr, R: gl.constexpr,
         HEAD_DIM: gl.constexpr, T: gl.constexpr, STAGES_: gl.constexpr, DIRECT: gl.constexpr,
-        SOFTMAX: gl.constexpr, CHAINS: gl.constexpr, num_warps: gl.constexpr):
+        num_warps: gl.constexpr):
     # GROUP query heads a KV head, padded to G (4 or 8: the score wgmma's N is 2G).
     HALF: gl.constexpr = HEAD_DIM // 2
     GP2: gl.constexpr = 2 * G
@@ -550,7 +497,7 @@ def _residual_decode_ws_kernel(
     slots, bars = slot_ring(kd, krd, csd, STAGES_, T)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GP2, T], gl.bfloat16)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [GP2, T], p_layout)
-    # The warps' maxima ("deferred_sum"; a form that does not read it builds without it).
+    # Each warp's tile maxima (_max_over_warps).
     red = gl.allocate_shared_memory(gl.float32, [num_warps, G],
                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     fence_async_shared()
@@ -561,7 +508,7 @@ def _residual_decode_ws_kernel(
             (BlockTables + row * stride_bt, ResTables + row * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, acc_lo, acc_hi, acc_r = gl.warp_specialize(
-        [(_consume, (args, SOFTMAX, CHAINS, GROUP)), (_loader, (args, ))], [1], [40])
+        [(_consume, (args, GROUP)), (_loader, (args, ))], [1], [40])
 
     # out^T [D, G] = (acc + B_v^T acc_r) / l: the V residual's up-projection once, here.
     lo3: gl.constexpr = gl.BlockedLayout([1, R, 1], [16, 1, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -620,16 +567,15 @@ def descriptors(k_base, v_base, k_res, v_res, table16):
             TensorDescriptor.from_tensor(table16, [TILE, half], _smem_layout(TILE, half)))
 
 
-def build_sm90a(direct: bool, launch: WsDecodeLaunch = WsDecodeLaunch(), group: int = 4,
-                rank: int = 16) -> tuple[str, int]:
-    """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
-    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE`` with
-    this GQA group and rank."""
+def build_sm90a(direct: bool, group: int = 4, rank: int = 16) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes (output written directly,
+    or as partials), built without a GPU at ``sm90_build.WS_SHAPE`` with this GQA group and
+    rank."""
     from forkserve.kernels.sm90_build import compile_ws_sm90
 
     return compile_ws_sm90(_residual_decode_ws_kernel,
                            dict(T=TILE, STAGES_=STAGES, DIRECT=direct, num_warps=4, GROUP=group,
-                                G=padded_group(group), R=rank, **launch.constexprs()),
+                                G=padded_group(group), R=rank),
                            MAXNREG)
 
 
@@ -638,8 +584,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
                        res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        b_k_all: torch.Tensor, b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
                        inv_freq: torch.Tensor, scale: float | None = None,
-                       max_seq_len: int = 0, num_splits: int | None = None,
-                       launch: WsDecodeLaunch = WsDecodeLaunch()) -> torch.Tensor:
+                       max_seq_len: int = 0, num_splits: int | None = None) -> torch.Tensor:
     """ResidualAttention decode of ``q [batch, H, D]`` (the layout contract of
     docs/KERNELS.md), one warp-specialized launch plus the split merge; the shapes of
     ``supports`` only. ``max_seq_len``: a host bound on ``seq_lens`` (the table's rows and
@@ -670,7 +615,7 @@ def residual_decode_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tens
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, GROUP=g, G=padded_group(g), R=rank, HEAD_DIM=head_dim, T=TILE, STAGES_=STAGES,
-        DIRECT=direct, num_warps=4, maxnreg=MAXNREG, **launch.constexprs())
+        DIRECT=direct, num_warps=4, maxnreg=MAXNREG)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

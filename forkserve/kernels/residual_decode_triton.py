@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -68,9 +67,6 @@ from forkserve.kernels.split_kv import (
     store_partial,
 )
 from forkserve.kernels.streams import row_pipeline
-
-if TYPE_CHECKING:  # the Gluon module imports this one
-    from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 
 RESIDUAL_VARIANTS = ("two_pass", "three_pass", "chunked", "fused", "folded", "msc", "msc2s",
                      "ws")
@@ -620,8 +616,7 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
                            plan: str | None = None, prefetch: bool | None = None,
                            overlap_slices: int | None = None,
                            pdl: bool | None = None,
-                           follow: bool | dict = False,
-                           ws_launch: WsDecodeLaunch | None = None) -> torch.Tensor:
+                           follow: bool | dict = False) -> torch.Tensor:
     """ResidualAttention decode (see the module docstring for ``variant``). ``score_tuning``
     goes to ``residual_scores`` (two-pass), ``residual_logits`` (msc) or ``split_logits``
     (msc2s), ``chunk`` is the chunked variant's keys per phase, ``split_score`` picks the
@@ -648,18 +643,13 @@ def residual_decode_triton(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.
     reads next (score_progress.py), so with ``pdl`` the two passes overlap instead of
     running back to back. A dict: ``FOLLOW_TUNING``'s keys to override. H200, round 16:
     0.0-0.1x unified slower than the whole-pass wait at two waves, up to 0.3x at one (the
-    polls cost about what the overlap wins); off by default.
-    ``ws_launch`` (ws): the Gluon kernel's options (``residual_decode_gluon.WsDecodeLaunch``;
-    default: none)."""
+    polls cost about what the overlap wins); off by default."""
     assert variant in RESIDUAL_VARIANTS, f"unknown ResidualAttention variant {variant!r}"
-    if ws_launch is not None and variant != "ws":
-        raise ValueError(f"ws_launch is the ws variant's; variant {variant!r} takes none")
     if variant == "ws":
-        from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch, residual_decode_ws
+        from forkserve.kernels.residual_decode_gluon import residual_decode_ws
         return residual_decode_ws(q, k_base, v_base, k_res, v_res, block_tables,
                                   res_block_tables, seq_lens, b_k_all, b_v_all, adapter_idx,
-                                  inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits,
-                                  ws_launch or WsDecodeLaunch())
+                                  inv_freq, scale, key_bound(seq_lens, max_seq_len), num_splits)
     plans = VARIANT_PLANS.get(variant, ("static",))
     if plan is None:
         plan = plans[0]

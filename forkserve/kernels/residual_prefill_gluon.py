@@ -136,8 +136,15 @@ def default_launch(max_q_len: int) -> WsPrefillLaunch:
     fused Triton kernel takes (``prefill_attention.residual_launch``: 64 for chunks of at most
     16 tokens, else 128), measured for this kernel too (H200, residual_prefill_launches.json:
     128 rows ran 8 x 64 over 8K in 0.28-0.29 ms against 0.39 for 64, and 4 x 64 over 32K in
-    0.56 against 0.75; 32 x 16 over 8K, which fills only 64 rows, 0.40 against 0.54)."""
-    return WsPrefillLaunch(residual_launch(max_q_len)[0])
+    0.56 against 0.75; 32 x 16 over 8K, which fills only 64 rows, 0.40 against 0.54), each
+    with the options that measured fastest there in round 27 (residual_prefill_v5.json,
+    every case): 128 rows with ``edge_masks`` (7-8% faster than without; the launches that
+    cut more instructions were no faster, KERNELS.md "Round 27"), 64 rows with
+    ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%)."""
+    rows = residual_launch(max_q_len)[0]
+    if rows == 64:
+        return WsPrefillLaunch(64, edge_masks=True, base_scores=True, bf16_rope=True)
+    return WsPrefillLaunch(rows, edge_masks=True)
 
 
 @gluon.constexpr_function

@@ -14,38 +14,23 @@ import torch
 from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
 from test_sm90_compile import check_ws_build
 
-from benchmarks.kernelbench.variants import WS_DECODE_LAUNCHES
 from forkserve.kernels import residual_decode
-from forkserve.kernels.residual_decode_gluon import WsDecodeLaunch
 
 HEAD_DIM, RANK = 128, 16
 
 
-DEFAULT, DEFERRED_C4 = WS_DECODE_LAUNCHES[0], WS_DECODE_LAUNCHES[-1]
-# (direct, launch, GQA group, rank): every launch the bench measures at the measured shape
-# (the partials' epilogue, the same code after any launch's loop, with the default's); the
-# other shapes' (a padded group of 8, rank 32, a group of 3 padded to 4) once.
-BUILDS = [(False, DEFAULT, 4, 16), *((True, lc, 4, 16) for lc in WS_DECODE_LAUNCHES),
-          (False, DEFAULT, 8, 16), (False, DEFAULT, 4, 32), (True, DEFERRED_C4, 3, 16)]
+# (direct, GQA group, rank): the measured shape both ways (the split partials' epilogue and
+# the direct output), the others (a padded group of 8, rank 32, a group of 3 padded to 4)
+# once.
+BUILDS = [(False, 4, 16), (True, 4, 16), (False, 8, 16), (False, 4, 32), (True, 3, 16)]
 
 
-@pytest.mark.parametrize("direct,launch,group,rank", BUILDS,
-                         ids=lambda x: x.name if isinstance(x, WsDecodeLaunch) else str(x))
-def test_ws_kernel_builds_for_sm90(direct: bool, launch: WsDecodeLaunch, group: int,
-                                   rank: int, tmp_path) -> None:
+@pytest.mark.parametrize("direct,group,rank", BUILDS)
+def test_ws_kernel_builds_for_sm90(direct: bool, group: int, rank: int, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
-    cut, fits one program's shared memory (227 KiB) and spills nothing, with each launch
-    and at each kind of shape it takes."""
-    check_ws_build(__file__, [direct, launch.softmax, launch.chains, group, rank], tmp_path)
-
-
-def test_an_unknown_option_is_refused() -> None:
-    with pytest.raises(ValueError, match="not one of two_exchanges, deferred_sum"):
-        WsDecodeLaunch("one_exchange")
-    with pytest.raises(ValueError, match="chains 3 is not 1, 2 or 4"):
-        WsDecodeLaunch(chains=3)
-    assert [lc.name for lc in WS_DECODE_LAUNCHES] == ["ws", "ws_deferred_sum",
-                                                      "ws_deferred_sum_c4"]
+    cut, fits one program's shared memory (227 KiB) and spills nothing, at each kind of
+    shape it takes."""
+    check_ws_build(__file__, [direct, group, rank], tmp_path)
 
 
 def _inputs(seed: int, seq_lens: list[int], n_kv: int = 2, group: int = 4, rank: int = RANK):
@@ -67,16 +52,13 @@ cuda_only = pytest.mark.skipif(
 @cuda_only
 @pytest.mark.parametrize("seq_lens", [[37, 100, 16, 1], [700, 4099, 65, 2048, 129]])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("launch", WS_DECODE_LAUNCHES, ids=lambda lc: lc.name)
-def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
-                                launch: WsDecodeLaunch) -> None:
+def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None) -> None:
     """Ragged lengths (mid-page and mid-tile ends, one key, one page: warps whose keys are
     all past the end), a row without an adapter, a rank-8 adapter padded to 16; the plan's
     splits, one (the output written directly) and three (empty splits at the short rows,
-    which make no operands); every launch the bench measures."""
+    which make no operands)."""
     args, c = _inputs(len(seq_lens), seq_lens)
-    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                          ws_launch=launch)
+    out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits)
     q, adapters = args[0], args[10]
     ref = plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens,
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
@@ -89,11 +71,8 @@ def test_ws_matches_the_formula(seq_lens: list[int], num_splits: int | None,
 
 
 @cuda_only
-@pytest.mark.parametrize("group,rank,launch", [
-    (8, 16, DEFAULT), (4, 32, DEFAULT), (3, 16, DEFAULT), (7, 16, DEFERRED_C4),
-    (1, 16, DEFERRED_C4), (4, 32, DEFERRED_C4)],
-    ids=lambda x: x.name if isinstance(x, WsDecodeLaunch) else str(x))
-def test_ws_at_other_shapes(group: int, rank: int, launch: WsDecodeLaunch) -> None:
+@pytest.mark.parametrize("group,rank", [(8, 16), (4, 32), (3, 16), (7, 16), (1, 16)])
+def test_ws_at_other_shapes(group: int, rank: int) -> None:
     """The shapes built beside the measured one: a group padded to 8 query columns (8, 7),
     to 4 (3, 1: the padding heads' columns neither stored nor written to partials), rank
     32; split and direct."""
@@ -104,8 +83,7 @@ def test_ws_at_other_shapes(group: int, rank: int, launch: WsDecodeLaunch) -> No
                        (c.k_res, c.v_res, c.res_block_tables, args[8], args[9], adapters,
                         args[11]))
     for num_splits in (None, 1):
-        out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits,
-                              ws_launch=launch)
+        out = residual_decode(*args, use_triton=True, variant="ws", num_splits=num_splits)
         assert rel_err(out, ref) < REL_TOL, num_splits
 
 
@@ -139,6 +117,9 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     narrow = q[:, :4].contiguous()  # a GQA group of 2: built for, not measured
     assert residual_decode_gluon.ws_shape(narrow, k, k_res) == (2, 16)
     assert DEFAULT_DECODE_POLICY.variant(narrow, k, k_res) == "two_pass"
+    gqa8 = torch.cat([q, q], dim=1)  # measured in round 27
+    assert residual_decode_gluon.ws_shape(gqa8, k, k_res) == (8, 16)
+    assert DEFAULT_DECODE_POLICY.variant(gqa8, k, k_res) == "ws"
     wider = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES | {(2, 16)})
     assert wider.variant(narrow, k, k_res) == "ws"
     bounded = DecodeVariantPolicy(ws_max_batch=16)
@@ -191,26 +172,17 @@ def test_ws_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_ws_refuses_other_shapes() -> None:
-    args, _ = _inputs(1, [40], n_kv=2)
-    with pytest.raises(ValueError, match="residual_decode_ws"):
-        from forkserve.kernels.residual_decode_gluon import residual_decode_ws
-        residual_decode_ws(args[0][:, :4].contiguous(), *args[1:])
-
-
-def test_ws_options_only_with_ws() -> None:
-    """The ws kernel's options with another variant are a clear error, not ignored (CPU:
-    refused before any kernel runs)."""
-    args, _ = _inputs(1, [40], n_kv=2)
-    with pytest.raises(ValueError, match="ws_launch is the ws variant's"):
-        residual_decode(*args, use_triton=True, variant="two_pass",
-                        ws_launch=WsDecodeLaunch("deferred_sum"))
+    """A GQA group past 8 is refused on every device (the kernel's query columns are 4 or
+    8), with the shapes it takes in the message."""
+    args, _ = _inputs(1, [40], n_kv=2, group=9)
+    from forkserve.kernels.residual_decode_gluon import residual_decode_ws
+    with pytest.raises(ValueError, match="residual_decode_ws: .*a GQA group of at most 8"):
+        residual_decode_ws(*args)
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_decode_gluon import build_sm90a
 
-    ptx, shared = build_sm90a(bool(int(sys.argv[2])),
-                              WsDecodeLaunch(sys.argv[3], int(sys.argv[4])),
-                              int(sys.argv[5]), int(sys.argv[6]))
+    ptx, shared = build_sm90a(bool(int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4]))
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -153,11 +153,14 @@ def test_the_default_route_is_ws_on_hopper() -> None:
 
 def test_the_default_launch_by_chunk_length() -> None:
     """The fused Triton kernel's rows by the longest chunk (``residual_launch``), measured for
-    ws too: 64 rows on one warp group up to 16-token chunks, 128 on two past them."""
+    ws too: 64 rows on one warp group up to 16-token chunks, 128 on two past them; each with
+    the options measured fastest at its rows (round 27)."""
     from forkserve.kernels.residual_prefill_gluon import default_launch
 
     assert [(default_launch(n).rows, default_launch(n).warps) for n in (1, 16, 17, 512)] == [
         (64, 4), (64, 4), (128, 8), (128, 8)]
+    assert [default_launch(n).name for n in (16, 17)] == ["ws_m64_s3_edge_base_bf16",
+                                                          "ws_m128_s3_edge"]
     assert default_launch(64).maxnreg == 168 and default_launch(16).maxnreg == 256
 
 
