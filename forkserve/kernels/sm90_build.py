@@ -13,6 +13,7 @@ imports (``gl.sum``'s combine function) is an interpreted one, which the compile
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -77,12 +78,32 @@ def compile_ws_sm90(kernel, consts: dict, maxnreg: int,
 
 
 def _tool(name: str) -> Path:
-    """Triton's own copy of a CUDA tool (its PTX version follows it: on the H200 machine a
-    CUDA toolkit's ptxas, newer than the one in Triton's wheel)."""
+    """The CUDA tool ``name`` beside the ptxas Triton compiles with (its PTX version follows
+    it: on the H200 machine a toolkit's, newer than the one in Triton's wheel), else Triton's
+    wheel's own copy, else one on the PATH. ``BuildError`` where there is none: the H200
+    machine's ptxas (torch's) has no cuobjdump beside it (round 27's suite)."""
+    import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = Path(get_ptxas(90).path)
-    return ptxas if name == "ptxas" else ptxas.with_name(name)
+    if name == "ptxas":
+        return ptxas
+    wheel = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    found = next((p for p in (ptxas.with_name(name), wheel) if p.is_file()), None)
+    if found is None and (on_path := shutil.which(name)):
+        found = Path(on_path)
+    if found is None:
+        raise BuildError(f"no {name} beside {ptxas}, in Triton's wheel or on the PATH")
+    return found
+
+
+def has_tool(name: str) -> bool:
+    """Whether ``_tool`` finds ``name`` here (what a SASS count needs: ``cuobjdump``)."""
+    try:
+        _tool(name)
+    except (BuildError, ImportError, RuntimeError):
+        return False
+    return True
 
 
 def ptxas_version() -> str:

@@ -9,12 +9,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
+from forkserve.kernels.sm90_build import has_tool  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
+# The tool runs on real builds only where cuobjdump is found (sm90_build._tool): the CPU
+# machines' Triton wheel ships it.
+needs_cuobjdump = pytest.mark.skipif(not has_tool("cuobjdump"), reason="no cuobjdump here")
 
 
 def _listing(blocks: list[list[str]]) -> str:
@@ -66,6 +72,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@needs_cuobjdump
 def test_the_prefill_launches(tmp_path):
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
@@ -89,6 +96,7 @@ def test_the_prefill_launches(tmp_path):
     assert "x plain" in run.stdout
 
 
+@needs_cuobjdump
 def test_the_decode(tmp_path):
     """The decode's one form (round 26's deferred sum): only the max crosses the warps, in
     one barrier, so four barriers a tile; a measured run to weigh it against is refused in
@@ -105,6 +113,7 @@ def test_the_decode(tmp_path):
     assert run.returncode == 2 and "prefill's" in run.stderr.splitlines()[-1]
 
 
+@needs_cuobjdump
 def test_the_decode_at_another_shape(tmp_path):
     """``--shape``: the GQA-8 build (16 interleaved query columns, folds of 128 rows) counts
     more a tile than Llama-3-8B's, into a file of its own; a shape the kernel is not built
@@ -118,6 +127,29 @@ def test_the_decode_at_another_shape(tmp_path):
     for bad in (["decode", "--shape", "8", "32"], ["prefill", "--shape", "8", "16"]):
         run = _run(*bad, "--out", str(tmp_path))
         assert run.returncode == 2 and "--shape" in run.stderr.splitlines()[-1]
+
+
+@needs_cuobjdump
+def test_cuobjdump_where_ptxas_has_none_beside_it(tmp_path, monkeypatch):
+    """The H200 machine compiles with torch's ptxas, which has no cuobjdump beside it: the
+    one in Triton's wheel is taken, else the PATH's; with neither, a clear BuildError."""
+    import triton
+    from triton.backends.nvidia import compiler
+
+    from forkserve.kernels import sm90_build
+
+    lone = tmp_path / "bin" / "ptxas"
+    lone.parent.mkdir()
+    lone.write_text("")
+    monkeypatch.setattr(compiler, "get_ptxas", lambda arch: SimpleNamespace(path=str(lone)))
+    assert sm90_build._tool("ptxas") == lone
+    found = sm90_build._tool("cuobjdump")
+    assert found.name == "cuobjdump" and found.is_file() and found.parent != lone.parent
+    monkeypatch.setattr(sm90_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(triton, "__file__", str(tmp_path / "triton" / "__init__.py"))
+    with pytest.raises(sm90_build.BuildError, match="no cuobjdump beside"):
+        sm90_build._tool("cuobjdump")
+    assert not sm90_build.has_tool("cuobjdump")
 
 
 def test_an_unknown_launch_is_one_line(tmp_path):
