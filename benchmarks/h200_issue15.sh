@@ -663,20 +663,12 @@ PY
   ;;
 66)
   # Round 23: the ws residual prefill against the formulas, every launch and option (round
-  # 25: ten launches, each compiled whole and split, so the tests have a call of their own;
+  # 27: seven launches, each compiled whole and split, so the tests have a call of their own;
   # the compiled kernels stay in TRITON_CACHE_DIR for step 69 while the machine is held).
   # K: a pytest -k expression, for the rest of a run cut at its timeout.
   export TRITON_CACHE_DIR=/root/tc23
-  # Round 26's late_pv first, alone and short: a new Gluon schedule can deadlock, and a hang
-  # must cost its 150 s, not the call (then SKIP=ws_m128_s3_edge_base_bf16_late for 69).
-  if [ -z "${K:-}" ]; then
-    FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -v -p no:cacheprovider -p no:warnings \
-      -k late tests/kernels/test_residual_prefill_ws.py 2>&1 \
-      | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}_late.log" | tail -4
-    [ "${PIPESTATUS[0]}" = 124 ] && echo "late_pv HUNG: rerun 69 with SKIP=ws_m128_s3_edge_base_bf16_late"
-  fi
   FORKSERVE_TEST_DEVICE=cuda timeout 420 python3 -m pytest -v -p no:cacheprovider -p no:warnings \
-    -k "${K:-not late}" tests/kernels/test_residual_prefill_ws.py 2>&1 \
+    ${K:+-k "$K"} tests/kernels/test_residual_prefill_ws.py 2>&1 \
     | tee "$OUT/pytest_cuda_ws_prefill_${TAG:-residual_prefill}${K:+_rest}.log" | tail -4
   ;;
 69)

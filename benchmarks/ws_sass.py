@@ -14,9 +14,9 @@ the kernel (output written directly), finds the consumer's main loop in the SASS
 innermost loop holding a tile's wgmma and no global store) and counts what a tile runs in
 steady state: the loop's basic blocks less the cold ones (``cold``: the split's last tile
 zeroing its V rows, the prefill's mask of a tile crossing the diagonal under
-``edge_masks``, its copy into ``rot`` for a program without an adapter). A prefill
-``pairs`` launch's loop holds two tiles. Prints a table (per launch: instructions and CTA
-barriers a tile, by class, and the ratio to the same launch without options), writes
+``edge_masks``, its copy into ``rot`` for a program without an adapter). Prints a table
+(per launch: instructions and CTA barriers a tile, by class, and the ratio to the same
+launch without options), writes
 ``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` (prefill) puts a bench run beside it,
 each launch's time over the plain launch's at the row's worst case, so the model meets the
 measurement (round 27 found it does not for the prefill: docs/KERNELS.md "Round 27").
@@ -74,7 +74,6 @@ class TileCount:
     barriers: float
     by_class: dict[str, float]
     loop_instructions: int
-    tiles_per_iteration: int
 
 
 def opcode(line: str) -> str:
@@ -142,39 +141,33 @@ def cold(block: Counter) -> bool:
     return zeroing or edge_mask or copy
 
 
-def count(name: str, plain: str, tiles: int, sass: str) -> TileCount:
-    """The steady-state tile of the consumer loop in ``sass``, whose loop holds ``tiles``
-    key tiles an iteration."""
+def count(name: str, plain: str, sass: str) -> TileCount:
+    """The steady-state tile of the consumer loop in ``sass`` (one key tile an
+    iteration)."""
     ins = parse(sass)
     body = main_loop(ins)
     targets = {t for _, text in ins if (t := branch_target(text)) is not None}
-    hot, skipped = Counter(), False
+    hot = Counter()
     for block in blocks(body, targets):
-        # A barrier with fences alone closes the block before it: a cold branch's closing
-        # barrier (``_landed``'s ``SYNC``) lands in a block of its own after its inner
-        # joins. (Such a block's fences without a barrier count hot, as since round 25.)
-        if not ("BAR" in block and set(block) <= {"MEMBAR", "FENCE", "BAR"} and skipped):
-            skipped = cold(block)
-        if not skipped:
+        if not cold(block):
             hot += block
     by_class = Counter()
     for op, n in hot.items():
-        by_class[op_class(op)] += n / tiles
-    return TileCount(name, plain, sum(hot.values()) / tiles, hot["BAR"] / tiles,
-                     dict(by_class.most_common()), len(body), tiles)
+        by_class[op_class(op)] += n
+    return TileCount(name, plain, sum(hot.values()), hot["BAR"], dict(by_class.most_common()),
+                     len(body))
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One ws kernel as this tool counts it: its launches, each one's launch without
-    options, its sm_90a PTX and key tiles a loop iteration, and each launch's time over the
-    plain one's in a measured run (``--measured``) at ``case``."""
+    options, its sm_90a PTX, and each launch's time over the plain one's in a measured run
+    (``--measured``) at ``case``."""
 
     name: str
     launches: tuple
     plain: Callable[[object], object]
     ptx: Callable[[object], str]
-    tiles: Callable[[object], int]
     measured: Callable[[Path], dict[str, float]]
     case: str
 
@@ -211,10 +204,10 @@ PREFILL = Kernel(
     "prefill", tuple(WsPrefillLaunch(*flags) for flags in WS_LAUNCHES),
     lambda lc: WsPrefillLaunch(lc.rows),
     lambda lc: residual_prefill_gluon.build_sm90a(lc, direct=True)[0],
-    lambda lc: 2 if lc.pairs else 1, prefill_measured, "8 x 64 over 8K")
+    prefill_measured, "8 x 64 over 8K")
 DECODE = Kernel(
     "decode", (DecodeBuild(),), lambda lc: lc,
-    lambda lc: residual_decode_gluon.build_sm90a(True)[0], lambda lc: 1, decode_measured,
+    lambda lc: residual_decode_gluon.build_sm90a(True)[0], decode_measured,
     "4K x 64")
 KERNELS = {k.name: k for k in (PREFILL, DECODE)}
 DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at
@@ -302,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     counts = []
     for i, launch in enumerate(launches, 1):
-        counts.append(count(launch.name, kernel.plain(launch).name, kernel.tiles(launch),
+        counts.append(count(launch.name, kernel.plain(launch).name,
                             sass_sm90a(kernel.ptx(launch))))
         print(f"[{i}/{len(launches)}] {launch.name}: {counts[-1].per_tile:.0f} a tile",
               flush=True)

@@ -50,7 +50,6 @@ from forkserve.kernels.residual_decode_gluon import (
     TILE,
     _loader,
     _release,
-    _zero_rows_from,
     _zero_values_from,
     descriptors,
     slot_ring,
@@ -78,37 +77,28 @@ class WsPrefillLaunch:
     taken straight from the slot, ``rot`` holding only the residual's rotated key (four
     score products a tile, no base tile through registers); ``bf16_rope`` (with
     ``base_scores`` only): that rotated residual computed in packed bf16 pairs
-    (``_rope_bf16x2``); ``pairs``: two tiles a loop iteration, so the next tile's scores
-    need no register copy. Each cuts the consumer's instructions a tile, which its time
-    follows (docs/KERNELS.md "Round 24" and "Round 25"). ``late_pv`` (with ``base_scores``,
-    three slots or more, not with ``pairs``): each tile's value products one tile late,
-    under the next key's rebuild, so no product runs with the consumer only waiting on it
-    (``_late_tile``, "Round 26")."""
+    (``_rope_bf16x2``). Each cuts the consumer's instructions a tile (docs/KERNELS.md "Round
+    24" and "Round 25"); the time follows them only in part (round 27: 0.69x the
+    instructions, 0.96x the time). Round 25-26's ``pairs`` (two tiles a loop iteration) and
+    ``late_pv`` (the value products a tile late) measured no faster and slower, and were
+    removed in round 27."""
 
     rows: int = 128
     stages: int = STAGES
     edge_masks: bool = False
     base_scores: bool = False
     bf16_rope: bool = False
-    pairs: bool = False
-    late_pv: bool = False
 
     def __post_init__(self) -> None:
         if self.bf16_rope and not self.base_scores:
             raise ValueError("WsPrefillLaunch: bf16_rope rounds the rotated residual alone, "
                              "so it needs base_scores")
-        if self.late_pv and (not self.base_scores or self.pairs or self.stages < 3):
-            # The rebuild it hides a product under is base_scores' (the residual alone,
-            # zero by a select for a row without an adapter); a tile's value products then
-            # hold its slot while the next two land.
-            raise ValueError("WsPrefillLaunch: late_pv needs base_scores and three slots or "
-                             "more, and is not for pairs")
 
     @property
     def name(self) -> str:
         """``ws_m<rows>_s<stages>`` and the options it takes, as the bench reports it."""
-        options = ("edge", "base", "bf16", "pairs", "late")
-        flags = (self.edge_masks, self.base_scores, self.bf16_rope, self.pairs, self.late_pv)
+        options = ("edge", "base", "bf16")
+        flags = (self.edge_masks, self.base_scores, self.bf16_rope)
         return f"ws_m{self.rows}_s{self.stages}" + "".join(
             f"_{o}" for o, on in zip(options, flags, strict=True) if on)
 
@@ -120,8 +110,8 @@ class WsPrefillLaunch:
         """The kernel's compile-time arguments for this launch and its options (``maxnreg``
         is the launch's, not a constexpr)."""
         return dict(M=self.rows, STAGES_=self.stages, EDGE_MASKS=self.edge_masks,
-                    BASE_SCORES=self.base_scores, BF16_ROPE=self.bf16_rope, PAIRS=self.pairs,
-                    LATE_PV=self.late_pv, num_warps=self.warps)
+                    BASE_SCORES=self.base_scores, BF16_ROPE=self.bf16_rope,
+                    num_warps=self.warps)
 
     @property
     def maxnreg(self) -> int:
@@ -263,11 +253,9 @@ def _rope(u_lo, u_hi, cos, sin, BF16_ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _landed(args, i, SYNC: gl.constexpr = False):
+def _landed(args, i):
     """Waits for tile ``i``'s slot and zeroes its V rows past the split (stale or never
-    written page slots would reach the value products as 0 * NaN). Returns the slot.
-    ``SYNC``: a barrier after the zeroing, where value products of another slot follow at
-    once (the compiler cannot tell the slots apart and would put one between them)."""
+    written page slots would reach the value products as 0 * NaN). Returns the slot."""
     _, bars, bufs, _, scalars, _ = args
     start, stop, has_res = scalars[3], scalars[4], scalars[7]
     NS: gl.constexpr = bufs[2].type.shape[0]
@@ -277,8 +265,6 @@ def _landed(args, i, SYNC: gl.constexpr = False):
     n0 = start + i * T
     if n0 + T > stop:
         _zero_values_from(bufs, s, stop - n0, has_res)
-        if SYNC:
-            gl.thread_barrier()
     return s
 
 
@@ -431,61 +417,9 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
 
 
 @gluon.jit
-def _late_tile(args, i, sc, state, p_prev, rows, HAS_PREV: gl.constexpr,
-               HAS_NEXT: gl.constexpr, EDGE_MASKS: gl.constexpr, BF16_ROPE: gl.constexpr):
-    """Tile ``i`` under ``late_pv`` (``base_scores`` too): tile ``i - 1``'s value products
-    (``p_prev``, kept from the last call) run under the rebuild of tile ``i + 1``'s rotated
-    residual, and tile ``i + 1``'s scores under tile ``i``'s softmax, so neither product
-    waits alone (docs/KERNELS.md "Round 26"). ``HAS_PREV``: a tile before this one (not the
-    program's first); ``HAS_NEXT``: one after it. Nothing in flight crosses a branch, so
-    a row without an adapter rebuilds too: its slots' ``K_res`` and cos|sin rows, which the
-    loader never fills, were zeroed at the program's start (``_consume``), and its ``B_k``
-    is zero, so its rotated residual is exactly zero. Returns tile ``i + 1``'s scores, the
-    state and this tile's probabilities; the caller runs the last tile's value
-    products."""
-    _, _, bufs, ops, scalars, _ = args
-    bk_lo, bk_hi, rot_lo, rot_hi = ops[2], ops[3], ops[6], ops[7]
-    start, stop = scalars[3], scalars[4]
-    pos, cols, seen_by_all = rows
-    NS: gl.constexpr = bufs[2].type.shape[0]
-    T: gl.constexpr = bufs[2].type.shape[1]
-    HALF: gl.constexpr = bufs[2].type.shape[2]
-    acc_l: gl.constexpr = state[2].type.layout
-    u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
-    if EDGE_MASKS:
-        # Here, with nothing in flight, so the branch may hold the mask.
-        if start + (i + 1) * T > seen_by_all:
-            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-    if HAS_NEXT:
-        s_next = _landed(args, i + 1, SYNC=True)
-        u_lo, u_hi = _up_projection(bufs, s_next, bk_lo, bk_hi, u_l)
-    if HAS_PREV:
-        state = _value_products(bufs, p_prev, (i - 1) % NS, state)
-    if HAS_NEXT:
-        cos, sin = _cos_sin(bufs, s_next, u_l, BF16_ROPE)
-        # The up-projection landed, the value products (three groups after it) may not.
-        u_lo, u_hi = warpgroup_mma_wait(3 if HAS_PREV else 0, deps=(u_lo, u_hi))
-        r_a, r_b = _rope(u_lo, u_hi, cos, sin, BF16_ROPE)
-        rot_lo.store(r_a.to(gl.bfloat16))
-        rot_hi.store(r_b.to(gl.bfloat16))
-        fence_async_shared()
-    if HAS_PREV:
-        state = _values_done(args, i - 1, state)
-    if HAS_NEXT:
-        sc_next = _issue_scores(ops, bufs, s_next, acc_l, True)
-    if not EDGE_MASKS:
-        sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-    p16, state = _online_softmax(sc, state)
-    if HAS_NEXT:
-        sc = warpgroup_mma_wait(0, deps=(sc_next, ))
-    return sc, state, p16
-
-
-@gluon.jit
 def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
-             BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr, LATE_PV: gl.constexpr):
-    """The consumer warp group(s): every tile of the program's keys (``_tile``; with
-    ``PAIRS`` two a loop iteration; with ``LATE_PV`` ``_late_tile``). Returns ``m, l
+             BF16_ROPE: gl.constexpr):
+    """The consumer warp group(s): every tile of the program's keys (``_tile``). Returns ``m, l
     [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v``
     unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
@@ -493,7 +427,6 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
     q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
     stop, n_tiles, has_res = scalars[4], scalars[6], scalars[7]
     q_pos0 = operands[10]  # the position of the program's first token
-    NS: gl.constexpr = kr.type.shape[0]
     T: gl.constexpr = kr.type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     R: gl.constexpr = kr.type.shape[2]
@@ -517,51 +450,14 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
             zero_rot = gl.zeros([T, HALF], gl.bfloat16, rebuild_layout(HALF, nw))
             ops[6].store(zero_rot)
             ops[7].store(zero_rot)
-        if LATE_PV:
-            if not has_res:  # see _late_tile: slots the loader leaves alone, made zero
-                for k in gl.static_range(NS):
-                    _zero_rows_from(kr.index(k), 0)
-                    _zero_rows_from(bufs[6].index(k), 0)
-                    _zero_rows_from(bufs[7].index(k), 0)
         fence_async_shared()
         _prepare(args, 0, BASE_SCORES, BF16_ROPE)
         sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
     rows = (q_pos0 + gl.arange(0, M, layout=row_l) // G,
             gl.arange(0, T, layout=gl.SliceLayout(0, acc_l)),
             gl.minimum(stop, q_pos0 + 1))  # the keys every row of the program sees
-    if LATE_PV:
-        # The first tile has no value products before it, the last no tile after it: each
-        # a call of its own, so no branch holds a product in flight.
-        p16 = gl.zeros([M, T], gl.bfloat16, acc_l)
-        if n_tiles > 1:
-            sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, True,
-                                        EDGE_MASKS, BF16_ROPE)
-            for i in range(1, n_tiles - 1):
-                sc, state, p16 = _late_tile(args, i, sc, state, p16, rows, True, True,
-                                            EDGE_MASKS, BF16_ROPE)
-            sc, state, p16 = _late_tile(args, n_tiles - 1, sc, state, p16, rows, True, False,
-                                        EDGE_MASKS, BF16_ROPE)
-        elif n_tiles == 1:
-            sc, state, p16 = _late_tile(args, 0, sc, state, p16, rows, False, False,
-                                        EDGE_MASKS, BF16_ROPE)
-        if n_tiles > 0:
-            state = _values_done(args, n_tiles - 1,
-                                 _value_products(bufs, p16, (n_tiles - 1) % NS, state))
-    elif PAIRS:
-        # Two tiles an iteration: the second's scores land in the registers the first's
-        # were in, so the loop carries them without copying; an odd last tile after it.
-        for j in range(n_tiles // 2):
-            sc, state = _tile(args, 2 * j, sc, state, rows, EDGE_MASKS, BASE_SCORES,
-                              BF16_ROPE)
-            sc, state = _tile(args, 2 * j + 1, sc, state, rows, EDGE_MASKS, BASE_SCORES,
-                              BF16_ROPE)
-        if n_tiles % 2 == 1:
-            sc, state = _tile(args, n_tiles - 1, sc, state, rows, EDGE_MASKS, BASE_SCORES,
-                              BF16_ROPE)
-    else:
-        for i in range(n_tiles):
-            sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES,
-                              BF16_ROPE)
+    for i in range(n_tiles):
+        sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES, BF16_ROPE)
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
@@ -585,8 +481,7 @@ def _residual_prefill_ws_kernel(
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
-        BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, PAIRS: gl.constexpr,
-        LATE_PV: gl.constexpr, DIRECT: gl.constexpr,
+        BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, DIRECT: gl.constexpr,
         num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
@@ -634,7 +529,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE, PAIRS, LATE_PV)),
+        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE)),
          (_loader, (args, ))],
         [1], [40])
 

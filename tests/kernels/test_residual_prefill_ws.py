@@ -18,15 +18,15 @@ from benchmarks.residual_prefill_bench import WS_LAUNCHES
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
 HEAD_DIM, RANK = 128, 16
-# (rows, stages, edge_masks, base_scores, bf16_rope, pairs, late_pv): the default launch,
-# the others the bench measures, and the options among them at the default's rows and slots.
-DEFAULT = (128, 3, False, False, False, False, False)
+# (rows, stages, edge_masks, base_scores, bf16_rope): the plain launch, the others the
+# bench measures, and the options among them at the plain launch's rows and slots.
+DEFAULT = (128, 3, False, False, False)
 OTHER_LAUNCHES = [lc for lc in WS_LAUNCHES if lc != DEFAULT]
 OPTIONS = [lc[2:] for lc in OTHER_LAUNCHES if lc[:2] == DEFAULT[:2]]
 
 
 def _name(launch: tuple) -> str:
-    """A launch's test id: its name (``-k ws_m128_s3_pairs``, or ``-k pairs``)."""
+    """A launch's test id: its name (``-k ws_m128_s3_edge``, or ``-k edge``)."""
     return WsPrefillLaunch(*launch).name
 
 
@@ -109,9 +109,7 @@ def test_ws_prefill_options_match_the_formula(seq_lens: list[int], q_lens: list[
     """The launch options over every case, whole and split (split ends fall mid-tile):
     the mask on the tiles that cross the diagonal or a split's end only; the base scores
     from the slot (rows without an adapter among them: ``rot`` zero); the rotated residual
-    in bf16; two tiles a loop iteration (odd and even tile counts); each tile's value
-    products one tile late (one tile, two, many; rows without an adapter, whose zeroed
-    slots it rebuilds from)."""
+    in bf16."""
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
     args, c = _inputs(sum(q_lens) + 7, seq_lens, q_lens)
@@ -172,16 +170,11 @@ def test_ws_prefill_refuses_other_shapes() -> None:
         residual_prefill_ws(args[0][:, :4].contiguous(), *args[1:])
 
 
-def test_late_pv_needs_its_companions() -> None:
-    """``late_pv`` hides a product under ``base_scores``' rebuild of the residual alone, and
-    holds a slot one tile longer: refused without ``base_scores``, with ``pairs`` or with
-    two slots."""
-    for bad in (dict(late_pv=True), dict(late_pv=True, base_scores=True, pairs=True),
-                dict(late_pv=True, base_scores=True, stages=2)):
-        with pytest.raises(ValueError, match="late_pv needs base_scores"):
-            WsPrefillLaunch(**bad)
-    assert WsPrefillLaunch(128, 3, True, True, True, False, True).name == \
-        "ws_m128_s3_edge_base_bf16_late"
+def test_an_option_needs_its_companion() -> None:
+    """``bf16_rope`` rounds the rotated residual alone, which only ``base_scores`` builds."""
+    with pytest.raises(ValueError, match="bf16_rope .* needs base_scores"):
+        WsPrefillLaunch(bf16_rope=True)
+    assert WsPrefillLaunch(128, 3, True, True, True).name == "ws_m128_s3_edge_base_bf16"
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
