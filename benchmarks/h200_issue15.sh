@@ -81,6 +81,9 @@
 # Round 26 (the ws decode: its softmax in one barrier; GQA groups 1-8 and rank 32):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2 with deferred_sum
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 71  # the ws decode at GQA 8 and rank 32
+# Round 27 (the ws decode's one form; the ws prefill at GQA groups 1, 2, 8):
+#   FORKSERVE_COMMIT=<sha> TAG=round27 bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 72  # ws prefill at other groups: tests, bench at GQA 8 (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -722,6 +725,20 @@ PY
     --contexts 4096 32768 --batches 1 8 64
   variants 150 "decode_${TAG:-round27}_rank32" two_pass ws --rank 32 \
     --contexts 4096 32768 --batches 1 8 64
+  ;;
+72)
+  # Round 27: the ws prefill at GQA groups beside 4 (built for 1, 2, 4, 8; routed only at the
+  # measured 4): its CUDA tests at 8, 2, 1, then the launches bench at GQA 8 beside FA4's
+  # paged read (carry FA4's parts first, as for 69). Where ws beats the Triton routes the
+  # policy takes there, (8, 16) joins prefill_policy.MEASURED_WS_PREFILL_SHAPES.
+  [ -d /root/fa4parts ] && { fa4_site || exit 1; }
+  export TRITON_CACHE_DIR=/root/tc23
+  FORKSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -p no:warnings \
+    -k "other_groups" tests/kernels/test_residual_prefill_ws.py 2>&1 \
+    | tee "$OUT/pytest_cuda_ws_prefill_groups.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  timeout 360 python3 benchmarks/residual_prefill_bench.py --group 8 \
+    --tag "${TAG:-residual_prefill_gqa8}" --out "$OUT" 2>&1 | tail -10
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

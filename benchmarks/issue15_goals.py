@@ -407,8 +407,9 @@ GOALS = (
 )
 
 
-# The issue's goals are at Llama-3-8B's attention with rank-16 residuals: a kernel_bench run
-# whose recorded shape differs (``--group 8``, ``--rank 32``) answers another question.
+# The issue's goals are at Llama-3-8B's attention with rank-16 residuals: a kernel_bench or
+# residual_prefill_bench run whose recorded shape differs (``--group 8``, ``--rank 32``)
+# answers another question.
 ISSUE_SHAPE = {"n_heads": 32, "n_kv": 8, "head_dim": 128, "rank": 16}
 
 
@@ -423,8 +424,8 @@ def build(results: Path) -> list[Row]:
         raise GoalsError(f"results folder {results} does not exist")
     kernel = [d for d in load_docs(sorted(results.glob("kernel_bench*.json")),
                                    "kernel_bench result") if at_issue_shape(d)]
-    routes = load_docs(sorted(results.glob("residual_prefill*.json")),
-                       "residual_prefill_bench result")
+    routes = [d for d in load_docs(sorted(results.glob("residual_prefill*.json")),
+                                   "residual_prefill_bench result") if at_issue_shape(d)]
     # A baseline run (``decode_bench --no-skinny``: cuBLAS where the engine runs the skinny
     # GEMM) is the comparison, not the engine's figure.
     decode = [d for d in load_docs(sorted(results.glob("decode_bench*.json")),

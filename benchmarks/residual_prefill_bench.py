@@ -82,13 +82,16 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
     res = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
     flash = flash_support(q, s.k)
     found = prefill_kernels(q, s.k, s.k_res, flash)
+    # The kernel's own columns wherever it takes the shape, measured or not (the policy's
+    # ``found`` routes to it at the measured shapes only).
+    from forkserve.kernels.residual_prefill_gluon import supports
     unified = {"paged": lambda: paged_prefill(*uni, variant="paged", **kw)}
     if flash.paged:
         unified["paged_flash"] = lambda: paged_prefill(*uni, variant="paged_flash", **kw)
     residual = {"fused": lambda: residual_prefill(*res, variant="fused", **kw),
                 "flash": lambda: residual_prefill(*res, variant="flash", **kw),
                 "auto": lambda: residual_prefill(*res, **kw)}
-    if found.residual_ws:
+    if supports(q, s.k, s.k_res):
         residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
         for name, launch in launches.items():
             residual[name] = lambda lc=launch: residual_prefill(*res, variant="ws", **kw,
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
     ap.add_argument("--skip-launches", nargs="+", default=[], metavar="NAME",
                     help="ws launches to leave out (one whose CUDA tests failed or hung)")
+    ap.add_argument("--group", type=int, default=None,
+                    help="query heads a KV head (default Llama-3-8B's 4; the ws kernel takes "
+                         "1, 2, 4, 8)")
     args = ap.parse_args(argv)
     from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
 
@@ -131,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.skip_launches) - known:
         ap.error(f"unknown ws launch {sorted(unknown)[0]}; the bench's: "
                  + ", ".join(sorted(known)))
-    s = Setup(args.smoke)
+    s = Setup(args.smoke, group=args.group)
     res: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
-                 "commit": source_commit(), "goal": GOAL, "rows": []}
+                 "commit": source_commit(), "goal": GOAL,
+                 "shape": {"n_heads": s.n_heads, "n_kv": s.n_kv, "head_dim": s.head_dim,
+                           "rank": s.rank}, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.tag}.json"
     for batch, new, keys in SMOKE_CASES if args.smoke else CASES:

@@ -15,6 +15,7 @@ from forkserve.kernels import reference
 from forkserve.kernels.decode_policy import DEFAULT_DECODE_POLICY
 from forkserve.kernels.flash_op import FlashSupport, flash_support
 from forkserve.kernels.prefill_policy import (
+    MEASURED_WS_PREFILL_SHAPES,
     PACKED_ROUTES,
     RESIDUAL_ROUTES,
     UNIFIED_ROUTES,
@@ -69,12 +70,13 @@ def prefill_kernels(q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor 
                     flash: FlashSupport | None = None) -> PrefillKernels:
     """Which prefill kernels take these inputs (the policy's ``kernels``): the flash kernels
     ``flash`` found (looked up here when None), and the ws residual prefill where ``k_res``
-    (the residual form) and its shapes allow."""
+    (the residual form) is given at a shape it takes and was measured at
+    (``MEASURED_WS_PREFILL_SHAPES``)."""
     flash = flash_support(q, k_cache) if flash is None else flash
     ws = False
     if k_res is not None:
-        from forkserve.kernels.residual_prefill_gluon import supports
-        ws = supports(q, k_cache, k_res)
+        from forkserve.kernels.residual_prefill_gluon import ws_prefill_shape
+        ws = ws_prefill_shape(q, k_cache, k_res) in MEASURED_WS_PREFILL_SHAPES
     return PrefillKernels(flash.varlen, flash.paged, ws)
 
 

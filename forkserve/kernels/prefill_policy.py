@@ -109,13 +109,20 @@ class PrefillCounts:
         return sum(q * (s - q) + q * (q + 1) // 2 for q, s in self._pairs())
 
 
+# The ``(GQA group, rank)`` shapes of the ws residual prefill measured on the H200 (rounds
+# 23-27: Llama-3-8B's). The other groups it builds for (1, 2, 8:
+# ``residual_prefill_gluon.ws_prefill_shape``) are checked by the sm_90a build and the CUDA
+# tests and stay on the Triton routes until a run measures them.
+MEASURED_WS_PREFILL_SHAPES = frozenset({(4, 16)})
+
+
 @dataclass(frozen=True)
 class PrefillKernels:
     """Which kernels take a batch's inputs (device, dtype, head dim, GQA group, rank), found
     once per step by the caller (``kernels.prefill_kernels``) and read by the policy:
     ``varlen``, a varlen flash kernel (``FlashSupport.varlen``); ``paged``, one that reads
     the pages too (``FlashSupport.paged``); ``residual_ws``, the warp-specialized residual
-    prefill (``residual_prefill_gluon.supports``)."""
+    prefill at a shape it takes and was measured at (``MEASURED_WS_PREFILL_SHAPES``)."""
 
     varlen: bool = False
     paged: bool = False

@@ -7,8 +7,9 @@ pages it ran 4.5x at 8 chunks of 64 tokens over 8K keys (kernel_bench_prefill.js
 alone writes every key). Here the decode kernel's loader (residual_decode_gluon.py: one
 warp, one TMA box per page half of ``K_base, V_base``, the page's ``K_res, V_res`` rows and
 the tile's cos|sin rows, a ring of slots) feeds consumer warp groups that hold the query rows
-as the wgmma's M: 64 (16 tokens of one KV head's GQA group of 4) on one warp group, or 128
-on two in lockstep (``WsPrefillLaunch``). Per key tile:
+as the wgmma's M, a row a (token, query head of the KV head's GQA group): 64 (16 tokens at a
+group of 4) on one warp group, or 128 on two in lockstep (``WsPrefillLaunch``). Per key
+tile:
 
 * the whole key rebuilt once for every row: ``U = K_res B_k`` as two wgmma (64 keys x 64
   columns, K = r), RoPE in registers (the halves of a column pair sit in one thread), plus
@@ -23,9 +24,10 @@ on two in lockstep (``WsPrefillLaunch``). Per key tile:
 Grid ``(batch * n_kv * m_blocks, splits)``, the m blocks of one (sequence, KV head)
 adjacent so their key tiles meet in L2; a program's keys are its split of the keys its
 block's last token sees, merged by ``split_kv.merge_partials`` when the dynamic plan cuts
-them. Shapes: ``supports`` (the decode kernel's ``ws_shape`` at a GQA group of 4 and rank
-16 only: 16-key pages, head_dim 128, bf16, contiguous pools, sm_90). Measured:
-docs/KERNELS.md "Round 23".
+them. Shapes: ``ws_prefill_shape`` (the decode kernel's ``ws_shape`` at a GQA group of 1, 2,
+4 or 8 and rank 16: 16-key pages, head_dim 128, bf16, contiguous pools, sm_90); the default
+routing takes the measured ones (``prefill_policy.MEASURED_WS_PREFILL_SHAPES``). Measured:
+docs/KERNELS.md "Round 23" and on.
 """
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from forkserve.kernels.prefill_attention import residual_launch
 from forkserve.kernels.residual_decode_gluon import (
     LOG2E,
     MAXNREG,
@@ -59,12 +60,26 @@ from forkserve.kernels.residual_decode_gluon import (
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
+# The GQA groups the kernel is built for: a program's rows are whole tokens (a group that
+# divides a warp group's 64 rows). Rank 16 only: a rank-32 slot is 4 KiB larger, and three
+# no longer fit beside the operands (229 of 227 KiB).
+GROUPS = (1, 2, 4, 8)
+RANK = 16
+
+
+def ws_prefill_shape(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor
+                     ) -> tuple[int, int] | None:
+    """``(GQA group, rank)`` where ``residual_prefill_ws`` takes these tensors on this
+    device, else None: the decode kernel's shapes (``residual_decode_gluon.ws_shape``) at a
+    group of ``GROUPS`` and rank 16."""
+    shape = ws_shape(q, k_base, k_res)
+    return shape if shape is not None and shape[0] in GROUPS and shape[1] == RANK else None
+
 
 def supports(q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor) -> bool:
-    """Whether ``residual_prefill_ws`` takes these shapes on this device: the decode
-    kernel's (``residual_decode_gluon.ws_shape``) at a GQA group of 4 and rank 16, the
-    shape this kernel's query rows (16 tokens x 4 heads a warp group) are built for."""
-    return ws_shape(q, k_base, k_res) == (4, 16)
+    """Whether ``residual_prefill_ws`` takes these shapes on this device
+    (``ws_prefill_shape``)."""
+    return ws_prefill_shape(q, k_base, k_res) is not None
 
 
 @dataclass(frozen=True)
@@ -121,20 +136,20 @@ class WsPrefillLaunch:
         return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
 
 
-def default_launch(max_q_len: int) -> WsPrefillLaunch:
-    """The launch for a batch whose longest chunk is ``max_q_len`` tokens: the query rows the
-    fused Triton kernel takes (``prefill_attention.residual_launch``: 64 for chunks of at most
-    16 tokens, else 128), measured for this kernel too (H200, residual_prefill_launches.json:
-    128 rows ran 8 x 64 over 8K in 0.28-0.29 ms against 0.39 for 64, and 4 x 64 over 32K in
-    0.56 against 0.75; 32 x 16 over 8K, which fills only 64 rows, 0.40 against 0.54), each
-    with the options that measured fastest there in round 27 (residual_prefill_v5.json,
-    every case): 128 rows with ``edge_masks`` (7-8% faster than without; the launches that
-    cut more instructions were no faster, KERNELS.md "Round 27"), 64 rows with
-    ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%)."""
-    rows = residual_launch(max_q_len)[0]
-    if rows == 64:
+def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch:
+    """The launch for a batch whose longest chunk is ``max_q_len`` tokens at a GQA ``group``:
+    64 query rows where the chunk's rows (tokens x group) fill no more, else 128; at a group
+    of 4 the rows the fused Triton kernel takes (``prefill_attention.residual_launch``: 64
+    for chunks of at most 16 tokens), measured for this kernel too (H200,
+    residual_prefill_launches.json: 128 rows ran 8 x 64 over 8K in 0.28-0.29 ms against 0.39
+    for 64, and 4 x 64 over 32K in 0.56 against 0.75; 32 x 16 over 8K, which fills only 64
+    rows, 0.40 against 0.54), each with the options that measured fastest there in round 27
+    (residual_prefill_v5.json, every case): 128 rows with ``edge_masks`` (7-8% faster than
+    without; the launches that cut more instructions were no faster, KERNELS.md "Round
+    27"), 64 rows with ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%)."""
+    if max_q_len * group <= 64:
         return WsPrefillLaunch(64, edge_masks=True, base_scores=True, bf16_rope=True)
-    return WsPrefillLaunch(rows, edge_masks=True)
+    return WsPrefillLaunch(128, edge_masks=True)
 
 
 @gluon.constexpr_function
@@ -147,17 +162,17 @@ def rebuild_layout(n, num_warps):
 
 
 @gluon.jit
-def _stage_operands(operands, bufs):
+def _stage_operands(operands, bufs, G: gl.constexpr):
     """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
-    ``q_lo, q_hi [rows, D/2]``, its adapter's ``B_k, B_v`` columns of its KV head into
-    ``bk_lo, bk_hi, bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
+    ``q_lo, q_hi [rows, D/2]``, row ``j`` token ``j // G`` and head ``j % G`` of the GQA
+    group ``G``; its adapter's ``B_k, B_v`` columns of its KV head into ``bk_lo, bk_hi,
+    bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
         has_res = operands
     q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi = bufs[:6]
     M: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
     R: gl.constexpr = bk_lo.type.shape[0]
-    G: gl.constexpr = 4
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, lq))
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
@@ -417,9 +432,10 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
 
 
 @gluon.jit
-def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
+def _consume(args, G: gl.constexpr, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
              BF16_ROPE: gl.constexpr):
-    """The consumer warp group(s): every tile of the program's keys (``_tile``). Returns ``m, l
+    """The consumer warp group(s) at the GQA group ``G``: every tile of the program's keys
+    (``_tile``). Returns ``m, l
     [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v``
     unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
@@ -431,7 +447,6 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
     HALF: gl.constexpr = bufs[0].type.shape[2]
     R: gl.constexpr = kr.type.shape[2]
     M: gl.constexpr = q_lo.type.shape[0]
-    G: gl.constexpr = 4
     nw: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = wgmma_layout(HALF, nw)  # [M, 64]: scores, and each half of O
     r_l: gl.constexpr = wgmma_layout(R, nw)  # [M, r]: P V_res
@@ -445,7 +460,7 @@ def _consume(args, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
         # memory at its start, in bytes this partition's layout conversions may reuse
         # (Triton 3.6; docs/KERNELS.md "Round 20").
         mbarrier.wait(bars[0].index(0), 0)
-        _stage_operands(operands, ops)
+        _stage_operands(operands, ops, G)
         if BASE_SCORES:  # what a tile without an adapter adds to its base scores
             zero_rot = gl.zeros([T, HALF], gl.bfloat16, rebuild_layout(HALF, nw))
             ops[6].store(zero_rot)
@@ -529,7 +544,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, EDGE_MASKS, BASE_SCORES, BF16_ROPE)),
+        [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE)),
          (_loader, (args, ))],
         [1], [40])
 
@@ -558,13 +573,15 @@ def _residual_prefill_ws_kernel(
             gl.store(p_ptr + HALF, o_hi, mask=row_ok)
 
 
-def build_sm90a(launch: WsPrefillLaunch, direct: bool) -> tuple[str, int]:
+def build_sm90a(launch: WsPrefillLaunch, direct: bool, group: int = 4) -> tuple[str, int]:
     """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
-    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE``."""
+    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE`` with
+    this GQA group."""
     from forkserve.kernels.sm90_build import compile_ws_sm90
 
     return compile_ws_sm90(_residual_prefill_ws_kernel,
-                           dict(T=TILE, DIRECT=direct, **launch.constexprs()), launch.maxnreg,
+                           dict(T=TILE, DIRECT=direct, G=group, **launch.constexprs()),
+                           launch.maxnreg,
                            {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)})
 
 
@@ -582,8 +599,8 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
     only. ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
     if not supports(q, k_base, k_res):
-        raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of 4, "
-                         "rank 16, bf16 on an sm_90 GPU")
+        raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of "
+                         "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")
     if b_k_all.stride() != b_v_all.stride():
         raise ValueError("residual_prefill_ws: B_k and B_v stacked alike (one pair of strides)")
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -595,7 +612,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())  # one host sync
     bound = max(max_seq_len, 1)
-    launch = default_launch(max_q_len) if launch is None else launch
+    launch = default_launch(max_q_len, g) if launch is None else launch
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
     m_blocks = max(1, -(-max_q_len * g // launch.rows))

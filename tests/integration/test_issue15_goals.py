@@ -118,6 +118,11 @@ def test_row_3_from_the_residual_routes_bench(folder, tmp_path):
          "device_over_best_unified": {"residual_ws": 3.0}},
         {"batch": 4, "new": 64, "keys": 32832, "flash_kernel": "fa4", "residual": {"ws": 0.5},
          "device_over_best_unified": {"residual_ws": 1.2}}]})
+    # The newest, but at another GQA group (``--group 8``): never the row's either.
+    write(folder / "residual_prefill_gqa8.json", {
+        "commit": NEWEST, "shape": {"n_heads": 64, "n_kv": 8, "head_dim": 128, "rank": 16},
+        "rows": [{"batch": 8, "new": 64, "keys": 8256, "policy_route": "ws",
+                  "device_over_best_unified": {"residual_ws": 1.05}}]})
     # A reverted kernel's run is kept under reverted/: never the row's, however new.
     (folder / "reverted").mkdir()
     write(folder / "reverted" / "residual_prefill_lost.json", {"commit": NEWEST, "rows": [

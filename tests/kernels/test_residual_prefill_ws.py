@@ -36,17 +36,28 @@ def _name(launch: tuple) -> str:
 def test_ws_prefill_builds_for_sm90(direct: bool, launch: tuple, tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the loader's register
     cut, fits one program's shared memory (227 KiB) and spills nothing."""
-    check_ws_build(__file__, [direct, *launch], tmp_path)
+    check_ws_build(__file__, [direct, 4, *launch], tmp_path)
 
 
-def _inputs(seed: int, seq_lens: list[int], q_lens: list[int], n_kv: int = 2):
+@pytest.mark.parametrize("group,direct,launch", [
+    (8, True, (128, 3, True, False, False)), (2, False, (64, 3, True, True, True)),
+    (1, True, DEFAULT)])
+def test_ws_prefill_builds_at_other_groups(group: int, direct: bool, launch: tuple,
+                                           tmp_path) -> None:
+    """The GQA groups beside 4 (a program's rows then 8, 32 or 64 tokens a warp group)."""
+    check_ws_build(__file__, [direct, group, *launch], tmp_path)
+
+
+def _inputs(seed: int, seq_lens: list[int], q_lens: list[int], n_kv: int = 2,
+            group: int = 4):
     """Rank-16 pools (adapter 1 of rank 8, padded; every fourth row none), head_dim 128,
-    GQA 4, B scaled by 0.2; the new tokens of sequence i are its last ``q_lens[i]``."""
+    a GQA ``group``, B scaled by 0.2; the new tokens of sequence i are its last
+    ``q_lens[i]``."""
     gen, c, b_k, b_v, adapters, inv_freq = residual_inputs(
         seed, seq_lens, n_kv, HEAD_DIM, rank=8, r_max=RANK, b_scale=0.2)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(q_lens).cumsum(0)
-    q = torch.randn(int(cu[-1]), 4 * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
+    q = torch.randn(int(cu[-1]), group * n_kv, HEAD_DIM, generator=gen).to(DEVICE, c.k.dtype)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             cu.to(DEVICE), b_k, b_v, adapters, inv_freq)
     return args, c
@@ -119,6 +130,22 @@ def test_ws_prefill_options_match_the_formula(seq_lens: list[int], q_lens: list[
 
 
 @cuda_only
+@pytest.mark.parametrize("group", [8, 2, 1])
+@pytest.mark.parametrize("case", [0, 2])
+def test_ws_prefill_at_other_groups(group: int, case: int) -> None:
+    """A GQA group of 8, 2 or 1 (rows of a program: tokens x group), with the default launch
+    its chunks take (64 or 128 rows), whole and split."""
+    from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
+
+    seq_lens, q_lens = CASES[case]
+    args, c = _inputs(group + case, seq_lens, q_lens, group=group)
+    ref = _formula(args, c)
+    for num_splits in (None, 1, 3):
+        out = residual_prefill_ws(*args, num_splits=num_splits)
+        assert rel_err(out, ref) < REL_TOL, num_splits
+
+
+@cuda_only
 def test_ws_prefill_under_a_cuda_graph() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
@@ -153,6 +180,7 @@ def test_the_default_launch_by_chunk_length() -> None:
     """The fused Triton kernel's rows by the longest chunk (``residual_launch``), measured for
     ws too: 64 rows on one warp group up to 16-token chunks, 128 on two past them; each with
     the options measured fastest at its rows (round 27)."""
+    from forkserve.kernels.prefill_attention import residual_launch
     from forkserve.kernels.residual_prefill_gluon import default_launch
 
     assert [(default_launch(n).rows, default_launch(n).warps) for n in (1, 16, 17, 512)] == [
@@ -160,14 +188,34 @@ def test_the_default_launch_by_chunk_length() -> None:
     assert [default_launch(n).name for n in (16, 17)] == ["ws_m64_s3_edge_base_bf16",
                                                           "ws_m128_s3_edge"]
     assert default_launch(64).maxnreg == 168 and default_launch(16).maxnreg == 256
+    # At a group of 4 the rows are the fused kernel's; at others, the chunk's tokens x group.
+    assert all(default_launch(n).rows == residual_launch(n)[0] for n in range(1, 40))
+    assert [default_launch(n, 8).rows for n in (8, 9)] == [64, 128]
+    assert [default_launch(n, 1).rows for n in (64, 65)] == [64, 128]
+
+
+def test_other_groups_are_built_not_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GQA group the kernel builds for but the H200 has not measured (8) is taken by the
+    kernel and left to the Triton routes by the default policy; one past its groups (3) is
+    neither."""
+    from forkserve.kernels import prefill_kernels, residual_decode_gluon
+    from forkserve.kernels.residual_prefill_gluon import supports, ws_prefill_shape
+
+    monkeypatch.setattr(residual_decode_gluon, "hopper", lambda device: True)
+    for group, shape, routed in ((4, (4, 16), True), (8, (8, 16), False), (3, None, False)):
+        args, c = _inputs(group, [40], [8], group=group)
+        q, k, k_res = (t.to(torch.bfloat16) for t in (args[0], c.k, c.k_res))
+        assert ws_prefill_shape(q, k, k_res) == shape
+        assert supports(q, k, k_res) is (shape is not None)
+        assert prefill_kernels(q, k, k_res).residual_ws is routed, group
 
 
 def test_ws_prefill_refuses_other_shapes() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
-    args, _ = _inputs(1, [40], [8], n_kv=2)
-    with pytest.raises(ValueError, match="residual_prefill_ws"):
-        residual_prefill_ws(args[0][:, :4].contiguous(), *args[1:])
+    args, _ = _inputs(1, [40], [8], n_kv=2, group=3)
+    with pytest.raises(ValueError, match="residual_prefill_ws: .*a GQA group of 1, 2, 4 or 8"):
+        residual_prefill_ws(*args)
 
 
 def test_an_option_needs_its_companion() -> None:
@@ -180,8 +228,8 @@ def test_an_option_needs_its_companion() -> None:
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_prefill_gluon import build_sm90a
 
-    direct_, rows_, stages_, *options_ = (int(x) for x in sys.argv[2:])
+    direct_, group_, rows_, stages_, *options_ = (int(x) for x in sys.argv[2:])
     ptx, shared = build_sm90a(WsPrefillLaunch(rows_, stages_, *map(bool, options_)),
-                              bool(direct_))
+                              bool(direct_), group_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))
