@@ -68,7 +68,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
         prefill_kernels,
         residual_prefill,
     )
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, supports
 
     launches = {lc.name: lc for lc in (WsPrefillLaunch(*flags) for flags in WS_LAUNCHES)
                 if lc.name not in skip}
@@ -82,15 +82,14 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
     res = (q, s.k, s.v, s.k_res, s.v_res, bt, rbt, lens, cu, s.b_k, s.b_v, ad, s.inv_freq)
     flash = flash_support(q, s.k)
     found = prefill_kernels(q, s.k, s.k_res, flash)
-    # The kernel's own columns wherever it takes the shape, measured or not (the policy's
-    # ``found`` routes to it at the measured shapes only).
-    from forkserve.kernels.residual_prefill_gluon import supports
     unified = {"paged": lambda: paged_prefill(*uni, variant="paged", **kw)}
     if flash.paged:
         unified["paged_flash"] = lambda: paged_prefill(*uni, variant="paged_flash", **kw)
     residual = {"fused": lambda: residual_prefill(*res, variant="fused", **kw),
                 "flash": lambda: residual_prefill(*res, variant="flash", **kw),
                 "auto": lambda: residual_prefill(*res, **kw)}
+    # The kernel's own columns wherever it takes the shape, measured or not (the policy's
+    # ``found`` routes to it at the measured shapes only).
     if supports(q, s.k, s.k_res):
         residual["ws"] = lambda: residual_prefill(*res, variant="ws", **kw)
         for name, launch in launches.items():

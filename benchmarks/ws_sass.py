@@ -16,12 +16,11 @@ steady state: the loop's basic blocks less the cold ones (``cold``: the split's 
 zeroing its V rows, the prefill's mask of a tile crossing the diagonal under
 ``edge_masks``, its copy into ``rot`` for a program without an adapter). Prints a table
 (per launch: instructions and CTA barriers a tile, by class, and the ratio to the same
-launch without options), writes
-``ws_<kernel>_sass.json`` and ``.png``; ``--measured`` (prefill) puts a bench run beside it,
-each launch's time over the plain launch's at the row's worst case, so the model meets the
-measurement (round 27 found it does not for the prefill: docs/KERNELS.md "Round 27").
-``--shape GROUP RANK`` builds the decode at another GQA group and rank than Llama-3-8B's 4
-and 16 (``residual_decode_gluon.ws_shape``), into
+launch without options), writes ``ws_<kernel>_sass.json`` and ``.png``; ``--measured``
+(prefill) puts a bench run beside it, each launch's time over the plain launch's at the
+row's worst case, so the model meets the measurement (round 27 found it does not for the
+prefill: docs/KERNELS.md "Round 27"). ``--shape GROUP RANK`` builds the decode at another
+GQA group and rank than Llama-3-8B's 4 and 16 (``residual_decode_gluon.ws_shape``), into
 ``ws_decode_sass_g<GROUP>_r<RANK>``.
 """
 from __future__ import annotations

@@ -238,8 +238,8 @@ def _contract(w, k_res, lp: gl.constexpr):
     G: gl.constexpr = w.type.shape[1] // R
     w3 = gl.reshape(gl.permute(gl.reshape(w, [T, R // 2, G, 2]), (0, 2, 1, 3)), [T, G, R])
     k_rows = k_res.load(gl.SliceLayout(1, w3.type.layout)).to(gl.float32)
-    prod = w3 * gl.expand_dims(k_rows, 1)
-    return gl.convert_layout(gl.sum(prod, axis=2), lp, assert_trivial=True)
+    return gl.convert_layout(gl.sum(w3 * gl.expand_dims(k_rows, 1), axis=2), lp,
+                             assert_trivial=True)
 
 
 @gluon.jit

@@ -389,15 +389,6 @@ def _value_products(bufs, p16, s, state):
 
 
 @gluon.jit
-def _values_done(args, i, state):
-    """Waits for the value products, then gives tile ``i``'s slot back to the loader."""
-    m_i, l_i, o_lo, o_hi, acc_r = state
-    o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
-    _release(args, i)
-    return m_i, l_i, o_lo, o_hi, acc_r
-
-
-@gluon.jit
 def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
           BF16_ROPE: gl.constexpr):
     """Tile ``i`` of the program's keys, whose scores ``sc`` have landed: tile ``i + 1``'s
@@ -435,9 +426,8 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
 def _consume(args, G: gl.constexpr, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
              BF16_ROPE: gl.constexpr):
     """The consumer warp group(s) at the GQA group ``G``: every tile of the program's keys
-    (``_tile``). Returns ``m, l
-    [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P V_base + (P V_res) B_v``
-    unnormalised."""
+    (``_tile``). Returns ``m, l [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P
+    V_base + (P V_res) B_v`` unnormalised."""
     _, bars, bufs, ops, scalars, operands = args
     kr = bufs[4]
     q_lo, bv_lo, bv_hi = ops[0], ops[4], ops[5]
@@ -544,8 +534,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE)),
-         (_loader, (args, ))],
+        [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE)), (_loader, (args, ))],
         [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout

@@ -101,7 +101,7 @@ def has_tool(name: str) -> bool:
     """Whether ``_tool`` finds ``name`` here (what a SASS count needs: ``cuobjdump``)."""
     try:
         _tool(name)
-    except (BuildError, ImportError, RuntimeError):
+    except (ImportError, RuntimeError):  # BuildError among the latter
         return False
     return True
 
