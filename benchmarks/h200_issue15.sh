@@ -84,6 +84,8 @@
 # Round 27 (the ws decode's one form; the ws prefill at GQA groups 1, 2, 8):
 #   FORKSERVE_COMMIT=<sha> TAG=round27 bash benchmarks/h200_issue15.sh 70  # ws decode tests, rows 1-2
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 72  # ws prefill at other groups: tests, bench at GQA 8 (FA4 carried)
+# Round 28 (where row 3's time goes against FA4: ncu side by side):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 73  # ncu: FA4 paged, ws, ws without adapter (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -739,6 +741,28 @@ PY
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   timeout 360 python3 benchmarks/residual_prefill_bench.py --group 8 \
     --tag "${TAG:-residual_prefill_gqa8}" --out "$OUT" 2>&1 | tail -10
+  ;;
+73)
+  # Round 28: where row 3's time goes against its baseline. One launch each of FA4's paged
+  # read, the ws kernel's default launch and the same with no row's adapter, at 8 x 64 over
+  # 8K, profiled with the same sections (raw pages, CSV), then side by side
+  # (ncu_compare.py: instructions, issue, stall reasons). FA4 carried as for 69.
+  fa4_site || exit 1
+  export TRITON_CACHE_DIR=/root/tc23
+  sections="--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+    --section InstructionStats --section ComputeWorkloadAnalysis --section Occupancy
+    --section LaunchStats --section MemoryWorkloadAnalysis"
+  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
+             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
+    IFS=: read -r name kernel opts <<< "$run"
+    # shellcheck disable=SC2086  # the sections and the options are words
+    timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
+      --launch-count 1 $sections --csv --page raw \
+      python3 benchmarks/ws_prefill_profile.py $opts > "$OUT/ncu_prefill_$name.csv" 2>&1
+    grep -E "graph replay|ERR|rror" "$OUT/ncu_prefill_$name.csv" | head -3
+  done
+  python3 benchmarks/ncu_compare.py fa4="$OUT/ncu_prefill_fa4.csv" ws="$OUT/ncu_prefill_ws.csv" \
+    ws_no_adapter="$OUT/ncu_prefill_ws_no_adapter.csv" --out "$OUT/ncu_prefill_${TAG:-round28}.json"
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

@@ -198,6 +198,19 @@ def policy_route(row: dict) -> str:
                                      found).value
 
 
+def ws_default_column(doc: Doc, row: dict) -> str:
+    """The column of a residual_prefill_bench row that times the ws launch the kernel takes
+    by default now (``default_launch`` of the case's chunk and GQA group): a run times every
+    launch, and its ``ws`` column is the default of its own commit, which a later one may
+    have replaced by a launch the same run measured. ``ws`` where the row has no such
+    column."""
+    from forkserve.kernels.residual_prefill_gluon import default_launch
+    shape = doc.data.get("shape") or {}
+    group = int(shape.get("n_heads", 32)) // int(shape.get("n_kv", 8))
+    name = default_launch(int(_num(doc, row, "new")), group).name
+    return name if f"residual_{name}" in (row.get("device_over_best_unified") or {}) else "ws"
+
+
 def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
     """Per residual_prefill_bench file: the worst case of the route the policy takes over
     the best unified route, by device time where a graph held both (the Triton and ws
@@ -211,8 +224,9 @@ def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
             if new == keys or not PREFILL_CTX[0] <= keys - new <= PREFILL_CTX[1]:
                 continue
             route = policy_route(r)
-            ratio = (r.get("device_over_best_unified") or {}).get(f"residual_{route}")
-            how = "device time"
+            column = ws_default_column(doc, r) if route == "ws" else route
+            ratio = (r.get("device_over_best_unified") or {}).get(f"residual_{column}")
+            how = "device time" if column == route else f"device time of {column}"
             if not _finite(ratio):
                 ratio, how = (r.get("over_baseline") or {}).get(route), "eager"
             if _finite(ratio):

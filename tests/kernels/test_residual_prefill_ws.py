@@ -195,14 +195,15 @@ def test_the_default_launch_by_chunk_length() -> None:
 
 
 def test_other_groups_are_built_not_routed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GQA group the kernel builds for but the H200 has not measured (8) is taken by the
-    kernel and left to the Triton routes by the default policy; one past its groups (3) is
-    neither."""
+    """A GQA group the kernel builds for but the H200 has not measured (2) is taken by the
+    kernel and left to the Triton routes by the default policy; a measured one (4, 8) is
+    routed; one past its groups (3) is neither."""
     from forkserve.kernels import prefill_kernels, residual_decode_gluon
     from forkserve.kernels.residual_prefill_gluon import supports, ws_prefill_shape
 
     monkeypatch.setattr(residual_decode_gluon, "hopper", lambda device: True)
-    for group, shape, routed in ((4, (4, 16), True), (8, (8, 16), False), (3, None, False)):
+    for group, shape, routed in ((4, (4, 16), True), (8, (8, 16), True), (2, (2, 16), False),
+                                 (3, None, False)):
         args, c = _inputs(group, [40], [8], group=group)
         q, k, k_res = (t.to(torch.bfloat16) for t in (args[0], c.k, c.k_res))
         assert ws_prefill_shape(q, k, k_res) == shape

@@ -1,0 +1,141 @@
+"""Nsight Compute raw pages of kernels that do the same work, side by side: where one
+kernel's time goes against another's (row 3 of issue 15: the ws residual prefill against
+FlashAttention-4's paged read over the same keys).
+
+    python3 benchmarks/ncu_compare.py fa4=ncu_fa4.csv ws=ncu_ws.csv --out ncu_prefill.json
+
+Each input is what ``ncu --csv --page raw ...`` printed for one profiled launch (the
+application's own lines before it are skipped; ``h200_issue15.sh`` 73 writes them). Prints
+a table of the metrics below (each column beside the first input's) and writes a JSON with
+every metric of every input, so a question the table does not answer needs no rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+# What the table shows: (label, metric, what it says).
+TABLE = (
+    ("time (us)", "gpu__time_duration.sum", "the launch"),
+    ("SM cycles", "sm__cycles_elapsed.max", "the slowest SM"),
+    ("warp instructions", "smsp__inst_executed.sum", "the same (row, key) pairs"),
+    ("issue active (%)", "smsp__issue_active.avg.pct_of_peak_sustained_active", "a scheduler"),
+    ("warps per scheduler", "smsp__warps_active.avg.per_cycle_active", "resident"),
+    ("eligible per scheduler", "smsp__warps_eligible.avg.per_cycle_active", "ready to issue"),
+    ("cycles per instruction", "smsp__average_warp_latency_per_inst_issued.ratio", "a warp's"),
+    ("registers a thread", "launch__registers_per_thread", "at launch"),
+    ("threads a block", "launch__block_size", ""),
+    ("blocks", "launch__grid_size", ""),
+    ("DRAM (%)", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "of peak"),
+)
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+
+
+class NcuError(ValueError):
+    """An input that is not one ncu raw page (one line, exit 2)."""
+
+
+def parse_raw(text: str, name: str) -> dict[str, float | str]:
+    """The first profiled launch of an ``ncu --csv --page raw`` output: metric -> value
+    (numbers as floats, their thousands separators dropped)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise NcuError(f"{name}: no ncu raw page (a line starting \"ID\"); was a kernel profiled?")
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, values = rows[0], None
+    for row in rows[1:]:  # the units row has an empty ID, each launch a number
+        if row and row[0].strip().isdigit():
+            values = row
+            break
+    if values is None or len(values) != len(header):
+        raise NcuError(f"{name}: the ncu raw page has no launch row matching its header")
+    out: dict[str, float | str] = {}
+    for key, value in zip(header, values, strict=True):
+        plain = value.replace(",", "")
+        try:
+            out[key] = float(plain)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def stalls(metrics: dict[str, float | str]) -> dict[str, float]:
+    """Cycles a warp spends stalled per issued instruction, by reason (ncu's warp state
+    statistics), the largest first."""
+    found = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: v for k, v in metrics.items()
+             if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)
+             and "not_issued" not in k and isinstance(v, float)}
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
+def compare(runs: dict[str, dict[str, float | str]]) -> dict:
+    """The table's metrics and the stall reasons of every run, and each number over the
+    first run's."""
+    first = next(iter(runs))
+    table = {}
+    for label, metric, _ in TABLE:
+        row = {n: m.get(metric) for n, m in runs.items()}
+        base = row[first]
+        ratio = {n: (v / base if isinstance(v, float) and isinstance(base, float) and base
+                     else None) for n, v in row.items()}
+        table[label] = {"metric": metric, "values": row, "over_" + first: ratio}
+    return {"baseline": first, "table": table,
+            "stalls": {n: stalls(m) for n, m in runs.items()}, "raw": runs}
+
+
+def print_table(result: dict) -> None:
+    names = list(result["raw"])
+    first = result["baseline"]
+    print(f"{'':26}" + "".join(f"{n:>22}" for n in names))
+    for label, row in result["table"].items():
+        cells = []
+        for n in names:
+            v, r = row["values"][n], row["over_" + first][n]
+            text = "-" if v is None else (f"{v:,.2f}" if isinstance(v, float) else str(v))
+            if r is not None and n != first:
+                text += f" ({r:.2f}x)"
+            cells.append(f"{text:>22}")
+        print(f"{label:26}" + "".join(cells))
+    print("stalls, cycles per issued instruction (top 6 of each):")
+    for n in names:
+        top = list(result["stalls"][n].items())[:6]
+        print(f"  {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("inputs", nargs="+", metavar="NAME=FILE",
+                    help="an ncu raw page per run; the first is the baseline")
+    ap.add_argument("--out", type=Path, help="write the comparison as JSON here")
+    args = ap.parse_args(argv)
+    runs = {}
+    try:
+        for item in args.inputs:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise NcuError(f"{item}: expected NAME=FILE")
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError as e:
+                raise NcuError(f"{path}: {e.strerror}") from None
+            runs[name] = parse_raw(text, path)
+    except NcuError as e:
+        print(f"ncu_compare: {e}", file=sys.stderr)
+        return 2
+    result = compare(runs)
+    print_table(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

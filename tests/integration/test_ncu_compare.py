@@ -1,0 +1,56 @@
+"""benchmarks/ncu_compare.py: ncu raw pages side by side (h200_issue15.sh 73)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import ncu_compare
+
+
+def raw_page(time_us: str, inst: str, barrier: float, wait: float) -> str:
+    """An ``ncu --csv --page raw`` output as ncu prints it after the application's lines:
+    a header, a units row, one launch (numbers with thousands separators)."""
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum", "smsp__inst_executed.sum",
+              "launch__registers_per_thread",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"]
+    units = ["", "", "us", "inst", "register/thread", "ratio", "ratio", "ratio"]
+    row = ["0", "k(int, float)", time_us, inst, "168", str(barrier), str(wait), "9.0"]
+    quote = lambda cells: ",".join(f'"{c}"' for c in cells)  # noqa: E731
+    return "\n".join(["ws prefill ...: 0.2460 ms (graph replay)", "==PROF== Disconnected",
+                      quote(header), quote(units), quote(row)]) + "\n"
+
+
+def test_two_runs_side_by_side(tmp_path, capsys):
+    fa4 = tmp_path / "fa4.csv"
+    ws = tmp_path / "ws.csv"
+    fa4.write_text(raw_page("135.5", "1,000,000", 0.2, 1.5))
+    ws.write_text(raw_page("246", "2,500,000", 2.1, 1.0))
+    out = tmp_path / "cmp" / "ncu.json"
+    assert ncu_compare.main([f"fa4={fa4}", f"ws={ws}", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    row = saved["table"]["warp instructions"]
+    assert row["values"] == {"fa4": 1_000_000.0, "ws": 2_500_000.0}
+    assert row["over_fa4"]["ws"] == pytest.approx(2.5)
+    assert saved["table"]["time (us)"]["over_fa4"]["ws"] == pytest.approx(246 / 135.5)
+    # Stall reasons by size, the "not issued" total left out; the raw page kept whole.
+    assert list(saved["stalls"]["ws"]) == ["barrier", "wait"]
+    assert list(saved["stalls"]["fa4"]) == ["wait", "barrier"]
+    assert saved["raw"]["ws"]["Kernel Name"] == "k(int, float)"
+    printed = capsys.readouterr().out
+    assert "2,500,000.00 (2.50x)" in printed and "ws: barrier 2.10, wait 1.00" in printed
+    # A metric a run lacks is a dash, not an error.
+    assert saved["table"]["blocks"]["values"] == {"fa4": None, "ws": None}
+
+
+@pytest.mark.parametrize("bad", ["no_equals", "missing", "no_page"])
+def test_an_unusable_input_is_one_line(tmp_path, capsys, bad):
+    page = tmp_path / "p.csv"
+    page.write_text("==PROF== No kernels were profiled.\n")
+    arg = {"no_equals": str(page), "missing": f"x={tmp_path / 'absent.csv'}",
+           "no_page": f"x={page}"}[bad]
+    assert ncu_compare.main([arg]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ncu_compare: ") and err.count("\n") == 1
