@@ -86,6 +86,7 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 72  # ws prefill at other groups: tests, bench at GQA 8 (FA4 carried)
 # Round 28 (where row 3's time goes against FA4: ncu side by side):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 73  # ncu: FA4 paged, ws, ws without adapter (FA4 carried)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 74  # the same launches' SASS with executed counts (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -763,6 +764,22 @@ PY
   done
   python3 benchmarks/ncu_compare.py fa4="$OUT/ncu_prefill_fa4.csv" ws="$OUT/ncu_prefill_ws.csv" \
     ws_no_adapter="$OUT/ncu_prefill_ws_no_adapter.csv" --out "$OUT/ncu_prefill_${TAG:-round28}.json"
+  ;;
+74)
+  # Round 28: step 73's launches again, their SASS with each instruction's executed count
+  # (ncu's source page), to see by instruction where FA4's fewer instructions a key come
+  # from (ncu_compare.py --source). FA4 carried as for 69.
+  fa4_site || exit 1
+  export TRITON_CACHE_DIR=/root/tc23
+  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
+             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
+    IFS=: read -r name kernel opts <<< "$run"
+    # shellcheck disable=SC2086  # the options are words
+    timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
+      --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
+      python3 benchmarks/ws_prefill_profile.py $opts > "$OUT/ncu_source_$name.csv" 2>&1
+    head -c 600 "$OUT/ncu_source_$name.csv" | tail -c 400; echo
+  done
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came
