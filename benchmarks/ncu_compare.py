@@ -21,17 +21,25 @@ from pathlib import Path
 # What the table shows: (label, metric, what it says).
 TABLE = (
     ("time (us)", "gpu__time_duration.sum", "the launch"),
-    ("SM cycles", "sm__cycles_elapsed.max", "the slowest SM"),
+    ("GPC cycles", "gpc__cycles_elapsed.max", "the slowest"),
     ("warp instructions", "smsp__inst_executed.sum", "the same (row, key) pairs"),
+    ("tensor pipe (%)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+     "cycles the tensor cores work"),
+    ("XU pipe (%)", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", "exp2"),
+    ("FMA pipe (%)", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active", ""),
+    ("ALU pipe (%)", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active", ""),
+    ("uniform pipe (%)", "sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active", ""),
     ("issue active (%)", "smsp__issue_active.avg.pct_of_peak_sustained_active", "a scheduler"),
     ("warps per scheduler", "smsp__warps_active.avg.per_cycle_active", "resident"),
     ("eligible per scheduler", "smsp__warps_eligible.avg.per_cycle_active", "ready to issue"),
     ("cycles per instruction", "smsp__average_warp_latency_per_inst_issued.ratio", "a warp's"),
     ("registers a thread", "launch__registers_per_thread", "at launch"),
-    ("threads a block", "launch__block_size", ""),
+    ("shared memory a block", "launch__shared_mem_per_block", "bytes"),
     ("blocks", "launch__grid_size", ""),
-    ("DRAM (%)", "dram__throughput.avg.pct_of_peak_sustained_elapsed", "of peak"),
+    ("DRAM (%)", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "of peak"),
 )
+# ncu's time units, to microseconds (the table's).
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 
@@ -42,13 +50,13 @@ class NcuError(ValueError):
 
 def parse_raw(text: str, name: str) -> dict[str, float | str]:
     """The first profiled launch of an ``ncu --csv --page raw`` output: metric -> value
-    (numbers as floats, their thousands separators dropped)."""
+    (numbers as floats, their thousands separators dropped, times in microseconds)."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
         raise NcuError(f"{name}: no ncu raw page (a line starting \"ID\"); was a kernel profiled?")
     rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    header, values = rows[0], None
+    header, units, values = rows[0], rows[1] if len(rows) > 1 else [], None
     for row in rows[1:]:  # the units row has an empty ID, each launch a number
         if row and row[0].strip().isdigit():
             values = row
@@ -56,10 +64,11 @@ def parse_raw(text: str, name: str) -> dict[str, float | str]:
     if values is None or len(values) != len(header):
         raise NcuError(f"{name}: the ncu raw page has no launch row matching its header")
     out: dict[str, float | str] = {}
-    for key, value in zip(header, values, strict=True):
+    units = units if len(units) == len(header) else [""] * len(header)
+    for key, unit, value in zip(header, units, values, strict=True):
         plain = value.replace(",", "")
         try:
-            out[key] = float(plain)
+            out[key] = float(plain) * TO_US.get(unit, 1.0)
         except ValueError:
             out[key] = value
     return out

@@ -22,12 +22,12 @@ import torch
 
 # The ``(GQA group, rank)`` pairs of the ws kernel measured on the H200 against two-pass
 # (docs/KERNELS.md, rounds 20-26: Llama-3-8B's group and rank-16 pools; round 27: GQA 8 and
-# rank 32, 1.03-1.19x unified where two-pass took 1.39-2.17x; round 28: the padded groups 3
-# and 7, 0.96-1.11x and 1.04-1.18x where two-pass took 1.32-1.42x and 1.42-2.15x; each at
-# 4K and 32K x 1-64). The other groups it builds for (1, 2, 5, 6, padded to 4 or 8) take a
-# measured shape's kernel with zero queries in the padding, and join this set once a run
-# measures them.
-MEASURED_WS_SHAPES = frozenset({(4, 16), (8, 16), (4, 32), (3, 16), (7, 16)})
+# rank 32, 1.03-1.19x unified where two-pass took 1.39-2.17x; round 28: every other group
+# of rank 16, padded to 4 or 8 query columns, 0.94-1.18x where two-pass took 1.25-2.15x,
+# kernel_bench_decode_round28_gqa{1,2,3,5,6,7}.json; each at 4K and 32K x 1-64). The shapes
+# it builds for beyond these (rank 32 at groups 1-3) take a measured shape's kernel, and
+# join this set once a run measures them.
+MEASURED_WS_SHAPES = frozenset({*((g, 16) for g in range(1, 9)), (4, 32)})
 
 
 @dataclass(frozen=True)

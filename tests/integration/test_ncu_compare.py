@@ -16,7 +16,7 @@ def raw_page(time_us: str, inst: str, barrier: float, wait: float) -> str:
               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_not_issued_per_issue_active.ratio"]
-    units = ["", "", "us", "inst", "register/thread", "ratio", "ratio", "ratio"]
+    units = ["", "", "ns", "inst", "register/thread", "ratio", "ratio", "ratio"]
     row = ["0", "k(int, float)", time_us, inst, "168", str(barrier), str(wait), "9.0"]
     quote = lambda cells: ",".join(f'"{c}"' for c in cells)  # noqa: E731
     return "\n".join(["ws prefill ...: 0.2460 ms (graph replay)", "==PROF== Disconnected",
@@ -26,15 +26,17 @@ def raw_page(time_us: str, inst: str, barrier: float, wait: float) -> str:
 def test_two_runs_side_by_side(tmp_path, capsys):
     fa4 = tmp_path / "fa4.csv"
     ws = tmp_path / "ws.csv"
-    fa4.write_text(raw_page("135.5", "1,000,000", 0.2, 1.5))
-    ws.write_text(raw_page("246", "2,500,000", 2.1, 1.0))
+    fa4.write_text(raw_page("135,500", "1,000,000", 0.2, 1.5))
+    ws.write_text(raw_page("246,000", "2,500,000", 2.1, 1.0))
     out = tmp_path / "cmp" / "ncu.json"
     assert ncu_compare.main([f"fa4={fa4}", f"ws={ws}", "--out", str(out)]) == 0
     saved = json.loads(out.read_text())
     row = saved["table"]["warp instructions"]
     assert row["values"] == {"fa4": 1_000_000.0, "ws": 2_500_000.0}
     assert row["over_fa4"]["ws"] == pytest.approx(2.5)
-    assert saved["table"]["time (us)"]["over_fa4"]["ws"] == pytest.approx(246 / 135.5)
+    time = saved["table"]["time (us)"]  # ncu's nanoseconds, in microseconds
+    assert time["values"]["fa4"] == pytest.approx(135.5)
+    assert time["over_fa4"]["ws"] == pytest.approx(246 / 135.5)
     # Stall reasons by size, the "not issued" total left out; the raw page kept whole.
     assert list(saved["stalls"]["ws"]) == ["barrier", "wait"]
     assert list(saved["stalls"]["fa4"]) == ["wait", "barrier"]

@@ -114,14 +114,17 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(residual_decode_gluon, "hopper", lambda device: True)
     q, k, k_res = (t.to(torch.bfloat16) for t in (args[0], args[1], args[3]))
     assert DEFAULT_DECODE_POLICY.variant(q, k, k_res) == "ws"
-    narrow = q[:, :4].contiguous()  # a GQA group of 2: built for, not measured
+    narrow = q[:, :4].contiguous()  # a GQA group of 2: measured in round 28
     assert residual_decode_gluon.ws_shape(narrow, k, k_res) == (2, 16)
-    assert DEFAULT_DECODE_POLICY.variant(narrow, k, k_res) == "two_pass"
+    assert DEFAULT_DECODE_POLICY.variant(narrow, k, k_res) == "ws"
+    rank32 = torch.cat([k_res, k_res], dim=2)  # at a group of 2: built for, not measured
+    assert residual_decode_gluon.ws_shape(narrow, k, rank32) == (2, 32)
+    assert DEFAULT_DECODE_POLICY.variant(narrow, k, rank32) == "two_pass"
     gqa8 = torch.cat([q, q], dim=1)  # measured in round 27
     assert residual_decode_gluon.ws_shape(gqa8, k, k_res) == (8, 16)
     assert DEFAULT_DECODE_POLICY.variant(gqa8, k, k_res) == "ws"
-    wider = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES | {(2, 16)})
-    assert wider.variant(narrow, k, k_res) == "ws"
+    wider = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES | {(2, 32)})
+    assert wider.variant(narrow, k, rank32) == "ws"
     bounded = DecodeVariantPolicy(ws_max_batch=16)
     assert bounded.variant(q[:16], k, k_res) == "ws"
     assert bounded.variant(q[:17], k, k_res) == "two_pass"
