@@ -39,7 +39,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    tma,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -423,75 +422,9 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     return sc_next, (m_i, l_i, o_lo, o_hi, acc_r)
 
 
-PROBE_BUILD = int(__import__("os").environ.get("FORKSERVE_WS_PROBE", "0"))
-
-
-@gluon.jit
-def _pages(bt_row, rbt_row, n0, last_page, has_res, P: gl.constexpr, T: gl.constexpr,
-           TABLES: gl.constexpr):
-    """A tile's page rows (base, residual), as a tuple of scalars."""
-    rows = ()
-    rrows = ()
-    for j in gl.static_range(T // P):
-        pi = gl.minimum(n0 // P + j, last_page)
-        if TABLES:
-            rows = rows + (gl.load(bt_row + pi) * P, )
-            rrows = rrows + (gl.load(rbt_row + pi, mask=has_res, other=0) * P, )
-        else:
-            rows = rows + (pi * P, )
-            rrows = rrows + (pi * P, )
-    return rows, rrows
-
-
-@gluon.jit
-def _loader_probe(args, PROBE: gl.constexpr):
-    """PROBE 0/1: the decode's loader; 2/3: no table loads (pages 0, 1, ... in order);
-    4/5: each tile's table entries loaded a tile ahead."""
-    if PROBE < 2:
-        _loader(args)
-    else:
-        descs, bars, bufs, _, scalars, _ = args
-        kd, vd, krd, vrd, csd = descs
-        ready, empty = bars
-        k_lo, k_hi, v_lo, v_hi, kr, vr, cs_c, cs_s = bufs
-        bt_row, rbt_row, kv_col, start, stop, seq_len, n_tiles, has_res = scalars
-        HALF: gl.constexpr = k_lo.type.shape[2]
-        T: gl.constexpr = k_lo.type.shape[1]
-        NS: gl.constexpr = k_lo.type.shape[0]
-        P: gl.constexpr = kd.block_type.shape[0]
-        kv_bytes: gl.constexpr = 4 * (T // P) * kd.block_type.nbytes
-        res_bytes: gl.constexpr = 2 * (T // P) * krd.block_type.nbytes + 2 * csd.block_type.nbytes
-        last_page = (seq_len - 1) // P
-        TABLES: gl.constexpr = PROBE >= 4
-        rows, rrows = _pages(bt_row, rbt_row, start, last_page, has_res, P, T, TABLES)
-        for i in range(n_tiles):
-            s = i % NS
-            n0 = start + i * T
-            mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, kv_bytes + res_bytes, pred=has_res)
-            mbarrier.expect(bar, kv_bytes, pred=not has_res)
-            for j in gl.static_range(T // P):
-                row = rows[j]
-                tma.async_copy_global_to_shared(kd, [row, kv_col], bar, k_lo.index(s).slice(j * P, P))
-                tma.async_copy_global_to_shared(kd, [row, kv_col + HALF], bar,
-                                                k_hi.index(s).slice(j * P, P))
-                tma.async_copy_global_to_shared(vd, [row, kv_col], bar, v_lo.index(s).slice(j * P, P))
-                tma.async_copy_global_to_shared(vd, [row, kv_col + HALF], bar,
-                                                v_hi.index(s).slice(j * P, P))
-                if has_res:
-                    rrow = rrows[j]
-                    tma.async_copy_global_to_shared(krd, [rrow, 0], bar, kr.index(s).slice(j * P, P))
-                    tma.async_copy_global_to_shared(vrd, [rrow, 0], bar, vr.index(s).slice(j * P, P))
-            if has_res:
-                tma.async_copy_global_to_shared(csd, [n0, 0], bar, cs_c.index(s))
-                tma.async_copy_global_to_shared(csd, [n0, HALF], bar, cs_s.index(s))
-            rows, rrows = _pages(bt_row, rbt_row, n0 + T, last_page, has_res, P, T, TABLES)
-
-
 @gluon.jit
 def _consume(args, G: gl.constexpr, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.constexpr,
-             BF16_ROPE: gl.constexpr, PROBE: gl.constexpr):
+             BF16_ROPE: gl.constexpr):
     """The consumer warp group(s) at the GQA group ``G``: every tile of the program's keys
     (``_tile``). Returns ``m, l [rows]`` (log2 domain) and ``o_lo, o_hi [rows, D/2]``, ``P
     V_base + (P V_res) B_v`` unnormalised."""
@@ -523,18 +456,13 @@ def _consume(args, G: gl.constexpr, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
             ops[6].store(zero_rot)
             ops[7].store(zero_rot)
         fence_async_shared()
-        if PROBE % 2 == 0:
-            _prepare(args, 0, BASE_SCORES, BF16_ROPE)
-            sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
+        _prepare(args, 0, BASE_SCORES, BF16_ROPE)
+        sc = warpgroup_mma_wait(0, deps=(_issue_scores(ops, bufs, 0, acc_l, BASE_SCORES), ))
     rows = (q_pos0 + gl.arange(0, M, layout=row_l) // G,
             gl.arange(0, T, layout=gl.SliceLayout(0, acc_l)),
             gl.minimum(stop, q_pos0 + 1))  # the keys every row of the program sees
     for i in range(n_tiles):
-        if PROBE % 2 == 1:
-            _landed(args, i)
-            _release(args, i)
-        else:
-            sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES, BF16_ROPE)
+        sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES, BF16_ROPE)
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
@@ -559,7 +487,7 @@ def _residual_prefill_ws_kernel(
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
         BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, DIRECT: gl.constexpr,
-        PROBE: gl.constexpr, num_warps: gl.constexpr):
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     TOKENS: gl.constexpr = M // G
     pid = gl.program_id(0)
@@ -606,8 +534,7 @@ def _residual_prefill_ws_kernel(
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res), operands)
     m_i, l_i, o_lo, o_hi = gl.warp_specialize(
-        [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE, PROBE)),
-         (_loader_probe, (args, PROBE))],
+        [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE)), (_loader, (args, ))],
         [1], [40])
 
     acc_l: gl.constexpr = o_lo.type.layout
@@ -642,8 +569,7 @@ def build_sm90a(launch: WsPrefillLaunch, direct: bool, group: int = 4) -> tuple[
     from forkserve.kernels.sm90_build import compile_ws_sm90
 
     return compile_ws_sm90(_residual_prefill_ws_kernel,
-                           dict(T=TILE, DIRECT=direct, G=group, PROBE=PROBE_BUILD,
-                                **launch.constexprs()),
+                           dict(T=TILE, DIRECT=direct, G=group, **launch.constexprs()),
                            launch.maxnreg,
                            {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)})
 
@@ -693,7 +619,6 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
         N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
-        PROBE=int(__import__("os").environ.get("FORKSERVE_WS_PROBE", "0")),
         maxnreg=launch.maxnreg, **launch.constexprs())
     if direct:
         return out
