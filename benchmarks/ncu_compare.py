@@ -8,6 +8,13 @@ Each input is what ``ncu --csv --page raw ...`` printed for one profiled launch 
 application's own lines before it are skipped; ``h200_issue15.sh`` 73 writes them). Prints
 a table of the metrics below (each column beside the first input's) and writes a JSON with
 every metric of every input, so a question the table does not answer needs no rerun.
+
+``--source`` reads ``ncu --page source --print-source sass --csv`` instead (step 74): each
+SASS instruction with its executed count and stall samples, summed by instruction class
+(``sass_classes``) and by opcode, ``--per N`` dividing the counts (e.g. by the key tiles a
+launch ran). Samples of warps parked at ``USETMAXREG`` (a warp-specialized kernel's idle
+padding warps, which ncu samples as waiting at a barrier for the whole launch) are counted
+apart from the rest.
 """
 from __future__ import annotations
 
@@ -16,7 +23,11 @@ import csv
 import io
 import json
 import sys
+from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.sass_classes import ALL_CLASSES, op_class, opcode  # noqa: E402
 
 # What the table shows: (label, metric, what it says).
 TABLE = (
@@ -74,6 +85,72 @@ def parse_raw(text: str, name: str) -> dict[str, float | str]:
     return out
 
 
+def parse_source(text: str, name: str, per: float = 1.0) -> dict:
+    """One launch's source page: warp instructions executed by class and by opcode, stall
+    samples by class and by reason (over ``per``, rounded), and the samples of warps parked
+    at ``USETMAXREG``."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise NcuError(f"{name}: no ncu source page (a line starting \"Address\")")
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header = rows[0]
+    try:
+        src, executed = header.index("Source"), header.index("Instructions Executed")
+        sampled = header.index("Warp Stall Sampling (All Samples)")
+    except ValueError as e:
+        raise NcuError(f"{name}: the source page lacks a column ({e})") from None
+    reasons = [(j, c[len("stall_"):]) for j, c in enumerate(header)
+               if c.startswith("stall_") and "Not Issued" not in c]
+    by_class, by_op, samples, stall, parked = Counter(), Counter(), Counter(), Counter(), 0.0
+
+    def num(cell: str) -> float:
+        try:
+            return float(cell.replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    for row in rows[1:]:
+        if len(row) != len(header) or not row[0].startswith("0x"):
+            continue
+        op = opcode(row[src])
+        if op == "USETMAXREG":
+            parked += num(row[sampled])
+            continue
+        n, cls = num(row[executed]), op_class(op)
+        by_class[cls] += n
+        by_op[op] += n
+        samples[cls] += num(row[sampled])
+        for j, reason in reasons:
+            stall[reason] += num(row[j])
+    scale = 1.0 / per
+    return {"instructions": round(sum(by_class.values()) * scale, 1),
+            "by_class": {c: round(by_class[c] * scale, 1) for c in ALL_CLASSES},
+            "top_opcodes": {o: round(n * scale, 1) for o, n in by_op.most_common(16)},
+            "samples_by_class": {c: samples[c] for c in ALL_CLASSES},
+            "stall_samples": dict(stall.most_common()), "parked_samples": parked}
+
+
+def print_source(runs: dict[str, dict]) -> None:
+    names = list(runs)
+    first = names[0]
+    print(f"{'executed':18}" + "".join(f"{n:>24}" for n in names))
+    for label, key in [("all", None), *((c, c) for c in ALL_CLASSES)]:
+        cells = []
+        for n in names:
+            v = runs[n]["instructions"] if key is None else runs[n]["by_class"][key]
+            base = runs[first]["instructions"] if key is None else runs[first]["by_class"][key]
+            ratio = f" ({v / base:.2f}x)" if base and n != first else ""
+            cells.append(f"{v:>12,.0f}{ratio:>12}")
+        print(f"{label:18}" + "".join(cells))
+    for n in names:
+        total = sum(runs[n]["samples_by_class"].values()) or 1.0
+        shares = ", ".join(f"{c} {100 * v / total:.0f}%" for c, v in
+                           sorted(runs[n]["samples_by_class"].items(), key=lambda kv: -kv[1]))
+        print(f"  {n} stall samples by class: {shares}; parked at setmaxnreg: "
+              f"{runs[n]['parked_samples']:,.0f} (apart)")
+
+
 def stalls(metrics: dict[str, float | str]) -> dict[str, float]:
     """Cycles a warp spends stalled per issued instruction, by reason (ncu's warp state
     statistics), the largest first."""
@@ -122,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="+", metavar="NAME=FILE",
                     help="an ncu raw page per run; the first is the baseline")
     ap.add_argument("--out", type=Path, help="write the comparison as JSON here")
+    ap.add_argument("--source", action="store_true",
+                    help="the inputs are ncu source pages (SASS with executed counts)")
+    ap.add_argument("--per", type=float, default=1.0,
+                    help="divide the source pages' counts by this (e.g. the key tiles run)")
     args = ap.parse_args(argv)
+    if args.per <= 0:
+        ap.error("--per must be positive")
     runs = {}
     try:
         for item in args.inputs:
@@ -133,12 +216,17 @@ def main(argv: list[str] | None = None) -> int:
                 text = Path(path).read_text(errors="replace")
             except OSError as e:
                 raise NcuError(f"{path}: {e.strerror}") from None
-            runs[name] = parse_raw(text, path)
+            runs[name] = (parse_source(text, path, args.per) if args.source
+                          else parse_raw(text, path))
     except NcuError as e:
         print(f"ncu_compare: {e}", file=sys.stderr)
         return 2
-    result = compare(runs)
-    print_table(result)
+    if args.source:
+        result = {"per": args.per, "runs": runs}
+        print_source(runs)
+    else:
+        result = compare(runs)
+        print_table(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -40,24 +40,12 @@ if __name__ == "__main__":  # before triton's import: the compiler refuses inter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
+from benchmarks.sass_classes import ALL_CLASSES, op_class, opcode  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
 from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
 from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
-
-# Instruction classes, by SASS opcode (the part before the first dot); the rest is
-# "uniform" (the uniform datapath's: mostly the wgmma descriptors) or "int/other".
-CLASSES = {
-    "fp32": ("FMUL", "FADD", "FFMA", "FMNMX", "FSEL", "FSETP"),
-    "exp2": ("MUFU",),
-    "bf16x2": ("HFMA2", "HMUL2", "HADD2"),
-    "convert": ("F2FP", "PRMT", "F2F"),
-    "wgmma": ("HGMMA", "WARPGROUP"),
-    "smem/sync": ("LDS", "STS", "LDSM", "STSM", "BAR", "SYNCS", "MEMBAR", "FENCE", "SHFL"),
-}
-OTHER_UNIFORM, OTHER = "uniform", "int/other"
-ALL_CLASSES = (*CLASSES, OTHER_UNIFORM, OTHER)
 
 
 @dataclass(frozen=True)
@@ -73,17 +61,6 @@ class TileCount:
     barriers: float
     by_class: dict[str, float]
     loop_instructions: int
-
-
-def opcode(line: str) -> str:
-    return re.sub(r"^@!?U?P[T0-9]+\s+", "", line).split()[0].split(".")[0]
-
-
-def op_class(op: str) -> str:
-    for name, ops in CLASSES.items():
-        if op in ops:
-            return name
-    return OTHER_UNIFORM if op.startswith("U") or op == "R2UR" else OTHER
 
 
 def parse(sass: str) -> list[tuple[int, str]]:

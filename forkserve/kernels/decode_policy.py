@@ -22,12 +22,13 @@ import torch
 
 # The ``(GQA group, rank)`` pairs of the ws kernel measured on the H200 against two-pass
 # (docs/KERNELS.md, rounds 20-26: Llama-3-8B's group and rank-16 pools; round 27: GQA 8 and
-# rank 32, 1.03-1.19x unified where two-pass took 1.39-2.17x; round 28: every other group
-# of rank 16, padded to 4 or 8 query columns, 0.94-1.18x where two-pass took 1.25-2.15x,
-# kernel_bench_decode_round28_gqa{1,2,3,5,6,7}.json; each at 4K and 32K x 1-64). The shapes
-# it builds for beyond these (rank 32 at groups 1-3) take a measured shape's kernel, and
-# join this set once a run measures them.
-MEASURED_WS_SHAPES = frozenset({*((g, 16) for g in range(1, 9)), (4, 32)})
+# rank 32 at GQA 4, 1.03-1.19x unified where two-pass took 1.39-2.17x; round 28: the other
+# groups, padded to 4 or 8 query columns, 0.94-1.18x at rank 16 and 1.04-1.20x at rank 32
+# where two-pass took 1.25-2.15x, kernel_bench_decode_round28_*.json; each at 4K and 32K x
+# 1-64): every shape the kernel builds for (``residual_decode_gluon.builds_for``). A shape
+# it comes to build for joins this set once a run measures it.
+MEASURED_WS_SHAPES = frozenset({*((g, 16) for g in range(1, 9)),
+                                *((g, 32) for g in range(1, 5))})
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,53 @@ def test_an_unusable_input_is_one_line(tmp_path, capsys, bad):
     assert ncu_compare.main([arg]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ncu_compare: ") and err.count("\n") == 1
+
+
+def source_page(rows: list[tuple[str, str, str, str]]) -> str:
+    """An ``ncu --page source --print-source sass --csv`` output: the kernel's name, a
+    header, one row per SASS instruction (address, text, stall samples, executed)."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Instructions Executed", "stall_barrier", "stall_wait",
+              "stall_barrier (Not Issued)"]
+    quote = lambda cells: ",".join(f'"{c}"' for c in cells)  # noqa: E731
+    lines = ['"Kernel Name","k",', quote(header)]
+    for addr, text, samples, executed in rows:
+        barrier = samples if "USETMAXREG" in text else "0"
+        lines.append(quote([addr, f"      {text}", samples, executed, barrier,
+                            "0" if barrier != "0" else samples, "0"]))
+    return "\n".join(lines) + "\n"
+
+
+def test_source_pages_by_class(tmp_path, capsys):
+    """``--source``: executed instructions by class and opcode over ``--per``, stall samples
+    by class and reason, the warps parked at ``USETMAXREG`` counted apart."""
+    a = tmp_path / "a.csv"
+    b = tmp_path / "b.csv"
+    a.write_text(source_page([("0x10", "FMUL R1, R2, R3 ;", "4", "1,000"),
+                              ("0x20", "@P0 MUFU.EX2 R4, R5 ;", "2", "500"),
+                              ("0x30", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;", "1",
+                               "100")]))
+    b.write_text(source_page([("0x10", "FMUL R1, R2, R3 ;", "6", "3,000"),
+                              ("0x20", "UIADD3 UR4, UR4, 0x40, URZ ;", "2", "1,000"),
+                              ("0x30", "USETMAXREG.DEALLOC.CTAPOOL 0x28 ;", "900", "3")]))
+    out = tmp_path / "src.json"
+    assert ncu_compare.main(["--source", "--per", "10", f"a={a}", f"b={b}",
+                             "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["a"]["instructions"] == 160.0
+    assert runs["a"]["by_class"]["fp32"] == 100.0 and runs["a"]["by_class"]["exp2"] == 50.0
+    assert runs["a"]["by_class"]["wgmma"] == 10.0
+    assert runs["b"]["by_class"]["uniform"] == 100.0  # UIADD3; the parked row left out
+    assert runs["b"]["instructions"] == 400.0
+    assert runs["b"]["parked_samples"] == 900.0 and runs["b"]["stall_samples"] == {
+        "wait": 8.0, "barrier": 0.0}
+    assert runs["a"]["top_opcodes"] == {"FMUL": 100.0, "MUFU": 50.0, "HGMMA": 10.0}
+    printed = capsys.readouterr().out
+    assert "parked at setmaxnreg: 900 (apart)" in printed and "(2.50x)" in printed
+
+
+def test_source_needs_a_source_page(tmp_path, capsys):
+    raw = tmp_path / "raw.csv"
+    raw.write_text(raw_page("1", "1", 0.1, 0.1))
+    assert ncu_compare.main(["--source", f"x={raw}"]) == 2
+    assert "no ncu source page" in capsys.readouterr().err

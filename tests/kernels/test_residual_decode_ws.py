@@ -117,14 +117,19 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     narrow = q[:, :4].contiguous()  # a GQA group of 2: measured in round 28
     assert residual_decode_gluon.ws_shape(narrow, k, k_res) == (2, 16)
     assert DEFAULT_DECODE_POLICY.variant(narrow, k, k_res) == "ws"
-    rank32 = torch.cat([k_res, k_res], dim=2)  # at a group of 2: built for, not measured
+    rank32 = torch.cat([k_res, k_res], dim=2)  # at a group of 2: measured in round 28
     assert residual_decode_gluon.ws_shape(narrow, k, rank32) == (2, 32)
-    assert DEFAULT_DECODE_POLICY.variant(narrow, k, rank32) == "two_pass"
+    assert DEFAULT_DECODE_POLICY.variant(narrow, k, rank32) == "ws"
     gqa8 = torch.cat([q, q], dim=1)  # measured in round 27
     assert residual_decode_gluon.ws_shape(gqa8, k, k_res) == (8, 16)
     assert DEFAULT_DECODE_POLICY.variant(gqa8, k, k_res) == "ws"
-    wider = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES | {(2, 32)})
-    assert wider.variant(narrow, k, rank32) == "ws"
+    # Every shape the kernel builds for is measured; a policy of fewer leaves the rest to
+    # two-pass.
+    assert all(residual_decode_gluon.builds_for(g, r) == ((g, r) in MEASURED_WS_SHAPES)
+               for g in range(1, 10) for r in (8, 16, 32, 64))
+    narrower = DecodeVariantPolicy(ws_shapes=MEASURED_WS_SHAPES - {(2, 32)})
+    assert narrower.variant(narrow, k, rank32) == "two_pass"
+    assert narrower.variant(narrow, k, k_res) == "ws"
     bounded = DecodeVariantPolicy(ws_max_batch=16)
     assert bounded.variant(q[:16], k, k_res) == "ws"
     assert bounded.variant(q[:17], k, k_res) == "two_pass"
