@@ -59,6 +59,14 @@ class NcuError(ValueError):
     """An input that is not one ncu raw page (one line, exit 2)."""
 
 
+def _number(cell: str) -> float | None:
+    """A cell as ncu prints a number (thousands separated by commas), else None."""
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        return None
+
+
 def parse_raw(text: str, name: str) -> dict[str, float | str]:
     """The first profiled launch of an ``ncu --csv --page raw`` output: metric -> value
     (numbers as floats, their thousands separators dropped, times in microseconds)."""
@@ -77,18 +85,15 @@ def parse_raw(text: str, name: str) -> dict[str, float | str]:
     out: dict[str, float | str] = {}
     units = units if len(units) == len(header) else [""] * len(header)
     for key, unit, value in zip(header, units, values, strict=True):
-        plain = value.replace(",", "")
-        try:
-            out[key] = float(plain) * TO_US.get(unit, 1.0)
-        except ValueError:
-            out[key] = value
+        number = _number(value)
+        out[key] = value if number is None else number * TO_US.get(unit, 1.0)
     return out
 
 
 def parse_source(text: str, name: str, per: float = 1.0) -> dict:
-    """One launch's source page: warp instructions executed by class and by opcode, stall
-    samples by class and by reason (over ``per``, rounded), and the samples of warps parked
-    at ``USETMAXREG``."""
+    """One launch's source page: warp instructions executed by class and by opcode (over
+    ``per``, rounded), stall samples by class and by reason, and the samples of warps
+    parked at ``USETMAXREG``."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
     if start is None:
@@ -105,10 +110,7 @@ def parse_source(text: str, name: str, per: float = 1.0) -> dict:
     by_class, by_op, samples, stall, parked = Counter(), Counter(), Counter(), Counter(), 0.0
 
     def num(cell: str) -> float:
-        try:
-            return float(cell.replace(",", ""))
-        except ValueError:
-            return 0.0
+        return _number(cell) or 0.0
 
     for row in rows[1:]:
         if len(row) != len(header) or not row[0].startswith("0x"):
