@@ -139,6 +139,22 @@ variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every poi
     --contexts 4096 8192 32768 --batches 1 8 32 64 --tag "$tag" --out "$OUT" --variants "$@" \
     2>&1 | tail -14
 }
+ncu_prefill_runs() {  # $1: the files' prefix, the rest: ncu's options; steps 73-74
+  # One profiled launch (the third) each of FA4's paged read, the ws prefill's default
+  # launch and the same with no row's adapter, at 8 x 64 over 8K, as ncu's CSV.
+  local prefix=$1 run name kernel opts
+  shift
+  export TRITON_CACHE_DIR=/root/tc23
+  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
+             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
+    IFS=: read -r name kernel opts <<< "$run"
+    # shellcheck disable=SC2086  # the options are words
+    timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
+      --launch-count 1 "$@" --csv python3 benchmarks/ws_prefill_profile.py $opts \
+      > "$OUT/${prefix}_$name.csv" 2>&1
+    grep -E "graph replay|rror" "$OUT/${prefix}_$name.csv" | head -3
+  done
+}
 case "$1" in
 1)
   FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:warnings -x tests/kernels/test_shared_prefix.py \
@@ -747,39 +763,23 @@ PY
   # Round 28: where row 3's time goes against its baseline. One launch each of FA4's paged
   # read, the ws kernel's default launch and the same with no row's adapter, at 8 x 64 over
   # 8K, profiled with the same sections (raw pages, CSV), then side by side
-  # (ncu_compare.py: instructions, issue, stall reasons). FA4 carried as for 69.
+  # (ncu_compare.py: instructions, pipes, issue, stall reasons). FA4 carried as for 69.
   fa4_site || exit 1
-  export TRITON_CACHE_DIR=/root/tc23
-  sections="--section SpeedOfLight --section WarpStateStats --section SchedulerStats
-    --section InstructionStats --section ComputeWorkloadAnalysis --section Occupancy
-    --section LaunchStats --section MemoryWorkloadAnalysis"
-  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
-             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
-    IFS=: read -r name kernel opts <<< "$run"
-    # shellcheck disable=SC2086  # the sections and the options are words
-    timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
-      --launch-count 1 $sections --csv --page raw \
-      python3 benchmarks/ws_prefill_profile.py $opts > "$OUT/ncu_prefill_$name.csv" 2>&1
-    grep -E "graph replay|ERR|rror" "$OUT/ncu_prefill_$name.csv" | head -3
-  done
+  ncu_prefill_runs ncu_prefill --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --page raw
   python3 benchmarks/ncu_compare.py fa4="$OUT/ncu_prefill_fa4.csv" ws="$OUT/ncu_prefill_ws.csv" \
     ws_no_adapter="$OUT/ncu_prefill_ws_no_adapter.csv" --out "$OUT/ncu_prefill_${TAG:-round28}.json"
   ;;
 74)
   # Round 28: step 73's launches again, their SASS with each instruction's executed count
-  # (ncu's source page), to see by instruction where FA4's fewer instructions a key come
-  # from (ncu_compare.py --source). FA4 carried as for 69.
+  # (ncu's source page), summed by instruction class over the launch's 16,512 tiles of 128
+  # rows x 64 keys (128 programs x 129 tiles at 8 x 64 over 8K). FA4 carried as for 69.
   fa4_site || exit 1
-  export TRITON_CACHE_DIR=/root/tc23
-  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
-             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
-    IFS=: read -r name kernel opts <<< "$run"
-    # shellcheck disable=SC2086  # the options are words
-    timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
-      --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
-      python3 benchmarks/ws_prefill_profile.py $opts > "$OUT/ncu_source_$name.csv" 2>&1
-    head -c 600 "$OUT/ncu_source_$name.csv" | tail -c 400; echo
-  done
+  ncu_prefill_runs ncu_source --section SourceCounters --page source --print-source sass
+  python3 benchmarks/ncu_compare.py --source --per 16512 fa4="$OUT/ncu_source_fa4.csv" \
+    ws="$OUT/ncu_source_ws.csv" ws_no_adapter="$OUT/ncu_source_ws_no_adapter.csv" \
+    --out "$OUT/ncu_source_${TAG:-round28}.json"
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came
