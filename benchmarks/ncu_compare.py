@@ -29,26 +29,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sass_classes import ALL_CLASSES, op_class, opcode  # noqa: E402
 
-# What the table shows: (label, metric, what it says).
-TABLE = (
-    ("time (us)", "gpu__time_duration.sum", "the launch"),
-    ("GPC cycles", "gpc__cycles_elapsed.max", "the slowest"),
-    ("warp instructions", "smsp__inst_executed.sum", "the same (row, key) pairs"),
-    ("tensor pipe (%)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-     "cycles the tensor cores work"),
-    ("XU pipe (%)", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", "exp2"),
-    ("FMA pipe (%)", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active", ""),
-    ("ALU pipe (%)", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active", ""),
-    ("uniform pipe (%)", "sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active", ""),
-    ("issue active (%)", "smsp__issue_active.avg.pct_of_peak_sustained_active", "a scheduler"),
-    ("warps per scheduler", "smsp__warps_active.avg.per_cycle_active", "resident"),
-    ("eligible per scheduler", "smsp__warps_eligible.avg.per_cycle_active", "ready to issue"),
-    ("cycles per instruction", "smsp__average_warp_latency_per_inst_issued.ratio", "a warp's"),
-    ("registers a thread", "launch__registers_per_thread", "at launch"),
-    ("shared memory a block", "launch__shared_mem_per_block", "bytes"),
-    ("blocks", "launch__grid_size", ""),
-    ("DRAM (%)", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "of peak"),
-)
+# What the table shows: its label -> ncu's metric.
+TABLE = {
+    "time (us)": "gpu__time_duration.sum",
+    "GPC cycles": "gpc__cycles_elapsed.max",
+    "warp instructions": "smsp__inst_executed.sum",
+    "tensor pipe (%)": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "XU pipe (%)": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+    "FMA pipe (%)": "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+    "ALU pipe (%)": "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active",
+    "uniform pipe (%)": "sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active",
+    "issue active (%)": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "warps per scheduler": "smsp__warps_active.avg.per_cycle_active",
+    "eligible per scheduler": "smsp__warps_eligible.avg.per_cycle_active",
+    "cycles per instruction": "smsp__average_warp_latency_per_inst_issued.ratio",
+    "registers a thread": "launch__registers_per_thread",
+    "shared memory a block": "launch__shared_mem_per_block",
+    "blocks": "launch__grid_size",
+    "DRAM (%)": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+}
 # ncu's time units, to microseconds (the table's).
 TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
@@ -167,7 +166,7 @@ def compare(runs: dict[str, dict[str, float | str]]) -> dict:
     first run's."""
     first = next(iter(runs))
     table = {}
-    for label, metric, _ in TABLE:
+    for label, metric in TABLE.items():
         row = {n: m.get(metric) for n, m in runs.items()}
         base = row[first]
         ratio = {n: (v / base if isinstance(v, float) and isinstance(base, float) and base
