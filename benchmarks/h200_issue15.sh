@@ -87,6 +87,9 @@
 # Round 28 (where row 3's time goes against FA4: ncu side by side):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 73  # ncu: FA4 paged, ws, ws without adapter (FA4 carried)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 74  # the same launches' SASS with executed counts (FA4 carried)
+# Round 29 (the 128-key prefill kernel, residual_prefill_wide.py):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 75  # its CUDA tests (K=, SKIP= as 66's)
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 76  # it beside the ws default and FA4 (FA4 carried)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -780,6 +783,27 @@ PY
   python3 benchmarks/ncu_compare.py --source --per 16512 fa4="$OUT/ncu_source_fa4.csv" \
     ws="$OUT/ncu_source_ws.csv" ws_no_adapter="$OUT/ncu_source_ws_no_adapter.csv" \
     --out "$OUT/ncu_source_${TAG:-round28}.json"
+  ;;
+75)
+  # Round 29: the 128-key kernel against the formulas, every launch the bench measures
+  # (compiled kernels kept in TRITON_CACHE_DIR for 76). -x: a hang or a wrong answer stops
+  # the call at its first case. K: a pytest -k expression.
+  export TRITON_CACHE_DIR=/root/tc23
+  FORKSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -v -x -p no:cacheprovider \
+    -p no:warnings ${K:+-k "$K"} tests/kernels/test_residual_prefill_wide.py 2>&1 \
+    | tee "$OUT/pytest_cuda_wide_prefill${K:+_rest}.log" | tail -4
+  ;;
+76)
+  # Round 29: the 128-key kernel's launches beside the ws kernel's default launch (the ws
+  # column) and FA4's paged read, every case; the ws kernel's other launches, measured in
+  # round 27, left out. SKIP: more launches to leave out (one whose tests failed).
+  [ -d /root/fa4parts ] && { fa4_site || exit 1; }
+  export TRITON_CACHE_DIR=/root/tc23
+  # shellcheck disable=SC2086  # one launch name per word
+  timeout 540 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill_wide}" \
+    --skip-launches ws_m64_s3 ws_m64_s3_edge_base_bf16 ws_m128_s3 ws_m128_s3_edge \
+    ws_m128_s3_base ws_m128_s3_edge_base ws_m128_s3_edge_base_bf16 $SKIP --out "$OUT" 2>&1 \
+    | tail -16
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

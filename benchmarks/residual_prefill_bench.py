@@ -11,7 +11,9 @@ eager as the engine runs prefill (CUDA events, L2 flushed: ``kernelbench.timing.
   block tables, where ``flash_support`` finds it): the baseline is the faster;
 * residual: ``ws`` (residual_prefill_gluon.py, sm_90 only; ``ws_m<rows>_s<stages>`` each
   launch, ``_edge`` with ``edge_masks``, ``_base`` with ``base_scores``, ``ws_base_only``
-  the default launch with no row's adapter: the residual's share of its time), ``fused``
+  the default launch with no row's adapter: the residual's share of its time; ``wide_r<n>``
+  the 128-key kernel, residual_prefill_wide.py, and ``wide_base_only`` it with no row's
+  adapter), ``fused``
   (the Triton kernel at its default launch) and ``flash`` (the context rebuilt and packed,
   then the varlen flash kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``,
   recorded as ``policy_route``);
@@ -56,6 +58,20 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, False, True, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
+# The 128-key kernel's launches (consumer registers, rebuild chunk, bf16_rope: WideLaunch;
+# a chunk of 32 spills inside the rebuild's loop at the registers the rebuild has).
+WIDE_LAUNCHES = [(200, 16, False), (200, 16, True), (200, 8, True)]
+
+
+def launch_table() -> dict:
+    """Every launch the bench measures beside the default, by name: the ws kernel's and the
+    128-key kernel's."""
+    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
+    from forkserve.kernels.residual_prefill_wide import WideLaunch
+
+    launches = [*(WsPrefillLaunch(*flags) for flags in WS_LAUNCHES),
+                *(WideLaunch(*flags) for flags in WIDE_LAUNCHES)]
+    return {lc.name: lc for lc in launches}
 
 
 def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = frozenset()
@@ -68,10 +84,10 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
         prefill_kernels,
         residual_prefill,
     )
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch, supports
+    from forkserve.kernels.residual_prefill_gluon import supports
+    from forkserve.kernels.residual_prefill_wide import WideLaunch
 
-    launches = {lc.name: lc for lc in (WsPrefillLaunch(*flags) for flags in WS_LAUNCHES)
-                if lc.name not in skip}
+    launches = {n: lc for n, lc in launch_table().items() if n not in skip}
 
     bt, rbt, lens = s.tables(batch, keys)
     q = s.q(batch * new)
@@ -100,6 +116,9 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
         no_adapter = torch.full_like(ad, -1)
         base_only = (*res[:11], no_adapter, res[12])
         residual["ws_base_only"] = lambda: residual_prefill(*base_only, variant="ws", **kw)
+        if any(n.startswith("wide") for n in launches):
+            residual["wide_base_only"] = lambda: residual_prefill(
+                *base_only, variant="ws", **kw, launch=WideLaunch())
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "policy_route": route,
@@ -110,7 +129,8 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
     row["over_baseline"] = {n: ms / base for n, ms in row["residual"].items()}
     # Device time (CUDA-graph replay: no host launch cost) of the routes a graph can hold.
     device = {f"unified_{n}": f for n, f in unified.items()}
-    device |= {f"residual_{n}": f for n, f in residual.items() if n.startswith(("ws", "fused"))}
+    device |= {f"residual_{n}": f for n, f in residual.items()
+               if n.startswith(("ws", "wide", "fused"))}
     row["device"] = {n: bench(f, s.smoke) for n, f in device.items()}
     best = min(v for n, v in row["device"].items() if n.startswith("unified_"))
     row["device_over_best_unified"] = {n: v / best for n, v in row["device"].items()}
@@ -130,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="query heads a KV head (default Llama-3-8B's 4; the ws kernel takes "
                          "1, 2, 4, 8)")
     args = ap.parse_args(argv)
-    from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch
-
-    known = {WsPrefillLaunch(*flags).name for flags in WS_LAUNCHES}
+    known = set(launch_table())
     if unknown := set(args.skip_launches) - known:
         ap.error(f"unknown ws launch {sorted(unknown)[0]}; the bench's: "
                  + ", ".join(sorted(known)))

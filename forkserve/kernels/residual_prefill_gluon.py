@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from triton.experimental import gluon
@@ -59,6 +60,9 @@ from forkserve.kernels.residual_decode_gluon import (
 )
 from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
+
+if TYPE_CHECKING:
+    from forkserve.kernels.residual_prefill_wide import WideLaunch
 
 # The GQA groups the kernel is built for: a program's rows are whole tokens (a group that
 # divides a warp group's 64 rows). Rank 16 only: a rank-32 slot is 4 KiB larger, and three
@@ -163,16 +167,23 @@ def rebuild_layout(n, num_warps):
 
 @gluon.jit
 def _stage_operands(operands, bufs, G: gl.constexpr):
-    """The program's queries (scaled into the log2 domain; rows past its chunk zero) into
-    ``q_lo, q_hi [rows, D/2]``, row ``j`` token ``j // G`` and head ``j % G`` of the GQA
-    group ``G``; its adapter's ``B_k, B_v`` columns of its KV head into ``bk_lo, bk_hi,
-    bv_lo, bv_hi [r, D/2]`` (zero without an adapter)."""
+    """The program's queries into ``q_lo, q_hi`` (``stage_queries``) and its adapter's
+    ``B_k, B_v`` columns of its KV head into ``bk_lo, bk_hi, bv_lo, bv_hi`` (``stage_adapter``)."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
         has_res = operands
-    q_lo, q_hi, bk_lo, bk_hi, bv_lo, bv_hi = bufs[:6]
+    stage_queries(bufs[0], bufs[1], (q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e), G)
+    stage_adapter(bufs[2:6], bk_row, bv_row, stride_br, has_res)
+
+
+@gluon.jit
+def stage_queries(q_lo, q_hi, queries, G: gl.constexpr):
+    """Query rows ``[rows, D/2]`` halves scaled into the log2 domain (rows past the chunk
+    zero): row ``j`` token ``tok0 + j // G`` and head ``j % G`` of the GQA group ``G``.
+    ``queries``: the KV head's first query head's base pointer, the token and head strides,
+    ``tok0``, the chunk's length, the scale times log2(e)."""
+    q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e = queries
     M: gl.constexpr = q_lo.type.shape[0]
     HALF: gl.constexpr = q_lo.type.shape[1]
-    R: gl.constexpr = bk_lo.type.shape[0]
     lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, lq))
     d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
@@ -184,12 +195,29 @@ def _stage_operands(operands, bufs, G: gl.constexpr):
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
+
+
+@gluon.jit
+def stage_adapter(b_bufs, bk_row, bv_row, stride_br, has_res):
+    """The adapter's ``B_k, B_v`` columns of the KV head (rows ``bk_row, bv_row``, stride
+    ``stride_br``) into ``b_bufs = (bk_lo, bk_hi, bv_lo, bv_hi) [r, D/2]``; zero without an
+    adapter."""
+    stage_b(b_bufs[0], b_bufs[1], bk_row, stride_br, has_res)
+    stage_b(b_bufs[2], b_bufs[3], bv_row, stride_br, has_res)
+
+
+@gluon.jit
+def stage_b(b_lo, b_hi, b_row, stride_br, has_res):
+    """One of the adapter's ``B`` (row ``b_row``, stride ``stride_br``) into its halves
+    ``b_lo, b_hi [r, D/2]``; zero without an adapter."""
+    HALF: gl.constexpr = b_lo.type.shape[1]
+    R: gl.constexpr = b_lo.type.shape[0]
+    lq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lq))
     k = gl.arange(0, R, layout=gl.SliceLayout(1, lq))
     b_off = k[:, None] * stride_br + d[None, :]
-    bk_lo.store(gl.load(bk_row + b_off, mask=has_res, other=0.0))
-    bk_hi.store(gl.load(bk_row + b_off + HALF, mask=has_res, other=0.0))
-    bv_lo.store(gl.load(bv_row + b_off, mask=has_res, other=0.0))
-    bv_hi.store(gl.load(bv_row + b_off + HALF, mask=has_res, other=0.0))
+    b_lo.store(gl.load(b_row + b_off, mask=has_res, other=0.0))
+    b_hi.store(gl.load(b_row + b_off + HALF, mask=has_res, other=0.0))
 
 
 @gluon.jit
@@ -212,19 +240,19 @@ def _rope_bf16x2(u_lo, u_hi, cos, sin):
 
 
 @gluon.jit
-def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.constexpr,
-                      BF16_ROPE: gl.constexpr):
-    """``RoPE(K_res B_k)`` of slot ``s``'s tile as halves ``[T, D/2]`` in ``u_l`` (plus the
-    base tile if ``WITH_BASE``): the up-projection in flight while the base tile and the
-    tile's cos|sin rows come from shared memory. Float32, or bf16 with ``BF16_ROPE``
-    (``_rope_bf16x2``; the residual alone, never with the base tile)."""
-    k_lo, k_hi = bufs[0], bufs[1]
+def rotated_residual(k_tiles, kr_tile, cs_tiles, bk_lo, bk_hi, u_l: gl.constexpr,
+                     WITH_BASE: gl.constexpr, BF16_ROPE: gl.constexpr):
+    """``RoPE(K_res B_k)`` of a tile of keys as halves ``[T, D/2]`` in ``u_l`` (plus the base
+    tile ``k_tiles = (K_lo, K_hi)`` if ``WITH_BASE``): ``kr_tile`` its ``K_res`` rows,
+    ``cs_tiles`` its cos and sin rows, the up-projection in flight while those come from
+    shared memory. Float32, or bf16 with ``BF16_ROPE`` (``_rope_bf16x2``; the residual
+    alone, never with the base tile)."""
     gl.static_assert(not (WITH_BASE and BF16_ROPE), "bf16 RoPE rounds the residual alone")
-    u_lo, u_hi = _up_projection(bufs, s, bk_lo, bk_hi, u_l)
+    u_lo, u_hi = up_projection(kr_tile, bk_lo, bk_hi, u_l)
     if WITH_BASE:
-        k_a = k_lo.index(s).load(u_l).to(gl.float32)
-        k_b = k_hi.index(s).load(u_l).to(gl.float32)
-    cos, sin = _cos_sin(bufs, s, u_l, BF16_ROPE)
+        k_a = k_tiles[0].load(u_l).to(gl.float32)
+        k_b = k_tiles[1].load(u_l).to(gl.float32)
+    cos, sin = _cos_sin(cs_tiles, u_l, BF16_ROPE)
     u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
     r_a, r_b = _rope(u_lo, u_hi, cos, sin, BF16_ROPE)
     if WITH_BASE:
@@ -234,22 +262,21 @@ def _rotated_residual(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr, WITH_BASE: gl.co
 
 
 @gluon.jit
-def _up_projection(bufs, s, bk_lo, bk_hi, u_l: gl.constexpr):
-    """``K_res B_k`` of slot ``s``'s tile, its halves in flight (the caller waits)."""
-    kr = bufs[4]
-    T: gl.constexpr = kr.type.shape[1]
+def up_projection(kr_tile, bk_lo, bk_hi, u_l: gl.constexpr):
+    """``K_res B_k`` of a tile's ``K_res`` rows, its halves in flight (the caller waits)."""
+    T: gl.constexpr = kr_tile.type.shape[0]
     HALF: gl.constexpr = bk_lo.type.shape[1]
     zero = gl.zeros([T, HALF], gl.float32, u_l)
-    u_lo = warpgroup_mma(kr.index(s), bk_lo, zero, use_acc=False, is_async=True)
-    u_hi = warpgroup_mma(kr.index(s), bk_hi, zero, use_acc=False, is_async=True)
+    u_lo = warpgroup_mma(kr_tile, bk_lo, zero, use_acc=False, is_async=True)
+    u_hi = warpgroup_mma(kr_tile, bk_hi, zero, use_acc=False, is_async=True)
     return u_lo, u_hi
 
 
 @gluon.jit
-def _cos_sin(bufs, s, u_l: gl.constexpr, BF16_ROPE: gl.constexpr):
-    """Slot ``s``'s cos and sin rows in ``u_l``: bf16 for ``_rope_bf16x2``, else float32."""
-    cos = bufs[6].index(s).load(u_l)
-    sin = bufs[7].index(s).load(u_l)
+def _cos_sin(cs_tiles, u_l: gl.constexpr, BF16_ROPE: gl.constexpr):
+    """A tile's cos and sin rows in ``u_l``: bf16 for ``_rope_bf16x2``, else float32."""
+    cos = cs_tiles[0].load(u_l)
+    sin = cs_tiles[1].load(u_l)
     if not BF16_ROPE:
         cos = cos.to(gl.float32)
         sin = sin.to(gl.float32)
@@ -299,7 +326,9 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr):
     s = _landed(args, i)
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
     if has_res:
-        k_a, k_b = _rotated_residual(bufs, s, bk_lo, bk_hi, u_l, not BASE_SCORES, BF16_ROPE)
+        k_a, k_b = rotated_residual((k_lo.index(s), k_hi.index(s)), bufs[4].index(s),
+                                    (bufs[6].index(s), bufs[7].index(s)), bk_lo, bk_hi, u_l,
+                                    not BASE_SCORES, BF16_ROPE)
         rot_lo.store(k_a.to(gl.bfloat16))
         rot_hi.store(k_b.to(gl.bfloat16))
     elif not BASE_SCORES:
@@ -325,7 +354,7 @@ def _issue_scores(ops, bufs, s, acc_l: gl.constexpr, BASE_SCORES: gl.constexpr):
 
 
 @gluon.jit
-def _mask_scores(sc, n0, stop, pos, cols):
+def mask_scores(sc, n0, stop, pos, cols):
     """Scores of keys ``n0 + cols`` past ``stop`` or past a row's position ``pos`` set to
     -inf."""
     key = n0 + cols
@@ -355,9 +384,10 @@ def _row_sum(x):
 
 
 @gluon.jit
-def _online_softmax(sc, state):
+def online_softmax(sc, state):
     """Tile's probabilities (bf16) from its masked scores, and the running state with them:
-    ``m``, ``l``, and ``O``, ``P V_res`` rescaled to the new max."""
+    ``m``, ``l`` (in the scores' row layout), and ``O``, ``P V_res`` rescaled to the new
+    max."""
     m_i, l_i, o_lo, o_hi, acc_r = state
     r_l: gl.constexpr = acc_r.type.layout
     m_new = gl.maximum(m_i, gl.convert_layout(_row_max(sc), m_i.type.layout))
@@ -366,14 +396,17 @@ def _online_softmax(sc, state):
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(sc - gl.expand_dims(m_safe, 1))
     l_i = l_i * alpha + gl.convert_layout(_row_sum(p), l_i.type.layout)
-    o_lo = o_lo * gl.expand_dims(alpha, 1)
-    o_hi = o_hi * gl.expand_dims(alpha, 1)
+    # The scores' rows and O's sit alike in the threads whatever the tiles' N (the wgmma
+    # accumulator): no data moves.
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_lo.type.layout))
+    o_lo = o_lo * gl.expand_dims(alpha_o, 1)
+    o_hi = o_hi * gl.expand_dims(alpha_o, 1)
     acc_r = acc_r * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, r_l)), 1)
     return p.to(gl.bfloat16), (m_new, l_i, o_lo, o_hi, acc_r)
 
 
 @gluon.jit
-def _value_products(bufs, p16, s, state):
+def value_products(bufs, p16, s, state):
     """``P V_base`` and ``P V_res`` of slot ``s``'s tile added to the state's accumulators,
     in flight (the caller waits). Unconditional: without an adapter the slot's ``V_res``
     rows are stale bytes, and ``P V_res`` is then never read."""
@@ -405,7 +438,7 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     if EDGE_MASKS:
         # Here, with nothing in flight, so the branch may hold the mask.
         if start + (i + 1) * T > seen_by_all:
-            sc = _mask_scores(sc, start + i * T, stop, pos, cols)
+            sc = mask_scores(sc, start + i * T, stop, pos, cols)
     if i + 1 < n_tiles:
         _prepare(args, i + 1, BASE_SCORES, BF16_ROPE)
     # Unconditional, so nothing in flight crosses a branch: after the last tile these
@@ -413,9 +446,9 @@ def _tile(args, i, sc, state, rows, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
     # result is dropped.
     sc_next = _issue_scores(ops, bufs, (i + 1) % NS, acc_l, BASE_SCORES)
     if not EDGE_MASKS:
-        sc = _mask_scores(sc, start + i * T, stop, pos, cols)
-    p16, state = _online_softmax(sc, state)
-    m_i, l_i, o_lo, o_hi, acc_r = _value_products(bufs, p16, i % NS, state)
+        sc = mask_scores(sc, start + i * T, stop, pos, cols)
+    p16, state = online_softmax(sc, state)
+    m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, i % NS, state)
     # One wait for the value products and the next tile's scores.
     o_lo, o_hi, acc_r, sc_next = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
     _release(args, i)
@@ -465,17 +498,61 @@ def _consume(args, G: gl.constexpr, EDGE_MASKS: gl.constexpr, BASE_SCORES: gl.co
         sc, state = _tile(args, i, sc, state, rows, EDGE_MASKS, BASE_SCORES, BF16_ROPE)
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
-        # (P V_res) B_v once, in two bf16 parts so the sum keeps float32's precision.
-        r_hi = acc_r.to(gl.bfloat16)
-        r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
-        p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
-        a_hi = gl.convert_layout(r_hi, p_op)
-        a_lo = gl.convert_layout(r_lo, p_op)
-        o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
-        o_lo = warpgroup_mma(a_lo, bv_lo, o_lo)
-        o_hi = warpgroup_mma(a_hi, bv_hi, o_hi)
-        o_hi = warpgroup_mma(a_lo, bv_hi, o_hi)
+        o_lo, o_hi = apply_b_v(o_lo, o_hi, acc_r, bv_lo, bv_hi)
     return m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
+def apply_b_v(o_lo, o_hi, acc_r, bv_lo, bv_hi):
+    """``O + (P V_res) B_v``, once after the loop, ``P V_res`` in two bf16 parts so the sum
+    keeps float32's precision."""
+    acc_l: gl.constexpr = o_lo.type.layout
+    r_hi = acc_r.to(gl.bfloat16)
+    r_lo = (acc_r - r_hi.to(gl.float32)).to(gl.bfloat16)
+    p_op: gl.constexpr = gl.DotOperandLayout(0, acc_l, 2)
+    a_hi = gl.convert_layout(r_hi, p_op)
+    a_lo = gl.convert_layout(r_lo, p_op)
+    o_lo = warpgroup_mma(a_hi, bv_lo, o_lo)
+    o_lo = warpgroup_mma(a_lo, bv_lo, o_lo)
+    o_hi = warpgroup_mma(a_hi, bv_hi, o_hi)
+    o_hi = warpgroup_mma(a_lo, bv_hi, o_hi)
+    return o_lo, o_hi
+
+
+@gluon.jit
+def store_rows(o_lo, o_hi, m_i, l_i, rows, outs, G: gl.constexpr, DIRECT: gl.constexpr):
+    """A program's rows ``rows`` (token ``tok0 + row // G``, head ``head0 + row % G``) out:
+    ``O / l`` to ``Out`` (``DIRECT``), else the unnormalised ``O`` and the log2-domain
+    log-sum-exp to its split's partials (``merge_partials``). ``outs``: the output tensors,
+    their strides, the sequence's first new token and its chunk length, ``tok0``, ``head0``,
+    the split and the program's tile count."""
+    Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, \
+        stride_lh, q_begin, q_len, tok0, head0, split, n_tiles = outs
+    acc_l: gl.constexpr = o_lo.type.layout
+    HALF: gl.constexpr = o_lo.type.shape[1]
+    m_i = gl.convert_layout(m_i, rows.type.layout)
+    l_i = gl.convert_layout(l_i, rows.type.layout)
+    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
+    tok = tok0 + rows // G
+    row_ok = gl.expand_dims(tok < q_len, 1)
+    t_idx = gl.expand_dims((q_begin + tok).to(gl.int64), 1)
+    h_idx = gl.expand_dims(head0 + rows % G, 1)
+    l_safe = gl.expand_dims(gl.where(l_i > 0, l_i, 1.0), 1)
+    o_lo = o_lo / l_safe
+    o_hi = o_hi / l_safe
+    if DIRECT:
+        o_ptr = Out + t_idx * stride_ot + h_idx * stride_oh + gl.expand_dims(d, 0)
+        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty), mask=row_ok)
+        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty), mask=row_ok)
+    else:
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(PartLse + (q_begin + tok).to(gl.int64) * stride_lt + (head0 + rows % G)
+                 * stride_lh + split, lse, mask=tok < q_len)
+        if n_tiles > 0:
+            p_ptr = (PartOut + t_idx * stride_pt + h_idx * stride_ph + split * stride_ps
+                     + gl.expand_dims(d, 0))
+            gl.store(p_ptr, o_lo, mask=row_ok)
+            gl.store(p_ptr + HALF, o_hi, mask=row_ok)
 
 
 @gluon.jit
@@ -537,29 +614,10 @@ def _residual_prefill_ws_kernel(
         [(_consume, (args, G, EDGE_MASKS, BASE_SCORES, BF16_ROPE)), (_loader, (args, ))],
         [1], [40])
 
-    acc_l: gl.constexpr = o_lo.type.layout
-    rows = gl.arange(0, M, layout=gl.SliceLayout(1, acc_l))
-    d = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
-    tok = tok0 + rows // G
-    row_ok = gl.expand_dims(tok < q_len, 1)
-    t_idx = gl.expand_dims((q_begin + tok).to(gl.int64), 1)
-    h_idx = gl.expand_dims(head * G + rows % G, 1)
-    l_safe = gl.expand_dims(gl.where(l_i > 0, l_i, 1.0), 1)
-    o_lo = o_lo / l_safe
-    o_hi = o_hi / l_safe
-    if DIRECT:
-        o_ptr = Out + t_idx * stride_ot + h_idx * stride_oh + gl.expand_dims(d, 0)
-        gl.store(o_ptr, o_lo.to(Out.dtype.element_ty), mask=row_ok)
-        gl.store(o_ptr + HALF, o_hi.to(Out.dtype.element_ty), mask=row_ok)
-    else:
-        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        gl.store(PartLse + (q_begin + tok).to(gl.int64) * stride_lt + (head * G + rows % G)
-                 * stride_lh + split, lse, mask=tok < q_len)
-        if n_tiles > 0:
-            p_ptr = (PartOut + t_idx * stride_pt + h_idx * stride_ph + split * stride_ps
-                     + gl.expand_dims(d, 0))
-            gl.store(p_ptr, o_lo, mask=row_ok)
-            gl.store(p_ptr + HALF, o_hi, mask=row_ok)
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, o_lo.type.layout))
+    outs = (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+            stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles)
+    store_rows(o_lo, o_hi, m_i, l_i, rows, outs, G, DIRECT)
 
 
 def build_sm90a(launch: WsPrefillLaunch, direct: bool, group: int = 4) -> tuple[str, int]:
@@ -582,11 +640,19 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
                         inv_freq: torch.Tensor, scale: float | None = None,
                         max_q_len: int | None = None, max_seq_len: int | None = None,
                         num_splits: int | None = None,
-                        launch: WsPrefillLaunch | None = None) -> torch.Tensor:
+                        launch: WsPrefillLaunch | WideLaunch | None = None) -> torch.Tensor:
     """ResidualAttention varlen causal prefill of ``q [total_new, H, D]`` over the
     disaggregated cache (prefill_attention.py's contract: each sequence's new tokens are its
     last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
-    only. ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them."""
+    only. ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them.
+    A ``WideLaunch`` runs residual_prefill_wide.py's kernel (128-key tiles)."""
+    from forkserve.kernels.residual_prefill_wide import WideLaunch, residual_prefill_wide
+
+    if isinstance(launch, WideLaunch):
+        return residual_prefill_wide(q, k_base, v_base, k_res, v_res, block_tables,
+                                     res_block_tables, seq_lens, cu_seqlens_q, b_k_all, b_v_all,
+                                     adapter_idx, inv_freq, scale, max_q_len, max_seq_len,
+                                     num_splits, launch)
     if not supports(q, k_base, k_res):
         raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of "
                          "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")

@@ -91,11 +91,14 @@ def compile_sm90(kernel, consts: dict, num_warps: int = 4,
                           | ({} if num_stages is None else {"num_stages": num_stages})).asm["ptx"]
 
 
-def check_ws_build(test_file: str, params: list[int | bool | str], out: Path) -> None:
+def check_ws_build(test_file: str, params: list[int | bool | str], out: Path,
+                   max_spill: int = 0) -> None:
     """Builds a ws kernel by ``test_file``'s ``__main__`` (its arguments: ``out``, then
     ``params``, a bool as 0 or 1; it writes ``ws.ptx`` and ``shared`` there) in a process
     of its own, and checks what the sm_90a build must hold: TMA copies, wgmma, the loader's
-    register cut, one program's shared memory (227 KiB), no spills. A process of its own:
+    register cut, one program's shared memory (227 KiB), no spills (``max_spill`` bytes
+    where a kernel's registers are cut that fine: a value or two held across its loops). A
+    process of its own:
     under the kernel tests' TRITON_INTERPRET=1 every ``@jit`` helper Triton imports
     (``gl.sum``'s combine function) is an interpreted one, which the compiler refuses."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -110,7 +113,7 @@ def check_ws_build(test_file: str, params: list[int | bool | str], out: Path) ->
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert "setmaxnreg.dec" in ptx  # the loader partition gives its registers back
     assert int((out / "shared").read_text()) <= 227 * 1024
-    assert assemble_sm90a(ptx) == 0
+    assert assemble_sm90a(ptx) <= max_spill
 
 
 @pytest.mark.parametrize("consts", [

@@ -1,0 +1,488 @@
+"""ResidualAttention prefill over 128-key tiles, the key rebuilt by a warp group of its own
+(Gluon, Hopper; the ``wide`` launch of the ``ws`` route).
+
+The ``ws`` kernel (residual_prefill_gluon.py) runs 64-key tiles on two consumer warp groups
+in lockstep, each rebuilding its half of every key into a shared tile before its scores: on
+the H200 it ran 1.82x FlashAttention-4 at 8 chunks of 64 tokens over 8K keys, its consumers
+instruction-bound at 2.37x FA4's warp instructions (docs/KERNELS.md "Round 28": the
+rebuild, the per-tile fixed costs of 64-key tiles, the lockstep). Here the roles are three:
+
+* the **producer** (the default partition, one warp group) gathers each 128-key tile by TMA
+  into one of two slots, the keys (``K_base`` halves, ``K_res`` rows) and the values
+  (``V_base`` halves, ``V_res`` rows) on barriers of their own, the tile's cos|sin rows into
+  one buffer of its own; then rebuilds the tile's key **in place**, ``K_base + RoPE(K_res
+  B_k)`` over the slot's base key, 64 keys at a time (``rotated_residual``), and signals it
+  ready. A split's last tile has its stale value rows zeroed first. Rows without an adapter
+  are signalled as they land;
+* two **consumers** (one warp group each, 64 query rows each) take every ready tile: the
+  scores ``Q K^T`` as one N = 128 product, the slot's keys released as soon as it lands
+  (the producer's next key gather starts under this tile's softmax and value products), the
+  online softmax, ``P V_base`` and ``P V_res``, the values released. Each consumer runs at
+  its own pace over the same slots, so one's softmax may run under the other's products;
+  each writes its own rows.
+
+So a consumer's tile is FlashAttention's over twice the keys of the ``ws`` kernel's, with
+nothing of the residual in it but the ``P V_res`` product; ``B_v`` is applied once after the
+loop. Shared memory: two slots of 72 KiB, the cos|sin buffer 32, Q 32, ``B_k, B_v`` 8
+(~216 KiB, one program per SM).
+
+Grid, split plan and shapes are the ``ws`` kernel's (``ws_prefill_shape``), always 128 query
+rows a program; a split's keys are whole 128-key tiles.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from forkserve.kernels.residual_decode_gluon import (
+    LOG2E,
+    _zero_values_from,
+    descriptors,
+    wgmma_layout,
+)
+from forkserve.kernels.residual_prefill_gluon import (
+    apply_b_v,
+    mask_scores,
+    online_softmax,
+    rotated_residual,
+    stage_b,
+    stage_queries,
+    store_rows,
+    supports,
+    up_projection,
+    value_products,
+)
+from forkserve.kernels.rope import cached_rope_table, rope_table_in
+from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
+
+TILE = 128  # keys a tile: the score product's N
+SLOTS = 2  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
+ROWS = 128  # query rows a program: two consumer warp groups of 64
+WG_ROWS = gl.constexpr(64)  # query rows a consumer warp group: one wgmma M
+LOADER_REGS = gl.constexpr(40)  # the loader warp's (as the ws kernels')
+
+
+@dataclass(frozen=True)
+class WideLaunch:
+    """The launch: ``consumer_regs``, the registers each consumer thread takes by
+    ``setmaxnreg`` (the rebuilding warp group keeps what the consumers and the loader leave
+    of the SM's 64K, Triton keeping a margin); ``chunk``, the columns of each key half it
+    rebuilds at a time (its registers: the up-projection of 64 keys by ``chunk`` pairs);
+    ``bf16_rope``: that rebuild in packed bf16 pairs, the base key added there too
+    (``_rope_plus_base_bf16x2``), not in float32. Every program has 128 query rows."""
+
+    consumer_regs: int = 200
+    chunk: int = 16
+    bf16_rope: bool = False
+
+    @property
+    def name(self) -> str:
+        """``wide_r<regs>_c<chunk>`` (and ``_bf16``), as the bench reports it."""
+        return f"wide_r{self.consumer_regs}_c{self.chunk}" + ("_bf16" if self.bf16_rope else "")
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread starts with: 16 warps (the loader's padded to a warp group)
+        within the SM's 64K."""
+        return 65536 // (4 * 128) // 8 * 8
+
+    def constexprs(self) -> dict:
+        """The kernel's compile-time arguments for this launch."""
+        return dict(CONSUMER_REGS=self.consumer_regs, CHUNK=self.chunk,
+                    BF16_ROPE=self.bf16_rope)
+
+
+@gluon.jit
+def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr):
+    """The slots and their barriers: ``NS`` slots of a ``T``-key tile (``K_base`` and
+    ``V_base`` halves, ``K_res`` and ``V_res`` rows) and two cos|sin buffers of ``csd``'s
+    64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
+    key rebuilt (the rebuilding warp group), its keys and its values read (both consumers:
+    count 2); each cos|sin half landed and read; every worker started (after which shared
+    memory that held the workers' arguments may be reused)."""
+    HALF: gl.constexpr = kd.block_type.shape[1]
+    R: gl.constexpr = krd.block_type.shape[1]
+    H: gl.constexpr = csd.block_type.shape[0]
+    bufs = (gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout))
+    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 2),
+            _barriers(NS, 2), _barriers(T // H, 1), _barriers(T // H, 1),
+            _barriers(1, 3).index(0))
+    return bufs, bars
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """``n`` mbarriers, each completing a phase after ``count`` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def _load_pages(d, rd, lo, hi, res, bar, scalars, n0):
+    """One tile's pages of ``K`` (or ``V``) by TMA on ``bar``: the base halves ``lo, hi`` from
+    ``d``, the residual rows ``res`` from ``rd`` for a row with an adapter. Pages past the
+    sequence's end (a split's last tile) are clamped to its last page: in bounds, and the
+    consumers mask their keys (the rebuilding warp group zeroes their values)."""
+    bt_row, rbt_row, kv_col, seq_len, has_res = scalars[0], scalars[1], scalars[2], \
+        scalars[5], scalars[7]
+    HALF: gl.constexpr = lo.type.shape[1]
+    T: gl.constexpr = lo.type.shape[0]
+    P: gl.constexpr = d.block_type.shape[0]
+    base_bytes: gl.constexpr = 2 * (T // P) * d.block_type.nbytes
+    res_bytes: gl.constexpr = (T // P) * rd.block_type.nbytes
+    # expect's byte count is a constant: one of the two, by predicate.
+    mbarrier.expect(bar, base_bytes + res_bytes, pred=has_res)
+    mbarrier.expect(bar, base_bytes, pred=not has_res)
+    last_page = (seq_len - 1) // P
+    for j in gl.static_range(T // P):
+        pi = gl.minimum(n0 // P + j, last_page)
+        row = gl.load(bt_row + pi) * P
+        tma.async_copy_global_to_shared(d, [row, kv_col], bar, lo.slice(j * P, P))
+        tma.async_copy_global_to_shared(d, [row, kv_col + HALF], bar, hi.slice(j * P, P))
+        if has_res:
+            rrow = gl.load(rbt_row + pi) * P
+            tma.async_copy_global_to_shared(rd, [rrow, 0], bar, res.slice(j * P, P))
+
+
+@gluon.jit
+def _load(args):
+    """The loader partition (one warp: a TMA copy issued from a warp group waits on a
+    barrier of the group each): for every tile of the program's keys, its keys into a slot
+    once both consumers have the scores of the tile there before, its cos|sin halves once
+    the rebuild of the tile before is done with each, its values once both consumers have
+    the value products of the tile before in the slot."""
+    descs, bars, bufs, _, scalars, _, _ = args
+    kd, vd, krd, vrd, csd = descs
+    full_k, full_v, _, empty_k, empty_v, cs_full, cs_free, started = bars
+    start, n_tiles, has_res = scalars[3], scalars[6], scalars[7]
+    NS: gl.constexpr = bufs[0].type.shape[0]
+    T: gl.constexpr = bufs[0].type.shape[1]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
+    H: gl.constexpr = bufs[6].type.shape[1]
+    mbarrier.arrive(started)
+    for i in range(n_tiles):
+        s = i % NS
+        free = ((i // NS) & 1) ^ 1  # a fresh barrier passes a wait on phase 1
+        n0 = start + i * T
+        mbarrier.wait(empty_k.index(s), free)
+        _load_pages(kd, krd, bufs[0].index(s), bufs[1].index(s), bufs[4].index(s),
+                    full_k.index(s), scalars, n0)
+        if has_res:
+            # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
+            for h in gl.static_range(T // H):
+                bar = cs_full.index(h)
+                mbarrier.wait(cs_free.index(h), (i & 1) ^ 1)
+                mbarrier.expect(bar, 2 * csd.block_type.nbytes)
+                tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar, bufs[6].index(h))
+                tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
+                                                bufs[7].index(h))
+        mbarrier.wait(empty_v.index(s), free)
+        _load_pages(vd, vrd, bufs[2].index(s), bufs[3].index(s), bufs[5].index(s),
+                    full_v.index(s), scalars, n0)
+
+
+@gluon.jit
+def _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a, k_b):
+    """``k_a + u_lo cos - u_hi sin, k_b + u_hi cos + u_lo sin`` in packed bf16 pairs (two
+    columns an instruction; the float32 up-projection rounded to bf16 once, then two fused
+    multiply-adds each, the base key their first addend)."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 a, b, nb, t;
+        cvt.rn.bf16x2.f32 a, $3, $2;
+        cvt.rn.bf16x2.f32 b, $5, $4;
+        neg.bf16x2 nb, b;
+        fma.rn.bf16x2 t, a, $6, $8;
+        fma.rn.bf16x2 $0, nb, $7, t;
+        fma.rn.bf16x2 t, b, $6, $9;
+        fma.rn.bf16x2 $1, a, $7, t; }""",
+        "=r,=r,r,r,r,r,r,r,r,r", [u_lo, u_hi, cos, sin, k_a, k_b], [gl.bfloat16, gl.bfloat16],
+        is_pure=True, pack=2)
+
+
+@gluon.jit
+def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
+    """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
+    bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
+    staged in such chunks), so a thread holds 2 x C / 8 up-projected values, not 32; the
+    half's cos|sin rows in buffer ``h``. Each element is read and written by the same thread:
+    no barrier between the reads and the writes."""
+    C: gl.constexpr = bk.type.shape[2]
+    H: gl.constexpr = bufs[6].type.shape[1]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
+    N: gl.constexpr = HALF // C
+    kr = bufs[4].index(s).slice(h * H, H)
+    u_l: gl.constexpr = wgmma_layout(C, gl.num_warps())
+    for c in gl.static_range(N):
+        k_a = bufs[0].index(s).slice(h * H, H).slice(c * C, C, dim=1)
+        k_b = bufs[1].index(s).slice(h * H, H).slice(c * C, C, dim=1)
+        cos = bufs[6].index(h).slice(c * C, C, dim=1)
+        sin = bufs[7].index(h).slice(c * C, C, dim=1)
+        if BF16_ROPE:
+            u_lo, u_hi = up_projection(kr, bk.index(c), bk.index(N + c), u_l)
+            base = (k_a.load(u_l), k_b.load(u_l))
+            cs = (cos.load(u_l), sin.load(u_l))
+            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+            r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cs[0], cs[1], base[0], base[1])
+        else:
+            r_a, r_b = rotated_residual((k_a, k_b), kr, (cos, sin), bk.index(c),
+                                        bk.index(N + c), u_l, True, False)
+            r_a = r_a.to(gl.bfloat16)
+            r_b = r_b.to(gl.bfloat16)
+        k_a.store(r_a)
+        k_b.store(r_b)
+
+
+@gluon.jit
+def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
+    """The adapter's ``B_k`` columns of the KV head in chunks ``bk [2 D / C, r, C]``: the
+    low half's chunks, then the high half's (zero without an adapter)."""
+    R: gl.constexpr = bk.type.shape[1]
+    C: gl.constexpr = bk.type.shape[2]
+    N: gl.constexpr = bk.type.shape[0]
+    lq: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // C, C // 8], [gl.num_warps(), 1],
+                                        [1, 0])
+    k = gl.arange(0, R, layout=gl.SliceLayout(1, lq))
+    d = gl.arange(0, C, layout=gl.SliceLayout(0, lq))
+    off = k[:, None] * stride_br + d[None, :]
+    for c in gl.static_range(N):
+        bk.index(c).store(gl.load(bk_row + c * C + off, mask=has_res, other=0.0))
+
+
+@gluon.jit
+def _rebuild(args, BF16_ROPE: gl.constexpr):
+    """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
+    chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
+    rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
+    half freed as it is done), a split's last tile's stale value rows zeroed."""
+    _, bars, bufs, ops, scalars, operands, _ = args
+    full_k, full_v, ready, _, _, cs_full, cs_free, started = bars
+    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
+    NS: gl.constexpr = bufs[0].type.shape[0]
+    T: gl.constexpr = bufs[0].type.shape[1]
+    H: gl.constexpr = bufs[6].type.shape[1]
+    if n_tiles > 0:  # an empty program makes no operands
+        bk_row, bv_row, stride_br = operands[2]
+        _stage_b_k_chunks(ops[4], bk_row, stride_br, has_res)
+        stage_b(ops[2], ops[3], bv_row, stride_br, has_res)
+        fence_async_shared()
+        mbarrier.wait(started, 0)
+    for i in range(n_tiles):
+        s = i % NS
+        mbarrier.wait(full_k.index(s), (i // NS) & 1)
+        if has_res:
+            for h in gl.static_range(T // H):
+                mbarrier.wait(cs_full.index(h), i & 1)
+                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE)
+                # Every warp's generic reads of the half before the TMA writes of the next.
+                fence_async_shared()
+                mbarrier.arrive(cs_free.index(h))
+        n0 = start + i * T
+        if n0 + T > stop:
+            mbarrier.wait(full_v.index(s), (i // NS) & 1)
+            _zero_values_from(bufs, s, stop - n0, has_res)
+        fence_async_shared()
+        mbarrier.arrive(ready.index(s))
+
+
+@gluon.jit
+def _release(bar):
+    """A slot's keys or values back to the producer: the generic-proxy reads of this
+    partition ordered before the TMA writes that refill it."""
+    fence_async_shared()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr):
+    """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
+    tile, then its rows out (``store_rows``)."""
+    _, bars, bufs, ops, scalars, operands, outs = args
+    _, full_v, ready, empty_k, empty_v, _, _, started = bars
+    start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
+    queries, q_pos0 = operands[0], operands[1]
+    NS: gl.constexpr = bufs[0].type.shape[0]
+    T: gl.constexpr = bufs[0].type.shape[1]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
+    R: gl.constexpr = bufs[4].type.shape[2]
+    W: gl.constexpr = WG_ROWS
+    q_lo = ops[0].slice(WG * W, W)
+    q_hi = ops[1].slice(WG * W, W)
+    s_l: gl.constexpr = wgmma_layout(T, 4)  # [64, 128]: the scores
+    o_l: gl.constexpr = wgmma_layout(HALF, 4)  # [64, 64]: each half of O
+    r_l: gl.constexpr = wgmma_layout(R, 4)  # [64, r]: P V_res
+    mbarrier.arrive(started)
+    state = (gl.full([W], float("-inf"), gl.float32, gl.SliceLayout(1, s_l)),
+             gl.full([W], 0.0, gl.float32, gl.SliceLayout(1, s_l)),
+             gl.zeros([W, HALF], gl.float32, o_l),
+             gl.zeros([W, HALF], gl.float32, o_l), gl.zeros([W, R], gl.float32, r_l))
+    first = WG * W // G  # this warp group's first token of the program's
+    if n_tiles > 0:
+        # After the first tile is ready, so after both consumers started.
+        mbarrier.wait(ready.index(0), 0)
+        q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e = queries
+        stage_queries(q_lo, q_hi, (q_base, stride_qt, stride_qh, tok0 + first, q_len,
+                                   scale_log2e), G)
+        fence_async_shared()
+    pos = q_pos0 + (WG * W + gl.arange(0, W, layout=gl.SliceLayout(1, s_l))) // G
+    cols = gl.arange(0, T, layout=gl.SliceLayout(0, s_l))
+    seen_by_all = gl.minimum(stop, q_pos0 + first + 1)  # the keys every row here sees
+    for i in range(n_tiles):
+        s = i % NS
+        phase = (i // NS) & 1
+        mbarrier.wait(ready.index(s), phase)
+        sc = warpgroup_mma(q_lo, bufs[0].index(s).permute((1, 0)),
+                           gl.zeros([W, T], gl.float32, s_l), use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_hi, bufs[1].index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(sc, ))
+        _release(empty_k.index(s))
+        if start + (i + 1) * T > seen_by_all:
+            sc = mask_scores(sc, start + i * T, stop, pos, cols)
+        p16, state = online_softmax(sc, state)
+        mbarrier.wait(full_v.index(s), phase)
+        m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, s, state)
+        o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
+        state = (m_i, l_i, o_lo, o_hi, acc_r)
+        _release(empty_v.index(s))
+    m_i, l_i, o_lo, o_hi, acc_r = state
+    if has_res & (n_tiles > 0):
+        o_lo, o_hi = apply_b_v(o_lo, o_hi, acc_r, ops[2], ops[3])
+    rows = WG * W + gl.arange(0, W, layout=gl.SliceLayout(1, o_l))
+    store_rows(o_lo, o_hi, m_i, l_i, rows, outs, G, DIRECT)
+
+
+@gluon.jit
+def _residual_prefill_wide_kernel(
+        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
+        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
+        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
+        T: gl.constexpr, DIRECT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr, num_warps: gl.constexpr):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    M: gl.constexpr = 2 * WG_ROWS
+    TOKENS: gl.constexpr = M // G
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    mb = pid % m_blocks
+    head = (pid // m_blocks) % N_KV
+    b = pid // (m_blocks * N_KV)
+    q_begin = gl.load(CuSeqlensQ + b)
+    q_len = gl.load(CuSeqlensQ + b + 1) - q_begin
+    seq_len = gl.load(SeqLens + b)
+    ctx = seq_len - q_len  # keys before the first new token
+    tok0 = mb * TOKENS
+    # Causal: the block's last token sees keys [0, ctx + its index + 1).
+    kv_end = gl.where(tok0 < q_len, ctx + gl.minimum(q_len, tok0 + TOKENS), 0)
+    key_split = gl.cdiv(gl.cdiv(kv_end, gl.num_programs(1)), T) * T
+    start = split * key_split
+    stop = gl.minimum(start + key_split, kv_end)
+    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    adapter = gl.load(Adapter + b)
+    has_res = adapter >= 0
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HALF], gl.bfloat16)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, HALF], gl.bfloat16)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, CHUNK], gl.bfloat16)
+    ops = (gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout),
+           gl.allocate_shared_memory(gl.bfloat16, [M, HALF], q_layout),
+           gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
+           gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
+           gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
+    bufs, bars = _ring(kd, krd, csd, 2, T)
+    fence_async_shared()
+    a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
+    queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
+               stride_qh, tok0, q_len, scale_log2e)
+    # One tuple for every partition: descriptors, barriers, slots, the program's own
+    # buffers, its integers (``_load_pages``'s order), what the stagings read, the outputs.
+    args = ((kd, vd, krd, vrd, csd), bars, bufs, ops,
+            (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
+             start, stop, seq_len, n_tiles, has_res),
+            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br)),
+            (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+             stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
+    gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
+                        (_consume, (args, 0, G, DIRECT)), (_consume, (args, 1, G, DIRECT))],
+                       [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
+
+def build_sm90a(launch: WideLaunch, direct: bool, group: int = 4) -> tuple[str, int]:
+    """The kernel's PTX for sm_90a and its shared memory in bytes at ``launch`` (output
+    written directly, or as partials), built without a GPU at ``sm90_build.WS_SHAPE`` with
+    this GQA group."""
+    from forkserve.kernels.sm90_build import compile_ws_sm90
+
+    return compile_ws_sm90(_residual_prefill_wide_kernel,
+                           dict(T=TILE, DIRECT=direct, G=group, num_warps=4,
+                                **launch.constexprs()),
+                           launch.maxnreg, {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)})
+
+
+def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+                          k_res: torch.Tensor, v_res: torch.Tensor, block_tables: torch.Tensor,
+                          res_block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, b_k_all: torch.Tensor,
+                          b_v_all: torch.Tensor, adapter_idx: torch.Tensor,
+                          inv_freq: torch.Tensor, scale: float | None = None,
+                          max_q_len: int | None = None, max_seq_len: int | None = None,
+                          num_splits: int | None = None,
+                          launch: WideLaunch | None = None) -> torch.Tensor:
+    """``residual_prefill_ws``'s contract and shapes (``supports``) over 128-key tiles."""
+    if not supports(q, k_base, k_res):
+        raise ValueError("residual_prefill_wide: 16-key pages, head_dim 128, a GQA group of "
+                         "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")
+    if b_k_all.stride() != b_v_all.stride():
+        raise ValueError("residual_prefill_wide: B_k and B_v stacked alike (one pair of "
+                         "strides)")
+    launch = WideLaunch() if launch is None else launch
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv, rank = k_base.shape[2], k_res.shape[2]
+    g = n_heads // n_kv
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())  # one host sync
+    bound = max(max_seq_len, 1)
+    table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
+    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
+    m_blocks = max(1, -(-max_q_len * g // ROWS))
+    programs = seq_lens.numel() * n_kv * m_blocks
+    splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
+                            programs_per_sm=1)
+    out = torch.empty_like(q)
+    part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
+    direct = splits == 1
+    _residual_prefill_wide_kernel[(programs, splits)](
+        kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
+        res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,
+        m_blocks, q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
+        b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
+        num_warps=4, maxnreg=launch.maxnreg, **launch.constexprs())
+    if direct:
+        return out
+    return merge_partials(part_out, part_lse, out, splits)

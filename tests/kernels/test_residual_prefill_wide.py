@@ -1,0 +1,115 @@
+"""The ResidualAttention prefill over 128-key tiles (residual_prefill_wide.py).
+
+Without a GPU the kernel is compiled for sm_90a (both outputs, every GQA group) and assembled
+by ptxas with no spills; on CUDA it is checked against the plain formulas over NaN-poisoned
+pools (test_residual_prefill_ws.py's cases: chunks ending mid-page and mid-tile, an empty
+chunk, rows without an adapter), whole and split, and under a CUDA graph."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import plain_oracle as plain
+import pytest
+import torch
+from kernel_testlib import REL_TOL, rel_err
+from test_residual_prefill_ws import CASES, _formula, _inputs, cuda_only
+from test_sm90_compile import check_ws_build
+
+from benchmarks.residual_prefill_bench import WIDE_LAUNCHES
+from forkserve.kernels.residual_prefill_wide import WideLaunch
+
+# The registers cut to ~72 a thread in the rebuilding warp group and 40 in the loader's
+# leave a value or two spilled across the loops (none inside a tile's: checked in the SASS
+# when this was written, 8-20 bytes).
+MAX_SPILL = 24
+
+
+def _name(launch: tuple) -> str:
+    return WideLaunch(*launch).name
+
+
+@pytest.mark.parametrize("direct,group,launch", [
+    (True, 4, WIDE_LAUNCHES[0]), (False, 4, WIDE_LAUNCHES[0]), (True, 8, WIDE_LAUNCHES[0]),
+    (False, 2, WIDE_LAUNCHES[0]), (True, 1, WIDE_LAUNCHES[0]),
+    *((True, 4, lc) for lc in WIDE_LAUNCHES[1:])],
+    ids=lambda x: _name(x) if isinstance(x, tuple) else str(x))
+def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
+                                      tmp_path) -> None:
+    """The kernel compiles for sm_90a with its TMA copies, wgmma and the register cuts and
+    fits one program's shared memory, at every group and launch the bench measures."""
+    check_ws_build(__file__, [direct, group, *launch], tmp_path, MAX_SPILL)
+
+
+def test_the_launch_splits_the_registers() -> None:
+    """Two consumer warp groups at ``consumer_regs`` and the loader's warp group at 40 leave
+    the rebuilding warp group 72 a thread of the SM's 64K; every thread starts at a quarter
+    of them (16 warps)."""
+    launch = WideLaunch()
+    assert launch.name == "wide_r200_c16" and launch.maxnreg == 128
+    assert WideLaunch(200, 8, True).name == "wide_r200_c8_bf16"
+    assert 65536 - 128 * (2 * launch.consumer_regs + 40) == 128 * 72
+
+
+@cuda_only
+@pytest.mark.parametrize("seq_lens,q_lens", CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("launch", WIDE_LAUNCHES, ids=_name)
+def test_wide_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
+                                          num_splits: int | None, launch: tuple) -> None:
+    """Every launch the bench measures, whole and split (split ends fall mid-tile)."""
+    from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
+
+    args, c = _inputs(sum(q_lens) + 11, seq_lens, q_lens)
+    out = residual_prefill_wide(*args, num_splits=num_splits, launch=WideLaunch(*launch))
+    ref = _formula(args, c)
+    assert rel_err(out, ref) < REL_TOL
+    base_only = plain.prefill(args[0], c.k, c.v, c.block_tables, c.seq_lens, args[8])
+    assert rel_err(base_only, ref) > 20 * REL_TOL  # the residual is in the test's answer
+
+
+@cuda_only
+@pytest.mark.parametrize("group", [8, 2, 1])
+@pytest.mark.parametrize("case", [0, 2])
+def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
+    """A GQA group of 8, 2 or 1 (a program's 128 rows are then 16, 64 or 128 tokens), whole
+    and split."""
+    from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
+
+    seq_lens, q_lens = CASES[case]
+    args, c = _inputs(group + case + 20, seq_lens, q_lens, group=group)
+    ref = _formula(args, c)
+    for num_splits in (None, 1, 3):
+        out = residual_prefill_wide(*args, num_splits=num_splits)
+        assert rel_err(out, ref) < REL_TOL, num_splits
+
+
+@cuda_only
+def test_wide_prefill_under_a_cuda_graph() -> None:
+    from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
+
+    args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
+    bounds = {"max_q_len": 64, "max_seq_len": 1024}
+    eager = residual_prefill_wide(*args, **bounds)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = residual_prefill_wide(*args, **bounds)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
+def test_wide_prefill_refuses_other_shapes() -> None:
+    from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
+
+    args, _ = _inputs(1, [40], [8], n_kv=2, group=3)
+    with pytest.raises(ValueError, match="residual_prefill_wide: .*a GQA group of 1, 2, 4"):
+        residual_prefill_wide(*args)
+
+
+if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
+    from forkserve.kernels.residual_prefill_wide import build_sm90a
+
+    direct_, group_, regs_, chunk_, bf16_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90a(WideLaunch(regs_, chunk_, bool(bf16_)), bool(direct_), group_)
+    (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
+    (Path(sys.argv[1]) / "shared").write_text(str(shared))
