@@ -58,9 +58,10 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, False, True, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
-# The 128-key kernel's launches (consumer registers, rebuild chunk, bf16_rope: WideLaunch;
-# a chunk of 32 spills inside the rebuild's loop at the registers the rebuild has).
-WIDE_LAUNCHES = [(200, 16, False), (200, 16, True), (200, 8, True)]
+# The 128-key kernel's launches (consumer registers, rebuild chunk, bf16_rope, pingpong:
+# WideLaunch; a chunk of 32 spills inside the rebuild's loop at the registers it has).
+WIDE_LAUNCHES = [(200, 16, False, False), (200, 16, True, False), (200, 8, True, False),
+                 (200, 16, True, True)]
 
 
 def launch_table() -> dict:

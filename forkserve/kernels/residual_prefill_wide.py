@@ -5,26 +5,33 @@ The ``ws`` kernel (residual_prefill_gluon.py) runs 64-key tiles on two consumer 
 in lockstep, each rebuilding its half of every key into a shared tile before its scores: on
 the H200 it ran 1.82x FlashAttention-4 at 8 chunks of 64 tokens over 8K keys, its consumers
 instruction-bound at 2.37x FA4's warp instructions (docs/KERNELS.md "Round 28": the
-rebuild, the per-tile fixed costs of 64-key tiles, the lockstep). Here the roles are three:
+rebuild, the per-tile fixed costs of 64-key tiles, the lockstep). Here the roles are four
+(``gl.warp_specialize``), each tile handed on by mbarriers (tests/kernels/test_wide_protocol.py
+models the protocol):
 
-* the **producer** (the default partition, one warp group) gathers each 128-key tile by TMA
-  into one of two slots, the keys (``K_base`` halves, ``K_res`` rows) and the values
-  (``V_base`` halves, ``V_res`` rows) on barriers of their own, the tile's cos|sin rows into
-  one buffer of its own; then rebuilds the tile's key **in place**, ``K_base + RoPE(K_res
-  B_k)`` over the slot's base key, 64 keys at a time (``rotated_residual``), and signals it
-  ready. A split's last tile has its stale value rows zeroed first. Rows without an adapter
-  are signalled as they land;
+* the **loader** (one warp) gathers each 128-key tile by TMA into one of two slots: its
+  keys (``K_base`` halves, ``K_res`` rows) once both consumers have scored the tile that was
+  there, its cos|sin rows into two 64-key buffers of their own once the rebuild of the tile
+  before is done with each, its values (``V_base`` halves, ``V_res`` rows) once both
+  consumers have that tile's value products. One warp: a TMA copy issued from a warp group
+  waits on a barrier of the whole group each (50 a tile);
+* the **rebuilding warp group** (the default partition) turns each landed key into the
+  whole key **in place**, ``K_base + RoPE(K_res B_k)`` written over the slot's base key by
+  64 keys and ``chunk`` column pairs at a time (a thread keeps ~72 registers), in float32
+  or packed bf16 pairs (``bf16_rope``); zeroes a split's last tile's stale value rows; and
+  hands the tile to the consumers once its values have landed too. Rows without an adapter
+  pass through;
 * two **consumers** (one warp group each, 64 query rows each) take every ready tile: the
-  scores ``Q K^T`` as one N = 128 product, the slot's keys released as soon as it lands
-  (the producer's next key gather starts under this tile's softmax and value products), the
-  online softmax, ``P V_base`` and ``P V_res``, the values released. Each consumer runs at
-  its own pace over the same slots, so one's softmax may run under the other's products;
-  each writes its own rows.
+  scores ``Q K^T`` as one N = 128 product, the slot's keys released as soon as they land
+  (the next key gather starts under this tile's softmax and value products), the online
+  softmax, ``P V_base`` and ``P V_res``, the values released. Each consumer runs at its own
+  pace over the same slots, so one's softmax may run under the other's products; each
+  writes its own rows.
 
 So a consumer's tile is FlashAttention's over twice the keys of the ``ws`` kernel's, with
 nothing of the residual in it but the ``P V_res`` product; ``B_v`` is applied once after the
-loop. Shared memory: two slots of 72 KiB, the cos|sin buffer 32, Q 32, ``B_k, B_v`` 8
-(~216 KiB, one program per SM).
+loop. Shared memory: two slots of 72 KiB, the cos|sin halves 32, Q 32, ``B_v`` 4, ``B_k``'s
+chunks 4 (~217 KiB, one program per SM).
 
 Grid, split plan and shapes are the ``ws`` kernel's (``ws_prefill_shape``), always 128 query
 rows a program; a split's keys are whole 128-key tiles.
@@ -80,16 +87,22 @@ class WideLaunch:
     of the SM's 64K, Triton keeping a margin); ``chunk``, the columns of each key half it
     rebuilds at a time (its registers: the up-projection of 64 keys by ``chunk`` pairs);
     ``bf16_rope``: that rebuild in packed bf16 pairs, the base key added there too
-    (``_rope_plus_base_bf16x2``), not in float32. Every program has 128 query rows."""
+    (``_rope_plus_base_bf16x2``), not in float32; ``pingpong``: the consumers issue their
+    score products in turns (FlashAttention-3's warp-group ping-pong, by a pair of
+    mbarriers: one's softmax then runs under the other's products), not each as soon as its
+    tile is ready. Every program has 128 query rows."""
 
     consumer_regs: int = 200
     chunk: int = 16
     bf16_rope: bool = False
+    pingpong: bool = False
 
     @property
     def name(self) -> str:
-        """``wide_r<regs>_c<chunk>`` (and ``_bf16``), as the bench reports it."""
-        return f"wide_r{self.consumer_regs}_c{self.chunk}" + ("_bf16" if self.bf16_rope else "")
+        """``wide_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``), as the bench
+        reports it."""
+        return (f"wide_r{self.consumer_regs}_c{self.chunk}" + ("_bf16" if self.bf16_rope else "")
+                + ("_pp" if self.pingpong else ""))
 
     @property
     def maxnreg(self) -> int:
@@ -100,7 +113,7 @@ class WideLaunch:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments for this launch."""
         return dict(CONSUMER_REGS=self.consumer_regs, CHUNK=self.chunk,
-                    BF16_ROPE=self.bf16_rope)
+                    BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong)
 
 
 @gluon.jit
@@ -110,7 +123,8 @@ def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr):
     64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
     key rebuilt (the rebuilding warp group), its keys and its values read (both consumers:
     count 2); each cos|sin half landed and read; every worker started (after which shared
-    memory that held the workers' arguments may be reused)."""
+    memory that held the workers' arguments may be reused); each consumer's turn to issue
+    its score products (``pingpong``)."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     H: gl.constexpr = csd.block_type.shape[0]
@@ -124,7 +138,7 @@ def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr):
             gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout))
     bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 2),
             _barriers(NS, 2), _barriers(T // H, 1), _barriers(T // H, 1),
-            _barriers(1, 3).index(0))
+            _barriers(1, 3).index(0), _barriers(2, 1))
     return bufs, bars
 
 
@@ -173,7 +187,7 @@ def _load(args):
     the value products of the tile before in the slot."""
     descs, bars, bufs, _, scalars, _, _ = args
     kd, vd, krd, vrd, csd = descs
-    full_k, full_v, _, empty_k, empty_v, cs_full, cs_free, started = bars
+    full_k, full_v, _, empty_k, empty_v, cs_full, cs_free, started = bars[:8]
     start, n_tiles, has_res = scalars[3], scalars[6], scalars[7]
     NS: gl.constexpr = bufs[0].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
@@ -275,7 +289,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
     half freed as it is done), a split's last tile's stale value rows zeroed."""
     _, bars, bufs, ops, scalars, operands, _ = args
-    full_k, full_v, ready, _, _, cs_full, cs_free, started = bars
+    full_k, full_v, ready, _, _, cs_full, cs_free, started = bars[:8]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
     NS: gl.constexpr = bufs[0].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
@@ -296,9 +310,12 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 mbarrier.arrive(cs_free.index(h))
+        # Every tile's values waited on here, not only a split's last tile's (whose stale
+        # rows it zeroes): a wait on a barrier two phases ahead would pass on the parity of
+        # the earlier phase. The consumers then take the values as ready with the key.
+        mbarrier.wait(full_v.index(s), (i // NS) & 1)
         n0 = start + i * T
         if n0 + T > stop:
-            mbarrier.wait(full_v.index(s), (i // NS) & 1)
             _zero_values_from(bufs, s, stop - n0, has_res)
         fence_async_shared()
         mbarrier.arrive(ready.index(s))
@@ -306,18 +323,21 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
 
 @gluon.jit
 def _release(bar):
-    """A slot's keys or values back to the producer: the generic-proxy reads of this
+    """A slot's keys or values back to the loader: the generic-proxy reads of this
     partition ordered before the TMA writes that refill it."""
     fence_async_shared()
     mbarrier.arrive(bar)
 
 
 @gluon.jit
-def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr):
+def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
+             PINGPONG: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
-    tile, then its rows out (``store_rows``)."""
+    tile, then its rows out (``store_rows``). With ``PINGPONG`` its score products wait
+    their turn: consumer 0's of tile ``i`` after consumer 1's of tile ``i - 1``, consumer
+    1's after consumer 0's of tile ``i``."""
     _, bars, bufs, ops, scalars, operands, outs = args
-    _, full_v, ready, empty_k, empty_v, _, _, started = bars
+    ready, empty_k, empty_v, started, turn = bars[2], bars[3], bars[4], bars[7], bars[8]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
     queries, q_pos0 = operands[0], operands[1]
     NS: gl.constexpr = bufs[0].type.shape[0]
@@ -350,15 +370,18 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr):
         s = i % NS
         phase = (i // NS) & 1
         mbarrier.wait(ready.index(s), phase)
+        if PINGPONG:  # consumer 0's first turn passes: a fresh barrier's wait on parity 1
+            mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))
         sc = warpgroup_mma(q_lo, bufs[0].index(s).permute((1, 0)),
                            gl.zeros([W, T], gl.float32, s_l), use_acc=False, is_async=True)
         sc = warpgroup_mma(q_hi, bufs[1].index(s).permute((1, 0)), sc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
         sc = warpgroup_mma_wait(0, deps=(sc, ))
         _release(empty_k.index(s))
         if start + (i + 1) * T > seen_by_all:
             sc = mask_scores(sc, start + i * T, stop, pos, cols)
         p16, state = online_softmax(sc, state)
-        mbarrier.wait(full_v.index(s), phase)
         m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, s, state)
         o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
         state = (m_i, l_i, o_lo, o_hi, acc_r)
@@ -378,7 +401,8 @@ def _residual_prefill_wide_kernel(
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr, num_warps: gl.constexpr):
+        CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr, PINGPONG: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = 2 * WG_ROWS
     TOKENS: gl.constexpr = M // G
@@ -423,7 +447,8 @@ def _residual_prefill_wide_kernel(
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                        (_consume, (args, 0, G, DIRECT)), (_consume, (args, 1, G, DIRECT))],
+                        (_consume, (args, 0, G, DIRECT, PINGPONG)),
+                        (_consume, (args, 1, G, DIRECT, PINGPONG))],
                        [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 

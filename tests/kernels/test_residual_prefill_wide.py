@@ -48,6 +48,7 @@ def test_the_launch_splits_the_registers() -> None:
     launch = WideLaunch()
     assert launch.name == "wide_r200_c16" and launch.maxnreg == 128
     assert WideLaunch(200, 8, True).name == "wide_r200_c8_bf16"
+    assert WideLaunch(200, 16, True, True).name == "wide_r200_c16_bf16_pp"
     assert 65536 - 128 * (2 * launch.consumer_regs + 40) == 128 * 72
 
 
@@ -109,7 +110,8 @@ def test_wide_prefill_refuses_other_shapes() -> None:
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_prefill_wide import build_sm90a
 
-    direct_, group_, regs_, chunk_, bf16_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90a(WideLaunch(regs_, chunk_, bool(bf16_)), bool(direct_), group_)
+    direct_, group_, regs_, chunk_, *options_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90a(WideLaunch(regs_, chunk_, *map(bool, options_)), bool(direct_),
+                              group_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -1,0 +1,183 @@
+"""A model of residual_prefill_wide.py's barrier protocol, run under random interleavings.
+
+Gluon has no interpreter, so the kernel's hand-off between its four roles (the loader warp,
+the rebuilding warp group, two consumer warp groups) cannot run on the CPU; a hang or a
+slot read before it lands costs a GPU call. This model replays the same waits and arrivals
+(mbarrier phase-parity semantics: a wait on parity ``p`` passes once the barrier's phase bit
+is no longer ``p``, so a fresh barrier passes a wait on 1) with TMA copies landing in any
+order, and checks at every read that the slot holds the tile it should (the key rebuilt
+where the row has an adapter), that no copy overwrites what a role still reads, and that
+every run ends. Change it with the kernel's protocol.
+
+Round 29 found with it that the rebuilding warp group, waiting on a slot's values only at a
+split's last tile (to zero its stale rows), could pass on the parity of a phase two tiles
+old: it now waits on every tile's values (``test_waiting_on_the_last_values_alone_aliases``
+keeps that reading)."""
+from __future__ import annotations
+
+import random
+from collections.abc import Generator
+
+import pytest
+
+SLOTS, HALVES = 2, 2  # residual_prefill_wide.SLOTS; 128-key tiles of two 64-key cos|sin halves
+
+
+class Barrier:
+    """An mbarrier: ``count`` arrivals complete a phase and flip its bit."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase ^= 1
+            self.pending = self.count
+
+    def passed(self, parity: int) -> bool:
+        return self.phase != parity
+
+
+class Program:
+    """One program's roles as generators (each ``yield`` a point where another role or a
+    landing copy may run), over ``n_tiles`` tiles; ``last_values_only``: the protocol
+    before round 29, the rebuilding group waiting on the values at the last tile alone and
+    each consumer on every tile's before its value products; ``pingpong``: the consumers'
+    score products in turns (``WideLaunch.pingpong``)."""
+
+    def __init__(self, n_tiles: int, has_res: bool, last_values_only: bool = False,
+                 pingpong: bool = False) -> None:
+        self.n, self.has_res, self.last_values_only = n_tiles, has_res, last_values_only
+        self.pingpong, self.turn = pingpong, [Barrier(1), Barrier(1)]
+        self.scoring: list[int] = []  # the consumers that issued a tile's scores, in order
+        self.full_k = [Barrier(1) for _ in range(SLOTS)]
+        self.full_v = [Barrier(1) for _ in range(SLOTS)]
+        self.ready = [Barrier(1) for _ in range(SLOTS)]
+        self.empty_k = [Barrier(2) for _ in range(SLOTS)]
+        self.empty_v = [Barrier(2) for _ in range(SLOTS)]
+        self.cs_full = [Barrier(1) for _ in range(HALVES)]
+        self.cs_free = [Barrier(1) for _ in range(HALVES)]
+        self.started = Barrier(3)
+        self.keys: list = [None] * SLOTS  # (tile, rebuilt)
+        self.values: list = [None] * SLOTS
+        self.cos_sin: list = [None] * HALVES
+        self.readers: dict = {("k", s): set() for s in range(SLOTS)} | {
+            ("v", s): set() for s in range(SLOTS)}
+        self.copies: list = []  # TMA copies in flight: each lands as one call
+
+    @staticmethod
+    def wait(bar: Barrier, parity: int) -> Generator:
+        while not bar.passed(parity):
+            yield
+
+    def copy(self, store: list, index: int, value, bar: Barrier) -> None:
+        store[index] = None  # in flight: nothing there to read
+
+        def land() -> None:
+            store[index] = value
+            bar.arrive()
+        self.copies.append(land)
+
+    def loader(self) -> Generator:
+        self.started.arrive()
+        for i in range(self.n):
+            s, free = i % SLOTS, ((i // SLOTS) & 1) ^ 1
+            yield from self.wait(self.empty_k[s], free)
+            assert not self.readers["k", s], f"tile {i}'s keys over keys still read"
+            self.copy(self.keys, s, (i, False), self.full_k[s])
+            if self.has_res:
+                for h in range(HALVES):
+                    yield from self.wait(self.cs_free[h], (i & 1) ^ 1)
+                    self.copy(self.cos_sin, h, i, self.cs_full[h])
+            yield from self.wait(self.empty_v[s], free)
+            assert not self.readers["v", s], f"tile {i}'s values over values still read"
+            self.copy(self.values, s, i, self.full_v[s])
+
+    def rebuild(self) -> Generator:
+        if self.n > 0:
+            yield from self.wait(self.started, 0)
+        for i in range(self.n):
+            s = i % SLOTS
+            yield from self.wait(self.full_k[s], (i // SLOTS) & 1)
+            assert self.keys[s] == (i, False), f"rebuilt tile {i} from {self.keys[s]}"
+            if self.has_res:
+                for h in range(HALVES):
+                    yield from self.wait(self.cs_full[h], i & 1)
+                    assert self.cos_sin[h] == i, f"tile {i} rotated by {self.cos_sin[h]}"
+                    yield
+                    self.cs_free[h].arrive()
+                self.keys[s] = (i, True)
+            if not self.last_values_only or i == self.n - 1:
+                yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
+                assert self.values[s] == i, f"tile {i} zeroed {self.values[s]}'s values"
+            self.ready[s].arrive()
+
+    def consumer(self, w: int) -> Generator:
+        self.started.arrive()
+        if self.n > 0:
+            yield from self.wait(self.ready[0], 0)
+        for i in range(self.n):
+            s = i % SLOTS
+            yield from self.wait(self.ready[s], (i // SLOTS) & 1)
+            assert self.keys[s] == (i, self.has_res), f"scored tile {i} on {self.keys[s]}"
+            if self.pingpong:
+                yield from self.wait(self.turn[w], (i & 1) ^ (1 - w))
+            self.scoring.append(w)
+            if self.pingpong:
+                self.turn[1 - w].arrive()
+            yield from self.reading(("k", s), w)
+            self.empty_k[s].arrive()
+            yield  # the softmax
+            if self.last_values_only:  # then the consumers waited on the values themselves
+                yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
+            assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
+            yield from self.reading(("v", s), w)
+            self.empty_v[s].arrive()
+
+    def reading(self, what: tuple, w: int) -> Generator:
+        self.readers[what].add(w)
+        yield
+        self.readers[what].discard(w)
+
+    def run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        roles = {"loader": self.loader(), "rebuild": self.rebuild(),
+                 "consumer0": self.consumer(0), "consumer1": self.consumer(1)}
+        for _ in range(100_000):
+            if not roles and not self.copies:
+                return
+            if self.copies and (not roles or rng.random() < 0.3):
+                self.copies.pop(rng.randrange(len(self.copies)))()
+                continue
+            name = rng.choice(sorted(roles))
+            try:
+                next(roles[name])
+            except StopIteration:
+                del roles[name]
+        raise AssertionError(f"no progress: {sorted(roles)} wait forever")
+
+
+@pytest.mark.parametrize("has_res", [True, False])
+@pytest.mark.parametrize("n_tiles", [0, 1, 2, 3, 4, 7])
+def test_the_protocol_hands_every_tile_over_in_order(n_tiles: int, has_res: bool) -> None:
+    for seed in range(200):
+        Program(n_tiles, has_res).run(seed)
+
+
+@pytest.mark.parametrize("has_res", [True, False])
+@pytest.mark.parametrize("n_tiles", [1, 2, 5])
+def test_the_consumers_take_turns_at_their_scores(n_tiles: int, has_res: bool) -> None:
+    """With ``pingpong`` the score products alternate, consumer 0 first, every run ending."""
+    for seed in range(200):
+        program = Program(n_tiles, has_res, pingpong=True)
+        program.run(seed)
+        assert program.scoring == [0, 1] * n_tiles
+
+
+def test_waiting_on_the_last_values_alone_aliases() -> None:
+    """The model catches the protocol round 29 fixed: some interleaving zeroes a slot's
+    values (or hands them over) before they land."""
+    with pytest.raises(AssertionError, match="zeroed"):
+        for seed in range(2000):
+            Program(3, False, last_values_only=True).run(seed)
