@@ -4,6 +4,7 @@ measure, on the CPU (no GPU: the sm_90a build, ``forkserve.kernels.sm90_build``)
     python3 benchmarks/ws_sass.py prefill --out benchmarks/results \\
         [--measured benchmarks/results/residual_prefill_v5.json]
     python3 benchmarks/ws_sass.py decode --out benchmarks/results
+    python3 benchmarks/ws_sass.py prefill_wide --out benchmarks/results
     python3 benchmarks/ws_sass.py decode --shape 8 16 --out benchmarks/results
 
 Round 24 found the ws prefill's consumer issue-bound (docs/KERNELS.md): a key tile's time
@@ -21,7 +22,10 @@ launch without options), writes ``ws_<kernel>_sass.json`` and ``.png``; ``--meas
 row's worst case, so the model meets the measurement (round 27 found it does not for the
 prefill: docs/KERNELS.md "Round 27"). ``--shape GROUP RANK`` builds the decode at another
 GQA group and rank than Llama-3-8B's 4 and 16 (``residual_decode_gluon.ws_shape``), into
-``ws_decode_sass_g<GROUP>_r<RANK>``.
+``ws_decode_sass_g<GROUP>_r<RANK>``. ``prefill_wide`` counts the 128-key kernel
+(residual_prefill_wide.py) two roles a launch: a consumer thread's tile (64 query rows x
+128 keys, four times a 128-row ws launch's thread's share of a 64-key tile) and the
+rebuilding warp group's (``<launch>:rebuild``: a thread's share of the tile's keys).
 """
 from __future__ import annotations
 
@@ -39,12 +43,17 @@ if __name__ == "__main__":  # before triton's import: the compiler refuses inter
     os.environ.pop("TRITON_INTERPRET", None)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.residual_prefill_bench import WS_LAUNCHES  # noqa: E402
+from benchmarks.residual_prefill_bench import WIDE_LAUNCHES, WS_LAUNCHES  # noqa: E402
 from benchmarks.sass_classes import ALL_CLASSES, op_class, opcode  # noqa: E402
 from forkserve.bench.output import add_out_argument, new_figure, save_figure, write_json  # noqa: E402
 from forkserve.bench.provenance import source_commit  # noqa: E402
-from forkserve.kernels import residual_decode_gluon, residual_prefill_gluon  # noqa: E402
+from forkserve.kernels import (  # noqa: E402
+    residual_decode_gluon,
+    residual_prefill_gluon,
+    residual_prefill_wide,
+)
 from forkserve.kernels.residual_prefill_gluon import WsPrefillLaunch  # noqa: E402
+from forkserve.kernels.residual_prefill_wide import WideLaunch  # noqa: E402
 from forkserve.kernels.sm90_build import ptxas_version, sass_sm90a  # noqa: E402
 
 
@@ -91,6 +100,25 @@ def main_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return min(loops, key=len)
 
 
+def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The 128-key kernel's rebuilding warp group's loop (residual_prefill_wide.py): the
+    innermost loop with the up-projection's wgmma (N = its chunk) and none of a consumer's
+    ``N = 128`` score products."""
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        target = branch_target(text)
+        if target is not None and target < a and target in at:
+            body = ins[at[target]:i + 1]
+            ops = Counter(opcode(t) for _, t in body)
+            scores = any("HGMMA.64x128x" in t for _, t in body)
+            if ops["HGMMA"] >= 8 and ops["STG"] == 0 and not scores:
+                loops.append(body)
+    if not loops:
+        raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
+    return min(loops, key=len)
+
+
 def blocks(body: list[tuple[int, str]], targets: set[int]) -> list[Counter]:
     out, cur = [], Counter()
     for a, text in body:
@@ -117,11 +145,13 @@ def cold(block: Counter) -> bool:
     return zeroing or edge_mask or copy
 
 
-def count(name: str, plain: str, sass: str) -> TileCount:
-    """The steady-state tile of the consumer loop in ``sass`` (one key tile an
-    iteration)."""
+def count(name: str, plain: str, sass: str,
+          loop: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = main_loop
+          ) -> TileCount:
+    """The steady-state tile of ``loop``'s loop in ``sass`` (one key tile an iteration; the
+    consumer's by default)."""
     ins = parse(sass)
-    body = main_loop(ins)
+    body = loop(ins)
     targets = {t for _, text in ins if (t := branch_target(text)) is not None}
     hot = Counter()
     for block in blocks(body, targets):
@@ -146,6 +176,7 @@ class Kernel:
     ptx: Callable[[object], str]
     measured: Callable[[Path], dict[str, float]]
     case: str
+    roles: tuple = (("", main_loop),)  # (a name's suffix, the role's loop), each counted
 
 
 def prefill_measured(path: Path) -> dict[str, float]:
@@ -161,6 +192,20 @@ def prefill_measured(path: Path) -> dict[str, float]:
     if default not in device:
         raise ValueError(f"{path}: no {default} column at that case")
     return {n: ms / device[default] for n, ms in device.items() if n.startswith("ws_m")}
+
+
+def wide_measured(path: Path) -> dict[str, float]:
+    """As ``prefill_measured``, the 128-key kernel's launches over its default launch's."""
+    doc = json.loads(path.read_text())
+    row = next((r for r in doc["rows"] if (r["batch"], r["new"], r["keys"]) == (8, 64, 8256)),
+               None)
+    if row is None:
+        raise ValueError(f"{path}: no 8 x 64 over 8256 row")
+    device = {n.removeprefix("residual_"): ms for n, ms in row["device"].items()}
+    default = WideLaunch().name
+    if default not in device:
+        raise ValueError(f"{path}: no {default} column at that case")
+    return {n: ms / device[default] for n, ms in device.items() if n.startswith("wide_r")}
 
 
 @dataclass(frozen=True)
@@ -185,7 +230,13 @@ DECODE = Kernel(
     "decode", (DecodeBuild(),), lambda lc: lc,
     lambda lc: residual_decode_gluon.build_sm90a(True)[0], decode_measured,
     "4K x 64")
-KERNELS = {k.name: k for k in (PREFILL, DECODE)}
+WIDE = Kernel(
+    "prefill_wide", tuple(WideLaunch(*flags) for flags in WIDE_LAUNCHES),
+    lambda lc: WideLaunch(),
+    lambda lc: residual_prefill_wide.build_sm90a(lc, direct=True)[0],
+    lambda path: wide_measured(path), "8 x 64 over 8K",
+    (("", main_loop), (":rebuild", rebuild_loop)))
+KERNELS = {k.name: k for k in (PREFILL, DECODE, WIDE)}
 DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at
 
 
@@ -225,9 +276,9 @@ def plot(kernel: Kernel, counts: list[TileCount], measured: dict[str, float],
         ax.plot(names, [measured.get(c.launch, float("nan")) * per_tile[c.plain]
                         for c in counts], "kD",
                 label=f"measured time x the plain launch's count ({kernel.case})")
-    ax.set_ylabel("SASS instructions a key tile (consumer thread)")
+    ax.set_ylabel("SASS instructions a key tile (a thread of the role)")
     ax.set_title(f"ws residual {kernel.name}, sm_90a ({kernel.case}):\n"
-                 "the consumer's instructions a tile", fontsize=10)
+                 "each counted role's instructions a tile", fontsize=10)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=8, ncols=2)
     save_figure(fig, path)
@@ -271,10 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     counts = []
     for i, launch in enumerate(launches, 1):
-        counts.append(count(launch.name, kernel.plain(launch).name,
-                            sass_sm90a(kernel.ptx(launch))))
-        print(f"[{i}/{len(launches)}] {launch.name}: {counts[-1].per_tile:.0f} a tile",
-              flush=True)
+        sass = sass_sm90a(kernel.ptx(launch))
+        for suffix, loop in kernel.roles:
+            counts.append(count(launch.name + suffix, kernel.plain(launch).name + suffix,
+                                sass, loop))
+            print(f"[{i}/{len(launches)}] {counts[-1].launch}: {counts[-1].per_tile:.0f} "
+                  "a tile", flush=True)
     print_table(counts, measured)
     import triton
 

@@ -74,7 +74,7 @@ from forkserve.kernels.rope import cached_rope_table, rope_table_in
 from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
 TILE = 128  # keys a tile: the score product's N
-SLOTS = 2  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
+SLOTS = gl.constexpr(2)  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
 ROWS = 128  # query rows a program: two consumer warp groups of 64
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warp group: one wgmma M
 LOADER_REGS = gl.constexpr(40)  # the loader warp's (as the ws kernels')
@@ -96,6 +96,11 @@ class WideLaunch:
     chunk: int = 16
     bf16_rope: bool = False
     pingpong: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunk not in (8, 16, 32):
+            raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
+                             "columns: 8, 16 or 32")
 
     @property
     def name(self) -> str:
@@ -433,7 +438,7 @@ def _residual_prefill_wide_kernel(
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
-    bufs, bars = _ring(kd, krd, csd, 2, T)
+    bufs, bars = _ring(kd, krd, csd, SLOTS, T)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,

@@ -50,6 +50,8 @@ def test_the_launch_splits_the_registers() -> None:
     assert WideLaunch(200, 8, True).name == "wide_r200_c8_bf16"
     assert WideLaunch(200, 16, True, True).name == "wide_r200_c16_bf16_pp"
     assert 65536 - 128 * (2 * launch.consumer_regs + 40) == 128 * 72
+    with pytest.raises(ValueError, match="chunk is a wgmma N"):
+        WideLaunch(chunk=24)
 
 
 @cuda_only

@@ -1,4 +1,5 @@
-"""benchmarks/ws_sass.py: the ws kernels' consumer instructions a tile, counted in the
+"""benchmarks/ws_sass.py: the ws kernels' instructions a tile (the consumers', and the
+128-key kernel's rebuilding warp group's), counted in the
 sm_90a SASS on the CPU. The counting on a hand-made listing (a loop, its cold blocks, the
 loops it must not take), then the tool on real builds in a process of its own (the compiler
 refuses the interpreted helpers of these tests' TRITON_INTERPRET=1)."""
@@ -97,6 +98,31 @@ def test_the_prefill_launches(tmp_path):
     assert saved["measured"]["ws_m128_s3_edge_base_bf16"] == pytest.approx(0.25 / 0.27)
     assert (tmp_path / "ws_prefill_sass.png").stat().st_size > 0
     assert "x plain" in run.stdout
+
+
+@needs_cuobjdump
+def test_the_wide_prefill_counts_two_roles(tmp_path):
+    """The 128-key kernel: each launch's consumer and rebuilding warp group, each against
+    the default launch's same role; bf16 pairs halve the rebuild's instructions and leave
+    the consumer's alone; a measured run puts each launch's time over the default's."""
+    measured = tmp_path / "bench.json"
+    measured.write_text(json.dumps({"rows": [
+        {"batch": 8, "new": 64, "keys": 8256,
+         "device": {"unified_paged": 0.3, "residual_wide_r200_c16": 0.2,
+                    "residual_wide_r200_c16_bf16": 0.18}}]}))
+    run = _run("prefill_wide", "--out", str(tmp_path), "--launches", "wide_r200_c16_bf16",
+               "--measured", str(measured))
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "ws_prefill_wide_sass.json").read_text())
+    counts = {c["launch"]: c for c in saved["launches"]}
+    assert list(counts) == ["wide_r200_c16", "wide_r200_c16:rebuild", "wide_r200_c16_bf16",
+                            "wide_r200_c16_bf16:rebuild"]
+    assert counts["wide_r200_c16_bf16:rebuild"]["plain"] == "wide_r200_c16:rebuild"
+    assert counts["wide_r200_c16_bf16"]["per_tile"] == counts["wide_r200_c16"]["per_tile"]
+    fp32, bf16 = counts["wide_r200_c16:rebuild"], counts["wide_r200_c16_bf16:rebuild"]
+    assert 300 < fp32["per_tile"] < 900 and bf16["by_class"]["bf16x2"] > 0
+    assert bf16["per_tile"] < 0.6 * fp32["per_tile"]
+    assert saved["measured"]["wide_r200_c16_bf16"] == pytest.approx(0.18 / 0.2)
 
 
 @needs_cuobjdump
