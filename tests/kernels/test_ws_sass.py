@@ -1,8 +1,8 @@
 """benchmarks/ws_sass.py: the ws kernels' instructions a tile (the consumers', and the
-128-key kernel's rebuilding warp group's), counted in the
-sm_90a SASS on the CPU. The counting on a hand-made listing (a loop, its cold blocks, the
-loops it must not take), then the tool on real builds in a process of its own (the compiler
-refuses the interpreted helpers of these tests' TRITON_INTERPRET=1)."""
+128-key kernel's rebuilding warp group's), counted in the sm_90a SASS on the CPU. The
+counting on a hand-made listing (a loop, its cold blocks, the loops it must not take), then
+the tool on real builds in a process of its own (the compiler refuses the interpreted
+helpers of these tests' TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import json
