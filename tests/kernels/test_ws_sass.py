@@ -120,6 +120,9 @@ def test_the_wide_prefill_counts_two_roles(tmp_path):
     assert counts["wide_r200_c16_bf16:rebuild"]["plain"] == "wide_r200_c16:rebuild"
     assert counts["wide_r200_c16_bf16"]["per_tile"] == counts["wide_r200_c16"]["per_tile"]
     fp32, bf16 = counts["wide_r200_c16:rebuild"], counts["wide_r200_c16_bf16:rebuild"]
+    # The rebuild's own loop: no softmax in it (the consumer's has its exponentials).
+    assert counts["wide_r200_c16"]["by_class"]["exp2"] > 0
+    assert fp32["by_class"].get("exp2", 0) == bf16["by_class"].get("exp2", 0) == 0
     assert 300 < fp32["per_tile"] < 900 and bf16["by_class"]["bf16x2"] > 0
     assert bf16["per_tile"] < 0.6 * fp32["per_tile"]
     assert saved["measured"]["wide_r200_c16_bf16"] == pytest.approx(0.18 / 0.2)
