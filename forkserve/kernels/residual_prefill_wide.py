@@ -327,14 +327,6 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
 
 
 @gluon.jit
-def _release(bar):
-    """A slot's keys or values back to the loader: the generic-proxy reads of this
-    partition ordered before the TMA writes that refill it."""
-    fence_async_shared()
-    mbarrier.arrive(bar)
-
-
-@gluon.jit
 def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
              PINGPONG: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
@@ -383,14 +375,16 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG))
         sc = warpgroup_mma_wait(0, deps=(sc, ))
-        _release(empty_k.index(s))
+        # No proxy fence: a consumer reads a slot by wgmma alone (the async proxy, as the
+        # TMA copies that refill it), its products waited on first.
+        mbarrier.arrive(empty_k.index(s))
         if start + (i + 1) * T > seen_by_all:
             sc = mask_scores(sc, start + i * T, stop, pos, cols)
         p16, state = online_softmax(sc, state)
         m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, s, state)
         o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
         state = (m_i, l_i, o_lo, o_hi, acc_r)
-        _release(empty_v.index(s))
+        mbarrier.arrive(empty_v.index(s))
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         o_lo, o_hi = apply_b_v(o_lo, o_hi, acc_r, ops[2], ops[3])
