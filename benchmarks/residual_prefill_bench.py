@@ -136,7 +136,11 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
     best = min(v for n, v in row["device"].items() if n.startswith("unified_"))
     row["device_over_best_unified"] = {n: v / best for n, v in row["device"].items()}
     if "ws" in residual:  # the kernel against the formula's other route, same inputs
-        row["ws_rel_err_vs_fused"] = rel_err(residual["ws"](), residual["fused"]())
+        fused = residual["fused"]()
+        row["ws_rel_err_vs_fused"] = rel_err(residual["ws"](), fused)
+        # Each 128-key launch too: the tests' contexts stop near 4K, the cases here do not.
+        row["wide_rel_err_vs_fused"] = {n: rel_err(f(), fused) for n, f in residual.items()
+                                        if n.startswith("wide_r")}
     return row
 
 
@@ -188,6 +192,13 @@ def print_table(res: dict) -> None:
         label = f"{r['batch']}x{r['new']}/{r['keys']}"
         print(f"{label:>14s} " + " ".join(f"{n}={ms:.3f} ({r['device_over_best_unified'][n]:.2f}x)"
                                           for n, ms in r["device"].items()))
+    errs = [r for r in res["rows"] if "ws_rel_err_vs_fused" in r]
+    if errs:
+        print("the ws kernels' outputs against the fused kernel's (relative error):")
+    for r in errs:
+        label = f"{r['batch']}x{r['new']}/{r['keys']}"
+        cells = {"ws": r["ws_rel_err_vs_fused"], **r.get("wide_rel_err_vs_fused", {})}
+        print(f"{label:>14s} " + " ".join(f"{n}={e:.1e}" for n, e in cells.items()))
 
 
 def plot(res: dict, path: Path) -> None:
