@@ -11,15 +11,16 @@ eager as the engine runs prefill (CUDA events, L2 flushed: ``kernelbench.timing.
   block tables, where ``flash_support`` finds it): the baseline is the faster;
 * residual: ``ws`` (residual_prefill_gluon.py, sm_90 only; ``ws_m<rows>_s<stages>`` each
   launch, ``_edge`` with ``edge_masks``, ``_base`` with ``base_scores``, ``ws_base_only``
-  the default launch with no row's adapter: the residual's share of its time; ``wide_r<n>``
-  the 128-key kernel, residual_prefill_wide.py, and ``wide_base_only`` it with no row's
-  adapter), ``fused``
-  (the Triton kernel at its default launch) and ``flash`` (the context rebuilt and packed,
-  then the varlen flash kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks (``auto``,
-  recorded as ``policy_route``);
+  the default launch with no row's adapter: the residual's share of its time;
+  ``wide_m<rows>_r<regs>_c<chunk>`` each launch of the 128-key kernel,
+  residual_prefill_wide.py, and ``wide_base_only`` its default with no row's adapter),
+  ``fused`` (the Triton kernel at its default launch) and ``flash`` (the context rebuilt
+  and packed, then the varlen flash kernel), and the route ``DEFAULT_PREFILL_POLICY`` picks
+  (``auto``, recorded as ``policy_route``);
 
 and by CUDA-graph replay (device time, no launch cost) the routes a graph holds: the unified
-ones, ``fused`` and every ``ws`` launch.
+ones, ``fused`` and every ``ws`` and ``wide`` launch. Each ws kernel's output is checked
+against the fused kernel's at every case (the tests' contexts stop near 4K).
 
 Writes residual_prefill.json after every case (``--tag`` names the file), a PNG of each
 route's time over the baseline's, and prints a table.
@@ -58,10 +59,12 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, False, True, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
-# The 128-key kernel's launches (consumer registers, rebuild chunk, bf16_rope, pingpong:
-# WideLaunch; a chunk of 32 spills inside the rebuild's loop at the registers it has).
-WIDE_LAUNCHES = [(200, 16, False, False), (200, 16, True, False), (200, 8, True, False),
-                 (200, 16, True, True)]
+# The 128-key kernel's launches (consumers, consumer registers, rebuild chunk, bf16_rope,
+# pingpong: WideLaunch). Two consumers leave the rebuild 72 registers, where a chunk of 32
+# spills inside its loop; one leaves it 232.
+WIDE_LAUNCHES = [(2, 200, 16, False, False), (2, 200, 16, True, False),
+                 (2, 200, 8, True, False), (2, 200, 16, True, True),
+                 (1, 232, 32, False, False), (1, 232, 32, True, False)]
 
 
 def launch_table() -> dict:
@@ -140,7 +143,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
         row["ws_rel_err_vs_fused"] = rel_err(residual["ws"](), fused)
         # Each 128-key launch too: the tests' contexts stop near 4K, the cases here do not.
         row["wide_rel_err_vs_fused"] = {n: rel_err(f(), fused) for n, f in residual.items()
-                                        if n.startswith("wide_r")}
+                                        if n.startswith("wide_m")}
     return row
 
 

@@ -101,9 +101,11 @@ def main_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 
 def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The 128-key kernel's rebuilding warp group's loop (residual_prefill_wide.py): the
-    innermost loop with the up-projection's wgmma (N = its chunk) and none of a consumer's
-    ``N = 128`` score products."""
+    """The 128-key kernel's rebuilding warp group's loop (residual_prefill_wide.py): of the
+    loops with the up-projection's wgmma (N = its chunk) and none of a consumer's ``N = 128``
+    score products, the innermost of those holding the most of them: an mbarrier wait's
+    retry block, laid out at the function's end, jumps back into the middle of a tile and
+    spans a part of it alone."""
     at = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (a, text) in enumerate(ins):
@@ -113,10 +115,10 @@ def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
             ops = Counter(opcode(t) for _, t in body)
             scores = any("HGMMA.64x128x" in t for _, t in body)
             if ops["HGMMA"] >= 8 and ops["STG"] == 0 and not scores:
-                loops.append(body)
+                loops.append((-ops["HGMMA"], len(body), body))
     if not loops:
         raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
-    return min(loops, key=len)
+    return min(loops, key=lambda x: x[:2])[2]
 
 
 def blocks(body: list[tuple[int, str]], targets: set[int]) -> list[Counter]:
@@ -205,7 +207,7 @@ def wide_measured(path: Path) -> dict[str, float]:
     default = WideLaunch().name
     if default not in device:
         raise ValueError(f"{path}: no {default} column at that case")
-    return {n: ms / device[default] for n, ms in device.items() if n.startswith("wide_r")}
+    return {n: ms / device[default] for n, ms in device.items() if n.startswith("wide_m")}
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ DECODE = Kernel(
     "4K x 64")
 WIDE = Kernel(
     "prefill_wide", tuple(WideLaunch(*flags) for flags in WIDE_LAUNCHES),
-    lambda lc: WideLaunch(),
+    lambda lc: WideLaunch(*next(f for f in WIDE_LAUNCHES if f[0] == lc.consumers)),
     lambda lc: residual_prefill_wide.build_sm90a(lc, direct=True)[0],
     lambda path: wide_measured(path), "8 x 64 over 8K",
     (("", main_loop), (":rebuild", rebuild_loop)))

@@ -75,59 +75,68 @@ from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_par
 
 TILE = 128  # keys a tile: the score product's N
 SLOTS = gl.constexpr(2)  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
-ROWS = 128  # query rows a program: two consumer warp groups of 64
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warp group: one wgmma M
 LOADER_REGS = gl.constexpr(40)  # the loader warp's (as the ws kernels')
 
 
 @dataclass(frozen=True)
 class WideLaunch:
-    """The launch: ``consumer_regs``, the registers each consumer thread takes by
-    ``setmaxnreg`` (the rebuilding warp group keeps what the consumers and the loader leave
-    of the SM's 64K, Triton keeping a margin); ``chunk``, the columns of each key half it
+    """The launch: ``consumers``, the consumer warp groups (1 or 2: a program's query rows
+    64 or 128; one for chunks whose rows fill 64, as the ws kernel's 64-row launch);
+    ``consumer_regs``, the registers each consumer thread takes by ``setmaxnreg`` (the
+    rebuilding warp group keeps what the consumers and the loader leave of the SM's 64K,
+    Triton keeping a margin, at most 256); ``chunk``, the columns of each key half it
     rebuilds at a time (its registers: the up-projection of 64 keys by ``chunk`` pairs);
     ``bf16_rope``: that rebuild in packed bf16 pairs, the base key added there too
     (``_rope_plus_base_bf16x2``), not in float32; ``pingpong``: the consumers issue their
     score products in turns (FlashAttention-3's warp-group ping-pong, by a pair of
-    mbarriers: one's softmax then runs under the other's products), not each as soon as its
-    tile is ready. Every program has 128 query rows."""
+    mbarriers: one's softmax then runs under the other's products; two consumers only), not
+    each as soon as its tile is ready."""
 
+    consumers: int = 2
     consumer_regs: int = 200
     chunk: int = 16
     bf16_rope: bool = False
     pingpong: bool = False
 
     def __post_init__(self) -> None:
+        if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
+            raise ValueError("WideLaunch: one consumer warp group or two; pingpong takes two")
         if self.chunk not in (8, 16, 32):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
                              "columns: 8, 16 or 32")
 
     @property
     def name(self) -> str:
-        """``wide_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``), as the bench
-        reports it."""
-        return (f"wide_r{self.consumer_regs}_c{self.chunk}" + ("_bf16" if self.bf16_rope else "")
-                + ("_pp" if self.pingpong else ""))
+        """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``), as the
+        bench reports it."""
+        return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
+                + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else ""))
+
+    @property
+    def rows(self) -> int:
+        """Query rows a program."""
+        return 64 * self.consumers
 
     @property
     def maxnreg(self) -> int:
-        """Registers a thread starts with: 16 warps (the loader's padded to a warp group)
-        within the SM's 64K."""
-        return 65536 // (4 * 128) // 8 * 8
+        """Registers a thread starts with: every warp group (the loader's warp padded to
+        one) within the SM's 64K."""
+        return 65536 // ((2 + self.consumers) * 128) // 8 * 8
 
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments for this launch."""
-        return dict(CONSUMER_REGS=self.consumer_regs, CHUNK=self.chunk,
-                    BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong)
+        return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
+                    CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong)
 
 
 @gluon.jit
-def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr):
+def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr):
     """The slots and their barriers: ``NS`` slots of a ``T``-key tile (``K_base`` and
     ``V_base`` halves, ``K_res`` and ``V_res`` rows) and two cos|sin buffers of ``csd``'s
     64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
-    key rebuilt (the rebuilding warp group), its keys and its values read (both consumers:
-    count 2); each cos|sin half landed and read; every worker started (after which shared
+    key rebuilt (the rebuilding warp group), its keys and its values read (by each of the
+    ``C`` consumers); each cos|sin half landed and read; every worker started (after which shared
     memory that held the workers' arguments may be reused); each consumer's turn to issue
     its score products (``pingpong``)."""
     HALF: gl.constexpr = kd.block_type.shape[1]
@@ -141,9 +150,9 @@ def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr):
             gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
             gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout),
             gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout))
-    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 2),
-            _barriers(NS, 2), _barriers(T // H, 1), _barriers(T // H, 1),
-            _barriers(1, 3).index(0), _barriers(2, 1))
+    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, C),
+            _barriers(NS, C), _barriers(T // H, 1), _barriers(T // H, 1),
+            _barriers(1, C + 1).index(0), _barriers(2, 1))
     return bufs, bars
 
 
@@ -399,11 +408,11 @@ def _residual_prefill_wide_kernel(
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, DIRECT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr, PINGPONG: gl.constexpr,
-        num_warps: gl.constexpr):
+        T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
+        PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
-    M: gl.constexpr = 2 * WG_ROWS
+    M: gl.constexpr = CONSUMERS * WG_ROWS
     TOKENS: gl.constexpr = M // G
     pid = gl.program_id(0)
     split = gl.program_id(1)
@@ -432,7 +441,7 @@ def _residual_prefill_wide_kernel(
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
-    bufs, bars = _ring(kd, krd, csd, SLOTS, T)
+    bufs, bars = _ring(kd, krd, csd, SLOTS, T, CONSUMERS)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
@@ -445,10 +454,15 @@ def _residual_prefill_wide_kernel(
             (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br)),
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
-    gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                        (_consume, (args, 0, G, DIRECT, PINGPONG)),
-                        (_consume, (args, 1, G, DIRECT, PINGPONG))],
-                       [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, PINGPONG)),
+                            (_consume, (args, 1, G, DIRECT, PINGPONG))],
+                           [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, False))],
+                           [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 
 def build_sm90a(launch: WideLaunch, direct: bool, group: int = 4) -> tuple[str, int]:
@@ -491,7 +505,7 @@ def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.T
     bound = max(max_seq_len, 1)
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
-    m_blocks = max(1, -(-max_q_len * g // ROWS))
+    m_blocks = max(1, -(-max_q_len * g // launch.rows))
     programs = seq_lens.numel() * n_kv * m_blocks
     splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
                             programs_per_sm=1)

@@ -31,7 +31,7 @@ def _name(launch: tuple) -> str:
 
 @pytest.mark.parametrize("direct,group,launch", [
     (True, 4, WIDE_LAUNCHES[0]), (False, 4, WIDE_LAUNCHES[0]), (True, 8, WIDE_LAUNCHES[0]),
-    (False, 2, WIDE_LAUNCHES[0]), (True, 1, WIDE_LAUNCHES[0]),
+    (False, 2, WIDE_LAUNCHES[0]), (True, 1, WIDE_LAUNCHES[0]), (False, 8, WIDE_LAUNCHES[-1]),
     *((True, 4, lc) for lc in WIDE_LAUNCHES[1:])],
     ids=lambda x: _name(x) if isinstance(x, tuple) else str(x))
 def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
@@ -44,14 +44,18 @@ def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
 def test_the_launch_splits_the_registers() -> None:
     """Two consumer warp groups at ``consumer_regs`` and the loader's warp group at 40 leave
     the rebuilding warp group 72 a thread of the SM's 64K; every thread starts at a quarter
-    of them (16 warps)."""
+    of them (16 warps), at a third with one consumer (12 warps)."""
     launch = WideLaunch()
-    assert launch.name == "wide_r200_c16" and launch.maxnreg == 128
-    assert WideLaunch(200, 8, True).name == "wide_r200_c8_bf16"
-    assert WideLaunch(200, 16, True, True).name == "wide_r200_c16_bf16_pp"
+    assert launch.name == "wide_m128_r200_c16" and launch.maxnreg == 128
+    assert launch.rows == 128 and WideLaunch(1, 232, 32).rows == 64
+    assert WideLaunch(1, 232, 32).maxnreg == 168
+    assert WideLaunch(2, 200, 8, True).name == "wide_m128_r200_c8_bf16"
+    assert WideLaunch(2, 200, 16, True, True).name == "wide_m128_r200_c16_bf16_pp"
     assert 65536 - 128 * (2 * launch.consumer_regs + 40) == 128 * 72
     with pytest.raises(ValueError, match="chunk is a wgmma N"):
         WideLaunch(chunk=24)
+    with pytest.raises(ValueError, match="pingpong takes two"):
+        WideLaunch(1, 232, 32, pingpong=True)
 
 
 @cuda_only
@@ -75,16 +79,17 @@ def test_wide_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int]
 @pytest.mark.parametrize("group", [8, 2, 1])
 @pytest.mark.parametrize("case", [0, 2])
 def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
-    """A GQA group of 8, 2 or 1 (a program's 128 rows are then 16, 64 or 128 tokens), whole
-    and split."""
+    """A GQA group of 8, 2 or 1 (a program's 128 rows are then 16, 64 or 128 tokens; 64
+    rows, half that), whole and split."""
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
     seq_lens, q_lens = CASES[case]
     args, c = _inputs(group + case + 20, seq_lens, q_lens, group=group)
     ref = _formula(args, c)
-    for num_splits in (None, 1, 3):
-        out = residual_prefill_wide(*args, num_splits=num_splits)
-        assert rel_err(out, ref) < REL_TOL, num_splits
+    for launch in (WideLaunch(), WideLaunch(*WIDE_LAUNCHES[-2])):
+        for num_splits in (None, 1, 3):
+            out = residual_prefill_wide(*args, num_splits=num_splits, launch=launch)
+            assert rel_err(out, ref) < REL_TOL, (launch.name, num_splits)
 
 
 @cuda_only
@@ -112,8 +117,8 @@ def test_wide_prefill_refuses_other_shapes() -> None:
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
     from forkserve.kernels.residual_prefill_wide import build_sm90a
 
-    direct_, group_, regs_, chunk_, *options_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90a(WideLaunch(regs_, chunk_, *map(bool, options_)), bool(direct_),
-                              group_)
+    direct_, group_, consumers_, regs_, chunk_, *options_ = (int(x) for x in sys.argv[2:])
+    ptx, shared = build_sm90a(WideLaunch(consumers_, regs_, chunk_, *map(bool, options_)),
+                              bool(direct_), group_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

@@ -108,24 +108,24 @@ def test_the_wide_prefill_counts_two_roles(tmp_path):
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
         {"batch": 8, "new": 64, "keys": 8256,
-         "device": {"unified_paged": 0.3, "residual_wide_r200_c16": 0.2,
-                    "residual_wide_r200_c16_bf16": 0.18}}]}))
-    run = _run("prefill_wide", "--out", str(tmp_path), "--launches", "wide_r200_c16_bf16",
-               "--measured", str(measured))
+         "device": {"unified_paged": 0.3, "residual_wide_m128_r200_c16": 0.2,
+                    "residual_wide_m128_r200_c16_bf16": 0.18}}]}))
+    run = _run("prefill_wide", "--out", str(tmp_path), "--launches",
+               "wide_m128_r200_c16_bf16", "--measured", str(measured))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "ws_prefill_wide_sass.json").read_text())
     counts = {c["launch"]: c for c in saved["launches"]}
-    assert list(counts) == ["wide_r200_c16", "wide_r200_c16:rebuild", "wide_r200_c16_bf16",
-                            "wide_r200_c16_bf16:rebuild"]
-    assert counts["wide_r200_c16_bf16:rebuild"]["plain"] == "wide_r200_c16:rebuild"
-    assert counts["wide_r200_c16_bf16"]["per_tile"] == counts["wide_r200_c16"]["per_tile"]
-    fp32, bf16 = counts["wide_r200_c16:rebuild"], counts["wide_r200_c16_bf16:rebuild"]
+    assert list(counts) == ["wide_m128_r200_c16", "wide_m128_r200_c16:rebuild",
+                            "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16:rebuild"]
+    assert counts["wide_m128_r200_c16_bf16:rebuild"]["plain"] == "wide_m128_r200_c16:rebuild"
+    assert counts["wide_m128_r200_c16_bf16"]["per_tile"] == counts["wide_m128_r200_c16"]["per_tile"]
+    fp32, bf16 = counts["wide_m128_r200_c16:rebuild"], counts["wide_m128_r200_c16_bf16:rebuild"]
     # The rebuild's own loop: no softmax in it (the consumer's has its exponentials).
-    assert counts["wide_r200_c16"]["by_class"]["exp2"] > 0
+    assert counts["wide_m128_r200_c16"]["by_class"]["exp2"] > 0
     assert fp32["by_class"].get("exp2", 0) == bf16["by_class"].get("exp2", 0) == 0
-    assert 300 < fp32["per_tile"] < 900 and bf16["by_class"]["bf16x2"] > 0
+    assert 700 < fp32["per_tile"] < 1400 and bf16["by_class"]["bf16x2"] > 0
     assert bf16["per_tile"] < 0.6 * fp32["per_tile"]
-    assert saved["measured"]["wide_r200_c16_bf16"] == pytest.approx(0.18 / 0.2)
+    assert saved["measured"]["wide_m128_r200_c16_bf16"] == pytest.approx(0.18 / 0.2)
 
 
 @needs_cuobjdump
