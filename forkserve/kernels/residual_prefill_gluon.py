@@ -140,7 +140,13 @@ class WsPrefillLaunch:
         return min(MAXNREG, 65536 // ((self.warps + 4) * 32) // 8 * 8)
 
 
-def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch:
+# The 128-key kernel's launch (residual_prefill_wide.WideLaunch's fields) the default takes
+# at a program's rows, once the H200 has measured it faster there than the ws launch below
+# at every case of residual_prefill_bench (docs/KERNELS.md "Round 29"): none yet.
+MEASURED_WIDE_LAUNCHES: dict[int, tuple] = {}
+
+
+def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch | WideLaunch:
     """The launch for a batch whose longest chunk is ``max_q_len`` tokens at a GQA ``group``:
     64 query rows where the chunk's rows (tokens x group) fill no more, else 128; at a group
     of 4 the rows the fused Triton kernel takes (``prefill_attention.residual_launch``: 64
@@ -150,8 +156,14 @@ def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch:
     rows, 0.40 against 0.54), each with the options that measured fastest there in round 27
     (residual_prefill_v5.json, every case): 128 rows with ``edge_masks`` (7-8% faster than
     without; the launches that cut more instructions were no faster, KERNELS.md "Round
-    27"), 64 rows with ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%)."""
-    if max_q_len * group <= 64:
+    27"), 64 rows with ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%). The
+    128-key kernel's launch instead at rows ``MEASURED_WIDE_LAUNCHES`` holds."""
+    rows = 64 if max_q_len * group <= 64 else 128
+    if rows in MEASURED_WIDE_LAUNCHES:
+        from forkserve.kernels.residual_prefill_wide import WideLaunch
+
+        return WideLaunch(*MEASURED_WIDE_LAUNCHES[rows])
+    if rows == 64:
         return WsPrefillLaunch(64, edge_masks=True, base_scores=True, bf16_rope=True)
     return WsPrefillLaunch(128, edge_masks=True)
 
@@ -648,11 +660,6 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     A ``WideLaunch`` runs residual_prefill_wide.py's kernel (128-key tiles)."""
     from forkserve.kernels.residual_prefill_wide import WideLaunch, residual_prefill_wide
 
-    if isinstance(launch, WideLaunch):
-        return residual_prefill_wide(q, k_base, v_base, k_res, v_res, block_tables,
-                                     res_block_tables, seq_lens, cu_seqlens_q, b_k_all, b_v_all,
-                                     adapter_idx, inv_freq, scale, max_q_len, max_seq_len,
-                                     num_splits, launch)
     if not supports(q, k_base, k_res):
         raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of "
                          "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")
@@ -666,8 +673,13 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())  # one host sync
-    bound = max(max_seq_len, 1)
     launch = default_launch(max_q_len, g) if launch is None else launch
+    if isinstance(launch, WideLaunch):
+        return residual_prefill_wide(q, k_base, v_base, k_res, v_res, block_tables,
+                                     res_block_tables, seq_lens, cu_seqlens_q, b_k_all, b_v_all,
+                                     adapter_idx, inv_freq, scale, max_q_len, max_seq_len,
+                                     num_splits, launch)
+    bound = max(max_seq_len, 1)
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
     m_blocks = max(1, -(-max_q_len * g // launch.rows))

@@ -106,6 +106,20 @@ def test_wide_prefill_under_a_cuda_graph() -> None:
     assert torch.equal(captured, eager)
 
 
+def test_the_default_launch_takes_a_measured_wide_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``default_launch`` takes the 128-key kernel at the rows ``MEASURED_WIDE_LAUNCHES``
+    holds (none until the H200 measures one faster), the ws launches elsewhere; the ws
+    entry point runs whichever it is given."""
+    from forkserve.kernels import residual_prefill_gluon as ws
+
+    assert ws.MEASURED_WIDE_LAUNCHES == {}
+    monkeypatch.setitem(ws.MEASURED_WIDE_LAUNCHES, 128, WIDE_LAUNCHES[1])
+    assert ws.default_launch(64) == WideLaunch(*WIDE_LAUNCHES[1])
+    assert ws.default_launch(16).name == "ws_m64_s3_edge_base_bf16"
+    assert ws.default_launch(8, group=8).rows == 64 and ws.default_launch(9, group=8).rows == 128
+
+
 def test_wide_prefill_refuses_other_shapes() -> None:
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
