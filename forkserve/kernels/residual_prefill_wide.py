@@ -136,9 +136,9 @@ def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr):
     ``V_base`` halves, ``K_res`` and ``V_res`` rows) and two cos|sin buffers of ``csd``'s
     64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
     key rebuilt (the rebuilding warp group), its keys and its values read (by each of the
-    ``C`` consumers); each cos|sin half landed and read; every worker started (after which shared
-    memory that held the workers' arguments may be reused); each consumer's turn to issue
-    its score products (``pingpong``)."""
+    ``C`` consumers); each cos|sin half landed and read; every worker started (after which
+    shared memory that held the workers' arguments may be reused); each consumer's turn to
+    issue its score products (``pingpong``)."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     H: gl.constexpr = csd.block_type.shape[0]
@@ -251,8 +251,8 @@ def _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a, k_b):
 def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
-    staged in such chunks), so a thread holds 2 x C / 8 up-projected values, not 32; the
-    half's cos|sin rows in buffer ``h``. Each element is read and written by the same thread:
+    staged in such chunks), so a thread holds ``C`` up-projected values (both halves), not
+    64; the half's cos|sin rows in buffer ``h``. Each element is read and written by the same thread:
     no barrier between the reads and the writes."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
