@@ -252,8 +252,8 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves), not
-    64; the half's cos|sin rows in buffer ``h``. Each element is read and written by the same thread:
-    no barrier between the reads and the writes."""
+    64; the half's cos|sin rows in buffer ``h``. Each element is read and written by the
+    same thread: no barrier between the reads and the writes."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
