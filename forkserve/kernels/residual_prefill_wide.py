@@ -62,7 +62,6 @@ from forkserve.kernels.residual_prefill_gluon import (
     apply_b_v,
     mask_scores,
     online_softmax,
-    rotated_residual,
     stage_b,
     stage_queries,
     store_rows,
@@ -251,31 +250,36 @@ def _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a, k_b):
 def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
-    staged in such chunks), so a thread holds ``C`` up-projected values (both halves), not
-    64; the half's cos|sin rows in buffer ``h``. Each element is read and written by the
-    same thread: no barrier between the reads and the writes."""
+    staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
+    chunk, not 64; the next chunk's up-projection in flight while this one is rotated (two
+    chunks held). The half's cos|sin rows are in buffer ``h``. Each element is read and
+    written by the same thread: no barrier between the reads and the writes."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     N: gl.constexpr = HALF // C
     kr = bufs[4].index(s).slice(h * H, H)
     u_l: gl.constexpr = wgmma_layout(C, gl.num_warps())
+    u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
     for c in gl.static_range(N):
+        u_lo, u_hi = u_next
+        if c + 1 < N:
+            u_next = up_projection(kr, bk.index(c + 1), bk.index(N + c + 1), u_l)
+            u_lo, u_hi = warpgroup_mma_wait(2, deps=(u_lo, u_hi))
+        else:
+            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
         k_a = bufs[0].index(s).slice(h * H, H).slice(c * C, C, dim=1)
         k_b = bufs[1].index(s).slice(h * H, H).slice(c * C, C, dim=1)
-        cos = bufs[6].index(h).slice(c * C, C, dim=1)
-        sin = bufs[7].index(h).slice(c * C, C, dim=1)
+        cos = bufs[6].index(h).slice(c * C, C, dim=1).load(u_l)
+        sin = bufs[7].index(h).slice(c * C, C, dim=1).load(u_l)
         if BF16_ROPE:
-            u_lo, u_hi = up_projection(kr, bk.index(c), bk.index(N + c), u_l)
-            base = (k_a.load(u_l), k_b.load(u_l))
-            cs = (cos.load(u_l), sin.load(u_l))
-            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-            r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cs[0], cs[1], base[0], base[1])
+            r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a.load(u_l),
+                                              k_b.load(u_l))
         else:
-            r_a, r_b = rotated_residual((k_a, k_b), kr, (cos, sin), bk.index(c),
-                                        bk.index(N + c), u_l, True, False)
-            r_a = r_a.to(gl.bfloat16)
-            r_b = r_b.to(gl.bfloat16)
+            cos = cos.to(gl.float32)
+            sin = sin.to(gl.float32)
+            r_a = (k_a.load(u_l).to(gl.float32) + u_lo * cos - u_hi * sin).to(gl.bfloat16)
+            r_b = (k_b.load(u_l).to(gl.float32) + u_hi * cos + u_lo * sin).to(gl.bfloat16)
         k_a.store(r_a)
         k_b.store(r_b)
 
