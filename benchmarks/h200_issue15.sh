@@ -144,12 +144,13 @@ variants() {  # $1: seconds, $2: the JSON's tag, the rest: VARIANTS at every poi
 }
 ncu_prefill_runs() {  # $1: the files' prefix, the rest: ncu's options; steps 73-74
   # One profiled launch (the third) each of FA4's paged read, the ws prefill's default
-  # launch and the same with no row's adapter, at 8 x 64 over 8K, as ncu's CSV.
-  local prefix=$1 run name kernel opts
+  # launch (or $LAUNCH, a bench launch name: a wide_m... one runs the 128-key kernel) and
+  # the same with no row's adapter, at 8 x 64 over 8K, as ncu's CSV.
+  local prefix=$1 run name kernel opts ws="_residual_prefill_(ws|wide)_kernel"
   shift
   export TRITON_CACHE_DIR=/root/tc23
-  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:_residual_prefill_ws_kernel:--route ws" \
-             "ws_no_adapter:_residual_prefill_ws_kernel:--route ws --no-adapter"; do
+  for run in "fa4:[Ff]lash|[Ff]wd:--route fa4" "ws:$ws:--route ws${LAUNCH:+ --launch $LAUNCH}" \
+             "ws_no_adapter:$ws:--route ws --no-adapter${LAUNCH:+ --launch $LAUNCH}"; do
     IFS=: read -r name kernel opts <<< "$run"
     # shellcheck disable=SC2086  # the options are words
     timeout 150 ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
@@ -767,6 +768,7 @@ PY
   # read, the ws kernel's default launch and the same with no row's adapter, at 8 x 64 over
   # 8K, profiled with the same sections (raw pages, CSV), then side by side
   # (ncu_compare.py: instructions, pipes, issue, stall reasons). FA4 carried as for 69.
+  # LAUNCH: a bench launch name in place of the default (round 29: a wide_m... one).
   fa4_site || exit 1
   ncu_prefill_runs ncu_prefill --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \

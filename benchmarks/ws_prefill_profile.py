@@ -1,6 +1,8 @@
 """One prefill case on one route, launched a few times, for a profiler to read: the ws
 residual prefill (its default launch, another, or with no row's adapter) or FlashAttention-4
 reading the unified pages (row 3's baseline), so one ncu setting reads both side by side.
+``--launch NAME`` takes any launch residual_prefill_bench measures by its name, the 128-key
+kernel's (``wide_m...``, residual_prefill_wide.py) among them.
 
     ncu --clock-control none --kernel-name regex:_residual_prefill_ws_kernel --launch-skip 2 \\
         --launch-count 1 --section SpeedOfLight --section WarpStateStats \\
@@ -43,8 +45,18 @@ def _ws_call(s: Setup, args: argparse.Namespace, q: torch.Tensor, tables: tuple,
     if not supports(q, s.k, s.k_res):
         raise ProfileError("the ws kernel does not take these shapes on this device")
     bt, rbt, lens = tables
-    launch = (default_launch(args.new, s.n_heads // s.n_kv) if args.rows is None
-              else WsPrefillLaunch(args.rows, args.stages))
+    if args.launch is not None:
+        from benchmarks.residual_prefill_bench import launch_table
+
+        table = launch_table()
+        if args.launch not in table:
+            raise ProfileError(f"unknown launch {args.launch}; the bench's: "
+                               + ", ".join(sorted(table)))
+        launch = table[args.launch]
+    elif args.rows is not None:
+        launch = WsPrefillLaunch(args.rows, args.stages)
+    else:
+        launch = default_launch(args.new, s.n_heads // s.n_kv)
     adapters = s.adapters(args.batch)
     if args.no_adapter:  # the kernel's skeleton: no rebuild, no V residual
         adapters = torch.full_like(adapters, -1)
@@ -81,11 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--keys", type=int, default=8256)
     ap.add_argument("--rows", type=int, choices=(64, 128))
+    ap.add_argument("--launch", metavar="NAME",
+                    help="a launch by its bench name (replaces --rows / --stages)")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--no-adapter", action="store_true",
                     help="ws with no row's adapter (what the base loop alone costs)")
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
+    if args.launch is not None and args.rows is not None:
+        ap.error("--launch names a launch whole: not with --rows")
     if not torch.cuda.is_available():
         print("ws_prefill_profile: needs an sm_90 GPU (the ws kernel is Hopper's)", file=sys.stderr)
         return 2

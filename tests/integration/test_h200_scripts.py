@@ -38,6 +38,14 @@ def test_ncu_steps_call_ncu_once_a_launch(tmp_path: Path) -> None:
     assert sorted(args) == ["pre_fa4", "pre_ws", "pre_ws_no_adapter"]
     assert "regex:[Ff]lash|[Ff]wd" in args["pre_fa4"]
     assert args["pre_ws_no_adapter"][:-1] == [
-        "--clock-control", "none", "--kernel-name", "regex:_residual_prefill_ws_kernel",
+        "--clock-control", "none", "--kernel-name", "regex:_residual_prefill_(ws|wide)_kernel",
         "--launch-skip", "2", "--launch-count", "1", "--page", "source", "--csv2", "--csv",
         "python3", "benchmarks/ws_prefill_profile.py", "--route", "ws", "--no-adapter"]
+    # $LAUNCH: a named launch (the 128-key kernel's) in both ws runs.
+    env["LAUNCH"] = "wide_m128_r200_c16_bf16"
+    run = subprocess.run(["bash", "-c", body + "\nncu_prefill_runs named --page raw"],
+                         env=env, capture_output=True, text=True, cwd=BENCH.parent)
+    assert run.returncode == 0, run.stderr
+    for name in ("named_ws", "named_ws_no_adapter"):
+        words = (out / f"{name}.csv").read_text().splitlines()
+        assert words[-3:-1] == ["--launch", "wide_m128_r200_c16_bf16"], words
