@@ -86,18 +86,20 @@ def branch_target(text: str) -> int | None:
 def main_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """The innermost loop (a backward branch's span) with a tile's wgmma and no global store:
     the consumer's; the epilogue's and the loader's loops fail one test or the other."""
+    loops = [body for body, ops in _loops(ins) if ops["HGMMA"] >= 15 and ops["STG"] == 0]
+    if not loops:
+        raise ValueError("no consumer loop in the SASS (a tile's wgmma, no global store)")
+    return min(loops, key=len)
+
+
+def _loops(ins: list[tuple[int, str]]):
+    """Every backward branch's span in ``ins`` and its opcode counts."""
     at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
     for i, (a, text) in enumerate(ins):
         target = branch_target(text)
         if target is not None and target < a and target in at:
             body = ins[at[target]:i + 1]
-            ops = Counter(opcode(t) for _, t in body)
-            if ops["HGMMA"] >= 15 and ops["STG"] == 0:
-                loops.append(body)
-    if not loops:
-        raise ValueError("no consumer loop in the SASS (a tile's wgmma, no global store)")
-    return min(loops, key=len)
+            yield body, Counter(opcode(t) for _, t in body)
 
 
 def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -106,16 +108,9 @@ def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     score products, the innermost of those holding the most of them: an mbarrier wait's
     retry block, laid out at the function's end, jumps back into the middle of a tile and
     spans a part of it alone."""
-    at = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, text) in enumerate(ins):
-        target = branch_target(text)
-        if target is not None and target < a and target in at:
-            body = ins[at[target]:i + 1]
-            ops = Counter(opcode(t) for _, t in body)
-            scores = any("HGMMA.64x128x" in t for _, t in body)
-            if ops["HGMMA"] >= 8 and ops["STG"] == 0 and not scores:
-                loops.append((-ops["HGMMA"], len(body), body))
+    loops = [(-ops["HGMMA"], len(body), body) for body, ops in _loops(ins)
+             if ops["HGMMA"] >= 8 and ops["STG"] == 0
+             and not any("HGMMA.64x128x" in t for _, t in body)]
     if not loops:
         raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
     return min(loops, key=lambda x: x[:2])[2]
@@ -184,30 +179,26 @@ class Kernel:
 def prefill_measured(path: Path) -> dict[str, float]:
     """Each launch's device time over the default launch's at 8 x 64 over 8K (row 3's worst)
     in a residual_prefill_bench result (its ``residual_<launch>`` columns)."""
-    doc = json.loads(path.read_text())
-    row = next((r for r in doc["rows"] if (r["batch"], r["new"], r["keys"]) == (8, 64, 8256)),
-               None)
-    if row is None:
-        raise ValueError(f"{path}: no 8 x 64 over 8256 row")
-    device = {n.removeprefix("residual_"): ms for n, ms in row["device"].items()}
-    default = WsPrefillLaunch().name
-    if default not in device:
-        raise ValueError(f"{path}: no {default} column at that case")
-    return {n: ms / device[default] for n, ms in device.items() if n.startswith("ws_m")}
+    return _over_default(path, WsPrefillLaunch().name, "ws_m")
 
 
 def wide_measured(path: Path) -> dict[str, float]:
     """As ``prefill_measured``, the 128-key kernel's launches over its default launch's."""
+    return _over_default(path, WideLaunch().name, "wide_m")
+
+
+def _over_default(path: Path, default: str, prefix: str) -> dict[str, float]:
+    """The 8 x 64 over 8K row's device times of the launches named ``prefix...`` over the
+    launch ``default``'s."""
     doc = json.loads(path.read_text())
     row = next((r for r in doc["rows"] if (r["batch"], r["new"], r["keys"]) == (8, 64, 8256)),
                None)
     if row is None:
         raise ValueError(f"{path}: no 8 x 64 over 8256 row")
     device = {n.removeprefix("residual_"): ms for n, ms in row["device"].items()}
-    default = WideLaunch().name
     if default not in device:
         raise ValueError(f"{path}: no {default} column at that case")
-    return {n: ms / device[default] for n, ms in device.items() if n.startswith("wide_m")}
+    return {n: ms / device[default] for n, ms in device.items() if n.startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -236,7 +227,7 @@ WIDE = Kernel(
     "prefill_wide", tuple(WideLaunch(*flags) for flags in WIDE_LAUNCHES),
     lambda lc: WideLaunch(*next(f for f in WIDE_LAUNCHES if f[0] == lc.consumers)),
     lambda lc: residual_prefill_wide.build_sm90a(lc, direct=True)[0],
-    lambda path: wide_measured(path), "8 x 64 over 8K",
+    wide_measured, "8 x 64 over 8K",
     (("", main_loop), (":rebuild", rebuild_loop)))
 KERNELS = {k.name: k for k in (PREFILL, DECODE, WIDE)}
 DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at

@@ -568,17 +568,13 @@ def store_rows(o_lo, o_hi, m_i, l_i, rows, outs, G: gl.constexpr, DIRECT: gl.con
 
 
 @gluon.jit
-def _residual_prefill_ws_kernel(
-        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
-        Out, PartOut, PartLse, scale_log2e, m_blocks,
-        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
-        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
-        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
-        BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, DIRECT: gl.constexpr,
-        num_warps: gl.constexpr):
-    HALF: gl.constexpr = HEAD_DIM // 2
-    TOKENS: gl.constexpr = M // G
+def program_keys(CuSeqlensQ, SeqLens, m_blocks, N_KV: gl.constexpr, TOKENS: gl.constexpr,
+                 T: gl.constexpr):
+    """This program's place in the grid ``(batch * n_kv * m_blocks, splits)`` and its keys:
+    the sequence ``b``, KV head, split; the sequence's first new token ``q_begin``, chunk
+    length, length and context (keys before the chunk); ``tok0``, the first of the
+    ``TOKENS`` chunk tokens it holds; its split ``[start, stop)`` of the keys its last token
+    sees (splits of whole ``T``-key tiles) and their tile count."""
     pid = gl.program_id(0)
     split = gl.program_id(1)
     mb = pid % m_blocks
@@ -595,6 +591,22 @@ def _residual_prefill_ws_kernel(
     start = split * key_split
     stop = gl.minimum(start + key_split, kv_end)
     n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    return b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles
+
+
+@gluon.jit
+def _residual_prefill_ws_kernel(
+        kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
+        stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
+        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
+        T: gl.constexpr, M: gl.constexpr, STAGES_: gl.constexpr, EDGE_MASKS: gl.constexpr,
+        BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr, DIRECT: gl.constexpr,
+        num_warps: gl.constexpr):
+    HALF: gl.constexpr = HEAD_DIM // 2
+    b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
+        CuSeqlensQ, SeqLens, m_blocks, N_KV, M // G, T)
     adapter = gl.load(Adapter + b)
     has_res = adapter >= 0
 
@@ -660,44 +672,74 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     A ``WideLaunch`` runs residual_prefill_wide.py's kernel (128-key tiles)."""
     from forkserve.kernels.residual_prefill_wide import WideLaunch, residual_prefill_wide
 
+    check_inputs("residual_prefill_ws", q, k_base, k_res, b_k_all, b_v_all)
+    max_q_len, max_seq_len = host_bounds(seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
+    launch = default_launch(max_q_len, q.shape[1] // k_base.shape[2]) if launch is None \
+        else launch
+    args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+            cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq)
+    if isinstance(launch, WideLaunch):
+        return residual_prefill_wide(*args, scale, max_q_len, max_seq_len, num_splits, launch)
+    return run_prefill_kernel(_residual_prefill_ws_kernel, TILE, launch.rows,
+                              dict(maxnreg=launch.maxnreg, **launch.constexprs()), args, scale,
+                              max_q_len, max_seq_len, num_splits)
+
+
+def check_inputs(name: str, q: torch.Tensor, k_base: torch.Tensor, k_res: torch.Tensor,
+                 b_k_all: torch.Tensor, b_v_all: torch.Tensor) -> None:
+    """``ValueError`` naming the entry point ``name`` where the ws prefill kernels do not
+    take these tensors (``supports``; ``B_k`` and ``B_v`` share one pair of strides)."""
     if not supports(q, k_base, k_res):
-        raise ValueError("residual_prefill_ws: 16-key pages, head_dim 128, a GQA group of "
-                         "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")
+        raise ValueError(f"{name}: 16-key pages, head_dim 128, a GQA group of 1, 2, 4 or 8, "
+                         "rank 16, bf16 on an sm_90 GPU")
     if b_k_all.stride() != b_v_all.stride():
-        raise ValueError("residual_prefill_ws: B_k and B_v stacked alike (one pair of strides)")
+        raise ValueError(f"{name}: B_k and B_v stacked alike (one pair of strides)")
+
+
+def host_bounds(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int | None,
+                max_seq_len: int | None) -> tuple[int, int]:
+    """The batch's longest chunk and sequence, read back (a host sync each) where the caller
+    did not pass them."""
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    return max_q_len, max_seq_len
+
+
+def run_prefill_kernel(kernel, tile: int, rows: int, options: dict, args: tuple,
+                       scale: float | None, max_q_len: int, max_seq_len: int,
+                       num_splits: int | None) -> torch.Tensor:
+    """One launch of a ws prefill kernel (``_residual_prefill_ws_kernel`` or the 128-key
+    one), their arguments alike: the RoPE table and the TMA descriptors, a program a KV head
+    and ``rows`` query rows, the dynamic split plan over ``tile``-key tiles, the output
+    written directly at one split, else merged from the partials. ``args``:
+    ``residual_prefill_ws``'s tensors, checked (``check_inputs``); ``options``: the
+    kernel's launch options and constexprs."""
+    q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens, cu_seqlens_q, \
+        b_k_all, b_v_all, adapter_idx, inv_freq = args
     n_heads, head_dim = q.shape[1], q.shape[2]
     n_kv, rank = k_base.shape[2], k_res.shape[2]
     g = n_heads // n_kv
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())  # one host sync
-    launch = default_launch(max_q_len, g) if launch is None else launch
-    if isinstance(launch, WideLaunch):
-        return residual_prefill_wide(q, k_base, v_base, k_res, v_res, block_tables,
-                                     res_block_tables, seq_lens, cu_seqlens_q, b_k_all, b_v_all,
-                                     adapter_idx, inv_freq, scale, max_q_len, max_seq_len,
-                                     num_splits, launch)
     bound = max(max_seq_len, 1)
     table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
     kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
-    m_blocks = max(1, -(-max_q_len * g // launch.rows))
+    m_blocks = max(1, -(-max_q_len * g // rows))
     programs = seq_lens.numel() * n_kv * m_blocks
-    splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
+    splits = dynamic_splits(programs, bound, sm_count(q.device), tile, num_splits,
                             programs_per_sm=1)
     out = torch.empty_like(q)
     part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
     direct = splits == 1
-    _residual_prefill_ws_kernel[(programs, splits)](
+    kernel[(programs, splits)](
         kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
         res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,
         m_blocks, q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
         b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
         part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
-        maxnreg=launch.maxnreg, **launch.constexprs())
+        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=tile, DIRECT=direct, **options)
     if direct:
         return out
     return merge_partials(part_out, part_lse, out, splits)

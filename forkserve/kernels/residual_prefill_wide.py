@@ -38,7 +38,6 @@ rows a program; a split's keys are whole 128-key tiles.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,24 +52,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from forkserve.kernels.residual_decode_gluon import (
-    LOG2E,
     _zero_values_from,
-    descriptors,
     wgmma_layout,
 )
 from forkserve.kernels.residual_prefill_gluon import (
     apply_b_v,
+    check_inputs,
+    host_bounds,
     mask_scores,
     online_softmax,
+    program_keys,
+    run_prefill_kernel,
     stage_b,
     stage_queries,
     store_rows,
-    supports,
     up_projection,
     value_products,
 )
-from forkserve.kernels.rope import cached_rope_table, rope_table_in
-from forkserve.kernels.split_kv import dynamic_splits, empty_partials, merge_partials, sm_count
 
 TILE = 128  # keys a tile: the score product's N
 SLOTS = gl.constexpr(2)  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
@@ -417,23 +415,8 @@ def _residual_prefill_wide_kernel(
         PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
-    TOKENS: gl.constexpr = M // G
-    pid = gl.program_id(0)
-    split = gl.program_id(1)
-    mb = pid % m_blocks
-    head = (pid // m_blocks) % N_KV
-    b = pid // (m_blocks * N_KV)
-    q_begin = gl.load(CuSeqlensQ + b)
-    q_len = gl.load(CuSeqlensQ + b + 1) - q_begin
-    seq_len = gl.load(SeqLens + b)
-    ctx = seq_len - q_len  # keys before the first new token
-    tok0 = mb * TOKENS
-    # Causal: the block's last token sees keys [0, ctx + its index + 1).
-    kv_end = gl.where(tok0 < q_len, ctx + gl.minimum(q_len, tok0 + TOKENS), 0)
-    key_split = gl.cdiv(gl.cdiv(kv_end, gl.num_programs(1)), T) * T
-    start = split * key_split
-    stop = gl.minimum(start + key_split, kv_end)
-    n_tiles = gl.cdiv(gl.maximum(stop - start, 0), T)
+    b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
+        CuSeqlensQ, SeqLens, m_blocks, N_KV, M // G, T)
     adapter = gl.load(Adapter + b)
     has_res = adapter >= 0
 
@@ -491,40 +474,11 @@ def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.T
                           num_splits: int | None = None,
                           launch: WideLaunch | None = None) -> torch.Tensor:
     """``residual_prefill_ws``'s contract and shapes (``supports``) over 128-key tiles."""
-    if not supports(q, k_base, k_res):
-        raise ValueError("residual_prefill_wide: 16-key pages, head_dim 128, a GQA group of "
-                         "1, 2, 4 or 8, rank 16, bf16 on an sm_90 GPU")
-    if b_k_all.stride() != b_v_all.stride():
-        raise ValueError("residual_prefill_wide: B_k and B_v stacked alike (one pair of "
-                         "strides)")
+    check_inputs("residual_prefill_wide", q, k_base, k_res, b_k_all, b_v_all)
     launch = WideLaunch() if launch is None else launch
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    n_kv, rank = k_base.shape[2], k_res.shape[2]
-    g = n_heads // n_kv
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one host sync
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())  # one host sync
-    bound = max(max_seq_len, 1)
-    table16 = rope_table_in(cached_rope_table(inv_freq, bound), q.dtype).view(-1, head_dim)
-    kd, vd, krd, vrd, csd = descriptors(k_base, v_base, k_res, v_res, table16)
-    m_blocks = max(1, -(-max_q_len * g // launch.rows))
-    programs = seq_lens.numel() * n_kv * m_blocks
-    splits = dynamic_splits(programs, bound, sm_count(q.device), TILE, num_splits,
-                            programs_per_sm=1)
-    out = torch.empty_like(q)
-    part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
-    direct = splits == 1
-    _residual_prefill_wide_kernel[(programs, splits)](
-        kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
-        res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,
-        m_blocks, q.stride(0), q.stride(1), block_tables.stride(0), res_block_tables.stride(0),
-        b_k_all.stride(0), b_k_all.stride(1), out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if not direct else 0,
-        part_lse.stride(0), part_lse.stride(1),
-        N_KV=n_kv, G=g, R=rank, HEAD_DIM=head_dim, T=TILE, DIRECT=direct,
-        num_warps=4, maxnreg=launch.maxnreg, **launch.constexprs())
-    if direct:
-        return out
-    return merge_partials(part_out, part_lse, out, splits)
+    max_q_len, max_seq_len = host_bounds(seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
+    args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
+            cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq)
+    return run_prefill_kernel(_residual_prefill_wide_kernel, TILE, launch.rows,
+                              dict(num_warps=4, maxnreg=launch.maxnreg, **launch.constexprs()),
+                              args, scale, max_q_len, max_seq_len, num_splits)

@@ -13,6 +13,17 @@ DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 REL_TOL = 2e-2 if ON_CUDA else 1e-4
 
 
+def replays_as_eager(run) -> bool:
+    """Whether ``run()`` captured in a CUDA graph and replayed gives exactly its eager
+    output (a kernel's launch arguments all device-resident or fixed at capture)."""
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    return torch.equal(captured, eager)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
     out64, ref64 = out.to(torch.float64), ref.to(torch.float64)

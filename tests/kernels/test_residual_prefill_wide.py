@@ -11,8 +11,7 @@ from pathlib import Path
 
 import plain_oracle as plain
 import pytest
-import torch
-from kernel_testlib import REL_TOL, rel_err
+from kernel_testlib import REL_TOL, rel_err, replays_as_eager
 from test_residual_prefill_ws import CASES, _formula, _inputs, cuda_only
 from test_sm90_compile import check_ws_build
 
@@ -97,13 +96,8 @@ def test_wide_prefill_under_a_cuda_graph() -> None:
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
     args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
-    bounds = {"max_q_len": 64, "max_seq_len": 1024}
-    eager = residual_prefill_wide(*args, **bounds)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = residual_prefill_wide(*args, **bounds)
-    graph.replay()
-    assert torch.equal(captured, eager)
+    assert replays_as_eager(lambda: residual_prefill_wide(*args, max_q_len=64,
+                                                          max_seq_len=1024))
 
 
 def test_the_default_launch_takes_a_measured_wide_launch(

@@ -11,7 +11,7 @@ from pathlib import Path
 import plain_oracle as plain
 import pytest
 import torch
-from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
+from kernel_testlib import DEVICE, REL_TOL, rel_err, replays_as_eager, residual_inputs
 from test_sm90_compile import check_ws_build
 
 from benchmarks.residual_prefill_bench import WS_LAUNCHES
@@ -150,13 +150,8 @@ def test_ws_prefill_under_a_cuda_graph() -> None:
     from forkserve.kernels.residual_prefill_gluon import residual_prefill_ws
 
     args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
-    bounds = {"max_q_len": 64, "max_seq_len": 1024}
-    eager = residual_prefill_ws(*args, **bounds)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = residual_prefill_ws(*args, **bounds)
-    graph.replay()
-    assert torch.equal(captured, eager)
+    assert replays_as_eager(lambda: residual_prefill_ws(*args, max_q_len=64,
+                                                        max_seq_len=1024))
 
 
 @cuda_only
