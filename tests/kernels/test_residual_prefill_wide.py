@@ -29,9 +29,8 @@ def _name(launch: tuple) -> str:
 
 
 @pytest.mark.parametrize("direct,group,launch", [
-    (True, 4, WIDE_LAUNCHES[0]), (False, 4, WIDE_LAUNCHES[0]), (True, 8, WIDE_LAUNCHES[0]),
-    (False, 2, WIDE_LAUNCHES[0]), (True, 1, WIDE_LAUNCHES[0]), (False, 8, WIDE_LAUNCHES[-1]),
-    *((True, 4, lc) for lc in WIDE_LAUNCHES[1:])],
+    (True, 4, WIDE_LAUNCHES[0]), (False, 8, WIDE_LAUNCHES[0]), (True, 1, WIDE_LAUNCHES[0]),
+    (False, 2, WIDE_LAUNCHES[-1]), *((True, 4, lc) for lc in WIDE_LAUNCHES[1:])],
     ids=lambda x: _name(x) if isinstance(x, tuple) else str(x))
 def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
                                       tmp_path) -> None:
