@@ -17,24 +17,25 @@ models the protocol):
   waits on a barrier of the whole group each (50 a tile);
 * the **rebuilding warp group** (the default partition) turns each landed key into the
   whole key **in place**, ``K_base + RoPE(K_res B_k)`` written over the slot's base key by
-  64 keys and ``chunk`` column pairs at a time (a thread keeps ~72 registers), in float32
-  or packed bf16 pairs (``bf16_rope``); zeroes a split's last tile's stale value rows; and
-  hands the tile to the consumers once its values have landed too. Rows without an adapter
-  pass through;
-* two **consumers** (one warp group each, 64 query rows each) take every ready tile: the
-  scores ``Q K^T`` as one N = 128 product, the slot's keys released as soon as they land
-  (the next key gather starts under this tile's softmax and value products), the online
-  softmax, ``P V_base`` and ``P V_res``, the values released. Each consumer runs at its own
-  pace over the same slots, so one's softmax may run under the other's products; each
-  writes its own rows.
+  64 keys and ``chunk`` column pairs at a time (a thread keeps 72 registers beside two
+  consumers, 232 beside one), in float32 or packed bf16 pairs (``bf16_rope``); zeroes a
+  split's last tile's stale value rows; and hands the tile to the consumers once its values
+  have landed too. Rows without an adapter pass through;
+* two **consumers** (one warp group each, 64 query rows each; or one, ``consumers=1``, for
+  chunks whose rows fill 64) take every ready tile: the scores ``Q K^T`` as one N = 128
+  product, the slot's keys released as soon as they land (the next key gather starts under
+  this tile's softmax and value products), the online softmax, ``P V_base`` and ``P
+  V_res``, the values released. Each consumer runs at its own pace over the same slots, so
+  one's softmax may run under the other's products; each writes its own rows.
 
 So a consumer's tile is FlashAttention's over twice the keys of the ``ws`` kernel's, with
 nothing of the residual in it but the ``P V_res`` product; ``B_v`` is applied once after the
-loop. Shared memory: two slots of 72 KiB, the cos|sin halves 32, Q 32, ``B_v`` 4, ``B_k``'s
-chunks 4 (~217 KiB, one program per SM).
+loop. Shared memory: two slots of 72 KiB, the cos|sin halves 32, Q 32 (16 with one
+consumer), ``B_v`` 4, ``B_k``'s chunks 4 (~217 KiB, one program per SM).
 
-Grid, split plan and shapes are the ``ws`` kernel's (``ws_prefill_shape``), always 128 query
-rows a program; a split's keys are whole 128-key tiles.
+Grid, split plan, shapes and host launch are the ``ws`` kernel's (``ws_prefill_shape``,
+``run_prefill_kernel``), 64 or 128 query rows a program; a split's keys are whole 128-key
+tiles.
 """
 from __future__ import annotations
 
