@@ -89,27 +89,33 @@ class WideLaunch:
     (``_rope_plus_base_bf16x2``), not in float32; ``pingpong``: the consumers issue their
     score products in turns (FlashAttention-3's warp-group ping-pong, by a pair of
     mbarriers: one's softmax then runs under the other's products; two consumers only), not
-    each as soon as its tile is ready."""
+    each as soon as its tile is ready; ``overlap``: a consumer issues the next tile's score
+    products before this tile's softmax (one consumer only: two score tiles in registers)."""
 
     consumers: int = 2
     consumer_regs: int = 200
     chunk: int = 16
     bf16_rope: bool = False
     pingpong: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
             raise ValueError("WideLaunch: one consumer warp group or two; pingpong takes two")
+        if self.overlap and self.consumers != 1:
+            raise ValueError("WideLaunch: overlap holds two score tiles a consumer thread, "
+                             "which only one consumer's registers have room for")
         if self.chunk not in (8, 16, 32):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
                              "columns: 8, 16 or 32")
 
     @property
     def name(self) -> str:
-        """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``), as the
-        bench reports it."""
+        """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``), as
+        the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
-                + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else ""))
+                + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
+                + ("_ov" if self.overlap else ""))
 
     @property
     def rows(self) -> int:
@@ -125,7 +131,8 @@ class WideLaunch:
     def constexprs(self) -> dict:
         """The kernel's compile-time arguments for this launch."""
         return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
-                    CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong)
+                    CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
+                    OVERLAP=self.overlap)
 
 
 @gluon.jit
@@ -339,12 +346,24 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
 
 
 @gluon.jit
+def _scores(q_lo, q_hi, bufs, s, s_l: gl.constexpr):
+    """``Q K^T`` of slot ``s``'s key, in flight (the caller waits)."""
+    W: gl.constexpr = q_lo.type.shape[0]
+    T: gl.constexpr = bufs[0].type.shape[1]
+    sc = warpgroup_mma(q_lo, bufs[0].index(s).permute((1, 0)),
+                       gl.zeros([W, T], gl.float32, s_l), use_acc=False, is_async=True)
+    return warpgroup_mma(q_hi, bufs[1].index(s).permute((1, 0)), sc, is_async=True)
+
+
+@gluon.jit
 def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
-             PINGPONG: gl.constexpr):
+             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
     tile, then its rows out (``store_rows``). With ``PINGPONG`` its score products wait
     their turn: consumer 0's of tile ``i`` after consumer 1's of tile ``i - 1``, consumer
-    1's after consumer 0's of tile ``i``."""
+    1's after consumer 0's of tile ``i``. With ``OVERLAP`` tile ``i + 1``'s score products
+    are issued before tile ``i``'s softmax and run under it (FA3's intra-warp-group overlap;
+    the registers of two score tiles)."""
     _, bars, bufs, ops, scalars, operands, outs = args
     ready, empty_k, empty_v, started, turn = bars[2], bars[3], bars[4], bars[7], bars[8]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
@@ -365,6 +384,8 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
              gl.zeros([W, HALF], gl.float32, o_l),
              gl.zeros([W, HALF], gl.float32, o_l), gl.zeros([W, R], gl.float32, r_l))
     first = WG * W // G  # this warp group's first token of the program's
+    if OVERLAP:
+        sc = gl.zeros([W, T], gl.float32, s_l)  # the scores carried from tile to tile
     if n_tiles > 0:
         # After the first tile is ready, so after both consumers started.
         mbarrier.wait(ready.index(0), 0)
@@ -372,29 +393,38 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
         stage_queries(q_lo, q_hi, (q_base, stride_qt, stride_qh, tok0 + first, q_len,
                                    scale_log2e), G)
         fence_async_shared()
+        if OVERLAP:
+            sc = warpgroup_mma_wait(0, deps=(_scores(q_lo, q_hi, bufs, 0, s_l), ))
     pos = q_pos0 + (WG * W + gl.arange(0, W, layout=gl.SliceLayout(1, s_l))) // G
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, s_l))
     seen_by_all = gl.minimum(stop, q_pos0 + first + 1)  # the keys every row here sees
     for i in range(n_tiles):
         s = i % NS
-        phase = (i // NS) & 1
-        mbarrier.wait(ready.index(s), phase)
-        if PINGPONG:  # consumer 0's first turn passes: a fresh barrier's wait on parity 1
-            mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))
-        sc = warpgroup_mma(q_lo, bufs[0].index(s).permute((1, 0)),
-                           gl.zeros([W, T], gl.float32, s_l), use_acc=False, is_async=True)
-        sc = warpgroup_mma(q_hi, bufs[1].index(s).permute((1, 0)), sc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-        sc = warpgroup_mma_wait(0, deps=(sc, ))
-        # No proxy fence: a consumer reads a slot by wgmma alone (the async proxy, as the
-        # TMA copies that refill it), its products waited on first.
+        if not OVERLAP:
+            mbarrier.wait(ready.index(s), (i // NS) & 1)
+            if PINGPONG:  # consumer 0's first turn passes: a fresh barrier's wait on parity 1
+                mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))
+            sc = _scores(q_lo, q_hi, bufs, s, s_l)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            sc = warpgroup_mma_wait(0, deps=(sc, ))
+        # Tile i's scores have landed. No proxy fence: a consumer reads a slot by wgmma
+        # alone (the async proxy, as the TMA copies that refill it).
         mbarrier.arrive(empty_k.index(s))
-        if start + (i + 1) * T > seen_by_all:
+        if start + (i + 1) * T > seen_by_all:  # nothing in flight here
             sc = mask_scores(sc, start + i * T, stop, pos, cols)
+        if OVERLAP:
+            # Unconditional, so nothing in flight crosses a branch: after the last tile
+            # they score a slot no tile refills, and their result is dropped.
+            nxt = i + 1
+            mbarrier.wait(ready.index(nxt % NS), (nxt // NS) & 1, pred=nxt < n_tiles)
+            sc_next = _scores(q_lo, q_hi, bufs, nxt % NS, s_l)
         p16, state = online_softmax(sc, state)
         m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, s, state)
-        o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
+        if OVERLAP:
+            o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
+        else:
+            o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
         state = (m_i, l_i, o_lo, o_hi, acc_r)
         mbarrier.arrive(empty_v.index(s))
     m_i, l_i, o_lo, o_hi, acc_r = state
@@ -413,7 +443,7 @@ def _residual_prefill_wide_kernel(
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
-        PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -444,12 +474,12 @@ def _residual_prefill_wide_kernel(
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, PINGPONG)),
-                            (_consume, (args, 1, G, DIRECT, PINGPONG))],
+                            (_consume, (args, 0, G, DIRECT, PINGPONG, False)),
+                            (_consume, (args, 1, G, DIRECT, PINGPONG, False))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, False))],
+                            (_consume, (args, 0, G, DIRECT, False, OVERLAP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 

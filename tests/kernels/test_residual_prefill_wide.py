@@ -54,6 +54,9 @@ def test_the_launch_splits_the_registers() -> None:
         WideLaunch(chunk=24)
     with pytest.raises(ValueError, match="pingpong takes two"):
         WideLaunch(1, 232, 32, pingpong=True)
+    with pytest.raises(ValueError, match="overlap holds two score tiles"):
+        WideLaunch(overlap=True)
+    assert WideLaunch(1, 232, 32, True, overlap=True).name == "wide_m64_r232_c32_bf16_ov"
 
 
 @cuda_only
@@ -84,7 +87,7 @@ def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
     seq_lens, q_lens = CASES[case]
     args, c = _inputs(group + case + 20, seq_lens, q_lens, group=group)
     ref = _formula(args, c)
-    for launch in (WideLaunch(), WideLaunch(*WIDE_LAUNCHES[-2])):
+    for launch in (WideLaunch(), WideLaunch(*WIDE_LAUNCHES[-1])):
         for num_splits in (None, 1, 3):
             out = residual_prefill_wide(*args, num_splits=num_splits, launch=launch)
             assert rel_err(out, ref) < REL_TOL, (launch.name, num_splits)

@@ -44,21 +44,24 @@ class Program:
     landing copy may run), over ``n_tiles`` tiles; ``last_values_only``: the protocol
     before round 29, the rebuilding group waiting on the values at the last tile alone and
     each consumer on every tile's before its value products; ``pingpong``: the consumers'
-    score products in turns (``WideLaunch.pingpong``)."""
+    score products in turns (``WideLaunch.pingpong``); ``overlap``: one consumer, the next
+    tile's scores read from before this tile's softmax until its end (``overlap``)."""
 
     def __init__(self, n_tiles: int, has_res: bool, last_values_only: bool = False,
-                 pingpong: bool = False) -> None:
+                 pingpong: bool = False, overlap: bool = False) -> None:
         self.n, self.has_res, self.last_values_only = n_tiles, has_res, last_values_only
+        self.consumers = 1 if overlap else 2
+        self.overlap = overlap
         self.pingpong, self.turn = pingpong, [Barrier(1), Barrier(1)]
         self.scoring: list[int] = []  # the consumers that issued a tile's scores, in order
         self.full_k = [Barrier(1) for _ in range(SLOTS)]
         self.full_v = [Barrier(1) for _ in range(SLOTS)]
         self.ready = [Barrier(1) for _ in range(SLOTS)]
-        self.empty_k = [Barrier(2) for _ in range(SLOTS)]
-        self.empty_v = [Barrier(2) for _ in range(SLOTS)]
+        self.empty_k = [Barrier(self.consumers) for _ in range(SLOTS)]
+        self.empty_v = [Barrier(self.consumers) for _ in range(SLOTS)]
         self.cs_full = [Barrier(1) for _ in range(HALVES)]
         self.cs_free = [Barrier(1) for _ in range(HALVES)]
-        self.started = Barrier(3)
+        self.started = Barrier(self.consumers + 1)
         self.keys: list = [None] * SLOTS  # (tile, rebuilt)
         self.values: list = [None] * SLOTS
         self.cos_sin: list = [None] * HALVES
@@ -114,6 +117,9 @@ class Program:
             self.ready[s].arrive()
 
     def consumer(self, w: int) -> Generator:
+        if self.overlap:
+            yield from self.overlapped_consumer()
+            return
         self.started.arrive()
         if self.n > 0:
             yield from self.wait(self.ready[0], 0)
@@ -135,6 +141,27 @@ class Program:
             yield from self.reading(("v", s), w)
             self.empty_v[s].arrive()
 
+    def overlapped_consumer(self) -> Generator:
+        """The one consumer with ``overlap``: tile ``i + 1``'s keys read (its score products
+        in flight) from before tile ``i``'s softmax to that tile's end."""
+        self.started.arrive()
+        if self.n > 0:
+            yield from self.wait(self.ready[0], 0)
+            assert self.keys[0] == (0, self.has_res), f"scored tile 0 on {self.keys[0]}"
+        for i in range(self.n):
+            s, nxt = i % SLOTS, (i + 1) % SLOTS
+            self.empty_k[s].arrive()
+            if i + 1 < self.n:
+                yield from self.wait(self.ready[nxt], ((i + 1) // SLOTS) & 1)
+                assert self.keys[nxt] == (i + 1, self.has_res), \
+                    f"scored tile {i + 1} on {self.keys[nxt]}"
+                self.readers["k", nxt].add(0)
+            yield  # the softmax, the next scores in flight
+            assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
+            yield from self.reading(("v", s), 0)
+            self.readers["k", nxt].discard(0)
+            self.empty_v[s].arrive()
+
     def reading(self, what: tuple, w: int) -> Generator:
         self.readers[what].add(w)
         yield
@@ -142,8 +169,8 @@ class Program:
 
     def run(self, seed: int) -> None:
         rng = random.Random(seed)
-        roles = {"loader": self.loader(), "rebuild": self.rebuild(),
-                 "consumer0": self.consumer(0), "consumer1": self.consumer(1)}
+        roles = {"loader": self.loader(), "rebuild": self.rebuild()}
+        roles |= {f"consumer{w}": self.consumer(w) for w in range(self.consumers)}
         for _ in range(100_000):
             if not roles and not self.copies:
                 return
@@ -173,6 +200,15 @@ def test_the_consumers_take_turns_at_their_scores(n_tiles: int, has_res: bool) -
         program = Program(n_tiles, has_res, pingpong=True)
         program.run(seed)
         assert program.scoring == [0, 1] * n_tiles
+
+
+@pytest.mark.parametrize("has_res", [True, False])
+@pytest.mark.parametrize("n_tiles", [0, 1, 2, 3, 6])
+def test_one_consumer_scoring_a_tile_ahead(n_tiles: int, has_res: bool) -> None:
+    """``overlap``: the next tile's keys are read while they are held (not released until
+    that tile's turn), every run ending."""
+    for seed in range(200):
+        Program(n_tiles, has_res, overlap=True).run(seed)
 
 
 def test_waiting_on_the_last_values_alone_aliases() -> None:
