@@ -180,11 +180,12 @@ def rebuild_layout(n, num_warps):
 @gluon.jit
 def _stage_operands(operands, bufs, G: gl.constexpr):
     """The program's queries into ``q_lo, q_hi`` (``stage_queries``) and its adapter's
-    ``B_k, B_v`` columns of its KV head into ``bk_lo, bk_hi, bv_lo, bv_hi`` (``stage_adapter``)."""
+    ``B_k, B_v`` columns of its KV head into ``bk_lo, bk_hi, bv_lo, bv_hi`` (``stage_b``)."""
     q_base, stride_qt, stride_qh, tok0, q_len, bk_row, bv_row, stride_br, scale_log2e, \
         has_res = operands
     stage_queries(bufs[0], bufs[1], (q_base, stride_qt, stride_qh, tok0, q_len, scale_log2e), G)
-    stage_adapter(bufs[2:6], bk_row, bv_row, stride_br, has_res)
+    stage_b(bufs[2], bufs[3], bk_row, stride_br, has_res)
+    stage_b(bufs[4], bufs[5], bv_row, stride_br, has_res)
 
 
 @gluon.jit
@@ -207,15 +208,6 @@ def stage_queries(q_lo, q_hi, queries, G: gl.constexpr):
                .to(gl.bfloat16))
     q_hi.store((gl.load(q_ptr + HALF, mask=q_ok, other=0.0).to(gl.float32) * scale_log2e)
                .to(gl.bfloat16))
-
-
-@gluon.jit
-def stage_adapter(b_bufs, bk_row, bv_row, stride_br, has_res):
-    """The adapter's ``B_k, B_v`` columns of the KV head (rows ``bk_row, bv_row``, stride
-    ``stride_br``) into ``b_bufs = (bk_lo, bk_hi, bv_lo, bv_hi) [r, D/2]``; zero without an
-    adapter."""
-    stage_b(b_bufs[0], b_bufs[1], bk_row, stride_br, has_res)
-    stage_b(b_bufs[2], b_bufs[3], bv_row, stride_br, has_res)
 
 
 @gluon.jit
@@ -252,7 +244,7 @@ def _rope_bf16x2(u_lo, u_hi, cos, sin):
 
 
 @gluon.jit
-def rotated_residual(k_tiles, kr_tile, cs_tiles, bk_lo, bk_hi, u_l: gl.constexpr,
+def _rotated_residual(k_tiles, kr_tile, cs_tiles, bk_lo, bk_hi, u_l: gl.constexpr,
                      WITH_BASE: gl.constexpr, BF16_ROPE: gl.constexpr):
     """``RoPE(K_res B_k)`` of a tile of keys as halves ``[T, D/2]`` in ``u_l`` (plus the base
     tile ``k_tiles = (K_lo, K_hi)`` if ``WITH_BASE``): ``kr_tile`` its ``K_res`` rows,
@@ -338,7 +330,7 @@ def _prepare(args, i, BASE_SCORES: gl.constexpr, BF16_ROPE: gl.constexpr):
     s = _landed(args, i)
     u_l: gl.constexpr = rebuild_layout(HALF, gl.num_warps())
     if has_res:
-        k_a, k_b = rotated_residual((k_lo.index(s), k_hi.index(s)), bufs[4].index(s),
+        k_a, k_b = _rotated_residual((k_lo.index(s), k_hi.index(s)), bufs[4].index(s),
                                     (bufs[6].index(s), bufs[7].index(s)), bk_lo, bk_hi, u_l,
                                     not BASE_SCORES, BF16_ROPE)
         rot_lo.store(k_a.to(gl.bfloat16))

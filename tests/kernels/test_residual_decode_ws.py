@@ -11,7 +11,7 @@ from pathlib import Path
 import plain_oracle as plain
 import pytest
 import torch
-from kernel_testlib import DEVICE, REL_TOL, rel_err, residual_inputs
+from kernel_testlib import DEVICE, REL_TOL, rel_err, replays_as_eager, residual_inputs
 from test_sm90_compile import check_ws_build
 
 from forkserve.kernels import residual_decode
@@ -90,13 +90,8 @@ def test_ws_at_other_shapes(group: int, rank: int) -> None:
 @cuda_only
 def test_ws_under_a_cuda_graph() -> None:
     args, _ = _inputs(5, [300, 1000, 17])
-    bound = {"max_seq_len": 1024}
-    eager = residual_decode(*args, use_triton=True, variant="ws", **bound)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = residual_decode(*args, use_triton=True, variant="ws", **bound)
-    graph.replay()
-    assert torch.equal(captured, eager)
+    assert replays_as_eager(lambda: residual_decode(*args, use_triton=True, variant="ws",
+                                                    max_seq_len=1024))
 
 
 def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
