@@ -787,12 +787,13 @@ PY
     --out "$OUT/ncu_source_${TAG:-round28}.json"
   ;;
 75)
-  # Round 29: the 128-key kernel against the formulas, every launch the bench measures
+  # Round 29-30: the 128-key kernel against the formulas, every launch the bench measures
   # (compiled kernels kept in TRITON_CACHE_DIR for 76). First one small case alone under a
-  # short timeout (a hang in a new protocol then costs 150 s, not the call), then the rest;
-  # -x: a wrong answer stops at its first case. K: a pytest -k expression for the rest.
+  # short timeout, at the default launch and each thread_arrive protocol (a hang in a new
+  # protocol then costs 240 s, not the call; -v names the launch it hung at), then the
+  # rest; -x: a wrong answer stops at its first case. K: a pytest -k expression for the rest.
   export TRITON_CACHE_DIR=/root/tc23
-  FORKSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -v -x -p no:cacheprovider \
+  FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -v -x -p no:cacheprovider \
     -p no:warnings -k under_a_cuda_graph tests/kernels/test_residual_prefill_wide.py 2>&1 \
     | tee "$OUT/pytest_cuda_wide_prefill_first.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1

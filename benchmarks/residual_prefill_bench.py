@@ -60,12 +60,14 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
 # The 128-key kernel's launches (consumers, consumer registers, rebuild chunk, bf16_rope,
-# pingpong, overlap: WideLaunch). Two consumers leave the rebuild 72 registers, where a
-# chunk of 32 spills inside its loop; one leaves it 232.
-WIDE_LAUNCHES = [(2, 200, 16, False, False, False), (2, 200, 16, True, False, False),
-                 (2, 200, 8, True, False, False), (2, 200, 16, True, True, False),
-                 (1, 232, 32, False, False, False), (1, 232, 32, True, False, False),
-                 (1, 232, 32, True, False, True)]
+# pingpong, overlap, thread_arrive: WideLaunch). Two consumers leave the rebuild 72
+# registers, where a chunk of 32 spills inside its loop; one leaves it 232, room for a
+# chunk of a whole key half (64). Round 30 put thread_arrive beside round 29's launches
+# (a consumer's tile then crosses 1 CTA barrier, not 4: docs/KERNELS.md "Round 30").
+WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, False, False, False),
+                 (2, 200, 16, True, False, False, True), (2, 200, 16, True, True, False, True),
+                 (1, 232, 32, True, False, False, False), (1, 232, 64, True, False, False, True),
+                 (1, 232, 64, True, False, True, True)]
 
 
 def launch_table() -> dict:

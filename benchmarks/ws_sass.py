@@ -104,12 +104,12 @@ def _loops(ins: list[tuple[int, str]]):
 
 def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """The 128-key kernel's rebuilding warp group's loop (residual_prefill_wide.py): of the
-    loops with the up-projection's wgmma (N = its chunk) and none of a consumer's ``N = 128``
-    score products, the innermost of those holding the most of them: an mbarrier wait's
-    retry block, laid out at the function's end, jumps back into the middle of a tile and
-    spans a part of it alone."""
+    loops with the up-projection's wgmma (N = its chunk: 4 a tile at a chunk of 64) and
+    none of a consumer's ``N = 128`` score products, the innermost of those holding the
+    most of them: an mbarrier wait's retry block, laid out at the function's end, jumps
+    back into the middle of a tile and spans a part of it alone."""
     loops = [(-ops["HGMMA"], len(body), body) for body, ops in _loops(ins)
-             if ops["HGMMA"] >= 8 and ops["STG"] == 0
+             if ops["HGMMA"] >= 4 and ops["STG"] == 0
              and not any("HGMMA.64x128x" in t for _, t in body)]
     if not loops:
         raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
@@ -264,6 +264,8 @@ def plot(kernel: Kernel, counts: list[TileCount], measured: dict[str, float],
         values = [c.by_class.get(k, 0.0) for c in counts]
         ax.bar(names, values, bottom=bottom, label=k)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (top, c) in enumerate(zip(bottom, counts, strict=True)):
+        ax.annotate(f"{c.barriers:g} BAR", (x, top), ha="center", va="bottom", fontsize=7)
     if measured:
         per_tile = {c.launch: c.per_tile for c in counts}
         ax.plot(names, [measured.get(c.launch, float("nan")) * per_tile[c.plain]
@@ -271,7 +273,7 @@ def plot(kernel: Kernel, counts: list[TileCount], measured: dict[str, float],
                 label=f"measured time x the plain launch's count ({kernel.case})")
     ax.set_ylabel("SASS instructions a key tile (a thread of the role)")
     ax.set_title(f"ws residual {kernel.name}, sm_90a ({kernel.case}):\n"
-                 "each counted role's instructions a tile", fontsize=10)
+                 "each counted role's instructions a tile (and its CTA barriers)", fontsize=10)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.legend(fontsize=8, ncols=2)
     save_figure(fig, path)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -90,7 +91,10 @@ class WideLaunch:
     score products in turns (FlashAttention-3's warp-group ping-pong, by a pair of
     mbarriers: one's softmax then runs under the other's products; two consumers only), not
     each as soon as its tile is ready; ``overlap``: a consumer issues the next tile's score
-    products before this tile's softmax (one consumer only: two score tiles in registers)."""
+    products before this tile's softmax (one consumer only: two score tiles in registers);
+    ``thread_arrive``: the arrivals that release a buffer (a slot's keys or values, a cos|sin
+    half, a ping-pong turn) are made by every thread of the warp group on its own, the
+    barrier counting threads (``_release``), not by one thread after a barrier of the group."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -98,6 +102,7 @@ class WideLaunch:
     bf16_rope: bool = False
     pingpong: bool = False
     overlap: bool = False
+    thread_arrive: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -105,17 +110,17 @@ class WideLaunch:
         if self.overlap and self.consumers != 1:
             raise ValueError("WideLaunch: overlap holds two score tiles a consumer thread, "
                              "which only one consumer's registers have room for")
-        if self.chunk not in (8, 16, 32):
+        if self.chunk not in (8, 16, 32, 64):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
-                             "columns: 8, 16 or 32")
+                             "columns: 8, 16, 32 or 64")
 
     @property
     def name(self) -> str:
-        """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``), as
-        the bench reports it."""
+        """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
+        ``_ta``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
-                + ("_ov" if self.overlap else ""))
+                + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else ""))
 
     @property
     def rows(self) -> int:
@@ -132,18 +137,20 @@ class WideLaunch:
         """The kernel's compile-time arguments for this launch."""
         return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
-                    OVERLAP=self.overlap)
+                    OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive)
 
 
 @gluon.jit
-def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr):
+def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr,
+          THREAD_ARRIVE: gl.constexpr):
     """The slots and their barriers: ``NS`` slots of a ``T``-key tile (``K_base`` and
     ``V_base`` halves, ``K_res`` and ``V_res`` rows) and two cos|sin buffers of ``csd``'s
     64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
     key rebuilt (the rebuilding warp group), its keys and its values read (by each of the
     ``C`` consumers); each cos|sin half landed and read; every worker started (after which
     shared memory that held the workers' arguments may be reused); each consumer's turn to
-    issue its score products (``pingpong``)."""
+    issue its score products (``pingpong``). A release (``_release``) counts a warp group
+    once, or each of its threads with ``THREAD_ARRIVE``."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     H: gl.constexpr = csd.block_type.shape[0]
@@ -155,10 +162,26 @@ def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr):
             gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
             gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout),
             gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout))
-    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, C),
-            _barriers(NS, C), _barriers(T // H, 1), _barriers(T // H, 1),
-            _barriers(1, C + 1).index(0), _barriers(2, 1))
+    A: gl.constexpr = 128 if THREAD_ARRIVE else 1  # a warp group's arrivals at a release
+    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, C * A),
+            _barriers(NS, C * A), _barriers(T // H, 1), _barriers(T // H, A),
+            _barriers(1, C + 1).index(0), _barriers(2, A))
     return bufs, bars
+
+
+@gluon.jit
+def _release(bar, THREAD_ARRIVE: gl.constexpr):
+    """This warp group's arrival on ``bar``, which releases a buffer it only read, its reads
+    complete (a wgmma waited on; loads whose values were used) or guards none (a turn).
+    Gluon's arrive is one thread's after a barrier of the warp group, which the compiler
+    adds again before the group's next wait or shared access; with ``THREAD_ARRIVE`` every
+    thread arrives on its own instead: cp.async's arrive, which lands at once with none of
+    the thread's copies pending, and orders nothing (a buffer that publishes writes, a
+    rebuilt key, keeps Gluon's arrive)."""
+    if THREAD_ARRIVE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar)
 
 
 @gluon.jit
@@ -307,7 +330,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 
 
 @gluon.jit
-def _rebuild(args, BF16_ROPE: gl.constexpr):
+def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -333,7 +356,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr):
                 _rebuild_half(bufs, ops[4], s, h, BF16_ROPE)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
-                mbarrier.arrive(cs_free.index(h))
+                _release(cs_free.index(h), THREAD_ARRIVE)
         # Every tile's values waited on here, not only a split's last tile's (whose stale
         # rows it zeroes): a wait on a barrier two phases ahead would pass on the parity of
         # the earlier phase. The consumers then take the values as ready with the key.
@@ -357,7 +380,7 @@ def _scores(q_lo, q_hi, bufs, s, s_l: gl.constexpr):
 
 @gluon.jit
 def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
-             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
     tile, then its rows out (``store_rows``). With ``PINGPONG`` its score products wait
     their turn: consumer 0's of tile ``i`` after consumer 1's of tile ``i - 1``, consumer
@@ -406,11 +429,11 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
                 mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))
             sc = _scores(q_lo, q_hi, bufs, s, s_l)
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
+                _release(turn.index(1 - WG), THREAD_ARRIVE)
             sc = warpgroup_mma_wait(0, deps=(sc, ))
         # Tile i's scores have landed. No proxy fence: a consumer reads a slot by wgmma
         # alone (the async proxy, as the TMA copies that refill it).
-        mbarrier.arrive(empty_k.index(s))
+        _release(empty_k.index(s), THREAD_ARRIVE)
         if start + (i + 1) * T > seen_by_all:  # nothing in flight here
             sc = mask_scores(sc, start + i * T, stop, pos, cols)
         if OVERLAP:
@@ -426,7 +449,7 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
         else:
             o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
         state = (m_i, l_i, o_lo, o_hi, acc_r)
-        mbarrier.arrive(empty_v.index(s))
+        _release(empty_v.index(s), THREAD_ARRIVE)
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         o_lo, o_hi = apply_b_v(o_lo, o_hi, acc_r, ops[2], ops[3])
@@ -443,7 +466,8 @@ def _residual_prefill_wide_kernel(
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
-        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -459,7 +483,7 @@ def _residual_prefill_wide_kernel(
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
-    bufs, bars = _ring(kd, krd, csd, SLOTS, T, CONSUMERS)
+    bufs, bars = _ring(kd, krd, csd, SLOTS, T, CONSUMERS, THREAD_ARRIVE)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
@@ -473,13 +497,13 @@ def _residual_prefill_wide_kernel(
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, PINGPONG, False)),
-                            (_consume, (args, 1, G, DIRECT, PINGPONG, False))],
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE)), (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
+                            (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE)), (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, False, OVERLAP))],
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE)), (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 

@@ -57,6 +57,8 @@ def test_the_launch_splits_the_registers() -> None:
     with pytest.raises(ValueError, match="overlap holds two score tiles"):
         WideLaunch(overlap=True)
     assert WideLaunch(1, 232, 32, True, overlap=True).name == "wide_m64_r232_c32_bf16_ov"
+    assert WideLaunch(1, 232, 64, True, thread_arrive=True).name == "wide_m64_r232_c64_bf16_ta"
+    assert WideLaunch(thread_arrive=True).constexprs()["THREAD_ARRIVE"]
 
 
 @cuda_only
@@ -94,12 +96,17 @@ def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
 
 
 @cuda_only
-def test_wide_prefill_under_a_cuda_graph() -> None:
+@pytest.mark.parametrize("launch", [WIDE_LAUNCHES[0], WIDE_LAUNCHES[3], WIDE_LAUNCHES[-1]],
+                         ids=_name)
+def test_wide_prefill_under_a_cuda_graph(launch: tuple) -> None:
+    """The first CUDA test h200_issue15.sh runs (a hang then costs its short timeout): the
+    default launch, and each release protocol (``thread_arrive``) with two consumers in
+    turns and with one scoring a tile ahead."""
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
     args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
-    assert replays_as_eager(lambda: residual_prefill_wide(*args, max_q_len=64,
-                                                          max_seq_len=1024))
+    assert replays_as_eager(lambda: residual_prefill_wide(
+        *args, max_q_len=64, max_seq_len=1024, launch=WideLaunch(*launch)))
 
 
 def test_the_default_launch_takes_a_measured_wide_launch(

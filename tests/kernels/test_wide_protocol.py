@@ -12,7 +12,11 @@ every run ends. Change it with the kernel's protocol.
 Round 29 found with it that the rebuilding warp group, waiting on a slot's values only at a
 split's last tile (to zero its stale rows), could pass on the parity of a phase two tiles
 old: it now waits on every tile's values (``test_waiting_on_the_last_values_alone_aliases``
-keeps that reading)."""
+keeps that reading).
+
+``thread_arrive`` (round 30) releases a buffer by every thread's arrival, the barrier
+counting threads: here a warp group's release is ``threads`` arrivals with other roles (and
+landing copies) free to run between them."""
 from __future__ import annotations
 
 import random
@@ -45,22 +49,24 @@ class Program:
     before round 29, the rebuilding group waiting on the values at the last tile alone and
     each consumer on every tile's before its value products; ``pingpong``: the consumers'
     score products in turns (``WideLaunch.pingpong``); ``overlap``: one consumer, the next
-    tile's scores read from before this tile's softmax until its end (``overlap``)."""
+    tile's scores read from before this tile's softmax until its end (``overlap``);
+    ``threads``: the arrivals a warp group's release makes (``thread_arrive``: one a
+    thread)."""
 
     def __init__(self, n_tiles: int, has_res: bool, last_values_only: bool = False,
-                 pingpong: bool = False, overlap: bool = False) -> None:
+                 pingpong: bool = False, overlap: bool = False, threads: int = 1) -> None:
         self.n, self.has_res, self.last_values_only = n_tiles, has_res, last_values_only
         self.consumers = 1 if overlap else 2
-        self.overlap = overlap
-        self.pingpong, self.turn = pingpong, [Barrier(1), Barrier(1)]
+        self.overlap, self.threads = overlap, threads
+        self.pingpong, self.turn = pingpong, [Barrier(threads), Barrier(threads)]
         self.scoring: list[int] = []  # the consumers that issued a tile's scores, in order
         self.full_k = [Barrier(1) for _ in range(SLOTS)]
         self.full_v = [Barrier(1) for _ in range(SLOTS)]
         self.ready = [Barrier(1) for _ in range(SLOTS)]
-        self.empty_k = [Barrier(self.consumers) for _ in range(SLOTS)]
-        self.empty_v = [Barrier(self.consumers) for _ in range(SLOTS)]
+        self.empty_k = [Barrier(self.consumers * threads) for _ in range(SLOTS)]
+        self.empty_v = [Barrier(self.consumers * threads) for _ in range(SLOTS)]
         self.cs_full = [Barrier(1) for _ in range(HALVES)]
-        self.cs_free = [Barrier(1) for _ in range(HALVES)]
+        self.cs_free = [Barrier(threads) for _ in range(HALVES)]
         self.started = Barrier(self.consumers + 1)
         self.keys: list = [None] * SLOTS  # (tile, rebuilt)
         self.values: list = [None] * SLOTS
@@ -73,6 +79,13 @@ class Program:
     def wait(bar: Barrier, parity: int) -> Generator:
         while not bar.passed(parity):
             yield
+
+    def release(self, bar: Barrier) -> Generator:
+        """A warp group's release of what ``bar`` guards (``residual_prefill_wide._release``)."""
+        for t in range(self.threads):
+            if t:
+                yield
+            bar.arrive()
 
     def copy(self, store: list, index: int, value, bar: Barrier) -> None:
         store[index] = None  # in flight: nothing there to read
@@ -109,7 +122,7 @@ class Program:
                     yield from self.wait(self.cs_full[h], i & 1)
                     assert self.cos_sin[h] == i, f"tile {i} rotated by {self.cos_sin[h]}"
                     yield
-                    self.cs_free[h].arrive()
+                    yield from self.release(self.cs_free[h])
                 self.keys[s] = (i, True)
             if not self.last_values_only or i == self.n - 1:
                 yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
@@ -131,15 +144,15 @@ class Program:
                 yield from self.wait(self.turn[w], (i & 1) ^ (1 - w))
             self.scoring.append(w)
             if self.pingpong:
-                self.turn[1 - w].arrive()
+                yield from self.release(self.turn[1 - w])
             yield from self.reading(("k", s), w)
-            self.empty_k[s].arrive()
+            yield from self.release(self.empty_k[s])
             yield  # the softmax
             if self.last_values_only:  # then the consumers waited on the values themselves
                 yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
             assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
             yield from self.reading(("v", s), w)
-            self.empty_v[s].arrive()
+            yield from self.release(self.empty_v[s])
 
     def overlapped_consumer(self) -> Generator:
         """The one consumer with ``overlap``: tile ``i + 1``'s keys read (its score products
@@ -150,7 +163,7 @@ class Program:
             assert self.keys[0] == (0, self.has_res), f"scored tile 0 on {self.keys[0]}"
         for i in range(self.n):
             s, nxt = i % SLOTS, (i + 1) % SLOTS
-            self.empty_k[s].arrive()
+            yield from self.release(self.empty_k[s])
             if i + 1 < self.n:
                 yield from self.wait(self.ready[nxt], ((i + 1) // SLOTS) & 1)
                 assert self.keys[nxt] == (i + 1, self.has_res), \
@@ -160,7 +173,7 @@ class Program:
             assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
             yield from self.reading(("v", s), 0)
             self.readers["k", nxt].discard(0)
-            self.empty_v[s].arrive()
+            yield from self.release(self.empty_v[s])
 
     def reading(self, what: tuple, w: int) -> Generator:
         self.readers[what].add(w)
@@ -185,30 +198,48 @@ class Program:
         raise AssertionError(f"no progress: {sorted(roles)} wait forever")
 
 
+# A release by one arrival, or by a thread's each (``thread_arrive``; three model the count).
+THREADS = pytest.mark.parametrize("threads", [1, 3])
+
+
+@THREADS
 @pytest.mark.parametrize("has_res", [True, False])
 @pytest.mark.parametrize("n_tiles", [0, 1, 2, 3, 4, 7])
-def test_the_protocol_hands_every_tile_over_in_order(n_tiles: int, has_res: bool) -> None:
+def test_the_protocol_hands_every_tile_over_in_order(n_tiles: int, has_res: bool,
+                                                     threads: int) -> None:
     for seed in range(200):
-        Program(n_tiles, has_res).run(seed)
+        Program(n_tiles, has_res, threads=threads).run(seed)
 
 
+@THREADS
 @pytest.mark.parametrize("has_res", [True, False])
 @pytest.mark.parametrize("n_tiles", [1, 2, 5])
-def test_the_consumers_take_turns_at_their_scores(n_tiles: int, has_res: bool) -> None:
+def test_the_consumers_take_turns_at_their_scores(n_tiles: int, has_res: bool,
+                                                  threads: int) -> None:
     """With ``pingpong`` the score products alternate, consumer 0 first, every run ending."""
     for seed in range(200):
-        program = Program(n_tiles, has_res, pingpong=True)
+        program = Program(n_tiles, has_res, pingpong=True, threads=threads)
         program.run(seed)
         assert program.scoring == [0, 1] * n_tiles
 
 
+@THREADS
 @pytest.mark.parametrize("has_res", [True, False])
 @pytest.mark.parametrize("n_tiles", [0, 1, 2, 3, 6])
-def test_one_consumer_scoring_a_tile_ahead(n_tiles: int, has_res: bool) -> None:
+def test_one_consumer_scoring_a_tile_ahead(n_tiles: int, has_res: bool, threads: int) -> None:
     """``overlap``: the next tile's keys are read while they are held (not released until
     that tile's turn), every run ending."""
     for seed in range(200):
-        Program(n_tiles, has_res, overlap=True).run(seed)
+        Program(n_tiles, has_res, overlap=True, threads=threads).run(seed)
+
+
+def test_a_release_short_of_its_count_hangs() -> None:
+    """The counts follow the releases: a warp group arriving once where the barrier counts
+    its threads leaves the loader waiting (the model's hang, not a pass)."""
+    program = Program(3, True, threads=3)
+    program.release = lambda bar: (bar.arrive() for _ in range(1))
+    with pytest.raises(AssertionError, match="wait forever"):
+        program.run(0)
 
 
 def test_waiting_on_the_last_values_alone_aliases() -> None:

@@ -104,19 +104,27 @@ def test_the_prefill_launches(tmp_path):
 def test_the_wide_prefill_counts_two_roles(tmp_path):
     """The 128-key kernel: each launch's consumer and rebuilding warp group, each against
     the default launch's same role; bf16 pairs halve the rebuild's instructions and leave
-    the consumer's alone; a measured run puts each launch's time over the default's."""
+    the consumer's alone; a release by every thread (``thread_arrive``) leaves a
+    consumer's tile one CTA barrier of four (the rebuild's, the two cos|sin halves'); a
+    measured run puts each launch's time over the default's."""
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
         {"batch": 8, "new": 64, "keys": 8256,
          "device": {"unified_paged": 0.3, "residual_wide_m128_r200_c16": 0.2,
                     "residual_wide_m128_r200_c16_bf16": 0.18}}]}))
     run = _run("prefill_wide", "--out", str(tmp_path), "--launches",
-               "wide_m128_r200_c16_bf16", "--measured", str(measured))
+               "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16_ta",
+               "--measured", str(measured))
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "ws_prefill_wide_sass.json").read_text())
     counts = {c["launch"]: c for c in saved["launches"]}
     assert list(counts) == ["wide_m128_r200_c16", "wide_m128_r200_c16:rebuild",
-                            "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16:rebuild"]
+                            "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16:rebuild",
+                            "wide_m128_r200_c16_bf16_ta", "wide_m128_r200_c16_bf16_ta:rebuild"]
+    ta = counts["wide_m128_r200_c16_bf16_ta"]
+    ta_rebuild = counts["wide_m128_r200_c16_bf16_ta:rebuild"]
+    assert counts["wide_m128_r200_c16_bf16"]["barriers"] == 4 and ta["barriers"] == 1
+    assert ta_rebuild["barriers"] == counts["wide_m128_r200_c16_bf16:rebuild"]["barriers"] - 3
     assert counts["wide_m128_r200_c16_bf16:rebuild"]["plain"] == "wide_m128_r200_c16:rebuild"
     assert counts["wide_m128_r200_c16_bf16"]["per_tile"] == counts["wide_m128_r200_c16"]["per_tile"]
     fp32, bf16 = counts["wide_m128_r200_c16:rebuild"], counts["wide_m128_r200_c16_bf16:rebuild"]
