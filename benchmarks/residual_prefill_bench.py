@@ -23,7 +23,9 @@ ones, ``fused`` and every ``ws`` and ``wide`` launch. Each ws kernel's output is
 against the fused kernel's at every case (the tests' contexts stop near 4K).
 
 Writes residual_prefill.json after every case (``--tag`` names the file), a PNG of each
-route's time over the baseline's, and prints a table.
+route's time over the baseline's, and prints a table; and, where the 128-key kernel ran, the
+verdict on its launches (``wide_verdict``: the one ``default_launch`` should take at a
+program's rows, if any beat the ws default at every case).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 # --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
@@ -176,10 +179,43 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"].append(run_case(s, batch, new, keys, frozenset(args.skip_launches)))
         path.write_text(json.dumps(res, indent=1))
         print(f"{batch}x{new}/{keys} done", flush=True)
+    res["wide_verdict"] = wide_verdict(res)
+    path.write_text(json.dumps(res, indent=1))
     print_table(res)
     plot(res, path.with_suffix(".png"))
     print(f"wrote {path}")
     return 0
+
+
+def wide_verdict(res: dict) -> dict:
+    """Per program rows (64, 128; keys ``"64"``, ``"128"``): the cases whose chunks take that
+    many rows (``default_launch``), each 128-key launch of those rows over the ``ws`` column
+    there (the default launch of the run's commit; device time), its worst case, and
+    ``adopt``: the launch whose worst case is lowest, if under 1 (faster at every such case),
+    with the ``WideLaunch`` fields ``residual_prefill_gluon.MEASURED_WIDE_LAUNCHES[rows]``
+    takes; ``None`` where none is. Rows with a launch missing at a case (skipped, or no
+    kernel there) are not judged."""
+    from forkserve.kernels.residual_prefill_gluon import default_launch
+
+    group = res["shape"]["n_heads"] // res["shape"]["n_kv"]
+    table = launch_table()
+    verdict = {}
+    for rows in (64, 128):
+        cases = [r for r in res["rows"] if default_launch(r["new"], group).rows == rows]
+        over = {}
+        for name, launch in table.items():
+            times = [(r["device"].get(f"residual_{name}"), r["device"].get("residual_ws"))
+                     for r in cases]
+            if (name.startswith("wide_m") and launch.rows == rows and cases
+                    and all(t and ws for t, ws in times)):
+                over[name] = [t / ws for t, ws in times]
+        best = min(over, key=lambda n: max(over[n]), default=None)
+        adopt = best if best is not None and max(over[best]) < 1.0 else None
+        verdict[str(rows)] = {
+            "cases": [f"{r['batch']}x{r['new']}/{r['keys']}" for r in cases],
+            "over_default": over, "worst": {n: max(v) for n, v in over.items()},
+            "adopt": adopt, "fields": list(astuple(table[adopt])) if adopt else None}
+    return verdict
 
 
 def print_table(res: dict) -> None:
@@ -205,6 +241,16 @@ def print_table(res: dict) -> None:
         label = f"{r['batch']}x{r['new']}/{r['keys']}"
         cells = {"ws": r["ws_rel_err_vs_fused"], **r.get("wide_rel_err_vs_fused", {})}
         print(f"{label:>14s} " + " ".join(f"{n}={e:.1e}" for n, e in cells.items()))
+    for rows, v in res.get("wide_verdict", {}).items():
+        if not v["worst"]:
+            continue
+        print(f"128-key launches of {rows} rows over the ws default, worst of "
+              f"{', '.join(v['cases'])}: "
+              + " ".join(f"{n}={w:.2f}x" for n, w in sorted(v["worst"].items(),
+                                                           key=lambda x: x[1])))
+        print(f"  adopt at {rows} rows: " + (f"{v['adopt']}: MEASURED_WIDE_LAUNCHES[{rows}] = "
+                                             f"{tuple(v['fields'])}" if v["adopt"] else
+                                             "none (none faster at every case)"))
 
 
 def plot(res: dict, path: Path) -> None:

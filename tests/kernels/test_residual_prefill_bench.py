@@ -36,3 +36,29 @@ def test_an_unknown_launch_to_skip_is_one_line(tmp_path, capsys) -> None:
         bench.main(["--smoke", "--out", str(tmp_path), "--skip-launches", "ws_m96_s3"])
     assert e.value.code == 2
     assert "unknown ws launch ws_m96_s3" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_wide_verdict_adopts_only_a_launch_faster_at_every_case() -> None:
+    """At 128 rows (64-token chunks at GQA 4) the launch with the lowest worst case over the
+    ws default is adopted when it is faster at every case, with its ``WideLaunch`` fields; at
+    64 rows (16-token chunks) one slower at a case is not, and a launch missing at a case is
+    not judged."""
+    bench = load_script("residual_prefill_bench")
+    fast, faster, lone = "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16_ta", \
+        "wide_m64_r232_c64_bf16_ta"
+
+    def row(new: int, ws: float, **times: float) -> dict:
+        return {"batch": 8, "new": new, "keys": 8192 + new,
+                "device": {"residual_ws": ws, **{f"residual_{n}": t for n, t in times.items()}}}
+
+    res = {"shape": {"n_heads": 32, "n_kv": 8}, "rows": [
+        row(64, 1.0, **{fast: 0.9, faster: 0.8}), row(512, 2.0, **{fast: 1.6, faster: 1.7}),
+        row(16, 1.0, **{lone: 0.9, "wide_m64_r232_c32_bf16": 0.8}),
+        row(8, 1.0, **{lone: 1.1})]}
+    verdict = bench.wide_verdict(res)
+    assert verdict["128"]["cases"] == ["8x64/8256", "8x512/8704"]
+    assert verdict["128"]["worst"] == {fast: pytest.approx(0.9), faster: pytest.approx(0.85)}
+    assert verdict["128"]["adopt"] == faster
+    assert verdict["128"]["fields"] == [2, 200, 16, True, False, False, True]
+    assert verdict["64"]["worst"] == {lone: pytest.approx(1.1)}  # c32 missing at 8 tokens
+    assert verdict["64"]["adopt"] is None and verdict["64"]["fields"] is None
