@@ -6,6 +6,7 @@ pools (test_residual_prefill_ws.py's cases: chunks ending mid-page and mid-tile,
 chunk, rows without an adapter), whole and split, and under a CUDA graph."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -35,8 +36,21 @@ def _name(launch: tuple) -> str:
 def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
                                       tmp_path) -> None:
     """The kernel compiles for sm_90a with its TMA copies, wgmma and the register cuts and
-    fits one program's shared memory, at every group and launch the bench measures."""
+    fits one program's shared memory, at every group and launch the bench measures; its
+    barriers count the arrivals each release makes (``thread_arrive``: a warp group's 128
+    threads each): the slots' keys and values a consumer's, the cos|sin halves and the
+    ping-pong turns a warp group's, the rest one (TMA's expects, the rebuilt key) or all
+    roles' (``started``)."""
     check_ws_build(__file__, [direct, group, *launch], tmp_path, MAX_SPILL)
+    lc = WideLaunch(*launch)
+    a = 128 if lc.thread_arrive else 1
+    counts = sorted(int(n) for n in re.findall(
+        r"mbarrier\.init\.shared::cta\.b64 \[[^\]]+\], (\d+);",
+        (tmp_path / "ws.ptx").read_text()))
+    # full_k, full_v, ready, cos|sin full (2 each); empty_k, empty_v; cos|sin free, turn;
+    # started.
+    want = [1] * 8 + [lc.consumers * a] * 4 + [a] * 4 + [lc.consumers + 1]
+    assert counts == sorted(want)
 
 
 def test_the_launch_splits_the_registers() -> None:
