@@ -662,7 +662,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     last ``q_len`` positions, their rows already in the pools); the shapes of ``supports``
     only. ``max_q_len`` / ``max_seq_len`` spare a host sync each when the caller knows them.
     A ``WideLaunch`` runs residual_prefill_wide.py's kernel (128-key tiles)."""
-    from forkserve.kernels.residual_prefill_wide import WideLaunch, residual_prefill_wide
+    from forkserve.kernels.residual_prefill_wide import WideLaunch, run_wide
 
     check_inputs("residual_prefill_ws", q, k_base, k_res, b_k_all, b_v_all)
     max_q_len, max_seq_len = host_bounds(seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
@@ -671,7 +671,7 @@ def residual_prefill_ws(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Ten
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq)
     if isinstance(launch, WideLaunch):
-        return residual_prefill_wide(*args, scale, max_q_len, max_seq_len, num_splits, launch)
+        return run_wide(launch, args, scale, max_q_len, max_seq_len, num_splits)
     return run_prefill_kernel(_residual_prefill_ws_kernel, TILE, launch.rows,
                               dict(maxnreg=launch.maxnreg, **launch.constexprs()), args, scale,
                               max_q_len, max_seq_len, num_splits)

@@ -530,10 +530,18 @@ def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.T
                           launch: WideLaunch | None = None) -> torch.Tensor:
     """``residual_prefill_ws``'s contract and shapes (``supports``) over 128-key tiles."""
     check_inputs("residual_prefill_wide", q, k_base, k_res, b_k_all, b_v_all)
-    launch = WideLaunch() if launch is None else launch
     max_q_len, max_seq_len = host_bounds(seq_lens, cu_seqlens_q, max_q_len, max_seq_len)
     args = (q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens,
             cu_seqlens_q, b_k_all, b_v_all, adapter_idx, inv_freq)
+    return run_wide(WideLaunch() if launch is None else launch, args, scale, max_q_len,
+                    max_seq_len, num_splits)
+
+
+def run_wide(launch: WideLaunch, args: tuple, scale: float | None, max_q_len: int,
+             max_seq_len: int, num_splits: int | None) -> torch.Tensor:
+    """The kernel at ``launch`` on ``args`` (``residual_prefill_wide``'s tensors in its
+    order), already checked (``check_inputs``) and bounded (``host_bounds``): what
+    ``residual_prefill_ws`` runs for a ``WideLaunch``, without checking them again."""
     return run_prefill_kernel(_residual_prefill_wide_kernel, TILE, launch.rows,
                               dict(num_warps=4, maxnreg=launch.maxnreg, **launch.constexprs()),
                               args, scale, max_q_len, max_seq_len, num_splits)

@@ -105,8 +105,8 @@ def test_the_wide_prefill_counts_two_roles(tmp_path):
     """The 128-key kernel: each launch's consumer and rebuilding warp group, each against
     the default launch's same role; bf16 pairs halve the rebuild's instructions and leave
     the consumer's alone; a release by every thread (``thread_arrive``) leaves a
-    consumer's tile one CTA barrier of four (the rebuild's, the two cos|sin halves'); a
-    measured run puts each launch's time over the default's."""
+    consumer's tile one CTA barrier of four and a rebuild tile three fewer; a measured run
+    puts each launch's time over the default's."""
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
         {"batch": 8, "new": 64, "keys": 8256,
