@@ -111,6 +111,12 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/issue15}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu_$1.txt"
 
+# The CUDA tests over JOBS xdist workers (default 8; the suite runs under two on CI, so its
+# tests keep to their own files): the 16 cores build the kernels at once, which one process
+# does one after another. PER_TEST: pytest-timeout's limit a test, by its thread method, so
+# a hung kernel ends its worker (the log names the test; xdist starts another), not the call.
+par_tests() { echo "-n ${JOBS:-8} --timeout ${PER_TEST:-240} --timeout-method=thread"; }
+
 # Round 10's runs on a cold Triton cache: $1 the workload. Every row's kernels_built_in_run
 # should be 0 (its rehearsal built them). Adaptive's form shows in its context KV per agent
 # and mean decode batch (unified's where it ran merged).
@@ -791,15 +797,17 @@ PY
   # (compiled kernels kept in TRITON_CACHE_DIR for 76). First one small case alone under a
   # short timeout, at the default launch and each thread_arrive protocol (a hang in a new
   # protocol then costs 240 s, not the call; -v names the launch it hung at), then the
-  # rest; -x: a wrong answer stops at its first case. K: a pytest -k expression for the rest.
+  # rest over xdist's workers (par_tests); -x: a wrong answer stops at its first case.
+  # K: a pytest -k expression for the rest.
   export TRITON_CACHE_DIR=/root/tc23
   FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -v -x -p no:cacheprovider \
     -p no:warnings -k under_a_cuda_graph tests/kernels/test_residual_prefill_wide.py 2>&1 \
     | tee "$OUT/pytest_cuda_wide_prefill_first.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  # shellcheck disable=SC2046  # par_tests' words are options
   FORKSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -v -x -p no:cacheprovider \
-    -p no:warnings ${K:+-k "$K"} tests/kernels/test_residual_prefill_wide.py 2>&1 \
-    | tee "$OUT/pytest_cuda_wide_prefill${K:+_rest}.log" | tail -4
+    -p no:warnings $(par_tests) ${K:+-k "$K"} tests/kernels/test_residual_prefill_wide.py \
+    2>&1 | tee "$OUT/pytest_cuda_wide_prefill${K:+_rest}.log" | tail -4
   ;;
 76)
   # Round 29: the 128-key kernel's launches beside the ws kernel's default launch (the ws
@@ -808,7 +816,9 @@ PY
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }
   export TRITON_CACHE_DIR=/root/tc23
   # shellcheck disable=SC2086  # one launch name per word
+  # The kernels built by 8 processes first (--warm-jobs), not one by one inside the timing.
   timeout 540 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill_wide}" \
+    --warm-jobs "${JOBS:-8}" \
     --skip-launches ws_m64_s3 ws_m64_s3_edge_base_bf16 ws_m128_s3 ws_m128_s3_edge \
     ws_m128_s3_base ws_m128_s3_edge_base ws_m128_s3_edge_base_bf16 $SKIP --out "$OUT" 2>&1 \
     | tail -16
@@ -822,9 +832,9 @@ suite)
   # already run at this commit (step 75's), left out so the rest fits the call.
   folders=${2:-tests/torch tests/kernels tests/cascade}
   export TRITON_CACHE_DIR=/root/tc23
-  # shellcheck disable=SC2086  # one folder per word
+  # shellcheck disable=SC2086,SC2046  # one folder per word; par_tests' words are options
   FORKSERVE_TEST_DEVICE=cuda timeout 500 python3 -m pytest -v -p no:warnings -p no:cacheprovider -rfE \
-    --durations=10 ${IGNORE:+--ignore="$IGNORE"} $folders 2>&1 \
+    --durations=10 $(par_tests) ${IGNORE:+--ignore="$IGNORE"} $folders 2>&1 \
     | tee "$OUT/pytest_cuda_suite_$(echo "$folders" | tr -c 'a-z\n' _).log" | tail -30
   ;;
 esac

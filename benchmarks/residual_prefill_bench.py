@@ -22,8 +22,10 @@ and by CUDA-graph replay (device time, no launch cost) the routes a graph holds:
 ones, ``fused`` and every ``ws`` and ``wide`` launch. Each ws kernel's output is checked
 against the fused kernel's at every case (the tests' contexts stop near 4K).
 
-Writes residual_prefill.json after every case (``--tag`` names the file), a PNG of each
-route's time over the baseline's, and prints a table; and, where the 128-key kernel ran, the
+``--warm-jobs N`` builds every case's Triton kernels in N processes at once before the timed
+run (FA4's builds stay in it). Writes residual_prefill.json after every case (``--tag`` names
+the file), a PNG of each route's time over the baseline's, and prints a table; and, where the
+128-key kernel ran, the
 verdict on its launches (``wide_verdict``: the one ``default_launch`` should take at a
 program's rows, if any beat the ws default at every case).
 """
@@ -84,10 +86,11 @@ def launch_table() -> dict:
     return {lc.name: lc for lc in launches}
 
 
-def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = frozenset()
-             ) -> dict:
+def case_routes(s: Setup, batch: int, new: int, keys: int,
+                skip: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
+    """The case's routes, each a call on its inputs: the unified ones, the residual ones, and
+    the case's facts (``kw``, ``flash``, ``found``, ``res``) the timing reads."""
     from forkserve.kernels import (
-        DEFAULT_PREFILL_POLICY,
         PrefillCounts,
         flash_support,
         paged_prefill,
@@ -129,6 +132,63 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
         if any(n.startswith("wide") for n in launches):
             residual["wide_base_only"] = lambda: residual_prefill(
                 *base_only, variant="ws", **kw, launch=WideLaunch())
+    return unified, residual, {"kw": kw, "flash": flash, "found": found}
+
+
+# Routes the warm-up leaves to the timed run: FlashAttention-4's builds live in the process
+# that made them (CuTe's cache), and ``auto`` is one of the others.
+NOT_WARMED = ("paged_flash", "flash", "auto")
+
+
+def warm_share(job: tuple[bool, int | None, frozenset[str], int, int]) -> list[str]:
+    """One warm-up worker, in a process of its own (``smoke, group, skip, share, jobs``):
+    at every case, each route whose place among the case's routes is ``share`` modulo
+    ``jobs`` called once, so its kernels are built into the Triton cache the timed run reads
+    (pools sized for the cases alone: the same specializations); the routes it called."""
+    smoke, group, skip, share, jobs = job
+    cases = SMOKE_CASES if smoke else CASES
+    s = Setup(smoke, group=group, max_tokens=max(b * -(-k // 16) * 16 for b, _, k in cases))
+    called = []
+    for batch, new, keys in cases:
+        unified, residual, _ = case_routes(s, batch, new, keys, skip)
+        routes = [(n, f) for n, f in (unified | residual).items() if n not in NOT_WARMED]
+        for name, f in routes[share::jobs]:
+            f()
+            called.append(f"{batch}x{new}/{keys} {name}")
+    if not smoke:
+        torch.cuda.synchronize()
+    return called
+
+
+def warm(smoke: bool, group: int | None, skip: frozenset[str], jobs: int) -> dict:
+    """The cases' kernels built by ``jobs`` processes at once before the timed run, which
+    would otherwise build them one after another inside it (several seconds each)."""
+    import importlib
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    # By the package's name, which a spawned process can import (this file may run as
+    # __main__ or be loaded under another name).
+    worker = importlib.import_module("benchmarks.residual_prefill_bench").warm_share
+    if smoke:  # the workers' kernels in the interpreter too, whoever loaded this file
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        called = [c for share in ex.map(worker, [(smoke, group, skip, i, jobs)
+                                                 for i in range(jobs)]) for c in share]
+    seconds = time.perf_counter() - t0
+    print(f"warm-up: {len(called)} route calls in {jobs} processes, {seconds:.0f} s",
+          flush=True)
+    return {"jobs": jobs, "calls": len(called), "s": round(seconds, 1)}
+
+
+def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = frozenset()
+             ) -> dict:
+    from forkserve.kernels import DEFAULT_PREFILL_POLICY
+
+    unified, residual, facts = case_routes(s, batch, new, keys, skip)
+    kw, flash, found = facts["kw"], facts["flash"], facts["found"]
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "policy_route": route,
@@ -163,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=None,
                     help="query heads a KV head (default Llama-3-8B's 4; the ws kernel takes "
                          "1, 2, 4, 8)")
+    ap.add_argument("--warm-jobs", type=int, default=0, metavar="N",
+                    help="build the cases' kernels in N processes at once first (the Triton "
+                         "cache then holds them); 0: built inside the timed run")
     args = ap.parse_args(argv)
     known = set(launch_table())
     if unknown := set(args.skip_launches) - known:
@@ -175,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                            "rank": s.rank}, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.tag}.json"
+    if args.warm_jobs > 0:
+        res["warm"] = warm(args.smoke, args.group, frozenset(args.skip_launches),
+                           args.warm_jobs)
     for batch, new, keys in SMOKE_CASES if args.smoke else CASES:
         res["rows"].append(run_case(s, batch, new, keys, frozenset(args.skip_launches)))
         path.write_text(json.dumps(res, indent=1))

@@ -13,9 +13,12 @@ from forkserve.kernels.rope import apply_rope, default_inv_freq
 class Setup:
     """Shapes and one shared set of pools, sized for the largest case: Llama-3-8B's attention
     (32 query heads over 8 KV heads of 128) and rank-16 residuals unless ``group`` (query
-    heads a KV head) or ``rank`` say otherwise."""
+    heads a KV head) or ``rank`` say otherwise; ``max_tokens`` sizes the pools for fewer
+    tokens (a process that only builds the kernels: strides and alignment are the same, so
+    are the kernels' specializations)."""
 
-    def __init__(self, smoke: bool, group: int | None = None, rank: int | None = None) -> None:
+    def __init__(self, smoke: bool, group: int | None = None, rank: int | None = None,
+                 max_tokens: int | None = None) -> None:
         self.smoke = smoke
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
@@ -47,6 +50,7 @@ class Setup:
             self.max_tokens = 64 * 32768 + 32 * 256
         self.n_heads = self.n_kv * (group or self.n_heads // self.n_kv)
         self.rank = rank or self.rank
+        self.max_tokens = max_tokens or self.max_tokens
         self.page = 16
         self.n_adapters = 4
         gen = torch.Generator(device=self.device).manual_seed(0)

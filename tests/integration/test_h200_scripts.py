@@ -49,3 +49,42 @@ def test_ncu_steps_call_ncu_once_a_launch(tmp_path: Path) -> None:
     for name in ("named_ws", "named_ws_no_adapter"):
         words = (out / f"{name}.csv").read_text().splitlines()
         assert words[-3:-1] == ["--launch", "wide_m128_r200_c16_bf16"], words
+
+
+def _run_step(tmp_path: Path, step: str, **env: str) -> list[list[str]]:
+    """``h200_issue15.sh <step>`` with python3 and nvidia-smi faked on the PATH: the argument
+    words of each python3 call."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(parents=True)
+    out.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "python3").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" ---- >> {calls}\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake\n")
+    for fake in bin_dir.iterdir():
+        fake.chmod(0o755)
+    run = subprocess.run(["bash", str(BENCH / "h200_issue15.sh"), step], cwd=BENCH.parent,
+                         env={**os.environ, "OUT": str(out), "K": "", "SKIP": "", "TAG": "",
+                              "PATH": f"{bin_dir}:{os.environ['PATH']}", **env},
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return [c.splitlines() for c in calls.read_text().split("----\n") if c]
+
+
+def test_the_cuda_tests_run_over_xdist_workers_each_test_timed(tmp_path: Path) -> None:
+    """Step 75's second run and the suite hand pytest the workers and the per-test limit as
+    words (JOBS, PER_TEST); step 75's first, short case stays in one process, where -v names
+    a hung launch as it starts."""
+    first, rest = _run_step(tmp_path, "75", JOBS="3", PER_TEST="9")
+    assert "-n" not in first and "--timeout" not in first
+    for words in (rest, *_run_step(tmp_path / "suite", "suite", JOBS="3", PER_TEST="9",
+                                   IGNORE="tests/kernels/x.py")):
+        i = words.index("-n")
+        assert words[i:i + 5] == ["-n", "3", "--timeout", "9", "--timeout-method=thread"]
+    assert "--ignore=tests/kernels/x.py" in words and words[-1] == "tests/cascade"
+
+
+def test_the_prefill_bench_step_builds_its_kernels_in_workers_first(tmp_path: Path) -> None:
+    (bench,) = _run_step(tmp_path, "76", JOBS="5", SKIP="wide_m64_r232_c64_bf16_ta")
+    i = bench.index("--warm-jobs")
+    assert bench[i + 1] == "5" and bench[-3:] == ["wide_m64_r232_c64_bf16_ta", "--out",
+                                                  str(tmp_path / "out")]

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 def test_smoke_rows(tmp_path) -> None:
     bench = load_script("residual_prefill_bench")
-    assert bench.main(["--smoke", "--out", str(tmp_path), "--tag", "rp"]) == 0
+    assert bench.main(["--smoke", "--out", str(tmp_path), "--tag", "rp", "--warm-jobs", "2"]) == 0
     res = json.loads((tmp_path / "rp.json").read_text())
+    # Two spawned processes built the Triton routes of both cases: paged and fused at each.
+    assert res["warm"]["jobs"] == 2 and res["warm"]["calls"] == 4
     assert [(r["batch"], r["new"], r["keys"]) for r in res["rows"]] == bench.SMOKE_CASES
     for row in res["rows"]:
         # No FA4 nor ws on CPU: the Triton routes, the policy's pick recorded with them.
@@ -28,6 +30,18 @@ def test_smoke_rows(tmp_path) -> None:
         assert set(row["device"]) == {"unified_paged", "residual_fused"}
         assert row["device_over_best_unified"]["unified_paged"] == pytest.approx(1.0)
     assert (tmp_path / "rp.png").stat().st_size > 0
+
+
+def test_the_warm_up_shares_call_every_triton_route_once() -> None:
+    """The workers' shares are disjoint and together call every route at every case but
+    FA4's (built in the timed process) and ``auto`` (one of the others)."""
+    bench = load_script("residual_prefill_bench")
+    shares = [bench.warm_share((True, None, frozenset(), i, 3)) for i in range(3)]
+    called = [c for share in shares for c in share]
+    assert len(called) == len(set(called))
+    assert sorted(called) == sorted(f"{b}x{n}/{k} {route}" for b, n, k in bench.SMOKE_CASES
+                                    for route in ("paged", "fused"))
+    assert not set(bench.NOT_WARMED) & {c.split()[1] for c in called}
 
 
 def test_an_unknown_launch_to_skip_is_one_line(tmp_path, capsys) -> None:
