@@ -797,15 +797,16 @@ PY
   # (compiled kernels kept in TRITON_CACHE_DIR for 76). First one small case alone under a
   # short timeout, at the default launch and each thread_arrive protocol (a hang in a new
   # protocol then costs 240 s, not the call; -v names the launch it hung at), then the
-  # rest over xdist's workers (par_tests); -x: a wrong answer stops at its first case.
-  # K: a pytest -k expression for the rest.
+  # rest over xdist's workers (par_tests), every case run: which launches, cases and splits
+  # fail, each failure saying where its rows are off (kernel_testlib.where_wrong), is the
+  # diagnosis. K: a pytest -k expression for the rest.
   export TRITON_CACHE_DIR=/root/tc23
   FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -v -x -p no:cacheprovider \
     -p no:warnings -k under_a_cuda_graph tests/kernels/test_residual_prefill_wide.py 2>&1 \
     | tee "$OUT/pytest_cuda_wide_prefill_first.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   # shellcheck disable=SC2046  # par_tests' words are options
-  FORKSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -v -x -p no:cacheprovider \
+  FORKSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -v -rfE -p no:cacheprovider \
     -p no:warnings $(par_tests) ${K:+-k "$K"} tests/kernels/test_residual_prefill_wide.py \
     2>&1 | tee "$OUT/pytest_cuda_wide_prefill${K:+_rest}.log" | tail -4
   ;;

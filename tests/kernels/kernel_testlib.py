@@ -32,6 +32,33 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
 
 
+def where_wrong(out: torch.Tensor, ref: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens: torch.Tensor, adapters: torch.Tensor, group: int) -> str:
+    """Where a varlen prefill's ``out [tokens, H, D]`` leaves ``ref``, as a failure message
+    that says more than one error figure (a kernel first run on the GPU, whose failing case
+    should point at its cause): per sequence, its adapter, the rows (token, head) off by
+    more than ``REL_TOL`` or not finite, the first such token's key position and its place in
+    a 64- and a 128-key tile, and the KV heads they fall in."""
+    out64, ref64 = out.to(torch.float64).cpu(), ref.to(torch.float64).cpu()
+    row_err = ((out64 - ref64).norm(dim=-1) / ref64.norm(dim=-1).clamp_min(1e-30))
+    bad = ~torch.isfinite(out64).all(dim=-1) | (row_err > REL_TOL)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    lines = [f"rel err {rel_err(out, ref):.3g}; rows off: {int(bad.sum())} of {bad.numel()} "
+             f"({int((~torch.isfinite(out64).all(dim=-1)).sum())} not finite)"]
+    for b, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        seq_bad = bad[lo:hi]
+        if not seq_bad.any():
+            continue
+        tok, _ = seq_bad.nonzero()[0].tolist()
+        pos = lens[b] - (hi - lo) + tok
+        kv_heads = sorted({h // group for h in seq_bad.nonzero()[:, 1].tolist()})
+        lines.append(f"seq {b} (adapter {int(adapters[b])}, {hi - lo} new of {lens[b]}): "
+                     f"{int(seq_bad.sum())} rows off, worst {row_err[lo:hi].max():.3g}; "
+                     f"first at token {tok} (key position {pos}: {pos % 64} in its 64-key "
+                     f"tile, {pos % 128} in its 128), KV heads {kv_heads}")
+    return "\n".join(lines)
+
+
 @dataclass
 class PagedCache:
     """One layer's paged caches for a batch; pages not owned by any sequence are NaN."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import plain_oracle as plain
 import pytest
-from kernel_testlib import REL_TOL, rel_err, replays_as_eager
+from kernel_testlib import REL_TOL, rel_err, replays_as_eager, where_wrong
 from test_residual_prefill_ws import CASES, _formula, _inputs, cuda_only
 from test_sm90_compile import check_ws_build
 
@@ -87,7 +87,7 @@ def test_wide_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int]
     args, c = _inputs(sum(q_lens) + 11, seq_lens, q_lens)
     out = residual_prefill_wide(*args, num_splits=num_splits, launch=WideLaunch(*launch))
     ref = _formula(args, c)
-    assert rel_err(out, ref) < REL_TOL
+    assert rel_err(out, ref) < REL_TOL, where_wrong(out, ref, args[8], c.seq_lens, args[11], 4)
     base_only = plain.prefill(args[0], c.k, c.v, c.block_tables, c.seq_lens, args[8])
     assert rel_err(base_only, ref) > 20 * REL_TOL  # the residual is in the test's answer
 
@@ -106,7 +106,8 @@ def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
     for launch in (WideLaunch(), WideLaunch(*WIDE_LAUNCHES[-1])):
         for num_splits in (None, 1, 3):
             out = residual_prefill_wide(*args, num_splits=num_splits, launch=launch)
-            assert rel_err(out, ref) < REL_TOL, (launch.name, num_splits)
+            assert rel_err(out, ref) < REL_TOL, (launch.name, num_splits, where_wrong(
+                out, ref, args[8], c.seq_lens, args[11], group))
 
 
 @cuda_only
