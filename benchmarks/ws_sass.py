@@ -23,9 +23,11 @@ row's worst case, so the model meets the measurement (round 27 found it does not
 prefill: docs/KERNELS.md "Round 27"). ``--shape GROUP RANK`` builds the decode at another
 GQA group and rank than Llama-3-8B's 4 and 16 (``residual_decode_gluon.ws_shape``), into
 ``ws_decode_sass_g<GROUP>_r<RANK>``. ``prefill_wide`` counts the 128-key kernel
-(residual_prefill_wide.py) two roles a launch: a consumer thread's tile (64 query rows x
-128 keys, four times a 128-row ws launch's thread's share of a 64-key tile) and the
-rebuilding warp group's (``<launch>:rebuild``: a thread's share of the tile's keys).
+(residual_prefill_wide.py) three roles a launch: a consumer thread's tile (64 query rows x
+128 keys, four times a 128-row ws launch's thread's share of a 64-key tile), the
+rebuilding warp group's (``<launch>:rebuild``: a thread's share of the tile's keys) and
+the loader warp's (``<launch>:loader``), and sums them on each of an SM's four warp
+schedulers (``schedulers``).
 """
 from __future__ import annotations
 
@@ -114,6 +116,34 @@ def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     if not loops:
         raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
     return min(loops, key=lambda x: x[:2])[2]
+
+
+def loader_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The 128-key kernel's loader warp's loop: the one with the most TMA copies (a tile's
+    keys, values and cos|sin), the innermost of those (an mbarrier wait's retry block
+    spans part of a tile)."""
+    loops = [(-ops["UTMALDG"], len(body), body) for body, ops in _loops(ins)
+             if ops["UTMALDG"] > 0]
+    if not loops:
+        raise ValueError("no loader loop in the SASS (no TMA copy in a loop)")
+    return min(loops, key=lambda x: x[:2])[2]
+
+
+def schedulers(counts: list[TileCount], launches: list) -> dict[str, dict[str, float]]:
+    """The 128-key kernel's instructions a 128-key tile on each of an SM's four warp
+    schedulers, per launch: warp ``w`` issues on scheduler ``w % 4``, so the rebuilding
+    warp group (warps 0-3) and each consumer warp group put a warp on each, and the loader
+    (warp 4, its group's other three idle) adds its tile to scheduler 0. The busiest one
+    bounds a tile's time where the warps issue back to back."""
+    per_tile = {c.launch: c.per_tile for c in counts}
+    out = {}
+    for lc in launches:
+        if f"{lc.name}:loader" not in per_tile:
+            continue
+        each = per_tile[f"{lc.name}:rebuild"] + lc.consumers * per_tile[lc.name]
+        out[lc.name] = {"scheduler_0": each + per_tile[f"{lc.name}:loader"],
+                        "schedulers_1_3": each}
+    return out
 
 
 def blocks(body: list[tuple[int, str]], targets: set[int]) -> list[Counter]:
@@ -228,7 +258,7 @@ WIDE = Kernel(
     lambda lc: WideLaunch(*next(f for f in WIDE_LAUNCHES if f[0] == lc.consumers)),
     lambda lc: residual_prefill_wide.build_sm90a(lc, direct=True)[0],
     wide_measured, "8 x 64 over 8K",
-    (("", main_loop), (":rebuild", rebuild_loop)))
+    (("", main_loop), (":rebuild", rebuild_loop), (":loader", loader_loop)))
 KERNELS = {k.name: k for k in (PREFILL, DECODE, WIDE)}
 DECODE_SHAPE = (4, 16)  # the GQA group and rank every build above is at
 
@@ -324,13 +354,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(launches)}] {counts[-1].launch}: {counts[-1].per_tile:.0f} "
                   "a tile", flush=True)
     print_table(counts, measured)
+    per_scheduler = schedulers(counts, launches) if kernel is WIDE else {}
+    for name, load in per_scheduler.items():
+        print(f"{name}: a tile issues {load['scheduler_0']:.0f} instructions on scheduler 0 "
+              f"(the loader's), {load['schedulers_1_3']:.0f} on each other one")
     import triton
 
     write_json(args.out / f"{stem}.json",
                {"commit": source_commit(), "triton": triton.__version__,
                 "ptxas": ptxas_version(), "kernel": kernel.name, "case": kernel.case,
                 "shape": {"group": shape[0], "rank": shape[1]},
-                "measured": measured, "launches": [asdict(c) for c in counts]})
+                "measured": measured, "launches": [asdict(c) for c in counts],
+                **({"schedulers": per_scheduler} if per_scheduler else {})})
     plot(kernel, counts, measured, args.out / f"{stem}.png")
     return 0
 

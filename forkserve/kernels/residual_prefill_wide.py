@@ -194,13 +194,29 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _load_pages(d, rd, lo, hi, res, bar, scalars, n0):
-    """One tile's pages of ``K`` (or ``V``) by TMA on ``bar``: the base halves ``lo, hi`` from
-    ``d``, the residual rows ``res`` from ``rd`` for a row with an adapter. Pages past the
-    sequence's end (a split's last tile) are clamped to its last page: in bounds, and the
-    consumers mask their keys (the rebuilding warp group zeroes their values)."""
-    bt_row, rbt_row, kv_col, seq_len, has_res = scalars[0], scalars[1], scalars[2], \
-        scalars[5], scalars[7]
+def _page_rows(scalars, n0, live, P: gl.constexpr, T: gl.constexpr):
+    """The first pool rows of the tile at key ``n0``'s pages (``K`` and ``V`` share them),
+    base and residual (0 for a row without an adapter), as tuples of scalars; nothing read
+    unless ``live`` (0s: a tile not loaded). Pages past the sequence's end (a split's last
+    tile) are clamped to its last page: in bounds, and the consumers mask their keys (the
+    rebuilding warp group zeroes their values)."""
+    bt_row, rbt_row, seq_len, has_res = scalars[0], scalars[1], scalars[5], scalars[7]
+    last_page = (seq_len - 1) // P
+    rows = ()
+    res_rows = ()
+    for j in gl.static_range(T // P):
+        pi = gl.minimum(n0 // P + j, last_page)
+        rows = rows + (gl.load(bt_row + pi, mask=live, other=0) * P, )
+        res_rows = res_rows + (gl.load(rbt_row + pi, mask=live & has_res, other=0) * P, )
+    return rows, res_rows
+
+
+@gluon.jit
+def _load_pages(d, rd, lo, hi, res, bar, pages, kv_col, has_res):
+    """One tile's ``K`` (or ``V``) by TMA on ``bar`` from its pages (``_page_rows``): the
+    base halves ``lo, hi`` from ``d``, the residual rows ``res`` from ``rd`` for a row with
+    an adapter."""
+    rows, res_rows = pages
     HALF: gl.constexpr = lo.type.shape[1]
     T: gl.constexpr = lo.type.shape[0]
     P: gl.constexpr = d.block_type.shape[0]
@@ -209,15 +225,12 @@ def _load_pages(d, rd, lo, hi, res, bar, scalars, n0):
     # expect's byte count is a constant: one of the two, by predicate.
     mbarrier.expect(bar, base_bytes + res_bytes, pred=has_res)
     mbarrier.expect(bar, base_bytes, pred=not has_res)
-    last_page = (seq_len - 1) // P
     for j in gl.static_range(T // P):
-        pi = gl.minimum(n0 // P + j, last_page)
-        row = gl.load(bt_row + pi) * P
-        tma.async_copy_global_to_shared(d, [row, kv_col], bar, lo.slice(j * P, P))
-        tma.async_copy_global_to_shared(d, [row, kv_col + HALF], bar, hi.slice(j * P, P))
-        if has_res:
-            rrow = gl.load(rbt_row + pi) * P
-            tma.async_copy_global_to_shared(rd, [rrow, 0], bar, res.slice(j * P, P))
+        tma.async_copy_global_to_shared(d, [rows[j], kv_col], bar, lo.slice(j * P, P))
+        tma.async_copy_global_to_shared(d, [rows[j], kv_col + HALF], bar, hi.slice(j * P, P))
+    if has_res:  # one branch a tile, not one a page
+        for j in gl.static_range(T // P):
+            tma.async_copy_global_to_shared(rd, [res_rows[j], 0], bar, res.slice(j * P, P))
 
 
 @gluon.jit
@@ -226,23 +239,27 @@ def _load(args):
     barrier of the group each): for every tile of the program's keys, its keys into a slot
     once both consumers have the scores of the tile there before, its cos|sin halves once
     the rebuild of the tile before is done with each, its values once both consumers have
-    the value products of the tile before in the slot."""
+    the value products of the tile before in the slot. A tile's page rows are read from the
+    block tables once for its keys and values, a tile ahead: their loads are in flight
+    while the loader waits for the next slot."""
     descs, bars, bufs, _, scalars, _, _ = args
     kd, vd, krd, vrd, csd = descs
     full_k, full_v, _, empty_k, empty_v, cs_full, cs_free, started = bars[:8]
-    start, n_tiles, has_res = scalars[3], scalars[6], scalars[7]
+    kv_col, start, n_tiles, has_res = scalars[2], scalars[3], scalars[6], scalars[7]
     NS: gl.constexpr = bufs[0].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
+    P: gl.constexpr = kd.block_type.shape[0]
     mbarrier.arrive(started)
+    pages = _page_rows(scalars, start, n_tiles > 0, P, T)
     for i in range(n_tiles):
         s = i % NS
         free = ((i // NS) & 1) ^ 1  # a fresh barrier passes a wait on phase 1
         n0 = start + i * T
         mbarrier.wait(empty_k.index(s), free)
         _load_pages(kd, krd, bufs[0].index(s), bufs[1].index(s), bufs[4].index(s),
-                    full_k.index(s), scalars, n0)
+                    full_k.index(s), pages, kv_col, has_res)
         if has_res:
             # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
             for h in gl.static_range(T // H):
@@ -254,7 +271,8 @@ def _load(args):
                                                 bufs[7].index(h))
         mbarrier.wait(empty_v.index(s), free)
         _load_pages(vd, vrd, bufs[2].index(s), bufs[3].index(s), bufs[5].index(s),
-                    full_v.index(s), scalars, n0)
+                    full_v.index(s), pages, kv_col, has_res)
+        pages = _page_rows(scalars, n0 + T, i + 1 < n_tiles, P, T)
 
 
 @gluon.jit

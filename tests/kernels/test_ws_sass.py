@@ -101,12 +101,13 @@ def test_the_prefill_launches(tmp_path):
 
 
 @needs_cuobjdump
-def test_the_wide_prefill_counts_two_roles(tmp_path):
-    """The 128-key kernel: each launch's consumer and rebuilding warp group, each against
-    the default launch's same role; bf16 pairs halve the rebuild's instructions and leave
-    the consumer's alone; a release by every thread (``thread_arrive``) leaves a
-    consumer's tile one CTA barrier of four and a rebuild tile three fewer; a measured run
-    puts each launch's time over the default's."""
+def test_the_wide_prefill_counts_three_roles(tmp_path):
+    """The 128-key kernel: each launch's consumer, rebuilding warp group and loader, each
+    against the default launch's same role; bf16 pairs halve the rebuild's instructions and
+    leave the consumer's alone; a release by every thread (``thread_arrive``) leaves a
+    consumer's tile one CTA barrier of four and a rebuild tile three fewer; the loader's
+    tile is its TMA copies' uniform arithmetic, on scheduler 0 beside a warp of every other
+    role; a measured run puts each launch's time over the default's."""
     measured = tmp_path / "bench.json"
     measured.write_text(json.dumps({"rows": [
         {"batch": 8, "new": 64, "keys": 8256,
@@ -118,9 +119,18 @@ def test_the_wide_prefill_counts_two_roles(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     saved = json.loads((tmp_path / "ws_prefill_wide_sass.json").read_text())
     counts = {c["launch"]: c for c in saved["launches"]}
-    assert list(counts) == ["wide_m128_r200_c16", "wide_m128_r200_c16:rebuild",
-                            "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16:rebuild",
-                            "wide_m128_r200_c16_bf16_ta", "wide_m128_r200_c16_bf16_ta:rebuild"]
+    assert list(counts) == [f"{name}{role}" for name in (
+        "wide_m128_r200_c16", "wide_m128_r200_c16_bf16", "wide_m128_r200_c16_bf16_ta")
+        for role in ("", ":rebuild", ":loader")]
+    loader = counts["wide_m128_r200_c16_bf16_ta:loader"]
+    assert 400 < loader["per_tile"] < 900 and loader["barriers"] == 0
+    assert loader["by_class"]["uniform"] > loader["per_tile"] / 2
+    assert loader["by_class"].get("wgmma", 0) == loader["by_class"].get("exp2", 0) == 0
+    sched = saved["schedulers"]["wide_m128_r200_c16_bf16_ta"]
+    each = counts["wide_m128_r200_c16_bf16_ta:rebuild"]["per_tile"] + \
+        2 * counts["wide_m128_r200_c16_bf16_ta"]["per_tile"]
+    assert sched == {"scheduler_0": pytest.approx(each + loader["per_tile"]),
+                     "schedulers_1_3": pytest.approx(each)}
     ta = counts["wide_m128_r200_c16_bf16_ta"]
     ta_rebuild = counts["wide_m128_r200_c16_bf16_ta:rebuild"]
     assert counts["wide_m128_r200_c16_bf16"]["barriers"] == 4 and ta["barriers"] == 1
