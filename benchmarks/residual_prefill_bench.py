@@ -25,9 +25,9 @@ against the fused kernel's at every case (the tests' contexts stop near 4K).
 ``--warm-jobs N`` builds every case's Triton kernels in N processes at once before the timed
 run (FA4's builds stay in it). Writes residual_prefill.json after every case (``--tag`` names
 the file), a PNG of each route's time over the baseline's, and prints a table; and, where the
-128-key kernel ran, the
-verdict on its launches (``wide_verdict``: the one ``default_launch`` should take at a
-program's rows, if any beat the ws default at every case).
+128-key kernel ran, the verdict on its launches (``wide_verdict``: the one
+``default_launch`` should take at a program's rows, if any beat the ws default at every
+case).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import os
 import sys
 from dataclasses import astuple
 from pathlib import Path
+from typing import NamedTuple
 
 # --smoke runs the kernels in Triton's interpreter, chosen before triton is first imported.
 if "--smoke" in sys.argv:
@@ -86,10 +87,21 @@ def launch_table() -> dict:
     return {lc.name: lc for lc in launches}
 
 
+class CaseRoutes(NamedTuple):
+    """A case's routes, each a call on the case's inputs (name -> call), and what the timed
+    run records beside them: the prefill calls' keywords, the flash kernels found and the
+    kernels the policy may route to."""
+
+    unified: dict
+    residual: dict
+    kw: dict
+    flash: object
+    found: object
+
+
 def case_routes(s: Setup, batch: int, new: int, keys: int,
-                skip: frozenset[str] = frozenset()) -> tuple[dict, dict, dict]:
-    """The case's routes, each a call on its inputs: the unified ones, the residual ones, and
-    the case's facts (``kw``, ``flash``, ``found``, ``res``) the timing reads."""
+                skip: frozenset[str] = frozenset()) -> CaseRoutes:
+    """The case's unified and residual routes (``CaseRoutes``)."""
     from forkserve.kernels import (
         PrefillCounts,
         flash_support,
@@ -132,7 +144,7 @@ def case_routes(s: Setup, batch: int, new: int, keys: int,
         if any(n.startswith("wide") for n in launches):
             residual["wide_base_only"] = lambda: residual_prefill(
                 *base_only, variant="ws", **kw, launch=WideLaunch())
-    return unified, residual, {"kw": kw, "flash": flash, "found": found}
+    return CaseRoutes(unified, residual, kw, flash, found)
 
 
 # Routes the warm-up leaves to the timed run: FlashAttention-4's builds live in the process
@@ -150,8 +162,9 @@ def warm_share(job: tuple[bool, int | None, frozenset[str], int, int]) -> list[s
     s = Setup(smoke, group=group, max_tokens=max(b * -(-k // 16) * 16 for b, _, k in cases))
     called = []
     for batch, new, keys in cases:
-        unified, residual, _ = case_routes(s, batch, new, keys, skip)
-        routes = [(n, f) for n, f in (unified | residual).items() if n not in NOT_WARMED]
+        case = case_routes(s, batch, new, keys, skip)
+        routes = [(n, f) for n, f in (case.unified | case.residual).items()
+                  if n not in NOT_WARMED]
         for name, f in routes[share::jobs]:
             f()
             called.append(f"{batch}x{new}/{keys} {name}")
@@ -166,7 +179,7 @@ def warm(smoke: bool, group: int | None, skip: frozenset[str], jobs: int) -> dic
     import importlib
     import multiprocessing
     import time
-    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     # By the package's name, which a spawned process can import (this file may run as
     # __main__ or be loaded under another name).
@@ -174,12 +187,14 @@ def warm(smoke: bool, group: int | None, skip: frozenset[str], jobs: int) -> dic
     if smoke:  # the workers' kernels in the interpreter too, whoever loaded this file
         os.environ.setdefault("TRITON_INTERPRET", "1")
     t0 = time.perf_counter()
+    called = []
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        called = [c for share in ex.map(worker, [(smoke, group, skip, i, jobs)
-                                                 for i in range(jobs)]) for c in share]
+        shares = [ex.submit(worker, (smoke, group, skip, i, jobs)) for i in range(jobs)]
+        for done, share in enumerate(as_completed(shares), 1):
+            called += share.result()
+            print(f"warm-up: [{done}/{jobs}] processes done, {len(called)} route calls, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
     seconds = time.perf_counter() - t0
-    print(f"warm-up: {len(called)} route calls in {jobs} processes, {seconds:.0f} s",
-          flush=True)
     return {"jobs": jobs, "calls": len(called), "s": round(seconds, 1)}
 
 
@@ -187,8 +202,7 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
              ) -> dict:
     from forkserve.kernels import DEFAULT_PREFILL_POLICY
 
-    unified, residual, facts = case_routes(s, batch, new, keys, skip)
-    kw, flash, found = facts["kw"], facts["flash"], facts["found"]
+    unified, residual, kw, flash, found = case_routes(s, batch, new, keys, skip)
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "policy_route": route,
