@@ -2,8 +2,8 @@
 (tracked files and untracked ones git does not ignore) and the paths it carries together
 (/work/.library/device/README.md, "Limits"). A call over it is refused at once.
 
-    python3 benchmarks/carry_budget.py .fa4/p0      # the tree and that carry: fits? (exit 1 if not)
-    python3 benchmarks/carry_budget.py --part-bytes  # the largest carry part that fits beside the tree
+    python3 benchmarks/carry_budget.py .fa4/p0       # the tree and that carry: fits? (exit 1)
+    python3 benchmarks/carry_budget.py --part-bytes  # the largest part beside the tree
 
 The tree grows as results are committed (benchmarks/results/ holds most of it), so a carry
 cut to fit one session may not fit the next: ``fa4_carry.sh --resplit`` cuts FA4's parts
