@@ -720,6 +720,8 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from forkserve.bench.output import save_figure
     except ImportError:
         return
     rows = [("b1", "decode_b1"), ("b1 LoRA", "decode_b1_lora"), ("b64", "decode_b64"),
@@ -742,7 +744,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title(f"Llama-3-8B shape, bf16, {res['device']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 def print_table(res: dict) -> None:

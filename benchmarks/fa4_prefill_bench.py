@@ -197,6 +197,8 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from forkserve.bench.output import save_figure
     except ImportError:
         return
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -217,7 +219,7 @@ def plot(res: dict, path: Path) -> None:
     ax_t.legend(fontsize=7)
     fig.suptitle(f"Cold prefill on library kernels, {res['device']}, {res['commit'][:8]}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 if __name__ == "__main__":

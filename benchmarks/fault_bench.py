@@ -82,6 +82,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forkserve.bench.output import save_figure
+
     rows = [(f"mock {k}", v) for k, v in results["mock"].items()] + \
            [(f"torch {k}", v) for k, v in results["torch"].items()]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
@@ -95,7 +97,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"Failure isolation: {total} injected faults (CPU)")
     ax.set_xlim(0, max(r[1]["faults"] for r in rows) * 1.6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 def main() -> int:

@@ -225,6 +225,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forkserve.bench.output import save_figure
+
     labels = sorted({(r["grammar"], r["batch"]) for r in rows})
     engines = sorted({r["engine"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -248,7 +250,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("Grammar mask cost per decode step (SmolLM2 vocab, CPU masks)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 def main() -> None:

@@ -193,6 +193,8 @@ def plot(points: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from forkserve.bench.output import save_figure
     labels = [f"{p['projection']}\nM={p['rows']}" for p in points]
     cub = [p["TBps"]["cublas"] for p in points]
     best = [p["TBps"][p["best"]] if p["best"] else 0.0 for p in points]
@@ -209,8 +211,7 @@ def plot(points: list[dict], path: Path) -> None:
     ax.set_title("Decode projections: weight read rate (higher is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, quiet=True)
 
 
 def main() -> None:

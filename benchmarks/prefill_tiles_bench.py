@@ -99,6 +99,8 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from forkserve.bench.output import save_figure
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -116,7 +118,7 @@ def plot(res: dict, path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Prefill launch configurations, {res['device']}, {res['commit'][:8]}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 if __name__ == "__main__":

@@ -334,27 +334,39 @@ def print_table(res: dict) -> None:
 
 
 def plot(res: dict, path: Path) -> None:
+    """Two panels, each route a bar a case, over the best unified route: device time (graph
+    replay) of the routes a graph holds, which row 3 reads, and every route eagerly."""
     try:
         import matplotlib
+
+        from forkserve.bench.output import legend_below, new_figure, save_figure
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         return
-    names = sorted({n for r in res["rows"] for n in r["residual"]})
     labels = [f"{r['batch']}x{r['new']}/{r['keys']}" for r in res["rows"]]
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    for i, name in enumerate(names):
-        ax.bar([j + i * width for j in range(len(labels))],
-               [r["over_baseline"].get(name, 0.0) for r in res["rows"]], width, label=name)
-    ax.axhline(res["goal"], color="r", lw=0.8, ls="--", label=f"goal {res['goal']}x")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
-    ax.set_ylabel("time / the best unified route's (lower is faster)")
-    ax.legend(fontsize=8)
-    ax.set_title(f"ResidualAttention prefill routes, {res['device']}, {res['commit'][:8]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    eager = sorted({n for r in res["rows"] for n in r["residual"]})
+    device = sorted({n for r in res["rows"] for n in r["device"] if n.startswith("residual_")})
+    names = sorted(set(eager) | {n.removeprefix("residual_") for n in device})
+    colors = dict(zip(names, [*matplotlib.colormaps["tab20"].colors,
+                              *matplotlib.colormaps["tab20b"].colors], strict=False))
+    fig, (ax_d, ax_e) = new_figure(2, width=16, height=6)
+    panels = ((ax_d, [n.removeprefix("residual_") for n in device], "device_over_best_unified",
+               "residual_", "device time (graph replay)"),
+              (ax_e, eager, "over_baseline", "", "eager, as the engine runs prefill"))
+    for ax, shown, key, prefix, what in panels:
+        width = 0.8 / max(len(shown), 1)
+        for i, name in enumerate(shown):
+            ax.bar([j + i * width for j in range(len(labels))],
+                   [r.get(key, {}).get(prefix + name, 0.0) for r in res["rows"]], width,
+                   label=name, color=colors[name])
+        ax.axhline(res["goal"], color="r", lw=0.8, ls="--", label=f"goal {res['goal']}x")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
+        ax.set_ylabel("time / the best unified route's (lower is faster)")
+        ax.set_title(what, fontsize=10)
+    legend_below(fig, ax_e, max_cols=5)
+    fig.suptitle(f"ResidualAttention prefill routes, {res['device']}, {res['commit'][:8]}")
+    save_figure(fig, path, quiet=True)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ def plot(res: dict, path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        from forkserve.bench.output import save_figure
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -142,7 +144,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title(f"SDPA at new lengths, {res['device']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forkserve.bench.output import save_figure
+
     labels = ["pinned" if r["pin_tool_pauses"] else "not pinned" for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.5))
     a.bar(labels, [r["hit_rate"] for r in results], color=["tab:green", "tab:gray"])
@@ -133,7 +135,7 @@ def plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     fig.suptitle(f"Tool pause, {args.agents} LangGraph ReAct agents under KV pressure "
                  "(SmolLM2-135M, CPU)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, quiet=True)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from benchmarks.kernelbench.setup import Setup
+from forkserve.bench.output import save_figure
 from forkserve.bench.provenance import source_commit
 
 
@@ -34,7 +35,7 @@ def save_titled(fig, res: dict, path: Path, what: str = "") -> None:
                  f"D={sh['head_dim']} r={sh['rank']} page={sh['page_size']}, "
                  f"commit {res['commit'][:10]}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110, quiet=True)
 
 
 def publish(res: dict, path: Path, plot_fn: Callable[[dict, Path], None],

@@ -84,6 +84,8 @@ def plot(result: DriftResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forkserve.bench.output import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
     for ax, side in zip(axes, ("k", "v"), strict=True):
         for p in result.pairs:
@@ -99,8 +101,7 @@ def plot(result: DriftResult, path: Path) -> None:
     fig.suptitle(f"{result.model}, adapters {result.adapters}: {result.rounds} shared catalogs, "
                  f"{result.context_tokens} tokens; grey: each adapter pair", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, quiet=True)
 
 
 def run(model: Path, adapter_dir: Path, params: EvalParams, out: Path, tag: str,

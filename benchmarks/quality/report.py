@@ -196,6 +196,8 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from forkserve.bench.output import save_figure
+
     # The hidden-state panel only where a unit recorded hidden states (diag, not eval).
     hidden = [s for s in rows if s.layer_cos]
     fig, axes = plt.subplots(1, 3 if hidden else 2, figsize=(18 if hidden else 13, 4.6))
@@ -262,8 +264,7 @@ def plot(rows: Sequence[LayoutSummary], title: str, path: Path) -> None:
     ax3.set_title("quality against memory")
     fig.suptitle(textwrap.fill(title, 170), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, quiet=True)
 
 
 def write_outputs(folder: Path, label: str = "") -> str:
