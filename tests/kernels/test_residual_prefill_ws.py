@@ -11,7 +11,14 @@ from pathlib import Path
 import plain_oracle as plain
 import pytest
 import torch
-from kernel_testlib import DEVICE, REL_TOL, rel_err, replays_as_eager, residual_inputs
+from kernel_testlib import (
+    DEVICE,
+    REL_TOL,
+    rel_err,
+    replays_as_eager,
+    residual_inputs,
+    where_wrong,
+)
 from test_sm90_compile import check_ws_build
 
 from benchmarks.residual_prefill_bench import WS_LAUNCHES
@@ -93,7 +100,7 @@ def test_ws_prefill_matches_the_formula(seq_lens: list[int], q_lens: list[int],
     args, c = _inputs(sum(q_lens), seq_lens, q_lens)
     out = residual_prefill_ws(*args, num_splits=num_splits)
     ref = _formula(args, c)
-    assert rel_err(out, ref) < REL_TOL
+    assert rel_err(out, ref) < REL_TOL, where_wrong(out, ref, args[8], c.seq_lens, args[11], 4)
     base_only = plain.prefill(args[0], c.k, c.v, c.block_tables, c.seq_lens, args[8])
     assert rel_err(base_only, ref) > 20 * REL_TOL  # the residual is in the test's answer
 
