@@ -234,9 +234,12 @@ def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
                                f"{route}, {how}"))
         if points:
             ratio, ctx, batch, new, route = max(points)
+            # The issue's figures are the H200's: a run on another card says which.
+            device = str(doc.data.get("device") or "")
+            card = f"; on an {device}" if device and "H200" not in device else ""
             found.append(Found(ratio, doc.path.name, doc.commit,
                                f"worst of {len(points)} points: {batch} x {new} over ctx {ctx} "
-                               f"(the policy's route {route})", doc.rank))
+                               f"(the policy's route {route}{card})", doc.rank))
     return found
 
 

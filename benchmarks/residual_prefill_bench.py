@@ -269,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def wide_verdict(res: dict) -> dict:
     """Per program rows (64, 128; keys ``"64"``, ``"128"``): the cases whose chunks take that
-    many rows (``default_launch``), each 128-key launch of those rows over the ``ws`` column
-    there (the default launch of the run's commit; device time), its worst case, and
-    ``adopt``: the launch whose worst case is lowest, if under 1 (faster at every such case),
-    with the ``WideLaunch`` fields ``residual_prefill_gluon.MEASURED_WIDE_LAUNCHES[rows]``
-    takes; ``None`` where none is. Rows with a launch missing at a case (skipped, or no
-    kernel there) are not judged."""
+    many rows (``default_launch``), and for each 128-key launch of those rows its device
+    time over the ``ws`` column's at each (the default launch of the run's commit) and its
+    worst case over the best unified route's (``worst_over_unified``: what row 3 reads).
+    ``adopt``: of the launches faster than the ws column at every such case, the one whose
+    worst case over the best unified route is lowest, with the key ``[group, rows]`` and
+    the ``WideLaunch`` fields of its ``residual_prefill_gluon.MEASURED_WIDE_LAUNCHES``
+    entry; ``None`` where none is faster everywhere. A launch missing at a case (skipped,
+    or no kernel there) is not judged."""
     from forkserve.kernels.residual_prefill_gluon import default_launch
 
     group = res["shape"]["n_heads"] // res["shape"]["n_kv"]
@@ -282,19 +284,22 @@ def wide_verdict(res: dict) -> dict:
     verdict = {}
     for rows in (64, 128):
         cases = [r for r in res["rows"] if default_launch(r["new"], group).rows == rows]
-        over = {}
+        over, over_unified = {}, {}
         for name, launch in table.items():
-            times = [(r["device"].get(f"residual_{name}"), r["device"].get("residual_ws"))
-                     for r in cases]
+            col = f"residual_{name}"
+            times = [(r["device"].get(col), r["device"].get("residual_ws")) for r in cases]
             if (name.startswith("wide_m") and launch.rows == rows and cases
                     and all(t and ws for t, ws in times)):
                 over[name] = [t / ws for t, ws in times]
-        best = min(over, key=lambda n: max(over[n]), default=None)
-        adopt = best if best is not None and max(over[best]) < 1.0 else None
+                over_unified[name] = max(r["device_over_best_unified"][col] for r in cases)
+        faster = [n for n in over if max(over[n]) < 1.0]
+        adopt = min(faster, key=over_unified.get, default=None)
         verdict[str(rows)] = {
             "cases": [f"{r['batch']}x{r['new']}/{r['keys']}" for r in cases],
             "over_default": over, "worst": {n: max(v) for n, v in over.items()},
-            "adopt": adopt, "fields": list(astuple(table[adopt])) if adopt else None}
+            "worst_over_unified": over_unified, "adopt": adopt,
+            "key": [group, rows] if adopt else None,
+            "fields": list(astuple(table[adopt])) if adopt else None}
     return verdict
 
 
@@ -328,9 +333,12 @@ def print_table(res: dict) -> None:
               f"{', '.join(v['cases'])}: "
               + " ".join(f"{n}={w:.2f}x" for n, w in sorted(v["worst"].items(),
                                                            key=lambda x: x[1])))
-        print(f"  adopt at {rows} rows: " + (f"{v['adopt']}: MEASURED_WIDE_LAUNCHES[{rows}] = "
-                                             f"{tuple(v['fields'])}" if v["adopt"] else
-                                             "none (none faster at every case)"))
+        print("  worst over the best unified: " + " ".join(
+            f"{n}={w:.2f}x" for n, w in sorted(v["worst_over_unified"].items(),
+                                               key=lambda x: x[1])))
+        print(f"  adopt at {rows} rows: " + (
+            f"{v['adopt']}: MEASURED_WIDE_LAUNCHES[{tuple(v['key'])}] = {tuple(v['fields'])}"
+            if v["adopt"] else "none (none faster at every case)"))
 
 
 def plot(res: dict, path: Path) -> None:

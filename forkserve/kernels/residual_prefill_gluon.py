@@ -141,9 +141,17 @@ class WsPrefillLaunch:
 
 
 # The 128-key kernel's launch (residual_prefill_wide.WideLaunch's fields) the default takes
-# at a program's rows, once the H200 has measured it faster there than the ws launch below
-# at every case of residual_prefill_bench (docs/KERNELS.md "Round 29"): none yet.
-MEASURED_WIDE_LAUNCHES: dict[int, tuple] = {}
+# at a GQA group and a program's rows: where a GPU measured it faster than the ws launch
+# below at every case of residual_prefill_bench, and lowest there over FA4's paged read at
+# its worst case (`residual_prefill_bench.wide_verdict`). Round 31, an H100
+# (residual_prefill_wide.json; docs/KERNELS.md "Round 31"): at 128 rows the two consumers
+# in turns with every thread's release, 0.74-0.89x the ws launch's time; at 64 rows one
+# consumer rebuilding whole key halves, 0.90x. Measured at GQA 4 only: other groups keep
+# the ws launches.
+MEASURED_WIDE_LAUNCHES: dict[tuple[int, int], tuple] = {
+    (4, 128): (2, 200, 16, True, True, False, True),
+    (4, 64): (1, 232, 64, True, False, False, True),
+}
 
 
 def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch | WideLaunch:
@@ -157,12 +165,13 @@ def default_launch(max_q_len: int, group: int = 4) -> WsPrefillLaunch | WideLaun
     (residual_prefill_v5.json, every case): 128 rows with ``edge_masks`` (7-8% faster than
     without; the launches that cut more instructions were no faster, KERNELS.md "Round
     27"), 64 rows with ``edge_masks``, ``base_scores`` and ``bf16_rope`` (5-10%). The
-    128-key kernel's launch instead at rows ``MEASURED_WIDE_LAUNCHES`` holds."""
+    128-key kernel's launch instead at the group and rows ``MEASURED_WIDE_LAUNCHES``
+    holds."""
     rows = 64 if max_q_len * group <= 64 else 128
-    if rows in MEASURED_WIDE_LAUNCHES:
+    if (group, rows) in MEASURED_WIDE_LAUNCHES:
         from forkserve.kernels.residual_prefill_wide import WideLaunch
 
-        return WideLaunch(*MEASURED_WIDE_LAUNCHES[rows])
+        return WideLaunch(*MEASURED_WIDE_LAUNCHES[group, rows])
     if rows == 64:
         return WsPrefillLaunch(64, edge_masks=True, base_scores=True, bf16_rope=True)
     return WsPrefillLaunch(128, edge_masks=True)

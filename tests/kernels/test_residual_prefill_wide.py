@@ -126,16 +126,20 @@ def test_wide_prefill_under_a_cuda_graph(launch: tuple) -> None:
 
 def test_the_default_launch_takes_a_measured_wide_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``default_launch`` takes the 128-key kernel at the rows ``MEASURED_WIDE_LAUNCHES``
-    holds (none until the H200 measures one faster), the ws launches elsewhere; the ws
-    entry point runs whichever it is given."""
+    """``default_launch`` takes the 128-key kernel at the GQA group and rows
+    ``MEASURED_WIDE_LAUNCHES`` holds (round 31: both program sizes at GQA 4), the ws launches
+    elsewhere; the ws entry point runs whichever it is given."""
     from forkserve.kernels import residual_prefill_gluon as ws
 
-    assert ws.MEASURED_WIDE_LAUNCHES == {}
-    monkeypatch.setitem(ws.MEASURED_WIDE_LAUNCHES, 128, WIDE_LAUNCHES[1])
-    assert ws.default_launch(64) == WideLaunch(*WIDE_LAUNCHES[1])
+    assert ws.default_launch(64).name == "wide_m128_r200_c16_bf16_pp_ta"
+    assert ws.default_launch(16).name == "wide_m64_r232_c64_bf16_ta"
+    assert ws.default_launch(16, group=8).name == "ws_m128_s3_edge"  # 128 rows at GQA 8
+    assert ws.default_launch(8, group=8).name == "ws_m64_s3_edge_base_bf16"
+    monkeypatch.delitem(ws.MEASURED_WIDE_LAUNCHES, (4, 64))
     assert ws.default_launch(16).name == "ws_m64_s3_edge_base_bf16"
-    assert ws.default_launch(8, group=8).rows == 64 and ws.default_launch(9, group=8).rows == 128
+    monkeypatch.setitem(ws.MEASURED_WIDE_LAUNCHES, (8, 64), WIDE_LAUNCHES[-1])
+    assert ws.default_launch(8, group=8) == WideLaunch(*WIDE_LAUNCHES[-1])
+    assert ws.default_launch(9, group=8).rows == 128
 
 
 def test_wide_prefill_refuses_other_shapes() -> None:
