@@ -1,5 +1,7 @@
 """ResidualAttention prefill over 128-key tiles, the key rebuilt by a warp group of its own
-(Gluon, Hopper; the ``wide`` launch of the ``ws`` route).
+(Gluon, Hopper; the ``wide`` launch of the ``ws`` route, its default at GQA 4: measured
+1.29x FlashAttention-4's paged read at 8 x 64 over 8K on an H100, where the ws kernel ran
+1.74x; docs/KERNELS.md "Round 31, measured").
 
 The ``ws`` kernel (residual_prefill_gluon.py) runs 64-key tiles on two consumer warp groups
 in lockstep, each rebuilding its half of every key into a shared tile before its scores: on
