@@ -110,22 +110,29 @@ def rebuild_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     none of a consumer's ``N = 128`` score products, the innermost of those holding the
     most of them: an mbarrier wait's retry block, laid out at the function's end, jumps
     back into the middle of a tile and spans a part of it alone."""
-    loops = [(-ops["HGMMA"], len(body), body) for body, ops in _loops(ins)
-             if ops["HGMMA"] >= 4 and ops["STG"] == 0
-             and not any("HGMMA.64x128x" in t for _, t in body)]
-    if not loops:
-        raise ValueError("no rebuild loop in the SASS (the up-projection's wgmma alone)")
-    return min(loops, key=lambda x: x[:2])[2]
+    return _loop_with_most(
+        ins, "HGMMA", lambda body, ops: ops["HGMMA"] >= 4 and ops["STG"] == 0
+        and not any("HGMMA.64x128x" in t for _, t in body),
+        "no rebuild loop in the SASS (the up-projection's wgmma alone)")
 
 
 def loader_loop(ins: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """The 128-key kernel's loader warp's loop: the one with the most TMA copies (a tile's
     keys, values and cos|sin), the innermost of those (an mbarrier wait's retry block
     spans part of a tile)."""
-    loops = [(-ops["UTMALDG"], len(body), body) for body, ops in _loops(ins)
-             if ops["UTMALDG"] > 0]
+    return _loop_with_most(ins, "UTMALDG", lambda body, ops: ops["UTMALDG"] > 0,
+                           "no loader loop in the SASS (no TMA copy in a loop)")
+
+
+def _loop_with_most(ins: list[tuple[int, str]], op: str,
+                    accept: Callable[[list[tuple[int, str]], Counter], bool],
+                    missing: str) -> list[tuple[int, str]]:
+    """Of the loops ``accept`` takes, the one with the most ``op`` instructions, the
+    shortest of those (a role's tile, not a retry block spanning part of it); ``missing``:
+    the error where none is."""
+    loops = [(-ops[op], len(body), body) for body, ops in _loops(ins) if accept(body, ops)]
     if not loops:
-        raise ValueError("no loader loop in the SASS (no TMA copy in a loop)")
+        raise ValueError(missing)
     return min(loops, key=lambda x: x[:2])[2]
 
 

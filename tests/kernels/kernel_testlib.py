@@ -41,10 +41,11 @@ def where_wrong(out: torch.Tensor, ref: torch.Tensor, cu_seqlens_q: torch.Tensor
     a 64- and a 128-key tile, and the KV heads they fall in."""
     out64, ref64 = out.to(torch.float64).cpu(), ref.to(torch.float64).cpu()
     row_err = ((out64 - ref64).norm(dim=-1) / ref64.norm(dim=-1).clamp_min(1e-30))
-    bad = ~torch.isfinite(out64).all(dim=-1) | (row_err > REL_TOL)
+    not_finite = ~torch.isfinite(out64).all(dim=-1)
+    bad = not_finite | (row_err > REL_TOL)
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     lines = [f"rel err {rel_err(out, ref):.3g}; rows off: {int(bad.sum())} of {bad.numel()} "
-             f"({int((~torch.isfinite(out64).all(dim=-1)).sum())} not finite)"]
+             f"({int(not_finite.sum())} not finite)"]
     for b, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         seq_bad = bad[lo:hi]
         if not seq_bad.any():
