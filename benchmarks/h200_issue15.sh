@@ -813,13 +813,14 @@ PY
 76)
   # Round 29: the 128-key kernel's launches beside the ws kernel's default launch (the ws
   # column) and FA4's paged read, every case; the ws kernel's other launches, measured in
-  # round 27, left out. SKIP: more launches to leave out (one whose tests failed).
+  # round 27, left out. SKIP: more launches to leave out (one whose tests failed). GROUP: the
+  # GQA group (default 4; the 128-key launches are adopted at 4 only, the others unmeasured).
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }
   export TRITON_CACHE_DIR=/root/tc23
   # shellcheck disable=SC2086  # one launch name per word
   # The kernels built by 8 processes first (--warm-jobs), not one by one inside the timing.
   timeout 540 python3 benchmarks/residual_prefill_bench.py --tag "${TAG:-residual_prefill_wide}" \
-    --warm-jobs "${JOBS:-8}" \
+    --warm-jobs "${JOBS:-8}" ${GROUP:+--group "$GROUP"} \
     --skip-launches ws_m64_s3 ws_m64_s3_edge_base_bf16 ws_m128_s3 ws_m128_s3_edge \
     ws_m128_s3_base ws_m128_s3_edge_base ws_m128_s3_edge_base_bf16 $SKIP --out "$OUT" 2>&1 \
     | tail -16

@@ -88,3 +88,6 @@ def test_the_prefill_bench_step_builds_its_kernels_in_workers_first(tmp_path: Pa
     i = bench.index("--warm-jobs")
     assert bench[i + 1] == "5" and bench[-3:] == ["wide_m64_r232_c64_bf16_ta", "--out",
                                                   str(tmp_path / "out")]
+    assert "--group" not in bench
+    (bench,) = _run_step(tmp_path / "g8", "76", GROUP="8")  # GQA 8's measure
+    assert bench[bench.index("--group") + 1] == "8"
