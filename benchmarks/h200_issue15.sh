@@ -90,6 +90,8 @@
 # Round 29 (the 128-key prefill kernel, residual_prefill_wide.py):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 75  # its CUDA tests (K=, SKIP= as 66's)
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 76  # it beside the ws default and FA4 (FA4 carried)
+# Round 32 (no machine came; the adopted default's CUDA tests as one short call):
+#   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 77  # the default route's CUDA tests (~150 s, an estimate: not yet run)
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -824,6 +826,22 @@ PY
     --skip-launches ws_m64_s3 ws_m64_s3_edge_base_bf16 ws_m128_s3 ws_m128_s3_edge \
     ws_m128_s3_base ws_m128_s3_edge_base ws_m128_s3_edge_base_bf16 $SKIP --out "$OUT" 2>&1 \
     | tail -16
+  ;;
+77)
+  # Round 32: the CUDA tests that run the default prefill launch (the 128-key kernel at GQA
+  # 4 since round 31's adoption) with no launch named: the kernel entry point whole and
+  # split, at GQA 8, 2 and 1, under a CUDA graph, the kernels package's route, and the
+  # engine's attention over it (prefill, cascade prefill, FRESH prefill). A short call: a
+  # machine taken back mid-call returns nothing, and the suite's ~330 s were lost so once.
+  export TRITON_CACHE_DIR=/root/tc23
+  ws=tests/kernels/test_residual_prefill_ws.py
+  # shellcheck disable=SC2046  # par_tests' words are options
+  FORKSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -v -rfE -p no:cacheprovider \
+    -p no:warnings $(par_tests) tests/torch/test_attention_backends.py \
+    tests/torch/test_fresh_prefill.py tests/torch/test_cascade_prefill.py \
+    "$ws::test_ws_prefill_matches_the_formula" "$ws::test_ws_prefill_at_other_groups" \
+    "$ws::test_ws_prefill_under_a_cuda_graph" "$ws::test_the_default_route_is_ws_on_hopper" \
+    2>&1 | tee "$OUT/pytest_cuda_default_route.log" | tail -8
   ;;
 suite)
   [ -d /root/fa4parts ] && { fa4_site || exit 1; }  # the suite with FA4 where its parts came

@@ -91,3 +91,16 @@ def test_the_prefill_bench_step_builds_its_kernels_in_workers_first(tmp_path: Pa
     assert "--group" not in bench
     (bench,) = _run_step(tmp_path / "g8", "76", GROUP="8")  # GQA 8's measure
     assert bench[bench.index("--group") + 1] == "8"
+
+
+def test_the_default_route_step_names_tests_that_exist(tmp_path: Path) -> None:
+    """Step 77 names test files and functions; a rename would leave the call collecting
+    nothing (pytest: exit 4) and the machine's minutes spent."""
+    (words,) = _run_step(tmp_path, "77", JOBS="3")
+    targets = [w for w in words if w.startswith("tests/")]
+    assert len(targets) == 7 and "-n" in words
+    root = BENCH.parent
+    for target in targets:
+        path, _, func = target.partition("::")
+        assert (root / path).is_file(), path
+        assert not func or f"def {func}(" in (root / path).read_text(), target
