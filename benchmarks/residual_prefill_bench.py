@@ -73,7 +73,10 @@ WS_LAUNCHES = [(64, 3, False, False, False),
 WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, False, False, False),
                  (2, 200, 16, True, False, False, True), (2, 200, 16, True, True, False, True),
                  (1, 232, 32, True, False, False, False), (1, 232, 64, True, False, False, True),
-                 (1, 232, 64, True, False, True, True)]
+                 (1, 232, 64, True, False, True, True),
+                 # Round 32: the adopted launches with the rebuild's reads before its waits.
+                 (2, 200, 16, True, True, False, True, True),
+                 (1, 232, 64, True, False, False, True, True)]
 
 
 def launch_table() -> dict:

@@ -96,7 +96,12 @@ class WideLaunch:
     products before this tile's softmax (one consumer only: two score tiles in registers);
     ``thread_arrive``: the arrivals that release a buffer (a slot's keys or values, a cos|sin
     half, a ping-pong turn) are made by every thread of the warp group on its own, the
-    barrier counting threads (``_release``), not by one thread after a barrier of the group."""
+    barrier counting threads (``_release``), not by one thread after a barrier of the group;
+    ``early_loads``: the rebuild reads a chunk's cos|sin and base key columns from shared
+    memory before it waits on the chunk's up-projection, so the reads' latency passes under
+    the wait, not after it (round 31's profile: the rebuild set the pace, never waiting on a
+    copy, and its packed multiply-adds stalled most on those reads; docs/KERNELS.md "Round
+    32")."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -105,6 +110,7 @@ class WideLaunch:
     pingpong: bool = False
     overlap: bool = False
     thread_arrive: bool = False
+    early_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -119,10 +125,11 @@ class WideLaunch:
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``), as the bench reports it."""
+        ``_ta``, ``_el``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
-                + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else ""))
+                + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
+                + ("_el" if self.early_loads else ""))
 
     @property
     def rows(self) -> int:
@@ -139,7 +146,8 @@ class WideLaunch:
         """The kernel's compile-time arguments for this launch."""
         return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
-                    OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive)
+                    OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
+                    EARLY_LOADS=self.early_loads)
 
 
 @gluon.jit
@@ -296,13 +304,46 @@ def _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a, k_b):
 
 
 @gluon.jit
-def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
+def _key_chunk(bufs, s, h, c: gl.constexpr, C: gl.constexpr):
+    """Chunk ``c``'s ``C`` columns of both base key halves, keys ``64 h ..`` of slot ``s``."""
+    H: gl.constexpr = bufs[6].type.shape[1]
+    return (bufs[0].index(s).slice(h * H, H).slice(c * C, C, dim=1),
+            bufs[1].index(s).slice(h * H, H).slice(c * C, C, dim=1))
+
+
+@gluon.jit
+def _chunk_reads(bufs, h, c: gl.constexpr, C: gl.constexpr, k_a, k_b, u_l: gl.constexpr):
+    """Chunk ``c``'s shared-memory reads in the up-projection's layout: its cos and sin
+    columns (buffer ``h``), then its base key columns ``k_a``, ``k_b``."""
+    return (bufs[6].index(h).slice(c * C, C, dim=1).load(u_l),
+            bufs[7].index(h).slice(c * C, C, dim=1).load(u_l), k_a.load(u_l), k_b.load(u_l))
+
+
+@gluon.jit
+def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr):
+    """Chunk ``c``'s up-projection (``pending``, in flight) waited on, the next chunk's
+    issued first where there is one: (the next chunk's in flight, ``u_lo``, ``u_hi``)."""
+    N: gl.constexpr = bk.type.shape[0] // 2
+    u_lo, u_hi = pending
+    if c + 1 < N:
+        pending = up_projection(kr, bk.index(c + 1), bk.index(N + c + 1), u_l)
+        u_lo, u_hi = warpgroup_mma_wait(2, deps=(u_lo, u_hi))
+    else:
+        u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
+    return pending, u_lo, u_hi
+
+
+@gluon.jit
+def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
     chunk, not 64; the next chunk's up-projection in flight while this one is rotated (two
     chunks held). The half's cos|sin rows are in buffer ``h``. Each element is read and
-    written by the same thread: no barrier between the reads and the writes."""
+    written by the same thread, yet Triton places a barrier of the warp group before the
+    writes and another before the next chunk's reads: it tracks shared-memory hazards a
+    buffer at a time, not a view (round 32: 18 barriers in a tile of the adopted launch's
+    rebuild). ``EARLY_LOADS``: a chunk's reads before the wait on its up-projection."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
@@ -311,24 +352,22 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr):
     u_l: gl.constexpr = wgmma_layout(C, gl.num_warps())
     u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
     for c in gl.static_range(N):
-        u_lo, u_hi = u_next
-        if c + 1 < N:
-            u_next = up_projection(kr, bk.index(c + 1), bk.index(N + c + 1), u_l)
-            u_lo, u_hi = warpgroup_mma_wait(2, deps=(u_lo, u_hi))
+        # The views made where they are read: made before the wait, the launches measured in
+        # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
+        if EARLY_LOADS:
+            k_a, k_b = _key_chunk(bufs, s, h, c, C)
+            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
+            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l)
         else:
-            u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
-        k_a = bufs[0].index(s).slice(h * H, H).slice(c * C, C, dim=1)
-        k_b = bufs[1].index(s).slice(h * H, H).slice(c * C, C, dim=1)
-        cos = bufs[6].index(h).slice(c * C, C, dim=1).load(u_l)
-        sin = bufs[7].index(h).slice(c * C, C, dim=1).load(u_l)
+            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l)
+            k_a, k_b = _key_chunk(bufs, s, h, c, C)
+            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
         if BF16_ROPE:
-            r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a.load(u_l),
-                                              k_b.load(u_l))
+            r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, base_a, base_b)
         else:
-            cos = cos.to(gl.float32)
-            sin = sin.to(gl.float32)
-            r_a = (k_a.load(u_l).to(gl.float32) + u_lo * cos - u_hi * sin).to(gl.bfloat16)
-            r_b = (k_b.load(u_l).to(gl.float32) + u_hi * cos + u_lo * sin).to(gl.bfloat16)
+            c32, s32 = cos.to(gl.float32), sin.to(gl.float32)
+            r_a = (base_a.to(gl.float32) + u_lo * c32 - u_hi * s32).to(gl.bfloat16)
+            r_b = (base_b.to(gl.float32) + u_hi * c32 + u_lo * s32).to(gl.bfloat16)
         k_a.store(r_a)
         k_b.store(r_b)
 
@@ -350,7 +389,8 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 
 
 @gluon.jit
-def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+             EARLY_LOADS: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -373,7 +413,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
         if has_res:
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
-                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE)
+                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE, EARLY_LOADS)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 _release(cs_free.index(h), THREAD_ARRIVE)
@@ -487,7 +527,7 @@ def _residual_prefill_wide_kernel(
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-        num_warps: gl.constexpr):
+        EARLY_LOADS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -517,12 +557,14 @@ def _residual_prefill_wide_kernel(
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE)), (_load, (args, )),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS)),
+                            (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE)), (_load, (args, )),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS)),
+                            (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
 

@@ -73,6 +73,8 @@ def test_the_launch_splits_the_registers() -> None:
     assert WideLaunch(1, 232, 32, True, overlap=True).name == "wide_m64_r232_c32_bf16_ov"
     assert WideLaunch(1, 232, 64, True, thread_arrive=True).name == "wide_m64_r232_c64_bf16_ta"
     assert WideLaunch(thread_arrive=True).constexprs()["THREAD_ARRIVE"]
+    early = WideLaunch(2, 200, 16, True, True, False, True, True)
+    assert early.name == "wide_m128_r200_c16_bf16_pp_ta_el" and early.constexprs()["EARLY_LOADS"]
 
 
 @cuda_only

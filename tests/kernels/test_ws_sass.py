@@ -206,3 +206,38 @@ def test_an_unknown_launch_is_one_line(tmp_path):
     run = _run("prefill", "--out", str(tmp_path), "--launches", "ws_m96_s3")
     assert run.returncode == 2
     assert "unknown prefill launch ws_m96_s3" in run.stderr.splitlines()[-1]
+
+
+_READS_AFTER_WAITS = """
+import json, sys
+from benchmarks import ws_sass
+from forkserve.kernels.residual_prefill_wide import WideLaunch, build_sm90a
+from forkserve.kernels.sm90_build import sass_sm90a
+loop = ws_sass.rebuild_loop(ws_sass.parse(sass_sm90a(build_sm90a(
+    WideLaunch(2, 200, 16, True, True, False, True, True), True)[0])))
+reads, after = [], None
+for _, text in loop:
+    if "WARPGROUP.DEPBAR" in text:
+        after = 0
+    elif "LDSM" in text and after is not None:
+        after += 1
+    elif "STSM" in text and after is not None:
+        reads.append(after)
+        after = None
+print(json.dumps({"reads_after_waits": reads, "ldsm": sum("LDSM" in t for _, t in loop)}))
+"""
+
+
+@needs_cuobjdump
+def test_early_loads_read_a_chunk_before_waiting_on_its_up_projection():
+    """``early_loads``: in the rebuilding warp group's tile no shared-memory read stands
+    between a wait on an up-projection and the writes that follow it (without the option,
+    a chunk's four reads do: round 31's profile had the packed multiply-adds waiting on
+    them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _READS_AFTER_WAITS], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["ldsm"] == 32  # 8 chunks a tile, 4 reads each
+    assert got["reads_after_waits"] == [0] * 8, got
