@@ -14,7 +14,11 @@ SASS instruction with its executed count and stall samples, summed by instructio
 (``sass_classes``) and by opcode, ``--per N`` dividing the counts (e.g. by the key tiles a
 launch ran). Samples of warps parked at ``USETMAXREG`` (a warp-specialized kernel's idle
 padding warps, which ncu samples as waiting at a barrier for the whole launch) are counted
-apart from the rest.
+apart from the rest. Each mbarrier wait is listed too (``waits``): a try-wait that finds its
+phase incomplete branches to a retry of the same instruction placed after the kernel's
+body, so the retries' executed count over the wait's own says how long its warps waited on
+that barrier (who waits on whom: round 32 found the consumers retrying the rebuilt key's
+barrier ~11 times a tile and the rebuild never its inputs').
 """
 from __future__ import annotations
 
@@ -107,6 +111,8 @@ def parse_source(text: str, name: str, per: float = 1.0) -> dict:
     reasons = [(j, c[len("stall_"):]) for j, c in enumerate(header)
                if c.startswith("stall_") and "Not Issued" not in c]
     by_class, by_op, samples, stall, parked = Counter(), Counter(), Counter(), Counter(), 0.0
+    waits: dict[str, dict] = {}  # a try-wait's text -> its first address, tries, retries
+    waiting = None  # the wait just read: the branch after it samples its warps too
 
     def num(cell: str) -> float:
         return _number(cell) or 0.0
@@ -119,6 +125,13 @@ def parse_source(text: str, name: str, per: float = 1.0) -> dict:
             parked += num(row[sampled])
             continue
         n, cls = num(row[executed]), op_class(op)
+        if "TRYWAIT" in row[src]:
+            waiting = _wait(waits, row[src], row[0], n, num(row[sampled]))
+        elif waiting is not None and op == "BRA":
+            waiting["samples"] += num(row[sampled])
+            waiting = None
+        else:
+            waiting = None
         by_class[cls] += n
         by_op[op] += n
         samples[cls] += num(row[sampled])
@@ -129,7 +142,24 @@ def parse_source(text: str, name: str, per: float = 1.0) -> dict:
             "by_class": {c: round(by_class[c] * scale, 1) for c in ALL_CLASSES},
             "top_opcodes": {o: round(n * scale, 1) for o, n in by_op.most_common(16)},
             "samples_by_class": {c: samples[c] for c in ALL_CLASSES},
-            "stall_samples": dict(stall.most_common()), "parked_samples": parked}
+            "stall_samples": dict(stall.most_common()), "parked_samples": parked,
+            "waits": sorted(waits.values(), key=lambda w: -w["retries"])}
+
+
+def _wait(waits: dict[str, dict], text: str, address: str, n: float, samples: float) -> dict:
+    """Adds a try-wait row to ``waits``: the first row of a text is the wait (its address
+    and tries), a later one its retry; returns the wait's entry."""
+    key = " ".join(w for w in text.split() if not w.startswith("@"))
+    if key not in waits:
+        waits[key] = {"wait": key, "address": address, "tries": n, "retries": 0.0,
+                      "samples": 0.0}
+    else:
+        waits[key]["retries"] += n
+    entry = waits[key]
+    entry["samples"] += samples
+    entry["retries_per_try"] = round(entry["retries"] / entry["tries"], 2) \
+        if entry["tries"] else None
+    return entry
 
 
 def print_source(runs: dict[str, dict]) -> None:
@@ -150,6 +180,9 @@ def print_source(runs: dict[str, dict]) -> None:
                            sorted(runs[n]["samples_by_class"].items(), key=lambda kv: -kv[1]))
         print(f"  {n} stall samples by class: {shares}; parked at setmaxnreg: "
               f"{runs[n]['parked_samples']:,.0f} (apart)")
+        for w in runs[n]["waits"][:6]:
+            print(f"    wait at {w['address']}: {w['retries_per_try']} retries a try "
+                  f"({w['tries']:,.0f} tries, {w['samples']:,.0f} samples) {w['wait']}")
 
 
 def stalls(metrics: dict[str, float | str]) -> dict[str, float]:

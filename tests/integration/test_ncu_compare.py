@@ -106,3 +106,25 @@ def test_source_needs_a_source_page(tmp_path, capsys):
     raw.write_text(raw_page("1", "1", 0.1, 0.1))
     assert ncu_compare.main(["--source", f"x={raw}"]) == 2
     assert "no ncu source page" in capsys.readouterr().err
+
+
+def test_source_pages_list_each_mbarrier_wait_with_its_retries(tmp_path, capsys):
+    """A try-wait's later rows of the same text (the retry blocks after the kernel's body)
+    are its retries; the branch after the wait samples its warps too; the waits come most
+    retried first."""
+    page = tmp_path / "w.csv"
+    ready = "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR10+0x36210], R24 ;"
+    full_k = "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8+0x361f0], R58 ;"
+    page.write_text(source_page([
+        ("0x10", ready, "13", "1,000"), ("0x20", "@!P2 BRA 0x400 ;", "700", "1,000"),
+        ("0x30", full_k, "4", "1,000"), ("0x40", "@!P0 BRA 0x410 ;", "50", "1,000"),
+        ("0x50", "FMUL R1, R2, R3 ;", "9", "1,000"),
+        ("0x400", "@!P2 " + ready, "1", "11,000"), ("0x410", full_k, "0", "50")]))
+    out = tmp_path / "w.json"
+    assert ncu_compare.main(["--source", f"x={page}", "--out", str(out)]) == 0
+    waits = json.loads(out.read_text())["runs"]["x"]["waits"]
+    assert [(w["address"], w["tries"], w["retries"], w["retries_per_try"], w["samples"])
+            for w in waits] == [("0x10", 1000.0, 11000.0, 11.0, 714.0),
+                                ("0x30", 1000.0, 50.0, 0.05, 54.0)]
+    assert waits[0]["wait"] == ready  # the retry's predicate dropped: one wait
+    assert "wait at 0x10: 11.0 retries a try" in capsys.readouterr().out
