@@ -53,6 +53,10 @@ from forkserve.bench.provenance import source_commit  # noqa: E402
 CASES = [(1, 64, 8256), (8, 64, 8256), (32, 16, 8208), (4, 64, 32832), (8, 512, 8704),
          (1, 4096, 4096)]
 SMOKE_CASES = [(1, 8, 40), (2, 16, 48)]
+# A 128-key launch whose output is further than this from the fused kernel's at a case
+# (relative error) is not adopted, however fast: the CUDA tests' tolerance
+# (tests/kernels/kernel_testlib.REL_TOL), which the bench can run ahead of.
+MATCH_TOL = 2e-2
 GOAL = 1.3
 # The ws kernel's launches beside its default (rows, stages, edge_masks, base_scores,
 # bf16_rope: WsPrefillLaunch; two slots, which lost to three everywhere in
@@ -279,7 +283,8 @@ def wide_verdict(res: dict) -> dict:
     worst case over the best unified route is lowest, with the key ``[group, rows]`` and
     the ``WideLaunch`` fields of its ``residual_prefill_gluon.MEASURED_WIDE_LAUNCHES``
     entry; ``None`` where none is faster everywhere. A launch missing at a case (skipped,
-    or no kernel there) is not judged."""
+    or no kernel there) is not judged; one whose output is off the fused kernel's by more
+    than ``MATCH_TOL`` at a case is listed in ``wrong`` and not adopted."""
     from forkserve.kernels.residual_prefill_gluon import default_launch
 
     group = res["shape"]["n_heads"] // res["shape"]["n_kv"]
@@ -295,12 +300,14 @@ def wide_verdict(res: dict) -> dict:
                     and all(t and ws for t, ws in times)):
                 over[name] = [t / ws for t, ws in times]
                 over_unified[name] = max(r["device_over_best_unified"][col] for r in cases)
-        faster = [n for n in over if max(over[n]) < 1.0]
+        wrong = sorted({n for r in cases for n, e in r.get("wide_rel_err_vs_fused", {}).items()
+                        if n in over and not e <= MATCH_TOL})
+        faster = [n for n in over if max(over[n]) < 1.0 and n not in wrong]
         adopt = min(faster, key=over_unified.get, default=None)
         verdict[str(rows)] = {
             "cases": [f"{r['batch']}x{r['new']}/{r['keys']}" for r in cases],
             "over_default": over, "worst": {n: max(v) for n, v in over.items()},
-            "worst_over_unified": over_unified, "adopt": adopt,
+            "worst_over_unified": over_unified, "wrong": wrong, "adopt": adopt,
             "key": [group, rows] if adopt else None,
             "fields": list(astuple(table[adopt])) if adopt else None}
     return verdict
@@ -342,6 +349,9 @@ def print_table(res: dict) -> None:
         print(f"  adopt at {rows} rows: " + (
             f"{v['adopt']}: MEASURED_WIDE_LAUNCHES[{tuple(v['key'])}] = {tuple(v['fields'])}"
             if v["adopt"] else "none (none faster at every case)"))
+        if v["wrong"]:
+            print(f"  not adopted, output off the fused kernel's by more than {MATCH_TOL}: "
+                  + " ".join(v["wrong"]))
 
 
 def plot(res: dict, path: Path) -> None:

@@ -82,3 +82,9 @@ def test_the_wide_verdict_adopts_only_a_launch_faster_at_every_case() -> None:
     assert verdict["128"]["fields"] == [2, 200, 16, True, False, False, True, False]
     assert verdict["64"]["worst"] == {lone: pytest.approx(1.1)}  # c32 missing at 8 tokens
     assert verdict["64"]["adopt"] is None and verdict["64"]["fields"] is None
+    # The faster launch off the fused kernel's output at a case: listed, and the other taken.
+    res["rows"][1]["wide_rel_err_vs_fused"] = {faster: 0.3, fast: 4e-3}
+    verdict = bench.wide_verdict(res)
+    assert verdict["128"]["wrong"] == [faster] and verdict["128"]["adopt"] == fast
+    res["rows"][0]["wide_rel_err_vs_fused"] = {fast: float("nan")}  # NaN is never a match
+    assert bench.wide_verdict(res)["128"]["adopt"] is None
