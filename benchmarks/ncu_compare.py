@@ -143,7 +143,9 @@ def parse_source(text: str, name: str, per: float = 1.0) -> dict:
             "top_opcodes": {o: round(n * scale, 1) for o, n in by_op.most_common(16)},
             "samples_by_class": {c: samples[c] for c in ALL_CLASSES},
             "stall_samples": dict(stall.most_common()), "parked_samples": parked,
-            "waits": sorted(waits.values(), key=lambda w: -w["retries"])}
+            "waits": [w | {"retries_per_try": round(w["retries"] / w["tries"], 2)
+                           if w["tries"] else None}
+                      for w in sorted(waits.values(), key=lambda w: -w["retries"])]}
 
 
 def _wait(waits: dict[str, dict], text: str, address: str, n: float, samples: float) -> dict:
@@ -155,11 +157,8 @@ def _wait(waits: dict[str, dict], text: str, address: str, n: float, samples: fl
                       "samples": 0.0}
     else:
         waits[key]["retries"] += n
-    entry = waits[key]
-    entry["samples"] += samples
-    entry["retries_per_try"] = round(entry["retries"] / entry["tries"], 2) \
-        if entry["tries"] else None
-    return entry
+    waits[key]["samples"] += samples
+    return waits[key]
 
 
 def print_source(runs: dict[str, dict]) -> None:

@@ -70,10 +70,15 @@ def test_a_tile_is_the_loop_less_its_cold_blocks():
         tool.count("a", "a", _listing([["MOV R1, R2"], ["EXIT"]]))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _python(*argv: str) -> subprocess.CompletedProcess:
+    """Python on ``argv`` at the repository root, without the interpreter mode."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "benchmarks/ws_sass.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return _python("benchmarks/ws_sass.py", *args)
 
 
 @needs_cuobjdump
@@ -209,7 +214,7 @@ def test_an_unknown_launch_is_one_line(tmp_path):
 
 
 _READS_AFTER_WAITS = """
-import json, sys
+import json
 from benchmarks import ws_sass
 from forkserve.kernels.residual_prefill_wide import WideLaunch, build_sm90a
 from forkserve.kernels.sm90_build import sass_sm90a
@@ -234,9 +239,7 @@ def test_early_loads_read_a_chunk_before_waiting_on_its_up_projection():
     between a wait on an up-projection and the writes that follow it (without the option,
     a chunk's four reads do: round 31's profile had the packed multiply-adds waiting on
     them)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _READS_AFTER_WAITS], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = _python("-c", _READS_AFTER_WAITS)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["ldsm"] == 32  # 8 chunks a tile, 4 reads each
