@@ -88,3 +88,29 @@ def test_the_wide_verdict_adopts_only_a_launch_faster_at_every_case() -> None:
     assert verdict["128"]["wrong"] == [faster] and verdict["128"]["adopt"] == fast
     res["rows"][0]["wide_rel_err_vs_fused"] = {fast: float("nan")}  # NaN is never a match
     assert bench.wide_verdict(res)["128"]["adopt"] is None
+
+
+def test_the_wide_verdict_wants_more_than_the_timings_spread() -> None:
+    """The default launch (at 128 rows, GQA 4: ``wide_m128_r200_c16_bf16_pp_ta``) measured
+    under its own name beside the ws column, which runs it too: its straying from 1 (here
+    3%) is the timing's spread, and a launch has to be faster than the default by more at
+    every case."""
+    bench = load_script("residual_prefill_bench")
+    default, near, far = ("wide_m128_r200_c16_bf16_pp_ta", "wide_m128_r200_c16_bf16_pp_ta_el",
+                          "wide_m128_r200_c16_bf16")
+
+    def row(new: int, **times: float) -> dict:
+        device = {"residual_ws": 1.0, **{f"residual_{n}": t for n, t in times.items()}}
+        return {"batch": 8, "new": new, "keys": 8192 + new, "device": device,
+                "device_over_best_unified": device}
+
+    res = {"shape": {"n_heads": 32, "n_kv": 8}, "rows": [
+        row(64, **{default: 0.97, near: 0.98, far: 0.95}),
+        row(512, **{default: 1.01, near: 0.98, far: 0.96})]}
+    verdict = bench.wide_verdict(res)["128"]
+    assert verdict["spread"] == pytest.approx(0.03)
+    assert verdict["adopt"] == far
+    res["rows"][1]["device"][f"residual_{far}"] = 0.975  # within the spread: not adopted
+    verdict = bench.wide_verdict(res)["128"]
+    assert verdict["adopt"] is None and verdict["worst"][near] == pytest.approx(0.98)
+
