@@ -81,6 +81,11 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  (1, 232, 64, True, False, True, True),
                  # Round 32: the adopted launches with the rebuild's reads before its waits.
                  (2, 200, 16, True, True, False, True, True),
+                 # Round 33: the rebuild's writes held to the end of a half (12 barriers a
+                 # tile, not 18), its registers taken from the consumers' 200 (without
+                 # early_loads the rebuild's loop spills).
+                 (2, 184, 16, True, True, False, True, True, True),
+                 # A 64-row launch last: the CUDA tests take the last one as that.
                  (1, 232, 64, True, False, False, True, True)]
 
 

@@ -101,7 +101,11 @@ class WideLaunch:
     memory before it waits on the chunk's up-projection, so the reads' latency passes under
     the wait, not after it (round 31's profile: the rebuild set the pace, never waiting on a
     copy, and its packed multiply-adds stalled most on those reads; docs/KERNELS.md "Round
-    32")."""
+    32"); ``defer_stores``: the rebuild holds a half's rebuilt chunks in registers and
+    writes them after the half's last chunk, so no chunk's reads wait on a barrier behind
+    the chunk before's writes (Triton's, which tracks a buffer, not a view: 12 barriers a
+    tile, not 18) at the cost of the held chunks' registers (a chunk narrower than a half
+    only; docs/KERNELS.md "Round 33")."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -111,6 +115,7 @@ class WideLaunch:
     overlap: bool = False
     thread_arrive: bool = False
     early_loads: bool = False
+    defer_stores: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -121,15 +126,18 @@ class WideLaunch:
         if self.chunk not in (8, 16, 32, 64):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
                              "columns: 8, 16, 32 or 64")
+        if self.defer_stores and self.chunk == 64:
+            raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
+                             "at chunk 64 a half is one chunk")
 
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``), as the bench reports it."""
+        ``_ta``, ``_el``, ``_ds``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
-                + ("_el" if self.early_loads else ""))
+                + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else ""))
 
     @property
     def rows(self) -> int:
@@ -147,7 +155,7 @@ class WideLaunch:
         return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
-                    EARLY_LOADS=self.early_loads)
+                    EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores)
 
 
 @gluon.jit
@@ -334,7 +342,8 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr):
 
 
 @gluon.jit
-def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr):
+def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
+                  DEFER_STORES: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -343,7 +352,10 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
     written by the same thread, yet Triton places a barrier of the warp group before the
     writes and another before the next chunk's reads: it tracks shared-memory hazards a
     buffer at a time, not a view (round 32: 18 barriers in a tile of the adopted launch's
-    rebuild). ``EARLY_LOADS``: a chunk's reads before the wait on its up-projection."""
+    rebuild). ``EARLY_LOADS``: a chunk's reads before the wait on its up-projection;
+    ``DEFER_STORES``: the half's rebuilt chunks held and written after its last chunk, so
+    the barriers fall between the writes (write after write), not before each chunk's
+    reads."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
@@ -351,6 +363,7 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
     kr = bufs[4].index(s).slice(h * H, H)
     u_l: gl.constexpr = wgmma_layout(C, gl.num_warps())
     u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
+    held = ()
     for c in gl.static_range(N):
         # The views made where they are read: made before the wait, the launches measured in
         # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
@@ -368,8 +381,16 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
             c32, s32 = cos.to(gl.float32), sin.to(gl.float32)
             r_a = (base_a.to(gl.float32) + u_lo * c32 - u_hi * s32).to(gl.bfloat16)
             r_b = (base_b.to(gl.float32) + u_hi * c32 + u_lo * s32).to(gl.bfloat16)
-        k_a.store(r_a)
-        k_b.store(r_b)
+        if DEFER_STORES:
+            held = held + (r_a, r_b)
+        else:
+            k_a.store(r_a)
+            k_b.store(r_b)
+    if DEFER_STORES:
+        for c in gl.static_range(N):
+            k_a, k_b = _key_chunk(bufs, s, h, c, C)
+            k_a.store(held[2 * c])
+            k_b.store(held[2 * c + 1])
 
 
 @gluon.jit
@@ -390,7 +411,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-             EARLY_LOADS: gl.constexpr):
+             EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -413,7 +434,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         if has_res:
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
-                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE, EARLY_LOADS)
+                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE, EARLY_LOADS, DEFER_STORES)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 _release(cs_free.index(h), THREAD_ARRIVE)
@@ -527,7 +548,7 @@ def _residual_prefill_wide_kernel(
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-        EARLY_LOADS: gl.constexpr, num_warps: gl.constexpr):
+        EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -557,13 +578,13 @@ def _residual_prefill_wide_kernel(
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS)),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS)),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])

@@ -244,3 +244,40 @@ def test_early_loads_read_a_chunk_before_waiting_on_its_up_projection():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["ldsm"] == 32  # 8 chunks a tile, 4 reads each
     assert got["reads_after_waits"] == [0] * 8, got
+
+
+_READ_AND_WRITE_RUNS = """
+import json
+from benchmarks import ws_sass
+from forkserve.kernels.residual_prefill_wide import WideLaunch, build_sm90a
+from forkserve.kernels.sm90_build import sass_sm90a
+out = {}
+for defer in (False, True):
+    launch = WideLaunch(2, 184 if defer else 200, 16, True, True, False, True, True, defer)
+    loop = ws_sass.rebuild_loop(ws_sass.parse(sass_sm90a(build_sm90a(launch, True)[0])))
+    runs = []  # the tile's shared-memory reads and writes in runs: "R4", "W2", ...
+    for _, text in loop:
+        kind = "R" if "LDSM" in text else "W" if "STSM" in text else None
+        if kind and runs and runs[-1][0] == kind:
+            runs[-1] = kind + str(int(runs[-1][1:]) + 1)
+        elif kind:
+            runs.append(kind + "1")
+    out[str(defer)] = {"runs": runs,
+                       "barriers": sum(t.startswith("BAR.SYNC") for _, t in loop)}
+print(json.dumps(out))
+"""
+
+
+@needs_cuobjdump
+def test_deferred_stores_write_a_half_after_its_last_read():
+    """``defer_stores``: the rebuilding warp group's tile reads a half's four chunks (16
+    reads) before it writes any of them (8 writes), where the launch without the option
+    alternates chunk by chunk; Triton's barriers between a write and the next chunk's reads
+    go (six fewer a tile: the writes still need them among themselves)."""
+    run = _python("-c", _READ_AND_WRITE_RUNS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["False"]["runs"] == ["R4", "W2"] * 8
+    assert got["True"]["runs"] == ["R16", "W8"] * 2
+    assert got["True"]["barriers"] == got["False"]["barriers"] - 6
+
