@@ -213,13 +213,21 @@ def test_an_unknown_launch_is_one_line(tmp_path):
     assert "unknown prefill launch ws_m96_s3" in run.stderr.splitlines()[-1]
 
 
-_READS_AFTER_WAITS = """
+# The scripts' start: ``rebuild(*fields)``, a WideLaunch's rebuilding warp group's loop
+# in its SASS and the CTA barriers of its steady tile (``ws_sass.count``).
+_REBUILD = """
 import json
 from benchmarks import ws_sass
 from forkserve.kernels.residual_prefill_wide import WideLaunch, build_sm90a
 from forkserve.kernels.sm90_build import sass_sm90a
-loop = ws_sass.rebuild_loop(ws_sass.parse(sass_sm90a(build_sm90a(
-    WideLaunch(2, 200, 16, True, True, False, True, True), True)[0])))
+def rebuild(*fields):
+    sass = sass_sm90a(build_sm90a(WideLaunch(*fields), True)[0])
+    return (ws_sass.rebuild_loop(ws_sass.parse(sass)),
+            ws_sass.count("", "", sass, ws_sass.rebuild_loop).barriers)
+"""
+
+_READS_AFTER_WAITS = _REBUILD + """
+loop, _ = rebuild(2, 200, 16, True, True, False, True, True)
 reads, after = [], None
 for _, text in loop:
     if "WARPGROUP.DEPBAR" in text:
@@ -246,15 +254,10 @@ def test_early_loads_read_a_chunk_before_waiting_on_its_up_projection():
     assert got["reads_after_waits"] == [0] * 8, got
 
 
-_READ_AND_WRITE_RUNS = """
-import json
-from benchmarks import ws_sass
-from forkserve.kernels.residual_prefill_wide import WideLaunch, build_sm90a
-from forkserve.kernels.sm90_build import sass_sm90a
+_READ_AND_WRITE_RUNS = _REBUILD + """
 out = {}
 for defer in (False, True):
-    launch = WideLaunch(2, 184 if defer else 200, 16, True, True, False, True, True, defer)
-    loop = ws_sass.rebuild_loop(ws_sass.parse(sass_sm90a(build_sm90a(launch, True)[0])))
+    loop, barriers = rebuild(2, 184 if defer else 200, 16, True, True, False, True, True, defer)
     runs = []  # the tile's shared-memory reads and writes in runs: "R4", "W2", ...
     for _, text in loop:
         kind = "R" if "LDSM" in text else "W" if "STSM" in text else None
@@ -262,8 +265,7 @@ for defer in (False, True):
             runs[-1] = kind + str(int(runs[-1][1:]) + 1)
         elif kind:
             runs.append(kind + "1")
-    out[str(defer)] = {"runs": runs,
-                       "barriers": sum(t.startswith("BAR.SYNC") for _, t in loop)}
+    out[str(defer)] = {"runs": runs, "barriers": barriers}
 print(json.dumps(out))
 """
 
