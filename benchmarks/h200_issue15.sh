@@ -808,7 +808,7 @@ PY
     | tee "$OUT/pytest_cuda_wide_prefill_first.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
   # shellcheck disable=SC2046  # par_tests' words are options
-  FORKSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -v -rfE -p no:cacheprovider \
+  FORKSERVE_TEST_DEVICE=cuda timeout 480 python3 -m pytest -v -rfE -p no:cacheprovider \
     -p no:warnings $(par_tests) ${K:+-k "$K"} tests/kernels/test_residual_prefill_wide.py \
     2>&1 | tee "$OUT/pytest_cuda_wide_prefill${K:+_rest}.log" | tail -4
   ;;

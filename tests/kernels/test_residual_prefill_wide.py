@@ -17,6 +17,7 @@ from test_residual_prefill_ws import CASES, _formula, _inputs, cuda_only
 from test_sm90_compile import check_ws_build
 
 from benchmarks.residual_prefill_bench import WIDE_LAUNCHES
+from forkserve.kernels.residual_prefill_gluon import MEASURED_WIDE_LAUNCHES
 from forkserve.kernels.residual_prefill_wide import WideLaunch
 
 # The registers cut to ~72 a thread in the rebuilding warp group and 40 in the loader's
@@ -122,12 +123,13 @@ def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("launch", [WIDE_LAUNCHES[0], WIDE_LAUNCHES[3], WIDE_LAUNCHES[-1]],
-                         ids=_name)
+@pytest.mark.parametrize("launch", list(dict.fromkeys([
+    WIDE_LAUNCHES[0], WIDE_LAUNCHES[3], *MEASURED_WIDE_LAUNCHES.values(), WIDE_LAUNCHES[-1]])),
+    ids=_name)
 def test_wide_prefill_under_a_cuda_graph(launch: tuple) -> None:
     """The first CUDA test h200_issue15.sh runs (a hang then costs its short timeout): the
-    default launch, and each release protocol (``thread_arrive``) with two consumers in
-    turns and with one scoring a tile ahead."""
+    first launch, the default launches, and each release protocol (``thread_arrive``) with
+    two consumers in turns and with one scoring a tile ahead."""
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
     args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
@@ -138,11 +140,11 @@ def test_wide_prefill_under_a_cuda_graph(launch: tuple) -> None:
 def test_the_default_launch_takes_a_measured_wide_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``default_launch`` takes the 128-key kernel at the GQA group and rows
-    ``MEASURED_WIDE_LAUNCHES`` holds (round 31: both program sizes at GQA 4), the ws launches
-    elsewhere; the ws entry point runs whichever it is given."""
+    ``MEASURED_WIDE_LAUNCHES`` holds (rounds 31 and 34: both program sizes at GQA 4), the ws
+    launches elsewhere; the ws entry point runs whichever it is given."""
     from forkserve.kernels import residual_prefill_gluon as ws
 
-    assert ws.default_launch(64).name == "wide_m128_r200_c16_bf16_pp_ta"
+    assert ws.default_launch(64).name == "wide_m128_r184_c16_bf16_pp_ta_el_ds"
     assert ws.default_launch(16).name == "wide_m64_r232_c64_bf16_ta"
     assert ws.default_launch(16, group=8).name == "ws_m128_s3_edge"  # 128 rows at GQA 8
     assert ws.default_launch(8, group=8).name == "ws_m64_s3_edge_base_bf16"
