@@ -71,10 +71,11 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
 # The 128-key kernel's launches (consumers, consumer registers, rebuild chunk, bf16_rope,
-# pingpong, overlap, thread_arrive: WideLaunch). Two consumers leave the rebuild 72
-# registers, where a chunk of 32 spills inside its loop; one leaves it 232, room for a
-# chunk of a whole key half (64). Round 30 put thread_arrive beside round 29's launches
-# (a consumer's tile then crosses 1 CTA barrier, not 4: docs/KERNELS.md "Round 30").
+# pingpong, overlap, thread_arrive, early_loads, defer_stores, half_ahead: WideLaunch).
+# Two consumers leave the rebuild 72 registers, where a chunk of 32 spills inside its loop;
+# one leaves it 232, room for a chunk of a whole key half (64). Round 30 put thread_arrive
+# beside round 29's launches (a consumer's tile then crosses 1 CTA barrier, not 4:
+# docs/KERNELS.md "Round 30").
 WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, False, False, False),
                  (2, 200, 16, True, False, False, True), (2, 200, 16, True, True, False, True),
                  (1, 232, 32, True, False, False, False), (1, 232, 64, True, False, False, True),
@@ -85,6 +86,11 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  # tile, not 18), its registers taken from the consumers' 200 (without
                  # early_loads the rebuild's loop spills).
                  (2, 184, 16, True, True, False, True, True, True),
+                 # Round 34: round 33's with the next key half's first up-projection issued
+                 # before the half's writes; its accumulator held there spills the
+                 # rebuild's loop at 184 (6 instructions), the consumers' at 176 (16).
+                 (2, 184, 16, True, True, False, True, True, True, True),
+                 (2, 176, 16, True, True, False, True, True, True, True),
                  # A 64-row launch last: the CUDA tests take the last one as that.
                  (1, 232, 64, True, False, False, True, True)]
 

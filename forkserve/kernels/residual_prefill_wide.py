@@ -105,7 +105,11 @@ class WideLaunch:
     writes them after the half's last chunk, so no chunk's reads wait on a barrier behind
     the chunk before's writes (Triton's, which tracks a buffer, not a view: 12 barriers a
     tile, not 18) at the cost of the held chunks' registers (a chunk narrower than a half
-    only; docs/KERNELS.md "Round 33")."""
+    only; docs/KERNELS.md "Round 33"); ``half_ahead``: the rebuild issues the next key
+    half's first up-projection at the last chunk of this one, not at the next half's
+    start, so its latency passes under this half's last rotation and writes (round 31's
+    profile: the rebuild's second stall was its waits on the up-projection; docs/KERNELS.md
+    "Round 34")."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -116,6 +120,7 @@ class WideLaunch:
     thread_arrive: bool = False
     early_loads: bool = False
     defer_stores: bool = False
+    half_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -133,11 +138,12 @@ class WideLaunch:
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``), as the bench reports it."""
+        ``_ta``, ``_el``, ``_ds``, ``_ha``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
-                + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else ""))
+                + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
+                + ("_ha" if self.half_ahead else ""))
 
     @property
     def rows(self) -> int:
@@ -155,7 +161,8 @@ class WideLaunch:
         return dict(CONSUMERS=self.consumers, CONSUMER_REGS=self.consumer_regs,
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
-                    EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores)
+                    EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
+                    HALF_AHEAD=self.half_ahead)
 
 
 @gluon.jit
@@ -328,13 +335,19 @@ def _chunk_reads(bufs, h, c: gl.constexpr, C: gl.constexpr, k_a, k_b, u_l: gl.co
 
 
 @gluon.jit
-def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr):
-    """Chunk ``c``'s up-projection (``pending``, in flight) waited on, the next chunk's
-    issued first where there is one: (the next chunk's in flight, ``u_lo``, ``u_hi``)."""
+def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
+                  AHEAD: gl.constexpr):
+    """Chunk ``c``'s up-projection (``pending``, in flight) waited on, the next one's issued
+    first where there is one: the next chunk's, or at the last chunk where ``AHEAD`` the
+    first chunk's of the next half's residual rows ``kr_ahead``. Returns (the next in
+    flight, ``u_lo``, ``u_hi``)."""
     N: gl.constexpr = bk.type.shape[0] // 2
     u_lo, u_hi = pending
     if c + 1 < N:
         pending = up_projection(kr, bk.index(c + 1), bk.index(N + c + 1), u_l)
+        u_lo, u_hi = warpgroup_mma_wait(2, deps=(u_lo, u_hi))
+    elif AHEAD:
+        pending = up_projection(kr_ahead, bk.index(0), bk.index(N), u_l)
         u_lo, u_hi = warpgroup_mma_wait(2, deps=(u_lo, u_hi))
     else:
         u_lo, u_hi = warpgroup_mma_wait(0, deps=(u_lo, u_hi))
@@ -342,8 +355,9 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr):
 
 
 @gluon.jit
-def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
-                  DEFER_STORES: gl.constexpr):
+def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
+                  EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr,
+                  HALF_AHEAD: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -355,14 +369,22 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
     rebuild). ``EARLY_LOADS``: a chunk's reads before the wait on its up-projection;
     ``DEFER_STORES``: the half's rebuilt chunks held and written after its last chunk, so
     the barriers fall between the writes (write after write), not before each chunk's
-    reads."""
+    reads. ``HALF_AHEAD``: the half's first up-projection is ``u_next``, issued by the half
+    before (or the tile's start), and the next half's first is returned in flight (the
+    tile's last half returns its own, waited on: the caller drops it)."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     N: gl.constexpr = HALF // C
+    T: gl.constexpr = bufs[0].type.shape[1]
     kr = bufs[4].index(s).slice(h * H, H)
     u_l: gl.constexpr = wgmma_layout(C, gl.num_warps())
-    u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
+    AHEAD: gl.constexpr = HALF_AHEAD and (h + 1) * H < T
+    kr_ahead = kr  # no view made where nothing is issued ahead
+    if AHEAD:
+        kr_ahead = bufs[4].index(s).slice((h + 1) * H, H)
+    if not HALF_AHEAD:
+        u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
     held = ()
     for c in gl.static_range(N):
         # The views made where they are read: made before the wait, the launches measured in
@@ -370,9 +392,9 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
         if EARLY_LOADS:
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
             cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
-            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l)
+            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
         else:
-            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l)
+            u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
             cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
         if BF16_ROPE:
@@ -391,6 +413,7 @@ def _rebuild_half(bufs, bk, s, h, BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.const
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
             k_a.store(held[2 * c])
             k_b.store(held[2 * c + 1])
+    return u_next
 
 
 @gluon.jit
@@ -411,7 +434,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-             EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr):
+             EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -432,9 +455,15 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         s = i % NS
         mbarrier.wait(full_k.index(s), (i // NS) & 1)
         if has_res:
+            u_next = 0  # each half issues its own first up-projection
+            if HALF_AHEAD:  # the tile's first here, each next half's by the half before
+                u_next = up_projection(bufs[4].index(s).slice(0, H), ops[4].index(0),
+                                       ops[4].index(ops[4].type.shape[0] // 2),
+                                       wgmma_layout(ops[4].type.shape[2], gl.num_warps()))
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
-                _rebuild_half(bufs, ops[4], s, h, BF16_ROPE, EARLY_LOADS, DEFER_STORES)
+                u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,
+                                       DEFER_STORES, HALF_AHEAD)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 _release(cs_free.index(h), THREAD_ARRIVE)
@@ -548,7 +577,8 @@ def _residual_prefill_wide_kernel(
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-        EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, num_warps: gl.constexpr):
+        EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -578,13 +608,15 @@ def _residual_prefill_wide_kernel(
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES)),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
+                                         HALF_AHEAD)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES)),
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
+                                         HALF_AHEAD)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])

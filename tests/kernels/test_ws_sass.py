@@ -283,3 +283,32 @@ def test_deferred_stores_write_a_half_after_its_last_read():
     assert got["True"]["runs"] == ["R16", "W8"] * 2
     assert got["True"]["barriers"] == got["False"]["barriers"] - 6
 
+
+
+_UP_PROJECTIONS_BEFORE_WRITES = _REBUILD + """
+out = {}
+for ahead in (False, True):
+    loop, barriers = rebuild(2, 184, 16, True, True, False, True, True, True, ahead)
+    texts = [text for _, text in loop]
+    first_write = next(i for i, text in enumerate(texts) if "STSM" in text)
+    out[str(ahead)] = {"before": sum("HGMMA" in t for t in texts[:first_write]),
+                       "issued": sum("HGMMA" in t for t in texts),
+                       "waits": sum("WARPGROUP.DEPBAR" in t for t in texts),
+                       "barriers": barriers}
+print(json.dumps(out))
+"""
+
+
+@needs_cuobjdump
+def test_half_ahead_issues_the_next_halfs_up_projection_before_the_writes():
+    """``half_ahead``: the rebuilding warp group's tile issues the second key half's first
+    up-projection (two wgmma: its low and high columns) before the first half's writes,
+    not after them; the tile issues and waits as many as without the option, and crosses
+    as many barriers."""
+    run = _python("-c", _UP_PROJECTIONS_BEFORE_WRITES)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["False"]["before"] == 8  # the half's four chunks, low and high
+    assert got["True"]["before"] == 10
+    for key in ("issued", "waits", "barriers"):
+        assert got["True"][key] == got["False"][key], key
