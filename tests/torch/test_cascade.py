@@ -155,4 +155,9 @@ def test_graphs_captured_ahead_cover_every_batch_over_one_context(agents):
         tiles = len(plan.tile_rows) if plan is not None else 0
         assert key_of(n, 530, True, True, tiles) in ahead, n
     assert ahead_keys(8, 530, True, [True], None) == tuple(
-        (b, 1024, True, True, 0) for b in (1, 2, 4, 8))
+        (b, 1024, True, True, 0, False) for b in (1, 2, 4, 8))
+    # A layout that serves both forms: each split key also with merged rows among its own.
+    assert ahead_keys(2, 530, True, [False, True], None, mixed=True) == (
+        (1, 1024, True, False, 0, False), (1, 1024, True, True, 0, False),
+        (1, 1024, True, True, 0, True), (2, 1024, True, False, 0, False),
+        (2, 1024, True, True, 0, False), (2, 1024, True, True, 0, True))

@@ -145,8 +145,12 @@ def test_mixed_decode_batch_takes_the_split_graph(models, adapters):
         return graph_key(rows, plan([w.shared_prefix for w in items], PAGE, 16))
 
     mixed = key(list(AGENTS))
-    assert mixed is not None and mixed[2] and mixed[3] and mixed[4] == 2  # LoRA, split, two tiles
+    # LoRA, split, two tiles, merged rows among the split ones
+    assert mixed is not None and mixed[2] and mixed[3] and mixed[4] == 2 and mixed[5]
     assert not key([a for a in AGENTS if not AGENTS[a][1]])[3]
+    # Split rows alone take the plain split graph (no k/v delta computed), not the mixed one.
+    alone = key([a for a in AGENTS if AGENTS[a][1]])
+    assert alone[3] and not alone[5]
 
 
 def test_mixed_steady_rows_launch_from_their_columns(models, adapters, monkeypatch):
@@ -182,6 +186,7 @@ def test_mixed_batch_graph_replay_equals_eager(models, adapters, cascade):
         backend, ids = backend_for(models, adapters, "triton", cascade, graphs)
         out[graphs] = decode(backend, ids, [list(AGENTS)])
         if graphs:
-            assert any(key[3] for key in backend.runner.captured_graphs)  # the split graph replayed
+            # the mixed split graph replayed
+            assert any(key[3] and key[5] for key in backend.runner.captured_graphs)
     for a in AGENTS:
         assert rel_err(out[True][a], out[False][a]) < REL_TOL, a

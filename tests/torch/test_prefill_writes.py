@@ -57,7 +57,9 @@ def test_build_lists_only_the_rows_that_write():
 
 
 def test_join_lists_what_build_lists():
-    """A prefill item joined with decode rows (a mixed tick) writes what build of both does."""
+    """A prefill item joined with decode rows (a mixed tick) writes what build of both does,
+    and, both sides split throughout, adds no k/v delta, as build's batch adds none (no
+    merge mask: the model computes no k/v LoRA expansion for it)."""
     items = [_item(0, 5, 0, 7, write_base=False), _item(1, 3, 2, 9)]
     rows = [_item(2, 1, 9, 9, decode=True), _item(3, 1, 4, None, decode=True)]
     dev = torch.device("cpu")
@@ -68,6 +70,7 @@ def test_join_lists_what_build_lists():
                SCRATCH, SCRATCH, PAGE).meta
     for field, mapping in (("base_writes", "slot_mapping"), ("res_writes", "res_slot_mapping")):
         assert _written(got, field, mapping) == _written(ref, field, mapping), field
+    assert ref.kv_merge_mask is None and got.kv_merge_mask is None
 
 
 def _written(meta, field: str, mapping: str) -> list[tuple[int, int]]:

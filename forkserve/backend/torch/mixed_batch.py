@@ -92,9 +92,15 @@ def _filled(meta: AttentionMetadata, batch: Batch, field: str, fill: int | None,
     return torch.full((len(batch.input_ids),), fill, dtype=meta.slot_mapping.dtype, device=device)
 
 
-def _merge_mask(a: Batch, b: Batch) -> torch.Tensor:
+def _merge_mask(a: Batch, b: Batch) -> torch.Tensor | None:
     """The merged tokens of a split step: a side without residuals is merged throughout.
-    All false is kept (adds a zero delta) rather than asked of the device, which would wait."""
+    None where both sides are split throughout (neither has a merged token: no k/v delta to
+    add, as ``build`` leaves it of a split batch), known from the host; otherwise all false
+    is kept (adds a zero delta) rather than asked of the device, which would wait."""
+    if all(t.meta.kv_merge_mask is None and t.meta.res_slot_mapping is not None
+           for t in (a, b)):
+        return None
+
     def side(t: Batch) -> torch.Tensor:
         if t.meta.kv_merge_mask is not None:
             return t.meta.kv_merge_mask

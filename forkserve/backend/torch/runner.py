@@ -30,36 +30,43 @@ class RunOutput:
     hidden: torch.Tensor | None = None  # [tokens, layers, hidden] when asked for
 
 
-# batch bucket, pages bucket, LoRA, split form, tiles bucket
-GraphKey = tuple[int, int, bool, bool, int]
+# batch bucket, pages bucket, LoRA, split form, tiles bucket, merged rows of an adapter
+# beside split ones (the mixed graph: each row's form one more input)
+GraphKey = tuple[int, int, bool, bool, int, bool]
 
 
 def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> GraphKey | None:
     """The decode graph ``rows`` replay; None past the largest batch bucket (they run
-    eagerly). Rows with a split one replay the split graph whatever the other rows' form:
-    each row's form is a graph input (cuda_graph.py), so the adaptive layout's mixed batches
-    replay too."""
+    eagerly). Rows with a split one replay a split graph whatever the other rows' form: the
+    mixed one where a merged row of an adapter is among them (its k/v LoRA delta goes into
+    its base pages: cuda_graph.py), so the adaptive layout's mixed batches replay too, and
+    the plain one otherwise, which computes no k/v delta at all."""
     return key_of(len(rows), rows.block_tables.shape[1], rows.has_adapter, rows.split,
-                  len(cascade.tile_rows) if cascade is not None else 0)
+                  len(cascade.tile_rows) if cascade is not None else 0,
+                  rows.split and bool(rows.kv_merge.any()))
 
 
-def key_of(rows: int, pages: int, lora: bool, split: bool, tiles: int) -> GraphKey | None:
-    """``graph_key`` of ``rows`` rows whose widest reads ``pages`` pages, in ``tiles`` tiles."""
+def key_of(rows: int, pages: int, lora: bool, split: bool, tiles: int,
+           mixed: bool = False) -> GraphKey | None:
+    """``graph_key`` of ``rows`` rows whose widest reads ``pages`` pages, in ``tiles`` tiles
+    (``mixed``: merged rows of an adapter among split ones)."""
     bucket = batch_bucket(rows)
     if bucket is None:
         return None
-    return bucket, pages_bucket(pages), lora, split, cascade_tiles.tiles_bucket(tiles)
+    return bucket, pages_bucket(pages), lora, split, cascade_tiles.tiles_bucket(tiles), mixed
 
 
 def ahead_keys(max_batch: int, context_pages: int, use_lora: bool, splits: Sequence[bool],
-               agents: int | None) -> tuple[GraphKey, ...]:
+               agents: int | None, mixed: bool = False) -> tuple[GraphKey, ...]:
     """The graphs ``ModelRunner.capture_decode_graphs`` captures: every batch bucket up to
-    ``max_batch``'s, at the pages bucket of ``context_pages``, in each form, and with
+    ``max_batch``'s, at the pages bucket of ``context_pages``, in each form (``mixed``: the
+    split one also with merged rows among its own, for a layout that serves both), and with
     cascade (``agents`` rows per tile; None: cascade off) every tiles bucket the agents of
     one shared context take (``cascade.tiles_buckets``); other tilings are captured on use."""
     top = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
-    return tuple((bucket, pages_bucket(context_pages), use_lora, split, tiles)
+    return tuple((bucket, pages_bucket(context_pages), use_lora, split, tiles, merged)
                  for bucket in BATCH_BUCKETS if bucket <= top for split in splits
+                 for merged in ((False, True) if split and mixed else (False,))
                  for tiles in (cascade_tiles.tiles_buckets(bucket, agents) if agents else (0,)))
 
 
@@ -177,7 +184,8 @@ class ModelRunner:
         if not self.use_cuda_graphs:
             return 0
         keys = ahead_keys(max_batch, -(-context_tokens // self.limits.page_size), use_lora, splits,
-                          self.cascade_agents if self.cascade else None)
+                          self.cascade_agents if self.cascade else None,
+                          mixed=self.limits.merged_form and self.limits.disaggregated)
         return sum(self._ensure_graph(key) for key in keys)
 
     def _ensure_graph(self, key: GraphKey) -> bool:
@@ -186,7 +194,7 @@ class ModelRunner:
             return False
         self._graphs[key] = DecodeGraph(self.model, self.pool, key[0], key[1], key[2], key[3],
                                         self.limits, self.device, self._mempool, key[4],
-                                        self.cascade_agents)
+                                        self.cascade_agents, mixed=key[5])
         return True
 
     def _replay(self, rows: DecodeRows, key: GraphKey, cascade: cascade_tiles.CascadePlan | None,
