@@ -180,13 +180,18 @@ def test_merged_adapter_items_are_refused_where_adapters_split(models, adapters)
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("cascade", [False, True])
-def test_mixed_batch_graph_replay_equals_eager(models, adapters, cascade):
+@pytest.mark.parametrize("together", [True, False])
+def test_mixed_batch_graph_replay_equals_eager(models, adapters, cascade, together):
+    """Both forms in one batch replay the mixed split graph; the split agents alone the plain
+    one (no k/v delta computed), the merged ones the merged graph: each as eager computes."""
+    split = [a for a in AGENTS if AGENTS[a][1]]
+    batches = [list(AGENTS)] if together else [split, [a for a in AGENTS if a not in split]]
     out = {}
     for graphs in (False, True):
         backend, ids = backend_for(models, adapters, "triton", cascade, graphs)
-        out[graphs] = decode(backend, ids, [list(AGENTS)])
+        out[graphs] = decode(backend, ids, batches)
         if graphs:
-            # the mixed split graph replayed
-            assert any(key[3] and key[5] for key in backend.runner.captured_graphs)
+            splits = {key[5] for key in backend.runner.captured_graphs if key[3]}
+            assert splits == {together}, splits
     for a in AGENTS:
         assert rel_err(out[True][a], out[False][a]) < REL_TOL, a
