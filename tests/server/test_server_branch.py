@@ -149,6 +149,11 @@ def test_a_generating_session_refuses_other_verbs(client):
 
 
 def test_metrics_expose_pools_actions_and_throughput(client):
+    """The series a dashboard reads, after one request of this test's own (the module's
+    other tests may run elsewhere, or after it): every cascade action's counter is there
+    from the start, at 0 until that action happens."""
+    s = client.open(MODEL_NAME, tokens=[30, 31, 32])
+    client.close(s.session_id)
     text = client.metrics()
     for name in ("forkserve_pages_used{pool=\"unified\"}",
                  "forkserve_prefix_index_pages{tree=\"base\"}",

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from forkserve.control.cascade import Action
 from forkserve.engine import Engine
 from forkserve.interfaces.server.engine_worker import EngineWorker, WorkerStats
 
@@ -95,8 +96,10 @@ class EngineCollector:
             yield CounterMetricFamily(f"forkserve_{name}", help_text, value=s.counters[name])
         actions = CounterMetricFamily("forkserve_speculative_residuals",
                                       "speculated residuals by cascade action", labels=["action"])
-        for action, n in sorted(s.actions.items()):
-            actions.add_metric([action], n)
+        # Every action from the start, at 0 until it happens: a series that appears only
+        # with its first event makes a scraper's rate() miss that event.
+        for action in Action:
+            actions.add_metric([action.value], s.actions.get(action.value, 0))
         yield actions
         w = s.worker
         for name, help_text, value in (
