@@ -369,9 +369,9 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
     rebuild). ``EARLY_LOADS``: a chunk's reads before the wait on its up-projection;
     ``DEFER_STORES``: the half's rebuilt chunks held and written after its last chunk, so
     the barriers fall between the writes (write after write), not before each chunk's
-    reads. ``HALF_AHEAD``: the half's first up-projection is ``u_next``, issued by the half
-    before (or the tile's start), and the next half's first is returned in flight (the
-    tile's last half returns its own, waited on: the caller drops it)."""
+    reads. ``HALF_AHEAD``: past the tile's first half, the half's first up-projection is
+    ``u_next``, issued by the half before; the next half's first is returned in flight
+    (the tile's last half returns its own, waited on: the caller drops it)."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
@@ -383,7 +383,7 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
     kr_ahead = kr  # no view made where nothing is issued ahead
     if AHEAD:
         kr_ahead = bufs[4].index(s).slice((h + 1) * H, H)
-    if not HALF_AHEAD:
+    if not HALF_AHEAD or h == 0:
         u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
     held = ()
     for c in gl.static_range(N):
@@ -455,11 +455,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         s = i % NS
         mbarrier.wait(full_k.index(s), (i // NS) & 1)
         if has_res:
-            u_next = 0  # each half issues its own first up-projection
-            if HALF_AHEAD:  # the tile's first here, each next half's by the half before
-                u_next = up_projection(bufs[4].index(s).slice(0, H), ops[4].index(0),
-                                       ops[4].index(ops[4].type.shape[0] // 2),
-                                       wgmma_layout(ops[4].type.shape[2], gl.num_warps()))
+            u_next = 0  # the first half issues its own first up-projection
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
                 u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,

@@ -284,7 +284,6 @@ def test_deferred_stores_write_a_half_after_its_last_read():
     assert got["True"]["barriers"] == got["False"]["barriers"] - 6
 
 
-
 _UP_PROJECTIONS_BEFORE_WRITES = _REBUILD + """
 out = {}
 for ahead in (False, True):

@@ -46,6 +46,8 @@ CTX = 2 * PAGE + 2  # ends mid-page: each reader's last context page is its own
 # share, "M" merged pages of one adapter, None alone. Agent 2 has no adapter.
 AGENTS = {0: ("qkvo", True, "S"), 1: ("qv", True, "S"), 2: (None, True, "S"),
           3: ("qkvo", False, "M"), 4: ("qkvo", False, "M"), 5: ("qv", False, None)}
+SPLIT = [a for a, (_, split, _) in AGENTS.items() if split]
+MERGED = [a for a in AGENTS if a not in SPLIT]
 CTX_PAGES = {"S": tuple(range(200, 200 + CTX // PAGE)), "M": tuple(range(220, 220 + CTX // PAGE))}
 STEPS = 2
 
@@ -124,8 +126,7 @@ def test_mixed_batch_equals_its_forms_as_separate_batches(models, adapters, atte
     # model's over shared base pages, the merged rows over their adapter's merged pages.
     assert tiles == ([2] * STEPS * 2 if cascade else [])
     alone, ids = backend_for(models, adapters, choice, cascade)
-    split = [a for a, (_, s, _) in AGENTS.items() if s]
-    apart = decode(alone, ids, [split, [a for a in AGENTS if a not in split]])
+    apart = decode(alone, ids, [SPLIT, MERGED])
     for a in AGENTS:
         assert rel_err(together[a], apart[a]) < REL_TOL, a
     expect = pools(alone)
@@ -147,9 +148,9 @@ def test_mixed_decode_batch_takes_the_split_graph(models, adapters):
     mixed = key(list(AGENTS))
     # LoRA, split, two tiles, merged rows among the split ones
     assert mixed is not None and mixed[2] and mixed[3] and mixed[4] == 2 and mixed[5]
-    assert not key([a for a in AGENTS if not AGENTS[a][1]])[3]
+    assert not key(MERGED)[3]
     # Split rows alone take the plain split graph (no k/v delta computed), not the mixed one.
-    alone = key([a for a in AGENTS if AGENTS[a][1]])
+    alone = key(SPLIT)
     assert alone[3] and not alone[5]
 
 
@@ -184,8 +185,7 @@ def test_merged_adapter_items_are_refused_where_adapters_split(models, adapters)
 def test_mixed_batch_graph_replay_equals_eager(models, adapters, cascade, together):
     """Both forms in one batch replay the mixed split graph; the split agents alone the plain
     one (no k/v delta computed), the merged ones the merged graph: each as eager computes."""
-    split = [a for a in AGENTS if AGENTS[a][1]]
-    batches = [list(AGENTS)] if together else [split, [a for a in AGENTS if a not in split]]
+    batches = [list(AGENTS)] if together else [SPLIT, MERGED]
     out = {}
     for graphs in (False, True):
         backend, ids = backend_for(models, adapters, "triton", cascade, graphs)
