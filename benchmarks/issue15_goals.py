@@ -13,12 +13,13 @@ Every figure is read from a file, none is typed in here. Where several files hol
 (rounds of the same call), the newest wins: its commit's date in git
 (``sharing_tradeoff.commit_time``); a file whose commit git does not know, or that has none,
 ranks oldest, then the later file in name order. Only the folder's own files are read: a
-kernel's figures kept after the kernel was reverted live under ``reverted/`` there, so a later
-run of a lost experiment can never stand for the kernel main ships. A goal no file holds says
-"not measured" and names the file that would hold it. A missing folder, or a file that is not
-readable JSON or not the bench's shape, is a one-line error (exit 2). A kernel_bench run at
-another attention shape than the issue's (Llama-3-8B's, rank-16 residuals: ``--group``,
-``--rank``) is left out.
+kernel's figures kept after the kernel was reverted live under ``reverted/`` there, so a
+later run of a lost experiment can never stand for the kernel main ships, and a run on an
+H100 while no H200 was lent under ``h100/`` (the react files do not name their card). A goal
+no file holds says "not measured" and names the file that would hold it. A missing folder,
+or a file that is not readable JSON or not the bench's shape, is a one-line error (exit 2).
+A kernel_bench run at another attention shape than the issue's (Llama-3-8B's, rank-16
+residuals: ``--group``, ``--rank``) is left out.
 """
 from __future__ import annotations
 
