@@ -24,12 +24,18 @@ from forkserve.kernels.residual_prefill_wide import WideLaunch
 # leave a value or two spilled across the loops (none inside a tile's: checked in the SASS
 # when this was written, 8-20 bytes).
 MAX_SPILL = 24
-# Below 200 consumer registers, by (consumer registers, half_ahead): two consumers cut to
-# 184 (round 33's deferred stores give the rebuild 16 more) spill four instructions a tile
-# in their loop (76 bytes in all); the next half's up-projection held across the writes
-# (round 34) spills the rebuild's loop at 184 (6 instructions, 88 bytes in all), the
-# consumers' at 176 (16, 172 bytes): the trades the bench weighs.
-MAX_SPILL_BELOW_200 = {(184, False): 80, (184, True): 88, (176, True): 176}
+# Below 200 consumer registers, by launch: two consumers cut to 184 (round 33's deferred
+# stores give the rebuild 16 more) spill four instructions a tile in their loop (76 bytes in
+# all); the next half's up-projection held across the writes (round 34) spills the
+# rebuild's loop at 184 (6 instructions, 88 bytes in all), the consumers' at 176 (16, 172
+# bytes); a half's chunks written as one store (round 35) spill the rebuild's loop at 184
+# (49 instructions, 192 bytes), the consumers' at 176 (16, 176 bytes): the trades the
+# bench weighs.
+MAX_SPILL_BELOW_200 = {"wide_m128_r184_c16_bf16_pp_ta_el_ds": 80,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_ha": 88,
+                       "wide_m128_r176_c16_bf16_pp_ta_el_ds_ha": 176,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_hs": 192,
+                       "wide_m128_r176_c16_bf16_pp_ta_el_ds_hs": 176}
 
 
 def _name(launch: tuple) -> str:
@@ -51,7 +57,7 @@ def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
     lc = WideLaunch(*launch)
     check_ws_build(__file__, [direct, group, *launch], tmp_path,
                    MAX_SPILL if lc.consumer_regs >= 200
-                   else MAX_SPILL_BELOW_200[lc.consumer_regs, lc.half_ahead])
+                   else MAX_SPILL_BELOW_200[lc.name])
     a = 128 if lc.thread_arrive else 1
     counts = sorted(int(n) for n in re.findall(
         r"mbarrier\.init\.shared::cta\.b64 \[[^\]]+\], (\d+);",
@@ -89,6 +95,11 @@ def test_the_launch_splits_the_registers() -> None:
     assert deferred.constexprs()["DEFER_STORES"] and not early.constexprs()["DEFER_STORES"]
     with pytest.raises(ValueError, match="at chunk 64 a half is one chunk"):
         WideLaunch(1, 232, 64, defer_stores=True)
+    whole = WideLaunch(2, 176, 16, True, True, False, True, True, True, half_stores=True)
+    assert whole.name == "wide_m128_r176_c16_bf16_pp_ta_el_ds_hs"
+    assert whole.constexprs()["HALF_STORES"] and not deferred.constexprs()["HALF_STORES"]
+    with pytest.raises(ValueError, match="half_stores writes the chunks defer_stores holds"):
+        WideLaunch(2, 184, 16, True, half_stores=True)
 
 
 @cuda_only

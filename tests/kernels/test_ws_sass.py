@@ -298,6 +298,37 @@ print(json.dumps(out))
 """
 
 
+_WRITES_BETWEEN_BARRIERS = _REBUILD + """
+out = {}
+for stores, regs in ((False, 184), (True, 176)):
+    loop, barriers = rebuild(2, regs, 16, True, True, False, True, True, True, False, stores)
+    runs, n = [], 0
+    for _, text in loop:
+        if "STSM" in text:
+            n += 1
+        elif "BAR.SYNC" in text and n:
+            runs.append(n)
+            n = 0
+    out[str(stores)] = {"runs": runs + ([n] if n else []), "barriers": barriers}
+print(json.dumps(out))
+"""
+
+
+@needs_cuobjdump
+def test_half_stores_write_a_half_between_two_barriers():
+    """``half_stores``: the rebuilding warp group writes a half's eight chunk writes (four
+    chunks, low and high columns) with no barrier among them, where the deferred writes
+    alone cross one after every pair (Triton's write-after-write barrier on one buffer);
+    the tile crosses six barriers fewer. Counted at 176 consumer registers, where the
+    rebuild's loop spills nothing (at 184 it does: the bench weighs both)."""
+    run = _python("-c", _WRITES_BETWEEN_BARRIERS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["False"]["runs"] == [2] * 8
+    assert got["True"]["runs"] == [8] * 2
+    assert got["True"]["barriers"] == got["False"]["barriers"] - 6
+
+
 @needs_cuobjdump
 def test_half_ahead_issues_the_next_halfs_up_projection_before_the_writes():
     """``half_ahead``: the rebuilding warp group's tile issues the second key half's first
