@@ -15,11 +15,12 @@ Every figure is read from a file, none is typed in here. Where several files hol
 ranks oldest, then the later file in name order. Only the folder's own files are read: a
 kernel's figures kept after the kernel was reverted live under ``reverted/`` there, so a
 later run of a lost experiment can never stand for the kernel main ships, and a run on an
-H100 while no H200 was lent under ``h100/`` (the react files do not name their card). A goal
-no file holds says "not measured" and names the file that would hold it. A missing folder,
-or a file that is not readable JSON or not the bench's shape, is a one-line error (exit 2).
-A kernel_bench run at another attention shape than the issue's (Llama-3-8B's, rank-16
-residuals: ``--group``, ``--rank``) is left out.
+H100 while no H200 was lent under ``h100/`` (react files before round 35 do not name their
+card; a react file that names another card than the H200 is left out). A goal no file holds
+says "not measured" and names the file that would hold it. A missing folder, or a file that
+is not readable JSON or not the bench's shape, is a one-line error (exit 2). A kernel_bench
+run at another attention shape than the issue's (Llama-3-8B's, rank-16 residuals:
+``--group``, ``--rank``) is left out.
 """
 from __future__ import annotations
 
@@ -328,8 +329,10 @@ def engine_decode(decode: list[Doc], batch: int) -> Found | None:
 # ---------------------------------------------------------------- react
 
 def _issue15(setting: Setting) -> bool:
+    """The issue's react setting, run on an H200: a file that names another card is left
+    out (one from before the card was recorded ran on the H200, or lives under ``h100/``)."""
     return (setting.workload == "react" and setting.kv_budget_gib == ISSUE15_KV_GIB
-            and setting.default_engine)
+            and setting.default_engine and (not setting.gpu or "H200" in setting.gpu))
 
 
 def react_system(rows: list[tuple[Setting, SpeedRow]], system: str) -> Found | None:

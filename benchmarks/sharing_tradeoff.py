@@ -138,6 +138,7 @@ class Setting:
     host_residual_gib: float = 0.0
     pause_pin: bool = False
     reopen: bool = False
+    gpu: str = ""  # the card's name; "" in files from before it was recorded
 
     def label(self) -> str:
         return (f"{self.workload} W={self.workflows} (C={self.context}, T={self.turns}, "
@@ -214,7 +215,8 @@ def _setting(doc: dict, r: dict, path: Path) -> Setting:
                        overlap=bool(r.get("overlap") or False),
                        cascade=r.get("cascade") is not False,
                        host_residual_gib=float(doc.get("host_residual_gib") or 0.0),
-                       pause_pin=bool(doc.get("pause_pin")), reopen=bool(doc.get("reopen")))
+                       pause_pin=bool(doc.get("pause_pin")), reopen=bool(doc.get("reopen")),
+                       gpu=str(doc.get("gpu") or ""))
     except (KeyError, TypeError, ValueError) as e:
         raise TradeoffError(f"{path}: a row without its setting ({e!r})") from None
 

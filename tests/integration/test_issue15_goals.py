@@ -98,6 +98,15 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
     assert saved["9"]["value"] == pytest.approx(1.0) and "worst W=8" in saved["9"]["detail"]
     assert "1: 1.040 (react_multilora_u.json" in saved["9"]["detail"]
+    # A still newer run of every W on another card is left out: the goals are the H200's.
+    write(folder / "react_multilora_v.json", {**json.loads(
+        (folder / "react_multilora_t.json").read_text()), "gpu": "NVIDIA H100 80GB HBM3",
+        "results": [{**react_row(s, w, 3.0), "commit": NEWEST} for w in (1, 8, 32)
+                    for s in ("unified", "disaggregated", "adaptive", "no_lora")]})
+    assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
+    saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
+    assert saved["9"]["value"] == pytest.approx(1.0) and "react_multilora_v" not in str(saved)
+    assert saved["6"]["value"] == pytest.approx(11.0)
     table = (out / "issue15_goals.md").read_text()
     assert "would be in kernel_bench_prefill.json" in table and "| unknown |" in table
     assert (out / "issue15_goals.png").stat().st_size > 0

@@ -90,6 +90,8 @@ def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
     assert {r["system"] for r in data["results"]} == {"unified", "disaggregated"}
     assert not data["errors"]
+    # The card's name (a GPU run's goals are read by it: issue15_goals); none on the CPU.
+    assert data["device"] == "cpu" and data["gpu"] is None
     assert (tmp_path / "react_multilora_tiny.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'react_multilora_tiny.png'}" in out and "FAILED" not in out
