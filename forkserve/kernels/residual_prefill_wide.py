@@ -135,8 +135,9 @@ class WideLaunch:
         if self.chunk not in (8, 16, 32, 64):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
                              "columns: 8, 16, 32 or 64")
-        if self.half_stores and not self.defer_stores:
-            raise ValueError("WideLaunch: half_stores writes the chunks defer_stores holds")
+        if self.half_stores and not (self.defer_stores and self.chunk in (16, 32)):
+            raise ValueError("WideLaunch: half_stores writes the chunks defer_stores holds, "
+                             "two or four a half (chunk 32 or 16)")
         if self.defer_stores and self.chunk == 64:
             raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
                              "at chunk 64 a half is one chunk")

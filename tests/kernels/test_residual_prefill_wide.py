@@ -100,6 +100,8 @@ def test_the_launch_splits_the_registers() -> None:
     assert whole.constexprs()["HALF_STORES"] and not deferred.constexprs()["HALF_STORES"]
     with pytest.raises(ValueError, match="half_stores writes the chunks defer_stores holds"):
         WideLaunch(2, 184, 16, True, half_stores=True)
+    with pytest.raises(ValueError, match=r"two or four a half \(chunk 32 or 16\)"):
+        WideLaunch(2, 184, 8, True, defer_stores=True, half_stores=True)
 
 
 @cuda_only
