@@ -71,7 +71,7 @@ WS_LAUNCHES = [(64, 3, False, False, False),
                (128, 3, True, True, False),
                (128, 3, True, True, True)]
 # The 128-key kernel's launches (consumers, consumer registers, rebuild chunk, bf16_rope,
-# pingpong, overlap, thread_arrive, early_loads, defer_stores, half_ahead, half_stores:
+# pingpong, overlap, thread_arrive, early_loads, defer_stores, half_ahead, join:
 # WideLaunch).
 # Two consumers leave the rebuild 72 registers, where a chunk of 32 spills inside its loop;
 # one leaves it 232, room for a chunk of a whole key half (64). Round 30 put thread_arrive
@@ -92,11 +92,11 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  # rebuild's loop at 184 (6 instructions), the consumers' at 176 (16).
                  (2, 184, 16, True, True, False, True, True, True, True),
                  (2, 176, 16, True, True, False, True, True, True, True),
-                 # Round 35: round 33's with a half's held chunks written as one store a
-                 # buffer (6 barriers a tile, not 12); at 184 the rebuild's loop spills
-                 # (49 instructions), at 176 the consumers' (16).
-                 (2, 184, 16, True, True, False, True, True, True, False, True),
-                 (2, 176, 16, True, True, False, True, True, True, False, True),
+                 # Round 35: round 33's with the held chunks written two at a time (8
+                 # barriers a tile, not 12), and a half at once (6) at 176 registers, where
+                 # the rebuild's loop does not spill (at 184 it would, 49 instructions).
+                 (2, 184, 16, True, True, False, True, True, True, False, 2),
+                 (2, 176, 16, True, True, False, True, True, True, False, 4),
                  # A 64-row launch last: the CUDA tests take the last one as that.
                  (1, 232, 64, True, False, False, True, True)]
 

@@ -109,10 +109,11 @@ class WideLaunch:
     half's first up-projection at the last chunk of this one, not at the next half's
     start, so its latency passes under this half's last rotation and writes (round 31's
     profile: the rebuild's second stall was its waits on the up-projection; docs/KERNELS.md
-    "Round 34"); ``half_stores``: the rebuild writes a half's held chunks as one store a
-    buffer, their columns set side by side in registers (``_cat_chunks``), not chunk by
-    chunk, so Triton's barriers between writes to one buffer go (6 a tile, not 12; round
-    35's profile: the rebuild sets the pace, and waits most at barriers)."""
+    "Round 34"); ``join``: the rebuild writes its held chunks ``join`` at a time, their
+    columns set side by side in registers (``_joined``), one store a buffer, not chunk by
+    chunk, so fewer of Triton's barriers between writes to one buffer remain (2: 8 a tile,
+    4: a half at once, 6 a tile; 1: 12; round 35's profile: the rebuild sets the pace, and
+    waits most at barriers)."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -124,7 +125,7 @@ class WideLaunch:
     early_loads: bool = False
     defer_stores: bool = False
     half_ahead: bool = False
-    half_stores: bool = False
+    join: int = 1
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -135,9 +136,10 @@ class WideLaunch:
         if self.chunk not in (8, 16, 32, 64):
             raise ValueError("WideLaunch: chunk is a wgmma N that divides a key half's 64 "
                              "columns: 8, 16, 32 or 64")
-        if self.half_stores and not (self.defer_stores and self.chunk in (16, 32)):
-            raise ValueError("WideLaunch: half_stores writes the chunks defer_stores holds, "
-                             "two or four a half (chunk 32 or 16)")
+        if self.join != 1 and not (self.defer_stores and self.join in (2, 4)
+                                   and self.join * self.chunk <= 64):
+            raise ValueError("WideLaunch: join writes the chunks defer_stores holds, 2 or 4 "
+                             "at a time, within a key half's 64 columns")
         if self.defer_stores and self.chunk == 64:
             raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
                              "at chunk 64 a half is one chunk")
@@ -145,12 +147,12 @@ class WideLaunch:
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_hs``), as the bench reports it."""
+        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
-                + ("_ha" if self.half_ahead else "") + ("_hs" if self.half_stores else ""))
+                + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else ""))
 
     @property
     def rows(self) -> int:
@@ -169,7 +171,7 @@ class WideLaunch:
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
-                    HALF_AHEAD=self.half_ahead, HALF_STORES=self.half_stores)
+                    HALF_AHEAD=self.half_ahead, JOIN=self.join)
 
 
 @gluon.jit
@@ -364,7 +366,7 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
 @gluon.jit
 def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
                   EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr,
-                  HALF_AHEAD: gl.constexpr, HALF_STORES: gl.constexpr):
+                  HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -379,7 +381,7 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
     reads. ``HALF_AHEAD``: past the tile's first half, the half's first up-projection is
     ``u_next``, issued by the half before; the next half's first is returned in flight
     (the tile's last half returns its own, waited on: the caller drops it).
-    ``HALF_STORES``: the held chunks written as one store a buffer."""
+    ``JOIN``: the held chunks written ``JOIN`` at a time, one store a buffer."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = bufs[6].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
@@ -416,26 +418,25 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
         else:
             k_a.store(r_a)
             k_b.store(r_b)
-    if HALF_STORES:
-        bufs[0].index(s).slice(h * H, H).store(_cat_chunks(held, 0, N))
-        bufs[1].index(s).slice(h * H, H).store(_cat_chunks(held, 1, N))
-    elif DEFER_STORES:
-        for c in gl.static_range(N):
-            k_a, k_b = _key_chunk(bufs, s, h, c, C)
-            k_a.store(held[2 * c])
-            k_b.store(held[2 * c + 1])
+    if DEFER_STORES:
+        for p in gl.static_range(N // JOIN):
+            k_a, k_b = _key_chunk(bufs, s, h, p, JOIN * C)
+            k_a.store(_joined(held, 2 * JOIN * p, JOIN))
+            k_b.store(_joined(held, 2 * JOIN * p + 1, JOIN))
     return u_next
 
 
 @gluon.jit
-def _cat_chunks(held, k: gl.constexpr, N: gl.constexpr):
-    """The ``N`` (2 or 4) chunks ``held[k], held[k + 2], ..`` (a half's low or high key
-    columns) side by side, ``[64, N C]``."""
-    if N == 2:
-        return _cat_columns(held[k], held[2 + k])
+def _joined(held, k: gl.constexpr, J: gl.constexpr):
+    """The ``J`` (1, 2 or 4) held chunks ``held[k], held[k + 2], ..`` (low or high key
+    columns, in turn) side by side, ``[64, J C]``."""
+    if J == 1:
+        return held[k]
+    elif J == 2:
+        return _cat_columns(held[k], held[k + 2])
     else:
-        return _cat_columns(_cat_columns(held[k], held[2 + k]),
-                            _cat_columns(held[4 + k], held[6 + k]))
+        return _cat_columns(_cat_columns(held[k], held[k + 2]),
+                            _cat_columns(held[k + 4], held[k + 6]))
 
 
 @gluon.jit
@@ -467,7 +468,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             HALF_STORES: gl.constexpr):
+             JOIN: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -492,7 +493,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
                 u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,
-                                       DEFER_STORES, HALF_AHEAD, HALF_STORES)
+                                       DEFER_STORES, HALF_AHEAD, JOIN)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 _release(cs_free.index(h), THREAD_ARRIVE)
@@ -607,7 +608,7 @@ def _residual_prefill_wide_kernel(
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-        HALF_STORES: gl.constexpr, num_warps: gl.constexpr):
+        JOIN: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -638,14 +639,14 @@ def _residual_prefill_wide_kernel(
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, HALF_STORES)),
+                                         HALF_AHEAD, JOIN)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, HALF_STORES)),
+                                         HALF_AHEAD, JOIN)),
                             (_load, (args, )),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])

@@ -300,8 +300,8 @@ print(json.dumps(out))
 
 _WRITES_BETWEEN_BARRIERS = _REBUILD + """
 out = {}
-for stores, regs in ((False, 184), (True, 176)):
-    loop, barriers = rebuild(2, regs, 16, True, True, False, True, True, True, False, stores)
+for join, regs in ((1, 184), (2, 184), (4, 176)):
+    loop, barriers = rebuild(2, regs, 16, True, True, False, True, True, True, False, join)
     runs, n = [], 0
     for _, text in loop:
         if "STSM" in text:
@@ -309,24 +309,27 @@ for stores, regs in ((False, 184), (True, 176)):
         elif "BAR.SYNC" in text and n:
             runs.append(n)
             n = 0
-    out[str(stores)] = {"runs": runs + ([n] if n else []), "barriers": barriers}
+    out[str(join)] = {"runs": runs + ([n] if n else []), "barriers": barriers}
 print(json.dumps(out))
 """
 
 
 @needs_cuobjdump
-def test_half_stores_write_a_half_between_two_barriers():
-    """``half_stores``: the rebuilding warp group writes a half's eight chunk writes (four
-    chunks, low and high columns) with no barrier among them, where the deferred writes
-    alone cross one after every pair (Triton's write-after-write barrier on one buffer);
-    the tile crosses six barriers fewer. Counted at 176 consumer registers, where the
-    rebuild's loop spills nothing (at 184 it does: the bench weighs both)."""
+def test_joined_chunks_write_between_fewer_barriers():
+    """``join``: the rebuilding warp group's writes of a half's four chunks (low and high
+    columns, eight ``stmatrix``) cross a barrier after every pair alone (Triton's
+    write-after-write barrier on one buffer), after every four with two chunks joined, and
+    none with the half joined; the tile crosses 4 and 6 barriers fewer. The launches the
+    bench measures: a half joined at 176 consumer registers, where the rebuild's loop does
+    not spill (at 184 it would)."""
     run = _python("-c", _WRITES_BETWEEN_BARRIERS)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["False"]["runs"] == [2] * 8
-    assert got["True"]["runs"] == [8] * 2
-    assert got["True"]["barriers"] == got["False"]["barriers"] - 6
+    assert got["1"]["runs"] == [2] * 8
+    assert got["2"]["runs"] == [4] * 4
+    assert got["4"]["runs"] == [8] * 2
+    assert got["2"]["barriers"] == got["1"]["barriers"] - 4
+    assert got["4"]["barriers"] == got["1"]["barriers"] - 6
 
 
 @needs_cuobjdump
