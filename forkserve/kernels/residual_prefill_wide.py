@@ -441,9 +441,10 @@ def _joined(held, k: gl.constexpr, J: gl.constexpr):
 
 @gluon.jit
 def _cat_columns(a, b):
-    """``[R, C]`` tensors ``a`` and ``b`` side by side, ``[R, 2 C]``: a join and a reshape,
-    which move no data (each thread keeps its elements, their registers renamed), so the
-    store after is the chunks' own ``stmatrix``, only issued together."""
+    """``[R, C]`` tensors ``a`` and ``b`` side by side, ``[R, 2 C]`` (``b``'s columns after
+    ``a``'s): a join, a permute and a reshape in order, which move no data (each thread
+    keeps its elements, their registers renamed), so the store after is the chunks' own
+    ``stmatrix``, only issued together."""
     R: gl.constexpr = a.type.shape[0]
     C: gl.constexpr = a.type.shape[1]
     return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [R, 2 * C])
