@@ -33,7 +33,7 @@ import json
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -138,7 +138,10 @@ class Setting:
     host_residual_gib: float = 0.0
     pause_pin: bool = False
     reopen: bool = False
-    gpu: str = ""  # the card's name; "" in files from before it was recorded
+    # Where a row ran, not what it ran: rows of one setting on different cards still meet
+    # in one column (files from before the card was recorded have ""; issue15_goals reads
+    # the H200's alone).
+    gpu: str = field(default="", compare=False)
 
     def label(self) -> str:
         return (f"{self.workload} W={self.workflows} (C={self.context}, T={self.turns}, "
