@@ -63,6 +63,12 @@ class DecodeRows:
         """A row reads a residual (K/V rebuilt on read)."""
         return bool((self.seq_slot >= 0).any())
 
+    @property
+    def mixed(self) -> bool:
+        """Merged rows of an adapter among split ones: their k/v LoRA delta goes into their
+        base pages (the form mask; the mixed decode graph)."""
+        return self.split and bool(self.kv_merge.any())
+
     def to_batch(self, device: torch.device, cascade: cascade_tiles.CascadePlan | None) -> Batch:
         """The eager forward's tensors: what ``batch.build`` makes of the same rows."""
         def tensor(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
@@ -82,8 +88,7 @@ class DecodeRows:
             seq_lens_host=tuple(self.seq_lens.tolist()),
             seq_slot_host=tuple(self.seq_slot.tolist()),
             decode_only=True,
-            kv_merge_mask=tensor(self.kv_merge, np.bool_)[:, None] if split and self.kv_merge.any()
-            else None,
+            kv_merge_mask=tensor(self.kv_merge, np.bool_)[:, None] if self.mixed else None,
             cascade=cascade_tiles.to_device(cascade, device) if cascade is not None else None)
         return Batch(input_ids=tensor(self.input_ids, np.int64),
                      positions=tensor(self.positions, np.int64),

@@ -42,8 +42,7 @@ def graph_key(rows: DecodeRows, cascade: cascade_tiles.CascadePlan | None) -> Gr
     its base pages: cuda_graph.py), so the adaptive layout's mixed batches replay too, and
     the plain one otherwise, which computes no k/v delta at all."""
     return key_of(len(rows), rows.block_tables.shape[1], rows.has_adapter, rows.split,
-                  len(cascade.tile_rows) if cascade is not None else 0,
-                  rows.split and bool(rows.kv_merge.any()))
+                  len(cascade.tile_rows) if cascade is not None else 0, rows.mixed)
 
 
 def key_of(rows: int, pages: int, lora: bool, split: bool, tiles: int,
