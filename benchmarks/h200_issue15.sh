@@ -123,9 +123,10 @@ par_tests() { echo "-n ${JOBS:-8} --timeout ${PER_TEST:-240} --timeout-method=th
 # should be 0 (its rehearsal built them). Adaptive's form shows in its context KV per agent
 # and mean decode batch (unified's where it ran merged).
 round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in its run
+  # ($SYSTEMS: another order, e.g. to see whether the later systems run on a hotter card)
   export TRITON_CACHE_DIR=/root/triton_$2_$1 && rm -rf "$TRITON_CACHE_DIR"
   timeout "${3:-450}" python3 -m forkserve.interfaces.cli bench "$1" --workflows ${W:-1 8 32} \
-    --systems unified disaggregated adaptive --repeat "${REPEAT:-1}" --tag "$2" --out "$OUT" \
+    --systems ${SYSTEMS:-unified disaggregated adaptive} --repeat "${REPEAT:-1}" --tag "$2" --out "$OUT" \
     2>&1 | tail -12
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
