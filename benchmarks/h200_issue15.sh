@@ -123,11 +123,13 @@ par_tests() { echo "-n ${JOBS:-8} --timeout ${PER_TEST:-240} --timeout-method=th
 # should be 0 (its rehearsal built them). Adaptive's form shows in its context KV per agent
 # and mean decode batch (unified's where it ran merged).
 round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in its run
-  # ($SYSTEMS: another order, e.g. to see whether the later systems run on a hotter card)
+  # ($SYSTEMS: another order; $ROUNDS: the systems run that many times over, the order
+  # reversed every other round, so a card that heats through the run favours none)
   export TRITON_CACHE_DIR=/root/triton_$2_$1 && rm -rf "$TRITON_CACHE_DIR"
   timeout "${3:-450}" python3 -m forkserve.interfaces.cli bench "$1" --workflows ${W:-1 8 32} \
-    --systems ${SYSTEMS:-unified disaggregated adaptive} --repeat "${REPEAT:-1}" --tag "$2" --out "$OUT" \
-    2>&1 | tail -12
+    --systems ${SYSTEMS:-unified disaggregated adaptive} --repeat "${REPEAT:-1}" \
+    --rounds "${ROUNDS:-1}" --tag "$2" --out "$OUT" \
+    2>&1 | tail -16
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/$1_multilora_$2.json"
@@ -718,8 +720,10 @@ PY
   ;;
 67)
   # Round 23: react W = 32 (or $W), every LoRA system (rows 8-9), with no tests before it.
+  # Since round 36 in two rounds, the second in reverse order (rows 8-9 pair them round by
+  # round: issue15_goals), ~400 s on the H200.
   fa4_site || exit 1
-  W=${W:-32} round10 react "${TAG:-issue15_round23}" "${2:-330}"
+  W=${W:-32} ROUNDS=${ROUNDS:-2} round10 react "${TAG:-issue15_round23}" "${2:-560}"
   ;;
 68)
   # Round 24: where the ws prefill's time goes (8 x 64 over 8K, 2x FA4's paged read): Nsight

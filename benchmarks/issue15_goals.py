@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -361,15 +362,31 @@ def _groups(rows: list[tuple[Setting, SpeedRow]], ws: Sequence[int]
     return out
 
 
+def paired(top: SpeedRow, others: Sequence[SpeedRow]) -> tuple[float, str]:
+    """``top``'s tasks/s over the best of ``others``. Rows of one --rounds run are paired
+    round by round (the card's drift through the run cancels within a round): the median
+    of the rounds' ratios, their range in the detail; otherwise the rows' own figures."""
+    rounds = [r.per_round for r in (top, *others)]
+    if len(rounds[0]) > 1 and len({len(x) for x in rounds}) == 1:
+        ratios = [a / max(rest) for a, *rest in zip(*rounds, strict=True)
+                  if a is not None and None not in rest]
+        if ratios:
+            return statistics.median(ratios), (
+                f"; median of {len(ratios)} rounds, each paired: "
+                + ", ".join(f"{x:.3f}" for x in ratios))
+    return top.tasks_per_s / max(r.tasks_per_s for r in others), ""
+
+
 def disaggregated_vs_unified(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
     found = []
     for (source, _), g in _groups(rows, (ISSUE15_W,)).items():
         d, u = g.get((ISSUE15_W, "disaggregated")), g.get((ISSUE15_W, "unified"))
         if d and u:
             rank = max(d.rank, u.rank)
-            found.append(Found(d.tasks_per_s / u.tasks_per_s, source, d.commit,
+            value, rounds = paired(d, [u])
+            found.append(Found(value, source, d.commit,
                                f"W={ISSUE15_W}: disaggregated {d.tasks_per_s:.3f} / unified "
-                               f"{u.tasks_per_s:.3f} tasks/s", (rank[0], rank[1])))
+                               f"{u.tasks_per_s:.3f} tasks/s{rounds}", (rank[0], rank[1])))
     return _newest(found)
 
 
@@ -385,15 +402,16 @@ def adaptive_vs_better(rows: list[tuple[Setting, SpeedRow]]) -> Found | None:
             if all(trio):
                 u, d, a = trio
                 rank = max(r.rank for r in trio)
-                found.append(Found(a.tasks_per_s / max(u.tasks_per_s, d.tasks_per_s), source,
-                                   a.commit, "", (rank[0], rank[1])))
+                value, rounds = paired(a, [u, d])
+                found.append(Found(value, source, a.commit, rounds, (rank[0], rank[1])))
         newest = _newest(found)
         if newest is None:
             return None
         per_w[w] = newest
     worst = min(per_w, key=lambda w: per_w[w].value)
     return replace(per_w[worst], detail=f"worst W={worst}; per W: " + ", ".join(
-        f"{w}: {f.value:.3f} ({f.source}, {f.commit[:8]})" for w, f in per_w.items()))
+        f"{w}: {f.value:.3f} ({f.source}, {f.commit[:8]}{f.detail})"
+        for w, f in per_w.items()))
 
 
 # ---------------------------------------------------------------- the table

@@ -167,6 +167,8 @@ class SpeedRow:
     commit: str
     source: str
     rank: tuple[float, int, int]  # newest last: (commit time, file order, row order)
+    # A --rounds run's tasks/s by round (None: that round failed); empty for one round.
+    per_round: tuple[float | None, ...] = ()
 
 
 def load_speed(paths: Sequence[Path]) -> dict[Setting, dict[str, SpeedRow]]:
@@ -200,7 +202,8 @@ def bench_rows(paths: Sequence[Path]) -> Iterator[tuple[Setting, SpeedRow]]:
                 kv = r.get("context_kv_per_agent_bytes")
                 row = SpeedRow(str(r["system"]), _system_mode(r, path), float(r["tasks_per_s"]),
                                None if kv is None else float(kv), commit, path.name,
-                               (commit_time(commit), f, i))
+                               (commit_time(commit), f, i),
+                               tuple(r.get("round_tasks_per_s") or ()))
             except (KeyError, TypeError, ValueError) as e:
                 raise TradeoffError(f"{path}: row {i} is not a bench row ({e!r})") from None
             yield setting, row

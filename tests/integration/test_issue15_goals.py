@@ -113,6 +113,26 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     assert f"wrote {out / 'issue15_goals.png'}" in capsys.readouterr().out
 
 
+def test_rounds_are_paired_round_by_round(folder, tmp_path):
+    """A --rounds file: rows 8 and 9 are the median of the rounds' ratios, each round's
+    systems against each other (the card's drift through the run cancels within a round),
+    not the ratio of the rows' medians; a failed round (None) pairs nothing."""
+    by_round = {"unified": [2.4, 2.5, 2.0], "disaggregated": [2.7, 2.6, None],
+                "adaptive": [2.5, 2.7, 2.2]}
+    write(folder / "react_multilora_r.json", {**json.loads(
+        (folder / "react_multilora_t.json").read_text()), "gpu": "NVIDIA H200",
+        "results": [{**react_row(s, 32, min(x for x in t if x)), "commit": NEWEST,
+                     "round_tasks_per_s": t} for s, t in by_round.items()]})
+    out = tmp_path / "out"
+    assert goals.main(["--results", str(folder), "--out", str(out)]) == 0
+    saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
+    assert saved["8"]["value"] == pytest.approx((2.7 / 2.4 + 2.6 / 2.5) / 2)
+    assert "median of 2 rounds, each paired: 1.125, 1.040" in saved["8"]["detail"]
+    # (2.5 / 2.7 + 2.7 / 2.6) / 2 at W = 32; W = 1's 0.9 stays the worst.
+    assert "32: 0.982 (react_multilora_r.json" in saved["9"]["detail"]
+    assert "median of 2 rounds, each paired: 0.926, 1.038" in saved["9"]["detail"]
+
+
 def test_row_3_from_the_residual_routes_bench(folder, tmp_path):
     """residual_prefill_bench's rows: the route the policy takes (recorded, or asked again
     for a row written before the bench recorded it), by device time where a graph held it,

@@ -103,6 +103,26 @@ def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     assert "unified" in table and "disaggregated" in table and "tasks/s" in table
 
 
+def test_rounds_reverse_the_order_and_rows_carry_each_rounds_figure(tmp_path, capsys):
+    """--rounds 2: the second round runs the systems in reverse (a card that warms through a
+    run favours neither), and each row is the lower median run with every round's tasks/s,
+    which a reader pairs round by round (issue15_goals)."""
+    assert main(["react", "--tiny", "--workflows", "2", "--systems", "unified", "disaggregated",
+                 "--rounds", "2", "--context", "64", "--turns", "1", "--gen", "2",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "react_multilora_tiny.json").read_text())
+    assert data["rounds"] == [["unified", "disaggregated"], ["disaggregated", "unified"]]
+    assert [r["system"] for r in data["results"]] == ["unified", "disaggregated"]
+    for r in data["results"]:
+        first, second = r["round_tasks_per_s"]
+        assert r["tasks_per_s"] == min(first, second)
+        assert f"median of 2 runs: {min(first, second):.3f}, {max(first, second):.3f}" in \
+            r["notes"][-1]
+    assert "unified W=2: tasks/s by round" in capsys.readouterr().out
+    assert main(["react", "--plot", str(tmp_path / "react_multilora_tiny.json")]) == 0
+    assert "disaggregated W=2: tasks/s by round" in capsys.readouterr().out
+
+
 def test_prefill_ticks_carry_every_prefill_token(tmp_path):
     """The rows count the ticks that prefilled and their tokens: every prefill token rode in
     one of them (the agent-written systems prefill only inside the driver's ticks)."""

@@ -76,7 +76,13 @@ def parser(scale: Scale) -> argparse.ArgumentParser:
                          "collected, the rest frozen out of the cycle collector's passes, as "
                          "the server does after loading (engine/heap.py; on by default on CUDA)")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="timed runs per system and W; the one with the median tasks/s is reported")
+                    help="timed runs per system and W; the one with the median tasks/s is "
+                         "reported (the lower middle one of an even count)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times over, the systems' order reversed "
+                         "every other round, each round on a backend built afresh: a card that "
+                         "warms (or throttles) through a run then favours no system, and the "
+                         "rows carry each round's tasks/s (round_tasks_per_s) for paired ratios")
     ap.add_argument("--cascade", nargs="+", choices=["on", "off"], default=["on"],
                     help="shared-prefix (cascade) attention of the backend; both: each W runs "
                          "twice")
@@ -145,7 +151,8 @@ def replot(path: Path, workload: str) -> int:
     plot); exits 1 when it records failed runs, as the run did."""
     doc = json.loads(path.read_text())
     results = [RunResult(**{**r, "notes": tuple(r.get("notes", ())),
-                            "recompute_layers": tuple(r.get("recompute_layers", ()))})
+                            "recompute_layers": tuple(r.get("recompute_layers", ())),
+                            "round_tasks_per_s": tuple(r.get("round_tasks_per_s", ()))})
                for r in doc["results"]]
     failed = [FailedRun(**f) for f in doc.get("errors", [])]
     print(format_table(results, workload))
@@ -163,14 +170,22 @@ def _model_config(tiny: bool):
 
 def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
              json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
-    """Every system at every W; the JSON is rewritten after each run."""
+    """Every system at every W, ``--rounds`` times over; the JSON is rewritten after each
+    run."""
     from forkserve.backend.torch.weights import random_weights
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     weights = random_weights(model_cfg, device, dtype)
-    results: list[RunResult] = []
+    # Runs by (system, W, cascade, overlap), then by round; the rows are made from them.
+    runs: dict[tuple[str, int, bool, bool], list[list[RunResult]]] = {}
+    orders: list[list[str]] = []
     failed: list[FailedRun] = []
     commit = source_commit()
+
+    def rows() -> list[RunResult]:  # in the order of --systems, whatever order a round ran
+        keys = sorted((k for k, v in runs.items() if any(v)),
+                      key=lambda k: args.systems.index(k[0]))
+        return [_row(runs[k]) for k in keys]
 
     def params(w: int, **over) -> MultiLoraParams:
         return MultiLoraParams(**(dict(workload=args.workload, workflows=w, context=args.context,
@@ -193,54 +208,62 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
             "kv_budget_gib": args.kv_budget_gib, "residual_share": args.residual_share,
             "host_residual_gib": args.host_residual_gib, "pause_pin": args.pause_pin,
             "reopen": args.reopen, "drift": str(args.drift or ""),
-            "results": [asdict(r) for r in results], "errors": [asdict(f) for f in failed]},
+            "rounds": orders, "results": [asdict(r) for r in rows()],
+            "errors": [asdict(f) for f in failed]},
             quiet=True)
 
     top = max(args.workflows)
     total = (sum(params(w).turns_run * w for w in args.workflows) * len(args.systems)
-             * args.repeat * len(args.cascade) * len(args.overlap))
+             * args.repeat * args.rounds * len(args.cascade) * len(args.overlap))
     with tqdm(total=total, desc=f"{args.workload} agent turns", unit="turn") as bar:
-        for system in args.systems:
-            bar.set_postfix_str(f"{system}: building the backend")
-            backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg, weights,
-                                           device, dtype)
-            if args.warmup:  # compile kernels and capture graphs outside the timed runs
-                bar.set_postfix_str(f"{system}: warm-up")
-                warm_up(system, params(top), backend, sizes)
-            if args.gpu_timeline:
-                backend.record_gpu_timeline()
-            for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows
-                                        for c in args.cascade for o in args.overlap):
-                backend.cascade_attention = cascade
-                # The Engine of each run reads its config from the backend.
-                backend.config = backend.config.replace(overlap=overlap)
-                off = variant(cascade, overlap)
-                bar.set_postfix_str(f"{system} W={w}{off}")
-                try:
-                    if args.warmup:
-                        bar.set_postfix_str(f"{system} W={w}{off}: rehearsal")
-                        built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
-                        bar.set_postfix_str(f"{system} W={w}{off} ({built} kernels built "
-                                            "by its rehearsal)")
-                    runs = sorted((run_system(system, params(w), backend, sizes, bar.update,
-                                              args.profile_ticks, args.settle_heap)
-                                   for _ in range(args.repeat)), key=lambda r: r.tasks_per_s)
-                    results.append(replace(_median(runs), cascade=cascade, overlap=overlap,
-                                           commit=commit))
-                    bar.write(f"{system:<18} W={w:<3} {results[-1].tasks_per_s:8.3f} tasks/s{off}"
-                              f"{_extras(results[-1])}")
-                    for line in profile_lines(results[-1].step_profile):
-                        bar.write(line)
-                except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
-                    failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade,
-                                            overlap))
-                    bar.write(failed[-1].line())
-                save()
-            del backend
-            thaw()  # its cycles, frozen with each run's heap, go before the next backend
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    return results, failed
+        for n in range(args.rounds):
+            order = args.systems if n % 2 == 0 else args.systems[::-1]
+            orders.append(list(order))
+            for system in order:
+                at = f"{system}" + (f" (round {n + 1}/{args.rounds})" if args.rounds > 1 else "")
+                bar.set_postfix_str(f"{at}: building the backend")
+                backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg,
+                                               weights, device, dtype)
+                if args.warmup:  # compile kernels and capture graphs outside the timed runs
+                    bar.set_postfix_str(f"{at}: warm-up")
+                    warm_up(system, params(top), backend, sizes)
+                if args.gpu_timeline:
+                    backend.record_gpu_timeline()
+                for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows
+                                            for c in args.cascade for o in args.overlap):
+                    backend.cascade_attention = cascade
+                    # The Engine of each run reads its config from the backend.
+                    backend.config = backend.config.replace(overlap=overlap)
+                    off = variant(cascade, overlap)
+                    bar.set_postfix_str(f"{at} W={w}{off}")
+                    rounds = runs.setdefault((system, w, cascade, overlap),
+                                             [[] for _ in range(args.rounds)])
+                    try:
+                        if args.warmup:
+                            bar.set_postfix_str(f"{at} W={w}{off}: rehearsal")
+                            built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
+                            bar.set_postfix_str(f"{at} W={w}{off} ({built} kernels built "
+                                                "by its rehearsal)")
+                        rounds[n] = [replace(run_system(system, params(w), backend, sizes,
+                                                        bar.update, args.profile_ticks,
+                                                        args.settle_heap),
+                                             cascade=cascade, overlap=overlap, commit=commit)
+                                     for _ in range(args.repeat)]
+                        last = _median(rounds[n])
+                        bar.write(f"{system:<18} W={w:<3} {last.tasks_per_s:8.3f} tasks/s{off}"
+                                  f"{_extras(last)}")
+                        for line in profile_lines(last.step_profile):
+                            bar.write(line)
+                    except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
+                        failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}",
+                                                cascade, overlap, n if args.rounds > 1 else None))
+                        bar.write(failed[-1].line())
+                    save()
+                del backend
+                thaw()  # its cycles, frozen with each run's heap, go before the next backend
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows(), failed
 
 
 def _extras(r: RunResult) -> str:
@@ -267,12 +290,25 @@ def _extras(r: RunResult) -> str:
 
 
 def _median(runs: list[RunResult]) -> RunResult:
-    """The run of median tasks/s (``runs`` sorted by it), noting the others when repeated."""
-    median = runs[len(runs) // 2]
+    """The run of median tasks/s, the lower middle one of an even count (a median that
+    never flatters), noting the others when repeated."""
+    runs = sorted(runs, key=lambda r: r.tasks_per_s)
+    median = runs[(len(runs) - 1) // 2]
     if len(runs) == 1:
         return median
     spread = ", ".join(f"{r.tasks_per_s:.3f}" for r in runs)
     return replace(median, notes=median.notes + (f"median of {len(runs)} runs: {spread} tasks/s",))
+
+
+def _row(rounds: list[list[RunResult]]) -> RunResult:
+    """One system's row at one W from its runs by round: the median run of them all and,
+    over several rounds, each round's median tasks/s (None: that round failed), so a reader
+    pairs systems round by round."""
+    row = _median([r for runs in rounds for r in runs])
+    if len(rounds) == 1:
+        return row
+    return replace(row, round_tasks_per_s=tuple(
+        _median(runs).tasks_per_s if runs else None for runs in rounds))
 
 
 if __name__ == "__main__":

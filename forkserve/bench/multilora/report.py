@@ -17,10 +17,12 @@ class FailedRun:
     error: str          # "ExceptionType: message"
     cascade: bool = True
     overlap: bool = False
+    round: int | None = None  # --rounds: which one (0-based); None: one round run
 
     def line(self) -> str:
         how = variant(self.cascade, self.overlap)
-        return f"FAILED {self.system} W={self.workflows}{how}: {self.error}"
+        at = "" if self.round is None else f" (round {self.round + 1})"
+        return f"FAILED {self.system} W={self.workflows}{how}{at}: {self.error}"
 
 
 def variant(cascade: bool, overlap: bool) -> str:
@@ -52,14 +54,23 @@ def format_table(results: list[RunResult], workload: str) -> str:
     lines += [f"{r.system} W={r.workflows}: {r.gc_pause_s_in_run:.2f} s in the cycle collector "
               f"({r.gc_full_passes_in_run} full passes)"
               for r in results if r.gc_pause_s_in_run >= 0.01]
+    lines += [f"{r.system} W={r.workflows}: tasks/s by round "
+              + ", ".join("failed" if x is None else f"{x:.3f}" for x in r.round_tasks_per_s)
+              for r in results if r.round_tasks_per_s]
     return "\n".join(lines)
+
+
+def _span(r: RunResult) -> tuple[float, float] | None:
+    """The lowest and highest tasks/s of a row's rounds; None for one round."""
+    done = [x for x in r.round_tasks_per_s if x is not None]
+    return (min(done), max(done)) if len(done) > 1 else None
 
 
 def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload: str,
          tiny: bool) -> None:
     """Throughput and per-agent KV against W, one line per system (its color fixed, so
-    plots compare). A failed run is an x in its system's color on the W axis and is named
-    above the plot, never left out silently."""
+    plots compare; a bar spans the rounds of a --rounds run). A failed run is an x in its
+    system's color on the W axis and is named above the plot, never left out silently."""
     fig, (tput, kv) = new_figure(2, width=11, height=4.6)
     for i, system in enumerate(plot_order([r.system for r in results]
                                           + [f.system for f in failed])):
@@ -72,6 +83,9 @@ def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload
                 style = ("o-", "x--", "s:", "d-.")[k]
                 ws = [r.workflows for r in rows]
                 tput.plot(ws, [r.tasks_per_s for r in rows], style, color=f"C{i}", label=label)
+                for r in rows:
+                    if span := _span(r):  # --rounds: a bar from the lowest round to the highest
+                        tput.vlines(r.workflows, *span, color=f"C{i}")
                 kv.plot(ws, [r.per_agent_kv_bytes / 2**20 for r in rows], style, color=f"C{i}",
                         label=label)
         lost = [f.workflows for f in failed if f.system == system]

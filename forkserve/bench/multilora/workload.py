@@ -140,6 +140,10 @@ class RunResult:
     # The cycle collector inside the run (gc_pauses.py): full passes, and all passes' seconds.
     gc_full_passes_in_run: int = 0
     gc_pause_s_in_run: float = 0.0
+    # --rounds: each round's median tasks/s (None: the round failed), in round order, the
+    # systems' order reversed every other round; the row is the median run of them all.
+    # Empty: one round.
+    round_tasks_per_s: tuple = ()
 
 
 def tiny_config():
