@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkserve.bench.gpu_clocks import ClockSummary
 from forkserve.bench.multilora.systems import plot_order
 from forkserve.bench.multilora.workload import RunResult
 from forkserve.bench.output import legend_below, new_figure, save_figure, titled
@@ -54,6 +55,8 @@ def format_table(results: list[RunResult], workload: str) -> str:
     lines += [f"{r.system} W={r.workflows}: {r.gc_pause_s_in_run:.2f} s in the cycle collector "
               f"({r.gc_full_passes_in_run} full passes)"
               for r in results if r.gc_pause_s_in_run >= 0.01]
+    lines += [f"{r.system} W={r.workflows}: the card through the run: "
+              f"{ClockSummary(**r.gpu_clocks).line()}" for r in results if r.gpu_clocks]
     lines += [f"{r.system} W={r.workflows}: tasks/s by round "
               + ", ".join("failed" if x is None else f"{x:.3f}" for x in r.round_tasks_per_s)
               for r in results if r.round_tasks_per_s]

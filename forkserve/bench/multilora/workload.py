@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
 
 from forkserve.bench.gc_pauses import GcWatch
+from forkserve.bench.gpu_clocks import ClockSampler, card_of
 from forkserve.bench.kernel_compiles import KernelCompiles
 from forkserve.bench.multilora.driver import Driver, Workflow
 from forkserve.bench.multilora.recompute_choice import choose
@@ -144,6 +145,9 @@ class RunResult:
     # systems' order reversed every other round; the row is the median run of them all.
     # Empty: one round.
     round_tasks_per_s: tuple = ()
+    # The card through the timed run (gpu_clocks.ClockSummary as a dict): prefill runs at
+    # the power cap, where the clock follows the card's heat. None off CUDA.
+    gpu_clocks: dict | None = None
 
 
 def tiny_config():
@@ -260,10 +264,11 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     routes_before = Counter(routes or {})
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
-    result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
-                          writer=system_spec.writer, notes=notes,
-                          profiler=StepProfiler(profile_ticks) if profile_ticks else None,
-                          invocation=system_spec.invocation)
+    with ClockSampler(card_of(backend.device)) as clocks:
+        result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
+                              writer=system_spec.writer, notes=notes,
+                              profiler=StepProfiler(profile_ticks) if profile_ticks else None,
+                              invocation=system_spec.invocation)
     compiles = _COMPILES.since(built)
     pauses = _GC.since(paused)
     result = replace(result, graphs_captured_in_run=backend.runner.captured_on_use - captured,
@@ -273,7 +278,8 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
                      dynamo_graphs_in_run=compiles.dynamo_graphs,
                      kernels_built_specs=compiles.specs, fa4_compiled_in_run=compiles.fa4,
                      prefill_routes=tuple(sorted((Counter(routes or {}) - routes_before).items())),
-                     gc_full_passes_in_run=pauses.full, gc_pause_s_in_run=pauses.seconds)
+                     gc_full_passes_in_run=pauses.full, gc_pause_s_in_run=pauses.seconds,
+                     gpu_clocks=asdict(clocks.summary) if clocks.summary else None)
     if timeline is None:
         return result
     return replace(result, gpu_idle_share=timeline.summary().idle_share)
