@@ -213,6 +213,49 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
             quiet=True)
 
     top = max(args.workflows)
+
+    def timed_on_one_backend(system: str, n: int, bar: tqdm) -> None:
+        """Round ``n`` of ``system``: a backend built afresh, every W (and variant) timed on
+        it. The backend is the caller's to free once this returns."""
+        at = system + (f" (round {n + 1}/{args.rounds})" if args.rounds > 1 else "")
+        bar.set_postfix_str(f"{at}: building the backend")
+        backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg, weights,
+                                       device, dtype)
+        if args.warmup:  # compile kernels and capture graphs outside the timed runs
+            bar.set_postfix_str(f"{at}: warm-up")
+            warm_up(system, params(top), backend, sizes)
+        if args.gpu_timeline:
+            backend.record_gpu_timeline()
+        for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows
+                                    for c in args.cascade for o in args.overlap):
+            backend.cascade_attention = cascade
+            # The Engine of each run reads its config from the backend.
+            backend.config = backend.config.replace(overlap=overlap)
+            off = variant(cascade, overlap)
+            bar.set_postfix_str(f"{at} W={w}{off}")
+            rounds = runs.setdefault((system, w, cascade, overlap),
+                                     [[] for _ in range(args.rounds)])
+            try:
+                if args.warmup:
+                    bar.set_postfix_str(f"{at} W={w}{off}: rehearsal")
+                    built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
+                    bar.set_postfix_str(f"{at} W={w}{off} ({built} kernels built by its "
+                                        "rehearsal)")
+                rounds[n] = [replace(run_system(system, params(w), backend, sizes, bar.update,
+                                                args.profile_ticks, args.settle_heap),
+                                     cascade=cascade, overlap=overlap, commit=commit)
+                             for _ in range(args.repeat)]
+                last = _median(rounds[n])
+                bar.write(f"{system:<18} W={w:<3} {last.tasks_per_s:8.3f} tasks/s{off}"
+                          f"{_extras(last)}")
+                for line in profile_lines(last.step_profile):
+                    bar.write(line)
+            except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
+                failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}", cascade,
+                                        overlap, n if args.rounds > 1 else None))
+                bar.write(failed[-1].line())
+            save()
+
     total = (sum(params(w).turns_run * w for w in args.workflows) * len(args.systems)
              * args.repeat * args.rounds * len(args.cascade) * len(args.overlap))
     with tqdm(total=total, desc=f"{args.workload} agent turns", unit="turn") as bar:
@@ -220,47 +263,8 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
             order = args.systems if n % 2 == 0 else args.systems[::-1]
             orders.append(list(order))
             for system in order:
-                at = f"{system}" + (f" (round {n + 1}/{args.rounds})" if args.rounds > 1 else "")
-                bar.set_postfix_str(f"{at}: building the backend")
-                backend, sizes = build_backend(system, params(top), max(top, 2), model_cfg,
-                                               weights, device, dtype)
-                if args.warmup:  # compile kernels and capture graphs outside the timed runs
-                    bar.set_postfix_str(f"{at}: warm-up")
-                    warm_up(system, params(top), backend, sizes)
-                if args.gpu_timeline:
-                    backend.record_gpu_timeline()
-                for w, cascade, overlap in ((w, c == "on", o == "on") for w in args.workflows
-                                            for c in args.cascade for o in args.overlap):
-                    backend.cascade_attention = cascade
-                    # The Engine of each run reads its config from the backend.
-                    backend.config = backend.config.replace(overlap=overlap)
-                    off = variant(cascade, overlap)
-                    bar.set_postfix_str(f"{at} W={w}{off}")
-                    rounds = runs.setdefault((system, w, cascade, overlap),
-                                             [[] for _ in range(args.rounds)])
-                    try:
-                        if args.warmup:
-                            bar.set_postfix_str(f"{at} W={w}{off}: rehearsal")
-                            built = rehearse(system, params(w), backend, sizes).kernels_built_in_run
-                            bar.set_postfix_str(f"{at} W={w}{off} ({built} kernels built "
-                                                "by its rehearsal)")
-                        rounds[n] = [replace(run_system(system, params(w), backend, sizes,
-                                                        bar.update, args.profile_ticks,
-                                                        args.settle_heap),
-                                             cascade=cascade, overlap=overlap, commit=commit)
-                                     for _ in range(args.repeat)]
-                        last = _median(rounds[n])
-                        bar.write(f"{system:<18} W={w:<3} {last.tasks_per_s:8.3f} tasks/s{off}"
-                                  f"{_extras(last)}")
-                        for line in profile_lines(last.step_profile):
-                            bar.write(line)
-                    except (RuntimeError, OutOfPagesError, torch.cuda.OutOfMemoryError) as exc:
-                        failed.append(FailedRun(system, w, f"{type(exc).__name__}: {exc}",
-                                                cascade, overlap, n if args.rounds > 1 else None))
-                        bar.write(failed[-1].line())
-                    save()
-                del backend
-                thaw()  # its cycles, frozen with each run's heap, go before the next backend
+                timed_on_one_backend(system, n, bar)
+                thaw()  # the backend's cycles, frozen with each run's heap, go before the next
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows(), failed
