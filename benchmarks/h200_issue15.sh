@@ -129,7 +129,7 @@ round10() {  # $1: react or mapreduce, $2: the tag; every row's kernels built in
   timeout "${3:-450}" python3 -m forkserve.interfaces.cli bench "$1" --workflows ${W:-1 8 32} \
     --systems ${SYSTEMS:-unified disaggregated adaptive} --repeat "${REPEAT:-1}" \
     --rounds "${ROUNDS:-1}" --tag "$2" --out "$OUT" \
-    2>&1 | tail -16
+    2>&1 | tail -24
   python3 -c "import json, sys; [print(r['system'], r['workflows'], r['kernels_built_in_run'], \
     *r['kernels_built_specs'][:2]) for r in json.load(open(sys.argv[1]))['results']]" \
     "$OUT/$1_multilora_$2.json"
