@@ -365,7 +365,8 @@ def _groups(rows: list[tuple[Setting, SpeedRow]], ws: Sequence[int]
 def paired(top: SpeedRow, others: Sequence[SpeedRow]) -> tuple[float, str]:
     """``top``'s tasks/s over the best of ``others``. Rows of one --rounds run are paired
     round by round (the card's drift through the run cancels within a round): the median
-    of the rounds' ratios, their range in the detail; otherwise the rows' own figures."""
+    of the rounds' ratios (of two, their mean), each round's ratio in the detail; otherwise
+    the rows' own figures."""
     rounds = [r.per_round for r in (top, *others)]
     if len(rounds[0]) > 1 and len({len(x) for x in rounds}) == 1:
         ratios = [a / max(rest) for a, *rest in zip(*rounds, strict=True)
