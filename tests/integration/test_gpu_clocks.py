@@ -76,7 +76,7 @@ def test_the_bench_records_none_on_the_cpu(tmp_path):
                  "64", "--turns", "1", "--gen", "2", "--out", str(tmp_path)]) == 0
     [row] = json.loads((tmp_path / "react_multilora_tiny.json").read_text())["results"]
     assert row["gpu_clocks"] is None
-    r = RunResult(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()})
+    r = RunResult.from_json(row)
     assert "the card" not in format_table([r], "react")
     hot = replace(r, gpu_clocks=asdict(ClockSummary(9, 1500.0, 1290.0, 650.0, 59.0)))
     assert ("unified W=1: the card through the run: SM 1,500 MHz mean (min 1,290), 650 W, "

@@ -150,10 +150,7 @@ def replot(path: Path, workload: str) -> int:
     """The table and the PNG of a JSON ``main`` wrote (e.g. one a GPU call cut before its
     plot); exits 1 when it records failed runs, as the run did."""
     doc = json.loads(path.read_text())
-    results = [RunResult(**{**r, "notes": tuple(r.get("notes", ())),
-                            "recompute_layers": tuple(r.get("recompute_layers", ())),
-                            "round_tasks_per_s": tuple(r.get("round_tasks_per_s", ()))})
-               for r in doc["results"]]
+    results = [RunResult.from_json(r) for r in doc["results"]]
     failed = [FailedRun(**f) for f in doc.get("errors", [])]
     print(format_table(results, workload))
     for f in failed:

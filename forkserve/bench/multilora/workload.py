@@ -149,6 +149,12 @@ class RunResult:
     # the power cap, where the clock follows the card's heat. None off CUDA.
     gpu_clocks: dict | None = None
 
+    @classmethod
+    def from_json(cls, row: dict) -> RunResult:
+        """A row as the bench's JSON holds it (``asdict``): its tuple fields came back as
+        lists."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()})
+
 
 def tiny_config():
     """A 2-layer Llama of hidden size 128: the CPU stand-in for the 8B shape."""
