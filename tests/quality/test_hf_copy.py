@@ -1,6 +1,7 @@
 """hf_copy: a tiny GGUF's float32 copy loads as the GGUF does (the same state_dict bit for bit,
 the same tokenizer and chat template), is made once and only once for the file's current
-contents, and never leaves a half-written folder behind."""
+contents, and never leaves a half-written folder behind. tokenizer_copy: the same for the
+tokenizer alone, which every load of a GGUF reads."""
 import json
 import os
 
@@ -10,6 +11,7 @@ from quality_testlib import needs_bfcl, tiny_gguf
 
 from benchmarks.quality import train
 from forkserve.backend.torch import gguf_hf_copy as hf_copy
+from forkserve.backend.torch.tokenizer import Tokenizer
 
 CHAT = [{"role": "system", "content": "You call functions: f(x)."},
         {"role": "user", "content": "Héllo  wörld\n\tdef f(x): return {'a': [1, 2]}  🙂"}]
@@ -33,16 +35,36 @@ def test_the_copy_loads_as_the_gguf_does(tiny, tmp_path, tied):
     for name in ref:
         assert got[name].dtype == ref[name].dtype == torch.float32
         assert torch.equal(got[name], ref[name]), name
+    assert_same_tokenizer(tok, want_tok)
+    assert train.assistant_opener(tok) == train.assistant_opener(want_tok)
+
+
+def assert_same_tokenizer(tok, want) -> None:
     for text in TEXTS:
         ids = tok(text)["input_ids"]
-        assert ids == want_tok(text)["input_ids"]
-        assert tok.decode(ids) == want_tok.decode(ids)
+        assert ids == want(text)["input_ids"]
+        assert tok.decode(ids) == want.decode(ids)
     for opener in (False, True):
         assert (tok.apply_chat_template(CHAT, add_generation_prompt=opener, tokenize=False)
-                == want_tok.apply_chat_template(CHAT, add_generation_prompt=opener,
-                                                tokenize=False))
-    assert train.assistant_opener(tok) == train.assistant_opener(want_tok)
-    assert tok.special_tokens_map == want_tok.special_tokens_map
+                == want.apply_chat_template(CHAT, add_generation_prompt=opener, tokenize=False))
+    assert tok.special_tokens_map == want.special_tokens_map
+    assert (tok.eos_token_id, len(tok)) == (want.eos_token_id, len(want))
+
+
+def test_a_ggufs_tokenizer_loads_from_its_copy_made_once(tiny, tmp_path, monkeypatch):
+    """Tokenizer.load reads a GGUF's saved tokenizer copy, equal to transformers' tokenizer of
+    the GGUF, and converts only the first time."""
+    from transformers import AutoTokenizer
+
+    gguf = tiny_gguf(tiny, tmp_path / "m.gguf")
+    want = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf.name)
+    tok = Tokenizer.load(gguf)
+    assert (tmp_path / f"m.gguf.tokenizer-{hf_copy._key(gguf)}" / "tokenizer.json").exists()
+    assert_same_tokenizer(tok.hf, want)
+    monkeypatch.setattr(hf_copy, "_convert_tokenizer", lambda *a: pytest.fail("converted again"))
+    assert_same_tokenizer(Tokenizer.load(gguf).hf, want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "m.gguf", f"m.gguf.tokenizer-{hf_copy._key(gguf)}"]
 
 
 def test_made_once_and_again_for_a_changed_gguf(tiny, tmp_path, monkeypatch):

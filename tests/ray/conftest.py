@@ -31,6 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks to group the tests
+def pytest_collection_modifyitems(items) -> None:
+    """Every test of the cluster on one xdist worker (``--dist loadgroup``): a session fixture
+    is built once a worker, and Ray's start-up is the slow part of its tests."""
+    for item in items:
+        if "cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray_cluster"))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> Cluster:
     path, adapters = save_model(tmp_path_factory.mktemp("ray_model"))

@@ -11,6 +11,15 @@ from forkserve.interfaces.server.grammar import GrammarCompiler
 from forkserve.interfaces.server.launcher import RunningServer
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks to group the tests
+def pytest_collection_modifyitems(items) -> None:
+    """Every test of the demo server on one xdist worker (``--dist loadgroup``): a session
+    fixture is built once a worker, and loading SmolLM2 is the slow part of its tests."""
+    for item in items:
+        if "demo_server" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("demo_server"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return save_model(tmp_path_factory.mktemp("served"))

