@@ -81,3 +81,24 @@ def test_the_bench_records_none_on_the_cpu(tmp_path):
     hot = replace(r, gpu_clocks=asdict(ClockSummary(9, 1500.0, 1290.0, 650.0, 59.0)))
     assert ("unified W=1: the card through the run: SM 1,500 MHz mean (min 1,290), 650 W, "
             "59 C max") in format_table([hot], "react")
+
+
+def test_only_the_timed_runs_sample_the_card(tmp_path, monkeypatch):
+    """The warm-up and each rehearsal run too, untimed: with a card to sample, only the
+    timed runs start ``nvidia-smi`` (one a system and W), so no child runs for figures that
+    nobody reads."""
+    from forkserve.bench.multilora import main, workload
+
+    cards = []
+
+    class Recording(ClockSampler):
+        def __enter__(self):
+            cards.append(self.card)
+            return self  # starts no child: nothing here has a card
+
+    monkeypatch.setattr(workload, "card_of", lambda device: "GPU-x")
+    monkeypatch.setattr(workload, "ClockSampler", Recording)
+    assert main(["react", "--tiny", "--workflows", "1", "2", "--systems", "unified",
+                 "--context", "64", "--turns", "1", "--gen", "2", "--warmup",
+                 "--out", str(tmp_path)]) == 0
+    assert sorted(cards, key=str) == ["GPU-x", "GPU-x", None, None, None]

@@ -250,12 +250,14 @@ def build_backend(system: str, params: MultiLoraParams, max_workflows: int, mode
 
 def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, int],
                on_turn: Callable[[], object] | None = None,
-               profile_ticks: int = 0, settle_heap: bool = False) -> RunResult:
-    """One timed run on a fresh Engine over ``backend`` (its pools start empty);
+               profile_ticks: int = 0, settle_heap: bool = False,
+               timed: bool = True) -> RunResult:
+    """One run on a fresh Engine over ``backend`` (its pools start empty);
     ``profile_ticks``: ticks of each kind profiled (step_profile.py), 0 for none;
     ``settle_heap``: start on a settled heap (engine/heap.py: earlier runs' garbage collected,
     the rest frozen), as a server runs; one full collection before the timer (~0.5 s in a
-    test process, which the CPU plumbing runs skip)."""
+    test process, which the CPU plumbing runs skip); ``timed``: False for the warm-up and
+    rehearsal runs, whose figures nobody reads, so no ``nvidia-smi`` child samples the card."""
     system_spec = spec(system)
     adapter_of = None if not system_spec.lora else (lambda i: backend.adapter_id(f"agent{i}"))
     timeline = backend.gpu_timeline
@@ -270,7 +272,7 @@ def run_system(system: str, params: MultiLoraParams, backend, sizes: dict[str, i
     routes_before = Counter(routes or {})
     notes = (recompute_layers(system_spec, params, backend.model_config).note(),) \
         if system_spec.recompute else ()
-    with ClockSampler(card_of(backend.device)) as clocks:
+    with ClockSampler(card_of(backend.device) if timed else None) as clocks:
         result = run_workload(system, params, Engine(backend), sizes, adapter_of, on_turn,
                               writer=system_spec.writer, notes=notes,
                               profiler=StepProfiler(profile_ticks) if profile_ticks else None,
@@ -300,7 +302,7 @@ def warm_up(system: str, params: MultiLoraParams, backend, sizes: dict[str, int]
     them the first system of a process would pay ~42 ms per new length inside its timed
     runs). Returns the graphs captured."""
     run_system(system, replace(params, workflows=2, turns=min(2, params.turns), gen=4), backend,
-               sizes)
+               sizes, timed=False)
     longest = params.context + params.instruction + params.turns * (params.gen + params.observation)
     backend.warm_cold_prefill(longest)
     return backend.capture_decode_graphs(params.workflows, longest)
@@ -316,7 +318,8 @@ def rehearse(system: str, params: MultiLoraParams, backend, sizes: dict[str, int
     still left adaptive's W = 32 run 2 decode kernels (1.8 s) that only its longer turns'
     mixed ticks meet, so the turns keep their length. Returns the run, whose own
     ``kernels_built_in_run`` lists what this rehearsal built."""
-    return run_system(system, replace(params, turns=min(2, params.turns)), backend, sizes)
+    return run_system(system, replace(params, turns=min(2, params.turns)), backend, sizes,
+                      timed=False)
 
 
 def agent_prompts(params: MultiLoraParams, vocab: int, invocation: tuple[int, ...] | None = None
