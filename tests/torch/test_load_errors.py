@@ -89,3 +89,15 @@ def test_corrupt_gguf_names_the_file(tmp_path):
     path.write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(ModelLoadError, match=f"{path}.*truncated"):
         load(path)
+
+
+def test_loading_shows_a_bar_on_a_terminal_only(models, capsys, monkeypatch):
+    """A layer-by-layer bar while the weights load, where stderr is a terminal; none in a
+    log (what a server under a process manager, or this test's capture, writes to)."""
+    import sys
+
+    load(models["llama"])
+    assert "loading weights" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    load(models["llama"])
+    assert "loading weights" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from forkserve.backend.torch.checkpoint_files import read_json_object, reading
 from forkserve.backend.torch.errors import CheckpointError
@@ -78,7 +79,10 @@ def assemble_weights(cfg: ModelConfig, get: TensorGetter, device: torch.device,
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     layers = []
-    for n in range(cfg.num_layers):
+    # Seconds to minutes for a real model (a GGUF dequantizes here): a bar on a terminal,
+    # none in a log or a test (disable=None: only where stderr is a TTY).
+    for n in tqdm(range(cfg.num_layers), desc="loading weights", unit="layer", leave=False,
+                  disable=None):
         p = f"model.layers.{n}."
         q = load(p + "self_attn.q_proj.weight", (cfg.q_size, h))
         k = load(p + "self_attn.k_proj.weight", (cfg.kv_size, h))
