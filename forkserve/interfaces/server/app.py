@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight.check_device(args.device)
         log.info("loading %s", model_path)
+        started = time.perf_counter()
         try:
             model = load_served_model(model_path, config=config, loras=dict(args.lora),
                                       name=args.served_model_name, device=args.device,
@@ -206,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                       sharing_cost=cost)
         except ForkServeError as e:  # a checkpoint the loaders refused; the message names the file
             raise UsageError(str(e)) from None
+        log.info("loaded in %.1f s", time.perf_counter() - started)
         # The loaded model's objects: the collector's full passes skip them from now on.
         log.info("froze %d start-up objects out of the collector's passes", settle())
         log.info("listening on http://%s:%d", args.host, sock.getsockname()[1])
