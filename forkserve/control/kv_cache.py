@@ -45,7 +45,6 @@ and the residual host tier alike.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Mapping, Sequence
 
 from forkserve.adapter_key import AdapterId
@@ -212,9 +211,7 @@ class KVCache:
 
     def _held_run(self, key: BaseKey) -> int:
         """Leading pages of ``key`` published in the base index that a table or pin holds."""
-        run = itertools.takewhile(lambda page: page is not None, self.index.probe(
-            key.namespace, key.tokens, key.base_pages, key.salt))
-        return sum(1 for page in run if not self.index.cache_only(page))
+        return self.index.held_run(key.namespace, key.tokens, key.base_pages, key.salt)
 
     def _queued_pages(self, queued: Queued, adapter: AdapterId | None, split_held: int,
                       base_model_held: int) -> tuple[int, int]:

@@ -285,6 +285,20 @@ class PrefixIndex:
         refreshes no LRU."""
         return [n.page for n in self._path(namespace, tokens, base_pages, salt)]
 
+    def held_run(self, namespace: Namespace, tokens: Sequence[int], base_pages: int = 0,
+                 salt: CacheSalt = UNSALTED) -> int:
+        """Of the leading device pages ``match`` would find, those a table or a pin holds
+        besides the index (load, where a ``cache_only`` page is cache). A probe: it touches
+        nothing. One walk, counting as it goes: ``KVCache.choose_form`` asks it two or three
+        times a session it sizes, over the whole prompt (512 pages at 8K)."""
+        refcount, refs = self.pool.refcount, self._refs
+        held = 0
+        for node in self._path(namespace, tokens, base_pages, salt):
+            if node.page is None:
+                break
+            held += refcount(node.page) != refs[node.page]
+        return held
+
     def _path(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
               salt: CacheSalt) -> list[_IndexNode]:
         node = self._root

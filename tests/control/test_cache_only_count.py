@@ -1,6 +1,9 @@
 """``PrefixIndex.num_cache_only`` (one pass, ``PagePool.held_only``) counts the pages
 ``cache_only`` names, page by page, through publishes, table references taken and dropped,
-and evictions."""
+and evictions; ``held_run`` (one walk) counts the held pages of a path's leading device run
+that ``probe`` and ``cache_only`` name."""
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +19,11 @@ OPS = st.lists(st.tuples(st.sampled_from(["publish", "hold", "drop", "evict"]),
 
 def per_page(index: PrefixIndex) -> int:
     return sum(1 for page in index.held_refs() if index.cache_only(page))
+
+
+def held_per_page(index: PrefixIndex, tokens: list[int]) -> int:
+    run = itertools.takewhile(lambda page: page is not None, index.probe(BASE, tokens))
+    return sum(1 for page in run if not index.cache_only(page))
 
 
 @settings(max_examples=60, deadline=None)
@@ -37,3 +45,5 @@ def test_the_count_is_cache_only_page_by_page(ops):
         elif op == "evict":
             index.evict(k)
         assert index.num_cache_only == per_page(index)
+        for path in ([k, 1, 2, 3, 4, 5 + k] for k in range(4)):
+            assert index.held_run(BASE, path) == held_per_page(index, path)
