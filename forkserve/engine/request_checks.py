@@ -80,7 +80,7 @@ def token_ids(tokens, what: str, allow_empty: bool = False) -> list[int]:
                                   f"got {type(tokens).__name__}") from None
     if not items and not allow_empty:
         raise InvalidRequestError(f"{what}: token list is empty")
-    if all(type(t) is int for t in items):  # the common case, checked at C speed
+    if set(map(type, items)) <= {int}:  # the common case: map and set iterate in C
         return items
     out = []
     for t in items:
