@@ -92,6 +92,9 @@
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 76  # it beside the ws default and FA4 (FA4 carried)
 # Round 32 (no machine came; the adopted default's CUDA tests as one short call):
 #   FORKSERVE_COMMIT=<sha> bash benchmarks/h200_issue15.sh 77  # the default route's CUDA tests (~150 s, an estimate: not yet run)
+# Round 38 (the acceptance's rows at W = 1, 8, 32 from today's code; FA4 carried):
+#   FORKSERVE_COMMIT=<sha> W="1 8 32" SYSTEMS="..." TAG=... bash benchmarks/h200_issue15.sh 67  # react
+#   FORKSERVE_COMMIT=<sha> SYSTEMS="..." TAG=... bash benchmarks/h200_issue15.sh 78  # mapreduce
 # Round 9 (the one-launch residual rebuild timed; kernels built inside timed runs counted):
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 21  # rebuild tests, prefill routes, react on a cold Triton cache
 #   FORKSERVE_COMMIT=$(git rev-parse HEAD) bash benchmarks/h200_issue15.sh 22  # the same react on the cache 21 left
@@ -724,6 +727,13 @@ PY
   # round: issue15_goals), ~400 s on the H200.
   fa4_site || exit 1
   W=${W:-32} ROUNDS=${ROUNDS:-2} round10 react "${TAG:-issue15_round23}" "${2:-560}"
+  ;;
+78)
+  # Round 38: the acceptance's mapreduce rows from today's code: W = 1, 8, 32 (or $W), the
+  # systems of $SYSTEMS (step 67's three by default; the bench's every system by name), one
+  # round unless $ROUNDS.
+  fa4_site || exit 1
+  W=${W:-1 8 32} ROUNDS=${ROUNDS:-1} round10 mapreduce "${TAG:-issue15_round38}" "${2:-560}"
   ;;
 68)
   # Round 24: where the ws prefill's time goes (8 x 64 over 8K, 2x FA4's paged read): Nsight
