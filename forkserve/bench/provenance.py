@@ -21,3 +21,12 @@ def source_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def measured_on(doc: dict) -> str:
+    """A result file's card and commit as one caption line for its plot ("NVIDIA H100 80GB
+    HBM3, 241e214"): a PNG read apart from its JSON still says where it was measured. The
+    file's ``gpu`` (else its ``device``) and ``commit`` fields; empty where it has neither."""
+    where = doc.get("gpu") or doc.get("device") or ""
+    commit = str(doc.get("commit") or "")[:7]
+    return ", ".join(x for x in (where, commit) if x)

@@ -103,6 +103,25 @@ def test_cli_writes_json_and_png_and_says_where(tmp_path, capsys):
     assert "unified" in table and "disaggregated" in table and "tasks/s" in table
 
 
+def test_the_plot_says_which_card_and_commit_it_shows(tmp_path, monkeypatch):
+    """A PNG read apart from its JSON (a report, an issue) still says where it was measured:
+    the card and the commit above the axes."""
+    import forkserve.bench.multilora.cli as cli
+
+    shown = []
+    monkeypatch.setattr(cli, "plot", lambda *a: shown.append(a[-1]))
+    doc = {"gpu": "NVIDIA H100 80GB HBM3", "device": "cuda",
+           "commit": "241e2143335c020dcc8e84d98b02f1405fa6f634", "results": [], "errors": []}
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    assert main(["react", "--plot", str(tmp_path / "r.json")]) == 0
+    # A CPU run names its device; a file from before commits were recorded, its card alone.
+    (tmp_path / "c.json").write_text(json.dumps(doc | {"gpu": None, "device": "cpu"}))
+    (tmp_path / "o.json").write_text(json.dumps(doc | {"commit": None}))
+    for name in ("c", "o"):
+        assert main(["react", "--plot", str(tmp_path / f"{name}.json")]) == 0
+    assert shown == ["NVIDIA H100 80GB HBM3, 241e214", "cpu, 241e214", "NVIDIA H100 80GB HBM3"]
+
+
 def test_rounds_reverse_the_order_and_rows_carry_each_rounds_figure(tmp_path, capsys):
     """--rounds 2: the second round runs the systems in reverse (a card that warms through a
     run favours neither), and each row is the lower median run with every round's tasks/s,

@@ -25,7 +25,7 @@ from forkserve.bench.multilora.workload import (
     warm_up,
 )
 from forkserve.bench.output import add_out_argument, write_json
-from forkserve.bench.provenance import source_commit
+from forkserve.bench.provenance import measured_on, source_commit
 from forkserve.engine.heap import thaw
 from forkserve.errors import OutOfPagesError
 
@@ -136,26 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     stem = (f"{args.workload}_multilora{'_tiny' if args.tiny else ''}"
             f"{'_' + args.tag if args.tag else ''}")
+    json_path = args.out / f"{stem}.json"
     with tiny_threads(device, args.tiny):
-        results, failed = _run_all(args, model_cfg, device, args.out / f"{stem}.json")
-    print(format_table(results, args.workload))
-    for f in failed:
-        print(f.line())
-    print(f"wrote {args.out / f'{stem}.json'}")
-    plot(results, failed, args.out / f"{stem}.png", args.workload, args.tiny)
-    return 1 if failed else 0
+        _run_all(args, model_cfg, device, json_path)
+    print(f"wrote {json_path}")
+    return replot(json_path, args.workload)
 
 
 def replot(path: Path, workload: str) -> int:
-    """The table and the PNG of a JSON ``main`` wrote (e.g. one a GPU call cut before its
-    plot); exits 1 when it records failed runs, as the run did."""
+    """The table and the PNG of a JSON ``main`` wrote (``main`` ends here too; a GPU call cut
+    before its plot runs it alone); exits 1 when it records failed runs, as the run did."""
     doc = json.loads(path.read_text())
     results = [RunResult.from_json(r) for r in doc["results"]]
     failed = [FailedRun(**f) for f in doc.get("errors", [])]
     print(format_table(results, workload))
     for f in failed:
         print(f.line())
-    plot(results, failed, path.with_suffix(".png"), workload, doc.get("model") == "tiny")
+    plot(results, failed, path.with_suffix(".png"), workload, doc.get("model") == "tiny",
+         measured_on(doc))
     return 1 if failed else 0
 
 
@@ -166,9 +164,9 @@ def _model_config(tiny: bool):
 
 
 def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
-             json_path: Path) -> tuple[list[RunResult], list[FailedRun]]:
-    """Every system at every W, ``--rounds`` times over; the JSON is rewritten after each
-    run."""
+             json_path: Path) -> None:
+    """Every system at every W, ``--rounds`` times over, into ``json_path``: rewritten after
+    each run, so what a cut call leaves is the same file."""
     from forkserve.backend.torch.weights import random_weights
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -264,7 +262,6 @@ def _run_all(args: argparse.Namespace, model_cfg, device: torch.device,
                 thaw()  # the backend's cycles, frozen with each run's heap, go before the next
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    return rows(), failed
 
 
 def _extras(r: RunResult) -> str:

@@ -70,10 +70,11 @@ def _span(r: RunResult) -> tuple[float, float] | None:
 
 
 def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload: str,
-         tiny: bool) -> None:
+         tiny: bool, source: str = "") -> None:
     """Throughput and per-agent KV against W, one line per system (its color fixed, so
-    plots compare; a bar spans the rounds of a --rounds run). A failed run is an x in its
-    system's color on the W axis and is named above the plot, never left out silently."""
+    plots compare; a bar spans the rounds of a --rounds run), ``source`` (the card and
+    commit: ``provenance.measured_on``) above them. A failed run is an x in its system's
+    color on the W axis and is named above the plot, never left out silently."""
     fig, (tput, kv) = new_figure(2, width=11, height=4.6)
     for i, system in enumerate(plot_order([r.system for r in results]
                                           + [f.system for f in failed])):
@@ -95,9 +96,13 @@ def plot(results: list[RunResult], failed: list[FailedRun], path: Path, workload
         if lost:
             tput.plot(lost, [0] * len(lost), "x", color=f"C{i}", markersize=12, mew=2,
                       label=f"{system} FAILED")
+    above = []
     if failed:
-        fig.suptitle("FAILED: " + "; ".join(f"{f.system} W={f.workflows}" for f in failed),
-                     color="red", fontsize=10)
+        above.append("FAILED: " + "; ".join(f"{f.system} W={f.workflows}" for f in failed))
+    if source:
+        above.append(source)
+    if above:
+        fig.suptitle("\n".join(above), fontsize=10, color="red" if failed else "black")
     tput.set(xlabel="workflows W", ylabel="tasks/s",
              title=titled(f"{workload}-multilora throughput", tiny))
     kv.set(xlabel="workflows W", ylabel="MiB per agent", title=titled("per-agent KV", tiny),
