@@ -1,6 +1,8 @@
 """Issue 15's goals against the committed H200 figures, one row per goal.
 
     python3 -m benchmarks.issue15_goals --out benchmarks/results
+    python3 -m benchmarks.issue15_goals --card H100 --results benchmarks/results/h100 \
+        --out benchmarks/results/h100    # the same goals over an H100's runs, for reference
 
 reads the result JSONs under ``benchmarks/results`` (``--results`` names another folder):
 ``kernel_bench*.json`` (``kernel_bench.py``: decode variants, prefill routes),
@@ -16,7 +18,9 @@ ranks oldest, then the later file in name order. Only the folder's own files are
 kernel's figures kept after the kernel was reverted live under ``reverted/`` there, so a
 later run of a lost experiment can never stand for the kernel main ships, and a run on an
 H100 while no H200 was lent under ``h100/`` (react files before round 35 do not name their
-card; a react file that names another card than the H200 is left out). A goal no file holds
+card; a react file that names another card than the H200, or ``--card``, is left out). The
+issue's goals are the H200's: ``--card`` reads another card's folder beside them, its files
+named for the card (``issue15_goals_h100.*``). A goal no file holds
 says "not measured" and names the file that would hold it. A missing folder, or a file that
 is not readable JSON or not the bench's shape, is a one-line error (exit 2). A kernel_bench
 run at another attention shape than the issue's (Llama-3-8B's, rank-16 residuals:
@@ -47,6 +51,7 @@ NOT_MEASURED = "not measured"
 ISSUE15_W = 32           # the react goals' W
 ISSUE15_KV_GIB = 24.0    # the react goals' KV budget
 ADAPTIVE_WS = (1, 8, 32)
+CARD = "H200"            # the issue's card
 LONG_CTX = 4096          # ">= 4K"
 PREFILL_CTX = (1024, 32768)  # "1K-32K"
 PREFILL_TOKENS = 8192    # decode_bench's 8K prefill
@@ -214,7 +219,7 @@ def ws_default_column(doc: Doc, row: dict) -> str:
     return name if f"residual_{name}" in (row.get("device_over_best_unified") or {}) else "ws"
 
 
-def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
+def residual_prefill_routes(docs: list[Doc], card: str) -> list[Found]:
     """Per residual_prefill_bench file: the worst case of the route the policy takes over
     the best unified route, by device time where a graph held both (the Triton and ws
     kernels), else eagerly (the packed route). Cold prompts are left out: the engine takes
@@ -237,21 +242,21 @@ def residual_prefill_routes(docs: list[Doc]) -> list[Found]:
                                f"{route}, {how}"))
         if points:
             ratio, ctx, batch, new, route = max(points)
-            # The issue's figures are the H200's: a run on another card says which.
+            # A run on another card than the table's says which.
             device = str(doc.data.get("device") or "")
-            card = f"; on an {device}" if device and "H200" not in device else ""
+            other = f"; on an {device}" if not on_card(device, card) else ""
             found.append(Found(ratio, doc.path.name, doc.commit,
                                f"worst of {len(points)} points: {batch} x {new} over ctx {ctx} "
-                               f"(the policy's route {route}{card})", doc.rank))
+                               f"(the policy's route {route}{other})", doc.rank))
     return found
 
 
-def residual_prefill(kernel: list[Doc], routes: list[Doc]) -> Found | None:
+def residual_prefill(kernel: list[Doc], routes: list[Doc], card: str) -> Found | None:
     """Worst 1K-32K point of the best residual route over the best unified route; where a row
     has device times (graph replays, kernelbench.prefill ``DEVICE_COLUMNS``), the FRESH routes'
     ratio by them, as the decode rows are timed. The newest of kernel_bench's and
     residual_prefill_bench's files (``residual_prefill_routes``)."""
-    found = residual_prefill_routes(routes)
+    found = residual_prefill_routes(routes, card)
     for doc in kernel:
         points = []
         for r in _list(doc, "prefill"):
@@ -330,10 +335,15 @@ def engine_decode(decode: list[Doc], batch: int) -> Found | None:
 # ---------------------------------------------------------------- react
 
 def _issue15(setting: Setting) -> bool:
-    """The issue's react setting, run on an H200: a file that names another card is left
-    out (one from before the card was recorded ran on the H200, or lives under ``h100/``)."""
+    """The issue's react setting (its card is chosen in ``build``)."""
     return (setting.workload == "react" and setting.kv_budget_gib == ISSUE15_KV_GIB
-            and setting.default_engine and (not setting.gpu or "H200" in setting.gpu))
+            and setting.default_engine)
+
+
+def on_card(named: str | None, card: str) -> bool:
+    """A file that names its card ran on ``card`` if the name says so; one that names none
+    ran on the card of its folder (the H200's before cards were recorded, or ``h100/``)."""
+    return not named or card in named
 
 
 def react_system(rows: list[tuple[Setting, SpeedRow]], system: str) -> Found | None:
@@ -459,7 +469,9 @@ def at_issue_shape(doc: Doc) -> bool:
         shape.get(k, v) == v for k, v in ISSUE_SHAPE.items())
 
 
-def build(results: Path) -> list[Row]:
+def build(results: Path, card: str = CARD) -> list[Row]:
+    """The goals' rows from the files under ``results``; react files that name another card
+    than ``card`` are left out."""
     if not results.is_dir():
         raise GoalsError(f"results folder {results} does not exist")
     kernel = [d for d in load_docs(sorted(results.glob("kernel_bench*.json")),
@@ -471,14 +483,15 @@ def build(results: Path) -> list[Row]:
     decode = [d for d in load_docs(sorted(results.glob("decode_bench*.json")),
                                    "decode_bench result") if "baseline" not in d.data]
     try:
-        react = list(bench_rows(sorted(results.glob("react_multilora*.json"))))
+        react = [(s, r) for s, r in bench_rows(sorted(results.glob("react_multilora*.json")))
+                 if on_card(s.gpu, card)]
     except TradeoffError as e:
         raise GoalsError(str(e)) from None
     tokens = f" ({PREFILL_TOKENS} tokens)"
     found = {
         "1": residual_decode(kernel, lambda b: b >= 8),
         "2": residual_decode(kernel, lambda b: b == 1),
-        "3": residual_prefill(kernel, routes),
+        "3": residual_prefill(kernel, routes, card),
         "4": unified_prefill_vs_sdpa(kernel),
         "5": decode_figure(decode, "prefill_lora", "tokens_per_s", tokens,
                            lambda p: p.get("tokens") == PREFILL_TOKENS),
@@ -541,7 +554,7 @@ def to_json(rows: Sequence[Row]) -> dict[str, Any]:
     return {"issue": 15, "goals": out}
 
 
-def plot(rows: Sequence[Row], path: Path) -> None:
+def plot(rows: Sequence[Row], path: Path, card: str = CARD) -> None:
     """One bar per goal: the value over the goal, so 1.0 is the goal line; green met, red
     missed; a goal not measured has no bar."""
     fig, (ax,) = new_figure(1, width=10, height=0.45 * len(rows) + 1.8)
@@ -558,7 +571,8 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     ax.axvline(1.0, color="black", linestyle="--", lw=1, label="goal")
     ax.set_yticks(ys, labels, fontsize=7)
     ax.set_xlabel("measured / goal (1.0 = the goal; <= goals want less, >= goals more)")
-    ax.set_title("issue 15's goals (H200; green met, red missed)")
+    note = "" if card == CARD else f"\nfor reference: the issue's figures are the {CARD}'s"
+    ax.set_title(f"issue 15's goals ({card}; green met, red missed){note}")
     ax.set_xlim(0, max([r.ratio for r in rows if r.ratio] + [1.0]) * 1.2)
     save_figure(fig, path)
 
@@ -569,10 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="folder of the result JSONs to read")
+    ap.add_argument("--card", default=CARD,
+                    help="the card whose runs to read (as the files name it: H200, H100); the "
+                         "issue's goals are the H200's")
     add_out_argument(ap)
     args = ap.parse_args(argv)
     try:
-        rows = build(args.results)
+        rows = build(args.results, args.card)
     except GoalsError as e:
         print(f"issue15_goals: error: {e}", file=sys.stderr)
         return 2
@@ -580,8 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"issue15_goals: error: a result under {args.results} is not the bench's shape "
               f"({e!r})", file=sys.stderr)
         return 2
-    write_tables(args.out, "issue15_goals", markdown(rows), to_json(rows))
-    plot(rows, args.out / "issue15_goals.png")
+    stem = "issue15_goals" + ("" if args.card == CARD else f"_{args.card.lower()}")
+    write_tables(args.out, stem, markdown(rows), to_json(rows))
+    plot(rows, args.out / f"{stem}.png", args.card)
     return 0
 
 

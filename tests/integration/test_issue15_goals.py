@@ -107,6 +107,17 @@ def test_rows_from_a_synthetic_folder(folder, tmp_path, capsys):
     saved = {g["number"]: g for g in json.loads((out / "issue15_goals.json").read_text())["goals"]}
     assert saved["9"]["value"] == pytest.approx(1.0) and "react_multilora_v" not in str(saved)
     assert saved["6"]["value"] == pytest.approx(11.0)
+    # --card H100 reads that card's runs beside the issue's (its own files, its name in them),
+    # and leaves out a file that names the H200.
+    (folder / "react_multilora_t.json").write_text(json.dumps({**json.loads(
+        (folder / "react_multilora_t.json").read_text()), "gpu": "NVIDIA H200"}))
+    assert goals.main(["--results", str(folder), "--out", str(out), "--card", "H100"]) == 0
+    h100 = {g["number"]: g for g in
+            json.loads((out / "issue15_goals_h100.json").read_text())["goals"]}
+    assert h100["9"]["value"] == pytest.approx(1.0) and h100["6"]["value"] == pytest.approx(3.0)
+    assert "react_multilora_v.json" in h100["8"]["source"]
+    assert "react_multilora_t" not in str(h100)
+    assert (out / "issue15_goals_h100.png").stat().st_size > 0
     table = (out / "issue15_goals.md").read_text()
     assert "would be in kernel_bench_prefill.json" in table and "| unknown |" in table
     assert (out / "issue15_goals.png").stat().st_size > 0
