@@ -48,7 +48,9 @@ def main() -> int:
 
     runs = {"default": call(0, with_adapter), "consumers_idle": call(1, with_adapter),
             "no_rebuild_math": call(2, with_adapter), "no_tile_end_fence": call(3, with_adapter),
-            "default_no_adapter": call(0, none), "consumers_idle_no_adapter": call(1, none)}
+            "default_no_adapter": call(0, none), "consumers_idle_no_adapter": call(1, none),
+            "no_cos_sin_loads": call(4, with_adapter),
+            "consumers_idle_no_cos_sin_loads": call(5, with_adapter)}
     same = bool(torch.equal(runs["default"](), runs["no_tile_end_fence"]()))
     doc = {"launch": base.name, "case": f"{args.batch} x {args.new} over {args.keys}",
            "gpu": torch.cuda.get_device_name(), "fence_free_output_equal": same, "passes": []}

@@ -126,7 +126,8 @@ class WideLaunch:
     defer_stores: bool = False
     half_ahead: bool = False
     join: int = 1
-    probe: int = 0  # round 38, reverted: 1 consumers idle, 2 no rebuild math, 3 no end fence
+    probe: int = 0  # round 38, reverted: 1 consumers idle, 2 no rebuild math, 3 no end fence,
+    # 4 no cos|sin loads, 5: 1 and 4
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -270,7 +271,7 @@ def _load_pages(d, rd, lo, hi, res, bar, pages, kv_col, has_res):
 
 
 @gluon.jit
-def _load(args):
+def _load(args, PROBE: gl.constexpr):
     """The loader partition (one warp: a TMA copy issued from a warp group waits on a
     barrier of the group each): for every tile of the program's keys, its keys into a slot
     once both consumers have the scores of the tile there before, its cos|sin halves once
@@ -301,10 +302,14 @@ def _load(args):
             for h in gl.static_range(T // H):
                 bar = cs_full.index(h)
                 mbarrier.wait(cs_free.index(h), (i & 1) ^ 1)
-                mbarrier.expect(bar, 2 * csd.block_type.nbytes)
-                tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar, bufs[6].index(h))
-                tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
-                                                bufs[7].index(h))
+                if PROBE == 4 or PROBE == 5:  # no cos|sin traffic: the stale rows stand
+                    mbarrier.arrive(bar)
+                else:
+                    mbarrier.expect(bar, 2 * csd.block_type.nbytes)
+                    tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar,
+                                                    bufs[6].index(h))
+                    tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
+                                                    bufs[7].index(h))
         mbarrier.wait(empty_v.index(s), free)
         _load_pages(vd, vrd, bufs[2].index(s), bufs[3].index(s), bufs[5].index(s),
                     full_v.index(s), pages, kv_col, has_res)
@@ -568,7 +573,7 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, s_l))
     seen_by_all = gl.minimum(stop, q_pos0 + first + 1)  # the keys every row here sees
     loop_tiles = n_tiles
-    if PROBE == 1:  # idle: each tile released as it is ready, nothing computed
+    if PROBE == 1 or PROBE == 5:  # idle: each tile released as it is ready, nothing computed
         for i in range(n_tiles):
             mbarrier.wait(ready.index(i % NS), (i // NS) & 1)
             _release(empty_k.index(i % NS), THREAD_ARRIVE)
@@ -653,7 +658,7 @@ def _residual_prefill_wide_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
                                          HALF_AHEAD, JOIN, PROBE)),
-                            (_load, (args, )),
+                            (_load, (args, PROBE)),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE,
                                         PROBE)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE,
@@ -662,7 +667,7 @@ def _residual_prefill_wide_kernel(
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
                                          HALF_AHEAD, JOIN, PROBE)),
-                            (_load, (args, )),
+                            (_load, (args, PROBE)),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE,
                                         PROBE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
