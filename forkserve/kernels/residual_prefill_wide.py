@@ -126,8 +126,6 @@ class WideLaunch:
     defer_stores: bool = False
     half_ahead: bool = False
     join: int = 1
-    probe: int = 0  # round 38, reverted: 1 consumers idle, 2 no rebuild math, 3 no end fence,
-    # 4 no cos|sin loads, 5: 1 and 4
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -154,8 +152,7 @@ class WideLaunch:
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
-                + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
-                + (f"_probe{self.probe}" if self.probe else ""))
+                + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else ""))
 
     @property
     def rows(self) -> int:
@@ -174,7 +171,7 @@ class WideLaunch:
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
-                    HALF_AHEAD=self.half_ahead, JOIN=self.join, PROBE=self.probe)
+                    HALF_AHEAD=self.half_ahead, JOIN=self.join)
 
 
 @gluon.jit
@@ -271,7 +268,7 @@ def _load_pages(d, rd, lo, hi, res, bar, pages, kv_col, has_res):
 
 
 @gluon.jit
-def _load(args, PROBE: gl.constexpr):
+def _load(args):
     """The loader partition (one warp: a TMA copy issued from a warp group waits on a
     barrier of the group each): for every tile of the program's keys, its keys into a slot
     once both consumers have the scores of the tile there before, its cos|sin halves once
@@ -302,14 +299,10 @@ def _load(args, PROBE: gl.constexpr):
             for h in gl.static_range(T // H):
                 bar = cs_full.index(h)
                 mbarrier.wait(cs_free.index(h), (i & 1) ^ 1)
-                if PROBE == 4 or PROBE == 5:  # no cos|sin traffic: the stale rows stand
-                    mbarrier.arrive(bar)
-                else:
-                    mbarrier.expect(bar, 2 * csd.block_type.nbytes)
-                    tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar,
-                                                    bufs[6].index(h))
-                    tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
-                                                    bufs[7].index(h))
+                mbarrier.expect(bar, 2 * csd.block_type.nbytes)
+                tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar, bufs[6].index(h))
+                tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
+                                                bufs[7].index(h))
         mbarrier.wait(empty_v.index(s), free)
         _load_pages(vd, vrd, bufs[2].index(s), bufs[3].index(s), bufs[5].index(s),
                     full_v.index(s), pages, kv_col, has_res)
@@ -476,7 +469,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             JOIN: gl.constexpr, PROBE: gl.constexpr):
+             JOIN: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -500,9 +493,8 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
             u_next = 0  # the first half issues its own first up-projection
             for h in gl.static_range(T // H):
                 mbarrier.wait(cs_full.index(h), i & 1)
-                if PROBE != 2:
-                    u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,
-                                           DEFER_STORES, HALF_AHEAD, JOIN)
+                u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,
+                                       DEFER_STORES, HALF_AHEAD, JOIN)
                 # Every warp's generic reads of the half before the TMA writes of the next.
                 fence_async_shared()
                 _release(cs_free.index(h), THREAD_ARRIVE)
@@ -513,8 +505,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         n0 = start + i * T
         if n0 + T > stop:
             _zero_values_from(bufs, s, stop - n0, has_res)
-        if PROBE != 3:
-            fence_async_shared()
+        fence_async_shared()
         mbarrier.arrive(ready.index(s))
 
 
@@ -530,8 +521,7 @@ def _scores(q_lo, q_hi, bufs, s, s_l: gl.constexpr):
 
 @gluon.jit
 def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
-             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
-             PROBE: gl.constexpr):
+             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
     tile, then its rows out (``store_rows``). With ``PINGPONG`` its score products wait
     their turn: consumer 0's of tile ``i`` after consumer 1's of tile ``i - 1``, consumer
@@ -572,14 +562,7 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
     pos = q_pos0 + (WG * W + gl.arange(0, W, layout=gl.SliceLayout(1, s_l))) // G
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, s_l))
     seen_by_all = gl.minimum(stop, q_pos0 + first + 1)  # the keys every row here sees
-    loop_tiles = n_tiles
-    if PROBE == 1 or PROBE == 5:  # idle: each tile released as it is ready, nothing computed
-        for i in range(n_tiles):
-            mbarrier.wait(ready.index(i % NS), (i // NS) & 1)
-            _release(empty_k.index(i % NS), THREAD_ARRIVE)
-            _release(empty_v.index(i % NS), THREAD_ARRIVE)
-        loop_tiles = 0
-    for i in range(loop_tiles):
+    for i in range(n_tiles):
         s = i % NS
         if not OVERLAP:
             mbarrier.wait(ready.index(s), (i // NS) & 1)
@@ -626,7 +609,7 @@ def _residual_prefill_wide_kernel(
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-        JOIN: gl.constexpr, PROBE: gl.constexpr, num_warps: gl.constexpr):
+        JOIN: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
@@ -657,19 +640,16 @@ def _residual_prefill_wide_kernel(
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, JOIN, PROBE)),
-                            (_load, (args, PROBE)),
-                            (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE,
-                                        PROBE)),
-                            (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE,
-                                        PROBE))],
+                                         HALF_AHEAD, JOIN)),
+                            (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
+                            (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, JOIN, PROBE)),
-                            (_load, (args, PROBE)),
-                            (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE,
-                                        PROBE))],
+                                         HALF_AHEAD, JOIN)),
+                            (_load, (args, )),
+                            (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 
