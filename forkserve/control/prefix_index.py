@@ -291,12 +291,11 @@ class PrefixIndex:
         besides the index (load, where a ``cache_only`` page is cache). A probe: it touches
         nothing. One walk, counting as it goes: ``KVCache.choose_form`` asks it two or three
         times a session it sizes, over the whole prompt (512 pages at 8K)."""
-        refcount, refs = self.pool.refcount, self._refs
         held = 0
         for node in self._path(namespace, tokens, base_pages, salt):
             if node.page is None:
                 break
-            held += refcount(node.page) != refs[node.page]
+            held += not self.cache_only(node.page)
         return held
 
     def _path(self, namespace: Namespace, tokens: Sequence[int], base_pages: int,
