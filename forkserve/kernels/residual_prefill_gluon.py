@@ -713,13 +713,14 @@ def host_bounds(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: i
 
 def run_prefill_kernel(kernel, tile: int, rows: int, options: dict, args: tuple,
                        scale: float | None, max_q_len: int, max_seq_len: int,
-                       num_splits: int | None) -> torch.Tensor:
+                       num_splits: int | None, takes_table: bool = False) -> torch.Tensor:
     """One launch of a ws prefill kernel (``_residual_prefill_ws_kernel`` or the 128-key
     one), their arguments alike: the RoPE table and the TMA descriptors, a program a KV head
     and ``rows`` query rows, the dynamic split plan over ``tile``-key tiles, the output
     written directly at one split, else merged from the partials. ``args``:
     ``residual_prefill_ws``'s tensors, checked (``check_inputs``); ``options``: the
-    kernel's launch options and constexprs."""
+    kernel's launch options and constexprs; ``takes_table``: the kernel also reads the bf16
+    table by pointer (``CS``, its rows ``cs_rows``), not only through its descriptor."""
     q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens, cu_seqlens_q, \
         b_k_all, b_v_all, adapter_idx, inv_freq = args
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -736,6 +737,10 @@ def run_prefill_kernel(kernel, tile: int, rows: int, options: dict, args: tuple,
     out = torch.empty_like(q)
     part_out, part_lse = empty_partials(q, splits) if splits > 1 else (out, out[:, :, 0])
     direct = splits == 1
+    if takes_table:
+        # The kernel clamps its reads by whole 64-row blocks (``residual_prefill_wide``).
+        assert table16.shape[0] % 64 == 0, "the RoPE table grows by doubling from 32K rows"
+        options = options | dict(CS=table16, cs_rows=table16.shape[0])
     kernel[(programs, splits)](
         kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
         res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,

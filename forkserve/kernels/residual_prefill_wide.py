@@ -75,7 +75,8 @@ from forkserve.kernels.residual_prefill_gluon import (
 )
 
 TILE = 128  # keys a tile: the score product's N
-SLOTS = gl.constexpr(2)  # 72 KiB each; a third does not fit beside the cos|sin halves and Q
+VALUE_SLOTS = gl.constexpr(2)  # 36 KiB each: a third does not fit beside three key slots
+KEY_HALF = gl.constexpr(64)  # keys a cos|sin buffer (the table's TMA box) and a rebuild pass
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warp group: one wgmma M
 LOADER_REGS = gl.constexpr(40)  # the loader warp's (as the ws kernels')
 
@@ -113,7 +114,16 @@ class WideLaunch:
     columns set side by side in registers (``_joined``), one store a buffer, not chunk by
     chunk, so fewer of Triton's barriers between writes to one buffer remain (2: 8 a tile,
     4: a half at once, 6 a tile; 1: 12; round 35's profile: the rebuild sets the pace, and
-    waits most at barriers)."""
+    waits most at barriers); ``cs_global``: the rebuild reads each chunk's cos|sin rows from
+    the table in global memory (L2: every program reads the same rows) into registers, a
+    chunk ahead of its use, so the loader copies none and their 32 KiB of shared memory and
+    barriers go (round 38's probe: neither the loader nor the rebuild sets the pace alone,
+    and a third key slot has no room beside the cos|sin buffers; docs/KERNELS.md "Round
+    38"); ``key_slots``: 2, or 3 (``cs_global`` only, in the room it makes: 225,944 bytes of
+    232,448): the deep key ring, where the loader issues a tile's keys before the values of
+    the tile before and the rebuild hands keys over alone, never waiting on values but the
+    last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
+    (``_load_keys_ahead``, ``_rebuild``)."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -126,6 +136,8 @@ class WideLaunch:
     defer_stores: bool = False
     half_ahead: bool = False
     join: int = 1
+    cs_global: bool = False
+    key_slots: int = 2
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -143,16 +155,21 @@ class WideLaunch:
         if self.defer_stores and self.chunk == 64:
             raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
                              "at chunk 64 a half is one chunk")
+        if self.key_slots not in (2, 3) or (self.key_slots == 3 and not self.cs_global):
+            raise ValueError("WideLaunch: key_slots is 2, or 3 with cs_global (a third key "
+                             "slot fits only where the cos|sin buffers are gone)")
 
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``), as the bench reports it."""
+        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_k3``), as the bench
+        reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
-                + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else ""))
+                + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
+                + ("_cg" if self.cs_global else "") + ("_k3" if self.key_slots == 3 else ""))
 
     @property
     def rows(self) -> int:
@@ -171,35 +188,42 @@ class WideLaunch:
                     CHUNK=self.chunk, BF16_ROPE=self.bf16_rope, PINGPONG=self.pingpong,
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
-                    HALF_AHEAD=self.half_ahead, JOIN=self.join)
+                    HALF_AHEAD=self.half_ahead, JOIN=self.join, CS_GLOBAL=self.cs_global,
+                    KEY_SLOTS=self.key_slots)
 
 
 @gluon.jit
-def _ring(kd, krd, csd, NS: gl.constexpr, T: gl.constexpr, C: gl.constexpr,
-          THREAD_ARRIVE: gl.constexpr):
-    """The slots and their barriers: ``NS`` slots of a ``T``-key tile (``K_base`` and
-    ``V_base`` halves, ``K_res`` and ``V_res`` rows) and two cos|sin buffers of ``csd``'s
-    64-key box, one per half tile. Barriers: each slot's keys and values landed (TMA), its
-    key rebuilt (the rebuilding warp group), its keys and its values read (by each of the
-    ``C`` consumers); each cos|sin half landed and read; every worker started (after which
-    shared memory that held the workers' arguments may be reused); each consumer's turn to
-    issue its score products (``pingpong``). A release (``_release``) counts a warp group
+def _ring(kd, krd, csd, KS: gl.constexpr, VS: gl.constexpr, T: gl.constexpr, C: gl.constexpr,
+          THREAD_ARRIVE: gl.constexpr, CS_GLOBAL: gl.constexpr):
+    """The slots and their barriers: ``KS`` key slots of a ``T``-key tile (``K_base`` halves,
+    ``K_res`` rows) and ``VS`` value slots (``V_base`` halves, ``V_res`` rows), and, unless
+    ``CS_GLOBAL``, two cos|sin buffers of ``KEY_HALF`` keys, one per half tile. Barriers: each
+    slot's keys and values landed (TMA), its key handed over (the rebuilding warp group:
+    with the tile's values in the two-slot ring, alone in the deep one), its keys and its
+    values read (by each of the ``C`` consumers); each cos|sin half landed and read; every
+    worker started (after which shared memory that held the workers' arguments may be
+    reused); each consumer's turn to issue its score products (``pingpong``); then the two
+    cos|sin buffers' (landed, read) where they are made, or the deep ring's last values
+    (landed, zeroed: one phase a program). A release (``_release``) counts a warp group
     once, or each of its threads with ``THREAD_ARRIVE``."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
-    H: gl.constexpr = csd.block_type.shape[0]
-    bufs = (gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [NS, T, HALF], kd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [NS, T, R], krd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout),
-            gl.allocate_shared_memory(gl.bfloat16, [T // H, H, HALF], csd.layout))
+    bufs = (gl.allocate_shared_memory(gl.bfloat16, [KS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [KS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [VS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [VS, T, HALF], kd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [KS, T, R], krd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [VS, T, R], krd.layout))
     A: gl.constexpr = 128 if THREAD_ARRIVE else 1  # a warp group's arrivals at a release
-    bars = (_barriers(NS, 1), _barriers(NS, 1), _barriers(NS, 1), _barriers(NS, C * A),
-            _barriers(NS, C * A), _barriers(T // H, 1), _barriers(T // H, A),
-            _barriers(1, C + 1).index(0), _barriers(2, A))
+    bars = (_barriers(KS, 1), _barriers(VS, 1), _barriers(KS, 1), _barriers(KS, C * A),
+            _barriers(VS, C * A), _barriers(1, C + 1).index(0), _barriers(2, A))
+    if not CS_GLOBAL:
+        bufs = bufs + (
+            gl.allocate_shared_memory(gl.bfloat16, [T // KEY_HALF, KEY_HALF, HALF], csd.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [T // KEY_HALF, KEY_HALF, HALF], csd.layout))
+        bars = bars + (_barriers(T // KEY_HALF, 1), _barriers(T // KEY_HALF, A))
+    if KS == 3:
+        bars = bars + (_barriers(1, 1).index(0), _barriers(1, 1).index(0))
     return bufs, bars
 
 
@@ -268,22 +292,31 @@ def _load_pages(d, rd, lo, hi, res, bar, pages, kv_col, has_res):
 
 
 @gluon.jit
-def _load(args):
+def _load(args, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr):
     """The loader partition (one warp: a TMA copy issued from a warp group waits on a
     barrier of the group each): for every tile of the program's keys, its keys into a slot
-    once both consumers have the scores of the tile there before, its cos|sin halves once
-    the rebuild of the tile before is done with each, its values once both consumers have
-    the value products of the tile before in the slot. A tile's page rows are read from the
-    block tables once for its keys and values, a tile ahead: their loads are in flight
-    while the loader waits for the next slot."""
+    once both consumers have the scores of the tile there before, its cos|sin halves (unless
+    ``CS_GLOBAL``) once the rebuild of the tile before is done with each, its values once
+    both consumers have the value products of the tile before in the slot. A tile's page
+    rows are read from the block tables once for its keys and values, a tile ahead: their
+    loads are in flight while the loader waits for the next slot. ``DEEP``: the deep key
+    ring's order instead (``_load_keys_ahead``)."""
+    if DEEP:
+        _load_keys_ahead(args)
+    else:
+        _load_in_step(args, CS_GLOBAL)
+
+
+@gluon.jit
+def _load_in_step(args, CS_GLOBAL: gl.constexpr):
+    """The two-slot ring's loader: a tile's keys, its cos|sin halves, then its values."""
     descs, bars, bufs, _, scalars, _, _ = args
     kd, vd, krd, vrd, csd = descs
-    full_k, full_v, _, empty_k, empty_v, cs_full, cs_free, started = bars[:8]
+    full_k, full_v, _, empty_k, empty_v, started = bars[:6]
     kv_col, start, n_tiles, has_res = scalars[2], scalars[3], scalars[6], scalars[7]
     NS: gl.constexpr = bufs[0].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
-    H: gl.constexpr = bufs[6].type.shape[1]
     P: gl.constexpr = kd.block_type.shape[0]
     mbarrier.arrive(started)
     pages = _page_rows(scalars, start, n_tiles > 0, P, T)
@@ -294,19 +327,63 @@ def _load(args):
         mbarrier.wait(empty_k.index(s), free)
         _load_pages(kd, krd, bufs[0].index(s), bufs[1].index(s), bufs[4].index(s),
                     full_k.index(s), pages, kv_col, has_res)
-        if has_res:
+        if has_res and not CS_GLOBAL:
+            cs_full, cs_free = bars[7], bars[8]
             # The table's rows past its end read as zeros (TMA fills out-of-bounds boxes).
-            for h in gl.static_range(T // H):
+            for h in gl.static_range(T // KEY_HALF):
                 bar = cs_full.index(h)
                 mbarrier.wait(cs_free.index(h), (i & 1) ^ 1)
                 mbarrier.expect(bar, 2 * csd.block_type.nbytes)
-                tma.async_copy_global_to_shared(csd, [n0 + h * H, 0], bar, bufs[6].index(h))
-                tma.async_copy_global_to_shared(csd, [n0 + h * H, HALF], bar,
+                tma.async_copy_global_to_shared(csd, [n0 + h * KEY_HALF, 0], bar,
+                                                bufs[6].index(h))
+                tma.async_copy_global_to_shared(csd, [n0 + h * KEY_HALF, HALF], bar,
                                                 bufs[7].index(h))
         mbarrier.wait(empty_v.index(s), free)
         _load_pages(vd, vrd, bufs[2].index(s), bufs[3].index(s), bufs[5].index(s),
                     full_v.index(s), pages, kv_col, has_res)
         pages = _page_rows(scalars, n0 + T, i + 1 < n_tiles, P, T)
+
+
+@gluon.jit
+def _load_keys_ahead(args):
+    """The deep ring's loader: the first tile's keys, then for every tile the next one's
+    keys (once both consumers have the scores of the tile three before in that key slot)
+    before this one's values (once both have the value products of the tile two before),
+    so a tile's keys wait on no value slot. The last tile's values land on a barrier of
+    their own (``last_v``): the rebuild waits on no other tile's, and a wait on its slot's
+    barrier could pass on a phase two tiles old."""
+    descs, bars, bufs, _, scalars, _, _ = args
+    kd, vd, krd, vrd, _ = descs
+    full_k, full_v, _, empty_k, empty_v, started = bars[:6]
+    last_v = bars[7]
+    kv_col, start, n_tiles, has_res = scalars[2], scalars[3], scalars[6], scalars[7]
+    KS: gl.constexpr = bufs[0].type.shape[0]
+    VS: gl.constexpr = bufs[2].type.shape[0]
+    T: gl.constexpr = bufs[0].type.shape[1]
+    P: gl.constexpr = kd.block_type.shape[0]
+    mbarrier.arrive(started)
+    pages = _page_rows(scalars, start, n_tiles > 0, P, T)
+    if n_tiles > 0:  # a fresh barrier passes a wait on phase 1
+        mbarrier.wait(empty_k.index(0), 1)
+        _load_pages(kd, krd, bufs[0].index(0), bufs[1].index(0), bufs[4].index(0),
+                    full_k.index(0), pages, kv_col, has_res)
+    for i in range(n_tiles):
+        nxt = i + 1
+        ahead = _page_rows(scalars, start + nxt * T, nxt < n_tiles, P, T)
+        if nxt < n_tiles:
+            k = nxt % KS
+            mbarrier.wait(empty_k.index(k), ((nxt // KS) & 1) ^ 1)
+            _load_pages(kd, krd, bufs[0].index(k), bufs[1].index(k), bufs[4].index(k),
+                        full_k.index(k), ahead, kv_col, has_res)
+        v = i % VS
+        mbarrier.wait(empty_v.index(v), ((i // VS) & 1) ^ 1)
+        if nxt < n_tiles:
+            _load_pages(vd, vrd, bufs[2].index(v), bufs[3].index(v), bufs[5].index(v),
+                        full_v.index(v), pages, kv_col, has_res)
+        else:
+            _load_pages(vd, vrd, bufs[2].index(v), bufs[3].index(v), bufs[5].index(v),
+                        last_v, pages, kv_col, has_res)
+        pages = ahead
 
 
 @gluon.jit
@@ -330,17 +407,41 @@ def _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, k_a, k_b):
 @gluon.jit
 def _key_chunk(bufs, s, h, c: gl.constexpr, C: gl.constexpr):
     """Chunk ``c``'s ``C`` columns of both base key halves, keys ``64 h ..`` of slot ``s``."""
-    H: gl.constexpr = bufs[6].type.shape[1]
-    return (bufs[0].index(s).slice(h * H, H).slice(c * C, C, dim=1),
-            bufs[1].index(s).slice(h * H, H).slice(c * C, C, dim=1))
+    return (bufs[0].index(s).slice(h * KEY_HALF, KEY_HALF).slice(c * C, C, dim=1),
+            bufs[1].index(s).slice(h * KEY_HALF, KEY_HALF).slice(c * C, C, dim=1))
 
 
 @gluon.jit
-def _chunk_reads(bufs, h, c: gl.constexpr, C: gl.constexpr, k_a, k_b, u_l: gl.constexpr):
-    """Chunk ``c``'s shared-memory reads in the up-projection's layout: its cos and sin
-    columns (buffer ``h``), then its base key columns ``k_a``, ``k_b``."""
-    return (bufs[6].index(h).slice(c * C, C, dim=1).load(u_l),
-            bufs[7].index(h).slice(c * C, C, dim=1).load(u_l), k_a.load(u_l), k_b.load(u_l))
+def _chunk_reads(bufs, h, c: gl.constexpr, C: gl.constexpr, k_a, k_b, u_l: gl.constexpr, cs,
+                 CS_GLOBAL: gl.constexpr):
+    """Chunk ``c``'s reads in the up-projection's layout: its cos and sin columns (buffer
+    ``h``; with ``CS_GLOBAL`` ``cs``, read from global memory a chunk before), then its base
+    key columns ``k_a``, ``k_b``."""
+    if CS_GLOBAL:
+        cos, sin = cs
+    else:
+        cos = bufs[6].index(h).slice(c * C, C, dim=1).load(u_l)
+        sin = bufs[7].index(h).slice(c * C, C, dim=1).load(u_l)
+    return cos, sin, k_a.load(u_l), k_b.load(u_l)
+
+
+@gluon.jit
+def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
+             u_l: gl.constexpr):
+    """Columns ``c C ..`` of the cos and sin of positions ``p0 ..`` (``KEY_HALF`` of them)
+    from ``table`` (its bf16 rows ``[cos | sin]`` and their count, ``cs_global``) in the
+    up-projection's layout. The rows are clamped as a block, by one scalar: ``p0`` and the
+    count are multiples of ``KEY_HALF`` (split starts are whole tiles; tables grow from
+    32K by doubling, ``run_prefill_kernel`` checks), so a block that starts inside the
+    table ends inside it; one past it is only ever the read-ahead past a program's last
+    tile, never used. The offsets within the block are the same for every chunk (one
+    address add an element)."""
+    rows_ptr, n_rows = table
+    rows = gl.arange(0, KEY_HALF, layout=gl.SliceLayout(1, u_l))
+    cols = gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
+    block = rows_ptr + (gl.minimum(p0, n_rows - KEY_HALF) * (2 * HALF) + c * C)
+    ptr = block + (rows[:, None] * (2 * HALF) + cols[None, :])
+    return gl.load(ptr), gl.load(ptr + HALF)
 
 
 @gluon.jit
@@ -364,9 +465,10 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
 
 
 @gluon.jit
-def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
-                  EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr,
-                  HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr):
+def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
+                  BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
+                  DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr,
+                  CS_GLOBAL: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -381,9 +483,13 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
     reads. ``HALF_AHEAD``: past the tile's first half, the half's first up-projection is
     ``u_next``, issued by the half before; the next half's first is returned in flight
     (the tile's last half returns its own, waited on: the caller drops it).
-    ``JOIN``: the held chunks written ``JOIN`` at a time, one store a buffer."""
+    ``JOIN``: the held chunks written ``JOIN`` at a time, one store a buffer.
+    ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds its first chunk's
+    cos|sin, and each chunk reads the next one's from ``table`` before its own work (the
+    last, the next half's first: 64 positions on, in this tile or the next), returned.
+    Returns (``u_next``, ``cs``)."""
     C: gl.constexpr = bk.type.shape[2]
-    H: gl.constexpr = bufs[6].type.shape[1]
+    H: gl.constexpr = KEY_HALF
     HALF: gl.constexpr = bufs[0].type.shape[2]
     N: gl.constexpr = HALF // C
     T: gl.constexpr = bufs[0].type.shape[1]
@@ -397,16 +503,21 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
         u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
     held = ()
     for c in gl.static_range(N):
+        here = cs
+        if CS_GLOBAL:  # the next chunk's, in flight under this one's work
+            cs = _cs_rows(table, p0 + (c + 1) // N * H, (c + 1) % N, C, HALF, u_l)
         # The views made where they are read: made before the wait, the launches measured in
         # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
         if EARLY_LOADS:
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
-            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
+            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l, here,
+                                                    CS_GLOBAL)
             u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
         else:
             u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
-            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l)
+            cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l, here,
+                                                    CS_GLOBAL)
         if BF16_ROPE:
             r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, base_a, base_b)
         else:
@@ -423,7 +534,7 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, BF16_ROPE: gl.constexpr,
             k_a, k_b = _key_chunk(bufs, s, h, p, JOIN * C)
             k_a.store(_joined(held, 2 * JOIN * p, JOIN))
             k_b.store(_joined(held, 2 * JOIN * p + 1, JOIN))
-    return u_next
+    return u_next, cs
 
 
 @gluon.jit
@@ -469,17 +580,26 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             JOIN: gl.constexpr):
+             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
-    half freed as it is done), a split's last tile's stale value rows zeroed."""
+    half freed as it is done, or read from global memory with ``CS_GLOBAL``), with a split's
+    last tile's stale value rows zeroed. In the two-slot ring a tile goes over with its
+    values; in the ``DEEP`` ring its key goes alone, and only the last tile's values are
+    waited on (``last_v``), zeroed and handed over (``zeroed``)."""
     _, bars, bufs, ops, scalars, operands, _ = args
-    full_k, full_v, ready, _, _, cs_full, cs_free, started = bars[:8]
+    full_k, full_v, ready, started = bars[0], bars[1], bars[2], bars[5]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
-    NS: gl.constexpr = bufs[0].type.shape[0]
+    KS: gl.constexpr = bufs[0].type.shape[0]
+    VS: gl.constexpr = bufs[2].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
-    H: gl.constexpr = bufs[6].type.shape[1]
+    HALF: gl.constexpr = bufs[0].type.shape[2]
+    table = operands[3]
+    cs = 0  # the cos|sin of the next chunk to rebuild, read ahead (``CS_GLOBAL``)
+    if CS_GLOBAL:
+        C: gl.constexpr = ops[4].type.shape[2]
+        cs = _cs_rows(table, start, 0, C, HALF, wgmma_layout(C, gl.num_warps()))
     if n_tiles > 0:  # an empty program makes no operands
         bk_row, bv_row, stride_br = operands[2]
         _stage_b_k_chunks(ops[4], bk_row, stride_br, has_res)
@@ -487,26 +607,38 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         fence_async_shared()
         mbarrier.wait(started, 0)
     for i in range(n_tiles):
-        s = i % NS
-        mbarrier.wait(full_k.index(s), (i // NS) & 1)
+        s = i % KS
+        n0 = start + i * T
+        mbarrier.wait(full_k.index(s), (i // KS) & 1)
         if has_res:
             u_next = 0  # the first half issues its own first up-projection
-            for h in gl.static_range(T // H):
-                mbarrier.wait(cs_full.index(h), i & 1)
-                u_next = _rebuild_half(bufs, ops[4], s, h, u_next, BF16_ROPE, EARLY_LOADS,
-                                       DEFER_STORES, HALF_AHEAD, JOIN)
-                # Every warp's generic reads of the half before the TMA writes of the next.
-                fence_async_shared()
-                _release(cs_free.index(h), THREAD_ARRIVE)
-        # Every tile's values waited on here, not only a split's last tile's (whose stale
-        # rows it zeroes): a wait on a barrier two phases ahead would pass on the parity of
-        # the earlier phase. The consumers then take the values as ready with the key.
-        mbarrier.wait(full_v.index(s), (i // NS) & 1)
-        n0 = start + i * T
-        if n0 + T > stop:
-            _zero_values_from(bufs, s, stop - n0, has_res)
-        fence_async_shared()
-        mbarrier.arrive(ready.index(s))
+            for h in gl.static_range(T // KEY_HALF):
+                if not CS_GLOBAL:
+                    mbarrier.wait(bars[7].index(h), i & 1)
+                u_next, cs = _rebuild_half(bufs, ops[4], s, h, u_next, cs, table,
+                                           n0 + h * KEY_HALF, BF16_ROPE, EARLY_LOADS,
+                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL)
+                if not CS_GLOBAL:
+                    # Every warp's generic reads of the half before the TMA writes of the next.
+                    fence_async_shared()
+                    _release(bars[8].index(h), THREAD_ARRIVE)
+        if DEEP:
+            fence_async_shared()
+            mbarrier.arrive(ready.index(s))
+            if i == n_tiles - 1:
+                mbarrier.wait(bars[7], 0)
+                if n0 + T > stop:
+                    _zero_values_from(bufs, i % VS, stop - n0, has_res)
+                mbarrier.arrive(bars[8])
+        else:
+            # Every tile's values waited on here, not only a split's last tile's (whose stale
+            # rows it zeroes): a wait on a barrier two phases ahead would pass on the parity
+            # of the earlier phase. The consumers then take the values as ready with the key.
+            mbarrier.wait(full_v.index(s), (i // KS) & 1)
+            if n0 + T > stop:
+                _zero_values_from(bufs, s, stop - n0, has_res)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(s))
 
 
 @gluon.jit
@@ -521,18 +653,23 @@ def _scores(q_lo, q_hi, bufs, s, s_l: gl.constexpr):
 
 @gluon.jit
 def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
-             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
+             DEEP: gl.constexpr):
     """Consumer warp group ``WG``: the program's query rows ``64 WG ..`` over every ready
     tile, then its rows out (``store_rows``). With ``PINGPONG`` its score products wait
     their turn: consumer 0's of tile ``i`` after consumer 1's of tile ``i - 1``, consumer
     1's after consumer 0's of tile ``i``. With ``OVERLAP`` tile ``i + 1``'s score products
     are issued before tile ``i``'s softmax and run under it (FA3's intra-warp-group overlap;
-    the registers of two score tiles)."""
+    the registers of two score tiles). In the ``DEEP`` ring a tile's key comes ready alone,
+    and the consumer waits on its values before their products: the last tile's once the
+    rebuild has zeroed their stale rows (``zeroed``), every other's as they land."""
     _, bars, bufs, ops, scalars, operands, outs = args
-    ready, empty_k, empty_v, started, turn = bars[2], bars[3], bars[4], bars[7], bars[8]
+    full_v, ready, empty_k, empty_v, started, turn = bars[1], bars[2], bars[3], bars[4], \
+        bars[5], bars[6]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
     queries, q_pos0 = operands[0], operands[1]
-    NS: gl.constexpr = bufs[0].type.shape[0]
+    KS: gl.constexpr = bufs[0].type.shape[0]
+    VS: gl.constexpr = bufs[2].type.shape[0]
     T: gl.constexpr = bufs[0].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     R: gl.constexpr = bufs[4].type.shape[2]
@@ -563,9 +700,10 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
     cols = gl.arange(0, T, layout=gl.SliceLayout(0, s_l))
     seen_by_all = gl.minimum(stop, q_pos0 + first + 1)  # the keys every row here sees
     for i in range(n_tiles):
-        s = i % NS
+        s = i % KS
+        v = i % VS
         if not OVERLAP:
-            mbarrier.wait(ready.index(s), (i // NS) & 1)
+            mbarrier.wait(ready.index(s), (i // KS) & 1)
             if PINGPONG:  # consumer 0's first turn passes: a fresh barrier's wait on parity 1
                 mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))
             sc = _scores(q_lo, q_hi, bufs, s, s_l)
@@ -581,16 +719,20 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
             # Unconditional, so nothing in flight crosses a branch: after the last tile
             # they score a slot no tile refills, and their result is dropped.
             nxt = i + 1
-            mbarrier.wait(ready.index(nxt % NS), (nxt // NS) & 1, pred=nxt < n_tiles)
-            sc_next = _scores(q_lo, q_hi, bufs, nxt % NS, s_l)
+            mbarrier.wait(ready.index(nxt % KS), (nxt // KS) & 1, pred=nxt < n_tiles)
+            sc_next = _scores(q_lo, q_hi, bufs, nxt % KS, s_l)
         p16, state = online_softmax(sc, state)
-        m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, s, state)
+        if DEEP:
+            last = i == n_tiles - 1
+            mbarrier.wait(full_v.index(v), (i // VS) & 1, pred=not last)
+            mbarrier.wait(bars[8], 0, pred=last)
+        m_i, l_i, o_lo, o_hi, acc_r = value_products(bufs, p16, v, state)
         if OVERLAP:
             o_lo, o_hi, acc_r, sc = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r, sc_next))
         else:
             o_lo, o_hi, acc_r = warpgroup_mma_wait(0, deps=(o_lo, o_hi, acc_r))
         state = (m_i, l_i, o_lo, o_hi, acc_r)
-        _release(empty_v.index(s), THREAD_ARRIVE)
+        _release(empty_v.index(v), THREAD_ARRIVE)
     m_i, l_i, o_lo, o_hi, acc_r = state
     if has_res & (n_tiles > 0):
         o_lo, o_hi = apply_b_v(o_lo, o_hi, acc_r, ops[2], ops[3])
@@ -601,7 +743,7 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
 @gluon.jit
 def _residual_prefill_wide_kernel(
         kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
-        Out, PartOut, PartLse, scale_log2e, m_blocks,
+        Out, PartOut, PartLse, scale_log2e, m_blocks, CS, cs_rows,
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -609,8 +751,10 @@ def _residual_prefill_wide_kernel(
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-        JOIN: gl.constexpr, num_warps: gl.constexpr):
+        JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, KEY_SLOTS: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
+    DEEP: gl.constexpr = KEY_SLOTS == 3
     M: gl.constexpr = CONSUMERS * WG_ROWS
     b, head, split, q_begin, q_len, seq_len, ctx, tok0, start, stop, n_tiles = program_keys(
         CuSeqlensQ, SeqLens, m_blocks, N_KV, M // G, T)
@@ -625,31 +769,35 @@ def _residual_prefill_wide_kernel(
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
-    bufs, bars = _ring(kd, krd, csd, SLOTS, T, CONSUMERS, THREAD_ARRIVE)
+    bufs, bars = _ring(kd, krd, csd, KEY_SLOTS, VALUE_SLOTS, T, CONSUMERS, THREAD_ARRIVE,
+                       CS_GLOBAL)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
                stride_qh, tok0, q_len, scale_log2e)
     # One tuple for every partition: descriptors, barriers, slots, the program's own
-    # buffers, its integers (``_load_pages``'s order), what the stagings read, the outputs.
+    # buffers, its integers (``_load_pages``'s order), what the stagings and the rebuild
+    # read, the outputs.
     args = ((kd, vd, krd, vrd, csd), bars, bufs, ops,
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res),
-            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br)),
+            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br), (CS, cs_rows)),
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
+    # The partitions' tuples written out in each call: a tuple held in a variable would
+    # carry its constexprs as run-time values.
     if CONSUMERS == 2:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, JOIN)),
-                            (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE)),
-                            (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE))],
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                            (_load, (args, CS_GLOBAL, DEEP)),
+                            (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP)),
+                            (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS, DEFER_STORES,
-                                         HALF_AHEAD, JOIN)),
-                            (_load, (args, )),
-                            (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE))],
+        gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                            (_load, (args, CS_GLOBAL, DEEP)),
+                            (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE, DEEP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 
@@ -662,7 +810,9 @@ def build_sm90a(launch: WideLaunch, direct: bool, group: int = 4) -> tuple[str, 
     return compile_ws_sm90(_residual_prefill_wide_kernel,
                            dict(T=TILE, DIRECT=direct, G=group, num_warps=4,
                                 **launch.constexprs()),
-                           launch.maxnreg, {"CuSeqlensQ": torch.empty(8, dtype=torch.int32)})
+                           launch.maxnreg, {"CuSeqlensQ": torch.empty(8, dtype=torch.int32),
+                                            "CS": torch.empty(8, dtype=torch.bfloat16)},
+                           aligned=("CS", "cs_rows"))
 
 
 def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -690,4 +840,4 @@ def run_wide(launch: WideLaunch, args: tuple, scale: float | None, max_q_len: in
     ``residual_prefill_ws`` runs for a ``WideLaunch``, without checking them again."""
     return run_prefill_kernel(_residual_prefill_wide_kernel, TILE, launch.rows,
                               dict(num_warps=4, maxnreg=launch.maxnreg, **launch.constexprs()),
-                              args, scale, max_q_len, max_seq_len, num_splits)
+                              args, scale, max_q_len, max_seq_len, num_splits, takes_table=True)

@@ -48,10 +48,13 @@ def _ws_kernel_values(rank: int) -> dict:
                          scale_log2e=0.1)
 
 
-def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tuple[str, int]:
+def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int,
+                       aligned: tuple[str, ...] = ()) -> tuple[str, int]:
     """A Gluon kernel's PTX for sm_90a and its shared memory in bytes: ``values`` give the
     runtime arguments' types (tensors, descriptors, floats; any other argument is an i32),
-    ``consts`` its constexprs (``num_warps`` among them)."""
+    ``consts`` its constexprs (``num_warps`` among them); ``aligned``: arguments built as
+    multiples of 16 (a pointer's bytes, an integer), as the launcher specializes them at run
+    time where they are, so loads through them vectorize as on the GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -61,20 +64,22 @@ def compile_gluon_sm90(kernel, values: dict, consts: dict, maxnreg: int) -> tupl
     sig = {n: "constexpr" if n in consts else mangle_type(values[n]) if n in values else "i32"
            for n in names}
     src = GluonASTSource(fn=kernel, signature=sig,
-                         constexprs={(names.index(n),): v for n, v in consts.items()})
+                         constexprs={(names.index(n),): v for n, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=consts["num_warps"], maxnreg=maxnreg))
     return built.asm["ptx"], built.metadata.shared
 
 
-def compile_ws_sm90(kernel, consts: dict, maxnreg: int,
-                    values: dict | None = None) -> tuple[str, int]:
+def compile_ws_sm90(kernel, consts: dict, maxnreg: int, values: dict | None = None,
+                    aligned: tuple[str, ...] = ()) -> tuple[str, int]:
     """A ws kernel's PTX for sm_90a and its shared memory at ``WS_SHAPE``: ``consts`` its
     other constexprs (``num_warps`` among them; ``G`` or ``R`` there replace the shape's),
-    ``values`` its own runtime arguments beside the ones the ws kernels share."""
+    ``values`` its own runtime arguments beside the ones the ws kernels share, ``aligned``
+    as ``compile_gluon_sm90``'s."""
     shape = WS_SHAPE | consts
     return compile_gluon_sm90(kernel, _ws_kernel_values(shape["R"]) | (values or {}), shape,
-                              maxnreg)
+                              maxnreg, aligned)
 
 
 def _tool(name: str) -> Path:

@@ -29,12 +29,20 @@ MAX_SPILL = 24
 # all); the next half's up-projection held across the writes (round 34) spills the
 # rebuild's loop at 184 (6 instructions, 88 bytes in all), the consumers' at 176 (16, 172
 # bytes); the held chunks written two at a time (round 35) spill the rebuild's loop at 184
-# (4 instructions a tile; 76 bytes in all, as without), a half at once the consumers' at
-# 176 (16, 176 bytes): the trades the bench weighs.
+# (4 instructions a tile; 84 bytes in all: until round 39 this test built join 2 and 4 as
+# join 1, its arguments all made bools), a half at once the consumers' at 176 (16, 176
+# bytes): the trades the bench weighs. The cos|sin read from global memory
+# (round 39) add the chunk read ahead to the rebuild's registers: with deferred stores its
+# loop spills (15 local loads and stores a tile, 124 bytes in all; 120 with three key
+# slots), without them nothing in the rebuild's loop and the consumers' four (84; 76).
 MAX_SPILL_BELOW_200 = {"wide_m128_r184_c16_bf16_pp_ta_el_ds": 80,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_cg": 124,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_cg_k3": 120,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_cg": 84,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3": 80,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_ha": 88,
                        "wide_m128_r176_c16_bf16_pp_ta_el_ds_ha": 176,
-                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_j2": 80,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_ds_j2": 84,
                        "wide_m128_r176_c16_bf16_pp_ta_el_ds_j4": 176}
 
 
@@ -62,9 +70,12 @@ def test_wide_prefill_builds_for_sm90(direct: bool, group: int, launch: tuple,
     counts = sorted(int(n) for n in re.findall(
         r"mbarrier\.init\.shared::cta\.b64 \[[^\]]+\], (\d+);",
         (tmp_path / "ws.ptx").read_text()))
-    # full_k, full_v, ready, cos|sin full (2 each); empty_k, empty_v; cos|sin free, turn;
-    # started.
-    want = [1] * 8 + [lc.consumers * a] * 4 + [a] * 4 + [lc.consumers + 1]
+    # full_k, ready (a key slot's each), full_v (a value slot's), and the cos|sin halves'
+    # full (2; none read from global memory) or the deep ring's last values and zeroed (2);
+    # empty_k, empty_v; cos|sin free (2, where they are loaded), turn (2); started.
+    ks, cs = lc.key_slots, 0 if lc.cs_global else 2
+    want = ([1] * (2 * ks + 2 + cs + 2 * (ks == 3)) + [lc.consumers * a] * (ks + 2)
+            + [a] * (cs + 2) + [lc.consumers + 1])
     assert counts == sorted(want)
 
 
@@ -103,6 +114,12 @@ def test_the_launch_splits_the_registers() -> None:
     for join, chunk in ((3, 16), (4, 32)):  # not 2 or 4; past a half's 64 columns
         with pytest.raises(ValueError, match="2 or 4 at a time, within a key half's 64"):
             WideLaunch(2, 184, chunk, True, defer_stores=True, join=join)
+    deep = WideLaunch(2, 184, 16, True, True, False, True, True, cs_global=True, key_slots=3)
+    assert deep.name == "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3"
+    assert deep.constexprs()["CS_GLOBAL"] and deep.constexprs()["KEY_SLOTS"] == 3
+    for slots, cs_global in ((3, False), (4, True), (1, True)):
+        with pytest.raises(ValueError, match="key_slots is 2, or 3 with cs_global"):
+            WideLaunch(cs_global=cs_global, key_slots=slots)
 
 
 @cuda_only
@@ -142,12 +159,12 @@ def test_wide_prefill_at_other_groups(group: int, case: int) -> None:
 
 @cuda_only
 @pytest.mark.parametrize("launch", list(dict.fromkeys([
-    WIDE_LAUNCHES[0], WIDE_LAUNCHES[3], *MEASURED_WIDE_LAUNCHES.values(), WIDE_LAUNCHES[-1]])),
-    ids=_name)
+    WIDE_LAUNCHES[0], WIDE_LAUNCHES[3], *MEASURED_WIDE_LAUNCHES.values(), WIDE_LAUNCHES[-1],
+    *(lc for lc in WIDE_LAUNCHES if WideLaunch(*lc).key_slots == 3)])), ids=_name)
 def test_wide_prefill_under_a_cuda_graph(launch: tuple) -> None:
     """The first CUDA test h200_issue15.sh runs (a hang then costs its short timeout): the
-    first launch, the default launches, and each release protocol (``thread_arrive``) with
-    two consumers in turns and with one scoring a tile ahead."""
+    first launch, the default launches, each release protocol (``thread_arrive``) with
+    two consumers in turns and with one scoring a tile ahead, and the deep key ring."""
     from forkserve.kernels.residual_prefill_wide import residual_prefill_wide
 
     args, _ = _inputs(5, [300, 1000, 17], [20, 64, 17])
@@ -182,10 +199,14 @@ def test_wide_prefill_refuses_other_shapes() -> None:
 
 
 if __name__ == "__main__":  # check_ws_build's: a folder, then the build test's parameters
+    from dataclasses import fields
+
     from forkserve.kernels.residual_prefill_wide import build_sm90a
 
-    direct_, group_, consumers_, regs_, chunk_, *options_ = (int(x) for x in sys.argv[2:])
-    ptx, shared = build_sm90a(WideLaunch(consumers_, regs_, chunk_, *map(bool, options_)),
-                              bool(direct_), group_)
+    direct_, group_, *launch_ = (int(x) for x in sys.argv[2:])
+    # Each field as its type: the flags as bools, the counts (join, key_slots) as ints.
+    launch_ = [bool(x) if f.type == "bool" else x
+               for f, x in zip(fields(WideLaunch), launch_, strict=False)]
+    ptx, shared = build_sm90a(WideLaunch(*launch_), bool(direct_), group_)
     (Path(sys.argv[1]) / "ws.ptx").write_text(ptx)
     (Path(sys.argv[1]) / "shared").write_text(str(shared))

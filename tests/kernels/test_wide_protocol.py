@@ -14,6 +14,14 @@ split's last tile (to zero its stale rows), could pass on the parity of a phase 
 old: it now waits on every tile's values (``test_waiting_on_the_last_values_alone_aliases``
 keeps that reading).
 
+``key_slots = 3`` (round 39) is the deep key ring: three key slots beside two of values, the
+cos|sin read by the rebuild from global memory (no buffers, no barriers of their own), the
+loader issuing a tile's keys before the values of the tile before, the rebuild handing over
+keys alone (``keyed``) and never waiting on values but the last tile's, which land on a
+barrier of their own (``last_v``, one phase a program, so no wait on it can alias); it
+zeroes their stale rows and says so (``zeroed``). The consumers wait on every other tile's
+values themselves, in order.
+
 ``thread_arrive`` (round 30) releases a buffer by every thread's arrival, the barrier
 counting threads: here a warp group's release is ``threads`` arrivals with other roles (and
 landing copies) free to run between them."""
@@ -24,7 +32,7 @@ from collections.abc import Generator
 
 import pytest
 
-SLOTS, HALVES = 2, 2  # residual_prefill_wide.SLOTS; 128-key tiles of two 64-key cos|sin halves
+VALUE_SLOTS, HALVES = 2, 2  # residual_prefill_wide.SLOTS; 128-key tiles of two cos|sin halves
 
 
 class Barrier:
@@ -51,28 +59,32 @@ class Program:
     score products in turns (``WideLaunch.pingpong``); ``overlap``: one consumer, the next
     tile's scores read from before this tile's softmax until its end (``overlap``);
     ``threads``: the arrivals a warp group's release makes (``thread_arrive``: one a
-    thread)."""
+    thread); ``key_slots``: 2, or 3 for the deep key ring (``WideLaunch.key_slots``)."""
 
     def __init__(self, n_tiles: int, has_res: bool, last_values_only: bool = False,
-                 pingpong: bool = False, overlap: bool = False, threads: int = 1) -> None:
+                 pingpong: bool = False, overlap: bool = False, threads: int = 1,
+                 key_slots: int = 2) -> None:
         self.n, self.has_res, self.last_values_only = n_tiles, has_res, last_values_only
+        self.ks, self.deep = key_slots, key_slots == 3
         self.consumers = 1 if overlap else 2
         self.overlap, self.threads = overlap, threads
         self.pingpong, self.turn = pingpong, [Barrier(threads), Barrier(threads)]
         self.scoring: list[int] = []  # the consumers that issued a tile's scores, in order
-        self.full_k = [Barrier(1) for _ in range(SLOTS)]
-        self.full_v = [Barrier(1) for _ in range(SLOTS)]
-        self.ready = [Barrier(1) for _ in range(SLOTS)]
-        self.empty_k = [Barrier(self.consumers * threads) for _ in range(SLOTS)]
-        self.empty_v = [Barrier(self.consumers * threads) for _ in range(SLOTS)]
+        self.full_k = [Barrier(1) for _ in range(self.ks)]
+        self.full_v = [Barrier(1) for _ in range(VALUE_SLOTS)]
+        # The key handed over: with its values (``ready``) or, deep, alone (``keyed``).
+        self.ready = [Barrier(1) for _ in range(self.ks)]
+        self.empty_k = [Barrier(self.consumers * threads) for _ in range(self.ks)]
+        self.empty_v = [Barrier(self.consumers * threads) for _ in range(VALUE_SLOTS)]
         self.cs_full = [Barrier(1) for _ in range(HALVES)]
         self.cs_free = [Barrier(threads) for _ in range(HALVES)]
+        self.last_v, self.zeroed = Barrier(1), Barrier(1)
         self.started = Barrier(self.consumers + 1)
-        self.keys: list = [None] * SLOTS  # (tile, rebuilt)
-        self.values: list = [None] * SLOTS
+        self.keys: list = [None] * self.ks  # (tile, rebuilt)
+        self.values: list = [None] * VALUE_SLOTS  # tile, or (tile, "zeroed")
         self.cos_sin: list = [None] * HALVES
-        self.readers: dict = {("k", s): set() for s in range(SLOTS)} | {
-            ("v", s): set() for s in range(SLOTS)}
+        self.readers: dict = {("k", s): set() for s in range(self.ks)} | {
+            ("v", s): set() for s in range(VALUE_SLOTS)}
         self.copies: list = []  # TMA copies in flight: each lands as one call
 
     @staticmethod
@@ -97,37 +109,73 @@ class Program:
 
     def loader(self) -> Generator:
         self.started.arrive()
+        if self.deep:
+            if self.n > 0:
+                yield from self.load_keys(0)
+            for i in range(self.n):
+                if i + 1 < self.n:  # the next tile's keys before this one's values
+                    yield from self.load_keys(i + 1)
+                yield from self.load_values(i, self.last_v if i == self.n - 1 else None)
+            return
         for i in range(self.n):
-            s, free = i % SLOTS, ((i // SLOTS) & 1) ^ 1
-            yield from self.wait(self.empty_k[s], free)
-            assert not self.readers["k", s], f"tile {i}'s keys over keys still read"
-            self.copy(self.keys, s, (i, False), self.full_k[s])
+            yield from self.load_keys(i)
             if self.has_res:
                 for h in range(HALVES):
                     yield from self.wait(self.cs_free[h], (i & 1) ^ 1)
                     self.copy(self.cos_sin, h, i, self.cs_full[h])
-            yield from self.wait(self.empty_v[s], free)
-            assert not self.readers["v", s], f"tile {i}'s values over values still read"
-            self.copy(self.values, s, i, self.full_v[s])
+            yield from self.load_values(i)
+
+    def load_keys(self, i: int) -> Generator:
+        s = i % self.ks
+        yield from self.wait(self.empty_k[s], ((i // self.ks) & 1) ^ 1)
+        assert not self.readers["k", s], f"tile {i}'s keys over keys still read"
+        self.copy(self.keys, s, (i, False), self.full_k[s])
+
+    def load_values(self, i: int, bar: Barrier | None = None) -> Generator:
+        s = i % VALUE_SLOTS
+        yield from self.wait(self.empty_v[s], ((i // VALUE_SLOTS) & 1) ^ 1)
+        assert not self.readers["v", s], f"tile {i}'s values over values still read"
+        self.copy(self.values, s, i, self.full_v[s] if bar is None else bar)
 
     def rebuild(self) -> Generator:
         if self.n > 0:
             yield from self.wait(self.started, 0)
         for i in range(self.n):
-            s = i % SLOTS
-            yield from self.wait(self.full_k[s], (i // SLOTS) & 1)
+            s, sv = i % self.ks, i % VALUE_SLOTS
+            yield from self.wait(self.full_k[s], (i // self.ks) & 1)
             assert self.keys[s] == (i, False), f"rebuilt tile {i} from {self.keys[s]}"
             if self.has_res:
-                for h in range(HALVES):
+                for h in range(HALVES if not self.deep else 0):
                     yield from self.wait(self.cs_full[h], i & 1)
                     assert self.cos_sin[h] == i, f"tile {i} rotated by {self.cos_sin[h]}"
                     yield
                     yield from self.release(self.cs_free[h])
+                yield  # the rebuild (deep: its cos|sin from global memory)
                 self.keys[s] = (i, True)
+            if self.deep:
+                self.ready[s].arrive()
+                if i == self.n - 1:
+                    yield from self.wait(self.last_v, 0)
+                    assert self.values[sv] == i, f"tile {i} zeroed {self.values[sv]}'s values"
+                    self.values[sv] = (i, "zeroed")
+                    self.zeroed.arrive()
+                continue
             if not self.last_values_only or i == self.n - 1:
-                yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
+                yield from self.wait(self.full_v[s], (i // VALUE_SLOTS) & 1)
                 assert self.values[s] == i, f"tile {i} zeroed {self.values[s]}'s values"
             self.ready[s].arrive()
+
+    def values_of(self, i: int) -> Generator:
+        """Deep: the consumer's own wait on tile ``i``'s values, the last tile's once
+        zeroed; then (any ring) the check that the slot holds them."""
+        sv = i % VALUE_SLOTS
+        if self.deep and i == self.n - 1:
+            yield from self.wait(self.zeroed, 0)
+            assert self.values[sv] == (i, "zeroed"), f"tile {i} unzeroed: {self.values[sv]}"
+            return
+        if self.deep:
+            yield from self.wait(self.full_v[sv], (i // VALUE_SLOTS) & 1)
+        assert self.values[sv] == i, f"tile {i}'s products on {self.values[sv]}'s values"
 
     def consumer(self, w: int) -> Generator:
         if self.overlap:
@@ -137,8 +185,8 @@ class Program:
         if self.n > 0:
             yield from self.wait(self.ready[0], 0)
         for i in range(self.n):
-            s = i % SLOTS
-            yield from self.wait(self.ready[s], (i // SLOTS) & 1)
+            s, sv = i % self.ks, i % VALUE_SLOTS
+            yield from self.wait(self.ready[s], (i // self.ks) & 1)
             assert self.keys[s] == (i, self.has_res), f"scored tile {i} on {self.keys[s]}"
             if self.pingpong:
                 yield from self.wait(self.turn[w], (i & 1) ^ (1 - w))
@@ -149,10 +197,10 @@ class Program:
             yield from self.release(self.empty_k[s])
             yield  # the softmax
             if self.last_values_only:  # then the consumers waited on the values themselves
-                yield from self.wait(self.full_v[s], (i // SLOTS) & 1)
-            assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
-            yield from self.reading(("v", s), w)
-            yield from self.release(self.empty_v[s])
+                yield from self.wait(self.full_v[sv], (i // VALUE_SLOTS) & 1)
+            yield from self.values_of(i)
+            yield from self.reading(("v", sv), w)
+            yield from self.release(self.empty_v[sv])
 
     def overlapped_consumer(self) -> Generator:
         """The one consumer with ``overlap``: tile ``i + 1``'s keys read (its score products
@@ -162,18 +210,18 @@ class Program:
             yield from self.wait(self.ready[0], 0)
             assert self.keys[0] == (0, self.has_res), f"scored tile 0 on {self.keys[0]}"
         for i in range(self.n):
-            s, nxt = i % SLOTS, (i + 1) % SLOTS
+            s, nxt, sv = i % self.ks, (i + 1) % self.ks, i % VALUE_SLOTS
             yield from self.release(self.empty_k[s])
             if i + 1 < self.n:
-                yield from self.wait(self.ready[nxt], ((i + 1) // SLOTS) & 1)
+                yield from self.wait(self.ready[nxt], ((i + 1) // self.ks) & 1)
                 assert self.keys[nxt] == (i + 1, self.has_res), \
                     f"scored tile {i + 1} on {self.keys[nxt]}"
                 self.readers["k", nxt].add(0)
             yield  # the softmax, the next scores in flight
-            assert self.values[s] == i, f"tile {i}'s products on {self.values[s]}'s values"
-            yield from self.reading(("v", s), 0)
+            yield from self.values_of(i)
+            yield from self.reading(("v", sv), 0)
             self.readers["k", nxt].discard(0)
-            yield from self.release(self.empty_v[s])
+            yield from self.release(self.empty_v[sv])
 
     def reading(self, what: tuple, w: int) -> Generator:
         self.readers[what].add(w)
@@ -248,3 +296,38 @@ def test_waiting_on_the_last_values_alone_aliases() -> None:
     with pytest.raises(AssertionError, match="zeroed"):
         for seed in range(2000):
             Program(3, False, last_values_only=True).run(seed)
+
+
+@THREADS
+@pytest.mark.parametrize("has_res", [True, False])
+@pytest.mark.parametrize("n_tiles", [0, 1, 2, 3, 4, 7])
+@pytest.mark.parametrize("form", ["two", "pingpong", "overlap"])
+def test_the_deep_key_ring_hands_every_tile_over_in_order(n_tiles: int, has_res: bool,
+                                                          threads: int, form: str) -> None:
+    """``key_slots = 3``: keys a tile ahead of values, the values waited on by the consumers,
+    the last tile's zeroed by the rebuild first; every run ending."""
+    for seed in range(200):
+        program = Program(n_tiles, has_res, pingpong=form == "pingpong",
+                          overlap=form == "overlap", threads=threads, key_slots=3)
+        program.run(seed)
+        if form == "pingpong":
+            assert program.scoring == [0, 1] * n_tiles
+
+
+def test_the_deep_ring_without_its_last_value_barrier_aliases() -> None:
+    """Why the last tile's values land on a barrier of their own: on their slot's, the
+    rebuild's one wait there (it waits on no other tile's values) may pass on the parity of
+    a phase two tiles old, and zero values that have not landed."""
+    class OnItsSlot(Program):
+        def load_values(self, i: int, bar: Barrier | None = None) -> Generator:
+            yield from super().load_values(i)
+
+        def wait(self, bar: Barrier, parity: int) -> Generator:
+            if bar is self.last_v:
+                sv = (self.n - 1) % VALUE_SLOTS
+                bar, parity = self.full_v[sv], ((self.n - 1) // VALUE_SLOTS) & 1
+            yield from Program.wait(bar, parity)
+
+    with pytest.raises(AssertionError, match="zeroed"):
+        for seed in range(2000):
+            OnItsSlot(3, True, key_slots=3).run(seed)
