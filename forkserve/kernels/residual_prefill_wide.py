@@ -743,9 +743,9 @@ def _consume(args, WG: gl.constexpr, G: gl.constexpr, DIRECT: gl.constexpr,
 @gluon.jit
 def _residual_prefill_wide_kernel(
         kd, vd, krd, vrd, csd, Q, BK, BV, Adapter, BlockTables, ResTables, SeqLens, CuSeqlensQ,
-        Out, PartOut, PartLse, scale_log2e, m_blocks, CS, cs_rows,
+        Out, PartOut, PartLse, scale_log2e, m_blocks,
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
-        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, CS, cs_rows,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
