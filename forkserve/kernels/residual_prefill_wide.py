@@ -123,7 +123,9 @@ class WideLaunch:
     232,448): the deep key ring, where the loader issues a tile's keys before the values of
     the tile before and the rebuild hands keys over alone, never waiting on values but the
     last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
-    (``_load_keys_ahead``, ``_rebuild``)."""
+    (``_load_keys_ahead``, ``_rebuild``); ``cs_ahead``: the chunks ``cs_global`` reads ahead
+    (1, 2 or 4; each 8 registers at chunk 16): round 39 measured one chunk ahead 1.7x the
+    default launch at 8 x 64 over 8K, an L2 read's latency exposed at every chunk."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -138,6 +140,7 @@ class WideLaunch:
     join: int = 1
     cs_global: bool = False
     key_slots: int = 2
+    cs_ahead: int = 1
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -155,6 +158,9 @@ class WideLaunch:
         if self.defer_stores and self.chunk == 64:
             raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
                              "at chunk 64 a half is one chunk")
+        if self.cs_ahead not in (1, 2, 4) or (self.cs_ahead > 1 and not self.cs_global):
+            raise ValueError("WideLaunch: cs_ahead, the chunks cs_global reads ahead, is 1, "
+                             "2 or 4")
         if self.key_slots not in (2, 3) or (self.key_slots == 3 and not self.cs_global):
             raise ValueError("WideLaunch: key_slots is 2, or 3 with cs_global (a third key "
                              "slot fits only where the cos|sin buffers are gone)")
@@ -162,14 +168,16 @@ class WideLaunch:
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_k3``), as the bench
-        reports it."""
+        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_a<cs_ahead>``,
+        ``_k3``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
                 + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
-                + ("_cg" if self.cs_global else "") + ("_k3" if self.key_slots == 3 else ""))
+                + ("_cg" if self.cs_global else "")
+                + (f"_a{self.cs_ahead}" if self.cs_ahead > 1 else "")
+                + ("_k3" if self.key_slots == 3 else ""))
 
     @property
     def rows(self) -> int:
@@ -189,7 +197,7 @@ class WideLaunch:
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
                     HALF_AHEAD=self.half_ahead, JOIN=self.join, CS_GLOBAL=self.cs_global,
-                    KEY_SLOTS=self.key_slots)
+                    CS_AHEAD=self.cs_ahead, KEY_SLOTS=self.key_slots)
 
 
 @gluon.jit
@@ -445,6 +453,15 @@ def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
 
 
 @gluon.jit
+def _shifted(queue, last):
+    """``queue`` without its first entry, ``last`` after the rest."""
+    rest = ()
+    for k in gl.static_range(1, len(queue)):
+        rest = rest + (queue[k], )
+    return rest + (last, )
+
+
+@gluon.jit
 def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
                   AHEAD: gl.constexpr):
     """Chunk ``c``'s up-projection (``pending``, in flight) waited on, the next one's issued
@@ -484,9 +501,10 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     ``u_next``, issued by the half before; the next half's first is returned in flight
     (the tile's last half returns its own, waited on: the caller drops it).
     ``JOIN``: the held chunks written ``JOIN`` at a time, one store a buffer.
-    ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds its first chunk's
-    cos|sin, and each chunk reads the next one's from ``table`` before its own work (the
-    last, the next half's first: 64 positions on, in this tile or the next), returned.
+    ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds the cos|sin of the
+    next ``cs_ahead`` chunks to rebuild, its first this half's first, and each chunk reads
+    from ``table`` the one ``cs_ahead`` chunks on before its own work (past the half's
+    last, the next half's: 64 positions on, in this tile or the next), returned.
     Returns (``u_next``, ``cs``)."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = KEY_HALF
@@ -504,8 +522,10 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     held = ()
     for c in gl.static_range(N):
         here = cs
-        if CS_GLOBAL:  # the next chunk's, in flight under this one's work
-            cs = _cs_rows(table, p0 + (c + 1) // N * H, (c + 1) % N, C, HALF, u_l)
+        if CS_GLOBAL:  # the chunk ``len(cs)`` on's, in flight under the work till then
+            here = cs[0]
+            cs = _shifted(cs, _cs_rows(table, p0 + (c + len(cs)) // N * H, (c + len(cs)) % N,
+                                       C, HALF, u_l))
         # The views made where they are read: made before the wait, the launches measured in
         # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
         if EARLY_LOADS:
@@ -580,7 +600,8 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr):
+             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
+             DEEP: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -596,10 +617,14 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
     T: gl.constexpr = bufs[0].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     table = operands[3]
-    cs = 0  # the cos|sin of the next chunk to rebuild, read ahead (``CS_GLOBAL``)
+    cs = 0  # the cos|sin of the next CS_AHEAD chunks to rebuild, read ahead (``CS_GLOBAL``)
     if CS_GLOBAL:
         C: gl.constexpr = ops[4].type.shape[2]
-        cs = _cs_rows(table, start, 0, C, HALF, wgmma_layout(C, gl.num_warps()))
+        N: gl.constexpr = HALF // C
+        cs = ()
+        for d in gl.static_range(CS_AHEAD):
+            cs = cs + (_cs_rows(table, start + d // N * KEY_HALF, d % N, C, HALF,
+                                wgmma_layout(C, gl.num_warps())), )
     if n_tiles > 0:  # an empty program makes no operands
         bk_row, bv_row, stride_br = operands[2]
         _stage_b_k_chunks(ops[4], bk_row, stride_br, has_res)
@@ -751,8 +776,8 @@ def _residual_prefill_wide_kernel(
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-        JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, KEY_SLOTS: gl.constexpr,
-        num_warps: gl.constexpr):
+        JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
+        KEY_SLOTS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     DEEP: gl.constexpr = KEY_SLOTS == 3
     M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -788,14 +813,16 @@ def _residual_prefill_wide_kernel(
     # carry its constexprs as run-time values.
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
+                                        DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
+                                        DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE, DEEP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
