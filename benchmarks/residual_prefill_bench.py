@@ -113,6 +113,11 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True, 2, 2),
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3, 2),
                  (2, 176, 16, True, True, False, True, True, False, False, 1, True, 3, 4),
+                 # The cos|sin computed in registers (the SFU's cos/sin after a three-part
+                 # range reduction; 128 MUFU and ~800 instructions a tile more in the
+                 # rebuild's loop, no memory read), with two key slots and three.
+                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 2, 1, True),
+                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3, 1, True),
                  # A 64-row launch last: the CUDA tests take the last one as that.
                  (1, 232, 64, True, False, False, True, True)]
 

@@ -125,7 +125,10 @@ class WideLaunch:
     last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
     (``_load_keys_ahead``, ``_rebuild``); ``cs_ahead``: the chunks ``cs_global`` reads ahead
     (1, 2 or 4; each 8 registers at chunk 16): round 39 measured one chunk ahead 1.7x the
-    default launch at 8 x 64 over 8K, an L2 read's latency exposed at every chunk."""
+    default launch at 8 x 64 over 8K, an L2 read's latency exposed at every chunk;
+    ``cs_sincos``: ``cs_global``'s cos|sin computed, not read: the angle ``p inv_freq`` as
+    a double-float, reduced by 2 pi in three parts and given to the SFU's ``cos.approx`` and
+    ``sin.approx`` (``_cs_sincos``), no memory read at all."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -141,6 +144,7 @@ class WideLaunch:
     cs_global: bool = False
     key_slots: int = 2
     cs_ahead: int = 1
+    cs_sincos: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -161,6 +165,9 @@ class WideLaunch:
         if self.cs_ahead not in (1, 2, 4) or (self.cs_ahead > 1 and not self.cs_global):
             raise ValueError("WideLaunch: cs_ahead, the chunks cs_global reads ahead, is 1, "
                              "2 or 4")
+        if self.cs_sincos and not (self.cs_global and self.cs_ahead == 1):
+            raise ValueError("WideLaunch: cs_sincos computes the cos|sin cs_global would read "
+                             "(nothing read ahead)")
         if self.key_slots not in (2, 3) or (self.key_slots == 3 and not self.cs_global):
             raise ValueError("WideLaunch: key_slots is 2, or 3 with cs_global (a third key "
                              "slot fits only where the cos|sin buffers are gone)")
@@ -169,7 +176,7 @@ class WideLaunch:
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
         ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_a<cs_ahead>``,
-        ``_k3``), as the bench reports it."""
+        ``_sc``, ``_k3``), as the bench reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
@@ -177,6 +184,7 @@ class WideLaunch:
                 + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
                 + ("_cg" if self.cs_global else "")
                 + (f"_a{self.cs_ahead}" if self.cs_ahead > 1 else "")
+                + ("_sc" if self.cs_sincos else "")
                 + ("_k3" if self.key_slots == 3 else ""))
 
     @property
@@ -197,7 +205,8 @@ class WideLaunch:
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
                     HALF_AHEAD=self.half_ahead, JOIN=self.join, CS_GLOBAL=self.cs_global,
-                    CS_AHEAD=self.cs_ahead, KEY_SLOTS=self.key_slots)
+                    CS_AHEAD=self.cs_ahead, CS_SINCOS=self.cs_sincos,
+                    KEY_SLOTS=self.key_slots)
 
 
 @gluon.jit
@@ -444,7 +453,7 @@ def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
     table ends inside it; one past it is only ever the read-ahead past a program's last
     tile, never used. The offsets within the block are the same for every chunk (one
     address add an element)."""
-    rows_ptr, n_rows = table
+    rows_ptr, n_rows = table[0], table[1]
     rows = gl.arange(0, KEY_HALF, layout=gl.SliceLayout(1, u_l))
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
     block = rows_ptr + (gl.minimum(p0, n_rows - KEY_HALF) * (2 * HALF) + c * C)
@@ -453,6 +462,32 @@ def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
     # the position and column (wrong output): the deep ring's time without cos|sin traffic.
     fake = ((p0 + rows[:, None]) * 3 + cols[None, :]).to(gl.bfloat16)
     return fake, fake + 1.0
+
+
+@gluon.jit
+def _cs_sincos(inv_freq, p0, c: gl.constexpr, C: gl.constexpr, u_l: gl.constexpr):
+    """Columns ``c C ..`` of the cos and sin of positions ``p0 ..`` (``KEY_HALF`` of them),
+    bf16, computed from ``inv_freq`` in the up-projection's layout. The angle ``p f`` is
+    carried as ``hi + lo`` (``lo = fma(p, f, -hi)``, exact), reduced by the multiple of
+    2 pi nearest ``hi`` in three parts (Cody-Waite: 6.28125 and the second part have 8 and
+    9 significant bits, so their products with a multiple below 2^15, angles to ~200K
+    radians, are exact), then ``lo`` added back: the SFU's ``cos``/``sin.approx`` (absolute
+    error ~2^-21 on [-pi, pi]) then round to the table's bf16 but for ~0.05% of entries, one
+    ulp off (checked on the CPU against ``rope_table``, positions to 128K)."""
+    rows = gl.arange(0, KEY_HALF, layout=gl.SliceLayout(1, u_l))
+    cols = c * C + gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
+    f = gl.load(inv_freq + cols)[None, :]
+    p = (p0 + rows).to(gl.float32)[:, None]
+    hi = p * f
+    lo = gl.fma(p, f, -hi)
+    k = gl.floor(hi * 0.15915494309189535 + 0.5)
+    r = gl.fma(-k, 6.28125, hi)
+    r = gl.fma(-k, 0.001934051513671875, r)
+    r = gl.fma(-k, 1.2556658930407139e-06, r) + lo
+    cos, sin = gl.inline_asm_elementwise(
+        "cos.approx.ftz.f32 $0, $2; sin.approx.ftz.f32 $1, $2;", "=f,=f,f", [r],
+        [gl.float32, gl.float32], is_pure=True, pack=1)
+    return cos.to(gl.bfloat16), sin.to(gl.bfloat16)
 
 
 @gluon.jit
@@ -488,7 +523,7 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
 def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
                   BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
                   DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr,
-                  CS_GLOBAL: gl.constexpr):
+                  CS_GLOBAL: gl.constexpr, CS_SINCOS: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -525,7 +560,9 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     held = ()
     for c in gl.static_range(N):
         here = cs
-        if CS_GLOBAL:  # the chunk ``len(cs)`` on's, in flight under the work till then
+        if CS_SINCOS:
+            here = _cs_sincos(table[2], p0, c, C, u_l)
+        elif CS_GLOBAL:  # the chunk ``len(cs)`` on's, in flight under the work till then
             here = cs[0]
             cs = _shifted(cs, _cs_rows(table, p0 + (c + len(cs)) // N * H, (c + len(cs)) % N,
                                        C, HALF, u_l))
@@ -604,7 +641,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
              JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
-             DEEP: gl.constexpr):
+             CS_SINCOS: gl.constexpr, DEEP: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -621,7 +658,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
     HALF: gl.constexpr = bufs[0].type.shape[2]
     table = operands[3]
     cs = 0  # the cos|sin of the next CS_AHEAD chunks to rebuild, read ahead (``CS_GLOBAL``)
-    if CS_GLOBAL:
+    if CS_GLOBAL and not CS_SINCOS:
         C: gl.constexpr = ops[4].type.shape[2]
         N: gl.constexpr = HALF // C
         cs = ()
@@ -645,7 +682,8 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
                     mbarrier.wait(bars[7].index(h), i & 1)
                 u_next, cs = _rebuild_half(bufs, ops[4], s, h, u_next, cs, table,
                                            n0 + h * KEY_HALF, BF16_ROPE, EARLY_LOADS,
-                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL)
+                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL,
+                                           CS_SINCOS)
                 if not CS_GLOBAL:
                     # Every warp's generic reads of the half before the TMA writes of the next.
                     fence_async_shared()
@@ -774,13 +812,14 @@ def _residual_prefill_wide_kernel(
         Out, PartOut, PartLse, scale_log2e, m_blocks,
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, CS, cs_rows,
+        InvFreq,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
         JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
-        KEY_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+        CS_SINCOS: gl.constexpr, KEY_SLOTS: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     DEEP: gl.constexpr = KEY_SLOTS == 3
     M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -809,7 +848,7 @@ def _residual_prefill_wide_kernel(
     args = ((kd, vd, krd, vrd, csd), bars, bufs, ops,
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res),
-            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br), (CS, cs_rows)),
+            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br), (CS, cs_rows, InvFreq)),
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     # The partitions' tuples written out in each call: a tuple held in a variable would
@@ -817,7 +856,7 @@ def _residual_prefill_wide_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
                                         DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
-                                        DEEP)),
+                                        CS_SINCOS, DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP))],
@@ -825,7 +864,7 @@ def _residual_prefill_wide_kernel(
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
                                         DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
-                                        DEEP)),
+                                        CS_SINCOS, DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE, DEEP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
@@ -841,8 +880,9 @@ def build_sm90a(launch: WideLaunch, direct: bool, group: int = 4) -> tuple[str, 
                            dict(T=TILE, DIRECT=direct, G=group, num_warps=4,
                                 **launch.constexprs()),
                            launch.maxnreg, {"CuSeqlensQ": torch.empty(8, dtype=torch.int32),
-                                            "CS": torch.empty(8, dtype=torch.bfloat16)},
-                           aligned=("CS", "cs_rows"))
+                                            "CS": torch.empty(8, dtype=torch.bfloat16),
+                                            "InvFreq": torch.empty(8, dtype=torch.float32)},
+                           aligned=("CS", "cs_rows", "InvFreq"))
 
 
 def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
