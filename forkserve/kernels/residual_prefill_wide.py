@@ -458,10 +458,7 @@ def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
     block = rows_ptr + (gl.minimum(p0, n_rows - KEY_HALF) * (2 * HALF) + c * C)
     ptr = block + (rows[:, None] * (2 * HALF) + cols[None, :])
-    # PROBE (round 39, reverted after its run): no memory read at all, values that depend on
-    # the position and column (wrong output): the deep ring's time without cos|sin traffic.
-    fake = ((p0 + rows[:, None]) * 3 + cols[None, :]).to(gl.bfloat16)
-    return fake, fake + 1.0
+    return gl.load(ptr), gl.load(ptr + HALF)
 
 
 @gluon.jit
