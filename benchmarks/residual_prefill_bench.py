@@ -106,18 +106,9 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  (2, 184, 16, True, True, False, True, True, True, False, 1, True, 3),
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True),
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3),
-                 # Measured (H100): each of those 1.6-1.7x the default at 8 x 64 over 8K, the
-                 # third key slot 7% faster than two: the cos|sin read one chunk ahead of
-                 # their use wait on L2 at every chunk. Read two or four chunks ahead (at 176
-                 # consumer registers for four: at 184 the rebuild's loop spills 38).
-                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 2, 2),
-                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3, 2),
-                 (2, 176, 16, True, True, False, True, True, False, False, 1, True, 3, 4),
-                 # The cos|sin computed in registers (the SFU's cos/sin after a three-part
-                 # range reduction; 128 MUFU and ~800 instructions a tile more in the
-                 # rebuild's loop, no memory read), with two key slots and three.
-                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 2, 1, True),
-                 (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3, 1, True),
+                 # Measured: each 1.3-1.8x the default (H100). Read two or four chunks ahead
+                 # (1.2-1.3x), or computed by the SFU (1.4-1.7x, H200), they stayed slower
+                 # and were taken out again (docs/KERNELS.md "Round 39, measured").
                  # A 64-row launch last: the CUDA tests take the last one as that.
                  (1, 232, 64, True, False, False, True, True)]
 

@@ -720,8 +720,7 @@ def run_prefill_kernel(kernel, tile: int, rows: int, options: dict, args: tuple,
     written directly at one split, else merged from the partials. ``args``:
     ``residual_prefill_ws``'s tensors, checked (``check_inputs``); ``options``: the
     kernel's launch options and constexprs; ``takes_table``: the kernel also reads the bf16
-    table by pointer (``CS``, its rows ``cs_rows``), not only through its descriptor, and
-    may compute its rows from ``InvFreq``."""
+    table by pointer (``CS``, its rows ``cs_rows``), not only through its descriptor."""
     q, k_base, v_base, k_res, v_res, block_tables, res_block_tables, seq_lens, cu_seqlens_q, \
         b_k_all, b_v_all, adapter_idx, inv_freq = args
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -741,7 +740,7 @@ def run_prefill_kernel(kernel, tile: int, rows: int, options: dict, args: tuple,
     if takes_table:
         # The kernel clamps its reads by whole 64-row blocks (``residual_prefill_wide``).
         assert table16.shape[0] % 64 == 0, "the RoPE table grows by doubling from 32K rows"
-        options = options | dict(CS=table16, cs_rows=table16.shape[0], InvFreq=inv_freq)
+        options = options | dict(CS=table16, cs_rows=table16.shape[0])
     kernel[(programs, splits)](
         kd, vd, krd, vrd, csd, q, b_k_all, b_v_all, adapter_idx, block_tables,
         res_block_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse, scale * LOG2E,

@@ -123,12 +123,10 @@ class WideLaunch:
     232,448): the deep key ring, where the loader issues a tile's keys before the values of
     the tile before and the rebuild hands keys over alone, never waiting on values but the
     last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
-    (``_load_keys_ahead``, ``_rebuild``); ``cs_ahead``: the chunks ``cs_global`` reads ahead
-    (1, 2 or 4; each 8 registers at chunk 16): round 39 measured one chunk ahead 1.7x the
-    default launch at 8 x 64 over 8K, an L2 read's latency exposed at every chunk;
-    ``cs_sincos``: ``cs_global``'s cos|sin computed, not read: the angle ``p inv_freq`` as
-    a double-float, reduced by 2 pi in three parts and given to the SFU's ``cos.approx`` and
-    ``sin.approx`` (``_cs_sincos``), no memory read at all."""
+    (``_load_keys_ahead``, ``_rebuild``). Measured (round 39, docs/KERNELS.md): with no
+    cos|sin traffic at all (a probe) the deep ring runs 0.92-0.94x the default launch; with
+    ``cs_global``'s reads both run 1.3-1.8x it (an L2 read's latency at every chunk), so
+    neither is adopted: the deep ring waits on a cheaper cos|sin source."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -143,8 +141,6 @@ class WideLaunch:
     join: int = 1
     cs_global: bool = False
     key_slots: int = 2
-    cs_ahead: int = 1
-    cs_sincos: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -162,12 +158,6 @@ class WideLaunch:
         if self.defer_stores and self.chunk == 64:
             raise ValueError("WideLaunch: defer_stores holds a half's chunks until its last; "
                              "at chunk 64 a half is one chunk")
-        if self.cs_ahead not in (1, 2, 4) or (self.cs_ahead > 1 and not self.cs_global):
-            raise ValueError("WideLaunch: cs_ahead, the chunks cs_global reads ahead, is 1, "
-                             "2 or 4")
-        if self.cs_sincos and not (self.cs_global and self.cs_ahead == 1):
-            raise ValueError("WideLaunch: cs_sincos computes the cos|sin cs_global would read "
-                             "(nothing read ahead)")
         if self.key_slots not in (2, 3) or (self.key_slots == 3 and not self.cs_global):
             raise ValueError("WideLaunch: key_slots is 2, or 3 with cs_global (a third key "
                              "slot fits only where the cos|sin buffers are gone)")
@@ -175,17 +165,14 @@ class WideLaunch:
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_a<cs_ahead>``,
-        ``_sc``, ``_k3``), as the bench reports it."""
+        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_k3``), as the bench
+        reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
                 + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
-                + ("_cg" if self.cs_global else "")
-                + (f"_a{self.cs_ahead}" if self.cs_ahead > 1 else "")
-                + ("_sc" if self.cs_sincos else "")
-                + ("_k3" if self.key_slots == 3 else ""))
+                + ("_cg" if self.cs_global else "") + ("_k3" if self.key_slots == 3 else ""))
 
     @property
     def rows(self) -> int:
@@ -205,7 +192,6 @@ class WideLaunch:
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
                     HALF_AHEAD=self.half_ahead, JOIN=self.join, CS_GLOBAL=self.cs_global,
-                    CS_AHEAD=self.cs_ahead, CS_SINCOS=self.cs_sincos,
                     KEY_SLOTS=self.key_slots)
 
 
@@ -453,47 +439,12 @@ def _cs_rows(table, p0, c: gl.constexpr, C: gl.constexpr, HALF: gl.constexpr,
     table ends inside it; one past it is only ever the read-ahead past a program's last
     tile, never used. The offsets within the block are the same for every chunk (one
     address add an element)."""
-    rows_ptr, n_rows = table[0], table[1]
+    rows_ptr, n_rows = table
     rows = gl.arange(0, KEY_HALF, layout=gl.SliceLayout(1, u_l))
     cols = gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
     block = rows_ptr + (gl.minimum(p0, n_rows - KEY_HALF) * (2 * HALF) + c * C)
     ptr = block + (rows[:, None] * (2 * HALF) + cols[None, :])
     return gl.load(ptr), gl.load(ptr + HALF)
-
-
-@gluon.jit
-def _cs_sincos(inv_freq, p0, c: gl.constexpr, C: gl.constexpr, u_l: gl.constexpr):
-    """Columns ``c C ..`` of the cos and sin of positions ``p0 ..`` (``KEY_HALF`` of them),
-    bf16, computed from ``inv_freq`` in the up-projection's layout. The angle ``p f`` is
-    carried as ``hi + lo`` (``lo = fma(p, f, -hi)``, exact), reduced by the multiple of
-    2 pi nearest ``hi`` in three parts (Cody-Waite: 6.28125 and the second part have 8 and
-    9 significant bits, so their products with a multiple below 2^15, angles to ~200K
-    radians, are exact), then ``lo`` added back: the SFU's ``cos``/``sin.approx`` (absolute
-    error ~2^-21 on [-pi, pi]) then round to the table's bf16 but for ~0.05% of entries, one
-    ulp off (checked on the CPU against ``rope_table``, positions to 128K)."""
-    rows = gl.arange(0, KEY_HALF, layout=gl.SliceLayout(1, u_l))
-    cols = c * C + gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
-    f = gl.load(inv_freq + cols)[None, :]
-    p = (p0 + rows).to(gl.float32)[:, None]
-    hi = p * f
-    lo = gl.fma(p, f, -hi)
-    k = gl.floor(hi * 0.15915494309189535 + 0.5)
-    r = gl.fma(-k, 6.28125, hi)
-    r = gl.fma(-k, 0.001934051513671875, r)
-    r = gl.fma(-k, 1.2556658930407139e-06, r) + lo
-    cos, sin = gl.inline_asm_elementwise(
-        "cos.approx.ftz.f32 $0, $2; sin.approx.ftz.f32 $1, $2;", "=f,=f,f", [r],
-        [gl.float32, gl.float32], is_pure=True, pack=1)
-    return cos.to(gl.bfloat16), sin.to(gl.bfloat16)
-
-
-@gluon.jit
-def _shifted(queue, last):
-    """``queue`` without its first entry, ``last`` after the rest."""
-    rest = ()
-    for k in gl.static_range(1, len(queue)):
-        rest = rest + (queue[k], )
-    return rest + (last, )
 
 
 @gluon.jit
@@ -520,7 +471,7 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
 def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
                   BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
                   DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr,
-                  CS_GLOBAL: gl.constexpr, CS_SINCOS: gl.constexpr):
+                  CS_GLOBAL: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -536,10 +487,9 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     ``u_next``, issued by the half before; the next half's first is returned in flight
     (the tile's last half returns its own, waited on: the caller drops it).
     ``JOIN``: the held chunks written ``JOIN`` at a time, one store a buffer.
-    ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds the cos|sin of the
-    next ``cs_ahead`` chunks to rebuild, its first this half's first, and each chunk reads
-    from ``table`` the one ``cs_ahead`` chunks on before its own work (past the half's
-    last, the next half's: 64 positions on, in this tile or the next), returned.
+    ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds its first chunk's
+    cos|sin, and each chunk reads the next one's from ``table`` before its own work (the
+    last, the next half's first: 64 positions on, in this tile or the next), returned.
     Returns (``u_next``, ``cs``)."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = KEY_HALF
@@ -557,12 +507,8 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     held = ()
     for c in gl.static_range(N):
         here = cs
-        if CS_SINCOS:
-            here = _cs_sincos(table[2], p0, c, C, u_l)
-        elif CS_GLOBAL:  # the chunk ``len(cs)`` on's, in flight under the work till then
-            here = cs[0]
-            cs = _shifted(cs, _cs_rows(table, p0 + (c + len(cs)) // N * H, (c + len(cs)) % N,
-                                       C, HALF, u_l))
+        if CS_GLOBAL:  # the next chunk's, in flight under this one's work
+            cs = _cs_rows(table, p0 + (c + 1) // N * H, (c + 1) % N, C, HALF, u_l)
         # The views made where they are read: made before the wait, the launches measured in
         # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
         if EARLY_LOADS:
@@ -637,8 +583,7 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
-             CS_SINCOS: gl.constexpr, DEEP: gl.constexpr):
+             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
@@ -654,14 +599,10 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
     T: gl.constexpr = bufs[0].type.shape[1]
     HALF: gl.constexpr = bufs[0].type.shape[2]
     table = operands[3]
-    cs = 0  # the cos|sin of the next CS_AHEAD chunks to rebuild, read ahead (``CS_GLOBAL``)
-    if CS_GLOBAL and not CS_SINCOS:
+    cs = 0  # the cos|sin of the next chunk to rebuild, read ahead (``CS_GLOBAL``)
+    if CS_GLOBAL:
         C: gl.constexpr = ops[4].type.shape[2]
-        N: gl.constexpr = HALF // C
-        cs = ()
-        for d in gl.static_range(CS_AHEAD):
-            cs = cs + (_cs_rows(table, start + d // N * KEY_HALF, d % N, C, HALF,
-                                wgmma_layout(C, gl.num_warps())), )
+        cs = _cs_rows(table, start, 0, C, HALF, wgmma_layout(C, gl.num_warps()))
     if n_tiles > 0:  # an empty program makes no operands
         bk_row, bv_row, stride_br = operands[2]
         _stage_b_k_chunks(ops[4], bk_row, stride_br, has_res)
@@ -679,8 +620,7 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
                     mbarrier.wait(bars[7].index(h), i & 1)
                 u_next, cs = _rebuild_half(bufs, ops[4], s, h, u_next, cs, table,
                                            n0 + h * KEY_HALF, BF16_ROPE, EARLY_LOADS,
-                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL,
-                                           CS_SINCOS)
+                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL)
                 if not CS_GLOBAL:
                     # Every warp's generic reads of the half before the TMA writes of the next.
                     fence_async_shared()
@@ -809,14 +749,13 @@ def _residual_prefill_wide_kernel(
         Out, PartOut, PartLse, scale_log2e, m_blocks,
         stride_qt, stride_qh, stride_bt, stride_rbt, stride_ba, stride_br,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, CS, cs_rows,
-        InvFreq,
         N_KV: gl.constexpr, G: gl.constexpr, R: gl.constexpr, HEAD_DIM: gl.constexpr,
         T: gl.constexpr, DIRECT: gl.constexpr, CONSUMERS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, CHUNK: gl.constexpr, BF16_ROPE: gl.constexpr,
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-        JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, CS_AHEAD: gl.constexpr,
-        CS_SINCOS: gl.constexpr, KEY_SLOTS: gl.constexpr, num_warps: gl.constexpr):
+        JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, KEY_SLOTS: gl.constexpr,
+        num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     DEEP: gl.constexpr = KEY_SLOTS == 3
     M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -845,23 +784,21 @@ def _residual_prefill_wide_kernel(
     args = ((kd, vd, krd, vrd, csd), bars, bufs, ops,
             (BlockTables + b * stride_bt, ResTables + b * stride_rbt, head * HEAD_DIM,
              start, stop, seq_len, n_tiles, has_res),
-            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br), (CS, cs_rows, InvFreq)),
+            (queries, ctx + tok0, (BK + a_row, BV + a_row, stride_br), (CS, cs_rows)),
             (Out, PartOut, PartLse, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
              stride_lt, stride_lh, q_begin, q_len, tok0, head * G, split, n_tiles))
     # The partitions' tuples written out in each call: a tuple held in a variable would
     # carry its constexprs as run-time values.
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
-                                        CS_SINCOS, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, CS_AHEAD,
-                                        CS_SINCOS, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE, DEEP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
@@ -877,9 +814,8 @@ def build_sm90a(launch: WideLaunch, direct: bool, group: int = 4) -> tuple[str, 
                            dict(T=TILE, DIRECT=direct, G=group, num_warps=4,
                                 **launch.constexprs()),
                            launch.maxnreg, {"CuSeqlensQ": torch.empty(8, dtype=torch.int32),
-                                            "CS": torch.empty(8, dtype=torch.bfloat16),
-                                            "InvFreq": torch.empty(8, dtype=torch.float32)},
-                           aligned=("CS", "cs_rows", "InvFreq"))
+                                            "CS": torch.empty(8, dtype=torch.bfloat16)},
+                           aligned=("CS", "cs_rows"))
 
 
 def residual_prefill_wide(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,

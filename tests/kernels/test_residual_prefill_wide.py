@@ -40,11 +40,6 @@ MAX_SPILL_BELOW_200 = {"wide_m128_r184_c16_bf16_pp_ta_el_ds": 80,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_cg_k3": 120,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg": 84,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3": 80,
-                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_a2": 92,
-                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_a2_k3": 80,
-                       "wide_m128_r176_c16_bf16_pp_ta_el_cg_a4_k3": 152,
-                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_sc": 76,
-                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_sc_k3": 76,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_ha": 88,
                        "wide_m128_r176_c16_bf16_pp_ta_el_ds_ha": 176,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_j2": 84,
@@ -122,9 +117,6 @@ def test_the_launch_splits_the_registers() -> None:
     deep = WideLaunch(2, 184, 16, True, True, False, True, True, cs_global=True, key_slots=3)
     assert deep.name == "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3"
     assert deep.constexprs()["CS_GLOBAL"] and deep.constexprs()["KEY_SLOTS"] == 3
-    assert WideLaunch(cs_global=True, cs_ahead=4).name == "wide_m128_r200_c16_cg_a4"
-    with pytest.raises(ValueError, match="cs_ahead, the chunks cs_global reads ahead"):
-        WideLaunch(cs_ahead=2)
     for slots, cs_global in ((3, False), (4, True), (1, True)):
         with pytest.raises(ValueError, match="key_slots is 2, or 3 with cs_global"):
             WideLaunch(cs_global=cs_global, key_slots=slots)
