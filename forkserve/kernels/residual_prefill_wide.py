@@ -119,7 +119,7 @@ class WideLaunch:
     chunk ahead of its use, so the loader copies none and their 32 KiB of shared memory and
     barriers go (round 38's probe: neither the loader nor the rebuild sets the pace alone,
     and a third key slot has no room beside the cos|sin buffers; docs/KERNELS.md "Round
-    38"); ``key_slots``: 2, or 3 (``cs_global`` only, in the room it makes: 225,944 bytes of
+    38"); ``key_slots``: 2, or 3 (``cs_global`` only, in the room it makes: 225,928 bytes of
     232,448): the deep key ring, where the loader issues a tile's keys before the values of
     the tile before and the rebuild hands keys over alone, never waiting on values but the
     last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
@@ -203,12 +203,12 @@ def _ring(kd, krd, csd, KS: gl.constexpr, VS: gl.constexpr, T: gl.constexpr, C: 
     ``CS_GLOBAL``, two cos|sin buffers of ``KEY_HALF`` keys, one per half tile. Barriers: each
     slot's keys and values landed (TMA), its key handed over (the rebuilding warp group:
     with the tile's values in the two-slot ring, alone in the deep one), its keys and its
-    values read (by each of the ``C`` consumers); each cos|sin half landed and read; every
-    worker started (after which shared memory that held the workers' arguments may be
-    reused); each consumer's turn to issue its score products (``pingpong``); then the two
-    cos|sin buffers' (landed, read) where they are made, or the deep ring's last values
-    (landed, zeroed: one phase a program). A release (``_release``) counts a warp group
-    once, or each of its threads with ``THREAD_ARRIVE``."""
+    values read (by each of the ``C`` consumers); every worker started (after which shared
+    memory that held the workers' arguments may be reused); each consumer's turn to issue
+    its score products (``pingpong``); then the two cos|sin buffers' (landed, read) where
+    they are made, or the deep ring's last values (landed, zeroed: one phase a program). A
+    release (``_release``) counts a warp group once, or each of its threads with
+    ``THREAD_ARRIVE``."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     bufs = (gl.allocate_shared_memory(gl.bfloat16, [KS, T, HALF], kd.layout),
