@@ -104,7 +104,7 @@ WIDE_LAUNCHES = [(2, 200, 16, False, False, False, False), (2, 200, 16, True, Fa
                  # (15 local loads and stores a tile at 184): measured no faster, left out.
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True),
                  (2, 184, 16, True, True, False, True, True, False, False, 1, True, 3),
-                 # Measured: each 1.3-1.8x the default (H100). Read two or four chunks ahead
+                 # Measured: each 1.2-1.7x the default (H100). Read two or four chunks ahead
                  # (1.2-1.3x), or computed by the SFU (1.4-1.7x, H200), they stayed slower
                  # and were taken out again (docs/KERNELS.md "Round 39, measured").
                  # A 64-row launch last: the CUDA tests take the last one as that.

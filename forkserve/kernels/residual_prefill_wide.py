@@ -125,7 +125,7 @@ class WideLaunch:
     last tile's (which it zeroes), so it may run two tiles ahead of the consumers, not one
     (``_load_keys_ahead``, ``_rebuild``). Measured (round 39, docs/KERNELS.md): with no
     cos|sin traffic at all (a probe) the deep ring runs 0.92-0.94x the default launch; with
-    ``cs_global``'s reads both run 1.3-1.8x it (an L2 read's latency at every chunk), so
+    ``cs_global``'s reads both run 1.2-1.7x it (an L2 read's latency at every chunk), so
     neither is adopted: the deep ring waits on a cheaper cos|sin source."""
 
     consumers: int = 2
