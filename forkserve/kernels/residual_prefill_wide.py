@@ -77,6 +77,7 @@ from forkserve.kernels.residual_prefill_gluon import (
 TILE = 128  # keys a tile: the score product's N
 VALUE_SLOTS = gl.constexpr(2)  # 36 KiB each: a third does not fit beside three key slots
 KEY_HALF = gl.constexpr(64)  # keys a cos|sin buffer (the table's TMA box) and a rebuild pass
+ROW_GROUP = gl.constexpr(16)  # rows a warp holds of the up-projection's wgmma layout
 WG_ROWS = gl.constexpr(64)  # query rows a consumer warp group: one wgmma M
 LOADER_REGS = gl.constexpr(40)  # the loader warp's (as the ws kernels')
 
@@ -126,7 +127,13 @@ class WideLaunch:
     (``_load_keys_ahead``, ``_rebuild``). Measured (round 39, docs/KERNELS.md): with no
     cos|sin traffic at all (a probe) the deep ring runs 0.92-0.94x the default launch; with
     ``cs_global``'s reads both run 1.2-1.7x it (an L2 read's latency at every chunk), so
-    neither is adopted: the deep ring waits on a cheaper cos|sin source."""
+    neither is adopted: the deep ring waits on a cheaper cos|sin source. ``angle_add``
+    (``cs_global`` only) is that source: the rebuild makes each chunk's cos|sin from two
+    small tables in shared memory, ``cos((b + i) f) = cos(b f) cos(i f) - sin(b f) sin(i
+    f)`` in packed bf16 pairs (``_angle_cs``): ``i f`` the table's first 16 rows (a row
+    within a warp's 16 of the up-projection's layout; 4 KiB, staged once), ``b f`` each
+    warp's first row of a half (4 rows a half, 2 KiB for both), the next tile's read from
+    global memory at a half's start and stored at its end, so no read waits on L2."""
 
     consumers: int = 2
     consumer_regs: int = 200
@@ -141,6 +148,7 @@ class WideLaunch:
     join: int = 1
     cs_global: bool = False
     key_slots: int = 2
+    angle_add: bool = False
 
     def __post_init__(self) -> None:
         if self.consumers not in (1, 2) or (self.pingpong and self.consumers != 2):
@@ -161,18 +169,22 @@ class WideLaunch:
         if self.key_slots not in (2, 3) or (self.key_slots == 3 and not self.cs_global):
             raise ValueError("WideLaunch: key_slots is 2, or 3 with cs_global (a third key "
                              "slot fits only where the cos|sin buffers are gone)")
+        if self.angle_add and not self.cs_global:
+            raise ValueError("WideLaunch: angle_add makes the cos|sin cs_global would read, "
+                             "in the room their buffers leave")
 
     @property
     def name(self) -> str:
         """``wide_m<rows>_r<regs>_c<chunk>`` and its options (``_bf16``, ``_pp``, ``_ov``,
-        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_k3``), as the bench
+        ``_ta``, ``_el``, ``_ds``, ``_ha``, ``_j<join>``, ``_cg``, ``_k3``, ``_aa``), as the bench
         reports it."""
         return (f"wide_m{self.rows}_r{self.consumer_regs}_c{self.chunk}"
                 + ("_bf16" if self.bf16_rope else "") + ("_pp" if self.pingpong else "")
                 + ("_ov" if self.overlap else "") + ("_ta" if self.thread_arrive else "")
                 + ("_el" if self.early_loads else "") + ("_ds" if self.defer_stores else "")
                 + ("_ha" if self.half_ahead else "") + (f"_j{self.join}" if self.join > 1 else "")
-                + ("_cg" if self.cs_global else "") + ("_k3" if self.key_slots == 3 else ""))
+                + ("_cg" if self.cs_global else "") + ("_k3" if self.key_slots == 3 else "")
+                + ("_aa" if self.angle_add else ""))
 
     @property
     def rows(self) -> int:
@@ -192,12 +204,12 @@ class WideLaunch:
                     OVERLAP=self.overlap, THREAD_ARRIVE=self.thread_arrive,
                     EARLY_LOADS=self.early_loads, DEFER_STORES=self.defer_stores,
                     HALF_AHEAD=self.half_ahead, JOIN=self.join, CS_GLOBAL=self.cs_global,
-                    KEY_SLOTS=self.key_slots)
+                    KEY_SLOTS=self.key_slots, ANGLE_ADD=self.angle_add)
 
 
 @gluon.jit
 def _ring(kd, krd, csd, KS: gl.constexpr, VS: gl.constexpr, T: gl.constexpr, C: gl.constexpr,
-          THREAD_ARRIVE: gl.constexpr, CS_GLOBAL: gl.constexpr):
+          THREAD_ARRIVE: gl.constexpr, CS_GLOBAL: gl.constexpr, ANGLE_ADD: gl.constexpr):
     """The slots and their barriers: ``KS`` key slots of a ``T``-key tile (``K_base`` halves,
     ``K_res`` rows) and ``VS`` value slots (``V_base`` halves, ``V_res`` rows), and, unless
     ``CS_GLOBAL``, two cos|sin buffers of ``KEY_HALF`` keys, one per half tile. Barriers: each
@@ -208,7 +220,9 @@ def _ring(kd, krd, csd, KS: gl.constexpr, VS: gl.constexpr, T: gl.constexpr, C: 
     its score products (``pingpong``); then the two cos|sin buffers' (landed, read) where
     they are made, or the deep ring's last values (landed, zeroed: one phase a program). A
     release (``_release``) counts a warp group once, or each of its threads with
-    ``THREAD_ARRIVE``."""
+    ``THREAD_ARRIVE``. ``ANGLE_ADD``: the rebuild's own cos|sin tables after the slots,
+    the relative rows and each half's base rows (``_angle_cs``), guarded by the rebuilding
+    warp group's own barriers (it alone writes and reads them)."""
     HALF: gl.constexpr = kd.block_type.shape[1]
     R: gl.constexpr = krd.block_type.shape[1]
     bufs = (gl.allocate_shared_memory(gl.bfloat16, [KS, T, HALF], kd.layout),
@@ -225,9 +239,39 @@ def _ring(kd, krd, csd, KS: gl.constexpr, VS: gl.constexpr, T: gl.constexpr, C: 
             gl.allocate_shared_memory(gl.bfloat16, [T // KEY_HALF, KEY_HALF, HALF], csd.layout),
             gl.allocate_shared_memory(gl.bfloat16, [T // KEY_HALF, KEY_HALF, HALF], csd.layout))
         bars = bars + (_barriers(T // KEY_HALF, 1), _barriers(T // KEY_HALF, A))
+    elif ANGLE_ADD:
+        bufs = bufs + _angle_tables(HALF, T)
     if KS == 3:
         bars = bars + (_barriers(1, 1).index(0), _barriers(1, 1).index(0))
     return bufs, bars
+
+
+@gluon.jit
+def _angle_tables(HALF: gl.constexpr, T: gl.constexpr):
+    """``angle_add``'s tables, rows ``[cos | sin]`` as the RoPE table's: the relative rows
+    ``[ROW_GROUP, 2 HALF]`` (positions 0 ..) and the base rows of a
+    ``T``-key tile ``[T / ROW_GROUP, 2 HALF]``, half ``h``'s ``KEY_HALF / ROW_GROUP`` rows
+    from row ``h KEY_HALF / ROW_GROUP`` (``_bases``; a warp's lanes read one row, a
+    broadcast)."""
+    W: gl.constexpr = 2 * HALF
+    # 16-byte groups swizzled by row: the 8 rows a warp reads at once fall in distinct banks.
+    return (gl.allocate_shared_memory(gl.bfloat16, [ROW_GROUP, W],
+                                      gl.SwizzledSharedLayout(8, 1, 8, [1, 0])),
+            gl.allocate_shared_memory(gl.bfloat16, [T // ROW_GROUP, W],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0])))
+
+
+@gluon.constexpr_function
+def _rows3_layout(n):
+    """The up-projection's accumulator layout (``wgmma_layout(n, 4)``, ``[64, n]``) seen as
+    ``[4, ROW_GROUP, n]``: a warp's rows, a row within them, a column. A thread holds
+    columns ``2 (lane % 4) + {0, 1} + 8 j`` of rows ``lane / 4`` and ``+ 8``, registers in
+    wgmma's accumulator order, so its reshape to ``[64, n]`` is that layout itself."""
+    regs = ([[0, 0, 1], [0, ROW_GROUP.value // 2, 0]]
+            + [[0, 0, 8 << k] for k in range((n // 8).bit_length() - 1)])
+    return gl.DistributedLinearLayout(regs, [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0],
+                                             [0, 4, 0]], [[1, 0, 0], [2, 0, 0]], [],
+                                      [4, ROW_GROUP.value, n])
 
 
 @gluon.jit
@@ -416,16 +460,96 @@ def _key_chunk(bufs, s, h, c: gl.constexpr, C: gl.constexpr):
 
 @gluon.jit
 def _chunk_reads(bufs, h, c: gl.constexpr, C: gl.constexpr, k_a, k_b, u_l: gl.constexpr, cs,
-                 CS_GLOBAL: gl.constexpr):
+                 CS_GLOBAL: gl.constexpr, ANGLE_ADD: gl.constexpr):
     """Chunk ``c``'s reads in the up-projection's layout: its cos and sin columns (buffer
-    ``h``; with ``CS_GLOBAL`` ``cs``, read from global memory a chunk before), then its base
-    key columns ``k_a``, ``k_b``."""
-    if CS_GLOBAL:
+    ``h``; with ``CS_GLOBAL`` ``cs``, read from global memory a chunk before; with
+    ``ANGLE_ADD`` made from the angle tables, ``_angle_cs``), then its base key columns
+    ``k_a``, ``k_b``."""
+    if ANGLE_ADD:
+        cos, sin = _angle_cs(bufs, h, c, C, u_l)
+    elif CS_GLOBAL:
         cos, sin = cs
     else:
         cos = bufs[6].index(h).slice(c * C, C, dim=1).load(u_l)
         sin = bufs[7].index(h).slice(c * C, C, dim=1).load(u_l)
     return cos, sin, k_a.load(u_l), k_b.load(u_l)
+
+
+@gluon.jit
+def _angle_cs(bufs, h, c: gl.constexpr, C: gl.constexpr, u_l: gl.constexpr):
+    """Chunk ``c``'s cos and sin columns of key half ``h`` in the up-projection's layout
+    ``u_l``, by angle addition (``angle_add``): a row ``16 w + i`` of the half is warp
+    ``w``'s base row (``bufs[7]``) advanced by relative row ``i`` (``bufs[6]``). Each is
+    read in the slice of ``_rows3_layout`` that drops what it does not vary with, so a
+    thread reads each value it needs once (the base row's lanes by broadcast), and the sum
+    comes out in ``u_l`` itself (the reshape moves no data)."""
+    HALF: gl.constexpr = bufs[0].type.shape[2]
+    l3: gl.constexpr = _rows3_layout(C)
+    rel_l: gl.constexpr = gl.SliceLayout(0, l3)
+    base_l: gl.constexpr = gl.SliceLayout(1, l3)
+    base = _bases(bufs, h)
+    c_b = gl.expand_dims(base.slice(c * C, C, dim=1).load(base_l), 1)
+    s_b = gl.expand_dims(base.slice(HALF + c * C, C, dim=1).load(base_l), 1)
+    c_r = gl.expand_dims(bufs[6].slice(c * C, C, dim=1).load(rel_l), 0)
+    s_r = gl.expand_dims(bufs[6].slice(HALF + c * C, C, dim=1).load(rel_l), 0)
+    c_b, c_r = gl.broadcast(c_b, c_r)
+    s_b, s_r = gl.broadcast(s_b, s_r)
+    cos, sin = _angle_add_bf16x2(c_b, s_b, c_r, s_r)
+    M: gl.constexpr = 4 * ROW_GROUP
+    return (gl.convert_layout(gl.reshape(cos, [M, C]), u_l),
+            gl.convert_layout(gl.reshape(sin, [M, C]), u_l))
+
+
+@gluon.jit
+def _bases(bufs, h):
+    """Key half ``h``'s base rows (``angle_add``)."""
+    return bufs[7].slice(h * (KEY_HALF // ROW_GROUP), KEY_HALF // ROW_GROUP)
+
+
+@gluon.jit
+def _angle_add_bf16x2(c_b, s_b, c_r, s_r):
+    """``cos(a + b), sin(a + b)`` from ``cos a, sin a, cos b, sin b`` in packed bf16 pairs:
+    a multiply and a fused multiply-add each (one rounding of the product ``sin a sin b`` or
+    ``sin a cos b``, one of the sum: within a bf16 ulp or two of the table's value)."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b32 t;
+        mul.rn.bf16x2 t, $3, $5;
+        neg.bf16x2 t, t;
+        fma.rn.bf16x2 $0, $2, $4, t;
+        mul.rn.bf16x2 t, $3, $4;
+        fma.rn.bf16x2 $1, $2, $5, t; }""",
+        "=r,=r,r,r,r,r", [c_b, s_b, c_r, s_r], [gl.bfloat16, gl.bfloat16], is_pure=True,
+        pack=2)
+
+
+@gluon.jit
+def _base_rows(table, p0, W: gl.constexpr):
+    """The base rows of the ``KEY_HALF`` keys at position ``p0``, a warp's first row each
+    (``[KEY_HALF / ROW_GROUP, W]``, ``W`` the table's ``[cos | sin]`` width), from the table
+    in global memory; clamped as ``_cs_rows``'s block (``p0`` past the table's last block
+    only reads ahead of a program's last tile, never used)."""
+    rows_ptr, n_rows = table
+    lay: gl.constexpr = gl.BlockedLayout([1, W // 32], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, KEY_HALF // ROW_GROUP, layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, lay))
+    first = gl.minimum(p0, n_rows - KEY_HALF)
+    return gl.load(rows_ptr + (first + rows[:, None] * ROW_GROUP) * W + cols[None, :])
+
+
+@gluon.jit
+def _stage_angle_tables(bufs, table, start):
+    """``angle_add``'s tables at a program's start: the relative rows (the table's first
+    ``ROW_GROUP``) and the base rows of both halves of its first tile."""
+    rows_ptr = table[0]
+    W: gl.constexpr = bufs[6].type.shape[1]
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [ROW_GROUP // 4, 128 // ROW_GROUP],
+                                         [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, ROW_GROUP, layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, W, layout=gl.SliceLayout(0, lay))
+    bufs[6].store(gl.load(rows_ptr + rows[:, None] * W + cols[None, :]))
+    HALVES: gl.constexpr = bufs[7].type.shape[0] * ROW_GROUP // KEY_HALF
+    for h in gl.static_range(HALVES):
+        _bases(bufs, h).store(_base_rows(table, start + h * KEY_HALF, W))
 
 
 @gluon.jit
@@ -471,7 +595,7 @@ def _chunk_landed(kr, bk, c: gl.constexpr, pending, u_l: gl.constexpr, kr_ahead,
 def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
                   BF16_ROPE: gl.constexpr, EARLY_LOADS: gl.constexpr,
                   DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr, JOIN: gl.constexpr,
-                  CS_GLOBAL: gl.constexpr):
+                  CS_GLOBAL: gl.constexpr, ANGLE_ADD: gl.constexpr):
     """Keys ``64 h ..`` of slot ``s`` rebuilt in place, ``K_base + RoPE(K_res B_k)`` written
     bf16 over the base key, ``C`` column pairs at a time (``bk [2 D / C, r, C]``: ``B_k``
     staged in such chunks), so a thread holds ``C`` up-projected values (both halves) a
@@ -490,7 +614,9 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
     ``CS_GLOBAL``: the half's keys are positions ``p0 ..``; ``cs`` holds its first chunk's
     cos|sin, and each chunk reads the next one's from ``table`` before its own work (the
     last, the next half's first: 64 positions on, in this tile or the next), returned.
-    Returns (``u_next``, ``cs``)."""
+    ``ANGLE_ADD``: the cos|sin made by ``_angle_cs`` instead; the next tile's base rows of
+    this half read from global memory at its start and written over this tile's after its
+    last chunk. Returns (``u_next``, ``cs``)."""
     C: gl.constexpr = bk.type.shape[2]
     H: gl.constexpr = KEY_HALF
     HALF: gl.constexpr = bufs[0].type.shape[2]
@@ -504,23 +630,25 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
         kr_ahead = bufs[4].index(s).slice((h + 1) * H, H)
     if not HALF_AHEAD or h == 0:
         u_next = up_projection(kr, bk.index(0), bk.index(N), u_l)
+    if ANGLE_ADD:  # in flight under the half's work
+        bases_next = _base_rows(table, p0 + T, 2 * HALF)
     held = ()
     for c in gl.static_range(N):
         here = cs
-        if CS_GLOBAL:  # the next chunk's, in flight under this one's work
+        if CS_GLOBAL and not ANGLE_ADD:  # the next chunk's, in flight under this one's work
             cs = _cs_rows(table, p0 + (c + 1) // N * H, (c + 1) % N, C, HALF, u_l)
         # The views made where they are read: made before the wait, the launches measured in
         # round 31 gain one of Triton's barriers a tile (their SASS, round 32).
         if EARLY_LOADS:
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
             cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l, here,
-                                                    CS_GLOBAL)
+                                                    CS_GLOBAL, ANGLE_ADD)
             u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
         else:
             u_next, u_lo, u_hi = _chunk_landed(kr, bk, c, u_next, u_l, kr_ahead, AHEAD)
             k_a, k_b = _key_chunk(bufs, s, h, c, C)
             cos, sin, base_a, base_b = _chunk_reads(bufs, h, c, C, k_a, k_b, u_l, here,
-                                                    CS_GLOBAL)
+                                                    CS_GLOBAL, ANGLE_ADD)
         if BF16_ROPE:
             r_a, r_b = _rope_plus_base_bf16x2(u_lo, u_hi, cos, sin, base_a, base_b)
         else:
@@ -537,6 +665,8 @@ def _rebuild_half(bufs, bk, s, h: gl.constexpr, u_next, cs, table, p0,
             k_a, k_b = _key_chunk(bufs, s, h, p, JOIN * C)
             k_a.store(_joined(held, 2 * JOIN * p, JOIN))
             k_b.store(_joined(held, 2 * JOIN * p + 1, JOIN))
+    if ANGLE_ADD:
+        _bases(bufs, h).store(bases_next)
     return u_next, cs
 
 
@@ -583,14 +713,16 @@ def _stage_b_k_chunks(bk, bk_row, stride_br, has_res):
 @gluon.jit
 def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
              EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
-             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr):
+             JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, DEEP: gl.constexpr,
+             ANGLE_ADD: gl.constexpr):
     """The rebuilding partition (the default, one warp group): stages ``B_k`` (its own, in
     chunks) and ``B_v`` (the consumers'), then hands every tile over in order: its key
     rebuilt in place (rows with an adapter: ``_rebuild_half`` by half tile, each cos|sin
     half freed as it is done, or read from global memory with ``CS_GLOBAL``), with a split's
     last tile's stale value rows zeroed. In the two-slot ring a tile goes over with its
     values; in the ``DEEP`` ring its key goes alone, and only the last tile's values are
-    waited on (``last_v``), zeroed and handed over (``zeroed``)."""
+    waited on (``last_v``), zeroed and handed over (``zeroed``). ``ANGLE_ADD``: the angle
+    tables staged first (``_stage_angle_tables``)."""
     _, bars, bufs, ops, scalars, operands, _ = args
     full_k, full_v, ready, started = bars[0], bars[1], bars[2], bars[5]
     start, stop, n_tiles, has_res = scalars[3], scalars[4], scalars[6], scalars[7]
@@ -600,13 +732,15 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
     HALF: gl.constexpr = bufs[0].type.shape[2]
     table = operands[3]
     cs = 0  # the cos|sin of the next chunk to rebuild, read ahead (``CS_GLOBAL``)
-    if CS_GLOBAL:
+    if CS_GLOBAL and not ANGLE_ADD:
         C: gl.constexpr = ops[4].type.shape[2]
         cs = _cs_rows(table, start, 0, C, HALF, wgmma_layout(C, gl.num_warps()))
     if n_tiles > 0:  # an empty program makes no operands
         bk_row, bv_row, stride_br = operands[2]
         _stage_b_k_chunks(ops[4], bk_row, stride_br, has_res)
         stage_b(ops[2], ops[3], bv_row, stride_br, has_res)
+        if ANGLE_ADD:
+            _stage_angle_tables(bufs, table, start)
         fence_async_shared()
         mbarrier.wait(started, 0)
     for i in range(n_tiles):
@@ -620,7 +754,8 @@ def _rebuild(args, BF16_ROPE: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
                     mbarrier.wait(bars[7].index(h), i & 1)
                 u_next, cs = _rebuild_half(bufs, ops[4], s, h, u_next, cs, table,
                                            n0 + h * KEY_HALF, BF16_ROPE, EARLY_LOADS,
-                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL)
+                                           DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL,
+                                           ANGLE_ADD)
                 if not CS_GLOBAL:
                     # Every warp's generic reads of the half before the TMA writes of the next.
                     fence_async_shared()
@@ -755,7 +890,7 @@ def _residual_prefill_wide_kernel(
         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr,
         EARLY_LOADS: gl.constexpr, DEFER_STORES: gl.constexpr, HALF_AHEAD: gl.constexpr,
         JOIN: gl.constexpr, CS_GLOBAL: gl.constexpr, KEY_SLOTS: gl.constexpr,
-        num_warps: gl.constexpr):
+        ANGLE_ADD: gl.constexpr, num_warps: gl.constexpr):
     HALF: gl.constexpr = HEAD_DIM // 2
     DEEP: gl.constexpr = KEY_SLOTS == 3
     M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -773,7 +908,7 @@ def _residual_prefill_wide_kernel(
            gl.allocate_shared_memory(gl.bfloat16, [R, HALF], b_layout),
            gl.allocate_shared_memory(gl.bfloat16, [HEAD_DIM // CHUNK, R, CHUNK], c_layout))
     bufs, bars = _ring(kd, krd, csd, KEY_SLOTS, VALUE_SLOTS, T, CONSUMERS, THREAD_ARRIVE,
-                       CS_GLOBAL)
+                       CS_GLOBAL, ANGLE_ADD)
     fence_async_shared()
     a_row = gl.maximum(adapter, 0) * stride_ba + head * HEAD_DIM
     queries = (Q + q_begin.to(gl.int64) * stride_qt + head * G * stride_qh, stride_qt,
@@ -791,14 +926,16 @@ def _residual_prefill_wide_kernel(
     # carry its constexprs as run-time values.
     if CONSUMERS == 2:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP,
+                                        ANGLE_ADD)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP)),
                             (_consume, (args, 1, G, DIRECT, PINGPONG, False, THREAD_ARRIVE, DEEP))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([(_rebuild, (args, BF16_ROPE, THREAD_ARRIVE, EARLY_LOADS,
-                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP)),
+                                        DEFER_STORES, HALF_AHEAD, JOIN, CS_GLOBAL, DEEP,
+                                        ANGLE_ADD)),
                             (_load, (args, CS_GLOBAL, DEEP)),
                             (_consume, (args, 0, G, DIRECT, False, OVERLAP, THREAD_ARRIVE, DEEP))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])

@@ -38,6 +38,7 @@ MAX_SPILL = 24
 MAX_SPILL_BELOW_200 = {"wide_m128_r184_c16_bf16_pp_ta_el_ds": 80,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg": 84,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3": 80,
+                       "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3_aa": 80,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_ha": 88,
                        "wide_m128_r176_c16_bf16_pp_ta_el_ds_ha": 176,
                        "wide_m128_r184_c16_bf16_pp_ta_el_ds_j2": 84,
@@ -114,6 +115,11 @@ def test_the_launch_splits_the_registers() -> None:
             WideLaunch(2, 184, chunk, True, defer_stores=True, join=join)
     deep = WideLaunch(2, 184, 16, True, True, False, True, True, cs_global=True, key_slots=3)
     assert deep.name == "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3"
+    angles = WideLaunch(2, 184, 16, True, True, False, True, True, cs_global=True,
+                        key_slots=3, angle_add=True)
+    assert angles.name == "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3_aa"
+    with pytest.raises(ValueError, match="angle_add makes the cos.sin cs_global would read"):
+        WideLaunch(angle_add=True)
     assert deep.constexprs()["CS_GLOBAL"] and deep.constexprs()["KEY_SLOTS"] == 3
     for slots, cs_global in ((3, False), (4, True), (1, True)):
         with pytest.raises(ValueError, match="key_slots is 2, or 3 with cs_global"):
