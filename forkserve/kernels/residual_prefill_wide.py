@@ -133,7 +133,10 @@ class WideLaunch:
     f)`` in packed bf16 pairs (``_angle_cs``): ``i f`` the table's first 16 rows (a row
     within a warp's 16 of the up-projection's layout; 4 KiB, staged once), ``b f`` each
     warp's first row of a half (4 rows a half, 2 KiB for both), the next tile's read from
-    global memory at a half's start and stored at its end, so no read waits on L2."""
+    global memory at a half's start and stored at its end, so no read waits on L2. Measured
+    (round 40, docs/KERNELS.md): 1.02-1.22x the default launch, the cheapest source yet but
+    not adopted; the addition doubles the rebuild's packed-pair math, and the rebuild then
+    sets the pace."""
 
     consumers: int = 2
     consumer_regs: int = 200

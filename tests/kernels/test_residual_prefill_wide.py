@@ -34,7 +34,7 @@ MAX_SPILL = 24
 # bytes): the trades the bench weighs. The cos|sin read from global memory
 # (round 39) add the chunk read ahead to the rebuild's registers: without deferred stores
 # nothing spills in the rebuild's loop, the consumers' four (84 bytes in all; 76 with three
-# key slots).
+# key slots, with the cos|sin made by angle addition too: round 40).
 MAX_SPILL_BELOW_200 = {"wide_m128_r184_c16_bf16_pp_ta_el_ds": 80,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg": 84,
                        "wide_m128_r184_c16_bf16_pp_ta_el_cg_k3": 80,
