@@ -80,7 +80,7 @@ def test_the_wide_verdict_adopts_only_a_launch_faster_at_every_case() -> None:
                                                     faster: pytest.approx(1.6)}
     assert verdict["128"]["adopt"] == faster and verdict["128"]["key"] == [4, 128]
     assert verdict["128"]["fields"] == [2, 200, 16, True, False, False, True, False, False,
-                                        False, 1, False, 2]
+                                        False, 1, False, 2, False]
     assert verdict["64"]["worst"] == {lone: pytest.approx(1.1)}  # c32 missing at 8 tokens
     assert verdict["64"]["adopt"] is None and verdict["64"]["fields"] is None
     # The faster launch off the fused kernel's output at a case: listed, and the other taken.
