@@ -2,47 +2,27 @@
 wgmma accumulator seen as ``[4 warps, 16 rows, C]``, so that its reshape to ``[64, C]`` is
 that accumulator layout itself and the cos|sin it makes need no layout conversion.
 
-Compiled for sm_90a without a GPU, in a process of its own (as the ws kernels' builds: the
-kernel tests' ``TRITON_INTERPRET=1`` would hand the compiler interpreted helpers). A
-conversion between layouts that differ moves data, by warp shuffles (within a warp) or
-through shared memory; between equal ones it is dropped. So a build that moves nothing
-shows the two layouts are one, at every chunk width the rebuild takes."""
+Compiled for sm_90a without a GPU, in a process of its own (``fresh_process``: the kernel
+tests' ``TRITON_INTERPRET=1`` would hand the compiler interpreted helpers). A conversion
+between layouts that differ moves data, by warp shuffles (within a warp) or through shared
+memory; between equal ones it is dropped. So a build that moves nothing shows the two
+layouts are one, at every chunk width the rebuild takes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
-
-def _build(chunk: int, rows3: bool, out: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    run = subprocess.run([sys.executable, __file__, str(out), str(chunk), str(int(rows3))],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return (out / "probe.ptx").read_text()
+from test_sm90_compile import fresh_process  # noqa: E402
 
 
-@pytest.mark.parametrize("chunk", [8, 16, 32, 64])
-def test_the_angle_layout_reshapes_to_the_accumulator(chunk: int, tmp_path) -> None:
-    ptx = _build(chunk, True, tmp_path)
-    assert "ld.global" in ptx and "st.global" in ptx
-    assert not any(op in ptx for op in ("shfl", "st.shared", "ld.shared", "bar.sync"))
-
-
-def test_a_layout_that_differs_moves_data(tmp_path) -> None:
-    """The check's own control: the same build from a blocked layout (its warps on the
-    same rows) converts by warp shuffles, so a wrong ``_rows3_layout`` would show."""
-    assert "shfl" in _build(16, False, tmp_path)
-
-
-if __name__ == "__main__":  # _build's: a folder, the chunk width, rows3 (1) or a control (0)
+def build_probe(out: str, chunk: int, rows3: bool) -> None:
+    """``out``/probe.ptx: ``In`` loaded in ``_rows3_layout`` at ``chunk`` columns (or, not
+    ``rows3``, a blocked control with its warps on the same rows), reshaped to ``[64,
+    chunk]``, converted to the accumulator layout and stored there. Loaded, not made from
+    indices: the compiler folds a conversion of an index into the index itself."""
     import torch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -53,9 +33,6 @@ if __name__ == "__main__":  # _build's: a folder, the chunk width, rows3 (1) or 
 
     @gluon.jit
     def _probe(In, Out, C: gl.constexpr, ROWS3: gl.constexpr, num_warps: gl.constexpr):
-        """``In`` loaded in ``_rows3_layout`` (or a blocked control), reshaped to ``[64,
-        C]``, converted to the accumulator layout and stored there (loaded, not made from
-        indices: a conversion of an index the compiler folds into the index itself)."""
         if ROWS3:
             l3: gl.constexpr = _rows3_layout(C)
         else:
@@ -71,8 +48,27 @@ if __name__ == "__main__":  # _build's: a folder, the chunk width, rows3 (1) or 
         cols = gl.arange(0, C, layout=gl.SliceLayout(0, u_l))
         gl.store(Out + rows[:, None] * C + cols[None, :], x)
 
-    folder, chunk_, rows3_ = Path(sys.argv[1]), int(sys.argv[2]), bool(int(sys.argv[3]))
     ptrs = torch.empty(8, dtype=torch.bfloat16)
-    ptx_, _ = compile_gluon_sm90(_probe, {"In": ptrs, "Out": ptrs},
-                                 dict(C=chunk_, ROWS3=rows3_, num_warps=4), 128)
-    (folder / "probe.ptx").write_text(ptx_)
+    ptx, _ = compile_gluon_sm90(_probe, {"In": ptrs, "Out": ptrs},
+                                dict(C=chunk, ROWS3=rows3, num_warps=4), 128)
+    (Path(out) / "probe.ptx").write_text(ptx)
+
+
+def _build(chunk: int, rows3: bool, out: Path) -> str:
+    run = fresh_process("from test_angle_layout import build_probe; "
+                        f"build_probe({str(out)!r}, {chunk}, {rows3})")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return (out / "probe.ptx").read_text()
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 32, 64])
+def test_the_angle_layout_reshapes_to_the_accumulator(chunk: int, tmp_path) -> None:
+    ptx = _build(chunk, True, tmp_path)
+    assert "ld.global" in ptx and "st.global" in ptx
+    assert not any(op in ptx for op in ("shfl", "st.shared", "ld.shared", "bar.sync"))
+
+
+def test_a_layout_that_differs_moves_data(tmp_path) -> None:
+    """The check's own control: the same build from a blocked layout (its warps on the
+    same rows) converts by warp shuffles, so a wrong ``_rows3_layout`` would show."""
+    assert "shfl" in _build(16, False, tmp_path)

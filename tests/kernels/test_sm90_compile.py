@@ -167,8 +167,9 @@ assemble_sm90a(ptx)
 """
 
 
-def _fresh_process(code: str) -> subprocess.CompletedProcess:
-    """``code`` run by a Python without TRITON_INTERPRET, this folder importable."""
+def fresh_process(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a Python without TRITON_INTERPRET, this folder importable (the kernel
+    tests' builds that are not a ws kernel's whole: ``check_ws_build``)."""
     here = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parents[1]),
@@ -180,7 +181,7 @@ def _fresh_process(code: str) -> subprocess.CompletedProcess:
 def test_tiled_scores_compile():
     """The split-form cascade's tiled score pass (2 agents x 1 KV head, the default; 4 x 1;
     2 x 2) and the q-folded pass over the suffixes (``SEQ_START``)."""
-    run = _fresh_process(_SCORE_PASSES)
+    run = fresh_process(_SCORE_PASSES)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -241,12 +242,12 @@ def test_cascade_prefix_and_value_launches_compile():
     """The partial kernel's two-pass, three-pass and split-cascade launches and the value
     pass (both grids), float32 scores and float16 ones (``score_dtype``), compiled in a fresh
     process (they call device functions)."""
-    run = _fresh_process(_CASCADE_LAUNCHES)
+    run = fresh_process(_CASCADE_LAUNCHES)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
 # The skinny GEMM calls a ``@triton.jit`` helper (its epilogue): compiled in a fresh process
-# (``_fresh_process``), every build in one, its facts printed as JSON. The fixed builds: the
+# (``fresh_process``), every build in one, its facts printed as JSON. The fixed builds: the
 # decode classes' tiles, split in K or not; then every tile the packaged tuning names
 # (forkserve/kernels/skinny_tuning.json), as its launch builds it.
 SKINNY_BUILDS = [  # (block_m, block_n, block_k, silu, warps, split_k, norm, residual); 4 stages
@@ -288,7 +289,7 @@ print(json.dumps({"fixed": [build(*b, stages=4) for b in SKINNY_BUILDS],
 
 @pytest.fixture(scope="module")
 def skinny_builds() -> dict:
-    run = _fresh_process(_SKINNY)
+    run = fresh_process(_SKINNY)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
