@@ -45,7 +45,11 @@ def timed_interleaved(runs: dict[str, Callable[[], object]], rounds: int = 30) -
     """Median ms of each of ``runs`` by CUDA-graph replay, the graphs replayed in turn
     (A, B, C, A, B, C, ...) so a drift of the clock or the board's temperature over the
     measurement falls on every column alike: for ratios near 1. L2 flushed before each."""
-    graphs = {name: captured(fn) for name, fn in runs.items()}
+    return replayed_in_turn({name: captured(fn) for name, fn in runs.items()}, rounds)
+
+
+def replayed_in_turn(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int) -> dict[str, float]:
+    """``timed_interleaved`` over graphs already captured."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     pairs: dict[str, list] = {name: [] for name in graphs}
     for _ in range(rounds):
@@ -102,21 +106,29 @@ def measure_interleaved(res: dict, what: str, runs: dict[str, Callable[[], objec
                         smoke: bool, rounds: int = 30) -> dict[str, float]:
     """Each of ``runs`` timed as ``timed_interleaved`` does (graphs replayed in turn, so no
     column pays for the clock or temperature it met by its place in the order), after one
-    call each: a run that fails there is NaN with its error recorded, the rest still timed.
-    In smoke mode, ``bench`` each (no GPU to replay on)."""
+    call each: a run that fails there, or whose capture fails, is NaN with its error
+    recorded, the rest still timed. In smoke mode, ``bench`` each (no GPU to replay on)."""
     out, ready = {}, {}
     for name, fn in runs.items():
-        if math.isnan(check(res, f"{what} {name}", lambda fn=fn: (fn(), 0.0)[1])):
-            out[name] = math.nan
-        else:
+        if runs_once(res, f"{what} {name}", fn):
             ready[name] = fn
-    try:
-        out.update({name: bench(fn, smoke) for name, fn in ready.items()} if smoke
-                   else timed_interleaved(ready, rounds=rounds))
-    except Exception as exc:  # a capture failing after its eager call: all NaN, recorded
-        res.setdefault("errors", []).append(f"{what} interleaved: {exc!r}"[:600])
-        out.update({name: math.nan for name in ready})
-    return out
+        else:
+            out[name] = math.nan
+    if smoke:
+        return out | {name: bench(fn, smoke) for name, fn in ready.items()}
+    graphs = {}
+    for name, fn in ready.items():
+        try:
+            graphs[name] = captured(fn)
+        except Exception as exc:  # this column alone: its eager call ran, its capture did not
+            res.setdefault("errors", []).append(f"{what} {name} capture: {exc!r}"[:600])
+            out[name] = math.nan
+    return out | replayed_in_turn(graphs, rounds)
+
+
+def runs_once(res: dict, what: str, fn: Callable[[], object]) -> bool:
+    """Whether ``fn()`` returns; where it raises, its error recorded (``check``)."""
+    return not math.isnan(check(res, what, lambda: (fn(), 0.0)[1]))
 
 
 def check(res: dict, what: str, fn: Callable[[], float]) -> float:

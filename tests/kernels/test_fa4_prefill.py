@@ -91,6 +91,24 @@ def test_routes_refuse_a_kernel_the_probe_did_not_find() -> None:
         flash_varlen(q, kv, kv, cu, cu, 3, 3, 1.0, "")
 
 
+def test_paged_flash_hands_fa4_its_key_splits(monkeypatch) -> None:
+    """``num_splits`` and the host key bound reach FA4's varlen call; the engine's call splits
+    nothing (1), and a split without the bound its heuristic needs is refused before FA4."""
+    from forkserve.kernels import fa4_op
+    calls = []
+    monkeypatch.setattr(fa4_op, "load", lambda: lambda *a, **kw: (calls.append(kw), [a[0]])[1])
+    q = torch.zeros(3, 4, 32)
+    pool = torch.zeros(1, 16, 2, 32)
+    args = (q, pool, pool, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]),
+            torch.tensor([0, 3], dtype=torch.int32), 3, 1.0, FA4)
+    assert flash_paged(*args) is q
+    assert flash_paged(*args, num_splits=0, max_k=3) is q
+    assert [(c["num_splits"], c["max_seqlen_k"]) for c in calls] == [(1, None), (0, 3)]
+    with pytest.raises(ValueError, match="need max_k"):
+        flash_paged(*args, num_splits=0)
+    assert len(calls) == 2
+
+
 @needs_fa4
 def test_paged_flash_matches_the_formulas() -> None:
     """Chunks over cached prefixes ending mid-page, a cold prefill, a one-token row, a
@@ -109,6 +127,11 @@ def test_paged_flash_matches_the_formulas() -> None:
     assert rel_err(out, plain.prefill(*args)) < REL_TOL
     assert rel_err(out, paged_prefill(*args, variant="paged", counts=counts)) < REL_TOL
     assert paged_prefill(*args, counts=counts).equal(out)  # "auto" takes it
+    # FA4's own key splits (merged by its combine kernel) give the same attention.
+    split = paged_prefill(*args, variant="paged_flash", counts=counts, num_splits=0)
+    assert rel_err(split, plain.prefill(*args)) < REL_TOL
+    with pytest.raises(ValueError, match="takes num_splits alone, not block_n"):
+        paged_prefill(*args, variant="paged_flash", counts=counts, block_n=64)
 
 
 @needs_fa4

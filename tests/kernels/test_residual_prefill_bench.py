@@ -117,3 +117,23 @@ def test_the_wide_verdict_wants_more_than_the_timings_spread() -> None:
     verdict = bench.wide_verdict(res)["128"]
     assert verdict["adopt"] is None and verdict["worst"][near] == pytest.approx(0.98)
 
+
+
+def test_a_unified_route_that_raises_is_left_out_of_the_baseline(monkeypatch) -> None:
+    """FA4's key splits may refuse a case on the GPU: the row then records the refusal and
+    takes the fastest of the other unified routes, in eager and device time alike."""
+    bench = load_script("residual_prefill_bench")
+    real = bench.case_routes
+
+    def with_a_refusal(*args, **kwargs):
+        case = real(*args, **kwargs)
+        def refuses():
+            raise RuntimeError("split KV is not supported here")
+        return case._replace(unified={**case.unified, "paged_flash_split": refuses})
+
+    monkeypatch.setattr(bench, "case_routes", with_a_refusal)
+    row = bench.run_case(bench.Setup(True), *bench.SMOKE_CASES[0])
+    assert set(row["unified"]) == {"paged"} and row["baseline"] == "paged"
+    assert "unified_paged_flash_split" not in row["device"]
+    assert row["errors"] == ["unified paged_flash_split: RuntimeError('split KV is not "
+                             "supported here')"]
