@@ -93,7 +93,8 @@ def test_routes_refuse_a_kernel_the_probe_did_not_find() -> None:
 
 def test_paged_flash_hands_fa4_its_key_splits(monkeypatch) -> None:
     """``num_splits`` and the host key bound reach FA4's varlen call; the engine's call splits
-    nothing (1), and a split without the bound its heuristic needs is refused before FA4."""
+    nothing (1) and hands no bound, as before the option, and a split without the bound its
+    heuristic needs is refused before FA4."""
     from forkserve.kernels import fa4_op
     calls = []
     monkeypatch.setattr(fa4_op, "load", lambda: lambda *a, **kw: (calls.append(kw), [a[0]])[1])
@@ -101,7 +102,7 @@ def test_paged_flash_hands_fa4_its_key_splits(monkeypatch) -> None:
     pool = torch.zeros(1, 16, 2, 32)
     args = (q, pool, pool, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]),
             torch.tensor([0, 3], dtype=torch.int32), 3, 1.0, FA4)
-    assert flash_paged(*args) is q
+    assert flash_paged(*args, max_k=3) is q  # unsplit: the call as before, no host bound
     assert flash_paged(*args, num_splits=0, max_k=3) is q
     assert [(c["num_splits"], c["max_seqlen_k"]) for c in calls] == [(1, None), (0, 3)]
     with pytest.raises(ValueError, match="need max_k"):
