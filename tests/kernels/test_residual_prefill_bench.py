@@ -118,7 +118,6 @@ def test_the_wide_verdict_wants_more_than_the_timings_spread() -> None:
     assert verdict["adopt"] is None and verdict["worst"][near] == pytest.approx(0.98)
 
 
-
 def test_a_unified_route_that_raises_is_left_out_of_the_baseline(monkeypatch) -> None:
     """FA4's key splits may refuse a case on the GPU: the row then records the refusal and
     takes the fastest of the other unified routes, in eager and device time alike."""
@@ -127,6 +126,7 @@ def test_a_unified_route_that_raises_is_left_out_of_the_baseline(monkeypatch) ->
 
     def with_a_refusal(*args, **kwargs):
         case = real(*args, **kwargs)
+
         def refuses():
             raise RuntimeError("split KV is not supported here")
         return case._replace(unified={**case.unified, "paged_flash_split": refuses})
