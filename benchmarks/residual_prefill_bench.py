@@ -7,11 +7,10 @@ issue 15: residual / unified <= 1.3x).
 Per case (batch x new tokens over keys; Llama-3-8B heads, GQA 4, rank 16, bf16), each route
 eager as the engine runs prefill (CUDA events, L2 flushed: ``kernelbench.timing.bench_eager``):
 
-* unified: ``paged`` (our Triton kernel), ``paged_flash`` (FlashAttention-4 through the
-  block tables, where ``flash_support`` finds it, as the engine calls it: the keys unsplit)
-  and ``paged_flash_split`` (the same with FA4's own key-split heuristic, which splits where
-  the query tiles leave SMs idle): the baseline is the fastest. A unified route that raises
-  at a case is left out of it, its error under the row's ``errors``;
+* unified: ``paged`` (our Triton kernel) and ``paged_flash`` (FlashAttention-4 through the
+  block tables, where ``flash_support`` finds it, as the engine calls it): the baseline is
+  the fastest. A unified route that raises at a case is left out of it, its error under the
+  row's ``errors``;
 * residual: ``ws`` (residual_prefill_gluon.py, sm_90 only; ``ws_m<rows>_s<stages>`` each
   launch, ``_edge`` with ``edge_masks``, ``_base`` with ``base_scores``, ``ws_base_only``
   the default launch with no row's adapter: the residual's share of its time;
@@ -169,8 +168,6 @@ def case_routes(s: Setup, batch: int, new: int, keys: int,
     unified = {"paged": lambda: paged_prefill(*uni, variant="paged", **kw)}
     if flash.paged:
         unified["paged_flash"] = lambda: paged_prefill(*uni, variant="paged_flash", **kw)
-        unified["paged_flash_split"] = lambda: paged_prefill(*uni, variant="paged_flash",
-                                                             num_splits=0, **kw)
     residual = {"fused": lambda: residual_prefill(*res, variant="fused", **kw),
                 "flash": lambda: residual_prefill(*res, variant="flash", **kw),
                 "auto": lambda: residual_prefill(*res, **kw)}
@@ -194,7 +191,7 @@ def case_routes(s: Setup, batch: int, new: int, keys: int,
 
 # Routes the warm-up leaves to the timed run: FlashAttention-4's builds live in the process
 # that made them (CuTe's cache), and ``auto`` is one of the others.
-NOT_WARMED = ("paged_flash", "paged_flash_split", "flash", "auto")
+NOT_WARMED = ("paged_flash", "flash", "auto")
 
 
 def warm_share(job: tuple[bool, int | None, frozenset[str], int, int]) -> list[str]:
@@ -251,8 +248,9 @@ def run_case(s: Setup, batch: int, new: int, keys: int, skip: frozenset[str] = f
     route = DEFAULT_PREFILL_POLICY.route(kw["counts"], True, found).value
     row: dict = {"batch": batch, "new": new, "keys": keys, "flash_kernel": flash.kernel,
                  "policy_route": route}
-    # A library route may refuse a case (FA4's key splits are new here): the baseline is then
-    # the fastest of the rest, the refusal under the row's errors, not a crashed run.
+    # A library route may refuse a case (round 42: FA4's key splits, "SplitKV not supported
+    # on SM 9.0"): the baseline is then the fastest of the rest, the refusal under the row's
+    # errors, not a crashed run.
     unified = {n: f for n, f in unified.items() if runs_once(row, f"unified {n}", f)}
     row |= {"unified": {n: bench_eager(f, s.smoke) for n, f in unified.items()},
             "residual": {n: bench_eager(f, s.smoke) for n, f in residual.items()}}

@@ -119,9 +119,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     flash kernel / SDPA per sequence: flash_prefill.py) or "auto"
     (``DEFAULT_PREFILL_POLICY``). ``counts``:
     the batch's lengths on the host, when the caller has them (else read back once where a
-    route needs them). ``tuning``: keywords of the chosen route's Triton kernel, or
-    ``num_splits`` of "paged_flash" (``fa4_op.fa4_paged``'s: 0 lets FA4 split the keys where
-    SMs would idle) (pin the variant when passing them)."""
+    route needs them). ``tuning``: keywords of the chosen route's Triton kernel (pin the
+    variant when passing them; "paged_flash" takes none)."""
     if not _triton(use_triton, q):
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale)
@@ -133,15 +132,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              attention=_PACKED_ATTENTION[route], **tuning)
     if route is PrefillRoute.PAGED_FLASH:
         from forkserve.kernels.flash_op import flash_paged
-        if extra := set(tuning) - {"num_splits"}:
-            raise ValueError(f"the paged_flash route takes num_splits alone, not "
-                             f"{', '.join(sorted(extra))}")
+        if tuning:  # FA4 is not our kernel to tune: a keyword here would be ignored
+            raise ValueError(f"the paged_flash route takes no tuning keywords, got "
+                             f"{', '.join(sorted(tuning))}")
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
         return flash_paged(q, k_cache, v_cache, block_tables, seq_lens,
                            cu_seqlens_q.to(torch.int32), counts.max_query_len,
-                           reference._scale(scale, q.shape[-1]), flash_support(q, k_cache).kernel,
-                           num_splits=tuning.get("num_splits", 1),
-                           max_k=max(counts.seq_lens, default=0))
+                           reference._scale(scale, q.shape[-1]), flash_support(q, k_cache).kernel)
     from forkserve.kernels.prefill_attention import paged_prefill_triton
     return paged_prefill_triton(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                                 **_host_bounds(counts), **tuning)

@@ -41,23 +41,15 @@ def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
 
 def fa4_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
               block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
-              max_q: int, scale: float, *, num_splits: int = 1,
-              max_k: int | None = None) -> torch.Tensor:
+              max_q: int, scale: float) -> torch.Tensor:
     """Causal (bottom-right) varlen prefill over the paged cache: q ``[total_q, H, D]``, pools
     ``[pages, page_size, Hkv, D]``, ``block_tables [batch, width]`` (page ids; entries past a
     sequence's pages are never read), ``seq_lens [batch]`` keys per sequence (cached + new),
     int32 ``cu_q``, host ``max_q``. A sequence with no new token attends nothing.
-    ``num_splits``: FA4's key splits, merged by its combine kernel (1, the default: none; 0:
-    FA4's own heuristic, which sizes them by ``max_k``, the host bound on a sequence's keys,
-    and splits only where the query tiles leave SMs idle). ``max_k`` is handed to FA4 only
-    for a split, so the unsplit call is the one measured since round 22 (a host bound may
-    change FA4's grid). ``[total_q, H, D]``."""
-    if num_splits != 1 and max_k is None:
-        raise ValueError("FA4's key splits need max_k, the host bound on a sequence's keys")
-    max_k = None if num_splits == 1 else max_k
-    return load()(q, k_pool, v_pool, cu_seqlens_q=cu_q, max_seqlen_q=max_q, max_seqlen_k=max_k,
+    ``[total_q, H, D]``."""
+    return load()(q, k_pool, v_pool, cu_seqlens_q=cu_q, max_seqlen_q=max_q,
                   seqused_k=seq_lens.to(torch.int32), page_table=block_tables.to(torch.int32),
-                  softmax_scale=scale, causal=True, num_splits=num_splits)[0]
+                  softmax_scale=scale, causal=True)[0]
 
 
 def warm(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

@@ -83,16 +83,13 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
 
 def flash_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
-                max_q: int, scale: float, kernel: str, *, num_splits: int = 1,
-                max_k: int | None = None) -> torch.Tensor:
+                max_q: int, scale: float, kernel: str) -> torch.Tensor:
     """Causal (bottom-right) varlen prefill over the paged cache through the block tables
-    (``fa4_op.fa4_paged``, whose ``num_splits`` and ``max_k`` these are), where ``kernel``
-    (``FlashSupport.kernel``) reads pages."""
+    (``fa4_op.fa4_paged``), where ``kernel`` (``FlashSupport.kernel``) reads pages."""
     if kernel != FA4:
         raise ValueError(f"the paged flash route needs FlashAttention-4, and flash_support "
                          f"found {kernel or 'no kernel'}")
-    return fa4_op.fa4_paged(q, k_pool, v_pool, block_tables, seq_lens, cu_q, max_q, scale,
-                            num_splits=num_splits, max_k=max_k)
+    return fa4_op.fa4_paged(q, k_pool, v_pool, block_tables, seq_lens, cu_q, max_q, scale)
 
 
 def _trial(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv: int,

@@ -91,23 +91,15 @@ def test_routes_refuse_a_kernel_the_probe_did_not_find() -> None:
         flash_varlen(q, kv, kv, cu, cu, 3, 3, 1.0, "")
 
 
-def test_paged_flash_hands_fa4_its_key_splits(monkeypatch) -> None:
-    """``num_splits`` and the host key bound reach FA4's varlen call; the engine's call splits
-    nothing (1) and hands no bound, as before the option, and a split without the bound its
-    heuristic needs is refused before FA4."""
-    from forkserve.kernels import fa4_op
-    calls = []
-    monkeypatch.setattr(fa4_op, "load", lambda: lambda *a, **kw: (calls.append(kw), [a[0]])[1])
-    q = torch.zeros(3, 4, 32)
+def test_paged_flash_refuses_tuning_keywords() -> None:
+    """FA4 is not our kernel to tune: a Triton keyword pinned on its route is refused before
+    any kernel runs, rather than silently ignored."""
+    q = torch.zeros(2, 4, 32)
     pool = torch.zeros(1, 16, 2, 32)
-    args = (q, pool, pool, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]),
-            torch.tensor([0, 3], dtype=torch.int32), 3, 1.0, FA4)
-    assert flash_paged(*args, max_k=3) is q  # unsplit: the call as before, no host bound
-    assert flash_paged(*args, num_splits=0, max_k=3) is q
-    assert [(c["num_splits"], c["max_seqlen_k"]) for c in calls] == [(1, None), (0, 3)]
-    with pytest.raises(ValueError, match="need max_k"):
-        flash_paged(*args, num_splits=0)
-    assert len(calls) == 2
+    with pytest.raises(ValueError, match="takes no tuning keywords, got block_n, num_splits"):
+        paged_prefill(q, pool, pool, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]),
+                      torch.tensor([0, 2], dtype=torch.int32), use_triton=True,
+                      variant="paged_flash", num_splits=0, block_n=64)
 
 
 @needs_fa4
@@ -128,11 +120,6 @@ def test_paged_flash_matches_the_formulas() -> None:
     assert rel_err(out, plain.prefill(*args)) < REL_TOL
     assert rel_err(out, paged_prefill(*args, variant="paged", counts=counts)) < REL_TOL
     assert paged_prefill(*args, counts=counts).equal(out)  # "auto" takes it
-    # FA4's own key splits (merged by its combine kernel) give the same attention.
-    split = paged_prefill(*args, variant="paged_flash", counts=counts, num_splits=0)
-    assert rel_err(split, plain.prefill(*args)) < REL_TOL
-    with pytest.raises(ValueError, match="takes num_splits alone, not block_n"):
-        paged_prefill(*args, variant="paged_flash", counts=counts, block_n=64)
 
 
 @needs_fa4

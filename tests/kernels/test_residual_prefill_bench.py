@@ -119,8 +119,9 @@ def test_the_wide_verdict_wants_more_than_the_timings_spread() -> None:
 
 
 def test_a_unified_route_that_raises_is_left_out_of_the_baseline(monkeypatch) -> None:
-    """FA4's key splits may refuse a case on the GPU: the row then records the refusal and
-    takes the fastest of the other unified routes, in eager and device time alike."""
+    """A library route may refuse a case on the GPU (FA4's key splits did on SM 9.0): the row
+    then records the refusal and takes the fastest of the other unified routes, in eager and
+    device time alike."""
     bench = load_script("residual_prefill_bench")
     real = bench.case_routes
 
@@ -128,12 +129,12 @@ def test_a_unified_route_that_raises_is_left_out_of_the_baseline(monkeypatch) ->
         case = real(*args, **kwargs)
 
         def refuses():
-            raise RuntimeError("split KV is not supported here")
-        return case._replace(unified={**case.unified, "paged_flash_split": refuses})
+            raise RuntimeError("SplitKV not supported on SM 9.0")
+        return case._replace(unified={**case.unified, "refusing": refuses})
 
     monkeypatch.setattr(bench, "case_routes", with_a_refusal)
     row = bench.run_case(bench.Setup(True), *bench.SMOKE_CASES[0])
     assert set(row["unified"]) == {"paged"} and row["baseline"] == "paged"
-    assert "unified_paged_flash_split" not in row["device"]
-    assert row["errors"] == ["unified paged_flash_split: RuntimeError('split KV is not "
-                             "supported here')"]
+    assert "unified_refusing" not in row["device"]
+    assert row["errors"] == ["unified refusing: RuntimeError('SplitKV not "
+                             "supported on SM 9.0')"]
