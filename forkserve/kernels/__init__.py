@@ -82,11 +82,14 @@ def prefill_kernels(q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor 
 
 def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
            counts: PrefillCounts | None, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-           q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None
-           ) -> tuple[PrefillRoute, PrefillCounts | None]:
+           q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None, *,
+           tuning: dict) -> tuple[PrefillRoute, PrefillCounts | None]:
     """The route, and the host counts: the caller's, or those "auto" read back (so the route
     that needs them does not read them again)."""
     if variant == "auto":
+        if tuning:  # the policy may pick a route they do not tune (round 42: FA4's)
+            raise ValueError(f"tuning keywords ({', '.join(sorted(tuning))}) need a pinned "
+                             f"variant, not 'auto'")
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
         residual = allowed is RESIDUAL_ROUTES
         found = prefill_kernels(q, k_cache, k_res if residual else None)
@@ -119,12 +122,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     flash kernel / SDPA per sequence: flash_prefill.py) or "auto"
     (``DEFAULT_PREFILL_POLICY``). ``counts``:
     the batch's lengths on the host, when the caller has them (else read back once where a
-    route needs them). ``tuning``: keywords of the chosen route's Triton kernel (pin the
-    variant when passing them; "paged_flash" takes none)."""
+    route needs them). ``tuning``: keywords of a pinned variant's Triton kernel ("auto" and
+    "paged_flash" take none: ``ValueError``, rather than keywords silently ignored)."""
     if not _triton(use_triton, q):
         return reference.paged_prefill_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                            cu_seqlens_q, scale)
-    route, counts = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache)
+    route, counts = _route(variant, UNIFIED_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_cache,
+                           tuning=tuning)
     if route in PACKED_ROUTES:
         from forkserve.kernels.flash_prefill import flash_prefill
         return flash_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
@@ -182,7 +186,7 @@ def residual_prefill(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor
     if not _triton(use_triton, q):
         return reference.residual_prefill_ref(*args)
     route, counts = _route(variant, RESIDUAL_ROUTES, counts, seq_lens, cu_seqlens_q, q, k_base,
-                           k_res)
+                           k_res, tuning=tuning)
     if route is PrefillRoute.FUSED:
         from forkserve.kernels.prefill_attention import residual_prefill_triton
         return residual_prefill_triton(*args, **_host_bounds(counts), **tuning)

@@ -39,6 +39,25 @@ def test_paged_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_k
     assert rel_err(out, plain.prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu)) < REL_TOL
 
 
+def test_tuning_keywords_need_a_pinned_variant() -> None:
+    """Which route "auto" takes depends on the machine (FA4 where it is installed), so Triton
+    tiles passed with it are refused on every machine, before any kernel runs, rather than
+    tuning the Triton kernel here and silently nothing on an H200 with FA4 (round 42)."""
+    gen = torch.Generator().manual_seed(0)
+    c = make_cache(gen, [20], 2, 32, rank=4)
+    b_k, b_v = make_adapters(gen, 1, 4, 2, 32)
+    q, cu = _varlen_q(gen, [20], 4, 32)
+    res = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens, cu,
+           b_k, b_v, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+           default_inv_freq(32, device=DEVICE))
+    pinned = "need a pinned variant, not 'auto'"
+    with pytest.raises(ValueError, match=rf"\(block_m, block_n\) {pinned}"):
+        paged_prefill(q, c.k, c.v, c.block_tables, c.seq_lens, cu, use_triton=True,
+                      block_m=16, block_n=32)
+    with pytest.raises(ValueError, match=rf"\(block_n\) {pinned}"):
+        residual_prefill(*res, use_triton=True, block_n=32)
+
+
 @pytest.mark.parametrize("seq_lens,q_lens,n_heads,n_kv", CASES)
 @pytest.mark.parametrize("variant", ["fused_split_score", "fused", "merged"])
 def test_residual_prefill(seq_lens: list[int], q_lens: list[int], n_heads: int, n_kv: int,
