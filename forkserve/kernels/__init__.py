@@ -83,7 +83,7 @@ def prefill_kernels(q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor 
 def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
            counts: PrefillCounts | None, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
            q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None, *,
-           tuning: dict) -> tuple[PrefillRoute, PrefillCounts | None]:
+           tuning: dict[str, object]) -> tuple[PrefillRoute, PrefillCounts | None]:
     """The route, and the host counts: the caller's, or those "auto" read back (so the route
     that needs them does not read them again)."""
     if variant == "auto":
