@@ -85,9 +85,11 @@ def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
            q: torch.Tensor, k_cache: torch.Tensor, k_res: torch.Tensor | None = None, *,
            tuning: dict[str, object]) -> tuple[PrefillRoute, PrefillCounts | None]:
     """The route, and the host counts: the caller's, or those "auto" read back (so the route
-    that needs them does not read them again)."""
+    that needs them does not read them again). ``tuning`` is refused here, in one place,
+    wherever no kernel of ours would take it: with "auto" (the policy may pick a route it
+    does not tune: round 42, FA4's) and on "paged_flash" (FA4 is not ours to tune)."""
     if variant == "auto":
-        if tuning:  # the policy may pick a route they do not tune (round 42: FA4's)
+        if tuning:
             raise ValueError(f"tuning keywords ({', '.join(sorted(tuning))}) need a pinned "
                              f"variant, not 'auto'")
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
@@ -97,7 +99,11 @@ def _route(variant: PrefillRoute | str, allowed: frozenset[PrefillRoute],
     names = sorted(r.value for r in allowed)
     if variant not in names:
         raise ValueError(f"prefill variant must be 'auto' or one of {names}, got {variant!r}")
-    return PrefillRoute(variant), counts
+    route = PrefillRoute(variant)
+    if tuning and route is PrefillRoute.PAGED_FLASH:
+        raise ValueError(f"the paged_flash route takes no tuning keywords, got "
+                         f"{', '.join(sorted(tuning))}")
+    return route, counts
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -136,9 +142,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              attention=_PACKED_ATTENTION[route], **tuning)
     if route is PrefillRoute.PAGED_FLASH:
         from forkserve.kernels.flash_op import flash_paged
-        if tuning:  # FA4 is not our kernel to tune: a keyword here would be ignored
-            raise ValueError(f"the paged_flash route takes no tuning keywords, got "
-                             f"{', '.join(sorted(tuning))}")
         counts = _host_counts(counts, seq_lens, cu_seqlens_q)
         return flash_paged(q, k_cache, v_cache, block_tables, seq_lens,
                            cu_seqlens_q.to(torch.int32), counts.max_query_len,
