@@ -184,7 +184,7 @@ def test_residual_score_options_refused(score_tuning: dict, wrong: str) -> None:
     with pytest.raises(ValueError, match=wrong):
         residual_decode(q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables,
                         c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
-                        score_tuning=score_tuning)
+                        variant="two_pass", score_tuning=score_tuning)
 
 
 # (form options): pass 1's q-folded form from the table at 16-key tiles, chunks of 48 keys
@@ -252,7 +252,8 @@ def test_pdl_changes_no_output(batch_lens: list[int]) -> None:
     q = _q(gen, len(batch_lens), 8, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
-    bound = {"max_seq_len": max(batch_lens)}  # no host sync inside the capture
+    # pdl is a two-pass option; the host bound keeps the capture free of a host sync
+    bound = {"variant": "two_pass", "max_seq_len": max(batch_lens)}
     plain_launch = residual_decode(*args, use_triton=True, pdl=False, **bound)
     assert torch.equal(residual_decode(*args, use_triton=True, pdl=True, **bound), plain_launch)
     graph = torch.cuda.CUDAGraph()
@@ -292,8 +293,8 @@ def test_follow_changes_no_output(score_tuning: dict, follow: bool | dict, split
     q = _q(gen, len(seq_lens), 8, 32)
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
-    tuning = {"max_seq_len": max(seq_lens), "num_splits": splits, "block_n": 32,
-              "score_tuning": score_tuning}
+    tuning = {"variant": "two_pass", "max_seq_len": max(seq_lens), "num_splits": splits,
+              "block_n": 32, "score_tuning": score_tuning}
     whole = residual_decode(*args, use_triton=True, pdl=False, **tuning)
     residual = (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq)
     assert rel_err(whole, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
@@ -317,7 +318,8 @@ def test_follow_refused_where_nothing_publishes() -> None:
             b_k, b_v, adapters, inv_freq)
     for wrong in ({"plan": "static"}, {"prefetch": False}, {"score_tuning": {"block_n": 16}}):
         with pytest.raises(ValueError, match="follow"):
-            residual_decode(*args, use_triton=True, follow=True, pdl=False, **wrong)
+            residual_decode(*args, use_triton=True, variant="two_pass", follow=True, pdl=False,
+                            **wrong)
 
 
 def test_pdl_refused_off_cuda() -> None:
@@ -328,10 +330,10 @@ def test_pdl_refused_off_cuda() -> None:
     args = (q, c.k, c.v, c.k_res, c.v_res, c.block_tables, c.res_block_tables, c.seq_lens,
             b_k, b_v, adapters, inv_freq)
     with pytest.raises(ValueError, match="pdl"):
-        residual_decode(*args, use_triton=True, pdl=True, plan="static")
+        residual_decode(*args, use_triton=True, variant="two_pass", pdl=True, plan="static")
     if DEVICE.type != "cuda":
         with pytest.raises(ValueError, match="pdl"):
-            residual_decode(*args, use_triton=True, pdl=True)
+            residual_decode(*args, use_triton=True, variant="two_pass", pdl=True)
 
 
 def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -348,7 +350,7 @@ def test_dynamic_two_pass_one_split_skips_the_merge(monkeypatch: pytest.MonkeyPa
     residual = (c.k_res, c.v_res, c.res_block_tables, b_k, b_v, adapters, inv_freq)
     out = residual_decode(q, c.k, c.v, *residual[:2], c.block_tables, c.res_block_tables,
                           c.seq_lens, b_k, b_v, adapters, inv_freq, use_triton=True,
-                          plan="dynamic", num_splits=1, block_n=16)
+                          variant="two_pass", plan="dynamic", num_splits=1, block_n=16)
     assert rel_err(out, plain.decode(q, c.k, c.v, c.block_tables, c.seq_lens, residual)) < REL_TOL
 
 

@@ -97,8 +97,9 @@ def test_ws_under_a_cuda_graph() -> None:
 def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A call naming no variant nor any option of one (the engine's) runs the policy's pick:
     ws where its kernel takes the shapes and they are measured ones (at any batch, unless
-    the policy bounds it), two-pass where not; a call with an option of its own keeps
-    two-pass's default."""
+    the policy bounds it), two-pass where not; a call with an option of one variant must
+    name it (``ValueError``), as paged_prefill's "auto" (round 42's test checked the wrong
+    kernel through such a call)."""
     from forkserve.kernels import DEFAULT_DECODE_POLICY, residual_decode_gluon
     from forkserve.kernels import residual_decode_triton as rdt
     from forkserve.kernels.decode_policy import MEASURED_WS_SHAPES, DecodeVariantPolicy
@@ -132,8 +133,12 @@ def test_the_default_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rdt, "residual_decode_triton", lambda *a, **k: seen.append(k))
     short = (q[:2], k, args[2], k_res, *args[4:])
     residual_decode(*short, use_triton=True, max_seq_len=64)
-    residual_decode(*short, use_triton=True, pdl=False)
-    assert seen == [{"max_seq_len": 64, "variant": "ws"}, {"pdl": False}]
+    residual_decode(*short, use_triton=True, variant="two_pass", pdl=False)
+    assert seen == [{"max_seq_len": 64, "variant": "ws"}, {"variant": "two_pass", "pdl": False}]
+    # A variant's own keyword, unpinned, would run whatever the policy picked: refused.
+    with pytest.raises(ValueError, match="pdl.*need a pinned variant"):
+        residual_decode(*short, use_triton=True, pdl=False)
+    assert len(seen) == 2
 
 
 @pytest.mark.parametrize("group,rank,head_dim,taken", [
