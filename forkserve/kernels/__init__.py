@@ -168,8 +168,8 @@ def residual_decode(q: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
     if _triton(use_triton, q):
         from forkserve.kernels.residual_decode_triton import residual_decode_triton
         if "variant" not in tuning:
-            # The policy may pick a variant a keyword does not tune (round 43: tests passing
-            # two-pass options unpinned would otherwise check whatever the policy picked).
+            # Refused, not guessed: the policy's pick may not take a keyword (ws takes no pdl),
+            # and before round 43 such calls silently ran the Triton default, not the pick.
             extra = set(tuning) - ENGINE_DECODE_TUNING
             if extra:
                 raise ValueError(f"tuning keywords ({', '.join(sorted(extra))}) need a pinned "
